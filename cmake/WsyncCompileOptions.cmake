@@ -1,0 +1,42 @@
+# Compile options for wsync's own targets (not for generated protobuf code or third-party code).
+#
+# Floating point: the INT4 formats depend on IEEE float32 division and round-half-to-even, so
+# no -ffast-math / reciprocal math anywhere, and no contraction of a*b+c into FMA
+# (-ffp-contract=off; nvcc --fmad=false): both sides of a sync must compute the same bits.
+
+add_library(wsync_options INTERFACE)
+target_compile_options(wsync_options INTERFACE
+  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers
+                           -ffp-contract=off -fno-fast-math>
+  $<$<COMPILE_LANGUAGE:CUDA>:--fmad=false -Xcompiler=-Wall --expt-relaxed-constexpr>)
+if(WSYNC_WERROR)
+  target_compile_options(wsync_options INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-Werror>
+                                                 $<$<COMPILE_LANGUAGE:CUDA>:-Werror=all-warnings>)
+endif()
+target_compile_definitions(wsync_options INTERFACE
+  WSYNC_WITH_CUDA=$<BOOL:${WSYNC_HAVE_CUDA}> WSYNC_WITH_NCCL=$<BOOL:${WSYNC_HAVE_NCCL}>
+  WSYNC_WITH_MPI=1 WSYNC_WITH_GLOO=1)
+target_include_directories(wsync_options INTERFACE ${PROJECT_SOURCE_DIR}/src)
+
+if(WSYNC_SANITIZE)
+  # Global, so that every object linked into a sanitized binary is instrumented alike.
+  add_compile_options($<$<COMPILE_LANGUAGE:C,CXX>:-fsanitize=address,undefined>
+                      $<$<COMPILE_LANGUAGE:C,CXX>:-fno-sanitize-recover=undefined>
+                      $<$<COMPILE_LANGUAGE:C,CXX>:-fno-omit-frame-pointer>)
+  add_link_options(-fsanitize=address,undefined)
+endif()
+
+# wsync_add_test(NAME name SOURCES ... LIBS ... [LABELS ...])
+# One gtest executable in build/bin, its cases discovered by ctest with the given labels.
+function(wsync_add_test)
+  cmake_parse_arguments(T "" "NAME" "SOURCES;LIBS;LABELS" ${ARGN})
+  add_executable(${T_NAME} ${T_SOURCES})
+  target_link_libraries(${T_NAME} PRIVATE ${T_LIBS} wsync_options GTest::gtest_main GTest::gmock)
+  gtest_discover_tests(${T_NAME} DISCOVERY_TIMEOUT 60)
+  # gtest_discover_tests flattens list-valued properties, so labels are set by a second include
+  # file that runs after the discovered list (${T_NAME}_TESTS) is known.
+  set(labels_file ${CMAKE_CURRENT_BINARY_DIR}/${T_NAME}_labels.cmake)
+  file(WRITE ${labels_file}
+       "foreach(t IN LISTS ${T_NAME}_TESTS)\n  set_tests_properties(\"\${t}\" PROPERTIES LABELS \"unit;${T_LABELS}\")\nendforeach()\n")
+  set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES ${labels_file})
+endfunction()
