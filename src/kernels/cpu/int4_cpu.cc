@@ -1,0 +1,349 @@
+// CPU INT4 kernels. Math and layout: kernels/format/int4_format.h (FORMATS.md §1-§6).
+//
+// Quantize (one pass over W): per row and group, the absolute maximum is reduced on the 16-bit
+// patterns (|x| bits, exact), converted once to f32; the scale follows the variant in scalar f32;
+// then each vector of W is widened to f32, divided by the broadcast scale (IEEE division, no
+// reciprocal), rounded half-to-even (hn::Round), clamped to [-7, 7], biased by 8 and narrowed to
+// one byte per nibble in a per-thread scratch row; every 8 bytes then become one word
+// (format::PackNibbleBytes). Rows are processed in blocks of 16 so that the GPTQ orientation
+// ([K/8, N], words of 16 consecutive rows side by side) is written 64 bytes at a time: no separate
+// transpose pass.
+//
+// Repack: per k-tile (2 GPTQ rows A, B, gathered through perm if given), two byte planes
+// Lo = NibblePlaneLo(A, B), Hi = NibblePlaneHi(A, B) are built over all N columns (lanewise,
+// auto-vectorized under the Highway target attributes); each Marlin word is then one 4x4 byte
+// transpose of {Lo(c), Lo(c+8), Hi(c), Hi(c+8)} stored at tile word 16*cc + 4*rr + v
+// (c = 64nt + 16v + cc). Restore runs the same steps backwards (the transpose is an involution).
+// With a perm, restore gathers every nibble through format::LocateInTile (rare path).
+//
+// Threads: std::thread partitioning of independent units (16-row blocks, k-tiles, scale rows);
+// each thread sizes its scratch once before its loop; no allocation inside the loops.
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/int4_cpu.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "common/dtype.h"
+#include "kernels/cpu/int4_cpu.h"
+#include "kernels/format/int4_format.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace wsync::kernels::cpu {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+namespace fmt = ::wsync::kernels::format;
+
+constexpr int64_t kRowBlock = 16;
+
+// max |x| as 15-bit magnitude pattern over n 16-bit values.
+uint32_t AbsMaxBits(const uint16_t* HWY_RESTRICT x, int64_t n) {
+  const hn::ScalableTag<uint16_t> d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  const auto mask = hn::Set(d, static_cast<uint16_t>(0x7FFF));
+  auto m = hn::Zero(d);
+  int64_t i = 0;
+  for (; i + lanes <= n; i += lanes) m = hn::Max(m, hn::And(hn::LoadU(d, x + i), mask));
+  HWY_ALIGN uint16_t buf[256 / sizeof(uint16_t)];
+  hn::Store(m, d, buf);
+  uint32_t r = 0;
+  for (int64_t j = 0; j < lanes; ++j) r = std::max<uint32_t>(r, buf[j]);
+  for (; i < n; ++i) r = std::max<uint32_t>(r, fmt::AbsBits16(x[i]));
+  return r;
+}
+
+template <class DF, class V>
+HWY_INLINE void EmitNibbles(DF df, V vf, V vs, uint8_t* HWY_RESTRICT u) {
+  const hn::Rebind<int32_t, DF> di;
+  const hn::Rebind<uint8_t, DF> d8;
+  auto r = hn::Round(hn::Div(vf, vs));
+  r = hn::Max(r, hn::Set(df, -static_cast<float>(fmt::kQMax)));  // max(NaN, -7) = -7 as fmaxf
+  r = hn::Min(r, hn::Set(df, static_cast<float>(fmt::kQMax)));
+  const auto q = hn::Add(hn::ConvertTo(di, r), hn::Set(di, fmt::kNibbleBias));
+  hn::StoreU(hn::DemoteTo(d8, q), d8, u);
+}
+
+// u[i] = q(x[i]) + 8 for n values sharing one scale.
+void QuantizeToBytes(const uint16_t* HWY_RESTRICT x, int64_t n, float scale, bool bf16,
+                     uint8_t* HWY_RESTRICT u) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const hn::Rebind<uint32_t, decltype(df)> du32;
+  const hn::Rebind<hwy::float16_t, decltype(df)> dh;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+  const auto vs = hn::Set(df, scale);
+  int64_t i = 0;
+  if (bf16) {
+    for (; i + lanes <= n; i += lanes) {
+      const auto vf = hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(d16, x + i))));
+      EmitNibbles(df, vf, vs, u + i);
+    }
+    for (; i < n; ++i) u[i] = static_cast<uint8_t>(fmt::QuantizeNibble(BF16ToF32(x[i]), scale));
+  } else {
+    for (; i + lanes <= n; i += lanes) {
+      const auto vf = hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(x + i)));
+      EmitNibbles(df, vf, vs, u + i);
+    }
+    for (; i < n; ++i) u[i] = static_cast<uint8_t>(fmt::QuantizeNibble(F16ToF32(x[i]), scale));
+  }
+}
+
+HWY_INLINE uint32_t PackAt(const uint8_t* HWY_RESTRICT u) {
+  uint64_t b;
+  std::memcpy(&b, u, sizeof(b));
+  return fmt::PackNibbleBytes(b);
+}
+
+// Units are (expert, 16-row block); scratch holds kRowBlock * K bytes.
+void QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t end, uint8_t* scratch) {
+  const int64_t blocks = (a.n + kRowBlock - 1) / kRowBlock;
+  const int64_t kw = a.k / fmt::kNibblesPerWord;
+  const int64_t ng = a.k / a.group;
+  const bool gptq = a.layout == internal::Layout::kGptq;
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t e = unit / blocks;
+    const int64_t n0 = (unit % blocks) * kRowBlock;
+    const int64_t n1 = std::min(a.n, n0 + kRowBlock);
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t row = e * a.n + n;
+      const uint16_t* x = a.w + row * a.k;
+      uint8_t* u = scratch + (n - n0) * a.k;
+      for (int64_t g = 0; g < ng; ++g) {
+        const uint32_t bits = AbsMaxBits(x + g * a.group, a.group);
+        const float amax = a.is_bf16 ? BF16ToF32(static_cast<uint16_t>(bits))
+                                     : F16ToF32(static_cast<uint16_t>(bits));
+        const float scale = fmt::GroupScale(amax, a.variant);
+        const uint16_t s16 = a.is_bf16 ? F32ToBF16(scale) : F32ToF16(scale);
+        if (gptq) {
+          a.scales[(e * ng + g) * a.n + n] = s16;
+        } else {
+          a.scales[row * ng + g] = s16;
+        }
+        QuantizeToBytes(x + g * a.group, a.group, scale, a.is_bf16, u + g * a.group);
+      }
+      if (!gptq) {
+        uint32_t* out = a.packed + row * kw;
+        for (int64_t j = 0; j < kw; ++j) out[j] = PackAt(u + 8 * j);
+      }
+    }
+    if (gptq) {
+      for (int64_t j = 0; j < kw; ++j) {
+        uint32_t* out = a.packed + (e * kw + j) * a.n;
+        for (int64_t n = n0; n < n1; ++n) out[n] = PackAt(scratch + (n - n0) * a.k + 8 * j);
+      }
+    }
+  }
+}
+
+// Units are (expert, k-tile); scratch holds 4N words.
+void RepackUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uint32_t* scratch) {
+  const int64_t n = a.n, kw = a.k / 8, ktiles = a.k / fmt::kTileK;
+  uint32_t* HWY_RESTRICT lo = scratch;
+  uint32_t* HWY_RESTRICT hi = scratch + n;
+  uint32_t* HWY_RESTRICT ga = scratch + 2 * n;
+  uint32_t* HWY_RESTRICT gb = scratch + 3 * n;
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t e = unit / ktiles, kt = unit % ktiles;
+    const uint32_t* q = a.in + e * kw * n;
+    const uint32_t* HWY_RESTRICT ra;
+    const uint32_t* HWY_RESTRICT rb;
+    if (a.perm != nullptr) {
+      // Marlin row k is GPTQ row perm[k] (§4.3): gather the 16 rows of this tile.
+      const int32_t* p = a.perm + e * a.k + kt * fmt::kTileK;
+      std::fill(ga, ga + n, 0u);
+      std::fill(gb, gb + n, 0u);
+      for (int i = 0; i < 16; ++i) {
+        const uint32_t* HWY_RESTRICT src = q + (p[i] >> 3) * n;
+        const int sh = 4 * (p[i] & 7);
+        uint32_t* HWY_RESTRICT dst = i < 8 ? ga : gb;
+        const int dsh = 4 * (i & 7);
+        for (int64_t c = 0; c < n; ++c) dst[c] |= ((src[c] >> sh) & 0xFu) << dsh;
+      }
+      ra = ga;
+      rb = gb;
+    } else {
+      ra = q + 2 * kt * n;
+      rb = ra + n;
+    }
+    for (int64_t c = 0; c < n; ++c) {
+      lo[c] = fmt::NibblePlaneLo(ra[c], rb[c]);
+      hi[c] = fmt::NibblePlaneHi(ra[c], rb[c]);
+    }
+    uint32_t* out = a.out + e * (a.k / fmt::kTileK) * 2 * n + fmt::TileOffset(kt, 0, n);
+    for (int64_t nt = 0; nt < n / fmt::kTileN; ++nt) {
+      uint32_t* HWY_RESTRICT o = out + nt * fmt::kTileWords;
+      const int64_t base = nt * fmt::kTileN;
+      for (int cc = 0; cc < 8; ++cc) {
+        for (int v = 0; v < 4; ++v) {
+          const int64_t c = base + 16 * v + cc;
+          uint32_t x0 = lo[c], x1 = lo[c + 8], x2 = hi[c], x3 = hi[c + 8];
+          fmt::Transpose4x4Bytes(x0, x1, x2, x3);
+          o[16 * cc + v] = x0;
+          o[16 * cc + 4 + v] = x1;
+          o[16 * cc + 8 + v] = x2;
+          o[16 * cc + 12 + v] = x3;
+        }
+      }
+    }
+  }
+}
+
+// Inverse of RepackUnits without perm. Units are (expert, k-tile); scratch holds 2N words.
+void RestoreUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uint32_t* scratch) {
+  const int64_t n = a.n, kw = a.k / 8, ktiles = a.k / fmt::kTileK;
+  uint32_t* HWY_RESTRICT lo = scratch;
+  uint32_t* HWY_RESTRICT hi = scratch + n;
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t e = unit / ktiles, kt = unit % ktiles;
+    const uint32_t* in = a.in + e * ktiles * 2 * n + fmt::TileOffset(kt, 0, n);
+    for (int64_t nt = 0; nt < n / fmt::kTileN; ++nt) {
+      const uint32_t* HWY_RESTRICT o = in + nt * fmt::kTileWords;
+      const int64_t base = nt * fmt::kTileN;
+      for (int cc = 0; cc < 8; ++cc) {
+        for (int v = 0; v < 4; ++v) {
+          const int64_t c = base + 16 * v + cc;
+          uint32_t x0 = o[16 * cc + v], x1 = o[16 * cc + 4 + v];
+          uint32_t x2 = o[16 * cc + 8 + v], x3 = o[16 * cc + 12 + v];
+          fmt::Transpose4x4Bytes(x0, x1, x2, x3);
+          lo[c] = x0;
+          lo[c + 8] = x1;
+          hi[c] = x2;
+          hi[c + 8] = x3;
+        }
+      }
+    }
+    uint32_t* HWY_RESTRICT ra = a.out + e * kw * n + 2 * kt * n;
+    uint32_t* HWY_RESTRICT rb = ra + n;
+    for (int64_t c = 0; c < n; ++c) {
+      ra[c] = fmt::PlanesToA(lo[c], hi[c]);
+      rb[c] = fmt::PlanesToB(lo[c], hi[c]);
+    }
+  }
+}
+
+const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
+
+// NOLINTNEXTLINE(google-readability-namespace-comments)
+}  // namespace HWY_NAMESPACE
+}  // namespace wsync::kernels::cpu
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace wsync::kernels::cpu {
+
+HWY_EXPORT(QuantizeUnits);
+HWY_EXPORT(RepackUnits);
+HWY_EXPORT(RestoreUnits);
+HWY_EXPORT(TargetName);
+
+namespace {
+
+namespace fmt = ::wsync::kernels::format;
+
+// Runs fn(begin, end) over [0, units) split into `threads` contiguous ranges (the caller's thread
+// takes the first). Blocks until all ranges are done.
+template <typename Fn>
+void ParallelFor(int64_t units, int threads, Fn fn) {
+  const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, units));
+  if (t <= 1) {
+    if (units > 0) fn(int64_t{0}, units);
+    return;
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<size_t>(t - 1));
+  auto range = [&](int64_t i) { return std::pair<int64_t, int64_t>(units * i / t, units * (i + 1) / t); };
+  for (int64_t i = 1; i < t; ++i) {
+    const auto [b, e] = range(i);
+    pool.emplace_back([&fn, b = b, e = e] { fn(b, e); });
+  }
+  const auto [b0, e0] = range(0);
+  fn(b0, e0);
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace
+
+const char* SimdTargetName() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
+
+absl::Status Quantize(const internal::QuantizeArgs& args) {
+  const int64_t blocks = (args.n + 15) / 16;
+  ParallelFor(args.experts * blocks, args.threads, [&](int64_t b, int64_t e) {
+    std::vector<uint8_t> scratch(static_cast<size_t>(16 * args.k));
+    HWY_DYNAMIC_DISPATCH(QuantizeUnits)(args, b, e, scratch.data());
+  });
+  return absl::OkStatus();
+}
+
+absl::Status GptqToMarlin(const internal::RepackArgs& args) {
+  ParallelFor(args.experts * (args.k / fmt::kTileK), args.threads, [&](int64_t b, int64_t e) {
+    std::vector<uint32_t> scratch(static_cast<size_t>(4 * args.n));
+    HWY_DYNAMIC_DISPATCH(RepackUnits)(args, b, e, scratch.data());
+  });
+  return absl::OkStatus();
+}
+
+absl::Status MarlinToGptq(const internal::RepackArgs& args) {
+  const int64_t n = args.n, k = args.k, kw = k / 8;
+  if (args.perm == nullptr) {
+    ParallelFor(args.experts * (k / fmt::kTileK), args.threads, [&](int64_t b, int64_t e) {
+      std::vector<uint32_t> scratch(static_cast<size_t>(2 * n));
+      HWY_DYNAMIC_DISPATCH(RestoreUnits)(args, b, e, scratch.data());
+    });
+    return absl::OkStatus();
+  }
+  // GPTQ row position p held Marlin row inv[p] (perm[inv[p]] = p): gather nibble by nibble.
+  std::vector<int32_t> inv(static_cast<size_t>(args.experts * k));
+  for (int64_t e = 0; e < args.experts; ++e) {
+    for (int64_t i = 0; i < k; ++i) inv[e * k + args.perm[e * k + i]] = static_cast<int32_t>(i);
+  }
+  ParallelFor(args.experts * kw, args.threads, [&](int64_t b, int64_t end) {
+    for (int64_t unit = b; unit < end; ++unit) {
+      const int64_t e = unit / kw, j = unit % kw;
+      const uint32_t* m = args.in + e * (k / fmt::kTileK) * 2 * n;
+      uint32_t* out = args.out + (e * kw + j) * n;
+      std::fill(out, out + n, 0u);
+      for (int i = 0; i < 8; ++i) {
+        const int64_t src_k = inv[e * k + 8 * j + i];
+        const int64_t kt = src_k / fmt::kTileK;
+        const int kl = static_cast<int>(src_k % fmt::kTileK);
+        for (int64_t c = 0; c < n; ++c) {
+          const fmt::TileSlot s = fmt::LocateInTile(kl, static_cast<int>(c % fmt::kTileN));
+          const uint32_t word = m[fmt::TileOffset(kt, c / fmt::kTileN, n) + s.word];
+          out[c] |= fmt::GetNibble(word, s.slot) << (4 * i);
+        }
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status PermuteScales(const internal::ScalePermArgs& args) {
+  const int width = args.channelwise ? fmt::kScalePermChannelWidth : fmt::kScalePermGroupedWidth;
+  int src[fmt::kScalePermGroupedWidth];
+  for (int p = 0; p < width; ++p) src[p] = args.channelwise ? fmt::ScalePermChannel(p) : fmt::ScalePermGrouped(p);
+  const int64_t rows = args.experts * args.rows;
+  ParallelFor(rows, args.threads, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const uint16_t* in = args.in + r * args.n;
+      uint16_t* out = args.out + r * args.n;
+      for (int64_t c0 = 0; c0 < args.n; c0 += width) {
+        for (int p = 0; p < width; ++p) {
+          if (args.inverse) {
+            out[c0 + src[p]] = in[c0 + p];
+          } else {
+            out[c0 + p] = in[c0 + src[p]];
+          }
+        }
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
+}  // namespace wsync::kernels::cpu
+#endif  // HWY_ONCE
