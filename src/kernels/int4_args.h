@@ -49,6 +49,14 @@ struct ScalePermArgs {
   void* stream = nullptr;
 };
 
+// The error for a group holding Inf or NaN; `index` = (e * N + n) * (K / G) + g, the smallest found.
+inline absl::Status NonFiniteError(const QuantizeArgs& a, int64_t index) {
+  const int64_t ng = a.k / a.group, g = index % ng, row = index / ng;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "QuantizeInt4: W holds Inf or NaN in expert ", row / a.n, ", row ", row % a.n, ", group ", g, " (columns ",
+      g * a.group, "..", (g + 1) * a.group - 1, "); refusing to quantize non-finite weights"));
+}
+
 // Checks that every row of a host-resident perm [experts, k] is a permutation of 0..k-1.
 // kInvalidArgument naming the first bad expert/position/value.
 inline absl::Status ValidatePerm(const int32_t* perm, int64_t experts, int64_t k) {

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "kernels/format/int4_format.h"
 
 namespace wsync::kernels {
 namespace {
@@ -347,7 +349,8 @@ TEST(Int4QuantizeTest, TinyHugeAndSubnormalValues) {
     std::vector<uint16_t> w(4 * 128);
     std::mt19937 rng(5);
     for (int i = 0; i < 128; ++i) w[i] = static_cast<uint16_t>((rng() % 0x7F + 1) | (i % 2 ? 0x8000 : 0));  // subnormals
-    for (int i = 128; i < 256; ++i) w[i] = static_cast<uint16_t>(rng() % 0x7F00);  // wide range, then maxima
+    const uint32_t finite_span = dt == DType::kBF16 ? 0x7F80 : 0x7C00;  // patterns below Inf
+    for (int i = 128; i < 256; ++i) w[i] = static_cast<uint16_t>(rng() % finite_span);  // wide range, then maxima
     w[130] = max_bits;
     w[131] = static_cast<uint16_t>(max_bits | 0x8000);
     for (int i = 256; i < 384; ++i) w[i] = FromF32(1e-6f * static_cast<float>(i - 320), dt);  // below the floor
@@ -356,6 +359,36 @@ TEST(Int4QuantizeTest, TinyHugeAndSubnormalValues) {
       if (c.dtype == dt) CheckQuantize(w, 1, 4, 128, c, 1);
     }
   }
+}
+
+TEST(Int4QuantizeTest, NonFiniteWeightsAreRejected) {
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    const uint16_t inf = dt == DType::kBF16 ? 0x7F80 : 0x7C00, nan = dt == DType::kBF16 ? 0x7FC0 : 0x7E00;
+    for (uint16_t bad : {inf, static_cast<uint16_t>(inf | 0x8000), nan}) {
+      for (int g : {32, -1}) {
+        std::vector<uint16_t> w = RandomWeights(4 * 128, dt, 8);
+        w[2 * 128 + 40] = bad;  // row 2, column 40: group 1 with G = 32
+        w[3 * 128 + 100] = bad;
+        std::vector<uint32_t> packed(4 * 16);
+        std::vector<uint16_t> scales(4 * 4);
+        QuantizeOptions opt;
+        opt.group_size = g;
+        opt.num_threads = 2;
+        const int64_t ng = g == -1 ? 1 : 4;
+        const absl::Status st = QuantizeInt4(
+            View(dt, {4, 128}, w), MutableTensorView(DType::kI32, {4, 16}, std::as_writable_bytes(std::span(packed))),
+            MutableTensorView(dt, {4, ng}, std::as_writable_bytes(std::span(scales)).first(8 * ng)), opt);
+        EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+        EXPECT_THAT(st.message(), HasSubstr(g == -1 ? "expert 0, row 2, group 0 (columns 0..127)"
+                                                    : "expert 0, row 2, group 1 (columns 32..63)"));
+      }
+    }
+  }
+}
+
+TEST(Int4FormatTest, SlimeConstantIsRoundedReciprocalOfSeven) {
+  EXPECT_EQ(std::bit_cast<uint32_t>(format::kSymCons), 0x3E124925u);  // §1.2
+  EXPECT_EQ(format::kSymCons, 1.0f / 7.0f);
 }
 
 TEST(Int4QuantizeTest, GptqOrientationIsTheTransposeOfCompressedTensors) {

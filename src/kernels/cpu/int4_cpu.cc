@@ -25,6 +25,8 @@
 #include "hwy/highway.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -99,8 +101,11 @@ HWY_INLINE uint32_t PackAt(const uint8_t* HWY_RESTRICT u) {
   return fmt::PackNibbleBytes(b);
 }
 
-// Units are (expert, 16-row block); scratch holds kRowBlock * K bytes.
-void QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t end, uint8_t* scratch) {
+// Units are (expert, 16-row block); scratch holds kRowBlock * K bytes. Returns the smallest
+// (row * ng + g) of a group holding Inf/NaN, or -1.
+int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t end, uint8_t* scratch) {
+  const uint32_t nonfinite = fmt::NonFiniteAbsBits16(a.is_bf16);
+  int64_t bad = -1;
   const int64_t blocks = (a.n + kRowBlock - 1) / kRowBlock;
   const int64_t kw = a.k / fmt::kNibblesPerWord;
   const int64_t ng = a.k / a.group;
@@ -115,6 +120,7 @@ void QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t end, 
       uint8_t* u = scratch + (n - n0) * a.k;
       for (int64_t g = 0; g < ng; ++g) {
         const uint32_t bits = AbsMaxBits(x + g * a.group, a.group);
+        if (bits >= nonfinite && bad < 0) bad = row * ng + g;
         const float amax = a.is_bf16 ? BF16ToF32(static_cast<uint16_t>(bits))
                                      : F16ToF32(static_cast<uint16_t>(bits));
         const float scale = fmt::GroupScale(amax, a.variant);
@@ -138,6 +144,7 @@ void QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t end, 
       }
     }
   }
+  return bad;
 }
 
 // Units are (expert, k-tile); scratch holds 4N words.
@@ -272,10 +279,16 @@ const char* SimdTargetName() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
 
 absl::Status Quantize(const internal::QuantizeArgs& args) {
   const int64_t blocks = (args.n + 15) / 16;
+  std::atomic<int64_t> bad{INT64_MAX};
   ParallelFor(args.experts * blocks, args.threads, [&](int64_t b, int64_t e) {
     std::vector<uint8_t> scratch(static_cast<size_t>(16 * args.k));
-    HWY_DYNAMIC_DISPATCH(QuantizeUnits)(args, b, e, scratch.data());
+    const int64_t mine = HWY_DYNAMIC_DISPATCH(QuantizeUnits)(args, b, e, scratch.data());
+    if (mine < 0) return;
+    int64_t cur = bad.load();
+    while (mine < cur && !bad.compare_exchange_weak(cur, mine)) {
+    }
   });
+  if (bad.load() != INT64_MAX) return internal::NonFiniteError(args, bad.load());
   return absl::OkStatus();
 }
 

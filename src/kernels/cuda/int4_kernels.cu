@@ -76,7 +76,7 @@ __device__ __forceinline__ uint32_t PackVec(uint4 v, float scale) {
 template <int kG, bool kBf16, Layout kLayout>
 __global__ void QuantizeGroupedKernel(const uint16_t* __restrict__ w, int64_t experts, int64_t n, int64_t k,
                                       fmt::Variant variant, uint32_t* __restrict__ packed,
-                                      uint16_t* __restrict__ scales) {
+                                      uint16_t* __restrict__ scales, unsigned long long* bad) {
   constexpr int kVecs = kG / 8;
   const int64_t ng = k / kG, kw = k / 8;
   const int64_t total = experts * n * ng;
@@ -104,6 +104,7 @@ __global__ void QuantizeGroupedKernel(const uint16_t* __restrict__ w, int64_t ex
       m = AbsMax2(v[i].z, m);
       m = AbsMax2(v[i].w, m);
     }
+    if (m >= fmt::NonFiniteAbsBits16(kBf16)) atomicMin(bad, static_cast<unsigned long long>(row * ng + g));
     const float scale = fmt::GroupScale(ToF32<kBf16>(m), variant);
     if constexpr (kLayout == Layout::kGptq) {
       scales[(e * ng + g) * n + row_n] = FromF32<kBf16>(scale);
@@ -126,7 +127,8 @@ constexpr int kRowThreads = 256;
 
 template <bool kBf16, Layout kLayout>
 __global__ void QuantizeRowKernel(const uint16_t* __restrict__ w, int64_t n, int64_t k, fmt::Variant variant,
-                                  uint32_t* __restrict__ packed, uint16_t* __restrict__ scales) {
+                                  uint32_t* __restrict__ packed, uint16_t* __restrict__ scales,
+                                  unsigned long long* bad) {
   const int64_t row = blockIdx.x;  // e * n + row_n
   const int64_t e = row / n, row_n = row % n, kw = k / 8;
   const uint4* src = reinterpret_cast<const uint4*>(w + row * k);
@@ -146,7 +148,10 @@ __global__ void QuantizeRowKernel(const uint16_t* __restrict__ w, int64_t n, int
   uint32_t bm = 0;
   for (int i = 0; i < kRowThreads / 32; ++i) bm = max(bm, warp_max[i]);
   const float scale = fmt::GroupScale(ToF32<kBf16>(bm), variant);
-  if (threadIdx.x == 0) scales[row] = FromF32<kBf16>(scale);  // [E, N, 1] and [E, 1, N] coincide
+  if (threadIdx.x == 0) {
+    scales[row] = FromF32<kBf16>(scale);  // [E, N, 1] and [E, 1, N] coincide
+    if (bm >= fmt::NonFiniteAbsBits16(kBf16)) atomicMin(bad, static_cast<unsigned long long>(row));
+  }
   for (int64_t i = threadIdx.x; i < kw; i += blockDim.x) {
     const uint32_t word = PackVec<kBf16>(src[i], scale);
     if constexpr (kLayout == Layout::kGptq) {
@@ -240,11 +245,11 @@ absl::Status Finish(cudaStream_t stream) {
 }
 
 template <bool kBf16, Layout kLayout>
-void LaunchQuantize(const internal::QuantizeArgs& a, cudaStream_t stream) {
+void LaunchQuantize(const internal::QuantizeArgs& a, cudaStream_t stream, unsigned long long* bad) {
   constexpr int kThreads = 256;
   if (a.group == a.k && a.group != 32 && a.group != 64 && a.group != 128) {
     QuantizeRowKernel<kBf16, kLayout><<<static_cast<unsigned>(a.experts * a.n), kRowThreads, 0, stream>>>(
-        a.w, a.n, a.k, a.variant, a.packed, a.scales);
+        a.w, a.n, a.k, a.variant, a.packed, a.scales, bad);
     return;
   }
   const int64_t items = a.experts * a.n * (a.k / a.group);
@@ -252,15 +257,15 @@ void LaunchQuantize(const internal::QuantizeArgs& a, cudaStream_t stream) {
   switch (a.group) {
     case 32:
       QuantizeGroupedKernel<32, kBf16, kLayout><<<grid, kThreads, 0, stream>>>(a.w, a.experts, a.n, a.k, a.variant,
-                                                                              a.packed, a.scales);
+                                                                              a.packed, a.scales, bad);
       break;
     case 64:
       QuantizeGroupedKernel<64, kBf16, kLayout><<<grid, kThreads, 0, stream>>>(a.w, a.experts, a.n, a.k, a.variant,
-                                                                              a.packed, a.scales);
+                                                                              a.packed, a.scales, bad);
       break;
     default:
       QuantizeGroupedKernel<128, kBf16, kLayout><<<grid, kThreads, 0, stream>>>(a.w, a.experts, a.n, a.k,
-                                                                               a.variant, a.packed, a.scales);
+                                                                               a.variant, a.packed, a.scales, bad);
       break;
   }
 }
@@ -279,20 +284,32 @@ absl::Status Quantize(const internal::QuantizeArgs& a) {
   if (a.group != 32 && a.group != 64 && a.group != 128 && a.group != a.k) {
     return absl::InvalidArgumentError(absl::StrCat("CUDA QuantizeInt4: group size ", a.group, " has no kernel"));
   }
-  if (a.is_bf16) {
-    if (a.layout == Layout::kGptq) {
-      LaunchQuantize<true, Layout::kGptq>(a, stream);
+  // One u64 for the smallest non-finite group index (ULLONG_MAX = none).
+  unsigned long long* bad = nullptr;
+  WSYNC_CUDA_RETURN_IF_ERROR(cudaMalloc(&bad, sizeof(*bad)));
+  absl::Status st = [&]() -> absl::Status {
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(bad, 0xFF, sizeof(*bad), stream));
+    if (a.is_bf16) {
+      if (a.layout == Layout::kGptq) {
+        LaunchQuantize<true, Layout::kGptq>(a, stream, bad);
+      } else {
+        LaunchQuantize<true, Layout::kCompressedTensors>(a, stream, bad);
+      }
     } else {
-      LaunchQuantize<true, Layout::kCompressedTensors>(a, stream);
+      if (a.layout == Layout::kGptq) {
+        LaunchQuantize<false, Layout::kGptq>(a, stream, bad);
+      } else {
+        LaunchQuantize<false, Layout::kCompressedTensors>(a, stream, bad);
+      }
     }
-  } else {
-    if (a.layout == Layout::kGptq) {
-      LaunchQuantize<false, Layout::kGptq>(a, stream);
-    } else {
-      LaunchQuantize<false, Layout::kCompressedTensors>(a, stream);
-    }
-  }
-  return Finish(stream);
+    if (auto s = Finish(stream); !s.ok()) return s;
+    unsigned long long host = 0;
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaMemcpy(&host, bad, sizeof(host), cudaMemcpyDeviceToHost));
+    if (host != ~0ull) return internal::NonFiniteError(a, static_cast<int64_t>(host));
+    return absl::OkStatus();
+  }();
+  cudaFree(bad);
+  return st;
 }
 
 absl::Status GptqToMarlin(const internal::RepackArgs& a) {

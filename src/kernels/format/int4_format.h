@@ -83,6 +83,8 @@ WSYNC_HD uint32_t QuantizeNibble(float x, float scale) {
 // |x| of a bf16 or fp16 bit pattern as an integer whose order equals the order of |x| for all
 // non-NaN values (sign-magnitude formats): the CPU and CUDA amax reduce these, then convert once.
 WSYNC_HD uint32_t AbsBits16(uint32_t bits16) { return bits16 & 0x7FFFu; }
+// Smallest |x| pattern that is Inf or NaN: a group whose AbsBits16 max reaches it is non-finite.
+WSYNC_HD uint32_t NonFiniteAbsBits16(bool bf16) { return bf16 ? 0x7F80u : 0x7C00u; }
 
 // ---- Marlin tile (§4) ----------------------------------------------------------------------------
 
