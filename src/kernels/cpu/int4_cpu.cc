@@ -14,7 +14,8 @@
 // auto-vectorized under the Highway target attributes); each Marlin word is then one 4x4 byte
 // transpose of {Lo(c), Lo(c+8), Hi(c), Hi(c+8)} stored at tile word 16*cc + 4*rr + v
 // (c = 64nt + 16v + cc). Restore runs the same steps backwards (the transpose is an involution).
-// With a perm, restore gathers every nibble through format::LocateInTile (rare path).
+// With a perm, restore first restores in Marlin row order into a temporary, then gathers GPTQ row
+// p from temporary row inv[p] (rare path; allocates the temporary).
 //
 // Threads: std::thread partitioning of independent units (16-row blocks, k-tiles, scale rows);
 // each thread sizes its scratch once before its loop; no allocation inside the loops.
@@ -22,6 +23,7 @@
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/int4_cpu.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/cache_control.h"
 #include "hwy/highway.h"
 
 #include <algorithm>
@@ -51,10 +53,16 @@ uint32_t AbsMaxBits(const uint16_t* HWY_RESTRICT x, int64_t n) {
   auto m = hn::Zero(d);
   int64_t i = 0;
   for (; i + lanes <= n; i += lanes) m = hn::Max(m, hn::And(hn::LoadU(d, x + i), mask));
-  HWY_ALIGN uint16_t buf[256 / sizeof(uint16_t)];
-  hn::Store(m, d, buf);
   uint32_t r = 0;
-  for (int64_t j = 0; j < lanes; ++j) r = std::max<uint32_t>(r, buf[j]);
+#if HWY_TARGET == HWY_SCALAR
+  r = hn::GetLane(m);
+#else
+  // Horizontal max: the two u16 halves of each u32 lane, then MaxOfLanes on u32.
+  const hn::Repartition<uint32_t, decltype(d)> d32;
+  const auto v32 = hn::BitCast(d32, m);
+  const auto mm = hn::Max(hn::And(v32, hn::Set(d32, 0xFFFFu)), hn::ShiftRight<16>(v32));
+  r = hn::GetLane(hn::MaxOfLanes(d32, mm));
+#endif
   for (; i < n; ++i) r = std::max<uint32_t>(r, fmt::AbsBits16(x[i]));
   return r;
 }
@@ -95,21 +103,75 @@ void QuantizeToBytes(const uint16_t* HWY_RESTRICT x, int64_t n, float scale, boo
   }
 }
 
-HWY_INLINE uint32_t PackAt(const uint8_t* HWY_RESTRICT u) {
-  uint64_t b;
-  std::memcpy(&b, u, sizeof(b));
-  return fmt::PackNibbleBytes(b);
+// out[j] = the 8 nibble bytes u[8j..8j+7] packed into one word, for j < words (SIMD on u64 lanes:
+// the three PackNibbleBytes steps, then the low 32 bits of every lane).
+void PackBytes(const uint8_t* HWY_RESTRICT u, int64_t words, uint32_t* HWY_RESTRICT out) {
+  int64_t j = 0;
+#if HWY_TARGET != HWY_SCALAR
+  const hn::ScalableTag<uint64_t> d64;
+  const hn::Repartition<uint8_t, decltype(d64)> d8;
+  const hn::Rebind<uint32_t, decltype(d64)> d32;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d64));
+  const auto m1 = hn::Set(d64, 0x00FF00FF00FF00FFull);
+  const auto m2 = hn::Set(d64, 0x0000FFFF0000FFFFull);
+  for (; j + lanes <= words; j += lanes) {
+    const auto b = hn::BitCast(d64, hn::LoadU(d8, u + 8 * j));
+    auto x = hn::And(hn::Or(b, hn::ShiftRight<4>(b)), m1);
+    x = hn::And(hn::Or(x, hn::ShiftRight<8>(x)), m2);
+    x = hn::Or(x, hn::ShiftRight<16>(x));
+    hn::StoreU(hn::TruncateTo(d32, x), d32, out + j);
+  }
+#endif
+  for (; j < words; ++j) {
+    uint64_t b;
+    std::memcpy(&b, u + 8 * j, sizeof(b));
+    out[j] = fmt::PackNibbleBytes(b);
+  }
 }
 
-// Units are (expert, 16-row block); scratch holds kRowBlock * K bytes. Returns the smallest
-// (row * ng + g) of a group holding Inf/NaN, or -1.
+// out[j * ld + r] = staged[r * stride + j] for r < rows (<= 16), j < kw: words of 16 consecutive
+// rows side by side, i.e. one 64-byte line of qweight[K/8, N] per j. Full, 64-byte-aligned lines
+// are gathered and written with streaming stores: the kw lines lie N*4 bytes apart, too far for
+// the hardware prefetcher, so ordinary stores would stall on their read-for-ownership.
+void WriteTransposed(const uint32_t* HWY_RESTRICT staged, int64_t stride, int64_t kw, int64_t rows,
+                     uint32_t* HWY_RESTRICT out, int64_t ld) {
+#if HWY_TARGET != HWY_SCALAR
+  const hn::CappedTag<uint32_t, 16> d;
+  const hn::RebindToSigned<decltype(d)> di;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  const bool aligned = reinterpret_cast<uintptr_t>(out) % 64 == 0 && (ld * 4) % 64 == 0;
+  if (rows == kRowBlock && aligned && kRowBlock % lanes == 0) {
+    const auto idx = hn::Mul(hn::Iota(di, 0), hn::Set(di, static_cast<int32_t>(stride)));
+    for (int64_t j = 0; j < kw; ++j) {
+      for (int64_t part = 0; part < kRowBlock; part += lanes) {
+        const auto v = hn::GatherIndex(d, staged + part * stride + j, idx);
+        hn::Stream(v, d, out + j * ld + part);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < kw; ++j) {
+    for (int64_t r = 0; r < rows; ++r) out[j * ld + r] = staged[r * stride + j];
+  }
+}
+
+// Words per row of the GPTQ staging scratch: K/8 plus padding so that the 16 rows do not alias
+// the same L1 sets (a row stride that is a multiple of 4 KiB would).
+int64_t StagingStride(int64_t k) { return k / 8 + 16; }
+
+// Units are (expert, 16-row block); scratch holds K bytes + kRowBlock * StagingStride(K) words.
+// Returns the smallest (row * ng + g) of a group holding Inf/NaN, or -1.
 int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t end, uint8_t* scratch) {
   const uint32_t nonfinite = fmt::NonFiniteAbsBits16(a.is_bf16);
   int64_t bad = -1;
   const int64_t blocks = (a.n + kRowBlock - 1) / kRowBlock;
   const int64_t kw = a.k / fmt::kNibblesPerWord;
   const int64_t ng = a.k / a.group;
+  const int64_t stride = StagingStride(a.k);
   const bool gptq = a.layout == internal::Layout::kGptq;
+  uint8_t* u = scratch;
+  uint32_t* staged = reinterpret_cast<uint32_t*>(scratch + ((a.k + 63) / 64) * 64);
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t e = unit / blocks;
     const int64_t n0 = (unit % blocks) * kRowBlock;
@@ -117,7 +179,6 @@ int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t en
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t row = e * a.n + n;
       const uint16_t* x = a.w + row * a.k;
-      uint8_t* u = scratch + (n - n0) * a.k;
       for (int64_t g = 0; g < ng; ++g) {
         const uint32_t bits = AbsMaxBits(x + g * a.group, a.group);
         if (bits >= nonfinite && bad < 0) bad = row * ng + g;
@@ -132,19 +193,28 @@ int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t en
         }
         QuantizeToBytes(x + g * a.group, a.group, scale, a.is_bf16, u + g * a.group);
       }
-      if (!gptq) {
-        uint32_t* out = a.packed + row * kw;
-        for (int64_t j = 0; j < kw; ++j) out[j] = PackAt(u + 8 * j);
-      }
+      PackBytes(u, kw, gptq ? staged + (n - n0) * stride : a.packed + row * kw);
     }
-    if (gptq) {
-      for (int64_t j = 0; j < kw; ++j) {
-        uint32_t* out = a.packed + (e * kw + j) * a.n;
-        for (int64_t n = n0; n < n1; ++n) out[n] = PackAt(scratch + (n - n0) * a.k + 8 * j);
-      }
-    }
+    if (gptq) WriteTransposed(staged, stride, kw, n1 - n0, a.packed + e * kw * a.n + n0, a.n);
   }
+  hwy::FlushStream();  // order the streaming stores before the caller reads the output
   return bad;
+}
+
+// dst[c] = OR_i nibble(rows[i] % 8) of src row rows[i] / 8, at nibble i, for c < n: the word of
+// 8 logical K rows gathered from a GPTQ [K/8, n] matrix (act-order perm, §4.3). Lanewise over c.
+void GatherRows(const uint32_t* HWY_RESTRICT src, int64_t n, const int32_t* rows, uint32_t* HWY_RESTRICT dst) {
+  const uint32_t* HWY_RESTRICT s[8];
+  int sh[8];
+  for (int i = 0; i < 8; ++i) {
+    s[i] = src + static_cast<int64_t>(rows[i] >> 3) * n;
+    sh[i] = 4 * (rows[i] & 7);
+  }
+  for (int64_t c = 0; c < n; ++c) {
+    uint32_t w = 0;
+    for (int i = 0; i < 8; ++i) w |= ((s[i][c] >> sh[i]) & 0xFu) << (4 * i);
+    dst[c] = w;
+  }
 }
 
 // Units are (expert, k-tile); scratch holds 4N words.
@@ -162,15 +232,8 @@ void RepackUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uint
     if (a.perm != nullptr) {
       // Marlin row k is GPTQ row perm[k] (§4.3): gather the 16 rows of this tile.
       const int32_t* p = a.perm + e * a.k + kt * fmt::kTileK;
-      std::fill(ga, ga + n, 0u);
-      std::fill(gb, gb + n, 0u);
-      for (int i = 0; i < 16; ++i) {
-        const uint32_t* HWY_RESTRICT src = q + (p[i] >> 3) * n;
-        const int sh = 4 * (p[i] & 7);
-        uint32_t* HWY_RESTRICT dst = i < 8 ? ga : gb;
-        const int dsh = 4 * (i & 7);
-        for (int64_t c = 0; c < n; ++c) dst[c] |= ((src[c] >> sh) & 0xFu) << dsh;
-      }
+      GatherRows(q, n, p, ga);
+      GatherRows(q, n, p + 8, gb);
       ra = ga;
       rb = gb;
     } else {
@@ -233,6 +296,16 @@ void RestoreUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uin
   }
 }
 
+// out row j of expert e = the 8 rows inv[8j..8j+7] of the permuted-order GPTQ matrix `tmp`.
+void UnpermuteRows(const internal::RepackArgs& a, const uint32_t* tmp, const int32_t* inv, int64_t begin,
+                   int64_t end) {
+  const int64_t kw = a.k / 8;
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t e = unit / kw, j = unit % kw;
+    GatherRows(tmp + e * kw * a.n, a.n, inv + e * a.k + 8 * j, a.out + (e * kw + j) * a.n);
+  }
+}
+
 const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
 
 // NOLINTNEXTLINE(google-readability-namespace-comments)
@@ -246,6 +319,7 @@ namespace wsync::kernels::cpu {
 HWY_EXPORT(QuantizeUnits);
 HWY_EXPORT(RepackUnits);
 HWY_EXPORT(RestoreUnits);
+HWY_EXPORT(UnpermuteRows);
 HWY_EXPORT(TargetName);
 
 namespace {
@@ -281,7 +355,9 @@ absl::Status Quantize(const internal::QuantizeArgs& args) {
   const int64_t blocks = (args.n + 15) / 16;
   std::atomic<int64_t> bad{INT64_MAX};
   ParallelFor(args.experts * blocks, args.threads, [&](int64_t b, int64_t e) {
-    std::vector<uint8_t> scratch(static_cast<size_t>(16 * args.k));
+    const size_t row_bytes = static_cast<size_t>((args.k + 63) / 64 * 64);
+    // one nibble row + 16 staged word rows of StagingStride(K) = K/8 + 16 words
+    std::vector<uint8_t> scratch(row_bytes + 16 * static_cast<size_t>(args.k / 8 + 16) * sizeof(uint32_t));
     const int64_t mine = HWY_DYNAMIC_DISPATCH(QuantizeUnits)(args, b, e, scratch.data());
     if (mine < 0) return;
     int64_t cur = bad.load();
@@ -309,28 +385,22 @@ absl::Status MarlinToGptq(const internal::RepackArgs& args) {
     });
     return absl::OkStatus();
   }
-  // GPTQ row position p held Marlin row inv[p] (perm[inv[p]] = p): gather nibble by nibble.
+  // Marlin row k is GPTQ row perm[k]: restore in Marlin row order into a temporary (allocated per
+  // call: this inverse is not on the sync path), then GPTQ row p = temporary row inv[p].
   std::vector<int32_t> inv(static_cast<size_t>(args.experts * k));
   for (int64_t e = 0; e < args.experts; ++e) {
     for (int64_t i = 0; i < k; ++i) inv[e * k + args.perm[e * k + i]] = static_cast<int32_t>(i);
   }
-  ParallelFor(args.experts * kw, args.threads, [&](int64_t b, int64_t end) {
-    for (int64_t unit = b; unit < end; ++unit) {
-      const int64_t e = unit / kw, j = unit % kw;
-      const uint32_t* m = args.in + e * (k / fmt::kTileK) * 2 * n;
-      uint32_t* out = args.out + (e * kw + j) * n;
-      std::fill(out, out + n, 0u);
-      for (int i = 0; i < 8; ++i) {
-        const int64_t src_k = inv[e * k + 8 * j + i];
-        const int64_t kt = src_k / fmt::kTileK;
-        const int kl = static_cast<int>(src_k % fmt::kTileK);
-        for (int64_t c = 0; c < n; ++c) {
-          const fmt::TileSlot s = fmt::LocateInTile(kl, static_cast<int>(c % fmt::kTileN));
-          const uint32_t word = m[fmt::TileOffset(kt, c / fmt::kTileN, n) + s.word];
-          out[c] |= fmt::GetNibble(word, s.slot) << (4 * i);
-        }
-      }
-    }
+  std::vector<uint32_t> tmp(static_cast<size_t>(args.experts * kw * n));
+  internal::RepackArgs plain = args;
+  plain.perm = nullptr;
+  plain.out = tmp.data();
+  ParallelFor(args.experts * (k / fmt::kTileK), args.threads, [&](int64_t b, int64_t e) {
+    std::vector<uint32_t> scratch(static_cast<size_t>(2 * n));
+    HWY_DYNAMIC_DISPATCH(RestoreUnits)(plain, b, e, scratch.data());
+  });
+  ParallelFor(args.experts * kw, args.threads, [&](int64_t b, int64_t e) {
+    HWY_DYNAMIC_DISPATCH(UnpermuteRows)(args, tmp.data(), inv.data(), b, e);
   });
   return absl::OkStatus();
 }
