@@ -103,6 +103,21 @@ void QuantizeToBytes(const uint16_t* HWY_RESTRICT x, int64_t n, float scale, boo
   }
 }
 
+// dst[0..n) = src[0..n) with streaming (non-temporal) stores when dst is 64-byte aligned and n a
+// multiple of 16: outputs are written once and not read back by the kernel, so skipping the
+// read-for-ownership saves a third of the memory traffic (what memcpy does for large copies).
+void StreamCopy(const uint32_t* HWY_RESTRICT src, int64_t n, uint32_t* HWY_RESTRICT dst) {
+#if HWY_TARGET != HWY_SCALAR
+  const hn::ScalableTag<uint32_t> d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  if (reinterpret_cast<uintptr_t>(dst) % 64 == 0 && n % 16 == 0 && n % lanes == 0) {
+    for (int64_t i = 0; i < n; i += lanes) hn::Stream(hn::LoadU(d, src + i), d, dst + i);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(uint32_t));
+}
+
 // out[j] = the 8 nibble bytes u[8j..8j+7] packed into one word, for j < words (SIMD on u64 lanes:
 // the three PackNibbleBytes steps, then the low 32 bits of every lane).
 void PackBytes(const uint8_t* HWY_RESTRICT u, int64_t words, uint32_t* HWY_RESTRICT out) {
@@ -193,7 +208,12 @@ int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t en
         }
         QuantizeToBytes(x + g * a.group, a.group, scale, a.is_bf16, u + g * a.group);
       }
-      PackBytes(u, kw, gptq ? staged + (n - n0) * stride : a.packed + row * kw);
+      if (gptq) {
+        PackBytes(u, kw, staged + (n - n0) * stride);
+      } else {
+        PackBytes(u, kw, staged);
+        StreamCopy(staged, kw, a.packed + row * kw);
+      }
     }
     if (gptq) WriteTransposed(staged, stride, kw, n1 - n0, a.packed + e * kw * a.n + n0, a.n);
   }
@@ -246,7 +266,7 @@ void RepackUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uint
     }
     uint32_t* out = a.out + e * (a.k / fmt::kTileK) * 2 * n + fmt::TileOffset(kt, 0, n);
     for (int64_t nt = 0; nt < n / fmt::kTileN; ++nt) {
-      uint32_t* HWY_RESTRICT o = out + nt * fmt::kTileWords;
+      HWY_ALIGN uint32_t o[fmt::kTileWords];
       const int64_t base = nt * fmt::kTileN;
       for (int cc = 0; cc < 8; ++cc) {
         for (int v = 0; v < 4; ++v) {
@@ -259,8 +279,10 @@ void RepackUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uint
           o[16 * cc + 12 + v] = x3;
         }
       }
+      StreamCopy(o, fmt::kTileWords, out + nt * fmt::kTileWords);
     }
   }
+  hwy::FlushStream();
 }
 
 // Inverse of RepackUnits without perm. Units are (expert, k-tile); scratch holds 2N words.
@@ -287,13 +309,17 @@ void RestoreUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uin
         }
       }
     }
-    uint32_t* HWY_RESTRICT ra = a.out + e * kw * n + 2 * kt * n;
-    uint32_t* HWY_RESTRICT rb = ra + n;
+    // A and B overwrite the planes in place (lanewise), then stream out as GPTQ rows 2kt, 2kt+1.
     for (int64_t c = 0; c < n; ++c) {
-      ra[c] = fmt::PlanesToA(lo[c], hi[c]);
-      rb[c] = fmt::PlanesToB(lo[c], hi[c]);
+      const uint32_t l = lo[c], h = hi[c];
+      lo[c] = fmt::PlanesToA(l, h);
+      hi[c] = fmt::PlanesToB(l, h);
     }
+    uint32_t* ra = a.out + e * kw * n + 2 * kt * n;
+    StreamCopy(lo, n, ra);
+    StreamCopy(hi, n, ra + n);
   }
+  hwy::FlushStream();
 }
 
 // out row j of expert e = the 8 rows inv[8j..8j+7] of the permuted-order GPTQ matrix `tmp`.
