@@ -58,7 +58,7 @@ void SetLogSinkForTesting(LogSink sink) { g_sink.store(sink); }
 
 namespace internal {
 
-LogMessage::LogMessage(LogLevel level, const char* file, int line) : level_(level) {
+LogMessage::LogMessage(LogLevel level, const char* file, int line) {
   static constexpr char kLetters[] = {'D', 'I', 'W', 'E'};
   struct timeval tv;
   gettimeofday(&tv, nullptr);
