@@ -26,6 +26,12 @@ if(WSYNC_SANITIZE)
   add_link_options(-fsanitize=address,undefined)
 endif()
 
+if(WSYNC_HAVE_FUZZ)
+  # Coverage instrumentation for the code the fuzz targets reach (the libFuzzer runtime itself
+  # is linked into the fuzz targets only).
+  add_compile_options($<$<COMPILE_LANGUAGE:C,CXX>:-fsanitize=fuzzer-no-link>)
+endif()
+
 # wsync_add_test(NAME name SOURCES ... LIBS ... [LABELS ...])
 # One gtest executable in build/bin, its cases discovered by ctest with the given labels.
 function(wsync_add_test)

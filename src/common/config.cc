@@ -1,0 +1,402 @@
+#include "common/config.h"
+
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "common/status.h"
+
+namespace wsync {
+namespace {
+
+using Json = nlohmann::json;
+
+// Typed field access with errors that name the source, the field and the offending value.
+class Fields {
+ public:
+  Fields(const Json& j, absl::string_view source, absl::string_view prefix) : j_(j), source_(source), prefix_(prefix) {}
+
+  absl::Status Error(absl::string_view field, absl::string_view what) const {
+    return absl::InvalidArgumentError(absl::StrCat(source_, ": field \"", prefix_, field, "\" ", what));
+  }
+  bool Has(const char* f) const { return j_.contains(f) && !j_.at(f).is_null(); }
+
+  absl::StatusOr<int64_t> Int(const char* f, std::optional<int64_t> def = std::nullopt, int64_t min = 1) const {
+    if (!Has(f)) {
+      if (def) return *def;
+      return Error(f, "is required");
+    }
+    const Json& v = j_.at(f);
+    if (!v.is_number_integer()) return Error(f, absl::StrCat("must be an integer, got ", v.dump()));
+    const int64_t x = v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)
+                          ? INT64_MAX
+                          : v.get<int64_t>();
+    if (x < min) return Error(f, absl::StrCat("must be >= ", min, ", got ", x));
+    return x;
+  }
+  absl::StatusOr<double> Number(const char* f, double def) const {
+    if (!Has(f)) return def;
+    const Json& v = j_.at(f);
+    if (!v.is_number()) return Error(f, absl::StrCat("must be a number, got ", v.dump()));
+    return v.get<double>();
+  }
+  absl::StatusOr<bool> Bool(const char* f, bool def) const {
+    if (!Has(f)) return def;
+    const Json& v = j_.at(f);
+    if (!v.is_boolean()) return Error(f, absl::StrCat("must be true or false, got ", v.dump()));
+    return v.get<bool>();
+  }
+  absl::StatusOr<std::string> String(const char* f, std::optional<std::string> def = std::nullopt) const {
+    if (!Has(f)) {
+      if (def) return *def;
+      return Error(f, "is required");
+    }
+    const Json& v = j_.at(f);
+    if (!v.is_string()) return Error(f, absl::StrCat("must be a string, got ", v.dump()));
+    return v.get<std::string>();
+  }
+  absl::StatusOr<std::vector<std::string>> Strings(const char* f) const {
+    std::vector<std::string> out;
+    if (!Has(f)) return out;
+    const Json& v = j_.at(f);
+    if (!v.is_array()) return Error(f, absl::StrCat("must be a list of strings, got ", v.dump()));
+    for (const Json& e : v) {
+      if (!e.is_string()) return Error(f, absl::StrCat("must be a list of strings, got element ", e.dump()));
+      out.push_back(e.get<std::string>());
+    }
+    return out;
+  }
+  absl::StatusOr<std::vector<int64_t>> Ints(const char* f) const {
+    std::vector<int64_t> out;
+    if (!Has(f)) return out;
+    const Json& v = j_.at(f);
+    if (!v.is_array()) return Error(f, absl::StrCat("must be a list of integers, got ", v.dump()));
+    for (const Json& e : v) {
+      if (!e.is_number_integer() || e.get<int64_t>() < 0)
+        return Error(f, absl::StrCat("must be a list of non-negative integers, got element ", e.dump()));
+      out.push_back(e.get<int64_t>());
+    }
+    return out;
+  }
+
+ private:
+  const Json& j_;
+  std::string source_;
+  std::string prefix_;
+};
+
+absl::StatusOr<Json> ParseJson(absl::string_view text, absl::string_view source) {
+  Json j = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(source, ": not well-formed JSON"));
+  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(source, ": expected a JSON object"));
+  return j;
+}
+
+struct ArchName {
+  Architecture arch;
+  const char* model_type;
+  const char* class_name;
+};
+constexpr ArchName kArchs[] = {
+    {Architecture::kLlama, "llama", "LlamaForCausalLM"},
+    {Architecture::kQwen2, "qwen2", "Qwen2ForCausalLM"},
+    {Architecture::kQwen3, "qwen3", "Qwen3ForCausalLM"},
+    {Architecture::kQwen3Moe, "qwen3_moe", "Qwen3MoeForCausalLM"},
+    {Architecture::kDeepseekV3, "deepseek_v3", "DeepseekV3ForCausalLM"},
+};
+
+std::string SupportedArchs() {
+  std::vector<std::string> names;
+  for (const auto& a : kArchs) names.push_back(absl::StrCat(a.class_name, " (", a.model_type, ")"));
+  return absl::StrJoin(names, ", ");
+}
+
+absl::StatusOr<QuantizationConfig> ParseQuantizationObject(const Json& q, absl::string_view source) {
+  if (!q.is_object())
+    return absl::InvalidArgumentError(absl::StrCat(source, ": quantization_config must be an object, got ", q.dump()));
+  Fields f(q, source, "quantization_config.");
+  QuantizationConfig c;
+  WSYNC_ASSIGN_OR_RETURN(c.quant_method, f.String("quant_method"));
+  if (c.quant_method != "compressed-tensors")
+    return f.Error("quant_method", absl::StrCat("is \"", c.quant_method,
+                                                "\"; wsync reads compressed-tensors quantization configs only"));
+  WSYNC_ASSIGN_OR_RETURN(c.format, f.String("format", "pack-quantized"));
+  WSYNC_ASSIGN_OR_RETURN(std::vector<std::string> ignore, f.Strings("ignore"));
+  for (auto& text : ignore) {
+    auto rule = IgnoreRule::Parse(text);
+    if (!rule.ok()) return f.Error("ignore", rule.status().message());
+    c.ignore.push_back(std::move(*rule));
+  }
+  if (!f.Has("config_groups") || !q.at("config_groups").is_object() || q.at("config_groups").empty())
+    return f.Error("config_groups", "must be a non-empty object");
+  const Json& groups = q.at("config_groups");
+  if (groups.size() != 1)
+    return f.Error("config_groups", absl::StrCat("has ", groups.size(), " groups; wsync supports exactly one"));
+  const std::string gname = groups.begin().key();
+  const Json& g = groups.begin().value();
+  if (!g.is_object()) return f.Error(absl::StrCat("config_groups.", gname), "must be an object");
+  Fields gf(g, source, absl::StrCat("quantization_config.config_groups.", gname, "."));
+  WSYNC_ASSIGN_OR_RETURN(c.targets, gf.Strings("targets"));
+  if (!gf.Has("weights") || !g.at("weights").is_object()) return gf.Error("weights", "must be an object");
+  Fields w(g.at("weights"), source, absl::StrCat("quantization_config.config_groups.", gname, ".weights."));
+  WSYNC_ASSIGN_OR_RETURN(int64_t bits, w.Int("num_bits"));
+  c.num_bits = static_cast<int>(std::min<int64_t>(bits, 64));
+  WSYNC_ASSIGN_OR_RETURN(c.type, w.String("type", "int"));
+  WSYNC_ASSIGN_OR_RETURN(c.strategy, w.String("strategy"));
+  WSYNC_ASSIGN_OR_RETURN(c.symmetric, w.Bool("symmetric", true));
+  if (w.Has("dynamic") && g.at("weights").at("dynamic").is_string()) {
+    c.dynamic = true;  // "local" and friends
+  } else {
+    WSYNC_ASSIGN_OR_RETURN(c.dynamic, w.Bool("dynamic", false));
+  }
+  if (w.Has("actorder")) {
+    const Json& a = g.at("weights").at("actorder");
+    if (a.is_string()) {
+      c.actorder = a.get<std::string>();
+    } else if (a.is_boolean()) {
+      c.actorder = a.get<bool>() ? "group" : "";
+    } else {
+      return w.Error("actorder", absl::StrCat("must be null, a string or a boolean, got ", a.dump()));
+    }
+  }
+  if (c.strategy == "group") {
+    WSYNC_ASSIGN_OR_RETURN(int64_t gs, w.Int("group_size", std::nullopt, -1));
+    if (gs == 0 || gs > (int64_t{1} << 30)) return w.Error("group_size", absl::StrCat("must be positive or -1, got ", gs));
+    c.group_size = static_cast<int>(gs);
+  } else if (c.strategy == "channel") {
+    WSYNC_ASSIGN_OR_RETURN(int64_t gs, w.Int("group_size", -1, -1));
+    if (gs != -1) return w.Error("group_size", absl::StrCat("must be absent or -1 with strategy \"channel\", got ", gs));
+    c.group_size = -1;
+  } else {
+    return w.Error("strategy", absl::StrCat("is \"", c.strategy, "\"; expected \"group\" or \"channel\""));
+  }
+  return c;
+}
+
+}  // namespace
+
+absl::string_view ArchitectureName(Architecture a) {
+  for (const auto& n : kArchs)
+    if (n.arch == a) return n.model_type;
+  return "?";
+}
+
+absl::StatusOr<IgnoreRule> IgnoreRule::Parse(std::string text) {
+  IgnoreRule r;
+  if (absl::StartsWith(text, "re:")) {
+    const std::string pattern = text.substr(3);
+    try {
+      r.regex.emplace(pattern, std::regex::ECMAScript);
+    } catch (const std::regex_error& e) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot compile regular expression \"", pattern, "\": ", e.what()));
+    }
+  } else if (text.empty()) {
+    return absl::InvalidArgumentError("empty ignore entry");
+  }
+  r.text = std::move(text);
+  return r;
+}
+
+bool IgnoreRule::Matches(absl::string_view name) const {
+  if (regex) {
+    std::cmatch m;
+    return std::regex_search(name.data(), name.data() + name.size(), m, *regex, std::regex_constants::match_continuous);
+  }
+  return absl::StartsWith(name, text);
+}
+
+bool QuantizationConfig::IsIgnored(absl::string_view param_name) const {
+  absl::string_view module = param_name;
+  absl::ConsumeSuffix(&module, ".weight");
+  for (const auto& rule : ignore)
+    if (rule.Matches(module) || rule.Matches(param_name)) return true;
+  return false;
+}
+
+absl::Status QuantizationConfig::CheckInt4Supported() const {
+  auto unsupported = [](absl::string_view what) {
+    return absl::UnimplementedError(absl::StrCat("quantization_config: ", what, " is not supported by wsync's INT4 path"));
+  };
+  if (format != "pack-quantized") return unsupported(absl::StrCat("format \"", format, "\""));
+  if (type != "int") return unsupported(absl::StrCat("type \"", type, "\""));
+  if (num_bits != 4) return unsupported(absl::StrCat("num_bits ", num_bits));
+  if (!symmetric) return unsupported("asymmetric quantization (symmetric: false)");
+  if (!actorder.empty()) return unsupported(absl::StrCat("act-order (actorder: \"", actorder, "\")"));
+  if (dynamic) return unsupported("dynamic quantization");
+  if (group_size != -1 && group_size != 32 && group_size != 64 && group_size != 128)
+    return unsupported(absl::StrCat("group_size ", group_size, " (supported: 32, 64, 128, -1)"));
+  return absl::OkStatus();
+}
+
+bool ModelConfig::IsMoeLayer(int64_t layer) const {
+  if (!moe || layer < 0 || layer >= num_hidden_layers) return false;
+  if (arch == Architecture::kQwen3Moe) {
+    for (int64_t l : moe->mlp_only_layers)
+      if (l == layer) return false;
+    return (layer + 1) % moe->decoder_sparse_step == 0;
+  }
+  if (arch == Architecture::kDeepseekV3) return layer >= moe->first_k_dense_replace && layer % moe->moe_layer_freq == 0;
+  return false;
+}
+
+absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::string_view source) {
+  WSYNC_ASSIGN_OR_RETURN(Json j, ParseJson(json_text, source));
+  Fields f(j, source, "");
+  ModelConfig c;
+  WSYNC_ASSIGN_OR_RETURN(c.model_type, f.String("model_type", ""));
+  WSYNC_ASSIGN_OR_RETURN(std::vector<std::string> archs, f.Strings("architectures"));
+  if (!archs.empty()) c.architecture = archs[0];
+  const ArchName* found = nullptr;
+  for (const auto& a : kArchs) {
+    if ((!c.architecture.empty() && c.architecture == a.class_name) ||
+        (c.architecture.empty() && c.model_type == a.model_type))
+      found = &a;
+  }
+  if (found == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat(source, ": unsupported model (architectures ",
+                                                   j.contains("architectures") ? j.at("architectures").dump() : "absent",
+                                                   ", model_type \"", c.model_type, "\"); supported: ", SupportedArchs()));
+  if (!c.model_type.empty() && c.model_type != found->model_type)
+    return f.Error("model_type", absl::StrCat("is \"", c.model_type, "\" but architectures says ", found->class_name));
+  c.arch = found->arch;
+  if (c.architecture.empty()) c.architecture = found->class_name;
+  c.model_type = found->model_type;
+
+  WSYNC_ASSIGN_OR_RETURN(c.hidden_size, f.Int("hidden_size"));
+  WSYNC_ASSIGN_OR_RETURN(c.num_hidden_layers, f.Int("num_hidden_layers"));
+  WSYNC_ASSIGN_OR_RETURN(c.num_attention_heads, f.Int("num_attention_heads"));
+  WSYNC_ASSIGN_OR_RETURN(c.num_key_value_heads, f.Int("num_key_value_heads", c.num_attention_heads));
+  WSYNC_ASSIGN_OR_RETURN(c.intermediate_size, f.Int("intermediate_size"));
+  WSYNC_ASSIGN_OR_RETURN(c.vocab_size, f.Int("vocab_size"));
+  WSYNC_ASSIGN_OR_RETURN(c.max_position_embeddings, f.Int("max_position_embeddings", 4096));
+  WSYNC_ASSIGN_OR_RETURN(c.rms_norm_eps, f.Number("rms_norm_eps", 1e-6));
+  WSYNC_ASSIGN_OR_RETURN(c.rope_theta, f.Number("rope_theta", 10000.0));
+  WSYNC_ASSIGN_OR_RETURN(c.tie_word_embeddings, f.Bool("tie_word_embeddings", false));
+  WSYNC_ASSIGN_OR_RETURN(std::string dtype, f.String("torch_dtype", "bfloat16"));
+  auto dt = ParseTorchDType(dtype);
+  if (!dt.ok() || !IsFloating(*dt)) return f.Error("torch_dtype", absl::StrCat("is \"", dtype, "\"; expected bfloat16, float16 or float32"));
+  c.dtype = *dt;
+  if (c.rms_norm_eps <= 0) return f.Error("rms_norm_eps", absl::StrCat("must be positive, got ", c.rms_norm_eps));
+  if (c.rope_theta <= 0) return f.Error("rope_theta", absl::StrCat("must be positive, got ", c.rope_theta));
+
+  const bool is_qwen3 = c.arch == Architecture::kQwen3 || c.arch == Architecture::kQwen3Moe;
+  const bool is_mla = c.arch == Architecture::kDeepseekV3;
+  c.qk_norm = is_qwen3;
+  if (c.arch == Architecture::kQwen2) {
+    c.qkv_bias = true;  // Qwen2Attention builds q/k/v with bias=True unconditionally
+  } else if (!is_mla) {
+    WSYNC_ASSIGN_OR_RETURN(c.qkv_bias, f.Bool("attention_bias", false));
+  }
+  // head_dim: explicit, or HF's default (Qwen3: 128; others: hidden_size / heads).
+  if (f.Has("head_dim")) {
+    WSYNC_ASSIGN_OR_RETURN(c.head_dim, f.Int("head_dim"));
+  } else if (is_qwen3) {
+    c.head_dim = 128;
+  } else if (!is_mla) {
+    if (c.hidden_size % c.num_attention_heads != 0)
+      return f.Error("hidden_size", absl::StrCat(c.hidden_size, " is not divisible by num_attention_heads ",
+                                                 c.num_attention_heads, " and head_dim is not given"));
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+  if (!is_mla && c.num_attention_heads % c.num_key_value_heads != 0)
+    return f.Error("num_key_value_heads", absl::StrCat(c.num_key_value_heads, " does not divide num_attention_heads ",
+                                                       c.num_attention_heads));
+
+  if (c.arch == Architecture::kQwen3Moe) {
+    MoeConfig m;
+    WSYNC_ASSIGN_OR_RETURN(m.num_experts, f.Int("num_experts"));
+    WSYNC_ASSIGN_OR_RETURN(m.num_experts_per_tok, f.Int("num_experts_per_tok"));
+    WSYNC_ASSIGN_OR_RETURN(m.moe_intermediate_size, f.Int("moe_intermediate_size"));
+    WSYNC_ASSIGN_OR_RETURN(m.norm_topk_prob, f.Bool("norm_topk_prob", false));
+    WSYNC_ASSIGN_OR_RETURN(m.decoder_sparse_step, f.Int("decoder_sparse_step", 1));
+    WSYNC_ASSIGN_OR_RETURN(m.mlp_only_layers, f.Ints("mlp_only_layers"));
+    for (int64_t l : m.mlp_only_layers)
+      if (l >= c.num_hidden_layers)
+        return f.Error("mlp_only_layers", absl::StrCat("names layer ", l, " but the model has ", c.num_hidden_layers));
+    c.moe = m;
+  } else if (is_mla) {
+    MoeConfig m;
+    WSYNC_ASSIGN_OR_RETURN(m.num_experts, f.Int("n_routed_experts"));
+    WSYNC_ASSIGN_OR_RETURN(m.num_experts_per_tok, f.Int("num_experts_per_tok"));
+    WSYNC_ASSIGN_OR_RETURN(m.moe_intermediate_size, f.Int("moe_intermediate_size"));
+    WSYNC_ASSIGN_OR_RETURN(m.num_shared_experts, f.Int("n_shared_experts", 1, 0));
+    WSYNC_ASSIGN_OR_RETURN(m.norm_topk_prob, f.Bool("norm_topk_prob", true));
+    WSYNC_ASSIGN_OR_RETURN(m.first_k_dense_replace, f.Int("first_k_dense_replace", 0, 0));
+    WSYNC_ASSIGN_OR_RETURN(m.moe_layer_freq, f.Int("moe_layer_freq", 1));
+    WSYNC_ASSIGN_OR_RETURN(m.n_group, f.Int("n_group", 1));
+    WSYNC_ASSIGN_OR_RETURN(m.topk_group, f.Int("topk_group", 1));
+    WSYNC_ASSIGN_OR_RETURN(m.routed_scaling_factor, f.Number("routed_scaling_factor", 2.5));
+    WSYNC_ASSIGN_OR_RETURN(m.scoring_func, f.String("scoring_func", "sigmoid"));
+    WSYNC_ASSIGN_OR_RETURN(m.topk_method, f.String("topk_method", "noaux_tc"));
+    if (m.first_k_dense_replace > c.num_hidden_layers)
+      return f.Error("first_k_dense_replace", absl::StrCat(m.first_k_dense_replace, " exceeds num_hidden_layers ",
+                                                           c.num_hidden_layers));
+    if (m.num_experts % m.n_group != 0)
+      return f.Error("n_group", absl::StrCat(m.n_group, " does not divide n_routed_experts ", m.num_experts));
+    if (m.topk_group > m.n_group)
+      return f.Error("topk_group", absl::StrCat(m.topk_group, " exceeds n_group ", m.n_group));
+    if (m.scoring_func != "sigmoid" && m.scoring_func != "softmax")
+      return f.Error("scoring_func", absl::StrCat("is \"", m.scoring_func, "\"; expected sigmoid or softmax"));
+    c.moe = m;
+    MlaConfig a;
+    if (f.Has("q_lora_rank")) {
+      WSYNC_ASSIGN_OR_RETURN(a.q_lora_rank, f.Int("q_lora_rank"));
+    }
+    WSYNC_ASSIGN_OR_RETURN(a.kv_lora_rank, f.Int("kv_lora_rank"));
+    WSYNC_ASSIGN_OR_RETURN(a.qk_nope_head_dim, f.Int("qk_nope_head_dim"));
+    WSYNC_ASSIGN_OR_RETURN(a.qk_rope_head_dim, f.Int("qk_rope_head_dim"));
+    WSYNC_ASSIGN_OR_RETURN(a.v_head_dim, f.Int("v_head_dim"));
+    if (a.qk_rope_head_dim % 2 != 0)
+      return f.Error("qk_rope_head_dim", absl::StrCat("must be even for rotary embeddings, got ", a.qk_rope_head_dim));
+    c.mla = a;
+    c.head_dim = a.qk_nope_head_dim + a.qk_rope_head_dim;
+    WSYNC_ASSIGN_OR_RETURN(c.num_nextn_predict_layers, f.Int("num_nextn_predict_layers", 0, 0));
+  }
+  if (c.moe && c.moe->num_experts_per_tok > c.moe->num_experts)
+    return f.Error("num_experts_per_tok", absl::StrCat(c.moe->num_experts_per_tok, " exceeds the number of experts ",
+                                                       c.moe->num_experts));
+  if (!is_mla && c.head_dim % 2 != 0)
+    return f.Error("head_dim", absl::StrCat("must be even for rotary embeddings, got ", c.head_dim));
+
+  if (f.Has("quantization_config")) {
+    WSYNC_ASSIGN_OR_RETURN(c.quantization, ParseQuantizationObject(j.at("quantization_config"), source));
+  }
+  return c;
+}
+
+absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return ErrnoToStatus(errno, absl::StrCat("cannot read ", path));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) return ErrnoToStatus(errno, absl::StrCat("cannot read ", path));
+  return ss.str();
+}
+
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& path) {
+  std::string file = path;
+  std::ifstream probe(path + "/config.json");
+  if (probe.good()) file = path + "/config.json";
+  WSYNC_ASSIGN_OR_RETURN(std::string text, ReadTextFile(file));
+  return ParseModelConfig(text, file);
+}
+
+absl::StatusOr<QuantizationConfig> ParseQuantizationConfig(absl::string_view json_text, absl::string_view source) {
+  WSYNC_ASSIGN_OR_RETURN(Json j, ParseJson(json_text, source));
+  if (j.contains("quantization_config")) return ParseQuantizationObject(j.at("quantization_config"), source);
+  if (j.contains("architectures") || j.contains("model_type"))
+    return absl::NotFoundError(absl::StrCat(source, ": the model config has no quantization_config"));
+  return ParseQuantizationObject(j, source);
+}
+
+absl::StatusOr<QuantizationConfig> LoadQuantizationConfig(const std::string& path) {
+  WSYNC_ASSIGN_OR_RETURN(std::string text, ReadTextFile(path));
+  return ParseQuantizationConfig(text, path);
+}
+
+}  // namespace wsync

@@ -1,0 +1,141 @@
+// HuggingFace model configs (config.json) for the architectures wsync converts
+// (docs: shared/docs/MEGATRON_TO_HF.md): Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3, and the
+// optional compressed-tensors `quantization_config` that tells which tensors go to INT4.
+//
+// The parser validates what each architecture needs: structural sizes (hidden size, layers,
+// heads, vocab, experts, MLA ranks) must be present and positive and consistent (KV heads divide
+// heads, top-k <= experts, ...); hyper-parameters that HF itself defaults (eps, rope theta,
+// flags) take HF's defaults for that architecture. Every problem is kInvalidArgument naming the
+// source file and the field and its value. Unknown fields are ignored (HF configs carry many).
+//
+// Thread-safety: the structs are plain values; QuantizationConfig::IsIgnored is const and safe
+// to call concurrently.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/dtype.h"
+
+namespace wsync {
+
+enum class Architecture { kLlama, kQwen2, kQwen3, kQwen3Moe, kDeepseekV3 };
+
+// "llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3" (HF model_type spelling).
+absl::string_view ArchitectureName(Architecture a);
+
+// compressed-tensors quantization_config (format pack-quantized), as written by llm-compressor
+// and by slime's INT4 converter:
+//   {"quant_method": "compressed-tensors", "format": "pack-quantized",
+//    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+//      "strategy": "group", "group_size": 128, "symmetric": true, "actorder": null, ...}}},
+//    "ignore": ["lm_head", "re:.*mlp.gate$"]}
+// Parsing is faithful; whether wsync can produce a setting (4-bit, symmetric, no act-order) is
+// checked by CheckInt4Supported(), so that a clear "not supported" differs from "malformed".
+// One entry of quantization_config.ignore: "re:PATTERN" (compiled once) or a literal name/prefix.
+struct IgnoreRule {
+  std::string text;                 // as written in the config
+  std::optional<std::regex> regex;  // set for "re:" entries
+  // InvalidArgument for a pattern std::regex (ECMAScript) cannot compile, naming it.
+  static absl::StatusOr<IgnoreRule> Parse(std::string text);
+  bool Matches(absl::string_view name) const;
+};
+
+struct QuantizationConfig {
+  std::string quant_method;  // "compressed-tensors"
+  std::string format;        // "pack-quantized"
+  int num_bits = 4;
+  std::string type = "int";
+  std::string strategy;      // "group" or "channel"
+  int group_size = -1;       // -1: channelwise (one group spanning K)
+  bool symmetric = true;
+  bool dynamic = false;
+  std::string actorder;      // "" when null / absent
+  std::vector<std::string> targets;
+  std::vector<IgnoreRule> ignore;
+
+  // Whether `param_name` (e.g. "model.layers.0.mlp.gate.weight") is excluded by `ignore`. An
+  // entry matches the module name (the parameter name without ".weight") or the parameter name:
+  // "re:PATTERN" is an ECMAScript regular expression matched from the start of the name (Python
+  // re.match semantics: anchored at the start, not at the end); anything else is an exact name or
+  // a prefix of the name.
+  bool IsIgnored(absl::string_view param_name) const;
+
+  // OK for what the INT4 kernels implement: 4-bit symmetric int, group size 32/64/128 or
+  // channelwise, no act-order, static. Otherwise kInvalidArgument / kUnimplemented naming it.
+  absl::Status CheckInt4Supported() const;
+};
+
+struct MoeConfig {
+  int64_t num_experts = 0;            // routed experts (Qwen3-MoE num_experts, DeepSeek n_routed_experts)
+  int64_t num_experts_per_tok = 0;    // top-k
+  int64_t moe_intermediate_size = 0;
+  int64_t num_shared_experts = 0;     // DeepSeek n_shared_experts (0 for Qwen3-MoE)
+  bool norm_topk_prob = false;
+  // Qwen3-MoE layer selection.
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+  // DeepSeek-V3 layer selection and routing.
+  int64_t first_k_dense_replace = 0;
+  int64_t moe_layer_freq = 1;
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  double routed_scaling_factor = 1.0;
+  std::string scoring_func = "softmax";
+  std::string topk_method = "greedy";
+};
+
+struct MlaConfig {                    // DeepSeek-V3 multi-head latent attention
+  int64_t q_lora_rank = 0;            // 0: no q compression (q_lora_rank null)
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+};
+
+struct ModelConfig {
+  Architecture arch = Architecture::kLlama;
+  std::string architecture;           // architectures[0], e.g. "Qwen3MoeForCausalLM"
+  std::string model_type;
+  int64_t hidden_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;
+  int64_t intermediate_size = 0;      // dense MLP width (DeepSeek's first dense layers too)
+  int64_t vocab_size = 0;
+  int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  bool tie_word_embeddings = false;
+  bool qkv_bias = false;              // Qwen2 always; Llama/Qwen3 when attention_bias
+  bool qk_norm = false;               // Qwen3, Qwen3-MoE
+  DType dtype = DType::kBF16;         // torch_dtype
+  int64_t num_nextn_predict_layers = 0;  // DeepSeek MTP
+  std::optional<MoeConfig> moe;
+  std::optional<MlaConfig> mla;
+  std::optional<QuantizationConfig> quantization;
+
+  // Whether decoder layer `layer` (global index) has a routed-expert MLP.
+  bool IsMoeLayer(int64_t layer) const;
+};
+
+// Parses config.json text. `source` names the file in errors.
+absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::string_view source);
+// Reads `path`: a config.json, or a directory holding one.
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& path);
+
+// Parses a quantization_config: either the object itself or an HF config.json holding it under
+// "quantization_config". NotFound if a config.json has none.
+absl::StatusOr<QuantizationConfig> ParseQuantizationConfig(absl::string_view json_text, absl::string_view source);
+absl::StatusOr<QuantizationConfig> LoadQuantizationConfig(const std::string& path);
+
+// Reads a whole (small) text file; kNotFound / kPermissionDenied from errno.
+absl::StatusOr<std::string> ReadTextFile(const std::string& path);
+
+}  // namespace wsync

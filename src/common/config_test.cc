@@ -1,0 +1,253 @@
+#include "common/config.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+namespace wsync {
+namespace {
+
+// Trimmed copies of public config.json files (fields as published).
+constexpr const char* kQwen3Moe30B = R"({
+  "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+  "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+  "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+  "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": true, "vocab_size": 151936,
+  "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16", "attention_bias": false})";
+
+constexpr const char* kDeepseekV3 = R"({
+  "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+  "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+  "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+  "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+  "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+  "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": true,
+  "scoring_func": "sigmoid", "vocab_size": 129280, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+  "num_nextn_predict_layers": 1, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+  "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                          "weight_block_size": [128, 128]}})";
+
+constexpr const char* kLlama8B = R"({
+  "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+  "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+  "vocab_size": 128256, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16", "attention_bias": false, "max_position_embeddings": 131072})";
+
+constexpr const char* kQwen25_05B = R"({
+  "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
+  "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2, "vocab_size": 151936,
+  "tie_word_embeddings": true, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-06, "rope_theta": 1000000.0})";
+
+constexpr const char* kQwen3_06B = R"({
+  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
+  "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "head_dim": 128,
+  "vocab_size": 151936, "tie_word_embeddings": true, "torch_dtype": "bfloat16"})";
+
+constexpr const char* kInt4Quant = R"({
+  "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+  "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+    "strategy": "group", "group_size": 128, "symmetric": true, "actorder": null, "dynamic": false,
+    "observer": "minmax"}}},
+  "ignore": ["lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "model.layers.0."]})";
+
+std::string Replace(std::string s, const std::string& from, const std::string& to) {
+  const size_t p = s.find(from);
+  EXPECT_NE(p, std::string::npos) << from;
+  if (p != std::string::npos) s.replace(p, from.size(), to);
+  return s;
+}
+
+TEST(ConfigTest, Qwen3Moe) {
+  auto c = ParseModelConfig(kQwen3Moe30B, "qwen3moe/config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->arch, Architecture::kQwen3Moe);
+  EXPECT_EQ(c->head_dim, 128);
+  EXPECT_EQ(c->num_key_value_heads, 4);
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_FALSE(c->qkv_bias);
+  ASSERT_TRUE(c->moe.has_value());
+  EXPECT_EQ(c->moe->num_experts, 128);
+  EXPECT_EQ(c->moe->moe_intermediate_size, 768);
+  EXPECT_TRUE(c->IsMoeLayer(0));
+  EXPECT_TRUE(c->IsMoeLayer(47));
+  EXPECT_FALSE(c->IsMoeLayer(48));
+  EXPECT_FALSE(c->quantization.has_value());
+  auto sparse = ParseModelConfig(Replace(Replace(kQwen3Moe30B, R"("decoder_sparse_step": 1)", R"("decoder_sparse_step": 2)"),
+                                         R"("mlp_only_layers": [])", R"("mlp_only_layers": [3])"),
+                                 "x");
+  ASSERT_TRUE(sparse.ok()) << sparse.status();
+  EXPECT_FALSE(sparse->IsMoeLayer(0));
+  EXPECT_TRUE(sparse->IsMoeLayer(1));
+  EXPECT_FALSE(sparse->IsMoeLayer(3));
+}
+
+TEST(ConfigTest, DeepseekV3RefusesFp8QuantizationClearly) {
+  auto c = ParseModelConfig(kDeepseekV3, "dsv3/config.json");
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("\"fp8\""), std::string_view::npos) << c.status();
+  EXPECT_NE(c.status().message().find("dsv3/config.json"), std::string_view::npos);
+}
+
+TEST(ConfigTest, DeepseekV3) {
+  std::string text = kDeepseekV3;
+  text = text.substr(0, text.find(",\n  \"quantization_config\"")) + "}";
+  auto c = ParseModelConfig(text, "dsv3/config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->arch, Architecture::kDeepseekV3);
+  ASSERT_TRUE(c->mla.has_value());
+  EXPECT_EQ(c->mla->q_lora_rank, 1536);
+  EXPECT_EQ(c->mla->kv_lora_rank, 512);
+  EXPECT_EQ(c->head_dim, 192);
+  EXPECT_EQ(c->moe->num_experts, 256);
+  EXPECT_EQ(c->moe->num_shared_experts, 1);
+  EXPECT_EQ(c->num_nextn_predict_layers, 1);
+  EXPECT_FALSE(c->IsMoeLayer(2));
+  EXPECT_TRUE(c->IsMoeLayer(3));
+  EXPECT_TRUE(c->IsMoeLayer(60));
+  auto no_qlora = ParseModelConfig(Replace(text, R"("q_lora_rank": 1536)", R"("q_lora_rank": null)"), "x");
+  ASSERT_TRUE(no_qlora.ok()) << no_qlora.status();
+  EXPECT_EQ(no_qlora->mla->q_lora_rank, 0);
+}
+
+TEST(ConfigTest, DenseModelsAndDefaults) {
+  auto llama = ParseModelConfig(kLlama8B, "llama");
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  EXPECT_EQ(llama->arch, Architecture::kLlama);
+  EXPECT_EQ(llama->head_dim, 128);
+  EXPECT_FALSE(llama->qkv_bias);
+  EXPECT_FALSE(llama->moe.has_value());
+  EXPECT_DOUBLE_EQ(llama->rope_theta, 500000.0);
+  auto qwen2 = ParseModelConfig(kQwen25_05B, "qwen2");
+  ASSERT_TRUE(qwen2.ok()) << qwen2.status();
+  EXPECT_TRUE(qwen2->qkv_bias);
+  EXPECT_TRUE(qwen2->tie_word_embeddings);
+  EXPECT_EQ(qwen2->head_dim, 64);
+  EXPECT_EQ(qwen2->max_position_embeddings, 4096);  // default when absent
+  auto qwen3 = ParseModelConfig(kQwen3_06B, "qwen3");
+  ASSERT_TRUE(qwen3.ok()) << qwen3.status();
+  EXPECT_EQ(qwen3->head_dim, 128);  // != hidden/heads = 64: Qwen3 sets it explicitly
+  EXPECT_TRUE(qwen3->qk_norm);
+  // model_type alone identifies the architecture.
+  auto by_type = ParseModelConfig(R"({"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 1000})", "t");
+  ASSERT_TRUE(by_type.ok()) << by_type.status();
+  EXPECT_EQ(by_type->architecture, "Qwen3ForCausalLM");
+  EXPECT_EQ(by_type->head_dim, 128);  // HF Qwen3Config default
+}
+
+TEST(ConfigTest, InvalidConfigsNameTheField) {
+  struct Case {
+    std::string text;
+    const char* mention;
+  };
+  const Case cases[] = {
+      {"{", "well-formed"},
+      {"[1]", "JSON object"},
+      {Replace(kLlama8B, "LlamaForCausalLM", "MistralForCausalLM"), "MistralForCausalLM"},
+      {Replace(kLlama8B, R"("model_type": "llama")", R"("model_type": "qwen2")"), "model_type"},
+      {Replace(kLlama8B, R"("hidden_size": 4096)", R"("hidden_size": -4096)"), "hidden_size"},
+      {Replace(kLlama8B, R"("hidden_size": 4096)", R"("hidden_size": "4096")"), "hidden_size"},
+      {Replace(kLlama8B, R"("hidden_size": 4096,)", ""), "hidden_size\" is required"},
+      {Replace(kLlama8B, R"("num_key_value_heads": 8)", R"("num_key_value_heads": 5)"), "num_key_value_heads"},
+      {Replace(kLlama8B, R"("vocab_size": 128256)", R"("vocab_size": 0)"), "vocab_size"},
+      {Replace(kLlama8B, R"("torch_dtype": "bfloat16")", R"("torch_dtype": "int8")"), "torch_dtype"},
+      {Replace(kLlama8B, R"("tie_word_embeddings": false)", R"("tie_word_embeddings": "no")"), "tie_word_embeddings"},
+      {Replace(kQwen3Moe30B, R"("num_experts": 128)", R"("num_experts": 4)"), "num_experts_per_tok"},
+      {Replace(kQwen3Moe30B, R"("moe_intermediate_size": 768,)", ""), "moe_intermediate_size"},
+      {Replace(kQwen3Moe30B, R"("mlp_only_layers": [])", R"("mlp_only_layers": [48])"), "mlp_only_layers"},
+      {Replace(kQwen3Moe30B, R"("head_dim": 128)", R"("head_dim": 127)"), "head_dim"},
+  };
+  for (const auto& c : cases) {
+    auto r = ParseModelConfig(c.text, "bad/config.json");
+    ASSERT_FALSE(r.ok()) << c.mention;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    EXPECT_NE(r.status().message().find(c.mention), std::string_view::npos) << r.status();
+    EXPECT_NE(r.status().message().find("bad/config.json"), std::string_view::npos) << r.status();
+  }
+}
+
+TEST(ConfigTest, QuantizationConfigStandaloneAndEmbedded) {
+  auto q = ParseQuantizationConfig(kInt4Quant, "q.json");
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ(q->num_bits, 4);
+  EXPECT_EQ(q->group_size, 128);
+  EXPECT_EQ(q->strategy, "group");
+  EXPECT_TRUE(q->symmetric);
+  EXPECT_TRUE(q->actorder.empty());
+  EXPECT_EQ(q->targets, std::vector<std::string>{"Linear"});
+  EXPECT_TRUE(q->CheckInt4Supported().ok());
+
+  std::string model = kQwen3Moe30B;
+  model.pop_back();
+  model += std::string(R"(, "quantization_config": )") + kInt4Quant + "}";
+  auto m = ParseModelConfig(model, "m");
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_TRUE(m->quantization.has_value());
+  EXPECT_EQ(m->quantization->group_size, 128);
+  auto from_model = ParseQuantizationConfig(model, "m");
+  ASSERT_TRUE(from_model.ok());
+  EXPECT_EQ(from_model->ignore.size(), 4u);
+  EXPECT_EQ(ParseQuantizationConfig(kLlama8B, "llama").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ConfigTest, IgnoreRulesFollowReMatchAndPrefix) {
+  auto q = ParseQuantizationConfig(kInt4Quant, "q.json");
+  ASSERT_TRUE(q.ok());
+  EXPECT_TRUE(q->IsIgnored("lm_head.weight"));                              // exact module name
+  EXPECT_TRUE(q->IsIgnored("model.layers.3.self_attn.q_proj.weight"));      // regex
+  EXPECT_TRUE(q->IsIgnored("model.layers.3.mlp.gate.weight"));              // regex on the module name ($)
+  EXPECT_FALSE(q->IsIgnored("model.layers.3.mlp.gate_proj.weight"));        // "gate$" does not match gate_proj
+  EXPECT_FALSE(q->IsIgnored("model.layers.3.mlp.experts.1.up_proj.weight"));
+  EXPECT_TRUE(q->IsIgnored("model.layers.0.mlp.experts.1.up_proj.weight"));   // prefix
+  EXPECT_FALSE(q->IsIgnored("model.layers.01.mlp.experts.1.up_proj.weight"));
+  // re.match anchors at the start only.
+  auto start = IgnoreRule::Parse("re:mlp");
+  ASSERT_TRUE(start.ok());
+  EXPECT_FALSE(start->Matches("model.mlp.x"));
+  EXPECT_TRUE(start->Matches("mlp.x"));
+}
+
+TEST(ConfigTest, QuantizationErrorsAndUnsupportedSettings) {
+  struct Case {
+    std::string from, to;
+    absl::StatusCode parse_code;
+    const char* mention;
+  };
+  const Case cases[] = {
+      {R"("quant_method": "compressed-tensors")", R"("quant_method": "awq")", absl::StatusCode::kInvalidArgument, "awq"},
+      {R"("strategy": "group")", R"("strategy": "tensor")", absl::StatusCode::kInvalidArgument, "strategy"},
+      {R"("group_size": 128)", R"("group_size": 0)", absl::StatusCode::kInvalidArgument, "group_size"},
+      {R"("group_size": 128)", R"("group_size": "128")", absl::StatusCode::kInvalidArgument, "group_size"},
+      {R"("re:.*self_attn.*")", R"("re:(unclosed")", absl::StatusCode::kInvalidArgument, "(unclosed"},
+      {R"("num_bits": 4)", R"("num_bits": 8)", absl::StatusCode::kOk, "num_bits 8"},
+      {R"("symmetric": true)", R"("symmetric": false)", absl::StatusCode::kOk, "asymmetric"},
+      {R"("actorder": null)", R"("actorder": "group")", absl::StatusCode::kOk, "act-order"},
+      {R"("group_size": 128)", R"("group_size": 256)", absl::StatusCode::kOk, "group_size 256"},
+  };
+  for (const auto& c : cases) {
+    auto q = ParseQuantizationConfig(Replace(kInt4Quant, c.from, c.to), "q.json");
+    if (c.parse_code != absl::StatusCode::kOk) {
+      ASSERT_FALSE(q.ok()) << c.to;
+      EXPECT_EQ(q.status().code(), c.parse_code) << q.status();
+      EXPECT_NE(q.status().message().find(c.mention), std::string_view::npos) << q.status();
+      EXPECT_NE(q.status().message().find("q.json"), std::string_view::npos) << q.status();
+    } else {
+      ASSERT_TRUE(q.ok()) << q.status();
+      auto s = q->CheckInt4Supported();
+      EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << c.to;
+      EXPECT_NE(s.message().find(c.mention), std::string_view::npos) << s;
+    }
+  }
+  auto channel = ParseQuantizationConfig(
+      Replace(Replace(kInt4Quant, R"("strategy": "group")", R"("strategy": "channel")"), R"("group_size": 128)",
+              R"("group_size": null)"),
+      "q.json");
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  EXPECT_EQ(channel->group_size, -1);
+  EXPECT_TRUE(channel->CheckInt4Supported().ok());
+}
+
+}  // namespace
+}  // namespace wsync

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Sets up a wsync build on Debian 12: installs the Debian packages it needs (only the missing ones,
+# after one `apt-get update`), configures with CMake + Ninja, and builds. Idempotent: a second run
+# installs nothing and rebuilds only what changed.
+#
+#   tools/setup.sh                      # build/ : CUDA kernels + NCCL when nvcc exists, else CPU-only
+#   tools/setup.sh --sanitize           # build-asan/ : clang, CPU-only, ASan+UBSan, libFuzzer targets
+#   tools/setup.sh --deps-only          # packages only
+#
+# Environment: CI=true turns -Werror on. WSYNC_BUILD_DIR overrides the build directory.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PACKAGES=(
+  build-essential cmake ninja-build ccache pkg-config git
+  libopenmpi-dev openmpi-bin
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev libgtest-dev libgmock-dev libgloo-dev libhwy-dev libxxhash-dev
+  nlohmann-json3-dev libcpp-httplib-dev libcli11-dev
+  clang libclang-rt-14-dev
+)
+
+mode=default
+deps_only=0
+for arg in "$@"; do
+  case "$arg" in
+    --sanitize) mode=sanitize ;;
+    --deps-only) deps_only=1 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  echo "setup.sh: installing ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+((deps_only)) && exit 0
+
+args=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo)
+if command -v ccache >/dev/null; then
+  args+=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
+if [ "${CI:-}" = "true" ]; then args+=(-DWSYNC_WERROR=ON); fi
+if [ "$mode" = sanitize ]; then
+  build="${WSYNC_BUILD_DIR:-build-asan}"
+  args+=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DWSYNC_WITH_CUDA=OFF -DWSYNC_SANITIZE=ON -DWSYNC_FUZZ=ON)
+else
+  build="${WSYNC_BUILD_DIR:-build}"
+fi
+cmake -S . -B "$build" "${args[@]}" >/dev/null
+cmake --build "$build" -j"$(nproc)"
