@@ -16,6 +16,8 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "hwy/targets.h"
+#include "kernels/cpu/int4_cpu.h"
 #include "kernels/format/int4_format.h"
 
 namespace wsync::kernels {
@@ -499,6 +501,33 @@ TEST(Int4ScalePermTest, GroupedChannelwiseAndInverse) {
     }
     CheckScalePerm(1, 128, 128, 64, dt, seed++);  // G == K: the single perm (§5)
   }
+}
+
+// ---- every SIMD target Highway compiled ---------------------------------------------------------
+
+// The runtime dispatch picks one target per machine; force each compiled one (AVX3, AVX2, SSE4,
+// SSSE3, scalar) so that all of them are held to the same bits (fp16 promotion, Round emulation,
+// tails).
+TEST(Int4TargetsTest, EveryCompiledSimdTargetIsBitExact) {
+  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  ASSERT_FALSE(targets.empty());
+  for (int64_t t : targets) {
+    hwy::SetSupportedTargetsForTest(t);
+    SCOPED_TRACE(hwy::TargetName(t));
+    EXPECT_STREQ(cpu::SimdTargetName(), hwy::TargetName(t));
+    uint32_t seed = 500;
+    for (const QuantCase& c : AllQuantCases()) {
+      ++seed;
+      CheckQuantize(RandomWeights(40 * 136, c.dtype, seed, 0.5f), 1, 40, 136, {c.dtype, c.variant, -1, c.format}, 2);
+      if (c.group > 0) CheckQuantize(RandomWeights(2 * 17 * 256, c.dtype, seed), 2, 17, 256, c, 2);
+    }
+    CheckRepack(1, 256, 192, false, 41, 2);
+    CheckRepack(2, 128, 128, true, 42, 2);
+  }
+  hwy::SetSupportedTargetsForTest(0);  // back to the real CPU
+  std::string names;
+  for (int64_t t : targets) names += std::string(" ") + hwy::TargetName(t);
+  std::printf("SIMD targets checked:%s\n", names.c_str());
 }
 
 // ---- validation ----------------------------------------------------------------------------------
