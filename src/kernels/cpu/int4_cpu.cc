@@ -13,7 +13,10 @@
 // Lo = NibblePlaneLo(A, B), Hi = NibblePlaneHi(A, B) are built over all N columns (lanewise,
 // auto-vectorized under the Highway target attributes); each Marlin word is then one 4x4 byte
 // transpose of {Lo(c), Lo(c+8), Hi(c), Hi(c+8)} stored at tile word 16*cc + 4*rr + v
-// (c = 64nt + 16v + cc). Restore runs the same steps backwards (the transpose is an involution).
+// (c = 64nt + 16v + cc). The transposes run lanewise over cc (8 lanes); the resulting [16][8]
+// block is turned into the tile's [8][16] word order with 16-lane gathers from L1, and the 512-byte
+// tile is written with streaming stores. Restore runs the same steps backwards (the byte
+// transpose is an involution).
 // With a perm, restore first restores in Marlin row order into a temporary, then gathers GPTQ row
 // p from temporary row inv[p] (rare path; allocates the temporary).
 //
@@ -237,6 +240,105 @@ void GatherRows(const uint32_t* HWY_RESTRICT src, int64_t n, const int32_t* rows
   }
 }
 
+#if HWY_TARGET != HWY_SCALAR
+// Vector form of format::Transpose4x4Bytes, lanewise (the reference tests hold both to the same
+// bits through RefMarlin).
+template <class D, class V>
+HWY_INLINE void Transpose4x4BytesV(D d, V& x0, V& x1, V& x2, V& x3) {
+  const auto m0 = hn::Set(d, 0x00FF00FFu), m1 = hn::Set(d, 0xFF00FF00u);
+  const auto lo16 = hn::Set(d, 0x0000FFFFu), hi16 = hn::Set(d, 0xFFFF0000u);
+  const V t0 = hn::Or(hn::And(x0, m0), hn::ShiftLeft<8>(hn::And(x1, m0)));
+  const V t1 = hn::Or(hn::And(hn::ShiftRight<8>(x0), m0), hn::And(x1, m1));
+  const V t2 = hn::Or(hn::And(x2, m0), hn::ShiftLeft<8>(hn::And(x3, m0)));
+  const V t3 = hn::Or(hn::And(hn::ShiftRight<8>(x2), m0), hn::And(x3, m1));
+  x0 = hn::Or(hn::And(t0, lo16), hn::ShiftLeft<16>(t2));
+  x1 = hn::Or(hn::And(t1, lo16), hn::ShiftLeft<16>(t3));
+  x2 = hn::Or(hn::ShiftRight<16>(t0), hn::And(t2, hi16));
+  x3 = hn::Or(hn::ShiftRight<16>(t1), hn::And(t3, hi16));
+}
+#endif
+
+// One Marlin tile from the byte planes of its 64 columns (lo/hi point at the tile's column 0).
+// Word (cc, rr, v) = 16 cc + 4 rr + v is byte-transpose rr of {lo, hi}[16 v + cc (+8)]. Vector
+// path: lanes run over cc (8 columns), giving t[q][cc] with q = 4 rr + v; the tile is the 16 x 8
+// transpose of t, done with one 16-lane gather per cc.
+void EmitTile(const uint32_t* HWY_RESTRICT lo, const uint32_t* HWY_RESTRICT hi, uint32_t* HWY_RESTRICT dst) {
+  HWY_ALIGN uint32_t o[fmt::kTileWords];
+#if HWY_TARGET == HWY_SCALAR
+  for (int cc = 0; cc < 8; ++cc) {
+    for (int v = 0; v < 4; ++v) {
+      const int c = 16 * v + cc;
+      uint32_t x0 = lo[c], x1 = lo[c + 8], x2 = hi[c], x3 = hi[c + 8];
+      fmt::Transpose4x4Bytes(x0, x1, x2, x3);
+      o[16 * cc + v] = x0;
+      o[16 * cc + 4 + v] = x1;
+      o[16 * cc + 8 + v] = x2;
+      o[16 * cc + 12 + v] = x3;
+    }
+  }
+#else
+  HWY_ALIGN uint32_t t[fmt::kTileWords];
+  const hn::CappedTag<uint32_t, 8> d;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  for (int v = 0; v < 4; ++v) {
+    for (int cc = 0; cc < 8; cc += lanes) {
+      auto x0 = hn::LoadU(d, lo + 16 * v + cc), x1 = hn::LoadU(d, lo + 16 * v + 8 + cc);
+      auto x2 = hn::LoadU(d, hi + 16 * v + cc), x3 = hn::LoadU(d, hi + 16 * v + 8 + cc);
+      Transpose4x4BytesV(d, x0, x1, x2, x3);
+      hn::Store(x0, d, t + (0 + v) * 8 + cc);
+      hn::Store(x1, d, t + (4 + v) * 8 + cc);
+      hn::Store(x2, d, t + (8 + v) * 8 + cc);
+      hn::Store(x3, d, t + (12 + v) * 8 + cc);
+    }
+  }
+  const hn::CappedTag<uint32_t, 16> d16;
+  const hn::RebindToSigned<decltype(d16)> di;
+  const int lanes16 = static_cast<int>(hn::Lanes(d16));
+  const auto idx = hn::Mul(hn::Iota(di, 0), hn::Set(di, 8));
+  for (int cc = 0; cc < 8; ++cc) {
+    for (int q = 0; q < 16; q += lanes16) {
+      hn::Store(hn::GatherIndex(d16, t + q * 8 + cc, idx), d16, o + 16 * cc + q);
+    }
+  }
+#endif
+  StreamCopy(o, fmt::kTileWords, dst);
+}
+
+// Inverse of EmitTile: the byte planes of a tile's 64 columns from its 128 words.
+void SplitTile(const uint32_t* HWY_RESTRICT o, uint32_t* HWY_RESTRICT lo, uint32_t* HWY_RESTRICT hi) {
+#if HWY_TARGET == HWY_SCALAR
+  for (int cc = 0; cc < 8; ++cc) {
+    for (int v = 0; v < 4; ++v) {
+      const int c = 16 * v + cc;
+      uint32_t x0 = o[16 * cc + v], x1 = o[16 * cc + 4 + v];
+      uint32_t x2 = o[16 * cc + 8 + v], x3 = o[16 * cc + 12 + v];
+      fmt::Transpose4x4Bytes(x0, x1, x2, x3);
+      lo[c] = x0;
+      lo[c + 8] = x1;
+      hi[c] = x2;
+      hi[c + 8] = x3;
+    }
+  }
+#else
+  const hn::CappedTag<uint32_t, 8> d;
+  const hn::RebindToSigned<decltype(d)> di;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  const auto idx = hn::Mul(hn::Iota(di, 0), hn::Set(di, 16));  // lane cc -> word 16 cc + q
+  for (int v = 0; v < 4; ++v) {
+    for (int cc = 0; cc < 8; cc += lanes) {
+      const uint32_t* base = o + 16 * cc + v;
+      auto x0 = hn::GatherIndex(d, base + 0, idx), x1 = hn::GatherIndex(d, base + 4, idx);
+      auto x2 = hn::GatherIndex(d, base + 8, idx), x3 = hn::GatherIndex(d, base + 12, idx);
+      Transpose4x4BytesV(d, x0, x1, x2, x3);
+      hn::StoreU(x0, d, lo + 16 * v + cc);
+      hn::StoreU(x1, d, lo + 16 * v + 8 + cc);
+      hn::StoreU(x2, d, hi + 16 * v + cc);
+      hn::StoreU(x3, d, hi + 16 * v + 8 + cc);
+    }
+  }
+#endif
+}
+
 // Units are (expert, k-tile); scratch holds 4N words.
 void RepackUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uint32_t* scratch) {
   const int64_t n = a.n, kw = a.k / 8, ktiles = a.k / fmt::kTileK;
@@ -266,20 +368,7 @@ void RepackUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uint
     }
     uint32_t* out = a.out + e * (a.k / fmt::kTileK) * 2 * n + fmt::TileOffset(kt, 0, n);
     for (int64_t nt = 0; nt < n / fmt::kTileN; ++nt) {
-      HWY_ALIGN uint32_t o[fmt::kTileWords];
-      const int64_t base = nt * fmt::kTileN;
-      for (int cc = 0; cc < 8; ++cc) {
-        for (int v = 0; v < 4; ++v) {
-          const int64_t c = base + 16 * v + cc;
-          uint32_t x0 = lo[c], x1 = lo[c + 8], x2 = hi[c], x3 = hi[c + 8];
-          fmt::Transpose4x4Bytes(x0, x1, x2, x3);
-          o[16 * cc + v] = x0;
-          o[16 * cc + 4 + v] = x1;
-          o[16 * cc + 8 + v] = x2;
-          o[16 * cc + 12 + v] = x3;
-        }
-      }
-      StreamCopy(o, fmt::kTileWords, out + nt * fmt::kTileWords);
+      EmitTile(lo + nt * fmt::kTileN, hi + nt * fmt::kTileN, out + nt * fmt::kTileWords);
     }
   }
   hwy::FlushStream();
@@ -294,20 +383,7 @@ void RestoreUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uin
     const int64_t e = unit / ktiles, kt = unit % ktiles;
     const uint32_t* in = a.in + e * ktiles * 2 * n + fmt::TileOffset(kt, 0, n);
     for (int64_t nt = 0; nt < n / fmt::kTileN; ++nt) {
-      const uint32_t* HWY_RESTRICT o = in + nt * fmt::kTileWords;
-      const int64_t base = nt * fmt::kTileN;
-      for (int cc = 0; cc < 8; ++cc) {
-        for (int v = 0; v < 4; ++v) {
-          const int64_t c = base + 16 * v + cc;
-          uint32_t x0 = o[16 * cc + v], x1 = o[16 * cc + 4 + v];
-          uint32_t x2 = o[16 * cc + 8 + v], x3 = o[16 * cc + 12 + v];
-          fmt::Transpose4x4Bytes(x0, x1, x2, x3);
-          lo[c] = x0;
-          lo[c + 8] = x1;
-          hi[c] = x2;
-          hi[c + 8] = x3;
-        }
-      }
+      SplitTile(in + nt * fmt::kTileWords, lo + nt * fmt::kTileN, hi + nt * fmt::kTileN);
     }
     // A and B overwrite the planes in place (lanewise), then stream out as GPTQ rows 2kt, 2kt+1.
     for (int64_t c = 0; c < n; ++c) {
