@@ -70,39 +70,57 @@ uint32_t AbsMaxBits(const uint16_t* HWY_RESTRICT x, int64_t n) {
   return r;
 }
 
+#if HWY_TARGET != HWY_SCALAR
+// q = clamp(rint(vf / vs), -7, 7); u = q + 8; pairs of lanes -> one byte (u_even | u_odd << 4),
+// stored at `bytes`: Lanes/2 bytes, i.e. the little-endian bytes of the packed words (§2).
+// u is read from the mantissa of q + (2^23 + 8), exact for |q| <= 7: no float->int conversion.
 template <class DF, class V>
-HWY_INLINE void EmitNibbles(DF df, V vf, V vs, uint8_t* HWY_RESTRICT u) {
-  const hn::Rebind<int32_t, DF> di;
-  const hn::Rebind<uint8_t, DF> d8;
+HWY_INLINE void EmitPacked(DF df, V vf, V vs, uint8_t* HWY_RESTRICT bytes) {
+  const hn::Rebind<uint32_t, DF> du32;
+  const hn::Repartition<uint64_t, DF> du64;
+  const hn::Rebind<uint8_t, decltype(du64)> d8;
   auto r = hn::Round(hn::Div(vf, vs));
   r = hn::Max(r, hn::Set(df, -static_cast<float>(fmt::kQMax)));  // max(NaN, -7) = -7 as fmaxf
   r = hn::Min(r, hn::Set(df, static_cast<float>(fmt::kQMax)));
-  const auto q = hn::Add(hn::ConvertTo(di, r), hn::Set(di, fmt::kNibbleBias));
-  hn::StoreU(hn::DemoteTo(d8, q), d8, u);
+  const auto u = hn::And(hn::BitCast(du32, hn::Add(r, hn::Set(df, 8388608.0f + fmt::kNibbleBias))),
+                         hn::Set(du32, 0xFu));
+  const auto v = hn::BitCast(du64, u);
+  const auto pair = hn::And(hn::Or(v, hn::ShiftRight<28>(v)), hn::Set(du64, uint64_t{0xFF}));
+  hn::StoreU(hn::TruncateTo(d8, pair), d8, bytes);
 }
+#endif
 
-// u[i] = q(x[i]) + 8 for n values sharing one scale.
-void QuantizeToBytes(const uint16_t* HWY_RESTRICT x, int64_t n, float scale, bool bf16,
-                     uint8_t* HWY_RESTRICT u) {
+// out[0 .. n/8) = the packed words of n values (n % 8 == 0) sharing one scale.
+void QuantizeToWords(const uint16_t* HWY_RESTRICT x, int64_t n, float scale, bool bf16,
+                     uint32_t* HWY_RESTRICT out) {
+  int64_t i = 0;
+#if HWY_TARGET != HWY_SCALAR
   const hn::ScalableTag<float> df;
   const hn::Rebind<uint16_t, decltype(df)> d16;
   const hn::Rebind<uint32_t, decltype(df)> du32;
   const hn::Rebind<hwy::float16_t, decltype(df)> dh;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
   const auto vs = hn::Set(df, scale);
-  int64_t i = 0;
+  uint8_t* HWY_RESTRICT bytes = reinterpret_cast<uint8_t*>(out);
   if (bf16) {
     for (; i + lanes <= n; i += lanes) {
       const auto vf = hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(d16, x + i))));
-      EmitNibbles(df, vf, vs, u + i);
+      EmitPacked(df, vf, vs, bytes + i / 2);
     }
-    for (; i < n; ++i) u[i] = static_cast<uint8_t>(fmt::QuantizeNibble(BF16ToF32(x[i]), scale));
   } else {
     for (; i + lanes <= n; i += lanes) {
       const auto vf = hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(x + i)));
-      EmitNibbles(df, vf, vs, u + i);
+      EmitPacked(df, vf, vs, bytes + i / 2);
     }
-    for (; i < n; ++i) u[i] = static_cast<uint8_t>(fmt::QuantizeNibble(F16ToF32(x[i]), scale));
+  }
+#endif
+  for (; i < n; i += 8) {  // tail (and the scalar target): same math through the shared helpers
+    uint32_t word = 0;
+    for (int j = 0; j < 8; ++j) {
+      const float v = bf16 ? BF16ToF32(x[i + j]) : F16ToF32(x[i + j]);
+      word |= fmt::QuantizeNibble(v, scale) << (4 * j);
+    }
+    out[i / 8] = word;
   }
 }
 
@@ -119,32 +137,6 @@ void StreamCopy(const uint32_t* HWY_RESTRICT src, int64_t n, uint32_t* HWY_RESTR
   }
 #endif
   std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(uint32_t));
-}
-
-// out[j] = the 8 nibble bytes u[8j..8j+7] packed into one word, for j < words (SIMD on u64 lanes:
-// the three PackNibbleBytes steps, then the low 32 bits of every lane).
-void PackBytes(const uint8_t* HWY_RESTRICT u, int64_t words, uint32_t* HWY_RESTRICT out) {
-  int64_t j = 0;
-#if HWY_TARGET != HWY_SCALAR
-  const hn::ScalableTag<uint64_t> d64;
-  const hn::Repartition<uint8_t, decltype(d64)> d8;
-  const hn::Rebind<uint32_t, decltype(d64)> d32;
-  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d64));
-  const auto m1 = hn::Set(d64, 0x00FF00FF00FF00FFull);
-  const auto m2 = hn::Set(d64, 0x0000FFFF0000FFFFull);
-  for (; j + lanes <= words; j += lanes) {
-    const auto b = hn::BitCast(d64, hn::LoadU(d8, u + 8 * j));
-    auto x = hn::And(hn::Or(b, hn::ShiftRight<4>(b)), m1);
-    x = hn::And(hn::Or(x, hn::ShiftRight<8>(x)), m2);
-    x = hn::Or(x, hn::ShiftRight<16>(x));
-    hn::StoreU(hn::TruncateTo(d32, x), d32, out + j);
-  }
-#endif
-  for (; j < words; ++j) {
-    uint64_t b;
-    std::memcpy(&b, u + 8 * j, sizeof(b));
-    out[j] = fmt::PackNibbleBytes(b);
-  }
 }
 
 // out[j * ld + r] = staged[r * stride + j] for r < rows (<= 16), j < kw: words of 16 consecutive
@@ -178,7 +170,7 @@ void WriteTransposed(const uint32_t* HWY_RESTRICT staged, int64_t stride, int64_
 // the same L1 sets (a row stride that is a multiple of 4 KiB would).
 int64_t StagingStride(int64_t k) { return k / 8 + 16; }
 
-// Units are (expert, 16-row block); scratch holds K bytes + kRowBlock * StagingStride(K) words.
+// Units are (expert, 16-row block); scratch holds kRowBlock * StagingStride(K) words.
 // Returns the smallest (row * ng + g) of a group holding Inf/NaN, or -1.
 int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t end, uint8_t* scratch) {
   const uint32_t nonfinite = fmt::NonFiniteAbsBits16(a.is_bf16);
@@ -188,8 +180,7 @@ int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t en
   const int64_t ng = a.k / a.group;
   const int64_t stride = StagingStride(a.k);
   const bool gptq = a.layout == internal::Layout::kGptq;
-  uint8_t* u = scratch;
-  uint32_t* staged = reinterpret_cast<uint32_t*>(scratch + ((a.k + 63) / 64) * 64);
+  uint32_t* staged = reinterpret_cast<uint32_t*>(scratch);
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t e = unit / blocks;
     const int64_t n0 = (unit % blocks) * kRowBlock;
@@ -197,6 +188,7 @@ int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t en
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t row = e * a.n + n;
       const uint16_t* x = a.w + row * a.k;
+      uint32_t* words = gptq ? staged + (n - n0) * stride : staged;
       for (int64_t g = 0; g < ng; ++g) {
         const uint32_t bits = AbsMaxBits(x + g * a.group, a.group);
         if (bits >= nonfinite && bad < 0) bad = row * ng + g;
@@ -209,14 +201,9 @@ int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t en
         } else {
           a.scales[row * ng + g] = s16;
         }
-        QuantizeToBytes(x + g * a.group, a.group, scale, a.is_bf16, u + g * a.group);
+        QuantizeToWords(x + g * a.group, a.group, scale, a.is_bf16, words + g * (a.group / 8));
       }
-      if (gptq) {
-        PackBytes(u, kw, staged + (n - n0) * stride);
-      } else {
-        PackBytes(u, kw, staged);
-        StreamCopy(staged, kw, a.packed + row * kw);
-      }
+      if (!gptq) StreamCopy(words, kw, a.packed + row * kw);
     }
     if (gptq) WriteTransposed(staged, stride, kw, n1 - n0, a.packed + e * kw * a.n + n0, a.n);
   }
@@ -457,9 +444,8 @@ absl::Status Quantize(const internal::QuantizeArgs& args) {
   const int64_t blocks = (args.n + 15) / 16;
   std::atomic<int64_t> bad{INT64_MAX};
   ParallelFor(args.experts * blocks, args.threads, [&](int64_t b, int64_t e) {
-    const size_t row_bytes = static_cast<size_t>((args.k + 63) / 64 * 64);
-    // one nibble row + 16 staged word rows of StagingStride(K) = K/8 + 16 words
-    std::vector<uint8_t> scratch(row_bytes + 16 * static_cast<size_t>(args.k / 8 + 16) * sizeof(uint32_t));
+    // 16 staged word rows of StagingStride(K) = K/8 + 16 words
+    std::vector<uint8_t> scratch(16 * static_cast<size_t>(args.k / 8 + 16) * sizeof(uint32_t));
     const int64_t mine = HWY_DYNAMIC_DISPATCH(QuantizeUnits)(args, b, e, scratch.data());
     if (mine < 0) return;
     int64_t cur = bad.load();
