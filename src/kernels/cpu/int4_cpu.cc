@@ -86,7 +86,13 @@ HWY_INLINE void EmitPacked(DF df, V vf, V vs, uint8_t* HWY_RESTRICT bytes) {
                          hn::Set(du32, 0xFu));
   const auto v = hn::BitCast(du64, u);
   const auto pair = hn::And(hn::Or(v, hn::ShiftRight<28>(v)), hn::Set(du64, uint64_t{0xFF}));
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  // vpmovqb: one instruction where Highway 1.0.3's TruncateTo emits a permute chain.
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(bytes), _mm512_cvtepi64_epi8(pair.raw));
+  (void)d8;
+#else
   hn::StoreU(hn::TruncateTo(d8, pair), d8, bytes);
+#endif
 }
 #endif
 
@@ -190,6 +196,9 @@ int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t en
       const uint16_t* x = a.w + row * a.k;
       uint32_t* words = gptq ? staged + (n - n0) * stride : staged;
       for (int64_t g = 0; g < ng; ++g) {
+        // Software prefetch ~2 KiB ahead (the next row near the end of this one): the amax pass is
+        // the first touch of W and otherwise stalls on it.
+        for (int64_t off = 0; off < a.group; off += 32) hwy::Prefetch(x + g * a.group + 1024 + off);
         const uint32_t bits = AbsMaxBits(x + g * a.group, a.group);
         if (bits >= nonfinite && bad < 0) bad = row * ng + g;
         const float amax = a.is_bf16 ? BF16ToF32(static_cast<uint16_t>(bits))
