@@ -9,14 +9,12 @@
 // ([K/8, N], words of 16 consecutive rows side by side) is written 64 bytes at a time: no separate
 // transpose pass.
 //
-// Repack: per k-tile (2 GPTQ rows A, B, gathered through perm if given), two byte planes
-// Lo = NibblePlaneLo(A, B), Hi = NibblePlaneHi(A, B) are built over all N columns (lanewise,
-// auto-vectorized under the Highway target attributes); each Marlin word is then one 4x4 byte
-// transpose of {Lo(c), Lo(c+8), Hi(c), Hi(c+8)} stored at tile word 16*cc + 4*rr + v
-// (c = 64nt + 16v + cc). The transposes run lanewise over cc (8 lanes); the resulting [16][8]
-// block is turned into the tile's [8][16] word order with 16-lane gathers from L1, and the 512-byte
-// tile is written with streaming stores. Restore runs the same steps backwards (the byte
-// transpose is an involution).
+// Repack: per k-tile, the two GPTQ rows A (2kt), B (2kt+1) (gathered through perm if given) are
+// read tile by tile; for each 64-column tile the byte planes Lo = NibblePlaneLo(A, B),
+// Hi = NibblePlaneHi(A, B) and the 4x4 byte transposes of {Lo(c), Lo(c+8), Hi(c), Hi(c+8)} run
+// lanewise over cc (c = 64nt + 16v + cc), giving Marlin word 16*cc + 4*rr + v in a [16][8] block
+// that 16-lane gathers from L1 turn into tile order; the 512-byte tile is written with streaming
+// stores. Restore runs the same steps backwards (the byte transpose is an involution).
 // With a perm, restore first restores in Marlin row order into a temporary, then gathers GPTQ row
 // p from temporary row inv[p] (rare path; allocates the temporary).
 //
@@ -254,17 +252,19 @@ HWY_INLINE void Transpose4x4BytesV(D d, V& x0, V& x1, V& x2, V& x3) {
 }
 #endif
 
-// One Marlin tile from the byte planes of its 64 columns (lo/hi point at the tile's column 0).
-// Word (cc, rr, v) = 16 cc + 4 rr + v is byte-transpose rr of {lo, hi}[16 v + cc (+8)]. Vector
-// path: lanes run over cc (8 columns), giving t[q][cc] with q = 4 rr + v; the tile is the 16 x 8
-// transpose of t, done with one 16-lane gather per cc.
-void EmitTile(const uint32_t* HWY_RESTRICT lo, const uint32_t* HWY_RESTRICT hi, uint32_t* HWY_RESTRICT dst) {
+// One Marlin tile from its two GPTQ rows A = a[0..64), B = b[0..64) (perm-gathered or not).
+// Word (cc, rr, v) = 16 cc + 4 rr + v is byte-transpose rr of the planes {Lo, Hi}[16 v + cc (+8)]
+// of (A, B). Vector path: planes and transposes lanewise over cc (8 columns), giving t[q][cc] with
+// q = 4 rr + v; the tile is the 16 x 8 transpose of t, done with one 16-lane gather per cc; the
+// 512-byte tile is written with streaming stores.
+void EmitTile(const uint32_t* HWY_RESTRICT a, const uint32_t* HWY_RESTRICT b, uint32_t* HWY_RESTRICT dst) {
   HWY_ALIGN uint32_t o[fmt::kTileWords];
 #if HWY_TARGET == HWY_SCALAR
   for (int cc = 0; cc < 8; ++cc) {
     for (int v = 0; v < 4; ++v) {
       const int c = 16 * v + cc;
-      uint32_t x0 = lo[c], x1 = lo[c + 8], x2 = hi[c], x3 = hi[c + 8];
+      uint32_t x0 = fmt::NibblePlaneLo(a[c], b[c]), x1 = fmt::NibblePlaneLo(a[c + 8], b[c + 8]);
+      uint32_t x2 = fmt::NibblePlaneHi(a[c], b[c]), x3 = fmt::NibblePlaneHi(a[c + 8], b[c + 8]);
       fmt::Transpose4x4Bytes(x0, x1, x2, x3);
       o[16 * cc + v] = x0;
       o[16 * cc + 4 + v] = x1;
@@ -275,11 +275,17 @@ void EmitTile(const uint32_t* HWY_RESTRICT lo, const uint32_t* HWY_RESTRICT hi, 
 #else
   HWY_ALIGN uint32_t t[fmt::kTileWords];
   const hn::CappedTag<uint32_t, 8> d;
+  const auto m4 = hn::Set(d, 0x0F0F0F0Fu), m4h = hn::Set(d, 0xF0F0F0F0u);
   const int lanes = static_cast<int>(hn::Lanes(d));
   for (int v = 0; v < 4; ++v) {
     for (int cc = 0; cc < 8; cc += lanes) {
-      auto x0 = hn::LoadU(d, lo + 16 * v + cc), x1 = hn::LoadU(d, lo + 16 * v + 8 + cc);
-      auto x2 = hn::LoadU(d, hi + 16 * v + cc), x3 = hn::LoadU(d, hi + 16 * v + 8 + cc);
+      const auto a0 = hn::LoadU(d, a + 16 * v + cc), a1 = hn::LoadU(d, a + 16 * v + 8 + cc);
+      const auto b0 = hn::LoadU(d, b + 16 * v + cc), b1 = hn::LoadU(d, b + 16 * v + 8 + cc);
+      // Vector forms of format::NibblePlaneLo / NibblePlaneHi.
+      auto x0 = hn::Or(hn::And(a0, m4), hn::ShiftLeft<4>(hn::And(b0, m4)));
+      auto x1 = hn::Or(hn::And(a1, m4), hn::ShiftLeft<4>(hn::And(b1, m4)));
+      auto x2 = hn::Or(hn::And(hn::ShiftRight<4>(a0), m4), hn::And(b0, m4h));
+      auto x3 = hn::Or(hn::And(hn::ShiftRight<4>(a1), m4), hn::And(b1, m4h));
       Transpose4x4BytesV(d, x0, x1, x2, x3);
       hn::Store(x0, d, t + (0 + v) * 8 + cc);
       hn::Store(x1, d, t + (4 + v) * 8 + cc);
@@ -300,19 +306,19 @@ void EmitTile(const uint32_t* HWY_RESTRICT lo, const uint32_t* HWY_RESTRICT hi, 
   StreamCopy(o, fmt::kTileWords, dst);
 }
 
-// Inverse of EmitTile: the byte planes of a tile's 64 columns from its 128 words.
-void SplitTile(const uint32_t* HWY_RESTRICT o, uint32_t* HWY_RESTRICT lo, uint32_t* HWY_RESTRICT hi) {
+// Inverse of EmitTile: GPTQ rows A = a[0..64), B = b[0..64) of a tile from its 128 words.
+void SplitTile(const uint32_t* HWY_RESTRICT o, uint32_t* HWY_RESTRICT a, uint32_t* HWY_RESTRICT b) {
 #if HWY_TARGET == HWY_SCALAR
   for (int cc = 0; cc < 8; ++cc) {
     for (int v = 0; v < 4; ++v) {
       const int c = 16 * v + cc;
       uint32_t x0 = o[16 * cc + v], x1 = o[16 * cc + 4 + v];
       uint32_t x2 = o[16 * cc + 8 + v], x3 = o[16 * cc + 12 + v];
-      fmt::Transpose4x4Bytes(x0, x1, x2, x3);
-      lo[c] = x0;
-      lo[c + 8] = x1;
-      hi[c] = x2;
-      hi[c + 8] = x3;
+      fmt::Transpose4x4Bytes(x0, x1, x2, x3);  // planes Lo(c), Lo(c+8), Hi(c), Hi(c+8)
+      a[c] = fmt::PlanesToA(x0, x2);
+      b[c] = fmt::PlanesToB(x0, x2);
+      a[c + 8] = fmt::PlanesToA(x1, x3);
+      b[c + 8] = fmt::PlanesToB(x1, x3);
     }
   }
 #else
@@ -320,28 +326,28 @@ void SplitTile(const uint32_t* HWY_RESTRICT o, uint32_t* HWY_RESTRICT lo, uint32
   const hn::RebindToSigned<decltype(d)> di;
   const int lanes = static_cast<int>(hn::Lanes(d));
   const auto idx = hn::Mul(hn::Iota(di, 0), hn::Set(di, 16));  // lane cc -> word 16 cc + q
+  const auto m4 = hn::Set(d, 0x0F0F0F0Fu), m4h = hn::Set(d, 0xF0F0F0F0u);
   for (int v = 0; v < 4; ++v) {
     for (int cc = 0; cc < 8; cc += lanes) {
       const uint32_t* base = o + 16 * cc + v;
       auto x0 = hn::GatherIndex(d, base + 0, idx), x1 = hn::GatherIndex(d, base + 4, idx);
       auto x2 = hn::GatherIndex(d, base + 8, idx), x3 = hn::GatherIndex(d, base + 12, idx);
       Transpose4x4BytesV(d, x0, x1, x2, x3);
-      hn::StoreU(x0, d, lo + 16 * v + cc);
-      hn::StoreU(x1, d, lo + 16 * v + 8 + cc);
-      hn::StoreU(x2, d, hi + 16 * v + cc);
-      hn::StoreU(x3, d, hi + 16 * v + 8 + cc);
+      // Vector forms of format::PlanesToA / PlanesToB.
+      hn::StoreU(hn::Or(hn::And(x0, m4), hn::ShiftLeft<4>(hn::And(x2, m4))), d, a + 16 * v + cc);
+      hn::StoreU(hn::Or(hn::And(x1, m4), hn::ShiftLeft<4>(hn::And(x3, m4))), d, a + 16 * v + 8 + cc);
+      hn::StoreU(hn::Or(hn::And(hn::ShiftRight<4>(x0), m4), hn::And(x2, m4h)), d, b + 16 * v + cc);
+      hn::StoreU(hn::Or(hn::And(hn::ShiftRight<4>(x1), m4), hn::And(x3, m4h)), d, b + 16 * v + 8 + cc);
     }
   }
 #endif
 }
 
-// Units are (expert, k-tile); scratch holds 4N words.
+// Units are (expert, k-tile); scratch holds 2N words (the perm-gathered rows).
 void RepackUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uint32_t* scratch) {
   const int64_t n = a.n, kw = a.k / 8, ktiles = a.k / fmt::kTileK;
-  uint32_t* HWY_RESTRICT lo = scratch;
-  uint32_t* HWY_RESTRICT hi = scratch + n;
-  uint32_t* HWY_RESTRICT ga = scratch + 2 * n;
-  uint32_t* HWY_RESTRICT gb = scratch + 3 * n;
+  uint32_t* HWY_RESTRICT ga = scratch;
+  uint32_t* HWY_RESTRICT gb = scratch + n;
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t e = unit / ktiles, kt = unit % ktiles;
     const uint32_t* q = a.in + e * kw * n;
@@ -358,13 +364,9 @@ void RepackUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uint
       ra = q + 2 * kt * n;
       rb = ra + n;
     }
-    for (int64_t c = 0; c < n; ++c) {
-      lo[c] = fmt::NibblePlaneLo(ra[c], rb[c]);
-      hi[c] = fmt::NibblePlaneHi(ra[c], rb[c]);
-    }
     uint32_t* out = a.out + e * (a.k / fmt::kTileK) * 2 * n + fmt::TileOffset(kt, 0, n);
     for (int64_t nt = 0; nt < n / fmt::kTileN; ++nt) {
-      EmitTile(lo + nt * fmt::kTileN, hi + nt * fmt::kTileN, out + nt * fmt::kTileWords);
+      EmitTile(ra + nt * fmt::kTileN, rb + nt * fmt::kTileN, out + nt * fmt::kTileWords);
     }
   }
   hwy::FlushStream();
@@ -381,12 +383,7 @@ void RestoreUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uin
     for (int64_t nt = 0; nt < n / fmt::kTileN; ++nt) {
       SplitTile(in + nt * fmt::kTileWords, lo + nt * fmt::kTileN, hi + nt * fmt::kTileN);
     }
-    // A and B overwrite the planes in place (lanewise), then stream out as GPTQ rows 2kt, 2kt+1.
-    for (int64_t c = 0; c < n; ++c) {
-      const uint32_t l = lo[c], h = hi[c];
-      lo[c] = fmt::PlanesToA(l, h);
-      hi[c] = fmt::PlanesToB(l, h);
-    }
+    // lo/hi now hold GPTQ rows 2kt and 2kt+1: stream them out.
     uint32_t* ra = a.out + e * kw * n + 2 * kt * n;
     StreamCopy(lo, n, ra);
     StreamCopy(hi, n, ra + n);
@@ -467,7 +464,7 @@ absl::Status Quantize(const internal::QuantizeArgs& args) {
 
 absl::Status GptqToMarlin(const internal::RepackArgs& args) {
   ParallelFor(args.experts * (args.k / fmt::kTileK), args.threads, [&](int64_t b, int64_t e) {
-    std::vector<uint32_t> scratch(static_cast<size_t>(4 * args.n));
+    std::vector<uint32_t> scratch(static_cast<size_t>(2 * args.n));
     HWY_DYNAMIC_DISPATCH(RepackUnits)(args, b, e, scratch.data());
   });
   return absl::OkStatus();
