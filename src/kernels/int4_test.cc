@@ -267,6 +267,44 @@ TEST(Int4FormatTest, MarlinWordZeroOfTileZero) {
   }
 }
 
+// The per-word helpers the CUDA kernels use (the CPU path uses the byte-plane form): MarlinWord
+// with WordRow/WordCol/TileOffset must rebuild RefMarlin, LocateInTile must invert it, and the
+// scale-permutation helpers must equal the §5 lists.
+TEST(Int4FormatTest, PerWordHelpersMatchTheReference) {
+  const int64_t k = 64, n = 192;
+  const auto gptq = RandomWords(k / 8 * n, 77);
+  const auto u = UnpackGptq(gptq.data(), k, n);
+  const auto want = RefMarlin(u, k, n);
+  std::vector<uint32_t> got(want.size());
+  for (int64_t kt = 0; kt < k / 16; ++kt) {
+    const uint32_t* a = gptq.data() + 2 * kt * n;
+    const uint32_t* b = a + n;
+    for (int64_t nt = 0; nt < n / 64; ++nt) {
+      for (int w = 0; w < format::kTileWords; ++w) {
+        const int64_t c = 64 * nt + format::WordCol(w);
+        got[format::TileOffset(kt, nt, n) + w] =
+            format::MarlinWord(a[c], b[c], a[c + 8], b[c + 8], format::WordRow(w) / 2);
+      }
+    }
+  }
+  EXPECT_EQ(got, want);
+  for (int64_t kk = 0; kk < k; ++kk) {
+    for (int64_t c = 0; c < n; ++c) {
+      const format::TileSlot s = format::LocateInTile(static_cast<int>(kk % 16), static_cast<int>(c % 64));
+      const uint32_t word = want[format::TileOffset(kk / 16, c / 64, n) + s.word];
+      ASSERT_EQ(static_cast<int>(format::GetNibble(word, s.slot)), u[kk * n + c]) << "k=" << kk << " n=" << c;
+    }
+  }
+  const auto grouped = RefScalePerm(false), single = RefScalePerm(true);
+  for (int p = 0; p < 64; ++p) EXPECT_EQ(format::ScalePermGrouped(p), grouped[p]);
+  for (int p = 0; p < 32; ++p) EXPECT_EQ(format::ScalePermChannel(p), single[p]);
+  const int dk[8] = {0, 8, 0, 8, 1, 9, 1, 9}, dn[8] = {0, 0, 8, 8, 0, 0, 8, 8};  // as printed in §4.2
+  for (int s = 0; s < 8; ++s) {
+    EXPECT_EQ(format::SlotDk(s), dk[s]);
+    EXPECT_EQ(format::SlotDn(s), dn[s]);
+  }
+}
+
 // ---- quantization --------------------------------------------------------------------------------
 
 TEST(Int4QuantizeTest, AllVariantsDtypesGroupsFormatsSmall) {
