@@ -1,5 +1,7 @@
 // CUDA INT4 kernels. Math and layout: kernels/format/int4_format.h (FORMATS.md §1-§6); the
-// device code calls the same WSYNC_HD helpers as the CPU path, so the two cannot drift.
+// device code calls the same WSYNC_HD helpers as the CPU path, so the two cannot drift. The
+// per-thread bodies live in int4_kernel_bodies.h (run on the host by int4_kernel_bodies_test.cc);
+// this file keeps launch shapes, shared memory, barriers, shuffles and atomics.
 //
 // Quantize, grouped (G in {32, 64, 128}): one thread per (row, group). It loads the group with
 // G/8 16-byte vector loads kept in registers (W is read once), reduces max |x| on the 16-bit
@@ -19,107 +21,31 @@
 // atomicOr into a zeroed output (each nibble written exactly once, so the result is exact).
 // Scale permutation (§5): one thread per scale.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include <vector>
 
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/int4_cuda.h"
+#include "kernels/cuda/int4_kernel_bodies.h"
 #include "kernels/format/int4_format.h"
 
 namespace wsync::kernels::cuda {
 namespace {
 
 namespace fmt = ::wsync::kernels::format;
+namespace body = ::wsync::kernels::cuda_body;
 using internal::Layout;
-
-// f32 value of a bf16 or fp16 bit pattern (both exact).
-template <bool kBf16>
-__device__ __forceinline__ float ToF32(uint32_t bits16) {
-  if constexpr (kBf16) {
-    return __uint_as_float(bits16 << 16);
-  } else {
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits16)));
-  }
-}
-
-// Round-to-nearest-even narrowing of the f32 scale to the weight dtype.
-template <bool kBf16>
-__device__ __forceinline__ uint16_t FromF32(float f) {
-  if constexpr (kBf16) {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
-  } else {
-    return __half_as_ushort(__float2half_rn(f));
-  }
-}
-
-// Max of the 15-bit magnitudes of the two 16-bit values in a 32-bit word.
-__device__ __forceinline__ uint32_t AbsMax2(uint32_t x, uint32_t m) {
-  return max(m, max(fmt::AbsBits16(x & 0xFFFFu), fmt::AbsBits16(x >> 16)));
-}
-
-// Packed word of 8 values held in one uint4 (8 x 16 bit, element 0 in the low half of .x).
-template <bool kBf16>
-__device__ __forceinline__ uint32_t PackVec(uint4 v, float scale) {
-  const uint32_t h[4] = {v.x, v.y, v.z, v.w};
-  uint32_t word = 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    word |= fmt::QuantizeNibble(ToF32<kBf16>(h[i] & 0xFFFFu), scale) << (8 * i);
-    word |= fmt::QuantizeNibble(ToF32<kBf16>(h[i] >> 16), scale) << (8 * i + 4);
-  }
-  return word;
-}
 
 template <int kG, bool kBf16, Layout kLayout>
 __global__ void QuantizeGroupedKernel(const uint16_t* __restrict__ w, int64_t experts, int64_t n, int64_t k,
                                       fmt::Variant variant, uint32_t* __restrict__ packed,
                                       uint16_t* __restrict__ scales, unsigned long long* bad) {
-  constexpr int kVecs = kG / 8;
-  const int64_t ng = k / kG, kw = k / 8;
-  const int64_t total = experts * n * ng;
+  const int64_t total = experts * n * (k / kG);
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < total;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    int64_t e, row_n, g;
-    if constexpr (kLayout == Layout::kGptq) {
-      e = t / (ng * n);
-      g = (t / n) % ng;
-      row_n = t % n;
-    } else {
-      e = t / (ng * n);
-      row_n = (t / ng) % n;
-      g = t % ng;
-    }
-    const int64_t row = e * n + row_n;
-    const uint4* src = reinterpret_cast<const uint4*>(w + row * k + g * kG);
-    uint4 v[kVecs];
-    uint32_t m = 0;
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      v[i] = src[i];
-      m = AbsMax2(v[i].x, m);
-      m = AbsMax2(v[i].y, m);
-      m = AbsMax2(v[i].z, m);
-      m = AbsMax2(v[i].w, m);
-    }
-    if (m >= fmt::NonFiniteAbsBits16(kBf16)) atomicMin(bad, static_cast<unsigned long long>(row * ng + g));
-    const float scale = fmt::GroupScale(ToF32<kBf16>(m), variant);
-    if constexpr (kLayout == Layout::kGptq) {
-      scales[(e * ng + g) * n + row_n] = FromF32<kBf16>(scale);
-      uint32_t* out = packed + (e * kw + g * kVecs) * n + row_n;
-#pragma unroll
-      for (int i = 0; i < kVecs; ++i) out[i * n] = PackVec<kBf16>(v[i], scale);
-    } else {
-      scales[row * ng + g] = FromF32<kBf16>(scale);
-      uint4* out = reinterpret_cast<uint4*>(packed + row * kw + g * kVecs);
-#pragma unroll
-      for (int i = 0; i < kVecs / 4; ++i) {
-        out[i] = make_uint4(PackVec<kBf16>(v[4 * i], scale), PackVec<kBf16>(v[4 * i + 1], scale),
-                            PackVec<kBf16>(v[4 * i + 2], scale), PackVec<kBf16>(v[4 * i + 3], scale));
-      }
-    }
+    const int64_t b = body::QuantizeGroupedItem<kG, kBf16, kLayout>(t, w, n, k, variant, packed, scales);
+    if (b >= 0) atomicMin(bad, static_cast<unsigned long long>(b));
   }
 }
 
@@ -130,16 +56,7 @@ __global__ void QuantizeRowKernel(const uint16_t* __restrict__ w, int64_t n, int
                                   uint32_t* __restrict__ packed, uint16_t* __restrict__ scales,
                                   unsigned long long* bad) {
   const int64_t row = blockIdx.x;  // e * n + row_n
-  const int64_t e = row / n, row_n = row % n, kw = k / 8;
-  const uint4* src = reinterpret_cast<const uint4*>(w + row * k);
-  uint32_t m = 0;
-  for (int64_t i = threadIdx.x; i < kw; i += blockDim.x) {
-    const uint4 v = src[i];
-    m = AbsMax2(v.x, m);
-    m = AbsMax2(v.y, m);
-    m = AbsMax2(v.z, m);
-    m = AbsMax2(v.w, m);
-  }
+  uint32_t m = body::RowAbsMaxPart(w, row, k, threadIdx.x, blockDim.x);
   // Block max: warp shuffles, then one value per warp through shared memory.
   for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
   __shared__ uint32_t warp_max[kRowThreads / 32];
@@ -147,90 +64,41 @@ __global__ void QuantizeRowKernel(const uint16_t* __restrict__ w, int64_t n, int
   __syncthreads();
   uint32_t bm = 0;
   for (int i = 0; i < kRowThreads / 32; ++i) bm = max(bm, warp_max[i]);
-  const float scale = fmt::GroupScale(ToF32<kBf16>(bm), variant);
-  if (threadIdx.x == 0) {
-    scales[row] = FromF32<kBf16>(scale);  // [E, N, 1] and [E, 1, N] coincide
-    if (bm >= fmt::NonFiniteAbsBits16(kBf16)) atomicMin(bad, static_cast<unsigned long long>(row));
-  }
-  for (int64_t i = threadIdx.x; i < kw; i += blockDim.x) {
-    const uint32_t word = PackVec<kBf16>(src[i], scale);
-    if constexpr (kLayout == Layout::kGptq) {
-      packed[(e * kw + i) * n + row_n] = word;
-    } else {
-      packed[row * kw + i] = word;
-    }
-  }
+  const int64_t b = body::RowQuantizePart<kBf16, kLayout>(w, row, n, k, variant, bm, threadIdx.x, blockDim.x,
+                                                          packed, scales);
+  if (b >= 0) atomicMin(bad, static_cast<unsigned long long>(b));
 }
 
-// One block (128 threads) per tile (e, kt, nt).
+// One block (128 threads) per tile (e, kt, nt): stage 2 x 64 words, barrier, one word per thread.
 __global__ void RepackKernel(const uint32_t* __restrict__ in, const int32_t* __restrict__ perm, int64_t k, int64_t n,
                              uint32_t* __restrict__ out) {
-  const int64_t ntiles = n / fmt::kTileN, ktiles = k / fmt::kTileK, kw = k / 8;
-  const int64_t tile = blockIdx.x;
-  const int64_t e = tile / (ktiles * ntiles), kt = (tile / ntiles) % ktiles, nt = tile % ntiles;
   __shared__ uint32_t rows[2][fmt::kTileN];
-  const int h = threadIdx.x >> 6, c = threadIdx.x & 63;
-  const uint32_t* q = in + e * kw * n;
-  const int64_t col = nt * fmt::kTileN + c;
-  if (perm == nullptr) {
-    rows[h][c] = q[(2 * kt + h) * n + col];
-  } else {
-    const int32_t* p = perm + e * k + kt * fmt::kTileK + 8 * h;
-    uint32_t word = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) word |= fmt::GetNibble(q[(p[j] >> 3) * n + col], p[j] & 7) << (4 * j);
-    rows[h][c] = word;
-  }
+  const body::TileIndex ti = body::TileOfBlock(blockIdx.x, k, n);
+  body::RepackStage(in, perm, k, n, ti, threadIdx.x, rows);
   __syncthreads();
-  const int wi = threadIdx.x, r = fmt::WordRow(wi), cc = fmt::WordCol(wi);
-  out[e * ktiles * 2 * n + fmt::TileOffset(kt, nt, n) + wi] =
-      fmt::MarlinWord(rows[0][cc], rows[1][cc], rows[0][cc + 8], rows[1][cc + 8], r / 2);
+  body::RepackEmit(k, n, ti, threadIdx.x, rows, out);
 }
 
 __global__ void RestoreKernel(const uint32_t* __restrict__ in, const int32_t* __restrict__ perm, int64_t k, int64_t n,
                               uint32_t* __restrict__ out) {
-  const int64_t ntiles = n / fmt::kTileN, ktiles = k / fmt::kTileK, kw = k / 8;
-  const int64_t tile = blockIdx.x;
-  const int64_t e = tile / (ktiles * ntiles), kt = (tile / ntiles) % ktiles, nt = tile % ntiles;
   __shared__ uint32_t words[fmt::kTileWords];
-  words[threadIdx.x] = in[e * ktiles * 2 * n + fmt::TileOffset(kt, nt, n) + threadIdx.x];
+  const body::TileIndex ti = body::TileOfBlock(blockIdx.x, k, n);
+  body::RestoreStage(in, k, n, ti, threadIdx.x, words);
   __syncthreads();
-  const int h = threadIdx.x >> 6, c = threadIdx.x & 63;
-  const int64_t col = nt * fmt::kTileN + c;
-  uint32_t* o = out + e * kw * n;
   if (perm == nullptr) {
-    uint32_t word = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const fmt::TileSlot s = fmt::LocateInTile(8 * h + j, c);
-      word |= fmt::GetNibble(words[s.word], s.slot) << (4 * j);
-    }
-    o[(2 * kt + h) * n + col] = word;
+    body::RestoreGather(k, n, ti, threadIdx.x, words, out);
   } else {
-    const int32_t* p = perm + e * k + kt * fmt::kTileK + 8 * h;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const fmt::TileSlot s = fmt::LocateInTile(8 * h + j, c);
-      const uint32_t nib = fmt::GetNibble(words[s.word], s.slot);
-      atomicOr(&o[(p[j] >> 3) * n + col], nib << (4 * (p[j] & 7)));
-    }
+    body::RestoreScatter(perm, k, n, ti, threadIdx.x, words, out,
+                         [](uint32_t* p, uint32_t bits) { atomicOr(p, bits); });
   }
 }
 
-__global__ void ScalePermKernel(const uint16_t* __restrict__ in, uint16_t* __restrict__ out, int64_t total, int64_t n,
+__global__ void ScalePermKernel(const uint16_t* __restrict__ in, uint16_t* __restrict__ out, int64_t total,
                                 bool channelwise, bool inverse) {
-  const int width = channelwise ? fmt::kScalePermChannelWidth : fmt::kScalePermGroupedWidth;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int p = static_cast<int>(i % width);
-    const int64_t src = i - p + (channelwise ? fmt::ScalePermChannel(p) : fmt::ScalePermGrouped(p));
-    if (inverse) {
-      out[src] = in[i];
-    } else {
-      out[i] = in[src];
-    }
+    body::ScalePermItem(i, in, out, channelwise, inverse);
   }
-  (void)n;
 }
 
 int64_t Blocks(int64_t items, int threads) {
@@ -336,7 +204,7 @@ absl::Status PermuteScales(const internal::ScalePermArgs& a) {
   auto stream = static_cast<cudaStream_t>(a.stream);
   const int64_t total = a.experts * a.rows * a.n;
   constexpr int kThreads = 256;
-  ScalePermKernel<<<static_cast<unsigned>(Blocks(total, kThreads)), kThreads, 0, stream>>>(a.in, a.out, total, a.n,
+  ScalePermKernel<<<static_cast<unsigned>(Blocks(total, kThreads)), kThreads, 0, stream>>>(a.in, a.out, total,
                                                                                           a.channelwise, a.inverse);
   return Finish(stream);
 }
