@@ -10,8 +10,10 @@
 //          (nullptr = the legacy default stream) and synchronized before returning, so that launch
 //          and execution errors are reported. kFailedPrecondition if CUDA was not compiled in.
 // Errors: kInvalidArgument naming the tensor and the offending values (dtype, rank, K % 16,
-// N % 64, K % G, group size, output shape, expert count, perm contents, misalignment);
-// kInternal for CUDA runtime failures. On error nothing is guaranteed about the outputs.
+// N % 64, K % G, group size, output shape, expert count, perm contents, misalignment, overlap,
+// and Inf/NaN in W, reported by expert/row/group); kFailedPrecondition for Device::kCuda in a
+// build without CUDA; kInternal for CUDA runtime failures. On error nothing is guaranteed about
+// the outputs.
 // Thread-safety: reentrant; concurrent calls are safe when their outputs do not overlap.
 #pragma once
 
