@@ -1,13 +1,14 @@
 // CPU INT4 kernels. Math and layout: kernels/format/int4_format.h (FORMATS.md §1-§6).
 //
 // Quantize (one pass over W): per row and group, the absolute maximum is reduced on the 16-bit
-// patterns (|x| bits, exact), converted once to f32; the scale follows the variant in scalar f32;
-// then each vector of W is widened to f32, divided by the broadcast scale (IEEE division, no
-// reciprocal), rounded half-to-even (hn::Round), clamped to [-7, 7], biased by 8 and narrowed to
-// one byte per nibble in a per-thread scratch row; every 8 bytes then become one word
-// (format::PackNibbleBytes). Rows are processed in blocks of 16 so that the GPTQ orientation
-// ([K/8, N], words of 16 consecutive rows side by side) is written 64 bytes at a time: no separate
-// transpose pass.
+// patterns (|x| bits, exact; W is prefetched ahead since this is its first touch) and converted
+// once to f32; the scale follows the variant in scalar f32; then each vector of W is widened to
+// f32, divided by the broadcast scale (IEEE division, no reciprocal), rounded half-to-even
+// (hn::Round), clamped to [-7, 7] and biased by 8 through the mantissa of q + 2^23 + 8; pairs of
+// lanes are OR-ed into bytes on u64 lanes and narrowed, so each vector stores its packed words
+// directly. Rows are processed in blocks of 16 so that the GPTQ orientation ([K/8, N], words of
+// 16 consecutive rows side by side) is written 64 bytes at a time: no separate transpose pass.
+// Outputs that the kernel does not read back are written with streaming stores.
 //
 // Repack: per k-tile, the two GPTQ rows A (2kt), B (2kt+1) (gathered through perm if given) are
 // read tile by tile; for each 64-column tile the byte planes Lo = NibblePlaneLo(A, B),

@@ -39,18 +39,6 @@ inline constexpr uint32_t kSymmetricQZeros = 0x77777777u;  // GPTQ qzeros for sy
 
 // Nibble i (bits 4i..4i+3) of a packed word.
 WSYNC_HD uint32_t GetNibble(uint32_t word, int i) { return (word >> (4 * i)) & 0xFu; }
-// The word with nibble i replaced by u (u in 0..15).
-WSYNC_HD uint32_t SetNibble(uint32_t word, int i, uint32_t u) {
-  return (word & ~(0xFu << (4 * i))) | ((u & 0xFu) << (4 * i));
-}
-
-// Packs 8 stored nibbles held one per byte (byte i = u[i], little-endian u64) into one word:
-// byte i -> bits 4i..4i+3. Three shift/or steps instead of eight (why: the CPU packer's inner op).
-WSYNC_HD uint32_t PackNibbleBytes(uint64_t bytes) {
-  uint64_t x = (bytes | (bytes >> 4)) & 0x00FF00FF00FF00FFull;  // byte 2m = u[2m] | u[2m+1] << 4
-  x = (x | (x >> 8)) & 0x0000FFFF0000FFFFull;                   // u16 at 32m = 4 nibbles
-  return static_cast<uint32_t>(x | (x >> 16));
-}
 
 // ---- quantization scalars (§1) -------------------------------------------------------------------
 
@@ -91,7 +79,6 @@ WSYNC_HD uint32_t NonFiniteAbsBits16(bool bf16) { return bf16 ? 0x7F80u : 0x7C00
 inline constexpr int kTileK = 16;         // marlin tile_k_size
 inline constexpr int kTileN = 64;         // marlin tile_n_size
 inline constexpr int kTileWords = 128;    // 16 * 64 nibbles / 8
-inline constexpr int kMarlinNPerRow = 2;  // output [K/16, 2N]: 2N words per 16 K rows
 
 // Bits [4s, 4s+4) of a Marlin word hold the element of the thread's B fragment at ElementAtSlot(s)
 // (vLLM repack pack_idx; the FasterTransformer interleave that lets lop3 dequantize pairs).
