@@ -24,6 +24,10 @@ int Threads(const KernelOptions& o) {
   return hc == 0 ? 1 : static_cast<int>(hc);
 }
 
+// With the automatic thread count, each thread gets at least this much input: below it, starting
+// a thread costs more than it saves. An explicit num_threads is used as given.
+int64_t MinBytesPerThread(const KernelOptions& o) { return o.num_threads > 0 ? 0 : int64_t{1} << 20; }
+
 // Size, alignment and device-independent sanity of one view.
 absl::Status CheckBytes(absl::string_view fn, absl::string_view name, DType dtype, const Shape& shape,
                         size_t nbytes, const void* data, size_t alignment) {
@@ -156,6 +160,7 @@ absl::Status QuantizeInt4(const TensorView& w, MutableTensorView packed, Mutable
   a.packed = packed.data_as<uint32_t>();
   a.scales = scales.data_as<uint16_t>();
   a.threads = Threads(options);
+  a.min_bytes_per_thread = MinBytesPerThread(options);
   a.stream = options.cuda_stream;
   return internal::RunQuantize(options.device, a);
 }
@@ -203,6 +208,7 @@ absl::Status Repack(absl::string_view fn, bool to_marlin, const TensorView& in, 
   a.in = in.data_as<uint32_t>();
   a.out = out.data_as<uint32_t>();
   a.threads = Threads(options);
+  a.min_bytes_per_thread = MinBytesPerThread(options);
   a.stream = options.cuda_stream;
   return to_marlin ? internal::RunGptqToMarlin(options.device, a) : internal::RunMarlinToGptq(options.device, a);
 }
@@ -234,6 +240,7 @@ absl::Status ScalePerm(absl::string_view fn, bool inverse, const TensorView& s, 
   a.channelwise = group_size == kChannelwise || g >= size_k;
   a.inverse = inverse;
   a.threads = Threads(options);
+  a.min_bytes_per_thread = MinBytesPerThread(options);
   a.stream = options.cuda_stream;
   return internal::RunPermuteScales(options.device, a);
 }

@@ -27,6 +27,7 @@ struct QuantizeArgs {
   uint32_t* packed = nullptr;   // CT [E, N, K/8] or GPTQ [E, K/8, N]
   uint16_t* scales = nullptr;   // CT [E, N, K/G] or GPTQ [E, K/G, N], same dtype as w
   int threads = 1;              // CPU only
+  int64_t min_bytes_per_thread = 0;  // CPU: fewer threads for small inputs (0 = use `threads` as is)
   void* stream = nullptr;       // CUDA only (cudaStream_t)
 };
 
@@ -36,6 +37,7 @@ struct RepackArgs {
   const int32_t* perm = nullptr;  // [E, K] permutation of 0..K-1, or nullptr
   int64_t experts = 1, k = 0, n = 0;
   int threads = 1;
+  int64_t min_bytes_per_thread = 0;
   void* stream = nullptr;
 };
 
@@ -46,6 +48,7 @@ struct ScalePermArgs {
   bool channelwise = false;  // scale_perm_single (G == -1 or G == K) instead of scale_perm
   bool inverse = false;
   int threads = 1;
+  int64_t min_bytes_per_thread = 0;
   void* stream = nullptr;
 };
 

@@ -422,11 +422,13 @@ namespace {
 
 namespace fmt = ::wsync::kernels::format;
 
-// Runs fn(begin, end) over [0, units) split into `threads` contiguous ranges (the caller's thread
-// takes the first). Blocks until all ranges are done.
+// Runs fn(begin, end) over [0, units) split into up to `threads` contiguous ranges (the caller's
+// thread takes the first), no more than one per `min_bytes` of input (`unit_bytes` per unit).
+// Blocks until all ranges are done.
 template <typename Fn>
-void ParallelFor(int64_t units, int threads, Fn fn) {
-  const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, units));
+void ParallelFor(int64_t units, int threads, int64_t unit_bytes, int64_t min_bytes, Fn fn) {
+  int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, units));
+  if (min_bytes > 0) t = std::max<int64_t>(1, std::min<int64_t>(t, units * unit_bytes / min_bytes));
   if (t <= 1) {
     if (units > 0) fn(int64_t{0}, units);
     return;
@@ -450,7 +452,7 @@ const char* SimdTargetName() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
 absl::Status Quantize(const internal::QuantizeArgs& args) {
   const int64_t blocks = (args.n + 15) / 16;
   std::atomic<int64_t> bad{INT64_MAX};
-  ParallelFor(args.experts * blocks, args.threads, [&](int64_t b, int64_t e) {
+  ParallelFor(args.experts * blocks, args.threads, 16 * args.k * 2, args.min_bytes_per_thread, [&](int64_t b, int64_t e) {
     // 16 staged word rows of StagingStride(K) = K/8 + 16 words
     std::vector<uint8_t> scratch(16 * static_cast<size_t>(args.k / 8 + 16) * sizeof(uint32_t));
     const int64_t mine = HWY_DYNAMIC_DISPATCH(QuantizeUnits)(args, b, e, scratch.data());
@@ -464,7 +466,8 @@ absl::Status Quantize(const internal::QuantizeArgs& args) {
 }
 
 absl::Status GptqToMarlin(const internal::RepackArgs& args) {
-  ParallelFor(args.experts * (args.k / fmt::kTileK), args.threads, [&](int64_t b, int64_t e) {
+  ParallelFor(args.experts * (args.k / fmt::kTileK), args.threads, 8 * args.n, args.min_bytes_per_thread,
+              [&](int64_t b, int64_t e) {
     std::vector<uint32_t> scratch(static_cast<size_t>(2 * args.n));
     HWY_DYNAMIC_DISPATCH(RepackUnits)(args, b, e, scratch.data());
   });
@@ -474,7 +477,8 @@ absl::Status GptqToMarlin(const internal::RepackArgs& args) {
 absl::Status MarlinToGptq(const internal::RepackArgs& args) {
   const int64_t n = args.n, k = args.k, kw = k / 8;
   if (args.perm == nullptr) {
-    ParallelFor(args.experts * (k / fmt::kTileK), args.threads, [&](int64_t b, int64_t e) {
+    ParallelFor(args.experts * (k / fmt::kTileK), args.threads, 8 * n, args.min_bytes_per_thread,
+                [&](int64_t b, int64_t e) {
       std::vector<uint32_t> scratch(static_cast<size_t>(2 * n));
       HWY_DYNAMIC_DISPATCH(RestoreUnits)(args, b, e, scratch.data());
     });
@@ -490,11 +494,12 @@ absl::Status MarlinToGptq(const internal::RepackArgs& args) {
   internal::RepackArgs plain = args;
   plain.perm = nullptr;
   plain.out = tmp.data();
-  ParallelFor(args.experts * (k / fmt::kTileK), args.threads, [&](int64_t b, int64_t e) {
+  ParallelFor(args.experts * (k / fmt::kTileK), args.threads, 8 * n, args.min_bytes_per_thread,
+              [&](int64_t b, int64_t e) {
     std::vector<uint32_t> scratch(static_cast<size_t>(2 * n));
     HWY_DYNAMIC_DISPATCH(RestoreUnits)(plain, b, e, scratch.data());
   });
-  ParallelFor(args.experts * kw, args.threads, [&](int64_t b, int64_t e) {
+  ParallelFor(args.experts * kw, args.threads, 4 * n, args.min_bytes_per_thread, [&](int64_t b, int64_t e) {
     HWY_DYNAMIC_DISPATCH(UnpermuteRows)(args, tmp.data(), inv.data(), b, e);
   });
   return absl::OkStatus();
@@ -505,7 +510,7 @@ absl::Status PermuteScales(const internal::ScalePermArgs& args) {
   int src[fmt::kScalePermGroupedWidth];
   for (int p = 0; p < width; ++p) src[p] = args.channelwise ? fmt::ScalePermChannel(p) : fmt::ScalePermGrouped(p);
   const int64_t rows = args.experts * args.rows;
-  ParallelFor(rows, args.threads, [&](int64_t b, int64_t e) {
+  ParallelFor(rows, args.threads, 2 * args.n, args.min_bytes_per_thread, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const uint16_t* in = args.in + r * args.n;
       uint16_t* out = args.out + r * args.n;
