@@ -1,0 +1,534 @@
+// CPU INT4 kernels. Math and layout: kernels/format/int4_format.h (FORMATS.md §1-§6).
+//
+// Quantize (one pass over W): per row and group, the absolute maximum is reduced on the 16-bit
+// patterns (|x| bits, exact), converted once to f32; the scale follows the variant in scalar f32;
+// then each vector of W is widened to f32, divided by the broadcast scale (IEEE division, no
+// reciprocal), rounded half-to-even (hn::Round), clamped to [-7, 7], biased by 8 and narrowed to
+// one byte per nibble in a per-thread scratch row; every 8 bytes then become one word
+// (format::PackNibbleBytes). Rows are processed in blocks of 16 so that the GPTQ orientation
+// ([K/8, N], words of 16 consecutive rows side by side) is written 64 bytes at a time: no separate
+// transpose pass.
+//
+// Repack: per k-tile (2 GPTQ rows A, B, gathered through perm if given), two byte planes
+// Lo = NibblePlaneLo(A, B), Hi = NibblePlaneHi(A, B) are built over all N columns (lanewise,
+// auto-vectorized under the Highway target attributes); each Marlin word is then one 4x4 byte
+// transpose of {Lo(c), Lo(c+8), Hi(c), Hi(c+8)} stored at tile word 16*cc + 4*rr + v
+// (c = 64nt + 16v + cc). The transposes run lanewise over cc (8 lanes); the resulting [16][8]
+// block is turned into the tile's [8][16] word order with 16-lane gathers from L1, and the 512-byte
+// tile is written with streaming stores. Restore runs the same steps backwards (the byte
+// transpose is an involution).
+// With a perm, restore first restores in Marlin row order into a temporary, then gathers GPTQ row
+// p from temporary row inv[p] (rare path; allocates the temporary).
+//
+// Threads: std::thread partitioning of independent units (16-row blocks, k-tiles, scale rows);
+// each thread sizes its scratch once before its loop; no allocation inside the loops.
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/int4_cpu.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/cache_control.h"
+#include "hwy/highway.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "common/dtype.h"
+#include "kernels/cpu/int4_cpu.h"
+#include "kernels/format/int4_format.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace wsync::kernels::cpu {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+namespace fmt = ::wsync::kernels::format;
+
+constexpr int64_t kRowBlock = 16;
+
+// max |x| as 15-bit magnitude pattern over n 16-bit values.
+uint32_t AbsMaxBits(const uint16_t* HWY_RESTRICT x, int64_t n) {
+  const hn::ScalableTag<uint16_t> d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  const auto mask = hn::Set(d, static_cast<uint16_t>(0x7FFF));
+  auto m = hn::Zero(d);
+  int64_t i = 0;
+  for (; i + lanes <= n; i += lanes) m = hn::Max(m, hn::And(hn::LoadU(d, x + i), mask));
+  uint32_t r = 0;
+#if HWY_TARGET == HWY_SCALAR
+  r = hn::GetLane(m);
+#else
+  // Horizontal max: the two u16 halves of each u32 lane, then MaxOfLanes on u32.
+  const hn::Repartition<uint32_t, decltype(d)> d32;
+  const auto v32 = hn::BitCast(d32, m);
+  const auto mm = hn::Max(hn::And(v32, hn::Set(d32, 0xFFFFu)), hn::ShiftRight<16>(v32));
+  r = hn::GetLane(hn::MaxOfLanes(d32, mm));
+#endif
+  for (; i < n; ++i) r = std::max<uint32_t>(r, fmt::AbsBits16(x[i]));
+  return r;
+}
+
+template <class DF, class V>
+HWY_INLINE void EmitNibbles(DF df, V vf, V vs, uint8_t* HWY_RESTRICT u) {
+  const hn::Rebind<int32_t, DF> di;
+  const hn::Rebind<uint8_t, DF> d8;
+  auto r = hn::Round(hn::Div(vf, vs));
+  r = hn::Max(r, hn::Set(df, -static_cast<float>(fmt::kQMax)));  // max(NaN, -7) = -7 as fmaxf
+  r = hn::Min(r, hn::Set(df, static_cast<float>(fmt::kQMax)));
+  const auto q = hn::Add(hn::ConvertTo(di, r), hn::Set(di, fmt::kNibbleBias));
+  hn::StoreU(hn::DemoteTo(d8, q), d8, u);
+}
+
+// u[i] = q(x[i]) + 8 for n values sharing one scale.
+void QuantizeToBytes(const uint16_t* HWY_RESTRICT x, int64_t n, float scale, bool bf16,
+                     uint8_t* HWY_RESTRICT u) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const hn::Rebind<uint32_t, decltype(df)> du32;
+  const hn::Rebind<hwy::float16_t, decltype(df)> dh;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+  const auto vs = hn::Set(df, scale);
+  int64_t i = 0;
+  if (bf16) {
+    for (; i + lanes <= n; i += lanes) {
+      const auto vf = hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(d16, x + i))));
+      EmitNibbles(df, vf, vs, u + i);
+    }
+    for (; i < n; ++i) u[i] = static_cast<uint8_t>(fmt::QuantizeNibble(BF16ToF32(x[i]), scale));
+  } else {
+    for (; i + lanes <= n; i += lanes) {
+      const auto vf = hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(x + i)));
+      EmitNibbles(df, vf, vs, u + i);
+    }
+    for (; i < n; ++i) u[i] = static_cast<uint8_t>(fmt::QuantizeNibble(F16ToF32(x[i]), scale));
+  }
+}
+
+// dst[0..n) = src[0..n) with streaming (non-temporal) stores when dst is 64-byte aligned and n a
+// multiple of 16: outputs are written once and not read back by the kernel, so skipping the
+// read-for-ownership saves a third of the memory traffic (what memcpy does for large copies).
+void StreamCopy(const uint32_t* HWY_RESTRICT src, int64_t n, uint32_t* HWY_RESTRICT dst) {
+#if HWY_TARGET != HWY_SCALAR
+  const hn::ScalableTag<uint32_t> d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  if (reinterpret_cast<uintptr_t>(dst) % 64 == 0 && n % 16 == 0 && n % lanes == 0) {
+    for (int64_t i = 0; i < n; i += lanes) hn::Stream(hn::LoadU(d, src + i), d, dst + i);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(uint32_t));
+}
+
+// out[j] = the 8 nibble bytes u[8j..8j+7] packed into one word, for j < words (SIMD on u64 lanes:
+// the three PackNibbleBytes steps, then the low 32 bits of every lane).
+void PackBytes(const uint8_t* HWY_RESTRICT u, int64_t words, uint32_t* HWY_RESTRICT out) {
+  int64_t j = 0;
+#if HWY_TARGET != HWY_SCALAR
+  const hn::ScalableTag<uint64_t> d64;
+  const hn::Repartition<uint8_t, decltype(d64)> d8;
+  const hn::Rebind<uint32_t, decltype(d64)> d32;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d64));
+  const auto m1 = hn::Set(d64, 0x00FF00FF00FF00FFull);
+  const auto m2 = hn::Set(d64, 0x0000FFFF0000FFFFull);
+  for (; j + lanes <= words; j += lanes) {
+    const auto b = hn::BitCast(d64, hn::LoadU(d8, u + 8 * j));
+    auto x = hn::And(hn::Or(b, hn::ShiftRight<4>(b)), m1);
+    x = hn::And(hn::Or(x, hn::ShiftRight<8>(x)), m2);
+    x = hn::Or(x, hn::ShiftRight<16>(x));
+    hn::StoreU(hn::TruncateTo(d32, x), d32, out + j);
+  }
+#endif
+  for (; j < words; ++j) {
+    uint64_t b;
+    std::memcpy(&b, u + 8 * j, sizeof(b));
+    out[j] = fmt::PackNibbleBytes(b);
+  }
+}
+
+// out[j * ld + r] = staged[r * stride + j] for r < rows (<= 16), j < kw: words of 16 consecutive
+// rows side by side, i.e. one 64-byte line of qweight[K/8, N] per j. Full, 64-byte-aligned lines
+// are gathered and written with streaming stores: the kw lines lie N*4 bytes apart, too far for
+// the hardware prefetcher, so ordinary stores would stall on their read-for-ownership.
+void WriteTransposed(const uint32_t* HWY_RESTRICT staged, int64_t stride, int64_t kw, int64_t rows,
+                     uint32_t* HWY_RESTRICT out, int64_t ld) {
+#if HWY_TARGET != HWY_SCALAR
+  const hn::CappedTag<uint32_t, 16> d;
+  const hn::RebindToSigned<decltype(d)> di;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  const bool aligned = reinterpret_cast<uintptr_t>(out) % 64 == 0 && (ld * 4) % 64 == 0;
+  if (rows == kRowBlock && aligned && kRowBlock % lanes == 0) {
+    const auto idx = hn::Mul(hn::Iota(di, 0), hn::Set(di, static_cast<int32_t>(stride)));
+    for (int64_t j = 0; j < kw; ++j) {
+      for (int64_t part = 0; part < kRowBlock; part += lanes) {
+        const auto v = hn::GatherIndex(d, staged + part * stride + j, idx);
+        hn::Stream(v, d, out + j * ld + part);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < kw; ++j) {
+    for (int64_t r = 0; r < rows; ++r) out[j * ld + r] = staged[r * stride + j];
+  }
+}
+
+// Words per row of the GPTQ staging scratch: K/8 plus padding so that the 16 rows do not alias
+// the same L1 sets (a row stride that is a multiple of 4 KiB would).
+int64_t StagingStride(int64_t k) { return k / 8 + 16; }
+
+// Units are (expert, 16-row block); scratch holds K bytes + kRowBlock * StagingStride(K) words.
+// Returns the smallest (row * ng + g) of a group holding Inf/NaN, or -1.
+int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t end, uint8_t* scratch) {
+  const uint32_t nonfinite = fmt::NonFiniteAbsBits16(a.is_bf16);
+  int64_t bad = -1;
+  const int64_t blocks = (a.n + kRowBlock - 1) / kRowBlock;
+  const int64_t kw = a.k / fmt::kNibblesPerWord;
+  const int64_t ng = a.k / a.group;
+  const int64_t stride = StagingStride(a.k);
+  const bool gptq = a.layout == internal::Layout::kGptq;
+  uint8_t* u = scratch;
+  uint32_t* staged = reinterpret_cast<uint32_t*>(scratch + ((a.k + 63) / 64) * 64);
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t e = unit / blocks;
+    const int64_t n0 = (unit % blocks) * kRowBlock;
+    const int64_t n1 = std::min(a.n, n0 + kRowBlock);
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t row = e * a.n + n;
+      const uint16_t* x = a.w + row * a.k;
+      for (int64_t g = 0; g < ng; ++g) {
+        const uint32_t bits = AbsMaxBits(x + g * a.group, a.group);
+        if (bits >= nonfinite && bad < 0) bad = row * ng + g;
+        const float amax = a.is_bf16 ? BF16ToF32(static_cast<uint16_t>(bits))
+                                     : F16ToF32(static_cast<uint16_t>(bits));
+        const float scale = fmt::GroupScale(amax, a.variant);
+        const uint16_t s16 = a.is_bf16 ? F32ToBF16(scale) : F32ToF16(scale);
+        if (gptq) {
+          a.scales[(e * ng + g) * a.n + n] = s16;
+        } else {
+          a.scales[row * ng + g] = s16;
+        }
+        QuantizeToBytes(x + g * a.group, a.group, scale, a.is_bf16, u + g * a.group);
+      }
+      if (gptq) {
+        PackBytes(u, kw, staged + (n - n0) * stride);
+      } else {
+        PackBytes(u, kw, staged);
+        StreamCopy(staged, kw, a.packed + row * kw);
+      }
+    }
+    if (gptq) WriteTransposed(staged, stride, kw, n1 - n0, a.packed + e * kw * a.n + n0, a.n);
+  }
+  hwy::FlushStream();  // order the streaming stores before the caller reads the output
+  return bad;
+}
+
+// dst[c] = OR_i nibble(rows[i] % 8) of src row rows[i] / 8, at nibble i, for c < n: the word of
+// 8 logical K rows gathered from a GPTQ [K/8, n] matrix (act-order perm, §4.3). Lanewise over c.
+void GatherRows(const uint32_t* HWY_RESTRICT src, int64_t n, const int32_t* rows, uint32_t* HWY_RESTRICT dst) {
+  const uint32_t* HWY_RESTRICT s[8];
+  int sh[8];
+  for (int i = 0; i < 8; ++i) {
+    s[i] = src + static_cast<int64_t>(rows[i] >> 3) * n;
+    sh[i] = 4 * (rows[i] & 7);
+  }
+  for (int64_t c = 0; c < n; ++c) {
+    uint32_t w = 0;
+    for (int i = 0; i < 8; ++i) w |= ((s[i][c] >> sh[i]) & 0xFu) << (4 * i);
+    dst[c] = w;
+  }
+}
+
+#if HWY_TARGET != HWY_SCALAR
+// Vector form of format::Transpose4x4Bytes, lanewise (the reference tests hold both to the same
+// bits through RefMarlin).
+template <class D, class V>
+HWY_INLINE void Transpose4x4BytesV(D d, V& x0, V& x1, V& x2, V& x3) {
+  const auto m0 = hn::Set(d, 0x00FF00FFu), m1 = hn::Set(d, 0xFF00FF00u);
+  const auto lo16 = hn::Set(d, 0x0000FFFFu), hi16 = hn::Set(d, 0xFFFF0000u);
+  const V t0 = hn::Or(hn::And(x0, m0), hn::ShiftLeft<8>(hn::And(x1, m0)));
+  const V t1 = hn::Or(hn::And(hn::ShiftRight<8>(x0), m0), hn::And(x1, m1));
+  const V t2 = hn::Or(hn::And(x2, m0), hn::ShiftLeft<8>(hn::And(x3, m0)));
+  const V t3 = hn::Or(hn::And(hn::ShiftRight<8>(x2), m0), hn::And(x3, m1));
+  x0 = hn::Or(hn::And(t0, lo16), hn::ShiftLeft<16>(t2));
+  x1 = hn::Or(hn::And(t1, lo16), hn::ShiftLeft<16>(t3));
+  x2 = hn::Or(hn::ShiftRight<16>(t0), hn::And(t2, hi16));
+  x3 = hn::Or(hn::ShiftRight<16>(t1), hn::And(t3, hi16));
+}
+#endif
+
+// One Marlin tile from the byte planes of its 64 columns (lo/hi point at the tile's column 0).
+// Word (cc, rr, v) = 16 cc + 4 rr + v is byte-transpose rr of {lo, hi}[16 v + cc (+8)]. Vector
+// path: lanes run over cc (8 columns), giving t[q][cc] with q = 4 rr + v; the tile is the 16 x 8
+// transpose of t, done with one 16-lane gather per cc.
+void EmitTile(const uint32_t* HWY_RESTRICT lo, const uint32_t* HWY_RESTRICT hi, uint32_t* HWY_RESTRICT dst) {
+  HWY_ALIGN uint32_t o[fmt::kTileWords];
+#if HWY_TARGET == HWY_SCALAR
+  for (int cc = 0; cc < 8; ++cc) {
+    for (int v = 0; v < 4; ++v) {
+      const int c = 16 * v + cc;
+      uint32_t x0 = lo[c], x1 = lo[c + 8], x2 = hi[c], x3 = hi[c + 8];
+      fmt::Transpose4x4Bytes(x0, x1, x2, x3);
+      o[16 * cc + v] = x0;
+      o[16 * cc + 4 + v] = x1;
+      o[16 * cc + 8 + v] = x2;
+      o[16 * cc + 12 + v] = x3;
+    }
+  }
+#else
+  HWY_ALIGN uint32_t t[fmt::kTileWords];
+  const hn::CappedTag<uint32_t, 8> d;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  for (int v = 0; v < 4; ++v) {
+    for (int cc = 0; cc < 8; cc += lanes) {
+      auto x0 = hn::LoadU(d, lo + 16 * v + cc), x1 = hn::LoadU(d, lo + 16 * v + 8 + cc);
+      auto x2 = hn::LoadU(d, hi + 16 * v + cc), x3 = hn::LoadU(d, hi + 16 * v + 8 + cc);
+      Transpose4x4BytesV(d, x0, x1, x2, x3);
+      hn::Store(x0, d, t + (0 + v) * 8 + cc);
+      hn::Store(x1, d, t + (4 + v) * 8 + cc);
+      hn::Store(x2, d, t + (8 + v) * 8 + cc);
+      hn::Store(x3, d, t + (12 + v) * 8 + cc);
+    }
+  }
+  const hn::CappedTag<uint32_t, 16> d16;
+  const hn::RebindToSigned<decltype(d16)> di;
+  const int lanes16 = static_cast<int>(hn::Lanes(d16));
+  const auto idx = hn::Mul(hn::Iota(di, 0), hn::Set(di, 8));
+  for (int cc = 0; cc < 8; ++cc) {
+    for (int q = 0; q < 16; q += lanes16) {
+      hn::Store(hn::GatherIndex(d16, t + q * 8 + cc, idx), d16, o + 16 * cc + q);
+    }
+  }
+#endif
+  StreamCopy(o, fmt::kTileWords, dst);
+}
+
+// Inverse of EmitTile: the byte planes of a tile's 64 columns from its 128 words.
+void SplitTile(const uint32_t* HWY_RESTRICT o, uint32_t* HWY_RESTRICT lo, uint32_t* HWY_RESTRICT hi) {
+#if HWY_TARGET == HWY_SCALAR
+  for (int cc = 0; cc < 8; ++cc) {
+    for (int v = 0; v < 4; ++v) {
+      const int c = 16 * v + cc;
+      uint32_t x0 = o[16 * cc + v], x1 = o[16 * cc + 4 + v];
+      uint32_t x2 = o[16 * cc + 8 + v], x3 = o[16 * cc + 12 + v];
+      fmt::Transpose4x4Bytes(x0, x1, x2, x3);
+      lo[c] = x0;
+      lo[c + 8] = x1;
+      hi[c] = x2;
+      hi[c + 8] = x3;
+    }
+  }
+#else
+  const hn::CappedTag<uint32_t, 8> d;
+  const hn::RebindToSigned<decltype(d)> di;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  const auto idx = hn::Mul(hn::Iota(di, 0), hn::Set(di, 16));  // lane cc -> word 16 cc + q
+  for (int v = 0; v < 4; ++v) {
+    for (int cc = 0; cc < 8; cc += lanes) {
+      const uint32_t* base = o + 16 * cc + v;
+      auto x0 = hn::GatherIndex(d, base + 0, idx), x1 = hn::GatherIndex(d, base + 4, idx);
+      auto x2 = hn::GatherIndex(d, base + 8, idx), x3 = hn::GatherIndex(d, base + 12, idx);
+      Transpose4x4BytesV(d, x0, x1, x2, x3);
+      hn::StoreU(x0, d, lo + 16 * v + cc);
+      hn::StoreU(x1, d, lo + 16 * v + 8 + cc);
+      hn::StoreU(x2, d, hi + 16 * v + cc);
+      hn::StoreU(x3, d, hi + 16 * v + 8 + cc);
+    }
+  }
+#endif
+}
+
+// Units are (expert, k-tile); scratch holds 4N words.
+void RepackUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uint32_t* scratch) {
+  const int64_t n = a.n, kw = a.k / 8, ktiles = a.k / fmt::kTileK;
+  uint32_t* HWY_RESTRICT lo = scratch;
+  uint32_t* HWY_RESTRICT hi = scratch + n;
+  uint32_t* HWY_RESTRICT ga = scratch + 2 * n;
+  uint32_t* HWY_RESTRICT gb = scratch + 3 * n;
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t e = unit / ktiles, kt = unit % ktiles;
+    const uint32_t* q = a.in + e * kw * n;
+    const uint32_t* HWY_RESTRICT ra;
+    const uint32_t* HWY_RESTRICT rb;
+    if (a.perm != nullptr) {
+      // Marlin row k is GPTQ row perm[k] (§4.3): gather the 16 rows of this tile.
+      const int32_t* p = a.perm + e * a.k + kt * fmt::kTileK;
+      GatherRows(q, n, p, ga);
+      GatherRows(q, n, p + 8, gb);
+      ra = ga;
+      rb = gb;
+    } else {
+      ra = q + 2 * kt * n;
+      rb = ra + n;
+    }
+    for (int64_t c = 0; c < n; ++c) {
+      lo[c] = fmt::NibblePlaneLo(ra[c], rb[c]);
+      hi[c] = fmt::NibblePlaneHi(ra[c], rb[c]);
+    }
+    uint32_t* out = a.out + e * (a.k / fmt::kTileK) * 2 * n + fmt::TileOffset(kt, 0, n);
+    for (int64_t nt = 0; nt < n / fmt::kTileN; ++nt) {
+      EmitTile(lo + nt * fmt::kTileN, hi + nt * fmt::kTileN, out + nt * fmt::kTileWords);
+    }
+  }
+  hwy::FlushStream();
+}
+
+// Inverse of RepackUnits without perm. Units are (expert, k-tile); scratch holds 2N words.
+void RestoreUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uint32_t* scratch) {
+  const int64_t n = a.n, kw = a.k / 8, ktiles = a.k / fmt::kTileK;
+  uint32_t* HWY_RESTRICT lo = scratch;
+  uint32_t* HWY_RESTRICT hi = scratch + n;
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t e = unit / ktiles, kt = unit % ktiles;
+    const uint32_t* in = a.in + e * ktiles * 2 * n + fmt::TileOffset(kt, 0, n);
+    for (int64_t nt = 0; nt < n / fmt::kTileN; ++nt) {
+      SplitTile(in + nt * fmt::kTileWords, lo + nt * fmt::kTileN, hi + nt * fmt::kTileN);
+    }
+    // A and B overwrite the planes in place (lanewise), then stream out as GPTQ rows 2kt, 2kt+1.
+    for (int64_t c = 0; c < n; ++c) {
+      const uint32_t l = lo[c], h = hi[c];
+      lo[c] = fmt::PlanesToA(l, h);
+      hi[c] = fmt::PlanesToB(l, h);
+    }
+    uint32_t* ra = a.out + e * kw * n + 2 * kt * n;
+    StreamCopy(lo, n, ra);
+    StreamCopy(hi, n, ra + n);
+  }
+  hwy::FlushStream();
+}
+
+// out row j of expert e = the 8 rows inv[8j..8j+7] of the permuted-order GPTQ matrix `tmp`.
+void UnpermuteRows(const internal::RepackArgs& a, const uint32_t* tmp, const int32_t* inv, int64_t begin,
+                   int64_t end) {
+  const int64_t kw = a.k / 8;
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t e = unit / kw, j = unit % kw;
+    GatherRows(tmp + e * kw * a.n, a.n, inv + e * a.k + 8 * j, a.out + (e * kw + j) * a.n);
+  }
+}
+
+const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
+
+// NOLINTNEXTLINE(google-readability-namespace-comments)
+}  // namespace HWY_NAMESPACE
+}  // namespace wsync::kernels::cpu
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace wsync::kernels::cpu {
+
+HWY_EXPORT(QuantizeUnits);
+HWY_EXPORT(RepackUnits);
+HWY_EXPORT(RestoreUnits);
+HWY_EXPORT(UnpermuteRows);
+HWY_EXPORT(TargetName);
+
+namespace {
+
+namespace fmt = ::wsync::kernels::format;
+
+// Runs fn(begin, end) over [0, units) split into `threads` contiguous ranges (the caller's thread
+// takes the first). Blocks until all ranges are done.
+template <typename Fn>
+void ParallelFor(int64_t units, int threads, Fn fn) {
+  const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, units));
+  if (t <= 1) {
+    if (units > 0) fn(int64_t{0}, units);
+    return;
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<size_t>(t - 1));
+  auto range = [&](int64_t i) { return std::pair<int64_t, int64_t>(units * i / t, units * (i + 1) / t); };
+  for (int64_t i = 1; i < t; ++i) {
+    const auto [b, e] = range(i);
+    pool.emplace_back([&fn, b = b, e = e] { fn(b, e); });
+  }
+  const auto [b0, e0] = range(0);
+  fn(b0, e0);
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace
+
+const char* SimdTargetName() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
+
+absl::Status Quantize(const internal::QuantizeArgs& args) {
+  const int64_t blocks = (args.n + 15) / 16;
+  std::atomic<int64_t> bad{INT64_MAX};
+  ParallelFor(args.experts * blocks, args.threads, [&](int64_t b, int64_t e) {
+    const size_t row_bytes = static_cast<size_t>((args.k + 63) / 64 * 64);
+    // one nibble row + 16 staged word rows of StagingStride(K) = K/8 + 16 words
+    std::vector<uint8_t> scratch(row_bytes + 16 * static_cast<size_t>(args.k / 8 + 16) * sizeof(uint32_t));
+    const int64_t mine = HWY_DYNAMIC_DISPATCH(QuantizeUnits)(args, b, e, scratch.data());
+    if (mine < 0) return;
+    int64_t cur = bad.load();
+    while (mine < cur && !bad.compare_exchange_weak(cur, mine)) {
+    }
+  });
+  if (bad.load() != INT64_MAX) return internal::NonFiniteError(args, bad.load());
+  return absl::OkStatus();
+}
+
+absl::Status GptqToMarlin(const internal::RepackArgs& args) {
+  ParallelFor(args.experts * (args.k / fmt::kTileK), args.threads, [&](int64_t b, int64_t e) {
+    std::vector<uint32_t> scratch(static_cast<size_t>(4 * args.n));
+    HWY_DYNAMIC_DISPATCH(RepackUnits)(args, b, e, scratch.data());
+  });
+  return absl::OkStatus();
+}
+
+absl::Status MarlinToGptq(const internal::RepackArgs& args) {
+  const int64_t n = args.n, k = args.k, kw = k / 8;
+  if (args.perm == nullptr) {
+    ParallelFor(args.experts * (k / fmt::kTileK), args.threads, [&](int64_t b, int64_t e) {
+      std::vector<uint32_t> scratch(static_cast<size_t>(2 * n));
+      HWY_DYNAMIC_DISPATCH(RestoreUnits)(args, b, e, scratch.data());
+    });
+    return absl::OkStatus();
+  }
+  // Marlin row k is GPTQ row perm[k]: restore in Marlin row order into a temporary (allocated per
+  // call: this inverse is not on the sync path), then GPTQ row p = temporary row inv[p].
+  std::vector<int32_t> inv(static_cast<size_t>(args.experts * k));
+  for (int64_t e = 0; e < args.experts; ++e) {
+    for (int64_t i = 0; i < k; ++i) inv[e * k + args.perm[e * k + i]] = static_cast<int32_t>(i);
+  }
+  std::vector<uint32_t> tmp(static_cast<size_t>(args.experts * kw * n));
+  internal::RepackArgs plain = args;
+  plain.perm = nullptr;
+  plain.out = tmp.data();
+  ParallelFor(args.experts * (k / fmt::kTileK), args.threads, [&](int64_t b, int64_t e) {
+    std::vector<uint32_t> scratch(static_cast<size_t>(2 * n));
+    HWY_DYNAMIC_DISPATCH(RestoreUnits)(plain, b, e, scratch.data());
+  });
+  ParallelFor(args.experts * kw, args.threads, [&](int64_t b, int64_t e) {
+    HWY_DYNAMIC_DISPATCH(UnpermuteRows)(args, tmp.data(), inv.data(), b, e);
+  });
+  return absl::OkStatus();
+}
+
+absl::Status PermuteScales(const internal::ScalePermArgs& args) {
+  const int width = args.channelwise ? fmt::kScalePermChannelWidth : fmt::kScalePermGroupedWidth;
+  int src[fmt::kScalePermGroupedWidth];
+  for (int p = 0; p < width; ++p) src[p] = args.channelwise ? fmt::ScalePermChannel(p) : fmt::ScalePermGrouped(p);
+  const int64_t rows = args.experts * args.rows;
+  ParallelFor(rows, args.threads, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const uint16_t* in = args.in + r * args.n;
+      uint16_t* out = args.out + r * args.n;
+      for (int64_t c0 = 0; c0 < args.n; c0 += width) {
+        for (int p = 0; p < width; ++p) {
+          if (args.inverse) {
+            out[c0 + src[p]] = in[c0 + p];
+          } else {
+            out[c0 + p] = in[c0 + src[p]];
+          }
+        }
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
+}  // namespace wsync::kernels::cpu
+#endif  // HWY_ONCE

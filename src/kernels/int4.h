@@ -1,0 +1,89 @@
+// Public API of the INT4 kernels: symmetric INT4 group quantization fused with packing
+// (compressed-tensors or GPTQ orientation), GPTQ <-> Marlin weight repack, and the Marlin scale
+// permutation, for dense [N, K] weights and stacked MoE experts [E, N, K]. Bit-exact to
+// /work/shared/docs/FORMATS.md (cited as §n); docs/kernels.md explains layout and decisions.
+//
+// Every function takes the caller's input and output views (no allocation of outputs), checks
+// dtype, shape, size and alignment, and then runs on Options::device:
+//   kCpu   host memory; split over Options::num_threads std::threads (0 = hardware_concurrency);
+//   kCuda  device memory (cudaMalloc'ed pointers in the views); enqueued on Options::cuda_stream
+//          (nullptr = the legacy default stream) and synchronized before returning, so that launch
+//          and execution errors are reported. kFailedPrecondition if CUDA was not compiled in.
+// Errors: kInvalidArgument naming the tensor and the offending values (dtype, rank, K % 16,
+// N % 64, K % G, group size, output shape, expert count, perm contents, misalignment);
+// kInternal for CUDA runtime failures. On error nothing is guaranteed about the outputs.
+// Thread-safety: reentrant; concurrent calls are safe when their outputs do not overlap.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/tensor.h"
+
+namespace wsync::kernels {
+
+enum class Device { kCpu, kCuda };
+
+// FORMATS.md §1.1 (`qat`: fl32(amax / 7), the default) or §1.2 (`slime`: amax * fl32(1/7)).
+enum class QuantVariant { kQat, kSlime };
+
+// Output orientation of QuantizeInt4: compressed-tensors `weight_packed [N, K/8]` +
+// `weight_scale [N, K/G]` (§2), or GPTQ `qweight [K/8, N]` + `scales [K/G, N]` (§3).
+enum class PackFormat { kCompressedTensors, kGptq };
+
+// Group size meaning "one group per row" (compressed-tensors writes -1).
+inline constexpr int kChannelwise = -1;
+
+struct KernelOptions {
+  Device device = Device::kCpu;
+  int num_threads = 0;           // CPU: 0 = std::thread::hardware_concurrency()
+  void* cuda_stream = nullptr;   // CUDA: a cudaStream_t
+};
+
+struct QuantizeOptions : KernelOptions {
+  int group_size = 128;          // 32, 64, 128 or kChannelwise (-1); K % G == 0
+  QuantVariant variant = QuantVariant::kQat;
+  PackFormat format = PackFormat::kCompressedTensors;
+};
+
+// Quantizes W (bf16 or fp16, [N, K] or [E, N, K], K % 8 == 0) in one pass.
+//   kCompressedTensors: packed int32 [(E,) N, K/8], scales [(E,) N, K/G]
+//   kGptq:              packed int32 [(E,) K/8, N], scales [(E,) K/G, N]
+// scales have W's dtype and hold dtype(scale_f32), round to nearest even.
+absl::Status QuantizeInt4(const TensorView& w, MutableTensorView packed, MutableTensorView scales,
+                          const QuantizeOptions& options);
+
+// Shapes QuantizeInt4 expects for its outputs (same checks on w and the group size).
+struct QuantizedShapes {
+  Shape packed;
+  Shape scales;
+};
+absl::StatusOr<QuantizedShapes> QuantizedShapesFor(const TensorView& w, int group_size, PackFormat format);
+
+// GPTQ qweight int32 [K/8, N] or [E, K/8, N] -> Marlin int32 [K/16, 2N] or [E, K/16, 2N] (§4, §6).
+// size_k = K is implied by the input (8 * dim). K % 16 == 0, N % 64 == 0.
+// perm: nullptr for none, else int32 [K] or [E, K], each row a permutation of 0..K-1; Marlin row k
+// is GPTQ row perm[k] (§4.3; engines pass argsort(g_idx)).
+absl::Status GptqToMarlin(const TensorView& gptq, const TensorView* perm, MutableTensorView marlin,
+                          const KernelOptions& options);
+// Exact inverse: MarlinToGptq(GptqToMarlin(x, perm), perm) == x.
+absl::Status MarlinToGptq(const TensorView& marlin, const TensorView* perm, MutableTensorView gptq,
+                          const KernelOptions& options);
+
+// Marlin scale permutation (§5): scales bf16/fp16 [K/G, N] or [E, K/G, N] (GPTQ orientation),
+// N % 64 == 0. size_k is the full K; group_size G in {32, 64, 128, -1}, or any G with K % G == 0.
+// Uses scale_perm (64 columns) when G != -1 and G < K, else scale_perm_single (32 columns).
+// out has the input's dtype and shape and must not alias it.
+absl::Status PermuteMarlinScales(const TensorView& scales, int64_t size_k, int group_size,
+                                 MutableTensorView out, const KernelOptions& options);
+// Exact inverse of PermuteMarlinScales with the same size_k and group_size.
+absl::Status UnpermuteMarlinScales(const TensorView& scales, int64_t size_k, int group_size,
+                                   MutableTensorView out, const KernelOptions& options);
+
+// Marlin shape of a GPTQ qweight shape ([K/8, N] -> [K/16, 2N], per expert), with the checks above.
+absl::StatusOr<Shape> MarlinShapeFor(const Shape& gptq_shape);
+// GPTQ shape of a Marlin qweight shape ([K/16, 2N] -> [K/8, N]).
+absl::StatusOr<Shape> GptqShapeFor(const Shape& marlin_shape);
+
+}  // namespace wsync::kernels

@@ -1,0 +1,252 @@
+// wsync-bench-kernels: throughput of the CPU INT4 kernels against memcpy of the same bytes,
+// nccl-tests style. For every kernel and input size it reports the time per call, the bandwidth
+// on the kernel's input bytes, the memcpy bandwidth of the same byte count with the same thread
+// count measured in the same run, their ratio, and #wrong from a checked iteration (quantize:
+// words differing from a scalar recomputation of the first rows; repack: words differing after
+// restore; scale perm: inverse round trip).
+//
+//   wsync-bench-kernels [-b 16M] [-e 256M] [-f 2] [-n 5] [-w 1] [-c 1] [-t threads] [-k kernel]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "common/dtype.h"
+#include "common/tensor.h"
+#include "kernels/cpu/int4_cpu.h"
+#include "kernels/format/int4_format.h"
+#include "kernels/int4.h"
+
+namespace wsync {
+namespace {
+
+namespace fmt = kernels::format;
+
+struct Flags {
+  std::string min_bytes = "16M", max_bytes = "256M";
+  int factor = 2, iters = 5, warmup = 1, check = 1, threads = 0;
+  std::vector<std::string> kernels;
+};
+
+int64_t ParseSize(const std::string& s) {
+  double v = std::stod(s);
+  switch (s.empty() ? ' ' : s.back()) {
+    case 'K': case 'k': v *= 1024; break;
+    case 'M': case 'm': v *= 1024 * 1024; break;
+    case 'G': case 'g': v *= 1024.0 * 1024 * 1024; break;
+    default: break;
+  }
+  return static_cast<int64_t>(v);
+}
+
+double Seconds(const std::function<void()>& fn, int iters) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) fn();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
+}
+
+// memcpy split over `threads` threads, as the kernels split their work.
+void ParallelMemcpy(std::byte* dst, const std::byte* src, size_t n, int threads) {
+  if (threads <= 1) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  std::vector<std::thread> pool;
+  for (int i = 0; i < threads; ++i) {
+    const size_t b = n * i / threads, e = n * (i + 1) / threads;
+    pool.emplace_back([=] { std::memcpy(dst + b, src + b, e - b); });
+  }
+  for (auto& t : pool) t.join();
+}
+
+Buffer MustAlloc(size_t n) {
+  auto b = Buffer::Allocate(n);
+  if (!b.ok()) {
+    std::fprintf(stderr, "allocation of %zu bytes failed: %s\n", n, b.status().ToString().c_str());
+    std::exit(1);
+  }
+  std::memset(b->data(), 0, n);  // touch every page before timing
+  return std::move(b).value();
+}
+
+void Die(const absl::Status& st) {
+  if (!st.ok()) {
+    std::fprintf(stderr, "kernel failed: %s\n", st.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+struct Row {
+  const char* kernel;
+  int threads;
+  int64_t bytes;
+  double seconds;
+  double memcpy_seconds;
+  int64_t wrong;
+};
+
+void Print(const Row& r) {
+  const double gbs = r.bytes / r.seconds / 1e9, mgbs = r.bytes / r.memcpy_seconds / 1e9;
+  std::printf("%-16s %4d %12lld %12.1f %9.2f %9.2f %7.2f %8lld\n", r.kernel, r.threads,
+              static_cast<long long>(r.bytes), r.seconds * 1e6, gbs, mgbs, gbs / mgbs,
+              static_cast<long long>(r.wrong));
+}
+
+// Quantize: W bf16 [N, 4096], G = 128, qat; `format` selects the output orientation.
+Row BenchQuantize(const char* name, kernels::PackFormat format, int64_t bytes, int threads, const Flags& f) {
+  const int64_t k = 4096, n = std::max<int64_t>(64, bytes / (2 * k) / 64 * 64);
+  bytes = n * k * 2;
+  Buffer w = MustAlloc(static_cast<size_t>(bytes));
+  auto* wp = reinterpret_cast<uint16_t*>(w.data());
+  std::mt19937 rng(1);
+  std::normal_distribution<float> dist(0.0f, 0.02f);
+  std::vector<uint16_t> pool(1 << 16);
+  for (auto& x : pool) x = F32ToBF16(dist(rng));
+  for (int64_t i = 0; i < n * k; ++i) wp[i] = pool[(i * 2654435761u) & 0xFFFF];
+  Buffer packed = MustAlloc(static_cast<size_t>(n * k / 2));
+  Buffer scales = MustAlloc(static_cast<size_t>(n * k / 128 * 2));
+  Buffer copy = MustAlloc(static_cast<size_t>(bytes));
+  const TensorView wv(DType::kBF16, {n, k}, w.span());
+  const bool gptq = format == kernels::PackFormat::kGptq;
+  const MutableTensorView pv(DType::kI32, gptq ? Shape{k / 8, n} : Shape{n, k / 8}, packed.span());
+  const MutableTensorView sv(DType::kBF16, gptq ? Shape{k / 128, n} : Shape{n, k / 128}, scales.span());
+  kernels::QuantizeOptions opt;
+  opt.num_threads = threads;
+  opt.format = format;
+  auto run = [&] { Die(kernels::QuantizeInt4(wv, pv, sv, opt)); };
+  for (int i = 0; i < f.warmup; ++i) run();
+  const double t = Seconds(run, f.iters);
+  for (int i = 0; i < f.warmup; ++i) ParallelMemcpy(copy.data(), w.data(), bytes, threads);
+  const double tm = Seconds([&] { ParallelMemcpy(copy.data(), w.data(), bytes, threads); }, f.iters);
+  int64_t wrong = 0;
+  if (f.check) {  // scalar recomputation of the first 64 rows
+    const auto* pw = reinterpret_cast<const uint32_t*>(packed.data());
+    for (int64_t r = 0; r < 64; ++r) {
+      for (int64_t g = 0; g < k / 128; ++g) {
+        float amax = 0;
+        for (int i = 0; i < 128; ++i) amax = std::max(amax, std::fabs(BF16ToF32(wp[r * k + g * 128 + i])));
+        const float s = fmt::GroupScale(amax, fmt::Variant::kQat);
+        for (int j = 0; j < 16; ++j) {
+          uint32_t word = 0;
+          for (int i = 0; i < 8; ++i) word |= fmt::QuantizeNibble(BF16ToF32(wp[r * k + g * 128 + 8 * j + i]), s) << (4 * i);
+          const int64_t jj = g * 16 + j;
+          wrong += (gptq ? pw[jj * n + r] : pw[r * (k / 8) + jj]) != word;
+        }
+      }
+    }
+  }
+  return Row{name, threads, bytes, t, tm, wrong};
+}
+
+// Repack (and restore): GPTQ qweight int32 [K/8, 4096] of `bytes` bytes.
+Row BenchRepack(const char* name, bool restore, bool with_perm, int64_t bytes, int threads, const Flags& f) {
+  const int64_t n = 4096, k = std::max<int64_t>(16, bytes / (4 * n) * 8 / 16 * 16);
+  bytes = k / 8 * n * 4;
+  Buffer q = MustAlloc(static_cast<size_t>(bytes)), m = MustAlloc(static_cast<size_t>(bytes));
+  Buffer back = MustAlloc(static_cast<size_t>(bytes)), copy = MustAlloc(static_cast<size_t>(bytes));
+  auto* qp = reinterpret_cast<uint32_t*>(q.data());
+  std::mt19937 rng(2);
+  for (int64_t i = 0; i < bytes / 4; ++i) qp[i] = rng();
+  std::vector<int32_t> perm(static_cast<size_t>(k));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  const TensorView pv(DType::kI32, {k}, std::as_bytes(std::span(perm)));
+  const TensorView* pp = with_perm ? &pv : nullptr;
+  const TensorView gv(DType::kI32, {k / 8, n}, q.span());
+  const MutableTensorView mv(DType::kI32, {k / 16, 2 * n}, m.span());
+  const MutableTensorView bv(DType::kI32, {k / 8, n}, back.span());
+  kernels::KernelOptions opt;
+  opt.num_threads = threads;
+  Die(kernels::GptqToMarlin(gv, pp, mv, opt));
+  auto run = [&] {
+    Die(restore ? kernels::MarlinToGptq(mv, pp, bv, opt) : kernels::GptqToMarlin(gv, pp, mv, opt));
+  };
+  for (int i = 0; i < f.warmup; ++i) run();
+  const double t = Seconds(run, f.iters);
+  for (int i = 0; i < f.warmup; ++i) ParallelMemcpy(copy.data(), q.data(), bytes, threads);
+  const double tm = Seconds([&] { ParallelMemcpy(copy.data(), q.data(), bytes, threads); }, f.iters);
+  int64_t wrong = 0;
+  if (f.check) {
+    if (!restore) Die(kernels::MarlinToGptq(mv, pp, bv, opt));
+    const auto* bp = reinterpret_cast<const uint32_t*>(back.data());
+    for (int64_t i = 0; i < bytes / 4; ++i) wrong += bp[i] != qp[i];
+  }
+  return Row{name, threads, bytes, t, tm, wrong};
+}
+
+// Scale permutation of bf16 [rows, 4096] (grouped).
+Row BenchScales(int64_t bytes, int threads, const Flags& f) {
+  const int64_t n = 4096, rows = std::max<int64_t>(1, bytes / (2 * n));
+  bytes = rows * n * 2;
+  Buffer s = MustAlloc(static_cast<size_t>(bytes)), o = MustAlloc(static_cast<size_t>(bytes));
+  Buffer back = MustAlloc(static_cast<size_t>(bytes)), copy = MustAlloc(static_cast<size_t>(bytes));
+  std::mt19937 rng(3);
+  auto* sp = reinterpret_cast<uint16_t*>(s.data());
+  for (int64_t i = 0; i < bytes / 2; ++i) sp[i] = static_cast<uint16_t>(rng());
+  const TensorView sv(DType::kBF16, {rows, n}, s.span());
+  const MutableTensorView ov(DType::kBF16, {rows, n}, o.span());
+  kernels::KernelOptions opt;
+  opt.num_threads = threads;
+  const int64_t size_k = rows * 128;
+  auto run = [&] { Die(kernels::PermuteMarlinScales(sv, size_k, 128, ov, opt)); };
+  for (int i = 0; i < f.warmup; ++i) run();
+  const double t = Seconds(run, f.iters);
+  const double tm = Seconds([&] { ParallelMemcpy(copy.data(), s.data(), bytes, threads); }, f.iters);
+  int64_t wrong = 0;
+  if (f.check) {
+    Die(kernels::UnpermuteMarlinScales(ov, size_k, 128, MutableTensorView(DType::kBF16, {rows, n}, back.span()), opt));
+    wrong = std::memcmp(back.data(), s.data(), bytes) != 0;
+  }
+  return Row{"scale-perm", threads, bytes, t, tm, wrong};
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{"wsync-bench-kernels: CPU INT4 kernel throughput vs memcpy"};
+  app.add_option("-b,--minbytes", f.min_bytes, "smallest input size (bytes, K/M/G suffix)");
+  app.add_option("-e,--maxbytes", f.max_bytes, "largest input size (up to 1G)");
+  app.add_option("-f,--stepfactor", f.factor, "size multiplication factor");
+  app.add_option("-n,--iters", f.iters, "timed iterations");
+  app.add_option("-w,--warmup_iters", f.warmup, "warmup iterations");
+  app.add_option("-c,--check", f.check, "check results (1) or not (0)");
+  app.add_option("-t,--threads", f.threads, "threads for the 'all' rows (0 = hardware_concurrency)");
+  app.add_option("-k,--kernel", f.kernels,
+                 "kernels to run: quantize-ct quantize-gptq repack repack-perm restore restore-perm scale-perm");
+  CLI11_PARSE(app, argc, argv);
+  const int all = f.threads > 0 ? f.threads : std::max(1u, std::thread::hardware_concurrency());
+  auto want = [&](const char* k) {
+    return f.kernels.empty() || std::find(f.kernels.begin(), f.kernels.end(), k) != f.kernels.end();
+  };
+  std::printf("# wsync-bench-kernels  simd=%s  hardware threads=%u  iters=%d warmup=%d\n",
+              kernels::cpu::SimdTargetName(), std::thread::hardware_concurrency(), f.iters, f.warmup);
+  std::printf("# quantize: bf16 W[N, 4096] G=128 qat; repack: int32 GPTQ [K/8, 4096]; size = input bytes\n");
+  std::printf("#%-15s %4s %12s %12s %9s %9s %7s %8s\n", "kernel", "thr", "size(B)", "time(us)", "GB/s",
+              "memcpy", "ratio", "#wrong");
+  std::vector<int> thread_counts = {1};
+  if (all > 1) thread_counts.push_back(all);
+  for (int64_t bytes = ParseSize(f.min_bytes); bytes <= ParseSize(f.max_bytes); bytes *= f.factor) {
+    for (int t : thread_counts) {
+      if (want("quantize-ct")) Print(BenchQuantize("quantize-ct", kernels::PackFormat::kCompressedTensors, bytes, t, f));
+      if (want("quantize-gptq")) Print(BenchQuantize("quantize-gptq", kernels::PackFormat::kGptq, bytes, t, f));
+      if (want("repack")) Print(BenchRepack("repack", false, false, bytes, t, f));
+      if (want("repack-perm")) Print(BenchRepack("repack-perm", false, true, bytes, t, f));
+      if (want("restore")) Print(BenchRepack("restore", true, false, bytes, t, f));
+      if (want("restore-perm")) Print(BenchRepack("restore-perm", true, true, bytes, t, f));
+      if (want("scale-perm")) Print(BenchScales(bytes, t, f));
+    }
+    if (f.factor <= 1) break;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace wsync
+
+int main(int argc, char** argv) { return wsync::Main(argc, argv); }

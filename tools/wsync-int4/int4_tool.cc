@@ -1,0 +1,319 @@
+#include "int4_tool.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <regex>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/safetensors.h"
+#include "common/status.h"
+#include "kernels/format/int4_format.h"
+
+namespace wsync::tools {
+namespace {
+
+constexpr absl::string_view kLayoutKey = "wsync.layout";
+
+// Keeps every produced tensor alive until the writer has written the file.
+class Arena {
+ public:
+  absl::StatusOr<Tensor*> Empty(DType dt, Shape shape) {
+    WSYNC_ASSIGN_OR_RETURN(Tensor t, Tensor::Empty(dt, std::move(shape)));
+    tensors_.push_back(std::make_unique<Tensor>(std::move(t)));
+    return tensors_.back().get();
+  }
+  // `v` itself when aligned to `alignment`, else an aligned copy (safetensors offsets need not be).
+  absl::StatusOr<TensorView> Aligned(const TensorView& v, size_t alignment) {
+    if (v.IsAligned(alignment)) return v;
+    WSYNC_ASSIGN_OR_RETURN(Tensor t, Tensor::CopyOf(v));
+    tensors_.push_back(std::make_unique<Tensor>(std::move(t)));
+    return tensors_.back()->view();
+  }
+
+ private:
+  std::vector<std::unique_ptr<Tensor>> tensors_;
+};
+
+absl::Status TensorError(absl::string_view name, absl::string_view msg) {
+  return absl::InvalidArgumentError(absl::StrCat("tensor \"", name, "\": ", msg));
+}
+absl::Status InTensor(const absl::Status& st, absl::string_view name) {
+  return Annotate(st, absl::StrCat("tensor \"", name, "\""));
+}
+
+bool StripSuffix(absl::string_view name, absl::string_view suffix, std::string* prefix) {
+  if (!absl::EndsWith(name, suffix) || name.size() == suffix.size()) return false;
+  *prefix = std::string(name.substr(0, name.size() - suffix.size()));
+  return true;
+}
+
+// [.., R, C] -> [.., C, R] for 2- or 4-byte elements.
+absl::Status TransposeLast2(const TensorView& in, Tensor* out) {
+  const Shape& s = in.shape();
+  const int64_t e = s.size() == 3 ? s[0] : 1, r = s[s.size() - 2], c = s.back();
+  const size_t item = ItemSize(in.dtype());
+  const std::byte* src = in.bytes().data();
+  std::byte* dst = reinterpret_cast<std::byte*>(out->data_as<uint8_t>());
+  for (int64_t x = 0; x < e; ++x) {
+    for (int64_t i = 0; i < r; ++i) {
+      for (int64_t j = 0; j < c; ++j) {
+        std::memcpy(dst + ((x * c + j) * r + i) * item, src + ((x * r + i) * c + j) * item, item);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+Shape SwapLast2(const Shape& s) {
+  Shape t = s;
+  std::swap(t[t.size() - 1], t[t.size() - 2]);
+  return t;
+}
+
+kernels::KernelOptions Kopts(int threads) {
+  kernels::KernelOptions o;
+  o.num_threads = threads;
+  return o;
+}
+
+// perm = stable argsort of g_idx per expert, from tensor "<prefix>.<perm_from>".
+absl::StatusOr<const TensorView*> PermFor(const SafetensorsFile& file, const std::string& prefix,
+                                          const std::string& perm_from, const Shape& gptq_shape, Arena& arena,
+                                          TensorView* storage) {
+  if (perm_from.empty()) return nullptr;
+  const std::string name = absl::StrCat(prefix, ".", perm_from);
+  const SafetensorsEntry* g = file.Find(name);
+  const int64_t experts = gptq_shape.size() == 3 ? gptq_shape[0] : 1, k = 8 * gptq_shape[gptq_shape.size() - 2];
+  if (g == nullptr) return TensorError(name, "missing (needed by --perm-from)");
+  const Shape want = gptq_shape.size() == 3 ? Shape{experts, k} : Shape{k};
+  if (g->view.dtype() != DType::kI32 || g->view.shape() != want) {
+    return TensorError(name, absl::StrCat("is ", SafetensorsName(g->view.dtype()), ShapeToString(g->view.shape()),
+                                          ", want I32", ShapeToString(want)));
+  }
+  WSYNC_ASSIGN_OR_RETURN(const TensorView gv, arena.Aligned(g->view, 4));
+  WSYNC_ASSIGN_OR_RETURN(Tensor * perm, arena.Empty(DType::kI32, want));
+  const auto* gi = gv.data_as<int32_t>();
+  auto* p = perm->data_as<int32_t>();
+  for (int64_t e = 0; e < experts; ++e) {
+    std::iota(p + e * k, p + (e + 1) * k, 0);
+    std::stable_sort(p + e * k, p + (e + 1) * k, [&](int32_t a, int32_t b) { return gi[e * k + a] < gi[e * k + b]; });
+  }
+  *storage = perm->view();
+  return storage;
+}
+
+struct Layer {
+  std::string weight, scales, prefix;
+  bool compressed_tensors;
+};
+
+// The layers of a file: every *.qweight (with *.scales) and *.weight_packed (with *.weight_scale).
+absl::StatusOr<std::vector<Layer>> FindLayers(const SafetensorsFile& file) {
+  std::vector<Layer> layers;
+  for (const auto& e : file.tensors()) {
+    Layer l;
+    if (StripSuffix(e.name, ".qweight", &l.prefix)) {
+      l.scales = l.prefix + ".scales";
+      l.compressed_tensors = false;
+    } else if (StripSuffix(e.name, ".weight_packed", &l.prefix)) {
+      l.scales = l.prefix + ".weight_scale";
+      l.compressed_tensors = true;
+    } else {
+      continue;
+    }
+    l.weight = e.name;
+    if (file.Find(l.scales) == nullptr) return TensorError(e.name, absl::StrCat("missing scales \"", l.scales, "\""));
+    if (e.view.dtype() != DType::kI32) {
+      return TensorError(e.name, absl::StrCat("dtype ", SafetensorsName(e.view.dtype()), " unsupported (want I32)"));
+    }
+    layers.push_back(std::move(l));
+  }
+  return layers;
+}
+
+absl::Status CheckScaleDtype(const SafetensorsEntry& s) {
+  if (s.view.dtype() != DType::kBF16 && s.view.dtype() != DType::kF16) {
+    return TensorError(s.name, absl::StrCat("dtype ", SafetensorsName(s.view.dtype()), " unsupported (want BF16 or F16)"));
+  }
+  if (s.view.rank() != 2 && s.view.rank() != 3) {
+    return TensorError(s.name, absl::StrCat("rank ", s.view.rank(), " unsupported: ", ShapeToString(s.view.shape())));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckGroupSize(int g) {
+  if (g == -1 || g == 32 || g == 64 || g == 128) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("--group-size ", g, " unsupported (want 32, 64, 128 or -1)"));
+}
+
+// Shared body of repack (to_marlin) and restore.
+absl::Status Convert(const RepackFileOptions& o, bool to_marlin) {
+  WSYNC_RETURN_IF_ERROR(CheckGroupSize(o.group_size));
+  WSYNC_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(o.in));
+  const auto layout = file.metadata().find(std::string(kLayoutKey));
+  if (to_marlin && layout != file.metadata().end() && layout->second == "marlin") {
+    return absl::InvalidArgumentError(absl::StrCat(o.in, ": already in Marlin layout (metadata ", kLayoutKey, ")"));
+  }
+  if (!to_marlin && layout != file.metadata().end() && layout->second != "marlin") {
+    return absl::InvalidArgumentError(
+        absl::StrCat(o.in, ": metadata ", kLayoutKey, " = \"", layout->second, "\", not a Marlin file"));
+  }
+  WSYNC_ASSIGN_OR_RETURN(const std::vector<Layer> layers, FindLayers(file));
+  Arena arena;
+  std::map<std::string, TensorView> replaced;
+  const kernels::KernelOptions kopt = Kopts(o.threads);
+  for (const Layer& l : layers) {
+    const SafetensorsEntry& w = *file.Find(l.weight);
+    const SafetensorsEntry& s = *file.Find(l.scales);
+    WSYNC_RETURN_IF_ERROR(CheckScaleDtype(s));
+    WSYNC_ASSIGN_OR_RETURN(TensorView wv, arena.Aligned(w.view, 4));
+    WSYNC_ASSIGN_OR_RETURN(TensorView sv, arena.Aligned(s.view, 2));
+    if (to_marlin) {
+      if (l.compressed_tensors) {  // §7: weight_packed.T, weight_scale.T (per expert)
+        if (wv.rank() != 2 && wv.rank() != 3) return TensorError(l.weight, "rank must be 2 or 3");
+        WSYNC_ASSIGN_OR_RETURN(Tensor * wt, arena.Empty(DType::kI32, SwapLast2(wv.shape())));
+        WSYNC_RETURN_IF_ERROR(TransposeLast2(wv, wt));
+        WSYNC_ASSIGN_OR_RETURN(Tensor * st, arena.Empty(sv.dtype(), SwapLast2(sv.shape())));
+        WSYNC_RETURN_IF_ERROR(TransposeLast2(sv, st));
+        wv = wt->view();
+        sv = st->view();
+      }
+      absl::StatusOr<Shape> mshape_or = kernels::MarlinShapeFor(wv.shape());
+      if (!mshape_or.ok()) return InTensor(mshape_or.status(), l.weight);
+      const Shape mshape = *mshape_or;
+      const int64_t k = 8 * wv.dim(wv.rank() - 2);
+      TensorView perm_storage;
+      WSYNC_ASSIGN_OR_RETURN(const TensorView* perm,
+                             PermFor(file, l.prefix, o.perm_from, wv.shape(), arena, &perm_storage));
+      WSYNC_ASSIGN_OR_RETURN(Tensor * m, arena.Empty(DType::kI32, mshape));
+      WSYNC_RETURN_IF_ERROR(InTensor(kernels::GptqToMarlin(wv, perm, m->mutable_view(), kopt), l.weight));
+      WSYNC_ASSIGN_OR_RETURN(Tensor * ps, arena.Empty(sv.dtype(), sv.shape()));
+      WSYNC_RETURN_IF_ERROR(
+          InTensor(kernels::PermuteMarlinScales(sv, k, o.group_size, ps->mutable_view(), kopt), l.scales));
+      replaced[l.weight] = m->view();
+      replaced[l.scales] = ps->view();
+    } else {
+      absl::StatusOr<Shape> gshape_or = kernels::GptqShapeFor(wv.shape());
+      if (!gshape_or.ok()) return InTensor(gshape_or.status(), l.weight);
+      const Shape gshape = *gshape_or;
+      const int64_t k = 8 * gshape[gshape.size() - 2];
+      TensorView perm_storage;
+      WSYNC_ASSIGN_OR_RETURN(const TensorView* perm, PermFor(file, l.prefix, o.perm_from, gshape, arena, &perm_storage));
+      WSYNC_ASSIGN_OR_RETURN(Tensor * g, arena.Empty(DType::kI32, gshape));
+      WSYNC_RETURN_IF_ERROR(InTensor(kernels::MarlinToGptq(wv, perm, g->mutable_view(), kopt), l.weight));
+      WSYNC_ASSIGN_OR_RETURN(Tensor * us, arena.Empty(sv.dtype(), sv.shape()));
+      WSYNC_RETURN_IF_ERROR(
+          InTensor(kernels::UnpermuteMarlinScales(sv, k, o.group_size, us->mutable_view(), kopt), l.scales));
+      TensorView gw = g->view(), gs = us->view();
+      if (l.compressed_tensors) {  // back to [N, K/8] and [N, K/G]
+        WSYNC_ASSIGN_OR_RETURN(Tensor * wt, arena.Empty(DType::kI32, SwapLast2(gw.shape())));
+        WSYNC_RETURN_IF_ERROR(TransposeLast2(gw, wt));
+        WSYNC_ASSIGN_OR_RETURN(Tensor * st, arena.Empty(gs.dtype(), SwapLast2(gs.shape())));
+        WSYNC_RETURN_IF_ERROR(TransposeLast2(gs, st));
+        gw = wt->view();
+        gs = st->view();
+      }
+      replaced[l.weight] = gw;
+      replaced[l.scales] = gs;
+    }
+  }
+  SafetensorsWriter writer;
+  for (const auto& e : file.tensors()) {
+    auto it = replaced.find(e.name);
+    WSYNC_RETURN_IF_ERROR(writer.Add(e.name, it == replaced.end() ? e.view : it->second));
+  }
+  for (const auto& [k, v] : file.metadata()) writer.SetMetadata(k, v);
+  writer.SetMetadata(std::string(kLayoutKey), to_marlin ? "marlin" : "gptq");
+  writer.SetMetadata("wsync.marlin.group_size", std::to_string(o.group_size));
+  return writer.Write(o.out);
+}
+
+}  // namespace
+
+absl::Status QuantizeFile(const QuantizeFileOptions& o) {
+  WSYNC_RETURN_IF_ERROR(CheckGroupSize(o.group_size));
+  std::vector<std::regex> ignore;
+  for (std::string re : o.ignore) {
+    if (absl::StartsWith(re, "re:")) re = re.substr(3);
+    try {
+      ignore.emplace_back(re, std::regex::ECMAScript);
+    } catch (const std::regex_error& e) {
+      return absl::InvalidArgumentError(absl::StrCat("--ignore \"", re, "\" is not a valid regex: ", e.what()));
+    }
+  }
+  auto ignored = [&](const std::string& prefix, const std::string& name) {
+    for (const auto& re : ignore) {
+      if (std::regex_search(prefix, re, std::regex_constants::match_continuous) ||
+          std::regex_search(name, re, std::regex_constants::match_continuous)) {
+        return true;
+      }
+    }
+    return false;
+  };
+  WSYNC_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(o.in));
+  kernels::QuantizeOptions q;
+  q.group_size = o.group_size;
+  q.format = o.format;
+  q.variant = o.variant;
+  q.num_threads = o.threads;
+  const bool gptq = o.format == kernels::PackFormat::kGptq;
+  Arena arena;
+  SafetensorsWriter writer;
+  for (const auto& e : file.tensors()) {
+    std::string prefix;
+    const TensorView& v = e.view;
+    const bool candidate = StripSuffix(e.name, ".weight", &prefix) && (v.rank() == 2 || v.rank() == 3) &&
+                           IsFloating(v.dtype()) && !ignored(prefix, e.name);
+    if (!candidate) {
+      WSYNC_RETURN_IF_ERROR(writer.Add(e.name, v));
+      continue;
+    }
+    absl::StatusOr<kernels::QuantizedShapes> shapes = kernels::QuantizedShapesFor(v, o.group_size, o.format);
+    if (!shapes.ok()) return InTensor(shapes.status(), e.name);
+    WSYNC_ASSIGN_OR_RETURN(const TensorView wv, arena.Aligned(v, 2));
+    WSYNC_ASSIGN_OR_RETURN(Tensor * packed, arena.Empty(DType::kI32, shapes->packed));
+    WSYNC_ASSIGN_OR_RETURN(Tensor * scales, arena.Empty(v.dtype(), shapes->scales));
+    WSYNC_RETURN_IF_ERROR(InTensor(kernels::QuantizeInt4(wv, packed->mutable_view(), scales->mutable_view(), q), e.name));
+    const Shape& s = v.shape();
+    const int64_t experts = s.size() == 3 ? s[0] : 1, n = s[s.size() - 2], k = s.back();
+    const int64_t g = o.group_size == kernels::kChannelwise ? k : o.group_size;
+    if (!gptq) {
+      WSYNC_ASSIGN_OR_RETURN(Tensor * shape, arena.Empty(DType::kI32, {static_cast<int64_t>(s.size())}));
+      for (size_t i = 0; i < s.size(); ++i) shape->data_as<int32_t>()[i] = static_cast<int32_t>(s[i]);
+      WSYNC_RETURN_IF_ERROR(writer.Add(prefix + ".weight_packed", packed->view()));
+      WSYNC_RETURN_IF_ERROR(writer.Add(prefix + ".weight_scale", scales->view()));
+      WSYNC_RETURN_IF_ERROR(writer.Add(prefix + ".weight_shape", shape->view()));
+      continue;
+    }
+    if (n % 8 != 0) {
+      return TensorError(e.name, absl::StrCat("N = ", n, " is not a multiple of 8: GPTQ qzeros pack 8 columns per word"));
+    }
+    const Shape zshape = s.size() == 3 ? Shape{experts, k / g, n / 8} : Shape{k / g, n / 8};
+    WSYNC_ASSIGN_OR_RETURN(Tensor * qzeros, arena.Empty(DType::kI32, zshape));
+    std::fill_n(qzeros->data_as<uint32_t>(), experts * (k / g) * (n / 8), kernels::format::kSymmetricQZeros);
+    const Shape gshape = s.size() == 3 ? Shape{experts, k} : Shape{k};
+    WSYNC_ASSIGN_OR_RETURN(Tensor * g_idx, arena.Empty(DType::kI32, gshape));
+    for (int64_t i = 0; i < experts * k; ++i) g_idx->data_as<int32_t>()[i] = static_cast<int32_t>((i % k) / g);
+    WSYNC_RETURN_IF_ERROR(writer.Add(prefix + ".qweight", packed->view()));
+    WSYNC_RETURN_IF_ERROR(writer.Add(prefix + ".scales", scales->view()));
+    WSYNC_RETURN_IF_ERROR(writer.Add(prefix + ".qzeros", qzeros->view()));
+    WSYNC_RETURN_IF_ERROR(writer.Add(prefix + ".g_idx", g_idx->view()));
+  }
+  for (const auto& [k, v] : file.metadata()) writer.SetMetadata(k, v);
+  writer.SetMetadata("wsync.quantization",
+                     absl::StrCat("{\"format\": \"", gptq ? "gptq" : "compressed-tensors", "\", \"group_size\": ",
+                                  o.group_size, ", \"variant\": \"",
+                                  o.variant == kernels::QuantVariant::kQat ? "qat" : "slime", "\", \"bits\": 4}"));
+  writer.SetMetadata(std::string(kLayoutKey), gptq ? "gptq" : "compressed-tensors");
+  return writer.Write(o.out);
+}
+
+absl::Status MarlinRepackFile(const RepackFileOptions& options) { return Convert(options, true); }
+absl::Status MarlinRestoreFile(const RepackFileOptions& options) { return Convert(options, false); }
+
+}  // namespace wsync::tools

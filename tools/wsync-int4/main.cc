@@ -1,0 +1,74 @@
+// wsync-int4: quantize safetensors weights to symmetric INT4 and convert GPTQ <-> Marlin.
+//
+//   wsync-int4 quantize --in W.safetensors --out Q.safetensors --group-size G
+//              [--format compressed-tensors|gptq] [--variant qat|slime] [--ignore REGEX]...
+//   wsync-int4 marlin-repack  --in Q.safetensors --out M.safetensors --group-size G [--perm-from NAME]
+//   wsync-int4 marlin-restore --in M.safetensors --out Q.safetensors --group-size G [--perm-from NAME]
+//
+// See int4_tool.h for what each command does and docs/kernels.md for the formats.
+// Exit codes: 0 ok, 1 conversion refused (the message names the tensor and values; no output file
+// is left behind), 2 bad command line.
+#include <cstdio>
+#include <map>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "int4_tool.h"
+
+namespace wsync::tools {
+namespace {
+
+int Run(int argc, char** argv) {
+  CLI::App app{"wsync-int4: symmetric INT4 quantization and GPTQ <-> Marlin repacking of safetensors files"};
+  app.require_subcommand(1);
+  int threads = 0;
+  app.add_option("-t,--threads", threads, "CPU threads (0 = all)");
+
+  QuantizeFileOptions q;
+  std::string format = "compressed-tensors", variant = "qat";
+  CLI::App* quantize = app.add_subcommand("quantize", "quantize every floating *.weight (2-D or 3-D) to INT4");
+  quantize->add_option("--in", q.in, "input safetensors file")->required();
+  quantize->add_option("--out", q.out, "output safetensors file")->required();
+  quantize->add_option("--group-size", q.group_size, "32, 64, 128 or -1 (channelwise)")->required();
+  quantize->add_option("--format", format, "output format")->check(CLI::IsMember({"compressed-tensors", "gptq"}));
+  quantize->add_option("--variant", variant, "qat (amax / 7) or slime (amax * fl32(1/7))")
+      ->check(CLI::IsMember({"qat", "slime"}));
+  quantize->add_option("--ignore", q.ignore, "regex of module/tensor names to keep unquantized (repeatable)");
+
+  RepackFileOptions r;
+  CLI::App* repack = app.add_subcommand("marlin-repack", "GPTQ / compressed-tensors INT4 -> Marlin layout");
+  CLI::App* restore = app.add_subcommand("marlin-restore", "Marlin layout -> GPTQ / compressed-tensors INT4");
+  for (CLI::App* sub : {repack, restore}) {
+    sub->add_option("--in", r.in, "input safetensors file")->required();
+    sub->add_option("--out", r.out, "output safetensors file")->required();
+    sub->add_option("--group-size", r.group_size, "32, 64, 128 or -1 (channelwise)")->required();
+    sub->add_option("--perm-from", r.perm_from, "act-order: perm = stable argsort of <prefix>.<NAME> (e.g. g_idx)");
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+  absl::Status st;
+  if (quantize->parsed()) {
+    q.format = format == "gptq" ? kernels::PackFormat::kGptq : kernels::PackFormat::kCompressedTensors;
+    q.variant = variant == "slime" ? kernels::QuantVariant::kSlime : kernels::QuantVariant::kQat;
+    q.threads = threads;
+    st = QuantizeFile(q);
+  } else {
+    r.threads = threads;
+    st = repack->parsed() ? MarlinRepackFile(r) : MarlinRestoreFile(r);
+  }
+  if (!st.ok()) {
+    std::fprintf(stderr, "error: %s\n", st.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace wsync::tools
+
+int main(int argc, char** argv) { return wsync::tools::Run(argc, argv); }
