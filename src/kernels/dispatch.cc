@@ -1,6 +1,7 @@
 #include "kernels/dispatch.h"
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/int4_cpu.h"
 #include "kernels/int4_dispatch.h"
 
 #if WSYNC_WITH_CUDA
@@ -35,17 +36,41 @@ namespace {
 
 }  // namespace
 
+absl::Status RunQuantize(Device device, const QuantizeArgs& args) {
+  if (device == Device::kCpu) return cpu::Quantize(args);
 #if WSYNC_WITH_CUDA
-absl::Status CudaQuantize(const QuantizeArgs& args) { return cuda::Quantize(args); }
-absl::Status CudaGptqToMarlin(const RepackArgs& args) { return cuda::GptqToMarlin(args); }
-absl::Status CudaMarlinToGptq(const RepackArgs& args) { return cuda::MarlinToGptq(args); }
-absl::Status CudaPermuteScales(const ScalePermArgs& args) { return cuda::PermuteScales(args); }
+  return cuda::Quantize(args);
 #else
-absl::Status CudaQuantize(const QuantizeArgs&) { return NoCuda("QuantizeInt4"); }
-absl::Status CudaGptqToMarlin(const RepackArgs&) { return NoCuda("GptqToMarlin"); }
-absl::Status CudaMarlinToGptq(const RepackArgs&) { return NoCuda("MarlinToGptq"); }
-absl::Status CudaPermuteScales(const ScalePermArgs&) { return NoCuda("PermuteMarlinScales"); }
+  return NoCuda("QuantizeInt4");
 #endif
+}
+
+absl::Status RunGptqToMarlin(Device device, const RepackArgs& args) {
+  if (device == Device::kCpu) return cpu::GptqToMarlin(args);
+#if WSYNC_WITH_CUDA
+  return cuda::GptqToMarlin(args);
+#else
+  return NoCuda("GptqToMarlin");
+#endif
+}
+
+absl::Status RunMarlinToGptq(Device device, const RepackArgs& args) {
+  if (device == Device::kCpu) return cpu::MarlinToGptq(args);
+#if WSYNC_WITH_CUDA
+  return cuda::MarlinToGptq(args);
+#else
+  return NoCuda("MarlinToGptq");
+#endif
+}
+
+absl::Status RunPermuteScales(Device device, const ScalePermArgs& args) {
+  if (device == Device::kCpu) return cpu::PermuteScales(args);
+#if WSYNC_WITH_CUDA
+  return cuda::PermuteScales(args);
+#else
+  return NoCuda("PermuteMarlinScales");
+#endif
+}
 
 }  // namespace internal
 }  // namespace wsync::kernels

@@ -4,7 +4,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
-#include "kernels/cpu/int4_cpu.h"
 #include "kernels/int4_args.h"
 #include "kernels/int4_dispatch.h"
 
@@ -158,7 +157,7 @@ absl::Status QuantizeInt4(const TensorView& w, MutableTensorView packed, Mutable
   a.scales = scales.data_as<uint16_t>();
   a.threads = Threads(options);
   a.stream = options.cuda_stream;
-  return cuda ? internal::CudaQuantize(a) : cpu::Quantize(a);
+  return internal::RunQuantize(options.device, a);
 }
 
 absl::StatusOr<Shape> MarlinShapeFor(const Shape& g) {
@@ -205,8 +204,7 @@ absl::Status Repack(absl::string_view fn, bool to_marlin, const TensorView& in, 
   a.out = out.data_as<uint32_t>();
   a.threads = Threads(options);
   a.stream = options.cuda_stream;
-  if (cuda) return to_marlin ? internal::CudaGptqToMarlin(a) : internal::CudaMarlinToGptq(a);
-  return to_marlin ? cpu::GptqToMarlin(a) : cpu::MarlinToGptq(a);
+  return to_marlin ? internal::RunGptqToMarlin(options.device, a) : internal::RunMarlinToGptq(options.device, a);
 }
 
 absl::Status ScalePerm(absl::string_view fn, bool inverse, const TensorView& s, int64_t size_k, int group_size,
@@ -237,7 +235,7 @@ absl::Status ScalePerm(absl::string_view fn, bool inverse, const TensorView& s, 
   a.inverse = inverse;
   a.threads = Threads(options);
   a.stream = options.cuda_stream;
-  return options.device == Device::kCuda ? internal::CudaPermuteScales(a) : cpu::PermuteScales(a);
+  return internal::RunPermuteScales(options.device, a);
 }
 
 }  // namespace

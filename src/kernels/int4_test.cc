@@ -17,6 +17,7 @@
 
 #include "common/dtype.h"
 #include "hwy/targets.h"
+#include "kernels/dispatch.h"
 #include "kernels/cpu/int4_cpu.h"
 #include "kernels/format/int4_format.h"
 
@@ -606,6 +607,17 @@ TEST(Int4ValidationTest, RepackErrorsNameTheValues) {
   // Output aliasing the input.
   st = GptqToMarlin(in({2, 64}), nullptr, MutableTensorView(DType::kI32, {1, 128}, std::as_writable_bytes(std::span(a)).first(512)), {});
   EXPECT_THAT(st.message(), HasSubstr("overlap"));
+}
+
+TEST(Int4ValidationTest, CudaDeviceWithoutCudaIsFailedPrecondition) {
+  if (CudaCompiledIn()) GTEST_SKIP() << "CUDA is compiled in; the differential test covers Device::kCuda";
+  std::vector<uint32_t> a(2 * 64), b(2 * 64);
+  KernelOptions opt;
+  opt.device = Device::kCuda;
+  const absl::Status st = GptqToMarlin(View(DType::kI32, {2, 64}, a), nullptr,
+                                       MutableTensorView(DType::kI32, {1, 128}, std::as_writable_bytes(std::span(b))), opt);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(st.message(), HasSubstr("built without CUDA"));
 }
 
 TEST(Int4ValidationTest, ScalePermErrorsNameTheValues) {

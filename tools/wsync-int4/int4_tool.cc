@@ -275,6 +275,10 @@ absl::Status QuantizeFile(const QuantizeFileOptions& o) {
     }
     absl::StatusOr<kernels::QuantizedShapes> shapes = kernels::QuantizedShapesFor(v, o.group_size, o.format);
     if (!shapes.ok()) return InTensor(shapes.status(), e.name);
+    if (gptq && v.dim(v.rank() - 2) % 8 != 0) {
+      return TensorError(e.name, absl::StrCat("N = ", v.dim(v.rank() - 2),
+                                              " is not a multiple of 8: GPTQ qzeros pack 8 columns per word"));
+    }
     WSYNC_ASSIGN_OR_RETURN(const TensorView wv, arena.Aligned(v, 2));
     WSYNC_ASSIGN_OR_RETURN(Tensor * packed, arena.Empty(DType::kI32, shapes->packed));
     WSYNC_ASSIGN_OR_RETURN(Tensor * scales, arena.Empty(v.dtype(), shapes->scales));
@@ -289,9 +293,6 @@ absl::Status QuantizeFile(const QuantizeFileOptions& o) {
       WSYNC_RETURN_IF_ERROR(writer.Add(prefix + ".weight_scale", scales->view()));
       WSYNC_RETURN_IF_ERROR(writer.Add(prefix + ".weight_shape", shape->view()));
       continue;
-    }
-    if (n % 8 != 0) {
-      return TensorError(e.name, absl::StrCat("N = ", n, " is not a multiple of 8: GPTQ qzeros pack 8 columns per word"));
     }
     const Shape zshape = s.size() == 3 ? Shape{experts, k / g, n / 8} : Shape{k / g, n / 8};
     WSYNC_ASSIGN_OR_RETURN(Tensor * qzeros, arena.Empty(DType::kI32, zshape));

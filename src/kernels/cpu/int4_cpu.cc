@@ -9,14 +9,12 @@
 // ([K/8, N], words of 16 consecutive rows side by side) is written 64 bytes at a time: no separate
 // transpose pass.
 //
-// Repack: per k-tile (2 GPTQ rows A, B, gathered through perm if given), two byte planes
-// Lo = NibblePlaneLo(A, B), Hi = NibblePlaneHi(A, B) are built over all N columns (lanewise,
-// auto-vectorized under the Highway target attributes); each Marlin word is then one 4x4 byte
-// transpose of {Lo(c), Lo(c+8), Hi(c), Hi(c+8)} stored at tile word 16*cc + 4*rr + v
-// (c = 64nt + 16v + cc). The transposes run lanewise over cc (8 lanes); the resulting [16][8]
-// block is turned into the tile's [8][16] word order with 16-lane gathers from L1, and the 512-byte
-// tile is written with streaming stores. Restore runs the same steps backwards (the byte
-// transpose is an involution).
+// Repack: per k-tile, the two GPTQ rows A (2kt), B (2kt+1) (gathered through perm if given) are
+// read tile by tile; for each 64-column tile the byte planes Lo = NibblePlaneLo(A, B),
+// Hi = NibblePlaneHi(A, B) and the 4x4 byte transposes of {Lo(c), Lo(c+8), Hi(c), Hi(c+8)} run
+// lanewise over cc (c = 64nt + 16v + cc), giving Marlin word 16*cc + 4*rr + v in a [16][8] block
+// that 16-lane gathers from L1 turn into tile order; the 512-byte tile is written with streaming
+// stores. Restore runs the same steps backwards (the byte transpose is an involution).
 // With a perm, restore first restores in Marlin row order into a temporary, then gathers GPTQ row
 // p from temporary row inv[p] (rare path; allocates the temporary).
 //
@@ -70,39 +68,63 @@ uint32_t AbsMaxBits(const uint16_t* HWY_RESTRICT x, int64_t n) {
   return r;
 }
 
+#if HWY_TARGET != HWY_SCALAR
+// q = clamp(rint(vf / vs), -7, 7); u = q + 8; pairs of lanes -> one byte (u_even | u_odd << 4),
+// stored at `bytes`: Lanes/2 bytes, i.e. the little-endian bytes of the packed words (§2).
+// u is read from the mantissa of q + (2^23 + 8), exact for |q| <= 7: no float->int conversion.
 template <class DF, class V>
-HWY_INLINE void EmitNibbles(DF df, V vf, V vs, uint8_t* HWY_RESTRICT u) {
-  const hn::Rebind<int32_t, DF> di;
-  const hn::Rebind<uint8_t, DF> d8;
+HWY_INLINE void EmitPacked(DF df, V vf, V vs, uint8_t* HWY_RESTRICT bytes) {
+  const hn::Rebind<uint32_t, DF> du32;
+  const hn::Repartition<uint64_t, DF> du64;
+  const hn::Rebind<uint8_t, decltype(du64)> d8;
   auto r = hn::Round(hn::Div(vf, vs));
   r = hn::Max(r, hn::Set(df, -static_cast<float>(fmt::kQMax)));  // max(NaN, -7) = -7 as fmaxf
   r = hn::Min(r, hn::Set(df, static_cast<float>(fmt::kQMax)));
-  const auto q = hn::Add(hn::ConvertTo(di, r), hn::Set(di, fmt::kNibbleBias));
-  hn::StoreU(hn::DemoteTo(d8, q), d8, u);
+  const auto u = hn::And(hn::BitCast(du32, hn::Add(r, hn::Set(df, 8388608.0f + fmt::kNibbleBias))),
+                         hn::Set(du32, 0xFu));
+  const auto v = hn::BitCast(du64, u);
+  const auto pair = hn::And(hn::Or(v, hn::ShiftRight<28>(v)), hn::Set(du64, uint64_t{0xFF}));
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  // vpmovqb: one instruction where Highway 1.0.3's TruncateTo emits a permute chain.
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(bytes), _mm512_cvtepi64_epi8(pair.raw));
+  (void)d8;
+#else
+  hn::StoreU(hn::TruncateTo(d8, pair), d8, bytes);
+#endif
 }
+#endif
 
-// u[i] = q(x[i]) + 8 for n values sharing one scale.
-void QuantizeToBytes(const uint16_t* HWY_RESTRICT x, int64_t n, float scale, bool bf16,
-                     uint8_t* HWY_RESTRICT u) {
+// out[0 .. n/8) = the packed words of n values (n % 8 == 0) sharing one scale.
+void QuantizeToWords(const uint16_t* HWY_RESTRICT x, int64_t n, float scale, bool bf16,
+                     uint32_t* HWY_RESTRICT out) {
+  int64_t i = 0;
+#if HWY_TARGET != HWY_SCALAR
   const hn::ScalableTag<float> df;
   const hn::Rebind<uint16_t, decltype(df)> d16;
   const hn::Rebind<uint32_t, decltype(df)> du32;
   const hn::Rebind<hwy::float16_t, decltype(df)> dh;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
   const auto vs = hn::Set(df, scale);
-  int64_t i = 0;
+  uint8_t* HWY_RESTRICT bytes = reinterpret_cast<uint8_t*>(out);
   if (bf16) {
     for (; i + lanes <= n; i += lanes) {
       const auto vf = hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(d16, x + i))));
-      EmitNibbles(df, vf, vs, u + i);
+      EmitPacked(df, vf, vs, bytes + i / 2);
     }
-    for (; i < n; ++i) u[i] = static_cast<uint8_t>(fmt::QuantizeNibble(BF16ToF32(x[i]), scale));
   } else {
     for (; i + lanes <= n; i += lanes) {
       const auto vf = hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(x + i)));
-      EmitNibbles(df, vf, vs, u + i);
+      EmitPacked(df, vf, vs, bytes + i / 2);
     }
-    for (; i < n; ++i) u[i] = static_cast<uint8_t>(fmt::QuantizeNibble(F16ToF32(x[i]), scale));
+  }
+#endif
+  for (; i < n; i += 8) {  // tail (and the scalar target): same math through the shared helpers
+    uint32_t word = 0;
+    for (int j = 0; j < 8; ++j) {
+      const float v = bf16 ? BF16ToF32(x[i + j]) : F16ToF32(x[i + j]);
+      word |= fmt::QuantizeNibble(v, scale) << (4 * j);
+    }
+    out[i / 8] = word;
   }
 }
 
@@ -119,32 +141,6 @@ void StreamCopy(const uint32_t* HWY_RESTRICT src, int64_t n, uint32_t* HWY_RESTR
   }
 #endif
   std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(uint32_t));
-}
-
-// out[j] = the 8 nibble bytes u[8j..8j+7] packed into one word, for j < words (SIMD on u64 lanes:
-// the three PackNibbleBytes steps, then the low 32 bits of every lane).
-void PackBytes(const uint8_t* HWY_RESTRICT u, int64_t words, uint32_t* HWY_RESTRICT out) {
-  int64_t j = 0;
-#if HWY_TARGET != HWY_SCALAR
-  const hn::ScalableTag<uint64_t> d64;
-  const hn::Repartition<uint8_t, decltype(d64)> d8;
-  const hn::Rebind<uint32_t, decltype(d64)> d32;
-  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d64));
-  const auto m1 = hn::Set(d64, 0x00FF00FF00FF00FFull);
-  const auto m2 = hn::Set(d64, 0x0000FFFF0000FFFFull);
-  for (; j + lanes <= words; j += lanes) {
-    const auto b = hn::BitCast(d64, hn::LoadU(d8, u + 8 * j));
-    auto x = hn::And(hn::Or(b, hn::ShiftRight<4>(b)), m1);
-    x = hn::And(hn::Or(x, hn::ShiftRight<8>(x)), m2);
-    x = hn::Or(x, hn::ShiftRight<16>(x));
-    hn::StoreU(hn::TruncateTo(d32, x), d32, out + j);
-  }
-#endif
-  for (; j < words; ++j) {
-    uint64_t b;
-    std::memcpy(&b, u + 8 * j, sizeof(b));
-    out[j] = fmt::PackNibbleBytes(b);
-  }
 }
 
 // out[j * ld + r] = staged[r * stride + j] for r < rows (<= 16), j < kw: words of 16 consecutive
@@ -178,7 +174,7 @@ void WriteTransposed(const uint32_t* HWY_RESTRICT staged, int64_t stride, int64_
 // the same L1 sets (a row stride that is a multiple of 4 KiB would).
 int64_t StagingStride(int64_t k) { return k / 8 + 16; }
 
-// Units are (expert, 16-row block); scratch holds K bytes + kRowBlock * StagingStride(K) words.
+// Units are (expert, 16-row block); scratch holds kRowBlock * StagingStride(K) words.
 // Returns the smallest (row * ng + g) of a group holding Inf/NaN, or -1.
 int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t end, uint8_t* scratch) {
   const uint32_t nonfinite = fmt::NonFiniteAbsBits16(a.is_bf16);
@@ -188,8 +184,7 @@ int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t en
   const int64_t ng = a.k / a.group;
   const int64_t stride = StagingStride(a.k);
   const bool gptq = a.layout == internal::Layout::kGptq;
-  uint8_t* u = scratch;
-  uint32_t* staged = reinterpret_cast<uint32_t*>(scratch + ((a.k + 63) / 64) * 64);
+  uint32_t* staged = reinterpret_cast<uint32_t*>(scratch);
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t e = unit / blocks;
     const int64_t n0 = (unit % blocks) * kRowBlock;
@@ -197,7 +192,11 @@ int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t en
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t row = e * a.n + n;
       const uint16_t* x = a.w + row * a.k;
+      uint32_t* words = gptq ? staged + (n - n0) * stride : staged;
       for (int64_t g = 0; g < ng; ++g) {
+        // Software prefetch ~2 KiB ahead (the next row near the end of this one): the amax pass is
+        // the first touch of W and otherwise stalls on it.
+        for (int64_t off = 0; off < a.group; off += 32) hwy::Prefetch(x + g * a.group + 1024 + off);
         const uint32_t bits = AbsMaxBits(x + g * a.group, a.group);
         if (bits >= nonfinite && bad < 0) bad = row * ng + g;
         const float amax = a.is_bf16 ? BF16ToF32(static_cast<uint16_t>(bits))
@@ -209,14 +208,9 @@ int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t en
         } else {
           a.scales[row * ng + g] = s16;
         }
-        QuantizeToBytes(x + g * a.group, a.group, scale, a.is_bf16, u + g * a.group);
+        QuantizeToWords(x + g * a.group, a.group, scale, a.is_bf16, words + g * (a.group / 8));
       }
-      if (gptq) {
-        PackBytes(u, kw, staged + (n - n0) * stride);
-      } else {
-        PackBytes(u, kw, staged);
-        StreamCopy(staged, kw, a.packed + row * kw);
-      }
+      if (!gptq) StreamCopy(words, kw, a.packed + row * kw);
     }
     if (gptq) WriteTransposed(staged, stride, kw, n1 - n0, a.packed + e * kw * a.n + n0, a.n);
   }
@@ -258,17 +252,19 @@ HWY_INLINE void Transpose4x4BytesV(D d, V& x0, V& x1, V& x2, V& x3) {
 }
 #endif
 
-// One Marlin tile from the byte planes of its 64 columns (lo/hi point at the tile's column 0).
-// Word (cc, rr, v) = 16 cc + 4 rr + v is byte-transpose rr of {lo, hi}[16 v + cc (+8)]. Vector
-// path: lanes run over cc (8 columns), giving t[q][cc] with q = 4 rr + v; the tile is the 16 x 8
-// transpose of t, done with one 16-lane gather per cc.
-void EmitTile(const uint32_t* HWY_RESTRICT lo, const uint32_t* HWY_RESTRICT hi, uint32_t* HWY_RESTRICT dst) {
+// One Marlin tile from its two GPTQ rows A = a[0..64), B = b[0..64) (perm-gathered or not).
+// Word (cc, rr, v) = 16 cc + 4 rr + v is byte-transpose rr of the planes {Lo, Hi}[16 v + cc (+8)]
+// of (A, B). Vector path: planes and transposes lanewise over cc (8 columns), giving t[q][cc] with
+// q = 4 rr + v; the tile is the 16 x 8 transpose of t, done with one 16-lane gather per cc; the
+// 512-byte tile is written with streaming stores.
+void EmitTile(const uint32_t* HWY_RESTRICT a, const uint32_t* HWY_RESTRICT b, uint32_t* HWY_RESTRICT dst) {
   HWY_ALIGN uint32_t o[fmt::kTileWords];
 #if HWY_TARGET == HWY_SCALAR
   for (int cc = 0; cc < 8; ++cc) {
     for (int v = 0; v < 4; ++v) {
       const int c = 16 * v + cc;
-      uint32_t x0 = lo[c], x1 = lo[c + 8], x2 = hi[c], x3 = hi[c + 8];
+      uint32_t x0 = fmt::NibblePlaneLo(a[c], b[c]), x1 = fmt::NibblePlaneLo(a[c + 8], b[c + 8]);
+      uint32_t x2 = fmt::NibblePlaneHi(a[c], b[c]), x3 = fmt::NibblePlaneHi(a[c + 8], b[c + 8]);
       fmt::Transpose4x4Bytes(x0, x1, x2, x3);
       o[16 * cc + v] = x0;
       o[16 * cc + 4 + v] = x1;
@@ -279,11 +275,17 @@ void EmitTile(const uint32_t* HWY_RESTRICT lo, const uint32_t* HWY_RESTRICT hi, 
 #else
   HWY_ALIGN uint32_t t[fmt::kTileWords];
   const hn::CappedTag<uint32_t, 8> d;
+  const auto m4 = hn::Set(d, 0x0F0F0F0Fu), m4h = hn::Set(d, 0xF0F0F0F0u);
   const int lanes = static_cast<int>(hn::Lanes(d));
   for (int v = 0; v < 4; ++v) {
     for (int cc = 0; cc < 8; cc += lanes) {
-      auto x0 = hn::LoadU(d, lo + 16 * v + cc), x1 = hn::LoadU(d, lo + 16 * v + 8 + cc);
-      auto x2 = hn::LoadU(d, hi + 16 * v + cc), x3 = hn::LoadU(d, hi + 16 * v + 8 + cc);
+      const auto a0 = hn::LoadU(d, a + 16 * v + cc), a1 = hn::LoadU(d, a + 16 * v + 8 + cc);
+      const auto b0 = hn::LoadU(d, b + 16 * v + cc), b1 = hn::LoadU(d, b + 16 * v + 8 + cc);
+      // Vector forms of format::NibblePlaneLo / NibblePlaneHi.
+      auto x0 = hn::Or(hn::And(a0, m4), hn::ShiftLeft<4>(hn::And(b0, m4)));
+      auto x1 = hn::Or(hn::And(a1, m4), hn::ShiftLeft<4>(hn::And(b1, m4)));
+      auto x2 = hn::Or(hn::And(hn::ShiftRight<4>(a0), m4), hn::And(b0, m4h));
+      auto x3 = hn::Or(hn::And(hn::ShiftRight<4>(a1), m4), hn::And(b1, m4h));
       Transpose4x4BytesV(d, x0, x1, x2, x3);
       hn::Store(x0, d, t + (0 + v) * 8 + cc);
       hn::Store(x1, d, t + (4 + v) * 8 + cc);
@@ -304,19 +306,19 @@ void EmitTile(const uint32_t* HWY_RESTRICT lo, const uint32_t* HWY_RESTRICT hi, 
   StreamCopy(o, fmt::kTileWords, dst);
 }
 
-// Inverse of EmitTile: the byte planes of a tile's 64 columns from its 128 words.
-void SplitTile(const uint32_t* HWY_RESTRICT o, uint32_t* HWY_RESTRICT lo, uint32_t* HWY_RESTRICT hi) {
+// Inverse of EmitTile: GPTQ rows A = a[0..64), B = b[0..64) of a tile from its 128 words.
+void SplitTile(const uint32_t* HWY_RESTRICT o, uint32_t* HWY_RESTRICT a, uint32_t* HWY_RESTRICT b) {
 #if HWY_TARGET == HWY_SCALAR
   for (int cc = 0; cc < 8; ++cc) {
     for (int v = 0; v < 4; ++v) {
       const int c = 16 * v + cc;
       uint32_t x0 = o[16 * cc + v], x1 = o[16 * cc + 4 + v];
       uint32_t x2 = o[16 * cc + 8 + v], x3 = o[16 * cc + 12 + v];
-      fmt::Transpose4x4Bytes(x0, x1, x2, x3);
-      lo[c] = x0;
-      lo[c + 8] = x1;
-      hi[c] = x2;
-      hi[c + 8] = x3;
+      fmt::Transpose4x4Bytes(x0, x1, x2, x3);  // planes Lo(c), Lo(c+8), Hi(c), Hi(c+8)
+      a[c] = fmt::PlanesToA(x0, x2);
+      b[c] = fmt::PlanesToB(x0, x2);
+      a[c + 8] = fmt::PlanesToA(x1, x3);
+      b[c + 8] = fmt::PlanesToB(x1, x3);
     }
   }
 #else
@@ -324,28 +326,28 @@ void SplitTile(const uint32_t* HWY_RESTRICT o, uint32_t* HWY_RESTRICT lo, uint32
   const hn::RebindToSigned<decltype(d)> di;
   const int lanes = static_cast<int>(hn::Lanes(d));
   const auto idx = hn::Mul(hn::Iota(di, 0), hn::Set(di, 16));  // lane cc -> word 16 cc + q
+  const auto m4 = hn::Set(d, 0x0F0F0F0Fu), m4h = hn::Set(d, 0xF0F0F0F0u);
   for (int v = 0; v < 4; ++v) {
     for (int cc = 0; cc < 8; cc += lanes) {
       const uint32_t* base = o + 16 * cc + v;
       auto x0 = hn::GatherIndex(d, base + 0, idx), x1 = hn::GatherIndex(d, base + 4, idx);
       auto x2 = hn::GatherIndex(d, base + 8, idx), x3 = hn::GatherIndex(d, base + 12, idx);
       Transpose4x4BytesV(d, x0, x1, x2, x3);
-      hn::StoreU(x0, d, lo + 16 * v + cc);
-      hn::StoreU(x1, d, lo + 16 * v + 8 + cc);
-      hn::StoreU(x2, d, hi + 16 * v + cc);
-      hn::StoreU(x3, d, hi + 16 * v + 8 + cc);
+      // Vector forms of format::PlanesToA / PlanesToB.
+      hn::StoreU(hn::Or(hn::And(x0, m4), hn::ShiftLeft<4>(hn::And(x2, m4))), d, a + 16 * v + cc);
+      hn::StoreU(hn::Or(hn::And(x1, m4), hn::ShiftLeft<4>(hn::And(x3, m4))), d, a + 16 * v + 8 + cc);
+      hn::StoreU(hn::Or(hn::And(hn::ShiftRight<4>(x0), m4), hn::And(x2, m4h)), d, b + 16 * v + cc);
+      hn::StoreU(hn::Or(hn::And(hn::ShiftRight<4>(x1), m4), hn::And(x3, m4h)), d, b + 16 * v + 8 + cc);
     }
   }
 #endif
 }
 
-// Units are (expert, k-tile); scratch holds 4N words.
+// Units are (expert, k-tile); scratch holds 2N words (the perm-gathered rows).
 void RepackUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uint32_t* scratch) {
   const int64_t n = a.n, kw = a.k / 8, ktiles = a.k / fmt::kTileK;
-  uint32_t* HWY_RESTRICT lo = scratch;
-  uint32_t* HWY_RESTRICT hi = scratch + n;
-  uint32_t* HWY_RESTRICT ga = scratch + 2 * n;
-  uint32_t* HWY_RESTRICT gb = scratch + 3 * n;
+  uint32_t* HWY_RESTRICT ga = scratch;
+  uint32_t* HWY_RESTRICT gb = scratch + n;
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t e = unit / ktiles, kt = unit % ktiles;
     const uint32_t* q = a.in + e * kw * n;
@@ -362,13 +364,9 @@ void RepackUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uint
       ra = q + 2 * kt * n;
       rb = ra + n;
     }
-    for (int64_t c = 0; c < n; ++c) {
-      lo[c] = fmt::NibblePlaneLo(ra[c], rb[c]);
-      hi[c] = fmt::NibblePlaneHi(ra[c], rb[c]);
-    }
     uint32_t* out = a.out + e * (a.k / fmt::kTileK) * 2 * n + fmt::TileOffset(kt, 0, n);
     for (int64_t nt = 0; nt < n / fmt::kTileN; ++nt) {
-      EmitTile(lo + nt * fmt::kTileN, hi + nt * fmt::kTileN, out + nt * fmt::kTileWords);
+      EmitTile(ra + nt * fmt::kTileN, rb + nt * fmt::kTileN, out + nt * fmt::kTileWords);
     }
   }
   hwy::FlushStream();
@@ -385,12 +383,7 @@ void RestoreUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uin
     for (int64_t nt = 0; nt < n / fmt::kTileN; ++nt) {
       SplitTile(in + nt * fmt::kTileWords, lo + nt * fmt::kTileN, hi + nt * fmt::kTileN);
     }
-    // A and B overwrite the planes in place (lanewise), then stream out as GPTQ rows 2kt, 2kt+1.
-    for (int64_t c = 0; c < n; ++c) {
-      const uint32_t l = lo[c], h = hi[c];
-      lo[c] = fmt::PlanesToA(l, h);
-      hi[c] = fmt::PlanesToB(l, h);
-    }
+    // lo/hi now hold GPTQ rows 2kt and 2kt+1: stream them out.
     uint32_t* ra = a.out + e * kw * n + 2 * kt * n;
     StreamCopy(lo, n, ra);
     StreamCopy(hi, n, ra + n);
@@ -457,9 +450,8 @@ absl::Status Quantize(const internal::QuantizeArgs& args) {
   const int64_t blocks = (args.n + 15) / 16;
   std::atomic<int64_t> bad{INT64_MAX};
   ParallelFor(args.experts * blocks, args.threads, [&](int64_t b, int64_t e) {
-    const size_t row_bytes = static_cast<size_t>((args.k + 63) / 64 * 64);
-    // one nibble row + 16 staged word rows of StagingStride(K) = K/8 + 16 words
-    std::vector<uint8_t> scratch(row_bytes + 16 * static_cast<size_t>(args.k / 8 + 16) * sizeof(uint32_t));
+    // 16 staged word rows of StagingStride(K) = K/8 + 16 words
+    std::vector<uint8_t> scratch(16 * static_cast<size_t>(args.k / 8 + 16) * sizeof(uint32_t));
     const int64_t mine = HWY_DYNAMIC_DISPATCH(QuantizeUnits)(args, b, e, scratch.data());
     if (mine < 0) return;
     int64_t cur = bad.load();
@@ -472,7 +464,7 @@ absl::Status Quantize(const internal::QuantizeArgs& args) {
 
 absl::Status GptqToMarlin(const internal::RepackArgs& args) {
   ParallelFor(args.experts * (args.k / fmt::kTileK), args.threads, [&](int64_t b, int64_t e) {
-    std::vector<uint32_t> scratch(static_cast<size_t>(4 * args.n));
+    std::vector<uint32_t> scratch(static_cast<size_t>(2 * args.n));
     HWY_DYNAMIC_DISPATCH(RepackUnits)(args, b, e, scratch.data());
   });
   return absl::OkStatus();
