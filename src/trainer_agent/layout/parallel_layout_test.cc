@@ -8,7 +8,8 @@
 namespace wsync {
 namespace {
 
-ParallelLayout Make(int w, int tp, int pp, int ep, int etp, int64_t experts = 8, int cp = 1) {
+ParallelSizes Sizes(int w, int tp, int pp, int ep, int etp, int64_t experts, int cp = 1,
+                    const char* order = "tp-cp-ep-dp-pp") {
   ParallelSizes s;
   s.world_size = w;
   s.tp = tp;
@@ -17,7 +18,12 @@ ParallelLayout Make(int w, int tp, int pp, int ep, int etp, int64_t experts = 8,
   s.etp = etp;
   s.cp = cp;
   s.num_experts = experts;
-  auto l = ParallelLayout::Create(s);
+  s.order = order;
+  return s;
+}
+
+ParallelLayout Make(int w, int tp, int pp, int ep, int etp, int64_t experts = 8, int cp = 1) {
+  auto l = ParallelLayout::Create(Sizes(w, tp, pp, ep, etp, experts, cp));
   EXPECT_TRUE(l.ok()) << l.status();
   return *l;
 }
@@ -131,15 +137,7 @@ TEST(ParallelLayoutTest, InvalidLayoutsAreRefused) {
     const char* mention;
   };
   auto S = [](int w, int tp, int pp, int ep, int etp, int64_t experts, const char* order = "tp-cp-ep-dp-pp") {
-    ParallelSizes s;
-    s.world_size = w;
-    s.tp = tp;
-    s.pp = pp;
-    s.ep = ep;
-    s.etp = etp;
-    s.num_experts = experts;
-    s.order = order;
-    return s;
+    return Sizes(w, tp, pp, ep, etp, experts, 1, order);
   };
   const Bad cases[] = {
       {S(6, 4, 1, 1, 0, 0), "does not divide world_size 6"},
