@@ -22,22 +22,13 @@ bool ValidName(absl::string_view n, bool allow_colon) {
   return true;
 }
 
-std::string EscapeLabelValue(absl::string_view v) {
-  std::string out;
-  for (char c : v) {
-    if (c == '\\') out += "\\\\";
-    else if (c == '"') out += "\\\"";
-    else if (c == '\n') out += "\\n";
-    else out.push_back(c);
-  }
-  return out;
-}
-
-std::string EscapeHelp(absl::string_view v) {
+// Prometheus escaping: backslash and newline always; the double quote inside label values only.
+std::string Escape(absl::string_view v, bool quote) {
   std::string out;
   for (char c : v) {
     if (c == '\\') out += "\\\\";
     else if (c == '\n') out += "\\n";
+    else if (quote && c == '"') out += "\\\"";
     else out.push_back(c);
   }
   return out;
@@ -52,7 +43,7 @@ std::string FormatValue(double v) {
 // {a="x",b="y"} with an optional extra label (le for histogram buckets); "" when empty.
 std::string RenderLabels(const Labels& labels, absl::string_view extra_key = "", absl::string_view extra_value = "") {
   std::string out;
-  for (const auto& [k, v] : labels) absl::StrAppend(&out, out.empty() ? "{" : ",", k, "=\"", EscapeLabelValue(v), "\"");
+  for (const auto& [k, v] : labels) absl::StrAppend(&out, out.empty() ? "{" : ",", k, "=\"", Escape(v, /*quote=*/true), "\"");
   if (!extra_key.empty()) absl::StrAppend(&out, out.empty() ? "{" : ",", extra_key, "=\"", extra_value, "\"");
   if (!out.empty()) out += "}";
   return out;
@@ -155,7 +146,7 @@ std::string MetricsRegistry::RenderPrometheus() const {
   std::string out;
   for (const auto& [name, f] : families_) {
     static constexpr const char* kTypeNames[] = {"counter", "gauge", "histogram"};
-    absl::StrAppend(&out, "# HELP ", name, " ", EscapeHelp(f.help), "\n# TYPE ", name, " ",
+    absl::StrAppend(&out, "# HELP ", name, " ", Escape(f.help, /*quote=*/false), "\n# TYPE ", name, " ",
                     kTypeNames[static_cast<int>(f.type)], "\n");
     for (const auto& [labels, c] : f.counters)
       absl::StrAppend(&out, name, RenderLabels(labels), " ", FormatValue(c->value()), "\n");
