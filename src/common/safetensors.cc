@@ -230,12 +230,13 @@ size_t SafetensorsFile::file_size() const { return mapping_ ? mapping_->size : 0
 absl::Status SafetensorsWriter::Add(std::string name, TensorView view) {
   if (name.empty()) return absl::InvalidArgumentError("safetensors writer: empty tensor name");
   if (name == "__metadata__") return absl::InvalidArgumentError("safetensors writer: \"__metadata__\" is reserved");
-  for (const auto& e : entries_)
-    if (e.name == name) return absl::InvalidArgumentError(absl::StrCat("safetensors writer: duplicate tensor \"", name, "\""));
+  if (names_.count(name) != 0)
+    return absl::InvalidArgumentError(absl::StrCat("safetensors writer: duplicate tensor \"", name, "\""));
   auto expected = NumBytes(view.dtype(), view.shape());
   if (!expected.ok() || static_cast<uint64_t>(*expected) != view.nbytes())
     return absl::InvalidArgumentError(absl::StrCat("safetensors writer: tensor \"", name, "\" ", view.DebugString(),
                                                    " has ", view.nbytes(), " bytes"));
+  names_.insert(name);
   entries_.push_back({std::move(name), std::move(view)});
   return absl::OkStatus();
 }

@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <map>
 #include <memory>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -106,6 +107,7 @@ class SafetensorsWriter {
 
  private:
   std::vector<SafetensorsEntry> entries_;
+  std::set<std::string, std::less<>> names_;  // duplicate check in O(log n): recordings hold 100k+ tensors
   std::map<std::string, std::string> metadata_;
 };
 
