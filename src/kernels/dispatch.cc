@@ -29,47 +29,36 @@ bool GpuAvailable() {
 namespace internal {
 namespace {
 
-[[maybe_unused]] absl::Status NoCuda(absl::string_view what) {
-  return absl::FailedPreconditionError(
-      absl::StrCat(what, ": Device::kCuda requested but this binary was built without CUDA"));
+// The CUDA entry point of a kernel, or nullptr when this binary has no CUDA.
+#if WSYNC_WITH_CUDA
+#define WSYNC_CUDA_ENTRY(fn) (&cuda::fn)
+#else
+#define WSYNC_CUDA_ENTRY(fn) nullptr
+#endif
+
+template <typename Args>
+absl::Status Run(Device device, const Args& args, absl::Status (*on_cpu)(const Args&),
+                 absl::Status (*on_cuda)(const Args&), absl::string_view what) {
+  if (device == Device::kCpu) return on_cpu(args);
+  if (on_cuda == nullptr)
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, ": Device::kCuda requested but this binary was built without CUDA"));
+  return on_cuda(args);
 }
 
 }  // namespace
 
 absl::Status RunQuantize(Device device, const QuantizeArgs& args) {
-  if (device == Device::kCpu) return cpu::Quantize(args);
-#if WSYNC_WITH_CUDA
-  return cuda::Quantize(args);
-#else
-  return NoCuda("QuantizeInt4");
-#endif
+  return Run(device, args, &cpu::Quantize, WSYNC_CUDA_ENTRY(Quantize), "QuantizeInt4");
 }
-
 absl::Status RunGptqToMarlin(Device device, const RepackArgs& args) {
-  if (device == Device::kCpu) return cpu::GptqToMarlin(args);
-#if WSYNC_WITH_CUDA
-  return cuda::GptqToMarlin(args);
-#else
-  return NoCuda("GptqToMarlin");
-#endif
+  return Run(device, args, &cpu::GptqToMarlin, WSYNC_CUDA_ENTRY(GptqToMarlin), "GptqToMarlin");
 }
-
 absl::Status RunMarlinToGptq(Device device, const RepackArgs& args) {
-  if (device == Device::kCpu) return cpu::MarlinToGptq(args);
-#if WSYNC_WITH_CUDA
-  return cuda::MarlinToGptq(args);
-#else
-  return NoCuda("MarlinToGptq");
-#endif
+  return Run(device, args, &cpu::MarlinToGptq, WSYNC_CUDA_ENTRY(MarlinToGptq), "MarlinToGptq");
 }
-
 absl::Status RunPermuteScales(Device device, const ScalePermArgs& args) {
-  if (device == Device::kCpu) return cpu::PermuteScales(args);
-#if WSYNC_WITH_CUDA
-  return cuda::PermuteScales(args);
-#else
-  return NoCuda("PermuteMarlinScales");
-#endif
+  return Run(device, args, &cpu::PermuteScales, WSYNC_CUDA_ENTRY(PermuteScales), "PermuteMarlinScales");
 }
 
 }  // namespace internal
