@@ -1,5 +1,7 @@
 #include "kernels/dispatch.h"
 
+#include <type_traits>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/int4_cpu.h"
 #include "kernels/int4_dispatch.h"
@@ -38,7 +40,7 @@ namespace {
 
 template <typename Args>
 absl::Status Run(Device device, const Args& args, absl::Status (*on_cpu)(const Args&),
-                 absl::Status (*on_cuda)(const Args&), absl::string_view what) {
+                 std::type_identity_t<absl::Status (*)(const Args&)> on_cuda, absl::string_view what) {
   if (device == Device::kCpu) return on_cpu(args);
   if (on_cuda == nullptr)
     return absl::FailedPreconditionError(
