@@ -186,10 +186,24 @@ absl::string_view ArchitectureName(Architecture a) {
   return "?";
 }
 
+constexpr size_t kMaxIgnorePatternBytes = 1024;
+
 absl::StatusOr<IgnoreRule> IgnoreRule::Parse(std::string text) {
   IgnoreRule r;
   if (absl::StartsWith(text, "re:")) {
     const std::string pattern = text.substr(3);
+    // libstdc++'s regex compiler recurses per construct and overflows on long numbers
+    // ({m,n} counts, back-references): bound both before it sees the pattern.
+    if (pattern.size() > kMaxIgnorePatternBytes)
+      return absl::InvalidArgumentError(absl::StrCat("regular expression of ", pattern.size(),
+                                                     " bytes exceeds the limit of ", kMaxIgnorePatternBytes));
+    size_t digits = 0;
+    for (char c : pattern) {
+      digits = (c >= '0' && c <= '9') ? digits + 1 : 0;
+      if (digits > 6)
+        return absl::InvalidArgumentError(
+            absl::StrCat("regular expression \"", pattern.substr(0, 64), "\" has a number of more than 6 digits"));
+    }
     try {
       r.regex.emplace(pattern, std::regex::ECMAScript);
     } catch (const std::regex_error& e) {

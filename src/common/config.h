@@ -41,7 +41,8 @@ absl::string_view ArchitectureName(Architecture a);
 struct IgnoreRule {
   std::string text;                 // as written in the config
   std::optional<std::regex> regex;  // set for "re:" entries
-  // InvalidArgument for a pattern std::regex (ECMAScript) cannot compile, naming it.
+  // InvalidArgument for a pattern std::regex (ECMAScript) cannot compile, longer than 1024 bytes,
+  // or holding a number of more than 6 digits (libstdc++'s compiler overflows on those), naming it.
   static absl::StatusOr<IgnoreRule> Parse(std::string text);
   bool Matches(absl::string_view name) const;
 };

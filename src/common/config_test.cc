@@ -202,6 +202,11 @@ TEST(ConfigTest, IgnoreRulesFollowReMatchAndPrefix) {
   EXPECT_FALSE(q->IsIgnored("model.layers.3.mlp.experts.1.up_proj.weight"));
   EXPECT_TRUE(q->IsIgnored("model.layers.0.mlp.experts.1.up_proj.weight"));   // prefix
   EXPECT_FALSE(q->IsIgnored("model.layers.01.mlp.experts.1.up_proj.weight"));
+  // Patterns libstdc++ cannot compile safely are refused up front (found by the config fuzzer).
+  EXPECT_EQ(IgnoreRule::Parse("re:\\6666666666666666666").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(IgnoreRule::Parse("re:a{99999999}").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(IgnoreRule::Parse("re:" + std::string(2000, 'a')).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(IgnoreRule::Parse("re:.*layers\\.1[0-9]{1,3}\\..*").ok());
   // re.match anchors at the start only.
   auto start = IgnoreRule::Parse("re:mlp");
   ASSERT_TRUE(start.ok());
