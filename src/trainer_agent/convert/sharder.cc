@@ -67,13 +67,24 @@ absl::StatusOr<std::vector<RankTensor>> BuildRankTensors(const ModelConfig& mode
   out.reserve(plan.size());
   for (MegatronParam& p : plan) {
     RankTensor t;
-    if (p.kind == ShardKind::kReplicated && p.hf_op == HfOp::kCopy) {
+    // The full tensor: the HF tensor itself when the op is a plain copy, else built once.
+    TensorView full;
+    Tensor built;
+    if (p.hf_op == HfOp::kCopy) {
       ASSIGN_OR_RETURN(TensorView v, hf.Get(p.hf_names[0]));
-      if (v.dtype() == p.dtype && v.shape() == p.local_shape) t.view = v;  // no copy
+      if (v.dtype() == p.dtype && v.shape() == p.full_shape) full = v;
     }
-    if (t.view.nbytes() == 0) {
-      ASSIGN_OR_RETURN(Tensor full, HfToMegatronFull(model, p, hf));
-      ASSIGN_OR_RETURN(t.owned, ShardFull(p, full.view(), p.rank_in_group));
+    if (full.nbytes() == 0) {
+      ASSIGN_OR_RETURN(built, HfToMegatronFull(model, p, hf));
+      full = built.view();
+    }
+    if (p.group_size == 1 && built.nbytes() == 0) {
+      t.view = full;  // unsharded and unchanged: the HF bytes themselves
+    } else if (p.group_size == 1) {
+      t.owned = std::move(built);
+      t.view = t.owned.view();
+    } else {
+      ASSIGN_OR_RETURN(t.owned, ShardFull(p, full, p.rank_in_group));
       t.view = t.owned.view();
     }
     t.param = std::move(p);
@@ -85,7 +96,7 @@ absl::StatusOr<std::vector<RankTensor>> BuildRankTensors(const ModelConfig& mode
 absl::StatusOr<WriteSourceStats> WriteMegatronSource(const std::string& config_json_text, const ModelConfig& model,
                                                      const HfCheckpoint& hf, const SourceParallel& parallel,
                                                      const std::string& out_dir) {
-  ASSIGN_OR_RETURN(SourceParallel par, ResolveSourceParallel(model, parallel));
+  ASSIGN_OR_RETURN(SourceParallel par, ResolveSourceParallel(model, parallel, "requested parallel layout"));
   ASSIGN_OR_RETURN(ParallelLayout layout, MakeLayout(model, par));
   std::error_code ec;
   fs::create_directories(out_dir, ec);

@@ -51,29 +51,31 @@ struct Job {
   int64_t numel;
 };
 
+template <typename T, typename Convert>
+void FillValues(const Job& job, int64_t begin, int64_t end, uint64_t& state, Convert convert) {
+  T buf[256];
+  for (int64_t i = begin; i < end; i += 256) {
+    const int64_t n = std::min<int64_t>(256, end - i);
+    for (int64_t j = 0; j < n; ++j) buf[j] = convert(job.mean + job.stddev * StandardNormal(state));
+    std::memcpy(job.data + i * static_cast<int64_t>(sizeof(T)), buf, static_cast<size_t>(n) * sizeof(T));
+  }
+}
+
 void FillChunk(const Job& job, int64_t chunk) {
   uint64_t state = job.seed ^ (static_cast<uint64_t>(chunk) * 0xd1342543de82ef95ull);
   SplitMix64(state);
   const int64_t begin = chunk * kChunk;
   const int64_t end = std::min(job.numel, begin + kChunk);
-  const DType dt = job.dtype;
-  for (int64_t i = begin; i < end; ++i) {
-    const float v = job.mean + job.stddev * StandardNormal(state);
-    switch (dt) {
-      case DType::kBF16: {
-        const uint16_t b = F32ToBF16(v);
-        std::memcpy(job.data + i * 2, &b, 2);
-        break;
-      }
-      case DType::kF16: {
-        const uint16_t h = F32ToF16(v);
-        std::memcpy(job.data + i * 2, &h, 2);
-        break;
-      }
-      default:
-        std::memcpy(job.data + i * 4, &v, 4);
-        break;
-    }
+  switch (job.dtype) {
+    case DType::kBF16:
+      FillValues<uint16_t>(job, begin, end, state, [](float v) { return F32ToBF16(v); });
+      break;
+    case DType::kF16:
+      FillValues<uint16_t>(job, begin, end, state, [](float v) { return F32ToF16(v); });
+      break;
+    default:
+      FillValues<float>(job, begin, end, state, [](float v) { return v; });
+      break;
   }
 }
 

@@ -60,11 +60,12 @@ inline absl::StatusOr<World> BuildWorld(const SyntheticModel& m, SourceParallel 
   return w;
 }
 
-// tp/pp/ep/etp/dp -> SourceParallel (world size derived).
-inline SourceParallel Parallel(int tp, int pp, int ep, int etp, int dp, std::vector<int64_t> layers_per_stage = {}) {
+// tp/pp/ep/etp/dp(/cp) -> SourceParallel (world size derived).
+inline SourceParallel Parallel(int tp, int pp, int ep, int etp, int dp, std::vector<int64_t> layers_per_stage = {},
+                               int cp = 1) {
   SourceParallel p;
-  p.tp = tp, p.pp = pp, p.ep = ep, p.etp = etp, p.dp = dp, p.cp = 1;
-  p.world_size = tp * pp * dp;
+  p.tp = tp, p.pp = pp, p.ep = ep, p.etp = etp, p.dp = dp, p.cp = cp;
+  p.world_size = tp * pp * dp * cp;
   p.layers_per_stage = std::move(layers_per_stage);
   return p;
 }
