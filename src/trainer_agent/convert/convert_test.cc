@@ -439,6 +439,15 @@ TEST(HfConvert, QkvSplitsByQueryGroupsAndRoundTrips) {
   auto back = HfToMegatronFull(cfg, p, ckpt);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(std::memcmp(back->view().data(), full.view().data(), full.nbytes()), 0);
+
+  // The bias (1-D) splits the same way.
+  MegatronParam b = Param(HfOp::kQkv, ShardKind::kTpDim0, Shape{8}, {"qb", "kb", "vb"});
+  Tensor bias = RowLabels(b.full_shape);
+  auto hb = ToHf(cfg, b, bias.view());
+  ASSERT_TRUE(hb.ok()) << hb.status();
+  EXPECT_THAT(Col0((*hb)[0].view), ::testing::ElementsAre(0, 1, 4, 5));
+  EXPECT_THAT(Col0((*hb)[1].view), ::testing::ElementsAre(2, 6));
+  EXPECT_THAT(Col0((*hb)[2].view), ::testing::ElementsAre(3, 7));
 }
 
 TEST(HfConvert, GluHalvesAliasTheFullTensor) {

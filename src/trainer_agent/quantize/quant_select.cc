@@ -106,4 +106,15 @@ absl::StatusOr<std::vector<convert::HfTensor>> ExpectedSentTensors(const ModelCo
   return out;
 }
 
+absl::StatusOr<ExpectedSync> ExpectedSentTensorsFromDir(const std::string& hf_dir,
+                                                        const std::optional<QuantizationConfig>& quant,
+                                                        const QuantizeOptions& options) {
+  ExpectedSync out;
+  ASSIGN_OR_RETURN(out.model, LoadModelConfig(hf_dir));
+  ASSIGN_OR_RETURN(out.hf, convert::HfCheckpoint::Open(hf_dir));
+  const QuantizationConfig* q = quant ? &*quant : (out.model.quantization ? &*out.model.quantization : nullptr);
+  ASSIGN_OR_RETURN(out.tensors, ExpectedSentTensors(out.model, out.hf, q, options));
+  return out;
+}
+
 }  // namespace wsync::quantize

@@ -18,6 +18,8 @@
 // Thread-safety: pure functions; QuantizeHfTensor may use `num_threads` threads internally.
 #pragma once
 
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -53,5 +55,17 @@ absl::StatusOr<std::vector<convert::HfTensor>> ExpectedSentTensors(const ModelCo
                                                                    const convert::HfCheckpoint& hf,
                                                                    const QuantizationConfig* quant,
                                                                    const QuantizeOptions& options = {});
+
+// The same from a model directory (config.json + *.safetensors, mmap'ed). `quant`: the engine's
+// quantization config; std::nullopt means the config.json's own quantization_config (none:
+// everything unquantized). The tensors alias `hf` where they are not quantized or widened.
+struct ExpectedSync {
+  ModelConfig model;
+  convert::HfCheckpoint hf;
+  std::vector<convert::HfTensor> tensors;
+};
+absl::StatusOr<ExpectedSync> ExpectedSentTensorsFromDir(const std::string& hf_dir,
+                                                        const std::optional<QuantizationConfig>& quant,
+                                                        const QuantizeOptions& options = {});
 
 }  // namespace wsync::quantize

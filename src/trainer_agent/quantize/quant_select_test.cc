@@ -162,6 +162,28 @@ TEST(ExpectedSentTensors, WidensTheExpertBiasAndRefusesStrangers) {
   EXPECT_EQ(none.status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST(ExpectedSentTensors, FromADirectoryUsesTheConfigsQuantizationUnlessGiven) {
+  auto o = convert::testing::SmallOptions(Architecture::kQwen3Moe);
+  o.hidden = 128, o.moe_ffn = 128;  // K % 128 == 0 for every expert weight
+  o.quantization_config_json = kDefaultModelConfigJson;
+  auto m = convert::GenerateSyntheticModel(o, 12, 2);
+  ASSERT_TRUE(m.ok()) << m.status();
+  const std::string dir = ::testing::TempDir() + "/expected_from_dir";
+  ASSERT_TRUE(convert::WriteHfModel(*m, dir).ok());
+  auto quantized = ExpectedSentTensorsFromDir(dir, std::nullopt);
+  ASSERT_TRUE(quantized.ok()) << quantized.status();
+  auto specs = convert::HfTensorSpecs(m->config);
+  const size_t targets = 4 * 8 * 3;
+  EXPECT_EQ(quantized->tensors.size(), specs->size() + 2 * targets);
+  QuantizationConfig none = *m->config.quantization;
+  none.ignore.push_back(*IgnoreRule::Parse("re:.*experts.*"));
+  auto plain = ExpectedSentTensorsFromDir(dir, none);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->tensors.size(), specs->size());
+  // Aliased tensors point into the mmap'ed checkpoint, which the result keeps alive.
+  EXPECT_EQ(plain->tensors[0].view.data(), plain->hf.Get(plain->tensors[0].name)->data());
+}
+
 TEST(ExpectedSentTensors, TiedLmHeadInTheCheckpointIsNotSent) {
   auto o = convert::testing::SmallOptions(Architecture::kQwen2);
   o.tie = true;
