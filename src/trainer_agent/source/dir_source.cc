@@ -4,6 +4,7 @@
 #include <map>
 #include <system_error>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "trainer_agent/convert/sharder.h"
@@ -61,16 +62,23 @@ absl::StatusOr<RankShard> DirSource::OpenRank(int global_rank) const {
 }
 
 absl::StatusOr<convert::VerifyReport> VerifyDirSource(const DirSource& source, const convert::HfCheckpoint& hf) {
-  std::map<int, RankShard> open;
+  struct Open {
+    RankShard shard;
+    absl::flat_hash_map<std::string, size_t> index;  // local name -> position
+  };
+  std::map<int, Open> open;
   convert::RankTensorLookup lookup = [&](int rank, const convert::MegatronParam& p) -> absl::StatusOr<TensorView> {
     auto it = open.find(rank);
     if (it == open.end()) {
-      ASSIGN_OR_RETURN(RankShard shard, source.OpenRank(rank));
-      it = open.emplace(rank, std::move(shard)).first;
+      Open o;
+      ASSIGN_OR_RETURN(o.shard, source.OpenRank(rank));
+      for (size_t i = 0; i < o.shard.params.size(); ++i) o.index.emplace(o.shard.params[i].local_name, i);
+      it = open.emplace(rank, std::move(o)).first;
     }
-    const int i = it->second.Find(p.local_name);
-    if (i < 0) return absl::NotFoundError(absl::StrCat("rank ", rank, " holds no parameter ", p.local_name));
-    return it->second.tensors[static_cast<size_t>(i)];
+    auto found = it->second.index.find(p.local_name);
+    if (found == it->second.index.end())
+      return absl::NotFoundError(absl::StrCat("rank ", rank, " holds no parameter ", p.local_name));
+    return it->second.shard.tensors[found->second];
   };
   return convert::VerifyAgainstHf(source.model(), source.layout(), source.parallel(), lookup, hf);
 }

@@ -41,7 +41,7 @@ struct RankShard {
   std::vector<TensorView> tensors;             // tensors[i] belongs to params[i]; views into `file`
   std::shared_ptr<const SafetensorsFile> file; // keeps the mapping alive
 
-  // Index of the parameter with this local name, or -1.
+  // Index of the parameter with this local name, or -1 (linear search).
   int Find(absl::string_view local_name) const;
 };
 
