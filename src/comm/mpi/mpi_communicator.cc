@@ -204,11 +204,14 @@ class MpiCommunicator final : public QueuedCommunicator {
   }
 
   // Tests the requests until all are done, the deadline passes or the communicator is aborted.
-  // Spins (yielding) for the first millisecond, then sleeps 20 us between tests: MPI progresses
-  // non-blocking collectives only inside MPI calls.
+  // Spins (yielding) for the first millisecond, then sleeps 20 us between tests (MPI progresses
+  // non-blocking collectives only inside MPI calls), and 1 ms after 50 ms, so that a rank idling
+  // in a long wait (the agents' command channel) costs next to no CPU.
   absl::Status Poll(const OpContext& ctx, std::vector<MPI_Request>& reqs) {
     if (reqs.empty()) return absl::OkStatus();
-    const absl::Time spin_until = absl::Now() + absl::Milliseconds(1);
+    const absl::Time start = absl::Now();
+    const absl::Time spin_until = start + absl::Milliseconds(1);
+    const absl::Time idle_after = start + absl::Milliseconds(50);
     for (;;) {
       int done = 0;
       int rc = MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE);
@@ -221,8 +224,9 @@ class MpiCommunicator final : public QueuedCommunicator {
         }
         return s;
       }
-      if (absl::Now() < spin_until) sched_yield();
-      else absl::SleepFor(absl::Microseconds(20));
+      const absl::Time now = absl::Now();
+      if (now < spin_until) sched_yield();
+      else absl::SleepFor(now < idle_after ? absl::Microseconds(20) : absl::Milliseconds(1));
     }
   }
 
