@@ -197,7 +197,7 @@ GlooCommunicator::GlooCommunicator(const GroupOptions& options, std::shared_ptr<
       (link == LinkMonitor::Link::kPrev ? prev_lost_ : next_lost_) =
           absl::UnavailableError(absl::StrCat("lost a peer: ", what));
     }
-    Interrupt();
+    WakeWaits();
   });
 }
 
@@ -210,12 +210,19 @@ absl::Status GlooCommunicator::LinkStatus(bool need_prev, bool need_next) {
   return absl::OkStatus();
 }
 
-void GlooCommunicator::Interrupt() {
+void GlooCommunicator::WakeWaits() {
   absl::MutexLock lock(&inflight_mu_);
   for (auto* b : inflight_) {
     b->abortWaitRecv();
     b->abortWaitSend();
   }
+}
+
+void GlooCommunicator::Interrupt() {
+  WakeWaits();
+  // Close now, also when nothing is in flight, so that the peers see kUnavailable at once rather
+  // than wait out their timeouts.
+  CloseConnections();
 }
 
 void GlooCommunicator::CloseConnections() {

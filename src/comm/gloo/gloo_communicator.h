@@ -76,6 +76,7 @@ class GlooCommunicator final : public QueuedCommunicator {
   absl::Status Ring(const OpContext& ctx, const std::vector<void*>& buffers, const std::vector<size_t>& sizes,
                     const std::vector<std::vector<Block>>& send, const std::vector<std::vector<Block>>& recv);
   void CloseConnections();
+  void WakeWaits();  // releases the worker's pending Gloo waits (never blocks)
 
   std::shared_ptr<gloo::Context> context_;
   std::unique_ptr<LinkMonitor> monitor_;
