@@ -26,6 +26,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -130,6 +131,9 @@ struct GroupOptions {
   int cuda_device = 0;             // NCCL
   absl::Duration join_timeout = absl::Seconds(60);
   absl::Duration default_timeout = absl::Minutes(5);
+  // Polled while waiting for the other members (every 200 ms): true gives up with kCancelled (a
+  // sync aborted while its group was forming).
+  std::function<bool()> cancelled;
 };
 // Forms a Gloo or NCCL group through the store. Blocks until every member has joined, or fails
 // with kDeadlineExceeded after join_timeout naming the members that did not.

@@ -4,6 +4,7 @@
 // Thread-safety: stateless; safe from any thread.
 #pragma once
 
+#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -14,7 +15,8 @@ namespace wsync {
 
 // OK once all `size` members of `group` have joined; kDeadlineExceeded after `timeout` with
 // "ranks [2, 5] did not join within 30s"; kUnavailable if the store is unreachable.
+// `cancelled` (may be empty) is polled every 200 ms: true gives kCancelled.
 absl::Status JoinGroup(Store& store, const std::string& group, int rank, int size, const std::string& value,
-                       absl::Duration timeout);
+                       absl::Duration timeout, const std::function<bool()>& cancelled = {});
 
 }  // namespace wsync

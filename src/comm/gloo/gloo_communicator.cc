@@ -161,7 +161,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> GlooCommunicator::Create(const Gro
   const absl::Time deadline = absl::Now() + options.join_timeout;
 
   RETURN_IF_ERROR(Annotate(JoinGroup(store, options.name, options.rank, options.size, options.host,
-                                     options.join_timeout),
+                                     options.join_timeout, options.cancelled),
                            where));
 
   // Connect the full mesh through the same store.

@@ -179,7 +179,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const Group
   }
   const absl::Time deadline = absl::Now() + options.join_timeout;
   RETURN_IF_ERROR(Annotate(JoinGroup(*options.store, options.name, options.rank, options.size, options.host,
-                                     options.join_timeout),
+                                     options.join_timeout, options.cancelled),
                            where));
   ncclUniqueId id;
   const std::string key = absl::StrCat(options.name, "/nccl_id");
