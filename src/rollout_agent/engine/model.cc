@@ -777,8 +777,10 @@ absl::StatusOr<EngineModel> EngineModel::Create(const ModelConfig& config, Engin
       return bad("intermediate_size ", c.intermediate_size, " is not a positive multiple of tp_size ", g.T);
     g.F_loc = c.intermediate_size / g.T;
   }
-  if (c.arch == Architecture::kQwen3Moe && c.tie_word_embeddings)
-    return bad("Qwen3-MoE with tie_word_embeddings: SGLang never fills its lm_head (ENGINE_LAYOUT.md §2.6)");
+  if (g.ep > 1 && !any_moe) return bad("ep_size ", g.ep, " > 1 needs an MoE model");
+  if ((c.arch == Architecture::kQwen3Moe || c.arch == Architecture::kDeepseekV3) && c.tie_word_embeddings)
+    return bad(ArchitectureName(c.arch),
+               " with tie_word_embeddings: SGLang always builds its own lm_head and never fills it (ENGINE_LAYOUT.md §2.6)");
   if (rank.fused_shared_experts &&
       (c.arch != Architecture::kDeepseekV3 || !c.moe || c.moe->num_shared_experts != 1))
     return bad("fused_shared_experts needs DeepSeek-V3 with n_shared_experts == 1");

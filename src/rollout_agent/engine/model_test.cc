@@ -1,6 +1,6 @@
 // EngineModel against HfReferenceModel: random HF checkpoints (fixed seeds) for every architecture,
-// sliced into SGLang engine-rank parameters (testing_util.h slicer, ENGINE_LAYOUT.md) for TP 1/2/4
-// and EP where valid, bf16 and Marlin INT4; T ranks run as threads with an in-process all-reduce.
+// loaded into SGLang engine-rank parameters by the rollout agent's Loader + Commit (testing_util.h)
+// for TP 1/2/4 and EP where valid, bf16 and Marlin INT4; T ranks run as threads with an in-process all-reduce.
 //
 // Tolerance: both models compute in float32 from the same bf16 (or bf16-dequantized INT4) weights;
 // they differ only in summation order (TP partial sums, absorbed vs. naive MLA, cached vs.
@@ -35,7 +35,7 @@ using ::testing::HasSubstr;
 using testing::InProcessGroup;
 using testing::MustParseConfig;
 using testing::RunRanks;
-using testing::SliceForRank;
+using testing::EngineParamsForRank;
 using testing::TensorMap;
 
 constexpr double kRelTol = 5e-5;
@@ -129,7 +129,7 @@ std::vector<RankOutcome> RunEngine(const ModelConfig& c, EngineRank geometry, co
   for (int r = 0; r < T; ++r) {
     EngineRank er = geometry;
     er.tp_rank = r;
-    absl::StatusOr<TensorMap> p = SliceForRank(c, er, sent);
+    absl::StatusOr<TensorMap> p = EngineParamsForRank(c, er, sent);
     EXPECT_TRUE(p.ok()) << p.status();
     if (!p.ok()) return {};
     params.push_back(*std::move(p));
@@ -252,9 +252,9 @@ INSTANTIATE_TEST_SUITE_P(All, EngineVsHfTest, ::testing::ValuesIn(Cases()),
 
 // ---- exact weights ------------------------------------------------------------------------------
 
-// Every prepared weight of an INT4 engine rank equals, bit for bit, the bf16 engine parameter sliced
-// from the dequantized HF checkpoint: Marlin unpacking, scale un-permutation (including the w13
-// quirk) and dequantization are exact.
+// Every prepared weight of an INT4 engine rank equals, bit for bit, the bf16 engine parameter that the
+// loader makes of the dequantized HF checkpoint under a bf16 layout: Marlin unpacking, scale
+// un-permutation (including the w13 quirk) and dequantization are exact.
 TEST(EngineModelWeights, Int4PreparedWeightsEqualDequantizedSlices) {
   for (const std::string& json : {Qwen3Moe(Quant(32, kIgnoreDense)), Qwen3MoeSmallH(Quant(64, kIgnoreDense)),
                                   Deepseek(Quant(32, kIgnoreDeepseek)), Qwen3(Quant(-1, kIgnoreDense))}) {
@@ -262,11 +262,15 @@ TEST(EngineModelWeights, Int4PreparedWeightsEqualDequantizedSlices) {
     absl::StatusOr<testing::QuantizedHf> q = testing::QuantizeHf(c, testing::RandomHfModel(c, 77));
     ASSERT_TRUE(q.ok()) << q.status();
     for (auto [tp, ep] : std::vector<std::pair<int, int>>{{2, 1}, {2, 2}}) {
+      if (ep > 1 && !c.moe) continue;  // EP needs an MoE model
       for (int r = 0; r < tp; ++r) {
         EngineRank er{tp, r, ep, false};
-        absl::StatusOr<TensorMap> int4 = SliceForRank(c, er, q->sent);
-        absl::StatusOr<TensorMap> bf16 = SliceForRank(c, er, q->dequantized);
-        ASSERT_TRUE(int4.ok() && bf16.ok());
+        ModelConfig bf16_config = c;
+        bf16_config.quantization.reset();
+        absl::StatusOr<TensorMap> int4 = EngineParamsForRank(c, er, q->sent);
+        absl::StatusOr<TensorMap> bf16 = EngineParamsForRank(bf16_config, er, q->dequantized);
+        ASSERT_TRUE(int4.ok()) << int4.status();
+        ASSERT_TRUE(bf16.ok()) << bf16.status();
         InProcessGroup g(tp);
         absl::StatusOr<EngineModel> m = EngineModel::Create(c, er, int4->Lookup(), g.ForRank(r));
         ASSERT_TRUE(m.ok()) << m.status();
@@ -300,7 +304,7 @@ double MaxDiffAfter(const std::string& json, int tp, const std::function<void(st
   const std::vector<int32_t> prompt = PromptFor(c);
   const std::vector<float> want = *ref->Logits(prompt);
   std::vector<TensorMap> params;
-  for (int r = 0; r < tp; ++r) params.push_back(*SliceForRank(c, EngineRank{tp, r, 1, false}, hf));
+  for (int r = 0; r < tp; ++r) params.push_back(*EngineParamsForRank(c, EngineRank{tp, r, 1, false}, hf));
   mutate(params);
   InProcessGroup g(tp);
   std::vector<std::vector<float>> got(static_cast<size_t>(tp));
@@ -360,7 +364,7 @@ class EngineModelErrors : public ::testing::Test {
   void SetUp() override {
     c_ = MustParseConfig(Qwen3Moe());
     hf_ = testing::RandomHfModel(c_, 9);
-    params_ = *SliceForRank(c_, EngineRank{}, hf_);
+    params_ = *EngineParamsForRank(c_, EngineRank{}, hf_);
   }
   absl::StatusOr<EngineModel> Make() { return EngineModel::Create(c_, EngineRank{}, params_.Lookup(), {}); }
 
@@ -427,7 +431,7 @@ TEST(EngineModelInt4Errors, BadScalesAndKvBRefused) {
   absl::StatusOr<testing::QuantizedHf> q = testing::QuantizeHf(c, testing::RandomHfModel(c, 3));
   ASSERT_TRUE(q.ok());
   auto prepare = [&](const std::function<void(TensorMap&)>& mutate) {
-    TensorMap p = *SliceForRank(c, EngineRank{}, q->sent);
+    TensorMap p = *EngineParamsForRank(c, EngineRank{}, q->sent);
     mutate(p);
     absl::StatusOr<EngineModel> m = EngineModel::Create(c, EngineRank{}, p.Lookup(), {});
     EXPECT_TRUE(m.ok());
@@ -516,9 +520,14 @@ TEST(EngineModelCreate, RefusesUnsupportedGeometry) {
   s = EngineModel::Create(MustParseConfig(Qwen3()), {16, 0, 1, false}, TensorMap().Lookup(), g16.ForRank(0)).status();
   EXPECT_THAT(s.message(), HasSubstr("num_attention_heads 8 is not divisible by tp_size 16"));
   EXPECT_THAT(create(Qwen3Moe(), {1, 0, 2, false}).message(), HasSubstr("ep_size 2 does not divide tp_size 1"));
+  InProcessGroup g2(2);
+  s = EngineModel::Create(MustParseConfig(Qwen3()), {2, 0, 2, false}, TensorMap().Lookup(), g2.ForRank(0)).status();
+  EXPECT_THAT(s.message(), HasSubstr("ep_size 2 > 1 needs an MoE model"));
   EXPECT_THAT(create(Qwen3Moe(), {1, 1, 1, false}).message(), HasSubstr("tp_rank 1 is not in [0, tp_size 1)"));
   EXPECT_THAT(create(Qwen3Moe(R"(, "tie_word_embeddings": true)"), {}).message(),
-              HasSubstr("SGLang never fills its lm_head"));
+              HasSubstr("qwen3_moe with tie_word_embeddings: SGLang always builds its own lm_head"));
+  EXPECT_THAT(create(Deepseek(R"(, "tie_word_embeddings": true)"), {}).message(),
+              HasSubstr("deepseek_v3 with tie_word_embeddings"));
   EXPECT_THAT(create(Qwen3Moe(), {1, 0, 1, true}).message(), HasSubstr("fused_shared_experts needs DeepSeek-V3"));
   EXPECT_THAT(create(DeepseekNoQLora(), {1, 0, 1, true}).message(), HasSubstr("n_shared_experts == 1"));
   const std::string no_norm = absl::StrReplaceAll(Deepseek(), {{"\"norm_topk_prob\": true", "\"norm_topk_prob\": false"}});

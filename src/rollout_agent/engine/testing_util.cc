@@ -12,6 +12,10 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "kernels/int4.h"
+#include "rollout_agent/load/engine_layout.h"
+#include "rollout_agent/load/loader.h"
+#include "rollout_agent/repack/engine_weights.h"
+#include "rollout_agent/repack/repack.h"
 
 namespace wsync::engine::testing {
 namespace {
@@ -27,182 +31,22 @@ T Must(absl::StatusOr<T> v, const char* what) {
 
 Tensor New(DType dt, Shape shape) { return Must(Tensor::Zeros(dt, std::move(shape)), "Tensor::Zeros"); }
 
-int64_t RowBytes(const Tensor& t) {
-  int64_t n = static_cast<int64_t>(ItemSize(t.dtype()));
-  for (size_t i = 1; i < t.shape().size(); ++i) n *= t.shape()[i];
-  return n;
-}
-
-// Rows [a, b) along dim 0 (any rank).
-Tensor Rows(const Tensor& t, int64_t a, int64_t b) {
-  Shape s = t.shape();
-  s[0] = b - a;
-  Tensor out = New(t.dtype(), s);
-  const int64_t rb = RowBytes(t);
-  if (b > a)
-    std::memcpy(out.mutable_view().bytes().data(), t.view().bytes().data() + a * rb, static_cast<size_t>((b - a) * rb));
-  return out;
-}
-
-// Columns [a, b) of a 2-D tensor.
-Tensor Cols(const Tensor& t, int64_t a, int64_t b) {
-  const int64_t n = t.shape()[0], k = t.shape()[1], item = static_cast<int64_t>(ItemSize(t.dtype()));
-  Tensor out = New(t.dtype(), {n, b - a});
-  std::byte* dst = out.mutable_view().bytes().data();
-  const std::byte* src = t.view().bytes().data();
-  for (int64_t i = 0; i < n; ++i)
-    std::memcpy(dst + i * (b - a) * item, src + (i * k + a) * item, static_cast<size_t>((b - a) * item));
-  return out;
-}
-
-Tensor CatRows(const std::vector<const Tensor*>& parts) {
-  Shape s = parts[0]->shape();
-  s[0] = 0;
-  for (const Tensor* p : parts) s[0] += p->shape()[0];
-  Tensor out = New(parts[0]->dtype(), s);
-  std::byte* dst = out.mutable_view().bytes().data();
-  for (const Tensor* p : parts) {
-    std::memcpy(dst, p->view().bytes().data(), p->nbytes());
-    dst += p->nbytes();
-  }
-  return out;
-}
-
-Tensor Stack(const std::vector<Tensor>& parts) {
-  Shape s = parts[0].shape();
-  s.insert(s.begin(), static_cast<int64_t>(parts.size()));
-  Tensor out = New(parts[0].dtype(), s);
-  std::byte* dst = out.mutable_view().bytes().data();
-  for (const Tensor& p : parts) {
-    std::memcpy(dst, p.view().bytes().data(), p.nbytes());
-    dst += p.nbytes();
-  }
-  return out;
-}
-
-Tensor Transpose(const Tensor& t) {
-  const int64_t n = t.shape()[0], k = t.shape()[1], item = static_cast<int64_t>(ItemSize(t.dtype()));
-  Tensor out = New(t.dtype(), {k, n});
-  std::byte* dst = out.mutable_view().bytes().data();
-  const std::byte* src = t.view().bytes().data();
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < k; ++j) std::memcpy(dst + (j * n + i) * item, src + (i * k + j) * item, static_cast<size_t>(item));
-  return out;
-}
-
-Tensor PadRows(const Tensor& t, int64_t rows) {
-  Shape s = t.shape();
-  s[0] = rows;
-  Tensor out = New(t.dtype(), s);
-  std::memcpy(out.mutable_view().bytes().data(), t.view().bytes().data(), t.nbytes());
-  return out;
-}
-
 Tensor Copy(const Tensor& t) { return Must(Tensor::CopyOf(t.view()), "Tensor::CopyOf"); }
-
-// A linear as sent: bf16 `w` [N, K], or compressed-tensors `packed` [N, K/8] + `scale` [N, K/G].
-struct Lin {
-  bool int4 = false;
-  Tensor w, packed, scale;
-};
-
-absl::StatusOr<Lin> GetLin(const TensorMap& sent, const std::string& prefix) {
-  Lin l;
-  if (sent.Has(prefix + ".weight_packed")) {
-    l.int4 = true;
-    l.packed = Copy(sent.At(prefix + ".weight_packed"));
-    l.scale = Copy(sent.At(prefix + ".weight_scale"));
-    return l;
-  }
-  if (!sent.Has(prefix + ".weight")) return absl::NotFoundError(absl::StrCat("slicer: no HF tensor ", prefix, ".weight"));
-  l.w = Copy(sent.At(prefix + ".weight"));
-  return l;
-}
-
-Lin ColSlice(const Lin& l, int64_t a, int64_t b) {
-  Lin o;
-  o.int4 = l.int4;
-  if (l.int4) {
-    o.packed = Rows(l.packed, a, b);
-    o.scale = Rows(l.scale, a, b);
-  } else {
-    o.w = Rows(l.w, a, b);
-  }
-  return o;
-}
-
-// K range [a, b): packed narrows in words of 8, scales in groups (channelwise: whole).
-Lin RowSlice(const Lin& l, int64_t a, int64_t b, int G) {
-  Lin o;
-  o.int4 = l.int4;
-  if (l.int4) {
-    o.packed = Cols(l.packed, a / 8, b / 8);
-    o.scale = G == -1 ? Copy(l.scale) : Cols(l.scale, a / G, b / G);
-  } else {
-    o.w = Cols(l.w, a, b);
-  }
-  return o;
-}
-
-absl::StatusOr<Lin> Fuse(const std::vector<const Lin*>& parts, const std::string& what) {
-  Lin o;
-  o.int4 = parts[0]->int4;
-  std::vector<const Tensor*> a, b;
-  for (const Lin* p : parts) {
-    if (p->int4 != o.int4) return absl::InvalidArgumentError(absl::StrCat("slicer: mixed INT4/bf16 shards in ", what));
-    a.push_back(p->int4 ? &p->packed : &p->w);
-    b.push_back(&p->scale);
-  }
-  if (o.int4) {
-    o.packed = CatRows(a);
-    o.scale = CatRows(b);
-  } else {
-    o.w = CatRows(a);
-  }
-  return o;
-}
-
-absl::Status Emit(TensorMap& out, const std::string& prefix, const Lin& l, int G) {
-  if (!l.int4) {
-    out.Put(prefix + ".weight", Copy(l.w));
-    return absl::OkStatus();
-  }
-  const Tensor gptq = Transpose(l.packed);  // [K/8, N]
-  const int64_t K = gptq.shape()[0] * 8;
-  WSYNC_ASSIGN_OR_RETURN(Shape ms, kernels::MarlinShapeFor(gptq.shape()));
-  Tensor marlin = New(DType::kI32, ms);
-  kernels::KernelOptions opts;
-  opts.num_threads = 1;
-  WSYNC_RETURN_IF_ERROR(kernels::GptqToMarlin(gptq.view(), nullptr, marlin.mutable_view(), opts));
-  const Tensor st = Transpose(l.scale);  // [K/G, N]
-  Tensor sp = New(st.dtype(), st.shape());
-  WSYNC_RETURN_IF_ERROR(kernels::PermuteMarlinScales(st.view(), K, G, sp.mutable_view(), opts));
-  out.Put(prefix + ".weight_packed", std::move(marlin));
-  out.Put(prefix + ".weight_scale", std::move(sp));
-  return absl::OkStatus();
-}
-
-// FORMATS.md §5 per row, written from the spec: grouped out[64b + 8i + j] = in[64b + i + 8j];
-// single out[32b + 8i + j] = in[32b + 2i + (0,1,8,9,16,17,24,25)[j]].
-void PermuteScaleColumns(Tensor& t, bool grouped) {
-  const int64_t n = t.shape().back(), rows = t.view().numel() / n;
-  uint16_t* p = t.data_as<uint16_t>();
-  std::vector<uint16_t> row(static_cast<size_t>(n));
-  static constexpr int kSingle[8] = {0, 1, 8, 9, 16, 17, 24, 25};
-  for (int64_t r = 0; r < rows; ++r) {
-    std::copy_n(p + r * n, n, row.begin());
-    const int64_t w = grouped ? 64 : 32;
-    for (int64_t b = 0; b < n; b += w)
-      for (int i = 0; i < w / 8; ++i)
-        for (int j = 0; j < 8; ++j)
-          p[r * n + b + 8 * i + j] = row[static_cast<size_t>(b + (grouped ? i + 8 * j : 2 * i + kSingle[j]))];
-  }
-}
 
 int GroupOf(const ModelConfig& c) {
   if (!c.quantization) return -1;
   if (c.quantization->strategy == "channel" || c.quantization->group_size <= 0) return -1;
   return c.quantization->group_size;
+}
+
+// Stacks `extra` [n, k] as one more expert after the experts of `stacked` [E, n, k].
+Tensor AppendExpert(const Tensor& stacked, const Tensor& extra) {
+  Shape s = stacked.shape();
+  s[0] += 1;
+  Tensor out = New(stacked.dtype(), s);
+  std::memcpy(out.mutable_view().bytes().data(), stacked.view().bytes().data(), stacked.nbytes());
+  std::memcpy(out.mutable_view().bytes().data() + stacked.nbytes(), extra.view().bytes().data(), extra.nbytes());
+  return out;
 }
 
 }  // namespace
@@ -344,149 +188,50 @@ absl::StatusOr<QuantizedHf> QuantizeHf(const ModelConfig& c, const TensorMap& hf
     const std::string prefix = name.substr(0, name.size() - 7);
     q.sent.Put(prefix + ".weight_packed", std::move(packed));
     q.sent.Put(prefix + ".weight_scale", std::move(scales));
+    Tensor shape = New(DType::kI64, {2});
+    shape.data_as<int64_t>()[0] = N;
+    shape.data_as<int64_t>()[1] = K;
+    q.sent.Put(prefix + ".weight_shape", std::move(shape));
     q.dequantized.Put(name, std::move(deq));
   }
   return q;
 }
 
-absl::StatusOr<TensorMap> SliceForRank(const ModelConfig& c, const EngineRank& rank, const TensorMap& sent) {
+absl::StatusOr<TensorMap> EngineParamsForRank(const ModelConfig& c, const EngineRank& rank, const TensorMap& sent) {
+  if (rank.fused_shared_experts && rank.ep_size != 1)
+    return absl::InvalidArgumentError("EngineParamsForRank: the test's shared-experts fusion needs EP = 1");
+  const QuantizationConfig* quant = c.quantization ? &*c.quantization : nullptr;
+  WSYNC_ASSIGN_OR_RETURN(rollout::EngineLayout layout,
+                         rollout::EngineLayout::Create(c, quant, {rank.tp_size, rank.tp_rank, rank.ep_size}));
+  WSYNC_ASSIGN_OR_RETURN(std::unique_ptr<rollout::Staging> staging, rollout::Staging::Create(layout));
+  rollout::Loader loader(staging.get());
+  for (const auto& [name, t] : sent.all()) WSYNC_RETURN_IF_ERROR(loader.Load(name, t.view()));
+  WSYNC_RETURN_IF_ERROR(loader.CheckComplete());
+  WSYNC_ASSIGN_OR_RETURN(std::unique_ptr<rollout::OwnedEngineWeights> engine,
+                         rollout::OwnedEngineWeights::Allocate(layout));
+  rollout::RepackOptions ro;
+  ro.num_threads = 1;
+  ro.verify = true;
+  WSYNC_RETURN_IF_ERROR(rollout::Commit(*staging, engine->weights(), ro));
   TensorMap out;
-  const int64_t T = rank.tp_size, r = rank.tp_rank, EP = rank.ep_size, moe_tp = T / EP, ep_rank = r / moe_tp,
-                mt = r % moe_tp;
-  const int G = GroupOf(c);
-  const int64_t V = c.vocab_size, Vp = (V + 63) / 64 * 64, P = Vp / T;
-  const int64_t s0 = std::min(r * P, V), s1 = std::min((r + 1) * P, V);
-  auto copy = [&](const std::string& name) -> absl::Status {
-    if (!sent.Has(name)) return absl::NotFoundError(absl::StrCat("slicer: no HF tensor ", name));
-    out.Put(name, Copy(sent.At(name)));
-    return absl::OkStatus();
-  };
-  out.Put("model.embed_tokens.weight", PadRows(Rows(sent.At("model.embed_tokens.weight"), s0, s1), P));
-  if (!c.tie_word_embeddings) out.Put("lm_head.weight", PadRows(Rows(sent.At("lm_head.weight"), s0, s1), P));
-  WSYNC_RETURN_IF_ERROR(copy("model.norm.weight"));
-  const int64_t nh = c.num_attention_heads;
+  for (const rollout::EngineBuffer& b : engine->weights().buffers()) {
+    WSYNC_ASSIGN_OR_RETURN(MutableTensorView v, engine->weights().View(b.name));
+    WSYNC_ASSIGN_OR_RETURN(Tensor t, Tensor::CopyOf(v));
+    out.Put(b.name, std::move(t));
+  }
+  if (!rank.fused_shared_experts) return out;
+  // SGLang's shared-experts fusion (ENGINE_LAYOUT.md §2.7), which the loader never produces: with
+  // n_shared = 1 and EP = 1 the shared expert's TP slice (S/T = I/T rows) is exactly expert
+  // n_routed's moe-TP slice, so the unfused gate_up [2I', H] / down [H, I'] become the last expert.
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const std::string p = absl::StrCat("model.layers.", i, "."), a = p + "self_attn.", m = p + "mlp.";
-    WSYNC_RETURN_IF_ERROR(copy(p + "input_layernorm.weight"));
-    WSYNC_RETURN_IF_ERROR(copy(p + "post_attention_layernorm.weight"));
-    if (c.mla) {
-      const MlaConfig& l = *c.mla;
-      const int64_t nl = nh / T, qd = l.qk_nope_head_dim + l.qk_rope_head_dim,
-                    kvd = l.qk_nope_head_dim + l.v_head_dim;
-      if (l.q_lora_rank > 0) {
-        WSYNC_ASSIGN_OR_RETURN(Lin qa, GetLin(sent, a + "q_a_proj"));
-        WSYNC_ASSIGN_OR_RETURN(Lin kva, GetLin(sent, a + "kv_a_proj_with_mqa"));
-        WSYNC_ASSIGN_OR_RETURN(Lin fused, Fuse({&qa, &kva}, a + "fused_qkv_a_proj_with_mqa"));
-        WSYNC_RETURN_IF_ERROR(Emit(out, a + "fused_qkv_a_proj_with_mqa", fused, G));
-        WSYNC_RETURN_IF_ERROR(copy(a + "q_a_layernorm.weight"));
-        WSYNC_ASSIGN_OR_RETURN(Lin qb, GetLin(sent, a + "q_b_proj"));
-        WSYNC_RETURN_IF_ERROR(Emit(out, a + "q_b_proj", ColSlice(qb, r * nl * qd, (r + 1) * nl * qd), G));
-      } else {
-        WSYNC_ASSIGN_OR_RETURN(Lin q, GetLin(sent, a + "q_proj"));
-        WSYNC_RETURN_IF_ERROR(Emit(out, a + "q_proj", ColSlice(q, r * nl * qd, (r + 1) * nl * qd), G));
-        WSYNC_ASSIGN_OR_RETURN(Lin kva, GetLin(sent, a + "kv_a_proj_with_mqa"));
-        WSYNC_RETURN_IF_ERROR(Emit(out, a + "kv_a_proj_with_mqa", kva, G));
-      }
-      WSYNC_RETURN_IF_ERROR(copy(a + "kv_a_layernorm.weight"));
-      WSYNC_ASSIGN_OR_RETURN(Lin kvb, GetLin(sent, a + "kv_b_proj"));
-      WSYNC_RETURN_IF_ERROR(Emit(out, a + "kv_b_proj", ColSlice(kvb, r * nl * kvd, (r + 1) * nl * kvd), G));
-      WSYNC_ASSIGN_OR_RETURN(Lin o, GetLin(sent, a + "o_proj"));
-      WSYNC_RETURN_IF_ERROR(
-          Emit(out, a + "o_proj", RowSlice(o, r * nl * l.v_head_dim, (r + 1) * nl * l.v_head_dim, G), G));
-    } else {
-      const int64_t nkv = c.num_key_value_heads, hd = c.head_dim, nq = nh / T;
-      const int64_t kv_loc = T >= nkv ? 1 : nkv / T, replicas = T >= nkv ? T / nkv : 1, s = r / replicas;
-      WSYNC_ASSIGN_OR_RETURN(Lin q, GetLin(sent, a + "q_proj"));
-      WSYNC_ASSIGN_OR_RETURN(Lin k, GetLin(sent, a + "k_proj"));
-      WSYNC_ASSIGN_OR_RETURN(Lin v, GetLin(sent, a + "v_proj"));
-      const Lin qs = ColSlice(q, r * nq * hd, (r + 1) * nq * hd);
-      const Lin ks = ColSlice(k, s * kv_loc * hd, (s + 1) * kv_loc * hd);
-      const Lin vs = ColSlice(v, s * kv_loc * hd, (s + 1) * kv_loc * hd);
-      WSYNC_ASSIGN_OR_RETURN(Lin qkv, Fuse({&qs, &ks, &vs}, a + "qkv_proj"));
-      WSYNC_RETURN_IF_ERROR(Emit(out, a + "qkv_proj", qkv, G));
-      if (c.qkv_bias) {
-        const Tensor qb = Rows(sent.At(a + "q_proj.bias"), r * nq * hd, (r + 1) * nq * hd);
-        const Tensor kb = Rows(sent.At(a + "k_proj.bias"), s * kv_loc * hd, (s + 1) * kv_loc * hd);
-        const Tensor vb = Rows(sent.At(a + "v_proj.bias"), s * kv_loc * hd, (s + 1) * kv_loc * hd);
-        out.Put(a + "qkv_proj.bias", CatRows({&qb, &kb, &vb}));
-        if (c.arch != Architecture::kQwen2) WSYNC_RETURN_IF_ERROR(copy(a + "o_proj.bias"));
-      }
-      WSYNC_ASSIGN_OR_RETURN(Lin o, GetLin(sent, a + "o_proj"));
-      WSYNC_RETURN_IF_ERROR(Emit(out, a + "o_proj", RowSlice(o, r * nq * hd, (r + 1) * nq * hd, G), G));
-      if (c.qk_norm) {
-        WSYNC_RETURN_IF_ERROR(copy(a + "q_norm.weight"));
-        WSYNC_RETURN_IF_ERROR(copy(a + "k_norm.weight"));
-      }
-    }
-    auto dense = [&](const std::string& src, const std::string& dst, int64_t F) -> absl::Status {
-      const int64_t f = F / T;
-      WSYNC_ASSIGN_OR_RETURN(Lin gate, GetLin(sent, src + "gate_proj"));
-      WSYNC_ASSIGN_OR_RETURN(Lin up, GetLin(sent, src + "up_proj"));
-      WSYNC_ASSIGN_OR_RETURN(Lin down, GetLin(sent, src + "down_proj"));
-      const Lin gs = ColSlice(gate, r * f, (r + 1) * f), us = ColSlice(up, r * f, (r + 1) * f);
-      WSYNC_ASSIGN_OR_RETURN(Lin gu, Fuse({&gs, &us}, dst + "gate_up_proj"));
-      WSYNC_RETURN_IF_ERROR(Emit(out, dst + "gate_up_proj", gu, G));
-      return Emit(out, dst + "down_proj", RowSlice(down, r * f, (r + 1) * f, G), G);
-    };
-    if (!c.IsMoeLayer(i)) {
-      WSYNC_RETURN_IF_ERROR(dense(m, m, c.intermediate_size));
-      continue;
-    }
-    const MoeConfig& e = *c.moe;
-    WSYNC_RETURN_IF_ERROR(copy(m + "gate.weight"));
-    if (c.arch == Architecture::kDeepseekV3 && e.topk_method == "noaux_tc")
-      WSYNC_RETURN_IF_ERROR(copy(m + "gate.e_score_correction_bias"));
-    const int64_t E_total = e.num_experts + (rank.fused_shared_experts ? 1 : 0), E_loc = E_total / EP,
-                  I = e.moe_intermediate_size / moe_tp;
-    std::vector<Tensor> w13, w2, s13, s2;
-    bool any_int4 = false, any_bf16 = false;
-    for (int64_t l = 0; l < E_loc; ++l) {
-      const int64_t ge = ep_rank * E_loc + l;
-      const std::string src = ge < e.num_experts ? absl::StrCat(m, "experts.", ge, ".") : m + "shared_experts.";
-      WSYNC_ASSIGN_OR_RETURN(Lin gate, GetLin(sent, src + "gate_proj"));
-      WSYNC_ASSIGN_OR_RETURN(Lin up, GetLin(sent, src + "up_proj"));
-      WSYNC_ASSIGN_OR_RETURN(Lin down, GetLin(sent, src + "down_proj"));
-      if (gate.int4 != up.int4 || gate.int4 != down.int4)
-        return absl::InvalidArgumentError(absl::StrCat("slicer: mixed INT4/bf16 in ", src));
-      (gate.int4 ? any_int4 : any_bf16) = true;
-      if (!gate.int4) {
-        const Tensor g = Rows(gate.w, mt * I, (mt + 1) * I), u = Rows(up.w, mt * I, (mt + 1) * I);
-        w13.push_back(CatRows({&g, &u}));
-        w2.push_back(Cols(down.w, mt * I, (mt + 1) * I));
-        continue;
-      }
-      const Tensor gp = Rows(gate.packed, mt * I, (mt + 1) * I), upk = Rows(up.packed, mt * I, (mt + 1) * I);
-      const Tensor gs = Rows(gate.scale, mt * I, (mt + 1) * I), us = Rows(up.scale, mt * I, (mt + 1) * I);
-      w13.push_back(Transpose(CatRows({&gp, &upk})));  // [H/8, 2I']
-      s13.push_back(Transpose(CatRows({&gs, &us})));   // [H/G, 2I']
-      w2.push_back(Transpose(Cols(down.packed, mt * I / 8, (mt + 1) * I / 8)));  // [I'/8, H]
-      s2.push_back(Transpose(G == -1 ? Copy(down.scale) : Cols(down.scale, mt * I / G, (mt + 1) * I / G)));
-    }
-    if (any_int4 && any_bf16) return absl::InvalidArgumentError(absl::StrCat("slicer: mixed experts in ", m));
-    if (any_bf16) {
-      out.Put(m + "experts.w13_weight", Stack(w13));
-      out.Put(m + "experts.w2_weight", Stack(w2));
-    } else {
-      kernels::KernelOptions opts;
-      opts.num_threads = 1;
-      const Tensor g13 = Stack(w13), g2 = Stack(w2);
-      WSYNC_ASSIGN_OR_RETURN(Shape m13, kernels::MarlinShapeFor(g13.shape()));
-      WSYNC_ASSIGN_OR_RETURN(Shape m2, kernels::MarlinShapeFor(g2.shape()));
-      Tensor mar13 = New(DType::kI32, m13), mar2 = New(DType::kI32, m2);
-      WSYNC_RETURN_IF_ERROR(kernels::GptqToMarlin(g13.view(), nullptr, mar13.mutable_view(), opts));
-      WSYNC_RETURN_IF_ERROR(kernels::GptqToMarlin(g2.view(), nullptr, mar2.mutable_view(), opts));
-      Tensor sc13 = Stack(s13);
-      PermuteScaleColumns(sc13, G != -1 && G < 4 * I);  // SGLang: size_k = 4I' (ENGINE_LAYOUT.md §4)
-      const Tensor st2 = Stack(s2);
-      Tensor sc2 = New(st2.dtype(), st2.shape());
-      WSYNC_RETURN_IF_ERROR(kernels::PermuteMarlinScales(st2.view(), I, G, sc2.mutable_view(), opts));
-      out.Put(m + "experts.w13_weight_packed", std::move(mar13));
-      out.Put(m + "experts.w13_weight_scale", std::move(sc13));
-      out.Put(m + "experts.w2_weight_packed", std::move(mar2));
-      out.Put(m + "experts.w2_weight_scale", std::move(sc2));
-    }
-    if (c.arch == Architecture::kDeepseekV3 && e.num_shared_experts > 0 && !rank.fused_shared_experts)
-      WSYNC_RETURN_IF_ERROR(dense(m + "shared_experts.", m + "shared_experts.", e.num_shared_experts * e.moe_intermediate_size));
+    if (!c.IsMoeLayer(i)) continue;
+    const std::string m = absl::StrCat("model.layers.", i, ".mlp.");
+    if (!out.Has(m + "experts.w13_weight") || !out.Has(m + "shared_experts.gate_up_proj.weight"))
+      return absl::InvalidArgumentError(absl::StrCat("EngineParamsForRank: fusion needs bf16 experts and shared experts in ", m));
+    out.Put(m + "experts.w13_weight", AppendExpert(out.At(m + "experts.w13_weight"), out.At(m + "shared_experts.gate_up_proj.weight")));
+    out.Put(m + "experts.w2_weight", AppendExpert(out.At(m + "experts.w2_weight"), out.At(m + "shared_experts.down_proj.weight")));
+    out.Erase(m + "shared_experts.gate_up_proj.weight");
+    out.Erase(m + "shared_experts.down_proj.weight");
   }
   return out;
 }

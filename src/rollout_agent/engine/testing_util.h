@@ -1,9 +1,7 @@
 // Test-only helpers for the reference-engine tests: random HF checkpoints for a ModelConfig,
-// compressed-tensors INT4 quantization of them (src/kernels QuantizeInt4), a test-only slicer
-// that builds one engine rank's parameters from HF tensors following ENGINE_LAYOUT.md §2-§5
-// (including the Marlin repack and scale permutation, with SGLang's MoE w13 size_k = 4I' quirk
-// written here from FORMATS.md §5), and an in-process TP group (threads + barrier) that provides
-// TpCollectives. The real loader (src/rollout_agent/load) will replace the slicer.
+// compressed-tensors INT4 quantization of them (src/kernels QuantizeInt4), engine-rank parameters
+// produced by the real rollout loader (rollout_agent/load EngineLayout + Loader, repack Commit into
+// Marlin), and an in-process TP group (threads + barrier) that provides TpCollectives.
 //
 // Thread-safety: TensorMap is not synchronized (build it, then share it read-only);
 // InProcessGroup's collectives are meant to be called by its `size` rank threads concurrently.
@@ -49,7 +47,8 @@ std::vector<std::pair<std::string, Shape>> HfTensorShapes(const ModelConfig& con
 TensorMap RandomHfModel(const ModelConfig& config, uint64_t seed);
 
 // INT4 per config.quantization: every 2-D `*.weight` not ignored becomes compressed-tensors
-// `P.weight_packed` [N, K/8] + `P.weight_scale` [N, K/G] in `sent`; `dequantized` holds the HF
+// `P.weight_packed` [N, K/8] + `P.weight_scale` [N, K/G] + `P.weight_shape` I64 [N, K] in `sent`
+// (what slime sends); `dequantized` holds the HF
 // checkpoint with those weights replaced by bf16((u - 8) * scale) (for the oracle).
 struct QuantizedHf {
   TensorMap sent;
@@ -57,8 +56,13 @@ struct QuantizedHf {
 };
 absl::StatusOr<QuantizedHf> QuantizeHf(const ModelConfig& config, const TensorMap& hf);
 
-// Engine parameters of one rank (bf16 tensors and Marlin INT4) from sent HF tensors.
-absl::StatusOr<TensorMap> SliceForRank(const ModelConfig& config, const EngineRank& rank, const TensorMap& sent);
+// Engine parameters of one rank (bf16 tensors and Marlin INT4) from sent HF tensors, through the
+// rollout agent's own path: EngineLayout::Create(config, config.quantization, rank), Loader::Load of
+// every sent tensor, CheckComplete, Commit (verify on) into OwnedEngineWeights, copied out by name.
+// With rank.fused_shared_experts (EP = 1, bf16) the unfused shared experts are then moved into
+// expert n_routed of w13/w2, the layout SGLang's shared-experts fusion gives (the loader never
+// fuses). Errors from the loader / repack are passed through.
+absl::StatusOr<TensorMap> EngineParamsForRank(const ModelConfig& config, const EngineRank& rank, const TensorMap& sent);
 
 // T ranks' collectives in one process. Sums are taken in rank order, so every rank gets the same bits.
 class InProcessGroup {
