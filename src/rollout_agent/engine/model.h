@@ -30,7 +30,9 @@
 // and may run concurrently with each other only if the collectives allow it (they are issued in
 // program order per call).
 // Errors: Create: kInvalidArgument for an unsupported rank geometry (ENGINE_LAYOUT.md §6 naming
-// the sizes). Prepare: kNotFound naming a missing parameter, kInvalidArgument naming a
+// the sizes; also EP > 1 on a dense model, tied Qwen3-MoE / DeepSeek-V3, T > 1 without
+// collectives), kUnimplemented for routing it does not model (scoring_func / topk_method, fused
+// shared experts without norm_topk_prob). Prepare: kNotFound naming a missing parameter, kInvalidArgument naming a
 // parameter whose dtype / shape differs (with want and got), or an INT4 tensor where the engine
 // keeps bf16; on error the previously prepared weights stay in use. Logits / Generate:
 // kFailedPrecondition before the first successful Prepare(), kInvalidArgument for an empty prompt,
