@@ -18,16 +18,10 @@
 #include "common/checksum.h"
 #include "common/config.h"
 #include "common/safetensors.h"
+#include "common/units.h"
 
 namespace wsync {
 namespace {
-
-std::string Bytes(uint64_t n) {
-  if (n >= (uint64_t{1} << 30)) return absl::StrFormat("%.2f GiB", static_cast<double>(n) / (1 << 30));
-  if (n >= (uint64_t{1} << 20)) return absl::StrFormat("%.2f MiB", static_cast<double>(n) / (1 << 20));
-  if (n >= 1024) return absl::StrFormat("%.2f KiB", static_cast<double>(n) / 1024);
-  return absl::StrFormat("%d B", n);
-}
 
 int InspectSafetensors(const std::string& path, bool checksum, bool json) {
   auto f = SafetensorsFile::Open(path);
@@ -56,7 +50,7 @@ int InspectSafetensors(const std::string& path, bool checksum, bool json) {
       const long long off = base && e.view.nbytes() ? static_cast<long long>(e.view.bytes().data() - base) : 0;
       std::printf("  %-64s %-4s %-22s %12s  @%-12lld %s\n", e.name.c_str(),
                   std::string(SafetensorsName(e.view.dtype())).c_str(), ShapeToString(e.view.shape()).c_str(),
-                  Bytes(e.view.nbytes()).c_str(), off, sum.c_str());
+                  FormatBytes(e.view.nbytes()).c_str(), off, sum.c_str());
     }
   }
   if (json) {
@@ -64,7 +58,7 @@ int InspectSafetensors(const std::string& path, bool checksum, bool json) {
     std::printf("%s\n", out.dump(2).c_str());
   } else {
     for (const auto& [k, v] : f->metadata()) std::printf("  metadata %s = %s\n", k.c_str(), v.c_str());
-    std::printf("  total %s\n", Bytes(total).c_str());
+    std::printf("  total %s\n", FormatBytes(total).c_str());
   }
   return 0;
 }

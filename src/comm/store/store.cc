@@ -1,5 +1,6 @@
 #include "comm/store/store.h"
 
+
 #include <grpcpp/grpcpp.h>
 
 #include <functional>
@@ -83,12 +84,14 @@ absl::StatusOr<int64_t> MemoryStore::Add(absl::string_view key, int64_t delta) {
 
 class StoreServer::Service final : public v1::Store::Service {
  public:
-  explicit Service(MemoryStore* store) : store_(store) {}
+  Service(MemoryStore* store, RpcSecurity sec) : store_(store), sec_(std::move(sec)) {}
 
-  grpc::Status Set(grpc::ServerContext*, const v1::StoreSetRequest* req, v1::StoreSetResponse*) override {
+  grpc::Status Set(grpc::ServerContext* ctx, const v1::StoreSetRequest* req, v1::StoreSetResponse*) override {
+    WSYNC_AUTHORIZE(ctx, sec_);
     return ToGrpcStatus(store_->Set(req->key(), req->value()));
   }
   grpc::Status Get(grpc::ServerContext* ctx, const v1::StoreGetRequest* req, v1::StoreGetResponse* resp) override {
+    WSYNC_AUTHORIZE(ctx, sec_);
     auto s = store_->WaitOrCancel({req->key()}, Timeout(ctx, req->timeout_ms()), [ctx] { return ctx->IsCancelled(); });
     if (!s.ok()) return ToGrpcStatus(s);
     auto v = store_->Get(req->key(), absl::ZeroDuration());
@@ -97,11 +100,13 @@ class StoreServer::Service final : public v1::Store::Service {
     return grpc::Status::OK;
   }
   grpc::Status Wait(grpc::ServerContext* ctx, const v1::StoreWaitRequest* req, v1::StoreWaitResponse*) override {
+    WSYNC_AUTHORIZE(ctx, sec_);
     std::vector<std::string> keys(req->keys().begin(), req->keys().end());
     return ToGrpcStatus(
         store_->WaitOrCancel(keys, Timeout(ctx, req->timeout_ms()), [ctx] { return ctx->IsCancelled(); }));
   }
-  grpc::Status Add(grpc::ServerContext*, const v1::StoreAddRequest* req, v1::StoreAddResponse* resp) override {
+  grpc::Status Add(grpc::ServerContext* ctx, const v1::StoreAddRequest* req, v1::StoreAddResponse* resp) override {
+    WSYNC_AUTHORIZE(ctx, sec_);
     auto v = store_->Add(req->key(), req->delta());
     if (!v.ok()) return ToGrpcStatus(v.status());
     resp->set_value(*v);
@@ -116,13 +121,19 @@ class StoreServer::Service final : public v1::Store::Service {
     return std::min(t, std::max(absl::ZeroDuration(), rpc_deadline - absl::Now()));
   }
   MemoryStore* store_;
+  RpcSecurity sec_;
 };
 
-absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(MemoryStore* store, const std::string& address) {
+std::unique_ptr<grpc::Service> MakeStoreService(MemoryStore* store, RpcSecurity sec) {
+  return std::make_unique<StoreServer::Service>(store, std::move(sec));
+}
+
+absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(MemoryStore* store, const std::string& address,
+                                                                RpcSecurity sec) {
   std::unique_ptr<StoreServer> s(new StoreServer());
-  s->service_ = std::make_unique<Service>(store);
+  s->service_ = std::make_unique<Service>(store, sec);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &s->port_);
+  builder.AddListeningPort(address, ServerCredentials(sec), &s->port_);
   builder.RegisterService(s->service_.get());
   s->server_ = builder.BuildAndStart();
   if (!s->server_ || s->port_ == 0) return absl::UnavailableError(absl::StrCat("store: cannot listen on ", address));
@@ -145,9 +156,9 @@ struct GrpcStoreClient::Impl {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Store::Stub> stub;
 
-  void Deadline(grpc::ClientContext* ctx, absl::Duration extra) const {
-    ctx->set_deadline(absl::ToChronoTime(absl::Now() + rpc_timeout + extra));
-  }
+  RpcSecurity sec;
+
+  void Deadline(grpc::ClientContext* ctx, absl::Duration extra) const { PrepareContext(ctx, sec, rpc_timeout + extra); }
   absl::Status Convert(const grpc::Status& s, absl::string_view op) const {
     if (s.ok()) return absl::OkStatus();
     absl::Status st = FromGrpcStatus(s);
@@ -165,11 +176,13 @@ struct GrpcStoreClient::Impl {
 GrpcStoreClient::GrpcStoreClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 GrpcStoreClient::~GrpcStoreClient() = default;
 
-std::unique_ptr<GrpcStoreClient> GrpcStoreClient::Connect(const std::string& address, absl::Duration rpc_timeout) {
+std::unique_ptr<GrpcStoreClient> GrpcStoreClient::Connect(const std::string& address, absl::Duration rpc_timeout,
+                                                         RpcSecurity sec) {
   auto impl = std::make_unique<Impl>();
   impl->address = address;
   impl->rpc_timeout = rpc_timeout;
-  impl->channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  impl->sec = sec;
+  impl->channel = MakeChannel(address, sec);
   impl->stub = v1::Store::NewStub(impl->channel);
   return std::unique_ptr<GrpcStoreClient>(new GrpcStoreClient(std::move(impl)));
 }

@@ -24,10 +24,12 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/rpc_security.h"
 
 namespace grpc {
 class Channel;
 class Server;
+class Service;
 }  // namespace grpc
 
 namespace wsync {
@@ -58,16 +60,22 @@ class MemoryStore : public Store {
   std::map<std::string, std::string, std::less<>> kv_;  // GUARDED_BY(mu_)
 };
 
+// The gRPC service over `store` (not owned), for a server that hosts other services too (the
+// coordinator). Every call is authorized against `sec` (common/rpc_security.h).
+std::unique_ptr<grpc::Service> MakeStoreService(MemoryStore* store, RpcSecurity sec = {});
+
 // Serves `store` (not owned; must outlive the server) on `address` ("127.0.0.1:0" picks a port).
 class StoreServer {
  public:
-  static absl::StatusOr<std::unique_ptr<StoreServer>> Start(MemoryStore* store, const std::string& address);
+  static absl::StatusOr<std::unique_ptr<StoreServer>> Start(MemoryStore* store, const std::string& address,
+                                                            RpcSecurity sec = {});
   ~StoreServer();  // shuts down: in-flight Waits end with kCancelled / kUnavailable at the client
   int port() const { return port_; }
   std::string address() const;  // "127.0.0.1:PORT"
 
  private:
   class Service;
+  friend std::unique_ptr<grpc::Service> MakeStoreService(MemoryStore* store, RpcSecurity sec);
   StoreServer() = default;
   std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
@@ -79,7 +87,8 @@ class GrpcStoreClient : public Store {
  public:
   // Connects lazily; `rpc_margin` is added to each blocking call's timeout for the RPC deadline.
   static std::unique_ptr<GrpcStoreClient> Connect(const std::string& address,
-                                                  absl::Duration rpc_timeout = absl::Seconds(30));
+                                                  absl::Duration rpc_timeout = absl::Seconds(30),
+                                                  RpcSecurity sec = {});
   ~GrpcStoreClient() override;
 
   absl::Status Set(absl::string_view key, std::string value) override;

@@ -111,3 +111,28 @@ TEST(StoreClientTest, UnreachableCoordinatorIsUnavailable) {
 
 }  // namespace
 }  // namespace wsync
+
+namespace wsync {
+namespace {
+
+TEST(StoreAuthTest, AWrongOrMissingTokenIsRefusedAndChangesNothing) {
+  MemoryStore store;
+  RpcSecurity sec;
+  sec.token = "right";
+  auto server = StoreServer::Start(&store, "127.0.0.1:0", sec);
+  ASSERT_TRUE(server.ok()) << server.status();
+  RpcSecurity wrong;
+  wrong.token = "wrong";
+  auto anonymous = GrpcStoreClient::Connect((*server)->address(), absl::Seconds(5));
+  auto intruder = GrpcStoreClient::Connect((*server)->address(), absl::Seconds(5), wrong);
+  auto friendly = GrpcStoreClient::Connect((*server)->address(), absl::Seconds(5), sec);
+  EXPECT_TRUE(absl::IsUnauthenticated(anonymous->Set("k", "x")));
+  EXPECT_TRUE(absl::IsUnauthenticated(intruder->Set("k", "x")));
+  EXPECT_TRUE(absl::IsUnauthenticated(intruder->Add("n", 1).status()));
+  EXPECT_FALSE(store.Get("k", absl::ZeroDuration()).ok()) << "a refused Set changed the store";
+  EXPECT_TRUE(friendly->Set("k", "y").ok());
+  EXPECT_EQ(*friendly->Get("k", absl::Seconds(1)), "y");
+}
+
+}  // namespace
+}  // namespace wsync

@@ -1,0 +1,35 @@
+#include "comm/communicator.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace wsync {
+
+absl::string_view BackendName(Backend b) {
+  switch (b) {
+    case Backend::kMpi:
+      return "mpi";
+    case Backend::kGloo:
+      return "gloo";
+    case Backend::kNccl:
+      return "nccl";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<Backend> ParseBackend(absl::string_view name) {
+  if (name == "mpi") return Backend::kMpi;
+  if (name == "gloo") return Backend::kGloo;
+  if (name == "nccl") return Backend::kNccl;
+  return absl::InvalidArgumentError(absl::StrCat("unknown data-plane backend \"", name, "\" (mpi, gloo or nccl)"));
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int, int, std::string) {
+  return absl::UnimplementedError(absl::StrCat("Split is not supported by the ", Name(), " backend (MPI only)"));
+}
+
+absl::Status Await(absl::StatusOr<std::unique_ptr<Work>> work) {
+  if (!work.ok()) return work.status();
+  return (*work)->Wait();
+}
+
+}  // namespace wsync

@@ -1,0 +1,201 @@
+#include "comm/nccl/nccl_communicator.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "comm/queued_communicator.h"
+#include "comm/rendezvous.h"
+#include "comm/store/store.h"
+#include "common/status.h"
+
+namespace wsync {
+namespace {
+
+absl::Status CudaStatus(cudaError_t e, absl::string_view call) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(call, ": ", cudaGetErrorString(e)));
+}
+
+absl::Status NcclStatus(ncclResult_t r, absl::string_view call) {
+  if (r == ncclSuccess || r == ncclInProgress) return absl::OkStatus();
+  const absl::StatusCode code = (r == ncclRemoteError || r == ncclSystemError) ? absl::StatusCode::kUnavailable
+                                                                                 : absl::StatusCode::kInternal;
+  return absl::Status(code, absl::StrCat(call, ": ", ncclGetErrorString(r)));
+}
+
+#define WSYNC_CUDA_RETURN_IF_ERROR(call) RETURN_IF_ERROR(CudaStatus((call), #call))
+#define WSYNC_NCCL_RETURN_IF_ERROR(call) RETURN_IF_ERROR(NcclStatus((call), #call))
+
+class NcclCommunicator final : public QueuedCommunicator {
+ public:
+  NcclCommunicator(const GroupOptions& options)
+      : QueuedCommunicator(options.name, options.rank, options.size, options.default_timeout),
+        device_(options.cuda_device) {
+    StartWorker();
+  }
+  ~NcclCommunicator() override { Shutdown().IgnoreError(); }
+
+  absl::string_view Name() const override { return "nccl"; }
+
+  // Runs on the worker (the device is per thread): create the stream, event and communicator.
+  absl::Status Init(const ncclUniqueId& id, absl::Duration timeout) {
+    return RunOnWorker([&]() -> absl::Status {
+      WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+      WSYNC_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      WSYNC_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+      WSYNC_CUDA_RETURN_IF_ERROR(cudaMalloc(&scratch_, sizeof(float)));
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      config.blocking = 0;
+      WSYNC_NCCL_RETURN_IF_ERROR(ncclCommInitRankConfig(&comm_, size(), id, rank(), &config));
+      const absl::Time deadline = absl::Now() + timeout;
+      for (;;) {
+        ncclResult_t state = ncclSuccess;
+        WSYNC_NCCL_RETURN_IF_ERROR(ncclCommGetAsyncError(comm_, &state));
+        if (state == ncclSuccess) return absl::OkStatus();
+        if (state != ncclInProgress) {
+          ncclCommAbort(comm_);
+          comm_ = nullptr;
+          return NcclStatus(state, "ncclCommInitRankConfig");
+        }
+        if (absl::Now() > deadline) {
+          ncclCommAbort(comm_);
+          comm_ = nullptr;
+          return absl::DeadlineExceededError(
+              absl::StrCat("ncclCommInitRankConfig did not finish within ", absl::FormatDuration(timeout)));
+        }
+        absl::SleepFor(absl::Microseconds(100));
+      }
+    });
+  }
+
+ protected:
+  absl::Status DoBroadcast(const OpContext& ctx, absl::Span<const MutableBytes> buffers, int root) override {
+    WSYNC_NCCL_RETURN_IF_ERROR(ncclGroupStart());
+    for (const auto& b : buffers) {
+      if (b.nbytes == 0) continue;
+      WSYNC_NCCL_RETURN_IF_ERROR(ncclBroadcast(b.data, b.data, b.nbytes, ncclUint8, root, comm_, stream_));
+    }
+    WSYNC_NCCL_RETURN_IF_ERROR(ncclGroupEnd());
+    return Complete(ctx);
+  }
+  absl::Status DoAllGather(const OpContext& ctx, absl::Span<const ConstBytes> inputs,
+                           absl::Span<const MutableBytes> outputs) override {
+    WSYNC_NCCL_RETURN_IF_ERROR(ncclGroupStart());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (inputs[i].nbytes == 0) continue;
+      WSYNC_NCCL_RETURN_IF_ERROR(
+          ncclAllGather(inputs[i].data, outputs[i].data, inputs[i].nbytes, ncclUint8, comm_, stream_));
+    }
+    WSYNC_NCCL_RETURN_IF_ERROR(ncclGroupEnd());
+    return Complete(ctx);
+  }
+  absl::Status DoAllGatherV(const OpContext& ctx, ConstBytes input, MutableBytes output,
+                            absl::Span<const size_t> bytes_per_rank) override {
+    size_t off = 0;
+    WSYNC_NCCL_RETURN_IF_ERROR(ncclGroupStart());
+    for (int r = 0; r < size(); ++r) {
+      auto* block = static_cast<char*>(output.data) + off;
+      if (bytes_per_rank[r] > 0) {
+        const void* send = r == rank() ? input.data : block;
+        WSYNC_NCCL_RETURN_IF_ERROR(ncclBroadcast(send, block, bytes_per_rank[r], ncclUint8, r, comm_, stream_));
+      }
+      off += bytes_per_rank[r];
+    }
+    WSYNC_NCCL_RETURN_IF_ERROR(ncclGroupEnd());
+    return Complete(ctx);
+  }
+  absl::Status DoAllReduceSum(const OpContext& ctx, absl::Span<float> data) override {
+    if (data.empty()) return absl::OkStatus();
+    WSYNC_NCCL_RETURN_IF_ERROR(ncclAllReduce(data.data(), data.data(), data.size(), ncclFloat32, ncclSum, comm_, stream_));
+    return Complete(ctx);
+  }
+  absl::Status DoBarrier(const OpContext& ctx) override {
+    WSYNC_NCCL_RETURN_IF_ERROR(ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm_, stream_));
+    return Complete(ctx);
+  }
+  void Interrupt() override {}  // Complete() watches the aborted flag and aborts the communicator
+  absl::Status ReleaseBackend() override {
+    if (comm_ != nullptr) {
+      if (broken()) ncclCommAbort(comm_);
+      else {
+        ncclCommFinalize(comm_);
+        ncclCommDestroy(comm_);
+      }
+      comm_ = nullptr;
+    }
+    if (event_) cudaEventDestroy(event_);
+    if (stream_) cudaStreamDestroy(stream_);
+    if (scratch_) cudaFree(scratch_);
+    return absl::OkStatus();
+  }
+
+ private:
+  // Waits for the operation just launched: the event, NCCL's asynchronous errors, the deadline
+  // and Abort. Any failure aborts the NCCL communicator, so the buffers are released.
+  absl::Status Complete(const OpContext& ctx) {
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaEventRecord(event_, stream_));
+    for (;;) {
+      cudaError_t q = cudaEventQuery(event_);
+      if (q == cudaSuccess) return absl::OkStatus();
+      if (q != cudaErrorNotReady) return AbortWith(CudaStatus(q, "cudaEventQuery"));
+      ncclResult_t state = ncclSuccess;
+      ncclCommGetAsyncError(comm_, &state);
+      if (state != ncclSuccess && state != ncclInProgress) return AbortWith(NcclStatus(state, "NCCL"));
+      absl::Status s = ctx.Check();
+      if (!s.ok()) return AbortWith(s);
+      absl::SleepFor(absl::Microseconds(20));
+    }
+  }
+  absl::Status AbortWith(absl::Status s) {
+    if (comm_ != nullptr) {
+      ncclCommAbort(comm_);
+      comm_ = nullptr;
+    }
+    return s;
+  }
+
+  int device_;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t event_ = nullptr;
+  float* scratch_ = nullptr;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const GroupOptions& options) {
+  const std::string where =
+      absl::StrCat("forming nccl group \"", options.name, "\" as rank ", options.rank, "/", options.size);
+  if (options.store == nullptr) return absl::InvalidArgumentError(absl::StrCat(where, ": no rendezvous store"));
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(where, ": no CUDA device"));
+  }
+  const absl::Time deadline = absl::Now() + options.join_timeout;
+  RETURN_IF_ERROR(Annotate(JoinGroup(*options.store, options.name, options.rank, options.size, options.host,
+                                     options.join_timeout, options.cancelled),
+                           where));
+  ncclUniqueId id;
+  const std::string key = absl::StrCat(options.name, "/nccl_id");
+  if (options.rank == 0) {
+    RETURN_IF_ERROR(Annotate(NcclStatus(ncclGetUniqueId(&id), "ncclGetUniqueId"), where));
+    RETURN_IF_ERROR(Annotate(options.store->Set(key, std::string(reinterpret_cast<const char*>(&id), sizeof(id))), where));
+  } else {
+    ASSIGN_OR_RETURN(std::string bytes, options.store->Get(key, deadline - absl::Now()));
+    if (bytes.size() != sizeof(id)) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": the unique id has ", bytes.size(), " bytes, not ", sizeof(id)));
+    }
+    std::memcpy(&id, bytes.data(), sizeof(id));
+  }
+  auto comm = std::make_unique<NcclCommunicator>(options);
+  RETURN_IF_ERROR(Annotate(comm->Init(id, std::max(deadline - absl::Now(), absl::Seconds(1))), where));
+  return std::unique_ptr<Communicator>(std::move(comm));
+}
+
+}  // namespace wsync

@@ -1,0 +1,23 @@
+// The NCCL backend (GPU hosts): a group formed through the rendezvous Store (rank 0 publishes the
+// ncclUniqueId under "<group>/nccl_id"), on `GroupOptions::cuda_device`, with device buffers.
+//
+// Bounded operations: the communicator is created non-blocking (ncclConfig_t.blocking = 0). Each
+// operation is launched on the communicator's own stream as one NCCL group call (many buffers,
+// one ncclGroupStart/End), then the worker polls the stream's event and ncclCommGetAsyncError
+// until done, the deadline, or Abort; on timeout, abort or an asynchronous error it calls
+// ncclCommAbort, after which NCCL no longer touches the buffers. AllGatherV is a group of
+// ncclBroadcast calls, one per rank (the usual NCCL idiom).
+//
+// Compiled and linked wherever CUDA and NCCL are installed; its tests skip without a GPU.
+// Thread-safety: as Communicator.
+#pragma once
+
+#include <memory>
+
+#include "comm/communicator.h"
+
+namespace wsync {
+
+absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const GroupOptions& options);
+
+}  // namespace wsync

@@ -1,0 +1,37 @@
+#include "common/rpc_security.h"
+
+#include <cstdio>
+#include <fstream>
+
+#include "gtest/gtest.h"
+
+namespace wsync {
+namespace {
+
+TEST(RpcSecurityTest, ConstantTimeEquals) {
+  EXPECT_TRUE(ConstantTimeEquals("abc", "abc"));
+  EXPECT_FALSE(ConstantTimeEquals("abc", "abd"));
+  EXPECT_FALSE(ConstantTimeEquals("abc", "abcd"));
+  EXPECT_FALSE(ConstantTimeEquals("", "a"));
+  EXPECT_TRUE(ConstantTimeEquals("", ""));
+}
+
+TEST(RpcSecurityTest, TokenFromFileAndErrors) {
+  const std::string path = ::testing::TempDir() + "/token";
+  std::ofstream(path) << "  s3cret\n";
+  RpcSecurityOptions o;
+  o.token_file = path;
+  auto sec = LoadRpcSecurity(o);
+  ASSERT_TRUE(sec.ok()) << sec.status();
+  EXPECT_EQ(sec->token, "s3cret");
+  std::ofstream(path) << "\n";
+  EXPECT_TRUE(absl::IsInvalidArgument(LoadRpcSecurity(o).status()));
+  o.token_file = ::testing::TempDir() + "/missing-token";
+  EXPECT_TRUE(absl::IsNotFound(LoadRpcSecurity(o).status()));
+  RpcSecurityOptions cert_only;
+  cert_only.tls_cert_file = path;
+  EXPECT_TRUE(absl::IsInvalidArgument(LoadRpcSecurity(cert_only).status()));
+}
+
+}  // namespace
+}  // namespace wsync

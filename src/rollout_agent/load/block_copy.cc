@@ -1,0 +1,83 @@
+#include "rollout_agent/load/block_copy.h"
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace wsync::rollout::internal {
+namespace {
+
+constexpr int64_t kTile = 32;
+
+template <size_t kItem>
+void TransposeBlock(const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0, int64_t rows, int64_t cols,
+                    std::byte* dst, int64_t dst_ld, int64_t dr, int64_t dc) {
+  // Tiles of kTile x kTile keep both the read rows and the written rows in cache.
+  for (int64_t ib = 0; ib < rows; ib += kTile) {
+    const int64_t ie = std::min(rows, ib + kTile);
+    for (int64_t jb = 0; jb < cols; jb += kTile) {
+      const int64_t je = std::min(cols, jb + kTile);
+      for (int64_t j = jb; j < je; ++j) {
+        std::byte* d = dst + ((dr + j) * dst_ld + dc) * static_cast<int64_t>(kItem);
+        for (int64_t i = ib; i < ie; ++i) {
+          std::memcpy(d + i * static_cast<int64_t>(kItem),
+                      src + ((r0 + i) * src_ld + c0 + j) * static_cast<int64_t>(kItem), kItem);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void CopyBlock(const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0, int64_t rows, int64_t cols,
+               std::byte* dst, int64_t dst_ld, int64_t dr, int64_t dc, size_t item, bool transpose) {
+  const auto it = static_cast<int64_t>(item);
+  if (!transpose) {
+    if (cols == src_ld && cols == dst_ld && c0 == 0 && dc == 0) {
+      std::memcpy(dst + dr * dst_ld * it, src + r0 * src_ld * it, static_cast<size_t>(rows * cols * it));
+      return;
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      std::memcpy(dst + ((dr + i) * dst_ld + dc) * it, src + ((r0 + i) * src_ld + c0) * it,
+                  static_cast<size_t>(cols * it));
+    }
+    return;
+  }
+  switch (item) {
+    case 1: return TransposeBlock<1>(src, src_ld, r0, c0, rows, cols, dst, dst_ld, dr, dc);
+    case 2: return TransposeBlock<2>(src, src_ld, r0, c0, rows, cols, dst, dst_ld, dr, dc);
+    case 4: return TransposeBlock<4>(src, src_ld, r0, c0, rows, cols, dst, dst_ld, dr, dc);
+    default: return TransposeBlock<8>(src, src_ld, r0, c0, rows, cols, dst, dst_ld, dr, dc);
+  }
+}
+
+void ParallelFor(int64_t n, int threads, int64_t min_per_thread, const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  if (threads <= 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  int64_t parts = std::min<int64_t>(threads, min_per_thread > 0 ? std::max<int64_t>(1, n / min_per_thread) : n);
+  parts = std::max<int64_t>(parts, 1);
+  if (parts == 1) {
+    fn(0, n);
+    return;
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<size_t>(parts - 1));
+  const int64_t step = (n + parts - 1) / parts;
+  for (int64_t b = step; b < n; b += step) pool.emplace_back([&fn, b, n, step] { fn(b, std::min(n, b + step)); });
+  fn(0, std::min(n, step));
+  for (auto& t : pool) t.join();
+}
+
+void Transpose(const std::byte* src, int64_t rows, int64_t cols, std::byte* dst, size_t item, int threads) {
+  // Split over source row tiles: each thread writes disjoint columns of dst.
+  const int64_t tiles = (rows + kTile - 1) / kTile;
+  const int64_t min_tiles = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, kTile * cols * static_cast<int64_t>(item)));
+  ParallelFor(tiles, threads, min_tiles, [&](int64_t tb, int64_t te) {
+    const int64_t r0 = tb * kTile, r1 = std::min(rows, te * kTile);
+    CopyBlock(src, cols, r0, 0, r1 - r0, cols, dst, rows, 0, r0, item, /*transpose=*/true);
+  });
+}
+
+}  // namespace wsync::rollout::internal

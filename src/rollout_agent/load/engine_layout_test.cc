@@ -1,0 +1,431 @@
+// EngineLayout: names, shapes and roles against hand-written tables of ENGINE_LAYOUT.md §5 / §7,
+// the rank geometry of §1, and every refusal / warning of §6.
+#include "rollout_agent/load/engine_layout.h"
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/config.h"
+#include "common/default_model.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "rollout_agent/load/testing/test_models.h"
+
+namespace wsync::rollout {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::QuantJson;
+
+ModelConfig Config(const std::string& json) {
+  auto c = ParseModelConfig(json, "test");
+  EXPECT_TRUE(c.ok()) << c.status();
+  return *c;
+}
+
+QuantizationConfig Quant(int g, const std::vector<std::string>& ignore) {
+  auto q = ParseQuantizationConfig(QuantJson(g, ignore), "quant");
+  EXPECT_TRUE(q.ok()) << q.status();
+  return *q;
+}
+
+// slime's default INT4 ignore list (tools/convert_hf_to_int4_direct.py), as regexes.
+const std::vector<std::string> kSlimeIgnore = {"lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$",
+                                               "re:.*embed_tokens.*", "re:.*norm.*", "re:.*shared_experts.*"};
+
+struct Want {
+  std::string name;
+  ParamRole role;
+  ParamKind kind;
+  DType dtype;
+  Shape loaded, engine;
+};
+
+void ExpectParam(const EngineLayout& l, const Want& w) {
+  const int i = l.FindParam(w.name);
+  ASSERT_GE(i, 0) << "missing " << w.name;
+  const EngineParam& p = l.params()[static_cast<size_t>(i)];
+  EXPECT_EQ(p.role, w.role) << w.name << " role " << ParamRoleName(p.role);
+  EXPECT_EQ(p.kind, w.kind) << w.name;
+  EXPECT_EQ(p.dtype, w.dtype) << w.name;
+  EXPECT_EQ(p.loaded_shape, w.loaded) << w.name << " loaded " << ShapeToString(p.loaded_shape);
+  EXPECT_EQ(p.engine_shape, w.engine) << w.name << " engine " << ShapeToString(p.engine_shape);
+}
+
+constexpr auto kB = DType::kBF16;
+constexpr auto kI = DType::kI32;
+constexpr auto kPl = ParamKind::kPlain;
+constexpr auto kPk = ParamKind::kPacked;
+constexpr auto kSc = ParamKind::kScale;
+
+// The embedded default model (Qwen3-MoE, INT4 experts, G=128): every param of TP=2 rank 1.
+TEST(EngineLayoutTest, DefaultModelTp2FullParamTable) {
+  const ModelConfig c = Config(kDefaultModelConfigJson);
+  auto l = EngineLayout::Create(c, &*c.quantization, {2, 1, 1});
+  ASSERT_TRUE(l.ok()) << l.status();
+  std::vector<Want> want = {{"model.embed_tokens.weight", ParamRole::kVocab, kPl, kB, {2016, 512}, {2016, 512}}};
+  for (int i = 0; i < 4; ++i) {
+    const std::string L = absl::StrCat("model.layers.", i, ".");
+    std::vector<Want> layer = {
+        {L + "input_layernorm.weight", ParamRole::kReplicated, kPl, kB, {512}, {512}},
+        {L + "self_attn.qkv_proj.weight", ParamRole::kQkv, kPl, kB, {384, 512}, {384, 512}},
+        {L + "self_attn.o_proj.weight", ParamRole::kRow, kPl, kB, {512, 256}, {512, 256}},
+        {L + "self_attn.q_norm.weight", ParamRole::kReplicated, kPl, kB, {64}, {64}},
+        {L + "self_attn.k_norm.weight", ParamRole::kReplicated, kPl, kB, {64}, {64}},
+        {L + "post_attention_layernorm.weight", ParamRole::kReplicated, kPl, kB, {512}, {512}},
+        {L + "mlp.gate.weight", ParamRole::kReplicated, kPl, kB, {8, 512}, {8, 512}},
+        {L + "mlp.experts.w13_weight_packed", ParamRole::kExpertsW13, kPk, kI, {8, 64, 256}, {8, 32, 512}},
+        {L + "mlp.experts.w13_weight_scale", ParamRole::kExpertsW13, kSc, kB, {8, 4, 256}, {8, 4, 256}},
+        {L + "mlp.experts.w2_weight_packed", ParamRole::kExpertsW2, kPk, kI, {8, 16, 512}, {8, 8, 1024}},
+        {L + "mlp.experts.w2_weight_scale", ParamRole::kExpertsW2, kSc, kB, {8, 1, 512}, {8, 1, 512}},
+    };
+    want.insert(want.end(), layer.begin(), layer.end());
+  }
+  want.push_back({"model.norm.weight", ParamRole::kReplicated, kPl, kB, {512}, {512}});
+  want.push_back({"lm_head.weight", ParamRole::kVocab, kPl, kB, {2016, 512}, {2016, 512}});
+  ASSERT_EQ(l->params().size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(l->params()[i].name, want[i].name) << i;
+    ExpectParam(*l, want[i]);
+  }
+  // Marlin geometry of w13: SGLang's scale perm size_k quirk (4I' = 512 > G -> grouped); w2 I' = 128 = G -> single.
+  const EngineParam& w13 = l->params()[static_cast<size_t>(l->FindParam("model.layers.0.mlp.experts.w13_weight_scale"))];
+  EXPECT_EQ(w13.marlin.scale_perm_size_k, 512);
+  EXPECT_TRUE(w13.marlin.grouped_scale_perm);
+  const EngineParam& w2 = l->params()[static_cast<size_t>(l->FindParam("model.layers.0.mlp.experts.w2_weight_scale"))];
+  EXPECT_EQ(w2.marlin.scale_perm_size_k, 128);
+  EXPECT_FALSE(w2.marlin.grouped_scale_perm);
+  EXPECT_TRUE(l->warnings().empty()) << l->warnings()[0];
+  EXPECT_EQ(l->TotalBytes(ParamForm::kLoaded), l->TotalBytes(ParamForm::kEngine));
+}
+
+// §7 worked example: Qwen3-30B-A3B, T=4, EP=4, INT4 G=128 on experts only.
+const char kQwen3_30B[] = R"({
+  "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+  "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+  "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+  "vocab_size": 151936, "tie_word_embeddings": false, "torch_dtype": "bfloat16"})";
+
+TEST(EngineLayoutTest, WorkedExampleQwen3_30B_A3B) {
+  const ModelConfig c = Config(kQwen3_30B);
+  const QuantizationConfig q = Quant(128, kSlimeIgnore);
+  for (int r = 0; r < 4; ++r) {
+    auto l = EngineLayout::Create(c, &q, {4, r, 4});
+    ASSERT_TRUE(l.ok()) << l.status();
+    EXPECT_EQ(l->moe_tp_size(), 1);
+    EXPECT_EQ(l->ep_rank(), r);
+    EXPECT_EQ(l->local_experts(), 32);
+    EXPECT_EQ(l->first_local_expert(), 32 * r);
+    EXPECT_EQ(l->vocab_per_rank(), 37984);
+    const std::string L = "model.layers.47.";
+    ExpectParam(*l, {L + "self_attn.qkv_proj.weight", ParamRole::kQkv, kPl, kB, {1280, 2048}, {1280, 2048}});
+    ExpectParam(*l, {L + "self_attn.o_proj.weight", ParamRole::kRow, kPl, kB, {2048, 1024}, {2048, 1024}});
+    ExpectParam(*l, {L + "mlp.experts.w13_weight_packed", ParamRole::kExpertsW13, kPk, kI, {32, 256, 1536}, {32, 128, 3072}});
+    ExpectParam(*l, {L + "mlp.experts.w13_weight_scale", ParamRole::kExpertsW13, kSc, kB, {32, 16, 1536}, {32, 16, 1536}});
+    ExpectParam(*l, {L + "mlp.experts.w2_weight_packed", ParamRole::kExpertsW2, kPk, kI, {32, 96, 2048}, {32, 48, 4096}});
+    ExpectParam(*l, {L + "mlp.experts.w2_weight_scale", ParamRole::kExpertsW2, kSc, kB, {32, 6, 2048}, {32, 6, 2048}});
+    // kv head r on rank r, no replication: k rows come from k_proj[r*128, +128].
+    const HfSource& k = l->sources()[static_cast<size_t>(l->FindSource(L + "self_attn.k_proj.weight"))];
+    EXPECT_EQ(k.src_row0, 128 * r);
+    EXPECT_EQ(k.rows, 128);
+    EXPECT_EQ(k.dst_row0, 8 * 128);
+  }
+  // T=4, EP=1: I' = 192 is not a multiple of 128: not loadable (§6 example).
+  auto bad = EngineLayout::Create(c, &q, {4, 0, 1});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("I' = I / moe_tp = 768 / 4 = 192"));
+  EXPECT_THAT(bad.status().message(), HasSubstr("group size 128"));
+  // T=2 (I' = 384) loads.
+  EXPECT_TRUE(EngineLayout::Create(c, &q, {2, 1, 1}).ok());
+}
+
+// §7 worked example: DeepSeek-V3, T=8, EP=1, bf16 (shared-experts fusion off: see README.md).
+const char kDeepseekV3Full[] = R"({
+  "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+  "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
+  "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+  "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
+  "num_experts_per_tok": 8, "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4,
+  "topk_method": "noaux_tc", "vocab_size": 129280, "num_nextn_predict_layers": 1,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16"})";
+
+TEST(EngineLayoutTest, WorkedExampleDeepseekV3) {
+  const ModelConfig c = Config(kDeepseekV3Full);
+  auto l = EngineLayout::Create(c, nullptr, {8, 3, 1});
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_FALSE(l->shared_experts_fused());
+  EXPECT_EQ(l->vocab_per_rank(), 16160);
+  const std::string A = "model.layers.0.self_attn.", M = "model.layers.3.mlp.";
+  ExpectParam(*l, {A + "fused_qkv_a_proj_with_mqa.weight", ParamRole::kFusedQkvA, kPl, kB, {2112, 7168}, {2112, 7168}});
+  ExpectParam(*l, {A + "q_a_layernorm.weight", ParamRole::kReplicated, kPl, kB, {1536}, {1536}});
+  ExpectParam(*l, {A + "q_b_proj.weight", ParamRole::kColumn, kPl, kB, {3072, 1536}, {3072, 1536}});
+  ExpectParam(*l, {A + "kv_a_layernorm.weight", ParamRole::kReplicated, kPl, kB, {512}, {512}});
+  ExpectParam(*l, {A + "kv_b_proj.weight", ParamRole::kColumn, kPl, kB, {4096, 512}, {4096, 512}});
+  ExpectParam(*l, {A + "o_proj.weight", ParamRole::kRow, kPl, kB, {7168, 2048}, {7168, 2048}});
+  ExpectParam(*l, {"model.layers.2.mlp.gate_up_proj.weight", ParamRole::kGateUp, kPl, kB, {4608, 7168}, {4608, 7168}});
+  ExpectParam(*l, {"model.layers.2.mlp.down_proj.weight", ParamRole::kRow, kPl, kB, {7168, 2304}, {7168, 2304}});
+  ExpectParam(*l, {M + "gate.weight", ParamRole::kReplicated, kPl, kB, {256, 7168}, {256, 7168}});
+  ExpectParam(*l, {M + "gate.e_score_correction_bias", ParamRole::kReplicated, kPl, DType::kF32, {256}, {256}});
+  ExpectParam(*l, {M + "experts.w13_weight", ParamRole::kExpertsW13, kPl, kB, {256, 512, 7168}, {256, 512, 7168}});
+  ExpectParam(*l, {M + "experts.w2_weight", ParamRole::kExpertsW2, kPl, kB, {256, 7168, 256}, {256, 7168, 256}});
+  ExpectParam(*l, {M + "shared_experts.gate_up_proj.weight", ParamRole::kGateUp, kPl, kB, {512, 7168}, {512, 7168}});
+  ExpectParam(*l, {M + "shared_experts.down_proj.weight", ParamRole::kRow, kPl, kB, {7168, 256}, {7168, 256}});
+  EXPECT_LT(l->FindParam("model.layers.2.mlp.gate.weight"), 0);  // dense layer: no router
+  EXPECT_LT(l->FindParam("model.layers.61.eh_proj.weight"), 0);  // MTP layer: not loaded
+  EXPECT_TRUE(l->IsIgnoredHfName("model.layers.61.eh_proj.weight"));
+  EXPECT_FALSE(l->IsIgnoredHfName("model.layers.62.eh_proj.weight"));
+  EXPECT_FALSE(l->IsIgnoredHfName("model.layers.60.eh_proj.weight"));
+  // q_a rows 0..1535 then kv_a rows at 1536 of the fused tensor, whole on every rank.
+  const HfSource& kva = l->sources()[static_cast<size_t>(l->FindSource(A + "kv_a_proj_with_mqa.weight"))];
+  EXPECT_EQ(kva.dst_row0, 1536);
+  EXPECT_EQ(kva.rows, 576);
+  // kv_b: head-major rows r*nl*kvd.
+  const HfSource& kvb = l->sources()[static_cast<size_t>(l->FindSource(A + "kv_b_proj.weight"))];
+  EXPECT_EQ(kvb.src_row0, 3 * 4096);
+}
+
+TEST(EngineLayoutTest, MoeRankGeometryAndExpertSources) {
+  const ModelConfig c = Config(testing::kQwen3MoeJson);
+  const QuantizationConfig q = Quant(128, kSlimeIgnore);
+  // T=4, EP=2: moe_tp = 2; MoE-TP groups are contiguous {0,1}, {2,3}; EP groups strided.
+  const int want_t[] = {0, 1, 0, 1}, want_ep[] = {0, 0, 1, 1};
+  for (int r = 0; r < 4; ++r) {
+    auto l = EngineLayout::Create(c, &q, {4, r, 2});
+    ASSERT_TRUE(l.ok()) << l.status();
+    EXPECT_EQ(l->moe_tp_rank(), want_t[r]);
+    EXPECT_EQ(l->ep_rank(), want_ep[r]);
+    EXPECT_EQ(l->first_local_expert(), 4 * want_ep[r]);
+    for (int e = 0; e < 8; ++e) {
+      const HfSource& up = l->sources()[static_cast<size_t>(
+          l->FindSource(absl::StrCat("model.layers.0.mlp.experts.", e, ".up_proj.weight_packed")))];
+      const HfSource& down = l->sources()[static_cast<size_t>(
+          l->FindSource(absl::StrCat("model.layers.0.mlp.experts.", e, ".down_proj.weight_scale")))];
+      const bool owned = e / 4 == want_ep[r];
+      EXPECT_EQ(up.action, owned ? HfSource::Action::kCopy : HfSource::Action::kSkip) << r << " " << e;
+      EXPECT_EQ(up.shape, (Shape{256, 32}));
+      if (!owned) continue;
+      EXPECT_EQ(up.expert, e % 4);
+      EXPECT_TRUE(up.transpose);
+      EXPECT_EQ(up.src_row0, 128 * want_t[r]);  // I' = 128 rows of up_e
+      EXPECT_EQ(up.rows, 128);
+      EXPECT_EQ(up.cols, 32);                   // all H/8 words
+      EXPECT_EQ(up.dst_col0, 128);              // second half of 2I'
+      EXPECT_EQ(down.src_col0, want_t[r]);      // I'/G = 1 group per rank
+      EXPECT_EQ(down.cols, 1);
+      EXPECT_EQ(down.rows, 256);                // all H rows
+    }
+  }
+}
+
+TEST(EngineLayoutTest, QkvReplicationAndVocabPadding) {
+  const ModelConfig c = Config(testing::kLlamaJson);  // nh 8, nkv 2, hd 64, V 1000
+  for (int r = 0; r < 4; ++r) {
+    auto l = EngineLayout::Create(c, nullptr, {4, r, 1});
+    ASSERT_TRUE(l.ok()) << l.status();
+    const auto& s = l->sources();
+    const HfSource& q = s[static_cast<size_t>(l->FindSource("model.layers.1.self_attn.q_proj.weight"))];
+    const HfSource& v = s[static_cast<size_t>(l->FindSource("model.layers.1.self_attn.v_proj.weight"))];
+    const HfSource& vb = s[static_cast<size_t>(l->FindSource("model.layers.1.self_attn.v_proj.bias"))];
+    EXPECT_EQ(q.src_row0, r * 128);
+    EXPECT_EQ(v.src_row0, (r / 2) * 64) << "s = r // replicas, replicas = 2";
+    EXPECT_EQ(v.dst_row0, 192);
+    EXPECT_EQ(vb.src_row0, v.src_row0);
+    EXPECT_EQ(vb.dst_row0, 192);
+    const HfSource& emb = s[static_cast<size_t>(l->FindSource("model.embed_tokens.weight"))];
+    EXPECT_EQ(l->vocab_per_rank(), 256);
+    EXPECT_EQ(emb.src_row0, 256 * r);
+    EXPECT_EQ(emb.rows, r == 3 ? 1000 - 768 : 256);
+    ExpectParam(*l, {"model.layers.1.self_attn.o_proj.bias", ParamRole::kRow, kPl, kB, {256}, {256}});
+  }
+  // Qwen2 tied: no lm_head param; a sent lm_head.weight is a known, skipped tensor.
+  auto t = EngineLayout::Create(Config(testing::kQwen2Json), nullptr, {2, 0, 1});
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_LT(t->FindParam("lm_head.weight"), 0);
+  EXPECT_EQ(t->sources()[static_cast<size_t>(t->FindSource("lm_head.weight"))].action, HfSource::Action::kSkip);
+  EXPECT_LT(t->FindParam("model.layers.0.self_attn.o_proj.bias"), 0);  // Qwen2: qkv bias only
+}
+
+struct RefusalCase {
+  std::string label;
+  std::string config_json;
+  std::string quant_json;  // "" = bf16
+  EngineParallel parallel;
+  std::string want;        // substring of the error
+  absl::StatusCode code = absl::StatusCode::kInvalidArgument;
+};
+
+std::string Edit(std::string json, const std::string& from, const std::string& to) {
+  const size_t at = json.find(from);
+  EXPECT_NE(at, std::string::npos) << from;
+  if (at != std::string::npos) json.replace(at, from.size(), to);
+  return json;
+}
+
+std::vector<RefusalCase> RefusalCases() {
+  using testing::kDeepseekJson;
+  using testing::kLlamaJson;
+  using testing::kQwen3MoeJson;
+  const std::string all_int4 = QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"});
+  const std::string moe_int4 = QuantJson(128, kSlimeIgnore);
+  std::string llama12 = Edit(Edit(kLlamaJson, R"("num_attention_heads": 8)", R"("num_attention_heads": 12)"),
+                             R"("head_dim": 64)", R"("head_dim": 32)");
+  return {
+      {"tp size", kLlamaJson, "", {0, 0, 1}, "tp_size must be >= 1"},
+      {"tp rank", kLlamaJson, "", {2, 2, 1}, "tp_rank 2 is outside [0, 2)"},
+      {"nh % T", kLlamaJson, "", {3, 0, 1}, "num_attention_heads 8 is not divisible by T 3"},
+      {"T % nkv",
+       Edit(Edit(kLlamaJson, R"("num_attention_heads": 8)", R"("num_attention_heads": 24)"),
+            R"("num_key_value_heads": 2)", R"("num_key_value_heads": 8)"),
+       "", {12, 0, 1},
+       "T 12 >= num_key_value_heads 8 needs T % num_key_value_heads == 0"},
+      {"nkv % T", Edit(llama12, R"("num_key_value_heads": 2)", R"("num_key_value_heads": 6)"), "", {4, 0, 1},
+       "num_key_value_heads 6 is not divisible by T 4"},
+      {"F % T", Edit(kLlamaJson, R"("intermediate_size": 512)", R"("intermediate_size": 510)"), "", {4, 0, 1},
+       "intermediate_size F 510 is not divisible by T 4"},
+      {"pad(V,64) % T", Edit(Edit(llama12, R"("num_key_value_heads": 2)", R"("num_key_value_heads": 6)"),
+                             R"("intermediate_size": 512)", R"("intermediate_size": 768)"),
+       "", {3, 0, 1}, "padded vocab pad(1000, 64) = 1024 is not divisible by T 3"},
+      {"S % T", Edit(Edit(kDeepseekJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 250)"),
+                     R"("n_shared_experts": 2)", R"("n_shared_experts": 1)"),
+       "", {4, 0, 4}, "shared experts intermediate S = n_shared_experts * I = 250 is not divisible by T 4"},
+      {"E % EP", Edit(kQwen3MoeJson, R"("num_experts": 8)", R"("num_experts": 6)"), "", {4, 0, 4},
+       "E_total 6 experts are not divisible by ep_size 4"},
+      {"T % EP", kQwen3MoeJson, "", {4, 0, 3}, "ep_size 3 does not divide T 4"},
+      {"I % moe_tp", Edit(kQwen3MoeJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 250)"), "",
+       {4, 0, 1}, "moe_intermediate_size I 250 is not divisible by moe_tp = T/EP = 4"},
+      {"EP on dense", kLlamaJson, "", {2, 0, 2}, "ep_size 2 > 1 needs an MoE model"},
+      {"Qwen3-MoE tied", Edit(kQwen3MoeJson, R"("tie_word_embeddings": false)", R"("tie_word_embeddings": true)"), "",
+       {1, 0, 1}, "always builds its own lm_head"},
+      {"mixed qkv", kLlamaJson, QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*k_proj"}), {1, 0, 1},
+       "mixed quantization in fused layer model.layers.0.self_attn.qkv_proj"},
+      {"mixed gate_up", kLlamaJson, QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*up_proj"}), {1, 0, 1},
+       "mixed quantization in fused layer model.layers.0.mlp.gate_up_proj"},
+      {"mixed experts", kQwen3MoeJson,
+       QuantJson(128, {"lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*embed_tokens.*",
+                       "model.layers.2.mlp.experts.5.down_proj"}),
+       {1, 0, 1}, "bf16 (ignored) for model.layers.2.mlp.experts.5.down_proj.weight"},
+      {"mixed shared experts", kDeepseekJson,
+       QuantJson(128, {"lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*embed_tokens.*",
+                       "re:.*shared_experts.gate_proj"}),
+       {1, 0, 1}, "mixed quantization in fused layer model.layers.1.mlp.shared_experts.gate_up_proj"},
+      {"INT4 router", kQwen3MoeJson, QuantJson(128, {"lm_head", "re:.*self_attn.*", "re:.*embed_tokens.*"}), {1, 0, 1},
+       "INT4 router model.layers.0.mlp.gate refused"},
+      {"INT4 embedding", kLlamaJson, QuantJson(128, {"lm_head"}), {1, 0, 1}, "INT4 embedding refused"},
+      {"INT4 lm_head", kLlamaJson, QuantJson(128, {"re:.*embed_tokens.*"}), {1, 0, 1}, "INT4 lm_head refused"},
+      {"INT4 q_a", kDeepseekJson, QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"}), {1, 0, 1},
+       "INT4 model.layers.0.self_attn.q_a_proj refused"},
+      {"INT4 kv_a fused", kDeepseekJson,
+       QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$", "re:.*q_a_proj"}), {1, 0, 1},
+       "INT4 model.layers.0.self_attn.kv_a_proj_with_mqa refused"},
+      {"INT4 kv_b", kDeepseekJson,
+       QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$", "re:.*q_a_proj", "re:.*kv_a_proj_with_mqa"}),
+       {1, 0, 1}, "INT4 model.layers.0.self_attn.kv_b_proj refused"},
+      {"row K_p % G", kLlamaJson, all_int4, {8, 0, 1}, "model.layers.0.self_attn.o_proj.weight: the INT4 shard"},
+      {"row K_p % 8", Edit(kLlamaJson, R"("intermediate_size": 512)", R"("intermediate_size": 48)"),
+       QuantJson(-1, {"lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*gate_proj", "re:.*up_proj"}),
+       {4, 0, 1}, "(K_p = 12), not a multiple of 8"},
+      {"MoE I' % G", kQwen3MoeJson, moe_int4, {4, 0, 1},
+       "INT4 needs I' = I / moe_tp = 256 / 4 = 64 to be a multiple of the group size 128"},
+      {"MoE I' % 8", Edit(kQwen3MoeJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 48)"),
+       QuantJson(-1, kSlimeIgnore), {4, 0, 1}, "I' = I / moe_tp = 48 / 4 = 12 to be a multiple of 8"},
+      {"Marlin size_n", Edit(kLlamaJson, R"("head_dim": 64)", R"("head_dim": 16)"),
+       QuantJson(-1, {"lm_head", "re:.*embed_tokens.*", "re:.*o_proj"}), {2, 0, 1},
+       "qkv_proj.weight: Marlin repack needs size_n % 64 == 0, size_n = 96"},
+      {"Marlin size_k", Edit(kLlamaJson, R"("hidden_size": 256)", R"("hidden_size": 264)"),
+       QuantJson(-1, {"lm_head", "re:.*embed_tokens.*"}), {1, 0, 1},
+       "qkv_proj.weight: Marlin repack needs size_k % 16 == 0, size_k = 264"},
+      {"MoE Marlin w13", Edit(kQwen3MoeJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 80)"),
+       QuantJson(-1, kSlimeIgnore), {2, 0, 1}, "Marlin repack needs H % 16 == 0 and 2I' % 64 == 0"},
+      {"asymmetric", kLlamaJson,
+       Edit(all_int4, R"("symmetric": true)", R"("symmetric": false)"), {1, 0, 1}, "asymmetric",
+       absl::StatusCode::kUnimplemented},
+  };
+}
+
+TEST(EngineLayoutTest, Refusals) {
+  for (const RefusalCase& rc : RefusalCases()) {
+    SCOPED_TRACE(rc.label);
+    auto c = ParseModelConfig(rc.config_json, rc.label);
+    ASSERT_TRUE(c.ok()) << c.status();
+    std::optional<QuantizationConfig> q;
+    if (!rc.quant_json.empty()) {
+      auto parsed = ParseQuantizationConfig(rc.quant_json, rc.label);
+      ASSERT_TRUE(parsed.ok()) << parsed.status();
+      q = *parsed;
+    }
+    auto l = EngineLayout::Create(*c, q ? &*q : nullptr, rc.parallel);
+    ASSERT_FALSE(l.ok());
+    EXPECT_EQ(l.status().code(), rc.code) << l.status();
+    EXPECT_THAT(l.status().message(), HasSubstr(rc.want));
+  }
+}
+
+TEST(EngineLayoutTest, AdvisoryChecksWarnButLoad) {
+  // G = 32, T = 4: o_proj K_p = 128 ok; Qwen2 o_proj K_p = 64: not a multiple of 128 (advisory).
+  const QuantizationConfig q = Quant(32, {"lm_head", "re:.*embed_tokens.*"});
+  auto l = EngineLayout::Create(Config(testing::kQwen2Json), &q, {4, 0, 1});
+  ASSERT_TRUE(l.ok()) << l.status();
+  ASSERT_FALSE(l->warnings().empty());
+  EXPECT_THAT(l->warnings()[0], HasSubstr("model.layers.{i}.self_attn.o_proj.weight: advisory"));
+  EXPECT_THAT(l->warnings()[0], HasSubstr("K_p = 64 is not a multiple of 128"));
+  // One warning per module pattern, not per layer.
+  EXPECT_EQ(l->warnings().size(), 1u) << l->warnings()[1];
+  // MoE advisory: I' = 64 with G = 32 satisfies I' % max(64, G); H = 256 % 128 ok: no warning. I' = 32 warns.
+  auto c = Config(Edit(testing::kQwen3MoeJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 128)"));
+  const QuantizationConfig mq = Quant(32, kSlimeIgnore);
+  auto m = EngineLayout::Create(c, &mq, {4, 1, 1});
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_EQ(m->warnings().size(), 1u);
+  EXPECT_THAT(m->warnings()[0], HasSubstr("I' = 32 is not a multiple of max(64, G) = 64"));
+  // w13 of I' = 32: 4I' = 128 > G = 32 -> grouped; w2: I' = 32 = G -> single perm.
+  const auto& p = m->params()[static_cast<size_t>(m->FindParam("model.layers.0.mlp.experts.w2_weight_scale"))];
+  EXPECT_FALSE(p.marlin.grouped_scale_perm);
+}
+
+TEST(EngineLayoutTest, ChannelwiseRowParallelScalesAreWhole) {
+  const QuantizationConfig q = Quant(-1, {"lm_head", "re:.*embed_tokens.*"});
+  auto l = EngineLayout::Create(Config(testing::kLlamaJson), &q, {2, 1, 1});
+  ASSERT_TRUE(l.ok()) << l.status();
+  ExpectParam(*l, {"model.layers.0.self_attn.o_proj.weight_scale", ParamRole::kRow, kSc, kB, {256, 1}, {1, 256}});
+  ExpectParam(*l, {"model.layers.0.self_attn.o_proj.weight_packed", ParamRole::kRow, kPk, kI, {256, 32}, {16, 512}});
+  const HfSource& s = l->sources()[static_cast<size_t>(l->FindSource("model.layers.0.self_attn.o_proj.weight_scale"))];
+  EXPECT_EQ(s.shape, (Shape{256, 1}));
+  EXPECT_EQ(s.src_col0, 0);
+  EXPECT_EQ(s.cols, 1);
+  const HfSource& p = l->sources()[static_cast<size_t>(l->FindSource("model.layers.0.self_attn.o_proj.weight_packed"))];
+  EXPECT_EQ(p.src_col0, 32);  // K_p / 8 words per rank
+  const auto& sp = l->params()[static_cast<size_t>(l->FindParam("model.layers.0.self_attn.o_proj.weight_scale"))];
+  EXPECT_FALSE(sp.marlin.grouped_scale_perm);
+}
+
+}  // namespace
+}  // namespace wsync::rollout
+
+namespace wsync::rollout {
+namespace {
+
+TEST(EngineLayoutTest, W13ScalePermutationUsesSglangSizeK) {
+  // H = G = 128: SGLang passes size_k = 4I' = 512 -> grouped; vLLM (size_k = H) would use the single perm.
+  const ModelConfig c = Config(testing::kQwen3MoeH128Json);
+  const QuantizationConfig q = Quant(128, kSlimeIgnore);
+  auto l = EngineLayout::Create(c, &q, {2, 0, 2});
+  ASSERT_TRUE(l.ok()) << l.status();
+  const auto& w13 = l->params()[static_cast<size_t>(l->FindParam("model.layers.1.mlp.experts.w13_weight_scale"))];
+  EXPECT_EQ(w13.marlin.scale_rows, 1);
+  EXPECT_EQ(w13.marlin.scale_perm_size_k, 512);
+  EXPECT_TRUE(w13.marlin.grouped_scale_perm);
+  const auto& w2 = l->params()[static_cast<size_t>(l->FindParam("model.layers.1.mlp.experts.w2_weight_scale"))];
+  EXPECT_EQ(w2.marlin.scale_perm_size_k, 128);
+  EXPECT_FALSE(w2.marlin.grouped_scale_perm);
+  // Dense: grouped iff G < K_p (a row-parallel shard with K_p == G uses the single perm).
+  const auto& down = l->params()[static_cast<size_t>(l->FindParam("model.layers.0.mlp.down_proj.weight_scale"))];
+  EXPECT_EQ(down.marlin.size_k, 128);
+  EXPECT_FALSE(down.marlin.grouped_scale_perm);
+  const auto& gu = l->params()[static_cast<size_t>(l->FindParam("model.layers.0.mlp.gate_up_proj.weight_scale"))];
+  EXPECT_FALSE(gu.marlin.grouped_scale_perm);  // K = H = 128 = G
+}
+
+}  // namespace
+}  // namespace wsync::rollout

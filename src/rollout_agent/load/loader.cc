@@ -1,0 +1,172 @@
+#include "rollout_agent/load/loader.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status.h"
+#include "rollout_agent/load/block_copy.h"
+
+namespace wsync::rollout {
+namespace {
+
+using State = Staging::PieceState;
+
+// Rows x columns of a param's per-expert matrix (a 1-D [n] param is [n, 1]).
+void MatrixDims(const Shape& s, int64_t* rows, int64_t* cols) {
+  *rows = s.size() >= 2 ? s[s.size() - 2] : s[0];
+  *cols = s.size() >= 2 ? s.back() : 1;
+}
+
+std::string PieceName(const EngineLayout& layout, const HfSource& s) {
+  if (s.action == HfSource::Action::kCheckShape) return absl::StrCat(s.hf_name, " missing (weight_shape of ", s.what, ")");
+  return absl::StrCat(layout.params()[static_cast<size_t>(s.param)].name, ": ", s.what, " missing (", s.hf_name, ")");
+}
+
+}  // namespace
+
+Staging::Staging(const EngineLayout& layout) : layout_(&layout) {}
+
+absl::StatusOr<std::unique_ptr<Staging>> Staging::Create(const EngineLayout& layout) {
+  std::unique_ptr<Staging> s(new Staging(layout));
+  s->buffers_.reserve(layout.params().size());
+  for (const EngineParam& p : layout.params()) {
+    WSYNC_ASSIGN_OR_RETURN(const int64_t bytes, NumBytes(p.dtype, p.loaded_shape));
+    auto buf = Buffer::AllocateZeroed(static_cast<size_t>(bytes));
+    if (!buf.ok()) return Annotate(buf.status(), absl::StrCat("staging buffer for ", p.name));
+    s->buffers_.push_back(std::move(*buf));
+  }
+  const size_t n = layout.sources().size();
+  s->state_ = std::make_unique<std::atomic<uint8_t>[]>(n);
+  for (size_t i = 0; i < n; ++i) {
+    s->state_[i].store(0, std::memory_order_relaxed);
+    if (Required(layout.sources()[i])) ++s->num_required_;
+  }
+  return s;
+}
+
+MutableTensorView Staging::param(int index) const {
+  const EngineParam& p = layout_->params()[static_cast<size_t>(index)];
+  return MutableTensorView(p.dtype, p.loaded_shape, buffers_[static_cast<size_t>(index)].span());
+}
+
+absl::StatusOr<MutableTensorView> Staging::Find(absl::string_view name) const {
+  const int i = layout_->FindParam(name);
+  if (i < 0) return absl::NotFoundError(absl::StrCat("staging: no engine parameter named ", name));
+  return param(i);
+}
+
+void Staging::ResetCoverage() {
+  for (size_t i = 0; i < layout_->sources().size(); ++i) state_[i].store(0, std::memory_order_relaxed);
+}
+
+void Staging::MarkAllRestored() {
+  for (size_t i = 0; i < layout_->sources().size(); ++i)
+    state_[i].store(static_cast<uint8_t>(State::kRestored), std::memory_order_relaxed);
+}
+
+Staging::PieceState Staging::state(int source) const {
+  return static_cast<PieceState>(state_[static_cast<size_t>(source)].load(std::memory_order_acquire));
+}
+
+int64_t Staging::num_missing() const {
+  int64_t missing = 0;
+  const auto& sources = layout_->sources();
+  for (size_t i = 0; i < sources.size(); ++i)
+    if (Required(sources[i]) && state_[i].load(std::memory_order_acquire) == 0) ++missing;
+  return missing;
+}
+
+std::vector<std::string> Staging::MissingPieces() const {
+  std::vector<std::string> out;
+  const auto& sources = layout_->sources();
+  for (size_t i = 0; i < sources.size(); ++i)
+    if (Required(sources[i]) && state_[i].load(std::memory_order_acquire) == 0)
+      out.push_back(PieceName(*layout_, sources[i]));
+  return out;
+}
+
+absl::Status Staging::CheckComplete() const {
+  constexpr size_t kShown = 32;
+  const auto& sources = layout_->sources();
+  std::vector<std::string> shown;
+  int64_t missing = 0;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    if (!Required(sources[i]) || state_[i].load(std::memory_order_acquire) != 0) continue;
+    if (shown.size() < kShown) shown.push_back(PieceName(*layout_, sources[i]));
+    ++missing;
+  }
+  if (missing == 0) return absl::OkStatus();
+  return absl::NotFoundError(absl::StrCat(
+      "engine rank ", layout_->parallel().tp_rank, ": ", missing, " of ", num_required_,
+      " pieces missing: ", absl::StrJoin(shown, "; "),
+      missing > static_cast<int64_t>(kShown) ? absl::StrCat("; ... and ", missing - static_cast<int64_t>(kShown), " more")
+                                             : ""));
+}
+
+absl::Status Loader::Load(absl::string_view hf_name, const TensorView& data) {
+  const EngineLayout& layout = staging_->layout();
+  const int idx = layout.FindSource(hf_name);
+  if (idx < 0) {
+    if (layout.IsIgnoredHfName(hf_name)) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("unknown tensor ", hf_name, " (", data.DebugString(),
+                                                   "): not part of the ", ArchitectureName(layout.config().arch),
+                                                   layout.quantized() ? " INT4" : " bf16", " engine layout"));
+  }
+  const HfSource& s = layout.sources()[static_cast<size_t>(idx)];
+  const bool shape_tensor = s.action == HfSource::Action::kCheckShape;
+  // weight_shape (the only I64 tensors): int64 as compressed-tensors writes it, or int32 as slime sends it.
+  const bool any_int = s.dtype == DType::kI64;
+  const bool dtype_ok = data.dtype() == s.dtype || (any_int && data.dtype() == DType::kI32);
+  if (!dtype_ok || data.shape() != s.shape) {
+    return absl::InvalidArgumentError(absl::StrCat(hf_name, ": got ", data.DebugString(), ", want ",
+                                                   SafetensorsName(s.dtype), ShapeToString(s.shape),
+                                                   any_int ? " (or I32)" : ""));
+  }
+  WSYNC_ASSIGN_OR_RETURN(const int64_t want_bytes, NumBytes(data.dtype(), data.shape()));
+  if (static_cast<int64_t>(data.nbytes()) != want_bytes || (want_bytes > 0 && data.data() == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(hf_name, ": the view holds ", data.nbytes(), " bytes, but ",
+                                                   data.DebugString(), " needs ", want_bytes));
+  }
+  if (s.action == HfSource::Action::kSkip) return absl::OkStatus();
+  if (shape_tensor) {
+    int64_t v[2];
+    for (int i = 0; i < 2; ++i) {
+      if (data.dtype() == DType::kI64) {
+        std::memcpy(&v[i], data.bytes().data() + 8 * i, 8);
+      } else {
+        int32_t x;
+        std::memcpy(&x, data.bytes().data() + 4 * i, 4);
+        v[i] = x;
+      }
+    }
+    if (v[0] != s.shape_values[0] || v[1] != s.shape_values[1]) {
+      return absl::InvalidArgumentError(absl::StrCat(hf_name, " holds [", v[0], ", ", v[1], "], want [",
+                                                     s.shape_values[0], ", ", s.shape_values[1], "]"));
+    }
+  }
+  // Claim the piece: missing or restored -> loaded; a second load of it is an error.
+  std::atomic<uint8_t>& st = staging_->state_[static_cast<size_t>(idx)];
+  uint8_t cur = st.load(std::memory_order_acquire);
+  do {
+    if (cur == static_cast<uint8_t>(State::kLoaded)) {
+      return absl::AlreadyExistsError(absl::StrCat(hf_name, " was already loaded in this sync (",
+                                                   shape_tensor ? "weight_shape" : s.what, ")"));
+    }
+  } while (!st.compare_exchange_weak(cur, static_cast<uint8_t>(State::kLoaded), std::memory_order_acq_rel));
+  if (shape_tensor) return absl::OkStatus();
+
+  const EngineParam& p = layout.params()[static_cast<size_t>(s.param)];
+  const MutableTensorView dst = staging_->param(s.param);
+  int64_t dst_rows = 0, dst_cols = 0, src_rows = 0, src_cols = 0;
+  MatrixDims(p.loaded_shape, &dst_rows, &dst_cols);
+  MatrixDims(s.shape, &src_rows, &src_cols);
+  const size_t item = ItemSize(p.dtype);
+  std::byte* base = dst.bytes().data() + s.expert * dst_rows * dst_cols * static_cast<int64_t>(item);
+  internal::CopyBlock(data.bytes().data(), src_cols, s.src_row0, s.src_col0, s.rows, s.cols, base, dst_cols,
+                      s.dst_row0, s.dst_col0, item, s.transpose);
+  return absl::OkStatus();
+}
+
+}  // namespace wsync::rollout

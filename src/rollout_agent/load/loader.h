@@ -1,0 +1,96 @@
+// Staging and loading: sent HF tensors -> the slices one engine rank owns, in SGLang's *loaded*
+// form (ENGINE_LAYOUT.md §2, §3), before repack/ writes them into the engine.
+//
+// Staging owns one host buffer per engine parameter of an EngineLayout, in ParamForm::kLoaded
+// (bf16 [N_p, K_p]; INT4 compressed-tensors [N_p, K_p/8] + [N_p, K_p/G]; MoE GPTQ orientation
+// [E_loc, K/8, N] + [E_loc, K/G, N]), zero-initialized (the vocab padding rows stay zero), and a
+// coverage state per piece (HfSource): missing, restored (filled from the engine by Restore()),
+// or loaded (by Loader::Load in this sync).
+//
+// Loader::Load(hf_name, data) checks the name (known to the layout), dtype and shape, the values
+// of an INT4 weight_shape, then copies the block this rank owns into staging: column narrowing,
+// row narrowing in packed words / groups, qkv with KV replication, gate_up halves, MoE w13/w2
+// transposed to the GPTQ orientation, local experts only. A sent tensor the rank does not own
+// (another EP rank's expert, a vocab range past this rank, a tied lm_head.weight, a DeepSeek MTP
+// layer) is accepted and skipped. A piece loaded twice in one sync is an error (kAlreadyExists):
+// each tensor is sent once per version, so a duplicate is a sender bug, not a retry. A restored
+// piece may be overwritten by one load (partial updates on top of the engine's current weights).
+//
+// Errors (nothing is written to staging when Load fails): kInvalidArgument for an unknown name,
+// a wrong dtype / shape / weight_shape value or a view whose byte size disagrees with its shape;
+// kAlreadyExists for a duplicate. CheckComplete(): kNotFound naming every missing piece (the
+// message lists the first 32; MissingPieces() returns all).
+//
+// Thread-safety: Load may be called concurrently from several threads (different tensors, even
+// of the same param: pieces never overlap and each piece is claimed atomically). ResetCoverage,
+// the Restore() of repack/ and Commit() must not run concurrently with Load. The Staging must
+// outlive its Loader; the EngineLayout must outlive both.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/tensor.h"
+#include "rollout_agent/load/engine_layout.h"
+
+namespace wsync::rollout {
+
+class Staging {
+ public:
+  enum class PieceState : uint8_t { kMissing = 0, kRestored = 1, kLoaded = 2 };
+
+  // Allocates zeroed buffers for every param (kResourceExhausted on failure).
+  static absl::StatusOr<std::unique_ptr<Staging>> Create(const EngineLayout& layout);
+
+  const EngineLayout& layout() const { return *layout_; }
+  // Param `index` of layout().params() in its loaded form; the memory is owned by this Staging.
+  MutableTensorView param(int index) const;
+  // By SGLang name; kNotFound naming it.
+  absl::StatusOr<MutableTensorView> Find(absl::string_view name) const;
+
+  // Start of a sync: every piece missing again (buffer contents are kept).
+  void ResetCoverage();
+  // Every required piece restored (repack/'s Restore() calls this after filling all buffers).
+  void MarkAllRestored();
+  PieceState state(int source) const;
+
+  // OK when every piece this rank needs (copies and INT4 weight_shape checks) is restored or loaded.
+  absl::Status CheckComplete() const;
+  // "<param>: <piece> missing (<hf tensor>)" for every missing piece, in layout order.
+  std::vector<std::string> MissingPieces() const;
+  int64_t num_required() const { return num_required_; }
+  int64_t num_missing() const;
+
+ private:
+  friend class Loader;
+  explicit Staging(const EngineLayout& layout);
+  static bool Required(const HfSource& s) { return s.action != HfSource::Action::kSkip; }
+
+  const EngineLayout* layout_;
+  std::vector<Buffer> buffers_;
+  std::unique_ptr<std::atomic<uint8_t>[]> state_;  // per layout source
+  int64_t num_required_ = 0;
+};
+
+class Loader {
+ public:
+  explicit Loader(Staging* staging) : staging_(staging) {}
+
+  // See the file comment. `data` is a dense row-major view of the whole sent tensor (any
+  // alignment); it is only read during the call.
+  absl::Status Load(absl::string_view hf_name, const TensorView& data);
+
+  absl::Status CheckComplete() const { return staging_->CheckComplete(); }
+  Staging& staging() const { return *staging_; }
+
+ private:
+  Staging* staging_;
+};
+
+}  // namespace wsync::rollout

@@ -1,0 +1,300 @@
+// Loader + Staging: name / dtype / shape / weight_shape checks, duplicates, coverage errors,
+// accepted-and-skipped tensors, and concurrent loading. Seeds are fixed and printed on failure.
+#include "rollout_agent/load/loader.h"
+
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/checksum.h"
+#include "common/status.h"
+#include "common/config.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "rollout_agent/load/testing/hf_model.h"
+#include "rollout_agent/load/testing/test_models.h"
+
+namespace wsync::rollout {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::HfModel;
+using testing::MakeHfModel;
+using testing::QuantJson;
+
+ModelConfig Config(const std::string& json) {
+  auto c = ParseModelConfig(json, "test");
+  EXPECT_TRUE(c.ok()) << c.status();
+  return *c;
+}
+
+QuantizationConfig Quant(int g, const std::vector<std::string>& ignore) {
+  auto q = ParseQuantizationConfig(QuantJson(g, ignore), "quant");
+  EXPECT_TRUE(q.ok()) << q.status();
+  return *q;
+}
+
+uint64_t StagingChecksum(const Staging& s) {
+  Xxh3Stream h;
+  for (size_t i = 0; i < s.layout().params().size(); ++i) h.Update(s.param(static_cast<int>(i)).bytes());
+  return h.Digest();
+}
+
+absl::Status LoadAll(Loader& loader, const HfModel& m) {
+  for (const std::string& name : m.order) WSYNC_RETURN_IF_ERROR(loader.Load(name, m.sent.at(name).view()));
+  return absl::OkStatus();
+}
+
+TEST(LoaderTest, BadInputsAreRefusedAndWriteNothing) {
+  constexpr uint32_t kSeed = 101;
+  SCOPED_TRACE(absl::StrCat("seed ", kSeed));
+  const ModelConfig c = Config(testing::kLlamaJson);
+  const QuantizationConfig q = Quant(128, {"lm_head", "re:.*embed_tokens.*"});
+  auto layout = EngineLayout::Create(c, &q, {2, 0, 1});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  auto staging = Staging::Create(*layout);
+  ASSERT_TRUE(staging.ok()) << staging.status();
+  Loader loader(staging->get());
+  auto m = MakeHfModel(c, &q, kSeed);
+  ASSERT_TRUE(m.ok()) << m.status();
+  const uint64_t before = StagingChecksum(**staging);
+
+  // An engine name is not a sent HF name.
+  const TensorView qkv = m->sent.at("model.layers.0.self_attn.q_proj.weight_packed").view();
+  absl::Status st = loader.Load("model.layers.0.self_attn.qkv_proj.weight_packed", qkv);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("unknown tensor model.layers.0.self_attn.qkv_proj.weight_packed"));
+  // bf16 checkpoint name of an INT4 linear is unknown too.
+  st = loader.Load("model.layers.0.self_attn.q_proj.weight", qkv);
+  EXPECT_THAT(st.message(), HasSubstr("unknown tensor model.layers.0.self_attn.q_proj.weight"));
+  // Wrong dtype.
+  Tensor f32 = *Tensor::Zeros(DType::kF32, {256});
+  st = loader.Load("model.layers.0.input_layernorm.weight", f32.view());
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("model.layers.0.input_layernorm.weight: got F32[256], want BF16[256]"));
+  // Wrong shape.
+  Tensor bad = *Tensor::Zeros(DType::kI32, {512, 31});
+  st = loader.Load("model.layers.0.self_attn.q_proj.weight_packed", bad.view());
+  EXPECT_THAT(st.message(), HasSubstr("got I32[512, 31], want I32[512, 32]"));
+  // A view whose byte size disagrees with its shape.
+  const TensorView norm = m->sent.at("model.layers.0.input_layernorm.weight").view();
+  st = loader.Load("model.layers.0.input_layernorm.weight",
+                   TensorView(DType::kBF16, {256}, norm.bytes().first(norm.nbytes() - 2)));
+  EXPECT_THAT(st.message(), HasSubstr("the view holds 510 bytes"));
+  // weight_shape values must be the HF [N, K]; int64 and int32 are accepted.
+  Tensor ws = *Tensor::Empty(DType::kI64, {2});
+  ws.data_as<int64_t>()[0] = 512;
+  ws.data_as<int64_t>()[1] = 255;
+  st = loader.Load("model.layers.0.self_attn.q_proj.weight_shape", ws.view());
+  EXPECT_THAT(st.message(), HasSubstr("model.layers.0.self_attn.q_proj.weight_shape holds [512, 255], want [512, 256]"));
+  Tensor ws16 = *Tensor::Zeros(DType::kBF16, {2});
+  st = loader.Load("model.layers.0.self_attn.q_proj.weight_shape", ws16.view());
+  EXPECT_THAT(st.message(), HasSubstr("want I64[2] (or I32)"));
+  EXPECT_EQ(StagingChecksum(**staging), before) << "a refused Load wrote to staging";
+  EXPECT_EQ((*staging)->num_missing(), (*staging)->num_required());
+
+  Tensor ws32 = *Tensor::Empty(DType::kI32, {2});
+  ws32.data_as<int32_t>()[0] = 512;
+  ws32.data_as<int32_t>()[1] = 256;
+  EXPECT_TRUE(loader.Load("model.layers.0.self_attn.q_proj.weight_shape", ws32.view()).ok());
+  // A duplicate piece in one sync is an error, and does not rewrite staging.
+  ASSERT_TRUE(loader.Load("model.layers.0.self_attn.q_proj.weight_packed", qkv).ok());
+  const uint64_t once = StagingChecksum(**staging);
+  st = loader.Load("model.layers.0.self_attn.q_proj.weight_packed", qkv);
+  EXPECT_EQ(st.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(st.message(), HasSubstr("model.layers.0.self_attn.q_proj.weight_packed was already loaded in this sync"));
+  st = loader.Load("model.layers.0.self_attn.q_proj.weight_shape", ws32.view());
+  EXPECT_EQ(st.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(StagingChecksum(**staging), once);
+  // After ResetCoverage (a new sync) the piece loads again.
+  (*staging)->ResetCoverage();
+  EXPECT_TRUE(loader.Load("model.layers.0.self_attn.q_proj.weight_packed", qkv).ok());
+}
+
+TEST(LoaderTest, CheckCompleteNamesEveryMissingPiece) {
+  constexpr uint32_t kSeed = 202;
+  SCOPED_TRACE(absl::StrCat("seed ", kSeed));
+  const ModelConfig c = Config(testing::kQwen3MoeJson);
+  const QuantizationConfig q = Quant(128, {"lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*embed_tokens.*"});
+  auto m = MakeHfModel(c, &q, kSeed);
+  ASSERT_TRUE(m.ok()) << m.status();
+  // T = 4, EP = 2, rank 3: experts 4..7, moe_tp rank 1.
+  auto layout = EngineLayout::Create(c, &q, {4, 3, 2});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  auto staging = Staging::Create(*layout);
+  ASSERT_TRUE(staging.ok());
+  Loader loader(staging->get());
+  const std::set<std::string> dropped = {"model.layers.0.mlp.experts.5.up_proj.weight_packed",
+                                         "model.layers.2.mlp.experts.7.down_proj.weight_shape",
+                                         "model.layers.1.mlp.down_proj.weight_scale",
+                                         "model.layers.2.self_attn.k_norm.weight",
+                                         // other EP rank's experts are not required
+                                         "model.layers.0.mlp.experts.1.gate_proj.weight_packed"};
+  for (const std::string& name : m->order) {
+    if (dropped.contains(name)) continue;
+    ASSERT_TRUE(loader.Load(name, m->sent.at(name).view()).ok()) << name;
+  }
+  const absl::Status st = loader.CheckComplete();
+  EXPECT_EQ(st.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(st.message(), HasSubstr("engine rank 3: 4 of "));
+  EXPECT_THAT(st.message(), HasSubstr("model.layers.0.mlp.experts.w13_weight_packed: expert 5 up_proj missing "
+                                      "(model.layers.0.mlp.experts.5.up_proj.weight_packed)"));
+  EXPECT_THAT(st.message(), HasSubstr("model.layers.2.mlp.experts.7.down_proj.weight_shape missing "
+                                      "(weight_shape of expert 7 down_proj)"));
+  EXPECT_THAT(st.message(), HasSubstr("model.layers.1.mlp.down_proj.weight_scale: down_proj missing "
+                                      "(model.layers.1.mlp.down_proj.weight_scale)"));
+  EXPECT_THAT(st.message(), HasSubstr("model.layers.2.self_attn.k_norm.weight: whole tensor missing "
+                                      "(model.layers.2.self_attn.k_norm.weight)"));
+  EXPECT_EQ((*staging)->MissingPieces().size(), 4u);
+  EXPECT_EQ((*staging)->num_missing(), 4);
+  for (const std::string& name : dropped) {
+    if (name.find("experts.1.") != std::string::npos) continue;
+    ASSERT_TRUE(loader.Load(name, m->sent.at(name).view()).ok()) << name;
+  }
+  {
+    const absl::Status st_ = loader.CheckComplete();
+    EXPECT_TRUE(st_.ok()) << st_;
+  }
+}
+
+TEST(LoaderTest, CheckCompleteCapsTheMessage) {
+  const ModelConfig c = Config(testing::kQwen3MoeJson);
+  auto layout = EngineLayout::Create(c, nullptr, {1, 0, 1});
+  ASSERT_TRUE(layout.ok());
+  auto staging = Staging::Create(*layout);
+  ASSERT_TRUE(staging.ok());
+  const absl::Status st = (*staging)->CheckComplete();
+  EXPECT_THAT(st.message(), HasSubstr(absl::StrCat("... and ", (*staging)->num_required() - 32, " more")));
+  EXPECT_EQ(static_cast<int64_t>((*staging)->MissingPieces().size()), (*staging)->num_required());
+}
+
+TEST(LoaderTest, SkippedTensorsAreCheckedAndAccepted) {
+  constexpr uint32_t kSeed = 303;
+  SCOPED_TRACE(absl::StrCat("seed ", kSeed));
+  // Qwen2 tied: a sent lm_head.weight is dropped (but its shape is checked).
+  const ModelConfig c = Config(testing::kQwen2Json);
+  testing::HfModelOptions o;
+  o.send_tied_lm_head = true;
+  auto m = MakeHfModel(c, nullptr, kSeed, o);
+  ASSERT_TRUE(m.ok());
+  auto layout = EngineLayout::Create(c, nullptr, {2, 1, 1});
+  ASSERT_TRUE(layout.ok());
+  auto staging = Staging::Create(*layout);
+  ASSERT_TRUE(staging.ok());
+  Loader loader(staging->get());
+  ASSERT_TRUE(LoadAll(loader, *m).ok());
+  EXPECT_TRUE(loader.CheckComplete().ok());
+  Tensor wrong = *Tensor::Zeros(DType::kBF16, {999, 256});
+  EXPECT_THAT(loader.Load("lm_head.weight", wrong.view()).message(), HasSubstr("want BF16[1000, 256]"));
+  // Loading a skipped tensor twice is harmless (nothing is stored).
+  EXPECT_TRUE(loader.Load("lm_head.weight", m->sent.at("lm_head.weight").view()).ok());
+
+  // DeepSeek MTP layers: accepted unchecked and not stored.
+  const ModelConfig d = Config(testing::kDeepseekJson);
+  auto dm = MakeHfModel(d, nullptr, kSeed + 1);
+  ASSERT_TRUE(dm.ok());
+  auto dl = EngineLayout::Create(d, nullptr, {2, 0, 2});
+  ASSERT_TRUE(dl.ok()) << dl.status();
+  auto ds = Staging::Create(*dl);
+  ASSERT_TRUE(ds.ok());
+  Loader dloader(ds->get());
+  ASSERT_TRUE(dm->sent.contains("model.layers.3.eh_proj.weight"));
+  {
+    const absl::Status st_ = LoadAll(dloader, *dm);
+    EXPECT_TRUE(st_.ok()) << st_;
+  }
+  {
+    const absl::Status st_ = dloader.CheckComplete();
+    EXPECT_TRUE(st_.ok()) << st_;
+  }
+  EXPECT_THAT(dloader.Load("model.layers.4.eh_proj.weight", dm->sent.at("model.layers.3.eh_proj.weight").view()).message(),
+              HasSubstr("unknown tensor model.layers.4.eh_proj.weight"));
+  // Other EP rank's experts: shape still checked.
+  Tensor e = *Tensor::Zeros(DType::kBF16, {256, 255});
+  EXPECT_THAT(dloader.Load("model.layers.1.mlp.experts.7.gate_proj.weight", e.view()).message(),
+              HasSubstr("want BF16[256, 256]"));
+}
+
+TEST(LoaderTest, VocabRankWithoutRowsAndZeroPadding) {
+  constexpr uint32_t kSeed = 404;
+  SCOPED_TRACE(absl::StrCat("seed ", kSeed));
+  std::string json = testing::kLlamaJson;
+  json.replace(json.find(R"("vocab_size": 1000)"), 18, R"("vocab_size": 65)");
+  const ModelConfig c = Config(json);
+  auto m = MakeHfModel(c, nullptr, kSeed);
+  ASSERT_TRUE(m.ok());
+  // pad(65, 64) = 128, P = 32: rank 2 holds row 64 and 31 zero rows, rank 3 only zeros.
+  for (int r = 0; r < 4; ++r) {
+    auto layout = EngineLayout::Create(c, nullptr, {4, r, 1});
+    ASSERT_TRUE(layout.ok());
+    auto staging = Staging::Create(*layout);
+    ASSERT_TRUE(staging.ok());
+    Loader loader(staging->get());
+    ASSERT_TRUE(LoadAll(loader, *m).ok());
+    {
+      const absl::Status st_ = loader.CheckComplete();
+      ASSERT_TRUE(st_.ok()) << st_;
+    }
+    const auto& src = layout->sources()[static_cast<size_t>(layout->FindSource("model.embed_tokens.weight"))];
+    EXPECT_EQ(src.action, r == 3 ? HfSource::Action::kSkip : HfSource::Action::kCopy);
+    for (const char* name : {"model.embed_tokens.weight", "lm_head.weight"}) {
+      const MutableTensorView v = *(*staging)->Find(name);
+      ASSERT_EQ(v.shape(), (Shape{32, 256}));
+      const auto* got = v.data_as<uint16_t>();
+      const auto* full = m->sent.at(name).view().data_as<uint16_t>();
+      for (int64_t row = 0; row < 32; ++row) {
+        const int64_t hf_row = 32 * r + row;
+        for (int64_t col = 0; col < 256; ++col) {
+          const uint16_t want = hf_row < 65 ? full[hf_row * 256 + col] : 0;
+          ASSERT_EQ(got[row * 256 + col], want) << name << " rank " << r << " row " << row;
+        }
+      }
+    }
+  }
+}
+
+TEST(LoaderTest, ConcurrentLoadsEqualSequentialLoads) {
+  constexpr uint32_t kSeed = 505;
+  SCOPED_TRACE(absl::StrCat("seed ", kSeed));
+  const ModelConfig c = Config(testing::kQwen3MoeJson);
+  const QuantizationConfig q = Quant(32, {"lm_head", "re:.*mlp\\.gate$", "re:.*embed_tokens.*"});
+  auto m = MakeHfModel(c, &q, kSeed);
+  ASSERT_TRUE(m.ok());
+  auto layout = EngineLayout::Create(c, &q, {2, 1, 1});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  auto seq = Staging::Create(*layout);
+  auto par = Staging::Create(*layout);
+  ASSERT_TRUE(seq.ok() && par.ok());
+  Loader ls(seq->get()), lp(par->get());
+  ASSERT_TRUE(LoadAll(ls, *m).ok());
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  constexpr int kThreads = 4;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (size_t i = static_cast<size_t>(t); i < m->order.size(); i += kThreads)
+        if (!lp.Load(m->order[i], m->sent.at(m->order[i]).view()).ok()) failures++;
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_TRUE(lp.CheckComplete().ok());
+  EXPECT_EQ(StagingChecksum(**seq), StagingChecksum(**par));
+  // All threads racing on the same piece: exactly one wins.
+  (*par)->ResetCoverage();
+  std::atomic<int> ok{0}, dup{0};
+  threads.clear();
+  const std::string name = "model.layers.0.mlp.experts.3.up_proj.weight_packed";
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&] {
+      const absl::Status st = lp.Load(name, m->sent.at(name).view());
+      (st.ok() ? ok : dup)++;
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(ok.load(), 1);
+  EXPECT_EQ(dup.load(), kThreads - 1);
+}
+
+}  // namespace
+}  // namespace wsync::rollout

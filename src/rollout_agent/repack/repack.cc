@@ -1,0 +1,377 @@
+#include "rollout_agent/repack/repack.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "kernels/int4.h"
+#include "rollout_agent/load/block_copy.h"
+
+namespace wsync::rollout {
+namespace {
+
+using internal::ParallelFor;
+using internal::Transpose;
+
+constexpr int64_t kMinBytesPerThread = int64_t{1} << 20;
+
+kernels::KernelOptions KernelOpts(const RepackOptions& o) {
+  kernels::KernelOptions k;
+  k.num_threads = o.num_threads;
+  return k;
+}
+
+TensorView Const(const MutableTensorView& v) { return v; }
+
+MutableTensorView Reshaped(const MutableTensorView& v, Shape s) { return MutableTensorView(v.dtype(), std::move(s), v.bytes()); }
+TensorView Reshaped(const TensorView& v, Shape s) { return TensorView(v.dtype(), std::move(s), v.bytes()); }
+
+// The Marlin scale permutation with the perm chosen by the layout (§4; FORMATS §5). The
+// permutation acts on runs of 64 (grouped) or 32 (single) consecutive elements of each row and
+// N % 64 == 0, so it is a function of the flattened array: the kernel is called on a reshaped view
+// whose (size_k, group_size) select the wanted perm, which also covers SGLang's w13 quirk
+// (size_k = 4I' while the tensor holds H/G rows).
+absl::Status PermuteScalesAs(const TensorView& in, const MutableTensorView& out, bool grouped, bool inverse,
+                             const kernels::KernelOptions& ko) {
+  const int64_t numel = in.numel();
+  if (numel % 64 != 0 || numel <= 0 || out.numel() != numel)
+    return absl::InternalError(absl::StrCat("scale permutation of ", in.DebugString(), " -> ", TensorView(out).DebugString()));
+  auto run = [&](const TensorView& i, const MutableTensorView& o, int64_t size_k, int g) {
+    return inverse ? kernels::UnpermuteMarlinScales(i, size_k, g, o, ko) : kernels::PermuteMarlinScales(i, size_k, g, o, ko);
+  };
+  if (!grouped) return run(Reshaped(in, {1, numel}), Reshaped(out, {1, numel}), 1, kernels::kChannelwise);
+  // [rows, 64] with group size 1 and size_k = rows selects the grouped perm when rows >= 2. A single
+  // grouped run of 64 scales cannot occur: it needs E_loc = 1, H = G and 2I' = 64, which the layout
+  // refuses (I' % G, H % 64).
+  const int64_t rows = numel / 64;
+  if (rows < 2) return absl::InternalError(absl::StrCat("grouped scale permutation of ", numel, " scales"));
+  return run(Reshaped(in, {rows, 64}), Reshaped(out, {rows, 64}), rows, 1);
+}
+
+void ParallelCopy(const std::byte* src, std::byte* dst, size_t n, int threads) {
+  ParallelFor(static_cast<int64_t>(n), threads, kMinBytesPerThread, [&](int64_t b, int64_t e) {
+    std::memcpy(dst + b, src + b, static_cast<size_t>(e - b));
+  });
+}
+
+bool IsDenseInt4(const EngineParam& p) { return p.kind != ParamKind::kPlain && p.marlin.experts == 0; }
+
+// Largest scratch a dense INT4 param needs (its loaded-form bytes).
+int64_t ScratchBytes(const EngineLayout& layout) {
+  int64_t m = 0;
+  for (const EngineParam& p : layout.params())
+    if (IsDenseInt4(p)) m = std::max(m, NumBytes(p.dtype, p.loaded_shape).value_or(0));
+  return m;
+}
+
+// Loaded form -> engine form of one param. `scratch` holds at least ScratchBytes(layout).
+absl::Status CommitParam(const EngineParam& p, const TensorView& loaded, const MutableTensorView& engine,
+                         std::span<std::byte> scratch, const RepackOptions& o) {
+  const kernels::KernelOptions ko = KernelOpts(o);
+  switch (p.kind) {
+    case ParamKind::kPlain:
+      ParallelCopy(loaded.bytes().data(), engine.bytes().data(), loaded.nbytes(), o.num_threads);
+      return absl::OkStatus();
+    case ParamKind::kPacked: {
+      if (p.marlin.experts > 0) return kernels::GptqToMarlin(loaded, nullptr, engine, ko);
+      const int64_t n = p.loaded_shape[0], kw = p.loaded_shape[1];
+      Transpose(loaded.bytes().data(), n, kw, scratch.data(), 4, o.num_threads);  // permute_param_layout_
+      const TensorView gptq(DType::kI32, {kw, n}, scratch.first(loaded.nbytes()));
+      return kernels::GptqToMarlin(gptq, nullptr, engine, ko);
+    }
+    case ParamKind::kScale: {
+      if (p.marlin.experts > 0) return PermuteScalesAs(loaded, engine, p.marlin.grouped_scale_perm, false, ko);
+      const int64_t n = p.loaded_shape[0], rows = p.loaded_shape[1];
+      Transpose(loaded.bytes().data(), n, rows, scratch.data(), ItemSize(p.dtype), o.num_threads);
+      const TensorView t(p.dtype, {rows, n}, scratch.first(loaded.nbytes()));
+      return PermuteScalesAs(t, engine, p.marlin.grouped_scale_perm, false, ko);
+    }
+  }
+  return absl::InternalError("unknown param kind");
+}
+
+// Engine form -> loaded form of one param (the inverse of CommitParam).
+absl::Status RestoreParam(const EngineParam& p, const TensorView& engine, const MutableTensorView& loaded,
+                          std::span<std::byte> scratch, const RepackOptions& o) {
+  const kernels::KernelOptions ko = KernelOpts(o);
+  switch (p.kind) {
+    case ParamKind::kPlain:
+      ParallelCopy(engine.bytes().data(), loaded.bytes().data(), engine.nbytes(), o.num_threads);
+      return absl::OkStatus();
+    case ParamKind::kPacked: {
+      if (p.marlin.experts > 0) return kernels::MarlinToGptq(engine, nullptr, loaded, ko);
+      const int64_t n = p.loaded_shape[0], kw = p.loaded_shape[1];
+      const MutableTensorView gptq(DType::kI32, {kw, n}, scratch.first(loaded.nbytes()));
+      WSYNC_RETURN_IF_ERROR(kernels::MarlinToGptq(engine, nullptr, gptq, ko));
+      Transpose(gptq.bytes().data(), kw, n, loaded.bytes().data(), 4, o.num_threads);
+      return absl::OkStatus();
+    }
+    case ParamKind::kScale: {
+      if (p.marlin.experts > 0) return PermuteScalesAs(engine, loaded, p.marlin.grouped_scale_perm, true, ko);
+      const int64_t n = p.loaded_shape[0], rows = p.loaded_shape[1];
+      const MutableTensorView t(p.dtype, {rows, n}, scratch.first(loaded.nbytes()));
+      WSYNC_RETURN_IF_ERROR(PermuteScalesAs(engine, t, p.marlin.grouped_scale_perm, true, ko));
+      Transpose(t.bytes().data(), rows, n, loaded.bytes().data(), ItemSize(p.dtype), o.num_threads);
+      return absl::OkStatus();
+    }
+  }
+  return absl::InternalError("unknown param kind");
+}
+
+// Staging and engine memory must not overlap (each side is checked on its own elsewhere).
+absl::Status CheckDisjoint(const Staging& staging, const EngineWeights& engine) {
+  struct Range {
+    uintptr_t begin, end;
+    bool engine;
+    const std::string* name;
+  };
+  std::vector<Range> r;
+  const auto& params = staging.layout().params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const MutableTensorView v = staging.param(static_cast<int>(i));
+    if (v.nbytes() > 0)
+      r.push_back({reinterpret_cast<uintptr_t>(v.data()), reinterpret_cast<uintptr_t>(v.data()) + v.nbytes(), false,
+                   &params[i].name});
+  }
+  for (const EngineBuffer& b : engine.buffers())
+    if (b.nbytes > 0)
+      r.push_back({reinterpret_cast<uintptr_t>(b.data), reinterpret_cast<uintptr_t>(b.data) + b.nbytes, true, &b.name});
+  std::sort(r.begin(), r.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  uintptr_t end = 0;
+  const Range* last = nullptr;
+  for (const Range& x : r) {
+    if (last != nullptr && x.begin < end && x.engine != last->engine)
+      return absl::InvalidArgumentError(absl::StrCat("engine buffer ", x.engine ? *x.name : *last->name,
+                                                     " overlaps staging buffer ", x.engine ? *last->name : *x.name));
+    if (x.end > end) {
+      end = x.end;
+      last = &x;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Validate(const Staging& staging, const EngineWeights& engine, absl::string_view what) {
+  WSYNC_RETURN_IF_ERROR(Annotate(engine.CheckMatches(staging.layout()), absl::StrCat(what, " refused")));
+  return Annotate(CheckDisjoint(staging, engine), absl::StrCat(what, " refused"));
+}
+
+absl::StatusOr<Buffer> AllocateScratch(int64_t bytes, absl::string_view what) {
+  auto b = Buffer::Allocate(static_cast<size_t>(std::max<int64_t>(bytes, 0)));
+  if (!b.ok()) return Annotate(b.status(), absl::StrCat(what, " refused: scratch"));
+  return b;
+}
+
+}  // namespace
+
+absl::Status Commit(const Staging& staging, EngineWeights& engine, const RepackOptions& options) {
+  const EngineLayout& layout = staging.layout();
+  WSYNC_RETURN_IF_ERROR(Annotate(staging.CheckComplete(), "commit refused"));
+  WSYNC_RETURN_IF_ERROR(Validate(staging, engine, "commit"));
+  int64_t max_loaded = 0;
+  for (const EngineParam& p : layout.params())
+    if (p.kind != ParamKind::kPlain) max_loaded = std::max(max_loaded, NumBytes(p.dtype, p.loaded_shape).value_or(0));
+  WSYNC_ASSIGN_OR_RETURN(Buffer scratch, AllocateScratch(ScratchBytes(layout), "commit"));
+  Buffer check, check_scratch;
+  if (options.verify) {
+    WSYNC_ASSIGN_OR_RETURN(check, AllocateScratch(max_loaded, "commit"));
+    WSYNC_ASSIGN_OR_RETURN(check_scratch, AllocateScratch(ScratchBytes(layout), "commit"));
+  }
+  // Nothing has been written so far; from here on only kernel bugs can fail.
+  const auto& params = layout.params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const EngineParam& p = params[i];
+    WSYNC_ASSIGN_OR_RETURN(const MutableTensorView dst, engine.View(p.name));
+    const absl::Status st = CommitParam(p, Const(staging.param(static_cast<int>(i))), dst, scratch.span(), options);
+    if (!st.ok())
+      return absl::InternalError(absl::StrCat("commit of ", p.name, " failed after validation (engine partially written): ",
+                                              st.message()));
+  }
+  if (!options.verify) return absl::OkStatus();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const EngineParam& p = params[i];
+    const MutableTensorView want = staging.param(static_cast<int>(i));
+    WSYNC_ASSIGN_OR_RETURN(const MutableTensorView src, engine.View(p.name));
+    if (p.kind == ParamKind::kPlain) {
+      if (std::memcmp(src.data(), want.data(), want.nbytes()) != 0)
+        return absl::InternalError(absl::StrCat("commit verify: engine ", p.name, " differs from staging"));
+      continue;
+    }
+    const MutableTensorView got(p.dtype, p.loaded_shape, check.span().first(want.nbytes()));
+    WSYNC_RETURN_IF_ERROR(RestoreParam(p, Const(src), got, check_scratch.span(), options));
+    if (std::memcmp(got.data(), want.data(), want.nbytes()) != 0)
+      return absl::InternalError(absl::StrCat("commit verify: ", p.name, " read back from Marlin differs from staging"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Restore(const EngineWeights& engine, Staging& staging, const RepackOptions& options) {
+  const EngineLayout& layout = staging.layout();
+  WSYNC_RETURN_IF_ERROR(Validate(staging, engine, "restore"));
+  WSYNC_ASSIGN_OR_RETURN(Buffer scratch, AllocateScratch(ScratchBytes(layout), "restore"));
+  const auto& params = layout.params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const EngineParam& p = params[i];
+    WSYNC_ASSIGN_OR_RETURN(const MutableTensorView src, engine.View(p.name));
+    const absl::Status st = RestoreParam(p, Const(src), staging.param(static_cast<int>(i)), scratch.span(), options);
+    if (!st.ok()) {
+      staging.ResetCoverage();
+      return absl::InternalError(absl::StrCat("restore of ", p.name, " failed after validation: ", st.message()));
+    }
+  }
+  staging.MarkAllRestored();
+  return absl::OkStatus();
+}
+
+// --- dense dequantization ------------------------------------------------------------------------
+
+namespace {
+
+float ScaleAt(const std::byte* s, int64_t i, DType dt) {
+  uint16_t b;
+  std::memcpy(&b, s + 2 * i, 2);
+  return dt == DType::kBF16 ? BF16ToF32(b) : F16ToF32(b);
+}
+
+float Nibble(const std::byte* words, int64_t w, int slot) {
+  uint32_t x;
+  std::memcpy(&x, words + 4 * w, 4);
+  return static_cast<float>(static_cast<int>((x >> (4 * slot)) & 0xFu) - 8);
+}
+
+void Store(std::byte* out, int64_t i, float v, DType dt) {
+  if (dt == DType::kF32) {
+    std::memcpy(out + 4 * i, &v, 4);
+  } else {
+    const uint16_t b = F32ToBF16(v);
+    std::memcpy(out + 2 * i, &b, 2);
+  }
+}
+
+float PlainAt(const std::byte* p, int64_t i, DType dt) {
+  if (dt == DType::kF32) {
+    float f;
+    std::memcpy(&f, p + 4 * i, 4);
+    return f;
+  }
+  return ScaleAt(p, i, dt);
+}
+
+absl::Status CheckView(const TensorView& v, const EngineParam& p, ParamForm form) {
+  const Shape& want = p.shape(form);
+  if (v.dtype() != p.dtype || v.shape() != want || static_cast<int64_t>(v.nbytes()) != NumBytes(p.dtype, want).value_or(-1))
+    return absl::InvalidArgumentError(absl::StrCat("DequantizeToDense: ", p.name, " is ", v.DebugString(), " (",
+                                                   v.nbytes(), " bytes), want ", SafetensorsName(p.dtype),
+                                                   ShapeToString(want)));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> DequantizeToDense(const EngineLinear& linear, const EngineLayout& layout,
+                                         const TensorView& weight, const TensorView& scale, ParamForm form,
+                                         const DenseOptions& options) {
+  if (options.out_dtype != DType::kF32 && options.out_dtype != DType::kBF16)
+    return absl::InvalidArgumentError("DequantizeToDense: out_dtype must be F32 or BF16");
+  const int64_t E = std::max<int64_t>(linear.experts, 1), n = linear.n, k = linear.k;
+  Shape out_shape = linear.experts > 0 ? Shape{linear.experts, n, k} : Shape{n, k};
+  WSYNC_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(options.out_dtype, out_shape));
+  std::byte* o = reinterpret_cast<std::byte*>(out.data_as<uint8_t>());
+  const DType odt = options.out_dtype;
+  if (!linear.quantized) {
+    const EngineParam& p = layout.params()[static_cast<size_t>(linear.weight)];
+    WSYNC_RETURN_IF_ERROR(CheckView(weight, p, form));
+    const std::byte* w = weight.bytes().data();
+    ParallelFor(E * n, options.num_threads, 256, [&](int64_t b, int64_t e) {
+      for (int64_t i = b * k; i < e * k; ++i) Store(o, i, PlainAt(w, i, p.dtype), odt);
+    });
+    return out;
+  }
+  const EngineParam& pk = layout.params()[static_cast<size_t>(linear.packed)];
+  const EngineParam& ps = layout.params()[static_cast<size_t>(linear.scale)];
+  WSYNC_RETURN_IF_ERROR(CheckView(weight, pk, form));
+  WSYNC_RETURN_IF_ERROR(CheckView(scale, ps, form));
+  const int64_t rows = pk.marlin.scale_rows;
+  const int64_t G = linear.group_size > 0 ? linear.group_size : k;
+  const DType sdt = ps.dtype;
+  if (form == ParamForm::kLoaded && linear.experts == 0) {
+    // compressed-tensors: packed [n, k/8], scale [n, rows].
+    const std::byte* w = weight.bytes().data();
+    const std::byte* s = scale.bytes().data();
+    ParallelFor(n, options.num_threads, 64, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r)
+        for (int64_t c = 0; c < k; ++c)
+          Store(o, r * k + c, Nibble(w, r * (k / 8) + c / 8, static_cast<int>(c % 8)) * ScaleAt(s, r * rows + c / G, sdt), odt);
+    });
+    return out;
+  }
+  // GPTQ orientation per expert: packed [E, k/8, n], scale [E, rows, n]; engine form goes through it.
+  Tensor gptq_t, scale_t;
+  const std::byte* w = weight.bytes().data();
+  const std::byte* s = scale.bytes().data();
+  if (form == ParamForm::kEngine) {
+    const Shape gshape = linear.experts > 0 ? Shape{linear.experts, k / 8, n} : Shape{k / 8, n};
+    const Shape sshape = linear.experts > 0 ? Shape{linear.experts, rows, n} : Shape{rows, n};
+    WSYNC_ASSIGN_OR_RETURN(gptq_t, Tensor::Empty(DType::kI32, gshape));
+    WSYNC_ASSIGN_OR_RETURN(scale_t, Tensor::Empty(sdt, sshape));
+    // Engine buffers may be unaligned for the kernels' checks only if the caller built odd views;
+    // copy to aligned memory first in that case.
+    Tensor w_copy, s_copy;
+    TensorView wv = weight, sv = scale;
+    if (!weight.IsAligned(4)) {
+      WSYNC_ASSIGN_OR_RETURN(w_copy, Tensor::CopyOf(weight));
+      wv = w_copy.view();
+    }
+    if (!scale.IsAligned(2)) {
+      WSYNC_ASSIGN_OR_RETURN(s_copy, Tensor::CopyOf(scale));
+      sv = s_copy.view();
+    }
+    kernels::KernelOptions ko;
+    ko.num_threads = options.num_threads;
+    WSYNC_RETURN_IF_ERROR(kernels::MarlinToGptq(wv, nullptr, gptq_t.mutable_view(), ko));
+    WSYNC_RETURN_IF_ERROR(PermuteScalesAs(sv, scale_t.mutable_view(), pk.marlin.grouped_scale_perm, true, ko));
+    w = gptq_t.view().bytes().data();
+    s = scale_t.view().bytes().data();
+  }
+  ParallelFor(E * n, options.num_threads, 64, [&](int64_t b, int64_t e) {
+    for (int64_t row = b; row < e; ++row) {
+      const int64_t ex = row / n, r = row % n;
+      const int64_t wbase = ex * (k / 8) * n, sbase = ex * rows * n;
+      for (int64_t c = 0; c < k; ++c)
+        Store(o, row * k + c,
+              Nibble(w, wbase + (c / 8) * n + r, static_cast<int>(c % 8)) * ScaleAt(s, sbase + (c / G) * n + r, sdt), odt);
+    }
+  });
+  return out;
+}
+
+absl::StatusOr<Tensor> DequantizeToDense(const EngineLayout& layout, absl::string_view linear_name,
+                                         const EngineWeights& engine, const DenseOptions& options) {
+  const int li = layout.FindLinear(linear_name);
+  if (li < 0) return absl::NotFoundError(absl::StrCat("DequantizeToDense: no linear named ", linear_name));
+  const EngineLinear& lin = layout.linears()[static_cast<size_t>(li)];
+  const auto& params = layout.params();
+  WSYNC_ASSIGN_OR_RETURN(const MutableTensorView w,
+                         engine.View(params[static_cast<size_t>(lin.quantized ? lin.packed : lin.weight)].name));
+  MutableTensorView s;
+  if (lin.quantized) {
+    WSYNC_ASSIGN_OR_RETURN(s, engine.View(params[static_cast<size_t>(lin.scale)].name));
+  }
+  return DequantizeToDense(lin, layout, w, s, ParamForm::kEngine, options);
+}
+
+absl::StatusOr<Tensor> DequantizeToDense(absl::string_view linear_name, const Staging& staging,
+                                         const DenseOptions& options) {
+  const EngineLayout& layout = staging.layout();
+  const int li = layout.FindLinear(linear_name);
+  if (li < 0) return absl::NotFoundError(absl::StrCat("DequantizeToDense: no linear named ", linear_name));
+  const EngineLinear& lin = layout.linears()[static_cast<size_t>(li)];
+  const MutableTensorView w = staging.param(lin.quantized ? lin.packed : lin.weight);
+  const MutableTensorView s = lin.quantized ? staging.param(lin.scale) : MutableTensorView();
+  return DequantizeToDense(lin, layout, w, s, ParamForm::kLoaded, options);
+}
+
+}  // namespace wsync::rollout

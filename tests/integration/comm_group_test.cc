@@ -1,0 +1,204 @@
+// Multi-process tests of the store-bootstrapped data plane (Gloo): the test hosts the rendezvous
+// store (as the coordinator does) and starts every member as a separate process
+// (wsync-comm-member), then checks each one's verdict and that nothing hangs.
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "comm/communicator.h"
+#include "comm/store/store.h"
+#include "gtest/gtest.h"
+
+extern char** environ;
+
+namespace wsync {
+namespace {
+
+struct Member {
+  pid_t pid = -1;
+  int rank = 0;
+  std::string log;
+  int status = -1;
+};
+
+class CommGroupTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto server = StoreServer::Start(&store_, "127.0.0.1:0");
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+  }
+
+  Member Spawn(const std::string& group, int rank, int size, const std::string& scenario) {
+    Member m;
+    m.rank = rank;
+    m.log = ::testing::TempDir() + absl::StrCat("member-", group, "-", rank, ".log");
+    std::vector<std::string> args = {WSYNC_COMM_MEMBER, "--store", server_->address(), "--group", group, "--rank",
+                                     std::to_string(rank), "--size", std::to_string(size), "--scenario", scenario};
+    std::vector<char*> argv;
+    for (auto& s : args) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, m.log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    EXPECT_EQ(posix_spawn(&m.pid, argv[0], &fa, nullptr, argv.data(), environ), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    return m;
+  }
+
+  static std::string Log(const Member& m) {
+    std::ifstream f(m.log);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+  }
+
+  // Waits for all members; kills the rest and fails if `limit` passes.
+  static void WaitAll(std::vector<Member>& members, absl::Duration limit) {
+    const absl::Time deadline = absl::Now() + limit;
+    size_t left = members.size();
+    while (left > 0) {
+      for (auto& m : members) {
+        if (m.status != -1 || m.pid < 0) continue;
+        int st = 0;
+        if (waitpid(m.pid, &st, WNOHANG) == m.pid) {
+          m.status = st;
+          --left;
+        }
+      }
+      if (left > 0 && absl::Now() > deadline) {
+        for (auto& m : members) {
+          if (m.status == -1) kill(m.pid, SIGKILL);
+        }
+        ADD_FAILURE() << "members still running after " << limit << ": a hang";
+        for (auto& m : members) {
+          if (m.status == -1) waitpid(m.pid, &m.status, 0);
+        }
+        return;
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  }
+
+  static void ExpectAllPassed(const std::vector<Member>& members) {
+    for (const auto& m : members) {
+      EXPECT_TRUE(WIFEXITED(m.status) && WEXITSTATUS(m.status) == 0)
+          << "member " << m.rank << (WIFSIGNALED(m.status) ? absl::StrCat(" killed by signal ", WTERMSIG(m.status)) : "")
+          << ":\n"
+          << Log(m);
+    }
+  }
+
+  std::vector<Member> Start(const std::string& group, int size, const std::string& scenario, int launched = -1) {
+    std::vector<Member> ms;
+    for (int r = 0; r < (launched < 0 ? size : launched); ++r) ms.push_back(Spawn(group, r, size, scenario));
+    return ms;
+  }
+
+  MemoryStore store_;
+  std::unique_ptr<StoreServer> server_;
+};
+
+TEST_F(CommGroupTest, CollectivesOnTwoThreeAndFiveMembers) {
+  for (int n : {2, 3, 5}) {
+    auto ms = Start(absl::StrCat("coll", n), n, "collectives");
+    WaitAll(ms, absl::Seconds(120));
+    ExpectAllPassed(ms);
+  }
+}
+
+TEST_F(CommGroupTest, MoreThanTwoGiBSplitCorrectly) {
+  auto ms = Start("big", 2, "big");
+  WaitAll(ms, absl::Seconds(240));
+  ExpectAllPassed(ms);
+}
+
+TEST_F(CommGroupTest, AMemberThatNeverJoinsIsNamedWithinTheTimeout) {
+  auto ms = Start("absent", 3, "never_joins", /*launched=*/2);
+  WaitAll(ms, absl::Seconds(20));
+  ExpectAllPassed(ms);
+}
+
+TEST_F(CommGroupTest, AMemberKilledMidBroadcastGivesUnavailable) {
+  auto ms = Start("killed", 3, "killed");
+  // Wait until rank 1 is broadcasting, then kill it.
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (Log(ms[1]).find("READY") == std::string::npos && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+  absl::SleepFor(absl::Milliseconds(300));
+  const absl::Time killed = absl::Now();
+  kill(ms[1].pid, SIGKILL);
+  std::vector<Member> survivors = {ms[0], ms[2]};
+  WaitAll(survivors, absl::Seconds(20));
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(15)) << "survivors must notice the loss, not wait out the 60 s timeout";
+  ExpectAllPassed(survivors);
+  waitpid(ms[1].pid, nullptr, 0);
+}
+
+TEST_F(CommGroupTest, AbortFromAnotherThreadMidBroadcast) {
+  auto ms = Start("abort", 3, "abort");
+  WaitAll(ms, absl::Seconds(30));
+  ExpectAllPassed(ms);
+}
+
+TEST_F(CommGroupTest, ASilentMemberTimesOut) {
+  auto ms = Start("silent", 3, "timeout");
+  WaitAll(ms, absl::Seconds(30));
+  ExpectAllPassed(ms);
+}
+
+TEST(CommFactoryTest, BackendsAndErrors) {
+  EXPECT_TRUE(BackendCompiledIn(Backend::kGloo));
+  EXPECT_TRUE(BackendCompiledIn(Backend::kMpi));
+  EXPECT_EQ(*ParseBackend("gloo"), Backend::kGloo);
+  EXPECT_TRUE(absl::IsInvalidArgument(ParseBackend("tcp").status()));
+  GroupOptions opts;
+  opts.name = "x";
+  EXPECT_TRUE(absl::IsInvalidArgument(CreateGroup(Backend::kGloo, opts).status()));  // no store
+  MemoryStore store;
+  opts.store = &store;
+  opts.rank = 2;
+  opts.size = 2;
+  EXPECT_TRUE(absl::IsInvalidArgument(CreateGroup(Backend::kGloo, opts).status()));  // rank out of range
+  EXPECT_TRUE(absl::IsInvalidArgument(CreateGroup(Backend::kMpi, opts).status()));
+}
+
+TEST(CommFactoryTest, SingleMemberGroupWorksInProcess) {
+  MemoryStore store;
+  GroupOptions opts;
+  opts.store = &store;
+  opts.name = "solo";
+  auto comm = CreateGroup(Backend::kGloo, opts);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  std::vector<char> buf(10, 3);
+  MutableBytes b{buf.data(), buf.size()};
+  EXPECT_TRUE(Await((*comm)->Broadcast({&b, 1}, 0)).ok());
+  EXPECT_TRUE(Await((*comm)->Barrier()).ok());
+  (*comm)->Abort("done");
+  absl::Status later = Await((*comm)->Barrier());
+  EXPECT_TRUE(absl::IsAborted(later)) << later;
+  EXPECT_NE(later.message().find("done"), std::string::npos) << later;
+}
+
+TEST(CommFactoryTest, NcclSkipsWithoutAGpu) {
+  if (!BackendCompiledIn(Backend::kNccl)) GTEST_SKIP() << "built without NCCL";
+  MemoryStore store;
+  GroupOptions opts;
+  opts.store = &store;
+  opts.name = "nccl-solo";
+  auto comm = CreateGroup(Backend::kNccl, opts);
+  if (absl::IsFailedPrecondition(comm.status())) GTEST_SKIP() << comm.status();
+  ASSERT_TRUE(comm.ok()) << comm.status();
+}
+
+}  // namespace
+}  // namespace wsync
