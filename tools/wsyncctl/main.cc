@@ -8,6 +8,7 @@
 //     timings [VERSION]                                per-phase seconds and GB/s of one sync (default: latest)
 //     verify --against HF_DIR [--quant-config F]       recompute every engine rank's weights from a checkpoint
 //                                                      and compare them, bit for bit, with what it holds
+//     generate --engine ADDR --prompt 1,2,3 [--max-new-tokens K]   one request to an engine (smoke test)
 //
 // Exit codes: 0 success; 1 the operation failed (a sync failed, verify found differences);
 // 2 bad usage or input; 3 the coordinator or an agent is unreachable or timed out;
@@ -30,7 +31,11 @@
 #include "rollout_agent/load/engine_layout.h"
 #include "rollout_agent/verify/verify.h"
 #include "trainer_agent/quantize/quant_select.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
+#include "wsync/v1/engine.grpc.pb.h"
 #include "wsync/v1/rollout.grpc.pb.h"
 
 namespace wsync {
@@ -297,6 +302,26 @@ class Ctl {
     return all_ok ? 0 : 1;
   }
 
+  int Generate(const std::string& engine, const std::string& prompt, uint32_t max_new) {
+    v1::GenerateRequest req;
+    for (absl::string_view t : absl::StrSplit(prompt, ',', absl::SkipWhitespace())) {
+      int32_t id = 0;
+      if (!absl::SimpleAtoi(t, &id)) return Fail(absl::InvalidArgumentError(absl::StrCat("bad token id \"", t, "\" in --prompt")), g_);
+      req.add_prompt(id);
+    }
+    req.set_max_new_tokens(max_new);
+    auto stub = v1::RolloutEngine::NewStub(MakeChannel(engine, g_.sec));
+    grpc::ClientContext ctx;
+    PrepareContext(&ctx, g_.sec, absl::Seconds(g_.timeout_s));
+    v1::GenerateReply r;
+    absl::Status s = FromGrpcStatus(stub->Generate(&ctx, req, &r));
+    if (!s.ok()) return Fail(s, g_);
+    std::vector<int32_t> tokens(r.tokens().begin(), r.tokens().end());
+    if (g_.json) std::printf("%s\n", json({{"version", r.version()}, {"tokens", tokens}}).dump().c_str());
+    else std::printf("version %llu: %s\n", static_cast<unsigned long long>(r.version()), absl::StrJoin(tokens, ",").c_str());
+    return 0;
+  }
+
  private:
   const Globals& g_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
@@ -336,6 +361,12 @@ int Main(int argc, char** argv) {
   auto* verify = app.add_subcommand("verify", "Compare every engine rank's weights with a checkpoint, bit for bit");
   verify->add_option("--against", against, "HF checkpoint directory (config.json + *.safetensors)")->required();
   verify->add_option("--quant-config", quant_file, "Quantization config (default: the engines' own)");
+  std::string engine, prompt;
+  uint32_t max_new = 8;
+  auto* generate = app.add_subcommand("generate", "Send one greedy generation request to an engine (a smoke test)");
+  generate->add_option("--engine", engine, "The engine's RolloutEngine address (its rank 0)")->required();
+  generate->add_option("--prompt", prompt, "Comma-separated token ids")->required();
+  generate->add_option("--max-new-tokens", max_new, "Tokens to generate");
   CLI11_PARSE(app, argc, argv);
 
   auto sec = LoadRpcSecurity(g.sec_options);
@@ -348,6 +379,7 @@ int Main(int argc, char** argv) {
   if (app.got_subcommand("timings")) return ctl.Timings(version);
   if (app.got_subcommand("sync")) return ctl.Sync(wait, wait_if_busy, min_agents);
   if (app.got_subcommand("verify")) return ctl.Verify(against, quant_file);
+  if (app.got_subcommand("generate")) return ctl.Generate(engine, prompt, max_new);
   return 2;
 }
 
