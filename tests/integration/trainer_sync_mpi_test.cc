@@ -254,6 +254,54 @@ SyncResult SyncOnce(const source::DirSource& src, const SyncOptions& o) {
   return r;
 }
 
+// The sync every rank just ran delivered exactly HF_DIR converted (and quantized) directly: each
+// source checks its tensors bit for bit, then all names meet on rank 0 (collective: every rank calls).
+void CheckSyncAgainstHf(const SyncResult& r, const source::DirSource& src, const SyncOptions& o,
+                        const std::string& hf_dir, const std::optional<QuantizationConfig>& quant) {
+  EXPECT_TRUE(r.report.ok()) << r.report.status();
+  std::string names;
+  const int me = world->rank();
+  if (r.sink && r.report.ok()) {
+    EXPECT_TRUE(r.report->source);
+    const int stage = src.layout().Dense(me).pp;
+    std::map<std::string, Captured> got = DecodeStream(*r.sink, o.bucket_bytes, o.version, stage);
+    EXPECT_EQ(r.report->tensors, got.size());
+    EXPECT_EQ(r.report->buckets, r.sink->buckets.size());
+    auto expected = quantize::ExpectedSentTensorsFromDir(hf_dir, quant);
+    EXPECT_TRUE(expected.ok()) << expected.status();
+    if (expected.ok()) {
+      std::map<std::string, const convert::HfTensor*> want;
+      for (const convert::HfTensor& t : expected->tensors) want.emplace(t.name, &t);
+      for (const auto& [name, c] : got) {
+        absl::StrAppend(&names, name, "\n");
+        auto it = want.find(name);
+        if (it == want.end()) {
+          ADD_FAILURE() << "stage " << stage << " sent " << name << ", which is not a tensor of the model";
+          continue;
+        }
+        const TensorView& w = it->second->view;
+        EXPECT_EQ(c.dtype, w.dtype()) << name;
+        EXPECT_EQ(c.shape, w.shape()) << name;
+        EXPECT_TRUE(c.bytes.size() == w.nbytes() && std::memcmp(c.bytes.data(), w.data(), w.nbytes()) == 0)
+            << name << " differs from the checkpoint converted directly";
+      }
+    }
+  }
+  const std::vector<std::string> per_rank = AllGatherStrings(names);
+  if (me == 0 && r.report.ok()) {
+    auto expected = quantize::ExpectedSentTensorsFromDir(hf_dir, quant);
+    ASSERT_TRUE(expected.ok()) << expected.status();
+    std::map<std::string, int> count;
+    for (const std::string& s : per_rank)
+      for (absl::string_view n : absl::StrSplit(s, '\n', absl::SkipEmpty())) ++count[std::string(n)];
+    for (const convert::HfTensor& t : expected->tensors) {
+      EXPECT_EQ(count[t.name], 1) << t.name << " sent " << count[t.name] << " times across the stages";
+      count.erase(t.name);
+    }
+    for (const auto& [n, k] : count) ADD_FAILURE() << "unexpected tensor " << n << " sent " << k << " times";
+  }
+}
+
 // --- Bit-exact sync for every architecture and layout -------------------------------------------
 
 struct Param {
@@ -292,50 +340,7 @@ TEST_P(TrainerSyncTest, SendsExactlyTheConvertedCheckpoint) {
   o.quant_threads = 2;
   o.collective = kTimeout;
   SyncResult r = SyncOnce(*src, o);
-  EXPECT_TRUE(r.report.ok()) << r.report.status();
-
-  // Each source checks its tensors bit for bit; then all names meet on every rank.
-  std::string names;
-  const int me = world->rank();
-  if (r.sink && r.report.ok()) {
-    EXPECT_TRUE(r.report->source);
-    const int stage = src->layout().Dense(me).pp;
-    std::map<std::string, Captured> got = DecodeStream(*r.sink, o.bucket_bytes, o.version, stage);
-    EXPECT_EQ(r.report->tensors, got.size());
-    EXPECT_EQ(r.report->buckets, r.sink->buckets.size());
-    auto expected = quantize::ExpectedSentTensorsFromDir(fixture->hf_dir, quant);
-    EXPECT_TRUE(expected.ok()) << expected.status();
-    if (expected.ok()) {
-      std::map<std::string, const convert::HfTensor*> want;
-      for (const convert::HfTensor& t : expected->tensors) want.emplace(t.name, &t);
-      for (const auto& [name, c] : got) {
-        absl::StrAppend(&names, name, "\n");
-        auto it = want.find(name);
-        if (it == want.end()) {
-          ADD_FAILURE() << "stage " << stage << " sent " << name << ", which is not a tensor of the model";
-          continue;
-        }
-        const TensorView& w = it->second->view;
-        EXPECT_EQ(c.dtype, w.dtype()) << name;
-        EXPECT_EQ(c.shape, w.shape()) << name;
-        EXPECT_TRUE(c.bytes.size() == w.nbytes() && std::memcmp(c.bytes.data(), w.data(), w.nbytes()) == 0)
-            << name << " differs from the checkpoint converted directly";
-      }
-    }
-  }
-  const std::vector<std::string> per_rank = AllGatherStrings(names);
-  if (me == 0 && r.report.ok()) {
-    auto expected = quantize::ExpectedSentTensorsFromDir(fixture->hf_dir, quant);
-    ASSERT_TRUE(expected.ok()) << expected.status();
-    std::map<std::string, int> count;
-    for (const std::string& s : per_rank)
-      for (absl::string_view n : absl::StrSplit(s, '\n', absl::SkipEmpty())) ++count[std::string(n)];
-    for (const convert::HfTensor& t : expected->tensors) {
-      EXPECT_EQ(count[t.name], 1) << t.name << " sent " << count[t.name] << " times across the stages";
-      count.erase(t.name);
-    }
-    for (const auto& [n, k] : count) ADD_FAILURE() << "unexpected tensor " << n << " sent " << k << " times";
-  }
+  CheckSyncAgainstHf(r, *src, o, fixture->hf_dir, quant);
   RemoveFixture(*fixture);
 }
 
@@ -437,6 +442,22 @@ TEST_F(MalformedSourceTest, AMisShapedRankFileFailsEveryRankNamingTheParameter) 
   RemoveFixture(*f);
 }
 
+TEST_F(MalformedSourceTest, RanksWithDifferentGatherSizesRefuseBeforeAnyGather) {
+  // Different batch boundaries would pair mismatched collectives: the opening agreement refuses.
+  auto f = MakeFixture(MoeOptions(), kMoeLayout, 13);
+  ASSERT_TRUE(f.ok()) << f.status();
+  auto src = source::DirSource::Open(f->src_dir);
+  ASSERT_TRUE(src.ok()) << src.status();
+  SyncOptions o;
+  o.collective = kTimeout;
+  o.gather_bytes = world->rank() == 1 ? (8 << 10) : (16 << 10);
+  SyncResult r = SyncOnce(*src, o);
+  ASSERT_FALSE(r.report.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(r.report.status())) << r.report.status();
+  EXPECT_TRUE(absl::StrContains(r.report.status().message(), "rank 1 runs a different")) << r.report.status();
+  RemoveFixture(*f);
+}
+
 TEST_F(MalformedSourceTest, ANanTheQuantizerRefusesFailsTheSourceWhileTheOthersFinish) {
   const std::string bad = "model.layers.1.mlp.experts.6.down_proj.weight";  // held by EP rank 1
   auto f = MakeFixture(MoeOptions(), kMoeLayout, 10, [&](convert::SyntheticModel& m) -> absl::Status {
@@ -472,24 +493,44 @@ TEST_F(MalformedSourceTest, ANanTheQuantizerRefusesFailsTheSourceWhileTheOthersF
   RemoveFixture(*f);
 }
 
-TEST_F(MalformedSourceTest, TheSameSourceSyncsAgainAfterAFailure) {
-  // The communicators are intact after the failures above; a fresh sync succeeds.
-  auto f = MakeFixture(MoeOptions(), kMoeLayout, 11);
-  ASSERT_TRUE(f.ok()) << f.status();
-  auto src = source::DirSource::Open(f->src_dir);
+TEST_F(MalformedSourceTest, TheSourceIsReReadEverySyncWithAWorkspaceKeptAcrossSyncs) {
+  // After the failures above the communicators are intact. Sync 1 sends model A; rank 0 then
+  // rewrites the rank files in place with model B (new seed); sync 2, same DirSource and
+  // workspace, must send B. Sync 2 uses larger gathers, so the workspace grows.
+  auto a = MakeFixture(MoeOptions(), kMoeLayout, 11);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = MakeFixture(MoeOptions(), kMoeLayout, 12);
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto src = source::DirSource::Open(a->src_dir);
   ASSERT_TRUE(src.ok()) << src.status();
+  SyncWorkspace workspace;
   SyncOptions o;
   o.collective = kTimeout;
-  for (int i = 0; i < 2; ++i) {
-    o.version = static_cast<uint64_t>(i + 1);
-    SyncResult r = SyncOnce(*src, o);
-    EXPECT_TRUE(r.report.ok()) << r.report.status();
-    if (r.sink && r.report.ok()) {
-      EXPECT_EQ(r.sink->buckets.size(), 1u) << "the default 512 MiB bucket holds the whole tiny stage";
-      EXPECT_EQ(r.sink->buckets.back().manifest.version(), o.version);
-    }
+  o.workspace = &workspace;
+  o.bucket_bytes = 32 << 10;
+  o.gather_bytes = 16 << 10;
+  o.version = 1;
+  SyncResult r1 = SyncOnce(*src, o);
+  CheckSyncAgainstHf(r1, *src, o, a->hf_dir, std::nullopt);
+  const uint64_t held = workspace.bytes();
+  if (world->rank() < 2) {
+    EXPECT_GT(held, 0u) << "gathering ranks keep their buffers";
   }
-  RemoveFixture(*f);
+  ASSERT_TRUE(Await(world->Barrier(kTimeout)).ok());
+  if (world->rank() == 0)
+    for (int r = 0; r < 4; ++r)
+      std::filesystem::copy_file(b->src_dir + "/" + convert::RankFileName(r), a->src_dir + "/" + convert::RankFileName(r),
+                                 std::filesystem::copy_options::overwrite_existing);
+  ASSERT_TRUE(Await(world->Barrier(kTimeout)).ok());
+  o.version = 2;
+  o.gather_bytes = 256 << 10;
+  SyncResult r2 = SyncOnce(*src, o);
+  CheckSyncAgainstHf(r2, *src, o, b->hf_dir, std::nullopt);
+  if (world->rank() < 2) {
+    EXPECT_GT(workspace.bytes(), held) << "larger batches grew the workspace";
+  }
+  RemoveFixture(*b);
+  RemoveFixture(*a);
 }
 
 }  // namespace

@@ -145,12 +145,20 @@ void LeakForFailedCollectives(Buffer b) {
   if (b.size() > 0) new Buffer(std::move(b));  // NOLINT: deliberate leak
 }
 
+}  // namespace
+
+uint64_t SyncWorkspace::bytes() const {
+  return slots_[0].size() + slots_[1].size() + etp_.size() + scratch_.size();
+}
+
 // --- One rank's sync ----------------------------------------------------------------------------
 
 class RankSync {
  public:
   RankSync(const source::DirSource& src, TrainerComms& comms, BucketSink* sink, const SyncOptions& o)
-      : src_(src), layout_(src.layout()), comms_(comms), sink_(sink), o_(o) {}
+      : src_(src), layout_(src.layout()), comms_(comms), sink_(sink), o_(o),
+        ws_(o.workspace != nullptr ? *o.workspace : own_workspace_),
+        slots_(ws_.slots_), etp_buffer_(ws_.etp_), scratch_(ws_.scratch_) {}
 
   absl::StatusOr<SyncReport> Run();
 
@@ -183,8 +191,11 @@ class RankSync {
   source::RankShard shard_;
   std::vector<Batch> dense_, experts_;
   std::vector<std::vector<MegatronParam>> member_experts_;  // source: EP member m's expert params
-  std::array<Buffer, 2> slots_;
-  Buffer etp_buffer_, scratch_;
+  SyncWorkspace own_workspace_;
+  SyncWorkspace& ws_;
+  std::array<Buffer, 2>& slots_;
+  Buffer& etp_buffer_;
+  Buffer& scratch_;
   std::optional<BucketBuilder> builder_;
   absl::Status failure_;
   bool comm_failed_ = false;
@@ -555,8 +566,6 @@ absl::StatusOr<SyncReport> RankSync::Run() {
                                            source_ ? absl::StrCat(" (stage ", stage_, " source)") : ""));
   return report_;
 }
-
-}  // namespace
 
 absl::StatusOr<SyncReport> RunRankSync(const source::DirSource& src, TrainerComms& comms, BucketSink* sink,
                                        const SyncOptions& options) {

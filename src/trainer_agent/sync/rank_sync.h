@@ -48,6 +48,7 @@
 // Thread-safety: one RunRankSync per TrainerComms at a time. `src` may be shared.
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 #include "absl/status/statusor.h"
@@ -61,6 +62,21 @@
 
 namespace wsync::sync {
 
+// Buffers a rank keeps from one sync to the next (the two gather buffers, the ETP buffer, the
+// merge scratch), so that their pages stay mapped: a fresh allocation pays a page fault per 4 KiB
+// page on first touch, which costs more than the all-gather's copy itself on small hosts. They
+// grow to the largest batch seen. Owned by the caller; used by one RunRankSync at a time. After a
+// failed collective the buffers are given up (see "Failures") and the workspace starts empty.
+class SyncWorkspace {
+ public:
+  uint64_t bytes() const;  // held now
+
+ private:
+  friend class RankSync;
+  std::array<Buffer, 2> slots_;
+  Buffer etp_, scratch_;
+};
+
 struct SyncOptions {
   uint64_t version = 0;
   uint64_t bucket_bytes = 512ull << 20;
@@ -71,6 +87,7 @@ struct SyncOptions {
   kernels::QuantVariant quant_variant = kernels::QuantVariant::kQat;
   int quant_threads = 0;                       // 0 = hardware concurrency
   CollectiveOptions collective;                // every collective of the sync
+  SyncWorkspace* workspace = nullptr;          // null: buffers live for this sync only. Not owned.
 };
 
 struct SyncReport {
