@@ -92,7 +92,7 @@ struct Item {
   int index = 0;            // into RankShard::params / tensors
   int ordinal = 0;          // experts: position among the rank's expert parameters
   bool gathered = false;    // dense: all-gathered over TP; experts: always (see the phase)
-  bool identity = false;    // the all-gather's rank order is the full layout (no merge needed)
+  bool identity = false;    // dense: the all-gather's rank order is the full layout (no merge)
   uint64_t local_bytes = 0;
   uint64_t full_bytes = 0;  // after the TP / ETP merge
   uint64_t offset = 0;      // region in the batch buffer (dense: TP output; experts: EP output)
@@ -259,7 +259,6 @@ absl::Status RankSync::Prepare() {
       it.gathered = true;
       it.full_bytes = it.local_bytes * static_cast<uint64_t>(layout_.etp());
       it.region = it.full_bytes * static_cast<uint64_t>(layout_.ep());
-      it.identity = IsIdentityLayout(p, it.local_bytes);
       it.ordinal = static_cast<int>(experts.size());
       experts.push_back(it);
     }
