@@ -21,6 +21,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/config.h"
+#include "common/default_model.h"
 #include "trainer_agent/convert/synthetic_model.h"
 
 namespace wsync::tools {
@@ -31,7 +32,7 @@ int Run(int argc, char** argv) {
   std::string arch_name, out, preset = "tiny", quant_config;
   uint64_t seed = 1;
   int threads = 0;
-  app.add_option("--arch", arch_name, "llama, qwen2, qwen3, qwen3-moe or deepseek-v3")->required();
+  app.add_option("--arch", arch_name, "llama, qwen2, qwen3, qwen3-moe or deepseek-v3");  // required unless --from-config
   app.add_option("--out", out, "output directory (created)")->required();
   app.add_option("--preset", preset, "tiny, small or bench2g")->capture_default_str();
   app.add_option("--seed", seed, "random seed")->capture_default_str();
@@ -66,6 +67,10 @@ int Run(int argc, char** argv) {
   for (Size& s : sizes) s.opt = app.add_option(s.flag, s.value, s.help);
   bool tie = false;
   app.add_flag("--tie", tie, "tie_word_embeddings");
+  std::string from_config;
+  app.add_option("--from-config", from_config,
+                 "Random weights for this HF config.json instead of --arch/--preset/sizes; \"default\" = the "
+                 "embedded default model (src/common/default_model.h, with its INT4 quantization_config)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -76,6 +81,28 @@ int Run(int argc, char** argv) {
     std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
     return 1;
   };
+  if (!from_config.empty()) {
+    convert::SyntheticModel m;
+    if (from_config == "default") {
+      m.config_json = kDefaultModelConfigJson;
+    } else {
+      auto text = ReadTextFile(from_config);
+      if (!text.ok()) return fail(text.status());
+      m.config_json = *text;
+    }
+    auto cfg = ParseModelConfig(m.config_json, from_config);
+    if (!cfg.ok()) return fail(cfg.status());
+    m.config = *cfg;
+    auto weights = convert::GenerateSyntheticWeights(m.config, seed, threads);
+    if (!weights.ok()) return fail(weights.status());
+    m.weights = std::move(*weights);
+    if (absl::Status s = convert::WriteHfModel(m, out); !s.ok()) return fail(s);
+    std::printf("wrote %s: %s from %s, %zu tensors, %.1f MiB, seed %llu\n", out.c_str(), m.config.architecture.c_str(),
+                from_config.c_str(), m.weights.size(), static_cast<double>(m.weights.TotalBytes()) / (1 << 20),
+                static_cast<unsigned long long>(seed));
+    return 0;
+  }
+  if (arch_name.empty()) return fail(absl::InvalidArgumentError("--arch is required (or --from-config)"));
   auto arch = convert::ParseArchitectureFlag(arch_name);
   if (!arch.ok()) return fail(arch.status());
   auto options = convert::PresetOptions(preset, *arch);
