@@ -552,6 +552,7 @@ void RolloutAgent::RunStage(Sync* s, size_t index) {
   o.pp_stage = g.pp_stage();
   o.rank = static_cast<int>(s->req.agent_rank());
   o.size = static_cast<int>(g.size());
+  o.host = options_.data_host;
   o.version = s->req.version();
   o.join_timeout = s->timeout;
   o.op_timeout = s->timeout;
@@ -795,7 +796,7 @@ absl::Status RolloutAgent::AbortById(uint64_t id, const std::string& reason, uin
     // threads (and the trainer's senders) stop while we wait for op_mu_.
     absl::MutexLock lock(&mu_);
     if (sync_ != nullptr && (id == 0 || sync_->id == id) && sync_->phase != Phase::kCommitting) {
-      sync_->cancel.Cancel(absl::StrCat("aborted: ", reason));
+      sync_->cancel.Cancel(reason);
     }
   }
   absl::MutexLock op(&op_mu_);
@@ -821,7 +822,7 @@ absl::Status RolloutAgent::AbortById(uint64_t id, const std::string& reason, uin
 
 absl::Status RolloutAgent::EndFailedSync(Sync* s, const std::string& reason, bool continue_engine) {
   const uint64_t id = s->id;
-  s->cancel.Cancel(absl::StrCat("aborted: ", reason));
+  s->cancel.Cancel(reason);
   for (auto& t : s->threads) t.join();
   s->threads.clear();
   if (s->recorder) s->recorder->Discard();

@@ -117,7 +117,7 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
   }
   SyncCancel& cancel = *o.cancel;
   auto aborted = [&](const absl::Status& s) {
-    return absl::AbortedError(absl::StrCat(where, ": the sync was aborted (", cancel.reason(), "): ", s.message()));
+    return absl::AbortedError(absl::StrCat("the sync was aborted (", cancel.reason(), "): ", s.message()));
   };
   StageStats stats;
   GroupOptions g;
@@ -125,6 +125,7 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
   g.name = o.group;
   g.rank = o.rank;
   g.size = o.size;
+  g.host = o.host;
   g.join_timeout = o.join_timeout;
   g.default_timeout = o.op_timeout;
   g.cancelled = [&cancel] { return cancel.cancelled(); };
@@ -132,7 +133,7 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
   auto comm = CreateGroup(o.backend, g);
   if (!comm.ok()) return cancel.cancelled() ? aborted(comm.status()) : Annotate(comm.status(), where);
   stats.join = absl::Now() - t0;
-  if (!cancel.Register(comm->get())) return aborted(absl::AbortedError("after forming the group"));
+  if (!cancel.Register(comm->get())) return aborted(absl::AbortedError(absl::StrCat(where, ": after forming the group")));
   WSYNC_LOG(DEBUG) << where << ": group formed in " << absl::FormatDuration(stats.join);
 
   const absl::Time t1 = absl::Now();

@@ -62,6 +62,7 @@ struct StageOptions {
   uint32_t pp_stage = 0;
   int rank = 1;                  // this agent's rank in the group (1..M)
   int size = 2;
+  std::string host = "127.0.0.1";  // where this agent's data-plane endpoints listen (GroupOptions::host)
   uint64_t version = 0;          // the sync's version; every manifest must carry it
   absl::Duration join_timeout = absl::Seconds(60);
   absl::Duration op_timeout = absl::Minutes(5);  // per bucket broadcast
