@@ -62,9 +62,10 @@ Tensors SentTensors(const HfModel& m) {
   return t;
 }
 
-std::function<absl::Status(Communicator&)> SendAll(Tensors tensors, uint64_t version) {
+std::function<absl::Status(Communicator&)> SendAll(Tensors tensors, uint64_t version, uint32_t pp_stage = 0) {
   auto buckets = std::make_shared<std::vector<testing::PackedBucket>>();
-  auto packed = testing::PackBuckets(tensors, {.version = version, .bucket_bytes = kBucketBytes});
+  auto packed =
+      testing::PackBuckets(tensors, {.version = version, .pp_stage = pp_stage, .bucket_bytes = kBucketBytes});
   if (packed.ok()) *buckets = std::move(*packed);
   return [buckets, st = packed.status()](Communicator& c) -> absl::Status {
     if (!st.ok()) return st;
@@ -631,8 +632,24 @@ TEST_F(RolloutAgentTest, FlushIsRetriedWhileTheEngineDrainsAndRefusedAtTheDeadli
   EXPECT_FALSE(engine.paused());
   EXPECT_EQ(engine.memory().Checksum(), before);
   EXPECT_EQ(Status(agent).state(), "idle");
+
+  // The caller's own deadline bounds the retries too: a coordinator that gave up leaves no engine
+  // paused.
+  engine.ClearCalls();
+  {
+    auto ctx = Context(sec_, absl::Milliseconds(700));
+    v1::BeginSyncReply r;
+    grpc::Status b = agent.stub().BeginSync(ctx.get(), BeginRequest(3, 3, 1, 1), &r);
+    EXPECT_EQ(b.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << b.error_message();
+  }
+  const absl::Time t1 = absl::Now();
+  while (engine.paused() && absl::Now() - t1 < absl::Seconds(5)) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_LT(absl::Now() - t1, absl::Seconds(1)) << "the engine stayed paused after the caller's deadline";
+  EXPECT_EQ(engine.calls().back(), "continue:2");
+  EXPECT_EQ(engine.memory().Checksum(), before);
+
   engine.RefuseFlushes(0);
-  SyncAll(3, 3, Model(kSeedV3));
+  SyncAll(4, 3, Model(kSeedV3));
   ExpectEngineHolds(engine, Model(kSeedV3));
 }
 
@@ -834,6 +851,57 @@ TEST_F(RolloutAgentTest, MismatchedRegistrationsAreRefusedAndTheEngineStays) {
   ExpectEngineHolds(*engines_.back(), Model(kSeedV3));
   EXPECT_THAT(engines_.back()->calls(), ElementsAre("pause:HOLD", "flush", "continue:3"));
   ExpectEngineHolds(engine, Model(kSeedV2));  // the old segment was not written
+}
+
+// --- pipeline stages ----------------------------------------------------------------------------------
+
+TEST_F(RolloutAgentTest, TwoPipelineStagesArriveThroughTwoGroupsAtOnce) {
+  StartRank(1, 0, 1);
+  FakeEngine& engine = *engines_[0];
+  AgentProcess& agent = *agents_[0];
+  const HfModel& v2 = Model(kSeedV2);
+  const Tensors all = SentTensors(v2);
+  // Stage 0: the first half of the checkpoint, stage 1 the rest (as a PP=2 trainer sends it).
+  const Tensors first(all.begin(), all.begin() + static_cast<long>(all.size() / 2));
+  const Tensors second(all.begin() + static_cast<long>(all.size() / 2), all.end());
+  v1::BeginSyncRequest req = BeginRequest(21, 2, 1, 1, /*record=*/true);
+  auto* g1 = req.add_groups();
+  g1->set_pp_stage(1);
+  g1->set_name(absl::StrCat(name_, "/sync21/pp1"));
+  g1->set_size(2);
+  ASSERT_TRUE(Begin(agent, req).ok());
+  trainer_->Run(GroupName(21), 2, SendAll(first, 2, 0));
+  trainer_->Run(absl::StrCat(name_, "/sync21/pp1"), 2, SendAll(second, 2, 1));
+  v1::PrepareSyncReply prepared;
+  grpc::Status ps = Prepare(agent, 21, &prepared);
+  ASSERT_TRUE(ps.ok()) << ps.error_message();
+  ASSERT_TRUE(trainer_->Join().ok());
+  EXPECT_EQ(prepared.tensors(), all.size());
+  ASSERT_TRUE(CommitRpc(agent, 21).ok());
+  ExpectEngineHolds(engine, v2);
+  std::set<std::string> files;
+  auto recorded = ReadRecording(record_dir_ + "0/v2", &files);
+  EXPECT_EQ(recorded.size(), all.size());
+  EXPECT_TRUE(files.contains("pp0-00000.safetensors"));
+  EXPECT_TRUE(files.contains("pp1-00000.safetensors"));
+
+  // A bucket of stage 1 arriving in stage 0's group is refused.
+  const uint64_t before = engine.memory().Checksum();
+  v1::BeginSyncRequest req2 = BeginRequest(22, 3, 1, 1);
+  auto* h1 = req2.add_groups();
+  h1->set_pp_stage(1);
+  h1->set_name(absl::StrCat(name_, "/sync22/pp1"));
+  h1->set_size(2);
+  ASSERT_TRUE(Begin(agent, req2).ok());
+  trainer_->Run(GroupName(22), 2, SendAll(first, 3, 1));
+  trainer_->Run(absl::StrCat(name_, "/sync22/pp1"), 2, SendAll(second, 3, 1));
+  ps = Prepare(agent, 22);
+  EXPECT_EQ(ps.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << ps.error_message();
+  EXPECT_THAT(ps.error_message(), HasSubstr("arrived in the group of stage 0"));
+  EXPECT_FALSE(trainer_->Join().ok()) << "both stage sources must see the failure";
+  ASSERT_TRUE(AbortRpc(agent, 22).ok());
+  EXPECT_EQ(engine.memory().Checksum(), before);
+  EXPECT_EQ(engine.calls().back(), "continue:2");
 }
 
 // --- engine TP 2 --------------------------------------------------------------------------------------

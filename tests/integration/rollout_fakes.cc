@@ -298,7 +298,9 @@ absl::StatusOr<std::unique_ptr<TrainerSide>> TrainerSide::Start(RpcSecurity sec)
 }
 
 void TrainerSide::Run(const std::string& name, int size, std::function<absl::Status(Communicator&)> send) {
-  thread_ = std::thread([this, name, size, send] {
+  results_.push_back(std::make_unique<absl::Status>());
+  absl::Status* result = results_.back().get();
+  threads_.emplace_back([this, name, size, send, result] {
     GroupOptions g;
     g.store = &store_;
     g.name = name;
@@ -308,16 +310,21 @@ void TrainerSide::Run(const std::string& name, int size, std::function<absl::Sta
     g.default_timeout = absl::Seconds(30);
     auto comm = CreateGroup(Backend::kGloo, g);
     if (!comm.ok()) {
-      result_ = comm.status();
+      *result = comm.status();
       return;
     }
-    result_ = send(**comm);
+    *result = send(**comm);
   });
 }
 
 absl::Status TrainerSide::Join() {
-  if (thread_.joinable()) thread_.join();
-  return result_;
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+  absl::Status first;
+  for (const auto& r : results_)
+    if (first.ok()) first = *r;
+  results_.clear();
+  return first;
 }
 
 }  // namespace wsync::rollout::testing

@@ -150,8 +150,9 @@ class TrainerSide {
   const std::string& store_address() const { return address_; }
   MemoryStore& store() { return store_; }
 
-  // Forms group `name` of `size` as rank 0 and runs `send` on it, on a thread. Join() returns
-  // the status of forming and of `send`.
+  // Forms group `name` of `size` as rank 0 and runs `send` on it, on a thread (one per stage;
+  // several may run at once). Join() waits for all of them and returns the first failure of
+  // forming a group or of `send`.
   void Run(const std::string& name, int size, std::function<absl::Status(Communicator&)> send);
   absl::Status Join();
 
@@ -159,8 +160,8 @@ class TrainerSide {
   MemoryStore store_;
   std::unique_ptr<StoreServer> server_;
   std::string address_;
-  std::thread thread_;
-  absl::Status result_;
+  std::vector<std::thread> threads_;
+  std::vector<std::unique_ptr<absl::Status>> results_;
 };
 
 }  // namespace wsync::rollout::testing

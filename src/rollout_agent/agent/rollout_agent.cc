@@ -122,7 +122,7 @@ class RolloutAgent::Service final : public v1::RolloutAgent::Service {
   }
   grpc::Status BeginSync(grpc::ServerContext* ctx, const v1::BeginSyncRequest* req, v1::BeginSyncReply* reply) override {
     WSYNC_AUTHORIZE(ctx, sec_);
-    return ToGrpcStatus(agent_->BeginSync(*req, reply));
+    return ToGrpcStatus(agent_->BeginSync(*req, reply, Deadline(ctx)));
   }
   grpc::Status PrepareSync(grpc::ServerContext* ctx, const v1::PrepareSyncRequest* req,
                            v1::PrepareSyncReply* reply) override {
@@ -435,7 +435,7 @@ absl::Status RolloutAgent::CheckBegin(const v1::BeginSyncRequest& req, bool* dup
   return absl::OkStatus();
 }
 
-absl::Status RolloutAgent::BeginSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply) {
+absl::Status RolloutAgent::BeginSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply, absl::Time deadline) {
   bool duplicate = false;
   {
     absl::MutexLock lock(&mu_);
@@ -448,10 +448,11 @@ absl::Status RolloutAgent::BeginSync(const v1::BeginSyncRequest& req, v1::BeginS
     RETURN_IF_ERROR(CheckBegin(req, &duplicate, reply));
     if (duplicate) return absl::OkStatus();
   }
-  return StartSync(req, reply);
+  return StartSync(req, reply, deadline);
 }
 
-absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply) {
+absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply,
+                                     absl::Time deadline) {
   const std::string who = absl::StrCat("BeginSync ", req.sync_id(), " (version ", req.version(), ")");
   auto backend = ParseBackend(req.backend());
   if (!backend.ok()) return Annotate(backend.status(), who);
@@ -510,7 +511,8 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
   const absl::Time t1 = absl::Now();
   m_->Observe("pause", t1 - t0);
   if (s->cancel.cancelled()) return fail(absl::AbortedError(s->cancel.reason()));
-  auto flushed = e.client->Flush(t1 + std::min(options_.flush_deadline, s->timeout), [s] { return s->cancel.cancelled(); });
+  const absl::Time flush_deadline = std::min(t1 + std::min(options_.flush_deadline, s->timeout), deadline);
+  auto flushed = e.client->Flush(flush_deadline, [s] { return s->cancel.cancelled(); });
   if (!flushed.ok()) return fail(flushed.status());
   const absl::Time t2 = absl::Now();
   m_->Observe("flush", t2 - t1);

@@ -82,7 +82,9 @@ class RolloutAgent {
   absl::Status RegisterEngine(const v1::RegisterEngineRequest& req, v1::RegisterEngineReply* reply);
   absl::Status UpdateWeights(const v1::UpdateWeightsRequest& req, absl::Time deadline,
                              const std::function<bool()>& cancelled, v1::UpdateWeightsReply* reply);
-  absl::Status BeginSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply);
+  // `deadline` (the RPC's) also bounds the Flush retries: a caller that gave up leaves no engine paused.
+  absl::Status BeginSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply,
+                         absl::Time deadline = absl::InfiniteFuture());
   absl::Status PrepareSync(const v1::PrepareSyncRequest& req, absl::Time deadline, v1::PrepareSyncReply* reply);
   absl::Status CommitSync(const v1::CommitSyncRequest& req, v1::CommitSyncReply* reply);
   absl::Status AbortSync(const v1::AbortSyncRequest& req, v1::AbortSyncReply* reply);
@@ -102,7 +104,7 @@ class RolloutAgent {
 
   absl::Status CheckBegin(const v1::BeginSyncRequest& req, bool* duplicate, v1::BeginSyncReply* reply)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status StartSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply)
+  absl::Status StartSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_);
   void RunStage(Sync* sync, size_t index);
   // Ends `sync` (cancel, join threads, drop the recording, continue the engine on the previous
