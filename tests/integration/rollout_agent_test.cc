@@ -103,6 +103,11 @@ class RolloutAgentTest : public ::testing::Test {
         if (agents_[i]) std::cerr << "---- agent " << i << " log ----\n" << agents_[i]->Log() << "\n";
       }
     }
+    for (auto& a : agents_) a->Terminate();
+    if (!HasFailure()) {
+      for (auto& a : agents_) a->RemoveFiles();
+      fs::remove_all(dir_);
+    }
     agents_.clear();
     engines_.clear();
   }
@@ -691,6 +696,8 @@ TEST_F(RolloutAgentTest, OneSyncAtATime) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(s.error_message(), HasSubstr("no engine"));
   EXPECT_EQ(Status(**lonely).state(), "no_engine");
+  (*lonely)->Terminate();
+  if (!HasFailure()) (*lonely)->RemoveFiles();
 
   StartRank(1, 0, 1);
   FakeEngine& engine = *engines_[0];

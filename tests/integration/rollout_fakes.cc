@@ -228,7 +228,7 @@ absl::StatusOr<std::unique_ptr<AgentProcess>> AgentProcess::Start(const std::str
   a->sec_ = std::move(sec);
   const std::string base = absl::StrCat(::testing::TempDir(), "/agent-", getpid(), "-", tag);
   a->log_ = base + ".log";
-  const std::string address_file = base + ".address";
+  const std::string address_file = a->address_file_ = base + ".address";
   unlink(address_file.c_str());
   std::vector<std::string> argv_s = {binary, "--listen", "127.0.0.1:0", "--address-file", address_file};
   argv_s.insert(argv_s.end(), args.begin(), args.end());
@@ -265,6 +265,11 @@ absl::StatusOr<std::unique_ptr<AgentProcess>> AgentProcess::Start(const std::str
 AgentProcess::~AgentProcess() { Terminate(); }
 
 std::string AgentProcess::Log() const { return ReadFile(log_); }
+
+void AgentProcess::RemoveFiles() const {
+  unlink(log_.c_str());
+  unlink(address_file_.c_str());
+}
 
 int AgentProcess::Terminate() {
   if (pid_ <= 0) return status_;

@@ -127,6 +127,8 @@ class AgentProcess {
   v1::RolloutAgent::Stub& stub() { return *stub_; }
   const RpcSecurity& security() const { return sec_; }
   std::string Log() const;
+  // Removes the log and address files (after a passing test).
+  void RemoveFiles() const;
   // SIGTERM, wait up to 15 s (then SIGKILL); returns the wait status. Idempotent.
   int Terminate();
   bool running() const { return pid_ > 0; }
@@ -135,7 +137,7 @@ class AgentProcess {
   AgentProcess() = default;
   pid_t pid_ = -1;
   int status_ = -1;
-  std::string log_, address_;
+  std::string log_, address_file_, address_;
   RpcSecurity sec_;
   std::unique_ptr<v1::RolloutAgent::Stub> stub_;
 };

@@ -237,8 +237,10 @@ void RolloutAgent::Watchdog() {
       if (s != nullptr && s->rpcs == 0 && (s->phase == Phase::kReceiving || s->phase == Phase::kPrepared) &&
           absl::Now() - s->idle_since > s->timeout) {
         id = s->id;
-        reason = absl::StrCat("no ", s->phase == Phase::kPrepared ? "CommitSync" : "PrepareSync",
-                              " or AbortSync from the coordinator within ", absl::FormatDuration(s->timeout),
+        const char* expected = s->phase == Phase::kPrepared ? "CommitSync or AbortSync"
+                               : s->first_error.ok()        ? "PrepareSync or AbortSync"
+                                                            : "AbortSync (the sync had failed)";
+        reason = absl::StrCat("no ", expected, " from the coordinator within ", absl::FormatDuration(s->timeout),
                               " (the coordinator is lost?)");
       }
     }
@@ -523,6 +525,8 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
     auto rec = Recorder::Start(options_.record_dir, req.version(), absl::StrCat("sync", req.sync_id(), "-", getpid()));
     if (!rec.ok()) return fail(rec.status());
     s->recorder = std::move(*rec);
+  } else if (req.record()) {
+    WSYNC_LOG(WARNING) << who << ": the sync asks for a recording, but this agent has no --record-dir";
   }
   s->store = GrpcStoreClient::Connect(req.store_address(), absl::Seconds(30), options_.security);
   s->loader = std::make_unique<Loader>(e.staging.get());
