@@ -1,0 +1,159 @@
+// wsync-rollout-agent: the agent beside one engine rank (see rollout_agent.h and README.md).
+//
+//   wsync-rollout-agent [--listen 127.0.0.1:0] [--address-file F] [--coordinator HOST:PORT]
+//                       [--record-dir DIR] [--token-file F] [--tls-cert F --tls-key F] [--tls-ca F]
+//                       [--metrics-port P] [--heartbeat-ms MS] ...
+//
+// Prints "listening on HOST:PORT" (and "metrics on HOST:PORT" with --metrics-port) on stdout once
+// serving. SIGINT / SIGTERM: abort an active sync (the engine continues on its previous version),
+// leave the coordinator, exit 0.
+// Exit codes: 0 clean shutdown, 1 start-up failure (the message says why), 2 bad command line.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/metrics.h"
+#include "common/rpc_security.h"
+#include "rollout_agent/agent/rollout_agent.h"
+
+namespace wsync::rollout {
+namespace {
+
+absl::Status WriteAddressFile(const std::string& path, const std::string& address) {
+  const std::string tmp = absl::StrCat(path, ".tmp-", getpid());
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    f << address << "\n";
+    if (!f.good()) return absl::PermissionDeniedError(absl::StrCat("cannot write ", tmp));
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) return absl::PermissionDeniedError(absl::StrCat("cannot rename ", tmp, " to ", path, ": ", ec.message()));
+  return absl::OkStatus();
+}
+
+int Run(int argc, char** argv) {
+  CLI::App app{"wsync-rollout-agent: receives weight syncs for one engine rank, loads them into the engine's "
+               "memory in its own TP layout, repacks INT4 to Marlin and commits versions"};
+  std::string listen = "127.0.0.1:0", address_file, log_level;
+  RpcSecurityOptions sec_opts;
+  AgentOptions o;
+  int metrics_port = -1;
+  std::string metrics_host = "127.0.0.1";
+  int64_t heartbeat_ms = 2000, engine_timeout_ms = 10000, flush_deadline_ms = 30000, sync_timeout_ms = 300000;
+  app.add_option("--listen", listen, "address of the RolloutAgent service (port 0 picks one)")->capture_default_str();
+  app.add_option("--address-file", address_file, "write the bound HOST:PORT to this file (atomically)");
+  app.add_option("--advertise-address", o.advertise_address,
+                 "the address the coordinator should call (default: the bound address)");
+  app.add_option("--data-host", o.data_host,
+                 "address the data-plane (Gloo) endpoints listen on; reachable from the trainer's stage sources")
+      ->capture_default_str();
+  app.add_option("--coordinator", o.coordinator, "the coordinator's address: join it and send heartbeats");
+  app.add_option("--record-dir", o.record_dir,
+                 "record every committed version as received under DIR/v{version}/ (syncs that ask for it)");
+  app.add_option("--token-file", sec_opts.token_file, "bearer token file (default: $WSYNC_TOKEN; none: no auth)");
+  app.add_option("--tls-cert", sec_opts.tls_cert_file, "server certificate (PEM)");
+  app.add_option("--tls-key", sec_opts.tls_key_file, "server key (PEM)");
+  app.add_option("--tls-ca", sec_opts.tls_ca_file, "CA for client certificates, and of the engine / coordinator");
+  app.add_option("--metrics-port", metrics_port, "serve Prometheus metrics on this port (0 picks one; -1 off)")
+      ->capture_default_str();
+  app.add_option("--metrics-host", metrics_host, "address of the metrics endpoint")->capture_default_str();
+  app.add_option("--heartbeat-ms", heartbeat_ms, "heartbeat period to the coordinator")->capture_default_str()
+      ->check(CLI::Range(int64_t{10}, int64_t{3600000}));
+  app.add_option("--engine-timeout-ms", engine_timeout_ms, "deadline of each call to the engine")
+      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{3600000}));
+  app.add_option("--flush-deadline-ms", flush_deadline_ms, "how long a refused Flush is retried")
+      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{3600000}));
+  app.add_option("--sync-timeout-ms", sync_timeout_ms, "bound of a sync whose BeginSync carries no timeout_ms")
+      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{86400000}));
+  app.add_option("--load-threads", o.load_threads, "tensors of a bucket loaded at once (0: min(4, cores))")
+      ->capture_default_str();
+  app.add_option("--repack-threads", o.repack_threads, "threads of the Marlin repack (0: all cores)")
+      ->capture_default_str();
+  app.add_option("--log-level", log_level, "debug | info | warning | error (default: $WSYNC_LOG_LEVEL or info)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+  SetLogIdentity("rollout", -1);
+  if (!log_level.empty()) {
+    LogLevel level;
+    if (!ParseLogLevel(log_level, &level)) {
+      std::fprintf(stderr, "--log-level: unknown level \"%s\"\n", log_level.c_str());
+      return 2;
+    }
+    SetLogLevel(level);
+  }
+  auto sec = LoadRpcSecurity(sec_opts);
+  if (!sec.ok()) {
+    WSYNC_LOG(ERROR) << sec.status();
+    return 1;
+  }
+  o.security = *sec;
+  o.heartbeat = absl::Milliseconds(heartbeat_ms);
+  o.engine_rpc_timeout = absl::Milliseconds(engine_timeout_ms);
+  o.flush_deadline = absl::Milliseconds(flush_deadline_ms);
+  o.default_sync_timeout = absl::Milliseconds(sync_timeout_ms);
+  o.set_log_identity = true;
+
+  // Signals are taken by sigwait() below; block them before any thread starts.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  MetricsRegistry registry;
+  o.metrics = &registry;
+  auto server = AgentServer::Start(listen, o);
+  if (!server.ok()) {
+    WSYNC_LOG(ERROR) << server.status();
+    return 1;
+  }
+  std::unique_ptr<MetricsServer> metrics;
+  if (metrics_port >= 0) {
+    metrics = std::make_unique<MetricsServer>(&registry);
+    absl::Status ms = metrics->Start(metrics_host, metrics_port);
+    if (!ms.ok()) {
+      WSYNC_LOG(ERROR) << "metrics endpoint: " << ms;
+      return 1;
+    }
+  }
+  if (!address_file.empty()) {
+    absl::Status as = WriteAddressFile(address_file, (*server)->address());
+    if (!as.ok()) {
+      WSYNC_LOG(ERROR) << "--address-file: " << as;
+      return 1;
+    }
+  }
+  std::printf("listening on %s\n", (*server)->address().c_str());
+  if (metrics) std::printf("metrics on %s:%d\n", metrics_host.c_str(), metrics->port());
+  std::fflush(stdout);
+  WSYNC_LOG(INFO) << "rollout agent listening on " << (*server)->address()
+                  << (o.coordinator.empty() ? "" : absl::StrCat(", coordinator ", o.coordinator))
+                  << (o.record_dir.empty() ? "" : absl::StrCat(", recording to ", o.record_dir))
+                  << (o.security.token.empty() ? ", no auth (loopback development)" : ", token auth")
+                  << (o.security.tls() ? ", TLS" : "");
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  WSYNC_LOG(INFO) << "signal " << sig << ": shutting down";
+  (*server)->Shutdown();
+  if (metrics) metrics->Stop();
+  return 0;
+}
+
+}  // namespace
+}  // namespace wsync::rollout
+
+int main(int argc, char** argv) { return wsync::rollout::Run(argc, argv); }

@@ -1,0 +1,133 @@
+#include "rollout_agent/agent/membership.h"
+
+#include <algorithm>
+
+#include "common/grpc_status.h"
+#include "common/logging.h"
+
+namespace wsync::rollout {
+
+Membership::Membership(std::string coordinator, const RpcSecurity& sec, absl::Duration heartbeat)
+    : coordinator_(std::move(coordinator)), sec_(sec), heartbeat_(std::max(heartbeat, absl::Milliseconds(10))),
+      stub_(v1::Coordinator::NewStub(MakeChannel(coordinator_, sec_))) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+Membership::~Membership() {
+  std::string id;
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+    id = agent_id_;
+  }
+  thread_.join();
+  if (!id.empty()) {
+    grpc::ClientContext ctx;
+    PrepareContext(&ctx, sec_, RpcTimeout());
+    v1::LeaveRequest req;
+    req.set_agent_id(id);
+    v1::LeaveReply reply;
+    const grpc::Status s = stub_->Leave(&ctx, req, &reply);
+    if (!s.ok()) WSYNC_LOG(WARNING) << "leaving the coordinator at " << coordinator_ << ": " << s.error_message();
+  }
+}
+
+absl::Duration Membership::RpcTimeout() const { return std::clamp(heartbeat_, absl::Seconds(1), absl::Seconds(10)); }
+
+void Membership::Update(const v1::JoinRequest& join) {
+  absl::MutexLock lock(&mu_);
+  join_ = join;
+  have_join_ = true;
+  need_join_ = true;
+}
+
+void Membership::SetVersion(uint64_t version) {
+  absl::MutexLock lock(&mu_);
+  join_.set_version(version);
+}
+
+std::string Membership::agent_id() const {
+  absl::MutexLock lock(&mu_);
+  return agent_id_;
+}
+
+int Membership::joins() const {
+  absl::MutexLock lock(&mu_);
+  return joins_;
+}
+
+bool Membership::DoJoin(const v1::JoinRequest& join, absl::Duration* period) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx, sec_, RpcTimeout());
+  v1::JoinReply reply;
+  const grpc::Status s = stub_->Join(&ctx, join, &reply);
+  if (!s.ok()) {
+    WSYNC_LOG(WARNING) << "joining the coordinator at " << coordinator_ << " failed: " << FromGrpcStatus(s)
+                       << " (retrying every " << absl::FormatDuration(heartbeat_) << ")";
+    return false;
+  }
+  *period = heartbeat_;
+  if (reply.heartbeat_ms() > 0) *period = std::min(heartbeat_, absl::Milliseconds(reply.heartbeat_ms()));
+  absl::MutexLock lock(&mu_);
+  agent_id_ = reply.agent_id();
+  ++joins_;
+  WSYNC_LOG(INFO) << "joined the coordinator at " << coordinator_ << " as " << agent_id_ << " (engine "
+                  << join.engine_id() << ", tp " << join.tp_rank() << "/" << join.tp_size() << ", version "
+                  << join.version() << "); heartbeat every " << absl::FormatDuration(*period);
+  return true;
+}
+
+void Membership::Run() {
+  absl::Duration period = heartbeat_;
+  bool warned = false;  // a heartbeat failure was logged and has not recovered yet
+  for (;;) {
+    v1::JoinRequest join;
+    bool need_join = false;
+    std::string id;
+    {
+      absl::MutexLock lock(&mu_);
+      auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || need_join_; };
+      mu_.AwaitWithTimeout(absl::Condition(&wake), period);
+      if (stop_) return;
+      if (!have_join_) continue;
+      join = join_;
+      need_join = need_join_;
+      id = agent_id_;
+    }
+    if (need_join) {
+      if (DoJoin(join, &period)) {
+        absl::MutexLock lock(&mu_);
+        // A later Update() asks again; this Join used the then current request.
+        if (join_.SerializeAsString() == join.SerializeAsString()) need_join_ = false;
+        warned = false;
+      } else {
+        absl::MutexLock lock(&mu_);
+        auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
+        mu_.AwaitWithTimeout(absl::Condition(&stop), heartbeat_);
+        if (stop_) return;
+      }
+      continue;
+    }
+    grpc::ClientContext ctx;
+    PrepareContext(&ctx, sec_, RpcTimeout());
+    v1::HeartbeatRequest req;
+    req.set_agent_id(id);
+    req.set_version(join.version());
+    v1::HeartbeatReply reply;
+    const grpc::Status s = stub_->Heartbeat(&ctx, req, &reply);
+    if (!s.ok()) {
+      if (!warned) WSYNC_LOG(WARNING) << "heartbeat to the coordinator at " << coordinator_ << " failed: " << FromGrpcStatus(s);
+      warned = true;
+      continue;
+    }
+    if (warned) WSYNC_LOG(INFO) << "the coordinator at " << coordinator_ << " answers heartbeats again";
+    warned = false;
+    if (!reply.known()) {
+      WSYNC_LOG(INFO) << "the coordinator does not know agent " << id << " any more: joining again";
+      absl::MutexLock lock(&mu_);
+      need_join_ = true;
+    }
+  }
+}
+
+}  // namespace wsync::rollout

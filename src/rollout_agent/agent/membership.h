@@ -1,0 +1,57 @@
+// A rollout agent's membership at the coordinator (proto/wsync/v1/coordinator.proto): Join once an
+// engine is registered, Heartbeat every period (the agent's --heartbeat-ms, or the coordinator's
+// JoinReply.heartbeat_ms if shorter), Join again when a heartbeat comes back `known = false` (the
+// coordinator restarted or dropped the agent) or after Update() (a re-registered engine), Leave on
+// destruction. Failures are logged (once per change of state) and retried at the next period: a
+// coordinator that is down does not stop the agent from serving its engine.
+//
+// Ownership: one background thread, joined by the destructor.
+// Thread-safety: all methods may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <thread>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/rpc_security.h"
+#include "wsync/v1/coordinator.grpc.pb.h"
+
+namespace wsync::rollout {
+
+class Membership {
+ public:
+  Membership(std::string coordinator, const RpcSecurity& sec, absl::Duration heartbeat);
+  ~Membership();  // Leave (bounded by one heartbeat period) and stop
+
+  // What to join with (agent_address, engine_id, tp_rank, tp_size, version); starts joining.
+  void Update(const v1::JoinRequest& join);
+  // The version reported by heartbeats (and the next Join).
+  void SetVersion(uint64_t version);
+  // The id the coordinator gave us, or "" before the first successful Join.
+  std::string agent_id() const;
+  // Successful Joins so far (tests).
+  int joins() const;
+
+ private:
+  void Run();
+  bool DoJoin(const v1::JoinRequest& join, absl::Duration* period);
+  absl::Duration RpcTimeout() const;
+
+  const std::string coordinator_;
+  const RpcSecurity sec_;
+  const absl::Duration heartbeat_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+
+  mutable absl::Mutex mu_;
+  v1::JoinRequest join_ ABSL_GUARDED_BY(mu_);
+  bool have_join_ ABSL_GUARDED_BY(mu_) = false;
+  bool need_join_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::string agent_id_ ABSL_GUARDED_BY(mu_);
+  int joins_ ABSL_GUARDED_BY(mu_) = 0;
+  std::thread thread_;
+};
+
+}  // namespace wsync::rollout

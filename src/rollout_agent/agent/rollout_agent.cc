@@ -1,0 +1,888 @@
+#include "rollout_agent/agent/rollout_agent.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "comm/store/store.h"
+#include "common/config.h"
+#include "common/grpc_status.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "rollout_agent/agent/engine_client.h"
+#include "rollout_agent/agent/membership.h"
+#include "rollout_agent/load/engine_layout.h"
+#include "rollout_agent/load/loader.h"
+#include "rollout_agent/receive/engine_memory.h"
+#include "rollout_agent/receive/recorder.h"
+#include "rollout_agent/receive/stage_receiver.h"
+#include "rollout_agent/repack/repack.h"
+
+namespace wsync::rollout {
+
+enum class RolloutAgent::Phase { kBeginning, kReceiving, kPrepared, kCommitting };
+
+namespace {
+
+const char* PhaseName(int p) {
+  static const char* kNames[] = {"beginning", "receiving", "prepared", "committing"};
+  return kNames[p];
+}
+
+double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
+
+}  // namespace
+
+// --- state ------------------------------------------------------------------------------------------
+
+struct RolloutAgent::Engine {
+  v1::RegisterEngineRequest info;  // without params
+  std::string layout_key;          // equal keys: equal layouts (config, quantization, parallel)
+  std::unique_ptr<EngineLayout> layout;
+  std::unique_ptr<EngineMemory> memory;
+  std::unique_ptr<Staging> staging;  // points at *layout
+  std::unique_ptr<EngineClient> client;
+};
+
+struct RolloutAgent::Sync {
+  v1::BeginSyncRequest req;
+  uint64_t id = 0;
+  uint64_t previous_version = 0;
+  absl::Duration timeout;
+  Backend backend = Backend::kGloo;
+  SyncCancel cancel;
+  std::unique_ptr<GrpcStoreClient> store;
+  std::unique_ptr<Recorder> recorder;
+  std::unique_ptr<Loader> loader;
+  std::vector<std::thread> threads;  // touched under op_mu_ only
+  // Guarded by the agent's mu_:
+  Phase phase = Phase::kBeginning;
+  bool engine_paused = false;
+  int running = 0;           // receive threads not yet finished
+  absl::Status first_error;  // the first stage error, or the staging's CheckComplete
+  StageStats totals;         // summed over stages (transfer: the longest)
+  int rpcs = 0;              // RPCs for this sync in progress (the watchdog waits while > 0)
+  absl::Time idle_since;
+  v1::PrepareSyncReply prepared;
+};
+
+struct RolloutAgent::Metrics {
+  Counter* syncs = nullptr;
+  Counter* failures = nullptr;
+  Counter* bytes = nullptr;
+  Counter* buckets = nullptr;
+  Counter* tensors = nullptr;
+  Gauge* version = nullptr;
+  Gauge* active = nullptr;
+  Gauge* registered = nullptr;
+  std::map<std::string, Histogram*> phase;
+
+  void Observe(const std::string& p, absl::Duration d) const {
+    auto it = phase.find(p);
+    if (it != phase.end()) it->second->Observe(Seconds(d));
+  }
+};
+
+namespace {
+
+template <typename T>
+T* OrDie(absl::StatusOr<T*> m, const char* name) {
+  if (!m.ok()) {
+    WSYNC_LOG(ERROR) << "metric " << name << ": " << m.status();
+    static T dummy_storage = [] {
+      if constexpr (std::is_same_v<T, Histogram>) return T(std::vector<double>{1.0});
+      else return T();
+    }();
+    return &dummy_storage;
+  }
+  return *m;
+}
+
+}  // namespace
+
+// --- the gRPC service ---------------------------------------------------------------------------------
+
+class RolloutAgent::Service final : public v1::RolloutAgent::Service {
+ public:
+  Service(RolloutAgent* agent, const RpcSecurity& sec) : agent_(agent), sec_(sec) {}
+
+  grpc::Status RegisterEngine(grpc::ServerContext* ctx, const v1::RegisterEngineRequest* req,
+                              v1::RegisterEngineReply* reply) override {
+    WSYNC_AUTHORIZE(ctx, sec_);
+    return ToGrpcStatus(agent_->RegisterEngine(*req, reply));
+  }
+  grpc::Status UpdateWeights(grpc::ServerContext* ctx, const v1::UpdateWeightsRequest* req,
+                             v1::UpdateWeightsReply* reply) override {
+    WSYNC_AUTHORIZE(ctx, sec_);
+    return ToGrpcStatus(agent_->UpdateWeights(*req, Deadline(ctx), [ctx] { return ctx->IsCancelled(); }, reply));
+  }
+  grpc::Status BeginSync(grpc::ServerContext* ctx, const v1::BeginSyncRequest* req, v1::BeginSyncReply* reply) override {
+    WSYNC_AUTHORIZE(ctx, sec_);
+    return ToGrpcStatus(agent_->BeginSync(*req, reply, Deadline(ctx)));
+  }
+  grpc::Status PrepareSync(grpc::ServerContext* ctx, const v1::PrepareSyncRequest* req,
+                           v1::PrepareSyncReply* reply) override {
+    WSYNC_AUTHORIZE(ctx, sec_);
+    return ToGrpcStatus(agent_->PrepareSync(*req, Deadline(ctx), reply));
+  }
+  grpc::Status CommitSync(grpc::ServerContext* ctx, const v1::CommitSyncRequest* req,
+                          v1::CommitSyncReply* reply) override {
+    WSYNC_AUTHORIZE(ctx, sec_);
+    return ToGrpcStatus(agent_->CommitSync(*req, reply));
+  }
+  grpc::Status AbortSync(grpc::ServerContext* ctx, const v1::AbortSyncRequest* req, v1::AbortSyncReply* reply) override {
+    WSYNC_AUTHORIZE(ctx, sec_);
+    return ToGrpcStatus(agent_->AbortSync(*req, reply));
+  }
+  grpc::Status AgentStatus(grpc::ServerContext* ctx, const v1::AgentStatusRequest*,
+                           v1::AgentStatusReply* reply) override {
+    WSYNC_AUTHORIZE(ctx, sec_);
+    return ToGrpcStatus(agent_->AgentStatus(reply));
+  }
+
+ private:
+  // The RPC's deadline, a little early so that the reply still reaches the caller in time.
+  static absl::Time Deadline(const grpc::ServerContext* ctx) {
+    const auto d = ctx->deadline();
+    if (d >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) return absl::InfiniteFuture();
+    return absl::FromChrono(d) - absl::Milliseconds(20);
+  }
+  RolloutAgent* agent_;
+  const RpcSecurity sec_;
+};
+
+// --- RolloutAgent -------------------------------------------------------------------------------------
+
+RolloutAgent::RolloutAgent(AgentOptions options) : options_(std::move(options)) {
+  MetricsRegistry* reg = options_.metrics;
+  if (reg == nullptr) {
+    own_metrics_ = std::make_unique<MetricsRegistry>();
+    reg = own_metrics_.get();
+  }
+  m_ = std::make_unique<Metrics>();
+  m_->syncs = OrDie(reg->GetCounter("wsync_rollout_syncs_total", "Syncs committed into the engine"), "syncs");
+  m_->failures = OrDie(reg->GetCounter("wsync_rollout_sync_failures_total",
+                                       "Syncs that failed or were aborted (the engine kept its previous version)"),
+                       "failures");
+  m_->bytes = OrDie(reg->GetCounter("wsync_rollout_received_bytes_total", "Bucket bytes received"), "bytes");
+  m_->buckets = OrDie(reg->GetCounter("wsync_rollout_received_buckets_total", "Buckets received"), "buckets");
+  m_->tensors = OrDie(reg->GetCounter("wsync_rollout_received_tensors_total", "HF tensors received"), "tensors");
+  m_->version = OrDie(reg->GetGauge("wsync_rollout_weight_version", "The weight version in the engine's memory"), "version");
+  m_->active = OrDie(reg->GetGauge("wsync_rollout_sync_active", "1 while a sync is in progress"), "active");
+  m_->registered = OrDie(reg->GetGauge("wsync_rollout_engine_registered", "1 once an engine registered"), "registered");
+  for (const char* p : {"pause", "flush", "join", "transfer", "load", "repack", "continue"}) {
+    m_->phase[p] = OrDie(reg->GetHistogram("wsync_rollout_phase_seconds", "Duration of each phase of a sync",
+                                           ExponentialBuckets(0.001, 2.0, 20), {{"phase", p}}),
+                         "phase");
+  }
+  service_ = std::make_unique<Service>(this, options_.security);
+  if (!options_.coordinator.empty()) {
+    membership_ = std::make_unique<Membership>(options_.coordinator, options_.security, options_.heartbeat);
+  }
+  watchdog_ = std::thread([this] { Watchdog(); });
+}
+
+RolloutAgent::~RolloutAgent() { Stop(); }
+
+MetricsRegistry& RolloutAgent::metrics() const { return options_.metrics ? *options_.metrics : *own_metrics_; }
+
+grpc::Service* RolloutAgent::service() { return service_.get(); }
+
+void RolloutAgent::SetAddress(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  address_ = address;
+}
+
+uint64_t RolloutAgent::version() const {
+  absl::MutexLock lock(&mu_);
+  return version_;
+}
+
+std::string RolloutAgent::AgentId() const {
+  if (membership_) {
+    std::string id = membership_->agent_id();
+    if (!id.empty()) return id;
+  }
+  absl::MutexLock lock(&mu_);
+  return absl::StrCat("local:", address_);
+}
+
+void RolloutAgent::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  if (watchdog_.joinable()) watchdog_.join();
+  uint64_t v = 0;
+  absl::Status s = AbortById(0, "the rollout agent is shutting down", &v);
+  if (!s.ok()) WSYNC_LOG(ERROR) << "shutting down: " << s;
+  membership_.reset();
+}
+
+void RolloutAgent::Watchdog() {
+  for (;;) {
+    uint64_t id = 0;
+    std::string reason;
+    {
+      absl::MutexLock lock(&mu_);
+      auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+      mu_.AwaitWithTimeout(absl::Condition(&stop), absl::Milliseconds(100));
+      if (stopping_) return;
+      Sync* s = sync_.get();
+      if (s != nullptr && s->rpcs == 0 && (s->phase == Phase::kReceiving || s->phase == Phase::kPrepared) &&
+          absl::Now() - s->idle_since > s->timeout) {
+        id = s->id;
+        const char* expected = s->phase == Phase::kPrepared ? "CommitSync or AbortSync"
+                               : s->first_error.ok()        ? "PrepareSync or AbortSync"
+                                                            : "AbortSync (the sync had failed)";
+        reason = absl::StrCat("no ", expected, " from the coordinator within ", absl::FormatDuration(s->timeout),
+                              " (the coordinator is lost?)");
+      }
+    }
+    if (id != 0) {
+      WSYNC_LOG(ERROR) << "sync " << id << ": " << reason << "; aborting on my own";
+      uint64_t v = 0;
+      absl::Status s = AbortById(id, reason, &v);
+      if (!s.ok()) WSYNC_LOG(ERROR) << "sync " << id << ": aborting: " << s;
+    }
+  }
+}
+
+// --- RegisterEngine -----------------------------------------------------------------------------------
+
+absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, v1::RegisterEngineReply* reply) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return absl::UnavailableError("the rollout agent is shutting down");
+  }
+  absl::MutexLock op(&op_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (sync_ != nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat("RegisterEngine: sync ", sync_->id,
+                                                        " is in progress; register again once it has ended"));
+    }
+  }
+  const std::string who = absl::StrCat("RegisterEngine(engine \"", req.engine_id(), "\", tp rank ", req.tp_rank(), "/",
+                                       req.tp_size(), ")");
+  const uint32_t ep = req.ep_size() == 0 ? 1 : req.ep_size();
+  if (req.tp_size() == 0 || req.tp_rank() >= req.tp_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": tp_rank must lie in [0, tp_size)"));
+  }
+  if (req.engine_address().empty()) return absl::InvalidArgumentError(absl::StrCat(who, ": no engine_address"));
+  if (req.params_size() == 0) return absl::InvalidArgumentError(absl::StrCat(who, ": no params"));
+
+  auto config = ParseModelConfig(req.model_config_json(), "RegisterEngineRequest.model_config_json");
+  if (!config.ok()) return Annotate(config.status(), who);
+  std::optional<QuantizationConfig> quant;
+  if (!req.quantization_config_json().empty()) {
+    auto q = ParseQuantizationConfig(req.quantization_config_json(), "RegisterEngineRequest.quantization_config_json");
+    if (!q.ok()) return Annotate(q.status(), who);
+    quant = std::move(*q);
+  }
+  const std::string key = absl::StrCat(req.model_config_json(), "\n--\n", req.quantization_config_json(), "\n--\n",
+                                       req.tp_size(), "/", req.tp_rank(), "/", ep);
+  const bool reuse = engine_ != nullptr && engine_->layout_key == key;
+  std::unique_ptr<EngineLayout> new_layout;
+  if (!reuse) {
+    auto layout = EngineLayout::Create(*config, quant ? &*quant : nullptr,
+                                       {static_cast<int>(req.tp_size()), static_cast<int>(req.tp_rank()),
+                                        static_cast<int>(ep)});
+    if (!layout.ok()) return Annotate(layout.status(), who);
+    new_layout = std::make_unique<EngineLayout>(std::move(*layout));
+  }
+  const EngineLayout& layout = reuse ? *engine_->layout : *new_layout;
+  auto memory = MapEngineMemory(req.params());
+  if (!memory.ok()) return Annotate(memory.status(), who);
+  absl::Status match = (*memory)->weights().CheckMatches(layout);
+  if (!match.ok()) {
+    return Annotate(match, absl::StrCat(who, ": the engine's params are not the ", config->architecture,
+                                        " engine layout at TP rank ", req.tp_rank(), "/", req.tp_size(), ", EP ", ep,
+                                        quant ? " (INT4)" : " (bf16)"));
+  }
+
+  auto engine = std::make_unique<Engine>();
+  engine->info = req;
+  engine->info.clear_params();
+  engine->layout_key = key;
+  engine->memory = std::move(*memory);
+  engine->client = std::make_unique<EngineClient>(req.engine_address(), options_.security,
+                                                  EngineClientOptions{options_.engine_rpc_timeout});
+  if (reuse) {
+    engine->layout = std::move(engine_->layout);
+    engine->staging = std::move(engine_->staging);
+  } else {
+    // Drop the previous engine's staging before allocating the new one (peak memory: one staging).
+    if (engine_ != nullptr) {
+      absl::MutexLock lock(&mu_);
+      engine_.reset();
+      m_->registered->Set(0);
+    }
+    engine->layout = std::move(new_layout);
+    auto staging = Staging::Create(*engine->layout);
+    if (!staging.ok()) return Annotate(staging.status(), absl::StrCat(who, ": allocating the staging buffers"));
+    engine->staging = std::move(*staging);
+  }
+  const int64_t staging_bytes = engine->layout->TotalBytes(ParamForm::kLoaded);
+  const uint64_t param_bytes = engine->memory->param_bytes();
+  const size_t segments = engine->memory->segments().size();
+  std::string address;
+  {
+    absl::MutexLock lock(&mu_);
+    engine_ = std::move(engine);
+    version_ = req.version();
+    address = options_.advertise_address.empty() ? address_ : options_.advertise_address;
+  }
+  m_->registered->Set(1);
+  m_->version->Set(static_cast<double>(req.version()));
+  if (options_.set_log_identity) SetLogIdentity("rollout", static_cast<int>(req.tp_rank()));
+  WSYNC_LOG(INFO) << "registered engine \"" << req.engine_id() << "\" at " << req.engine_address() << ": "
+                  << config->architecture << (quant ? " INT4" : " bf16") << ", tp " << req.tp_rank() << "/"
+                  << req.tp_size() << ", ep " << ep << ", version " << req.version() << ", " << req.params_size()
+                  << " params (" << param_bytes << " bytes in " << segments << " shm segment(s)); staging "
+                  << staging_bytes << " bytes" << (reuse ? " (kept)" : "");
+  if (membership_) {
+    v1::JoinRequest join;
+    join.set_agent_address(address);
+    join.set_engine_id(req.engine_id());
+    join.set_tp_rank(req.tp_rank());
+    join.set_tp_size(req.tp_size());
+    join.set_version(req.version());
+    membership_->Update(join);
+  }
+  reply->set_agent_id(AgentId());
+  return absl::OkStatus();
+}
+
+// --- UpdateWeights / AgentStatus ----------------------------------------------------------------------
+
+absl::Status RolloutAgent::UpdateWeights(const v1::UpdateWeightsRequest& req, absl::Time deadline,
+                                         const std::function<bool()>& cancelled, v1::UpdateWeightsReply* reply) {
+  absl::MutexLock lock(&mu_);
+  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return version_ >= req.min_version() || stopping_; };
+  while (!ready()) {
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("UpdateWeights: version ", req.min_version(),
+                                                      " was not committed before the deadline (the engine holds version ",
+                                                      version_, ")"));
+    }
+    if (cancelled && cancelled()) return absl::CancelledError("UpdateWeights: the caller went away");
+    mu_.AwaitWithDeadline(absl::Condition(&ready), std::min(deadline, now + absl::Milliseconds(200)));
+  }
+  if (version_ < req.min_version()) {
+    return absl::UnavailableError(absl::StrCat("UpdateWeights: the rollout agent is shutting down (version ",
+                                               version_, ", waiting for ", req.min_version(), ")"));
+  }
+  reply->set_version(version_);
+  return absl::OkStatus();
+}
+
+absl::Status RolloutAgent::AgentStatus(v1::AgentStatusReply* reply) {
+  reply->set_agent_id(AgentId());
+  absl::MutexLock lock(&mu_);
+  reply->set_version(version_);
+  if (engine_ != nullptr) {
+    reply->set_engine_id(engine_->info.engine_id());
+    reply->set_tp_rank(engine_->info.tp_rank());
+    reply->set_tp_size(engine_->info.tp_size());
+  }
+  if (engine_ == nullptr) {
+    reply->set_state("no_engine");
+  } else if (sync_ == nullptr) {
+    reply->set_state("idle");
+  } else if (sync_->phase == Phase::kPrepared || sync_->phase == Phase::kCommitting) {
+    reply->set_state("prepared");
+  } else {
+    reply->set_state("receiving");
+  }
+  return absl::OkStatus();
+}
+
+// --- BeginSync ----------------------------------------------------------------------------------------
+
+absl::Status RolloutAgent::CheckBegin(const v1::BeginSyncRequest& req, bool* duplicate, v1::BeginSyncReply* reply) {
+  *duplicate = false;
+  if (stopping_) return absl::UnavailableError("the rollout agent is shutting down");
+  if (sync_ != nullptr) {
+    if (sync_->id == req.sync_id()) {
+      if (sync_->phase == Phase::kBeginning) return absl::OkStatus();  // the first call is still pausing: wait for it
+      *duplicate = true;
+      reply->set_previous_version(sync_->previous_version);
+      return absl::OkStatus();
+    }
+    return absl::FailedPreconditionError(absl::StrCat("BeginSync ", req.sync_id(), ": sync ", sync_->id, " is ",
+                                                      PhaseName(static_cast<int>(sync_->phase)),
+                                                      sync_->first_error.ok() ? "" : " (failed, waiting for AbortSync)",
+                                                      "; one sync at a time"));
+  }
+  if (req.sync_id() == 0) return absl::InvalidArgumentError("BeginSync: sync_id 0 is reserved");
+  if (req.sync_id() == last_sync_id_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("BeginSync ", req.sync_id(), ": that sync already ended (",
+                     last_committed_ ? "committed" : absl::StrCat("failed: ", last_outcome_.message()), ")"));
+  }
+  if (engine_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("BeginSync ", req.sync_id(), ": no engine has registered yet"));
+  }
+  if (req.version() <= version_) {
+    return absl::FailedPreconditionError(absl::StrCat("BeginSync ", req.sync_id(), ": version ", req.version(),
+                                                      " is not newer than the engine's version ", version_));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RolloutAgent::BeginSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply, absl::Time deadline) {
+  bool duplicate = false;
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckBegin(req, &duplicate, reply));
+    if (duplicate) return absl::OkStatus();
+  }
+  absl::MutexLock op(&op_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckBegin(req, &duplicate, reply));
+    if (duplicate) return absl::OkStatus();
+  }
+  return StartSync(req, reply, deadline);
+}
+
+absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply,
+                                     absl::Time deadline) {
+  const std::string who = absl::StrCat("BeginSync ", req.sync_id(), " (version ", req.version(), ")");
+  auto backend = ParseBackend(req.backend());
+  if (!backend.ok()) return Annotate(backend.status(), who);
+  if (*backend == Backend::kNccl) {
+    return absl::UnimplementedError(absl::StrCat(
+        who, ": backend nccl: this agent stages and repacks in host memory; receive with gloo (GPU staging is not built)"));
+  }
+  if (*backend != Backend::kGloo) return absl::InvalidArgumentError(absl::StrCat(who, ": backend ", req.backend()));
+  if (req.groups_size() == 0) return absl::InvalidArgumentError(absl::StrCat(who, ": no groups"));
+  if (req.store_address().empty()) return absl::InvalidArgumentError(absl::StrCat(who, ": no store_address"));
+  absl::flat_hash_set<std::string> names;
+  absl::flat_hash_set<uint32_t> stages;
+  for (const v1::SyncGroup& g : req.groups()) {
+    if (g.name().empty() || !names.insert(g.name()).second) {
+      return absl::InvalidArgumentError(absl::StrCat(who, ": group names must be non-empty and distinct (\"", g.name(), "\")"));
+    }
+    if (!stages.insert(g.pp_stage()).second) {
+      return absl::InvalidArgumentError(absl::StrCat(who, ": two groups for pipeline stage ", g.pp_stage()));
+    }
+    if (g.size() < 2 || req.agent_rank() < 1 || req.agent_rank() >= g.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(who, ": agent_rank ", req.agent_rank(), " does not fit group \"",
+                                                     g.name(), "\" of size ", g.size(), " (rank 0 is the stage source)"));
+    }
+  }
+
+  Sync* s = nullptr;
+  {
+    auto sync = std::make_unique<Sync>();
+    sync->req = req;
+    sync->id = req.sync_id();
+    sync->backend = *backend;
+    sync->timeout = req.timeout_ms() > 0 ? absl::Milliseconds(req.timeout_ms()) : options_.default_sync_timeout;
+    sync->rpcs = 1;
+    absl::MutexLock lock(&mu_);
+    sync->previous_version = version_;
+    sync_ = std::move(sync);
+    s = sync_.get();
+  }
+  m_->active->Set(1);
+  Engine& e = *engine_;
+  WSYNC_LOG(INFO) << who << ": pausing the engine at " << e.client->address();
+  auto fail = [&](const absl::Status& st) {
+    // Continue even if Pause itself failed: the engine may have paused before the error.
+    absl::Status cont = EndFailedSync(s, std::string(st.message()), /*continue_engine=*/true);
+    absl::Status out = Annotate(st, who);
+    if (!cont.ok()) out = Annotate(out, absl::StrCat("[and continuing the engine failed too: ", cont.message(), "]"));
+    return out;
+  };
+  const absl::Time t0 = absl::Now();
+  auto paused = e.client->Pause(v1::PauseRequest::HOLD);
+  if (!paused.ok()) return fail(paused.status());
+  {
+    absl::MutexLock lock(&mu_);
+    s->engine_paused = true;
+  }
+  const absl::Time t1 = absl::Now();
+  m_->Observe("pause", t1 - t0);
+  if (s->cancel.cancelled()) return fail(absl::AbortedError(s->cancel.reason()));
+  const absl::Time flush_deadline = std::min(t1 + std::min(options_.flush_deadline, s->timeout), deadline);
+  auto flushed = e.client->Flush(flush_deadline, [s] { return s->cancel.cancelled(); });
+  if (!flushed.ok()) return fail(flushed.status());
+  const absl::Time t2 = absl::Now();
+  m_->Observe("flush", t2 - t1);
+  if (s->cancel.cancelled()) return fail(absl::AbortedError(s->cancel.reason()));
+
+  e.staging->ResetCoverage();
+  if (req.record() && !options_.record_dir.empty()) {
+    auto rec = Recorder::Start(options_.record_dir, req.version(), absl::StrCat("sync", req.sync_id(), "-", getpid()));
+    if (!rec.ok()) return fail(rec.status());
+    s->recorder = std::move(*rec);
+  } else if (req.record()) {
+    WSYNC_LOG(WARNING) << who << ": the sync asks for a recording, but this agent has no --record-dir";
+  }
+  s->store = GrpcStoreClient::Connect(req.store_address(), absl::Seconds(30), options_.security);
+  s->loader = std::make_unique<Loader>(e.staging.get());
+  {
+    absl::MutexLock lock(&mu_);
+    s->phase = Phase::kReceiving;
+    s->running = req.groups_size();
+  }
+  for (int i = 0; i < req.groups_size(); ++i) s->threads.emplace_back([this, s, i] { RunStage(s, static_cast<size_t>(i)); });
+  {
+    absl::MutexLock lock(&mu_);
+    s->rpcs--;
+    s->idle_since = absl::Now();
+  }
+  WSYNC_LOG(INFO) << who << ": engine paused (" << *paused << " in flight) and flushed"
+                  << (*flushed > 0 ? absl::StrCat(" after ", *flushed, " refusals") : "") << " in "
+                  << absl::FormatDuration(t2 - t0) << "; receiving " << req.groups_size() << " stage(s) as rank "
+                  << req.agent_rank() << (s->recorder ? absl::StrCat(", recording to ", s->recorder->partial_dir()) : "");
+  reply->set_previous_version(s->previous_version);
+  return absl::OkStatus();
+}
+
+void RolloutAgent::RunStage(Sync* s, size_t index) {
+  const v1::SyncGroup& g = s->req.groups(static_cast<int>(index));
+  StageOptions o;
+  o.backend = s->backend;
+  o.store = s->store.get();
+  o.group = g.name();
+  o.pp_stage = g.pp_stage();
+  o.rank = static_cast<int>(s->req.agent_rank());
+  o.size = static_cast<int>(g.size());
+  o.host = options_.data_host;
+  o.version = s->req.version();
+  o.join_timeout = s->timeout;
+  o.op_timeout = s->timeout;
+  o.loader = s->loader.get();
+  o.recorder = s->recorder.get();
+  o.load_threads = options_.load_threads > 0 ? options_.load_threads
+                                             : static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
+  o.cancel = &s->cancel;
+  auto r = ReceiveStage(o);
+  bool cancel_others = false;
+  {
+    absl::MutexLock lock(&mu_);
+    --s->running;
+    if (r.ok()) {
+      s->totals.buckets += r->buckets;
+      s->totals.bytes += r->bytes;
+      s->totals.tensors += r->tensors;
+      s->totals.join = std::max(s->totals.join, r->join);
+      s->totals.transfer = std::max(s->totals.transfer, r->transfer);
+      s->totals.load += r->load;
+      s->totals.record += r->record;
+    } else if (s->first_error.ok()) {
+      s->first_error = r.status();
+      cancel_others = true;
+    }
+  }
+  if (r.ok()) {
+    m_->bytes->Increment(static_cast<double>(r->bytes));
+    m_->buckets->Increment(static_cast<double>(r->buckets));
+    m_->tensors->Increment(static_cast<double>(r->tensors));
+    WSYNC_LOG(INFO) << "sync " << s->id << ": stage " << g.pp_stage() << " received " << r->buckets << " buckets, "
+                    << r->tensors << " tensors, " << r->bytes << " bytes in " << absl::FormatDuration(r->transfer)
+                    << " (group formed in " << absl::FormatDuration(r->join) << ", loading "
+                    << absl::FormatDuration(r->load) << ")";
+  } else {
+    WSYNC_LOG(ERROR) << "sync " << s->id << ": stage " << g.pp_stage() << " failed: " << r.status();
+    if (cancel_others) s->cancel.Cancel(absl::StrCat("stage ", g.pp_stage(), " failed: ", r.status().message()));
+  }
+}
+
+// --- PrepareSync --------------------------------------------------------------------------------------
+
+namespace {
+
+absl::Status NoSuchSync(absl::string_view rpc, uint64_t id, uint64_t last_id, bool last_committed,
+                        const absl::Status& last_outcome) {
+  if (id != 0 && id == last_id) {
+    if (last_committed) return absl::FailedPreconditionError(absl::StrCat(rpc, " ", id, ": the sync was already committed"));
+    return absl::AbortedError(absl::StrCat(rpc, " ", id, ": the sync was aborted: ", last_outcome.message()));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(rpc, " ", id, ": no such sync is active"));
+}
+
+}  // namespace
+
+absl::Status RolloutAgent::PrepareSync(const v1::PrepareSyncRequest& req, absl::Time deadline,
+                                       v1::PrepareSyncReply* reply) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (sync_ == nullptr || sync_->id != req.sync_id())
+      return NoSuchSync("PrepareSync", req.sync_id(), last_sync_id_, last_committed_, last_outcome_);
+  }
+  absl::MutexLock op(&op_mu_);
+  Sync* s = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (sync_ == nullptr || sync_->id != req.sync_id())
+      return NoSuchSync("PrepareSync", req.sync_id(), last_sync_id_, last_committed_, last_outcome_);
+    s = sync_.get();
+    if (s->phase == Phase::kPrepared) {
+      *reply = s->prepared;
+      return absl::OkStatus();
+    }
+    s->rpcs++;
+  }
+  const std::string who = absl::StrCat("PrepareSync ", s->id, " (version ", s->req.version(), ")");
+  auto done_rpc = [&] {
+    absl::MutexLock lock(&mu_);
+    s->rpcs--;
+    s->idle_since = absl::Now();
+  };
+  // Bounded by the RPC's deadline and, without one, by the sync's own timeout (its threads are).
+  const absl::Time limit = std::min(deadline, absl::Now() + s->timeout + absl::Seconds(30));
+  {
+    absl::MutexLock lock(&mu_);
+    auto finished = [s]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return s->running == 0; };
+    if (!mu_.AwaitWithDeadline(absl::Condition(&finished), limit)) {
+      s->rpcs--;
+      s->idle_since = absl::Now();
+      return absl::DeadlineExceededError(absl::StrCat(who, ": still receiving at the deadline (",
+                                                      s->req.groups_size() - s->running, " of ", s->req.groups_size(),
+                                                      " stages done); call PrepareSync again or AbortSync"));
+    }
+  }
+  for (auto& t : s->threads) t.join();
+  s->threads.clear();
+  absl::Status st;
+  {
+    absl::MutexLock lock(&mu_);
+    st = s->first_error;
+  }
+  if (st.ok()) {
+    st = engine_->staging->CheckComplete();
+    if (!st.ok()) {
+      st = Annotate(st, absl::StrCat("the stream ended without every tensor this engine rank needs"));
+      absl::MutexLock lock(&mu_);
+      s->first_error = st;
+    }
+  }
+  if (!st.ok()) {
+    done_rpc();
+    WSYNC_LOG(ERROR) << who << ": " << st;
+    return Annotate(st, who);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    s->phase = Phase::kPrepared;
+    s->prepared.set_buckets(s->totals.buckets);
+    s->prepared.set_bytes(s->totals.bytes);
+    s->prepared.set_tensors(s->totals.tensors);
+    s->prepared.set_transfer_seconds(Seconds(s->totals.transfer));
+    s->prepared.set_load_seconds(Seconds(s->totals.load));
+    *reply = s->prepared;
+  }
+  m_->Observe("join", s->totals.join);
+  m_->Observe("transfer", s->totals.transfer);
+  m_->Observe("load", s->totals.load);
+  done_rpc();
+  WSYNC_LOG(INFO) << who << ": prepared: " << reply->buckets() << " buckets, " << reply->tensors() << " tensors, "
+                  << reply->bytes() << " bytes in " << reply->transfer_seconds() << " s (loading "
+                  << reply->load_seconds() << " s)";
+  return absl::OkStatus();
+}
+
+// --- CommitSync ---------------------------------------------------------------------------------------
+
+absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::CommitSyncReply* reply) {
+  auto idempotent = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> std::optional<absl::Status> {
+    if (sync_ != nullptr && sync_->id == req.sync_id()) return std::nullopt;
+    if (req.sync_id() != 0 && req.sync_id() == last_sync_id_ && last_committed_) {
+      reply->set_version(version_);
+      return absl::OkStatus();
+    }
+    return NoSuchSync("CommitSync", req.sync_id(), last_sync_id_, last_committed_, last_outcome_);
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto r = idempotent()) return *r;
+  }
+  absl::MutexLock op(&op_mu_);
+  Sync* s = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto r = idempotent()) return *r;
+    s = sync_.get();
+    if (s->phase != Phase::kPrepared) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("CommitSync ", s->id, ": the sync is ", PhaseName(static_cast<int>(s->phase)), ", not prepared",
+                       s->first_error.ok() ? "" : absl::StrCat(" (it failed: ", s->first_error.message(), ")")));
+    }
+    s->phase = Phase::kCommitting;
+    s->rpcs++;
+  }
+  const uint64_t version = s->req.version();
+  const std::string who = absl::StrCat("CommitSync ", s->id, " (version ", version, ")");
+  Engine& e = *engine_;
+  const absl::Time t0 = absl::Now();
+  absl::Status st = Commit(*e.staging, e.memory->weights(), {.num_threads = options_.repack_threads, .verify = false});
+  const absl::Duration repack = absl::Now() - t0;
+  if (!st.ok()) {
+    if (absl::IsInternal(st)) {
+      // Validation passed, so the engine's memory may be partly written: it must not serve.
+      if (s->recorder) s->recorder->Discard();
+      {
+        absl::MutexLock lock(&mu_);
+        last_sync_id_ = s->id;
+        last_committed_ = false;
+        last_outcome_ = st;
+        sync_.reset();
+      }
+      m_->failures->Increment();
+      m_->active->Set(0);
+      WSYNC_LOG(ERROR) << who << ": repack failed after validation; the engine stays paused: " << st;
+      return absl::InternalError(absl::StrCat(who, ": the repack failed after validation (", st.message(),
+                                              "); the engine's memory may be partly written, so it stays paused "
+                                              "until a later sync succeeds"));
+    }
+    absl::Status cont = EndFailedSync(s, std::string(st.message()), true);
+    absl::Status out = Annotate(st, absl::StrCat(who, ": refused before writing (the engine's memory is untouched)"));
+    if (!cont.ok()) out = Annotate(out, absl::StrCat("[and continuing the engine failed too: ", cont.message(), "]"));
+    return out;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    version_ = version;  // wakes UpdateWeights waiters
+  }
+  m_->version->Set(static_cast<double>(version));
+  if (membership_) membership_->SetVersion(version);
+  const absl::Time t1 = absl::Now();
+  auto cont = e.client->Continue(version);
+  const absl::Duration continued = absl::Now() - t1;
+  if (s->recorder) {
+    absl::Status rs = s->recorder->Finish();
+    if (!rs.ok()) WSYNC_LOG(ERROR) << who << ": publishing the recording: " << rs;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    last_sync_id_ = s->id;
+    last_committed_ = true;
+    last_outcome_ = absl::OkStatus();
+    sync_.reset();
+  }
+  m_->Observe("repack", repack);
+  m_->Observe("continue", continued);
+  m_->syncs->Increment();
+  m_->active->Set(0);
+  if (!cont.ok()) {
+    WSYNC_LOG(ERROR) << who << ": committed, but the engine did not continue: " << cont.status();
+    return Annotate(cont.status(), absl::StrCat(who, ": the engine's memory holds the new version, but Continue failed"));
+  }
+  WSYNC_LOG(INFO) << who << ": committed (repack " << absl::FormatDuration(repack) << ", continue "
+                  << absl::FormatDuration(continued) << ")";
+  reply->set_version(version);
+  reply->set_repack_seconds(Seconds(repack));
+  reply->set_continue_seconds(Seconds(continued));
+  return absl::OkStatus();
+}
+
+// --- AbortSync ----------------------------------------------------------------------------------------
+
+absl::Status RolloutAgent::AbortSync(const v1::AbortSyncRequest& req, v1::AbortSyncReply* reply) {
+  uint64_t version = 0;
+  absl::Status s = AbortById(req.sync_id(), req.reason().empty() ? "AbortSync from the coordinator" : req.reason(), &version);
+  reply->set_version(version);
+  return s;
+}
+
+absl::Status RolloutAgent::AbortById(uint64_t id, const std::string& reason, uint64_t* version) {
+  {
+    // Fast path first: cancel group formation and abort the communicators now, so the receive
+    // threads (and the trainer's senders) stop while we wait for op_mu_.
+    absl::MutexLock lock(&mu_);
+    if (sync_ != nullptr && (id == 0 || sync_->id == id) && sync_->phase != Phase::kCommitting) {
+      sync_->cancel.Cancel(reason);
+    }
+  }
+  absl::MutexLock op(&op_mu_);
+  Sync* s = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (sync_ == nullptr || (id != 0 && sync_->id != id)) {
+      *version = version_;
+      return absl::OkStatus();
+    }
+    s = sync_.get();
+  }
+  bool paused;
+  {
+    absl::MutexLock lock(&mu_);
+    paused = s->engine_paused;
+  }
+  absl::Status st = EndFailedSync(s, reason, paused);
+  absl::MutexLock lock(&mu_);
+  *version = version_;
+  return st;
+}
+
+absl::Status RolloutAgent::EndFailedSync(Sync* s, const std::string& reason, bool continue_engine) {
+  const uint64_t id = s->id;
+  s->cancel.Cancel(reason);
+  for (auto& t : s->threads) t.join();
+  s->threads.clear();
+  if (s->recorder) s->recorder->Discard();
+  absl::Status cont;
+  if (continue_engine && engine_ != nullptr) {
+    const absl::Time t0 = absl::Now();
+    auto c = engine_->client->Continue(s->previous_version);
+    m_->Observe("continue", absl::Now() - t0);
+    cont = c.status();
+    if (!cont.ok()) WSYNC_LOG(ERROR) << "sync " << id << ": continuing the engine on version " << s->previous_version << ": " << cont;
+  }
+  WSYNC_LOG(WARNING) << "sync " << id << " (version " << s->req.version() << ") aborted: " << reason
+                     << "; the engine continues on version " << s->previous_version;
+  {
+    absl::MutexLock lock(&mu_);
+    last_sync_id_ = id;
+    last_committed_ = false;
+    last_outcome_ = absl::AbortedError(reason);
+    sync_.reset();
+  }
+  m_->failures->Increment();
+  m_->active->Set(0);
+  return cont;
+}
+
+// --- AgentServer --------------------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<AgentServer>> AgentServer::Start(const std::string& listen, AgentOptions options) {
+  std::unique_ptr<AgentServer> s(new AgentServer());
+  RpcSecurity sec = options.security;
+  const std::string advertise = options.advertise_address;
+  s->agent_ = std::make_unique<RolloutAgent>(std::move(options));
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(listen, ServerCredentials(sec), &port);
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  builder.RegisterService(s->agent_->service());
+  s->server_ = builder.BuildAndStart();
+  if (!s->server_ || port == 0) return absl::UnavailableError(absl::StrCat("rollout agent: cannot listen on ", listen));
+  const size_t colon = listen.rfind(':');
+  s->address_ = absl::StrCat(colon == std::string::npos ? listen : listen.substr(0, colon), ":", port);
+  s->agent_->SetAddress(advertise.empty() ? s->address_ : advertise);
+  return s;
+}
+
+AgentServer::~AgentServer() { Shutdown(); }
+
+void AgentServer::Shutdown() {
+  if (agent_) agent_->Stop();
+  if (server_) {
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    server_->Wait();
+    server_.reset();
+  }
+}
+
+}  // namespace wsync::rollout

@@ -1,0 +1,161 @@
+// The rollout agent (proto/wsync/v1/rollout.proto, service RolloutAgent): one per engine rank.
+//
+//   RegisterEngine  the engine's config, quantization, TP rank and parameter memory (POSIX shm) ->
+//                   EngineLayout, mapped EngineWeights checked against it (CheckMatches), one
+//                   Staging allocated for all syncs. Replaces a previous engine (refused while a
+//                   sync is active). Then Join + heartbeats at the coordinator, if one is configured.
+//   BeginSync       Pause(HOLD) + Flush (retried every 50 ms while the engine refuses, until
+//                   min(flush deadline, timeout)) the engine, reset staging coverage, start one
+//                   receive thread per SyncGroup (receive/stage_receiver.h) and return at once.
+//                   FAILED_PRECONDITION without an engine, during another sync, or for a version
+//                   not newer than the engine's; the same sync_id again is a no-op.
+//   PrepareSync     waits (until the RPC deadline) for the receive threads; returns the first
+//                   error (data plane as is, checksum DATA_LOSS, loader INVALID_ARGUMENT, ...) or
+//                   the staging's CheckComplete (NOT_FOUND naming missing tensors); engine memory
+//                   untouched.
+//   CommitSync      after a successful Prepare of that sync: Commit (repack) staging into the
+//                   engine memory, publish the version, Continue(version) the engine, wake
+//                   UpdateWeights waiters, publish the recording.
+//   AbortSync       any time: cancel group formation, abort the communicators (the trainer side
+//                   fails fast), join the threads, Continue(previous version); engine memory
+//                   untouched. Idempotent (unknown / finished sync ids return the current version).
+//   UpdateWeights   the committed version, or waits (until the RPC deadline) for min_version.
+//   AgentStatus     ids, TP rank, version, state (idle | receiving | prepared | no_engine).
+// A sync left alone by its coordinator (no RPC for it for timeout_ms while none is running) is
+// aborted by the agent itself: the engine continues on its previous version.
+// Every failure leaves the engine's memory as it was and continues it on its previous version;
+// the only exception is a repack that fails after validation (a kernel bug, kInternal): then the
+// engine is left paused (its memory may be partly written) and the error says so.
+//
+// Ownership: the agent owns the mappings of the engine's memory, the staging, its threads and,
+// unless AgentOptions::metrics is set, its metrics registry. AgentServer owns a RolloutAgent and
+// the gRPC server in front of it (every handler starts with WSYNC_AUTHORIZE).
+// Thread-safety: every method may be called from any thread; sync operations are serialized.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/metrics.h"
+#include "common/rpc_security.h"
+#include "wsync/v1/rollout.grpc.pb.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace wsync::rollout {
+
+struct AgentOptions {
+  std::string record_dir;               // --record-dir; empty: BeginSyncRequest.record is ignored
+  RpcSecurity security;                 // token + TLS, for the server and for calls to engine/coordinator
+  std::string coordinator;              // --coordinator; empty: no Join / heartbeats
+  std::string advertise_address;        // the agent address sent in Join; default: the bound address
+  std::string data_host = "127.0.0.1";  // the address this agent's Gloo endpoints listen on (--data-host)
+  absl::Duration heartbeat = absl::Seconds(2);
+  absl::Duration engine_rpc_timeout = absl::Seconds(10);
+  absl::Duration flush_deadline = absl::Seconds(30);      // bounded further by the sync's timeout
+  absl::Duration default_sync_timeout = absl::Minutes(5);  // when BeginSyncRequest.timeout_ms == 0
+  int load_threads = 0;                 // entries loaded at once per bucket; 0: min(4, cores)
+  int repack_threads = 0;               // Commit; 0: the kernels' default
+  MetricsRegistry* metrics = nullptr;   // not owned; null: the agent's own registry
+  bool set_log_identity = false;        // log as "rollout[tp_rank]" once an engine registered
+};
+
+class RolloutAgent {
+ public:
+  explicit RolloutAgent(AgentOptions options);
+  ~RolloutAgent();  // Stop()
+
+  // The address the agent serves on (set by AgentServer before any RPC); used for Join.
+  void SetAddress(const std::string& address);
+  // Aborts an active sync (the engine continues on its previous version), wakes UpdateWeights
+  // waiters, leaves the coordinator. Later RPCs fail with UNAVAILABLE. Idempotent.
+  void Stop();
+
+  // The RPCs (after authorization). `deadline`: the RPC's; `cancelled`: the client went away.
+  absl::Status RegisterEngine(const v1::RegisterEngineRequest& req, v1::RegisterEngineReply* reply);
+  absl::Status UpdateWeights(const v1::UpdateWeightsRequest& req, absl::Time deadline,
+                             const std::function<bool()>& cancelled, v1::UpdateWeightsReply* reply);
+  // `deadline` (the RPC's) also bounds the Flush retries: a caller that gave up leaves no engine paused.
+  absl::Status BeginSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply,
+                         absl::Time deadline = absl::InfiniteFuture());
+  absl::Status PrepareSync(const v1::PrepareSyncRequest& req, absl::Time deadline, v1::PrepareSyncReply* reply);
+  absl::Status CommitSync(const v1::CommitSyncRequest& req, v1::CommitSyncReply* reply);
+  absl::Status AbortSync(const v1::AbortSyncRequest& req, v1::AbortSyncReply* reply);
+  absl::Status AgentStatus(v1::AgentStatusReply* reply);
+
+  uint64_t version() const;
+  MetricsRegistry& metrics() const;
+  // The gRPC service over this agent (owned by the agent).
+  grpc::Service* service();
+
+ private:
+  struct Engine;
+  struct Sync;
+  class Service;
+  struct Metrics;
+  enum class Phase;
+
+  absl::Status CheckBegin(const v1::BeginSyncRequest& req, bool* duplicate, v1::BeginSyncReply* reply)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status StartSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_);
+  void RunStage(Sync* sync, size_t index);
+  // Ends `sync` (cancel, join threads, drop the recording, continue the engine on the previous
+  // version if the agent paused it). Returns the status of Continue.
+  absl::Status EndFailedSync(Sync* sync, const std::string& reason, bool continue_engine)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_);
+  absl::Status AbortById(uint64_t sync_id, const std::string& reason, uint64_t* version);
+  void Watchdog();
+  std::string AgentId() const;
+
+  const AgentOptions options_;
+  std::unique_ptr<MetricsRegistry> own_metrics_;
+  std::unique_ptr<Metrics> m_;
+  std::unique_ptr<Service> service_;
+
+  // op_mu_ serializes the operations that change the engine or the sync (held across engine RPCs,
+  // repacks and thread joins); mu_ guards the state below and is only held briefly. Order: op_mu_
+  // before mu_.
+  absl::Mutex op_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  mutable absl::Mutex mu_;
+  std::string address_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Engine> engine_;  // written under op_mu_ and mu_; read under either
+  std::unique_ptr<Sync> sync_;      // the same
+  uint64_t version_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // The last sync that ended: its id and outcome (for idempotent / late RPCs).
+  uint64_t last_sync_id_ ABSL_GUARDED_BY(mu_) = 0;
+  bool last_committed_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status last_outcome_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<class Membership> membership_;
+  std::thread watchdog_;
+};
+
+class AgentServer {
+ public:
+  // Listens on `listen` ("127.0.0.1:0" picks a port) with ServerCredentials(options.security).
+  // kUnavailable if the address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<AgentServer>> Start(const std::string& listen, AgentOptions options);
+  ~AgentServer();  // Shutdown()
+
+  // "host:port" as bound (the port resolved).
+  const std::string& address() const { return address_; }
+  RolloutAgent& agent() { return *agent_; }
+  // Stops the agent (see RolloutAgent::Stop), then the server. Idempotent.
+  void Shutdown();
+
+ private:
+  AgentServer() = default;
+  std::unique_ptr<RolloutAgent> agent_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+};
+
+}  // namespace wsync::rollout

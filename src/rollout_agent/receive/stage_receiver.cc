@@ -1,0 +1,170 @@
+#include "rollout_agent/receive/stage_receiver.h"
+
+#include <algorithm>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "comm/bucket_stream.h"
+#include "common/logging.h"
+#include "common/status.h"
+
+namespace wsync::rollout {
+
+// --- SyncCancel -----------------------------------------------------------------------------------
+
+void SyncCancel::Cancel(const std::string& reason) {
+  // Abort() is quick and never blocks for long, so it runs under the lock: a communicator cannot
+  // be unregistered (and destroyed) while it is being aborted.
+  absl::MutexLock lock(&mu_);
+  if (!cancelled_.load(std::memory_order_relaxed)) reason_ = reason;
+  cancelled_.store(true, std::memory_order_release);
+  for (Communicator* c : comms_) c->Abort(reason_);
+}
+
+std::string SyncCancel::reason() const {
+  absl::MutexLock lock(&mu_);
+  return reason_;
+}
+
+bool SyncCancel::Register(Communicator* comm) {
+  absl::MutexLock lock(&mu_);
+  if (cancelled_.load(std::memory_order_relaxed)) {
+    comm->Abort(reason_);
+    return false;
+  }
+  comms_.push_back(comm);
+  return true;
+}
+
+void SyncCancel::Unregister(Communicator* comm) {
+  absl::MutexLock lock(&mu_);
+  comms_.erase(std::remove(comms_.begin(), comms_.end(), comm), comms_.end());
+}
+
+// --- ReceiveStage ---------------------------------------------------------------------------------
+
+namespace {
+
+std::string BucketWhere(const v1::BucketManifest& m) { return absl::StrCat("stage ", m.pp_stage(), " bucket ", m.index()); }
+
+absl::Status LoadEntry(const v1::BucketEntry& e, const Buffer& data, Loader& loader) {
+  ASSIGN_OR_RETURN(const DType dtype, FromProto(e.tensor().dtype()));
+  Shape shape(e.tensor().shape().begin(), e.tensor().shape().end());
+  ASSIGN_OR_RETURN(TensorView view, TensorView::Make(dtype, std::move(shape),
+                                                     {data.data() + e.offset(), static_cast<size_t>(e.nbytes())},
+                                                     e.tensor().name()));
+  return loader.Load(e.tensor().name(), view);
+}
+
+// Loads every entry of a bucket, up to `threads` at once; the first error wins.
+absl::Status LoadBucket(const v1::BucketManifest& m, const Buffer& data, Loader& loader, int threads) {
+  const int n = m.entries_size();
+  for (const v1::BucketEntry& e : m.entries()) {
+    if (e.nbytes() != e.total_nbytes()) {
+      return absl::UnimplementedError(absl::StrCat(BucketWhere(m), ": ", e.tensor().name(), " is split (bytes [",
+                                                   e.split_offset(), ", ", e.split_offset() + e.nbytes(), ") of ",
+                                                   e.total_nbytes(), "); this agent loads whole tensors only"));
+    }
+  }
+  threads = std::clamp(threads, 1, std::max(n, 1));
+  if (m.nbytes() < (uint64_t{1} << 20)) threads = 1;  // not worth a thread
+  std::atomic<int> next{0};
+  std::atomic<bool> failed{false};
+  absl::Mutex mu;
+  absl::Status first;
+  auto work = [&] {
+    for (;;) {
+      const int i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= n || failed.load(std::memory_order_relaxed)) return;
+      absl::Status s = LoadEntry(m.entries(i), data, loader);
+      if (!s.ok()) {
+        absl::MutexLock lock(&mu);
+        if (first.ok()) first = Annotate(s, BucketWhere(m));
+        failed.store(true, std::memory_order_relaxed);
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  return first;
+}
+
+absl::Status CheckManifest(const v1::BucketManifest& m, const StageOptions& o) {
+  if (m.version() != o.version) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(BucketWhere(m), ": carries version ", m.version(), " but the sync is version ", o.version));
+  }
+  if (m.pp_stage() != o.pp_stage) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(BucketWhere(m), ": arrived in the group of stage ", o.pp_stage, " (", o.group, ")"));
+  }
+  return absl::OkStatus();
+}
+
+bool AddressedTo(const v1::BucketManifest& m, int rank) {
+  if (m.targets().empty()) return true;
+  return std::find(m.targets().begin(), m.targets().end(), static_cast<uint32_t>(rank)) != m.targets().end();
+}
+
+}  // namespace
+
+absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
+  const std::string where = absl::StrCat("stage ", o.pp_stage, " (group \"", o.group, "\", rank ", o.rank, "/", o.size, ")");
+  if (o.store == nullptr || o.loader == nullptr || o.cancel == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": store, loader and cancel are required"));
+  }
+  SyncCancel& cancel = *o.cancel;
+  auto aborted = [&](const absl::Status& s) {
+    return absl::AbortedError(absl::StrCat("the sync was aborted (", cancel.reason(), "): ", s.message()));
+  };
+  StageStats stats;
+  GroupOptions g;
+  g.store = o.store;
+  g.name = o.group;
+  g.rank = o.rank;
+  g.size = o.size;
+  g.host = o.host;
+  g.join_timeout = o.join_timeout;
+  g.default_timeout = o.op_timeout;
+  g.cancelled = [&cancel] { return cancel.cancelled(); };
+  const absl::Time t0 = absl::Now();
+  auto comm = CreateGroup(o.backend, g);
+  if (!comm.ok()) return cancel.cancelled() ? aborted(comm.status()) : Annotate(comm.status(), where);
+  stats.join = absl::Now() - t0;
+  if (!cancel.Register(comm->get())) return aborted(absl::AbortedError(absl::StrCat(where, ": after forming the group")));
+  WSYNC_LOG(DEBUG) << where << ": group formed in " << absl::FormatDuration(stats.join);
+
+  const absl::Time t1 = absl::Now();
+  absl::Status s = [&]() -> absl::Status {
+    BucketReceiver receiver(**comm, 0, CollectiveOptions{o.op_timeout});
+    for (;;) {
+      auto next = receiver.Next();
+      if (!next.ok()) return Annotate(next.status(), where);
+      if (!next->has_value()) return absl::OkStatus();
+      const BucketReceiver::Bucket& b = **next;
+      RETURN_IF_ERROR(CheckManifest(b.manifest, o));
+      stats.buckets++;
+      stats.bytes += b.manifest.nbytes();
+      if (!AddressedTo(b.manifest, o.rank)) continue;
+      const absl::Time l0 = absl::Now();
+      RETURN_IF_ERROR(LoadBucket(b.manifest, b.data, *o.loader, o.load_threads));
+      const absl::Time l1 = absl::Now();
+      stats.load += l1 - l0;
+      stats.tensors += static_cast<uint64_t>(b.manifest.entries_size());
+      if (o.recorder != nullptr) {
+        RETURN_IF_ERROR(o.recorder->WriteBucket(b.manifest, b.data.data()));
+        stats.record += absl::Now() - l1;
+      }
+      if (cancel.cancelled()) return absl::AbortedError("cancelled between buckets");
+    }
+  }();
+  stats.transfer = absl::Now() - t1;
+  if (!s.ok()) (*comm)->Abort(s.message());
+  cancel.Unregister(comm->get());
+  if (!s.ok()) return cancel.cancelled() ? aborted(s) : s;
+  return stats;
+}
+
+}  // namespace wsync::rollout

@@ -1,0 +1,88 @@
+// One pipeline stage's stream on a rollout agent: form the stage's data-plane group (the trainer
+// stage source is group rank 0, this agent is `rank`), receive its buckets (comm/bucket_stream.h:
+// size and XXH3 checked there), check each manifest against the sync, load every entry into
+// staging with the Loader (several entries of a bucket at once), and record the bucket if asked.
+// The consumer loads bucket k while bucket k+1 arrives (the BucketReceiver's queue of one).
+//
+// Checks per bucket, each failing the stage with an error naming stage and bucket:
+//   manifest.version == the sync's version, manifest.pp_stage == the group's stage (kInvalidArgument);
+//   no split entries (kUnimplemented: the agent loads whole tensors);
+//   every entry through Loader::Load (kInvalidArgument unknown name / dtype / shape, kAlreadyExists).
+// A bucket whose `targets` is non-empty and does not hold this agent's rank is skipped (sharded
+// delivery: addressed to other agents).
+//
+// SyncCancel ties the stages of one sync together: Cancel(reason) sets the flag that group
+// formation polls and aborts every registered communicator, so a blocked receive fails at once
+// (kAborted) and the trainer side sees the failure (its peers' connections close). ReceiveStage
+// aborts its own group when it fails; the caller cancels the other stages (the sync is lost anyway,
+// and the senders learn it fast). A stage that fails because the sync was cancelled returns
+// kAborted carrying the cancel reason.
+//
+// Thread-safety: ReceiveStage blocks its calling thread; SyncCancel is safe from any thread.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "comm/communicator.h"
+#include "comm/store/store.h"
+#include "rollout_agent/load/loader.h"
+#include "rollout_agent/receive/recorder.h"
+
+namespace wsync::rollout {
+
+class SyncCancel {
+ public:
+  bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
+  // Sets the flag and aborts every registered communicator (and any registered later). The first
+  // reason is kept. Never blocks for long.
+  void Cancel(const std::string& reason);
+  std::string reason() const;
+  // Registers `comm` for Cancel(); if the sync is already cancelled, aborts it at once and returns
+  // false. Unregister before destroying the communicator.
+  bool Register(Communicator* comm);
+  void Unregister(Communicator* comm);
+
+ private:
+  std::atomic<bool> cancelled_{false};
+  mutable absl::Mutex mu_;
+  std::string reason_ ABSL_GUARDED_BY(mu_);
+  std::vector<Communicator*> comms_ ABSL_GUARDED_BY(mu_);
+};
+
+struct StageOptions {
+  Backend backend = Backend::kGloo;
+  Store* store = nullptr;        // not owned
+  std::string group;             // SyncGroup.name
+  uint32_t pp_stage = 0;
+  int rank = 1;                  // this agent's rank in the group (1..M)
+  int size = 2;
+  std::string host = "127.0.0.1";  // where this agent's data-plane endpoints listen (GroupOptions::host)
+  uint64_t version = 0;          // the sync's version; every manifest must carry it
+  absl::Duration join_timeout = absl::Seconds(60);
+  absl::Duration op_timeout = absl::Minutes(5);  // per bucket broadcast
+  Loader* loader = nullptr;      // not owned
+  const Recorder* recorder = nullptr;  // optional, not owned
+  int load_threads = 2;          // entries of one bucket loaded concurrently
+  SyncCancel* cancel = nullptr;  // not owned; required
+};
+
+struct StageStats {
+  uint64_t buckets = 0;
+  uint64_t bytes = 0;            // bucket data bytes
+  uint64_t tensors = 0;          // entries received (loaded or accepted and skipped by the loader)
+  absl::Duration join;           // forming the group
+  absl::Duration transfer;       // group formed -> last bucket loaded
+  absl::Duration load;           // wall time in the loader (overlaps the transfer)
+  absl::Duration record;         // writing recordings
+};
+
+// See the file comment. Returns the stage's first error; on error the group is aborted.
+absl::StatusOr<StageStats> ReceiveStage(const StageOptions& options);
+
+}  // namespace wsync::rollout

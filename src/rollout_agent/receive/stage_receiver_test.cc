@@ -1,0 +1,177 @@
+// ReceiveStage over a real Gloo group inside this process (the stage source on a thread as group
+// rank 0, the receiving agent as rank 1, an in-memory store): a generated INT4 checkpoint arrives
+// complete in staging; manifests of another version or a split tensor are refused; Cancel stops
+// a stage waiting for its group or for buckets within a bounded time.
+#include "rollout_agent/receive/stage_receiver.h"
+
+#include <thread>
+
+#include "comm/store/store.h"
+#include "common/config.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "rollout_agent/load/testing/hf_model.h"
+#include "rollout_agent/load/testing/test_models.h"
+#include "rollout_agent/receive/testing/sync_testing.h"
+
+namespace wsync::rollout {
+namespace {
+
+using ::testing::HasSubstr;
+
+class StageReceiverTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto config = ParseModelConfig(testing::kQwen3MoeJson, "qwen3_moe");
+    ASSERT_TRUE(config.ok()) << config.status();
+    auto quant = ParseQuantizationConfig(testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"}), "quant");
+    ASSERT_TRUE(quant.ok()) << quant.status();
+    auto layout = EngineLayout::Create(*config, &*quant, {2, 1, 1});
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    layout_ = std::make_unique<EngineLayout>(std::move(*layout));
+    auto staging = Staging::Create(*layout_);
+    ASSERT_TRUE(staging.ok());
+    staging_ = std::move(*staging);
+    auto model = testing::MakeHfModel(*config, &*quant, /*seed=*/20261122);
+    ASSERT_TRUE(model.ok()) << model.status();
+    model_ = std::move(*model);
+    for (const auto& name : model_.order) tensors_.emplace_back(name, model_.sent.at(name).view());
+  }
+
+  StageOptions Options(const std::string& group, SyncCancel* cancel, Loader* loader) {
+    StageOptions o;
+    o.store = &store_;
+    o.group = group;
+    o.rank = 1;
+    o.size = 2;
+    o.version = 5;
+    o.join_timeout = absl::Seconds(20);
+    o.op_timeout = absl::Seconds(20);
+    o.loader = loader;
+    o.cancel = cancel;
+    return o;
+  }
+
+  // Forms the group as rank 0 on a thread and runs `send` with it.
+  std::thread Source(const std::string& group, std::function<void(Communicator&)> send) {
+    return std::thread([this, group, send] {
+      GroupOptions g;
+      g.store = &store_;
+      g.name = group;
+      g.rank = 0;
+      g.size = 2;
+      g.join_timeout = absl::Seconds(20);
+      g.default_timeout = absl::Seconds(20);
+      auto comm = CreateGroup(Backend::kGloo, g);
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      send(**comm);
+    });
+  }
+
+  MemoryStore store_;
+  std::unique_ptr<EngineLayout> layout_;
+  std::unique_ptr<Staging> staging_;
+  testing::HfModel model_;
+  std::vector<std::pair<std::string, TensorView>> tensors_;
+};
+
+TEST_F(StageReceiverTest, ACheckpointArrivesCompleteInStaging) {
+  auto buckets = testing::PackBuckets(tensors_, {.version = 5, .bucket_bytes = 256 << 10});
+  ASSERT_TRUE(buckets.ok());
+  const size_t n = buckets->size();
+  std::thread source = Source("ok", [&](Communicator& c) { EXPECT_TRUE(testing::SendBuckets(c, std::move(*buckets)).ok()); });
+  SyncCancel cancel;
+  Loader loader(staging_.get());
+  StageOptions o = Options("ok", &cancel, &loader);
+  o.load_threads = 3;
+  auto stats = ReceiveStage(o);
+  source.join();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->buckets, n);
+  EXPECT_EQ(stats->tensors, tensors_.size());
+  EXPECT_TRUE(staging_->CheckComplete().ok()) << staging_->CheckComplete();
+  // Staging equals a direct load of the same tensors.
+  auto direct = Staging::Create(*layout_);
+  ASSERT_TRUE(direct.ok());
+  Loader direct_loader(direct->get());
+  for (const auto& [name, view] : tensors_) ASSERT_TRUE(direct_loader.Load(name, view).ok()) << name;
+  for (size_t i = 0; i < layout_->params().size(); ++i) {
+    const auto a = staging_->param(static_cast<int>(i)), b = (*direct)->param(static_cast<int>(i));
+    ASSERT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << layout_->params()[i].name;
+  }
+}
+
+TEST_F(StageReceiverTest, ABucketOfAnotherVersionIsRefused) {
+  auto buckets = testing::PackBuckets(tensors_, {.version = 4, .bucket_bytes = 256 << 10});
+  ASSERT_TRUE(buckets.ok());
+  std::thread source = Source("version", [&](Communicator& c) { (void)testing::SendBuckets(c, std::move(*buckets)); });
+  SyncCancel cancel;
+  Loader loader(staging_.get());
+  auto stats = ReceiveStage(Options("version", &cancel, &loader));
+  source.join();
+  ASSERT_FALSE(stats.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(stats.status())) << stats.status();
+  EXPECT_THAT(stats.status().message(), HasSubstr("carries version 4 but the sync is version 5"));
+}
+
+TEST_F(StageReceiverTest, ASplitTensorIsRefusedAndTheSenderLearnsIt) {
+  auto buckets = testing::PackBuckets(tensors_, {.version = 5, .bucket_bytes = 256 << 10});
+  ASSERT_TRUE(buckets.ok());
+  (*buckets)[1].manifest.mutable_entries(0)->set_total_nbytes((*buckets)[1].manifest.entries(0).nbytes() * 2);
+  // Keep the manifest valid for the data plane: the whole tensor would be twice the entry.
+  auto* t = (*buckets)[1].manifest.mutable_entries(0)->mutable_tensor();
+  t->set_shape(0, t->shape(0) * 2);
+  absl::Status sent;
+  std::thread source = Source("split", [&](Communicator& c) { sent = testing::SendBuckets(c, std::move(*buckets)); });
+  SyncCancel cancel;
+  Loader loader(staging_.get());
+  auto stats = ReceiveStage(Options("split", &cancel, &loader));
+  source.join();
+  ASSERT_FALSE(stats.ok());
+  EXPECT_TRUE(absl::IsUnimplemented(stats.status())) << stats.status();
+  EXPECT_THAT(stats.status().message(), HasSubstr("stage 0 bucket 1"));
+  EXPECT_FALSE(sent.ok()) << "the stage source must see the receiver abort";
+}
+
+TEST_F(StageReceiverTest, CancelStopsAStageWaitingForItsGroup) {
+  SyncCancel cancel;
+  Loader loader(staging_.get());
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    cancel.Cancel("operator abort");
+  });
+  const absl::Time t0 = absl::Now();
+  auto stats = ReceiveStage(Options("nobody", &cancel, &loader));
+  canceller.join();
+  ASSERT_FALSE(stats.ok());
+  EXPECT_TRUE(absl::IsAborted(stats.status())) << stats.status();
+  EXPECT_THAT(stats.status().message(), HasSubstr("operator abort"));
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
+}
+
+TEST_F(StageReceiverTest, CancelStopsAStageWaitingForBuckets) {
+  auto buckets = testing::PackBuckets(tensors_, {.version = 5, .bucket_bytes = 256 << 10});
+  ASSERT_TRUE(buckets.ok());
+  SyncCancel cancel;
+  absl::Status sent;
+  std::thread source = Source("stall", [&](Communicator& c) {
+    // Two buckets, then the trainer stalls; the agent is aborted.
+    auto& b = *buckets;
+    EXPECT_TRUE(testing::SendRawBucket(c, b[0].manifest, b[0].data, b[0].nbytes, false).ok());
+    EXPECT_TRUE(testing::SendRawBucket(c, b[1].manifest, b[1].data, b[1].nbytes, false).ok());
+    absl::SleepFor(absl::Milliseconds(300));
+    cancel.Cancel("AbortSync");
+    sent = testing::SendRawBucket(c, b[2].manifest, b[2].data, b[2].nbytes, false);
+  });
+  Loader loader(staging_.get());
+  const absl::Time t0 = absl::Now();
+  auto stats = ReceiveStage(Options("stall", &cancel, &loader));
+  source.join();
+  ASSERT_FALSE(stats.ok());
+  EXPECT_TRUE(absl::IsAborted(stats.status())) << stats.status();
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(10));
+  EXPECT_FALSE(sent.ok()) << "the source's next broadcast must fail";
+}
+
+}  // namespace
+}  // namespace wsync::rollout
