@@ -3,6 +3,8 @@
 #include <cstring>
 #include <filesystem>
 
+#include <unistd.h>
+
 #include "absl/strings/str_cat.h"
 #include "common/safetensors.h"
 #include "common/status.h"
@@ -27,9 +29,7 @@ constexpr char kInt4Qwen3[] = R"({"architectures": ["Qwen3ForCausalLM"], "model_
     "ignore": ["lm_head", "re:.*embed_tokens.*"]}})";
 
 std::string WriteDir(const std::string& name, const TensorMap& tensors, int files = 2) {
-  const std::string dir = ::testing::TempDir() + name;
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
+  const std::string dir = testing::FreshTempDir(name);
   std::vector<SafetensorsWriter> w(static_cast<size_t>(files));
   size_t i = 0;
   for (const auto& [n, t] : tensors.all()) EXPECT_TRUE(w[i++ % w.size()].Add(n, t.view()).ok());
@@ -123,8 +123,7 @@ TEST(CheckpointTest, RefusesUnknownMissingAndMismatchedTensors) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(r.status().message(), HasSubstr("model.norm.weight"));
 
-  const std::string empty = ::testing::TempDir() + "ckpt-empty";
-  std::filesystem::create_directories(empty);
+  const std::string empty = testing::FreshTempDir("ckpt-empty");
   r = Load(bf16c, 1, 0, empty, &s);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(r.status().message(), HasSubstr("no *.safetensors"));

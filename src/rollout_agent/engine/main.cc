@@ -298,7 +298,7 @@ int Run(const Flags& f) {
   if (registrar) registrar->Stop();
   if (former.joinable()) former.join();
   (*core)->Shutdown();
-  (*server)->Shutdown(absl::Seconds(2));
+  (*server)->Shutdown(absl::Milliseconds(500));  // the core already failed every held request
   WSYNC_LOG(INFO) << "stopped; unlinking " << (*arena)->segment().name();
   return 0;
 }
