@@ -62,6 +62,22 @@ std::string Qwen3Config(bool int4) {
   return c + "}";
 }
 
+// Qwen3-MoE: 4 experts top-2, layer 1 dense; with EP 2 each rank holds 2 experts.
+std::string Qwen3MoeConfig(bool int4) {
+  std::string c = R"({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 128,
+  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+  "intermediate_size": 256, "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2,
+  "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": true, "vocab_size": 250,
+  "max_position_embeddings": 64, "tie_word_embeddings": false, "torch_dtype": "bfloat16")";
+  if (int4) {
+    c += R"(, "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+      "strategy": "group", "group_size": 32, "symmetric": true, "actorder": null, "dynamic": false}}},
+    "ignore": ["lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"]})";
+  }
+  return c + "}";
+}
+
 const std::vector<std::vector<int32_t>> kPrompts = {{3, 17, 101, 42, 7}, {249, 0, 5}, {77}};
 constexpr int kNew = 6;
 
@@ -283,13 +299,14 @@ struct ServeCase {
   int tp;
   bool int4;
   bool sent_form;  // INT4: the checkpoint holds weight_packed/scale/shape; else bf16 quantized at load
+  int ep = 1;      // > 1: the Qwen3-MoE model with --ep-size ep
 };
 
 class ServeTest : public ::testing::TestWithParam<ServeCase> {};
 
 TEST_P(ServeTest, GenerateMatchesTheHfReference) {
   const ServeCase& sc = GetParam();
-  const std::string config_json = Qwen3Config(sc.int4);
+  const std::string config_json = sc.ep > 1 ? Qwen3MoeConfig(sc.int4) : Qwen3Config(sc.int4);
   const ModelConfig c = engine::testing::MustParseConfig(config_json);
   TensorMap hf = engine::testing::RandomHfModel(c, 1234);
   std::vector<std::vector<int32_t>> want;
@@ -303,7 +320,7 @@ TEST_P(ServeTest, GenerateMatchesTheHfReference) {
     want = ReferenceTokens(c, hf);
     dir = WriteCheckpoint(sc.name, config_json, hf);
   }
-  Engine e = StartEngine(sc.name, sc.tp, {"--checkpoint", dir});
+  Engine e = StartEngine(sc.name, sc.tp, {"--checkpoint", dir, "--ep-size", std::to_string(sc.ep)});
   AwaitState(*e.stubs[0], v1::HealthReply::SERVING);
   for (size_t i = 0; i < kPrompts.size(); ++i) {
     auto r = Generate(*e.stubs[0], kPrompts[i]);
@@ -339,7 +356,8 @@ INSTANTIATE_TEST_SUITE_P(Checkpoints, ServeTest,
                          ::testing::Values(ServeCase{"tp1_bf16", 1, false, false}, ServeCase{"tp2_bf16", 2, false, false},
                                            ServeCase{"tp1_int4_sent", 1, true, true},
                                            ServeCase{"tp2_int4_sent", 2, true, true},
-                                           ServeCase{"tp2_int4_quantized_at_load", 2, true, false}),
+                                           ServeCase{"tp2_int4_quantized_at_load", 2, true, false},
+                                           ServeCase{"tp2_ep2_moe_int4_sent", 2, true, true, 2}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 // --- Control semantics -------------------------------------------------------------------------------
