@@ -17,10 +17,12 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "common/units.h"
 #include "absl/strings/str_cat.h"
 #include "comm/communicator.h"
 #include "comm/store/store.h"
@@ -41,14 +43,12 @@ struct Flags {
 };
 
 size_t ParseSize(const std::string& s) {
-  double v = std::stod(s);
-  switch (s.empty() ? ' ' : s.back()) {
-    case 'K': case 'k': v *= 1024; break;
-    case 'M': case 'm': v *= 1024 * 1024; break;
-    case 'G': case 'g': v *= 1024.0 * 1024 * 1024; break;
-    default: break;
+  auto v = ParseByteSize(s);
+  if (!v.ok()) {
+    std::fprintf(stderr, "%s\n", v.status().ToString().c_str());
+    std::exit(2);
   }
-  return static_cast<size_t>(v);
+  return static_cast<size_t>(*v);
 }
 
 // The slowest member's value, and a sum, over the group.

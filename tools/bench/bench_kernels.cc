@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <numeric>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "common/units.h"
 #include "common/dtype.h"
 #include "common/tensor.h"
 #include "kernels/cpu/int4_cpu.h"
@@ -36,14 +38,12 @@ struct Flags {
 };
 
 int64_t ParseSize(const std::string& s) {
-  double v = std::stod(s);
-  switch (s.empty() ? ' ' : s.back()) {
-    case 'K': case 'k': v *= 1024; break;
-    case 'M': case 'm': v *= 1024 * 1024; break;
-    case 'G': case 'g': v *= 1024.0 * 1024 * 1024; break;
-    default: break;
+  auto v = ParseByteSize(s);
+  if (!v.ok()) {
+    std::fprintf(stderr, "%s\n", v.status().ToString().c_str());
+    std::exit(2);
   }
-  return static_cast<int64_t>(v);
+  return static_cast<int64_t>(*v);
 }
 
 // Best (minimum) time of `iters` calls: on a shared 2-core machine the mean mostly measures the

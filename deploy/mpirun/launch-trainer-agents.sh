@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Starts the wsync trainer agents beside a Megatron job: same hosts, same world size, same rank
+# order (Megatron's tp-cp-ep-dp-pp), so agent rank r reads Megatron rank r's shard.
+#
+#   deploy/mpirun/launch-trainer-agents.sh --hostfile HOSTS --np N --source dir:/ckpt/megatron \
+#       [--coordinator HOST0:7070] [--token-file /etc/wsync/token] [-- extra agent flags]
+#
+# Use the hostfile (and slots) of the Megatron launch so that `mpirun --map-by` places rank r on
+# the host of Megatron rank r; with torchrun-launched Megatron, list each host once per GPU in
+# RANK order. The coordinator runs in agent rank 0: give it an address reachable from the rollout
+# hosts (HOST0 = the host of rank 0). Environment: WSYNC_BIN (default /opt/wsync/bin),
+# MPIRUN_ARGS (e.g. "--mca btl_tcp_if_include eth0").
+set -euo pipefail
+hostfile="" np="" source="" coordinator="" token="/etc/wsync/token"
+extra=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --hostfile) hostfile="$2"; shift 2 ;;
+    --np) np="$2"; shift 2 ;;
+    --source) source="$2"; shift 2 ;;
+    --coordinator) coordinator="$2"; shift 2 ;;
+    --token-file) token="$2"; shift 2 ;;
+    --) shift; extra=("$@"); break ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+[ -n "$np" ] && [ -n "$source" ] || { sed -n '2,14p' "$0"; exit 2; }
+bin="${WSYNC_BIN:-/opt/wsync/bin}"
+coordinator="${coordinator:-$(hostname -f):7070}"
+hosts=()
+[ -n "$hostfile" ] && hosts=(--hostfile "$hostfile" --map-by slot)
+# shellcheck disable=SC2086
+exec mpirun ${MPIRUN_ARGS:-} "${hosts[@]}" -np "$np" \
+  -x WSYNC_LOG_LEVEL -x WSYNC_TOKEN \
+  "$bin/wsync-trainer-agent" --source "$source" --coordinator "$coordinator" --token-file "$token" "${extra[@]}"

@@ -1,0 +1,68 @@
+// wsync-trainer-agent: launched by mpirun beside the Megatron ranks, same world size and rank
+// order. Rank 0 hosts the coordinator. See trainer_agent.h and deploy/mpirun/.
+//
+//   mpirun -np 4 wsync-trainer-agent --source dir:/ckpt/megatron --coordinator 127.0.0.1:7070
+//       [--quant-config quant.json] [--bucket-mib 512] [--backend gloo] [--token-file F]
+#include <csignal>
+#include <cstdio>
+
+#include "CLI/CLI.hpp"
+#include "common/config.h"
+#include "common/logging.h"
+#include "trainer_agent/agent/trainer_agent.h"
+
+namespace {
+std::atomic<bool> g_stop{false};
+void OnSignal(int) { g_stop.store(true); }
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app("wsync-trainer-agent: the trainer side of wsync (one per Megatron rank, under mpirun)");
+  wsync::TrainerAgentOptions o;
+  std::string quant_file;
+  uint64_t bucket_mib = 512;
+  double sync_timeout_s = 600;
+  wsync::RpcSecurityOptions sec;
+  app.add_option("--source", o.source, "Weight source: dir:PATH (a Megatron source directory)")->required();
+  app.add_option("--coordinator", o.coordinator, "Coordinator address: rank 0 listens here, all ranks use its store");
+  app.add_option("--backend", o.backend, "Trainer -> rollout data plane: gloo (CPU) or nccl (GPU)");
+  app.add_option("--bucket-mib", bucket_mib, "Bucket size in MiB")->check(CLI::Range(1, 1 << 16));
+  app.add_option("--quant-config", quant_file,
+                 "The engines' quantization config (compressed-tensors object or a config.json holding one); "
+                 "default: the model's own, else none");
+  app.add_option("--quant-threads", o.quant_threads, "Threads for INT4 quantization (0: all cores)");
+  app.add_option("--sync-timeout", sync_timeout_s, "Bound on one sync, seconds")->check(CLI::PositiveNumber);
+  app.add_option("--token-file", sec.token_file, "Bearer token for every RPC (else $WSYNC_TOKEN)");
+  app.add_option("--tls-cert", sec.tls_cert_file, "TLS certificate of the coordinator");
+  app.add_option("--tls-key", sec.tls_key_file, "TLS key");
+  app.add_option("--tls-ca", sec.tls_ca_file, "CA for client certificates / of the servers");
+  app.add_option("--metrics-port", o.metrics_port, "Prometheus /metrics on 127.0.0.1:PORT (0: any; default off)");
+  app.add_option("--address-file", o.address_file, "Rank 0 writes the coordinator's bound address here");
+  CLI11_PARSE(app, argc, argv);
+
+  o.bucket_bytes = bucket_mib << 20;
+  o.sync_timeout = absl::Seconds(sync_timeout_s);
+  if (!quant_file.empty()) {
+    auto q = wsync::LoadQuantizationConfig(quant_file);
+    if (!q.ok()) {
+      std::fprintf(stderr, "wsync-trainer-agent: %s\n", q.status().ToString().c_str());
+      return 2;
+    }
+    o.quant = *q;
+  }
+  auto s = wsync::LoadRpcSecurity(sec);
+  if (!s.ok()) {
+    std::fprintf(stderr, "wsync-trainer-agent: %s\n", s.status().ToString().c_str());
+    return 2;
+  }
+  o.security = *s;
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  absl::Status st = wsync::RunTrainerAgent(o, &g_stop);
+  if (!st.ok()) {
+    WSYNC_LOG(ERROR) << st;
+    std::fprintf(stderr, "wsync-trainer-agent: %s\n", st.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,348 @@
+#include "trainer_agent/agent/trainer_agent.h"
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <optional>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "comm/bucket_stream.h"
+#include "comm/communicator.h"
+#include "comm/store/store.h"
+#include "common/logging.h"
+#include "common/metrics.h"
+#include "common/status.h"
+#include "common/units.h"
+#include "trainer_agent/coordinator/coordinator.h"
+#include "trainer_agent/source/dir_source.h"
+#include "trainer_agent/sync/rank_sync.h"
+#include "trainer_agent/sync/trainer_comms.h"
+
+namespace wsync {
+namespace {
+
+enum : uint32_t { kSync = 1, kStop = 2 };
+
+// The command rank 0 broadcasts to every rank (a fixed-size POD).
+struct Command {
+  uint32_t type = 0;
+  uint32_t num_agents = 0;
+  uint64_t sync_id = 0;
+  uint64_t version = 0;
+  uint64_t timeout_ms = 0;
+  char backend[16] = {};
+};
+
+// One rank's outcome, gathered to every rank after a sync.
+struct RankResult {
+  int32_t code = 0;
+  int32_t source = 0;
+  char message[464] = {};
+  double seconds[7] = {};  // open, gather, convert, quantize, bucket, send_wait, total
+  uint64_t bytes = 0, buckets = 0, tensors = 0;
+};
+static_assert(sizeof(RankResult) % 8 == 0, "a POD gathered byte-wise");
+
+constexpr const char* kPhaseNames[7] = {"open", "gather", "convert", "quantize", "bucket", "send_wait", "trainer_total"};
+
+// Rank 0's side of the command channel: the coordinator's sync thread hands a plan over and
+// waits; the main loop broadcasts it and reports back.
+class CommandChannel final : public TrainerSide {
+ public:
+  CommandChannel(int world, int stages) : world_(world), stages_(stages) {}
+  int num_stages() const override { return stages_; }
+  int world_size() const override { return world_; }
+
+  absl::StatusOr<TrainerReport> RunSync(const SyncPlan& plan) override {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return absl::UnavailableError("the trainer agents are shutting down");
+    pending_ = plan;
+    result_.reset();
+    auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return result_.has_value() || closed_; };
+    mu_.Await(absl::Condition(&done));
+    if (!result_.has_value()) return absl::UnavailableError("the trainer agents shut down during the sync");
+    auto r = std::move(*result_);
+    result_.reset();
+    return r;
+  }
+
+  // Main loop: the next plan, or nullopt after `poll` without one.
+  std::optional<SyncPlan> Next(absl::Duration poll) {
+    absl::MutexLock lock(&mu_);
+    auto has = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pending_.has_value(); };
+    mu_.AwaitWithTimeout(absl::Condition(&has), poll);
+    auto p = std::move(pending_);
+    pending_.reset();
+    return p;
+  }
+  void Complete(absl::StatusOr<TrainerReport> r) {
+    absl::MutexLock lock(&mu_);
+    result_ = std::move(r);
+  }
+  void Close() {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+  }
+
+ private:
+  const int world_, stages_;
+  absl::Mutex mu_;
+  std::optional<SyncPlan> pending_ ABSL_GUARDED_BY(mu_);
+  std::optional<absl::StatusOr<TrainerReport>> result_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// A stage source's sink: the bucket stream to its group, progress counted in the store. A
+// data-plane failure makes it a drain (see the header) and is reported by status().
+class BroadcastSink final : public sync::BucketSink {
+ public:
+  BroadcastSink(std::unique_ptr<Communicator> comm, Store* store, std::string prefix, CollectiveOptions options)
+      : comm_(std::move(comm)), sender_(*comm_, 0, 2, options), store_(store), prefix_(std::move(prefix)) {}
+
+  absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) override {
+    if (!error_.ok()) return absl::OkStatus();  // draining
+    absl::Status s = sender_.Send(std::move(manifest), std::move(data), nbytes);
+    if (!s.ok()) return Drain(s);
+    store_->Add(prefix_ + "bytes", static_cast<int64_t>(nbytes)).IgnoreError();
+    store_->Add(prefix_ + "buckets", 1).IgnoreError();
+    return absl::OkStatus();
+  }
+  Buffer Recycle() override { return error_.ok() ? sender_.Recycle() : Buffer(); }
+  absl::Status Finish() override {
+    if (error_.ok()) {
+      absl::Status s = sender_.Finish();
+      if (!s.ok()) Drain(s).IgnoreError();
+    }
+    return absl::OkStatus();
+  }
+  const absl::Status& status() const { return error_; }
+  const BucketStats& stats() const { return sender_.stats(); }
+
+ private:
+  absl::Status Drain(const absl::Status& s) {
+    error_ = s;
+    WSYNC_LOG(ERROR) << "data plane failed, draining the rest of the sync: " << s;
+    comm_->Abort(s.message());
+    return absl::OkStatus();
+  }
+  std::unique_ptr<Communicator> comm_;
+  BucketSender sender_;
+  Store* store_;
+  std::string prefix_;
+  absl::Status error_;
+};
+
+void SetMessage(RankResult& r, const absl::Status& s) {
+  r.code = static_cast<int32_t>(s.code());
+  const std::string m(s.message());
+  std::strncpy(r.message, m.c_str(), sizeof(r.message) - 1);
+}
+
+absl::Status FromResult(const RankResult& r, int rank) {
+  return absl::Status(static_cast<absl::StatusCode>(r.code), absl::StrCat("trainer rank ", rank, ": ", r.message));
+}
+
+// Every rank: OK only if every rank's `s` is OK; else the first failing rank's error.
+absl::Status Vote(Communicator& world, const absl::Status& s) {
+  RankResult mine;
+  if (!s.ok()) SetMessage(mine, s);
+  std::vector<RankResult> all(world.size());
+  ConstBytes in{&mine, sizeof(mine)};
+  MutableBytes out{all.data(), all.size() * sizeof(RankResult)};
+  RETURN_IF_ERROR(Await(world.AllGather({&in, 1}, {&out, 1})));
+  for (int r = 0; r < world.size(); ++r) {
+    if (all[r].code != 0) return FromResult(all[r], r);
+  }
+  return absl::OkStatus();
+}
+
+class Agent {
+ public:
+  Agent(const TrainerAgentOptions& o, std::unique_ptr<Communicator> world) : opts_(o), world_(std::move(world)) {}
+
+  absl::Status Init() {
+    if (!absl::StartsWith(opts_.source, "dir:")) {
+      return absl::InvalidArgumentError(absl::StrCat("unsupported weight source \"", opts_.source, "\" (dir:PATH)"));
+    }
+    dir_ = opts_.source.substr(4);
+    // Every rank must agree before the first collective that needs the layout (the Splits).
+    auto src = source::DirSource::Open(dir_);
+    absl::Status s = src.status();
+    if (s.ok() && src->parallel().world_size != world_->size()) {
+      s = absl::InvalidArgumentError(absl::StrCat(dir_, "/parallel.json says world_size ", src->parallel().world_size,
+                                                  " but mpirun started ", world_->size(), " ranks"));
+    }
+    RETURN_IF_ERROR(Vote(*world_, s));
+    layout_ = std::make_unique<ParallelLayout>(src->layout());
+    stages_ = src->parallel().pp;
+    ASSIGN_OR_RETURN(comms_, sync::MakeTrainerComms(*world_, *layout_));
+    store_ = GrpcStoreClient::Connect(opts_.coordinator, absl::Seconds(30), opts_.security);
+    return absl::OkStatus();
+  }
+
+  absl::Status Run(const std::atomic<bool>* stop) {
+    std::unique_ptr<Coordinator> coordinator;
+    std::unique_ptr<CommandChannel> channel;
+    if (world_->rank() == 0) {
+      channel = std::make_unique<CommandChannel>(world_->size(), stages_);
+      CoordinatorOptions co;
+      co.listen = opts_.coordinator;
+      co.security = opts_.security;
+      co.backend = opts_.backend;
+      co.sync_timeout = opts_.sync_timeout;
+      co.metrics = &MetricsRegistry::Global();
+      ASSIGN_OR_RETURN(coordinator, Coordinator::Start(co, channel.get()));
+      if (!opts_.address_file.empty()) {
+        std::ofstream(opts_.address_file) << coordinator->address() << "\n";
+      }
+      std::printf("coordinator listening on %s\n", coordinator->address().c_str());
+      std::fflush(stdout);
+    }
+    const CollectiveOptions forever{absl::InfiniteDuration()};
+    for (;;) {
+      Command cmd;
+      std::optional<SyncPlan> plan;
+      if (world_->rank() == 0) {
+        while (!plan && !stop->load()) plan = channel->Next(absl::Milliseconds(200));
+        if (plan) {
+          cmd.type = kSync;
+          cmd.num_agents = static_cast<uint32_t>(plan->num_agents);
+          cmd.sync_id = plan->sync_id;
+          cmd.version = plan->version;
+          cmd.timeout_ms = static_cast<uint64_t>(absl::ToInt64Milliseconds(plan->timeout));
+          std::strncpy(cmd.backend, plan->backend.c_str(), sizeof(cmd.backend) - 1);
+        } else {
+          cmd.type = kStop;
+        }
+      }
+      MutableBytes cb{&cmd, sizeof(cmd)};
+      RETURN_IF_ERROR(Annotate(Await(world_->Broadcast({&cb, 1}, 0, forever)), "command channel"));
+      if (cmd.type == kStop) break;
+      auto report = RunSync(cmd);
+      if (world_->rank() == 0) channel->Complete(std::move(report));
+    }
+    if (channel) channel->Close();
+    WSYNC_LOG(INFO) << "stopping";
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::StatusOr<TrainerReport> RunSync(const Command& cmd) {
+    const int rank = world_->rank();
+    const int stage = layout_->Dense(rank).pp;
+    const bool is_source = layout_->IsStageSource(rank);
+    const absl::Duration timeout = absl::Milliseconds(cmd.timeout_ms);
+    WSYNC_LOG(INFO) << "sync " << cmd.sync_id << " (version " << cmd.version << ")"
+                    << (is_source ? absl::StrCat(": source of stage ", stage, " for ", cmd.num_agents, " agents") : "");
+
+    // 1. Re-read the source and form the stage groups; vote.
+    absl::Status s;
+    auto src = source::DirSource::Open(dir_);
+    if (!src.ok()) s = src.status();
+    std::unique_ptr<BroadcastSink> sink;
+    if (s.ok() && is_source) {
+      GroupOptions g;
+      g.store = store_.get();
+      g.name = absl::StrCat("sync-", cmd.sync_id, "/pp", stage);
+      g.rank = 0;
+      g.size = static_cast<int>(cmd.num_agents) + 1;
+      g.join_timeout = std::min(timeout, absl::Minutes(2));
+      g.default_timeout = timeout;
+      auto backend = ParseBackend(cmd.backend);
+      auto comm = backend.ok() ? CreateGroup(*backend, g) : backend.status();
+      if (comm.ok()) {
+        sink = std::make_unique<BroadcastSink>(std::move(*comm), store_.get(),
+                                               absl::StrCat("sync-", cmd.sync_id, "/progress/"), CollectiveOptions{timeout});
+      } else {
+        s = Annotate(comm.status(), absl::StrCat("stage ", stage, " data-plane group"));
+      }
+    }
+    s = Vote(*world_, s);
+
+    // 2. The sync itself.
+    RankResult mine;
+    mine.source = is_source;
+    if (s.ok()) {
+      sync::SyncOptions so;
+      so.version = cmd.version;
+      so.bucket_bytes = opts_.bucket_bytes;
+      const std::optional<QuantizationConfig>& q = opts_.quant ? opts_.quant : src->model().quantization;
+      so.quant = q ? &*q : nullptr;
+      so.quant_threads = opts_.quant_threads;
+      so.collective = CollectiveOptions{timeout};
+      so.workspace = &workspace_;
+      auto report = sync::RunRankSync(*src, comms_, sink.get(), so);
+      if (report.ok() && sink && !sink->status().ok()) report = sink->status();
+      if (report.ok()) {
+        const absl::Duration d[7] = {report->open, report->gather, report->convert, report->quantize,
+                                     report->bucket, report->send_wait, report->total};
+        for (int i = 0; i < 7; ++i) mine.seconds[i] = absl::ToDoubleSeconds(d[i]);
+        mine.bytes = report->bytes;
+        mine.buckets = report->buckets;
+        mine.tensors = report->tensors;
+      } else {
+        SetMessage(mine, report.status());
+      }
+    } else {
+      SetMessage(mine, s);
+    }
+    sink.reset();
+
+    // 3. Results to every rank.
+    std::vector<RankResult> all(world_->size());
+    ConstBytes in{&mine, sizeof(mine)};
+    MutableBytes out{all.data(), all.size() * sizeof(RankResult)};
+    RETURN_IF_ERROR(Await(world_->AllGather({&in, 1}, {&out, 1})));
+    for (int r = 0; r < world_->size(); ++r) {
+      if (all[r].code != 0) return FromResult(all[r], r);
+    }
+    TrainerReport report;
+    for (int i = 0; i < 7; ++i) {
+      PhaseTime p{kPhaseNames[i], 0, 0};
+      for (const auto& r : all) {
+        if (r.source) p.seconds = std::max(p.seconds, r.seconds[i]);  // stages run in parallel
+      }
+      report.phases.push_back(p);
+    }
+    for (const auto& r : all) {
+      report.bytes += r.bytes;
+      report.buckets += r.buckets;
+      report.tensors += r.tensors;
+    }
+    report.phases.back().bytes = report.bytes;
+    WSYNC_LOG(INFO) << "sync " << cmd.sync_id << " done on this rank: " << FormatBytes(mine.bytes) << " in "
+                    << mine.seconds[6] << " s";
+    return report;
+  }
+
+  TrainerAgentOptions opts_;
+  std::unique_ptr<Communicator> world_;
+  std::string dir_;
+  std::unique_ptr<ParallelLayout> layout_;
+  int stages_ = 1;
+  sync::TrainerComms comms_;
+  sync::SyncWorkspace workspace_;  // gather buffers kept across syncs
+  std::unique_ptr<Store> store_;
+};
+
+}  // namespace
+
+absl::Status RunTrainerAgent(const TrainerAgentOptions& options, const std::atomic<bool>* stop) {
+  MpiOptions mo;
+  mo.default_timeout = options.sync_timeout;
+  ASSIGN_OR_RETURN(auto world, CreateMpiWorld(mo));
+  SetLogIdentity("trainer", world->rank());
+  Agent agent(options, std::move(world));
+  absl::Status s = agent.Init();
+  if (!s.ok()) return s;
+  std::unique_ptr<MetricsServer> metrics;
+  if (options.metrics_port >= 0) {
+    metrics = std::make_unique<MetricsServer>(&MetricsRegistry::Global());
+    RETURN_IF_ERROR(metrics->Start("127.0.0.1", options.metrics_port));
+  }
+  return agent.Run(stop);
+}
+
+}  // namespace wsync

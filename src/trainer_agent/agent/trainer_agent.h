@@ -1,0 +1,46 @@
+// The trainer agent process (one per Megatron rank, launched by mpirun in Megatron's rank order).
+//
+// Every rank: joins the MPI world, makes its TP / ETP / EP sub-communicators, and waits on the
+// command channel (a fixed-size Broadcast from rank 0 over the world). Rank 0 also hosts the
+// Coordinator; its TrainerSide turns each sync into a command, so every rank runs the same sync:
+//   1. each stage source forms its stage's data-plane group with the rollout agents (Gloo/NCCL,
+//      rendezvous through the coordinator's store) - then all ranks vote, so a source that
+//      could not form its group fails the sync everywhere before any gather starts;
+//   2. RunRankSync (trainer_agent/sync): gathers on all ranks, convert/quantize/bucket/send on
+//      the stage sources (BucketSender, progress counted in the store);
+//   3. every rank's result is gathered to rank 0 (first error, per-phase times).
+// A data-plane failure (a rollout agent lost mid-stream) turns the stage source's sink into a
+// drain: the trainer collectives still complete on every rank, and the error is reported then.
+//
+// Thread-safety: Run() is the process's main loop; Stop() may be called from a signal handler.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "common/config.h"
+#include "common/rpc_security.h"
+
+namespace wsync {
+
+struct TrainerAgentOptions {
+  std::string source;                    // "dir:PATH"
+  std::string coordinator = "127.0.0.1:7070";  // rank 0 listens here; every rank reaches the store here
+  std::string backend = "gloo";          // trainer -> rollout data plane
+  uint64_t bucket_bytes = uint64_t{512} << 20;
+  std::optional<QuantizationConfig> quant;  // the engines' quantization config (else the model's own)
+  int quant_threads = 0;
+  absl::Duration sync_timeout = absl::Minutes(10);
+  RpcSecurity security;
+  int metrics_port = -1;                 // -1: none; 0: any
+  std::string address_file;              // rank 0 writes the coordinator's bound address here
+};
+
+// Runs until Stop() (or SIGINT/SIGTERM through the caller). Returns the first fatal error.
+absl::Status RunTrainerAgent(const TrainerAgentOptions& options, const std::atomic<bool>* stop);
+
+}  // namespace wsync

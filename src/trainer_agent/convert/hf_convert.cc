@@ -1,0 +1,176 @@
+#include "trainer_agent/convert/hf_convert.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace wsync::convert {
+namespace {
+
+Shape WithRows(const Shape& shape, int64_t rows) {
+  Shape s = shape;
+  s[0] = rows;
+  return s;
+}
+
+absl::Status CheckFull(const MegatronParam& p, const TensorView& full) {
+  if (full.dtype() != p.dtype || full.shape() != p.full_shape)
+    return absl::InvalidArgumentError(absl::StrCat(p.global_name, ": full tensor is ", full.DebugString(),
+                                                   ", expected ", SafetensorsName(p.dtype),
+                                                   ShapeToString(p.full_shape)));
+  auto want = NumBytes(p.dtype, p.full_shape);
+  if (!want.ok() || static_cast<int64_t>(full.nbytes()) != *want)
+    return absl::InvalidArgumentError(absl::StrCat(p.global_name, ": full tensor holds ", full.nbytes(),
+                                                   " bytes, its shape needs ", want.ok() ? *want : -1));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> WidenToF32(const TensorView& v) {
+  if (v.dtype() != DType::kBF16 && v.dtype() != DType::kF16)
+    return absl::InvalidArgumentError(absl::StrCat("cannot widen ", v.DebugString(), " to F32: not BF16 or F16"));
+  ASSIGN_OR_RETURN(Tensor t, Tensor::Empty(DType::kF32, v.shape()));
+  const size_t n = static_cast<size_t>(v.numel());
+  std::vector<uint16_t> tmp(n);
+  std::memcpy(tmp.data(), v.data(), n * 2);  // safetensors data may be unaligned
+  if (v.dtype() == DType::kBF16) {
+    ConvertBF16ToF32(tmp.data(), t.data_as<float>(), n);
+  } else {
+    ConvertF16ToF32(tmp.data(), t.data_as<float>(), n);
+  }
+  return t;
+}
+
+absl::StatusOr<HfRowMap> HfRowMapFor(const ModelConfig& model, const MegatronParam& p) {
+  if (p.full_shape.empty())
+    return absl::InvalidArgumentError(absl::StrCat(p.global_name, ": a 0-d parameter has no row mapping"));
+  const int64_t rows = p.full_shape[0];
+  HfRowMap m;
+  switch (p.hf_op) {
+    case HfOp::kCopy:
+      m.hf_shapes = {p.full_shape};
+      m.pieces = {{0, 0, 0, rows}};
+      break;
+    case HfOp::kVocab:
+      if (model.vocab_size > rows)
+        return absl::InvalidArgumentError(absl::StrCat(p.global_name, ": ", rows, " rows hold less than vocab_size=",
+                                                       model.vocab_size));
+      m.hf_shapes = {WithRows(p.full_shape, model.vocab_size)};
+      m.pieces = {{0, 0, 0, model.vocab_size}};
+      break;
+    case HfOp::kGlu: {
+      if (rows % 2 != 0)
+        return absl::InvalidArgumentError(absl::StrCat(p.global_name, ": gated fc1 has an odd row count ", rows));
+      const int64_t f = rows / 2;
+      m.hf_shapes = {WithRows(p.full_shape, f), WithRows(p.full_shape, f)};
+      m.pieces = {{0, 0, 0, f}, {1, f, 0, f}};
+      break;
+    }
+    case HfOp::kQkv: {
+      const int64_t nh = model.num_attention_heads, ng = model.num_key_value_heads, hd = model.head_dim;
+      if (ng <= 0 || nh % ng != 0 || rows != (nh + 2 * ng) * hd)
+        return absl::InvalidArgumentError(absl::StrCat(p.global_name, ": ", rows, " rows do not split into ", nh,
+                                                       " query heads and ", ng, " groups of head_dim ", hd));
+      const int64_t n_rep = nh / ng;
+      m.hf_shapes = {WithRows(p.full_shape, nh * hd), WithRows(p.full_shape, ng * hd), WithRows(p.full_shape, ng * hd)};
+      for (int64_t g = 0; g < ng; ++g) {
+        const int64_t base = g * (n_rep + 2) * hd;
+        m.pieces.push_back({0, base, g * n_rep * hd, n_rep * hd});
+        m.pieces.push_back({1, base + n_rep * hd, g * hd, hd});
+        m.pieces.push_back({2, base + (n_rep + 1) * hd, g * hd, hd});
+      }
+      break;
+    }
+  }
+  if (m.hf_shapes.size() != p.hf_names.size())
+    return absl::InternalError(absl::StrCat(p.global_name, ": ", p.hf_names.size(), " HF names for ",
+                                            m.hf_shapes.size(), " HF tensors"));
+  return m;
+}
+
+absl::StatusOr<std::vector<HfTensor>> ToHf(const ModelConfig& model, const MegatronParam& p, TensorView full) {
+  RETURN_IF_ERROR(CheckFull(p, full));
+  std::vector<HfTensor> out;
+  if (!p.sent) return out;
+  ASSIGN_OR_RETURN(HfRowMap map, HfRowMapFor(model, p));
+  const int64_t row_bytes = static_cast<int64_t>(full.nbytes()) / p.full_shape[0];
+  const std::byte* base = full.bytes().data();
+  out.resize(map.hf_shapes.size());
+  for (size_t i = 0; i < map.hf_shapes.size(); ++i) {
+    HfTensor& t = out[i];
+    t.name = p.hf_names[i];
+    const Shape& shape = map.hf_shapes[i];
+    const int64_t hf_rows = shape[0];
+    int count = 0;
+    const HfRowPiece* only = nullptr;
+    for (const HfRowPiece& piece : map.pieces)
+      if (piece.hf_index == static_cast<int>(i)) {
+        ++count;
+        only = &piece;
+      }
+    if (count == 1 && only->hf_row == 0 && only->rows == hf_rows) {
+      t.view = TensorView(p.dtype, shape,
+                          full.bytes().subspan(static_cast<size_t>(only->full_row * row_bytes),
+                                               static_cast<size_t>(hf_rows * row_bytes)));
+      continue;
+    }
+    ASSIGN_OR_RETURN(t.owned, Tensor::Empty(p.dtype, shape));
+    std::byte* dst = t.owned.mutable_view().bytes().data();
+    for (const HfRowPiece& piece : map.pieces)
+      if (piece.hf_index == static_cast<int>(i))
+        std::memcpy(dst + piece.hf_row * row_bytes, base + piece.full_row * row_bytes,
+                    static_cast<size_t>(piece.rows * row_bytes));
+    t.view = t.owned.view();
+  }
+  return out;
+}
+
+absl::StatusOr<Tensor> HfToMegatronFull(const ModelConfig& model, const MegatronParam& p, const HfCheckpoint& hf) {
+  ASSIGN_OR_RETURN(HfRowMap map, HfRowMapFor(model, p));
+  std::vector<TensorView> sources(map.hf_shapes.size());
+  std::vector<Tensor> widened(map.hf_shapes.size());
+  for (size_t i = 0; i < sources.size(); ++i) {
+    ASSIGN_OR_RETURN(TensorView v, hf.Get(p.hf_names[i]));
+    if (v.shape() != map.hf_shapes[i])
+      return absl::InvalidArgumentError(absl::StrCat("HF tensor \"", p.hf_names[i], "\" is ", v.DebugString(),
+                                                     ", expected shape ", ShapeToString(map.hf_shapes[i]),
+                                                     " (for ", p.global_name, ")"));
+    if (v.dtype() != p.dtype) {
+      if (p.dtype == DType::kF32 && (v.dtype() == DType::kBF16 || v.dtype() == DType::kF16)) {
+        ASSIGN_OR_RETURN(widened[i], WidenToF32(v));
+        v = widened[i].view();
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat("HF tensor \"", p.hf_names[i], "\" is ", v.DebugString(),
+                                                       ", expected dtype ", SafetensorsName(p.dtype), " (for ",
+                                                       p.global_name, ")"));
+      }
+    }
+    sources[i] = v;
+  }
+  int64_t covered = 0;
+  for (const HfRowPiece& piece : map.pieces) covered += piece.rows;
+  const bool padded = covered < p.full_shape[0];
+  ASSIGN_OR_RETURN(Tensor full, padded ? Tensor::Zeros(p.dtype, p.full_shape) : Tensor::Empty(p.dtype, p.full_shape));
+  const int64_t row_bytes = static_cast<int64_t>(full.nbytes()) / p.full_shape[0];
+  std::byte* dst = full.mutable_view().bytes().data();
+  for (const HfRowPiece& piece : map.pieces)
+    std::memcpy(dst + piece.full_row * row_bytes,
+                sources[static_cast<size_t>(piece.hf_index)].bytes().data() + piece.hf_row * row_bytes,
+                static_cast<size_t>(piece.rows * row_bytes));
+  return full;
+}
+
+absl::StatusOr<std::vector<HfTensorSpec>> HfTensorSpecs(const ModelConfig& model) {
+  ASSIGN_OR_RETURN(std::vector<MegatronParam> plan, PlanFullModel(model));
+  std::vector<HfTensorSpec> out;
+  for (const MegatronParam& p : plan) {
+    if (!p.sent) continue;
+    ASSIGN_OR_RETURN(HfRowMap map, HfRowMapFor(model, p));
+    for (size_t i = 0; i < map.hf_shapes.size(); ++i) out.push_back({p.hf_names[i], p.dtype, map.hf_shapes[i]});
+  }
+  return out;
+}
+
+}  // namespace wsync::convert

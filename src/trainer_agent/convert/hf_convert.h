@@ -1,0 +1,71 @@
+// Full (gathered) Megatron tensor <-> HuggingFace tensors, per parameter (MEGATRON_TO_HF §2.3-2.5,
+// §5). Both directions use one row mapping per HfOp (HfRowMap), so the sharder and the sync
+// path cannot disagree:
+//   kCopy   HF = the full tensor
+//   kVocab  HF = rows [0, vocab_size) of the padded tensor; padding rows are zeros when sharding
+//   kGlu    gate = rows [0, f), up = rows [f, 2f)
+//   kQkv    per query group g: q rows, then k, then v (view(ng, n_rep+2, hd, ...) split [n_rep,1,1])
+// ToHf returns views into `full` wherever the HF tensor is one contiguous block of it (copy,
+// vocab unpad, GLU halves) and copies only for the q/k/v split.
+//
+// Errors: kInvalidArgument naming the parameter / HF tensor with expected and found dtype and
+// shape; kNotFound for an HF tensor missing from the checkpoint.
+// Thread-safety: pure functions.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/config.h"
+#include "common/tensor.h"
+#include "trainer_agent/convert/hf_checkpoint.h"
+#include "trainer_agent/convert/megatron_param.h"
+
+namespace wsync::convert {
+
+// One HF tensor. `view` aliases the caller's full tensor, or points into `owned` when the
+// conversion had to copy (then `owned` holds the bytes and moving the HfTensor keeps `view` valid).
+struct HfTensor {
+  std::string name;
+  TensorView view;
+  Tensor owned;
+  bool aliases_input() const { return owned.nbytes() == 0; }
+};
+
+// A contiguous run of rows shared by the full Megatron tensor and HF tensor `hf_index`.
+// Rows are the tensors' first dimension (elements for 1-D tensors).
+struct HfRowPiece {
+  int hf_index = 0;
+  int64_t full_row = 0;
+  int64_t hf_row = 0;
+  int64_t rows = 0;
+};
+struct HfRowMap {
+  std::vector<Shape> hf_shapes;     // parallel to param.hf_names
+  std::vector<HfRowPiece> pieces;   // full rows outside every piece are padding
+};
+absl::StatusOr<HfRowMap> HfRowMapFor(const ModelConfig& model, const MegatronParam& param);
+
+// The HF tensors a gathered parameter becomes (none for the tied output copy, param.sent false).
+// `full` must have param.dtype and param.full_shape.
+absl::StatusOr<std::vector<HfTensor>> ToHf(const ModelConfig& model, const MegatronParam& param, TensorView full);
+
+// The reverse (used by the sharder): the full Megatron tensor built from the HF checkpoint. HF
+// tensors must have the parameter's dtype, except that a bf16/fp16 source of an fp32 parameter
+// (router.expert_bias) is widened exactly.
+absl::StatusOr<Tensor> HfToMegatronFull(const ModelConfig& model, const MegatronParam& param, const HfCheckpoint& hf);
+
+// bf16 / fp16 -> fp32, exact (kInvalidArgument for other dtypes).
+absl::StatusOr<Tensor> WidenToF32(const TensorView& v);
+
+// An HF tensor of the model: what a checkpoint holds and a sync sends (before quantization).
+struct HfTensorSpec {
+  std::string name;
+  DType dtype;
+  Shape shape;
+};
+// Every HF tensor of the model in plan order (PlanFullModel). MTP layers are not included.
+absl::StatusOr<std::vector<HfTensorSpec>> HfTensorSpecs(const ModelConfig& model);
+
+}  // namespace wsync::convert

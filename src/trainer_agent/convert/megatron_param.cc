@@ -1,0 +1,438 @@
+#include "trainer_agent/convert/megatron_param.h"
+
+#include <algorithm>
+#include <array>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "common/status.h"
+
+namespace wsync::convert {
+namespace {
+
+// The sizes every shape formula needs, read once from the config.
+struct Dims {
+  int64_t h = 0;           // hidden
+  int64_t nh = 0;          // attention heads
+  int64_t ng = 0;          // query groups (KV heads)
+  int64_t hd = 0;          // head dim (kv_channels)
+  int64_t ffn = 0;         // dense MLP width
+  int64_t moe_ffn = 0;     // routed expert width
+  int64_t shared_ffn = 0;  // shared expert width (DeepSeek: moe_ffn * n_shared_experts)
+  int64_t experts = 0;
+  int64_t vocab_padded = 0;
+  int64_t q_lora = 0, kv_lora = 0, nope = 0, rope = 0, vdim = 0;  // MLA
+};
+
+Dims DimsOf(const ModelConfig& m, int64_t vocab_padded) {
+  Dims d;
+  d.h = m.hidden_size;
+  d.nh = m.num_attention_heads;
+  d.ng = m.num_key_value_heads;
+  d.hd = m.head_dim;
+  d.ffn = m.intermediate_size;
+  d.vocab_padded = vocab_padded;
+  if (m.moe) {
+    d.moe_ffn = m.moe->moe_intermediate_size;
+    d.shared_ffn = m.moe->moe_intermediate_size * m.moe->num_shared_experts;
+    d.experts = m.moe->num_experts;
+  }
+  if (m.mla) {
+    d.q_lora = m.mla->q_lora_rank;
+    d.kv_lora = m.mla->kv_lora_rank;
+    d.nope = m.mla->qk_nope_head_dim;
+    d.rope = m.mla->qk_rope_head_dim;
+    d.vdim = m.mla->v_head_dim;
+  }
+  return d;
+}
+
+enum class Block : uint8_t { kFirstStage, kGqa, kMla, kDenseMlp, kMoeMlp, kLastStage };
+
+// When a row exists (besides its block being used).
+enum class When : uint8_t {
+  kAlways,
+  kQkvBias,       // Qwen2 (--add-qkv-bias)
+  kQkNorm,        // Qwen3, Qwen3-MoE (--qk-layernorm)
+  kQLora,         // MLA with q_lora_rank
+  kNoQLora,       // MLA without
+  kExpertBias,    // DeepSeek-V3 noaux_tc (--moe-router-enable-expert-bias)
+  kSharedExperts, // n_shared_experts > 0
+  kOutputLayer,   // untied, or tied on a stage without the embedding (PP > 1)
+};
+
+using ShapeFn = Shape (*)(const Dims&);
+
+// One Megatron parameter. Layer rows name parameters relative to "decoder.layers.{i}." and HF
+// tensors relative to "model.layers.{i}."; "{e}" in an HF name is the global expert id.
+struct Row {
+  Block block;
+  const char* megatron;
+  ShardKind kind;
+  HfOp op;
+  std::array<const char*, 3> hf;
+  ShapeFn full_shape;
+  When when = When::kAlways;
+  bool per_expert = false;  // one parameter per local expert, index appended to the name
+  bool fp32 = false;        // kept in fp32 whatever the model dtype (router.expert_bias)
+};
+
+// clang-format off
+const Row kRows[] = {
+  // --- first stage ------------------------------------------------------------------------------
+  {Block::kFirstStage, "embedding.word_embeddings.weight", ShardKind::kVocab, HfOp::kVocab,
+   {"model.embed_tokens.weight"}, [](const Dims& d) { return Shape{d.vocab_padded, d.h}; }},
+
+  // --- GQA attention (Llama, Qwen2, Qwen3, Qwen3-MoE): TE spec, input norm fused into linear_qkv --
+  {Block::kGqa, "self_attention.linear_proj.weight", ShardKind::kTpDim1, HfOp::kCopy,
+   {"self_attn.o_proj.weight"}, [](const Dims& d) { return Shape{d.h, d.nh * d.hd}; }},
+  {Block::kGqa, "self_attention.linear_qkv.layer_norm_weight", ShardKind::kReplicated, HfOp::kCopy,
+   {"input_layernorm.weight"}, [](const Dims& d) { return Shape{d.h}; }},
+  {Block::kGqa, "self_attention.linear_qkv.weight", ShardKind::kTpDim0, HfOp::kQkv,
+   {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"},
+   [](const Dims& d) { return Shape{(d.nh + 2 * d.ng) * d.hd, d.h}; }},
+  {Block::kGqa, "self_attention.linear_qkv.bias", ShardKind::kTpDim0, HfOp::kQkv,
+   {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"},
+   [](const Dims& d) { return Shape{(d.nh + 2 * d.ng) * d.hd}; }, When::kQkvBias},
+  {Block::kGqa, "self_attention.q_layernorm.weight", ShardKind::kReplicated, HfOp::kCopy,
+   {"self_attn.q_norm.weight"}, [](const Dims& d) { return Shape{d.hd}; }, When::kQkNorm},
+  {Block::kGqa, "self_attention.k_layernorm.weight", ShardKind::kReplicated, HfOp::kCopy,
+   {"self_attn.k_norm.weight"}, [](const Dims& d) { return Shape{d.hd}; }, When::kQkNorm},
+
+  // --- MLA attention (DeepSeek-V3): separate input norm, q/kv norms fused into the up projections -
+  {Block::kMla, "input_layernorm.weight", ShardKind::kReplicated, HfOp::kCopy,
+   {"input_layernorm.weight"}, [](const Dims& d) { return Shape{d.h}; }},
+  {Block::kMla, "self_attention.linear_proj.weight", ShardKind::kTpDim1, HfOp::kCopy,
+   {"self_attn.o_proj.weight"}, [](const Dims& d) { return Shape{d.h, d.nh * d.vdim}; }},
+  {Block::kMla, "self_attention.linear_q_down_proj.weight", ShardKind::kReplicated, HfOp::kCopy,
+   {"self_attn.q_a_proj.weight"}, [](const Dims& d) { return Shape{d.q_lora, d.h}; }, When::kQLora},
+  {Block::kMla, "self_attention.linear_q_up_proj.layer_norm_weight", ShardKind::kReplicated, HfOp::kCopy,
+   {"self_attn.q_a_layernorm.weight"}, [](const Dims& d) { return Shape{d.q_lora}; }, When::kQLora},
+  {Block::kMla, "self_attention.linear_q_up_proj.weight", ShardKind::kTpDim0, HfOp::kCopy,
+   {"self_attn.q_b_proj.weight"}, [](const Dims& d) { return Shape{d.nh * (d.nope + d.rope), d.q_lora}; },
+   When::kQLora},
+  {Block::kMla, "self_attention.linear_q_proj.weight", ShardKind::kTpDim0, HfOp::kCopy,
+   {"self_attn.q_proj.weight"}, [](const Dims& d) { return Shape{d.nh * (d.nope + d.rope), d.h}; },
+   When::kNoQLora},
+  {Block::kMla, "self_attention.linear_kv_down_proj.weight", ShardKind::kReplicated, HfOp::kCopy,
+   {"self_attn.kv_a_proj_with_mqa.weight"}, [](const Dims& d) { return Shape{d.kv_lora + d.rope, d.h}; }},
+  {Block::kMla, "self_attention.linear_kv_up_proj.layer_norm_weight", ShardKind::kReplicated, HfOp::kCopy,
+   {"self_attn.kv_a_layernorm.weight"}, [](const Dims& d) { return Shape{d.kv_lora}; }},
+  {Block::kMla, "self_attention.linear_kv_up_proj.weight", ShardKind::kTpDim0, HfOp::kCopy,
+   {"self_attn.kv_b_proj.weight"}, [](const Dims& d) { return Shape{d.nh * (d.nope + d.vdim), d.kv_lora}; }},
+
+  // --- dense MLP: post-attention norm fused into linear_fc1 -------------------------------------
+  {Block::kDenseMlp, "mlp.linear_fc1.layer_norm_weight", ShardKind::kReplicated, HfOp::kCopy,
+   {"post_attention_layernorm.weight"}, [](const Dims& d) { return Shape{d.h}; }},
+  {Block::kDenseMlp, "mlp.linear_fc1.weight", ShardKind::kTpGluFc1, HfOp::kGlu,
+   {"mlp.gate_proj.weight", "mlp.up_proj.weight"}, [](const Dims& d) { return Shape{2 * d.ffn, d.h}; }},
+  {Block::kDenseMlp, "mlp.linear_fc2.weight", ShardKind::kTpDim1, HfOp::kCopy,
+   {"mlp.down_proj.weight"}, [](const Dims& d) { return Shape{d.h, d.ffn}; }},
+
+  // --- MoE MLP: real pre-MLP norm, router, grouped-GEMM experts, shared experts ------------------
+  {Block::kMoeMlp, "pre_mlp_layernorm.weight", ShardKind::kReplicated, HfOp::kCopy,
+   {"post_attention_layernorm.weight"}, [](const Dims& d) { return Shape{d.h}; }},
+  {Block::kMoeMlp, "mlp.router.weight", ShardKind::kReplicated, HfOp::kCopy,
+   {"mlp.gate.weight"}, [](const Dims& d) { return Shape{d.experts, d.h}; }},
+  {Block::kMoeMlp, "mlp.router.expert_bias", ShardKind::kReplicated, HfOp::kCopy,
+   {"mlp.gate.e_score_correction_bias"}, [](const Dims& d) { return Shape{d.experts}; }, When::kExpertBias,
+   /*per_expert=*/false, /*fp32=*/true},
+  {Block::kMoeMlp, "mlp.experts.linear_fc1.weight", ShardKind::kExpertGluFc1, HfOp::kGlu,
+   {"mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"},
+   [](const Dims& d) { return Shape{2 * d.moe_ffn, d.h}; }, When::kAlways, /*per_expert=*/true},
+  {Block::kMoeMlp, "mlp.experts.linear_fc2.weight", ShardKind::kExpertDim1, HfOp::kCopy,
+   {"mlp.experts.{e}.down_proj.weight"}, [](const Dims& d) { return Shape{d.h, d.moe_ffn}; }, When::kAlways,
+   /*per_expert=*/true},
+  {Block::kMoeMlp, "mlp.shared_experts.linear_fc1.weight", ShardKind::kTpGluFc1, HfOp::kGlu,
+   {"mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"},
+   [](const Dims& d) { return Shape{2 * d.shared_ffn, d.h}; }, When::kSharedExperts},
+  {Block::kMoeMlp, "mlp.shared_experts.linear_fc2.weight", ShardKind::kTpDim1, HfOp::kCopy,
+   {"mlp.shared_experts.down_proj.weight"}, [](const Dims& d) { return Shape{d.h, d.shared_ffn}; },
+   When::kSharedExperts},
+
+  // --- last stage -------------------------------------------------------------------------------
+  {Block::kLastStage, "decoder.final_layernorm.weight", ShardKind::kReplicated, HfOp::kCopy,
+   {"model.norm.weight"}, [](const Dims& d) { return Shape{d.h}; }},
+  {Block::kLastStage, "output_layer.weight", ShardKind::kVocab, HfOp::kVocab,
+   {"lm_head.weight"}, [](const Dims& d) { return Shape{d.vocab_padded, d.h}; }, When::kOutputLayer},
+};
+// clang-format on
+
+bool HasExpertBias(const ModelConfig& m) {
+  return m.arch == Architecture::kDeepseekV3 && m.moe && m.moe->topk_method == "noaux_tc";
+}
+
+struct PlanContext {
+  const ModelConfig* model;
+  Dims dims;
+  int tp = 1, etp = 1, tp_rank = 0, etp_rank = 0;
+  int64_t local_experts = 0, expert_offset = 0;
+  bool first_stage = true;
+};
+
+bool RowApplies(const Row& r, const PlanContext& c) {
+  const ModelConfig& m = *c.model;
+  switch (r.when) {
+    case When::kAlways: return true;
+    case When::kQkvBias: return m.qkv_bias;
+    case When::kQkNorm: return m.qk_norm;
+    case When::kQLora: return m.mla && m.mla->q_lora_rank > 0;
+    case When::kNoQLora: return m.mla && m.mla->q_lora_rank == 0;
+    case When::kExpertBias: return HasExpertBias(m);
+    case When::kSharedExperts: return m.moe && m.moe->num_shared_experts > 0;
+    case When::kOutputLayer: return !m.tie_word_embeddings || !c.first_stage;
+  }
+  return false;
+}
+
+bool IsLayerBlock(Block b) { return b != Block::kFirstStage && b != Block::kLastStage; }
+
+void AppendRow(const Row& r, const PlanContext& c, int64_t local_layer, int64_t global_layer,
+               std::vector<MegatronParam>* out) {
+  const ModelConfig& m = *c.model;
+  const int64_t n = r.per_expert ? c.local_experts : 1;
+  for (int64_t l = 0; l < n; ++l) {
+    MegatronParam p;
+    p.kind = r.kind;
+    p.hf_op = r.op;
+    p.dtype = r.fp32 ? DType::kF32 : m.dtype;
+    p.full_shape = r.full_shape(c.dims);
+    p.local_shape = p.full_shape;
+    switch (r.kind) {
+      case ShardKind::kReplicated:
+        p.group_size = 1;
+        p.gather_dim = -1;
+        break;
+      case ShardKind::kTpDim0:
+      case ShardKind::kTpGluFc1:
+      case ShardKind::kVocab:
+        p.group_size = c.tp;
+        p.rank_in_group = c.tp_rank;
+        p.gather_dim = 0;
+        break;
+      case ShardKind::kTpDim1:
+        p.group_size = c.tp;
+        p.rank_in_group = c.tp_rank;
+        p.gather_dim = 1;
+        break;
+      case ShardKind::kExpertGluFc1:
+        p.group_size = c.etp;
+        p.rank_in_group = c.etp_rank;
+        p.gather_dim = 0;
+        break;
+      case ShardKind::kExpertDim1:
+        p.group_size = c.etp;
+        p.rank_in_group = c.etp_rank;
+        p.gather_dim = 1;
+        break;
+    }
+    if (p.gather_dim >= 0) p.local_shape[static_cast<size_t>(p.gather_dim)] /= p.group_size;
+    std::string suffix = r.megatron;
+    std::string global_suffix = r.megatron;
+    if (r.per_expert) {
+      p.is_expert = true;
+      p.local_expert = l;
+      p.global_expert = c.expert_offset + l;
+      suffix = absl::StrCat(r.megatron, l);
+      global_suffix = absl::StrCat(r.megatron, p.global_expert);
+    }
+    std::string hf_prefix;
+    if (IsLayerBlock(r.block)) {
+      p.local_layer = local_layer;
+      p.global_layer = global_layer;
+      p.local_name = absl::StrCat("decoder.layers.", local_layer, ".", suffix);
+      p.global_name = absl::StrCat("decoder.layers.", global_layer, ".", global_suffix);
+      hf_prefix = absl::StrCat("model.layers.", global_layer, ".");
+    } else {
+      p.local_name = suffix;
+      p.global_name = global_suffix;
+    }
+    for (const char* hf : r.hf) {
+      if (hf == nullptr) break;
+      std::string name = absl::StrCat(hf_prefix, hf);
+      if (r.per_expert) name = absl::StrReplaceAll(name, {{"{e}", absl::StrCat(p.global_expert)}});
+      p.hf_names.push_back(std::move(name));
+    }
+    if (r.block == Block::kLastStage && r.op == HfOp::kVocab && m.tie_word_embeddings) {
+      p.sent = false;  // the tied copy: built from, and equal to, the embedding
+      p.hf_names = {"model.embed_tokens.weight"};
+    }
+    out->push_back(std::move(p));
+  }
+}
+
+void AppendBlock(Block b, const PlanContext& c, int64_t local_layer, int64_t global_layer,
+                 std::vector<MegatronParam>* out) {
+  for (const Row& r : kRows)
+    if (r.block == b && RowApplies(r, c)) AppendRow(r, c, local_layer, global_layer, out);
+}
+
+absl::Status NotDivisible(absl::string_view what, int64_t value, absl::string_view size_name, int64_t size) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(size_name, "=", size, " does not divide ", what, "=", value, " of the model"));
+}
+
+}  // namespace
+
+absl::string_view ShardKindName(ShardKind kind) {
+  switch (kind) {
+    case ShardKind::kReplicated: return "replicated";
+    case ShardKind::kTpDim0: return "tp-dim0";
+    case ShardKind::kTpDim1: return "tp-dim1";
+    case ShardKind::kTpGluFc1: return "tp-glu-fc1";
+    case ShardKind::kVocab: return "vocab";
+    case ShardKind::kExpertDim1: return "expert-dim1";
+    case ShardKind::kExpertGluFc1: return "expert-glu-fc1";
+  }
+  return "?";
+}
+
+absl::Status CheckModelSupported(const ModelConfig& m) {
+  const bool gqa_with_bias_flag = m.arch == Architecture::kLlama || m.arch == Architecture::kQwen3 ||
+                                  m.arch == Architecture::kQwen3Moe;
+  if (gqa_with_bias_flag && m.qkv_bias)
+    return absl::UnimplementedError(absl::StrCat(
+        m.architecture, ": attention_bias=true is not supported (HF then also has an o_proj bias, which "
+                        "megatron-core's --add-qkv-bias does not produce)"));
+  if (m.arch == Architecture::kQwen3Moe && m.tie_word_embeddings)
+    return absl::UnimplementedError(absl::StrCat(
+        m.architecture, ": tie_word_embeddings=true is refused (SGLang's Qwen3MoeForCausalLM builds its own "
+                        "lm_head and never fills it from a tied checkpoint)"));
+  if (m.arch == Architecture::kDeepseekV3 && (!m.mla || !m.moe))
+    return absl::InvalidArgumentError(absl::StrCat(m.architecture, ": MLA and MoE settings are missing"));
+  if (m.arch == Architecture::kQwen3Moe && !m.moe)
+    return absl::InvalidArgumentError(absl::StrCat(m.architecture, ": MoE settings are missing"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckModelFitsLayout(const ModelConfig& m, const SourceParallel& par) {
+  RETURN_IF_ERROR(CheckModelSupported(m));
+  if (par.tp < 1 || par.etp < 1 || par.ep < 1)
+    return absl::InvalidArgumentError(absl::StrCat("tp=", par.tp, ", etp=", par.etp, ", ep=", par.ep, " must be >= 1"));
+  const Dims d = DimsOf(m, par.padded_vocab_size);
+  if (d.nh % par.tp != 0) return NotDivisible("num_attention_heads", d.nh, "tp", par.tp);
+  if (!m.mla && d.ng % par.tp != 0)
+    return NotDivisible("num_key_value_heads (query groups)", d.ng, "tp", par.tp);
+  bool any_dense = false, any_moe = false;
+  for (int64_t l = 0; l < m.num_hidden_layers; ++l) (m.IsMoeLayer(l) ? any_moe : any_dense) = true;
+  if (any_dense && d.ffn % par.tp != 0) return NotDivisible("intermediate_size", d.ffn, "tp", par.tp);
+  if (any_moe) {
+    if (d.moe_ffn % par.etp != 0) return NotDivisible("moe_intermediate_size", d.moe_ffn, "etp", par.etp);
+    if (d.shared_ffn % par.tp != 0)
+      return NotDivisible("shared expert width (moe_intermediate_size * n_shared_experts)", d.shared_ffn, "tp",
+                          par.tp);
+    if (d.experts % par.ep != 0) return NotDivisible("number of routed experts", d.experts, "ep", par.ep);
+  } else if (par.ep > 1) {
+    return absl::InvalidArgumentError(absl::StrCat("ep=", par.ep, " needs a model with MoE layers; ",
+                                                   m.architecture, " has none"));
+  }
+  if (par.padded_vocab_size > 0) {
+    if (par.padded_vocab_size < m.vocab_size)
+      return absl::InvalidArgumentError(absl::StrCat("padded_vocab_size=", par.padded_vocab_size,
+                                                     " is smaller than vocab_size=", m.vocab_size));
+    if (par.padded_vocab_size % par.tp != 0)
+      return NotDivisible("padded_vocab_size", par.padded_vocab_size, "tp", par.tp);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<MegatronParam>> PlanRank(const ModelConfig& model, const ParallelLayout& layout,
+                                                    const SourceParallel& par, int global_rank) {
+  if (par.padded_vocab_size <= 0 || static_cast<int>(par.layers_per_stage.size()) != par.pp)
+    return absl::InvalidArgumentError("PlanRank needs a resolved SourceParallel (see ResolveSourceParallel)");
+  if (layout.tp() != par.tp || layout.pp() != par.pp || layout.ep() != par.ep || layout.etp() != par.etp ||
+      layout.cp() != par.cp || layout.dp() != par.dp || layout.world_size() != par.world_size)
+    return absl::InvalidArgumentError(absl::StrCat("parallel layout ", layout.DebugString(),
+                                                   " disagrees with parallel.json ", SourceParallelToJson(par)));
+  if (global_rank < 0 || global_rank >= layout.world_size())
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", global_rank, " is outside the world of ", layout.world_size(), " ranks"));
+  RETURN_IF_ERROR(CheckModelFitsLayout(model, par));
+
+  const DenseCoord dense = layout.Dense(global_rank);
+  const ExpertCoord expert = layout.Expert(global_rank);
+  PlanContext c;
+  c.model = &model;
+  c.dims = DimsOf(model, par.padded_vocab_size);
+  c.tp = par.tp;
+  c.etp = par.etp;
+  c.tp_rank = dense.tp;
+  c.etp_rank = expert.etp;
+  c.local_experts = model.moe ? model.moe->num_experts / par.ep : 0;
+  c.expert_offset = expert.ep * c.local_experts;
+  c.first_stage = dense.pp == 0;
+
+  std::vector<MegatronParam> plan;
+  if (dense.pp == 0) AppendBlock(Block::kFirstStage, c, -1, -1, &plan);
+  const int64_t first = par.FirstLayer(dense.pp);
+  const Block attention = model.mla ? Block::kMla : Block::kGqa;
+  for (int64_t l = 0; l < par.layers_per_stage[static_cast<size_t>(dense.pp)]; ++l) {
+    const int64_t g = first + l;
+    AppendBlock(attention, c, l, g, &plan);
+    AppendBlock(model.IsMoeLayer(g) ? Block::kMoeMlp : Block::kDenseMlp, c, l, g, &plan);
+  }
+  if (dense.pp == par.pp - 1) AppendBlock(Block::kLastStage, c, -1, -1, &plan);
+  return plan;
+}
+
+absl::StatusOr<std::vector<MegatronParam>> PlanFullModel(const ModelConfig& model) {
+  SourceParallel par;
+  par.padded_vocab_size = model.vocab_size;  // unsharded: no padding
+  par.layers_per_stage = {model.num_hidden_layers};
+  ASSIGN_OR_RETURN(ParallelLayout layout, MakeLayout(model, par));
+  return PlanRank(model, layout, par, 0);
+}
+
+absl::StatusOr<std::vector<TensorView>> BindToPlan(const std::vector<MegatronParam>& plan,
+                                                   const std::vector<std::pair<std::string, TensorView>>& tensors,
+                                                   absl::string_view source) {
+  constexpr size_t kMaxListed = 8;
+  std::map<absl::string_view, size_t> index;
+  for (size_t i = 0; i < plan.size(); ++i) index.emplace(plan[i].local_name, i);
+  std::vector<TensorView> views(plan.size());
+  std::vector<bool> seen(plan.size(), false);
+  std::vector<std::string> unknown, bad;
+  for (const auto& [name, view] : tensors) {
+    auto it = index.find(name);
+    if (it == index.end()) {
+      unknown.push_back(name);
+      continue;
+    }
+    const MegatronParam& p = plan[it->second];
+    if (seen[it->second]) {
+      bad.push_back(absl::StrCat(name, " (given twice)"));
+      continue;
+    }
+    seen[it->second] = true;
+    if (view.dtype() != p.dtype || view.shape() != p.local_shape) {
+      bad.push_back(absl::StrCat(name, ": expected ", SafetensorsName(p.dtype), ShapeToString(p.local_shape),
+                                 ", found ", view.DebugString()));
+      continue;
+    }
+    views[it->second] = view;
+  }
+  std::vector<std::string> missing;
+  for (size_t i = 0; i < plan.size(); ++i)
+    if (!seen[i])
+      missing.push_back(absl::StrCat(plan[i].local_name, " (", SafetensorsName(plan[i].dtype),
+                                     ShapeToString(plan[i].local_shape), ")"));
+  auto list = [&](const std::vector<std::string>& names) {
+    std::vector<std::string> shown(names.begin(), names.begin() + std::min(names.size(), kMaxListed));
+    std::string s = absl::StrJoin(shown, ", ");
+    if (names.size() > kMaxListed) absl::StrAppend(&s, ", ... (", names.size() - kMaxListed, " more)");
+    return s;
+  };
+  std::vector<std::string> problems;
+  if (!missing.empty())
+    problems.push_back(absl::StrCat(missing.size(), " missing parameter(s): ", list(missing)));
+  if (!unknown.empty())
+    problems.push_back(absl::StrCat(unknown.size(), " unknown parameter(s) (not held by this rank): ", list(unknown)));
+  if (!bad.empty()) problems.push_back(absl::StrCat(bad.size(), " parameter(s) with a wrong dtype or shape: ", list(bad)));
+  if (!problems.empty())
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", absl::StrJoin(problems, "; ")));
+  return views;
+}
+
+}  // namespace wsync::convert

@@ -1,0 +1,85 @@
+// The `dir:PATH` weight source: a Megatron source directory (format in
+// trainer_agent/convert/sharder.h: config.json, parallel.json, rank-{global_rank:05d}.safetensors).
+//
+//   ASSIGN_OR_RETURN(DirSource src, DirSource::Open("/data/step-100"));   // config + parallel.json
+//   ASSIGN_OR_RETURN(RankShard shard, src.OpenRank(my_rank));            // mmap + validate
+//   shard.tensors[i] is shard.params[i]'s local tensor (PlanRank order), a view into the mapping.
+//
+// Open parses config.json and parallel.json and checks them against each other (sizes that do not
+// split the model, a world size that is not tp*cp*pp*dp, an impossible EP/ETP grid, ...).
+// OpenRank maps the rank's file read-only (zero copy) and validates it against PlanRank: missing
+// and unknown parameters, wrong dtypes or shapes, and truncated or malformed files are refused.
+// Each call maps the file anew, so the next sync sees a file that was replaced (renamed over)
+// since, while views of an earlier RankShard stay valid as long as that RankShard lives.
+//
+// Errors: kNotFound for a missing directory, config.json, parallel.json or rank file (naming the
+// path); kInvalidArgument naming the file, the parameter or field and the values;
+// kUnimplemented for models wsync cannot convert.
+// Thread-safety: a DirSource is immutable after Open; OpenRank may be called from any thread.
+// A RankShard is a value owned by its caller.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/config.h"
+#include "common/safetensors.h"
+#include "common/tensor.h"
+#include "trainer_agent/convert/hf_checkpoint.h"
+#include "trainer_agent/convert/megatron_param.h"
+#include "trainer_agent/convert/reassemble.h"
+#include "trainer_agent/convert/source_parallel.h"
+#include "trainer_agent/layout/parallel_layout.h"
+
+namespace wsync::source {
+
+struct RankShard {
+  int global_rank = 0;
+  std::vector<convert::MegatronParam> params;  // PlanRank order
+  std::vector<TensorView> tensors;             // tensors[i] belongs to params[i]; views into `file`
+  std::shared_ptr<const SafetensorsFile> file; // keeps the mapping alive
+
+  // Index of the parameter with this local name, or -1 (linear search).
+  int Find(absl::string_view local_name) const;
+};
+
+class DirSource {
+ public:
+  static absl::StatusOr<DirSource> Open(const std::string& dir);
+
+  DirSource(DirSource&&) noexcept = default;
+  DirSource& operator=(DirSource&&) noexcept = default;
+
+  const std::string& dir() const { return dir_; }
+  const ModelConfig& model() const { return model_; }
+  const std::string& config_json() const { return config_json_; }
+  const convert::SourceParallel& parallel() const { return parallel_; }  // resolved
+  const ParallelLayout& layout() const { return layout_; }
+  std::string RankPath(int global_rank) const;
+
+  // Maps and validates `global_rank`'s file (see the file comment).
+  absl::StatusOr<RankShard> OpenRank(int global_rank) const;
+
+ private:
+  DirSource(std::string dir, std::string config_json, ModelConfig model, convert::SourceParallel parallel,
+            ParallelLayout layout)
+      : dir_(std::move(dir)),
+        config_json_(std::move(config_json)),
+        model_(std::move(model)),
+        parallel_(std::move(parallel)),
+        layout_(std::move(layout)) {}
+
+  std::string dir_;
+  std::string config_json_;
+  ModelConfig model_;
+  convert::SourceParallel parallel_;
+  ParallelLayout layout_;
+};
+
+// Simulates every stage's gathers from the source's rank files (each opened once) and compares
+// the HF tensors bit for bit with `hf` (convert::VerifyAgainstHf). Used by wsync-shard --verify.
+absl::StatusOr<convert::VerifyReport> VerifyDirSource(const DirSource& source, const convert::HfCheckpoint& hf);
+
+}  // namespace wsync::source

@@ -1,0 +1,112 @@
+// One weight sync on one trainer rank: this rank's shard -> TP / ETP / EP all-gathers -> (on the
+// pipeline stage's source rank) Megatron -> HF conversion, INT4 quantization, buckets -> a
+// BucketSink. Spec: issue 5 ("Gathers, conversion, quantization", "Buckets and sending"),
+// shared/docs/MEGATRON_TO_HF.md, RANKS.md. Design and measurements: README.md beside this file.
+//
+// Steps, on every rank of the world (each rank runs RunRankSync with the same options):
+//  1. open   DirSource::OpenRank(own rank) (the file is mapped anew every sync), then one world
+//            agreement (two small AllGathers): every rank learns whether every rank opened its
+//            shard and whether all ranks run the same source config and options. On any failure
+//            every rank returns the same error, naming the first failing rank and its error
+//            (e.g. the missing or truncated file), before anyone enters a gather.
+//  2. dense  the ranks of the stage source's TP group (dp = cp = 0) all-gather the TP-sharded
+//            non-expert parameters in plan order, batched: one AllGather call per batch of about
+//            gather_bytes of output, many tensors per call, double-buffered (batch k+1 is in flight
+//            while the source converts batch k). Replicated parameters are not gathered (the source
+//            uses its own), nor is the tied output-layer copy of the last stage (never sent).
+//  3. expert the ranks of the stage's expert block (edp = 0) gather routed experts: ETP
+//            all-gather + MergeShards into the full local experts (when ETP > 1), then an EP
+//            all-gather among the etp = 0 ranks (in place); EP communicator rank r holds global
+//            experts [r * E/EP, (r+1) * E/EP) (MegatronParam::global_expert of rank r's plan).
+//  4. source (layout.StageSourceRank(pp) only) per gathered parameter: the full tensor (a view into
+//            the gather buffer when the all-gather's rank order already is the full layout: dim-0,
+//            vocab and full expert tensors; else MergeShards into a scratch tensor), ToHf (views),
+//            then per HF tensor either INT4 (IsQuantTarget under options.quant; the kernel writes
+//            straight into the bucket) or a copy into the bucket. Non-expert tensors first, then
+//            experts (EP rank order, then plan order). BucketBuilder sends full buckets to `sink`
+//            while the next gathers run, and ends with a `last` bucket and BucketSink::Finish.
+// Ranks outside those groups (dense DP / expert EDP replicas) only open their shard and agree.
+// PP stages run in parallel: after the opening agreement a stage only talks within its groups.
+//
+// Memory: every gathering rank holds two gather buffers of about gather_bytes (all-gathers
+// deliver every shard to every member, so the TP/EP peers of a source receive the same batches
+// the source does), plus one ETP buffer of gather_bytes / EP when ETP > 1; the source also holds
+// up to three bucket buffers (one filling, two on the wire) and a scratch tensor the size of the
+// largest parameter merged along dim 1 / GLU.
+//
+// Failures after step 1: a rank that fails (a NaN refused by the quantizer, an allocation, the
+// sink) stops converting and sending but keeps taking part in the remaining gathers with the same
+// sizes, so its peers never hang; it returns its first error. A data-plane error (timeout, abort)
+// breaks that communicator (comm/communicator.h); the buffers of a failed MPI operation are never
+// freed (MPI may still write them) and the process is expected to exit. A failed sync leaves the
+// sink without its `last` bucket and without Finish(): the caller aborts the stream.
+//
+// Errors: kInvalidArgument (sink given on a non-source rank or missing on the source, bad options,
+// communicators not matching the layout), the opening errors of any rank (see 1: kNotFound,
+// kInvalidArgument, ...), conversion / quantization errors naming the tensor, and the data
+// plane's kDeadlineExceeded / kAborted / kUnavailable.
+// Thread-safety: one RunRankSync per TrainerComms at a time. `src` may be shared.
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "comm/communicator.h"
+#include "common/config.h"
+#include "kernels/int4.h"
+#include "trainer_agent/source/dir_source.h"
+#include "trainer_agent/sync/bucket_builder.h"
+#include "trainer_agent/sync/trainer_comms.h"
+
+namespace wsync::sync {
+
+// Buffers a rank keeps from one sync to the next (the two gather buffers, the ETP buffer, the
+// merge scratch), so that their pages stay mapped: a fresh allocation pays a page fault per 4 KiB
+// page on first touch, which costs more than the all-gather's copy itself on small hosts. They
+// grow to the largest batch seen. Owned by the caller; used by one RunRankSync at a time. After a
+// failed collective the buffers are given up (see "Failures") and the workspace starts empty.
+class SyncWorkspace {
+ public:
+  uint64_t bytes() const;  // held now
+
+ private:
+  friend class RankSync;
+  std::array<Buffer, 2> slots_;
+  Buffer etp_, scratch_;
+};
+
+struct SyncOptions {
+  uint64_t version = 0;
+  uint64_t bucket_bytes = 512ull << 20;
+  // Output bytes of one all-gather call (a parameter larger than that is gathered alone);
+  // 0 = bucket_bytes. Must be the same on every rank (checked at the opening agreement).
+  uint64_t gather_bytes = 0;
+  const QuantizationConfig* quant = nullptr;  // none: everything unquantized. Not owned.
+  kernels::QuantVariant quant_variant = kernels::QuantVariant::kQat;
+  int quant_threads = 0;                       // 0 = hardware concurrency
+  CollectiveOptions collective;                // every collective of the sync
+  SyncWorkspace* workspace = nullptr;          // null: buffers live for this sync only. Not owned.
+};
+
+struct SyncReport {
+  // Wall time per phase on this rank. gather: issuing and waiting for all-gathers (and the ETP
+  // merge); convert: MergeShards + ToHf on the source; quantize: INT4 kernels; bucket: copies
+  // into buckets; send_wait: blocked in BucketSink::Send / Finish.
+  absl::Duration open, gather, convert, quantize, bucket, send_wait, total;
+  uint64_t bytes = 0;    // bucket data bytes handed to the sink
+  uint64_t buckets = 0;
+  uint64_t tensors = 0;  // manifest entries (an INT4 weight counts 3)
+  bool source = false;
+  uint64_t peak_bucket_bytes = 0;
+  uint64_t gather_bytes = 0;     // all-gather output bytes on this rank
+  uint64_t hf_bytes = 0;         // HF tensors before quantization (source)
+  uint64_t quantized_bytes = 0;  // of those, the bytes that went through the INT4 kernels
+  uint64_t gather_calls = 0;     // all-gather calls issued by this rank
+};
+
+absl::StatusOr<SyncReport> RunRankSync(const source::DirSource& src, TrainerComms& comms, BucketSink* sink,
+                                       const SyncOptions& options);
+
+}  // namespace wsync::sync

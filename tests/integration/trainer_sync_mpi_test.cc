@@ -1,0 +1,557 @@
+// RunRankSync under a real `mpirun` (ctest runs this with -np 4 and -np 8): for every architecture
+// (tied and untied where valid) and the layouts (tp2, ep2, etp1) np4, (tp1, ep4) np4, (tp4) np4 and
+// (tp2, ep2, etp2, pp2) np8 (dense models: ep 1), rank 0 generates a small model and shards it, every
+// rank syncs, each stage source captures its buckets, and the HF tensors they carry are compared
+// bit for bit with converting (and quantizing) the HF checkpoint directly (ExpectedSentTensors):
+// every tensor exactly once across the stages, nothing else. Malformed sources (a missing, a
+// truncated and a mis-shaped rank file) fail every rank with the same error naming the rank and the
+// file; a NaN the quantizer refuses fails the source, naming the tensor, while the others finish.
+// Every rank runs the same cases in the same order, as collectives require; no ASSERT may skip a
+// collective on one rank only.
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "comm/communicator.h"
+#include "common/config.h"
+#include "common/status.h"
+#include "gtest/gtest.h"
+#include "trainer_agent/convert/sharder.h"
+#include "trainer_agent/convert/synthetic_model.h"
+#include "trainer_agent/quantize/quant_select.h"
+#include "trainer_agent/source/dir_source.h"
+#include "trainer_agent/sync/rank_sync.h"
+
+namespace wsync::sync {
+namespace {
+
+Communicator* world = nullptr;
+// Sub-communicators per layout, made once; cleared by main() before MPI is finalized.
+std::map<std::string, TrainerComms>* comms_cache = nullptr;
+const CollectiveOptions kTimeout{absl::Seconds(60)};
+
+// --- Helpers ------------------------------------------------------------------------------------
+
+// Keeps every bucket (manifest + a copy of its bytes).
+class CaptureSink : public BucketSink {
+ public:
+  struct Bucket {
+    v1::BucketManifest manifest;
+    std::vector<std::byte> data;
+  };
+  absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) override {
+    buckets.push_back({std::move(manifest), std::vector<std::byte>(data.data(), data.data() + nbytes)});
+    free_.push_back(std::move(data));
+    return absl::OkStatus();
+  }
+  Buffer Recycle() override {
+    if (free_.empty()) return Buffer();
+    Buffer b = std::move(free_.back());
+    free_.pop_back();
+    return b;
+  }
+  absl::Status Finish() override {
+    ++finishes;
+    return absl::OkStatus();
+  }
+  std::vector<Bucket> buckets;
+  int finishes = 0;
+
+ private:
+  std::vector<Buffer> free_;
+};
+
+struct Captured {
+  DType dtype;
+  Shape shape;
+  std::vector<std::byte> bytes;
+};
+
+bool IsExpertTensor(absl::string_view name) { return absl::StrContains(name, ".mlp.experts."); }
+
+// Decodes a stage's stream, checking its structure. Returns tensors by name (duplicates reported).
+std::map<std::string, Captured> DecodeStream(const CaptureSink& sink, uint64_t bucket_bytes, uint64_t version,
+                                             int stage) {
+  std::map<std::string, Captured> out;
+  EXPECT_EQ(sink.finishes, 1);
+  EXPECT_FALSE(sink.buckets.empty());
+  bool seen_expert = false;
+  for (size_t i = 0; i < sink.buckets.size(); ++i) {
+    const v1::BucketManifest& m = sink.buckets[i].manifest;
+    const std::vector<std::byte>& data = sink.buckets[i].data;
+    EXPECT_EQ(m.index(), i);
+    EXPECT_EQ(m.last(), i + 1 == sink.buckets.size()) << "bucket " << i;
+    EXPECT_EQ(m.version(), version);
+    EXPECT_EQ(m.pp_stage(), static_cast<uint32_t>(stage));
+    absl::Status valid = ValidateManifest(m, data.size());
+    EXPECT_TRUE(valid.ok()) << valid;
+    if (!valid.ok()) continue;
+    if (m.entries_size() > 1) {
+      EXPECT_LE(data.size(), bucket_bytes) << "bucket " << i << " holds several tensors beyond the bucket size";
+    }
+    if (i + 1 < sink.buckets.size()) {
+      EXPECT_GT(m.entries_size(), 0) << "bucket " << i << ": only the last bucket may be empty";
+    }
+    for (const v1::BucketEntry& e : m.entries()) {
+      const std::string& name = e.tensor().name();
+      if (IsExpertTensor(name)) {
+        seen_expert = true;
+      } else {
+        EXPECT_FALSE(seen_expert) << name << ": a non-expert tensor after an expert tensor (bucket " << i << ")";
+      }
+      EXPECT_EQ(e.offset() % BucketBuilder::kEntryAlignment, 0u) << name;
+      Captured c;
+      c.dtype = *FromProto(e.tensor().dtype());
+      for (int64_t d : e.tensor().shape()) c.shape.push_back(d);
+      c.bytes.assign(data.begin() + static_cast<long>(e.offset()),
+                     data.begin() + static_cast<long>(e.offset() + e.nbytes()));
+      EXPECT_TRUE(out.emplace(name, std::move(c)).second) << name << " sent twice by stage " << stage;
+    }
+  }
+  return out;
+}
+
+// Rank 0 runs `make` (returning a directory); every rank gets its status and the directory.
+absl::StatusOr<std::string> RootMakes(const std::function<absl::StatusOr<std::string>()>& make) {
+  char buf[4096] = {};
+  int32_t code = 0;
+  if (world->rank() == 0) {
+    absl::StatusOr<std::string> r = make();
+    code = static_cast<int32_t>(r.status().code());
+    const std::string text = r.ok() ? *r : std::string(r.status().message());
+    std::snprintf(buf, sizeof(buf), "%s", text.c_str());
+  }
+  MutableBytes b[2] = {{&code, sizeof(code)}, {buf, sizeof(buf)}};
+  RETURN_IF_ERROR(Await(world->Broadcast(b, 0, kTimeout)));
+  if (code != 0) return absl::Status(static_cast<absl::StatusCode>(code), buf);
+  return std::string(buf);
+}
+
+absl::StatusOr<std::string> MakeTempDir() {
+  std::string templ = (std::filesystem::temp_directory_path() / "wsync-sync-XXXXXX").string();
+  if (mkdtemp(templ.data()) == nullptr) return absl::InternalError("mkdtemp failed");
+  return templ;
+}
+
+// Every rank asks for the layouts in the same order (Split is collective).
+TrainerComms& CommsFor(const ParallelLayout& layout) {
+  std::map<std::string, TrainerComms>& cache = *comms_cache;
+  const std::string key = layout.DebugString();
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    auto c = MakeTrainerComms(*world, layout, kTimeout);
+    if (!c.ok()) {
+      std::fprintf(stderr, "MakeTrainerComms: %s\n", c.status().ToString().c_str());
+      std::abort();  // the other ranks would hang; mpirun tears the job down
+    }
+    it = cache.emplace(key, std::move(*c)).first;
+  }
+  return it->second;
+}
+
+// All ranks' strings, in rank order.
+std::vector<std::string> AllGatherStrings(const std::string& mine) {
+  uint64_t n = mine.size();
+  std::vector<uint64_t> sizes(static_cast<size_t>(world->size()));
+  ConstBytes in{&n, sizeof(n)};
+  MutableBytes out{sizes.data(), sizes.size() * sizeof(uint64_t)};
+  EXPECT_TRUE(Await(world->AllGather({&in, 1}, {&out, 1}, kTimeout)).ok());
+  std::vector<size_t> counts(sizes.begin(), sizes.end());
+  size_t total = 0;
+  for (size_t c : counts) total += c;
+  std::string all(total, '\0');
+  EXPECT_TRUE(Await(world->AllGatherV({mine.data(), mine.size()}, {all.data(), all.size()}, counts, kTimeout)).ok());
+  std::vector<std::string> res;
+  size_t off = 0;
+  for (size_t c : counts) res.push_back(all.substr(off, c)), off += c;
+  return res;
+}
+
+// --- The model cases ----------------------------------------------------------------------------
+
+struct ModelCase {
+  std::string name;
+  Architecture arch;
+  bool tie;
+  int64_t q_lora_rank = 32;
+};
+
+convert::SyntheticModelOptions TinyOptions(const ModelCase& c) {
+  convert::SyntheticModelOptions o;
+  o.arch = c.arch;
+  o.hidden = 64, o.layers = 4, o.heads = 8, o.kv_heads = 4, o.head_dim = 16, o.ffn = 96;
+  o.moe_ffn = 32, o.experts = 8, o.topk = 2, o.vocab = 1000, o.tie = c.tie;
+  o.q_lora_rank = c.q_lora_rank, o.kv_lora_rank = 32, o.qk_nope_head_dim = 16, o.qk_rope_head_dim = 8;
+  o.v_head_dim = 16, o.shared_experts = 1, o.first_k_dense = 1;
+  return o;
+}
+
+bool IsMoe(Architecture a) { return a == Architecture::kQwen3Moe || a == Architecture::kDeepseekV3; }
+
+struct LayoutCase {
+  std::string name;
+  int np, tp, pp, ep, etp;  // dense models run with ep = 1 and etp = tp
+};
+
+// A compressed-tensors INT4 config: experts, MLPs, o_proj and the MLA projections quantized; q/k/v,
+// routers and lm_head kept in bf16. Group size 32 divides every K of the tiny models.
+constexpr const char kInt4Json[] = R"json({
+  "quant_method": "compressed-tensors", "format": "pack-quantized",
+  "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+    "strategy": "group", "group_size": 32, "symmetric": true, "actorder": null, "dynamic": false}}},
+  "ignore": ["lm_head", "re:.*self_attn\\.(q|k|v)_proj$", "re:.*mlp\\.gate$"]})json";
+
+struct Fixture {
+  std::string root, hf_dir, src_dir;
+};
+
+// Rank 0 writes root/hf (config.json + model.safetensors) and root/src (the Megatron source).
+absl::StatusOr<Fixture> MakeFixture(const convert::SyntheticModelOptions& o, const LayoutCase& l, uint64_t seed,
+                                    const std::function<absl::Status(convert::SyntheticModel&)>& mutate = nullptr) {
+  auto make = [&]() -> absl::StatusOr<std::string> {
+                     ASSIGN_OR_RETURN(std::string dir, MakeTempDir());
+                     ASSIGN_OR_RETURN(convert::SyntheticModel m, convert::GenerateSyntheticModel(o, seed, 2));
+                     if (mutate) RETURN_IF_ERROR(mutate(m));
+                     RETURN_IF_ERROR(convert::WriteHfModel(m, dir + "/hf"));
+                     convert::SourceParallel p;
+                     const bool moe = IsMoe(o.arch);
+                     p.tp = l.tp, p.pp = l.pp, p.ep = moe ? l.ep : 1, p.etp = moe ? l.etp : l.tp;
+                     p.world_size = l.np;
+                     p.dp = l.np / (l.tp * l.pp);
+                     ASSIGN_OR_RETURN(p, convert::ResolveSourceParallel(m.config, p));
+                     RETURN_IF_ERROR(
+                         convert::WriteMegatronSource(m.config_json, m.config, m.weights, p, dir + "/src").status());
+                     return dir;
+  };
+  ASSIGN_OR_RETURN(std::string root, RootMakes(make));
+  return Fixture{root, root + "/hf", root + "/src"};
+}
+
+void RemoveFixture(const Fixture& f) {
+  EXPECT_TRUE(Await(world->Barrier(kTimeout)).ok());
+  if (world->rank() == 0) std::filesystem::remove_all(f.root);
+}
+
+struct SyncResult {
+  absl::StatusOr<SyncReport> report = absl::UnknownError("not run");
+  std::optional<CaptureSink> sink;
+};
+
+SyncResult SyncOnce(const source::DirSource& src, const SyncOptions& o) {
+  SyncResult r;
+  TrainerComms& comms = CommsFor(src.layout());
+  if (src.layout().IsStageSource(world->rank())) r.sink.emplace();
+  r.report = RunRankSync(src, comms, r.sink ? &*r.sink : nullptr, o);
+  return r;
+}
+
+// The sync every rank just ran delivered exactly HF_DIR converted (and quantized) directly: each
+// source checks its tensors bit for bit, then all names meet on rank 0 (collective: every rank calls).
+void CheckSyncAgainstHf(const SyncResult& r, const source::DirSource& src, const SyncOptions& o,
+                        const std::string& hf_dir, const std::optional<QuantizationConfig>& quant) {
+  EXPECT_TRUE(r.report.ok()) << r.report.status();
+  std::string names;
+  const int me = world->rank();
+  if (r.sink && r.report.ok()) {
+    EXPECT_TRUE(r.report->source);
+    const int stage = src.layout().Dense(me).pp;
+    std::map<std::string, Captured> got = DecodeStream(*r.sink, o.bucket_bytes, o.version, stage);
+    EXPECT_EQ(r.report->tensors, got.size());
+    EXPECT_EQ(r.report->buckets, r.sink->buckets.size());
+    auto expected = quantize::ExpectedSentTensorsFromDir(hf_dir, quant);
+    EXPECT_TRUE(expected.ok()) << expected.status();
+    if (expected.ok()) {
+      std::map<std::string, const convert::HfTensor*> want;
+      for (const convert::HfTensor& t : expected->tensors) want.emplace(t.name, &t);
+      for (const auto& [name, c] : got) {
+        absl::StrAppend(&names, name, "\n");
+        auto it = want.find(name);
+        if (it == want.end()) {
+          ADD_FAILURE() << "stage " << stage << " sent " << name << ", which is not a tensor of the model";
+          continue;
+        }
+        const TensorView& w = it->second->view;
+        EXPECT_EQ(c.dtype, w.dtype()) << name;
+        EXPECT_EQ(c.shape, w.shape()) << name;
+        EXPECT_TRUE(c.bytes.size() == w.nbytes() && std::memcmp(c.bytes.data(), w.data(), w.nbytes()) == 0)
+            << name << " differs from the checkpoint converted directly";
+      }
+    }
+  }
+  const std::vector<std::string> per_rank = AllGatherStrings(names);
+  if (me == 0 && r.report.ok()) {
+    auto expected = quantize::ExpectedSentTensorsFromDir(hf_dir, quant);
+    ASSERT_TRUE(expected.ok()) << expected.status();
+    std::map<std::string, int> count;
+    for (const std::string& s : per_rank)
+      for (absl::string_view n : absl::StrSplit(s, '\n', absl::SkipEmpty())) ++count[std::string(n)];
+    for (const convert::HfTensor& t : expected->tensors) {
+      EXPECT_EQ(count[t.name], 1) << t.name << " sent " << count[t.name] << " times across the stages";
+      count.erase(t.name);
+    }
+    for (const auto& [n, k] : count) ADD_FAILURE() << "unexpected tensor " << n << " sent " << k << " times";
+  }
+}
+
+// --- Bit-exact sync for every architecture and layout -------------------------------------------
+
+struct Param {
+  LayoutCase layout;
+  ModelCase model;
+  bool int4;
+};
+
+void PrintTo(const Param& p, std::ostream* os) {
+  *os << p.layout.name << " " << p.model.name << (p.int4 ? " int4" : " bf16");
+}
+
+class TrainerSyncTest : public ::testing::TestWithParam<Param> {};
+
+TEST_P(TrainerSyncTest, SendsExactlyTheConvertedCheckpoint) {
+  const Param& P = GetParam();
+  if (P.layout.np != world->size()) GTEST_SKIP() << "layout " << P.layout.name << " runs with -np " << P.layout.np;
+  const convert::SyntheticModelOptions mo = TinyOptions(P.model);
+  auto fixture = MakeFixture(mo, P.layout, 20261121);
+  ASSERT_TRUE(fixture.ok()) << fixture.status();  // same result on every rank
+  auto src = source::DirSource::Open(fixture->src_dir);
+  ASSERT_TRUE(src.ok()) << src.status();
+  std::optional<QuantizationConfig> quant;
+  if (P.int4) {
+    auto q = ParseQuantizationConfig(kInt4Json, "test int4 config");
+    ASSERT_TRUE(q.ok()) << q.status();
+    quant = std::move(*q);
+  }
+  SyncOptions o;
+  o.version = 42;
+  // Small buckets (several per stage; the embedding is larger than a bucket) and gathers split
+  // into several batches; the second size fits most of a stage in one bucket.
+  o.bucket_bytes = (P.model.tie ? 16 : 96) << 10;
+  o.gather_bytes = 40 << 10;
+  o.quant = quant ? &*quant : nullptr;
+  o.quant_threads = 2;
+  o.collective = kTimeout;
+  SyncResult r = SyncOnce(*src, o);
+  CheckSyncAgainstHf(r, *src, o, fixture->hf_dir, quant);
+  RemoveFixture(*fixture);
+}
+
+std::vector<Param> AllParams() {
+  const std::vector<LayoutCase> layouts = {
+      {"tp2_ep2_etp1", 4, 2, 1, 2, 1},
+      {"tp1_ep4", 4, 1, 1, 4, 1},
+      {"tp4", 4, 4, 1, 1, 4},
+      {"tp2_ep2_etp2_pp2", 8, 2, 2, 2, 2},
+  };
+  const std::vector<ModelCase> models = {
+      {"llama", Architecture::kLlama, false},        {"llama_tied", Architecture::kLlama, true},
+      {"qwen2", Architecture::kQwen2, false},        {"qwen2_tied", Architecture::kQwen2, true},
+      {"qwen3", Architecture::kQwen3, false},        {"qwen3_tied", Architecture::kQwen3, true},
+      {"qwen3moe", Architecture::kQwen3Moe, false},  {"deepseek", Architecture::kDeepseekV3, false},
+      {"deepseek_tied", Architecture::kDeepseekV3, true}, {"deepseek_no_qlora", Architecture::kDeepseekV3, false, 0},
+  };
+  std::vector<Param> out;
+  for (const auto& l : layouts)
+    for (const auto& m : models)
+      for (bool int4 : {false, true}) out.push_back({l, m, int4});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(All, TrainerSyncTest, ::testing::ValuesIn(AllParams()),
+                         [](const ::testing::TestParamInfo<Param>& i) {
+                           return absl::StrCat(i.param.layout.name, "_", i.param.model.name,
+                                               i.param.int4 ? "_int4" : "_bf16");
+                         });
+
+// --- Malformed sources ---------------------------------------------------------------------------
+
+const LayoutCase kMoeLayout = {"tp2_ep2_etp1", 4, 2, 1, 2, 1};
+
+class MalformedSourceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (world->size() != 4) GTEST_SKIP() << "runs with -np 4";
+  }
+  // Every rank must fail at once with the same error.
+  void ExpectAllFail(const Fixture& f, absl::StatusCode code, const std::vector<std::string>& needles) {
+    auto src = source::DirSource::Open(f.src_dir);
+    ASSERT_TRUE(src.ok()) << src.status();
+    SyncOptions o;
+    o.bucket_bytes = 64 << 10;
+    o.collective = kTimeout;
+    const absl::Time t0 = absl::Now();
+    SyncResult r = SyncOnce(*src, o);
+    EXPECT_LT(absl::Now() - t0, absl::Seconds(20)) << "failing took too long";
+    ASSERT_FALSE(r.report.ok());
+    EXPECT_EQ(r.report.status().code(), code) << r.report.status();
+    for (const std::string& n : needles) EXPECT_TRUE(absl::StrContains(r.report.status().message(), n)) << r.report.status();
+    const std::vector<std::string> all = AllGatherStrings(r.report.status().ToString());
+    for (const std::string& s : all) EXPECT_EQ(s, all[0]) << "ranks disagree on the error";
+    if (r.sink) {
+      EXPECT_TRUE(r.sink->buckets.empty()) << "nothing may be sent";
+    }
+  }
+};
+
+convert::SyntheticModelOptions MoeOptions() { return TinyOptions({"qwen3moe", Architecture::kQwen3Moe, false}); }
+
+TEST_F(MalformedSourceTest, AMissingRankFileFailsEveryRankNamingIt) {
+  auto f = MakeFixture(MoeOptions(), kMoeLayout, 7);
+  ASSERT_TRUE(f.ok()) << f.status();
+  if (world->rank() == 0) std::filesystem::remove(f->src_dir + "/rank-00002.safetensors");
+  ASSERT_TRUE(Await(world->Barrier(kTimeout)).ok());
+  ExpectAllFail(*f, absl::StatusCode::kNotFound, {"rank 2 cannot take part", "rank-00002.safetensors"});
+  RemoveFixture(*f);
+}
+
+TEST_F(MalformedSourceTest, ATruncatedRankFileFailsEveryRankNamingIt) {
+  auto f = MakeFixture(MoeOptions(), kMoeLayout, 8);
+  ASSERT_TRUE(f.ok()) << f.status();
+  if (world->rank() == 0) {
+    const std::string p = f->src_dir + "/rank-00001.safetensors";
+    std::filesystem::resize_file(p, std::filesystem::file_size(p) / 2);
+  }
+  ASSERT_TRUE(Await(world->Barrier(kTimeout)).ok());
+  ExpectAllFail(*f, absl::StatusCode::kInvalidArgument, {"rank 1 cannot take part", "rank-00001.safetensors"});
+  RemoveFixture(*f);
+}
+
+TEST_F(MalformedSourceTest, AMisShapedRankFileFailsEveryRankNamingTheParameter) {
+  // Rank 3's file replaced by rank 3's file of a model with a wider FFN.
+  auto f = MakeFixture(MoeOptions(), kMoeLayout, 9);
+  ASSERT_TRUE(f.ok()) << f.status();
+  convert::SyntheticModelOptions wide = MoeOptions();
+  wide.moe_ffn = 64;
+  auto other = MakeFixture(wide, kMoeLayout, 9);
+  ASSERT_TRUE(other.ok()) << other.status();
+  if (world->rank() == 0)
+    std::filesystem::copy_file(other->src_dir + "/rank-00003.safetensors", f->src_dir + "/rank-00003.safetensors",
+                               std::filesystem::copy_options::overwrite_existing);
+  ASSERT_TRUE(Await(world->Barrier(kTimeout)).ok());
+  ExpectAllFail(*f, absl::StatusCode::kInvalidArgument,
+                {"rank 3 cannot take part", "rank-00003.safetensors", "mlp.experts.linear_fc1.weight"});
+  RemoveFixture(*other);
+  RemoveFixture(*f);
+}
+
+TEST_F(MalformedSourceTest, RanksWithDifferentGatherSizesRefuseBeforeAnyGather) {
+  // Different batch boundaries would pair mismatched collectives: the opening agreement refuses.
+  auto f = MakeFixture(MoeOptions(), kMoeLayout, 13);
+  ASSERT_TRUE(f.ok()) << f.status();
+  auto src = source::DirSource::Open(f->src_dir);
+  ASSERT_TRUE(src.ok()) << src.status();
+  SyncOptions o;
+  o.collective = kTimeout;
+  o.gather_bytes = world->rank() == 1 ? (8 << 10) : (16 << 10);
+  SyncResult r = SyncOnce(*src, o);
+  ASSERT_FALSE(r.report.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(r.report.status())) << r.report.status();
+  EXPECT_TRUE(absl::StrContains(r.report.status().message(), "rank 1 runs a different")) << r.report.status();
+  RemoveFixture(*f);
+}
+
+TEST_F(MalformedSourceTest, ANanTheQuantizerRefusesFailsTheSourceWhileTheOthersFinish) {
+  const std::string bad = "model.layers.1.mlp.experts.6.down_proj.weight";  // held by EP rank 1
+  auto f = MakeFixture(MoeOptions(), kMoeLayout, 10, [&](convert::SyntheticModel& m) -> absl::Status {
+    ASSIGN_OR_RETURN(TensorView v, m.weights.Get(bad));
+    auto* p = const_cast<std::byte*>(v.bytes().data());  // owned by the in-memory checkpoint
+    const uint16_t nan = 0x7fc0;
+    std::memcpy(p + 2 * 17, &nan, 2);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(f.ok()) << f.status();
+  auto src = source::DirSource::Open(f->src_dir);
+  ASSERT_TRUE(src.ok()) << src.status();
+  auto q = ParseQuantizationConfig(kInt4Json, "test int4 config");
+  ASSERT_TRUE(q.ok()) << q.status();
+  SyncOptions o;
+  o.bucket_bytes = 16 << 10;
+  o.gather_bytes = 8 << 10;
+  o.quant = &*q;
+  o.collective = kTimeout;
+  const absl::Time t0 = absl::Now();
+  SyncResult r = SyncOnce(*src, o);
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(20));
+  if (world->rank() == 0) {
+    ASSERT_FALSE(r.report.ok());
+    EXPECT_TRUE(absl::IsInvalidArgument(r.report.status())) << r.report.status();
+    EXPECT_TRUE(absl::StrContains(r.report.status().message(), bad)) << r.report.status();
+    EXPECT_TRUE(absl::StrContains(r.report.status().message(), "rank 0 (stage 0 source)")) << r.report.status();
+    EXPECT_EQ(r.sink->finishes, 0) << "a failed stream is not finished";
+    for (const auto& b : r.sink->buckets) EXPECT_FALSE(b.manifest.last());
+  } else {
+    EXPECT_TRUE(r.report.ok()) << r.report.status();
+  }
+  RemoveFixture(*f);
+}
+
+TEST_F(MalformedSourceTest, TheSourceIsReReadEverySyncWithAWorkspaceKeptAcrossSyncs) {
+  // After the failures above the communicators are intact. Sync 1 sends model A; rank 0 then
+  // rewrites the rank files in place with model B (new seed); sync 2, same DirSource and
+  // workspace, must send B. Sync 2 uses larger gathers, so the workspace grows.
+  auto a = MakeFixture(MoeOptions(), kMoeLayout, 11);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = MakeFixture(MoeOptions(), kMoeLayout, 12);
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto src = source::DirSource::Open(a->src_dir);
+  ASSERT_TRUE(src.ok()) << src.status();
+  SyncWorkspace workspace;
+  SyncOptions o;
+  o.collective = kTimeout;
+  o.workspace = &workspace;
+  o.bucket_bytes = 32 << 10;
+  o.gather_bytes = 16 << 10;
+  o.version = 1;
+  SyncResult r1 = SyncOnce(*src, o);
+  CheckSyncAgainstHf(r1, *src, o, a->hf_dir, std::nullopt);
+  const uint64_t held = workspace.bytes();
+  if (world->rank() < 2) {
+    EXPECT_GT(held, 0u) << "gathering ranks keep their buffers";
+  }
+  ASSERT_TRUE(Await(world->Barrier(kTimeout)).ok());
+  if (world->rank() == 0)
+    for (int r = 0; r < 4; ++r)
+      std::filesystem::copy_file(b->src_dir + "/" + convert::RankFileName(r), a->src_dir + "/" + convert::RankFileName(r),
+                                 std::filesystem::copy_options::overwrite_existing);
+  ASSERT_TRUE(Await(world->Barrier(kTimeout)).ok());
+  o.version = 2;
+  o.gather_bytes = 256 << 10;
+  SyncResult r2 = SyncOnce(*src, o);
+  CheckSyncAgainstHf(r2, *src, o, b->hf_dir, std::nullopt);
+  if (world->rank() < 2) {
+    EXPECT_GT(workspace.bytes(), held) << "larger batches grew the workspace";
+  }
+  RemoveFixture(*b);
+  RemoveFixture(*a);
+}
+
+}  // namespace
+}  // namespace wsync::sync
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  auto w = wsync::CreateMpiWorld();
+  if (!w.ok()) {
+    std::fprintf(stderr, "%s\n", w.status().ToString().c_str());
+    return 1;
+  }
+  wsync::sync::world = w->get();
+  std::map<std::string, wsync::sync::TrainerComms> comms;
+  wsync::sync::comms_cache = &comms;
+  if (wsync::sync::world->rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  const int rc = RUN_ALL_TESTS();
+  comms.clear();
+  w->reset();
+  return rc;
+}

@@ -1,0 +1,107 @@
+// wsync-shard: HF checkpoint -> Megatron source directory (config.json, parallel.json,
+// rank-{global_rank:05d}.safetensors), and its bit-exact check.
+//
+//   wsync-shard --hf HF_DIR --out SRC_DIR --tp N [--pp N --ep N --etp N --dp N --cp N]
+//               [--layers-per-stage a,b,...] [--make-vocab-size-divisible-by N]
+//               [--padded-vocab-size N] [--verify]
+//   wsync-shard --hf HF_DIR --src SRC_DIR --verify        check an existing source directory
+//
+// world_size = tp*cp*pp*dp; etp defaults to tp (Megatron's default). --verify reads the rank files
+// back as the trainer agent does, simulates every stage's TP / EP / ETP gathers in-process,
+// converts to HF and compares every tensor bit for bit with HF_DIR.
+// Exit codes: 0 ok, 1 refused or mismatch (the message names the file / tensor / values),
+// 2 bad command line.
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "absl/strings/str_format.h"
+#include "common/config.h"
+#include "trainer_agent/convert/hf_checkpoint.h"
+#include "trainer_agent/convert/sharder.h"
+#include "trainer_agent/source/dir_source.h"
+
+namespace wsync::tools {
+namespace {
+
+double Since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+int Run(int argc, char** argv) {
+  CLI::App app{"wsync-shard: HF checkpoint -> Megatron per-rank shard files (and their bit-exact check)"};
+  std::string hf_dir, out_dir, src_dir;
+  convert::SourceParallel p;
+  std::vector<int64_t> layers_per_stage;
+  bool verify = false;
+  app.add_option("--hf", hf_dir, "HF checkpoint directory (config.json + *.safetensors)")->required();
+  auto* out_opt = app.add_option("--out", out_dir, "source directory to write");
+  auto* src_opt = app.add_option("--src", src_dir, "existing source directory to verify");
+  out_opt->excludes(src_opt);
+  app.add_option("--tp", p.tp, "tensor parallel size")->capture_default_str();
+  app.add_option("--pp", p.pp, "pipeline parallel size")->capture_default_str();
+  app.add_option("--ep", p.ep, "expert parallel size")->capture_default_str();
+  auto* etp_opt = app.add_option("--etp", p.etp, "expert tensor parallel size (default: tp)");
+  app.add_option("--dp", p.dp, "data parallel size")->capture_default_str();
+  app.add_option("--cp", p.cp, "context parallel size")->capture_default_str();
+  app.add_option("--layers-per-stage", layers_per_stage, "decoder layers of each PP stage (default: even split)")
+      ->delimiter(',');
+  app.add_option("--make-vocab-size-divisible-by", p.make_vocab_size_divisible_by)->capture_default_str();
+  app.add_option("--padded-vocab-size", p.padded_vocab_size, "override Megatron's padded vocab formula");
+  app.add_flag("--verify", verify, "simulate the gathers and compare with the HF checkpoint bit for bit");
+  try {
+    app.parse(argc, argv);
+    if (out_opt->count() == 0 && src_opt->count() == 0) throw CLI::RequiredError("--out or --src");
+    if (src_opt->count() > 0 && !verify) throw CLI::RequiredError("--verify (with --src)");
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+  auto fail = [](const absl::Status& s) {
+    std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
+    return 1;
+  };
+  auto t0 = std::chrono::steady_clock::now();
+  auto hf = convert::HfCheckpoint::Open(hf_dir);
+  if (!hf.ok()) return fail(hf.status());
+
+  if (out_opt->count() > 0) {
+    auto config_text = ReadTextFile(hf_dir + "/config.json");
+    if (!config_text.ok()) return fail(config_text.status());
+    auto model = ParseModelConfig(*config_text, hf_dir + "/config.json");
+    if (!model.ok()) return fail(model.status());
+    if (etp_opt->count() == 0) p.etp = p.tp;
+    p.world_size = p.tp * p.cp * p.pp * p.dp;
+    p.layers_per_stage = layers_per_stage;
+    auto stats = convert::WriteMegatronSource(*config_text, *model, *hf, p, out_dir);
+    if (!stats.ok()) return fail(stats.status());
+    std::printf("%s\n", absl::StrFormat("wrote %s: %d rank files (%d built, %d DP copies), %.1f MiB, %.2f s", out_dir,
+                                        stats->files_built + stats->files_copied, stats->files_built,
+                                        stats->files_copied, static_cast<double>(stats->bytes_written) / (1 << 20),
+                                        Since(t0))
+                            .c_str());
+    src_dir = out_dir;
+  }
+  if (verify) {
+    t0 = std::chrono::steady_clock::now();
+    auto src = source::DirSource::Open(src_dir);
+    if (!src.ok()) return fail(src.status());
+    auto report = source::VerifyDirSource(*src, *hf);
+    if (!report.ok()) return fail(report.status());
+    std::printf("%s\n", absl::StrFormat("verified %s against %s: %s, %d parameters -> %d HF tensors (%.1f MiB) "
+                                        "bit-exact, %.2f s",
+                                        src_dir, hf_dir, src->layout().DebugString(), report->params,
+                                        report->hf_tensors, static_cast<double>(report->hf_bytes) / (1 << 20),
+                                        Since(t0))
+                            .c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace wsync::tools
+
+int main(int argc, char** argv) { return wsync::tools::Run(argc, argv); }

@@ -1,0 +1,389 @@
+// wsyncctl: the operators' command line for a running wsync deployment.
+//
+//   wsyncctl [--coordinator HOST:PORT] [--token-file F] [--tls-ca F] [--json] [--timeout S] COMMAND
+//     sync [--wait] [--wait-if-busy] [--min-agents N]   trigger a sync (and watch it with a progress bar)
+//     status                                           the coordinator's state and last version
+//     members                                          the rollout agents and their versions
+//     versions                                         every sync attempt: version, ok, time, bytes
+//     timings [VERSION]                                per-phase seconds and GB/s of one sync (default: latest)
+//     verify --against HF_DIR [--quant-config F]       recompute every engine rank's weights from a checkpoint
+//                                                      and compare them, bit for bit, with what it holds
+//     generate --engine ADDR --prompt 1,2,3 [--max-new-tokens K]   one request to an engine (smoke test)
+//
+// Exit codes: 0 success; 1 the operation failed (a sync failed, verify found differences);
+// 2 bad usage or input; 3 the coordinator or an agent is unreachable or timed out;
+// 4 refused (wrong or missing token); 5 busy (a sync is already running).
+#include <unistd.h>
+
+#include <cstdio>
+#include <map>
+#include <string>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/config.h"
+#include "common/grpc_status.h"
+#include "common/rpc_security.h"
+#include "common/status.h"
+#include "common/units.h"
+#include "nlohmann/json.hpp"
+#include "rollout_agent/load/engine_layout.h"
+#include "rollout_agent/verify/verify.h"
+#include "trainer_agent/quantize/quant_select.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "wsync/v1/coordinator.grpc.pb.h"
+#include "wsync/v1/engine.grpc.pb.h"
+#include "wsync/v1/rollout.grpc.pb.h"
+
+namespace wsync {
+namespace {
+
+using json = nlohmann::json;
+
+struct Globals {
+  std::string coordinator = "127.0.0.1:7070";
+  RpcSecurityOptions sec_options;
+  RpcSecurity sec;
+  bool json = false;
+  double timeout_s = 30;
+};
+
+int ExitCodeFor(const absl::Status& s) {
+  switch (s.code()) {
+    case absl::StatusCode::kOk: return 0;
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kNotFound: return 2;
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded: return 3;
+    case absl::StatusCode::kUnauthenticated:
+    case absl::StatusCode::kPermissionDenied: return 4;
+    case absl::StatusCode::kFailedPrecondition: return 5;
+    default: return 1;
+  }
+}
+
+int Fail(const absl::Status& s, const Globals& g) {
+  if (g.json) {
+    std::printf("%s\n", json({{"ok", false}, {"code", absl::StatusCodeToString(s.code())}, {"error", s.message()}}).dump(2).c_str());
+  } else {
+    std::fprintf(stderr, "wsyncctl: %s\n", s.ToString().c_str());
+    if (absl::IsUnavailable(s)) {
+      std::fprintf(stderr, "  (is the coordinator running at %s? see --coordinator)\n", g.coordinator.c_str());
+    }
+    if (absl::IsUnauthenticated(s)) std::fprintf(stderr, "  (pass the deployment's token with --token-file or WSYNC_TOKEN)\n");
+  }
+  return ExitCodeFor(s);
+}
+
+class Ctl {
+ public:
+  explicit Ctl(const Globals& g) : g_(g), stub_(v1::Coordinator::NewStub(MakeChannel(g.coordinator, g.sec))) {}
+
+  template <typename Req, typename Reply>
+  absl::Status Call(grpc::Status (v1::Coordinator::Stub::*rpc)(grpc::ClientContext*, const Req&, Reply*), const Req& req,
+                    Reply* reply) {
+    grpc::ClientContext ctx;
+    PrepareContext(&ctx, g_.sec, absl::Seconds(g_.timeout_s));
+    return FromGrpcStatus(((*stub_).*rpc)(&ctx, req, reply));
+  }
+
+  int Status() {
+    v1::StatusReply r;
+    if (auto s = Call(&v1::Coordinator::Stub::Status, v1::StatusRequest(), &r); !s.ok()) return Fail(s, g_);
+    if (g_.json) {
+      std::printf("%s\n", json({{"version", r.version()}, {"state", r.state()}, {"running_sync_id", r.running_sync_id()},
+                                {"members", r.members()}, {"trainer_ranks", r.trainer_ranks()}, {"last_error", r.last_error()}})
+                              .dump(2)
+                              .c_str());
+    } else {
+      std::printf("coordinator %s: %s, version %llu, %u rollout agents, %u trainer ranks\n", g_.coordinator.c_str(),
+                  r.state().c_str(), static_cast<unsigned long long>(r.version()), r.members(), r.trainer_ranks());
+      if (r.running_sync_id()) std::printf("running sync %llu\n", static_cast<unsigned long long>(r.running_sync_id()));
+      if (!r.last_error().empty()) std::printf("last error: %s\n", r.last_error().c_str());
+    }
+    return 0;
+  }
+
+  int Members() {
+    v1::MembersReply r;
+    if (auto s = Call(&v1::Coordinator::Stub::Members, v1::MembersRequest(), &r); !s.ok()) return Fail(s, g_);
+    if (g_.json) {
+      json out = json::array();
+      for (const auto& m : r.members()) {
+        out.push_back({{"agent_id", m.agent_id()}, {"address", m.agent_address()}, {"engine_id", m.engine_id()},
+                       {"tp_rank", m.tp_rank()}, {"tp_size", m.tp_size()}, {"version", m.version()},
+                       {"heartbeat_age_s", m.last_heartbeat_age_seconds()}});
+      }
+      std::printf("%s\n", out.dump(2).c_str());
+      return 0;
+    }
+    std::printf("%-10s %-22s %-12s %-7s %-8s %s\n", "AGENT", "ADDRESS", "ENGINE", "TP", "VERSION", "HEARTBEAT");
+    for (const auto& m : r.members()) {
+      std::printf("%-10s %-22s %-12s %u/%-5u %-8llu %.1f s ago\n", m.agent_id().c_str(), m.agent_address().c_str(),
+                  m.engine_id().c_str(), m.tp_rank(), m.tp_size(), static_cast<unsigned long long>(m.version()),
+                  m.last_heartbeat_age_seconds());
+    }
+    return 0;
+  }
+
+  int Versions() {
+    v1::VersionsReply r;
+    if (auto s = Call(&v1::Coordinator::Stub::Versions, v1::VersionsRequest(), &r); !s.ok()) return Fail(s, g_);
+    if (g_.json) {
+      json out = json::array();
+      for (const auto& v : r.versions()) {
+        out.push_back({{"version", v.version()}, {"sync_id", v.sync_id()}, {"ok", v.ok()}, {"error", v.error()},
+                       {"seconds", v.seconds()}, {"bytes", v.bytes()}, {"finished_unix_ms", v.finished_unix_ms()}});
+      }
+      std::printf("%s\n", out.dump(2).c_str());
+      return 0;
+    }
+    std::printf("%-8s %-6s %-7s %10s %12s  %s\n", "VERSION", "SYNC", "RESULT", "SECONDS", "BYTES", "ERROR");
+    for (const auto& v : r.versions()) {
+      std::printf("%-8llu %-6llu %-7s %10.3f %12s  %s\n", static_cast<unsigned long long>(v.version()),
+                  static_cast<unsigned long long>(v.sync_id()), v.ok() ? "ok" : "FAILED", v.seconds(),
+                  FormatBytes(v.bytes()).c_str(), v.error().c_str());
+    }
+    return 0;
+  }
+
+  int Timings(uint64_t version) {
+    v1::TimingsRequest req;
+    req.set_version(version);
+    v1::TimingsReply r;
+    if (auto s = Call(&v1::Coordinator::Stub::Timings, req, &r); !s.ok()) return Fail(s, g_);
+    if (g_.json) {
+      json phases = json::array();
+      for (const auto& p : r.phases()) phases.push_back({{"phase", p.phase()}, {"seconds", p.seconds()}, {"bytes", p.bytes()}});
+      std::printf("%s\n", json({{"version", r.version()}, {"sync_id", r.sync_id()}, {"phases", phases}}).dump(2).c_str());
+      return 0;
+    }
+    std::printf("version %llu (sync %llu)\n%-18s %10s %12s %10s\n", static_cast<unsigned long long>(r.version()),
+                static_cast<unsigned long long>(r.sync_id()), "PHASE", "SECONDS", "BYTES", "GB/s");
+    for (const auto& p : r.phases()) {
+      std::printf("%-18s %10.4f %12s %10s\n", p.phase().c_str(), p.seconds(), p.bytes() ? FormatBytes(p.bytes()).c_str() : "-",
+                  p.bytes() && p.seconds() > 0 ? absl::StrFormat("%.2f", p.bytes() / p.seconds() / 1e9).c_str() : "-");
+    }
+    return 0;
+  }
+
+  int Sync(bool wait, bool wait_if_busy, uint32_t min_agents) {
+    v1::TriggerSyncRequest req;
+    req.set_wait_if_busy(wait_if_busy);
+    req.set_min_agents(min_agents);
+    v1::TriggerSyncReply r;
+    if (auto s = Call(&v1::Coordinator::Stub::TriggerSync, req, &r); !s.ok()) return Fail(s, g_);
+    if (!wait) {
+      if (g_.json) std::printf("%s\n", json({{"sync_id", r.sync_id()}, {"version", r.version()}}).dump(2).c_str());
+      else std::printf("sync %llu started -> version %llu\n", static_cast<unsigned long long>(r.sync_id()),
+                       static_cast<unsigned long long>(r.version()));
+      return 0;
+    }
+    return Watch(r.sync_id());
+  }
+
+  int Watch(uint64_t id) {
+    grpc::ClientContext ctx;
+    PrepareContext(&ctx, g_.sec, absl::Hours(24));
+    v1::WatchSyncRequest req;
+    req.set_sync_id(id);
+    auto reader = stub_->WatchSync(&ctx, req);
+    v1::SyncEvent e, last;
+    const bool tty = isatty(STDERR_FILENO) && !g_.json;
+    std::string last_phase;
+    while (reader->Read(&e)) {
+      last = e;
+      if (g_.json) continue;
+      if (tty) {
+        const double rate = e.elapsed_seconds() > 0 ? e.bytes_done() / e.elapsed_seconds() : 0;
+        std::string eta = "-";
+        if (rate > 0 && e.bytes_total() > e.bytes_done()) eta = absl::StrFormat("%.1fs", (e.bytes_total() - e.bytes_done()) / rate);
+        const int width = 30;
+        const int filled = e.bytes_total() ? static_cast<int>(width * std::min(1.0, double(e.bytes_done()) / e.bytes_total())) : 0;
+        std::fprintf(stderr, "\r\033[K%-9s [%s%s] %llu buckets  %s / %s  %.2f GB/s  ETA %s", e.phase().c_str(),
+                     std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
+                     static_cast<unsigned long long>(e.buckets_done()), FormatBytes(e.bytes_done()).c_str(),
+                     e.bytes_total() ? FormatBytes(e.bytes_total()).c_str() : "?", rate / 1e9, eta.c_str());
+      } else if (e.phase() != last_phase) {
+        std::fprintf(stderr, "sync %llu: %s (%.2f s)\n", static_cast<unsigned long long>(e.sync_id()), e.phase().c_str(),
+                     e.elapsed_seconds());
+      }
+      last_phase = e.phase();
+    }
+    if (tty) std::fprintf(stderr, "\n");
+    absl::Status s = FromGrpcStatus(reader->Finish());
+    if (!s.ok()) return Fail(s, g_);
+    const bool ok = last.phase() == "done";
+    if (g_.json) {
+      std::printf("%s\n", json({{"sync_id", last.sync_id()}, {"version", last.version()}, {"ok", ok}, {"phase", last.phase()},
+                                {"seconds", last.elapsed_seconds()}, {"bytes", last.bytes_done()}, {"error", last.error()}})
+                              .dump(2)
+                              .c_str());
+    } else if (ok) {
+      std::printf("sync %llu: version %llu published in %.3f s (%s)\n", static_cast<unsigned long long>(last.sync_id()),
+                  static_cast<unsigned long long>(last.version()), last.elapsed_seconds(), FormatBytes(last.bytes_done()).c_str());
+    } else {
+      std::printf("sync %llu FAILED: %s\n", static_cast<unsigned long long>(last.sync_id()), last.error().c_str());
+      for (const auto& m : last.members()) {
+        if (!m.error().empty()) std::printf("  %s (engine %s tp %u): %s\n", m.agent_id().c_str(), m.engine_id().c_str(), m.tp_rank(), m.error().c_str());
+      }
+    }
+    return ok ? 0 : 1;
+  }
+
+  int Verify(const std::string& hf_dir, const std::string& quant_file) {
+    v1::MembersReply members;
+    if (auto s = Call(&v1::Coordinator::Stub::Members, v1::MembersRequest(), &members); !s.ok()) return Fail(s, g_);
+    std::optional<QuantizationConfig> quant;
+    if (!quant_file.empty()) {
+      auto q = LoadQuantizationConfig(quant_file);
+      if (!q.ok()) return Fail(q.status(), g_);
+      quant = *q;
+    }
+    auto expected = quantize::ExpectedSentTensorsFromDir(hf_dir, quant);
+    if (!expected.ok()) return Fail(expected.status(), g_);
+    json out = json::array();
+    bool all_ok = members.members_size() > 0;
+    if (members.members_size() == 0 && !g_.json) std::printf("no rollout agents to verify\n");
+    for (const auto& m : members.members()) {
+      auto stub = v1::RolloutAgent::NewStub(MakeChannel(m.agent_address(), g_.sec));
+      grpc::ClientContext ctx;
+      PrepareContext(&ctx, g_.sec, absl::Seconds(g_.timeout_s) + absl::Minutes(5));
+      v1::EngineChecksumsReply r;
+      absl::Status s = FromGrpcStatus(stub->EngineChecksums(&ctx, v1::EngineChecksumsRequest(), &r));
+      rollout::VerifyResult vr;
+      if (s.ok()) {
+        auto model = ParseModelConfig(r.model_config_json(), "engine config");
+        std::optional<QuantizationConfig> engine_quant;
+        if (model.ok() && !r.quantization_config_json().empty()) {
+          auto q = ParseQuantizationConfig(r.quantization_config_json(), "engine quantization config");
+          if (q.ok()) engine_quant = *q;
+          else s = q.status();
+        }
+        if (!model.ok()) s = model.status();
+        absl::StatusOr<rollout::EngineLayout> layout = absl::InternalError("unset");
+        if (s.ok()) {
+          layout = rollout::EngineLayout::Create(*model, engine_quant ? &*engine_quant : nullptr,
+                                                 {static_cast<int>(r.tp_size()), static_cast<int>(r.tp_rank()),
+                                                  static_cast<int>(r.ep_size())});
+          s = layout.status();
+        }
+        if (s.ok()) {
+          auto weights = rollout::ExpectedEngineWeights(*layout, expected->tensors);
+          if (!weights.ok()) {
+            s = Annotate(weights.status(), "recomputing the engine weights from the checkpoint");
+          } else {
+            std::map<std::string, uint64_t> actual;
+            for (const auto& p : r.params()) actual[p.name()] = p.xxh3_64();
+            vr = rollout::CompareChecksums(rollout::ChecksumWeights((*weights)->weights()), actual);
+          }
+        }
+      }
+      const bool ok = s.ok() && vr.ok();
+      all_ok = all_ok && ok;
+      if (g_.json) {
+        out.push_back({{"agent_id", m.agent_id()}, {"engine_id", m.engine_id()}, {"tp_rank", m.tp_rank()},
+                       {"version", r.version()}, {"ok", ok}, {"params", vr.params}, {"mismatched", vr.mismatched},
+                       {"missing", vr.missing}, {"unexpected", vr.unexpected}, {"error", std::string(s.message())}});
+      } else if (!s.ok()) {
+        std::printf("%s engine %s tp %u: ERROR %s\n", m.agent_id().c_str(), m.engine_id().c_str(), m.tp_rank(), s.ToString().c_str());
+      } else {
+        std::printf("%s engine %s tp %u version %llu: %s (%zu params", m.agent_id().c_str(), m.engine_id().c_str(), m.tp_rank(),
+                    static_cast<unsigned long long>(r.version()), ok ? "bit-exact" : "DIFFERS", vr.params);
+        if (!ok) std::printf(", %zu differ, %zu missing, %zu unexpected", vr.mismatched.size(), vr.missing.size(), vr.unexpected.size());
+        std::printf(")\n");
+        for (size_t i = 0; i < vr.mismatched.size() && i < 10; ++i) std::printf("  differs: %s\n", vr.mismatched[i].c_str());
+      }
+    }
+    if (g_.json) std::printf("%s\n", json({{"ok", all_ok}, {"engines", out}}).dump(2).c_str());
+    return all_ok ? 0 : 1;
+  }
+
+  int Generate(const std::string& engine, const std::string& prompt, uint32_t max_new) {
+    v1::GenerateRequest req;
+    for (absl::string_view t : absl::StrSplit(prompt, ',', absl::SkipWhitespace())) {
+      int32_t id = 0;
+      if (!absl::SimpleAtoi(t, &id)) return Fail(absl::InvalidArgumentError(absl::StrCat("bad token id \"", t, "\" in --prompt")), g_);
+      req.add_prompt(id);
+    }
+    req.set_max_new_tokens(max_new);
+    auto stub = v1::RolloutEngine::NewStub(MakeChannel(engine, g_.sec));
+    grpc::ClientContext ctx;
+    PrepareContext(&ctx, g_.sec, absl::Seconds(g_.timeout_s));
+    v1::GenerateReply r;
+    absl::Status s = FromGrpcStatus(stub->Generate(&ctx, req, &r));
+    if (!s.ok()) return Fail(s, g_);
+    std::vector<int32_t> tokens(r.tokens().begin(), r.tokens().end());
+    if (g_.json) std::printf("%s\n", json({{"version", r.version()}, {"tokens", tokens}}).dump().c_str());
+    else std::printf("version %llu: %s\n", static_cast<unsigned long long>(r.version()), absl::StrJoin(tokens, ",").c_str());
+    return 0;
+  }
+
+ private:
+  const Globals& g_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+};
+
+int Main(int argc, char** argv) {
+  CLI::App app(
+      "wsyncctl: operate a wsync deployment (trigger and watch syncs, inspect members, versions and\n"
+      "timings, verify engine weights against a checkpoint).\n\n"
+      "Examples:\n"
+      "  wsyncctl sync --wait                      trigger a sync and follow it\n"
+      "  wsyncctl timings                          where the last sync spent its time\n"
+      "  wsyncctl verify --against /ckpt/step-100  bit-exact check of every engine rank\n");
+  app.require_subcommand(1);
+  Globals g;
+  app.add_option("--coordinator", g.coordinator, "Coordinator address (trainer rank 0)")->envname("WSYNC_COORDINATOR");
+  app.add_option("--token-file", g.sec_options.token_file, "Bearer token file (else $WSYNC_TOKEN)");
+  app.add_option("--tls-ca", g.sec_options.tls_ca_file, "CA certificate of the servers (enables TLS)");
+  app.add_option("--tls-cert", g.sec_options.tls_cert_file, "Client certificate (mutual TLS)");
+  app.add_option("--tls-key", g.sec_options.tls_key_file, "Client key (mutual TLS)");
+  app.add_flag("--json", g.json, "Machine-readable output");
+  app.add_option("--timeout", g.timeout_s, "Deadline of each RPC, seconds")->check(CLI::PositiveNumber);
+
+  bool wait = false, wait_if_busy = false;
+  uint32_t min_agents = 1;
+  auto* sync = app.add_subcommand("sync", "Trigger a sync");
+  sync->add_flag("--wait", wait, "Follow it to the end with a progress bar; exit 1 if it fails");
+  sync->add_flag("--wait-if-busy", wait_if_busy, "Queue behind a running sync instead of failing (exit 5)");
+  sync->add_option("--min-agents", min_agents, "Refuse with fewer rollout agents");
+  app.add_subcommand("status", "Coordinator state and last version");
+  app.add_subcommand("members", "Rollout agents");
+  app.add_subcommand("versions", "Every sync attempt");
+  uint64_t version = 0;
+  auto* timings = app.add_subcommand("timings", "Per-phase timings of one sync");
+  timings->add_option("version", version, "Version (default: the latest finished)");
+  std::string against, quant_file;
+  auto* verify = app.add_subcommand("verify", "Compare every engine rank's weights with a checkpoint, bit for bit");
+  verify->add_option("--against", against, "HF checkpoint directory (config.json + *.safetensors)")->required();
+  verify->add_option("--quant-config", quant_file, "Quantization config (default: the engines' own)");
+  std::string engine, prompt;
+  uint32_t max_new = 8;
+  auto* generate = app.add_subcommand("generate", "Send one greedy generation request to an engine (a smoke test)");
+  generate->add_option("--engine", engine, "The engine's RolloutEngine address (its rank 0)")->required();
+  generate->add_option("--prompt", prompt, "Comma-separated token ids")->required();
+  generate->add_option("--max-new-tokens", max_new, "Tokens to generate");
+  CLI11_PARSE(app, argc, argv);
+
+  auto sec = LoadRpcSecurity(g.sec_options);
+  if (!sec.ok()) return Fail(sec.status(), g);
+  g.sec = *sec;
+  Ctl ctl(g);
+  if (app.got_subcommand("status")) return ctl.Status();
+  if (app.got_subcommand("members")) return ctl.Members();
+  if (app.got_subcommand("versions")) return ctl.Versions();
+  if (app.got_subcommand("timings")) return ctl.Timings(version);
+  if (app.got_subcommand("sync")) return ctl.Sync(wait, wait_if_busy, min_agents);
+  if (app.got_subcommand("verify")) return ctl.Verify(against, quant_file);
+  if (app.got_subcommand("generate")) return ctl.Generate(engine, prompt, max_new);
+  return 2;
+}
+
+}  // namespace
+}  // namespace wsync
+
+int main(int argc, char** argv) { return wsync::Main(argc, argv); }
