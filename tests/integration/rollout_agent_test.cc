@@ -163,7 +163,8 @@ class RolloutAgentTest : public ::testing::Test {
     for (const EngineBuffer& b : ref->weights().buffers()) {
       std::memcpy((*engine)->memory().weights().Find(b.name)->data, b.data, b.nbytes);
     }
-    std::vector<std::string> args = {"--token-file", token_file_, "--record-dir", record_dir_ + std::to_string(rank),
+    std::vector<std::string> args = {"--token-file", token_file_, "--record-dir",
+                                     shared_record_ ? record_dir_ + "shared" : record_dir_ + std::to_string(rank),
                                      "--heartbeat-ms", "100"};
     args.insert(args.end(), extra_args.begin(), extra_args.end());
     auto agent = AgentProcess::Start(WSYNC_ROLLOUT_AGENT, absl::StrCat(name_, "-", rank), args, sec_);
@@ -260,6 +261,7 @@ class RolloutAgentTest : public ::testing::Test {
 
   std::string name_, dir_, token_file_, record_dir_, config_json_, quant_json_;
   RpcSecurity sec_;
+  bool shared_record_ = false;  // every agent records into record_dir_ + "shared"
   ModelConfig config_;
   QuantizationConfig quant_;
   std::map<uint32_t, HfModel> models_;
@@ -423,6 +425,26 @@ TEST_F(RolloutAgentTest, AWholeInt4SyncLandsInTheEngineBitExact) {
 
   ExpectEngineHolds(engine, v2);
   ExpectMatchesHfOracle(engine, v2);
+  {
+    // What wsyncctl verify reads: every param's XXH3 of the engine memory, the version, the config.
+    v1::EngineChecksumsReply sums;
+    auto ctx = Context(sec_);
+    grpc::Status s = agent.stub().EngineChecksums(ctx.get(), v1::EngineChecksumsRequest(), &sums);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(sums.version(), 2u);
+    EXPECT_EQ(sums.engine_id(), "engine-a");
+    EXPECT_EQ(sums.ep_size(), 1u);
+    EXPECT_EQ(sums.model_config_json(), config_json_);
+    EXPECT_EQ(sums.quantization_config_json(), quant_json_);
+    auto ref = Reference(engine.layout(), v2);
+    ASSERT_EQ(static_cast<size_t>(sums.params_size()), ref->weights().size());
+    for (const v1::ParamChecksum& p : sums.params()) {
+      const EngineBuffer* b = ref->weights().Find(p.name());
+      ASSERT_NE(b, nullptr) << p.name();
+      EXPECT_EQ(p.nbytes(), b->nbytes);
+      EXPECT_EQ(p.xxh3_64(), Xxh3_64({static_cast<const std::byte*>(b->data), b->nbytes})) << p.name();
+    }
+  }
 
   // The recording is exactly what was sent.
   std::set<std::string> files;
@@ -696,6 +718,12 @@ TEST_F(RolloutAgentTest, OneSyncAtATime) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(s.error_message(), HasSubstr("no engine"));
   EXPECT_EQ(Status(**lonely).state(), "no_engine");
+  {
+    auto ctx = Context(sec_);
+    v1::EngineChecksumsReply r;
+    EXPECT_EQ((*lonely)->stub().EngineChecksums(ctx.get(), v1::EngineChecksumsRequest(), &r).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+  }
   (*lonely)->Terminate();
   if (!HasFailure()) (*lonely)->RemoveFiles();
 
@@ -786,6 +814,11 @@ TEST_F(RolloutAgentTest, AWrongTokenIsRefusedAndChangesNothing) {
       auto ctx = Context(bad);
       v1::AgentStatusReply r;
       expect_refused(stub->AgentStatus(ctx.get(), v1::AgentStatusRequest(), &r), "AgentStatus");
+    }
+    {
+      auto ctx = Context(bad);
+      v1::EngineChecksumsReply r;
+      expect_refused(stub->EngineChecksums(ctx.get(), v1::EngineChecksumsRequest(), &r), "EngineChecksums");
     }
   }
   EXPECT_TRUE(engine.calls().empty());
@@ -914,6 +947,7 @@ TEST_F(RolloutAgentTest, TwoPipelineStagesArriveThroughTwoGroupsAtOnce) {
 // --- engine TP 2 --------------------------------------------------------------------------------------
 
 TEST_F(RolloutAgentTest, EngineTp2WithExpertParallelismTwoAgentsOneGroup) {
+  shared_record_ = true;  // both agents record into one directory, as wsync-local runs them
   StartRank(2, 0, 2);
   StartRank(2, 1, 2);
   const HfModel& v2 = Model(kSeedV2);
@@ -923,8 +957,12 @@ TEST_F(RolloutAgentTest, EngineTp2WithExpertParallelismTwoAgentsOneGroup) {
     ExpectEngineHolds(*engines_[r], v2);
     EXPECT_THAT(engines_[r]->calls(), ElementsAre("pause:HOLD", "flush", "continue:2"));
     EXPECT_EQ(Status(*agents_[r]).tp_rank(), static_cast<uint32_t>(r));
-    EXPECT_TRUE(fs::exists(absl::StrCat(record_dir_, r, "/v2")));
   }
+  std::vector<std::string> entries;
+  for (const auto& f : fs::directory_iterator(record_dir_ + "shared")) entries.push_back(f.path().filename().string());
+  EXPECT_THAT(entries, ElementsAre("v2"));
+  std::set<std::string> files;
+  EXPECT_EQ(ReadRecording(record_dir_ + "shared/v2", &files).size(), v2.sent.size());
   // The two ranks hold different slices.
   EXPECT_NE(engines_[0]->memory().Checksum(), engines_[1]->memory().Checksum());
 

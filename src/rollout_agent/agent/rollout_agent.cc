@@ -9,12 +9,14 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "comm/store/store.h"
+#include "common/checksum.h"
 #include "common/config.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "rollout_agent/agent/engine_client.h"
 #include "rollout_agent/agent/membership.h"
+#include "rollout_agent/load/block_copy.h"
 #include "rollout_agent/load/engine_layout.h"
 #include "rollout_agent/load/loader.h"
 #include "rollout_agent/receive/engine_memory.h"
@@ -143,6 +145,11 @@ class RolloutAgent::Service final : public v1::RolloutAgent::Service {
     WSYNC_AUTHORIZE(ctx, sec_);
     return ToGrpcStatus(agent_->AgentStatus(reply));
   }
+  grpc::Status EngineChecksums(grpc::ServerContext* ctx, const v1::EngineChecksumsRequest*,
+                               v1::EngineChecksumsReply* reply) override {
+    WSYNC_AUTHORIZE(ctx, sec_);
+    return ToGrpcStatus(agent_->EngineChecksums(reply));
+  }
 
  private:
   // The RPC's deadline, a little early so that the reply still reaches the caller in time.
@@ -235,7 +242,7 @@ void RolloutAgent::Watchdog() {
       if (stopping_) return;
       Sync* s = sync_.get();
       if (s != nullptr && s->rpcs == 0 && (s->phase == Phase::kReceiving || s->phase == Phase::kPrepared) &&
-          absl::Now() - s->idle_since > s->timeout) {
+          absl::Now() - s->idle_since > s->timeout + std::min(s->timeout, absl::Seconds(10))) {
         id = s->id;
         const char* expected = s->phase == Phase::kPrepared ? "CommitSync or AbortSync"
                                : s->first_error.ok()        ? "PrepareSync or AbortSync"
@@ -309,6 +316,7 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
   auto engine = std::make_unique<Engine>();
   engine->info = req;
   engine->info.clear_params();
+  engine->info.set_ep_size(ep);
   engine->layout_key = key;
   engine->memory = std::move(*memory);
   engine->client = std::make_unique<EngineClient>(req.engine_address(), options_.security,
@@ -319,6 +327,7 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
   } else {
     // Drop the previous engine's staging before allocating the new one (peak memory: one staging).
     if (engine_ != nullptr) {
+      absl::MutexLock mem(&memory_mu_);
       absl::MutexLock lock(&mu_);
       engine_.reset();
       m_->registered->Set(0);
@@ -333,6 +342,7 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
   const size_t segments = engine->memory->segments().size();
   std::string address;
   {
+    absl::MutexLock mem(&memory_mu_);
     absl::MutexLock lock(&mu_);
     engine_ = std::move(engine);
     version_ = req.version();
@@ -400,6 +410,38 @@ absl::Status RolloutAgent::AgentStatus(v1::AgentStatusReply* reply) {
     reply->set_state("prepared");
   } else {
     reply->set_state("receiving");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RolloutAgent::EngineChecksums(v1::EngineChecksumsReply* reply) {
+  absl::ReaderMutexLock mem(&memory_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (engine_ == nullptr) return absl::FailedPreconditionError("EngineChecksums: no engine has registered yet");
+    const v1::RegisterEngineRequest& info = engine_->info;
+    reply->set_engine_id(info.engine_id());
+    reply->set_tp_size(info.tp_size());
+    reply->set_tp_rank(info.tp_rank());
+    reply->set_ep_size(info.ep_size());
+    reply->set_model_config_json(info.model_config_json());
+    reply->set_quantization_config_json(info.quantization_config_json());
+    reply->set_version(version_);
+  }
+  // engine_ cannot change while memory_mu_ is held.
+  const std::vector<EngineBuffer>& buffers = engine_->memory->weights().buffers();
+  std::vector<uint64_t> sums(buffers.size());
+  internal::ParallelFor(static_cast<int64_t>(buffers.size()), 0, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const EngineBuffer& b = buffers[static_cast<size_t>(i)];
+      sums[static_cast<size_t>(i)] = Xxh3_64({static_cast<const std::byte*>(b.data), b.nbytes});
+    }
+  });
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    v1::ParamChecksum* p = reply->add_params();
+    p->set_name(buffers[i].name);
+    p->set_xxh3_64(sums[i]);
+    p->set_nbytes(buffers[i].nbytes);
   }
   return absl::OkStatus();
 }
@@ -526,7 +568,7 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
     if (!rec.ok()) return fail(rec.status());
     s->recorder = std::move(*rec);
   } else if (req.record()) {
-    WSYNC_LOG(WARNING) << who << ": the sync asks for a recording, but this agent has no --record-dir";
+    WSYNC_LOG(DEBUG) << who << ": the sync asks for a recording, but this agent has no --record-dir";
   }
   s->store = GrpcStoreClient::Connect(req.store_address(), absl::Seconds(30), options_.security);
   s->loader = std::make_unique<Loader>(e.staging.get());
@@ -726,7 +768,15 @@ absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::Comm
   const std::string who = absl::StrCat("CommitSync ", s->id, " (version ", version, ")");
   Engine& e = *engine_;
   const absl::Time t0 = absl::Now();
-  absl::Status st = Commit(*e.staging, e.memory->weights(), {.num_threads = options_.repack_threads, .verify = false});
+  absl::Status st;
+  {
+    absl::MutexLock mem(&memory_mu_);
+    st = Commit(*e.staging, e.memory->weights(), {.num_threads = options_.repack_threads, .verify = false});
+    if (st.ok()) {
+      absl::MutexLock lock(&mu_);
+      version_ = version;  // wakes UpdateWeights waiters
+    }
+  }
   const absl::Duration repack = absl::Now() - t0;
   if (!st.ok()) {
     if (absl::IsInternal(st)) {
@@ -750,10 +800,6 @@ absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::Comm
     absl::Status out = Annotate(st, absl::StrCat(who, ": refused before writing (the engine's memory is untouched)"));
     if (!cont.ok()) out = Annotate(out, absl::StrCat("[and continuing the engine failed too: ", cont.message(), "]"));
     return out;
-  }
-  {
-    absl::MutexLock lock(&mu_);
-    version_ = version;  // wakes UpdateWeights waiters
   }
   m_->version->Set(static_cast<double>(version));
   if (membership_) membership_->SetVersion(version);

@@ -21,6 +21,9 @@
 //                   untouched. Idempotent (unknown / finished sync ids return the current version).
 //   UpdateWeights   the committed version, or waits (until the RPC deadline) for min_version.
 //   AgentStatus     ids, TP rank, version, state (idle | receiving | prepared | no_engine).
+//   EngineChecksums XXH3-64 of every engine parameter as the engine holds it, with the version and
+//                   the engine's config (for `wsyncctl verify`); never mixes two versions (a
+//                   commit waits for it and vice versa). FAILED_PRECONDITION without an engine.
 // A sync left alone by its coordinator (no RPC for it for timeout_ms while none is running) is
 // aborted by the agent itself: the engine continues on its previous version.
 // Every failure leaves the engine's memory as it was and continues it on its previous version;
@@ -89,6 +92,7 @@ class RolloutAgent {
   absl::Status CommitSync(const v1::CommitSyncRequest& req, v1::CommitSyncReply* reply);
   absl::Status AbortSync(const v1::AbortSyncRequest& req, v1::AbortSyncReply* reply);
   absl::Status AgentStatus(v1::AgentStatusReply* reply);
+  absl::Status EngineChecksums(v1::EngineChecksumsReply* reply);
 
   uint64_t version() const;
   MetricsRegistry& metrics() const;
@@ -121,9 +125,11 @@ class RolloutAgent {
   std::unique_ptr<Service> service_;
 
   // op_mu_ serializes the operations that change the engine or the sync (held across engine RPCs,
-  // repacks and thread joins); mu_ guards the state below and is only held briefly. Order: op_mu_
-  // before mu_.
-  absl::Mutex op_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  // repacks and thread joins); mu_ guards the state below and is only held briefly.
+  absl::Mutex op_mu_ ABSL_ACQUIRED_BEFORE(memory_mu_);
+  // Held exclusively while the engine's memory is written (Commit) or the engine replaced, shared
+  // while it is read for checksums. Order: op_mu_, memory_mu_, mu_.
+  absl::Mutex memory_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
   std::string address_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Engine> engine_;  // written under op_mu_ and mu_; read under either

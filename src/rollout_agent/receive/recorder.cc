@@ -30,6 +30,7 @@ absl::StatusOr<std::unique_ptr<Recorder>> Recorder::Start(const std::string& dir
   r->version_ = version;
   r->final_dir_ = (fs::path(dir) / absl::StrCat("v", version)).string();
   r->partial_dir_ = (fs::path(dir) / absl::StrCat(".v", version, ".partial-", tag)).string();
+  r->started_ = fs::file_time_type::clock::now();
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return FsError(ec, absl::StrCat("creating the record directory ", dir));
@@ -71,20 +72,38 @@ absl::Status Recorder::WriteBucket(const v1::BucketManifest& m, const std::byte*
 absl::Status Recorder::Finish() {
   if (done_) return absl::OkStatus();
   std::error_code ec;
+  auto peer_published = [&] {
+    std::error_code e;
+    const auto t = fs::last_write_time(final_dir_, e);
+    return !e && t >= started_;
+  };
   std::string old;
   if (fs::exists(final_dir_, ec)) {
+    if (peer_published()) {
+      WSYNC_LOG(INFO) << "recording: " << final_dir_ << " was published during this sync by another agent sharing "
+                      << dir_ << "; keeping it";
+      Discard();
+      return absl::OkStatus();
+    }
     old = (fs::path(dir_) / absl::StrCat(".v", version_, ".old-", getpid())).string();
     fs::remove_all(old, ec);
     fs::rename(final_dir_, old, ec);
-    if (ec) return FsError(ec, absl::StrCat("moving the older recording ", final_dir_, " aside"));
+    if (ec && ec != std::errc::no_such_file_or_directory) {
+      return FsError(ec, absl::StrCat("moving the older recording ", final_dir_, " aside"));
+    }
   }
   fs::rename(partial_dir_, final_dir_, ec);
+  if (ec && (ec == std::errc::directory_not_empty || ec == std::errc::file_exists) && peer_published()) {
+    Discard();  // a peer published between our check and our rename
+    ec.clear();
+  }
+  if (!old.empty()) {
+    std::error_code e;
+    fs::remove_all(old, e);
+    if (e) WSYNC_LOG(WARNING) << "could not remove the replaced recording " << old << ": " << e.message();
+  }
   if (ec) return FsError(ec, absl::StrCat("publishing the recording ", final_dir_));
   done_ = true;
-  if (!old.empty()) {
-    fs::remove_all(old, ec);
-    if (ec) WSYNC_LOG(WARNING) << "could not remove the replaced recording " << old << ": " << ec.message();
-  }
   return absl::OkStatus();
 }
 

@@ -5,9 +5,11 @@
 // A reader never sees a half-written version: the files are written into a hidden partial
 // directory DIR/.v{version}.partial-{tag}/ (each file itself atomically, SafetensorsWriter), and
 // Finish() renames that directory to DIR/v{version} once the version is committed (an older
-// recording of the same version number, from a sync that published nothing, is replaced).
-// Discard() (or the destructor) removes the partial directory of a sync that failed. Several agents
-// should record into different directories (their buckets are the same, the files would collide).
+// recording of the same version number, from an earlier sync, is replaced). Discard() (or the
+// destructor) removes the partial directory of a sync that failed. Several agents may share DIR
+// (the agents of one sync receive the same buckets): the first to publish v{version} during the
+// sync wins and the others drop their identical copy (a v{version} written after this recorder
+// started is taken to be a peer's recording of the same sync).
 // Every file carries metadata {"format": "pt", "wsync_version", "wsync_pp_stage", "wsync_bucket"}.
 //
 // Errors: file-system failures via ErrnoToStatus / std::filesystem codes naming the path;
@@ -18,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <string>
 
@@ -49,6 +52,7 @@ class Recorder {
   Recorder() = default;
   std::string dir_, partial_dir_, final_dir_;
   uint64_t version_ = 0;
+  std::filesystem::file_time_type started_;
   bool done_ = false;
 };
 

@@ -45,6 +45,9 @@ class RecorderTest : public ::testing::Test {
     buckets_ = std::move(*b);
     ASSERT_GE(buckets_.size(), 3u);
   }
+  void TearDown() override {
+    if (!HasFailure()) fs::remove_all(dir_);
+  }
   void WriteAll(const Recorder& r) {
     for (auto& b : buckets_) {
       b.manifest.set_nbytes(b.nbytes);
@@ -91,12 +94,28 @@ TEST_F(RecorderTest, FinishReplacesAnOlderRecordingOfTheSameVersion) {
   {
     std::ofstream(dir_ + "/v9/stale.safetensors") << "x";
   }
+  // Written before this sync started (an earlier sync's recording of the same version number).
+  fs::last_write_time(dir_ + "/v9", fs::file_time_type::clock::now() - std::chrono::hours(1));
   auto r = Recorder::Start(dir_, 9, "sync2");
   ASSERT_TRUE(r.ok()) << r.status();
   WriteAll(**r);
   ASSERT_TRUE((*r)->Finish().ok());
   EXPECT_EQ(Files(dir_), std::vector<std::string>{"v9"});
   EXPECT_FALSE(fs::exists(dir_ + "/v9/stale.safetensors"));
+  EXPECT_EQ(Files(dir_ + "/v9").size(), buckets_.size());
+}
+
+TEST_F(RecorderTest, AgentsSharingTheDirectoryPublishOnce) {
+  auto a = Recorder::Start(dir_, 9, "agent-a");
+  auto b = Recorder::Start(dir_, 9, "agent-b");
+  ASSERT_TRUE(a.ok() && b.ok());
+  WriteAll(**a);
+  WriteAll(**b);
+  ASSERT_TRUE((*a)->Finish().ok());
+  const auto published = fs::last_write_time(dir_ + "/v9");
+  ASSERT_TRUE((*b)->Finish().ok());
+  EXPECT_EQ(Files(dir_), std::vector<std::string>{"v9"}) << "b's copy must be dropped, nothing left behind";
+  EXPECT_EQ(fs::last_write_time(dir_ + "/v9"), published) << "a's recording was replaced";
   EXPECT_EQ(Files(dir_ + "/v9").size(), buckets_.size());
 }
 
