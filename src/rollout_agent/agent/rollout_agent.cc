@@ -1,5 +1,7 @@
 #include "rollout_agent/agent/rollout_agent.h"
 
+#include <unistd.h>
+
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -209,13 +211,11 @@ uint64_t RolloutAgent::version() const {
   return version_;
 }
 
+// The identity engines see: stable for the life of this process (an engine re-registers when it
+// changes, i.e. when the agent restarted), whatever id the coordinator's membership gives it.
 std::string RolloutAgent::AgentId() const {
-  if (membership_) {
-    std::string id = membership_->agent_id();
-    if (!id.empty()) return id;
-  }
   absl::MutexLock lock(&mu_);
-  return absl::StrCat("local:", address_);
+  return absl::StrCat("agent@", address_, "/pid", getpid());
 }
 
 void RolloutAgent::Stop() {
