@@ -2,7 +2,10 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -164,7 +167,21 @@ class RolloutAgent::Service final : public v1::RolloutAgent::Service {
 
 // --- RolloutAgent -------------------------------------------------------------------------------------
 
-RolloutAgent::RolloutAgent(AgentOptions options) : options_(std::move(options)) {
+namespace {
+
+// "rollout-<host>-<pid>-<random>": stable for the process's lifetime, new after a restart (engines
+// watch AgentStatus.agent_id to notice a restarted agent and register again).
+std::string MakeAgentId() {
+  char host[256] = {0};
+  if (gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
+  std::random_device rd;
+  const uint32_t salt = rd();
+  return absl::StrCat("rollout-", host[0] ? host : "host", "-", getpid(), "-", absl::Hex(salt, absl::kZeroPad8));
+}
+
+}  // namespace
+
+RolloutAgent::RolloutAgent(AgentOptions options) : options_(std::move(options)), agent_id_(MakeAgentId()) {
   MetricsRegistry* reg = options_.metrics;
   if (reg == nullptr) {
     own_metrics_ = std::make_unique<MetricsRegistry>();
@@ -209,14 +226,7 @@ uint64_t RolloutAgent::version() const {
   return version_;
 }
 
-std::string RolloutAgent::AgentId() const {
-  if (membership_) {
-    std::string id = membership_->agent_id();
-    if (!id.empty()) return id;
-  }
-  absl::MutexLock lock(&mu_);
-  return absl::StrCat("local:", address_);
-}
+std::string RolloutAgent::AgentId() const { return agent_id_; }
 
 void RolloutAgent::Stop() {
   {
