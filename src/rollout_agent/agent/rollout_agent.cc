@@ -238,6 +238,7 @@ void RolloutAgent::Stop() {
   uint64_t v = 0;
   absl::Status s = AbortById(0, "the rollout agent is shutting down", &v);
   if (!s.ok()) WSYNC_LOG(ERROR) << "shutting down: " << s;
+  absl::MutexLock op(&op_mu_);  // RegisterEngine and CommitSync use membership_ under op_mu_
   membership_.reset();
 }
 

@@ -143,7 +143,7 @@ class RolloutAgent {
   uint64_t last_sync_id_ ABSL_GUARDED_BY(mu_) = 0;
   bool last_committed_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status last_outcome_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<class Membership> membership_;
+  std::unique_ptr<class Membership> membership_;  // used under op_mu_ (reset by Stop)
   std::thread watchdog_;
 };
 
