@@ -152,8 +152,7 @@ TEST_F(RolloutAgentE2eTest, TheRealTrainerAndCoordinatorSyncAnEngineThroughTheAg
             0);
   ASSERT_EQ(Run("wsync-shard", {"--hf", hf, "--out", src, "--tp", "1", "--pp", "2"}), 0);
 
-  // A fixed free port: every trainer rank dials --coordinator for the store (with port 0 only rank 0
-  // would know the real one).
+  // A free port chosen here, so that the test knows the coordinator's address up front.
   const int port = FreePort();
   ASSERT_GT(port, 0);
   const std::string coord_file = dir_ + "/coordinator";

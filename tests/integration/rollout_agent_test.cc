@@ -1010,7 +1010,7 @@ TEST_F(RolloutAgentTest, JoinsHeartbeatsRejoinsAndLeavesTheCoordinator) {
   // The agent's own id is stable (engines re-register when it changes: an agent restart), whatever
   // id the coordinator gives it.
   const std::string id = Status(agent).agent_id();
-  EXPECT_THAT(id, ::testing::StartsWith("rollout-"));
+  EXPECT_THAT(id, ::testing::StartsWith(absl::StrCat("agent@", agent.address(), "/pid")));
   (*coord)->ForgetAgents();
   ASSERT_TRUE(wait_for([&] { return (*coord)->joins().size() >= 2; }));
   EXPECT_EQ((*coord)->joins()[1].agent_address(), agent.address());

@@ -1,7 +1,6 @@
 #include "rollout_agent/agent/rollout_agent.h"
 
 #include <grpcpp/grpcpp.h>
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -169,19 +168,15 @@ class RolloutAgent::Service final : public v1::RolloutAgent::Service {
 
 namespace {
 
-// "rollout-<host>-<pid>-<random>": stable for the process's lifetime, new after a restart (engines
-// watch AgentStatus.agent_id to notice a restarted agent and register again).
-std::string MakeAgentId() {
-  char host[256] = {0};
-  if (gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
+// "pid<pid>-<random>": with the address, the agent's identity (see AgentId()).
+std::string MakeAgentIdSalt() {
   std::random_device rd;
-  const uint32_t salt = rd();
-  return absl::StrCat("rollout-", host[0] ? host : "host", "-", getpid(), "-", absl::Hex(salt, absl::kZeroPad8));
+  return absl::StrCat("pid", getpid(), "-", absl::Hex(static_cast<uint32_t>(rd()), absl::kZeroPad8));
 }
 
 }  // namespace
 
-RolloutAgent::RolloutAgent(AgentOptions options) : options_(std::move(options)), agent_id_(MakeAgentId()) {
+RolloutAgent::RolloutAgent(AgentOptions options) : options_(std::move(options)), agent_id_salt_(MakeAgentIdSalt()) {
   MetricsRegistry* reg = options_.metrics;
   if (reg == nullptr) {
     own_metrics_ = std::make_unique<MetricsRegistry>();
@@ -226,7 +221,13 @@ uint64_t RolloutAgent::version() const {
   return version_;
 }
 
-std::string RolloutAgent::AgentId() const { return agent_id_; }
+// The identity engines see: stable for the life of this process (an engine re-registers when it
+// changes, i.e. when the agent restarted), whatever id the coordinator's membership gives it. The
+// random part tells a restart apart even when the address and pid repeat (pid 1 in a container).
+std::string RolloutAgent::AgentId() const {
+  absl::MutexLock lock(&mu_);
+  return absl::StrCat("agent@", address_, "/", agent_id_salt_);
+}
 
 void RolloutAgent::Stop() {
   {

@@ -117,12 +117,12 @@ class RolloutAgent {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_);
   absl::Status AbortById(uint64_t sync_id, const std::string& reason, uint64_t* version);
   void Watchdog();
-  // This agent's id (AgentStatus, RegisterEngineReply): "rollout-<host>-<pid>-<random>", fixed for
-  // the process's lifetime. The coordinator's own id for it is used for heartbeats only.
+  // This agent's id (AgentStatus, RegisterEngineReply): "agent@<address>/pid<pid>-<random>", fixed
+  // for the process's lifetime. The coordinator's own id for it is used for heartbeats only.
   std::string AgentId() const;
 
   const AgentOptions options_;
-  const std::string agent_id_;  // see AgentId()
+  const std::string agent_id_salt_;  // see AgentId()
   std::unique_ptr<MetricsRegistry> own_metrics_;
   std::unique_ptr<Metrics> m_;
   std::unique_ptr<Service> service_;

@@ -1,6 +1,7 @@
 #include "rollout_agent/engine/model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -437,6 +438,14 @@ struct EngineModel::Impl {
       add(m + "shared_experts.gate_up_proj.weight", L.shared_gate_up);
       add(m + "shared_experts.down_proj.weight", L.shared_down);
     }
+    // Memory a weight sync wrote must hold finite numbers: NaN / Inf weights are refused, never served.
+    for (const auto& [name, mat] : w->index) {
+      for (size_t k = 0; k < mat->w.size(); ++k) {
+        if (!std::isfinite(mat->w[k]))
+          return absl::DataLossError(absl::StrCat(Where(), ": parameter ", name, " holds a non-finite value (",
+                                                  mat->w[k], ") at element ", k));
+      }
+    }
     return w;
   }
 
@@ -832,7 +841,8 @@ absl::StatusOr<std::vector<float>> EngineModel::Logits(absl::Span<const int32_t>
   return impl_->Head(*impl_->weights, hidden.data(), static_cast<int64_t>(tokens.size()));
 }
 
-absl::StatusOr<std::vector<int32_t>> EngineModel::Generate(absl::Span<const int32_t> prompt, int max_new_tokens) const {
+absl::StatusOr<std::vector<int32_t>> EngineModel::Generate(absl::Span<const int32_t> prompt, int max_new_tokens,
+                                                           const StepHook& before_step) const {
   if (max_new_tokens < 0)
     return absl::InvalidArgumentError(absl::StrCat(impl_->Where(), ": max_new_tokens ", max_new_tokens, " < 0"));
   WSYNC_RETURN_IF_ERROR(impl_->CheckTokens(prompt, max_new_tokens));
@@ -840,6 +850,7 @@ absl::StatusOr<std::vector<int32_t>> EngineModel::Generate(absl::Span<const int3
   Impl::Cache cache = impl_->NewCache();
   std::vector<int32_t> out;
   if (max_new_tokens == 0) return out;
+  if (before_step) WSYNC_RETURN_IF_ERROR(before_step(0));
   WSYNC_ASSIGN_OR_RETURN(std::vector<float> hidden, impl_->Forward(w, prompt, cache));
   const int64_t H = impl_->g.H;
   const float* last = hidden.data() + (static_cast<int64_t>(prompt.size()) - 1) * H;
@@ -848,6 +859,7 @@ absl::StatusOr<std::vector<int32_t>> EngineModel::Generate(absl::Span<const int3
     const int32_t next = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
     out.push_back(next);
     if (step + 1 == max_new_tokens) break;
+    if (before_step) WSYNC_RETURN_IF_ERROR(before_step(step + 1));
     WSYNC_ASSIGN_OR_RETURN(hidden, impl_->Forward(w, absl::MakeConstSpan(&next, 1), cache));
     last = hidden.data();
   }

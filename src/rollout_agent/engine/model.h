@@ -34,7 +34,8 @@
 // collectives), kUnimplemented for routing it does not model (scoring_func / topk_method, fused
 // shared experts without norm_topk_prob). Prepare: kNotFound naming a missing parameter, kInvalidArgument naming a
 // parameter whose dtype / shape differs (with want and got), or an INT4 tensor where the engine
-// keeps bf16; on error the previously prepared weights stay in use. Logits / Generate:
+// keeps bf16; kDataLoss naming a parameter that holds NaN / Inf once dequantized; on error the
+// previously prepared weights stay in use. Logits / Generate:
 // kFailedPrecondition before the first successful Prepare(), kInvalidArgument for an empty prompt,
 // a token outside [0, V) or a sequence longer than max_position_embeddings; collective errors
 // are passed through.
@@ -52,20 +53,19 @@
 #include "absl/types/span.h"
 #include "common/config.h"
 #include "common/tensor.h"
+#include "rollout_agent/load/engine_layout.h"
 
 namespace wsync::engine {
 
-// One engine rank's place (ENGINE_LAYOUT.md §1). moe_tp = tp_size / ep_size,
-// ep_rank = tp_rank / moe_tp, moe_tp_rank = tp_rank % moe_tp.
-// NOTE for the lead: rollout_agent/load/engine_layout.h defines the same geometry as
-// EngineParallel; unify them when merging.
-struct EngineRank {
-  int tp_size = 1;
-  int tp_rank = 0;
-  int ep_size = 1;
+// One engine rank's place (ENGINE_LAYOUT.md §1): the rollout loader's geometry (tp_size, tp_rank,
+// ep_size; moe_tp = tp_size / ep_size, ep_rank = tp_rank / moe_tp, moe_tp_rank = tp_rank % moe_tp)
+// plus the one thing only the engine knows, whether DeepSeek-V3's shared experts are fused.
+// An EngineRank is an EngineParallel, so it passes straight to EngineLayout::Create.
+struct EngineRank : rollout::EngineParallel {
   // DeepSeek-V3 shared-experts fusion (ENGINE_LAYOUT.md §2.7): the shared expert is routed
   // expert n_routed (E_total = n_routed + 1, always selected with weight 1) and there is no
-  // mlp.shared_experts module. Requires n_shared_experts == 1.
+  // mlp.shared_experts module. Requires n_shared_experts == 1. The rollout loader never fuses
+  // (load/README.md decision 1), so wsync-ref-engine always serves with it off.
   bool fused_shared_experts = false;
 };
 
@@ -106,9 +106,15 @@ class EngineModel {
   // 0): row-major [tokens.size(), vocab_size] (the pad(V,64) padding is dropped).
   absl::StatusOr<std::vector<float>> Logits(absl::Span<const int32_t> tokens) const;
 
+  // Called before every forward pass of Generate with the number of tokens generated so far (0
+  // before the prompt pass); a non-OK status stops generation and is returned. With T > 1 every
+  // rank must take the same decision at the same step (the engine server makes it a collective).
+  using StepHook = std::function<absl::Status(int step)>;
+
   // Greedy decoding with a KV cache: the prompt in one pass, then one token per step; returns the
   // max_new_tokens (>= 0) new tokens. Argmax ties go to the lowest token id.
-  absl::StatusOr<std::vector<int32_t>> Generate(absl::Span<const int32_t> prompt, int max_new_tokens) const;
+  absl::StatusOr<std::vector<int32_t>> Generate(absl::Span<const int32_t> prompt, int max_new_tokens,
+                                                const StepHook& before_step = nullptr) const;
 
   // The prepared weight behind engine parameter `name`, named and shaped as its bf16 engine
   // parameter (e.g. "model.layers.0.self_attn.qkv_proj.weight" [N_p, K_p],

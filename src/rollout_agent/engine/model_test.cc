@@ -264,7 +264,7 @@ TEST(EngineModelWeights, Int4PreparedWeightsEqualDequantizedSlices) {
     for (auto [tp, ep] : std::vector<std::pair<int, int>>{{2, 1}, {2, 2}}) {
       if (ep > 1 && !c.moe) continue;  // EP needs an MoE model
       for (int r = 0; r < tp; ++r) {
-        EngineRank er{tp, r, ep, false};
+        EngineRank er{{tp, r, ep}, false};
         ModelConfig bf16_config = c;
         bf16_config.quantization.reset();
         absl::StatusOr<TensorMap> int4 = EngineParamsForRank(c, er, q->sent);
@@ -304,12 +304,12 @@ double MaxDiffAfter(const std::string& json, int tp, const std::function<void(st
   const std::vector<int32_t> prompt = PromptFor(c);
   const std::vector<float> want = *ref->Logits(prompt);
   std::vector<TensorMap> params;
-  for (int r = 0; r < tp; ++r) params.push_back(*EngineParamsForRank(c, EngineRank{tp, r, 1, false}, hf));
+  for (int r = 0; r < tp; ++r) params.push_back(*EngineParamsForRank(c, EngineRank{{tp, r, 1}, false}, hf));
   mutate(params);
   InProcessGroup g(tp);
   std::vector<std::vector<float>> got(static_cast<size_t>(tp));
   const auto st = RunRanks(tp, [&](int r) -> absl::Status {
-    WSYNC_ASSIGN_OR_RETURN(EngineModel m, EngineModel::Create(c, EngineRank{tp, r, 1, false},
+    WSYNC_ASSIGN_OR_RETURN(EngineModel m, EngineModel::Create(c, EngineRank{{tp, r, 1}, false},
                                                               params[static_cast<size_t>(r)].Lookup(), g.ForRank(r)));
     WSYNC_RETURN_IF_ERROR(m.Prepare());
     WSYNC_ASSIGN_OR_RETURN(got[static_cast<size_t>(r)], m.Logits(prompt));
@@ -504,38 +504,38 @@ TEST(EngineModelCreate, RefusesUnsupportedGeometry) {
     return EngineModel::Create(MustParseConfig(json), r, TensorMap().Lookup(), {}).status();
   };
   // pad(1000, 64) = 1024 is not divisible by 3 (ENGINE_LAYOUT.md §2.6); nor are 8 heads.
-  absl::Status s = create(Llama(), {3, 0, 1, false});
+  absl::Status s = create(Llama(), {{3, 0, 1}, false});
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("tp_size 3 needs both all_reduce_sum and all_gather"));
   InProcessGroup g3(3);
-  s = EngineModel::Create(MustParseConfig(Llama()), {3, 0, 1, false}, TensorMap().Lookup(), g3.ForRank(0)).status();
+  s = EngineModel::Create(MustParseConfig(Llama()), {{3, 0, 1}, false}, TensorMap().Lookup(), g3.ForRank(0)).status();
   EXPECT_THAT(s.message(), HasSubstr("padded vocab pad(1000, 64) = 1024 is not divisible by tp_size 3"));
   // 12 heads, 4 kv heads, T = 6 > 4 but not a multiple of it (vocab 1152 divides).
   const std::string heads12 = absl::StrReplaceAll(
       Qwen3(), {{"\"num_attention_heads\": 8", "\"num_attention_heads\": 12"}, {"\"vocab_size\": 1000", "\"vocab_size\": 1152"}});
   InProcessGroup g6(6);
-  s = EngineModel::Create(MustParseConfig(heads12), {6, 0, 1, false}, TensorMap().Lookup(), g6.ForRank(0)).status();
+  s = EngineModel::Create(MustParseConfig(heads12), {{6, 0, 1}, false}, TensorMap().Lookup(), g6.ForRank(0)).status();
   EXPECT_THAT(s.message(), HasSubstr("tp_size 6 is not a multiple of num_key_value_heads 4"));
   InProcessGroup g16(16);
-  s = EngineModel::Create(MustParseConfig(Qwen3()), {16, 0, 1, false}, TensorMap().Lookup(), g16.ForRank(0)).status();
+  s = EngineModel::Create(MustParseConfig(Qwen3()), {{16, 0, 1}, false}, TensorMap().Lookup(), g16.ForRank(0)).status();
   EXPECT_THAT(s.message(), HasSubstr("num_attention_heads 8 is not divisible by tp_size 16"));
-  EXPECT_THAT(create(Qwen3Moe(), {1, 0, 2, false}).message(), HasSubstr("ep_size 2 does not divide tp_size 1"));
+  EXPECT_THAT(create(Qwen3Moe(), {{1, 0, 2}, false}).message(), HasSubstr("ep_size 2 does not divide tp_size 1"));
   InProcessGroup g2(2);
-  s = EngineModel::Create(MustParseConfig(Qwen3()), {2, 0, 2, false}, TensorMap().Lookup(), g2.ForRank(0)).status();
+  s = EngineModel::Create(MustParseConfig(Qwen3()), {{2, 0, 2}, false}, TensorMap().Lookup(), g2.ForRank(0)).status();
   EXPECT_THAT(s.message(), HasSubstr("ep_size 2 > 1 needs an MoE model"));
-  EXPECT_THAT(create(Qwen3Moe(), {1, 1, 1, false}).message(), HasSubstr("tp_rank 1 is not in [0, tp_size 1)"));
+  EXPECT_THAT(create(Qwen3Moe(), {{1, 1, 1}, false}).message(), HasSubstr("tp_rank 1 is not in [0, tp_size 1)"));
   EXPECT_THAT(create(Qwen3Moe(R"(, "tie_word_embeddings": true)"), {}).message(),
               HasSubstr("qwen3_moe with tie_word_embeddings: SGLang always builds its own lm_head"));
   EXPECT_THAT(create(Deepseek(R"(, "tie_word_embeddings": true)"), {}).message(),
               HasSubstr("deepseek_v3 with tie_word_embeddings"));
-  EXPECT_THAT(create(Qwen3Moe(), {1, 0, 1, true}).message(), HasSubstr("fused_shared_experts needs DeepSeek-V3"));
-  EXPECT_THAT(create(DeepseekNoQLora(), {1, 0, 1, true}).message(), HasSubstr("n_shared_experts == 1"));
+  EXPECT_THAT(create(Qwen3Moe(), {{1, 0, 1}, true}).message(), HasSubstr("fused_shared_experts needs DeepSeek-V3"));
+  EXPECT_THAT(create(DeepseekNoQLora(), {{1, 0, 1}, true}).message(), HasSubstr("n_shared_experts == 1"));
   const std::string no_norm = absl::StrReplaceAll(Deepseek(), {{"\"norm_topk_prob\": true", "\"norm_topk_prob\": false"}});
-  EXPECT_EQ(create(no_norm, {1, 0, 1, true}).code(), absl::StatusCode::kUnimplemented);
-  EXPECT_TRUE(create(no_norm, {1, 0, 1, false}).ok());
+  EXPECT_EQ(create(no_norm, {{1, 0, 1}, true}).code(), absl::StatusCode::kUnimplemented);
+  EXPECT_TRUE(create(no_norm, {{1, 0, 1}, false}).ok());
   InProcessGroup g4(4);
   const std::string bad_i = absl::StrReplaceAll(Qwen3Moe(), {{"\"moe_intermediate_size\": 128", "\"moe_intermediate_size\": 130"}});
-  s = EngineModel::Create(MustParseConfig(bad_i), {4, 0, 1, false}, TensorMap().Lookup(), g4.ForRank(0)).status();
+  s = EngineModel::Create(MustParseConfig(bad_i), {{4, 0, 1}, false}, TensorMap().Lookup(), g4.ForRank(0)).status();
   EXPECT_THAT(s.message(), HasSubstr("moe_intermediate_size 130 is not divisible by moe_tp_size 4"));
   EXPECT_TRUE(create(Qwen3Moe(), {}).ok());
 }

@@ -5,8 +5,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <thread>
+
+#include <unistd.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -296,5 +299,24 @@ std::vector<absl::Status> RunRanks(int size, const std::function<absl::Status(in
 }
 
 ModelConfig MustParseConfig(const std::string& json) { return Must(ParseModelConfig(json, "test config"), "config"); }
+
+std::string FreshTempDir(const std::string& name) {
+  struct Registry {
+    std::mutex mu;
+    std::vector<std::string> dirs;
+    ~Registry() {
+      std::error_code ec;
+      for (const std::string& d : dirs) std::filesystem::remove_all(d, ec);
+    }
+  };
+  static Registry registry;
+  const std::string dir = (std::filesystem::temp_directory_path() / absl::StrCat(name, "-", getpid())).string();
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  std::filesystem::create_directories(dir, ec);
+  std::lock_guard<std::mutex> lock(registry.mu);
+  registry.dirs.push_back(dir);
+  return dir;
+}
 
 }  // namespace wsync::engine::testing

@@ -87,6 +87,10 @@ class InProcessGroup {
 // Runs fn(rank) on `size` threads and returns the statuses in rank order.
 std::vector<absl::Status> RunRanks(int size, const std::function<absl::Status(int rank)>& fn);
 
+// A fresh empty directory "<temp_directory_path>/<name>-<pid>" ($TMPDIR or /tmp), removed with its
+// contents when the test process exits normally.
+std::string FreshTempDir(const std::string& name);
+
 // Parses a config.json text; aborts the test binary on error (test inputs are fixed).
 ModelConfig MustParseConfig(const std::string& json);
 

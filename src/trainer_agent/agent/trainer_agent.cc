@@ -178,7 +178,6 @@ class Agent {
     layout_ = std::make_unique<ParallelLayout>(src->layout());
     stages_ = src->parallel().pp;
     ASSIGN_OR_RETURN(comms_, sync::MakeTrainerComms(*world_, *layout_));
-    store_ = GrpcStoreClient::Connect(opts_.coordinator, absl::Seconds(30), opts_.security);
     return absl::OkStatus();
   }
 
@@ -200,6 +199,12 @@ class Agent {
       std::printf("coordinator listening on %s\n", coordinator->address().c_str());
       std::fflush(stdout);
     }
+    // Every rank reaches the store at the address rank 0 actually bound (the flag may say port 0).
+    char address[256] = {};
+    if (coordinator) std::strncpy(address, coordinator->address().c_str(), sizeof(address) - 1);
+    MutableBytes ab{address, sizeof(address)};
+    RETURN_IF_ERROR(Annotate(Await(world_->Broadcast({&ab, 1}, 0)), "sharing the coordinator's address"));
+    store_ = GrpcStoreClient::Connect(address, absl::Seconds(30), opts_.security);
     const CollectiveOptions forever{absl::InfiniteDuration()};
     for (;;) {
       Command cmd;
