@@ -1007,13 +1007,16 @@ TEST_F(RolloutAgentTest, JoinsHeartbeatsRejoinsAndLeavesTheCoordinator) {
   EXPECT_EQ(join.tp_size(), 1u);
   EXPECT_EQ(join.version(), 1u);
   EXPECT_TRUE(wait_for([&] { return (*coord)->heartbeats() >= 3; }));
-  // The identity engines see is the process's own, stable across re-joins (an engine re-registers
-  // only when it changes, i.e. when the agent restarted).
+  // The agent's own id is stable (engines re-register when it changes: an agent restart), whatever
+  // id the coordinator gives it.
   const std::string id = Status(agent).agent_id();
-  EXPECT_FALSE(id.empty());
+  EXPECT_THAT(id, ::testing::StartsWith(absl::StrCat("agent@", agent.address(), "/pid")));
   (*coord)->ForgetAgents();
   ASSERT_TRUE(wait_for([&] { return (*coord)->joins().size() >= 2; }));
+  EXPECT_EQ((*coord)->joins()[1].agent_address(), agent.address());
   EXPECT_EQ(Status(agent).agent_id(), id);
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_EQ((*coord)->joins().size(), 2u) << "heartbeats of the re-joined agent must be known";
 
   // SIGTERM during a sync: the engine continues on its previous version; the agent leaves.
   const uint64_t before = engine.memory().Checksum();

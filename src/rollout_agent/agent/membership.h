@@ -29,7 +29,7 @@ class Membership {
   void Update(const v1::JoinRequest& join);
   // The version reported by heartbeats (and the next Join).
   void SetVersion(uint64_t version);
-  // The id the coordinator gave us, or "" before the first successful Join.
+  // The id the coordinator gave us (used in heartbeats), or "" before the first successful Join.
   std::string agent_id() const;
   // Successful Joins so far (tests).
   int joins() const;

@@ -1,10 +1,10 @@
 #include "rollout_agent/agent/rollout_agent.h"
 
+#include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
-#include <grpcpp/grpcpp.h>
-
 #include <algorithm>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -166,7 +166,17 @@ class RolloutAgent::Service final : public v1::RolloutAgent::Service {
 
 // --- RolloutAgent -------------------------------------------------------------------------------------
 
-RolloutAgent::RolloutAgent(AgentOptions options) : options_(std::move(options)) {
+namespace {
+
+// "pid<pid>-<random>": with the address, the agent's identity (see AgentId()).
+std::string MakeAgentIdSalt() {
+  std::random_device rd;
+  return absl::StrCat("pid", getpid(), "-", absl::Hex(static_cast<uint32_t>(rd()), absl::kZeroPad8));
+}
+
+}  // namespace
+
+RolloutAgent::RolloutAgent(AgentOptions options) : options_(std::move(options)), agent_id_salt_(MakeAgentIdSalt()) {
   MetricsRegistry* reg = options_.metrics;
   if (reg == nullptr) {
     own_metrics_ = std::make_unique<MetricsRegistry>();
@@ -212,10 +222,11 @@ uint64_t RolloutAgent::version() const {
 }
 
 // The identity engines see: stable for the life of this process (an engine re-registers when it
-// changes, i.e. when the agent restarted), whatever id the coordinator's membership gives it.
+// changes, i.e. when the agent restarted), whatever id the coordinator's membership gives it. The
+// random part tells a restart apart even when the address and pid repeat (pid 1 in a container).
 std::string RolloutAgent::AgentId() const {
   absl::MutexLock lock(&mu_);
-  return absl::StrCat("agent@", address_, "/pid", getpid());
+  return absl::StrCat("agent@", address_, "/", agent_id_salt_);
 }
 
 void RolloutAgent::Stop() {
@@ -228,6 +239,7 @@ void RolloutAgent::Stop() {
   uint64_t v = 0;
   absl::Status s = AbortById(0, "the rollout agent is shutting down", &v);
   if (!s.ok()) WSYNC_LOG(ERROR) << "shutting down: " << s;
+  absl::MutexLock op(&op_mu_);  // RegisterEngine and CommitSync use membership_ under op_mu_
   membership_.reset();
 }
 

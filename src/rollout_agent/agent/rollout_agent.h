@@ -117,9 +117,12 @@ class RolloutAgent {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_);
   absl::Status AbortById(uint64_t sync_id, const std::string& reason, uint64_t* version);
   void Watchdog();
+  // This agent's id (AgentStatus, RegisterEngineReply): "agent@<address>/pid<pid>-<random>", fixed
+  // for the process's lifetime. The coordinator's own id for it is used for heartbeats only.
   std::string AgentId() const;
 
   const AgentOptions options_;
+  const std::string agent_id_salt_;  // see AgentId()
   std::unique_ptr<MetricsRegistry> own_metrics_;
   std::unique_ptr<Metrics> m_;
   std::unique_ptr<Service> service_;
@@ -140,7 +143,7 @@ class RolloutAgent {
   uint64_t last_sync_id_ ABSL_GUARDED_BY(mu_) = 0;
   bool last_committed_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status last_outcome_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<class Membership> membership_;
+  std::unique_ptr<class Membership> membership_;  // used under op_mu_ (reset by Stop)
   std::thread watchdog_;
 };
 
