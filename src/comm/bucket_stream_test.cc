@@ -5,30 +5,17 @@
 #include <vector>
 
 #include "comm/store/store.h"
+#include "comm/testing/local_group.h"
 #include "common/checksum.h"
 #include "gtest/gtest.h"
 
 namespace wsync {
 namespace {
 
-// A Gloo group of `n` members inside this process (one thread each), over an in-memory store.
+// A Gloo group of `n` members inside this process, over an in-memory store.
 std::vector<std::unique_ptr<Communicator>> MakeGroup(MemoryStore& store, const std::string& name, int n) {
-  std::vector<std::unique_ptr<Communicator>> comms(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      GroupOptions o;
-      o.store = &store;
-      o.name = name;
-      o.rank = r;
-      o.size = n;
-      o.default_timeout = absl::Seconds(30);
-      auto c = CreateGroup(Backend::kGloo, o);
-      if (c.ok()) comms[r] = std::move(*c);
-    });
-  }
-  for (auto& t : threads) t.join();
-  return comms;
+  auto g = testing::MakeLocalGroup(store, name, n);
+  return g.ok() ? std::move(*g) : std::vector<std::unique_ptr<Communicator>>(n);
 }
 
 v1::BucketManifest MakeManifest(uint32_t index, const std::vector<uint64_t>& sizes, bool last) {

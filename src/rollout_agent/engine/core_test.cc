@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "comm/communicator.h"
+#include "comm/testing/local_group.h"
 #include "comm/store/store.h"
 #include "common/dtype.h"
 #include "gmock/gmock.h"
@@ -86,22 +87,9 @@ class CoreTest : public ::testing::Test {
     if (tp == 1) return;
     static int group_id = 0;
     const std::string name = absl::StrCat("core-test-", ++group_id);
-    std::vector<std::unique_ptr<Communicator>> comms(static_cast<size_t>(tp));
-    std::vector<std::thread> ts;
-    for (int r = 0; r < tp; ++r) {
-      ts.emplace_back([&, r] {
-        GroupOptions g;
-        g.store = &store_;
-        g.name = name;
-        g.rank = r;
-        g.size = tp;
-        g.join_timeout = absl::Seconds(30);
-        auto comm = CreateGroup(Backend::kGloo, g);
-        ASSERT_TRUE(comm.ok()) << comm.status();
-        comms[static_cast<size_t>(r)] = std::move(*comm);
-      });
-    }
-    for (auto& t : ts) t.join();
+    auto group = wsync::testing::MakeLocalGroup(store_, name, tp);
+    ASSERT_TRUE(group.ok()) << group.status();
+    auto& comms = *group;
     for (int r = 0; r < tp; ++r) cores_[static_cast<size_t>(r)]->AttachGroup(std::move(comms[static_cast<size_t>(r)]), "leader:1");
   }
 

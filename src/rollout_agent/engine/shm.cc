@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "comm/bucket_stream.h"
 #include "common/status.h"
 
 namespace wsync::engine {
@@ -54,19 +55,6 @@ void CrashHandler(int sig) {
   UnlinkAllShmSegments();
   signal(sig, SIG_DFL);
   raise(sig);
-}
-
-v1::DType ToProtoDType(DType d) {
-  switch (d) {
-    case DType::kBF16: return v1::DTYPE_BF16;
-    case DType::kF16: return v1::DTYPE_F16;
-    case DType::kF32: return v1::DTYPE_F32;
-    case DType::kI32: return v1::DTYPE_I32;
-    case DType::kI64: return v1::DTYPE_I64;
-    case DType::kI8: return v1::DTYPE_I8;
-    case DType::kU8: return v1::DTYPE_U8;
-  }
-  return v1::DTYPE_UNSPECIFIED;
 }
 
 }  // namespace
@@ -180,7 +168,7 @@ void ParamArena::FillParams(google::protobuf::RepeatedPtrField<v1::EngineParam>*
   for (size_t i = 0; i < buffers.size(); ++i) {
     v1::EngineParam* p = out->Add();
     p->set_name(buffers[i].name);
-    p->set_dtype(ToProtoDType(buffers[i].dtype));
+    p->set_dtype(ToProto(buffers[i].dtype));  // comm/bucket_stream.h
     for (int64_t d : buffers[i].shape) p->add_shape(d);
     p->set_nbytes(buffers[i].nbytes);
     p->mutable_memory()->set_shm_name(segment_->name());
