@@ -2,7 +2,10 @@
 
 #include <unistd.h>
 
+#include <cerrno>
 #include <filesystem>
+#include <fstream>
+#include <random>
 #include <system_error>
 
 #include "absl/strings/str_cat.h"
@@ -17,6 +20,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
+constexpr char kMarker[] = ".wsync-sync";
+
 absl::Status FsError(const std::error_code& ec, absl::string_view what) {
   return ::wsync::ErrnoToStatus(ec.value(), what);
 }
@@ -24,22 +29,40 @@ absl::Status FsError(const std::error_code& ec, absl::string_view what) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Recorder>> Recorder::Start(const std::string& dir, uint64_t version,
-                                                          const std::string& tag) {
+                                                          const std::string& sync_key) {
+  if (sync_key.empty() || sync_key.find('/') != std::string::npos || sync_key.find('\n') != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("recording: bad sync key '", sync_key, "' (empty, '/' or newline)"));
+  }
   std::unique_ptr<Recorder> r(new Recorder());
+  std::random_device rd;
   r->dir_ = dir;
   r->version_ = version;
+  r->sync_key_ = sync_key;
   r->final_dir_ = (fs::path(dir) / absl::StrCat("v", version)).string();
-  r->partial_dir_ = (fs::path(dir) / absl::StrCat(".v", version, ".partial-", tag)).string();
-  r->started_ = fs::file_time_type::clock::now();
+  r->partial_dir_ =
+      (fs::path(dir) / absl::StrFormat(".v%d.partial-%s-%08x", version, sync_key, rd())).string();
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return FsError(ec, absl::StrCat("creating the record directory ", dir));
-  fs::remove_all(r->partial_dir_, ec);
-  if (ec) return FsError(ec, absl::StrCat("removing a stale ", r->partial_dir_));
   if (!fs::create_directory(r->partial_dir_, ec) || ec) {
     return FsError(ec ? ec : std::make_error_code(std::errc::file_exists), absl::StrCat("creating ", r->partial_dir_));
   }
+  const std::string marker = (fs::path(r->partial_dir_) / kMarker).string();
+  std::ofstream out(marker, std::ios::binary | std::ios::trunc);
+  out << sync_key << "\n";
+  out.close();
+  if (!out) {
+    const absl::Status s = ::wsync::ErrnoToStatus(errno, absl::StrCat("writing ", marker));
+    r->Discard();
+    return s;
+  }
   return r;
+}
+
+bool Recorder::PeerPublished() const {
+  std::ifstream in((fs::path(final_dir_) / kMarker).string(), std::ios::binary);
+  std::string key;
+  return in && std::getline(in, key) && key == sync_key_;
 }
 
 Recorder::~Recorder() {
@@ -72,20 +95,15 @@ absl::Status Recorder::WriteBucket(const v1::BucketManifest& m, const std::byte*
 absl::Status Recorder::Finish() {
   if (done_) return absl::OkStatus();
   std::error_code ec;
-  auto peer_published = [&] {
-    std::error_code e;
-    const auto t = fs::last_write_time(final_dir_, e);
-    return !e && t >= started_;
-  };
   std::string old;
   if (fs::exists(final_dir_, ec)) {
-    if (peer_published()) {
+    if (PeerPublished()) {
       WSYNC_LOG(INFO) << "recording: " << final_dir_ << " was published during this sync by another agent sharing "
                       << dir_ << "; keeping it";
       Discard();
       return absl::OkStatus();
     }
-    old = (fs::path(dir_) / absl::StrCat(".v", version_, ".old-", getpid())).string();
+    old = (fs::path(dir_) / absl::StrCat(".v", version_, ".old-", sync_key_, "-", getpid())).string();
     fs::remove_all(old, ec);
     fs::rename(final_dir_, old, ec);
     if (ec && ec != std::errc::no_such_file_or_directory) {
@@ -93,7 +111,7 @@ absl::Status Recorder::Finish() {
     }
   }
   fs::rename(partial_dir_, final_dir_, ec);
-  if (ec && (ec == std::errc::directory_not_empty || ec == std::errc::file_exists) && peer_published()) {
+  if (ec && (ec == std::errc::directory_not_empty || ec == std::errc::file_exists) && PeerPublished()) {
     Discard();  // a peer published between our check and our rename
     ec.clear();
   }

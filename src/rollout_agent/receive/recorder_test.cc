@@ -64,14 +64,17 @@ TEST_F(RecorderTest, PublishesTheReceivedTensorsOnFinish) {
   ASSERT_TRUE(r.ok()) << r.status();
   WriteAll(**r);
   EXPECT_FALSE(fs::exists(dir_ + "/v9"));  // nothing visible before Finish
-  EXPECT_EQ(Files(dir_), std::vector<std::string>{".v9.partial-sync1"});
+  const std::vector<std::string> partial = Files(dir_);
+  ASSERT_EQ(partial.size(), 1u);
+  EXPECT_THAT(partial[0], ::testing::StartsWith(".v9.partial-sync1-"));
   ASSERT_TRUE((*r)->Finish().ok());
   EXPECT_EQ(Files(dir_), std::vector<std::string>{"v9"});
-  std::vector<std::string> want;
+  std::vector<std::string> want = {".wsync-sync"};
   for (size_t i = 0; i < buckets_.size(); ++i) want.push_back("pp1-0000" + std::to_string(i) + ".safetensors");
   EXPECT_EQ(Files(dir_ + "/v9"), want);
   size_t seen = 0;
   for (const auto& f : want) {
+    if (f == ".wsync-sync") continue;
     auto file = SafetensorsFile::Open(dir_ + "/v9/" + f);
     ASSERT_TRUE(file.ok()) << file.status();
     EXPECT_EQ(file->metadata().at("wsync_version"), "9");
@@ -90,33 +93,52 @@ TEST_F(RecorderTest, PublishesTheReceivedTensorsOnFinish) {
 }
 
 TEST_F(RecorderTest, FinishReplacesAnOlderRecordingOfTheSameVersion) {
-  fs::create_directories(dir_ + "/v9");
-  {
+  // An earlier sync's recording of the same version number, written even after this sync started
+  // (timestamps do not decide; the marker does), with and without a marker of its own.
+  for (const char* old_marker : {"", "run0-1\n"}) {
+    fs::create_directories(dir_ + "/v9");
     std::ofstream(dir_ + "/v9/stale.safetensors") << "x";
+    auto r = Recorder::Start(dir_, 9, "run1-2");
+    ASSERT_TRUE(r.ok()) << r.status();
+    if (*old_marker) std::ofstream(dir_ + "/v9/.wsync-sync") << old_marker;
+    WriteAll(**r);
+    ASSERT_TRUE((*r)->Finish().ok());
+    EXPECT_EQ(Files(dir_), std::vector<std::string>{"v9"});
+    EXPECT_FALSE(fs::exists(dir_ + "/v9/stale.safetensors"));
+    EXPECT_EQ(Files(dir_ + "/v9").size(), buckets_.size() + 1);
+    fs::remove_all(dir_ + "/v9");
   }
-  // Written before this sync started (an earlier sync's recording of the same version number).
-  fs::last_write_time(dir_ + "/v9", fs::file_time_type::clock::now() - std::chrono::hours(1));
-  auto r = Recorder::Start(dir_, 9, "sync2");
-  ASSERT_TRUE(r.ok()) << r.status();
-  WriteAll(**r);
-  ASSERT_TRUE((*r)->Finish().ok());
-  EXPECT_EQ(Files(dir_), std::vector<std::string>{"v9"});
-  EXPECT_FALSE(fs::exists(dir_ + "/v9/stale.safetensors"));
-  EXPECT_EQ(Files(dir_ + "/v9").size(), buckets_.size());
 }
 
 TEST_F(RecorderTest, AgentsSharingTheDirectoryPublishOnce) {
-  auto a = Recorder::Start(dir_, 9, "agent-a");
-  auto b = Recorder::Start(dir_, 9, "agent-b");
-  ASSERT_TRUE(a.ok() && b.ok());
-  WriteAll(**a);
-  WriteAll(**b);
-  ASSERT_TRUE((*a)->Finish().ok());
-  const auto published = fs::last_write_time(dir_ + "/v9");
-  ASSERT_TRUE((*b)->Finish().ok());
-  EXPECT_EQ(Files(dir_), std::vector<std::string>{"v9"}) << "b's copy must be dropped, nothing left behind";
-  EXPECT_EQ(fs::last_write_time(dir_ + "/v9"), published) << "a's recording was replaced";
-  EXPECT_EQ(Files(dir_ + "/v9").size(), buckets_.size());
+  // Two agents of one sync (same key), interleaved as in the agent: each writes, then finishes.
+  for (bool b_checks_after_a : {true, false}) {
+    auto a = Recorder::Start(dir_, 9, "run1-5");
+    auto b = Recorder::Start(dir_, 9, "run1-5");
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_NE((*a)->partial_dir(), (*b)->partial_dir());
+    WriteAll(**a);
+    WriteAll(**b);
+    std::ofstream((*a)->partial_dir() + "/only-in-a") << "a";
+    if (b_checks_after_a) {
+      ASSERT_TRUE((*a)->Finish().ok());
+      ASSERT_TRUE((*b)->Finish().ok());
+    } else {
+      ASSERT_TRUE((*b)->Finish().ok());
+      ASSERT_TRUE((*a)->Finish().ok());
+    }
+    EXPECT_EQ(Files(dir_), std::vector<std::string>{"v9"}) << "the second copy must be dropped, nothing left behind";
+    EXPECT_EQ(fs::exists(dir_ + "/v9/only-in-a"), b_checks_after_a) << "the first recording published was replaced";
+    fs::remove_all(dir_ + "/v9");
+  }
+}
+
+TEST_F(RecorderTest, RefusesBadSyncKeys) {
+  for (const char* key : {"", "a/b", "a\nb"}) {
+    auto r = Recorder::Start(dir_, 9, key);
+    EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << key;
+  }
+  EXPECT_FALSE(fs::exists(dir_));
 }
 
 TEST_F(RecorderTest, DiscardAndDestructionLeaveNothing) {

@@ -6,11 +6,13 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <random>
 #include <thread>
 #include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
@@ -55,7 +57,10 @@ std::vector<absl::Status> ParallelFor(size_t n, const std::function<absl::Status
 
 class Coordinator::Impl final : public v1::Coordinator::Service {
  public:
-  Impl(CoordinatorOptions o, TrainerSide* trainer) : opts_(std::move(o)), trainer_(trainer) {}
+  Impl(CoordinatorOptions o, TrainerSide* trainer) : opts_(std::move(o)), trainer_(trainer) {
+    std::random_device rd;
+    run_id_ = absl::StrFormat("%08x%08x", rd(), rd());
+  }
 
   absl::Status Start() {
     store_service_ = MakeStoreService(&store_, opts_.security);
@@ -306,6 +311,7 @@ class Coordinator::Impl final : public v1::Coordinator::Service {
             }
             r.set_timeout_ms(absl::ToInt64Milliseconds(opts_.sync_timeout));
             r.set_record(true);
+            r.set_sync_key(absl::StrCat(run_id_, "-", id));
             return r;
           },
           &v1::RolloutAgent::Stub::BeginSync, &replies);
@@ -547,6 +553,7 @@ class Coordinator::Impl final : public v1::Coordinator::Service {
   std::unique_ptr<grpc::Service> store_service_;
   std::unique_ptr<grpc::Server> server_;
   std::string host_;
+  std::string run_id_;  // random per coordinator: sync keys differ across restarts
   int port_ = 0;
   std::thread worker_, reaper_;
 
