@@ -63,6 +63,10 @@ struct wsync_client {
   bool locked = false;
   bool broken = false;  // the connection failed mid-exchange: reopen a client
 
+  tc::SegmentHeader* header() const { return static_cast<tc::SegmentHeader*>(base); }
+  uint64_t generation() const { return __atomic_load_n(&header()->generation, __ATOMIC_ACQUIRE); }
+  void BumpGeneration() { __atomic_add_fetch(&header()->generation, 1, __ATOMIC_ACQ_REL); }
+
   // One request / reply exchange.
   int Call(tc::MsgType type, const std::string& payload, int64_t deadline, tc::Reply* reply) {
     if (broken) return Err(WSYNC_UNAVAILABLE, "the connection to the wsync agent was lost; open a new client");
@@ -201,13 +205,13 @@ int wsync_client_register(wsync_client* c, const char* config_json, const char* 
   req.config_json = config_json;
   req.parallel_json = parallel_json;
   req.tensors = c->decls;
-  uint64_t size = 0;
+  uint64_t size = tc::kSegmentHeaderBytes;
   for (auto& t : req.tensors) {
     if (t.location != tc::Location::kHostShm) continue;
     t.offset = size;
     size += (t.nbytes + kAlign - 1) / kAlign * kAlign;
   }
-  // The segment exists even without host tensors: its lock is the update lock.
+  // The segment exists even without host tensors: its header and lock are the update protocol.
   std::random_device rd;
   char suffix[32];
   std::snprintf(suffix, sizeof(suffix), "%d.%08x", static_cast<int>(getpid()), rd());
@@ -225,12 +229,11 @@ int wsync_client_register(wsync_client* c, const char* config_json, const char* 
   if (fchmod(fd, 0600) != 0 || ftruncate(fd, static_cast<off_t>(size)) != 0)
     return undo(WSYNC_RESOURCE_EXHAUSTED,
                 "sizing shared memory " + seg + " to " + std::to_string(size) + " bytes: " + std::strerror(errno));
-  if (size > 0) {
-    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) return undo(WSYNC_RESOURCE_EXHAUSTED, "mmap " + seg + ": " + std::strerror(errno));
-    c->base = p;
-    c->segment_bytes = size;
-  }
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) return undo(WSYNC_RESOURCE_EXHAUSTED, "mmap " + seg + ": " + std::strerror(errno));
+  c->base = p;
+  c->segment_bytes = size;
+  c->header()->magic = tc::kSegmentMagic;
   req.segment = seg;
   req.segment_bytes = size;
   tc::Reply reply;
@@ -264,7 +267,7 @@ void* wsync_client_tensor(wsync_client* c, const char* name, uint64_t* nbytes) {
   }
   if (nbytes) *nbytes = d.nbytes;
   Ok();
-  return d.nbytes == 0 ? c->base : static_cast<char*>(c->base) + d.offset;
+  return static_cast<char*>(c->base) + d.offset;
 }
 
 int wsync_client_begin_update(wsync_client* c, int64_t timeout_ms) {
@@ -281,6 +284,7 @@ int wsync_client_begin_update(wsync_client* c, int64_t timeout_ms) {
     SleepMs(1);
   }
   c->locked = true;
+  c->BumpGeneration();  // odd: writing
   return Ok();
 }
 
@@ -288,6 +292,7 @@ int wsync_client_end_update(wsync_client* c) {
   if (c == nullptr) return Err(WSYNC_INVALID_ARGUMENT, "client is NULL");
   std::lock_guard<std::mutex> lock(c->mu);
   if (!c->locked) return Err(WSYNC_FAILED_PRECONDITION, "the update lock is not held");
+  c->BumpGeneration();  // even: complete
   flock(c->shm_fd, LOCK_UN);
   c->locked = false;
   return Ok();
@@ -298,11 +303,11 @@ int wsync_client_request_sync(wsync_client* c, uint64_t version, int wait, int64
   if (c == nullptr) return Err(WSYNC_INVALID_ARGUMENT, "client is NULL");
   std::lock_guard<std::mutex> lock(c->mu);
   if (!c->registered) return Err(WSYNC_FAILED_PRECONDITION, "register before requesting a sync");
-  if (wait && c->locked)
-    return Err(WSYNC_FAILED_PRECONDITION, "waiting for a sync while holding the update lock would never end; "
-                                          "call wsync_client_end_update first");
   tc::RequestSyncRequest req;
+  if (c->locked)
+    return Err(WSYNC_FAILED_PRECONDITION, "request a sync after wsync_client_end_update (the weights are being written)");
   req.version = version;
+  req.generation = c->generation();
   req.wait = wait != 0;
   req.timeout_ms = timeout_ms;
   tc::Reply reply;

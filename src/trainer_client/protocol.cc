@@ -195,6 +195,7 @@ std::string Encode(const RegisterRequest& r) {
 std::string Encode(const RequestSyncRequest& r) {
   Writer w;
   w.U64(r.version);
+  w.U64(r.generation);
   w.U8(r.wait ? 1 : 0);
   w.I64(r.timeout_ms);
   return w.Take();
@@ -228,7 +229,7 @@ bool Decode(const std::string& payload, RegisterRequest* r, std::string* error) 
 bool Decode(const std::string& payload, RequestSyncRequest* r, std::string* error) {
   Reader in(payload);
   uint8_t wait;
-  if (!in.U64(&r->version) || !in.U8(&wait) || !in.I64(&r->timeout_ms) || wait > 1 || !in.Done())
+  if (!in.U64(&r->version) || !in.U64(&r->generation) || !in.U8(&wait) || !in.I64(&r->timeout_ms) || wait > 1 || !in.Done())
     return Fail(error, "sync request: malformed payload");
   r->wait = wait != 0;
   return true;

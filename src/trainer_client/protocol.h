@@ -27,6 +27,18 @@ inline constexpr uint32_t kProtocolVersion = 1;
 inline constexpr uint32_t kMaxPayload = 64u << 20;
 inline constexpr size_t kCudaIpcHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t)
 
+// The first kSegmentHeaderBytes of the shared segment; host tensors follow (64-byte aligned).
+// `generation` is odd while the trainer writes (begin_update .. end_update) and grows by 2 per
+// update; a sync request carries the generation its version was declared at, and the agent
+// reads only weights of that very generation.
+inline constexpr uint32_t kSegmentMagic = 0x47455357;  // "WSEG"
+inline constexpr uint64_t kSegmentHeaderBytes = 64;
+struct SegmentHeader {
+  uint32_t magic;
+  uint32_t reserved;
+  uint64_t generation;  // accessed with __atomic builtins by both processes
+};
+
 enum class MsgType : uint32_t { kRegister = 1, kRequestSync = 2, kReply = 100 };
 
 // Where a tensor's bytes live.
@@ -37,7 +49,7 @@ struct TensorDecl {
   std::string dtype;             // safetensors name: BF16, F16, F32, ...
   std::vector<int64_t> shape;
   Location location = Location::kHostShm;
-  uint64_t offset = 0;           // kHostShm: into the segment (64-byte aligned); kCudaIpc: into the allocation
+  uint64_t offset = 0;           // kHostShm: into the segment (64-byte aligned, after the header); kCudaIpc: into the allocation
   uint64_t nbytes = 0;
   std::string cuda_ipc_handle;   // kCudaIpc: kCudaIpcHandleBytes bytes (cudaIpcGetMemHandle)
   int32_t device = -1;           // kCudaIpc: the trainer's CUDA device ordinal
@@ -56,6 +68,7 @@ struct RegisterRequest {
 
 struct RequestSyncRequest {
   uint64_t version = 0;          // the version to publish (> the last published); 0: next
+  uint64_t generation = 0;       // SegmentHeader::generation of the weights declared as `version`
   bool wait = false;             // reply when the sync has ended (else once it is started)
   int64_t timeout_ms = 0;        // bound on the wait (the agent also applies its own)
 };

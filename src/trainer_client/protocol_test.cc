@@ -76,11 +76,12 @@ TEST(Protocol, MessagesRoundTripAndEveryTruncationIsRefused) {
     EXPECT_FALSE(Decode(wire + "x", &back, &error));
     EXPECT_EQ(error, "register request: trailing bytes");
 
-    RequestSyncRequest sync{(uint64_t{rng()} << 32) | rng(), (rng() & 1) != 0, -static_cast<int64_t>(rng())};
+    RequestSyncRequest sync{(uint64_t{rng()} << 32) | rng(), rng(), (rng() & 1) != 0, -static_cast<int64_t>(rng())};
     RequestSyncRequest sync_back;
     ASSERT_TRUE(Decode(Encode(sync), &sync_back, &error));
     EXPECT_EQ(sync_back.version, sync.version);
     EXPECT_EQ(sync_back.wait, sync.wait);
+    EXPECT_EQ(sync_back.generation, sync.generation);
     EXPECT_EQ(sync_back.timeout_ms, sync.timeout_ms);
     EXPECT_FALSE(Decode(Encode(sync).substr(1), &sync_back, &error));
 
@@ -99,8 +100,8 @@ TEST(Protocol, MessagesRoundTripAndEveryTruncationIsRefused) {
   wire[wire.size() - 1] = '\x7f';
   std::string error;
   EXPECT_FALSE(Decode(wire, &r, &error));
-  std::string sync = Encode(RequestSyncRequest{1, true, 5});
-  sync[8] = 2;  // wait is 0 or 1
+  std::string sync = Encode(RequestSyncRequest{1, 2, true, 5});
+  sync[16] = 2;  // wait is 0 or 1
   RequestSyncRequest s;
   EXPECT_FALSE(Decode(sync, &s, &error));
 }

@@ -31,10 +31,15 @@
  * reading), wsync_client_end_update releases it. Locks are flock(2) locks: they vanish with the
  * process. Do not write the tensors outside begin/end.
  *
- * Syncs: wsync_client_request_sync(version) asks the coordinator (through the agent) to publish
- * `version` (> the last published one; 0 = the next number). Requests of several ranks for the
- * same version coalesce into one sync (info->coalesced tells the later ones). With `wait` it
- * returns when the sync has ended, WSYNC_OK only if it succeeded.
+ * Syncs: wsync_client_request_sync(version) declares that this rank's weights, as last written
+ * (begin/end update), are `version`, and asks the coordinator (through the agent) to publish it
+ * (> the last published one; 0 = the next number). Every rank requests the same version after
+ * its update: the requests coalesce into one sync (info->coalesced tells the later ones), and the
+ * sync reads each rank only once that rank has declared the version, so no rank is read half
+ * way through its step. A rank whose weights change after the declaration fails the sync (it is
+ * never published torn). With `wait` the call returns when the sync has ended, WSYNC_OK only if
+ * it succeeded; syncs of an shm: source must be requested this way (a sync triggered elsewhere,
+ * e.g. wsyncctl, fails unless every rank declared its version).
  *
  * Errors: every function returns WSYNC_OK (0) or an error code below (absl::StatusCode values);
  * wsync_last_error() then describes the calling thread's last failure in words. A failed call
@@ -120,8 +125,8 @@ WSYNC_CLIENT_API void* wsync_client_tensor(wsync_client* c, const char* name, ui
 WSYNC_CLIENT_API int wsync_client_begin_update(wsync_client* c, int64_t timeout_ms);
 WSYNC_CLIENT_API int wsync_client_end_update(wsync_client* c);
 
-/* Asks for a sync publishing `version` (see the file comment). `info` may be NULL. With wait,
- * FAILED_PRECONDITION while this client holds the update lock (the sync could never read). */
+/* Declares the weights as `version` and asks for its sync (see the file comment). `info` may be
+ * NULL. FAILED_PRECONDITION while this client holds the update lock. */
 WSYNC_CLIENT_API int wsync_client_request_sync(wsync_client* c, uint64_t version, int wait, int64_t timeout_ms,
                               wsync_sync_info* info);
 

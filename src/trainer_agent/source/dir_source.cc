@@ -43,7 +43,7 @@ std::string DirSource::RankPath(int global_rank) const {
   return absl::StrCat(dir_, "/", convert::RankFileName(global_rank));
 }
 
-absl::StatusOr<RankShard> DirSource::OpenRank(int global_rank) const {
+absl::StatusOr<RankShard> DirSource::OpenRank(int global_rank, uint64_t /*version: files carry none*/) const {
   if (global_rank < 0 || global_rank >= layout().world_size())
     return absl::InvalidArgumentError(absl::StrCat("weight source ", dir_, ": rank ", global_rank,
                                                    " is outside the world of ", layout().world_size(),

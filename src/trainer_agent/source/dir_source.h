@@ -48,7 +48,7 @@ class DirSource final : public WeightSource {
   std::string RankPath(int global_rank) const;
 
   // Maps and validates `global_rank`'s file (see the file comment); `backing` holds the mapping.
-  absl::StatusOr<RankShard> OpenRank(int global_rank) const override;
+  absl::StatusOr<RankShard> OpenRank(int global_rank, uint64_t version = 0) const override;
   std::string Describe() const override { return "dir:" + dir_; }
 
  private:

@@ -73,6 +73,42 @@ struct ShmSource::Registration {
 
   absl::Mutex mu;
   int readers ABSL_GUARDED_BY(mu) = 0;
+  uint64_t declared_version ABSL_GUARDED_BY(mu) = 0;     // the client's last sync request
+  uint64_t declared_generation ABSL_GUARDED_BY(mu) = 0;
+
+  uint64_t generation() const {
+    return __atomic_load_n(&static_cast<const tc::SegmentHeader*>(base)->generation, __ATOMIC_ACQUIRE);
+  }
+  void Declare(uint64_t version, uint64_t generation) {
+    absl::MutexLock lock(&mu);
+    declared_version = version;
+    declared_generation = generation;
+  }
+  // Waits until the client has declared `version`; kFailedPrecondition if it declared a newer one.
+  absl::Status AwaitDeclared(uint64_t version, absl::Duration timeout, int rank) {
+    absl::MutexLock lock(&mu);
+    auto reached = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return declared_version >= version; };
+    if (!mu.AwaitWithTimeout(absl::Condition(&reached), timeout))
+      return absl::DeadlineExceededError(absl::StrCat(
+          "the training process of rank ", rank, " (pid ", pid, ") has not declared version ", version, " within ",
+          absl::FormatDuration(timeout), " (its last request was for version ", declared_version,
+          "); with an shm: source the training processes request their syncs (wsync_client_request_sync)"));
+    if (declared_version > version)
+      return absl::FailedPreconditionError(absl::StrCat("the training process of rank ", rank, " (pid ", pid,
+                                                        ") has already declared version ", declared_version,
+                                                        ", newer than this sync's version ", version));
+    return absl::OkStatus();
+  }
+  // Under the shared lock: the weights are still those declared as `version`.
+  absl::Status CheckGeneration(uint64_t version, int rank) {
+    absl::MutexLock lock(&mu);
+    const uint64_t now = generation();
+    if (declared_version != version || now != declared_generation)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the weights of rank ", rank, " (pid ", pid, ") changed after it declared version ", version,
+          " (update generation ", now, ", declared at ", declared_generation, "); not publishing a torn version"));
+    return absl::OkStatus();
+  }
 
   ~Registration() {
     if (base != nullptr) munmap(base, bytes);
@@ -286,6 +322,7 @@ void ShmSource::Serve(int fd, int pid, unsigned uid) {
         } else {
           const absl::Duration timeout =
               req.timeout_ms < 0 ? absl::InfiniteDuration() : absl::Milliseconds(req.timeout_ms);
+          if (req.version != 0) mine->Declare(req.version, req.generation);
           auto r = requester(req.version, req.wait, timeout);
           if (r.ok()) {
             reply.sync_id = r->sync_id;
@@ -350,12 +387,15 @@ absl::StatusOr<std::shared_ptr<ShmSource::Registration>> ShmSource::Register(con
   if (static_cast<uint64_t>(st.st_size) < req.segment_bytes)
     return absl::InvalidArgumentError(absl::StrCat(who, ": shared memory ", req.segment, " has ", st.st_size,
                                                    " bytes, the registration says ", req.segment_bytes));
-  if (req.segment_bytes > 0) {
-    void* p = mmap(nullptr, req.segment_bytes, PROT_READ, MAP_SHARED, reg->fd, 0);
-    if (p == MAP_FAILED) return Errno(absl::StrCat("mmap ", req.segment));
-    reg->base = p;
-    reg->bytes = req.segment_bytes;
-  }
+  if (req.segment_bytes < tc::kSegmentHeaderBytes)
+    return absl::InvalidArgumentError(absl::StrCat(who, ": a segment of ", req.segment_bytes,
+                                                   " bytes has no room for its header"));
+  void* p = mmap(nullptr, req.segment_bytes, PROT_READ, MAP_SHARED, reg->fd, 0);
+  if (p == MAP_FAILED) return Errno(absl::StrCat("mmap ", req.segment));
+  reg->base = p;
+  reg->bytes = req.segment_bytes;
+  if (static_cast<const tc::SegmentHeader*>(p)->magic != tc::kSegmentMagic)
+    return absl::InvalidArgumentError(absl::StrCat(who, ": shared memory ", req.segment, " has no wsync segment header"));
 
   std::vector<std::pair<std::string, TensorView>> named;
   named.reserve(req.tensors.size());
@@ -369,12 +409,12 @@ absl::StatusOr<std::shared_ptr<ShmSource::Registration>> ShmSource::Register(con
                                                      " bytes for its dtype and shape"));
     std::span<const std::byte> bytes;
     if (t.location == tc::Location::kHostShm) {
-      if (t.offset % 64 != 0 || t.offset > reg->bytes || nbytes > reg->bytes - t.offset)
+      if (t.offset % 64 != 0 || t.offset < tc::kSegmentHeaderBytes || t.offset > reg->bytes ||
+          nbytes > reg->bytes - t.offset)
         return absl::InvalidArgumentError(absl::StrCat(who, ": tensor ", t.name, " at [", t.offset, ", +", nbytes,
-                                                       ") is not a 64-byte aligned range of the ", reg->bytes,
-                                                       "-byte segment"));
+                                                       ") is not a 64-byte aligned range after the header of the ",
+                                                       reg->bytes, "-byte segment"));
       bytes = {static_cast<const std::byte*>(reg->base) + t.offset, static_cast<size_t>(nbytes)};
-      if (nbytes == 0) bytes = {};
     } else {
       Registration::Device d;
       auto mapping = OpenCudaIpc(t.cuda_ipc_handle, t.device);
@@ -407,7 +447,7 @@ absl::StatusOr<std::shared_ptr<ShmSource::Registration>> ShmSource::Register(con
   return reg;
 }
 
-absl::StatusOr<RankShard> ShmSource::OpenRank(int global_rank) const {
+absl::StatusOr<RankShard> ShmSource::OpenRank(int global_rank, uint64_t version) const {
   if (global_rank != options_.rank)
     return absl::InvalidArgumentError(absl::StrCat("shm:", options_.name, " of rank ", options_.rank,
                                                    " holds no tensors of rank ", global_rank));
@@ -422,9 +462,11 @@ absl::StatusOr<RankShard> ShmSource::OpenRank(int global_rank) const {
     return absl::FailedPreconditionError(absl::StrCat("the training process of rank ", options_.rank, " (pid ",
                                                       reg->pid, ") has disconnected; its weights are not synced "
                                                       "until it registers again"));
+  if (version != 0) RETURN_IF_ERROR(reg->AwaitDeclared(version, options_.lock_timeout, options_.rank));
   RETURN_IF_ERROR(reg->AcquireShared(options_.lock_timeout, options_.rank));
   // The lease: releases the shared lock when the last copy of the shard's backing goes.
   std::shared_ptr<const void> lease(reg.get(), [reg](const void*) { reg->ReleaseShared(); });
+  if (version != 0) RETURN_IF_ERROR(reg->CheckGeneration(version, options_.rank));
   for (auto& dev : reg->devices) {
     RETURN_IF_ERROR(dev.mapping->CopyToHost(dev.offset, dev.host.size(), dev.host.data()));
   }

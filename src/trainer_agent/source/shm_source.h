@@ -14,10 +14,14 @@
 //     nothing; an accepted one replaces the previous one only if that client has disconnected.
 //   - requests syncs: forwarded to the SyncRequester the agent installed (the coordinator's
 //     TriggerSync / WatchSync).
-// OpenRank takes the segment's flock(2) lock shared (waiting up to lock_timeout while the trainer
-// holds it exclusively between wsync_client_begin_update and _end_update) and returns views into
-// the mapping; the lock is released when the last copy of the shard's `backing` goes away. CUDA
-// IPC tensors are copied to host buffers (cuda_ipc.h) under the same lock.
+// Versions: a client's sync request declares "my weights, at update generation G (the segment
+// header, trainer_client/protocol.h), are version V". OpenRank(rank, V) waits (up to
+// lock_timeout) until the client has declared V, takes the segment's flock(2) lock shared (the
+// trainer holds it exclusively between wsync_client_begin_update and _end_update), checks that the
+// generation is still G, and returns views into the mapping; the lock is released when the last
+// copy of the shard's `backing` goes away. So every rank of a sync is read at the step its
+// training process declared, never half-written; OpenRank(rank, 0) skips the declaration check.
+// CUDA IPC tensors are copied to host buffers (cuda_ipc.h) under the same lock.
 // When the client disconnects, its registration stays mapped (a shard in use stays valid) but
 // OpenRank refuses it: a sync never reads the weights of a training process that is gone.
 //
@@ -73,7 +77,7 @@ class ShmSource final : public WeightSource {
   void SetSyncRequester(SyncRequester requester);
 
   const SourceModel& source_model() const override;
-  absl::StatusOr<RankShard> OpenRank(int global_rank) const override;
+  absl::StatusOr<RankShard> OpenRank(int global_rank, uint64_t version = 0) const override;
   std::string Describe() const override { return "shm:" + options_.name; }
   const std::string& socket_path() const { return socket_path_; }
 

@@ -110,7 +110,7 @@ class ShmSourceTest : public ::testing::Test {
     }
     const int rc = wsync_client_register(c, config_.c_str(), parallel_.c_str(), 10000);
     if (rc != WSYNC_OK) return rc;
-    Fill(c, 0);
+    Update(c, 0);
     return WSYNC_OK;
   }
   // Writes the expected tensors, each byte plus `delta`.
@@ -123,6 +123,11 @@ class ShmSourceTest : public ::testing::Test {
       const auto* src = reinterpret_cast<const unsigned char*>(expected_.tensors[i].data());
       for (uint64_t k = 0; k < n; ++k) p[k] = static_cast<unsigned char>(src[k] + delta);
     }
+  }
+  void Update(wsync_client* c, int delta) {
+    ASSERT_EQ(wsync_client_begin_update(c, 5000), WSYNC_OK) << wsync_last_error();
+    Fill(c, delta);
+    ASSERT_EQ(wsync_client_end_update(c), WSYNC_OK);
   }
   // Every byte of the shard equals the expected tensor's plus `delta`.
   void ExpectShard(const RankShard& s, int delta) {
@@ -169,9 +174,7 @@ TEST_F(ShmSourceTest, RegisteredTensorsAreTheShardAndUpdatesAreSeenNextTime) {
     ExpectShard(*shard, 0);
   }
   // The trainer updates in place; the next shard sees it.
-  ASSERT_EQ(wsync_client_begin_update(c, 1000), WSYNC_OK);
-  Fill(c, 3);
-  ASSERT_EQ(wsync_client_end_update(c), WSYNC_OK);
+  Update(c, 3);
   auto shard = source_->OpenRank(kRank);
   ASSERT_TRUE(shard.ok());
   ExpectShard(*shard, 3);
@@ -278,7 +281,7 @@ TEST_F(ShmSourceTest, OneLiveClientPerRankAndADisconnectStopsSyncs) {
   // A restarted trainer registers again.
   wsync_client* c = Open();
   ASSERT_EQ(DeclareAndRegister(c), WSYNC_OK) << wsync_last_error();
-  Fill(c, 1);
+  Update(c, 1);
   auto shard = source_->OpenRank(kRank);
   ASSERT_TRUE(shard.ok()) << shard.status();
   ExpectShard(*shard, 1);
@@ -304,11 +307,45 @@ TEST_F(ShmSourceTest, SyncRequestsReachTheRequester) {
   ASSERT_EQ(calls.size(), 2u);
   EXPECT_EQ(calls[0], std::make_tuple(uint64_t{5}, true, absl::Milliseconds(2500)));
   EXPECT_EQ(calls[1], std::make_tuple(uint64_t{13}, false, absl::InfiniteDuration()));
-  // Holding the update lock and waiting for a sync would never end: refused by the client.
+  // A request while the weights are being written is refused by the client.
   ASSERT_EQ(wsync_client_begin_update(c, 1000), WSYNC_OK);
-  EXPECT_EQ(wsync_client_request_sync(c, 6, 1, 1000, nullptr), WSYNC_FAILED_PRECONDITION);
+  EXPECT_EQ(wsync_client_request_sync(c, 6, 0, 1000, nullptr), WSYNC_FAILED_PRECONDITION);
   EXPECT_EQ(calls.size(), 2u);
   ASSERT_EQ(wsync_client_end_update(c), WSYNC_OK);
+}
+
+TEST_F(ShmSourceTest, ASyncReadsEachRankAtTheVersionItDeclaredNeverTorn) {
+  wsync_client* c = Open();
+  ASSERT_EQ(DeclareAndRegister(c), WSYNC_OK) << wsync_last_error();
+  source_->SetSyncRequester([](uint64_t version, bool, absl::Duration) -> absl::StatusOr<SyncRequestResult> {
+    return SyncRequestResult{.sync_id = version, .version = version};
+  });
+  // The sync of version 1 starts before this rank has declared it: it waits for the declaration.
+  absl::StatusOr<RankShard> early = absl::UnknownError("not run");
+  std::thread sync([&] { early = source_->OpenRank(kRank, 1); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_EQ(wsync_client_request_sync(c, 1, 0, 1000, nullptr), WSYNC_OK) << wsync_last_error();
+  sync.join();
+  ASSERT_TRUE(early.ok()) << early.status();
+  ExpectShard(*early, 0);
+  early->backing.reset();
+  // Written again but not declared: reading it as version 1 would publish a different step.
+  Update(c, 2);
+  auto torn = source_->OpenRank(kRank, 1);
+  EXPECT_TRUE(absl::IsFailedPrecondition(torn.status())) << torn.status();
+  EXPECT_THAT(torn.status().message(), HasSubstr("changed after it declared version 1"));
+  ASSERT_EQ(wsync_client_request_sync(c, 2, 0, 1000, nullptr), WSYNC_OK);
+  auto stale = source_->OpenRank(kRank, 1);
+  EXPECT_TRUE(absl::IsFailedPrecondition(stale.status()));
+  EXPECT_THAT(stale.status().message(), HasSubstr("already declared version 2"));
+  auto two = source_->OpenRank(kRank, 2);
+  ASSERT_TRUE(two.ok()) << two.status();
+  ExpectShard(*two, 2);
+  two->backing.reset();
+  // A version the trainer never declares (e.g. a sync triggered by an operator) times out, named.
+  auto never = source_->OpenRank(kRank, 3);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(never.status())) << never.status();
+  EXPECT_THAT(never.status().message(), HasSubstr("has not declared version 3"));
 }
 
 TEST_F(ShmSourceTest, CudaTensorsNeedACudaBuildAndADevice) {
@@ -338,12 +375,18 @@ TEST_F(ShmSourceTest, CudaTensorsNeedACudaBuildAndADevice) {
 
 TEST_F(ShmSourceTest, SegmentsThatAreNotPrivateOrTooSmallAreRefused) {
   // A hand-made client (the library always creates 0600 segments of the right size).
-  auto raw_register = [&](mode_t mode, uint64_t size, uint64_t claimed) {
+  auto raw_register = [&](mode_t mode, uint64_t size, uint64_t claimed, bool header = true) {
     const std::string seg = absl::StrCat("/wsync.shmtest.raw.", getpid(), ".1");
     const int fd = shm_open(seg.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
     EXPECT_GE(fd, 0);
     fchmod(fd, mode);
     EXPECT_EQ(ftruncate(fd, static_cast<off_t>(size)), 0);
+    if (header) {
+      void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      EXPECT_NE(p, MAP_FAILED);
+      static_cast<trainer_client::SegmentHeader*>(p)->magic = trainer_client::kSegmentMagic;
+      munmap(p, size);
+    }
     const int s = ::socket(AF_UNIX, SOCK_STREAM, 0);
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
@@ -373,6 +416,9 @@ TEST_F(ShmSourceTest, SegmentsThatAreNotPrivateOrTooSmallAreRefused) {
   r = raw_register(0600, 4096, 8192);
   EXPECT_EQ(r.code, WSYNC_INVALID_ARGUMENT);
   EXPECT_THAT(r.message, HasSubstr("has 4096 bytes"));
+  r = raw_register(0600, 4096, 4096, /*header=*/false);
+  EXPECT_EQ(r.code, WSYNC_INVALID_ARGUMENT);
+  EXPECT_THAT(r.message, HasSubstr("no wsync segment header"));
   r = raw_register(0600, 4096, 4096);  // right segment, no tensors: the plan's are missing
   EXPECT_EQ(r.code, WSYNC_INVALID_ARGUMENT);
   EXPECT_THAT(r.message, HasSubstr("missing"));

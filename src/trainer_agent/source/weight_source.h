@@ -62,8 +62,9 @@ class WeightSource {
   const convert::SourceParallel& parallel() const { return source_model().parallel; }
   const ParallelLayout& layout() const { return source_model().layout; }
 
-  // The rank's parameters for one sync (see the file comment).
-  virtual absl::StatusOr<RankShard> OpenRank(int global_rank) const = 0;
+  // The rank's parameters for the sync publishing `version` (see the file comment; 0: whatever
+  // the source holds now; shm: waits until the training process has declared `version`).
+  virtual absl::StatusOr<RankShard> OpenRank(int global_rank, uint64_t version = 0) const = 0;
   // "dir:PATH" / "shm:NAME", for messages.
   virtual std::string Describe() const = 0;
 };

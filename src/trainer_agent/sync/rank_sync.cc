@@ -233,7 +233,7 @@ absl::Status RankSync::Prepare() {
                                                    ") but was given a sink"));
   if (source_ && o_.quant != nullptr) RETURN_IF_ERROR(o_.quant->CheckInt4Supported());
 
-  ASSIGN_OR_RETURN(shard_, src_.OpenRank(me_));
+  ASSIGN_OR_RETURN(shard_, src_.OpenRank(me_, o_.version));
 
   // Dense items: the stage source's TP group gathers TP-sharded parameters.
   std::vector<Item> dense, experts;
