@@ -788,6 +788,9 @@ absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::Comm
   {
     absl::MutexLock mem(&memory_mu_);
     st = Commit(*e.staging, e.memory->weights(), {.num_threads = options_.repack_threads, .verify = false});
+    // CUDA engines: the repack wrote the host shadows; the device copy follows (kInternal on failure:
+    // the device may be partly written, handled as a failed repack below).
+    if (st.ok()) st = e.memory->PublishToDevice();
     if (st.ok()) {
       absl::MutexLock lock(&mu_);
       version_ = version;  // wakes UpdateWeights waiters

@@ -20,10 +20,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "common/cuda_ipc.h"
 #include "common/dtype.h"
 #include "common/logging.h"
 #include "common/status.h"
-#include "trainer_agent/source/cuda_ipc.h"
 #include "trainer_client/protocol.h"
 
 namespace wsync::source {

@@ -23,7 +23,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_replace.h"
 #include "trainer_agent/convert/testing.h"
-#include "trainer_agent/source/cuda_ipc.h"
+#include "common/cuda_ipc.h"
 #include "trainer_agent/source/dir_source.h"
 #include "trainer_client/protocol.h"
 #include "trainer_client/wsync_trainer_client.h"

@@ -4,9 +4,9 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "trainer_agent/source/cuda_ipc.h"
+#include "common/cuda_ipc.h"
 
-namespace wsync::source {
+namespace wsync {
 namespace {
 
 absl::Status CudaError(cudaError_t e, absl::string_view what, absl::StatusCode code) {
@@ -29,6 +29,14 @@ class Mapping final : public CudaIpcMapping {
     if (cudaError_t e = cudaMemcpy(dst, static_cast<const char*>(base_) + offset, nbytes, cudaMemcpyDeviceToHost);
         e != cudaSuccess)
       return CudaError(e, absl::StrCat("copying ", nbytes, " bytes from device ", device_), absl::StatusCode::kInternal);
+    return absl::OkStatus();
+  }
+  absl::Status CopyFromHost(uint64_t offset, size_t nbytes, const void* src) override {
+    if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess)
+      return CudaError(e, absl::StrCat("cudaSetDevice(", device_, ")"), absl::StatusCode::kFailedPrecondition);
+    if (cudaError_t e = cudaMemcpy(static_cast<char*>(base_) + offset, src, nbytes, cudaMemcpyHostToDevice);
+        e != cudaSuccess)
+      return CudaError(e, absl::StrCat("copying ", nbytes, " bytes to device ", device_), absl::StatusCode::kInternal);
     return absl::OkStatus();
   }
 
@@ -60,4 +68,4 @@ absl::StatusOr<std::unique_ptr<CudaIpcMapping>> OpenCudaIpc(const std::string& h
   return std::unique_ptr<CudaIpcMapping>(new Mapping(base, device));
 }
 
-}  // namespace wsync::source
+}  // namespace wsync
