@@ -4,7 +4,6 @@
 
 #include <cerrno>
 #include <filesystem>
-#include <fstream>
 #include <random>
 #include <system_error>
 
@@ -20,7 +19,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr char kMarker[] = ".wsync-sync";
+constexpr char kSyncKey[] = "wsync_sync";
 
 absl::Status FsError(const std::error_code& ec, absl::string_view what) {
   return ::wsync::ErrnoToStatus(ec.value(), what);
@@ -47,22 +46,19 @@ absl::StatusOr<std::unique_ptr<Recorder>> Recorder::Start(const std::string& dir
   if (!fs::create_directory(r->partial_dir_, ec) || ec) {
     return FsError(ec ? ec : std::make_error_code(std::errc::file_exists), absl::StrCat("creating ", r->partial_dir_));
   }
-  const std::string marker = (fs::path(r->partial_dir_) / kMarker).string();
-  std::ofstream out(marker, std::ios::binary | std::ios::trunc);
-  out << sync_key << "\n";
-  out.close();
-  if (!out) {
-    const absl::Status s = ::wsync::ErrnoToStatus(errno, absl::StrCat("writing ", marker));
-    r->Discard();
-    return s;
-  }
   return r;
 }
 
 bool Recorder::PeerPublished() const {
-  std::ifstream in((fs::path(final_dir_) / kMarker).string(), std::ios::binary);
-  std::string key;
-  return in && std::getline(in, key) && key == sync_key_;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(final_dir_, ec)) {
+    if (e.path().extension() != ".safetensors") continue;
+    auto file = SafetensorsFile::Open(e.path().string());
+    if (!file.ok()) return false;
+    auto it = file->metadata().find(kSyncKey);
+    return it != file->metadata().end() && it->second == sync_key_;
+  }
+  return !ec;  // an empty recording: nothing to tell apart, nothing to replace
 }
 
 Recorder::~Recorder() {
@@ -87,6 +83,7 @@ absl::Status Recorder::WriteBucket(const v1::BucketManifest& m, const std::byte*
   writer.SetMetadata("wsync_version", absl::StrCat(m.version()));
   writer.SetMetadata("wsync_pp_stage", absl::StrCat(m.pp_stage()));
   writer.SetMetadata("wsync_bucket", absl::StrCat(m.index()));
+  writer.SetMetadata(kSyncKey, sync_key_);
   const std::string path =
       (fs::path(partial_dir_) / absl::StrFormat("pp%u-%05u.safetensors", m.pp_stage(), m.index())).string();
   return Annotate(writer.Write(path), absl::StrCat("recording stage ", m.pp_stage(), " bucket ", m.index()));

@@ -8,10 +8,11 @@
 // recording of the same version number, from an earlier sync, is replaced). Discard() (or the
 // destructor) removes the partial directory of a sync that failed. Several agents may share DIR
 // (the agents of one sync receive the same buckets): the first to publish v{version} wins and the
-// others drop their identical copy. A recording names its sync in DIR/v{version}/.wsync-sync (the
-// coordinator's sync key: random run id + sync id), so a peer's recording of the same sync is told
-// apart from an older recording of the same version number by content, not by timestamps.
-// Every file carries metadata {"format": "pt", "wsync_version", "wsync_pp_stage", "wsync_bucket"}.
+// others drop their identical copy. Every file names its sync in its metadata (the coordinator's
+// sync key: random run id + sync id), so a peer's recording of the same sync is told apart from an
+// older recording of the same version number by content, not by timestamps.
+// Every file carries metadata {"format": "pt", "wsync_version", "wsync_pp_stage", "wsync_bucket",
+// "wsync_sync"}.
 //
 // Errors: file-system failures via ErrnoToStatus / std::filesystem codes naming the path;
 // kUnimplemented for a split entry (a tensor spread over several buckets is not recorded).
@@ -32,7 +33,7 @@ namespace wsync::rollout {
 class Recorder {
  public:
   // Creates the partial directory DIR/.v{version}.partial-{sync_key}-{random} (and DIR itself if
-  // missing) with the .wsync-sync marker. kInvalidArgument for an empty sync_key or one with '/'.
+  // missing). kInvalidArgument for an empty sync_key or one with '/' or a newline.
   static absl::StatusOr<std::unique_ptr<Recorder>> Start(const std::string& dir, uint64_t version,
                                                          const std::string& sync_key);
   ~Recorder();  // Discard() unless Finish() succeeded
@@ -50,7 +51,7 @@ class Recorder {
 
  private:
   Recorder() = default;
-  // True when DIR/v{version} holds a recording of this sync (its marker names sync_key_).
+  // True when DIR/v{version} holds a recording of this sync (its files' metadata name sync_key_).
   bool PeerPublished() const;
 
   std::string dir_, partial_dir_, final_dir_, sync_key_;

@@ -69,16 +69,16 @@ TEST_F(RecorderTest, PublishesTheReceivedTensorsOnFinish) {
   EXPECT_THAT(partial[0], ::testing::StartsWith(".v9.partial-sync1-"));
   ASSERT_TRUE((*r)->Finish().ok());
   EXPECT_EQ(Files(dir_), std::vector<std::string>{"v9"});
-  std::vector<std::string> want = {".wsync-sync"};
+  std::vector<std::string> want;
   for (size_t i = 0; i < buckets_.size(); ++i) want.push_back("pp1-0000" + std::to_string(i) + ".safetensors");
   EXPECT_EQ(Files(dir_ + "/v9"), want);
   size_t seen = 0;
   for (const auto& f : want) {
-    if (f == ".wsync-sync") continue;
     auto file = SafetensorsFile::Open(dir_ + "/v9/" + f);
     ASSERT_TRUE(file.ok()) << file.status();
     EXPECT_EQ(file->metadata().at("wsync_version"), "9");
     EXPECT_EQ(file->metadata().at("wsync_pp_stage"), "1");
+    EXPECT_EQ(file->metadata().at("wsync_sync"), "sync1");
     for (const auto& e : file->tensors()) {
       const size_t i = std::stoul(e.name.substr(2));
       const TensorView want_view = tensors_[i].view();
@@ -94,18 +94,25 @@ TEST_F(RecorderTest, PublishesTheReceivedTensorsOnFinish) {
 
 TEST_F(RecorderTest, FinishReplacesAnOlderRecordingOfTheSameVersion) {
   // An earlier sync's recording of the same version number, written even after this sync started
-  // (timestamps do not decide; the marker does), with and without a marker of its own.
-  for (const char* old_marker : {"", "run0-1\n"}) {
-    fs::create_directories(dir_ + "/v9");
-    std::ofstream(dir_ + "/v9/stale.safetensors") << "x";
+  // (timestamps do not decide; the files' sync key does): another sync's key, no key, no file
+  // wsync can read.
+  for (int old = 0; old < 3; ++old) {
     auto r = Recorder::Start(dir_, 9, "run1-2");
     ASSERT_TRUE(r.ok()) << r.status();
-    if (*old_marker) std::ofstream(dir_ + "/v9/.wsync-sync") << old_marker;
+    fs::create_directories(dir_ + "/v9");
+    if (old == 2) {
+      std::ofstream(dir_ + "/v9/stale.safetensors") << "x";
+    } else {
+      SafetensorsWriter w;
+      ASSERT_TRUE(w.Add("old", tensors_[0].view()).ok());
+      if (old == 0) w.SetMetadata("wsync_sync", "run0-1");
+      ASSERT_TRUE(w.Write(dir_ + "/v9/stale.safetensors").ok());
+    }
     WriteAll(**r);
     ASSERT_TRUE((*r)->Finish().ok());
     EXPECT_EQ(Files(dir_), std::vector<std::string>{"v9"});
-    EXPECT_FALSE(fs::exists(dir_ + "/v9/stale.safetensors"));
-    EXPECT_EQ(Files(dir_ + "/v9").size(), buckets_.size() + 1);
+    EXPECT_FALSE(fs::exists(dir_ + "/v9/stale.safetensors")) << old;
+    EXPECT_EQ(Files(dir_ + "/v9").size(), buckets_.size());
     fs::remove_all(dir_ + "/v9");
   }
 }
@@ -119,7 +126,7 @@ TEST_F(RecorderTest, AgentsSharingTheDirectoryPublishOnce) {
     EXPECT_NE((*a)->partial_dir(), (*b)->partial_dir());
     WriteAll(**a);
     WriteAll(**b);
-    std::ofstream((*a)->partial_dir() + "/only-in-a") << "a";
+    std::ofstream((*a)->partial_dir() + "/only-in-a") << "a";  // tells a's recording from b's
     if (b_checks_after_a) {
       ASSERT_TRUE((*a)->Finish().ok());
       ASSERT_TRUE((*b)->Finish().ok());
