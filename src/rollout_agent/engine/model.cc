@@ -131,6 +131,7 @@ struct Plan {
   };
   std::vector<Check> checks;
   std::vector<Copy> copies;
+  int64_t bytes_in_place = 0;
 
   void Scan(const std::string& name, const TensorView& v) {
     for (int64_t b = 0; b < v.numel(); b += kScanChunk)
@@ -148,6 +149,7 @@ struct EngineModel::Impl {
   ParamLookup lookup;
   TpCollectives coll;
   std::unique_ptr<const Weights> weights;
+  PrepareStats stats;
   // kInPlace: float32 copies (1-D params, f16 / misaligned matrices) and aligned copies of
   // misaligned Marlin buffers, by engine parameter name; reused when the size is unchanged.
   absl::flat_hash_map<std::string, Buffer> copies;
@@ -230,6 +232,7 @@ struct EngineModel::Impl {
     if (in_place) {
       out->form = v.dtype() == DType::kBF16 ? WeightForm::kBF16 : WeightForm::kF32;
       out->data = v.data();
+      plan.bytes_in_place += static_cast<int64_t>(v.nbytes());
     } else {
       out->form = WeightForm::kF32;  // data: the copy, once every check has passed
       plan.copies.push_back({name, v, out, Plan::Copy::Kind::kToF32});
@@ -369,11 +372,13 @@ struct EngineModel::Impl {
     out->form = WeightForm::kMarlin;
     if (packed.IsAligned(4)) {
       m.packed = packed.data_as<uint32_t>();
+      plan.bytes_in_place += static_cast<int64_t>(packed.nbytes());
     } else {
       plan.copies.push_back({pname, packed, out, Plan::Copy::Kind::kPacked});
     }
     if (scale.IsAligned(2)) {
       m.scales = scale.data_as<uint16_t>();
+      plan.bytes_in_place += static_cast<int64_t>(scale.nbytes());
     } else {
       plan.copies.push_back({sname, scale, out, Plan::Copy::Kind::kScales});
     }
@@ -611,15 +616,23 @@ struct EngineModel::Impl {
     WSYNC_RETURN_IF_ERROR(RunTasks(threads, plan.checks.size(), [&](size_t i) { return RunCheck(plan.checks[i]); }));
     // Buffers the copies lack (or whose size changed) are allocated before anything is written, so
     // that a failed allocation still leaves the previous version's copies intact.
+    PrepareStats st;
+    st.threads = threads;
+    st.params = static_cast<int64_t>(plan.w->order.size());
+    for (const Plan::Check& c : plan.checks)
+      st.bytes_checked += c.marlin ? static_cast<int64_t>(c.scales.nbytes())
+                                   : (c.end - c.begin) * static_cast<int64_t>(ItemSize(c.v.dtype()));
     absl::flat_hash_map<std::string, Buffer> fresh;
     absl::flat_hash_set<std::string> used;
     for (const Plan::Copy& c : plan.copies) {
       const size_t bytes = c.kind == Plan::Copy::Kind::kToF32 ? static_cast<size_t>(c.src.numel()) * sizeof(float)
                                                                : c.src.nbytes();
       used.insert(c.key);
+      st.bytes_copied += static_cast<int64_t>(bytes);
       auto it = copies.find(c.key);
       if (it != copies.end() && it->second.size() == bytes) continue;
       WSYNC_ASSIGN_OR_RETURN(fresh[c.key], Buffer::Allocate(std::max<size_t>(bytes, 1)));
+      st.bytes_allocated += static_cast<int64_t>(bytes);
     }
     // Nothing below fails.
     for (auto& [key, buffer] : fresh) copies[key] = std::move(buffer);
@@ -645,7 +658,9 @@ struct EngineModel::Impl {
       std::memcpy(dst, c.src.data(), c.src.nbytes());
       return absl::OkStatus();
     }));
+    st.bytes_in_place = plan.bytes_in_place;
     weights = std::move(plan.w);
+    stats = st;
     return absl::OkStatus();
   }
 
@@ -653,12 +668,17 @@ struct EngineModel::Impl {
   absl::Status PrepareFloat32Copy() {
     Plan plan;
     WSYNC_RETURN_IF_ERROR(Resolve(plan));
+    PrepareStats st;
+    st.params = static_cast<int64_t>(plan.w->order.size());
     for (const auto& [name, ref] : plan.w->order) {
       const int64_t n = ref->rows * ref->cols;
       for (int64_t k = 0; k < n; ++k)
         if (!std::isfinite(ref->f32()[k])) return NonFinite(name, ref->f32()[k], k);
+      st.bytes_checked += n * static_cast<int64_t>(sizeof(float));
     }
+    st.bytes_copied = st.bytes_allocated = st.bytes_checked;
     weights = std::move(plan.w);
+    stats = st;
     return absl::OkStatus();
   }
 
@@ -1088,6 +1108,7 @@ absl::Status EngineModel::Prepare() {
 }
 
 bool EngineModel::prepared() const { return impl_->weights != nullptr; }
+const PrepareStats& EngineModel::last_prepare() const { return impl_->stats; }
 
 absl::StatusOr<std::vector<float>> EngineModel::Logits(absl::Span<const int32_t> tokens) const {
   WSYNC_RETURN_IF_ERROR(impl_->CheckTokens(tokens, 0));

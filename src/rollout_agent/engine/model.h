@@ -109,6 +109,17 @@ enum class WeightMode {
   kFloat32Copy,  // a fresh float32 copy of every weight per Prepare, one thread (before issue #7)
 };
 
+// What the last successful Prepare() did (kInPlace; kFloat32Copy counts its copies as copied and
+// allocated).
+struct PrepareStats {
+  int64_t params = 0;           // weights served (under their bf16 engine names)
+  int64_t bytes_in_place = 0;   // parameter bytes the forward pass reads where they are
+  int64_t bytes_checked = 0;    // bytes scanned for NaN / Inf (Marlin: the scales)
+  int64_t bytes_copied = 0;     // bytes written into the model's own buffers
+  int64_t bytes_allocated = 0;  // of which newly allocated (0 when every buffer was reused)
+  int threads = 1;
+};
+
 struct EngineModelOptions {
   WeightMode weights = WeightMode::kInPlace;
   int prepare_threads = 0;  // kInPlace Prepare's checks and copies; 0 = hardware_concurrency
@@ -130,6 +141,7 @@ class EngineModel {
   // references and copies stay (see Errors). Does not call the collectives.
   absl::Status Prepare();
   bool prepared() const;
+  const PrepareStats& last_prepare() const;
 
   // Logits of every position of `tokens` (one forward pass over the whole sequence from position
   // 0): row-major [tokens.size(), vocab_size] (the pad(V,64) padding is dropped).
