@@ -17,12 +17,13 @@
 // returns the same bits as ops.h Dot over the f32 matrix MaterializeWeight() returns, and a
 // forward pass over in-place weights is bit-identical to one over an f32 copy of every weight.
 //
-// Marlin MatMul, per 64-column block: the scales of the block are un-permuted once into "word
-// order"; then every 16 x 64 tile is decoded into 4 (row pair) x 8 (slot) x 32 lanes of
-// dequantized values (32 lanes = the tile words 16q + 4rr + v for q < 8, v < 4, i.e. columns
-// 16v + q (+ 8)), and each token accumulates x * w into acc[rr][row parity][column half][lane].
-// The slots are visited with rows r, r+1 before r+8, r+9, so each accumulator sees its k in
-// increasing order. The columns are put back in order only when the block's sums are combined.
+// Marlin MatMul, per 64-column block: the scales of the block are un-permuted once into tile-word
+// order; then every 16 x 64 tile is decoded into [slot 8][word 128] dequantized values (slot s of
+// word w is element (WordRow(w) + SlotDk(s), WordCol(w) + SlotDn(s)) of the tile), and each token
+// accumulates x * w into acc[row parity][column half][word], the x of a lane following the
+// 16-word period of WordRow. The slots are visited with rows r, r+1 before r+8, r+9, so each
+// accumulator sees its k in increasing order; the columns are put back in order only when the
+// block's sums are combined. The hot loops are also compiled for AVX2 (same bits).
 //
 // Thread-safety: pure functions over caller-owned memory; concurrent calls are safe.
 // Ownership: a WeightRef points into memory it does not own (the engine parameter memory or the
