@@ -11,7 +11,9 @@
 //   f32-copy   WeightMode::kFloat32Copy, the design before issue #7 (a fresh float32 copy of every
 //              weight per Prepare, one thread) -- the "before";
 //   in-place   WeightMode::kInPlace with 1 thread and with --threads (0 = all cores) -- the "after".
-// Memory: RSS after the load (the shm pages the loader wrote count in it), then the peak RSS from
+// Columns: checked = bytes Prepare scanned for NaN / Inf (Marlin: its scales; f32-copy: its
+// copies), alloc = bytes Prepare allocated, in_place = parameter bytes the forward pass reads
+// where they are. Memory: RSS after the load (the shm pages the loader wrote count in it), then the peak RSS from
 // there to the end (VmHWM reset through /proc/self/clear_refs after the load), i.e. the load's own
 // transient peak is excluded. Without --checkpoint, --work DIR/hf gets the preset's random Qwen3-MoE
 // (seed 7, what tools/bench-sync.sh uses) unless it exists. The default quantization config is
@@ -66,7 +68,7 @@ struct Result {
   int ok = 0;
   int threads = 0;
   double load_s = 0, prepare1_s = 0, prepare2_s = 0, generate_s = 0;
-  double alloc1_mib = 0, alloc2_mib = 0, in_place_mib = 0;
+  double alloc1_mib = 0, alloc2_mib = 0, in_place_mib = 0, checked_mib = 0;
   double shm_mib = 0, rss_after_load_mib = 0, peak_after_load_mib = 0;
   char error[512] = {};
 };
@@ -123,6 +125,7 @@ absl::Status RunMode(const Flags& f, const std::string& dir, const Mode& mode, R
   out->prepare1_s = absl::ToDoubleSeconds(absl::Now() - t0);
   out->alloc1_mib = static_cast<double>(model.last_prepare().bytes_allocated) / (1 << 20);
   out->in_place_mib = static_cast<double>(model.last_prepare().bytes_in_place) / (1 << 20);
+  out->checked_mib = static_cast<double>(model.last_prepare().bytes_checked) / (1 << 20);
   t0 = absl::Now();
   RETURN_IF_ERROR(model.Prepare());
   out->prepare2_s = absl::ToDoubleSeconds(absl::Now() - t0);
@@ -197,10 +200,10 @@ int Run(const Flags& f) {
               f.quant_config == "none" ? "bf16" : (f.quant_config.empty() ? "INT4 experts G=128 (bench-sync.sh)"
                                                                           : f.quant_config.c_str()),
               f.prompt, f.new_tokens, all);
-  std::printf("#%11s %7s %7s %10s %10s %9s %9s %9s %8s %9s %9s %9s\n", "mode", "threads", "load", "prepare1",
-              "prepare2", "alloc1", "alloc2", "in_place", "shm", "rss_load", "peak", "generate");
-  std::printf("#%11s %7s %7s %10s %10s %9s %9s %9s %8s %9s %9s %9s\n", "", "", "(s)", "(s)", "(s)", "(MiB)", "(MiB)",
-              "(MiB)", "(MiB)", "(MiB)", "(MiB)", "(s)");
+  std::printf("#%11s %7s %7s %10s %10s %9s %9s %9s %9s %8s %9s %9s %9s\n", "mode", "threads", "load", "prepare1",
+              "prepare2", "checked", "alloc1", "alloc2", "in_place", "shm", "rss_load", "peak", "generate");
+  std::printf("#%11s %7s %7s %10s %10s %9s %9s %9s %9s %8s %9s %9s %9s\n", "", "", "(s)", "(s)", "(s)", "(MiB)", "(MiB)",
+              "(MiB)", "(MiB)", "(MiB)", "(MiB)", "(MiB)", "(s)");
   int rc = 0;
   for (size_t i = 0; i < modes.size(); ++i) {
     const Result& r = results[i];
@@ -209,9 +212,9 @@ int Run(const Flags& f) {
       rc = 1;
       continue;
     }
-    std::printf(" %11s %7d %7.2f %10.4f %10.4f %9.1f %9.1f %9.1f %8.1f %9.1f %9.1f %9.3f\n", modes[i].name, r.threads,
-                r.load_s, r.prepare1_s, r.prepare2_s, r.alloc1_mib, r.alloc2_mib, r.in_place_mib, r.shm_mib,
-                r.rss_after_load_mib, r.peak_after_load_mib, r.generate_s);
+    std::printf(" %11s %7d %7.2f %10.4f %10.4f %9.1f %9.1f %9.1f %9.1f %8.1f %9.1f %9.1f %9.3f\n", modes[i].name,
+                r.threads, r.load_s, r.prepare1_s, r.prepare2_s, r.checked_mib, r.alloc1_mib, r.alloc2_mib,
+                r.in_place_mib, r.shm_mib, r.rss_after_load_mib, r.peak_after_load_mib, r.generate_s);
   }
   if (rc == 0 && !f.only_in_place) {
     const Result& before = results[0];
