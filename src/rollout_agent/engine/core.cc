@@ -74,7 +74,9 @@ absl::StatusOr<std::unique_ptr<EngineCore>> EngineCore::Create(const ModelConfig
     core->group_ = Group::kForming;
     core->group_detail_ = "the TP group is forming (waiting for every rank to join)";
   }
-  ASSIGN_OR_RETURN(EngineModel model, EngineModel::Create(config, rank, std::move(lookup), std::move(coll)));
+  EngineModelOptions mo;
+  mo.prepare_threads = core->options_.prepare_threads;
+  ASSIGN_OR_RETURN(EngineModel model, EngineModel::Create(config, rank, std::move(lookup), std::move(coll), mo));
   core->model_ = std::make_unique<EngineModel>(std::move(model));
   return core;
 }

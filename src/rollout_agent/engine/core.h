@@ -3,11 +3,20 @@
 // RolloutEngine semantics of proto/wsync/v1/engine.proto: Generate on one weight version, Pause
 // (HOLD / ABORT), Flush, Continue(version) with a re-Prepare, Health and WeightVersion.
 //
-// Versions. The forward pass reads a float32 cache that EngineModel::Prepare() builds from the
-// parameter memory; Prepare runs only inside Continue, after new admissions are stopped and the
-// running requests have finished, so a request never spans two versions and the agent may write
-// the memory while the engine is paused without disturbing anything. A failed Prepare (the memory
-// was already overwritten) makes the rank UNHEALTHY until a Continue prepares successfully.
+// Versions. The forward pass reads the parameter memory the rollout agent writes IN PLACE (bf16
+// rows, Marlin INT4 tiles; model.h "Serving the weights"). EngineModel::Prepare() validates that
+// memory (names, dtypes, shapes, no NaN / Inf once dequantized) and refreshes the few float32
+// copies it keeps (norms, biases); it runs only inside Continue, after new admissions are stopped
+// and the running requests have finished. So the memory may be written only while this rank is
+// paused AND flushed (Flush returned OK: no request in flight), and every write must be followed
+// by a Continue with a new version number (or, after a failed Prepare, any Continue): a Continue
+// on the served version does not re-Prepare and would serve what the memory then holds. The
+// rollout agent does exactly that (Pause(HOLD) + Flush retried until it succeeds, write, then
+// Continue(version); an aborted sync never wrote, so Continue(previous version) is right), so a
+// request never spans two versions. A failed Prepare (the memory was already overwritten with
+// something invalid) makes the rank UNHEALTHY: it refuses every request (the model would read the
+// new, invalid memory) until a Continue prepares successfully; the version it reports stays the
+// last good one.
 //
 // Tensor parallelism (T > 1). Every rank has an EngineCore; they share a Communicator (the engine's
 // own Gloo TP group). Rank 0 is the entry point: its Generate
@@ -78,6 +87,7 @@ struct EngineCoreOptions {
   absl::Duration idle_timeout = absl::Seconds(30);        // a follower's longest silence from rank 0
   absl::Duration collective_timeout = absl::Seconds(60);  // every other TP collective
   absl::Duration step_delay = absl::ZeroDuration();       // test seam: sleep before every forward pass
+  int prepare_threads = 0;                                // EngineModel::Prepare's threads; 0 = all cores
   std::string engine_id;                                  // for messages
 };
 
@@ -110,10 +120,11 @@ class EngineCore {
   // number of requests in flight at the time. Idempotent; a later call sets the mode.
   uint32_t Pause(PauseMode mode);
   // FAILED_PRECONDITION while requests are in flight on this rank. The engine keeps no cache across
-  // requests, so there is nothing else to drop.
+  // requests, so there is nothing else to drop. OK (while paused) means the memory may be written.
   absl::Status Flush();
   // Resumes. Re-prepares from memory when `version` differs from the served one, or the rank is
-  // unhealthy, or it has no weights and `version` > 0 (waits up to `deadline` for running requests).
+  // unhealthy, or it has no weights and `version` > 0 (waits up to `deadline` for running requests);
+  // otherwise serves the memory as it is (see "Versions").
   // Returns the served version; Prepare's error (the rank is then UNHEALTHY), UNAVAILABLE when the
   // TP group is broken or the core shutting down, FAILED_PRECONDITION for a concurrent Continue.
   absl::StatusOr<uint64_t> Continue(uint64_t version, absl::Time deadline);

@@ -235,13 +235,16 @@ TEST_F(CoreTest, ARequestNeverSpansTwoVersions) {
   auto running = std::async(std::launch::async, [&] { return Gen(); });
   absl::SleepFor(absl::Milliseconds(60));
   e.Pause(PauseMode::kHold);
-  WriteVersion2(0);  // the agent writes while the request still runs on the prepared cache
-  auto cont = std::async(std::launch::async, [&] { return e.Continue(2, In(absl::Seconds(10))); });
+  // The forward pass reads the memory in place, so the agent writes only once Flush succeeds
+  // (it retries while requests drain), then continues with the new version.
+  EXPECT_EQ(e.Flush().code(), absl::StatusCode::kFailedPrecondition);
   auto r = running.get();
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->version, 0u);
   EXPECT_EQ(r->tokens, Reference(c_, hf1_));
-  ASSERT_EQ(*cont.get(), 2u);
+  ASSERT_TRUE(e.Flush().ok());
+  WriteVersion2(0);
+  ASSERT_EQ(*e.Continue(2, In(absl::Seconds(10))), 2u);
   auto r2 = Gen();
   ASSERT_TRUE(r2.ok());
   EXPECT_EQ(r2->version, 2u);

@@ -183,6 +183,7 @@ int Run(const Flags& f) {
   copts.heartbeat = absl::Milliseconds(f.heartbeat_ms);
   copts.idle_timeout = absl::Seconds(f.tp_idle_timeout_s);
   copts.step_delay = absl::Milliseconds(f.test_step_delay_ms);
+  copts.prepare_threads = f.threads;
   rollout::EngineWeights* weights = &(*arena)->weights();
   ParamLookup lookup = [weights](absl::string_view name) -> absl::StatusOr<TensorView> {
     ASSIGN_OR_RETURN(MutableTensorView v, weights->View(name));
@@ -339,7 +340,7 @@ int main(int argc, char** argv) {
   app.add_option("--tp-idle-timeout-s", f.tp_idle_timeout_s, "a rank's longest silence from rank 0");
   app.add_option("--tp-join-timeout-s", f.tp_join_timeout_s, "how long to wait for every TP rank to join");
   app.add_option("--agent-poll-ms", f.agent_poll_ms, "how often to check that the agent still knows us");
-  app.add_option("--threads", f.threads, "threads for loading and repacking (0: all cores)");
+  app.add_option("--threads", f.threads, "threads for loading, repacking and preparing weights (0: all cores)");
   app.add_option("--test-step-delay-ms", f.test_step_delay_ms, "tests only: sleep before every forward pass")
       ->group("");
   try {

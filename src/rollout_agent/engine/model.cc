@@ -1,52 +1,50 @@
 #include "rollout_agent/engine/model.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <thread>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "kernels/format/int4_format.h"
 #include "kernels/int4.h"
 #include "rollout_agent/engine/ops.h"
+#include "rollout_agent/engine/weight_ops.h"
 
 namespace wsync::engine {
 namespace {
 
-// A float32 weight: `shape` is the bf16 engine parameter's shape; the data is row-major
-// [rows, cols] with cols = the last dimension (nn.Linear [out, in] for linears).
-struct Mat {
-  Shape shape;
-  int64_t rows = 0, cols = 0;
-  std::vector<float> w;
-  const float* row(int64_t i) const { return w.data() + i * cols; }
-  bool empty() const { return w.empty(); }
-};
-
 struct LayerWeights {
-  Mat in_norm, post_norm;
+  WeightRef in_norm, post_norm;
   // GQA attention.
-  Mat qkv, qkv_bias, o, o_bias, q_norm, k_norm;
+  WeightRef qkv, qkv_bias, o, o_bias, q_norm, k_norm;
   // MLA attention: qkv_a is fused_qkv_a_proj_with_mqa (q_lora set) or kv_a_proj_with_mqa;
   // q is q_b_proj (q_lora set) or q_proj.
-  Mat qkv_a, q_a_norm, q, kv_a_norm, kv_b;
+  WeightRef qkv_a, q_a_norm, q, kv_a_norm, kv_b;
   // MLP.
   bool moe = false;
-  Mat gate_up, down;                 // dense
-  Mat router, score_bias;            // MoE router [E, H], e_score_correction_bias [E]
-  Mat w13, w2;                       // [E_loc * 2I', H], [E_loc * H, I']
-  Mat shared_gate_up, shared_down;   // unfused shared experts
+  WeightRef gate_up, down;                // dense
+  WeightRef router, score_bias;           // MoE router [E, H], e_score_correction_bias [E]
+  WeightRef w13, w2;                      // [E_loc * 2I', H], [E_loc * H, I']
+  WeightRef shared_gate_up, shared_down;  // unfused shared experts
 };
 
+// One prepared version: references into the parameter memory (kInPlace) or into copies.
 struct Weights {
-  Mat embed, lm_head, final_norm;
+  WeightRef embed, lm_head, final_norm;
   std::vector<LayerWeights> layers;
-  absl::flat_hash_map<std::string, const Mat*> index;
+  // Under the bf16 engine parameter names, in load order.
+  std::vector<std::pair<std::string, const WeightRef*>> order;
+  absl::flat_hash_map<std::string, const WeightRef*> index;
+  std::vector<Buffer> fresh;  // kFloat32Copy: this version's float32 copies
 };
 
 // Rank geometry (ENGINE_LAYOUT.md §1-§5), derived once in Create.
@@ -61,16 +59,9 @@ struct Geometry {
 };
 
 constexpr int64_t kVocabPadding = 64;
+constexpr int64_t kScanChunk = int64_t{1} << 20;  // elements per finiteness-scan task
 
 int64_t Pad(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// y[t, i] = sum_k x[t, k] W[i, k] for rows i of W; x is [n, W.cols], y is [n, W.rows].
-void MatMul(const float* x, int64_t n, const Mat& W, float* y) {
-  for (int64_t i = 0; i < W.rows; ++i) {
-    const float* wr = W.row(i);
-    for (int64_t t = 0; t < n; ++t) y[t * W.rows + i] = Dot(x + t * W.cols, wr, W.cols);
-  }
-}
 
 // Lowest-index-first ordering of (value desc).
 std::vector<int64_t> TopK(const std::vector<float>& v, int64_t k, const std::vector<bool>* allowed = nullptr) {
@@ -86,17 +77,89 @@ std::vector<int64_t> TopK(const std::vector<float>& v, int64_t k, const std::vec
   return idx;
 }
 
+// Runs fn(0) .. fn(count - 1) on up to `threads` threads (the caller's included) and returns the
+// error of the lowest-numbered failing task, so the result does not depend on the thread count.
+// Tasks numbered above a known failure are skipped.
+absl::Status RunTasks(int threads, size_t count, const std::function<absl::Status(size_t)>& fn) {
+  if (count == 0) return absl::OkStatus();
+  std::atomic<size_t> next{0};
+  std::atomic<size_t> first_bad{std::numeric_limits<size_t>::max()};
+  std::vector<absl::Status> status(count);
+  auto work = [&] {
+    for (;;) {
+      const size_t i = next.fetch_add(1);
+      if (i >= count) return;
+      if (i > first_bad.load()) continue;
+      status[i] = fn(i);
+      if (status[i].ok()) continue;
+      size_t cur = first_bad.load();
+      while (i < cur && !first_bad.compare_exchange_weak(cur, i)) {
+      }
+    }
+  };
+  const size_t n = std::min(static_cast<size_t>(std::max(threads, 1)), count);
+  std::vector<std::thread> pool;
+  for (size_t k = 1; k < n; ++k) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  const size_t bad = first_bad.load();
+  return bad == std::numeric_limits<size_t>::max() ? absl::OkStatus() : status[bad];
+}
+
+// One Prepare in progress. kInPlace: the new version's references plus the checks to run and the
+// copies to make once every check has passed; kFloat32Copy: fresh float32 copies.
+struct Plan {
+  std::unique_ptr<Weights> w = std::make_unique<Weights>();
+  // A finiteness check of elements [begin, end) of a float view, or (marlin) of a whole Marlin
+  // tensor, reported under `name`.
+  struct Check {
+    std::string name;
+    TensorView v;
+    int64_t begin = 0, end = 0;
+    bool marlin = false;
+    TensorView scales;
+    MarlinRef ref;  // sizes only (the pointers may be misaligned views; see RunCheck)
+  };
+  // A copy into the model's reused buffers: f32 conversion of a float view, or the raw bytes of
+  // misaligned Marlin words / scales.
+  struct Copy {
+    enum class Kind { kToF32, kPacked, kScales };
+    std::string key;
+    TensorView src;
+    WeightRef* dst = nullptr;
+    Kind kind = Kind::kToF32;
+  };
+  std::vector<Check> checks;
+  std::vector<Copy> copies;
+  int64_t bytes_in_place = 0;
+
+  void Scan(const std::string& name, const TensorView& v) {
+    for (int64_t b = 0; b < v.numel(); b += kScanChunk)
+      checks.push_back({name, v, b, std::min(v.numel(), b + kScanChunk)});
+  }
+};
+
 }  // namespace
 
 struct EngineModel::Impl {
   ModelConfig config;
   EngineRank rank;
+  EngineModelOptions options;
   Geometry g;
   ParamLookup lookup;
   TpCollectives coll;
   std::unique_ptr<const Weights> weights;
+  PrepareStats stats;
+  // kInPlace: float32 copies (1-D params, f16 / misaligned matrices) and aligned copies of
+  // misaligned Marlin buffers, by engine parameter name; reused when the size is unchanged.
+  absl::flat_hash_map<std::string, Buffer> copies;
 
   std::string Where() const { return absl::StrCat("EngineModel (tp rank ", rank.tp_rank, "/", rank.tp_size, ")"); }
+  bool float32_copy() const { return options.weights == WeightMode::kFloat32Copy; }
+  int Threads() const {
+    if (options.prepare_threads > 0) return options.prepare_threads;
+    return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  }
 
   absl::Status AllReduce(std::vector<float>& v) const {
     if (g.T == 1) return absl::OkStatus();
@@ -134,8 +197,16 @@ struct EngineModel::Impl {
                                                    SafetensorsName(v.dtype()), ", want ", want));
   }
 
-  // A float (bf16/f16/f32) parameter of exactly `shape`, never INT4.
-  absl::Status Float(const std::string& name, const Shape& shape, Mat* out) const {
+  // A fresh float32 buffer of n elements owned by the new version (kFloat32Copy).
+  static absl::StatusOr<float*> Fresh(Plan& plan, int64_t n) {
+    WSYNC_ASSIGN_OR_RETURN(Buffer b, Buffer::Allocate(static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(float)));
+    plan.w->fresh.push_back(std::move(b));
+    return reinterpret_cast<float*>(plan.w->fresh.back().data());
+  }
+
+  // A float (bf16/f16/f32) parameter of exactly `shape`, never INT4. kInPlace: matrices in bf16 /
+  // f32 are read where they are; 1-D params and f16 or misaligned matrices get a float32 copy.
+  absl::Status Float(const std::string& name, const Shape& shape, WeightRef* out, Plan& plan) const {
     if (absl::EndsWith(name, ".weight")) {
       const std::string packed = absl::StrCat(name.substr(0, name.size() - 7), ".weight_packed");
       WSYNC_ASSIGN_OR_RETURN(std::optional<TensorView> p, Find(packed));
@@ -148,9 +219,25 @@ struct EngineModel::Impl {
     WSYNC_RETURN_IF_ERROR(CheckShape(name, v, shape));
     out->shape = shape;
     out->cols = shape.back();
-    out->rows = v.numel() / out->cols;
-    out->w.resize(static_cast<size_t>(v.numel()));
-    return ReadFloats(v, out->w.data(), name);
+    out->rows = out->cols == 0 ? 0 : v.numel() / out->cols;
+    if (float32_copy()) {
+      WSYNC_ASSIGN_OR_RETURN(float* dst, Fresh(plan, v.numel()));
+      out->form = WeightForm::kF32;
+      out->data = dst;
+      return ReadFloats(v, dst, name);
+    }
+    plan.Scan(name, v);
+    const bool in_place = shape.size() >= 2 && ((v.dtype() == DType::kBF16 && v.IsAligned(2)) ||
+                                                (v.dtype() == DType::kF32 && v.IsAligned(4)));
+    if (in_place) {
+      out->form = v.dtype() == DType::kBF16 ? WeightForm::kBF16 : WeightForm::kF32;
+      out->data = v.data();
+      plan.bytes_in_place += static_cast<int64_t>(v.nbytes());
+    } else {
+      out->form = WeightForm::kF32;  // data: the copy, once every check has passed
+      plan.copies.push_back({name, v, out, Plan::Copy::Kind::kToF32});
+    }
+    return absl::OkStatus();
   }
 
   // Group size of a quantized linear with `rows` scale rows over K; ENGINE_LAYOUT.md §3.2.
@@ -175,6 +262,8 @@ struct EngineModel::Impl {
           absl::StrCat(Where(), ": ", name, " has ", rows, " scale rows, which does not divide K = ", K));
     return rows == 1 ? -1 : static_cast<int>(K / rows);
   }
+
+  // ---- kFloat32Copy: the kernels' path (MarlinToGptq + UnpermuteMarlinScales, then dequantize) ----
 
   // Copies a view whose data is not `align`-aligned (safetensors offsets need not be).
   static absl::StatusOr<TensorView> Aligned(const TensorView& v, size_t align, std::optional<Tensor>* keep) {
@@ -252,12 +341,64 @@ struct EngineModel::Impl {
     }
   }
 
+  // ---- INT4 --------------------------------------------------------------------------------------
+
+  // Marlin tensors [E, K/16, 2N] + [E, K/G, N] of one weight [E, N, K] (checked by the caller).
+  // kInPlace: read where they are (aligned copies if they are not 4 / 2-byte aligned), checked
+  // for finiteness by a Check; kFloat32Copy: dequantized into a fresh float32 copy.
+  absl::Status Marlin(const std::string& name, const std::string& pname, const TensorView& packed,
+                      const std::string& sname, const TensorView& scale, int64_t E, int64_t N, int64_t K, int G,
+                      bool sglang_grouped, WeightRef* out, Plan& plan) const {
+    out->shape = E == 1 && packed.rank() == 2 ? Shape{N, K} : Shape{E, N, K};
+    out->rows = E * N;
+    out->cols = K;
+    if (float32_copy()) {
+      Tensor gptq, scales;
+      const std::optional<bool> force = sglang_grouped == (G != -1 && G < K) ? std::nullopt : std::optional(sglang_grouped);
+      WSYNC_RETURN_IF_ERROR(UnMarlin(pname, packed, sname, scale, K, G, force, &gptq, &scales));
+      WSYNC_ASSIGN_OR_RETURN(float* dst, Fresh(plan, E * N * K));
+      Dequantize(gptq, scales, E, K, N, G, dst);
+      out->form = WeightForm::kF32;
+      out->data = dst;
+      return absl::OkStatus();
+    }
+    MarlinRef& m = out->marlin;
+    m.scales_f16 = scale.dtype() == DType::kF16;
+    m.experts = E;
+    m.n = N;
+    m.k = K;
+    m.group = G == -1 ? K : G;
+    m.grouped_perm = sglang_grouped;
+    out->form = WeightForm::kMarlin;
+    if (packed.IsAligned(4)) {
+      m.packed = packed.data_as<uint32_t>();
+      plan.bytes_in_place += static_cast<int64_t>(packed.nbytes());
+    } else {
+      plan.copies.push_back({pname, packed, out, Plan::Copy::Kind::kPacked});
+    }
+    if (scale.IsAligned(2)) {
+      m.scales = scale.data_as<uint16_t>();
+      plan.bytes_in_place += static_cast<int64_t>(scale.nbytes());
+    } else {
+      plan.copies.push_back({sname, scale, out, Plan::Copy::Kind::kScales});
+    }
+    Plan::Check c;
+    c.name = name;
+    c.v = packed;
+    c.marlin = true;
+    c.scales = scale;
+    c.ref = m;
+    plan.checks.push_back(std::move(c));
+    return absl::OkStatus();
+  }
+
   // A linear of this rank, [N, K]: `prefix.weight` (float), or `prefix.weight_packed` +
   // `prefix.weight_scale` (Marlin INT4) when `int4_ok`.
-  absl::Status Linear(const std::string& prefix, int64_t N, int64_t K, bool int4_ok, Mat* out) const {
+  absl::Status Linear(const std::string& prefix, int64_t N, int64_t K, bool int4_ok, WeightRef* out,
+                      Plan& plan) const {
     const std::string wname = prefix + ".weight", pname = prefix + ".weight_packed", sname = prefix + ".weight_scale";
     WSYNC_ASSIGN_OR_RETURN(std::optional<TensorView> packed, Find(pname));
-    if (!packed) return Float(wname, {N, K}, out);
+    if (!packed) return Float(wname, {N, K}, out, plan);
     if (!int4_ok)
       return absl::InvalidArgumentError(
           absl::StrCat(Where(), ": ", pname, " is INT4, but SGLang cannot load ", prefix,
@@ -277,25 +418,18 @@ struct EngineModel::Impl {
       return absl::InvalidArgumentError(absl::StrCat(Where(), ": parameter ", sname, " has shape ",
                                                      ShapeToString(scale.shape()), ", want [K/G, ", N, "] (K = ", K, ")"));
     WSYNC_ASSIGN_OR_RETURN(const int G, GroupFor(sname, K, scale.dim(0)));
-    Tensor gptq, scales;
-    WSYNC_RETURN_IF_ERROR(UnMarlin(pname, *packed, sname, scale, K, G, std::nullopt, &gptq, &scales));
-    out->shape = {N, K};
-    out->rows = N;
-    out->cols = K;
-    out->w.resize(static_cast<size_t>(N * K));
-    Dequantize(gptq, scales, 1, K, N, G, out->w.data());
-    return absl::OkStatus();
+    return Marlin(wname, pname, *packed, sname, scale, 1, N, K, G, G != -1 && G < K, out, plan);
   }
 
   // Stacked experts of a FusedMoE (ENGINE_LAYOUT.md §2.7 bf16, §3.3 + §4 Marlin INT4).
-  absl::Status Experts(const std::string& prefix, Mat* w13, Mat* w2) const {
+  absl::Status Experts(const std::string& prefix, WeightRef* w13, WeightRef* w2, Plan& plan) const {
     const int64_t E = g.E_loc, I = g.I_loc, H = g.H;
     const std::string n13 = prefix + ".w13_weight", n2 = prefix + ".w2_weight";
     WSYNC_ASSIGN_OR_RETURN(std::optional<TensorView> p13, Find(n13 + "_packed"));
     WSYNC_ASSIGN_OR_RETURN(std::optional<TensorView> p2, Find(n2 + "_packed"));
     if (!p13 && !p2) {
-      WSYNC_RETURN_IF_ERROR(Float(n13, {E, 2 * I, H}, w13));
-      return Float(n2, {E, H, I}, w2);
+      WSYNC_RETURN_IF_ERROR(Float(n13, {E, 2 * I, H}, w13, plan));
+      return Float(n2, {E, H, I}, w2, plan);
     }
     if (!p13 || !p2)
       return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", p13 ? n13 : n2, "_packed is INT4 but ",
@@ -338,77 +472,77 @@ struct EngineModel::Impl {
     if (G2 != -1 && I % G2 != 0)
       return absl::InvalidArgumentError(
           absl::StrCat(Where(), ": ", prefix, ": I' = ", I, " is not a multiple of the group size ", G2));
-    Tensor gptq13, sc13, gptq2, sc2;
     // SGLang permutes w13 scales with size_k = 4I' (ENGINE_LAYOUT.md §4 quirk).
     const bool grouped13 = G13 != -1 && G13 < 4 * I;
     WSYNC_RETURN_IF_ERROR(
-        UnMarlin(n13 + "_packed", *p13, n13 + "_scale", s13, H, G13, grouped13, &gptq13, &sc13));
-    WSYNC_RETURN_IF_ERROR(UnMarlin(n2 + "_packed", *p2, n2 + "_scale", s2, I, G2, std::nullopt, &gptq2, &sc2));
-    *w13 = Mat{{E, 2 * I, H}, E * 2 * I, H, std::vector<float>(static_cast<size_t>(E * 2 * I * H))};
-    *w2 = Mat{{E, H, I}, E * H, I, std::vector<float>(static_cast<size_t>(E * H * I))};
-    Dequantize(gptq13, sc13, E, H, 2 * I, G13, w13->w.data());
-    Dequantize(gptq2, sc2, E, I, H, G2, w2->w.data());
-    return absl::OkStatus();
+        Marlin(n13, n13 + "_packed", *p13, n13 + "_scale", s13, E, 2 * I, H, G13, grouped13, w13, plan));
+    return Marlin(n2, n2 + "_packed", *p2, n2 + "_scale", s2, E, H, I, G2, G2 != -1 && G2 < I, w2, plan);
   }
 
-  absl::StatusOr<std::unique_ptr<Weights>> Load() const {
-    auto w = std::make_unique<Weights>();
+  // Resolves every parameter of the rank into plan.w (names, dtypes, shapes; kFloat32Copy also
+  // copies and dequantizes) and indexes it under the bf16 engine parameter names.
+  absl::Status Resolve(Plan& plan) const {
+    Weights* w = plan.w.get();
     const ModelConfig& c = config;
     const int64_t H = g.H;
-    WSYNC_RETURN_IF_ERROR(Float("model.embed_tokens.weight", {g.P, H}, &w->embed));
-    if (!c.tie_word_embeddings) WSYNC_RETURN_IF_ERROR(Float("lm_head.weight", {g.P, H}, &w->lm_head));
-    WSYNC_RETURN_IF_ERROR(Float("model.norm.weight", {H}, &w->final_norm));
+    WSYNC_RETURN_IF_ERROR(Float("model.embed_tokens.weight", {g.P, H}, &w->embed, plan));
+    if (!c.tie_word_embeddings) WSYNC_RETURN_IF_ERROR(Float("lm_head.weight", {g.P, H}, &w->lm_head, plan));
+    WSYNC_RETURN_IF_ERROR(Float("model.norm.weight", {H}, &w->final_norm, plan));
     w->layers.resize(static_cast<size_t>(c.num_hidden_layers));
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
       LayerWeights& L = w->layers[static_cast<size_t>(i)];
       const std::string p = absl::StrCat("model.layers.", i, ".");
-      WSYNC_RETURN_IF_ERROR(Float(p + "input_layernorm.weight", {H}, &L.in_norm));
-      WSYNC_RETURN_IF_ERROR(Float(p + "post_attention_layernorm.weight", {H}, &L.post_norm));
+      WSYNC_RETURN_IF_ERROR(Float(p + "input_layernorm.weight", {H}, &L.in_norm, plan));
+      WSYNC_RETURN_IF_ERROR(Float(p + "post_attention_layernorm.weight", {H}, &L.post_norm, plan));
       const std::string a = p + "self_attn.";
       if (c.mla) {
         const int64_t nl = g.nh / g.T;
         if (g.q_lora > 0) {
-          WSYNC_RETURN_IF_ERROR(Linear(a + "fused_qkv_a_proj_with_mqa", g.q_lora + g.kv_lora + g.rope, H, false, &L.qkv_a));
-          WSYNC_RETURN_IF_ERROR(Float(a + "q_a_layernorm.weight", {g.q_lora}, &L.q_a_norm));
-          WSYNC_RETURN_IF_ERROR(Linear(a + "q_b_proj", nl * g.qd, g.q_lora, true, &L.q));
+          WSYNC_RETURN_IF_ERROR(
+              Linear(a + "fused_qkv_a_proj_with_mqa", g.q_lora + g.kv_lora + g.rope, H, false, &L.qkv_a, plan));
+          WSYNC_RETURN_IF_ERROR(Float(a + "q_a_layernorm.weight", {g.q_lora}, &L.q_a_norm, plan));
+          WSYNC_RETURN_IF_ERROR(Linear(a + "q_b_proj", nl * g.qd, g.q_lora, true, &L.q, plan));
         } else {
-          WSYNC_RETURN_IF_ERROR(Linear(a + "q_proj", nl * g.qd, H, true, &L.q));
-          WSYNC_RETURN_IF_ERROR(Linear(a + "kv_a_proj_with_mqa", g.kv_lora + g.rope, H, true, &L.qkv_a));
+          WSYNC_RETURN_IF_ERROR(Linear(a + "q_proj", nl * g.qd, H, true, &L.q, plan));
+          WSYNC_RETURN_IF_ERROR(Linear(a + "kv_a_proj_with_mqa", g.kv_lora + g.rope, H, true, &L.qkv_a, plan));
         }
-        WSYNC_RETURN_IF_ERROR(Float(a + "kv_a_layernorm.weight", {g.kv_lora}, &L.kv_a_norm));
-        WSYNC_RETURN_IF_ERROR(Linear(a + "kv_b_proj", nl * g.kvd, g.kv_lora, false, &L.kv_b));
-        WSYNC_RETURN_IF_ERROR(Linear(a + "o_proj", H, nl * g.vd, true, &L.o));
+        WSYNC_RETURN_IF_ERROR(Float(a + "kv_a_layernorm.weight", {g.kv_lora}, &L.kv_a_norm, plan));
+        WSYNC_RETURN_IF_ERROR(Linear(a + "kv_b_proj", nl * g.kvd, g.kv_lora, false, &L.kv_b, plan));
+        WSYNC_RETURN_IF_ERROR(Linear(a + "o_proj", H, nl * g.vd, true, &L.o, plan));
       } else {
         const int64_t nqkv = (g.nh_loc + 2 * g.kv_loc) * g.hd;
-        WSYNC_RETURN_IF_ERROR(Linear(a + "qkv_proj", nqkv, H, true, &L.qkv));
-        if (c.qkv_bias) WSYNC_RETURN_IF_ERROR(Float(a + "qkv_proj.bias", {nqkv}, &L.qkv_bias));
-        WSYNC_RETURN_IF_ERROR(Linear(a + "o_proj", H, g.nh_loc * g.hd, true, &L.o));
+        WSYNC_RETURN_IF_ERROR(Linear(a + "qkv_proj", nqkv, H, true, &L.qkv, plan));
+        if (c.qkv_bias) WSYNC_RETURN_IF_ERROR(Float(a + "qkv_proj.bias", {nqkv}, &L.qkv_bias, plan));
+        WSYNC_RETURN_IF_ERROR(Linear(a + "o_proj", H, g.nh_loc * g.hd, true, &L.o, plan));
         if (c.qkv_bias && c.arch != Architecture::kQwen2)
-          WSYNC_RETURN_IF_ERROR(Float(a + "o_proj.bias", {H}, &L.o_bias));
+          WSYNC_RETURN_IF_ERROR(Float(a + "o_proj.bias", {H}, &L.o_bias, plan));
         if (c.qk_norm) {
-          WSYNC_RETURN_IF_ERROR(Float(a + "q_norm.weight", {g.hd}, &L.q_norm));
-          WSYNC_RETURN_IF_ERROR(Float(a + "k_norm.weight", {g.hd}, &L.k_norm));
+          WSYNC_RETURN_IF_ERROR(Float(a + "q_norm.weight", {g.hd}, &L.q_norm, plan));
+          WSYNC_RETURN_IF_ERROR(Float(a + "k_norm.weight", {g.hd}, &L.k_norm, plan));
         }
       }
       const std::string m = p + "mlp.";
       L.moe = c.IsMoeLayer(i);
       if (!L.moe) {
-        WSYNC_RETURN_IF_ERROR(Linear(m + "gate_up_proj", 2 * g.F_loc, H, true, &L.gate_up));
-        WSYNC_RETURN_IF_ERROR(Linear(m + "down_proj", H, g.F_loc, true, &L.down));
+        WSYNC_RETURN_IF_ERROR(Linear(m + "gate_up_proj", 2 * g.F_loc, H, true, &L.gate_up, plan));
+        WSYNC_RETURN_IF_ERROR(Linear(m + "down_proj", H, g.F_loc, true, &L.down, plan));
         continue;
       }
-      WSYNC_RETURN_IF_ERROR(Float(m + "gate.weight", {g.E_routed, H}, &L.router));
+      WSYNC_RETURN_IF_ERROR(Float(m + "gate.weight", {g.E_routed, H}, &L.router, plan));
       if (c.arch == Architecture::kDeepseekV3 && c.moe->topk_method == "noaux_tc")
-        WSYNC_RETURN_IF_ERROR(Float(m + "gate.e_score_correction_bias", {g.E_routed}, &L.score_bias));
-      WSYNC_RETURN_IF_ERROR(Experts(m + "experts", &L.w13, &L.w2));
+        WSYNC_RETURN_IF_ERROR(Float(m + "gate.e_score_correction_bias", {g.E_routed}, &L.score_bias, plan));
+      WSYNC_RETURN_IF_ERROR(Experts(m + "experts", &L.w13, &L.w2, plan));
       if (g.S_loc > 0) {
-        WSYNC_RETURN_IF_ERROR(Linear(m + "shared_experts.gate_up_proj", 2 * g.S_loc, H, true, &L.shared_gate_up));
-        WSYNC_RETURN_IF_ERROR(Linear(m + "shared_experts.down_proj", H, g.S_loc, true, &L.shared_down));
+        WSYNC_RETURN_IF_ERROR(
+            Linear(m + "shared_experts.gate_up_proj", 2 * g.S_loc, H, true, &L.shared_gate_up, plan));
+        WSYNC_RETURN_IF_ERROR(Linear(m + "shared_experts.down_proj", H, g.S_loc, true, &L.shared_down, plan));
       }
     }
     // Index under the bf16 engine parameter names.
-    auto add = [&](const std::string& name, const Mat& mat) {
-      if (!mat.empty()) w->index[name] = &mat;
+    auto add = [&](const std::string& name, const WeightRef& ref) {
+      if (ref.empty()) return;
+      w->order.emplace_back(name, &ref);
+      w->index[name] = &ref;
     };
     add("model.embed_tokens.weight", w->embed);
     add("lm_head.weight", w->lm_head);
@@ -438,15 +572,114 @@ struct EngineModel::Impl {
       add(m + "shared_experts.gate_up_proj.weight", L.shared_gate_up);
       add(m + "shared_experts.down_proj.weight", L.shared_down);
     }
-    // Memory a weight sync wrote must hold finite numbers: NaN / Inf weights are refused, never served.
-    for (const auto& [name, mat] : w->index) {
-      for (size_t k = 0; k < mat->w.size(); ++k) {
-        if (!std::isfinite(mat->w[k]))
-          return absl::DataLossError(absl::StrCat(Where(), ": parameter ", name, " holds a non-finite value (",
-                                                  mat->w[k], ") at element ", k));
+    return absl::OkStatus();
+  }
+
+  absl::Status NonFinite(const std::string& name, float value, int64_t element) const {
+    return absl::DataLossError(absl::StrCat(Where(), ": parameter ", name, " holds a non-finite value (", value,
+                                            ") at element ", element));
+  }
+
+  // One check of a kInPlace plan. Memory a weight sync wrote must hold finite numbers: NaN / Inf
+  // weights are refused, never served.
+  absl::Status RunCheck(const Plan::Check& c) const {
+    if (!c.marlin) {
+      const std::optional<int64_t> bad = FirstNonFinite(c.v.dtype(), c.v.bytes().data(), c.begin, c.end);
+      if (!bad) return absl::OkStatus();
+      return NonFinite(c.name, FloatAt(c.v.dtype(), c.v.bytes().data(), *bad), *bad);
+    }
+    if (MarlinScalesCertainlyFinite(c.scales.bytes().data(), c.ref.scales_f16, c.ref.scale_count()))
+      return absl::OkStatus();
+    // A scale is non-finite or large enough that bf16((u - 8) s) may overflow: decide exactly.
+    std::optional<Tensor> keep_p, keep_s;
+    WSYNC_ASSIGN_OR_RETURN(const TensorView p, Aligned(c.v, 4, &keep_p));
+    WSYNC_ASSIGN_OR_RETURN(const TensorView s, Aligned(c.scales, 2, &keep_s));
+    WeightRef ref;
+    ref.form = WeightForm::kMarlin;
+    ref.marlin = c.ref;
+    ref.marlin.packed = p.data_as<uint32_t>();
+    ref.marlin.scales = s.data_as<uint16_t>();
+    ref.rows = c.ref.experts * c.ref.n;
+    ref.cols = c.ref.k;
+    std::vector<float> dense(static_cast<size_t>(ref.rows * ref.cols));
+    MaterializeWeight(ref, dense.data());
+    for (size_t k = 0; k < dense.size(); ++k)
+      if (!std::isfinite(dense[k])) return NonFinite(c.name, dense[k], static_cast<int64_t>(k));
+    return absl::OkStatus();
+  }
+
+  // kInPlace: resolve, check everything, then (only then) write the copies and swap.
+  absl::Status PrepareInPlace() {
+    Plan plan;
+    WSYNC_RETURN_IF_ERROR(Resolve(plan));
+    const int threads = Threads();
+    WSYNC_RETURN_IF_ERROR(RunTasks(threads, plan.checks.size(), [&](size_t i) { return RunCheck(plan.checks[i]); }));
+    // Buffers the copies lack (or whose size changed) are allocated before anything is written, so
+    // that a failed allocation still leaves the previous version's copies intact.
+    PrepareStats st;
+    st.threads = threads;
+    st.params = static_cast<int64_t>(plan.w->order.size());
+    for (const Plan::Check& c : plan.checks)
+      st.bytes_checked += c.marlin ? static_cast<int64_t>(c.scales.nbytes())
+                                   : (c.end - c.begin) * static_cast<int64_t>(ItemSize(c.v.dtype()));
+    absl::flat_hash_map<std::string, Buffer> fresh;
+    absl::flat_hash_set<std::string> used;
+    for (const Plan::Copy& c : plan.copies) {
+      const size_t bytes = c.kind == Plan::Copy::Kind::kToF32 ? static_cast<size_t>(c.src.numel()) * sizeof(float)
+                                                               : c.src.nbytes();
+      used.insert(c.key);
+      st.bytes_copied += static_cast<int64_t>(bytes);
+      auto it = copies.find(c.key);
+      if (it != copies.end() && it->second.size() == bytes) continue;
+      WSYNC_ASSIGN_OR_RETURN(fresh[c.key], Buffer::Allocate(std::max<size_t>(bytes, 1)));
+      st.bytes_allocated += static_cast<int64_t>(bytes);
+    }
+    // Nothing below fails.
+    for (auto& [key, buffer] : fresh) copies[key] = std::move(buffer);
+    absl::erase_if(copies, [&](const auto& kv) { return !used.contains(kv.first); });
+    for (Plan::Copy& c : plan.copies) {
+      void* dst = copies[c.key].data();
+      switch (c.kind) {
+        case Plan::Copy::Kind::kToF32:
+          c.dst->data = dst;
+          break;
+        case Plan::Copy::Kind::kPacked:
+          c.dst->marlin.packed = static_cast<const uint32_t*>(dst);
+          break;
+        case Plan::Copy::Kind::kScales:
+          c.dst->marlin.scales = static_cast<const uint16_t*>(dst);
+          break;
       }
     }
-    return w;
+    WSYNC_RETURN_IF_ERROR(RunTasks(threads, plan.copies.size(), [&](size_t i) {
+      const Plan::Copy& c = plan.copies[i];
+      void* dst = copies.find(c.key)->second.data();
+      if (c.kind == Plan::Copy::Kind::kToF32) return ReadFloats(c.src, static_cast<float*>(dst), c.key);
+      std::memcpy(dst, c.src.data(), c.src.nbytes());
+      return absl::OkStatus();
+    }));
+    st.bytes_in_place = plan.bytes_in_place;
+    weights = std::move(plan.w);
+    stats = st;
+    return absl::OkStatus();
+  }
+
+  // kFloat32Copy (the design before issue #7): a fresh float32 copy of everything, one thread.
+  absl::Status PrepareFloat32Copy() {
+    Plan plan;
+    WSYNC_RETURN_IF_ERROR(Resolve(plan));
+    PrepareStats st;
+    st.params = static_cast<int64_t>(plan.w->order.size());
+    for (const auto& [name, ref] : plan.w->order) {
+      const int64_t n = ref->rows * ref->cols;
+      for (int64_t k = 0; k < n; ++k)
+        if (!std::isfinite(ref->f32()[k])) return NonFinite(name, ref->f32()[k], k);
+      st.bytes_checked += n * static_cast<int64_t>(sizeof(float));
+    }
+    st.bytes_copied = st.bytes_allocated = st.bytes_checked;
+    weights = std::move(plan.w);
+    stats = st;
+    return absl::OkStatus();
   }
 
   // ---- forward ---------------------------------------------------------------------------------
@@ -466,10 +699,10 @@ struct EngineModel::Impl {
     for (int64_t t = 0; t < n; ++t) {
       float* row = qkv.data() + t * width;
       if (!L.qkv_bias.empty())
-        for (int64_t j = 0; j < width; ++j) row[j] += L.qkv_bias.w[static_cast<size_t>(j)];
+        for (int64_t j = 0; j < width; ++j) row[j] += L.qkv_bias.f32()[j];
       for (int64_t head = 0; head < nq + nk; ++head) {
         float* x = row + head * hd;
-        if (!L.q_norm.empty()) RmsNorm(x, (head < nq ? L.q_norm : L.k_norm).w.data(), hd, config.rms_norm_eps, x);
+        if (!L.q_norm.empty()) RmsNorm(x, (head < nq ? L.q_norm : L.k_norm).f32(), hd, config.rms_norm_eps, x);
         RopeRotateHalf(x, hd, pos0 + t, config.rope_theta);
       }
       kc.insert(kc.end(), row + nq * hd, row + (nq + nk) * hd);
@@ -504,7 +737,7 @@ struct EngineModel::Impl {
     if (g.q_lora > 0) {
       std::vector<float> qc(static_cast<size_t>(n * g.q_lora));
       for (int64_t t = 0; t < n; ++t)
-        RmsNorm(a.data() + t * wa, L.q_a_norm.w.data(), g.q_lora, config.rms_norm_eps, qc.data() + t * g.q_lora);
+        RmsNorm(a.data() + t * wa, L.q_a_norm.f32(), g.q_lora, config.rms_norm_eps, qc.data() + t * g.q_lora);
       MatMul(qc.data(), n, L.q, q.data());
     } else {
       MatMul(h, n, L.q, q.data());
@@ -515,7 +748,7 @@ struct EngineModel::Impl {
       const float* row = a.data() + t * wa + g.q_lora;
       const size_t at = lat.size();
       lat.resize(at + static_cast<size_t>(kvl));
-      RmsNorm(row, L.kv_a_norm.w.data(), kvl, config.rms_norm_eps, lat.data() + at);
+      RmsNorm(row, L.kv_a_norm.f32(), kvl, config.rms_norm_eps, lat.data() + at);
       const size_t bt = kpe.size();
       kpe.insert(kpe.end(), row + kvl, row + kvl + rope);
       RopeInterleaved(kpe.data() + bt, rope, pos0 + t, config.rope_theta);
@@ -530,7 +763,7 @@ struct EngineModel::Impl {
         float* qh = q.data() + (t * nl + head) * qd;
         RopeInterleaved(qh + nope, rope, pos0 + t, config.rope_theta);
         std::fill(qlat.begin(), qlat.end(), 0.0f);
-        for (int64_t i = 0; i < nope; ++i) Axpy(qh[i], L.kv_b.row(head * kvd + i), qlat.data(), kvl);
+        for (int64_t i = 0; i < nope; ++i) RowAxpy(L.kv_b, head * kvd + i, qh[i], qlat.data());
         for (int64_t j = 0; j < len; ++j)
           p[static_cast<size_t>(j)] =
               (Dot(qlat.data(), lat.data() + j * kvl, kvl) + Dot(qh + nope, kpe.data() + j * rope, rope)) * scale;
@@ -538,21 +771,23 @@ struct EngineModel::Impl {
         std::fill(olat.begin(), olat.end(), 0.0f);
         for (int64_t j = 0; j < len; ++j) Axpy(p[static_cast<size_t>(j)], lat.data() + j * kvl, olat.data(), kvl);
         float* o = attn.data() + (t * nl + head) * vd;
-        for (int64_t i = 0; i < vd; ++i) o[i] = Dot(L.kv_b.row(head * kvd + nope + i), olat.data(), kvl);
+        for (int64_t i = 0; i < vd; ++i) o[i] = RowDot(L.kv_b, head * kvd + nope + i, olat.data());
       }
     }
     MatMul(attn.data(), n, L.o, out);
   }
 
-  // SiLU-gated MLP of one token: gate_up rows [gate (F); up (F)] then down [H, F]; out += y.
-  static void GatedMlp(const float* x, const float* gate_up, const float* down, int64_t F, int64_t H, float scale,
-                       std::vector<float>& tmp, float* out) {
-    tmp.resize(static_cast<size_t>(F));
-    for (int64_t i = 0; i < F; ++i) {
-      const float gt = Dot(x, gate_up + i * H, H), up = Dot(x, gate_up + (F + i) * H, H);
-      tmp[static_cast<size_t>(i)] = Silu(gt) * up;
-    }
-    for (int64_t j = 0; j < H; ++j) out[j] += scale * Dot(down + j * F, tmp.data(), F);
+  // SiLU-gated MLP of m tokens x [m, H]: gate_up rows [gate (F); up (F)], then down [H, F];
+  // y [m, H] = down(silu(gate) * up).
+  static void GatedMlp(const float* x, int64_t m, const WeightRef& gate_up, const WeightRef& down, int64_t F,
+                       std::vector<float>& gu, std::vector<float>& act, float* y) {
+    gu.resize(static_cast<size_t>(m * 2 * F));
+    act.resize(static_cast<size_t>(m * F));
+    MatMul(x, m, gate_up, gu.data());
+    for (int64_t t = 0; t < m; ++t)
+      for (int64_t i = 0; i < F; ++i)
+        act[static_cast<size_t>(t * F + i)] = Silu(gu[static_cast<size_t>(t * 2 * F + i)]) * gu[static_cast<size_t>(t * 2 * F + F + i)];
+    MatMul(act.data(), m, down, y);
   }
 
   // Routed experts selected for one token: (global expert id, weight).
@@ -560,7 +795,7 @@ struct EngineModel::Impl {
     const MoeConfig& m = *config.moe;
     const int64_t E = g.E_routed, k = m.num_experts_per_tok;
     std::vector<float> s(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) s[static_cast<size_t>(e)] = Dot(x, L.router.row(e), g.H);
+    MatMul(x, 1, L.router, s.data());
     const bool deepseek = config.arch == Architecture::kDeepseekV3;
     if (deepseek && m.scoring_func == "sigmoid") {
       for (float& v : s) v = Sigmoid(v);
@@ -572,7 +807,7 @@ struct EngineModel::Impl {
       // Group-limited: keep the topk_group best groups, then top-k inside them.
       std::vector<float> choice = s;
       if (m.topk_method == "noaux_tc")
-        for (int64_t e = 0; e < E; ++e) choice[static_cast<size_t>(e)] += L.score_bias.w[static_cast<size_t>(e)];
+        for (int64_t e = 0; e < E; ++e) choice[static_cast<size_t>(e)] += L.score_bias.f32()[e];
       const int64_t per = E / m.n_group;
       std::vector<float> gscore(static_cast<size_t>(m.n_group));
       for (int64_t gi = 0; gi < m.n_group; ++gi) {
@@ -587,7 +822,7 @@ struct EngineModel::Impl {
       chosen = TopK(choice, k, &allowed);
     } else if (deepseek && m.topk_method == "noaux_tc") {
       std::vector<float> choice = s;
-      for (int64_t e = 0; e < E; ++e) choice[static_cast<size_t>(e)] += L.score_bias.w[static_cast<size_t>(e)];
+      for (int64_t e = 0; e < E; ++e) choice[static_cast<size_t>(e)] += L.score_bias.f32()[e];
       chosen = TopK(choice, k);
     } else {
       chosen = TopK(s, k);
@@ -605,25 +840,66 @@ struct EngineModel::Impl {
     return out;
   }
 
+  // out [n, H] = the MLP of the n tokens h [n, H]. Every token adds its experts' outputs in
+  // routing order (then the fused shared expert, then the shared experts); the expert matmuls
+  // run once per expert over all the tokens routed to it.
   void Mlp(const LayerWeights& L, const float* h, int64_t n, float* out) const {
-    std::fill(out, out + n * g.H, 0.0f);
-    std::vector<float> tmp;
+    const int64_t H = g.H;
+    std::fill(out, out + n * H, 0.0f);
+    std::vector<float> gu, act, y;
+    auto add = [&](int64_t t, float scale, const float* src) {
+      float* o = out + t * H;
+      for (int64_t j = 0; j < H; ++j) o[j] += scale * src[j];
+    };
+    if (!L.moe) {
+      y.resize(static_cast<size_t>(n * H));
+      GatedMlp(h, n, L.gate_up, L.down, g.F_loc, gu, act, y.data());
+      for (int64_t t = 0; t < n; ++t) add(t, 1.0f, y.data() + t * H);
+      return;
+    }
+    // (local expert, weight) per token, in the order the token adds them.
+    std::vector<std::vector<std::pair<int64_t, float>>> picks(static_cast<size_t>(n));
     for (int64_t t = 0; t < n; ++t) {
-      const float* x = h + t * g.H;
-      float* y = out + t * g.H;
-      if (!L.moe) {
-        GatedMlp(x, L.gate_up.w.data(), L.down.w.data(), g.F_loc, g.H, 1.0f, tmp, y);
-        continue;
-      }
-      const int64_t I = g.I_loc;
-      auto run_expert = [&](int64_t global, float wgt) {
+      auto& pk = picks[static_cast<size_t>(t)];
+      auto pick = [&](int64_t global, float wgt) {
         const int64_t l = global - g.first_expert;
-        if (l < 0 || l >= g.E_loc) return;  // another EP rank holds it
-        GatedMlp(x, L.w13.row(l * 2 * I), L.w2.row(l * g.H), I, g.H, wgt, tmp, y);
+        if (l >= 0 && l < g.E_loc) pk.emplace_back(l, wgt);  // otherwise another EP rank holds it
       };
-      for (const auto& [e, wgt] : Route(L, x)) run_expert(e, wgt);
-      if (rank.fused_shared_experts) run_expert(g.E_routed, 1.0f);
-      if (g.S_loc > 0) GatedMlp(x, L.shared_gate_up.w.data(), L.shared_down.w.data(), g.S_loc, g.H, 1.0f, tmp, y);
+      for (const auto& [e, wgt] : Route(L, h + t * H)) pick(e, wgt);
+      if (rank.fused_shared_experts) pick(g.E_routed, 1.0f);
+    }
+    std::vector<int64_t> base(static_cast<size_t>(n) + 1, 0);
+    for (int64_t t = 0; t < n; ++t)
+      base[static_cast<size_t>(t) + 1] = base[static_cast<size_t>(t)] + static_cast<int64_t>(picks[static_cast<size_t>(t)].size());
+    std::vector<std::vector<int64_t>> users(static_cast<size_t>(g.E_loc));  // pick slots per expert
+    for (int64_t t = 0; t < n; ++t)
+      for (size_t s = 0; s < picks[static_cast<size_t>(t)].size(); ++s)
+        users[static_cast<size_t>(picks[static_cast<size_t>(t)][s].first)].push_back(base[static_cast<size_t>(t)] +
+                                                                                     static_cast<int64_t>(s));
+    std::vector<int64_t> token_of(static_cast<size_t>(base.back()));
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t s = base[static_cast<size_t>(t)]; s < base[static_cast<size_t>(t) + 1]; ++s) token_of[static_cast<size_t>(s)] = t;
+    std::vector<float> results(static_cast<size_t>(base.back() * H)), xs, ys;
+    for (int64_t l = 0; l < g.E_loc; ++l) {
+      const std::vector<int64_t>& slots = users[static_cast<size_t>(l)];
+      if (slots.empty()) continue;
+      const int64_t m = static_cast<int64_t>(slots.size());
+      xs.resize(static_cast<size_t>(m * H));
+      ys.resize(static_cast<size_t>(m * H));
+      for (int64_t i = 0; i < m; ++i)
+        std::copy_n(h + token_of[static_cast<size_t>(slots[static_cast<size_t>(i)])] * H, H, xs.data() + i * H);
+      GatedMlp(xs.data(), m, L.w13.Expert(l, g.E_loc), L.w2.Expert(l, g.E_loc), g.I_loc, gu, act, ys.data());
+      for (int64_t i = 0; i < m; ++i)
+        std::copy_n(ys.data() + i * H, H, results.data() + slots[static_cast<size_t>(i)] * H);
+    }
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t s = base[static_cast<size_t>(t)]; s < base[static_cast<size_t>(t) + 1]; ++s)
+        add(t, picks[static_cast<size_t>(t)][static_cast<size_t>(s - base[static_cast<size_t>(t)])].second,
+            results.data() + s * H);
+    if (g.S_loc > 0) {
+      y.resize(static_cast<size_t>(n * H));
+      GatedMlp(h, n, L.shared_gate_up, L.shared_down, g.S_loc, gu, act, y.data());
+      for (int64_t t = 0; t < n; ++t) add(t, 1.0f, y.data() + t * H);
     }
   }
 
@@ -633,35 +909,35 @@ struct EngineModel::Impl {
     std::vector<float> x(static_cast<size_t>(n * H), 0.0f), hn(x.size()), part(x.size());
     for (int64_t t = 0; t < n; ++t) {
       const int64_t local = tokens[static_cast<size_t>(t)] - g.r * g.P;
-      if (local >= 0 && local < g.P) std::copy_n(w.embed.row(local), H, x.data() + t * H);
+      if (local >= 0 && local < g.P) RowToFloats(w.embed, local, x.data() + t * H);
     }
     WSYNC_RETURN_IF_ERROR(AllReduce(x));
     for (size_t li = 0; li < w.layers.size(); ++li) {
       const LayerWeights& L = w.layers[li];
-      for (int64_t t = 0; t < n; ++t) RmsNorm(x.data() + t * H, L.in_norm.w.data(), H, config.rms_norm_eps, hn.data() + t * H);
+      for (int64_t t = 0; t < n; ++t) RmsNorm(x.data() + t * H, L.in_norm.f32(), H, config.rms_norm_eps, hn.data() + t * H);
       if (config.mla) {
         MlaAttention(L, hn.data(), n, cache, li, part.data());
       } else {
         GqaAttention(L, hn.data(), n, cache, li, part.data());
       }
       if (!L.o_bias.empty() && g.r == 0)
-        for (int64_t t = 0; t < n; ++t) Axpy(1.0f, L.o_bias.w.data(), part.data() + t * H, H);
+        for (int64_t t = 0; t < n; ++t) Axpy(1.0f, L.o_bias.f32(), part.data() + t * H, H);
       WSYNC_RETURN_IF_ERROR(AllReduce(part));
       for (size_t i = 0; i < x.size(); ++i) x[i] += part[i];
       for (int64_t t = 0; t < n; ++t)
-        RmsNorm(x.data() + t * H, L.post_norm.w.data(), H, config.rms_norm_eps, hn.data() + t * H);
+        RmsNorm(x.data() + t * H, L.post_norm.f32(), H, config.rms_norm_eps, hn.data() + t * H);
       Mlp(L, hn.data(), n, part.data());
       WSYNC_RETURN_IF_ERROR(AllReduce(part));
       for (size_t i = 0; i < x.size(); ++i) x[i] += part[i];
     }
     cache.len += n;
-    for (int64_t t = 0; t < n; ++t) RmsNorm(x.data() + t * H, w.final_norm.w.data(), H, config.rms_norm_eps, x.data() + t * H);
+    for (int64_t t = 0; t < n; ++t) RmsNorm(x.data() + t * H, w.final_norm.f32(), H, config.rms_norm_eps, x.data() + t * H);
     return x;
   }
 
   // Vocab-parallel lm_head + all-gather: logits [n, V].
   absl::StatusOr<std::vector<float>> Head(const Weights& w, const float* hidden, int64_t n) const {
-    const Mat& head = config.tie_word_embeddings ? w.embed : w.lm_head;
+    const WeightRef& head = config.tie_word_embeddings ? w.embed : w.lm_head;
     std::vector<float> local(static_cast<size_t>(n * g.P));
     MatMul(hidden, n, head, local.data());
     std::vector<float> all;
@@ -709,9 +985,10 @@ EngineModel& EngineModel::operator=(EngineModel&&) noexcept = default;
 EngineModel::~EngineModel() = default;
 
 absl::StatusOr<EngineModel> EngineModel::Create(const ModelConfig& config, EngineRank rank, ParamLookup lookup,
-                                                TpCollectives collectives) {
+                                                TpCollectives collectives, EngineModelOptions options) {
   auto impl = std::make_unique<Impl>();
   impl->config = config;
+  impl->options = options;
   impl->rank = rank;
   impl->lookup = std::move(lookup);
   impl->coll = std::move(collectives);
@@ -827,12 +1104,11 @@ absl::StatusOr<EngineModel> EngineModel::Create(const ModelConfig& config, Engin
 }
 
 absl::Status EngineModel::Prepare() {
-  WSYNC_ASSIGN_OR_RETURN(std::unique_ptr<Weights> w, impl_->Load());
-  impl_->weights = std::move(w);
-  return absl::OkStatus();
+  return impl_->float32_copy() ? impl_->PrepareFloat32Copy() : impl_->PrepareInPlace();
 }
 
 bool EngineModel::prepared() const { return impl_->weights != nullptr; }
+const PrepareStats& EngineModel::last_prepare() const { return impl_->stats; }
 
 absl::StatusOr<std::vector<float>> EngineModel::Logits(absl::Span<const int32_t> tokens) const {
   WSYNC_RETURN_IF_ERROR(impl_->CheckTokens(tokens, 0));
@@ -872,7 +1148,10 @@ absl::StatusOr<PreparedWeight> EngineModel::Weight(absl::string_view name) const
   auto it = impl_->weights->index.find(name);
   if (it == impl_->weights->index.end())
     return absl::NotFoundError(absl::StrCat(impl_->Where(), ": no prepared weight named ", name));
-  return PreparedWeight{it->second->shape, absl::MakeConstSpan(it->second->w)};
+  const WeightRef& ref = *it->second;
+  PreparedWeight out{ref.shape, std::vector<float>(static_cast<size_t>(ref.rows * ref.cols))};
+  MaterializeWeight(ref, out.data.data());
+  return out;
 }
 
 const ModelConfig& EngineModel::config() const { return impl_->config; }

@@ -10,12 +10,21 @@
 // Weights: every parameter is fetched by its engine name through a ParamLookup. A linear is INT4
 // iff `P.weight_packed` exists (Marlin, ENGINE_LAYOUT.md §4: int32 [K_p/16, 2N_p] + bf16
 // `P.weight_scale` [K_p/G, N_p] permuted; MoE `w13_weight_packed` [E_loc, H/16, 4I'] etc.),
-// otherwise `P.weight` (bf16 or f32) is read. Prepare() undoes the Marlin repack and the scale
-// permutation (src/kernels MarlinToGptq / UnpermuteMarlinScales) and dequantizes
-// value = bf16((u - 8) * scale) (FORMATS.md §2; rounded to bf16 as the Marlin GEMM does), so all
-// weights land in one float32 cache per prepared version. Activations and accumulation are fp32.
-// The group size G comes from config.quantization when present, else from the scales' shape
-// (a single scale row is read as channelwise). README.md records the decisions.
+// otherwise `P.weight` (bf16 or f32) is read. INT4 values are value = bf16((u - 8) * scale)
+// (FORMATS.md §2; rounded to bf16 as the Marlin GEMM does). The group size G comes from
+// config.quantization when present, else from the scales' shape (a single scale row is read as
+// channelwise). Activations and accumulation are fp32. README.md records the decisions.
+//
+// Serving the weights (WeightMode, README.md "Weights in place"). By default (kInPlace) the
+// forward pass reads the parameter memory where it is: bf16 / f32 matrices row by row (bf16 is
+// widened to f32 inside the dot products, exactly), Marlin INT4 tile by tile through the Marlin
+// layout (weight_ops.h), so Prepare() is a validation pass: names, dtypes, shapes, and every value
+// finite once dequantized. It copies only 1-D params (norms, biases; to f32) and f16 or
+// misaligned matrices, into buffers it reuses across Prepares. Every check runs before the first
+// copy is written, on EngineModelOptions::prepare_threads threads. The results are bit-identical
+// to kFloat32Copy, the design before issue #7 (a fresh float32 copy of every weight per Prepare,
+// one thread, dequantized through src/kernels MarlinToGptq + UnpermuteMarlinScales), which is
+// kept for benchmarks and as the tests' reference.
 //
 // Tensor parallelism: the T ranks of one engine each own an EngineModel and must call Logits /
 // Generate in lockstep with the same arguments; TpCollectives carries the all-reduce (after
@@ -24,7 +33,10 @@
 // ranks pick the same greedy tokens. With T = 1 empty collectives mean identity.
 //
 // Ownership: the model copies the config; ParamLookup and TpCollectives are stored and must stay
-// callable for the model's life. Views returned by the lookup need only live during Prepare().
+// callable for the model's life. kInPlace: the memory behind the views the lookup returned at the
+// last successful Prepare() is read by every later Logits / Generate, so it must stay valid, and
+// hold the prepared version, until the next successful Prepare() or the model's destruction
+// (the engine's pause protocol: core.h). kFloat32Copy: views need only live during Prepare().
 // Thread-safety: Prepare() must not run concurrently with anything else on the same model (the
 // caller serializes: a request never spans two versions). Logits / Generate / Weight are const
 // and may run concurrently with each other only if the collectives allow it (they are issued in
@@ -34,8 +46,13 @@
 // collectives), kUnimplemented for routing it does not model (scoring_func / topk_method, fused
 // shared experts without norm_topk_prob). Prepare: kNotFound naming a missing parameter, kInvalidArgument naming a
 // parameter whose dtype / shape differs (with want and got), or an INT4 tensor where the engine
-// keeps bf16; kDataLoss naming a parameter that holds NaN / Inf once dequantized; on error the
-// previously prepared weights stay in use. Logits / Generate:
+// keeps bf16; kDataLoss naming a parameter that holds NaN / Inf once dequantized (the first one
+// in load order, whatever the thread count); kResourceExhausted if a copy cannot be allocated. On
+// error nothing changes: the model keeps the references and copies of the last successful
+// Prepare (no copy is written before every check passed). kInPlace reads matrices in place, so
+// the model then computes the previous version only as far as that memory still holds it: a
+// caller that wrote over it must not serve from the model until a Prepare succeeds (EngineCore
+// turns UNHEALTHY). Logits / Generate:
 // kFailedPrecondition before the first successful Prepare(), kInvalidArgument for an empty prompt,
 // a token outside [0, V) or a sequence longer than max_position_embeddings; collective errors
 // are passed through.
@@ -80,27 +97,51 @@ struct TpCollectives {
   std::function<absl::Status(absl::Span<const float> local, absl::Span<float> gathered)> all_gather;
 };
 
-// A prepared (dequantized) weight, in the shape of the bf16 engine parameter of the same name.
+// A prepared (dequantized) weight, in the shape of the bf16 engine parameter of the same name: a
+// float32 copy of exactly the values the forward pass multiplies with.
 struct PreparedWeight {
   Shape shape;
-  absl::Span<const float> data;
+  std::vector<float> data;
+};
+
+enum class WeightMode {
+  kInPlace,      // read the parameter memory in place; Prepare validates (the default)
+  kFloat32Copy,  // a fresh float32 copy of every weight per Prepare, one thread (before issue #7)
+};
+
+// What the last successful Prepare() did (kInPlace; kFloat32Copy counts its copies as copied and
+// allocated).
+struct PrepareStats {
+  int64_t params = 0;           // weights served (under their bf16 engine names)
+  int64_t bytes_in_place = 0;   // parameter bytes the forward pass reads where they are
+  int64_t bytes_checked = 0;    // bytes scanned for NaN / Inf (Marlin: the scales)
+  int64_t bytes_copied = 0;     // bytes written into the model's own buffers
+  int64_t bytes_allocated = 0;  // of which newly allocated (0 when every buffer was reused)
+  int threads = 1;
+};
+
+struct EngineModelOptions {
+  WeightMode weights = WeightMode::kInPlace;
+  int prepare_threads = 0;  // kInPlace Prepare's checks and copies; 0 = hardware_concurrency
 };
 
 class EngineModel {
  public:
   // Validates the geometry (ENGINE_LAYOUT.md §6) and stores its arguments; reads no weights.
   static absl::StatusOr<EngineModel> Create(const ModelConfig& config, EngineRank rank, ParamLookup lookup,
-                                            TpCollectives collectives);
+                                            TpCollectives collectives, EngineModelOptions options = {});
 
   EngineModel(EngineModel&&) noexcept;
   EngineModel& operator=(EngineModel&&) noexcept;
   ~EngineModel();
 
-  // Reads every parameter of this rank through the lookup, checks names, dtypes and shapes, and
-  // builds a new float32 cache (dequantizing Marlin INT4). On success the new cache replaces the
-  // old one; on error the old one stays. Does not call the collectives.
+  // Reads every parameter of this rank through the lookup and checks names, dtypes, shapes and
+  // finiteness; then (kInPlace) refreshes the few copies and serves the memory in place, or
+  // (kFloat32Copy) serves a new float32 copy of everything. On error the previous version's
+  // references and copies stay (see Errors). Does not call the collectives.
   absl::Status Prepare();
   bool prepared() const;
+  const PrepareStats& last_prepare() const;
 
   // Logits of every position of `tokens` (one forward pass over the whole sequence from position
   // 0): row-major [tokens.size(), vocab_size] (the pad(V,64) padding is dropped).
@@ -118,9 +159,9 @@ class EngineModel {
 
   // The prepared weight behind engine parameter `name`, named and shaped as its bf16 engine
   // parameter (e.g. "model.layers.0.self_attn.qkv_proj.weight" [N_p, K_p],
-  // "model.layers.1.mlp.experts.w13_weight" [E_loc, 2I', H]) whether it was stored bf16 or INT4.
-  // kFailedPrecondition before Prepare(); kNotFound for a name this rank does not hold. The span
-  // stays valid until the next successful Prepare() or the model's destruction.
+  // "model.layers.1.mlp.experts.w13_weight" [E_loc, 2I', H]) whether it was stored bf16 or INT4,
+  // as a float32 copy (INT4 dequantized). kFailedPrecondition before Prepare(); kNotFound for a
+  // name this rank does not hold.
   absl::StatusOr<PreparedWeight> Weight(absl::string_view name) const;
 
   const ModelConfig& config() const;

@@ -7,6 +7,11 @@
 // recomputed attention). Logits must agree to |engine - hf| <= 5e-5 * max(1, max|hf|); measured
 // differences are <= 2.3e-6 relative. Greedy tokens must be equal; all TP ranks must return
 // bit-identical logits and tokens. Mutation tests show the comparison fails on wrong layouts.
+//
+// Weights in place (WeightMode::kInPlace, the default) must compute exactly what the float32-copy
+// design (kFloat32Copy) computes: every EngineVsHf case runs both and compares bit for bit. The
+// version tests below prove that a failed Prepare writes none of the model's copies (outputs stay
+// those of the previous version) and that later Prepares reuse the copy buffers.
 #include "rollout_agent/engine/model.h"
 
 #include <gmock/gmock.h>
@@ -15,6 +20,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -24,6 +32,7 @@
 #include "absl/strings/str_replace.h"
 #include "common/default_model.h"
 #include "common/status.h"
+#include "kernels/format/int4_format.h"
 #include "rollout_agent/engine/hf_reference.h"
 #include "rollout_agent/engine/ops.h"
 #include "rollout_agent/engine/testing_util.h"
@@ -123,7 +132,8 @@ struct RankOutcome {
 
 // Slices `sent` for every rank and runs Logits + Generate on T threads.
 std::vector<RankOutcome> RunEngine(const ModelConfig& c, EngineRank geometry, const TensorMap& sent,
-                                   const std::vector<int32_t>& prompt, int new_tokens) {
+                                   const std::vector<int32_t>& prompt, int new_tokens,
+                                   EngineModelOptions options = {}) {
   const int T = geometry.tp_size;
   std::vector<TensorMap> params;
   for (int r = 0; r < T; ++r) {
@@ -140,7 +150,7 @@ std::vector<RankOutcome> RunEngine(const ModelConfig& c, EngineRank geometry, co
     EngineRank er = geometry;
     er.tp_rank = r;
     WSYNC_ASSIGN_OR_RETURN(EngineModel m, EngineModel::Create(c, er, params[static_cast<size_t>(r)].Lookup(),
-                                                              group.ForRank(r)));
+                                                              group.ForRank(r), options));
     WSYNC_RETURN_IF_ERROR(m.Prepare());
     WSYNC_ASSIGN_OR_RETURN(out[static_cast<size_t>(r)].logits, m.Logits(prompt));
     WSYNC_ASSIGN_OR_RETURN(out[static_cast<size_t>(r)].tokens, m.Generate(prompt, new_tokens));
@@ -217,6 +227,18 @@ TEST_P(EngineVsHfTest, LogitsAndGreedyTokensMatchOracle) {
                              got[0].logits.size() * sizeof(float)))
         << "rank " << r << " logits differ from rank 0";
     EXPECT_EQ(got[static_cast<size_t>(r)].tokens, got[0].tokens) << "rank " << r;
+  }
+  // The float32-copy design computes the same bits on every rank.
+  EngineModelOptions copy;
+  copy.weights = WeightMode::kFloat32Copy;
+  const std::vector<RankOutcome> copied = RunEngine(c, geometry, *sent_p, prompt, kNew, copy);
+  ASSERT_EQ(copied.size(), got.size());
+  for (int r = 0; r < k.tp; ++r) {
+    ASSERT_EQ(copied[static_cast<size_t>(r)].logits.size(), got[static_cast<size_t>(r)].logits.size());
+    EXPECT_EQ(0, std::memcmp(copied[static_cast<size_t>(r)].logits.data(), got[static_cast<size_t>(r)].logits.data(),
+                             got[0].logits.size() * sizeof(float)))
+        << "rank " << r << ": in-place logits differ from the float32-copy design";
+    EXPECT_EQ(copied[static_cast<size_t>(r)].tokens, got[static_cast<size_t>(r)].tokens) << "rank " << r;
   }
 }
 
@@ -481,6 +503,197 @@ TEST_F(EngineModelErrors, FailedPrepareKeepsPreviousVersionAndNewVersionIsPicked
   const std::vector<float> v2 = *m->Logits(prompt);
   ASSERT_EQ(v2.size(), v1.size());
   for (size_t i = 0; i < v1.size(); ++i) ASSERT_EQ(v2[i], -v1[i]) << i;
+}
+
+// ---- weights in place: copies, reuse, failed versions ----------------------------------------------
+
+// One version of an INT4 Qwen3-MoE rank's parameters, served through a lookup that returns some of
+// them in forms the engine must copy: lm_head as f16, embed_tokens and one layer's Marlin w13
+// (words and scales) at misaligned addresses. 1-D params (norms) are always copied.
+struct Version {
+  TensorMap params;
+  std::map<std::string, std::vector<std::byte>> misaligned;  // data at offset 1
+
+  void Misalign(const std::string& name) {
+    const Tensor& t = params.At(name);
+    std::vector<std::byte>& b = misaligned[name];
+    b.assign(t.nbytes() + 1, std::byte{0});
+    std::memcpy(b.data() + 1, t.view().bytes().data(), t.nbytes());
+  }
+  TensorView View(const std::string& name) const {
+    const Tensor& t = params.At(name);
+    auto it = misaligned.find(name);
+    if (it == misaligned.end()) return t.view();
+    return TensorView(t.dtype(), t.shape(), std::span<const std::byte>(it->second.data() + 1, t.nbytes()));
+  }
+  // Writes bits into a param (and its misaligned copy).
+  void SetU16(const std::string& name, int64_t i, uint16_t bits) {
+    params.Mutable(name).data_as<uint16_t>()[i] = bits;
+    if (misaligned.count(name)) std::memcpy(misaligned[name].data() + 1 + 2 * i, &bits, 2);
+  }
+  void SetU32(const std::string& name, int64_t i, uint32_t bits) {
+    params.Mutable(name).data_as<uint32_t>()[i] = bits;
+    if (misaligned.count(name)) std::memcpy(misaligned[name].data() + 1 + 4 * i, &bits, 4);
+  }
+};
+
+class InPlaceVersions : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    c_ = MustParseConfig(Qwen3Moe(Quant(32, kIgnoreDense)));
+    for (uint64_t seed : {41, 42}) {
+      absl::StatusOr<testing::QuantizedHf> q = testing::QuantizeHf(c_, testing::RandomHfModel(c_, seed));
+      ASSERT_TRUE(q.ok()) << q.status();
+      auto v = std::make_unique<Version>();
+      v->params = *EngineParamsForRank(c_, EngineRank{}, q->sent);
+      Tensor& head = v->params.Mutable("lm_head.weight");
+      Tensor f16 = *Tensor::Empty(DType::kF16, head.shape());
+      for (int64_t i = 0; i < head.view().numel(); ++i)
+        f16.data_as<uint16_t>()[i] = F32ToF16(BF16ToF32(head.data_as<uint16_t>()[i]));
+      head = std::move(f16);
+      for (const char* name : {"model.embed_tokens.weight", "model.layers.2.mlp.experts.w13_weight_packed",
+                               "model.layers.2.mlp.experts.w13_weight_scale"})
+        v->Misalign(name);
+      versions_.push_back(std::move(v));
+    }
+  }
+
+  // The lookup follows current_.
+  ParamLookup Lookup() {
+    return [this](absl::string_view name) -> absl::StatusOr<TensorView> {
+      if (!current_->params.Has(std::string(name))) return absl::NotFoundError(absl::StrCat("no ", name));
+      return current_->View(std::string(name));
+    };
+  }
+
+  // Logits of `v` from a fresh float32-copy model (the reference).
+  std::vector<float> Reference(const Version& v) {
+    current_ = &v;
+    EngineModelOptions o;
+    o.weights = WeightMode::kFloat32Copy;
+    absl::StatusOr<EngineModel> m = EngineModel::Create(c_, EngineRank{}, Lookup(), {}, o);
+    EXPECT_TRUE(m.ok());
+    EXPECT_TRUE(m->Prepare().ok());
+    return *m->Logits(prompt_);
+  }
+
+  static void ExpectBits(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
+    ASSERT_EQ(got.size(), want.size()) << what;
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float))) << what;
+  }
+
+  ModelConfig c_;
+  std::vector<std::unique_ptr<Version>> versions_;
+  const Version* current_ = nullptr;
+  const std::vector<int32_t> prompt_ = {5, 6, 7, 499, 0};
+};
+
+TEST_F(InPlaceVersions, AFailedPrepareWritesNoCopyAndLaterPreparesReuseTheBuffers) {
+  const std::vector<float> ref1 = Reference(*versions_[0]), ref2 = Reference(*versions_[1]);
+  ASSERT_NE(ref1, ref2);
+  EngineModelOptions o;
+  o.prepare_threads = 3;
+  absl::StatusOr<EngineModel> m = EngineModel::Create(c_, EngineRank{}, Lookup(), {}, o);
+  ASSERT_TRUE(m.ok());
+  current_ = versions_[0].get();
+  ASSERT_TRUE(m->Prepare().ok());
+  ExpectBits(*m->Logits(prompt_), ref1, "version 1");
+  const PrepareStats first = m->last_prepare();
+  EXPECT_GT(first.bytes_in_place, 0);
+  EXPECT_GT(first.bytes_copied, 0);
+  EXPECT_EQ(first.bytes_allocated, first.bytes_copied);  // nothing to reuse yet
+  EXPECT_EQ(first.threads, 3);
+
+  // Version 2 with a NaN late in load order (the last layer's norm, a copied 1-D param), and
+  // then with a NaN scale (in place): every copy (embed, lm_head, norms, the misaligned w13)
+  // would be overwritten by version 2's values, but checks run first, so version 1 still serves.
+  Version& v2 = *versions_[1];
+  const std::string norm = "model.layers.2.post_attention_layernorm.weight";
+  const uint16_t saved_norm = v2.params.At(norm).view().data_as<uint16_t>()[7];
+  v2.SetU16(norm, 7, F32ToBF16(std::nanf("")));
+  current_ = &v2;
+  absl::Status s = m->Prepare();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(s.message(), HasSubstr(norm + " holds a non-finite value (nan) at element 7"));
+  EXPECT_TRUE(m->prepared());
+  current_ = versions_[0].get();  // version 1's memory is untouched: the model serves it exactly
+  ExpectBits(*m->Logits(prompt_), ref1, "version 1 after a failed prepare (NaN norm)");
+  v2.SetU16(norm, 7, saved_norm);
+  const std::string scale = "model.layers.0.mlp.experts.w2_weight_scale";
+  const uint16_t saved_scale = v2.params.At(scale).view().data_as<uint16_t>()[100];
+  v2.SetU16(scale, 100, 0x7f80);  // +Inf
+  current_ = &v2;
+  s = m->Prepare();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(s.message(), HasSubstr("model.layers.0.mlp.experts.w2_weight holds a non-finite value"));
+  ExpectBits(*m->Logits(prompt_), ref1, "version 1 after a failed prepare (Inf scale)");
+  v2.SetU16(scale, 100, saved_scale);
+
+  // Good versions: every buffer is reused (same sizes), the outputs are exactly each version's.
+  ASSERT_TRUE(m->Prepare().ok());
+  ExpectBits(*m->Logits(prompt_), ref2, "version 2");
+  EXPECT_EQ(m->last_prepare().bytes_allocated, 0);
+  EXPECT_EQ(m->last_prepare().bytes_copied, first.bytes_copied);
+  current_ = versions_[0].get();
+  ASSERT_TRUE(m->Prepare().ok());
+  ExpectBits(*m->Logits(prompt_), ref1, "version 1 again");
+  EXPECT_EQ(m->last_prepare().bytes_allocated, 0);
+  // A weight that stops needing a copy (lm_head back in bf16) frees its buffer; one that starts
+  // needing one gets a new buffer.
+  const Tensor head16 = std::move(versions_[0]->params.Mutable("lm_head.weight"));
+  Tensor head = *Tensor::Empty(DType::kBF16, head16.shape());
+  for (int64_t i = 0; i < head.view().numel(); ++i)
+    head.data_as<uint16_t>()[i] = F32ToBF16(F16ToF32(head16.view().data_as<uint16_t>()[i]));
+  versions_[0]->params.Put("lm_head.weight", std::move(head));
+  const std::vector<float> ref1b = Reference(*versions_[0]);
+  ASSERT_TRUE(m->Prepare().ok());
+  ExpectBits(*m->Logits(prompt_), ref1b, "version 1 with a bf16 lm_head");
+  EXPECT_EQ(m->last_prepare().bytes_allocated, 0);
+  EXPECT_EQ(m->last_prepare().bytes_copied, first.bytes_copied - head16.view().numel() * 4);
+}
+
+TEST_F(InPlaceVersions, TheFirstBadParamInLoadOrderIsReportedWhateverTheThreadCount) {
+  Version& v = *versions_[0];
+  v.SetU16("model.layers.2.input_layernorm.weight", 3, 0xff80);       // -Inf, late
+  v.SetU16("model.embed_tokens.weight", 40000, F32ToBF16(std::nanf("")));  // NaN, first param
+  current_ = &v;
+  for (int threads : {1, 2, 7}) {
+    EngineModelOptions o;
+    o.prepare_threads = threads;
+    absl::StatusOr<EngineModel> m = EngineModel::Create(c_, EngineRank{}, Lookup(), {}, o);
+    const absl::Status s = m->Prepare();
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+    EXPECT_THAT(s.message(), HasSubstr("model.embed_tokens.weight holds a non-finite value (nan) at element 40000"))
+        << threads;
+    EXPECT_FALSE(m->prepared());
+  }
+}
+
+// Marlin values are non-finite iff a scale is, or bf16((u - 8) s) overflows: a scale of 2^125
+// serves u = 15 (7 s < 2^128) but not u = 0 (-8 s rounds to -Inf), decided by decoding the tensor.
+TEST_F(InPlaceVersions, HugeScalesAreJudgedByTheNibblesTheyScale) {
+  Version& v = *versions_[0];
+  const std::string packed = "model.layers.0.mlp.experts.w2_weight_packed",
+                    scales = "model.layers.0.mlp.experts.w2_weight_scale";
+  const Tensor& p = v.params.At(packed);
+  for (int64_t i = 0; i < p.view().numel(); ++i) v.SetU32(packed, i, 0xffffffffu);  // u = 15 everywhere
+  for (int64_t i = 0; i < v.params.At(scales).view().numel(); ++i) v.SetU16(scales, i, 0x7e00);  // 2^125
+  current_ = &v;
+  absl::StatusOr<EngineModel> m = EngineModel::Create(c_, EngineRank{}, Lookup(), {});
+  ASSERT_TRUE(m->Prepare().ok());
+  absl::StatusOr<PreparedWeight> w = m->Weight("model.layers.0.mlp.experts.w2_weight");
+  ASSERT_TRUE(w.ok());
+  EXPECT_EQ(w->data[0], 7.0f * std::ldexp(1.0f, 125));
+  // One nibble of expert 3 becomes u = 0: word 37 of tile (kt 1, nt 0), slot 5.
+  const int64_t H = 128, I = 128;  // w2: [8, H, I'], Marlin [8, I'/16, 2H]
+  const int64_t word = 3 * (I / 16) * 2 * H + kernels::format::TileOffset(1, 0, H) + 37;
+  v.SetU32(packed, word, 0xffffffffu & ~(0xfu << 20));
+  const int64_t k = 16 + kernels::format::WordRow(37) + kernels::format::SlotDk(5);
+  const int64_t n = kernels::format::WordCol(37) + kernels::format::SlotDn(5);
+  const absl::Status s = m->Prepare();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("model.layers.0.mlp.experts.w2_weight holds a non-finite value (-inf) at element ",
+                                                  (3 * H + n) * I + k)));
 }
 
 TEST_F(EngineModelErrors, BadRequests) {
