@@ -59,7 +59,7 @@ absl::Status AgreeOnStart(Communicator& world, const absl::Status& local, uint64
       if (all[static_cast<size_t>(r)].fingerprint != all[0].fingerprint)
         return absl::InvalidArgumentError(absl::StrCat(
             "rank ", r, " runs a different weight source config or sync options than rank 0 (config.json, "
-            "parallel.json or gather size differ): the ranks would not agree on their collectives"));
+            "parallel.json, gather size or quantization config differ): the ranks would not agree on their collectives"));
     return absl::OkStatus();
   }
   std::vector<size_t> sizes(all.size());
@@ -93,8 +93,11 @@ struct Item {
   int ordinal = 0;          // experts: position among the rank's expert parameters
   bool gathered = false;    // dense: all-gathered over TP; experts: always (see the phase)
   bool identity = false;    // dense: the all-gather's rank order is the full layout (no merge)
+  bool int4 = false;        // experts: every EP member quantizes its own; the EP gather carries INT4
   uint64_t local_bytes = 0;
   uint64_t full_bytes = 0;  // after the TP / ETP merge
+  uint64_t block = 0;       // experts: one EP member's bytes in the EP gather (full_bytes or INT4)
+  uint64_t weight = 0;      // bytes counted against gather_bytes when batching
   uint64_t offset = 0;      // region in the batch buffer (dense: TP output; experts: EP output)
   uint64_t region = 0;
   uint64_t etp_offset = 0;  // experts with ETP > 1: region of the ETP output (full_bytes)
@@ -105,15 +108,21 @@ struct Batch {
   uint64_t etp_bytes = 0;  // of the ETP buffer
 };
 
-std::vector<Batch> MakeBatches(std::vector<Item> items, uint64_t limit) {
+// Consecutive items while their aligned weights fit `limit` (an item heavier than that goes
+// alone). The batch buffer starts with `header` bytes (the EP members' status records).
+std::vector<Batch> MakeBatches(std::vector<Item> items, uint64_t limit, uint64_t header) {
   std::vector<Batch> out;
   Batch cur;
+  cur.bytes = header;
+  uint64_t weight = 0;
   for (Item& it : items) {
-    const uint64_t start = AlignUp(cur.bytes, kRegionAlignment);
-    if (!cur.items.empty() && it.region > 0 && start + it.region > limit) {
+    if (!cur.items.empty() && it.weight > 0 && AlignUp(weight, kRegionAlignment) + it.weight > limit) {
       out.push_back(std::move(cur));
       cur = Batch();
+      cur.bytes = header;
+      weight = 0;
     }
+    weight = AlignUp(weight, kRegionAlignment) + it.weight;
     it.offset = AlignUp(cur.bytes, kRegionAlignment);
     cur.bytes = it.offset + it.region;
     it.etp_offset = AlignUp(cur.etp_bytes, kRegionAlignment);
@@ -122,6 +131,40 @@ std::vector<Batch> MakeBatches(std::vector<Item> items, uint64_t limit) {
   }
   if (!cur.items.empty()) out.push_back(std::move(cur));
   return out;
+}
+
+// --- Experts quantized by their EP member -------------------------------------------------------
+
+// Where one HF tensor's INT4 outputs lie in an EP member's block (the same for every member).
+struct Int4Part {
+  int64_t n = 0, k = 0;
+  DType dtype = DType::kBF16;  // of the weight and its scales
+  Shape packed_shape, scale_shape;
+  uint64_t packed_offset = 0, packed_bytes = 0;
+  uint64_t scale_offset = 0, scale_bytes = 0;
+};
+
+// A member's outcome for one expert batch, gathered with the batch: the stage source learns that a
+// peer's block is not valid (and why) instead of sending it.
+constexpr uint64_t kStatusRecordBytes = 1024;
+struct MemberStatus {
+  int32_t code = 0;  // absl::StatusCode; 0: the member's blocks of this batch are valid
+  int32_t world_rank = -1;
+  uint32_t message_bytes = 0;
+  uint32_t reserved = 0;
+  char message[kStatusRecordBytes - 16] = {};
+};
+static_assert(sizeof(MemberStatus) == kStatusRecordBytes);
+
+// What every member of the stage must agree on besides config.json and parallel.json.
+std::string QuantFingerprint(const QuantizationConfig* q, kernels::QuantVariant variant) {
+  if (q == nullptr) return "quant none";
+  std::vector<std::string> ignore;
+  for (const IgnoreRule& r : q->ignore) ignore.push_back(r.text);
+  return absl::StrCat("quant ", q->quant_method, "|", q->format, "|", q->num_bits, "|", q->type, "|", q->strategy, "|",
+                      q->group_size, "|", q->symmetric, "|", q->dynamic, "|", q->actorder, "|",
+                      absl::StrJoin(q->targets, ","), "|", absl::StrJoin(ignore, "\n"), "|",
+                      variant == kernels::QuantVariant::kQat ? "qat" : "slime");
 }
 
 // True when group rank r's shard is bytes [r*L, (r+1)*L) of the full tensor for every r: the
@@ -175,6 +218,16 @@ class RankSync {
                                                   const std::vector<MutableBytes>& out);
   absl::Status Emit(const MegatronParam& p, const TensorView& full);  // ToHf + quantize / copy into buckets
   absl::Status QuantizeIntoBucket(const std::string& name, const TensorView& w);
+  absl::StatusOr<std::vector<MutableTensorView>> ReserveInt4(absl::string_view name, DType dtype, const Shape& packed,
+                                                            const Shape& scales, int64_t n, int64_t k);
+  absl::Status PlanInt4(Item& it);  // it.int4 and int4_parts_[it.ordinal]
+  // This member's experts of `it`, converted to HF and quantized into its block of the EP gather.
+  absl::Status QuantizeOwn(const Item& it, const TensorView& full, std::span<std::byte> block);
+  // Source: member `m`'s gathered INT4 block of `it` into the bucket.
+  absl::Status EmitInt4(const MegatronParam& p, const Item& it, std::span<const std::byte> block);
+  void WriteStatusRecord(std::span<std::byte> record) const;
+  absl::Status CheckMemberRecords(std::span<const std::byte> records) const;
+  kernels::QuantizeOptions KernelOptions() const;
   absl::Status EnsureBuffer(Buffer& b, uint64_t bytes);
 
   const source::DirSource& src_;
@@ -187,10 +240,14 @@ class RankSync {
   bool source_ = false;
   bool dense_member_ = false;   // in the stage source's TP group
   bool expert_member_ = false;  // in the stage's expert block (edp == 0)
+  bool int4_members_ = false;   // expert member, INT4 config, EP > 1: INT4 experts quantized by their holder
   uint64_t gather_limit_ = 0;
   source::RankShard shard_;
   std::vector<Batch> dense_, experts_;
-  std::vector<std::vector<MegatronParam>> member_experts_;  // source: EP member m's expert params
+  // EP member m's expert params (source; every expert-block rank when experts may be INT4)
+  std::vector<std::vector<MegatronParam>> member_experts_;
+  std::vector<std::vector<Int4Part>> int4_parts_;  // per expert ordinal; empty unless Item::int4
+  absl::Duration int4_copy_;                       // source: gathered INT4 into buckets
   SyncWorkspace own_workspace_;
   SyncWorkspace& ws_;
   std::array<Buffer, 2>& slots_;
@@ -231,7 +288,9 @@ absl::Status RankSync::Prepare() {
     return absl::InvalidArgumentError(absl::StrCat("rank ", me_, " is not a stage source (stage ", stage_,
                                                    " is sent by rank ", layout_.StageSourceRank(stage_),
                                                    ") but was given a sink"));
-  if (source_ && o_.quant != nullptr) RETURN_IF_ERROR(o_.quant->CheckInt4Supported());
+  // Experts that are INT4 targets are quantized by the EP member that holds them.
+  int4_members_ = o_.quant != nullptr && layout_.ep() > 1 && expert_member_;
+  if ((source_ || int4_members_) && o_.quant != nullptr) RETURN_IF_ERROR(o_.quant->CheckInt4Supported());
 
   ASSIGN_OR_RETURN(shard_, src_.OpenRank(me_));
 
@@ -258,13 +317,44 @@ absl::Status RankSync::Prepare() {
                                                 ", ETP communicator of ", comms_.etp->size()));
       it.gathered = true;
       it.full_bytes = it.local_bytes * static_cast<uint64_t>(layout_.etp());
+      it.block = it.full_bytes;
       it.region = it.full_bytes * static_cast<uint64_t>(layout_.ep());
+      it.weight = it.region;
       it.ordinal = static_cast<int>(experts.size());
       experts.push_back(it);
     }
   }
-  if (dense_member_) dense_ = MakeBatches(std::move(dense), gather_limit_);
-  if (expert_member_) experts_ = MakeBatches(std::move(experts), gather_limit_);
+  for (Item& it : dense) it.weight = it.region;
+
+  // EP members' plans: their global expert ids (the source converts every member's experts; with
+  // INT4 experts every member decides, from the same plans, which of them it quantizes).
+  if (expert_member_ && !experts.empty() && (source_ || int4_members_)) {
+    std::vector<const MegatronParam*> mine;
+    for (const MegatronParam& p : shard_.params)
+      if (p.is_expert) mine.push_back(&p);
+    for (int member : layout_.EpGroup(me_)) {
+      ASSIGN_OR_RETURN(std::vector<MegatronParam> plan,
+                       convert::PlanRank(src_.model(), layout_, src_.parallel(), member));
+      std::vector<MegatronParam> ex;
+      for (MegatronParam& p : plan)
+        if (p.is_expert) ex.push_back(std::move(p));
+      if (ex.size() != mine.size())
+        return absl::InternalError(absl::StrCat("EP member rank ", member, " holds ", ex.size(),
+                                                " expert parameters, rank ", me_, " ", mine.size()));
+      for (size_t k = 0; k < ex.size(); ++k)
+        if (ex[k].local_name != mine[k]->local_name || ex[k].local_shape != mine[k]->local_shape)
+          return absl::InternalError(absl::StrCat("EP member rank ", member, " expert parameter ", k, " is ",
+                                                  ex[k].local_name, ", rank ", me_, "'s ", mine[k]->local_name));
+      member_experts_.push_back(std::move(ex));
+    }
+  }
+  if (int4_members_) {
+    int4_parts_.resize(experts.size());
+    for (Item& it : experts) RETURN_IF_ERROR(PlanInt4(it));
+  }
+  const uint64_t header = layout_.ep() > 1 ? kStatusRecordBytes * static_cast<uint64_t>(layout_.ep()) : 0;
+  if (dense_member_) dense_ = MakeBatches(std::move(dense), gather_limit_, 0);
+  if (expert_member_) experts_ = MakeBatches(std::move(experts), gather_limit_, header);
 
   // Buffers (uninitialized: no page is touched before the first gather writes it).
   uint64_t slot_bytes = 0, etp_bytes = 0, scratch_bytes = 0;
@@ -281,32 +371,13 @@ absl::Status RankSync::Prepare() {
   for (const Batch& b : experts_) {
     if (experts_gathered && expert_merger) slot_bytes = std::max(slot_bytes, b.bytes);
     if (layout_.etp() > 1) etp_bytes = std::max(etp_bytes, b.etp_bytes);
+    for (const Item& it : b.items)  // ETP-merged before this member quantizes it
+      if (it.int4 && layout_.etp() > 1 && expert_merger) scratch_bytes = std::max(scratch_bytes, it.full_bytes);
   }
   for (Buffer& s : slots_) RETURN_IF_ERROR(EnsureBuffer(s, slot_bytes));
   RETURN_IF_ERROR(EnsureBuffer(etp_buffer_, etp_bytes));
   RETURN_IF_ERROR(EnsureBuffer(scratch_, scratch_bytes));
 
-  // The source converts every EP member's experts: their plans give the global expert ids.
-  if (source_ && !experts_.empty()) {
-    std::vector<const MegatronParam*> mine;
-    for (const MegatronParam& p : shard_.params)
-      if (p.is_expert) mine.push_back(&p);
-    for (int member : layout_.EpGroup(me_)) {
-      ASSIGN_OR_RETURN(std::vector<MegatronParam> plan,
-                       convert::PlanRank(src_.model(), layout_, src_.parallel(), member));
-      std::vector<MegatronParam> ex;
-      for (MegatronParam& p : plan)
-        if (p.is_expert) ex.push_back(std::move(p));
-      if (ex.size() != mine.size())
-        return absl::InternalError(absl::StrCat("EP member rank ", member, " holds ", ex.size(),
-                                                " expert parameters, the stage source ", mine.size()));
-      for (size_t k = 0; k < ex.size(); ++k)
-        if (ex[k].local_name != mine[k]->local_name || ex[k].local_shape != mine[k]->local_shape)
-          return absl::InternalError(absl::StrCat("EP member rank ", member, " expert parameter ", k, " is ",
-                                                  ex[k].local_name, ", the stage source's ", mine[k]->local_name));
-      member_experts_.push_back(std::move(ex));
-    }
-  }
   if (source_) {
     BucketBuilderOptions bo;
     bo.bucket_bytes = o_.bucket_bytes;
@@ -341,32 +412,159 @@ absl::StatusOr<std::unique_ptr<Work>> RankSync::AllGather(Communicator& c, const
   return w;
 }
 
-absl::Status RankSync::QuantizeIntoBucket(const std::string& name, const TensorView& w) {
-  const QuantizationConfig& q = *o_.quant;
-  absl::string_view prefix = name;
-  if (!absl::ConsumeSuffix(&prefix, ".weight"))
-    return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", name, "\": not a *.weight tensor"));
-  absl::StatusOr<kernels::QuantizedShapes> shapes =
-      kernels::QuantizedShapesFor(w, q.group_size, kernels::PackFormat::kCompressedTensors);
-  if (!shapes.ok()) return Annotate(shapes.status(), absl::StrCat("quantizing \"", name, "\" (", w.DebugString(), ")"));
-  const BucketBuilder::Pending pending[3] = {
-      {absl::StrCat(prefix, ".weight_packed"), DType::kI32, shapes->packed},
-      {absl::StrCat(prefix, ".weight_scale"), w.dtype(), shapes->scales},
-      {absl::StrCat(prefix, ".weight_shape"), DType::kI64, Shape{2}},
-  };
-  ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, builder_->Reserve(pending));
+kernels::QuantizeOptions RankSync::KernelOptions() const {
   kernels::QuantizeOptions ko;
-  ko.group_size = q.group_size;
+  ko.group_size = o_.quant->group_size;
   ko.variant = o_.quant_variant;
   ko.format = kernels::PackFormat::kCompressedTensors;
   ko.num_threads = o_.quant_threads;
+  return ko;
+}
+
+// The three outputs of INT4 target `name` (a "*.weight" of [n, k]), in one bucket; weight_shape
+// is written here, packed and scales are the caller's to fill.
+absl::StatusOr<std::vector<MutableTensorView>> RankSync::ReserveInt4(absl::string_view name, DType dtype,
+                                                                     const Shape& packed, const Shape& scales,
+                                                                     int64_t n, int64_t k) {
+  absl::string_view prefix = name;
+  if (!absl::ConsumeSuffix(&prefix, ".weight"))
+    return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", name, "\": not a *.weight tensor"));
+  const BucketBuilder::Pending pending[3] = {
+      {absl::StrCat(prefix, ".weight_packed"), DType::kI32, packed},
+      {absl::StrCat(prefix, ".weight_scale"), dtype, scales},
+      {absl::StrCat(prefix, ".weight_shape"), DType::kI64, Shape{2}},
+  };
+  ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, builder_->Reserve(pending));
+  const int64_t nk[2] = {n, k};
+  std::memcpy(dst[2].data(), nk, sizeof(nk));
+  return dst;
+}
+
+absl::Status RankSync::QuantizeIntoBucket(const std::string& name, const TensorView& w) {
+  absl::StatusOr<kernels::QuantizedShapes> shapes =
+      kernels::QuantizedShapesFor(w, o_.quant->group_size, kernels::PackFormat::kCompressedTensors);
+  if (!shapes.ok()) return Annotate(shapes.status(), absl::StrCat("quantizing \"", name, "\" (", w.DebugString(), ")"));
+  ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst,
+                   ReserveInt4(name, w.dtype(), shapes->packed, shapes->scales, w.dim(0), w.dim(1)));
   const absl::Time t0 = absl::Now();
-  absl::Status s = kernels::QuantizeInt4(w, dst[0], dst[1], ko);
+  absl::Status s = kernels::QuantizeInt4(w, dst[0], dst[1], KernelOptions());
   report_.quantize += absl::Now() - t0;
   if (!s.ok()) return Annotate(s, absl::StrCat("quantizing \"", name, "\""));
-  const int64_t nk[2] = {w.dim(0), w.dim(1)};
-  std::memcpy(dst[2].data(), nk, sizeof(nk));
   report_.quantized_bytes += w.nbytes();
+  return absl::OkStatus();
+}
+
+// An expert parameter is quantized by its holder when every HF tensor it becomes, on every EP
+// member (names carry global expert ids, and `ignore` may name single experts), is an INT4 target.
+absl::Status RankSync::PlanInt4(Item& it) {
+  const size_t ordinal = static_cast<size_t>(it.ordinal);
+  std::vector<Shape> hf_shapes;
+  for (const std::vector<MegatronParam>& member : member_experts_) {
+    const MegatronParam& p = member[ordinal];
+    ASSIGN_OR_RETURN(convert::HfRowMap map, convert::HfRowMapFor(src_.model(), p));
+    if (map.hf_shapes.size() != p.hf_names.size())
+      return absl::InternalError(absl::StrCat(p.global_name, ": ", map.hf_shapes.size(), " HF shapes for ",
+                                              p.hf_names.size(), " HF names"));
+    for (size_t h = 0; h < p.hf_names.size(); ++h)
+      if (!quantize::IsQuantTarget(p.hf_names[h], map.hf_shapes[h], *o_.quant)) return absl::OkStatus();
+    hf_shapes = std::move(map.hf_shapes);
+  }
+  const MegatronParam& p = member_experts_.front()[ordinal];
+  std::vector<Int4Part> parts;
+  uint64_t cursor = 0;
+  for (size_t h = 0; h < hf_shapes.size(); ++h) {
+    const TensorView shape_only(p.dtype, hf_shapes[h], {});
+    absl::StatusOr<kernels::QuantizedShapes> shapes =
+        kernels::QuantizedShapesFor(shape_only, o_.quant->group_size, kernels::PackFormat::kCompressedTensors);
+    if (!shapes.ok())
+      return Annotate(shapes.status(), absl::StrCat("quantizing \"", p.hf_names[h], "\" (", shape_only.DebugString(), ")"));
+    Int4Part part;
+    part.n = hf_shapes[h][0];
+    part.k = hf_shapes[h][1];
+    part.dtype = p.dtype;
+    part.packed_shape = shapes->packed;
+    part.scale_shape = shapes->scales;
+    ASSIGN_OR_RETURN(const int64_t packed_bytes, NumBytes(DType::kI32, part.packed_shape));
+    ASSIGN_OR_RETURN(const int64_t scale_bytes, NumBytes(part.dtype, part.scale_shape));
+    part.packed_bytes = static_cast<uint64_t>(packed_bytes);
+    part.scale_bytes = static_cast<uint64_t>(scale_bytes);
+    part.packed_offset = AlignUp(cursor, kRegionAlignment);
+    part.scale_offset = AlignUp(part.packed_offset + part.packed_bytes, kRegionAlignment);
+    cursor = part.scale_offset + part.scale_bytes;
+    parts.push_back(std::move(part));
+  }
+  it.int4 = true;
+  it.block = AlignUp(cursor, kRegionAlignment);
+  it.region = it.block * static_cast<uint64_t>(layout_.ep());
+  int4_parts_[ordinal] = std::move(parts);
+  return absl::OkStatus();
+}
+
+absl::Status RankSync::QuantizeOwn(const Item& it, const TensorView& full, std::span<std::byte> block) {
+  const MegatronParam& p = shard_.params[static_cast<size_t>(it.index)];
+  const std::vector<Int4Part>& parts = int4_parts_[static_cast<size_t>(it.ordinal)];
+  const absl::Time t0 = absl::Now();
+  absl::StatusOr<std::vector<convert::HfTensor>> hf = convert::ToHf(src_.model(), p, full);
+  report_.convert += absl::Now() - t0;
+  if (!hf.ok()) return hf.status();
+  if (hf->size() != parts.size())
+    return absl::InternalError(absl::StrCat(p.global_name, " became ", hf->size(), " HF tensors, planned ", parts.size()));
+  const kernels::QuantizeOptions ko = KernelOptions();
+  for (size_t h = 0; h < parts.size(); ++h) {
+    const convert::HfTensor& t = (*hf)[h];
+    const Int4Part& part = parts[h];
+    MutableTensorView packed(DType::kI32, part.packed_shape, block.subspan(part.packed_offset, part.packed_bytes));
+    MutableTensorView scales(part.dtype, part.scale_shape, block.subspan(part.scale_offset, part.scale_bytes));
+    const absl::Time t1 = absl::Now();
+    absl::Status s = kernels::QuantizeInt4(t.view, packed, scales, ko);
+    report_.quantize += absl::Now() - t1;
+    if (!s.ok()) return Annotate(s, absl::StrCat("quantizing \"", t.name, "\""));
+    report_.quantized_bytes += t.view.nbytes();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RankSync::EmitInt4(const MegatronParam& p, const Item& it, std::span<const std::byte> block) {
+  const std::vector<Int4Part>& parts = int4_parts_[static_cast<size_t>(it.ordinal)];
+  for (size_t h = 0; h < parts.size(); ++h) {
+    const Int4Part& part = parts[h];
+    ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst,
+                     ReserveInt4(p.hf_names[h], part.dtype, part.packed_shape, part.scale_shape, part.n, part.k));
+    const absl::Time t0 = absl::Now();
+    std::memcpy(dst[0].data(), block.data() + part.packed_offset, part.packed_bytes);
+    std::memcpy(dst[1].data(), block.data() + part.scale_offset, part.scale_bytes);
+    int4_copy_ += absl::Now() - t0;
+    report_.copied_bytes += part.packed_bytes + part.scale_bytes;
+    report_.hf_bytes += static_cast<uint64_t>(part.n * part.k) * ItemSize(part.dtype);
+  }
+  return absl::OkStatus();
+}
+
+void RankSync::WriteStatusRecord(std::span<std::byte> record) const {
+  MemberStatus st;
+  st.code = static_cast<int32_t>(failure_.code());
+  st.world_rank = me_;
+  const absl::string_view msg = failure_.message().substr(0, sizeof(st.message));
+  st.message_bytes = static_cast<uint32_t>(msg.size());
+  std::memcpy(st.message, msg.data(), msg.size());
+  std::memcpy(record.data(), &st, sizeof(st));
+}
+
+// The stage source's check of its EP peers' records for the batch just gathered.
+absl::Status RankSync::CheckMemberRecords(std::span<const std::byte> records) const {
+  const int mine = layout_.Expert(me_).ep;
+  for (int m = 0; m < layout_.ep(); ++m) {
+    if (m == mine) continue;
+    MemberStatus st;
+    std::memcpy(&st, records.data() + static_cast<size_t>(m) * kStatusRecordBytes, sizeof(st));
+    if (st.code == 0) continue;
+    const absl::StatusCode code = st.code > 0 && st.code <= static_cast<int32_t>(absl::StatusCode::kUnauthenticated)
+                                      ? static_cast<absl::StatusCode>(st.code)
+                                      : absl::StatusCode::kInternal;
+    const absl::string_view msg(st.message, std::min<size_t>(st.message_bytes, sizeof(st.message)));
+    return absl::Status(code, absl::StrCat("EP rank ", m, " (world rank ", st.world_rank,
+                                           ") could not produce its experts: ", msg));
+  }
   return absl::OkStatus();
 }
 
@@ -381,6 +579,7 @@ absl::Status RankSync::Emit(const MegatronParam& p, const TensorView& full) {
       RETURN_IF_ERROR(QuantizeIntoBucket(t.name, t.view));
     } else {
       RETURN_IF_ERROR(builder_->Add(t.name, t.view));
+      report_.copied_bytes += t.view.nbytes();
     }
   }
   return absl::OkStatus();
@@ -437,11 +636,14 @@ void RankSync::RunDense() {
 }
 
 // Routed experts: [ETP all-gather + merge into this rank's block] then an EP all-gather among
-// the etp = 0 ranks, in place. Double-buffered like the dense phase.
+// the etp = 0 ranks, in place. INT4 items (Item::int4) are converted and quantized by each member
+// into its block first, so the EP gather carries INT4; every EP gather also carries the members'
+// status records. Double-buffered like the dense phase.
 void RankSync::RunExperts() {
   const int etp = layout_.etp(), ep = layout_.ep();
   const ExpertCoord coord = layout_.Expert(me_);
   const bool merger = coord.etp == 0;
+  const uint64_t own = static_cast<uint64_t>(coord.ep);
   std::array<std::unique_ptr<Work>, 2> pending;
   auto issue = [&](size_t j, int slot) {
     const Batch& b = experts_[j];
@@ -458,31 +660,47 @@ void RankSync::RunExperts() {
       if (issued.ok()) w = std::move(*issued);
       else Fail(issued.status());
       Wait(w);
-      if (merger && failure_.ok()) {
-        const absl::Time t0 = absl::Now();
-        for (const Item& it : b.items) {
-          const MegatronParam& p = shard_.params[static_cast<size_t>(it.index)];
+    }
+    // This member's part: ETP merge (into its block, or into the scratch when it quantizes),
+    // conversion and quantization of its INT4 items.
+    if (merger && failure_.ok() && (etp > 1 || int4_members_)) {
+      for (const Item& it : b.items) {
+        const MegatronParam& p = shard_.params[static_cast<size_t>(it.index)];
+        std::span<std::byte> block = slots_[slot].span().subspan(it.offset + own * it.block, it.block);
+        TensorView full = shard_.tensors[static_cast<size_t>(it.index)];
+        if (etp > 1) {
           std::span<const std::byte> region(etp_buffer_.data() + it.etp_offset, it.full_bytes);
           std::vector<TensorView> shards;
           for (int r = 0; r < etp; ++r)
             shards.emplace_back(p.dtype, p.local_shape, region.subspan(r * it.local_bytes, it.local_bytes));
-          MutableTensorView dst(p.dtype, p.full_shape,
-                                slots_[slot].span().subspan(it.offset + coord.ep * it.full_bytes, it.full_bytes));
-          if (absl::Status s = convert::MergeShards(p, shards, dst); !s.ok()) {
+          std::span<std::byte> dst_bytes = it.int4 ? scratch_.span().subspan(0, it.full_bytes) : block;
+          MutableTensorView dst(p.dtype, p.full_shape, dst_bytes);
+          const absl::Time t0 = absl::Now();
+          absl::Status s = convert::MergeShards(p, shards, dst);
+          report_.convert += absl::Now() - t0;
+          if (!s.ok()) {
+            Fail(s);
+            break;
+          }
+          full = TensorView(p.dtype, p.full_shape, dst_bytes);
+        }
+        if (it.int4) {
+          if (absl::Status s = QuantizeOwn(it, full, block); !s.ok()) {
             Fail(s);
             break;
           }
         }
-        report_.convert += absl::Now() - t0;
       }
     }
     if (merger && ep > 1) {
-      std::vector<ConstBytes> in;
-      std::vector<MutableBytes> out;
+      std::span<std::byte> records = slots_[slot].span().subspan(0, kStatusRecordBytes * static_cast<uint64_t>(ep));
+      WriteStatusRecord(records.subspan(own * kStatusRecordBytes, kStatusRecordBytes));
+      std::vector<ConstBytes> in = {{records.data() + own * kStatusRecordBytes, kStatusRecordBytes}};
+      std::vector<MutableBytes> out = {{records.data(), records.size()}};
       for (const Item& it : b.items) {
         std::byte* region = slots_[slot].data() + it.offset;
-        if (etp > 1) {
-          in.push_back({region + coord.ep * it.full_bytes, it.full_bytes});  // in place
+        if (etp > 1 || it.int4) {
+          in.push_back({region + own * it.block, it.block});  // in place
         } else {
           const TensorView& t = shard_.tensors[static_cast<size_t>(it.index)];
           in.push_back({t.data(), t.nbytes()});
@@ -497,15 +715,24 @@ void RankSync::RunExperts() {
   auto complete = [&](size_t j, int slot) {
     Wait(pending[slot]);
     if (!converting()) return;
+    if (ep > 1) {
+      if (absl::Status s = CheckMemberRecords(slots_[slot].span().subspan(0, kStatusRecordBytes * ep)); !s.ok())
+        return Fail(s);
+    }
     for (int m = 0; m < ep; ++m) {
       for (const Item& it : experts_[j].items) {
         const MegatronParam& mine = shard_.params[static_cast<size_t>(it.index)];
         const MegatronParam& p = member_experts_[static_cast<size_t>(m)][static_cast<size_t>(it.ordinal)];
-        TensorView full = shard_.tensors[static_cast<size_t>(it.index)];
-        if (ep > 1 || etp > 1)
-          full = TensorView(mine.dtype, mine.full_shape,
-                            slots_[slot].span().subspan(it.offset + m * it.full_bytes, it.full_bytes));
-        if (absl::Status s = Emit(p, full); !s.ok()) return Fail(s);
+        std::span<const std::byte> block = slots_[slot].span().subspan(it.offset + m * it.block, it.block);
+        absl::Status s;
+        if (it.int4) {
+          s = EmitInt4(p, it, block);
+        } else {
+          TensorView full = shard_.tensors[static_cast<size_t>(it.index)];
+          if (ep > 1 || etp > 1) full = TensorView(mine.dtype, mine.full_shape, block);
+          s = Emit(p, full);
+        }
+        if (!s.ok()) return Fail(s);
       }
     }
   };
@@ -534,7 +761,8 @@ absl::StatusOr<SyncReport> RankSync::Run() {
 
   const absl::Status local = Prepare();
   const std::string fingerprint_text =
-      absl::StrCat(src_.config_json(), "\n", convert::SourceParallelToJson(src_.parallel()), "\n", gather_limit_);
+      absl::StrCat(src_.config_json(), "\n", convert::SourceParallelToJson(src_.parallel()), "\n", gather_limit_, "\n",
+                   QuantFingerprint(o_.quant, o_.quant_variant));
   const uint64_t fingerprint =
       Xxh3_64({reinterpret_cast<const std::byte*>(fingerprint_text.data()), fingerprint_text.size()});
   RETURN_IF_ERROR(AgreeOnStart(*comms_.world, local, fingerprint, o_.collective));
@@ -547,7 +775,7 @@ absl::StatusOr<SyncReport> RankSync::Run() {
   }
   if (builder_) {
     const BucketBuilderStats& st = builder_->stats();
-    report_.bucket = st.copy;
+    report_.bucket = st.copy + int4_copy_;
     report_.send_wait = st.send_wait;
     report_.bytes = st.bytes;
     report_.buckets = st.buckets;
