@@ -1,8 +1,9 @@
 // One weight sync on one trainer rank: this rank's shard -> TP / ETP / EP all-gathers -> (on the
 // pipeline stage's source rank) Megatron -> HF conversion, INT4 quantization, buckets -> a
-// BucketSink; routed experts that are INT4 targets are converted and quantized by the EP member
-// holding them, before the EP all-gather. Spec: issue 5 ("Gathers, conversion, quantization", "Buckets and sending"),
-// shared/docs/MEGATRON_TO_HF.md, RANKS.md. Design and measurements: README.md beside this file.
+// BucketSink; routed experts that are INT4 targets are quantized where they live (each ETP / EP
+// rank its own shard) before the ETP / EP all-gathers. Spec: issue 5 ("Gathers, conversion,
+// quantization", "Buckets and sending"), shared/docs/MEGATRON_TO_HF.md, RANKS.md. Design and
+// measurements: README.md beside this file.
 //
 // Steps, on every rank of the world (each rank runs RunRankSync with the same options):
 //  1. open   DirSource::OpenRank(own rank) (the file is mapped anew every sync), then one world
@@ -19,13 +20,18 @@
 //            all-gather + MergeShards into the full local experts (when ETP > 1), then an EP
 //            all-gather among the etp = 0 ranks (in place); EP communicator rank r holds global
 //            experts [r * E/EP, (r+1) * E/EP) (MegatronParam::global_expert of rank r's plan).
-//            With EP > 1 and a quantization config, an expert parameter whose HF tensors are INT4
-//            targets on every EP member is converted (ToHf) and quantized by the etp = 0 rank
-//            that holds it, before the EP all-gather, which then carries its packed int32 + scales
-//            instead of bf16 (the same kernel and options as the source's: the bytes sent are
-//            identical). Every EP all-gather also carries one status record per member: a member
-//            that failed (a NaN refused by its quantizer, a merge) says so and why, and the stage
-//            source fails instead of sending that member's blocks.
+//            INT4 experts: when EP or ETP > 1 and an expert parameter's HF tensors are INT4
+//            targets on every EP member (and are row blocks of it: fc1 gate/up, fc2), the ranks
+//            holding it quantize it before the gathers, which then carry packed int32 + scales
+//            instead of bf16. Quantization is row-local (groups run along K), so the full Megatron
+//            tensor [R, K] is quantized as one: with ETP > 1 every ETP rank quantizes its own shard
+//            when that shard is rows (GLU fc1) or column blocks of whole groups (fc2 with K/ETP a
+//            multiple of the group size), and the etp = 0 rank merges the INT4 shards; otherwise
+//            (channelwise fc2, ...) it merges bf16 and quantizes. The source cuts the HF tensors'
+//            rows out of the gathered INT4 (the same kernel and options: identical bytes). Every
+//            ETP and EP gather also carries one status record per member: a member that failed (a
+//            NaN refused by its quantizer, a merge) says so and why; the merger, then the stage
+//            source, fail instead of using its blocks.
 //  4. source (layout.StageSourceRank(pp) only) per gathered parameter: the full tensor (a view into
 //            the gather buffer when the all-gather's rank order already is the full layout: dim-0,
 //            vocab and full expert tensors; else MergeShards into a scratch tensor), ToHf (views),
@@ -43,13 +49,15 @@
 // the source does; batches are sized by their bf16 bytes, so INT4 expert batches need about 3.6x
 // less), plus one ETP buffer of gather_bytes / EP when ETP > 1; the source also holds up to three
 // bucket buffers (one filling, two on the wire) and a scratch tensor the size of the largest
-// parameter merged along dim 1 / GLU (ETP > 1: every merger, for the experts it quantizes).
+// parameter merged along dim 1 / GLU (ETP > 1: every merger, for experts merged in bf16 then
+// quantized).
 //
 // Failures after step 1: a rank that fails (a NaN refused by the quantizer, an allocation, the
 // sink) stops converting and sending but keeps taking part in the remaining gathers with the same
 // sizes, so its peers never hang; it returns its first error. An EP member's failure also reaches
-// its stage source through the status records of the next EP gather: the source fails too
-// ("EP rank e (world rank r) could not produce its experts: <the member's error>"). A data-plane error (timeout, abort)
+// its merger and stage source through the status records of the next ETP / EP gather: they fail
+// too ("EP rank e (world rank r) could not produce its experts: <the member's error>"). A
+// data-plane error (timeout, abort)
 // breaks that communicator (comm/communicator.h); the buffers of a failed MPI operation are never
 // freed (MPI may still write them) and the process is expected to exit. A failed sync leaves the
 // sink without its `last` bucket and without Finish(): the caller aborts the stream.
@@ -108,9 +116,9 @@ struct SyncOptions {
 
 struct SyncReport {
   // Wall time per phase on this rank. gather: issuing and waiting for all-gathers; convert:
-  // MergeShards + ToHf (source; EP members for the experts they quantize); quantize: INT4 kernels
-  // (source; EP members); bucket: copies into buckets; send_wait: blocked in BucketSink::Send /
-  // Finish.
+  // MergeShards + ToHf (source; expert mergers); quantize: INT4 kernels (source; every rank of
+  // the expert block with INT4 experts); bucket: copies into buckets; send_wait: blocked in
+  // BucketSink::Send / Finish.
   absl::Duration open, gather, convert, quantize, bucket, send_wait, total;
   uint64_t bytes = 0;    // bucket data bytes handed to the sink
   uint64_t buckets = 0;
