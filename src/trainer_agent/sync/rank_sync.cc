@@ -603,8 +603,9 @@ absl::Status RankSync::QuantizeRows(const MegatronParam& p, const TensorView& w,
     report_.quantize += absl::Now() - t0;
     const std::string& name = p.hf_names[static_cast<size_t>(seg.hf_index)];
     if (!s.ok())
-      return Annotate(s, absl::StrCat("quantizing \"", name, "\" (rows ", seg.hf_row, "..", seg.hf_row + seg.rows - 1,
-                                      " of it, ", where, ")"));
+      return Annotate(s, absl::StrCat("quantizing \"", name, "\" (its rows ", seg.hf_row, "..",
+                                      seg.hf_row + seg.rows - 1, " as the kernel's rows 0..", seg.rows - 1, "; ",
+                                      where, ")"));
     report_.quantized_bytes += ws.nbytes();
   }
   return absl::OkStatus();
@@ -797,7 +798,7 @@ void RankSync::RunExperts() {
           const absl::Duration q0 = report_.quantize;
           s = QuantizeRows(p, shard_.tensors[static_cast<size_t>(it.index)], plan.full_rows,
                            block.subspan(0, plan.packed_bytes), block.subspan(plan.scale_offset, plan.scale_bytes),
-                           "its holder");
+                           "by its holder");
           quantizing += report_.quantize - q0;
         } else if (it.int4 && plan_of(it).by_shard) {
           const Int4Plan& plan = plan_of(it);
