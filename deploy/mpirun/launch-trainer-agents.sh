@@ -10,6 +10,10 @@
 # RANK order. The coordinator runs in agent rank 0: give it an address reachable from the rollout
 # hosts (HOST0 = the host of rank 0). Environment: WSYNC_BIN (default /opt/wsync/bin),
 # MPIRUN_ARGS (e.g. "--mca btl_tcp_if_include eth0").
+# Live training (--source shm:JOB): run the agents as the training job's user, with the same
+# WSYNC_RUNTIME_DIR (or XDG_RUNTIME_DIR) as the training processes; Megatron rank r then calls
+# wsync_client_open("JOB", r, ...) (src/trainer_client) and requests its syncs. The agents wait
+# for the training processes to register before the coordinator comes up.
 set -euo pipefail
 hostfile="" np="" source="" coordinator="" token="/etc/wsync/token"
 extra=()

@@ -1,7 +1,7 @@
 // wsyncctl: the operators' command line for a running wsync deployment.
 //
 //   wsyncctl [--coordinator HOST:PORT] [--token-file F] [--tls-ca F] [--json] [--timeout S] COMMAND
-//     sync [--wait] [--wait-if-busy] [--min-agents N]   trigger a sync (and watch it with a progress bar)
+//     sync [--wait] [--wait-if-busy] [--min-agents N] [--version V]   trigger a sync (and watch it)
 //     status                                           the coordinator's state and last version
 //     members                                          the rollout agents and their versions
 //     versions                                         every sync attempt: version, ok, time, bytes
@@ -170,16 +170,22 @@ class Ctl {
     return 0;
   }
 
-  int Sync(bool wait, bool wait_if_busy, uint32_t min_agents) {
+  int Sync(bool wait, bool wait_if_busy, uint32_t min_agents, uint64_t version) {
     v1::TriggerSyncRequest req;
     req.set_wait_if_busy(wait_if_busy);
     req.set_min_agents(min_agents);
+    req.set_version(version);
     v1::TriggerSyncReply r;
     if (auto s = Call(&v1::Coordinator::Stub::TriggerSync, req, &r); !s.ok()) return Fail(s, g_);
     if (!wait) {
-      if (g_.json) std::printf("%s\n", json({{"sync_id", r.sync_id()}, {"version", r.version()}}).dump(2).c_str());
-      else std::printf("sync %llu started -> version %llu\n", static_cast<unsigned long long>(r.sync_id()),
-                       static_cast<unsigned long long>(r.version()));
+      if (g_.json) {
+        std::printf("%s\n", json({{"sync_id", r.sync_id()}, {"version", r.version()}, {"coalesced", r.coalesced()}})
+                                .dump(2)
+                                .c_str());
+      } else {
+        std::printf("sync %llu %s -> version %llu\n", static_cast<unsigned long long>(r.sync_id()),
+                    r.coalesced() ? "(already requested)" : "started", static_cast<unsigned long long>(r.version()));
+      }
       return 0;
     }
     return Watch(r.sync_id());
@@ -347,10 +353,14 @@ int Main(int argc, char** argv) {
 
   bool wait = false, wait_if_busy = false;
   uint32_t min_agents = 1;
+  uint64_t sync_version = 0;
   auto* sync = app.add_subcommand("sync", "Trigger a sync");
   sync->add_flag("--wait", wait, "Follow it to the end with a progress bar; exit 1 if it fails");
   sync->add_flag("--wait-if-busy", wait_if_busy, "Queue behind a running sync instead of failing (exit 5)");
   sync->add_option("--min-agents", min_agents, "Refuse with fewer rollout agents");
+  sync->add_option("--version", sync_version,
+                   "Publish this version (e.g. the training step; must be newer than every published or pending "
+                   "one; a request for a pending or published version joins that sync). Default: the next number");
   app.add_subcommand("status", "Coordinator state and last version");
   app.add_subcommand("members", "Rollout agents");
   app.add_subcommand("versions", "Every sync attempt");
@@ -377,7 +387,7 @@ int Main(int argc, char** argv) {
   if (app.got_subcommand("members")) return ctl.Members();
   if (app.got_subcommand("versions")) return ctl.Versions();
   if (app.got_subcommand("timings")) return ctl.Timings(version);
-  if (app.got_subcommand("sync")) return ctl.Sync(wait, wait_if_busy, min_agents);
+  if (app.got_subcommand("sync")) return ctl.Sync(wait, wait_if_busy, min_agents, sync_version);
   if (app.got_subcommand("verify")) return ctl.Verify(against, quant_file);
   if (app.got_subcommand("generate")) return ctl.Generate(engine, prompt, max_new);
   return 2;

@@ -10,6 +10,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "comm/store/store.h"
 #include "common/checksum.h"
 #include "common/config.h"
@@ -576,7 +577,10 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
 
   e.staging->ResetCoverage();
   if (req.record() && !options_.record_dir.empty()) {
-    auto rec = Recorder::Start(options_.record_dir, req.version(), absl::StrCat("sync", req.sync_id(), "-", getpid()));
+    // An older coordinator sends no key: the store address and sync id then name the sync.
+    std::string key = req.sync_key();
+    if (key.empty()) key = absl::StrReplaceAll(absl::StrCat(req.store_address(), "-", req.sync_id()), {{"/", "_"}});
+    auto rec = Recorder::Start(options_.record_dir, req.version(), key);
     if (!rec.ok()) return fail(rec.status());
     s->recorder = std::move(*rec);
   } else if (req.record()) {
@@ -784,6 +788,9 @@ absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::Comm
   {
     absl::MutexLock mem(&memory_mu_);
     st = Commit(*e.staging, e.memory->weights(), {.num_threads = options_.repack_threads, .verify = false});
+    // CUDA engines: the repack wrote the host shadows; the device copy follows (kInternal on failure:
+    // the device may be partly written, handled as a failed repack below).
+    if (st.ok()) st = e.memory->PublishToDevice();
     if (st.ok()) {
       absl::MutexLock lock(&mu_);
       version_ = version;  // wakes UpdateWeights waiters

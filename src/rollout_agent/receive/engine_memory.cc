@@ -20,6 +20,14 @@ EngineMemory::~EngineMemory() {
     if (m.addr != nullptr && m.size > 0) munmap(m.addr, m.size);
 }
 
+absl::Status EngineMemory::PublishToDevice() {
+  for (const Device& d : device_) {
+    absl::Status s = handles_[d.handle]->CopyFromHost(d.offset, d.shadow.size(), d.shadow.data());
+    if (!s.ok()) return absl::InternalError(absl::StrCat("publishing engine param \"", d.name, "\" to its device: ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
 std::vector<std::string> EngineMemory::segments() const {
   std::vector<std::string> out;
   for (const Mapping& m : mappings_) out.push_back(m.name);
@@ -43,17 +51,11 @@ absl::Status CheckSegmentName(const std::string& name) {
 absl::StatusOr<std::unique_ptr<EngineMemory>> MapEngineMemory(
     const google::protobuf::RepeatedPtrField<v1::EngineParam>& params) {
   std::unique_ptr<EngineMemory> mem(new EngineMemory());
-  absl::flat_hash_map<std::string, size_t> by_name;  // segment -> index in mappings_
+  absl::flat_hash_map<std::string, size_t> by_name;    // segment -> index in mappings_
+  absl::flat_hash_map<std::string, size_t> by_handle;  // device/handle -> index in handles_
   for (const v1::EngineParam& p : params) {
     const std::string what = absl::StrCat("engine param \"", p.name(), "\"");
     if (p.name().empty()) return absl::InvalidArgumentError("an engine param has no name");
-    if (!p.memory().cuda_ipc_handle().empty()) {
-      return absl::UnimplementedError(
-          absl::StrCat(what, ": CUDA IPC memory is not supported by this agent (host shared memory only)"));
-    }
-    const std::string& seg = p.memory().shm_name();
-    if (seg.empty()) return absl::InvalidArgumentError(absl::StrCat(what, ": no shared-memory segment"));
-    RETURN_IF_ERROR(Annotate(CheckSegmentName(seg), what));
     auto dtype = FromProto(p.dtype());
     if (!dtype.ok()) return Annotate(dtype.status(), what);
     Shape shape(p.shape().begin(), p.shape().end());
@@ -63,6 +65,36 @@ absl::StatusOr<std::unique_ptr<EngineMemory>> MapEngineMemory(
       return absl::InvalidArgumentError(absl::StrCat(what, ": nbytes ", p.nbytes(), " but ", SafetensorsName(*dtype),
                                                      ShapeToString(shape), " needs ", *want));
     }
+    if (!p.memory().cuda_ipc_handle().empty()) {
+      // Device memory: one mapping per distinct allocation, a host shadow per param.
+      const std::string key = absl::StrCat(p.memory().cuda_device(), "/", p.memory().cuda_ipc_handle());
+      auto h = by_handle.find(key);
+      if (h == by_handle.end()) {
+        auto mapping = OpenCudaIpc(p.memory().cuda_ipc_handle(), p.memory().cuda_device());
+        if (!mapping.ok()) return Annotate(mapping.status(), what);
+        h = by_handle.emplace(key, mem->handles_.size()).first;
+        mem->handles_.push_back(std::move(*mapping));
+      }
+      EngineMemory::Device d;
+      d.name = p.name();
+      d.handle = h->second;
+      d.offset = p.memory().offset();
+      ASSIGN_OR_RETURN(d.shadow, Buffer::Allocate(p.nbytes()));
+      RETURN_IF_ERROR(Annotate(mem->handles_[d.handle]->CopyToHost(d.offset, p.nbytes(), d.shadow.data()), what));
+      EngineBuffer b;
+      b.name = p.name();
+      b.dtype = *dtype;
+      b.shape = std::move(shape);
+      b.data = d.shadow.data();
+      b.nbytes = p.nbytes();
+      RETURN_IF_ERROR(mem->weights_.Add(std::move(b)));
+      mem->param_bytes_ += p.nbytes();
+      mem->device_.push_back(std::move(d));
+      continue;
+    }
+    const std::string& seg = p.memory().shm_name();
+    if (seg.empty()) return absl::InvalidArgumentError(absl::StrCat(what, ": no shared-memory segment or CUDA IPC handle"));
+    RETURN_IF_ERROR(Annotate(CheckSegmentName(seg), what));
     auto it = by_name.find(seg);
     if (it == by_name.end()) {
       const int fd = shm_open(seg.c_str(), O_RDWR, 0);

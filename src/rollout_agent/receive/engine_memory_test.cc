@@ -86,8 +86,9 @@ TEST_F(EngineMemoryTest, RefusesInconsistentParams) {
        absl::StatusCode::kInvalidArgument, "is not of the form"},
       {"missing", [](auto& r) { r.mutable_params(1)->mutable_memory()->set_shm_name("/wsync-test-does-not-exist"); },
        absl::StatusCode::kNotFound, "wsync-test-does-not-exist"},
-      {"cuda", [](auto& r) { r.mutable_params(0)->mutable_memory()->set_cuda_ipc_handle("x"); },
-       absl::StatusCode::kUnimplemented, "CUDA IPC"},
+      // A device param: needs a CUDA build (else kUnimplemented) and a GPU (none here).
+      {"cuda", [](auto& r) { r.mutable_params(0)->mutable_memory()->set_cuda_ipc_handle(std::string(64, '\1')); },
+       CudaIpcCompiled() ? absl::StatusCode::kFailedPrecondition : absl::StatusCode::kUnimplemented, "CUDA"},
       {"dtype", [](auto& r) { r.mutable_params(0)->set_dtype(v1::DTYPE_UNSPECIFIED); },
        absl::StatusCode::kInvalidArgument, "unknown dtype"},
       {"duplicate", [](auto& r) { *r.add_params() = r.params(0); }, absl::StatusCode::kInvalidArgument,

@@ -2,7 +2,9 @@
 
 #include <unistd.h>
 
+#include <cerrno>
 #include <filesystem>
+#include <random>
 #include <system_error>
 
 #include "absl/strings/str_cat.h"
@@ -17,6 +19,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
+constexpr char kSyncKey[] = "wsync_sync";
+
 absl::Status FsError(const std::error_code& ec, absl::string_view what) {
   return ::wsync::ErrnoToStatus(ec.value(), what);
 }
@@ -24,22 +28,37 @@ absl::Status FsError(const std::error_code& ec, absl::string_view what) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Recorder>> Recorder::Start(const std::string& dir, uint64_t version,
-                                                          const std::string& tag) {
+                                                          const std::string& sync_key) {
+  if (sync_key.empty() || sync_key.find('/') != std::string::npos || sync_key.find('\n') != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("recording: bad sync key '", sync_key, "' (empty, '/' or newline)"));
+  }
   std::unique_ptr<Recorder> r(new Recorder());
+  std::random_device rd;
   r->dir_ = dir;
   r->version_ = version;
+  r->sync_key_ = sync_key;
   r->final_dir_ = (fs::path(dir) / absl::StrCat("v", version)).string();
-  r->partial_dir_ = (fs::path(dir) / absl::StrCat(".v", version, ".partial-", tag)).string();
-  r->started_ = fs::file_time_type::clock::now();
+  r->partial_dir_ =
+      (fs::path(dir) / absl::StrFormat(".v%d.partial-%s-%08x", version, sync_key, rd())).string();
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return FsError(ec, absl::StrCat("creating the record directory ", dir));
-  fs::remove_all(r->partial_dir_, ec);
-  if (ec) return FsError(ec, absl::StrCat("removing a stale ", r->partial_dir_));
   if (!fs::create_directory(r->partial_dir_, ec) || ec) {
     return FsError(ec ? ec : std::make_error_code(std::errc::file_exists), absl::StrCat("creating ", r->partial_dir_));
   }
   return r;
+}
+
+bool Recorder::PeerPublished() const {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(final_dir_, ec)) {
+    if (e.path().extension() != ".safetensors") continue;
+    auto file = SafetensorsFile::Open(e.path().string());
+    if (!file.ok()) return false;
+    auto it = file->metadata().find(kSyncKey);
+    return it != file->metadata().end() && it->second == sync_key_;
+  }
+  return !ec;  // an empty recording: nothing to tell apart, nothing to replace
 }
 
 Recorder::~Recorder() {
@@ -64,6 +83,7 @@ absl::Status Recorder::WriteBucket(const v1::BucketManifest& m, const std::byte*
   writer.SetMetadata("wsync_version", absl::StrCat(m.version()));
   writer.SetMetadata("wsync_pp_stage", absl::StrCat(m.pp_stage()));
   writer.SetMetadata("wsync_bucket", absl::StrCat(m.index()));
+  writer.SetMetadata(kSyncKey, sync_key_);
   const std::string path =
       (fs::path(partial_dir_) / absl::StrFormat("pp%u-%05u.safetensors", m.pp_stage(), m.index())).string();
   return Annotate(writer.Write(path), absl::StrCat("recording stage ", m.pp_stage(), " bucket ", m.index()));
@@ -72,20 +92,15 @@ absl::Status Recorder::WriteBucket(const v1::BucketManifest& m, const std::byte*
 absl::Status Recorder::Finish() {
   if (done_) return absl::OkStatus();
   std::error_code ec;
-  auto peer_published = [&] {
-    std::error_code e;
-    const auto t = fs::last_write_time(final_dir_, e);
-    return !e && t >= started_;
-  };
   std::string old;
   if (fs::exists(final_dir_, ec)) {
-    if (peer_published()) {
+    if (PeerPublished()) {
       WSYNC_LOG(INFO) << "recording: " << final_dir_ << " was published during this sync by another agent sharing "
                       << dir_ << "; keeping it";
       Discard();
       return absl::OkStatus();
     }
-    old = (fs::path(dir_) / absl::StrCat(".v", version_, ".old-", getpid())).string();
+    old = (fs::path(dir_) / absl::StrCat(".v", version_, ".old-", sync_key_, "-", getpid())).string();
     fs::remove_all(old, ec);
     fs::rename(final_dir_, old, ec);
     if (ec && ec != std::errc::no_such_file_or_directory) {
@@ -93,7 +108,7 @@ absl::Status Recorder::Finish() {
     }
   }
   fs::rename(partial_dir_, final_dir_, ec);
-  if (ec && (ec == std::errc::directory_not_empty || ec == std::errc::file_exists) && peer_published()) {
+  if (ec && (ec == std::errc::directory_not_empty || ec == std::errc::file_exists) && PeerPublished()) {
     Discard();  // a peer published between our check and our rename
     ec.clear();
   }

@@ -7,10 +7,12 @@
 // Finish() renames that directory to DIR/v{version} once the version is committed (an older
 // recording of the same version number, from an earlier sync, is replaced). Discard() (or the
 // destructor) removes the partial directory of a sync that failed. Several agents may share DIR
-// (the agents of one sync receive the same buckets): the first to publish v{version} during the
-// sync wins and the others drop their identical copy (a v{version} written after this recorder
-// started is taken to be a peer's recording of the same sync).
-// Every file carries metadata {"format": "pt", "wsync_version", "wsync_pp_stage", "wsync_bucket"}.
+// (the agents of one sync receive the same buckets): the first to publish v{version} wins and the
+// others drop their identical copy. Every file names its sync in its metadata (the coordinator's
+// sync key: random run id + sync id), so a peer's recording of the same sync is told apart from an
+// older recording of the same version number by content, not by timestamps.
+// Every file carries metadata {"format": "pt", "wsync_version", "wsync_pp_stage", "wsync_bucket",
+// "wsync_sync"}.
 //
 // Errors: file-system failures via ErrnoToStatus / std::filesystem codes naming the path;
 // kUnimplemented for a split entry (a tensor spread over several buckets is not recorded).
@@ -20,7 +22,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <filesystem>
 #include <memory>
 #include <string>
 
@@ -31,10 +32,10 @@ namespace wsync::rollout {
 
 class Recorder {
  public:
-  // Creates the partial directory (and DIR itself if missing); a stale partial directory of the
-  // same version and tag is removed first. `tag` tells concurrent writers apart (e.g. the sync id).
+  // Creates the partial directory DIR/.v{version}.partial-{sync_key}-{random} (and DIR itself if
+  // missing). kInvalidArgument for an empty sync_key or one with '/' or a newline.
   static absl::StatusOr<std::unique_ptr<Recorder>> Start(const std::string& dir, uint64_t version,
-                                                         const std::string& tag);
+                                                         const std::string& sync_key);
   ~Recorder();  // Discard() unless Finish() succeeded
 
   // Writes the bucket's entries (views into `data`, manifest.nbytes bytes) to one file. A bucket
@@ -50,9 +51,11 @@ class Recorder {
 
  private:
   Recorder() = default;
-  std::string dir_, partial_dir_, final_dir_;
+  // True when DIR/v{version} holds a recording of this sync (its files' metadata name sync_key_).
+  bool PeerPublished() const;
+
+  std::string dir_, partial_dir_, final_dir_, sync_key_;
   uint64_t version_ = 0;
-  std::filesystem::file_time_type started_;
   bool done_ = false;
 };
 

@@ -64,7 +64,9 @@ TEST_F(RecorderTest, PublishesTheReceivedTensorsOnFinish) {
   ASSERT_TRUE(r.ok()) << r.status();
   WriteAll(**r);
   EXPECT_FALSE(fs::exists(dir_ + "/v9"));  // nothing visible before Finish
-  EXPECT_EQ(Files(dir_), std::vector<std::string>{".v9.partial-sync1"});
+  const std::vector<std::string> partial = Files(dir_);
+  ASSERT_EQ(partial.size(), 1u);
+  EXPECT_THAT(partial[0], ::testing::StartsWith(".v9.partial-sync1-"));
   ASSERT_TRUE((*r)->Finish().ok());
   EXPECT_EQ(Files(dir_), std::vector<std::string>{"v9"});
   std::vector<std::string> want;
@@ -76,6 +78,7 @@ TEST_F(RecorderTest, PublishesTheReceivedTensorsOnFinish) {
     ASSERT_TRUE(file.ok()) << file.status();
     EXPECT_EQ(file->metadata().at("wsync_version"), "9");
     EXPECT_EQ(file->metadata().at("wsync_pp_stage"), "1");
+    EXPECT_EQ(file->metadata().at("wsync_sync"), "sync1");
     for (const auto& e : file->tensors()) {
       const size_t i = std::stoul(e.name.substr(2));
       const TensorView want_view = tensors_[i].view();
@@ -90,33 +93,59 @@ TEST_F(RecorderTest, PublishesTheReceivedTensorsOnFinish) {
 }
 
 TEST_F(RecorderTest, FinishReplacesAnOlderRecordingOfTheSameVersion) {
-  fs::create_directories(dir_ + "/v9");
-  {
-    std::ofstream(dir_ + "/v9/stale.safetensors") << "x";
+  // An earlier sync's recording of the same version number, written even after this sync started
+  // (timestamps do not decide; the files' sync key does): another sync's key, no key, no file
+  // wsync can read.
+  for (int old = 0; old < 3; ++old) {
+    auto r = Recorder::Start(dir_, 9, "run1-2");
+    ASSERT_TRUE(r.ok()) << r.status();
+    fs::create_directories(dir_ + "/v9");
+    if (old == 2) {
+      std::ofstream(dir_ + "/v9/stale.safetensors") << "x";
+    } else {
+      SafetensorsWriter w;
+      ASSERT_TRUE(w.Add("old", tensors_[0].view()).ok());
+      if (old == 0) w.SetMetadata("wsync_sync", "run0-1");
+      ASSERT_TRUE(w.Write(dir_ + "/v9/stale.safetensors").ok());
+    }
+    WriteAll(**r);
+    ASSERT_TRUE((*r)->Finish().ok());
+    EXPECT_EQ(Files(dir_), std::vector<std::string>{"v9"});
+    EXPECT_FALSE(fs::exists(dir_ + "/v9/stale.safetensors")) << old;
+    EXPECT_EQ(Files(dir_ + "/v9").size(), buckets_.size());
+    fs::remove_all(dir_ + "/v9");
   }
-  // Written before this sync started (an earlier sync's recording of the same version number).
-  fs::last_write_time(dir_ + "/v9", fs::file_time_type::clock::now() - std::chrono::hours(1));
-  auto r = Recorder::Start(dir_, 9, "sync2");
-  ASSERT_TRUE(r.ok()) << r.status();
-  WriteAll(**r);
-  ASSERT_TRUE((*r)->Finish().ok());
-  EXPECT_EQ(Files(dir_), std::vector<std::string>{"v9"});
-  EXPECT_FALSE(fs::exists(dir_ + "/v9/stale.safetensors"));
-  EXPECT_EQ(Files(dir_ + "/v9").size(), buckets_.size());
 }
 
 TEST_F(RecorderTest, AgentsSharingTheDirectoryPublishOnce) {
-  auto a = Recorder::Start(dir_, 9, "agent-a");
-  auto b = Recorder::Start(dir_, 9, "agent-b");
-  ASSERT_TRUE(a.ok() && b.ok());
-  WriteAll(**a);
-  WriteAll(**b);
-  ASSERT_TRUE((*a)->Finish().ok());
-  const auto published = fs::last_write_time(dir_ + "/v9");
-  ASSERT_TRUE((*b)->Finish().ok());
-  EXPECT_EQ(Files(dir_), std::vector<std::string>{"v9"}) << "b's copy must be dropped, nothing left behind";
-  EXPECT_EQ(fs::last_write_time(dir_ + "/v9"), published) << "a's recording was replaced";
-  EXPECT_EQ(Files(dir_ + "/v9").size(), buckets_.size());
+  // Two agents of one sync (same key), interleaved as in the agent: each writes, then finishes.
+  for (bool b_checks_after_a : {true, false}) {
+    auto a = Recorder::Start(dir_, 9, "run1-5");
+    auto b = Recorder::Start(dir_, 9, "run1-5");
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_NE((*a)->partial_dir(), (*b)->partial_dir());
+    WriteAll(**a);
+    WriteAll(**b);
+    std::ofstream((*a)->partial_dir() + "/only-in-a") << "a";  // tells a's recording from b's
+    if (b_checks_after_a) {
+      ASSERT_TRUE((*a)->Finish().ok());
+      ASSERT_TRUE((*b)->Finish().ok());
+    } else {
+      ASSERT_TRUE((*b)->Finish().ok());
+      ASSERT_TRUE((*a)->Finish().ok());
+    }
+    EXPECT_EQ(Files(dir_), std::vector<std::string>{"v9"}) << "the second copy must be dropped, nothing left behind";
+    EXPECT_EQ(fs::exists(dir_ + "/v9/only-in-a"), b_checks_after_a) << "the first recording published was replaced";
+    fs::remove_all(dir_ + "/v9");
+  }
+}
+
+TEST_F(RecorderTest, RefusesBadSyncKeys) {
+  for (const char* key : {"", "a/b", "a\nb"}) {
+    auto r = Recorder::Start(dir_, 9, key);
+    EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << key;
+  }
+  EXPECT_FALSE(fs::exists(dir_));
 }
 
 TEST_F(RecorderTest, DiscardAndDestructionLeaveNothing) {

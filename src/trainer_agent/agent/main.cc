@@ -3,6 +3,8 @@
 //
 //   mpirun -np 4 wsync-trainer-agent --source dir:/ckpt/megatron --coordinator 127.0.0.1:7070
 //       [--quant-config quant.json] [--bucket-mib 512] [--backend gloo] [--token-file F]
+//   mpirun -np 4 wsync-trainer-agent --source shm:job42 ...   (the training processes register
+//       their tensors through libwsync_trainer_client; see src/trainer_client/README.md)
 #include <csignal>
 #include <cstdio>
 
@@ -23,7 +25,9 @@ int main(int argc, char** argv) {
   uint64_t bucket_mib = 512;
   double sync_timeout_s = 600;
   wsync::RpcSecurityOptions sec;
-  app.add_option("--source", o.source, "Weight source: dir:PATH (a Megatron source directory)")->required();
+  app.add_option("--source", o.source, "Weight source: dir:PATH (a Megatron source directory, re-read every sync) or shm:NAME (the live "
+                 "training process of each rank shares its tensors through libwsync_trainer_client; the agent "
+                 "waits for it to register)")->required();
   app.add_option("--coordinator", o.coordinator, "Coordinator address: rank 0 listens here, all ranks use its store");
   app.add_option("--backend", o.backend, "Trainer -> rollout data plane: gloo (CPU) or nccl (GPU)");
   app.add_option("--bucket-mib", bucket_mib, "Bucket size in MiB")->check(CLI::Range(1, 1 << 16));

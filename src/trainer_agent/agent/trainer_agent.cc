@@ -16,7 +16,10 @@
 #include "common/status.h"
 #include "common/units.h"
 #include "trainer_agent/coordinator/coordinator.h"
+#include "common/grpc_status.h"
 #include "trainer_agent/source/dir_source.h"
+#include "trainer_agent/source/shm_source.h"
+#include "wsync/v1/coordinator.grpc.pb.h"
 #include "trainer_agent/sync/rank_sync.h"
 #include "trainer_agent/sync/trainer_comms.h"
 
@@ -162,17 +165,35 @@ class Agent {
  public:
   Agent(const TrainerAgentOptions& o, std::unique_ptr<Communicator> world) : opts_(o), world_(std::move(world)) {}
 
-  absl::Status Init() {
-    if (!absl::StartsWith(opts_.source, "dir:")) {
-      return absl::InvalidArgumentError(absl::StrCat("unsupported weight source \"", opts_.source, "\" (dir:PATH)"));
+  absl::Status Init(const std::atomic<bool>* stop) {
+    absl::Status s;
+    const source::WeightSource* src = nullptr;
+    std::optional<source::DirSource> dir_source;
+    if (absl::StartsWith(opts_.source, "dir:")) {
+      dir_ = opts_.source.substr(4);
+      auto d = source::DirSource::Open(dir_);
+      s = d.status();
+      if (d.ok()) dir_source = std::move(*d);
+      src = dir_source ? &*dir_source : nullptr;
+    } else if (absl::StartsWith(opts_.source, "shm:")) {
+      // The training process of this rank registers its tensors (trainer_client); wait for it.
+      auto shm = source::ShmSource::Start(
+          {.name = opts_.source.substr(4), .rank = world_->rank(), .world_size = world_->size()});
+      s = shm.status();
+      if (shm.ok()) {
+        shm_ = std::move(*shm);
+        s = shm_->WaitForRegistration(absl::InfiniteDuration(), stop);
+        if (s.ok()) src = shm_.get();
+      }
+    } else {
+      s = absl::InvalidArgumentError(
+          absl::StrCat("unsupported weight source \"", opts_.source, "\" (dir:PATH or shm:NAME)"));
     }
-    dir_ = opts_.source.substr(4);
     // Every rank must agree before the first collective that needs the layout (the Splits).
-    auto src = source::DirSource::Open(dir_);
-    absl::Status s = src.status();
     if (s.ok() && src->parallel().world_size != world_->size()) {
-      s = absl::InvalidArgumentError(absl::StrCat(dir_, "/parallel.json says world_size ", src->parallel().world_size,
-                                                  " but mpirun started ", world_->size(), " ranks"));
+      s = absl::InvalidArgumentError(absl::StrCat(src->Describe(), ": parallel.json says world_size ",
+                                                  src->parallel().world_size, " but mpirun started ", world_->size(),
+                                                  " ranks"));
     }
     RETURN_IF_ERROR(Vote(*world_, s));
     layout_ = std::make_unique<ParallelLayout>(src->layout());
@@ -205,6 +226,12 @@ class Agent {
     MutableBytes ab{address, sizeof(address)};
     RETURN_IF_ERROR(Annotate(Await(world_->Broadcast({&ab, 1}, 0)), "sharing the coordinator's address"));
     store_ = GrpcStoreClient::Connect(address, absl::Seconds(30), opts_.security);
+    if (shm_) {
+      const std::string coordinator = address;
+      shm_->SetSyncRequester([this, coordinator](uint64_t version, bool wait, absl::Duration timeout) {
+        return RequestSync(coordinator, version, wait, timeout);
+      });
+    }
     const CollectiveOptions forever{absl::InfiniteDuration()};
     for (;;) {
       Command cmd;
@@ -242,10 +269,19 @@ class Agent {
     WSYNC_LOG(INFO) << "sync " << cmd.sync_id << " (version " << cmd.version << ")"
                     << (is_source ? absl::StrCat(": source of stage ", stage, " for ", cmd.num_agents, " agents") : "");
 
-    // 1. Re-read the source and form the stage groups; vote.
+    // 1. Re-read the source (dir:) and form the stage groups; vote.
     absl::Status s;
-    auto src = source::DirSource::Open(dir_);
-    if (!src.ok()) s = src.status();
+    std::optional<source::DirSource> dir_source;
+    const source::WeightSource* src = shm_.get();
+    if (!shm_) {
+      auto d = source::DirSource::Open(dir_);
+      if (d.ok()) {
+        dir_source = std::move(*d);
+        src = &*dir_source;
+      } else {
+        s = d.status();
+      }
+    }
     std::unique_ptr<BroadcastSink> sink;
     if (s.ok() && is_source) {
       GroupOptions g;
@@ -322,8 +358,42 @@ class Agent {
     return report;
   }
 
+  // A training process's sync request (shm: source), forwarded to the coordinator: TriggerSync
+  // (queued behind a running sync; requests for the same version coalesce), then, with `wait`,
+  // WatchSync until the sync has ended.
+  absl::StatusOr<source::SyncRequestResult> RequestSync(const std::string& coordinator, uint64_t version, bool wait,
+                                                        absl::Duration timeout) {
+    const absl::Duration bound = std::min(timeout, absl::Hours(24));
+    auto stub = v1::Coordinator::NewStub(MakeChannel(coordinator, opts_.security));
+    grpc::ClientContext ctx;
+    PrepareContext(&ctx, opts_.security, std::min(bound, absl::Seconds(30)));
+    v1::TriggerSyncRequest req;
+    req.set_version(version);
+    req.set_wait_if_busy(true);
+    v1::TriggerSyncReply reply;
+    RETURN_IF_ERROR(Annotate(FromGrpcStatus(stub->TriggerSync(&ctx, req, &reply)), "requesting a sync"));
+    source::SyncRequestResult result{reply.sync_id(), reply.version(), reply.coalesced()};
+    WSYNC_LOG(INFO) << "the training process asked for version " << version << ": sync " << result.sync_id
+                    << (result.coalesced ? " (already requested)" : " queued");
+    if (!wait) return result;
+    grpc::ClientContext wctx;
+    PrepareContext(&wctx, opts_.security, bound);
+    v1::WatchSyncRequest w;
+    w.set_sync_id(result.sync_id);
+    auto reader = stub->WatchSync(&wctx, w);
+    v1::SyncEvent e, last;
+    while (reader->Read(&e)) last = e;
+    RETURN_IF_ERROR(Annotate(FromGrpcStatus(reader->Finish()), absl::StrCat("watching sync ", result.sync_id)));
+    if (last.phase() != "done") {
+      return absl::AbortedError(absl::StrCat("sync ", result.sync_id, " (version ", result.version, ") ",
+                                             last.phase().empty() ? "did not finish" : last.phase(), ": ", last.error()));
+    }
+    return result;
+  }
+
   TrainerAgentOptions opts_;
   std::unique_ptr<Communicator> world_;
+  std::unique_ptr<source::ShmSource> shm_;  // shm: source (else dir_ is re-read every sync)
   std::string dir_;
   std::unique_ptr<ParallelLayout> layout_;
   int stages_ = 1;
@@ -340,7 +410,7 @@ absl::Status RunTrainerAgent(const TrainerAgentOptions& options, const std::atom
   ASSIGN_OR_RETURN(auto world, CreateMpiWorld(mo));
   SetLogIdentity("trainer", world->rank());
   Agent agent(options, std::move(world));
-  absl::Status s = agent.Init();
+  absl::Status s = agent.Init(stop);
   if (!s.ok()) return s;
   std::unique_ptr<MetricsServer> metrics;
   if (options.metrics_port >= 0) {

@@ -1,6 +1,7 @@
 // The trainer agent process (one per Megatron rank, launched by mpirun in Megatron's rank order).
 //
-// Every rank: joins the MPI world, makes its TP / ETP / EP sub-communicators, and waits on the
+// Every rank: joins the MPI world, opens its weight source (dir: a Megatron directory; shm: waits
+// for its training process to register), makes its TP / ETP / EP sub-communicators, and waits on the
 // command channel (a fixed-size Broadcast from rank 0 over the world). Rank 0 also hosts the
 // Coordinator; its TrainerSide turns each sync into a command, so every rank runs the same sync:
 //   1. each stage source forms its stage's data-plane group with the rollout agents (Gloo/NCCL,
@@ -28,7 +29,7 @@
 namespace wsync {
 
 struct TrainerAgentOptions {
-  std::string source;                    // "dir:PATH"
+  std::string source;                    // "dir:PATH" or "shm:NAME" (trainer_agent/source/)
   std::string coordinator = "127.0.0.1:7070";  // rank 0 listens here; every rank reaches the store here
   std::string backend = "gloo";          // trainer -> rollout data plane
   uint64_t bucket_bytes = uint64_t{512} << 20;

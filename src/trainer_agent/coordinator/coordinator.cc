@@ -6,11 +6,13 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <random>
 #include <thread>
 #include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
@@ -55,7 +57,10 @@ std::vector<absl::Status> ParallelFor(size_t n, const std::function<absl::Status
 
 class Coordinator::Impl final : public v1::Coordinator::Service {
  public:
-  Impl(CoordinatorOptions o, TrainerSide* trainer) : opts_(std::move(o)), trainer_(trainer) {}
+  Impl(CoordinatorOptions o, TrainerSide* trainer) : opts_(std::move(o)), trainer_(trainer) {
+    std::random_device rd;
+    run_id_ = absl::StrFormat("%08x%08x", rd(), rd());
+  }
 
   absl::Status Start() {
     store_service_ = MakeStoreService(&store_, opts_.security);
@@ -172,6 +177,25 @@ class Coordinator::Impl final : public v1::Coordinator::Service {
                           absl::StrCat("a sync needs at least ", std::max<uint32_t>(1, req->min_agents()),
                                        " rollout agents; ", members_.size(), " have joined"));
     }
+    if (const uint64_t v = req->version(); v != 0) {
+      // Join a sync of the same version (queued, running, or done): one sync for all ranks.
+      for (auto& [sid, rec] : syncs_) {
+        if (rec.version == v && (!rec.finished || rec.phase == "done")) {
+          reply->set_sync_id(sid);
+          reply->set_version(v);
+          reply->set_coalesced(true);
+          return grpc::Status::OK;
+        }
+      }
+      uint64_t newest = published_;
+      for (uint64_t q : queue_) newest = std::max(newest, syncs_[q].version);
+      if (running_) newest = std::max(newest, syncs_[running_id_].version);
+      if (v <= newest) {
+        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                            absl::StrCat("version ", v, " is not newer than version ", newest,
+                                         " (published, queued or running); versions only grow"));
+      }
+    }
     if ((running_ || !queue_.empty()) && !req->wait_if_busy()) {
       return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                           absl::StrCat("sync ", running_ ? running_id_ : queue_.front(),
@@ -180,7 +204,12 @@ class Coordinator::Impl final : public v1::Coordinator::Service {
     const uint64_t id = next_sync_id_++;
     SyncRecord rec;
     rec.id = id;
-    rec.version = next_version_++;
+    if (req->version() != 0) {
+      rec.version = req->version();
+      next_version_ = std::max(next_version_, rec.version + 1);
+    } else {
+      rec.version = next_version_++;
+    }
     syncs_[id] = rec;
     queue_.push_back(id);
     ++event_seq_;
@@ -306,6 +335,7 @@ class Coordinator::Impl final : public v1::Coordinator::Service {
             }
             r.set_timeout_ms(absl::ToInt64Milliseconds(opts_.sync_timeout));
             r.set_record(true);
+            r.set_sync_key(absl::StrCat(run_id_, "-", id));
             return r;
           },
           &v1::RolloutAgent::Stub::BeginSync, &replies);
@@ -547,6 +577,7 @@ class Coordinator::Impl final : public v1::Coordinator::Service {
   std::unique_ptr<grpc::Service> store_service_;
   std::unique_ptr<grpc::Server> server_;
   std::string host_;
+  std::string run_id_;  // random per coordinator: sync keys differ across restarts
   int port_ = 0;
   std::thread worker_, reaper_;
 

@@ -24,27 +24,33 @@ absl::StatusOr<DirSource> DirSource::Open(const std::string& dir) {
   const std::string config_path = dir + "/config.json";
   const std::string parallel_path = dir + "/parallel.json";
   ASSIGN_OR_RETURN(std::string config_json, ReadTextFile(config_path));
-  ASSIGN_OR_RETURN(ModelConfig model, ParseModelConfig(config_json, config_path));
   ASSIGN_OR_RETURN(std::string parallel_json, ReadTextFile(parallel_path));
-  ASSIGN_OR_RETURN(convert::SourceParallel parallel, convert::ParseSourceParallel(parallel_json, parallel_path));
-  ASSIGN_OR_RETURN(parallel, convert::ResolveSourceParallel(model, std::move(parallel), parallel_path));
+  ASSIGN_OR_RETURN(SourceModel model, ParseSourceModel(std::move(config_json), config_path, parallel_json, parallel_path));
+  return DirSource(dir, std::move(model));
+}
+
+absl::StatusOr<SourceModel> ParseSourceModel(std::string config_json, absl::string_view config_where,
+                                             absl::string_view parallel_json, absl::string_view parallel_where) {
+  ASSIGN_OR_RETURN(ModelConfig model, ParseModelConfig(config_json, config_where));
+  ASSIGN_OR_RETURN(convert::SourceParallel parallel, convert::ParseSourceParallel(parallel_json, parallel_where));
+  ASSIGN_OR_RETURN(parallel, convert::ResolveSourceParallel(model, std::move(parallel), parallel_where));
   auto layout = convert::MakeLayout(model, parallel);
-  if (!layout.ok()) return Annotate(layout.status(), parallel_path);
-  return DirSource(dir, std::move(config_json), std::move(model), std::move(parallel), std::move(*layout));
+  if (!layout.ok()) return Annotate(layout.status(), parallel_where);
+  return SourceModel{std::move(config_json), std::move(model), std::move(parallel), std::move(*layout)};
 }
 
 std::string DirSource::RankPath(int global_rank) const {
   return absl::StrCat(dir_, "/", convert::RankFileName(global_rank));
 }
 
-absl::StatusOr<RankShard> DirSource::OpenRank(int global_rank) const {
-  if (global_rank < 0 || global_rank >= layout_.world_size())
+absl::StatusOr<RankShard> DirSource::OpenRank(int global_rank, uint64_t /*version: files carry none*/) const {
+  if (global_rank < 0 || global_rank >= layout().world_size())
     return absl::InvalidArgumentError(absl::StrCat("weight source ", dir_, ": rank ", global_rank,
-                                                   " is outside the world of ", layout_.world_size(),
+                                                   " is outside the world of ", layout().world_size(),
                                                    " ranks (parallel.json)"));
   RankShard shard;
   shard.global_rank = global_rank;
-  ASSIGN_OR_RETURN(shard.params, convert::PlanRank(model_, layout_, parallel_, global_rank));
+  ASSIGN_OR_RETURN(shard.params, convert::PlanRank(model(), layout(), parallel(), global_rank));
   const std::string path = RankPath(global_rank);
   auto file = SafetensorsFile::Open(path);
   if (!file.ok()) {
@@ -53,10 +59,11 @@ absl::StatusOr<RankShard> DirSource::OpenRank(int global_rank) const {
                                               " is missing (", file.status().message(), ")"));
     return file.status();
   }
-  shard.file = std::make_shared<const SafetensorsFile>(std::move(*file));
+  auto mapped = std::make_shared<const SafetensorsFile>(std::move(*file));
+  shard.backing = mapped;
   std::vector<std::pair<std::string, TensorView>> tensors;
-  tensors.reserve(shard.file->tensors().size());
-  for (const SafetensorsEntry& e : shard.file->tensors()) tensors.emplace_back(e.name, e.view);
+  tensors.reserve(mapped->tensors().size());
+  for (const SafetensorsEntry& e : mapped->tensors()) tensors.emplace_back(e.name, e.view);
   ASSIGN_OR_RETURN(shard.tensors, convert::BindToPlan(shard.params, tensors, path));
   return shard;
 }

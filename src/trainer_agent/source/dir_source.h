@@ -32,20 +32,11 @@
 #include "trainer_agent/convert/reassemble.h"
 #include "trainer_agent/convert/source_parallel.h"
 #include "trainer_agent/layout/parallel_layout.h"
+#include "trainer_agent/source/weight_source.h"
 
 namespace wsync::source {
 
-struct RankShard {
-  int global_rank = 0;
-  std::vector<convert::MegatronParam> params;  // PlanRank order
-  std::vector<TensorView> tensors;             // tensors[i] belongs to params[i]; views into `file`
-  std::shared_ptr<const SafetensorsFile> file; // keeps the mapping alive
-
-  // Index of the parameter with this local name, or -1 (linear search).
-  int Find(absl::string_view local_name) const;
-};
-
-class DirSource {
+class DirSource final : public WeightSource {
  public:
   static absl::StatusOr<DirSource> Open(const std::string& dir);
 
@@ -53,29 +44,18 @@ class DirSource {
   DirSource& operator=(DirSource&&) noexcept = default;
 
   const std::string& dir() const { return dir_; }
-  const ModelConfig& model() const { return model_; }
-  const std::string& config_json() const { return config_json_; }
-  const convert::SourceParallel& parallel() const { return parallel_; }  // resolved
-  const ParallelLayout& layout() const { return layout_; }
+  const SourceModel& source_model() const override { return model_; }
   std::string RankPath(int global_rank) const;
 
-  // Maps and validates `global_rank`'s file (see the file comment).
-  absl::StatusOr<RankShard> OpenRank(int global_rank) const;
+  // Maps and validates `global_rank`'s file (see the file comment); `backing` holds the mapping.
+  absl::StatusOr<RankShard> OpenRank(int global_rank, uint64_t version = 0) const override;
+  std::string Describe() const override { return "dir:" + dir_; }
 
  private:
-  DirSource(std::string dir, std::string config_json, ModelConfig model, convert::SourceParallel parallel,
-            ParallelLayout layout)
-      : dir_(std::move(dir)),
-        config_json_(std::move(config_json)),
-        model_(std::move(model)),
-        parallel_(std::move(parallel)),
-        layout_(std::move(layout)) {}
+  DirSource(std::string dir, SourceModel model) : dir_(std::move(dir)), model_(std::move(model)) {}
 
   std::string dir_;
-  std::string config_json_;
-  ModelConfig model_;
-  convert::SourceParallel parallel_;
-  ParallelLayout layout_;
+  SourceModel model_;
 };
 
 // Simulates every stage's gathers from the source's rank files (each opened once) and compares

@@ -252,7 +252,7 @@ uint64_t SyncWorkspace::bytes() const {
 
 class RankSync {
  public:
-  RankSync(const source::DirSource& src, TrainerComms& comms, BucketSink* sink, const SyncOptions& o)
+  RankSync(const source::WeightSource& src, TrainerComms& comms, BucketSink* sink, const SyncOptions& o)
       : src_(src), layout_(src.layout()), comms_(comms), sink_(sink), o_(o),
         ws_(o.workspace != nullptr ? *o.workspace : own_workspace_),
         slots_(ws_.slots_), etp_buffer_(ws_.etp_), scratch_(ws_.scratch_) {}
@@ -287,7 +287,7 @@ class RankSync {
   kernels::QuantizeOptions KernelOptions() const;
   absl::Status EnsureBuffer(Buffer& b, uint64_t bytes);
 
-  const source::DirSource& src_;
+  const source::WeightSource& src_;
   const ParallelLayout& layout_;
   TrainerComms& comms_;
   BucketSink* sink_;
@@ -349,7 +349,7 @@ absl::Status RankSync::Prepare() {
   int4_members_ = o_.quant != nullptr && (layout_.ep() > 1 || layout_.etp() > 1) && expert_member_;
   if ((source_ || int4_members_) && o_.quant != nullptr) RETURN_IF_ERROR(o_.quant->CheckInt4Supported());
 
-  ASSIGN_OR_RETURN(shard_, src_.OpenRank(me_));
+  ASSIGN_OR_RETURN(shard_, src_.OpenRank(me_, o_.version));
 
   // Dense items: the stage source's TP group gathers TP-sharded parameters.
   std::vector<Item> dense, experts;
@@ -933,7 +933,7 @@ absl::StatusOr<SyncReport> RankSync::Run() {
   if (comm_failed_) {
     for (Buffer& b : slots_) LeakForFailedCollectives(std::move(b));
     LeakForFailedCollectives(std::move(etp_buffer_));
-    if (shard_.file) new std::shared_ptr<const SafetensorsFile>(shard_.file);  // NOLINT: send buffers
+    if (shard_.backing) new std::shared_ptr<const void>(shard_.backing);  // NOLINT: send buffers
   }
   report_.total = absl::Now() - start;
   if (!failure_.ok())
@@ -942,7 +942,7 @@ absl::StatusOr<SyncReport> RankSync::Run() {
   return report_;
 }
 
-absl::StatusOr<SyncReport> RunRankSync(const source::DirSource& src, TrainerComms& comms, BucketSink* sink,
+absl::StatusOr<SyncReport> RunRankSync(const source::WeightSource& src, TrainerComms& comms, BucketSink* sink,
                                        const SyncOptions& options) {
   RankSync sync(src, comms, sink, options);
   return sync.Run();

@@ -6,7 +6,8 @@
 // measurements: README.md beside this file.
 //
 // Steps, on every rank of the world (each rank runs RunRankSync with the same options):
-//  1. open   DirSource::OpenRank(own rank) (the file is mapped anew every sync), then one world
+//  1. open   WeightSource::OpenRank(own rank) (dir: the file is mapped anew every sync; shm: the
+//            trainer's update lock is held shared until the sync ends), then one world
 //            agreement (two small AllGathers): every rank learns whether every rank opened its
 //            shard and whether all ranks run the same source config and options. On any failure
 //            every rank returns the same error, naming the first failing rank and its error
@@ -78,7 +79,7 @@
 #include "comm/communicator.h"
 #include "common/config.h"
 #include "kernels/int4.h"
-#include "trainer_agent/source/dir_source.h"
+#include "trainer_agent/source/weight_source.h"
 #include "trainer_agent/sync/bucket_builder.h"
 #include "trainer_agent/sync/trainer_comms.h"
 
@@ -132,7 +133,7 @@ struct SyncReport {
   uint64_t gather_calls = 0;     // all-gather calls issued by this rank
 };
 
-absl::StatusOr<SyncReport> RunRankSync(const source::DirSource& src, TrainerComms& comms, BucketSink* sink,
+absl::StatusOr<SyncReport> RunRankSync(const source::WeightSource& src, TrainerComms& comms, BucketSink* sink,
                                        const SyncOptions& options);
 
 }  // namespace wsync::sync

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# End to end with live training processes (the shm: source, issue 5): 4 trainer agents under
+# mpirun with `--source shm:NAME`, 4 training processes (wsync-shm-trainer, under their own
+# mpirun) that register their tensors through libwsync_trainer_client, and one reference engine
+# of TP 2. The training processes take two steps with different weights (two generated models),
+# writing them in place in shared memory, and request versions 10 and 11 themselves. After each
+# sync, rank 0 checks with `wsyncctl verify` that the engine holds exactly that step's weights
+# (bit-exact, INT4 experts), and that the published version is the one requested; the other
+# ranks wait for the check (a barrier). Afterwards: one sync per version (the 4 requests
+# coalesced), both versions recorded, and no shared memory left behind.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+bin="${WSYNC_BIN:-$here/build/bin}"
+work="$(mktemp -d /tmp/wsync-e2e-shm.XXXXXX)"
+trap 'rm -rf "$work"' EXIT
+for step in 1 2; do
+  "$bin/wsync-model-gen" --from-config default --seed $((40 + step)) --out "$work/s$step/hf" > /dev/null
+  "$bin/wsync-shard" --hf "$work/s$step/hf" --out "$work/s$step/megatron" --tp 2 --ep 2 --dp 2 > /dev/null
+done
+cat > "$work/after.sh" <<'AFTER'
+#!/usr/bin/env bash
+set -euo pipefail
+ctl=("$WSYNC_BIN/wsyncctl" --coordinator "$(cat "$WSYNC_COORDINATOR_FILE")" --token-file "$WSYNC_TOKEN_FILE")
+"${ctl[@]}" verify --against "${WSYNC_FROM%/megatron}/hf"
+published=$("${ctl[@]}" --json status | python3 -c 'import json,sys; print(json.load(sys.stdin)["version"])')
+[ "$published" = "$WSYNC_VERSION" ] || { echo "published version $published, expected $WSYNC_VERSION" >&2; exit 1; }
+echo "   version $WSYNC_VERSION verified bit-exact against ${WSYNC_FROM%/megatron}/hf"
+AFTER
+chmod +x "$work/after.sh"
+export WSYNC_BIN="$bin"
+before=$(ls /dev/shm | grep -c '^wsync\.' || true)
+"$here/tools/wsync-local" --source "$work/s1/megatron" --rollout-engines 1 --engine-tp 2 \
+  --record-dir "$work/record" --workdir "$work/run" \
+  --trainer "$bin/wsync-shm-trainer --from $work/s1/megatron --from $work/s2/megatron --first-version 10 --after-sync $work/after.sh" \
+  | tee "$work/out.txt"
+grep -q "version 10 verified bit-exact" "$work/out.txt"
+grep -q "version 11 verified bit-exact" "$work/out.txt"
+for v in 10 11; do
+  n=$(grep -c "version $v synced" "$work/out.txt")
+  first=$(grep "version $v synced" "$work/out.txt" | grep -vc "requested by another rank first" || true)
+  [ "$n" = 4 ] || { echo "e2e_shm: $n of 4 ranks saw version $v synced" >&2; exit 1; }
+  [ "$first" = 1 ] || { echo "e2e_shm: version $v was started by $first ranks, want 1 (coalesced)" >&2; exit 1; }
+  [ -d "$work/record/v$v" ] || { echo "e2e_shm: version $v was not recorded" >&2; exit 1; }
+done
+after=$(ls /dev/shm | grep -c '^wsync\.' || true)
+[ "$after" -le "$before" ] || { echo "e2e_shm: shared memory left behind: $(ls /dev/shm | grep '^wsync\.')" >&2; exit 1; }
+echo "e2e_shm: ok"
