@@ -284,7 +284,7 @@ class RankSync {
   void WriteStatusRecord(std::span<std::byte> record) const;
   // The records of a gather's `count` members; `mine` is skipped. `group`: "EP" or "ETP".
   absl::Status CheckRecords(std::span<const std::byte> records, int count, int mine, absl::string_view group) const;
-  kernels::QuantizeOptions KernelOptions() const;
+  kernels::QuantizeOptions KernelQuantOptions() const;
   absl::Status EnsureBuffer(Buffer& b, uint64_t bytes);
 
   const source::WeightSource& src_;
@@ -472,7 +472,7 @@ absl::StatusOr<std::unique_ptr<Work>> RankSync::AllGather(Communicator& c, const
   return w;
 }
 
-kernels::QuantizeOptions RankSync::KernelOptions() const {
+kernels::QuantizeOptions RankSync::KernelQuantOptions() const {
   kernels::QuantizeOptions ko;
   ko.group_size = o_.quant->group_size;
   ko.variant = o_.quant_variant;
@@ -507,7 +507,7 @@ absl::Status RankSync::QuantizeIntoBucket(const std::string& name, const TensorV
   ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst,
                    ReserveInt4(name, w.dtype(), shapes->packed, shapes->scales, w.dim(0), w.dim(1)));
   const absl::Time t0 = absl::Now();
-  absl::Status s = kernels::QuantizeInt4(w, dst[0], dst[1], KernelOptions());
+  absl::Status s = kernels::QuantizeInt4(w, dst[0], dst[1], KernelQuantOptions());
   report_.quantize += absl::Now() - t0;
   if (!s.ok()) return Annotate(s, absl::StrCat("quantizing \"", name, "\""));
   report_.quantized_bytes += w.nbytes();
@@ -587,7 +587,7 @@ absl::Status RankSync::PlanInt4(Item& it) {
 absl::Status RankSync::QuantizeRows(const MegatronParam& p, const TensorView& w, const std::vector<RowSegment>& rows,
                                     std::span<std::byte> packed, std::span<std::byte> scales,
                                     absl::string_view where) {
-  const kernels::QuantizeOptions ko = KernelOptions();
+  const kernels::QuantizeOptions ko = KernelQuantOptions();
   const int64_t n = w.dim(0), k = w.dim(1);
   const uint64_t w_row = w.nbytes() / static_cast<uint64_t>(n);
   const uint64_t packed_row = packed.size() / static_cast<uint64_t>(n);
