@@ -302,6 +302,20 @@ void CheckSyncAgainstHf(const SyncResult& r, const source::DirSource& src, const
   }
 }
 
+// With INT4 experts gathered (EP or ETP > 1), every rank of the expert block (edp = 0) quantizes:
+// the EP members their experts, ETP ranks their shards of GLU fc1 (row blocks); otherwise only
+// stage sources quantize.
+void CheckWhoQuantized(const SyncResult& r, const ParallelLayout& layout, bool int4_experts) {
+  if (!r.report.ok()) return;
+  const ExpertCoord e = layout.Expert(world->rank());
+  const bool member = int4_experts && (layout.ep() > 1 || layout.etp() > 1) && e.edp == 0;
+  if (member) {
+    EXPECT_GT(r.report->quantized_bytes, 0u) << "rank " << world->rank() << ": EP members quantize their experts";
+  } else if (!r.report->source) {
+    EXPECT_EQ(r.report->quantized_bytes, 0u) << "rank " << world->rank();
+  }
+}
+
 // --- Bit-exact sync for every architecture and layout -------------------------------------------
 
 struct Param {
@@ -341,6 +355,7 @@ TEST_P(TrainerSyncTest, SendsExactlyTheConvertedCheckpoint) {
   o.collective = kTimeout;
   SyncResult r = SyncOnce(*src, o);
   CheckSyncAgainstHf(r, *src, o, fixture->hf_dir, quant);
+  CheckWhoQuantized(r, src->layout(), P.int4 && IsMoe(P.model.arch));
   RemoveFixture(*fixture);
 }
 
@@ -370,6 +385,57 @@ INSTANTIATE_TEST_SUITE_P(All, TrainerSyncTest, ::testing::ValuesIn(AllParams()),
                            return absl::StrCat(i.param.layout.name, "_", i.param.model.name,
                                                i.param.int4 ? "_int4" : "_bf16");
                          });
+
+// Experts partly ignored, differently per EP member: an expert parameter whose HF tensors are not
+// all INT4 targets on every member is gathered in bf16 and converted by the source (which
+// quantizes the targets among them); the others are quantized by their members. Bit-exact.
+TEST(TrainerSyncMixedTest, ExpertsIgnoredOnSomeMembersOnlyAreSentExactly) {
+  // Group 32, experts partly ignored; then channelwise (one group per row: with ETP 2, fc2's
+  // column blocks are not whole groups). moe_ffn 64: with ETP 2, fc2's blocks of 32 columns are
+  // whole groups of 32, quantized by each ETP rank.
+  constexpr const char kMixedJson[] = R"json({
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+      "strategy": "group", "group_size": 32, "symmetric": true, "actorder": null, "dynamic": false}}},
+    "ignore": ["lm_head", "re:.*self_attn\\.(q|k|v)_proj$", "re:.*mlp\\.gate$",
+               "model.layers.1.mlp.experts.6", "model.layers.2.mlp.experts.1.up_proj",
+               "re:model\\.layers\\.3\\.mlp\\.experts\\.[0-9]+\\.down_proj"]})json";
+  constexpr const char kChannelwiseJson[] = R"json({
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+      "strategy": "channel", "group_size": null, "symmetric": true, "actorder": null, "dynamic": false}}},
+    "ignore": ["lm_head", "re:.*mlp\\.gate$"]})json";
+  const std::vector<LayoutCase> layouts = {
+      {"tp2_ep2_etp1", 4, 2, 1, 2, 1}, {"tp1_ep4", 4, 1, 1, 4, 1}, {"tp2_ep2_etp2_pp2", 8, 2, 2, 2, 2}};
+  for (const char* json : {kMixedJson, kChannelwiseJson}) {
+    auto q = ParseQuantizationConfig(json, "test int4 config");
+    ASSERT_TRUE(q.ok()) << q.status();
+    for (const ModelCase& m : {ModelCase{"qwen3moe", Architecture::kQwen3Moe, false},
+                               ModelCase{"deepseek", Architecture::kDeepseekV3, false}}) {
+      for (const LayoutCase& l : layouts) {
+        if (l.np != world->size()) continue;
+        SCOPED_TRACE(absl::StrCat(m.name, " ", l.name, " group ", q->group_size));
+        convert::SyntheticModelOptions mo = TinyOptions(m);
+        mo.moe_ffn = 64;
+        auto f = MakeFixture(mo, l, 17);
+        ASSERT_TRUE(f.ok()) << f.status();
+        auto src = source::DirSource::Open(f->src_dir);
+        ASSERT_TRUE(src.ok()) << src.status();
+        SyncOptions o;
+        o.version = 3;
+        o.bucket_bytes = 32 << 10;
+        o.gather_bytes = 12 << 10;
+        o.quant = &*q;
+        o.quant_threads = 1;
+        o.collective = kTimeout;
+        SyncResult r = SyncOnce(*src, o);
+        CheckSyncAgainstHf(r, *src, o, f->hf_dir, *q);
+        CheckWhoQuantized(r, src->layout(), true);
+        RemoveFixture(*f);
+      }
+    }
+  }
+}
 
 // --- Malformed sources ---------------------------------------------------------------------------
 
@@ -458,39 +524,111 @@ TEST_F(MalformedSourceTest, RanksWithDifferentGatherSizesRefuseBeforeAnyGather) 
   RemoveFixture(*f);
 }
 
-TEST_F(MalformedSourceTest, ANanTheQuantizerRefusesFailsTheSourceWhileTheOthersFinish) {
-  const std::string bad = "model.layers.1.mlp.experts.6.down_proj.weight";  // held by EP rank 1
-  auto f = MakeFixture(MoeOptions(), kMoeLayout, 10, [&](convert::SyntheticModel& m) -> absl::Status {
-    ASSIGN_OR_RETURN(TensorView v, m.weights.Get(bad));
+// Where a NaN lands: HF tensor `name`, element `element`; quantized by the stage source of `stage`
+// (ep_rank < 0: a dense tensor) or by the rank of the expert block holding it (etp_rank, ep_rank).
+struct NanCase {
+  std::string name;
+  int64_t element = 17;
+  int stage = 0, ep_rank = -1, etp_rank = 0;
+};
+
+// The NaN's quantizer fails naming the tensor; the ETP merger (etp = 0) of its EP rank, if another
+// rank, fails naming it and the quantizer; the stage source, if another rank, fails naming it
+// and the EP rank it came from, sends no last bucket and no Finish; every other rank finishes.
+// No rank hangs.
+void ExpectNanFailsItsQuantizerAndTheSource(const LayoutCase& layout, const NanCase& c, uint64_t seed,
+                                            const char* quant_json = kInt4Json) {
+  auto f = MakeFixture(MoeOptions(), layout, seed, [&](convert::SyntheticModel& m) -> absl::Status {
+    ASSIGN_OR_RETURN(TensorView v, m.weights.Get(c.name));
     auto* p = const_cast<std::byte*>(v.bytes().data());  // owned by the in-memory checkpoint
     const uint16_t nan = 0x7fc0;
-    std::memcpy(p + 2 * 17, &nan, 2);
+    std::memcpy(p + 2 * c.element, &nan, 2);
     return absl::OkStatus();
   });
   ASSERT_TRUE(f.ok()) << f.status();
   auto src = source::DirSource::Open(f->src_dir);
   ASSERT_TRUE(src.ok()) << src.status();
-  auto q = ParseQuantizationConfig(kInt4Json, "test int4 config");
+  const ParallelLayout& l = src->layout();
+  const int source = l.StageSourceRank(c.stage);
+  int quantizer = source, merger = source;
+  if (c.ep_rank >= 0)
+    for (int r = 0; r < l.world_size(); ++r) {
+      if (l.Expert(r) == ExpertCoord{c.etp_rank, c.ep_rank, 0, c.stage}) quantizer = r;
+      if (l.Expert(r) == ExpertCoord{0, c.ep_rank, 0, c.stage}) merger = r;
+    }
+  auto q = ParseQuantizationConfig(quant_json, "test int4 config");
   ASSERT_TRUE(q.ok()) << q.status();
   SyncOptions o;
   o.bucket_bytes = 16 << 10;
   o.gather_bytes = 8 << 10;
   o.quant = &*q;
+  o.quant_threads = 2;
   o.collective = kTimeout;
   const absl::Time t0 = absl::Now();
   SyncResult r = SyncOnce(*src, o);
   EXPECT_LT(absl::Now() - t0, absl::Seconds(20));
-  if (world->rank() == 0) {
-    ASSERT_FALSE(r.report.ok());
+  const int me = world->rank();
+  if (me == source || me == quantizer || me == merger) {
+    ASSERT_FALSE(r.report.ok()) << "rank " << me;
+    const std::string msg(r.report.status().message());
     EXPECT_TRUE(absl::IsInvalidArgument(r.report.status())) << r.report.status();
-    EXPECT_TRUE(absl::StrContains(r.report.status().message(), bad)) << r.report.status();
-    EXPECT_TRUE(absl::StrContains(r.report.status().message(), "rank 0 (stage 0 source)")) << r.report.status();
-    EXPECT_EQ(r.sink->finishes, 0) << "a failed stream is not finished";
-    for (const auto& b : r.sink->buckets) EXPECT_FALSE(b.manifest.last());
+    EXPECT_TRUE(absl::StrContains(msg, absl::StrCat("\"", c.name, "\""))) << r.report.status();
+    EXPECT_TRUE(absl::StrContains(msg, "NaN")) << r.report.status();
+    if (me == quantizer) {
+      const std::string role = me == source ? absl::StrCat(" (stage ", c.stage, " source)") : "";
+      EXPECT_TRUE(absl::StrContains(msg, absl::StrCat("rank ", me, role, ": quantizing"))) << r.report.status();
+    } else if (me == merger) {  // the quantizer is one of its ETP ranks
+      EXPECT_TRUE(absl::StrContains(msg, absl::StrCat("ETP rank ", c.etp_rank, " (world rank ", quantizer, ")")))
+          << r.report.status();
+    }
+    if (me == source) {
+      EXPECT_TRUE(absl::StrContains(msg, absl::StrCat("rank ", me, " (stage ", c.stage, " source)")))
+          << r.report.status();
+      if (merger != source) {
+        EXPECT_TRUE(absl::StrContains(msg, absl::StrCat("EP rank ", c.ep_rank, " (world rank ", merger, ")")))
+            << r.report.status();
+      }
+      EXPECT_EQ(r.sink->finishes, 0) << "a failed stream is not finished";
+      for (const auto& b : r.sink->buckets) EXPECT_FALSE(b.manifest.last());
+    }
   } else {
-    EXPECT_TRUE(r.report.ok()) << r.report.status();
+    EXPECT_TRUE(r.report.ok()) << "rank " << me << ": " << r.report.status();
+    if (r.sink) {
+      EXPECT_EQ(r.sink->finishes, 1) << "the other stage finishes its stream";
+    }
   }
   RemoveFixture(*f);
+}
+
+TEST_F(MalformedSourceTest, ANanAPeerQuantizerRefusesFailsThatPeerAndTheSourceWhileTheOthersFinish) {
+  // Expert 6 of 8 is held by EP rank 1 (world rank 1), which quantizes it.
+  ExpectNanFailsItsQuantizerAndTheSource(kMoeLayout, {"model.layers.1.mlp.experts.6.down_proj.weight", 17, 0, 1}, 10);
+}
+
+TEST_F(MalformedSourceTest, ANanInTheSourcesOwnExpertFailsTheSourceWhileTheOthersFinish) {
+  ExpectNanFailsItsQuantizerAndTheSource(kMoeLayout, {"model.layers.2.mlp.experts.1.gate_proj.weight", 17, 0, 0}, 14);
+}
+
+TEST_F(MalformedSourceTest, ANanInADenseTensorFailsTheSourceWhileTheOthersFinish) {
+  ExpectNanFailsItsQuantizerAndTheSource(kMoeLayout, {"model.layers.3.self_attn.o_proj.weight", 17, 0, -1}, 15);
+}
+
+// ETP 2 (np8, stage 1 = layers 2-3, experts 4-7 on EP rank 1). gate_proj / up_proj [32, 64]: rows
+// 16-31 of each are ETP rank 1's shard, rows 0-15 ETP rank 0's; each quantizes its own. down_proj
+// [64, 32]: ETP splits its 32 columns into blocks of 16, less than a group of 32, so fc2 is merged
+// in bf16 and quantized by the merger (etp 0), whichever shard the NaN came from.
+TEST(TrainerSyncNp8Test, ANanInAnEtpPeersShardFailsThatPeerItsMergerAndItsStageSourceOnly) {
+  if (world->size() != 8) GTEST_SKIP() << "runs with -np 8";
+  const LayoutCase l = {"tp2_ep2_etp2_pp2", 8, 2, 2, 2, 2};
+  ExpectNanFailsItsQuantizerAndTheSource(l, {"model.layers.3.mlp.experts.5.gate_proj.weight", 16 * 64 + 5, 1, 1, 1},
+                                         16);
+  ExpectNanFailsItsQuantizerAndTheSource(l, {"model.layers.2.mlp.experts.7.up_proj.weight", 3 * 64 + 60, 1, 1, 0}, 18);
+}
+
+TEST(TrainerSyncNp8Test, ANanInAnExpertMergedInBf16FailsItsMergerAndItsStageSourceOnly) {
+  if (world->size() != 8) GTEST_SKIP() << "runs with -np 8";
+  ExpectNanFailsItsQuantizerAndTheSource({"tp2_ep2_etp2_pp2", 8, 2, 2, 2, 2},
+                                         {"model.layers.3.mlp.experts.5.down_proj.weight", 17, 1, 1, 0}, 19);
 }
 
 TEST_F(MalformedSourceTest, TheSourceIsReReadEverySyncWithAWorkspaceKeptAcrossSyncs) {

@@ -10,9 +10,10 @@
 // alone), `memcpy` copies it into a reused buffer first (what a local receiver at least costs).
 // Per phase the table prints the stage source's mean seconds per sync and GB/s over that phase's
 // bytes: open = this rank's shard file; gather = all-gather output; convert = HF bytes out of
-// MergeShards / ToHf; quantize = bf16 bytes through the INT4 kernels; bucket = bytes copied into
-// buckets; send = bucket bytes handed to the sink; total = HF bytes per sync. The gather row also
-// shows the slowest rank. Sinks and the SyncWorkspace persist across the syncs (as in the agent;
+// MergeShards / ToHf; quantize = bf16 bytes through the source's INT4 kernels (EP members
+// quantize their own experts: see the per-rank line); bucket = bytes copied into buckets; send =
+// bucket bytes handed to the sink; total = HF bytes per sync. The gather row also shows the
+// slowest rank. Sinks and the SyncWorkspace persist across the syncs (as in the agent;
 // --fresh-buffers allocates the gather buffers every sync). Peak RSS per rank (getrusage; mapped shard pages count) at the end.
 #include <sys/resource.h>
 
@@ -243,7 +244,7 @@ int Run(int argc, char** argv) {
       auto s = [](absl::Duration d) { return absl::ToDoubleSeconds(d); };
       Row row{s(r->open), s(r->gather), s(r->convert), s(r->quantize), s(r->bucket), s(r->send_wait), s(r->total),
               static_cast<double>(shard_bytes), static_cast<double>(r->gather_bytes), static_cast<double>(r->hf_bytes),
-              static_cast<double>(r->quantized_bytes), static_cast<double>(r->hf_bytes - r->quantized_bytes),
+              static_cast<double>(r->quantized_bytes), static_cast<double>(r->copied_bytes),
               static_cast<double>(r->bytes), static_cast<double>(r->buckets), r->source ? 1.0 : 0.0, 0,
               static_cast<double>(r->peak_bucket_bytes)};
       double* a = reinterpret_cast<double*>(&sum);
@@ -257,8 +258,8 @@ int Run(int argc, char** argv) {
     const std::vector<Row> rows = GatherRows(world, sum);
     if (me != 0) continue;
     const Row& src_row = rows[0];  // rank 0 is stage 0's source
-    double slowest_gather = 0;
-    for (const Row& r : rows) slowest_gather = std::max(slowest_gather, r.gather);
+    double slowest_gather = 0, all_quantized = 0;
+    for (const Row& r : rows) slowest_gather = std::max(slowest_gather, r.gather), all_quantized += r.quantized_bytes;
     std::printf("\n# sink %s: mean of %d syncs (after %d warm-up) on the stage source (rank 0)\n", sink_name.c_str(),
                 counted, warmup);
     std::printf("#  %-10s %10s %10s %10s %8s\n", "phase", "time(s)", "bytes(GB)", "GB/s", "%total");
@@ -278,6 +279,11 @@ int Run(int argc, char** argv) {
     line("total", src_row.total, src_row.hf_bytes);
     std::printf("#  buckets %.0f, sent %.3f GB (peak bucket %.1f MiB); slowest rank's gather %.3f s\n", src_row.buckets,
                 src_row.sent_bytes / 1e9, src_row.peak_bucket / (1 << 20), slowest_gather);
+    std::printf("#  per rank (s) gather / convert / quantize / total:");
+    for (size_t r = 0; r < rows.size(); ++r)
+      std::printf(" %zu: %.3f/%.3f/%.3f/%.3f", r, rows[r].gather, rows[r].convert, rows[r].quantize, rows[r].total);
+    std::printf("\n#  quantized on all ranks %.3f GB (the source %.3f GB)\n", all_quantized / 1e9,
+                src_row.quantized_bytes / 1e9);
     std::printf("#  peak RSS (MB) per rank:");
     for (size_t r = 0; r < rows.size(); ++r) std::printf(" %zu:%.0f", r, rows[r].rss_mb);
     std::printf("\n");

@@ -59,7 +59,8 @@ absl::Status AgreeOnStart(Communicator& world, const absl::Status& local, uint64
       if (all[static_cast<size_t>(r)].fingerprint != all[0].fingerprint)
         return absl::InvalidArgumentError(absl::StrCat(
             "rank ", r, " runs a different weight source config or sync options than rank 0 (config.json, "
-            "parallel.json or gather size differ): the ranks would not agree on their collectives"));
+            "parallel.json, gather size or quantization config differ): the ranks would not agree on their "
+            "collectives"));
     return absl::OkStatus();
   }
   std::vector<size_t> sizes(all.size());
@@ -93,11 +94,15 @@ struct Item {
   int ordinal = 0;          // experts: position among the rank's expert parameters
   bool gathered = false;    // dense: all-gathered over TP; experts: always (see the phase)
   bool identity = false;    // dense: the all-gather's rank order is the full layout (no merge)
+  bool int4 = false;        // experts: quantized by their holders; the gathers carry INT4 (Int4Plan)
   uint64_t local_bytes = 0;
   uint64_t full_bytes = 0;  // after the TP / ETP merge
+  uint64_t block = 0;       // experts: one EP member's bytes in the EP gather (full_bytes or INT4)
+  uint64_t weight = 0;      // bytes counted against gather_bytes when batching
   uint64_t offset = 0;      // region in the batch buffer (dense: TP output; experts: EP output)
   uint64_t region = 0;
-  uint64_t etp_offset = 0;  // experts with ETP > 1: region of the ETP output (full_bytes)
+  uint64_t etp_offset = 0;  // experts with ETP > 1: region of the ETP output
+  uint64_t etp_region = 0;  // full_bytes, or ETP x the INT4 shard block (Int4Plan::by_shard)
 };
 struct Batch {
   std::vector<Item> items;
@@ -105,23 +110,115 @@ struct Batch {
   uint64_t etp_bytes = 0;  // of the ETP buffer
 };
 
-std::vector<Batch> MakeBatches(std::vector<Item> items, uint64_t limit) {
+// Consecutive items while their aligned weights fit `limit` (an item heavier than that goes
+// alone). The batch buffer starts with `header` bytes, the ETP buffer with `etp_header` bytes
+// (the members' status records).
+std::vector<Batch> MakeBatches(std::vector<Item> items, uint64_t limit, uint64_t header, uint64_t etp_header) {
   std::vector<Batch> out;
   Batch cur;
+  cur.bytes = header;
+  cur.etp_bytes = etp_header;
+  uint64_t weight = 0;
   for (Item& it : items) {
-    const uint64_t start = AlignUp(cur.bytes, kRegionAlignment);
-    if (!cur.items.empty() && it.region > 0 && start + it.region > limit) {
+    if (!cur.items.empty() && it.weight > 0 && AlignUp(weight, kRegionAlignment) + it.weight > limit) {
       out.push_back(std::move(cur));
       cur = Batch();
+      cur.bytes = header;
+      cur.etp_bytes = etp_header;
+      weight = 0;
     }
+    weight = AlignUp(weight, kRegionAlignment) + it.weight;
     it.offset = AlignUp(cur.bytes, kRegionAlignment);
     cur.bytes = it.offset + it.region;
     it.etp_offset = AlignUp(cur.etp_bytes, kRegionAlignment);
-    cur.etp_bytes = it.etp_offset + it.full_bytes;
+    cur.etp_bytes = it.etp_offset + it.etp_region;
     cur.items.push_back(it);
   }
   if (!cur.items.empty()) out.push_back(std::move(cur));
   return out;
+}
+
+// --- Experts quantized by their holders ---------------------------------------------------------
+
+// Rows [row, row + rows) of a Megatron tensor (a shard or the full tensor) are rows
+// [hf_row, hf_row + rows) of HF tensor hf_index. INT4 quantization works row by row (its groups
+// run along K), so the rows of a tensor can be quantized in any split and their packed / scale
+// rows are the HF tensors' packed / scale rows.
+struct RowSegment {
+  int hf_index = 0;
+  int64_t row = 0, hf_row = 0, rows = 0;
+};
+
+// The HF rows of group rank r's shard of `p` (r < 0: of the full tensor), from the parameter's
+// shard copies (convert/shard_layout.h) and HF row map.
+absl::StatusOr<std::vector<RowSegment>> RowSegments(const MegatronParam& p, const convert::HfRowMap& map, int r) {
+  std::vector<RowSegment> out;
+  auto add = [&](int64_t local_row, int64_t full_row, int64_t rows) {
+    for (const convert::HfRowPiece& piece : map.pieces) {
+      const int64_t lo = std::max(full_row, piece.full_row);
+      const int64_t hi = std::min(full_row + rows, piece.full_row + piece.rows);
+      if (lo < hi)
+        out.push_back({piece.hf_index, local_row + (lo - full_row), piece.hf_row + (lo - piece.full_row), hi - lo});
+    }
+  };
+  if (r < 0) {
+    add(0, 0, p.full_shape[0]);
+    return out;
+  }
+  ASSIGN_OR_RETURN(const int64_t local_bytes, NumBytes(p.dtype, p.local_shape));
+  ASSIGN_OR_RETURN(const int64_t full_bytes, NumBytes(p.dtype, p.full_shape));
+  const int64_t local_row = local_bytes / p.local_shape[0], full_row = full_bytes / p.full_shape[0];
+  for (const convert::StridedCopy& c : convert::ShardCopies(p, r)) {
+    if (c.count == 1 && local_row == full_row && c.local_offset % local_row == 0 && c.full_offset % full_row == 0 &&
+        c.bytes % local_row == 0) {
+      add(c.local_offset / local_row, c.full_offset / full_row, c.bytes / local_row);  // a block of whole rows
+    } else if (c.count == p.local_shape[0] && c.bytes == local_row && c.local_stride == local_row &&
+               c.full_stride == full_row) {
+      add(0, 0, p.local_shape[0]);  // a column block: the shard has every row
+    } else {
+      return absl::InternalError(absl::StrCat(p.global_name, ": shard ", r, " is neither row nor column blocks"));
+    }
+  }
+  return out;
+}
+
+// How an expert parameter quantized by its holders travels. A member's block of the EP gather is
+// the parameter's full Megatron tensor [R, K] quantized: packed int32 [R, K/8] at 0, scales
+// [R, K/G] at scale_offset. With ETP > 1 and by_shard, every ETP rank quantizes its own shard
+// (rows, or column blocks holding whole groups) and the ETP gather carries INT4 that the merger
+// merges with MergeShards (`packed` and `scales` describe the outputs as parameters); else the
+// merger merges bf16 and quantizes the full tensor.
+struct Int4Plan {
+  bool by_shard = false;
+  MegatronParam packed, scales;
+  uint64_t packed_bytes = 0, scale_offset = 0, scale_bytes = 0;
+  uint64_t local_packed_bytes = 0, local_scale_offset = 0, local_scale_bytes = 0, local_block = 0;
+  std::vector<Shape> hf_shapes;
+  std::vector<RowSegment> full_rows;   // the HF tensors' rows in the full tensor
+  std::vector<RowSegment> local_rows;  // in this rank's shard (by_shard)
+};
+
+// A member's outcome for one expert batch, gathered with the batch (ETP and EP): the merger and
+// the stage source learn that a peer's block is not valid (and why) instead of using it.
+constexpr uint64_t kStatusRecordBytes = 1024;
+struct MemberStatus {
+  int32_t code = 0;  // absl::StatusCode; 0: the member's blocks of this batch are valid
+  int32_t world_rank = -1;
+  uint32_t message_bytes = 0;
+  uint32_t reserved = 0;
+  char message[kStatusRecordBytes - 16] = {};
+};
+static_assert(sizeof(MemberStatus) == kStatusRecordBytes);
+
+// What every member of the stage must agree on besides config.json and parallel.json.
+std::string QuantFingerprint(const QuantizationConfig* q, kernels::QuantVariant variant) {
+  if (q == nullptr) return "quant none";
+  std::vector<std::string> ignore;
+  for (const IgnoreRule& r : q->ignore) ignore.push_back(r.text);
+  return absl::StrCat("quant ", q->quant_method, "|", q->format, "|", q->num_bits, "|", q->type, "|", q->strategy, "|",
+                      q->group_size, "|", q->symmetric, "|", q->dynamic, "|", q->actorder, "|",
+                      absl::StrJoin(q->targets, ","), "|", absl::StrJoin(ignore, "\n"), "|",
+                      variant == kernels::QuantVariant::kQat ? "qat" : "slime");
 }
 
 // True when group rank r's shard is bytes [r*L, (r+1)*L) of the full tensor for every r: the
@@ -175,6 +272,19 @@ class RankSync {
                                                   const std::vector<MutableBytes>& out);
   absl::Status Emit(const MegatronParam& p, const TensorView& full);  // ToHf + quantize / copy into buckets
   absl::Status QuantizeIntoBucket(const std::string& name, const TensorView& w);
+  absl::StatusOr<std::vector<MutableTensorView>> ReserveInt4(absl::string_view name, DType dtype, const Shape& packed,
+                                                            const Shape& scales, int64_t n, int64_t k);
+  absl::Status PlanInt4(Item& it);  // it.int4 and int4_plans_[it.ordinal]
+  // Quantizes the rows `rows` of `w` (this rank's parameter `p`, a shard or the full tensor) into
+  // packed / scales (w's rows, K/8 and K/G columns).
+  absl::Status QuantizeRows(const MegatronParam& p, const TensorView& w, const std::vector<RowSegment>& rows,
+                            std::span<std::byte> packed, std::span<std::byte> scales, absl::string_view where);
+  // Source: an EP member's gathered INT4 block of `it` (member parameter `p`) into the bucket.
+  absl::Status EmitInt4(const MegatronParam& p, const Item& it, std::span<const std::byte> block);
+  void WriteStatusRecord(std::span<std::byte> record) const;
+  // The records of a gather's `count` members; `mine` is skipped. `group`: "EP" or "ETP".
+  absl::Status CheckRecords(std::span<const std::byte> records, int count, int mine, absl::string_view group) const;
+  kernels::QuantizeOptions KernelQuantOptions() const;
   absl::Status EnsureBuffer(Buffer& b, uint64_t bytes);
 
   const source::WeightSource& src_;
@@ -187,10 +297,14 @@ class RankSync {
   bool source_ = false;
   bool dense_member_ = false;   // in the stage source's TP group
   bool expert_member_ = false;  // in the stage's expert block (edp == 0)
+  bool int4_members_ = false;   // expert member, INT4 config, experts gathered: INT4 experts quantized by their holders
   uint64_t gather_limit_ = 0;
   source::RankShard shard_;
   std::vector<Batch> dense_, experts_;
-  std::vector<std::vector<MegatronParam>> member_experts_;  // source: EP member m's expert params
+  // EP member m's expert params (source; every expert-block rank when experts may be INT4)
+  std::vector<std::vector<MegatronParam>> member_experts_;
+  std::vector<Int4Plan> int4_plans_;               // per expert ordinal (used where Item::int4)
+  absl::Duration int4_copy_;                       // source: gathered INT4 into buckets
   SyncWorkspace own_workspace_;
   SyncWorkspace& ws_;
   std::array<Buffer, 2>& slots_;
@@ -231,7 +345,9 @@ absl::Status RankSync::Prepare() {
     return absl::InvalidArgumentError(absl::StrCat("rank ", me_, " is not a stage source (stage ", stage_,
                                                    " is sent by rank ", layout_.StageSourceRank(stage_),
                                                    ") but was given a sink"));
-  if (source_ && o_.quant != nullptr) RETURN_IF_ERROR(o_.quant->CheckInt4Supported());
+  // Experts that are INT4 targets are quantized by the EP member that holds them.
+  int4_members_ = o_.quant != nullptr && (layout_.ep() > 1 || layout_.etp() > 1) && expert_member_;
+  if ((source_ || int4_members_) && o_.quant != nullptr) RETURN_IF_ERROR(o_.quant->CheckInt4Supported());
 
   ASSIGN_OR_RETURN(shard_, src_.OpenRank(me_, o_.version));
 
@@ -258,13 +374,46 @@ absl::Status RankSync::Prepare() {
                                                 ", ETP communicator of ", comms_.etp->size()));
       it.gathered = true;
       it.full_bytes = it.local_bytes * static_cast<uint64_t>(layout_.etp());
+      it.block = it.full_bytes;
       it.region = it.full_bytes * static_cast<uint64_t>(layout_.ep());
+      it.etp_region = it.full_bytes;
+      it.weight = it.region;
       it.ordinal = static_cast<int>(experts.size());
       experts.push_back(it);
     }
   }
-  if (dense_member_) dense_ = MakeBatches(std::move(dense), gather_limit_);
-  if (expert_member_) experts_ = MakeBatches(std::move(experts), gather_limit_);
+  for (Item& it : dense) it.weight = it.region;
+
+  // EP members' plans: their global expert ids (the source converts every member's experts; with
+  // INT4 experts every member decides, from the same plans, which of them it quantizes).
+  if (expert_member_ && !experts.empty() && (source_ || int4_members_)) {
+    std::vector<const MegatronParam*> mine;
+    for (const MegatronParam& p : shard_.params)
+      if (p.is_expert) mine.push_back(&p);
+    for (int member : layout_.EpGroup(me_)) {
+      ASSIGN_OR_RETURN(std::vector<MegatronParam> plan,
+                       convert::PlanRank(src_.model(), layout_, src_.parallel(), member));
+      std::vector<MegatronParam> ex;
+      for (MegatronParam& p : plan)
+        if (p.is_expert) ex.push_back(std::move(p));
+      if (ex.size() != mine.size())
+        return absl::InternalError(absl::StrCat("EP member rank ", member, " holds ", ex.size(),
+                                                " expert parameters, rank ", me_, " ", mine.size()));
+      for (size_t k = 0; k < ex.size(); ++k)
+        if (ex[k].local_name != mine[k]->local_name || ex[k].local_shape != mine[k]->local_shape)
+          return absl::InternalError(absl::StrCat("EP member rank ", member, " expert parameter ", k, " is ",
+                                                  ex[k].local_name, ", rank ", me_, "'s ", mine[k]->local_name));
+      member_experts_.push_back(std::move(ex));
+    }
+  }
+  if (int4_members_) {
+    int4_plans_.resize(experts.size());
+    for (Item& it : experts) RETURN_IF_ERROR(PlanInt4(it));
+  }
+  const uint64_t header = layout_.ep() > 1 ? kStatusRecordBytes * static_cast<uint64_t>(layout_.ep()) : 0;
+  const uint64_t etp_header = layout_.etp() > 1 ? kStatusRecordBytes * static_cast<uint64_t>(layout_.etp()) : 0;
+  if (dense_member_) dense_ = MakeBatches(std::move(dense), gather_limit_, 0, 0);
+  if (expert_member_) experts_ = MakeBatches(std::move(experts), gather_limit_, header, etp_header);
 
   // Buffers (uninitialized: no page is touched before the first gather writes it).
   uint64_t slot_bytes = 0, etp_bytes = 0, scratch_bytes = 0;
@@ -281,32 +430,14 @@ absl::Status RankSync::Prepare() {
   for (const Batch& b : experts_) {
     if (experts_gathered && expert_merger) slot_bytes = std::max(slot_bytes, b.bytes);
     if (layout_.etp() > 1) etp_bytes = std::max(etp_bytes, b.etp_bytes);
+    for (const Item& it : b.items)  // ETP-merged in bf16 before this member quantizes it
+      if (it.int4 && !int4_plans_[static_cast<size_t>(it.ordinal)].by_shard && layout_.etp() > 1 && expert_merger)
+        scratch_bytes = std::max(scratch_bytes, it.full_bytes);
   }
   for (Buffer& s : slots_) RETURN_IF_ERROR(EnsureBuffer(s, slot_bytes));
   RETURN_IF_ERROR(EnsureBuffer(etp_buffer_, etp_bytes));
   RETURN_IF_ERROR(EnsureBuffer(scratch_, scratch_bytes));
 
-  // The source converts every EP member's experts: their plans give the global expert ids.
-  if (source_ && !experts_.empty()) {
-    std::vector<const MegatronParam*> mine;
-    for (const MegatronParam& p : shard_.params)
-      if (p.is_expert) mine.push_back(&p);
-    for (int member : layout_.EpGroup(me_)) {
-      ASSIGN_OR_RETURN(std::vector<MegatronParam> plan,
-                       convert::PlanRank(src_.model(), layout_, src_.parallel(), member));
-      std::vector<MegatronParam> ex;
-      for (MegatronParam& p : plan)
-        if (p.is_expert) ex.push_back(std::move(p));
-      if (ex.size() != mine.size())
-        return absl::InternalError(absl::StrCat("EP member rank ", member, " holds ", ex.size(),
-                                                " expert parameters, the stage source ", mine.size()));
-      for (size_t k = 0; k < ex.size(); ++k)
-        if (ex[k].local_name != mine[k]->local_name || ex[k].local_shape != mine[k]->local_shape)
-          return absl::InternalError(absl::StrCat("EP member rank ", member, " expert parameter ", k, " is ",
-                                                  ex[k].local_name, ", the stage source's ", mine[k]->local_name));
-      member_experts_.push_back(std::move(ex));
-    }
-  }
   if (source_) {
     BucketBuilderOptions bo;
     bo.bucket_bytes = o_.bucket_bytes;
@@ -341,32 +472,195 @@ absl::StatusOr<std::unique_ptr<Work>> RankSync::AllGather(Communicator& c, const
   return w;
 }
 
-absl::Status RankSync::QuantizeIntoBucket(const std::string& name, const TensorView& w) {
-  const QuantizationConfig& q = *o_.quant;
-  absl::string_view prefix = name;
-  if (!absl::ConsumeSuffix(&prefix, ".weight"))
-    return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", name, "\": not a *.weight tensor"));
-  absl::StatusOr<kernels::QuantizedShapes> shapes =
-      kernels::QuantizedShapesFor(w, q.group_size, kernels::PackFormat::kCompressedTensors);
-  if (!shapes.ok()) return Annotate(shapes.status(), absl::StrCat("quantizing \"", name, "\" (", w.DebugString(), ")"));
-  const BucketBuilder::Pending pending[3] = {
-      {absl::StrCat(prefix, ".weight_packed"), DType::kI32, shapes->packed},
-      {absl::StrCat(prefix, ".weight_scale"), w.dtype(), shapes->scales},
-      {absl::StrCat(prefix, ".weight_shape"), DType::kI64, Shape{2}},
-  };
-  ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, builder_->Reserve(pending));
+kernels::QuantizeOptions RankSync::KernelQuantOptions() const {
   kernels::QuantizeOptions ko;
-  ko.group_size = q.group_size;
+  ko.group_size = o_.quant->group_size;
   ko.variant = o_.quant_variant;
   ko.format = kernels::PackFormat::kCompressedTensors;
   ko.num_threads = o_.quant_threads;
+  return ko;
+}
+
+// The three outputs of INT4 target `name` (a "*.weight" of [n, k]), in one bucket; weight_shape
+// is written here, packed and scales are the caller's to fill.
+absl::StatusOr<std::vector<MutableTensorView>> RankSync::ReserveInt4(absl::string_view name, DType dtype,
+                                                                     const Shape& packed, const Shape& scales,
+                                                                     int64_t n, int64_t k) {
+  absl::string_view prefix = name;
+  if (!absl::ConsumeSuffix(&prefix, ".weight"))
+    return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", name, "\": not a *.weight tensor"));
+  const BucketBuilder::Pending pending[3] = {
+      {absl::StrCat(prefix, ".weight_packed"), DType::kI32, packed},
+      {absl::StrCat(prefix, ".weight_scale"), dtype, scales},
+      {absl::StrCat(prefix, ".weight_shape"), DType::kI64, Shape{2}},
+  };
+  ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, builder_->Reserve(pending));
+  const int64_t nk[2] = {n, k};
+  std::memcpy(dst[2].data(), nk, sizeof(nk));
+  return dst;
+}
+
+absl::Status RankSync::QuantizeIntoBucket(const std::string& name, const TensorView& w) {
+  absl::StatusOr<kernels::QuantizedShapes> shapes =
+      kernels::QuantizedShapesFor(w, o_.quant->group_size, kernels::PackFormat::kCompressedTensors);
+  if (!shapes.ok()) return Annotate(shapes.status(), absl::StrCat("quantizing \"", name, "\" (", w.DebugString(), ")"));
+  ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst,
+                   ReserveInt4(name, w.dtype(), shapes->packed, shapes->scales, w.dim(0), w.dim(1)));
   const absl::Time t0 = absl::Now();
-  absl::Status s = kernels::QuantizeInt4(w, dst[0], dst[1], ko);
+  absl::Status s = kernels::QuantizeInt4(w, dst[0], dst[1], KernelQuantOptions());
   report_.quantize += absl::Now() - t0;
   if (!s.ok()) return Annotate(s, absl::StrCat("quantizing \"", name, "\""));
-  const int64_t nk[2] = {w.dim(0), w.dim(1)};
-  std::memcpy(dst[2].data(), nk, sizeof(nk));
   report_.quantized_bytes += w.nbytes();
+  return absl::OkStatus();
+}
+
+// An expert parameter is quantized by its holders when every HF tensor it becomes, on every EP
+// member (names carry global expert ids, and `ignore` may name single experts), is an INT4 target
+// and its HF tensors are row blocks of it (copy, GLU halves).
+absl::Status RankSync::PlanInt4(Item& it) {
+  const size_t ordinal = static_cast<size_t>(it.ordinal);
+  const MegatronParam& p = shard_.params[static_cast<size_t>(it.index)];
+  if (p.hf_op != convert::HfOp::kCopy && p.hf_op != convert::HfOp::kGlu) return absl::OkStatus();
+  for (const std::vector<MegatronParam>& member : member_experts_) {
+    const MegatronParam& mp = member[ordinal];
+    ASSIGN_OR_RETURN(convert::HfRowMap map, convert::HfRowMapFor(src_.model(), mp));
+    if (map.hf_shapes.size() != mp.hf_names.size())
+      return absl::InternalError(absl::StrCat(mp.global_name, ": ", map.hf_shapes.size(), " HF shapes for ",
+                                              mp.hf_names.size(), " HF names"));
+    for (size_t h = 0; h < mp.hf_names.size(); ++h)
+      if (!quantize::IsQuantTarget(mp.hf_names[h], map.hf_shapes[h], *o_.quant)) return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(convert::HfRowMap map, convert::HfRowMapFor(src_.model(), p));
+  for (const Shape& s : map.hf_shapes)
+    if (s.size() != 2 || s[1] != p.full_shape.back())
+      return absl::InternalError(absl::StrCat(p.global_name, ": HF tensor ", ShapeToString(s),
+                                              " is not a row block of ", ShapeToString(p.full_shape)));
+  const int group = o_.quant->group_size;
+  const auto fmt = kernels::PackFormat::kCompressedTensors;
+  Int4Plan plan;
+  absl::StatusOr<kernels::QuantizedShapes> full =
+      kernels::QuantizedShapesFor(TensorView(p.dtype, p.full_shape, {}), group, fmt);
+  if (!full.ok())
+    return Annotate(full.status(), absl::StrCat("quantizing \"", absl::StrJoin(p.hf_names, "\", \""), "\" (",
+                                                SafetensorsName(p.dtype), ShapeToString(p.full_shape), ")"));
+  plan.packed = plan.scales = p;
+  plan.packed.dtype = DType::kI32;
+  plan.packed.full_shape = full->packed;
+  plan.scales.full_shape = full->scales;
+  ASSIGN_OR_RETURN(const int64_t packed_bytes, NumBytes(DType::kI32, full->packed));
+  ASSIGN_OR_RETURN(const int64_t scale_bytes, NumBytes(p.dtype, full->scales));
+  plan.packed_bytes = static_cast<uint64_t>(packed_bytes);
+  plan.scale_bytes = static_cast<uint64_t>(scale_bytes);
+  plan.scale_offset = AlignUp(plan.packed_bytes, kRegionAlignment);
+  plan.hf_shapes = std::move(map.hf_shapes);
+  ASSIGN_OR_RETURN(plan.full_rows, RowSegments(p, map, -1));
+  // Each ETP rank quantizes its shard when the shard splits rows (GLU fc1), or columns at group
+  // boundaries (fc2 with K / ETP a multiple of the group size and of 8).
+  const int etp = layout_.etp();
+  const int64_t local_k = p.local_shape.back();
+  plan.by_shard = etp == 1 || p.kind == ShardKind::kExpertGluFc1 ||
+                  (p.kind == ShardKind::kExpertDim1 && group > 0 && local_k % group == 0 && local_k % 8 == 0);
+  if (plan.by_shard && etp > 1) {
+    absl::StatusOr<kernels::QuantizedShapes> local =
+        kernels::QuantizedShapesFor(TensorView(p.dtype, p.local_shape, {}), group, fmt);
+    if (!local.ok()) return Annotate(local.status(), absl::StrCat(p.global_name, ": quantizing an ETP shard"));
+    plan.packed.local_shape = local->packed;
+    plan.scales.local_shape = local->scales;
+    ASSIGN_OR_RETURN(const int64_t lp, NumBytes(DType::kI32, local->packed));
+    ASSIGN_OR_RETURN(const int64_t ls, NumBytes(p.dtype, local->scales));
+    plan.local_packed_bytes = static_cast<uint64_t>(lp);
+    plan.local_scale_bytes = static_cast<uint64_t>(ls);
+    plan.local_scale_offset = AlignUp(plan.local_packed_bytes, kRegionAlignment);
+    plan.local_block = AlignUp(plan.local_scale_offset + plan.local_scale_bytes, kRegionAlignment);
+    ASSIGN_OR_RETURN(plan.local_rows, RowSegments(p, map, p.rank_in_group));
+    it.etp_region = plan.local_block * static_cast<uint64_t>(etp);
+  } else if (plan.by_shard) {
+    plan.local_rows = plan.full_rows;
+  }
+  it.int4 = true;
+  it.block = AlignUp(plan.scale_offset + plan.scale_bytes, kRegionAlignment);
+  it.region = it.block * static_cast<uint64_t>(layout_.ep());
+  int4_plans_[ordinal] = std::move(plan);
+  return absl::OkStatus();
+}
+
+absl::Status RankSync::QuantizeRows(const MegatronParam& p, const TensorView& w, const std::vector<RowSegment>& rows,
+                                    std::span<std::byte> packed, std::span<std::byte> scales,
+                                    absl::string_view where) {
+  const kernels::QuantizeOptions ko = KernelQuantOptions();
+  const int64_t n = w.dim(0), k = w.dim(1);
+  const uint64_t w_row = w.nbytes() / static_cast<uint64_t>(n);
+  const uint64_t packed_row = packed.size() / static_cast<uint64_t>(n);
+  const uint64_t scale_row = scales.size() / static_cast<uint64_t>(n);
+  const int64_t scale_cols = static_cast<int64_t>(scale_row / ItemSize(w.dtype()));
+  for (const RowSegment& seg : rows) {
+    const uint64_t first = static_cast<uint64_t>(seg.row), count = static_cast<uint64_t>(seg.rows);
+    const TensorView ws(w.dtype(), Shape{seg.rows, k}, w.bytes().subspan(first * w_row, count * w_row));
+    MutableTensorView ps(DType::kI32, Shape{seg.rows, k / 8}, packed.subspan(first * packed_row, count * packed_row));
+    MutableTensorView ss(w.dtype(), Shape{seg.rows, scale_cols}, scales.subspan(first * scale_row, count * scale_row));
+    const absl::Time t0 = absl::Now();
+    absl::Status s = kernels::QuantizeInt4(ws, ps, ss, ko);
+    report_.quantize += absl::Now() - t0;
+    const std::string& name = p.hf_names[static_cast<size_t>(seg.hf_index)];
+    if (!s.ok())
+      return Annotate(s, absl::StrCat("quantizing \"", name, "\" (its rows ", seg.hf_row, "..",
+                                      seg.hf_row + seg.rows - 1, " as the kernel's rows 0..", seg.rows - 1, "; ",
+                                      where, ")"));
+    report_.quantized_bytes += ws.nbytes();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RankSync::EmitInt4(const MegatronParam& p, const Item& it, std::span<const std::byte> block) {
+  const Int4Plan& plan = int4_plans_[static_cast<size_t>(it.ordinal)];
+  const int64_t rows = p.full_shape[0];
+  const uint64_t packed_row = plan.packed_bytes / static_cast<uint64_t>(rows);
+  const uint64_t scale_row = plan.scale_bytes / static_cast<uint64_t>(rows);
+  for (size_t h = 0; h < plan.hf_shapes.size(); ++h) {
+    const Shape& hf = plan.hf_shapes[h];
+    const Shape packed{hf[0], plan.packed.full_shape[1]}, scales{hf[0], plan.scales.full_shape[1]};
+    ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst,
+                     ReserveInt4(p.hf_names[h], p.dtype, packed, scales, hf[0], hf[1]));
+    const absl::Time t0 = absl::Now();
+    for (const RowSegment& seg : plan.full_rows) {
+      if (seg.hf_index != static_cast<int>(h)) continue;
+      const uint64_t from = static_cast<uint64_t>(seg.row), to = static_cast<uint64_t>(seg.hf_row);
+      const uint64_t count = static_cast<uint64_t>(seg.rows);
+      std::memcpy(dst[0].bytes().data() + to * packed_row, block.data() + from * packed_row, count * packed_row);
+      std::memcpy(dst[1].bytes().data() + to * scale_row, block.data() + plan.scale_offset + from * scale_row,
+                  count * scale_row);
+      report_.copied_bytes += count * (packed_row + scale_row);
+    }
+    int4_copy_ += absl::Now() - t0;
+    report_.hf_bytes += static_cast<uint64_t>(hf[0] * hf[1]) * ItemSize(p.dtype);
+  }
+  return absl::OkStatus();
+}
+
+void RankSync::WriteStatusRecord(std::span<std::byte> record) const {
+  MemberStatus st;
+  st.code = static_cast<int32_t>(failure_.code());
+  st.world_rank = me_;
+  const absl::string_view msg = failure_.message().substr(0, sizeof(st.message));
+  st.message_bytes = static_cast<uint32_t>(msg.size());
+  std::memcpy(st.message, msg.data(), msg.size());
+  std::memcpy(record.data(), &st, sizeof(st));
+}
+
+absl::Status RankSync::CheckRecords(std::span<const std::byte> records, int count, int mine,
+                                    absl::string_view group) const {
+  for (int m = 0; m < count; ++m) {
+    if (m == mine) continue;
+    MemberStatus st;
+    std::memcpy(&st, records.data() + static_cast<size_t>(m) * kStatusRecordBytes, sizeof(st));
+    if (st.code == 0) continue;
+    const absl::StatusCode code = st.code > 0 && st.code <= static_cast<int32_t>(absl::StatusCode::kUnauthenticated)
+                                      ? static_cast<absl::StatusCode>(st.code)
+                                      : absl::StatusCode::kInternal;
+    const absl::string_view msg(st.message, std::min<size_t>(st.message_bytes, sizeof(st.message)));
+    return absl::Status(code, absl::StrCat(group, " rank ", m, " (world rank ", st.world_rank,
+                                           ") could not produce its experts: ", msg));
+  }
   return absl::OkStatus();
 }
 
@@ -381,6 +675,7 @@ absl::Status RankSync::Emit(const MegatronParam& p, const TensorView& full) {
       RETURN_IF_ERROR(QuantizeIntoBucket(t.name, t.view));
     } else {
       RETURN_IF_ERROR(builder_->Add(t.name, t.view));
+      report_.copied_bytes += t.view.nbytes();
     }
   }
   return absl::OkStatus();
@@ -437,52 +732,122 @@ void RankSync::RunDense() {
 }
 
 // Routed experts: [ETP all-gather + merge into this rank's block] then an EP all-gather among
-// the etp = 0 ranks, in place. Double-buffered like the dense phase.
+// the etp = 0 ranks, in place. INT4 items (Item::int4, Int4Plan) are quantized before the
+// gathers: by every ETP rank on its own shard (by_shard; the ETP gather carries INT4 and the
+// merger merges INT4), or by the merger after a bf16 ETP merge. Both gathers carry the members'
+// status records. Double-buffered like the dense phase.
 void RankSync::RunExperts() {
   const int etp = layout_.etp(), ep = layout_.ep();
   const ExpertCoord coord = layout_.Expert(me_);
   const bool merger = coord.etp == 0;
+  const uint64_t own = static_cast<uint64_t>(coord.ep), own_etp = static_cast<uint64_t>(coord.etp);
+  auto plan_of = [&](const Item& it) -> const Int4Plan& { return int4_plans_[static_cast<size_t>(it.ordinal)]; };
   std::array<std::unique_ptr<Work>, 2> pending;
   auto issue = [&](size_t j, int slot) {
     const Batch& b = experts_[j];
     if (etp > 1) {
-      std::vector<ConstBytes> in;
-      std::vector<MutableBytes> out;
+      // Shards quantized where they live, into this rank's block of the ETP output (in place).
+      if (int4_members_ && failure_.ok()) {
+        for (const Item& it : b.items) {
+          if (!it.int4 || !plan_of(it).by_shard) continue;
+          const Int4Plan& plan = plan_of(it);
+          std::byte* mine = etp_buffer_.data() + it.etp_offset + own_etp * plan.local_block;
+          absl::Status s = QuantizeRows(shard_.params[static_cast<size_t>(it.index)],
+                                        shard_.tensors[static_cast<size_t>(it.index)], plan.local_rows,
+                                        {mine, plan.local_packed_bytes},
+                                        {mine + plan.local_scale_offset, plan.local_scale_bytes},
+                                        absl::StrCat("ETP shard ", coord.etp, " of ", etp));
+          if (!s.ok()) {
+            Fail(s);
+            break;
+          }
+        }
+      }
+      std::span<std::byte> records = etp_buffer_.span().subspan(0, kStatusRecordBytes * static_cast<uint64_t>(etp));
+      WriteStatusRecord(records.subspan(own_etp * kStatusRecordBytes, kStatusRecordBytes));
+      std::vector<ConstBytes> in = {{records.data() + own_etp * kStatusRecordBytes, kStatusRecordBytes}};
+      std::vector<MutableBytes> out = {{records.data(), records.size()}};
       for (const Item& it : b.items) {
-        const TensorView& t = shard_.tensors[static_cast<size_t>(it.index)];
-        in.push_back({t.data(), t.nbytes()});
-        out.push_back({etp_buffer_.data() + it.etp_offset, it.full_bytes});
+        std::byte* region = etp_buffer_.data() + it.etp_offset;
+        if (it.int4 && plan_of(it).by_shard) {
+          in.push_back({region + own_etp * plan_of(it).local_block, plan_of(it).local_block});
+        } else {
+          const TensorView& t = shard_.tensors[static_cast<size_t>(it.index)];
+          in.push_back({t.data(), t.nbytes()});
+        }
+        out.push_back({region, it.etp_region});
       }
       std::unique_ptr<Work> w;
       auto issued = AllGather(*comms_.etp, in, out);
       if (issued.ok()) w = std::move(*issued);
       else Fail(issued.status());
       Wait(w);
-      if (merger && failure_.ok()) {
-        const absl::Time t0 = absl::Now();
-        for (const Item& it : b.items) {
-          const MegatronParam& p = shard_.params[static_cast<size_t>(it.index)];
-          std::span<const std::byte> region(etp_buffer_.data() + it.etp_offset, it.full_bytes);
+      if (merger && failure_.ok()) Fail(CheckRecords(records, etp, coord.etp, "ETP"));
+    }
+    // The merger's part: ETP merges, and the INT4 items not quantized by shard.
+    if (merger && failure_.ok() && (etp > 1 || int4_members_)) {
+      const absl::Time t0 = absl::Now();
+      absl::Duration quantizing;
+      for (const Item& it : b.items) {
+        const MegatronParam& p = shard_.params[static_cast<size_t>(it.index)];
+        std::span<std::byte> block = slots_[slot].span().subspan(it.offset + own * it.block, it.block);
+        std::span<const std::byte> region(etp_buffer_.data() + it.etp_offset, it.etp_region);
+        absl::Status s;
+        if (it.int4 && etp == 1) {
+          const Int4Plan& plan = plan_of(it);
+          const absl::Duration q0 = report_.quantize;
+          s = QuantizeRows(p, shard_.tensors[static_cast<size_t>(it.index)], plan.full_rows,
+                           block.subspan(0, plan.packed_bytes), block.subspan(plan.scale_offset, plan.scale_bytes),
+                           "by its holder");
+          quantizing += report_.quantize - q0;
+        } else if (it.int4 && plan_of(it).by_shard) {
+          const Int4Plan& plan = plan_of(it);
+          std::vector<TensorView> packed, scales;
+          for (int r = 0; r < etp; ++r) {
+            std::span<const std::byte> shard =
+                region.subspan(static_cast<uint64_t>(r) * plan.local_block, plan.local_block);
+            packed.emplace_back(DType::kI32, plan.packed.local_shape, shard.subspan(0, plan.local_packed_bytes));
+            scales.emplace_back(p.dtype, plan.scales.local_shape,
+                                shard.subspan(plan.local_scale_offset, plan.local_scale_bytes));
+          }
+          s = convert::MergeShards(
+              plan.packed, packed,
+              MutableTensorView(DType::kI32, plan.packed.full_shape, block.subspan(0, plan.packed_bytes)));
+          if (s.ok())
+            s = convert::MergeShards(plan.scales, scales,
+                                     MutableTensorView(p.dtype, plan.scales.full_shape,
+                                                       block.subspan(plan.scale_offset, plan.scale_bytes)));
+        } else if (etp > 1) {
           std::vector<TensorView> shards;
           for (int r = 0; r < etp; ++r)
             shards.emplace_back(p.dtype, p.local_shape, region.subspan(r * it.local_bytes, it.local_bytes));
-          MutableTensorView dst(p.dtype, p.full_shape,
-                                slots_[slot].span().subspan(it.offset + coord.ep * it.full_bytes, it.full_bytes));
-          if (absl::Status s = convert::MergeShards(p, shards, dst); !s.ok()) {
-            Fail(s);
-            break;
+          std::span<std::byte> dst = it.int4 ? scratch_.span().subspan(0, it.full_bytes) : block;
+          s = convert::MergeShards(p, shards, MutableTensorView(p.dtype, p.full_shape, dst));
+          if (s.ok() && it.int4) {
+            const Int4Plan& plan = plan_of(it);
+            const absl::Duration q0 = report_.quantize;
+            s = QuantizeRows(p, TensorView(p.dtype, p.full_shape, dst), plan.full_rows,
+                             block.subspan(0, plan.packed_bytes), block.subspan(plan.scale_offset, plan.scale_bytes),
+                             "merged from its ETP shards");
+            quantizing += report_.quantize - q0;
           }
         }
-        report_.convert += absl::Now() - t0;
+        if (!s.ok()) {
+          Fail(s);
+          break;
+        }
       }
+      report_.convert += absl::Now() - t0 - quantizing;
     }
     if (merger && ep > 1) {
-      std::vector<ConstBytes> in;
-      std::vector<MutableBytes> out;
+      std::span<std::byte> records = slots_[slot].span().subspan(0, kStatusRecordBytes * static_cast<uint64_t>(ep));
+      WriteStatusRecord(records.subspan(own * kStatusRecordBytes, kStatusRecordBytes));
+      std::vector<ConstBytes> in = {{records.data() + own * kStatusRecordBytes, kStatusRecordBytes}};
+      std::vector<MutableBytes> out = {{records.data(), records.size()}};
       for (const Item& it : b.items) {
         std::byte* region = slots_[slot].data() + it.offset;
-        if (etp > 1) {
-          in.push_back({region + coord.ep * it.full_bytes, it.full_bytes});  // in place
+        if (etp > 1 || it.int4) {
+          in.push_back({region + own * it.block, it.block});  // in place
         } else {
           const TensorView& t = shard_.tensors[static_cast<size_t>(it.index)];
           in.push_back({t.data(), t.nbytes()});
@@ -497,15 +862,25 @@ void RankSync::RunExperts() {
   auto complete = [&](size_t j, int slot) {
     Wait(pending[slot]);
     if (!converting()) return;
+    if (ep > 1) {
+      absl::Status s = CheckRecords(slots_[slot].span().subspan(0, kStatusRecordBytes * static_cast<uint64_t>(ep)), ep,
+                                    coord.ep, "EP");
+      if (!s.ok()) return Fail(s);
+    }
     for (int m = 0; m < ep; ++m) {
       for (const Item& it : experts_[j].items) {
         const MegatronParam& mine = shard_.params[static_cast<size_t>(it.index)];
         const MegatronParam& p = member_experts_[static_cast<size_t>(m)][static_cast<size_t>(it.ordinal)];
-        TensorView full = shard_.tensors[static_cast<size_t>(it.index)];
-        if (ep > 1 || etp > 1)
-          full = TensorView(mine.dtype, mine.full_shape,
-                            slots_[slot].span().subspan(it.offset + m * it.full_bytes, it.full_bytes));
-        if (absl::Status s = Emit(p, full); !s.ok()) return Fail(s);
+        std::span<const std::byte> block = slots_[slot].span().subspan(it.offset + m * it.block, it.block);
+        absl::Status s;
+        if (it.int4) {
+          s = EmitInt4(p, it, block);
+        } else {
+          TensorView full = shard_.tensors[static_cast<size_t>(it.index)];
+          if (ep > 1 || etp > 1) full = TensorView(mine.dtype, mine.full_shape, block);
+          s = Emit(p, full);
+        }
+        if (!s.ok()) return Fail(s);
       }
     }
   };
@@ -534,7 +909,8 @@ absl::StatusOr<SyncReport> RankSync::Run() {
 
   const absl::Status local = Prepare();
   const std::string fingerprint_text =
-      absl::StrCat(src_.config_json(), "\n", convert::SourceParallelToJson(src_.parallel()), "\n", gather_limit_);
+      absl::StrCat(src_.config_json(), "\n", convert::SourceParallelToJson(src_.parallel()), "\n", gather_limit_, "\n",
+                   QuantFingerprint(o_.quant, o_.quant_variant));
   const uint64_t fingerprint =
       Xxh3_64({reinterpret_cast<const std::byte*>(fingerprint_text.data()), fingerprint_text.size()});
   RETURN_IF_ERROR(AgreeOnStart(*comms_.world, local, fingerprint, o_.collective));
@@ -547,7 +923,7 @@ absl::StatusOr<SyncReport> RankSync::Run() {
   }
   if (builder_) {
     const BucketBuilderStats& st = builder_->stats();
-    report_.bucket = st.copy;
+    report_.bucket = st.copy + int4_copy_;
     report_.send_wait = st.send_wait;
     report_.bytes = st.bytes;
     report_.buckets = st.buckets;

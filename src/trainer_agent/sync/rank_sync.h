@@ -1,7 +1,9 @@
 // One weight sync on one trainer rank: this rank's shard -> TP / ETP / EP all-gathers -> (on the
 // pipeline stage's source rank) Megatron -> HF conversion, INT4 quantization, buckets -> a
-// BucketSink. Spec: issue 5 ("Gathers, conversion, quantization", "Buckets and sending"),
-// shared/docs/MEGATRON_TO_HF.md, RANKS.md. Design and measurements: README.md beside this file.
+// BucketSink; routed experts that are INT4 targets are quantized where they live (each ETP / EP
+// rank its own shard) before the ETP / EP all-gathers. Spec: issue 5 ("Gathers, conversion,
+// quantization", "Buckets and sending"), shared/docs/MEGATRON_TO_HF.md, RANKS.md. Design and
+// measurements: README.md beside this file.
 //
 // Steps, on every rank of the world (each rank runs RunRankSync with the same options):
 //  1. open   WeightSource::OpenRank(own rank) (dir: the file is mapped anew every sync; shm: the
@@ -19,33 +21,53 @@
 //            all-gather + MergeShards into the full local experts (when ETP > 1), then an EP
 //            all-gather among the etp = 0 ranks (in place); EP communicator rank r holds global
 //            experts [r * E/EP, (r+1) * E/EP) (MegatronParam::global_expert of rank r's plan).
+//            INT4 experts: when EP or ETP > 1 and an expert parameter's HF tensors are INT4
+//            targets on every EP member (and are row blocks of it: fc1 gate/up, fc2), the ranks
+//            holding it quantize it before the gathers, which then carry packed int32 + scales
+//            instead of bf16. Quantization is row-local (groups run along K), so the full Megatron
+//            tensor [R, K] is quantized as one: with ETP > 1 every ETP rank quantizes its own shard
+//            when that shard is rows (GLU fc1) or column blocks of whole groups (fc2 with K/ETP a
+//            multiple of the group size), and the etp = 0 rank merges the INT4 shards; otherwise
+//            (channelwise fc2, ...) it merges bf16 and quantizes. The source cuts the HF tensors'
+//            rows out of the gathered INT4 (the same kernel and options: identical bytes). Every
+//            ETP and EP gather also carries one status record per member: a member that failed (a
+//            NaN refused by its quantizer, a merge) says so and why; the merger, then the stage
+//            source, fail instead of using its blocks.
 //  4. source (layout.StageSourceRank(pp) only) per gathered parameter: the full tensor (a view into
 //            the gather buffer when the all-gather's rank order already is the full layout: dim-0,
 //            vocab and full expert tensors; else MergeShards into a scratch tensor), ToHf (views),
 //            then per HF tensor either INT4 (IsQuantTarget under options.quant; the kernel writes
-//            straight into the bucket) or a copy into the bucket. Non-expert tensors first, then
-//            experts (EP rank order, then plan order). BucketBuilder sends full buckets to `sink`
-//            while the next gathers run, and ends with a `last` bucket and BucketSink::Finish.
+//            straight into the bucket) or a copy into the bucket; experts quantized by their EP
+//            member are copied as gathered (weight_packed, weight_scale; weight_shape written).
+//            Non-expert tensors first, then experts (per batch: EP rank order, then plan order).
+//            BucketBuilder sends full buckets to `sink` while the next gathers run, and ends with
+//            a `last` bucket and BucketSink::Finish.
 // Ranks outside those groups (dense DP / expert EDP replicas) only open their shard and agree.
 // PP stages run in parallel: after the opening agreement a stage only talks within its groups.
 //
 // Memory: every gathering rank holds two gather buffers of about gather_bytes (all-gathers
 // deliver every shard to every member, so the TP/EP peers of a source receive the same batches
-// the source does), plus one ETP buffer of gather_bytes / EP when ETP > 1; the source also holds
-// up to three bucket buffers (one filling, two on the wire) and a scratch tensor the size of the
-// largest parameter merged along dim 1 / GLU.
+// the source does; batches are sized by their bf16 bytes, so INT4 expert batches need about 3.6x
+// less), plus one ETP buffer of gather_bytes / EP when ETP > 1; the source also holds up to three
+// bucket buffers (one filling, two on the wire) and a scratch tensor the size of the largest
+// parameter merged along dim 1 / GLU (ETP > 1: every merger, for experts merged in bf16 then
+// quantized).
 //
 // Failures after step 1: a rank that fails (a NaN refused by the quantizer, an allocation, the
 // sink) stops converting and sending but keeps taking part in the remaining gathers with the same
-// sizes, so its peers never hang; it returns its first error. A data-plane error (timeout, abort)
+// sizes, so its peers never hang; it returns its first error. An EP member's failure also reaches
+// its merger and stage source through the status records of the next ETP / EP gather: they fail
+// too ("EP rank e (world rank r) could not produce its experts: <the member's error>"). A
+// data-plane error (timeout, abort)
 // breaks that communicator (comm/communicator.h); the buffers of a failed MPI operation are never
 // freed (MPI may still write them) and the process is expected to exit. A failed sync leaves the
 // sink without its `last` bucket and without Finish(): the caller aborts the stream.
 //
 // Errors: kInvalidArgument (sink given on a non-source rank or missing on the source, bad options,
-// communicators not matching the layout), the opening errors of any rank (see 1: kNotFound,
-// kInvalidArgument, ...), conversion / quantization errors naming the tensor, and the data
-// plane's kDeadlineExceeded / kAborted / kUnavailable.
+// communicators not matching the layout, ranks with different configs / gather sizes /
+// quantization configs), the opening errors of any rank (see 1: kNotFound, kInvalidArgument, ...),
+// conversion / quantization errors naming the tensor (and, on the source, the EP member that
+// hit them), and the data plane's kDeadlineExceeded / kAborted / kUnavailable.
 // Thread-safety: one RunRankSync per TrainerComms at a time. `src` may be shared.
 #pragma once
 
@@ -84,17 +106,20 @@ struct SyncOptions {
   // Output bytes of one all-gather call (a parameter larger than that is gathered alone);
   // 0 = bucket_bytes. Must be the same on every rank (checked at the opening agreement).
   uint64_t gather_bytes = 0;
-  const QuantizationConfig* quant = nullptr;  // none: everything unquantized. Not owned.
+  // none: everything unquantized. Not owned. With quant_variant, the same on every rank (EP
+  // members quantize their own experts; checked at the opening agreement).
+  const QuantizationConfig* quant = nullptr;
   kernels::QuantVariant quant_variant = kernels::QuantVariant::kQat;
-  int quant_threads = 0;                       // 0 = hardware concurrency
+  int quant_threads = 0;                       // per rank; 0 = hardware concurrency
   CollectiveOptions collective;                // every collective of the sync
   SyncWorkspace* workspace = nullptr;          // null: buffers live for this sync only. Not owned.
 };
 
 struct SyncReport {
-  // Wall time per phase on this rank. gather: issuing and waiting for all-gathers (and the ETP
-  // merge); convert: MergeShards + ToHf on the source; quantize: INT4 kernels; bucket: copies
-  // into buckets; send_wait: blocked in BucketSink::Send / Finish.
+  // Wall time per phase on this rank. gather: issuing and waiting for all-gathers; convert:
+  // MergeShards + ToHf (source; expert mergers); quantize: INT4 kernels (source; every rank of
+  // the expert block with INT4 experts); bucket: copies into buckets; send_wait: blocked in
+  // BucketSink::Send / Finish.
   absl::Duration open, gather, convert, quantize, bucket, send_wait, total;
   uint64_t bytes = 0;    // bucket data bytes handed to the sink
   uint64_t buckets = 0;
@@ -102,8 +127,9 @@ struct SyncReport {
   bool source = false;
   uint64_t peak_bucket_bytes = 0;
   uint64_t gather_bytes = 0;     // all-gather output bytes on this rank
-  uint64_t hf_bytes = 0;         // HF tensors before quantization (source)
-  uint64_t quantized_bytes = 0;  // of those, the bytes that went through the INT4 kernels
+  uint64_t hf_bytes = 0;         // HF tensors sent, counted before quantization (source)
+  uint64_t quantized_bytes = 0;  // bf16 / fp16 bytes through the INT4 kernels on this rank
+  uint64_t copied_bytes = 0;     // bytes copied into buckets: unquantized tensors and gathered INT4 (source)
   uint64_t gather_calls = 0;     // all-gather calls issued by this rank
 };
 
