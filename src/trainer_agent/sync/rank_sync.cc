@@ -543,15 +543,21 @@ absl::Status RankSync::PlanInt4(Item& it) {
   if (!full.ok())
     return Annotate(full.status(), absl::StrCat("quantizing \"", absl::StrJoin(p.hf_names, "\", \""), "\" (",
                                                 SafetensorsName(p.dtype), ShapeToString(p.full_shape), ")"));
+  // Bytes of an INT4 triplet's packed and scale parts, and where the scales start in its block.
+  auto sizes = [&](const kernels::QuantizedShapes& q, uint64_t* packed, uint64_t* scales,
+                   uint64_t* scale_offset) -> absl::Status {
+    ASSIGN_OR_RETURN(const int64_t pb, NumBytes(DType::kI32, q.packed));
+    ASSIGN_OR_RETURN(const int64_t sb, NumBytes(p.dtype, q.scales));
+    *packed = static_cast<uint64_t>(pb);
+    *scales = static_cast<uint64_t>(sb);
+    *scale_offset = AlignUp(*packed, kRegionAlignment);
+    return absl::OkStatus();
+  };
   plan.packed = plan.scales = p;
   plan.packed.dtype = DType::kI32;
   plan.packed.full_shape = full->packed;
   plan.scales.full_shape = full->scales;
-  ASSIGN_OR_RETURN(const int64_t packed_bytes, NumBytes(DType::kI32, full->packed));
-  ASSIGN_OR_RETURN(const int64_t scale_bytes, NumBytes(p.dtype, full->scales));
-  plan.packed_bytes = static_cast<uint64_t>(packed_bytes);
-  plan.scale_bytes = static_cast<uint64_t>(scale_bytes);
-  plan.scale_offset = AlignUp(plan.packed_bytes, kRegionAlignment);
+  RETURN_IF_ERROR(sizes(*full, &plan.packed_bytes, &plan.scale_bytes, &plan.scale_offset));
   plan.hf_shapes = std::move(map.hf_shapes);
   ASSIGN_OR_RETURN(plan.full_rows, RowSegments(p, map, -1));
   // Each ETP rank quantizes its shard when the shard splits rows (GLU fc1), or columns at group
@@ -566,11 +572,7 @@ absl::Status RankSync::PlanInt4(Item& it) {
     if (!local.ok()) return Annotate(local.status(), absl::StrCat(p.global_name, ": quantizing an ETP shard"));
     plan.packed.local_shape = local->packed;
     plan.scales.local_shape = local->scales;
-    ASSIGN_OR_RETURN(const int64_t lp, NumBytes(DType::kI32, local->packed));
-    ASSIGN_OR_RETURN(const int64_t ls, NumBytes(p.dtype, local->scales));
-    plan.local_packed_bytes = static_cast<uint64_t>(lp);
-    plan.local_scale_bytes = static_cast<uint64_t>(ls);
-    plan.local_scale_offset = AlignUp(plan.local_packed_bytes, kRegionAlignment);
+    RETURN_IF_ERROR(sizes(*local, &plan.local_packed_bytes, &plan.local_scale_bytes, &plan.local_scale_offset));
     plan.local_block = AlignUp(plan.local_scale_offset + plan.local_scale_bytes, kRegionAlignment);
     ASSIGN_OR_RETURN(plan.local_rows, RowSegments(p, map, p.rank_in_group));
     it.etp_region = plan.local_block * static_cast<uint64_t>(etp);
