@@ -92,8 +92,14 @@ struct BucketSender::InFlight {
   std::unique_ptr<Work> header_work, payload_work;
 };
 
-BucketSender::BucketSender(Communicator& comm, int root, int max_in_flight, CollectiveOptions options)
-    : comm_(comm), root_(root), max_in_flight_(std::max(1, max_in_flight)), options_(options) {}
+BucketSender::BucketSender(Communicator& comm, int root, int max_in_flight, CollectiveOptions options,
+                           BufferPool* pool)
+    : comm_(comm),
+      root_(root),
+      max_in_flight_(std::max(1, max_in_flight)),
+      options_(options),
+      own_pool_(pool == nullptr ? std::make_unique<BufferPool>(static_cast<size_t>(max_in_flight_)) : nullptr),
+      pool_(pool == nullptr ? own_pool_.get() : pool) {}
 
 BucketSender::~BucketSender() {
   while (!in_flight_.empty()) WaitOldest().IgnoreError();
@@ -130,16 +136,11 @@ absl::Status BucketSender::WaitOldest() {
   absl::Status s = f->header_work->Wait();
   if (s.ok()) s = f->payload_work->Wait();
   stats_.wire += absl::Now() - t0;
-  if (s.ok()) free_.push_back(std::move(f->data));
+  if (s.ok()) pool_->Put(std::move(f->data));
   return s;
 }
 
-Buffer BucketSender::Recycle() {
-  if (free_.empty()) return Buffer();
-  Buffer b = std::move(free_.front());
-  free_.pop_front();
-  return b;
-}
+Buffer BucketSender::Recycle(uint64_t min_bytes) { return pool_->TryGet(min_bytes); }
 
 absl::Status BucketSender::Finish() {
   absl::Status first;
@@ -152,8 +153,8 @@ absl::Status BucketSender::Finish() {
 
 // --- Receiver -----------------------------------------------------------------------------------
 
-BucketReceiver::BucketReceiver(Communicator& comm, int root, CollectiveOptions options)
-    : comm_(comm), root_(root), options_(options) {
+BucketReceiver::BucketReceiver(Communicator& comm, int root, CollectiveOptions options, BufferPool* pool)
+    : comm_(comm), root_(root), options_(options), pool_(pool) {
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -181,7 +182,8 @@ void BucketReceiver::Run() {
     }
     if (s.ok()) {
       manifest_bytes.resize(header.manifest_bytes);
-      data = Buffer::Allocate(std::max<uint64_t>(header.data_bytes, 1));
+      const uint64_t want = std::max<uint64_t>(header.data_bytes, 1);
+      data = pool_ != nullptr ? pool_->Get(want) : Buffer::Allocate(want);
       s = data.status();
     }
     if (s.ok()) {

@@ -11,7 +11,10 @@
 // Ownership and memory: the sender keeps at most `max_in_flight` buckets on the wire (double
 // buffering: the caller builds bucket k+1 while k moves) and hands finished buffers back through
 // Recycle(). The receiver runs one thread that receives into a queue of one bucket, so the
-// consumer loads bucket k while k+1 arrives: at most two buckets in memory.
+// consumer loads bucket k while k+1 arrives. Both take an optional BufferPool (not owned; must
+// outlive them): the sender puts finished buffers there, the receiver takes its buffers from it and
+// the consumer may Put() a loaded bucket's data back, so an agent that keeps one pool across syncs
+// receives and builds buckets in memory that is already mapped (common/buffer_pool.h).
 //
 // Thread-safety: a BucketSender is used by one thread; BucketReceiver::Next by one thread.
 #pragma once
@@ -26,6 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "comm/communicator.h"
+#include "common/buffer_pool.h"
 #include "common/dtype.h"
 #include "common/tensor.h"
 #include "wsync/v1/tensor.pb.h"
@@ -48,15 +52,16 @@ struct BucketStats {
 
 class BucketSender {
  public:
-  BucketSender(Communicator& comm, int root, int max_in_flight = 2, CollectiveOptions options = {});
+  BucketSender(Communicator& comm, int root, int max_in_flight = 2, CollectiveOptions options = {},
+               BufferPool* pool = nullptr);
   ~BucketSender();  // waits for buckets still in flight (errors are dropped: call Finish())
 
   // Starts broadcasting `data[0, nbytes)` under `manifest` and returns once it is queued; if
   // `max_in_flight` buckets are already on the wire, first waits for the oldest. Errors of the
   // data plane (kDeadlineExceeded, kAborted, kUnavailable) come back from here or from Finish().
   absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes);
-  // A buffer of a finished bucket, for reuse (an empty Buffer if none is free).
-  Buffer Recycle();
+  // A buffer of a finished bucket of at least `min_bytes`, for reuse (an empty Buffer if none).
+  Buffer Recycle(uint64_t min_bytes);
   // Waits until every bucket has been sent.
   absl::Status Finish();
   const BucketStats& stats() const { return stats_; }
@@ -70,7 +75,8 @@ class BucketSender {
   const int max_in_flight_;
   const CollectiveOptions options_;
   std::deque<std::unique_ptr<InFlight>> in_flight_;
-  std::deque<Buffer> free_;
+  std::unique_ptr<BufferPool> own_pool_;  // when the caller gave none
+  BufferPool* pool_;
   BucketStats stats_;
 };
 
@@ -78,10 +84,10 @@ class BucketReceiver {
  public:
   struct Bucket {
     v1::BucketManifest manifest;
-    Buffer data;
+    Buffer data;  // holds manifest.nbytes() bytes; a pooled buffer may be larger
   };
   // Starts receiving at once on its own thread.
-  BucketReceiver(Communicator& comm, int root, CollectiveOptions options = {});
+  BucketReceiver(Communicator& comm, int root, CollectiveOptions options = {}, BufferPool* pool = nullptr);
   ~BucketReceiver();  // aborts the communicator if the stream is unfinished, then joins
 
   // The next bucket, in order; std::nullopt after the last one. Errors: the data plane's, or
@@ -95,6 +101,7 @@ class BucketReceiver {
   Communicator& comm_;
   const int root_;
   const CollectiveOptions options_;
+  BufferPool* const pool_;  // null: plain allocations
   mutable absl::Mutex mu_;
   std::optional<Bucket> ready_ ABSL_GUARDED_BY(mu_);
   absl::Status error_ ABSL_GUARDED_BY(mu_);

@@ -1,6 +1,7 @@
 #include "comm/bucket_stream.h"
 
 #include <random>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -55,7 +56,7 @@ TEST(BucketStreamTest, ManyBucketsReachEveryReceiverIntact) {
   std::thread sender([&] {
     BucketSender s(*comms[0], 0, 2);
     for (int b = 0; b < kBuckets; ++b) {
-      Buffer buf = s.Recycle();
+      Buffer buf = s.Recycle(contents[b].size());
       if (buf.size() < contents[b].size()) buf = *Buffer::Allocate(contents[b].size() + 1);
       std::memcpy(buf.data(), contents[b].data(), contents[b].size());
       ASSERT_TRUE(s.Send(MakeManifest(b, sizes[b], b == kBuckets - 1), std::move(buf), contents[b].size()).ok());
@@ -63,10 +64,14 @@ TEST(BucketStreamTest, ManyBucketsReachEveryReceiverIntact) {
     EXPECT_TRUE(s.Finish().ok());
     EXPECT_EQ(s.stats().buckets, static_cast<uint64_t>(kBuckets));
   });
+  // Receiver 1 takes its buffers from a pool and gives each loaded bucket back (so later buckets
+  // land in buffers that still hold older ones' bytes); receiver 2 allocates every bucket.
+  BufferPool pool(3);
+  std::set<const std::byte*> pooled;
   std::vector<std::thread> receivers;
   for (int r = 1; r < 3; ++r) {
     receivers.emplace_back([&, r] {
-      BucketReceiver recv(*comms[r], 0);
+      BucketReceiver recv(*comms[r], 0, {}, r == 1 ? &pool : nullptr);
       for (int b = 0;; ++b) {
         auto next = recv.Next();
         ASSERT_TRUE(next.ok()) << next.status();
@@ -74,15 +79,24 @@ TEST(BucketStreamTest, ManyBucketsReachEveryReceiverIntact) {
           EXPECT_EQ(b, kBuckets);
           break;
         }
-        const auto& bucket = **next;
+        auto& bucket = **next;
         EXPECT_EQ(bucket.manifest.index(), static_cast<uint32_t>(b));
         ASSERT_EQ(bucket.manifest.nbytes(), contents[b].size());
+        ASSERT_GE(bucket.data.size(), contents[b].size());
         EXPECT_EQ(std::memcmp(bucket.data.data(), contents[b].data(), contents[b].size()), 0) << "bucket " << b;
+        if (r == 1) {
+          pooled.insert(bucket.data.data());
+          pool.Put(std::move(bucket.data));
+        }
       }
     });
   }
   sender.join();
   for (auto& t : receivers) t.join();
+  // Seven buckets through at most three buffers in circulation (receiving, queued, loading) plus
+  // the ones a larger bucket needed: fewer distinct buffers than buckets.
+  EXPECT_LT(pooled.size(), static_cast<size_t>(kBuckets));
+  EXPECT_LE(pool.idle_buffers(), 3u);
 }
 
 TEST(BucketStreamTest, ACorruptBucketIsDataLossNamingIt) {

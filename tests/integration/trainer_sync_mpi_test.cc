@@ -53,7 +53,7 @@ class CaptureSink : public BucketSink {
     free_.push_back(std::move(data));
     return absl::OkStatus();
   }
-  Buffer Recycle() override {
+  Buffer Recycle(uint64_t) override {
     if (free_.empty()) return Buffer();
     Buffer b = std::move(free_.back());
     free_.pop_back();

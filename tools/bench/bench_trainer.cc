@@ -44,7 +44,7 @@ class DiscardSink : public sync::BucketSink {
     free_ = std::move(data);
     return absl::OkStatus();
   }
-  Buffer Recycle() override { return std::move(free_); }
+  Buffer Recycle(uint64_t) override { return std::move(free_); }
   absl::Status Finish() override { return absl::OkStatus(); }
 
  private:
@@ -62,7 +62,7 @@ class MemcpySink : public sync::BucketSink {
     free_ = std::move(data);
     return absl::OkStatus();
   }
-  Buffer Recycle() override { return std::move(free_); }
+  Buffer Recycle(uint64_t) override { return std::move(free_); }
   absl::Status Finish() override { return absl::OkStatus(); }
 
  private:

@@ -625,6 +625,7 @@ void RolloutAgent::RunStage(Sync* s, size_t index) {
   o.load_threads = options_.load_threads > 0 ? options_.load_threads
                                              : static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
   o.cancel = &s->cancel;
+  o.pool = &bucket_pool_;
   auto r = ReceiveStage(o);
   bool cancel_others = false;
   {

@@ -44,6 +44,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/buffer_pool.h"
 #include "common/metrics.h"
 #include "common/rpc_security.h"
 #include "wsync/v1/rollout.grpc.pb.h"
@@ -137,6 +138,8 @@ class RolloutAgent {
   std::string address_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Engine> engine_;  // written under op_mu_ and mu_; read under either
   std::unique_ptr<Sync> sync_;      // the same
+  // Received bucket buffers kept across syncs: one being received while the previous one loads.
+  BufferPool bucket_pool_{2};
   uint64_t version_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // The last sync that ended: its id and outcome (for idempotent / late RPCs).

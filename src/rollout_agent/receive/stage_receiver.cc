@@ -138,16 +138,19 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
 
   const absl::Time t1 = absl::Now();
   absl::Status s = [&]() -> absl::Status {
-    BucketReceiver receiver(**comm, 0, CollectiveOptions{o.op_timeout});
+    BucketReceiver receiver(**comm, 0, CollectiveOptions{o.op_timeout}, o.pool);
     for (;;) {
       auto next = receiver.Next();
       if (!next.ok()) return Annotate(next.status(), where);
       if (!next->has_value()) return absl::OkStatus();
-      const BucketReceiver::Bucket& b = **next;
+      BucketReceiver::Bucket& b = **next;
       RETURN_IF_ERROR(CheckManifest(b.manifest, o));
       stats.buckets++;
       stats.bytes += b.manifest.nbytes();
-      if (!AddressedTo(b.manifest, o.rank)) continue;
+      if (!AddressedTo(b.manifest, o.rank)) {
+        if (o.pool != nullptr) o.pool->Put(std::move(b.data));
+        continue;
+      }
       const absl::Time l0 = absl::Now();
       RETURN_IF_ERROR(LoadBucket(b.manifest, b.data, *o.loader, o.load_threads));
       const absl::Time l1 = absl::Now();
@@ -157,6 +160,7 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
         RETURN_IF_ERROR(o.recorder->WriteBucket(b.manifest, b.data.data()));
         stats.record += absl::Now() - l1;
       }
+      if (o.pool != nullptr) o.pool->Put(std::move(b.data));
       if (cancel.cancelled()) return absl::AbortedError("cancelled between buckets");
     }
   }();

@@ -31,6 +31,7 @@
 #include "absl/time/time.h"
 #include "comm/communicator.h"
 #include "comm/store/store.h"
+#include "common/buffer_pool.h"
 #include "rollout_agent/load/loader.h"
 #include "rollout_agent/receive/recorder.h"
 
@@ -70,6 +71,7 @@ struct StageOptions {
   const Recorder* recorder = nullptr;  // optional, not owned
   int load_threads = 2;          // entries of one bucket loaded concurrently
   SyncCancel* cancel = nullptr;  // not owned; required
+  BufferPool* pool = nullptr;    // optional, not owned: bucket buffers, each given back once loaded
 };
 
 struct StageStats {

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "comm/bucket_stream.h"
+#include "common/buffer_pool.h"
 #include "comm/communicator.h"
 #include "comm/store/store.h"
 #include "common/logging.h"
@@ -101,8 +102,9 @@ class CommandChannel final : public TrainerSide {
 // data-plane failure makes it a drain (see the header) and is reported by status().
 class BroadcastSink final : public sync::BucketSink {
  public:
-  BroadcastSink(std::unique_ptr<Communicator> comm, Store* store, std::string prefix, CollectiveOptions options)
-      : comm_(std::move(comm)), sender_(*comm_, 0, 2, options), store_(store), prefix_(std::move(prefix)) {}
+  BroadcastSink(std::unique_ptr<Communicator> comm, Store* store, std::string prefix, CollectiveOptions options,
+                BufferPool* pool)
+      : comm_(std::move(comm)), sender_(*comm_, 0, 2, options, pool), store_(store), prefix_(std::move(prefix)) {}
 
   absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) override {
     if (!error_.ok()) return absl::OkStatus();  // draining
@@ -112,7 +114,7 @@ class BroadcastSink final : public sync::BucketSink {
     store_->Add(prefix_ + "buckets", 1).IgnoreError();
     return absl::OkStatus();
   }
-  Buffer Recycle() override { return error_.ok() ? sender_.Recycle() : Buffer(); }
+  Buffer Recycle(uint64_t min_bytes) override { return error_.ok() ? sender_.Recycle(min_bytes) : Buffer(); }
   absl::Status Finish() override {
     if (error_.ok()) {
       absl::Status s = sender_.Finish();
@@ -295,7 +297,8 @@ class Agent {
       auto comm = backend.ok() ? CreateGroup(*backend, g) : backend.status();
       if (comm.ok()) {
         sink = std::make_unique<BroadcastSink>(std::move(*comm), store_.get(),
-                                               absl::StrCat("sync-", cmd.sync_id, "/progress/"), CollectiveOptions{timeout});
+                                               absl::StrCat("sync-", cmd.sync_id, "/progress/"), CollectiveOptions{timeout},
+                                               &bucket_pool_);
       } else {
         s = Annotate(comm.status(), absl::StrCat("stage ", stage, " data-plane group"));
       }
@@ -399,6 +402,8 @@ class Agent {
   int stages_ = 1;
   sync::TrainerComms comms_;
   sync::SyncWorkspace workspace_;  // gather buffers kept across syncs
+  // Bucket buffers kept across syncs (stage sources only): two on the wire + the one being built.
+  BufferPool bucket_pool_{3};
   std::unique_ptr<Store> store_;
 };
 

@@ -19,7 +19,7 @@ BucketBuilder::BucketBuilder(BucketSink& sink, const BucketBuilderOptions& optio
 absl::Status BucketBuilder::EnsureBuffer(uint64_t min_bytes) {
   const uint64_t want = std::max<uint64_t>(std::max<uint64_t>(options_.bucket_bytes, 1), min_bytes);
   if (buffer_.size() < want) {
-    Buffer b = sink_.Recycle();
+    Buffer b = sink_.Recycle(want);
     if (b.size() >= want) {
       buffer_ = std::move(b);
     } else {

@@ -45,8 +45,9 @@ class BucketSink {
   // Takes bucket `manifest` (nbytes set) with data[0, nbytes). May block until the sink has room
   // (BucketSender: until fewer than two buckets are on the wire); returns once the bucket is queued.
   virtual absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) = 0;
-  // A buffer of a bucket the sink is done with, for reuse; an empty Buffer if none is free.
-  virtual Buffer Recycle() = 0;
+  // A buffer of at least `min_bytes` that the sink is done with, for reuse; an empty Buffer if
+  // none is free.
+  virtual Buffer Recycle(uint64_t min_bytes) = 0;
   // Blocks until every bucket handed to Send has left; the first error of any of them.
   virtual absl::Status Finish() = 0;
 };
@@ -58,7 +59,7 @@ class BucketSenderSink : public BucketSink {
   absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) override {
     return sender_.Send(std::move(manifest), std::move(data), nbytes);
   }
-  Buffer Recycle() override { return sender_.Recycle(); }
+  Buffer Recycle(uint64_t min_bytes) override { return sender_.Recycle(min_bytes); }
   absl::Status Finish() override { return sender_.Finish(); }
 
  private:

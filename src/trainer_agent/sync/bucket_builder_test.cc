@@ -31,7 +31,7 @@ class CaptureSink : public BucketSink {
     free.push_back(std::move(data));
     return absl::OkStatus();
   }
-  Buffer Recycle() override {
+  Buffer Recycle(uint64_t) override {
     if (free.empty()) return Buffer();
     Buffer b = std::move(free.front());
     free.erase(free.begin());

@@ -1,0 +1,52 @@
+// BufferPool: large buffers kept for reuse across buckets and across syncs.
+//
+// Why: a bucket is hundreds of MiB. A fresh allocation of that size is a fresh mmap, and the first
+// write to each 4 KiB page costs a page fault, a zeroed page and a memory-cgroup charge; on the
+// end-to-end bench that was about a tenth of all CPU time of a sync (perf, docs/sync.md). Agents
+// keep one pool for their lifetime, so after the first sync the buckets land in pages that are
+// already mapped.
+//
+// Ownership: Get() hands out a Buffer the caller owns; Put() gives it back (or the caller simply
+// drops it). The pool keeps at most `max_free` idle buffers; when a Put() would exceed that, the
+// smallest idle buffer is freed. Memory stays bounded by what is in use: when no idle buffer fits
+// a Get(), the idle ones (all too small) are freed before allocating, and the new buffer takes the
+// largest size ever asked for, so buckets of varying sizes converge on buffers that fit them all
+// (the memory of K buffers in use is then at most K x the largest bucket).
+// Thread-safety: all methods may be called from any thread.
+// Errors: Get() returns kResourceExhausted when a needed allocation fails.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/tensor.h"
+
+namespace wsync {
+
+class BufferPool {
+ public:
+  explicit BufferPool(size_t max_free = 2) : max_free_(max_free) {}
+
+  // A buffer of at least `nbytes` (size() may be larger): the smallest idle one that fits, else a
+  // new allocation of max(nbytes, the largest size asked for so far), after freeing the idle
+  // buffers. Its contents are unspecified.
+  absl::StatusOr<Buffer> Get(size_t nbytes);
+  // The smallest idle buffer of at least `nbytes`, or an empty Buffer if none fits.
+  Buffer TryGet(size_t nbytes);
+  // Returns `buffer` to the pool (empty buffers are ignored).
+  void Put(Buffer buffer);
+
+  size_t idle_buffers() const;
+  size_t idle_bytes() const;
+  size_t max_free() const { return max_free_; }
+
+ private:
+  const size_t max_free_;
+  mutable absl::Mutex mu_;
+  std::vector<Buffer> free_ ABSL_GUARDED_BY(mu_);
+  size_t high_water_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace wsync
