@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # wsync's end-to-end sync benchmark: a generated ~2 GB Qwen3-MoE-style model (bench2g preset),
-# 4 trainer ranks (TP2 x EP2) -> ENGINES rollout engines (TP 1, INT4 experts), SYNCS syncs, then,
-# measured in the same run on the same backend, a raw broadcast of the same number of bytes to
+# 4 trainer ranks (TP2 x EP2) -> ENGINES rollout engines (TP 1, INT4 experts), SYNCS warm-up syncs
+# and one measured sync (the first sync pays page faults for every buffer), then, measured in the
+# same run on the same backend, a raw broadcast of the same number of bytes to
 # the same number of receivers. Prints the per-phase table of the last sync, the ratio
-# total sync / raw broadcast, and the peak memory (VmHWM) of every rollout agent and trainer agent
-# next to its budget.
+# total sync / raw broadcast, the CPU time the last sync and the raw broadcast cost (summed over
+# every process), and the peak memory (VmHWM) of every rollout agent and trainer agent.
 #
-#   tools/bench-sync.sh [--engines 2] [--syncs 2] [--bucket-mib 256] [--workdir DIR]
+#   tools/bench-sync.sh [--engines 2] [--syncs 1] [--bucket-mib 256] [--workdir DIR]
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="${WSYNC_BIN:-$here/build/bin}"
-engines=2 syncs=2 bucket=256 work=""
+engines=2 syncs=1 bucket=256 work=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --engines) engines="$2"; shift 2 ;;
@@ -37,6 +38,13 @@ cat > "$work/measure.sh" <<'M'
 set -euo pipefail
 bin="$1" work="$2" engines="$3"
 ctl=("$bin/wsyncctl" --coordinator "$WSYNC_COORDINATOR" --token-file "$WSYNC_TOKEN_FILE")
+# One more sync, with the CPU time (utime + stime, all threads) of every wsync process around it.
+procs=$(pgrep -f "wsync-(rollout-agent|trainer-agent|ref-engine).*$work" | tr '\n' ' ')
+cpu() { for pid in $procs; do awk '{print $14 + $15}' "/proc/$pid/stat"; done | awk '{s += $1} END {print s}'; }
+c0=$(cpu)
+"${ctl[@]}" sync --wait > /dev/null
+c1=$(cpu)
+echo "$(( c1 - c0 )) $(getconf CLK_TCK) $(nproc)" > "$work/cpu.txt"
 "${ctl[@]}" --json timings > "$work/timings.json"
 bytes=$(python3 -c 'import json,sys; t=json.load(open(sys.argv[1])); print(max(p.get("bytes",0) for p in t["phases"]))' "$work/timings.json")
 # Peak memory of the processes while they are still up.
@@ -78,6 +86,16 @@ cont = next((p["seconds"] for p in t["phases"] if p["phase"] == "continue"), 0.0
 print(f"# total sync / raw broadcast = {total / raw:.2f} (target <= 1.25)")
 print(f"# of which the engine's Continue (the reference engine validates the committed memory, "
       f"then serves it in place): {cont:.3f} s")
+ticks, hz, cores = (int(x) for x in open(f"{work}/cpu.txt").read().split())
+raw_cpu = None
+for line in open(f"{work}/raw.txt"):
+    f = line.split()
+    if len(f) >= 9 and f[0].isdigit() and f[3] == "0":
+        raw_cpu = float(f[8]) / 1e6; break
+sync_cpu = ticks / hz
+print(f"# CPU time (all threads of every process): sync {sync_cpu:.2f} core-s ({sync_cpu / total:.2f} of {cores} cores busy), "
+      f"raw broadcast {raw_cpu:.2f} core-s ({raw_cpu / raw:.2f} cores busy); "
+      f"a sync within 1.25x of it has at most {1.25 * raw * cores:.2f} core-s of this host in all")
 print("# peak memory: VmHWM (includes pages of the engine's shared memory the agent wrote, RssShmem)")
 for line in open(f"{work}/memory.txt"):
     name, kb, shm, pid = line.split()

@@ -11,9 +11,12 @@
 // buffer for broadcast, the gathered output for all-gather); busbw = algbw x factor, where the
 // factor is 1 for broadcast (every link carries the buffer once, as a chain/pipeline does) and
 // (n-1)/n for all-gather (nccl-tests' convention); #wrong = bytes that differ from the expected
-// pattern after one checked iteration (-c 1), summed over members.
+// pattern after one checked iteration (-c 1), summed over members; cpu = CPU time of every
+// member process (all its threads) per iteration, summed over the members (core-microseconds):
+// what the operation costs the hosts, beside how long it takes.
 #include <spawn.h>
 #include <sys/wait.h>
+#include <time.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -59,6 +62,11 @@ double MaxOver(Communicator& c, double v) {
   if (!Await(c.AllGather({&in, 1}, {&out, 1})).ok()) return -1;
   return *std::max_element(all.begin(), all.end());
 }
+double ProcessCpuMicros() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) / 1e3;
+}
 uint64_t SumOver(Communicator& c, uint64_t v) {
   std::vector<uint64_t> all(c.size());
   ConstBytes in{&v, sizeof(v)};
@@ -82,9 +90,10 @@ int RunTable(Communicator& c, const Flags& f) {
   for (const char* op : {"broadcast", "allgather"}) {
     const bool bcast = std::string(op) == "broadcast";
     if (lead) {
-      std::printf("#\n# %s\n#%12s %12s %6s %6s %10s %8s %8s %8s\n", op, "size", "count", "type", "root", "time", "algbw",
-                  "busbw", "#wrong");
-      std::printf("#%12s %12s %6s %6s %10s %8s %8s %8s\n", "(B)", "(elements)", "", "", "(us)", "(GB/s)", "(GB/s)", "");
+      std::printf("#\n# %s\n#%12s %12s %6s %6s %10s %8s %8s %8s %10s\n", op, "size", "count", "type", "root", "time", "algbw",
+                  "busbw", "#wrong", "cpu");
+      std::printf("#%12s %12s %6s %6s %10s %8s %8s %8s %10s\n", "(B)", "(elements)", "", "", "(us)", "(GB/s)", "(GB/s)", "",
+                  "(core-us)");
     }
     for (size_t bytes = lo; bytes <= hi; bytes *= f.factor) {
       const size_t per_rank = bcast ? bytes : bytes / n;
@@ -115,6 +124,7 @@ int RunTable(Communicator& c, const Flags& f) {
       }
       if (!Await(c.Barrier()).ok()) return 1;
       const absl::Time t0 = absl::Now();
+      const double cpu0 = ProcessCpuMicros();
       for (int i = 0; i < f.iters; ++i) {
         absl::Status s = once();
         if (!s.ok()) {
@@ -123,6 +133,8 @@ int RunTable(Communicator& c, const Flags& f) {
         }
       }
       const double us = MaxOver(c, absl::ToDoubleMicroseconds(absl::Now() - t0) / f.iters);
+      // CPU time of every member (all its threads) per operation, summed over the members.
+      const uint64_t cpu_us = SumOver(c, static_cast<uint64_t>((ProcessCpuMicros() - cpu0) / f.iters));
       wrong = SumOver(c, wrong);
       const double algbw = total / us / 1e3;
       const double busbw = algbw * (bcast ? 1.0 : static_cast<double>(n - 1) / n);
@@ -131,8 +143,8 @@ int RunTable(Communicator& c, const Flags& f) {
         ++bus_count;
       }
       if (lead) {
-        std::printf(" %12zu %12zu %6s %6s %10.1f %8.3f %8.3f %8llu\n", total, total, "int8", bcast ? "0" : "-", us, algbw,
-                    busbw, static_cast<unsigned long long>(wrong));
+        std::printf(" %12zu %12zu %6s %6s %10.1f %8.3f %8.3f %8llu %10llu\n", total, total, "int8", bcast ? "0" : "-", us,
+                    algbw, busbw, static_cast<unsigned long long>(wrong), static_cast<unsigned long long>(cpu_us));
         std::fflush(stdout);
       }
     }
