@@ -301,6 +301,10 @@ absl::Status GlooCommunicator::DoBroadcast(const OpContext& ctx, absl::Span<cons
     for (size_t i = 0; i < buffers.size(); ++i) {
       for (int c = 0; c < sends[i]; ++c) RETURN_IF_ERROR(io.WaitSend(ctx, i));
     }
+    // The acknowledgement to the predecessor: if the predecessor is lost before it took the byte,
+    // the send may stay queued (see above), so its loss ends this wait after the grace instead of
+    // the op timeout. A predecessor that took the ack and then left completed the send already.
+    io.Needs(has_prev, false);
     if (has_prev) RETURN_IF_ERROR(io.WaitSend(ctx, io.ack_out()));
   } catch (const std::exception& e) {
     return io.FromException(ctx, e.what());
@@ -342,6 +346,7 @@ absl::Status GlooCommunicator::Ring(const OpContext& ctx, const std::vector<void
     for (size_t i = 0; i < buffers.size(); ++i) {
       for (int c = 0; c < sends[i]; ++c) RETURN_IF_ERROR(io.WaitSend(ctx, i));
     }
+    io.Needs(true, false);  // the acknowledgement to the predecessor, as in DoBroadcast
     RETURN_IF_ERROR(io.WaitSend(ctx, io.ack_out()));
   } catch (const std::exception& e) {
     return io.FromException(ctx, e.what());
