@@ -21,6 +21,12 @@ while [ $# -gt 0 ]; do
 done
 work="$(mktemp -d /tmp/wsync-demo.XXXXXX)"
 echo "== demo workspace: $work"
+# The workspace (models, shards, recordings: a few hundred MB) goes when the demo ends, also on
+# failure or Ctrl-C, unless --keep.
+cleanup() { if [ ${#keep[@]} -gt 0 ]; then echo "== kept: $work"; else rm -rf "$work"; fi; }
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 gen() {  # gen SEED DIR: the default model with seed SEED, as HF checkpoint DIR
   "$bin/wsync-model-gen" --from-config default --seed "$1" --out "$2" >/dev/null
 }
@@ -41,6 +47,6 @@ rm -rf "$work/hf" && mv "$work/hf.next" "$work/hf"
 echo "   trainer step: weights of seed \$seed"
 STEP
 chmod +x "$work/train-step.sh"
-exec "$here/tools/wsync-local" --source "$work/megatron" --rollout-engines 2 --engine-tp 2 --syncs "$syncs" \
+"$here/tools/wsync-local" --source "$work/megatron" --rollout-engines 2 --engine-tp 2 --syncs "$syncs" \
   --engine-checkpoint "$work/engine-start" --between-syncs "$work/train-step.sh" --hf "$work/hf" --verify \
   --prompt 11,22,33,44,55 --max-new-tokens 8 --load --record-dir "$work/record" --workdir "$work/run" "${keep[@]}" "${extra[@]}"

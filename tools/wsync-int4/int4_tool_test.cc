@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
 #include <numeric>
 #include <random>
 #include <string>
@@ -93,6 +94,9 @@ class Int4ToolTest : public ::testing::Test {
     ASSERT_TRUE(w.Add("model.layers.0.mlp.experts.weight", experts_.view()).ok());
     w.SetMetadata("format", "pt");
     ASSERT_TRUE(w.Write(In()).ok());
+  }
+  void TearDown() override {
+    if (!HasFailure()) std::filesystem::remove_all(dir_);  // kept for a look when a test failed
   }
   std::string In() const { return dir_ + "/in.safetensors"; }
   std::string P(const std::string& name) const { return dir_ + "/" + name; }
