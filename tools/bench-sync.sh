@@ -68,11 +68,11 @@ work, engines, bucket = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 t = json.load(open(f"{work}/timings.json"))
 total = next(p["seconds"] for p in t["phases"] if p["phase"] == "total")
 nbytes = max(p.get("bytes", 0) for p in t["phases"])
-raw_us = None
+raw_us = raw_cpu = None
 for line in open(f"{work}/raw.txt"):
     f = line.split()
-    if len(f) >= 8 and f[0].isdigit() and f[3] == "0":   # the broadcast row (root 0)
-        raw_us = float(f[4]); break
+    if len(f) >= 9 and f[0].isdigit() and f[3] == "0":   # the broadcast row (root 0): time, ..., cpu
+        raw_us, raw_cpu = float(f[4]), float(f[8]) / 1e6; break
 print(f"# wsync-bench-sync: bench2g Qwen3-MoE, 4 trainer ranks (TP2 x EP2) -> {engines} engines (TP 1), INT4 experts, "
       f"{bucket} MiB buckets, gloo")
 print(f"#{'phase':>18} {'seconds':>10} {'bytes':>14} {'GB/s':>8}")
@@ -87,11 +87,6 @@ print(f"# total sync / raw broadcast = {total / raw:.2f} (target <= 1.25)")
 print(f"# of which the engine's Continue (the reference engine validates the committed memory, "
       f"then serves it in place): {cont:.3f} s")
 ticks, hz, cores = (int(x) for x in open(f"{work}/cpu.txt").read().split())
-raw_cpu = None
-for line in open(f"{work}/raw.txt"):
-    f = line.split()
-    if len(f) >= 9 and f[0].isdigit() and f[3] == "0":
-        raw_cpu = float(f[8]) / 1e6; break
 sync_cpu = ticks / hz
 print(f"# CPU time (all threads of every process): sync {sync_cpu:.2f} core-s ({sync_cpu / total:.2f} of {cores} cores busy), "
       f"raw broadcast {raw_cpu:.2f} core-s ({raw_cpu / raw:.2f} cores busy); "
