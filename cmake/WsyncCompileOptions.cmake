@@ -33,11 +33,12 @@ if(WSYNC_HAVE_FUZZ)
 endif()
 
 # wsync_add_test(NAME name SOURCES ... LIBS ... [LABELS ...])
-# One gtest executable in build/bin, its cases discovered by ctest with the given labels.
+# One gtest executable in build/bin, its cases discovered by ctest with the given labels; its main()
+# (tests/support/test_main.cc) gives each test process a private ::testing::TempDir().
 function(wsync_add_test)
   cmake_parse_arguments(T "" "NAME" "SOURCES;LIBS;LABELS" ${ARGN})
   add_executable(${T_NAME} ${T_SOURCES})
-  target_link_libraries(${T_NAME} PRIVATE ${T_LIBS} wsync_options GTest::gtest_main GTest::gmock)
+  target_link_libraries(${T_NAME} PRIVATE ${T_LIBS} wsync_options wsync_test_main)
   gtest_discover_tests(${T_NAME} DISCOVERY_TIMEOUT 60)
   # gtest_discover_tests flattens list-valued properties, so labels are set by a second include
   # file that runs after the discovered list (${T_NAME}_TESTS) is known.
