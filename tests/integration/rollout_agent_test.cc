@@ -657,7 +657,8 @@ TEST_F(RolloutAgentTest, FlushIsRetriedWhileTheEngineDrainsAndRefusedAtTheDeadli
   EXPECT_GE(took, absl::Milliseconds(550));
   EXPECT_LT(took, absl::Seconds(5));
   const auto calls = engine.calls();
-  EXPECT_GE(std::count(calls.begin(), calls.end(), "flush:refused"), 5);
+  // Retried every 50 ms for 600 ms: about 10 refusals, fewer on a loaded machine.
+  EXPECT_GE(std::count(calls.begin(), calls.end(), "flush:refused"), 2);
   EXPECT_EQ(calls.back(), "continue:2");
   EXPECT_FALSE(engine.paused());
   EXPECT_EQ(engine.memory().Checksum(), before);
@@ -688,15 +689,19 @@ TEST_F(RolloutAgentTest, AnAgentLeftAloneByItsCoordinatorAbortsOnItsOwn) {
   FakeEngine& engine = *engines_[0];
   AgentProcess& agent = *agents_[0];
   const uint64_t before = engine.memory().Checksum();
-  // Prepared, then silence.
-  ASSERT_TRUE(Begin(agent, BeginRequest(5, 2, 1, 1, false, /*timeout_ms=*/1500)).ok());
-  trainer_->Run(GroupName(5), 2, SendAll(SentTensors(Model(kSeedV2)), 2));
-  ASSERT_TRUE(Prepare(agent, 5).ok());
+  // Prepared, then silence. The sync's timeout also bounds the group's formation, which starts at
+  // BeginSync: the tensors are made before it (quantizing them under ASan takes seconds), and the
+  // timeout leaves room for a loaded machine. The watchdog fires 2 x 3 s after PrepareSync.
+  auto send = SendAll(SentTensors(Model(kSeedV2)), 2);
+  ASSERT_TRUE(Begin(agent, BeginRequest(5, 2, 1, 1, false, /*timeout_ms=*/3000)).ok());
+  trainer_->Run(GroupName(5), 2, std::move(send));
+  grpc::Status prepared = Prepare(agent, 5);
+  ASSERT_TRUE(prepared.ok()) << prepared.error_message();
   ASSERT_TRUE(trainer_->Join().ok());
   const absl::Time t0 = absl::Now();
-  while (engine.paused() && absl::Now() - t0 < absl::Seconds(10)) absl::SleepFor(absl::Milliseconds(20));
+  while (engine.paused() && absl::Now() - t0 < absl::Seconds(20)) absl::SleepFor(absl::Milliseconds(20));
   EXPECT_FALSE(engine.paused());
-  EXPECT_GE(absl::Now() - t0, absl::Seconds(1));
+  EXPECT_GE(absl::Now() - t0, absl::Seconds(3));
   EXPECT_THAT(engine.calls(), ElementsAre("pause:HOLD", "flush", "continue:1"));
   EXPECT_EQ(engine.memory().Checksum(), before);
   grpc::Status late = CommitRpc(agent, 5);

@@ -149,6 +149,7 @@ std::unique_ptr<grpc::ClientContext> Context(const RpcSecurity& sec, absl::Durat
 class TrainerSide {
  public:
   static absl::StatusOr<std::unique_ptr<TrainerSide>> Start(RpcSecurity sec);
+  ~TrainerSide() { (void)Join(); }  // a test that stopped at a failed ASSERT still ends cleanly
   const std::string& store_address() const { return address_; }
   MemoryStore& store() { return store_; }
 

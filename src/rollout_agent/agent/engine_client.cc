@@ -29,26 +29,31 @@ absl::StatusOr<uint32_t> EngineClient::Pause(v1::PauseRequest::Mode mode) {
 
 absl::StatusOr<int> EngineClient::Flush(absl::Time deadline, const std::function<bool()>& cancelled) {
   int refused = 0;
+  std::string last;  // the engine's last refusal: why it is still busy
+  auto out_of_time = [&] {
+    return absl::DeadlineExceededError(absl::StrCat("engine at ", address_, ": Flush: the engine refused ", refused,
+                                                    " times until the deadline",
+                                                    last.empty() ? "" : absl::StrCat("; last: ", last)));
+  };
   for (;;) {
     if (cancelled && cancelled()) {
       return absl::AbortedError(absl::StrCat("engine at ", address_, ": Flush: cancelled after ", refused, " refusals"));
     }
     const absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("engine at ", address_, ": Flush: the engine refused ", refused, " times until the deadline"));
-    }
+    if (left <= absl::ZeroDuration()) return out_of_time();
     grpc::ClientContext ctx;
     PrepareContext(&ctx, sec_, std::min(left, options_.rpc_timeout));
     v1::FlushReply reply;
     const grpc::Status s = stub_->Flush(&ctx, v1::FlushRequest(), &reply);
     if (s.ok()) return refused;
+    // A call cut short by the flush deadline (not by the RPC timeout) after refusals: the engine
+    // is still draining, and its last refusal says why.
+    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && refused > 0 && absl::Now() >= deadline)
+      return out_of_time();
     if (s.error_code() != grpc::StatusCode::FAILED_PRECONDITION) return Convert(s, "Flush");
     ++refused;  // the engine still runs requests: ask again until the deadline
-    if (absl::Now() + options_.flush_retry >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("engine at ", address_, ": Flush: refused ", refused,
-                                                      " times until the deadline; last: ", s.error_message()));
-    }
+    last = s.error_message();
+    if (absl::Now() + options_.flush_retry >= deadline) return out_of_time();
     absl::SleepFor(options_.flush_retry);
   }
 }
