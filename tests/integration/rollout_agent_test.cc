@@ -48,6 +48,7 @@ using testing::Context;
 using testing::FakeEngine;
 using testing::HfModel;
 using testing::TrainerSide;
+using testing::WaitUntil;
 
 constexpr uint32_t kSeedV1 = 20261101;  // the engine's initial weights
 constexpr uint32_t kSeedV2 = 20261102;  // the first sync
@@ -674,7 +675,7 @@ TEST_F(RolloutAgentTest, FlushIsRetriedWhileTheEngineDrainsAndRefusedAtTheDeadli
     EXPECT_EQ(b.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << b.error_message();
   }
   const absl::Time t1 = absl::Now();
-  while (engine.paused() && absl::Now() - t1 < absl::Seconds(5)) absl::SleepFor(absl::Milliseconds(10));
+  WaitUntil([&] { return !engine.paused(); }, absl::Seconds(5));
   // Well under the sync's own 30 s timeout (3 s leaves room for a loaded machine).
   EXPECT_LT(absl::Now() - t1, absl::Seconds(3)) << "the engine stayed paused after the caller's deadline";
   EXPECT_EQ(engine.calls().back(), "continue:2");
@@ -700,7 +701,7 @@ TEST_F(RolloutAgentTest, AnAgentLeftAloneByItsCoordinatorAbortsOnItsOwn) {
   ASSERT_TRUE(prepared.ok()) << prepared.error_message();
   ASSERT_TRUE(trainer_->Join().ok());
   const absl::Time t0 = absl::Now();
-  while (engine.paused() && absl::Now() - t0 < absl::Seconds(20)) absl::SleepFor(absl::Milliseconds(20));
+  WaitUntil([&] { return !engine.paused(); }, absl::Seconds(20));
   EXPECT_FALSE(engine.paused());
   EXPECT_GE(absl::Now() - t0, absl::Seconds(3));
   EXPECT_THAT(engine.calls(), ElementsAre("pause:HOLD", "flush", "continue:1"));
@@ -712,19 +713,13 @@ TEST_F(RolloutAgentTest, AnAgentLeftAloneByItsCoordinatorAbortsOnItsOwn) {
   // Begun, and the coordinator never calls again (no sender either).
   engine.ClearCalls();
   ASSERT_TRUE(Begin(agent, BeginRequest(6, 2, 1, 1, false, /*timeout_ms=*/1000)).ok());
-  const absl::Time t1 = absl::Now();
-  while (engine.calls().size() < 3 && absl::Now() - t1 < absl::Seconds(10)) absl::SleepFor(absl::Milliseconds(20));
+  WaitUntil([&] { return engine.calls().size() >= 3; }, absl::Seconds(10));
   EXPECT_THAT(engine.calls(), ElementsAre("pause:HOLD", "flush", "continue:1"));
   EXPECT_EQ(engine.memory().Checksum(), before);
   // The agent records the abort once the engine's Continue has returned: shortly after the engine
   // saw it (a race under load in CI, hence a bounded wait rather than one look).
-  const absl::Time t2 = absl::Now();
-  std::string state = Status(agent).state();
-  while (state != "idle" && absl::Now() - t2 < absl::Seconds(5)) {
-    absl::SleepFor(absl::Milliseconds(20));
-    state = Status(agent).state();
-  }
-  EXPECT_EQ(state, "idle");
+  WaitUntil([&] { return Status(agent).state() == "idle"; }, absl::Seconds(5));
+  EXPECT_EQ(Status(agent).state(), "idle");
 }
 
 TEST_F(RolloutAgentTest, OneSyncAtATime) {

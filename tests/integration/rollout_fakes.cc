@@ -48,6 +48,15 @@ std::unique_ptr<grpc::ClientContext> Context(const RpcSecurity& sec, absl::Durat
   return ctx;
 }
 
+bool WaitUntil(const std::function<bool()>& done, absl::Duration limit) {
+  const absl::Time deadline = absl::Now() + limit;
+  while (!done()) {
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return true;
+}
+
 // --- FakeEngine ---------------------------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<FakeEngine>> FakeEngine::Start(Options options) {

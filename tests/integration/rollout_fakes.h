@@ -17,6 +17,7 @@
 
 #include <sys/types.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -141,6 +142,10 @@ class AgentProcess {
   RpcSecurity sec_;
   std::unique_ptr<v1::RolloutAgent::Stub> stub_;
 };
+
+// Polls `done` every 20 ms until it holds or `limit` has passed; returns its last answer. For
+// states another process reaches shortly after an event the test saw.
+bool WaitUntil(const std::function<bool()>& done, absl::Duration limit);
 
 // A client context with the token and a deadline.
 std::unique_ptr<grpc::ClientContext> Context(const RpcSecurity& sec, absl::Duration timeout = absl::Seconds(30));

@@ -14,7 +14,7 @@ namespace {
 
 using ::testing::EndsWith;
 
-TEST(TestMain, TempDirIsThisProcessesOwnAndPrivate) {
+TEST(TestMain, TempDirIsPrivateToThisProcess) {
   const std::string dir = ::testing::TempDir();
   EXPECT_THAT(dir, EndsWith(absl::StrCat("/wt.", getpid(), "/")));
   struct stat st;
