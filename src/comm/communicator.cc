@@ -2,7 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace wsync {
+namespace wsync::comm {
 
 absl::string_view BackendName(Backend b) {
   switch (b) {
@@ -32,4 +32,4 @@ absl::Status Await(absl::StatusOr<std::unique_ptr<Work>> work) {
   return (*work)->Wait();
 }
 
-}  // namespace wsync
+}  // namespace wsync::comm

@@ -36,7 +36,7 @@
 #include "absl/types/span.h"
 #include "comm/work.h"
 
-namespace wsync {
+namespace wsync::comm {
 
 class Store;
 
@@ -139,4 +139,4 @@ struct GroupOptions {
 // with kDeadlineExceeded after join_timeout naming the members that did not.
 absl::StatusOr<std::unique_ptr<Communicator>> CreateGroup(Backend backend, const GroupOptions& options);
 
-}  // namespace wsync
+}  // namespace wsync::comm

@@ -12,7 +12,7 @@
 #include "comm/nccl/nccl_communicator.h"
 #endif
 
-namespace wsync {
+namespace wsync::comm {
 namespace {
 
 [[maybe_unused]] absl::Status NotBuilt(Backend b) {
@@ -63,4 +63,4 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateGroup(Backend backend, const
   return absl::InvalidArgumentError("unknown backend");
 }
 
-}  // namespace wsync
+}  // namespace wsync::comm

@@ -9,7 +9,7 @@
 #include "common/status.h"
 #include "common/units.h"
 
-namespace wsync {
+namespace wsync::comm {
 
 absl::Status OpContext::Check() const {
   if (Aborted()) return absl::AbortedError("aborted");
@@ -308,4 +308,4 @@ absl::StatusOr<std::unique_ptr<Work>> QueuedCommunicator::Barrier(const Collecti
   return Enqueue(std::move(desc), options.timeout, [this](const OpContext& ctx) { return DoBarrier(ctx); });
 }
 
-}  // namespace wsync
+}  // namespace wsync::comm

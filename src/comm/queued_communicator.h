@@ -23,7 +23,7 @@
 #include "absl/synchronization/mutex.h"
 #include "comm/communicator.h"
 
-namespace wsync {
+namespace wsync::comm {
 
 // What a running operation knows about its limits.
 class OpContext {
@@ -120,4 +120,4 @@ class QueuedCommunicator : public Communicator {
 std::string DescribeOp(absl::string_view op, absl::string_view detail, absl::string_view backend,
                        absl::string_view group, int rank, int size);
 
-}  // namespace wsync
+}  // namespace wsync::comm

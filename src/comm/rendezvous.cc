@@ -6,7 +6,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status.h"
 
-namespace wsync {
+namespace wsync::comm {
 
 absl::Status JoinGroup(Store& store, const std::string& group, int rank, int size, const std::string& value,
                        absl::Duration timeout, const std::function<bool()>& cancelled) {
@@ -31,4 +31,4 @@ absl::Status JoinGroup(Store& store, const std::string& group, int rank, int siz
                                                   " did not join within ", absl::FormatDuration(timeout)));
 }
 
-}  // namespace wsync
+}  // namespace wsync::comm

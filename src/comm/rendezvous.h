@@ -11,7 +11,7 @@
 #include "absl/time/time.h"
 #include "comm/store/store.h"
 
-namespace wsync {
+namespace wsync::comm {
 
 // OK once all `size` members of `group` have joined; kDeadlineExceeded after `timeout` with
 // "ranks [2, 5] did not join within 30s"; kUnavailable if the store is unreachable.
@@ -19,4 +19,4 @@ namespace wsync {
 absl::Status JoinGroup(Store& store, const std::string& group, int rank, int size, const std::string& value,
                        absl::Duration timeout, const std::function<bool()>& cancelled = {});
 
-}  // namespace wsync
+}  // namespace wsync::comm

@@ -13,7 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 
-namespace wsync {
+namespace wsync::comm {
 
 class Work {
  public:
@@ -32,4 +32,4 @@ class Work {
   virtual const std::string& Description() const = 0;
 };
 
-}  // namespace wsync
+}  // namespace wsync::comm

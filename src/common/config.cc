@@ -121,12 +121,12 @@ absl::StatusOr<QuantizationConfig> ParseQuantizationObject(const Json& q, absl::
     return absl::InvalidArgumentError(absl::StrCat(source, ": quantization_config must be an object, got ", q.dump()));
   Fields f(q, source, "quantization_config.");
   QuantizationConfig c;
-  WSYNC_ASSIGN_OR_RETURN(c.quant_method, f.String("quant_method"));
+  ASSIGN_OR_RETURN(c.quant_method, f.String("quant_method"));
   if (c.quant_method != "compressed-tensors")
     return f.Error("quant_method", absl::StrCat("is \"", c.quant_method,
                                                 "\"; wsync reads compressed-tensors quantization configs only"));
-  WSYNC_ASSIGN_OR_RETURN(c.format, f.String("format", "pack-quantized"));
-  WSYNC_ASSIGN_OR_RETURN(std::vector<std::string> ignore, f.Strings("ignore"));
+  ASSIGN_OR_RETURN(c.format, f.String("format", "pack-quantized"));
+  ASSIGN_OR_RETURN(std::vector<std::string> ignore, f.Strings("ignore"));
   for (auto& text : ignore) {
     auto rule = IgnoreRule::Parse(text);
     if (!rule.ok()) return f.Error("ignore", rule.status().message());
@@ -141,18 +141,18 @@ absl::StatusOr<QuantizationConfig> ParseQuantizationObject(const Json& q, absl::
   const Json& g = groups.begin().value();
   if (!g.is_object()) return f.Error(absl::StrCat("config_groups.", gname), "must be an object");
   Fields gf(g, source, absl::StrCat("quantization_config.config_groups.", gname, "."));
-  WSYNC_ASSIGN_OR_RETURN(c.targets, gf.Strings("targets"));
+  ASSIGN_OR_RETURN(c.targets, gf.Strings("targets"));
   if (!gf.Has("weights") || !g.at("weights").is_object()) return gf.Error("weights", "must be an object");
   Fields w(g.at("weights"), source, absl::StrCat("quantization_config.config_groups.", gname, ".weights."));
-  WSYNC_ASSIGN_OR_RETURN(int64_t bits, w.Int("num_bits"));
+  ASSIGN_OR_RETURN(int64_t bits, w.Int("num_bits"));
   c.num_bits = static_cast<int>(std::min<int64_t>(bits, 64));
-  WSYNC_ASSIGN_OR_RETURN(c.type, w.String("type", "int"));
-  WSYNC_ASSIGN_OR_RETURN(c.strategy, w.String("strategy"));
-  WSYNC_ASSIGN_OR_RETURN(c.symmetric, w.Bool("symmetric", true));
+  ASSIGN_OR_RETURN(c.type, w.String("type", "int"));
+  ASSIGN_OR_RETURN(c.strategy, w.String("strategy"));
+  ASSIGN_OR_RETURN(c.symmetric, w.Bool("symmetric", true));
   if (w.Has("dynamic") && g.at("weights").at("dynamic").is_string()) {
     c.dynamic = true;  // "local" and friends
   } else {
-    WSYNC_ASSIGN_OR_RETURN(c.dynamic, w.Bool("dynamic", false));
+    ASSIGN_OR_RETURN(c.dynamic, w.Bool("dynamic", false));
   }
   if (w.Has("actorder")) {
     const Json& a = g.at("weights").at("actorder");
@@ -165,11 +165,11 @@ absl::StatusOr<QuantizationConfig> ParseQuantizationObject(const Json& q, absl::
     }
   }
   if (c.strategy == "group") {
-    WSYNC_ASSIGN_OR_RETURN(int64_t gs, w.Int("group_size", std::nullopt, -1));
+    ASSIGN_OR_RETURN(int64_t gs, w.Int("group_size", std::nullopt, -1));
     if (gs == 0 || gs > (int64_t{1} << 30)) return w.Error("group_size", absl::StrCat("must be positive or -1, got ", gs));
     c.group_size = static_cast<int>(gs);
   } else if (c.strategy == "channel") {
-    WSYNC_ASSIGN_OR_RETURN(int64_t gs, w.Int("group_size", -1, -1));
+    ASSIGN_OR_RETURN(int64_t gs, w.Int("group_size", -1, -1));
     if (gs != -1) return w.Error("group_size", absl::StrCat("must be absent or -1 with strategy \"channel\", got ", gs));
     c.group_size = -1;
   } else {
@@ -259,11 +259,11 @@ bool ModelConfig::IsMoeLayer(int64_t layer) const {
 }
 
 absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::string_view source) {
-  WSYNC_ASSIGN_OR_RETURN(Json j, ParseJson(json_text, source));
+  ASSIGN_OR_RETURN(Json j, ParseJson(json_text, source));
   Fields f(j, source, "");
   ModelConfig c;
-  WSYNC_ASSIGN_OR_RETURN(c.model_type, f.String("model_type", ""));
-  WSYNC_ASSIGN_OR_RETURN(std::vector<std::string> archs, f.Strings("architectures"));
+  ASSIGN_OR_RETURN(c.model_type, f.String("model_type", ""));
+  ASSIGN_OR_RETURN(std::vector<std::string> archs, f.Strings("architectures"));
   if (!archs.empty()) c.architecture = archs[0];
   const ArchName* found = nullptr;
   for (const auto& a : kArchs) {
@@ -281,17 +281,17 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::
   if (c.architecture.empty()) c.architecture = found->class_name;
   c.model_type = found->model_type;
 
-  WSYNC_ASSIGN_OR_RETURN(c.hidden_size, f.Int("hidden_size"));
-  WSYNC_ASSIGN_OR_RETURN(c.num_hidden_layers, f.Int("num_hidden_layers"));
-  WSYNC_ASSIGN_OR_RETURN(c.num_attention_heads, f.Int("num_attention_heads"));
-  WSYNC_ASSIGN_OR_RETURN(c.num_key_value_heads, f.Int("num_key_value_heads", c.num_attention_heads));
-  WSYNC_ASSIGN_OR_RETURN(c.intermediate_size, f.Int("intermediate_size"));
-  WSYNC_ASSIGN_OR_RETURN(c.vocab_size, f.Int("vocab_size"));
-  WSYNC_ASSIGN_OR_RETURN(c.max_position_embeddings, f.Int("max_position_embeddings", 4096));
-  WSYNC_ASSIGN_OR_RETURN(c.rms_norm_eps, f.Number("rms_norm_eps", 1e-6));
-  WSYNC_ASSIGN_OR_RETURN(c.rope_theta, f.Number("rope_theta", 10000.0));
-  WSYNC_ASSIGN_OR_RETURN(c.tie_word_embeddings, f.Bool("tie_word_embeddings", false));
-  WSYNC_ASSIGN_OR_RETURN(std::string dtype, f.String("torch_dtype", "bfloat16"));
+  ASSIGN_OR_RETURN(c.hidden_size, f.Int("hidden_size"));
+  ASSIGN_OR_RETURN(c.num_hidden_layers, f.Int("num_hidden_layers"));
+  ASSIGN_OR_RETURN(c.num_attention_heads, f.Int("num_attention_heads"));
+  ASSIGN_OR_RETURN(c.num_key_value_heads, f.Int("num_key_value_heads", c.num_attention_heads));
+  ASSIGN_OR_RETURN(c.intermediate_size, f.Int("intermediate_size"));
+  ASSIGN_OR_RETURN(c.vocab_size, f.Int("vocab_size"));
+  ASSIGN_OR_RETURN(c.max_position_embeddings, f.Int("max_position_embeddings", 4096));
+  ASSIGN_OR_RETURN(c.rms_norm_eps, f.Number("rms_norm_eps", 1e-6));
+  ASSIGN_OR_RETURN(c.rope_theta, f.Number("rope_theta", 10000.0));
+  ASSIGN_OR_RETURN(c.tie_word_embeddings, f.Bool("tie_word_embeddings", false));
+  ASSIGN_OR_RETURN(std::string dtype, f.String("torch_dtype", "bfloat16"));
   auto dt = ParseTorchDType(dtype);
   if (!dt.ok() || !IsFloating(*dt)) return f.Error("torch_dtype", absl::StrCat("is \"", dtype, "\"; expected bfloat16, float16 or float32"));
   c.dtype = *dt;
@@ -304,11 +304,11 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::
   if (c.arch == Architecture::kQwen2) {
     c.qkv_bias = true;  // Qwen2Attention builds q/k/v with bias=True unconditionally
   } else if (!is_mla) {
-    WSYNC_ASSIGN_OR_RETURN(c.qkv_bias, f.Bool("attention_bias", false));
+    ASSIGN_OR_RETURN(c.qkv_bias, f.Bool("attention_bias", false));
   }
   // head_dim: explicit, or HF's default (Qwen3: 128; others: hidden_size / heads).
   if (f.Has("head_dim")) {
-    WSYNC_ASSIGN_OR_RETURN(c.head_dim, f.Int("head_dim"));
+    ASSIGN_OR_RETURN(c.head_dim, f.Int("head_dim"));
   } else if (is_qwen3) {
     c.head_dim = 128;
   } else if (!is_mla) {
@@ -323,30 +323,30 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::
 
   if (c.arch == Architecture::kQwen3Moe) {
     MoeConfig m;
-    WSYNC_ASSIGN_OR_RETURN(m.num_experts, f.Int("num_experts"));
-    WSYNC_ASSIGN_OR_RETURN(m.num_experts_per_tok, f.Int("num_experts_per_tok"));
-    WSYNC_ASSIGN_OR_RETURN(m.moe_intermediate_size, f.Int("moe_intermediate_size"));
-    WSYNC_ASSIGN_OR_RETURN(m.norm_topk_prob, f.Bool("norm_topk_prob", false));
-    WSYNC_ASSIGN_OR_RETURN(m.decoder_sparse_step, f.Int("decoder_sparse_step", 1));
-    WSYNC_ASSIGN_OR_RETURN(m.mlp_only_layers, f.Ints("mlp_only_layers"));
+    ASSIGN_OR_RETURN(m.num_experts, f.Int("num_experts"));
+    ASSIGN_OR_RETURN(m.num_experts_per_tok, f.Int("num_experts_per_tok"));
+    ASSIGN_OR_RETURN(m.moe_intermediate_size, f.Int("moe_intermediate_size"));
+    ASSIGN_OR_RETURN(m.norm_topk_prob, f.Bool("norm_topk_prob", false));
+    ASSIGN_OR_RETURN(m.decoder_sparse_step, f.Int("decoder_sparse_step", 1));
+    ASSIGN_OR_RETURN(m.mlp_only_layers, f.Ints("mlp_only_layers"));
     for (int64_t l : m.mlp_only_layers)
       if (l >= c.num_hidden_layers)
         return f.Error("mlp_only_layers", absl::StrCat("names layer ", l, " but the model has ", c.num_hidden_layers));
     c.moe = m;
   } else if (is_mla) {
     MoeConfig m;
-    WSYNC_ASSIGN_OR_RETURN(m.num_experts, f.Int("n_routed_experts"));
-    WSYNC_ASSIGN_OR_RETURN(m.num_experts_per_tok, f.Int("num_experts_per_tok"));
-    WSYNC_ASSIGN_OR_RETURN(m.moe_intermediate_size, f.Int("moe_intermediate_size"));
-    WSYNC_ASSIGN_OR_RETURN(m.num_shared_experts, f.Int("n_shared_experts", 1, 0));
-    WSYNC_ASSIGN_OR_RETURN(m.norm_topk_prob, f.Bool("norm_topk_prob", true));
-    WSYNC_ASSIGN_OR_RETURN(m.first_k_dense_replace, f.Int("first_k_dense_replace", 0, 0));
-    WSYNC_ASSIGN_OR_RETURN(m.moe_layer_freq, f.Int("moe_layer_freq", 1));
-    WSYNC_ASSIGN_OR_RETURN(m.n_group, f.Int("n_group", 1));
-    WSYNC_ASSIGN_OR_RETURN(m.topk_group, f.Int("topk_group", 1));
-    WSYNC_ASSIGN_OR_RETURN(m.routed_scaling_factor, f.Number("routed_scaling_factor", 2.5));
-    WSYNC_ASSIGN_OR_RETURN(m.scoring_func, f.String("scoring_func", "sigmoid"));
-    WSYNC_ASSIGN_OR_RETURN(m.topk_method, f.String("topk_method", "noaux_tc"));
+    ASSIGN_OR_RETURN(m.num_experts, f.Int("n_routed_experts"));
+    ASSIGN_OR_RETURN(m.num_experts_per_tok, f.Int("num_experts_per_tok"));
+    ASSIGN_OR_RETURN(m.moe_intermediate_size, f.Int("moe_intermediate_size"));
+    ASSIGN_OR_RETURN(m.num_shared_experts, f.Int("n_shared_experts", 1, 0));
+    ASSIGN_OR_RETURN(m.norm_topk_prob, f.Bool("norm_topk_prob", true));
+    ASSIGN_OR_RETURN(m.first_k_dense_replace, f.Int("first_k_dense_replace", 0, 0));
+    ASSIGN_OR_RETURN(m.moe_layer_freq, f.Int("moe_layer_freq", 1));
+    ASSIGN_OR_RETURN(m.n_group, f.Int("n_group", 1));
+    ASSIGN_OR_RETURN(m.topk_group, f.Int("topk_group", 1));
+    ASSIGN_OR_RETURN(m.routed_scaling_factor, f.Number("routed_scaling_factor", 2.5));
+    ASSIGN_OR_RETURN(m.scoring_func, f.String("scoring_func", "sigmoid"));
+    ASSIGN_OR_RETURN(m.topk_method, f.String("topk_method", "noaux_tc"));
     if (m.first_k_dense_replace > c.num_hidden_layers)
       return f.Error("first_k_dense_replace", absl::StrCat(m.first_k_dense_replace, " exceeds num_hidden_layers ",
                                                            c.num_hidden_layers));
@@ -359,17 +359,17 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::
     c.moe = m;
     MlaConfig a;
     if (f.Has("q_lora_rank")) {
-      WSYNC_ASSIGN_OR_RETURN(a.q_lora_rank, f.Int("q_lora_rank"));
+      ASSIGN_OR_RETURN(a.q_lora_rank, f.Int("q_lora_rank"));
     }
-    WSYNC_ASSIGN_OR_RETURN(a.kv_lora_rank, f.Int("kv_lora_rank"));
-    WSYNC_ASSIGN_OR_RETURN(a.qk_nope_head_dim, f.Int("qk_nope_head_dim"));
-    WSYNC_ASSIGN_OR_RETURN(a.qk_rope_head_dim, f.Int("qk_rope_head_dim"));
-    WSYNC_ASSIGN_OR_RETURN(a.v_head_dim, f.Int("v_head_dim"));
+    ASSIGN_OR_RETURN(a.kv_lora_rank, f.Int("kv_lora_rank"));
+    ASSIGN_OR_RETURN(a.qk_nope_head_dim, f.Int("qk_nope_head_dim"));
+    ASSIGN_OR_RETURN(a.qk_rope_head_dim, f.Int("qk_rope_head_dim"));
+    ASSIGN_OR_RETURN(a.v_head_dim, f.Int("v_head_dim"));
     if (a.qk_rope_head_dim % 2 != 0)
       return f.Error("qk_rope_head_dim", absl::StrCat("must be even for rotary embeddings, got ", a.qk_rope_head_dim));
     c.mla = a;
     c.head_dim = a.qk_nope_head_dim + a.qk_rope_head_dim;
-    WSYNC_ASSIGN_OR_RETURN(c.num_nextn_predict_layers, f.Int("num_nextn_predict_layers", 0, 0));
+    ASSIGN_OR_RETURN(c.num_nextn_predict_layers, f.Int("num_nextn_predict_layers", 0, 0));
   }
   if (c.moe && c.moe->num_experts_per_tok > c.moe->num_experts)
     return f.Error("num_experts_per_tok", absl::StrCat(c.moe->num_experts_per_tok, " exceeds the number of experts ",
@@ -378,7 +378,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::
     return f.Error("head_dim", absl::StrCat("must be even for rotary embeddings, got ", c.head_dim));
 
   if (f.Has("quantization_config")) {
-    WSYNC_ASSIGN_OR_RETURN(c.quantization, ParseQuantizationObject(j.at("quantization_config"), source));
+    ASSIGN_OR_RETURN(c.quantization, ParseQuantizationObject(j.at("quantization_config"), source));
   }
   return c;
 }
@@ -396,12 +396,12 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& path) {
   std::string file = path;
   std::ifstream probe(path + "/config.json");
   if (probe.good()) file = path + "/config.json";
-  WSYNC_ASSIGN_OR_RETURN(std::string text, ReadTextFile(file));
+  ASSIGN_OR_RETURN(std::string text, ReadTextFile(file));
   return ParseModelConfig(text, file);
 }
 
 absl::StatusOr<QuantizationConfig> ParseQuantizationConfig(absl::string_view json_text, absl::string_view source) {
-  WSYNC_ASSIGN_OR_RETURN(Json j, ParseJson(json_text, source));
+  ASSIGN_OR_RETURN(Json j, ParseJson(json_text, source));
   if (j.contains("quantization_config")) return ParseQuantizationObject(j.at("quantization_config"), source);
   if (j.contains("architectures") || j.contains("model_type"))
     return absl::NotFoundError(absl::StrCat(source, ": the model config has no quantization_config"));
@@ -409,7 +409,7 @@ absl::StatusOr<QuantizationConfig> ParseQuantizationConfig(absl::string_view jso
 }
 
 absl::StatusOr<QuantizationConfig> LoadQuantizationConfig(const std::string& path) {
-  WSYNC_ASSIGN_OR_RETURN(std::string text, ReadTextFile(path));
+  ASSIGN_OR_RETURN(std::string text, ReadTextFile(path));
   return ParseQuantizationConfig(text, path);
 }
 

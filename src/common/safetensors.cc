@@ -86,7 +86,7 @@ absl::StatusOr<SafetensorsLayout> ParseSafetensors(std::span<const std::byte> fi
   absl::string_view text(reinterpret_cast<const char*>(file.data() + 8), n);
   if (text.front() != '{') return Bad(file_name, "header does not start with '{'");
 
-  WSYNC_ASSIGN_OR_RETURN(Json header, ParseJsonNoDuplicates(text, file_name));
+  ASSIGN_OR_RETURN(Json header, ParseJsonNoDuplicates(text, file_name));
   if (!header.is_object()) return Bad(file_name, "header is not a JSON object");
 
   SafetensorsLayout layout;
@@ -201,7 +201,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
   }
   ::close(fd);
   std::span<const std::byte> bytes(static_cast<const std::byte*>(mapping->addr), mapping->size);
-  WSYNC_ASSIGN_OR_RETURN(SafetensorsLayout layout, ParseSafetensors(bytes, path));
+  ASSIGN_OR_RETURN(SafetensorsLayout layout, ParseSafetensors(bytes, path));
 
   SafetensorsFile f;
   f.path_ = path;

@@ -23,28 +23,24 @@
 #define WSYNC_STATUS_CONCAT_INNER_(a, b) a##b
 #define WSYNC_STATUS_CONCAT_(a, b) WSYNC_STATUS_CONCAT_INNER_(a, b)
 
+// The one spelling of the status macros in wsync (STYLE.md §3). Kernel code adds
+// WSYNC_CUDA_RETURN_IF_ERROR (kernels/cuda/cuda_status.h).
+
 // Evaluates `expr` (an absl::Status) once and returns it from the current function if not OK.
-#define WSYNC_RETURN_IF_ERROR(expr)                                          \
+#define RETURN_IF_ERROR(expr)                                                \
   do {                                                                       \
     ::absl::Status wsync_status_ = (expr);                                   \
     if (!wsync_status_.ok()) return wsync_status_;                           \
   } while (0)
 
 // `lhs = value of rexpr` for an absl::StatusOr<T> rexpr, or returns its error. `lhs` may declare
-// a variable: WSYNC_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
-#define WSYNC_ASSIGN_OR_RETURN(lhs, rexpr) \
+// a variable: ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
+#define ASSIGN_OR_RETURN(lhs, rexpr) \
   WSYNC_ASSIGN_OR_RETURN_IMPL_(WSYNC_STATUS_CONCAT_(wsync_statusor_, __LINE__), lhs, rexpr)
 #define WSYNC_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, rexpr) \
   auto statusor = (rexpr);                                 \
   if (!statusor.ok()) return std::move(statusor).status(); \
   lhs = std::move(statusor).value()
-
-#ifndef RETURN_IF_ERROR
-#define RETURN_IF_ERROR(expr) WSYNC_RETURN_IF_ERROR(expr)
-#endif
-#ifndef ASSIGN_OR_RETURN
-#define ASSIGN_OR_RETURN(lhs, rexpr) WSYNC_ASSIGN_OR_RETURN(lhs, rexpr)
-#endif
 
 namespace wsync {
 

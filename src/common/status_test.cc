@@ -14,7 +14,7 @@ absl::StatusOr<int> Half(int x) {
 }
 
 absl::StatusOr<int> Quarter(int x) {
-  WSYNC_ASSIGN_OR_RETURN(int h, Half(x));
+  ASSIGN_OR_RETURN(int h, Half(x));
   ASSIGN_OR_RETURN(int q, Half(h));
   return q;
 }

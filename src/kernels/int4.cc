@@ -31,7 +31,7 @@ int64_t MinBytesPerThread(const KernelOptions& o) { return o.num_threads > 0 ? 0
 // Size, alignment and device-independent sanity of one view.
 absl::Status CheckBytes(absl::string_view fn, absl::string_view name, DType dtype, const Shape& shape,
                         size_t nbytes, const void* data, size_t alignment) {
-  WSYNC_ASSIGN_OR_RETURN(const int64_t want, NumBytes(dtype, shape));
+  ASSIGN_OR_RETURN(const int64_t want, NumBytes(dtype, shape));
   if (static_cast<size_t>(want) != nbytes) {
     return Invalid(fn, absl::StrCat(name, " ", SafetensorsName(dtype), ShapeToString(shape), " needs ", want,
                                     " bytes but the view has ", nbytes));
@@ -103,9 +103,9 @@ absl::StatusOr<const int32_t*> CheckPerm(absl::string_view fn, const TensorView*
     return Invalid(fn, absl::StrCat("perm is ", SafetensorsName(perm->dtype()), ShapeToString(perm->shape()),
                                     ", want I32", ShapeToString(want)));
   }
-  WSYNC_RETURN_IF_ERROR(CheckBytes(fn, "perm", perm->dtype(), perm->shape(), perm->nbytes(), perm->data(), 4));
+  RETURN_IF_ERROR(CheckBytes(fn, "perm", perm->dtype(), perm->shape(), perm->nbytes(), perm->data(), 4));
   const auto* p = perm->data_as<int32_t>();
-  if (device == Device::kCpu) WSYNC_RETURN_IF_ERROR(Annotate(internal::ValidatePerm(p, experts, k), fn));
+  if (device == Device::kCpu) RETURN_IF_ERROR(Annotate(internal::ValidatePerm(p, experts, k), fn));
   return p;  // CUDA: validated on a host copy by the CUDA wrapper
 }
 
@@ -114,10 +114,10 @@ absl::Status CheckQuantizeInputs(const TensorView& w, int group_size, int64_t* g
   if (w.dtype() != DType::kBF16 && w.dtype() != DType::kF16) {
     return Invalid(fn, absl::StrCat("W dtype ", SafetensorsName(w.dtype()), " unsupported (want BF16 or F16)"));
   }
-  WSYNC_RETURN_IF_ERROR(CheckDims(fn, "W", w.shape()));
+  RETURN_IF_ERROR(CheckDims(fn, "W", w.shape()));
   const int64_t k = w.shape().back();
   if (k % 8 != 0) return Invalid(fn, absl::StrCat("W: K = ", k, " is not a multiple of 8 (K % 8 = ", k % 8, ")"));
-  WSYNC_ASSIGN_OR_RETURN(*group, ResolveGroup(fn, group_size, k, /*any_divisor=*/false));
+  ASSIGN_OR_RETURN(*group, ResolveGroup(fn, group_size, k, /*any_divisor=*/false));
   return absl::OkStatus();
 }
 
@@ -125,7 +125,7 @@ absl::Status CheckQuantizeInputs(const TensorView& w, int group_size, int64_t* g
 
 absl::StatusOr<QuantizedShapes> QuantizedShapesFor(const TensorView& w, int group_size, PackFormat format) {
   int64_t g = 0;
-  WSYNC_RETURN_IF_ERROR(CheckQuantizeInputs(w, group_size, &g));
+  RETURN_IF_ERROR(CheckQuantizeInputs(w, group_size, &g));
   const Shape& s = w.shape();
   const int64_t n = s[s.size() - 2], k = s.back();
   if (format == PackFormat::kCompressedTensors) {
@@ -137,11 +137,11 @@ absl::StatusOr<QuantizedShapes> QuantizedShapesFor(const TensorView& w, int grou
 absl::Status QuantizeInt4(const TensorView& w, MutableTensorView packed, MutableTensorView scales,
                           const QuantizeOptions& options) {
   constexpr absl::string_view fn = "QuantizeInt4";
-  WSYNC_ASSIGN_OR_RETURN(const QuantizedShapes shapes, QuantizedShapesFor(w, options.group_size, options.format));
+  ASSIGN_OR_RETURN(const QuantizedShapes shapes, QuantizedShapesFor(w, options.group_size, options.format));
   const bool cuda = options.device == Device::kCuda;
-  WSYNC_RETURN_IF_ERROR(CheckBytes(fn, "W", w.dtype(), w.shape(), w.nbytes(), w.data(), cuda ? 16 : 2));
-  WSYNC_RETURN_IF_ERROR(CheckOutput(fn, "packed", packed, DType::kI32, shapes.packed, cuda ? 16 : 4));
-  WSYNC_RETURN_IF_ERROR(CheckOutput(fn, "scales", scales, w.dtype(), shapes.scales, 2));
+  RETURN_IF_ERROR(CheckBytes(fn, "W", w.dtype(), w.shape(), w.nbytes(), w.data(), cuda ? 16 : 2));
+  RETURN_IF_ERROR(CheckOutput(fn, "packed", packed, DType::kI32, shapes.packed, cuda ? 16 : 4));
+  RETURN_IF_ERROR(CheckOutput(fn, "scales", scales, w.dtype(), shapes.scales, 2));
   if (Overlaps(packed.data(), packed.nbytes(), scales.data(), scales.nbytes()) ||
       Overlaps(packed.data(), packed.nbytes(), w.data(), w.nbytes()) ||
       Overlaps(scales.data(), scales.nbytes(), w.data(), w.nbytes())) {
@@ -167,19 +167,19 @@ absl::Status QuantizeInt4(const TensorView& w, MutableTensorView packed, Mutable
 
 absl::StatusOr<Shape> MarlinShapeFor(const Shape& g) {
   constexpr absl::string_view fn = "GptqToMarlin";
-  WSYNC_RETURN_IF_ERROR(CheckDims(fn, "GPTQ qweight", g));
+  RETURN_IF_ERROR(CheckDims(fn, "GPTQ qweight", g));
   const int64_t k = 8 * g[g.size() - 2], n = g.back();
-  WSYNC_RETURN_IF_ERROR(CheckRepackDims(fn, "GPTQ qweight", k, n));
+  RETURN_IF_ERROR(CheckRepackDims(fn, "GPTQ qweight", k, n));
   return WithExperts(g, {k / 16, 2 * n});
 }
 
 absl::StatusOr<Shape> GptqShapeFor(const Shape& m) {
   constexpr absl::string_view fn = "MarlinToGptq";
-  WSYNC_RETURN_IF_ERROR(CheckDims(fn, "Marlin qweight", m));
+  RETURN_IF_ERROR(CheckDims(fn, "Marlin qweight", m));
   const int64_t k = 16 * m[m.size() - 2];
   if (m.back() % 2 != 0) return Invalid(fn, absl::StrCat("Marlin qweight: last dimension ", m.back(), " is odd"));
   const int64_t n = m.back() / 2;
-  WSYNC_RETURN_IF_ERROR(CheckRepackDims(fn, "Marlin qweight", k, n));
+  RETURN_IF_ERROR(CheckRepackDims(fn, "Marlin qweight", k, n));
   return WithExperts(m, {k / 8, n});
 }
 
@@ -192,10 +192,10 @@ absl::Status Repack(absl::string_view fn, bool to_marlin, const TensorView& in, 
   if (in.dtype() != DType::kI32) {
     return Invalid(fn, absl::StrCat(in_name, " dtype ", SafetensorsName(in.dtype()), " unsupported (want I32)"));
   }
-  WSYNC_ASSIGN_OR_RETURN(const Shape want, to_marlin ? MarlinShapeFor(in.shape()) : GptqShapeFor(in.shape()));
+  ASSIGN_OR_RETURN(const Shape want, to_marlin ? MarlinShapeFor(in.shape()) : GptqShapeFor(in.shape()));
   const bool cuda = options.device == Device::kCuda;
-  WSYNC_RETURN_IF_ERROR(CheckBytes(fn, in_name, in.dtype(), in.shape(), in.nbytes(), in.data(), cuda ? 16 : 4));
-  WSYNC_RETURN_IF_ERROR(CheckOutput(fn, out_name, out, DType::kI32, want, cuda ? 16 : 4));
+  RETURN_IF_ERROR(CheckBytes(fn, in_name, in.dtype(), in.shape(), in.nbytes(), in.data(), cuda ? 16 : 4));
+  RETURN_IF_ERROR(CheckOutput(fn, out_name, out, DType::kI32, want, cuda ? 16 : 4));
   if (Overlaps(in.data(), in.nbytes(), out.data(), out.nbytes())) {
     return Invalid(fn, absl::StrCat(in_name, " and the output overlap (no in-place repack)"));
   }
@@ -204,7 +204,7 @@ absl::Status Repack(absl::string_view fn, bool to_marlin, const TensorView& in, 
   a.experts = g.size() == 3 ? g[0] : 1;
   a.k = 8 * g[g.size() - 2];
   a.n = g.back();
-  WSYNC_ASSIGN_OR_RETURN(a.perm, CheckPerm(fn, perm, a.experts, a.k, g.size() == 3, options.device));
+  ASSIGN_OR_RETURN(a.perm, CheckPerm(fn, perm, a.experts, a.k, g.size() == 3, options.device));
   a.in = in.data_as<uint32_t>();
   a.out = out.data_as<uint32_t>();
   a.threads = Threads(options);
@@ -218,9 +218,9 @@ absl::Status ScalePerm(absl::string_view fn, bool inverse, const TensorView& s, 
   if (s.dtype() != DType::kBF16 && s.dtype() != DType::kF16) {
     return Invalid(fn, absl::StrCat("scales dtype ", SafetensorsName(s.dtype()), " unsupported (want BF16 or F16)"));
   }
-  WSYNC_RETURN_IF_ERROR(CheckDims(fn, "scales", s.shape()));
+  RETURN_IF_ERROR(CheckDims(fn, "scales", s.shape()));
   if (size_k <= 0) return Invalid(fn, absl::StrCat("size_k = ", size_k, " must be positive"));
-  WSYNC_ASSIGN_OR_RETURN(const int64_t g, ResolveGroup(fn, group_size, size_k, /*any_divisor=*/true));
+  ASSIGN_OR_RETURN(const int64_t g, ResolveGroup(fn, group_size, size_k, /*any_divisor=*/true));
   const Shape& shape = s.shape();
   const int64_t rows = shape[shape.size() - 2], n = shape.back();
   if (rows != size_k / g) {
@@ -228,8 +228,8 @@ absl::Status ScalePerm(absl::string_view fn, bool inverse, const TensorView& s, 
                                     size_k, " with group size ", group_size, " gives ", size_k / g));
   }
   if (n % 64 != 0) return Invalid(fn, absl::StrCat("scales: N = ", n, " is not a multiple of 64 (N % 64 = ", n % 64, ")"));
-  WSYNC_RETURN_IF_ERROR(CheckBytes(fn, "scales", s.dtype(), shape, s.nbytes(), s.data(), 2));
-  WSYNC_RETURN_IF_ERROR(CheckOutput(fn, "scales (output)", out, s.dtype(), shape, 2));
+  RETURN_IF_ERROR(CheckBytes(fn, "scales", s.dtype(), shape, s.nbytes(), s.data(), 2));
+  RETURN_IF_ERROR(CheckOutput(fn, "scales (output)", out, s.dtype(), shape, 2));
   if (Overlaps(s.data(), s.nbytes(), out.data(), out.nbytes())) return Invalid(fn, "scales and the output overlap");
   ScalePermArgs a;
   a.in = s.data_as<uint16_t>();

@@ -33,7 +33,7 @@ struct Member {
 class CommGroupTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto server = StoreServer::Start(&store_, "127.0.0.1:0");
+    auto server = comm::StoreServer::Start(&store_, "127.0.0.1:0");
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
   }
@@ -105,8 +105,8 @@ class CommGroupTest : public ::testing::Test {
     return ms;
   }
 
-  MemoryStore store_;
-  std::unique_ptr<StoreServer> server_;
+  comm::MemoryStore store_;
+  std::unique_ptr<comm::StoreServer> server_;
 };
 
 TEST_F(CommGroupTest, CollectivesOnTwoThreeAndFiveMembers) {
@@ -157,45 +157,45 @@ TEST_F(CommGroupTest, ASilentMemberTimesOut) {
 }
 
 TEST(CommFactoryTest, BackendsAndErrors) {
-  EXPECT_TRUE(BackendCompiledIn(Backend::kGloo));
-  EXPECT_TRUE(BackendCompiledIn(Backend::kMpi));
-  EXPECT_EQ(*ParseBackend("gloo"), Backend::kGloo);
-  EXPECT_TRUE(absl::IsInvalidArgument(ParseBackend("tcp").status()));
-  GroupOptions opts;
+  EXPECT_TRUE(comm::BackendCompiledIn(comm::Backend::kGloo));
+  EXPECT_TRUE(comm::BackendCompiledIn(comm::Backend::kMpi));
+  EXPECT_EQ(*comm::ParseBackend("gloo"), comm::Backend::kGloo);
+  EXPECT_TRUE(absl::IsInvalidArgument(comm::ParseBackend("tcp").status()));
+  comm::GroupOptions opts;
   opts.name = "x";
-  EXPECT_TRUE(absl::IsInvalidArgument(CreateGroup(Backend::kGloo, opts).status()));  // no store
-  MemoryStore store;
+  EXPECT_TRUE(absl::IsInvalidArgument(comm::CreateGroup(comm::Backend::kGloo, opts).status()));  // no store
+  comm::MemoryStore store;
   opts.store = &store;
   opts.rank = 2;
   opts.size = 2;
-  EXPECT_TRUE(absl::IsInvalidArgument(CreateGroup(Backend::kGloo, opts).status()));  // rank out of range
-  EXPECT_TRUE(absl::IsInvalidArgument(CreateGroup(Backend::kMpi, opts).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(comm::CreateGroup(comm::Backend::kGloo, opts).status()));  // rank out of range
+  EXPECT_TRUE(absl::IsInvalidArgument(comm::CreateGroup(comm::Backend::kMpi, opts).status()));
 }
 
 TEST(CommFactoryTest, SingleMemberGroupWorksInProcess) {
-  MemoryStore store;
-  GroupOptions opts;
+  comm::MemoryStore store;
+  comm::GroupOptions opts;
   opts.store = &store;
   opts.name = "solo";
-  auto comm = CreateGroup(Backend::kGloo, opts);
+  auto comm = comm::CreateGroup(comm::Backend::kGloo, opts);
   ASSERT_TRUE(comm.ok()) << comm.status();
   std::vector<char> buf(10, 3);
-  MutableBytes b{buf.data(), buf.size()};
-  EXPECT_TRUE(Await((*comm)->Broadcast({&b, 1}, 0)).ok());
-  EXPECT_TRUE(Await((*comm)->Barrier()).ok());
+  comm::MutableBytes b{buf.data(), buf.size()};
+  EXPECT_TRUE(comm::Await((*comm)->Broadcast({&b, 1}, 0)).ok());
+  EXPECT_TRUE(comm::Await((*comm)->Barrier()).ok());
   (*comm)->Abort("done");
-  absl::Status later = Await((*comm)->Barrier());
+  absl::Status later = comm::Await((*comm)->Barrier());
   EXPECT_TRUE(absl::IsAborted(later)) << later;
   EXPECT_NE(later.message().find("done"), std::string::npos) << later;
 }
 
 TEST(CommFactoryTest, NcclSkipsWithoutAGpu) {
-  if (!BackendCompiledIn(Backend::kNccl)) GTEST_SKIP() << "built without NCCL";
-  MemoryStore store;
-  GroupOptions opts;
+  if (!comm::BackendCompiledIn(comm::Backend::kNccl)) GTEST_SKIP() << "built without NCCL";
+  comm::MemoryStore store;
+  comm::GroupOptions opts;
   opts.store = &store;
   opts.name = "nccl-solo";
-  auto comm = CreateGroup(Backend::kNccl, opts);
+  auto comm = comm::CreateGroup(comm::Backend::kNccl, opts);
   if (absl::IsFailedPrecondition(comm.status())) GTEST_SKIP() << comm.status();
   ASSERT_TRUE(comm.ok()) << comm.status();
 }

@@ -42,22 +42,22 @@ struct Args {
 };
 
 // Broadcasts 64 MiB again and again until one fails; returns that failure (or OK after 600).
-absl::Status BroadcastUntilFailure(Communicator& comm, absl::Duration timeout) {
+absl::Status BroadcastUntilFailure(comm::Communicator& comm, absl::Duration timeout) {
   std::vector<char> buf(size_t{64} << 20, 1);
-  MutableBytes b{buf.data(), buf.size()};
+  comm::MutableBytes b{buf.data(), buf.size()};
   std::printf("READY rank %d\n", comm.rank());
   std::fflush(stdout);
   for (int i = 0; i < 600; ++i) {
-    absl::Status s = Await(comm.Broadcast({&b, 1}, 0, CollectiveOptions{timeout}));
+    absl::Status s = comm::Await(comm.Broadcast({&b, 1}, 0, comm::CollectiveOptions{timeout}));
     if (!s.ok()) return s;
   }
   return absl::OkStatus();
 }
 
 absl::Status Run(const Args& a) {
-  auto store = GrpcStoreClient::Connect(a.store, absl::Seconds(10));
-  ASSIGN_OR_RETURN(Backend backend, ParseBackend(a.backend));
-  GroupOptions opts;
+  auto store = comm::GrpcStoreClient::Connect(a.store, absl::Seconds(10));
+  ASSIGN_OR_RETURN(comm::Backend backend, comm::ParseBackend(a.backend));
+  comm::GroupOptions opts;
   opts.store = store.get();
   opts.name = a.group;
   opts.rank = a.rank;
@@ -65,7 +65,7 @@ absl::Status Run(const Args& a) {
   opts.join_timeout = a.scenario == "never_joins" ? absl::Seconds(2) : absl::Seconds(30);
   opts.default_timeout = absl::Seconds(60);
   const absl::Time start = absl::Now();
-  auto comm = CreateGroup(backend, opts);
+  auto comm = comm::CreateGroup(backend, opts);
   if (a.scenario == "never_joins") {
     const absl::Duration took = absl::Now() - start;
     std::fprintf(stderr, "rank %d: %s (after %s)\n", a.rank, comm.status().ToString().c_str(),
@@ -76,7 +76,7 @@ absl::Status Run(const Args& a) {
     return Expect(took < absl::Seconds(6), "formation fails within its timeout");
   }
   RETURN_IF_ERROR(comm.status());
-  Communicator& c = **comm;
+  comm::Communicator& c = **comm;
   if (a.scenario == "collectives") return Collectives(c);
   if (a.scenario == "big") return BigTransfers(c);
   if (a.scenario == "killed") {
@@ -103,7 +103,7 @@ absl::Status Run(const Args& a) {
       RETURN_IF_ERROR(Expect(absl::IsAborted(s), "the aborting rank sees kAborted"));
       RETURN_IF_ERROR(Expect(absl::StrContains(s.message(), "operator asked to stop"), "the reason is kept"));
       // Later operations fail fast too.
-      absl::Status later = Await(c.Barrier());
+      absl::Status later = comm::Await(c.Barrier());
       return Expect(absl::IsAborted(later), "operations after Abort fail with kAborted");
     }
     return Expect(absl::IsUnavailable(s), "peers of an aborted member see kUnavailable");
@@ -114,9 +114,9 @@ absl::Status Run(const Args& a) {
       return absl::OkStatus();
     }
     std::vector<char> buf(1 << 20, 2);
-    MutableBytes b{buf.data(), buf.size()};
+    comm::MutableBytes b{buf.data(), buf.size()};
     const absl::Time t0 = absl::Now();
-    absl::Status s = Await(c.Broadcast({&b, 1}, 0, CollectiveOptions{absl::Seconds(1)}));
+    absl::Status s = comm::Await(c.Broadcast({&b, 1}, 0, comm::CollectiveOptions{absl::Seconds(1)}));
     const absl::Duration took = absl::Now() - t0;
     std::fprintf(stderr, "rank %d: %s (after %s)\n", a.rank, s.ToString().c_str(), absl::FormatDuration(took).c_str());
     if (absl::IsUnavailable(s) && a.rank != 0) return absl::OkStatus();  // its predecessor timed out first and closed

@@ -12,7 +12,7 @@
 namespace wsync {
 namespace {
 
-Communicator* world = nullptr;
+comm::Communicator* world = nullptr;
 
 TEST(CommMpi, CollectivesOnTheWorld) {
   ASSERT_EQ(world->Name(), "mpi");
@@ -37,9 +37,9 @@ TEST(CommMpi, SplitIntoGroupsLikeTpAndDp) {
   // Which ranks a sub-communicator's members are: gather the world ranks.
   int me = world->rank();
   std::vector<int> members((*tp)->size());
-  ConstBytes in{&me, sizeof(int)};
-  MutableBytes out{members.data(), members.size() * sizeof(int)};
-  ASSERT_TRUE(Await((*tp)->AllGather({&in, 1}, {&out, 1})).ok());
+  comm::ConstBytes in{&me, sizeof(int)};
+  comm::MutableBytes out{members.data(), members.size() * sizeof(int)};
+  ASSERT_TRUE(comm::Await((*tp)->AllGather({&in, 1}, {&out, 1})).ok());
   for (int r = 0; r < (*tp)->size(); ++r) EXPECT_EQ(members[r], (world->rank() / 2) * 2 + r);
 }
 
@@ -53,10 +53,10 @@ TEST(CommMpi, ALateRankGivesDeadlineExceededAndTheGroupRecovers) {
   auto dup = world->Split(0, world->rank(), "late");
   ASSERT_TRUE(dup.ok()) << dup.status();
   std::vector<char> buf(1 << 20, 1);
-  MutableBytes b{buf.data(), buf.size()};
+  comm::MutableBytes b{buf.data(), buf.size()};
   if (world->rank() == 1) absl::SleepFor(absl::Seconds(2));
   const absl::Time t0 = absl::Now();
-  absl::Status s = Await((*dup)->Broadcast({&b, 1}, 0, CollectiveOptions{absl::Milliseconds(500)}));
+  absl::Status s = comm::Await((*dup)->Broadcast({&b, 1}, 0, comm::CollectiveOptions{absl::Milliseconds(500)}));
   const absl::Duration took = absl::Now() - t0;
   if (world->rank() != 1) {
     // Rank 0 (and ranks that depend on rank 1 in MPI's tree) time out; the others may finish.
@@ -65,20 +65,20 @@ TEST(CommMpi, ALateRankGivesDeadlineExceededAndTheGroupRecovers) {
       EXPECT_TRUE(absl::StrContains(s.message(), "Broadcast(root 0")) << s;
       EXPECT_LT(took, absl::Seconds(2));
       // A broken communicator refuses further work at once.
-      EXPECT_TRUE(absl::IsAborted(Await((*dup)->Barrier()))) << "after a timeout";
+      EXPECT_TRUE(absl::IsAborted(comm::Await((*dup)->Barrier()))) << "after a timeout";
     }
   }
   // Destroying `dup` waits for the abandoned request (rank 1 joins it late), then frees it.
   dup->reset();
-  EXPECT_TRUE(Await(world->Barrier()).ok());
+  EXPECT_TRUE(comm::Await(world->Barrier()).ok());
 }
 
 TEST(CommMpi, AbortFromAnotherThreadDuringABroadcast) {
   auto dup = world->Split(0, world->rank(), "abort");
   ASSERT_TRUE(dup.ok()) << dup.status();
-  Communicator* c = dup->get();
+  comm::Communicator* c = dup->get();
   std::vector<char> buf(size_t{64} << 20, 1);
-  MutableBytes b{buf.data(), buf.size()};
+  comm::MutableBytes b{buf.data(), buf.size()};
   if (world->rank() == 1) absl::SleepFor(absl::Seconds(2));  // the root is late: rank 0 waits
   if (world->rank() == 0) {
     // Rank 0 aborts while its broadcast waits for the root.
@@ -86,16 +86,16 @@ TEST(CommMpi, AbortFromAnotherThreadDuringABroadcast) {
       absl::SleepFor(absl::Milliseconds(300));
       c->Abort("test abort");
     });
-    absl::Status s = Await(c->Broadcast({&b, 1}, 1, CollectiveOptions{absl::Seconds(30)}));
+    absl::Status s = comm::Await(c->Broadcast({&b, 1}, 1, comm::CollectiveOptions{absl::Seconds(30)}));
     t.join();
     EXPECT_TRUE(absl::IsAborted(s)) << s;
     EXPECT_TRUE(absl::StrContains(s.message(), "test abort")) << s;
   } else {
-    absl::Status s = Await(c->Broadcast({&b, 1}, 1, CollectiveOptions{absl::Seconds(30)}));
+    absl::Status s = comm::Await(c->Broadcast({&b, 1}, 1, comm::CollectiveOptions{absl::Seconds(30)}));
     EXPECT_TRUE(s.ok() || absl::IsDeadlineExceeded(s)) << s;
   }
   dup->reset();
-  EXPECT_TRUE(Await(world->Barrier()).ok());
+  EXPECT_TRUE(comm::Await(world->Barrier()).ok());
 }
 
 }  // namespace
@@ -103,7 +103,7 @@ TEST(CommMpi, AbortFromAnotherThreadDuringABroadcast) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  auto w = wsync::CreateMpiWorld();
+  auto w = wsync::comm::CreateMpiWorld();
   if (!w.ok()) {
     std::fprintf(stderr, "%s\n", w.status().ToString().c_str());
     return 1;

@@ -15,9 +15,9 @@ absl::Status CheckBytes(const void* p, size_t n, uint64_t seed, const std::strin
 
 // Broadcast / AllGather / AllGatherV / AllReduceSum / Barrier over 0 B .. 9 MiB, many buffers per
 // call, in place and not, plus argument checks.
-absl::Status Collectives(Communicator& comm);
+absl::Status Collectives(comm::Communicator& comm);
 
 // A Broadcast of 2 GiB + 4097 B and an AllGatherV of 1 GiB + 3 B per rank.
-absl::Status BigTransfers(Communicator& comm);
+absl::Status BigTransfers(comm::Communicator& comm);
 
 }  // namespace wsync::testing

@@ -30,8 +30,8 @@
 #include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "rollout_agent/engine/hf_reference.h"
-#include "rollout_agent/engine/testing_util.h"
+#include "ref_engine/hf_reference.h"
+#include "ref_engine/testing/fixtures.h"
 #include "rollout_agent/load/engine_layout.h"
 #include "rollout_agent/load/loader.h"
 #include "rollout_agent/repack/engine_weights.h"
@@ -45,7 +45,7 @@ namespace wsync {
 namespace {
 
 using ::testing::HasSubstr;
-using engine::testing::TensorMap;
+using ref_engine::testing::TensorMap;
 
 // Marlin needs N % 64 and K % 16 per rank: heads 4 x 32, kv 2, hidden 128, intermediate 256, G 32.
 std::string Qwen3Config(bool int4) {
@@ -90,7 +90,7 @@ std::string ReadAll(const std::string& path) {
 
 // A checkpoint directory: config.json + two safetensors files.
 std::string WriteCheckpoint(const std::string& name, const std::string& config_json, const TensorMap& tensors) {
-  const std::string dir = engine::testing::FreshTempDir("ref-engine-" + name);
+  const std::string dir = ref_engine::testing::FreshTempDir("ref-engine-" + name);
   std::ofstream(dir + "/config.json") << config_json;
   SafetensorsWriter a, b;
   int i = 0;
@@ -101,7 +101,7 @@ std::string WriteCheckpoint(const std::string& name, const std::string& config_j
 }
 
 std::vector<std::vector<int32_t>> ReferenceTokens(const ModelConfig& c, const TensorMap& hf) {
-  auto ref = engine::HfReferenceModel::Create(c, hf.Lookup());
+  auto ref = ref_engine::HfReferenceModel::Create(c, hf.Lookup());
   EXPECT_TRUE(ref.ok()) << ref.status();
   std::vector<std::vector<int32_t>> out;
   for (const auto& p : kPrompts) {
@@ -123,7 +123,7 @@ bool ShmExists(const std::string& name) {
 class EngineProc {
  public:
   EngineProc(const std::string& tag, std::vector<std::string> args)
-      : log_(engine::testing::FreshTempDir("engine-log-" + tag) + "/engine.log") {
+      : log_(ref_engine::testing::FreshTempDir("engine-log-" + tag) + "/engine.log") {
     args.insert(args.begin(), WSYNC_REF_ENGINE);
     std::vector<char*> argv;
     for (auto& s : args) argv.push_back(s.data());
@@ -307,12 +307,12 @@ class ServeTest : public ::testing::TestWithParam<ServeCase> {};
 TEST_P(ServeTest, GenerateMatchesTheHfReference) {
   const ServeCase& sc = GetParam();
   const std::string config_json = sc.ep > 1 ? Qwen3MoeConfig(sc.int4) : Qwen3Config(sc.int4);
-  const ModelConfig c = engine::testing::MustParseConfig(config_json);
-  TensorMap hf = engine::testing::RandomHfModel(c, 1234);
+  const ModelConfig c = ref_engine::testing::MustParseConfig(config_json);
+  TensorMap hf = ref_engine::testing::RandomHfModel(c, 1234);
   std::vector<std::vector<int32_t>> want;
   std::string dir;
   if (sc.int4) {
-    auto q = engine::testing::QuantizeHf(c, hf);
+    auto q = ref_engine::testing::QuantizeHf(c, hf);
     ASSERT_TRUE(q.ok()) << q.status();
     want = ReferenceTokens(c, q->dequantized);
     dir = WriteCheckpoint(sc.name, config_json, sc.sent_form ? q->sent : hf);
@@ -366,8 +366,8 @@ class ControlTest : public ::testing::Test {
  protected:
   void SetUp() override {
     config_json_ = Qwen3Config(false);
-    c_ = engine::testing::MustParseConfig(config_json_);
-    hf_ = engine::testing::RandomHfModel(c_, 99);
+    c_ = ref_engine::testing::MustParseConfig(config_json_);
+    hf_ = ref_engine::testing::RandomHfModel(c_, 99);
     want_ = ReferenceTokens(c_, hf_);
     dir_ = WriteCheckpoint("control", config_json_, hf_);
   }
@@ -445,7 +445,7 @@ TEST_F(ControlTest, PauseHoldWaitsAbortFailsFlushRefusesWhileRunning) {
 }
 
 TEST_F(ControlTest, TokenIsRequiredOnEveryRpc) {
-  const std::string token_file = engine::testing::FreshTempDir("engine-token") + "/token";
+  const std::string token_file = ref_engine::testing::FreshTempDir("engine-token") + "/token";
   std::ofstream(token_file) << "s3cret\n";
   chmod(token_file.c_str(), 0600);
   Engine e = StartEngine("token", 1, {"--checkpoint", dir_, "--token-file", token_file});
@@ -473,7 +473,7 @@ TEST_F(ControlTest, BadStartsExitNonZeroWithTheReason) {
   EngineProc no_store("no-store", {"--model", dir_, "--tp-size", "2"});
   EXPECT_EQ(no_store.ExitCode(absl::Seconds(20)), 2);
   EXPECT_THAT(no_store.log(), HasSubstr("--tp-size > 1 needs --tp-store"));
-  const std::string empty = engine::testing::FreshTempDir("ref-engine-empty");
+  const std::string empty = ref_engine::testing::FreshTempDir("ref-engine-empty");
   std::ofstream(empty + "/config.json") << config_json_;
   EngineProc no_tensors("no-tensors", {"--checkpoint", empty});
   EXPECT_EQ(no_tensors.ExitCode(absl::Seconds(20)), 1);
@@ -557,7 +557,7 @@ class AgentSide {
       EXPECT_EQ(p.memory().shm_name(), name);
       EXPECT_EQ(p.memory().offset() % 64, 0u) << p.name();
       EXPECT_LE(p.memory().offset() + p.nbytes(), size_) << p.name();
-      rollout::EngineBuffer b;
+      rollout_agent::EngineBuffer b;
       b.name = p.name();
       b.dtype = FromProto(p.dtype());
       b.shape.assign(p.shape().begin(), p.shape().end());
@@ -570,29 +570,29 @@ class AgentSide {
 
   // Loads HF tensors `sent` through the rollout loader and commits them into the engine's memory.
   absl::Status Write(const ModelConfig& c, const QuantizationConfig* q, const TensorMap& sent) {
-    ASSIGN_OR_RETURN(rollout::EngineLayout layout, rollout::EngineLayout::Create(c, q, {1, 0, 1}));
+    ASSIGN_OR_RETURN(rollout_agent::EngineLayout layout, rollout_agent::EngineLayout::Create(c, q, {1, 0, 1}));
     RETURN_IF_ERROR(weights_.CheckMatches(layout));
-    ASSIGN_OR_RETURN(std::unique_ptr<rollout::Staging> staging, rollout::Staging::Create(layout));
-    rollout::Loader loader(staging.get());
+    ASSIGN_OR_RETURN(std::unique_ptr<rollout_agent::Staging> staging, rollout_agent::Staging::Create(layout));
+    rollout_agent::Loader loader(staging.get());
     for (const auto& [name, t] : sent.all()) RETURN_IF_ERROR(loader.Load(name, t.view()));
-    return rollout::Commit(*staging, weights_);
+    return rollout_agent::Commit(*staging, weights_);
   }
-  rollout::EngineWeights& weights() { return weights_; }
+  rollout_agent::EngineWeights& weights() { return weights_; }
   mode_t mode() const { return mode_; }
 
  private:
   void* base_ = nullptr;
   size_t size_ = 0;
   mode_t mode_ = 0;
-  rollout::EngineWeights weights_;
+  rollout_agent::EngineWeights weights_;
 };
 
 TEST(RegistrationTest, NoWeightsStartRegistersAndServesWhatTheAgentWrites) {
   const std::string config_json = Qwen3Config(true);
-  const ModelConfig c = engine::testing::MustParseConfig(config_json);
-  const std::string config_path = engine::testing::FreshTempDir("ref-engine-int4-config") + "/config.json";
+  const ModelConfig c = ref_engine::testing::MustParseConfig(config_json);
+  const std::string config_path = ref_engine::testing::FreshTempDir("ref-engine-int4-config") + "/config.json";
   std::ofstream(config_path) << config_json;
-  auto q = engine::testing::QuantizeHf(c, engine::testing::RandomHfModel(c, 4242));
+  auto q = ref_engine::testing::QuantizeHf(c, ref_engine::testing::RandomHfModel(c, 4242));
   ASSERT_TRUE(q.ok());
   const auto want = ReferenceTokens(c, q->dequantized);
 
@@ -601,7 +601,7 @@ TEST(RegistrationTest, NoWeightsStartRegistersAndServesWhatTheAgentWrites) {
   auto server = Serve(&agent1, "127.0.0.1:0", &port);
   ASSERT_TRUE(server && port > 0);
   const std::string agent_address = absl::StrCat("127.0.0.1:", port);
-  const std::string address_file = engine::testing::FreshTempDir("ref-engine-address") + "/address";
+  const std::string address_file = ref_engine::testing::FreshTempDir("ref-engine-address") + "/address";
   EngineProc proc("agent", {"--model", config_path, "--engine-id", "eng-7", "--agent", agent_address,
                             "--agent-poll-ms", "100", "--address-file", address_file});
   const std::string address = proc.Address();
@@ -624,7 +624,7 @@ TEST(RegistrationTest, NoWeightsStartRegistersAndServesWhatTheAgentWrites) {
   auto qc = ParseQuantizationConfig(reg->quantization_config_json(), "registration");
   ASSERT_TRUE(qc.ok()) << qc.status() << reg->quantization_config_json();
   EXPECT_EQ(qc->group_size, 32);
-  auto layout = rollout::EngineLayout::Create(c, &*c.quantization, {1, 0, 1});
+  auto layout = rollout_agent::EngineLayout::Create(c, &*c.quantization, {1, 0, 1});
   ASSERT_TRUE(layout.ok());
   EXPECT_EQ(reg->params_size(), static_cast<int>(layout->params().size()));
 

@@ -24,12 +24,12 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "rollout_agent/load/testing/test_models.h"
+#include "model/testing/test_models.h"
 #include "rollout_fakes.h"
 
 extern char** environ;
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 namespace {
 
 namespace fs = std::filesystem;
@@ -100,7 +100,7 @@ class RolloutAgentE2eTest : public ::testing::Test {
     sec_.token = absl::StrCat("e2e-token-", getpid());
     token_file_ = dir_ + "/token";
     std::ofstream(token_file_) << sec_.token << "\n";
-    quant_json_ = testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"});
+    quant_json_ = model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"});
     quant_file_ = dir_ + "/quant.json";
     std::ofstream(quant_file_) << quant_json_;
   }
@@ -219,4 +219,4 @@ TEST_F(RolloutAgentE2eTest, TheRealTrainerAndCoordinatorSyncAnEngineThroughTheAg
 }
 
 }  // namespace
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

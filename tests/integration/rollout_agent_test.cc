@@ -32,12 +32,12 @@
 #include "gtest/gtest.h"
 #include "rollout_agent/agent/rollout_agent.h"
 #include "rollout_agent/load/loader.h"
-#include "rollout_agent/load/testing/hf_model.h"
-#include "rollout_agent/load/testing/test_models.h"
+#include "model/testing/hf_model.h"
+#include "model/testing/test_models.h"
 #include "rollout_agent/repack/repack.h"
 #include "rollout_fakes.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 namespace {
 
 namespace fs = std::filesystem;
@@ -46,7 +46,7 @@ using ::testing::HasSubstr;
 using testing::AgentProcess;
 using testing::Context;
 using testing::FakeEngine;
-using testing::HfModel;
+using model::testing::HfModel;
 using testing::TrainerSide;
 using testing::WaitUntil;
 
@@ -57,18 +57,18 @@ constexpr uint64_t kBucketBytes = 192 << 10;
 
 using Tensors = std::vector<std::pair<std::string, TensorView>>;
 
-Tensors SentTensors(const HfModel& m) {
+Tensors SentTensors(const model::testing::HfModel& m) {
   Tensors t;
   for (const auto& name : m.order) t.emplace_back(name, m.sent.at(name).view());
   return t;
 }
 
-std::function<absl::Status(Communicator&)> SendAll(Tensors tensors, uint64_t version, uint32_t pp_stage = 0) {
+std::function<absl::Status(comm::Communicator&)> SendAll(Tensors tensors, uint64_t version, uint32_t pp_stage = 0) {
   auto buckets = std::make_shared<std::vector<testing::PackedBucket>>();
   auto packed =
       testing::PackBuckets(tensors, {.version = version, .pp_stage = pp_stage, .bucket_bytes = kBucketBytes});
   if (packed.ok()) *buckets = std::move(*packed);
-  return [buckets, st = packed.status()](Communicator& c) -> absl::Status {
+  return [buckets, st = packed.status()](comm::Communicator& c) -> absl::Status {
     if (!st.ok()) return st;
     return testing::SendBuckets(c, std::move(*buckets));
   };
@@ -85,8 +85,8 @@ class RolloutAgentTest : public ::testing::Test {
     token_file_ = dir_ + "/token";
     std::ofstream(token_file_) << sec_.token << "\n";
     record_dir_ = dir_ + "/record";
-    config_json_ = testing::kQwen3MoeJson;
-    quant_json_ = testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"});
+    config_json_ = model::testing::kQwen3MoeJson;
+    quant_json_ = model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"});
     auto config = ParseModelConfig(config_json_, "qwen3_moe");
     ASSERT_TRUE(config.ok()) << config.status();
     config_ = *config;
@@ -113,10 +113,10 @@ class RolloutAgentTest : public ::testing::Test {
     engines_.clear();
   }
 
-  const HfModel& Model(uint32_t seed) {
+  const model::testing::HfModel& Model(uint32_t seed) {
     auto it = models_.find(seed);
     if (it == models_.end()) {
-      auto m = testing::MakeHfModel(config_, &quant_, seed);
+      auto m = model::testing::MakeHfModel(config_, &quant_, seed);
       EXPECT_TRUE(m.ok()) << m.status();
       it = models_.emplace(seed, std::move(*m)).first;
     }
@@ -124,20 +124,20 @@ class RolloutAgentTest : public ::testing::Test {
   }
 
   // The engine form of `model` for `layout`, computed here with the library (Load + Commit).
-  std::unique_ptr<OwnedEngineWeights> Reference(const EngineLayout& layout, const HfModel& model) {
+  std::unique_ptr<rollout_agent::OwnedEngineWeights> Reference(const EngineLayout& layout, const model::testing::HfModel& model) {
     auto staging = Staging::Create(layout);
     EXPECT_TRUE(staging.ok());
-    Loader loader(staging->get());
+    rollout_agent::Loader loader(staging->get());
     for (const auto& name : model.order) EXPECT_TRUE(loader.Load(name, model.sent.at(name).view()).ok()) << name;
     auto owned = OwnedEngineWeights::Allocate(layout);
     EXPECT_TRUE(owned.ok());
-    absl::Status s = Commit(**staging, (*owned)->weights());
+    absl::Status s = rollout_agent::Commit(**staging, (*owned)->weights());
     EXPECT_TRUE(s.ok()) << s;
     return std::move(*owned);
   }
 
   // Every param of the engine's shm equals the reference, byte for byte.
-  void ExpectEngineHolds(FakeEngine& e, const HfModel& model) {
+  void ExpectEngineHolds(FakeEngine& e, const model::testing::HfModel& model) {
     auto ref = Reference(e.layout(), model);
     int differ = 0;
     for (const EngineBuffer& b : ref->weights().buffers()) {
@@ -196,7 +196,7 @@ class RolloutAgentTest : public ::testing::Test {
 
   grpc::Status Begin(AgentProcess& a, const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply = nullptr) {
     v1::BeginSyncReply r;
-    auto ctx = Context(a.security());
+    auto ctx = rollout_agent::testing::Context(a.security());
     return a.stub().BeginSync(ctx.get(), req, reply ? reply : &r);
   }
   grpc::Status Prepare(AgentProcess& a, uint64_t id, v1::PrepareSyncReply* reply = nullptr,
@@ -204,14 +204,14 @@ class RolloutAgentTest : public ::testing::Test {
     v1::PrepareSyncRequest req;
     req.set_sync_id(id);
     v1::PrepareSyncReply r;
-    auto ctx = Context(a.security(), timeout);
+    auto ctx = rollout_agent::testing::Context(a.security(), timeout);
     return a.stub().PrepareSync(ctx.get(), req, reply ? reply : &r);
   }
   grpc::Status CommitRpc(AgentProcess& a, uint64_t id, v1::CommitSyncReply* reply = nullptr) {
     v1::CommitSyncRequest req;
     req.set_sync_id(id);
     v1::CommitSyncReply r;
-    auto ctx = Context(a.security());
+    auto ctx = rollout_agent::testing::Context(a.security());
     return a.stub().CommitSync(ctx.get(), req, reply ? reply : &r);
   }
   grpc::Status AbortRpc(AgentProcess& a, uint64_t id, v1::AbortSyncReply* reply = nullptr) {
@@ -219,12 +219,12 @@ class RolloutAgentTest : public ::testing::Test {
     req.set_sync_id(id);
     req.set_reason("test abort");
     v1::AbortSyncReply r;
-    auto ctx = Context(a.security());
+    auto ctx = rollout_agent::testing::Context(a.security());
     return a.stub().AbortSync(ctx.get(), req, reply ? reply : &r);
   }
   v1::AgentStatusReply Status(AgentProcess& a) {
     v1::AgentStatusReply r;
-    auto ctx = Context(a.security());
+    auto ctx = rollout_agent::testing::Context(a.security());
     grpc::Status s = a.stub().AgentStatus(ctx.get(), v1::AgentStatusRequest(), &r);
     EXPECT_TRUE(s.ok()) << s.error_message();
     return r;
@@ -233,14 +233,14 @@ class RolloutAgentTest : public ::testing::Test {
     v1::UpdateWeightsRequest req;
     req.set_min_version(min_version);
     v1::UpdateWeightsReply r;
-    auto ctx = Context(a.security(), timeout);
+    auto ctx = rollout_agent::testing::Context(a.security(), timeout);
     grpc::Status s = a.stub().UpdateWeights(ctx.get(), req, &r);
     *version = r.version();
     return s;
   }
 
   // A whole successful sync of `model` as `version` on every started rank.
-  void SyncAll(uint64_t id, uint64_t version, const HfModel& model, bool record = false) {
+  void SyncAll(uint64_t id, uint64_t version, const model::testing::HfModel& model, bool record = false) {
     const int n = static_cast<int>(agents_.size());
     for (int r = 0; r < n; ++r) {
       grpc::Status s = Begin(*agents_[r], BeginRequest(id, version, r + 1, n, record));
@@ -265,17 +265,17 @@ class RolloutAgentTest : public ::testing::Test {
   bool shared_record_ = false;  // every agent records into record_dir_ + "shared"
   ModelConfig config_;
   QuantizationConfig quant_;
-  std::map<uint32_t, HfModel> models_;
-  std::unique_ptr<TrainerSide> trainer_;
-  std::vector<std::unique_ptr<FakeEngine>> engines_;
-  std::vector<std::unique_ptr<AgentProcess>> agents_;
+  std::map<uint32_t, model::testing::HfModel> models_;
+  std::unique_ptr<rollout_agent::testing::TrainerSide> trainer_;
+  std::vector<std::unique_ptr<rollout_agent::testing::FakeEngine>> engines_;
+  std::vector<std::unique_ptr<rollout_agent::testing::AgentProcess>> agents_;
 };
 
 // --- the dequantized oracle (engine TP 1) -------------------------------------------------------------
 
 // The HF-orientation dense value of an engine linear at TP 1, from the HF checkpoint's dense
 // tensors: fused layers concatenated, experts stacked, the vocab padded with zero rows.
-std::vector<float> OracleDense(const EngineLinear& lin, const HfModel& m, int64_t padded_rows) {
+std::vector<float> OracleDense(const EngineLinear& lin, const model::testing::HfModel& m, int64_t padded_rows) {
   auto dense = [&](const std::string& name) -> const Tensor& { return m.dense.at(name); };
   auto append = [](std::vector<float>& out, const Tensor& t) {
     const float* p = reinterpret_cast<const float*>(t.view().data());
@@ -304,7 +304,7 @@ std::vector<float> OracleDense(const EngineLinear& lin, const HfModel& m, int64_
   return out;
 }
 
-void ExpectMatchesHfOracle(FakeEngine& e, const HfModel& m) {
+void ExpectMatchesHfOracle(rollout_agent::testing::FakeEngine& e, const model::testing::HfModel& m) {
   const EngineLayout& layout = e.layout();
   ASSERT_EQ(layout.parallel().tp_size, 1);
   int quantized = 0;
@@ -365,9 +365,9 @@ std::string Metrics(const std::string& log) {
 
 TEST_F(RolloutAgentTest, AWholeInt4SyncLandsInTheEngineBitExact) {
   StartRank(1, 0, 1, {"--metrics-port", "0"});
-  FakeEngine& engine = *engines_[0];
-  AgentProcess& agent = *agents_[0];
-  const HfModel& v2 = Model(kSeedV2);
+  rollout_agent::testing::FakeEngine& engine = *engines_[0];
+  rollout_agent::testing::AgentProcess& agent = *agents_[0];
+  const model::testing::HfModel& v2 = Model(kSeedV2);
   EXPECT_EQ(Status(agent).state(), "idle");
   EXPECT_EQ(Status(agent).version(), 1u);
   const uint64_t before = engine.memory().Checksum();
@@ -429,7 +429,7 @@ TEST_F(RolloutAgentTest, AWholeInt4SyncLandsInTheEngineBitExact) {
   {
     // What wsyncctl verify reads: every param's XXH3 of the engine memory, the version, the config.
     v1::EngineChecksumsReply sums;
-    auto ctx = Context(sec_);
+    auto ctx = rollout_agent::testing::Context(sec_);
     grpc::Status s = agent.stub().EngineChecksums(ctx.get(), v1::EngineChecksumsRequest(), &sums);
     ASSERT_TRUE(s.ok()) << s.error_message();
     EXPECT_EQ(sums.version(), 2u);
@@ -489,7 +489,7 @@ TEST_F(RolloutAgentTest, AWholeInt4SyncLandsInTheEngineBitExact) {
   EXPECT_THAT(metrics, HasSubstr("wsync_rollout_phase_seconds_count{phase=\"repack\"} 1"));
 
   // The next version on top.
-  const HfModel& v3 = Model(kSeedV3);
+  const model::testing::HfModel& v3 = Model(kSeedV3);
   SyncAll(8, 3, v3);
   ExpectEngineHolds(engine, v3);
   EXPECT_EQ(engine.version(), 3u);
@@ -500,18 +500,18 @@ TEST_F(RolloutAgentTest, AWholeInt4SyncLandsInTheEngineBitExact) {
 struct FailureCase {
   std::string label;
   // Sends (or fails to send) the stream; `agent` lets a case act on the agent mid-stream.
-  std::function<absl::Status(Communicator&, const Tensors&, uint64_t version)> send;
+  std::function<absl::Status(comm::Communicator&, const Tensors&, uint64_t version)> send;
   grpc::StatusCode prepare_code;
   std::string message;
   bool sender_fails = false;
-  std::function<void(RolloutAgentTest*, AgentProcess&, uint64_t id)> during;  // optional, after Begin
+  std::function<void(RolloutAgentTest*, rollout_agent::testing::AgentProcess&, uint64_t id)> during;  // optional, after Begin
 };
 
 TEST_F(RolloutAgentTest, EveryFailureLeavesTheEngineOnItsPreviousVersion) {
   StartRank(1, 0, 1);
-  FakeEngine& engine = *engines_[0];
-  AgentProcess& agent = *agents_[0];
-  const HfModel& v2 = Model(kSeedV2);
+  rollout_agent::testing::FakeEngine& engine = *engines_[0];
+  rollout_agent::testing::AgentProcess& agent = *agents_[0];
+  const model::testing::HfModel& v2 = Model(kSeedV2);
   const Tensors good = SentTensors(v2);
   auto pack = [](const Tensors& t, uint64_t version) {
     auto b = testing::PackBuckets(t, {.version = version, .bucket_bytes = kBucketBytes});
@@ -522,14 +522,14 @@ TEST_F(RolloutAgentTest, EveryFailureLeavesTheEngineOnItsPreviousVersion) {
 
   std::vector<FailureCase> cases;
   cases.push_back({"corrupt checksum",
-                   [&](Communicator& c, const Tensors& t, uint64_t v) -> absl::Status {
+                   [&](comm::Communicator& c, const Tensors& t, uint64_t v) -> absl::Status {
                      auto b = pack(t, v);
                      RETURN_IF_ERROR(testing::SendRawBucket(c, b[0].manifest, b[0].data, b[0].nbytes, false));
                      return testing::SendRawBucket(c, b[1].manifest, b[1].data, b[1].nbytes, true);
                    },
                    grpc::StatusCode::DATA_LOSS, "stage 0 bucket 1: checksum mismatch"});
   cases.push_back({"unknown tensor",
-                   [&](Communicator& c, const Tensors& t, uint64_t v) {
+                   [&](comm::Communicator& c, const Tensors& t, uint64_t v) {
                      Tensors u = t;
                      u.insert(u.begin() + 3, {"model.layers.0.mlp.bogus.weight", t[0].second});
                      return testing::SendBuckets(c, pack(u, v));
@@ -537,7 +537,7 @@ TEST_F(RolloutAgentTest, EveryFailureLeavesTheEngineOnItsPreviousVersion) {
                    grpc::StatusCode::INVALID_ARGUMENT, "model.layers.0.mlp.bogus.weight", /*sender_fails=*/true});
   auto wrong = std::make_shared<Tensor>(*Tensor::Zeros(DType::kBF16, {128}));
   cases.push_back({"wrong shape",
-                   [&, wrong](Communicator& c, const Tensors& t, uint64_t v) {
+                   [&, wrong](comm::Communicator& c, const Tensors& t, uint64_t v) {
                      Tensors u = t;
                      for (auto& [name, view] : u)
                        if (name == "model.norm.weight") view = wrong->view();
@@ -548,7 +548,7 @@ TEST_F(RolloutAgentTest, EveryFailureLeavesTheEngineOnItsPreviousVersion) {
                    // loads it. PrepareSync is where the coordinator learns of it.
                    /*sender_fails=*/false});
   cases.push_back({"missing tensor",
-                   [&](Communicator& c, const Tensors& t, uint64_t v) {
+                   [&](comm::Communicator& c, const Tensors& t, uint64_t v) {
                      Tensors u;
                      for (const auto& e : t)
                        if (e.first != "model.layers.2.mlp.experts.5.up_proj.weight_scale") u.push_back(e);
@@ -556,7 +556,7 @@ TEST_F(RolloutAgentTest, EveryFailureLeavesTheEngineOnItsPreviousVersion) {
                    },
                    grpc::StatusCode::NOT_FOUND, "model.layers.2.mlp.experts.5.up_proj.weight_scale"});
   cases.push_back({"sender dies mid-stream",
-                   [&](Communicator& c, const Tensors& t, uint64_t v) -> absl::Status {
+                   [&](comm::Communicator& c, const Tensors& t, uint64_t v) -> absl::Status {
                      auto b = pack(t, v);
                      for (int i = 0; i < 3; ++i)
                        RETURN_IF_ERROR(testing::SendRawBucket(c, b[i].manifest, b[i].data, b[i].nbytes, false));
@@ -565,10 +565,10 @@ TEST_F(RolloutAgentTest, EveryFailureLeavesTheEngineOnItsPreviousVersion) {
                    },
                    grpc::StatusCode::UNAVAILABLE, "stage 0", true});
   cases.push_back({"bucket of another version",
-                   [&](Communicator& c, const Tensors& t, uint64_t v) { return testing::SendBuckets(c, pack(t, v + 1)); },
+                   [&](comm::Communicator& c, const Tensors& t, uint64_t v) { return testing::SendBuckets(c, pack(t, v + 1)); },
                    grpc::StatusCode::INVALID_ARGUMENT, "but the sync is version", true});
   cases.push_back({"AbortSync during the transfer",
-                   [&, stall](Communicator& c, const Tensors& t, uint64_t v) -> absl::Status {
+                   [&, stall](comm::Communicator& c, const Tensors& t, uint64_t v) -> absl::Status {
                      auto b = pack(t, v);
                      for (int i = 0; i < 2; ++i)
                        RETURN_IF_ERROR(testing::SendRawBucket(c, b[i].manifest, b[i].data, b[i].nbytes, false));
@@ -599,7 +599,7 @@ TEST_F(RolloutAgentTest, EveryFailureLeavesTheEngineOnItsPreviousVersion) {
     engine.ClearCalls();
     const uint64_t before = engine.memory().Checksum();
     ASSERT_TRUE(Begin(agent, BeginRequest(id, 2, 1, 1, /*record=*/true)).ok());
-    trainer_->Run(GroupName(id), 2, [&c, &good](Communicator& comm) { return c.send(comm, good, 2); });
+    trainer_->Run(GroupName(id), 2, [&c, &good](comm::Communicator& comm) { return c.send(comm, good, 2); });
     if (c.during) c.during(this, agent, id);
     v1::PrepareSyncReply prepared;
     grpc::Status ps = Prepare(agent, id, &prepared);
@@ -639,8 +639,8 @@ TEST_F(RolloutAgentTest, EveryFailureLeavesTheEngineOnItsPreviousVersion) {
 
 TEST_F(RolloutAgentTest, FlushIsRetriedWhileTheEngineDrainsAndRefusedAtTheDeadline) {
   StartRank(1, 0, 1);
-  FakeEngine& engine = *engines_[0];
-  AgentProcess& agent = *agents_[0];
+  rollout_agent::testing::FakeEngine& engine = *engines_[0];
+  rollout_agent::testing::AgentProcess& agent = *agents_[0];
   engine.RefuseFlushes(3);
   SyncAll(1, 2, Model(kSeedV2));
   EXPECT_THAT(engine.calls(),
@@ -669,7 +669,7 @@ TEST_F(RolloutAgentTest, FlushIsRetriedWhileTheEngineDrainsAndRefusedAtTheDeadli
   // paused.
   engine.ClearCalls();
   {
-    auto ctx = Context(sec_, absl::Milliseconds(700));
+    auto ctx = rollout_agent::testing::Context(sec_, absl::Milliseconds(700));
     v1::BeginSyncReply r;
     grpc::Status b = agent.stub().BeginSync(ctx.get(), BeginRequest(3, 3, 1, 1), &r);
     EXPECT_EQ(b.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << b.error_message();
@@ -688,8 +688,8 @@ TEST_F(RolloutAgentTest, FlushIsRetriedWhileTheEngineDrainsAndRefusedAtTheDeadli
 
 TEST_F(RolloutAgentTest, AnAgentLeftAloneByItsCoordinatorAbortsOnItsOwn) {
   StartRank(1, 0, 1);
-  FakeEngine& engine = *engines_[0];
-  AgentProcess& agent = *agents_[0];
+  rollout_agent::testing::FakeEngine& engine = *engines_[0];
+  rollout_agent::testing::AgentProcess& agent = *agents_[0];
   const uint64_t before = engine.memory().Checksum();
   // Prepared, then silence. The sync's timeout also bounds the group's formation, which starts at
   // BeginSync: the tensors are made before it (quantizing them under ASan takes seconds), and the
@@ -731,7 +731,7 @@ TEST_F(RolloutAgentTest, OneSyncAtATime) {
   EXPECT_THAT(s.error_message(), HasSubstr("no engine"));
   EXPECT_EQ(Status(**lonely).state(), "no_engine");
   {
-    auto ctx = Context(sec_);
+    auto ctx = rollout_agent::testing::Context(sec_);
     v1::EngineChecksumsReply r;
     EXPECT_EQ((*lonely)->stub().EngineChecksums(ctx.get(), v1::EngineChecksumsRequest(), &r).error_code(),
               grpc::StatusCode::FAILED_PRECONDITION);
@@ -740,8 +740,8 @@ TEST_F(RolloutAgentTest, OneSyncAtATime) {
   if (!HasFailure()) (*lonely)->RemoveFiles();
 
   StartRank(1, 0, 1);
-  FakeEngine& engine = *engines_[0];
-  AgentProcess& agent = *agents_[0];
+  rollout_agent::testing::FakeEngine& engine = *engines_[0];
+  rollout_agent::testing::AgentProcess& agent = *agents_[0];
   s = Begin(agent, BeginRequest(1, 1, 1, 1));
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << "version 1 is not newer";
   auto nccl = BeginRequest(1, 2, 1, 1);
@@ -782,8 +782,8 @@ TEST_F(RolloutAgentTest, OneSyncAtATime) {
 
 TEST_F(RolloutAgentTest, AWrongTokenIsRefusedAndChangesNothing) {
   StartRank(1, 0, 1);
-  FakeEngine& engine = *engines_[0];
-  AgentProcess& agent = *agents_[0];
+  rollout_agent::testing::FakeEngine& engine = *engines_[0];
+  rollout_agent::testing::AgentProcess& agent = *agents_[0];
   const uint64_t before = engine.memory().Checksum();
   for (const std::string& token : {std::string("wrong"), std::string()}) {
     SCOPED_TRACE(token.empty() ? "no token" : "wrong token");
@@ -794,41 +794,41 @@ TEST_F(RolloutAgentTest, AWrongTokenIsRefusedAndChangesNothing) {
       EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << rpc << ": " << s.error_message();
     };
     {
-      auto ctx = Context(bad);
+      auto ctx = rollout_agent::testing::Context(bad);
       v1::BeginSyncReply r;
       expect_refused(stub->BeginSync(ctx.get(), BeginRequest(1, 2, 1, 1), &r), "BeginSync");
     }
     {
-      auto ctx = Context(bad);
+      auto ctx = rollout_agent::testing::Context(bad);
       v1::RegisterEngineRequest req = engine.RegisterRequest();
       req.set_engine_id("intruder");
       v1::RegisterEngineReply r;
       expect_refused(stub->RegisterEngine(ctx.get(), req, &r), "RegisterEngine");
     }
     {
-      auto ctx = Context(bad);
+      auto ctx = rollout_agent::testing::Context(bad);
       v1::AbortSyncRequest req;
       v1::AbortSyncReply r;
       expect_refused(stub->AbortSync(ctx.get(), req, &r), "AbortSync");
     }
     {
-      auto ctx = Context(bad);
+      auto ctx = rollout_agent::testing::Context(bad);
       v1::CommitSyncRequest req;
       v1::CommitSyncReply r;
       expect_refused(stub->CommitSync(ctx.get(), req, &r), "CommitSync");
     }
     {
-      auto ctx = Context(bad);
+      auto ctx = rollout_agent::testing::Context(bad);
       v1::UpdateWeightsReply r;
       expect_refused(stub->UpdateWeights(ctx.get(), v1::UpdateWeightsRequest(), &r), "UpdateWeights");
     }
     {
-      auto ctx = Context(bad);
+      auto ctx = rollout_agent::testing::Context(bad);
       v1::AgentStatusReply r;
       expect_refused(stub->AgentStatus(ctx.get(), v1::AgentStatusRequest(), &r), "AgentStatus");
     }
     {
-      auto ctx = Context(bad);
+      auto ctx = rollout_agent::testing::Context(bad);
       v1::EngineChecksumsReply r;
       expect_refused(stub->EngineChecksums(ctx.get(), v1::EngineChecksumsRequest(), &r), "EngineChecksums");
     }
@@ -843,10 +843,10 @@ TEST_F(RolloutAgentTest, AWrongTokenIsRefusedAndChangesNothing) {
 
 TEST_F(RolloutAgentTest, MismatchedRegistrationsAreRefusedAndTheEngineStays) {
   StartRank(1, 0, 1);
-  FakeEngine& engine = *engines_[0];
-  AgentProcess& agent = *agents_[0];
+  rollout_agent::testing::FakeEngine& engine = *engines_[0];
+  rollout_agent::testing::AgentProcess& agent = *agents_[0];
   auto reg = [&](const v1::RegisterEngineRequest& req) {
-    auto ctx = Context(sec_);
+    auto ctx = rollout_agent::testing::Context(sec_);
     v1::RegisterEngineReply r;
     return agent.stub().RegisterEngine(ctx.get(), req, &r);
   };
@@ -909,9 +909,9 @@ TEST_F(RolloutAgentTest, MismatchedRegistrationsAreRefusedAndTheEngineStays) {
 
 TEST_F(RolloutAgentTest, TwoPipelineStagesArriveThroughTwoGroupsAtOnce) {
   StartRank(1, 0, 1);
-  FakeEngine& engine = *engines_[0];
-  AgentProcess& agent = *agents_[0];
-  const HfModel& v2 = Model(kSeedV2);
+  rollout_agent::testing::FakeEngine& engine = *engines_[0];
+  rollout_agent::testing::AgentProcess& agent = *agents_[0];
+  const model::testing::HfModel& v2 = Model(kSeedV2);
   const Tensors all = SentTensors(v2);
   // Stage 0: the first half of the checkpoint, stage 1 the rest (as a PP=2 trainer sends it).
   const Tensors first(all.begin(), all.begin() + static_cast<long>(all.size() / 2));
@@ -962,7 +962,7 @@ TEST_F(RolloutAgentTest, EngineTp2WithExpertParallelismTwoAgentsOneGroup) {
   shared_record_ = true;  // both agents record into one directory, as wsync-local runs them
   StartRank(2, 0, 2);
   StartRank(2, 1, 2);
-  const HfModel& v2 = Model(kSeedV2);
+  const model::testing::HfModel& v2 = Model(kSeedV2);
   SyncAll(11, 2, v2, /*record=*/true);
   for (int r = 0; r < 2; ++r) {
     SCOPED_TRACE(absl::StrCat("rank ", r));
@@ -1004,8 +1004,8 @@ TEST_F(RolloutAgentTest, JoinsHeartbeatsRejoinsAndLeavesTheCoordinator) {
   auto coord = testing::FakeCoordinator::Start(sec_);
   ASSERT_TRUE(coord.ok());
   StartRank(1, 0, 1, {"--coordinator", (*coord)->address()});
-  FakeEngine& engine = *engines_[0];
-  AgentProcess& agent = *agents_[0];
+  rollout_agent::testing::FakeEngine& engine = *engines_[0];
+  rollout_agent::testing::AgentProcess& agent = *agents_[0];
   auto wait_for = [](const std::function<bool()>& cond) {
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
     while (!cond() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
@@ -1048,7 +1048,7 @@ TEST_F(RolloutAgentTest, TheAgentLibraryRunsInProcess) {
   o.security = sec_;
   auto engine = FakeEngine::Start(o);
   ASSERT_TRUE(engine.ok());
-  AgentOptions ao;
+  rollout_agent::AgentOptions ao;
   ao.security = sec_;
   auto server = AgentServer::Start("127.0.0.1:0", ao);
   ASSERT_TRUE(server.ok()) << server.status();
@@ -1074,4 +1074,4 @@ TEST_F(RolloutAgentTest, TheAgentLibraryRunsInProcess) {
 }
 
 }  // namespace
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

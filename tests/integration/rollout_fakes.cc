@@ -18,7 +18,7 @@
 
 extern char** environ;
 
-namespace wsync::rollout::testing {
+namespace wsync::rollout_agent::testing {
 
 namespace {
 
@@ -306,23 +306,23 @@ int AgentProcess::Terminate() {
 
 absl::StatusOr<std::unique_ptr<TrainerSide>> TrainerSide::Start(RpcSecurity sec) {
   auto t = std::make_unique<TrainerSide>();
-  ASSIGN_OR_RETURN(t->server_, StoreServer::Start(&t->store_, "127.0.0.1:0", sec));
+  ASSIGN_OR_RETURN(t->server_, comm::StoreServer::Start(&t->store_, "127.0.0.1:0", sec));
   t->address_ = t->server_->address();
   return t;
 }
 
-void TrainerSide::Run(const std::string& name, int size, std::function<absl::Status(Communicator&)> send) {
+void TrainerSide::Run(const std::string& name, int size, std::function<absl::Status(comm::Communicator&)> send) {
   results_.push_back(std::make_unique<absl::Status>());
   absl::Status* result = results_.back().get();
   threads_.emplace_back([this, name, size, send, result] {
-    GroupOptions g;
+    comm::GroupOptions g;
     g.store = &store_;
     g.name = name;
     g.rank = 0;
     g.size = size;
     g.join_timeout = absl::Seconds(30);
     g.default_timeout = absl::Seconds(30);
-    auto comm = CreateGroup(Backend::kGloo, g);
+    auto comm = comm::CreateGroup(comm::Backend::kGloo, g);
     if (!comm.ok()) {
       *result = comm.status();
       return;
@@ -341,4 +341,4 @@ absl::Status TrainerSide::Join() {
   return first;
 }
 
-}  // namespace wsync::rollout::testing
+}  // namespace wsync::rollout_agent::testing

@@ -35,7 +35,7 @@
 #include "wsync/v1/engine.grpc.pb.h"
 #include "wsync/v1/rollout.grpc.pb.h"
 
-namespace wsync::rollout::testing {
+namespace wsync::rollout_agent::testing {
 
 class FakeEngine final : public v1::RolloutEngine::Service {
  public:
@@ -156,20 +156,20 @@ class TrainerSide {
   static absl::StatusOr<std::unique_ptr<TrainerSide>> Start(RpcSecurity sec);
   ~TrainerSide() { (void)Join(); }  // a test that stopped at a failed ASSERT still ends cleanly
   const std::string& store_address() const { return address_; }
-  MemoryStore& store() { return store_; }
+  comm::MemoryStore& store() { return store_; }
 
   // Forms group `name` of `size` as rank 0 and runs `send` on it, on a thread (one per stage;
   // several may run at once). Join() waits for all of them and returns the first failure of
   // forming a group or of `send`.
-  void Run(const std::string& name, int size, std::function<absl::Status(Communicator&)> send);
+  void Run(const std::string& name, int size, std::function<absl::Status(comm::Communicator&)> send);
   absl::Status Join();
 
  private:
-  MemoryStore store_;
-  std::unique_ptr<StoreServer> server_;
+  comm::MemoryStore store_;
+  std::unique_ptr<comm::StoreServer> server_;
   std::string address_;
   std::vector<std::thread> threads_;
   std::vector<std::unique_ptr<absl::Status>> results_;
 };
 
-}  // namespace wsync::rollout::testing
+}  // namespace wsync::rollout_agent::testing

@@ -25,24 +25,24 @@
 #include "common/config.h"
 #include "common/status.h"
 #include "gtest/gtest.h"
-#include "trainer_agent/convert/sharder.h"
-#include "trainer_agent/convert/synthetic_model.h"
+#include "tools/synth/sharder.h"
+#include "tools/synth/synthetic_model.h"
 #include "trainer_agent/quantize/quant_select.h"
 #include "trainer_agent/source/dir_source.h"
 #include "trainer_agent/sync/rank_sync.h"
 
-namespace wsync::sync {
+namespace wsync::trainer_agent {
 namespace {
 
-Communicator* world = nullptr;
+comm::Communicator* world = nullptr;
 // Sub-communicators per layout, made once; cleared by main() before MPI is finalized.
 std::map<std::string, TrainerComms>* comms_cache = nullptr;
-const CollectiveOptions kTimeout{absl::Seconds(60)};
+const comm::CollectiveOptions kTimeout{absl::Seconds(60)};
 
 // --- Helpers ------------------------------------------------------------------------------------
 
 // Keeps every bucket (manifest + a copy of its bytes).
-class CaptureSink : public BucketSink {
+class CaptureSink : public comm::BucketSink {
  public:
   struct Bucket {
     v1::BucketManifest manifest;
@@ -92,7 +92,7 @@ std::map<std::string, Captured> DecodeStream(const CaptureSink& sink, uint64_t b
     EXPECT_EQ(m.last(), i + 1 == sink.buckets.size()) << "bucket " << i;
     EXPECT_EQ(m.version(), version);
     EXPECT_EQ(m.pp_stage(), static_cast<uint32_t>(stage));
-    absl::Status valid = ValidateManifest(m, data.size());
+    absl::Status valid = comm::ValidateManifest(m, data.size());
     EXPECT_TRUE(valid.ok()) << valid;
     if (!valid.ok()) continue;
     if (m.entries_size() > 1) {
@@ -108,9 +108,9 @@ std::map<std::string, Captured> DecodeStream(const CaptureSink& sink, uint64_t b
       } else {
         EXPECT_FALSE(seen_expert) << name << ": a non-expert tensor after an expert tensor (bucket " << i << ")";
       }
-      EXPECT_EQ(e.offset() % BucketBuilder::kEntryAlignment, 0u) << name;
+      EXPECT_EQ(e.offset() % comm::BucketBuilder::kEntryAlignment, 0u) << name;
       Captured c;
-      c.dtype = *FromProto(e.tensor().dtype());
+      c.dtype = *comm::FromProto(e.tensor().dtype());
       for (int64_t d : e.tensor().shape()) c.shape.push_back(d);
       c.bytes.assign(data.begin() + static_cast<long>(e.offset()),
                      data.begin() + static_cast<long>(e.offset() + e.nbytes()));
@@ -130,8 +130,8 @@ absl::StatusOr<std::string> RootMakes(const std::function<absl::StatusOr<std::st
     const std::string text = r.ok() ? *r : std::string(r.status().message());
     std::snprintf(buf, sizeof(buf), "%s", text.c_str());
   }
-  MutableBytes b[2] = {{&code, sizeof(code)}, {buf, sizeof(buf)}};
-  RETURN_IF_ERROR(Await(world->Broadcast(b, 0, kTimeout)));
+  comm::MutableBytes b[2] = {{&code, sizeof(code)}, {buf, sizeof(buf)}};
+  RETURN_IF_ERROR(comm::Await(world->Broadcast(b, 0, kTimeout)));
   if (code != 0) return absl::Status(static_cast<absl::StatusCode>(code), buf);
   return std::string(buf);
 }
@@ -162,14 +162,14 @@ TrainerComms& CommsFor(const ParallelLayout& layout) {
 std::vector<std::string> AllGatherStrings(const std::string& mine) {
   uint64_t n = mine.size();
   std::vector<uint64_t> sizes(static_cast<size_t>(world->size()));
-  ConstBytes in{&n, sizeof(n)};
-  MutableBytes out{sizes.data(), sizes.size() * sizeof(uint64_t)};
-  EXPECT_TRUE(Await(world->AllGather({&in, 1}, {&out, 1}, kTimeout)).ok());
+  comm::ConstBytes in{&n, sizeof(n)};
+  comm::MutableBytes out{sizes.data(), sizes.size() * sizeof(uint64_t)};
+  EXPECT_TRUE(comm::Await(world->AllGather({&in, 1}, {&out, 1}, kTimeout)).ok());
   std::vector<size_t> counts(sizes.begin(), sizes.end());
   size_t total = 0;
   for (size_t c : counts) total += c;
   std::string all(total, '\0');
-  EXPECT_TRUE(Await(world->AllGatherV({mine.data(), mine.size()}, {all.data(), all.size()}, counts, kTimeout)).ok());
+  EXPECT_TRUE(comm::Await(world->AllGatherV({mine.data(), mine.size()}, {all.data(), all.size()}, counts, kTimeout)).ok());
   std::vector<std::string> res;
   size_t off = 0;
   for (size_t c : counts) res.push_back(all.substr(off, c)), off += c;
@@ -185,8 +185,8 @@ struct ModelCase {
   int64_t q_lora_rank = 32;
 };
 
-convert::SyntheticModelOptions TinyOptions(const ModelCase& c) {
-  convert::SyntheticModelOptions o;
+tools::SyntheticModelOptions TinyOptions(const ModelCase& c) {
+  tools::SyntheticModelOptions o;
   o.arch = c.arch;
   o.hidden = 64, o.layers = 4, o.heads = 8, o.kv_heads = 4, o.head_dim = 16, o.ffn = 96;
   o.moe_ffn = 32, o.experts = 8, o.topk = 2, o.vocab = 1000, o.tie = c.tie;
@@ -215,21 +215,21 @@ struct Fixture {
 };
 
 // Rank 0 writes root/hf (config.json + model.safetensors) and root/src (the Megatron source).
-absl::StatusOr<Fixture> MakeFixture(const convert::SyntheticModelOptions& o, const LayoutCase& l, uint64_t seed,
-                                    const std::function<absl::Status(convert::SyntheticModel&)>& mutate = nullptr) {
+absl::StatusOr<Fixture> MakeFixture(const tools::SyntheticModelOptions& o, const LayoutCase& l, uint64_t seed,
+                                    const std::function<absl::Status(tools::SyntheticModel&)>& mutate = nullptr) {
   auto make = [&]() -> absl::StatusOr<std::string> {
                      ASSIGN_OR_RETURN(std::string dir, MakeTempDir());
-                     ASSIGN_OR_RETURN(convert::SyntheticModel m, convert::GenerateSyntheticModel(o, seed, 2));
+                     ASSIGN_OR_RETURN(tools::SyntheticModel m, tools::GenerateSyntheticModel(o, seed, 2));
                      if (mutate) RETURN_IF_ERROR(mutate(m));
-                     RETURN_IF_ERROR(convert::WriteHfModel(m, dir + "/hf"));
-                     convert::SourceParallel p;
+                     RETURN_IF_ERROR(tools::WriteHfModel(m, dir + "/hf"));
+                     SourceParallel p;
                      const bool moe = IsMoe(o.arch);
                      p.tp = l.tp, p.pp = l.pp, p.ep = moe ? l.ep : 1, p.etp = moe ? l.etp : l.tp;
                      p.world_size = l.np;
                      p.dp = l.np / (l.tp * l.pp);
-                     ASSIGN_OR_RETURN(p, convert::ResolveSourceParallel(m.config, p));
+                     ASSIGN_OR_RETURN(p, ResolveSourceParallel(m.config, p));
                      RETURN_IF_ERROR(
-                         convert::WriteMegatronSource(m.config_json, m.config, m.weights, p, dir + "/src").status());
+                         tools::WriteMegatronSource(m.config_json, m.config, m.weights, p, dir + "/src").status());
                      return dir;
   };
   ASSIGN_OR_RETURN(std::string root, RootMakes(make));
@@ -237,7 +237,7 @@ absl::StatusOr<Fixture> MakeFixture(const convert::SyntheticModelOptions& o, con
 }
 
 void RemoveFixture(const Fixture& f) {
-  EXPECT_TRUE(Await(world->Barrier(kTimeout)).ok());
+  EXPECT_TRUE(comm::Await(world->Barrier(kTimeout)).ok());
   if (world->rank() == 0) std::filesystem::remove_all(f.root);
 }
 
@@ -246,7 +246,7 @@ struct SyncResult {
   std::optional<CaptureSink> sink;
 };
 
-SyncResult SyncOnce(const source::DirSource& src, const SyncOptions& o) {
+SyncResult SyncOnce(const DirSource& src, const SyncOptions& o) {
   SyncResult r;
   TrainerComms& comms = CommsFor(src.layout());
   if (src.layout().IsStageSource(world->rank())) r.sink.emplace();
@@ -256,7 +256,7 @@ SyncResult SyncOnce(const source::DirSource& src, const SyncOptions& o) {
 
 // The sync every rank just ran delivered exactly HF_DIR converted (and quantized) directly: each
 // source checks its tensors bit for bit, then all names meet on rank 0 (collective: every rank calls).
-void CheckSyncAgainstHf(const SyncResult& r, const source::DirSource& src, const SyncOptions& o,
+void CheckSyncAgainstHf(const SyncResult& r, const DirSource& src, const SyncOptions& o,
                         const std::string& hf_dir, const std::optional<QuantizationConfig>& quant) {
   EXPECT_TRUE(r.report.ok()) << r.report.status();
   std::string names;
@@ -267,11 +267,11 @@ void CheckSyncAgainstHf(const SyncResult& r, const source::DirSource& src, const
     std::map<std::string, Captured> got = DecodeStream(*r.sink, o.bucket_bytes, o.version, stage);
     EXPECT_EQ(r.report->tensors, got.size());
     EXPECT_EQ(r.report->buckets, r.sink->buckets.size());
-    auto expected = quantize::ExpectedSentTensorsFromDir(hf_dir, quant);
+    auto expected = ExpectedSentTensorsFromDir(hf_dir, quant);
     EXPECT_TRUE(expected.ok()) << expected.status();
     if (expected.ok()) {
-      std::map<std::string, const convert::HfTensor*> want;
-      for (const convert::HfTensor& t : expected->tensors) want.emplace(t.name, &t);
+      std::map<std::string, const model::HfTensor*> want;
+      for (const model::HfTensor& t : expected->tensors) want.emplace(t.name, &t);
       for (const auto& [name, c] : got) {
         absl::StrAppend(&names, name, "\n");
         auto it = want.find(name);
@@ -289,12 +289,12 @@ void CheckSyncAgainstHf(const SyncResult& r, const source::DirSource& src, const
   }
   const std::vector<std::string> per_rank = AllGatherStrings(names);
   if (me == 0 && r.report.ok()) {
-    auto expected = quantize::ExpectedSentTensorsFromDir(hf_dir, quant);
+    auto expected = ExpectedSentTensorsFromDir(hf_dir, quant);
     ASSERT_TRUE(expected.ok()) << expected.status();
     std::map<std::string, int> count;
     for (const std::string& s : per_rank)
       for (absl::string_view n : absl::StrSplit(s, '\n', absl::SkipEmpty())) ++count[std::string(n)];
-    for (const convert::HfTensor& t : expected->tensors) {
+    for (const model::HfTensor& t : expected->tensors) {
       EXPECT_EQ(count[t.name], 1) << t.name << " sent " << count[t.name] << " times across the stages";
       count.erase(t.name);
     }
@@ -333,10 +333,10 @@ class TrainerSyncTest : public ::testing::TestWithParam<Param> {};
 TEST_P(TrainerSyncTest, SendsExactlyTheConvertedCheckpoint) {
   const Param& P = GetParam();
   if (P.layout.np != world->size()) GTEST_SKIP() << "layout " << P.layout.name << " runs with -np " << P.layout.np;
-  const convert::SyntheticModelOptions mo = TinyOptions(P.model);
+  const tools::SyntheticModelOptions mo = TinyOptions(P.model);
   auto fixture = MakeFixture(mo, P.layout, 20261121);
   ASSERT_TRUE(fixture.ok()) << fixture.status();  // same result on every rank
-  auto src = source::DirSource::Open(fixture->src_dir);
+  auto src = DirSource::Open(fixture->src_dir);
   ASSERT_TRUE(src.ok()) << src.status();
   std::optional<QuantizationConfig> quant;
   if (P.int4) {
@@ -415,11 +415,11 @@ TEST(TrainerSyncMixedTest, ExpertsIgnoredOnSomeMembersOnlyAreSentExactly) {
       for (const LayoutCase& l : layouts) {
         if (l.np != world->size()) continue;
         SCOPED_TRACE(absl::StrCat(m.name, " ", l.name, " group ", q->group_size));
-        convert::SyntheticModelOptions mo = TinyOptions(m);
+        tools::SyntheticModelOptions mo = TinyOptions(m);
         mo.moe_ffn = 64;
         auto f = MakeFixture(mo, l, 17);
         ASSERT_TRUE(f.ok()) << f.status();
-        auto src = source::DirSource::Open(f->src_dir);
+        auto src = DirSource::Open(f->src_dir);
         ASSERT_TRUE(src.ok()) << src.status();
         SyncOptions o;
         o.version = 3;
@@ -448,7 +448,7 @@ class MalformedSourceTest : public ::testing::Test {
   }
   // Every rank must fail at once with the same error.
   void ExpectAllFail(const Fixture& f, absl::StatusCode code, const std::vector<std::string>& needles) {
-    auto src = source::DirSource::Open(f.src_dir);
+    auto src = DirSource::Open(f.src_dir);
     ASSERT_TRUE(src.ok()) << src.status();
     SyncOptions o;
     o.bucket_bytes = 64 << 10;
@@ -467,13 +467,13 @@ class MalformedSourceTest : public ::testing::Test {
   }
 };
 
-convert::SyntheticModelOptions MoeOptions() { return TinyOptions({"qwen3moe", Architecture::kQwen3Moe, false}); }
+tools::SyntheticModelOptions MoeOptions() { return TinyOptions({"qwen3moe", Architecture::kQwen3Moe, false}); }
 
 TEST_F(MalformedSourceTest, AMissingRankFileFailsEveryRankNamingIt) {
   auto f = MakeFixture(MoeOptions(), kMoeLayout, 7);
   ASSERT_TRUE(f.ok()) << f.status();
   if (world->rank() == 0) std::filesystem::remove(f->src_dir + "/rank-00002.safetensors");
-  ASSERT_TRUE(Await(world->Barrier(kTimeout)).ok());
+  ASSERT_TRUE(comm::Await(world->Barrier(kTimeout)).ok());
   ExpectAllFail(*f, absl::StatusCode::kNotFound, {"rank 2 cannot take part", "rank-00002.safetensors"});
   RemoveFixture(*f);
 }
@@ -485,7 +485,7 @@ TEST_F(MalformedSourceTest, ATruncatedRankFileFailsEveryRankNamingIt) {
     const std::string p = f->src_dir + "/rank-00001.safetensors";
     std::filesystem::resize_file(p, std::filesystem::file_size(p) / 2);
   }
-  ASSERT_TRUE(Await(world->Barrier(kTimeout)).ok());
+  ASSERT_TRUE(comm::Await(world->Barrier(kTimeout)).ok());
   ExpectAllFail(*f, absl::StatusCode::kInvalidArgument, {"rank 1 cannot take part", "rank-00001.safetensors"});
   RemoveFixture(*f);
 }
@@ -494,14 +494,14 @@ TEST_F(MalformedSourceTest, AMisShapedRankFileFailsEveryRankNamingTheParameter) 
   // Rank 3's file replaced by rank 3's file of a model with a wider FFN.
   auto f = MakeFixture(MoeOptions(), kMoeLayout, 9);
   ASSERT_TRUE(f.ok()) << f.status();
-  convert::SyntheticModelOptions wide = MoeOptions();
+  tools::SyntheticModelOptions wide = MoeOptions();
   wide.moe_ffn = 64;
   auto other = MakeFixture(wide, kMoeLayout, 9);
   ASSERT_TRUE(other.ok()) << other.status();
   if (world->rank() == 0)
     std::filesystem::copy_file(other->src_dir + "/rank-00003.safetensors", f->src_dir + "/rank-00003.safetensors",
                                std::filesystem::copy_options::overwrite_existing);
-  ASSERT_TRUE(Await(world->Barrier(kTimeout)).ok());
+  ASSERT_TRUE(comm::Await(world->Barrier(kTimeout)).ok());
   ExpectAllFail(*f, absl::StatusCode::kInvalidArgument,
                 {"rank 3 cannot take part", "rank-00003.safetensors", "mlp.experts.linear_fc1.weight"});
   RemoveFixture(*other);
@@ -512,7 +512,7 @@ TEST_F(MalformedSourceTest, RanksWithDifferentGatherSizesRefuseBeforeAnyGather) 
   // Different batch boundaries would pair mismatched collectives: the opening agreement refuses.
   auto f = MakeFixture(MoeOptions(), kMoeLayout, 13);
   ASSERT_TRUE(f.ok()) << f.status();
-  auto src = source::DirSource::Open(f->src_dir);
+  auto src = DirSource::Open(f->src_dir);
   ASSERT_TRUE(src.ok()) << src.status();
   SyncOptions o;
   o.collective = kTimeout;
@@ -538,7 +538,7 @@ struct NanCase {
 // No rank hangs.
 void ExpectNanFailsItsQuantizerAndTheSource(const LayoutCase& layout, const NanCase& c, uint64_t seed,
                                             const char* quant_json = kInt4Json) {
-  auto f = MakeFixture(MoeOptions(), layout, seed, [&](convert::SyntheticModel& m) -> absl::Status {
+  auto f = MakeFixture(MoeOptions(), layout, seed, [&](tools::SyntheticModel& m) -> absl::Status {
     ASSIGN_OR_RETURN(TensorView v, m.weights.Get(c.name));
     auto* p = const_cast<std::byte*>(v.bytes().data());  // owned by the in-memory checkpoint
     const uint16_t nan = 0x7fc0;
@@ -546,7 +546,7 @@ void ExpectNanFailsItsQuantizerAndTheSource(const LayoutCase& layout, const NanC
     return absl::OkStatus();
   });
   ASSERT_TRUE(f.ok()) << f.status();
-  auto src = source::DirSource::Open(f->src_dir);
+  auto src = DirSource::Open(f->src_dir);
   ASSERT_TRUE(src.ok()) << src.status();
   const ParallelLayout& l = src->layout();
   const int source = l.StageSourceRank(c.stage);
@@ -639,7 +639,7 @@ TEST_F(MalformedSourceTest, TheSourceIsReReadEverySyncWithAWorkspaceKeptAcrossSy
   ASSERT_TRUE(a.ok()) << a.status();
   auto b = MakeFixture(MoeOptions(), kMoeLayout, 12);
   ASSERT_TRUE(b.ok()) << b.status();
-  auto src = source::DirSource::Open(a->src_dir);
+  auto src = DirSource::Open(a->src_dir);
   ASSERT_TRUE(src.ok()) << src.status();
   SyncWorkspace workspace;
   SyncOptions o;
@@ -654,12 +654,12 @@ TEST_F(MalformedSourceTest, TheSourceIsReReadEverySyncWithAWorkspaceKeptAcrossSy
   if (world->rank() < 2) {
     EXPECT_GT(held, 0u) << "gathering ranks keep their buffers";
   }
-  ASSERT_TRUE(Await(world->Barrier(kTimeout)).ok());
+  ASSERT_TRUE(comm::Await(world->Barrier(kTimeout)).ok());
   if (world->rank() == 0)
     for (int r = 0; r < 4; ++r)
-      std::filesystem::copy_file(b->src_dir + "/" + convert::RankFileName(r), a->src_dir + "/" + convert::RankFileName(r),
+      std::filesystem::copy_file(b->src_dir + "/" + RankFileName(r), a->src_dir + "/" + RankFileName(r),
                                  std::filesystem::copy_options::overwrite_existing);
-  ASSERT_TRUE(Await(world->Barrier(kTimeout)).ok());
+  ASSERT_TRUE(comm::Await(world->Barrier(kTimeout)).ok());
   o.version = 2;
   o.gather_bytes = 256 << 10;
   SyncResult r2 = SyncOnce(*src, o);
@@ -672,19 +672,19 @@ TEST_F(MalformedSourceTest, TheSourceIsReReadEverySyncWithAWorkspaceKeptAcrossSy
 }
 
 }  // namespace
-}  // namespace wsync::sync
+}  // namespace wsync::trainer_agent
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  auto w = wsync::CreateMpiWorld();
+  auto w = wsync::comm::CreateMpiWorld();
   if (!w.ok()) {
     std::fprintf(stderr, "%s\n", w.status().ToString().c_str());
     return 1;
   }
-  wsync::sync::world = w->get();
-  std::map<std::string, wsync::sync::TrainerComms> comms;
-  wsync::sync::comms_cache = &comms;
-  if (wsync::sync::world->rank() != 0) {
+  wsync::trainer_agent::world = w->get();
+  std::map<std::string, wsync::trainer_agent::TrainerComms> comms;
+  wsync::trainer_agent::comms_cache = &comms;
+  if (wsync::trainer_agent::world->rank() != 0) {
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
     delete listeners.Release(listeners.default_result_printer());
   }

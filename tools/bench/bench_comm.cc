@@ -55,11 +55,11 @@ size_t ParseSize(const std::string& s) {
 }
 
 // The slowest member's value, and a sum, over the group.
-double MaxOver(Communicator& c, double v) {
+double MaxOver(comm::Communicator& c, double v) {
   std::vector<double> all(c.size());
-  ConstBytes in{&v, sizeof(v)};
-  MutableBytes out{all.data(), all.size() * sizeof(double)};
-  if (!Await(c.AllGather({&in, 1}, {&out, 1})).ok()) return -1;
+  comm::ConstBytes in{&v, sizeof(v)};
+  comm::MutableBytes out{all.data(), all.size() * sizeof(double)};
+  if (!comm::Await(c.AllGather({&in, 1}, {&out, 1})).ok()) return -1;
   return *std::max_element(all.begin(), all.end());
 }
 double ProcessCpuMicros() {
@@ -67,17 +67,17 @@ double ProcessCpuMicros() {
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
   return static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) / 1e3;
 }
-uint64_t SumOver(Communicator& c, uint64_t v) {
+uint64_t SumOver(comm::Communicator& c, uint64_t v) {
   std::vector<uint64_t> all(c.size());
-  ConstBytes in{&v, sizeof(v)};
-  MutableBytes out{all.data(), all.size() * sizeof(uint64_t)};
-  if (!Await(c.AllGather({&in, 1}, {&out, 1})).ok()) return ~uint64_t{0};
+  comm::ConstBytes in{&v, sizeof(v)};
+  comm::MutableBytes out{all.data(), all.size() * sizeof(uint64_t)};
+  if (!comm::Await(c.AllGather({&in, 1}, {&out, 1})).ok()) return ~uint64_t{0};
   uint64_t s = 0;
   for (uint64_t x : all) s += x;
   return s;
 }
 
-int RunTable(Communicator& c, const Flags& f) {
+int RunTable(comm::Communicator& c, const Flags& f) {
   const int n = c.size(), me = c.rank();
   const bool lead = me == 0;
   const size_t lo = ParseSize(f.min_bytes), hi = ParseSize(f.max_bytes);
@@ -101,12 +101,12 @@ int RunTable(Communicator& c, const Flags& f) {
       std::vector<char> buf(total), in(bcast ? 0 : per_rank);
       auto once = [&]() -> absl::Status {
         if (bcast) {
-          MutableBytes b{buf.data(), total};
-          return Await(c.Broadcast({&b, 1}, 0));
+          comm::MutableBytes b{buf.data(), total};
+          return comm::Await(c.Broadcast({&b, 1}, 0));
         }
-        ConstBytes i{in.data(), per_rank};
-        MutableBytes o{buf.data(), total};
-        return Await(c.AllGather({&i, 1}, {&o, 1}));
+        comm::ConstBytes i{in.data(), per_rank};
+        comm::MutableBytes o{buf.data(), total};
+        return comm::Await(c.AllGather({&i, 1}, {&o, 1}));
       };
       uint64_t wrong = 0;
       if (f.check) {
@@ -122,7 +122,7 @@ int RunTable(Communicator& c, const Flags& f) {
       for (int i = 0; i < f.warmup; ++i) {
         if (!once().ok()) return 1;
       }
-      if (!Await(c.Barrier()).ok()) return 1;
+      if (!comm::Await(c.Barrier()).ok()) return 1;
       const absl::Time t0 = absl::Now();
       const double cpu0 = ProcessCpuMicros();
       for (int i = 0; i < f.iters; ++i) {
@@ -169,13 +169,13 @@ int Main(int argc, char** argv) {
   app.add_option("--rank", f.rank)->group("");
   CLI11_PARSE(app, argc, argv);
 
-  auto backend = ParseBackend(f.backend);
+  auto backend = comm::ParseBackend(f.backend);
   if (!backend.ok()) {
     std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
     return 2;
   }
-  if (*backend == Backend::kMpi) {
-    auto w = CreateMpiWorld();
+  if (*backend == comm::Backend::kMpi) {
+    auto w = comm::CreateMpiWorld();
     if (!w.ok()) {
       std::fprintf(stderr, "%s\n", w.status().ToString().c_str());
       return 1;
@@ -183,16 +183,16 @@ int Main(int argc, char** argv) {
     return RunTable(**w, f);
   }
   // Gloo (or NCCL): the lead hosts the store and starts the members.
-  MemoryStore memory;
-  std::unique_ptr<StoreServer> server;
-  std::unique_ptr<Store> client;
+  comm::MemoryStore memory;
+  std::unique_ptr<comm::StoreServer> server;
+  std::unique_ptr<comm::Store> client;
   std::vector<pid_t> children;
-  Store* store = &memory;
+  comm::Store* store = &memory;
   if (f.member) {
-    client = GrpcStoreClient::Connect(f.store);
+    client = comm::GrpcStoreClient::Connect(f.store);
     store = client.get();
   } else {
-    auto s = StoreServer::Start(&memory, "127.0.0.1:0");
+    auto s = comm::StoreServer::Start(&memory, "127.0.0.1:0");
     if (!s.ok()) {
       std::fprintf(stderr, "%s\n", s.status().ToString().c_str());
       return 1;
@@ -208,12 +208,12 @@ int Main(int argc, char** argv) {
       if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, cargs.data(), environ) == 0) children.push_back(pid);
     }
   }
-  GroupOptions opts;
+  comm::GroupOptions opts;
   opts.store = store;
   opts.name = "bench";
   opts.rank = f.rank;
   opts.size = f.ranks;
-  auto comm = CreateGroup(*backend, opts);
+  auto comm = comm::CreateGroup(*backend, opts);
   int rc = 1;
   if (comm.ok()) {
     rc = RunTable(**comm, f);

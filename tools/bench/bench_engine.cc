@@ -37,11 +37,11 @@
 #include "absl/time/clock.h"
 #include "common/config.h"
 #include "common/status.h"
-#include "rollout_agent/engine/checkpoint.h"
-#include "rollout_agent/engine/model.h"
-#include "rollout_agent/engine/shm.h"
+#include "ref_engine/checkpoint.h"
+#include "ref_engine/model.h"
+#include "rollout_agent/engine_memory/param_arena.h"
 #include "rollout_agent/load/engine_layout.h"
-#include "trainer_agent/convert/synthetic_model.h"
+#include "tools/synth/synthetic_model.h"
 
 namespace wsync {
 namespace {
@@ -59,7 +59,7 @@ struct Flags {
 
 struct Mode {
   const char* name;
-  engine::WeightMode mode;
+  ref_engine::WeightMode mode;
   int threads;
 };
 
@@ -95,31 +95,31 @@ absl::Status RunMode(const Flags& f, const std::string& dir, const Mode& mode, R
   } else {
     config.quantization.reset();
   }
-  engine::EngineRank rank;  // TP 1
-  ASSIGN_OR_RETURN(rollout::EngineLayout layout,
-                   rollout::EngineLayout::Create(config, config.quantization ? &*config.quantization : nullptr, rank));
-  ASSIGN_OR_RETURN(std::unique_ptr<engine::ParamArena> arena,
-                   engine::ParamArena::Create(layout, engine::UniqueShmName("bench-engine", 0)));
+  ref_engine::EngineRank rank;  // TP 1
+  ASSIGN_OR_RETURN(rollout_agent::EngineLayout layout,
+                   rollout_agent::EngineLayout::Create(config, config.quantization ? &*config.quantization : nullptr, rank));
+  ASSIGN_OR_RETURN(std::unique_ptr<rollout_agent::ParamArena> arena,
+                   rollout_agent::ParamArena::Create(layout, rollout_agent::UniqueShmName("bench-engine", 0)));
   out->shm_mib = static_cast<double>(arena->segment().size()) / (1 << 20);
   absl::Time t0 = absl::Now();
-  engine::CheckpointOptions co;
+  ref_engine::CheckpointOptions co;
   co.num_threads = f.load_threads;
-  RETURN_IF_ERROR(engine::LoadCheckpoint(dir, layout, arena->weights(), co).status());
+  RETURN_IF_ERROR(ref_engine::LoadCheckpoint(dir, layout, arena->weights(), co).status());
   out->load_s = absl::ToDoubleSeconds(absl::Now() - t0);
   out->rss_after_load_mib = StatusKib("VmRSS:") / 1024;
   {
     std::ofstream clear("/proc/self/clear_refs");
     clear << "5";  // resets VmHWM to the current RSS
   }
-  rollout::EngineWeights* weights = &arena->weights();
-  engine::ParamLookup lookup = [weights](absl::string_view name) -> absl::StatusOr<TensorView> {
+  rollout_agent::EngineWeights* weights = &arena->weights();
+  ref_engine::ParamLookup lookup = [weights](absl::string_view name) -> absl::StatusOr<TensorView> {
     ASSIGN_OR_RETURN(MutableTensorView v, weights->View(name));
     return TensorView(v);
   };
-  engine::EngineModelOptions mo;
+  ref_engine::EngineModelOptions mo;
   mo.weights = mode.mode;
   mo.prepare_threads = mode.threads;
-  ASSIGN_OR_RETURN(engine::EngineModel model, engine::EngineModel::Create(config, rank, lookup, {}, mo));
+  ASSIGN_OR_RETURN(ref_engine::EngineModel model, ref_engine::EngineModel::Create(config, rank, lookup, {}, mo));
   t0 = absl::Now();
   RETURN_IF_ERROR(model.Prepare());
   out->prepare1_s = absl::ToDoubleSeconds(absl::Now() - t0);
@@ -180,20 +180,20 @@ int Run(const Flags& f) {
     if (!std::filesystem::exists(dir + "/config.json")) {
       std::printf("# generating the %s Qwen3-MoE (seed 7) into %s\n", f.preset.c_str(), dir.c_str());
       std::fflush(stdout);
-      auto opts = convert::PresetOptions(f.preset, Architecture::kQwen3Moe);
+      auto opts = tools::PresetOptions(f.preset, Architecture::kQwen3Moe);
       if (!opts.ok()) return std::fprintf(stderr, "%s\n", opts.status().ToString().c_str()), 1;
-      auto model = convert::GenerateSyntheticModel(*opts, 7);
+      auto model = tools::GenerateSyntheticModel(*opts, 7);
       if (!model.ok()) return std::fprintf(stderr, "%s\n", model.status().ToString().c_str()), 1;
-      if (absl::Status s = convert::WriteHfModel(*model, dir); !s.ok())
+      if (absl::Status s = tools::WriteHfModel(*model, dir); !s.ok())
         return std::fprintf(stderr, "%s\n", s.ToString().c_str()), 1;
     }
   }
   const int all = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int n = f.threads > 0 ? f.threads : all;
   std::vector<Mode> modes;
-  if (!f.only_in_place) modes.push_back({"f32-copy", engine::WeightMode::kFloat32Copy, 1});
-  if (!f.only_in_place || n == 1) modes.push_back({"in-place", engine::WeightMode::kInPlace, 1});
-  if (n > 1) modes.push_back({"in-place", engine::WeightMode::kInPlace, n});
+  if (!f.only_in_place) modes.push_back({"f32-copy", ref_engine::WeightMode::kFloat32Copy, 1});
+  if (!f.only_in_place || n == 1) modes.push_back({"in-place", ref_engine::WeightMode::kInPlace, 1});
+  if (n > 1) modes.push_back({"in-place", ref_engine::WeightMode::kInPlace, n});
   std::vector<Result> results;
   for (const Mode& m : modes) results.push_back(RunChild(f, dir, m));
   std::printf("# wsync-bench-engine: %s, TP 1, %s, prompt %d + %d new tokens, %d cores\n", dir.c_str(),

@@ -30,15 +30,15 @@
 #include "comm/communicator.h"
 #include "common/config.h"
 #include "common/status.h"
-#include "trainer_agent/convert/sharder.h"
-#include "trainer_agent/convert/synthetic_model.h"
+#include "tools/synth/sharder.h"
+#include "tools/synth/synthetic_model.h"
 #include "trainer_agent/source/dir_source.h"
 #include "trainer_agent/sync/rank_sync.h"
 
 namespace wsync {
 namespace {
 
-class DiscardSink : public sync::BucketSink {
+class DiscardSink : public comm::BucketSink {
  public:
   absl::Status Send(v1::BucketManifest, Buffer data, uint64_t) override {
     free_ = std::move(data);
@@ -51,7 +51,7 @@ class DiscardSink : public sync::BucketSink {
   Buffer free_;
 };
 
-class MemcpySink : public sync::BucketSink {
+class MemcpySink : public comm::BucketSink {
  public:
   absl::Status Send(v1::BucketManifest, Buffer data, uint64_t nbytes) override {
     if (dst_.size() < nbytes) {
@@ -86,11 +86,11 @@ struct Row {
   double source, rss_mb, peak_bucket;
 };
 
-std::vector<Row> GatherRows(Communicator& world, const Row& mine) {
+std::vector<Row> GatherRows(comm::Communicator& world, const Row& mine) {
   std::vector<Row> all(static_cast<size_t>(world.size()));
-  ConstBytes in{&mine, sizeof(Row)};
-  MutableBytes out{all.data(), all.size() * sizeof(Row)};
-  absl::Status s = Await(world.AllGather({&in, 1}, {&out, 1}));
+  comm::ConstBytes in{&mine, sizeof(Row)};
+  comm::MutableBytes out{all.data(), all.size() * sizeof(Row)};
+  absl::Status s = comm::Await(world.AllGather({&in, 1}, {&out, 1}));
   if (!s.ok()) std::fprintf(stderr, "gathering results: %s\n", s.ToString().c_str());
   return all;
 }
@@ -102,10 +102,10 @@ double PeakRssMb() {
 }
 
 absl::StatusOr<std::string> Generate(const std::string& work, const std::string& arch_name, const std::string& preset,
-                                     const convert::SourceParallel& want, bool regen) {
+                                     const trainer_agent::SourceParallel& want, bool regen) {
   const std::string dir = work + "/src";
   if (!regen && std::filesystem::exists(dir + "/parallel.json")) {
-    auto existing = source::DirSource::Open(dir);
+    auto existing = trainer_agent::DirSource::Open(dir);
     if (existing.ok() && existing->parallel().tp == want.tp && existing->parallel().ep == want.ep &&
         existing->parallel().etp == want.etp && existing->parallel().pp == want.pp &&
         existing->parallel().world_size == want.world_size) {
@@ -114,12 +114,12 @@ absl::StatusOr<std::string> Generate(const std::string& work, const std::string&
     }
   }
   std::filesystem::remove_all(dir);
-  ASSIGN_OR_RETURN(Architecture arch, convert::ParseArchitectureFlag(arch_name));
-  ASSIGN_OR_RETURN(convert::SyntheticModelOptions o, convert::PresetOptions(preset, arch));
+  ASSIGN_OR_RETURN(Architecture arch, tools::ParseArchitectureFlag(arch_name));
+  ASSIGN_OR_RETURN(tools::SyntheticModelOptions o, tools::PresetOptions(preset, arch));
   const absl::Time t0 = absl::Now();
-  ASSIGN_OR_RETURN(convert::SyntheticModel m, convert::GenerateSyntheticModel(o, /*seed=*/1));
-  ASSIGN_OR_RETURN(convert::SourceParallel p, convert::ResolveSourceParallel(m.config, want));
-  ASSIGN_OR_RETURN(convert::WriteSourceStats st, convert::WriteMegatronSource(m.config_json, m.config, m.weights, p, dir));
+  ASSIGN_OR_RETURN(tools::SyntheticModel m, tools::GenerateSyntheticModel(o, /*seed=*/1));
+  ASSIGN_OR_RETURN(trainer_agent::SourceParallel p, trainer_agent::ResolveSourceParallel(m.config, want));
+  ASSIGN_OR_RETURN(tools::WriteSourceStats st, tools::WriteMegatronSource(m.config_json, m.config, m.weights, p, dir));
   std::printf("# generated %s %s (%.2f GB bf16) and wrote %d+%d rank files (%.2f GB) in %.1f s\n", arch_name.c_str(),
               preset.c_str(), static_cast<double>(m.weights.TotalBytes()) / 1e9, st.files_built, st.files_copied,
               static_cast<double>(st.bytes_written) / 1e9, absl::ToDoubleSeconds(absl::Now() - t0));
@@ -130,7 +130,7 @@ int Run(int argc, char** argv) {
   CLI::App app{"wsync-bench-trainer: RunRankSync per-phase throughput (run under mpirun)"};
   std::string source_dir, work = "/tmp/wsync-bench-trainer", arch = "qwen3-moe", preset = "bench2g", quant = "experts";
   std::string sinks = "discard,memcpy";
-  convert::SourceParallel p;
+  trainer_agent::SourceParallel p;
   p.tp = 2, p.ep = 2, p.etp = 1;
   int iters = 3, warmup = 1, threads = 0;
   double bucket_mb = 512, gather_mb = 0;
@@ -154,12 +154,12 @@ int Run(int argc, char** argv) {
   app.add_option("-w,--warmup", warmup)->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
-  auto w = CreateMpiWorld();
+  auto w = comm::CreateMpiWorld();
   if (!w.ok()) {
     std::fprintf(stderr, "%s\n", w.status().ToString().c_str());
     return 1;
   }
-  Communicator& world = **w;
+  comm::Communicator& world = **w;
   const int me = world.rank();
   if (me != 0) std::fclose(stdout);  // rank 0 prints
 
@@ -168,15 +168,15 @@ int Run(int argc, char** argv) {
   int32_t code = 0;
   if (source_dir.empty()) {
     if (me == 0) {
-      convert::SourceParallel want = p;
+      trainer_agent::SourceParallel want = p;
       want.world_size = world.size();
       want.dp = world.size() / (p.tp * p.pp * p.cp);
       absl::StatusOr<std::string> d = Generate(work, arch, preset, want, regen);
       code = static_cast<int32_t>(d.status().code());
       std::snprintf(dirbuf, sizeof(dirbuf), "%s", d.ok() ? d->c_str() : std::string(d.status().message()).c_str());
     }
-    MutableBytes b[2] = {{&code, sizeof(code)}, {dirbuf, sizeof(dirbuf)}};
-    if (absl::Status s = Await(world.Broadcast(b, 0, CollectiveOptions{absl::Minutes(30)})); !s.ok()) {
+    comm::MutableBytes b[2] = {{&code, sizeof(code)}, {dirbuf, sizeof(dirbuf)}};
+    if (absl::Status s = comm::Await(world.Broadcast(b, 0, comm::CollectiveOptions{absl::Minutes(30)})); !s.ok()) {
       std::fprintf(stderr, "%s\n", s.ToString().c_str());
       return 1;
     }
@@ -186,12 +186,12 @@ int Run(int argc, char** argv) {
     }
     source_dir = dirbuf;
   }
-  auto src = source::DirSource::Open(source_dir);
+  auto src = trainer_agent::DirSource::Open(source_dir);
   if (!src.ok()) {
     std::fprintf(stderr, "%s\n", src.status().ToString().c_str());
     return 1;
   }
-  auto comms = sync::MakeTrainerComms(world, src->layout());
+  auto comms = trainer_agent::MakeTrainerComms(world, src->layout());
   if (!comms.ok()) {
     std::fprintf(stderr, "%s\n", comms.status().ToString().c_str());
     return 1;
@@ -222,11 +222,11 @@ int Run(int argc, char** argv) {
     // Persistent across syncs, as in the agent (its BucketSender keeps its free buffers).
     DiscardSink discard;
     MemcpySink copy;
-    sync::SyncWorkspace workspace;
+    trainer_agent::SyncWorkspace workspace;
     for (int it = 0; it < warmup + iters; ++it) {
-      sync::BucketSink* sink = nullptr;
-      if (src->layout().IsStageSource(me)) sink = sink_name == "discard" ? static_cast<sync::BucketSink*>(&discard) : &copy;
-      sync::SyncOptions o;
+      comm::BucketSink* sink = nullptr;
+      if (src->layout().IsStageSource(me)) sink = sink_name == "discard" ? static_cast<comm::BucketSink*>(&discard) : &copy;
+      trainer_agent::SyncOptions o;
       o.version = static_cast<uint64_t>(it + 1);
       o.bucket_bytes = static_cast<uint64_t>(bucket_mb * (1 << 20));
       o.gather_bytes = static_cast<uint64_t>(gather_mb * (1 << 20));
@@ -234,8 +234,8 @@ int Run(int argc, char** argv) {
       o.quant_threads = threads;
       o.collective.timeout = absl::Minutes(10);
       o.workspace = fresh_buffers ? nullptr : &workspace;
-      if (!Await(world.Barrier()).ok()) return 1;
-      auto r = sync::RunRankSync(*src, *comms, sink, o);
+      if (!comm::Await(world.Barrier()).ok()) return 1;
+      auto r = trainer_agent::RunRankSync(*src, *comms, sink, o);
       if (!r.ok()) {
         std::fprintf(stderr, "rank %d: %s\n", me, r.status().ToString().c_str());
         return 1;

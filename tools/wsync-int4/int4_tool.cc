@@ -23,14 +23,14 @@ constexpr absl::string_view kLayoutKey = "wsync.layout";
 class Arena {
  public:
   absl::StatusOr<Tensor*> Empty(DType dt, Shape shape) {
-    WSYNC_ASSIGN_OR_RETURN(Tensor t, Tensor::Empty(dt, std::move(shape)));
+    ASSIGN_OR_RETURN(Tensor t, Tensor::Empty(dt, std::move(shape)));
     tensors_.push_back(std::make_unique<Tensor>(std::move(t)));
     return tensors_.back().get();
   }
   // `v` itself when aligned to `alignment`, else an aligned copy (safetensors offsets need not be).
   absl::StatusOr<TensorView> Aligned(const TensorView& v, size_t alignment) {
     if (v.IsAligned(alignment)) return v;
-    WSYNC_ASSIGN_OR_RETURN(Tensor t, Tensor::CopyOf(v));
+    ASSIGN_OR_RETURN(Tensor t, Tensor::CopyOf(v));
     tensors_.push_back(std::make_unique<Tensor>(std::move(t)));
     return tensors_.back()->view();
   }
@@ -95,8 +95,8 @@ absl::StatusOr<const TensorView*> PermFor(const SafetensorsFile& file, const std
     return TensorError(name, absl::StrCat("is ", SafetensorsName(g->view.dtype()), ShapeToString(g->view.shape()),
                                           ", want I32", ShapeToString(want)));
   }
-  WSYNC_ASSIGN_OR_RETURN(const TensorView gv, arena.Aligned(g->view, 4));
-  WSYNC_ASSIGN_OR_RETURN(Tensor * perm, arena.Empty(DType::kI32, want));
+  ASSIGN_OR_RETURN(const TensorView gv, arena.Aligned(g->view, 4));
+  ASSIGN_OR_RETURN(Tensor * perm, arena.Empty(DType::kI32, want));
   const auto* gi = gv.data_as<int32_t>();
   auto* p = perm->data_as<int32_t>();
   for (int64_t e = 0; e < experts; ++e) {
@@ -153,8 +153,8 @@ absl::Status CheckGroupSize(int g) {
 
 // Shared body of repack (to_marlin) and restore.
 absl::Status Convert(const RepackFileOptions& o, bool to_marlin) {
-  WSYNC_RETURN_IF_ERROR(CheckGroupSize(o.group_size));
-  WSYNC_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(o.in));
+  RETURN_IF_ERROR(CheckGroupSize(o.group_size));
+  ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(o.in));
   const auto layout = file.metadata().find(std::string(kLayoutKey));
   if (to_marlin && layout != file.metadata().end() && layout->second == "marlin") {
     return absl::InvalidArgumentError(absl::StrCat(o.in, ": already in Marlin layout (metadata ", kLayoutKey, ")"));
@@ -163,23 +163,23 @@ absl::Status Convert(const RepackFileOptions& o, bool to_marlin) {
     return absl::InvalidArgumentError(
         absl::StrCat(o.in, ": metadata ", kLayoutKey, " = \"", layout->second, "\", not a Marlin file"));
   }
-  WSYNC_ASSIGN_OR_RETURN(const std::vector<Layer> layers, FindLayers(file));
+  ASSIGN_OR_RETURN(const std::vector<Layer> layers, FindLayers(file));
   Arena arena;
   std::map<std::string, TensorView> replaced;
   const kernels::KernelOptions kopt = Kopts(o.threads);
   for (const Layer& l : layers) {
     const SafetensorsEntry& w = *file.Find(l.weight);
     const SafetensorsEntry& s = *file.Find(l.scales);
-    WSYNC_RETURN_IF_ERROR(CheckScaleDtype(s));
-    WSYNC_ASSIGN_OR_RETURN(TensorView wv, arena.Aligned(w.view, 4));
-    WSYNC_ASSIGN_OR_RETURN(TensorView sv, arena.Aligned(s.view, 2));
+    RETURN_IF_ERROR(CheckScaleDtype(s));
+    ASSIGN_OR_RETURN(TensorView wv, arena.Aligned(w.view, 4));
+    ASSIGN_OR_RETURN(TensorView sv, arena.Aligned(s.view, 2));
     if (to_marlin) {
       if (l.compressed_tensors) {  // §7: weight_packed.T, weight_scale.T (per expert)
         if (wv.rank() != 2 && wv.rank() != 3) return TensorError(l.weight, "rank must be 2 or 3");
-        WSYNC_ASSIGN_OR_RETURN(Tensor * wt, arena.Empty(DType::kI32, SwapLast2(wv.shape())));
-        WSYNC_RETURN_IF_ERROR(TransposeLast2(wv, wt));
-        WSYNC_ASSIGN_OR_RETURN(Tensor * st, arena.Empty(sv.dtype(), SwapLast2(sv.shape())));
-        WSYNC_RETURN_IF_ERROR(TransposeLast2(sv, st));
+        ASSIGN_OR_RETURN(Tensor * wt, arena.Empty(DType::kI32, SwapLast2(wv.shape())));
+        RETURN_IF_ERROR(TransposeLast2(wv, wt));
+        ASSIGN_OR_RETURN(Tensor * st, arena.Empty(sv.dtype(), SwapLast2(sv.shape())));
+        RETURN_IF_ERROR(TransposeLast2(sv, st));
         wv = wt->view();
         sv = st->view();
       }
@@ -188,12 +188,12 @@ absl::Status Convert(const RepackFileOptions& o, bool to_marlin) {
       const Shape mshape = *mshape_or;
       const int64_t k = 8 * wv.dim(wv.rank() - 2);
       TensorView perm_storage;
-      WSYNC_ASSIGN_OR_RETURN(const TensorView* perm,
+      ASSIGN_OR_RETURN(const TensorView* perm,
                              PermFor(file, l.prefix, o.perm_from, wv.shape(), arena, &perm_storage));
-      WSYNC_ASSIGN_OR_RETURN(Tensor * m, arena.Empty(DType::kI32, mshape));
-      WSYNC_RETURN_IF_ERROR(InTensor(kernels::GptqToMarlin(wv, perm, m->mutable_view(), kopt), l.weight));
-      WSYNC_ASSIGN_OR_RETURN(Tensor * ps, arena.Empty(sv.dtype(), sv.shape()));
-      WSYNC_RETURN_IF_ERROR(
+      ASSIGN_OR_RETURN(Tensor * m, arena.Empty(DType::kI32, mshape));
+      RETURN_IF_ERROR(InTensor(kernels::GptqToMarlin(wv, perm, m->mutable_view(), kopt), l.weight));
+      ASSIGN_OR_RETURN(Tensor * ps, arena.Empty(sv.dtype(), sv.shape()));
+      RETURN_IF_ERROR(
           InTensor(kernels::PermuteMarlinScales(sv, k, o.group_size, ps->mutable_view(), kopt), l.scales));
       replaced[l.weight] = m->view();
       replaced[l.scales] = ps->view();
@@ -203,18 +203,18 @@ absl::Status Convert(const RepackFileOptions& o, bool to_marlin) {
       const Shape gshape = *gshape_or;
       const int64_t k = 8 * gshape[gshape.size() - 2];
       TensorView perm_storage;
-      WSYNC_ASSIGN_OR_RETURN(const TensorView* perm, PermFor(file, l.prefix, o.perm_from, gshape, arena, &perm_storage));
-      WSYNC_ASSIGN_OR_RETURN(Tensor * g, arena.Empty(DType::kI32, gshape));
-      WSYNC_RETURN_IF_ERROR(InTensor(kernels::MarlinToGptq(wv, perm, g->mutable_view(), kopt), l.weight));
-      WSYNC_ASSIGN_OR_RETURN(Tensor * us, arena.Empty(sv.dtype(), sv.shape()));
-      WSYNC_RETURN_IF_ERROR(
+      ASSIGN_OR_RETURN(const TensorView* perm, PermFor(file, l.prefix, o.perm_from, gshape, arena, &perm_storage));
+      ASSIGN_OR_RETURN(Tensor * g, arena.Empty(DType::kI32, gshape));
+      RETURN_IF_ERROR(InTensor(kernels::MarlinToGptq(wv, perm, g->mutable_view(), kopt), l.weight));
+      ASSIGN_OR_RETURN(Tensor * us, arena.Empty(sv.dtype(), sv.shape()));
+      RETURN_IF_ERROR(
           InTensor(kernels::UnpermuteMarlinScales(sv, k, o.group_size, us->mutable_view(), kopt), l.scales));
       TensorView gw = g->view(), gs = us->view();
       if (l.compressed_tensors) {  // back to [N, K/8] and [N, K/G]
-        WSYNC_ASSIGN_OR_RETURN(Tensor * wt, arena.Empty(DType::kI32, SwapLast2(gw.shape())));
-        WSYNC_RETURN_IF_ERROR(TransposeLast2(gw, wt));
-        WSYNC_ASSIGN_OR_RETURN(Tensor * st, arena.Empty(gs.dtype(), SwapLast2(gs.shape())));
-        WSYNC_RETURN_IF_ERROR(TransposeLast2(gs, st));
+        ASSIGN_OR_RETURN(Tensor * wt, arena.Empty(DType::kI32, SwapLast2(gw.shape())));
+        RETURN_IF_ERROR(TransposeLast2(gw, wt));
+        ASSIGN_OR_RETURN(Tensor * st, arena.Empty(gs.dtype(), SwapLast2(gs.shape())));
+        RETURN_IF_ERROR(TransposeLast2(gs, st));
         gw = wt->view();
         gs = st->view();
       }
@@ -225,7 +225,7 @@ absl::Status Convert(const RepackFileOptions& o, bool to_marlin) {
   SafetensorsWriter writer;
   for (const auto& e : file.tensors()) {
     auto it = replaced.find(e.name);
-    WSYNC_RETURN_IF_ERROR(writer.Add(e.name, it == replaced.end() ? e.view : it->second));
+    RETURN_IF_ERROR(writer.Add(e.name, it == replaced.end() ? e.view : it->second));
   }
   for (const auto& [k, v] : file.metadata()) writer.SetMetadata(k, v);
   writer.SetMetadata(std::string(kLayoutKey), to_marlin ? "marlin" : "gptq");
@@ -236,7 +236,7 @@ absl::Status Convert(const RepackFileOptions& o, bool to_marlin) {
 }  // namespace
 
 absl::Status QuantizeFile(const QuantizeFileOptions& o) {
-  WSYNC_RETURN_IF_ERROR(CheckGroupSize(o.group_size));
+  RETURN_IF_ERROR(CheckGroupSize(o.group_size));
   std::vector<std::regex> ignore;
   for (std::string re : o.ignore) {
     if (absl::StartsWith(re, "re:")) re = re.substr(3);
@@ -255,7 +255,7 @@ absl::Status QuantizeFile(const QuantizeFileOptions& o) {
     }
     return false;
   };
-  WSYNC_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(o.in));
+  ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(o.in));
   kernels::QuantizeOptions q;
   q.group_size = o.group_size;
   q.format = o.format;
@@ -270,7 +270,7 @@ absl::Status QuantizeFile(const QuantizeFileOptions& o) {
     const bool candidate = StripSuffix(e.name, ".weight", &prefix) && (v.rank() == 2 || v.rank() == 3) &&
                            IsFloating(v.dtype()) && !ignored(prefix, e.name);
     if (!candidate) {
-      WSYNC_RETURN_IF_ERROR(writer.Add(e.name, v));
+      RETURN_IF_ERROR(writer.Add(e.name, v));
       continue;
     }
     absl::StatusOr<kernels::QuantizedShapes> shapes = kernels::QuantizedShapesFor(v, o.group_size, o.format);
@@ -279,31 +279,32 @@ absl::Status QuantizeFile(const QuantizeFileOptions& o) {
       return TensorError(e.name, absl::StrCat("N = ", v.dim(v.rank() - 2),
                                               " is not a multiple of 8: GPTQ qzeros pack 8 columns per word"));
     }
-    WSYNC_ASSIGN_OR_RETURN(const TensorView wv, arena.Aligned(v, 2));
-    WSYNC_ASSIGN_OR_RETURN(Tensor * packed, arena.Empty(DType::kI32, shapes->packed));
-    WSYNC_ASSIGN_OR_RETURN(Tensor * scales, arena.Empty(v.dtype(), shapes->scales));
-    WSYNC_RETURN_IF_ERROR(InTensor(kernels::QuantizeInt4(wv, packed->mutable_view(), scales->mutable_view(), q), e.name));
+    ASSIGN_OR_RETURN(const TensorView wv, arena.Aligned(v, 2));
+    ASSIGN_OR_RETURN(Tensor * packed, arena.Empty(DType::kI32, shapes->packed));
+    ASSIGN_OR_RETURN(Tensor * scales, arena.Empty(v.dtype(), shapes->scales));
+    RETURN_IF_ERROR(InTensor(kernels::QuantizeInt4(wv, packed->mutable_view(), scales->mutable_view(), q), e.name));
     const Shape& s = v.shape();
     const int64_t experts = s.size() == 3 ? s[0] : 1, n = s[s.size() - 2], k = s.back();
     const int64_t g = o.group_size == kernels::kChannelwise ? k : o.group_size;
     if (!gptq) {
-      WSYNC_ASSIGN_OR_RETURN(Tensor * shape, arena.Empty(DType::kI32, {static_cast<int64_t>(s.size())}));
-      for (size_t i = 0; i < s.size(); ++i) shape->data_as<int32_t>()[i] = static_cast<int32_t>(s[i]);
-      WSYNC_RETURN_IF_ERROR(writer.Add(prefix + ".weight_packed", packed->view()));
-      WSYNC_RETURN_IF_ERROR(writer.Add(prefix + ".weight_scale", scales->view()));
-      WSYNC_RETURN_IF_ERROR(writer.Add(prefix + ".weight_shape", shape->view()));
+      // int64, as compressed-tensors writes it (torch.tensor(weight.shape)) and the engine holds it.
+      ASSIGN_OR_RETURN(Tensor * shape, arena.Empty(DType::kI64, {static_cast<int64_t>(s.size())}));
+      for (size_t i = 0; i < s.size(); ++i) shape->data_as<int64_t>()[i] = s[i];
+      RETURN_IF_ERROR(writer.Add(prefix + ".weight_packed", packed->view()));
+      RETURN_IF_ERROR(writer.Add(prefix + ".weight_scale", scales->view()));
+      RETURN_IF_ERROR(writer.Add(prefix + ".weight_shape", shape->view()));
       continue;
     }
     const Shape zshape = s.size() == 3 ? Shape{experts, k / g, n / 8} : Shape{k / g, n / 8};
-    WSYNC_ASSIGN_OR_RETURN(Tensor * qzeros, arena.Empty(DType::kI32, zshape));
+    ASSIGN_OR_RETURN(Tensor * qzeros, arena.Empty(DType::kI32, zshape));
     std::fill_n(qzeros->data_as<uint32_t>(), experts * (k / g) * (n / 8), kernels::format::kSymmetricQZeros);
     const Shape gshape = s.size() == 3 ? Shape{experts, k} : Shape{k};
-    WSYNC_ASSIGN_OR_RETURN(Tensor * g_idx, arena.Empty(DType::kI32, gshape));
+    ASSIGN_OR_RETURN(Tensor * g_idx, arena.Empty(DType::kI32, gshape));
     for (int64_t i = 0; i < experts * k; ++i) g_idx->data_as<int32_t>()[i] = static_cast<int32_t>((i % k) / g);
-    WSYNC_RETURN_IF_ERROR(writer.Add(prefix + ".qweight", packed->view()));
-    WSYNC_RETURN_IF_ERROR(writer.Add(prefix + ".scales", scales->view()));
-    WSYNC_RETURN_IF_ERROR(writer.Add(prefix + ".qzeros", qzeros->view()));
-    WSYNC_RETURN_IF_ERROR(writer.Add(prefix + ".g_idx", g_idx->view()));
+    RETURN_IF_ERROR(writer.Add(prefix + ".qweight", packed->view()));
+    RETURN_IF_ERROR(writer.Add(prefix + ".scales", scales->view()));
+    RETURN_IF_ERROR(writer.Add(prefix + ".qzeros", qzeros->view()));
+    RETURN_IF_ERROR(writer.Add(prefix + ".g_idx", g_idx->view()));
   }
   for (const auto& [k, v] : file.metadata()) writer.SetMetadata(k, v);
   writer.SetMetadata("wsync.quantization",

@@ -133,9 +133,9 @@ TEST_F(Int4ToolTest, QuantizeCompressedTensors) {
     ASSERT_TRUE(p && s && shape) << prefix;
     EXPECT_TRUE(SameBytes(p->view, packed.view())) << prefix;
     EXPECT_TRUE(SameBytes(s->view, scales.view())) << prefix;
-    ASSERT_EQ(shape->view.dtype(), DType::kI32);
+    ASSERT_EQ(shape->view.dtype(), DType::kI64);
     ASSERT_EQ(shape->view.numel(), w->view().rank());
-    for (int i = 0; i < w->view().rank(); ++i) EXPECT_EQ(shape->view.data_as<int32_t>()[i], w->view().dim(i));
+    for (int i = 0; i < w->view().rank(); ++i) EXPECT_EQ(shape->view.data_as<int64_t>()[i], w->view().dim(i));
   }
 }
 

@@ -22,7 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "common/config.h"
 #include "common/default_model.h"
-#include "trainer_agent/convert/synthetic_model.h"
+#include "tools/synth/synthetic_model.h"
 
 namespace wsync::tools {
 namespace {
@@ -40,29 +40,29 @@ int Run(int argc, char** argv) {
   app.add_option("--quant-config", quant_config, "compressed-tensors quantization_config JSON file");
   struct Size {
     const char* flag;
-    int64_t convert::SyntheticModelOptions::*field;
+    int64_t tools::SyntheticModelOptions::*field;
     const char* help;
     int64_t value = 0;
     CLI::Option* opt = nullptr;
   };
   Size sizes[] = {
-      {"--hidden", &convert::SyntheticModelOptions::hidden, "hidden size"},
-      {"--layers", &convert::SyntheticModelOptions::layers, "decoder layers"},
-      {"--heads", &convert::SyntheticModelOptions::heads, "attention heads"},
-      {"--kv-heads", &convert::SyntheticModelOptions::kv_heads, "key/value heads (query groups)"},
-      {"--head-dim", &convert::SyntheticModelOptions::head_dim, "head dim"},
-      {"--ffn", &convert::SyntheticModelOptions::ffn, "dense MLP width (intermediate_size)"},
-      {"--moe-ffn", &convert::SyntheticModelOptions::moe_ffn, "expert width (moe_intermediate_size)"},
-      {"--experts", &convert::SyntheticModelOptions::experts, "routed experts"},
-      {"--topk", &convert::SyntheticModelOptions::topk, "experts per token"},
-      {"--vocab", &convert::SyntheticModelOptions::vocab, "vocabulary size"},
-      {"--q-lora", &convert::SyntheticModelOptions::q_lora_rank, "DeepSeek q_lora_rank (0: none)"},
-      {"--kv-lora", &convert::SyntheticModelOptions::kv_lora_rank, "DeepSeek kv_lora_rank"},
-      {"--qk-nope", &convert::SyntheticModelOptions::qk_nope_head_dim, "DeepSeek qk_nope_head_dim"},
-      {"--qk-rope", &convert::SyntheticModelOptions::qk_rope_head_dim, "DeepSeek qk_rope_head_dim"},
-      {"--v-head", &convert::SyntheticModelOptions::v_head_dim, "DeepSeek v_head_dim"},
-      {"--shared-experts", &convert::SyntheticModelOptions::shared_experts, "DeepSeek n_shared_experts"},
-      {"--first-k-dense", &convert::SyntheticModelOptions::first_k_dense, "DeepSeek first_k_dense_replace"},
+      {"--hidden", &tools::SyntheticModelOptions::hidden, "hidden size"},
+      {"--layers", &tools::SyntheticModelOptions::layers, "decoder layers"},
+      {"--heads", &tools::SyntheticModelOptions::heads, "attention heads"},
+      {"--kv-heads", &tools::SyntheticModelOptions::kv_heads, "key/value heads (query groups)"},
+      {"--head-dim", &tools::SyntheticModelOptions::head_dim, "head dim"},
+      {"--ffn", &tools::SyntheticModelOptions::ffn, "dense MLP width (intermediate_size)"},
+      {"--moe-ffn", &tools::SyntheticModelOptions::moe_ffn, "expert width (moe_intermediate_size)"},
+      {"--experts", &tools::SyntheticModelOptions::experts, "routed experts"},
+      {"--topk", &tools::SyntheticModelOptions::topk, "experts per token"},
+      {"--vocab", &tools::SyntheticModelOptions::vocab, "vocabulary size"},
+      {"--q-lora", &tools::SyntheticModelOptions::q_lora_rank, "DeepSeek q_lora_rank (0: none)"},
+      {"--kv-lora", &tools::SyntheticModelOptions::kv_lora_rank, "DeepSeek kv_lora_rank"},
+      {"--qk-nope", &tools::SyntheticModelOptions::qk_nope_head_dim, "DeepSeek qk_nope_head_dim"},
+      {"--qk-rope", &tools::SyntheticModelOptions::qk_rope_head_dim, "DeepSeek qk_rope_head_dim"},
+      {"--v-head", &tools::SyntheticModelOptions::v_head_dim, "DeepSeek v_head_dim"},
+      {"--shared-experts", &tools::SyntheticModelOptions::shared_experts, "DeepSeek n_shared_experts"},
+      {"--first-k-dense", &tools::SyntheticModelOptions::first_k_dense, "DeepSeek first_k_dense_replace"},
   };
   for (Size& s : sizes) s.opt = app.add_option(s.flag, s.value, s.help);
   bool tie = false;
@@ -82,7 +82,7 @@ int Run(int argc, char** argv) {
     return 1;
   };
   if (!from_config.empty()) {
-    convert::SyntheticModel m;
+    tools::SyntheticModel m;
     if (from_config == "default") {
       m.config_json = kDefaultModelConfigJson;
     } else {
@@ -93,19 +93,19 @@ int Run(int argc, char** argv) {
     auto cfg = ParseModelConfig(m.config_json, from_config);
     if (!cfg.ok()) return fail(cfg.status());
     m.config = *cfg;
-    auto weights = convert::GenerateSyntheticWeights(m.config, seed, threads);
+    auto weights = tools::GenerateSyntheticWeights(m.config, seed, threads);
     if (!weights.ok()) return fail(weights.status());
     m.weights = std::move(*weights);
-    if (absl::Status s = convert::WriteHfModel(m, out); !s.ok()) return fail(s);
+    if (absl::Status s = tools::WriteHfModel(m, out); !s.ok()) return fail(s);
     std::printf("wrote %s: %s from %s, %zu tensors, %.1f MiB, seed %llu\n", out.c_str(), m.config.architecture.c_str(),
                 from_config.c_str(), m.weights.size(), static_cast<double>(m.weights.TotalBytes()) / (1 << 20),
                 static_cast<unsigned long long>(seed));
     return 0;
   }
   if (arch_name.empty()) return fail(absl::InvalidArgumentError("--arch is required (or --from-config)"));
-  auto arch = convert::ParseArchitectureFlag(arch_name);
+  auto arch = tools::ParseArchitectureFlag(arch_name);
   if (!arch.ok()) return fail(arch.status());
-  auto options = convert::PresetOptions(preset, *arch);
+  auto options = tools::PresetOptions(preset, *arch);
   if (!options.ok()) return fail(options.status());
   for (const Size& s : sizes)
     if (s.opt->count() > 0) (*options).*(s.field) = s.value;
@@ -117,10 +117,10 @@ int Run(int argc, char** argv) {
     options->quantization_config_json = *text;
   }
   const auto start = std::chrono::steady_clock::now();
-  auto model = convert::GenerateSyntheticModel(*options, seed, threads);
+  auto model = tools::GenerateSyntheticModel(*options, seed, threads);
   if (!model.ok()) return fail(model.status());
   const auto generated = std::chrono::steady_clock::now();
-  if (absl::Status s = convert::WriteHfModel(*model, out); !s.ok()) return fail(s);
+  if (absl::Status s = tools::WriteHfModel(*model, out); !s.ok()) return fail(s);
   auto secs = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
   std::printf("%s\n", absl::StrFormat("wrote %s: %s (%s), %d tensors, %.1f MiB, seed %d, generated in %.2f s, "
                                       "written in %.2f s",

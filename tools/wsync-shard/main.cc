@@ -20,8 +20,9 @@
 
 #include "absl/strings/str_format.h"
 #include "common/config.h"
-#include "trainer_agent/convert/hf_checkpoint.h"
-#include "trainer_agent/convert/sharder.h"
+#include "model/hf_checkpoint.h"
+#include "tools/synth/reassemble.h"
+#include "tools/synth/sharder.h"
 #include "trainer_agent/source/dir_source.h"
 
 namespace wsync::tools {
@@ -34,7 +35,7 @@ double Since(std::chrono::steady_clock::time_point t) {
 int Run(int argc, char** argv) {
   CLI::App app{"wsync-shard: HF checkpoint -> Megatron per-rank shard files (and their bit-exact check)"};
   std::string hf_dir, out_dir, src_dir;
-  convert::SourceParallel p;
+  trainer_agent::SourceParallel p;
   std::vector<int64_t> layers_per_stage;
   bool verify = false;
   app.add_option("--hf", hf_dir, "HF checkpoint directory (config.json + *.safetensors)")->required();
@@ -65,7 +66,7 @@ int Run(int argc, char** argv) {
     return 1;
   };
   auto t0 = std::chrono::steady_clock::now();
-  auto hf = convert::HfCheckpoint::Open(hf_dir);
+  auto hf = model::HfCheckpoint::Open(hf_dir);
   if (!hf.ok()) return fail(hf.status());
 
   if (out_opt->count() > 0) {
@@ -76,7 +77,7 @@ int Run(int argc, char** argv) {
     if (etp_opt->count() == 0) p.etp = p.tp;
     p.world_size = p.tp * p.cp * p.pp * p.dp;
     p.layers_per_stage = layers_per_stage;
-    auto stats = convert::WriteMegatronSource(*config_text, *model, *hf, p, out_dir);
+    auto stats = tools::WriteMegatronSource(*config_text, *model, *hf, p, out_dir);
     if (!stats.ok()) return fail(stats.status());
     std::printf("%s\n", absl::StrFormat("wrote %s: %d rank files (%d built, %d DP copies), %.1f MiB, %.2f s", out_dir,
                                         stats->files_built + stats->files_copied, stats->files_built,
@@ -87,9 +88,9 @@ int Run(int argc, char** argv) {
   }
   if (verify) {
     t0 = std::chrono::steady_clock::now();
-    auto src = source::DirSource::Open(src_dir);
+    auto src = trainer_agent::DirSource::Open(src_dir);
     if (!src.ok()) return fail(src.status());
-    auto report = source::VerifyDirSource(*src, *hf);
+    auto report = tools::VerifyDirSource(*src, *hf);
     if (!report.ok()) return fail(report.status());
     std::printf("%s\n", absl::StrFormat("verified %s against %s: %s, %d parameters -> %d HF tensors (%.1f MiB) "
                                         "bit-exact, %.2f s",

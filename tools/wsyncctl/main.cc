@@ -29,7 +29,7 @@
 #include "common/units.h"
 #include "nlohmann/json.hpp"
 #include "rollout_agent/load/engine_layout.h"
-#include "rollout_agent/verify/verify.h"
+#include "tools/wsyncctl/verify.h"
 #include "trainer_agent/quantize/quant_select.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
@@ -249,7 +249,7 @@ class Ctl {
       if (!q.ok()) return Fail(q.status(), g_);
       quant = *q;
     }
-    auto expected = quantize::ExpectedSentTensorsFromDir(hf_dir, quant);
+    auto expected = trainer_agent::ExpectedSentTensorsFromDir(hf_dir, quant);
     if (!expected.ok()) return Fail(expected.status(), g_);
     json out = json::array();
     bool all_ok = members.members_size() > 0;
@@ -260,7 +260,7 @@ class Ctl {
       PrepareContext(&ctx, g_.sec, absl::Seconds(g_.timeout_s) + absl::Minutes(5));
       v1::EngineChecksumsReply r;
       absl::Status s = FromGrpcStatus(stub->EngineChecksums(&ctx, v1::EngineChecksumsRequest(), &r));
-      rollout::VerifyResult vr;
+      tools::VerifyResult vr;
       if (s.ok()) {
         auto model = ParseModelConfig(r.model_config_json(), "engine config");
         std::optional<QuantizationConfig> engine_quant;
@@ -270,21 +270,21 @@ class Ctl {
           else s = q.status();
         }
         if (!model.ok()) s = model.status();
-        absl::StatusOr<rollout::EngineLayout> layout = absl::InternalError("unset");
+        absl::StatusOr<rollout_agent::EngineLayout> layout = absl::InternalError("unset");
         if (s.ok()) {
-          layout = rollout::EngineLayout::Create(*model, engine_quant ? &*engine_quant : nullptr,
+          layout = rollout_agent::EngineLayout::Create(*model, engine_quant ? &*engine_quant : nullptr,
                                                  {static_cast<int>(r.tp_size()), static_cast<int>(r.tp_rank()),
                                                   static_cast<int>(r.ep_size())});
           s = layout.status();
         }
         if (s.ok()) {
-          auto weights = rollout::ExpectedEngineWeights(*layout, expected->tensors);
+          auto weights = tools::ExpectedEngineWeights(*layout, expected->tensors);
           if (!weights.ok()) {
             s = Annotate(weights.status(), "recomputing the engine weights from the checkpoint");
           } else {
             std::map<std::string, uint64_t> actual;
             for (const auto& p : r.params()) actual[p.name()] = p.xxh3_64();
-            vr = rollout::CompareChecksums(rollout::ChecksumWeights((*weights)->weights()), actual);
+            vr = tools::CompareChecksums(tools::ChecksumWeights((*weights)->weights()), actual);
           }
         }
       }

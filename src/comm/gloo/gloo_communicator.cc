@@ -20,7 +20,7 @@
 #include "gloo/transport/tcp/device.h"
 #include "gloo/transport/unbound_buffer.h"
 
-namespace wsync {
+namespace wsync::comm {
 namespace {
 
 constexpr absl::Duration kLinkGrace = absl::Milliseconds(500);
@@ -33,7 +33,7 @@ std::chrono::milliseconds ToMillis(absl::Duration d) {
 // Gloo's rendezvous interface over a wsync Store, under a key prefix. Gloo expects exceptions.
 class GlooStore : public gloo::rendezvous::Store {
  public:
-  GlooStore(wsync::Store* store, std::string prefix, absl::Duration timeout)
+  GlooStore(comm::Store* store, std::string prefix, absl::Duration timeout)
       : store_(store), prefix_(std::move(prefix)), timeout_(timeout) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
@@ -55,7 +55,7 @@ class GlooStore : public gloo::rendezvous::Store {
   static void Throw(const absl::Status& s) {
     if (!s.ok()) throw gloo::IoException(std::string(s.ToString()));
   }
-  wsync::Store* store_;
+  comm::Store* store_;
   std::string prefix_;
   absl::Duration timeout_;
 };
@@ -401,4 +401,4 @@ absl::Status GlooCommunicator::DoBarrier(const OpContext& ctx) {
   return DoAllGather(ctx, absl::MakeConstSpan(&in, 1), absl::MakeConstSpan(&out, 1));
 }
 
-}  // namespace wsync
+}  // namespace wsync::comm

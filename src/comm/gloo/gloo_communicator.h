@@ -37,7 +37,7 @@ class UnboundBuffer;
 }
 }  // namespace gloo
 
-namespace wsync {
+namespace wsync::comm {
 
 class GlooCommunicator final : public QueuedCommunicator {
  public:
@@ -87,4 +87,4 @@ class GlooCommunicator final : public QueuedCommunicator {
   absl::Status next_lost_ ABSL_GUARDED_BY(inflight_mu_);
 };
 
-}  // namespace wsync
+}  // namespace wsync::comm

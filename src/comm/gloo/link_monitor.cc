@@ -17,7 +17,7 @@
 #include "absl/strings/str_split.h"
 #include "common/status.h"
 
-namespace wsync {
+namespace wsync::comm {
 namespace {
 
 absl::Status Errno(absl::string_view what) { return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno))); }
@@ -166,4 +166,4 @@ void LinkMonitor::Close() {
   }
 }
 
-}  // namespace wsync
+}  // namespace wsync::comm

@@ -16,7 +16,7 @@
 #include "absl/time/time.h"
 #include "comm/store/store.h"
 
-namespace wsync {
+namespace wsync::comm {
 
 class LinkMonitor {
  public:
@@ -42,4 +42,4 @@ class LinkMonitor {
   std::thread watcher_;
 };
 
-}  // namespace wsync
+}  // namespace wsync::comm

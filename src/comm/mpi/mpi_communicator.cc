@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 
-namespace wsync {
+namespace wsync::comm {
 namespace {
 
 constexpr size_t kMaxPiece = size_t{1} << 30;
@@ -246,4 +246,4 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateMpiWorldCommunicator(const M
       new MpiCommunicator(std::move(rt), MPI_COMM_WORLD, options.name, rank, size, options.default_timeout));
 }
 
-}  // namespace wsync
+}  // namespace wsync::comm

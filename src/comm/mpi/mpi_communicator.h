@@ -23,8 +23,8 @@
 
 #include "comm/queued_communicator.h"
 
-namespace wsync {
+namespace wsync::comm {
 
 absl::StatusOr<std::unique_ptr<Communicator>> CreateMpiWorldCommunicator(const MpiOptions& options);
 
-}  // namespace wsync
+}  // namespace wsync::comm

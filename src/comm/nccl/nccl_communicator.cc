@@ -14,7 +14,7 @@
 #include "comm/store/store.h"
 #include "common/status.h"
 
-namespace wsync {
+namespace wsync::comm {
 namespace {
 
 absl::Status CudaStatus(cudaError_t e, absl::string_view call) {
@@ -198,4 +198,4 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const Group
   return std::unique_ptr<Communicator>(std::move(comm));
 }
 
-}  // namespace wsync
+}  // namespace wsync::comm

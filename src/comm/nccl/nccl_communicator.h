@@ -16,8 +16,8 @@
 
 #include "comm/communicator.h"
 
-namespace wsync {
+namespace wsync::comm {
 
 absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const GroupOptions& options);
 
-}  // namespace wsync
+}  // namespace wsync::comm

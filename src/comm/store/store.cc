@@ -12,7 +12,7 @@
 #include "common/status.h"
 #include "wsync/v1/store.grpc.pb.h"
 
-namespace wsync {
+namespace wsync::comm {
 namespace {
 
 absl::Status CheckKey(absl::string_view key) {
@@ -33,7 +33,7 @@ std::vector<std::string> Missing(const std::map<std::string, std::string, std::l
 // ---- MemoryStore ---------------------------------------------------------------------------------
 
 absl::Status MemoryStore::Set(absl::string_view key, std::string value) {
-  WSYNC_RETURN_IF_ERROR(CheckKey(key));
+  RETURN_IF_ERROR(CheckKey(key));
   absl::MutexLock lock(&mu_);
   kv_.insert_or_assign(std::string(key), std::move(value));
   return absl::OkStatus();
@@ -41,7 +41,7 @@ absl::Status MemoryStore::Set(absl::string_view key, std::string value) {
 
 absl::Status MemoryStore::WaitOrCancel(const std::vector<std::string>& keys, absl::Duration timeout,
                                        const std::function<bool()>& cancelled) {
-  for (const auto& k : keys) WSYNC_RETURN_IF_ERROR(CheckKey(k));
+  for (const auto& k : keys) RETURN_IF_ERROR(CheckKey(k));
   const absl::Time deadline = absl::Now() + timeout;
   absl::MutexLock lock(&mu_);
   auto all_present = [&] { return Missing(kv_, keys).empty(); };
@@ -62,13 +62,13 @@ absl::Status MemoryStore::Wait(const std::vector<std::string>& keys, absl::Durat
 }
 
 absl::StatusOr<std::string> MemoryStore::Get(absl::string_view key, absl::Duration timeout) {
-  WSYNC_RETURN_IF_ERROR(Wait({std::string(key)}, timeout));
+  RETURN_IF_ERROR(Wait({std::string(key)}, timeout));
   absl::MutexLock lock(&mu_);
   return kv_.find(key)->second;
 }
 
 absl::StatusOr<int64_t> MemoryStore::Add(absl::string_view key, int64_t delta) {
-  WSYNC_RETURN_IF_ERROR(CheckKey(key));
+  RETURN_IF_ERROR(CheckKey(key));
   absl::MutexLock lock(&mu_);
   int64_t v = 0;
   auto it = kv_.find(key);
@@ -206,7 +206,7 @@ absl::StatusOr<std::string> GrpcStoreClient::Get(absl::string_view key, absl::Du
   req.set_key(std::string(key));
   req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, absl::ToInt64Milliseconds(timeout))));
   v1::StoreGetResponse resp;
-  WSYNC_RETURN_IF_ERROR(impl_->Convert(impl_->stub->Get(&ctx, req, &resp), absl::StrCat("get \"", key, "\"")));
+  RETURN_IF_ERROR(impl_->Convert(impl_->stub->Get(&ctx, req, &resp), absl::StrCat("get \"", key, "\"")));
   return std::move(*resp.mutable_value());
 }
 
@@ -229,8 +229,8 @@ absl::StatusOr<int64_t> GrpcStoreClient::Add(absl::string_view key, int64_t delt
   req.set_key(std::string(key));
   req.set_delta(delta);
   v1::StoreAddResponse resp;
-  WSYNC_RETURN_IF_ERROR(impl_->Convert(impl_->stub->Add(&ctx, req, &resp), absl::StrCat("add \"", key, "\"")));
+  RETURN_IF_ERROR(impl_->Convert(impl_->stub->Add(&ctx, req, &resp), absl::StrCat("add \"", key, "\"")));
   return resp.value();
 }
 
-}  // namespace wsync
+}  // namespace wsync::comm

@@ -32,7 +32,7 @@ class Server;
 class Service;
 }  // namespace grpc
 
-namespace wsync {
+namespace wsync::comm {
 
 class Store {
  public:
@@ -102,4 +102,4 @@ class GrpcStoreClient : public Store {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace wsync
+}  // namespace wsync::comm

@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace wsync {
+namespace wsync::comm {
 namespace {
 
 TEST(MemoryStoreTest, SetGetWaitAdd) {
@@ -110,9 +110,9 @@ TEST(StoreClientTest, UnreachableCoordinatorIsUnavailable) {
 }
 
 }  // namespace
-}  // namespace wsync
+}  // namespace wsync::comm
 
-namespace wsync {
+namespace wsync::comm {
 namespace {
 
 TEST(StoreAuthTest, AWrongOrMissingTokenIsRefusedAndChangesNothing) {
@@ -135,4 +135,4 @@ TEST(StoreAuthTest, AWrongOrMissingTokenIsRefusedAndChangesNothing) {
 }
 
 }  // namespace
-}  // namespace wsync
+}  // namespace wsync::comm

@@ -2,7 +2,7 @@
 
 #include <thread>
 
-namespace wsync::testing {
+namespace wsync::comm::testing {
 
 absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeLocalGroup(Store& store, const std::string& name,
                                                                           int size, absl::Duration timeout) {
@@ -30,4 +30,4 @@ absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeLocalGroup(Store&
   return out;
 }
 
-}  // namespace wsync::testing
+}  // namespace wsync::comm::testing

@@ -10,10 +10,10 @@
 #include "comm/communicator.h"
 #include "comm/store/store.h"
 
-namespace wsync::testing {
+namespace wsync::comm::testing {
 
 // The members in rank order; the first formation error if any member failed to join.
 absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeLocalGroup(
     Store& store, const std::string& name, int size, absl::Duration timeout = absl::Seconds(30));
 
-}  // namespace wsync::testing
+}  // namespace wsync::comm::testing

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/parallel_for.h"
 #include "kernels/cpu/int4_cpu.h"
 #include "kernels/format/int4_format.h"
 
@@ -422,27 +423,12 @@ namespace {
 
 namespace fmt = ::wsync::kernels::format;
 
-// Runs fn(begin, end) over [0, units) split into up to `threads` contiguous ranges (the caller's
-// thread takes the first), no more than one per `min_bytes` of input (`unit_bytes` per unit).
-// Blocks until all ranges are done.
+// common/parallel_for.h over [0, units), no more than one range per `min_bytes` of input
+// (`unit_bytes` per unit).
 template <typename Fn>
 void ParallelFor(int64_t units, int threads, int64_t unit_bytes, int64_t min_bytes, Fn fn) {
-  int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, units));
-  if (min_bytes > 0) t = std::max<int64_t>(1, std::min<int64_t>(t, units * unit_bytes / min_bytes));
-  if (t <= 1) {
-    if (units > 0) fn(int64_t{0}, units);
-    return;
-  }
-  std::vector<std::thread> pool;
-  pool.reserve(static_cast<size_t>(t - 1));
-  auto range = [&](int64_t i) { return std::pair<int64_t, int64_t>(units * i / t, units * (i + 1) / t); };
-  for (int64_t i = 1; i < t; ++i) {
-    const auto [b, e] = range(i);
-    pool.emplace_back([&fn, b = b, e = e] { fn(b, e); });
-  }
-  const auto [b0, e0] = range(0);
-  fn(b0, e0);
-  for (auto& th : pool) th.join();
+  const int64_t min_units = min_bytes > 0 ? (min_bytes + unit_bytes - 1) / std::max<int64_t>(1, unit_bytes) : 1;
+  ::wsync::ParallelFor(units, std::max(threads, 1), min_units, fn);
 }
 
 }  // namespace

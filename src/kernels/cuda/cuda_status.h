@@ -7,7 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 
-namespace wsync::cuda {
+namespace wsync::kernels::cuda {
 
 inline absl::Status CudaStatus(cudaError_t err, const char* call, const char* file, int line) {
   if (err == cudaSuccess) return absl::OkStatus();
@@ -15,11 +15,11 @@ inline absl::Status CudaStatus(cudaError_t err, const char* call, const char* fi
       absl::StrCat(call, " failed at ", file, ":", line, ": ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
 }
 
-}  // namespace wsync::cuda
+}  // namespace wsync::kernels::cuda
 
 // Returns the error of a CUDA runtime call as kInternal("cudaMalloc(&p, n) failed at f.cc:12: ...").
 #define WSYNC_CUDA_RETURN_IF_ERROR(call)                                                  \
   do {                                                                                    \
-    ::absl::Status wsync_cuda_status_ = ::wsync::cuda::CudaStatus((call), #call, __FILE__, __LINE__); \
+    ::absl::Status wsync_cuda_status_ = ::wsync::kernels::cuda::CudaStatus((call), #call, __FILE__, __LINE__); \
     if (!wsync_cuda_status_.ok()) return wsync_cuda_status_;                              \
   } while (0)

@@ -6,7 +6,7 @@
 #include "common/grpc_status.h"
 #include "common/status.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 
 EngineClient::EngineClient(std::string address, const RpcSecurity& sec, EngineClientOptions options)
     : address_(std::move(address)), sec_(sec), options_(options),
@@ -76,4 +76,4 @@ absl::StatusOr<v1::HealthReply> EngineClient::Health() {
   return reply;
 }
 
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

@@ -20,7 +20,7 @@
 #include "common/rpc_security.h"
 #include "wsync/v1/engine.grpc.pb.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 
 struct EngineClientOptions {
   absl::Duration rpc_timeout = absl::Seconds(10);     // per call
@@ -51,4 +51,4 @@ class EngineClient {
   std::unique_ptr<v1::RolloutEngine::Stub> stub_;
 };
 
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

@@ -24,7 +24,7 @@
 #include "common/rpc_security.h"
 #include "rollout_agent/agent/rollout_agent.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 namespace {
 
 absl::Status WriteAddressFile(const std::string& path, const std::string& address) {
@@ -154,6 +154,6 @@ int Run(int argc, char** argv) {
 }
 
 }  // namespace
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent
 
-int main(int argc, char** argv) { return wsync::rollout::Run(argc, argv); }
+int main(int argc, char** argv) { return wsync::rollout_agent::Run(argc, argv); }

@@ -5,7 +5,7 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 
 Membership::Membership(std::string coordinator, const RpcSecurity& sec, absl::Duration heartbeat)
     : coordinator_(std::move(coordinator)), sec_(sec), heartbeat_(std::max(heartbeat, absl::Milliseconds(10))),
@@ -130,4 +130,4 @@ void Membership::Run() {
   }
 }
 
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

@@ -18,7 +18,7 @@
 #include "common/rpc_security.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 
 class Membership {
  public:
@@ -54,4 +54,4 @@ class Membership {
   std::thread thread_;
 };
 
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

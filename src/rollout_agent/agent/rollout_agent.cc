@@ -16,18 +16,19 @@
 #include "common/config.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
+#include "common/parallel_for.h"
 #include "common/status.h"
 #include "rollout_agent/agent/engine_client.h"
 #include "rollout_agent/agent/membership.h"
 #include "rollout_agent/load/block_copy.h"
 #include "rollout_agent/load/engine_layout.h"
 #include "rollout_agent/load/loader.h"
-#include "rollout_agent/receive/engine_memory.h"
+#include "rollout_agent/engine_memory/engine_memory.h"
 #include "rollout_agent/receive/recorder.h"
 #include "rollout_agent/receive/stage_receiver.h"
 #include "rollout_agent/repack/repack.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 
 enum class RolloutAgent::Phase { kBeginning, kReceiving, kPrepared, kCommitting };
 
@@ -58,9 +59,9 @@ struct RolloutAgent::Sync {
   uint64_t id = 0;
   uint64_t previous_version = 0;
   absl::Duration timeout;
-  Backend backend = Backend::kGloo;
+  comm::Backend backend = comm::Backend::kGloo;
   SyncCancel cancel;
-  std::unique_ptr<GrpcStoreClient> store;
+  std::unique_ptr<comm::GrpcStoreClient> store;
   std::unique_ptr<Recorder> recorder;
   std::unique_ptr<Loader> loader;
   std::vector<std::thread> threads;  // touched under op_mu_ only
@@ -444,7 +445,7 @@ absl::Status RolloutAgent::EngineChecksums(v1::EngineChecksumsReply* reply) {
   // engine_ cannot change while memory_mu_ is held.
   const std::vector<EngineBuffer>& buffers = engine_->memory->weights().buffers();
   std::vector<uint64_t> sums(buffers.size());
-  internal::ParallelFor(static_cast<int64_t>(buffers.size()), 0, 1, [&](int64_t begin, int64_t end) {
+  ParallelFor(static_cast<int64_t>(buffers.size()), 0, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const EngineBuffer& b = buffers[static_cast<size_t>(i)];
       sums[static_cast<size_t>(i)] = Xxh3_64({static_cast<const std::byte*>(b.data), b.nbytes});
@@ -511,13 +512,13 @@ absl::Status RolloutAgent::BeginSync(const v1::BeginSyncRequest& req, v1::BeginS
 absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply,
                                      absl::Time deadline) {
   const std::string who = absl::StrCat("BeginSync ", req.sync_id(), " (version ", req.version(), ")");
-  auto backend = ParseBackend(req.backend());
+  auto backend = comm::ParseBackend(req.backend());
   if (!backend.ok()) return Annotate(backend.status(), who);
-  if (*backend == Backend::kNccl) {
+  if (*backend == comm::Backend::kNccl) {
     return absl::UnimplementedError(absl::StrCat(
         who, ": backend nccl: this agent stages and repacks in host memory; receive with gloo (GPU staging is not built)"));
   }
-  if (*backend != Backend::kGloo) return absl::InvalidArgumentError(absl::StrCat(who, ": backend ", req.backend()));
+  if (*backend != comm::Backend::kGloo) return absl::InvalidArgumentError(absl::StrCat(who, ": backend ", req.backend()));
   if (req.groups_size() == 0) return absl::InvalidArgumentError(absl::StrCat(who, ": no groups"));
   if (req.store_address().empty()) return absl::InvalidArgumentError(absl::StrCat(who, ": no store_address"));
   absl::flat_hash_set<std::string> names;
@@ -586,7 +587,7 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
   } else if (req.record()) {
     WSYNC_LOG(DEBUG) << who << ": the sync asks for a recording, but this agent has no --record-dir";
   }
-  s->store = GrpcStoreClient::Connect(req.store_address(), absl::Seconds(30), options_.security);
+  s->store = comm::GrpcStoreClient::Connect(req.store_address(), absl::Seconds(30), options_.security);
   s->loader = std::make_unique<Loader>(e.staging.get());
   {
     absl::MutexLock lock(&mu_);
@@ -951,4 +952,4 @@ void AgentServer::Shutdown() {
   }
 }
 
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

@@ -53,7 +53,7 @@ namespace grpc {
 class Server;
 }
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 
 struct AgentOptions {
   std::string record_dir;               // --record-dir; empty: BeginSyncRequest.record is ignored
@@ -170,4 +170,4 @@ class AgentServer {
   std::string address_;
 };
 
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

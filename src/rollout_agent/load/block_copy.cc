@@ -1,4 +1,5 @@
 #include "rollout_agent/load/block_copy.h"
+#include "common/parallel_for.h"
 
 #include <algorithm>
 #include <cstring>
@@ -9,7 +10,7 @@
 #include <emmintrin.h>
 #endif
 
-namespace wsync::rollout::internal {
+namespace wsync::rollout_agent::internal {
 namespace {
 
 constexpr int64_t kTile = 32;
@@ -101,23 +102,6 @@ void CopyBlock(const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0, int
   }
 }
 
-void ParallelFor(int64_t n, int threads, int64_t min_per_thread, const std::function<void(int64_t, int64_t)>& fn) {
-  if (n <= 0) return;
-  if (threads <= 0) threads = std::max(1u, std::thread::hardware_concurrency());
-  int64_t parts = std::min<int64_t>(threads, min_per_thread > 0 ? std::max<int64_t>(1, n / min_per_thread) : n);
-  parts = std::max<int64_t>(parts, 1);
-  if (parts == 1) {
-    fn(0, n);
-    return;
-  }
-  std::vector<std::thread> pool;
-  pool.reserve(static_cast<size_t>(parts - 1));
-  const int64_t step = (n + parts - 1) / parts;
-  for (int64_t b = step; b < n; b += step) pool.emplace_back([&fn, b, n, step] { fn(b, std::min(n, b + step)); });
-  fn(0, std::min(n, step));
-  for (auto& t : pool) t.join();
-}
-
 void Transpose(const std::byte* src, int64_t rows, int64_t cols, std::byte* dst, size_t item, int threads) {
   // Split over source row tiles: each thread writes disjoint columns of dst.
   const int64_t tiles = (rows + kTile - 1) / kTile;
@@ -128,4 +112,4 @@ void Transpose(const std::byte* src, int64_t rows, int64_t cols, std::byte* dst,
   });
 }
 
-}  // namespace wsync::rollout::internal
+}  // namespace wsync::rollout_agent::internal

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <functional>
 
-namespace wsync::rollout::internal {
+namespace wsync::rollout_agent::internal {
 
 // dst[(dr + i) * dst_ld + dc + j] = src[(r0 + i) * src_ld + c0 + j] for i < rows, j < cols; with
 // `transpose`, dst[(dr + j) * dst_ld + dc + i] = src[(r0 + i) * src_ld + c0 + j]. Sizes in elements.
@@ -19,8 +19,4 @@ void CopyBlock(const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0, int
 // dst [cols, rows] = src [rows, cols]^T, split over up to `threads` threads (0 = hardware).
 void Transpose(const std::byte* src, int64_t rows, int64_t cols, std::byte* dst, size_t item, int threads);
 
-// Runs fn(begin, end) over [0, n) cut into at most `threads` contiguous ranges (0 = hardware
-// concurrency), each at least `min_per_thread` long; the calling thread takes one range.
-void ParallelFor(int64_t n, int threads, int64_t min_per_thread, const std::function<void(int64_t, int64_t)>& fn);
-
-}  // namespace wsync::rollout::internal
+}  // namespace wsync::rollout_agent::internal

@@ -9,7 +9,7 @@
 
 #include "gtest/gtest.h"
 
-namespace wsync::rollout::internal {
+namespace wsync::rollout_agent::internal {
 namespace {
 
 void Reference(const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0, int64_t rows, int64_t cols, std::byte* dst,
@@ -65,4 +65,4 @@ TEST(BlockCopyTest, ThreadedTransposeMatches) {
 }
 
 }  // namespace
-}  // namespace wsync::rollout::internal
+}  // namespace wsync::rollout_agent::internal

@@ -12,7 +12,7 @@
 #include "common/logging.h"
 #include "common/status.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 
 absl::string_view ParamRoleName(ParamRole role) {
   switch (role) {
@@ -79,13 +79,13 @@ class LayoutBuilder {
   }
 
   absl::StatusOr<EngineLayout> Build() {
-    WSYNC_RETURN_IF_ERROR(CheckParallel());
-    WSYNC_RETURN_IF_ERROR(CheckQuantization());
-    WSYNC_RETURN_IF_ERROR(AddVocab("model.embed_tokens.weight"));
-    for (int64_t i = 0; i < c_.num_hidden_layers; ++i) WSYNC_RETURN_IF_ERROR(AddLayer(i));
+    RETURN_IF_ERROR(CheckParallel());
+    RETURN_IF_ERROR(CheckQuantization());
+    RETURN_IF_ERROR(AddVocab("model.embed_tokens.weight"));
+    for (int64_t i = 0; i < c_.num_hidden_layers; ++i) RETURN_IF_ERROR(AddLayer(i));
     AddPlain("model.norm.weight", ParamRole::kReplicated, dt_, {c_.hidden_size}, -1, "model.norm.weight");
     if (!c_.tie_word_embeddings) {
-      WSYNC_RETURN_IF_ERROR(AddVocab("lm_head.weight"));
+      RETURN_IF_ERROR(AddVocab("lm_head.weight"));
     } else {
       // Tied: lm_head is embed_tokens; a sent lm_head.weight is dropped (§2.6).
       AddSkip("lm_head.weight", dt_, {c_.vocab_size, c_.hidden_size}, "tied lm_head");
@@ -175,7 +175,7 @@ class LayoutBuilder {
     if (q_->quant_method != "compressed-tensors")
       return absl::UnimplementedError(
           absl::StrCat("quantization_config: quant_method \"", q_->quant_method, "\" is not supported (want compressed-tensors)"));
-    WSYNC_RETURN_IF_ERROR(q_->CheckInt4Supported());
+    RETURN_IF_ERROR(q_->CheckInt4Supported());
     if (dt_ != DType::kBF16 && dt_ != DType::kF16)
       return absl::UnimplementedError(absl::StrCat("INT4 needs a bf16 or fp16 model (the scales' dtype), got ",
                                                    TorchName(dt_)));
@@ -499,10 +499,10 @@ class LayoutBuilder {
     const int T = p_.tp_size;
     const int64_t H = c_.hidden_size;
     const std::string pre = absl::StrCat(Layer(i), module, ".");
-    WSYNC_ASSIGN_OR_RETURN(const bool gu_q, Agree(pre + "gate_up_proj",
+    ASSIGN_OR_RETURN(const bool gu_q, Agree(pre + "gate_up_proj",
                                                   {pre + "gate_proj.weight", pre + "up_proj.weight"}));
     LinearSpec gu{pre + "gate_up_proj.weight", ParamRole::kGateUp, i, 0, 2 * F / T, H, gu_q};
-    WSYNC_RETURN_IF_ERROR(AddLinear(
+    RETURN_IF_ERROR(AddLinear(
         gu, {ColShard(pre + "gate_proj", F, H, 0, "gate_proj"), ColShard(pre + "up_proj", F, H, F / T, "up_proj")}));
     LinearSpec dn{pre + "down_proj.weight", ParamRole::kRow, i, 0, H, F / T, Int4(pre + "down_proj.weight")};
     return AddLinear(dn, {Shard{pre + "down_proj", H, F, 0, H, p_.tp_rank * (F / T), F / T, 0, 0, true, "down_proj"}});
@@ -516,7 +516,7 @@ class LayoutBuilder {
     const int64_t replicas = T >= nkv ? T / nkv : 1;
     const int64_t s = r / replicas;
     const std::string pre = Layer(i) + "self_attn.";
-    WSYNC_ASSIGN_OR_RETURN(const bool qkv_q, Agree(pre + "qkv_proj", {pre + "q_proj.weight", pre + "k_proj.weight",
+    ASSIGN_OR_RETURN(const bool qkv_q, Agree(pre + "qkv_proj", {pre + "q_proj.weight", pre + "k_proj.weight",
                                                                      pre + "v_proj.weight"}));
     LinearSpec qkv{pre + "qkv_proj.weight", ParamRole::kQkv, i, 0, (nh_loc + 2 * kv_loc) * hd, H, qkv_q};
     std::vector<Shard> shards = {
@@ -525,10 +525,10 @@ class LayoutBuilder {
               absl::StrCat("k_proj (kv shard ", s, ")")},
         Shard{pre + "v_proj", nkv * hd, H, s * kv_loc * hd, kv_loc * hd, 0, H, (nh_loc + kv_loc) * hd, 0, true,
               absl::StrCat("v_proj (kv shard ", s, ")")}};
-    WSYNC_RETURN_IF_ERROR(AddLinear(qkv, shards, c_.qkv_bias ? pre + "qkv_proj.bias" : ""));
+    RETURN_IF_ERROR(AddLinear(qkv, shards, c_.qkv_bias ? pre + "qkv_proj.bias" : ""));
     const int64_t K = nh * hd;
     LinearSpec o{pre + "o_proj.weight", ParamRole::kRow, i, 0, H, K / T, Int4(pre + "o_proj.weight")};
-    WSYNC_RETURN_IF_ERROR(AddLinear(o, {Shard{pre + "o_proj", H, K, 0, H, r * (K / T), K / T, 0, 0, true, "o_proj"}}));
+    RETURN_IF_ERROR(AddLinear(o, {Shard{pre + "o_proj", H, K, 0, H, r * (K / T), K / T, 0, 0, true, "o_proj"}}));
     // HF Llama / Qwen3 with attention_bias also give o_proj a bias; a RowParallelLinear bias is whole
     // on every rank (Qwen2 has qkv bias only).
     if (c_.qkv_bias && c_.arch != Architecture::kQwen2)
@@ -557,20 +557,20 @@ class LayoutBuilder {
       }
       LinearSpec f{pre + "fused_qkv_a_proj_with_mqa.weight", ParamRole::kFusedQkvA, i, 0, a.q_lora_rank + kva, H,
                    false};
-      WSYNC_RETURN_IF_ERROR(AddLinear(f, {WholeShard(pre + "q_a_proj", a.q_lora_rank, H, 0, "q_a_proj"),
+      RETURN_IF_ERROR(AddLinear(f, {WholeShard(pre + "q_a_proj", a.q_lora_rank, H, 0, "q_a_proj"),
                                           WholeShard(pre + "kv_a_proj_with_mqa", kva, H, a.q_lora_rank,
                                                      "kv_a_proj_with_mqa")}));
       AddPlain(pre + "q_a_layernorm.weight", ParamRole::kReplicated, dt_, {a.q_lora_rank}, i,
                pre + "q_a_layernorm.weight");
       LinearSpec qb{pre + "q_b_proj.weight", ParamRole::kColumn, i, 0, nl * qd, a.q_lora_rank,
                     Int4(pre + "q_b_proj.weight")};
-      WSYNC_RETURN_IF_ERROR(AddLinear(qb, {ColShard(pre + "q_b_proj", nh * qd, a.q_lora_rank, 0, "q_b_proj")}));
+      RETURN_IF_ERROR(AddLinear(qb, {ColShard(pre + "q_b_proj", nh * qd, a.q_lora_rank, 0, "q_b_proj")}));
     } else {
       LinearSpec qp{pre + "q_proj.weight", ParamRole::kColumn, i, 0, nl * qd, H, Int4(pre + "q_proj.weight")};
-      WSYNC_RETURN_IF_ERROR(AddLinear(qp, {ColShard(pre + "q_proj", nh * qd, H, 0, "q_proj")}));
+      RETURN_IF_ERROR(AddLinear(qp, {ColShard(pre + "q_proj", nh * qd, H, 0, "q_proj")}));
       LinearSpec kv{pre + "kv_a_proj_with_mqa.weight", ParamRole::kReplicated, i, 0, kva, H,
                     Int4(pre + "kv_a_proj_with_mqa.weight")};
-      WSYNC_RETURN_IF_ERROR(AddLinear(kv, {WholeShard(pre + "kv_a_proj_with_mqa", kva, H, 0, "kv_a_proj_with_mqa")}));
+      RETURN_IF_ERROR(AddLinear(kv, {WholeShard(pre + "kv_a_proj_with_mqa", kva, H, 0, "kv_a_proj_with_mqa")}));
     }
     AddPlain(pre + "kv_a_layernorm.weight", ParamRole::kReplicated, dt_, {a.kv_lora_rank}, i,
              pre + "kv_a_layernorm.weight");
@@ -579,7 +579,7 @@ class LayoutBuilder {
                                  "from a bf16 kv_b_proj.weight and has no compressed-tensors path; "
                                  "quantization_config.ignore must cover it"));
     LinearSpec kvb{pre + "kv_b_proj.weight", ParamRole::kColumn, i, 0, nl * kvd, a.kv_lora_rank, false};
-    WSYNC_RETURN_IF_ERROR(AddLinear(kvb, {ColShard(pre + "kv_b_proj", nh * kvd, a.kv_lora_rank, 0, "kv_b_proj")}));
+    RETURN_IF_ERROR(AddLinear(kvb, {ColShard(pre + "kv_b_proj", nh * kvd, a.kv_lora_rank, 0, "kv_b_proj")}));
     const int64_t K = nh * a.v_head_dim;
     LinearSpec o{pre + "o_proj.weight", ParamRole::kRow, i, 0, H, K / T, Int4(pre + "o_proj.weight")};
     return AddLinear(o, {Shard{pre + "o_proj", H, K, 0, H, r * (K / T), K / T, 0, 0, true, "o_proj"}});
@@ -594,7 +594,7 @@ class LayoutBuilder {
     if (Int4(pre + "gate.weight"))
       return Refuse(absl::StrCat("INT4 router ", pre, "gate refused: SGLang builds the MoE router unquantized; "
                                  "quantization_config.ignore must cover it (e.g. \"re:.*mlp\\.gate$\")"));
-    WSYNC_RETURN_IF_ERROR(AddLinear(LinearSpec{pre + "gate.weight", ParamRole::kReplicated, i, 0, E, H, false},
+    RETURN_IF_ERROR(AddLinear(LinearSpec{pre + "gate.weight", ParamRole::kReplicated, i, 0, E, H, false},
                                     {WholeShard(pre + "gate", E, H, 0, "router gate")}));
     if (c_.arch == Architecture::kDeepseekV3 && m.topk_method == "noaux_tc")
       AddPlain(pre + "gate.e_score_correction_bias", ParamRole::kReplicated, DType::kF32, {E}, i,
@@ -604,7 +604,7 @@ class LayoutBuilder {
     for (int64_t e = 0; e < E; ++e)
       for (const char* p : {"gate_proj", "up_proj", "down_proj"})
         names.push_back(absl::StrCat(pre, "experts.", e, ".", p, ".weight"));
-    WSYNC_ASSIGN_OR_RETURN(const bool q, Agree(pre + "experts", names));
+    ASSIGN_OR_RETURN(const bool q, Agree(pre + "experts", names));
     if (q) {
       const int G = G_;
       const std::string ctx = absl::StrCat("; ", Ctx(), ", moe_tp ", L_.moe_tp_size_);
@@ -642,12 +642,12 @@ class LayoutBuilder {
       w2.push_back(Shard{ex + "down_proj", H, I, 0, H, t * Ip, Ip, 0, l, owned, absl::StrCat("expert ", e, " down_proj")});
     }
     LinearSpec s13{pre + "experts.w13_weight", ParamRole::kExpertsW13, i, E_loc, 2 * Ip, H, q, 4 * Ip};
-    WSYNC_RETURN_IF_ERROR(AddLinear(s13, w13));
+    RETURN_IF_ERROR(AddLinear(s13, w13));
     // w2 scale permutation: size_k = (I'/G)·G = I' (channelwise: 8, which selects the same single perm).
     LinearSpec s2{pre + "experts.w2_weight", ParamRole::kExpertsW2, i, E_loc, H, Ip, q, Ip};
-    WSYNC_RETURN_IF_ERROR(AddLinear(s2, w2));
+    RETURN_IF_ERROR(AddLinear(s2, w2));
     if (c_.arch == Architecture::kDeepseekV3 && m.num_shared_experts > 0)
-      WSYNC_RETURN_IF_ERROR(AddDenseMlp(i, "mlp.shared_experts", m.num_shared_experts * I));
+      RETURN_IF_ERROR(AddDenseMlp(i, "mlp.shared_experts", m.num_shared_experts * I));
     return absl::OkStatus();
   }
 
@@ -655,7 +655,7 @@ class LayoutBuilder {
     const int64_t H = c_.hidden_size;
     const std::string pre = Layer(i);
     AddPlain(pre + "input_layernorm.weight", ParamRole::kReplicated, dt_, {H}, i, pre + "input_layernorm.weight");
-    WSYNC_RETURN_IF_ERROR(c_.mla ? AddMlaAttention(i) : AddGqaAttention(i));
+    RETURN_IF_ERROR(c_.mla ? AddMlaAttention(i) : AddGqaAttention(i));
     AddPlain(pre + "post_attention_layernorm.weight", ParamRole::kReplicated, dt_, {H}, i,
              pre + "post_attention_layernorm.weight");
     if (c_.IsMoeLayer(i)) return AddMoe(i);
@@ -706,4 +706,4 @@ int64_t EngineLayout::TotalBytes(ParamForm form) const {
   return total;
 }
 
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

@@ -39,7 +39,7 @@
 #include "common/dtype.h"
 #include "common/tensor.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 
 struct EngineParallel {
   int tp_size = 1;  // T: the engine's tensor-parallel size
@@ -188,4 +188,4 @@ class EngineLayout {
   std::vector<std::string> warnings_;
 };
 
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

@@ -10,13 +10,13 @@
 #include "common/default_model.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "rollout_agent/load/testing/test_models.h"
+#include "model/testing/test_models.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 namespace {
 
 using ::testing::HasSubstr;
-using testing::QuantJson;
+using model::testing::QuantJson;
 
 ModelConfig Config(const std::string& json) {
   auto c = ParseModelConfig(json, "test");
@@ -25,7 +25,7 @@ ModelConfig Config(const std::string& json) {
 }
 
 QuantizationConfig Quant(int g, const std::vector<std::string>& ignore) {
-  auto q = ParseQuantizationConfig(QuantJson(g, ignore), "quant");
+  auto q = ParseQuantizationConfig(model::testing::QuantJson(g, ignore), "quant");
   EXPECT_TRUE(q.ok()) << q.status();
   return *q;
 }
@@ -187,7 +187,7 @@ TEST(EngineLayoutTest, WorkedExampleDeepseekV3) {
 }
 
 TEST(EngineLayoutTest, MoeRankGeometryAndExpertSources) {
-  const ModelConfig c = Config(testing::kQwen3MoeJson);
+  const ModelConfig c = Config(model::testing::kQwen3MoeJson);
   const QuantizationConfig q = Quant(128, kSlimeIgnore);
   // T=4, EP=2: moe_tp = 2; MoE-TP groups are contiguous {0,1}, {2,3}; EP groups strided.
   const int want_t[] = {0, 1, 0, 1}, want_ep[] = {0, 0, 1, 1};
@@ -220,7 +220,7 @@ TEST(EngineLayoutTest, MoeRankGeometryAndExpertSources) {
 }
 
 TEST(EngineLayoutTest, QkvReplicationAndVocabPadding) {
-  const ModelConfig c = Config(testing::kLlamaJson);  // nh 8, nkv 2, hd 64, V 1000
+  const ModelConfig c = Config(model::testing::kLlamaJson);  // nh 8, nkv 2, hd 64, V 1000
   for (int r = 0; r < 4; ++r) {
     auto l = EngineLayout::Create(c, nullptr, {4, r, 1});
     ASSERT_TRUE(l.ok()) << l.status();
@@ -240,7 +240,7 @@ TEST(EngineLayoutTest, QkvReplicationAndVocabPadding) {
     ExpectParam(*l, {"model.layers.1.self_attn.o_proj.bias", ParamRole::kRow, kPl, kB, {256}, {256}});
   }
   // Qwen2 tied: no lm_head param; a sent lm_head.weight is a known, skipped tensor.
-  auto t = EngineLayout::Create(Config(testing::kQwen2Json), nullptr, {2, 0, 1});
+  auto t = EngineLayout::Create(Config(model::testing::kQwen2Json), nullptr, {2, 0, 1});
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_LT(t->FindParam("lm_head.weight"), 0);
   EXPECT_EQ(t->sources()[static_cast<size_t>(t->FindSource("lm_head.weight"))].action, HfSource::Action::kSkip);
@@ -264,16 +264,16 @@ std::string Edit(std::string json, const std::string& from, const std::string& t
 }
 
 std::vector<RefusalCase> RefusalCases() {
-  using testing::kDeepseekJson;
-  using testing::kLlamaJson;
-  using testing::kQwen3MoeJson;
-  const std::string all_int4 = QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"});
-  const std::string moe_int4 = QuantJson(128, kSlimeIgnore);
-  std::string llama12 = Edit(Edit(kLlamaJson, R"("num_attention_heads": 8)", R"("num_attention_heads": 12)"),
+  using model::testing::kDeepseekJson;
+  using model::testing::kLlamaJson;
+  using model::testing::kQwen3MoeJson;
+  const std::string all_int4 = model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"});
+  const std::string moe_int4 = model::testing::QuantJson(128, kSlimeIgnore);
+  std::string llama12 = Edit(Edit(model::testing::kLlamaJson, R"("num_attention_heads": 8)", R"("num_attention_heads": 12)"),
                              R"("head_dim": 64)", R"("head_dim": 32)");
   return {
-      {"tp size", kLlamaJson, "", {0, 0, 1}, "tp_size must be >= 1"},
-      {"tp rank", kLlamaJson, "", {2, 2, 1}, "tp_rank 2 is outside [0, 2)"},
+      {"tp size", model::testing::kLlamaJson, "", {0, 0, 1}, "tp_size must be >= 1"},
+      {"tp rank", model::testing::kLlamaJson, "", {2, 2, 1}, "tp_rank 2 is outside [0, 2)"},
       {"nh % T", kLlamaJson, "", {3, 0, 1}, "num_attention_heads 8 is not divisible by T 3"},
       {"T % nkv",
        Edit(Edit(kLlamaJson, R"("num_attention_heads": 8)", R"("num_attention_heads": 24)"),
@@ -287,57 +287,57 @@ std::vector<RefusalCase> RefusalCases() {
       {"pad(V,64) % T", Edit(Edit(llama12, R"("num_key_value_heads": 2)", R"("num_key_value_heads": 6)"),
                              R"("intermediate_size": 512)", R"("intermediate_size": 768)"),
        "", {3, 0, 1}, "padded vocab pad(1000, 64) = 1024 is not divisible by T 3"},
-      {"S % T", Edit(Edit(kDeepseekJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 250)"),
+      {"S % T", Edit(Edit(model::testing::kDeepseekJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 250)"),
                      R"("n_shared_experts": 2)", R"("n_shared_experts": 1)"),
        "", {4, 0, 4}, "shared experts intermediate S = n_shared_experts * I = 250 is not divisible by T 4"},
-      {"E % EP", Edit(kQwen3MoeJson, R"("num_experts": 8)", R"("num_experts": 6)"), "", {4, 0, 4},
+      {"E % EP", Edit(model::testing::kQwen3MoeJson, R"("num_experts": 8)", R"("num_experts": 6)"), "", {4, 0, 4},
        "E_total 6 experts are not divisible by ep_size 4"},
-      {"T % EP", kQwen3MoeJson, "", {4, 0, 3}, "ep_size 3 does not divide T 4"},
-      {"I % moe_tp", Edit(kQwen3MoeJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 250)"), "",
+      {"T % EP", model::testing::kQwen3MoeJson, "", {4, 0, 3}, "ep_size 3 does not divide T 4"},
+      {"I % moe_tp", Edit(model::testing::kQwen3MoeJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 250)"), "",
        {4, 0, 1}, "moe_intermediate_size I 250 is not divisible by moe_tp = T/EP = 4"},
       {"EP on dense", kLlamaJson, "", {2, 0, 2}, "ep_size 2 > 1 needs an MoE model"},
       {"Qwen3-MoE tied", Edit(kQwen3MoeJson, R"("tie_word_embeddings": false)", R"("tie_word_embeddings": true)"), "",
        {1, 0, 1}, "always builds its own lm_head"},
-      {"mixed qkv", kLlamaJson, QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*k_proj"}), {1, 0, 1},
+      {"mixed qkv", kLlamaJson, model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*k_proj"}), {1, 0, 1},
        "mixed quantization in fused layer model.layers.0.self_attn.qkv_proj"},
-      {"mixed gate_up", kLlamaJson, QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*up_proj"}), {1, 0, 1},
+      {"mixed gate_up", kLlamaJson, model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*up_proj"}), {1, 0, 1},
        "mixed quantization in fused layer model.layers.0.mlp.gate_up_proj"},
       {"mixed experts", kQwen3MoeJson,
-       QuantJson(128, {"lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*embed_tokens.*",
+       model::testing::QuantJson(128, {"lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*embed_tokens.*",
                        "model.layers.2.mlp.experts.5.down_proj"}),
        {1, 0, 1}, "bf16 (ignored) for model.layers.2.mlp.experts.5.down_proj.weight"},
-      {"mixed shared experts", kDeepseekJson,
-       QuantJson(128, {"lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*embed_tokens.*",
+      {"mixed shared experts", model::testing::kDeepseekJson,
+       model::testing::QuantJson(128, {"lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*embed_tokens.*",
                        "re:.*shared_experts.gate_proj"}),
        {1, 0, 1}, "mixed quantization in fused layer model.layers.1.mlp.shared_experts.gate_up_proj"},
-      {"INT4 router", kQwen3MoeJson, QuantJson(128, {"lm_head", "re:.*self_attn.*", "re:.*embed_tokens.*"}), {1, 0, 1},
+      {"INT4 router", kQwen3MoeJson, model::testing::QuantJson(128, {"lm_head", "re:.*self_attn.*", "re:.*embed_tokens.*"}), {1, 0, 1},
        "INT4 router model.layers.0.mlp.gate refused"},
-      {"INT4 embedding", kLlamaJson, QuantJson(128, {"lm_head"}), {1, 0, 1}, "INT4 embedding refused"},
-      {"INT4 lm_head", kLlamaJson, QuantJson(128, {"re:.*embed_tokens.*"}), {1, 0, 1}, "INT4 lm_head refused"},
-      {"INT4 q_a", kDeepseekJson, QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"}), {1, 0, 1},
+      {"INT4 embedding", kLlamaJson, model::testing::QuantJson(128, {"lm_head"}), {1, 0, 1}, "INT4 embedding refused"},
+      {"INT4 lm_head", kLlamaJson, model::testing::QuantJson(128, {"re:.*embed_tokens.*"}), {1, 0, 1}, "INT4 lm_head refused"},
+      {"INT4 q_a", model::testing::kDeepseekJson, model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"}), {1, 0, 1},
        "INT4 model.layers.0.self_attn.q_a_proj refused"},
       {"INT4 kv_a fused", kDeepseekJson,
-       QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$", "re:.*q_a_proj"}), {1, 0, 1},
+       model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$", "re:.*q_a_proj"}), {1, 0, 1},
        "INT4 model.layers.0.self_attn.kv_a_proj_with_mqa refused"},
       {"INT4 kv_b", kDeepseekJson,
-       QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$", "re:.*q_a_proj", "re:.*kv_a_proj_with_mqa"}),
+       model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$", "re:.*q_a_proj", "re:.*kv_a_proj_with_mqa"}),
        {1, 0, 1}, "INT4 model.layers.0.self_attn.kv_b_proj refused"},
       {"row K_p % G", kLlamaJson, all_int4, {8, 0, 1}, "model.layers.0.self_attn.o_proj.weight: the INT4 shard"},
       {"row K_p % 8", Edit(kLlamaJson, R"("intermediate_size": 512)", R"("intermediate_size": 48)"),
-       QuantJson(-1, {"lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*gate_proj", "re:.*up_proj"}),
+       model::testing::QuantJson(-1, {"lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*gate_proj", "re:.*up_proj"}),
        {4, 0, 1}, "(K_p = 12), not a multiple of 8"},
       {"MoE I' % G", kQwen3MoeJson, moe_int4, {4, 0, 1},
        "INT4 needs I' = I / moe_tp = 256 / 4 = 64 to be a multiple of the group size 128"},
       {"MoE I' % 8", Edit(kQwen3MoeJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 48)"),
-       QuantJson(-1, kSlimeIgnore), {4, 0, 1}, "I' = I / moe_tp = 48 / 4 = 12 to be a multiple of 8"},
+       model::testing::QuantJson(-1, kSlimeIgnore), {4, 0, 1}, "I' = I / moe_tp = 48 / 4 = 12 to be a multiple of 8"},
       {"Marlin size_n", Edit(kLlamaJson, R"("head_dim": 64)", R"("head_dim": 16)"),
-       QuantJson(-1, {"lm_head", "re:.*embed_tokens.*", "re:.*o_proj"}), {2, 0, 1},
+       model::testing::QuantJson(-1, {"lm_head", "re:.*embed_tokens.*", "re:.*o_proj"}), {2, 0, 1},
        "qkv_proj.weight: Marlin repack needs size_n % 64 == 0, size_n = 96"},
       {"Marlin size_k", Edit(kLlamaJson, R"("hidden_size": 256)", R"("hidden_size": 264)"),
-       QuantJson(-1, {"lm_head", "re:.*embed_tokens.*"}), {1, 0, 1},
+       model::testing::QuantJson(-1, {"lm_head", "re:.*embed_tokens.*"}), {1, 0, 1},
        "qkv_proj.weight: Marlin repack needs size_k % 16 == 0, size_k = 264"},
       {"MoE Marlin w13", Edit(kQwen3MoeJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 80)"),
-       QuantJson(-1, kSlimeIgnore), {2, 0, 1}, "Marlin repack needs H % 16 == 0 and 2I' % 64 == 0"},
+       model::testing::QuantJson(-1, kSlimeIgnore), {2, 0, 1}, "Marlin repack needs H % 16 == 0 and 2I' % 64 == 0"},
       {"asymmetric", kLlamaJson,
        Edit(all_int4, R"("symmetric": true)", R"("symmetric": false)"), {1, 0, 1}, "asymmetric",
        absl::StatusCode::kUnimplemented},
@@ -365,7 +365,7 @@ TEST(EngineLayoutTest, Refusals) {
 TEST(EngineLayoutTest, AdvisoryChecksWarnButLoad) {
   // G = 32, T = 4: o_proj K_p = 128 ok; Qwen2 o_proj K_p = 64: not a multiple of 128 (advisory).
   const QuantizationConfig q = Quant(32, {"lm_head", "re:.*embed_tokens.*"});
-  auto l = EngineLayout::Create(Config(testing::kQwen2Json), &q, {4, 0, 1});
+  auto l = EngineLayout::Create(Config(model::testing::kQwen2Json), &q, {4, 0, 1});
   ASSERT_TRUE(l.ok()) << l.status();
   ASSERT_FALSE(l->warnings().empty());
   EXPECT_THAT(l->warnings()[0], HasSubstr("model.layers.{i}.self_attn.o_proj.weight: advisory"));
@@ -373,7 +373,7 @@ TEST(EngineLayoutTest, AdvisoryChecksWarnButLoad) {
   // One warning per module pattern, not per layer.
   EXPECT_EQ(l->warnings().size(), 1u) << l->warnings()[1];
   // MoE advisory: I' = 64 with G = 32 satisfies I' % max(64, G); H = 256 % 128 ok: no warning. I' = 32 warns.
-  auto c = Config(Edit(testing::kQwen3MoeJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 128)"));
+  auto c = Config(Edit(model::testing::kQwen3MoeJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 128)"));
   const QuantizationConfig mq = Quant(32, kSlimeIgnore);
   auto m = EngineLayout::Create(c, &mq, {4, 1, 1});
   ASSERT_TRUE(m.ok()) << m.status();
@@ -386,7 +386,7 @@ TEST(EngineLayoutTest, AdvisoryChecksWarnButLoad) {
 
 TEST(EngineLayoutTest, ChannelwiseRowParallelScalesAreWhole) {
   const QuantizationConfig q = Quant(-1, {"lm_head", "re:.*embed_tokens.*"});
-  auto l = EngineLayout::Create(Config(testing::kLlamaJson), &q, {2, 1, 1});
+  auto l = EngineLayout::Create(Config(model::testing::kLlamaJson), &q, {2, 1, 1});
   ASSERT_TRUE(l.ok()) << l.status();
   ExpectParam(*l, {"model.layers.0.self_attn.o_proj.weight_scale", ParamRole::kRow, kSc, kB, {256, 1}, {1, 256}});
   ExpectParam(*l, {"model.layers.0.self_attn.o_proj.weight_packed", ParamRole::kRow, kPk, kI, {256, 32}, {16, 512}});
@@ -401,14 +401,14 @@ TEST(EngineLayoutTest, ChannelwiseRowParallelScalesAreWhole) {
 }
 
 }  // namespace
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 namespace {
 
 TEST(EngineLayoutTest, W13ScalePermutationUsesSglangSizeK) {
   // H = G = 128: SGLang passes size_k = 4I' = 512 -> grouped; vLLM (size_k = H) would use the single perm.
-  const ModelConfig c = Config(testing::kQwen3MoeH128Json);
+  const ModelConfig c = Config(model::testing::kQwen3MoeH128Json);
   const QuantizationConfig q = Quant(128, kSlimeIgnore);
   auto l = EngineLayout::Create(c, &q, {2, 0, 2});
   ASSERT_TRUE(l.ok()) << l.status();
@@ -428,4 +428,4 @@ TEST(EngineLayoutTest, W13ScalePermutationUsesSglangSizeK) {
 }
 
 }  // namespace
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

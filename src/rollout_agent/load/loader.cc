@@ -8,7 +8,7 @@
 #include "common/status.h"
 #include "rollout_agent/load/block_copy.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 namespace {
 
 using State = Staging::PieceState;
@@ -32,7 +32,7 @@ absl::StatusOr<std::unique_ptr<Staging>> Staging::Create(const EngineLayout& lay
   std::unique_ptr<Staging> s(new Staging(layout));
   s->buffers_.reserve(layout.params().size());
   for (const EngineParam& p : layout.params()) {
-    WSYNC_ASSIGN_OR_RETURN(const int64_t bytes, NumBytes(p.dtype, p.loaded_shape));
+    ASSIGN_OR_RETURN(const int64_t bytes, NumBytes(p.dtype, p.loaded_shape));
     auto buf = Buffer::AllocateZeroed(static_cast<size_t>(bytes));
     if (!buf.ok()) return Annotate(buf.status(), absl::StrCat("staging buffer for ", p.name));
     s->buffers_.push_back(std::move(*buf));
@@ -124,7 +124,7 @@ absl::Status Loader::Load(absl::string_view hf_name, const TensorView& data) {
                                                    SafetensorsName(s.dtype), ShapeToString(s.shape),
                                                    any_int ? " (or I32)" : ""));
   }
-  WSYNC_ASSIGN_OR_RETURN(const int64_t want_bytes, NumBytes(data.dtype(), data.shape()));
+  ASSIGN_OR_RETURN(const int64_t want_bytes, NumBytes(data.dtype(), data.shape()));
   if (static_cast<int64_t>(data.nbytes()) != want_bytes || (want_bytes > 0 && data.data() == nullptr)) {
     return absl::InvalidArgumentError(absl::StrCat(hf_name, ": the view holds ", data.nbytes(), " bytes, but ",
                                                    data.DebugString(), " needs ", want_bytes));
@@ -169,4 +169,4 @@ absl::Status Loader::Load(absl::string_view hf_name, const TensorView& data) {
   return absl::OkStatus();
 }
 
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

@@ -39,7 +39,7 @@
 #include "common/tensor.h"
 #include "rollout_agent/load/engine_layout.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 
 class Staging {
  public:
@@ -93,4 +93,4 @@ class Loader {
   Staging* staging_;
 };
 
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

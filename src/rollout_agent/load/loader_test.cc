@@ -11,16 +11,16 @@
 #include "common/config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "rollout_agent/load/testing/hf_model.h"
-#include "rollout_agent/load/testing/test_models.h"
+#include "model/testing/hf_model.h"
+#include "model/testing/test_models.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 namespace {
 
 using ::testing::HasSubstr;
-using testing::HfModel;
-using testing::MakeHfModel;
-using testing::QuantJson;
+using model::testing::HfModel;
+using model::testing::MakeHfModel;
+using model::testing::QuantJson;
 
 ModelConfig Config(const std::string& json) {
   auto c = ParseModelConfig(json, "test");
@@ -29,7 +29,7 @@ ModelConfig Config(const std::string& json) {
 }
 
 QuantizationConfig Quant(int g, const std::vector<std::string>& ignore) {
-  auto q = ParseQuantizationConfig(QuantJson(g, ignore), "quant");
+  auto q = ParseQuantizationConfig(model::testing::QuantJson(g, ignore), "quant");
   EXPECT_TRUE(q.ok()) << q.status();
   return *q;
 }
@@ -40,22 +40,22 @@ uint64_t StagingChecksum(const Staging& s) {
   return h.Digest();
 }
 
-absl::Status LoadAll(Loader& loader, const HfModel& m) {
-  for (const std::string& name : m.order) WSYNC_RETURN_IF_ERROR(loader.Load(name, m.sent.at(name).view()));
+absl::Status LoadAll(Loader& loader, const model::testing::HfModel& m) {
+  for (const std::string& name : m.order) RETURN_IF_ERROR(loader.Load(name, m.sent.at(name).view()));
   return absl::OkStatus();
 }
 
 TEST(LoaderTest, BadInputsAreRefusedAndWriteNothing) {
   constexpr uint32_t kSeed = 101;
   SCOPED_TRACE(absl::StrCat("seed ", kSeed));
-  const ModelConfig c = Config(testing::kLlamaJson);
+  const ModelConfig c = Config(model::testing::kLlamaJson);
   const QuantizationConfig q = Quant(128, {"lm_head", "re:.*embed_tokens.*"});
   auto layout = EngineLayout::Create(c, &q, {2, 0, 1});
   ASSERT_TRUE(layout.ok()) << layout.status();
   auto staging = Staging::Create(*layout);
   ASSERT_TRUE(staging.ok()) << staging.status();
   Loader loader(staging->get());
-  auto m = MakeHfModel(c, &q, kSeed);
+  auto m = model::testing::MakeHfModel(c, &q, kSeed);
   ASSERT_TRUE(m.ok()) << m.status();
   const uint64_t before = StagingChecksum(**staging);
 
@@ -114,9 +114,9 @@ TEST(LoaderTest, BadInputsAreRefusedAndWriteNothing) {
 TEST(LoaderTest, CheckCompleteNamesEveryMissingPiece) {
   constexpr uint32_t kSeed = 202;
   SCOPED_TRACE(absl::StrCat("seed ", kSeed));
-  const ModelConfig c = Config(testing::kQwen3MoeJson);
+  const ModelConfig c = Config(model::testing::kQwen3MoeJson);
   const QuantizationConfig q = Quant(128, {"lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*embed_tokens.*"});
-  auto m = MakeHfModel(c, &q, kSeed);
+  auto m = model::testing::MakeHfModel(c, &q, kSeed);
   ASSERT_TRUE(m.ok()) << m.status();
   // T = 4, EP = 2, rank 3: experts 4..7, moe_tp rank 1.
   auto layout = EngineLayout::Create(c, &q, {4, 3, 2});
@@ -158,7 +158,7 @@ TEST(LoaderTest, CheckCompleteNamesEveryMissingPiece) {
 }
 
 TEST(LoaderTest, CheckCompleteCapsTheMessage) {
-  const ModelConfig c = Config(testing::kQwen3MoeJson);
+  const ModelConfig c = Config(model::testing::kQwen3MoeJson);
   auto layout = EngineLayout::Create(c, nullptr, {1, 0, 1});
   ASSERT_TRUE(layout.ok());
   auto staging = Staging::Create(*layout);
@@ -172,10 +172,10 @@ TEST(LoaderTest, SkippedTensorsAreCheckedAndAccepted) {
   constexpr uint32_t kSeed = 303;
   SCOPED_TRACE(absl::StrCat("seed ", kSeed));
   // Qwen2 tied: a sent lm_head.weight is dropped (but its shape is checked).
-  const ModelConfig c = Config(testing::kQwen2Json);
-  testing::HfModelOptions o;
+  const ModelConfig c = Config(model::testing::kQwen2Json);
+  model::testing::HfModelOptions o;
   o.send_tied_lm_head = true;
-  auto m = MakeHfModel(c, nullptr, kSeed, o);
+  auto m = model::testing::MakeHfModel(c, nullptr, kSeed, o);
   ASSERT_TRUE(m.ok());
   auto layout = EngineLayout::Create(c, nullptr, {2, 1, 1});
   ASSERT_TRUE(layout.ok());
@@ -190,8 +190,8 @@ TEST(LoaderTest, SkippedTensorsAreCheckedAndAccepted) {
   EXPECT_TRUE(loader.Load("lm_head.weight", m->sent.at("lm_head.weight").view()).ok());
 
   // DeepSeek MTP layers: accepted unchecked and not stored.
-  const ModelConfig d = Config(testing::kDeepseekJson);
-  auto dm = MakeHfModel(d, nullptr, kSeed + 1);
+  const ModelConfig d = Config(model::testing::kDeepseekJson);
+  auto dm = model::testing::MakeHfModel(d, nullptr, kSeed + 1);
   ASSERT_TRUE(dm.ok());
   auto dl = EngineLayout::Create(d, nullptr, {2, 0, 2});
   ASSERT_TRUE(dl.ok()) << dl.status();
@@ -218,10 +218,10 @@ TEST(LoaderTest, SkippedTensorsAreCheckedAndAccepted) {
 TEST(LoaderTest, VocabRankWithoutRowsAndZeroPadding) {
   constexpr uint32_t kSeed = 404;
   SCOPED_TRACE(absl::StrCat("seed ", kSeed));
-  std::string json = testing::kLlamaJson;
+  std::string json = model::testing::kLlamaJson;
   json.replace(json.find(R"("vocab_size": 1000)"), 18, R"("vocab_size": 65)");
   const ModelConfig c = Config(json);
-  auto m = MakeHfModel(c, nullptr, kSeed);
+  auto m = model::testing::MakeHfModel(c, nullptr, kSeed);
   ASSERT_TRUE(m.ok());
   // pad(65, 64) = 128, P = 32: rank 2 holds row 64 and 31 zero rows, rank 3 only zeros.
   for (int r = 0; r < 4; ++r) {
@@ -256,9 +256,9 @@ TEST(LoaderTest, VocabRankWithoutRowsAndZeroPadding) {
 TEST(LoaderTest, ConcurrentLoadsEqualSequentialLoads) {
   constexpr uint32_t kSeed = 505;
   SCOPED_TRACE(absl::StrCat("seed ", kSeed));
-  const ModelConfig c = Config(testing::kQwen3MoeJson);
+  const ModelConfig c = Config(model::testing::kQwen3MoeJson);
   const QuantizationConfig q = Quant(32, {"lm_head", "re:.*mlp\\.gate$", "re:.*embed_tokens.*"});
-  auto m = MakeHfModel(c, &q, kSeed);
+  auto m = model::testing::MakeHfModel(c, &q, kSeed);
   ASSERT_TRUE(m.ok());
   auto layout = EngineLayout::Create(c, &q, {2, 1, 1});
   ASSERT_TRUE(layout.ok()) << layout.status();
@@ -297,4 +297,4 @@ TEST(LoaderTest, ConcurrentLoadsEqualSequentialLoads) {
 }
 
 }  // namespace
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

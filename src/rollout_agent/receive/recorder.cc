@@ -9,12 +9,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "comm/bucket_stream.h"
+#include "comm/bucket/stream.h"
 #include "common/logging.h"
 #include "common/safetensors.h"
 #include "common/status.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 namespace fs = std::filesystem;
 
 namespace {
@@ -72,7 +72,7 @@ absl::Status Recorder::WriteBucket(const v1::BucketManifest& m, const std::byte*
     if (e.nbytes() != e.total_nbytes()) {
       return absl::UnimplementedError(absl::StrCat("recording ", e.tensor().name(), ": split tensors are not recorded"));
     }
-    ASSIGN_OR_RETURN(const DType dtype, FromProto(e.tensor().dtype()));
+    ASSIGN_OR_RETURN(const DType dtype, comm::FromProto(e.tensor().dtype()));
     Shape shape(e.tensor().shape().begin(), e.tensor().shape().end());
     ASSIGN_OR_RETURN(TensorView view,
                      TensorView::Make(dtype, std::move(shape), {data + e.offset(), static_cast<size_t>(e.nbytes())},
@@ -130,4 +130,4 @@ void Recorder::Discard() {
   done_ = true;
 }
 
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

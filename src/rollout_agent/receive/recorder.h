@@ -28,7 +28,7 @@
 #include "absl/status/statusor.h"
 #include "wsync/v1/tensor.pb.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 
 class Recorder {
  public:
@@ -59,4 +59,4 @@ class Recorder {
   bool done_ = false;
 };
 
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

@@ -11,7 +11,7 @@
 #include "gtest/gtest.h"
 #include "rollout_agent/receive/testing/sync_testing.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 namespace {
 
 namespace fs = std::filesystem;
@@ -175,4 +175,4 @@ TEST_F(RecorderTest, RefusesSplitEntries) {
 }
 
 }  // namespace
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

@@ -4,11 +4,11 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "comm/bucket_stream.h"
+#include "comm/bucket/stream.h"
 #include "common/logging.h"
 #include "common/status.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 
 // --- SyncCancel -----------------------------------------------------------------------------------
 
@@ -18,7 +18,7 @@ void SyncCancel::Cancel(const std::string& reason) {
   absl::MutexLock lock(&mu_);
   if (!cancelled_.load(std::memory_order_relaxed)) reason_ = reason;
   cancelled_.store(true, std::memory_order_release);
-  for (Communicator* c : comms_) c->Abort(reason_);
+  for (comm::Communicator* c : comms_) c->Abort(reason_);
 }
 
 std::string SyncCancel::reason() const {
@@ -26,7 +26,7 @@ std::string SyncCancel::reason() const {
   return reason_;
 }
 
-bool SyncCancel::Register(Communicator* comm) {
+bool SyncCancel::Register(comm::Communicator* comm) {
   absl::MutexLock lock(&mu_);
   if (cancelled_.load(std::memory_order_relaxed)) {
     comm->Abort(reason_);
@@ -36,7 +36,7 @@ bool SyncCancel::Register(Communicator* comm) {
   return true;
 }
 
-void SyncCancel::Unregister(Communicator* comm) {
+void SyncCancel::Unregister(comm::Communicator* comm) {
   absl::MutexLock lock(&mu_);
   comms_.erase(std::remove(comms_.begin(), comms_.end(), comm), comms_.end());
 }
@@ -48,7 +48,7 @@ namespace {
 std::string BucketWhere(const v1::BucketManifest& m) { return absl::StrCat("stage ", m.pp_stage(), " bucket ", m.index()); }
 
 absl::Status LoadEntry(const v1::BucketEntry& e, const Buffer& data, Loader& loader) {
-  ASSIGN_OR_RETURN(const DType dtype, FromProto(e.tensor().dtype()));
+  ASSIGN_OR_RETURN(const DType dtype, comm::FromProto(e.tensor().dtype()));
   Shape shape(e.tensor().shape().begin(), e.tensor().shape().end());
   ASSIGN_OR_RETURN(TensorView view, TensorView::Make(dtype, std::move(shape),
                                                      {data.data() + e.offset(), static_cast<size_t>(e.nbytes())},
@@ -120,7 +120,7 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
     return absl::AbortedError(absl::StrCat("the sync was aborted (", cancel.reason(), "): ", s.message()));
   };
   StageStats stats;
-  GroupOptions g;
+  comm::GroupOptions g;
   g.store = o.store;
   g.name = o.group;
   g.rank = o.rank;
@@ -130,7 +130,7 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
   g.default_timeout = o.op_timeout;
   g.cancelled = [&cancel] { return cancel.cancelled(); };
   const absl::Time t0 = absl::Now();
-  auto comm = CreateGroup(o.backend, g);
+  auto comm = comm::CreateGroup(o.backend, g);
   if (!comm.ok()) return cancel.cancelled() ? aborted(comm.status()) : Annotate(comm.status(), where);
   stats.join = absl::Now() - t0;
   if (!cancel.Register(comm->get())) return aborted(absl::AbortedError(absl::StrCat(where, ": after forming the group")));
@@ -138,12 +138,12 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
 
   const absl::Time t1 = absl::Now();
   absl::Status s = [&]() -> absl::Status {
-    BucketReceiver receiver(**comm, 0, CollectiveOptions{o.op_timeout}, o.pool);
+    comm::BucketReceiver receiver(**comm, 0, comm::CollectiveOptions{o.op_timeout}, o.pool);
     for (;;) {
       auto next = receiver.Next();
       if (!next.ok()) return Annotate(next.status(), where);
       if (!next->has_value()) return absl::OkStatus();
-      BucketReceiver::Bucket& b = **next;
+      comm::BucketReceiver::Bucket& b = **next;
       RETURN_IF_ERROR(CheckManifest(b.manifest, o));
       stats.buckets++;
       stats.bytes += b.manifest.nbytes();
@@ -171,4 +171,4 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
   return stats;
 }
 
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

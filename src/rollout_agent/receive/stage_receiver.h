@@ -35,7 +35,7 @@
 #include "rollout_agent/load/loader.h"
 #include "rollout_agent/receive/recorder.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 
 class SyncCancel {
  public:
@@ -46,19 +46,19 @@ class SyncCancel {
   std::string reason() const;
   // Registers `comm` for Cancel(); if the sync is already cancelled, aborts it at once and returns
   // false. Unregister before destroying the communicator.
-  bool Register(Communicator* comm);
-  void Unregister(Communicator* comm);
+  bool Register(comm::Communicator* comm);
+  void Unregister(comm::Communicator* comm);
 
  private:
   std::atomic<bool> cancelled_{false};
   mutable absl::Mutex mu_;
   std::string reason_ ABSL_GUARDED_BY(mu_);
-  std::vector<Communicator*> comms_ ABSL_GUARDED_BY(mu_);
+  std::vector<comm::Communicator*> comms_ ABSL_GUARDED_BY(mu_);
 };
 
 struct StageOptions {
-  Backend backend = Backend::kGloo;
-  Store* store = nullptr;        // not owned
+  comm::Backend backend = comm::Backend::kGloo;
+  comm::Store* store = nullptr;        // not owned
   std::string group;             // SyncGroup.name
   uint32_t pp_stage = 0;
   int rank = 1;                  // this agent's rank in the group (1..M)
@@ -87,4 +87,4 @@ struct StageStats {
 // See the file comment. Returns the stage's first error; on error the group is aborted.
 absl::StatusOr<StageStats> ReceiveStage(const StageOptions& options);
 
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

@@ -10,11 +10,11 @@
 #include "common/config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "rollout_agent/load/testing/hf_model.h"
-#include "rollout_agent/load/testing/test_models.h"
+#include "model/testing/hf_model.h"
+#include "model/testing/test_models.h"
 #include "rollout_agent/receive/testing/sync_testing.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 namespace {
 
 using ::testing::HasSubstr;
@@ -22,9 +22,9 @@ using ::testing::HasSubstr;
 class StageReceiverTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto config = ParseModelConfig(testing::kQwen3MoeJson, "qwen3_moe");
+    auto config = ParseModelConfig(model::testing::kQwen3MoeJson, "qwen3_moe");
     ASSERT_TRUE(config.ok()) << config.status();
-    auto quant = ParseQuantizationConfig(testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"}), "quant");
+    auto quant = ParseQuantizationConfig(model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"}), "quant");
     ASSERT_TRUE(quant.ok()) << quant.status();
     auto layout = EngineLayout::Create(*config, &*quant, {2, 1, 1});
     ASSERT_TRUE(layout.ok()) << layout.status();
@@ -32,7 +32,7 @@ class StageReceiverTest : public ::testing::Test {
     auto staging = Staging::Create(*layout_);
     ASSERT_TRUE(staging.ok());
     staging_ = std::move(*staging);
-    auto model = testing::MakeHfModel(*config, &*quant, /*seed=*/20261122);
+    auto model = model::testing::MakeHfModel(*config, &*quant, /*seed=*/20261122);
     ASSERT_TRUE(model.ok()) << model.status();
     model_ = std::move(*model);
     for (const auto& name : model_.order) tensors_.emplace_back(name, model_.sent.at(name).view());
@@ -53,25 +53,25 @@ class StageReceiverTest : public ::testing::Test {
   }
 
   // Forms the group as rank 0 on a thread and runs `send` with it.
-  std::thread Source(const std::string& group, std::function<void(Communicator&)> send) {
+  std::thread Source(const std::string& group, std::function<void(comm::Communicator&)> send) {
     return std::thread([this, group, send] {
-      GroupOptions g;
+      comm::GroupOptions g;
       g.store = &store_;
       g.name = group;
       g.rank = 0;
       g.size = 2;
       g.join_timeout = absl::Seconds(20);
       g.default_timeout = absl::Seconds(20);
-      auto comm = CreateGroup(Backend::kGloo, g);
+      auto comm = comm::CreateGroup(comm::Backend::kGloo, g);
       ASSERT_TRUE(comm.ok()) << comm.status();
       send(**comm);
     });
   }
 
-  MemoryStore store_;
+  comm::MemoryStore store_;
   std::unique_ptr<EngineLayout> layout_;
   std::unique_ptr<Staging> staging_;
-  testing::HfModel model_;
+  model::testing::HfModel model_;
   std::vector<std::pair<std::string, TensorView>> tensors_;
 };
 
@@ -79,7 +79,7 @@ TEST_F(StageReceiverTest, ACheckpointArrivesCompleteInStaging) {
   auto buckets = testing::PackBuckets(tensors_, {.version = 5, .bucket_bytes = 256 << 10});
   ASSERT_TRUE(buckets.ok());
   const size_t n = buckets->size();
-  std::thread source = Source("ok", [&](Communicator& c) { EXPECT_TRUE(testing::SendBuckets(c, std::move(*buckets)).ok()); });
+  std::thread source = Source("ok", [&](comm::Communicator& c) { EXPECT_TRUE(testing::SendBuckets(c, std::move(*buckets)).ok()); });
   SyncCancel cancel;
   Loader loader(staging_.get());
   StageOptions o = Options("ok", &cancel, &loader);
@@ -104,7 +104,7 @@ TEST_F(StageReceiverTest, ACheckpointArrivesCompleteInStaging) {
 TEST_F(StageReceiverTest, ABucketOfAnotherVersionIsRefused) {
   auto buckets = testing::PackBuckets(tensors_, {.version = 4, .bucket_bytes = 256 << 10});
   ASSERT_TRUE(buckets.ok());
-  std::thread source = Source("version", [&](Communicator& c) { (void)testing::SendBuckets(c, std::move(*buckets)); });
+  std::thread source = Source("version", [&](comm::Communicator& c) { (void)testing::SendBuckets(c, std::move(*buckets)); });
   SyncCancel cancel;
   Loader loader(staging_.get());
   auto stats = ReceiveStage(Options("version", &cancel, &loader));
@@ -122,7 +122,7 @@ TEST_F(StageReceiverTest, ASplitTensorIsRefusedAndTheSenderLearnsIt) {
   auto* t = (*buckets)[1].manifest.mutable_entries(0)->mutable_tensor();
   t->set_shape(0, t->shape(0) * 2);
   absl::Status sent;
-  std::thread source = Source("split", [&](Communicator& c) { sent = testing::SendBuckets(c, std::move(*buckets)); });
+  std::thread source = Source("split", [&](comm::Communicator& c) { sent = testing::SendBuckets(c, std::move(*buckets)); });
   SyncCancel cancel;
   Loader loader(staging_.get());
   auto stats = ReceiveStage(Options("split", &cancel, &loader));
@@ -154,7 +154,7 @@ TEST_F(StageReceiverTest, CancelStopsAStageWaitingForBuckets) {
   ASSERT_TRUE(buckets.ok());
   SyncCancel cancel;
   absl::Status sent;
-  std::thread source = Source("stall", [&](Communicator& c) {
+  std::thread source = Source("stall", [&](comm::Communicator& c) {
     // Two buckets, then the trainer stalls; the agent is aborted.
     auto& b = *buckets;
     EXPECT_TRUE(testing::SendRawBucket(c, b[0].manifest, b[0].data, b[0].nbytes, false).ok());
@@ -174,4 +174,4 @@ TEST_F(StageReceiverTest, CancelStopsAStageWaitingForBuckets) {
 }
 
 }  // namespace
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

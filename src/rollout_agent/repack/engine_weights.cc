@@ -8,11 +8,11 @@
 #include "absl/strings/str_join.h"
 #include "common/status.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 
 absl::Status EngineWeights::Add(EngineBuffer b) {
   if (index_.contains(b.name)) return absl::InvalidArgumentError(absl::StrCat("engine buffer ", b.name, " registered twice"));
-  WSYNC_ASSIGN_OR_RETURN(const int64_t want, NumBytes(b.dtype, b.shape));
+  ASSIGN_OR_RETURN(const int64_t want, NumBytes(b.dtype, b.shape));
   if (static_cast<int64_t>(b.nbytes) != want) {
     return absl::InvalidArgumentError(absl::StrCat("engine buffer ", b.name, ": ", b.nbytes, " bytes for ",
                                                    SafetensorsName(b.dtype), ShapeToString(b.shape), ", which needs ",
@@ -76,14 +76,14 @@ absl::StatusOr<std::unique_ptr<OwnedEngineWeights>> OwnedEngineWeights::Allocate
   std::unique_ptr<OwnedEngineWeights> o(new OwnedEngineWeights());
   o->memory_.reserve(layout.params().size());
   for (const EngineParam& p : layout.params()) {
-    WSYNC_ASSIGN_OR_RETURN(const int64_t bytes, NumBytes(p.dtype, p.engine_shape));
+    ASSIGN_OR_RETURN(const int64_t bytes, NumBytes(p.dtype, p.engine_shape));
     auto buf = Buffer::AllocateZeroed(static_cast<size_t>(bytes));
     if (!buf.ok()) return Annotate(buf.status(), absl::StrCat("engine buffer for ", p.name));
     EngineBuffer b{p.name, p.dtype, p.engine_shape, buf->data(), static_cast<size_t>(bytes)};
     o->memory_.push_back(std::move(*buf));
-    WSYNC_RETURN_IF_ERROR(o->weights_.Add(std::move(b)));
+    RETURN_IF_ERROR(o->weights_.Add(std::move(b)));
   }
   return o;
 }
 
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

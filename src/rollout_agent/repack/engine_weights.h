@@ -27,7 +27,7 @@
 #include "common/tensor.h"
 #include "rollout_agent/load/engine_layout.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 
 struct EngineBuffer {
   std::string name;  // SGLang parameter name
@@ -73,4 +73,4 @@ class OwnedEngineWeights {
   EngineWeights weights_;
 };
 
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

@@ -6,14 +6,14 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/parallel_for.h"
 #include "common/status.h"
 #include "kernels/int4.h"
 #include "rollout_agent/load/block_copy.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 namespace {
 
-using internal::ParallelFor;
 using internal::Transpose;
 
 constexpr int64_t kMinBytesPerThread = int64_t{1} << 20;
@@ -105,7 +105,7 @@ absl::Status RestoreParam(const EngineParam& p, const TensorView& engine, const 
       if (p.marlin.experts > 0) return kernels::MarlinToGptq(engine, nullptr, loaded, ko);
       const int64_t n = p.loaded_shape[0], kw = p.loaded_shape[1];
       const MutableTensorView gptq(DType::kI32, {kw, n}, scratch.first(loaded.nbytes()));
-      WSYNC_RETURN_IF_ERROR(kernels::MarlinToGptq(engine, nullptr, gptq, ko));
+      RETURN_IF_ERROR(kernels::MarlinToGptq(engine, nullptr, gptq, ko));
       Transpose(gptq.bytes().data(), kw, n, loaded.bytes().data(), 4, o.num_threads);
       return absl::OkStatus();
     }
@@ -113,7 +113,7 @@ absl::Status RestoreParam(const EngineParam& p, const TensorView& engine, const 
       if (p.marlin.experts > 0) return PermuteScalesAs(engine, loaded, p.marlin.grouped_scale_perm, true, ko);
       const int64_t n = p.loaded_shape[0], rows = p.loaded_shape[1];
       const MutableTensorView t(p.dtype, {rows, n}, scratch.first(loaded.nbytes()));
-      WSYNC_RETURN_IF_ERROR(PermuteScalesAs(engine, t, p.marlin.grouped_scale_perm, true, ko));
+      RETURN_IF_ERROR(PermuteScalesAs(engine, t, p.marlin.grouped_scale_perm, true, ko));
       Transpose(t.bytes().data(), rows, n, loaded.bytes().data(), ItemSize(p.dtype), o.num_threads);
       return absl::OkStatus();
     }
@@ -155,7 +155,7 @@ absl::Status CheckDisjoint(const Staging& staging, const EngineWeights& engine) 
 }
 
 absl::Status Validate(const Staging& staging, const EngineWeights& engine, absl::string_view what) {
-  WSYNC_RETURN_IF_ERROR(Annotate(engine.CheckMatches(staging.layout()), absl::StrCat(what, " refused")));
+  RETURN_IF_ERROR(Annotate(engine.CheckMatches(staging.layout()), absl::StrCat(what, " refused")));
   return Annotate(CheckDisjoint(staging, engine), absl::StrCat(what, " refused"));
 }
 
@@ -169,22 +169,22 @@ absl::StatusOr<Buffer> AllocateScratch(int64_t bytes, absl::string_view what) {
 
 absl::Status Commit(const Staging& staging, EngineWeights& engine, const RepackOptions& options) {
   const EngineLayout& layout = staging.layout();
-  WSYNC_RETURN_IF_ERROR(Annotate(staging.CheckComplete(), "commit refused"));
-  WSYNC_RETURN_IF_ERROR(Validate(staging, engine, "commit"));
+  RETURN_IF_ERROR(Annotate(staging.CheckComplete(), "commit refused"));
+  RETURN_IF_ERROR(Validate(staging, engine, "commit"));
   int64_t max_loaded = 0;
   for (const EngineParam& p : layout.params())
     if (p.kind != ParamKind::kPlain) max_loaded = std::max(max_loaded, NumBytes(p.dtype, p.loaded_shape).value_or(0));
-  WSYNC_ASSIGN_OR_RETURN(Buffer scratch, AllocateScratch(ScratchBytes(layout), "commit"));
+  ASSIGN_OR_RETURN(Buffer scratch, AllocateScratch(ScratchBytes(layout), "commit"));
   Buffer check, check_scratch;
   if (options.verify) {
-    WSYNC_ASSIGN_OR_RETURN(check, AllocateScratch(max_loaded, "commit"));
-    WSYNC_ASSIGN_OR_RETURN(check_scratch, AllocateScratch(ScratchBytes(layout), "commit"));
+    ASSIGN_OR_RETURN(check, AllocateScratch(max_loaded, "commit"));
+    ASSIGN_OR_RETURN(check_scratch, AllocateScratch(ScratchBytes(layout), "commit"));
   }
   // Nothing has been written so far; from here on only kernel bugs can fail.
   const auto& params = layout.params();
   for (size_t i = 0; i < params.size(); ++i) {
     const EngineParam& p = params[i];
-    WSYNC_ASSIGN_OR_RETURN(const MutableTensorView dst, engine.View(p.name));
+    ASSIGN_OR_RETURN(const MutableTensorView dst, engine.View(p.name));
     const absl::Status st = CommitParam(p, Const(staging.param(static_cast<int>(i))), dst, scratch.span(), options);
     if (!st.ok())
       return absl::InternalError(absl::StrCat("commit of ", p.name, " failed after validation (engine partially written): ",
@@ -194,14 +194,14 @@ absl::Status Commit(const Staging& staging, EngineWeights& engine, const RepackO
   for (size_t i = 0; i < params.size(); ++i) {
     const EngineParam& p = params[i];
     const MutableTensorView want = staging.param(static_cast<int>(i));
-    WSYNC_ASSIGN_OR_RETURN(const MutableTensorView src, engine.View(p.name));
+    ASSIGN_OR_RETURN(const MutableTensorView src, engine.View(p.name));
     if (p.kind == ParamKind::kPlain) {
       if (std::memcmp(src.data(), want.data(), want.nbytes()) != 0)
         return absl::InternalError(absl::StrCat("commit verify: engine ", p.name, " differs from staging"));
       continue;
     }
     const MutableTensorView got(p.dtype, p.loaded_shape, check.span().first(want.nbytes()));
-    WSYNC_RETURN_IF_ERROR(RestoreParam(p, Const(src), got, check_scratch.span(), options));
+    RETURN_IF_ERROR(RestoreParam(p, Const(src), got, check_scratch.span(), options));
     if (std::memcmp(got.data(), want.data(), want.nbytes()) != 0)
       return absl::InternalError(absl::StrCat("commit verify: ", p.name, " read back from Marlin differs from staging"));
   }
@@ -210,12 +210,12 @@ absl::Status Commit(const Staging& staging, EngineWeights& engine, const RepackO
 
 absl::Status Restore(const EngineWeights& engine, Staging& staging, const RepackOptions& options) {
   const EngineLayout& layout = staging.layout();
-  WSYNC_RETURN_IF_ERROR(Validate(staging, engine, "restore"));
-  WSYNC_ASSIGN_OR_RETURN(Buffer scratch, AllocateScratch(ScratchBytes(layout), "restore"));
+  RETURN_IF_ERROR(Validate(staging, engine, "restore"));
+  ASSIGN_OR_RETURN(Buffer scratch, AllocateScratch(ScratchBytes(layout), "restore"));
   const auto& params = layout.params();
   for (size_t i = 0; i < params.size(); ++i) {
     const EngineParam& p = params[i];
-    WSYNC_ASSIGN_OR_RETURN(const MutableTensorView src, engine.View(p.name));
+    ASSIGN_OR_RETURN(const MutableTensorView src, engine.View(p.name));
     const absl::Status st = RestoreParam(p, Const(src), staging.param(static_cast<int>(i)), scratch.span(), options);
     if (!st.ok()) {
       staging.ResetCoverage();
@@ -278,12 +278,12 @@ absl::StatusOr<Tensor> DequantizeToDense(const EngineLinear& linear, const Engin
     return absl::InvalidArgumentError("DequantizeToDense: out_dtype must be F32 or BF16");
   const int64_t E = std::max<int64_t>(linear.experts, 1), n = linear.n, k = linear.k;
   Shape out_shape = linear.experts > 0 ? Shape{linear.experts, n, k} : Shape{n, k};
-  WSYNC_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(options.out_dtype, out_shape));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(options.out_dtype, out_shape));
   std::byte* o = reinterpret_cast<std::byte*>(out.data_as<uint8_t>());
   const DType odt = options.out_dtype;
   if (!linear.quantized) {
     const EngineParam& p = layout.params()[static_cast<size_t>(linear.weight)];
-    WSYNC_RETURN_IF_ERROR(CheckView(weight, p, form));
+    RETURN_IF_ERROR(CheckView(weight, p, form));
     const std::byte* w = weight.bytes().data();
     ParallelFor(E * n, options.num_threads, 256, [&](int64_t b, int64_t e) {
       for (int64_t i = b * k; i < e * k; ++i) Store(o, i, PlainAt(w, i, p.dtype), odt);
@@ -292,8 +292,8 @@ absl::StatusOr<Tensor> DequantizeToDense(const EngineLinear& linear, const Engin
   }
   const EngineParam& pk = layout.params()[static_cast<size_t>(linear.packed)];
   const EngineParam& ps = layout.params()[static_cast<size_t>(linear.scale)];
-  WSYNC_RETURN_IF_ERROR(CheckView(weight, pk, form));
-  WSYNC_RETURN_IF_ERROR(CheckView(scale, ps, form));
+  RETURN_IF_ERROR(CheckView(weight, pk, form));
+  RETURN_IF_ERROR(CheckView(scale, ps, form));
   const int64_t rows = pk.marlin.scale_rows;
   const int64_t G = linear.group_size > 0 ? linear.group_size : k;
   const DType sdt = ps.dtype;
@@ -315,24 +315,24 @@ absl::StatusOr<Tensor> DequantizeToDense(const EngineLinear& linear, const Engin
   if (form == ParamForm::kEngine) {
     const Shape gshape = linear.experts > 0 ? Shape{linear.experts, k / 8, n} : Shape{k / 8, n};
     const Shape sshape = linear.experts > 0 ? Shape{linear.experts, rows, n} : Shape{rows, n};
-    WSYNC_ASSIGN_OR_RETURN(gptq_t, Tensor::Empty(DType::kI32, gshape));
-    WSYNC_ASSIGN_OR_RETURN(scale_t, Tensor::Empty(sdt, sshape));
+    ASSIGN_OR_RETURN(gptq_t, Tensor::Empty(DType::kI32, gshape));
+    ASSIGN_OR_RETURN(scale_t, Tensor::Empty(sdt, sshape));
     // Engine buffers may be unaligned for the kernels' checks only if the caller built odd views;
     // copy to aligned memory first in that case.
     Tensor w_copy, s_copy;
     TensorView wv = weight, sv = scale;
     if (!weight.IsAligned(4)) {
-      WSYNC_ASSIGN_OR_RETURN(w_copy, Tensor::CopyOf(weight));
+      ASSIGN_OR_RETURN(w_copy, Tensor::CopyOf(weight));
       wv = w_copy.view();
     }
     if (!scale.IsAligned(2)) {
-      WSYNC_ASSIGN_OR_RETURN(s_copy, Tensor::CopyOf(scale));
+      ASSIGN_OR_RETURN(s_copy, Tensor::CopyOf(scale));
       sv = s_copy.view();
     }
     kernels::KernelOptions ko;
     ko.num_threads = options.num_threads;
-    WSYNC_RETURN_IF_ERROR(kernels::MarlinToGptq(wv, nullptr, gptq_t.mutable_view(), ko));
-    WSYNC_RETURN_IF_ERROR(PermuteScalesAs(sv, scale_t.mutable_view(), pk.marlin.grouped_scale_perm, true, ko));
+    RETURN_IF_ERROR(kernels::MarlinToGptq(wv, nullptr, gptq_t.mutable_view(), ko));
+    RETURN_IF_ERROR(PermuteScalesAs(sv, scale_t.mutable_view(), pk.marlin.grouped_scale_perm, true, ko));
     w = gptq_t.view().bytes().data();
     s = scale_t.view().bytes().data();
   }
@@ -354,11 +354,11 @@ absl::StatusOr<Tensor> DequantizeToDense(const EngineLayout& layout, absl::strin
   if (li < 0) return absl::NotFoundError(absl::StrCat("DequantizeToDense: no linear named ", linear_name));
   const EngineLinear& lin = layout.linears()[static_cast<size_t>(li)];
   const auto& params = layout.params();
-  WSYNC_ASSIGN_OR_RETURN(const MutableTensorView w,
+  ASSIGN_OR_RETURN(const MutableTensorView w,
                          engine.View(params[static_cast<size_t>(lin.quantized ? lin.packed : lin.weight)].name));
   MutableTensorView s;
   if (lin.quantized) {
-    WSYNC_ASSIGN_OR_RETURN(s, engine.View(params[static_cast<size_t>(lin.scale)].name));
+    ASSIGN_OR_RETURN(s, engine.View(params[static_cast<size_t>(lin.scale)].name));
   }
   return DequantizeToDense(lin, layout, w, s, ParamForm::kEngine, options);
 }
@@ -374,4 +374,4 @@ absl::StatusOr<Tensor> DequantizeToDense(absl::string_view linear_name, const St
   return DequantizeToDense(lin, layout, w, s, ParamForm::kLoaded, options);
 }
 
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

@@ -37,7 +37,7 @@
 #include "rollout_agent/load/loader.h"
 #include "rollout_agent/repack/engine_weights.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 
 struct RepackOptions {
   int num_threads = 0;  // 0: hardware concurrency (kernels: at most one thread per MiB)
@@ -66,4 +66,4 @@ absl::StatusOr<Tensor> DequantizeToDense(const EngineLayout& layout, absl::strin
 absl::StatusOr<Tensor> DequantizeToDense(absl::string_view linear_name, const Staging& staging,
                                          const DenseOptions& options = {});
 
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

@@ -23,16 +23,16 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/int4.h"
-#include "rollout_agent/load/testing/hf_model.h"
-#include "rollout_agent/load/testing/test_models.h"
+#include "model/testing/hf_model.h"
+#include "model/testing/test_models.h"
 
-namespace wsync::rollout {
+namespace wsync::rollout_agent {
 namespace {
 
 using ::testing::HasSubstr;
-using testing::HfModel;
-using testing::MakeHfModel;
-using testing::QuantJson;
+using model::testing::HfModel;
+using model::testing::MakeHfModel;
+using model::testing::QuantJson;
 
 // --- a small dense-matrix oracle -----------------------------------------------------------------
 
@@ -134,7 +134,7 @@ D PadRows(D x, int64_t total) {
 
 // What engine rank r of T (EP) holds, per ENGINE_LAYOUT.md §2 / §5, as dense float: keys are the
 // EngineLinear names (bf16 weight names) and the names of the other (plain) params.
-std::map<std::string, D> Oracle(const ModelConfig& c, int T, int r, int EP, const HfModel& m) {
+std::map<std::string, D> Oracle(const ModelConfig& c, int T, int r, int EP, const model::testing::HfModel& m) {
   std::map<std::string, D> o;
   auto H = [&](const std::string& name) { return FromTensor(m.dense.at(name)); };
   const int64_t Vp = (c.vocab_size + 63) / 64 * 64, P = Vp / T;
@@ -241,8 +241,8 @@ uint64_t EngineChecksum(const EngineWeights& e) {
   return h.Digest();
 }
 
-absl::Status LoadAll(Loader& loader, const HfModel& m) {
-  for (const std::string& name : m.order) WSYNC_RETURN_IF_ERROR(loader.Load(name, m.sent.at(name).view()));
+absl::Status LoadAll(Loader& loader, const model::testing::HfModel& m) {
+  for (const std::string& name : m.order) RETURN_IF_ERROR(loader.Load(name, m.sent.at(name).view()));
   return absl::OkStatus();
 }
 
@@ -271,24 +271,24 @@ const std::vector<std::pair<int, int>> kTp124 = {{1, 1}, {2, 1}, {4, 1}};
 std::vector<Case> Cases() {
   using namespace testing;  // NOLINT
   return {
-      {"llama_bf16", kLlamaJson, 0, {}, kTp124, 11},
-      {"llama_g128", kLlamaJson, 128, kAllInt4, kTp124, 12},
-      {"llama_g32", kLlamaJson, 32, kAllInt4, kTp124, 13},
-      {"llama_channel", kLlamaJson, -1, kAllInt4, kTp124, 14},
-      {"qwen2_tied_bf16", kQwen2Json, 0, {}, kTp124, 21},
-      {"qwen2_tied_g32", kQwen2Json, 32, kAllInt4, kTp124, 22},
-      {"qwen2_tied_g128", kQwen2Json, 128, kAllInt4, {{1, 1}, {2, 1}}, 23},
-      {"qwen3_mqa_bf16", kQwen3Json, 0, {}, kTp124, 31},
-      {"qwen3_mqa_g128", kQwen3Json, 128, kAllInt4, kTp124, 32},
-      {"qwen3moe_bf16", kQwen3MoeJson, 0, {}, {{1, 1}, {2, 1}, {2, 2}, {4, 1}, {4, 2}, {4, 4}}, 41},
-      {"qwen3moe_g128_slime", kQwen3MoeJson, 128, kSlime, {{1, 1}, {2, 1}, {2, 2}, {4, 2}, {4, 4}}, 42},
-      {"qwen3moe_g32_all", kQwen3MoeJson, 32, kAllInt4, {{1, 1}, {2, 2}, {4, 1}, {4, 4}}, 43},
-      {"qwen3moe_h128_g128_quirk", kQwen3MoeH128Json, 128, kSlime, {{1, 1}, {2, 2}}, 44},
-      {"deepseek_bf16", kDeepseekJson, 0, {}, {{1, 1}, {2, 1}, {4, 1}, {4, 2}, {4, 4}}, 51},
-      {"deepseek_g128_max", kDeepseekJson, 128, kDeepseekMaxInt4, {{1, 1}, {2, 1}, {4, 2}, {4, 4}}, 52},
-      {"deepseek_g32_slime", kDeepseekJson, 32, kSlime, {{2, 2}, {4, 1}}, 53},
-      {"deepseek_noqlora_g128", kDeepseekNoQLoraJson, 128, kDeepseekNoQLoraInt4, {{1, 1}, {2, 1}}, 54},
-      {"deepseek_noqlora_g32", kDeepseekNoQLoraJson, 32, kDeepseekNoQLoraInt4, {{4, 1}, {4, 4}}, 55},
+      {"llama_bf16", model::testing::kLlamaJson, 0, {}, kTp124, 11},
+      {"llama_g128", model::testing::kLlamaJson, 128, kAllInt4, kTp124, 12},
+      {"llama_g32", model::testing::kLlamaJson, 32, kAllInt4, kTp124, 13},
+      {"llama_channel", model::testing::kLlamaJson, -1, kAllInt4, kTp124, 14},
+      {"qwen2_tied_bf16", model::testing::kQwen2Json, 0, {}, kTp124, 21},
+      {"qwen2_tied_g32", model::testing::kQwen2Json, 32, kAllInt4, kTp124, 22},
+      {"qwen2_tied_g128", model::testing::kQwen2Json, 128, kAllInt4, {{1, 1}, {2, 1}}, 23},
+      {"qwen3_mqa_bf16", model::testing::kQwen3Json, 0, {}, kTp124, 31},
+      {"qwen3_mqa_g128", model::testing::kQwen3Json, 128, kAllInt4, kTp124, 32},
+      {"qwen3moe_bf16", model::testing::kQwen3MoeJson, 0, {}, {{1, 1}, {2, 1}, {2, 2}, {4, 1}, {4, 2}, {4, 4}}, 41},
+      {"qwen3moe_g128_slime", model::testing::kQwen3MoeJson, 128, kSlime, {{1, 1}, {2, 1}, {2, 2}, {4, 2}, {4, 4}}, 42},
+      {"qwen3moe_g32_all", model::testing::kQwen3MoeJson, 32, kAllInt4, {{1, 1}, {2, 2}, {4, 1}, {4, 4}}, 43},
+      {"qwen3moe_h128_g128_quirk", model::testing::kQwen3MoeH128Json, 128, kSlime, {{1, 1}, {2, 2}}, 44},
+      {"deepseek_bf16", model::testing::kDeepseekJson, 0, {}, {{1, 1}, {2, 1}, {4, 1}, {4, 2}, {4, 4}}, 51},
+      {"deepseek_g128_max", model::testing::kDeepseekJson, 128, kDeepseekMaxInt4, {{1, 1}, {2, 1}, {4, 2}, {4, 4}}, 52},
+      {"deepseek_g32_slime", model::testing::kDeepseekJson, 32, kSlime, {{2, 2}, {4, 1}}, 53},
+      {"deepseek_noqlora_g128", model::testing::kDeepseekNoQLoraJson, 128, kDeepseekNoQLoraInt4, {{1, 1}, {2, 1}}, 54},
+      {"deepseek_noqlora_g32", model::testing::kDeepseekNoQLoraJson, 32, kDeepseekNoQLoraInt4, {{4, 1}, {4, 4}}, 55},
   };
 }
 
@@ -345,16 +345,16 @@ TEST_P(RepackEndToEnd, LoadCommitVerifyRestore) {
   const ModelConfig& c = *cfg;
   std::optional<QuantizationConfig> q;
   if (tc.group != 0) {
-    auto parsed = ParseQuantizationConfig(QuantJson(tc.group, tc.ignore), tc.label);
+    auto parsed = ParseQuantizationConfig(model::testing::QuantJson(tc.group, tc.ignore), tc.label);
     ASSERT_TRUE(parsed.ok()) << parsed.status();
     q = *parsed;
   }
-  testing::HfModelOptions mo;
+  model::testing::HfModelOptions mo;
   mo.send_tied_lm_head = c.tie_word_embeddings;  // a tied lm_head.weight must be dropped
   mo.weight_shape_dtype = tc.seed % 2 ? DType::kI64 : DType::kI32;
-  auto model = MakeHfModel(c, q ? &*q : nullptr, tc.seed, mo);
+  auto model = model::testing::MakeHfModel(c, q ? &*q : nullptr, tc.seed, mo);
   ASSERT_TRUE(model.ok()) << model.status();
-  const HfModel& m = *model;
+  const model::testing::HfModel& m = *model;
   if (q) {
     ASSERT_FALSE(m.int4.empty());
   }
@@ -510,19 +510,19 @@ struct Fixture {
   std::optional<EngineLayout> layout;
   std::unique_ptr<Staging> staging;
   std::unique_ptr<OwnedEngineWeights> engine;
-  HfModel a, b;  // two versions
+  model::testing::HfModel a, b;  // two versions
 };
 
 // Qwen3-MoE, INT4 G=32 on everything but the router / embeddings, T=2, EP=2, rank 1, at version A.
 std::unique_ptr<Fixture> MakeFixture() {
   auto f = std::make_unique<Fixture>();
-  f->config = *ParseModelConfig(testing::kQwen3MoeJson, "fixture");
-  f->quant = *ParseQuantizationConfig(QuantJson(32, kAllInt4), "fixture");
+  f->config = *ParseModelConfig(model::testing::kQwen3MoeJson, "fixture");
+  f->quant = *ParseQuantizationConfig(model::testing::QuantJson(32, kAllInt4), "fixture");
   f->layout.emplace(*EngineLayout::Create(f->config, &f->quant, {2, 1, 2}));
   f->staging = *Staging::Create(*f->layout);
   f->engine = *OwnedEngineWeights::Allocate(*f->layout);
-  f->a = *MakeHfModel(f->config, &f->quant, 7001);
-  f->b = *MakeHfModel(f->config, &f->quant, 7002);
+  f->a = *model::testing::MakeHfModel(f->config, &f->quant, 7001);
+  f->b = *model::testing::MakeHfModel(f->config, &f->quant, 7002);
   Loader loader(f->staging.get());
   EXPECT_TRUE(LoadAll(loader, f->a).ok());
   EXPECT_TRUE(Commit(*f->staging, f->engine->weights()).ok());
@@ -685,4 +685,4 @@ TEST(RepackTest, DequantizeToDenseBf16AndErrors) {
 }
 
 }  // namespace
-}  // namespace wsync::rollout
+}  // namespace wsync::rollout_agent

@@ -20,7 +20,7 @@ void OnSignal(int) { g_stop.store(true); }
 
 int main(int argc, char** argv) {
   CLI::App app("wsync-trainer-agent: the trainer side of wsync (one per Megatron rank, under mpirun)");
-  wsync::TrainerAgentOptions o;
+  wsync::trainer_agent::TrainerAgentOptions o;
   std::string quant_file;
   uint64_t bucket_mib = 512;
   double sync_timeout_s = 600;
@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
   o.security = *s;
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
-  absl::Status st = wsync::RunTrainerAgent(o, &g_stop);
+  absl::Status st = wsync::trainer_agent::RunTrainerAgent(o, &g_stop);
   if (!st.ok()) {
     WSYNC_LOG(ERROR) << st;
     std::fprintf(stderr, "wsync-trainer-agent: %s\n", st.ToString().c_str());

@@ -8,7 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "comm/bucket_stream.h"
+#include "comm/bucket/stream.h"
 #include "common/buffer_pool.h"
 #include "comm/communicator.h"
 #include "comm/store/store.h"
@@ -22,9 +22,9 @@
 #include "trainer_agent/source/shm_source.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 #include "trainer_agent/sync/rank_sync.h"
-#include "trainer_agent/sync/trainer_comms.h"
+#include "trainer_agent/gather/trainer_comms.h"
 
-namespace wsync {
+namespace wsync::trainer_agent {
 namespace {
 
 enum : uint32_t { kSync = 1, kStop = 2 };
@@ -100,9 +100,9 @@ class CommandChannel final : public TrainerSide {
 
 // A stage source's sink: the bucket stream to its group, progress counted in the store. A
 // data-plane failure makes it a drain (see the header) and is reported by status().
-class BroadcastSink final : public sync::BucketSink {
+class BroadcastSink final : public comm::BucketSink {
  public:
-  BroadcastSink(std::unique_ptr<Communicator> comm, Store* store, std::string prefix, CollectiveOptions options,
+  BroadcastSink(std::unique_ptr<comm::Communicator> comm, comm::Store* store, std::string prefix, comm::CollectiveOptions options,
                 BufferPool* pool)
       : comm_(std::move(comm)), sender_(*comm_, 0, 2, options, pool), store_(store), prefix_(std::move(prefix)) {}
 
@@ -123,7 +123,7 @@ class BroadcastSink final : public sync::BucketSink {
     return absl::OkStatus();
   }
   const absl::Status& status() const { return error_; }
-  const BucketStats& stats() const { return sender_.stats(); }
+  const comm::BucketStats& stats() const { return sender_.stats(); }
 
  private:
   absl::Status Drain(const absl::Status& s) {
@@ -132,9 +132,9 @@ class BroadcastSink final : public sync::BucketSink {
     comm_->Abort(s.message());
     return absl::OkStatus();
   }
-  std::unique_ptr<Communicator> comm_;
-  BucketSender sender_;
-  Store* store_;
+  std::unique_ptr<comm::Communicator> comm_;
+  comm::BucketSender sender_;
+  comm::Store* store_;
   std::string prefix_;
   absl::Status error_;
 };
@@ -150,13 +150,13 @@ absl::Status FromResult(const RankResult& r, int rank) {
 }
 
 // Every rank: OK only if every rank's `s` is OK; else the first failing rank's error.
-absl::Status Vote(Communicator& world, const absl::Status& s) {
+absl::Status Vote(comm::Communicator& world, const absl::Status& s) {
   RankResult mine;
   if (!s.ok()) SetMessage(mine, s);
   std::vector<RankResult> all(world.size());
-  ConstBytes in{&mine, sizeof(mine)};
-  MutableBytes out{all.data(), all.size() * sizeof(RankResult)};
-  RETURN_IF_ERROR(Await(world.AllGather({&in, 1}, {&out, 1})));
+  comm::ConstBytes in{&mine, sizeof(mine)};
+  comm::MutableBytes out{all.data(), all.size() * sizeof(RankResult)};
+  RETURN_IF_ERROR(comm::Await(world.AllGather({&in, 1}, {&out, 1})));
   for (int r = 0; r < world.size(); ++r) {
     if (all[r].code != 0) return FromResult(all[r], r);
   }
@@ -165,21 +165,21 @@ absl::Status Vote(Communicator& world, const absl::Status& s) {
 
 class Agent {
  public:
-  Agent(const TrainerAgentOptions& o, std::unique_ptr<Communicator> world) : opts_(o), world_(std::move(world)) {}
+  Agent(const TrainerAgentOptions& o, std::unique_ptr<comm::Communicator> world) : opts_(o), world_(std::move(world)) {}
 
   absl::Status Init(const std::atomic<bool>* stop) {
     absl::Status s;
-    const source::WeightSource* src = nullptr;
-    std::optional<source::DirSource> dir_source;
+    const WeightSource* src = nullptr;
+    std::optional<DirSource> dir_source;
     if (absl::StartsWith(opts_.source, "dir:")) {
       dir_ = opts_.source.substr(4);
-      auto d = source::DirSource::Open(dir_);
+      auto d = DirSource::Open(dir_);
       s = d.status();
       if (d.ok()) dir_source = std::move(*d);
       src = dir_source ? &*dir_source : nullptr;
     } else if (absl::StartsWith(opts_.source, "shm:")) {
       // The training process of this rank registers its tensors (trainer_client); wait for it.
-      auto shm = source::ShmSource::Start(
+      auto shm = ShmSource::Start(
           {.name = opts_.source.substr(4), .rank = world_->rank(), .world_size = world_->size()});
       s = shm.status();
       if (shm.ok()) {
@@ -200,7 +200,7 @@ class Agent {
     RETURN_IF_ERROR(Vote(*world_, s));
     layout_ = std::make_unique<ParallelLayout>(src->layout());
     stages_ = src->parallel().pp;
-    ASSIGN_OR_RETURN(comms_, sync::MakeTrainerComms(*world_, *layout_));
+    ASSIGN_OR_RETURN(comms_, MakeTrainerComms(*world_, *layout_));
     return absl::OkStatus();
   }
 
@@ -225,16 +225,16 @@ class Agent {
     // Every rank reaches the store at the address rank 0 actually bound (the flag may say port 0).
     char address[256] = {};
     if (coordinator) std::strncpy(address, coordinator->address().c_str(), sizeof(address) - 1);
-    MutableBytes ab{address, sizeof(address)};
-    RETURN_IF_ERROR(Annotate(Await(world_->Broadcast({&ab, 1}, 0)), "sharing the coordinator's address"));
-    store_ = GrpcStoreClient::Connect(address, absl::Seconds(30), opts_.security);
+    comm::MutableBytes ab{address, sizeof(address)};
+    RETURN_IF_ERROR(Annotate(comm::Await(world_->Broadcast({&ab, 1}, 0)), "sharing the coordinator's address"));
+    store_ = comm::GrpcStoreClient::Connect(address, absl::Seconds(30), opts_.security);
     if (shm_) {
       const std::string coordinator = address;
       shm_->SetSyncRequester([this, coordinator](uint64_t version, bool wait, absl::Duration timeout) {
         return RequestSync(coordinator, version, wait, timeout);
       });
     }
-    const CollectiveOptions forever{absl::InfiniteDuration()};
+    const comm::CollectiveOptions forever{absl::InfiniteDuration()};
     for (;;) {
       Command cmd;
       std::optional<SyncPlan> plan;
@@ -251,8 +251,8 @@ class Agent {
           cmd.type = kStop;
         }
       }
-      MutableBytes cb{&cmd, sizeof(cmd)};
-      RETURN_IF_ERROR(Annotate(Await(world_->Broadcast({&cb, 1}, 0, forever)), "command channel"));
+      comm::MutableBytes cb{&cmd, sizeof(cmd)};
+      RETURN_IF_ERROR(Annotate(comm::Await(world_->Broadcast({&cb, 1}, 0, forever)), "command channel"));
       if (cmd.type == kStop) break;
       auto report = RunSync(cmd);
       if (world_->rank() == 0) channel->Complete(std::move(report));
@@ -273,10 +273,10 @@ class Agent {
 
     // 1. Re-read the source (dir:) and form the stage groups; vote.
     absl::Status s;
-    std::optional<source::DirSource> dir_source;
-    const source::WeightSource* src = shm_.get();
+    std::optional<DirSource> dir_source;
+    const WeightSource* src = shm_.get();
     if (!shm_) {
-      auto d = source::DirSource::Open(dir_);
+      auto d = DirSource::Open(dir_);
       if (d.ok()) {
         dir_source = std::move(*d);
         src = &*dir_source;
@@ -286,18 +286,18 @@ class Agent {
     }
     std::unique_ptr<BroadcastSink> sink;
     if (s.ok() && is_source) {
-      GroupOptions g;
+      comm::GroupOptions g;
       g.store = store_.get();
       g.name = absl::StrCat("sync-", cmd.sync_id, "/pp", stage);
       g.rank = 0;
       g.size = static_cast<int>(cmd.num_agents) + 1;
       g.join_timeout = std::min(timeout, absl::Minutes(2));
       g.default_timeout = timeout;
-      auto backend = ParseBackend(cmd.backend);
-      auto comm = backend.ok() ? CreateGroup(*backend, g) : backend.status();
+      auto backend = comm::ParseBackend(cmd.backend);
+      auto comm = backend.ok() ? comm::CreateGroup(*backend, g) : backend.status();
       if (comm.ok()) {
         sink = std::make_unique<BroadcastSink>(std::move(*comm), store_.get(),
-                                               absl::StrCat("sync-", cmd.sync_id, "/progress/"), CollectiveOptions{timeout},
+                                               absl::StrCat("sync-", cmd.sync_id, "/progress/"), comm::CollectiveOptions{timeout},
                                                &bucket_pool_);
       } else {
         s = Annotate(comm.status(), absl::StrCat("stage ", stage, " data-plane group"));
@@ -309,15 +309,15 @@ class Agent {
     RankResult mine;
     mine.source = is_source;
     if (s.ok()) {
-      sync::SyncOptions so;
+      SyncOptions so;
       so.version = cmd.version;
       so.bucket_bytes = opts_.bucket_bytes;
       const std::optional<QuantizationConfig>& q = opts_.quant ? opts_.quant : src->model().quantization;
       so.quant = q ? &*q : nullptr;
       so.quant_threads = opts_.quant_threads;
-      so.collective = CollectiveOptions{timeout};
+      so.collective = comm::CollectiveOptions{timeout};
       so.workspace = &workspace_;
-      auto report = sync::RunRankSync(*src, comms_, sink.get(), so);
+      auto report = RunRankSync(*src, comms_, sink.get(), so);
       if (report.ok() && sink && !sink->status().ok()) report = sink->status();
       if (report.ok()) {
         const absl::Duration d[7] = {report->open, report->gather, report->convert, report->quantize,
@@ -336,9 +336,9 @@ class Agent {
 
     // 3. Results to every rank.
     std::vector<RankResult> all(world_->size());
-    ConstBytes in{&mine, sizeof(mine)};
-    MutableBytes out{all.data(), all.size() * sizeof(RankResult)};
-    RETURN_IF_ERROR(Await(world_->AllGather({&in, 1}, {&out, 1})));
+    comm::ConstBytes in{&mine, sizeof(mine)};
+    comm::MutableBytes out{all.data(), all.size() * sizeof(RankResult)};
+    RETURN_IF_ERROR(comm::Await(world_->AllGather({&in, 1}, {&out, 1})));
     for (int r = 0; r < world_->size(); ++r) {
       if (all[r].code != 0) return FromResult(all[r], r);
     }
@@ -364,7 +364,7 @@ class Agent {
   // A training process's sync request (shm: source), forwarded to the coordinator: TriggerSync
   // (queued behind a running sync; requests for the same version coalesce), then, with `wait`,
   // WatchSync until the sync has ended.
-  absl::StatusOr<source::SyncRequestResult> RequestSync(const std::string& coordinator, uint64_t version, bool wait,
+  absl::StatusOr<SyncRequestResult> RequestSync(const std::string& coordinator, uint64_t version, bool wait,
                                                         absl::Duration timeout) {
     const absl::Duration bound = std::min(timeout, absl::Hours(24));
     auto stub = v1::Coordinator::NewStub(MakeChannel(coordinator, opts_.security));
@@ -375,7 +375,7 @@ class Agent {
     req.set_wait_if_busy(true);
     v1::TriggerSyncReply reply;
     RETURN_IF_ERROR(Annotate(FromGrpcStatus(stub->TriggerSync(&ctx, req, &reply)), "requesting a sync"));
-    source::SyncRequestResult result{reply.sync_id(), reply.version(), reply.coalesced()};
+    SyncRequestResult result{reply.sync_id(), reply.version(), reply.coalesced()};
     WSYNC_LOG(INFO) << "the training process asked for version " << version << ": sync " << result.sync_id
                     << (result.coalesced ? " (already requested)" : " queued");
     if (!wait) return result;
@@ -395,24 +395,24 @@ class Agent {
   }
 
   TrainerAgentOptions opts_;
-  std::unique_ptr<Communicator> world_;
-  std::unique_ptr<source::ShmSource> shm_;  // shm: source (else dir_ is re-read every sync)
+  std::unique_ptr<comm::Communicator> world_;
+  std::unique_ptr<ShmSource> shm_;  // shm: source (else dir_ is re-read every sync)
   std::string dir_;
   std::unique_ptr<ParallelLayout> layout_;
   int stages_ = 1;
-  sync::TrainerComms comms_;
-  sync::SyncWorkspace workspace_;  // gather buffers kept across syncs
+  TrainerComms comms_;
+  SyncWorkspace workspace_;  // gather buffers kept across syncs
   // Bucket buffers kept across syncs (stage sources only): two on the wire + the one being built.
   BufferPool bucket_pool_{3};
-  std::unique_ptr<Store> store_;
+  std::unique_ptr<comm::Store> store_;
 };
 
 }  // namespace
 
 absl::Status RunTrainerAgent(const TrainerAgentOptions& options, const std::atomic<bool>* stop) {
-  MpiOptions mo;
+  comm::MpiOptions mo;
   mo.default_timeout = options.sync_timeout;
-  ASSIGN_OR_RETURN(auto world, CreateMpiWorld(mo));
+  ASSIGN_OR_RETURN(auto world, comm::CreateMpiWorld(mo));
   SetLogIdentity("trainer", world->rank());
   Agent agent(options, std::move(world));
   absl::Status s = agent.Init(stop);
@@ -425,4 +425,4 @@ absl::Status RunTrainerAgent(const TrainerAgentOptions& options, const std::atom
   return agent.Run(stop);
 }
 
-}  // namespace wsync
+}  // namespace wsync::trainer_agent

@@ -26,7 +26,7 @@
 #include "common/config.h"
 #include "common/rpc_security.h"
 
-namespace wsync {
+namespace wsync::trainer_agent {
 
 struct TrainerAgentOptions {
   std::string source;                    // "dir:PATH" or "shm:NAME" (trainer_agent/source/)
@@ -44,4 +44,4 @@ struct TrainerAgentOptions {
 // Runs until Stop() (or SIGINT/SIGTERM through the caller). Returns the first fatal error.
 absl::Status RunTrainerAgent(const TrainerAgentOptions& options, const std::atomic<bool>* stop);
 
-}  // namespace wsync
+}  // namespace wsync::trainer_agent

@@ -13,19 +13,19 @@
 #include "absl/strings/str_replace.h"
 #include "trainer_agent/convert/hf_convert.h"
 #include "trainer_agent/convert/megatron_param.h"
-#include "trainer_agent/convert/reassemble.h"
+#include "tools/synth/reassemble.h"
 #include "trainer_agent/convert/shard_layout.h"
-#include "trainer_agent/convert/testing.h"
+#include "tools/synth/world.h"
 
-namespace wsync::convert {
+namespace wsync::trainer_agent {
 namespace {
 
 using ::testing::HasSubstr;
-using testing::BuildWorld;
-using testing::Parallel;
-using testing::SmallModel;
-using testing::SmallOptions;
-using testing::World;
+using tools::BuildWorld;
+using tools::Parallel;
+using tools::SmallModel;
+using tools::SmallOptions;
+using tools::World;
 
 constexpr uint64_t kSeed = 20261121;
 
@@ -70,25 +70,25 @@ const LayoutCase kLayouts[] = {
 
 bool IsMoe(Architecture a) { return a == Architecture::kQwen3Moe || a == Architecture::kDeepseekV3; }
 
-absl::StatusOr<SyntheticModel> MakeModel(const ModelCase& mc, uint64_t seed) {
-  SyntheticModelOptions o = SmallOptions(mc.arch);
+absl::StatusOr<tools::SyntheticModel> MakeModel(const ModelCase& mc, uint64_t seed) {
+  tools::SyntheticModelOptions o = tools::SmallOptions(mc.arch);
   o.tie = mc.tie;
   if (!mc.q_lora) o.q_lora_rank = 0;
-  if (!mc.mlp_only_layer) return SmallModel(o, seed);
-  ASSIGN_OR_RETURN(std::string json, SyntheticConfigJson(o));
+  if (!mc.mlp_only_layer) return tools::SmallModel(o, seed);
+  ASSIGN_OR_RETURN(std::string json, tools::SyntheticConfigJson(o));
   const std::string patched = absl::StrReplaceAll(json, {{"\"mlp_only_layers\": []", "\"mlp_only_layers\": [\n    1\n  ]"}});
   if (patched == json) return absl::InternalError("mlp_only_layers not found in the generated config");
-  SyntheticModel m;
+  tools::SyntheticModel m;
   m.config_json = patched;
   ASSIGN_OR_RETURN(m.config, ParseModelConfig(patched, "patched"));
-  ASSIGN_OR_RETURN(m.weights, GenerateSyntheticWeights(m.config, seed, 2));
+  ASSIGN_OR_RETURN(m.weights, tools::GenerateSyntheticWeights(m.config, seed, 2));
   return m;
 }
 
 SourceParallel ParallelFor(const LayoutCase& lc, Architecture arch) {
-  if (IsMoe(arch)) return Parallel(lc.tp, lc.pp, lc.ep, lc.etp, lc.dp, lc.layers_per_stage, lc.cp);
+  if (IsMoe(arch)) return tools::Parallel(lc.tp, lc.pp, lc.ep, lc.etp, lc.dp, lc.layers_per_stage, lc.cp);
   // Dense models have no EP: keep the TP / PP / DP / CP part of the layout.
-  return Parallel(lc.tp, lc.pp, 1, lc.tp, lc.dp, lc.layers_per_stage, lc.cp);
+  return tools::Parallel(lc.tp, lc.pp, 1, lc.tp, lc.dp, lc.layers_per_stage, lc.cp);
 }
 
 class RoundTripTest : public ::testing::TestWithParam<std::tuple<int, int>> {};
@@ -100,10 +100,10 @@ TEST_P(RoundTripTest, GatheredTensorsEqualTheHfCheckpointBitForBit) {
   SCOPED_TRACE(absl::StrCat(mc.name, " / ", lc.name, " / seed ", seed));
   auto model = MakeModel(mc, seed);
   ASSERT_TRUE(model.ok()) << model.status();
-  auto world = BuildWorld(*model, ParallelFor(lc, mc.arch));
+  auto world = tools::BuildWorld(*model, ParallelFor(lc, mc.arch));
   ASSERT_TRUE(world.ok()) << world.status();
 
-  auto report = VerifyAgainstHf(model->config, world->layout, world->parallel, world->Lookup(), model->weights);
+  auto report = tools::VerifyAgainstHf(model->config, world->layout, world->parallel, world->Lookup(), model->weights);
   ASSERT_TRUE(report.ok()) << report.status();
   auto specs = HfTensorSpecs(model->config);
   ASSERT_TRUE(specs.ok());
@@ -116,7 +116,7 @@ TEST_P(RoundTripTest, GatheredTensorsEqualTheHfCheckpointBitForBit) {
     auto plan = PlanRank(model->config, world->layout, world->parallel, rank);
     ASSERT_TRUE(plan.ok());
     std::vector<std::pair<std::string, TensorView>> named;
-    for (const RankTensor& t : tensors) named.emplace_back(t.param.local_name, t.view);
+    for (const tools::RankTensor& t : tensors) named.emplace_back(t.param.local_name, t.view);
     EXPECT_TRUE(BindToPlan(*plan, named, absl::StrCat("rank ", rank)).ok());
     const DenseCoord d = world->layout.Dense(rank);
     const ExpertCoord e = world->layout.Expert(rank);
@@ -143,18 +143,18 @@ INSTANTIATE_TEST_SUITE_P(AllArchitecturesAllLayouts, RoundTripTest,
 
 // A corrupted shard must be caught by the verification (the round-trip test can fail).
 TEST(RoundTrip, DetectsAFlippedBit) {
-  auto model = SmallModel(SmallOptions(Architecture::kQwen3Moe), kSeed);
+  auto model = tools::SmallModel(tools::SmallOptions(Architecture::kQwen3Moe), kSeed);
   ASSERT_TRUE(model.ok());
-  auto world = BuildWorld(*model, Parallel(2, 1, 2, 1, 1));
+  auto world = tools::BuildWorld(*model, tools::Parallel(2, 1, 2, 1, 1));
   ASSERT_TRUE(world.ok());
-  for (RankTensor& t : world->ranks[1])
+  for (tools::RankTensor& t : world->ranks[1])
     if (t.param.local_name == "decoder.layers.1.mlp.experts.linear_fc2.weight3") {
       EXPECT_EQ(t.owned.nbytes(), 0u);  // ETP 1: the shard is the HF tensor itself, not copied
       t.owned = *Tensor::CopyOf(t.view);
       t.owned.data_as<uint8_t>()[5] ^= 1;
       t.view = t.owned.view();
     }
-  auto report = VerifyAgainstHf(model->config, world->layout, world->parallel, world->Lookup(), model->weights);
+  auto report = tools::VerifyAgainstHf(model->config, world->layout, world->parallel, world->Lookup(), model->weights);
   ASSERT_FALSE(report.ok());
   EXPECT_EQ(report.status().code(), absl::StatusCode::kDataLoss);
   // EP rank 1 owns experts 4..7; local expert 3 is global expert 7.
@@ -170,13 +170,13 @@ std::vector<std::string> LocalNames(const std::vector<MegatronParam>& plan) {
 }
 
 TEST(PlanRank, Qwen3MoeOrderIsNamedParametersOrder) {
-  SyntheticModelOptions o = SmallOptions(Architecture::kQwen3Moe);
+  tools::SyntheticModelOptions o = tools::SmallOptions(Architecture::kQwen3Moe);
   o.layers = 1, o.experts = 4;
-  auto json = SyntheticConfigJson(o);
+  auto json = tools::SyntheticConfigJson(o);
   ASSERT_TRUE(json.ok());
   auto cfg = ParseModelConfig(*json, "t");
   ASSERT_TRUE(cfg.ok());
-  auto par = ResolveSourceParallel(*cfg, Parallel(1, 1, 2, 1, 2));
+  auto par = ResolveSourceParallel(*cfg, tools::Parallel(1, 1, 2, 1, 2));
   ASSERT_TRUE(par.ok()) << par.status();
   auto layout = MakeLayout(*cfg, *par);
   ASSERT_TRUE(layout.ok());
@@ -204,13 +204,13 @@ TEST(PlanRank, Qwen3MoeOrderIsNamedParametersOrder) {
 }
 
 TEST(PlanRank, DeepseekOrderShapesAndDtypes) {
-  SyntheticModelOptions o = SmallOptions(Architecture::kDeepseekV3);
+  tools::SyntheticModelOptions o = tools::SmallOptions(Architecture::kDeepseekV3);
   o.layers = 2;
-  auto json = SyntheticConfigJson(o);
+  auto json = tools::SyntheticConfigJson(o);
   ASSERT_TRUE(json.ok());
   auto cfg = ParseModelConfig(*json, "t");
   ASSERT_TRUE(cfg.ok());
-  auto par = ResolveSourceParallel(*cfg, Parallel(2, 1, 1, 2, 1));
+  auto par = ResolveSourceParallel(*cfg, tools::Parallel(2, 1, 1, 2, 1));
   ASSERT_TRUE(par.ok()) << par.status();
   auto layout = MakeLayout(*cfg, *par);
   ASSERT_TRUE(layout.ok());
@@ -275,9 +275,9 @@ TEST(PlanRank, DeepseekOrderShapesAndDtypes) {
 }
 
 TEST(PlanRank, DeepseekWithoutQLoraUsesLinearQProj) {
-  SyntheticModelOptions o = SmallOptions(Architecture::kDeepseekV3);
+  tools::SyntheticModelOptions o = tools::SmallOptions(Architecture::kDeepseekV3);
   o.q_lora_rank = 0;
-  auto model = SmallModel(o, kSeed);
+  auto model = tools::SmallModel(o, kSeed);
   ASSERT_TRUE(model.ok()) << model.status();
   auto plan = PlanFullModel(model->config);
   ASSERT_TRUE(plan.ok());
@@ -290,9 +290,9 @@ TEST(PlanRank, DeepseekWithoutQLoraUsesLinearQProj) {
 }
 
 TEST(PlanRank, PipelineStagesUseLocalLayerIndicesAndGlobalOffsets) {
-  auto model = SmallModel(SmallOptions(Architecture::kQwen3), kSeed);
+  auto model = tools::SmallModel(tools::SmallOptions(Architecture::kQwen3), kSeed);
   ASSERT_TRUE(model.ok());
-  auto par = ResolveSourceParallel(model->config, Parallel(1, 3, 1, 1, 1, {1, 2, 1}));
+  auto par = ResolveSourceParallel(model->config, tools::Parallel(1, 3, 1, 1, 1, {1, 2, 1}));
   ASSERT_TRUE(par.ok()) << par.status();
   auto layout = MakeLayout(model->config, *par);
   ASSERT_TRUE(layout.ok());
@@ -313,9 +313,9 @@ TEST(PlanRank, PipelineStagesUseLocalLayerIndicesAndGlobalOffsets) {
 
 TEST(PlanRank, ExpertIdsFollowTheExpertGridNotTheTpRank) {
   // TP 2, ETP 2, EP 2, DP 2: ep_rank == dp_rank (RANKS.md §5); a wrong EP rank shows here.
-  auto model = SmallModel(SmallOptions(Architecture::kQwen3Moe), kSeed);
+  auto model = tools::SmallModel(tools::SmallOptions(Architecture::kQwen3Moe), kSeed);
   ASSERT_TRUE(model.ok());
-  auto par = ResolveSourceParallel(model->config, Parallel(2, 1, 2, 2, 2));
+  auto par = ResolveSourceParallel(model->config, tools::Parallel(2, 1, 2, 2, 2));
   ASSERT_TRUE(par.ok());
   auto layout = MakeLayout(model->config, *par);
   ASSERT_TRUE(layout.ok());
@@ -332,9 +332,9 @@ TEST(PlanRank, ExpertIdsFollowTheExpertGridNotTheTpRank) {
 }
 
 TEST(PlanRank, TiedEmbeddings) {
-  SyntheticModelOptions o = SmallOptions(Architecture::kQwen3);
+  tools::SyntheticModelOptions o = tools::SmallOptions(Architecture::kQwen3);
   o.tie = true;
-  auto model = SmallModel(o, kSeed);
+  auto model = tools::SmallModel(o, kSeed);
   ASSERT_TRUE(model.ok());
   EXPECT_FALSE(model->weights.Contains("lm_head.weight"));
   // PP 1: no output layer at all.
@@ -342,13 +342,13 @@ TEST(PlanRank, TiedEmbeddings) {
   ASSERT_TRUE(full.ok());
   for (const auto& p : *full) EXPECT_NE(p.local_name, "output_layer.weight");
   // PP 2: the last stage holds the copy, built from the embedding, never sent.
-  auto world = BuildWorld(*model, Parallel(2, 2, 1, 2, 1));
+  auto world = tools::BuildWorld(*model, tools::Parallel(2, 2, 1, 2, 1));
   ASSERT_TRUE(world.ok()) << world.status();
-  const RankTensor& out = world->ranks.at(3).back();
+  const tools::RankTensor& out = world->ranks.at(3).back();
   EXPECT_EQ(out.param.local_name, "output_layer.weight");
   EXPECT_FALSE(out.param.sent);
   EXPECT_EQ(out.param.hf_names[0], "model.embed_tokens.weight");
-  const RankTensor& emb = world->ranks.at(1).front();
+  const tools::RankTensor& emb = world->ranks.at(1).front();
   EXPECT_EQ(emb.param.local_name, "embedding.word_embeddings.weight");
   ASSERT_EQ(out.view.nbytes(), emb.view.nbytes());
   EXPECT_EQ(std::memcmp(out.view.data(), emb.view.data(), emb.view.nbytes()), 0);
@@ -360,13 +360,13 @@ TEST(PlanRank, TiedEmbeddings) {
 }
 
 TEST(Vocab, PaddingRowsAreZeroAndDroppedWithoutACopy) {
-  auto model = SmallModel(SmallOptions(Architecture::kLlama), kSeed);
+  auto model = tools::SmallModel(tools::SmallOptions(Architecture::kLlama), kSeed);
   ASSERT_TRUE(model.ok());
-  auto world = BuildWorld(*model, Parallel(4, 1, 1, 4, 1));
+  auto world = tools::BuildWorld(*model, tools::Parallel(4, 1, 1, 4, 1));
   ASSERT_TRUE(world.ok());
   EXPECT_EQ(world->parallel.padded_vocab_size, 1024);  // ceil(1000 / 512) * 512
   // TP rank 3 holds rows 768..1023: 232 real rows, then 24 zero rows.
-  const RankTensor& emb = world->ranks.at(3).front();
+  const tools::RankTensor& emb = world->ranks.at(3).front();
   ASSERT_EQ(emb.view.shape(), (Shape{256, 64}));
   const auto* p = reinterpret_cast<const uint8_t*>(emb.view.data());
   const size_t row = 64 * 2;
@@ -434,7 +434,7 @@ TEST(HfConvert, QkvSplitsByQueryGroupsAndRoundTrips) {
   EXPECT_THAT(Col0((*hf)[2].view), ::testing::ElementsAre(3, 7));
   EXPECT_FALSE((*hf)[0].aliases_input());
 
-  HfCheckpoint ckpt;
+  model::HfCheckpoint ckpt;
   for (auto& t : *hf) ASSERT_TRUE(ckpt.Add(t.name, *Tensor::CopyOf(t.view)).ok());
   auto back = HfToMegatronFull(cfg, p, ckpt);
   ASSERT_TRUE(back.ok()) << back.status();
@@ -471,18 +471,18 @@ TEST(HfConvert, RefusesWrongShapesAndMissingTensors) {
   ASSERT_FALSE(r.ok());
   EXPECT_THAT(r.status().message(), HasSubstr("expected I32[8, 2]"));
 
-  HfCheckpoint empty;
+  model::HfCheckpoint empty;
   auto missing = HfToMegatronFull(cfg, p, empty);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(missing.status().message(), HasSubstr("model.embed_tokens.weight"));
 
-  HfCheckpoint bad;
+  model::HfCheckpoint bad;
   ASSERT_TRUE(bad.Add("model.embed_tokens.weight", *Tensor::Zeros(DType::kI32, Shape{6, 2})).ok());
   auto mis = HfToMegatronFull(cfg, p, bad);
   ASSERT_FALSE(mis.ok());
   EXPECT_THAT(mis.status().message(), HasSubstr("expected shape [5, 2]"));
 
-  HfCheckpoint padded;
+  model::HfCheckpoint padded;
   Tensor five = RowLabels(Shape{5, 2});
   ASSERT_TRUE(padded.Add("model.embed_tokens.weight", std::move(five)).ok());
   auto full = HfToMegatronFull(cfg, p, padded);
@@ -493,16 +493,16 @@ TEST(HfConvert, RefusesWrongShapesAndMissingTensors) {
 // --- refusals -----------------------------------------------------------------------------------
 
 TEST(Refusals, UnsupportedModelsAndLayoutsAreNamed) {
-  SyntheticModelOptions o = SmallOptions(Architecture::kQwen3Moe);
+  tools::SyntheticModelOptions o = tools::SmallOptions(Architecture::kQwen3Moe);
   o.tie = true;
-  auto tied_moe = SyntheticConfigJson(o);
+  auto tied_moe = tools::SyntheticConfigJson(o);
   ASSERT_TRUE(tied_moe.ok());
   auto cfg = ParseModelConfig(*tied_moe, "t");
   ASSERT_TRUE(cfg.ok());
   EXPECT_EQ(CheckModelSupported(*cfg).code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(CheckModelSupported(*cfg).message(), HasSubstr("tie_word_embeddings"));
 
-  auto llama_json = SyntheticConfigJson(SmallOptions(Architecture::kLlama));
+  auto llama_json = tools::SyntheticConfigJson(tools::SmallOptions(Architecture::kLlama));
   ASSERT_TRUE(llama_json.ok());
   auto biased = ParseModelConfig(
       absl::StrReplaceAll(*llama_json, {{"\"attention_bias\": false", "\"attention_bias\": true"}}), "t");
@@ -511,31 +511,31 @@ TEST(Refusals, UnsupportedModelsAndLayoutsAreNamed) {
 
   auto llama = ParseModelConfig(*llama_json, "t");
   ASSERT_TRUE(llama.ok());
-  auto tp3 = ResolveSourceParallel(*llama, Parallel(3, 1, 1, 3, 1));
+  auto tp3 = ResolveSourceParallel(*llama, tools::Parallel(3, 1, 1, 3, 1));
   ASSERT_FALSE(tp3.ok());
   EXPECT_THAT(tp3.status().message(), HasSubstr("tp=3 does not divide num_attention_heads=8"));
-  auto tp8 = ResolveSourceParallel(*llama, Parallel(8, 1, 1, 8, 1));
+  auto tp8 = ResolveSourceParallel(*llama, tools::Parallel(8, 1, 1, 8, 1));
   EXPECT_THAT(tp8.status().message(), HasSubstr("tp=8 does not divide num_key_value_heads (query groups)=4"));
-  auto ep2 = ResolveSourceParallel(*llama, Parallel(1, 1, 2, 1, 2));
+  auto ep2 = ResolveSourceParallel(*llama, tools::Parallel(1, 1, 2, 1, 2));
   EXPECT_THAT(ep2.status().message(), HasSubstr("ep=2 needs a model with MoE layers"));
 
-  auto moe = ParseModelConfig(*SyntheticConfigJson(SmallOptions(Architecture::kQwen3Moe)), "t");
+  auto moe = ParseModelConfig(*tools::SyntheticConfigJson(tools::SmallOptions(Architecture::kQwen3Moe)), "t");
   ASSERT_TRUE(moe.ok());
-  auto ep3 = ResolveSourceParallel(*moe, Parallel(1, 1, 3, 1, 3));
+  auto ep3 = ResolveSourceParallel(*moe, tools::Parallel(1, 1, 3, 1, 3));
   EXPECT_THAT(ep3.status().message(), HasSubstr("ep=3 does not divide number of routed experts=8"));
-  auto etp3 = ResolveSourceParallel(*moe, Parallel(1, 1, 1, 3, 3));
+  auto etp3 = ResolveSourceParallel(*moe, tools::Parallel(1, 1, 1, 3, 3));
   EXPECT_THAT(etp3.status().message(), HasSubstr("etp=3 does not divide moe_intermediate_size=32"));
 }
 
 TEST(BindToPlan, NamesMissingUnknownAndMisShapedParameters) {
-  auto model = SmallModel(SmallOptions(Architecture::kQwen3Moe), kSeed);
+  auto model = tools::SmallModel(tools::SmallOptions(Architecture::kQwen3Moe), kSeed);
   ASSERT_TRUE(model.ok());
-  auto world = BuildWorld(*model, Parallel(2, 1, 2, 1, 1));
+  auto world = tools::BuildWorld(*model, tools::Parallel(2, 1, 2, 1, 1));
   ASSERT_TRUE(world.ok());
   const auto& tensors = world->ranks.at(0);
   std::vector<MegatronParam> plan;
   std::vector<std::pair<std::string, TensorView>> named;
-  for (const RankTensor& t : tensors) {
+  for (const tools::RankTensor& t : tensors) {
     plan.push_back(t.param);
     named.emplace_back(t.param.local_name, t.view);
   }
@@ -563,4 +563,4 @@ TEST(BindToPlan, NamesMissingUnknownAndMisShapedParameters) {
 }
 
 }  // namespace
-}  // namespace wsync::convert
+}  // namespace wsync::trainer_agent

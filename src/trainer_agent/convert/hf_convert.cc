@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 
-namespace wsync::convert {
+namespace wsync::trainer_agent {
 namespace {
 
 Shape WithRows(const Shape& shape, int64_t rows) {
@@ -90,16 +90,16 @@ absl::StatusOr<HfRowMap> HfRowMapFor(const ModelConfig& model, const MegatronPar
   return m;
 }
 
-absl::StatusOr<std::vector<HfTensor>> ToHf(const ModelConfig& model, const MegatronParam& p, TensorView full) {
+absl::StatusOr<std::vector<model::HfTensor>> ToHf(const ModelConfig& model, const MegatronParam& p, TensorView full) {
   RETURN_IF_ERROR(CheckFull(p, full));
-  std::vector<HfTensor> out;
+  std::vector<model::HfTensor> out;
   if (!p.sent) return out;
   ASSIGN_OR_RETURN(HfRowMap map, HfRowMapFor(model, p));
   const int64_t row_bytes = static_cast<int64_t>(full.nbytes()) / p.full_shape[0];
   const std::byte* base = full.bytes().data();
   out.resize(map.hf_shapes.size());
   for (size_t i = 0; i < map.hf_shapes.size(); ++i) {
-    HfTensor& t = out[i];
+    model::HfTensor& t = out[i];
     t.name = p.hf_names[i];
     const Shape& shape = map.hf_shapes[i];
     const int64_t hf_rows = shape[0];
@@ -127,7 +127,7 @@ absl::StatusOr<std::vector<HfTensor>> ToHf(const ModelConfig& model, const Megat
   return out;
 }
 
-absl::StatusOr<Tensor> HfToMegatronFull(const ModelConfig& model, const MegatronParam& p, const HfCheckpoint& hf) {
+absl::StatusOr<Tensor> HfToMegatronFull(const ModelConfig& model, const MegatronParam& p, const model::HfCheckpoint& hf) {
   ASSIGN_OR_RETURN(HfRowMap map, HfRowMapFor(model, p));
   std::vector<TensorView> sources(map.hf_shapes.size());
   std::vector<Tensor> widened(map.hf_shapes.size());
@@ -162,9 +162,9 @@ absl::StatusOr<Tensor> HfToMegatronFull(const ModelConfig& model, const Megatron
   return full;
 }
 
-absl::StatusOr<std::vector<HfTensorSpec>> HfTensorSpecs(const ModelConfig& model) {
+absl::StatusOr<std::vector<model::HfTensorSpec>> HfTensorSpecs(const ModelConfig& model) {
   ASSIGN_OR_RETURN(std::vector<MegatronParam> plan, PlanFullModel(model));
-  std::vector<HfTensorSpec> out;
+  std::vector<model::HfTensorSpec> out;
   for (const MegatronParam& p : plan) {
     if (!p.sent) continue;
     ASSIGN_OR_RETURN(HfRowMap map, HfRowMapFor(model, p));
@@ -173,4 +173,4 @@ absl::StatusOr<std::vector<HfTensorSpec>> HfTensorSpecs(const ModelConfig& model
   return out;
 }
 
-}  // namespace wsync::convert
+}  // namespace wsync::trainer_agent

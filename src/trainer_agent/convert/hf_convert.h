@@ -19,19 +19,11 @@
 #include "absl/status/statusor.h"
 #include "common/config.h"
 #include "common/tensor.h"
-#include "trainer_agent/convert/hf_checkpoint.h"
+#include "model/hf_checkpoint.h"
+#include "model/hf_tensor.h"
 #include "trainer_agent/convert/megatron_param.h"
 
-namespace wsync::convert {
-
-// One HF tensor. `view` aliases the caller's full tensor, or points into `owned` when the
-// conversion had to copy (then `owned` holds the bytes and moving the HfTensor keeps `view` valid).
-struct HfTensor {
-  std::string name;
-  TensorView view;
-  Tensor owned;
-  bool aliases_input() const { return owned.nbytes() == 0; }
-};
+namespace wsync::trainer_agent {
 
 // A contiguous run of rows shared by the full Megatron tensor and HF tensor `hf_index`.
 // Rows are the tensors' first dimension (elements for 1-D tensors).
@@ -49,23 +41,17 @@ absl::StatusOr<HfRowMap> HfRowMapFor(const ModelConfig& model, const MegatronPar
 
 // The HF tensors a gathered parameter becomes (none for the tied output copy, param.sent false).
 // `full` must have param.dtype and param.full_shape.
-absl::StatusOr<std::vector<HfTensor>> ToHf(const ModelConfig& model, const MegatronParam& param, TensorView full);
+absl::StatusOr<std::vector<model::HfTensor>> ToHf(const ModelConfig& model, const MegatronParam& param, TensorView full);
 
 // The reverse (used by the sharder): the full Megatron tensor built from the HF checkpoint. HF
 // tensors must have the parameter's dtype, except that a bf16/fp16 source of an fp32 parameter
 // (router.expert_bias) is widened exactly.
-absl::StatusOr<Tensor> HfToMegatronFull(const ModelConfig& model, const MegatronParam& param, const HfCheckpoint& hf);
+absl::StatusOr<Tensor> HfToMegatronFull(const ModelConfig& model, const MegatronParam& param, const model::HfCheckpoint& hf);
 
 // bf16 / fp16 -> fp32, exact (kInvalidArgument for other dtypes).
 absl::StatusOr<Tensor> WidenToF32(const TensorView& v);
 
-// An HF tensor of the model: what a checkpoint holds and a sync sends (before quantization).
-struct HfTensorSpec {
-  std::string name;
-  DType dtype;
-  Shape shape;
-};
 // Every HF tensor of the model in plan order (PlanFullModel). MTP layers are not included.
-absl::StatusOr<std::vector<HfTensorSpec>> HfTensorSpecs(const ModelConfig& model);
+absl::StatusOr<std::vector<model::HfTensorSpec>> HfTensorSpecs(const ModelConfig& model);
 
-}  // namespace wsync::convert
+}  // namespace wsync::trainer_agent

@@ -9,7 +9,7 @@
 #include "absl/strings/str_replace.h"
 #include "common/status.h"
 
-namespace wsync::convert {
+namespace wsync::trainer_agent {
 namespace {
 
 // The sizes every shape formula needs, read once from the config.
@@ -435,4 +435,4 @@ absl::StatusOr<std::vector<TensorView>> BindToPlan(const std::vector<MegatronPar
   return views;
 }
 
-}  // namespace wsync::convert
+}  // namespace wsync::trainer_agent

@@ -38,7 +38,7 @@
 #include "trainer_agent/convert/source_parallel.h"
 #include "trainer_agent/layout/parallel_layout.h"
 
-namespace wsync::convert {
+namespace wsync::trainer_agent {
 
 // How a parameter is split over its group (MEGATRON_TO_HF §2). The group is the TP group for
 // kTp* and kVocab, the expert-TP group for kExpert*, none for kReplicated.
@@ -109,4 +109,4 @@ absl::StatusOr<std::vector<TensorView>> BindToPlan(const std::vector<MegatronPar
                                                    const std::vector<std::pair<std::string, TensorView>>& tensors,
                                                    absl::string_view source);
 
-}  // namespace wsync::convert
+}  // namespace wsync::trainer_agent

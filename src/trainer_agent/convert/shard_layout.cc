@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 
-namespace wsync::convert {
+namespace wsync::trainer_agent {
 namespace {
 
 int64_t Bytes(DType dtype, const Shape& shape) {
@@ -107,4 +107,4 @@ absl::StatusOr<Tensor> ShardFull(const MegatronParam& p, const TensorView& full,
   return t;
 }
 
-}  // namespace wsync::convert
+}  // namespace wsync::trainer_agent

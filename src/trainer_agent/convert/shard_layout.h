@@ -20,7 +20,7 @@
 #include "common/tensor.h"
 #include "trainer_agent/convert/megatron_param.h"
 
-namespace wsync::convert {
+namespace wsync::trainer_agent {
 
 // `count` copies of `bytes` bytes: the i-th from local + local_offset + i*local_stride to
 // full + full_offset + i*full_stride.
@@ -45,4 +45,4 @@ absl::Status ShardFull(const MegatronParam& param, const TensorView& full, int r
 // Same, into a new tensor.
 absl::StatusOr<Tensor> ShardFull(const MegatronParam& param, const TensorView& full, int rank_in_group);
 
-}  // namespace wsync::convert
+}  // namespace wsync::trainer_agent

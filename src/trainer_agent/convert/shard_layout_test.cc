@@ -8,7 +8,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-namespace wsync::convert {
+namespace wsync::trainer_agent {
 namespace {
 
 using ::testing::ElementsAre;
@@ -122,4 +122,4 @@ TEST(ShardLayout, RefusesWrongCountsShapesAndOverlap) {
 }
 
 }  // namespace
-}  // namespace wsync::convert
+}  // namespace wsync::trainer_agent

@@ -9,7 +9,7 @@
 #include "common/status.h"
 #include "trainer_agent/convert/megatron_param.h"
 
-namespace wsync::convert {
+namespace wsync::trainer_agent {
 namespace {
 
 using Json = nlohmann::json;
@@ -155,4 +155,4 @@ std::string SourceParallelToJson(const SourceParallel& p) {
   return j.dump(2) + "\n";
 }
 
-}  // namespace wsync::convert
+}  // namespace wsync::trainer_agent

@@ -30,7 +30,7 @@
 #include "common/config.h"
 #include "trainer_agent/layout/parallel_layout.h"
 
-namespace wsync::convert {
+namespace wsync::trainer_agent {
 
 inline constexpr const char kDefaultRankOrder[] = "tp-cp-ep-dp-pp";
 inline constexpr int64_t kDefaultVocabDivisibleBy = 128;
@@ -71,4 +71,4 @@ absl::StatusOr<ParallelLayout> MakeLayout(const ModelConfig& model, const Source
 // parallel.json text with every key written (a resolved config round-trips exactly).
 std::string SourceParallelToJson(const SourceParallel& parallel);
 
-}  // namespace wsync::convert
+}  // namespace wsync::trainer_agent

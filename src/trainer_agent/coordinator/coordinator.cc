@@ -17,11 +17,12 @@
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
+#include "common/parallel_for.h"
 #include "common/status.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 #include "wsync/v1/rollout.grpc.pb.h"
 
-namespace wsync {
+namespace wsync::trainer_agent {
 namespace {
 
 struct MemberInfo {
@@ -44,14 +45,6 @@ struct SyncRecord {
   uint64_t expected_bytes = 0;
 };
 
-// Runs fn(i) for i in [0, n) on n threads; returns the statuses in order.
-std::vector<absl::Status> ParallelFor(size_t n, const std::function<absl::Status(size_t)>& fn) {
-  std::vector<absl::Status> out(n);
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < n; ++i) threads.emplace_back([&, i] { out[i] = fn(i); });
-  for (auto& t : threads) t.join();
-  return out;
-}
 
 }  // namespace
 
@@ -63,7 +56,7 @@ class Coordinator::Impl final : public v1::Coordinator::Service {
   }
 
   absl::Status Start() {
-    store_service_ = MakeStoreService(&store_, opts_.security);
+    store_service_ = comm::MakeStoreService(&store_, opts_.security);
     grpc::ServerBuilder builder;
     builder.AddListeningPort(opts_.listen, ServerCredentials(opts_.security), &port_);
     builder.RegisterService(this);
@@ -90,7 +83,7 @@ class Coordinator::Impl final : public v1::Coordinator::Service {
   }
 
   std::string address() const { return absl::StrCat(host_, ":", port_); }
-  MemoryStore& store() { return store_; }
+  comm::MemoryStore& store() { return store_; }
 
   // --- Membership ---------------------------------------------------------------------------------
   grpc::Status Join(grpc::ServerContext* ctx, const v1::JoinRequest* req, v1::JoinReply* reply) override {
@@ -261,7 +254,7 @@ class Coordinator::Impl final : public v1::Coordinator::Service {
                        grpc::Status (v1::RolloutAgent::Stub::*rpc)(grpc::ClientContext*, const Req&, Reply*),
                        std::vector<Reply>* replies) {
     replies->assign(members.size(), Reply());
-    auto statuses = ParallelFor(members.size(), [&](size_t i) {
+    auto statuses = RunConcurrently(members.size(), [&](size_t i) {
       grpc::ClientContext ctx;
       PrepareContext(&ctx, opts_.security, timeout);
       Req req = make(i);
@@ -573,7 +566,7 @@ class Coordinator::Impl final : public v1::Coordinator::Service {
 
   CoordinatorOptions opts_;
   TrainerSide* trainer_;
-  MemoryStore store_;
+  comm::MemoryStore store_;
   std::unique_ptr<grpc::Service> store_service_;
   std::unique_ptr<grpc::Server> server_;
   std::string host_;
@@ -608,6 +601,6 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const Coordinato
 Coordinator::Coordinator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Coordinator::~Coordinator() = default;
 std::string Coordinator::address() const { return impl_->address(); }
-MemoryStore& Coordinator::store() { return impl_->store(); }
+comm::MemoryStore& Coordinator::store() { return impl_->store(); }
 
-}  // namespace wsync
+}  // namespace wsync::trainer_agent

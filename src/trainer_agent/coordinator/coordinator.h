@@ -27,7 +27,7 @@
 #include "common/metrics.h"
 #include "common/rpc_security.h"
 
-namespace wsync {
+namespace wsync::trainer_agent {
 
 // What one sync asks of the trainer side.
 struct SyncPlan {
@@ -81,7 +81,7 @@ class Coordinator {
   ~Coordinator();  // stops serving; a running sync is aborted
 
   std::string address() const;  // "host:port" actually bound
-  MemoryStore& store();
+  comm::MemoryStore& store();
 
  private:
   class Impl;
@@ -89,4 +89,4 @@ class Coordinator {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace wsync
+}  // namespace wsync::trainer_agent

@@ -6,7 +6,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 
-namespace wsync {
+namespace wsync::trainer_agent {
 
 ParallelLayout::Grid ParallelLayout::MakeGrid(const std::array<int, 5>& size, const std::array<int, 5>& order) {
   Grid g;
@@ -123,4 +123,4 @@ std::string ParallelLayout::DebugString() const {
                          ep_, edp_, order_);
 }
 
-}  // namespace wsync
+}  // namespace wsync::trainer_agent

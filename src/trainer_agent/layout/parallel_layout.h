@@ -22,7 +22,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace wsync {
+namespace wsync::trainer_agent {
 
 struct ParallelSizes {
   int world_size = 1;
@@ -104,4 +104,4 @@ class ParallelLayout {
   Grid dense_, expert_;
 };
 
-}  // namespace wsync
+}  // namespace wsync::trainer_agent

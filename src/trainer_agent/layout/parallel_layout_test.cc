@@ -5,7 +5,7 @@
 #include <set>
 #include <vector>
 
-namespace wsync {
+namespace wsync::trainer_agent {
 namespace {
 
 ParallelSizes Sizes(int w, int tp, int pp, int ep, int etp, int64_t experts, int cp = 1,
@@ -161,4 +161,4 @@ TEST(ParallelLayoutTest, InvalidLayoutsAreRefused) {
 }
 
 }  // namespace
-}  // namespace wsync
+}  // namespace wsync::trainer_agent

@@ -1,5 +1,5 @@
 // The `dir:PATH` weight source: a Megatron source directory (format in
-// trainer_agent/convert/sharder.h: config.json, parallel.json, rank-{global_rank:05d}.safetensors).
+// tools/synth/sharder.h: config.json, parallel.json, rank-{global_rank:05d}.safetensors).
 //
 //   ASSIGN_OR_RETURN(DirSource src, DirSource::Open("/data/step-100"));   // config + parallel.json
 //   ASSIGN_OR_RETURN(RankShard shard, src.OpenRank(my_rank));            // mmap + validate
@@ -27,14 +27,13 @@
 #include "common/config.h"
 #include "common/safetensors.h"
 #include "common/tensor.h"
-#include "trainer_agent/convert/hf_checkpoint.h"
+#include "model/hf_checkpoint.h"
 #include "trainer_agent/convert/megatron_param.h"
-#include "trainer_agent/convert/reassemble.h"
 #include "trainer_agent/convert/source_parallel.h"
 #include "trainer_agent/layout/parallel_layout.h"
 #include "trainer_agent/source/weight_source.h"
 
-namespace wsync::source {
+namespace wsync::trainer_agent {
 
 class DirSource final : public WeightSource {
  public:
@@ -58,8 +57,7 @@ class DirSource final : public WeightSource {
   SourceModel model_;
 };
 
-// Simulates every stage's gathers from the source's rank files (each opened once) and compares
-// the HF tensors bit for bit with `hf` (convert::VerifyAgainstHf). Used by wsync-shard --verify.
-absl::StatusOr<convert::VerifyReport> VerifyDirSource(const DirSource& source, const convert::HfCheckpoint& hf);
+// The file of global rank `global_rank` in a dir: source ("rank-00003.safetensors").
+std::string RankFileName(int global_rank);
 
-}  // namespace wsync::source
+}  // namespace wsync::trainer_agent

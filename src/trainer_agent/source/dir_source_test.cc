@@ -12,9 +12,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
-#include "trainer_agent/convert/testing.h"
+#include "tools/synth/world.h"
 
-namespace wsync::source {
+namespace wsync::trainer_agent {
 namespace {
 
 using ::testing::HasSubstr;
@@ -27,12 +27,12 @@ class DirSourceTest : public ::testing::Test {
   void SetUp() override {
     dir_ = ::testing::TempDir() + "/dir_source_" + ::testing::UnitTest::GetInstance()->current_test_info()->name();
     fs::remove_all(dir_);
-    auto m = convert::testing::SmallModel(convert::testing::SmallOptions(Architecture::kDeepseekV3), kSeed);
+    auto m = tools::SmallModel(tools::SmallOptions(Architecture::kDeepseekV3), kSeed);
     ASSERT_TRUE(m.ok()) << m.status();
     model_ = std::move(*m);
     // TP 2, PP 2, EP 2, ETP 1, DP 2: 8 ranks, experts split over the TP group.
-    auto stats = convert::WriteMegatronSource(model_.config_json, model_.config, model_.weights,
-                                              convert::testing::Parallel(2, 2, 2, 1, 2), dir_);
+    auto stats = tools::WriteMegatronSource(model_.config_json, model_.config, model_.weights,
+                                              tools::Parallel(2, 2, 2, 1, 2), dir_);
     ASSERT_TRUE(stats.ok()) << stats.status();
     EXPECT_EQ(stats->files_built, 4);
     EXPECT_EQ(stats->files_copied, 4);
@@ -48,7 +48,7 @@ class DirSourceTest : public ::testing::Test {
   }
 
   std::string dir_;
-  convert::SyntheticModel model_;
+  tools::SyntheticModel model_;
 };
 
 TEST_F(DirSourceTest, OpensValidatesAndVerifiesBitExact) {
@@ -65,7 +65,7 @@ TEST_F(DirSourceTest, OpensValidatesAndVerifiesBitExact) {
       EXPECT_EQ(shard->tensors[i].dtype(), shard->params[i].dtype);
     }
   }
-  auto report = VerifyDirSource(*src, model_.weights);
+  auto report = tools::VerifyDirSource(*src, model_.weights);
   ASSERT_TRUE(report.ok()) << report.status();
   EXPECT_EQ(report->hf_bytes, model_.weights.TotalBytes());
   EXPECT_THAT(src->OpenRank(8).status().message(), HasSubstr("rank 8 is outside the world of 8 ranks"));
@@ -79,7 +79,7 @@ TEST_F(DirSourceTest, MissingRankFile) {
   EXPECT_EQ(shard.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(shard.status().message(), HasSubstr("rank-00005.safetensors of rank 5 is missing"));
   EXPECT_TRUE(src->OpenRank(4).ok());
-  EXPECT_EQ(VerifyDirSource(*src, model_.weights).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(tools::VerifyDirSource(*src, model_.weights).status().code(), absl::StatusCode::kNotFound);
 }
 
 using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
@@ -189,4 +189,4 @@ TEST_F(DirSourceTest, ReopenSeesAReplacedFileAndOldViewsStayValid) {
 }
 
 }  // namespace
-}  // namespace wsync::source
+}  // namespace wsync::trainer_agent

@@ -26,7 +26,7 @@
 #include "common/status.h"
 #include "trainer_client/protocol.h"
 
-namespace wsync::source {
+namespace wsync::trainer_agent {
 namespace tc = ::wsync::trainer_client;
 
 namespace {
@@ -61,7 +61,7 @@ struct ShmSource::Registration {
   int fd = -1;
   void* base = nullptr;
   uint64_t bytes = 0;
-  std::vector<convert::MegatronParam> params;
+  std::vector<MegatronParam> params;
   std::vector<TensorView> tensors;  // plan order
   struct Device {
     std::unique_ptr<CudaIpcMapping> mapping;
@@ -358,7 +358,7 @@ absl::StatusOr<std::shared_ptr<ShmSource::Registration>> ShmSource::Register(con
                                                    ", this agent serves shm:", options_.name, " rank ", options_.rank));
   ASSIGN_OR_RETURN(SourceModel model, ParseSourceModel(req.config_json, "the registered config_json", req.parallel_json,
                                                        "the registered parallel_json"));
-  const std::string canonical = convert::SourceParallelToJson(model.parallel);
+  const std::string canonical = SourceParallelToJson(model.parallel);
   if (options_.world_size > 0 && model.parallel.world_size != options_.world_size)
     return absl::InvalidArgumentError(absl::StrCat(who, ": parallel_json says world_size ", model.parallel.world_size,
                                                    " but ", options_.world_size, " trainer agents run"));
@@ -428,8 +428,8 @@ absl::StatusOr<std::shared_ptr<ShmSource::Registration>> ShmSource::Register(con
     ASSIGN_OR_RETURN(TensorView view, TensorView::Make(*dtype, std::move(shape), bytes, t.name));
     named.emplace_back(t.name, view);
   }
-  ASSIGN_OR_RETURN(reg->params, convert::PlanRank(model.model, model.layout, model.parallel, options_.rank));
-  ASSIGN_OR_RETURN(reg->tensors, convert::BindToPlan(reg->params, named, who));
+  ASSIGN_OR_RETURN(reg->params, PlanRank(model.model, model.layout, model.parallel, options_.rank));
+  ASSIGN_OR_RETURN(reg->tensors, BindToPlan(reg->params, named, who));
 
   absl::MutexLock lock(&state_->mu);
   if (state_->current && state_->current->connected.load())  // a concurrent registration won
@@ -478,4 +478,4 @@ absl::StatusOr<RankShard> ShmSource::OpenRank(int global_rank, uint64_t version)
   return shard;
 }
 
-}  // namespace wsync::source
+}  // namespace wsync::trainer_agent

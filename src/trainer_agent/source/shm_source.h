@@ -9,7 +9,7 @@
 //     (mode 0600, owned by the same uid) and every tensor (name, dtype, shape, offset; or a CUDA
 //     IPC handle). The agent opens and maps the segment read-only, checks the config and layout
 //     (against the first registration: the agents' layout is fixed once they have started) and
-//     binds the tensors to the rank's Megatron plan (convert::PlanRank / BindToPlan: missing,
+//     binds the tensors to the rank's Megatron plan (PlanRank / BindToPlan: missing,
 //     unknown, mis-typed or mis-shaped parameters are named). A refused registration changes
 //     nothing; an accepted one replaces the previous one only if that client has disconnected.
 //   - requests syncs: forwarded to the SyncRequester the agent installed (the coordinator's
@@ -45,7 +45,7 @@
 #include "trainer_agent/source/weight_source.h"
 #include "trainer_client/protocol.h"
 
-namespace wsync::source {
+namespace wsync::trainer_agent {
 
 struct ShmSourceOptions {
   std::string name;          // NAME of shm:NAME
@@ -94,4 +94,4 @@ class ShmSource final : public WeightSource {
   std::unique_ptr<State> state_;
 };
 
-}  // namespace wsync::source
+}  // namespace wsync::trainer_agent

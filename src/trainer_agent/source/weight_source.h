@@ -25,11 +25,11 @@
 #include "trainer_agent/convert/source_parallel.h"
 #include "trainer_agent/layout/parallel_layout.h"
 
-namespace wsync::source {
+namespace wsync::trainer_agent {
 
 struct RankShard {
   int global_rank = 0;
-  std::vector<convert::MegatronParam> params;  // PlanRank order
+  std::vector<MegatronParam> params;  // PlanRank order
   std::vector<TensorView> tensors;             // tensors[i] belongs to params[i]
   // Keeps the memory behind `tensors` valid (and, for shm, the trainer's update lock shared)
   // for as long as any copy lives.
@@ -44,7 +44,7 @@ struct RankShard {
 struct SourceModel {
   std::string config_json;  // verbatim (part of the ranks' agreement fingerprint)
   ModelConfig model;
-  convert::SourceParallel parallel;  // resolved
+  SourceParallel parallel;  // resolved
   ParallelLayout layout;
 };
 
@@ -59,7 +59,7 @@ class WeightSource {
   virtual const SourceModel& source_model() const = 0;
   const ModelConfig& model() const { return source_model().model; }
   const std::string& config_json() const { return source_model().config_json; }
-  const convert::SourceParallel& parallel() const { return source_model().parallel; }
+  const SourceParallel& parallel() const { return source_model().parallel; }
   const ParallelLayout& layout() const { return source_model().layout; }
 
   // The rank's parameters for the sync publishing `version` (see the file comment; 0: whatever
@@ -69,4 +69,4 @@ class WeightSource {
   virtual std::string Describe() const = 0;
 };
 
-}  // namespace wsync::source
+}  // namespace wsync::trainer_agent

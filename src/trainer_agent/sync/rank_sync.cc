@@ -18,11 +18,8 @@
 #include "trainer_agent/convert/shard_layout.h"
 #include "trainer_agent/quantize/quant_select.h"
 
-namespace wsync::sync {
+namespace wsync::trainer_agent {
 namespace {
-
-using convert::MegatronParam;
-using convert::ShardKind;
 
 constexpr uint64_t kRegionAlignment = 64;
 constexpr size_t kMaxAgreedMessage = 4096;
@@ -39,17 +36,17 @@ struct StartRecord {
 static_assert(sizeof(StartRecord) == 16);
 
 // Every rank learns every rank's opening status; all return the same result.
-absl::Status AgreeOnStart(Communicator& world, const absl::Status& local, uint64_t fingerprint,
-                          const CollectiveOptions& options) {
+absl::Status AgreeOnStart(comm::Communicator& world, const absl::Status& local, uint64_t fingerprint,
+                          const comm::CollectiveOptions& options) {
   const std::string message(local.message().substr(0, kMaxAgreedMessage));
   StartRecord mine;
   mine.code = static_cast<int32_t>(local.code());
   mine.message_bytes = static_cast<uint32_t>(message.size());
   mine.fingerprint = fingerprint;
   std::vector<StartRecord> all(static_cast<size_t>(world.size()));
-  ConstBytes in{&mine, sizeof(mine)};
-  MutableBytes out{all.data(), all.size() * sizeof(StartRecord)};
-  RETURN_IF_ERROR(Annotate(Await(world.AllGather({&in, 1}, {&out, 1}, options)),
+  comm::ConstBytes in{&mine, sizeof(mine)};
+  comm::MutableBytes out{all.data(), all.size() * sizeof(StartRecord)};
+  RETURN_IF_ERROR(Annotate(comm::Await(world.AllGather({&in, 1}, {&out, 1}, options)),
                            "agreeing with every rank that all shards opened"));
   std::vector<int> failed;
   for (int r = 0; r < world.size(); ++r)
@@ -68,9 +65,9 @@ absl::Status AgreeOnStart(Communicator& world, const absl::Status& local, uint64
   for (size_t r = 0; r < all.size(); ++r) total += sizes[r] = all[r].message_bytes;
   std::string messages(total, '\0');
   if (total > 0) {
-    ConstBytes min{message.data(), message.size()};
-    MutableBytes mout{messages.data(), messages.size()};
-    RETURN_IF_ERROR(Annotate(Await(world.AllGatherV(min, mout, sizes, options)),
+    comm::ConstBytes min{message.data(), message.size()};
+    comm::MutableBytes mout{messages.data(), messages.size()};
+    RETURN_IF_ERROR(Annotate(comm::Await(world.AllGatherV(min, mout, sizes, options)),
                              "gathering the ranks' opening errors"));
   }
   const int first = failed.front();
@@ -151,10 +148,10 @@ struct RowSegment {
 
 // The HF rows of group rank r's shard of `p` (r < 0: of the full tensor), from the parameter's
 // shard copies (convert/shard_layout.h) and HF row map.
-absl::StatusOr<std::vector<RowSegment>> RowSegments(const MegatronParam& p, const convert::HfRowMap& map, int r) {
+absl::StatusOr<std::vector<RowSegment>> RowSegments(const MegatronParam& p, const HfRowMap& map, int r) {
   std::vector<RowSegment> out;
   auto add = [&](int64_t local_row, int64_t full_row, int64_t rows) {
-    for (const convert::HfRowPiece& piece : map.pieces) {
+    for (const HfRowPiece& piece : map.pieces) {
       const int64_t lo = std::max(full_row, piece.full_row);
       const int64_t hi = std::min(full_row + rows, piece.full_row + piece.rows);
       if (lo < hi)
@@ -168,7 +165,7 @@ absl::StatusOr<std::vector<RowSegment>> RowSegments(const MegatronParam& p, cons
   ASSIGN_OR_RETURN(const int64_t local_bytes, NumBytes(p.dtype, p.local_shape));
   ASSIGN_OR_RETURN(const int64_t full_bytes, NumBytes(p.dtype, p.full_shape));
   const int64_t local_row = local_bytes / p.local_shape[0], full_row = full_bytes / p.full_shape[0];
-  for (const convert::StridedCopy& c : convert::ShardCopies(p, r)) {
+  for (const StridedCopy& c : ShardCopies(p, r)) {
     if (c.count == 1 && local_row == full_row && c.local_offset % local_row == 0 && c.full_offset % full_row == 0 &&
         c.bytes % local_row == 0) {
       add(c.local_offset / local_row, c.full_offset / full_row, c.bytes / local_row);  // a block of whole rows
@@ -225,9 +222,9 @@ std::string QuantFingerprint(const QuantizationConfig* q, kernels::QuantVariant 
 // all-gather output, in rank order, is then the full tensor itself.
 bool IsIdentityLayout(const MegatronParam& p, uint64_t local_bytes) {
   for (int r = 0; r < p.group_size; ++r) {
-    const auto copies = convert::ShardCopies(p, r);
+    const auto copies = ShardCopies(p, r);
     if (copies.size() != 1) return false;
-    const convert::StridedCopy& c = copies[0];
+    const StridedCopy& c = copies[0];
     const bool contiguous = c.count == 1 || (c.local_stride == c.bytes && c.full_stride == c.bytes);
     if (!contiguous || c.local_offset != 0 || static_cast<uint64_t>(c.count * c.bytes) != local_bytes ||
         static_cast<uint64_t>(c.full_offset) != static_cast<uint64_t>(r) * local_bytes)
@@ -252,7 +249,7 @@ uint64_t SyncWorkspace::bytes() const {
 
 class RankSync {
  public:
-  RankSync(const source::WeightSource& src, TrainerComms& comms, BucketSink* sink, const SyncOptions& o)
+  RankSync(const WeightSource& src, TrainerComms& comms, comm::BucketSink* sink, const SyncOptions& o)
       : src_(src), layout_(src.layout()), comms_(comms), sink_(sink), o_(o),
         ws_(o.workspace != nullptr ? *o.workspace : own_workspace_),
         slots_(ws_.slots_), etp_buffer_(ws_.etp_), scratch_(ws_.scratch_) {}
@@ -267,9 +264,9 @@ class RankSync {
     if (!s.ok() && failure_.ok()) failure_ = s;
   }
   bool converting() const { return source_ && failure_.ok(); }
-  void Wait(std::unique_ptr<Work>& w);
-  absl::StatusOr<std::unique_ptr<Work>> AllGather(Communicator& c, const std::vector<ConstBytes>& in,
-                                                  const std::vector<MutableBytes>& out);
+  void Wait(std::unique_ptr<comm::Work>& w);
+  absl::StatusOr<std::unique_ptr<comm::Work>> AllGather(comm::Communicator& c, const std::vector<comm::ConstBytes>& in,
+                                                  const std::vector<comm::MutableBytes>& out);
   absl::Status Emit(const MegatronParam& p, const TensorView& full);  // ToHf + quantize / copy into buckets
   absl::Status QuantizeIntoBucket(const std::string& name, const TensorView& w);
   absl::StatusOr<std::vector<MutableTensorView>> ReserveInt4(absl::string_view name, DType dtype, const Shape& packed,
@@ -287,10 +284,10 @@ class RankSync {
   kernels::QuantizeOptions KernelQuantOptions() const;
   absl::Status EnsureBuffer(Buffer& b, uint64_t bytes);
 
-  const source::WeightSource& src_;
+  const WeightSource& src_;
   const ParallelLayout& layout_;
   TrainerComms& comms_;
-  BucketSink* sink_;
+  comm::BucketSink* sink_;
   const SyncOptions& o_;
 
   int me_ = 0, stage_ = 0;
@@ -299,7 +296,7 @@ class RankSync {
   bool expert_member_ = false;  // in the stage's expert block (edp == 0)
   bool int4_members_ = false;   // expert member, INT4 config, experts gathered: INT4 experts quantized by their holders
   uint64_t gather_limit_ = 0;
-  source::RankShard shard_;
+  RankShard shard_;
   std::vector<Batch> dense_, experts_;
   // EP member m's expert params (source; every expert-block rank when experts may be INT4)
   std::vector<std::vector<MegatronParam>> member_experts_;
@@ -310,7 +307,7 @@ class RankSync {
   std::array<Buffer, 2>& slots_;
   Buffer& etp_buffer_;
   Buffer& scratch_;
-  std::optional<BucketBuilder> builder_;
+  std::optional<comm::BucketBuilder> builder_;
   absl::Status failure_;
   bool comm_failed_ = false;
   SyncReport report_;
@@ -392,7 +389,7 @@ absl::Status RankSync::Prepare() {
       if (p.is_expert) mine.push_back(&p);
     for (int member : layout_.EpGroup(me_)) {
       ASSIGN_OR_RETURN(std::vector<MegatronParam> plan,
-                       convert::PlanRank(src_.model(), layout_, src_.parallel(), member));
+                       PlanRank(src_.model(), layout_, src_.parallel(), member));
       std::vector<MegatronParam> ex;
       for (MegatronParam& p : plan)
         if (p.is_expert) ex.push_back(std::move(p));
@@ -439,7 +436,7 @@ absl::Status RankSync::Prepare() {
   RETURN_IF_ERROR(EnsureBuffer(scratch_, scratch_bytes));
 
   if (source_) {
-    BucketBuilderOptions bo;
+    comm::BucketBuilderOptions bo;
     bo.bucket_bytes = o_.bucket_bytes;
     bo.version = o_.version;
     bo.pp_stage = static_cast<uint32_t>(stage_);
@@ -448,7 +445,7 @@ absl::Status RankSync::Prepare() {
   return absl::OkStatus();
 }
 
-void RankSync::Wait(std::unique_ptr<Work>& w) {
+void RankSync::Wait(std::unique_ptr<comm::Work>& w) {
   if (w == nullptr) return;
   const absl::Time t0 = absl::Now();
   absl::Status s = w->Wait();
@@ -460,11 +457,11 @@ void RankSync::Wait(std::unique_ptr<Work>& w) {
   }
 }
 
-absl::StatusOr<std::unique_ptr<Work>> RankSync::AllGather(Communicator& c, const std::vector<ConstBytes>& in,
-                                                          const std::vector<MutableBytes>& out) {
-  if (in.empty()) return std::unique_ptr<Work>();
+absl::StatusOr<std::unique_ptr<comm::Work>> RankSync::AllGather(comm::Communicator& c, const std::vector<comm::ConstBytes>& in,
+                                                          const std::vector<comm::MutableBytes>& out) {
+  if (in.empty()) return std::unique_ptr<comm::Work>();
   ++report_.gather_calls;
-  for (const MutableBytes& b : out) report_.gather_bytes += b.nbytes;
+  for (const comm::MutableBytes& b : out) report_.gather_bytes += b.nbytes;
   const absl::Time t0 = absl::Now();
   auto w = c.AllGather(in, out, o_.collective);
   report_.gather += absl::Now() - t0;
@@ -489,7 +486,7 @@ absl::StatusOr<std::vector<MutableTensorView>> RankSync::ReserveInt4(absl::strin
   absl::string_view prefix = name;
   if (!absl::ConsumeSuffix(&prefix, ".weight"))
     return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", name, "\": not a *.weight tensor"));
-  const BucketBuilder::Pending pending[3] = {
+  const comm::BucketBuilder::Pending pending[3] = {
       {absl::StrCat(prefix, ".weight_packed"), DType::kI32, packed},
       {absl::StrCat(prefix, ".weight_scale"), dtype, scales},
       {absl::StrCat(prefix, ".weight_shape"), DType::kI64, Shape{2}},
@@ -520,17 +517,17 @@ absl::Status RankSync::QuantizeIntoBucket(const std::string& name, const TensorV
 absl::Status RankSync::PlanInt4(Item& it) {
   const size_t ordinal = static_cast<size_t>(it.ordinal);
   const MegatronParam& p = shard_.params[static_cast<size_t>(it.index)];
-  if (p.hf_op != convert::HfOp::kCopy && p.hf_op != convert::HfOp::kGlu) return absl::OkStatus();
+  if (p.hf_op != HfOp::kCopy && p.hf_op != HfOp::kGlu) return absl::OkStatus();
   for (const std::vector<MegatronParam>& member : member_experts_) {
     const MegatronParam& mp = member[ordinal];
-    ASSIGN_OR_RETURN(convert::HfRowMap map, convert::HfRowMapFor(src_.model(), mp));
+    ASSIGN_OR_RETURN(HfRowMap map, HfRowMapFor(src_.model(), mp));
     if (map.hf_shapes.size() != mp.hf_names.size())
       return absl::InternalError(absl::StrCat(mp.global_name, ": ", map.hf_shapes.size(), " HF shapes for ",
                                               mp.hf_names.size(), " HF names"));
     for (size_t h = 0; h < mp.hf_names.size(); ++h)
-      if (!quantize::IsQuantTarget(mp.hf_names[h], map.hf_shapes[h], *o_.quant)) return absl::OkStatus();
+      if (!model::IsQuantTarget(mp.hf_names[h], map.hf_shapes[h], *o_.quant)) return absl::OkStatus();
   }
-  ASSIGN_OR_RETURN(convert::HfRowMap map, convert::HfRowMapFor(src_.model(), p));
+  ASSIGN_OR_RETURN(HfRowMap map, HfRowMapFor(src_.model(), p));
   for (const Shape& s : map.hf_shapes)
     if (s.size() != 2 || s[1] != p.full_shape.back())
       return absl::InternalError(absl::StrCat(p.global_name, ": HF tensor ", ShapeToString(s),
@@ -668,12 +665,12 @@ absl::Status RankSync::CheckRecords(std::span<const std::byte> records, int coun
 
 absl::Status RankSync::Emit(const MegatronParam& p, const TensorView& full) {
   const absl::Time t0 = absl::Now();
-  absl::StatusOr<std::vector<convert::HfTensor>> hf = convert::ToHf(src_.model(), p, full);
+  absl::StatusOr<std::vector<model::HfTensor>> hf = ToHf(src_.model(), p, full);
   report_.convert += absl::Now() - t0;
   if (!hf.ok()) return hf.status();
-  for (const convert::HfTensor& t : *hf) {
+  for (const model::HfTensor& t : *hf) {
     report_.hf_bytes += t.view.nbytes();
-    if (o_.quant != nullptr && quantize::IsQuantTarget(t.name, t.view.shape(), *o_.quant)) {
+    if (o_.quant != nullptr && model::IsQuantTarget(t.name, t.view.shape(), *o_.quant)) {
       RETURN_IF_ERROR(QuantizeIntoBucket(t.name, t.view));
     } else {
       RETURN_IF_ERROR(builder_->Add(t.name, t.view));
@@ -686,10 +683,10 @@ absl::Status RankSync::Emit(const MegatronParam& p, const TensorView& full) {
 // TP all-gathers of the non-expert parameters, double-buffered; the source converts batch k
 // while batch k+1 is on the wire.
 void RankSync::RunDense() {
-  std::array<std::unique_ptr<Work>, 2> pending;
+  std::array<std::unique_ptr<comm::Work>, 2> pending;
   auto issue = [&](size_t j, int slot) {
-    std::vector<ConstBytes> in;
-    std::vector<MutableBytes> out;
+    std::vector<comm::ConstBytes> in;
+    std::vector<comm::MutableBytes> out;
     for (const Item& it : dense_[j].items) {
       if (!it.gathered) continue;
       const TensorView& t = shard_.tensors[static_cast<size_t>(it.index)];
@@ -716,7 +713,7 @@ void RankSync::RunDense() {
             shards.emplace_back(p.dtype, p.local_shape, region.subspan(r * it.local_bytes, it.local_bytes));
           MutableTensorView merged(p.dtype, p.full_shape, scratch_.span().subspan(0, it.full_bytes));
           const absl::Time t0 = absl::Now();
-          absl::Status s = convert::MergeShards(p, shards, merged);
+          absl::Status s = MergeShards(p, shards, merged);
           report_.convert += absl::Now() - t0;
           if (!s.ok()) return Fail(s);
           full = merged;
@@ -744,7 +741,7 @@ void RankSync::RunExperts() {
   const bool merger = coord.etp == 0;
   const uint64_t own = static_cast<uint64_t>(coord.ep), own_etp = static_cast<uint64_t>(coord.etp);
   auto plan_of = [&](const Item& it) -> const Int4Plan& { return int4_plans_[static_cast<size_t>(it.ordinal)]; };
-  std::array<std::unique_ptr<Work>, 2> pending;
+  std::array<std::unique_ptr<comm::Work>, 2> pending;
   auto issue = [&](size_t j, int slot) {
     const Batch& b = experts_[j];
     if (etp > 1) {
@@ -767,8 +764,8 @@ void RankSync::RunExperts() {
       }
       std::span<std::byte> records = etp_buffer_.span().subspan(0, kStatusRecordBytes * static_cast<uint64_t>(etp));
       WriteStatusRecord(records.subspan(own_etp * kStatusRecordBytes, kStatusRecordBytes));
-      std::vector<ConstBytes> in = {{records.data() + own_etp * kStatusRecordBytes, kStatusRecordBytes}};
-      std::vector<MutableBytes> out = {{records.data(), records.size()}};
+      std::vector<comm::ConstBytes> in = {{records.data() + own_etp * kStatusRecordBytes, kStatusRecordBytes}};
+      std::vector<comm::MutableBytes> out = {{records.data(), records.size()}};
       for (const Item& it : b.items) {
         std::byte* region = etp_buffer_.data() + it.etp_offset;
         if (it.int4 && plan_of(it).by_shard) {
@@ -779,7 +776,7 @@ void RankSync::RunExperts() {
         }
         out.push_back({region, it.etp_region});
       }
-      std::unique_ptr<Work> w;
+      std::unique_ptr<comm::Work> w;
       auto issued = AllGather(*comms_.etp, in, out);
       if (issued.ok()) w = std::move(*issued);
       else Fail(issued.status());
@@ -812,11 +809,11 @@ void RankSync::RunExperts() {
             scales.emplace_back(p.dtype, plan.scales.local_shape,
                                 shard.subspan(plan.local_scale_offset, plan.local_scale_bytes));
           }
-          s = convert::MergeShards(
+          s = MergeShards(
               plan.packed, packed,
               MutableTensorView(DType::kI32, plan.packed.full_shape, block.subspan(0, plan.packed_bytes)));
           if (s.ok())
-            s = convert::MergeShards(plan.scales, scales,
+            s = MergeShards(plan.scales, scales,
                                      MutableTensorView(p.dtype, plan.scales.full_shape,
                                                        block.subspan(plan.scale_offset, plan.scale_bytes)));
         } else if (etp > 1) {
@@ -824,7 +821,7 @@ void RankSync::RunExperts() {
           for (int r = 0; r < etp; ++r)
             shards.emplace_back(p.dtype, p.local_shape, region.subspan(r * it.local_bytes, it.local_bytes));
           std::span<std::byte> dst = it.int4 ? scratch_.span().subspan(0, it.full_bytes) : block;
-          s = convert::MergeShards(p, shards, MutableTensorView(p.dtype, p.full_shape, dst));
+          s = MergeShards(p, shards, MutableTensorView(p.dtype, p.full_shape, dst));
           if (s.ok() && it.int4) {
             const Int4Plan& plan = plan_of(it);
             const absl::Duration q0 = report_.quantize;
@@ -844,8 +841,8 @@ void RankSync::RunExperts() {
     if (merger && ep > 1) {
       std::span<std::byte> records = slots_[slot].span().subspan(0, kStatusRecordBytes * static_cast<uint64_t>(ep));
       WriteStatusRecord(records.subspan(own * kStatusRecordBytes, kStatusRecordBytes));
-      std::vector<ConstBytes> in = {{records.data() + own * kStatusRecordBytes, kStatusRecordBytes}};
-      std::vector<MutableBytes> out = {{records.data(), records.size()}};
+      std::vector<comm::ConstBytes> in = {{records.data() + own * kStatusRecordBytes, kStatusRecordBytes}};
+      std::vector<comm::MutableBytes> out = {{records.data(), records.size()}};
       for (const Item& it : b.items) {
         std::byte* region = slots_[slot].data() + it.offset;
         if (etp > 1 || it.int4) {
@@ -911,7 +908,7 @@ absl::StatusOr<SyncReport> RankSync::Run() {
 
   const absl::Status local = Prepare();
   const std::string fingerprint_text =
-      absl::StrCat(src_.config_json(), "\n", convert::SourceParallelToJson(src_.parallel()), "\n", gather_limit_, "\n",
+      absl::StrCat(src_.config_json(), "\n", SourceParallelToJson(src_.parallel()), "\n", gather_limit_, "\n",
                    QuantFingerprint(o_.quant, o_.quant_variant));
   const uint64_t fingerprint =
       Xxh3_64({reinterpret_cast<const std::byte*>(fingerprint_text.data()), fingerprint_text.size()});
@@ -924,7 +921,7 @@ absl::StatusOr<SyncReport> RankSync::Run() {
     Fail(builder_->Finish());
   }
   if (builder_) {
-    const BucketBuilderStats& st = builder_->stats();
+    const comm::BucketBuilderStats& st = builder_->stats();
     report_.bucket = st.copy + int4_copy_;
     report_.send_wait = st.send_wait;
     report_.bytes = st.bytes;
@@ -944,10 +941,10 @@ absl::StatusOr<SyncReport> RankSync::Run() {
   return report_;
 }
 
-absl::StatusOr<SyncReport> RunRankSync(const source::WeightSource& src, TrainerComms& comms, BucketSink* sink,
+absl::StatusOr<SyncReport> RunRankSync(const WeightSource& src, TrainerComms& comms, comm::BucketSink* sink,
                                        const SyncOptions& options) {
   RankSync sync(src, comms, sink, options);
   return sync.Run();
 }
 
-}  // namespace wsync::sync
+}  // namespace wsync::trainer_agent

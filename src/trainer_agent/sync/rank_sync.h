@@ -80,10 +80,10 @@
 #include "common/config.h"
 #include "kernels/int4.h"
 #include "trainer_agent/source/weight_source.h"
-#include "trainer_agent/sync/bucket_builder.h"
-#include "trainer_agent/sync/trainer_comms.h"
+#include "comm/bucket/builder.h"
+#include "trainer_agent/gather/trainer_comms.h"
 
-namespace wsync::sync {
+namespace wsync::trainer_agent {
 
 // Buffers a rank keeps from one sync to the next (the two gather buffers, the ETP buffer, the
 // merge scratch), so that their pages stay mapped: a fresh allocation pays a page fault per 4 KiB
@@ -111,7 +111,7 @@ struct SyncOptions {
   const QuantizationConfig* quant = nullptr;
   kernels::QuantVariant quant_variant = kernels::QuantVariant::kQat;
   int quant_threads = 0;                       // per rank; 0 = hardware concurrency
-  CollectiveOptions collective;                // every collective of the sync
+  comm::CollectiveOptions collective;                // every collective of the sync
   SyncWorkspace* workspace = nullptr;          // null: buffers live for this sync only. Not owned.
 };
 
@@ -133,7 +133,7 @@ struct SyncReport {
   uint64_t gather_calls = 0;     // all-gather calls issued by this rank
 };
 
-absl::StatusOr<SyncReport> RunRankSync(const source::WeightSource& src, TrainerComms& comms, BucketSink* sink,
+absl::StatusOr<SyncReport> RunRankSync(const WeightSource& src, TrainerComms& comms, comm::BucketSink* sink,
                                        const SyncOptions& options);
 
-}  // namespace wsync::sync
+}  // namespace wsync::trainer_agent

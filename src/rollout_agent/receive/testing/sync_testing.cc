@@ -10,11 +10,11 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "comm/bucket_stream.h"
+#include "comm/bucket/stream.h"
 #include "common/checksum.h"
 #include "common/status.h"
 
-namespace wsync::rollout::testing {
+namespace wsync::rollout_agent::testing {
 
 absl::StatusOr<std::unique_ptr<ShmEngineMemory>> ShmEngineMemory::Create(const EngineLayout& layout,
                                                                          const std::string& tag, mode_t mode) {
@@ -57,7 +57,7 @@ void ShmEngineMemory::FillParams(google::protobuf::RepeatedPtrField<v1::EnginePa
   for (const Param& p : params_) {
     v1::EngineParam* e = params->Add();
     e->set_name(p.name);
-    e->set_dtype(ToProto(p.dtype));
+    e->set_dtype(comm::ToProto(p.dtype));
     for (int64_t d : p.shape) e->add_shape(d);
     e->set_nbytes(p.nbytes);
     e->mutable_memory()->set_shm_name(name_);
@@ -94,7 +94,7 @@ absl::StatusOr<std::vector<PackedBucket>> PackBuckets(const std::vector<std::pai
       off = (off + 63) / 64 * 64;
       v1::BucketEntry* e = b.manifest.add_entries();
       e->mutable_tensor()->set_name(tensors[k].first);
-      e->mutable_tensor()->set_dtype(ToProto(v.dtype()));
+      e->mutable_tensor()->set_dtype(comm::ToProto(v.dtype()));
       for (int64_t d : v.shape()) e->mutable_tensor()->add_shape(d);
       e->set_offset(off);
       e->set_nbytes(v.nbytes());
@@ -117,13 +117,13 @@ absl::StatusOr<std::vector<PackedBucket>> PackBuckets(const std::vector<std::pai
   return out;
 }
 
-absl::Status SendBuckets(Communicator& comm, std::vector<PackedBucket> buckets) {
-  BucketSender sender(comm, 0, 2);
+absl::Status SendBuckets(comm::Communicator& comm, std::vector<PackedBucket> buckets) {
+  comm::BucketSender sender(comm, 0, 2);
   for (PackedBucket& b : buckets) RETURN_IF_ERROR(sender.Send(std::move(b.manifest), std::move(b.data), b.nbytes));
   return sender.Finish();
 }
 
-absl::Status SendRawBucket(Communicator& comm, v1::BucketManifest m, const Buffer& data, uint64_t nbytes,
+absl::Status SendRawBucket(comm::Communicator& comm, v1::BucketManifest m, const Buffer& data, uint64_t nbytes,
                            bool corrupt_checksum) {
   m.set_nbytes(nbytes);
   uint64_t sum = Xxh3_64({data.data(), nbytes});
@@ -131,10 +131,10 @@ absl::Status SendRawBucket(Communicator& comm, v1::BucketManifest m, const Buffe
   m.set_xxh3_64(sum);
   std::string ms = m.SerializeAsString();
   uint64_t header[2] = {ms.size(), nbytes};
-  MutableBytes hb{header, sizeof(header)};
-  RETURN_IF_ERROR(Await(comm.Broadcast({&hb, 1}, 0)));
-  MutableBytes payload[2] = {{ms.data(), ms.size()}, {data.data(), nbytes}};
-  return Await(comm.Broadcast(payload, 0));
+  comm::MutableBytes hb{header, sizeof(header)};
+  RETURN_IF_ERROR(comm::Await(comm.Broadcast({&hb, 1}, 0)));
+  comm::MutableBytes payload[2] = {{ms.data(), ms.size()}, {data.data(), nbytes}};
+  return comm::Await(comm.Broadcast(payload, 0));
 }
 
-}  // namespace wsync::rollout::testing
+}  // namespace wsync::rollout_agent::testing

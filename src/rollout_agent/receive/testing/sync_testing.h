@@ -28,7 +28,7 @@
 #include "wsync/v1/engine.pb.h"
 #include "wsync/v1/tensor.pb.h"
 
-namespace wsync::rollout::testing {
+namespace wsync::rollout_agent::testing {
 
 class ShmEngineMemory {
  public:
@@ -81,10 +81,10 @@ absl::StatusOr<std::vector<PackedBucket>> PackBuckets(const std::vector<std::pai
                                                       const PackOptions& options);
 
 // Sends every bucket through a BucketSender rooted at group rank 0 and waits for all of them.
-absl::Status SendBuckets(Communicator& comm, std::vector<PackedBucket> buckets);
+absl::Status SendBuckets(comm::Communicator& comm, std::vector<PackedBucket> buckets);
 // The wire protocol of bucket_stream.h by hand: header + (manifest, data) broadcasts from rank 0,
 // with nbytes set and the XXH3 of the data (flipped in its lowest bit if `corrupt_checksum`).
-absl::Status SendRawBucket(Communicator& comm, v1::BucketManifest manifest, const Buffer& data, uint64_t nbytes,
+absl::Status SendRawBucket(comm::Communicator& comm, v1::BucketManifest manifest, const Buffer& data, uint64_t nbytes,
                            bool corrupt_checksum);
 
-}  // namespace wsync::rollout::testing
+}  // namespace wsync::rollout_agent::testing

@@ -1,0 +1,254 @@
+#include "comm/bucket/stream.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/checksum.h"
+#include "common/status.h"
+
+namespace wsync::comm {
+namespace {
+
+struct Header {
+  uint64_t manifest_bytes = 0;
+  uint64_t data_bytes = 0;
+};
+static_assert(sizeof(Header) == 16);
+
+constexpr uint64_t kMaxManifestBytes = uint64_t{1} << 30;
+
+std::string Where(const v1::BucketManifest& m) {
+  return absl::StrCat("stage ", m.pp_stage(), " bucket ", m.index());
+}
+
+}  // namespace
+
+v1::DType ToProto(DType t) {
+  switch (t) {
+    case DType::kBF16: return v1::DTYPE_BF16;
+    case DType::kF16: return v1::DTYPE_F16;
+    case DType::kF32: return v1::DTYPE_F32;
+    case DType::kI32: return v1::DTYPE_I32;
+    case DType::kI64: return v1::DTYPE_I64;
+    case DType::kI8: return v1::DTYPE_I8;
+    case DType::kU8: return v1::DTYPE_U8;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+absl::StatusOr<DType> FromProto(v1::DType t) {
+  switch (t) {
+    case v1::DTYPE_BF16: return DType::kBF16;
+    case v1::DTYPE_F16: return DType::kF16;
+    case v1::DTYPE_F32: return DType::kF32;
+    case v1::DTYPE_I32: return DType::kI32;
+    case v1::DTYPE_I64: return DType::kI64;
+    case v1::DTYPE_I8: return DType::kI8;
+    case v1::DTYPE_U8: return DType::kU8;
+    default: break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", static_cast<int>(t)));
+}
+
+absl::Status ValidateManifest(const v1::BucketManifest& m, uint64_t data_bytes) {
+  if (m.nbytes() != data_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Where(m), ": the manifest says ", m.nbytes(), " bytes, ", data_bytes, " arrived"));
+  }
+  for (const auto& e : m.entries()) {
+    const std::string name = e.tensor().name();
+    if (name.empty()) return absl::InvalidArgumentError(absl::StrCat(Where(m), ": an entry has no name"));
+    auto dtype = FromProto(e.tensor().dtype());
+    if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat(Where(m), ": ", name, ": ", dtype.status().message()));
+    uint64_t numel = 1;
+    for (int64_t d : e.tensor().shape()) {
+      if (d < 0 || (d > 0 && numel > (uint64_t{1} << 62) / static_cast<uint64_t>(d))) {
+        return absl::InvalidArgumentError(absl::StrCat(Where(m), ": ", name, ": bad shape"));
+      }
+      numel *= static_cast<uint64_t>(d);
+    }
+    const uint64_t whole = numel * ItemSize(*dtype);
+    if (e.total_nbytes() != whole || e.split_offset() + e.nbytes() > whole) {
+      return absl::InvalidArgumentError(absl::StrCat(Where(m), ": ", name, ": ", e.nbytes(), " bytes at split offset ",
+                                                     e.split_offset(), " of ", e.total_nbytes(),
+                                                     " do not fit its dtype and shape (", whole, " bytes)"));
+    }
+    if (e.offset() > data_bytes || e.nbytes() > data_bytes - e.offset()) {
+      return absl::InvalidArgumentError(absl::StrCat(Where(m), ": ", name, ": bytes [", e.offset(), ", ",
+                                                     e.offset() + e.nbytes(), ") lie outside the ", data_bytes,
+                                                     "-byte bucket"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// --- Sender -------------------------------------------------------------------------------------
+
+struct BucketSender::InFlight {
+  Header header;
+  std::string manifest;
+  Buffer data;
+  std::unique_ptr<Work> header_work, payload_work;
+};
+
+BucketSender::BucketSender(Communicator& comm, int root, int max_in_flight, CollectiveOptions options,
+                           BufferPool* pool)
+    : comm_(comm),
+      root_(root),
+      max_in_flight_(std::max(1, max_in_flight)),
+      options_(options),
+      own_pool_(pool == nullptr ? std::make_unique<BufferPool>(static_cast<size_t>(max_in_flight_)) : nullptr),
+      pool_(pool == nullptr ? own_pool_.get() : pool) {}
+
+BucketSender::~BucketSender() {
+  while (!in_flight_.empty()) WaitOldest().IgnoreError();
+}
+
+absl::Status BucketSender::Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) {
+  if (nbytes > data.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(Where(manifest), ": ", nbytes, " bytes from a ", data.size(), "-byte buffer"));
+  }
+  const absl::Time t0 = absl::Now();
+  manifest.set_nbytes(nbytes);
+  manifest.set_xxh3_64(Xxh3_64({data.data(), nbytes}));
+  stats_.checksum += absl::Now() - t0;
+  while (static_cast<int>(in_flight_.size()) >= max_in_flight_) RETURN_IF_ERROR(WaitOldest());
+
+  auto f = std::make_unique<InFlight>();
+  f->manifest = manifest.SerializeAsString();
+  f->header = {f->manifest.size(), nbytes};
+  f->data = std::move(data);
+  MutableBytes header{&f->header, sizeof(Header)};
+  ASSIGN_OR_RETURN(f->header_work, comm_.Broadcast({&header, 1}, root_, options_));
+  MutableBytes payload[2] = {{f->manifest.data(), f->manifest.size()}, {f->data.data(), nbytes}};
+  ASSIGN_OR_RETURN(f->payload_work, comm_.Broadcast(payload, root_, options_));
+  in_flight_.push_back(std::move(f));
+  ++stats_.buckets;
+  stats_.bytes += nbytes;
+  return absl::OkStatus();
+}
+
+absl::Status BucketSender::WaitOldest() {
+  std::unique_ptr<InFlight> f = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  const absl::Time t0 = absl::Now();
+  absl::Status s = f->header_work->Wait();
+  if (s.ok()) s = f->payload_work->Wait();
+  stats_.wire += absl::Now() - t0;
+  if (s.ok()) pool_->Put(std::move(f->data));
+  return s;
+}
+
+Buffer BucketSender::Recycle(uint64_t min_bytes) { return pool_->TryGet(min_bytes); }
+
+absl::Status BucketSender::Finish() {
+  absl::Status first;
+  while (!in_flight_.empty()) {
+    absl::Status s = WaitOldest();
+    if (first.ok()) first = s;
+  }
+  return first;
+}
+
+// --- Receiver -----------------------------------------------------------------------------------
+
+BucketReceiver::BucketReceiver(Communicator& comm, int root, CollectiveOptions options, BufferPool* pool)
+    : comm_(comm), root_(root), options_(options), pool_(pool) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+BucketReceiver::~BucketReceiver() {
+  bool unfinished;
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+    unfinished = !finished_ && error_.ok();
+  }
+  if (unfinished) comm_.Abort("the bucket receiver was destroyed before the stream ended");
+  thread_.join();
+}
+
+void BucketReceiver::Run() {
+  for (uint64_t index = 0;; ++index) {
+    const absl::Time t0 = absl::Now();
+    Header header;
+    MutableBytes hb{&header, sizeof(header)};
+    absl::Status s = Await(comm_.Broadcast({&hb, 1}, root_, options_));
+    std::string manifest_bytes;
+    absl::StatusOr<Buffer> data = absl::InternalError("unset");
+    if (s.ok() && header.manifest_bytes > kMaxManifestBytes) {
+      s = absl::InvalidArgumentError(absl::StrCat("bucket ", index, ": a ", header.manifest_bytes, "-byte manifest"));
+    }
+    if (s.ok()) {
+      manifest_bytes.resize(header.manifest_bytes);
+      const uint64_t want = std::max<uint64_t>(header.data_bytes, 1);
+      data = pool_ != nullptr ? pool_->Get(want) : Buffer::Allocate(want);
+      s = data.status();
+    }
+    if (s.ok()) {
+      MutableBytes payload[2] = {{manifest_bytes.data(), manifest_bytes.size()}, {data->data(), header.data_bytes}};
+      s = Await(comm_.Broadcast(payload, root_, options_));
+    }
+    const absl::Duration wire = absl::Now() - t0;
+    Bucket bucket;
+    if (s.ok() && !bucket.manifest.ParseFromString(manifest_bytes)) {
+      s = absl::InvalidArgumentError(absl::StrCat("bucket ", index, ": the manifest does not parse"));
+    }
+    absl::Duration hashing;
+    if (s.ok()) s = ValidateManifest(bucket.manifest, header.data_bytes);
+    if (s.ok() && bucket.manifest.index() != index) {
+      s = absl::InvalidArgumentError(absl::StrCat(Where(bucket.manifest), ": expected bucket ", index, " (lost or reordered)"));
+    }
+    if (s.ok()) {
+      const absl::Time h0 = absl::Now();
+      const uint64_t sum = Xxh3_64({data->data(), header.data_bytes});
+      hashing = absl::Now() - h0;
+      if (sum != bucket.manifest.xxh3_64()) {
+        s = absl::DataLossError(absl::StrCat(Where(bucket.manifest), ": checksum mismatch (xxh3 ", sum, ", manifest says ",
+                                             bucket.manifest.xxh3_64(), ")"));
+      }
+    }
+    absl::MutexLock lock(&mu_);
+    if (!s.ok()) {
+      error_ = s;
+      return;
+    }
+    stats_.buckets++;
+    stats_.bytes += header.data_bytes;
+    stats_.wire += wire;
+    stats_.checksum += hashing;
+    const bool last = bucket.manifest.last();
+    bucket.data = std::move(*data);
+    // Wait until the consumer took the previous bucket (a queue of one), or stop.
+    auto room = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !ready_.has_value() || stop_; };
+    mu_.Await(absl::Condition(&room));
+    if (stop_) return;
+    ready_ = std::move(bucket);
+    if (last) {
+      finished_ = true;
+      return;
+    }
+  }
+}
+
+absl::StatusOr<std::optional<BucketReceiver::Bucket>> BucketReceiver::Next() {
+  absl::MutexLock lock(&mu_);
+  auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ready_.has_value() || !error_.ok() || drained_; };
+  mu_.Await(absl::Condition(&ready));
+  if (ready_.has_value()) {
+    std::optional<Bucket> b = std::move(ready_);
+    ready_.reset();
+    if (b->manifest.last()) drained_ = true;
+    return b;
+  }
+  if (!error_.ok()) return error_;
+  return std::optional<Bucket>();
+}
+
+BucketStats BucketReceiver::stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
+}  // namespace wsync::comm

@@ -1,0 +1,111 @@
+#include "ref_engine/checkpoint.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/safetensors.h"
+#include "common/status.h"
+#include "rollout_agent/load/loader.h"
+#include "rollout_agent/repack/repack.h"
+
+namespace wsync::ref_engine {
+namespace {
+
+// "X.weight_packed" -> "X" for the three INT4 suffixes, else "".
+std::string Int4Prefix(absl::string_view name) {
+  for (absl::string_view suffix : {".weight_packed", ".weight_scale", ".weight_shape"}) {
+    if (absl::EndsWith(name, suffix)) return std::string(name.substr(0, name.size() - suffix.size()));
+  }
+  return "";
+}
+
+}  // namespace
+
+absl::StatusOr<CheckpointStats> LoadCheckpoint(const std::string& dir, const rollout_agent::EngineLayout& layout,
+                                               rollout_agent::EngineWeights& weights, const CheckpointOptions& options) {
+  std::vector<std::string> files;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    if (entry.path().extension() == ".safetensors") files.push_back(entry.path().string());
+  }
+  if (ec) return absl::NotFoundError(absl::StrCat("checkpoint ", dir, ": ", ec.message()));
+  if (files.empty()) return absl::NotFoundError(absl::StrCat("checkpoint ", dir, " holds no *.safetensors file"));
+  std::sort(files.begin(), files.end());
+
+  ASSIGN_OR_RETURN(std::unique_ptr<rollout_agent::Staging> staging, rollout_agent::Staging::Create(layout));
+  rollout_agent::Loader loader(staging.get());
+  CheckpointStats stats;
+  std::vector<std::string> unknown;
+  for (const std::string& path : files) {
+    ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(path));
+    ++stats.files;
+    for (const SafetensorsEntry& e : file.tensors()) {
+      const std::string& name = e.name;
+      stats.bytes += static_cast<int64_t>(e.view.nbytes());
+      auto where = [&](const absl::Status& s) { return Annotate(s, absl::StrCat("checkpoint ", path)); };
+      if (layout.FindSource(name) >= 0) {
+        RETURN_IF_ERROR(where(loader.Load(name, e.view)));
+        ++stats.tensors;
+        continue;
+      }
+      if (layout.IsIgnoredHfName(name) || absl::EndsWith(name, ".rotary_emb.inv_freq")) {
+        ++stats.skipped;
+        continue;
+      }
+      // A bf16 weight of a linear the engine serves in INT4: quantize it the way a sync sends it.
+      if (absl::EndsWith(name, ".weight")) {
+        const std::string prefix = name.substr(0, name.size() - 7);
+        if (layout.FindSource(prefix + ".weight_packed") >= 0) {
+          if (e.view.shape().size() != 2)
+            return absl::InvalidArgumentError(absl::StrCat("checkpoint ", path, ": ", name, " has rank ",
+                                                           e.view.shape().size(), ", want a 2-D weight to quantize"));
+          kernels::QuantizeOptions q;
+          q.group_size = layout.group_size();
+          q.variant = options.variant;
+          q.format = kernels::PackFormat::kCompressedTensors;
+          q.num_threads = options.num_threads;
+          absl::StatusOr<kernels::QuantizedShapes> shapes = kernels::QuantizedShapesFor(e.view, q.group_size, q.format);
+          if (!shapes.ok()) return where(Annotate(shapes.status(), absl::StrCat("quantizing ", name)));
+          ASSIGN_OR_RETURN(Tensor packed, Tensor::Empty(DType::kI32, shapes->packed));
+          ASSIGN_OR_RETURN(Tensor scales, Tensor::Empty(e.view.dtype(), shapes->scales));
+          RETURN_IF_ERROR(where(Annotate(kernels::QuantizeInt4(e.view, packed.mutable_view(), scales.mutable_view(), q),
+                                         absl::StrCat("quantizing ", name))));
+          ASSIGN_OR_RETURN(Tensor shape, Tensor::Empty(DType::kI64, {2}));
+          shape.data_as<int64_t>()[0] = e.view.shape()[0];
+          shape.data_as<int64_t>()[1] = e.view.shape()[1];
+          RETURN_IF_ERROR(where(loader.Load(prefix + ".weight_packed", packed.view())));
+          RETURN_IF_ERROR(where(loader.Load(prefix + ".weight_scale", scales.view())));
+          RETURN_IF_ERROR(where(loader.Load(prefix + ".weight_shape", shape.view())));
+          ++stats.quantized;
+          continue;
+        }
+      }
+      const std::string int4 = Int4Prefix(name);
+      if (!int4.empty() && layout.FindSource(int4 + ".weight") >= 0)
+        return absl::InvalidArgumentError(absl::StrCat(
+            "checkpoint ", path, ": ", name, " is INT4 but the engine serves ", int4,
+            ".weight in bf16 (no quantization config, or the linear is ignored by it); the engine does not "
+            "dequantize checkpoints"));
+      unknown.push_back(name);
+    }
+  }
+  if (!unknown.empty()) {
+    const size_t shown = std::min<size_t>(unknown.size(), 8);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoint ", dir, ": ", unknown.size(), " tensor(s) the ", ArchitectureName(layout.config().arch),
+        " engine layout does not know: ", absl::StrJoin(unknown.begin(), unknown.begin() + shown, ", "),
+        unknown.size() > shown ? ", ..." : ""));
+  }
+  RETURN_IF_ERROR(Annotate(loader.CheckComplete(), absl::StrCat("checkpoint ", dir)));
+  rollout_agent::RepackOptions ro;
+  ro.num_threads = options.num_threads;
+  ro.verify = true;
+  RETURN_IF_ERROR(Annotate(rollout_agent::Commit(*staging, weights, ro), absl::StrCat("checkpoint ", dir)));
+  return stats;
+}
+
+}  // namespace wsync::ref_engine

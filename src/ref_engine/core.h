@@ -1,0 +1,204 @@
+// EngineCore: one rank of the reference engine (wsync-ref-engine) without its RPC shell. It owns
+// the rank's EngineModel (over the parameter memory the rollout agent writes) and implements the
+// RolloutEngine semantics of proto/wsync/v1/engine.proto: Generate on one weight version, Pause
+// (HOLD / ABORT), Flush, Continue(version) with a re-Prepare, Health and WeightVersion.
+//
+// Versions. The forward pass reads the parameter memory the rollout agent writes IN PLACE (bf16
+// rows, Marlin INT4 tiles; model.h "Serving the weights"). EngineModel::Prepare() validates that
+// memory (names, dtypes, shapes, no NaN / Inf once dequantized) and refreshes the few float32
+// copies it keeps (norms, biases); it runs only inside Continue, after new admissions are stopped
+// and the running requests have finished. So the memory may be written only while this rank is
+// paused AND flushed (Flush returned OK: no request in flight), and every write must be followed
+// by a Continue with a new version number (or, after a failed Prepare, any Continue): a Continue
+// on the served version does not re-Prepare and would serve what the memory then holds. The
+// rollout agent does exactly that (Pause(HOLD) + Flush retried until it succeeds, write, then
+// Continue(version); an aborted sync never wrote, so Continue(previous version) is right), so a
+// request never spans two versions. A failed Prepare (the memory was already overwritten with
+// something invalid) makes the rank UNHEALTHY: it refuses every request (the model would read the
+// new, invalid memory) until a Continue prepares successfully; the version it reports stays the
+// last good one.
+//
+// Tensor parallelism (T > 1). Every rank has an EngineCore; they share a Communicator (the engine's
+// own Gloo TP group). Rank 0 is the entry point: its Generate
+//   1. waits locally while rank 0 is paused with HOLD (or preparing), up to the request's deadline
+//      and EngineCoreOptions::hold_timeout;
+//   2. takes the TP channel and broadcasts the request (a 32-byte header, then the prompt);
+//   3. all ranks try to admit it without blocking and AllGather {admission, version};
+//   4. if every rank admitted it on the same version, all compute in lockstep (every forward pass
+//      first AllGathers the ranks' abort flags, so a Pause(ABORT) on any rank stops all of them
+//      at the same step); otherwise every rank drops it and rank 0 decides: a peer paused with
+//      ABORT, unhealthy or without weights fails the request at once; a peer paused with HOLD or
+//      preparing, or ranks on different versions (a sync committing rank by rank), make rank 0 retry
+//      every 20 ms; different versions fail with UNAVAILABLE after EngineCoreOptions::version_wait.
+// Other ranks' Generate returns FAILED_PRECONDITION naming rank 0. Their requests arrive through a
+// follower thread that listens to rank 0; when rank 0 is idle it broadcasts a heartbeat every
+// `heartbeat`, and a follower that hears nothing for `idle_timeout` declares the group broken. A
+// failed collective also breaks the group for good: the rank turns UNHEALTHY (restart the engine).
+// On Shutdown rank 0 broadcasts a shutdown command; followers then call the shutdown callback.
+//
+// Status codes: INVALID_ARGUMENT (bad prompt / lengths), FAILED_PRECONDITION (no weights yet, not
+// the entry rank), UNAVAILABLE (paused with ABORT, unhealthy, TP group broken or forming, versions
+// disagree too long, HOLD outlasting hold_timeout, shutting down), DEADLINE_EXCEEDED (the caller's
+// deadline passed while held), CANCELLED (the caller went away while held).
+//
+// Thread-safety: every public method may be called from any thread, concurrently. Ownership: the
+// core owns the model and the communicator; the ParamLookup's memory must outlive the core.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "comm/communicator.h"
+#include "common/config.h"
+#include "ref_engine/model.h"
+
+namespace wsync::ref_engine {
+
+enum class PauseMode { kHold, kAbort };
+
+struct HealthInfo {
+  enum class State { kServing, kPaused, kNoWeights, kUnhealthy };
+  State state = State::kNoWeights;
+  uint64_t version = 0;
+  uint32_t in_flight = 0;
+  std::string detail;
+};
+absl::string_view HealthStateName(HealthInfo::State s);  // "SERVING", "PAUSED", ...
+
+struct GenerateResult {
+  std::vector<int32_t> tokens;
+  uint64_t version = 0;
+};
+
+struct EngineCoreOptions {
+  absl::Duration hold_timeout = absl::Minutes(10);        // longest a Generate waits for a HOLD
+  absl::Duration version_wait = absl::Seconds(10);        // longest the TP ranks may disagree on versions
+  absl::Duration heartbeat = absl::Seconds(1);            // rank 0's idle broadcast period
+  absl::Duration idle_timeout = absl::Seconds(30);        // a follower's longest silence from rank 0
+  absl::Duration collective_timeout = absl::Seconds(60);  // every other TP collective
+  absl::Duration step_delay = absl::ZeroDuration();       // test seam: sleep before every forward pass
+  int prepare_threads = 0;                                // EngineModel::Prepare's threads; 0 = all cores
+  std::string engine_id;                                  // for messages
+};
+
+class EngineCore {
+ public:
+  // Creates the rank's EngineModel (EngineModel::Create errors pass through). The core starts
+  // with no weights; T > 1 ranks are "forming" until AttachGroup or GroupFailed.
+  static absl::StatusOr<std::unique_ptr<EngineCore>> Create(const ModelConfig& config, EngineRank rank,
+                                                            ParamLookup lookup, EngineCoreOptions options);
+  ~EngineCore();  // Shutdown()
+  EngineCore(const EngineCore&) = delete;
+  EngineCore& operator=(const EngineCore&) = delete;
+
+  // Prepares the weights in memory as `version` (start-up from a checkpoint); Prepare's errors.
+  absl::Status PrepareInitial(uint64_t version, std::string source);
+
+  // T > 1: the formed TP group (rank r of T). Rank 0 starts its heartbeat thread, other ranks
+  // their follower thread. `leader_address` names rank 0's RolloutEngine for redirections.
+  void AttachGroup(std::unique_ptr<comm::Communicator> comm, std::string leader_address);
+  // T > 1: the group could not be formed; the rank is UNHEALTHY for good.
+  void GroupFailed(const absl::Status& status);
+  // Called (once, from the follower thread) when rank 0 shuts the engine down.
+  void SetShutdownCallback(std::function<void()> callback);
+
+  // See the file comment. `deadline` bounds waiting (not computing); `cancelled` is polled while
+  // waiting (may be null).
+  absl::StatusOr<GenerateResult> Generate(absl::Span<const int32_t> prompt, int64_t max_new_tokens,
+                                          absl::Time deadline, const std::function<bool()>& cancelled);
+  // Stops admitting requests; ABORT also stops running ones at their next step. Returns the
+  // number of requests in flight at the time. Idempotent; a later call sets the mode.
+  uint32_t Pause(PauseMode mode);
+  // FAILED_PRECONDITION while requests are in flight on this rank. The engine keeps no cache across
+  // requests, so there is nothing else to drop. OK (while paused) means the memory may be written.
+  absl::Status Flush();
+  // Resumes. Re-prepares from memory when `version` differs from the served one, or the rank is
+  // unhealthy, or it has no weights and `version` > 0 (waits up to `deadline` for running requests);
+  // otherwise serves the memory as it is (see "Versions").
+  // Returns the served version; Prepare's error (the rank is then UNHEALTHY), UNAVAILABLE when the
+  // TP group is broken or the core shutting down, FAILED_PRECONDITION for a concurrent Continue.
+  absl::StatusOr<uint64_t> Continue(uint64_t version, absl::Time deadline);
+  HealthInfo Health() const;
+  uint64_t version() const;
+
+  // Fails held requests, stops running ones at their next step, tells the followers (rank 0),
+  // stops the threads and shuts the communicator down. Idempotent.
+  void Shutdown();
+
+  const EngineRank& rank() const { return rank_; }
+  const ModelConfig& config() const { return config_; }
+
+ private:
+  enum Admit : int32_t { kOk = 0, kHold = 1, kAbort = 2, kNoWeights = 3, kUnhealthy = 4, kStopping = 5 };
+  enum class Group { kSingle, kForming, kReady, kBroken };
+  enum class Weights { kNone, kReady, kBad };
+  struct RankStatus {
+    int32_t admit = 0;
+    int32_t reserved = 0;
+    uint64_t version = 0;
+  };
+  static_assert(sizeof(RankStatus) == 16);
+  struct Header;
+
+  EngineCore(ModelConfig config, EngineRank rank, EngineCoreOptions options);
+
+  Admit TryAdmitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Release();
+  absl::Status Refusal(Admit admit, int tp_rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MarkBroken(const absl::Status& status);
+  std::string WhereLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Lockstep generation (admission held); every rank calls it with the same arguments.
+  absl::StatusOr<std::vector<int32_t>> Compute(absl::Span<const int32_t> prompt, int max_new_tokens);
+  // Collectives (T > 1); a failure breaks the group.
+  absl::Status Collective(absl::StatusOr<std::unique_ptr<comm::Work>> work);
+  absl::Status SendHeader(uint32_t type, uint32_t prompt_len, uint32_t max_new, absl::Duration timeout)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(channel_mu_);
+  absl::StatusOr<std::vector<RankStatus>> Agree(RankStatus mine);
+  absl::StatusOr<GenerateResult> LeaderRound(absl::Span<const int32_t> prompt, int max_new_tokens, uint64_t version,
+                                             bool* retry, bool* versions_differ);
+  void HeartbeatLoop();
+  void FollowerLoop();
+
+  const ModelConfig config_;
+  const EngineRank rank_;
+  const EngineCoreOptions options_;
+  std::unique_ptr<EngineModel> model_;
+  std::unique_ptr<comm::Communicator> comm_;  // set once by AttachGroup, before any Generate is admitted
+
+  mutable absl::Mutex mu_;
+  absl::CondVar cv_;
+  bool paused_ ABSL_GUARDED_BY(mu_) = false;
+  PauseMode mode_ ABSL_GUARDED_BY(mu_) = PauseMode::kHold;
+  bool preparing_ ABSL_GUARDED_BY(mu_) = false;
+  uint32_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  Weights weights_ ABSL_GUARDED_BY(mu_) = Weights::kNone;
+  uint64_t version_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string weights_detail_ ABSL_GUARDED_BY(mu_);
+  Group group_ ABSL_GUARDED_BY(mu_) = Group::kSingle;
+  std::string group_detail_ ABSL_GUARDED_BY(mu_);
+  std::string leader_address_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::function<void()> shutdown_callback_ ABSL_GUARDED_BY(mu_);
+
+  // Serializes rank 0's use of the TP group (requests and heartbeats) so that every rank sees the
+  // same sequence of collectives.
+  absl::Mutex channel_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  uint64_t seq_ ABSL_GUARDED_BY(channel_mu_) = 0;
+  absl::Time last_send_ ABSL_GUARDED_BY(channel_mu_);
+
+  std::atomic<bool> shut_down_{false};
+  std::thread heartbeat_;
+  std::thread follower_;
+};
+
+}  // namespace wsync::ref_engine

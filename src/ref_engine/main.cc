@@ -1,0 +1,361 @@
+// wsync-ref-engine: the CPU reference rollout engine, one process per engine TP rank.
+//
+//   wsync-ref-engine --model DIR_OR_CONFIG [--checkpoint DIR] [--quant-config FILE|none]
+//                    [--tp-size T --tp-rank R --tp-store HOST:PORT] [--ep-size EP]
+//                    [--engine-id ID] [--listen 127.0.0.1:0] [--address-file F] [--agent ADDR]
+//                    [--token-file F] [--tls-cert F --tls-key F] [--tls-ca F]
+//
+// Start-up: allocates the rank's parameters (EngineLayout engine form) in one shared-memory
+// segment, loads --checkpoint into it (version 0) or starts with NO_WEIGHTS, serves the
+// RolloutEngine service on --listen (prints "listening on HOST:PORT"), registers with --agent
+// (and again whenever the agent restarts), and with T > 1 forms the engine's own Gloo TP group
+// through the store rank 0 hosts on --tp-store (rank 0 prints "tp-store on HOST:PORT").
+// SIGINT / SIGTERM: clean shutdown (rank 0 also stops the other ranks), the segment is unlinked.
+// Exit codes: 0 after a clean shutdown, 1 when start-up fails (the error is printed), 2 for bad flags.
+// README.md beside this file documents every flag and behaviour.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <optional>
+#include <thread>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "comm/communicator.h"
+#include "comm/store/store.h"
+#include "common/config.h"
+#include "common/logging.h"
+#include "common/rpc_security.h"
+#include "common/status.h"
+#include "ref_engine/checkpoint.h"
+#include "ref_engine/core.h"
+#include "ref_engine/registration.h"
+#include "ref_engine/server.h"
+#include "rollout_agent/engine_memory/param_arena.h"
+#include "rollout_agent/load/engine_layout.h"
+#include <nlohmann/json.hpp>
+
+namespace wsync::ref_engine {
+namespace {
+
+struct Flags {
+  std::string model, checkpoint, quant_config, quant_variant = "qat";
+  int tp_size = 1, tp_rank = 0, ep_size = 1;
+  std::string engine_id = "ref-engine";
+  std::string listen = "127.0.0.1:0", address_file, agent;
+  std::string tp_store, tp_host = "127.0.0.1";
+  RpcSecurityOptions sec;
+  std::string log_level;
+  double hold_timeout_s = 600, version_wait_s = 10, tp_join_timeout_s = 300, tp_idle_timeout_s = 30;
+  int heartbeat_ms = 1000, agent_poll_ms = 2000, threads = 0, test_step_delay_ms = 0;
+};
+
+// One-shot "please shut down", from a signal or from rank 0.
+class ShutdownLatch {
+ public:
+  void Request(absl::string_view why) {
+    absl::MutexLock lock(&mu_);
+    if (!requested_) WSYNC_LOG(INFO) << "shutting down: " << why;
+    requested_ = true;
+  }
+  bool requested() const {
+    absl::MutexLock lock(&mu_);
+    return requested_;
+  }
+  void Wait() const {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&requested_));
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  bool requested_ = false;
+};
+
+absl::Status WriteFileAtomically(const std::string& path, const std::string& text) {
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    f << text;
+    if (!f.good()) return absl::PermissionDeniedError(absl::StrCat("cannot write ", tmp));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) return ErrnoToStatus(errno, absl::StrCat("rename to ", path));
+  return absl::OkStatus();
+}
+
+// The quantization config the engine serves: --quant-config none / FILE / the model's own.
+// Returns {config or nullopt, its JSON object text ("" for bf16)}.
+absl::StatusOr<std::pair<std::optional<QuantizationConfig>, std::string>> ResolveQuantization(
+    const Flags& f, const std::string& config_path, const std::string& config_text) {
+  if (f.quant_config == "none") return std::make_pair(std::optional<QuantizationConfig>(), std::string());
+  std::string source = config_path, text = config_text;
+  if (!f.quant_config.empty()) {
+    source = f.quant_config;
+    ASSIGN_OR_RETURN(text, ReadTextFile(f.quant_config));
+  }
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(source, ": not a JSON object"));
+  if (j.contains("quantization_config")) {
+    j = j["quantization_config"];
+  } else if (f.quant_config.empty()) {
+    return std::make_pair(std::optional<QuantizationConfig>(), std::string());  // the model is bf16
+  }
+  const std::string object = j.dump();
+  ASSIGN_OR_RETURN(QuantizationConfig q, ParseQuantizationConfig(object, source));
+  RETURN_IF_ERROR(Annotate(q.CheckInt4Supported(), source));
+  return std::make_pair(std::optional<QuantizationConfig>(std::move(q)), object);
+}
+
+int Run(const Flags& f) {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);  // before any thread: only the watcher takes them
+  SetLogIdentity("engine", f.tp_rank);
+  if (!f.log_level.empty()) {
+    LogLevel level;
+    if (!ParseLogLevel(f.log_level, &level)) {
+      std::fprintf(stderr, "unknown --log-level %s\n", f.log_level.c_str());
+      return 2;
+    }
+    SetLogLevel(level);
+  }
+  rollout_agent::InstallShmCrashCleanup();
+
+  ShutdownLatch latch;
+  std::atomic<bool> watcher_done{false};
+  std::thread watcher([&] {
+    while (!watcher_done.load()) {
+      timespec ts{0, 200'000'000};
+      const int sig = sigtimedwait(&signals, nullptr, &ts);
+      if (sig == SIGINT || sig == SIGTERM) latch.Request(sig == SIGINT ? "SIGINT" : "SIGTERM");
+    }
+  });
+  struct JoinWatcher {
+    std::atomic<bool>& done;
+    std::thread& t;
+    ~JoinWatcher() {
+      done = true;
+      t.join();
+    }
+  } join_watcher{watcher_done, watcher};
+
+  auto fail = [](const absl::Status& s) {
+    WSYNC_LOG(ERROR) << s;
+    std::fprintf(stderr, "wsync-ref-engine: %s\n", s.ToString().c_str());
+    return 1;
+  };
+
+  // --- Configuration ---------------------------------------------------------------------------
+  std::string model = f.model.empty() ? f.checkpoint : f.model;
+  std::string config_path = model;
+  if (std::ifstream(model + "/config.json").good()) config_path = model + "/config.json";
+  absl::StatusOr<std::string> config_text = ReadTextFile(config_path);
+  if (!config_text.ok()) return fail(config_text.status());
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(*config_text, config_path);
+  if (!config.ok()) return fail(config.status());
+  auto quant = ResolveQuantization(f, config_path, *config_text);
+  if (!quant.ok()) return fail(quant.status());
+  config->quantization = quant->first;
+  const QuantizationConfig* qptr = config->quantization ? &*config->quantization : nullptr;
+
+  EngineRank rank;
+  rank.tp_size = f.tp_size;
+  rank.tp_rank = f.tp_rank;
+  rank.ep_size = f.ep_size;
+  absl::StatusOr<rollout_agent::EngineLayout> layout = rollout_agent::EngineLayout::Create(*config, qptr, rank);
+  if (!layout.ok()) return fail(layout.status());
+  absl::StatusOr<std::unique_ptr<rollout_agent::ParamArena>> arena = rollout_agent::ParamArena::Create(*layout, rollout_agent::UniqueShmName(f.engine_id, f.tp_rank));
+  if (!arena.ok()) return fail(arena.status());
+  WSYNC_LOG(INFO) << "engine " << f.engine_id << " tp rank " << f.tp_rank << "/" << f.tp_size << " ep " << f.ep_size
+                  << ": " << ArchitectureName(config->arch) << (qptr ? " INT4" : " bf16") << ", "
+                  << layout->params().size() << " params, " << (*arena)->segment().size() << " bytes in shm "
+                  << (*arena)->segment().name();
+
+  EngineCoreOptions copts;
+  copts.engine_id = f.engine_id;
+  copts.hold_timeout = absl::Seconds(f.hold_timeout_s);
+  copts.version_wait = absl::Seconds(f.version_wait_s);
+  copts.heartbeat = absl::Milliseconds(f.heartbeat_ms);
+  copts.idle_timeout = absl::Seconds(f.tp_idle_timeout_s);
+  copts.step_delay = absl::Milliseconds(f.test_step_delay_ms);
+  copts.prepare_threads = f.threads;
+  rollout_agent::EngineWeights* weights = &(*arena)->weights();
+  ParamLookup lookup = [weights](absl::string_view name) -> absl::StatusOr<TensorView> {
+    ASSIGN_OR_RETURN(MutableTensorView v, weights->View(name));
+    return TensorView(v);
+  };
+  absl::StatusOr<std::unique_ptr<EngineCore>> core = EngineCore::Create(*config, rank, lookup, copts);
+  if (!core.ok()) return fail(core.status());
+
+  if (!f.checkpoint.empty()) {
+    const absl::Time start = absl::Now();
+    CheckpointOptions co;
+    co.num_threads = f.threads;
+    co.variant = f.quant_variant == "slime" ? kernels::QuantVariant::kSlime : kernels::QuantVariant::kQat;
+    absl::StatusOr<CheckpointStats> stats = LoadCheckpoint(f.checkpoint, *layout, *weights, co);
+    if (!stats.ok()) return fail(stats.status());
+    if (absl::Status s = (*core)->PrepareInitial(0, absl::StrCat("checkpoint ", f.checkpoint)); !s.ok()) return fail(s);
+    WSYNC_LOG(INFO) << "loaded checkpoint " << f.checkpoint << ": " << stats->files << " files, " << stats->tensors
+                    << " tensors, " << stats->quantized << " quantized at load, " << stats->skipped << " skipped, in "
+                    << absl::FormatDuration(absl::Now() - start) << "; serving version 0";
+  } else {
+    WSYNC_LOG(INFO) << "no checkpoint: NO_WEIGHTS until the first sync";
+  }
+
+  absl::StatusOr<RpcSecurity> sec = LoadRpcSecurity(f.sec);
+  if (!sec.ok()) return fail(sec.status());
+
+  // --- The TP group's rendezvous ------------------------------------------------------------------
+  comm::MemoryStore memory_store;
+  std::unique_ptr<comm::StoreServer> store_server;
+  std::unique_ptr<comm::GrpcStoreClient> store_client;
+  comm::Store* store = nullptr;
+  if (f.tp_size > 1) {
+    if (f.tp_rank == 0) {
+      absl::StatusOr<std::unique_ptr<comm::StoreServer>> s = comm::StoreServer::Start(&memory_store, f.tp_store, *sec);
+      if (!s.ok()) return fail(s.status());
+      store_server = std::move(*s);
+      const size_t colon = f.tp_store.rfind(':');
+      std::printf("tp-store on %s:%d\n", f.tp_store.substr(0, colon).c_str(), store_server->port());
+      std::fflush(stdout);
+      store = &memory_store;
+    } else {
+      store_client = comm::GrpcStoreClient::Connect(f.tp_store, absl::Seconds(30), *sec);
+      store = store_client.get();
+    }
+  }
+
+  // --- Serving ------------------------------------------------------------------------------------
+  absl::StatusOr<std::unique_ptr<EngineServer>> server = EngineServer::Start(core->get(), f.listen, *sec);
+  if (!server.ok()) return fail(server.status());
+  const std::string address = (*server)->address();
+  std::printf("listening on %s\n", address.c_str());
+  std::fflush(stdout);
+  WSYNC_LOG(INFO) << "RolloutEngine listening on " << address;
+  if (!f.address_file.empty()) {
+    if (absl::Status s = WriteFileAtomically(f.address_file, address + "\n"); !s.ok()) return fail(s);
+  }
+  (*core)->SetShutdownCallback([&latch] { latch.Request("tp rank 0 stopped the engine"); });
+
+  std::thread former;
+  if (f.tp_size > 1) {
+    former = std::thread([&, c = core->get()] {
+      const std::string group = absl::StrCat("wsync-engine/", f.engine_id, "/tp");
+      absl::Status s = store->Set(absl::StrCat(group, "/address/", f.tp_rank), address);
+      comm::GroupOptions g;
+      g.store = store;
+      g.name = group;
+      g.rank = f.tp_rank;
+      g.size = f.tp_size;
+      g.host = f.tp_host;
+      g.join_timeout = absl::Seconds(f.tp_join_timeout_s);
+      g.default_timeout = absl::Seconds(60);
+      g.cancelled = [&latch] { return latch.requested(); };
+      absl::StatusOr<std::unique_ptr<comm::Communicator>> comm =
+          s.ok() ? comm::CreateGroup(comm::Backend::kGloo, g) : absl::StatusOr<std::unique_ptr<comm::Communicator>>(s);
+      absl::StatusOr<std::string> leader = comm.ok() ? store->Get(absl::StrCat(group, "/address/0"), absl::Seconds(30))
+                                                     : absl::StatusOr<std::string>(comm.status());
+      if (!comm.ok() || !leader.ok()) {
+        const absl::Status err = comm.ok() ? leader.status() : comm.status();
+        if (!latch.requested()) WSYNC_LOG(ERROR) << "TP group " << group << " not formed: " << err;
+        c->GroupFailed(err);
+        return;
+      }
+      WSYNC_LOG(INFO) << "TP group " << group << " formed (" << f.tp_size << " ranks); rank 0 at " << *leader;
+      c->AttachGroup(std::move(*comm), *leader);
+    });
+  }
+
+  std::unique_ptr<AgentRegistrar> registrar;
+  if (!f.agent.empty()) {
+    RegistrarOptions ro;
+    ro.agent_address = f.agent;
+    ro.security = *sec;
+    ro.poll = absl::Milliseconds(f.agent_poll_ms);
+    const std::string quant_json = quant->second, config_json = *config_text;
+    rollout_agent::ParamArena* a = arena->get();
+    EngineCore* c = core->get();
+    registrar = AgentRegistrar::Start(ro, [=, &f] {
+      v1::RegisterEngineRequest req;
+      req.set_engine_id(f.engine_id);
+      req.set_tp_size(static_cast<uint32_t>(f.tp_size));
+      req.set_tp_rank(static_cast<uint32_t>(f.tp_rank));
+      req.set_ep_size(static_cast<uint32_t>(f.ep_size));
+      req.set_model_config_json(config_json);
+      req.set_quantization_config_json(quant_json);
+      req.set_engine_address(address);
+      req.set_version(c->version());
+      a->FillParams(req.mutable_params());
+      return req;
+    });
+  }
+
+  latch.Wait();
+  if (registrar) registrar->Stop();
+  if (former.joinable()) former.join();
+  (*core)->Shutdown();
+  (*server)->Shutdown(absl::Milliseconds(500));  // the core already failed every held request
+  WSYNC_LOG(INFO) << "stopped; unlinking " << (*arena)->segment().name();
+  return 0;
+}
+
+}  // namespace
+}  // namespace wsync::ref_engine
+
+int main(int argc, char** argv) {
+  wsync::ref_engine::Flags f;
+  CLI::App app{"wsync-ref-engine: the CPU reference rollout engine (one process per engine TP rank)"};
+  app.add_option("--model", f.model, "HF config.json, or a directory holding one (default: --checkpoint)");
+  app.add_option("--checkpoint", f.checkpoint,
+                 "HF checkpoint directory (config.json + *.safetensors) served as version 0; none: NO_WEIGHTS "
+                 "until the first sync");
+  app.add_option("--quant-config", f.quant_config,
+                 "compressed-tensors quantization_config (the object, or a config.json holding one), or 'none' "
+                 "for bf16 (default: the model config's, else bf16)");
+  app.add_option("--quant-variant", f.quant_variant, "INT4 scale rounding for bf16 weights quantized at load")
+      ->check(CLI::IsMember({"qat", "slime"}));
+  app.add_option("--tp-size", f.tp_size, "engine tensor-parallel size")->check(CLI::Range(1, 1024));
+  app.add_option("--tp-rank", f.tp_rank, "this process's TP rank")->check(CLI::Range(0, 1023));
+  app.add_option("--ep-size", f.ep_size, "MoE expert parallelism inside the TP group")->check(CLI::Range(1, 1024));
+  app.add_option("--engine-id", f.engine_id, "engine name, the same on every TP rank");
+  app.add_option("--listen", f.listen, "RolloutEngine address (port 0 picks one)");
+  app.add_option("--address-file", f.address_file, "write the bound HOST:PORT here");
+  app.add_option("--agent", f.agent, "this rank's rollout agent (register and re-register)");
+  app.add_option("--tp-store", f.tp_store,
+                 "TP rendezvous: rank 0 serves a store here (port 0 picks one), other ranks connect to it");
+  app.add_option("--tp-host", f.tp_host, "address this rank's Gloo TP endpoint listens on");
+  app.add_option("--token-file", f.sec.token_file, "bearer token (default $WSYNC_TOKEN; none: no auth)");
+  app.add_option("--tls-cert", f.sec.tls_cert_file, "TLS certificate (server; client for mutual TLS)");
+  app.add_option("--tls-key", f.sec.tls_key_file, "TLS private key");
+  app.add_option("--tls-ca", f.sec.tls_ca_file, "TLS CA (server: of clients, then required; client: of servers)");
+  app.add_option("--log-level", f.log_level, "debug|info|warning|error (default $WSYNC_LOG_LEVEL or info)");
+  app.add_option("--hold-timeout-s", f.hold_timeout_s, "longest a Generate waits while paused (HOLD)");
+  app.add_option("--version-wait-s", f.version_wait_s, "longest the TP ranks may disagree on the weight version");
+  app.add_option("--heartbeat-ms", f.heartbeat_ms, "rank 0's idle heartbeat to the other ranks");
+  app.add_option("--tp-idle-timeout-s", f.tp_idle_timeout_s, "a rank's longest silence from rank 0");
+  app.add_option("--tp-join-timeout-s", f.tp_join_timeout_s, "how long to wait for every TP rank to join");
+  app.add_option("--agent-poll-ms", f.agent_poll_ms, "how often to check that the agent still knows us");
+  app.add_option("--threads", f.threads, "threads for loading, repacking and preparing weights (0: all cores)");
+  app.add_option("--test-step-delay-ms", f.test_step_delay_ms, "tests only: sleep before every forward pass")
+      ->group("");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  auto usage = [](const std::string& msg) {
+    std::fprintf(stderr, "wsync-ref-engine: %s\n", msg.c_str());
+    return 2;
+  };
+  if (f.model.empty() && f.checkpoint.empty()) return usage("--model or --checkpoint is required");
+  if (f.tp_rank >= f.tp_size) return usage(absl::StrCat("--tp-rank ", f.tp_rank, " must be < --tp-size ", f.tp_size));
+  if (f.tp_size > 1 && f.tp_store.empty()) return usage("--tp-size > 1 needs --tp-store");
+  if (f.heartbeat_ms <= 0 || f.tp_idle_timeout_s * 1000 <= 2 * f.heartbeat_ms)
+    return usage("--tp-idle-timeout-s must exceed two --heartbeat-ms periods");
+  return wsync::ref_engine::Run(f);
+}

@@ -1,0 +1,176 @@
+// EngineModel: the numerical core of the reference rollout engine (wsync-ref-engine). A CPU
+// transformer forward pass over the parameters ONE SGLang engine rank holds, in SGLang's layout
+// (shared/docs/ENGINE_LAYOUT.md §1-§5): vocab-parallel embed_tokens / lm_head padded to pad(V,64)/T
+// rows, fused qkv_proj [q|k|v] with KV-head replication when T > nkv, row-parallel o_proj /
+// down_proj, fused gate_up_proj [gate; up], Qwen3 q_norm/k_norm, Qwen2 qkv bias, MoE (replicated
+// router, experts.w13 [E_loc, 2I', H] / w2 [E_loc, H, I'] with engine EP), DeepSeek-V3 MLA
+// (fused_qkv_a_proj_with_mqa, q_b_proj, kv_b_proj; absorbed-latent attention) with sigmoid/noaux_tc
+// group-limited routing and shared experts. Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3.
+//
+// Weights: every parameter is fetched by its engine name through a ParamLookup. A linear is INT4
+// iff `P.weight_packed` exists (Marlin, ENGINE_LAYOUT.md §4: int32 [K_p/16, 2N_p] + bf16
+// `P.weight_scale` [K_p/G, N_p] permuted; MoE `w13_weight_packed` [E_loc, H/16, 4I'] etc.),
+// otherwise `P.weight` (bf16 or f32) is read. INT4 values are value = bf16((u - 8) * scale)
+// (FORMATS.md §2; rounded to bf16 as the Marlin GEMM does). The group size G comes from
+// config.quantization when present, else from the scales' shape (a single scale row is read as
+// channelwise). Activations and accumulation are fp32. README.md records the decisions.
+//
+// Serving the weights (WeightMode, README.md "Weights in place"). By default (kInPlace) the
+// forward pass reads the parameter memory where it is: bf16 / f32 matrices row by row (bf16 is
+// widened to f32 inside the dot products, exactly), Marlin INT4 tile by tile through the Marlin
+// layout (weight_ops.h), so Prepare() is a validation pass: names, dtypes, shapes, and every value
+// finite once dequantized. It copies only 1-D params (norms, biases; to f32) and f16 or
+// misaligned matrices, into buffers it reuses across Prepares. Every check runs before the first
+// copy is written, on EngineModelOptions::prepare_threads threads. The results are bit-identical
+// to kFloat32Copy, the design before issue #7 (a fresh float32 copy of every weight per Prepare,
+// one thread, dequantized through src/kernels MarlinToGptq + UnpermuteMarlinScales), which is
+// kept for benchmarks and as the tests' reference.
+//
+// Tensor parallelism: the T ranks of one engine each own an EngineModel and must call Logits /
+// Generate in lockstep with the same arguments; TpCollectives carries the all-reduce (after
+// o_proj, after the MLP / MoE, after the vocab-parallel embedding) and the all-gather (lm_head
+// logits). Both must return bit-identical results on every rank (sum in rank order), so that all
+// ranks pick the same greedy tokens. With T = 1 empty collectives mean identity.
+//
+// Ownership: the model copies the config; ParamLookup and TpCollectives are stored and must stay
+// callable for the model's life. kInPlace: the memory behind the views the lookup returned at the
+// last successful Prepare() is read by every later Logits / Generate, so it must stay valid, and
+// hold the prepared version, until the next successful Prepare() or the model's destruction
+// (the engine's pause protocol: core.h). kFloat32Copy: views need only live during Prepare().
+// Thread-safety: Prepare() must not run concurrently with anything else on the same model (the
+// caller serializes: a request never spans two versions). Logits / Generate / Weight are const
+// and may run concurrently with each other only if the collectives allow it (they are issued in
+// program order per call).
+// Errors: Create: kInvalidArgument for an unsupported rank geometry (ENGINE_LAYOUT.md §6 naming
+// the sizes; also EP > 1 on a dense model, tied Qwen3-MoE / DeepSeek-V3, T > 1 without
+// collectives), kUnimplemented for routing it does not model (scoring_func / topk_method, fused
+// shared experts without norm_topk_prob). Prepare: kNotFound naming a missing parameter, kInvalidArgument naming a
+// parameter whose dtype / shape differs (with want and got), or an INT4 tensor where the engine
+// keeps bf16; kDataLoss naming a parameter that holds NaN / Inf once dequantized (the first one
+// in load order, whatever the thread count); kResourceExhausted if a copy cannot be allocated. On
+// error nothing changes: the model keeps the references and copies of the last successful
+// Prepare (no copy is written before every check passed). kInPlace reads matrices in place, so
+// the model then computes the previous version only as far as that memory still holds it: a
+// caller that wrote over it must not serve from the model until a Prepare succeeds (EngineCore
+// turns UNHEALTHY). Logits / Generate:
+// kFailedPrecondition before the first successful Prepare(), kInvalidArgument for an empty prompt,
+// a token outside [0, V) or a sequence longer than max_position_embeddings; collective errors
+// are passed through.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "common/config.h"
+#include "common/tensor.h"
+#include "rollout_agent/load/engine_layout.h"
+
+namespace wsync::ref_engine {
+
+// One engine rank's place (ENGINE_LAYOUT.md §1): the rollout loader's geometry (tp_size, tp_rank,
+// ep_size; moe_tp = tp_size / ep_size, ep_rank = tp_rank / moe_tp, moe_tp_rank = tp_rank % moe_tp)
+// plus the one thing only the engine knows, whether DeepSeek-V3's shared experts are fused.
+// An EngineRank is an EngineParallel, so it passes straight to EngineLayout::Create.
+struct EngineRank : rollout_agent::EngineParallel {
+  // DeepSeek-V3 shared-experts fusion (ENGINE_LAYOUT.md §2.7): the shared expert is routed
+  // expert n_routed (E_total = n_routed + 1, always selected with weight 1) and there is no
+  // mlp.shared_experts module. Requires n_shared_experts == 1. The rollout loader never fuses
+  // (load/README.md decision 1), so wsync-ref-engine always serves with it off.
+  bool fused_shared_experts = false;
+};
+
+// Fetches an engine parameter by name. kNotFound if the rank holds no such parameter.
+using ParamLookup = std::function<absl::StatusOr<TensorView>(absl::string_view name)>;
+
+// Collectives over the engine's TP group. all_reduce_sum sums the span element-wise over all T
+// ranks, in place; all_gather writes the T ranks' `local` spans (equal sizes) into `gathered`
+// (T * local.size()) in rank order. Both block until every rank has joined.
+struct TpCollectives {
+  std::function<absl::Status(absl::Span<float>)> all_reduce_sum;
+  std::function<absl::Status(absl::Span<const float> local, absl::Span<float> gathered)> all_gather;
+};
+
+// A prepared (dequantized) weight, in the shape of the bf16 engine parameter of the same name: a
+// float32 copy of exactly the values the forward pass multiplies with.
+struct PreparedWeight {
+  Shape shape;
+  std::vector<float> data;
+};
+
+enum class WeightMode {
+  kInPlace,      // read the parameter memory in place; Prepare validates (the default)
+  kFloat32Copy,  // a fresh float32 copy of every weight per Prepare, one thread (before issue #7)
+};
+
+// What the last successful Prepare() did (kInPlace; kFloat32Copy counts its copies as copied and
+// allocated).
+struct PrepareStats {
+  int64_t params = 0;           // weights served (under their bf16 engine names)
+  int64_t bytes_in_place = 0;   // parameter bytes the forward pass reads where they are
+  int64_t bytes_checked = 0;    // bytes scanned for NaN / Inf (Marlin: the scales)
+  int64_t bytes_copied = 0;     // bytes written into the model's own buffers
+  int64_t bytes_allocated = 0;  // of which newly allocated (0 when every buffer was reused)
+  int threads = 1;
+};
+
+struct EngineModelOptions {
+  WeightMode weights = WeightMode::kInPlace;
+  int prepare_threads = 0;  // kInPlace Prepare's checks and copies; 0 = hardware_concurrency
+};
+
+class EngineModel {
+ public:
+  // Validates the geometry (ENGINE_LAYOUT.md §6) and stores its arguments; reads no weights.
+  static absl::StatusOr<EngineModel> Create(const ModelConfig& config, EngineRank rank, ParamLookup lookup,
+                                            TpCollectives collectives, EngineModelOptions options = {});
+
+  EngineModel(EngineModel&&) noexcept;
+  EngineModel& operator=(EngineModel&&) noexcept;
+  ~EngineModel();
+
+  // Reads every parameter of this rank through the lookup and checks names, dtypes, shapes and
+  // finiteness; then (kInPlace) refreshes the few copies and serves the memory in place, or
+  // (kFloat32Copy) serves a new float32 copy of everything. On error the previous version's
+  // references and copies stay (see Errors). Does not call the collectives.
+  absl::Status Prepare();
+  bool prepared() const;
+  const PrepareStats& last_prepare() const;
+
+  // Logits of every position of `tokens` (one forward pass over the whole sequence from position
+  // 0): row-major [tokens.size(), vocab_size] (the pad(V,64) padding is dropped).
+  absl::StatusOr<std::vector<float>> Logits(absl::Span<const int32_t> tokens) const;
+
+  // Called before every forward pass of Generate with the number of tokens generated so far (0
+  // before the prompt pass); a non-OK status stops generation and is returned. With T > 1 every
+  // rank must take the same decision at the same step (the engine server makes it a collective).
+  using StepHook = std::function<absl::Status(int step)>;
+
+  // Greedy decoding with a KV cache: the prompt in one pass, then one token per step; returns the
+  // max_new_tokens (>= 0) new tokens. Argmax ties go to the lowest token id.
+  absl::StatusOr<std::vector<int32_t>> Generate(absl::Span<const int32_t> prompt, int max_new_tokens,
+                                                const StepHook& before_step = nullptr) const;
+
+  // The prepared weight behind engine parameter `name`, named and shaped as its bf16 engine
+  // parameter (e.g. "model.layers.0.self_attn.qkv_proj.weight" [N_p, K_p],
+  // "model.layers.1.mlp.experts.w13_weight" [E_loc, 2I', H]) whether it was stored bf16 or INT4,
+  // as a float32 copy (INT4 dequantized). kFailedPrecondition before Prepare(); kNotFound for a
+  // name this rank does not hold.
+  absl::StatusOr<PreparedWeight> Weight(absl::string_view name) const;
+
+  const ModelConfig& config() const;
+  const EngineRank& rank() const;
+
+ private:
+  struct Impl;
+  explicit EngineModel(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace wsync::ref_engine

@@ -1,0 +1,107 @@
+#include "ref_engine/registration.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+#include "common/logging.h"
+
+namespace wsync::ref_engine {
+
+AgentRegistrar::AgentRegistrar(RegistrarOptions options, std::function<v1::RegisterEngineRequest()> make_request)
+    : options_(std::move(options)), make_request_(std::move(make_request)) {}
+
+std::unique_ptr<AgentRegistrar> AgentRegistrar::Start(RegistrarOptions options,
+                                                      std::function<v1::RegisterEngineRequest()> make_request) {
+  auto r = std::unique_ptr<AgentRegistrar>(new AgentRegistrar(std::move(options), std::move(make_request)));
+  r->stub_ = v1::RolloutAgent::NewStub(MakeChannel(r->options_.agent_address, r->options_.security));
+  r->thread_ = std::thread([p = r.get()] { p->Loop(); });
+  return r;
+}
+
+AgentRegistrar::~AgentRegistrar() { Stop(); }
+
+void AgentRegistrar::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+    cv_.SignalAll();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+int AgentRegistrar::registrations() const {
+  absl::MutexLock lock(&mu_);
+  return registrations_;
+}
+
+std::string AgentRegistrar::agent_id() const {
+  absl::MutexLock lock(&mu_);
+  return agent_id_;
+}
+
+bool AgentRegistrar::Sleep(absl::Duration d) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time until = absl::Now() + d;
+  while (!stop_ && absl::Now() < until) cv_.WaitWithDeadline(&mu_, until);
+  return !stop_;
+}
+
+void AgentRegistrar::Loop() {
+  const std::string& agent = options_.agent_address;
+  bool registered = false;
+  std::string engine_id;
+  absl::Duration backoff = options_.min_backoff;
+  int failures = 0;
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_) return;
+    }
+    if (!registered) {
+      v1::RegisterEngineRequest req = make_request_();
+      engine_id = req.engine_id();
+      v1::RegisterEngineReply reply;
+      grpc::ClientContext ctx;
+      PrepareContext(&ctx, options_.security, options_.rpc_timeout);
+      const absl::Status s = FromGrpcStatus(stub_->RegisterEngine(&ctx, req, &reply));
+      if (s.ok()) {
+        registered = true;
+        backoff = options_.min_backoff;
+        failures = 0;
+        absl::MutexLock lock(&mu_);
+        ++registrations_;
+        agent_id_ = reply.agent_id();
+        WSYNC_LOG(INFO) << "registered with rollout agent " << agent << " (agent_id " << reply.agent_id() << "): "
+                        << req.params_size() << " params, version " << req.version();
+        continue;
+      }
+      if (failures++ % 10 == 0)
+        WSYNC_LOG(WARNING) << "registration with rollout agent " << agent << " failed (attempt " << failures
+                           << ", retrying every <= " << absl::FormatDuration(options_.max_backoff) << "): " << s;
+      if (!Sleep(backoff)) return;
+      backoff = std::min(backoff * 2, options_.max_backoff);
+      continue;
+    }
+    if (!Sleep(options_.poll)) return;
+    v1::AgentStatusReply status;
+    grpc::ClientContext ctx;
+    PrepareContext(&ctx, options_.security, options_.rpc_timeout);
+    const absl::Status s = FromGrpcStatus(stub_->AgentStatus(&ctx, v1::AgentStatusRequest(), &status));
+    std::string why;
+    if (!s.ok()) {
+      why = absl::StrCat("unreachable (", s.ToString(), ")");
+    } else if (status.agent_id() != agent_id()) {
+      why = absl::StrCat("restarted (agent_id ", status.agent_id(), ")");
+    } else if (status.state() == "no_engine" || status.engine_id() != engine_id) {
+      why = absl::StrCat("no longer knows this engine (state ", status.state(), ", engine_id \"", status.engine_id(),
+                         "\")");
+    }
+    if (!why.empty()) {
+      WSYNC_LOG(WARNING) << "rollout agent " << agent << " " << why << ": registering again";
+      registered = false;
+    }
+  }
+}
+
+}  // namespace wsync::ref_engine

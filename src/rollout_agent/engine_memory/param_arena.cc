@@ -1,0 +1,179 @@
+#include "rollout_agent/engine_memory/param_arena.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "comm/bucket/stream.h"
+#include "common/status.h"
+
+namespace wsync::rollout_agent {
+namespace {
+
+// Crash-cleanup registry: fixed slots of precomputed /dev/shm paths, so that a signal handler can
+// unlink them with unlink(2) alone. A slot is live while `used` is true.
+constexpr int kSlots = 16;
+constexpr size_t kPathMax = 320;
+struct Slot {
+  std::atomic<bool> used{false};
+  std::atomic<bool> ready{false};
+  char path[kPathMax];
+};
+Slot g_slots[kSlots];
+
+int Register(const std::string& name) {
+  const std::string path = absl::StrCat("/dev/shm", name);
+  if (path.size() + 1 > kPathMax) return -1;
+  for (int i = 0; i < kSlots; ++i) {
+    bool expected = false;
+    if (g_slots[i].used.compare_exchange_strong(expected, true)) {
+      std::memcpy(g_slots[i].path, path.c_str(), path.size() + 1);
+      g_slots[i].ready.store(true, std::memory_order_release);
+      return i;
+    }
+  }
+  return -1;
+}
+
+void Unregister(int slot) {
+  if (slot < 0) return;
+  g_slots[slot].ready.store(false, std::memory_order_release);
+  g_slots[slot].used.store(false, std::memory_order_release);
+}
+
+void CrashHandler(int sig) {
+  UnlinkAllShmSegments();
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+}  // namespace
+
+void UnlinkAllShmSegments() {
+  for (Slot& s : g_slots) {
+    if (s.ready.load(std::memory_order_acquire)) unlink(s.path);
+  }
+}
+
+void InstallShmCrashCleanup() {
+  static std::atomic<bool> installed{false};
+  if (installed.exchange(true)) return;
+  for (int sig : {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT}) {
+    struct sigaction sa;
+    std::memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = CrashHandler;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESETHAND;
+    sigaction(sig, &sa, nullptr);
+  }
+  std::atexit(UnlinkAllShmSegments);
+}
+
+std::string UniqueShmName(absl::string_view engine_id, int tp_rank) {
+  std::string id;
+  for (char c : engine_id.substr(0, 64)) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+                    c == '_' || c == '-';
+    id.push_back(ok ? c : '_');
+  }
+  if (id.empty()) id = "engine";
+  std::random_device rd;
+  const uint64_t r = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  return absl::StrFormat("/wsync-engine-%s-r%d-%d-%016x", id, tp_rank, static_cast<int>(getpid()), r);
+}
+
+absl::StatusOr<std::unique_ptr<ShmSegment>> ShmSegment::Create(const std::string& name, size_t size) {
+  if (name.size() < 2 || name[0] != '/' || name.find('/', 1) != std::string::npos || name.size() > 250)
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm segment name \"", name, "\" must be '/' then 1-249 characters without '/'"));
+  if (size == 0) return absl::InvalidArgumentError(absl::StrCat("shm segment ", name, ": size 0"));
+  const int slot = Register(name);
+  if (slot < 0)
+    return absl::ResourceExhaustedError(absl::StrCat("shm segment ", name, ": more than ", kSlots, " live segments"));
+  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) {
+    const int err = errno;
+    Unregister(slot);
+    if (err == EEXIST) return absl::AlreadyExistsError(absl::StrCat("shm segment ", name, " already exists"));
+    return ErrnoToStatus(err, absl::StrCat("shm_open(", name, ")"));
+  }
+  auto fail = [&](const char* what) {
+    const int err = errno;
+    close(fd);
+    shm_unlink(name.c_str());
+    Unregister(slot);
+    return ErrnoToStatus(err, absl::StrCat(what, " of shm segment ", name, " (", size, " bytes)"));
+  };
+  if (fchmod(fd, 0600) != 0) return fail("fchmod");
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) return fail("ftruncate");
+  void* data = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (data == MAP_FAILED) return fail("mmap");
+  close(fd);
+  return std::unique_ptr<ShmSegment>(new ShmSegment(name, data, size, slot));
+}
+
+ShmSegment::~ShmSegment() {
+  munmap(data_, size_);
+  shm_unlink(name_.c_str());
+  Unregister(slot_);
+}
+
+absl::StatusOr<std::unique_ptr<ParamArena>> ParamArena::Create(const EngineLayout& layout,
+                                                               const std::string& shm_name) {
+  const auto& params = layout.params();
+  std::vector<uint64_t> offsets;
+  offsets.reserve(params.size());
+  std::vector<uint64_t> sizes;
+  sizes.reserve(params.size());
+  uint64_t end = 0;
+  for (const EngineParam& p : params) {
+    end = (end + kParamAlignment - 1) / kParamAlignment * kParamAlignment;
+    offsets.push_back(end);
+    ASSIGN_OR_RETURN(int64_t nbytes, NumBytes(p.dtype, p.engine_shape));
+    sizes.push_back(static_cast<uint64_t>(nbytes));
+    end += static_cast<uint64_t>(nbytes);
+  }
+  const uint64_t size = std::max<uint64_t>((end + kParamAlignment - 1) / kParamAlignment * kParamAlignment, 64);
+  auto arena = std::unique_ptr<ParamArena>(new ParamArena());
+  ASSIGN_OR_RETURN(arena->segment_, ShmSegment::Create(shm_name, size));
+  auto* base = static_cast<std::byte*>(arena->segment_->data());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const EngineParam& p = params[i];
+    EngineBuffer b;
+    b.name = p.name;
+    b.dtype = p.dtype;
+    b.shape = p.engine_shape;
+    b.data = base + offsets[i];
+    b.nbytes = sizes[i];
+    RETURN_IF_ERROR(arena->weights_.Add(std::move(b)));
+  }
+  RETURN_IF_ERROR(arena->weights_.CheckMatches(layout));
+  arena->offsets_ = std::move(offsets);
+  return arena;
+}
+
+void ParamArena::FillParams(google::protobuf::RepeatedPtrField<v1::EngineParam>* out) const {
+  out->Clear();
+  const auto& buffers = weights_.buffers();
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    v1::EngineParam* p = out->Add();
+    p->set_name(buffers[i].name);
+    p->set_dtype(comm::ToProto(buffers[i].dtype));  // comm/bucket_stream.h
+    for (int64_t d : buffers[i].shape) p->add_shape(d);
+    p->set_nbytes(buffers[i].nbytes);
+    p->mutable_memory()->set_shm_name(segment_->name());
+    p->mutable_memory()->set_offset(offsets_[i]);
+  }
+}
+
+}  // namespace wsync::rollout_agent

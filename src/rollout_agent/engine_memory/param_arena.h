@@ -1,0 +1,95 @@
+// The reference engine's parameter memory: one POSIX shared-memory segment per engine rank, holding
+// every parameter of the rank's EngineLayout in its engine form (bf16 plain params, Marlin INT4),
+// which the engine registers with its rollout agent (engine.proto ParamMemory{shm_name, offset})
+// and which the agent writes directly while the engine is paused.
+//
+//   ShmSegment     one segment: shm_open(O_CREAT | O_EXCL | O_RDWR, 0600) (then fchmod 0600, so
+//                  the umask cannot change the mode), ftruncate, mmap MAP_SHARED; destruction
+//                  munmaps and shm_unlinks it. The name is also kept in a process-wide registry
+//                  that UnlinkAllShmSegments() (async-signal-safe: unlink(2) of the precomputed
+//                  /dev/shm path) removes on a crash or an exit() that skips destructors.
+//   ParamArena     a segment laid out for an EngineLayout: every param at a 64-byte aligned offset
+//                  in layout order, zero-filled, exposed as EngineWeights (what Commit()
+//                  and EngineModel read and write) and as the registration's EngineParam list.
+//
+// Names: "/wsync-engine-<engine id>-r<rank>-<pid>-<random hex>"; the engine id is reduced to
+// [A-Za-z0-9._-] (others become '_') and at most 64 characters.
+// Ownership: the segment (and its name) belongs to the process that created it; a reader's
+// mapping keeps the memory alive after unlink.
+// Errors: kInvalidArgument for a bad name or size; kAlreadyExists when the name is taken (O_EXCL);
+// other errno values through ErrnoToStatus naming the segment; kResourceExhausted when the
+// registry of live segments (16) is full.
+// Thread-safety: ShmSegment and ParamArena are immutable after creation (the bytes follow the
+// engine's pause protocol); the registry functions may be called from any thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "rollout_agent/load/engine_layout.h"
+#include "rollout_agent/repack/engine_weights.h"
+#include "wsync/v1/engine.pb.h"
+
+namespace wsync::rollout_agent {
+
+inline constexpr size_t kParamAlignment = 64;
+
+class ShmSegment {
+ public:
+  // Creates a new segment of `size` (> 0) bytes, zero-filled, mode 0600. `name` starts with '/'
+  // and holds no other '/'.
+  static absl::StatusOr<std::unique_ptr<ShmSegment>> Create(const std::string& name, size_t size);
+  ~ShmSegment();  // munmap + shm_unlink
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+
+  const std::string& name() const { return name_; }
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  ShmSegment(std::string name, void* data, size_t size, int slot)
+      : name_(std::move(name)), data_(data), size_(size), slot_(slot) {}
+  std::string name_;
+  void* data_;
+  size_t size_;
+  int slot_;  // in the crash-cleanup registry
+};
+
+// "/wsync-engine-<id>-r<rank>-<pid>-<16 random hex digits>" (see the file comment).
+std::string UniqueShmName(absl::string_view engine_id, int tp_rank);
+
+// Unlinks every live segment of this process. Async-signal-safe; for fatal-signal handlers and
+// atexit. The segments' mappings stay valid; their destructors later find them gone (harmless).
+void UnlinkAllShmSegments();
+// Installs UnlinkAllShmSegments for SIGSEGV, SIGBUS, SIGILL, SIGFPE and SIGABRT (then re-raises
+// with the default action) and at exit(). For the engine's main(); idempotent.
+void InstallShmCrashCleanup();
+
+class ParamArena {
+ public:
+  // Lays out every param of `layout` (ParamForm::kEngine) in one new segment named `shm_name`.
+  static absl::StatusOr<std::unique_ptr<ParamArena>> Create(const EngineLayout& layout,
+                                                            const std::string& shm_name);
+
+  const ShmSegment& segment() const { return *segment_; }
+  // Every param, by SGLang name, pointing into the segment (CheckMatches(layout) holds).
+  EngineWeights& weights() { return weights_; }
+  const EngineWeights& weights() const { return weights_; }
+  // The registration's params: name, dtype, engine shape, nbytes, {shm_name, offset}.
+  void FillParams(google::protobuf::RepeatedPtrField<v1::EngineParam>* out) const;
+  // Byte offset of a param in the segment (by index in weights().buffers()).
+  uint64_t offset(size_t index) const { return offsets_[index]; }
+
+ private:
+  ParamArena() = default;
+  std::unique_ptr<ShmSegment> segment_;
+  EngineWeights weights_;
+  std::vector<uint64_t> offsets_;
+};
+
+}  // namespace wsync::rollout_agent

@@ -1,0 +1,44 @@
+#include "tools/wsyncctl/verify.h"
+
+#include "common/checksum.h"
+#include "common/status.h"
+#include "rollout_agent/load/loader.h"
+#include "rollout_agent/repack/repack.h"
+
+namespace wsync::tools {
+
+std::map<std::string, uint64_t> ChecksumWeights(const rollout_agent::EngineWeights& weights) {
+  std::map<std::string, uint64_t> out;
+  for (const auto& b : weights.buffers()) {
+    out[b.name] = Xxh3_64({static_cast<const std::byte*>(b.data), b.nbytes});
+  }
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<rollout_agent::OwnedEngineWeights>> ExpectedEngineWeights(const rollout_agent::EngineLayout& layout,
+                                                                          const std::vector<model::HfTensor>& sent) {
+  ASSIGN_OR_RETURN(auto staging, rollout_agent::Staging::Create(layout));
+  rollout_agent::Loader loader(staging.get());
+  for (const auto& t : sent) RETURN_IF_ERROR(loader.Load(t.name, t.view));
+  RETURN_IF_ERROR(loader.CheckComplete());
+  ASSIGN_OR_RETURN(auto engine, rollout_agent::OwnedEngineWeights::Allocate(layout));
+  RETURN_IF_ERROR(rollout_agent::Commit(*staging, engine->weights()));
+  return engine;
+}
+
+VerifyResult CompareChecksums(const std::map<std::string, uint64_t>& expected,
+                              const std::map<std::string, uint64_t>& actual) {
+  VerifyResult r;
+  r.params = expected.size();
+  for (const auto& [name, sum] : expected) {
+    auto it = actual.find(name);
+    if (it == actual.end()) r.missing.push_back(name);
+    else if (it->second != sum) r.mismatched.push_back(name);
+  }
+  for (const auto& [name, sum] : actual) {
+    if (!expected.count(name)) r.unexpected.push_back(name);
+  }
+  return r;
+}
+
+}  // namespace wsync::tools
