@@ -1,5 +1,5 @@
 // HuggingFace model configs (config.json) for the architectures wsync converts
-// (docs: shared/docs/MEGATRON_TO_HF.md): Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3, and the
+// (docs: docs/spec/MEGATRON_TO_HF.md): Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3, and the
 // optional compressed-tensors `quantization_config` that tells which tensors go to INT4.
 //
 // The parser validates what each architecture needs: structural sizes (hidden size, layers,

@@ -1,7 +1,7 @@
 // Public API of the INT4 kernels: symmetric INT4 group quantization fused with packing
 // (compressed-tensors or GPTQ orientation), GPTQ <-> Marlin weight repack, and the Marlin scale
 // permutation, for dense [N, K] weights and stacked MoE experts [E, N, K]. Bit-exact to
-// /work/shared/docs/FORMATS.md (cited as §n); docs/kernels.md explains layout and decisions.
+// docs/spec/FORMATS.md (cited as §n); docs/kernels.md explains layout and decisions.
 //
 // Every function takes the caller's input and output views (no allocation of outputs), checks
 // dtype, shape, size and alignment, and then runs on Options::device:

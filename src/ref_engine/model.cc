@@ -636,7 +636,7 @@ struct EngineModel::Impl {
     return absl::OkStatus();
   }
 
-  // kFloat32Copy (the design before issue #7): a fresh float32 copy of everything, one thread.
+  // kFloat32Copy (the baseline for benchmarks): a fresh float32 copy of everything, one thread.
   absl::Status PrepareFloat32Copy() {
     Plan plan;
     RETURN_IF_ERROR(Resolve(plan));

@@ -1,6 +1,6 @@
 // EngineModel: the numerical core of the reference rollout engine (wsync-ref-engine). A CPU
 // transformer forward pass over the parameters ONE SGLang engine rank holds, in SGLang's layout
-// (shared/docs/ENGINE_LAYOUT.md §1-§5): vocab-parallel embed_tokens / lm_head padded to pad(V,64)/T
+// (docs/spec/ENGINE_LAYOUT.md §1-§5): vocab-parallel embed_tokens / lm_head padded to pad(V,64)/T
 // rows, fused qkv_proj [q|k|v] with KV-head replication when T > nkv, row-parallel o_proj /
 // down_proj, fused gate_up_proj [gate; up], Qwen3 q_norm/k_norm, Qwen2 qkv bias, MoE (replicated
 // router, experts.w13 [E_loc, 2I', H] / w2 [E_loc, H, I'] with engine EP), DeepSeek-V3 MLA
@@ -22,7 +22,7 @@
 // finite once dequantized. It copies only 1-D params (norms, biases; to f32) and f16 or
 // misaligned matrices, into buffers it reuses across Prepares. Every check runs before the first
 // copy is written, on EngineModelOptions::prepare_threads threads. The results are bit-identical
-// to kFloat32Copy, the design before issue #7 (a fresh float32 copy of every weight per Prepare,
+// to kFloat32Copy, the unoptimised baseline mode (a fresh float32 copy of every weight per Prepare,
 // one thread, dequantized through src/kernels MarlinToGptq + UnpermuteMarlinScales), which is
 // kept for benchmarks and as the tests' reference.
 //
@@ -106,7 +106,7 @@ struct PreparedWeight {
 
 enum class WeightMode {
   kInPlace,      // read the parameter memory in place; Prepare validates (the default)
-  kFloat32Copy,  // a fresh float32 copy of every weight per Prepare, one thread (before issue #7)
+  kFloat32Copy,  // a fresh float32 copy of every weight per Prepare, one thread (the baseline for benchmarks)
 };
 
 // What the last successful Prepare() did (kInPlace; kFloat32Copy counts its copies as copied and

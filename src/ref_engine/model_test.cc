@@ -1,5 +1,5 @@
 // EngineModel against HfReferenceModel: random HF checkpoints (fixed seeds) for every architecture,
-// loaded into SGLang engine-rank parameters by the rollout agent's Loader + Commit (testing_util.h)
+// loaded into SGLang engine-rank parameters by the rollout agent's Loader + Commit (ref_engine/testing/fixtures.h)
 // for TP 1/2/4 and EP where valid, bf16 and Marlin INT4; T ranks run as threads with an in-process all-reduce.
 //
 // Tolerance: both models compute in float32 from the same bf16 (or bf16-dequantized INT4) weights;

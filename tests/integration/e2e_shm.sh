@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End to end with live training processes (the shm: source, issue 5): 4 trainer agents under
+# End to end with live training processes (the shm: source): 4 trainer agents under
 # mpirun with `--source shm:NAME`, 4 training processes (wsync-shm-trainer, under their own
 # mpirun) that register their tensors through libwsync_trainer_client, and one reference engine
 # of TP 2. The training processes take two steps with different weights (two generated models),

@@ -1,6 +1,6 @@
 // wsync-bench-comm: data-plane bandwidth, nccl-tests style, for Broadcast and AllGather on one
 // backend and member count. The broadcast figures are the ceiling an end-to-end sync is compared
-// with (issue "Data plane").
+// with.
 //
 //   wsync-bench-comm --backend gloo --ranks 3 [-b 1K] [-e 1G] [-f 4] [-n 5] [-w 1] [-c 1]
 //   mpirun -np 3 wsync-bench-comm --backend mpi [...]

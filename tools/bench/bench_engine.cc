@@ -8,7 +8,7 @@
 // rank's EngineLayout in one POSIX shm ParamArena, the checkpoint loaded through the rollout Loader
 // + Commit (bf16 weights of INT4 linears quantized at load), then EngineModel::Create + Prepare
 // twice (the first Continue and a later one) and one Generate. Modes:
-//   f32-copy   WeightMode::kFloat32Copy, the design before issue #7 (a fresh float32 copy of every
+//   f32-copy   WeightMode::kFloat32Copy, the unoptimised baseline mode (a fresh float32 copy of every
 //              weight per Prepare, one thread) -- the "before";
 //   in-place   WeightMode::kInPlace with 1 thread and with --threads (0 = all cores) -- the "after".
 // Columns: checked = bytes Prepare scanned for NaN / Inf (Marlin: its scales; f32-copy: its

@@ -9,7 +9,7 @@
 //       [--quant-config FILE]   a compressed-tensors quantization_config (the object, or a
 //                               config.json holding it) written into config.json
 //
-// Presets (trainer_agent/convert/synthetic_model.h): tiny (default; MBs), small (the default
+// Presets (tools/synth/synthetic_model.h): tiny (default; MBs), small (the default
 // model's sizes), bench2g (~2 GB bf16). Size flags override the preset. Values are N(0, 0.02)-like
 // (norm weights around 1), deterministic in --seed.
 // Exit codes: 0 ok, 1 refused (the message names the field/value), 2 bad command line.

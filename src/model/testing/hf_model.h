@@ -1,7 +1,7 @@
 // Test helper: a random HF checkpoint for a ModelConfig, as a weight sync sends it (HF names;
 // INT4 linears as weight_packed int32 [N, K/8] + weight_scale [N, K/G] + weight_shape [2]), plus
 // the dense float32 value of every checkpoint tensor (dequantized for INT4) to check engine slices
-// against. The names follow shared/docs/MEGATRON_TO_HF.md §5 and are written here independently of
+// against. The names follow docs/spec/MEGATRON_TO_HF.md §5 and are written here independently of
 // the engine layout, so that tests cross-check the layout's HF names.
 // Which weights are INT4 follows slime (FORMATS.md §1.2): every `*.weight` of rank 2 that
 // quantization_config.ignore does not match.

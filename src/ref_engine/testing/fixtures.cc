@@ -26,7 +26,7 @@ namespace {
 template <typename T>
 T Must(absl::StatusOr<T> v, const char* what) {
   if (!v.ok()) {
-    std::fprintf(stderr, "testing_util: %s: %s\n", what, v.status().ToString().c_str());
+    std::fprintf(stderr, "ref_engine fixtures: %s: %s\n", what, v.status().ToString().c_str());
     std::abort();
   }
   return *std::move(v);

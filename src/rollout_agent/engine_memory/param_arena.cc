@@ -168,7 +168,7 @@ void ParamArena::FillParams(google::protobuf::RepeatedPtrField<v1::EngineParam>*
   for (size_t i = 0; i < buffers.size(); ++i) {
     v1::EngineParam* p = out->Add();
     p->set_name(buffers[i].name);
-    p->set_dtype(comm::ToProto(buffers[i].dtype));  // comm/bucket_stream.h
+    p->set_dtype(comm::ToProto(buffers[i].dtype));  // comm/bucket/stream.h
     for (int64_t d : buffers[i].shape) p->add_shape(d);
     p->set_nbytes(buffers[i].nbytes);
     p->mutable_memory()->set_shm_name(segment_->name());

@@ -1,5 +1,5 @@
 // The parameter set one SGLang engine rank holds for an HF checkpoint, and where every sent HF
-// tensor goes in it. Spec: shared/docs/ENGINE_LAYOUT.md (cited as §n), FORMATS.md §1-7.
+// tensor goes in it. Spec: docs/spec/ENGINE_LAYOUT.md (cited as §n), FORMATS.md §1-7.
 //
 // EngineLayout::Create(config, quantization, {T, r, EP}) lists, for engine TP rank r of T with MoE
 // expert parallelism EP (moe_tp_rank = r % (T/EP), ep_rank = r / (T/EP), §1):

@@ -1,5 +1,5 @@
 // One pipeline stage's stream on a rollout agent: form the stage's data-plane group (the trainer
-// stage source is group rank 0, this agent is `rank`), receive its buckets (comm/bucket_stream.h:
+// stage source is group rank 0, this agent is `rank`), receive its buckets (comm/bucket/stream.h:
 // size and XXH3 checked there), check each manifest against the sync, load every entry into
 // staging with the Loader (several entries of a bucket at once), and record the bucket if asked.
 // The consumer loads bucket k while bucket k+1 arrives (the BucketReceiver's queue of one).

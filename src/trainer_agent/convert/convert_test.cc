@@ -1,4 +1,4 @@
-// Megatron <-> HF conversion: every architecture x every layout of the issue, round trip HF ->
+// Megatron <-> HF conversion: every architecture x every supported layout, round trip HF ->
 // shards -> simulated gathers -> HF compared bit for bit; plus the individual rules (plan order,
 // expert ids, PP offsets, tied embeddings, vocab padding, refusals).
 #include <cstring>
@@ -57,7 +57,7 @@ struct LayoutCase {
   int cp = 1;
 };
 
-// The issue's layouts, the RANKS.md caution layout (ep_rank == dp_rank), an uneven PP split and CP.
+// The supported layouts, the RANKS.md caution layout (ep_rank == dp_rank), an uneven PP split and CP.
 const LayoutCase kLayouts[] = {
     {"tp2_ep2_etp1", 2, 1, 2, 1, 1, {}},
     {"tp2_ep2_etp2_pp2", 2, 2, 2, 2, 2, {}},

@@ -1,6 +1,6 @@
 // The parameters a megatron-core GPTModel rank holds (TE spec, grouped-GEMM experts), how each
 // one is sharded over its TP / expert-TP group, and which HuggingFace tensors it becomes.
-// Spec: shared/docs/MEGATRON_TO_HF.md §1 (names), §2 (TP layouts), §3 (EP), §4 (PP), §5 (HF
+// Spec: docs/spec/MEGATRON_TO_HF.md §1 (names), §2 (TP layouts), §3 (EP), §4 (PP), §5 (HF
 // names); RANKS.md (which rank holds what). The architecture tables live in megatron_param.cc:
 // one row per Megatron parameter (name, shard kind, full shape, HF op and names, condition);
 // an architecture is the choice of attention block (GQA or MLA) plus the rows' conditions.

@@ -1,6 +1,6 @@
 // The parallel layout of a Megatron run as recorded beside its shards (`parallel.json` of a
 // source directory), and what follows from it for the weights: the padded vocabulary and the
-// decoder layers of each pipeline stage. Spec: shared/docs/MEGATRON_TO_HF.md §2.5 (vocab padding),
+// decoder layers of each pipeline stage. Spec: docs/spec/MEGATRON_TO_HF.md §2.5 (vocab padding),
 // §4 (PP layer offsets), RANKS.md (the rank grids, built by ParallelLayout).
 //
 //   {"tp": 2, "pp": 2, "ep": 2, "etp": 1, "dp": 2, "cp": 1, "world_size": 8,

@@ -1,6 +1,6 @@
 // Megatron-core's rank layout: global rank -> (tp, cp, dp, pp) on the dense grid and
 // -> (etp, ep, edp, pp) on the expert grid, the process groups each rank belongs to, and the
-// source rank of each pipeline stage. Spec: shared/docs/RANKS.md (Megatron's RankGenerator and
+// source rank of each pipeline stage. Spec: docs/spec/RANKS.md (Megatron's RankGenerator and
 // initialize_model_parallel, default order "tp-cp-ep-dp-pp").
 //
 // A rank's coordinates are the mixed-radix digits of its global rank, the first token of `order`

@@ -1,8 +1,8 @@
 // One weight sync on one trainer rank: this rank's shard -> TP / ETP / EP all-gathers -> (on the
 // pipeline stage's source rank) Megatron -> HF conversion, INT4 quantization, buckets -> a
 // BucketSink; routed experts that are INT4 targets are quantized where they live (each ETP / EP
-// rank its own shard) before the ETP / EP all-gathers. Spec: issue 5 ("Gathers, conversion,
-// quantization", "Buckets and sending"), shared/docs/MEGATRON_TO_HF.md, RANKS.md. Design and
+// rank its own shard) before the ETP / EP all-gathers. Spec: docs/spec/MEGATRON_TO_HF.md,
+// docs/spec/RANKS.md; the bucket format: docs/bucket_format.md. Design and
 // measurements: README.md beside this file.
 //
 // Steps, on every rank of the world (each rank runs RunRankSync with the same options):

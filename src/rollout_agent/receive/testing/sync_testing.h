@@ -82,7 +82,7 @@ absl::StatusOr<std::vector<PackedBucket>> PackBuckets(const std::vector<std::pai
 
 // Sends every bucket through a BucketSender rooted at group rank 0 and waits for all of them.
 absl::Status SendBuckets(comm::Communicator& comm, std::vector<PackedBucket> buckets);
-// The wire protocol of bucket_stream.h by hand: header + (manifest, data) broadcasts from rank 0,
+// The wire protocol of comm/bucket/stream.h by hand: header + (manifest, data) broadcasts from rank 0,
 // with nbytes set and the XXH3 of the data (flipped in its lowest bit if `corrupt_checksum`).
 absl::Status SendRawBucket(comm::Communicator& comm, v1::BucketManifest manifest, const Buffer& data, uint64_t nbytes,
                            bool corrupt_checksum);
