@@ -108,7 +108,7 @@ std::map<std::string, Captured> DecodeStream(const CaptureSink& sink, uint64_t b
       } else {
         EXPECT_FALSE(seen_expert) << name << ": a non-expert tensor after an expert tensor (bucket " << i << ")";
       }
-      EXPECT_EQ(e.offset() % comm::BucketBuilder::kEntryAlignment, 0u) << name;
+      EXPECT_EQ(e.offset() % comm::kEntryAlignment, 0u) << name;
       Captured c;
       c.dtype = *comm::FromProto(e.tensor().dtype());
       for (int64_t d : e.tensor().shape()) c.shape.push_back(d);

@@ -8,12 +8,6 @@
 #include "common/status.h"
 
 namespace wsync::comm {
-namespace {
-
-uint64_t AlignUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
-
-}  // namespace
-
 BucketBuilder::BucketBuilder(BucketSink& sink, const BucketBuilderOptions& options) : sink_(sink), options_(options) {}
 
 absl::Status BucketBuilder::EnsureBuffer(uint64_t min_bytes) {
@@ -42,9 +36,9 @@ absl::StatusOr<std::vector<MutableTensorView>> BucketBuilder::Reserve(std::span<
     absl::StatusOr<int64_t> nb = NumBytes(t.dtype, t.shape);
     if (!nb.ok()) return Annotate(nb.status(), absl::StrCat("bucket builder: \"", t.name, "\""));
     sizes.push_back(static_cast<uint64_t>(*nb));
-    group = AlignUp(group, kEntryAlignment) + sizes.back();
+    group = AlignEntry(group) + sizes.back();
   }
-  uint64_t start = AlignUp(cursor_, kEntryAlignment);
+  uint64_t start = AlignEntry(cursor_);
   if (capacity_ == 0 || start + group > capacity_) {
     if (manifest_.entries_size() > 0) RETURN_IF_ERROR(SendCurrent(/*last=*/false));
     RETURN_IF_ERROR(EnsureBuffer(group));
@@ -54,7 +48,7 @@ absl::StatusOr<std::vector<MutableTensorView>> BucketBuilder::Reserve(std::span<
   out.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Pending& t = tensors[i];
-    start = AlignUp(cursor_, kEntryAlignment);
+    start = AlignEntry(cursor_);
     if (start > cursor_) std::memset(buffer_.data() + cursor_, 0, start - cursor_);
     v1::BucketEntry* e = manifest_.add_entries();
     v1::TensorSpec* spec = e->mutable_tensor();

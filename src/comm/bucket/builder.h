@@ -6,7 +6,7 @@
 //                     buffering).
 //   BucketBuilder     appends tensors in call order; starts a new bucket when the next tensor
 //                     does not fit; a tensor larger than a bucket gets a bucket of its own size
-//                     (never split). Entry offsets are aligned to kEntryAlignment bytes (the gap is
+//                     (never split). Entry offsets are aligned to kEntryAlignment bytes (bucket_format.h) (the gap is
 //                     zeroed, so the bytes sent are deterministic). Finish() sends the remaining
 //                     bucket with `last` set (possibly empty: every stream ends with exactly one
 //                     last bucket), then calls BucketSink::Finish.
@@ -70,8 +70,6 @@ struct BucketBuilderStats {
 
 class BucketBuilder {
  public:
-  static constexpr uint64_t kEntryAlignment = 64;
-
   BucketBuilder(BucketSink& sink, const BucketBuilderOptions& options);
 
   // Appends a copy of `tensor` under `name`; may first send the current bucket.

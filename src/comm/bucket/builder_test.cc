@@ -76,7 +76,7 @@ std::vector<std::pair<std::string, std::vector<std::byte>>> CheckStream(const Ca
     }
     uint64_t end = 0;
     for (const auto& e : m.entries()) {
-      EXPECT_EQ(e.offset() % BucketBuilder::kEntryAlignment, 0u) << e.tensor().name();
+      EXPECT_EQ(e.offset() % kEntryAlignment, 0u) << e.tensor().name();
       EXPECT_GE(e.offset(), end) << "entries overlap or go backwards";
       for (uint64_t g = end; g < e.offset(); ++g) EXPECT_EQ(b.data[g], std::byte{0}) << "gap byte " << g;
       end = e.offset() + e.nbytes();

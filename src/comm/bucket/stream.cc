@@ -8,85 +8,10 @@
 #include "common/status.h"
 
 namespace wsync::comm {
-namespace {
-
-struct Header {
-  uint64_t manifest_bytes = 0;
-  uint64_t data_bytes = 0;
-};
-static_assert(sizeof(Header) == 16);
-
-constexpr uint64_t kMaxManifestBytes = uint64_t{1} << 30;
-
-std::string Where(const v1::BucketManifest& m) {
-  return absl::StrCat("stage ", m.pp_stage(), " bucket ", m.index());
-}
-
-}  // namespace
-
-v1::DType ToProto(DType t) {
-  switch (t) {
-    case DType::kBF16: return v1::DTYPE_BF16;
-    case DType::kF16: return v1::DTYPE_F16;
-    case DType::kF32: return v1::DTYPE_F32;
-    case DType::kI32: return v1::DTYPE_I32;
-    case DType::kI64: return v1::DTYPE_I64;
-    case DType::kI8: return v1::DTYPE_I8;
-    case DType::kU8: return v1::DTYPE_U8;
-  }
-  return v1::DTYPE_UNSPECIFIED;
-}
-
-absl::StatusOr<DType> FromProto(v1::DType t) {
-  switch (t) {
-    case v1::DTYPE_BF16: return DType::kBF16;
-    case v1::DTYPE_F16: return DType::kF16;
-    case v1::DTYPE_F32: return DType::kF32;
-    case v1::DTYPE_I32: return DType::kI32;
-    case v1::DTYPE_I64: return DType::kI64;
-    case v1::DTYPE_I8: return DType::kI8;
-    case v1::DTYPE_U8: return DType::kU8;
-    default: break;
-  }
-  return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", static_cast<int>(t)));
-}
-
-absl::Status ValidateManifest(const v1::BucketManifest& m, uint64_t data_bytes) {
-  if (m.nbytes() != data_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(Where(m), ": the manifest says ", m.nbytes(), " bytes, ", data_bytes, " arrived"));
-  }
-  for (const auto& e : m.entries()) {
-    const std::string name = e.tensor().name();
-    if (name.empty()) return absl::InvalidArgumentError(absl::StrCat(Where(m), ": an entry has no name"));
-    auto dtype = FromProto(e.tensor().dtype());
-    if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat(Where(m), ": ", name, ": ", dtype.status().message()));
-    uint64_t numel = 1;
-    for (int64_t d : e.tensor().shape()) {
-      if (d < 0 || (d > 0 && numel > (uint64_t{1} << 62) / static_cast<uint64_t>(d))) {
-        return absl::InvalidArgumentError(absl::StrCat(Where(m), ": ", name, ": bad shape"));
-      }
-      numel *= static_cast<uint64_t>(d);
-    }
-    const uint64_t whole = numel * ItemSize(*dtype);
-    if (e.total_nbytes() != whole || e.split_offset() + e.nbytes() > whole) {
-      return absl::InvalidArgumentError(absl::StrCat(Where(m), ": ", name, ": ", e.nbytes(), " bytes at split offset ",
-                                                     e.split_offset(), " of ", e.total_nbytes(),
-                                                     " do not fit its dtype and shape (", whole, " bytes)"));
-    }
-    if (e.offset() > data_bytes || e.nbytes() > data_bytes - e.offset()) {
-      return absl::InvalidArgumentError(absl::StrCat(Where(m), ": ", name, ": bytes [", e.offset(), ", ",
-                                                     e.offset() + e.nbytes(), ") lie outside the ", data_bytes,
-                                                     "-byte bucket"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 // --- Sender -------------------------------------------------------------------------------------
 
 struct BucketSender::InFlight {
-  Header header;
+  BucketHeader header;
   std::string manifest;
   Buffer data;
   std::unique_ptr<Work> header_work, payload_work;
@@ -107,7 +32,7 @@ BucketSender::~BucketSender() {
 
 absl::Status BucketSender::Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) {
   if (nbytes > data.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(Where(manifest), ": ", nbytes, " bytes from a ", data.size(), "-byte buffer"));
+    return absl::InvalidArgumentError(absl::StrCat(DescribeBucket(manifest), ": ", nbytes, " bytes from a ", data.size(), "-byte buffer"));
   }
   const absl::Time t0 = absl::Now();
   manifest.set_nbytes(nbytes);
@@ -119,7 +44,7 @@ absl::Status BucketSender::Send(v1::BucketManifest manifest, Buffer data, uint64
   f->manifest = manifest.SerializeAsString();
   f->header = {f->manifest.size(), nbytes};
   f->data = std::move(data);
-  MutableBytes header{&f->header, sizeof(Header)};
+  MutableBytes header{&f->header, sizeof(BucketHeader)};
   ASSIGN_OR_RETURN(f->header_work, comm_.Broadcast({&header, 1}, root_, options_));
   MutableBytes payload[2] = {{f->manifest.data(), f->manifest.size()}, {f->data.data(), nbytes}};
   ASSIGN_OR_RETURN(f->payload_work, comm_.Broadcast(payload, root_, options_));
@@ -172,7 +97,7 @@ BucketReceiver::~BucketReceiver() {
 void BucketReceiver::Run() {
   for (uint64_t index = 0;; ++index) {
     const absl::Time t0 = absl::Now();
-    Header header;
+    BucketHeader header;
     MutableBytes hb{&header, sizeof(header)};
     absl::Status s = Await(comm_.Broadcast({&hb, 1}, root_, options_));
     std::string manifest_bytes;
@@ -198,14 +123,14 @@ void BucketReceiver::Run() {
     absl::Duration hashing;
     if (s.ok()) s = ValidateManifest(bucket.manifest, header.data_bytes);
     if (s.ok() && bucket.manifest.index() != index) {
-      s = absl::InvalidArgumentError(absl::StrCat(Where(bucket.manifest), ": expected bucket ", index, " (lost or reordered)"));
+      s = absl::InvalidArgumentError(absl::StrCat(DescribeBucket(bucket.manifest), ": expected bucket ", index, " (lost or reordered)"));
     }
     if (s.ok()) {
       const absl::Time h0 = absl::Now();
       const uint64_t sum = Xxh3_64({data->data(), header.data_bytes});
       hashing = absl::Now() - h0;
       if (sum != bucket.manifest.xxh3_64()) {
-        s = absl::DataLossError(absl::StrCat(Where(bucket.manifest), ": checksum mismatch (xxh3 ", sum, ", manifest says ",
+        s = absl::DataLossError(absl::StrCat(DescribeBucket(bucket.manifest), ": checksum mismatch (xxh3 ", sum, ", manifest says ",
                                              bucket.manifest.xxh3_64(), ")"));
       }
     }

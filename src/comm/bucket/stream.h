@@ -1,10 +1,8 @@
 // Buckets on the data plane: the stream of flat buffers + manifests that one pipeline stage's
 // source broadcasts to every rollout agent of its sync group (proto/wsync/v1/tensor.proto).
 //
-// Wire format, per bucket, two Broadcasts from the root in issue order:
-//   1. a 16-byte header: {uint64 manifest bytes, uint64 data bytes} (little-endian);
-//   2. the serialized BucketManifest and the data, as two buffers of one Broadcast.
-// The stream ends with the bucket whose manifest has `last` set (it may be empty).
+// Per bucket, two Broadcasts from the root in issue order: the BucketHeader, then the serialized
+// BucketManifest and the data as two buffers of one Broadcast (bucket_format.h). The stream ends with the bucket whose manifest has `last` set (it may be empty).
 // The sender fills in manifest.nbytes and manifest.xxh3_64; the receiver checks both, and that
 // every entry lies inside the data and has the size its dtype and shape say.
 //
@@ -28,6 +26,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "comm/bucket/bucket_format.h"
 #include "comm/communicator.h"
 #include "common/buffer_pool.h"
 #include "common/dtype.h"
@@ -35,13 +34,6 @@
 #include "wsync/v1/tensor.pb.h"
 
 namespace wsync::comm {
-
-// proto <-> wsync dtypes (kInvalidArgument for DTYPE_UNSPECIFIED or unknown values).
-v1::DType ToProto(DType t);
-absl::StatusOr<DType> FromProto(v1::DType t);
-
-// Checks a received manifest against its data size: every entry inside, sizes consistent.
-absl::Status ValidateManifest(const v1::BucketManifest& m, uint64_t data_bytes);
 
 struct BucketStats {
   uint64_t buckets = 0;

@@ -8,21 +8,22 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "comm/bucket/stream.h"
-#include "common/buffer_pool.h"
+#include "comm/bucket/broadcast_sink.h"
 #include "comm/communicator.h"
 #include "comm/store/store.h"
+#include "common/buffer_pool.h"
+#include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/metrics.h"
 #include "common/status.h"
 #include "common/units.h"
 #include "trainer_agent/coordinator/coordinator.h"
-#include "common/grpc_status.h"
+#include "trainer_agent/coordinator/sync_keys.h"
+#include "trainer_agent/gather/trainer_comms.h"
 #include "trainer_agent/source/dir_source.h"
 #include "trainer_agent/source/shm_source.h"
-#include "wsync/v1/coordinator.grpc.pb.h"
 #include "trainer_agent/sync/rank_sync.h"
-#include "trainer_agent/gather/trainer_comms.h"
+#include "wsync/v1/coordinator.grpc.pb.h"
 
 namespace wsync::trainer_agent {
 namespace {
@@ -96,47 +97,6 @@ class CommandChannel final : public TrainerSide {
   std::optional<SyncPlan> pending_ ABSL_GUARDED_BY(mu_);
   std::optional<absl::StatusOr<TrainerReport>> result_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
-};
-
-// A stage source's sink: the bucket stream to its group, progress counted in the store. A
-// data-plane failure makes it a drain (see the header) and is reported by status().
-class BroadcastSink final : public comm::BucketSink {
- public:
-  BroadcastSink(std::unique_ptr<comm::Communicator> comm, comm::Store* store, std::string prefix, comm::CollectiveOptions options,
-                BufferPool* pool)
-      : comm_(std::move(comm)), sender_(*comm_, 0, 2, options, pool), store_(store), prefix_(std::move(prefix)) {}
-
-  absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) override {
-    if (!error_.ok()) return absl::OkStatus();  // draining
-    absl::Status s = sender_.Send(std::move(manifest), std::move(data), nbytes);
-    if (!s.ok()) return Drain(s);
-    store_->Add(prefix_ + "bytes", static_cast<int64_t>(nbytes)).IgnoreError();
-    store_->Add(prefix_ + "buckets", 1).IgnoreError();
-    return absl::OkStatus();
-  }
-  Buffer Recycle(uint64_t min_bytes) override { return error_.ok() ? sender_.Recycle(min_bytes) : Buffer(); }
-  absl::Status Finish() override {
-    if (error_.ok()) {
-      absl::Status s = sender_.Finish();
-      if (!s.ok()) Drain(s).IgnoreError();
-    }
-    return absl::OkStatus();
-  }
-  const absl::Status& status() const { return error_; }
-  const comm::BucketStats& stats() const { return sender_.stats(); }
-
- private:
-  absl::Status Drain(const absl::Status& s) {
-    error_ = s;
-    WSYNC_LOG(ERROR) << "data plane failed, draining the rest of the sync: " << s;
-    comm_->Abort(s.message());
-    return absl::OkStatus();
-  }
-  std::unique_ptr<comm::Communicator> comm_;
-  comm::BucketSender sender_;
-  comm::Store* store_;
-  std::string prefix_;
-  absl::Status error_;
 };
 
 void SetMessage(RankResult& r, const absl::Status& s) {
@@ -284,11 +244,11 @@ class Agent {
         s = d.status();
       }
     }
-    std::unique_ptr<BroadcastSink> sink;
+    std::unique_ptr<comm::BroadcastSink> sink;
     if (s.ok() && is_source) {
       comm::GroupOptions g;
       g.store = store_.get();
-      g.name = absl::StrCat("sync-", cmd.sync_id, "/pp", stage);
+      g.name = SyncGroupName(cmd.sync_id, stage);
       g.rank = 0;
       g.size = static_cast<int>(cmd.num_agents) + 1;
       g.join_timeout = std::min(timeout, absl::Minutes(2));
@@ -296,8 +256,8 @@ class Agent {
       auto backend = comm::ParseBackend(cmd.backend);
       auto comm = backend.ok() ? comm::CreateGroup(*backend, g) : backend.status();
       if (comm.ok()) {
-        sink = std::make_unique<BroadcastSink>(std::move(*comm), store_.get(),
-                                               absl::StrCat("sync-", cmd.sync_id, "/progress/"), comm::CollectiveOptions{timeout},
+        sink = std::make_unique<comm::BroadcastSink>(std::move(*comm), store_.get(),
+                                               SyncProgressPrefix(cmd.sync_id), comm::CollectiveOptions{timeout},
                                                &bucket_pool_);
       } else {
         s = Annotate(comm.status(), absl::StrCat("stage ", stage, " data-plane group"));

@@ -1,0 +1,72 @@
+#include "comm/bucket/bucket_format.h"
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+namespace wsync::comm {
+
+std::string DescribeBucket(const v1::BucketManifest& m) {
+  return absl::StrCat("stage ", m.pp_stage(), " bucket ", m.index());
+}
+
+v1::DType ToProto(DType t) {
+  switch (t) {
+    case DType::kBF16: return v1::DTYPE_BF16;
+    case DType::kF16: return v1::DTYPE_F16;
+    case DType::kF32: return v1::DTYPE_F32;
+    case DType::kI32: return v1::DTYPE_I32;
+    case DType::kI64: return v1::DTYPE_I64;
+    case DType::kI8: return v1::DTYPE_I8;
+    case DType::kU8: return v1::DTYPE_U8;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+absl::StatusOr<DType> FromProto(v1::DType t) {
+  switch (t) {
+    case v1::DTYPE_BF16: return DType::kBF16;
+    case v1::DTYPE_F16: return DType::kF16;
+    case v1::DTYPE_F32: return DType::kF32;
+    case v1::DTYPE_I32: return DType::kI32;
+    case v1::DTYPE_I64: return DType::kI64;
+    case v1::DTYPE_I8: return DType::kI8;
+    case v1::DTYPE_U8: return DType::kU8;
+    default: break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", static_cast<int>(t)));
+}
+
+absl::Status ValidateManifest(const v1::BucketManifest& m, uint64_t data_bytes) {
+  if (m.nbytes() != data_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(DescribeBucket(m), ": the manifest says ", m.nbytes(), " bytes, ", data_bytes, " arrived"));
+  }
+  for (const auto& e : m.entries()) {
+    const std::string name = e.tensor().name();
+    if (name.empty()) return absl::InvalidArgumentError(absl::StrCat(DescribeBucket(m), ": an entry has no name"));
+    auto dtype = FromProto(e.tensor().dtype());
+    if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat(DescribeBucket(m), ": ", name, ": ", dtype.status().message()));
+    uint64_t numel = 1;
+    for (int64_t d : e.tensor().shape()) {
+      if (d < 0 || (d > 0 && numel > (uint64_t{1} << 62) / static_cast<uint64_t>(d))) {
+        return absl::InvalidArgumentError(absl::StrCat(DescribeBucket(m), ": ", name, ": bad shape"));
+      }
+      numel *= static_cast<uint64_t>(d);
+    }
+    const uint64_t whole = numel * ItemSize(*dtype);
+    if (e.total_nbytes() != whole || e.split_offset() + e.nbytes() > whole) {
+      return absl::InvalidArgumentError(absl::StrCat(DescribeBucket(m), ": ", name, ": ", e.nbytes(), " bytes at split offset ",
+                                                     e.split_offset(), " of ", e.total_nbytes(),
+                                                     " do not fit its dtype and shape (", whole, " bytes)"));
+    }
+    if (e.offset() > data_bytes || e.nbytes() > data_bytes - e.offset()) {
+      return absl::InvalidArgumentError(absl::StrCat(DescribeBucket(m), ": ", name, ": bytes [", e.offset(), ", ",
+                                                     e.offset() + e.nbytes(), ") lie outside the ", data_bytes,
+                                                     "-byte bucket"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace wsync::comm

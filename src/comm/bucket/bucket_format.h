@@ -1,0 +1,48 @@
+// The bytes of one bucket on the data plane: the constants, the framing header and the manifest
+// checks that the builder (builder.h), the stream (stream.h) and their tests share. The format is
+// described in full, with the life of one bucket, in docs/bucket_format.md.
+//
+//   header    16 bytes, BucketHeader {manifest bytes, data bytes}, broadcast alone;
+//   payload   the serialized BucketManifest (proto/wsync/v1/tensor.proto) and the data, as the
+//             two buffers of one Broadcast;
+//   data      entries at offsets aligned to kEntryAlignment, zeroed gaps, no tail padding.
+// Thread-safety: pure functions and constants.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/dtype.h"
+#include "wsync/v1/tensor.pb.h"
+
+namespace wsync::comm {
+
+// Every entry starts at a multiple of this many bytes of the bucket's data.
+inline constexpr uint64_t kEntryAlignment = 64;
+// A receiver refuses a header announcing a larger manifest.
+inline constexpr uint64_t kMaxManifestBytes = uint64_t{1} << 30;
+
+// The first Broadcast of a bucket, raw host-order (little-endian on every supported host).
+struct BucketHeader {
+  uint64_t manifest_bytes = 0;
+  uint64_t data_bytes = 0;
+};
+static_assert(sizeof(BucketHeader) == 16);
+
+// The offset of the entry that follows one ending at `end`.
+constexpr uint64_t AlignEntry(uint64_t end) { return (end + kEntryAlignment - 1) / kEntryAlignment * kEntryAlignment; }
+
+// "stage S bucket I": how every error about a bucket names it.
+std::string DescribeBucket(const v1::BucketManifest& m);
+
+// proto <-> wsync dtypes (kInvalidArgument for DTYPE_UNSPECIFIED or unknown values).
+v1::DType ToProto(DType t);
+absl::StatusOr<DType> FromProto(v1::DType t);
+
+// Checks a received manifest against its data size: every entry named, of a known dtype, sized as
+// its dtype and shape say, and inside the data. kInvalidArgument naming the stage, bucket and entry.
+absl::Status ValidateManifest(const v1::BucketManifest& m, uint64_t data_bytes);
+
+}  // namespace wsync::comm

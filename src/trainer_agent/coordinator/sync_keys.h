@@ -1,0 +1,27 @@
+// The names one sync uses in the coordinator's rendezvous store, in one place for both writers and
+// readers: the coordinator (sends the group names in BeginSync, reads the progress for WatchSync)
+// and the trainer agent (its stage sources form the groups and count progress).
+//
+//   sync-<id>/pp<stage>          the data-plane group of one pipeline stage (comm/rendezvous.h
+//                                prefixes its own keys with it)
+//   sync-<id>/progress/bytes     data bytes the stage sources have streamed so far (summed)
+//   sync-<id>/progress/buckets   buckets they have streamed so far (summed)
+// Thread-safety: pure functions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+namespace wsync::trainer_agent {
+
+inline std::string SyncGroupName(uint64_t sync_id, int pp_stage) {
+  return absl::StrCat("sync-", sync_id, "/pp", pp_stage);
+}
+// The prefix of a sync's progress counters; the counters are SyncProgressPrefix(id) + kProgress*.
+inline std::string SyncProgressPrefix(uint64_t sync_id) { return absl::StrCat("sync-", sync_id, "/progress/"); }
+inline constexpr char kProgressBytes[] = "bytes";
+inline constexpr char kProgressBuckets[] = "buckets";
+
+}  // namespace wsync::trainer_agent
