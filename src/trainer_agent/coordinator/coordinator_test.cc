@@ -1,0 +1,463 @@
+// SyncCoordinator driven in one process by fake rollout agents (AgentClient) and a fake trainer
+// side: the state machine's order of calls, aborts, busy triggers, versions, member timeouts; and
+// one round trip through the gRPC service (Coordinator) for the status mapping and the token.
+#include "trainer_agent/coordinator/sync_coordinator.h"
+
+#include <grpcpp/grpcpp.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "common/grpc_status.h"
+#include "trainer_agent/coordinator/coordinator.h"
+#include "trainer_agent/coordinator/sync_keys.h"
+#include "wsync/v1/coordinator.grpc.pb.h"
+
+namespace wsync::trainer_agent {
+namespace {
+
+using ::testing::HasSubstr;
+
+// One rollout agent: records every call ("Begin 1", "Prepare 1", ...) and fails the calls it is
+// told to fail.
+class FakeAgent {
+ public:
+  void FailOn(const std::string& call, absl::Status s) {
+    absl::MutexLock lock(&mu_);
+    failures_[call] = std::move(s);
+  }
+  std::vector<std::string> calls() {
+    absl::MutexLock lock(&mu_);
+    return calls_;
+  }
+  v1::BeginSyncRequest last_begin() {
+    absl::MutexLock lock(&mu_);
+    return last_begin_;
+  }
+  absl::Status Record(const std::string& call, uint64_t sync_id) {
+    absl::MutexLock lock(&mu_);
+    calls_.push_back(absl::StrCat(call, " ", sync_id));
+    auto it = failures_.find(call);
+    return it == failures_.end() ? absl::OkStatus() : it->second;
+  }
+  void SetBegin(const v1::BeginSyncRequest& r) {
+    absl::MutexLock lock(&mu_);
+    last_begin_ = r;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::string> calls_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, absl::Status> failures_ ABSL_GUARDED_BY(mu_);
+  v1::BeginSyncRequest last_begin_ ABSL_GUARDED_BY(mu_);
+};
+
+class FakeAgentClient final : public AgentClient {
+ public:
+  explicit FakeAgentClient(std::shared_ptr<FakeAgent> agent) : agent_(std::move(agent)) {}
+  absl::Status BeginSync(const v1::BeginSyncRequest& req, absl::Duration, v1::BeginSyncReply*) override {
+    agent_->SetBegin(req);
+    return agent_->Record("Begin", req.sync_id());
+  }
+  absl::Status PrepareSync(const v1::PrepareSyncRequest& req, absl::Duration, v1::PrepareSyncReply* reply) override {
+    reply->set_bytes(100);
+    reply->set_load_seconds(0.5);
+    return agent_->Record("Prepare", req.sync_id());
+  }
+  absl::Status CommitSync(const v1::CommitSyncRequest& req, absl::Duration, v1::CommitSyncReply*) override {
+    return agent_->Record("Commit", req.sync_id());
+  }
+  absl::Status AbortSync(const v1::AbortSyncRequest& req, absl::Duration, v1::AbortSyncReply*) override {
+    return agent_->Record("Abort", req.sync_id());
+  }
+
+ private:
+  std::shared_ptr<FakeAgent> agent_;
+};
+
+// The trainer ranks: records plans; fails when told to; blocks while `hold` is set.
+class FakeTrainer final : public TrainerSide {
+ public:
+  int num_stages() const override { return 2; }
+  int world_size() const override { return 4; }
+  absl::StatusOr<TrainerReport> RunSync(const SyncPlan& plan) override {
+    absl::MutexLock lock(&mu_);
+    plans_.push_back(plan);
+    mu_.Await(absl::Condition(+[](bool* hold) { return !*hold; }, &hold_));
+    if (!fail_.ok()) return fail_;
+    TrainerReport r;
+    r.bytes = 1000;
+    r.phases.push_back({"gather", 0.25, 1000});
+    return r;
+  }
+  void Hold(bool h) {
+    absl::MutexLock lock(&mu_);
+    hold_ = h;
+  }
+  void Fail(absl::Status s) {
+    absl::MutexLock lock(&mu_);
+    fail_ = std::move(s);
+  }
+  std::vector<SyncPlan> plans() {
+    absl::MutexLock lock(&mu_);
+    return plans_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool hold_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status fail_ ABSL_GUARDED_BY(mu_);
+  std::vector<SyncPlan> plans_ ABSL_GUARDED_BY(mu_);
+};
+
+class SyncCoordinatorTest : public ::testing::Test {
+ protected:
+  void Make(SyncCoordinatorOptions o = {}) {
+    coordinator_ = std::make_unique<SyncCoordinator>(o, &trainer_, &store_, [this](const std::string& address) {
+      absl::MutexLock lock(&mu_);
+      auto& a = agents_[address];
+      if (!a) a = std::make_shared<FakeAgent>();
+      return std::make_unique<FakeAgentClient>(a);
+    });
+    coordinator_->Start("store:1");
+  }
+  // Joins an agent at `address`; returns its id.
+  std::string Join(const std::string& address, uint32_t tp_rank = 0) {
+    v1::JoinRequest req;
+    req.set_agent_address(address);
+    req.set_engine_id("e0");
+    req.set_tp_rank(tp_rank);
+    req.set_tp_size(2);
+    v1::JoinReply reply;
+    EXPECT_TRUE(coordinator_->Join(req, &reply).ok());
+    return reply.agent_id();
+  }
+  std::shared_ptr<FakeAgent> Agent(const std::string& address) {
+    absl::MutexLock lock(&mu_);
+    return agents_[address];
+  }
+  absl::StatusOr<v1::TriggerSyncReply> Trigger(uint64_t version = 0, bool wait = false, uint32_t min_agents = 0) {
+    v1::TriggerSyncRequest req;
+    req.set_version(version);
+    req.set_wait_if_busy(wait);
+    req.set_min_agents(min_agents);
+    v1::TriggerSyncReply reply;
+    absl::Status s = coordinator_->TriggerSync(req, &reply);
+    if (!s.ok()) return s;
+    return reply;
+  }
+  // The final event of sync `id` (WatchSync until it finishes).
+  v1::SyncEvent Finish(uint64_t id) {
+    v1::SyncEvent last;
+    EXPECT_TRUE(coordinator_->WatchSync(id, [&](const v1::SyncEvent& e) {
+                               last = e;
+                               return true;
+                             }).ok());
+    return last;
+  }
+  // Waits (bounded) until the coordinator reports a running sync.
+  void WaitRunning() {
+    for (int i = 0; i < 500; ++i) {
+      v1::StatusReply s;
+      coordinator_->Status(&s);
+      if (s.state() == "syncing") return;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    FAIL() << "no sync started within 5 s";
+  }
+
+  FakeTrainer trainer_;
+  comm::MemoryStore store_;
+  absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<FakeAgent>> agents_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<SyncCoordinator> coordinator_;
+};
+
+TEST_F(SyncCoordinatorTest, ASyncCallsEveryAgentInOrderAndPublishes) {
+  Make();
+  Join("a:1", 0);
+  Join("a:2", 1);
+  auto t = Trigger();
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->version(), 1u);
+  v1::SyncEvent e = Finish(t->sync_id());
+  EXPECT_EQ(e.phase(), "done");
+  EXPECT_EQ(e.error(), "");
+  const std::string id = absl::StrCat(t->sync_id());
+  for (const char* address : {"a:1", "a:2"}) {
+    EXPECT_EQ(Agent(address)->calls(),
+              (std::vector<std::string>{"Begin " + id, "Prepare " + id, "Commit " + id}))
+        << address;
+    const v1::BeginSyncRequest b = Agent(address)->last_begin();
+    EXPECT_EQ(b.store_address(), "store:1");
+    EXPECT_EQ(b.version(), 1u);
+    ASSERT_EQ(b.groups_size(), 2);
+    EXPECT_EQ(b.groups(1).name(), SyncGroupName(t->sync_id(), 1));
+    EXPECT_EQ(b.groups(1).size(), 3u);  // the stage source and two agents
+  }
+  // Agent ranks are 1 and 2, one each.
+  EXPECT_NE(Agent("a:1")->last_begin().agent_rank(), Agent("a:2")->last_begin().agent_rank());
+  ASSERT_EQ(trainer_.plans().size(), 1u);
+  EXPECT_EQ(trainer_.plans()[0].num_agents, 2);
+  EXPECT_EQ(trainer_.plans()[0].group_names, (std::vector<std::string>{SyncGroupName(t->sync_id(), 0),
+                                                                      SyncGroupName(t->sync_id(), 1)}));
+
+  v1::StatusReply status;
+  coordinator_->Status(&status);
+  EXPECT_EQ(status.version(), 1u);
+  EXPECT_EQ(status.state(), "idle");
+  EXPECT_EQ(status.members(), 2u);
+  EXPECT_EQ(status.trainer_ranks(), 4u);
+  v1::VersionsReply versions;
+  coordinator_->Versions(&versions);
+  ASSERT_EQ(versions.versions_size(), 1);
+  EXPECT_TRUE(versions.versions(0).ok());
+  EXPECT_EQ(versions.versions(0).bytes(), 1000u);
+  v1::TimingsReply timings;
+  ASSERT_TRUE(coordinator_->Timings({}, &timings).ok());
+  std::map<std::string, double> phases;
+  for (const auto& p : timings.phases()) phases[p.phase()] = p.seconds();
+  EXPECT_EQ(phases["gather"], 0.25);
+  EXPECT_EQ(phases["load"], 0.5);
+  for (const char* p : {"pause", "transfer", "prepare", "commit", "total"}) EXPECT_TRUE(phases.count(p)) << p;
+}
+
+TEST_F(SyncCoordinatorTest, AFailedPrepareAbortsEveryAgentAndCommitsNone) {
+  Make();
+  Join("a:1");
+  Join("a:2");
+  Agent("a:2")->FailOn("Prepare", absl::DataLossError("bucket 3 checksum"));
+  auto t = Trigger();
+  ASSERT_TRUE(t.ok());
+  v1::SyncEvent e = Finish(t->sync_id());
+  EXPECT_EQ(e.phase(), "failed");
+  EXPECT_THAT(e.error(), HasSubstr("PrepareSync on"));
+  EXPECT_THAT(e.error(), HasSubstr("a:2"));
+  EXPECT_THAT(e.error(), HasSubstr("bucket 3 checksum"));
+  const std::string id = absl::StrCat(t->sync_id());
+  for (const char* address : {"a:1", "a:2"}) {
+    EXPECT_EQ(Agent(address)->calls(),
+              (std::vector<std::string>{"Begin " + id, "Prepare " + id, "Abort " + id}))
+        << address;
+  }
+  // The failing member carries its own error in the event.
+  int with_error = 0;
+  for (const auto& m : e.members()) with_error += !m.error().empty();
+  EXPECT_EQ(with_error, 1);
+  v1::StatusReply status;
+  coordinator_->Status(&status);
+  EXPECT_EQ(status.version(), 0u);  // nothing published
+  EXPECT_THAT(status.last_error(), HasSubstr("bucket 3 checksum"));
+
+  // The next attempt takes the next version and publishes it.
+  Agent("a:2")->FailOn("Prepare", absl::OkStatus());
+  auto t2 = Trigger();
+  ASSERT_TRUE(t2.ok());
+  EXPECT_EQ(t2->version(), 2u);
+  EXPECT_EQ(Finish(t2->sync_id()).phase(), "done");
+  v1::VersionsReply versions;
+  coordinator_->Versions(&versions);
+  ASSERT_EQ(versions.versions_size(), 2);
+  EXPECT_FALSE(versions.versions(0).ok());
+  EXPECT_TRUE(versions.versions(1).ok());
+}
+
+TEST_F(SyncCoordinatorTest, ATrainerFailureSkipsPrepareAndAborts) {
+  Make();
+  Join("a:1");
+  trainer_.Fail(absl::InternalError("trainer rank 3: NaN in decoder.layers.0.mlp"));
+  auto t = Trigger();
+  ASSERT_TRUE(t.ok());
+  v1::SyncEvent e = Finish(t->sync_id());
+  EXPECT_EQ(e.phase(), "failed");
+  EXPECT_THAT(e.error(), HasSubstr("trainer rank 3"));
+  const std::string id = absl::StrCat(t->sync_id());
+  EXPECT_EQ(Agent("a:1")->calls(), (std::vector<std::string>{"Begin " + id, "Abort " + id}));
+}
+
+TEST_F(SyncCoordinatorTest, AFailedBeginNeverStartsTheTrainer) {
+  Make();
+  Join("a:1");
+  Agent("a:1")->FailOn("Begin", absl::UnavailableError("engine unreachable"));
+  auto t = Trigger();
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ(Finish(t->sync_id()).phase(), "failed");
+  EXPECT_TRUE(trainer_.plans().empty());
+}
+
+TEST_F(SyncCoordinatorTest, ABusyTriggerIsRefusedOrQueued) {
+  Make();
+  Join("a:1");
+  trainer_.Hold(true);
+  auto first = Trigger();
+  ASSERT_TRUE(first.ok());
+  WaitRunning();
+  auto refused = Trigger();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(), HasSubstr("in progress"));
+  auto queued = Trigger(0, /*wait=*/true);
+  ASSERT_TRUE(queued.ok()) << queued.status();
+  EXPECT_EQ(queued->version(), 2u);
+  trainer_.Hold(false);
+  EXPECT_EQ(Finish(first->sync_id()).phase(), "done");
+  EXPECT_EQ(Finish(queued->sync_id()).phase(), "done");
+  v1::StatusReply status;
+  coordinator_->Status(&status);
+  EXPECT_EQ(status.version(), 2u);
+}
+
+TEST_F(SyncCoordinatorTest, VersionsOnlyGrowAndTheSameVersionCoalesces) {
+  Make();
+  Join("a:1");
+  auto t = Trigger(5);
+  ASSERT_TRUE(t.ok());
+  auto again = Trigger(5);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(again->coalesced());
+  EXPECT_EQ(again->sync_id(), t->sync_id());
+  EXPECT_EQ(Finish(t->sync_id()).phase(), "done");
+  auto after = Trigger(5);  // done: joins the finished sync
+  ASSERT_TRUE(after.ok());
+  EXPECT_TRUE(after->coalesced());
+  auto older = Trigger(4);
+  EXPECT_EQ(older.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(older.status().message(), HasSubstr("versions only grow"));
+  auto next = Trigger();  // no version given: the next number
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(next->version(), 6u);
+}
+
+TEST_F(SyncCoordinatorTest, TooFewMembersAreRefused) {
+  Make();
+  EXPECT_EQ(Trigger().status().code(), absl::StatusCode::kFailedPrecondition);
+  Join("a:1");
+  auto t = Trigger(0, false, /*min_agents=*/2);
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(t.status().message(), HasSubstr("at least 2 rollout agents; 1 have joined"));
+}
+
+TEST_F(SyncCoordinatorTest, MembershipJoinRejoinLeaveAndTimeout) {
+  Make({.member_timeout = absl::Milliseconds(600)});
+  v1::JoinRequest bad;
+  v1::JoinReply reply;
+  EXPECT_EQ(coordinator_->Join(bad, &reply).code(), absl::StatusCode::kInvalidArgument);
+
+  const std::string a = Join("a:1");
+  const std::string b = Join("a:2");
+  const std::string a_again = Join("a:1");  // a restarted agent: replaces its old entry
+  EXPECT_NE(a, a_again);
+  v1::MembersReply members;
+  coordinator_->Members(&members);
+  ASSERT_EQ(members.members_size(), 2);
+
+  v1::HeartbeatRequest hb;
+  v1::HeartbeatReply hr;
+  hb.set_agent_id(a);
+  ASSERT_TRUE(coordinator_->Heartbeat(hb, &hr).ok());
+  EXPECT_FALSE(hr.known());  // the replaced id
+
+  // b stays silent and is dropped; a_again heartbeats and stays.
+  hb.set_agent_id(a_again);
+  for (int i = 0; i < 30; ++i) {
+    ASSERT_TRUE(coordinator_->Heartbeat(hb, &hr).ok());
+    ASSERT_TRUE(hr.known());
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  members.Clear();
+  coordinator_->Members(&members);
+  ASSERT_EQ(members.members_size(), 1);
+  EXPECT_EQ(members.members(0).agent_id(), a_again);
+
+  v1::LeaveRequest leave;
+  leave.set_agent_id(a_again);
+  ASSERT_TRUE(coordinator_->Leave(leave).ok());
+  members.Clear();
+  coordinator_->Members(&members);
+  EXPECT_EQ(members.members_size(), 0);
+}
+
+TEST_F(SyncCoordinatorTest, AMemberOfTheRunningSyncIsNotDroppedWhileItRuns) {
+  Make({.member_timeout = absl::Milliseconds(300)});
+  Join("a:1");
+  trainer_.Hold(true);
+  auto t = Trigger();
+  ASSERT_TRUE(t.ok());
+  WaitRunning();
+  absl::SleepFor(absl::Milliseconds(1200));  // silent for four timeouts, inside the sync
+  v1::MembersReply members;
+  coordinator_->Members(&members);
+  EXPECT_EQ(members.members_size(), 1);
+  trainer_.Hold(false);
+  EXPECT_EQ(Finish(t->sync_id()).phase(), "done");
+}
+
+TEST_F(SyncCoordinatorTest, WatchingAnUnknownSyncIsNotFoundAndTimingsNeedAFinishedSync) {
+  Make();
+  EXPECT_EQ(coordinator_->WatchSync(42, [](const v1::SyncEvent&) { return true; }).code(),
+            absl::StatusCode::kNotFound);
+  v1::TimingsReply timings;
+  EXPECT_EQ(coordinator_->Timings({}, &timings).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(SyncCoordinatorTest, ProgressComesFromTheStore) {
+  Make();
+  Join("a:1");
+  trainer_.Hold(true);
+  auto t = Trigger();
+  ASSERT_TRUE(t.ok());
+  WaitRunning();
+  ASSERT_TRUE(store_.Add(SyncProgressPrefix(t->sync_id()) + kProgressBytes, 640).ok());
+  ASSERT_TRUE(store_.Add(SyncProgressPrefix(t->sync_id()) + kProgressBuckets, 2).ok());
+  v1::SyncEvent running;
+  ASSERT_TRUE(coordinator_->WatchSync(t->sync_id(), [&](const v1::SyncEvent& e) {
+                             running = e;
+                             return false;  // one event is enough
+                           }).ok());
+  EXPECT_EQ(running.phase(), "transfer");
+  EXPECT_EQ(running.bytes_done(), 640u);
+  EXPECT_EQ(running.buckets_done(), 2u);
+  trainer_.Hold(false);
+  EXPECT_EQ(Finish(t->sync_id()).bytes_done(), 1000u);  // the trainer's report once finished
+}
+
+// The gRPC service: errors keep their codes on the wire; the bearer token is checked first.
+TEST(CoordinatorServiceTest, StatusCodesAndTheTokenCrossTheWire) {
+  FakeTrainer trainer;
+  CoordinatorOptions o;
+  o.listen = "127.0.0.1:0";
+  o.security.token = "secret";
+  auto c = Coordinator::Start(o, &trainer);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto stub = v1::Coordinator::NewStub(MakeChannel((*c)->address(), o.security));
+
+  grpc::ClientContext ctx1;
+  PrepareContext(&ctx1, o.security, absl::Seconds(5));
+  v1::TriggerSyncReply reply;
+  absl::Status s = FromGrpcStatus(stub->TriggerSync(&ctx1, v1::TriggerSyncRequest(), &reply));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("0 have joined"));
+
+  RpcSecurity wrong = o.security;
+  wrong.token = "guess";
+  grpc::ClientContext ctx2;
+  PrepareContext(&ctx2, wrong, absl::Seconds(5));
+  v1::StatusReply status;
+  EXPECT_EQ(FromGrpcStatus(stub->Status(&ctx2, v1::StatusRequest(), &status)).code(),
+            absl::StatusCode::kUnauthenticated);
+
+  grpc::ClientContext ctx3;
+  PrepareContext(&ctx3, o.security, absl::Seconds(5));
+  ASSERT_TRUE(stub->Status(&ctx3, v1::StatusRequest(), &status).ok());
+  EXPECT_EQ(status.trainer_ranks(), 4u);
+  EXPECT_EQ(status.state(), "idle");
+}
+
+}  // namespace
+}  // namespace wsync::trainer_agent

@@ -1,0 +1,516 @@
+#include "trainer_agent/coordinator/sync_coordinator.h"
+
+#include <algorithm>
+#include <random>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/logging.h"
+#include "common/parallel_for.h"
+#include "common/status.h"
+#include "trainer_agent/coordinator/sync_keys.h"
+
+namespace wsync::trainer_agent {
+namespace {
+
+std::string NewRunId() {
+  std::random_device rd;
+  return absl::StrFormat("%08x%08x", rd(), rd());
+}
+
+// The registry's metric, or a private one that nobody reads when there is no registry.
+Gauge* GaugeOf(MetricsRegistry* m, absl::string_view name, absl::string_view help) {
+  static Gauge unused;
+  if (m == nullptr) return &unused;
+  auto g = m->GetGauge(name, help);
+  return g.ok() ? *g : &unused;
+}
+Counter* CounterOf(MetricsRegistry* m, absl::string_view name, absl::string_view help) {
+  static Counter unused;
+  if (m == nullptr) return &unused;
+  auto c = m->GetCounter(name, help);
+  return c.ok() ? *c : &unused;
+}
+Histogram* HistogramOf(MetricsRegistry* m, absl::string_view name, absl::string_view help, const Labels& labels) {
+  static Histogram unused(ExponentialBuckets(0.001, 2, 20));
+  if (m == nullptr) return &unused;
+  auto h = m->GetHistogram(name, help, ExponentialBuckets(0.001, 2, 20), labels);
+  return h.ok() ? *h : &unused;
+}
+
+}  // namespace
+
+struct SyncCoordinator::Member {
+  std::string id, address, engine_id;
+  uint32_t tp_rank = 0, tp_size = 1;
+  uint64_t version = 0;
+  absl::Time last_seen;
+  std::shared_ptr<AgentClient> client;
+};
+
+struct SyncCoordinator::SyncRecord {
+  uint64_t id = 0, version = 0;
+  std::string phase = "queued";
+  std::string error;
+  absl::Time start;
+  bool finished = false;
+  std::vector<v1::MemberState> members;
+  std::vector<PhaseTime> phases;
+  uint64_t bytes = 0;
+  uint64_t expected_bytes = 0;
+};
+
+SyncCoordinator::SyncCoordinator(SyncCoordinatorOptions options, TrainerSide* trainer, comm::MemoryStore* store,
+                                 AgentConnector connect)
+    : opts_(std::move(options)), trainer_(trainer), store_(store), connect_(std::move(connect)), run_id_(NewRunId()) {}
+
+SyncCoordinator::~SyncCoordinator() { Stop(); }
+
+void SyncCoordinator::Start(const std::string& store_address) {
+  absl::MutexLock lock(&mu_);
+  if (started_ || stopping_) return;
+  started_ = true;
+  store_address_ = store_address;
+  worker_ = std::thread([this] { SyncLoop(); });
+  reaper_ = std::thread([this] { ReapLoop(); });
+}
+
+void SyncCoordinator::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (worker_.joinable()) worker_.join();
+  if (reaper_.joinable()) reaper_.join();
+}
+
+// --- Membership -----------------------------------------------------------------------------------
+
+absl::Status SyncCoordinator::Join(const v1::JoinRequest& req, v1::JoinReply* reply) {
+  if (req.agent_address().empty()) return absl::InvalidArgumentError("agent_address is empty");
+  absl::MutexLock lock(&mu_);
+  // A restarted agent re-joins from the same address: replace its old entry.
+  for (auto it = members_.begin(); it != members_.end(); ++it) {
+    if (it->second.address == req.agent_address()) {
+      members_.erase(it);
+      break;
+    }
+  }
+  Member m;
+  m.id = absl::StrCat("agent-", next_member_++);
+  m.address = req.agent_address();
+  m.engine_id = req.engine_id();
+  m.tp_rank = req.tp_rank();
+  m.tp_size = req.tp_size();
+  m.version = req.version();
+  m.last_seen = absl::Now();
+  m.client = connect_(m.address);
+  WSYNC_LOG(INFO) << "member " << m.id << " joined: " << m.address << " engine " << m.engine_id << " tp " << m.tp_rank
+                  << "/" << m.tp_size << " at version " << m.version;
+  reply->set_agent_id(m.id);
+  reply->set_heartbeat_ms(absl::ToInt64Milliseconds(opts_.heartbeat));
+  members_[m.id] = std::move(m);
+  GaugeOf(opts_.metrics, "wsync_members", "Rollout agents in the membership")->Set(members_.size());
+  return absl::OkStatus();
+}
+
+absl::Status SyncCoordinator::Heartbeat(const v1::HeartbeatRequest& req, v1::HeartbeatReply* reply) {
+  absl::MutexLock lock(&mu_);
+  auto it = members_.find(req.agent_id());
+  reply->set_known(it != members_.end());
+  if (it != members_.end()) {
+    it->second.last_seen = absl::Now();
+    it->second.version = req.version();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SyncCoordinator::Leave(const v1::LeaveRequest& req) {
+  absl::MutexLock lock(&mu_);
+  members_.erase(req.agent_id());
+  return absl::OkStatus();
+}
+
+void SyncCoordinator::ReapLoop() {
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(500));
+    const absl::Time now = absl::Now();
+    for (auto it = members_.begin(); it != members_.end();) {
+      if (now - it->second.last_seen > opts_.member_timeout && !(running_ && InRunningSync(it->first))) {
+        WSYNC_LOG(WARNING) << "member " << it->first << " (" << it->second.address << ") silent for "
+                           << absl::FormatDuration(now - it->second.last_seen) << ": dropped";
+        it = members_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+}
+
+bool SyncCoordinator::InRunningSync(const std::string& id) {
+  auto it = syncs_.find(running_id_);
+  if (it == syncs_.end()) return false;
+  for (const auto& m : it->second.members) {
+    if (m.agent_id() == id) return true;
+  }
+  return false;
+}
+
+// --- Triggers and the state machine ---------------------------------------------------------------
+
+absl::Status SyncCoordinator::TriggerSync(const v1::TriggerSyncRequest& req, v1::TriggerSyncReply* reply) {
+  absl::MutexLock lock(&mu_);
+  if (members_.size() < std::max<size_t>(1, req.min_agents())) {
+    return absl::FailedPreconditionError(absl::StrCat("a sync needs at least ", std::max<uint32_t>(1, req.min_agents()),
+                                                      " rollout agents; ", members_.size(), " have joined"));
+  }
+  if (const uint64_t v = req.version(); v != 0) {
+    // Join a sync of the same version (queued, running, or done): one sync for all ranks.
+    for (auto& [sid, rec] : syncs_) {
+      if (rec.version == v && (!rec.finished || rec.phase == "done")) {
+        reply->set_sync_id(sid);
+        reply->set_version(v);
+        reply->set_coalesced(true);
+        return absl::OkStatus();
+      }
+    }
+    uint64_t newest = published_;
+    for (uint64_t q : queue_) newest = std::max(newest, syncs_[q].version);
+    if (running_) newest = std::max(newest, syncs_[running_id_].version);
+    if (v <= newest) {
+      return absl::FailedPreconditionError(absl::StrCat("version ", v, " is not newer than version ", newest,
+                                                        " (published, queued or running); versions only grow"));
+    }
+  }
+  if ((running_ || !queue_.empty()) && !req.wait_if_busy()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sync ", running_ ? running_id_ : queue_.front(), " is in progress; retry later or pass wait_if_busy"));
+  }
+  const uint64_t id = next_sync_id_++;
+  SyncRecord rec;
+  rec.id = id;
+  if (req.version() != 0) {
+    rec.version = req.version();
+    next_version_ = std::max(next_version_, rec.version + 1);
+  } else {
+    rec.version = next_version_++;
+  }
+  syncs_[id] = rec;
+  queue_.push_back(id);
+  ++event_seq_;
+  reply->set_sync_id(id);
+  reply->set_version(rec.version);
+  return absl::OkStatus();
+}
+
+void SyncCoordinator::SyncLoop() {
+  for (;;) {
+    uint64_t id;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
+      mu_.Await(absl::Condition(&ready));
+      if (stopping_) return;
+      id = queue_.front();
+      queue_.pop_front();
+      running_ = true;
+      running_id_ = id;
+      syncs_[id].start = absl::Now();
+    }
+    RunSync(id);  // ends with running_ = false, under the same lock as the sync's outcome
+  }
+}
+
+void SyncCoordinator::SetPhase(uint64_t id, const std::string& phase) {
+  absl::MutexLock lock(&mu_);
+  auto& rec = syncs_[id];
+  rec.phase = phase;
+  for (auto& m : rec.members) m.set_phase(phase);
+  ++event_seq_;
+}
+
+void SyncCoordinator::SetMemberError(uint64_t id, size_t i, const absl::Status& s) {
+  absl::MutexLock lock(&mu_);
+  auto& rec = syncs_[id];
+  if (i < rec.members.size()) rec.members[i].set_error(std::string(s.message()));
+  ++event_seq_;
+}
+
+absl::Status SyncCoordinator::CallAll(uint64_t id, const std::vector<Member>& members, const char* what,
+                                      absl::FunctionRef<absl::Status(AgentClient&, size_t)> call) {
+  auto statuses = RunConcurrently(members.size(), [&](size_t i) {
+    absl::Status s = call(*members[i].client, i);
+    if (!s.ok()) {
+      s = Annotate(s, absl::StrCat(what, " on ", members[i].id, " (", members[i].address, ", engine ",
+                                   members[i].engine_id, " tp ", members[i].tp_rank, ")"));
+      SetMemberError(id, i, s);
+    }
+    return s;
+  });
+  for (auto& s : statuses) {
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+void SyncCoordinator::RunSync(uint64_t id) {
+  std::vector<Member> members;
+  SyncPlan plan;
+  absl::Time start;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [mid, m] : members_) members.push_back(m);
+    auto& rec = syncs_[id];
+    start = rec.start;
+    plan.sync_id = id;
+    plan.version = rec.version;
+    for (auto& m : members) {
+      v1::MemberState ms;
+      ms.set_agent_id(m.id);
+      ms.set_engine_id(m.engine_id);
+      ms.set_tp_rank(m.tp_rank);
+      rec.members.push_back(ms);
+    }
+    rec.expected_bytes = last_bytes_;
+  }
+  plan.backend = opts_.backend;
+  plan.num_agents = static_cast<int>(members.size());
+  plan.timeout = opts_.sync_timeout;
+  for (int p = 0; p < trainer_->num_stages(); ++p) plan.group_names.push_back(SyncGroupName(id, p));
+  WSYNC_LOG(INFO) << "sync " << id << " -> version " << plan.version << " with " << members.size() << " agents";
+
+  std::vector<PhaseTime> phases;
+  auto timed = [&](const std::string& phase, absl::FunctionRef<absl::Status()> fn) {
+    SetPhase(id, phase);
+    const absl::Time t0 = absl::Now();
+    absl::Status s = fn();
+    phases.push_back({phase, absl::ToDoubleSeconds(absl::Now() - t0), 0});
+    HistogramOf(opts_.metrics, "wsync_sync_phase_seconds", "Duration of each sync phase", {{"phase", phase}})
+        ->Observe(phases.back().seconds);
+    return s;
+  };
+
+  absl::Status s = timed("pause", [&] {
+    return CallAll(id, members, "BeginSync", [&](AgentClient& agent, size_t i) {
+      v1::BeginSyncRequest r;
+      r.set_sync_id(id);
+      r.set_version(plan.version);
+      r.set_backend(plan.backend);
+      r.set_store_address(store_address_);
+      r.set_agent_rank(static_cast<uint32_t>(i + 1));
+      for (int p = 0; p < trainer_->num_stages(); ++p) {
+        auto* g = r.add_groups();
+        g->set_pp_stage(p);
+        g->set_name(plan.group_names[p]);
+        g->set_size(static_cast<uint32_t>(members.size() + 1));
+      }
+      r.set_timeout_ms(absl::ToInt64Milliseconds(opts_.sync_timeout));
+      r.set_record(true);
+      r.set_sync_key(absl::StrCat(run_id_, "-", id));
+      v1::BeginSyncReply reply;
+      return agent.BeginSync(r, opts_.rpc_timeout, &reply);
+    });
+  });
+  TrainerReport report;
+  if (s.ok()) {
+    s = timed("transfer", [&] {
+      auto r = trainer_->RunSync(plan);
+      if (!r.ok()) return r.status();
+      report = *r;
+      return absl::OkStatus();
+    });
+  }
+  std::vector<v1::PrepareSyncReply> prepared(members.size());
+  if (s.ok()) {
+    s = timed("prepare", [&] {
+      return CallAll(id, members, "PrepareSync", [&](AgentClient& agent, size_t i) {
+        v1::PrepareSyncRequest r;
+        r.set_sync_id(id);
+        return agent.PrepareSync(r, opts_.sync_timeout, &prepared[i]);
+      });
+    });
+  }
+  std::vector<v1::CommitSyncReply> committed(members.size());
+  if (s.ok()) {
+    s = timed("commit", [&] {
+      return CallAll(id, members, "CommitSync", [&](AgentClient& agent, size_t i) {
+        v1::CommitSyncRequest r;
+        r.set_sync_id(id);
+        return agent.CommitSync(r, opts_.rpc_timeout, &committed[i]);
+      });
+    });
+  }
+  if (!s.ok()) {
+    WSYNC_LOG(ERROR) << "sync " << id << " failed: " << s;
+    SetPhase(id, "abort");
+    absl::Status a = CallAll(id, members, "AbortSync", [&](AgentClient& agent, size_t) {
+      v1::AbortSyncRequest r;
+      r.set_sync_id(id);
+      r.set_reason(std::string(s.message()));
+      v1::AbortSyncReply reply;
+      return agent.AbortSync(r, opts_.rpc_timeout, &reply);
+    });
+    if (!a.ok()) WSYNC_LOG(ERROR) << "sync " << id << ": abort incomplete: " << a;
+  }
+
+  // Timings: the trainer's phases, the agents' (slowest member), the coordinator's.
+  double load = 0, transfer = 0, repack = 0, cont = 0;
+  uint64_t bytes = 0;
+  for (const auto& p : prepared) {
+    load = std::max(load, p.load_seconds());
+    transfer = std::max(transfer, p.transfer_seconds());
+    bytes = std::max<uint64_t>(bytes, p.bytes());
+  }
+  for (const auto& c : committed) {
+    repack = std::max(repack, c.repack_seconds());
+    cont = std::max(cont, c.continue_seconds());
+  }
+  std::vector<PhaseTime> all = report.phases;
+  all.push_back({"transfer(agents)", transfer, bytes});
+  all.push_back({"load", load, bytes});
+  all.push_back({"repack", repack, 0});
+  all.push_back({"continue", cont, 0});
+  for (auto& p : phases) all.push_back(p);
+  const double total = absl::ToDoubleSeconds(absl::Now() - start);
+  all.push_back({"total", total, report.bytes});
+
+  absl::MutexLock lock(&mu_);
+  auto& rec = syncs_[id];
+  rec.phases = all;
+  rec.finished = true;
+  rec.bytes = report.bytes;
+  rec.phase = s.ok() ? "done" : "failed";
+  rec.error = s.ok() ? "" : std::string(s.message());
+  for (auto& m : rec.members) m.set_phase(rec.phase);
+  running_ = false;  // with the outcome: whoever sees the sync finished sees the coordinator idle
+  v1::VersionRecord vr;
+  vr.set_version(rec.version);
+  vr.set_sync_id(id);
+  vr.set_ok(s.ok());
+  vr.set_error(rec.error);
+  vr.set_seconds(total);
+  vr.set_bytes(report.bytes);
+  vr.set_finished_unix_ms(absl::ToUnixMillis(absl::Now()));
+  versions_.push_back(vr);
+  if (s.ok()) {
+    published_ = rec.version;
+    last_bytes_ = report.bytes;
+    CounterOf(opts_.metrics, "wsync_syncs_total", "Syncs that published a version")->Increment();
+    CounterOf(opts_.metrics, "wsync_sync_bytes_total", "Bytes streamed by successful syncs")
+        ->Increment(static_cast<double>(report.bytes));
+    GaugeOf(opts_.metrics, "wsync_version", "Last published weight version")->Set(static_cast<double>(published_));
+    WSYNC_LOG(INFO) << "sync " << id << ": version " << rec.version << " published in " << total << " s ("
+                    << report.bytes << " bytes)";
+  } else {
+    last_error_ = rec.error;
+    CounterOf(opts_.metrics, "wsync_sync_failures_total", "Syncs that failed and were aborted")->Increment();
+  }
+  ++event_seq_;
+}
+
+// --- Observation ----------------------------------------------------------------------------------
+
+void SyncCoordinator::FillEvent(const SyncRecord& rec, v1::SyncEvent* e) {
+  e->set_sync_id(rec.id);
+  e->set_version(rec.version);
+  e->set_phase(rec.phase);
+  const std::string prefix = SyncProgressPrefix(rec.id);
+  uint64_t bytes = 0, buckets = 0;
+  if (auto v = store_->Get(prefix + kProgressBytes, absl::ZeroDuration()); v.ok()) (void)absl::SimpleAtoi(*v, &bytes);
+  if (auto v = store_->Get(prefix + kProgressBuckets, absl::ZeroDuration()); v.ok()) {
+    (void)absl::SimpleAtoi(*v, &buckets);
+  }
+  e->set_bytes_done(rec.finished ? rec.bytes : bytes);
+  e->set_buckets_done(buckets);
+  e->set_bytes_total(rec.finished ? rec.bytes : rec.expected_bytes);
+  e->set_elapsed_seconds(rec.start == absl::Time() ? 0 : absl::ToDoubleSeconds(absl::Now() - rec.start));
+  for (const auto& m : rec.members) *e->add_members() = m;
+  e->set_error(rec.error);
+}
+
+absl::Status SyncCoordinator::WatchSync(uint64_t sync_id, absl::FunctionRef<bool(const v1::SyncEvent&)> emit) {
+  uint64_t id = sync_id;
+  uint64_t seen = ~uint64_t{0};
+  for (;;) {
+    v1::SyncEvent e;
+    bool finished = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (id == 0) {
+        if (running_) {
+          id = running_id_;
+        } else if (!queue_.empty()) {
+          id = queue_.front();
+        }
+      }
+      auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return event_seq_ != seen || stopping_; };
+      mu_.AwaitWithTimeout(absl::Condition(&changed), absl::Milliseconds(200));
+      seen = event_seq_;
+      if (stopping_) return absl::UnavailableError("the coordinator is stopping");
+      auto it = syncs_.find(id);
+      if (id == 0 || it == syncs_.end()) {
+        if (id != 0) return absl::NotFoundError(absl::StrCat("no sync ", id));
+        continue;  // nothing yet: wait for the next trigger
+      }
+      FillEvent(it->second, &e);
+      finished = it->second.finished;
+    }
+    if (!emit(e) || finished) return absl::OkStatus();
+  }
+}
+
+void SyncCoordinator::Status(v1::StatusReply* reply) {
+  absl::MutexLock lock(&mu_);
+  reply->set_version(published_);
+  reply->set_state(running_ ? "syncing" : "idle");
+  reply->set_running_sync_id(running_ ? running_id_ : 0);
+  reply->set_members(static_cast<uint32_t>(members_.size()));
+  reply->set_trainer_ranks(static_cast<uint32_t>(trainer_->world_size()));
+  reply->set_last_error(last_error_);
+}
+
+void SyncCoordinator::Members(v1::MembersReply* reply) {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, m] : members_) {
+    auto* out = reply->add_members();
+    out->set_agent_id(id);
+    out->set_agent_address(m.address);
+    out->set_engine_id(m.engine_id);
+    out->set_tp_rank(m.tp_rank);
+    out->set_tp_size(m.tp_size);
+    out->set_version(m.version);
+    out->set_last_heartbeat_age_seconds(absl::ToDoubleSeconds(absl::Now() - m.last_seen));
+  }
+}
+
+void SyncCoordinator::Versions(v1::VersionsReply* reply) {
+  absl::MutexLock lock(&mu_);
+  for (const auto& v : versions_) *reply->add_versions() = v;
+}
+
+absl::Status SyncCoordinator::Timings(const v1::TimingsRequest& req, v1::TimingsReply* reply) {
+  absl::MutexLock lock(&mu_);
+  const SyncRecord* found = nullptr;
+  for (const auto& [id, rec] : syncs_) {
+    if (!rec.finished) continue;
+    if (req.version() == 0 ? (found == nullptr || rec.id > found->id) : rec.version == req.version()) found = &rec;
+  }
+  if (found == nullptr) {
+    return absl::NotFoundError(req.version() == 0 ? "no sync has finished yet"
+                                                  : absl::StrCat("no finished sync for version ", req.version()));
+  }
+  reply->set_version(found->version);
+  reply->set_sync_id(found->id);
+  for (const auto& p : found->phases) {
+    auto* out = reply->add_phases();
+    out->set_phase(p.phase);
+    out->set_seconds(p.seconds);
+    out->set_bytes(p.bytes);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace wsync::trainer_agent

@@ -1,0 +1,167 @@
+// The coordinator's domain: the membership of the rollout agents, the queue of sync triggers and
+// the sync state machine (docs/spec/SYSTEM.md "One sync, step by step"), and what operators read
+// of them (status, members, versions, timings, the events of a sync). It speaks absl::Status and
+// the protocol's messages; the gRPC service over it is coordinator.h, and it reaches agents only
+// through AgentClient (agent_client.h) and the trainer only through TrainerSide, so tests drive it
+// with fakes of both (coordinator_test.cc).
+//
+// One sync, on the internal sync thread:
+//   pause    BeginSync on every member (each pauses and flushes its engine, then starts joining
+//            the per-stage data-plane groups and receiving);
+//   transfer TrainerSide::RunSync (every trainer rank gathers, converts, quantizes and streams);
+//   prepare  PrepareSync on every member (all buckets arrived, verified, loaded into staging);
+//   commit   CommitSync on every member (repack into engine memory, continue the engine);
+//   on any failure: AbortSync on every member (engines continue on their previous version), and
+//   no later phase runs (no CommitSync after a failed PrepareSync).
+// The members of a sync are those joined when it starts. One sync at a time: a trigger during a
+// sync is refused (kFailedPrecondition) or, with wait_if_busy, queued. A version is given by the
+// trigger (versions only grow; a trigger for a version already queued, running or published
+// joins that sync) or is the next number; it is published only when every member committed.
+// A member silent for longer than member_timeout is dropped, unless it is in the running sync.
+//
+// Thread-safety: every public method may be called from any thread. Syncs run on one internal
+// thread, started by Start(); TrainerSide::RunSync and the AgentClients are called from it.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "comm/store/store.h"
+#include "common/metrics.h"
+#include "trainer_agent/coordinator/agent_client.h"
+#include "wsync/v1/coordinator.pb.h"
+
+namespace wsync::trainer_agent {
+
+// What one sync asks of the trainer side.
+struct SyncPlan {
+  uint64_t sync_id = 0;
+  uint64_t version = 0;
+  std::string backend;                   // "gloo" | "nccl"
+  std::vector<std::string> group_names;  // one per pipeline stage: SyncGroupName(id, p)
+  int num_agents = 0;                    // rollout agents, ranks 1..num_agents of every group
+  absl::Duration timeout;
+};
+
+struct PhaseTime {
+  std::string phase;
+  double seconds = 0;
+  uint64_t bytes = 0;
+};
+
+struct TrainerReport {
+  std::vector<PhaseTime> phases;  // gather, convert, quantize, bucket, send (summed over stage sources)
+  uint64_t bytes = 0;
+  uint64_t buckets = 0;
+  uint64_t tensors = 0;
+};
+
+// The trainer ranks as the coordinator sees them (rank 0's command channel).
+class TrainerSide {
+ public:
+  virtual ~TrainerSide() = default;
+  virtual int num_stages() const = 0;
+  virtual int world_size() const = 0;
+  // Runs the trainer part of a sync on every rank; blocks until all are done. Errors name the
+  // rank and the cause.
+  virtual absl::StatusOr<TrainerReport> RunSync(const SyncPlan& plan) = 0;
+};
+
+struct SyncCoordinatorOptions {
+  std::string backend = "gloo";
+  absl::Duration heartbeat = absl::Seconds(2);        // agents heartbeat this often
+  absl::Duration member_timeout = absl::Seconds(10);  // dropped after this much silence
+  absl::Duration sync_timeout = absl::Minutes(10);    // bound on one whole sync
+  absl::Duration rpc_timeout = absl::Seconds(60);     // Begin/Commit/Abort round trips
+  MetricsRegistry* metrics = nullptr;                 // optional, not owned
+};
+
+class SyncCoordinator {
+ public:
+  // `trainer` and `store` are not owned and must outlive the coordinator; `connect` makes the
+  // client of each agent that joins.
+  SyncCoordinator(SyncCoordinatorOptions options, TrainerSide* trainer, comm::MemoryStore* store,
+                  AgentConnector connect);
+  ~SyncCoordinator();  // Stop()
+
+  // Starts the sync and reaper threads; agents are told to rendezvous at `store_address`.
+  void Start(const std::string& store_address);
+  // Stops the threads: waits for a running sync to end; queued syncs never run. Idempotent.
+  void Stop();
+
+  // Membership. Join: kInvalidArgument for an empty agent_address; an agent that joins again from
+  // the same address replaces its old entry. Heartbeat of an unknown id: OK with known = false.
+  absl::Status Join(const v1::JoinRequest& req, v1::JoinReply* reply);
+  absl::Status Heartbeat(const v1::HeartbeatRequest& req, v1::HeartbeatReply* reply);
+  absl::Status Leave(const v1::LeaveRequest& req);
+
+  // Queues a sync (see the file comment). kFailedPrecondition: fewer members than min_agents
+  // (at least 1), a version not newer than every published, queued or running one, or busy
+  // without wait_if_busy.
+  absl::Status TriggerSync(const v1::TriggerSyncRequest& req, v1::TriggerSyncReply* reply);
+
+  // Calls `emit` with the state of sync `sync_id` (0: the running or next queued one, waiting for
+  // a trigger) at least every 200 ms and at every change, until the sync has finished (its final
+  // state is emitted) or `emit` returns false. kNotFound for an unknown id; kUnavailable once the
+  // coordinator stops.
+  absl::Status WatchSync(uint64_t sync_id, absl::FunctionRef<bool(const v1::SyncEvent&)> emit);
+
+  void Status(v1::StatusReply* reply);
+  void Members(v1::MembersReply* reply);
+  void Versions(v1::VersionsReply* reply);
+  // The phases of the newest finished sync, or of the sync of `version`; kNotFound if none.
+  absl::Status Timings(const v1::TimingsRequest& req, v1::TimingsReply* reply);
+
+ private:
+  struct Member;
+  struct SyncRecord;
+
+  void SyncLoop();
+  void ReapLoop();
+  void RunSync(uint64_t id);
+  bool InRunningSync(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SetPhase(uint64_t id, const std::string& phase);
+  void SetMemberError(uint64_t id, size_t i, const absl::Status& s);
+  void FillEvent(const SyncRecord& rec, v1::SyncEvent* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs `call` on every member at once; records each member's error; the first error in
+  // member order.
+  absl::Status CallAll(uint64_t id, const std::vector<Member>& members, const char* what,
+                       absl::FunctionRef<absl::Status(AgentClient&, size_t)> call);
+
+  const SyncCoordinatorOptions opts_;
+  TrainerSide* const trainer_;
+  comm::MemoryStore* const store_;
+  const AgentConnector connect_;
+  const std::string run_id_;  // random per coordinator: sync keys differ across restarts
+  std::string store_address_;
+  std::thread worker_, reaper_;
+
+  absl::Mutex mu_;
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<std::string, Member> members_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_member_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<uint64_t, SyncRecord> syncs_ ABSL_GUARDED_BY(mu_);
+  std::deque<uint64_t> queue_ ABSL_GUARDED_BY(mu_);
+  bool running_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t running_id_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_sync_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_version_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t published_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t last_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string last_error_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::VersionRecord> versions_ ABSL_GUARDED_BY(mu_);
+  uint64_t event_seq_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace wsync::trainer_agent
