@@ -1,6 +1,5 @@
 #include "tools/wsyncctl/verify.h"
 
-#include "common/checksum.h"
 #include "common/status.h"
 #include "rollout_agent/load/loader.h"
 #include "rollout_agent/repack/repack.h"
@@ -9,9 +8,8 @@ namespace wsync::tools {
 
 std::map<std::string, uint64_t> ChecksumWeights(const rollout_agent::EngineWeights& weights) {
   std::map<std::string, uint64_t> out;
-  for (const auto& b : weights.buffers()) {
-    out[b.name] = Xxh3_64({static_cast<const std::byte*>(b.data), b.nbytes});
-  }
+  const std::vector<uint64_t> sums = weights.Checksums();
+  for (size_t i = 0; i < sums.size(); ++i) out[weights.buffers()[i].name] = sums[i];
   return out;
 }
 

@@ -12,11 +12,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "comm/store/store.h"
-#include "common/checksum.h"
 #include "common/config.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
-#include "common/parallel_for.h"
 #include "common/status.h"
 #include "rollout_agent/agent/engine_client.h"
 #include "rollout_agent/agent/membership.h"
@@ -444,13 +442,7 @@ absl::Status RolloutAgent::EngineChecksums(v1::EngineChecksumsReply* reply) {
   }
   // engine_ cannot change while memory_mu_ is held.
   const std::vector<EngineBuffer>& buffers = engine_->memory->weights().buffers();
-  std::vector<uint64_t> sums(buffers.size());
-  ParallelFor(static_cast<int64_t>(buffers.size()), 0, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const EngineBuffer& b = buffers[static_cast<size_t>(i)];
-      sums[static_cast<size_t>(i)] = Xxh3_64({static_cast<const std::byte*>(b.data), b.nbytes});
-    }
-  });
+  const std::vector<uint64_t> sums = engine_->memory->weights().Checksums();
   for (size_t i = 0; i < buffers.size(); ++i) {
     v1::ParamChecksum* p = reply->add_params();
     p->set_name(buffers[i].name);

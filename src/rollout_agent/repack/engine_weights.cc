@@ -6,6 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/checksum.h"
+#include "common/parallel_for.h"
 #include "common/status.h"
 
 namespace wsync::rollout_agent {
@@ -84,6 +86,17 @@ absl::StatusOr<std::unique_ptr<OwnedEngineWeights>> OwnedEngineWeights::Allocate
     RETURN_IF_ERROR(o->weights_.Add(std::move(b)));
   }
   return o;
+}
+
+std::vector<uint64_t> EngineWeights::Checksums(int threads) const {
+  std::vector<uint64_t> sums(buffers_.size());
+  ParallelFor(static_cast<int64_t>(buffers_.size()), threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const EngineBuffer& b = buffers_[static_cast<size_t>(i)];
+      sums[static_cast<size_t>(i)] = Xxh3_64({static_cast<const std::byte*>(b.data), b.nbytes});
+    }
+  });
+  return sums;
 }
 
 }  // namespace wsync::rollout_agent

@@ -55,6 +55,10 @@ class EngineWeights {
   // pairwise disjoint.
   absl::Status CheckMatches(const EngineLayout& layout) const;
 
+  // The XXH3-64 of every buffer's bytes, in buffers() order, hashed on up to `threads` threads
+  // (0: the hardware's concurrency). What `wsyncctl verify` compares across engines and oracles.
+  std::vector<uint64_t> Checksums(int threads = 0) const;
+
  private:
   std::vector<EngineBuffer> buffers_;
   absl::flat_hash_map<std::string, size_t> index_;
