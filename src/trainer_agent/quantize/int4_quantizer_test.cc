@@ -16,9 +16,9 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "model/quant_target.h"
 #include "tools/synth/world.h"
-#include "trainer_agent/convert/shard_layout.h"
 
 namespace wsync::trainer_agent {
 namespace {
