@@ -30,6 +30,7 @@
 #include "trainer_agent/quantize/quant_select.h"
 #include "trainer_agent/source/dir_source.h"
 #include "trainer_agent/sync/rank_sync.h"
+#include "trainer_agent/sync/testing/sync_capture.h"
 
 namespace wsync::trainer_agent {
 namespace {
@@ -41,84 +42,10 @@ const comm::CollectiveOptions kTimeout{absl::Seconds(60)};
 
 // --- Helpers ------------------------------------------------------------------------------------
 
-// Keeps every bucket (manifest + a copy of its bytes).
-class CaptureSink : public comm::BucketSink {
- public:
-  struct Bucket {
-    v1::BucketManifest manifest;
-    std::vector<std::byte> data;
-  };
-  absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) override {
-    buckets.push_back({std::move(manifest), std::vector<std::byte>(data.data(), data.data() + nbytes)});
-    free_.push_back(std::move(data));
-    return absl::OkStatus();
-  }
-  Buffer Recycle(uint64_t) override {
-    if (free_.empty()) return Buffer();
-    Buffer b = std::move(free_.back());
-    free_.pop_back();
-    return b;
-  }
-  absl::Status Finish() override {
-    ++finishes;
-    return absl::OkStatus();
-  }
-  std::vector<Bucket> buckets;
-  int finishes = 0;
-
- private:
-  std::vector<Buffer> free_;
-};
-
-struct Captured {
-  DType dtype;
-  Shape shape;
-  std::vector<std::byte> bytes;
-};
-
-bool IsExpertTensor(absl::string_view name) { return absl::StrContains(name, ".mlp.experts."); }
-
-// Decodes a stage's stream, checking its structure. Returns tensors by name (duplicates reported).
-std::map<std::string, Captured> DecodeStream(const CaptureSink& sink, uint64_t bucket_bytes, uint64_t version,
-                                             int stage) {
-  std::map<std::string, Captured> out;
-  EXPECT_EQ(sink.finishes, 1);
-  EXPECT_FALSE(sink.buckets.empty());
-  bool seen_expert = false;
-  for (size_t i = 0; i < sink.buckets.size(); ++i) {
-    const v1::BucketManifest& m = sink.buckets[i].manifest;
-    const std::vector<std::byte>& data = sink.buckets[i].data;
-    EXPECT_EQ(m.index(), i);
-    EXPECT_EQ(m.last(), i + 1 == sink.buckets.size()) << "bucket " << i;
-    EXPECT_EQ(m.version(), version);
-    EXPECT_EQ(m.pp_stage(), static_cast<uint32_t>(stage));
-    absl::Status valid = comm::ValidateManifest(m, data.size());
-    EXPECT_TRUE(valid.ok()) << valid;
-    if (!valid.ok()) continue;
-    if (m.entries_size() > 1) {
-      EXPECT_LE(data.size(), bucket_bytes) << "bucket " << i << " holds several tensors beyond the bucket size";
-    }
-    if (i + 1 < sink.buckets.size()) {
-      EXPECT_GT(m.entries_size(), 0) << "bucket " << i << ": only the last bucket may be empty";
-    }
-    for (const v1::BucketEntry& e : m.entries()) {
-      const std::string& name = e.tensor().name();
-      if (IsExpertTensor(name)) {
-        seen_expert = true;
-      } else {
-        EXPECT_FALSE(seen_expert) << name << ": a non-expert tensor after an expert tensor (bucket " << i << ")";
-      }
-      EXPECT_EQ(e.offset() % comm::kEntryAlignment, 0u) << name;
-      Captured c;
-      c.dtype = *comm::FromProto(e.tensor().dtype());
-      for (int64_t d : e.tensor().shape()) c.shape.push_back(d);
-      c.bytes.assign(data.begin() + static_cast<long>(e.offset()),
-                     data.begin() + static_cast<long>(e.offset() + e.nbytes()));
-      EXPECT_TRUE(out.emplace(name, std::move(c)).second) << name << " sent twice by stage " << stage;
-    }
-  }
-  return out;
-}
+using testing::Captured;
+using testing::CaptureSink;
+using testing::DecodeStream;
+using testing::ExpectSentAsExpected;
 
 // Rank 0 runs `make` (returning a directory); every rank gets its status and the directory.
 absl::StatusOr<std::string> RootMakes(const std::function<absl::StatusOr<std::string>()>& make) {
@@ -269,23 +196,7 @@ void CheckSyncAgainstHf(const SyncResult& r, const DirSource& src, const SyncOpt
     EXPECT_EQ(r.report->buckets, r.sink->buckets.size());
     auto expected = ExpectedSentTensorsFromDir(hf_dir, quant);
     EXPECT_TRUE(expected.ok()) << expected.status();
-    if (expected.ok()) {
-      std::map<std::string, const model::HfTensor*> want;
-      for (const model::HfTensor& t : expected->tensors) want.emplace(t.name, &t);
-      for (const auto& [name, c] : got) {
-        absl::StrAppend(&names, name, "\n");
-        auto it = want.find(name);
-        if (it == want.end()) {
-          ADD_FAILURE() << "stage " << stage << " sent " << name << ", which is not a tensor of the model";
-          continue;
-        }
-        const TensorView& w = it->second->view;
-        EXPECT_EQ(c.dtype, w.dtype()) << name;
-        EXPECT_EQ(c.shape, w.shape()) << name;
-        EXPECT_TRUE(c.bytes.size() == w.nbytes() && std::memcmp(c.bytes.data(), w.data(), w.nbytes()) == 0)
-            << name << " differs from the checkpoint converted directly";
-      }
-    }
+    if (expected.ok()) names = ExpectSentAsExpected(got, expected->tensors, stage);
   }
   const std::vector<std::string> per_rank = AllGatherStrings(names);
   if (me == 0 && r.report.ok()) {

@@ -11,12 +11,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/strip.h"
 #include "common/checksum.h"
 #include "common/status.h"
+#include "model/quant_target.h"
 #include "trainer_agent/convert/hf_convert.h"
 #include "trainer_agent/convert/shard_layout.h"
-#include "trainer_agent/quantize/quant_select.h"
+#include "trainer_agent/quantize/int4_quantizer.h"
 
 namespace wsync::trainer_agent {
 namespace {
@@ -91,7 +91,7 @@ struct Item {
   int ordinal = 0;          // experts: position among the rank's expert parameters
   bool gathered = false;    // dense: all-gathered over TP; experts: always (see the phase)
   bool identity = false;    // dense: the all-gather's rank order is the full layout (no merge)
-  bool int4 = false;        // experts: quantized by their holders; the gathers carry INT4 (Int4Plan)
+  bool int4 = false;        // experts: quantized by their holders; the gathers carry INT4 (Int4ExpertPlan)
   uint64_t local_bytes = 0;
   uint64_t full_bytes = 0;  // after the TP / ETP merge
   uint64_t block = 0;       // experts: one EP member's bytes in the EP gather (full_bytes or INT4)
@@ -99,7 +99,7 @@ struct Item {
   uint64_t offset = 0;      // region in the batch buffer (dense: TP output; experts: EP output)
   uint64_t region = 0;
   uint64_t etp_offset = 0;  // experts with ETP > 1: region of the ETP output
-  uint64_t etp_region = 0;  // full_bytes, or ETP x the INT4 shard block (Int4Plan::by_shard)
+  uint64_t etp_region = 0;  // full_bytes, or ETP x the INT4 shard block (Int4ExpertPlan::by_shard)
 };
 struct Batch {
   std::vector<Item> items;
@@ -135,66 +135,6 @@ std::vector<Batch> MakeBatches(std::vector<Item> items, uint64_t limit, uint64_t
   return out;
 }
 
-// --- Experts quantized by their holders ---------------------------------------------------------
-
-// Rows [row, row + rows) of a Megatron tensor (a shard or the full tensor) are rows
-// [hf_row, hf_row + rows) of HF tensor hf_index. INT4 quantization works row by row (its groups
-// run along K), so the rows of a tensor can be quantized in any split and their packed / scale
-// rows are the HF tensors' packed / scale rows.
-struct RowSegment {
-  int hf_index = 0;
-  int64_t row = 0, hf_row = 0, rows = 0;
-};
-
-// The HF rows of group rank r's shard of `p` (r < 0: of the full tensor), from the parameter's
-// shard copies (convert/shard_layout.h) and HF row map.
-absl::StatusOr<std::vector<RowSegment>> RowSegments(const MegatronParam& p, const HfRowMap& map, int r) {
-  std::vector<RowSegment> out;
-  auto add = [&](int64_t local_row, int64_t full_row, int64_t rows) {
-    for (const HfRowPiece& piece : map.pieces) {
-      const int64_t lo = std::max(full_row, piece.full_row);
-      const int64_t hi = std::min(full_row + rows, piece.full_row + piece.rows);
-      if (lo < hi)
-        out.push_back({piece.hf_index, local_row + (lo - full_row), piece.hf_row + (lo - piece.full_row), hi - lo});
-    }
-  };
-  if (r < 0) {
-    add(0, 0, p.full_shape[0]);
-    return out;
-  }
-  ASSIGN_OR_RETURN(const int64_t local_bytes, NumBytes(p.dtype, p.local_shape));
-  ASSIGN_OR_RETURN(const int64_t full_bytes, NumBytes(p.dtype, p.full_shape));
-  const int64_t local_row = local_bytes / p.local_shape[0], full_row = full_bytes / p.full_shape[0];
-  for (const StridedCopy& c : ShardCopies(p, r)) {
-    if (c.count == 1 && local_row == full_row && c.local_offset % local_row == 0 && c.full_offset % full_row == 0 &&
-        c.bytes % local_row == 0) {
-      add(c.local_offset / local_row, c.full_offset / full_row, c.bytes / local_row);  // a block of whole rows
-    } else if (c.count == p.local_shape[0] && c.bytes == local_row && c.local_stride == local_row &&
-               c.full_stride == full_row) {
-      add(0, 0, p.local_shape[0]);  // a column block: the shard has every row
-    } else {
-      return absl::InternalError(absl::StrCat(p.global_name, ": shard ", r, " is neither row nor column blocks"));
-    }
-  }
-  return out;
-}
-
-// How an expert parameter quantized by its holders travels. A member's block of the EP gather is
-// the parameter's full Megatron tensor [R, K] quantized: packed int32 [R, K/8] at 0, scales
-// [R, K/G] at scale_offset. With ETP > 1 and by_shard, every ETP rank quantizes its own shard
-// (rows, or column blocks holding whole groups) and the ETP gather carries INT4 that the merger
-// merges with MergeShards (`packed` and `scales` describe the outputs as parameters); else the
-// merger merges bf16 and quantizes the full tensor.
-struct Int4Plan {
-  bool by_shard = false;
-  MegatronParam packed, scales;
-  uint64_t packed_bytes = 0, scale_offset = 0, scale_bytes = 0;
-  uint64_t local_packed_bytes = 0, local_scale_offset = 0, local_scale_bytes = 0, local_block = 0;
-  std::vector<Shape> hf_shapes;
-  std::vector<RowSegment> full_rows;   // the HF tensors' rows in the full tensor
-  std::vector<RowSegment> local_rows;  // in this rank's shard (by_shard)
-};
-
 // A member's outcome for one expert batch, gathered with the batch (ETP and EP): the merger and
 // the stage source learn that a peer's block is not valid (and why) instead of using it.
 constexpr uint64_t kStatusRecordBytes = 1024;
@@ -206,17 +146,6 @@ struct MemberStatus {
   char message[kStatusRecordBytes - 16] = {};
 };
 static_assert(sizeof(MemberStatus) == kStatusRecordBytes);
-
-// What every member of the stage must agree on besides config.json and parallel.json.
-std::string QuantFingerprint(const QuantizationConfig* q, kernels::QuantVariant variant) {
-  if (q == nullptr) return "quant none";
-  std::vector<std::string> ignore;
-  for (const IgnoreRule& r : q->ignore) ignore.push_back(r.text);
-  return absl::StrCat("quant ", q->quant_method, "|", q->format, "|", q->num_bits, "|", q->type, "|", q->strategy, "|",
-                      q->group_size, "|", q->symmetric, "|", q->dynamic, "|", q->actorder, "|",
-                      absl::StrJoin(q->targets, ","), "|", absl::StrJoin(ignore, "\n"), "|",
-                      variant == kernels::QuantVariant::kQat ? "qat" : "slime");
-}
 
 // True when group rank r's shard is bytes [r*L, (r+1)*L) of the full tensor for every r: the
 // all-gather output, in rank order, is then the full tensor itself.
@@ -252,7 +181,9 @@ class RankSync {
   RankSync(const WeightSource& src, TrainerComms& comms, comm::BucketSink* sink, const SyncOptions& o)
       : src_(src), layout_(src.layout()), comms_(comms), sink_(sink), o_(o),
         ws_(o.workspace != nullptr ? *o.workspace : own_workspace_),
-        slots_(ws_.slots_), etp_buffer_(ws_.etp_), scratch_(ws_.scratch_) {}
+        slots_(ws_.slots_), etp_buffer_(ws_.etp_), scratch_(ws_.scratch_) {
+    if (o.quant != nullptr) int4_.emplace(Int4Options{o.quant, o.quant_variant, o.quant_threads});
+  }
 
   absl::StatusOr<SyncReport> Run();
 
@@ -268,20 +199,9 @@ class RankSync {
   absl::StatusOr<std::unique_ptr<comm::Work>> AllGather(comm::Communicator& c, const std::vector<comm::ConstBytes>& in,
                                                   const std::vector<comm::MutableBytes>& out);
   absl::Status Emit(const MegatronParam& p, const TensorView& full);  // ToHf + quantize / copy into buckets
-  absl::Status QuantizeIntoBucket(const std::string& name, const TensorView& w);
-  absl::StatusOr<std::vector<MutableTensorView>> ReserveInt4(absl::string_view name, DType dtype, const Shape& packed,
-                                                            const Shape& scales, int64_t n, int64_t k);
-  absl::Status PlanInt4(Item& it);  // it.int4 and int4_plans_[it.ordinal]
-  // Quantizes the rows `rows` of `w` (this rank's parameter `p`, a shard or the full tensor) into
-  // packed / scales (w's rows, K/8 and K/G columns).
-  absl::Status QuantizeRows(const MegatronParam& p, const TensorView& w, const std::vector<RowSegment>& rows,
-                            std::span<std::byte> packed, std::span<std::byte> scales, absl::string_view where);
-  // Source: an EP member's gathered INT4 block of `it` (member parameter `p`) into the bucket.
-  absl::Status EmitInt4(const MegatronParam& p, const Item& it, std::span<const std::byte> block);
   void WriteStatusRecord(std::span<std::byte> record) const;
   // The records of a gather's `count` members; `mine` is skipped. `group`: "EP" or "ETP".
   absl::Status CheckRecords(std::span<const std::byte> records, int count, int mine, absl::string_view group) const;
-  kernels::QuantizeOptions KernelQuantOptions() const;
   absl::Status EnsureBuffer(Buffer& b, uint64_t bytes);
 
   const WeightSource& src_;
@@ -300,8 +220,8 @@ class RankSync {
   std::vector<Batch> dense_, experts_;
   // EP member m's expert params (source; every expert-block rank when experts may be INT4)
   std::vector<std::vector<MegatronParam>> member_experts_;
-  std::vector<Int4Plan> int4_plans_;               // per expert ordinal (used where Item::int4)
-  absl::Duration int4_copy_;                       // source: gathered INT4 into buckets
+  std::optional<Int4Quantizer> int4_;              // with a quantization config
+  std::vector<Int4ExpertPlan> int4_plans_;         // per expert ordinal (used where Item::int4)
   SyncWorkspace own_workspace_;
   SyncWorkspace& ws_;
   std::array<Buffer, 2>& slots_;
@@ -403,9 +323,24 @@ absl::Status RankSync::Prepare() {
       member_experts_.push_back(std::move(ex));
     }
   }
+  // Which experts their holders quantize (the same decision on every member), and the sizes of
+  // their INT4 blocks in the ETP and EP gathers.
   if (int4_members_) {
     int4_plans_.resize(experts.size());
-    for (Item& it : experts) RETURN_IF_ERROR(PlanInt4(it));
+    for (Item& it : experts) {
+      std::vector<const MegatronParam*> on_members;
+      for (const std::vector<MegatronParam>& member : member_experts_)
+        on_members.push_back(&member[static_cast<size_t>(it.ordinal)]);
+      ASSIGN_OR_RETURN(std::optional<Int4ExpertPlan> plan,
+                       int4_->PlanExpert(src_.model(), shard_.params[static_cast<size_t>(it.index)], on_members,
+                                         layout_.etp()));
+      if (!plan) continue;
+      it.int4 = true;
+      it.block = plan->block_bytes;
+      it.region = it.block * static_cast<uint64_t>(layout_.ep());
+      if (plan->by_shard && layout_.etp() > 1) it.etp_region = plan->local_block * static_cast<uint64_t>(layout_.etp());
+      int4_plans_[static_cast<size_t>(it.ordinal)] = std::move(*plan);
+    }
   }
   const uint64_t header = layout_.ep() > 1 ? kStatusRecordBytes * static_cast<uint64_t>(layout_.ep()) : 0;
   const uint64_t etp_header = layout_.etp() > 1 ? kStatusRecordBytes * static_cast<uint64_t>(layout_.etp()) : 0;
@@ -469,173 +404,6 @@ absl::StatusOr<std::unique_ptr<comm::Work>> RankSync::AllGather(comm::Communicat
   return w;
 }
 
-kernels::QuantizeOptions RankSync::KernelQuantOptions() const {
-  kernels::QuantizeOptions ko;
-  ko.group_size = o_.quant->group_size;
-  ko.variant = o_.quant_variant;
-  ko.format = kernels::PackFormat::kCompressedTensors;
-  ko.num_threads = o_.quant_threads;
-  return ko;
-}
-
-// The three outputs of INT4 target `name` (a "*.weight" of [n, k]), in one bucket; weight_shape
-// is written here, packed and scales are the caller's to fill.
-absl::StatusOr<std::vector<MutableTensorView>> RankSync::ReserveInt4(absl::string_view name, DType dtype,
-                                                                     const Shape& packed, const Shape& scales,
-                                                                     int64_t n, int64_t k) {
-  absl::string_view prefix = name;
-  if (!absl::ConsumeSuffix(&prefix, ".weight"))
-    return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", name, "\": not a *.weight tensor"));
-  const comm::BucketBuilder::Pending pending[3] = {
-      {absl::StrCat(prefix, ".weight_packed"), DType::kI32, packed},
-      {absl::StrCat(prefix, ".weight_scale"), dtype, scales},
-      {absl::StrCat(prefix, ".weight_shape"), DType::kI64, Shape{2}},
-  };
-  ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, builder_->Reserve(pending));
-  const int64_t nk[2] = {n, k};
-  std::memcpy(dst[2].data(), nk, sizeof(nk));
-  return dst;
-}
-
-absl::Status RankSync::QuantizeIntoBucket(const std::string& name, const TensorView& w) {
-  absl::StatusOr<kernels::QuantizedShapes> shapes =
-      kernels::QuantizedShapesFor(w, o_.quant->group_size, kernels::PackFormat::kCompressedTensors);
-  if (!shapes.ok()) return Annotate(shapes.status(), absl::StrCat("quantizing \"", name, "\" (", w.DebugString(), ")"));
-  ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst,
-                   ReserveInt4(name, w.dtype(), shapes->packed, shapes->scales, w.dim(0), w.dim(1)));
-  const absl::Time t0 = absl::Now();
-  absl::Status s = kernels::QuantizeInt4(w, dst[0], dst[1], KernelQuantOptions());
-  report_.quantize += absl::Now() - t0;
-  if (!s.ok()) return Annotate(s, absl::StrCat("quantizing \"", name, "\""));
-  report_.quantized_bytes += w.nbytes();
-  return absl::OkStatus();
-}
-
-// An expert parameter is quantized by its holders when every HF tensor it becomes, on every EP
-// member (names carry global expert ids, and `ignore` may name single experts), is an INT4 target
-// and its HF tensors are row blocks of it (copy, GLU halves).
-absl::Status RankSync::PlanInt4(Item& it) {
-  const size_t ordinal = static_cast<size_t>(it.ordinal);
-  const MegatronParam& p = shard_.params[static_cast<size_t>(it.index)];
-  if (p.hf_op != HfOp::kCopy && p.hf_op != HfOp::kGlu) return absl::OkStatus();
-  for (const std::vector<MegatronParam>& member : member_experts_) {
-    const MegatronParam& mp = member[ordinal];
-    ASSIGN_OR_RETURN(HfRowMap map, HfRowMapFor(src_.model(), mp));
-    if (map.hf_shapes.size() != mp.hf_names.size())
-      return absl::InternalError(absl::StrCat(mp.global_name, ": ", map.hf_shapes.size(), " HF shapes for ",
-                                              mp.hf_names.size(), " HF names"));
-    for (size_t h = 0; h < mp.hf_names.size(); ++h)
-      if (!model::IsQuantTarget(mp.hf_names[h], map.hf_shapes[h], *o_.quant)) return absl::OkStatus();
-  }
-  ASSIGN_OR_RETURN(HfRowMap map, HfRowMapFor(src_.model(), p));
-  for (const Shape& s : map.hf_shapes)
-    if (s.size() != 2 || s[1] != p.full_shape.back())
-      return absl::InternalError(absl::StrCat(p.global_name, ": HF tensor ", ShapeToString(s),
-                                              " is not a row block of ", ShapeToString(p.full_shape)));
-  const int group = o_.quant->group_size;
-  const auto fmt = kernels::PackFormat::kCompressedTensors;
-  Int4Plan plan;
-  absl::StatusOr<kernels::QuantizedShapes> full =
-      kernels::QuantizedShapesFor(TensorView(p.dtype, p.full_shape, {}), group, fmt);
-  if (!full.ok())
-    return Annotate(full.status(), absl::StrCat("quantizing \"", absl::StrJoin(p.hf_names, "\", \""), "\" (",
-                                                SafetensorsName(p.dtype), ShapeToString(p.full_shape), ")"));
-  // Bytes of an INT4 triplet's packed and scale parts, and where the scales start in its block.
-  auto sizes = [&](const kernels::QuantizedShapes& q, uint64_t* packed, uint64_t* scales,
-                   uint64_t* scale_offset) -> absl::Status {
-    ASSIGN_OR_RETURN(const int64_t pb, NumBytes(DType::kI32, q.packed));
-    ASSIGN_OR_RETURN(const int64_t sb, NumBytes(p.dtype, q.scales));
-    *packed = static_cast<uint64_t>(pb);
-    *scales = static_cast<uint64_t>(sb);
-    *scale_offset = AlignUp(*packed, kRegionAlignment);
-    return absl::OkStatus();
-  };
-  plan.packed = plan.scales = p;
-  plan.packed.dtype = DType::kI32;
-  plan.packed.full_shape = full->packed;
-  plan.scales.full_shape = full->scales;
-  RETURN_IF_ERROR(sizes(*full, &plan.packed_bytes, &plan.scale_bytes, &plan.scale_offset));
-  plan.hf_shapes = std::move(map.hf_shapes);
-  ASSIGN_OR_RETURN(plan.full_rows, RowSegments(p, map, -1));
-  // Each ETP rank quantizes its shard when the shard splits rows (GLU fc1), or columns at group
-  // boundaries (fc2 with K / ETP a multiple of the group size and of 8).
-  const int etp = layout_.etp();
-  const int64_t local_k = p.local_shape.back();
-  plan.by_shard = etp == 1 || p.kind == ShardKind::kExpertGluFc1 ||
-                  (p.kind == ShardKind::kExpertDim1 && group > 0 && local_k % group == 0 && local_k % 8 == 0);
-  if (plan.by_shard && etp > 1) {
-    absl::StatusOr<kernels::QuantizedShapes> local =
-        kernels::QuantizedShapesFor(TensorView(p.dtype, p.local_shape, {}), group, fmt);
-    if (!local.ok()) return Annotate(local.status(), absl::StrCat(p.global_name, ": quantizing an ETP shard"));
-    plan.packed.local_shape = local->packed;
-    plan.scales.local_shape = local->scales;
-    RETURN_IF_ERROR(sizes(*local, &plan.local_packed_bytes, &plan.local_scale_bytes, &plan.local_scale_offset));
-    plan.local_block = AlignUp(plan.local_scale_offset + plan.local_scale_bytes, kRegionAlignment);
-    ASSIGN_OR_RETURN(plan.local_rows, RowSegments(p, map, p.rank_in_group));
-    it.etp_region = plan.local_block * static_cast<uint64_t>(etp);
-  } else if (plan.by_shard) {
-    plan.local_rows = plan.full_rows;
-  }
-  it.int4 = true;
-  it.block = AlignUp(plan.scale_offset + plan.scale_bytes, kRegionAlignment);
-  it.region = it.block * static_cast<uint64_t>(layout_.ep());
-  int4_plans_[ordinal] = std::move(plan);
-  return absl::OkStatus();
-}
-
-absl::Status RankSync::QuantizeRows(const MegatronParam& p, const TensorView& w, const std::vector<RowSegment>& rows,
-                                    std::span<std::byte> packed, std::span<std::byte> scales,
-                                    absl::string_view where) {
-  const kernels::QuantizeOptions ko = KernelQuantOptions();
-  const int64_t n = w.dim(0), k = w.dim(1);
-  const uint64_t w_row = w.nbytes() / static_cast<uint64_t>(n);
-  const uint64_t packed_row = packed.size() / static_cast<uint64_t>(n);
-  const uint64_t scale_row = scales.size() / static_cast<uint64_t>(n);
-  const int64_t scale_cols = static_cast<int64_t>(scale_row / ItemSize(w.dtype()));
-  for (const RowSegment& seg : rows) {
-    const uint64_t first = static_cast<uint64_t>(seg.row), count = static_cast<uint64_t>(seg.rows);
-    const TensorView ws(w.dtype(), Shape{seg.rows, k}, w.bytes().subspan(first * w_row, count * w_row));
-    MutableTensorView ps(DType::kI32, Shape{seg.rows, k / 8}, packed.subspan(first * packed_row, count * packed_row));
-    MutableTensorView ss(w.dtype(), Shape{seg.rows, scale_cols}, scales.subspan(first * scale_row, count * scale_row));
-    const absl::Time t0 = absl::Now();
-    absl::Status s = kernels::QuantizeInt4(ws, ps, ss, ko);
-    report_.quantize += absl::Now() - t0;
-    const std::string& name = p.hf_names[static_cast<size_t>(seg.hf_index)];
-    if (!s.ok())
-      return Annotate(s, absl::StrCat("quantizing \"", name, "\" (its rows ", seg.hf_row, "..",
-                                      seg.hf_row + seg.rows - 1, " as the kernel's rows 0..", seg.rows - 1, "; ",
-                                      where, ")"));
-    report_.quantized_bytes += ws.nbytes();
-  }
-  return absl::OkStatus();
-}
-
-absl::Status RankSync::EmitInt4(const MegatronParam& p, const Item& it, std::span<const std::byte> block) {
-  const Int4Plan& plan = int4_plans_[static_cast<size_t>(it.ordinal)];
-  const int64_t rows = p.full_shape[0];
-  const uint64_t packed_row = plan.packed_bytes / static_cast<uint64_t>(rows);
-  const uint64_t scale_row = plan.scale_bytes / static_cast<uint64_t>(rows);
-  for (size_t h = 0; h < plan.hf_shapes.size(); ++h) {
-    const Shape& hf = plan.hf_shapes[h];
-    const Shape packed{hf[0], plan.packed.full_shape[1]}, scales{hf[0], plan.scales.full_shape[1]};
-    ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst,
-                     ReserveInt4(p.hf_names[h], p.dtype, packed, scales, hf[0], hf[1]));
-    const absl::Time t0 = absl::Now();
-    for (const RowSegment& seg : plan.full_rows) {
-      if (seg.hf_index != static_cast<int>(h)) continue;
-      const uint64_t from = static_cast<uint64_t>(seg.row), to = static_cast<uint64_t>(seg.hf_row);
-      const uint64_t count = static_cast<uint64_t>(seg.rows);
-      std::memcpy(dst[0].bytes().data() + to * packed_row, block.data() + from * packed_row, count * packed_row);
-      std::memcpy(dst[1].bytes().data() + to * scale_row, block.data() + plan.scale_offset + from * scale_row,
-                  count * scale_row);
-      report_.copied_bytes += count * (packed_row + scale_row);
-    }
-    int4_copy_ += absl::Now() - t0;
-    report_.hf_bytes += static_cast<uint64_t>(hf[0] * hf[1]) * ItemSize(p.dtype);
-  }
-  return absl::OkStatus();
-}
-
 void RankSync::WriteStatusRecord(std::span<std::byte> record) const {
   MemberStatus st;
   st.code = static_cast<int32_t>(failure_.code());
@@ -671,7 +439,7 @@ absl::Status RankSync::Emit(const MegatronParam& p, const TensorView& full) {
   for (const model::HfTensor& t : *hf) {
     report_.hf_bytes += t.view.nbytes();
     if (o_.quant != nullptr && model::IsQuantTarget(t.name, t.view.shape(), *o_.quant)) {
-      RETURN_IF_ERROR(QuantizeIntoBucket(t.name, t.view));
+      RETURN_IF_ERROR(int4_->QuantizeInto(*builder_, t.name, t.view));
     } else {
       RETURN_IF_ERROR(builder_->Add(t.name, t.view));
       report_.copied_bytes += t.view.nbytes();
@@ -731,7 +499,7 @@ void RankSync::RunDense() {
 }
 
 // Routed experts: [ETP all-gather + merge into this rank's block] then an EP all-gather among
-// the etp = 0 ranks, in place. INT4 items (Item::int4, Int4Plan) are quantized before the
+// the etp = 0 ranks, in place. INT4 items (Item::int4, Int4ExpertPlan) are quantized before the
 // gathers: by every ETP rank on its own shard (by_shard; the ETP gather carries INT4 and the
 // merger merges INT4), or by the merger after a bf16 ETP merge. Both gathers carry the members'
 // status records. Double-buffered like the dense phase.
@@ -740,7 +508,7 @@ void RankSync::RunExperts() {
   const ExpertCoord coord = layout_.Expert(me_);
   const bool merger = coord.etp == 0;
   const uint64_t own = static_cast<uint64_t>(coord.ep), own_etp = static_cast<uint64_t>(coord.etp);
-  auto plan_of = [&](const Item& it) -> const Int4Plan& { return int4_plans_[static_cast<size_t>(it.ordinal)]; };
+  auto plan_of = [&](const Item& it) -> const Int4ExpertPlan& { return int4_plans_[static_cast<size_t>(it.ordinal)]; };
   std::array<std::unique_ptr<comm::Work>, 2> pending;
   auto issue = [&](size_t j, int slot) {
     const Batch& b = experts_[j];
@@ -749,9 +517,9 @@ void RankSync::RunExperts() {
       if (int4_members_ && failure_.ok()) {
         for (const Item& it : b.items) {
           if (!it.int4 || !plan_of(it).by_shard) continue;
-          const Int4Plan& plan = plan_of(it);
+          const Int4ExpertPlan& plan = plan_of(it);
           std::byte* mine = etp_buffer_.data() + it.etp_offset + own_etp * plan.local_block;
-          absl::Status s = QuantizeRows(shard_.params[static_cast<size_t>(it.index)],
+          absl::Status s = int4_->QuantizeRows(shard_.params[static_cast<size_t>(it.index)],
                                         shard_.tensors[static_cast<size_t>(it.index)], plan.local_rows,
                                         {mine, plan.local_packed_bytes},
                                         {mine + plan.local_scale_offset, plan.local_scale_bytes},
@@ -793,29 +561,14 @@ void RankSync::RunExperts() {
         std::span<const std::byte> region(etp_buffer_.data() + it.etp_offset, it.etp_region);
         absl::Status s;
         if (it.int4 && etp == 1) {
-          const Int4Plan& plan = plan_of(it);
-          const absl::Duration q0 = report_.quantize;
-          s = QuantizeRows(p, shard_.tensors[static_cast<size_t>(it.index)], plan.full_rows,
+          const Int4ExpertPlan& plan = plan_of(it);
+          const absl::Duration q0 = int4_->stats().quantize;
+          s = int4_->QuantizeRows(p, shard_.tensors[static_cast<size_t>(it.index)], plan.full_rows,
                            block.subspan(0, plan.packed_bytes), block.subspan(plan.scale_offset, plan.scale_bytes),
                            "by its holder");
-          quantizing += report_.quantize - q0;
+          quantizing += int4_->stats().quantize - q0;
         } else if (it.int4 && plan_of(it).by_shard) {
-          const Int4Plan& plan = plan_of(it);
-          std::vector<TensorView> packed, scales;
-          for (int r = 0; r < etp; ++r) {
-            std::span<const std::byte> shard =
-                region.subspan(static_cast<uint64_t>(r) * plan.local_block, plan.local_block);
-            packed.emplace_back(DType::kI32, plan.packed.local_shape, shard.subspan(0, plan.local_packed_bytes));
-            scales.emplace_back(p.dtype, plan.scales.local_shape,
-                                shard.subspan(plan.local_scale_offset, plan.local_scale_bytes));
-          }
-          s = MergeShards(
-              plan.packed, packed,
-              MutableTensorView(DType::kI32, plan.packed.full_shape, block.subspan(0, plan.packed_bytes)));
-          if (s.ok())
-            s = MergeShards(plan.scales, scales,
-                                     MutableTensorView(p.dtype, plan.scales.full_shape,
-                                                       block.subspan(plan.scale_offset, plan.scale_bytes)));
+          s = MergeInt4Shards(plan_of(it), region, block);
         } else if (etp > 1) {
           std::vector<TensorView> shards;
           for (int r = 0; r < etp; ++r)
@@ -823,12 +576,12 @@ void RankSync::RunExperts() {
           std::span<std::byte> dst = it.int4 ? scratch_.span().subspan(0, it.full_bytes) : block;
           s = MergeShards(p, shards, MutableTensorView(p.dtype, p.full_shape, dst));
           if (s.ok() && it.int4) {
-            const Int4Plan& plan = plan_of(it);
-            const absl::Duration q0 = report_.quantize;
-            s = QuantizeRows(p, TensorView(p.dtype, p.full_shape, dst), plan.full_rows,
+            const Int4ExpertPlan& plan = plan_of(it);
+            const absl::Duration q0 = int4_->stats().quantize;
+            s = int4_->QuantizeRows(p, TensorView(p.dtype, p.full_shape, dst), plan.full_rows,
                              block.subspan(0, plan.packed_bytes), block.subspan(plan.scale_offset, plan.scale_bytes),
                              "merged from its ETP shards");
-            quantizing += report_.quantize - q0;
+            quantizing += int4_->stats().quantize - q0;
           }
         }
         if (!s.ok()) {
@@ -873,7 +626,7 @@ void RankSync::RunExperts() {
         std::span<const std::byte> block = slots_[slot].span().subspan(it.offset + m * it.block, it.block);
         absl::Status s;
         if (it.int4) {
-          s = EmitInt4(p, it, block);
+          s = int4_->EmitExpert(*builder_, p, plan_of(it), block);
         } else {
           TensorView full = shard_.tensors[static_cast<size_t>(it.index)];
           if (ep > 1 || etp > 1) full = TensorView(mine.dtype, mine.full_shape, block);
@@ -920,9 +673,14 @@ absl::StatusOr<SyncReport> RankSync::Run() {
   if (source_ && failure_.ok()) {
     Fail(builder_->Finish());
   }
+  const Int4Stats int4 = int4_ ? int4_->stats() : Int4Stats();
+  report_.quantize = int4.quantize;
+  report_.quantized_bytes = int4.quantized_bytes;
+  report_.copied_bytes += int4.copied_bytes;
+  report_.hf_bytes += int4.hf_bytes;
   if (builder_) {
     const comm::BucketBuilderStats& st = builder_->stats();
-    report_.bucket = st.copy + int4_copy_;
+    report_.bucket = st.copy + int4.copy;
     report_.send_wait = st.send_wait;
     report_.bytes = st.bytes;
     report_.buckets = st.buckets;

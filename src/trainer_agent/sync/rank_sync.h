@@ -1,9 +1,10 @@
 // One weight sync on one trainer rank: this rank's shard -> TP / ETP / EP all-gathers -> (on the
 // pipeline stage's source rank) Megatron -> HF conversion, INT4 quantization, buckets -> a
 // BucketSink; routed experts that are INT4 targets are quantized where they live (each ETP / EP
-// rank its own shard) before the ETP / EP all-gathers. Spec: docs/spec/MEGATRON_TO_HF.md,
-// docs/spec/RANKS.md; the bucket format: docs/bucket_format.md. Design and
-// measurements: README.md beside this file.
+// rank its own shard) before the ETP / EP all-gathers; the INT4 steps themselves (plans, row
+// quantization, shard merge, triplets into buckets) are quantize/int4_quantizer.h. Spec:
+// docs/spec/MEGATRON_TO_HF.md, docs/spec/RANKS.md; the bucket format: docs/bucket_format.md.
+// Design and measurements: README.md beside this file.
 //
 // Steps, on every rank of the world (each rank runs RunRankSync with the same options):
 //  1. open   WeightSource::OpenRank(own rank) (dir: the file is mapped anew every sync; shm: the

@@ -1,0 +1,243 @@
+#include "trainer_agent/quantize/int4_quantizer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "common/status.h"
+#include "model/quant_target.h"
+#include "trainer_agent/convert/shard_layout.h"
+
+namespace wsync::trainer_agent {
+namespace {
+
+constexpr uint64_t kBlockAlignment = 64;
+constexpr kernels::PackFormat kFormat = kernels::PackFormat::kCompressedTensors;
+
+uint64_t AlignUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+// The three outputs of INT4 target `name` (a "*.weight" of [n, k]), in one bucket; weight_shape
+// is written here, packed and scales are the caller's to fill.
+absl::StatusOr<std::vector<MutableTensorView>> ReserveTriplet(comm::BucketBuilder& builder, absl::string_view name,
+                                                              DType dtype, const Shape& packed, const Shape& scales,
+                                                              int64_t n, int64_t k) {
+  absl::string_view prefix = name;
+  if (!absl::ConsumeSuffix(&prefix, ".weight"))
+    return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", name, "\": not a *.weight tensor"));
+  const comm::BucketBuilder::Pending pending[3] = {
+      {absl::StrCat(prefix, ".weight_packed"), DType::kI32, packed},
+      {absl::StrCat(prefix, ".weight_scale"), dtype, scales},
+      {absl::StrCat(prefix, ".weight_shape"), DType::kI64, Shape{2}},
+  };
+  ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, builder.Reserve(pending));
+  const int64_t nk[2] = {n, k};
+  std::memcpy(dst[2].data(), nk, sizeof(nk));
+  return dst;
+}
+
+// Bytes of an INT4 block's packed and scale parts, and where the scales start in it.
+absl::Status BlockSizes(const kernels::QuantizedShapes& q, DType dtype, uint64_t* packed, uint64_t* scales,
+                        uint64_t* scale_offset) {
+  ASSIGN_OR_RETURN(const int64_t pb, NumBytes(DType::kI32, q.packed));
+  ASSIGN_OR_RETURN(const int64_t sb, NumBytes(dtype, q.scales));
+  *packed = static_cast<uint64_t>(pb);
+  *scales = static_cast<uint64_t>(sb);
+  *scale_offset = AlignUp(*packed, kBlockAlignment);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<RowSegment>> RowSegments(const MegatronParam& p, const HfRowMap& map, int rank_in_group) {
+  std::vector<RowSegment> out;
+  auto add = [&](int64_t local_row, int64_t full_row, int64_t rows) {
+    for (const HfRowPiece& piece : map.pieces) {
+      const int64_t lo = std::max(full_row, piece.full_row);
+      const int64_t hi = std::min(full_row + rows, piece.full_row + piece.rows);
+      if (lo < hi)
+        out.push_back({piece.hf_index, local_row + (lo - full_row), piece.hf_row + (lo - piece.full_row), hi - lo});
+    }
+  };
+  if (rank_in_group < 0) {
+    add(0, 0, p.full_shape[0]);
+    return out;
+  }
+  ASSIGN_OR_RETURN(const int64_t local_bytes, NumBytes(p.dtype, p.local_shape));
+  ASSIGN_OR_RETURN(const int64_t full_bytes, NumBytes(p.dtype, p.full_shape));
+  const int64_t local_row = local_bytes / p.local_shape[0], full_row = full_bytes / p.full_shape[0];
+  for (const StridedCopy& c : ShardCopies(p, rank_in_group)) {
+    if (c.count == 1 && local_row == full_row && c.local_offset % local_row == 0 && c.full_offset % full_row == 0 &&
+        c.bytes % local_row == 0) {
+      add(c.local_offset / local_row, c.full_offset / full_row, c.bytes / local_row);  // a block of whole rows
+    } else if (c.count == p.local_shape[0] && c.bytes == local_row && c.local_stride == local_row &&
+               c.full_stride == full_row) {
+      add(0, 0, p.local_shape[0]);  // a column block: the shard has every row
+    } else {
+      return absl::InternalError(
+          absl::StrCat(p.global_name, ": shard ", rank_in_group, " is neither row nor column blocks"));
+    }
+  }
+  return out;
+}
+
+std::string QuantFingerprint(const QuantizationConfig* quant, kernels::QuantVariant variant) {
+  if (quant == nullptr) return "quant none";
+  const QuantizationConfig& q = *quant;
+  std::vector<std::string> ignore;
+  for (const IgnoreRule& r : q.ignore) ignore.push_back(r.text);
+  return absl::StrCat("quant ", q.quant_method, "|", q.format, "|", q.num_bits, "|", q.type, "|", q.strategy, "|",
+                      q.group_size, "|", q.symmetric, "|", q.dynamic, "|", q.actorder, "|",
+                      absl::StrJoin(q.targets, ","), "|", absl::StrJoin(ignore, "\n"), "|",
+                      variant == kernels::QuantVariant::kQat ? "qat" : "slime");
+}
+
+absl::Status MergeInt4Shards(const Int4ExpertPlan& plan, std::span<const std::byte> shards,
+                             std::span<std::byte> block) {
+  std::vector<TensorView> packed, scales;
+  for (int r = 0; r < plan.packed.group_size; ++r) {
+    std::span<const std::byte> shard = shards.subspan(static_cast<uint64_t>(r) * plan.local_block, plan.local_block);
+    packed.emplace_back(DType::kI32, plan.packed.local_shape, shard.subspan(0, plan.local_packed_bytes));
+    scales.emplace_back(plan.scales.dtype, plan.scales.local_shape,
+                        shard.subspan(plan.local_scale_offset, plan.local_scale_bytes));
+  }
+  RETURN_IF_ERROR(MergeShards(plan.packed, packed,
+                              MutableTensorView(DType::kI32, plan.packed.full_shape,
+                                                block.subspan(0, plan.packed_bytes))));
+  return MergeShards(plan.scales, scales,
+                     MutableTensorView(plan.scales.dtype, plan.scales.full_shape,
+                                       block.subspan(plan.scale_offset, plan.scale_bytes)));
+}
+
+Int4Quantizer::Int4Quantizer(const Int4Options& options)
+    : quant_(*options.quant), kernel_([&] {
+        kernels::QuantizeOptions ko;
+        ko.group_size = options.quant->group_size;
+        ko.variant = options.variant;
+        ko.format = kFormat;
+        ko.num_threads = options.num_threads;
+        return ko;
+      }()) {}
+
+kernels::QuantizeOptions Int4Quantizer::KernelOptions() const { return kernel_; }
+
+absl::StatusOr<std::optional<Int4ExpertPlan>> Int4Quantizer::PlanExpert(
+    const ModelConfig& model, const MegatronParam& p, absl::Span<const MegatronParam* const> on_members,
+    int etp) const {
+  if (p.hf_op != HfOp::kCopy && p.hf_op != HfOp::kGlu) return std::nullopt;
+  for (const MegatronParam* mp : on_members) {
+    ASSIGN_OR_RETURN(HfRowMap map, HfRowMapFor(model, *mp));
+    if (map.hf_shapes.size() != mp->hf_names.size())
+      return absl::InternalError(absl::StrCat(mp->global_name, ": ", map.hf_shapes.size(), " HF shapes for ",
+                                              mp->hf_names.size(), " HF names"));
+    for (size_t h = 0; h < mp->hf_names.size(); ++h)
+      if (!model::IsQuantTarget(mp->hf_names[h], map.hf_shapes[h], quant_)) return std::nullopt;
+  }
+  ASSIGN_OR_RETURN(HfRowMap map, HfRowMapFor(model, p));
+  for (const Shape& s : map.hf_shapes)
+    if (s.size() != 2 || s[1] != p.full_shape.back())
+      return absl::InternalError(absl::StrCat(p.global_name, ": HF tensor ", ShapeToString(s),
+                                              " is not a row block of ", ShapeToString(p.full_shape)));
+  const int group = quant_.group_size;
+  Int4ExpertPlan plan;
+  absl::StatusOr<kernels::QuantizedShapes> full =
+      kernels::QuantizedShapesFor(TensorView(p.dtype, p.full_shape, {}), group, kFormat);
+  if (!full.ok())
+    return Annotate(full.status(), absl::StrCat("quantizing \"", absl::StrJoin(p.hf_names, "\", \""), "\" (",
+                                                SafetensorsName(p.dtype), ShapeToString(p.full_shape), ")"));
+  plan.packed = plan.scales = p;
+  plan.packed.dtype = DType::kI32;
+  plan.packed.full_shape = full->packed;
+  plan.scales.full_shape = full->scales;
+  RETURN_IF_ERROR(BlockSizes(*full, p.dtype, &plan.packed_bytes, &plan.scale_bytes, &plan.scale_offset));
+  plan.block_bytes = AlignUp(plan.scale_offset + plan.scale_bytes, kBlockAlignment);
+  plan.hf_shapes = std::move(map.hf_shapes);
+  ASSIGN_OR_RETURN(plan.full_rows, RowSegments(p, map, -1));
+  const int64_t local_k = p.local_shape.back();
+  plan.by_shard = etp == 1 || p.kind == ShardKind::kExpertGluFc1 ||
+                  (p.kind == ShardKind::kExpertDim1 && group > 0 && local_k % group == 0 && local_k % 8 == 0);
+  if (plan.by_shard && etp > 1) {
+    absl::StatusOr<kernels::QuantizedShapes> local =
+        kernels::QuantizedShapesFor(TensorView(p.dtype, p.local_shape, {}), group, kFormat);
+    if (!local.ok()) return Annotate(local.status(), absl::StrCat(p.global_name, ": quantizing an ETP shard"));
+    plan.packed.local_shape = local->packed;
+    plan.scales.local_shape = local->scales;
+    RETURN_IF_ERROR(
+        BlockSizes(*local, p.dtype, &plan.local_packed_bytes, &plan.local_scale_bytes, &plan.local_scale_offset));
+    plan.local_block = AlignUp(plan.local_scale_offset + plan.local_scale_bytes, kBlockAlignment);
+    ASSIGN_OR_RETURN(plan.local_rows, RowSegments(p, map, p.rank_in_group));
+  } else if (plan.by_shard) {
+    plan.local_rows = plan.full_rows;
+  }
+  return plan;
+}
+
+absl::Status Int4Quantizer::QuantizeRows(const MegatronParam& p, const TensorView& w,
+                                         absl::Span<const RowSegment> rows, std::span<std::byte> packed,
+                                         std::span<std::byte> scales, absl::string_view where) {
+  const int64_t n = w.dim(0), k = w.dim(1);
+  const uint64_t w_row = w.nbytes() / static_cast<uint64_t>(n);
+  const uint64_t packed_row = packed.size() / static_cast<uint64_t>(n);
+  const uint64_t scale_row = scales.size() / static_cast<uint64_t>(n);
+  const int64_t scale_cols = static_cast<int64_t>(scale_row / ItemSize(w.dtype()));
+  for (const RowSegment& seg : rows) {
+    const uint64_t first = static_cast<uint64_t>(seg.row), count = static_cast<uint64_t>(seg.rows);
+    const TensorView ws(w.dtype(), Shape{seg.rows, k}, w.bytes().subspan(first * w_row, count * w_row));
+    MutableTensorView ps(DType::kI32, Shape{seg.rows, k / 8}, packed.subspan(first * packed_row, count * packed_row));
+    MutableTensorView ss(w.dtype(), Shape{seg.rows, scale_cols}, scales.subspan(first * scale_row, count * scale_row));
+    const absl::Time t0 = absl::Now();
+    absl::Status s = kernels::QuantizeInt4(ws, ps, ss, kernel_);
+    stats_.quantize += absl::Now() - t0;
+    const std::string& name = p.hf_names[static_cast<size_t>(seg.hf_index)];
+    if (!s.ok())
+      return Annotate(s, absl::StrCat("quantizing \"", name, "\" (its rows ", seg.hf_row, "..",
+                                      seg.hf_row + seg.rows - 1, " as the kernel's rows 0..", seg.rows - 1, "; ",
+                                      where, ")"));
+    stats_.quantized_bytes += ws.nbytes();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Int4Quantizer::EmitExpert(comm::BucketBuilder& builder, const MegatronParam& p,
+                                       const Int4ExpertPlan& plan, std::span<const std::byte> block) {
+  const int64_t rows = p.full_shape[0];
+  const uint64_t packed_row = plan.packed_bytes / static_cast<uint64_t>(rows);
+  const uint64_t scale_row = plan.scale_bytes / static_cast<uint64_t>(rows);
+  for (size_t h = 0; h < plan.hf_shapes.size(); ++h) {
+    const Shape& hf = plan.hf_shapes[h];
+    const Shape packed{hf[0], plan.packed.full_shape[1]}, scales{hf[0], plan.scales.full_shape[1]};
+    ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst,
+                     ReserveTriplet(builder, p.hf_names[h], p.dtype, packed, scales, hf[0], hf[1]));
+    const absl::Time t0 = absl::Now();
+    for (const RowSegment& seg : plan.full_rows) {
+      if (seg.hf_index != static_cast<int>(h)) continue;
+      const uint64_t from = static_cast<uint64_t>(seg.row), to = static_cast<uint64_t>(seg.hf_row);
+      const uint64_t count = static_cast<uint64_t>(seg.rows);
+      std::memcpy(dst[0].bytes().data() + to * packed_row, block.data() + from * packed_row, count * packed_row);
+      std::memcpy(dst[1].bytes().data() + to * scale_row, block.data() + plan.scale_offset + from * scale_row,
+                  count * scale_row);
+      stats_.copied_bytes += count * (packed_row + scale_row);
+    }
+    stats_.copy += absl::Now() - t0;
+    stats_.hf_bytes += static_cast<uint64_t>(hf[0] * hf[1]) * ItemSize(p.dtype);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Int4Quantizer::QuantizeInto(comm::BucketBuilder& builder, const std::string& name,
+                                         const TensorView& w) {
+  absl::StatusOr<kernels::QuantizedShapes> shapes = kernels::QuantizedShapesFor(w, quant_.group_size, kFormat);
+  if (!shapes.ok()) return Annotate(shapes.status(), absl::StrCat("quantizing \"", name, "\" (", w.DebugString(), ")"));
+  ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst,
+                   ReserveTriplet(builder, name, w.dtype(), shapes->packed, shapes->scales, w.dim(0), w.dim(1)));
+  const absl::Time t0 = absl::Now();
+  absl::Status s = kernels::QuantizeInt4(w, dst[0], dst[1], kernel_);
+  stats_.quantize += absl::Now() - t0;
+  if (!s.ok()) return Annotate(s, absl::StrCat("quantizing \"", name, "\""));
+  stats_.quantized_bytes += w.nbytes();
+  return absl::OkStatus();
+}
+
+}  // namespace wsync::trainer_agent

@@ -1,0 +1,147 @@
+// The trainer's INT4 work in a sync (docs/spec/FORMATS.md §1-2): quantizing an HF tensor straight
+// into a bucket, and the routed experts quantized where they live. sync/rank_sync.cc decides when
+// and on which rank (gathers, batches, status records); this file decides how:
+//   PlanExpert        whether an expert parameter is quantized by its holders, and how it travels:
+//                     the INT4 block sizes, which rows of the Megatron tensor (or of this rank's ETP
+//                     shard) are which HF tensor's rows, and whether each ETP rank quantizes its own
+//                     shard (by_shard) or the merger quantizes after a bf16 merge;
+//   QuantizeRows      quantizes row segments of a shard or a full tensor into a block's packed and
+//                     scale parts;
+//   MergeInt4Shards   the ETP ranks' INT4 shard blocks -> the full tensor's block (MergeShards on
+//                     the packed int32 and the scales, described as parameters);
+//   EmitExpert        cuts each HF tensor's packed / scale rows out of a full block into a bucket
+//                     triplet (weight_packed, weight_scale, weight_shape);
+//   QuantizeInto      one HF tensor through the kernel straight into a bucket triplet.
+// Quantization is row-local (groups run along K), so the rows of a tensor may be quantized in any
+// split: every path yields the bytes of model::QuantizeHfTensor on each HF tensor (compressed-
+// tensors packing, the configured group size and variant).
+//
+// An INT4 block of a parameter [R, K] (or of a shard [r, k]): packed int32 [R, K/8] at 0, scales
+// [R, K/G] in the weight's dtype at scale_offset (64-byte aligned), the block padded to 64 bytes.
+//
+// Ownership: an Int4Quantizer keeps a pointer to its QuantizationConfig (not owned; must outlive
+// it). Spans and views are the caller's; the bucket triplets belong to the BucketBuilder.
+// Errors: kInvalidArgument naming the HF tensor (and its rows) for weights the kernel refuses:
+// Inf / NaN, a K that is not a multiple of 8 or of the group size, a dtype other than bf16 / fp16,
+// a bucket name that is not "*.weight"; kInternal for a parameter whose HF tensors are not row
+// blocks of it; the BucketBuilder's errors (allocation, the sink) as they are.
+// Thread-safety: an Int4Quantizer is used by one thread at a time (it counts into its stats); the
+// kernels may use Int4Options::num_threads threads. The free functions are pure.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "comm/bucket/builder.h"
+#include "common/config.h"
+#include "common/tensor.h"
+#include "kernels/int4.h"
+#include "trainer_agent/convert/hf_convert.h"
+#include "trainer_agent/convert/megatron_param.h"
+
+namespace wsync::trainer_agent {
+
+// Rows [row, row + rows) of a Megatron tensor (a shard or the full tensor) are rows
+// [hf_row, hf_row + rows) of HF tensor hf_index (an index into MegatronParam::hf_names).
+struct RowSegment {
+  int hf_index = 0;
+  int64_t row = 0, hf_row = 0, rows = 0;
+  bool operator==(const RowSegment&) const = default;
+};
+
+// The HF rows of group rank `rank_in_group`'s shard of `p` (< 0: of the full tensor), from the
+// parameter's shard copies (convert/shard_layout.h) and `map` (HfRowMapFor(p)). kInternal when
+// the shard is neither row blocks nor column blocks of the full tensor.
+absl::StatusOr<std::vector<RowSegment>> RowSegments(const MegatronParam& p, const HfRowMap& map, int rank_in_group);
+
+// How an expert parameter quantized by its holders travels. A member's block of the EP gather is
+// the full Megatron tensor [R, K] quantized (block_bytes). With ETP > 1 and by_shard, every ETP rank
+// quantizes its own shard (rows, or column blocks holding whole groups) into a shard block of
+// local_block bytes, and the merger merges them with MergeInt4Shards; otherwise the merger merges
+// bf16 and quantizes the full tensor.
+struct Int4ExpertPlan {
+  bool by_shard = false;
+  MegatronParam packed, scales;  // the INT4 outputs described as parameters (shapes, ETP layout)
+  uint64_t packed_bytes = 0, scale_offset = 0, scale_bytes = 0, block_bytes = 0;  // the full block
+  // This rank's shard block (ETP > 1 and by_shard only).
+  uint64_t local_packed_bytes = 0, local_scale_offset = 0, local_scale_bytes = 0, local_block = 0;
+  std::vector<Shape> hf_shapes;        // parallel to the parameter's hf_names
+  std::vector<RowSegment> full_rows;   // the HF tensors' rows in the full tensor
+  std::vector<RowSegment> local_rows;  // in this rank's shard (by_shard; ETP 1: full_rows)
+};
+
+// Bytes and time an Int4Quantizer spent, accumulated over its calls.
+struct Int4Stats {
+  absl::Duration quantize;       // inside kernels::QuantizeInt4
+  absl::Duration copy;           // EmitExpert's copies of INT4 rows into buckets
+  uint64_t quantized_bytes = 0;  // bf16 / fp16 bytes through the kernels
+  uint64_t copied_bytes = 0;     // INT4 bytes EmitExpert copied into buckets
+  uint64_t hf_bytes = 0;         // HF tensors EmitExpert sent, counted before quantization
+};
+
+struct Int4Options {
+  const QuantizationConfig* quant = nullptr;  // non-null; not owned
+  kernels::QuantVariant variant = kernels::QuantVariant::kQat;
+  int num_threads = 0;  // of each kernel call; 0 = hardware concurrency
+};
+
+// What every rank must agree on besides config.json and parallel.json for the INT4 path to pair
+// its collectives (the quantization config and variant decide which experts travel as INT4).
+// "quant none" for a null config.
+std::string QuantFingerprint(const QuantizationConfig* quant, kernels::QuantVariant variant);
+
+// The ETP ranks' shard blocks of an expert parameter (`shards`: plan.packed.group_size blocks of
+// plan.local_block bytes, in ETP rank order) merged into the full block `block` (block_bytes).
+// Requires plan.by_shard. kInvalidArgument from MergeShards for mis-sized spans.
+absl::Status MergeInt4Shards(const Int4ExpertPlan& plan, std::span<const std::byte> shards,
+                             std::span<std::byte> block);
+
+class Int4Quantizer {
+ public:
+  explicit Int4Quantizer(const Int4Options& options);
+
+  // The kernel options every call uses: compressed-tensors packing, the config's group size, the
+  // variant and thread count of the options.
+  kernels::QuantizeOptions KernelOptions() const;
+
+  // The plan of this rank's expert parameter `p` when it is quantized by its holders: when every
+  // HF tensor it becomes on every EP member (`on_members`: the same parameter in each member's
+  // plan, global expert ids differing) is an INT4 target and is a row block of it (copy, GLU
+  // halves). std::nullopt: it travels in bf16 and the stage source converts it. `etp`: the ETP
+  // size; each ETP rank quantizes its own shard when the shard splits rows (GLU fc1) or columns
+  // at group boundaries (fc2 with K / ETP a multiple of the group size and of 8).
+  absl::StatusOr<std::optional<Int4ExpertPlan>> PlanExpert(const ModelConfig& model, const MegatronParam& p,
+                                                           absl::Span<const MegatronParam* const> on_members,
+                                                           int etp) const;
+
+  // Quantizes rows `rows` of `w` (parameter `p`'s tensor: a shard or the full tensor, [n, k])
+  // into `packed` (n x k/8 int32) and `scales` (n x k/G), each segment at its own rows. `where`
+  // ends the error message ("ETP shard 1 of 2").
+  absl::Status QuantizeRows(const MegatronParam& p, const TensorView& w, absl::Span<const RowSegment> rows,
+                            std::span<std::byte> packed, std::span<std::byte> scales, absl::string_view where);
+
+  // The HF tensors of expert parameter `p` (an EP member's, global names) from its full INT4
+  // block into `builder`: one reserved triplet per HF tensor, the rows copied as plan.full_rows say.
+  absl::Status EmitExpert(comm::BucketBuilder& builder, const MegatronParam& p, const Int4ExpertPlan& plan,
+                          std::span<const std::byte> block);
+
+  // Quantizes HF tensor `name` ("*.weight", [n, k]) straight into a triplet reserved in `builder`.
+  absl::Status QuantizeInto(comm::BucketBuilder& builder, const std::string& name, const TensorView& w);
+
+  const Int4Stats& stats() const { return stats_; }
+
+ private:
+  const QuantizationConfig& quant_;
+  const kernels::QuantizeOptions kernel_;
+  Int4Stats stats_;
+};
+
+}  // namespace wsync::trainer_agent

@@ -1,0 +1,429 @@
+// The trainer's INT4 work on its own: which expert parameters their holders quantize and how
+// (fc1 / fc2, ETP 1 / 2, group sizes that do and do not divide K / ETP, experts ignored on one EP
+// member), row quantization of any split bit-exact to quantizing the whole tensor (seeded random
+// weights, an all-zero group), a NaN refused naming the HF tensor, the INT4 shard merge, and the
+// triplets written into a bucket bit-exact to model::QuantizeHfTensor.
+#include "trainer_agent/quantize/int4_quantizer.h"
+
+#include <cstring>
+#include <map>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "model/quant_target.h"
+#include "tools/synth/world.h"
+
+namespace wsync::trainer_agent {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint64_t kSeed = 20261121;
+
+// A compressed-tensors INT4 config of group size `group` (kernels::kChannelwise: per row) that
+// quantizes every Linear but lm_head and the routers; `ignore` is appended to the ignore list.
+QuantizationConfig Int4Config(int group, const std::string& ignore = "") {
+  const std::string strategy = group == kernels::kChannelwise ? "channel" : "group";
+  const std::string size = group == kernels::kChannelwise ? "null" : std::to_string(group);
+  const std::string json = absl::StrCat(
+      R"({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+      "strategy": ")", strategy, R"(", "group_size": )", size, R"(, "symmetric": true, "actorder": null,
+      "dynamic": false}}}, "ignore": ["lm_head", "re:.*mlp\\.gate$")",
+      ignore.empty() ? "" : absl::StrCat(", \"", ignore, "\""), "]}");
+  auto q = ParseQuantizationConfig(json, "test int4 config");
+  EXPECT_TRUE(q.ok()) << q.status();
+  return q.ok() ? *q : QuantizationConfig();
+}
+
+uint64_t AlignUp(uint64_t x) { return (x + 63) / 64 * 64; }
+
+// A Qwen3-MoE model (hidden 64, 8 experts of width moe_ffn) sharded TP 2 x EP 2 with ETP `etp`.
+struct Fixture {
+  tools::SyntheticModel model;
+  tools::World world;
+};
+absl::StatusOr<Fixture> MakeFixture(int etp, int64_t moe_ffn) {
+  tools::SyntheticModelOptions o = tools::SmallOptions(Architecture::kQwen3Moe);
+  o.moe_ffn = moe_ffn;
+  Fixture f;
+  ASSIGN_OR_RETURN(f.model, tools::SmallModel(o, kSeed));
+  ASSIGN_OR_RETURN(f.world, tools::BuildWorld(f.model, tools::Parallel(2, 1, 2, etp, 2)));
+  return f;
+}
+
+// World rank `rank`'s tensor of local expert `expert` of kind `kind` in the first MoE layer.
+const tools::RankTensor& ExpertOf(const Fixture& f, int rank, ShardKind kind, int64_t expert = 0) {
+  for (const tools::RankTensor& t : f.world.ranks.at(rank))
+    if (t.param.is_expert && t.param.kind == kind && t.param.local_expert == expert) return t;
+  ADD_FAILURE() << "rank " << rank << " holds no expert " << expert << " of kind " << ShardKindName(kind);
+  return f.world.ranks.at(rank).front();
+}
+
+// The same parameter in the plan of every EP member of `rank` (global expert ids differ).
+std::vector<const MegatronParam*> OnMembers(const Fixture& f, int rank, const MegatronParam& p) {
+  std::vector<const MegatronParam*> out;
+  for (int member : f.world.layout.EpGroup(rank))
+    for (const tools::RankTensor& t : f.world.ranks.at(member))
+      if (t.param.local_name == p.local_name) out.push_back(&t.param);
+  EXPECT_EQ(out.size(), static_cast<size_t>(f.world.layout.ep()));
+  return out;
+}
+
+std::optional<Int4ExpertPlan> Plan(const Fixture& f, const Int4Quantizer& q, int rank, const MegatronParam& p) {
+  auto plan = q.PlanExpert(f.model.config, p, OnMembers(f, rank, p), f.world.layout.etp());
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  return plan.ok() ? *plan : std::nullopt;
+}
+
+// The world rank with expert coordinates (etp, ep = 0, edp = 0).
+int EtpRank(const Fixture& f, int etp) { return f.world.layout.ExpertRank(ExpertCoord{etp, 0, 0, 0}); }
+
+// --- Planning -----------------------------------------------------------------------------------
+
+TEST(Int4PlanTest, Etp1QuantizesWholeExpertsWithGluHalvesAsRowBlocks) {
+  auto f = MakeFixture(/*etp=*/1, /*moe_ffn=*/32);
+  ASSERT_TRUE(f.ok()) << f.status();
+  const QuantizationConfig quant = Int4Config(32);
+  const Int4Quantizer q({.quant = &quant});
+  // fc1 [2f, H] = [gate; up], f = 32, H = 64: packed [64, 8] int32, scales [64, 2] bf16.
+  const MegatronParam& fc1 = ExpertOf(*f, 0, ShardKind::kExpertGluFc1).param;
+  std::optional<Int4ExpertPlan> plan = Plan(*f, q, 0, fc1);
+  ASSERT_TRUE(plan.has_value());
+  EXPECT_TRUE(plan->by_shard);
+  EXPECT_EQ(plan->packed.full_shape, (Shape{64, 8}));
+  EXPECT_EQ(plan->scales.full_shape, (Shape{64, 2}));
+  EXPECT_EQ(plan->packed_bytes, 64u * 8 * 4);
+  EXPECT_EQ(plan->scale_offset, AlignUp(plan->packed_bytes));
+  EXPECT_EQ(plan->scale_bytes, 64u * 2 * 2);
+  EXPECT_EQ(plan->block_bytes, AlignUp(plan->scale_offset + plan->scale_bytes));
+  EXPECT_EQ(plan->hf_shapes, (std::vector<Shape>{{32, 64}, {32, 64}}));
+  const std::vector<RowSegment> glu = {{0, 0, 0, 32}, {1, 32, 0, 32}};
+  EXPECT_EQ(plan->full_rows, glu);
+  EXPECT_EQ(plan->local_rows, glu);
+  EXPECT_EQ(plan->local_block, 0u) << "no ETP shard blocks with ETP 1";
+  // fc2 [H, f]: one HF tensor, every row.
+  const MegatronParam& fc2 = ExpertOf(*f, 0, ShardKind::kExpertDim1).param;
+  plan = Plan(*f, q, 0, fc2);
+  ASSERT_TRUE(plan.has_value());
+  EXPECT_TRUE(plan->by_shard);
+  EXPECT_EQ(plan->packed.full_shape, (Shape{64, 4}));
+  EXPECT_EQ(plan->full_rows, (std::vector<RowSegment>{{0, 0, 0, 64}}));
+  EXPECT_EQ(plan->local_rows, plan->full_rows);
+}
+
+TEST(Int4PlanTest, Etp2QuantizesFc1ShardsByRows) {
+  auto f = MakeFixture(/*etp=*/2, /*moe_ffn=*/32);
+  ASSERT_TRUE(f.ok()) << f.status();
+  const QuantizationConfig quant = Int4Config(32);
+  const Int4Quantizer q({.quant = &quant});
+  for (int e = 0; e < 2; ++e) {
+    SCOPED_TRACE(absl::StrCat("ETP rank ", e));
+    const int rank = EtpRank(*f, e);
+    const MegatronParam& fc1 = ExpertOf(*f, rank, ShardKind::kExpertGluFc1).param;
+    ASSERT_EQ(fc1.rank_in_group, e);
+    std::optional<Int4ExpertPlan> plan = Plan(*f, q, rank, fc1);
+    ASSERT_TRUE(plan.has_value());
+    EXPECT_TRUE(plan->by_shard);
+    // The shard [g_e; u_e] is rows [16e, 16e + 16) of gate_proj, then of up_proj.
+    EXPECT_EQ(plan->local_rows, (std::vector<RowSegment>{{0, 0, 16 * e, 16}, {1, 16, 16 * e, 16}}));
+    EXPECT_EQ(plan->full_rows, (std::vector<RowSegment>{{0, 0, 0, 32}, {1, 32, 0, 32}}));
+    EXPECT_EQ(plan->packed.local_shape, (Shape{32, 8}));
+    EXPECT_EQ(plan->scales.local_shape, (Shape{32, 2}));
+    EXPECT_EQ(plan->local_packed_bytes, 32u * 8 * 4);
+    EXPECT_EQ(plan->local_scale_offset, AlignUp(plan->local_packed_bytes));
+    EXPECT_EQ(plan->local_block, AlignUp(plan->local_scale_offset + 32u * 2 * 2));
+  }
+}
+
+TEST(Int4PlanTest, Etp2QuantizesFc2ShardsOnlyWhenTheyHoldWholeGroups) {
+  struct Want {
+    int64_t moe_ffn;
+    int group;
+    bool by_shard;
+  };
+  // K = moe_ffn, K / ETP = moe_ffn / 2 columns per shard.
+  for (const Want& w : {Want{64, 32, true}, Want{32, 32, false}, Want{64, 64, false},
+                        Want{64, kernels::kChannelwise, false}}) {
+    SCOPED_TRACE(absl::StrCat("moe_ffn ", w.moe_ffn, ", group ", w.group));
+    auto f = MakeFixture(/*etp=*/2, w.moe_ffn);
+    ASSERT_TRUE(f.ok()) << f.status();
+    const QuantizationConfig quant = Int4Config(w.group);
+    const Int4Quantizer q({.quant = &quant});
+    const int rank = EtpRank(*f, 1);
+    const MegatronParam& fc2 = ExpertOf(*f, rank, ShardKind::kExpertDim1).param;
+    std::optional<Int4ExpertPlan> plan = Plan(*f, q, rank, fc2);
+    ASSERT_TRUE(plan.has_value()) << "fc2 is an INT4 target on every member";
+    EXPECT_EQ(plan->by_shard, w.by_shard);
+    EXPECT_EQ(plan->full_rows, (std::vector<RowSegment>{{0, 0, 0, 64}}));
+    if (w.by_shard) {
+      EXPECT_EQ(plan->local_rows, plan->full_rows) << "a column block holds every row";
+      EXPECT_EQ(plan->packed.local_shape, (Shape{64, w.moe_ffn / 16}));
+      EXPECT_GT(plan->local_block, 0u);
+    } else {
+      EXPECT_TRUE(plan->local_rows.empty());
+      EXPECT_EQ(plan->local_block, 0u);
+    }
+  }
+}
+
+TEST(Int4PlanTest, AnExpertIgnoredOnOneEpMemberStaysBf16OnEveryMember) {
+  auto f = MakeFixture(/*etp=*/1, /*moe_ffn=*/32);
+  ASSERT_TRUE(f.ok()) << f.status();
+  // EP rank 1 holds experts 4-7: its local expert 2 is global expert 6.
+  const QuantizationConfig quant = Int4Config(32, "model.layers.1.mlp.experts.6");
+  const Int4Quantizer q({.quant = &quant});
+  for (int rank : f->world.layout.EpGroup(0)) {
+    for (const tools::RankTensor& t : f->world.ranks.at(rank)) {
+      const MegatronParam& p = t.param;
+      if (!p.is_expert) continue;
+      SCOPED_TRACE(absl::StrCat("rank ", rank, " ", p.global_name));
+      const bool ignored = p.global_layer == 1 && p.local_expert == 2;
+      EXPECT_EQ(Plan(*f, q, rank, p).has_value(), !ignored);
+    }
+  }
+}
+
+// --- Quantizing rows ----------------------------------------------------------------------------
+
+// Seeded random bf16 [n, k], about N(0, 0.02).
+Tensor RandomWeight(int64_t n, int64_t k, uint32_t seed) {
+  Tensor t = *Tensor::Empty(DType::kBF16, Shape{n, k});
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  auto* w = reinterpret_cast<uint16_t*>(t.mutable_view().data());
+  for (int64_t i = 0; i < n * k; ++i) w[i] = F32ToBF16(normal(rng));
+  return t;
+}
+
+// Packed and scales of `w` quantized whole by the kernel.
+struct Whole {
+  std::vector<std::byte> packed, scales;
+};
+Whole QuantizeWhole(const TensorView& w, const kernels::QuantizeOptions& ko) {
+  auto shapes = kernels::QuantizedShapesFor(w, ko.group_size, kernels::PackFormat::kCompressedTensors);
+  EXPECT_TRUE(shapes.ok()) << shapes.status();
+  Whole out;
+  out.packed.resize(static_cast<size_t>(*NumBytes(DType::kI32, shapes->packed)));
+  out.scales.resize(static_cast<size_t>(*NumBytes(w.dtype(), shapes->scales)));
+  EXPECT_TRUE(kernels::QuantizeInt4(w, MutableTensorView(DType::kI32, shapes->packed, out.packed),
+                                    MutableTensorView(w.dtype(), shapes->scales, out.scales), ko)
+                  .ok());
+  return out;
+}
+
+bool SameBytes(std::span<const std::byte> a, std::span<const std::byte> b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+MegatronParam OneTensorParam(const std::string& hf_name, const Shape& shape) {
+  MegatronParam p;
+  p.global_name = p.local_name = "test.weight";
+  p.local_shape = p.full_shape = shape;
+  p.hf_names = {hf_name};
+  return p;
+}
+
+TEST(Int4QuantizeRowsTest, AnySplitOfRowsEqualsQuantizingTheWholeTensor) {
+  for (int group : {32, 64, kernels::kChannelwise}) {
+    SCOPED_TRACE(absl::StrCat("group ", group));
+    const QuantizationConfig quant = Int4Config(group);
+    for (auto variant : {kernels::QuantVariant::kQat, kernels::QuantVariant::kSlime}) {
+      Int4Quantizer q({.quant = &quant, .variant = variant, .num_threads = 2});
+      Tensor w = RandomWeight(48, 128, 7 + static_cast<uint32_t>(group));
+      // Row 7's second group of 32 is all zeros.
+      auto* bits = reinterpret_cast<uint16_t*>(w.mutable_view().data());
+      std::fill(bits + 7 * 128 + 32, bits + 7 * 128 + 64, uint16_t{0});
+      const Whole whole = QuantizeWhole(w.view(), q.KernelOptions());
+      const MegatronParam p = OneTensorParam("model.layers.0.mlp.down_proj.weight", {48, 128});
+      std::vector<std::byte> packed(whole.packed.size()), scales(whole.scales.size());
+      const std::vector<RowSegment> split = {{0, 0, 0, 5}, {0, 5, 5, 1}, {0, 6, 6, 23}, {0, 29, 29, 19}};
+      ASSERT_TRUE(q.QuantizeRows(p, w.view(), split, packed, scales, "a test").ok());
+      EXPECT_TRUE(SameBytes(packed, whole.packed));
+      EXPECT_TRUE(SameBytes(scales, whole.scales));
+      EXPECT_EQ(q.stats().quantized_bytes, w.nbytes());
+    }
+  }
+}
+
+TEST(Int4QuantizeRowsTest, EtpShardsQuantizedAndMergedEqualTheFullTensorQuantized) {
+  // fc1 (rows) with moe_ffn 32, fc2 (column blocks of whole groups) with moe_ffn 64.
+  for (auto [moe_ffn, kind] : {std::pair{int64_t{32}, ShardKind::kExpertGluFc1},
+                               std::pair{int64_t{64}, ShardKind::kExpertDim1}}) {
+    SCOPED_TRACE(ShardKindName(kind));
+    auto f = MakeFixture(/*etp=*/2, moe_ffn);
+    ASSERT_TRUE(f.ok()) << f.status();
+    const QuantizationConfig quant = Int4Config(32);
+    Int4Quantizer q({.quant = &quant, .num_threads = 2});
+    std::vector<std::optional<Int4ExpertPlan>> plans;
+    std::vector<const tools::RankTensor*> shards;
+    for (int e = 0; e < 2; ++e) {
+      shards.push_back(&ExpertOf(*f, EtpRank(*f, e), kind, 3));
+      plans.push_back(Plan(*f, q, EtpRank(*f, e), shards.back()->param));
+      ASSERT_TRUE(plans.back().has_value() && plans.back()->by_shard);
+    }
+    const MegatronParam& p = shards[0]->param;
+    auto full = HfToMegatronFull(f->model.config, p, f->model.weights);
+    ASSERT_TRUE(full.ok()) << full.status();
+    const Whole whole = QuantizeWhole(full->view(), q.KernelOptions());
+    const Int4ExpertPlan& plan = *plans[0];
+
+    // The full tensor through QuantizeRows (the merger's path after a bf16 merge).
+    std::vector<std::byte> block(plan.block_bytes);
+    std::span<std::byte> b(block);
+    ASSERT_TRUE(q.QuantizeRows(p, full->view(), plan.full_rows, b.subspan(0, plan.packed_bytes),
+                               b.subspan(plan.scale_offset, plan.scale_bytes), "whole")
+                    .ok());
+    EXPECT_TRUE(SameBytes(b.subspan(0, plan.packed_bytes), whole.packed));
+    EXPECT_TRUE(SameBytes(b.subspan(plan.scale_offset, plan.scale_bytes), whole.scales));
+
+    // Each ETP rank's shard into its shard block, then the merge.
+    std::vector<std::byte> gathered(2 * plan.local_block);
+    for (int e = 0; e < 2; ++e) {
+      const Int4ExpertPlan& pe = *plans[static_cast<size_t>(e)];
+      ASSERT_EQ(pe.local_block, plan.local_block);
+      std::span<std::byte> mine = std::span<std::byte>(gathered).subspan(e * pe.local_block, pe.local_block);
+      ASSERT_TRUE(q.QuantizeRows(shards[static_cast<size_t>(e)]->param, shards[static_cast<size_t>(e)]->view,
+                                 pe.local_rows, mine.subspan(0, pe.local_packed_bytes),
+                                 mine.subspan(pe.local_scale_offset, pe.local_scale_bytes), "ETP shard")
+                      .ok());
+    }
+    std::vector<std::byte> merged(plan.block_bytes);
+    ASSERT_TRUE(MergeInt4Shards(plan, gathered, merged).ok());
+    std::span<const std::byte> m(merged);
+    EXPECT_TRUE(SameBytes(m.subspan(0, plan.packed_bytes), whole.packed));
+    EXPECT_TRUE(SameBytes(m.subspan(plan.scale_offset, plan.scale_bytes), whole.scales));
+  }
+}
+
+TEST(Int4QuantizeRowsTest, ANanIsRefusedNamingTheHfTensorAndItsRows) {
+  auto f = MakeFixture(/*etp=*/2, /*moe_ffn=*/32);
+  ASSERT_TRUE(f.ok()) << f.status();
+  const QuantizationConfig quant = Int4Config(32);
+  Int4Quantizer q({.quant = &quant, .num_threads = 1});
+  const int rank = EtpRank(*f, 1);
+  const tools::RankTensor& fc1 = ExpertOf(*f, rank, ShardKind::kExpertGluFc1, 1);
+  const std::optional<Int4ExpertPlan> plan = Plan(*f, q, rank, fc1.param);
+  ASSERT_TRUE(plan.has_value());
+  // A NaN in the shard's row 20: up_proj's row 16 + 4 (the shard's up rows are 16..31).
+  auto copy = Tensor::CopyOf(fc1.view);
+  ASSERT_TRUE(copy.ok());
+  auto* bits = reinterpret_cast<uint16_t*>(copy->mutable_view().data());
+  bits[20 * 64 + 3] = 0x7fc0;
+  std::vector<std::byte> block(plan->local_block);
+  std::span<std::byte> b(block);
+  const absl::Status s =
+      q.QuantizeRows(fc1.param, copy->view(), plan->local_rows, b.subspan(0, plan->local_packed_bytes),
+                     b.subspan(plan->local_scale_offset, plan->local_scale_bytes), "ETP shard 1 of 2");
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  const std::string up = fc1.param.hf_names[1];
+  EXPECT_THAT(std::string(s.message()), HasSubstr(absl::StrCat("quantizing \"", up, "\" (its rows 16..31")));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("ETP shard 1 of 2"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("NaN"));
+}
+
+// --- Into buckets -------------------------------------------------------------------------------
+
+class KeepSink : public comm::BucketSink {
+ public:
+  absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) override {
+    for (const v1::BucketEntry& e : manifest.entries())
+      tensors[e.tensor().name()].assign(data.data() + e.offset(), data.data() + e.offset() + e.nbytes());
+    return absl::OkStatus();
+  }
+  Buffer Recycle(uint64_t) override { return Buffer(); }
+  absl::Status Finish() override { return absl::OkStatus(); }
+  std::map<std::string, std::vector<std::byte>> tensors;
+};
+
+// Every tensor of QuantizeHfTensor(name, w) is in `sink`, byte for byte.
+void ExpectTriplet(const KeepSink& sink, const std::string& name, const TensorView& w, const QuantizationConfig& quant,
+                   kernels::QuantVariant variant) {
+  auto want = model::QuantizeHfTensor(name, w, quant, {.variant = variant, .num_threads = 1});
+  ASSERT_TRUE(want.ok()) << want.status();
+  ASSERT_EQ(want->size(), 3u);
+  for (const model::HfTensor& t : *want) {
+    auto it = sink.tensors.find(t.name);
+    ASSERT_NE(it, sink.tensors.end()) << t.name << " not sent";
+    EXPECT_TRUE(SameBytes(it->second, t.view.bytes())) << t.name;
+  }
+}
+
+TEST(Int4EmitTest, ExpertBlocksBecomeTheHfTripletsOfEachTensor) {
+  auto f = MakeFixture(/*etp=*/1, /*moe_ffn=*/32);
+  ASSERT_TRUE(f.ok()) << f.status();
+  const QuantizationConfig quant = Int4Config(32);
+  Int4Quantizer q({.quant = &quant, .variant = kernels::QuantVariant::kSlime, .num_threads = 1});
+  KeepSink sink;
+  comm::BucketBuilder builder(sink, {.bucket_bytes = 4096});
+  uint64_t hf_bytes = 0;
+  std::vector<std::string> names;
+  for (ShardKind kind : {ShardKind::kExpertGluFc1, ShardKind::kExpertDim1}) {
+    // EP rank 1's expert (global 4 + 1), quantized by its holder, emitted by the stage source.
+    const int holder = f->world.layout.ExpertRank(ExpertCoord{0, 1, 0, 0});
+    const tools::RankTensor& t = ExpertOf(*f, holder, kind, 1);
+    const std::optional<Int4ExpertPlan> plan = Plan(*f, q, holder, t.param);
+    ASSERT_TRUE(plan.has_value());
+    std::vector<std::byte> block(plan->block_bytes);
+    std::span<std::byte> b(block);
+    ASSERT_TRUE(q.QuantizeRows(t.param, t.view, plan->full_rows, b.subspan(0, plan->packed_bytes),
+                               b.subspan(plan->scale_offset, plan->scale_bytes), "by its holder")
+                    .ok());
+    ASSERT_TRUE(q.EmitExpert(builder, t.param, *plan, block).ok());
+    hf_bytes += t.view.nbytes();
+    names.insert(names.end(), t.param.hf_names.begin(), t.param.hf_names.end());
+  }
+  ASSERT_TRUE(builder.Finish().ok());
+  EXPECT_EQ(q.stats().hf_bytes, hf_bytes);
+  EXPECT_GT(q.stats().copied_bytes, 0u);
+  // Global expert 5's gate_proj, up_proj, down_proj.
+  EXPECT_EQ(names, (std::vector<std::string>{"model.layers.0.mlp.experts.5.gate_proj.weight",
+                                             "model.layers.0.mlp.experts.5.up_proj.weight",
+                                             "model.layers.0.mlp.experts.5.down_proj.weight"}));
+  EXPECT_EQ(sink.tensors.size(), 3u * names.size());
+  for (const std::string& name : names) {
+    auto w = f->model.weights.Get(name);
+    ASSERT_TRUE(w.ok()) << w.status();
+    ExpectTriplet(sink, name, *w, quant, kernels::QuantVariant::kSlime);
+  }
+}
+
+TEST(Int4EmitTest, QuantizeIntoWritesTheTripletOfQuantizeHfTensor) {
+  auto f = MakeFixture(/*etp=*/1, /*moe_ffn=*/32);
+  ASSERT_TRUE(f.ok()) << f.status();
+  const QuantizationConfig quant = Int4Config(64);
+  Int4Quantizer q({.quant = &quant, .num_threads = 1});
+  KeepSink sink;
+  comm::BucketBuilder builder(sink, {.bucket_bytes = 1 << 20});
+  const std::string name = "model.layers.2.self_attn.o_proj.weight";
+  auto w = f->model.weights.Get(name);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE(q.QuantizeInto(builder, name, *w).ok());
+  const absl::Status bad = q.QuantizeInto(builder, "model.layers.2.self_attn.o_proj.bias", *w);
+  EXPECT_TRUE(absl::IsInvalidArgument(bad)) << bad;
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("not a *.weight tensor"));
+  ASSERT_TRUE(builder.Finish().ok());
+  EXPECT_EQ(q.stats().quantized_bytes, w->nbytes());
+  ExpectTriplet(sink, name, *w, quant, kernels::QuantVariant::kQat);
+}
+
+TEST(QuantFingerprintTest, DiffersWhereTheRanksWouldDisagree) {
+  const QuantizationConfig a = Int4Config(32);
+  EXPECT_EQ(QuantFingerprint(nullptr, kernels::QuantVariant::kQat), "quant none");
+  EXPECT_EQ(QuantFingerprint(&a, kernels::QuantVariant::kQat), QuantFingerprint(&a, kernels::QuantVariant::kQat));
+  EXPECT_NE(QuantFingerprint(&a, kernels::QuantVariant::kQat), QuantFingerprint(&a, kernels::QuantVariant::kSlime));
+  const QuantizationConfig b = Int4Config(64), c = Int4Config(32, "model.layers.1.mlp.experts.6");
+  EXPECT_NE(QuantFingerprint(&a, kernels::QuantVariant::kQat), QuantFingerprint(&b, kernels::QuantVariant::kQat));
+  EXPECT_NE(QuantFingerprint(&a, kernels::QuantVariant::kQat), QuantFingerprint(&c, kernels::QuantVariant::kQat));
+}
+
+}  // namespace
+}  // namespace wsync::trainer_agent

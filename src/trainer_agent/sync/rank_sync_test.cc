@@ -1,0 +1,257 @@
+// RunRankSync on every rank of a layout, one thread per rank in this process, over local Gloo
+// groups (gather/testing/local_trainer_comms.h) and a DirSource of the synthetic sharder's rank
+// files: a dense model over TP 2 (world 2) and MoE models over TP 2 x EP 2 with ETP 1 and 2 (world
+// 4; with ETP 2, fc2 shards both narrower and as wide as a group), bf16 and INT4. Each stage
+// source's buckets are decoded and compared bit for bit with ExpectedSentTensors, the oracle of the
+// mpirun test (tests/integration/trainer_sync_mpi_test.cc), through the same helpers
+// (sync/testing/sync_capture.h). A missing rank file fails every rank with the same error naming
+// the rank, and no rank hangs.
+#include "trainer_agent/sync/rank_sync.h"
+
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
+#include "comm/store/store.h"
+#include "tools/synth/world.h"
+#include "trainer_agent/gather/testing/local_trainer_comms.h"
+#include "trainer_agent/quantize/quant_select.h"
+#include "trainer_agent/source/dir_source.h"
+#include "trainer_agent/sync/testing/sync_capture.h"
+
+namespace wsync::trainer_agent {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::CaptureSink;
+using testing::LocalTrainerComms;
+
+const comm::CollectiveOptions kTimeout{absl::Seconds(30)};
+// A rank still in RunRankSync after this long is hung (every collective times out sooner).
+constexpr absl::Duration kHang = absl::Seconds(90);
+
+// A compressed-tensors INT4 config (as the mpirun test's): experts, MLPs and o_proj quantized;
+// q/k/v, routers and lm_head kept in bf16. Group size 32 divides every K of the small models.
+constexpr const char kInt4Json[] = R"json({
+  "quant_method": "compressed-tensors", "format": "pack-quantized",
+  "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+    "strategy": "group", "group_size": 32, "symmetric": true, "actorder": null, "dynamic": false}}},
+  "ignore": ["lm_head", "re:.*self_attn\\.(q|k|v)_proj$", "re:.*mlp\\.gate$"]})json";
+
+struct RankResult {
+  absl::StatusOr<SyncReport> report = absl::UnknownError("not run");
+  std::optional<CaptureSink> sink;  // stage sources
+};
+
+// Runs RunRankSync on every rank of `src`'s layout, one thread each. A rank still running after
+// kHang fails the test; every communicator is then aborted so that the threads return.
+std::vector<RankResult> SyncEveryRank(const DirSource& src, LocalTrainerComms& comms, const SyncOptions& o) {
+  const ParallelLayout& layout = src.layout();
+  const int n = layout.world_size();
+  std::vector<RankResult> results(static_cast<size_t>(n));
+  std::vector<absl::Notification> done(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    RankResult& res = results[static_cast<size_t>(r)];
+    if (layout.IsStageSource(r)) res.sink.emplace();
+    threads.emplace_back([&, r] {
+      res.report = RunRankSync(src, comms.ranks[static_cast<size_t>(r)], res.sink ? &*res.sink : nullptr, o);
+      done[static_cast<size_t>(r)].Notify();
+    });
+  }
+  const absl::Time deadline = absl::Now() + kHang;
+  std::vector<int> hung;
+  for (int r = 0; r < n; ++r)
+    if (!done[static_cast<size_t>(r)].WaitForNotificationWithDeadline(deadline)) hung.push_back(r);
+  if (!hung.empty()) {
+    ADD_FAILURE() << "ranks " << absl::StrJoin(hung, ", ") << " still in RunRankSync after " << kHang;
+    comms.Abort("the test gave up on a hung rank");
+  }
+  for (std::thread& t : threads) t.join();
+  return results;
+}
+
+struct LayoutCase {
+  std::string name;
+  int tp, ep, etp, dp;  // pp 1
+};
+
+struct Case {
+  std::string name;
+  Architecture arch;
+  LayoutCase layout;
+  int64_t moe_ffn = 32;
+  bool int4 = true;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+// A fresh directory per test for the HF checkpoint and the rank files.
+class RankSyncFixture : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = absl::StrCat(::testing::TempDir(), "/rank_sync_",
+                        absl::StrReplaceAll(::testing::UnitTest::GetInstance()->current_test_info()->name(),
+                                            {{"/", "_"}}));
+    fs::remove_all(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // dir_/hf: the model's HF checkpoint; dir_/src: its Megatron rank files for `l`.
+  void MakeFixture(const tools::SyntheticModelOptions& mo, const LayoutCase& l, uint64_t seed) {
+    auto m = tools::SmallModel(mo, seed);
+    ASSERT_TRUE(m.ok()) << m.status();
+    ASSERT_TRUE(tools::WriteHfModel(*m, hf_dir()).ok());
+    auto stats = tools::WriteMegatronSource(m->config_json, m->config, m->weights,
+                                            tools::Parallel(l.tp, 1, l.ep, l.etp, l.dp), src_dir());
+    ASSERT_TRUE(stats.ok()) << stats.status();
+  }
+  std::string hf_dir() const { return dir_ + "/hf"; }
+  std::string src_dir() const { return dir_ + "/src"; }
+
+  std::string dir_;
+};
+
+class RankSyncTest : public RankSyncFixture, public ::testing::WithParamInterface<Case> {};
+class RankSyncFailureTest : public RankSyncFixture {};
+
+// Every rank succeeded, and the stage sources together sent exactly the HF checkpoint converted
+// (and quantized) directly, each tensor once, bit for bit.
+void ExpectSentExactly(const std::vector<RankResult>& results, const ParallelLayout& layout, const SyncOptions& o,
+                       const std::string& hf_dir, const std::optional<QuantizationConfig>& quant) {
+  for (size_t r = 0; r < results.size(); ++r) {
+    ASSERT_TRUE(results[r].report.ok()) << "rank " << r << ": " << results[r].report.status();
+  }
+  auto expected = ExpectedSentTensorsFromDir(hf_dir, quant);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  std::map<std::string, int> count;
+  for (size_t r = 0; r < results.size(); ++r) {
+    const RankResult& res = results[r];
+    EXPECT_EQ(res.report->source, res.sink.has_value()) << "rank " << r;
+    if (!res.sink) continue;
+    const int stage = layout.Dense(static_cast<int>(r)).pp;
+    const std::map<std::string, testing::Captured> got =
+        testing::DecodeStream(*res.sink, o.bucket_bytes, o.version, stage);
+    EXPECT_EQ(res.report->tensors, got.size());
+    EXPECT_EQ(res.report->buckets, res.sink->buckets.size());
+    const std::string names = testing::ExpectSentAsExpected(got, expected->tensors, stage);
+    for (absl::string_view n : absl::StrSplit(names, '\n', absl::SkipEmpty())) ++count[std::string(n)];
+  }
+  for (const model::HfTensor& t : expected->tensors) {
+    EXPECT_EQ(count[t.name], 1) << t.name << " sent " << count[t.name] << " times";
+    count.erase(t.name);
+  }
+  for (const auto& [name, k] : count) ADD_FAILURE() << "unexpected tensor " << name << " sent " << k << " times";
+}
+
+TEST_P(RankSyncTest, SendsExactlyTheConvertedCheckpoint) {
+  const Case& c = GetParam();
+  tools::SyntheticModelOptions mo = tools::SmallOptions(c.arch);
+  mo.moe_ffn = c.moe_ffn;
+  ASSERT_NO_FATAL_FAILURE(MakeFixture(mo, c.layout, 20261121));
+  auto src = DirSource::Open(src_dir());
+  ASSERT_TRUE(src.ok()) << src.status();
+  std::optional<QuantizationConfig> quant;
+  if (c.int4) {
+    auto q = ParseQuantizationConfig(kInt4Json, "test int4 config");
+    ASSERT_TRUE(q.ok()) << q.status();
+    quant = std::move(*q);
+  }
+  comm::MemoryStore store;
+  auto comms = testing::MakeLocalTrainerComms(store, "sync", src->layout());
+  ASSERT_TRUE(comms.ok()) << comms.status();
+  SyncOptions o;
+  o.version = 42;
+  o.bucket_bytes = 32 << 10;  // several buckets; the embedding gets one of its own
+  o.gather_bytes = 12 << 10;  // several batches per phase
+  o.quant = quant ? &*quant : nullptr;
+  o.quant_threads = 1;
+  o.collective = kTimeout;
+  const std::vector<RankResult> results = SyncEveryRank(*src, *comms, o);
+  ExpectSentExactly(results, src->layout(), o, hf_dir(), quant);
+  // With INT4 experts gathered, every rank of the expert block quantizes (its experts, or its ETP
+  // shards); other ranks only when they are a stage source.
+  const ParallelLayout& l = src->layout();
+  const bool moe = l.num_experts() > 0;
+  for (int r = 0; r < l.world_size(); ++r) {
+    const absl::StatusOr<SyncReport>& rep = results[static_cast<size_t>(r)].report;
+    if (!rep.ok()) continue;
+    if (c.int4 && moe && l.Expert(r).edp == 0) {
+      EXPECT_GT(rep->quantized_bytes, 0u) << "rank " << r << " holds experts";
+    } else if (!rep->source) {
+      EXPECT_EQ(rep->quantized_bytes, 0u) << "rank " << r;
+    }
+  }
+}
+
+std::vector<Case> AllCases() {
+  const LayoutCase tp2 = {"tp2", 2, 1, 2, 1};
+  const LayoutCase ep2 = {"tp2_ep2_etp1", 2, 2, 1, 2};
+  const LayoutCase etp2 = {"tp2_ep2_etp2", 2, 2, 2, 2};
+  std::vector<Case> out;
+  for (bool int4 : {false, true}) {
+    const std::string q = int4 ? "_int4" : "_bf16";
+    out.push_back({"qwen3_" + tp2.name + q, Architecture::kQwen3, tp2, 32, int4});
+    out.push_back({"qwen3moe_" + ep2.name + q, Architecture::kQwen3Moe, ep2, 32, int4});
+    out.push_back({"qwen3moe_" + etp2.name + q, Architecture::kQwen3Moe, etp2, 32, int4});
+  }
+  // ETP 2 with fc2 shards of 32 columns: whole groups, quantized by each ETP rank (above, 16
+  // columns: merged in bf16 and quantized by the merger).
+  out.push_back({"qwen3moe_" + etp2.name + "_ffn64_int4", Architecture::kQwen3Moe, etp2, 64, true});
+  out.push_back({"deepseek_" + etp2.name + "_ffn64_int4", Architecture::kDeepseekV3, etp2, 64, true});
+  out.push_back({"deepseek_" + ep2.name + "_int4", Architecture::kDeepseekV3, ep2, 32, true});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(All, RankSyncTest, ::testing::ValuesIn(AllCases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
+
+// Rank 2's file is gone: every rank returns the same kNotFound naming rank 2 and its file, before
+// any gather, nothing is sent, and no rank hangs.
+TEST_F(RankSyncFailureTest, AMissingRankFileFailsEveryRankWithTheSameErrorNamingIt) {
+  ASSERT_NO_FATAL_FAILURE(MakeFixture(tools::SmallOptions(Architecture::kQwen3Moe), {"tp2_ep2_etp1", 2, 2, 1, 2}, 7));
+  ASSERT_TRUE(fs::remove(src_dir() + "/" + RankFileName(2)));
+  auto src = DirSource::Open(src_dir());
+  ASSERT_TRUE(src.ok()) << src.status();
+  auto q = ParseQuantizationConfig(kInt4Json, "test int4 config");
+  ASSERT_TRUE(q.ok()) << q.status();
+  comm::MemoryStore store;
+  auto comms = testing::MakeLocalTrainerComms(store, "missing", src->layout());
+  ASSERT_TRUE(comms.ok()) << comms.status();
+  SyncOptions o;
+  o.bucket_bytes = 32 << 10;
+  o.quant = &*q;
+  o.quant_threads = 1;
+  o.collective = kTimeout;
+  const absl::Time t0 = absl::Now();
+  const std::vector<RankResult> results = SyncEveryRank(*src, *comms, o);
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(20)) << "failing took too long";
+  ASSERT_EQ(results.size(), 4u);
+  for (size_t r = 0; r < results.size(); ++r) {
+    const absl::StatusOr<SyncReport>& rep = results[r].report;
+    ASSERT_FALSE(rep.ok()) << "rank " << r;
+    EXPECT_TRUE(absl::IsNotFound(rep.status())) << "rank " << r << ": " << rep.status();
+    EXPECT_TRUE(absl::StrContains(rep.status().message(), "rank 2 cannot take part")) << rep.status();
+    EXPECT_TRUE(absl::StrContains(rep.status().message(), RankFileName(2))) << rep.status();
+    EXPECT_EQ(rep.status(), results[0].report.status()) << "ranks disagree on the error (rank " << r << ")";
+    if (results[r].sink) {
+      EXPECT_TRUE(results[r].sink->buckets.empty()) << "nothing may be sent";
+      EXPECT_EQ(results[r].sink->finishes, 0);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace wsync::trainer_agent
