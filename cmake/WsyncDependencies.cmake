@@ -34,7 +34,14 @@ if(NOT WSYNC_WITH_CUDA STREQUAL "OFF")
     set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
     set(CMAKE_CUDA_STANDARD 20)
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    # Debian 12's FindCUDAToolkit (CMake 3.25.1) sets DEPRECATION on CUDA::nvToolsExt without checking that it exists
+    # when the project requires CMake >= 3.25, and CUDA 13 has no libnvToolsExt; wsync uses no NVTX, so the module
+    # runs with the minimum version read as 3.24, which only skips that tag (policies are not affected).
+    set(_wsync_cmake_minimum "${CMAKE_MINIMUM_REQUIRED_VERSION}")
+    set(CMAKE_MINIMUM_REQUIRED_VERSION 3.24)
     find_package(CUDAToolkit REQUIRED)
+    set(CMAKE_MINIMUM_REQUIRED_VERSION "${_wsync_cmake_minimum}")
+    unset(_wsync_cmake_minimum)
     set(WSYNC_HAVE_CUDA ON)
     find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/local/cuda/include)
     find_library(NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib /usr/local/cuda/lib64)
