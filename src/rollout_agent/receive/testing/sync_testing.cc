@@ -1,71 +1,13 @@
 #include "rollout_agent/receive/testing/sync_testing.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <atomic>
-#include <cerrno>
+#include <algorithm>
 #include <cstring>
 
-#include "absl/strings/str_cat.h"
 #include "comm/bucket/stream.h"
 #include "common/checksum.h"
 #include "common/status.h"
 
 namespace wsync::rollout_agent::testing {
-
-absl::StatusOr<std::unique_ptr<ShmEngineMemory>> ShmEngineMemory::Create(const EngineLayout& layout,
-                                                                         const std::string& tag, mode_t mode) {
-  static std::atomic<int> counter{0};
-  std::unique_ptr<ShmEngineMemory> m(new ShmEngineMemory());
-  m->name_ = absl::StrCat("/wsync-test-", getpid(), "-", tag, "-", counter.fetch_add(1));
-  uint64_t off = 0;
-  for (const EngineParam& p : layout.params()) {
-    ASSIGN_OR_RETURN(const int64_t bytes, NumBytes(p.dtype, p.engine_shape));
-    m->params_.push_back({p.name, p.dtype, p.engine_shape, off, static_cast<uint64_t>(bytes)});
-    off += (static_cast<uint64_t>(bytes) + 63) / 64 * 64;
-  }
-  m->size_ = std::max<uint64_t>(off, 64);
-  const int fd = shm_open(m->name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) return ErrnoToStatus(errno, absl::StrCat("shm_open ", m->name_));
-  absl::Status st;
-  if (fchmod(fd, mode) != 0) st = ErrnoToStatus(errno, "fchmod");
-  if (st.ok() && ftruncate(fd, static_cast<off_t>(m->size_)) != 0) st = ErrnoToStatus(errno, "ftruncate");
-  if (st.ok()) {
-    m->addr_ = mmap(nullptr, m->size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (m->addr_ == MAP_FAILED) {
-      m->addr_ = nullptr;
-      st = ErrnoToStatus(errno, "mmap");
-    }
-  }
-  close(fd);
-  if (!st.ok()) return st;  // the destructor unlinks
-  for (const Param& p : m->params_) {
-    RETURN_IF_ERROR(m->weights_.Add({p.name, p.dtype, p.shape, m->data() + p.offset, p.nbytes}));
-  }
-  return m;
-}
-
-ShmEngineMemory::~ShmEngineMemory() {
-  if (addr_ != nullptr) munmap(addr_, size_);
-  if (!name_.empty()) shm_unlink(name_.c_str());
-}
-
-void ShmEngineMemory::FillParams(google::protobuf::RepeatedPtrField<v1::EngineParam>* params) const {
-  for (const Param& p : params_) {
-    v1::EngineParam* e = params->Add();
-    e->set_name(p.name);
-    e->set_dtype(comm::ToProto(p.dtype));
-    for (int64_t d : p.shape) e->add_shape(d);
-    e->set_nbytes(p.nbytes);
-    e->mutable_memory()->set_shm_name(name_);
-    e->mutable_memory()->set_offset(p.offset);
-  }
-}
-
-uint64_t ShmEngineMemory::Checksum() const { return Xxh3_64({data(), size_}); }
 
 absl::StatusOr<std::vector<PackedBucket>> PackBuckets(const std::vector<std::pair<std::string, TensorView>>& tensors,
                                                       const PackOptions& o) {

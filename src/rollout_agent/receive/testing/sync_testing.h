@@ -1,20 +1,13 @@
 // Test helpers for the rollout agent, used by its unit and integration tests (not by the agent):
 //
-//   ShmEngineMemory  an engine rank's parameters in one POSIX shared-memory segment, laid out in
-//                    the EngineLayout's engine form (each param 64-byte aligned), as an engine
-//                    registers them: FillParams() writes RegisterEngineRequest.params.
 //   PackBuckets      the trainer side's bucketing: sent HF tensors -> flat buffers + manifests.
 //   SendBuckets      broadcasts them as the stage source (group rank 0) through BucketSender;
 //   SendRawBucket    one bucket without BucketSender, optionally with a wrong checksum.
 //
-// Ownership: ShmEngineMemory creates the segment (O_EXCL, the given mode), maps it, and unmaps
-// and unlinks it on destruction. Thread-safety: plain values / one owner.
+// Thread-safety: plain values / one owner.
 #pragma once
 
-#include <sys/types.h>
-
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,46 +15,9 @@
 #include "absl/status/statusor.h"
 #include "comm/communicator.h"
 #include "common/tensor.h"
-#include "google/protobuf/repeated_ptr_field.h"
-#include "rollout_agent/load/engine_layout.h"
-#include "rollout_agent/repack/engine_weights.h"
-#include "wsync/v1/engine.pb.h"
 #include "wsync/v1/tensor.pb.h"
 
 namespace wsync::rollout_agent::testing {
-
-class ShmEngineMemory {
- public:
-  // A new segment "/wsync-test-<pid>-<tag>-<n>" of mode `mode` holding every param of `layout`
-  // (engine form), zero-filled.
-  static absl::StatusOr<std::unique_ptr<ShmEngineMemory>> Create(const EngineLayout& layout, const std::string& tag,
-                                                                 mode_t mode = 0600);
-  ~ShmEngineMemory();
-
-  const std::string& name() const { return name_; }
-  size_t size() const { return size_; }
-  std::byte* data() const { return static_cast<std::byte*>(addr_); }
-  EngineWeights& weights() { return weights_; }
-  const EngineWeights& weights() const { return weights_; }
-  // Appends one EngineParam per param (SGLang name, dtype, engine shape, nbytes, {name(), offset}).
-  void FillParams(google::protobuf::RepeatedPtrField<v1::EngineParam>* params) const;
-  // XXH3-64 of the whole segment.
-  uint64_t Checksum() const;
-
- private:
-  ShmEngineMemory() = default;
-  struct Param {
-    std::string name;
-    DType dtype;
-    Shape shape;
-    uint64_t offset, nbytes;
-  };
-  std::string name_;
-  void* addr_ = nullptr;
-  size_t size_ = 0;
-  std::vector<Param> params_;
-  EngineWeights weights_;
-};
 
 struct PackedBucket {
   v1::BucketManifest manifest;  // version, pp_stage, index, last, entries (nbytes / xxh3 set by the sender)
