@@ -1,62 +1,37 @@
 #include "rollout_agent/receive/testing/sync_testing.h"
 
-#include <algorithm>
-#include <cstring>
-
+#include "comm/bucket/builder.h"
 #include "comm/bucket/stream.h"
 #include "common/checksum.h"
 #include "common/status.h"
 
 namespace wsync::rollout_agent::testing {
+namespace {
+
+// Keeps every bucket the builder hands over, in order.
+class KeepSink final : public comm::BucketSink {
+ public:
+  absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) override {
+    buckets_.push_back({std::move(manifest), std::move(data), nbytes});
+    return absl::OkStatus();
+  }
+  Buffer Recycle(uint64_t) override { return Buffer(); }  // every buffer is kept
+  absl::Status Finish() override { return absl::OkStatus(); }
+  std::vector<PackedBucket> Take() { return std::move(buckets_); }
+
+ private:
+  std::vector<PackedBucket> buckets_;
+};
+
+}  // namespace
 
 absl::StatusOr<std::vector<PackedBucket>> PackBuckets(const std::vector<std::pair<std::string, TensorView>>& tensors,
                                                       const PackOptions& o) {
-  std::vector<PackedBucket> out;
-  size_t i = 0;
-  while (i < tensors.size()) {
-    // Take tensors while they fit (at least one).
-    size_t j = i;
-    uint64_t bytes = 0;
-    while (j < tensors.size()) {
-      const uint64_t at = (bytes + 63) / 64 * 64;
-      const uint64_t end = at + tensors[j].second.nbytes();
-      if (j > i && end > o.bucket_bytes) break;
-      bytes = end;
-      ++j;
-    }
-    PackedBucket b;
-    ASSIGN_OR_RETURN(b.data, Buffer::AllocateZeroed(std::max<uint64_t>(bytes, 1)));
-    b.nbytes = bytes;
-    b.manifest.set_version(o.version);
-    b.manifest.set_pp_stage(o.pp_stage);
-    b.manifest.set_index(static_cast<uint32_t>(out.size()));
-    uint64_t off = 0;
-    for (size_t k = i; k < j; ++k) {
-      const TensorView& v = tensors[k].second;
-      off = (off + 63) / 64 * 64;
-      v1::BucketEntry* e = b.manifest.add_entries();
-      e->mutable_tensor()->set_name(tensors[k].first);
-      e->mutable_tensor()->set_dtype(comm::ToProto(v.dtype()));
-      for (int64_t d : v.shape()) e->mutable_tensor()->add_shape(d);
-      e->set_offset(off);
-      e->set_nbytes(v.nbytes());
-      e->set_total_nbytes(v.nbytes());
-      if (v.nbytes() > 0) std::memcpy(b.data.data() + off, v.data(), v.nbytes());
-      off += v.nbytes();
-    }
-    out.push_back(std::move(b));
-    i = j;
-  }
-  if (o.empty_last || out.empty()) {
-    PackedBucket b;
-    ASSIGN_OR_RETURN(b.data, Buffer::AllocateZeroed(1));
-    b.manifest.set_version(o.version);
-    b.manifest.set_pp_stage(o.pp_stage);
-    b.manifest.set_index(static_cast<uint32_t>(out.size()));
-    out.push_back(std::move(b));
-  }
-  out.back().manifest.set_last(true);
-  return out;
+  KeepSink sink;
+  comm::BucketBuilder builder(sink, {.bucket_bytes = o.bucket_bytes, .version = o.version, .pp_stage = o.pp_stage});
+  for (const auto& [name, view] : tensors) RETURN_IF_ERROR(builder.Add(name, view));
+  RETURN_IF_ERROR(builder.Finish());
+  return sink.Take();
 }
 
 absl::Status SendBuckets(comm::Communicator& comm, std::vector<PackedBucket> buckets) {

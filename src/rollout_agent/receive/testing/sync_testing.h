@@ -1,10 +1,13 @@
-// Test helpers for the rollout agent, used by its unit and integration tests (not by the agent):
+// Test helpers for the rollout agent's unit and integration tests (not used by the agent): the
+// trainer side of a stage stream.
 //
-//   PackBuckets      the trainer side's bucketing: sent HF tensors -> flat buffers + manifests.
+//   PackBuckets      sent HF tensors -> buckets, through the real comm::BucketBuilder
+//                    (comm/bucket/builder.h: its layout and manifests), kept in memory so that a
+//                    test can send, edit or drop them;
 //   SendBuckets      broadcasts them as the stage source (group rank 0) through BucketSender;
 //   SendRawBucket    one bucket without BucketSender, optionally with a wrong checksum.
 //
-// Thread-safety: plain values / one owner.
+// Thread-safety: plain functions; a Communicator is used by one thread at a time.
 #pragma once
 
 #include <cstdint>
@@ -20,8 +23,8 @@
 namespace wsync::rollout_agent::testing {
 
 struct PackedBucket {
-  v1::BucketManifest manifest;  // version, pp_stage, index, last, entries (nbytes / xxh3 set by the sender)
-  Buffer data;
+  v1::BucketManifest manifest;  // as the builder made it (xxh3_64 is set by the sender)
+  Buffer data;                  // at least nbytes
   uint64_t nbytes = 0;
 };
 
@@ -29,10 +32,10 @@ struct PackOptions {
   uint64_t version = 1;
   uint32_t pp_stage = 0;
   uint64_t bucket_bytes = uint64_t{1} << 20;  // a bigger tensor gets a bucket of its own
-  bool empty_last = false;                    // end with an empty bucket carrying `last`
 };
 
-// Packs `tensors` in order; entries are 64-byte aligned inside a bucket.
+// Packs `tensors` in order with a BucketBuilder; the last bucket has `last` set. Errors: the
+// builder's (a bad name or view, kResourceExhausted).
 absl::StatusOr<std::vector<PackedBucket>> PackBuckets(const std::vector<std::pair<std::string, TensorView>>& tensors,
                                                       const PackOptions& options);
 
