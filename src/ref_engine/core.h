@@ -4,7 +4,7 @@
 // (HOLD / ABORT), Flush, Continue(version) with a re-Prepare, Health and WeightVersion.
 //
 // Versions. The forward pass reads the parameter memory the rollout agent writes IN PLACE (bf16
-// rows, Marlin INT4 tiles; model.h "Serving the weights"). EngineModel::Prepare() validates that
+// rows, Marlin INT4 tiles; weights.h "Serving"). EngineModel::Prepare() validates that
 // memory (names, dtypes, shapes, no NaN / Inf once dequantized) and refreshes the few float32
 // copies it keeps (norms, biases); it runs only inside Continue, after new admissions are stopped
 // and the running requests have finished. So the memory may be written only while this rank is

@@ -1,21 +1,11 @@
 #include "ref_engine/model.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstring>
-#include <limits>
-#include <optional>
-#include <thread>
 #include <utility>
 
-#include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/parallel_for.h"
 #include "common/status.h"
-#include "kernels/format/int4_format.h"
 #include "kernels/int4.h"
 #include "ref_engine/ops.h"
 #include "ref_engine/weight_ops.h"
@@ -23,44 +13,7 @@
 namespace wsync::ref_engine {
 namespace {
 
-struct LayerWeights {
-  WeightRef in_norm, post_norm;
-  // GQA attention.
-  WeightRef qkv, qkv_bias, o, o_bias, q_norm, k_norm;
-  // MLA attention: qkv_a is fused_qkv_a_proj_with_mqa (q_lora set) or kv_a_proj_with_mqa;
-  // q is q_b_proj (q_lora set) or q_proj.
-  WeightRef qkv_a, q_a_norm, q, kv_a_norm, kv_b;
-  // MLP.
-  bool moe = false;
-  WeightRef gate_up, down;                // dense
-  WeightRef router, score_bias;           // MoE router [E, H], e_score_correction_bias [E]
-  WeightRef w13, w2;                      // [E_loc * 2I', H], [E_loc * H, I']
-  WeightRef shared_gate_up, shared_down;  // unfused shared experts
-};
-
-// One prepared version: references into the parameter memory (kInPlace) or into copies.
-struct Weights {
-  WeightRef embed, lm_head, final_norm;
-  std::vector<LayerWeights> layers;
-  // Under the bf16 engine parameter names, in load order.
-  std::vector<std::pair<std::string, const WeightRef*>> order;
-  absl::flat_hash_map<std::string, const WeightRef*> index;
-  std::vector<Buffer> fresh;  // kFloat32Copy: this version's float32 copies
-};
-
-// Rank geometry (ENGINE_LAYOUT.md §1-§5), derived once in Create.
-struct Geometry {
-  int64_t T = 1, r = 0, ep = 1, moe_tp = 1, ep_rank = 0, moe_tp_rank = 0;
-  int64_t H = 0, V = 0, Vp = 0, P = 0;
-  int64_t nh = 0, nkv = 0, hd = 0, nh_loc = 0, kv_loc = 0;
-  int64_t F_loc = 0;
-  int64_t E_routed = 0, E_total = 0, E_loc = 0, I_loc = 0, first_expert = 0, S_loc = 0;
-  int64_t q_lora = 0, kv_lora = 0, nope = 0, rope = 0, vd = 0, qd = 0, kvd = 0;
-  int group_size = 0;  // from config.quantization: G or -1; 0 = infer from the scales' shapes
-};
-
 constexpr int64_t kVocabPadding = 64;
-constexpr int64_t kScanChunk = int64_t{1} << 20;  // elements per finiteness-scan task
 
 int64_t Pad(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -78,580 +31,20 @@ std::vector<int64_t> TopK(const std::vector<float>& v, int64_t k, const std::vec
   return idx;
 }
 
-// One Prepare in progress. kInPlace: the new version's references plus the checks to run and the
-// copies to make once every check has passed; kFloat32Copy: fresh float32 copies.
-struct Plan {
-  std::unique_ptr<Weights> w = std::make_unique<Weights>();
-  // A finiteness check of elements [begin, end) of a float view, or (marlin) of a whole Marlin
-  // tensor, reported under `name`.
-  struct Check {
-    std::string name;
-    TensorView v;
-    int64_t begin = 0, end = 0;
-    bool marlin = false;
-    TensorView scales;
-    MarlinRef ref;  // sizes only (the pointers may be misaligned views; see RunCheck)
-  };
-  // A copy into the model's reused buffers: f32 conversion of a float view, or the raw bytes of
-  // misaligned Marlin words / scales.
-  struct Copy {
-    enum class Kind { kToF32, kPacked, kScales };
-    std::string key;
-    TensorView src;
-    WeightRef* dst = nullptr;
-    Kind kind = Kind::kToF32;
-  };
-  std::vector<Check> checks;
-  std::vector<Copy> copies;
-  int64_t bytes_in_place = 0;
-
-  void Scan(const std::string& name, const TensorView& v) {
-    for (int64_t b = 0; b < v.numel(); b += kScanChunk)
-      checks.push_back({name, v, b, std::min(v.numel(), b + kScanChunk)});
-  }
-};
-
 }  // namespace
 
 struct EngineModel::Impl {
   ModelConfig config;
   EngineRank rank;
-  EngineModelOptions options;
-  Geometry g;
-  ParamLookup lookup;
+  RankGeometry g;
   TpCollectives coll;
-  std::unique_ptr<const Weights> weights;
-  PrepareStats stats;
-  // kInPlace: float32 copies (1-D params, f16 / misaligned matrices) and aligned copies of
-  // misaligned Marlin buffers, by engine parameter name; reused when the size is unchanged.
-  absl::flat_hash_map<std::string, Buffer> copies;
+  RankWeights weights;
 
-  std::string Where() const { return absl::StrCat("EngineModel (tp rank ", rank.tp_rank, "/", rank.tp_size, ")"); }
-  bool float32_copy() const { return options.weights == WeightMode::kFloat32Copy; }
-  int Threads() const {
-    if (options.prepare_threads > 0) return options.prepare_threads;
-    return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  }
+  std::string Where() const { return g.Where(); }
 
   absl::Status AllReduce(std::vector<float>& v) const {
     if (g.T == 1) return absl::OkStatus();
     return coll.all_reduce_sum(absl::MakeSpan(v));
-  }
-
-  // ---- loading ---------------------------------------------------------------------------------
-
-  absl::StatusOr<std::optional<TensorView>> Find(const std::string& name) const {
-    absl::StatusOr<TensorView> v = lookup(name);
-    if (v.ok()) return std::optional<TensorView>(*std::move(v));
-    if (absl::IsNotFound(v.status())) return std::optional<TensorView>();
-    return Annotate(v.status(), absl::StrCat(Where(), ": looking up ", name));
-  }
-
-  absl::StatusOr<TensorView> Get(const std::string& name) const {
-    ASSIGN_OR_RETURN(std::optional<TensorView> v, Find(name));
-    if (!v) return absl::NotFoundError(absl::StrCat(Where(), ": parameter ", name, " not found"));
-    return *v;
-  }
-
-  absl::Status CheckShape(const std::string& name, const TensorView& v, const Shape& want) const {
-    if (v.shape() != want)
-      return absl::InvalidArgumentError(absl::StrCat(Where(), ": parameter ", name, " has shape ",
-                                                     ShapeToString(v.shape()), ", want ", ShapeToString(want)));
-    return absl::OkStatus();
-  }
-
-  absl::Status CheckDType(const std::string& name, const TensorView& v, std::initializer_list<DType> ok) const {
-    for (DType d : ok)
-      if (v.dtype() == d) return absl::OkStatus();
-    std::string want;
-    for (DType d : ok) absl::StrAppend(&want, want.empty() ? "" : " or ", SafetensorsName(d));
-    return absl::InvalidArgumentError(absl::StrCat(Where(), ": parameter ", name, " has dtype ",
-                                                   SafetensorsName(v.dtype()), ", want ", want));
-  }
-
-  // A fresh float32 buffer of n elements owned by the new version (kFloat32Copy).
-  static absl::StatusOr<float*> Fresh(Plan& plan, int64_t n) {
-    ASSIGN_OR_RETURN(Buffer b, Buffer::Allocate(static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(float)));
-    plan.w->fresh.push_back(std::move(b));
-    return reinterpret_cast<float*>(plan.w->fresh.back().data());
-  }
-
-  // A float (bf16/f16/f32) parameter of exactly `shape`, never INT4. kInPlace: matrices in bf16 /
-  // f32 are read where they are; 1-D params and f16 or misaligned matrices get a float32 copy.
-  absl::Status Float(const std::string& name, const Shape& shape, WeightRef* out, Plan& plan) const {
-    if (absl::EndsWith(name, ".weight")) {
-      const std::string packed = absl::StrCat(name.substr(0, name.size() - 7), ".weight_packed");
-      ASSIGN_OR_RETURN(std::optional<TensorView> p, Find(packed));
-      if (p)
-        return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", packed, " is INT4, but the engine keeps ",
-                                                       name, " in bf16 (ENGINE_LAYOUT.md §3.1)"));
-    }
-    ASSIGN_OR_RETURN(TensorView v, Get(name));
-    RETURN_IF_ERROR(CheckDType(name, v, {DType::kBF16, DType::kF16, DType::kF32}));
-    RETURN_IF_ERROR(CheckShape(name, v, shape));
-    out->shape = shape;
-    out->cols = shape.back();
-    out->rows = out->cols == 0 ? 0 : v.numel() / out->cols;
-    if (float32_copy()) {
-      ASSIGN_OR_RETURN(float* dst, Fresh(plan, v.numel()));
-      out->form = WeightForm::kF32;
-      out->data = dst;
-      return ReadFloats(v, dst, name);
-    }
-    plan.Scan(name, v);
-    const bool in_place = shape.size() >= 2 && ((v.dtype() == DType::kBF16 && v.IsAligned(2)) ||
-                                                (v.dtype() == DType::kF32 && v.IsAligned(4)));
-    if (in_place) {
-      out->form = v.dtype() == DType::kBF16 ? WeightForm::kBF16 : WeightForm::kF32;
-      out->data = v.data();
-      plan.bytes_in_place += static_cast<int64_t>(v.nbytes());
-    } else {
-      out->form = WeightForm::kF32;  // data: the copy, once every check has passed
-      plan.copies.push_back({name, v, out, Plan::Copy::Kind::kToF32});
-    }
-    return absl::OkStatus();
-  }
-
-  // Group size of a quantized linear with `rows` scale rows over K; ENGINE_LAYOUT.md §3.2.
-  absl::StatusOr<int> GroupFor(const std::string& name, int64_t K, int64_t rows) const {
-    if (g.group_size == -1) {
-      if (rows != 1)
-        return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", name, " has ", rows,
-                                                       " scale rows, want 1 (channelwise quantization)"));
-      return -1;
-    }
-    if (g.group_size > 0) {
-      if (K % g.group_size != 0 || rows != K / g.group_size)
-        return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", name, " has ", rows, " scale rows for K = ", K,
-                                                       " and group size ", g.group_size, " (want K / G = ",
-                                                       K % g.group_size == 0 ? absl::StrCat(K / g.group_size)
-                                                                             : std::string("not an integer"),
-                                                       ")"));
-      return g.group_size;
-    }
-    if (rows < 1 || K % rows != 0)
-      return absl::InvalidArgumentError(
-          absl::StrCat(Where(), ": ", name, " has ", rows, " scale rows, which does not divide K = ", K));
-    return rows == 1 ? -1 : static_cast<int>(K / rows);
-  }
-
-  // ---- kFloat32Copy: the kernels' path (MarlinToGptq + UnpermuteMarlinScales, then dequantize) ----
-
-  // Copies a view whose data is not `align`-aligned (safetensors offsets need not be).
-  static absl::StatusOr<TensorView> Aligned(const TensorView& v, size_t align, std::optional<Tensor>* keep) {
-    if (v.IsAligned(align)) return v;
-    ASSIGN_OR_RETURN(*keep, Tensor::CopyOf(v));
-    return (*keep)->view();
-  }
-
-  // Marlin [(E,) K/16, 2N] + permuted scales [(E,) K/G, N] -> GPTQ qweight [(E,) K/8, N] and
-  // GPTQ-order scales. `sglang_grouped` forces the scale permutation choice (the MoE w13 quirk)
-  // when it differs from what UnpermuteMarlinScales(size_k = K, G) would pick.
-  absl::Status UnMarlin(const std::string& packed_name, const TensorView& packed, const std::string& scale_name,
-                        const TensorView& scale, int64_t K, int G, std::optional<bool> sglang_grouped, Tensor* gptq,
-                        Tensor* scales) const {
-    kernels::KernelOptions opts;
-    opts.num_threads = 1;
-    std::optional<Tensor> keep_p, keep_s;
-    ASSIGN_OR_RETURN(const TensorView p, Aligned(packed, 4, &keep_p));
-    ASSIGN_OR_RETURN(const TensorView s, Aligned(scale, 2, &keep_s));
-    ASSIGN_OR_RETURN(Shape gshape, kernels::GptqShapeFor(p.shape()));
-    ASSIGN_OR_RETURN(*gptq, Tensor::Empty(DType::kI32, gshape));
-    RETURN_IF_ERROR(Annotate(kernels::MarlinToGptq(p, nullptr, gptq->mutable_view(), opts),
-                                   absl::StrCat(Where(), ": ", packed_name)));
-    ASSIGN_OR_RETURN(*scales, Tensor::Empty(s.dtype(), s.shape()));
-    const bool kernel_grouped = G != -1 && G < K;
-    if (!sglang_grouped || *sglang_grouped == kernel_grouped) {
-      return Annotate(kernels::UnpermuteMarlinScales(s, K, G, scales->mutable_view(), opts),
-                      absl::StrCat(Where(), ": ", scale_name));
-    }
-    // SGLang permuted these scales with a size_k the kernel API cannot express (rows != size_k/G):
-    // undo the column permutation directly with the shared format tables (FORMATS.md §5).
-    const bool grouped = *sglang_grouped;
-    const int width = grouped ? kernels::format::kScalePermGroupedWidth : kernels::format::kScalePermChannelWidth;
-    const int64_t n = s.shape().back();
-    if (n % width != 0)
-      return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", scale_name, ": N = ", n,
-                                                     " is not a multiple of ", width));
-    const uint16_t* in = s.data_as<uint16_t>();
-    uint16_t* out = scales->data_as<uint16_t>();
-    const int64_t rows = s.numel() / n;
-    for (int64_t row = 0; row < rows; ++row)
-      for (int64_t b = 0; b < n; b += width)
-        for (int q = 0; q < width; ++q) {
-          const int src = grouped ? kernels::format::ScalePermGrouped(q) : kernels::format::ScalePermChannel(q);
-          out[row * n + b + src] = in[row * n + b + q];
-        }
-    return absl::OkStatus();
-  }
-
-  // W[e][n][k] = bf16((u - 8) * scale[e][k / G][n]) from GPTQ qweight [E, K/8, N] and scales [E, K/G, N],
-  // written to out (row-major [E, N, K]).
-  static void Dequantize(const Tensor& gptq, const Tensor& scales, int64_t E, int64_t K, int64_t N, int G,
-                         float* out) {
-    const uint32_t* q = reinterpret_cast<const uint32_t*>(gptq.view().data());
-    const TensorView sv = scales.view();
-    const int64_t Gc = G == -1 ? K : G, groups = K / Gc;
-    std::vector<float> srow(static_cast<size_t>(groups * N));
-    for (int64_t e = 0; e < E; ++e) {
-      (void)ReadFloats(TensorView(sv.dtype(), {groups * N},
-                                  sv.bytes().subspan(static_cast<size_t>(e * groups * N * 2),
-                                                     static_cast<size_t>(groups * N * 2))),
-                       srow.data(), "scales");
-      const uint32_t* qe = q + e * (K / 8) * N;
-      float* oe = out + e * N * K;
-      for (int64_t kw = 0; kw < K / 8; ++kw)
-        for (int64_t n = 0; n < N; ++n) {
-          const uint32_t word = qe[kw * N + n];
-          for (int i = 0; i < 8; ++i) {
-            const int64_t k = kw * 8 + i;
-            const float v = static_cast<float>(static_cast<int>((word >> (4 * i)) & 0xFu) - 8) *
-                            srow[static_cast<size_t>((k / Gc) * N + n)];
-            oe[n * K + k] = BF16ToF32(F32ToBF16(v));
-          }
-        }
-    }
-  }
-
-  // ---- INT4 --------------------------------------------------------------------------------------
-
-  // Marlin tensors [E, K/16, 2N] + [E, K/G, N] of one weight [E, N, K] (checked by the caller).
-  // kInPlace: read where they are (aligned copies if they are not 4 / 2-byte aligned), checked
-  // for finiteness by a Check; kFloat32Copy: dequantized into a fresh float32 copy.
-  absl::Status Marlin(const std::string& name, const std::string& pname, const TensorView& packed,
-                      const std::string& sname, const TensorView& scale, int64_t E, int64_t N, int64_t K, int G,
-                      bool sglang_grouped, WeightRef* out, Plan& plan) const {
-    out->shape = E == 1 && packed.rank() == 2 ? Shape{N, K} : Shape{E, N, K};
-    out->rows = E * N;
-    out->cols = K;
-    if (float32_copy()) {
-      Tensor gptq, scales;
-      const std::optional<bool> force = sglang_grouped == (G != -1 && G < K) ? std::nullopt : std::optional(sglang_grouped);
-      RETURN_IF_ERROR(UnMarlin(pname, packed, sname, scale, K, G, force, &gptq, &scales));
-      ASSIGN_OR_RETURN(float* dst, Fresh(plan, E * N * K));
-      Dequantize(gptq, scales, E, K, N, G, dst);
-      out->form = WeightForm::kF32;
-      out->data = dst;
-      return absl::OkStatus();
-    }
-    MarlinRef& m = out->marlin;
-    m.scales_f16 = scale.dtype() == DType::kF16;
-    m.experts = E;
-    m.n = N;
-    m.k = K;
-    m.group = G == -1 ? K : G;
-    m.grouped_perm = sglang_grouped;
-    out->form = WeightForm::kMarlin;
-    if (packed.IsAligned(4)) {
-      m.packed = packed.data_as<uint32_t>();
-      plan.bytes_in_place += static_cast<int64_t>(packed.nbytes());
-    } else {
-      plan.copies.push_back({pname, packed, out, Plan::Copy::Kind::kPacked});
-    }
-    if (scale.IsAligned(2)) {
-      m.scales = scale.data_as<uint16_t>();
-      plan.bytes_in_place += static_cast<int64_t>(scale.nbytes());
-    } else {
-      plan.copies.push_back({sname, scale, out, Plan::Copy::Kind::kScales});
-    }
-    Plan::Check c;
-    c.name = name;
-    c.v = packed;
-    c.marlin = true;
-    c.scales = scale;
-    c.ref = m;
-    plan.checks.push_back(std::move(c));
-    return absl::OkStatus();
-  }
-
-  // A linear of this rank, [N, K]: `prefix.weight` (float), or `prefix.weight_packed` +
-  // `prefix.weight_scale` (Marlin INT4) when `int4_ok`.
-  absl::Status Linear(const std::string& prefix, int64_t N, int64_t K, bool int4_ok, WeightRef* out,
-                      Plan& plan) const {
-    const std::string wname = prefix + ".weight", pname = prefix + ".weight_packed", sname = prefix + ".weight_scale";
-    ASSIGN_OR_RETURN(std::optional<TensorView> packed, Find(pname));
-    if (!packed) return Float(wname, {N, K}, out, plan);
-    if (!int4_ok)
-      return absl::InvalidArgumentError(
-          absl::StrCat(Where(), ": ", pname, " is INT4, but SGLang cannot load ", prefix,
-                       " as INT4 (ENGINE_LAYOUT.md §3.1); the engine keeps it in bf16"));
-    ASSIGN_OR_RETURN(std::optional<TensorView> dense, Find(wname));
-    if (dense)
-      return absl::InvalidArgumentError(
-          absl::StrCat(Where(), ": both ", wname, " and ", pname, " exist; a linear is either bf16 or INT4"));
-    RETURN_IF_ERROR(CheckDType(pname, *packed, {DType::kI32}));
-    if (K % 16 != 0 || N % 64 != 0)
-      return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", pname, ": Marlin needs K % 16 == 0 and N % 64 == 0, got [N, K] = [",
-                                                     N, ", ", K, "]"));
-    RETURN_IF_ERROR(CheckShape(pname, *packed, {K / 16, 2 * N}));
-    ASSIGN_OR_RETURN(TensorView scale, Get(sname));
-    RETURN_IF_ERROR(CheckDType(sname, scale, {DType::kBF16, DType::kF16}));
-    if (scale.rank() != 2 || scale.dim(1) != N)
-      return absl::InvalidArgumentError(absl::StrCat(Where(), ": parameter ", sname, " has shape ",
-                                                     ShapeToString(scale.shape()), ", want [K/G, ", N, "] (K = ", K, ")"));
-    ASSIGN_OR_RETURN(const int G, GroupFor(sname, K, scale.dim(0)));
-    return Marlin(wname, pname, *packed, sname, scale, 1, N, K, G, G != -1 && G < K, out, plan);
-  }
-
-  // Stacked experts of a FusedMoE (ENGINE_LAYOUT.md §2.7 bf16, §3.3 + §4 Marlin INT4).
-  absl::Status Experts(const std::string& prefix, WeightRef* w13, WeightRef* w2, Plan& plan) const {
-    const int64_t E = g.E_loc, I = g.I_loc, H = g.H;
-    const std::string n13 = prefix + ".w13_weight", n2 = prefix + ".w2_weight";
-    ASSIGN_OR_RETURN(std::optional<TensorView> p13, Find(n13 + "_packed"));
-    ASSIGN_OR_RETURN(std::optional<TensorView> p2, Find(n2 + "_packed"));
-    if (!p13 && !p2) {
-      RETURN_IF_ERROR(Float(n13, {E, 2 * I, H}, w13, plan));
-      return Float(n2, {E, H, I}, w2, plan);
-    }
-    if (!p13 || !p2)
-      return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", p13 ? n13 : n2, "_packed is INT4 but ",
-                                                     p13 ? n2 : n13,
-                                                     " is not; one FusedMoE has one quantization method"));
-    for (const std::string& n : {n13, n2}) {
-      ASSIGN_OR_RETURN(std::optional<TensorView> d, Find(n));
-      if (d)
-        return absl::InvalidArgumentError(
-            absl::StrCat(Where(), ": both ", n, " and ", n, "_packed exist; experts are either bf16 or INT4"));
-    }
-    RETURN_IF_ERROR(CheckDType(n13 + "_packed", *p13, {DType::kI32}));
-    RETURN_IF_ERROR(CheckDType(n2 + "_packed", *p2, {DType::kI32}));
-    if (H % 64 != 0 || I % 32 != 0)
-      return absl::InvalidArgumentError(absl::StrCat(
-          Where(), ": ", prefix, ": Marlin MoE needs H % 64 == 0 and I' % 32 == 0 (ENGINE_LAYOUT.md §4), got H = ", H,
-          ", I' = ", I));
-    RETURN_IF_ERROR(CheckShape(n13 + "_packed", *p13, {E, H / 16, 4 * I}));
-    RETURN_IF_ERROR(CheckShape(n2 + "_packed", *p2, {E, I / 16, 2 * H}));
-    ASSIGN_OR_RETURN(TensorView s13, Get(n13 + "_scale"));
-    ASSIGN_OR_RETURN(TensorView s2, Get(n2 + "_scale"));
-    RETURN_IF_ERROR(CheckDType(n13 + "_scale", s13, {DType::kBF16, DType::kF16}));
-    RETURN_IF_ERROR(CheckDType(n2 + "_scale", s2, {DType::kBF16, DType::kF16}));
-    if (s13.rank() != 3 || s13.dim(0) != E || s13.dim(2) != 2 * I)
-      return absl::InvalidArgumentError(absl::StrCat(Where(), ": parameter ", n13, "_scale has shape ",
-                                                     ShapeToString(s13.shape()), ", want [", E, ", H/G, ", 2 * I, "]"));
-    if (s2.rank() != 3 || s2.dim(0) != E || s2.dim(2) != H)
-      return absl::InvalidArgumentError(absl::StrCat(Where(), ": parameter ", n2, "_scale has shape ",
-                                                     ShapeToString(s2.shape()), ", want [", E, ", I'/G, ", H, "]"));
-    ASSIGN_OR_RETURN(int G13, GroupFor(n13 + "_scale", H, s13.dim(1)));
-    ASSIGN_OR_RETURN(int G2, GroupFor(n2 + "_scale", I, s2.dim(1)));
-    if (g.group_size == 0) {
-      // Inferred: both tensors share the FusedMoE's group size; a single row on both is channelwise.
-      if (G13 == -1 && G2 != -1 && H % G2 == 0 && H / G2 == 1) G13 = G2;
-      if (G2 == -1 && G13 != -1 && I % G13 == 0 && I / G13 == 1) G2 = G13;
-      if (G13 != G2)
-        return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", prefix, ": w13 scales imply group size ", G13,
-                                                       " but w2 scales imply ", G2));
-    }
-    if (G2 != -1 && I % G2 != 0)
-      return absl::InvalidArgumentError(
-          absl::StrCat(Where(), ": ", prefix, ": I' = ", I, " is not a multiple of the group size ", G2));
-    // SGLang permutes w13 scales with size_k = 4I' (ENGINE_LAYOUT.md §4 quirk).
-    const bool grouped13 = G13 != -1 && G13 < 4 * I;
-    RETURN_IF_ERROR(
-        Marlin(n13, n13 + "_packed", *p13, n13 + "_scale", s13, E, 2 * I, H, G13, grouped13, w13, plan));
-    return Marlin(n2, n2 + "_packed", *p2, n2 + "_scale", s2, E, H, I, G2, G2 != -1 && G2 < I, w2, plan);
-  }
-
-  // Resolves every parameter of the rank into plan.w (names, dtypes, shapes; kFloat32Copy also
-  // copies and dequantizes) and indexes it under the bf16 engine parameter names.
-  absl::Status Resolve(Plan& plan) const {
-    Weights* w = plan.w.get();
-    const ModelConfig& c = config;
-    const int64_t H = g.H;
-    RETURN_IF_ERROR(Float("model.embed_tokens.weight", {g.P, H}, &w->embed, plan));
-    if (!c.tie_word_embeddings) RETURN_IF_ERROR(Float("lm_head.weight", {g.P, H}, &w->lm_head, plan));
-    RETURN_IF_ERROR(Float("model.norm.weight", {H}, &w->final_norm, plan));
-    w->layers.resize(static_cast<size_t>(c.num_hidden_layers));
-    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-      LayerWeights& L = w->layers[static_cast<size_t>(i)];
-      const std::string p = absl::StrCat("model.layers.", i, ".");
-      RETURN_IF_ERROR(Float(p + "input_layernorm.weight", {H}, &L.in_norm, plan));
-      RETURN_IF_ERROR(Float(p + "post_attention_layernorm.weight", {H}, &L.post_norm, plan));
-      const std::string a = p + "self_attn.";
-      if (c.mla) {
-        const int64_t nl = g.nh / g.T;
-        if (g.q_lora > 0) {
-          RETURN_IF_ERROR(
-              Linear(a + "fused_qkv_a_proj_with_mqa", g.q_lora + g.kv_lora + g.rope, H, false, &L.qkv_a, plan));
-          RETURN_IF_ERROR(Float(a + "q_a_layernorm.weight", {g.q_lora}, &L.q_a_norm, plan));
-          RETURN_IF_ERROR(Linear(a + "q_b_proj", nl * g.qd, g.q_lora, true, &L.q, plan));
-        } else {
-          RETURN_IF_ERROR(Linear(a + "q_proj", nl * g.qd, H, true, &L.q, plan));
-          RETURN_IF_ERROR(Linear(a + "kv_a_proj_with_mqa", g.kv_lora + g.rope, H, true, &L.qkv_a, plan));
-        }
-        RETURN_IF_ERROR(Float(a + "kv_a_layernorm.weight", {g.kv_lora}, &L.kv_a_norm, plan));
-        RETURN_IF_ERROR(Linear(a + "kv_b_proj", nl * g.kvd, g.kv_lora, false, &L.kv_b, plan));
-        RETURN_IF_ERROR(Linear(a + "o_proj", H, nl * g.vd, true, &L.o, plan));
-      } else {
-        const int64_t nqkv = (g.nh_loc + 2 * g.kv_loc) * g.hd;
-        RETURN_IF_ERROR(Linear(a + "qkv_proj", nqkv, H, true, &L.qkv, plan));
-        if (c.qkv_bias) RETURN_IF_ERROR(Float(a + "qkv_proj.bias", {nqkv}, &L.qkv_bias, plan));
-        RETURN_IF_ERROR(Linear(a + "o_proj", H, g.nh_loc * g.hd, true, &L.o, plan));
-        if (c.qkv_bias && c.arch != Architecture::kQwen2)
-          RETURN_IF_ERROR(Float(a + "o_proj.bias", {H}, &L.o_bias, plan));
-        if (c.qk_norm) {
-          RETURN_IF_ERROR(Float(a + "q_norm.weight", {g.hd}, &L.q_norm, plan));
-          RETURN_IF_ERROR(Float(a + "k_norm.weight", {g.hd}, &L.k_norm, plan));
-        }
-      }
-      const std::string m = p + "mlp.";
-      L.moe = c.IsMoeLayer(i);
-      if (!L.moe) {
-        RETURN_IF_ERROR(Linear(m + "gate_up_proj", 2 * g.F_loc, H, true, &L.gate_up, plan));
-        RETURN_IF_ERROR(Linear(m + "down_proj", H, g.F_loc, true, &L.down, plan));
-        continue;
-      }
-      RETURN_IF_ERROR(Float(m + "gate.weight", {g.E_routed, H}, &L.router, plan));
-      if (c.arch == Architecture::kDeepseekV3 && c.moe->topk_method == "noaux_tc")
-        RETURN_IF_ERROR(Float(m + "gate.e_score_correction_bias", {g.E_routed}, &L.score_bias, plan));
-      RETURN_IF_ERROR(Experts(m + "experts", &L.w13, &L.w2, plan));
-      if (g.S_loc > 0) {
-        RETURN_IF_ERROR(
-            Linear(m + "shared_experts.gate_up_proj", 2 * g.S_loc, H, true, &L.shared_gate_up, plan));
-        RETURN_IF_ERROR(Linear(m + "shared_experts.down_proj", H, g.S_loc, true, &L.shared_down, plan));
-      }
-    }
-    // Index under the bf16 engine parameter names.
-    auto add = [&](const std::string& name, const WeightRef& ref) {
-      if (ref.empty()) return;
-      w->order.emplace_back(name, &ref);
-      w->index[name] = &ref;
-    };
-    add("model.embed_tokens.weight", w->embed);
-    add("lm_head.weight", w->lm_head);
-    add("model.norm.weight", w->final_norm);
-    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-      const LayerWeights& L = w->layers[static_cast<size_t>(i)];
-      const std::string p = absl::StrCat("model.layers.", i, "."), a = p + "self_attn.", m = p + "mlp.";
-      add(p + "input_layernorm.weight", L.in_norm);
-      add(p + "post_attention_layernorm.weight", L.post_norm);
-      add(a + "qkv_proj.weight", L.qkv);
-      add(a + "qkv_proj.bias", L.qkv_bias);
-      add(a + "o_proj.weight", L.o);
-      add(a + "o_proj.bias", L.o_bias);
-      add(a + "q_norm.weight", L.q_norm);
-      add(a + "k_norm.weight", L.k_norm);
-      add(a + (g.q_lora > 0 ? "fused_qkv_a_proj_with_mqa.weight" : "kv_a_proj_with_mqa.weight"), L.qkv_a);
-      add(a + "q_a_layernorm.weight", L.q_a_norm);
-      add(a + (g.q_lora > 0 ? "q_b_proj.weight" : "q_proj.weight"), L.q);
-      add(a + "kv_a_layernorm.weight", L.kv_a_norm);
-      add(a + "kv_b_proj.weight", L.kv_b);
-      add(m + "gate_up_proj.weight", L.gate_up);
-      add(m + "down_proj.weight", L.down);
-      add(m + "gate.weight", L.router);
-      add(m + "gate.e_score_correction_bias", L.score_bias);
-      add(m + "experts.w13_weight", L.w13);
-      add(m + "experts.w2_weight", L.w2);
-      add(m + "shared_experts.gate_up_proj.weight", L.shared_gate_up);
-      add(m + "shared_experts.down_proj.weight", L.shared_down);
-    }
-    return absl::OkStatus();
-  }
-
-  absl::Status NonFinite(const std::string& name, float value, int64_t element) const {
-    return absl::DataLossError(absl::StrCat(Where(), ": parameter ", name, " holds a non-finite value (", value,
-                                            ") at element ", element));
-  }
-
-  // One check of a kInPlace plan. Memory a weight sync wrote must hold finite numbers: NaN / Inf
-  // weights are refused, never served.
-  absl::Status RunCheck(const Plan::Check& c) const {
-    if (!c.marlin) {
-      const std::optional<int64_t> bad = FirstNonFinite(c.v.dtype(), c.v.bytes().data(), c.begin, c.end);
-      if (!bad) return absl::OkStatus();
-      return NonFinite(c.name, FloatAt(c.v.dtype(), c.v.bytes().data(), *bad), *bad);
-    }
-    if (MarlinScalesCertainlyFinite(c.scales.bytes().data(), c.ref.scales_f16, c.ref.scale_count()))
-      return absl::OkStatus();
-    // A scale is non-finite or large enough that bf16((u - 8) s) may overflow: decide exactly.
-    std::optional<Tensor> keep_p, keep_s;
-    ASSIGN_OR_RETURN(const TensorView p, Aligned(c.v, 4, &keep_p));
-    ASSIGN_OR_RETURN(const TensorView s, Aligned(c.scales, 2, &keep_s));
-    WeightRef ref;
-    ref.form = WeightForm::kMarlin;
-    ref.marlin = c.ref;
-    ref.marlin.packed = p.data_as<uint32_t>();
-    ref.marlin.scales = s.data_as<uint16_t>();
-    ref.rows = c.ref.experts * c.ref.n;
-    ref.cols = c.ref.k;
-    std::vector<float> dense(static_cast<size_t>(ref.rows * ref.cols));
-    MaterializeWeight(ref, dense.data());
-    for (size_t k = 0; k < dense.size(); ++k)
-      if (!std::isfinite(dense[k])) return NonFinite(c.name, dense[k], static_cast<int64_t>(k));
-    return absl::OkStatus();
-  }
-
-  // kInPlace: resolve, check everything, then (only then) write the copies and swap.
-  absl::Status PrepareInPlace() {
-    Plan plan;
-    RETURN_IF_ERROR(Resolve(plan));
-    const int threads = Threads();
-    RETURN_IF_ERROR(RunTasks(threads, plan.checks.size(), [&](size_t i) { return RunCheck(plan.checks[i]); }));
-    // Buffers the copies lack (or whose size changed) are allocated before anything is written, so
-    // that a failed allocation still leaves the previous version's copies intact.
-    PrepareStats st;
-    st.threads = threads;
-    st.params = static_cast<int64_t>(plan.w->order.size());
-    for (const Plan::Check& c : plan.checks)
-      st.bytes_checked += c.marlin ? static_cast<int64_t>(c.scales.nbytes())
-                                   : (c.end - c.begin) * static_cast<int64_t>(ItemSize(c.v.dtype()));
-    absl::flat_hash_map<std::string, Buffer> fresh;
-    absl::flat_hash_set<std::string> used;
-    for (const Plan::Copy& c : plan.copies) {
-      const size_t bytes = c.kind == Plan::Copy::Kind::kToF32 ? static_cast<size_t>(c.src.numel()) * sizeof(float)
-                                                               : c.src.nbytes();
-      used.insert(c.key);
-      st.bytes_copied += static_cast<int64_t>(bytes);
-      auto it = copies.find(c.key);
-      if (it != copies.end() && it->second.size() == bytes) continue;
-      ASSIGN_OR_RETURN(fresh[c.key], Buffer::Allocate(std::max<size_t>(bytes, 1)));
-      st.bytes_allocated += static_cast<int64_t>(bytes);
-    }
-    // Nothing below fails.
-    for (auto& [key, buffer] : fresh) copies[key] = std::move(buffer);
-    absl::erase_if(copies, [&](const auto& kv) { return !used.contains(kv.first); });
-    for (Plan::Copy& c : plan.copies) {
-      void* dst = copies[c.key].data();
-      switch (c.kind) {
-        case Plan::Copy::Kind::kToF32:
-          c.dst->data = dst;
-          break;
-        case Plan::Copy::Kind::kPacked:
-          c.dst->marlin.packed = static_cast<const uint32_t*>(dst);
-          break;
-        case Plan::Copy::Kind::kScales:
-          c.dst->marlin.scales = static_cast<const uint16_t*>(dst);
-          break;
-      }
-    }
-    RETURN_IF_ERROR(RunTasks(threads, plan.copies.size(), [&](size_t i) {
-      const Plan::Copy& c = plan.copies[i];
-      void* dst = copies.find(c.key)->second.data();
-      if (c.kind == Plan::Copy::Kind::kToF32) return ReadFloats(c.src, static_cast<float*>(dst), c.key);
-      std::memcpy(dst, c.src.data(), c.src.nbytes());
-      return absl::OkStatus();
-    }));
-    st.bytes_in_place = plan.bytes_in_place;
-    weights = std::move(plan.w);
-    stats = st;
-    return absl::OkStatus();
-  }
-
-  // kFloat32Copy (the baseline for benchmarks): a fresh float32 copy of everything, one thread.
-  absl::Status PrepareFloat32Copy() {
-    Plan plan;
-    RETURN_IF_ERROR(Resolve(plan));
-    PrepareStats st;
-    st.params = static_cast<int64_t>(plan.w->order.size());
-    for (const auto& [name, ref] : plan.w->order) {
-      const int64_t n = ref->rows * ref->cols;
-      for (int64_t k = 0; k < n; ++k)
-        if (!std::isfinite(ref->f32()[k])) return NonFinite(name, ref->f32()[k], k);
-      st.bytes_checked += n * static_cast<int64_t>(sizeof(float));
-    }
-    st.bytes_copied = st.bytes_allocated = st.bytes_checked;
-    weights = std::move(plan.w);
-    stats = st;
-    return absl::OkStatus();
   }
 
   // ---- forward ---------------------------------------------------------------------------------
@@ -876,7 +269,7 @@ struct EngineModel::Impl {
   }
 
   // Runs tokens at positions cache.len .. cache.len + n - 1; returns the final-normed hidden [n, H].
-  absl::StatusOr<std::vector<float>> Forward(const Weights& w, absl::Span<const int32_t> tokens, Cache& cache) const {
+  absl::StatusOr<std::vector<float>> Forward(const ServedWeights& w, absl::Span<const int32_t> tokens, Cache& cache) const {
     const int64_t n = static_cast<int64_t>(tokens.size()), H = g.H;
     std::vector<float> x(static_cast<size_t>(n * H), 0.0f), hn(x.size()), part(x.size());
     for (int64_t t = 0; t < n; ++t) {
@@ -908,7 +301,7 @@ struct EngineModel::Impl {
   }
 
   // Vocab-parallel lm_head + all-gather: logits [n, V].
-  absl::StatusOr<std::vector<float>> Head(const Weights& w, const float* hidden, int64_t n) const {
+  absl::StatusOr<std::vector<float>> Head(const ServedWeights& w, const float* hidden, int64_t n) const {
     const WeightRef& head = config.tie_word_embeddings ? w.embed : w.lm_head;
     std::vector<float> local(static_cast<size_t>(n * g.P));
     MatMul(hidden, n, head, local.data());
@@ -928,7 +321,7 @@ struct EngineModel::Impl {
   }
 
   absl::Status CheckTokens(absl::Span<const int32_t> tokens, int64_t extra) const {
-    if (weights == nullptr)
+    if (weights.served() == nullptr)
       return absl::FailedPreconditionError(absl::StrCat(Where(), ": no weights prepared (call Prepare first)"));
     if (tokens.empty()) return absl::InvalidArgumentError(absl::StrCat(Where(), ": empty prompt"));
     for (size_t i = 0; i < tokens.size(); ++i)
@@ -958,30 +351,24 @@ EngineModel::~EngineModel() = default;
 
 absl::StatusOr<EngineModel> EngineModel::Create(const ModelConfig& config, EngineRank rank, ParamLookup lookup,
                                                 TpCollectives collectives, EngineModelOptions options) {
-  auto impl = std::make_unique<Impl>();
-  impl->config = config;
-  impl->options = options;
-  impl->rank = rank;
-  impl->lookup = std::move(lookup);
-  impl->coll = std::move(collectives);
-  const std::string where = impl->Where();
+  RankGeometry g;
+  g.T = rank.tp_size;
+  g.r = rank.tp_rank;
+  const std::string where = g.Where();
   auto bad = [&](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": ", parts...));
   };
   const ModelConfig& c = config;
-  Geometry& g = impl->g;
   if (rank.tp_size < 1 || rank.tp_rank < 0 || rank.tp_rank >= rank.tp_size)
     return bad("tp_rank ", rank.tp_rank, " is not in [0, tp_size ", rank.tp_size, ")");
   if (rank.ep_size < 1 || rank.tp_size % rank.ep_size != 0)
     return bad("ep_size ", rank.ep_size, " does not divide tp_size ", rank.tp_size);
-  if (!impl->lookup) return bad("no ParamLookup given");
-  if (rank.tp_size > 1 && (!impl->coll.all_reduce_sum || !impl->coll.all_gather))
+  if (!lookup) return bad("no ParamLookup given");
+  if (rank.tp_size > 1 && (!collectives.all_reduce_sum || !collectives.all_gather))
     return bad("tp_size ", rank.tp_size, " needs both all_reduce_sum and all_gather collectives");
   if (c.hidden_size <= 0 || c.num_hidden_layers <= 0 || c.vocab_size <= 0 || c.num_attention_heads <= 0)
     return bad("config has non-positive sizes (hidden ", c.hidden_size, ", layers ", c.num_hidden_layers, ", vocab ",
                c.vocab_size, ", heads ", c.num_attention_heads, ")");
-  g.T = rank.tp_size;
-  g.r = rank.tp_rank;
   g.ep = rank.ep_size;
   g.moe_tp = g.T / g.ep;
   g.ep_rank = g.r / g.moe_tp;
@@ -1072,21 +459,23 @@ absl::StatusOr<EngineModel> EngineModel::Create(const ModelConfig& config, Engin
       }
     }
   }
-  return EngineModel(std::move(impl));
+  RankWeights weights(config, g, std::move(lookup), options.weights, options.prepare_threads);
+  return EngineModel(std::unique_ptr<Impl>(new Impl{config, rank, g, std::move(collectives), std::move(weights)}));
 }
 
 absl::Status EngineModel::Prepare() {
-  return impl_->float32_copy() ? impl_->PrepareFloat32Copy() : impl_->PrepareInPlace();
+  return impl_->weights.Prepare();
 }
 
-bool EngineModel::prepared() const { return impl_->weights != nullptr; }
-const PrepareStats& EngineModel::last_prepare() const { return impl_->stats; }
+bool EngineModel::prepared() const { return impl_->weights.served() != nullptr; }
+const PrepareStats& EngineModel::last_prepare() const { return impl_->weights.last_prepare(); }
 
 absl::StatusOr<std::vector<float>> EngineModel::Logits(absl::Span<const int32_t> tokens) const {
   RETURN_IF_ERROR(impl_->CheckTokens(tokens, 0));
   Impl::Cache cache = impl_->NewCache();
-  ASSIGN_OR_RETURN(std::vector<float> hidden, impl_->Forward(*impl_->weights, tokens, cache));
-  return impl_->Head(*impl_->weights, hidden.data(), static_cast<int64_t>(tokens.size()));
+  const ServedWeights& w = *impl_->weights.served();
+  ASSIGN_OR_RETURN(std::vector<float> hidden, impl_->Forward(w, tokens, cache));
+  return impl_->Head(w, hidden.data(), static_cast<int64_t>(tokens.size()));
 }
 
 absl::StatusOr<std::vector<int32_t>> EngineModel::Generate(absl::Span<const int32_t> prompt, int max_new_tokens,
@@ -1094,7 +483,7 @@ absl::StatusOr<std::vector<int32_t>> EngineModel::Generate(absl::Span<const int3
   if (max_new_tokens < 0)
     return absl::InvalidArgumentError(absl::StrCat(impl_->Where(), ": max_new_tokens ", max_new_tokens, " < 0"));
   RETURN_IF_ERROR(impl_->CheckTokens(prompt, max_new_tokens));
-  const Weights& w = *impl_->weights;
+  const ServedWeights& w = *impl_->weights.served();
   Impl::Cache cache = impl_->NewCache();
   std::vector<int32_t> out;
   if (max_new_tokens == 0) return out;
@@ -1115,15 +504,7 @@ absl::StatusOr<std::vector<int32_t>> EngineModel::Generate(absl::Span<const int3
 }
 
 absl::StatusOr<PreparedWeight> EngineModel::Weight(absl::string_view name) const {
-  if (impl_->weights == nullptr)
-    return absl::FailedPreconditionError(absl::StrCat(impl_->Where(), ": no weights prepared"));
-  auto it = impl_->weights->index.find(name);
-  if (it == impl_->weights->index.end())
-    return absl::NotFoundError(absl::StrCat(impl_->Where(), ": no prepared weight named ", name));
-  const WeightRef& ref = *it->second;
-  PreparedWeight out{ref.shape, std::vector<float>(static_cast<size_t>(ref.rows * ref.cols))};
-  MaterializeWeight(ref, out.data.data());
-  return out;
+  return impl_->weights.Weight(name);
 }
 
 const ModelConfig& EngineModel::config() const { return impl_->config; }

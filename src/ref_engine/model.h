@@ -6,25 +6,11 @@
 // router, experts.w13 [E_loc, 2I', H] / w2 [E_loc, H, I'] with engine EP), DeepSeek-V3 MLA
 // (fused_qkv_a_proj_with_mqa, q_b_proj, kv_b_proj; absorbed-latent attention) with sigmoid/noaux_tc
 // group-limited routing and shared experts. Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3.
+// Activations and accumulation are fp32. README.md records the decisions.
 //
-// Weights: every parameter is fetched by its engine name through a ParamLookup. A linear is INT4
-// iff `P.weight_packed` exists (Marlin, ENGINE_LAYOUT.md §4: int32 [K_p/16, 2N_p] + bf16
-// `P.weight_scale` [K_p/G, N_p] permuted; MoE `w13_weight_packed` [E_loc, H/16, 4I'] etc.),
-// otherwise `P.weight` (bf16 or f32) is read. INT4 values are value = bf16((u - 8) * scale)
-// (FORMATS.md §2; rounded to bf16 as the Marlin GEMM does). The group size G comes from
-// config.quantization when present, else from the scales' shape (a single scale row is read as
-// channelwise). Activations and accumulation are fp32. README.md records the decisions.
-//
-// Serving the weights (WeightMode, README.md "Weights in place"). By default (kInPlace) the
-// forward pass reads the parameter memory where it is: bf16 / f32 matrices row by row (bf16 is
-// widened to f32 inside the dot products, exactly), Marlin INT4 tile by tile through the Marlin
-// layout (weight_ops.h), so Prepare() is a validation pass: names, dtypes, shapes, and every value
-// finite once dequantized. It copies only 1-D params (norms, biases; to f32) and f16 or
-// misaligned matrices, into buffers it reuses across Prepares. Every check runs before the first
-// copy is written, on EngineModelOptions::prepare_threads threads. The results are bit-identical
-// to kFloat32Copy, the unoptimised baseline mode (a fresh float32 copy of every weight per Prepare,
-// one thread, dequantized through src/kernels MarlinToGptq + UnpermuteMarlinScales), which is
-// kept for benchmarks and as the tests' reference.
+// Weights: weights.h resolves the rank's parameters by engine name (ParamLookup), checks them and
+// holds the version the forward pass reads (bf16 / f32 rows and Marlin INT4 tiles in place, or
+// float32 copies: WeightMode). EngineModel::Prepare() is RankWeights::Prepare().
 //
 // Tensor parallelism: the T ranks of one engine each own an EngineModel and must call Logits /
 // Generate in lockstep with the same arguments; TpCollectives carries the all-reduce (after
@@ -33,10 +19,8 @@
 // ranks pick the same greedy tokens. With T = 1 empty collectives mean identity.
 //
 // Ownership: the model copies the config; ParamLookup and TpCollectives are stored and must stay
-// callable for the model's life. kInPlace: the memory behind the views the lookup returned at the
-// last successful Prepare() is read by every later Logits / Generate, so it must stay valid, and
-// hold the prepared version, until the next successful Prepare() or the model's destruction
-// (the engine's pause protocol: core.h). kFloat32Copy: views need only live during Prepare().
+// callable for the model's life. The memory behind the lookup's views must live as weights.h
+// says (kInPlace: until the next successful Prepare(); the engine's pause protocol: core.h).
 // Thread-safety: Prepare() must not run concurrently with anything else on the same model (the
 // caller serializes: a request never spans two versions). Logits / Generate / Weight are const
 // and may run concurrently with each other only if the collectives allow it (they are issued in
@@ -44,24 +28,16 @@
 // Errors: Create: kInvalidArgument for an unsupported rank geometry (ENGINE_LAYOUT.md §6 naming
 // the sizes; also EP > 1 on a dense model, tied Qwen3-MoE / DeepSeek-V3, T > 1 without
 // collectives), kUnimplemented for routing it does not model (scoring_func / topk_method, fused
-// shared experts without norm_topk_prob). Prepare: kNotFound naming a missing parameter, kInvalidArgument naming a
-// parameter whose dtype / shape differs (with want and got), or an INT4 tensor where the engine
-// keeps bf16; kDataLoss naming a parameter that holds NaN / Inf once dequantized (the first one
-// in load order, whatever the thread count); kResourceExhausted if a copy cannot be allocated. On
-// error nothing changes: the model keeps the references and copies of the last successful
-// Prepare (no copy is written before every check passed). kInPlace reads matrices in place, so
-// the model then computes the previous version only as far as that memory still holds it: a
-// caller that wrote over it must not serve from the model until a Prepare succeeds (EngineCore
-// turns UNHEALTHY). Logits / Generate:
-// kFailedPrecondition before the first successful Prepare(), kInvalidArgument for an empty prompt,
-// a token outside [0, V) or a sequence longer than max_position_embeddings; collective errors
-// are passed through.
+// shared experts without norm_topk_prob). Prepare: those of RankWeights::Prepare (weights.h); on
+// error the model keeps the previous version's references and copies (what that means for memory
+// read in place: weights.h). Logits / Generate: kFailedPrecondition before the first successful
+// Prepare(), kInvalidArgument for an empty prompt, a token outside [0, V) or a sequence longer
+// than max_position_embeddings; collective errors are passed through.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -69,7 +45,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "common/config.h"
-#include "common/tensor.h"
+#include "ref_engine/weights.h"
 #include "rollout_agent/load/engine_layout.h"
 
 namespace wsync::ref_engine {
@@ -86,38 +62,12 @@ struct EngineRank : rollout_agent::EngineParallel {
   bool fused_shared_experts = false;
 };
 
-// Fetches an engine parameter by name. kNotFound if the rank holds no such parameter.
-using ParamLookup = std::function<absl::StatusOr<TensorView>(absl::string_view name)>;
-
 // Collectives over the engine's TP group. all_reduce_sum sums the span element-wise over all T
 // ranks, in place; all_gather writes the T ranks' `local` spans (equal sizes) into `gathered`
 // (T * local.size()) in rank order. Both block until every rank has joined.
 struct TpCollectives {
   std::function<absl::Status(absl::Span<float>)> all_reduce_sum;
   std::function<absl::Status(absl::Span<const float> local, absl::Span<float> gathered)> all_gather;
-};
-
-// A prepared (dequantized) weight, in the shape of the bf16 engine parameter of the same name: a
-// float32 copy of exactly the values the forward pass multiplies with.
-struct PreparedWeight {
-  Shape shape;
-  std::vector<float> data;
-};
-
-enum class WeightMode {
-  kInPlace,      // read the parameter memory in place; Prepare validates (the default)
-  kFloat32Copy,  // a fresh float32 copy of every weight per Prepare, one thread (the baseline for benchmarks)
-};
-
-// What the last successful Prepare() did (kInPlace; kFloat32Copy counts its copies as copied and
-// allocated).
-struct PrepareStats {
-  int64_t params = 0;           // weights served (under their bf16 engine names)
-  int64_t bytes_in_place = 0;   // parameter bytes the forward pass reads where they are
-  int64_t bytes_checked = 0;    // bytes scanned for NaN / Inf (Marlin: the scales)
-  int64_t bytes_copied = 0;     // bytes written into the model's own buffers
-  int64_t bytes_allocated = 0;  // of which newly allocated (0 when every buffer was reused)
-  int threads = 1;
 };
 
 struct EngineModelOptions {
@@ -135,10 +85,9 @@ class EngineModel {
   EngineModel& operator=(EngineModel&&) noexcept;
   ~EngineModel();
 
-  // Reads every parameter of this rank through the lookup and checks names, dtypes, shapes and
-  // finiteness; then (kInPlace) refreshes the few copies and serves the memory in place, or
-  // (kFloat32Copy) serves a new float32 copy of everything. On error the previous version's
-  // references and copies stay (see Errors). Does not call the collectives.
+  // RankWeights::Prepare (weights.h): reads every parameter of this rank through the lookup and
+  // checks names, dtypes, shapes and finiteness, then serves the new version; on error the
+  // previous version's references and copies stay. Does not call the collectives.
   absl::Status Prepare();
   bool prepared() const;
   const PrepareStats& last_prepare() const;

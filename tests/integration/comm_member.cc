@@ -32,9 +32,9 @@
 namespace wsync {
 namespace {
 
-using testing::BigTransfers;
-using testing::Collectives;
-using testing::Expect;
+using comm::testing::BigTransfers;
+using comm::testing::Collectives;
+using comm::testing::Expect;
 
 struct Args {
   std::string store, group, scenario, backend = "gloo";

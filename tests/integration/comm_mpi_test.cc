@@ -16,7 +16,7 @@ comm::Communicator* world = nullptr;
 
 TEST(CommMpi, CollectivesOnTheWorld) {
   ASSERT_EQ(world->Name(), "mpi");
-  absl::Status s = testing::Collectives(*world);
+  absl::Status s = comm::testing::Collectives(*world);
   EXPECT_TRUE(s.ok()) << s;
 }
 
@@ -30,9 +30,9 @@ TEST(CommMpi, SplitIntoGroupsLikeTpAndDp) {
   EXPECT_EQ((*tp)->rank(), world->rank() % 2);
   EXPECT_EQ((*tp)->size(), std::min(2, n - (world->rank() / 2) * 2));
   EXPECT_EQ((*dp)->rank(), world->rank() / 2);
-  absl::Status s = testing::Collectives(**tp);
+  absl::Status s = comm::testing::Collectives(**tp);
   EXPECT_TRUE(s.ok()) << s;
-  s = testing::Collectives(**dp);
+  s = comm::testing::Collectives(**dp);
   EXPECT_TRUE(s.ok()) << s;
   // Which ranks a sub-communicator's members are: gather the world ranks.
   int me = world->rank();
@@ -45,7 +45,7 @@ TEST(CommMpi, SplitIntoGroupsLikeTpAndDp) {
 
 TEST(CommMpi, MoreThanTwoGiB) {
   if (world->size() != 2) GTEST_SKIP() << "run with -np 2 (memory)";
-  absl::Status s = testing::BigTransfers(*world);
+  absl::Status s = comm::testing::BigTransfers(*world);
   EXPECT_TRUE(s.ok()) << s;
 }
 

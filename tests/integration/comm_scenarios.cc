@@ -5,9 +5,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
-#include "tests/integration/comm_pattern.h"
+#include "comm/testing/pattern.h"
 
-namespace wsync::testing {
+namespace wsync::comm::testing {
 
 absl::Status Expect(bool cond, const std::string& what) {
   return cond ? absl::OkStatus() : absl::InternalError(absl::StrCat("expectation failed: ", what));
@@ -100,4 +100,4 @@ absl::Status BigTransfers(comm::Communicator& comm) {
   return absl::OkStatus();
 }
 
-}  // namespace wsync::testing
+}  // namespace wsync::comm::testing

@@ -8,7 +8,7 @@
 #include "absl/status/status.h"
 #include "comm/communicator.h"
 
-namespace wsync::testing {
+namespace wsync::comm::testing {
 
 absl::Status Expect(bool cond, const std::string& what);
 absl::Status CheckBytes(const void* p, size_t n, uint64_t seed, const std::string& what);
@@ -20,4 +20,4 @@ absl::Status Collectives(comm::Communicator& comm);
 // A Broadcast of 2 GiB + 4097 B and an AllGatherV of 1 GiB + 3 B per rank.
 absl::Status BigTransfers(comm::Communicator& comm);
 
-}  // namespace wsync::testing
+}  // namespace wsync::comm::testing

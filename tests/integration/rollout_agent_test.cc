@@ -13,6 +13,7 @@
 //   * Join / heartbeats / re-join / Leave at a (fake) coordinator; SIGTERM mid-sync.
 // Seeds of the generated checkpoints are fixed below.
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <httplib.h>
@@ -31,7 +32,9 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "rollout_agent/agent/rollout_agent.h"
+#include "rollout_agent/engine_memory/param_arena.h"
 #include "rollout_agent/load/loader.h"
+#include "rollout_agent/receive/testing/sync_testing.h"
 #include "model/testing/hf_model.h"
 #include "model/testing/test_models.h"
 #include "rollout_agent/repack/repack.h"
@@ -876,8 +879,10 @@ TEST_F(RolloutAgentTest, MismatchedRegistrationsAreRefusedAndTheEngineStays) {
     EXPECT_EQ(reg(req).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   }
   {
-    auto open = testing::ShmEngineMemory::Create(engine.layout(), "open", 0640);
-    ASSERT_TRUE(open.ok());
+    // Memory of the same layout that the group can read (an engine must keep its segment 0600).
+    auto open = ParamArena::Create(engine.layout(), UniqueShmName("open", 0));
+    ASSERT_TRUE(open.ok()) << open.status();
+    ASSERT_EQ(chmod(absl::StrCat("/dev/shm", (*open)->segment().name()).c_str(), 0640), 0);
     v1::RegisterEngineRequest req = engine.RegisterRequest();
     req.set_engine_id("engine-b");
     req.clear_params();

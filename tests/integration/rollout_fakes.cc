@@ -70,7 +70,7 @@ absl::StatusOr<std::unique_ptr<FakeEngine>> FakeEngine::Start(Options options) {
   ASSIGN_OR_RETURN(EngineLayout layout, EngineLayout::Create(config, quant ? &*quant : nullptr, e->options_.parallel));
   e->layout_ = std::make_unique<EngineLayout>(std::move(layout));
   ASSIGN_OR_RETURN(e->memory_,
-                   ShmEngineMemory::Create(*e->layout_, absl::StrCat(e->options_.engine_id, "r", e->options_.parallel.tp_rank)));
+                   ParamArena::Create(*e->layout_, UniqueShmName(e->options_.engine_id, e->options_.parallel.tp_rank)));
   e->version_ = e->options_.version;
   ASSIGN_OR_RETURN(auto served, Serve(e.get(), e->options_.security));
   e->server_ = std::move(served.first);

@@ -3,9 +3,9 @@
 //   FakeEngine       the engine *control surface* only (RolloutEngine Pause / Flush / Continue /
 //                    Health / WeightVersion over real gRPC on loopback), recording every call so
 //                    that tests can assert their order, plus the engine's real parameter memory:
-//                    a POSIX shm segment (mode 0600) in the EngineLayout engine form, registered
-//                    with the agent through RegisterEngine. It stands in for the reference engine
-//                    (written separately); the data path through it is the real one.
+//                    a ParamArena (rollout_agent/engine_memory/param_arena.h, the engine's end of
+//                    the shm protocol), registered with the agent through RegisterEngine. It stands
+//                    in for the reference engine; the data path through it is the real one.
 //   FakeCoordinator  Join / Heartbeat / Leave of the Coordinator service, recorded.
 //   AgentProcess     a wsync-rollout-agent process (posix_spawn), its address from --address-file,
 //                    its log, a RolloutAgent stub, SIGTERM + wait on destruction.
@@ -29,8 +29,8 @@
 #include "comm/communicator.h"
 #include "comm/store/store.h"
 #include "common/rpc_security.h"
+#include "rollout_agent/engine_memory/param_arena.h"
 #include "rollout_agent/load/engine_layout.h"
-#include "rollout_agent/receive/testing/sync_testing.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 #include "wsync/v1/engine.grpc.pb.h"
 #include "wsync/v1/rollout.grpc.pb.h"
@@ -52,7 +52,7 @@ class FakeEngine final : public v1::RolloutEngine::Service {
 
   const std::string& address() const { return address_; }
   const EngineLayout& layout() const { return *layout_; }
-  ShmEngineMemory& memory() { return *memory_; }
+  ParamArena& memory() { return *memory_; }
   const Options& options() const { return options_; }
 
   // The RegisterEngineRequest describing this engine (params in its shm segment).
@@ -78,7 +78,7 @@ class FakeEngine final : public v1::RolloutEngine::Service {
   FakeEngine() = default;
   Options options_;
   std::unique_ptr<EngineLayout> layout_;
-  std::unique_ptr<ShmEngineMemory> memory_;
+  std::unique_ptr<ParamArena> memory_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
   mutable absl::Mutex mu_;

@@ -29,15 +29,15 @@
 #include "absl/strings/str_cat.h"
 #include "comm/communicator.h"
 #include "comm/store/store.h"
-#include "tests/integration/comm_pattern.h"
+#include "comm/testing/pattern.h"
 
 extern char** environ;
 
 namespace wsync {
 namespace {
 
-using testing::CountWrong;
-using testing::FillPattern;
+using comm::testing::CountWrong;
+using comm::testing::FillPattern;
 
 struct Flags {
   std::string backend = "gloo", min_bytes = "1K", max_bytes = "1G", store;

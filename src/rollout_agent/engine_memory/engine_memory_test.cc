@@ -2,19 +2,21 @@
 // segment, and every unsafe or inconsistent registration is refused naming the param / segment.
 #include "rollout_agent/engine_memory/engine_memory.h"
 
+#include <sys/stat.h>
+
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "common/config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/testing/test_models.h"
-#include "rollout_agent/receive/testing/sync_testing.h"
+#include "rollout_agent/engine_memory/param_arena.h"
 
 namespace wsync::rollout_agent {
 namespace {
 
 using ::testing::HasSubstr;
-using testing::ShmEngineMemory;
 
 class EngineMemoryTest : public ::testing::Test {
  protected:
@@ -25,10 +27,16 @@ class EngineMemoryTest : public ::testing::Test {
     ASSERT_TRUE(layout.ok()) << layout.status();
     layout_ = std::make_unique<EngineLayout>(std::move(*layout));
   }
-  std::unique_ptr<ShmEngineMemory> Segment(mode_t mode = 0600) {
-    auto m = ShmEngineMemory::Create(*layout_, "mem", mode);
+  // The engine's end: a ParamArena for the layout, its segment then set to `mode` (ParamArena
+  // always creates 0600; a wider mode is what an engine that shares its weights wider registers).
+  std::unique_ptr<ParamArena> Segment(mode_t mode = 0600) {
+    auto m = ParamArena::Create(*layout_, UniqueShmName("mem", 1));
     EXPECT_TRUE(m.ok()) << m.status();
-    return m.ok() ? std::move(*m) : nullptr;
+    if (!m.ok()) return nullptr;
+    if (mode != 0600) {
+      EXPECT_EQ(chmod(absl::StrCat("/dev/shm", (*m)->segment().name()).c_str(), mode), 0);
+    }
+    return std::move(*m);
   }
   std::unique_ptr<EngineLayout> layout_;
 };
@@ -41,7 +49,7 @@ TEST_F(EngineMemoryTest, MapsEveryParamIntoTheEnginesSegment) {
   auto mem = MapEngineMemory(req.params());
   ASSERT_TRUE(mem.ok()) << mem.status();
   EXPECT_TRUE((*mem)->weights().CheckMatches(*layout_).ok()) << (*mem)->weights().CheckMatches(*layout_);
-  EXPECT_EQ((*mem)->segments(), std::vector<std::string>{seg->name()});
+  EXPECT_EQ((*mem)->segments(), std::vector<std::string>{seg->segment().name()});
   uint64_t total = 0;
   for (const auto& p : req.params()) total += p.nbytes();
   EXPECT_EQ((*mem)->param_bytes(), total);
@@ -63,7 +71,7 @@ TEST_F(EngineMemoryTest, RefusesASegmentOthersCanRead) {
   ASSERT_FALSE(mem.ok());
   EXPECT_TRUE(absl::IsPermissionDenied(mem.status())) << mem.status();
   EXPECT_THAT(mem.status().message(), HasSubstr("mode 0644"));
-  EXPECT_THAT(mem.status().message(), HasSubstr(seg->name()));
+  EXPECT_THAT(mem.status().message(), HasSubstr(seg->segment().name()));
 }
 
 TEST_F(EngineMemoryTest, RefusesInconsistentParams) {
@@ -78,7 +86,7 @@ TEST_F(EngineMemoryTest, RefusesInconsistentParams) {
     const char* message;
   };
   const std::vector<Case> cases = {
-      {"outside", [&](auto& r) { r.mutable_params(0)->mutable_memory()->set_offset(seg->size()); },
+      {"outside", [&](auto& r) { r.mutable_params(0)->mutable_memory()->set_offset(seg->segment().size()); },
        absl::StatusCode::kInvalidArgument, "lie outside the"},
       {"nbytes", [](auto& r) { r.mutable_params(0)->set_nbytes(r.params(0).nbytes() + 2); },
        absl::StatusCode::kInvalidArgument, "needs"},

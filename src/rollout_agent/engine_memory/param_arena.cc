@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "comm/bucket/stream.h"
+#include "common/checksum.h"
 #include "common/status.h"
 
 namespace wsync::rollout_agent {
@@ -174,6 +175,10 @@ void ParamArena::FillParams(google::protobuf::RepeatedPtrField<v1::EngineParam>*
     p->mutable_memory()->set_shm_name(segment_->name());
     p->mutable_memory()->set_offset(offsets_[i]);
   }
+}
+
+uint64_t ParamArena::Checksum() const {
+  return Xxh3_64({static_cast<const std::byte*>(segment_->data()), segment_->size()});
 }
 
 }  // namespace wsync::rollout_agent

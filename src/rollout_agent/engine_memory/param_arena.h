@@ -84,6 +84,10 @@ class ParamArena {
   void FillParams(google::protobuf::RepeatedPtrField<v1::EngineParam>* out) const;
   // Byte offset of a param in the segment (by index in weights().buffers()).
   uint64_t offset(size_t index) const { return offsets_[index]; }
+  // XXH3-64 of the whole segment (every param and the zeroed gaps between them): a fingerprint
+  // of the engine's weights, e.g. to show that a step left them unchanged. Reads the bytes as they
+  // are; the caller keeps writers away (the pause protocol).
+  uint64_t Checksum() const;
 
  private:
   ParamArena() = default;

@@ -9,6 +9,7 @@
 #include <set>
 
 #include "absl/strings/match.h"
+#include "common/checksum.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "ref_engine/testing/fixtures.h"
@@ -141,6 +142,43 @@ TEST(ParamArenaTest, EveryParamIs64ByteAlignedDisjointAndRegistered) {
     const int64_t n = (4 / tp + 2 * (2 / tp)) * 32;
     EXPECT_EQ(qkv->shape, Shape({128 / 16, 2 * n}));
   }
+}
+
+TEST(ParamArenaTest, ChecksumCoversTheWholeSegment) {
+  const ModelConfig c = ref_engine::testing::MustParseConfig(R"({
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 40,
+    "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "intermediate_size": 96, "vocab_size": 100, "max_position_embeddings": 64, "torch_dtype": "bfloat16"})");
+  auto layout = EngineLayout::Create(c, nullptr, {1, 0, 1});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  auto arena = ParamArena::Create(*layout, UniqueShmName("checksum", 0));
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  const ShmSegment& seg = (*arena)->segment();
+  auto* bytes = static_cast<std::byte*>(seg.data());
+  const uint64_t zero = (*arena)->Checksum();
+  EXPECT_EQ(zero, Xxh3_64({bytes, seg.size()}));
+  // A byte of a param changes it; writing the byte back restores it.
+  const EngineBuffer& last = (*arena)->weights().buffers().back();
+  static_cast<unsigned char*>(last.data)[last.nbytes - 1] = 0x01;
+  const uint64_t written = (*arena)->Checksum();
+  EXPECT_NE(written, zero);
+  EXPECT_EQ(written, Xxh3_64({bytes, seg.size()}));
+  static_cast<unsigned char*>(last.data)[last.nbytes - 1] = 0;
+  EXPECT_EQ((*arena)->Checksum(), zero);
+  // So does a byte between params (the zeroed alignment gaps are part of the segment).
+  const auto& bufs = (*arena)->weights().buffers();
+  bool gap = false;
+  for (size_t i = 0; i + 1 < bufs.size() && !gap; ++i) {
+    const uint64_t end = (*arena)->offset(i) + bufs[i].nbytes;
+    if (end < (*arena)->offset(i + 1)) {
+      bytes[end] = std::byte{1};
+      EXPECT_NE((*arena)->Checksum(), zero) << "gap after " << bufs[i].name;
+      bytes[end] = std::byte{0};
+      gap = true;
+    }
+  }
+  EXPECT_TRUE(gap) << "the layout has no gap between params; pick sizes that leave one";
+  EXPECT_EQ((*arena)->Checksum(), zero);
 }
 
 }  // namespace

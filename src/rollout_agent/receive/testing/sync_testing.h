@@ -1,20 +1,16 @@
-// Test helpers for the rollout agent, used by its unit and integration tests (not by the agent):
+// Test helpers for the rollout agent's unit and integration tests (not used by the agent): the
+// trainer side of a stage stream.
 //
-//   ShmEngineMemory  an engine rank's parameters in one POSIX shared-memory segment, laid out in
-//                    the EngineLayout's engine form (each param 64-byte aligned), as an engine
-//                    registers them: FillParams() writes RegisterEngineRequest.params.
-//   PackBuckets      the trainer side's bucketing: sent HF tensors -> flat buffers + manifests.
+//   PackBuckets      sent HF tensors -> buckets, through the real comm::BucketBuilder
+//                    (comm/bucket/builder.h: its layout and manifests), kept in memory so that a
+//                    test can send, edit or drop them;
 //   SendBuckets      broadcasts them as the stage source (group rank 0) through BucketSender;
 //   SendRawBucket    one bucket without BucketSender, optionally with a wrong checksum.
 //
-// Ownership: ShmEngineMemory creates the segment (O_EXCL, the given mode), maps it, and unmaps
-// and unlinks it on destruction. Thread-safety: plain values / one owner.
+// Thread-safety: plain functions; a Communicator is used by one thread at a time.
 #pragma once
 
-#include <sys/types.h>
-
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,50 +18,13 @@
 #include "absl/status/statusor.h"
 #include "comm/communicator.h"
 #include "common/tensor.h"
-#include "google/protobuf/repeated_ptr_field.h"
-#include "rollout_agent/load/engine_layout.h"
-#include "rollout_agent/repack/engine_weights.h"
-#include "wsync/v1/engine.pb.h"
 #include "wsync/v1/tensor.pb.h"
 
 namespace wsync::rollout_agent::testing {
 
-class ShmEngineMemory {
- public:
-  // A new segment "/wsync-test-<pid>-<tag>-<n>" of mode `mode` holding every param of `layout`
-  // (engine form), zero-filled.
-  static absl::StatusOr<std::unique_ptr<ShmEngineMemory>> Create(const EngineLayout& layout, const std::string& tag,
-                                                                 mode_t mode = 0600);
-  ~ShmEngineMemory();
-
-  const std::string& name() const { return name_; }
-  size_t size() const { return size_; }
-  std::byte* data() const { return static_cast<std::byte*>(addr_); }
-  EngineWeights& weights() { return weights_; }
-  const EngineWeights& weights() const { return weights_; }
-  // Appends one EngineParam per param (SGLang name, dtype, engine shape, nbytes, {name(), offset}).
-  void FillParams(google::protobuf::RepeatedPtrField<v1::EngineParam>* params) const;
-  // XXH3-64 of the whole segment.
-  uint64_t Checksum() const;
-
- private:
-  ShmEngineMemory() = default;
-  struct Param {
-    std::string name;
-    DType dtype;
-    Shape shape;
-    uint64_t offset, nbytes;
-  };
-  std::string name_;
-  void* addr_ = nullptr;
-  size_t size_ = 0;
-  std::vector<Param> params_;
-  EngineWeights weights_;
-};
-
 struct PackedBucket {
-  v1::BucketManifest manifest;  // version, pp_stage, index, last, entries (nbytes / xxh3 set by the sender)
-  Buffer data;
+  v1::BucketManifest manifest;  // as the builder made it (xxh3_64 is set by the sender)
+  Buffer data;                  // at least nbytes
   uint64_t nbytes = 0;
 };
 
@@ -73,10 +32,10 @@ struct PackOptions {
   uint64_t version = 1;
   uint32_t pp_stage = 0;
   uint64_t bucket_bytes = uint64_t{1} << 20;  // a bigger tensor gets a bucket of its own
-  bool empty_last = false;                    // end with an empty bucket carrying `last`
 };
 
-// Packs `tensors` in order; entries are 64-byte aligned inside a bucket.
+// Packs `tensors` in order with a BucketBuilder; the last bucket has `last` set. Errors: the
+// builder's (a bad name or view, kResourceExhausted).
 absl::StatusOr<std::vector<PackedBucket>> PackBuckets(const std::vector<std::pair<std::string, TensorView>>& tensors,
                                                       const PackOptions& options);
 

@@ -1,12 +1,13 @@
-// Byte patterns for the data-plane tests: every byte depends on (seed, offset), so a misplaced,
-// missing or duplicated piece is found, and the first wrong offset is reported.
+// Test helper: byte patterns for the data-plane tests and the bandwidth benchmark's #wrong column:
+// every byte depends on (seed, offset), so a misplaced, missing or duplicated piece is found, and
+// the first wrong offset is reported. Pure functions over caller-owned memory.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 
-namespace wsync::testing {
+namespace wsync::comm::testing {
 
 inline uint64_t PatternWord(uint64_t seed, uint64_t word) {
   uint64_t x = seed * 0x9E3779B97F4A7C15ull + word * 0xBF58476D1CE4E5B9ull + 0x94D049BB133111EBull;
@@ -48,4 +49,4 @@ inline size_t CountWrong(const void* data, size_t n, uint64_t seed, size_t* firs
   return wrong;
 }
 
-}  // namespace wsync::testing
+}  // namespace wsync::comm::testing
