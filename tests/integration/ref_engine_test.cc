@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "comm/bucket/bucket_format.h"
 #include "common/config.h"
 #include "common/grpc_status.h"
 #include "common/rpc_security.h"
@@ -527,18 +528,6 @@ std::unique_ptr<grpc::Server> Serve(FakeAgent* agent, const std::string& address
   return b.BuildAndStart();
 }
 
-DType FromProto(v1::DType d) {
-  switch (d) {
-    case v1::DTYPE_BF16: return DType::kBF16;
-    case v1::DTYPE_F16: return DType::kF16;
-    case v1::DTYPE_F32: return DType::kF32;
-    case v1::DTYPE_I32: return DType::kI32;
-    case v1::DTYPE_I64: return DType::kI64;
-    case v1::DTYPE_I8: return DType::kI8;
-    default: return DType::kU8;
-  }
-}
-
 // What the rollout agent does: maps the registered segment and writes a version into it.
 class AgentSide {
  public:
@@ -559,7 +548,9 @@ class AgentSide {
       EXPECT_LE(p.memory().offset() + p.nbytes(), size_) << p.name();
       rollout_agent::EngineBuffer b;
       b.name = p.name();
-      b.dtype = FromProto(p.dtype());
+      absl::StatusOr<DType> dtype = comm::FromProto(p.dtype());
+      EXPECT_TRUE(dtype.ok()) << dtype.status();
+      b.dtype = dtype.value_or(DType::kU8);
       b.shape.assign(p.shape().begin(), p.shape().end());
       b.data = static_cast<std::byte*>(base_) + p.memory().offset();
       b.nbytes = p.nbytes();

@@ -7,45 +7,13 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "comm/testing/capture_sink.h"
 #include "gtest/gtest.h"
 
 namespace wsync::comm {
 namespace {
 
-// Keeps every bucket; hands buffers back for reuse once `recycle_after` more buckets arrived.
-class CaptureSink : public BucketSink {
- public:
-  struct Bucket {
-    v1::BucketManifest manifest;
-    std::vector<std::byte> data;
-    const std::byte* buffer = nullptr;
-  };
-  absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) override {
-    if (!error.ok()) return error;
-    if (nbytes > data.size()) return absl::InternalError("nbytes beyond the buffer");
-    Bucket b;
-    b.manifest = std::move(manifest);
-    b.data.assign(data.data(), data.data() + nbytes);
-    b.buffer = data.data();
-    buckets.push_back(std::move(b));
-    free.push_back(std::move(data));
-    return absl::OkStatus();
-  }
-  Buffer Recycle(uint64_t) override {
-    if (free.empty()) return Buffer();
-    Buffer b = std::move(free.front());
-    free.erase(free.begin());
-    return b;
-  }
-  absl::Status Finish() override {
-    ++finishes;
-    return absl::OkStatus();
-  }
-  std::vector<Bucket> buckets;
-  std::vector<Buffer> free;
-  absl::Status error;
-  int finishes = 0;
-};
+using testing::CaptureSink;
 
 std::vector<std::byte> Pattern(size_t n, uint32_t seed) {
   std::vector<std::byte> v(n);

@@ -47,8 +47,8 @@ absl::Status SendRawBucket(comm::Communicator& comm, v1::BucketManifest m, const
   if (corrupt_checksum) sum ^= 1;
   m.set_xxh3_64(sum);
   std::string ms = m.SerializeAsString();
-  uint64_t header[2] = {ms.size(), nbytes};
-  comm::MutableBytes hb{header, sizeof(header)};
+  comm::BucketHeader header{.manifest_bytes = ms.size(), .data_bytes = nbytes};
+  comm::MutableBytes hb{&header, sizeof(header)};
   RETURN_IF_ERROR(comm::Await(comm.Broadcast({&hb, 1}, 0)));
   comm::MutableBytes payload[2] = {{ms.data(), ms.size()}, {data.data(), nbytes}};
   return comm::Await(comm.Broadcast(payload, 0));

@@ -15,24 +15,6 @@ bool IsExpertTensor(absl::string_view name) { return absl::StrContains(name, ".m
 
 }  // namespace
 
-absl::Status CaptureSink::Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) {
-  buckets.push_back({std::move(manifest), std::vector<std::byte>(data.data(), data.data() + nbytes)});
-  free_.push_back(std::move(data));
-  return absl::OkStatus();
-}
-
-Buffer CaptureSink::Recycle(uint64_t) {
-  if (free_.empty()) return Buffer();
-  Buffer b = std::move(free_.back());
-  free_.pop_back();
-  return b;
-}
-
-absl::Status CaptureSink::Finish() {
-  ++finishes;
-  return absl::OkStatus();
-}
-
 std::map<std::string, Captured> DecodeStream(const CaptureSink& sink, uint64_t bucket_bytes, uint64_t version,
                                              int stage) {
   std::map<std::string, Captured> out;

@@ -15,28 +15,14 @@
 
 #include "absl/status/status.h"
 #include "comm/bucket/builder.h"
+#include "comm/testing/capture_sink.h"
 #include "common/tensor.h"
 #include "model/hf_tensor.h"
 
 namespace wsync::trainer_agent::testing {
 
 // Keeps every bucket (manifest + a copy of its bytes) and counts Finish calls.
-class CaptureSink : public comm::BucketSink {
- public:
-  struct Bucket {
-    v1::BucketManifest manifest;
-    std::vector<std::byte> data;
-  };
-  absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) override;
-  Buffer Recycle(uint64_t) override;
-  absl::Status Finish() override;
-
-  std::vector<Bucket> buckets;
-  int finishes = 0;
-
- private:
-  std::vector<Buffer> free_;
-};
+using comm::testing::CaptureSink;
 
 // One tensor of a decoded stream.
 struct Captured {
