@@ -10,14 +10,16 @@
 
 #include "absl/strings/match.h"
 #include "common/checksum.h"
+#include "common/config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "ref_engine/testing/fixtures.h"
 
 namespace wsync::rollout_agent {
 namespace {
 
 using ::testing::HasSubstr;
+
+ModelConfig ParseConfig(const std::string& json) { return ParseModelConfig(json, "test config").value(); }
 
 bool Exists(const std::string& name) {
   const int fd = shm_open(name.c_str(), O_RDONLY, 0);
@@ -93,7 +95,7 @@ TEST(ShmSegmentTest, NamesAreUniqueAndSanitized) {
 }
 
 TEST(ParamArenaTest, EveryParamIs64ByteAlignedDisjointAndRegistered) {
-  const ModelConfig c = ref_engine::testing::MustParseConfig(R"({
+  const ModelConfig c = ParseConfig(R"({
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 128,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
     "intermediate_size": 256, "vocab_size": 250, "max_position_embeddings": 64, "torch_dtype": "bfloat16",
@@ -145,7 +147,7 @@ TEST(ParamArenaTest, EveryParamIs64ByteAlignedDisjointAndRegistered) {
 }
 
 TEST(ParamArenaTest, ChecksumCoversTheWholeSegment) {
-  const ModelConfig c = ref_engine::testing::MustParseConfig(R"({
+  const ModelConfig c = ParseConfig(R"({
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 40,
     "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
     "intermediate_size": 96, "vocab_size": 100, "max_position_embeddings": 64, "torch_dtype": "bfloat16"})");
