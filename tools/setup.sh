@@ -17,7 +17,7 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev libgloo-dev libhwy-dev libxxhash-dev
   nlohmann-json3-dev libcpp-httplib-dev libcli11-dev
-  clang libclang-rt-14-dev
+  clang libclang-rt-14-dev clang-format
 )
 
 mode=default

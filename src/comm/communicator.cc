@@ -6,12 +6,9 @@ namespace wsync::comm {
 
 absl::string_view BackendName(Backend b) {
   switch (b) {
-    case Backend::kMpi:
-      return "mpi";
-    case Backend::kGloo:
-      return "gloo";
-    case Backend::kNccl:
-      return "nccl";
+    case Backend::kMpi: return "mpi";
+    case Backend::kGloo: return "gloo";
+    case Backend::kNccl: return "nccl";
   }
   return "unknown";
 }

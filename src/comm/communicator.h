@@ -41,7 +41,7 @@ namespace wsync::comm {
 class Store;
 
 enum class Backend { kMpi, kGloo, kNccl };
-absl::string_view BackendName(Backend b);                    // "mpi" | "gloo" | "nccl"
+absl::string_view BackendName(Backend b);                      // "mpi" | "gloo" | "nccl"
 absl::StatusOr<Backend> ParseBackend(absl::string_view name);  // kInvalidArgument otherwise
 bool BackendCompiledIn(Backend b);
 
@@ -71,8 +71,7 @@ class Communicator {
   virtual const std::string& group() const = 0;  // the group's name, for messages and metrics
 
   // Every rank's `buffers` (same count and sizes everywhere) receive root's. In place.
-  virtual absl::StatusOr<std::unique_ptr<Work>> Broadcast(absl::Span<const MutableBytes> buffers,
-                                                          int root,
+  virtual absl::StatusOr<std::unique_ptr<Work>> Broadcast(absl::Span<const MutableBytes> buffers, int root,
                                                           const CollectiveOptions& options = {}) = 0;
 
   // outputs[i] (size() x inputs[i].nbytes) receives every rank's inputs[i], in rank order.

@@ -23,12 +23,9 @@ namespace {
 
 bool BackendCompiledIn(Backend b) {
   switch (b) {
-    case Backend::kMpi:
-      return WSYNC_WITH_MPI;
-    case Backend::kGloo:
-      return WSYNC_WITH_GLOO;
-    case Backend::kNccl:
-      return WSYNC_WITH_NCCL;
+    case Backend::kMpi: return WSYNC_WITH_MPI;
+    case Backend::kGloo: return WSYNC_WITH_GLOO;
+    case Backend::kNccl: return WSYNC_WITH_NCCL;
   }
   return false;
 }

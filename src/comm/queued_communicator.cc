@@ -50,10 +50,9 @@ class QueuedCommunicator::WorkImpl : public Work {
     absl::MutexLock lock(&op_->mu);
     auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_->mu) { return op_->done; };
     if (!op_->mu.AwaitWithTimeout(absl::Condition(&done), timeout)) {
-      return absl::DeadlineExceededError(
-          absl::StrCat(op_->description, ": not finished after waiting ", absl::FormatDuration(timeout),
-                       " (the operation goes on, bounded by its own timeout of ",
-                       absl::FormatDuration(op_->timeout), ")"));
+      return absl::DeadlineExceededError(absl::StrCat(
+          op_->description, ": not finished after waiting ", absl::FormatDuration(timeout),
+          " (the operation goes on, bounded by its own timeout of ", absl::FormatDuration(op_->timeout), ")"));
     }
     return op_->status;
   }
@@ -77,10 +76,12 @@ QueuedCommunicator::~QueuedCommunicator() {
   }
 }
 
-void QueuedCommunicator::StartWorker() { worker_ = std::thread([this] { WorkerLoop(); }); }
+void QueuedCommunicator::StartWorker() {
+  worker_ = std::thread([this] { WorkerLoop(); });
+}
 
-absl::StatusOr<std::unique_ptr<Work>> QueuedCommunicator::Enqueue(
-    std::string description, absl::Duration timeout, std::function<absl::Status(const OpContext&)> body) {
+absl::StatusOr<std::unique_ptr<Work>> QueuedCommunicator::Enqueue(std::string description, absl::Duration timeout,
+                                                                  std::function<absl::Status(const OpContext&)> body) {
   auto op = std::make_shared<Op>();
   op->description = std::move(description);
   op->timeout = timeout <= absl::ZeroDuration() ? default_timeout_ : timeout;
@@ -90,9 +91,8 @@ absl::StatusOr<std::unique_ptr<Work>> QueuedCommunicator::Enqueue(
     if (stopping_ || shut_down_) {
       op->Finish(absl::AbortedError(absl::StrCat(op->description, ": the communicator is shut down")));
     } else if (!broken_status_.ok()) {
-      op->Finish(absl::AbortedError(
-          absl::StrCat(op->description, ": the communicator is broken by an earlier failure: ",
-                       broken_status_.message())));
+      op->Finish(absl::AbortedError(absl::StrCat(
+          op->description, ": the communicator is broken by an earlier failure: ", broken_status_.message())));
     } else {
       queue_.push_back(op);
     }
@@ -210,35 +210,32 @@ absl::Status CheckPointers(absl::Span<const B> bufs, absl::string_view what) {
 
 absl::StatusOr<std::unique_ptr<Work>> QueuedCommunicator::Broadcast(absl::Span<const MutableBytes> buffers, int root,
                                                                     const CollectiveOptions& options) {
-  std::string desc = DescribeOp("Broadcast",
-                                absl::StrFormat("root %d, %d buffers, %s", root, buffers.size(),
-                                                FormatBytes(TotalBytes(buffers))),
-                                Name(), group_, rank_, size_);
+  std::string desc = DescribeOp(
+      "Broadcast", absl::StrFormat("root %d, %d buffers, %s", root, buffers.size(), FormatBytes(TotalBytes(buffers))),
+      Name(), group_, rank_, size_);
   if (root < 0 || root >= size_) {
     return absl::InvalidArgumentError(absl::StrCat(desc, ": root out of range [0, ", size_, ")"));
   }
   RETURN_IF_ERROR(Annotate(CheckPointers(buffers, "buffers"), desc));
   std::vector<MutableBytes> bufs(buffers.begin(), buffers.end());
-  return Enqueue(std::move(desc), options.timeout, [this, bufs = std::move(bufs), root](const OpContext& ctx) {
-    return DoBroadcast(ctx, bufs, root);
-  });
+  return Enqueue(std::move(desc), options.timeout,
+                 [this, bufs = std::move(bufs), root](const OpContext& ctx) { return DoBroadcast(ctx, bufs, root); });
 }
 
 absl::StatusOr<std::unique_ptr<Work>> QueuedCommunicator::AllGather(absl::Span<const ConstBytes> inputs,
                                                                     absl::Span<const MutableBytes> outputs,
                                                                     const CollectiveOptions& options) {
-  std::string desc = DescribeOp("AllGather",
-                                absl::StrFormat("%d buffers, %s per rank", inputs.size(),
-                                                FormatBytes(TotalBytes(inputs))),
-                                Name(), group_, rank_, size_);
+  std::string desc = DescribeOp(
+      "AllGather", absl::StrFormat("%d buffers, %s per rank", inputs.size(), FormatBytes(TotalBytes(inputs))), Name(),
+      group_, rank_, size_);
   if (inputs.size() != outputs.size()) {
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: %d inputs but %d outputs", desc, inputs.size(), outputs.size()));
   }
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (outputs[i].nbytes != inputs[i].nbytes * static_cast<size_t>(size_)) {
-      return absl::InvalidArgumentError(absl::StrFormat("%s: outputs[%d] holds %d bytes, needs %d x %d = %d", desc,
-                                                        i, outputs[i].nbytes, size_, inputs[i].nbytes,
+      return absl::InvalidArgumentError(absl::StrFormat("%s: outputs[%d] holds %d bytes, needs %d x %d = %d", desc, i,
+                                                        outputs[i].nbytes, size_, inputs[i].nbytes,
                                                         inputs[i].nbytes * size_));
     }
   }
@@ -246,10 +243,9 @@ absl::StatusOr<std::unique_ptr<Work>> QueuedCommunicator::AllGather(absl::Span<c
   RETURN_IF_ERROR(Annotate(CheckPointers(outputs, "outputs"), desc));
   std::vector<ConstBytes> in(inputs.begin(), inputs.end());
   std::vector<MutableBytes> out(outputs.begin(), outputs.end());
-  return Enqueue(std::move(desc), options.timeout,
-                 [this, in = std::move(in), out = std::move(out)](const OpContext& ctx) {
-                   return DoAllGather(ctx, in, out);
-                 });
+  return Enqueue(
+      std::move(desc), options.timeout,
+      [this, in = std::move(in), out = std::move(out)](const OpContext& ctx) { return DoAllGather(ctx, in, out); });
 }
 
 absl::StatusOr<std::unique_ptr<Work>> QueuedCommunicator::AllGatherV(ConstBytes input, MutableBytes output,
@@ -257,9 +253,9 @@ absl::StatusOr<std::unique_ptr<Work>> QueuedCommunicator::AllGatherV(ConstBytes 
                                                                      const CollectiveOptions& options) {
   uint64_t total = 0;
   for (size_t n : bytes_per_rank) total += n;
-  std::string desc = DescribeOp("AllGatherV", absl::StrFormat("%s from this rank, %s in all", FormatBytes(input.nbytes),
-                                                              FormatBytes(total)),
-                                Name(), group_, rank_, size_);
+  std::string desc = DescribeOp(
+      "AllGatherV", absl::StrFormat("%s from this rank, %s in all", FormatBytes(input.nbytes), FormatBytes(total)),
+      Name(), group_, rank_, size_);
   if (bytes_per_rank.size() != static_cast<size_t>(size_)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: %d sizes given for %d ranks", desc, bytes_per_rank.size(), size_));
@@ -283,7 +279,8 @@ absl::StatusOr<std::unique_ptr<Work>> QueuedCommunicator::AllGatherV(ConstBytes 
 
 absl::StatusOr<std::unique_ptr<Work>> QueuedCommunicator::AllReduceSum(absl::Span<float> data,
                                                                        const CollectiveOptions& options) {
-  std::string desc = DescribeOp("AllReduceSum", absl::StrFormat("%d floats", data.size()), Name(), group_, rank_, size_);
+  std::string desc =
+      DescribeOp("AllReduceSum", absl::StrFormat("%d floats", data.size()), Name(), group_, rank_, size_);
   if (data.data() == nullptr && !data.empty()) return absl::InvalidArgumentError(absl::StrCat(desc, ": null data"));
   return Enqueue(std::move(desc), options.timeout,
                  [this, data](const OpContext& ctx) { return DoAllReduceSum(ctx, data); });

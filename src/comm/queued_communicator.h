@@ -57,8 +57,7 @@ class QueuedCommunicator : public Communicator {
   absl::StatusOr<std::unique_ptr<Work>> AllGatherV(ConstBytes input, MutableBytes output,
                                                    absl::Span<const size_t> bytes_per_rank,
                                                    const CollectiveOptions& options) override;
-  absl::StatusOr<std::unique_ptr<Work>> AllReduceSum(absl::Span<float> data,
-                                                     const CollectiveOptions& options) override;
+  absl::StatusOr<std::unique_ptr<Work>> AllReduceSum(absl::Span<float> data, const CollectiveOptions& options) override;
   absl::StatusOr<std::unique_ptr<Work>> Barrier(const CollectiveOptions& options) override;
   void Abort(absl::string_view reason) override;
   absl::Status Shutdown() override;

@@ -20,7 +20,8 @@ absl::Status JoinGroup(Store& store, const std::string& group, int rank, int siz
         cancelled ? std::min(absl::Milliseconds(200), deadline - absl::Now()) : deadline - absl::Now();
     joined = store.Wait(keys, std::max(slice, absl::ZeroDuration()));
     if (!absl::IsDeadlineExceeded(joined) || absl::Now() >= deadline) break;
-    if (cancelled && cancelled()) return absl::CancelledError(absl::StrCat("joining group \"", group, "\" was cancelled"));
+    if (cancelled && cancelled())
+      return absl::CancelledError(absl::StrCat("joining group \"", group, "\" was cancelled"));
   }
   if (!absl::IsDeadlineExceeded(joined)) return joined;
   std::vector<int> missing;

@@ -1,9 +1,8 @@
 #include "common/config.h"
 
 #include <fstream>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -33,9 +32,8 @@ class Fields {
     }
     const Json& v = j_.at(f);
     if (!v.is_number_integer()) return Error(f, absl::StrCat("must be an integer, got ", v.dump()));
-    const int64_t x = v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)
-                          ? INT64_MAX
-                          : v.get<int64_t>();
+    const int64_t x =
+        v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX) ? INT64_MAX : v.get<int64_t>();
     if (x < min) return Error(f, absl::StrCat("must be >= ", min, ", got ", x));
     return x;
   }
@@ -166,11 +164,13 @@ absl::StatusOr<QuantizationConfig> ParseQuantizationObject(const Json& q, absl::
   }
   if (c.strategy == "group") {
     ASSIGN_OR_RETURN(int64_t gs, w.Int("group_size", std::nullopt, -1));
-    if (gs == 0 || gs > (int64_t{1} << 30)) return w.Error("group_size", absl::StrCat("must be positive or -1, got ", gs));
+    if (gs == 0 || gs > (int64_t{1} << 30))
+      return w.Error("group_size", absl::StrCat("must be positive or -1, got ", gs));
     c.group_size = static_cast<int>(gs);
   } else if (c.strategy == "channel") {
     ASSIGN_OR_RETURN(int64_t gs, w.Int("group_size", -1, -1));
-    if (gs != -1) return w.Error("group_size", absl::StrCat("must be absent or -1 with strategy \"channel\", got ", gs));
+    if (gs != -1)
+      return w.Error("group_size", absl::StrCat("must be absent or -1 with strategy \"channel\", got ", gs));
     c.group_size = -1;
   } else {
     return w.Error("strategy", absl::StrCat("is \"", c.strategy, "\"; expected \"group\" or \"channel\""));
@@ -207,7 +207,8 @@ absl::StatusOr<IgnoreRule> IgnoreRule::Parse(std::string text) {
     try {
       r.regex.emplace(pattern, std::regex::ECMAScript);
     } catch (const std::regex_error& e) {
-      return absl::InvalidArgumentError(absl::StrCat("cannot compile regular expression \"", pattern, "\": ", e.what()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot compile regular expression \"", pattern, "\": ", e.what()));
     }
   } else if (text.empty()) {
     return absl::InvalidArgumentError("empty ignore entry");
@@ -234,7 +235,8 @@ bool QuantizationConfig::IsIgnored(absl::string_view param_name) const {
 
 absl::Status QuantizationConfig::CheckInt4Supported() const {
   auto unsupported = [](absl::string_view what) {
-    return absl::UnimplementedError(absl::StrCat("quantization_config: ", what, " is not supported by wsync's INT4 path"));
+    return absl::UnimplementedError(
+        absl::StrCat("quantization_config: ", what, " is not supported by wsync's INT4 path"));
   };
   if (format != "pack-quantized") return unsupported(absl::StrCat("format \"", format, "\""));
   if (type != "int") return unsupported(absl::StrCat("type \"", type, "\""));
@@ -272,9 +274,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::
       found = &a;
   }
   if (found == nullptr)
-    return absl::InvalidArgumentError(absl::StrCat(source, ": unsupported model (architectures ",
-                                                   j.contains("architectures") ? j.at("architectures").dump() : "absent",
-                                                   ", model_type \"", c.model_type, "\"); supported: ", SupportedArchs()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": unsupported model (architectures ",
+                     j.contains("architectures") ? j.at("architectures").dump() : "absent", ", model_type \"",
+                     c.model_type, "\"); supported: ", SupportedArchs()));
   if (!c.model_type.empty() && c.model_type != found->model_type)
     return f.Error("model_type", absl::StrCat("is \"", c.model_type, "\" but architectures says ", found->class_name));
   c.arch = found->arch;
@@ -293,7 +296,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::
   ASSIGN_OR_RETURN(c.tie_word_embeddings, f.Bool("tie_word_embeddings", false));
   ASSIGN_OR_RETURN(std::string dtype, f.String("torch_dtype", "bfloat16"));
   auto dt = ParseTorchDType(dtype);
-  if (!dt.ok() || !IsFloating(*dt)) return f.Error("torch_dtype", absl::StrCat("is \"", dtype, "\"; expected bfloat16, float16 or float32"));
+  if (!dt.ok() || !IsFloating(*dt))
+    return f.Error("torch_dtype", absl::StrCat("is \"", dtype, "\"; expected bfloat16, float16 or float32"));
   c.dtype = *dt;
   if (c.rms_norm_eps <= 0) return f.Error("rms_norm_eps", absl::StrCat("must be positive, got ", c.rms_norm_eps));
   if (c.rope_theta <= 0) return f.Error("rope_theta", absl::StrCat("must be positive, got ", c.rope_theta));
@@ -318,8 +322,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::
     c.head_dim = c.hidden_size / c.num_attention_heads;
   }
   if (!is_mla && c.num_attention_heads % c.num_key_value_heads != 0)
-    return f.Error("num_key_value_heads", absl::StrCat(c.num_key_value_heads, " does not divide num_attention_heads ",
-                                                       c.num_attention_heads));
+    return f.Error("num_key_value_heads",
+                   absl::StrCat(c.num_key_value_heads, " does not divide num_attention_heads ", c.num_attention_heads));
 
   if (c.arch == Architecture::kQwen3Moe) {
     MoeConfig m;
@@ -348,8 +352,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::
     ASSIGN_OR_RETURN(m.scoring_func, f.String("scoring_func", "sigmoid"));
     ASSIGN_OR_RETURN(m.topk_method, f.String("topk_method", "noaux_tc"));
     if (m.first_k_dense_replace > c.num_hidden_layers)
-      return f.Error("first_k_dense_replace", absl::StrCat(m.first_k_dense_replace, " exceeds num_hidden_layers ",
-                                                           c.num_hidden_layers));
+      return f.Error("first_k_dense_replace",
+                     absl::StrCat(m.first_k_dense_replace, " exceeds num_hidden_layers ", c.num_hidden_layers));
     if (m.num_experts % m.n_group != 0)
       return f.Error("n_group", absl::StrCat(m.n_group, " does not divide n_routed_experts ", m.num_experts));
     if (m.topk_group > m.n_group)
@@ -372,8 +376,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::
     ASSIGN_OR_RETURN(c.num_nextn_predict_layers, f.Int("num_nextn_predict_layers", 0, 0));
   }
   if (c.moe && c.moe->num_experts_per_tok > c.moe->num_experts)
-    return f.Error("num_experts_per_tok", absl::StrCat(c.moe->num_experts_per_tok, " exceeds the number of experts ",
-                                                       c.moe->num_experts));
+    return f.Error("num_experts_per_tok",
+                   absl::StrCat(c.moe->num_experts_per_tok, " exceeds the number of experts ", c.moe->num_experts));
   if (!is_mla && c.head_dim % 2 != 0)
     return f.Error("head_dim", absl::StrCat("must be even for rotary embeddings, got ", c.head_dim));
 

@@ -52,11 +52,11 @@ struct QuantizationConfig {
   std::string format;        // "pack-quantized"
   int num_bits = 4;
   std::string type = "int";
-  std::string strategy;      // "group" or "channel"
-  int group_size = -1;       // -1: channelwise (one group spanning K)
+  std::string strategy;  // "group" or "channel"
+  int group_size = -1;   // -1: channelwise (one group spanning K)
   bool symmetric = true;
   bool dynamic = false;
-  std::string actorder;      // "" when null / absent
+  std::string actorder;  // "" when null / absent
   std::vector<std::string> targets;
   std::vector<IgnoreRule> ignore;
 
@@ -73,10 +73,10 @@ struct QuantizationConfig {
 };
 
 struct MoeConfig {
-  int64_t num_experts = 0;            // routed experts (Qwen3-MoE num_experts, DeepSeek n_routed_experts)
-  int64_t num_experts_per_tok = 0;    // top-k
+  int64_t num_experts = 0;          // routed experts (Qwen3-MoE num_experts, DeepSeek n_routed_experts)
+  int64_t num_experts_per_tok = 0;  // top-k
   int64_t moe_intermediate_size = 0;
-  int64_t num_shared_experts = 0;     // DeepSeek n_shared_experts (0 for Qwen3-MoE)
+  int64_t num_shared_experts = 0;  // DeepSeek n_shared_experts (0 for Qwen3-MoE)
   bool norm_topk_prob = false;
   // Qwen3-MoE layer selection.
   int64_t decoder_sparse_step = 1;
@@ -91,8 +91,8 @@ struct MoeConfig {
   std::string topk_method = "greedy";
 };
 
-struct MlaConfig {                    // DeepSeek-V3 multi-head latent attention
-  int64_t q_lora_rank = 0;            // 0: no q compression (q_lora_rank null)
+struct MlaConfig {          // DeepSeek-V3 multi-head latent attention
+  int64_t q_lora_rank = 0;  // 0: no q compression (q_lora_rank null)
   int64_t kv_lora_rank = 0;
   int64_t qk_nope_head_dim = 0;
   int64_t qk_rope_head_dim = 0;
@@ -101,22 +101,22 @@ struct MlaConfig {                    // DeepSeek-V3 multi-head latent attention
 
 struct ModelConfig {
   Architecture arch = Architecture::kLlama;
-  std::string architecture;           // architectures[0], e.g. "Qwen3MoeForCausalLM"
+  std::string architecture;  // architectures[0], e.g. "Qwen3MoeForCausalLM"
   std::string model_type;
   int64_t hidden_size = 0;
   int64_t num_hidden_layers = 0;
   int64_t num_attention_heads = 0;
   int64_t num_key_value_heads = 0;
   int64_t head_dim = 0;
-  int64_t intermediate_size = 0;      // dense MLP width (DeepSeek's first dense layers too)
+  int64_t intermediate_size = 0;  // dense MLP width (DeepSeek's first dense layers too)
   int64_t vocab_size = 0;
   int64_t max_position_embeddings = 0;
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
   bool tie_word_embeddings = false;
-  bool qkv_bias = false;              // Qwen2 always; Llama/Qwen3 when attention_bias
-  bool qk_norm = false;               // Qwen3, Qwen3-MoE
-  DType dtype = DType::kBF16;         // torch_dtype
+  bool qkv_bias = false;                 // Qwen2 always; Llama/Qwen3 when attention_bias
+  bool qk_norm = false;                  // Qwen3, Qwen3-MoE
+  DType dtype = DType::kBF16;            // torch_dtype
   int64_t num_nextn_predict_layers = 0;  // DeepSeek MTP
   std::optional<MoeConfig> moe;
   std::optional<MlaConfig> mla;

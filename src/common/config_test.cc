@@ -73,9 +73,10 @@ TEST(ConfigTest, Qwen3Moe) {
   EXPECT_TRUE(c->IsMoeLayer(47));
   EXPECT_FALSE(c->IsMoeLayer(48));
   EXPECT_FALSE(c->quantization.has_value());
-  auto sparse = ParseModelConfig(Replace(Replace(kQwen3Moe30B, R"("decoder_sparse_step": 1)", R"("decoder_sparse_step": 2)"),
-                                         R"("mlp_only_layers": [])", R"("mlp_only_layers": [3])"),
-                                 "x");
+  auto sparse =
+      ParseModelConfig(Replace(Replace(kQwen3Moe30B, R"("decoder_sparse_step": 1)", R"("decoder_sparse_step": 2)"),
+                               R"("mlp_only_layers": [])", R"("mlp_only_layers": [3])"),
+                       "x");
   ASSERT_TRUE(sparse.ok()) << sparse.status();
   EXPECT_FALSE(sparse->IsMoeLayer(0));
   EXPECT_TRUE(sparse->IsMoeLayer(1));
@@ -131,7 +132,8 @@ TEST(ConfigTest, DenseModelsAndDefaults) {
   EXPECT_TRUE(qwen3->qk_norm);
   // model_type alone identifies the architecture.
   auto by_type = ParseModelConfig(R"({"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
-      "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 1000})", "t");
+      "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 1000})",
+                                  "t");
   ASSERT_TRUE(by_type.ok()) << by_type.status();
   EXPECT_EQ(by_type->architecture, "Qwen3ForCausalLM");
   EXPECT_EQ(by_type->head_dim, 128);  // HF Qwen3Config default
@@ -195,12 +197,12 @@ TEST(ConfigTest, QuantizationConfigStandaloneAndEmbedded) {
 TEST(ConfigTest, IgnoreRulesFollowReMatchAndPrefix) {
   auto q = ParseQuantizationConfig(kInt4Quant, "q.json");
   ASSERT_TRUE(q.ok());
-  EXPECT_TRUE(q->IsIgnored("lm_head.weight"));                              // exact module name
-  EXPECT_TRUE(q->IsIgnored("model.layers.3.self_attn.q_proj.weight"));      // regex
-  EXPECT_TRUE(q->IsIgnored("model.layers.3.mlp.gate.weight"));              // regex on the module name ($)
-  EXPECT_FALSE(q->IsIgnored("model.layers.3.mlp.gate_proj.weight"));        // "gate$" does not match gate_proj
+  EXPECT_TRUE(q->IsIgnored("lm_head.weight"));                          // exact module name
+  EXPECT_TRUE(q->IsIgnored("model.layers.3.self_attn.q_proj.weight"));  // regex
+  EXPECT_TRUE(q->IsIgnored("model.layers.3.mlp.gate.weight"));          // regex on the module name ($)
+  EXPECT_FALSE(q->IsIgnored("model.layers.3.mlp.gate_proj.weight"));    // "gate$" does not match gate_proj
   EXPECT_FALSE(q->IsIgnored("model.layers.3.mlp.experts.1.up_proj.weight"));
-  EXPECT_TRUE(q->IsIgnored("model.layers.0.mlp.experts.1.up_proj.weight"));   // prefix
+  EXPECT_TRUE(q->IsIgnored("model.layers.0.mlp.experts.1.up_proj.weight"));  // prefix
   EXPECT_FALSE(q->IsIgnored("model.layers.01.mlp.experts.1.up_proj.weight"));
   // Patterns libstdc++ cannot compile safely are refused up front (found by the config fuzzer).
   EXPECT_EQ(IgnoreRule::Parse("re:\\6666666666666666666").status().code(), absl::StatusCode::kInvalidArgument);
@@ -221,7 +223,8 @@ TEST(ConfigTest, QuantizationErrorsAndUnsupportedSettings) {
     const char* mention;
   };
   const Case cases[] = {
-      {R"("quant_method": "compressed-tensors")", R"("quant_method": "awq")", absl::StatusCode::kInvalidArgument, "awq"},
+      {R"("quant_method": "compressed-tensors")", R"("quant_method": "awq")", absl::StatusCode::kInvalidArgument,
+       "awq"},
       {R"("strategy": "group")", R"("strategy": "tensor")", absl::StatusCode::kInvalidArgument, "strategy"},
       {R"("group_size": 128)", R"("group_size": 0)", absl::StatusCode::kInvalidArgument, "group_size"},
       {R"("group_size": 128)", R"("group_size": "128")", absl::StatusCode::kInvalidArgument, "group_size"},
@@ -245,10 +248,10 @@ TEST(ConfigTest, QuantizationErrorsAndUnsupportedSettings) {
       EXPECT_NE(s.message().find(c.mention), std::string_view::npos) << s;
     }
   }
-  auto channel = ParseQuantizationConfig(
-      Replace(Replace(kInt4Quant, R"("strategy": "group")", R"("strategy": "channel")"), R"("group_size": 128)",
-              R"("group_size": null)"),
-      "q.json");
+  auto channel =
+      ParseQuantizationConfig(Replace(Replace(kInt4Quant, R"("strategy": "group")", R"("strategy": "channel")"),
+                                      R"("group_size": 128)", R"("group_size": null)"),
+                              "q.json");
   ASSERT_TRUE(channel.ok()) << channel.status();
   EXPECT_EQ(channel->group_size, -1);
   EXPECT_TRUE(channel->CheckInt4Supported().ok());

@@ -28,7 +28,8 @@ class Mapping final : public CudaIpcMapping {
       return CudaError(e, absl::StrCat("cudaSetDevice(", device_, ")"), absl::StatusCode::kFailedPrecondition);
     if (cudaError_t e = cudaMemcpy(dst, static_cast<const char*>(base_) + offset, nbytes, cudaMemcpyDeviceToHost);
         e != cudaSuccess)
-      return CudaError(e, absl::StrCat("copying ", nbytes, " bytes from device ", device_), absl::StatusCode::kInternal);
+      return CudaError(e, absl::StrCat("copying ", nbytes, " bytes from device ", device_),
+                       absl::StatusCode::kInternal);
     return absl::OkStatus();
   }
   absl::Status CopyFromHost(uint64_t offset, size_t nbytes, const void* src) override {

@@ -11,7 +11,6 @@
 #include <cstddef>
 #include <cstdint>
 
-
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -25,16 +24,12 @@ inline constexpr DType kAllDTypes[] = {DType::kBF16, DType::kF16, DType::kF32, D
 constexpr size_t ItemSize(DType t) {
   switch (t) {
     case DType::kBF16:
-    case DType::kF16:
-      return 2;
+    case DType::kF16: return 2;
     case DType::kF32:
-    case DType::kI32:
-      return 4;
-    case DType::kI64:
-      return 8;
+    case DType::kI32: return 4;
+    case DType::kI64: return 8;
     case DType::kI8:
-    case DType::kU8:
-      return 1;
+    case DType::kU8: return 1;
   }
   return 0;
 }
@@ -87,7 +82,7 @@ constexpr uint16_t F32ToF16(float f) {
   const uint32_t abs = u & 0x7fffffffu;
   if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((abs >> 13) & 0x3ffu));
   if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520: rounds to inf
-  if (abs < 0x38800000u) {                                                   // below 2^-14: subnormal
+  if (abs < 0x38800000u) {                                               // below 2^-14: subnormal
     if (abs < 0x33000000u) return sign;  // below 2^-25: rounds to zero (2^-25 itself ties to 0)
     const uint32_t exp = abs >> 23;
     const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;

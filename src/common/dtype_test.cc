@@ -25,7 +25,7 @@ uint16_t RefF32ToBF16(float f) {
   if ((u & 0xffff) == 0) return lo;
   const double x = f, a = BF16ToF32(lo);
   const double b = (hi & 0x7f80) == 0x7f80 && (hi & 0x7f) == 0 ? std::copysign(std::ldexp(1.0, 128), x)
-                                                                : static_cast<double>(BF16ToF32(hi));
+                                                               : static_cast<double>(BF16ToF32(hi));
   const double da = std::fabs(x - a), db = std::fabs(b - x);
   if (da < db) return lo;
   if (db < da) return hi;
@@ -140,9 +140,9 @@ TEST(DTypeTest, F16MatchesReferenceOnRandomFloats) {
   std::uniform_real_distribution<float> exp_dist(-30.0f, 17.0f);
   for (int i = 0; i < 300'000; ++i) {
     // Values spread over the fp16 range, incl. subnormals and overflow, plus raw random bits.
-    float f = (i % 2) ? std::ldexp(1.0f + static_cast<float>(rng() & 0xffffff) / 16777216.0f,
-                                   static_cast<int>(exp_dist(rng)))
-                      : FromBits(rng());
+    float f =
+        (i % 2) ? std::ldexp(1.0f + static_cast<float>(rng() & 0xffffff) / 16777216.0f, static_cast<int>(exp_dist(rng)))
+                : FromBits(rng());
     if (rng() & 1) f = -f;
     if (std::isnan(f)) continue;
     ASSERT_EQ(F32ToF16(f), RefF32ToF16(f)) << std::hex << Bits(f) << " " << f;
@@ -156,7 +156,7 @@ TEST(DTypeTest, F16EdgeCases) {
   EXPECT_EQ(F32ToF16(1e10f), 0x7c00);
   EXPECT_EQ(F32ToF16(-1e10f), 0xfc00);
   EXPECT_EQ(F32ToF16(std::ldexp(1.0f, -24)), 0x0001);
-  EXPECT_EQ(F32ToF16(std::ldexp(1.0f, -25)), 0x0000);         // tie -> even (0)
+  EXPECT_EQ(F32ToF16(std::ldexp(1.0f, -25)), 0x0000);  // tie -> even (0)
   EXPECT_EQ(F32ToF16(std::ldexp(1.5f, -25)), 0x0001);
   EXPECT_EQ(F32ToF16(std::ldexp(3.0f, -25)), 0x0002);         // 1.5 units: tie -> 2 (even)
   EXPECT_EQ(F32ToF16(std::ldexp(1.0f, -14)), 0x0400);         // smallest normal

@@ -46,11 +46,16 @@ LogLevel GetLogLevel() {
 
 bool ParseLogLevel(absl::string_view text, LogLevel* out) {
   const std::string t = absl::AsciiStrToLower(text);
-  if (t == "debug") *out = LogLevel::kDebug;
-  else if (t == "info") *out = LogLevel::kInfo;
-  else if (t == "warning" || t == "warn") *out = LogLevel::kWarning;
-  else if (t == "error") *out = LogLevel::kError;
-  else return false;
+  if (t == "debug")
+    *out = LogLevel::kDebug;
+  else if (t == "info")
+    *out = LogLevel::kInfo;
+  else if (t == "warning" || t == "warn")
+    *out = LogLevel::kWarning;
+  else if (t == "error")
+    *out = LogLevel::kError;
+  else
+    return false;
   return true;
 }
 
@@ -71,8 +76,8 @@ LogMessage::LogMessage(LogLevel level, const char* file, int line) {
     identity = g_identity;
   }
   stream_ << absl::StrFormat("%c%02d%02d %02d:%02d:%02d.%06d %s %s:%d] ", kLetters[static_cast<int>(level)],
-                             tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
-                             static_cast<int>(tv.tv_usec), identity, base ? base + 1 : file, line);
+                             tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, static_cast<int>(tv.tv_usec),
+                             identity, base ? base + 1 : file, line);
 }
 
 LogMessage::~LogMessage() {

@@ -55,8 +55,8 @@ struct Voidify {
 #define WSYNC_LOG_LEVEL_WARNING ::wsync::LogLevel::kWarning
 #define WSYNC_LOG_LEVEL_ERROR ::wsync::LogLevel::kError
 
-#define WSYNC_LOG(severity)                                              \
-  (WSYNC_LOG_LEVEL_##severity < ::wsync::GetLogLevel())                  \
-      ? (void)0                                                          \
-      : ::wsync::internal::Voidify() &                                   \
+#define WSYNC_LOG(severity)                             \
+  (WSYNC_LOG_LEVEL_##severity < ::wsync::GetLogLevel()) \
+      ? (void)0                                         \
+      : ::wsync::internal::Voidify() &                  \
             ::wsync::internal::LogMessage(WSYNC_LOG_LEVEL_##severity, __FILE__, __LINE__).stream()

@@ -26,10 +26,14 @@ bool ValidName(absl::string_view n, bool allow_colon) {
 std::string Escape(absl::string_view v, bool quote) {
   std::string out;
   for (char c : v) {
-    if (c == '\\') out += "\\\\";
-    else if (c == '\n') out += "\\n";
-    else if (quote && c == '"') out += "\\\"";
-    else out.push_back(c);
+    if (c == '\\')
+      out += "\\\\";
+    else if (c == '\n')
+      out += "\\n";
+    else if (quote && c == '"')
+      out += "\\\"";
+    else
+      out.push_back(c);
   }
   return out;
 }
@@ -43,7 +47,8 @@ std::string FormatValue(double v) {
 // {a="x",b="y"} with an optional extra label (le for histogram buckets); "" when empty.
 std::string RenderLabels(const Labels& labels, absl::string_view extra_key = "", absl::string_view extra_value = "") {
   std::string out;
-  for (const auto& [k, v] : labels) absl::StrAppend(&out, out.empty() ? "{" : ",", k, "=\"", Escape(v, /*quote=*/true), "\"");
+  for (const auto& [k, v] : labels)
+    absl::StrAppend(&out, out.empty() ? "{" : ",", k, "=\"", Escape(v, /*quote=*/true), "\"");
   if (!extra_key.empty()) absl::StrAppend(&out, out.empty() ? "{" : ",", extra_key, "=\"", extra_value, "\"");
   if (!out.empty()) out += "}";
   return out;
@@ -85,8 +90,8 @@ MetricsRegistry& MetricsRegistry::Global() {
 }
 
 absl::StatusOr<MetricsRegistry::Family*> MetricsRegistry::FamilyFor(absl::string_view name, absl::string_view help,
-                                                                     Type type, const std::vector<double>& bounds,
-                                                                     const Labels& labels) {
+                                                                    Type type, const std::vector<double>& bounds,
+                                                                    const Labels& labels) {
   if (!ValidName(name, /*allow_colon=*/true))
     return absl::InvalidArgumentError(absl::StrCat("invalid metric name \"", name, "\""));
   for (const auto& [k, v] : labels)
@@ -182,15 +187,15 @@ absl::Status MetricsServer::Start(const std::string& host, int port) {
   server->Get("/metrics", [registry](const httplib::Request&, httplib::Response& res) {
     res.set_content(registry->RenderPrometheus(), "text/plain; version=0.0.4; charset=utf-8");
   });
-  server->Get("/healthz", [](const httplib::Request&, httplib::Response& res) { res.set_content("ok\n", "text/plain"); });
+  server->Get("/healthz",
+              [](const httplib::Request&, httplib::Response& res) { res.set_content("ok\n", "text/plain"); });
   int bound = port;
   if (port == 0) {
     bound = server->bind_to_any_port(host);
   } else if (!server->bind_to_port(host, port)) {
     bound = -1;
   }
-  if (bound < 0)
-    return absl::UnavailableError(absl::StrCat("metrics server: cannot bind ", host, ":", port));
+  if (bound < 0) return absl::UnavailableError(absl::StrCat("metrics server: cannot bind ", host, ":", port));
   port_ = bound;
   server_ = std::move(server);
   thread_ = std::thread([s = server_.get()] { s->listen_after_bind(); });

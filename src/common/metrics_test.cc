@@ -75,7 +75,7 @@ TEST(MetricsTest, ConcurrentUpdatesAreNotLost) {
   for (auto& t : threads) t.join();
   EXPECT_EQ(c->value(), 40000);
   EXPECT_EQ(h->snapshot().count, 40000u);
-  EXPECT_EQ(h->snapshot().cumulative[1], 0u);   // <= 2
+  EXPECT_EQ(h->snapshot().cumulative[1], 0u);      // <= 2
   EXPECT_EQ(h->snapshot().cumulative[2], 40000u);  // <= 4
 }
 

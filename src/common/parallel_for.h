@@ -31,8 +31,7 @@ namespace wsync {
 
 inline int DefaultThreads() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
 
-inline void ParallelFor(int64_t n, int threads, int64_t min_per_thread,
-                        absl::FunctionRef<void(int64_t, int64_t)> fn) {
+inline void ParallelFor(int64_t n, int threads, int64_t min_per_thread, absl::FunctionRef<void(int64_t, int64_t)> fn) {
   if (n <= 0) return;
   if (threads <= 0) threads = DefaultThreads();
   int64_t parts = std::min<int64_t>(threads, n);

@@ -34,8 +34,9 @@ absl::StatusOr<RpcSecurity> LoadRpcSecurity(const RpcSecurityOptions& o) {
 
 std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const RpcSecurity& sec) {
   if (sec.cert_pem.empty()) return grpc::InsecureServerCredentials();
-  grpc::SslServerCredentialsOptions opts(sec.ca_pem.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
-                                                            : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  grpc::SslServerCredentialsOptions opts(sec.ca_pem.empty()
+                                             ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                             : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
   opts.pem_root_certs = sec.ca_pem;
   opts.pem_key_cert_pairs.push_back({sec.key_pem, sec.cert_pem});
   return grpc::SslServerCredentials(opts);

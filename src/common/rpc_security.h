@@ -24,14 +24,14 @@
 namespace wsync {
 
 struct RpcSecurityOptions {
-  std::string token_file;      // else $WSYNC_TOKEN, else no auth
-  std::string tls_cert_file;   // server: its certificate; client: its own (mutual TLS)
+  std::string token_file;     // else $WSYNC_TOKEN, else no auth
+  std::string tls_cert_file;  // server: its certificate; client: its own (mutual TLS)
   std::string tls_key_file;
-  std::string tls_ca_file;     // server: CA of client certificates (required if set); client: CA of the server
+  std::string tls_ca_file;  // server: CA of client certificates (required if set); client: CA of the server
 };
 
 struct RpcSecurity {
-  std::string token;           // empty: no auth
+  std::string token;  // empty: no auth
   std::string cert_pem, key_pem, ca_pem;
   bool tls() const { return !ca_pem.empty() || !cert_pem.empty(); }
 };
@@ -55,8 +55,8 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b);
 
 }  // namespace wsync
 
-#define WSYNC_AUTHORIZE(ctx, sec)                                      \
-  do {                                                                 \
-    ::grpc::Status wsync_auth_ = ::wsync::Authorize(*(ctx), (sec));    \
-    if (!wsync_auth_.ok()) return wsync_auth_;                         \
+#define WSYNC_AUTHORIZE(ctx, sec)                                   \
+  do {                                                              \
+    ::grpc::Status wsync_auth_ = ::wsync::Authorize(*(ctx), (sec)); \
+    if (!wsync_auth_.ok()) return wsync_auth_;                      \
   } while (0)

@@ -10,9 +10,8 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
-#include <set>
-
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -42,7 +41,8 @@ absl::StatusOr<uint64_t> NonNegativeInt(const Json& j, uint64_t max) {
     if (v > max) return absl::InvalidArgumentError(absl::StrCat("value ", v, " is too large"));
     return v;
   }
-  if (j.is_number_integer()) return absl::InvalidArgumentError(absl::StrCat("value ", j.get<int64_t>(), " is negative"));
+  if (j.is_number_integer())
+    return absl::InvalidArgumentError(absl::StrCat("value ", j.get<int64_t>(), " is negative"));
   return absl::InvalidArgumentError(absl::StrCat("expected an integer, got ", j.dump()));
 }
 
@@ -52,9 +52,7 @@ absl::StatusOr<Json> ParseJsonNoDuplicates(absl::string_view text, absl::string_
   std::string duplicate;
   Json::parser_callback_t cb = [&](int /*depth*/, Json::parse_event_t event, Json& parsed) {
     switch (event) {
-      case Json::parse_event_t::object_start:
-        keys.emplace_back();
-        break;
+      case Json::parse_event_t::object_start: keys.emplace_back(); break;
       case Json::parse_event_t::object_end:
         if (!keys.empty()) keys.pop_back();
         break;
@@ -62,8 +60,7 @@ absl::StatusOr<Json> ParseJsonNoDuplicates(absl::string_view text, absl::string_
         if (!keys.empty() && !keys.back().insert(parsed.get<std::string>()).second && duplicate.empty())
           duplicate = parsed.get<std::string>();
         break;
-      default:
-        break;
+      default: break;
     }
     return true;
   };
@@ -76,10 +73,12 @@ absl::StatusOr<Json> ParseJsonNoDuplicates(absl::string_view text, absl::string_
 }  // namespace
 
 absl::StatusOr<SafetensorsLayout> ParseSafetensors(std::span<const std::byte> file, absl::string_view file_name) {
-  if (file.size() < 8) return Bad(file_name, absl::StrCat("file is ", file.size(), " bytes, shorter than the 8-byte header length"));
+  if (file.size() < 8)
+    return Bad(file_name, absl::StrCat("file is ", file.size(), " bytes, shorter than the 8-byte header length"));
   const uint64_t n = ReadLE64(file.data());
   if (n > file.size() - 8)
-    return Bad(file_name, absl::StrCat("header length ", n, " runs past the end of the file (", file.size(), " bytes)"));
+    return Bad(file_name,
+               absl::StrCat("header length ", n, " runs past the end of the file (", file.size(), " bytes)"));
   if (n > kSafetensorsMaxHeaderBytes)
     return Bad(file_name, absl::StrCat("header length ", n, " exceeds the limit of ", kSafetensorsMaxHeaderBytes));
   if (n < 2) return Bad(file_name, absl::StrCat("header length ", n, " is too short for a JSON object"));
@@ -125,28 +124,31 @@ absl::StatusOr<SafetensorsLayout> ParseSafetensors(std::span<const std::byte> fi
     if (!sh->is_array()) return BadTensor(file_name, name, "shape is not an array");
     for (const Json& d : *sh) {
       auto dim = NonNegativeInt(d, static_cast<uint64_t>(std::numeric_limits<int64_t>::max()));
-      if (!dim.ok()) return BadTensor(file_name, name, absl::StrCat("bad shape ", sh->dump(), ": ", dim.status().message()));
+      if (!dim.ok())
+        return BadTensor(file_name, name, absl::StrCat("bad shape ", sh->dump(), ": ", dim.status().message()));
       rec.shape.push_back(static_cast<int64_t>(*dim));
     }
     if (!off->is_array() || off->size() != 2)
       return BadTensor(file_name, name, absl::StrCat("data_offsets must be [begin, end], got ", off->dump()));
     auto begin = NonNegativeInt((*off)[0], std::numeric_limits<uint64_t>::max());
     auto end = NonNegativeInt((*off)[1], std::numeric_limits<uint64_t>::max());
-    if (!begin.ok() || !end.ok())
-      return BadTensor(file_name, name, absl::StrCat("bad data_offsets ", off->dump()));
+    if (!begin.ok() || !end.ok()) return BadTensor(file_name, name, absl::StrCat("bad data_offsets ", off->dump()));
     rec.begin = *begin;
     rec.end = *end;
     if (rec.begin > rec.end)
-      return BadTensor(file_name, name, absl::StrCat("data_offsets [", rec.begin, ", ", rec.end, "] end before they begin"));
+      return BadTensor(file_name, name,
+                       absl::StrCat("data_offsets [", rec.begin, ", ", rec.end, "] end before they begin"));
     if (rec.end > data_size)
-      return BadTensor(file_name, name, absl::StrCat("data_offsets [", rec.begin, ", ", rec.end,
-                                                     "] run past the data section (", data_size, " bytes)"));
+      return BadTensor(file_name, name,
+                       absl::StrCat("data_offsets [", rec.begin, ", ", rec.end, "] run past the data section (",
+                                    data_size, " bytes)"));
     auto nbytes = NumBytes(rec.dtype, rec.shape);
     if (!nbytes.ok()) return BadTensor(file_name, name, nbytes.status().message());
     if (static_cast<uint64_t>(*nbytes) != rec.end - rec.begin)
-      return BadTensor(file_name, name, absl::StrCat(SafetensorsName(rec.dtype), ShapeToString(rec.shape), " needs ",
-                                                     *nbytes, " bytes but data_offsets [", rec.begin, ", ", rec.end,
-                                                     "] hold ", rec.end - rec.begin));
+      return BadTensor(
+          file_name, name,
+          absl::StrCat(SafetensorsName(rec.dtype), ShapeToString(rec.shape), " needs ", *nbytes,
+                       " bytes but data_offsets [", rec.begin, ", ", rec.end, "] hold ", rec.end - rec.begin));
     layout.records.push_back(std::move(rec));
   }
   std::sort(layout.records.begin(), layout.records.end(), [](const SafetensorsRecord& a, const SafetensorsRecord& b) {
@@ -158,8 +160,9 @@ absl::StatusOr<SafetensorsLayout> ParseSafetensors(std::span<const std::byte> fi
   for (const auto& r : layout.records) {
     if (r.begin == r.end) continue;
     if (furthest != nullptr && r.begin < furthest->end)
-      return BadTensor(file_name, r.name, absl::StrCat("data_offsets [", r.begin, ", ", r.end, "] overlap tensor \"",
-                                                       furthest->name, "\" [", furthest->begin, ", ", furthest->end, "]"));
+      return BadTensor(file_name, r.name,
+                       absl::StrCat("data_offsets [", r.begin, ", ", r.end, "] overlap tensor \"", furthest->name,
+                                    "\" [", furthest->begin, ", ", furthest->end, "]"));
     if (furthest == nullptr || r.end > furthest->end) furthest = &r;
   }
   return layout;
@@ -209,8 +212,8 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
   f.tensors_.reserve(layout.records.size());
   for (auto& r : layout.records) {
     const size_t nbytes = static_cast<size_t>(r.end - r.begin);
-    std::span<const std::byte> data = nbytes == 0 ? std::span<const std::byte>()
-                                                  : bytes.subspan(layout.data_offset + r.begin, nbytes);
+    std::span<const std::byte> data =
+        nbytes == 0 ? std::span<const std::byte>() : bytes.subspan(layout.data_offset + r.begin, nbytes);
     f.index_.emplace(r.name, f.tensors_.size());
     f.tensors_.push_back({std::move(r.name), TensorView(r.dtype, std::move(r.shape), data)});
   }
@@ -241,7 +244,9 @@ absl::Status SafetensorsWriter::Add(std::string name, TensorView view) {
   return absl::OkStatus();
 }
 
-void SafetensorsWriter::SetMetadata(std::string key, std::string value) { metadata_[std::move(key)] = std::move(value); }
+void SafetensorsWriter::SetMetadata(std::string key, std::string value) {
+  metadata_[std::move(key)] = std::move(value);
+}
 
 namespace {
 
@@ -283,7 +288,8 @@ absl::Status SafetensorsWriter::Write(const std::string& path) const {
   try {
     text = header.dump();
   } catch (const Json::exception& e) {  // a name that is not valid UTF-8
-    return absl::InvalidArgumentError(absl::StrCat("safetensors writer: cannot encode header for ", path, ": ", e.what()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("safetensors writer: cannot encode header for ", path, ": ", e.what()));
   }
   text.append((8 - text.size() % 8) % 8, ' ');  // the data section starts 8-byte aligned
   unsigned char len[8];

@@ -1,8 +1,8 @@
 #include "common/safetensors.h"
 
+#include <dirent.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
-#include <dirent.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -206,15 +206,22 @@ std::vector<Malformed> MalformedCorpus() {
       {"offsets negative", Image(R"({"w":{"dtype":"U8","shape":[2],"data_offsets":[-2,0]}})", 8), "data_offsets"},
       {"offsets wrong arity", Image(R"({"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2,4]}})", 8), "[begin, end]"},
       {"size mismatch", Image(R"({"w":{"dtype":"BF16","shape":[3],"data_offsets":[0,8]}})", 8), "needs 6 bytes"},
-      {"overlap", Image(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}})", 8),
+      {"overlap",
+       Image(
+           R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}})",
+           8),
        "overlap"},
       {"contained overlap",
-       Image(R"({"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[1],"data_offsets":[3,4]},"c":{"dtype":"U8","shape":[1],"data_offsets":[7,8]}})", 8),
+       Image(
+           R"({"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[1],"data_offsets":[3,4]},"c":{"dtype":"U8","shape":[1],"data_offsets":[7,8]}})",
+           8),
        "overlap"},
       {"duplicate names", Image("{" + ok_entry + "," + ok_entry + "}", 8), "duplicate key \"w\""},
-      {"duplicate field", Image(R"({"w":{"dtype":"U8","dtype":"U8","shape":[1],"data_offsets":[0,1]}})", 1), "duplicate"},
+      {"duplicate field", Image(R"({"w":{"dtype":"U8","dtype":"U8","shape":[1],"data_offsets":[0,1]}})", 1),
+       "duplicate"},
       {"missing field", Image(R"({"w":{"shape":[1],"data_offsets":[0,1]}})", 1), "needs"},
-      {"unexpected field", Image(R"({"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":1}})", 1), "unexpected field"},
+      {"unexpected field", Image(R"({"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":1}})", 1),
+       "unexpected field"},
       {"entry not object", Image(R"({"w":[1]})", 0), "not an object"},
       {"empty name", Image(R"({"":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})", 1), "empty name"},
       {"metadata not object", Image(R"({"__metadata__":[1]})", 0), "__metadata__"},

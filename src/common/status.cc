@@ -14,28 +14,20 @@ absl::Status ErrnoToStatus(int err, absl::string_view what) {
   std::string msg = absl::StrCat(what, ": ", std::strerror(err));
   switch (err) {
     case ENOENT:
-    case ENOTDIR:
-      return absl::NotFoundError(msg);
+    case ENOTDIR: return absl::NotFoundError(msg);
     case EACCES:
-    case EPERM:
-      return absl::PermissionDeniedError(msg);
+    case EPERM: return absl::PermissionDeniedError(msg);
     case ENOSPC:
     case ENOMEM:
-    case EDQUOT:
-      return absl::ResourceExhaustedError(msg);
-    case EEXIST:
-      return absl::AlreadyExistsError(msg);
-    case EINVAL:
-      return absl::InvalidArgumentError(msg);
-    case ETIMEDOUT:
-      return absl::DeadlineExceededError(msg);
+    case EDQUOT: return absl::ResourceExhaustedError(msg);
+    case EEXIST: return absl::AlreadyExistsError(msg);
+    case EINVAL: return absl::InvalidArgumentError(msg);
+    case ETIMEDOUT: return absl::DeadlineExceededError(msg);
     case ECONNREFUSED:
     case ECONNRESET:
     case EPIPE:
-    case EHOSTUNREACH:
-      return absl::UnavailableError(msg);
-    default:
-      return absl::InternalError(msg);
+    case EHOSTUNREACH: return absl::UnavailableError(msg);
+    default: return absl::InternalError(msg);
   }
 }
 

@@ -27,10 +27,10 @@
 // WSYNC_CUDA_RETURN_IF_ERROR (kernels/cuda/cuda_status.h).
 
 // Evaluates `expr` (an absl::Status) once and returns it from the current function if not OK.
-#define RETURN_IF_ERROR(expr)                                                \
-  do {                                                                       \
-    ::absl::Status wsync_status_ = (expr);                                   \
-    if (!wsync_status_.ok()) return wsync_status_;                           \
+#define RETURN_IF_ERROR(expr)                      \
+  do {                                             \
+    ::absl::Status wsync_status_ = (expr);         \
+    if (!wsync_status_.ok()) return wsync_status_; \
   } while (0)
 
 // `lhs = value of rexpr` for an absl::StatusOr<T> rexpr, or returns its error. `lhs` may declare

@@ -1,9 +1,10 @@
+#include "common/status.h"
+
 #include <gtest/gtest.h>
 
 #include <cerrno>
 
 #include "common/grpc_status.h"
-#include "common/status.h"
 
 namespace wsync {
 namespace {
@@ -51,8 +52,7 @@ TEST(StatusTest, GrpcMappingRoundTripsEveryCode) {
   }
   EXPECT_EQ(ToGrpcStatus(absl::DeadlineExceededError("bcast")).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_EQ(ToGrpcStatus(absl::AbortedError("x")).error_message(), "x");
-  EXPECT_EQ(FromGrpcStatus(grpc::Status(static_cast<grpc::StatusCode>(20), "new")).code(),
-            absl::StatusCode::kUnknown);
+  EXPECT_EQ(FromGrpcStatus(grpc::Status(static_cast<grpc::StatusCode>(20), "new")).code(), absl::StatusCode::kUnknown);
 }
 
 }  // namespace

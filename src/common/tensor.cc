@@ -39,8 +39,8 @@ absl::Status CheckSize(DType dtype, const Shape& shape, size_t nbytes, absl::str
   auto expected = NumBytes(dtype, shape);
   if (!expected.ok()) return absl::InvalidArgumentError(absl::StrCat(what, ": ", expected.status().message()));
   if (static_cast<uint64_t>(*expected) != nbytes)
-    return absl::InvalidArgumentError(absl::StrCat(what, ": ", SafetensorsName(dtype), ShapeToString(shape),
-                                                   " needs ", *expected, " bytes, got ", nbytes));
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", SafetensorsName(dtype), ShapeToString(shape), " needs ",
+                                                   *expected, " bytes, got ", nbytes));
   return absl::OkStatus();
 }
 }  // namespace

@@ -56,9 +56,7 @@ class TensorView {
   const T* data_as() const {
     return reinterpret_cast<const T*>(bytes_.data());
   }
-  bool IsAligned(size_t alignment) const {
-    return reinterpret_cast<uintptr_t>(bytes_.data()) % alignment == 0;
-  }
+  bool IsAligned(size_t alignment) const { return reinterpret_cast<uintptr_t>(bytes_.data()) % alignment == 0; }
   std::string DebugString() const;  // "BF16[4096, 2048]"
 
  private:

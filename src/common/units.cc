@@ -18,9 +18,12 @@ absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text) {
   absl::string_view digits = text;
   if (!text.empty()) {
     switch (text.back()) {
-      case 'K': case 'k': scale = 1024.0; break;
-      case 'M': case 'm': scale = 1024.0 * 1024; break;
-      case 'G': case 'g': scale = 1024.0 * 1024 * 1024; break;
+      case 'K':
+      case 'k': scale = 1024.0; break;
+      case 'M':
+      case 'm': scale = 1024.0 * 1024; break;
+      case 'G':
+      case 'g': scale = 1024.0 * 1024 * 1024; break;
       default: break;
     }
     if (scale != 1) digits.remove_suffix(1);

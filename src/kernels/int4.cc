@@ -29,8 +29,8 @@ int Threads(const KernelOptions& o) {
 int64_t MinBytesPerThread(const KernelOptions& o) { return o.num_threads > 0 ? 0 : int64_t{1} << 20; }
 
 // Size, alignment and device-independent sanity of one view.
-absl::Status CheckBytes(absl::string_view fn, absl::string_view name, DType dtype, const Shape& shape,
-                        size_t nbytes, const void* data, size_t alignment) {
+absl::Status CheckBytes(absl::string_view fn, absl::string_view name, DType dtype, const Shape& shape, size_t nbytes,
+                        const void* data, size_t alignment) {
   ASSIGN_OR_RETURN(const int64_t want, NumBytes(dtype, shape));
   if (static_cast<size_t>(want) != nbytes) {
     return Invalid(fn, absl::StrCat(name, " ", SafetensorsName(dtype), ShapeToString(shape), " needs ", want,
@@ -38,8 +38,8 @@ absl::Status CheckBytes(absl::string_view fn, absl::string_view name, DType dtyp
   }
   if (want > 0 && data == nullptr) return Invalid(fn, absl::StrCat(name, " has no data"));
   if (reinterpret_cast<uintptr_t>(data) % alignment != 0) {
-    return Invalid(fn, absl::StrCat(name, " data pointer ", reinterpret_cast<uintptr_t>(data),
-                                    " is not ", alignment, "-byte aligned"));
+    return Invalid(fn, absl::StrCat(name, " data pointer ", reinterpret_cast<uintptr_t>(data), " is not ", alignment,
+                                    "-byte aligned"));
   }
   return absl::OkStatus();
 }
@@ -90,8 +90,10 @@ absl::StatusOr<int64_t> ResolveGroup(absl::string_view fn, int group_size, int64
 }
 
 absl::Status CheckRepackDims(absl::string_view fn, absl::string_view name, int64_t k, int64_t n) {
-  if (k % 16 != 0) return Invalid(fn, absl::StrCat(name, ": K = ", k, " is not a multiple of 16 (K % 16 = ", k % 16, ")"));
-  if (n % 64 != 0) return Invalid(fn, absl::StrCat(name, ": N = ", n, " is not a multiple of 64 (N % 64 = ", n % 64, ")"));
+  if (k % 16 != 0)
+    return Invalid(fn, absl::StrCat(name, ": K = ", k, " is not a multiple of 16 (K % 16 = ", k % 16, ")"));
+  if (n % 64 != 0)
+    return Invalid(fn, absl::StrCat(name, ": N = ", n, " is not a multiple of 64 (N % 64 = ", n % 64, ")"));
   return absl::OkStatus();
 }
 
@@ -227,7 +229,8 @@ absl::Status ScalePerm(absl::string_view fn, bool inverse, const TensorView& s, 
     return Invalid(fn, absl::StrCat("scales ", ShapeToString(shape), " have ", rows, " groups per column, but K = ",
                                     size_k, " with group size ", group_size, " gives ", size_k / g));
   }
-  if (n % 64 != 0) return Invalid(fn, absl::StrCat("scales: N = ", n, " is not a multiple of 64 (N % 64 = ", n % 64, ")"));
+  if (n % 64 != 0)
+    return Invalid(fn, absl::StrCat("scales: N = ", n, " is not a multiple of 64 (N % 64 = ", n % 64, ")"));
   RETURN_IF_ERROR(CheckBytes(fn, "scales", s.dtype(), shape, s.nbytes(), s.data(), 2));
   RETURN_IF_ERROR(CheckOutput(fn, "scales (output)", out, s.dtype(), shape, 2));
   if (Overlaps(s.data(), s.nbytes(), out.data(), out.nbytes())) return Invalid(fn, "scales and the output overlap");

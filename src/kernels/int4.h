@@ -39,12 +39,12 @@ inline constexpr int kChannelwise = -1;
 
 struct KernelOptions {
   Device device = Device::kCpu;
-  int num_threads = 0;           // CPU: 0 = std::thread::hardware_concurrency()
-  void* cuda_stream = nullptr;   // CUDA: a cudaStream_t
+  int num_threads = 0;          // CPU: 0 = std::thread::hardware_concurrency()
+  void* cuda_stream = nullptr;  // CUDA: a cudaStream_t
 };
 
 struct QuantizeOptions : KernelOptions {
-  int group_size = 128;          // 32, 64, 128 or kChannelwise (-1); K % G == 0
+  int group_size = 128;  // 32, 64, 128 or kChannelwise (-1); K % G == 0
   QuantVariant variant = QuantVariant::kQat;
   PackFormat format = PackFormat::kCompressedTensors;
 };
@@ -77,11 +77,11 @@ absl::Status MarlinToGptq(const TensorView& marlin, const TensorView* perm, Muta
 // N % 64 == 0. size_k is the full K; group_size G in {32, 64, 128, -1}, or any G with K % G == 0.
 // Uses scale_perm (64 columns) when G != -1 and G < K, else scale_perm_single (32 columns).
 // out has the input's dtype and shape and must not alias it.
-absl::Status PermuteMarlinScales(const TensorView& scales, int64_t size_k, int group_size,
-                                 MutableTensorView out, const KernelOptions& options);
+absl::Status PermuteMarlinScales(const TensorView& scales, int64_t size_k, int group_size, MutableTensorView out,
+                                 const KernelOptions& options);
 // Exact inverse of PermuteMarlinScales with the same size_k and group_size.
-absl::Status UnpermuteMarlinScales(const TensorView& scales, int64_t size_k, int group_size,
-                                   MutableTensorView out, const KernelOptions& options);
+absl::Status UnpermuteMarlinScales(const TensorView& scales, int64_t size_k, int group_size, MutableTensorView out,
+                                   const KernelOptions& options);
 
 // Marlin shape of a GPTQ qweight shape ([K/8, N] -> [K/16, 2N], per expert), with the checks above.
 absl::StatusOr<Shape> MarlinShapeFor(const Shape& gptq_shape);

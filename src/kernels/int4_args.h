@@ -4,13 +4,12 @@
 // Thread-safety: plain values; the pointed-to memory follows the callers' contract.
 #pragma once
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-
 #include "kernels/format/int4_format.h"
 
 namespace wsync::kernels::internal {
@@ -21,14 +20,14 @@ struct QuantizeArgs {
   const uint16_t* w = nullptr;  // [E, N, K] bf16 or fp16 bit patterns
   bool is_bf16 = true;          // else fp16
   int64_t experts = 1, n = 0, k = 0;
-  int64_t group = 0;            // resolved group size (K for channelwise)
+  int64_t group = 0;  // resolved group size (K for channelwise)
   format::Variant variant = format::Variant::kQat;
   Layout layout = Layout::kCompressedTensors;
-  uint32_t* packed = nullptr;   // CT [E, N, K/8] or GPTQ [E, K/8, N]
-  uint16_t* scales = nullptr;   // CT [E, N, K/G] or GPTQ [E, K/G, N], same dtype as w
-  int threads = 1;              // CPU only
+  uint32_t* packed = nullptr;        // CT [E, N, K/8] or GPTQ [E, K/8, N]
+  uint16_t* scales = nullptr;        // CT [E, N, K/G] or GPTQ [E, K/G, N], same dtype as w
+  int threads = 1;                   // CPU only
   int64_t min_bytes_per_thread = 0;  // CPU: fewer threads for small inputs (0 = use `threads` as is)
-  void* stream = nullptr;       // CUDA only (cudaStream_t)
+  void* stream = nullptr;            // CUDA only (cudaStream_t)
 };
 
 struct RepackArgs {
@@ -55,9 +54,9 @@ struct ScalePermArgs {
 // The error for a group holding Inf or NaN; `index` = (e * N + n) * (K / G) + g, the smallest found.
 inline absl::Status NonFiniteError(const QuantizeArgs& a, int64_t index) {
   const int64_t ng = a.k / a.group, g = index % ng, row = index / ng;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "QuantizeInt4: W holds Inf or NaN in expert ", row / a.n, ", row ", row % a.n, ", group ", g, " (columns ",
-      g * a.group, "..", (g + 1) * a.group - 1, "); refusing to quantize non-finite weights"));
+  return absl::InvalidArgumentError(absl::StrCat("QuantizeInt4: W holds Inf or NaN in expert ", row / a.n, ", row ",
+                                                 row % a.n, ", group ", g, " (columns ", g * a.group, "..",
+                                                 (g + 1) * a.group - 1, "); refusing to quantize non-finite weights"));
 }
 
 // Checks that every row of a host-resident perm [experts, k] is a permutation of 0..k-1.

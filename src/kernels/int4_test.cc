@@ -17,8 +17,8 @@
 
 #include "common/dtype.h"
 #include "hwy/targets.h"
-#include "kernels/dispatch.h"
 #include "kernels/cpu/int4_cpu.h"
+#include "kernels/dispatch.h"
 #include "kernels/format/int4_format.h"
 
 namespace wsync::kernels {
@@ -208,12 +208,16 @@ void CheckQuantize(const std::vector<uint16_t>& w, int64_t e, int64_t n, int64_t
       for (int64_t j = 0; j < kw; ++j) {
         const uint32_t want = PackEight(&ref.q[row * k + 8 * j]);
         const uint32_t got = c.format == PackFormat::kGptq ? pw[(ex * kw + j) * n + r] : pw[row * kw + j];
-        if (got != want && bad++ < 5) ADD_FAILURE() << "word e=" << ex << " n=" << r << " j=" << j << std::hex << " got 0x" << got << " want 0x" << want;
+        if (got != want && bad++ < 5)
+          ADD_FAILURE() << "word e=" << ex << " n=" << r << " j=" << j << std::hex << " got 0x" << got << " want 0x"
+                        << want;
       }
       for (int64_t gi = 0; gi < ng; ++gi) {
         const uint16_t want = FromF32(ref.scale[row * ng + gi], c.dtype);
         const uint16_t got = c.format == PackFormat::kGptq ? ps[(ex * ng + gi) * n + r] : ps[row * ng + gi];
-        if (got != want && bad++ < 5) ADD_FAILURE() << "scale e=" << ex << " n=" << r << " g=" << gi << std::hex << " got 0x" << got << " want 0x" << want;
+        if (got != want && bad++ < 5)
+          ADD_FAILURE() << "scale e=" << ex << " n=" << r << " g=" << gi << std::hex << " got 0x" << got << " want 0x"
+                        << want;
       }
     }
   }
@@ -336,7 +340,8 @@ TEST(Int4QuantizeTest, LargeShape) {
 TEST(Int4QuantizeTest, ExactTiesRoundHalfToEven) {
   for (DType dt : {DType::kBF16, DType::kF16}) {
     std::vector<uint16_t> w(64);
-    const float vals[16] = {7, 0.5f, 1.5f, 2.5f, 3.5f, 4.5f, 5.5f, 6.5f, -0.5f, -1.5f, -2.5f, -3.5f, -4.5f, -5.5f, -6.5f, 0};
+    const float vals[16] = {7,     0.5f,  1.5f,  2.5f,  3.5f,  4.5f,  5.5f,  6.5f,
+                            -0.5f, -1.5f, -2.5f, -3.5f, -4.5f, -5.5f, -6.5f, 0};
     const int want[16] = {7, 0, 2, 2, 4, 4, 6, 6, 0, -2, -2, -4, -4, -6, -6, 0};
     for (int i = 0; i < 64; ++i) w[i] = FromF32(vals[i % 16] * 0.25f, dt);  // amax 1.75, scale 0.25 exactly
     for (QuantVariant v : {QuantVariant::kQat, QuantVariant::kSlime}) {
@@ -389,8 +394,9 @@ TEST(Int4QuantizeTest, TinyHugeAndSubnormalValues) {
     const uint16_t max_bits = dt == DType::kBF16 ? 0x7F7F : 0x7BFF;  // bf16 max 3.39e38, fp16 max 65504
     std::vector<uint16_t> w(4 * 128);
     std::mt19937 rng(5);
-    for (int i = 0; i < 128; ++i) w[i] = static_cast<uint16_t>((rng() % 0x7F + 1) | (i % 2 ? 0x8000 : 0));  // subnormals
-    const uint32_t finite_span = dt == DType::kBF16 ? 0x7F80 : 0x7C00;  // patterns below Inf
+    for (int i = 0; i < 128; ++i)
+      w[i] = static_cast<uint16_t>((rng() % 0x7F + 1) | (i % 2 ? 0x8000 : 0));          // subnormals
+    const uint32_t finite_span = dt == DType::kBF16 ? 0x7F80 : 0x7C00;                  // patterns below Inf
     for (int i = 128; i < 256; ++i) w[i] = static_cast<uint16_t>(rng() % finite_span);  // wide range, then maxima
     w[130] = max_bits;
     w[131] = static_cast<uint16_t>(max_bits | 0x8000);
@@ -457,8 +463,8 @@ TEST(Int4QuantizeTest, GptqOrientationIsTheTransposeOfCompressedTensors) {
 // ---- repack --------------------------------------------------------------------------------------
 
 void CheckRepack(int64_t e, int64_t k, int64_t n, bool with_perm, uint32_t seed, int threads) {
-  SCOPED_TRACE(testing::Message() << "E=" << e << " K=" << k << " N=" << n << " perm=" << with_perm
-                                  << " seed=" << seed << " threads=" << threads);
+  SCOPED_TRACE(testing::Message() << "E=" << e << " K=" << k << " N=" << n << " perm=" << with_perm << " seed=" << seed
+                                  << " threads=" << threads);
   const auto gptq = RandomWords(e * k / 8 * n, seed);
   const auto perm = RandomPerm(e, k, seed + 1);
   const Shape gshape = e > 1 ? Shape{e, k / 8, n} : Shape{k / 8, n};
@@ -575,8 +581,13 @@ TEST(Int4ValidationTest, QuantizeErrorsNameTheValues) {
   std::vector<uint16_t> w(64 * 96);
   std::vector<uint32_t> p(64 * 96);
   std::vector<uint16_t> s(64 * 96);
-  auto out = [&](Shape shape) { return MutableTensorView(DType::kI32, shape, std::as_writable_bytes(std::span(p)).first(NumBytes(DType::kI32, shape).value())); };
-  auto sc = [&](DType dt, Shape shape) { return MutableTensorView(dt, shape, std::as_writable_bytes(std::span(s)).first(NumBytes(dt, shape).value())); };
+  auto out = [&](Shape shape) {
+    return MutableTensorView(DType::kI32, shape,
+                             std::as_writable_bytes(std::span(p)).first(NumBytes(DType::kI32, shape).value()));
+  };
+  auto sc = [&](DType dt, Shape shape) {
+    return MutableTensorView(dt, shape, std::as_writable_bytes(std::span(s)).first(NumBytes(dt, shape).value()));
+  };
   QuantizeOptions opt;
   opt.group_size = 64;
   absl::Status st = QuantizeInt4(View(DType::kBF16, {64, 96}, w), out({64, 12}), sc(DType::kBF16, {64, 1}), opt);
@@ -614,7 +625,10 @@ TEST(Int4ValidationTest, RepackErrorsNameTheValues) {
   auto in = [&](Shape shape) {
     return TensorView(DType::kI32, shape, std::as_bytes(std::span(a)).first(NumBytes(DType::kI32, shape).value()));
   };
-  auto out = [&](Shape shape) { return MutableTensorView(DType::kI32, shape, std::as_writable_bytes(std::span(b)).first(NumBytes(DType::kI32, shape).value())); };
+  auto out = [&](Shape shape) {
+    return MutableTensorView(DType::kI32, shape,
+                             std::as_writable_bytes(std::span(b)).first(NumBytes(DType::kI32, shape).value()));
+  };
   absl::Status st = GptqToMarlin(in({3, 64}), nullptr, out({1, 128}), {});
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(st.message(), HasSubstr("K = 24 is not a multiple of 16"));
@@ -640,10 +654,12 @@ TEST(Int4ValidationTest, RepackErrorsNameTheValues) {
   const TensorView pv64(DType::kI64, {16}, std::as_bytes(std::span(a)).first(128));
   st = GptqToMarlin(in({2, 64}), &pv64, out({1, 128}), {});
   EXPECT_THAT(st.message(), HasSubstr("perm is I64[16]"));
-  st = GptqToMarlin(TensorView(DType::kBF16, {2, 64}, std::as_bytes(std::span(a)).first(256)), nullptr, out({1, 128}), {});
+  st = GptqToMarlin(TensorView(DType::kBF16, {2, 64}, std::as_bytes(std::span(a)).first(256)), nullptr, out({1, 128}),
+                    {});
   EXPECT_THAT(st.message(), HasSubstr("dtype BF16 unsupported (want I32)"));
   // Output aliasing the input.
-  st = GptqToMarlin(in({2, 64}), nullptr, MutableTensorView(DType::kI32, {1, 128}, std::as_writable_bytes(std::span(a)).first(512)), {});
+  st = GptqToMarlin(in({2, 64}), nullptr,
+                    MutableTensorView(DType::kI32, {1, 128}, std::as_writable_bytes(std::span(a)).first(512)), {});
   EXPECT_THAT(st.message(), HasSubstr("overlap"));
 }
 
@@ -652,16 +668,21 @@ TEST(Int4ValidationTest, CudaDeviceWithoutCudaIsFailedPrecondition) {
   std::vector<uint32_t> a(2 * 64), b(2 * 64);
   KernelOptions opt;
   opt.device = Device::kCuda;
-  const absl::Status st = GptqToMarlin(View(DType::kI32, {2, 64}, a), nullptr,
-                                       MutableTensorView(DType::kI32, {1, 128}, std::as_writable_bytes(std::span(b))), opt);
+  const absl::Status st =
+      GptqToMarlin(View(DType::kI32, {2, 64}, a), nullptr,
+                   MutableTensorView(DType::kI32, {1, 128}, std::as_writable_bytes(std::span(b))), opt);
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(st.message(), HasSubstr("built without CUDA"));
 }
 
 TEST(Int4ValidationTest, ScalePermErrorsNameTheValues) {
   std::vector<uint16_t> a(4096), b(4096);
-  auto in = [&](DType dt, Shape shape) { return TensorView(dt, shape, std::as_bytes(std::span(a)).first(NumBytes(dt, shape).value())); };
-  auto out = [&](DType dt, Shape shape) { return MutableTensorView(dt, shape, std::as_writable_bytes(std::span(b)).first(NumBytes(dt, shape).value())); };
+  auto in = [&](DType dt, Shape shape) {
+    return TensorView(dt, shape, std::as_bytes(std::span(a)).first(NumBytes(dt, shape).value()));
+  };
+  auto out = [&](DType dt, Shape shape) {
+    return MutableTensorView(dt, shape, std::as_writable_bytes(std::span(b)).first(NumBytes(dt, shape).value()));
+  };
   absl::Status st = PermuteMarlinScales(in(DType::kBF16, {4, 64}), 512, 128, out(DType::kBF16, {4, 64}), {});
   EXPECT_TRUE(st.ok()) << st;  // the valid baseline of the cases below
   st = PermuteMarlinScales(in(DType::kBF16, {3, 64}), 512, 128, out(DType::kBF16, {3, 64}), {});

@@ -14,8 +14,8 @@ bool IsQuantTarget(absl::string_view hf_name, absl::Span<const int64_t> shape, c
 }
 
 absl::StatusOr<std::vector<HfTensor>> QuantizeHfTensor(absl::string_view hf_name, const TensorView& w,
-                                                                const QuantizationConfig& config,
-                                                                const QuantizeOptions& options) {
+                                                       const QuantizationConfig& config,
+                                                       const QuantizeOptions& options) {
   RETURN_IF_ERROR(config.CheckInt4Supported());
   absl::string_view prefix = hf_name;
   if (!absl::ConsumeSuffix(&prefix, ".weight"))
@@ -25,9 +25,8 @@ absl::StatusOr<std::vector<HfTensor>> QuantizeHfTensor(absl::string_view hf_name
                                                    "): INT4 targets are 2-D BF16 or F16 weights"));
   const int64_t n = w.dim(0), k = w.dim(1);
   if (k % 8 != 0 || (config.group_size != kernels::kChannelwise && k % config.group_size != 0))
-    return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", hf_name, "\" (", w.DebugString(),
-                                                   "): K=", k, " must be a multiple of 8 and of group_size ",
-                                                   config.group_size));
+    return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", hf_name, "\" (", w.DebugString(), "): K=", k,
+                                                   " must be a multiple of 8 and of group_size ", config.group_size));
   ASSIGN_OR_RETURN(kernels::QuantizedShapes shapes,
                    kernels::QuantizedShapesFor(w, config.group_size, kernels::PackFormat::kCompressedTensors));
   std::vector<HfTensor> out(3);

@@ -37,7 +37,7 @@ bool IsQuantTarget(absl::string_view hf_name, absl::Span<const int64_t> shape, c
 
 // The three tensors of a quantized weight, in the order packed, scale, shape.
 absl::StatusOr<std::vector<HfTensor>> QuantizeHfTensor(absl::string_view hf_name, const TensorView& weight,
-                                                                const QuantizationConfig& config,
-                                                                const QuantizeOptions& options = {});
+                                                       const QuantizationConfig& config,
+                                                       const QuantizeOptions& options = {});
 
 }  // namespace wsync::model

@@ -26,7 +26,8 @@ std::string Int4Prefix(absl::string_view name) {
 }  // namespace
 
 absl::StatusOr<CheckpointStats> LoadCheckpoint(const std::string& dir, const rollout_agent::EngineLayout& layout,
-                                               rollout_agent::EngineWeights& weights, const CheckpointOptions& options) {
+                                               rollout_agent::EngineWeights& weights,
+                                               const CheckpointOptions& options) {
   std::vector<std::string> files;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {

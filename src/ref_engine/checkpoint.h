@@ -31,19 +31,20 @@ namespace wsync::ref_engine {
 
 struct CheckpointOptions {
   kernels::QuantVariant variant = kernels::QuantVariant::kQat;  // for bf16 weights quantized at load
-  int num_threads = 0;                                            // kernels / repack; 0 = all cores
+  int num_threads = 0;                                          // kernels / repack; 0 = all cores
 };
 
 struct CheckpointStats {
   int files = 0;
-  int64_t tensors = 0;        // loaded as they were
-  int64_t quantized = 0;      // bf16 weights quantized at load
-  int64_t skipped = 0;        // MTP layers, inv_freq
-  int64_t bytes = 0;          // of all checkpoint tensors read
+  int64_t tensors = 0;    // loaded as they were
+  int64_t quantized = 0;  // bf16 weights quantized at load
+  int64_t skipped = 0;    // MTP layers, inv_freq
+  int64_t bytes = 0;      // of all checkpoint tensors read
 };
 
 // Loads checkpoint directory `dir` into `weights` (which must match `layout` in its engine form).
 absl::StatusOr<CheckpointStats> LoadCheckpoint(const std::string& dir, const rollout_agent::EngineLayout& layout,
-                                               rollout_agent::EngineWeights& weights, const CheckpointOptions& options = {});
+                                               rollout_agent::EngineWeights& weights,
+                                               const CheckpointOptions& options = {});
 
 }  // namespace wsync::ref_engine

@@ -1,9 +1,9 @@
 #include "ref_engine/checkpoint.h"
 
+#include <unistd.h>
+
 #include <cstring>
 #include <filesystem>
-
-#include <unistd.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/safetensors.h"
@@ -40,10 +40,12 @@ std::string WriteDir(const std::string& name, const TensorMap& tensors, int file
 
 // The engine memory of one rank loaded from `dir`.
 absl::StatusOr<std::unique_ptr<rollout_agent::OwnedEngineWeights>> Load(const ModelConfig& c, int tp, int r,
-                                                                  const std::string& dir, CheckpointStats* stats) {
+                                                                        const std::string& dir,
+                                                                        CheckpointStats* stats) {
   const QuantizationConfig* q = c.quantization ? &*c.quantization : nullptr;
   ASSIGN_OR_RETURN(rollout_agent::EngineLayout layout, rollout_agent::EngineLayout::Create(c, q, {tp, r, 1}));
-  ASSIGN_OR_RETURN(std::unique_ptr<rollout_agent::OwnedEngineWeights> w, rollout_agent::OwnedEngineWeights::Allocate(layout));
+  ASSIGN_OR_RETURN(std::unique_ptr<rollout_agent::OwnedEngineWeights> w,
+                   rollout_agent::OwnedEngineWeights::Allocate(layout));
   CheckpointOptions o;
   o.num_threads = 2;
   ASSIGN_OR_RETURN(*stats, LoadCheckpoint(dir, layout, w->weights(), o));

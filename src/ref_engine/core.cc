@@ -23,7 +23,6 @@ struct EngineCore::Header {
   uint64_t reserved = 0;
 };
 
-
 namespace {
 
 constexpr absl::Duration kRetryPeriod = absl::Milliseconds(20);
@@ -168,9 +167,9 @@ absl::Status EngineCore::Refusal(Admit admit, int tp_rank) const {
       return absl::FailedPreconditionError(absl::StrCat(who, " holds no weights yet (waiting for the first sync)"));
     case kUnhealthy:
       if (tp_rank == rank_.tp_rank) {
-        return absl::UnavailableError(
-            absl::StrCat(who, " is unhealthy: ", group_ != Group::kReady && group_ != Group::kSingle ? group_detail_
-                                                                                                   : weights_detail_));
+        return absl::UnavailableError(absl::StrCat(
+            who,
+            " is unhealthy: ", group_ != Group::kReady && group_ != Group::kSingle ? group_detail_ : weights_detail_));
       }
       return absl::UnavailableError(absl::StrCat(who, " is unhealthy"));
     case kStopping: return absl::UnavailableError(absl::StrCat(who, " is shutting down"));
@@ -185,8 +184,10 @@ absl::StatusOr<std::vector<int32_t>> EngineCore::Compute(absl::Span<const int32_
     int32_t flag = 0;
     {
       absl::MutexLock lock(&mu_);
-      if (stopping_) flag = 2;
-      else if (paused_ && mode_ == PauseMode::kAbort) flag = 1;
+      if (stopping_)
+        flag = 2;
+      else if (paused_ && mode_ == PauseMode::kAbort)
+        flag = 1;
     }
     std::vector<int32_t> flags(static_cast<size_t>(T), flag);
     if (T > 1) {
@@ -196,9 +197,9 @@ absl::StatusOr<std::vector<int32_t>> EngineCore::Compute(absl::Span<const int32_
     }
     for (int r = 0; r < T; ++r) {
       if (flags[static_cast<size_t>(r)] == 0) continue;
-      return absl::UnavailableError(absl::StrCat("engine ", options_.engine_id, ": request aborted: tp rank ", r,
-                                                 flags[static_cast<size_t>(r)] == 2 ? " is shutting down"
-                                                                                    : " was paused for a weight sync (ABORT)"));
+      return absl::UnavailableError(absl::StrCat(
+          "engine ", options_.engine_id, ": request aborted: tp rank ", r,
+          flags[static_cast<size_t>(r)] == 2 ? " is shutting down" : " was paused for a weight sync (ABORT)"));
     }
     return absl::OkStatus();
   };
@@ -298,11 +299,12 @@ absl::StatusOr<GenerateResult> EngineCore::Generate(absl::Span<const int32_t> pr
       absl::MutexLock lock(&mu_);
       Admit a;
       while ((a = TryAdmitLocked()) == kHold) {
-        if (cancelled && cancelled()) return absl::CancelledError(absl::StrCat(where, ": the caller went away while held"));
+        if (cancelled && cancelled())
+          return absl::CancelledError(absl::StrCat(where, ": the caller went away while held"));
         const absl::Time now = absl::Now();
         if (now >= hold_until) {
-          const std::string msg = absl::StrCat(where, ": held for ", absl::FormatDuration(now - start), " (", held_by,
-                                               "); giving up");
+          const std::string msg =
+              absl::StrCat(where, ": held for ", absl::FormatDuration(now - start), " (", held_by, "); giving up");
           return now >= deadline ? absl::DeadlineExceededError(msg) : absl::UnavailableError(msg);
         }
         cv_.WaitWithDeadline(&mu_, std::min(hold_until, now + kPollPeriod));
@@ -326,16 +328,16 @@ absl::StatusOr<GenerateResult> EngineCore::Generate(absl::Span<const int32_t> pr
     if (versions_differ) {
       if (versions_differ_since == absl::InfiniteFuture()) versions_differ_since = now;
       if (now - versions_differ_since > options_.version_wait)
-        return absl::UnavailableError(absl::StrCat(where, ": ", reason, " for longer than ",
-                                                   absl::FormatDuration(options_.version_wait)));
+        return absl::UnavailableError(
+            absl::StrCat(where, ": ", reason, " for longer than ", absl::FormatDuration(options_.version_wait)));
     } else {
       versions_differ_since = absl::InfiniteFuture();
     }
     held_by = reason;
     if (cancelled && cancelled()) return absl::CancelledError(absl::StrCat(where, ": the caller went away while held"));
     if (now >= hold_until) {
-      const std::string msg = absl::StrCat(where, ": held for ", absl::FormatDuration(now - start), " (", reason,
-                                           "); giving up");
+      const std::string msg =
+          absl::StrCat(where, ": held for ", absl::FormatDuration(now - start), " (", reason, "); giving up");
       return now >= deadline ? absl::DeadlineExceededError(msg) : absl::UnavailableError(msg);
     }
     absl::MutexLock lock(&mu_);
@@ -477,8 +479,8 @@ void EngineCore::FollowerLoop() {
       return;
     }
     if (h.magic != Header::kMagic || h.seq != expected_seq) {
-      MarkBroken(absl::DataLossError(absl::StrCat("tp rank 0 sent command ", h.type, " seq ", h.seq, " magic ",
-                                                  h.magic, "; expected seq ", expected_seq)));
+      MarkBroken(absl::DataLossError(absl::StrCat("tp rank 0 sent command ", h.type, " seq ", h.seq, " magic ", h.magic,
+                                                  "; expected seq ", expected_seq)));
       return;
     }
     ++expected_seq;

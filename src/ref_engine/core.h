@@ -114,8 +114,8 @@ class EngineCore {
 
   // See the file comment. `deadline` bounds waiting (not computing); `cancelled` is polled while
   // waiting (may be null).
-  absl::StatusOr<GenerateResult> Generate(absl::Span<const int32_t> prompt, int64_t max_new_tokens,
-                                          absl::Time deadline, const std::function<bool()>& cancelled);
+  absl::StatusOr<GenerateResult> Generate(absl::Span<const int32_t> prompt, int64_t max_new_tokens, absl::Time deadline,
+                                          const std::function<bool()>& cancelled);
   // Stops admitting requests; ABORT also stops running ones at their next step. Returns the
   // number of requests in flight at the time. Idempotent; a later call sets the mode.
   uint32_t Pause(PauseMode mode);

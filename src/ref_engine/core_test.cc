@@ -9,8 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "comm/communicator.h"
-#include "comm/testing/local_group.h"
 #include "comm/store/store.h"
+#include "comm/testing/local_group.h"
 #include "common/dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -20,8 +20,8 @@
 namespace wsync::ref_engine {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::EngineParamsForRank;
+using ::testing::HasSubstr;
 using testing::MustParseConfig;
 using testing::RandomHfModel;
 using testing::TensorMap;
@@ -90,7 +90,8 @@ class CoreTest : public ::testing::Test {
     auto group = comm::testing::MakeLocalGroup(store_, name, tp);
     ASSERT_TRUE(group.ok()) << group.status();
     auto& comms = *group;
-    for (int r = 0; r < tp; ++r) cores_[static_cast<size_t>(r)]->AttachGroup(std::move(comms[static_cast<size_t>(r)]), "leader:1");
+    for (int r = 0; r < tp; ++r)
+      cores_[static_cast<size_t>(r)]->AttachGroup(std::move(comms[static_cast<size_t>(r)]), "leader:1");
   }
 
   // Writes new weights into rank r's memory (as the agent does while paused).
@@ -172,8 +173,8 @@ TEST_F(CoreTest, HoldQueuesAbortFailsAndDeadlinesAndCancellationEndTheWait) {
   auto timed = Gen(absl::Milliseconds(200));
   EXPECT_EQ(timed.status().code(), absl::StatusCode::kDeadlineExceeded) << timed.status();
   std::atomic<bool> gone{false};
-  auto cancelled = std::async(std::launch::async,
-                              [&] { return e.Generate(kPrompt, 2, In(absl::Seconds(30)), [&] { return gone.load(); }); });
+  auto cancelled = std::async(
+      std::launch::async, [&] { return e.Generate(kPrompt, 2, In(absl::Seconds(30)), [&] { return gone.load(); }); });
   absl::SleepFor(absl::Milliseconds(150));
   gone = true;
   EXPECT_EQ(cancelled.get().status().code(), absl::StatusCode::kCancelled);

@@ -113,8 +113,8 @@ struct HfReferenceModel::Impl {
         }
         RETURN_IF_ERROR(Need(lookup, a + "kv_a_proj_with_mqa.weight", {m.kv_lora_rank + m.qk_rope_head_dim, H}));
         RETURN_IF_ERROR(Need(lookup, a + "kv_a_layernorm.weight", {m.kv_lora_rank}));
-        RETURN_IF_ERROR(Need(lookup, a + "kv_b_proj.weight",
-                                   {nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank}));
+        RETURN_IF_ERROR(
+            Need(lookup, a + "kv_b_proj.weight", {nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank}));
         RETURN_IF_ERROR(Need(lookup, a + "o_proj.weight", {H, nh * m.v_head_dim}));
       } else {
         const int64_t nkv = c.num_key_value_heads, hd = c.head_dim;
@@ -190,8 +190,9 @@ struct HfReferenceModel::Impl {
           Vec members(for_choice.begin() + gi * per, for_choice.begin() + (gi + 1) * per);
           std::sort(members.rbegin(), members.rend());
           group_scores[static_cast<size_t>(gi)] =
-              moe.topk_method == "noaux_tc" ? std::accumulate(members.begin(), members.begin() + std::min<int64_t>(2, per), 0.0f)
-                                            : members[0];
+              moe.topk_method == "noaux_tc"
+                  ? std::accumulate(members.begin(), members.begin() + std::min<int64_t>(2, per), 0.0f)
+                  : members[0];
         }
         const std::vector<int64_t> kept =
             LargestK(group_scores, moe.topk_group, std::vector<char>(static_cast<size_t>(groups), 1));
@@ -242,13 +243,14 @@ struct HfReferenceModel::Impl {
         const int64_t kvh = h / rep;
         Vec w(static_cast<size_t>(s + 1));
         for (int64_t j = 0; j <= s; ++j)
-          w[static_cast<size_t>(j)] = Dot(q[static_cast<size_t>(s)].data() + h * hd,
-                                          k[static_cast<size_t>(j)].data() + kvh * hd, hd) /
-                                      std::sqrt(static_cast<float>(hd));
+          w[static_cast<size_t>(j)] =
+              Dot(q[static_cast<size_t>(s)].data() + h * hd, k[static_cast<size_t>(j)].data() + kvh * hd, hd) /
+              std::sqrt(static_cast<float>(hd));
         Softmax(w.data(), s + 1);
         for (int64_t j = 0; j <= s; ++j)
           for (int64_t d = 0; d < hd; ++d)
-            ctx[static_cast<size_t>(h * hd + d)] += w[static_cast<size_t>(j)] * v[static_cast<size_t>(j)][static_cast<size_t>(kvh * hd + d)];
+            ctx[static_cast<size_t>(h * hd + d)] +=
+                w[static_cast<size_t>(j)] * v[static_cast<size_t>(j)][static_cast<size_t>(kvh * hd + d)];
       }
       out[static_cast<size_t>(s)] = Apply(W(a + "o_proj.weight"), ctx.data(), Maybe(a + "o_proj.bias"));
     }
@@ -296,7 +298,8 @@ struct HfReferenceModel::Impl {
         Softmax(w.data(), s + 1);
         for (int64_t j = 0; j <= s; ++j)
           for (int64_t d = 0; d < vd; ++d)
-            ctx[static_cast<size_t>(h * vd + d)] += w[static_cast<size_t>(j)] * val[static_cast<size_t>(j)][static_cast<size_t>(h * vd + d)];
+            ctx[static_cast<size_t>(h * vd + d)] +=
+                w[static_cast<size_t>(j)] * val[static_cast<size_t>(j)][static_cast<size_t>(h * vd + d)];
       }
       out[static_cast<size_t>(s)] = Apply(W(a + "o_proj.weight"), ctx.data());
     }

@@ -18,6 +18,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
 
@@ -36,7 +37,6 @@
 #include "ref_engine/server.h"
 #include "rollout_agent/engine_memory/param_arena.h"
 #include "rollout_agent/load/engine_layout.h"
-#include <nlohmann/json.hpp>
 
 namespace wsync::ref_engine {
 namespace {
@@ -97,7 +97,8 @@ absl::StatusOr<std::pair<std::optional<QuantizationConfig>, std::string>> Resolv
     ASSIGN_OR_RETURN(text, ReadTextFile(f.quant_config));
   }
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(source, ": not a JSON object"));
+  if (j.is_discarded() || !j.is_object())
+    return absl::InvalidArgumentError(absl::StrCat(source, ": not a JSON object"));
   if (j.contains("quantization_config")) {
     j = j["quantization_config"];
   } else if (f.quant_config.empty()) {
@@ -169,7 +170,8 @@ int Run(const Flags& f) {
   rank.ep_size = f.ep_size;
   absl::StatusOr<rollout_agent::EngineLayout> layout = rollout_agent::EngineLayout::Create(*config, qptr, rank);
   if (!layout.ok()) return fail(layout.status());
-  absl::StatusOr<std::unique_ptr<rollout_agent::ParamArena>> arena = rollout_agent::ParamArena::Create(*layout, rollout_agent::UniqueShmName(f.engine_id, f.tp_rank));
+  absl::StatusOr<std::unique_ptr<rollout_agent::ParamArena>> arena =
+      rollout_agent::ParamArena::Create(*layout, rollout_agent::UniqueShmName(f.engine_id, f.tp_rank));
   if (!arena.ok()) return fail(arena.status());
   WSYNC_LOG(INFO) << "engine " << f.engine_id << " tp rank " << f.tp_rank << "/" << f.tp_size << " ep " << f.ep_size
                   << ": " << ArchitectureName(config->arch) << (qptr ? " INT4" : " bf16") << ", "

@@ -82,7 +82,8 @@ struct EngineModel::Impl {
       for (int64_t head = 0; head < nq; ++head) {
         const float* q = qkv.data() + t * width + head * hd;
         const int64_t kvh = head / group;
-        for (int64_t j = 0; j < len; ++j) p[static_cast<size_t>(j)] = Dot(q, kc.data() + (j * nk + kvh) * hd, hd) * scale;
+        for (int64_t j = 0; j < len; ++j)
+          p[static_cast<size_t>(j)] = Dot(q, kc.data() + (j * nk + kvh) * hd, hd) * scale;
         Softmax(p.data(), len);
         float* o = attn.data() + (t * nq + head) * hd;
         for (int64_t j = 0; j < len; ++j) Axpy(p[static_cast<size_t>(j)], vc.data() + (j * nk + kvh) * hd, o, hd);
@@ -94,8 +95,8 @@ struct EngineModel::Impl {
   // MLA in the absorbed-latent form SGLang uses (w_kc / w_vc from kv_b_proj): only the normalized
   // latent and the roped k_pe are cached; k_nope and v are never materialized.
   void MlaAttention(const LayerWeights& L, const float* h, int64_t n, Cache& cache, size_t li, float* out) const {
-    const int64_t nl = g.nh / g.T, qd = g.qd, kvd = g.kvd, nope = g.nope, rope = g.rope, kvl = g.kv_lora,
-                  vd = g.vd, pos0 = cache.len;
+    const int64_t nl = g.nh / g.T, qd = g.qd, kvd = g.kvd, nope = g.nope, rope = g.rope, kvl = g.kv_lora, vd = g.vd,
+                  pos0 = cache.len;
     const int64_t wa = L.qkv_a.rows;
     std::vector<float> a(static_cast<size_t>(n * wa)), q(static_cast<size_t>(n * nl * qd));
     MatMul(h, n, L.qkv_a, a.data());
@@ -151,7 +152,8 @@ struct EngineModel::Impl {
     MatMul(x, m, gate_up, gu.data());
     for (int64_t t = 0; t < m; ++t)
       for (int64_t i = 0; i < F; ++i)
-        act[static_cast<size_t>(t * F + i)] = Silu(gu[static_cast<size_t>(t * 2 * F + i)]) * gu[static_cast<size_t>(t * 2 * F + F + i)];
+        act[static_cast<size_t>(t * F + i)] =
+            Silu(gu[static_cast<size_t>(t * 2 * F + i)]) * gu[static_cast<size_t>(t * 2 * F + F + i)];
     MatMul(act.data(), m, down, y);
   }
 
@@ -178,8 +180,7 @@ struct EngineModel::Impl {
       for (int64_t gi = 0; gi < m.n_group; ++gi) {
         std::vector<float> grp(choice.begin() + gi * per, choice.begin() + (gi + 1) * per);
         std::sort(grp.begin(), grp.end(), std::greater<float>());
-        gscore[static_cast<size_t>(gi)] =
-            m.topk_method == "noaux_tc" ? (per >= 2 ? grp[0] + grp[1] : grp[0]) : grp[0];
+        gscore[static_cast<size_t>(gi)] = m.topk_method == "noaux_tc" ? (per >= 2 ? grp[0] + grp[1] : grp[0]) : grp[0];
       }
       std::vector<bool> allowed(static_cast<size_t>(E), false);
       for (int64_t gi : TopK(gscore, m.topk_group))
@@ -235,7 +236,8 @@ struct EngineModel::Impl {
     }
     std::vector<int64_t> base(static_cast<size_t>(n) + 1, 0);
     for (int64_t t = 0; t < n; ++t)
-      base[static_cast<size_t>(t) + 1] = base[static_cast<size_t>(t)] + static_cast<int64_t>(picks[static_cast<size_t>(t)].size());
+      base[static_cast<size_t>(t) + 1] =
+          base[static_cast<size_t>(t)] + static_cast<int64_t>(picks[static_cast<size_t>(t)].size());
     std::vector<std::vector<int64_t>> users(static_cast<size_t>(g.E_loc));  // pick slots per expert
     for (int64_t t = 0; t < n; ++t)
       for (size_t s = 0; s < picks[static_cast<size_t>(t)].size(); ++s)
@@ -243,7 +245,8 @@ struct EngineModel::Impl {
                                                                                      static_cast<int64_t>(s));
     std::vector<int64_t> token_of(static_cast<size_t>(base.back()));
     for (int64_t t = 0; t < n; ++t)
-      for (int64_t s = base[static_cast<size_t>(t)]; s < base[static_cast<size_t>(t) + 1]; ++s) token_of[static_cast<size_t>(s)] = t;
+      for (int64_t s = base[static_cast<size_t>(t)]; s < base[static_cast<size_t>(t) + 1]; ++s)
+        token_of[static_cast<size_t>(s)] = t;
     std::vector<float> results(static_cast<size_t>(base.back() * H)), xs, ys;
     for (int64_t l = 0; l < g.E_loc; ++l) {
       const std::vector<int64_t>& slots = users[static_cast<size_t>(l)];
@@ -269,7 +272,8 @@ struct EngineModel::Impl {
   }
 
   // Runs tokens at positions cache.len .. cache.len + n - 1; returns the final-normed hidden [n, H].
-  absl::StatusOr<std::vector<float>> Forward(const ServedWeights& w, absl::Span<const int32_t> tokens, Cache& cache) const {
+  absl::StatusOr<std::vector<float>> Forward(const ServedWeights& w, absl::Span<const int32_t> tokens,
+                                             Cache& cache) const {
     const int64_t n = static_cast<int64_t>(tokens.size()), H = g.H;
     std::vector<float> x(static_cast<size_t>(n * H), 0.0f), hn(x.size()), part(x.size());
     for (int64_t t = 0; t < n; ++t) {
@@ -279,7 +283,8 @@ struct EngineModel::Impl {
     RETURN_IF_ERROR(AllReduce(x));
     for (size_t li = 0; li < w.layers.size(); ++li) {
       const LayerWeights& L = w.layers[li];
-      for (int64_t t = 0; t < n; ++t) RmsNorm(x.data() + t * H, L.in_norm.f32(), H, config.rms_norm_eps, hn.data() + t * H);
+      for (int64_t t = 0; t < n; ++t)
+        RmsNorm(x.data() + t * H, L.in_norm.f32(), H, config.rms_norm_eps, hn.data() + t * H);
       if (config.mla) {
         MlaAttention(L, hn.data(), n, cache, li, part.data());
       } else {
@@ -296,7 +301,8 @@ struct EngineModel::Impl {
       for (size_t i = 0; i < x.size(); ++i) x[i] += part[i];
     }
     cache.len += n;
-    for (int64_t t = 0; t < n; ++t) RmsNorm(x.data() + t * H, w.final_norm.f32(), H, config.rms_norm_eps, x.data() + t * H);
+    for (int64_t t = 0; t < n; ++t)
+      RmsNorm(x.data() + t * H, w.final_norm.f32(), H, config.rms_norm_eps, x.data() + t * H);
     return x;
   }
 
@@ -355,9 +361,7 @@ absl::StatusOr<EngineModel> EngineModel::Create(const ModelConfig& config, Engin
   g.T = rank.tp_size;
   g.r = rank.tp_rank;
   const std::string where = g.Where();
-  auto bad = [&](auto&&... parts) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": ", parts...));
-  };
+  auto bad = [&](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(where, ": ", parts...)); };
   const ModelConfig& c = config;
   if (rank.tp_size < 1 || rank.tp_rank < 0 || rank.tp_rank >= rank.tp_size)
     return bad("tp_rank ", rank.tp_rank, " is not in [0, tp_size ", rank.tp_size, ")");
@@ -424,15 +428,16 @@ absl::StatusOr<EngineModel> EngineModel::Create(const ModelConfig& config, Engin
   }
   if (g.ep > 1 && !any_moe) return bad("ep_size ", g.ep, " > 1 needs an MoE model");
   if ((c.arch == Architecture::kQwen3Moe || c.arch == Architecture::kDeepseekV3) && c.tie_word_embeddings)
-    return bad(ArchitectureName(c.arch),
-               " with tie_word_embeddings: SGLang always builds its own lm_head and never fills it (ENGINE_LAYOUT.md §2.6)");
-  if (rank.fused_shared_experts &&
-      (c.arch != Architecture::kDeepseekV3 || !c.moe || c.moe->num_shared_experts != 1))
+    return bad(
+        ArchitectureName(c.arch),
+        " with tie_word_embeddings: SGLang always builds its own lm_head and never fills it (ENGINE_LAYOUT.md §2.6)");
+  if (rank.fused_shared_experts && (c.arch != Architecture::kDeepseekV3 || !c.moe || c.moe->num_shared_experts != 1))
     return bad("fused_shared_experts needs DeepSeek-V3 with n_shared_experts == 1");
   if (rank.fused_shared_experts && !c.moe->norm_topk_prob)
-    return absl::UnimplementedError(absl::StrCat(
-        where, ": fused_shared_experts with norm_topk_prob false (the fused expert's weight is only 1 when "
-               "SGLang renormalizes)"));
+    return absl::UnimplementedError(
+        absl::StrCat(where,
+                     ": fused_shared_experts with norm_topk_prob false (the fused expert's weight is only 1 when "
+                     "SGLang renormalizes)"));
   if (any_moe) {
     const MoeConfig& m = *c.moe;
     g.E_routed = m.num_experts;
@@ -463,9 +468,7 @@ absl::StatusOr<EngineModel> EngineModel::Create(const ModelConfig& config, Engin
   return EngineModel(std::unique_ptr<Impl>(new Impl{config, rank, g, std::move(collectives), std::move(weights)}));
 }
 
-absl::Status EngineModel::Prepare() {
-  return impl_->weights.Prepare();
-}
+absl::Status EngineModel::Prepare() { return impl_->weights.Prepare(); }
 
 bool EngineModel::prepared() const { return impl_->weights.served() != nullptr; }
 const PrepareStats& EngineModel::last_prepare() const { return impl_->weights.last_prepare(); }
@@ -503,9 +506,7 @@ absl::StatusOr<std::vector<int32_t>> EngineModel::Generate(absl::Span<const int3
   return out;
 }
 
-absl::StatusOr<PreparedWeight> EngineModel::Weight(absl::string_view name) const {
-  return impl_->weights.Weight(name);
-}
+absl::StatusOr<PreparedWeight> EngineModel::Weight(absl::string_view name) const { return impl_->weights.Weight(name); }
 
 const ModelConfig& EngineModel::config() const { return impl_->config; }
 const EngineRank& EngineModel::rank() const { return impl_->rank; }

@@ -40,11 +40,11 @@
 namespace wsync::ref_engine {
 namespace {
 
+using testing::EngineParamsForRank;
 using ::testing::HasSubstr;
 using testing::InProcessGroup;
 using testing::MustParseConfig;
 using testing::RunRanks;
-using testing::EngineParamsForRank;
 using testing::TensorMap;
 
 constexpr double kRelTol = 5e-5;
@@ -66,19 +66,22 @@ std::string Llama(const std::string& extra = "") {
   return R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
     "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
     "intermediate_size": 256, "vocab_size": 1000, "max_position_embeddings": 64, "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "tie_word_embeddings": true)" + extra + "}";
+    "rope_theta": 10000.0, "tie_word_embeddings": true)" +
+         extra + "}";
 }
 std::string Qwen2(const std::string& extra = "") {
   return R"({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 128,
     "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
     "intermediate_size": 256, "vocab_size": 500, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0, "tie_word_embeddings": false)" + extra + "}";
+    "rope_theta": 1000000.0, "tie_word_embeddings": false)" +
+         extra + "}";
 }
 std::string Qwen3(const std::string& extra = "") {
   return R"({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 128,
     "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
     "intermediate_size": 256, "vocab_size": 1000, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0, "tie_word_embeddings": false)" + extra + "}";
+    "rope_theta": 1000000.0, "tie_word_embeddings": false)" +
+         extra + "}";
 }
 std::string Qwen3Moe(const std::string& extra = "") {
   return R"({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 128,
@@ -86,7 +89,8 @@ std::string Qwen3Moe(const std::string& extra = "") {
     "intermediate_size": 256, "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2,
     "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": true, "vocab_size": 500,
     "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "tie_word_embeddings": false)" + extra + "}";
+    "tie_word_embeddings": false)" +
+         extra + "}";
 }
 // H == G == 64: SGLang's w13 scale permutation (size_k = 4I') picks the grouped perm although the
 // scales have one row (ENGINE_LAYOUT.md §4 quirk).
@@ -95,7 +99,8 @@ std::string Qwen3MoeSmallH(const std::string& extra = "") {
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
     "intermediate_size": 128, "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2,
     "norm_topk_prob": false, "vocab_size": 300, "max_position_embeddings": 64,
-    "tie_word_embeddings": false)" + extra + "}";
+    "tie_word_embeddings": false)" +
+         extra + "}";
 }
 std::string Deepseek(const std::string& extra = "") {
   return R"({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 128,
@@ -105,7 +110,8 @@ std::string Deepseek(const std::string& extra = "") {
     "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
     "q_lora_rank": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 48, "qk_rope_head_dim": 16, "v_head_dim": 32,
     "vocab_size": 1000, "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "tie_word_embeddings": false)" + extra + "}";
+    "tie_word_embeddings": false)" +
+         extra + "}";
 }
 // DeepSeek-V2-style routing (softmax, group_limited_greedy, no renormalization) without q_lora.
 std::string DeepseekNoQLora(const std::string& extra = "") {
@@ -115,7 +121,8 @@ std::string DeepseekNoQLora(const std::string& extra = "") {
     "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "norm_topk_prob": false,
     "routed_scaling_factor": 1.5, "scoring_func": "softmax", "topk_method": "group_limited_greedy",
     "kv_lora_rank": 32, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32,
-    "vocab_size": 500, "max_position_embeddings": 64, "tie_word_embeddings": false)" + extra + "}";
+    "vocab_size": 500, "max_position_embeddings": 64, "tie_word_embeddings": false)" +
+         extra + "}";
 }
 
 // ---- running ------------------------------------------------------------------------------------
@@ -149,14 +156,15 @@ std::vector<RankOutcome> RunEngine(const ModelConfig& c, EngineRank geometry, co
   const std::vector<absl::Status> st = RunRanks(T, [&](int r) -> absl::Status {
     EngineRank er = geometry;
     er.tp_rank = r;
-    ASSIGN_OR_RETURN(EngineModel m, EngineModel::Create(c, er, params[static_cast<size_t>(r)].Lookup(),
-                                                              group.ForRank(r), options));
+    ASSIGN_OR_RETURN(EngineModel m,
+                     EngineModel::Create(c, er, params[static_cast<size_t>(r)].Lookup(), group.ForRank(r), options));
     RETURN_IF_ERROR(m.Prepare());
     ASSIGN_OR_RETURN(out[static_cast<size_t>(r)].logits, m.Logits(prompt));
     ASSIGN_OR_RETURN(out[static_cast<size_t>(r)].tokens, m.Generate(prompt, new_tokens));
     return absl::OkStatus();
   });
-  for (int r = 0; r < T; ++r) EXPECT_TRUE(st[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << st[static_cast<size_t>(r)];
+  for (int r = 0; r < T; ++r)
+    EXPECT_TRUE(st[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << st[static_cast<size_t>(r)];
   return out;
 }
 
@@ -332,7 +340,7 @@ double MaxDiffAfter(const std::string& json, int tp, const std::function<void(st
   std::vector<std::vector<float>> got(static_cast<size_t>(tp));
   const auto st = RunRanks(tp, [&](int r) -> absl::Status {
     ASSIGN_OR_RETURN(EngineModel m, EngineModel::Create(c, EngineRank{{tp, r, 1}, false},
-                                                              params[static_cast<size_t>(r)].Lookup(), g.ForRank(r)));
+                                                        params[static_cast<size_t>(r)].Lookup(), g.ForRank(r)));
     RETURN_IF_ERROR(m.Prepare());
     ASSIGN_OR_RETURN(got[static_cast<size_t>(r)], m.Logits(prompt));
     return absl::OkStatus();
@@ -654,7 +662,7 @@ TEST_F(InPlaceVersions, AFailedPrepareWritesNoCopyAndLaterPreparesReuseTheBuffer
 
 TEST_F(InPlaceVersions, TheFirstBadParamInLoadOrderIsReportedWhateverTheThreadCount) {
   Version& v = *versions_[0];
-  v.SetU16("model.layers.2.input_layernorm.weight", 3, 0xff80);       // -Inf, late
+  v.SetU16("model.layers.2.input_layernorm.weight", 3, 0xff80);            // -Inf, late
   v.SetU16("model.embed_tokens.weight", 40000, F32ToBF16(std::nanf("")));  // NaN, first param
   current_ = &v;
   for (int threads : {1, 2, 7}) {
@@ -676,7 +684,7 @@ TEST_F(InPlaceVersions, HugeScalesAreJudgedByTheNibblesTheyScale) {
   const std::string packed = "model.layers.0.mlp.experts.w2_weight_packed",
                     scales = "model.layers.0.mlp.experts.w2_weight_scale";
   const Tensor& p = v.params.At(packed);
-  for (int64_t i = 0; i < p.view().numel(); ++i) v.SetU32(packed, i, 0xffffffffu);  // u = 15 everywhere
+  for (int64_t i = 0; i < p.view().numel(); ++i) v.SetU32(packed, i, 0xffffffffu);               // u = 15 everywhere
   for (int64_t i = 0; i < v.params.At(scales).view().numel(); ++i) v.SetU16(scales, i, 0x7e00);  // 2^125
   current_ = &v;
   absl::StatusOr<EngineModel> m = EngineModel::Create(c_, EngineRank{}, Lookup(), {});
@@ -692,8 +700,9 @@ TEST_F(InPlaceVersions, HugeScalesAreJudgedByTheNibblesTheyScale) {
   const int64_t n = kernels::format::WordCol(37) + kernels::format::SlotDn(5);
   const absl::Status s = m->Prepare();
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
-  EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("model.layers.0.mlp.experts.w2_weight holds a non-finite value (-inf) at element ",
-                                                  (3 * H + n) * I + k)));
+  EXPECT_THAT(s.message(),
+              HasSubstr(absl::StrCat("model.layers.0.mlp.experts.w2_weight holds a non-finite value (-inf) at element ",
+                                     (3 * H + n) * I + k)));
 }
 
 TEST_F(EngineModelErrors, BadRequests) {
@@ -724,8 +733,9 @@ TEST(EngineModelCreate, RefusesUnsupportedGeometry) {
   s = EngineModel::Create(MustParseConfig(Llama()), {{3, 0, 1}, false}, TensorMap().Lookup(), g3.ForRank(0)).status();
   EXPECT_THAT(s.message(), HasSubstr("padded vocab pad(1000, 64) = 1024 is not divisible by tp_size 3"));
   // 12 heads, 4 kv heads, T = 6 > 4 but not a multiple of it (vocab 1152 divides).
-  const std::string heads12 = absl::StrReplaceAll(
-      Qwen3(), {{"\"num_attention_heads\": 8", "\"num_attention_heads\": 12"}, {"\"vocab_size\": 1000", "\"vocab_size\": 1152"}});
+  const std::string heads12 =
+      absl::StrReplaceAll(Qwen3(), {{"\"num_attention_heads\": 8", "\"num_attention_heads\": 12"},
+                                    {"\"vocab_size\": 1000", "\"vocab_size\": 1152"}});
   InProcessGroup g6(6);
   s = EngineModel::Create(MustParseConfig(heads12), {{6, 0, 1}, false}, TensorMap().Lookup(), g6.ForRank(0)).status();
   EXPECT_THAT(s.message(), HasSubstr("tp_size 6 is not a multiple of num_key_value_heads 4"));
@@ -743,11 +753,13 @@ TEST(EngineModelCreate, RefusesUnsupportedGeometry) {
               HasSubstr("deepseek_v3 with tie_word_embeddings"));
   EXPECT_THAT(create(Qwen3Moe(), {{1, 0, 1}, true}).message(), HasSubstr("fused_shared_experts needs DeepSeek-V3"));
   EXPECT_THAT(create(DeepseekNoQLora(), {{1, 0, 1}, true}).message(), HasSubstr("n_shared_experts == 1"));
-  const std::string no_norm = absl::StrReplaceAll(Deepseek(), {{"\"norm_topk_prob\": true", "\"norm_topk_prob\": false"}});
+  const std::string no_norm =
+      absl::StrReplaceAll(Deepseek(), {{"\"norm_topk_prob\": true", "\"norm_topk_prob\": false"}});
   EXPECT_EQ(create(no_norm, {{1, 0, 1}, true}).code(), absl::StatusCode::kUnimplemented);
   EXPECT_TRUE(create(no_norm, {{1, 0, 1}, false}).ok());
   InProcessGroup g4(4);
-  const std::string bad_i = absl::StrReplaceAll(Qwen3Moe(), {{"\"moe_intermediate_size\": 128", "\"moe_intermediate_size\": 130"}});
+  const std::string bad_i =
+      absl::StrReplaceAll(Qwen3Moe(), {{"\"moe_intermediate_size\": 128", "\"moe_intermediate_size\": 130"}});
   s = EngineModel::Create(MustParseConfig(bad_i), {{4, 0, 1}, false}, TensorMap().Lookup(), g4.ForRank(0)).status();
   EXPECT_THAT(s.message(), HasSubstr("moe_intermediate_size 130 is not divisible by moe_tp_size 4"));
   EXPECT_TRUE(create(Qwen3Moe(), {}).ok());

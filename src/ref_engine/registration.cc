@@ -72,8 +72,8 @@ void AgentRegistrar::Loop() {
         absl::MutexLock lock(&mu_);
         ++registrations_;
         agent_id_ = reply.agent_id();
-        WSYNC_LOG(INFO) << "registered with rollout agent " << agent << " (agent_id " << reply.agent_id() << "): "
-                        << req.params_size() << " params, version " << req.version();
+        WSYNC_LOG(INFO) << "registered with rollout agent " << agent << " (agent_id " << reply.agent_id()
+                        << "): " << req.params_size() << " params, version " << req.version();
         continue;
       }
       if (failures++ % 10 == 0)

@@ -231,36 +231,24 @@ WeightRef WeightRef::Expert(int64_t e, int64_t num_experts) const {
   out.rows = per;
   out.shape = {per, cols};
   switch (form) {
-    case WeightForm::kF32:
-      out.data = f32() + e * per * cols;
-      break;
-    case WeightForm::kBF16:
-      out.data = static_cast<const uint16_t*>(data) + e * per * cols;
-      break;
+    case WeightForm::kF32: out.data = f32() + e * per * cols; break;
+    case WeightForm::kBF16: out.data = static_cast<const uint16_t*>(data) + e * per * cols; break;
     case WeightForm::kMarlin:
       out.marlin.packed = marlin.packed + e * (marlin.k / 16) * 2 * marlin.n;
       out.marlin.scales = marlin.scales + e * marlin.groups() * marlin.n;
       out.marlin.experts = 1;
       break;
-    case WeightForm::kNone:
-      break;
+    case WeightForm::kNone: break;
   }
   return out;
 }
 
 void MatMul(const float* x, int64_t n, const WeightRef& w, float* y) {
   switch (w.form) {
-    case WeightForm::kF32:
-      MatMulF32(x, n, w, y);
-      return;
-    case WeightForm::kBF16:
-      MatMulBf16(x, n, w, y);
-      return;
-    case WeightForm::kMarlin:
-      MarlinMatMul(x, n, w.marlin, y);
-      return;
-    case WeightForm::kNone:
-      return;
+    case WeightForm::kF32: MatMulF32(x, n, w, y); return;
+    case WeightForm::kBF16: MatMulBf16(x, n, w, y); return;
+    case WeightForm::kMarlin: MarlinMatMul(x, n, w.marlin, y); return;
+    case WeightForm::kNone: return;
   }
 }
 
@@ -298,9 +286,7 @@ void DecodeMarlinTile(const MarlinRef& m, int64_t e, int64_t kt, int64_t nt, flo
 
 void MaterializeWeight(const WeightRef& w, float* out) {
   switch (w.form) {
-    case WeightForm::kF32:
-      std::memcpy(out, w.data, static_cast<size_t>(w.rows * w.cols) * sizeof(float));
-      return;
+    case WeightForm::kF32: std::memcpy(out, w.data, static_cast<size_t>(w.rows * w.cols) * sizeof(float)); return;
     case WeightForm::kBF16:
       for (int64_t i = 0; i < w.rows; ++i) RowToFloats(w, i, out + i * w.cols);
       return;
@@ -325,8 +311,7 @@ void MaterializeWeight(const WeightRef& w, float* out) {
         }
       return;
     }
-    case WeightForm::kNone:
-      return;
+    case WeightForm::kNone: return;
   }
 }
 
@@ -350,8 +335,7 @@ std::optional<int64_t> FirstNonFinite(DType dtype, const std::byte* data, int64_
         if ((Load<uint32_t>(data, i) & 0x7f800000u) == 0x7f800000u) return i;
       return std::nullopt;
     }
-    default:
-      return std::nullopt;
+    default: return std::nullopt;
   }
 }
 

@@ -32,9 +32,9 @@ namespace {
 struct MarlinCase {
   std::string name;
   int64_t experts, n, k;
-  int group;                           // -1 = channelwise
+  int group;  // -1 = channelwise
   bool f16 = false;
-  std::optional<bool> grouped_perm;    // SGLang's choice when it differs from the kernel's
+  std::optional<bool> grouped_perm;  // SGLang's choice when it differs from the kernel's
   uint64_t seed = 1;
 };
 
@@ -259,11 +259,11 @@ TEST(Finiteness, MarlinScalesJudgedAtTheOverflowBoundary) {
     std::memcpy(v.data() + 1, s, 6);               // misaligned
     return MarlinScalesCertainlyFinite(v.data() + 1, false, 3);
   };
-  EXPECT_TRUE(bf16(0x7dff));   // 8 |s| is the largest finite exponent: every value finite
-  EXPECT_TRUE(bf16(0xfdff));   // sign does not matter
-  EXPECT_FALSE(bf16(0x7e00));  // 8 |s| overflows bf16: maybe not finite (u = 0 decides)
-  EXPECT_FALSE(bf16(0x7f80));  // Inf
-  EXPECT_FALSE(bf16(0x7fc1));  // NaN
+  EXPECT_TRUE(bf16(0x7dff));                 // 8 |s| is the largest finite exponent: every value finite
+  EXPECT_TRUE(bf16(0xfdff));                 // sign does not matter
+  EXPECT_FALSE(bf16(0x7e00));                // 8 |s| overflows bf16: maybe not finite (u = 0 decides)
+  EXPECT_FALSE(bf16(0x7f80));                // Inf
+  EXPECT_FALSE(bf16(0x7fc1));                // NaN
   const uint16_t f16[2] = {0x7bff, 0x3c00};  // 65504, 1.0
   EXPECT_TRUE(MarlinScalesCertainlyFinite(reinterpret_cast<const std::byte*>(f16), true, 2));
   const uint16_t f16_inf[1] = {0x7c00};

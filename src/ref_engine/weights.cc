@@ -104,8 +104,8 @@ struct RankWeights::Impl {
       if (v.dtype() == d) return absl::OkStatus();
     std::string want;
     for (DType d : ok) absl::StrAppend(&want, want.empty() ? "" : " or ", SafetensorsName(d));
-    return absl::InvalidArgumentError(absl::StrCat(Where(), ": parameter ", name, " has dtype ",
-                                                   SafetensorsName(v.dtype()), ", want ", want));
+    return absl::InvalidArgumentError(
+        absl::StrCat(Where(), ": parameter ", name, " has dtype ", SafetensorsName(v.dtype()), ", want ", want));
   }
 
   // A fresh float32 buffer of n elements owned by the new version (kFloat32Copy).
@@ -122,8 +122,8 @@ struct RankWeights::Impl {
       const std::string packed = absl::StrCat(name.substr(0, name.size() - 7), ".weight_packed");
       ASSIGN_OR_RETURN(std::optional<TensorView> p, Find(packed));
       if (p)
-        return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", packed, " is INT4, but the engine keeps ",
-                                                       name, " in bf16 (ENGINE_LAYOUT.md §3.1)"));
+        return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", packed, " is INT4, but the engine keeps ", name,
+                                                       " in bf16 (ENGINE_LAYOUT.md §3.1)"));
     }
     ASSIGN_OR_RETURN(TensorView v, Get(name));
     RETURN_IF_ERROR(CheckDType(name, v, {DType::kBF16, DType::kF16, DType::kF32}));
@@ -155,17 +155,16 @@ struct RankWeights::Impl {
   absl::StatusOr<int> GroupFor(const std::string& name, int64_t K, int64_t rows) const {
     if (g.group_size == -1) {
       if (rows != 1)
-        return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", name, " has ", rows,
-                                                       " scale rows, want 1 (channelwise quantization)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(Where(), ": ", name, " has ", rows, " scale rows, want 1 (channelwise quantization)"));
       return -1;
     }
     if (g.group_size > 0) {
       if (K % g.group_size != 0 || rows != K / g.group_size)
-        return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", name, " has ", rows, " scale rows for K = ", K,
-                                                       " and group size ", g.group_size, " (want K / G = ",
-                                                       K % g.group_size == 0 ? absl::StrCat(K / g.group_size)
-                                                                             : std::string("not an integer"),
-                                                       ")"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            Where(), ": ", name, " has ", rows, " scale rows for K = ", K, " and group size ", g.group_size,
+            " (want K / G = ", K % g.group_size == 0 ? absl::StrCat(K / g.group_size) : std::string("not an integer"),
+            ")"));
       return g.group_size;
     }
     if (rows < 1 || K % rows != 0)
@@ -197,7 +196,7 @@ struct RankWeights::Impl {
     ASSIGN_OR_RETURN(Shape gshape, kernels::GptqShapeFor(p.shape()));
     ASSIGN_OR_RETURN(*gptq, Tensor::Empty(DType::kI32, gshape));
     RETURN_IF_ERROR(Annotate(kernels::MarlinToGptq(p, nullptr, gptq->mutable_view(), opts),
-                                   absl::StrCat(Where(), ": ", packed_name)));
+                             absl::StrCat(Where(), ": ", packed_name)));
     ASSIGN_OR_RETURN(*scales, Tensor::Empty(s.dtype(), s.shape()));
     const bool kernel_grouped = G != -1 && G < K;
     if (!sglang_grouped || *sglang_grouped == kernel_grouped) {
@@ -210,8 +209,8 @@ struct RankWeights::Impl {
     const int width = grouped ? kernels::format::kScalePermGroupedWidth : kernels::format::kScalePermChannelWidth;
     const int64_t n = s.shape().back();
     if (n % width != 0)
-      return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", scale_name, ": N = ", n,
-                                                     " is not a multiple of ", width));
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(), ": ", scale_name, ": N = ", n, " is not a multiple of ", width));
     const uint16_t* in = s.data_as<uint16_t>();
     uint16_t* out = scales->data_as<uint16_t>();
     const int64_t rows = s.numel() / n;
@@ -226,17 +225,16 @@ struct RankWeights::Impl {
 
   // W[e][n][k] = bf16((u - 8) * scale[e][k / G][n]) from GPTQ qweight [E, K/8, N] and scales [E, K/G, N],
   // written to out (row-major [E, N, K]).
-  static void Dequantize(const Tensor& gptq, const Tensor& scales, int64_t E, int64_t K, int64_t N, int G,
-                         float* out) {
+  static void Dequantize(const Tensor& gptq, const Tensor& scales, int64_t E, int64_t K, int64_t N, int G, float* out) {
     const uint32_t* q = reinterpret_cast<const uint32_t*>(gptq.view().data());
     const TensorView sv = scales.view();
     const int64_t Gc = G == -1 ? K : G, groups = K / Gc;
     std::vector<float> srow(static_cast<size_t>(groups * N));
     for (int64_t e = 0; e < E; ++e) {
-      (void)ReadFloats(TensorView(sv.dtype(), {groups * N},
-                                  sv.bytes().subspan(static_cast<size_t>(e * groups * N * 2),
-                                                     static_cast<size_t>(groups * N * 2))),
-                       srow.data(), "scales");
+      (void)ReadFloats(
+          TensorView(sv.dtype(), {groups * N},
+                     sv.bytes().subspan(static_cast<size_t>(e * groups * N * 2), static_cast<size_t>(groups * N * 2))),
+          srow.data(), "scales");
       const uint32_t* qe = q + e * (K / 8) * N;
       float* oe = out + e * N * K;
       for (int64_t kw = 0; kw < K / 8; ++kw)
@@ -306,24 +304,21 @@ struct RankWeights::Impl {
 
   // A linear of this rank, [N, K]: `prefix.weight` (float), or `prefix.weight_packed` +
   // `prefix.weight_scale` (Marlin INT4) when `int4_ok`.
-  absl::Status Linear(const std::string& prefix, int64_t N, int64_t K, bool int4_ok, WeightRef* out,
-                      Plan& plan) const {
+  absl::Status Linear(const std::string& prefix, int64_t N, int64_t K, bool int4_ok, WeightRef* out, Plan& plan) const {
     const std::string wname = prefix + ".weight", pname = prefix + ".weight_packed", sname = prefix + ".weight_scale";
     ASSIGN_OR_RETURN(std::optional<TensorView> packed, Find(pname));
     if (!packed) return Float(wname, {N, K}, out, plan);
     if (!int4_ok)
-      return absl::InvalidArgumentError(
-          absl::StrCat(Where(), ": ", pname, " is INT4, but SGLang cannot load ", prefix,
-                       " as INT4 (ENGINE_LAYOUT.md §3.1); the engine keeps it in bf16"));
+      return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", pname, " is INT4, but SGLang cannot load ", prefix,
+                                                     " as INT4 (ENGINE_LAYOUT.md §3.1); the engine keeps it in bf16"));
     ASSIGN_OR_RETURN(std::optional<TensorView> dense, Find(wname));
     if (dense)
       return absl::InvalidArgumentError(
           absl::StrCat(Where(), ": both ", wname, " and ", pname, " exist; a linear is either bf16 or INT4"));
     RETURN_IF_ERROR(CheckDType(pname, *packed, {DType::kI32}));
     if (K % 16 != 0 || N % 64 != 0)
-      return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", pname,
-                                                     ": Marlin needs K % 16 == 0 and N % 64 == 0, got [N, K] = [", N,
-                                                     ", ", K, "]"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          Where(), ": ", pname, ": Marlin needs K % 16 == 0 and N % 64 == 0, got [N, K] = [", N, ", ", K, "]"));
     RETURN_IF_ERROR(CheckShape(pname, *packed, {K / 16, 2 * N}));
     ASSIGN_OR_RETURN(TensorView scale, Get(sname));
     RETURN_IF_ERROR(CheckDType(sname, scale, {DType::kBF16, DType::kF16}));
@@ -380,16 +375,15 @@ struct RankWeights::Impl {
       if (G13 == -1 && G2 != -1 && H % G2 == 0 && H / G2 == 1) G13 = G2;
       if (G2 == -1 && G13 != -1 && I % G13 == 0 && I / G13 == 1) G2 = G13;
       if (G13 != G2)
-        return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", prefix, ": w13 scales imply group size ", G13,
-                                                       " but w2 scales imply ", G2));
+        return absl::InvalidArgumentError(
+            absl::StrCat(Where(), ": ", prefix, ": w13 scales imply group size ", G13, " but w2 scales imply ", G2));
     }
     if (G2 != -1 && I % G2 != 0)
       return absl::InvalidArgumentError(
           absl::StrCat(Where(), ": ", prefix, ": I' = ", I, " is not a multiple of the group size ", G2));
     // SGLang permutes w13 scales with size_k = 4I' (ENGINE_LAYOUT.md §4 quirk).
     const bool grouped13 = G13 != -1 && G13 < 4 * I;
-    RETURN_IF_ERROR(
-        Marlin(n13, n13 + "_packed", *p13, n13 + "_scale", s13, E, 2 * I, H, G13, grouped13, w13, plan));
+    RETURN_IF_ERROR(Marlin(n13, n13 + "_packed", *p13, n13 + "_scale", s13, E, 2 * I, H, G13, grouped13, w13, plan));
     return Marlin(n2, n2 + "_packed", *p2, n2 + "_scale", s2, E, H, I, G2, G2 != -1 && G2 < I, w2, plan);
   }
 
@@ -447,8 +441,7 @@ struct RankWeights::Impl {
         RETURN_IF_ERROR(Float(m + "gate.e_score_correction_bias", {g.E_routed}, &L.score_bias, plan));
       RETURN_IF_ERROR(Experts(m + "experts", &L.w13, &L.w2, plan));
       if (g.S_loc > 0) {
-        RETURN_IF_ERROR(
-            Linear(m + "shared_experts.gate_up_proj", 2 * g.S_loc, H, true, &L.shared_gate_up, plan));
+        RETURN_IF_ERROR(Linear(m + "shared_experts.gate_up_proj", 2 * g.S_loc, H, true, &L.shared_gate_up, plan));
         RETURN_IF_ERROR(Linear(m + "shared_experts.down_proj", H, g.S_loc, true, &L.shared_down, plan));
       }
     }
@@ -490,8 +483,8 @@ struct RankWeights::Impl {
   }
 
   absl::Status NonFinite(const std::string& name, float value, int64_t element) const {
-    return absl::DataLossError(absl::StrCat(Where(), ": parameter ", name, " holds a non-finite value (", value,
-                                            ") at element ", element));
+    return absl::DataLossError(
+        absl::StrCat(Where(), ": parameter ", name, " holds a non-finite value (", value, ") at element ", element));
   }
 
   // One check of a kInPlace plan. Memory a weight sync wrote must hold finite numbers: NaN / Inf
@@ -539,8 +532,8 @@ struct RankWeights::Impl {
     absl::flat_hash_map<std::string, Buffer> fresh;
     absl::flat_hash_set<std::string> used;
     for (const Plan::Copy& c : plan.copies) {
-      const size_t bytes = c.kind == Plan::Copy::Kind::kToF32 ? static_cast<size_t>(c.src.numel()) * sizeof(float)
-                                                               : c.src.nbytes();
+      const size_t bytes =
+          c.kind == Plan::Copy::Kind::kToF32 ? static_cast<size_t>(c.src.numel()) * sizeof(float) : c.src.nbytes();
       used.insert(c.key);
       st.bytes_copied += static_cast<int64_t>(bytes);
       auto it = copies.find(c.key);
@@ -554,15 +547,9 @@ struct RankWeights::Impl {
     for (Plan::Copy& c : plan.copies) {
       void* dst = copies[c.key].data();
       switch (c.kind) {
-        case Plan::Copy::Kind::kToF32:
-          c.dst->data = dst;
-          break;
-        case Plan::Copy::Kind::kPacked:
-          c.dst->marlin.packed = static_cast<const uint32_t*>(dst);
-          break;
-        case Plan::Copy::Kind::kScales:
-          c.dst->marlin.scales = static_cast<const uint16_t*>(dst);
-          break;
+        case Plan::Copy::Kind::kToF32: c.dst->data = dst; break;
+        case Plan::Copy::Kind::kPacked: c.dst->marlin.packed = static_cast<const uint32_t*>(dst); break;
+        case Plan::Copy::Kind::kScales: c.dst->marlin.scales = static_cast<const uint16_t*>(dst); break;
       }
     }
     RETURN_IF_ERROR(RunTasks(threads, plan.copies.size(), [&](size_t i) {

@@ -65,11 +65,11 @@ using ParamLookup = std::function<absl::StatusOr<TensorView>(absl::string_view n
 // derives and validates it; the fields are plain values.
 struct RankGeometry {
   int64_t T = 1, r = 0, ep = 1, moe_tp = 1, ep_rank = 0, moe_tp_rank = 0;  // tp size / rank, EP, moe-TP
-  int64_t H = 0, V = 0, Vp = 0, P = 0;                    // hidden, vocab, pad(V, 64), vocab rows per rank
+  int64_t H = 0, V = 0, Vp = 0, P = 0;                      // hidden, vocab, pad(V, 64), vocab rows per rank
   int64_t nh = 0, nkv = 0, hd = 0, nh_loc = 0, kv_loc = 0;  // heads, kv heads, head_dim, per rank
-  int64_t F_loc = 0;                                      // dense intermediate size per rank
+  int64_t F_loc = 0;                                        // dense intermediate size per rank
   int64_t E_routed = 0, E_total = 0, E_loc = 0, I_loc = 0, first_expert = 0, S_loc = 0;  // MoE
-  int64_t q_lora = 0, kv_lora = 0, nope = 0, rope = 0, vd = 0, qd = 0, kvd = 0;         // MLA
+  int64_t q_lora = 0, kv_lora = 0, nope = 0, rope = 0, vd = 0, qd = 0, kvd = 0;          // MLA
   int group_size = 0;  // from config.quantization: G or -1; 0 = infer from the scales' shapes
 
   // "EngineModel (tp rank r/T)": the start of every error message about this rank.

@@ -1,7 +1,5 @@
 // wsync_trainer_client.h implemented over trainer_client/protocol.h (C++ standard library and
 // libc only: see protocol.h for why).
-#include "trainer_client/wsync_trainer_client.h"
-
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/mman.h>
@@ -20,6 +18,7 @@
 #include <vector>
 
 #include "trainer_client/protocol.h"
+#include "trainer_client/wsync_trainer_client.h"
 
 namespace tc = wsync::trainer_client;
 
@@ -149,8 +148,9 @@ static int AddDecl(wsync_client* c, tc::TensorDecl d) {
   if (c->registered) return Err(WSYNC_FAILED_PRECONDITION, "tensors must be declared before wsync_client_register");
   if (d.name.empty()) return Err(WSYNC_INVALID_ARGUMENT, "empty tensor name");
   if (!tc::TensorBytes(d.dtype, d.shape, &d.nbytes))
-    return Err(WSYNC_INVALID_ARGUMENT, "tensor " + d.name + ": unknown dtype '" + d.dtype +
-                                           "' (safetensors names: BF16, F16, F32, ...) or a negative / overflowing shape");
+    return Err(WSYNC_INVALID_ARGUMENT,
+               "tensor " + d.name + ": unknown dtype '" + d.dtype +
+                   "' (safetensors names: BF16, F16, F32, ...) or a negative / overflowing shape");
   if (c->index.count(d.name)) return Err(WSYNC_ALREADY_EXISTS, "tensor " + d.name + " is declared twice");
   c->index.emplace(d.name, c->decls.size());
   c->decls.push_back(std::move(d));
@@ -173,8 +173,8 @@ int wsync_client_add_tensor(wsync_client* c, const char* name, const char* dtype
   return AddDecl(c, std::move(d));
 }
 
-int wsync_client_add_cuda_tensor(wsync_client* c, const char* name, const char* dtype, const int64_t* shape,
-                                 int ndim, const void* handle, size_t handle_bytes, int device, uint64_t offset) {
+int wsync_client_add_cuda_tensor(wsync_client* c, const char* name, const char* dtype, const int64_t* shape, int ndim,
+                                 const void* handle, size_t handle_bytes, int device, uint64_t offset) {
   tc::TensorDecl d;
   d.name = name ? name : "";
   d.dtype = dtype ? dtype : "";
@@ -278,7 +278,8 @@ int wsync_client_begin_update(wsync_client* c, int64_t timeout_ms) {
   const int64_t deadline = Deadline(timeout_ms);
   for (;;) {
     if (flock(c->shm_fd, LOCK_EX | LOCK_NB) == 0) break;
-    if (errno != EWOULDBLOCK && errno != EINTR) return Err(WSYNC_INTERNAL, std::string("flock: ") + std::strerror(errno));
+    if (errno != EWOULDBLOCK && errno != EINTR)
+      return Err(WSYNC_INTERNAL, std::string("flock: ") + std::strerror(errno));
     if (deadline >= 0 && tc::NowMs() >= deadline)
       return Err(WSYNC_DEADLINE_EXCEEDED, "a sync kept reading the weights for " + std::to_string(timeout_ms) + " ms");
     SleepMs(1);
@@ -298,22 +299,22 @@ int wsync_client_end_update(wsync_client* c) {
   return Ok();
 }
 
-int wsync_client_request_sync(wsync_client* c, uint64_t version, int wait, int64_t timeout_ms,
-                              wsync_sync_info* info) {
+int wsync_client_request_sync(wsync_client* c, uint64_t version, int wait, int64_t timeout_ms, wsync_sync_info* info) {
   if (c == nullptr) return Err(WSYNC_INVALID_ARGUMENT, "client is NULL");
   std::lock_guard<std::mutex> lock(c->mu);
   if (!c->registered) return Err(WSYNC_FAILED_PRECONDITION, "register before requesting a sync");
   tc::RequestSyncRequest req;
   if (c->locked)
-    return Err(WSYNC_FAILED_PRECONDITION, "request a sync after wsync_client_end_update (the weights are being written)");
+    return Err(WSYNC_FAILED_PRECONDITION,
+               "request a sync after wsync_client_end_update (the weights are being written)");
   req.version = version;
   req.generation = c->generation();
   req.wait = wait != 0;
   req.timeout_ms = timeout_ms;
   tc::Reply reply;
   // The agent bounds the wait by timeout_ms; give the reply a little slack to arrive.
-  const int rc = c->Call(tc::MsgType::kRequestSync, tc::Encode(req), timeout_ms < 0 ? -1 : tc::NowMs() + timeout_ms + 5000,
-                         &reply);
+  const int rc = c->Call(tc::MsgType::kRequestSync, tc::Encode(req),
+                         timeout_ms < 0 ? -1 : tc::NowMs() + timeout_ms + 5000, &reply);
   if (info) {
     info->sync_id = reply.sync_id;
     info->version = reply.version;

@@ -229,7 +229,8 @@ bool Decode(const std::string& payload, RegisterRequest* r, std::string* error) 
 bool Decode(const std::string& payload, RequestSyncRequest* r, std::string* error) {
   Reader in(payload);
   uint8_t wait;
-  if (!in.U64(&r->version) || !in.U64(&r->generation) || !in.U8(&wait) || !in.I64(&r->timeout_ms) || wait > 1 || !in.Done())
+  if (!in.U64(&r->version) || !in.U64(&r->generation) || !in.U8(&wait) || !in.I64(&r->timeout_ms) || wait > 1 ||
+      !in.Done())
     return Fail(error, "sync request: malformed payload");
   r->wait = wait != 0;
   return true;
@@ -238,8 +239,8 @@ bool Decode(const std::string& payload, RequestSyncRequest* r, std::string* erro
 bool Decode(const std::string& payload, Reply* r, std::string* error) {
   Reader in(payload);
   uint8_t coalesced;
-  if (!in.I32(&r->code) || !in.Str(&r->message) || !in.U64(&r->sync_id) || !in.U64(&r->version) ||
-      !in.U8(&coalesced) || coalesced > 1 || !in.Done())
+  if (!in.I32(&r->code) || !in.Str(&r->message) || !in.U64(&r->sync_id) || !in.U64(&r->version) || !in.U8(&coalesced) ||
+      coalesced > 1 || !in.Done())
     return Fail(error, "reply: malformed payload");
   r->coalesced = coalesced != 0;
   return true;
@@ -276,11 +277,10 @@ int RecvFrame(int fd, MsgType* type, std::string* payload, int64_t deadline_ms, 
   in.U32(&len);
   if (magic != kMagic || version != kProtocolVersion || len > kMaxPayload) {
     if (error)
-      *error = magic != kMagic ? "not a wsync frame (bad magic)"
-               : version != kProtocolVersion
-                   ? "protocol version " + std::to_string(version) + ", this side speaks " +
-                         std::to_string(kProtocolVersion)
-                   : "frame of " + std::to_string(len) + " bytes exceeds the limit";
+      *error = magic != kMagic               ? "not a wsync frame (bad magic)"
+               : version != kProtocolVersion ? "protocol version " + std::to_string(version) + ", this side speaks " +
+                                                   std::to_string(kProtocolVersion)
+                                             : "frame of " + std::to_string(len) + " bytes exceeds the limit";
     return EPROTO;
   }
   payload->assign(len, '\0');
@@ -301,8 +301,8 @@ int64_t NowMs() {
 bool ValidSourceName(const std::string& name) {
   if (name.empty() || name.size() > 64 || name[0] == '.') return false;
   for (char c : name) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-                    c == '_' || c == '-';
+    const bool ok =
+        (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
     if (!ok) return false;
   }
   return true;
@@ -322,11 +322,16 @@ std::string SocketPath(const std::string& runtime_dir, const std::string& name, 
 
 bool TensorBytes(const std::string& dtype, const std::vector<int64_t>& shape, uint64_t* nbytes) {
   uint64_t item = 0;
-  if (dtype == "BOOL" || dtype == "U8" || dtype == "I8" || dtype == "F8_E4M3" || dtype == "F8_E5M2") item = 1;
-  else if (dtype == "BF16" || dtype == "F16" || dtype == "I16" || dtype == "U16") item = 2;
-  else if (dtype == "F32" || dtype == "I32" || dtype == "U32") item = 4;
-  else if (dtype == "F64" || dtype == "I64" || dtype == "U64") item = 8;
-  else return false;
+  if (dtype == "BOOL" || dtype == "U8" || dtype == "I8" || dtype == "F8_E4M3" || dtype == "F8_E5M2")
+    item = 1;
+  else if (dtype == "BF16" || dtype == "F16" || dtype == "I16" || dtype == "U16")
+    item = 2;
+  else if (dtype == "F32" || dtype == "I32" || dtype == "U32")
+    item = 4;
+  else if (dtype == "F64" || dtype == "I64" || dtype == "U64")
+    item = 8;
+  else
+    return false;
   uint64_t n = item;
   for (int64_t d : shape) {
     if (d < 0) return false;

@@ -45,40 +45,40 @@ enum class MsgType : uint32_t { kRegister = 1, kRequestSync = 2, kReply = 100 };
 enum class Location : uint32_t { kHostShm = 0, kCudaIpc = 1 };
 
 struct TensorDecl {
-  std::string name;              // Megatron local name (GPTModel.named_parameters())
-  std::string dtype;             // safetensors name: BF16, F16, F32, ...
+  std::string name;   // Megatron local name (GPTModel.named_parameters())
+  std::string dtype;  // safetensors name: BF16, F16, F32, ...
   std::vector<int64_t> shape;
   Location location = Location::kHostShm;
-  uint64_t offset = 0;           // kHostShm: into the segment (64-byte aligned, after the header); kCudaIpc: into the allocation
+  uint64_t offset = 0;  // kHostShm: into the segment (64-byte aligned, after the header); kCudaIpc: into the allocation
   uint64_t nbytes = 0;
-  std::string cuda_ipc_handle;   // kCudaIpc: kCudaIpcHandleBytes bytes (cudaIpcGetMemHandle)
-  int32_t device = -1;           // kCudaIpc: the trainer's CUDA device ordinal
+  std::string cuda_ipc_handle;  // kCudaIpc: kCudaIpcHandleBytes bytes (cudaIpcGetMemHandle)
+  int32_t device = -1;          // kCudaIpc: the trainer's CUDA device ordinal
 };
 
 struct RegisterRequest {
   std::string source_name;
   int32_t rank = 0;
   uint32_t client_pid = 0;
-  std::string config_json;       // the model's HF config.json text
-  std::string parallel_json;     // Megatron parallel.json text (trainer_agent/convert/source_parallel.h)
-  std::string segment;           // POSIX shm name ("/wsync...."), mode 0600; "" when no host tensor
+  std::string config_json;    // the model's HF config.json text
+  std::string parallel_json;  // Megatron parallel.json text (trainer_agent/convert/source_parallel.h)
+  std::string segment;        // POSIX shm name ("/wsync...."), mode 0600; "" when no host tensor
   uint64_t segment_bytes = 0;
   std::vector<TensorDecl> tensors;
 };
 
 struct RequestSyncRequest {
-  uint64_t version = 0;          // the version to publish (> the last published); 0: next
-  uint64_t generation = 0;       // SegmentHeader::generation of the weights declared as `version`
-  bool wait = false;             // reply when the sync has ended (else once it is started)
-  int64_t timeout_ms = 0;        // bound on the wait (the agent also applies its own)
+  uint64_t version = 0;     // the version to publish (> the last published); 0: next
+  uint64_t generation = 0;  // SegmentHeader::generation of the weights declared as `version`
+  bool wait = false;        // reply when the sync has ended (else once it is started)
+  int64_t timeout_ms = 0;   // bound on the wait (the agent also applies its own)
 };
 
 struct Reply {
-  int32_t code = 0;              // absl::StatusCode
+  int32_t code = 0;  // absl::StatusCode
   std::string message;
-  uint64_t sync_id = 0;          // kRequestSync
+  uint64_t sync_id = 0;  // kRequestSync
   uint64_t version = 0;
-  bool coalesced = false;        // joined a sync of the same version that another rank requested
+  bool coalesced = false;  // joined a sync of the same version that another rank requested
 };
 
 std::string Encode(const RegisterRequest& r);

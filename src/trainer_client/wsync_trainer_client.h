@@ -87,8 +87,8 @@ typedef struct wsync_client wsync_client;
 
 typedef struct {
   uint64_t sync_id;
-  uint64_t version;  /* the version the sync publishes */
-  int coalesced;     /* 1: another rank had already requested this version */
+  uint64_t version; /* the version the sync publishes */
+  int coalesced;    /* 1: another rank had already requested this version */
 } wsync_sync_info;
 
 /* The calling thread's last error message ("" if none). Valid until its next wsync_* call. */
@@ -98,24 +98,28 @@ WSYNC_CLIENT_API int wsync_client_abi_version(void);
 /* Connects to the agent serving `source_name` for Megatron global rank `global_rank`, retrying
  * until `timeout_ms` (the agent may start later). UNAVAILABLE when nothing answers in time;
  * INVALID_ARGUMENT for a bad name ([A-Za-z0-9._-]{1,64}) or rank. */
-WSYNC_CLIENT_API int wsync_client_open(const char* source_name, int global_rank, int64_t timeout_ms, wsync_client** out);
+WSYNC_CLIENT_API int wsync_client_open(const char* source_name, int global_rank, int64_t timeout_ms,
+                                       wsync_client** out);
 
 /* Declares a host tensor (before register). dtype: safetensors name ("BF16", "F32", ...).
  * INVALID_ARGUMENT for a bad dtype / shape, ALREADY_EXISTS for a repeated name,
  * FAILED_PRECONDITION after register. */
-WSYNC_CLIENT_API int wsync_client_add_tensor(wsync_client* c, const char* name, const char* dtype, const int64_t* shape, int ndim);
+WSYNC_CLIENT_API int wsync_client_add_tensor(wsync_client* c, const char* name, const char* dtype, const int64_t* shape,
+                                             int ndim);
 
 /* Declares a device tensor: `handle` is a cudaIpcMemHandle_t (handle_bytes == 64) of an
  * allocation on CUDA device `device`, the tensor at byte `offset` in it. The agent needs a CUDA
  * build and a visible GPU (else registration fails with UNIMPLEMENTED / FAILED_PRECONDITION). */
-WSYNC_CLIENT_API int wsync_client_add_cuda_tensor(wsync_client* c, const char* name, const char* dtype, const int64_t* shape,
-                                 int ndim, const void* handle, size_t handle_bytes, int device, uint64_t offset);
+WSYNC_CLIENT_API int wsync_client_add_cuda_tensor(wsync_client* c, const char* name, const char* dtype,
+                                                  const int64_t* shape, int ndim, const void* handle,
+                                                  size_t handle_bytes, int device, uint64_t offset);
 
 /* Creates the shared segment, registers every declared tensor with the agent and waits for its
  * verdict: the agent checks the config / parallel layout against its own and every tensor
  * against the rank's Megatron parameter plan (missing, unknown, mis-shaped parameters are named).
  * On failure nothing stays allocated and the declarations are kept (fix and retry). */
-WSYNC_CLIENT_API int wsync_client_register(wsync_client* c, const char* config_json, const char* parallel_json, int64_t timeout_ms);
+WSYNC_CLIENT_API int wsync_client_register(wsync_client* c, const char* config_json, const char* parallel_json,
+                                           int64_t timeout_ms);
 
 /* The host tensor's memory (NULL for an unknown name, a device tensor, or before register). */
 WSYNC_CLIENT_API void* wsync_client_tensor(wsync_client* c, const char* name, uint64_t* nbytes);
@@ -128,7 +132,7 @@ WSYNC_CLIENT_API int wsync_client_end_update(wsync_client* c);
 /* Declares the weights as `version` and asks for its sync (see the file comment). `info` may be
  * NULL. FAILED_PRECONDITION while this client holds the update lock. */
 WSYNC_CLIENT_API int wsync_client_request_sync(wsync_client* c, uint64_t version, int wait, int64_t timeout_ms,
-                              wsync_sync_info* info);
+                                               wsync_sync_info* info);
 
 /* Disconnects (the agent stops syncing this rank until a new client registers), unmaps and
  * frees. NULL is a no-op. */

@@ -42,8 +42,9 @@ class CommGroupTest : public ::testing::Test {
     Member m;
     m.rank = rank;
     m.log = ::testing::TempDir() + absl::StrCat("member-", group, "-", rank, ".log");
-    std::vector<std::string> args = {WSYNC_COMM_MEMBER, "--store", server_->address(), "--group", group, "--rank",
-                                     std::to_string(rank), "--size", std::to_string(size), "--scenario", scenario};
+    std::vector<std::string> args = {
+        WSYNC_COMM_MEMBER,    "--store", server_->address(),   "--group",    group,   "--rank",
+        std::to_string(rank), "--size",  std::to_string(size), "--scenario", scenario};
     std::vector<char*> argv;
     for (auto& s : args) argv.push_back(s.data());
     argv.push_back(nullptr);
@@ -93,8 +94,8 @@ class CommGroupTest : public ::testing::Test {
   static void ExpectAllPassed(const std::vector<Member>& members) {
     for (const auto& m : members) {
       EXPECT_TRUE(WIFEXITED(m.status) && WEXITSTATUS(m.status) == 0)
-          << "member " << m.rank << (WIFSIGNALED(m.status) ? absl::StrCat(" killed by signal ", WTERMSIG(m.status)) : "")
-          << ":\n"
+          << "member " << m.rank
+          << (WIFSIGNALED(m.status) ? absl::StrCat(" killed by signal ", WTERMSIG(m.status)) : "") << ":\n"
           << Log(m);
     }
   }
@@ -133,7 +134,8 @@ TEST_F(CommGroupTest, AMemberKilledMidBroadcastGivesUnavailable) {
   auto ms = Start("killed", 3, "killed");
   // Wait until rank 1 is broadcasting, then kill it.
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  while (Log(ms[1]).find("READY") == std::string::npos && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+  while (Log(ms[1]).find("READY") == std::string::npos && absl::Now() < deadline)
+    absl::SleepFor(absl::Milliseconds(20));
   absl::SleepFor(absl::Milliseconds(300));
   const absl::Time killed = absl::Now();
   kill(ms[1].pid, SIGKILL);

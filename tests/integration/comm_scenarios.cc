@@ -4,8 +4,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/status.h"
 #include "comm/testing/pattern.h"
+#include "common/status.h"
 
 namespace wsync::comm::testing {
 

@@ -45,8 +45,8 @@ extern char** environ;
 namespace wsync {
 namespace {
 
-using ::testing::HasSubstr;
 using ref_engine::testing::TensorMap;
+using ::testing::HasSubstr;
 
 // Marlin needs N % 64 and K % 16 per rank: heads 4 x 32, kv 2, hidden 128, intermediate 256, G 32.
 std::string Qwen3Config(bool int4) {
@@ -277,8 +277,8 @@ Engine StartEngine(const std::string& tag, int tp, const std::vector<std::string
   Engine e;
   std::string store;
   for (int r = 0; r < tp; ++r) {
-    std::vector<std::string> args = {"--engine-id", tag, "--tp-size", std::to_string(tp), "--tp-rank",
-                                     std::to_string(r), "--heartbeat-ms", "100"};
+    std::vector<std::string> args = {
+        "--engine-id", tag, "--tp-size", std::to_string(tp), "--tp-rank", std::to_string(r), "--heartbeat-ms", "100"};
     if (tp > 1) {
       args.insert(args.end(), {"--tp-store", r == 0 ? "127.0.0.1:0" : store});
     }
@@ -349,12 +349,14 @@ TEST_P(ServeTest, GenerateMatchesTheHfReference) {
   std::vector<std::string> shm;
   for (auto& r : e.ranks) shm.push_back(r->ShmName());
   EXPECT_EQ(e.ranks[0]->Stop(SIGTERM), 0) << e.ranks[0]->log();
-  for (size_t r = 1; r < e.ranks.size(); ++r) EXPECT_EQ(e.ranks[r]->ExitCode(absl::Seconds(20)), 0) << e.ranks[r]->log();
+  for (size_t r = 1; r < e.ranks.size(); ++r)
+    EXPECT_EQ(e.ranks[r]->ExitCode(absl::Seconds(20)), 0) << e.ranks[r]->log();
   for (const auto& name : shm) EXPECT_FALSE(ShmExists(name)) << name;
 }
 
 INSTANTIATE_TEST_SUITE_P(Checkpoints, ServeTest,
-                         ::testing::Values(ServeCase{"tp1_bf16", 1, false, false}, ServeCase{"tp2_bf16", 2, false, false},
+                         ::testing::Values(ServeCase{"tp1_bf16", 1, false, false},
+                                           ServeCase{"tp2_bf16", 2, false, false},
                                            ServeCase{"tp1_int4_sent", 1, true, true},
                                            ServeCase{"tp2_int4_sent", 2, true, true},
                                            ServeCase{"tp2_int4_quantized_at_load", 2, true, false},
@@ -593,8 +595,8 @@ TEST(RegistrationTest, NoWeightsStartRegistersAndServesWhatTheAgentWrites) {
   ASSERT_TRUE(server && port > 0);
   const std::string agent_address = absl::StrCat("127.0.0.1:", port);
   const std::string address_file = ref_engine::testing::FreshTempDir("ref-engine-address") + "/address";
-  EngineProc proc("agent", {"--model", config_path, "--engine-id", "eng-7", "--agent", agent_address,
-                            "--agent-poll-ms", "100", "--address-file", address_file});
+  EngineProc proc("agent", {"--model", config_path, "--engine-id", "eng-7", "--agent", agent_address, "--agent-poll-ms",
+                            "100", "--address-file", address_file});
   const std::string address = proc.Address();
   EXPECT_EQ(ReadAll(address_file), address + "\n");
   auto stub = Stub(address);

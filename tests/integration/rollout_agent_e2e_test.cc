@@ -33,8 +33,8 @@ namespace wsync::rollout_agent {
 namespace {
 
 namespace fs = std::filesystem;
-using ::testing::ElementsAre;
 using testing::AgentProcess;
+using ::testing::ElementsAre;
 using testing::FakeEngine;
 
 std::string ReadFile(const std::string& path) {
@@ -156,10 +156,26 @@ TEST_F(RolloutAgentE2eTest, TheRealTrainerAndCoordinatorSyncAnEngineThroughTheAg
   const int port = FreePort();
   ASSERT_GT(port, 0);
   const std::string coord_file = dir_ + "/coordinator";
-  trainer_ = Spawn({WSYNC_MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-np", "2",
-                    absl::StrCat(WSYNC_BIN_DIR, "/wsync-trainer-agent"), "--source", "dir:" + src, "--coordinator",
-                    absl::StrCat("127.0.0.1:", port), "--backend", "gloo", "--bucket-mib", "1", "--token-file", token_file_,
-                    "--address-file", coord_file, "--quant-config", quant_file_},
+  trainer_ = Spawn({WSYNC_MPIEXEC,
+                    "--allow-run-as-root",
+                    "--oversubscribe",
+                    "-np",
+                    "2",
+                    absl::StrCat(WSYNC_BIN_DIR, "/wsync-trainer-agent"),
+                    "--source",
+                    "dir:" + src,
+                    "--coordinator",
+                    absl::StrCat("127.0.0.1:", port),
+                    "--backend",
+                    "gloo",
+                    "--bucket-mib",
+                    "1",
+                    "--token-file",
+                    token_file_,
+                    "--address-file",
+                    coord_file,
+                    "--quant-config",
+                    quant_file_},
                    dir_ + "/logs/trainer.log");
   ASSERT_GT(trainer_, 0);
   for (int i = 0; i < 600 && !absl::EndsWith(ReadFile(coord_file), "\n"); ++i) absl::SleepFor(absl::Milliseconds(100));
@@ -167,10 +183,10 @@ TEST_F(RolloutAgentE2eTest, TheRealTrainerAndCoordinatorSyncAnEngineThroughTheAg
   ASSERT_EQ(coordinator_, absl::StrCat("127.0.0.1:", port)) << "the coordinator did not start";
 
   const std::string record = dir_ + "/record";
-  auto agent = AgentProcess::Start(absl::StrCat(WSYNC_BIN_DIR, "/wsync-rollout-agent"), "e2e",
-                                   {"--coordinator", coordinator_, "--token-file", token_file_, "--record-dir", record,
-                                    "--heartbeat-ms", "200"},
-                                   sec_);
+  auto agent = AgentProcess::Start(
+      absl::StrCat(WSYNC_BIN_DIR, "/wsync-rollout-agent"), "e2e",
+      {"--coordinator", coordinator_, "--token-file", token_file_, "--record-dir", record, "--heartbeat-ms", "200"},
+      sec_);
   ASSERT_TRUE(agent.ok()) << agent.status();
   agent_ = std::move(*agent);
   FakeEngine::Options o;

@@ -12,11 +12,12 @@
 //   * engine TP 2 (EP 2): two engines, two agents, one group of three;
 //   * Join / heartbeats / re-join / Leave at a (fake) coordinator; SIGTERM mid-sync.
 // Seeds of the generated checkpoints are fixed below.
+#include "rollout_agent/agent/rollout_agent.h"
+
+#include <httplib.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
-
-#include <httplib.h>
 
 #include <filesystem>
 #include <fstream>
@@ -31,12 +32,11 @@
 #include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "rollout_agent/agent/rollout_agent.h"
+#include "model/testing/hf_model.h"
+#include "model/testing/test_models.h"
 #include "rollout_agent/engine_memory/param_arena.h"
 #include "rollout_agent/load/loader.h"
 #include "rollout_agent/receive/testing/sync_testing.h"
-#include "model/testing/hf_model.h"
-#include "model/testing/test_models.h"
 #include "rollout_agent/repack/repack.h"
 #include "rollout_fakes.h"
 
@@ -44,12 +44,12 @@ namespace wsync::rollout_agent {
 namespace {
 
 namespace fs = std::filesystem;
-using ::testing::ElementsAre;
-using ::testing::HasSubstr;
+using model::testing::HfModel;
 using testing::AgentProcess;
 using testing::Context;
+using ::testing::ElementsAre;
 using testing::FakeEngine;
-using model::testing::HfModel;
+using ::testing::HasSubstr;
 using testing::TrainerSide;
 using testing::WaitUntil;
 
@@ -68,8 +68,7 @@ Tensors SentTensors(const model::testing::HfModel& m) {
 
 std::function<absl::Status(comm::Communicator&)> SendAll(Tensors tensors, uint64_t version, uint32_t pp_stage = 0) {
   auto buckets = std::make_shared<std::vector<testing::PackedBucket>>();
-  auto packed =
-      testing::PackBuckets(tensors, {.version = version, .pp_stage = pp_stage, .bucket_bytes = kBucketBytes});
+  auto packed = testing::PackBuckets(tensors, {.version = version, .pp_stage = pp_stage, .bucket_bytes = kBucketBytes});
   if (packed.ok()) *buckets = std::move(*packed);
   return [buckets, st = packed.status()](comm::Communicator& c) -> absl::Status {
     if (!st.ok()) return st;
@@ -127,7 +126,8 @@ class RolloutAgentTest : public ::testing::Test {
   }
 
   // The engine form of `model` for `layout`, computed here with the library (Load + Commit).
-  std::unique_ptr<rollout_agent::OwnedEngineWeights> Reference(const EngineLayout& layout, const model::testing::HfModel& model) {
+  std::unique_ptr<rollout_agent::OwnedEngineWeights> Reference(const EngineLayout& layout,
+                                                               const model::testing::HfModel& model) {
     auto staging = Staging::Create(layout);
     EXPECT_TRUE(staging.ok());
     rollout_agent::Loader loader(staging->get());
@@ -167,9 +167,10 @@ class RolloutAgentTest : public ::testing::Test {
     for (const EngineBuffer& b : ref->weights().buffers()) {
       std::memcpy((*engine)->memory().weights().Find(b.name)->data, b.data, b.nbytes);
     }
-    std::vector<std::string> args = {"--token-file", token_file_, "--record-dir",
-                                     shared_record_ ? record_dir_ + "shared" : record_dir_ + std::to_string(rank),
-                                     "--heartbeat-ms", "100"};
+    std::vector<std::string> args = {
+        "--token-file",   token_file_,
+        "--record-dir",   shared_record_ ? record_dir_ + "shared" : record_dir_ + std::to_string(rank),
+        "--heartbeat-ms", "100"};
     args.insert(args.end(), extra_args.begin(), extra_args.end());
     auto agent = AgentProcess::Start(WSYNC_ROLLOUT_AGENT, absl::StrCat(name_, "-", rank), args, sec_);
     ASSERT_TRUE(agent.ok()) << agent.status();
@@ -331,14 +332,16 @@ void ExpectMatchesHfOracle(rollout_agent::testing::FakeEngine& e, const model::t
     ASSERT_GE(b->nbytes, sent.nbytes()) << p.name;
     EXPECT_EQ(std::memcmp(b->data, sent.data(), sent.nbytes()), 0) << p.name;
     const auto* tail = static_cast<const unsigned char*>(b->data) + sent.nbytes();
-    EXPECT_TRUE(std::all_of(tail, tail + (b->nbytes - sent.nbytes()), [](unsigned char c) { return c == 0; })) << p.name;
+    EXPECT_TRUE(std::all_of(tail, tail + (b->nbytes - sent.nbytes()), [](unsigned char c) { return c == 0; }))
+        << p.name;
     ++plain;
   }
   EXPECT_GT(plain, 5);
 }
 
 // Every tensor of DIR, by name.
-std::map<std::string, std::pair<DType, std::string>> ReadRecording(const std::string& dir, std::set<std::string>* files) {
+std::map<std::string, std::pair<DType, std::string>> ReadRecording(const std::string& dir,
+                                                                   std::set<std::string>* files) {
   std::map<std::string, std::pair<DType, std::string>> out;
   std::vector<SafetensorsFile> keep;
   for (const auto& f : fs::directory_iterator(dir)) {
@@ -348,8 +351,8 @@ std::map<std::string, std::pair<DType, std::string>> ReadRecording(const std::st
     if (!file.ok()) continue;
     for (const auto& t : file->tensors()) {
       EXPECT_FALSE(out.contains(t.name)) << t.name << " recorded twice";
-      out[t.name] = {t.view.dtype(), std::string(reinterpret_cast<const char*>(t.view.data()), t.view.nbytes()) +
-                                         "|" + ShapeToString(t.view.shape())};
+      out[t.name] = {t.view.dtype(), std::string(reinterpret_cast<const char*>(t.view.data()), t.view.nbytes()) + "|" +
+                                         ShapeToString(t.view.shape())};
     }
   }
   return out;
@@ -460,8 +463,8 @@ TEST_F(RolloutAgentTest, AWholeInt4SyncLandsInTheEngineBitExact) {
     auto it = recorded.find(name);
     ASSERT_NE(it, recorded.end()) << name;
     EXPECT_EQ(it->second.first, t.dtype()) << name;
-    EXPECT_EQ(it->second.second, std::string(reinterpret_cast<const char*>(t.view().data()), t.nbytes()) + "|" +
-                                     ShapeToString(t.shape()))
+    EXPECT_EQ(it->second.second,
+              std::string(reinterpret_cast<const char*>(t.view().data()), t.nbytes()) + "|" + ShapeToString(t.shape()))
         << name;
   }
   std::vector<std::string> entries;
@@ -507,7 +510,8 @@ struct FailureCase {
   grpc::StatusCode prepare_code;
   std::string message;
   bool sender_fails = false;
-  std::function<void(RolloutAgentTest*, rollout_agent::testing::AgentProcess&, uint64_t id)> during;  // optional, after Begin
+  std::function<void(RolloutAgentTest*, rollout_agent::testing::AgentProcess&, uint64_t id)>
+      during;  // optional, after Begin
 };
 
 TEST_F(RolloutAgentTest, EveryFailureLeavesTheEngineOnItsPreviousVersion) {
@@ -567,9 +571,10 @@ TEST_F(RolloutAgentTest, EveryFailureLeavesTheEngineOnItsPreviousVersion) {
                      return absl::AbortedError("died on purpose");
                    },
                    grpc::StatusCode::UNAVAILABLE, "stage 0", true});
-  cases.push_back({"bucket of another version",
-                   [&](comm::Communicator& c, const Tensors& t, uint64_t v) { return testing::SendBuckets(c, pack(t, v + 1)); },
-                   grpc::StatusCode::INVALID_ARGUMENT, "but the sync is version", true});
+  cases.push_back(
+      {"bucket of another version",
+       [&](comm::Communicator& c, const Tensors& t, uint64_t v) { return testing::SendBuckets(c, pack(t, v + 1)); },
+       grpc::StatusCode::INVALID_ARGUMENT, "but the sync is version", true});
   cases.push_back({"AbortSync during the transfer",
                    [&, stall](comm::Communicator& c, const Tensors& t, uint64_t v) -> absl::Status {
                      auto b = pack(t, v);
@@ -582,7 +587,8 @@ TEST_F(RolloutAgentTest, EveryFailureLeavesTheEngineOnItsPreviousVersion) {
                      for (size_t i = 2; i < b.size() && s.ok(); ++i)
                        s = testing::SendRawBucket(c, b[i].manifest, b[i].data, b[i].nbytes, false);
                      if (s.ok()) return absl::InternalError("the whole stream went through an aborted agent");
-                     if (absl::Now() - t0 > absl::Seconds(10)) return absl::InternalError("the sender learnt it too late");
+                     if (absl::Now() - t0 > absl::Seconds(10))
+                       return absl::InternalError("the sender learnt it too late");
                      return s;
                    },
                    grpc::StatusCode::ABORTED, "test abort", true,
@@ -988,7 +994,8 @@ TEST_F(RolloutAgentTest, EngineTp2WithExpertParallelismTwoAgentsOneGroup) {
   const uint64_t c0 = engines_[0]->memory().Checksum(), c1 = engines_[1]->memory().Checksum();
   for (int r = 0; r < 2; ++r) ASSERT_TRUE(Begin(*agents_[r], BeginRequest(12, 3, r + 1, 2)).ok());
   Tensors t = SentTensors(Model(kSeedV3));
-  t.erase(std::remove_if(t.begin(), t.end(), [](const auto& e) { return e.first == "model.layers.0.self_attn.o_proj.weight_packed"; }),
+  t.erase(std::remove_if(t.begin(), t.end(),
+                         [](const auto& e) { return e.first == "model.layers.0.self_attn.o_proj.weight_packed"; }),
           t.end());
   trainer_->Run(GroupName(12), 3, SendAll(t, 3));
   for (int r = 0; r < 2; ++r) {

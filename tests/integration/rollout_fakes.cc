@@ -30,7 +30,7 @@ std::string ReadFile(const std::string& path) {
 }
 
 absl::StatusOr<std::pair<std::unique_ptr<grpc::Server>, std::string>> Serve(grpc::Service* service,
-                                                                             const RpcSecurity& sec) {
+                                                                            const RpcSecurity& sec) {
   grpc::ServerBuilder b;
   int port = 0;
   b.AddListeningPort("127.0.0.1:0", ServerCredentials(sec), &port);

@@ -45,7 +45,7 @@ class FakeEngine final : public v1::RolloutEngine::Service {
     std::string quant_json;  // empty: bf16
     EngineParallel parallel;
     uint64_t version = 0;
-    RpcSecurity security;    // the token the agent must present; also used to call the agent
+    RpcSecurity security;  // the token the agent must present; also used to call the agent
   };
   static absl::StatusOr<std::unique_ptr<FakeEngine>> Start(Options options);
   ~FakeEngine() override;

@@ -96,7 +96,8 @@ std::vector<std::string> AllGatherStrings(const std::string& mine) {
   size_t total = 0;
   for (size_t c : counts) total += c;
   std::string all(total, '\0');
-  EXPECT_TRUE(comm::Await(world->AllGatherV({mine.data(), mine.size()}, {all.data(), all.size()}, counts, kTimeout)).ok());
+  EXPECT_TRUE(
+      comm::Await(world->AllGatherV({mine.data(), mine.size()}, {all.data(), all.size()}, counts, kTimeout)).ok());
   std::vector<std::string> res;
   size_t off = 0;
   for (size_t c : counts) res.push_back(all.substr(off, c)), off += c;
@@ -145,19 +146,18 @@ struct Fixture {
 absl::StatusOr<Fixture> MakeFixture(const tools::SyntheticModelOptions& o, const LayoutCase& l, uint64_t seed,
                                     const std::function<absl::Status(tools::SyntheticModel&)>& mutate = nullptr) {
   auto make = [&]() -> absl::StatusOr<std::string> {
-                     ASSIGN_OR_RETURN(std::string dir, MakeTempDir());
-                     ASSIGN_OR_RETURN(tools::SyntheticModel m, tools::GenerateSyntheticModel(o, seed, 2));
-                     if (mutate) RETURN_IF_ERROR(mutate(m));
-                     RETURN_IF_ERROR(tools::WriteHfModel(m, dir + "/hf"));
-                     SourceParallel p;
-                     const bool moe = IsMoe(o.arch);
-                     p.tp = l.tp, p.pp = l.pp, p.ep = moe ? l.ep : 1, p.etp = moe ? l.etp : l.tp;
-                     p.world_size = l.np;
-                     p.dp = l.np / (l.tp * l.pp);
-                     ASSIGN_OR_RETURN(p, ResolveSourceParallel(m.config, p));
-                     RETURN_IF_ERROR(
-                         tools::WriteMegatronSource(m.config_json, m.config, m.weights, p, dir + "/src").status());
-                     return dir;
+    ASSIGN_OR_RETURN(std::string dir, MakeTempDir());
+    ASSIGN_OR_RETURN(tools::SyntheticModel m, tools::GenerateSyntheticModel(o, seed, 2));
+    if (mutate) RETURN_IF_ERROR(mutate(m));
+    RETURN_IF_ERROR(tools::WriteHfModel(m, dir + "/hf"));
+    SourceParallel p;
+    const bool moe = IsMoe(o.arch);
+    p.tp = l.tp, p.pp = l.pp, p.ep = moe ? l.ep : 1, p.etp = moe ? l.etp : l.tp;
+    p.world_size = l.np;
+    p.dp = l.np / (l.tp * l.pp);
+    ASSIGN_OR_RETURN(p, ResolveSourceParallel(m.config, p));
+    RETURN_IF_ERROR(tools::WriteMegatronSource(m.config_json, m.config, m.weights, p, dir + "/src").status());
+    return dir;
   };
   ASSIGN_OR_RETURN(std::string root, RootMakes(make));
   return Fixture{root, root + "/hf", root + "/src"};
@@ -183,8 +183,8 @@ SyncResult SyncOnce(const DirSource& src, const SyncOptions& o) {
 
 // The sync every rank just ran delivered exactly HF_DIR converted (and quantized) directly: each
 // source checks its tensors bit for bit, then all names meet on rank 0 (collective: every rank calls).
-void CheckSyncAgainstHf(const SyncResult& r, const DirSource& src, const SyncOptions& o,
-                        const std::string& hf_dir, const std::optional<QuantizationConfig>& quant) {
+void CheckSyncAgainstHf(const SyncResult& r, const DirSource& src, const SyncOptions& o, const std::string& hf_dir,
+                        const std::optional<QuantizationConfig>& quant) {
   EXPECT_TRUE(r.report.ok()) << r.report.status();
   std::string names;
   const int me = world->rank();
@@ -278,11 +278,16 @@ std::vector<Param> AllParams() {
       {"tp2_ep2_etp2_pp2", 8, 2, 2, 2, 2},
   };
   const std::vector<ModelCase> models = {
-      {"llama", Architecture::kLlama, false},        {"llama_tied", Architecture::kLlama, true},
-      {"qwen2", Architecture::kQwen2, false},        {"qwen2_tied", Architecture::kQwen2, true},
-      {"qwen3", Architecture::kQwen3, false},        {"qwen3_tied", Architecture::kQwen3, true},
-      {"qwen3moe", Architecture::kQwen3Moe, false},  {"deepseek", Architecture::kDeepseekV3, false},
-      {"deepseek_tied", Architecture::kDeepseekV3, true}, {"deepseek_no_qlora", Architecture::kDeepseekV3, false, 0},
+      {"llama", Architecture::kLlama, false},
+      {"llama_tied", Architecture::kLlama, true},
+      {"qwen2", Architecture::kQwen2, false},
+      {"qwen2_tied", Architecture::kQwen2, true},
+      {"qwen3", Architecture::kQwen3, false},
+      {"qwen3_tied", Architecture::kQwen3, true},
+      {"qwen3moe", Architecture::kQwen3Moe, false},
+      {"deepseek", Architecture::kDeepseekV3, false},
+      {"deepseek_tied", Architecture::kDeepseekV3, true},
+      {"deepseek_no_qlora", Architecture::kDeepseekV3, false, 0},
   };
   std::vector<Param> out;
   for (const auto& l : layouts)
@@ -369,7 +374,8 @@ class MalformedSourceTest : public ::testing::Test {
     EXPECT_LT(absl::Now() - t0, absl::Seconds(20)) << "failing took too long";
     ASSERT_FALSE(r.report.ok());
     EXPECT_EQ(r.report.status().code(), code) << r.report.status();
-    for (const std::string& n : needles) EXPECT_TRUE(absl::StrContains(r.report.status().message(), n)) << r.report.status();
+    for (const std::string& n : needles)
+      EXPECT_TRUE(absl::StrContains(r.report.status().message(), n)) << r.report.status();
     const std::vector<std::string> all = AllGatherStrings(r.report.status().ToString());
     for (const std::string& s : all) EXPECT_EQ(s, all[0]) << "ranks disagree on the error";
     if (r.sink) {

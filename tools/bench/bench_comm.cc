@@ -25,11 +25,11 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
-#include "common/units.h"
 #include "absl/strings/str_cat.h"
 #include "comm/communicator.h"
 #include "comm/store/store.h"
 #include "comm/testing/pattern.h"
+#include "common/units.h"
 
 extern char** environ;
 
@@ -82,18 +82,18 @@ int RunTable(comm::Communicator& c, const Flags& f) {
   const bool lead = me == 0;
   const size_t lo = ParseSize(f.min_bytes), hi = ParseSize(f.max_bytes);
   if (lead) {
-    std::printf("# wsync-bench-comm: backend %s, %d members, %d iterations (+%d warm-up)\n", std::string(c.Name()).c_str(),
-                n, f.iters, f.warmup);
+    std::printf("# wsync-bench-comm: backend %s, %d members, %d iterations (+%d warm-up)\n",
+                std::string(c.Name()).c_str(), n, f.iters, f.warmup);
   }
   double bus_sum = 0;
   int bus_count = 0;
   for (const char* op : {"broadcast", "allgather"}) {
     const bool bcast = std::string(op) == "broadcast";
     if (lead) {
-      std::printf("#\n# %s\n#%12s %12s %6s %6s %10s %8s %8s %8s %10s\n", op, "size", "count", "type", "root", "time", "algbw",
-                  "busbw", "#wrong", "cpu");
-      std::printf("#%12s %12s %6s %6s %10s %8s %8s %8s %10s\n", "(B)", "(elements)", "", "", "(us)", "(GB/s)", "(GB/s)", "",
-                  "(core-us)");
+      std::printf("#\n# %s\n#%12s %12s %6s %6s %10s %8s %8s %8s %10s\n", op, "size", "count", "type", "root", "time",
+                  "algbw", "busbw", "#wrong", "cpu");
+      std::printf("#%12s %12s %6s %6s %10s %8s %8s %8s %10s\n", "(B)", "(elements)", "", "", "(us)", "(GB/s)", "(GB/s)",
+                  "", "(core-us)");
     }
     for (size_t bytes = lo; bytes <= hi; bytes *= f.factor) {
       const size_t per_rank = bcast ? bytes : bytes / n;
@@ -143,8 +143,8 @@ int RunTable(comm::Communicator& c, const Flags& f) {
         ++bus_count;
       }
       if (lead) {
-        std::printf(" %12zu %12zu %6s %6s %10.1f %8.3f %8.3f %8llu %10llu\n", total, total, "int8", bcast ? "0" : "-", us,
-                    algbw, busbw, static_cast<unsigned long long>(wrong), static_cast<unsigned long long>(cpu_us));
+        std::printf(" %12zu %12zu %6s %6s %10.1f %8.3f %8.3f %8llu %10llu\n", total, total, "int8", bcast ? "0" : "-",
+                    us, algbw, busbw, static_cast<unsigned long long>(wrong), static_cast<unsigned long long>(cpu_us));
         std::fflush(stdout);
       }
     }

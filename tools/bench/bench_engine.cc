@@ -96,8 +96,9 @@ absl::Status RunMode(const Flags& f, const std::string& dir, const Mode& mode, R
     config.quantization.reset();
   }
   ref_engine::EngineRank rank;  // TP 1
-  ASSIGN_OR_RETURN(rollout_agent::EngineLayout layout,
-                   rollout_agent::EngineLayout::Create(config, config.quantization ? &*config.quantization : nullptr, rank));
+  ASSIGN_OR_RETURN(
+      rollout_agent::EngineLayout layout,
+      rollout_agent::EngineLayout::Create(config, config.quantization ? &*config.quantization : nullptr, rank));
   ASSIGN_OR_RETURN(std::unique_ptr<rollout_agent::ParamArena> arena,
                    rollout_agent::ParamArena::Create(layout, rollout_agent::UniqueShmName("bench-engine", 0)));
   out->shm_mib = static_cast<double>(arena->segment().size()) / (1 << 20);
@@ -197,13 +198,14 @@ int Run(const Flags& f) {
   std::vector<Result> results;
   for (const Mode& m : modes) results.push_back(RunChild(f, dir, m));
   std::printf("# wsync-bench-engine: %s, TP 1, %s, prompt %d + %d new tokens, %d cores\n", dir.c_str(),
-              f.quant_config == "none" ? "bf16" : (f.quant_config.empty() ? "INT4 experts G=128 (bench-sync.sh)"
-                                                                          : f.quant_config.c_str()),
+              f.quant_config == "none"
+                  ? "bf16"
+                  : (f.quant_config.empty() ? "INT4 experts G=128 (bench-sync.sh)" : f.quant_config.c_str()),
               f.prompt, f.new_tokens, all);
   std::printf("#%11s %7s %7s %10s %10s %9s %9s %9s %9s %8s %9s %9s %9s\n", "mode", "threads", "load", "prepare1",
               "prepare2", "checked", "alloc1", "alloc2", "in_place", "shm", "rss_load", "peak", "generate");
-  std::printf("#%11s %7s %7s %10s %10s %9s %9s %9s %9s %8s %9s %9s %9s\n", "", "", "(s)", "(s)", "(s)", "(MiB)", "(MiB)",
-              "(MiB)", "(MiB)", "(MiB)", "(MiB)", "(MiB)", "(s)");
+  std::printf("#%11s %7s %7s %10s %10s %9s %9s %9s %9s %8s %9s %9s %9s\n", "", "", "(s)", "(s)", "(s)", "(MiB)",
+              "(MiB)", "(MiB)", "(MiB)", "(MiB)", "(MiB)", "(MiB)", "(s)");
   int rc = 0;
   for (size_t i = 0; i < modes.size(); ++i) {
     const Result& r = results[i];
@@ -219,9 +221,10 @@ int Run(const Flags& f) {
   if (rc == 0 && !f.only_in_place) {
     const Result& before = results[0];
     const Result& after = results.back();
-    std::printf("# prepare (first / later) in-place %d thread(s) vs f32-copy: %.4f / %.4f of the time (%.1fx / %.1fx faster)\n",
-                after.threads, after.prepare1_s / before.prepare1_s, after.prepare2_s / before.prepare2_s,
-                before.prepare1_s / after.prepare1_s, before.prepare2_s / after.prepare2_s);
+    std::printf(
+        "# prepare (first / later) in-place %d thread(s) vs f32-copy: %.4f / %.4f of the time (%.1fx / %.1fx faster)\n",
+        after.threads, after.prepare1_s / before.prepare1_s, after.prepare2_s / before.prepare2_s,
+        before.prepare1_s / after.prepare1_s, before.prepare2_s / after.prepare2_s);
     std::printf("# peak RSS after the load: %.1f MiB vs %.1f MiB (%.2fx); generate: %.2fx the f32-copy time\n",
                 after.peak_after_load_mib, before.peak_after_load_mib,
                 after.peak_after_load_mib / before.peak_after_load_mib, after.generate_s / before.generate_s);

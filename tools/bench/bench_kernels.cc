@@ -1,9 +1,9 @@
 // wsync-bench-kernels: throughput of the CPU INT4 kernels against memcpy of the same bytes,
 // nccl-tests style. For every kernel and input size it reports the time per call, the bandwidth
 // on the kernel's input bytes, the memcpy bandwidth of the same byte count with the same thread
-// count measured in the same run (both as the best of -n iterations), their ratio, and #wrong from a checked iteration (quantize:
-// words differing from a scalar recomputation of the first rows; repack: words differing after
-// restore; scale perm: inverse round trip).
+// count measured in the same run (both as the best of -n iterations), their ratio, and #wrong from a checked iteration
+// (quantize: words differing from a scalar recomputation of the first rows; repack: words differing after restore;
+// scale perm: inverse round trip).
 //
 //   wsync-bench-kernels [-b 16M] [-e 256M] [-f 2] [-n 5] [-w 1] [-c 1] [-t threads] [-k kernel]
 #include <algorithm>
@@ -19,9 +19,9 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
-#include "common/units.h"
 #include "common/dtype.h"
 #include "common/tensor.h"
+#include "common/units.h"
 #include "kernels/cpu/int4_cpu.h"
 #include "kernels/format/int4_format.h"
 #include "kernels/int4.h"
@@ -100,9 +100,8 @@ struct Row {
 
 void Print(const Row& r) {
   const double gbs = r.bytes / r.seconds / 1e9, mgbs = r.bytes / r.memcpy_seconds / 1e9;
-  std::printf("%-16s %4d %12lld %12.1f %9.2f %9.2f %7.2f %8lld\n", r.kernel, r.threads,
-              static_cast<long long>(r.bytes), r.seconds * 1e6, gbs, mgbs, gbs / mgbs,
-              static_cast<long long>(r.wrong));
+  std::printf("%-16s %4d %12lld %12.1f %9.2f %9.2f %7.2f %8lld\n", r.kernel, r.threads, static_cast<long long>(r.bytes),
+              r.seconds * 1e6, gbs, mgbs, gbs / mgbs, static_cast<long long>(r.wrong));
 }
 
 // Quantize: W bf16 [N, 4096], G = 128, qat; `format` selects the output orientation.
@@ -141,7 +140,8 @@ Row BenchQuantize(const char* name, kernels::PackFormat format, int64_t bytes, i
         const float s = fmt::GroupScale(amax, fmt::Variant::kQat);
         for (int j = 0; j < 16; ++j) {
           uint32_t word = 0;
-          for (int i = 0; i < 8; ++i) word |= fmt::QuantizeNibble(BF16ToF32(wp[r * k + g * 128 + 8 * j + i]), s) << (4 * i);
+          for (int i = 0; i < 8; ++i)
+            word |= fmt::QuantizeNibble(BF16ToF32(wp[r * k + g * 128 + 8 * j + i]), s) << (4 * i);
           const int64_t jj = g * 16 + j;
           wrong += (gptq ? pw[jj * n + r] : pw[r * (k / 8) + jj]) != word;
         }
@@ -171,9 +171,7 @@ Row BenchRepack(const char* name, bool restore, bool with_perm, int64_t bytes, i
   kernels::KernelOptions opt;
   opt.num_threads = threads;
   Die(kernels::GptqToMarlin(gv, pp, mv, opt));
-  auto run = [&] {
-    Die(restore ? kernels::MarlinToGptq(mv, pp, bv, opt) : kernels::GptqToMarlin(gv, pp, mv, opt));
-  };
+  auto run = [&] { Die(restore ? kernels::MarlinToGptq(mv, pp, bv, opt) : kernels::GptqToMarlin(gv, pp, mv, opt)); };
   for (int i = 0; i < f.warmup; ++i) run();
   const double t = Seconds(run, f.iters);
   for (int i = 0; i < f.warmup; ++i) ParallelMemcpy(copy.data(), q.data(), bytes, threads);
@@ -232,15 +230,17 @@ int Main(int argc, char** argv) {
   };
   std::printf("# wsync-bench-kernels  simd=%s  hardware threads=%u  iters=%d warmup=%d\n",
               kernels::cpu::SimdTargetName(), std::thread::hardware_concurrency(), f.iters, f.warmup);
-  std::printf("# quantize: bf16 W[N, 4096] G=128 qat; repack: int32 GPTQ [K/8, 4096]; size = input bytes;"
-              " time = best of -n\n");
-  std::printf("#%-15s %4s %12s %12s %9s %9s %7s %8s\n", "kernel", "thr", "size(B)", "time(us)", "GB/s",
-              "memcpy", "ratio", "#wrong");
+  std::printf(
+      "# quantize: bf16 W[N, 4096] G=128 qat; repack: int32 GPTQ [K/8, 4096]; size = input bytes;"
+      " time = best of -n\n");
+  std::printf("#%-15s %4s %12s %12s %9s %9s %7s %8s\n", "kernel", "thr", "size(B)", "time(us)", "GB/s", "memcpy",
+              "ratio", "#wrong");
   std::vector<int> thread_counts = {1};
   if (all > 1) thread_counts.push_back(all);
   for (int64_t bytes = ParseSize(f.min_bytes); bytes <= ParseSize(f.max_bytes); bytes *= f.factor) {
     for (int t : thread_counts) {
-      if (want("quantize-ct")) Print(BenchQuantize("quantize-ct", kernels::PackFormat::kCompressedTensors, bytes, t, f));
+      if (want("quantize-ct"))
+        Print(BenchQuantize("quantize-ct", kernels::PackFormat::kCompressedTensors, bytes, t, f));
       if (want("quantize-gptq")) Print(BenchQuantize("quantize-gptq", kernels::PackFormat::kGptq, bytes, t, f));
       if (want("repack")) Print(BenchRepack("repack", false, false, bytes, t, f));
       if (want("repack-perm")) Print(BenchRepack("repack-perm", false, true, bytes, t, f));

@@ -14,7 +14,8 @@
 // quantize their own experts: see the per-rank line); bucket = bytes copied into buckets; send =
 // bucket bytes handed to the sink; total = HF bytes per sync. The gather row also shows the
 // slowest rank. Sinks and the SyncWorkspace persist across the syncs (as in the agent;
-// --fresh-buffers allocates the gather buffers every sync). Peak RSS per rank (getrusage; mapped shard pages count) at the end.
+// --fresh-buffers allocates the gather buffers every sync). Peak RSS per rank (getrusage; mapped shard pages count) at
+// the end.
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -225,7 +226,8 @@ int Run(int argc, char** argv) {
     trainer_agent::SyncWorkspace workspace;
     for (int it = 0; it < warmup + iters; ++it) {
       comm::BucketSink* sink = nullptr;
-      if (src->layout().IsStageSource(me)) sink = sink_name == "discard" ? static_cast<comm::BucketSink*>(&discard) : &copy;
+      if (src->layout().IsStageSource(me))
+        sink = sink_name == "discard" ? static_cast<comm::BucketSink*>(&discard) : &copy;
       trainer_agent::SyncOptions o;
       o.version = static_cast<uint64_t>(it + 1);
       o.bucket_bytes = static_cast<uint64_t>(bucket_mb * (1 << 20));
@@ -242,10 +244,22 @@ int Run(int argc, char** argv) {
       }
       if (it < warmup) continue;
       auto s = [](absl::Duration d) { return absl::ToDoubleSeconds(d); };
-      Row row{s(r->open), s(r->gather), s(r->convert), s(r->quantize), s(r->bucket), s(r->send_wait), s(r->total),
-              static_cast<double>(shard_bytes), static_cast<double>(r->gather_bytes), static_cast<double>(r->hf_bytes),
-              static_cast<double>(r->quantized_bytes), static_cast<double>(r->copied_bytes),
-              static_cast<double>(r->bytes), static_cast<double>(r->buckets), r->source ? 1.0 : 0.0, 0,
+      Row row{s(r->open),
+              s(r->gather),
+              s(r->convert),
+              s(r->quantize),
+              s(r->bucket),
+              s(r->send_wait),
+              s(r->total),
+              static_cast<double>(shard_bytes),
+              static_cast<double>(r->gather_bytes),
+              static_cast<double>(r->hf_bytes),
+              static_cast<double>(r->quantized_bytes),
+              static_cast<double>(r->copied_bytes),
+              static_cast<double>(r->bytes),
+              static_cast<double>(r->buckets),
+              r->source ? 1.0 : 0.0,
+              0,
               static_cast<double>(r->peak_bucket_bytes)};
       double* a = reinterpret_cast<double*>(&sum);
       const double* b = reinterpret_cast<const double*>(&row);
@@ -273,8 +287,8 @@ int Run(int argc, char** argv) {
     line("quantize", src_row.quantize, src_row.quantized_bytes);
     line("bucket", src_row.bucket, src_row.bucket_bytes);
     line("send_wait", src_row.send_wait, src_row.sent_bytes);
-    const double accounted = src_row.open + src_row.gather + src_row.convert + src_row.quantize + src_row.bucket +
-                             src_row.send_wait;
+    const double accounted =
+        src_row.open + src_row.gather + src_row.convert + src_row.quantize + src_row.bucket + src_row.send_wait;
     line("other", std::max(0.0, src_row.total - accounted), 0);
     line("total", src_row.total, src_row.hf_bytes);
     std::printf("#  buckets %.0f, sent %.3f GB (peak bucket %.1f MiB); slowest rank's gather %.3f s\n", src_row.buckets,

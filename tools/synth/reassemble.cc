@@ -1,13 +1,10 @@
 #include "tools/synth/reassemble.h"
 
-#include <map>
-
-#include "absl/container/flat_hash_map.h"
-
 #include <cstring>
 #include <map>
 #include <set>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "trainer_agent/convert/shard_layout.h"
@@ -31,13 +28,10 @@ absl::Status GatherAndEmit(const ModelConfig& model, int stage, const MegatronPa
 
 std::vector<int> GroupOf(const ParallelLayout& layout, const MegatronParam& p, int rank) {
   switch (p.kind) {
-    case ShardKind::kReplicated:
-      return {rank};
+    case ShardKind::kReplicated: return {rank};
     case ShardKind::kExpertDim1:
-    case ShardKind::kExpertGluFc1:
-      return layout.EtpGroup(rank);
-    default:
-      return layout.TpGroup(rank);
+    case ShardKind::kExpertGluFc1: return layout.EtpGroup(rank);
+    default: return layout.TpGroup(rank);
   }
 }
 
@@ -47,12 +41,14 @@ absl::Status ReassembleModel(const ModelConfig& model, const ParallelLayout& lay
                              const RankTensorLookup& lookup, const StageSink& sink) {
   for (int stage = 0; stage < layout.pp(); ++stage) {
     const int source = layout.StageSourceRank(stage);
-    ASSIGN_OR_RETURN(std::vector<trainer_agent::MegatronParam> plan, trainer_agent::PlanRank(model, layout, parallel, source));
+    ASSIGN_OR_RETURN(std::vector<trainer_agent::MegatronParam> plan,
+                     trainer_agent::PlanRank(model, layout, parallel, source));
     for (const MegatronParam& p : plan)
       if (!p.is_expert) RETURN_IF_ERROR(GatherAndEmit(model, stage, p, GroupOf(layout, p, source), lookup, sink));
     // Routed experts: every EP rank of the stage, each over its own expert-TP group.
     for (int ep_member : layout.EpGroup(source)) {
-      ASSIGN_OR_RETURN(std::vector<trainer_agent::MegatronParam> member_plan, trainer_agent::PlanRank(model, layout, parallel, ep_member));
+      ASSIGN_OR_RETURN(std::vector<trainer_agent::MegatronParam> member_plan,
+                       trainer_agent::PlanRank(model, layout, parallel, ep_member));
       for (const MegatronParam& p : member_plan)
         if (p.is_expert) RETURN_IF_ERROR(GatherAndEmit(model, stage, p, GroupOf(layout, p, ep_member), lookup, sink));
     }
@@ -84,13 +80,14 @@ absl::StatusOr<VerifyReport> VerifyAgainstHf(const ModelConfig& model, const Par
     if (std::memcmp(a, b, got.nbytes()) != 0) {
       size_t i = 0;
       while (a[i] == b[i]) ++i;
-      return absl::DataLossError(absl::StrCat(what, ": reassembled bytes differ from the HF checkpoint at byte ", i,
-                                              " of ", got.nbytes()));
+      return absl::DataLossError(
+          absl::StrCat(what, ": reassembled bytes differ from the HF checkpoint at byte ", i, " of ", got.nbytes()));
     }
     return absl::OkStatus();
   };
 
-  StageSink sink = [&](int stage, const MegatronParam& p, TensorView full, std::vector<model::HfTensor> tensors) -> absl::Status {
+  StageSink sink = [&](int stage, const MegatronParam& p, TensorView full,
+                       std::vector<model::HfTensor> tensors) -> absl::Status {
     ++report.params;
     if (!p.sent) {
       // The tied output copy: its first vocab_size rows must equal the embedding.

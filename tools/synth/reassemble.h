@@ -31,14 +31,14 @@ namespace wsync::tools {
 // The trainer's vocabulary, which every synthetic-model tool speaks.
 using trainer_agent::MegatronParam;
 using trainer_agent::ParallelLayout;
-using trainer_agent::SourceParallel;
 using trainer_agent::ShardKind;
+using trainer_agent::SourceParallel;
 
 // Rank `rank`'s local tensor of `param` (a parameter of that rank's plan).
 using RankTensorLookup = std::function<absl::StatusOr<TensorView>(int rank, const MegatronParam& param)>;
 // One gathered parameter of `stage`: its full tensor and the HF tensors it became (none when not sent).
-using StageSink =
-    std::function<absl::Status(int stage, const MegatronParam& param, TensorView full, std::vector<model::HfTensor> hf)>;
+using StageSink = std::function<absl::Status(int stage, const MegatronParam& param, TensorView full,
+                                             std::vector<model::HfTensor> hf)>;
 
 absl::Status ReassembleModel(const ModelConfig& model, const ParallelLayout& layout, const SourceParallel& parallel,
                              const RankTensorLookup& lookup, const StageSink& sink);

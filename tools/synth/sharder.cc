@@ -1,12 +1,11 @@
 #include "tools/synth/sharder.h"
-#include "trainer_agent/source/dir_source.h"
+
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <tuple>
-
-#include <unistd.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -14,6 +13,7 @@
 #include "common/status.h"
 #include "trainer_agent/convert/hf_convert.h"
 #include "trainer_agent/convert/shard_layout.h"
+#include "trainer_agent/source/dir_source.h"
 
 namespace wsync::tools {
 namespace {
@@ -58,11 +58,11 @@ absl::Status CopyFileAtomic(const std::string& from, const std::string& to) {
 
 }  // namespace
 
-
 absl::StatusOr<std::vector<RankTensor>> BuildRankTensors(const ModelConfig& model, const ParallelLayout& layout,
                                                          const SourceParallel& parallel, const model::HfCheckpoint& hf,
                                                          int global_rank) {
-  ASSIGN_OR_RETURN(std::vector<trainer_agent::MegatronParam> plan, trainer_agent::PlanRank(model, layout, parallel, global_rank));
+  ASSIGN_OR_RETURN(std::vector<trainer_agent::MegatronParam> plan,
+                   trainer_agent::PlanRank(model, layout, parallel, global_rank));
   std::vector<RankTensor> out;
   out.reserve(plan.size());
   for (trainer_agent::MegatronParam& p : plan) {
@@ -96,7 +96,8 @@ absl::StatusOr<std::vector<RankTensor>> BuildRankTensors(const ModelConfig& mode
 absl::StatusOr<WriteSourceStats> WriteMegatronSource(const std::string& config_json_text, const ModelConfig& model,
                                                      const model::HfCheckpoint& hf, const SourceParallel& parallel,
                                                      const std::string& out_dir) {
-  ASSIGN_OR_RETURN(trainer_agent::SourceParallel par, trainer_agent::ResolveSourceParallel(model, parallel, "requested parallel layout"));
+  ASSIGN_OR_RETURN(trainer_agent::SourceParallel par,
+                   trainer_agent::ResolveSourceParallel(model, parallel, "requested parallel layout"));
   ASSIGN_OR_RETURN(trainer_agent::ParallelLayout layout, trainer_agent::MakeLayout(model, par));
   std::error_code ec;
   fs::create_directories(out_dir, ec);

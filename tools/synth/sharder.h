@@ -27,14 +27,13 @@
 namespace wsync::tools {
 
 // The trainer's vocabulary, which every synthetic-model tool speaks.
-using trainer_agent::MegatronParam;
-using trainer_agent::ParallelLayout;
-using trainer_agent::SourceParallel;
-using trainer_agent::ShardKind;
-using trainer_agent::HfOp;
 using trainer_agent::DenseCoord;
 using trainer_agent::ExpertCoord;
-
+using trainer_agent::HfOp;
+using trainer_agent::MegatronParam;
+using trainer_agent::ParallelLayout;
+using trainer_agent::ShardKind;
+using trainer_agent::SourceParallel;
 
 // One local tensor of a rank: `view` aliases the HF checkpoint (replicated parameters copied
 // 1:1) or points into `owned`.
@@ -50,8 +49,8 @@ absl::StatusOr<std::vector<RankTensor>> BuildRankTensors(const ModelConfig& mode
                                                          int global_rank);
 
 struct WriteSourceStats {
-  int files_built = 0;    // rank files built from the checkpoint
-  int files_copied = 0;   // DP / EDP replicas copied from an identical rank file
+  int files_built = 0;   // rank files built from the checkpoint
+  int files_copied = 0;  // DP / EDP replicas copied from an identical rank file
   uint64_t bytes_written = 0;
 };
 

@@ -4,10 +4,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <thread>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -44,7 +43,7 @@ constexpr int64_t kChunk = int64_t{1} << 16;
 
 struct Job {
   DType dtype;
-  std::byte* data;     // destination: memory owned by the checkpoint being built
+  std::byte* data;  // destination: memory owned by the checkpoint being built
   uint64_t seed;
   float mean;
   float stddev;
@@ -67,15 +66,9 @@ void FillChunk(const Job& job, int64_t chunk) {
   const int64_t begin = chunk * kChunk;
   const int64_t end = std::min(job.numel, begin + kChunk);
   switch (job.dtype) {
-    case DType::kBF16:
-      FillValues<uint16_t>(job, begin, end, state, [](float v) { return F32ToBF16(v); });
-      break;
-    case DType::kF16:
-      FillValues<uint16_t>(job, begin, end, state, [](float v) { return F32ToF16(v); });
-      break;
-    default:
-      FillValues<float>(job, begin, end, state, [](float v) { return v; });
-      break;
+    case DType::kBF16: FillValues<uint16_t>(job, begin, end, state, [](float v) { return F32ToBF16(v); }); break;
+    case DType::kF16: FillValues<uint16_t>(job, begin, end, state, [](float v) { return F32ToF16(v); }); break;
+    default: FillValues<float>(job, begin, end, state, [](float v) { return v; }); break;
   }
 }
 
@@ -193,8 +186,7 @@ absl::StatusOr<std::string> SyntheticConfigJson(const SyntheticModelOptions& o) 
   }
   if (o.quantization_config_json) {
     Json q = Json::parse(*o.quantization_config_json, nullptr, /*allow_exceptions=*/false);
-    if (q.is_discarded() || !q.is_object())
-      return absl::InvalidArgumentError("quantization_config: not a JSON object");
+    if (q.is_discarded() || !q.is_object()) return absl::InvalidArgumentError("quantization_config: not a JSON object");
     if (q.contains("quantization_config")) q = q.at("quantization_config");
     j["quantization_config"] = q;
   }

@@ -37,8 +37,8 @@ struct SyntheticModelOptions {
   int64_t heads = 4;
   int64_t kv_heads = 2;
   int64_t head_dim = 64;
-  int64_t ffn = 512;        // dense MLP width
-  int64_t moe_ffn = 128;    // routed expert width (MoE archs)
+  int64_t ffn = 512;      // dense MLP width
+  int64_t moe_ffn = 128;  // routed expert width (MoE archs)
   int64_t experts = 8;
   int64_t topk = 2;
   int64_t vocab = 1000;

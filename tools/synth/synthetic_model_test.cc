@@ -2,16 +2,16 @@
 // and of sane scale, files round-trip.
 #include "tools/synth/synthetic_model.h"
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-
 #include "absl/strings/match.h"
-#include "trainer_agent/convert/hf_convert.h"
 #include "tools/synth/world.h"
+#include "trainer_agent/convert/hf_convert.h"
 
 namespace wsync::tools {
 namespace {

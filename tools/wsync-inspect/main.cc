@@ -6,12 +6,11 @@
 // Every file is validated exactly as the agents validate it, so this is also the way to ask
 // "why does wsync refuse this file?": the error names the file, the tensor and the values.
 // Exit codes: 0 ok, 1 a file was refused, 2 bad command line.
+#include <CLI/CLI.hpp>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
@@ -102,15 +101,16 @@ int InspectConfig(const std::string& path, bool json) {
     std::vector<std::string> ignore;
     for (const auto& r : q.ignore) ignore.push_back(r.text);
     auto sup = q.CheckInt4Supported();
-    out["quantization"] = {{"num_bits", q.num_bits},   {"group_size", q.group_size}, {"strategy", q.strategy},
-                           {"symmetric", q.symmetric}, {"ignore", ignore},
-                           {"int4_supported", sup.ok() ? "yes" : std::string(sup.message())}};
+    out["quantization"] = {{"num_bits", q.num_bits}, {"group_size", q.group_size},
+                           {"strategy", q.strategy}, {"symmetric", q.symmetric},
+                           {"ignore", ignore},       {"int4_supported", sup.ok() ? "yes" : std::string(sup.message())}};
   }
   if (json) {
     std::printf("%s\n", out.dump(2).c_str());
   } else {
     std::printf("%s\n", path.c_str());
-    for (auto it = out.begin(); it != out.end(); ++it) std::printf("  %-22s %s\n", it.key().c_str(), it.value().dump().c_str());
+    for (auto it = out.begin(); it != out.end(); ++it)
+      std::printf("  %-22s %s\n", it.key().c_str(), it.value().dump().c_str());
   }
   return 0;
 }

@@ -138,7 +138,8 @@ absl::StatusOr<std::vector<Layer>> FindLayers(const SafetensorsFile& file) {
 
 absl::Status CheckScaleDtype(const SafetensorsEntry& s) {
   if (s.view.dtype() != DType::kBF16 && s.view.dtype() != DType::kF16) {
-    return TensorError(s.name, absl::StrCat("dtype ", SafetensorsName(s.view.dtype()), " unsupported (want BF16 or F16)"));
+    return TensorError(s.name,
+                       absl::StrCat("dtype ", SafetensorsName(s.view.dtype()), " unsupported (want BF16 or F16)"));
   }
   if (s.view.rank() != 2 && s.view.rank() != 3) {
     return TensorError(s.name, absl::StrCat("rank ", s.view.rank(), " unsupported: ", ShapeToString(s.view.shape())));
@@ -188,13 +189,11 @@ absl::Status Convert(const RepackFileOptions& o, bool to_marlin) {
       const Shape mshape = *mshape_or;
       const int64_t k = 8 * wv.dim(wv.rank() - 2);
       TensorView perm_storage;
-      ASSIGN_OR_RETURN(const TensorView* perm,
-                             PermFor(file, l.prefix, o.perm_from, wv.shape(), arena, &perm_storage));
+      ASSIGN_OR_RETURN(const TensorView* perm, PermFor(file, l.prefix, o.perm_from, wv.shape(), arena, &perm_storage));
       ASSIGN_OR_RETURN(Tensor * m, arena.Empty(DType::kI32, mshape));
       RETURN_IF_ERROR(InTensor(kernels::GptqToMarlin(wv, perm, m->mutable_view(), kopt), l.weight));
       ASSIGN_OR_RETURN(Tensor * ps, arena.Empty(sv.dtype(), sv.shape()));
-      RETURN_IF_ERROR(
-          InTensor(kernels::PermuteMarlinScales(sv, k, o.group_size, ps->mutable_view(), kopt), l.scales));
+      RETURN_IF_ERROR(InTensor(kernels::PermuteMarlinScales(sv, k, o.group_size, ps->mutable_view(), kopt), l.scales));
       replaced[l.weight] = m->view();
       replaced[l.scales] = ps->view();
     } else {
@@ -308,8 +307,8 @@ absl::Status QuantizeFile(const QuantizeFileOptions& o) {
   }
   for (const auto& [k, v] : file.metadata()) writer.SetMetadata(k, v);
   writer.SetMetadata("wsync.quantization",
-                     absl::StrCat("{\"format\": \"", gptq ? "gptq" : "compressed-tensors", "\", \"group_size\": ",
-                                  o.group_size, ", \"variant\": \"",
+                     absl::StrCat("{\"format\": \"", gptq ? "gptq" : "compressed-tensors",
+                                  "\", \"group_size\": ", o.group_size, ", \"variant\": \"",
                                   o.variant == kernels::QuantVariant::kQat ? "qat" : "slime", "\", \"bits\": 4}"));
   writer.SetMetadata(std::string(kLayoutKey), gptq ? "gptq" : "compressed-tensors");
   return writer.Write(o.out);

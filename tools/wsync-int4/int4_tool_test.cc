@@ -2,11 +2,10 @@
 // check the outputs against the kernels of kernels/int4.h, the pass-through of other tensors, the
 // exact round trips, and that refused conversions name the tensor and leave no file behind.
 #include <dirent.h>
-#include <stdlib.h>
-#include <sys/wait.h>
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <stdlib.h>
+#include <sys/wait.h>
 
 #include <cstring>
 #include <filesystem>
@@ -106,9 +105,8 @@ class Int4ToolTest : public ::testing::Test {
 };
 
 TEST_F(Int4ToolTest, QuantizeCompressedTensors) {
-  const RunResult r = RunTool("quantize --in " + In() + " --out " + P("q.safetensors") +
-                              " --group-size 64 --ignore 're:.*mlp\\.gate$'",
-                          dir_);
+  const RunResult r = RunTool(
+      "quantize --in " + In() + " --out " + P("q.safetensors") + " --group-size 64 --ignore 're:.*mlp\\.gate$'", dir_);
   ASSERT_EQ(r.code, 0) << r.output;
   auto f = SafetensorsFile::Open(P("q.safetensors"));
   ASSERT_TRUE(f.ok()) << f.status();
@@ -141,8 +139,8 @@ TEST_F(Int4ToolTest, QuantizeCompressedTensors) {
 
 TEST_F(Int4ToolTest, QuantizeGptqThenMarlinRoundTrip) {
   ASSERT_EQ(RunTool("quantize --in " + In() + " --out " + P("g.safetensors") +
-                    " --group-size 128 --format gptq --variant slime --ignore model.layers.0.mlp.gate",
-                dir_)
+                        " --group-size 128 --format gptq --variant slime --ignore model.layers.0.mlp.gate",
+                    dir_)
                 .code,
             0);
   auto g = SafetensorsFile::Open(P("g.safetensors"));
@@ -156,7 +154,8 @@ TEST_F(Int4ToolTest, QuantizeGptqThenMarlinRoundTrip) {
   for (int k = 0; k < 256; ++k) EXPECT_EQ(gi->view.data_as<int32_t>()[k], k / 128);
   EXPECT_EQ(g->Find("model.layers.0.mlp.experts.qweight")->view.shape(), (Shape{2, 16, 64}));
 
-  const RunResult r = RunTool("marlin-repack --in " + P("g.safetensors") + " --out " + P("m.safetensors") + " --group-size 128", dir_);
+  const RunResult r =
+      RunTool("marlin-repack --in " + P("g.safetensors") + " --out " + P("m.safetensors") + " --group-size 128", dir_);
   ASSERT_EQ(r.code, 0) << r.output;
   auto m = SafetensorsFile::Open(P("m.safetensors"));
   ASSERT_TRUE(m.ok()) << m.status();
@@ -164,16 +163,19 @@ TEST_F(Int4ToolTest, QuantizeGptqThenMarlinRoundTrip) {
   ASSERT_NE(mq, nullptr);
   EXPECT_EQ(mq->view.shape(), (Shape{16, 256}));
   Tensor want = Tensor::Empty(DType::kI32, {16, 256}).value();
-  ASSERT_TRUE(kernels::GptqToMarlin(g->Find("model.layers.0.mlp.down_proj.qweight")->view, nullptr,
-                                    want.mutable_view(), {})
-                  .ok());
+  ASSERT_TRUE(
+      kernels::GptqToMarlin(g->Find("model.layers.0.mlp.down_proj.qweight")->view, nullptr, want.mutable_view(), {})
+          .ok());
   EXPECT_TRUE(SameBytes(mq->view, want.view()));
   EXPECT_EQ(m->Find("model.layers.0.mlp.experts.qweight")->view.shape(), (Shape{2, 8, 128}));
   EXPECT_FALSE(SameBytes(m->Find("model.layers.0.mlp.down_proj.scales")->view,
                          g->Find("model.layers.0.mlp.down_proj.scales")->view));
   EXPECT_EQ(m->metadata().at("wsync.layout"), "marlin");
 
-  ASSERT_EQ(RunTool("marlin-restore --in " + P("m.safetensors") + " --out " + P("r.safetensors") + " --group-size 128", dir_).code, 0);
+  ASSERT_EQ(
+      RunTool("marlin-restore --in " + P("m.safetensors") + " --out " + P("r.safetensors") + " --group-size 128", dir_)
+          .code,
+      0);
   auto back = SafetensorsFile::Open(P("r.safetensors"));
   ASSERT_TRUE(back.ok());
   ASSERT_EQ(back->tensors().size(), g->tensors().size());
@@ -182,14 +184,21 @@ TEST_F(Int4ToolTest, QuantizeGptqThenMarlinRoundTrip) {
     EXPECT_TRUE(SameBytes(back->Find(e.name)->view, e.view)) << e.name;
   }
   // Repacking a Marlin file again is refused.
-  const RunResult again = RunTool("marlin-repack --in " + P("m.safetensors") + " --out " + P("x.safetensors") + " --group-size 128", dir_);
+  const RunResult again =
+      RunTool("marlin-repack --in " + P("m.safetensors") + " --out " + P("x.safetensors") + " --group-size 128", dir_);
   EXPECT_EQ(again.code, 1);
   EXPECT_THAT(again.output, HasSubstr("already in Marlin layout"));
 }
 
 TEST_F(Int4ToolTest, CompressedTensorsInputRepacksAsTheEnginesDo) {
-  ASSERT_EQ(RunTool("quantize --in " + In() + " --out " + P("q.safetensors") + " --group-size -1 --ignore '.*gate'", dir_).code, 0);
-  ASSERT_EQ(RunTool("marlin-repack --in " + P("q.safetensors") + " --out " + P("m.safetensors") + " --group-size -1", dir_).code, 0);
+  ASSERT_EQ(
+      RunTool("quantize --in " + In() + " --out " + P("q.safetensors") + " --group-size -1 --ignore '.*gate'", dir_)
+          .code,
+      0);
+  ASSERT_EQ(
+      RunTool("marlin-repack --in " + P("q.safetensors") + " --out " + P("m.safetensors") + " --group-size -1", dir_)
+          .code,
+      0);
   auto q = SafetensorsFile::Open(P("q.safetensors"));
   auto m = SafetensorsFile::Open(P("m.safetensors"));
   ASSERT_TRUE(q.ok() && m.ok());
@@ -204,7 +213,10 @@ TEST_F(Int4ToolTest, CompressedTensorsInputRepacksAsTheEnginesDo) {
                   .ok());
   EXPECT_TRUE(SameBytes(m->Find("model.layers.0.mlp.down_proj.weight_packed")->view, want.view()));
   EXPECT_EQ(m->Find("model.layers.0.mlp.down_proj.weight_scale")->view.shape(), (Shape{1, 128}));
-  ASSERT_EQ(RunTool("marlin-restore --in " + P("m.safetensors") + " --out " + P("r.safetensors") + " --group-size -1", dir_).code, 0);
+  ASSERT_EQ(
+      RunTool("marlin-restore --in " + P("m.safetensors") + " --out " + P("r.safetensors") + " --group-size -1", dir_)
+          .code,
+      0);
   auto r = SafetensorsFile::Open(P("r.safetensors"));
   ASSERT_TRUE(r.ok());
   for (const auto& e : q->tensors()) EXPECT_TRUE(SameBytes(r->Find(e.name)->view, e.view)) << e.name;
@@ -225,7 +237,11 @@ TEST_F(Int4ToolTest, ActOrderPermFromGIdx) {
   ASSERT_TRUE(w.Add("l.g_idx", TensorView(DType::kI32, {k}, std::as_bytes(std::span(gidx)))).ok());
   ASSERT_TRUE(w.Add("l.scales", scales.view()).ok());
   ASSERT_TRUE(w.Write(P("a.safetensors")).ok());
-  ASSERT_EQ(RunTool("marlin-repack --in " + P("a.safetensors") + " --out " + P("m.safetensors") + " --group-size 64 --perm-from g_idx", dir_).code, 0);
+  ASSERT_EQ(RunTool("marlin-repack --in " + P("a.safetensors") + " --out " + P("m.safetensors") +
+                        " --group-size 64 --perm-from g_idx",
+                    dir_)
+                .code,
+            0);
   std::vector<int32_t> perm(k);
   std::iota(perm.begin(), perm.end(), 0);
   std::stable_sort(perm.begin(), perm.end(), [&](int a, int b) { return gidx[a] < gidx[b]; });
@@ -237,13 +253,19 @@ TEST_F(Int4ToolTest, ActOrderPermFromGIdx) {
   auto m = SafetensorsFile::Open(P("m.safetensors"));
   ASSERT_TRUE(m.ok());
   EXPECT_TRUE(SameBytes(m->Find("l.qweight")->view, want.view()));
-  ASSERT_EQ(RunTool("marlin-restore --in " + P("m.safetensors") + " --out " + P("r.safetensors") + " --group-size 64 --perm-from g_idx", dir_).code, 0);
+  ASSERT_EQ(RunTool("marlin-restore --in " + P("m.safetensors") + " --out " + P("r.safetensors") +
+                        " --group-size 64 --perm-from g_idx",
+                    dir_)
+                .code,
+            0);
   auto r = SafetensorsFile::Open(P("r.safetensors"));
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(std::memcmp(r->Find("l.qweight")->view.data(), qw.data(), qw.size() * 4), 0);
   EXPECT_TRUE(SameBytes(r->Find("l.scales")->view, scales.view()));
   // Missing g_idx tensor.
-  const RunResult bad = RunTool("marlin-repack --in " + P("a.safetensors") + " --out " + P("x.safetensors") + " --group-size 64 --perm-from act_perm", dir_);
+  const RunResult bad = RunTool("marlin-repack --in " + P("a.safetensors") + " --out " + P("x.safetensors") +
+                                    " --group-size 64 --perm-from act_perm",
+                                dir_);
   EXPECT_EQ(bad.code, 1);
   EXPECT_THAT(bad.output, HasSubstr("tensor \"l.act_perm\": missing"));
 }
@@ -256,7 +278,8 @@ TEST_F(Int4ToolTest, ErrorsNameTensorAndValuesAndLeaveNoFile) {
     SafetensorsWriter w;
     ASSERT_TRUE(w.Add("bad.weight", w96.view()).ok());
     ASSERT_TRUE(w.Write(P("k96.safetensors")).ok());
-    const RunResult r = RunTool("quantize --in " + P("k96.safetensors") + " --out " + P("o.safetensors") + " --group-size 64", dir_);
+    const RunResult r =
+        RunTool("quantize --in " + P("k96.safetensors") + " --out " + P("o.safetensors") + " --group-size 64", dir_);
     EXPECT_EQ(r.code, 1);
     EXPECT_THAT(r.output, HasSubstr("tensor \"bad.weight\""));
     EXPECT_THAT(r.output, HasSubstr("K = 96 is not a multiple of the group size 64"));
@@ -266,8 +289,13 @@ TEST_F(Int4ToolTest, ErrorsNameTensorAndValuesAndLeaveNoFile) {
     SafetensorsWriter sw;
     ASSERT_TRUE(sw.Add("n96.weight", w.view()).ok());
     ASSERT_TRUE(sw.Write(P("n96.safetensors")).ok());
-    ASSERT_EQ(RunTool("quantize --in " + P("n96.safetensors") + " --out " + P("n96q.safetensors") + " --group-size 128 --format gptq", dir_).code, 0);
-    const RunResult r = RunTool("marlin-repack --in " + P("n96q.safetensors") + " --out " + P("o.safetensors") + " --group-size 128", dir_);
+    ASSERT_EQ(RunTool("quantize --in " + P("n96.safetensors") + " --out " + P("n96q.safetensors") +
+                          " --group-size 128 --format gptq",
+                      dir_)
+                  .code,
+              0);
+    const RunResult r = RunTool(
+        "marlin-repack --in " + P("n96q.safetensors") + " --out " + P("o.safetensors") + " --group-size 128", dir_);
     EXPECT_EQ(r.code, 1);
     EXPECT_THAT(r.output, HasSubstr("tensor \"n96.qweight\""));
     EXPECT_THAT(r.output, HasSubstr("N = 96 is not a multiple of 64"));
@@ -279,7 +307,8 @@ TEST_F(Int4ToolTest, ErrorsNameTensorAndValuesAndLeaveNoFile) {
     ASSERT_TRUE(sw.Add("k24.qweight", TensorView(DType::kI32, {3, 64}, std::as_bytes(std::span(qw)))).ok());
     ASSERT_TRUE(sw.Add("k24.scales", s.view()).ok());
     ASSERT_TRUE(sw.Write(P("k24.safetensors")).ok());
-    const RunResult r = RunTool("marlin-repack --in " + P("k24.safetensors") + " --out " + P("o.safetensors") + " --group-size -1", dir_);
+    const RunResult r = RunTool(
+        "marlin-repack --in " + P("k24.safetensors") + " --out " + P("o.safetensors") + " --group-size -1", dir_);
     EXPECT_EQ(r.code, 1);
     EXPECT_THAT(r.output, HasSubstr("K = 24 is not a multiple of 16"));
   }
@@ -288,7 +317,8 @@ TEST_F(Int4ToolTest, ErrorsNameTensorAndValuesAndLeaveNoFile) {
     SafetensorsWriter sw;
     ASSERT_TRUE(sw.Add("lonely.qweight", TensorView(DType::kI32, {2, 64}, std::as_bytes(std::span(qw)))).ok());
     ASSERT_TRUE(sw.Write(P("lonely.safetensors")).ok());
-    const RunResult r = RunTool("marlin-repack --in " + P("lonely.safetensors") + " --out " + P("o.safetensors") + " --group-size 128", dir_);
+    const RunResult r = RunTool(
+        "marlin-repack --in " + P("lonely.safetensors") + " --out " + P("o.safetensors") + " --group-size 128", dir_);
     EXPECT_EQ(r.code, 1);
     EXPECT_THAT(r.output, HasSubstr("tensor \"lonely.qweight\": missing scales \"lonely.scales\""));
   }
@@ -297,7 +327,8 @@ TEST_F(Int4ToolTest, ErrorsNameTensorAndValuesAndLeaveNoFile) {
     SafetensorsWriter sw;
     ASSERT_TRUE(sw.Add("f.weight", f32.view()).ok());
     ASSERT_TRUE(sw.Write(P("f32.safetensors")).ok());
-    RunResult r = RunTool("quantize --in " + P("f32.safetensors") + " --out " + P("o.safetensors") + " --group-size 128", dir_);
+    RunResult r =
+        RunTool("quantize --in " + P("f32.safetensors") + " --out " + P("o.safetensors") + " --group-size 128", dir_);
     EXPECT_EQ(r.code, 1);
     EXPECT_THAT(r.output, HasSubstr("tensor \"f.weight\""));
     EXPECT_THAT(r.output, HasSubstr("W dtype F32 unsupported"));

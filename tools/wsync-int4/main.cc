@@ -8,11 +8,10 @@
 // See int4_tool.h for what each command does and docs/kernels.md for the formats.
 // Exit codes: 0 ok, 1 conversion refused (the message names the tensor and values; no output file
 // is left behind), 2 bad command line.
+#include <CLI/CLI.hpp>
 #include <cstdio>
 #include <map>
 #include <string>
-
-#include <CLI/CLI.hpp>
 
 #include "int4_tool.h"
 

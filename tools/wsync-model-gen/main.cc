@@ -13,11 +13,10 @@
 // model's sizes), bench2g (~2 GB bf16). Size flags override the preset. Values are N(0, 0.02)-like
 // (norm weights around 1), deterministic in --seed.
 // Exit codes: 0 ok, 1 refused (the message names the field/value), 2 bad command line.
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
 #include <string>
-
-#include <CLI/CLI.hpp>
 
 #include "absl/strings/str_format.h"
 #include "common/config.h"
@@ -32,7 +31,8 @@ int Run(int argc, char** argv) {
   std::string arch_name, out, preset = "tiny", quant_config;
   uint64_t seed = 1;
   int threads = 0;
-  app.add_option("--arch", arch_name, "llama, qwen2, qwen3, qwen3-moe or deepseek-v3");  // required unless --from-config
+  app.add_option("--arch", arch_name,
+                 "llama, qwen2, qwen3, qwen3-moe or deepseek-v3");  // required unless --from-config
   app.add_option("--out", out, "output directory (created)")->required();
   app.add_option("--preset", preset, "tiny, small or bench2g")->capture_default_str();
   app.add_option("--seed", seed, "random seed")->capture_default_str();

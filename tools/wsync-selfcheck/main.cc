@@ -7,14 +7,13 @@
 #include <httplib.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
-
-#include <CLI/CLI.hpp>
 
 #include "absl/strings/str_format.h"
 #include "common/config.h"
@@ -49,11 +48,11 @@ int Run(int mib, const std::string& workdir) {
     const auto& c = *cfg;
     int moe_layers = 0;
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) moe_layers += c.IsMoeLayer(l);
-    r.Row("default model config", true,
-          absl::StrFormat("%s: %d layers (%d MoE, %d experts, top-%d), hidden %d, heads %d/%d, vocab %d",
-                          c.architecture, c.num_hidden_layers, moe_layers, c.moe->num_experts,
-                          c.moe->num_experts_per_tok, c.hidden_size, c.num_attention_heads,
-                          c.num_key_value_heads, c.vocab_size));
+    r.Row(
+        "default model config", true,
+        absl::StrFormat("%s: %d layers (%d MoE, %d experts, top-%d), hidden %d, heads %d/%d, vocab %d", c.architecture,
+                        c.num_hidden_layers, moe_layers, c.moe->num_experts, c.moe->num_experts_per_tok, c.hidden_size,
+                        c.num_attention_heads, c.num_key_value_heads, c.vocab_size));
     const auto& q = *c.quantization;
     auto sup = q.CheckInt4Supported();
     r.Row("quantization_config", sup.ok(),

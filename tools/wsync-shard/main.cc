@@ -11,12 +11,11 @@
 // converts to HF and compares every tensor bit for bit with HF_DIR.
 // Exit codes: 0 ok, 1 refused or mismatch (the message names the file / tensor / values),
 // 2 bad command line.
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
 #include <string>
 #include <vector>
-
-#include <CLI/CLI.hpp>
 
 #include "absl/strings/str_format.h"
 #include "common/config.h"
@@ -79,11 +78,11 @@ int Run(int argc, char** argv) {
     p.layers_per_stage = layers_per_stage;
     auto stats = tools::WriteMegatronSource(*config_text, *model, *hf, p, out_dir);
     if (!stats.ok()) return fail(stats.status());
-    std::printf("%s\n", absl::StrFormat("wrote %s: %d rank files (%d built, %d DP copies), %.1f MiB, %.2f s", out_dir,
-                                        stats->files_built + stats->files_copied, stats->files_built,
-                                        stats->files_copied, static_cast<double>(stats->bytes_written) / (1 << 20),
-                                        Since(t0))
-                            .c_str());
+    std::printf("%s\n",
+                absl::StrFormat("wrote %s: %d rank files (%d built, %d DP copies), %.1f MiB, %.2f s", out_dir,
+                                stats->files_built + stats->files_copied, stats->files_built, stats->files_copied,
+                                static_cast<double>(stats->bytes_written) / (1 << 20), Since(t0))
+                    .c_str());
     src_dir = out_dir;
   }
   if (verify) {
@@ -92,12 +91,12 @@ int Run(int argc, char** argv) {
     if (!src.ok()) return fail(src.status());
     auto report = tools::VerifyDirSource(*src, *hf);
     if (!report.ok()) return fail(report.status());
-    std::printf("%s\n", absl::StrFormat("verified %s against %s: %s, %d parameters -> %d HF tensors (%.1f MiB) "
-                                        "bit-exact, %.2f s",
-                                        src_dir, hf_dir, src->layout().DebugString(), report->params,
-                                        report->hf_tensors, static_cast<double>(report->hf_bytes) / (1 << 20),
-                                        Since(t0))
-                            .c_str());
+    std::printf("%s\n",
+                absl::StrFormat("verified %s against %s: %s, %d parameters -> %d HF tensors (%.1f MiB) "
+                                "bit-exact, %.2f s",
+                                src_dir, hf_dir, src->layout().DebugString(), report->params, report->hf_tensors,
+                                static_cast<double>(report->hf_bytes) / (1 << 20), Since(t0))
+                    .c_str());
   }
   return 0;
 }

@@ -14,11 +14,11 @@
 // waits for the sync itself, so no rank writes step i+1 while step i is read.
 // Exit status: 0 when every step synced (and CMD succeeded), 1 otherwise, 2 for bad flags.
 #include <mpi.h>
+#include <unistd.h>
 
 #include <cstdio>
-#include <cstring>
-#include <unistd.h>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -143,7 +143,8 @@ int main(int argc, char** argv) {
       break;
     }
     std::printf("rank %d: version %llu synced (sync %llu%s)\n", rank, static_cast<unsigned long long>(info.version),
-                static_cast<unsigned long long>(info.sync_id), info.coalesced ? ", requested by another rank first" : "");
+                static_cast<unsigned long long>(info.sync_id),
+                info.coalesced ? ", requested by another rank first" : "");
     std::fflush(stdout);
     if (!after.empty()) {
       // Like a training job's barrier: nobody starts the next step before rank 0's check is done.

@@ -20,8 +20,11 @@
 #include <string>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/config.h"
 #include "common/grpc_status.h"
 #include "common/rpc_security.h"
@@ -31,9 +34,6 @@
 #include "rollout_agent/load/engine_layout.h"
 #include "tools/wsyncctl/verify.h"
 #include "trainer_agent/quantize/quant_select.h"
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 #include "wsync/v1/engine.grpc.pb.h"
 #include "wsync/v1/rollout.grpc.pb.h"
@@ -67,13 +67,16 @@ int ExitCodeFor(const absl::Status& s) {
 
 int Fail(const absl::Status& s, const Globals& g) {
   if (g.json) {
-    std::printf("%s\n", json({{"ok", false}, {"code", absl::StatusCodeToString(s.code())}, {"error", s.message()}}).dump(2).c_str());
+    std::printf(
+        "%s\n",
+        json({{"ok", false}, {"code", absl::StatusCodeToString(s.code())}, {"error", s.message()}}).dump(2).c_str());
   } else {
     std::fprintf(stderr, "wsyncctl: %s\n", s.ToString().c_str());
     if (absl::IsUnavailable(s)) {
       std::fprintf(stderr, "  (is the coordinator running at %s? see --coordinator)\n", g.coordinator.c_str());
     }
-    if (absl::IsUnauthenticated(s)) std::fprintf(stderr, "  (pass the deployment's token with --token-file or WSYNC_TOKEN)\n");
+    if (absl::IsUnauthenticated(s))
+      std::fprintf(stderr, "  (pass the deployment's token with --token-file or WSYNC_TOKEN)\n");
   }
   return ExitCodeFor(s);
 }
@@ -83,8 +86,8 @@ class Ctl {
   explicit Ctl(const Globals& g) : g_(g), stub_(v1::Coordinator::NewStub(MakeChannel(g.coordinator, g.sec))) {}
 
   template <typename Req, typename Reply>
-  absl::Status Call(grpc::Status (v1::Coordinator::Stub::*rpc)(grpc::ClientContext*, const Req&, Reply*), const Req& req,
-                    Reply* reply) {
+  absl::Status Call(grpc::Status (v1::Coordinator::Stub::*rpc)(grpc::ClientContext*, const Req&, Reply*),
+                    const Req& req, Reply* reply) {
     grpc::ClientContext ctx;
     PrepareContext(&ctx, g_.sec, absl::Seconds(g_.timeout_s));
     return FromGrpcStatus(((*stub_).*rpc)(&ctx, req, reply));
@@ -94,8 +97,12 @@ class Ctl {
     v1::StatusReply r;
     if (auto s = Call(&v1::Coordinator::Stub::Status, v1::StatusRequest(), &r); !s.ok()) return Fail(s, g_);
     if (g_.json) {
-      std::printf("%s\n", json({{"version", r.version()}, {"state", r.state()}, {"running_sync_id", r.running_sync_id()},
-                                {"members", r.members()}, {"trainer_ranks", r.trainer_ranks()}, {"last_error", r.last_error()}})
+      std::printf("%s\n", json({{"version", r.version()},
+                                {"state", r.state()},
+                                {"running_sync_id", r.running_sync_id()},
+                                {"members", r.members()},
+                                {"trainer_ranks", r.trainer_ranks()},
+                                {"last_error", r.last_error()}})
                               .dump(2)
                               .c_str());
     } else {
@@ -113,8 +120,12 @@ class Ctl {
     if (g_.json) {
       json out = json::array();
       for (const auto& m : r.members()) {
-        out.push_back({{"agent_id", m.agent_id()}, {"address", m.agent_address()}, {"engine_id", m.engine_id()},
-                       {"tp_rank", m.tp_rank()}, {"tp_size", m.tp_size()}, {"version", m.version()},
+        out.push_back({{"agent_id", m.agent_id()},
+                       {"address", m.agent_address()},
+                       {"engine_id", m.engine_id()},
+                       {"tp_rank", m.tp_rank()},
+                       {"tp_size", m.tp_size()},
+                       {"version", m.version()},
                        {"heartbeat_age_s", m.last_heartbeat_age_seconds()}});
       }
       std::printf("%s\n", out.dump(2).c_str());
@@ -135,8 +146,13 @@ class Ctl {
     if (g_.json) {
       json out = json::array();
       for (const auto& v : r.versions()) {
-        out.push_back({{"version", v.version()}, {"sync_id", v.sync_id()}, {"ok", v.ok()}, {"error", v.error()},
-                       {"seconds", v.seconds()}, {"bytes", v.bytes()}, {"finished_unix_ms", v.finished_unix_ms()}});
+        out.push_back({{"version", v.version()},
+                       {"sync_id", v.sync_id()},
+                       {"ok", v.ok()},
+                       {"error", v.error()},
+                       {"seconds", v.seconds()},
+                       {"bytes", v.bytes()},
+                       {"finished_unix_ms", v.finished_unix_ms()}});
       }
       std::printf("%s\n", out.dump(2).c_str());
       return 0;
@@ -157,14 +173,17 @@ class Ctl {
     if (auto s = Call(&v1::Coordinator::Stub::Timings, req, &r); !s.ok()) return Fail(s, g_);
     if (g_.json) {
       json phases = json::array();
-      for (const auto& p : r.phases()) phases.push_back({{"phase", p.phase()}, {"seconds", p.seconds()}, {"bytes", p.bytes()}});
-      std::printf("%s\n", json({{"version", r.version()}, {"sync_id", r.sync_id()}, {"phases", phases}}).dump(2).c_str());
+      for (const auto& p : r.phases())
+        phases.push_back({{"phase", p.phase()}, {"seconds", p.seconds()}, {"bytes", p.bytes()}});
+      std::printf("%s\n",
+                  json({{"version", r.version()}, {"sync_id", r.sync_id()}, {"phases", phases}}).dump(2).c_str());
       return 0;
     }
     std::printf("version %llu (sync %llu)\n%-18s %10s %12s %10s\n", static_cast<unsigned long long>(r.version()),
                 static_cast<unsigned long long>(r.sync_id()), "PHASE", "SECONDS", "BYTES", "GB/s");
     for (const auto& p : r.phases()) {
-      std::printf("%-18s %10.4f %12s %10s\n", p.phase().c_str(), p.seconds(), p.bytes() ? FormatBytes(p.bytes()).c_str() : "-",
+      std::printf("%-18s %10.4f %12s %10s\n", p.phase().c_str(), p.seconds(),
+                  p.bytes() ? FormatBytes(p.bytes()).c_str() : "-",
                   p.bytes() && p.seconds() > 0 ? absl::StrFormat("%.2f", p.bytes() / p.seconds() / 1e9).c_str() : "-");
     }
     return 0;
@@ -179,9 +198,9 @@ class Ctl {
     if (auto s = Call(&v1::Coordinator::Stub::TriggerSync, req, &r); !s.ok()) return Fail(s, g_);
     if (!wait) {
       if (g_.json) {
-        std::printf("%s\n", json({{"sync_id", r.sync_id()}, {"version", r.version()}, {"coalesced", r.coalesced()}})
-                                .dump(2)
-                                .c_str());
+        std::printf(
+            "%s\n",
+            json({{"sync_id", r.sync_id()}, {"version", r.version()}, {"coalesced", r.coalesced()}}).dump(2).c_str());
       } else {
         std::printf("sync %llu %s -> version %llu\n", static_cast<unsigned long long>(r.sync_id()),
                     r.coalesced() ? "(already requested)" : "started", static_cast<unsigned long long>(r.version()));
@@ -206,16 +225,18 @@ class Ctl {
       if (tty) {
         const double rate = e.elapsed_seconds() > 0 ? e.bytes_done() / e.elapsed_seconds() : 0;
         std::string eta = "-";
-        if (rate > 0 && e.bytes_total() > e.bytes_done()) eta = absl::StrFormat("%.1fs", (e.bytes_total() - e.bytes_done()) / rate);
+        if (rate > 0 && e.bytes_total() > e.bytes_done())
+          eta = absl::StrFormat("%.1fs", (e.bytes_total() - e.bytes_done()) / rate);
         const int width = 30;
-        const int filled = e.bytes_total() ? static_cast<int>(width * std::min(1.0, double(e.bytes_done()) / e.bytes_total())) : 0;
+        const int filled =
+            e.bytes_total() ? static_cast<int>(width * std::min(1.0, double(e.bytes_done()) / e.bytes_total())) : 0;
         std::fprintf(stderr, "\r\033[K%-9s [%s%s] %llu buckets  %s / %s  %.2f GB/s  ETA %s", e.phase().c_str(),
                      std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
                      static_cast<unsigned long long>(e.buckets_done()), FormatBytes(e.bytes_done()).c_str(),
                      e.bytes_total() ? FormatBytes(e.bytes_total()).c_str() : "?", rate / 1e9, eta.c_str());
       } else if (e.phase() != last_phase) {
-        std::fprintf(stderr, "sync %llu: %s (%.2f s)\n", static_cast<unsigned long long>(e.sync_id()), e.phase().c_str(),
-                     e.elapsed_seconds());
+        std::fprintf(stderr, "sync %llu: %s (%.2f s)\n", static_cast<unsigned long long>(e.sync_id()),
+                     e.phase().c_str(), e.elapsed_seconds());
       }
       last_phase = e.phase();
     }
@@ -224,17 +245,25 @@ class Ctl {
     if (!s.ok()) return Fail(s, g_);
     const bool ok = last.phase() == "done";
     if (g_.json) {
-      std::printf("%s\n", json({{"sync_id", last.sync_id()}, {"version", last.version()}, {"ok", ok}, {"phase", last.phase()},
-                                {"seconds", last.elapsed_seconds()}, {"bytes", last.bytes_done()}, {"error", last.error()}})
+      std::printf("%s\n", json({{"sync_id", last.sync_id()},
+                                {"version", last.version()},
+                                {"ok", ok},
+                                {"phase", last.phase()},
+                                {"seconds", last.elapsed_seconds()},
+                                {"bytes", last.bytes_done()},
+                                {"error", last.error()}})
                               .dump(2)
                               .c_str());
     } else if (ok) {
       std::printf("sync %llu: version %llu published in %.3f s (%s)\n", static_cast<unsigned long long>(last.sync_id()),
-                  static_cast<unsigned long long>(last.version()), last.elapsed_seconds(), FormatBytes(last.bytes_done()).c_str());
+                  static_cast<unsigned long long>(last.version()), last.elapsed_seconds(),
+                  FormatBytes(last.bytes_done()).c_str());
     } else {
       std::printf("sync %llu FAILED: %s\n", static_cast<unsigned long long>(last.sync_id()), last.error().c_str());
       for (const auto& m : last.members()) {
-        if (!m.error().empty()) std::printf("  %s (engine %s tp %u): %s\n", m.agent_id().c_str(), m.engine_id().c_str(), m.tp_rank(), m.error().c_str());
+        if (!m.error().empty())
+          std::printf("  %s (engine %s tp %u): %s\n", m.agent_id().c_str(), m.engine_id().c_str(), m.tp_rank(),
+                      m.error().c_str());
       }
     }
     return ok ? 0 : 1;
@@ -266,15 +295,17 @@ class Ctl {
         std::optional<QuantizationConfig> engine_quant;
         if (model.ok() && !r.quantization_config_json().empty()) {
           auto q = ParseQuantizationConfig(r.quantization_config_json(), "engine quantization config");
-          if (q.ok()) engine_quant = *q;
-          else s = q.status();
+          if (q.ok())
+            engine_quant = *q;
+          else
+            s = q.status();
         }
         if (!model.ok()) s = model.status();
         absl::StatusOr<rollout_agent::EngineLayout> layout = absl::InternalError("unset");
         if (s.ok()) {
-          layout = rollout_agent::EngineLayout::Create(*model, engine_quant ? &*engine_quant : nullptr,
-                                                 {static_cast<int>(r.tp_size()), static_cast<int>(r.tp_rank()),
-                                                  static_cast<int>(r.ep_size())});
+          layout = rollout_agent::EngineLayout::Create(
+              *model, engine_quant ? &*engine_quant : nullptr,
+              {static_cast<int>(r.tp_size()), static_cast<int>(r.tp_rank()), static_cast<int>(r.ep_size())});
           s = layout.status();
         }
         if (s.ok()) {
@@ -291,17 +322,28 @@ class Ctl {
       const bool ok = s.ok() && vr.ok();
       all_ok = all_ok && ok;
       if (g_.json) {
-        out.push_back({{"agent_id", m.agent_id()}, {"engine_id", m.engine_id()}, {"tp_rank", m.tp_rank()},
-                       {"version", r.version()}, {"ok", ok}, {"params", vr.params}, {"mismatched", vr.mismatched},
-                       {"missing", vr.missing}, {"unexpected", vr.unexpected}, {"error", std::string(s.message())}});
+        out.push_back({{"agent_id", m.agent_id()},
+                       {"engine_id", m.engine_id()},
+                       {"tp_rank", m.tp_rank()},
+                       {"version", r.version()},
+                       {"ok", ok},
+                       {"params", vr.params},
+                       {"mismatched", vr.mismatched},
+                       {"missing", vr.missing},
+                       {"unexpected", vr.unexpected},
+                       {"error", std::string(s.message())}});
       } else if (!s.ok()) {
-        std::printf("%s engine %s tp %u: ERROR %s\n", m.agent_id().c_str(), m.engine_id().c_str(), m.tp_rank(), s.ToString().c_str());
+        std::printf("%s engine %s tp %u: ERROR %s\n", m.agent_id().c_str(), m.engine_id().c_str(), m.tp_rank(),
+                    s.ToString().c_str());
       } else {
-        std::printf("%s engine %s tp %u version %llu: %s (%zu params", m.agent_id().c_str(), m.engine_id().c_str(), m.tp_rank(),
-                    static_cast<unsigned long long>(r.version()), ok ? "bit-exact" : "DIFFERS", vr.params);
-        if (!ok) std::printf(", %zu differ, %zu missing, %zu unexpected", vr.mismatched.size(), vr.missing.size(), vr.unexpected.size());
+        std::printf("%s engine %s tp %u version %llu: %s (%zu params", m.agent_id().c_str(), m.engine_id().c_str(),
+                    m.tp_rank(), static_cast<unsigned long long>(r.version()), ok ? "bit-exact" : "DIFFERS", vr.params);
+        if (!ok)
+          std::printf(", %zu differ, %zu missing, %zu unexpected", vr.mismatched.size(), vr.missing.size(),
+                      vr.unexpected.size());
         std::printf(")\n");
-        for (size_t i = 0; i < vr.mismatched.size() && i < 10; ++i) std::printf("  differs: %s\n", vr.mismatched[i].c_str());
+        for (size_t i = 0; i < vr.mismatched.size() && i < 10; ++i)
+          std::printf("  differs: %s\n", vr.mismatched[i].c_str());
       }
     }
     if (g_.json) std::printf("%s\n", json({{"ok", all_ok}, {"engines", out}}).dump(2).c_str());
@@ -312,7 +354,8 @@ class Ctl {
     v1::GenerateRequest req;
     for (absl::string_view t : absl::StrSplit(prompt, ',', absl::SkipWhitespace())) {
       int32_t id = 0;
-      if (!absl::SimpleAtoi(t, &id)) return Fail(absl::InvalidArgumentError(absl::StrCat("bad token id \"", t, "\" in --prompt")), g_);
+      if (!absl::SimpleAtoi(t, &id))
+        return Fail(absl::InvalidArgumentError(absl::StrCat("bad token id \"", t, "\" in --prompt")), g_);
       req.add_prompt(id);
     }
     req.set_max_new_tokens(max_new);
@@ -323,8 +366,11 @@ class Ctl {
     absl::Status s = FromGrpcStatus(stub->Generate(&ctx, req, &r));
     if (!s.ok()) return Fail(s, g_);
     std::vector<int32_t> tokens(r.tokens().begin(), r.tokens().end());
-    if (g_.json) std::printf("%s\n", json({{"version", r.version()}, {"tokens", tokens}}).dump().c_str());
-    else std::printf("version %llu: %s\n", static_cast<unsigned long long>(r.version()), absl::StrJoin(tokens, ",").c_str());
+    if (g_.json)
+      std::printf("%s\n", json({{"version", r.version()}, {"tokens", tokens}}).dump().c_str());
+    else
+      std::printf("version %llu: %s\n", static_cast<unsigned long long>(r.version()),
+                  absl::StrJoin(tokens, ",").c_str());
     return 0;
   }
 

@@ -13,8 +13,8 @@ std::map<std::string, uint64_t> ChecksumWeights(const rollout_agent::EngineWeigh
   return out;
 }
 
-absl::StatusOr<std::unique_ptr<rollout_agent::OwnedEngineWeights>> ExpectedEngineWeights(const rollout_agent::EngineLayout& layout,
-                                                                          const std::vector<model::HfTensor>& sent) {
+absl::StatusOr<std::unique_ptr<rollout_agent::OwnedEngineWeights>> ExpectedEngineWeights(
+    const rollout_agent::EngineLayout& layout, const std::vector<model::HfTensor>& sent) {
   ASSIGN_OR_RETURN(auto staging, rollout_agent::Staging::Create(layout));
   rollout_agent::Loader loader(staging.get());
   for (const auto& t : sent) RETURN_IF_ERROR(loader.Load(t.name, t.view));
@@ -30,8 +30,10 @@ VerifyResult CompareChecksums(const std::map<std::string, uint64_t>& expected,
   r.params = expected.size();
   for (const auto& [name, sum] : expected) {
     auto it = actual.find(name);
-    if (it == actual.end()) r.missing.push_back(name);
-    else if (it->second != sum) r.mismatched.push_back(name);
+    if (it == actual.end())
+      r.missing.push_back(name);
+    else if (it->second != sum)
+      r.mismatched.push_back(name);
   }
   for (const auto& [name, sum] : actual) {
     if (!expected.count(name)) r.unexpected.push_back(name);

@@ -23,8 +23,8 @@ std::map<std::string, uint64_t> ChecksumWeights(const rollout_agent::EngineWeigh
 
 // The engine weights one rank of `layout` holds after a sync of `sent` (HF names, INT4 triplets):
 // Loader + CheckComplete + Commit into fresh memory. Errors as the loader's.
-absl::StatusOr<std::unique_ptr<rollout_agent::OwnedEngineWeights>> ExpectedEngineWeights(const rollout_agent::EngineLayout& layout,
-                                                                          const std::vector<model::HfTensor>& sent);
+absl::StatusOr<std::unique_ptr<rollout_agent::OwnedEngineWeights>> ExpectedEngineWeights(
+    const rollout_agent::EngineLayout& layout, const std::vector<model::HfTensor>& sent);
 
 struct VerifyResult {
   size_t params = 0;

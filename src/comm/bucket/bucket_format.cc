@@ -46,7 +46,8 @@ absl::Status ValidateManifest(const v1::BucketManifest& m, uint64_t data_bytes) 
     const std::string name = e.tensor().name();
     if (name.empty()) return absl::InvalidArgumentError(absl::StrCat(DescribeBucket(m), ": an entry has no name"));
     auto dtype = FromProto(e.tensor().dtype());
-    if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat(DescribeBucket(m), ": ", name, ": ", dtype.status().message()));
+    if (!dtype.ok())
+      return absl::InvalidArgumentError(absl::StrCat(DescribeBucket(m), ": ", name, ": ", dtype.status().message()));
     uint64_t numel = 1;
     for (int64_t d : e.tensor().shape()) {
       if (d < 0 || (d > 0 && numel > (uint64_t{1} << 62) / static_cast<uint64_t>(d))) {
@@ -56,9 +57,9 @@ absl::Status ValidateManifest(const v1::BucketManifest& m, uint64_t data_bytes) 
     }
     const uint64_t whole = numel * ItemSize(*dtype);
     if (e.total_nbytes() != whole || e.split_offset() + e.nbytes() > whole) {
-      return absl::InvalidArgumentError(absl::StrCat(DescribeBucket(m), ": ", name, ": ", e.nbytes(), " bytes at split offset ",
-                                                     e.split_offset(), " of ", e.total_nbytes(),
-                                                     " do not fit its dtype and shape (", whole, " bytes)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(DescribeBucket(m), ": ", name, ": ", e.nbytes(), " bytes at split offset ", e.split_offset(),
+                       " of ", e.total_nbytes(), " do not fit its dtype and shape (", whole, " bytes)"));
     }
     if (e.offset() > data_bytes || e.nbytes() > data_bytes - e.offset()) {
       return absl::InvalidArgumentError(absl::StrCat(DescribeBucket(m), ": ", name, ": bytes [", e.offset(), ", ",

@@ -50,9 +50,8 @@ std::vector<std::pair<std::string, std::vector<std::byte>>> CheckStream(const Ca
       end = e.offset() + e.nbytes();
       EXPECT_EQ(e.split_offset(), 0u);
       EXPECT_EQ(e.total_nbytes(), e.nbytes());
-      out.emplace_back(e.tensor().name(),
-                       std::vector<std::byte>(b.data.begin() + static_cast<long>(e.offset()),
-                                              b.data.begin() + static_cast<long>(end)));
+      out.emplace_back(e.tensor().name(), std::vector<std::byte>(b.data.begin() + static_cast<long>(e.offset()),
+                                                                 b.data.begin() + static_cast<long>(end)));
     }
     EXPECT_EQ(end, b.data.size()) << "a bucket ends with its last entry";
   }

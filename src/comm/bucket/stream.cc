@@ -17,8 +17,7 @@ struct BucketSender::InFlight {
   std::unique_ptr<Work> header_work, payload_work;
 };
 
-BucketSender::BucketSender(Communicator& comm, int root, int max_in_flight, CollectiveOptions options,
-                           BufferPool* pool)
+BucketSender::BucketSender(Communicator& comm, int root, int max_in_flight, CollectiveOptions options, BufferPool* pool)
     : comm_(comm),
       root_(root),
       max_in_flight_(std::max(1, max_in_flight)),
@@ -32,7 +31,8 @@ BucketSender::~BucketSender() {
 
 absl::Status BucketSender::Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) {
   if (nbytes > data.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(DescribeBucket(manifest), ": ", nbytes, " bytes from a ", data.size(), "-byte buffer"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(DescribeBucket(manifest), ": ", nbytes, " bytes from a ", data.size(), "-byte buffer"));
   }
   const absl::Time t0 = absl::Now();
   manifest.set_nbytes(nbytes);
@@ -123,15 +123,16 @@ void BucketReceiver::Run() {
     absl::Duration hashing;
     if (s.ok()) s = ValidateManifest(bucket.manifest, header.data_bytes);
     if (s.ok() && bucket.manifest.index() != index) {
-      s = absl::InvalidArgumentError(absl::StrCat(DescribeBucket(bucket.manifest), ": expected bucket ", index, " (lost or reordered)"));
+      s = absl::InvalidArgumentError(
+          absl::StrCat(DescribeBucket(bucket.manifest), ": expected bucket ", index, " (lost or reordered)"));
     }
     if (s.ok()) {
       const absl::Time h0 = absl::Now();
       const uint64_t sum = Xxh3_64({data->data(), header.data_bytes});
       hashing = absl::Now() - h0;
       if (sum != bucket.manifest.xxh3_64()) {
-        s = absl::DataLossError(absl::StrCat(DescribeBucket(bucket.manifest), ": checksum mismatch (xxh3 ", sum, ", manifest says ",
-                                             bucket.manifest.xxh3_64(), ")"));
+        s = absl::DataLossError(absl::StrCat(DescribeBucket(bucket.manifest), ": checksum mismatch (xxh3 ", sum,
+                                             ", manifest says ", bucket.manifest.xxh3_64(), ")"));
       }
     }
     absl::MutexLock lock(&mu_);

@@ -2,9 +2,9 @@
 // source broadcasts to every rollout agent of its sync group (proto/wsync/v1/tensor.proto).
 //
 // Per bucket, two Broadcasts from the root in issue order: the BucketHeader, then the serialized
-// BucketManifest and the data as two buffers of one Broadcast (bucket_format.h). The stream ends with the bucket whose manifest has `last` set (it may be empty).
-// The sender fills in manifest.nbytes and manifest.xxh3_64; the receiver checks both, and that
-// every entry lies inside the data and has the size its dtype and shape say.
+// BucketManifest and the data as two buffers of one Broadcast (bucket_format.h). The stream ends with the bucket whose
+// manifest has `last` set (it may be empty). The sender fills in manifest.nbytes and manifest.xxh3_64; the receiver
+// checks both, and that every entry lies inside the data and has the size its dtype and shape say.
 //
 // Ownership and memory: the sender keeps at most `max_in_flight` buckets on the wire (double
 // buffering: the caller builds bucket k+1 while k moves) and hands finished buffers back through
@@ -37,9 +37,9 @@ namespace wsync::comm {
 
 struct BucketStats {
   uint64_t buckets = 0;
-  uint64_t bytes = 0;          // data bytes (manifests excluded)
-  absl::Duration wire;         // sender: time the caller waited for the wire; receiver: time in Broadcasts
-  absl::Duration checksum;     // time spent hashing
+  uint64_t bytes = 0;       // data bytes (manifests excluded)
+  absl::Duration wire;      // sender: time the caller waited for the wire; receiver: time in Broadcasts
+  absl::Duration checksum;  // time spent hashing
 };
 
 class BucketSender {

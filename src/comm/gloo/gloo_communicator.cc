@@ -1,8 +1,8 @@
 #include "comm/gloo/gloo_communicator.h"
 
 #include <algorithm>
-#include <csignal>
 #include <chrono>
+#include <csignal>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -66,8 +66,7 @@ class GlooStore : public gloo::rendezvous::Store {
 // waits. On failure, the connections are closed before the buffers are destroyed.
 class GlooCommunicator::InFlight {
  public:
-  InFlight(GlooCommunicator* owner, const std::vector<void*>& data, const std::vector<size_t>& sizes)
-      : owner_(owner) {
+  InFlight(GlooCommunicator* owner, const std::vector<void*>& data, const std::vector<size_t>& sizes) : owner_(owner) {
     for (size_t i = 0; i < data.size(); ++i) {
       buffers_.push_back(sizes[i] > 0 ? owner->context_->createUnboundBuffer(data[i], sizes[i]) : nullptr);
     }
@@ -147,8 +146,8 @@ class GlooCommunicator::InFlight {
 };
 
 absl::StatusOr<std::unique_ptr<Communicator>> GlooCommunicator::Create(const GroupOptions& options) {
-  const std::string where = absl::StrCat("forming gloo group \"", options.name, "\" as rank ", options.rank, "/",
-                                         options.size);
+  const std::string where =
+      absl::StrCat("forming gloo group \"", options.name, "\" as rank ", options.rank, "/", options.size);
   if (options.store == nullptr) return absl::InvalidArgumentError(absl::StrCat(where, ": no rendezvous store"));
   if (options.name.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": the group needs a name"));
   if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
@@ -160,9 +159,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> GlooCommunicator::Create(const Gro
   Store& store = *options.store;
   const absl::Time deadline = absl::Now() + options.join_timeout;
 
-  RETURN_IF_ERROR(Annotate(JoinGroup(store, options.name, options.rank, options.size, options.host,
-                                     options.join_timeout, options.cancelled),
-                           where));
+  RETURN_IF_ERROR(Annotate(
+      JoinGroup(store, options.name, options.rank, options.size, options.host, options.join_timeout, options.cancelled),
+      where));
 
   // Connect the full mesh through the same store.
   const absl::Duration remaining = std::max(deadline - absl::Now(), absl::Seconds(1));
@@ -180,8 +179,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> GlooCommunicator::Create(const Gro
   auto monitor = LinkMonitor::Create(store, absl::StrCat(options.name, "/link/"), options.rank, options.size,
                                      options.host, std::max(deadline - absl::Now(), absl::Seconds(1)));
   if (!monitor.ok()) return Annotate(monitor.status(), absl::StrCat(where, ": connecting the ring links"));
-  auto comm = std::unique_ptr<GlooCommunicator>(
-      new GlooCommunicator(options, std::move(context), std::move(*monitor)));
+  auto comm = std::unique_ptr<GlooCommunicator>(new GlooCommunicator(options, std::move(context), std::move(*monitor)));
   comm->StartWorker();
   return std::unique_ptr<Communicator>(std::move(comm));
 }

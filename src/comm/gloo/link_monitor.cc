@@ -1,13 +1,12 @@
 #include "comm/gloo/link_monitor.h"
 
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
-
-#include <fcntl.h>
 
 #include <cerrno>
 #include <cstring>
@@ -20,7 +19,9 @@
 namespace wsync::comm {
 namespace {
 
-absl::Status Errno(absl::string_view what) { return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno))); }
+absl::Status Errno(absl::string_view what) {
+  return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
+}
 
 // Waits for `fd` to become ready for `events` until `deadline`.
 absl::Status PollUntil(int fd, short events, absl::Time deadline, absl::string_view what) {

@@ -52,9 +52,9 @@ class MpiRuntime {
       MPI_Query_thread(&provided);
     }
     if (provided < MPI_THREAD_MULTIPLE) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the MPI library provides thread level ", provided, ", wsync needs MPI_THREAD_MULTIPLE (", MPI_THREAD_MULTIPLE,
-          "): each communicator runs its collectives on its own thread"));
+      return absl::FailedPreconditionError(absl::StrCat("the MPI library provides thread level ", provided,
+                                                        ", wsync needs MPI_THREAD_MULTIPLE (", MPI_THREAD_MULTIPLE,
+                                                        "): each communicator runs its collectives on its own thread"));
     }
     auto rt = std::shared_ptr<MpiRuntime>(new MpiRuntime(!initialized));
     current = rt;
@@ -91,9 +91,7 @@ class MpiCommunicator final : public QueuedCommunicator {
 
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key, std::string name) override {
     MPI_Comm sub = MPI_COMM_NULL;
-    RETURN_IF_ERROR(RunOnWorker([&] {
-      return CheckMpi(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split");
-    }));
+    RETURN_IF_ERROR(RunOnWorker([&] { return CheckMpi(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split"); }));
     int r = 0, n = 0;
     MPI_Comm_rank(sub, &r);
     MPI_Comm_size(sub, &n);
@@ -108,8 +106,8 @@ class MpiCommunicator final : public QueuedCommunicator {
       for (size_t off = 0; off < b.nbytes; off += kMaxPiece) {
         const int n = static_cast<int>(std::min(kMaxPiece, b.nbytes - off));
         reqs.emplace_back();
-        RETURN_IF_ERROR(
-            CheckMpi(MPI_Ibcast(static_cast<char*>(b.data) + off, n, MPI_BYTE, root, comm_, &reqs.back()), "MPI_Ibcast"));
+        RETURN_IF_ERROR(CheckMpi(MPI_Ibcast(static_cast<char*>(b.data) + off, n, MPI_BYTE, root, comm_, &reqs.back()),
+                                 "MPI_Ibcast"));
       }
     }
     return Poll(ctx, reqs);
@@ -125,9 +123,9 @@ class MpiCommunicator final : public QueuedCommunicator {
       if (n <= kMaxPiece) {
         const void* send = inputs[i].data == out + n * rank() ? MPI_IN_PLACE : inputs[i].data;
         reqs.emplace_back();
-        RETURN_IF_ERROR(CheckMpi(
-            MPI_Iallgather(send, static_cast<int>(n), MPI_BYTE, out, static_cast<int>(n), MPI_BYTE, comm_, &reqs.back()),
-            "MPI_Iallgather"));
+        RETURN_IF_ERROR(CheckMpi(MPI_Iallgather(send, static_cast<int>(n), MPI_BYTE, out, static_cast<int>(n), MPI_BYTE,
+                                                comm_, &reqs.back()),
+                                 "MPI_Iallgather"));
       } else {
         std::vector<size_t> sizes(size(), n);
         RETURN_IF_ERROR(BroadcastEach(inputs[i], outputs[i], sizes, reqs));
@@ -156,7 +154,8 @@ class MpiCommunicator final : public QueuedCommunicator {
                                                MPI_BYTE, comm_, &reqs.back()),
                                "MPI_Iallgatherv"));
     } else {
-      RETURN_IF_ERROR(BroadcastEach(input, output, std::vector<size_t>(bytes_per_rank.begin(), bytes_per_rank.end()), reqs));
+      RETURN_IF_ERROR(
+          BroadcastEach(input, output, std::vector<size_t>(bytes_per_rank.begin(), bytes_per_rank.end()), reqs));
     }
     return Poll(ctx, reqs);
   }
@@ -175,8 +174,10 @@ class MpiCommunicator final : public QueuedCommunicator {
     while (!abandoned_.empty() && absl::Now() < deadline) {
       int done = 0;
       MPI_Testall(static_cast<int>(abandoned_.size()), abandoned_.data(), &done, MPI_STATUSES_IGNORE);
-      if (done) abandoned_.clear();
-      else absl::SleepFor(absl::Milliseconds(1));
+      if (done)
+        abandoned_.clear();
+      else
+        absl::SleepFor(absl::Milliseconds(1));
     }
     if (!abandoned_.empty()) {
       return absl::DeadlineExceededError(absl::StrCat("mpi group \"", group(), "\": ", abandoned_.size(),
@@ -225,8 +226,10 @@ class MpiCommunicator final : public QueuedCommunicator {
         return s;
       }
       const absl::Time now = absl::Now();
-      if (now < spin_until) sched_yield();
-      else absl::SleepFor(now < idle_after ? absl::Microseconds(20) : absl::Milliseconds(1));
+      if (now < spin_until)
+        sched_yield();
+      else
+        absl::SleepFor(now < idle_after ? absl::Microseconds(20) : absl::Milliseconds(1));
     }
   }
 

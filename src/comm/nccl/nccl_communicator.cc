@@ -24,8 +24,8 @@ absl::Status CudaStatus(cudaError_t e, absl::string_view call) {
 
 absl::Status NcclStatus(ncclResult_t r, absl::string_view call) {
   if (r == ncclSuccess || r == ncclInProgress) return absl::OkStatus();
-  const absl::StatusCode code = (r == ncclRemoteError || r == ncclSystemError) ? absl::StatusCode::kUnavailable
-                                                                                 : absl::StatusCode::kInternal;
+  const absl::StatusCode code =
+      (r == ncclRemoteError || r == ncclSystemError) ? absl::StatusCode::kUnavailable : absl::StatusCode::kInternal;
   return absl::Status(code, absl::StrCat(call, ": ", ncclGetErrorString(r)));
 }
 
@@ -112,7 +112,8 @@ class NcclCommunicator final : public QueuedCommunicator {
   }
   absl::Status DoAllReduceSum(const OpContext& ctx, absl::Span<float> data) override {
     if (data.empty()) return absl::OkStatus();
-    WSYNC_NCCL_RETURN_IF_ERROR(ncclAllReduce(data.data(), data.data(), data.size(), ncclFloat32, ncclSum, comm_, stream_));
+    WSYNC_NCCL_RETURN_IF_ERROR(
+        ncclAllReduce(data.data(), data.data(), data.size(), ncclFloat32, ncclSum, comm_, stream_));
     return Complete(ctx);
   }
   absl::Status DoBarrier(const OpContext& ctx) override {
@@ -122,7 +123,8 @@ class NcclCommunicator final : public QueuedCommunicator {
   void Interrupt() override {}  // Complete() watches the aborted flag and aborts the communicator
   absl::Status ReleaseBackend() override {
     if (comm_ != nullptr) {
-      if (broken()) ncclCommAbort(comm_);
+      if (broken())
+        ncclCommAbort(comm_);
       else {
         ncclCommFinalize(comm_);
         ncclCommDestroy(comm_);
@@ -185,11 +187,13 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const Group
   const std::string key = absl::StrCat(options.name, "/nccl_id");
   if (options.rank == 0) {
     RETURN_IF_ERROR(Annotate(NcclStatus(ncclGetUniqueId(&id), "ncclGetUniqueId"), where));
-    RETURN_IF_ERROR(Annotate(options.store->Set(key, std::string(reinterpret_cast<const char*>(&id), sizeof(id))), where));
+    RETURN_IF_ERROR(
+        Annotate(options.store->Set(key, std::string(reinterpret_cast<const char*>(&id), sizeof(id))), where));
   } else {
     ASSIGN_OR_RETURN(std::string bytes, options.store->Get(key, deadline - absl::Now()));
     if (bytes.size() != sizeof(id)) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": the unique id has ", bytes.size(), " bytes, not ", sizeof(id)));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": the unique id has ", bytes.size(), " bytes, not ", sizeof(id)));
     }
     std::memcpy(&id, bytes.data(), sizeof(id));
   }

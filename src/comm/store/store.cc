@@ -1,6 +1,5 @@
 #include "comm/store/store.h"
 
-
 #include <grpcpp/grpcpp.h>
 
 #include <functional>
@@ -163,12 +162,12 @@ struct GrpcStoreClient::Impl {
     if (s.ok()) return absl::OkStatus();
     absl::Status st = FromGrpcStatus(s);
     // wait_for_ready turns "nobody listening" into a deadline; report it as the lost peer it is.
-    const bool down = s.error_code() == grpc::StatusCode::UNAVAILABLE ||
-                      (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
-                       channel->GetState(false) == GRPC_CHANNEL_TRANSIENT_FAILURE);
+    const bool down =
+        s.error_code() == grpc::StatusCode::UNAVAILABLE || (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+                                                            channel->GetState(false) == GRPC_CHANNEL_TRANSIENT_FAILURE);
     if (down)
-      return absl::UnavailableError(absl::StrCat("store ", op, ": coordinator at ", address, " unreachable: ",
-                                                 s.error_message()));
+      return absl::UnavailableError(
+          absl::StrCat("store ", op, ": coordinator at ", address, " unreachable: ", s.error_message()));
     return Annotate(st, absl::StrCat("store ", op, " at ", address));
   }
 };
@@ -177,7 +176,7 @@ GrpcStoreClient::GrpcStoreClient(std::unique_ptr<Impl> impl) : impl_(std::move(i
 GrpcStoreClient::~GrpcStoreClient() = default;
 
 std::unique_ptr<GrpcStoreClient> GrpcStoreClient::Connect(const std::string& address, absl::Duration rpc_timeout,
-                                                         RpcSecurity sec) {
+                                                          RpcSecurity sec) {
   auto impl = std::make_unique<Impl>();
   impl->address = address;
   impl->rpc_timeout = rpc_timeout;

@@ -87,8 +87,7 @@ class GrpcStoreClient : public Store {
  public:
   // Connects lazily; `rpc_margin` is added to each blocking call's timeout for the RPC deadline.
   static std::unique_ptr<GrpcStoreClient> Connect(const std::string& address,
-                                                  absl::Duration rpc_timeout = absl::Seconds(30),
-                                                  RpcSecurity sec = {});
+                                                  absl::Duration rpc_timeout = absl::Seconds(30), RpcSecurity sec = {});
   ~GrpcStoreClient() override;
 
   absl::Status Set(absl::string_view key, std::string value) override;

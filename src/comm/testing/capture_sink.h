@@ -22,7 +22,7 @@ class CaptureSink : public BucketSink {
  public:
   struct Bucket {
     v1::BucketManifest manifest;
-    std::vector<std::byte> data;      // a copy of the bucket's nbytes
+    std::vector<std::byte> data;        // a copy of the bucket's nbytes
     const std::byte* buffer = nullptr;  // the memory it was sent from (to see buffers reused)
   };
 

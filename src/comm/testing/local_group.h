@@ -13,7 +13,8 @@
 namespace wsync::comm::testing {
 
 // The members in rank order; the first formation error if any member failed to join.
-absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeLocalGroup(
-    Store& store, const std::string& name, int size, absl::Duration timeout = absl::Seconds(30));
+absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeLocalGroup(Store& store, const std::string& name,
+                                                                          int size,
+                                                                          absl::Duration timeout = absl::Seconds(30));
 
 }  // namespace wsync::comm::testing

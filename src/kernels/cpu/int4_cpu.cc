@@ -22,11 +22,17 @@
 // Threads: std::thread partitioning of independent units (16-row blocks, k-tiles, scale rows);
 // each thread sizes its scratch once before its loop; no allocation inside the loops.
 
+// Highway's dynamic dispatch: foreach_target.h re-includes this file once per target, and must
+// come before highway.h.
+// clang-format off
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/int4_cpu.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/cache_control.h"
 #include "hwy/highway.h"
+// clang-format on
+
+#include "kernels/cpu/int4_cpu.h"
 
 #include <algorithm>
 #include <atomic>
@@ -37,7 +43,6 @@
 
 #include "common/dtype.h"
 #include "common/parallel_for.h"
-#include "kernels/cpu/int4_cpu.h"
 #include "kernels/format/int4_format.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -82,8 +87,8 @@ HWY_INLINE void EmitPacked(DF df, V vf, V vs, uint8_t* HWY_RESTRICT bytes) {
   auto r = hn::Round(hn::Div(vf, vs));
   r = hn::Max(r, hn::Set(df, -static_cast<float>(fmt::kQMax)));  // max(NaN, -7) = -7 as fmaxf
   r = hn::Min(r, hn::Set(df, static_cast<float>(fmt::kQMax)));
-  const auto u = hn::And(hn::BitCast(du32, hn::Add(r, hn::Set(df, 8388608.0f + fmt::kNibbleBias))),
-                         hn::Set(du32, 0xFu));
+  const auto u =
+      hn::And(hn::BitCast(du32, hn::Add(r, hn::Set(df, 8388608.0f + fmt::kNibbleBias))), hn::Set(du32, 0xFu));
   const auto v = hn::BitCast(du64, u);
   const auto pair = hn::And(hn::Or(v, hn::ShiftRight<28>(v)), hn::Set(du64, uint64_t{0xFF}));
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
@@ -97,8 +102,7 @@ HWY_INLINE void EmitPacked(DF df, V vf, V vs, uint8_t* HWY_RESTRICT bytes) {
 #endif
 
 // out[0 .. n/8) = the packed words of n values (n % 8 == 0) sharing one scale.
-void QuantizeToWords(const uint16_t* HWY_RESTRICT x, int64_t n, float scale, bool bf16,
-                     uint32_t* HWY_RESTRICT out) {
+void QuantizeToWords(const uint16_t* HWY_RESTRICT x, int64_t n, float scale, bool bf16, uint32_t* HWY_RESTRICT out) {
   int64_t i = 0;
 #if HWY_TARGET != HWY_SCALAR
   const hn::ScalableTag<float> df;
@@ -201,8 +205,7 @@ int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t en
         for (int64_t off = 0; off < a.group; off += 32) hwy::Prefetch(x + g * a.group + 1024 + off);
         const uint32_t bits = AbsMaxBits(x + g * a.group, a.group);
         if (bits >= nonfinite && bad < 0) bad = row * ng + g;
-        const float amax = a.is_bf16 ? BF16ToF32(static_cast<uint16_t>(bits))
-                                     : F16ToF32(static_cast<uint16_t>(bits));
+        const float amax = a.is_bf16 ? BF16ToF32(static_cast<uint16_t>(bits)) : F16ToF32(static_cast<uint16_t>(bits));
         const float scale = fmt::GroupScale(amax, a.variant);
         const uint16_t s16 = a.is_bf16 ? F32ToBF16(scale) : F32ToF16(scale);
         if (gptq) {
@@ -394,8 +397,7 @@ void RestoreUnits(const internal::RepackArgs& a, int64_t begin, int64_t end, uin
 }
 
 // out row j of expert e = the 8 rows inv[8j..8j+7] of the permuted-order GPTQ matrix `tmp`.
-void UnpermuteRows(const internal::RepackArgs& a, const uint32_t* tmp, const int32_t* inv, int64_t begin,
-                   int64_t end) {
+void UnpermuteRows(const internal::RepackArgs& a, const uint32_t* tmp, const int32_t* inv, int64_t begin, int64_t end) {
   const int64_t kw = a.k / 8;
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t e = unit / kw, j = unit % kw;
@@ -438,15 +440,16 @@ const char* SimdTargetName() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
 absl::Status Quantize(const internal::QuantizeArgs& args) {
   const int64_t blocks = (args.n + 15) / 16;
   std::atomic<int64_t> bad{INT64_MAX};
-  ParallelFor(args.experts * blocks, args.threads, 16 * args.k * 2, args.min_bytes_per_thread, [&](int64_t b, int64_t e) {
-    // 16 staged word rows of StagingStride(K) = K/8 + 16 words
-    std::vector<uint8_t> scratch(16 * static_cast<size_t>(args.k / 8 + 16) * sizeof(uint32_t));
-    const int64_t mine = HWY_DYNAMIC_DISPATCH(QuantizeUnits)(args, b, e, scratch.data());
-    if (mine < 0) return;
-    int64_t cur = bad.load();
-    while (mine < cur && !bad.compare_exchange_weak(cur, mine)) {
-    }
-  });
+  ParallelFor(args.experts * blocks, args.threads, 16 * args.k * 2, args.min_bytes_per_thread,
+              [&](int64_t b, int64_t e) {
+                // 16 staged word rows of StagingStride(K) = K/8 + 16 words
+                std::vector<uint8_t> scratch(16 * static_cast<size_t>(args.k / 8 + 16) * sizeof(uint32_t));
+                const int64_t mine = HWY_DYNAMIC_DISPATCH(QuantizeUnits)(args, b, e, scratch.data());
+                if (mine < 0) return;
+                int64_t cur = bad.load();
+                while (mine < cur && !bad.compare_exchange_weak(cur, mine)) {
+                }
+              });
   if (bad.load() != INT64_MAX) return internal::NonFiniteError(args, bad.load());
   return absl::OkStatus();
 }
@@ -454,9 +457,9 @@ absl::Status Quantize(const internal::QuantizeArgs& args) {
 absl::Status GptqToMarlin(const internal::RepackArgs& args) {
   ParallelFor(args.experts * (args.k / fmt::kTileK), args.threads, 8 * args.n, args.min_bytes_per_thread,
               [&](int64_t b, int64_t e) {
-    std::vector<uint32_t> scratch(static_cast<size_t>(2 * args.n));
-    HWY_DYNAMIC_DISPATCH(RepackUnits)(args, b, e, scratch.data());
-  });
+                std::vector<uint32_t> scratch(static_cast<size_t>(2 * args.n));
+                HWY_DYNAMIC_DISPATCH(RepackUnits)(args, b, e, scratch.data());
+              });
   return absl::OkStatus();
 }
 
@@ -465,9 +468,9 @@ absl::Status MarlinToGptq(const internal::RepackArgs& args) {
   if (args.perm == nullptr) {
     ParallelFor(args.experts * (k / fmt::kTileK), args.threads, 8 * n, args.min_bytes_per_thread,
                 [&](int64_t b, int64_t e) {
-      std::vector<uint32_t> scratch(static_cast<size_t>(2 * n));
-      HWY_DYNAMIC_DISPATCH(RestoreUnits)(args, b, e, scratch.data());
-    });
+                  std::vector<uint32_t> scratch(static_cast<size_t>(2 * n));
+                  HWY_DYNAMIC_DISPATCH(RestoreUnits)(args, b, e, scratch.data());
+                });
     return absl::OkStatus();
   }
   // Marlin row k is GPTQ row perm[k]: restore in Marlin row order into a temporary (allocated per
@@ -482,9 +485,9 @@ absl::Status MarlinToGptq(const internal::RepackArgs& args) {
   plain.out = tmp.data();
   ParallelFor(args.experts * (k / fmt::kTileK), args.threads, 8 * n, args.min_bytes_per_thread,
               [&](int64_t b, int64_t e) {
-    std::vector<uint32_t> scratch(static_cast<size_t>(2 * n));
-    HWY_DYNAMIC_DISPATCH(RestoreUnits)(plain, b, e, scratch.data());
-  });
+                std::vector<uint32_t> scratch(static_cast<size_t>(2 * n));
+                HWY_DYNAMIC_DISPATCH(RestoreUnits)(plain, b, e, scratch.data());
+              });
   ParallelFor(args.experts * kw, args.threads, 4 * n, args.min_bytes_per_thread, [&](int64_t b, int64_t e) {
     HWY_DYNAMIC_DISPATCH(UnpermuteRows)(args, tmp.data(), inv.data(), b, e);
   });

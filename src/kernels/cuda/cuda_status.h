@@ -18,8 +18,8 @@ inline absl::Status CudaStatus(cudaError_t err, const char* call, const char* fi
 }  // namespace wsync::kernels::cuda
 
 // Returns the error of a CUDA runtime call as kInternal("cudaMalloc(&p, n) failed at f.cc:12: ...").
-#define WSYNC_CUDA_RETURN_IF_ERROR(call)                                                  \
-  do {                                                                                    \
+#define WSYNC_CUDA_RETURN_IF_ERROR(call)                                                                       \
+  do {                                                                                                         \
     ::absl::Status wsync_cuda_status_ = ::wsync::kernels::cuda::CudaStatus((call), #call, __FILE__, __LINE__); \
-    if (!wsync_cuda_status_.ok()) return wsync_cuda_status_;                              \
+    if (!wsync_cuda_status_.ok()) return wsync_cuda_status_;                                                   \
   } while (0)

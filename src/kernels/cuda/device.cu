@@ -1,8 +1,7 @@
-#include "kernels/cuda/device.h"
-
 #include <cuda_runtime_api.h>
 
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/device.h"
 
 namespace wsync::kernels::cuda {
 

@@ -123,17 +123,19 @@ TEST_F(Int4CudaTest, RepackRestoreAndScalesMatchCpu) {
       const Shape ps = e > 1 ? Shape{e, k} : Shape{k};
       std::vector<uint32_t> cpu_m(q.size());
       const TensorView hp = HostView(DType::kI32, ps, perm);
-      ASSERT_TRUE(GptqToMarlin(HostView(DType::kI32, gs, q), with_perm ? &hp : nullptr,
-                               HostMView(DType::kI32, ms, cpu_m), {})
-                      .ok());
+      ASSERT_TRUE(
+          GptqToMarlin(HostView(DType::kI32, gs, q), with_perm ? &hp : nullptr, HostMView(DType::kI32, ms, cpu_m), {})
+              .ok());
       DeviceVec<uint32_t> dq(q), dm(q.size()), dr(q.size());
       DeviceVec<int32_t> dperm(perm);
       const TensorView dpv = dperm.view(DType::kI32, ps);
       KernelOptions opt;
       opt.device = Device::kCuda;
-      ASSERT_TRUE(GptqToMarlin(dq.view(DType::kI32, gs), with_perm ? &dpv : nullptr, dm.mview(DType::kI32, ms), opt).ok());
+      ASSERT_TRUE(
+          GptqToMarlin(dq.view(DType::kI32, gs), with_perm ? &dpv : nullptr, dm.mview(DType::kI32, ms), opt).ok());
       EXPECT_EQ(dm.ToHost(), cpu_m);
-      ASSERT_TRUE(MarlinToGptq(dm.view(DType::kI32, ms), with_perm ? &dpv : nullptr, dr.mview(DType::kI32, gs), opt).ok());
+      ASSERT_TRUE(
+          MarlinToGptq(dm.view(DType::kI32, ms), with_perm ? &dpv : nullptr, dr.mview(DType::kI32, gs), opt).ok());
       EXPECT_EQ(dr.ToHost(), q);
     }
   }
@@ -142,11 +144,14 @@ TEST_F(Int4CudaTest, RepackRestoreAndScalesMatchCpu) {
     std::vector<uint16_t> s(static_cast<size_t>(rows * n));
     for (auto& x : s) x = static_cast<uint16_t>(rng());
     std::vector<uint16_t> cpu(s.size());
-    ASSERT_TRUE(PermuteMarlinScales(HostView(DType::kBF16, {rows, n}, s), k, g, HostMView(DType::kBF16, {rows, n}, cpu), {}).ok());
+    ASSERT_TRUE(
+        PermuteMarlinScales(HostView(DType::kBF16, {rows, n}, s), k, g, HostMView(DType::kBF16, {rows, n}, cpu), {})
+            .ok());
     DeviceVec<uint16_t> ds(s), dout(s.size());
     KernelOptions opt;
     opt.device = Device::kCuda;
-    ASSERT_TRUE(PermuteMarlinScales(ds.view(DType::kBF16, {rows, n}), k, g, dout.mview(DType::kBF16, {rows, n}), opt).ok());
+    ASSERT_TRUE(
+        PermuteMarlinScales(ds.view(DType::kBF16, {rows, n}), k, g, dout.mview(DType::kBF16, {rows, n}), opt).ok());
     EXPECT_EQ(dout.ToHost(), cpu);
   }
 }

@@ -215,8 +215,8 @@ WSYNC_HD void RestoreGather(int64_t k, int64_t n, TileIndex ti, int tid, const u
 // Restore phase 2 with perm (output zeroed first): the nibbles of Marlin rows 16kt + 8h + j at
 // column c go to GPTQ row perm[...] through `or_into(word_ptr, bits)` (atomicOr on the device).
 template <typename OrInto>
-WSYNC_HD void RestoreScatter(const int32_t* perm, int64_t k, int64_t n, TileIndex ti, int tid,
-                             const uint32_t* words, uint32_t* out, OrInto or_into) {
+WSYNC_HD void RestoreScatter(const int32_t* perm, int64_t k, int64_t n, TileIndex ti, int tid, const uint32_t* words,
+                             uint32_t* out, OrInto or_into) {
   const int h = tid >> 6, c = tid & 63;
   const int32_t* p = perm + ti.e * k + ti.kt * fmt::kTileK + 8 * h;
   uint32_t* o = out + ti.e * (k / 8) * n;

@@ -85,9 +85,10 @@ TEST(Int4KernelBodiesTest, QuantizeMatchesCpu) {
           opt.group_size = g;
           opt.format = f;
           opt.variant = qv;
-          ASSERT_TRUE(QuantizeInt4(wv, MutableTensorView(DType::kI32, shapes->packed, std::as_writable_bytes(std::span(cpu_p))),
-                                   MutableTensorView(dt, shapes->scales, std::as_writable_bytes(std::span(cpu_s))), opt)
-                          .ok());
+          ASSERT_TRUE(
+              QuantizeInt4(wv, MutableTensorView(DType::kI32, shapes->packed, std::as_writable_bytes(std::span(cpu_p))),
+                           MutableTensorView(dt, shapes->scales, std::as_writable_bytes(std::span(cpu_s))), opt)
+                  .ok());
           const auto v = qv == QuantVariant::kQat ? format::Variant::kQat : format::Variant::kSlime;
           const bool gptq = f == PackFormat::kGptq;
           int64_t bad;
@@ -95,8 +96,9 @@ TEST(Int4KernelBodiesTest, QuantizeMatchesCpu) {
             bad = gptq ? Emulate<true, Layout::kGptq>(g, w.data(), e, n, k, v, emu_p.data(), emu_s.data())
                        : Emulate<true, Layout::kCompressedTensors>(g, w.data(), e, n, k, v, emu_p.data(), emu_s.data());
           } else {
-            bad = gptq ? Emulate<false, Layout::kGptq>(g, w.data(), e, n, k, v, emu_p.data(), emu_s.data())
-                       : Emulate<false, Layout::kCompressedTensors>(g, w.data(), e, n, k, v, emu_p.data(), emu_s.data());
+            bad = gptq
+                      ? Emulate<false, Layout::kGptq>(g, w.data(), e, n, k, v, emu_p.data(), emu_s.data())
+                      : Emulate<false, Layout::kCompressedTensors>(g, w.data(), e, n, k, v, emu_p.data(), emu_s.data());
           }
           EXPECT_EQ(bad, INT64_MAX);
           EXPECT_EQ(emu_p, cpu_p);
@@ -113,8 +115,9 @@ TEST(Int4KernelBodiesTest, NonFiniteGroupIsReported) {
   w[3 * 128 + 5] = 0x7FC0;
   std::vector<uint32_t> p(4 * 16);
   std::vector<uint16_t> s(4 * 4);
-  EXPECT_EQ((Emulate<true, Layout::kCompressedTensors>(32, w.data(), 1, 4, 128, format::Variant::kQat, p.data(), s.data())),
-            2 * 4 + 2);
+  EXPECT_EQ(
+      (Emulate<true, Layout::kCompressedTensors>(32, w.data(), 1, 4, 128, format::Variant::kQat, p.data(), s.data())),
+      2 * 4 + 2);
   EXPECT_EQ((Emulate<true, Layout::kGptq>(-1, w.data(), 1, 4, 128, format::Variant::kQat, p.data(), s.data())), 2);
 }
 
@@ -132,9 +135,10 @@ TEST(Int4KernelBodiesTest, RepackRestoreAndScalePermMatchCpu) {
     }
     const TensorView pv(DType::kI32, {e, k}, std::as_bytes(std::span(perm)));
     std::vector<uint32_t> cpu(q.size());
-    ASSERT_TRUE(GptqToMarlin(TensorView(DType::kI32, {e, k / 8, n}, std::as_bytes(std::span(q))), with_perm ? &pv : nullptr,
-                             MutableTensorView(DType::kI32, {e, k / 16, 2 * n}, std::as_writable_bytes(std::span(cpu))), {})
-                    .ok());
+    ASSERT_TRUE(
+        GptqToMarlin(TensorView(DType::kI32, {e, k / 8, n}, std::as_bytes(std::span(q))), with_perm ? &pv : nullptr,
+                     MutableTensorView(DType::kI32, {e, k / 16, 2 * n}, std::as_writable_bytes(std::span(cpu))), {})
+            .ok());
     const int32_t* pp = with_perm ? perm.data() : nullptr;
     const int64_t tiles = e * (k / 16) * (n / 64);
     std::vector<uint32_t> marlin(q.size(), 0xDEADBEEF);
@@ -165,12 +169,15 @@ TEST(Int4KernelBodiesTest, RepackRestoreAndScalePermMatchCpu) {
     std::vector<uint16_t> s(e * rows * n);
     for (auto& x : s) x = static_cast<uint16_t>(rng());
     std::vector<uint16_t> cpu(s.size()), emu(s.size()), inv(s.size());
-    ASSERT_TRUE(PermuteMarlinScales(TensorView(DType::kBF16, {e, rows, n}, std::as_bytes(std::span(s))), k, g,
-                                    MutableTensorView(DType::kBF16, {e, rows, n}, std::as_writable_bytes(std::span(cpu))), {})
-                    .ok());
-    for (int64_t i = 0; i < static_cast<int64_t>(s.size()); ++i) body::ScalePermItem(i, s.data(), emu.data(), g == -1, false);
+    ASSERT_TRUE(
+        PermuteMarlinScales(TensorView(DType::kBF16, {e, rows, n}, std::as_bytes(std::span(s))), k, g,
+                            MutableTensorView(DType::kBF16, {e, rows, n}, std::as_writable_bytes(std::span(cpu))), {})
+            .ok());
+    for (int64_t i = 0; i < static_cast<int64_t>(s.size()); ++i)
+      body::ScalePermItem(i, s.data(), emu.data(), g == -1, false);
     EXPECT_EQ(emu, cpu);
-    for (int64_t i = 0; i < static_cast<int64_t>(s.size()); ++i) body::ScalePermItem(i, emu.data(), inv.data(), g == -1, true);
+    for (int64_t i = 0; i < static_cast<int64_t>(s.size()); ++i)
+      body::ScalePermItem(i, emu.data(), inv.data(), g == -1, true);
     EXPECT_EQ(inv, s);
   }
 }

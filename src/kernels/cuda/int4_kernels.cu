@@ -64,8 +64,8 @@ __global__ void QuantizeRowKernel(const uint16_t* __restrict__ w, int64_t n, int
   __syncthreads();
   uint32_t bm = 0;
   for (int i = 0; i < kRowThreads / 32; ++i) bm = max(bm, warp_max[i]);
-  const int64_t b = body::RowQuantizePart<kBf16, kLayout>(w, row, n, k, variant, bm, threadIdx.x, blockDim.x,
-                                                          packed, scales);
+  const int64_t b =
+      body::RowQuantizePart<kBf16, kLayout>(w, row, n, k, variant, bm, threadIdx.x, blockDim.x, packed, scales);
   if (b >= 0) atomicMin(bad, static_cast<unsigned long long>(b));
 }
 
@@ -124,16 +124,16 @@ void LaunchQuantize(const internal::QuantizeArgs& a, cudaStream_t stream, unsign
   const auto grid = static_cast<unsigned>(Blocks(items, kThreads));
   switch (a.group) {
     case 32:
-      QuantizeGroupedKernel<32, kBf16, kLayout><<<grid, kThreads, 0, stream>>>(a.w, a.experts, a.n, a.k, a.variant,
-                                                                              a.packed, a.scales, bad);
+      QuantizeGroupedKernel<32, kBf16, kLayout>
+          <<<grid, kThreads, 0, stream>>>(a.w, a.experts, a.n, a.k, a.variant, a.packed, a.scales, bad);
       break;
     case 64:
-      QuantizeGroupedKernel<64, kBf16, kLayout><<<grid, kThreads, 0, stream>>>(a.w, a.experts, a.n, a.k, a.variant,
-                                                                              a.packed, a.scales, bad);
+      QuantizeGroupedKernel<64, kBf16, kLayout>
+          <<<grid, kThreads, 0, stream>>>(a.w, a.experts, a.n, a.k, a.variant, a.packed, a.scales, bad);
       break;
     default:
-      QuantizeGroupedKernel<128, kBf16, kLayout><<<grid, kThreads, 0, stream>>>(a.w, a.experts, a.n, a.k,
-                                                                               a.variant, a.packed, a.scales, bad);
+      QuantizeGroupedKernel<128, kBf16, kLayout>
+          <<<grid, kThreads, 0, stream>>>(a.w, a.experts, a.n, a.k, a.variant, a.packed, a.scales, bad);
       break;
   }
 }
@@ -205,7 +205,7 @@ absl::Status PermuteScales(const internal::ScalePermArgs& a) {
   const int64_t total = a.experts * a.rows * a.n;
   constexpr int kThreads = 256;
   ScalePermKernel<<<static_cast<unsigned>(Blocks(total, kThreads)), kThreads, 0, stream>>>(a.in, a.out, total,
-                                                                                          a.channelwise, a.inverse);
+                                                                                           a.channelwise, a.inverse);
   return Finish(stream);
 }
 

@@ -32,9 +32,9 @@ namespace wsync::kernels::format {
 
 // ---- nibbles (§2) --------------------------------------------------------------------------------
 
-inline constexpr int kNibbleBias = 8;        // uint4b8: stored u = q + 8
-inline constexpr int kNibblesPerWord = 8;    // 8 K-consecutive values per int32 word
-inline constexpr int kQMax = 7;              // symmetric range produced by both variants: -7..7
+inline constexpr int kNibbleBias = 8;                      // uint4b8: stored u = q + 8
+inline constexpr int kNibblesPerWord = 8;                  // 8 K-consecutive values per int32 word
+inline constexpr int kQMax = 7;                            // symmetric range produced by both variants: -7..7
 inline constexpr uint32_t kSymmetricQZeros = 0x77777777u;  // GPTQ qzeros for symmetric 4 bit (§3)
 
 // Nibble i (bits 4i..4i+3) of a packed word.
@@ -44,8 +44,8 @@ WSYNC_HD uint32_t GetNibble(uint32_t word, int i) { return (word >> (4 * i)) & 0
 
 enum class Variant : int { kQat = 0, kSlime = 1 };
 
-inline constexpr float kScaleFloor = 1e-5f;           // the clamp(min=1e-5) of both variants
-inline constexpr float kSymCons = 0x1.24924ap-3f;     // fl32(1/7) = 0x3E124925 (§1.2 SYM_CONS)
+inline constexpr float kScaleFloor = 1e-5f;        // the clamp(min=1e-5) of both variants
+inline constexpr float kSymCons = 0x1.24924ap-3f;  // fl32(1/7) = 0x3E124925 (§1.2 SYM_CONS)
 
 // Group scale from the group's absolute maximum, in float32, exactly as the variant computes it.
 // max(a, floor) is written as a comparison so that a NaN amax stays NaN on host and device alike.
@@ -76,9 +76,9 @@ WSYNC_HD uint32_t NonFiniteAbsBits16(bool bf16) { return bf16 ? 0x7F80u : 0x7C00
 
 // ---- Marlin tile (§4) ----------------------------------------------------------------------------
 
-inline constexpr int kTileK = 16;         // marlin tile_k_size
-inline constexpr int kTileN = 64;         // marlin tile_n_size
-inline constexpr int kTileWords = 128;    // 16 * 64 nibbles / 8
+inline constexpr int kTileK = 16;       // marlin tile_k_size
+inline constexpr int kTileN = 64;       // marlin tile_n_size
+inline constexpr int kTileWords = 128;  // 16 * 64 nibbles / 8
 
 // Bits [4s, 4s+4) of a Marlin word hold the element of the thread's B fragment at ElementAtSlot(s)
 // (vLLM repack pack_idx; the FasterTransformer interleave that lets lop3 dequantize pairs).
@@ -109,10 +109,10 @@ struct TileSlot {
 };
 WSYNC_HD TileSlot LocateInTile(int kl, int cl) {
   const int dn = cl & 8;
-  const int c0 = cl - dn;              // 16v + t/4
+  const int c0 = cl - dn;  // 16v + t/4
   const int v = c0 >> 4;
-  const int r = (kl & 7) & ~1;         // rows r, r+1, r+8, r+9 share one word
-  const int dk = kl - r;               // 0, 1, 8 or 9
+  const int r = (kl & 7) & ~1;  // rows r, r+1, r+8, r+9 share one word
+  const int dk = kl - r;        // 0, 1, 8 or 9
   const int t = 4 * (c0 & 15) + r / 2;
   // slot s with SlotDk(s) == dk and SlotDn(s) == dn: s = (dk >= 8) + 2*(dn == 8) + 4*(dk & 1).
   const int slot = ((dk >> 3) & 1) + (dn ? 2 : 0) + 4 * (dk & 1);
@@ -120,9 +120,7 @@ WSYNC_HD TileSlot LocateInTile(int kl, int cl) {
 }
 
 // Flat word offset of tile (kt, nt) in the Marlin [K/16, 2N] output.
-WSYNC_HD int64_t TileOffset(int64_t kt, int64_t nt, int64_t n) {
-  return (kt * (n / kTileN) + nt) * kTileWords;
-}
+WSYNC_HD int64_t TileOffset(int64_t kt, int64_t nt, int64_t n) { return (kt * (n / kTileN) + nt) * kTileWords; }
 
 // One Marlin word of a tile from the two (possibly perm-gathered) GPTQ rows of that tile:
 // a_lo/a_hi = GPTQ row 2kt / 2kt+1 at column c, b_lo/b_hi the same at column c + 8, rr = r / 2.
@@ -140,19 +138,11 @@ WSYNC_HD uint32_t MarlinWord(uint32_t a_lo, uint32_t a_hi, uint32_t b_lo, uint32
 // Byte-plane form of the same map, used by the vectorizable CPU path. For GPTQ rows A (2kt) and
 // B (2kt+1) at one column, byte rr of NibblePlaneLo holds (A nibble 2rr) | (B nibble 2rr) << 4 and
 // byte rr of NibblePlaneHi holds (A nibble 2rr+1) | (B nibble 2rr+1) << 4.
-WSYNC_HD uint32_t NibblePlaneLo(uint32_t a, uint32_t b) {
-  return (a & 0x0F0F0F0Fu) | ((b & 0x0F0F0F0Fu) << 4);
-}
-WSYNC_HD uint32_t NibblePlaneHi(uint32_t a, uint32_t b) {
-  return ((a >> 4) & 0x0F0F0F0Fu) | (b & 0xF0F0F0F0u);
-}
+WSYNC_HD uint32_t NibblePlaneLo(uint32_t a, uint32_t b) { return (a & 0x0F0F0F0Fu) | ((b & 0x0F0F0F0Fu) << 4); }
+WSYNC_HD uint32_t NibblePlaneHi(uint32_t a, uint32_t b) { return ((a >> 4) & 0x0F0F0F0Fu) | (b & 0xF0F0F0F0u); }
 // Inverse of the two planes: the GPTQ words A and B.
-WSYNC_HD uint32_t PlanesToA(uint32_t lo, uint32_t hi) {
-  return (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4);
-}
-WSYNC_HD uint32_t PlanesToB(uint32_t lo, uint32_t hi) {
-  return ((lo >> 4) & 0x0F0F0F0Fu) | (hi & 0xF0F0F0F0u);
-}
+WSYNC_HD uint32_t PlanesToA(uint32_t lo, uint32_t hi) { return (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4); }
+WSYNC_HD uint32_t PlanesToB(uint32_t lo, uint32_t hi) { return ((lo >> 4) & 0x0F0F0F0Fu) | (hi & 0xF0F0F0F0u); }
 // 4x4 byte transpose: byte m of x[rr] <-> byte rr of x[m] (its own inverse). With
 // x = {Lo(c), Lo(c+8), Hi(c), Hi(c+8)} it yields the Marlin words rr = 0..3 of column c, i.e.
 // MarlinWord(A[c], B[c], A[c+8], B[c+8], rr).
@@ -169,8 +159,8 @@ WSYNC_HD void Transpose4x4Bytes(uint32_t& x0, uint32_t& x1, uint32_t& x2, uint32
 
 // ---- Marlin scale permutation (§5) ---------------------------------------------------------------
 
-inline constexpr int kScalePermGroupedWidth = 64;   // scale_perm: 64 columns
-inline constexpr int kScalePermChannelWidth = 32;   // scale_perm_single: 32 columns
+inline constexpr int kScalePermGroupedWidth = 64;  // scale_perm: 64 columns
+inline constexpr int kScalePermChannelWidth = 32;  // scale_perm_single: 32 columns
 
 // Source column (within its 64-block) of grouped output column p: out[8i + j] = in[i + 8j].
 WSYNC_HD int ScalePermGrouped(int p) { return (p >> 3) + 8 * (p & 7); }

@@ -116,9 +116,12 @@ absl::StatusOr<HfModel> MakeHfModel(const ModelConfig& c, const QuantizationConf
     const bool bias = absl::EndsWith(s.name, ".bias");
     for (int64_t i = 0; i < numel; ++i) {
       float x = normal(rng);
-      if (norm) x = 1.0f + 0.1f * x;
-      else if (s.dtype != DType::kF32) x *= 0.02f;
-      else if (bias) x *= 0.02f;
+      if (norm)
+        x = 1.0f + 0.1f * x;
+      else if (s.dtype != DType::kF32)
+        x *= 0.02f;
+      else if (bias)
+        x *= 0.02f;
       if (s.dtype == DType::kF32) {
         raw.data_as<float>()[i] = x;
         dense.data_as<float>()[i] = x;
@@ -133,8 +136,8 @@ absl::StatusOr<HfModel> MakeHfModel(const ModelConfig& c, const QuantizationConf
         if (absl::StartsWith(s.name, absl::StrCat("model.layers.", c.num_hidden_layers + k, "."))) return true;
       return false;
     }();
-    const bool int4 = q != nullptr && !mtp_layer && s.shape.size() == 2 && absl::EndsWith(s.name, ".weight") &&
-                      !q->IsIgnored(s.name);
+    const bool int4 =
+        q != nullptr && !mtp_layer && s.shape.size() == 2 && absl::EndsWith(s.name, ".weight") && !q->IsIgnored(s.name);
     if (!int4) {
       m.order.push_back(s.name);
       m.sent.emplace(s.name, std::move(raw));
@@ -146,8 +149,8 @@ absl::StatusOr<HfModel> MakeHfModel(const ModelConfig& c, const QuantizationConf
     qo.group_size = q->group_size;
     qo.variant = o.variant;
     qo.num_threads = 1;
-    ASSIGN_OR_RETURN(const auto shapes, kernels::QuantizedShapesFor(raw.view(), q->group_size,
-                                                                          kernels::PackFormat::kCompressedTensors));
+    ASSIGN_OR_RETURN(const auto shapes,
+                     kernels::QuantizedShapesFor(raw.view(), q->group_size, kernels::PackFormat::kCompressedTensors));
     ASSIGN_OR_RETURN(Tensor packed, Tensor::Empty(DType::kI32, shapes.packed));
     ASSIGN_OR_RETURN(Tensor scale, Tensor::Empty(s.dtype, shapes.scales));
     RETURN_IF_ERROR(kernels::QuantizeInt4(raw.view(), packed.mutable_view(), scale.mutable_view(), qo));

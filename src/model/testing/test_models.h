@@ -76,8 +76,9 @@ inline std::string QuantJson(int group_size, const std::vector<std::string>& ign
           ? std::string(R"("num_bits": 4, "type": "int", "strategy": "channel", "symmetric": true, "actorder": null)")
           : absl::StrCat(R"("num_bits": 4, "type": "int", "strategy": "group", "group_size": )", group_size,
                          R"(, "symmetric": true, "actorder": null)");
-  return absl::StrCat(R"({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {"targets": ["Linear"], "weights": {)",
-                      weights, R"(}}}, "ignore": [)", absl::StrJoin(quoted, ", "), "]}");
+  return absl::StrCat(
+      R"({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {"targets": ["Linear"], "weights": {)",
+      weights, R"(}}}, "ignore": [)", absl::StrJoin(quoted, ", "), "]}");
 }
 
 }  // namespace wsync::model::testing

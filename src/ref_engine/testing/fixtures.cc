@@ -1,5 +1,7 @@
 #include "ref_engine/testing/fixtures.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -8,8 +10,6 @@
 #include <filesystem>
 #include <random>
 #include <thread>
-
-#include <unistd.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -205,13 +205,13 @@ absl::StatusOr<TensorMap> EngineParamsForRank(const ModelConfig& c, const Engine
     return absl::InvalidArgumentError("EngineParamsForRank: the test's shared-experts fusion needs EP = 1");
   const QuantizationConfig* quant = c.quantization ? &*c.quantization : nullptr;
   ASSIGN_OR_RETURN(rollout_agent::EngineLayout layout,
-                         rollout_agent::EngineLayout::Create(c, quant, {rank.tp_size, rank.tp_rank, rank.ep_size}));
+                   rollout_agent::EngineLayout::Create(c, quant, {rank.tp_size, rank.tp_rank, rank.ep_size}));
   ASSIGN_OR_RETURN(std::unique_ptr<rollout_agent::Staging> staging, rollout_agent::Staging::Create(layout));
   rollout_agent::Loader loader(staging.get());
   for (const auto& [name, t] : sent.all()) RETURN_IF_ERROR(loader.Load(name, t.view()));
   RETURN_IF_ERROR(loader.CheckComplete());
   ASSIGN_OR_RETURN(std::unique_ptr<rollout_agent::OwnedEngineWeights> engine,
-                         rollout_agent::OwnedEngineWeights::Allocate(layout));
+                   rollout_agent::OwnedEngineWeights::Allocate(layout));
   rollout_agent::RepackOptions ro;
   ro.num_threads = 1;
   ro.verify = true;
@@ -230,9 +230,12 @@ absl::StatusOr<TensorMap> EngineParamsForRank(const ModelConfig& c, const Engine
     if (!c.IsMoeLayer(i)) continue;
     const std::string m = absl::StrCat("model.layers.", i, ".mlp.");
     if (!out.Has(m + "experts.w13_weight") || !out.Has(m + "shared_experts.gate_up_proj.weight"))
-      return absl::InvalidArgumentError(absl::StrCat("EngineParamsForRank: fusion needs bf16 experts and shared experts in ", m));
-    out.Put(m + "experts.w13_weight", AppendExpert(out.At(m + "experts.w13_weight"), out.At(m + "shared_experts.gate_up_proj.weight")));
-    out.Put(m + "experts.w2_weight", AppendExpert(out.At(m + "experts.w2_weight"), out.At(m + "shared_experts.down_proj.weight")));
+      return absl::InvalidArgumentError(
+          absl::StrCat("EngineParamsForRank: fusion needs bf16 experts and shared experts in ", m));
+    out.Put(m + "experts.w13_weight",
+            AppendExpert(out.At(m + "experts.w13_weight"), out.At(m + "shared_experts.gate_up_proj.weight")));
+    out.Put(m + "experts.w2_weight",
+            AppendExpert(out.At(m + "experts.w2_weight"), out.At(m + "shared_experts.down_proj.weight")));
     out.Erase(m + "shared_experts.gate_up_proj.weight");
     out.Erase(m + "shared_experts.down_proj.weight");
   }
@@ -277,7 +280,8 @@ absl::Status InProcessGroup::AllGather(int rank, absl::Span<const float> local, 
   for (size_t s : sizes_) same = same && s == local.size();
   if (same)
     for (int r = 0; r < size_; ++r)
-      std::copy_n(ptrs_[static_cast<size_t>(r)], local.size(), gathered.begin() + static_cast<int64_t>(r * local.size()));
+      std::copy_n(ptrs_[static_cast<size_t>(r)], local.size(),
+                  gathered.begin() + static_cast<int64_t>(r * local.size()));
   Barrier();
   if (!same) return absl::InvalidArgumentError("InProcessGroup: all_gather sizes differ between ranks");
   return absl::OkStatus();

@@ -67,7 +67,8 @@ absl::StatusOr<TensorMap> EngineParamsForRank(const ModelConfig& config, const E
 // T ranks' collectives in one process. Sums are taken in rank order, so every rank gets the same bits.
 class InProcessGroup {
  public:
-  explicit InProcessGroup(int size) : size_(size), ptrs_(static_cast<size_t>(size)), sizes_(static_cast<size_t>(size)) {}
+  explicit InProcessGroup(int size)
+      : size_(size), ptrs_(static_cast<size_t>(size)), sizes_(static_cast<size_t>(size)) {}
   TpCollectives ForRank(int rank);
 
  private:

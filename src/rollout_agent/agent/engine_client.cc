@@ -9,7 +9,9 @@
 namespace wsync::rollout_agent {
 
 EngineClient::EngineClient(std::string address, const RpcSecurity& sec, EngineClientOptions options)
-    : address_(std::move(address)), sec_(sec), options_(options),
+    : address_(std::move(address)),
+      sec_(sec),
+      options_(options),
       stub_(v1::RolloutEngine::NewStub(MakeChannel(address_, sec_))) {}
 
 absl::Status EngineClient::Convert(const grpc::Status& s, absl::string_view call) const {
@@ -37,7 +39,8 @@ absl::StatusOr<int> EngineClient::Flush(absl::Time deadline, const std::function
   };
   for (;;) {
     if (cancelled && cancelled()) {
-      return absl::AbortedError(absl::StrCat("engine at ", address_, ": Flush: cancelled after ", refused, " refusals"));
+      return absl::AbortedError(
+          absl::StrCat("engine at ", address_, ": Flush: cancelled after ", refused, " refusals"));
     }
     const absl::Duration left = deadline - absl::Now();
     if (left <= absl::ZeroDuration()) return out_of_time();

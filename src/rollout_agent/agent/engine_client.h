@@ -23,7 +23,7 @@
 namespace wsync::rollout_agent {
 
 struct EngineClientOptions {
-  absl::Duration rpc_timeout = absl::Seconds(10);     // per call
+  absl::Duration rpc_timeout = absl::Seconds(10);       // per call
   absl::Duration flush_retry = absl::Milliseconds(50);  // between refused Flush calls
 };
 

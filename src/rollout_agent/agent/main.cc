@@ -11,12 +11,11 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <string>
-
-#include <CLI/CLI.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
@@ -41,8 +40,9 @@ absl::Status WriteAddressFile(const std::string& path, const std::string& addres
 }
 
 int Run(int argc, char** argv) {
-  CLI::App app{"wsync-rollout-agent: receives weight syncs for one engine rank, loads them into the engine's "
-               "memory in its own TP layout, repacks INT4 to Marlin and commits versions"};
+  CLI::App app{
+      "wsync-rollout-agent: receives weight syncs for one engine rank, loads them into the engine's "
+      "memory in its own TP layout, repacks INT4 to Marlin and commits versions"};
   std::string listen = "127.0.0.1:0", address_file, log_level;
   RpcSecurityOptions sec_opts;
   AgentOptions o;
@@ -66,14 +66,18 @@ int Run(int argc, char** argv) {
   app.add_option("--metrics-port", metrics_port, "serve Prometheus metrics on this port (0 picks one; -1 off)")
       ->capture_default_str();
   app.add_option("--metrics-host", metrics_host, "address of the metrics endpoint")->capture_default_str();
-  app.add_option("--heartbeat-ms", heartbeat_ms, "heartbeat period to the coordinator")->capture_default_str()
+  app.add_option("--heartbeat-ms", heartbeat_ms, "heartbeat period to the coordinator")
+      ->capture_default_str()
       ->check(CLI::Range(int64_t{10}, int64_t{3600000}));
   app.add_option("--engine-timeout-ms", engine_timeout_ms, "deadline of each call to the engine")
-      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{3600000}));
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{3600000}));
   app.add_option("--flush-deadline-ms", flush_deadline_ms, "how long a refused Flush is retried")
-      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{3600000}));
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{3600000}));
   app.add_option("--sync-timeout-ms", sync_timeout_ms, "bound of a sync whose BeginSync carries no timeout_ms")
-      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{86400000}));
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{86400000}));
   app.add_option("--load-threads", o.load_threads, "tensors of a bucket loaded at once (0: min(4, cores))")
       ->capture_default_str();
   app.add_option("--repack-threads", o.repack_threads, "threads of the Marlin repack (0: all cores)")

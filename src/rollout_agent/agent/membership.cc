@@ -8,7 +8,9 @@
 namespace wsync::rollout_agent {
 
 Membership::Membership(std::string coordinator, const RpcSecurity& sec, absl::Duration heartbeat)
-    : coordinator_(std::move(coordinator)), sec_(sec), heartbeat_(std::max(heartbeat, absl::Milliseconds(10))),
+    : coordinator_(std::move(coordinator)),
+      sec_(sec),
+      heartbeat_(std::max(heartbeat, absl::Milliseconds(10))),
       stub_(v1::Coordinator::NewStub(MakeChannel(coordinator_, sec_))) {
   thread_ = std::thread([this] { Run(); });
 }
@@ -116,7 +118,8 @@ void Membership::Run() {
     v1::HeartbeatReply reply;
     const grpc::Status s = stub_->Heartbeat(&ctx, req, &reply);
     if (!s.ok()) {
-      if (!warned) WSYNC_LOG(WARNING) << "heartbeat to the coordinator at " << coordinator_ << " failed: " << FromGrpcStatus(s);
+      if (!warned)
+        WSYNC_LOG(WARNING) << "heartbeat to the coordinator at " << coordinator_ << " failed: " << FromGrpcStatus(s);
       warned = true;
       continue;
     }

@@ -18,10 +18,10 @@
 #include "common/status.h"
 #include "rollout_agent/agent/engine_client.h"
 #include "rollout_agent/agent/membership.h"
+#include "rollout_agent/engine_memory/engine_memory.h"
 #include "rollout_agent/load/block_copy.h"
 #include "rollout_agent/load/engine_layout.h"
 #include "rollout_agent/load/loader.h"
-#include "rollout_agent/engine_memory/engine_memory.h"
 #include "rollout_agent/receive/recorder.h"
 #include "rollout_agent/receive/stage_receiver.h"
 #include "rollout_agent/repack/repack.h"
@@ -98,8 +98,10 @@ T* OrDie(absl::StatusOr<T*> m, const char* name) {
   if (!m.ok()) {
     WSYNC_LOG(ERROR) << "metric " << name << ": " << m.status();
     static T dummy_storage = [] {
-      if constexpr (std::is_same_v<T, Histogram>) return T(std::vector<double>{1.0});
-      else return T();
+      if constexpr (std::is_same_v<T, Histogram>)
+        return T(std::vector<double>{1.0});
+      else
+        return T();
     }();
     return &dummy_storage;
   }
@@ -122,9 +124,11 @@ class RolloutAgent::Service final : public v1::RolloutAgent::Service {
   grpc::Status UpdateWeights(grpc::ServerContext* ctx, const v1::UpdateWeightsRequest* req,
                              v1::UpdateWeightsReply* reply) override {
     WSYNC_AUTHORIZE(ctx, sec_);
-    return ToGrpcStatus(agent_->UpdateWeights(*req, Deadline(ctx), [ctx] { return ctx->IsCancelled(); }, reply));
+    return ToGrpcStatus(agent_->UpdateWeights(
+        *req, Deadline(ctx), [ctx] { return ctx->IsCancelled(); }, reply));
   }
-  grpc::Status BeginSync(grpc::ServerContext* ctx, const v1::BeginSyncRequest* req, v1::BeginSyncReply* reply) override {
+  grpc::Status BeginSync(grpc::ServerContext* ctx, const v1::BeginSyncRequest* req,
+                         v1::BeginSyncReply* reply) override {
     WSYNC_AUTHORIZE(ctx, sec_);
     return ToGrpcStatus(agent_->BeginSync(*req, reply, Deadline(ctx)));
   }
@@ -138,7 +142,8 @@ class RolloutAgent::Service final : public v1::RolloutAgent::Service {
     WSYNC_AUTHORIZE(ctx, sec_);
     return ToGrpcStatus(agent_->CommitSync(*req, reply));
   }
-  grpc::Status AbortSync(grpc::ServerContext* ctx, const v1::AbortSyncRequest* req, v1::AbortSyncReply* reply) override {
+  grpc::Status AbortSync(grpc::ServerContext* ctx, const v1::AbortSyncRequest* req,
+                         v1::AbortSyncReply* reply) override {
     WSYNC_AUTHORIZE(ctx, sec_);
     return ToGrpcStatus(agent_->AbortSync(*req, reply));
   }
@@ -190,7 +195,8 @@ RolloutAgent::RolloutAgent(AgentOptions options) : options_(std::move(options)),
   m_->bytes = OrDie(reg->GetCounter("wsync_rollout_received_bytes_total", "Bucket bytes received"), "bytes");
   m_->buckets = OrDie(reg->GetCounter("wsync_rollout_received_buckets_total", "Buckets received"), "buckets");
   m_->tensors = OrDie(reg->GetCounter("wsync_rollout_received_tensors_total", "HF tensors received"), "tensors");
-  m_->version = OrDie(reg->GetGauge("wsync_rollout_weight_version", "The weight version in the engine's memory"), "version");
+  m_->version =
+      OrDie(reg->GetGauge("wsync_rollout_weight_version", "The weight version in the engine's memory"), "version");
   m_->active = OrDie(reg->GetGauge("wsync_rollout_sync_active", "1 while a sync is in progress"), "active");
   m_->registered = OrDie(reg->GetGauge("wsync_rollout_engine_registered", "1 once an engine registered"), "registered");
   for (const char* p : {"pause", "flush", "join", "transfer", "load", "repack", "continue"}) {
@@ -283,12 +289,12 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
   {
     absl::MutexLock lock(&mu_);
     if (sync_ != nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat("RegisterEngine: sync ", sync_->id,
-                                                        " is in progress; register again once it has ended"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("RegisterEngine: sync ", sync_->id, " is in progress; register again once it has ended"));
     }
   }
-  const std::string who = absl::StrCat("RegisterEngine(engine \"", req.engine_id(), "\", tp rank ", req.tp_rank(), "/",
-                                       req.tp_size(), ")");
+  const std::string who =
+      absl::StrCat("RegisterEngine(engine \"", req.engine_id(), "\", tp rank ", req.tp_rank(), "/", req.tp_size(), ")");
   const uint32_t ep = req.ep_size() == 0 ? 1 : req.ep_size();
   if (req.tp_size() == 0 || req.tp_rank() >= req.tp_size()) {
     return absl::InvalidArgumentError(absl::StrCat(who, ": tp_rank must lie in [0, tp_size)"));
@@ -309,9 +315,9 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
   const bool reuse = engine_ != nullptr && engine_->layout_key == key;
   std::unique_ptr<EngineLayout> new_layout;
   if (!reuse) {
-    auto layout = EngineLayout::Create(*config, quant ? &*quant : nullptr,
-                                       {static_cast<int>(req.tp_size()), static_cast<int>(req.tp_rank()),
-                                        static_cast<int>(ep)});
+    auto layout =
+        EngineLayout::Create(*config, quant ? &*quant : nullptr,
+                             {static_cast<int>(req.tp_size()), static_cast<int>(req.tp_rank()), static_cast<int>(ep)});
     if (!layout.ok()) return Annotate(layout.status(), who);
     new_layout = std::make_unique<EngineLayout>(std::move(*layout));
   }
@@ -390,16 +396,16 @@ absl::Status RolloutAgent::UpdateWeights(const v1::UpdateWeightsRequest& req, ab
   while (!ready()) {
     const absl::Time now = absl::Now();
     if (now >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("UpdateWeights: version ", req.min_version(),
-                                                      " was not committed before the deadline (the engine holds version ",
-                                                      version_, ")"));
+      return absl::DeadlineExceededError(
+          absl::StrCat("UpdateWeights: version ", req.min_version(),
+                       " was not committed before the deadline (the engine holds version ", version_, ")"));
     }
     if (cancelled && cancelled()) return absl::CancelledError("UpdateWeights: the caller went away");
     mu_.AwaitWithDeadline(absl::Condition(&ready), std::min(deadline, now + absl::Milliseconds(200)));
   }
   if (version_ < req.min_version()) {
-    return absl::UnavailableError(absl::StrCat("UpdateWeights: the rollout agent is shutting down (version ",
-                                               version_, ", waiting for ", req.min_version(), ")"));
+    return absl::UnavailableError(absl::StrCat("UpdateWeights: the rollout agent is shutting down (version ", version_,
+                                               ", waiting for ", req.min_version(), ")"));
   }
   reply->set_version(version_);
   return absl::OkStatus();
@@ -464,10 +470,9 @@ absl::Status RolloutAgent::CheckBegin(const v1::BeginSyncRequest& req, bool* dup
       reply->set_previous_version(sync_->previous_version);
       return absl::OkStatus();
     }
-    return absl::FailedPreconditionError(absl::StrCat("BeginSync ", req.sync_id(), ": sync ", sync_->id, " is ",
-                                                      PhaseName(static_cast<int>(sync_->phase)),
-                                                      sync_->first_error.ok() ? "" : " (failed, waiting for AbortSync)",
-                                                      "; one sync at a time"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "BeginSync ", req.sync_id(), ": sync ", sync_->id, " is ", PhaseName(static_cast<int>(sync_->phase)),
+        sync_->first_error.ok() ? "" : " (failed, waiting for AbortSync)", "; one sync at a time"));
   }
   if (req.sync_id() == 0) return absl::InvalidArgumentError("BeginSync: sync_id 0 is reserved");
   if (req.sync_id() == last_sync_id_) {
@@ -501,30 +506,33 @@ absl::Status RolloutAgent::BeginSync(const v1::BeginSyncRequest& req, v1::BeginS
   return StartSync(req, reply, deadline);
 }
 
-absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply,
-                                     absl::Time deadline) {
+absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply, absl::Time deadline) {
   const std::string who = absl::StrCat("BeginSync ", req.sync_id(), " (version ", req.version(), ")");
   auto backend = comm::ParseBackend(req.backend());
   if (!backend.ok()) return Annotate(backend.status(), who);
   if (*backend == comm::Backend::kNccl) {
     return absl::UnimplementedError(absl::StrCat(
-        who, ": backend nccl: this agent stages and repacks in host memory; receive with gloo (GPU staging is not built)"));
+        who,
+        ": backend nccl: this agent stages and repacks in host memory; receive with gloo (GPU staging is not built)"));
   }
-  if (*backend != comm::Backend::kGloo) return absl::InvalidArgumentError(absl::StrCat(who, ": backend ", req.backend()));
+  if (*backend != comm::Backend::kGloo)
+    return absl::InvalidArgumentError(absl::StrCat(who, ": backend ", req.backend()));
   if (req.groups_size() == 0) return absl::InvalidArgumentError(absl::StrCat(who, ": no groups"));
   if (req.store_address().empty()) return absl::InvalidArgumentError(absl::StrCat(who, ": no store_address"));
   absl::flat_hash_set<std::string> names;
   absl::flat_hash_set<uint32_t> stages;
   for (const v1::SyncGroup& g : req.groups()) {
     if (g.name().empty() || !names.insert(g.name()).second) {
-      return absl::InvalidArgumentError(absl::StrCat(who, ": group names must be non-empty and distinct (\"", g.name(), "\")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(who, ": group names must be non-empty and distinct (\"", g.name(), "\")"));
     }
     if (!stages.insert(g.pp_stage()).second) {
       return absl::InvalidArgumentError(absl::StrCat(who, ": two groups for pipeline stage ", g.pp_stage()));
     }
     if (g.size() < 2 || req.agent_rank() < 1 || req.agent_rank() >= g.size()) {
       return absl::InvalidArgumentError(absl::StrCat(who, ": agent_rank ", req.agent_rank(), " does not fit group \"",
-                                                     g.name(), "\" of size ", g.size(), " (rank 0 is the stage source)"));
+                                                     g.name(), "\" of size ", g.size(),
+                                                     " (rank 0 is the stage source)"));
     }
   }
 
@@ -586,7 +594,8 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
     s->phase = Phase::kReceiving;
     s->running = req.groups_size();
   }
-  for (int i = 0; i < req.groups_size(); ++i) s->threads.emplace_back([this, s, i] { RunStage(s, static_cast<size_t>(i)); });
+  for (int i = 0; i < req.groups_size(); ++i)
+    s->threads.emplace_back([this, s, i] { RunStage(s, static_cast<size_t>(i)); });
   {
     absl::MutexLock lock(&mu_);
     s->rpcs--;
@@ -595,7 +604,8 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
   WSYNC_LOG(INFO) << who << ": engine paused (" << *paused << " in flight) and flushed"
                   << (*flushed > 0 ? absl::StrCat(" after ", *flushed, " refusals") : "") << " in "
                   << absl::FormatDuration(t2 - t0) << "; receiving " << req.groups_size() << " stage(s) as rank "
-                  << req.agent_rank() << (s->recorder ? absl::StrCat(", recording to ", s->recorder->partial_dir()) : "");
+                  << req.agent_rank()
+                  << (s->recorder ? absl::StrCat(", recording to ", s->recorder->partial_dir()) : "");
   reply->set_previous_version(s->previous_version);
   return absl::OkStatus();
 }
@@ -615,8 +625,9 @@ void RolloutAgent::RunStage(Sync* s, size_t index) {
   o.op_timeout = s->timeout;
   o.loader = s->loader.get();
   o.recorder = s->recorder.get();
-  o.load_threads = options_.load_threads > 0 ? options_.load_threads
-                                             : static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
+  o.load_threads = options_.load_threads > 0
+                       ? options_.load_threads
+                       : static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
   o.cancel = &s->cancel;
   o.pool = &bucket_pool_;
   auto r = ReceiveStage(o);
@@ -658,7 +669,8 @@ namespace {
 absl::Status NoSuchSync(absl::string_view rpc, uint64_t id, uint64_t last_id, bool last_committed,
                         const absl::Status& last_outcome) {
   if (id != 0 && id == last_id) {
-    if (last_committed) return absl::FailedPreconditionError(absl::StrCat(rpc, " ", id, ": the sync was already committed"));
+    if (last_committed)
+      return absl::FailedPreconditionError(absl::StrCat(rpc, " ", id, ": the sync was already committed"));
     return absl::AbortedError(absl::StrCat(rpc, " ", id, ": the sync was aborted: ", last_outcome.message()));
   }
   return absl::FailedPreconditionError(absl::StrCat(rpc, " ", id, ": no such sync is active"));
@@ -836,7 +848,8 @@ absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::Comm
   m_->active->Set(0);
   if (!cont.ok()) {
     WSYNC_LOG(ERROR) << who << ": committed, but the engine did not continue: " << cont.status();
-    return Annotate(cont.status(), absl::StrCat(who, ": the engine's memory holds the new version, but Continue failed"));
+    return Annotate(cont.status(),
+                    absl::StrCat(who, ": the engine's memory holds the new version, but Continue failed"));
   }
   WSYNC_LOG(INFO) << who << ": committed (repack " << absl::FormatDuration(repack) << ", continue "
                   << absl::FormatDuration(continued) << ")";
@@ -850,7 +863,8 @@ absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::Comm
 
 absl::Status RolloutAgent::AbortSync(const v1::AbortSyncRequest& req, v1::AbortSyncReply* reply) {
   uint64_t version = 0;
-  absl::Status s = AbortById(req.sync_id(), req.reason().empty() ? "AbortSync from the coordinator" : req.reason(), &version);
+  absl::Status s =
+      AbortById(req.sync_id(), req.reason().empty() ? "AbortSync from the coordinator" : req.reason(), &version);
   reply->set_version(version);
   return s;
 }
@@ -897,7 +911,8 @@ absl::Status RolloutAgent::EndFailedSync(Sync* s, const std::string& reason, boo
     auto c = engine_->client->Continue(s->previous_version);
     m_->Observe("continue", absl::Now() - t0);
     cont = c.status();
-    if (!cont.ok()) WSYNC_LOG(ERROR) << "sync " << id << ": continuing the engine on version " << s->previous_version << ": " << cont;
+    if (!cont.ok())
+      WSYNC_LOG(ERROR) << "sync " << id << ": continuing the engine on version " << s->previous_version << ": " << cont;
   }
   WSYNC_LOG(WARNING) << "sync " << id << " (version " << s->req.version() << ") aborted: " << reason
                      << "; the engine continues on version " << s->previous_version;

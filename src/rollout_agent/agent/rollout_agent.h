@@ -63,12 +63,12 @@ struct AgentOptions {
   std::string data_host = "127.0.0.1";  // the address this agent's Gloo endpoints listen on (--data-host)
   absl::Duration heartbeat = absl::Seconds(2);
   absl::Duration engine_rpc_timeout = absl::Seconds(10);
-  absl::Duration flush_deadline = absl::Seconds(30);      // bounded further by the sync's timeout
+  absl::Duration flush_deadline = absl::Seconds(30);       // bounded further by the sync's timeout
   absl::Duration default_sync_timeout = absl::Minutes(5);  // when BeginSyncRequest.timeout_ms == 0
-  int load_threads = 0;                 // entries loaded at once per bucket; 0: min(4, cores)
-  int repack_threads = 0;               // Commit; 0: the kernels' default
-  MetricsRegistry* metrics = nullptr;   // not owned; null: the agent's own registry
-  bool set_log_identity = false;        // log as "rollout[tp_rank]" once an engine registered
+  int load_threads = 0;                                    // entries loaded at once per bucket; 0: min(4, cores)
+  int repack_threads = 0;                                  // Commit; 0: the kernels' default
+  MetricsRegistry* metrics = nullptr;                      // not owned; null: the agent's own registry
+  bool set_log_identity = false;                           // log as "rollout[tp_rank]" once an engine registered
 };
 
 class RolloutAgent {

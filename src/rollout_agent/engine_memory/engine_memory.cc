@@ -23,7 +23,8 @@ EngineMemory::~EngineMemory() {
 absl::Status EngineMemory::PublishToDevice() {
   for (const Device& d : device_) {
     absl::Status s = handles_[d.handle]->CopyFromHost(d.offset, d.shadow.size(), d.shadow.data());
-    if (!s.ok()) return absl::InternalError(absl::StrCat("publishing engine param \"", d.name, "\" to its device: ", s.message()));
+    if (!s.ok())
+      return absl::InternalError(absl::StrCat("publishing engine param \"", d.name, "\" to its device: ", s.message()));
   }
   return absl::OkStatus();
 }
@@ -93,7 +94,8 @@ absl::StatusOr<std::unique_ptr<EngineMemory>> MapEngineMemory(
       continue;
     }
     const std::string& seg = p.memory().shm_name();
-    if (seg.empty()) return absl::InvalidArgumentError(absl::StrCat(what, ": no shared-memory segment or CUDA IPC handle"));
+    if (seg.empty())
+      return absl::InvalidArgumentError(absl::StrCat(what, ": no shared-memory segment or CUDA IPC handle"));
     RETURN_IF_ERROR(Annotate(CheckSegmentName(seg), what));
     auto it = by_name.find(seg);
     if (it == by_name.end()) {
@@ -133,8 +135,8 @@ absl::StatusOr<std::unique_ptr<EngineMemory>> MapEngineMemory(
     const EngineMemory::Mapping& m = mem->mappings_[it->second];
     const uint64_t off = p.memory().offset();
     if (off > m.size || p.nbytes() > m.size - off) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": bytes [", off, ", ", off + p.nbytes(), ") lie outside the ",
-                                                     m.size, "-byte segment ", seg));
+      return absl::InvalidArgumentError(absl::StrCat(what, ": bytes [", off, ", ", off + p.nbytes(),
+                                                     ") lie outside the ", m.size, "-byte segment ", seg));
     }
     EngineBuffer b;
     b.name = p.name();

@@ -83,8 +83,8 @@ void InstallShmCrashCleanup() {
 std::string UniqueShmName(absl::string_view engine_id, int tp_rank) {
   std::string id;
   for (char c : engine_id.substr(0, 64)) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-                    c == '_' || c == '-';
+    const bool ok =
+        (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
     id.push_back(ok ? c : '_');
   }
   if (id.empty()) id = "engine";

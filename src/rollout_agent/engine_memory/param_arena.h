@@ -73,8 +73,7 @@ void InstallShmCrashCleanup();
 class ParamArena {
  public:
   // Lays out every param of `layout` (ParamForm::kEngine) in one new segment named `shm_name`.
-  static absl::StatusOr<std::unique_ptr<ParamArena>> Create(const EngineLayout& layout,
-                                                            const std::string& shm_name);
+  static absl::StatusOr<std::unique_ptr<ParamArena>> Create(const EngineLayout& layout, const std::string& shm_name);
 
   const ShmSegment& segment() const { return *segment_; }
   // Every param, by SGLang name, pointing into the segment (CheckMatches(layout) holds).

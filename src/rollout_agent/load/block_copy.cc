@@ -1,10 +1,11 @@
 #include "rollout_agent/load/block_copy.h"
-#include "common/parallel_for.h"
 
 #include <algorithm>
 #include <cstring>
 #include <thread>
 #include <vector>
+
+#include "common/parallel_for.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -76,8 +77,8 @@ void TransposeBlock(const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0
 
 }  // namespace
 
-void CopyBlock(const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0, int64_t rows, int64_t cols,
-               std::byte* dst, int64_t dst_ld, int64_t dr, int64_t dc, size_t item, bool transpose) {
+void CopyBlock(const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0, int64_t rows, int64_t cols, std::byte* dst,
+               int64_t dst_ld, int64_t dr, int64_t dc, size_t item, bool transpose) {
   const auto it = static_cast<int64_t>(item);
   if (!transpose) {
     if (cols == src_ld && cols == dst_ld && c0 == 0 && dc == 0) {
@@ -105,7 +106,8 @@ void CopyBlock(const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0, int
 void Transpose(const std::byte* src, int64_t rows, int64_t cols, std::byte* dst, size_t item, int threads) {
   // Split over source row tiles: each thread writes disjoint columns of dst.
   const int64_t tiles = (rows + kTile - 1) / kTile;
-  const int64_t min_tiles = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, kTile * cols * static_cast<int64_t>(item)));
+  const int64_t min_tiles =
+      std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, kTile * cols * static_cast<int64_t>(item)));
   ParallelFor(tiles, threads, min_tiles, [&](int64_t tb, int64_t te) {
     const int64_t r0 = tb * kTile, r1 = std::min(rows, te * kTile);
     CopyBlock(src, cols, r0, 0, r1 - r0, cols, dst, rows, 0, r0, item, /*transpose=*/true);

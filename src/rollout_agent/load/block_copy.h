@@ -13,8 +13,8 @@ namespace wsync::rollout_agent::internal {
 
 // dst[(dr + i) * dst_ld + dc + j] = src[(r0 + i) * src_ld + c0 + j] for i < rows, j < cols; with
 // `transpose`, dst[(dr + j) * dst_ld + dc + i] = src[(r0 + i) * src_ld + c0 + j]. Sizes in elements.
-void CopyBlock(const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0, int64_t rows, int64_t cols,
-               std::byte* dst, int64_t dst_ld, int64_t dr, int64_t dc, size_t item, bool transpose);
+void CopyBlock(const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0, int64_t rows, int64_t cols, std::byte* dst,
+               int64_t dst_ld, int64_t dr, int64_t dc, size_t item, bool transpose);
 
 // dst [cols, rows] = src [rows, cols]^T, split over up to `threads` threads (0 = hardware).
 void Transpose(const std::byte* src, int64_t rows, int64_t cols, std::byte* dst, size_t item, int threads);

@@ -26,7 +26,9 @@ void Reference(const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0, int
 
 TEST(BlockCopyTest, MatchesTheReferenceOnRandomBlocks) {
   std::mt19937_64 rng(20261122);
-  auto pick = [&rng](int64_t lo, int64_t hi) { return lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(hi - lo + 1)); };
+  auto pick = [&rng](int64_t lo, int64_t hi) {
+    return lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(hi - lo + 1));
+  };
   for (int trial = 0; trial < 400; ++trial) {
     const size_t item = size_t{1} << (trial % 4);
     const bool transpose = (trial / 4) % 2 == 1;

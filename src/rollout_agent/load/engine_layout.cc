@@ -6,9 +6,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "common/logging.h"
 #include "common/status.h"
 
@@ -46,7 +46,7 @@ int64_t Pad(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // One HF tensor of a linear layer and the block of it this rank holds (HF [N, K] orientation).
 struct Shard {
-  std::string hf;         // HF module, e.g. "model.layers.0.self_attn.k_proj"
+  std::string hf;  // HF module, e.g. "model.layers.0.self_attn.k_proj"
   int64_t hf_n = 0, hf_k = 0;
   int64_t r0 = 0, nr = 0;  // rows taken
   int64_t c0 = 0, nc = 0;  // columns taken (input features)
@@ -113,8 +113,7 @@ class LayoutBuilder {
       return Refuse("model config has non-positive sizes (hidden_size, num_attention_heads, vocab_size)");
     dt_ = c_.dtype;
     const int64_t nh = c_.num_attention_heads;
-    if (nh % T != 0)
-      return Refuse(absl::StrCat(Ctx(), ": num_attention_heads ", nh, " is not divisible by T ", T));
+    if (nh % T != 0) return Refuse(absl::StrCat(Ctx(), ": num_attention_heads ", nh, " is not divisible by T ", T));
     if (!c_.mla) {
       const int64_t nkv = c_.num_key_value_heads;
       if (nkv <= 0) return Refuse(absl::StrCat("num_key_value_heads must be positive, got ", nkv));
@@ -127,8 +126,8 @@ class LayoutBuilder {
     bool has_dense_mlp = false;
     for (int64_t i = 0; i < c_.num_hidden_layers; ++i) has_dense_mlp |= !c_.IsMoeLayer(i);
     if (has_dense_mlp && c_.intermediate_size % T != 0)
-      return Refuse(absl::StrCat(Ctx(), ": intermediate_size F ", c_.intermediate_size,
-                                 " is not divisible by T ", T, " (gate_up_proj / down_proj)"));
+      return Refuse(absl::StrCat(Ctx(), ": intermediate_size F ", c_.intermediate_size, " is not divisible by T ", T,
+                                 " (gate_up_proj / down_proj)"));
     L_.padded_vocab_ = Pad(c_.vocab_size, 64);
     if (L_.padded_vocab_ % T != 0)
       return Refuse(absl::StrCat(Ctx(), ": padded vocab pad(", c_.vocab_size, ", 64) = ", L_.padded_vocab_,
@@ -142,8 +141,7 @@ class LayoutBuilder {
                                  " always builds its own lm_head, which a tied checkpoint never fills; refusing"));
 
     if (!c_.moe) {
-      if (p_.ep_size != 1)
-        return Refuse(absl::StrCat(Ctx(), ": ep_size ", p_.ep_size, " > 1 needs an MoE model"));
+      if (p_.ep_size != 1) return Refuse(absl::StrCat(Ctx(), ": ep_size ", p_.ep_size, " > 1 needs an MoE model"));
       return absl::OkStatus();
     }
     const int EP = p_.ep_size;
@@ -153,12 +151,11 @@ class LayoutBuilder {
     L_.ep_rank_ = p_.tp_rank / L_.moe_tp_size_;
     const int64_t E = c_.moe->num_experts;  // shared-experts fusion is off: E_total = n_routed
     if (E <= 0) return Refuse(absl::StrCat(Ctx(), ": MoE model with ", E, " experts"));
-    if (E % EP != 0)
-      return Refuse(absl::StrCat(Ctx(), ": E_total ", E, " experts are not divisible by ep_size ", EP));
+    if (E % EP != 0) return Refuse(absl::StrCat(Ctx(), ": E_total ", E, " experts are not divisible by ep_size ", EP));
     const int64_t I = c_.moe->moe_intermediate_size;
     if (I % L_.moe_tp_size_ != 0)
-      return Refuse(absl::StrCat(Ctx(), ": moe_intermediate_size I ", I, " is not divisible by moe_tp = T/EP = ",
-                                 L_.moe_tp_size_));
+      return Refuse(absl::StrCat(Ctx(), ": moe_intermediate_size I ", I,
+                                 " is not divisible by moe_tp = T/EP = ", L_.moe_tp_size_));
     L_.local_experts_ = E / EP;
     L_.first_expert_ = L_.ep_rank_ * L_.local_experts_;
     if (c_.moe->num_shared_experts > 0) {
@@ -173,21 +170,23 @@ class LayoutBuilder {
   absl::Status CheckQuantization() {
     if (q_ == nullptr) return absl::OkStatus();
     if (q_->quant_method != "compressed-tensors")
-      return absl::UnimplementedError(
-          absl::StrCat("quantization_config: quant_method \"", q_->quant_method, "\" is not supported (want compressed-tensors)"));
+      return absl::UnimplementedError(absl::StrCat("quantization_config: quant_method \"", q_->quant_method,
+                                                   "\" is not supported (want compressed-tensors)"));
     RETURN_IF_ERROR(q_->CheckInt4Supported());
     if (dt_ != DType::kBF16 && dt_ != DType::kF16)
-      return absl::UnimplementedError(absl::StrCat("INT4 needs a bf16 or fp16 model (the scales' dtype), got ",
-                                                   TorchName(dt_)));
+      return absl::UnimplementedError(
+          absl::StrCat("INT4 needs a bf16 or fp16 model (the scales' dtype), got ", TorchName(dt_)));
     L_.quantized_ = true;
     L_.group_size_ = q_->group_size;
     G_ = q_->group_size;
     if (!q_->IsIgnored("model.embed_tokens.weight"))
-      return Refuse("INT4 embedding refused: SGLang never quantizes model.embed_tokens (not a LinearBase); "
-                    "quantization_config.ignore must cover it");
+      return Refuse(
+          "INT4 embedding refused: SGLang never quantizes model.embed_tokens (not a LinearBase); "
+          "quantization_config.ignore must cover it");
     if (!c_.tie_word_embeddings && !q_->IsIgnored("lm_head.weight"))
-      return Refuse("INT4 lm_head refused: SGLang never quantizes lm_head (ParallelLMHead); "
-                    "quantization_config.ignore must cover it");
+      return Refuse(
+          "INT4 lm_head refused: SGLang never quantizes lm_head (ParallelLMHead); "
+          "quantization_config.ignore must cover it");
     return absl::OkStatus();
   }
 
@@ -377,8 +376,10 @@ class LayoutBuilder {
                             " is not a multiple of 128"));
         const bool thread_cfg = (k % 128 == 0) || (k % 64 == 0 && n % 128 == 0);
         if (!thread_cfg)
-          Warn(absl::StrCat(generic, ": advisory: no Marlin thread config (k, n) in {(128,128), (128,64), (64,128), "
-                            "(64,256)} divides (K_p, N_p) = (", k, ", ", n, ")"));
+          Warn(absl::StrCat(generic,
+                            ": advisory: no Marlin thread config (k, n) in {(128,128), (128,64), (64,128), "
+                            "(64,256)} divides (K_p, N_p) = (",
+                            k, ", ", n, ")"));
       }
       const int64_t scale_rows = G > 0 ? k / G : 1;
       MarlinSpec m;
@@ -499,8 +500,7 @@ class LayoutBuilder {
     const int T = p_.tp_size;
     const int64_t H = c_.hidden_size;
     const std::string pre = absl::StrCat(Layer(i), module, ".");
-    ASSIGN_OR_RETURN(const bool gu_q, Agree(pre + "gate_up_proj",
-                                                  {pre + "gate_proj.weight", pre + "up_proj.weight"}));
+    ASSIGN_OR_RETURN(const bool gu_q, Agree(pre + "gate_up_proj", {pre + "gate_proj.weight", pre + "up_proj.weight"}));
     LinearSpec gu{pre + "gate_up_proj.weight", ParamRole::kGateUp, i, 0, 2 * F / T, H, gu_q};
     RETURN_IF_ERROR(AddLinear(
         gu, {ColShard(pre + "gate_proj", F, H, 0, "gate_proj"), ColShard(pre + "up_proj", F, H, F / T, "up_proj")}));
@@ -516,8 +516,8 @@ class LayoutBuilder {
     const int64_t replicas = T >= nkv ? T / nkv : 1;
     const int64_t s = r / replicas;
     const std::string pre = Layer(i) + "self_attn.";
-    ASSIGN_OR_RETURN(const bool qkv_q, Agree(pre + "qkv_proj", {pre + "q_proj.weight", pre + "k_proj.weight",
-                                                                     pre + "v_proj.weight"}));
+    ASSIGN_OR_RETURN(const bool qkv_q,
+                     Agree(pre + "qkv_proj", {pre + "q_proj.weight", pre + "k_proj.weight", pre + "v_proj.weight"}));
     LinearSpec qkv{pre + "qkv_proj.weight", ParamRole::kQkv, i, 0, (nh_loc + 2 * kv_loc) * hd, H, qkv_q};
     std::vector<Shard> shards = {
         Shard{pre + "q_proj", nh * hd, H, r * nh_loc * hd, nh_loc * hd, 0, H, 0, 0, true, "q_proj"},
@@ -551,31 +551,33 @@ class LayoutBuilder {
       // cat(q_a_proj, kv_a_proj_with_mqa) must stay bf16 (§3.1: the two weight_shape [2] become [4]).
       for (const char* m : {"q_a_proj", "kv_a_proj_with_mqa"}) {
         if (Int4(absl::StrCat(pre, m, ".weight")))
-          return Refuse(absl::StrCat("INT4 ", pre, m, " refused: with q_lora_rank set SGLang fuses q_a_proj and "
+          return Refuse(absl::StrCat("INT4 ", pre, m,
+                                     " refused: with q_lora_rank set SGLang fuses q_a_proj and "
                                      "kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa, which cannot load INT4 "
                                      "(weight_shape [2]+[2] -> [4]); quantization_config.ignore must cover both"));
       }
-      LinearSpec f{pre + "fused_qkv_a_proj_with_mqa.weight", ParamRole::kFusedQkvA, i, 0, a.q_lora_rank + kva, H,
-                   false};
-      RETURN_IF_ERROR(AddLinear(f, {WholeShard(pre + "q_a_proj", a.q_lora_rank, H, 0, "q_a_proj"),
-                                          WholeShard(pre + "kv_a_proj_with_mqa", kva, H, a.q_lora_rank,
-                                                     "kv_a_proj_with_mqa")}));
+      LinearSpec f{
+          pre + "fused_qkv_a_proj_with_mqa.weight", ParamRole::kFusedQkvA, i, 0, a.q_lora_rank + kva, H, false};
+      RETURN_IF_ERROR(
+          AddLinear(f, {WholeShard(pre + "q_a_proj", a.q_lora_rank, H, 0, "q_a_proj"),
+                        WholeShard(pre + "kv_a_proj_with_mqa", kva, H, a.q_lora_rank, "kv_a_proj_with_mqa")}));
       AddPlain(pre + "q_a_layernorm.weight", ParamRole::kReplicated, dt_, {a.q_lora_rank}, i,
                pre + "q_a_layernorm.weight");
-      LinearSpec qb{pre + "q_b_proj.weight", ParamRole::kColumn, i, 0, nl * qd, a.q_lora_rank,
-                    Int4(pre + "q_b_proj.weight")};
+      LinearSpec qb{pre + "q_b_proj.weight", ParamRole::kColumn,           i, 0, nl * qd,
+                    a.q_lora_rank,           Int4(pre + "q_b_proj.weight")};
       RETURN_IF_ERROR(AddLinear(qb, {ColShard(pre + "q_b_proj", nh * qd, a.q_lora_rank, 0, "q_b_proj")}));
     } else {
       LinearSpec qp{pre + "q_proj.weight", ParamRole::kColumn, i, 0, nl * qd, H, Int4(pre + "q_proj.weight")};
       RETURN_IF_ERROR(AddLinear(qp, {ColShard(pre + "q_proj", nh * qd, H, 0, "q_proj")}));
-      LinearSpec kv{pre + "kv_a_proj_with_mqa.weight", ParamRole::kReplicated, i, 0, kva, H,
+      LinearSpec kv{pre + "kv_a_proj_with_mqa.weight",      ParamRole::kReplicated, i, 0, kva, H,
                     Int4(pre + "kv_a_proj_with_mqa.weight")};
       RETURN_IF_ERROR(AddLinear(kv, {WholeShard(pre + "kv_a_proj_with_mqa", kva, H, 0, "kv_a_proj_with_mqa")}));
     }
     AddPlain(pre + "kv_a_layernorm.weight", ParamRole::kReplicated, dt_, {a.kv_lora_rank}, i,
              pre + "kv_a_layernorm.weight");
     if (Int4(pre + "kv_b_proj.weight"))
-      return Refuse(absl::StrCat("INT4 ", pre, "kv_b_proj refused: SGLang's post_load_weights derives w_kc / w_vc "
+      return Refuse(absl::StrCat("INT4 ", pre,
+                                 "kv_b_proj refused: SGLang's post_load_weights derives w_kc / w_vc "
                                  "from a bf16 kv_b_proj.weight and has no compressed-tensors path; "
                                  "quantization_config.ignore must cover it"));
     LinearSpec kvb{pre + "kv_b_proj.weight", ParamRole::kColumn, i, 0, nl * kvd, a.kv_lora_rank, false};
@@ -592,10 +594,11 @@ class LayoutBuilder {
     const std::string pre = Layer(i) + "mlp.";
     // Router: ReplicatedLinear / MoEGate, never quantized (§3.1).
     if (Int4(pre + "gate.weight"))
-      return Refuse(absl::StrCat("INT4 router ", pre, "gate refused: SGLang builds the MoE router unquantized; "
+      return Refuse(absl::StrCat("INT4 router ", pre,
+                                 "gate refused: SGLang builds the MoE router unquantized; "
                                  "quantization_config.ignore must cover it (e.g. \"re:.*mlp\\.gate$\")"));
     RETURN_IF_ERROR(AddLinear(LinearSpec{pre + "gate.weight", ParamRole::kReplicated, i, 0, E, H, false},
-                                    {WholeShard(pre + "gate", E, H, 0, "router gate")}));
+                              {WholeShard(pre + "gate", E, H, 0, "router gate")}));
     if (c_.arch == Architecture::kDeepseekV3 && m.topk_method == "noaux_tc")
       AddPlain(pre + "gate.e_score_correction_bias", ParamRole::kReplicated, DType::kF32, {E}, i,
                pre + "gate.e_score_correction_bias");
@@ -609,14 +612,13 @@ class LayoutBuilder {
       const int G = G_;
       const std::string ctx = absl::StrCat("; ", Ctx(), ", moe_tp ", L_.moe_tp_size_);
       if (Ip % 8 != 0)
-        return Refuse(absl::StrCat(pre, "experts: INT4 needs I' = I / moe_tp = ", I, " / ", L_.moe_tp_size_, " = ",
-                                   Ip, " to be a multiple of 8", ctx));
+        return Refuse(absl::StrCat(pre, "experts: INT4 needs I' = I / moe_tp = ", I, " / ", L_.moe_tp_size_, " = ", Ip,
+                                   " to be a multiple of 8", ctx));
       if (G > 0 && Ip % G != 0)
-        return Refuse(absl::StrCat(pre, "experts: INT4 needs I' = I / moe_tp = ", I, " / ", L_.moe_tp_size_, " = ",
-                                   Ip, " to be a multiple of the group size ", G,
-                                   " (use a larger EP or a smaller T)", ctx));
-      if (G > 0 && H % G != 0)
-        return Refuse(absl::StrCat(pre, "experts: INT4 needs H % G == 0, H = ", H, ", G = ", G));
+        return Refuse(absl::StrCat(pre, "experts: INT4 needs I' = I / moe_tp = ", I, " / ", L_.moe_tp_size_, " = ", Ip,
+                                   " to be a multiple of the group size ", G, " (use a larger EP or a smaller T)",
+                                   ctx));
+      if (G > 0 && H % G != 0) return Refuse(absl::StrCat(pre, "experts: INT4 needs H % G == 0, H = ", H, ", G = ", G));
       if (H % 8 != 0) return Refuse(absl::StrCat(pre, "experts: INT4 needs H % 8 == 0, H = ", H));
       if (H % 16 != 0 || (2 * Ip) % 64 != 0)
         return Refuse(absl::StrCat(pre, "experts.w13: Marlin repack needs H % 16 == 0 and 2I' % 64 == 0, H = ", H,
@@ -637,9 +639,12 @@ class LayoutBuilder {
       const bool owned = e >= first && e < first + E_loc;
       const int64_t l = owned ? e - first : 0;
       const std::string ex = absl::StrCat(pre, "experts.", e, ".");
-      w13.push_back(Shard{ex + "gate_proj", I, H, t * Ip, Ip, 0, H, 0, l, owned, absl::StrCat("expert ", e, " gate_proj")});
-      w13.push_back(Shard{ex + "up_proj", I, H, t * Ip, Ip, 0, H, Ip, l, owned, absl::StrCat("expert ", e, " up_proj")});
-      w2.push_back(Shard{ex + "down_proj", H, I, 0, H, t * Ip, Ip, 0, l, owned, absl::StrCat("expert ", e, " down_proj")});
+      w13.push_back(
+          Shard{ex + "gate_proj", I, H, t * Ip, Ip, 0, H, 0, l, owned, absl::StrCat("expert ", e, " gate_proj")});
+      w13.push_back(
+          Shard{ex + "up_proj", I, H, t * Ip, Ip, 0, H, Ip, l, owned, absl::StrCat("expert ", e, " up_proj")});
+      w2.push_back(
+          Shard{ex + "down_proj", H, I, 0, H, t * Ip, Ip, 0, l, owned, absl::StrCat("expert ", e, " down_proj")});
     }
     LinearSpec s13{pre + "experts.w13_weight", ParamRole::kExpertsW13, i, E_loc, 2 * Ip, H, q, 4 * Ip};
     RETURN_IF_ERROR(AddLinear(s13, w13));

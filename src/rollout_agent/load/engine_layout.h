@@ -82,15 +82,15 @@ struct MarlinSpec {
 };
 
 struct EngineParam {
-  std::string name;     // SGLang parameter name
+  std::string name;  // SGLang parameter name
   ParamRole role = ParamRole::kReplicated;
   ParamKind kind = ParamKind::kPlain;
   DType dtype = DType::kBF16;  // the same in both forms
   Shape loaded_shape;
   Shape engine_shape;
-  int64_t layer = -1;   // decoder layer, -1 for embeddings / final norm / lm_head
-  int linear = -1;      // index into EngineLayout::linears() for GEMM weights, else -1
-  MarlinSpec marlin;    // kPacked / kScale only
+  int64_t layer = -1;  // decoder layer, -1 for embeddings / final norm / lm_head
+  int linear = -1;     // index into EngineLayout::linears() for GEMM weights, else -1
+  MarlinSpec marlin;   // kPacked / kScale only
 
   const Shape& shape(ParamForm form) const { return form == ParamForm::kLoaded ? loaded_shape : engine_shape; }
 };
@@ -149,7 +149,7 @@ class EngineLayout {
   int moe_tp_size() const { return moe_tp_size_; }
   int moe_tp_rank() const { return moe_tp_rank_; }
   int ep_rank() const { return ep_rank_; }
-  int64_t local_experts() const { return local_experts_; }       // E_loc (0 without MoE)
+  int64_t local_experts() const { return local_experts_; }      // E_loc (0 without MoE)
   int64_t first_local_expert() const { return first_expert_; }  // ep_rank * E_loc
   int64_t padded_vocab() const { return padded_vocab_; }        // pad(V, 64)
   int64_t vocab_per_rank() const { return padded_vocab_ / parallel_.tp_size; }

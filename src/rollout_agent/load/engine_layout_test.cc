@@ -15,8 +15,8 @@
 namespace wsync::rollout_agent {
 namespace {
 
-using ::testing::HasSubstr;
 using model::testing::QuantJson;
+using ::testing::HasSubstr;
 
 ModelConfig Config(const std::string& json) {
   auto c = ParseModelConfig(json, "test");
@@ -31,8 +31,8 @@ QuantizationConfig Quant(int g, const std::vector<std::string>& ignore) {
 }
 
 // slime's default INT4 ignore list (tools/convert_hf_to_int4_direct.py), as regexes.
-const std::vector<std::string> kSlimeIgnore = {"lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$",
-                                               "re:.*embed_tokens.*", "re:.*norm.*", "re:.*shared_experts.*"};
+const std::vector<std::string> kSlimeIgnore = {
+    "lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*embed_tokens.*", "re:.*norm.*", "re:.*shared_experts.*"};
 
 struct Want {
   std::string name;
@@ -90,7 +90,8 @@ TEST(EngineLayoutTest, DefaultModelTp2FullParamTable) {
     ExpectParam(*l, want[i]);
   }
   // Marlin geometry of w13: SGLang's scale perm size_k quirk (4I' = 512 > G -> grouped); w2 I' = 128 = G -> single.
-  const EngineParam& w13 = l->params()[static_cast<size_t>(l->FindParam("model.layers.0.mlp.experts.w13_weight_scale"))];
+  const EngineParam& w13 =
+      l->params()[static_cast<size_t>(l->FindParam("model.layers.0.mlp.experts.w13_weight_scale"))];
   EXPECT_EQ(w13.marlin.scale_perm_size_k, 512);
   EXPECT_TRUE(w13.marlin.grouped_scale_perm);
   const EngineParam& w2 = l->params()[static_cast<size_t>(l->FindParam("model.layers.0.mlp.experts.w2_weight_scale"))];
@@ -121,9 +122,12 @@ TEST(EngineLayoutTest, WorkedExampleQwen3_30B_A3B) {
     const std::string L = "model.layers.47.";
     ExpectParam(*l, {L + "self_attn.qkv_proj.weight", ParamRole::kQkv, kPl, kB, {1280, 2048}, {1280, 2048}});
     ExpectParam(*l, {L + "self_attn.o_proj.weight", ParamRole::kRow, kPl, kB, {2048, 1024}, {2048, 1024}});
-    ExpectParam(*l, {L + "mlp.experts.w13_weight_packed", ParamRole::kExpertsW13, kPk, kI, {32, 256, 1536}, {32, 128, 3072}});
-    ExpectParam(*l, {L + "mlp.experts.w13_weight_scale", ParamRole::kExpertsW13, kSc, kB, {32, 16, 1536}, {32, 16, 1536}});
-    ExpectParam(*l, {L + "mlp.experts.w2_weight_packed", ParamRole::kExpertsW2, kPk, kI, {32, 96, 2048}, {32, 48, 4096}});
+    ExpectParam(
+        *l, {L + "mlp.experts.w13_weight_packed", ParamRole::kExpertsW13, kPk, kI, {32, 256, 1536}, {32, 128, 3072}});
+    ExpectParam(*l,
+                {L + "mlp.experts.w13_weight_scale", ParamRole::kExpertsW13, kSc, kB, {32, 16, 1536}, {32, 16, 1536}});
+    ExpectParam(*l,
+                {L + "mlp.experts.w2_weight_packed", ParamRole::kExpertsW2, kPk, kI, {32, 96, 2048}, {32, 48, 4096}});
     ExpectParam(*l, {L + "mlp.experts.w2_weight_scale", ParamRole::kExpertsW2, kSc, kB, {32, 6, 2048}, {32, 6, 2048}});
     // kv head r on rank r, no replication: k rows come from k_proj[r*128, +128].
     const HfSource& k = l->sources()[static_cast<size_t>(l->FindSource(L + "self_attn.k_proj.weight"))];
@@ -210,11 +214,11 @@ TEST(EngineLayoutTest, MoeRankGeometryAndExpertSources) {
       EXPECT_TRUE(up.transpose);
       EXPECT_EQ(up.src_row0, 128 * want_t[r]);  // I' = 128 rows of up_e
       EXPECT_EQ(up.rows, 128);
-      EXPECT_EQ(up.cols, 32);                   // all H/8 words
-      EXPECT_EQ(up.dst_col0, 128);              // second half of 2I'
-      EXPECT_EQ(down.src_col0, want_t[r]);      // I'/G = 1 group per rank
+      EXPECT_EQ(up.cols, 32);               // all H/8 words
+      EXPECT_EQ(up.dst_col0, 128);          // second half of 2I'
+      EXPECT_EQ(down.src_col0, want_t[r]);  // I'/G = 1 group per rank
       EXPECT_EQ(down.cols, 1);
-      EXPECT_EQ(down.rows, 256);                // all H rows
+      EXPECT_EQ(down.rows, 256);  // all H rows
     }
   }
 }
@@ -252,7 +256,7 @@ struct RefusalCase {
   std::string config_json;
   std::string quant_json;  // "" = bf16
   EngineParallel parallel;
-  std::string want;        // substring of the error
+  std::string want;  // substring of the error
   absl::StatusCode code = absl::StatusCode::kInvalidArgument;
 };
 
@@ -269,8 +273,9 @@ std::vector<RefusalCase> RefusalCases() {
   using model::testing::kQwen3MoeJson;
   const std::string all_int4 = model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"});
   const std::string moe_int4 = model::testing::QuantJson(128, kSlimeIgnore);
-  std::string llama12 = Edit(Edit(model::testing::kLlamaJson, R"("num_attention_heads": 8)", R"("num_attention_heads": 12)"),
-                             R"("head_dim": 64)", R"("head_dim": 32)");
+  std::string llama12 =
+      Edit(Edit(model::testing::kLlamaJson, R"("num_attention_heads": 8)", R"("num_attention_heads": 12)"),
+           R"("head_dim": 64)", R"("head_dim": 32)");
   return {
       {"tp size", model::testing::kLlamaJson, "", {0, 0, 1}, "tp_size must be >= 1"},
       {"tp rank", model::testing::kLlamaJson, "", {2, 2, 1}, "tp_rank 2 is outside [0, 2)"},
@@ -278,68 +283,134 @@ std::vector<RefusalCase> RefusalCases() {
       {"T % nkv",
        Edit(Edit(kLlamaJson, R"("num_attention_heads": 8)", R"("num_attention_heads": 24)"),
             R"("num_key_value_heads": 2)", R"("num_key_value_heads": 8)"),
-       "", {12, 0, 1},
+       "",
+       {12, 0, 1},
        "T 12 >= num_key_value_heads 8 needs T % num_key_value_heads == 0"},
-      {"nkv % T", Edit(llama12, R"("num_key_value_heads": 2)", R"("num_key_value_heads": 6)"), "", {4, 0, 1},
+      {"nkv % T",
+       Edit(llama12, R"("num_key_value_heads": 2)", R"("num_key_value_heads": 6)"),
+       "",
+       {4, 0, 1},
        "num_key_value_heads 6 is not divisible by T 4"},
-      {"F % T", Edit(kLlamaJson, R"("intermediate_size": 512)", R"("intermediate_size": 510)"), "", {4, 0, 1},
+      {"F % T",
+       Edit(kLlamaJson, R"("intermediate_size": 512)", R"("intermediate_size": 510)"),
+       "",
+       {4, 0, 1},
        "intermediate_size F 510 is not divisible by T 4"},
-      {"pad(V,64) % T", Edit(Edit(llama12, R"("num_key_value_heads": 2)", R"("num_key_value_heads": 6)"),
-                             R"("intermediate_size": 512)", R"("intermediate_size": 768)"),
-       "", {3, 0, 1}, "padded vocab pad(1000, 64) = 1024 is not divisible by T 3"},
-      {"S % T", Edit(Edit(model::testing::kDeepseekJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 250)"),
-                     R"("n_shared_experts": 2)", R"("n_shared_experts": 1)"),
-       "", {4, 0, 4}, "shared experts intermediate S = n_shared_experts * I = 250 is not divisible by T 4"},
-      {"E % EP", Edit(model::testing::kQwen3MoeJson, R"("num_experts": 8)", R"("num_experts": 6)"), "", {4, 0, 4},
+      {"pad(V,64) % T",
+       Edit(Edit(llama12, R"("num_key_value_heads": 2)", R"("num_key_value_heads": 6)"), R"("intermediate_size": 512)",
+            R"("intermediate_size": 768)"),
+       "",
+       {3, 0, 1},
+       "padded vocab pad(1000, 64) = 1024 is not divisible by T 3"},
+      {"S % T",
+       Edit(Edit(model::testing::kDeepseekJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 250)"),
+            R"("n_shared_experts": 2)", R"("n_shared_experts": 1)"),
+       "",
+       {4, 0, 4},
+       "shared experts intermediate S = n_shared_experts * I = 250 is not divisible by T 4"},
+      {"E % EP",
+       Edit(model::testing::kQwen3MoeJson, R"("num_experts": 8)", R"("num_experts": 6)"),
+       "",
+       {4, 0, 4},
        "E_total 6 experts are not divisible by ep_size 4"},
       {"T % EP", model::testing::kQwen3MoeJson, "", {4, 0, 3}, "ep_size 3 does not divide T 4"},
-      {"I % moe_tp", Edit(model::testing::kQwen3MoeJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 250)"), "",
-       {4, 0, 1}, "moe_intermediate_size I 250 is not divisible by moe_tp = T/EP = 4"},
+      {"I % moe_tp",
+       Edit(model::testing::kQwen3MoeJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 250)"),
+       "",
+       {4, 0, 1},
+       "moe_intermediate_size I 250 is not divisible by moe_tp = T/EP = 4"},
       {"EP on dense", kLlamaJson, "", {2, 0, 2}, "ep_size 2 > 1 needs an MoE model"},
-      {"Qwen3-MoE tied", Edit(kQwen3MoeJson, R"("tie_word_embeddings": false)", R"("tie_word_embeddings": true)"), "",
-       {1, 0, 1}, "always builds its own lm_head"},
-      {"mixed qkv", kLlamaJson, model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*k_proj"}), {1, 0, 1},
+      {"Qwen3-MoE tied",
+       Edit(kQwen3MoeJson, R"("tie_word_embeddings": false)", R"("tie_word_embeddings": true)"),
+       "",
+       {1, 0, 1},
+       "always builds its own lm_head"},
+      {"mixed qkv",
+       kLlamaJson,
+       model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*k_proj"}),
+       {1, 0, 1},
        "mixed quantization in fused layer model.layers.0.self_attn.qkv_proj"},
-      {"mixed gate_up", kLlamaJson, model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*up_proj"}), {1, 0, 1},
+      {"mixed gate_up",
+       kLlamaJson,
+       model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*up_proj"}),
+       {1, 0, 1},
        "mixed quantization in fused layer model.layers.0.mlp.gate_up_proj"},
-      {"mixed experts", kQwen3MoeJson,
+      {"mixed experts",
+       kQwen3MoeJson,
        model::testing::QuantJson(128, {"lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*embed_tokens.*",
-                       "model.layers.2.mlp.experts.5.down_proj"}),
-       {1, 0, 1}, "bf16 (ignored) for model.layers.2.mlp.experts.5.down_proj.weight"},
-      {"mixed shared experts", model::testing::kDeepseekJson,
+                                       "model.layers.2.mlp.experts.5.down_proj"}),
+       {1, 0, 1},
+       "bf16 (ignored) for model.layers.2.mlp.experts.5.down_proj.weight"},
+      {"mixed shared experts",
+       model::testing::kDeepseekJson,
        model::testing::QuantJson(128, {"lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*embed_tokens.*",
-                       "re:.*shared_experts.gate_proj"}),
-       {1, 0, 1}, "mixed quantization in fused layer model.layers.1.mlp.shared_experts.gate_up_proj"},
-      {"INT4 router", kQwen3MoeJson, model::testing::QuantJson(128, {"lm_head", "re:.*self_attn.*", "re:.*embed_tokens.*"}), {1, 0, 1},
+                                       "re:.*shared_experts.gate_proj"}),
+       {1, 0, 1},
+       "mixed quantization in fused layer model.layers.1.mlp.shared_experts.gate_up_proj"},
+      {"INT4 router",
+       kQwen3MoeJson,
+       model::testing::QuantJson(128, {"lm_head", "re:.*self_attn.*", "re:.*embed_tokens.*"}),
+       {1, 0, 1},
        "INT4 router model.layers.0.mlp.gate refused"},
       {"INT4 embedding", kLlamaJson, model::testing::QuantJson(128, {"lm_head"}), {1, 0, 1}, "INT4 embedding refused"},
-      {"INT4 lm_head", kLlamaJson, model::testing::QuantJson(128, {"re:.*embed_tokens.*"}), {1, 0, 1}, "INT4 lm_head refused"},
-      {"INT4 q_a", model::testing::kDeepseekJson, model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"}), {1, 0, 1},
+      {"INT4 lm_head",
+       kLlamaJson,
+       model::testing::QuantJson(128, {"re:.*embed_tokens.*"}),
+       {1, 0, 1},
+       "INT4 lm_head refused"},
+      {"INT4 q_a",
+       model::testing::kDeepseekJson,
+       model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"}),
+       {1, 0, 1},
        "INT4 model.layers.0.self_attn.q_a_proj refused"},
-      {"INT4 kv_a fused", kDeepseekJson,
-       model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$", "re:.*q_a_proj"}), {1, 0, 1},
+      {"INT4 kv_a fused",
+       kDeepseekJson,
+       model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$", "re:.*q_a_proj"}),
+       {1, 0, 1},
        "INT4 model.layers.0.self_attn.kv_a_proj_with_mqa refused"},
-      {"INT4 kv_b", kDeepseekJson,
-       model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$", "re:.*q_a_proj", "re:.*kv_a_proj_with_mqa"}),
-       {1, 0, 1}, "INT4 model.layers.0.self_attn.kv_b_proj refused"},
+      {"INT4 kv_b",
+       kDeepseekJson,
+       model::testing::QuantJson(
+           128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$", "re:.*q_a_proj", "re:.*kv_a_proj_with_mqa"}),
+       {1, 0, 1},
+       "INT4 model.layers.0.self_attn.kv_b_proj refused"},
       {"row K_p % G", kLlamaJson, all_int4, {8, 0, 1}, "model.layers.0.self_attn.o_proj.weight: the INT4 shard"},
-      {"row K_p % 8", Edit(kLlamaJson, R"("intermediate_size": 512)", R"("intermediate_size": 48)"),
-       model::testing::QuantJson(-1, {"lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*gate_proj", "re:.*up_proj"}),
-       {4, 0, 1}, "(K_p = 12), not a multiple of 8"},
-      {"MoE I' % G", kQwen3MoeJson, moe_int4, {4, 0, 1},
+      {"row K_p % 8",
+       Edit(kLlamaJson, R"("intermediate_size": 512)", R"("intermediate_size": 48)"),
+       model::testing::QuantJson(
+           -1, {"lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*gate_proj", "re:.*up_proj"}),
+       {4, 0, 1},
+       "(K_p = 12), not a multiple of 8"},
+      {"MoE I' % G",
+       kQwen3MoeJson,
+       moe_int4,
+       {4, 0, 1},
        "INT4 needs I' = I / moe_tp = 256 / 4 = 64 to be a multiple of the group size 128"},
-      {"MoE I' % 8", Edit(kQwen3MoeJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 48)"),
-       model::testing::QuantJson(-1, kSlimeIgnore), {4, 0, 1}, "I' = I / moe_tp = 48 / 4 = 12 to be a multiple of 8"},
-      {"Marlin size_n", Edit(kLlamaJson, R"("head_dim": 64)", R"("head_dim": 16)"),
-       model::testing::QuantJson(-1, {"lm_head", "re:.*embed_tokens.*", "re:.*o_proj"}), {2, 0, 1},
+      {"MoE I' % 8",
+       Edit(kQwen3MoeJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 48)"),
+       model::testing::QuantJson(-1, kSlimeIgnore),
+       {4, 0, 1},
+       "I' = I / moe_tp = 48 / 4 = 12 to be a multiple of 8"},
+      {"Marlin size_n",
+       Edit(kLlamaJson, R"("head_dim": 64)", R"("head_dim": 16)"),
+       model::testing::QuantJson(-1, {"lm_head", "re:.*embed_tokens.*", "re:.*o_proj"}),
+       {2, 0, 1},
        "qkv_proj.weight: Marlin repack needs size_n % 64 == 0, size_n = 96"},
-      {"Marlin size_k", Edit(kLlamaJson, R"("hidden_size": 256)", R"("hidden_size": 264)"),
-       model::testing::QuantJson(-1, {"lm_head", "re:.*embed_tokens.*"}), {1, 0, 1},
+      {"Marlin size_k",
+       Edit(kLlamaJson, R"("hidden_size": 256)", R"("hidden_size": 264)"),
+       model::testing::QuantJson(-1, {"lm_head", "re:.*embed_tokens.*"}),
+       {1, 0, 1},
        "qkv_proj.weight: Marlin repack needs size_k % 16 == 0, size_k = 264"},
-      {"MoE Marlin w13", Edit(kQwen3MoeJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 80)"),
-       model::testing::QuantJson(-1, kSlimeIgnore), {2, 0, 1}, "Marlin repack needs H % 16 == 0 and 2I' % 64 == 0"},
-      {"asymmetric", kLlamaJson,
-       Edit(all_int4, R"("symmetric": true)", R"("symmetric": false)"), {1, 0, 1}, "asymmetric",
+      {"MoE Marlin w13",
+       Edit(kQwen3MoeJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 80)"),
+       model::testing::QuantJson(-1, kSlimeIgnore),
+       {2, 0, 1},
+       "Marlin repack needs H % 16 == 0 and 2I' % 64 == 0"},
+      {"asymmetric",
+       kLlamaJson,
+       Edit(all_int4, R"("symmetric": true)", R"("symmetric": false)"),
+       {1, 0, 1},
+       "asymmetric",
        absl::StatusCode::kUnimplemented},
   };
 }
@@ -373,7 +444,8 @@ TEST(EngineLayoutTest, AdvisoryChecksWarnButLoad) {
   // One warning per module pattern, not per layer.
   EXPECT_EQ(l->warnings().size(), 1u) << l->warnings()[1];
   // MoE advisory: I' = 64 with G = 32 satisfies I' % max(64, G); H = 256 % 128 ok: no warning. I' = 32 warns.
-  auto c = Config(Edit(model::testing::kQwen3MoeJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 128)"));
+  auto c =
+      Config(Edit(model::testing::kQwen3MoeJson, R"("moe_intermediate_size": 256)", R"("moe_intermediate_size": 128)"));
   const QuantizationConfig mq = Quant(32, kSlimeIgnore);
   auto m = EngineLayout::Create(c, &mq, {4, 1, 1});
   ASSERT_TRUE(m.ok()) << m.status();

@@ -20,7 +20,8 @@ void MatrixDims(const Shape& s, int64_t* rows, int64_t* cols) {
 }
 
 std::string PieceName(const EngineLayout& layout, const HfSource& s) {
-  if (s.action == HfSource::Action::kCheckShape) return absl::StrCat(s.hf_name, " missing (weight_shape of ", s.what, ")");
+  if (s.action == HfSource::Action::kCheckShape)
+    return absl::StrCat(s.hf_name, " missing (weight_shape of ", s.what, ")");
   return absl::StrCat(layout.params()[static_cast<size_t>(s.param)].name, ": ", s.what, " missing (", s.hf_name, ")");
 }
 
@@ -98,11 +99,12 @@ absl::Status Staging::CheckComplete() const {
     ++missing;
   }
   if (missing == 0) return absl::OkStatus();
-  return absl::NotFoundError(absl::StrCat(
-      "engine rank ", layout_->parallel().tp_rank, ": ", missing, " of ", num_required_,
-      " pieces missing: ", absl::StrJoin(shown, "; "),
-      missing > static_cast<int64_t>(kShown) ? absl::StrCat("; ... and ", missing - static_cast<int64_t>(kShown), " more")
-                                             : ""));
+  return absl::NotFoundError(
+      absl::StrCat("engine rank ", layout_->parallel().tp_rank, ": ", missing, " of ", num_required_,
+                   " pieces missing: ", absl::StrJoin(shown, "; "),
+                   missing > static_cast<int64_t>(kShown)
+                       ? absl::StrCat("; ... and ", missing - static_cast<int64_t>(kShown), " more")
+                       : ""));
 }
 
 absl::Status Loader::Load(absl::string_view hf_name, const TensorView& data) {
@@ -151,8 +153,8 @@ absl::Status Loader::Load(absl::string_view hf_name, const TensorView& data) {
   uint8_t cur = st.load(std::memory_order_acquire);
   do {
     if (cur == static_cast<uint8_t>(State::kLoaded)) {
-      return absl::AlreadyExistsError(absl::StrCat(hf_name, " was already loaded in this sync (",
-                                                   shape_tensor ? "weight_shape" : s.what, ")"));
+      return absl::AlreadyExistsError(
+          absl::StrCat(hf_name, " was already loaded in this sync (", shape_tensor ? "weight_shape" : s.what, ")"));
     }
   } while (!st.compare_exchange_weak(cur, static_cast<uint8_t>(State::kLoaded), std::memory_order_acq_rel));
   if (shape_tensor) return absl::OkStatus();
@@ -164,8 +166,8 @@ absl::Status Loader::Load(absl::string_view hf_name, const TensorView& data) {
   MatrixDims(s.shape, &src_rows, &src_cols);
   const size_t item = ItemSize(p.dtype);
   std::byte* base = dst.bytes().data() + s.expert * dst_rows * dst_cols * static_cast<int64_t>(item);
-  internal::CopyBlock(data.bytes().data(), src_cols, s.src_row0, s.src_col0, s.rows, s.cols, base, dst_cols,
-                      s.dst_row0, s.dst_col0, item, s.transpose);
+  internal::CopyBlock(data.bytes().data(), src_cols, s.src_row0, s.src_col0, s.rows, s.cols, base, dst_cols, s.dst_row0,
+                      s.dst_col0, item, s.transpose);
   return absl::OkStatus();
 }
 

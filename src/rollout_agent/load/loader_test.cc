@@ -7,8 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/checksum.h"
-#include "common/status.h"
 #include "common/config.h"
+#include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/testing/hf_model.h"
@@ -17,10 +17,10 @@
 namespace wsync::rollout_agent {
 namespace {
 
-using ::testing::HasSubstr;
 using model::testing::HfModel;
 using model::testing::MakeHfModel;
 using model::testing::QuantJson;
+using ::testing::HasSubstr;
 
 ModelConfig Config(const std::string& json) {
   auto c = ParseModelConfig(json, "test");
@@ -86,7 +86,8 @@ TEST(LoaderTest, BadInputsAreRefusedAndWriteNothing) {
   ws.data_as<int64_t>()[0] = 512;
   ws.data_as<int64_t>()[1] = 255;
   st = loader.Load("model.layers.0.self_attn.q_proj.weight_shape", ws.view());
-  EXPECT_THAT(st.message(), HasSubstr("model.layers.0.self_attn.q_proj.weight_shape holds [512, 255], want [512, 256]"));
+  EXPECT_THAT(st.message(),
+              HasSubstr("model.layers.0.self_attn.q_proj.weight_shape holds [512, 255], want [512, 256]"));
   Tensor ws16 = *Tensor::Zeros(DType::kBF16, {2});
   st = loader.Load("model.layers.0.self_attn.q_proj.weight_shape", ws16.view());
   EXPECT_THAT(st.message(), HasSubstr("want I64[2] (or I32)"));
@@ -124,12 +125,11 @@ TEST(LoaderTest, CheckCompleteNamesEveryMissingPiece) {
   auto staging = Staging::Create(*layout);
   ASSERT_TRUE(staging.ok());
   Loader loader(staging->get());
-  const std::set<std::string> dropped = {"model.layers.0.mlp.experts.5.up_proj.weight_packed",
-                                         "model.layers.2.mlp.experts.7.down_proj.weight_shape",
-                                         "model.layers.1.mlp.down_proj.weight_scale",
-                                         "model.layers.2.self_attn.k_norm.weight",
-                                         // other EP rank's experts are not required
-                                         "model.layers.0.mlp.experts.1.gate_proj.weight_packed"};
+  const std::set<std::string> dropped = {
+      "model.layers.0.mlp.experts.5.up_proj.weight_packed", "model.layers.2.mlp.experts.7.down_proj.weight_shape",
+      "model.layers.1.mlp.down_proj.weight_scale", "model.layers.2.self_attn.k_norm.weight",
+      // other EP rank's experts are not required
+      "model.layers.0.mlp.experts.1.gate_proj.weight_packed"};
   for (const std::string& name : m->order) {
     if (dropped.contains(name)) continue;
     ASSERT_TRUE(loader.Load(name, m->sent.at(name).view()).ok()) << name;
@@ -207,8 +207,9 @@ TEST(LoaderTest, SkippedTensorsAreCheckedAndAccepted) {
     const absl::Status st_ = dloader.CheckComplete();
     EXPECT_TRUE(st_.ok()) << st_;
   }
-  EXPECT_THAT(dloader.Load("model.layers.4.eh_proj.weight", dm->sent.at("model.layers.3.eh_proj.weight").view()).message(),
-              HasSubstr("unknown tensor model.layers.4.eh_proj.weight"));
+  EXPECT_THAT(
+      dloader.Load("model.layers.4.eh_proj.weight", dm->sent.at("model.layers.3.eh_proj.weight").view()).message(),
+      HasSubstr("unknown tensor model.layers.4.eh_proj.weight"));
   // Other EP rank's experts: shape still checked.
   Tensor e = *Tensor::Zeros(DType::kBF16, {256, 255});
   EXPECT_THAT(dloader.Load("model.layers.1.mlp.experts.7.gate_proj.weight", e.view()).message(),

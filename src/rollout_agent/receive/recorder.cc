@@ -38,8 +38,7 @@ absl::StatusOr<std::unique_ptr<Recorder>> Recorder::Start(const std::string& dir
   r->version_ = version;
   r->sync_key_ = sync_key;
   r->final_dir_ = (fs::path(dir) / absl::StrCat("v", version)).string();
-  r->partial_dir_ =
-      (fs::path(dir) / absl::StrFormat(".v%d.partial-%s-%08x", version, sync_key, rd())).string();
+  r->partial_dir_ = (fs::path(dir) / absl::StrFormat(".v%d.partial-%s-%08x", version, sync_key, rd())).string();
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return FsError(ec, absl::StrCat("creating the record directory ", dir));
@@ -70,7 +69,8 @@ absl::Status Recorder::WriteBucket(const v1::BucketManifest& m, const std::byte*
   SafetensorsWriter writer;
   for (const v1::BucketEntry& e : m.entries()) {
     if (e.nbytes() != e.total_nbytes()) {
-      return absl::UnimplementedError(absl::StrCat("recording ", e.tensor().name(), ": split tensors are not recorded"));
+      return absl::UnimplementedError(
+          absl::StrCat("recording ", e.tensor().name(), ": split tensors are not recorded"));
     }
     ASSIGN_OR_RETURN(const DType dtype, comm::FromProto(e.tensor().dtype()));
     Shape shape(e.tensor().shape().begin(), e.tensor().shape().end());

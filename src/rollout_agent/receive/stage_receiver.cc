@@ -45,14 +45,16 @@ void SyncCancel::Unregister(comm::Communicator* comm) {
 
 namespace {
 
-std::string BucketWhere(const v1::BucketManifest& m) { return absl::StrCat("stage ", m.pp_stage(), " bucket ", m.index()); }
+std::string BucketWhere(const v1::BucketManifest& m) {
+  return absl::StrCat("stage ", m.pp_stage(), " bucket ", m.index());
+}
 
 absl::Status LoadEntry(const v1::BucketEntry& e, const Buffer& data, Loader& loader) {
   ASSIGN_OR_RETURN(const DType dtype, comm::FromProto(e.tensor().dtype()));
   Shape shape(e.tensor().shape().begin(), e.tensor().shape().end());
-  ASSIGN_OR_RETURN(TensorView view, TensorView::Make(dtype, std::move(shape),
-                                                     {data.data() + e.offset(), static_cast<size_t>(e.nbytes())},
-                                                     e.tensor().name()));
+  ASSIGN_OR_RETURN(TensorView view,
+                   TensorView::Make(dtype, std::move(shape),
+                                    {data.data() + e.offset(), static_cast<size_t>(e.nbytes())}, e.tensor().name()));
   return loader.Load(e.tensor().name(), view);
 }
 
@@ -111,7 +113,8 @@ bool AddressedTo(const v1::BucketManifest& m, int rank) {
 }  // namespace
 
 absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
-  const std::string where = absl::StrCat("stage ", o.pp_stage, " (group \"", o.group, "\", rank ", o.rank, "/", o.size, ")");
+  const std::string where =
+      absl::StrCat("stage ", o.pp_stage, " (group \"", o.group, "\", rank ", o.rank, "/", o.size, ")");
   if (o.store == nullptr || o.loader == nullptr || o.cancel == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": store, loader and cancel are required"));
   }
@@ -133,7 +136,8 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
   auto comm = comm::CreateGroup(o.backend, g);
   if (!comm.ok()) return cancel.cancelled() ? aborted(comm.status()) : Annotate(comm.status(), where);
   stats.join = absl::Now() - t0;
-  if (!cancel.Register(comm->get())) return aborted(absl::AbortedError(absl::StrCat(where, ": after forming the group")));
+  if (!cancel.Register(comm->get()))
+    return aborted(absl::AbortedError(absl::StrCat(where, ": after forming the group")));
   WSYNC_LOG(DEBUG) << where << ": group formed in " << absl::FormatDuration(stats.join);
 
   const absl::Time t1 = absl::Now();

@@ -58,30 +58,30 @@ class SyncCancel {
 
 struct StageOptions {
   comm::Backend backend = comm::Backend::kGloo;
-  comm::Store* store = nullptr;        // not owned
+  comm::Store* store = nullptr;  // not owned
   std::string group;             // SyncGroup.name
   uint32_t pp_stage = 0;
-  int rank = 1;                  // this agent's rank in the group (1..M)
+  int rank = 1;  // this agent's rank in the group (1..M)
   int size = 2;
   std::string host = "127.0.0.1";  // where this agent's data-plane endpoints listen (GroupOptions::host)
-  uint64_t version = 0;          // the sync's version; every manifest must carry it
+  uint64_t version = 0;            // the sync's version; every manifest must carry it
   absl::Duration join_timeout = absl::Seconds(60);
   absl::Duration op_timeout = absl::Minutes(5);  // per bucket broadcast
-  Loader* loader = nullptr;      // not owned
-  const Recorder* recorder = nullptr;  // optional, not owned
-  int load_threads = 2;          // entries of one bucket loaded concurrently
-  SyncCancel* cancel = nullptr;  // not owned; required
-  BufferPool* pool = nullptr;    // optional, not owned: bucket buffers, each given back once loaded
+  Loader* loader = nullptr;                      // not owned
+  const Recorder* recorder = nullptr;            // optional, not owned
+  int load_threads = 2;                          // entries of one bucket loaded concurrently
+  SyncCancel* cancel = nullptr;                  // not owned; required
+  BufferPool* pool = nullptr;                    // optional, not owned: bucket buffers, each given back once loaded
 };
 
 struct StageStats {
   uint64_t buckets = 0;
-  uint64_t bytes = 0;            // bucket data bytes
-  uint64_t tensors = 0;          // entries received (loaded or accepted and skipped by the loader)
-  absl::Duration join;           // forming the group
-  absl::Duration transfer;       // group formed -> last bucket loaded
-  absl::Duration load;           // wall time in the loader (overlaps the transfer)
-  absl::Duration record;         // writing recordings
+  uint64_t bytes = 0;       // bucket data bytes
+  uint64_t tensors = 0;     // entries received (loaded or accepted and skipped by the loader)
+  absl::Duration join;      // forming the group
+  absl::Duration transfer;  // group formed -> last bucket loaded
+  absl::Duration load;      // wall time in the loader (overlaps the transfer)
+  absl::Duration record;    // writing recordings
 };
 
 // See the file comment. Returns the stage's first error; on error the group is aborted.

@@ -24,7 +24,8 @@ class StageReceiverTest : public ::testing::Test {
   void SetUp() override {
     auto config = ParseModelConfig(model::testing::kQwen3MoeJson, "qwen3_moe");
     ASSERT_TRUE(config.ok()) << config.status();
-    auto quant = ParseQuantizationConfig(model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"}), "quant");
+    auto quant = ParseQuantizationConfig(
+        model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"}), "quant");
     ASSERT_TRUE(quant.ok()) << quant.status();
     auto layout = EngineLayout::Create(*config, &*quant, {2, 1, 1});
     ASSERT_TRUE(layout.ok()) << layout.status();
@@ -79,7 +80,8 @@ TEST_F(StageReceiverTest, ACheckpointArrivesCompleteInStaging) {
   auto buckets = testing::PackBuckets(tensors_, {.version = 5, .bucket_bytes = 256 << 10});
   ASSERT_TRUE(buckets.ok());
   const size_t n = buckets->size();
-  std::thread source = Source("ok", [&](comm::Communicator& c) { EXPECT_TRUE(testing::SendBuckets(c, std::move(*buckets)).ok()); });
+  std::thread source =
+      Source("ok", [&](comm::Communicator& c) { EXPECT_TRUE(testing::SendBuckets(c, std::move(*buckets)).ok()); });
   SyncCancel cancel;
   Loader loader(staging_.get());
   StageOptions o = Options("ok", &cancel, &loader);
@@ -104,7 +106,8 @@ TEST_F(StageReceiverTest, ACheckpointArrivesCompleteInStaging) {
 TEST_F(StageReceiverTest, ABucketOfAnotherVersionIsRefused) {
   auto buckets = testing::PackBuckets(tensors_, {.version = 4, .bucket_bytes = 256 << 10});
   ASSERT_TRUE(buckets.ok());
-  std::thread source = Source("version", [&](comm::Communicator& c) { (void)testing::SendBuckets(c, std::move(*buckets)); });
+  std::thread source =
+      Source("version", [&](comm::Communicator& c) { (void)testing::SendBuckets(c, std::move(*buckets)); });
   SyncCancel cancel;
   Loader loader(staging_.get());
   auto stats = ReceiveStage(Options("version", &cancel, &loader));
@@ -122,7 +125,8 @@ TEST_F(StageReceiverTest, ASplitTensorIsRefusedAndTheSenderLearnsIt) {
   auto* t = (*buckets)[1].manifest.mutable_entries(0)->mutable_tensor();
   t->set_shape(0, t->shape(0) * 2);
   absl::Status sent;
-  std::thread source = Source("split", [&](comm::Communicator& c) { sent = testing::SendBuckets(c, std::move(*buckets)); });
+  std::thread source =
+      Source("split", [&](comm::Communicator& c) { sent = testing::SendBuckets(c, std::move(*buckets)); });
   SyncCancel cancel;
   Loader loader(staging_.get());
   auto stats = ReceiveStage(Options("split", &cancel, &loader));

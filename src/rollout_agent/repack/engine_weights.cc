@@ -13,14 +13,16 @@
 namespace wsync::rollout_agent {
 
 absl::Status EngineWeights::Add(EngineBuffer b) {
-  if (index_.contains(b.name)) return absl::InvalidArgumentError(absl::StrCat("engine buffer ", b.name, " registered twice"));
+  if (index_.contains(b.name))
+    return absl::InvalidArgumentError(absl::StrCat("engine buffer ", b.name, " registered twice"));
   ASSIGN_OR_RETURN(const int64_t want, NumBytes(b.dtype, b.shape));
   if (static_cast<int64_t>(b.nbytes) != want) {
     return absl::InvalidArgumentError(absl::StrCat("engine buffer ", b.name, ": ", b.nbytes, " bytes for ",
                                                    SafetensorsName(b.dtype), ShapeToString(b.shape), ", which needs ",
                                                    want));
   }
-  if (want > 0 && b.data == nullptr) return absl::InvalidArgumentError(absl::StrCat("engine buffer ", b.name, " has no memory"));
+  if (want > 0 && b.data == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat("engine buffer ", b.name, " has no memory"));
   index_[b.name] = buffers_.size();
   buffers_.push_back(std::move(b));
   return absl::OkStatus();

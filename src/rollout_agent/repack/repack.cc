@@ -26,7 +26,9 @@ kernels::KernelOptions KernelOpts(const RepackOptions& o) {
 
 TensorView Const(const MutableTensorView& v) { return v; }
 
-MutableTensorView Reshaped(const MutableTensorView& v, Shape s) { return MutableTensorView(v.dtype(), std::move(s), v.bytes()); }
+MutableTensorView Reshaped(const MutableTensorView& v, Shape s) {
+  return MutableTensorView(v.dtype(), std::move(s), v.bytes());
+}
 TensorView Reshaped(const TensorView& v, Shape s) { return TensorView(v.dtype(), std::move(s), v.bytes()); }
 
 // The Marlin scale permutation with the perm chosen by the layout (§4; FORMATS §5). The
@@ -38,9 +40,11 @@ absl::Status PermuteScalesAs(const TensorView& in, const MutableTensorView& out,
                              const kernels::KernelOptions& ko) {
   const int64_t numel = in.numel();
   if (numel % 64 != 0 || numel <= 0 || out.numel() != numel)
-    return absl::InternalError(absl::StrCat("scale permutation of ", in.DebugString(), " -> ", TensorView(out).DebugString()));
+    return absl::InternalError(
+        absl::StrCat("scale permutation of ", in.DebugString(), " -> ", TensorView(out).DebugString()));
   auto run = [&](const TensorView& i, const MutableTensorView& o, int64_t size_k, int g) {
-    return inverse ? kernels::UnpermuteMarlinScales(i, size_k, g, o, ko) : kernels::PermuteMarlinScales(i, size_k, g, o, ko);
+    return inverse ? kernels::UnpermuteMarlinScales(i, size_k, g, o, ko)
+                   : kernels::PermuteMarlinScales(i, size_k, g, o, ko);
   };
   if (!grouped) return run(Reshaped(in, {1, numel}), Reshaped(out, {1, numel}), 1, kernels::kChannelwise);
   // [rows, 64] with group size 1 and size_k = rows selects the grouped perm when rows >= 2. A single
@@ -52,9 +56,8 @@ absl::Status PermuteScalesAs(const TensorView& in, const MutableTensorView& out,
 }
 
 void ParallelCopy(const std::byte* src, std::byte* dst, size_t n, int threads) {
-  ParallelFor(static_cast<int64_t>(n), threads, kMinBytesPerThread, [&](int64_t b, int64_t e) {
-    std::memcpy(dst + b, src + b, static_cast<size_t>(e - b));
-  });
+  ParallelFor(static_cast<int64_t>(n), threads, kMinBytesPerThread,
+              [&](int64_t b, int64_t e) { std::memcpy(dst + b, src + b, static_cast<size_t>(e - b)); });
 }
 
 bool IsDenseInt4(const EngineParam& p) { return p.kind != ParamKind::kPlain && p.marlin.experts == 0; }
@@ -187,8 +190,8 @@ absl::Status Commit(const Staging& staging, EngineWeights& engine, const RepackO
     ASSIGN_OR_RETURN(const MutableTensorView dst, engine.View(p.name));
     const absl::Status st = CommitParam(p, Const(staging.param(static_cast<int>(i))), dst, scratch.span(), options);
     if (!st.ok())
-      return absl::InternalError(absl::StrCat("commit of ", p.name, " failed after validation (engine partially written): ",
-                                              st.message()));
+      return absl::InternalError(
+          absl::StrCat("commit of ", p.name, " failed after validation (engine partially written): ", st.message()));
   }
   if (!options.verify) return absl::OkStatus();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -203,7 +206,8 @@ absl::Status Commit(const Staging& staging, EngineWeights& engine, const RepackO
     const MutableTensorView got(p.dtype, p.loaded_shape, check.span().first(want.nbytes()));
     RETURN_IF_ERROR(RestoreParam(p, Const(src), got, check_scratch.span(), options));
     if (std::memcmp(got.data(), want.data(), want.nbytes()) != 0)
-      return absl::InternalError(absl::StrCat("commit verify: ", p.name, " read back from Marlin differs from staging"));
+      return absl::InternalError(
+          absl::StrCat("commit verify: ", p.name, " read back from Marlin differs from staging"));
   }
   return absl::OkStatus();
 }
@@ -262,7 +266,8 @@ float PlainAt(const std::byte* p, int64_t i, DType dt) {
 
 absl::Status CheckView(const TensorView& v, const EngineParam& p, ParamForm form) {
   const Shape& want = p.shape(form);
-  if (v.dtype() != p.dtype || v.shape() != want || static_cast<int64_t>(v.nbytes()) != NumBytes(p.dtype, want).value_or(-1))
+  if (v.dtype() != p.dtype || v.shape() != want ||
+      static_cast<int64_t>(v.nbytes()) != NumBytes(p.dtype, want).value_or(-1))
     return absl::InvalidArgumentError(absl::StrCat("DequantizeToDense: ", p.name, " is ", v.DebugString(), " (",
                                                    v.nbytes(), " bytes), want ", SafetensorsName(p.dtype),
                                                    ShapeToString(want)));
@@ -304,7 +309,8 @@ absl::StatusOr<Tensor> DequantizeToDense(const EngineLinear& linear, const Engin
     ParallelFor(n, options.num_threads, 64, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r)
         for (int64_t c = 0; c < k; ++c)
-          Store(o, r * k + c, Nibble(w, r * (k / 8) + c / 8, static_cast<int>(c % 8)) * ScaleAt(s, r * rows + c / G, sdt), odt);
+          Store(o, r * k + c,
+                Nibble(w, r * (k / 8) + c / 8, static_cast<int>(c % 8)) * ScaleAt(s, r * rows + c / G, sdt), odt);
     });
     return out;
   }
@@ -342,7 +348,8 @@ absl::StatusOr<Tensor> DequantizeToDense(const EngineLinear& linear, const Engin
       const int64_t wbase = ex * (k / 8) * n, sbase = ex * rows * n;
       for (int64_t c = 0; c < k; ++c)
         Store(o, row * k + c,
-              Nibble(w, wbase + (c / 8) * n + r, static_cast<int>(c % 8)) * ScaleAt(s, sbase + (c / G) * n + r, sdt), odt);
+              Nibble(w, wbase + (c / 8) * n + r, static_cast<int>(c % 8)) * ScaleAt(s, sbase + (c / G) * n + r, sdt),
+              odt);
     }
   });
   return out;
@@ -355,7 +362,7 @@ absl::StatusOr<Tensor> DequantizeToDense(const EngineLayout& layout, absl::strin
   const EngineLinear& lin = layout.linears()[static_cast<size_t>(li)];
   const auto& params = layout.params();
   ASSIGN_OR_RETURN(const MutableTensorView w,
-                         engine.View(params[static_cast<size_t>(lin.quantized ? lin.packed : lin.weight)].name));
+                   engine.View(params[static_cast<size_t>(lin.quantized ? lin.packed : lin.weight)].name));
   MutableTensorView s;
   if (lin.quantized) {
     ASSIGN_OR_RETURN(s, engine.View(params[static_cast<size_t>(lin.scale)].name));

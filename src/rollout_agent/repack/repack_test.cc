@@ -18,8 +18,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/checksum.h"
-#include "common/status.h"
 #include "common/config.h"
+#include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/int4.h"
@@ -29,10 +29,10 @@
 namespace wsync::rollout_agent {
 namespace {
 
-using ::testing::HasSubstr;
 using model::testing::HfModel;
 using model::testing::MakeHfModel;
 using model::testing::QuantJson;
+using ::testing::HasSubstr;
 
 // --- a small dense-matrix oracle -----------------------------------------------------------------
 
@@ -98,8 +98,7 @@ D CatCols(const std::vector<D>& parts) {
   D d{{parts[0].rows(), 0}, {}};
   for (const D& p : parts) d.shape[1] += p.cols();
   for (int64_t r = 0; r < d.shape[0]; ++r)
-    for (const D& p : parts)
-      d.v.insert(d.v.end(), p.v.begin() + r * p.cols(), p.v.begin() + (r + 1) * p.cols());
+    for (const D& p : parts) d.v.insert(d.v.end(), p.v.begin() + r * p.cols(), p.v.begin() + (r + 1) * p.cols());
   return d;
 }
 
@@ -172,9 +171,10 @@ std::map<std::string, D> Oracle(const ModelConfig& c, int T, int r, int EP, cons
       const int64_t kvl = T >= nkv ? 1 : nkv / T, s = T >= nkv ? r / (T / nkv) : r;
       for (const char* kind : {"weight", "bias"}) {
         if (std::string(kind) == "bias" && !c.qkv_bias) continue;
-        o[absl::StrCat(A, "qkv_proj.", kind)] = Cat({Rows(H(absl::StrCat(A, "q_proj.", kind)), r * nhl * hd, nhl * hd),
-                                                     Rows(H(absl::StrCat(A, "k_proj.", kind)), s * kvl * hd, kvl * hd),
-                                                     Rows(H(absl::StrCat(A, "v_proj.", kind)), s * kvl * hd, kvl * hd)});
+        o[absl::StrCat(A, "qkv_proj.", kind)] =
+            Cat({Rows(H(absl::StrCat(A, "q_proj.", kind)), r * nhl * hd, nhl * hd),
+                 Rows(H(absl::StrCat(A, "k_proj.", kind)), s * kvl * hd, kvl * hd),
+                 Rows(H(absl::StrCat(A, "v_proj.", kind)), s * kvl * hd, kvl * hd)});
       }
       o[A + "o_proj.weight"] = Cols(H(A + "o_proj.weight"), r * nhl * hd, nhl * hd);
       if (c.qkv_bias && c.arch != Architecture::kQwen2) o[A + "o_proj.bias"] = H(A + "o_proj.bias");
@@ -190,7 +190,8 @@ std::map<std::string, D> Oracle(const ModelConfig& c, int T, int r, int EP, cons
     const MoeConfig& mc = *c.moe;
     const int64_t mt = T / EP, t = r % mt, ep = r / mt, El = mc.num_experts / EP, Ip = mc.moe_intermediate_size / mt;
     o[L + "mlp.gate.weight"] = H(L + "mlp.gate.weight");
-    if (c.arch == Architecture::kDeepseekV3) o[L + "mlp.gate.e_score_correction_bias"] = H(L + "mlp.gate.e_score_correction_bias");
+    if (c.arch == Architecture::kDeepseekV3)
+      o[L + "mlp.gate.e_score_correction_bias"] = H(L + "mlp.gate.e_score_correction_bias");
     std::vector<D> w13, w2;
     for (int64_t l = 0; l < El; ++l) {
       const std::string E = absl::StrCat(L, "mlp.experts.", ep * El + l, ".");
@@ -260,9 +261,9 @@ struct Case {
 void PrintTo(const Case& c, std::ostream* os) { *os << c.label << " (seed " << c.seed << ")"; }
 
 const std::vector<std::string> kAllInt4 = {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"};
-const std::vector<std::string> kSlime = {"lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*embed_tokens.*",
-                                         "re:.*norm.*", "re:.*shared_experts.*"};
-const std::vector<std::string> kDeepseekMaxInt4 = {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$",
+const std::vector<std::string> kSlime = {
+    "lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*embed_tokens.*", "re:.*norm.*", "re:.*shared_experts.*"};
+const std::vector<std::string> kDeepseekMaxInt4 = {"lm_head",        "re:.*embed_tokens.*",      "re:.*mlp\\.gate$",
                                                    "re:.*q_a_proj$", "re:.*kv_a_proj_with_mqa$", "re:.*kv_b_proj$"};
 const std::vector<std::string> kDeepseekNoQLoraInt4 = {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$",
                                                        "re:.*kv_b_proj$"};
@@ -411,7 +412,8 @@ TEST_P(RepackEndToEnd, LoadCommitVerifyRestore) {
         got[static_cast<size_t>(r)][p.name] = d;
         covered.insert(p.name);
       }
-      for (const auto& [name, d] : want) EXPECT_TRUE(covered.contains(name)) << "oracle tensor " << name << " not in the layout";
+      for (const auto& [name, d] : want)
+        EXPECT_TRUE(covered.contains(name)) << "oracle tensor " << name << " not in the layout";
 
       // Restore(Commit(x)) == x, byte for byte, and the restored staging is complete.
       auto restored = Staging::Create(l);
@@ -451,7 +453,8 @@ TEST_P(RepackEndToEnd, LoadCommitVerifyRestore) {
           if (std::string(kind) == "bias" && !c.qkv_bias) continue;
           const std::string qkv = absl::StrCat(A, "qkv_proj.", kind);
           EXPECT_TRUE(Same(cat_rows(qkv, 0, nhl * hd, all), full(absl::StrCat(A, "q_proj.", kind)), qkv + " q"));
-          EXPECT_TRUE(Same(cat_rows(qkv, nhl * hd, kvl * hd, kv_ranks), full(absl::StrCat(A, "k_proj.", kind)), qkv + " k"));
+          EXPECT_TRUE(
+              Same(cat_rows(qkv, nhl * hd, kvl * hd, kv_ranks), full(absl::StrCat(A, "k_proj.", kind)), qkv + " k"));
           EXPECT_TRUE(Same(cat_rows(qkv, (nhl + kvl) * hd, kvl * hd, kv_ranks), full(absl::StrCat(A, "v_proj.", kind)),
                            qkv + " v"));
           for (int r = 0; r < T; ++r)  // replicas hold the same kv head
@@ -472,8 +475,10 @@ TEST_P(RepackEndToEnd, LoadCommitVerifyRestore) {
       if (c.IsMoeLayer(i) && c.arch == Architecture::kDeepseekV3) mlps.push_back(L + "mlp.shared_experts.");
       for (const std::string& pre : mlps) {
         const int64_t half = g(0, pre + "gate_up_proj.weight").rows() / 2;
-        EXPECT_TRUE(Same(cat_rows(pre + "gate_up_proj.weight", 0, half, all), full(pre + "gate_proj.weight"), pre + "gate"));
-        EXPECT_TRUE(Same(cat_rows(pre + "gate_up_proj.weight", half, half, all), full(pre + "up_proj.weight"), pre + "up"));
+        EXPECT_TRUE(
+            Same(cat_rows(pre + "gate_up_proj.weight", 0, half, all), full(pre + "gate_proj.weight"), pre + "gate"));
+        EXPECT_TRUE(
+            Same(cat_rows(pre + "gate_up_proj.weight", half, half, all), full(pre + "up_proj.weight"), pre + "up"));
         std::vector<D> d;
         for (int r = 0; r < T; ++r) d.push_back(g(r, pre + "down_proj.weight"));
         EXPECT_TRUE(Same(CatCols(d), full(pre + "down_proj.weight"), pre + "down"));
@@ -587,7 +592,9 @@ TEST(RepackFailureTest, MismatchedEngineBuffersAreRefusedBeforeWriting) {
       {"missing", "model.norm.weight is not registered",
        [&](auto& v) { std::erase_if(v, [](const EngineBuffer& b) { return b.name == "model.norm.weight"; }); }},
       {"extra", "model.layers.0.mlp.experts.w13_weight_shape is not a parameter of the layout",
-       [&](auto& v) { v.push_back({"model.layers.0.mlp.experts.w13_weight_shape", DType::kI64, {2}, spare, 16}); }},
+       [&](auto& v) {
+         v.push_back({"model.layers.0.mlp.experts.w13_weight_shape", DType::kI64, {2}, spare, 16});
+       }},
       {"misaligned", "model.norm.weight is not 2-byte aligned",
        [&](auto& v) {
          for (auto& b : v)

@@ -25,9 +25,11 @@ int main(int argc, char** argv) {
   uint64_t bucket_mib = 512;
   double sync_timeout_s = 600;
   wsync::RpcSecurityOptions sec;
-  app.add_option("--source", o.source, "Weight source: dir:PATH (a Megatron source directory, re-read every sync) or shm:NAME (the live "
+  app.add_option("--source", o.source,
+                 "Weight source: dir:PATH (a Megatron source directory, re-read every sync) or shm:NAME (the live "
                  "training process of each rank shares its tensors through libwsync_trainer_client; the agent "
-                 "waits for it to register)")->required();
+                 "waits for it to register)")
+      ->required();
   app.add_option("--coordinator", o.coordinator, "Coordinator address: rank 0 listens here, all ranks use its store");
   app.add_option("--backend", o.backend, "Trainer -> rollout data plane: gloo (CPU) or nccl (GPU)");
   app.add_option("--bucket-mib", bucket_mib, "Bucket size in MiB")->check(CLI::Range(1, 1 << 16));

@@ -50,7 +50,8 @@ struct RankResult {
 };
 static_assert(sizeof(RankResult) % 8 == 0, "a POD gathered byte-wise");
 
-constexpr const char* kPhaseNames[7] = {"open", "gather", "convert", "quantize", "bucket", "send_wait", "trainer_total"};
+constexpr const char* kPhaseNames[7] = {"open",   "gather",    "convert",      "quantize",
+                                        "bucket", "send_wait", "trainer_total"};
 
 // Rank 0's side of the command channel: the coordinator's sync thread hands a plan over and
 // waits; the main loop broadcasts it and reports back.
@@ -139,8 +140,8 @@ class Agent {
       src = dir_source ? &*dir_source : nullptr;
     } else if (absl::StartsWith(opts_.source, "shm:")) {
       // The training process of this rank registers its tensors (trainer_client); wait for it.
-      auto shm = ShmSource::Start(
-          {.name = opts_.source.substr(4), .rank = world_->rank(), .world_size = world_->size()});
+      auto shm =
+          ShmSource::Start({.name = opts_.source.substr(4), .rank = world_->rank(), .world_size = world_->size()});
       s = shm.status();
       if (shm.ok()) {
         shm_ = std::move(*shm);
@@ -256,9 +257,8 @@ class Agent {
       auto backend = comm::ParseBackend(cmd.backend);
       auto comm = backend.ok() ? comm::CreateGroup(*backend, g) : backend.status();
       if (comm.ok()) {
-        sink = std::make_unique<comm::BroadcastSink>(std::move(*comm), store_.get(),
-                                               SyncProgressPrefix(cmd.sync_id), comm::CollectiveOptions{timeout},
-                                               &bucket_pool_);
+        sink = std::make_unique<comm::BroadcastSink>(std::move(*comm), store_.get(), SyncProgressPrefix(cmd.sync_id),
+                                                     comm::CollectiveOptions{timeout}, &bucket_pool_);
       } else {
         s = Annotate(comm.status(), absl::StrCat("stage ", stage, " data-plane group"));
       }
@@ -280,7 +280,7 @@ class Agent {
       auto report = RunRankSync(*src, comms_, sink.get(), so);
       if (report.ok() && sink && !sink->status().ok()) report = sink->status();
       if (report.ok()) {
-        const absl::Duration d[7] = {report->open, report->gather, report->convert, report->quantize,
+        const absl::Duration d[7] = {report->open,   report->gather,    report->convert, report->quantize,
                                      report->bucket, report->send_wait, report->total};
         for (int i = 0; i < 7; ++i) mine.seconds[i] = absl::ToDoubleSeconds(d[i]);
         mine.bytes = report->bytes;
@@ -325,7 +325,7 @@ class Agent {
   // (queued behind a running sync; requests for the same version coalesce), then, with `wait`,
   // WatchSync until the sync has ended.
   absl::StatusOr<SyncRequestResult> RequestSync(const std::string& coordinator, uint64_t version, bool wait,
-                                                        absl::Duration timeout) {
+                                                absl::Duration timeout) {
     const absl::Duration bound = std::min(timeout, absl::Hours(24));
     auto stub = v1::Coordinator::NewStub(MakeChannel(coordinator, opts_.security));
     grpc::ClientContext ctx;
@@ -349,7 +349,8 @@ class Agent {
     RETURN_IF_ERROR(Annotate(FromGrpcStatus(reader->Finish()), absl::StrCat("watching sync ", result.sync_id)));
     if (last.phase() != "done") {
       return absl::AbortedError(absl::StrCat("sync ", result.sync_id, " (version ", result.version, ") ",
-                                             last.phase().empty() ? "did not finish" : last.phase(), ": ", last.error()));
+                                             last.phase().empty() ? "did not finish" : last.phase(), ": ",
+                                             last.error()));
     }
     return result;
   }

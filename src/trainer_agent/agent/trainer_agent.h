@@ -29,16 +29,16 @@
 namespace wsync::trainer_agent {
 
 struct TrainerAgentOptions {
-  std::string source;                    // "dir:PATH" or "shm:NAME" (trainer_agent/source/)
+  std::string source;                          // "dir:PATH" or "shm:NAME" (trainer_agent/source/)
   std::string coordinator = "127.0.0.1:7070";  // rank 0 listens here; every rank reaches the store here
-  std::string backend = "gloo";          // trainer -> rollout data plane
+  std::string backend = "gloo";                // trainer -> rollout data plane
   uint64_t bucket_bytes = uint64_t{512} << 20;
   std::optional<QuantizationConfig> quant;  // the engines' quantization config (else the model's own)
   int quant_threads = 0;
   absl::Duration sync_timeout = absl::Minutes(10);
   RpcSecurity security;
-  int metrics_port = -1;                 // -1: none; 0: any
-  std::string address_file;              // rank 0 writes the coordinator's bound address here
+  int metrics_port = -1;     // -1: none; 0: any
+  std::string address_file;  // rank 0 writes the coordinator's bound address here
 };
 
 // Runs until Stop() (or SIGINT/SIGTERM through the caller). Returns the first fatal error.

@@ -1,21 +1,21 @@
 // Megatron <-> HF conversion: every architecture x every supported layout, round trip HF ->
 // shards -> simulated gathers -> HF compared bit for bit; plus the individual rules (plan order,
 // expert ids, PP offsets, tied embeddings, vocab padding, refusals).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
 #include <cstring>
 #include <set>
 #include <string>
 #include <tuple>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "tools/synth/reassemble.h"
+#include "tools/synth/world.h"
 #include "trainer_agent/convert/hf_convert.h"
 #include "trainer_agent/convert/megatron_param.h"
-#include "tools/synth/reassemble.h"
 #include "trainer_agent/convert/shard_layout.h"
-#include "tools/synth/world.h"
 
 namespace wsync::trainer_agent {
 namespace {
@@ -33,7 +33,7 @@ struct ModelCase {
   const char* name;
   Architecture arch;
   bool tie = false;
-  bool q_lora = true;        // DeepSeek-V3
+  bool q_lora = true;           // DeepSeek-V3
   bool mlp_only_layer = false;  // Qwen3-MoE with layer 1 dense (mlp_only_layers: [1])
 };
 
@@ -76,7 +76,8 @@ absl::StatusOr<tools::SyntheticModel> MakeModel(const ModelCase& mc, uint64_t se
   if (!mc.q_lora) o.q_lora_rank = 0;
   if (!mc.mlp_only_layer) return tools::SmallModel(o, seed);
   ASSIGN_OR_RETURN(std::string json, tools::SyntheticConfigJson(o));
-  const std::string patched = absl::StrReplaceAll(json, {{"\"mlp_only_layers\": []", "\"mlp_only_layers\": [\n    1\n  ]"}});
+  const std::string patched =
+      absl::StrReplaceAll(json, {{"\"mlp_only_layers\": []", "\"mlp_only_layers\": [\n    1\n  ]"}});
   if (patched == json) return absl::InternalError("mlp_only_layers not found in the generated config");
   tools::SyntheticModel m;
   m.config_json = patched;
@@ -182,19 +183,16 @@ TEST(PlanRank, Qwen3MoeOrderIsNamedParametersOrder) {
   ASSERT_TRUE(layout.ok());
   auto plan = PlanRank(*cfg, *layout, *par, 1);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_THAT(LocalNames(*plan),
-              ::testing::ElementsAre("embedding.word_embeddings.weight",
-                                     "decoder.layers.0.self_attention.linear_proj.weight",
-                                     "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
-                                     "decoder.layers.0.self_attention.linear_qkv.weight",
-                                     "decoder.layers.0.self_attention.q_layernorm.weight",
-                                     "decoder.layers.0.self_attention.k_layernorm.weight",
-                                     "decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.0.mlp.router.weight",
-                                     "decoder.layers.0.mlp.experts.linear_fc1.weight0",
-                                     "decoder.layers.0.mlp.experts.linear_fc1.weight1",
-                                     "decoder.layers.0.mlp.experts.linear_fc2.weight0",
-                                     "decoder.layers.0.mlp.experts.linear_fc2.weight1",
-                                     "decoder.final_layernorm.weight", "output_layer.weight"));
+  EXPECT_THAT(
+      LocalNames(*plan),
+      ::testing::ElementsAre(
+          "embedding.word_embeddings.weight", "decoder.layers.0.self_attention.linear_proj.weight",
+          "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+          "decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.self_attention.q_layernorm.weight",
+          "decoder.layers.0.self_attention.k_layernorm.weight", "decoder.layers.0.pre_mlp_layernorm.weight",
+          "decoder.layers.0.mlp.router.weight", "decoder.layers.0.mlp.experts.linear_fc1.weight0",
+          "decoder.layers.0.mlp.experts.linear_fc1.weight1", "decoder.layers.0.mlp.experts.linear_fc2.weight0",
+          "decoder.layers.0.mlp.experts.linear_fc2.weight1", "decoder.final_layernorm.weight", "output_layer.weight"));
   // Rank 1 is EP rank 1: local experts 0, 1 are global 2, 3.
   EXPECT_EQ((*plan)[8].global_name, "decoder.layers.0.mlp.experts.linear_fc1.weight2");
   EXPECT_EQ((*plan)[8].global_expert, 2);
@@ -545,15 +543,15 @@ TEST(BindToPlan, NamesMissingUnknownAndMisShapedParameters) {
   missing.erase(missing.begin() + 3);
   auto r = BindToPlan(plan, missing, "rank-00000.safetensors");
   ASSERT_FALSE(r.ok());
-  EXPECT_THAT(r.status().message(),
-              HasSubstr("rank-00000.safetensors: 1 missing parameter(s): "
-                        "decoder.layers.0.self_attention.linear_qkv.weight (BF16[128, 64])"));
+  EXPECT_THAT(r.status().message(), HasSubstr("rank-00000.safetensors: 1 missing parameter(s): "
+                                              "decoder.layers.0.self_attention.linear_qkv.weight (BF16[128, 64])"));
 
   auto unknown = named;
   unknown.emplace_back("decoder.layers.0.mlp.experts.linear_fc1.weight9", named[0].second);
   r = BindToPlan(plan, unknown, "f");
-  EXPECT_THAT(r.status().message(),
-              HasSubstr("1 unknown parameter(s) (not held by this rank): decoder.layers.0.mlp.experts.linear_fc1.weight9"));
+  EXPECT_THAT(
+      r.status().message(),
+      HasSubstr("1 unknown parameter(s) (not held by this rank): decoder.layers.0.mlp.experts.linear_fc1.weight9"));
 
   auto wrong = named;
   wrong[1].second = named[0].second;  // the embedding's bytes under linear_proj's name

@@ -55,8 +55,8 @@ absl::StatusOr<HfRowMap> HfRowMapFor(const ModelConfig& model, const MegatronPar
       break;
     case HfOp::kVocab:
       if (model.vocab_size > rows)
-        return absl::InvalidArgumentError(absl::StrCat(p.global_name, ": ", rows, " rows hold less than vocab_size=",
-                                                       model.vocab_size));
+        return absl::InvalidArgumentError(
+            absl::StrCat(p.global_name, ": ", rows, " rows hold less than vocab_size=", model.vocab_size));
       m.hf_shapes = {WithRows(p.full_shape, model.vocab_size)};
       m.pieces = {{0, 0, 0, model.vocab_size}};
       break;
@@ -85,8 +85,8 @@ absl::StatusOr<HfRowMap> HfRowMapFor(const ModelConfig& model, const MegatronPar
     }
   }
   if (m.hf_shapes.size() != p.hf_names.size())
-    return absl::InternalError(absl::StrCat(p.global_name, ": ", p.hf_names.size(), " HF names for ",
-                                            m.hf_shapes.size(), " HF tensors"));
+    return absl::InternalError(
+        absl::StrCat(p.global_name, ": ", p.hf_names.size(), " HF names for ", m.hf_shapes.size(), " HF tensors"));
   return m;
 }
 
@@ -127,7 +127,8 @@ absl::StatusOr<std::vector<model::HfTensor>> ToHf(const ModelConfig& model, cons
   return out;
 }
 
-absl::StatusOr<Tensor> HfToMegatronFull(const ModelConfig& model, const MegatronParam& p, const model::HfCheckpoint& hf) {
+absl::StatusOr<Tensor> HfToMegatronFull(const ModelConfig& model, const MegatronParam& p,
+                                        const model::HfCheckpoint& hf) {
   ASSIGN_OR_RETURN(HfRowMap map, HfRowMapFor(model, p));
   std::vector<TensorView> sources(map.hf_shapes.size());
   std::vector<Tensor> widened(map.hf_shapes.size());
@@ -135,8 +136,8 @@ absl::StatusOr<Tensor> HfToMegatronFull(const ModelConfig& model, const Megatron
     ASSIGN_OR_RETURN(TensorView v, hf.Get(p.hf_names[i]));
     if (v.shape() != map.hf_shapes[i])
       return absl::InvalidArgumentError(absl::StrCat("HF tensor \"", p.hf_names[i], "\" is ", v.DebugString(),
-                                                     ", expected shape ", ShapeToString(map.hf_shapes[i]),
-                                                     " (for ", p.global_name, ")"));
+                                                     ", expected shape ", ShapeToString(map.hf_shapes[i]), " (for ",
+                                                     p.global_name, ")"));
     if (v.dtype() != p.dtype) {
       if (p.dtype == DType::kF32 && (v.dtype() == DType::kBF16 || v.dtype() == DType::kF16)) {
         ASSIGN_OR_RETURN(widened[i], WidenToF32(v));

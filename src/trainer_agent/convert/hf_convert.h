@@ -34,19 +34,21 @@ struct HfRowPiece {
   int64_t rows = 0;
 };
 struct HfRowMap {
-  std::vector<Shape> hf_shapes;     // parallel to param.hf_names
-  std::vector<HfRowPiece> pieces;   // full rows outside every piece are padding
+  std::vector<Shape> hf_shapes;    // parallel to param.hf_names
+  std::vector<HfRowPiece> pieces;  // full rows outside every piece are padding
 };
 absl::StatusOr<HfRowMap> HfRowMapFor(const ModelConfig& model, const MegatronParam& param);
 
 // The HF tensors a gathered parameter becomes (none for the tied output copy, param.sent false).
 // `full` must have param.dtype and param.full_shape.
-absl::StatusOr<std::vector<model::HfTensor>> ToHf(const ModelConfig& model, const MegatronParam& param, TensorView full);
+absl::StatusOr<std::vector<model::HfTensor>> ToHf(const ModelConfig& model, const MegatronParam& param,
+                                                  TensorView full);
 
 // The reverse (used by the sharder): the full Megatron tensor built from the HF checkpoint. HF
 // tensors must have the parameter's dtype, except that a bf16/fp16 source of an fp32 parameter
 // (router.expert_bias) is widened exactly.
-absl::StatusOr<Tensor> HfToMegatronFull(const ModelConfig& model, const MegatronParam& param, const model::HfCheckpoint& hf);
+absl::StatusOr<Tensor> HfToMegatronFull(const ModelConfig& model, const MegatronParam& param,
+                                        const model::HfCheckpoint& hf);
 
 // bf16 / fp16 -> fp32, exact (kInvalidArgument for other dtypes).
 absl::StatusOr<Tensor> WidenToF32(const TensorView& v);

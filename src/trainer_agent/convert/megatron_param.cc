@@ -54,13 +54,13 @@ enum class Block : uint8_t { kFirstStage, kGqa, kMla, kDenseMlp, kMoeMlp, kLastS
 // When a row exists (besides its block being used).
 enum class When : uint8_t {
   kAlways,
-  kQkvBias,       // Qwen2 (--add-qkv-bias)
-  kQkNorm,        // Qwen3, Qwen3-MoE (--qk-layernorm)
-  kQLora,         // MLA with q_lora_rank
-  kNoQLora,       // MLA without
-  kExpertBias,    // DeepSeek-V3 noaux_tc (--moe-router-enable-expert-bias)
-  kSharedExperts, // n_shared_experts > 0
-  kOutputLayer,   // untied, or tied on a stage without the embedding (PP > 1)
+  kQkvBias,        // Qwen2 (--add-qkv-bias)
+  kQkNorm,         // Qwen3, Qwen3-MoE (--qk-layernorm)
+  kQLora,          // MLA with q_lora_rank
+  kNoQLora,        // MLA without
+  kExpertBias,     // DeepSeek-V3 noaux_tc (--moe-router-enable-expert-bias)
+  kSharedExperts,  // n_shared_experts > 0
+  kOutputLayer,    // untied, or tied on a stage without the embedding (PP > 1)
 };
 
 using ShapeFn = Shape (*)(const Dims&);
@@ -290,16 +290,18 @@ absl::string_view ShardKindName(ShardKind kind) {
 }
 
 absl::Status CheckModelSupported(const ModelConfig& m) {
-  const bool gqa_with_bias_flag = m.arch == Architecture::kLlama || m.arch == Architecture::kQwen3 ||
-                                  m.arch == Architecture::kQwen3Moe;
+  const bool gqa_with_bias_flag =
+      m.arch == Architecture::kLlama || m.arch == Architecture::kQwen3 || m.arch == Architecture::kQwen3Moe;
   if (gqa_with_bias_flag && m.qkv_bias)
-    return absl::UnimplementedError(absl::StrCat(
-        m.architecture, ": attention_bias=true is not supported (HF then also has an o_proj bias, which "
-                        "megatron-core's --add-qkv-bias does not produce)"));
+    return absl::UnimplementedError(
+        absl::StrCat(m.architecture,
+                     ": attention_bias=true is not supported (HF then also has an o_proj bias, which "
+                     "megatron-core's --add-qkv-bias does not produce)"));
   if (m.arch == Architecture::kQwen3Moe && m.tie_word_embeddings)
-    return absl::UnimplementedError(absl::StrCat(
-        m.architecture, ": tie_word_embeddings=true is refused (SGLang's Qwen3MoeForCausalLM builds its own "
-                        "lm_head and never fills it from a tied checkpoint)"));
+    return absl::UnimplementedError(
+        absl::StrCat(m.architecture,
+                     ": tie_word_embeddings=true is refused (SGLang's Qwen3MoeForCausalLM builds its own "
+                     "lm_head and never fills it from a tied checkpoint)"));
   if (m.arch == Architecture::kDeepseekV3 && (!m.mla || !m.moe))
     return absl::InvalidArgumentError(absl::StrCat(m.architecture, ": MLA and MoE settings are missing"));
   if (m.arch == Architecture::kQwen3Moe && !m.moe)
@@ -313,25 +315,23 @@ absl::Status CheckModelFitsLayout(const ModelConfig& m, const SourceParallel& pa
     return absl::InvalidArgumentError(absl::StrCat("tp=", par.tp, ", etp=", par.etp, ", ep=", par.ep, " must be >= 1"));
   const Dims d = DimsOf(m, par.padded_vocab_size);
   if (d.nh % par.tp != 0) return NotDivisible("num_attention_heads", d.nh, "tp", par.tp);
-  if (!m.mla && d.ng % par.tp != 0)
-    return NotDivisible("num_key_value_heads (query groups)", d.ng, "tp", par.tp);
+  if (!m.mla && d.ng % par.tp != 0) return NotDivisible("num_key_value_heads (query groups)", d.ng, "tp", par.tp);
   bool any_dense = false, any_moe = false;
   for (int64_t l = 0; l < m.num_hidden_layers; ++l) (m.IsMoeLayer(l) ? any_moe : any_dense) = true;
   if (any_dense && d.ffn % par.tp != 0) return NotDivisible("intermediate_size", d.ffn, "tp", par.tp);
   if (any_moe) {
     if (d.moe_ffn % par.etp != 0) return NotDivisible("moe_intermediate_size", d.moe_ffn, "etp", par.etp);
     if (d.shared_ffn % par.tp != 0)
-      return NotDivisible("shared expert width (moe_intermediate_size * n_shared_experts)", d.shared_ffn, "tp",
-                          par.tp);
+      return NotDivisible("shared expert width (moe_intermediate_size * n_shared_experts)", d.shared_ffn, "tp", par.tp);
     if (d.experts % par.ep != 0) return NotDivisible("number of routed experts", d.experts, "ep", par.ep);
   } else if (par.ep > 1) {
-    return absl::InvalidArgumentError(absl::StrCat("ep=", par.ep, " needs a model with MoE layers; ",
-                                                   m.architecture, " has none"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ep=", par.ep, " needs a model with MoE layers; ", m.architecture, " has none"));
   }
   if (par.padded_vocab_size > 0) {
     if (par.padded_vocab_size < m.vocab_size)
-      return absl::InvalidArgumentError(absl::StrCat("padded_vocab_size=", par.padded_vocab_size,
-                                                     " is smaller than vocab_size=", m.vocab_size));
+      return absl::InvalidArgumentError(
+          absl::StrCat("padded_vocab_size=", par.padded_vocab_size, " is smaller than vocab_size=", m.vocab_size));
     if (par.padded_vocab_size % par.tp != 0)
       return NotDivisible("padded_vocab_size", par.padded_vocab_size, "tp", par.tp);
   }
@@ -425,13 +425,12 @@ absl::StatusOr<std::vector<TensorView>> BindToPlan(const std::vector<MegatronPar
     return s;
   };
   std::vector<std::string> problems;
-  if (!missing.empty())
-    problems.push_back(absl::StrCat(missing.size(), " missing parameter(s): ", list(missing)));
+  if (!missing.empty()) problems.push_back(absl::StrCat(missing.size(), " missing parameter(s): ", list(missing)));
   if (!unknown.empty())
     problems.push_back(absl::StrCat(unknown.size(), " unknown parameter(s) (not held by this rank): ", list(unknown)));
-  if (!bad.empty()) problems.push_back(absl::StrCat(bad.size(), " parameter(s) with a wrong dtype or shape: ", list(bad)));
-  if (!problems.empty())
-    return absl::InvalidArgumentError(absl::StrCat(source, ": ", absl::StrJoin(problems, "; ")));
+  if (!bad.empty())
+    problems.push_back(absl::StrCat(bad.size(), " parameter(s) with a wrong dtype or shape: ", list(bad)));
+  if (!problems.empty()) return absl::InvalidArgumentError(absl::StrCat(source, ": ", absl::StrJoin(problems, "; ")));
   return views;
 }
 

@@ -65,13 +65,13 @@ struct MegatronParam {
   std::string local_name;   // as on the rank: local layer and local expert indices
   std::string global_name;  // global layer and global expert indices
   DType dtype = DType::kBF16;
-  Shape local_shape;        // on one rank of the group
-  Shape full_shape;         // after the TP / expert-TP gather (vocab: padded)
+  Shape local_shape;  // on one rank of the group
+  Shape full_shape;   // after the TP / expert-TP gather (vocab: padded)
   ShardKind kind = ShardKind::kReplicated;
-  int gather_dim = -1;      // 0 or 1; -1 when replicated
-  int group_size = 1;       // TP or ETP size for sharded kinds, 1 for kReplicated
-  int rank_in_group = 0;    // this rank's position in that group
-  bool is_expert = false;   // a routed expert's tensor (EP-distributed)
+  int gather_dim = -1;     // 0 or 1; -1 when replicated
+  int group_size = 1;      // TP or ETP size for sharded kinds, 1 for kReplicated
+  int rank_in_group = 0;   // this rank's position in that group
+  bool is_expert = false;  // a routed expert's tensor (EP-distributed)
   int64_t global_expert = -1;
   int64_t local_expert = -1;
   int64_t global_layer = -1;  // -1 outside decoder layers

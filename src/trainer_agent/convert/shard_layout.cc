@@ -34,13 +34,9 @@ absl::InlinedVector<StridedCopy, 2> ShardCopies(const MegatronParam& p, int r) {
   const int64_t local = Bytes(p.dtype, p.local_shape);
   absl::InlinedVector<StridedCopy, 2> out;
   switch (p.kind) {
-    case ShardKind::kReplicated:
-      out.push_back({1, 0, 0, 0, 0, local});
-      break;
+    case ShardKind::kReplicated: out.push_back({1, 0, 0, 0, 0, local}); break;
     case ShardKind::kTpDim0:
-    case ShardKind::kVocab:
-      out.push_back({1, 0, 0, r * local, 0, local});
-      break;
+    case ShardKind::kVocab: out.push_back({1, 0, 0, r * local, 0, local}); break;
     case ShardKind::kTpGluFc1:
     case ShardKind::kExpertGluFc1: {
       // Rank r holds [gate_r; up_r]; the full tensor is [gate_0..gate_{T-1}; up_0..up_{T-1}].

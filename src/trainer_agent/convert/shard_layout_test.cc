@@ -2,11 +2,11 @@
 // ShardFull on random data, and the refusals.
 #include "trainer_agent/convert/shard_layout.h"
 
-#include <cstring>
-#include <random>
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
 
 namespace wsync::trainer_agent {
 namespace {
@@ -32,7 +32,8 @@ MegatronParam Param(ShardKind kind, Shape full, int group) {
 Tensor Labels(const Shape& shape) {
   Tensor t = *Tensor::Empty(DType::kI32, shape);
   const int64_t cols = shape.size() > 1 ? shape[1] : 1;
-  for (int64_t i = 0; i < t.view().numel(); ++i) t.data_as<int32_t>()[i] = static_cast<int32_t>(i / cols * 100 + i % cols);
+  for (int64_t i = 0; i < t.view().numel(); ++i)
+    t.data_as<int32_t>()[i] = static_cast<int32_t>(i / cols * 100 + i % cols);
   return t;
 }
 

@@ -1,8 +1,7 @@
 #include "trainer_agent/convert/source_parallel.h"
 
-#include <numeric>
-
 #include <nlohmann/json.hpp>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -20,8 +19,7 @@ absl::Status Bad(absl::string_view source, absl::string_view what) {
 
 absl::StatusOr<int64_t> IntField(const Json& j, const char* key, absl::string_view source, int64_t min) {
   const Json& v = j.at(key);
-  if (!v.is_number_integer())
-    return Bad(source, absl::StrCat("\"", key, "\" must be an integer, got ", v.dump()));
+  if (!v.is_number_integer()) return Bad(source, absl::StrCat("\"", key, "\" must be an integer, got ", v.dump()));
   if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT32_MAX))
     return Bad(source, absl::StrCat("\"", key, "\" is too large: ", v.dump()));
   const int64_t x = v.get<int64_t>();
@@ -61,16 +59,23 @@ absl::StatusOr<SourceParallel> ParseSourceParallel(absl::string_view json_text, 
   Json j = Json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return Bad(source, "not well-formed JSON");
   if (!j.is_object()) return Bad(source, "expected a JSON object");
-  static constexpr const char* kKnown[] = {"tp",    "pp",         "ep",
-                                           "etp",   "dp",         "cp",
-                                           "world_size", "order", "make_vocab_size_divisible_by",
-                                           "padded_vocab_size", "layers_per_stage"};
+  static constexpr const char* kKnown[] = {"tp",
+                                           "pp",
+                                           "ep",
+                                           "etp",
+                                           "dp",
+                                           "cp",
+                                           "world_size",
+                                           "order",
+                                           "make_vocab_size_divisible_by",
+                                           "padded_vocab_size",
+                                           "layers_per_stage"};
   for (const auto& [key, value] : j.items()) {
     bool known = false;
     for (const char* k : kKnown) known = known || key == k;
     if (!known)
-      return Bad(source, absl::StrCat("unknown key \"", key, "\" (known: ",
-                                      absl::StrJoin(std::begin(kKnown), std::end(kKnown), ", "), ")"));
+      return Bad(source, absl::StrCat("unknown key \"", key,
+                                      "\" (known: ", absl::StrJoin(std::begin(kKnown), std::end(kKnown), ", "), ")"));
   }
   auto has = [&](const char* k) { return j.contains(k) && !j.at(k).is_null(); };
   SourceParallel p;
@@ -88,10 +93,11 @@ absl::StatusOr<SourceParallel> ParseSourceParallel(absl::string_view json_text, 
   if (!given[4]) p.dp = given[6] ? std::max(1, p.world_size / model_ranks) : 1;
   if (!given[6]) p.world_size = model_ranks * p.dp;
   if (static_cast<int64_t>(p.tp) * p.cp * p.pp * p.dp != p.world_size)
-    return Bad(source, absl::StrCat("world_size=", p.world_size, " != tp*cp*pp*dp = ", p.tp, "*", p.cp, "*", p.pp,
-                                    "*", p.dp));
+    return Bad(source,
+               absl::StrCat("world_size=", p.world_size, " != tp*cp*pp*dp = ", p.tp, "*", p.cp, "*", p.pp, "*", p.dp));
   if (has("order")) {
-    if (!j.at("order").is_string()) return Bad(source, absl::StrCat("\"order\" must be a string, got ", j.at("order").dump()));
+    if (!j.at("order").is_string())
+      return Bad(source, absl::StrCat("\"order\" must be a string, got ", j.at("order").dump()));
     p.order = j.at("order").get<std::string>();
   }
   if (has("make_vocab_size_divisible_by")) {
@@ -114,10 +120,9 @@ absl::StatusOr<SourceParallel> ParseSourceParallel(absl::string_view json_text, 
 
 absl::StatusOr<SourceParallel> ResolveSourceParallel(const ModelConfig& model, SourceParallel p,
                                                      absl::string_view source) {
-  auto bad = [&](const absl::Status& s) {
-    return absl::Status(s.code(), absl::StrCat(source, ": ", s.message()));
-  };
-  if (p.padded_vocab_size == 0) p.padded_vocab_size = PaddedVocabSize(model.vocab_size, p.make_vocab_size_divisible_by, p.tp);
+  auto bad = [&](const absl::Status& s) { return absl::Status(s.code(), absl::StrCat(source, ": ", s.message())); };
+  if (p.padded_vocab_size == 0)
+    p.padded_vocab_size = PaddedVocabSize(model.vocab_size, p.make_vocab_size_divisible_by, p.tp);
   const int64_t layers = model.num_hidden_layers;
   if (p.layers_per_stage.empty()) {
     if (layers % p.pp != 0)

@@ -51,7 +51,8 @@ TEST(ParseSourceParallel, FullFileAndDefaults) {
 }
 
 TEST(ParseSourceParallel, RefusesMalformedFiles) {
-  EXPECT_THAT(ParseSourceParallel("{", "parallel.json").status().message(), HasSubstr("parallel.json: not well-formed"));
+  EXPECT_THAT(ParseSourceParallel("{", "parallel.json").status().message(),
+              HasSubstr("parallel.json: not well-formed"));
   EXPECT_THAT(ParseSourceParallel(R"({"tp_size": 2})", "p").status().message(), HasSubstr("unknown key \"tp_size\""));
   EXPECT_THAT(ParseSourceParallel(R"({"tp": 0})", "p").status().message(), HasSubstr("\"tp\" must be >= 1, got 0"));
   EXPECT_THAT(ParseSourceParallel(R"({"tp": "2"})", "p").status().message(), HasSubstr("must be an integer"));

@@ -20,7 +20,8 @@ class GrpcAgentClient final : public AgentClient {
                            v1::PrepareSyncReply* reply) override {
     return Call(&v1::RolloutAgent::Stub::PrepareSync, req, timeout, reply);
   }
-  absl::Status CommitSync(const v1::CommitSyncRequest& req, absl::Duration timeout, v1::CommitSyncReply* reply) override {
+  absl::Status CommitSync(const v1::CommitSyncRequest& req, absl::Duration timeout,
+                          v1::CommitSyncReply* reply) override {
     return Call(&v1::RolloutAgent::Stub::CommitSync, req, timeout, reply);
   }
   absl::Status AbortSync(const v1::AbortSyncRequest& req, absl::Duration timeout, v1::AbortSyncReply* reply) override {

@@ -23,12 +23,14 @@ namespace wsync::trainer_agent {
 class AgentClient {
  public:
   virtual ~AgentClient() = default;
-  virtual absl::Status BeginSync(const v1::BeginSyncRequest& req, absl::Duration timeout, v1::BeginSyncReply* reply) = 0;
+  virtual absl::Status BeginSync(const v1::BeginSyncRequest& req, absl::Duration timeout,
+                                 v1::BeginSyncReply* reply) = 0;
   virtual absl::Status PrepareSync(const v1::PrepareSyncRequest& req, absl::Duration timeout,
                                    v1::PrepareSyncReply* reply) = 0;
   virtual absl::Status CommitSync(const v1::CommitSyncRequest& req, absl::Duration timeout,
                                   v1::CommitSyncReply* reply) = 0;
-  virtual absl::Status AbortSync(const v1::AbortSyncRequest& req, absl::Duration timeout, v1::AbortSyncReply* reply) = 0;
+  virtual absl::Status AbortSync(const v1::AbortSyncRequest& req, absl::Duration timeout,
+                                 v1::AbortSyncReply* reply) = 0;
 };
 
 // Makes the client of the agent that joined from `address` ("host:port"); called once per Join.

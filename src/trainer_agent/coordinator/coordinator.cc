@@ -81,9 +81,7 @@ class Coordinator::Impl {
                  .rpc_timeout = o.rpc_timeout,
                  .metrics = o.metrics},
                 trainer, &store_,
-                [security = o.security](const std::string& address) {
-                  return MakeGrpcAgentClient(address, security);
-                }),
+                [security = o.security](const std::string& address) { return MakeGrpcAgentClient(address, security); }),
         service_(&domain_, &opts_.security) {}
 
   ~Impl() {

@@ -1,10 +1,10 @@
 // SyncCoordinator driven in one process by fake rollout agents (AgentClient) and a fake trainer
 // side: the state machine's order of calls, aborts, busy triggers, versions, member timeouts; and
 // one round trip through the gRPC service (Coordinator) for the status mapping and the token.
-#include "trainer_agent/coordinator/sync_coordinator.h"
+#include "trainer_agent/coordinator/coordinator.h"
 
-#include <grpcpp/grpcpp.h>
 #include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include <map>
@@ -16,7 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/grpc_status.h"
-#include "trainer_agent/coordinator/coordinator.h"
+#include "trainer_agent/coordinator/sync_coordinator.h"
 #include "trainer_agent/coordinator/sync_keys.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 
@@ -90,7 +90,8 @@ class FakeTrainer final : public TrainerSide {
   absl::StatusOr<TrainerReport> RunSync(const SyncPlan& plan) override {
     absl::MutexLock lock(&mu_);
     plans_.push_back(plan);
-    mu_.Await(absl::Condition(+[](bool* hold) { return !*hold; }, &hold_));
+    mu_.Await(absl::Condition(
+        +[](bool* hold) { return !*hold; }, &hold_));
     if (!fail_.ok()) return fail_;
     TrainerReport r;
     r.bytes = 1000;
@@ -156,10 +157,13 @@ class SyncCoordinatorTest : public ::testing::Test {
   // The final event of sync `id` (WatchSync until it finishes).
   v1::SyncEvent Finish(uint64_t id) {
     v1::SyncEvent last;
-    EXPECT_TRUE(coordinator_->WatchSync(id, [&](const v1::SyncEvent& e) {
-                               last = e;
-                               return true;
-                             }).ok());
+    EXPECT_TRUE(coordinator_
+                    ->WatchSync(id,
+                                [&](const v1::SyncEvent& e) {
+                                  last = e;
+                                  return true;
+                                })
+                    .ok());
     return last;
   }
   // Waits (bounded) until a sync has reached the trainer side (phase "transfer").
@@ -190,8 +194,7 @@ TEST_F(SyncCoordinatorTest, ASyncCallsEveryAgentInOrderAndPublishes) {
   EXPECT_EQ(e.error(), "");
   const std::string id = absl::StrCat(t->sync_id());
   for (const char* address : {"a:1", "a:2"}) {
-    EXPECT_EQ(Agent(address)->calls(),
-              (std::vector<std::string>{"Begin " + id, "Prepare " + id, "Commit " + id}))
+    EXPECT_EQ(Agent(address)->calls(), (std::vector<std::string>{"Begin " + id, "Prepare " + id, "Commit " + id}))
         << address;
     const v1::BeginSyncRequest b = Agent(address)->last_begin();
     EXPECT_EQ(b.store_address(), "store:1");
@@ -204,8 +207,8 @@ TEST_F(SyncCoordinatorTest, ASyncCallsEveryAgentInOrderAndPublishes) {
   EXPECT_NE(Agent("a:1")->last_begin().agent_rank(), Agent("a:2")->last_begin().agent_rank());
   ASSERT_EQ(trainer_.plans().size(), 1u);
   EXPECT_EQ(trainer_.plans()[0].num_agents, 2);
-  EXPECT_EQ(trainer_.plans()[0].group_names, (std::vector<std::string>{SyncGroupName(t->sync_id(), 0),
-                                                                      SyncGroupName(t->sync_id(), 1)}));
+  EXPECT_EQ(trainer_.plans()[0].group_names,
+            (std::vector<std::string>{SyncGroupName(t->sync_id(), 0), SyncGroupName(t->sync_id(), 1)}));
 
   v1::StatusReply status;
   coordinator_->Status(&status);
@@ -241,8 +244,7 @@ TEST_F(SyncCoordinatorTest, AFailedPrepareAbortsEveryAgentAndCommitsNone) {
   EXPECT_THAT(e.error(), HasSubstr("bucket 3 checksum"));
   const std::string id = absl::StrCat(t->sync_id());
   for (const char* address : {"a:1", "a:2"}) {
-    EXPECT_EQ(Agent(address)->calls(),
-              (std::vector<std::string>{"Begin " + id, "Prepare " + id, "Abort " + id}))
+    EXPECT_EQ(Agent(address)->calls(), (std::vector<std::string>{"Begin " + id, "Prepare " + id, "Abort " + id}))
         << address;
   }
   // The failing member carries its own error in the event.
@@ -398,8 +400,7 @@ TEST_F(SyncCoordinatorTest, AMemberOfTheRunningSyncIsNotDroppedWhileItRuns) {
 
 TEST_F(SyncCoordinatorTest, WatchingAnUnknownSyncIsNotFoundAndTimingsNeedAFinishedSync) {
   Make();
-  EXPECT_EQ(coordinator_->WatchSync(42, [](const v1::SyncEvent&) { return true; }).code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(coordinator_->WatchSync(42, [](const v1::SyncEvent&) { return true; }).code(), absl::StatusCode::kNotFound);
   v1::TimingsReply timings;
   EXPECT_EQ(coordinator_->Timings({}, &timings).code(), absl::StatusCode::kNotFound);
 }
@@ -414,10 +415,13 @@ TEST_F(SyncCoordinatorTest, ProgressComesFromTheStore) {
   ASSERT_TRUE(store_.Add(SyncProgressPrefix(t->sync_id()) + kProgressBytes, 640).ok());
   ASSERT_TRUE(store_.Add(SyncProgressPrefix(t->sync_id()) + kProgressBuckets, 2).ok());
   v1::SyncEvent running;
-  ASSERT_TRUE(coordinator_->WatchSync(t->sync_id(), [&](const v1::SyncEvent& e) {
-                             running = e;
-                             return false;  // one event is enough
-                           }).ok());
+  ASSERT_TRUE(coordinator_
+                  ->WatchSync(t->sync_id(),
+                              [&](const v1::SyncEvent& e) {
+                                running = e;
+                                return false;  // one event is enough
+                              })
+                  .ok());
   EXPECT_EQ(running.phase(), "transfer");
   EXPECT_EQ(running.bytes_done(), 640u);
   EXPECT_EQ(running.buckets_done(), 2u);

@@ -186,8 +186,8 @@ absl::Status SyncCoordinator::TriggerSync(const v1::TriggerSyncRequest& req, v1:
     }
   }
   if ((running_ || !queue_.empty()) && !req.wait_if_busy()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "sync ", running_ ? running_id_ : queue_.front(), " is in progress; retry later or pass wait_if_busy"));
+    return absl::FailedPreconditionError(absl::StrCat("sync ", running_ ? running_id_ : queue_.front(),
+                                                      " is in progress; retry later or pass wait_if_busy"));
   }
   const uint64_t id = next_sync_id_++;
   SyncRecord rec;

@@ -11,13 +11,14 @@
 namespace wsync::trainer_agent {
 namespace {
 
-absl::StatusOr<std::unique_ptr<comm::Communicator>> SplitGroup(comm::Communicator& world, const std::vector<int>& members,
-                                                         absl::string_view kind, const comm::CollectiveOptions& options) {
+absl::StatusOr<std::unique_ptr<comm::Communicator>> SplitGroup(comm::Communicator& world,
+                                                               const std::vector<int>& members, absl::string_view kind,
+                                                               const comm::CollectiveOptions& options) {
   const int me = world.rank();
   const auto it = std::find(members.begin(), members.end(), me);
   if (it == members.end())
-    return absl::InternalError(absl::StrCat("rank ", me, " is not in its own ", kind, " group [",
-                                            absl::StrJoin(members, ", "), "]"));
+    return absl::InternalError(
+        absl::StrCat("rank ", me, " is not in its own ", kind, " group [", absl::StrJoin(members, ", "), "]"));
   const int position = static_cast<int>(it - members.begin());
   const std::string name = absl::StrCat(kind, "@", members.front());
   ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> comm, world.Split(members.front(), position, name));

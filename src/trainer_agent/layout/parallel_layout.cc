@@ -31,11 +31,15 @@ absl::StatusOr<ParallelLayout> ParallelLayout::Create(const ParallelSizes& s) {
   const int etp = s.etp == 0 ? s.tp : s.etp;
   auto bad = [&](absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "invalid parallel layout (world_size=%d tp=%d cp=%d pp=%d ep=%d etp=%d experts=%d order=%s): %s",
-        s.world_size, s.tp, s.cp, s.pp, s.ep, etp, s.num_experts, s.order, why));
+        "invalid parallel layout (world_size=%d tp=%d cp=%d pp=%d ep=%d etp=%d experts=%d order=%s): %s", s.world_size,
+        s.tp, s.cp, s.pp, s.ep, etp, s.num_experts, s.order, why));
   };
-  for (auto [name, v] : {std::pair<const char*, int>{"world_size", s.world_size}, {"tp", s.tp}, {"cp", s.cp},
-                         {"pp", s.pp}, {"ep", s.ep}, {"etp", etp}})
+  for (auto [name, v] : {std::pair<const char*, int>{"world_size", s.world_size},
+                         {"tp", s.tp},
+                         {"cp", s.cp},
+                         {"pp", s.pp},
+                         {"ep", s.ep},
+                         {"etp", etp}})
     if (v < 1) return bad(absl::StrCat(name, " must be >= 1"));
   if (s.world_size % (s.tp * s.cp * s.pp) != 0)
     return bad(absl::StrCat("tp*cp*pp = ", s.tp * s.cp * s.pp, " does not divide world_size ", s.world_size));

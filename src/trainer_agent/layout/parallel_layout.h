@@ -30,9 +30,9 @@ struct ParallelSizes {
   int cp = 1;
   int pp = 1;
   int ep = 1;
-  int etp = 0;                        // 0: unset, same as tp (Megatron's default)
+  int etp = 0;  // 0: unset, same as tp (Megatron's default)
   std::string order = "tp-cp-ep-dp-pp";
-  int64_t num_experts = 0;            // routed experts of the model; 0 when not MoE
+  int64_t num_experts = 0;  // routed experts of the model; 0 when not MoE
 };
 
 struct DenseCoord {
@@ -68,7 +68,7 @@ class ParallelLayout {
   int ExpertRank(const ExpertCoord& c) const;
 
   // The groups containing `rank`, ascending global ranks.
-  std::vector<int> TpGroup(int rank) const;   // dense grid, varies tp
+  std::vector<int> TpGroup(int rank) const;  // dense grid, varies tp
   std::vector<int> CpGroup(int rank) const;
   std::vector<int> DpGroup(int rank) const;
   std::vector<int> PpGroup(int rank) const;

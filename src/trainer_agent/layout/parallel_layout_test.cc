@@ -103,8 +103,14 @@ TEST(ParallelLayoutTest, GroupsPartitionTheWorld) {
   struct L {
     int w, tp, pp, ep, etp, cp;
   };
-  for (const L& c : std::vector<L>{{8, 2, 2, 2, 2, 1}, {8, 2, 2, 2, 1, 1}, {16, 4, 2, 2, 1, 1}, {8, 2, 1, 4, 1, 1},
-                                   {12, 2, 3, 2, 2, 1}, {8, 1, 1, 8, 1, 1}, {8, 2, 1, 2, 2, 2}, {6, 3, 2, 1, 0, 1}}) {
+  for (const L& c : std::vector<L>{{8, 2, 2, 2, 2, 1},
+                                   {8, 2, 2, 2, 1, 1},
+                                   {16, 4, 2, 2, 1, 1},
+                                   {8, 2, 1, 4, 1, 1},
+                                   {12, 2, 3, 2, 2, 1},
+                                   {8, 1, 1, 8, 1, 1},
+                                   {8, 2, 1, 2, 2, 2},
+                                   {6, 3, 2, 1, 0, 1}}) {
     auto l = Make(c.w, c.tp, c.pp, c.ep, c.etp, 16, c.cp);
     std::set<std::pair<int, int>> seen_dense;
     for (int r = 0; r < l.world_size(); ++r) {

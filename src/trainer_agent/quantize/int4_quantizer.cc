@@ -103,12 +103,12 @@ absl::Status MergeInt4Shards(const Int4ExpertPlan& plan, std::span<const std::by
     scales.emplace_back(plan.scales.dtype, plan.scales.local_shape,
                         shard.subspan(plan.local_scale_offset, plan.local_scale_bytes));
   }
-  RETURN_IF_ERROR(MergeShards(plan.packed, packed,
-                              MutableTensorView(DType::kI32, plan.packed.full_shape,
-                                                block.subspan(0, plan.packed_bytes))));
-  return MergeShards(plan.scales, scales,
-                     MutableTensorView(plan.scales.dtype, plan.scales.full_shape,
-                                       block.subspan(plan.scale_offset, plan.scale_bytes)));
+  RETURN_IF_ERROR(
+      MergeShards(plan.packed, packed,
+                  MutableTensorView(DType::kI32, plan.packed.full_shape, block.subspan(0, plan.packed_bytes))));
+  return MergeShards(
+      plan.scales, scales,
+      MutableTensorView(plan.scales.dtype, plan.scales.full_shape, block.subspan(plan.scale_offset, plan.scale_bytes)));
 }
 
 Int4Quantizer::Int4Quantizer(const Int4Options& options)
@@ -174,9 +174,9 @@ absl::StatusOr<std::optional<Int4ExpertPlan>> Int4Quantizer::PlanExpert(
   return plan;
 }
 
-absl::Status Int4Quantizer::QuantizeRows(const MegatronParam& p, const TensorView& w,
-                                         absl::Span<const RowSegment> rows, std::span<std::byte> packed,
-                                         std::span<std::byte> scales, absl::string_view where) {
+absl::Status Int4Quantizer::QuantizeRows(const MegatronParam& p, const TensorView& w, absl::Span<const RowSegment> rows,
+                                         std::span<std::byte> packed, std::span<std::byte> scales,
+                                         absl::string_view where) {
   const int64_t n = w.dim(0), k = w.dim(1);
   const uint64_t w_row = w.nbytes() / static_cast<uint64_t>(n);
   const uint64_t packed_row = packed.size() / static_cast<uint64_t>(n);
@@ -192,16 +192,16 @@ absl::Status Int4Quantizer::QuantizeRows(const MegatronParam& p, const TensorVie
     stats_.quantize += absl::Now() - t0;
     const std::string& name = p.hf_names[static_cast<size_t>(seg.hf_index)];
     if (!s.ok())
-      return Annotate(s, absl::StrCat("quantizing \"", name, "\" (its rows ", seg.hf_row, "..",
-                                      seg.hf_row + seg.rows - 1, " as the kernel's rows 0..", seg.rows - 1, "; ",
-                                      where, ")"));
+      return Annotate(s,
+                      absl::StrCat("quantizing \"", name, "\" (its rows ", seg.hf_row, "..", seg.hf_row + seg.rows - 1,
+                                   " as the kernel's rows 0..", seg.rows - 1, "; ", where, ")"));
     stats_.quantized_bytes += ws.nbytes();
   }
   return absl::OkStatus();
 }
 
-absl::Status Int4Quantizer::EmitExpert(comm::BucketBuilder& builder, const MegatronParam& p,
-                                       const Int4ExpertPlan& plan, std::span<const std::byte> block) {
+absl::Status Int4Quantizer::EmitExpert(comm::BucketBuilder& builder, const MegatronParam& p, const Int4ExpertPlan& plan,
+                                       std::span<const std::byte> block) {
   const int64_t rows = p.full_shape[0];
   const uint64_t packed_row = plan.packed_bytes / static_cast<uint64_t>(rows);
   const uint64_t scale_row = plan.scale_bytes / static_cast<uint64_t>(rows);
@@ -226,8 +226,7 @@ absl::Status Int4Quantizer::EmitExpert(comm::BucketBuilder& builder, const Megat
   return absl::OkStatus();
 }
 
-absl::Status Int4Quantizer::QuantizeInto(comm::BucketBuilder& builder, const std::string& name,
-                                         const TensorView& w) {
+absl::Status Int4Quantizer::QuantizeInto(comm::BucketBuilder& builder, const std::string& name, const TensorView& w) {
   absl::StatusOr<kernels::QuantizedShapes> shapes = kernels::QuantizedShapesFor(w, quant_.group_size, kFormat);
   if (!shapes.ok()) return Annotate(shapes.status(), absl::StrCat("quantizing \"", name, "\" (", w.DebugString(), ")"));
   ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst,

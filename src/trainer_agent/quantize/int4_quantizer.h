@@ -101,8 +101,7 @@ std::string QuantFingerprint(const QuantizationConfig* quant, kernels::QuantVari
 // The ETP ranks' shard blocks of an expert parameter (`shards`: plan.packed.group_size blocks of
 // plan.local_block bytes, in ETP rank order) merged into the full block `block` (block_bytes).
 // Requires plan.by_shard. kInvalidArgument from MergeShards for mis-sized spans.
-absl::Status MergeInt4Shards(const Int4ExpertPlan& plan, std::span<const std::byte> shards,
-                             std::span<std::byte> block);
+absl::Status MergeInt4Shards(const Int4ExpertPlan& plan, std::span<const std::byte> shards, std::span<std::byte> block);
 
 class Int4Quantizer {
  public:

@@ -5,15 +5,15 @@
 // triplets written into a bucket bit-exact to model::QuantizeHfTensor.
 #include "trainer_agent/quantize/int4_quantizer.h"
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
 #include <cstring>
 #include <map>
 #include <optional>
 #include <random>
 #include <string>
 #include <vector>
-
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -35,7 +35,8 @@ QuantizationConfig Int4Config(int group, const std::string& ignore = "") {
   const std::string json = absl::StrCat(
       R"({"quant_method": "compressed-tensors", "format": "pack-quantized",
       "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
-      "strategy": ")", strategy, R"(", "group_size": )", size, R"(, "symmetric": true, "actorder": null,
+      "strategy": ")",
+      strategy, R"(", "group_size": )", size, R"(, "symmetric": true, "actorder": null,
       "dynamic": false}}}, "ignore": ["lm_head", "re:.*mlp\\.gate$")",
       ignore.empty() ? "" : absl::StrCat(", \"", ignore, "\""), "]}");
   auto q = ParseQuantizationConfig(json, "test int4 config");
@@ -150,8 +151,8 @@ TEST(Int4PlanTest, Etp2QuantizesFc2ShardsOnlyWhenTheyHoldWholeGroups) {
     bool by_shard;
   };
   // K = moe_ffn, K / ETP = moe_ffn / 2 columns per shard.
-  for (const Want& w : {Want{64, 32, true}, Want{32, 32, false}, Want{64, 64, false},
-                        Want{64, kernels::kChannelwise, false}}) {
+  for (const Want& w :
+       {Want{64, 32, true}, Want{32, 32, false}, Want{64, 64, false}, Want{64, kernels::kChannelwise, false}}) {
     SCOPED_TRACE(absl::StrCat("moe_ffn ", w.moe_ffn, ", group ", w.group));
     auto f = MakeFixture(/*etp=*/2, w.moe_ffn);
     ASSERT_TRUE(f.ok()) << f.status();
@@ -255,8 +256,8 @@ TEST(Int4QuantizeRowsTest, AnySplitOfRowsEqualsQuantizingTheWholeTensor) {
 
 TEST(Int4QuantizeRowsTest, EtpShardsQuantizedAndMergedEqualTheFullTensorQuantized) {
   // fc1 (rows) with moe_ffn 32, fc2 (column blocks of whole groups) with moe_ffn 64.
-  for (auto [moe_ffn, kind] : {std::pair{int64_t{32}, ShardKind::kExpertGluFc1},
-                               std::pair{int64_t{64}, ShardKind::kExpertDim1}}) {
+  for (auto [moe_ffn, kind] :
+       {std::pair{int64_t{32}, ShardKind::kExpertGluFc1}, std::pair{int64_t{64}, ShardKind::kExpertDim1}}) {
     SCOPED_TRACE(ShardKindName(kind));
     auto f = MakeFixture(/*etp=*/2, moe_ffn);
     ASSERT_TRUE(f.ok()) << f.status();

@@ -23,9 +23,9 @@ bool IsMtpLayerTensor(absl::string_view name, int64_t num_layers) {
 }  // namespace
 
 absl::StatusOr<std::vector<model::HfTensor>> ExpectedSentTensors(const ModelConfig& model,
-                                                                   const model::HfCheckpoint& hf,
-                                                                   const QuantizationConfig* quant,
-                                                                   const model::QuantizeOptions& options) {
+                                                                 const model::HfCheckpoint& hf,
+                                                                 const QuantizationConfig* quant,
+                                                                 const model::QuantizeOptions& options) {
   if (quant != nullptr) RETURN_IF_ERROR(quant->CheckInt4Supported());
   ASSIGN_OR_RETURN(std::vector<model::HfTensorSpec> specs, HfTensorSpecs(model));
   std::set<std::string> known;
@@ -34,8 +34,8 @@ absl::StatusOr<std::vector<model::HfTensor>> ExpectedSentTensors(const ModelConf
     if (known.count(name) != 0) continue;
     if (name == "lm_head.weight" && model.tie_word_embeddings) continue;
     if (IsMtpLayerTensor(name, model.num_hidden_layers)) continue;
-    return absl::InvalidArgumentError(absl::StrCat("HF checkpoint tensor \"", name, "\" is not a tensor of ",
-                                                   model.architecture, " as configured"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("HF checkpoint tensor \"", name, "\" is not a tensor of ", model.architecture, " as configured"));
   }
   std::vector<model::HfTensor> out;
   out.reserve(specs.size());

@@ -20,8 +20,8 @@
 #include "common/config.h"
 #include "common/tensor.h"
 #include "kernels/int4.h"
-#include "model/quant_target.h"
 #include "model/hf_checkpoint.h"
+#include "model/quant_target.h"
 #include "trainer_agent/convert/hf_convert.h"
 
 namespace wsync::trainer_agent {
@@ -32,9 +32,9 @@ namespace wsync::trainer_agent {
 // only when they are a tied lm_head.weight or belong to MTP layers (model.layers.{>= L});
 // any other unknown tensor is kInvalidArgument.
 absl::StatusOr<std::vector<model::HfTensor>> ExpectedSentTensors(const ModelConfig& model,
-                                                                   const model::HfCheckpoint& hf,
-                                                                   const QuantizationConfig* quant,
-                                                                   const model::QuantizeOptions& options = {});
+                                                                 const model::HfCheckpoint& hf,
+                                                                 const QuantizationConfig* quant,
+                                                                 const model::QuantizeOptions& options = {});
 
 // The same from a model directory (config.json + *.safetensors, mmap'ed). `quant`: the engine's
 // quantization config; std::nullopt means the config.json's own quantization_config (none:

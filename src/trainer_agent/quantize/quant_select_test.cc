@@ -2,12 +2,12 @@
 // kernel, the oracle ExpectedSentTensors, and the refusals.
 #include "trainer_agent/quantize/quant_select.h"
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
 #include <cstring>
 #include <map>
 #include <set>
-
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_replace.h"
@@ -52,7 +52,8 @@ TEST(QuantizeHfTensor, TripletMatchesTheKernel) {
   ASSERT_TRUE(model.ok());
   const std::string name = "model.layers.2.mlp.experts.5.down_proj.weight";
   TensorView w = *model->Get(name);  // [512, 256]
-  auto q = model::QuantizeHfTensor(name, w, *cfg.quantization, {.variant = kernels::QuantVariant::kQat, .num_threads = 2});
+  auto q =
+      model::QuantizeHfTensor(name, w, *cfg.quantization, {.variant = kernels::QuantVariant::kQat, .num_threads = 2});
   ASSERT_TRUE(q.ok()) << q.status();
   ASSERT_EQ(q->size(), 3u);
   EXPECT_EQ((*q)[0].name, "model.layers.2.mlp.experts.5.down_proj.weight_packed");

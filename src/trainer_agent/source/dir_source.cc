@@ -6,8 +6,8 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "common/status.h"
 #include "absl/strings/str_format.h"
+#include "common/status.h"
 
 namespace wsync::trainer_agent {
 
@@ -25,7 +25,8 @@ absl::StatusOr<DirSource> DirSource::Open(const std::string& dir) {
   const std::string parallel_path = dir + "/parallel.json";
   ASSIGN_OR_RETURN(std::string config_json, ReadTextFile(config_path));
   ASSIGN_OR_RETURN(std::string parallel_json, ReadTextFile(parallel_path));
-  ASSIGN_OR_RETURN(SourceModel model, ParseSourceModel(std::move(config_json), config_path, parallel_json, parallel_path));
+  ASSIGN_OR_RETURN(SourceModel model,
+                   ParseSourceModel(std::move(config_json), config_path, parallel_json, parallel_path));
   return DirSource(dir, std::move(model));
 }
 
@@ -39,9 +40,7 @@ absl::StatusOr<SourceModel> ParseSourceModel(std::string config_json, absl::stri
   return SourceModel{std::move(config_json), std::move(model), std::move(parallel), std::move(*layout)};
 }
 
-std::string DirSource::RankPath(int global_rank) const {
-  return absl::StrCat(dir_, "/", RankFileName(global_rank));
-}
+std::string DirSource::RankPath(int global_rank) const { return absl::StrCat(dir_, "/", RankFileName(global_rank)); }
 
 absl::StatusOr<RankShard> DirSource::OpenRank(int global_rank, uint64_t /*version: files carry none*/) const {
   if (global_rank < 0 || global_rank >= layout().world_size())
@@ -67,7 +66,6 @@ absl::StatusOr<RankShard> DirSource::OpenRank(int global_rank, uint64_t /*versio
   ASSIGN_OR_RETURN(shard.tensors, BindToPlan(shard.params, tensors, path));
   return shard;
 }
-
 
 std::string RankFileName(int global_rank) { return absl::StrFormat("rank-%05d.safetensors", global_rank); }
 

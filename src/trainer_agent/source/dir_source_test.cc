@@ -3,12 +3,12 @@
 // a replaced rank file is seen by the next OpenRank while older views stay valid.
 #include "trainer_agent/source/dir_source.h"
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
@@ -32,7 +32,7 @@ class DirSourceTest : public ::testing::Test {
     model_ = std::move(*m);
     // TP 2, PP 2, EP 2, ETP 1, DP 2: 8 ranks, experts split over the TP group.
     auto stats = tools::WriteMegatronSource(model_.config_json, model_.config, model_.weights,
-                                              tools::Parallel(2, 2, 2, 1, 2), dir_);
+                                            tools::Parallel(2, 2, 2, 1, 2), dir_);
     ASSERT_TRUE(stats.ok()) << stats.status();
     EXPECT_EQ(stats->files_built, 4);
     EXPECT_EQ(stats->files_copied, 4);
@@ -120,8 +120,9 @@ TEST_F(DirSourceTest, WrongShapeUnknownAndMissingNames) {
   });
   shard = src->OpenRank(0);
   ASSERT_FALSE(shard.ok());
-  EXPECT_THAT(shard.status().message(),
-              HasSubstr("1 missing parameter(s): decoder.layers.0.self_attention.linear_kv_down_proj.weight (BF16[40, 64])"));
+  EXPECT_THAT(
+      shard.status().message(),
+      HasSubstr("1 missing parameter(s): decoder.layers.0.self_attention.linear_kv_down_proj.weight (BF16[40, 64])"));
   EXPECT_THAT(shard.status().message(), HasSubstr("2 unknown parameter(s) (not held by this rank): "));
   EXPECT_THAT(shard.status().message(), HasSubstr("decoder.layers.9.mlp.router.weight"));
 
@@ -151,17 +152,20 @@ TEST_F(DirSourceTest, MismatchedParallelJsonAndConfig) {
   WriteText("parallel.json", absl::StrReplaceAll(good, {{"\"ep\": 2", "\"ep\": 3"}}));
   auto st = DirSource::Open(dir_).status();
   EXPECT_THAT(st.message(), HasSubstr("parallel.json: ep=3 does not divide number of routed experts=8"));
-  WriteText("parallel.json", absl::StrReplaceAll(good, {{"\"layers_per_stage\": [\n    2,\n    2\n  ]",
-                                                         "\"layers_per_stage\": [3, 2]"}}));
+  WriteText(
+      "parallel.json",
+      absl::StrReplaceAll(good, {{"\"layers_per_stage\": [\n    2,\n    2\n  ]", "\"layers_per_stage\": [3, 2]"}}));
   EXPECT_THAT(DirSource::Open(dir_).status().message(), HasSubstr("sums to 5 but the model has num_hidden_layers=4"));
-  WriteText("parallel.json", absl::StrReplaceAll(good, {{"\"padded_vocab_size\": 1024", "\"padded_vocab_size\": 1536"}}));
+  WriteText("parallel.json",
+            absl::StrReplaceAll(good, {{"\"padded_vocab_size\": 1024", "\"padded_vocab_size\": 1536"}}));
   // Valid on its own, but the files hold 512-row embedding shards: refused when the rank opens.
   auto src = DirSource::Open(dir_);
   ASSERT_TRUE(src.ok());
   EXPECT_THAT(src->OpenRank(0).status().message(),
               HasSubstr("embedding.word_embeddings.weight: expected BF16[768, 64], found BF16[512, 64]"));
   WriteText("parallel.json", good);
-  WriteText("config.json", absl::StrReplaceAll(model_.config_json, {{"\"num_attention_heads\": 8", "\"num_attention_heads\": 7"}}));
+  WriteText("config.json",
+            absl::StrReplaceAll(model_.config_json, {{"\"num_attention_heads\": 8", "\"num_attention_heads\": 7"}}));
   EXPECT_THAT(DirSource::Open(dir_).status().message(), HasSubstr("tp=2 does not divide"));
   fs::remove(dir_ + "/parallel.json");
   EXPECT_EQ(DirSource::Open(dir_).status().code(), absl::StatusCode::kNotFound);
@@ -180,7 +184,8 @@ TEST_F(DirSourceTest, ReopenSeesAReplacedFileAndOldViewsStayValid) {
   const std::vector<std::byte> old(before->tensors[j].bytes().begin(), before->tensors[j].bytes().end());
   RewriteRank0(dir_, [](NamedTensors* t) {
     for (auto& [name, tensor] : *t)
-      if (name == "decoder.layers.0.input_layernorm.weight") std::memset(tensor.data_as<std::byte>(), 0x3f, tensor.nbytes());
+      if (name == "decoder.layers.0.input_layernorm.weight")
+        std::memset(tensor.data_as<std::byte>(), 0x3f, tensor.nbytes());
   });
   auto after = src->OpenRank(0);
   ASSERT_TRUE(after.ok());

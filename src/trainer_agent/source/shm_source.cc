@@ -38,7 +38,8 @@ absl::Status Errno(absl::string_view what) { return ::wsync::ErrnoToStatus(errno
 absl::Status EnsurePrivateDir(const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  if (ec) return absl::FailedPreconditionError(absl::StrCat("creating the runtime directory ", dir, ": ", ec.message()));
+  if (ec)
+    return absl::FailedPreconditionError(absl::StrCat("creating the runtime directory ", dir, ": ", ec.message()));
   struct stat st;
   if (lstat(dir.c_str(), &st) != 0) return Errno(absl::StrCat("stat ", dir));
   if (!S_ISDIR(st.st_mode)) return absl::FailedPreconditionError(absl::StrCat(dir, " is not a directory"));
@@ -73,7 +74,7 @@ struct ShmSource::Registration {
 
   absl::Mutex mu;
   int readers ABSL_GUARDED_BY(mu) = 0;
-  uint64_t declared_version ABSL_GUARDED_BY(mu) = 0;     // the client's last sync request
+  uint64_t declared_version ABSL_GUARDED_BY(mu) = 0;  // the client's last sync request
   uint64_t declared_generation ABSL_GUARDED_BY(mu) = 0;
 
   uint64_t generation() const {
@@ -192,8 +193,8 @@ absl::StatusOr<std::unique_ptr<ShmSource>> ShmSource::Start(const ShmSourceOptio
     const bool live = ::connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
     close(probe);
     if (live)
-      return absl::AlreadyExistsError(absl::StrCat("another agent already serves ", src->socket_path_, " (shm:",
-                                                   options.name, " rank ", options.rank, ")"));
+      return absl::AlreadyExistsError(absl::StrCat("another agent already serves ", src->socket_path_,
+                                                   " (shm:", options.name, " rank ", options.rank, ")"));
   }
   unlink(src->socket_path_.c_str());
   State& st = *src->state_;
@@ -253,12 +254,13 @@ absl::Status ShmSource::WaitForRegistration(absl::Duration timeout, const std::a
   absl::MutexLock lock(&state_->mu);
   for (;;) {
     auto registered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) { return state_->current != nullptr; };
-    state_->mu.AwaitWithDeadline(absl::Condition(&registered), std::min(deadline, absl::Now() + absl::Milliseconds(200)));
+    state_->mu.AwaitWithDeadline(absl::Condition(&registered),
+                                 std::min(deadline, absl::Now() + absl::Milliseconds(200)));
     if (registered()) return absl::OkStatus();
     if (stop != nullptr && stop->load()) return absl::CancelledError("stopped while waiting for the training process");
     if (absl::Now() >= deadline)
-      return absl::DeadlineExceededError(absl::StrCat("no training process registered on ", socket_path_, " within ",
-                                                      absl::FormatDuration(timeout)));
+      return absl::DeadlineExceededError(
+          absl::StrCat("no training process registered on ", socket_path_, " within ", absl::FormatDuration(timeout)));
     if (absl::Now() >= next_log) {
       WSYNC_LOG(INFO) << "still waiting for the training process of rank " << options_.rank << " to register on "
                       << socket_path_;
@@ -301,7 +303,8 @@ void ShmSource::Serve(int fd, int pid, unsigned uid) {
         if (reg.ok()) {
           mine = *reg;
         } else {
-          WSYNC_LOG(WARNING) << "shm source: refused the registration of pid " << req.client_pid << ": " << reg.status();
+          WSYNC_LOG(WARNING) << "shm source: refused the registration of pid " << req.client_pid << ": "
+                             << reg.status();
           reply = ToReply(reg.status());
         }
       }
@@ -350,7 +353,7 @@ void ShmSource::Serve(int fd, int pid, unsigned uid) {
 }
 
 absl::StatusOr<std::shared_ptr<ShmSource::Registration>> ShmSource::Register(const tc::RegisterRequest& req,
-                                                                              unsigned uid, bool has_one) {
+                                                                             unsigned uid, bool has_one) {
   const std::string who = absl::StrCat("the registration of pid ", req.client_pid, " (rank ", req.rank, ")");
   if (has_one) return absl::FailedPreconditionError("this connection has already registered");
   if (req.source_name != options_.name || req.rank != options_.rank)
@@ -366,8 +369,9 @@ absl::StatusOr<std::shared_ptr<ShmSource::Registration>> ShmSource::Register(con
     absl::MutexLock lock(&state_->mu);
     if (state_->model && (state_->model->config_json != model.config_json || state_->parallel_canonical != canonical))
       return absl::FailedPreconditionError(
-          absl::StrCat(who, ": the model config or parallel layout differs from the first registration; the agents' "
-                            "layout is fixed once they have started (restart them to change the model)"));
+          absl::StrCat(who,
+                       ": the model config or parallel layout differs from the first registration; the agents' "
+                       "layout is fixed once they have started (restart them to change the model)"));
     if (state_->current && state_->current->connected.load())
       return absl::AlreadyExistsError(absl::StrCat("rank ", options_.rank, " is already registered by pid ",
                                                    state_->current->pid, ", which is still connected"));
@@ -381,21 +385,23 @@ absl::StatusOr<std::shared_ptr<ShmSource::Registration>> ShmSource::Register(con
   struct stat st;
   if (fstat(reg->fd, &st) != 0) return Errno(absl::StrCat("fstat ", req.segment));
   if (st.st_uid != uid || (st.st_mode & 077) != 0)
-    return absl::PermissionDeniedError(absl::StrFormat("%s: shared memory %s has owner %d mode %04o; want owner %d "
-                                                       "mode 0600",
-                                                       who, req.segment, st.st_uid, st.st_mode & 07777, uid));
+    return absl::PermissionDeniedError(
+        absl::StrFormat("%s: shared memory %s has owner %d mode %04o; want owner %d "
+                        "mode 0600",
+                        who, req.segment, st.st_uid, st.st_mode & 07777, uid));
   if (static_cast<uint64_t>(st.st_size) < req.segment_bytes)
     return absl::InvalidArgumentError(absl::StrCat(who, ": shared memory ", req.segment, " has ", st.st_size,
                                                    " bytes, the registration says ", req.segment_bytes));
   if (req.segment_bytes < tc::kSegmentHeaderBytes)
-    return absl::InvalidArgumentError(absl::StrCat(who, ": a segment of ", req.segment_bytes,
-                                                   " bytes has no room for its header"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": a segment of ", req.segment_bytes, " bytes has no room for its header"));
   void* p = mmap(nullptr, req.segment_bytes, PROT_READ, MAP_SHARED, reg->fd, 0);
   if (p == MAP_FAILED) return Errno(absl::StrCat("mmap ", req.segment));
   reg->base = p;
   reg->bytes = req.segment_bytes;
   if (static_cast<const tc::SegmentHeader*>(p)->magic != tc::kSegmentMagic)
-    return absl::InvalidArgumentError(absl::StrCat(who, ": shared memory ", req.segment, " has no wsync segment header"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": shared memory ", req.segment, " has no wsync segment header"));
 
   std::vector<std::pair<std::string, TensorView>> named;
   named.reserve(req.tensors.size());
@@ -405,8 +411,8 @@ absl::StatusOr<std::shared_ptr<ShmSource::Registration>> ShmSource::Register(con
     Shape shape(t.shape.begin(), t.shape.end());
     uint64_t nbytes = 0;
     if (!tc::TensorBytes(t.dtype, t.shape, &nbytes) || nbytes != t.nbytes)
-      return absl::InvalidArgumentError(absl::StrCat(who, ": tensor ", t.name, " declares ", t.nbytes,
-                                                     " bytes for its dtype and shape"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(who, ": tensor ", t.name, " declares ", t.nbytes, " bytes for its dtype and shape"));
     std::span<const std::byte> bytes;
     if (t.location == tc::Location::kHostShm) {
       if (t.offset % 64 != 0 || t.offset < tc::kSegmentHeaderBytes || t.offset > reg->bytes ||
@@ -449,8 +455,8 @@ absl::StatusOr<std::shared_ptr<ShmSource::Registration>> ShmSource::Register(con
 
 absl::StatusOr<RankShard> ShmSource::OpenRank(int global_rank, uint64_t version) const {
   if (global_rank != options_.rank)
-    return absl::InvalidArgumentError(absl::StrCat("shm:", options_.name, " of rank ", options_.rank,
-                                                   " holds no tensors of rank ", global_rank));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm:", options_.name, " of rank ", options_.rank, " holds no tensors of rank ", global_rank));
   std::shared_ptr<Registration> reg;
   {
     absl::MutexLock lock(&state_->mu);
@@ -460,7 +466,8 @@ absl::StatusOr<RankShard> ShmSource::OpenRank(int global_rank, uint64_t version)
     return absl::FailedPreconditionError(absl::StrCat("no training process has registered on ", socket_path_));
   if (!reg->connected.load())
     return absl::FailedPreconditionError(absl::StrCat("the training process of rank ", options_.rank, " (pid ",
-                                                      reg->pid, ") has disconnected; its weights are not synced "
+                                                      reg->pid,
+                                                      ") has disconnected; its weights are not synced "
                                                       "until it registers again"));
   if (version != 0) RETURN_IF_ERROR(reg->AwaitDeclared(version, options_.lock_timeout, options_.rank));
   RETURN_IF_ERROR(reg->AcquireShared(options_.lock_timeout, options_.rank));

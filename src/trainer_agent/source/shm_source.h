@@ -48,10 +48,10 @@
 namespace wsync::trainer_agent {
 
 struct ShmSourceOptions {
-  std::string name;          // NAME of shm:NAME
-  int rank = 0;              // this agent's Megatron global rank
-  int world_size = 0;        // the agents' world: a registration saying otherwise is refused (0: no check)
-  std::string runtime_dir;   // "" = trainer_client::RuntimeDir()
+  std::string name;         // NAME of shm:NAME
+  int rank = 0;             // this agent's Megatron global rank
+  int world_size = 0;       // the agents' world: a registration saying otherwise is refused (0: no check)
+  std::string runtime_dir;  // "" = trainer_client::RuntimeDir()
   absl::Duration lock_timeout = absl::Minutes(2);
 };
 

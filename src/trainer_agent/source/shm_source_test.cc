@@ -6,6 +6,8 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -17,13 +19,10 @@
 #include <fstream>
 #include <thread>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-
 #include "absl/strings/match.h"
 #include "absl/strings/str_replace.h"
-#include "tools/synth/world.h"
 #include "common/cuda_ipc.h"
+#include "tools/synth/world.h"
 #include "trainer_agent/source/dir_source.h"
 #include "trainer_client/protocol.h"
 #include "trainer_client/wsync_trainer_client.h"
@@ -55,8 +54,8 @@ class ShmSourceTest : public ::testing::Test {
     auto m = tools::SmallModel(tools::SmallOptions(Architecture::kQwen3Moe), kSeed);
     ASSERT_TRUE(m.ok()) << m.status();
     // TP 2, EP 2, DP 1: 2 ranks; this test plays rank 1.
-    auto stats = tools::WriteMegatronSource(m->config_json, m->config, m->weights,
-                                              tools::Parallel(2, 1, 2, 1, 1), *dir_);
+    auto stats =
+        tools::WriteMegatronSource(m->config_json, m->config, m->weights, tools::Parallel(2, 1, 2, 1, 1), *dir_);
     ASSERT_TRUE(stats.ok()) << stats.status();
   }
   static void TearDownTestSuite() {
@@ -75,7 +74,10 @@ class ShmSourceTest : public ::testing::Test {
     expected_ = std::move(*shard);
     config_ = ReadText(*dir_ + "/config.json");
     parallel_ = ReadText(*dir_ + "/parallel.json");
-    auto src = ShmSource::Start({.name = "shmtest", .rank = kRank, .world_size = 2, .runtime_dir = runtime_,
+    auto src = ShmSource::Start({.name = "shmtest",
+                                 .rank = kRank,
+                                 .world_size = 2,
+                                 .runtime_dir = runtime_,
                                  .lock_timeout = absl::Milliseconds(300)});
     ASSERT_TRUE(src.ok()) << src.status();
     source_ = std::move(*src);
@@ -97,15 +99,16 @@ class ShmSourceTest : public ::testing::Test {
     return c;
   }
   // Declares rank 1's tensors (optionally changed by `edit`), registers and fills them.
-  int DeclareAndRegister(wsync_client* c, const std::function<void(std::string&, std::string&,
-                                                                   std::vector<int64_t>&)>& edit = nullptr) {
+  int DeclareAndRegister(wsync_client* c,
+                         const std::function<void(std::string&, std::string&, std::vector<int64_t>&)>& edit = nullptr) {
     for (size_t i = 0; i < expected_.params.size(); ++i) {
       std::string name = expected_.params[i].local_name;
       std::string dtype(SafetensorsName(expected_.tensors[i].dtype()));
       std::vector<int64_t> shape(expected_.tensors[i].shape().begin(), expected_.tensors[i].shape().end());
       if (edit) edit(name, dtype, shape);
       if (name.empty()) continue;
-      const int rc = wsync_client_add_tensor(c, name.c_str(), dtype.c_str(), shape.data(), static_cast<int>(shape.size()));
+      const int rc =
+          wsync_client_add_tensor(c, name.c_str(), dtype.c_str(), shape.data(), static_cast<int>(shape.size()));
       if (rc != WSYNC_OK) return rc;
     }
     const int rc = wsync_client_register(c, config_.c_str(), parallel_.c_str(), 10000);
@@ -187,7 +190,7 @@ TEST_F(ShmSourceTest, TheUpdateLockKeepsSyncsAndUpdatesApart) {
   {
     auto shard = source_->OpenRank(kRank);  // a sync is reading
     ASSERT_TRUE(shard.ok());
-    RankShard copy = *shard;                 // copies share the lease
+    RankShard copy = *shard;  // copies share the lease
     EXPECT_EQ(wsync_client_begin_update(c, 100), WSYNC_DEADLINE_EXCEEDED);
     EXPECT_THAT(wsync_last_error(), HasSubstr("a sync kept reading"));
     shard->backing.reset();
@@ -220,13 +223,25 @@ TEST_F(ShmSourceTest, BadRegistrationsAreNamedAndChangeNothing) {
     std::string message;
   };
   const std::vector<Case> cases = {
-      {"missing", [&](std::string& n, std::string&, std::vector<int64_t>&) { if (n == victim) n.clear(); },
+      {"missing",
+       [&](std::string& n, std::string&, std::vector<int64_t>&) {
+         if (n == victim) n.clear();
+       },
        WSYNC_INVALID_ARGUMENT, victim},
-      {"misshaped", [&](std::string& n, std::string&, std::vector<int64_t>& s) { if (n == victim) s[0] += 1; },
+      {"misshaped",
+       [&](std::string& n, std::string&, std::vector<int64_t>& s) {
+         if (n == victim) s[0] += 1;
+       },
        WSYNC_INVALID_ARGUMENT, victim},
-      {"wrong dtype", [&](std::string& n, std::string& d, std::vector<int64_t>&) { if (n == victim) d = "F16"; },
+      {"wrong dtype",
+       [&](std::string& n, std::string& d, std::vector<int64_t>&) {
+         if (n == victim) d = "F16";
+       },
        WSYNC_INVALID_ARGUMENT, victim},
-      {"unknown", [&](std::string& n, std::string&, std::vector<int64_t>&) { if (n == victim) n += ".extra"; },
+      {"unknown",
+       [&](std::string& n, std::string&, std::vector<int64_t>&) {
+         if (n == victim) n += ".extra";
+       },
        WSYNC_INVALID_ARGUMENT, victim + ".extra"},
   };
   for (const Case& k : cases) {
@@ -237,8 +252,8 @@ TEST_F(ShmSourceTest, BadRegistrationsAreNamedAndChangeNothing) {
   }
   // Bad configs: another world size, unparsable JSON.
   const std::string good_parallel = parallel_;
-  parallel_ = absl::StrReplaceAll(good_parallel, {{"\"world_size\": 2", "\"world_size\": 4"},
-                                                  {"\"dp\": 1", "\"dp\": 2"}});
+  parallel_ =
+      absl::StrReplaceAll(good_parallel, {{"\"world_size\": 2", "\"world_size\": 4"}, {"\"dp\": 1", "\"dp\": 2"}});
   ASSERT_NE(parallel_, good_parallel);
   EXPECT_NE(DeclareAndRegister(Open()), WSYNC_OK);
   EXPECT_THAT(wsync_last_error(), HasSubstr("world_size"));
@@ -292,11 +307,13 @@ TEST_F(ShmSourceTest, SyncRequestsReachTheRequester) {
   EXPECT_EQ(wsync_client_request_sync(c, 1, 0, 1000, nullptr), WSYNC_FAILED_PRECONDITION) << "before register";
   ASSERT_EQ(DeclareAndRegister(c), WSYNC_OK) << wsync_last_error();
   std::vector<std::tuple<uint64_t, bool, absl::Duration>> calls;
-  source_->SetSyncRequester([&](uint64_t version, bool wait, absl::Duration timeout) -> absl::StatusOr<SyncRequestResult> {
-    calls.emplace_back(version, wait, timeout);
-    if (version == 13) return absl::FailedPreconditionError("version 13 is not newer than the published version 20");
-    return SyncRequestResult{.sync_id = 7, .version = version, .coalesced = version == 5};
-  });
+  source_->SetSyncRequester(
+      [&](uint64_t version, bool wait, absl::Duration timeout) -> absl::StatusOr<SyncRequestResult> {
+        calls.emplace_back(version, wait, timeout);
+        if (version == 13)
+          return absl::FailedPreconditionError("version 13 is not newer than the published version 20");
+        return SyncRequestResult{.sync_id = 7, .version = version, .coalesced = version == 5};
+      });
   wsync_sync_info info{};
   ASSERT_EQ(wsync_client_request_sync(c, 5, 1, 2500, &info), WSYNC_OK) << wsync_last_error();
   EXPECT_EQ(info.sync_id, 7u);
@@ -355,11 +372,12 @@ TEST_F(ShmSourceTest, CudaTensorsNeedACudaBuildAndADevice) {
   EXPECT_EQ(wsync_client_add_cuda_tensor(c, "x", "BF16", shape, 1, handle, 63, 0, 0), WSYNC_INVALID_ARGUMENT);
   // Rank 1's first parameter, declared as a device tensor; the rest on the host.
   bool first = true;
-  ASSERT_EQ(wsync_client_add_cuda_tensor(
-                c, expected_.params[0].local_name.c_str(), std::string(SafetensorsName(expected_.tensors[0].dtype())).c_str(),
-                std::vector<int64_t>(expected_.tensors[0].shape().begin(), expected_.tensors[0].shape().end()).data(),
-                static_cast<int>(expected_.tensors[0].shape().size()), handle, 64, 0, 0),
-            WSYNC_OK);
+  ASSERT_EQ(
+      wsync_client_add_cuda_tensor(
+          c, expected_.params[0].local_name.c_str(), std::string(SafetensorsName(expected_.tensors[0].dtype())).c_str(),
+          std::vector<int64_t>(expected_.tensors[0].shape().begin(), expected_.tensors[0].shape().end()).data(),
+          static_cast<int>(expected_.tensors[0].shape().size()), handle, 64, 0, 0),
+      WSYNC_OK);
   const int rc = DeclareAndRegister(c, [&](std::string& n, std::string&, std::vector<int64_t>&) {
     if (first) n.clear();
     first = false;
@@ -400,7 +418,8 @@ TEST_F(ShmSourceTest, SegmentsThatAreNotPrivateOrTooSmallAreRefused) {
     req.segment = seg;
     req.segment_bytes = claimed;
     std::string error, payload;
-    EXPECT_EQ(trainer_client::SendFrame(s, trainer_client::MsgType::kRegister, trainer_client::Encode(req), -1, &error), 0);
+    EXPECT_EQ(trainer_client::SendFrame(s, trainer_client::MsgType::kRegister, trainer_client::Encode(req), -1, &error),
+              0);
     trainer_client::MsgType type;
     EXPECT_EQ(trainer_client::RecvFrame(s, &type, &payload, trainer_client::NowMs() + 5000, &error), 0);
     trainer_client::Reply reply;

@@ -30,7 +30,7 @@ namespace wsync::trainer_agent {
 struct RankShard {
   int global_rank = 0;
   std::vector<MegatronParam> params;  // PlanRank order
-  std::vector<TensorView> tensors;             // tensors[i] belongs to params[i]
+  std::vector<TensorView> tensors;    // tensors[i] belongs to params[i]
   // Keeps the memory behind `tensors` valid (and, for shm, the trainer's update lock shared)
   // for as long as any copy lives.
   std::shared_ptr<const void> backing;

@@ -55,7 +55,8 @@ absl::Status AgreeOnStart(comm::Communicator& world, const absl::Status& local, 
     for (int r = 1; r < world.size(); ++r)
       if (all[static_cast<size_t>(r)].fingerprint != all[0].fingerprint)
         return absl::InvalidArgumentError(absl::StrCat(
-            "rank ", r, " runs a different weight source config or sync options than rank 0 (config.json, "
+            "rank ", r,
+            " runs a different weight source config or sync options than rank 0 (config.json, "
             "parallel.json, gather size or quantization config differ): the ranks would not agree on their "
             "collectives"));
     return absl::OkStatus();
@@ -67,8 +68,8 @@ absl::Status AgreeOnStart(comm::Communicator& world, const absl::Status& local, 
   if (total > 0) {
     comm::ConstBytes min{message.data(), message.size()};
     comm::MutableBytes mout{messages.data(), messages.size()};
-    RETURN_IF_ERROR(Annotate(comm::Await(world.AllGatherV(min, mout, sizes, options)),
-                             "gathering the ranks' opening errors"));
+    RETURN_IF_ERROR(
+        Annotate(comm::Await(world.AllGatherV(min, mout, sizes, options)), "gathering the ranks' opening errors"));
   }
   const int first = failed.front();
   size_t offset = 0;
@@ -87,11 +88,11 @@ absl::Status AgreeOnStart(comm::Communicator& world, const absl::Status& local, 
 
 // One parameter of a batch. Regions are 64-byte aligned.
 struct Item {
-  int index = 0;            // into RankShard::params / tensors
-  int ordinal = 0;          // experts: position among the rank's expert parameters
-  bool gathered = false;    // dense: all-gathered over TP; experts: always (see the phase)
-  bool identity = false;    // dense: the all-gather's rank order is the full layout (no merge)
-  bool int4 = false;        // experts: quantized by their holders; the gathers carry INT4 (Int4ExpertPlan)
+  int index = 0;          // into RankShard::params / tensors
+  int ordinal = 0;        // experts: position among the rank's expert parameters
+  bool gathered = false;  // dense: all-gathered over TP; experts: always (see the phase)
+  bool identity = false;  // dense: the all-gather's rank order is the full layout (no merge)
+  bool int4 = false;      // experts: quantized by their holders; the gathers carry INT4 (Int4ExpertPlan)
   uint64_t local_bytes = 0;
   uint64_t full_bytes = 0;  // after the TP / ETP merge
   uint64_t block = 0;       // experts: one EP member's bytes in the EP gather (full_bytes or INT4)
@@ -170,25 +171,29 @@ void LeakForFailedCollectives(Buffer b) {
 
 }  // namespace
 
-uint64_t SyncWorkspace::bytes() const {
-  return slots_[0].size() + slots_[1].size() + etp_.size() + scratch_.size();
-}
+uint64_t SyncWorkspace::bytes() const { return slots_[0].size() + slots_[1].size() + etp_.size() + scratch_.size(); }
 
 // --- One rank's sync ----------------------------------------------------------------------------
 
 class RankSync {
  public:
   RankSync(const WeightSource& src, TrainerComms& comms, comm::BucketSink* sink, const SyncOptions& o)
-      : src_(src), layout_(src.layout()), comms_(comms), sink_(sink), o_(o),
+      : src_(src),
+        layout_(src.layout()),
+        comms_(comms),
+        sink_(sink),
+        o_(o),
         ws_(o.workspace != nullptr ? *o.workspace : own_workspace_),
-        slots_(ws_.slots_), etp_buffer_(ws_.etp_), scratch_(ws_.scratch_) {
+        slots_(ws_.slots_),
+        etp_buffer_(ws_.etp_),
+        scratch_(ws_.scratch_) {
     if (o.quant != nullptr) int4_.emplace(Int4Options{o.quant, o.quant_variant, o.quant_threads});
   }
 
   absl::StatusOr<SyncReport> Run();
 
  private:
-  absl::Status Prepare();         // everything local that can fail, before the agreement
+  absl::Status Prepare();  // everything local that can fail, before the agreement
   void RunDense();
   void RunExperts();
   void Fail(const absl::Status& s) {
@@ -197,7 +202,7 @@ class RankSync {
   bool converting() const { return source_ && failure_.ok(); }
   void Wait(std::unique_ptr<comm::Work>& w);
   absl::StatusOr<std::unique_ptr<comm::Work>> AllGather(comm::Communicator& c, const std::vector<comm::ConstBytes>& in,
-                                                  const std::vector<comm::MutableBytes>& out);
+                                                        const std::vector<comm::MutableBytes>& out);
   absl::Status Emit(const MegatronParam& p, const TensorView& full);  // ToHf + quantize / copy into buckets
   void WriteStatusRecord(std::span<std::byte> record) const;
   // The records of a gather's `count` members; `mine` is skipped. `group`: "EP" or "ETP".
@@ -220,8 +225,8 @@ class RankSync {
   std::vector<Batch> dense_, experts_;
   // EP member m's expert params (source; every expert-block rank when experts may be INT4)
   std::vector<std::vector<MegatronParam>> member_experts_;
-  std::optional<Int4Quantizer> int4_;              // with a quantization config
-  std::vector<Int4ExpertPlan> int4_plans_;         // per expert ordinal (used where Item::int4)
+  std::optional<Int4Quantizer> int4_;       // with a quantization config
+  std::vector<Int4ExpertPlan> int4_plans_;  // per expert ordinal (used where Item::int4)
   SyncWorkspace own_workspace_;
   SyncWorkspace& ws_;
   std::array<Buffer, 2>& slots_;
@@ -244,20 +249,22 @@ absl::Status RankSync::Prepare() {
   if (comms_.tp == nullptr || comms_.etp == nullptr || comms_.ep == nullptr)
     return absl::InvalidArgumentError("RunRankSync: TrainerComms without its tp / etp / ep communicators");
   if (comms_.world->size() != layout_.world_size())
-    return absl::InvalidArgumentError(absl::StrCat("the world has ", comms_.world->size(), " ranks, the source's layout ",
-                                                   layout_.world_size(), " (", layout_.DebugString(), ")"));
+    return absl::InvalidArgumentError(absl::StrCat("the world has ", comms_.world->size(),
+                                                   " ranks, the source's layout ", layout_.world_size(), " (",
+                                                   layout_.DebugString(), ")"));
   const DenseCoord d = layout_.Dense(me_);
   const ExpertCoord e = layout_.Expert(me_);
   if (comms_.tp->size() != layout_.tp() || comms_.tp->rank() != d.tp || comms_.etp->size() != layout_.etp() ||
       comms_.etp->rank() != e.etp || comms_.ep->size() != layout_.ep() || comms_.ep->rank() != e.ep)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rank ", me_, ": communicators tp ", comms_.tp->rank(), "/", comms_.tp->size(), ", etp ", comms_.etp->rank(), "/",
-        comms_.etp->size(), ", ep ", comms_.ep->rank(), "/", comms_.ep->size(), " do not match the layout (tp ", d.tp,
-        "/", layout_.tp(), ", etp ", e.etp, "/", layout_.etp(), ", ep ", e.ep, "/", layout_.ep(), "; ",
-        layout_.DebugString(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", me_, ": communicators tp ", comms_.tp->rank(), "/", comms_.tp->size(), ", etp ",
+                     comms_.etp->rank(), "/", comms_.etp->size(), ", ep ", comms_.ep->rank(), "/", comms_.ep->size(),
+                     " do not match the layout (tp ", d.tp, "/", layout_.tp(), ", etp ", e.etp, "/", layout_.etp(),
+                     ", ep ", e.ep, "/", layout_.ep(), "; ", layout_.DebugString(), ")"));
   if (o_.bucket_bytes == 0) return absl::InvalidArgumentError("SyncOptions.bucket_bytes must be > 0");
   if (source_ && sink_ == nullptr)
-    return absl::InvalidArgumentError(absl::StrCat("rank ", me_, " is the source of stage ", stage_, " but has no sink"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", me_, " is the source of stage ", stage_, " but has no sink"));
   if (!source_ && sink_ != nullptr)
     return absl::InvalidArgumentError(absl::StrCat("rank ", me_, " is not a stage source (stage ", stage_,
                                                    " is sent by rank ", layout_.StageSourceRank(stage_),
@@ -279,8 +286,8 @@ absl::Status RankSync::Prepare() {
       if (!p.sent) continue;  // the tied output-layer copy: never sent, so never gathered
       it.gathered = p.kind != ShardKind::kReplicated && p.group_size > 1;
       if (it.gathered && p.group_size != comms_.tp->size())
-        return absl::InternalError(absl::StrCat(p.global_name, ": group of ", p.group_size, ", TP communicator of ",
-                                                comms_.tp->size()));
+        return absl::InternalError(
+            absl::StrCat(p.global_name, ": group of ", p.group_size, ", TP communicator of ", comms_.tp->size()));
       it.full_bytes = it.gathered ? it.local_bytes * static_cast<uint64_t>(p.group_size) : it.local_bytes;
       it.region = it.gathered ? it.full_bytes : 0;
       it.identity = it.gathered && IsIdentityLayout(p, it.local_bytes);
@@ -308,8 +315,7 @@ absl::Status RankSync::Prepare() {
     for (const MegatronParam& p : shard_.params)
       if (p.is_expert) mine.push_back(&p);
     for (int member : layout_.EpGroup(me_)) {
-      ASSIGN_OR_RETURN(std::vector<MegatronParam> plan,
-                       PlanRank(src_.model(), layout_, src_.parallel(), member));
+      ASSIGN_OR_RETURN(std::vector<MegatronParam> plan, PlanRank(src_.model(), layout_, src_.parallel(), member));
       std::vector<MegatronParam> ex;
       for (MegatronParam& p : plan)
         if (p.is_expert) ex.push_back(std::move(p));
@@ -331,9 +337,9 @@ absl::Status RankSync::Prepare() {
       std::vector<const MegatronParam*> on_members;
       for (const std::vector<MegatronParam>& member : member_experts_)
         on_members.push_back(&member[static_cast<size_t>(it.ordinal)]);
-      ASSIGN_OR_RETURN(std::optional<Int4ExpertPlan> plan,
-                       int4_->PlanExpert(src_.model(), shard_.params[static_cast<size_t>(it.index)], on_members,
-                                         layout_.etp()));
+      ASSIGN_OR_RETURN(
+          std::optional<Int4ExpertPlan> plan,
+          int4_->PlanExpert(src_.model(), shard_.params[static_cast<size_t>(it.index)], on_members, layout_.etp()));
       if (!plan) continue;
       it.int4 = true;
       it.block = plan->block_bytes;
@@ -392,8 +398,9 @@ void RankSync::Wait(std::unique_ptr<comm::Work>& w) {
   }
 }
 
-absl::StatusOr<std::unique_ptr<comm::Work>> RankSync::AllGather(comm::Communicator& c, const std::vector<comm::ConstBytes>& in,
-                                                          const std::vector<comm::MutableBytes>& out) {
+absl::StatusOr<std::unique_ptr<comm::Work>> RankSync::AllGather(comm::Communicator& c,
+                                                                const std::vector<comm::ConstBytes>& in,
+                                                                const std::vector<comm::MutableBytes>& out) {
   if (in.empty()) return std::unique_ptr<comm::Work>();
   ++report_.gather_calls;
   for (const comm::MutableBytes& b : out) report_.gather_bytes += b.nbytes;
@@ -462,8 +469,10 @@ void RankSync::RunDense() {
       out.push_back({slots_[slot].data() + it.offset, it.region});
     }
     auto w = AllGather(*comms_.tp, in, out);
-    if (w.ok()) pending[slot] = std::move(*w);
-    else Fail(w.status());
+    if (w.ok())
+      pending[slot] = std::move(*w);
+    else
+      Fail(w.status());
   };
   auto complete = [&](size_t j, int slot) {
     Wait(pending[slot]);
@@ -520,10 +529,10 @@ void RankSync::RunExperts() {
           const Int4ExpertPlan& plan = plan_of(it);
           std::byte* mine = etp_buffer_.data() + it.etp_offset + own_etp * plan.local_block;
           absl::Status s = int4_->QuantizeRows(shard_.params[static_cast<size_t>(it.index)],
-                                        shard_.tensors[static_cast<size_t>(it.index)], plan.local_rows,
-                                        {mine, plan.local_packed_bytes},
-                                        {mine + plan.local_scale_offset, plan.local_scale_bytes},
-                                        absl::StrCat("ETP shard ", coord.etp, " of ", etp));
+                                               shard_.tensors[static_cast<size_t>(it.index)], plan.local_rows,
+                                               {mine, plan.local_packed_bytes},
+                                               {mine + plan.local_scale_offset, plan.local_scale_bytes},
+                                               absl::StrCat("ETP shard ", coord.etp, " of ", etp));
           if (!s.ok()) {
             Fail(s);
             break;
@@ -546,8 +555,10 @@ void RankSync::RunExperts() {
       }
       std::unique_ptr<comm::Work> w;
       auto issued = AllGather(*comms_.etp, in, out);
-      if (issued.ok()) w = std::move(*issued);
-      else Fail(issued.status());
+      if (issued.ok())
+        w = std::move(*issued);
+      else
+        Fail(issued.status());
       Wait(w);
       if (merger && failure_.ok()) Fail(CheckRecords(records, etp, coord.etp, "ETP"));
     }
@@ -564,8 +575,8 @@ void RankSync::RunExperts() {
           const Int4ExpertPlan& plan = plan_of(it);
           const absl::Duration q0 = int4_->stats().quantize;
           s = int4_->QuantizeRows(p, shard_.tensors[static_cast<size_t>(it.index)], plan.full_rows,
-                           block.subspan(0, plan.packed_bytes), block.subspan(plan.scale_offset, plan.scale_bytes),
-                           "by its holder");
+                                  block.subspan(0, plan.packed_bytes),
+                                  block.subspan(plan.scale_offset, plan.scale_bytes), "by its holder");
           quantizing += int4_->stats().quantize - q0;
         } else if (it.int4 && plan_of(it).by_shard) {
           s = MergeInt4Shards(plan_of(it), region, block);
@@ -579,8 +590,8 @@ void RankSync::RunExperts() {
             const Int4ExpertPlan& plan = plan_of(it);
             const absl::Duration q0 = int4_->stats().quantize;
             s = int4_->QuantizeRows(p, TensorView(p.dtype, p.full_shape, dst), plan.full_rows,
-                             block.subspan(0, plan.packed_bytes), block.subspan(plan.scale_offset, plan.scale_bytes),
-                             "merged from its ETP shards");
+                                    block.subspan(0, plan.packed_bytes),
+                                    block.subspan(plan.scale_offset, plan.scale_bytes), "merged from its ETP shards");
             quantizing += int4_->stats().quantize - q0;
           }
         }
@@ -607,8 +618,10 @@ void RankSync::RunExperts() {
         out.push_back({region, it.region});
       }
       auto w = AllGather(*comms_.ep, in, out);
-      if (w.ok()) pending[slot] = std::move(*w);
-      else Fail(w.status());
+      if (w.ok())
+        pending[slot] = std::move(*w);
+      else
+        Fail(w.status());
     }
   };
   auto complete = [&](size_t j, int slot) {
@@ -649,8 +662,8 @@ absl::StatusOr<SyncReport> RankSync::Run() {
   if (comms_.world == nullptr) return absl::InvalidArgumentError("RunRankSync: TrainerComms.world is null");
   me_ = comms_.world->rank();
   if (me_ < 0 || me_ >= layout_.world_size())
-    return absl::InvalidArgumentError(absl::StrCat("world rank ", me_, " is outside the source's layout (",
-                                                   layout_.DebugString(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("world rank ", me_, " is outside the source's layout (", layout_.DebugString(), ")"));
   stage_ = layout_.Dense(me_).pp;
   source_ = layout_.IsStageSource(me_);
   report_.source = source_;

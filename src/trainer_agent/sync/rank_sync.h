@@ -77,12 +77,12 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "comm/bucket/builder.h"
 #include "comm/communicator.h"
 #include "common/config.h"
 #include "kernels/int4.h"
-#include "trainer_agent/source/weight_source.h"
-#include "comm/bucket/builder.h"
 #include "trainer_agent/gather/trainer_comms.h"
+#include "trainer_agent/source/weight_source.h"
 
 namespace wsync::trainer_agent {
 
@@ -111,9 +111,9 @@ struct SyncOptions {
   // members quantize their own experts; checked at the opening agreement).
   const QuantizationConfig* quant = nullptr;
   kernels::QuantVariant quant_variant = kernels::QuantVariant::kQat;
-  int quant_threads = 0;                       // per rank; 0 = hardware concurrency
-  comm::CollectiveOptions collective;                // every collective of the sync
-  SyncWorkspace* workspace = nullptr;          // null: buffers live for this sync only. Not owned.
+  int quant_threads = 0;               // per rank; 0 = hardware concurrency
+  comm::CollectiveOptions collective;  // every collective of the sync
+  SyncWorkspace* workspace = nullptr;  // null: buffers live for this sync only. Not owned.
 };
 
 struct SyncReport {
@@ -122,7 +122,7 @@ struct SyncReport {
   // the expert block with INT4 experts); bucket: copies into buckets; send_wait: blocked in
   // BucketSink::Send / Finish.
   absl::Duration open, gather, convert, quantize, bucket, send_wait, total;
-  uint64_t bytes = 0;    // bucket data bytes handed to the sink
+  uint64_t bytes = 0;  // bucket data bytes handed to the sink
   uint64_t buckets = 0;
   uint64_t tensors = 0;  // manifest entries (an INT4 weight counts 3)
   bool source = false;

@@ -8,6 +8,8 @@
 // the rank, and no rank hangs.
 #include "trainer_agent/sync/rank_sync.h"
 
+#include <gtest/gtest.h>
+
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -15,8 +17,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -102,9 +102,9 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 class RankSyncFixture : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = absl::StrCat(::testing::TempDir(), "/rank_sync_",
-                        absl::StrReplaceAll(::testing::UnitTest::GetInstance()->current_test_info()->name(),
-                                            {{"/", "_"}}));
+    dir_ = absl::StrCat(
+        ::testing::TempDir(), "/rank_sync_",
+        absl::StrReplaceAll(::testing::UnitTest::GetInstance()->current_test_info()->name(), {{"/", "_"}}));
     fs::remove_all(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }
