@@ -130,14 +130,6 @@ struct LayoutCase {
   int np, tp, pp, ep, etp;  // dense models run with ep = 1 and etp = tp
 };
 
-// A compressed-tensors INT4 config: experts, MLPs, o_proj and the MLA projections quantized; q/k/v,
-// routers and lm_head kept in bf16. Group size 32 divides every K of the tiny models.
-constexpr const char kInt4Json[] = R"json({
-  "quant_method": "compressed-tensors", "format": "pack-quantized",
-  "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
-    "strategy": "group", "group_size": 32, "symmetric": true, "actorder": null, "dynamic": false}}},
-  "ignore": ["lm_head", "re:.*self_attn\\.(q|k|v)_proj$", "re:.*mlp\\.gate$"]})json";
-
 struct Fixture {
   std::string root, hf_dir, src_dir;
 };
@@ -251,7 +243,7 @@ TEST_P(TrainerSyncTest, SendsExactlyTheConvertedCheckpoint) {
   ASSERT_TRUE(src.ok()) << src.status();
   std::optional<QuantizationConfig> quant;
   if (P.int4) {
-    auto q = ParseQuantizationConfig(kInt4Json, "test int4 config");
+    auto q = ParseQuantizationConfig(testing::kInt4Json, "test int4 config");
     ASSERT_TRUE(q.ok()) << q.status();
     quant = std::move(*q);
   }
@@ -454,7 +446,7 @@ struct NanCase {
 // and the EP rank it came from, sends no last bucket and no Finish; every other rank finishes.
 // No rank hangs.
 void ExpectNanFailsItsQuantizerAndTheSource(const LayoutCase& layout, const NanCase& c, uint64_t seed,
-                                            const char* quant_json = kInt4Json) {
+                                            const char* quant_json = testing::kInt4Json) {
   auto f = MakeFixture(MoeOptions(), layout, seed, [&](tools::SyntheticModel& m) -> absl::Status {
     ASSIGN_OR_RETURN(TensorView v, m.weights.Get(c.name));
     auto* p = const_cast<std::byte*>(v.bytes().data());  // owned by the in-memory checkpoint

@@ -42,14 +42,6 @@ const comm::CollectiveOptions kTimeout{absl::Seconds(30)};
 // A rank still in RunRankSync after this long is hung (every collective times out sooner).
 constexpr absl::Duration kHang = absl::Seconds(90);
 
-// A compressed-tensors INT4 config (as the mpirun test's): experts, MLPs and o_proj quantized;
-// q/k/v, routers and lm_head kept in bf16. Group size 32 divides every K of the small models.
-constexpr const char kInt4Json[] = R"json({
-  "quant_method": "compressed-tensors", "format": "pack-quantized",
-  "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
-    "strategy": "group", "group_size": 32, "symmetric": true, "actorder": null, "dynamic": false}}},
-  "ignore": ["lm_head", "re:.*self_attn\\.(q|k|v)_proj$", "re:.*mlp\\.gate$"]})json";
-
 struct RankResult {
   absl::StatusOr<SyncReport> report = absl::UnknownError("not run");
   std::optional<CaptureSink> sink;  // stage sources
@@ -165,7 +157,7 @@ TEST_P(RankSyncTest, SendsExactlyTheConvertedCheckpoint) {
   ASSERT_TRUE(src.ok()) << src.status();
   std::optional<QuantizationConfig> quant;
   if (c.int4) {
-    auto q = ParseQuantizationConfig(kInt4Json, "test int4 config");
+    auto q = ParseQuantizationConfig(testing::kInt4Json, "test int4 config");
     ASSERT_TRUE(q.ok()) << q.status();
     quant = std::move(*q);
   }
@@ -225,7 +217,7 @@ TEST_F(RankSyncFailureTest, AMissingRankFileFailsEveryRankWithTheSameErrorNaming
   ASSERT_TRUE(fs::remove(src_dir() + "/" + RankFileName(2)));
   auto src = DirSource::Open(src_dir());
   ASSERT_TRUE(src.ok()) << src.status();
-  auto q = ParseQuantizationConfig(kInt4Json, "test int4 config");
+  auto q = ParseQuantizationConfig(testing::kInt4Json, "test int4 config");
   ASSERT_TRUE(q.ok()) << q.status();
   comm::MemoryStore store;
   auto comms = testing::MakeLocalTrainerComms(store, "missing", src->layout());

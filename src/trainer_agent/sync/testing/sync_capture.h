@@ -21,6 +21,15 @@
 
 namespace wsync::trainer_agent::testing {
 
+// The compressed-tensors INT4 config both sync tests use: experts, MLPs, o_proj and the MLA
+// projections quantized; q/k/v, routers and lm_head kept in bf16. Group size 32 divides every K of
+// the test models.
+inline constexpr char kInt4Json[] = R"json({
+  "quant_method": "compressed-tensors", "format": "pack-quantized",
+  "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+    "strategy": "group", "group_size": 32, "symmetric": true, "actorder": null, "dynamic": false}}},
+  "ignore": ["lm_head", "re:.*self_attn\\.(q|k|v)_proj$", "re:.*mlp\\.gate$"]})json";
+
 // Keeps every bucket (manifest + a copy of its bytes) and counts Finish calls.
 using comm::testing::CaptureSink;
 
