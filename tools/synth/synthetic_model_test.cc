@@ -10,7 +10,7 @@
 #include <filesystem>
 
 #include "absl/strings/match.h"
-#include "tools/synth/world.h"
+#include "tools/synth/testing/world.h"
 #include "trainer_agent/convert/hf_convert.h"
 
 namespace wsync::tools {
@@ -56,7 +56,7 @@ TEST(Synthetic, EveryPresetAndArchitectureGivesAValidConfig) {
 }
 
 TEST(Synthetic, WeightsAreDeterministicWhateverTheThreadCount) {
-  auto o = SmallOptions(Architecture::kDeepseekV3);
+  auto o = testing::SmallOptions(Architecture::kDeepseekV3);
   auto a = GenerateSyntheticModel(o, 7, 1);
   auto b = GenerateSyntheticModel(o, 7, 3);
   auto c = GenerateSyntheticModel(o, 8, 2);
@@ -72,7 +72,7 @@ TEST(Synthetic, WeightsAreDeterministicWhateverTheThreadCount) {
 }
 
 TEST(Synthetic, ValuesHaveSaneScaleAndDtypes) {
-  auto m = GenerateSyntheticModel(SmallOptions(Architecture::kDeepseekV3), 11, 2);
+  auto m = GenerateSyntheticModel(testing::SmallOptions(Architecture::kDeepseekV3), 11, 2);
   ASSERT_TRUE(m.ok());
   auto stats = [](const TensorView& v) {
     double sum = 0, sq = 0;
@@ -106,7 +106,7 @@ TEST(Synthetic, ValuesHaveSaneScaleAndDtypes) {
 }
 
 TEST(Synthetic, WritesAReadableCheckpointWithTheQuantizationConfig) {
-  auto o = SmallOptions(Architecture::kQwen3Moe);
+  auto o = testing::SmallOptions(Architecture::kQwen3Moe);
   o.quantization_config_json = R"({"quantization_config": {"quant_method": "compressed-tensors",
       "format": "pack-quantized", "config_groups": {"group_0": {"targets": ["Linear"], "weights":
       {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": true}}},

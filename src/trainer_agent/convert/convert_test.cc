@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "tools/synth/reassemble.h"
-#include "tools/synth/world.h"
+#include "tools/synth/testing/world.h"
 #include "trainer_agent/convert/hf_convert.h"
 #include "trainer_agent/convert/megatron_param.h"
 #include "trainer_agent/convert/shard_layout.h"
@@ -21,11 +21,11 @@ namespace wsync::trainer_agent {
 namespace {
 
 using ::testing::HasSubstr;
-using tools::BuildWorld;
-using tools::Parallel;
-using tools::SmallModel;
-using tools::SmallOptions;
-using tools::World;
+using tools::testing::BuildWorld;
+using tools::testing::Parallel;
+using tools::testing::SmallModel;
+using tools::testing::SmallOptions;
+using tools::testing::World;
 
 constexpr uint64_t kSeed = 20261121;
 
@@ -71,10 +71,10 @@ const LayoutCase kLayouts[] = {
 bool IsMoe(Architecture a) { return a == Architecture::kQwen3Moe || a == Architecture::kDeepseekV3; }
 
 absl::StatusOr<tools::SyntheticModel> MakeModel(const ModelCase& mc, uint64_t seed) {
-  tools::SyntheticModelOptions o = tools::SmallOptions(mc.arch);
+  tools::SyntheticModelOptions o = tools::testing::SmallOptions(mc.arch);
   o.tie = mc.tie;
   if (!mc.q_lora) o.q_lora_rank = 0;
-  if (!mc.mlp_only_layer) return tools::SmallModel(o, seed);
+  if (!mc.mlp_only_layer) return tools::testing::SmallModel(o, seed);
   ASSIGN_OR_RETURN(std::string json, tools::SyntheticConfigJson(o));
   const std::string patched =
       absl::StrReplaceAll(json, {{"\"mlp_only_layers\": []", "\"mlp_only_layers\": [\n    1\n  ]"}});
@@ -87,9 +87,9 @@ absl::StatusOr<tools::SyntheticModel> MakeModel(const ModelCase& mc, uint64_t se
 }
 
 SourceParallel ParallelFor(const LayoutCase& lc, Architecture arch) {
-  if (IsMoe(arch)) return tools::Parallel(lc.tp, lc.pp, lc.ep, lc.etp, lc.dp, lc.layers_per_stage, lc.cp);
+  if (IsMoe(arch)) return tools::testing::Parallel(lc.tp, lc.pp, lc.ep, lc.etp, lc.dp, lc.layers_per_stage, lc.cp);
   // Dense models have no EP: keep the TP / PP / DP / CP part of the layout.
-  return tools::Parallel(lc.tp, lc.pp, 1, lc.tp, lc.dp, lc.layers_per_stage, lc.cp);
+  return tools::testing::Parallel(lc.tp, lc.pp, 1, lc.tp, lc.dp, lc.layers_per_stage, lc.cp);
 }
 
 class RoundTripTest : public ::testing::TestWithParam<std::tuple<int, int>> {};
@@ -101,7 +101,7 @@ TEST_P(RoundTripTest, GatheredTensorsEqualTheHfCheckpointBitForBit) {
   SCOPED_TRACE(absl::StrCat(mc.name, " / ", lc.name, " / seed ", seed));
   auto model = MakeModel(mc, seed);
   ASSERT_TRUE(model.ok()) << model.status();
-  auto world = tools::BuildWorld(*model, ParallelFor(lc, mc.arch));
+  auto world = tools::testing::BuildWorld(*model, ParallelFor(lc, mc.arch));
   ASSERT_TRUE(world.ok()) << world.status();
 
   auto report = tools::VerifyAgainstHf(model->config, world->layout, world->parallel, world->Lookup(), model->weights);
@@ -144,9 +144,9 @@ INSTANTIATE_TEST_SUITE_P(AllArchitecturesAllLayouts, RoundTripTest,
 
 // A corrupted shard must be caught by the verification (the round-trip test can fail).
 TEST(RoundTrip, DetectsAFlippedBit) {
-  auto model = tools::SmallModel(tools::SmallOptions(Architecture::kQwen3Moe), kSeed);
+  auto model = tools::testing::SmallModel(tools::testing::SmallOptions(Architecture::kQwen3Moe), kSeed);
   ASSERT_TRUE(model.ok());
-  auto world = tools::BuildWorld(*model, tools::Parallel(2, 1, 2, 1, 1));
+  auto world = tools::testing::BuildWorld(*model, tools::testing::Parallel(2, 1, 2, 1, 1));
   ASSERT_TRUE(world.ok());
   for (tools::RankTensor& t : world->ranks[1])
     if (t.param.local_name == "decoder.layers.1.mlp.experts.linear_fc2.weight3") {
@@ -171,13 +171,13 @@ std::vector<std::string> LocalNames(const std::vector<MegatronParam>& plan) {
 }
 
 TEST(PlanRank, Qwen3MoeOrderIsNamedParametersOrder) {
-  tools::SyntheticModelOptions o = tools::SmallOptions(Architecture::kQwen3Moe);
+  tools::SyntheticModelOptions o = tools::testing::SmallOptions(Architecture::kQwen3Moe);
   o.layers = 1, o.experts = 4;
   auto json = tools::SyntheticConfigJson(o);
   ASSERT_TRUE(json.ok());
   auto cfg = ParseModelConfig(*json, "t");
   ASSERT_TRUE(cfg.ok());
-  auto par = ResolveSourceParallel(*cfg, tools::Parallel(1, 1, 2, 1, 2));
+  auto par = ResolveSourceParallel(*cfg, tools::testing::Parallel(1, 1, 2, 1, 2));
   ASSERT_TRUE(par.ok()) << par.status();
   auto layout = MakeLayout(*cfg, *par);
   ASSERT_TRUE(layout.ok());
@@ -202,13 +202,13 @@ TEST(PlanRank, Qwen3MoeOrderIsNamedParametersOrder) {
 }
 
 TEST(PlanRank, DeepseekOrderShapesAndDtypes) {
-  tools::SyntheticModelOptions o = tools::SmallOptions(Architecture::kDeepseekV3);
+  tools::SyntheticModelOptions o = tools::testing::SmallOptions(Architecture::kDeepseekV3);
   o.layers = 2;
   auto json = tools::SyntheticConfigJson(o);
   ASSERT_TRUE(json.ok());
   auto cfg = ParseModelConfig(*json, "t");
   ASSERT_TRUE(cfg.ok());
-  auto par = ResolveSourceParallel(*cfg, tools::Parallel(2, 1, 1, 2, 1));
+  auto par = ResolveSourceParallel(*cfg, tools::testing::Parallel(2, 1, 1, 2, 1));
   ASSERT_TRUE(par.ok()) << par.status();
   auto layout = MakeLayout(*cfg, *par);
   ASSERT_TRUE(layout.ok());
@@ -273,9 +273,9 @@ TEST(PlanRank, DeepseekOrderShapesAndDtypes) {
 }
 
 TEST(PlanRank, DeepseekWithoutQLoraUsesLinearQProj) {
-  tools::SyntheticModelOptions o = tools::SmallOptions(Architecture::kDeepseekV3);
+  tools::SyntheticModelOptions o = tools::testing::SmallOptions(Architecture::kDeepseekV3);
   o.q_lora_rank = 0;
-  auto model = tools::SmallModel(o, kSeed);
+  auto model = tools::testing::SmallModel(o, kSeed);
   ASSERT_TRUE(model.ok()) << model.status();
   auto plan = PlanFullModel(model->config);
   ASSERT_TRUE(plan.ok());
@@ -288,9 +288,9 @@ TEST(PlanRank, DeepseekWithoutQLoraUsesLinearQProj) {
 }
 
 TEST(PlanRank, PipelineStagesUseLocalLayerIndicesAndGlobalOffsets) {
-  auto model = tools::SmallModel(tools::SmallOptions(Architecture::kQwen3), kSeed);
+  auto model = tools::testing::SmallModel(tools::testing::SmallOptions(Architecture::kQwen3), kSeed);
   ASSERT_TRUE(model.ok());
-  auto par = ResolveSourceParallel(model->config, tools::Parallel(1, 3, 1, 1, 1, {1, 2, 1}));
+  auto par = ResolveSourceParallel(model->config, tools::testing::Parallel(1, 3, 1, 1, 1, {1, 2, 1}));
   ASSERT_TRUE(par.ok()) << par.status();
   auto layout = MakeLayout(model->config, *par);
   ASSERT_TRUE(layout.ok());
@@ -311,9 +311,9 @@ TEST(PlanRank, PipelineStagesUseLocalLayerIndicesAndGlobalOffsets) {
 
 TEST(PlanRank, ExpertIdsFollowTheExpertGridNotTheTpRank) {
   // TP 2, ETP 2, EP 2, DP 2: ep_rank == dp_rank (RANKS.md §5); a wrong EP rank shows here.
-  auto model = tools::SmallModel(tools::SmallOptions(Architecture::kQwen3Moe), kSeed);
+  auto model = tools::testing::SmallModel(tools::testing::SmallOptions(Architecture::kQwen3Moe), kSeed);
   ASSERT_TRUE(model.ok());
-  auto par = ResolveSourceParallel(model->config, tools::Parallel(2, 1, 2, 2, 2));
+  auto par = ResolveSourceParallel(model->config, tools::testing::Parallel(2, 1, 2, 2, 2));
   ASSERT_TRUE(par.ok());
   auto layout = MakeLayout(model->config, *par);
   ASSERT_TRUE(layout.ok());
@@ -330,9 +330,9 @@ TEST(PlanRank, ExpertIdsFollowTheExpertGridNotTheTpRank) {
 }
 
 TEST(PlanRank, TiedEmbeddings) {
-  tools::SyntheticModelOptions o = tools::SmallOptions(Architecture::kQwen3);
+  tools::SyntheticModelOptions o = tools::testing::SmallOptions(Architecture::kQwen3);
   o.tie = true;
-  auto model = tools::SmallModel(o, kSeed);
+  auto model = tools::testing::SmallModel(o, kSeed);
   ASSERT_TRUE(model.ok());
   EXPECT_FALSE(model->weights.Contains("lm_head.weight"));
   // PP 1: no output layer at all.
@@ -340,7 +340,7 @@ TEST(PlanRank, TiedEmbeddings) {
   ASSERT_TRUE(full.ok());
   for (const auto& p : *full) EXPECT_NE(p.local_name, "output_layer.weight");
   // PP 2: the last stage holds the copy, built from the embedding, never sent.
-  auto world = tools::BuildWorld(*model, tools::Parallel(2, 2, 1, 2, 1));
+  auto world = tools::testing::BuildWorld(*model, tools::testing::Parallel(2, 2, 1, 2, 1));
   ASSERT_TRUE(world.ok()) << world.status();
   const tools::RankTensor& out = world->ranks.at(3).back();
   EXPECT_EQ(out.param.local_name, "output_layer.weight");
@@ -358,9 +358,9 @@ TEST(PlanRank, TiedEmbeddings) {
 }
 
 TEST(Vocab, PaddingRowsAreZeroAndDroppedWithoutACopy) {
-  auto model = tools::SmallModel(tools::SmallOptions(Architecture::kLlama), kSeed);
+  auto model = tools::testing::SmallModel(tools::testing::SmallOptions(Architecture::kLlama), kSeed);
   ASSERT_TRUE(model.ok());
-  auto world = tools::BuildWorld(*model, tools::Parallel(4, 1, 1, 4, 1));
+  auto world = tools::testing::BuildWorld(*model, tools::testing::Parallel(4, 1, 1, 4, 1));
   ASSERT_TRUE(world.ok());
   EXPECT_EQ(world->parallel.padded_vocab_size, 1024);  // ceil(1000 / 512) * 512
   // TP rank 3 holds rows 768..1023: 232 real rows, then 24 zero rows.
@@ -491,7 +491,7 @@ TEST(HfConvert, RefusesWrongShapesAndMissingTensors) {
 // --- refusals -----------------------------------------------------------------------------------
 
 TEST(Refusals, UnsupportedModelsAndLayoutsAreNamed) {
-  tools::SyntheticModelOptions o = tools::SmallOptions(Architecture::kQwen3Moe);
+  tools::SyntheticModelOptions o = tools::testing::SmallOptions(Architecture::kQwen3Moe);
   o.tie = true;
   auto tied_moe = tools::SyntheticConfigJson(o);
   ASSERT_TRUE(tied_moe.ok());
@@ -500,7 +500,7 @@ TEST(Refusals, UnsupportedModelsAndLayoutsAreNamed) {
   EXPECT_EQ(CheckModelSupported(*cfg).code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(CheckModelSupported(*cfg).message(), HasSubstr("tie_word_embeddings"));
 
-  auto llama_json = tools::SyntheticConfigJson(tools::SmallOptions(Architecture::kLlama));
+  auto llama_json = tools::SyntheticConfigJson(tools::testing::SmallOptions(Architecture::kLlama));
   ASSERT_TRUE(llama_json.ok());
   auto biased = ParseModelConfig(
       absl::StrReplaceAll(*llama_json, {{"\"attention_bias\": false", "\"attention_bias\": true"}}), "t");
@@ -509,26 +509,26 @@ TEST(Refusals, UnsupportedModelsAndLayoutsAreNamed) {
 
   auto llama = ParseModelConfig(*llama_json, "t");
   ASSERT_TRUE(llama.ok());
-  auto tp3 = ResolveSourceParallel(*llama, tools::Parallel(3, 1, 1, 3, 1));
+  auto tp3 = ResolveSourceParallel(*llama, tools::testing::Parallel(3, 1, 1, 3, 1));
   ASSERT_FALSE(tp3.ok());
   EXPECT_THAT(tp3.status().message(), HasSubstr("tp=3 does not divide num_attention_heads=8"));
-  auto tp8 = ResolveSourceParallel(*llama, tools::Parallel(8, 1, 1, 8, 1));
+  auto tp8 = ResolveSourceParallel(*llama, tools::testing::Parallel(8, 1, 1, 8, 1));
   EXPECT_THAT(tp8.status().message(), HasSubstr("tp=8 does not divide num_key_value_heads (query groups)=4"));
-  auto ep2 = ResolveSourceParallel(*llama, tools::Parallel(1, 1, 2, 1, 2));
+  auto ep2 = ResolveSourceParallel(*llama, tools::testing::Parallel(1, 1, 2, 1, 2));
   EXPECT_THAT(ep2.status().message(), HasSubstr("ep=2 needs a model with MoE layers"));
 
-  auto moe = ParseModelConfig(*tools::SyntheticConfigJson(tools::SmallOptions(Architecture::kQwen3Moe)), "t");
+  auto moe = ParseModelConfig(*tools::SyntheticConfigJson(tools::testing::SmallOptions(Architecture::kQwen3Moe)), "t");
   ASSERT_TRUE(moe.ok());
-  auto ep3 = ResolveSourceParallel(*moe, tools::Parallel(1, 1, 3, 1, 3));
+  auto ep3 = ResolveSourceParallel(*moe, tools::testing::Parallel(1, 1, 3, 1, 3));
   EXPECT_THAT(ep3.status().message(), HasSubstr("ep=3 does not divide number of routed experts=8"));
-  auto etp3 = ResolveSourceParallel(*moe, tools::Parallel(1, 1, 1, 3, 3));
+  auto etp3 = ResolveSourceParallel(*moe, tools::testing::Parallel(1, 1, 1, 3, 3));
   EXPECT_THAT(etp3.status().message(), HasSubstr("etp=3 does not divide moe_intermediate_size=32"));
 }
 
 TEST(BindToPlan, NamesMissingUnknownAndMisShapedParameters) {
-  auto model = tools::SmallModel(tools::SmallOptions(Architecture::kQwen3Moe), kSeed);
+  auto model = tools::testing::SmallModel(tools::testing::SmallOptions(Architecture::kQwen3Moe), kSeed);
   ASSERT_TRUE(model.ok());
-  auto world = tools::BuildWorld(*model, tools::Parallel(2, 1, 2, 1, 1));
+  auto world = tools::testing::BuildWorld(*model, tools::testing::Parallel(2, 1, 2, 1, 1));
   ASSERT_TRUE(world.ok());
   const auto& tensors = world->ranks.at(0);
   std::vector<MegatronParam> plan;

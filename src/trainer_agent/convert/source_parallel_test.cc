@@ -4,7 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "tools/synth/world.h"
+#include "tools/synth/testing/world.h"
 
 namespace wsync::trainer_agent {
 namespace {
@@ -13,7 +13,7 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
 ModelConfig Model(Architecture arch) {
-  return *ParseModelConfig(*tools::SyntheticConfigJson(tools::SmallOptions(arch)), "config.json");
+  return *ParseModelConfig(*tools::SyntheticConfigJson(tools::testing::SmallOptions(arch)), "config.json");
 }
 
 TEST(PaddedVocab, MegatronFormula) {
@@ -64,7 +64,7 @@ TEST(ParseSourceParallel, RefusesMalformedFiles) {
 
 TEST(ResolveSourceParallel, FillsVocabAndLayersAndChecksTheModel) {
   const ModelConfig moe = Model(Architecture::kQwen3Moe);
-  SourceParallel p = tools::Parallel(2, 2, 2, 2, 2);
+  SourceParallel p = tools::testing::Parallel(2, 2, 2, 2, 2);
   auto r = ResolveSourceParallel(moe, p);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->padded_vocab_size, 1024);
@@ -80,10 +80,10 @@ TEST(ResolveSourceParallel, FillsVocabAndLayersAndChecksTheModel) {
               HasSubstr("x/parallel.json: layers_per_stage [1, 2] sums to 3 but the model has num_hidden_layers=4"));
   p.layers_per_stage = {4};
   EXPECT_THAT(ResolveSourceParallel(moe, p).status().message(), HasSubstr("layers_per_stage has 1 entries but pp=2"));
-  SourceParallel three = tools::Parallel(1, 3, 1, 1, 1);
+  SourceParallel three = tools::testing::Parallel(1, 3, 1, 1, 1);
   EXPECT_THAT(ResolveSourceParallel(moe, three).status().message(),
               HasSubstr("num_hidden_layers=4 does not split evenly over pp=3"));
-  SourceParallel small_vocab = tools::Parallel(2, 1, 1, 2, 1);
+  SourceParallel small_vocab = tools::testing::Parallel(2, 1, 1, 2, 1);
   small_vocab.padded_vocab_size = 999;
   EXPECT_THAT(ResolveSourceParallel(moe, small_vocab).status().message(),
               HasSubstr("padded_vocab_size=999 is smaller than vocab_size=1000"));
@@ -96,7 +96,7 @@ TEST(ResolveSourceParallel, FillsVocabAndLayersAndChecksTheModel) {
   ASSERT_TRUE(kept.ok());
   EXPECT_EQ(kept->padded_vocab_size, 1008);
   // An expert grid that does not tile the world: etp*ep*pp = 4 does not divide 2.
-  SourceParallel grid = tools::Parallel(2, 1, 2, 2, 1);
+  SourceParallel grid = tools::testing::Parallel(2, 1, 2, 2, 1);
   EXPECT_THAT(ResolveSourceParallel(moe, grid).status().message(), HasSubstr("does not divide world_size 2"));
 }
 

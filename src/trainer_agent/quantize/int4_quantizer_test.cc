@@ -18,7 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "model/quant_target.h"
-#include "tools/synth/world.h"
+#include "tools/synth/testing/world.h"
 
 namespace wsync::trainer_agent {
 namespace {
@@ -49,14 +49,14 @@ uint64_t AlignUp(uint64_t x) { return (x + 63) / 64 * 64; }
 // A Qwen3-MoE model (hidden 64, 8 experts of width moe_ffn) sharded TP 2 x EP 2 with ETP `etp`.
 struct Fixture {
   tools::SyntheticModel model;
-  tools::World world;
+  tools::testing::World world;
 };
 absl::StatusOr<Fixture> MakeFixture(int etp, int64_t moe_ffn) {
-  tools::SyntheticModelOptions o = tools::SmallOptions(Architecture::kQwen3Moe);
+  tools::SyntheticModelOptions o = tools::testing::SmallOptions(Architecture::kQwen3Moe);
   o.moe_ffn = moe_ffn;
   Fixture f;
-  ASSIGN_OR_RETURN(f.model, tools::SmallModel(o, kSeed));
-  ASSIGN_OR_RETURN(f.world, tools::BuildWorld(f.model, tools::Parallel(2, 1, 2, etp, 2)));
+  ASSIGN_OR_RETURN(f.model, tools::testing::SmallModel(o, kSeed));
+  ASSIGN_OR_RETURN(f.world, tools::testing::BuildWorld(f.model, tools::testing::Parallel(2, 1, 2, etp, 2)));
   return f;
 }
 

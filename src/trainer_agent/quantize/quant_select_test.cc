@@ -13,7 +13,7 @@
 #include "absl/strings/str_replace.h"
 #include "common/default_model.h"
 #include "tools/synth/synthetic_model.h"
-#include "tools/synth/world.h"
+#include "tools/synth/testing/world.h"
 
 namespace wsync::trainer_agent {
 namespace {
@@ -131,7 +131,7 @@ TEST(ExpectedSentTensors, DefaultModelTripletsForExpertsEverythingElseAsIs) {
 }
 
 TEST(ExpectedSentTensors, WidensTheExpertBiasAndRefusesStrangers) {
-  auto m = tools::GenerateSyntheticModel(tools::SmallOptions(Architecture::kDeepseekV3), 9, 2);
+  auto m = tools::GenerateSyntheticModel(tools::testing::SmallOptions(Architecture::kDeepseekV3), 9, 2);
   ASSERT_TRUE(m.ok());
   // Rebuild the checkpoint with a bf16 e_score_correction_bias, an MTP layer and an unknown tensor.
   model::HfCheckpoint hf;
@@ -164,7 +164,7 @@ TEST(ExpectedSentTensors, WidensTheExpertBiasAndRefusesStrangers) {
 }
 
 TEST(ExpectedSentTensors, FromADirectoryUsesTheConfigsQuantizationUnlessGiven) {
-  auto o = tools::SmallOptions(Architecture::kQwen3Moe);
+  auto o = tools::testing::SmallOptions(Architecture::kQwen3Moe);
   o.hidden = 128, o.moe_ffn = 128;  // K % 128 == 0 for every expert weight
   o.quantization_config_json = kDefaultModelConfigJson;
   auto m = tools::GenerateSyntheticModel(o, 12, 2);
@@ -186,7 +186,7 @@ TEST(ExpectedSentTensors, FromADirectoryUsesTheConfigsQuantizationUnlessGiven) {
 }
 
 TEST(ExpectedSentTensors, TiedLmHeadInTheCheckpointIsNotSent) {
-  auto o = tools::SmallOptions(Architecture::kQwen2);
+  auto o = tools::testing::SmallOptions(Architecture::kQwen2);
   o.tie = true;
   auto m = tools::GenerateSyntheticModel(o, 4, 2);
   ASSERT_TRUE(m.ok());

@@ -12,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
-#include "tools/synth/world.h"
+#include "tools/synth/testing/world.h"
 
 namespace wsync::trainer_agent {
 namespace {
@@ -27,12 +27,12 @@ class DirSourceTest : public ::testing::Test {
   void SetUp() override {
     dir_ = ::testing::TempDir() + "/dir_source_" + ::testing::UnitTest::GetInstance()->current_test_info()->name();
     fs::remove_all(dir_);
-    auto m = tools::SmallModel(tools::SmallOptions(Architecture::kDeepseekV3), kSeed);
+    auto m = tools::testing::SmallModel(tools::testing::SmallOptions(Architecture::kDeepseekV3), kSeed);
     ASSERT_TRUE(m.ok()) << m.status();
     model_ = std::move(*m);
     // TP 2, PP 2, EP 2, ETP 1, DP 2: 8 ranks, experts split over the TP group.
     auto stats = tools::WriteMegatronSource(model_.config_json, model_.config, model_.weights,
-                                            tools::Parallel(2, 2, 2, 1, 2), dir_);
+                                            tools::testing::Parallel(2, 2, 2, 1, 2), dir_);
     ASSERT_TRUE(stats.ok()) << stats.status();
     EXPECT_EQ(stats->files_built, 4);
     EXPECT_EQ(stats->files_copied, 4);

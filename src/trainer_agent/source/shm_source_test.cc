@@ -22,7 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_replace.h"
 #include "common/cuda_ipc.h"
-#include "tools/synth/world.h"
+#include "tools/synth/testing/world.h"
 #include "trainer_agent/source/dir_source.h"
 #include "trainer_client/protocol.h"
 #include "trainer_client/wsync_trainer_client.h"
@@ -51,11 +51,11 @@ class ShmSourceTest : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = new std::string(::testing::TempDir() + "/shm_source_model");
     fs::remove_all(*dir_);
-    auto m = tools::SmallModel(tools::SmallOptions(Architecture::kQwen3Moe), kSeed);
+    auto m = tools::testing::SmallModel(tools::testing::SmallOptions(Architecture::kQwen3Moe), kSeed);
     ASSERT_TRUE(m.ok()) << m.status();
     // TP 2, EP 2, DP 1: 2 ranks; this test plays rank 1.
-    auto stats =
-        tools::WriteMegatronSource(m->config_json, m->config, m->weights, tools::Parallel(2, 1, 2, 1, 1), *dir_);
+    auto stats = tools::WriteMegatronSource(m->config_json, m->config, m->weights,
+                                            tools::testing::Parallel(2, 1, 2, 1, 1), *dir_);
     ASSERT_TRUE(stats.ok()) << stats.status();
   }
   static void TearDownTestSuite() {

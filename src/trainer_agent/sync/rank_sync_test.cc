@@ -25,7 +25,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "comm/store/store.h"
-#include "tools/synth/world.h"
+#include "tools/synth/testing/world.h"
 #include "trainer_agent/gather/testing/local_trainer_comms.h"
 #include "trainer_agent/quantize/quant_select.h"
 #include "trainer_agent/source/dir_source.h"
@@ -103,11 +103,11 @@ class RankSyncFixture : public ::testing::Test {
 
   // dir_/hf: the model's HF checkpoint; dir_/src: its Megatron rank files for `l`.
   void MakeFixture(const tools::SyntheticModelOptions& mo, const LayoutCase& l, uint64_t seed) {
-    auto m = tools::SmallModel(mo, seed);
+    auto m = tools::testing::SmallModel(mo, seed);
     ASSERT_TRUE(m.ok()) << m.status();
     ASSERT_TRUE(tools::WriteHfModel(*m, hf_dir()).ok());
     auto stats = tools::WriteMegatronSource(m->config_json, m->config, m->weights,
-                                            tools::Parallel(l.tp, 1, l.ep, l.etp, l.dp), src_dir());
+                                            tools::testing::Parallel(l.tp, 1, l.ep, l.etp, l.dp), src_dir());
     ASSERT_TRUE(stats.ok()) << stats.status();
   }
   std::string hf_dir() const { return dir_ + "/hf"; }
@@ -150,7 +150,7 @@ void ExpectSentExactly(const std::vector<RankResult>& results, const ParallelLay
 
 TEST_P(RankSyncTest, SendsExactlyTheConvertedCheckpoint) {
   const Case& c = GetParam();
-  tools::SyntheticModelOptions mo = tools::SmallOptions(c.arch);
+  tools::SyntheticModelOptions mo = tools::testing::SmallOptions(c.arch);
   mo.moe_ffn = c.moe_ffn;
   ASSERT_NO_FATAL_FAILURE(MakeFixture(mo, c.layout, 20261121));
   auto src = DirSource::Open(src_dir());
@@ -213,7 +213,8 @@ INSTANTIATE_TEST_SUITE_P(All, RankSyncTest, ::testing::ValuesIn(AllCases()),
 // Rank 2's file is gone: every rank returns the same kNotFound naming rank 2 and its file, before
 // any gather, nothing is sent, and no rank hangs.
 TEST_F(RankSyncFailureTest, AMissingRankFileFailsEveryRankWithTheSameErrorNamingIt) {
-  ASSERT_NO_FATAL_FAILURE(MakeFixture(tools::SmallOptions(Architecture::kQwen3Moe), {"tp2_ep2_etp1", 2, 2, 1, 2}, 7));
+  ASSERT_NO_FATAL_FAILURE(
+      MakeFixture(tools::testing::SmallOptions(Architecture::kQwen3Moe), {"tp2_ep2_etp1", 2, 2, 1, 2}, 7));
   ASSERT_TRUE(fs::remove(src_dir() + "/" + RankFileName(2)));
   auto src = DirSource::Open(src_dir());
   ASSERT_TRUE(src.ok()) << src.status();

@@ -13,7 +13,7 @@
 #include "tools/synth/sharder.h"
 #include "tools/synth/synthetic_model.h"
 
-namespace wsync::tools {
+namespace wsync::tools::testing {
 
 // Sizes that split over TP 4, ETP 2, EP 4 and keep tests fast (hidden 64, 8 heads / 4 groups,
 // 8 experts, 4 layers, vocab 1000 so the padding paths run).
@@ -70,4 +70,4 @@ inline SourceParallel Parallel(int tp, int pp, int ep, int etp, int dp, std::vec
   return p;
 }
 
-}  // namespace wsync::tools
+}  // namespace wsync::tools::testing
