@@ -3,10 +3,12 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/awq_cpu.h"
 #include "kernels/cpu/int4_cpu.h"
 #include "kernels/int4_dispatch.h"
 
 #if WSYNC_WITH_CUDA
+#include "kernels/cuda/awq_cuda.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/int4_cuda.h"
 #endif
@@ -61,6 +63,33 @@ absl::Status RunMarlinToGptq(Device device, const RepackArgs& args) {
 }
 absl::Status RunPermuteScales(Device device, const ScalePermArgs& args) {
   return Run(device, args, &cpu::PermuteScales, WSYNC_CUDA_ENTRY(PermuteScales), "PermuteMarlinScales");
+}
+absl::Status RunQuantizeAwq(Device device, const AwqQuantizeArgs& args) {
+  return Run(device, args, &cpu::QuantizeAwq, WSYNC_CUDA_ENTRY(QuantizeAwq), "QuantizeAwq");
+}
+absl::Status RunAwqToGptq(Device device, const AwqRepackArgs& args) {
+  return Run(device, args, &cpu::AwqToGptq, WSYNC_CUDA_ENTRY(AwqToGptq), "AwqToGptq");
+}
+absl::Status RunGptqToAwq(Device device, const AwqRepackArgs& args) {
+  return Run(device, args, &cpu::GptqToAwq, WSYNC_CUDA_ENTRY(GptqToAwq), "GptqToAwq");
+}
+absl::Status RunAwqToMarlin(Device device, const AwqRepackArgs& args) {
+  return Run(device, args, &cpu::AwqToMarlin, WSYNC_CUDA_ENTRY(AwqToMarlin), "AwqToMarlin");
+}
+absl::Status RunAwqZerosToMarlin(Device device, const AwqRepackArgs& args) {
+  return Run(device, args, &cpu::AwqZerosToMarlin, WSYNC_CUDA_ENTRY(AwqZerosToMarlin), "AwqZerosToMarlin");
+}
+absl::Status RunMarlinZerosToAwq(Device device, const AwqRepackArgs& args) {
+  return Run(device, args, &cpu::MarlinZerosToAwq, WSYNC_CUDA_ENTRY(MarlinZerosToAwq), "MarlinZerosToAwq");
+}
+absl::Status RunTrtllm(Device device, const TrtllmArgs& args) {
+  return Run(device, args, &cpu::Trtllm, WSYNC_CUDA_ENTRY(Trtllm), "PreprocessTrtllm");
+}
+absl::Status RunTrtllmScales(Device device, const TrtllmScaleArgs& args) {
+  return Run(device, args, &cpu::TrtllmScales, WSYNC_CUDA_ENTRY(TrtllmScales), "TrtllmScales");
+}
+absl::Status RunTrtllmZeros(Device device, const TrtllmScaleArgs& args) {
+  return Run(device, args, &cpu::TrtllmZeros, WSYNC_CUDA_ENTRY(TrtllmZeros), "TrtllmZerosFromAwq");
 }
 
 }  // namespace internal

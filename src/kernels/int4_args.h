@@ -6,11 +6,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/format/awq_format.h"
 #include "kernels/format/int4_format.h"
+#include "kernels/format/trtllm_format.h"
 
 namespace wsync::kernels::internal {
 
@@ -79,5 +82,76 @@ inline absl::Status ValidatePerm(const int32_t* perm, int64_t experts, int64_t k
   }
   return absl::OkStatus();
 }
+
+// ---- AWQ (kernels/awq.h) -------------------------------------------------------------------------
+
+struct AwqQuantizeArgs {
+  const uint16_t* w = nullptr;  // [E, N, K] bf16 or fp16 bit patterns
+  bool is_bf16 = true;
+  int64_t experts = 1, n = 0, k = 0;
+  int64_t group = 0;  // resolved group size (K for channelwise)
+  format::AwqArith arith = format::AwqArith::kFp16;
+  uint32_t* qweight = nullptr;  // [E, K, N/8]
+  uint32_t* qzeros = nullptr;   // [E, K/G, N/8]
+  uint16_t* scales = nullptr;   // [E, K/G, N], same dtype as w
+  int threads = 1;
+  int64_t min_bytes_per_thread = 0;
+  void* stream = nullptr;
+};
+
+// Why a group was refused; the kernels report min(index * 2 + reason) over all groups.
+enum class AwqRefusal : int { kNonFinite = 0, kF16Range = 1 };
+
+// The error for the smallest refused group; `code` = ((e * N + n) * (K / G) + g) * 2 + reason.
+inline absl::Status AwqRefusedError(const AwqQuantizeArgs& a, int64_t code) {
+  const int64_t index = code / 2, ng = a.k / a.group, g = index % ng, row = index / ng;
+  const std::string where = absl::StrCat("expert ", row / a.n, ", row ", row % a.n, ", group ", g, " (columns ",
+                                         g * a.group, "..", (g + 1) * a.group - 1, ")");
+  if (code % 2 == static_cast<int>(AwqRefusal::kNonFinite)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("QuantizeAwq: W holds Inf or NaN in ", where, "; refusing to quantize non-finite weights"));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("QuantizeAwq: the fp16 arithmetic cannot hold ", where,
+                   ": a value or max - min is at least 65520, which fp16 rounds to Inf (use the fp32 arithmetic)"));
+}
+
+// AwqToGptq / GptqToAwq / AwqToMarlin / zero points: `rows` is K (qweight) or K/G (qzeros).
+struct AwqRepackArgs {
+  const uint32_t* in = nullptr;
+  uint32_t* out = nullptr;
+  int64_t experts = 1, rows = 0, n = 0;
+  int threads = 1;
+  int64_t min_bytes_per_thread = 0;
+  void* stream = nullptr;
+};
+
+// ---- TensorRT-LLM (kernels/trtllm.h) -------------------------------------------------------------
+
+struct TrtllmArgs {
+  uint32_t* codes = nullptr;  // GPTQ orientation [E, K/8, N] (read by preprocess, written by the inverse)
+  uint32_t* bytes = nullptr;  // the preprocessed weight as [E, K*N/8] words
+  int64_t experts = 1, k = 0, n = 0;
+  format::TrtllmLayout layout = format::TrtllmLayout::kSm80W4A16;
+  bool inverse = false;
+  int threads = 1;
+  int64_t min_bytes_per_thread = 0;
+  void* stream = nullptr;
+};
+
+enum class TrtllmScaleMode : int { kCopy = 0, kToF16 = 1, kToBf16Interleaved = 2 };
+
+struct TrtllmScaleArgs {
+  const uint16_t* in = nullptr;  // [E, rows, N] 16-bit scales
+  bool in_bf16 = true;
+  uint16_t* out = nullptr;  // kCopy/kToF16: [E, rows, N]; kToBf16Interleaved: [E, rows/I, N*I]
+  int64_t experts = 1, rows = 0, n = 0;
+  TrtllmScaleMode mode = TrtllmScaleMode::kCopy;
+  int interleave = 1;
+  const uint32_t* qzeros = nullptr;  // zeros mode (TrtllmZerosFromAwq): AWQ qzeros [E, rows, N/8]
+  int threads = 1;
+  int64_t min_bytes_per_thread = 0;
+  void* stream = nullptr;
+};
 
 }  // namespace wsync::kernels::internal

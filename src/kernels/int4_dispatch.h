@@ -1,4 +1,4 @@
-// Internal: the device half of kernels/int4.h. Implemented in kernels/dispatch.cc, the one file
+// Internal: the device half of kernels/int4.h, awq.h and trtllm.h. Implemented in kernels/dispatch.cc, the one file
 // that knows whether the CUDA kernels were compiled in (STYLE.md §1). Arguments are already
 // validated by kernels/int4.cc; these pick kernels/cpu/ or kernels/cuda/ by device.
 // Errors: kFailedPrecondition for Device::kCuda when CUDA is not compiled in; kInternal on CUDA
@@ -16,5 +16,14 @@ absl::Status RunQuantize(Device device, const QuantizeArgs& args);
 absl::Status RunGptqToMarlin(Device device, const RepackArgs& args);
 absl::Status RunMarlinToGptq(Device device, const RepackArgs& args);
 absl::Status RunPermuteScales(Device device, const ScalePermArgs& args);
+absl::Status RunQuantizeAwq(Device device, const AwqQuantizeArgs& args);
+absl::Status RunAwqToGptq(Device device, const AwqRepackArgs& args);
+absl::Status RunGptqToAwq(Device device, const AwqRepackArgs& args);
+absl::Status RunAwqToMarlin(Device device, const AwqRepackArgs& args);
+absl::Status RunAwqZerosToMarlin(Device device, const AwqRepackArgs& args);
+absl::Status RunMarlinZerosToAwq(Device device, const AwqRepackArgs& args);
+absl::Status RunTrtllm(Device device, const TrtllmArgs& args);
+absl::Status RunTrtllmScales(Device device, const TrtllmScaleArgs& args);
+absl::Status RunTrtllmZeros(Device device, const TrtllmScaleArgs& args);
 
 }  // namespace wsync::kernels::internal

@@ -1,0 +1,401 @@
+// CPU AWQ kernels. Math and layout: kernels/format/awq_format.h (AWQ.md §1-§4).
+//
+// QuantizeAwq works on units of (expert, block of up to 128 rows): per group, each row's max and
+// min are reduced in SIMD (the first touch of W), the group parameters follow in scalar code
+// through the shared helpers, and the G codes of the row are computed lanewise (widen to f32,
+// round to fp16 for the fp16 arithmetic, IEEE division, round to fp16 again, round half to even,
+// add the zero point, clamp) into a byte scratch [rows][G]; then every k of the group packs the
+// block's codes into AWQ words (8 interleaved columns per word, 16 words = one 64-byte line of
+// qweight [K, N/8] per k for a full block). The fp16 rounding is exact: (x + C) - C with C the
+// float whose ulp is x's fp16 quantum (format::F16QuantumMagic), the same formula the scalar
+// helper and the CUDA code use.
+//
+// AwqToMarlin: per k-tile, the 16 AWQ rows become the tile's two GPTQ rows (8x8 nibble
+// transposes, format::AwqBlockToGptq), which the GPTQ -> Marlin tile emitter of
+// kernels/cpu/marlin_tile-inl.h turns into Marlin tiles. The TensorRT-LLM preprocessing is a
+// per-column gather through format::TrtllmWord.
+
+// clang-format off
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/awq_cpu.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+// clang-format on
+
+#include "kernels/cpu/awq_cpu.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/parallel_for.h"
+#include "kernels/cpu/marlin_tile-inl.h"
+#include "kernels/format/awq_format.h"
+#include "kernels/format/int4_format.h"
+#include "kernels/format/trtllm_format.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace wsync::kernels::cpu {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+namespace fmt = ::wsync::kernels::format;
+
+constexpr int64_t kAwqRowBlock = 128;
+constexpr float kInf = std::numeric_limits<float>::infinity();  // rows per unit: 16 AWQ words = 64 bytes per k
+
+float ToF32(uint16_t bits, bool bf16) { return bf16 ? BF16ToF32(bits) : F16ToF32(bits); }
+
+#if HWY_TARGET != HWY_SCALAR
+// Vector form of format::RoundToF16 (without NaN, which the kernel refuses beforehand).
+template <class DF, class V>
+HWY_INLINE V RoundToF16V(DF df, V v) {
+  const hn::RebindToUnsigned<DF> du;
+  const auto a = hn::And(hn::BitCast(du, v), hn::Set(du, 0x7FFFFFFFu));
+  auto e = hn::ShiftRight<23>(a);
+  e = hn::Min(hn::Max(e, hn::Set(du, 113u)), hn::Set(du, 142u));
+  const auto c = hn::BitCast(df, hn::Or(hn::ShiftLeft<23>(hn::Add(e, hn::Set(du, 13u))), hn::Set(du, 0x00400000u)));
+  const V r = hn::CopySign(hn::Sub(hn::Add(v, c), c), v);
+  const auto overflow = hn::Ge(hn::Abs(v), hn::Set(df, 65520.0f));
+  return hn::IfThenElse(overflow, hn::CopySign(hn::Set(df, kInf), v), r);
+}
+#endif
+
+// codes[0..g) = the AWQ codes of one row's group x[0..g) with parameters p.
+void GroupCodes(const uint16_t* HWY_RESTRICT x, int64_t g, bool bf16, fmt::AwqGroup p, fmt::AwqArith arith,
+                uint8_t* HWY_RESTRICT codes) {
+  int64_t i = 0;
+  const bool f16 = arith == fmt::AwqArith::kFp16;
+#if HWY_TARGET != HWY_SCALAR
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const hn::Rebind<uint32_t, decltype(df)> du32;
+  const hn::Rebind<int32_t, decltype(df)> di32;
+  const hn::Rebind<uint8_t, decltype(df)> d8;
+  const hn::Rebind<hwy::float16_t, decltype(df)> dh;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+  const auto vs = hn::Set(df, p.scale), vz = hn::Set(df, p.zero);
+  const auto lo = hn::Zero(df), hi = hn::Set(df, static_cast<float>(fmt::kAwqMaxCode));
+  for (; i + lanes <= g; i += lanes) {
+    auto v = bf16 ? hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(d16, x + i))))
+                  : hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(x + i)));
+    if (f16 && bf16) v = RoundToF16V(df, v);  // AutoAWQ converts the bf16 model to fp16 first
+    auto q = hn::Div(v, vs);
+    if (f16) q = RoundToF16V(df, q);
+    auto u = hn::Add(hn::Round(q), vz);
+    u = hn::Min(hn::Max(u, lo), hi);
+    hn::StoreU(hn::DemoteTo(d8, hn::ConvertTo(di32, u)), d8, codes + i);
+  }
+#endif
+  for (; i < g; ++i) {
+    float v = ToF32(x[i], bf16);
+    if (f16) v = fmt::RoundToF16(v);
+    codes[i] = static_cast<uint8_t>(fmt::AwqCode(v, p, arith));
+  }
+}
+
+// Max, min and the largest |x| bit pattern of g 16-bit values.
+struct GroupRange {
+  float mx, mn;
+  uint32_t abs_bits;
+};
+GroupRange Range(const uint16_t* HWY_RESTRICT x, int64_t g, bool bf16) {
+  GroupRange r{-kInf, kInf, 0};
+  int64_t i = 0;
+#if HWY_TARGET != HWY_SCALAR
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const hn::Rebind<uint32_t, decltype(df)> du32;
+  const hn::Rebind<hwy::float16_t, decltype(df)> dh;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+  auto vmx = hn::Set(df, -kInf), vmn = hn::Set(df, kInf);
+  auto vab = hn::Zero(du32);
+  for (; i + lanes <= g; i += lanes) {
+    const auto raw = hn::PromoteTo(du32, hn::LoadU(d16, x + i));
+    vab = hn::Max(vab, hn::And(raw, hn::Set(du32, 0x7FFFu)));
+    const auto v = bf16 ? hn::BitCast(df, hn::ShiftLeft<16>(raw))
+                        : hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(x + i)));
+    vmx = hn::Max(vmx, v);
+    vmn = hn::Min(vmn, v);
+  }
+  if (i > 0) {
+    r.mx = hn::GetLane(hn::MaxOfLanes(df, vmx));
+    r.mn = hn::GetLane(hn::MinOfLanes(df, vmn));
+    r.abs_bits = hn::GetLane(hn::MaxOfLanes(du32, vab));
+  }
+#endif
+  for (; i < g; ++i) {
+    const float v = ToF32(x[i], bf16);
+    r.mx = std::max(r.mx, v);
+    r.mn = std::min(r.mn, v);
+    r.abs_bits = std::max<uint32_t>(r.abs_bits, fmt::AbsBits16(x[i]));
+  }
+  return r;
+}
+
+// Units are (expert, block of kAwqRowBlock rows); scratch holds kAwqRowBlock * G code bytes.
+// Returns the smallest refusal code (see internal::AwqRefusedError), or -1.
+int64_t QuantizeAwqUnits(const internal::AwqQuantizeArgs& a, int64_t begin, int64_t end, uint8_t* scratch) {
+  const uint32_t nonfinite = fmt::NonFiniteAbsBits16(a.is_bf16);
+  const bool f16 = a.arith == fmt::AwqArith::kFp16;
+  const int64_t blocks = (a.n + kAwqRowBlock - 1) / kAwqRowBlock;
+  const int64_t ng = a.k / a.group, nw = a.n / 8;
+  int64_t bad = -1;
+  auto refuse = [&](int64_t row, int64_t g, internal::AwqRefusal why) {
+    const int64_t code = (row * ng + g) * 2 + static_cast<int>(why);
+    if (bad < 0 || code < bad) bad = code;
+  };
+  uint8_t zeros[kAwqRowBlock];
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t e = unit / blocks;
+    const int64_t n0 = (unit % blocks) * kAwqRowBlock;
+    const int64_t rows = std::min(a.n - n0, kAwqRowBlock);
+    for (int64_t g = 0; g < ng; ++g) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t row = e * a.n + n0 + r;
+        const uint16_t* x = a.w + row * a.k + g * a.group;
+        const GroupRange range = Range(x, a.group, a.is_bf16);
+        float mx = range.mx, mn = range.mn;
+        if (range.abs_bits >= nonfinite) {
+          refuse(row, g, internal::AwqRefusal::kNonFinite);
+          mx = mn = 0.0f;  // keep going with finite values; the call fails anyway
+        } else if (f16) {
+          mx = fmt::RoundToF16(mx);
+          mn = fmt::RoundToF16(mn);
+          if (std::isinf(mx) || std::isinf(mn) || std::isinf(fmt::RoundToF16(mx - mn))) {
+            refuse(row, g, internal::AwqRefusal::kF16Range);
+            mx = mn = 0.0f;
+          }
+        }
+        const fmt::AwqGroup p = fmt::AwqGroupParams(mx, mn, a.arith);
+        a.scales[(e * ng + g) * a.n + n0 + r] = a.is_bf16 ? F32ToBF16(p.scale) : F32ToF16(p.scale);
+        zeros[r] = static_cast<uint8_t>(p.zero);
+        GroupCodes(x, a.group, a.is_bf16, p, a.arith, scratch + r * a.group);
+      }
+      // Pack: word (k, n0/8 + jw) nibble i = code of row 8 jw + ORDER[i].
+      const int64_t words = rows / 8;
+      for (int64_t kk = 0; kk < a.group; ++kk) {
+        uint32_t* out = a.qweight + (e * a.k + g * a.group + kk) * nw + n0 / 8;
+        for (int64_t jw = 0; jw < words; ++jw) {
+          const uint8_t* c = scratch + (8 * jw) * a.group + kk;
+          uint32_t w = 0;
+          for (int i = 0; i < 8; ++i) w |= static_cast<uint32_t>(c[fmt::AwqOrder(i) * a.group]) << (4 * i);
+          out[jw] = w;
+        }
+      }
+      uint32_t* zout = a.qzeros + (e * ng + g) * nw + n0 / 8;
+      for (int64_t jw = 0; jw < words; ++jw) {
+        uint32_t w = 0;
+        for (int i = 0; i < 8; ++i) w |= static_cast<uint32_t>(zeros[8 * jw + fmt::AwqOrder(i)]) << (4 * i);
+        zout[jw] = w;
+      }
+    }
+  }
+  return bad;
+}
+
+// GPTQ rows [8 rb, 8 rb + 8) of one expert's AWQ matrix [R, N/8] into dst[0..N) (one GPTQ row).
+void AwqRowsToGptqRow(const uint32_t* HWY_RESTRICT awq, int64_t n, int64_t rb, uint32_t* HWY_RESTRICT dst) {
+  const int64_t nw = n / 8;
+  const uint32_t* src = awq + 8 * rb * nw;
+  for (int64_t j = 0; j < nw; ++j) {
+    uint32_t block[8];
+    for (int r = 0; r < 8; ++r) block[r] = src[r * nw + j];
+    fmt::AwqBlockToGptq(block, dst + 8 * j);
+  }
+}
+
+// Units are (expert, k-tile); scratch holds 2N words (the tile's two GPTQ rows).
+void AwqToMarlinUnits(const internal::AwqRepackArgs& a, int64_t begin, int64_t end, uint32_t* scratch) {
+  const int64_t n = a.n, ktiles = a.rows / fmt::kTileK;
+  uint32_t* HWY_RESTRICT ra = scratch;
+  uint32_t* HWY_RESTRICT rb = scratch + n;
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t e = unit / ktiles, kt = unit % ktiles;
+    const uint32_t* awq = a.in + e * a.rows * (n / 8);
+    AwqRowsToGptqRow(awq, n, 2 * kt, ra);
+    AwqRowsToGptqRow(awq, n, 2 * kt + 1, rb);
+    uint32_t* out = a.out + e * ktiles * 2 * n + fmt::TileOffset(kt, 0, n);
+    for (int64_t nt = 0; nt < n / fmt::kTileN; ++nt) {
+      EmitTile(ra + nt * fmt::kTileN, rb + nt * fmt::kTileN, out + nt * fmt::kTileWords);
+    }
+  }
+  hwy::FlushStream();
+}
+
+// NOLINTNEXTLINE(google-readability-namespace-comments)
+}  // namespace HWY_NAMESPACE
+}  // namespace wsync::kernels::cpu
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace wsync::kernels::cpu {
+
+HWY_EXPORT(QuantizeAwqUnits);
+HWY_EXPORT(AwqToMarlinUnits);
+
+namespace {
+
+namespace fmt = ::wsync::kernels::format;
+
+template <typename Fn>
+void ParallelFor(int64_t units, int threads, int64_t unit_bytes, int64_t min_bytes, Fn fn) {
+  const int64_t min_units = min_bytes > 0 ? (min_bytes + unit_bytes - 1) / std::max<int64_t>(1, unit_bytes) : 1;
+  ::wsync::ParallelFor(units, std::max(threads, 1), min_units, fn);
+}
+
+}  // namespace
+
+absl::Status QuantizeAwq(const internal::AwqQuantizeArgs& args) {
+  const int64_t blocks = (args.n + 127) / 128;
+  std::atomic<int64_t> bad{INT64_MAX};
+  ParallelFor(args.experts * blocks, args.threads, 128 * args.k * 2, args.min_bytes_per_thread,
+              [&](int64_t b, int64_t e) {
+                std::vector<uint8_t> scratch(static_cast<size_t>(128 * args.group));
+                const int64_t mine = HWY_DYNAMIC_DISPATCH(QuantizeAwqUnits)(args, b, e, scratch.data());
+                if (mine < 0) return;
+                int64_t cur = bad.load();
+                while (mine < cur && !bad.compare_exchange_weak(cur, mine)) {
+                }
+              });
+  if (bad.load() != INT64_MAX) return internal::AwqRefusedError(args, bad.load());
+  return absl::OkStatus();
+}
+
+absl::Status AwqToGptq(const internal::AwqRepackArgs& a) {
+  const int64_t nw = a.n / 8, rblocks = a.rows / 8;
+  ParallelFor(a.experts * rblocks, a.threads, 32 * a.n, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
+    for (int64_t u = b; u < e; ++u) {
+      const int64_t x = u / rblocks, rb = u % rblocks;
+      const uint32_t* src = a.in + (x * a.rows + 8 * rb) * nw;
+      uint32_t* dst = a.out + (x * rblocks + rb) * a.n;
+      for (int64_t j = 0; j < nw; ++j) {
+        uint32_t block[8];
+        for (int r = 0; r < 8; ++r) block[r] = src[r * nw + j];
+        fmt::AwqBlockToGptq(block, dst + 8 * j);
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status GptqToAwq(const internal::AwqRepackArgs& a) {
+  const int64_t nw = a.n / 8, rblocks = a.rows / 8;
+  ParallelFor(a.experts * rblocks, a.threads, 32 * a.n, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
+    for (int64_t u = b; u < e; ++u) {
+      const int64_t x = u / rblocks, rb = u % rblocks;
+      const uint32_t* src = a.in + (x * rblocks + rb) * a.n;
+      uint32_t* dst = a.out + (x * a.rows + 8 * rb) * nw;
+      for (int64_t j = 0; j < nw; ++j) {
+        uint32_t block[8];
+        fmt::GptqBlockToAwq(src + 8 * j, block);
+        for (int r = 0; r < 8; ++r) dst[r * nw + j] = block[r];
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status AwqToMarlin(const internal::AwqRepackArgs& args) {
+  ParallelFor(args.experts * (args.rows / fmt::kTileK), args.threads, 8 * args.n, args.min_bytes_per_thread,
+              [&](int64_t b, int64_t e) {
+                std::vector<uint32_t> scratch(static_cast<size_t>(2 * args.n));
+                HWY_DYNAMIC_DISPATCH(AwqToMarlinUnits)(args, b, e, scratch.data());
+              });
+  return absl::OkStatus();
+}
+
+absl::Status AwqZerosToMarlin(const internal::AwqRepackArgs& a) {
+  const int64_t nw = a.n / 8;
+  ParallelFor(a.experts * a.rows, a.threads, a.n / 2, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      for (int64_t w = 0; w < nw; ++w) a.out[r * nw + w] = fmt::MarlinZeroWord(a.in + r * nw, w);
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status MarlinZerosToAwq(const internal::AwqRepackArgs& a) {
+  const int64_t nw = a.n / 8;
+  ParallelFor(a.experts * a.rows, a.threads, a.n / 2, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      for (int64_t j = 0; j < nw; ++j) a.out[r * nw + j] = fmt::AwqZeroWordFromMarlin(a.in + r * nw, j);
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status Trtllm(const internal::TrtllmArgs& a) {
+  const int64_t kw = a.k / 8;
+  const int64_t words = a.k * a.n / 8;  // per expert, in and out alike
+  // Units are (expert, column): a column's output words (or, inverted, its code words) are
+  // written by one unit, so units never share an output word.
+  ParallelFor(a.experts * a.n, a.threads, a.k / 2, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
+    for (int64_t u = b; u < e; ++u) {
+      const int64_t x = u / a.n, n = u % a.n;
+      uint32_t* codes = a.codes + x * words;
+      uint32_t* bytes = a.bytes + x * words;
+      if (!a.inverse) {
+        auto code = [&](int64_t row, int64_t col) { return fmt::GetNibble(codes[(row / 8) * a.n + col], row % 8); };
+        for (int64_t kp = 0; kp < a.k; kp += 8) {
+          const int64_t w = fmt::TrtllmWordOf(a.layout, n, kp, a.k);
+          bytes[w] = fmt::TrtllmWord(a.layout, w, a.k, code);
+        }
+      } else {
+        for (int64_t r = 0; r < kw; ++r) {
+          uint32_t word = 0;
+          for (int i = 0; i < 8; ++i) word |= fmt::TrtllmCodeAt(a.layout, bytes, 8 * r + i, n, a.k) << (4 * i);
+          codes[r * a.n + n] = word;
+        }
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status TrtllmScales(const internal::TrtllmScaleArgs& a) {
+  const int il = a.interleave;
+  ParallelFor(a.experts * a.rows, a.threads, 2 * a.n, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const uint16_t* in = a.in + r * a.n;
+      switch (a.mode) {
+        case internal::TrtllmScaleMode::kCopy: std::memcpy(a.out + r * a.n, in, static_cast<size_t>(a.n) * 2); break;
+        case internal::TrtllmScaleMode::kToF16:
+          for (int64_t c = 0; c < a.n; ++c)
+            a.out[r * a.n + c] = F32ToF16(a.in_bf16 ? BF16ToF32(in[c]) : F16ToF32(in[c]));
+          break;
+        case internal::TrtllmScaleMode::kToBf16Interleaved: {
+          // Input row r = (expert x, row g) goes to output row g / I, columns n I + g % I.
+          const int64_t x = r / a.rows, g = r % a.rows;
+          uint16_t* out = a.out + (x * (a.rows / il) + g / il) * a.n * il + g % il;
+          for (int64_t c = 0; c < a.n; ++c) {
+            out[c * il] = F32ToBF16(a.in_bf16 ? BF16ToF32(in[c]) : F16ToF32(in[c]));
+          }
+          break;
+        }
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status TrtllmZeros(const internal::TrtllmScaleArgs& a) {
+  const int64_t nw = a.n / 8;
+  ParallelFor(a.experts * a.rows, a.threads, 2 * a.n, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      for (int64_t c = 0; c < a.n; ++c) {
+        const float z = static_cast<float>(fmt::AwqNibble(a.qzeros[r * nw + c / 8], c));
+        const float s = a.in_bf16 ? BF16ToF32(a.in[r * a.n + c]) : F16ToF32(a.in[r * a.n + c]);
+        const float zero = (8.0f - z) * s;  // exact in f32 (4-bit times 11-bit): one rounding below
+        a.out[r * a.n + c] = a.in_bf16 ? F32ToBF16(zero) : F32ToF16(zero);
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
+}  // namespace wsync::kernels::cpu
+#endif  // HWY_ONCE

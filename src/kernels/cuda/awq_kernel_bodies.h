@@ -1,0 +1,180 @@
+// Per-thread bodies of the CUDA AWQ and TensorRT-LLM kernels (kernels/cuda/awq_kernels.cu),
+// written once as WSYNC_HD functions of a flat item index so that a host test
+// (awq_kernel_bodies_test.cc) runs them for every item and compares with the CPU path byte for
+// byte: the kernels' index arithmetic is tested on machines without a GPU. The .cu file keeps
+// only launch shapes, grid-stride loops and the atomics of the refusal code.
+//
+// Math and layout: kernels/format/awq_format.h, kernels/format/trtllm_format.h.
+// QuantizeAwq runs in three passes: group parameters (one item per (e, n, g): range, refusal,
+// scale, zero point into f32 / u8 temporaries), qweight words (one item per (e, k, j), k fastest
+// so that a warp reads 32 consecutive weights of a row), qzeros words (one item per (e, g, j)).
+// Every other kernel is one item per output word (or element), a pure gather.
+// Thread-safety: pure functions of their arguments; each writes only its own outputs.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cuda/int4_kernel_bodies.h"
+#include "kernels/format/awq_format.h"
+#include "kernels/format/int4_format.h"
+#include "kernels/format/trtllm_format.h"
+#include "kernels/int4_args.h"
+
+namespace wsync::kernels::cuda_body {
+
+namespace fmt = ::wsync::kernels::format;
+
+WSYNC_HD float Value16(uint16_t bits, bool bf16) { return bf16 ? ToF32<true>(bits) : ToF32<false>(bits); }
+WSYNC_HD uint16_t Store16(float f, bool bf16) { return bf16 ? FromF32<true>(f) : FromF32<false>(f); }
+
+// The value AWQ's arithmetic computes with: fp16(w) for kFp16, w for kFp32.
+WSYNC_HD float AwqInput(uint16_t bits, bool bf16, fmt::AwqArith arith) {
+  const float v = Value16(bits, bf16);
+  return (arith == fmt::AwqArith::kFp16 && bf16) ? fmt::RoundToF16(v) : v;
+}
+
+// Pass 1, item t = (e * N + n) * (K/G) + g. Returns the refusal code (t * 2 + reason) or -1.
+WSYNC_HD int64_t AwqParamsItem(int64_t t, const internal::AwqQuantizeArgs& a, float* tmp_scale, uint8_t* tmp_zero) {
+  const int64_t ng = a.k / a.group;
+  const int64_t row = t / ng, g = t % ng, e = row / a.n, n = row % a.n;
+  const uint16_t* x = a.w + row * a.k + g * a.group;
+  uint32_t abs_bits = 0;
+  float mx = -INFINITY, mn = INFINITY;
+  for (int64_t i = 0; i < a.group; ++i) {
+    const uint32_t b = fmt::AbsBits16(x[i]);
+    abs_bits = abs_bits > b ? abs_bits : b;
+    const float v = Value16(x[i], a.is_bf16);
+    mx = fmaxf(mx, v);
+    mn = fminf(mn, v);
+  }
+  int64_t refused = -1;
+  if (abs_bits >= fmt::NonFiniteAbsBits16(a.is_bf16)) {
+    refused = t * 2 + static_cast<int>(internal::AwqRefusal::kNonFinite);
+    mx = mn = 0.0f;
+  } else if (a.arith == fmt::AwqArith::kFp16) {
+    mx = fmt::RoundToF16(mx);
+    mn = fmt::RoundToF16(mn);
+    if (fmt::IsInfF(mx) || fmt::IsInfF(mn) || fmt::IsInfF(fmt::RoundToF16(mx - mn))) {
+      refused = t * 2 + static_cast<int>(internal::AwqRefusal::kF16Range);
+      mx = mn = 0.0f;
+    }
+  }
+  const fmt::AwqGroup p = fmt::AwqGroupParams(mx, mn, a.arith);
+  a.scales[(e * ng + g) * a.n + n] = Store16(p.scale, a.is_bf16);
+  tmp_scale[t] = p.scale;
+  tmp_zero[t] = static_cast<uint8_t>(p.zero);
+  return refused;
+}
+
+// Pass 2, item t = (e * (N/8) + j) * K + k: qweight word (e, k, j).
+WSYNC_HD void AwqPackItem(int64_t t, const internal::AwqQuantizeArgs& a, const float* tmp_scale,
+                          const uint8_t* tmp_zero) {
+  const int64_t nw = a.n / 8, ng = a.k / a.group;
+  const int64_t k = t % a.k, j = (t / a.k) % nw, e = t / (a.k * nw);
+  uint32_t word = 0;
+  for (int i = 0; i < 8; ++i) {
+    const int64_t row = e * a.n + 8 * j + fmt::AwqOrder(i);
+    const int64_t p = row * ng + k / a.group;
+    const fmt::AwqGroup g{tmp_scale[p], static_cast<float>(tmp_zero[p])};
+    word |= fmt::AwqCode(AwqInput(a.w[row * a.k + k], a.is_bf16, a.arith), g, a.arith) << (4 * i);
+  }
+  a.qweight[(e * a.k + k) * nw + j] = word;
+}
+
+// Pass 3, item t = (e * (K/G) + g) * (N/8) + j: qzeros word (e, g, j).
+WSYNC_HD void AwqZerosItem(int64_t t, const internal::AwqQuantizeArgs& a, const uint8_t* tmp_zero) {
+  const int64_t nw = a.n / 8, ng = a.k / a.group;
+  const int64_t j = t % nw, g = (t / nw) % ng, e = t / (nw * ng);
+  uint32_t word = 0;
+  for (int i = 0; i < 8; ++i) {
+    word |= static_cast<uint32_t>(tmp_zero[(e * a.n + 8 * j + fmt::AwqOrder(i)) * ng + g]) << (4 * i);
+  }
+  a.qzeros[t] = word;
+}
+
+// Code u of (row k, column n) of one expert's AWQ matrix [R, N/8].
+WSYNC_HD uint32_t AwqCodeAt(const uint32_t* awq, int64_t n_total, int64_t k, int64_t n) {
+  return fmt::AwqNibble(awq[k * (n_total / 8) + n / 8], n);
+}
+
+// AwqToGptq, item t = GPTQ word (e, r8, c) of [E, R/8, N].
+WSYNC_HD void AwqToGptqItem(int64_t t, const internal::AwqRepackArgs& a) {
+  const int64_t c = t % a.n, r8 = (t / a.n) % (a.rows / 8), e = t / (a.n * (a.rows / 8));
+  const uint32_t* awq = a.in + e * a.rows * (a.n / 8);
+  uint32_t word = 0;
+  for (int r = 0; r < 8; ++r) word |= AwqCodeAt(awq, a.n, 8 * r8 + r, c) << (4 * r);
+  a.out[t] = word;
+}
+
+// GptqToAwq, item t = AWQ word (e, r, j) of [E, R, N/8].
+WSYNC_HD void GptqToAwqItem(int64_t t, const internal::AwqRepackArgs& a) {
+  const int64_t nw = a.n / 8;
+  const int64_t j = t % nw, r = (t / nw) % a.rows, e = t / (nw * a.rows);
+  const uint32_t* gptq = a.in + e * a.rows * nw;  // [R/8, N] words = R * N / 8
+  uint32_t word = 0;
+  for (int i = 0; i < 8; ++i) word |= fmt::GetNibble(gptq[(r / 8) * a.n + 8 * j + fmt::AwqOrder(i)], r % 8) << (4 * i);
+  a.out[t] = word;
+}
+
+// AwqToMarlin, item t = Marlin word (e, kt, nt, w) (the [E, K/16, 2N] output in order).
+WSYNC_HD void AwqToMarlinItem(int64_t t, const internal::AwqRepackArgs& a) {
+  const int64_t tiles_n = a.n / fmt::kTileN, tiles = (a.rows / fmt::kTileK) * tiles_n;
+  const int w = static_cast<int>(t % fmt::kTileWords);
+  const int64_t tile = (t / fmt::kTileWords) % tiles, e = t / (fmt::kTileWords * tiles);
+  const int64_t k0 = (tile / tiles_n) * fmt::kTileK + fmt::WordRow(w);
+  const int64_t n0 = (tile % tiles_n) * fmt::kTileN + fmt::WordCol(w);
+  const uint32_t* awq = a.in + e * a.rows * (a.n / 8);
+  uint32_t word = 0;
+  for (int s = 0; s < 8; ++s) word |= AwqCodeAt(awq, a.n, k0 + fmt::SlotDk(s), n0 + fmt::SlotDn(s)) << (4 * s);
+  a.out[t] = word;
+}
+
+// Zero points, item t = word (row, w) of [E * R, N/8], in either direction.
+WSYNC_HD void AwqZerosToMarlinItem(int64_t t, const internal::AwqRepackArgs& a) {
+  const int64_t nw = a.n / 8;
+  a.out[t] = fmt::MarlinZeroWord(a.in + (t / nw) * nw, t % nw);
+}
+WSYNC_HD void MarlinZerosToAwqItem(int64_t t, const internal::AwqRepackArgs& a) {
+  const int64_t nw = a.n / 8;
+  a.out[t] = fmt::AwqZeroWordFromMarlin(a.in + (t / nw) * nw, t % nw);
+}
+
+// TensorRT-LLM, item t: output word (e, w) (forward) or code word (e, r8, n) (inverse).
+WSYNC_HD void TrtllmItem(int64_t t, const internal::TrtllmArgs& a) {
+  const int64_t words = a.k * a.n / 8, e = t / words, w = t % words;
+  const uint32_t* codes = a.codes + e * words;
+  const uint32_t* bytes = a.bytes + e * words;
+  if (!a.inverse) {
+    auto code = [&](int64_t row, int64_t col) { return fmt::GetNibble(codes[(row / 8) * a.n + col], row % 8); };
+    a.bytes[t] = fmt::TrtllmWord(a.layout, w, a.k, code);
+  } else {
+    const int64_t n = w % a.n, r8 = w / a.n;
+    uint32_t word = 0;
+    for (int i = 0; i < 8; ++i) word |= fmt::TrtllmCodeAt(a.layout, bytes, 8 * r8 + i, n, a.k) << (4 * i);
+    a.codes[t] = word;
+  }
+}
+
+// Scales, item t = input element (e, g, n) of [E, rows, N].
+WSYNC_HD void TrtllmScaleItem(int64_t t, const internal::TrtllmScaleArgs& a) {
+  const uint16_t in = a.in[t];
+  switch (a.mode) {
+    case internal::TrtllmScaleMode::kCopy: a.out[t] = in; break;
+    case internal::TrtllmScaleMode::kToF16: a.out[t] = FromF32<false>(Value16(in, a.in_bf16)); break;
+    case internal::TrtllmScaleMode::kToBf16Interleaved: {
+      const int il = a.interleave;
+      const int64_t n = t % a.n, g = (t / a.n) % a.rows, e = t / (a.n * a.rows);
+      a.out[(e * (a.rows / il) + g / il) * a.n * il + n * il + g % il] = FromF32<true>(Value16(in, a.in_bf16));
+      break;
+    }
+  }
+}
+
+// AWQ zeros for TensorRT-LLM, item t = element (e, g, n): dtype((8 - z) * s), one rounding.
+WSYNC_HD void TrtllmZeroItem(int64_t t, const internal::TrtllmScaleArgs& a) {
+  const int64_t n = t % a.n, row = t / a.n;
+  const float z = static_cast<float>(fmt::AwqNibble(a.qzeros[row * (a.n / 8) + n / 8], n));
+  a.out[t] = Store16((8.0f - z) * Value16(a.in[t], a.in_bf16), a.in_bf16);
+}
+
+}  // namespace wsync::kernels::cuda_body

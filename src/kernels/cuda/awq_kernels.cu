@@ -1,0 +1,145 @@
+// CUDA AWQ and TensorRT-LLM INT4 kernels. Math and layout: kernels/format/awq_format.h and
+// kernels/format/trtllm_format.h; the per-thread bodies are in awq_kernel_bodies.h (run on the host
+// by awq_kernel_bodies_test.cc), so the device code is the same arithmetic as the CPU path: the
+// fp16 rounding of AutoAWQ's arithmetic is the exact (x + C) - C formula, IEEE division (nvcc
+// --fmad=false, no --use_fast_math), rintf rounds half to even.
+// Every kernel is a grid-stride loop over items; QuantizeAwq runs three (parameters, qweight words,
+// qzeros words) with f32/u8 temporaries for the group parameters, and reports the smallest refused
+// group through one u64 atomicMin.
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/cuda/awq_cuda.h"
+#include "kernels/cuda/awq_kernel_bodies.h"
+#include "kernels/cuda/cuda_status.h"
+
+namespace wsync::kernels::cuda {
+namespace {
+
+namespace body = ::wsync::kernels::cuda_body;
+
+constexpr int kThreads = 256;
+
+#define WSYNC_GRID_STRIDE(t, total)                                                          \
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < (total); \
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x)
+
+__global__ void AwqParamsKernel(internal::AwqQuantizeArgs a, float* tmp_scale, uint8_t* tmp_zero, int64_t total,
+                                unsigned long long* bad) {
+  WSYNC_GRID_STRIDE(t, total) {
+    const int64_t r = body::AwqParamsItem(t, a, tmp_scale, tmp_zero);
+    if (r >= 0) atomicMin(bad, static_cast<unsigned long long>(r));
+  }
+}
+__global__ void AwqPackKernel(internal::AwqQuantizeArgs a, const float* tmp_scale, const uint8_t* tmp_zero,
+                              int64_t total) {
+  WSYNC_GRID_STRIDE(t, total) { body::AwqPackItem(t, a, tmp_scale, tmp_zero); }
+}
+__global__ void AwqZerosKernel(internal::AwqQuantizeArgs a, const uint8_t* tmp_zero, int64_t total) {
+  WSYNC_GRID_STRIDE(t, total) { body::AwqZerosItem(t, a, tmp_zero); }
+}
+
+template <void (*kItem)(int64_t, const internal::AwqRepackArgs&)>
+__global__ void AwqRepackKernel(internal::AwqRepackArgs a, int64_t total) {
+  WSYNC_GRID_STRIDE(t, total) { kItem(t, a); }
+}
+__global__ void TrtllmKernel(internal::TrtllmArgs a, int64_t total) {
+  WSYNC_GRID_STRIDE(t, total) { body::TrtllmItem(t, a); }
+}
+__global__ void TrtllmScaleKernel(internal::TrtllmScaleArgs a, int64_t total, bool zeros) {
+  WSYNC_GRID_STRIDE(t, total) {
+    if (zeros) {
+      body::TrtllmZeroItem(t, a);
+    } else {
+      body::TrtllmScaleItem(t, a);
+    }
+  }
+}
+
+#undef WSYNC_GRID_STRIDE
+
+unsigned Blocks(int64_t items) {
+  const int64_t b = (items + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(b < 1 ? 1 : (b > (int64_t{1} << 30) ? (int64_t{1} << 30) : b));
+}
+
+absl::Status Finish(cudaStream_t stream) {
+  WSYNC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  WSYNC_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  return absl::OkStatus();
+}
+
+template <void (*kItem)(int64_t, const internal::AwqRepackArgs&)>
+absl::Status LaunchRepack(const internal::AwqRepackArgs& a, int64_t total) {
+  auto stream = static_cast<cudaStream_t>(a.stream);
+  AwqRepackKernel<kItem><<<Blocks(total), kThreads, 0, stream>>>(a, total);
+  return Finish(stream);
+}
+
+}  // namespace
+
+absl::Status QuantizeAwq(const internal::AwqQuantizeArgs& a) {
+  auto stream = static_cast<cudaStream_t>(a.stream);
+  const int64_t groups = a.experts * a.n * (a.k / a.group);
+  // One allocation: the refusal code, then f32 scales and u8 zero points per group.
+  const size_t bytes = sizeof(unsigned long long) + static_cast<size_t>(groups) * (sizeof(float) + 1);
+  void* tmp = nullptr;
+  WSYNC_CUDA_RETURN_IF_ERROR(cudaMalloc(&tmp, bytes));
+  auto* bad = static_cast<unsigned long long*>(tmp);
+  auto* tmp_scale = reinterpret_cast<float*>(bad + 1);
+  auto* tmp_zero = reinterpret_cast<uint8_t*>(tmp_scale + groups);
+  absl::Status st = [&]() -> absl::Status {
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(bad, 0xFF, sizeof(*bad), stream));
+    AwqParamsKernel<<<Blocks(groups), kThreads, 0, stream>>>(a, tmp_scale, tmp_zero, groups, bad);
+    const int64_t words = a.experts * a.k * (a.n / 8);
+    AwqPackKernel<<<Blocks(words), kThreads, 0, stream>>>(a, tmp_scale, tmp_zero, words);
+    const int64_t zwords = a.experts * (a.k / a.group) * (a.n / 8);
+    AwqZerosKernel<<<Blocks(zwords), kThreads, 0, stream>>>(a, tmp_zero, zwords);
+    if (auto s = Finish(stream); !s.ok()) return s;
+    unsigned long long host = 0;
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaMemcpy(&host, bad, sizeof(host), cudaMemcpyDeviceToHost));
+    if (host != ~0ull) return internal::AwqRefusedError(a, static_cast<int64_t>(host));
+    return absl::OkStatus();
+  }();
+  cudaFree(tmp);
+  return st;
+}
+
+absl::Status AwqToGptq(const internal::AwqRepackArgs& a) {
+  return LaunchRepack<body::AwqToGptqItem>(a, a.experts * a.rows * a.n / 8);
+}
+absl::Status GptqToAwq(const internal::AwqRepackArgs& a) {
+  return LaunchRepack<body::GptqToAwqItem>(a, a.experts * a.rows * a.n / 8);
+}
+absl::Status AwqToMarlin(const internal::AwqRepackArgs& a) {
+  return LaunchRepack<body::AwqToMarlinItem>(a, a.experts * a.rows * a.n / 8);
+}
+absl::Status AwqZerosToMarlin(const internal::AwqRepackArgs& a) {
+  return LaunchRepack<body::AwqZerosToMarlinItem>(a, a.experts * a.rows * a.n / 8);
+}
+absl::Status MarlinZerosToAwq(const internal::AwqRepackArgs& a) {
+  return LaunchRepack<body::MarlinZerosToAwqItem>(a, a.experts * a.rows * a.n / 8);
+}
+
+absl::Status Trtllm(const internal::TrtllmArgs& a) {
+  auto stream = static_cast<cudaStream_t>(a.stream);
+  const int64_t total = a.experts * a.k * a.n / 8;
+  TrtllmKernel<<<Blocks(total), kThreads, 0, stream>>>(a, total);
+  return Finish(stream);
+}
+
+absl::Status TrtllmScales(const internal::TrtllmScaleArgs& a) {
+  auto stream = static_cast<cudaStream_t>(a.stream);
+  const int64_t total = a.experts * a.rows * a.n;
+  TrtllmScaleKernel<<<Blocks(total), kThreads, 0, stream>>>(a, total, false);
+  return Finish(stream);
+}
+
+absl::Status TrtllmZeros(const internal::TrtllmScaleArgs& a) {
+  auto stream = static_cast<cudaStream_t>(a.stream);
+  const int64_t total = a.experts * a.rows * a.n;
+  TrtllmScaleKernel<<<Blocks(total), kThreads, 0, stream>>>(a, total, true);
+  return Finish(stream);
+}
+
+}  // namespace wsync::kernels::cuda
