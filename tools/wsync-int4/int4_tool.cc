@@ -152,6 +152,78 @@ absl::Status CheckGroupSize(int g) {
   return absl::InvalidArgumentError(absl::StrCat("--group-size ", g, " unsupported (want 32, 64, 128 or -1)"));
 }
 
+// An AWQ layer: <prefix>.qweight [.., K, N/8], .qzeros [.., K/G, N/8], .scales [.., K/G, N].
+struct AwqLayer {
+  std::string prefix;
+  const SafetensorsEntry *qweight, *qzeros, *scales;
+  int64_t k, n, groups;  // groups = K/G
+  int group_size;        // G, or kChannelwise for one group row
+};
+
+absl::StatusOr<std::vector<AwqLayer>> FindAwqLayers(const SafetensorsFile& file) {
+  std::vector<AwqLayer> layers;
+  for (const auto& e : file.tensors()) {
+    AwqLayer l;
+    if (!StripSuffix(e.name, ".qweight", &l.prefix)) continue;
+    l.qweight = &e;
+    l.qzeros = file.Find(l.prefix + ".qzeros");
+    l.scales = file.Find(l.prefix + ".scales");
+    if (l.qzeros == nullptr || l.scales == nullptr) {
+      return TensorError(e.name, absl::StrCat("missing \"", l.prefix, l.qzeros == nullptr ? ".qzeros" : ".scales",
+                                              "\" (an AWQ layer has qweight, qzeros and scales)"));
+    }
+    const TensorView &q = e.view, &z = l.qzeros->view, &s = l.scales->view;
+    RETURN_IF_ERROR(CheckScaleDtype(*l.scales));
+    if (q.dtype() != DType::kI32 || z.dtype() != DType::kI32) {
+      return TensorError(e.name, "qweight and qzeros must be I32");
+    }
+    if (q.rank() != s.rank() || z.rank() != s.rank()) {
+      return TensorError(e.name, absl::StrCat("ranks differ: qweight ", ShapeToString(q.shape()), ", qzeros ",
+                                              ShapeToString(z.shape()), ", scales ", ShapeToString(s.shape())));
+    }
+    l.k = q.dim(q.rank() - 2);
+    l.n = s.shape().back();
+    l.groups = s.dim(s.rank() - 2);
+    if (q.shape().back() * 8 != l.n) {
+      return TensorError(e.name,
+                         absl::StrCat("is ", ShapeToString(q.shape()), " but scales ", ShapeToString(s.shape()),
+                                      " say N = ", l.n, ": not an AWQ [K, N/8] qweight (GPTQ? use marlin-repack)"));
+    }
+    Shape zwant = s.shape();
+    zwant.back() = l.n / 8;
+    if (z.shape() != zwant) {
+      return TensorError(l.qzeros->name,
+                         absl::StrCat("is ", ShapeToString(z.shape()), ", want ", ShapeToString(zwant)));
+    }
+    if (l.groups <= 0 || l.k % l.groups != 0) {
+      return TensorError(l.scales->name, absl::StrCat(l.groups, " group rows do not divide K = ", l.k));
+    }
+    if (s.rank() == 3 && (q.dim(0) != s.dim(0) || z.dim(0) != s.dim(0))) {
+      return TensorError(e.name, "expert counts of qweight, qzeros and scales differ");
+    }
+    l.group_size = l.groups == 1 ? kernels::kChannelwise : static_cast<int>(l.k / l.groups);
+    layers.push_back(l);
+  }
+  return layers;
+}
+
+absl::Status RefuseLayout(const SafetensorsFile& file, std::initializer_list<absl::string_view> refused,
+                          absl::string_view command) {
+  const auto layout = file.metadata().find(std::string(kLayoutKey));
+  if (layout == file.metadata().end()) return absl::OkStatus();
+  for (absl::string_view r : refused) {
+    if (layout->second == r) {
+      return absl::InvalidArgumentError(absl::StrCat(file.path(), ": metadata ", kLayoutKey, " = \"", layout->second,
+                                                     "\": ", command, " does not take that layout"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void CopyMetadata(const SafetensorsFile& file, SafetensorsWriter& writer) {
+  for (const auto& [k, v] : file.metadata()) writer.SetMetadata(k, v);
+}
+
 // Shared body of repack (to_marlin) and restore.
 absl::Status Convert(const RepackFileOptions& o, bool to_marlin) {
   RETURN_IF_ERROR(CheckGroupSize(o.group_size));
@@ -172,6 +244,10 @@ absl::Status Convert(const RepackFileOptions& o, bool to_marlin) {
     const SafetensorsEntry& w = *file.Find(l.weight);
     const SafetensorsEntry& s = *file.Find(l.scales);
     RETURN_IF_ERROR(CheckScaleDtype(s));
+    if (!l.compressed_tensors && w.view.rank() == s.view.rank() && s.view.shape().back() == 8 * w.view.shape().back()) {
+      return TensorError(l.weight, absl::StrCat("is AWQ-packed (", ShapeToString(w.view.shape()), " with scales ",
+                                                ShapeToString(s.view.shape()), "): use awq-marlin-repack"));
+    }
     ASSIGN_OR_RETURN(TensorView wv, arena.Aligned(w.view, 4));
     ASSIGN_OR_RETURN(TensorView sv, arena.Aligned(s.view, 2));
     if (to_marlin) {
@@ -255,12 +331,17 @@ absl::Status QuantizeFile(const QuantizeFileOptions& o) {
     return false;
   };
   ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(o.in));
+  const bool gptq = o.format == QuantFileFormat::kGptq;
+  const bool awq = o.format == QuantFileFormat::kAwq;
   kernels::QuantizeOptions q;
   q.group_size = o.group_size;
-  q.format = o.format;
+  q.format = gptq ? kernels::PackFormat::kGptq : kernels::PackFormat::kCompressedTensors;
   q.variant = o.variant;
   q.num_threads = o.threads;
-  const bool gptq = o.format == kernels::PackFormat::kGptq;
+  kernels::AwqQuantizeOptions aq;
+  aq.group_size = o.group_size;
+  aq.arith = o.arith;
+  aq.num_threads = o.threads;
   Arena arena;
   SafetensorsWriter writer;
   for (const auto& e : file.tensors()) {
@@ -272,13 +353,27 @@ absl::Status QuantizeFile(const QuantizeFileOptions& o) {
       RETURN_IF_ERROR(writer.Add(e.name, v));
       continue;
     }
-    absl::StatusOr<kernels::QuantizedShapes> shapes = kernels::QuantizedShapesFor(v, o.group_size, o.format);
+    ASSIGN_OR_RETURN(const TensorView wv, arena.Aligned(v, 2));
+    if (awq) {
+      absl::StatusOr<kernels::AwqShapes> shapes = kernels::AwqShapesFor(v, o.group_size);
+      if (!shapes.ok()) return InTensor(shapes.status(), e.name);
+      ASSIGN_OR_RETURN(Tensor * qweight, arena.Empty(DType::kI32, shapes->qweight));
+      ASSIGN_OR_RETURN(Tensor * qzeros, arena.Empty(DType::kI32, shapes->qzeros));
+      ASSIGN_OR_RETURN(Tensor * scales, arena.Empty(v.dtype(), shapes->scales));
+      RETURN_IF_ERROR(InTensor(
+          kernels::QuantizeAwq(wv, qweight->mutable_view(), qzeros->mutable_view(), scales->mutable_view(), aq),
+          e.name));
+      RETURN_IF_ERROR(writer.Add(prefix + ".qweight", qweight->view()));
+      RETURN_IF_ERROR(writer.Add(prefix + ".qzeros", qzeros->view()));
+      RETURN_IF_ERROR(writer.Add(prefix + ".scales", scales->view()));
+      continue;
+    }
+    absl::StatusOr<kernels::QuantizedShapes> shapes = kernels::QuantizedShapesFor(v, o.group_size, q.format);
     if (!shapes.ok()) return InTensor(shapes.status(), e.name);
     if (gptq && v.dim(v.rank() - 2) % 8 != 0) {
       return TensorError(e.name, absl::StrCat("N = ", v.dim(v.rank() - 2),
                                               " is not a multiple of 8: GPTQ qzeros pack 8 columns per word"));
     }
-    ASSIGN_OR_RETURN(const TensorView wv, arena.Aligned(v, 2));
     ASSIGN_OR_RETURN(Tensor * packed, arena.Empty(DType::kI32, shapes->packed));
     ASSIGN_OR_RETURN(Tensor * scales, arena.Empty(v.dtype(), shapes->scales));
     RETURN_IF_ERROR(InTensor(kernels::QuantizeInt4(wv, packed->mutable_view(), scales->mutable_view(), q), e.name));
@@ -306,11 +401,154 @@ absl::Status QuantizeFile(const QuantizeFileOptions& o) {
     RETURN_IF_ERROR(writer.Add(prefix + ".g_idx", g_idx->view()));
   }
   for (const auto& [k, v] : file.metadata()) writer.SetMetadata(k, v);
-  writer.SetMetadata("wsync.quantization",
-                     absl::StrCat("{\"format\": \"", gptq ? "gptq" : "compressed-tensors",
-                                  "\", \"group_size\": ", o.group_size, ", \"variant\": \"",
-                                  o.variant == kernels::QuantVariant::kQat ? "qat" : "slime", "\", \"bits\": 4}"));
-  writer.SetMetadata(std::string(kLayoutKey), gptq ? "gptq" : "compressed-tensors");
+  const char* format_name = awq ? "awq" : (gptq ? "gptq" : "compressed-tensors");
+  if (awq) {
+    writer.SetMetadata(
+        "wsync.quantization",
+        absl::StrCat("{\"format\": \"awq\", \"group_size\": ", o.group_size, ", \"arith\": \"",
+                     o.arith == kernels::AwqArith::kFp16 ? "fp16" : "fp32", "\", \"bits\": 4, \"zero_point\": true}"));
+  } else {
+    writer.SetMetadata(
+        "wsync.quantization",
+        absl::StrCat("{\"format\": \"", format_name, "\", \"group_size\": ", o.group_size, ", \"variant\": \"",
+                     o.variant == kernels::QuantVariant::kQat ? "qat" : "slime", "\", \"bits\": 4}"));
+  }
+  writer.SetMetadata(std::string(kLayoutKey), format_name);
+  return writer.Write(o.out);
+}
+
+absl::Status AwqMarlinRepackFile(const ConvertFileOptions& o) {
+  ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(o.in));
+  RETURN_IF_ERROR(RefuseLayout(file, {"awq-marlin", "marlin", "trtllm"}, "awq-marlin-repack"));
+  ASSIGN_OR_RETURN(const std::vector<AwqLayer> layers, FindAwqLayers(file));
+  if (layers.empty()) return absl::InvalidArgumentError(absl::StrCat(o.in, ": no AWQ layer (*.qweight) found"));
+  Arena arena;
+  std::map<std::string, TensorView> replaced;
+  const kernels::KernelOptions kopt = Kopts(o.threads);
+  for (const AwqLayer& l : layers) {
+    ASSIGN_OR_RETURN(const TensorView qv, arena.Aligned(l.qweight->view, 4));
+    ASSIGN_OR_RETURN(const TensorView zv, arena.Aligned(l.qzeros->view, 4));
+    ASSIGN_OR_RETURN(const TensorView sv, arena.Aligned(l.scales->view, 2));
+    absl::StatusOr<Shape> mshape = kernels::AwqMarlinShapeFor(qv.shape());
+    if (!mshape.ok()) return InTensor(mshape.status(), l.qweight->name);
+    ASSIGN_OR_RETURN(Tensor * m, arena.Empty(DType::kI32, *mshape));
+    RETURN_IF_ERROR(InTensor(kernels::AwqToMarlin(qv, m->mutable_view(), kopt), l.qweight->name));
+    ASSIGN_OR_RETURN(Tensor * mz, arena.Empty(DType::kI32, zv.shape()));
+    RETURN_IF_ERROR(InTensor(kernels::AwqZerosToMarlin(zv, mz->mutable_view(), kopt), l.qzeros->name));
+    ASSIGN_OR_RETURN(Tensor * ms, arena.Empty(sv.dtype(), sv.shape()));
+    RETURN_IF_ERROR(
+        InTensor(kernels::PermuteMarlinScales(sv, l.k, l.group_size, ms->mutable_view(), kopt), l.scales->name));
+    replaced[l.qweight->name] = m->view();
+    replaced[l.qzeros->name] = mz->view();
+    replaced[l.scales->name] = ms->view();
+  }
+  SafetensorsWriter writer;
+  for (const auto& e : file.tensors()) {
+    auto it = replaced.find(e.name);
+    RETURN_IF_ERROR(writer.Add(e.name, it == replaced.end() ? e.view : it->second));
+  }
+  CopyMetadata(file, writer);
+  writer.SetMetadata(std::string(kLayoutKey), "awq-marlin");
+  return writer.Write(o.out);
+}
+
+absl::Status TrtllmPreprocessFile(const ConvertFileOptions& o) {
+  ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(o.in));
+  RETURN_IF_ERROR(RefuseLayout(file, {"awq-marlin", "marlin", "trtllm", "gptq"}, "trtllm-preprocess"));
+  kernels::TrtllmOptions topt;
+  topt.arch = o.arch;
+  topt.w4afp8 = o.w4afp8;
+  topt.num_threads = o.threads;
+  Arena arena;
+  std::map<std::string, std::vector<std::pair<std::string, TensorView>>> added;  // at the layer's first tensor
+  std::set<std::string> dropped;
+  // One converted layer: GPTQ-orientation codes and [.., K/G, N] scales (+ AWQ qzeros).
+  auto convert = [&](const std::string& prefix, const std::string& first, const TensorView& codes,
+                     const TensorView& scales, int group_size, const TensorView* awq_zeros) -> absl::Status {
+    const std::string wname = prefix + ".weight";
+    absl::StatusOr<Shape> wshape = kernels::TrtllmWeightShapeFor(codes.shape(), topt);
+    if (!wshape.ok()) return InTensor(wshape.status(), wname);
+    ASSIGN_OR_RETURN(Tensor * w, arena.Empty(DType::kI8, *wshape));
+    RETURN_IF_ERROR(InTensor(kernels::PreprocessTrtllm(codes, w->mutable_view(), topt), wname));
+    const int64_t k = 8 * codes.dim(codes.rank() - 2);
+    absl::StatusOr<kernels::TrtllmScaleLayout> lay = kernels::TrtllmScaleLayoutFor(scales, k, group_size, topt);
+    if (!lay.ok()) return InTensor(lay.status(), prefix + ".weight_scale");
+    ASSIGN_OR_RETURN(Tensor * s, arena.Empty(lay->dtype, lay->shape));
+    RETURN_IF_ERROR(
+        InTensor(kernels::TrtllmScales(scales, k, group_size, s->mutable_view(), topt), prefix + ".weight_scale"));
+    auto& out = added[first];
+    out.emplace_back(wname, w->view());
+    out.emplace_back(prefix + ".weight_scale", s->view());
+    if (awq_zeros != nullptr) {
+      if (o.w4afp8) {
+        return TensorError(prefix + ".qzeros",
+                           "AWQ zero points cannot be served with W4AFP8 (TRTLLM_INT4.md §3.2: no zeros on that path)");
+      }
+      ASSIGN_OR_RETURN(Tensor * z, arena.Empty(scales.dtype(), scales.shape()));
+      RETURN_IF_ERROR(
+          InTensor(kernels::TrtllmZerosFromAwq(*awq_zeros, scales, z->mutable_view(), topt), prefix + ".weight_zero"));
+      out.emplace_back(prefix + ".weight_zero", z->view());
+    }
+    return absl::OkStatus();
+  };
+  // Compressed-tensors layers: weight_packed [.., N, K/8] and weight_scale [.., N, K/G], transposed.
+  ASSIGN_OR_RETURN(const std::vector<Layer> ct_layers, FindLayers(file));
+  for (const Layer& l : ct_layers) {
+    if (!l.compressed_tensors) continue;  // *.qweight: AWQ, handled below (GPTQ is refused there)
+    const SafetensorsEntry& w = *file.Find(l.weight);
+    const SafetensorsEntry& s = *file.Find(l.scales);
+    RETURN_IF_ERROR(CheckScaleDtype(s));
+    if (w.view.rank() != s.view.rank() || (w.view.rank() != 2 && w.view.rank() != 3)) {
+      return TensorError(
+          l.weight, absl::StrCat("rank must be 2 or 3 and match the scales' (", ShapeToString(s.view.shape()), ")"));
+    }
+    ASSIGN_OR_RETURN(TensorView wv, arena.Aligned(w.view, 4));
+    ASSIGN_OR_RETURN(TensorView sv, arena.Aligned(s.view, 2));
+    ASSIGN_OR_RETURN(Tensor * codes, arena.Empty(DType::kI32, SwapLast2(wv.shape())));
+    RETURN_IF_ERROR(TransposeLast2(wv, codes));
+    ASSIGN_OR_RETURN(Tensor * scales, arena.Empty(sv.dtype(), SwapLast2(sv.shape())));
+    RETURN_IF_ERROR(TransposeLast2(sv, scales));
+    const int64_t k = 8 * wv.shape().back(), groups = sv.shape().back();
+    if (groups <= 0 || k % groups != 0) {
+      return TensorError(l.scales, absl::StrCat(groups, " groups per row do not divide K = ", k));
+    }
+    const int g = groups == 1 ? kernels::kChannelwise : static_cast<int>(k / groups);
+    RETURN_IF_ERROR(convert(l.prefix, l.weight, codes->view(), scales->view(), g, nullptr));
+    dropped.insert({l.weight, l.scales, l.prefix + ".weight_shape"});
+  }
+  // AWQ layers: codes from qweight [.., K, N/8], scales as they are.
+  ASSIGN_OR_RETURN(const std::vector<AwqLayer> awq_layers, FindAwqLayers(file));
+  for (const AwqLayer& l : awq_layers) {
+    ASSIGN_OR_RETURN(const TensorView qv, arena.Aligned(l.qweight->view, 4));
+    ASSIGN_OR_RETURN(const TensorView zv, arena.Aligned(l.qzeros->view, 4));
+    ASSIGN_OR_RETURN(const TensorView sv, arena.Aligned(l.scales->view, 2));
+    Shape cshape = qv.shape();
+    cshape[cshape.size() - 2] = l.k / 8;
+    cshape.back() = l.n;
+    ASSIGN_OR_RETURN(Tensor * codes, arena.Empty(DType::kI32, cshape));
+    RETURN_IF_ERROR(InTensor(kernels::AwqToGptq(qv, codes->mutable_view(), Kopts(o.threads)), l.qweight->name));
+    RETURN_IF_ERROR(convert(l.prefix, l.qweight->name, codes->view(), sv, l.group_size, &zv));
+    dropped.insert({l.qweight->name, l.qzeros->name, l.scales->name});
+  }
+  if (added.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(o.in,
+                     ": no INT4 layer found (*.weight_packed + *.weight_scale, or AWQ *.qweight + *.qzeros + "
+                     "*.scales)"));
+  }
+  SafetensorsWriter writer;
+  for (const auto& e : file.tensors()) {
+    if (auto it = added.find(e.name); it != added.end()) {
+      for (const auto& [name, view] : it->second) RETURN_IF_ERROR(writer.Add(name, view));
+    }
+    if (dropped.count(e.name) == 0) RETURN_IF_ERROR(writer.Add(e.name, e.view));
+  }
+  CopyMetadata(file, writer);
+  writer.SetMetadata(std::string(kLayoutKey), "trtllm");
+  writer.SetMetadata(
+      "wsync.trtllm",
+      absl::StrCat("{\"arch\": \"", o.arch == kernels::TrtllmArch::kSm90 ? "sm90" : "sm80", "\", \"activation\": \"",
+                   o.w4afp8 ? "fp8" : "fp16/bf16", "\", \"moe_fc1_order\": \"as given\"}"));
   return writer.Write(o.out);
 }
 

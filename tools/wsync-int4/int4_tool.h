@@ -7,6 +7,13 @@
 //                   compressed-tensors *.weight_packed / *.weight_scale are transposed as the
 //                   engines do (§7) and repacked under their own names.
 //   marlin-restore  the exact inverse of marlin-repack.
+//   quantize --format awq   *.weight -> AWQ *.qweight [K, N/8], *.qzeros [K/G, N/8], *.scales [K/G, N]
+//                   (kernels/awq.h; --arith fp16|fp32).
+//   awq-marlin-repack       AWQ tensors -> vLLM's AWQ-Marlin: *.qweight [K/16, 2N], *.qzeros in the
+//                   Marlin zero-point layout, *.scales permuted (names kept, as vLLM replaces them).
+//   trtllm-preprocess       compressed-tensors or AWQ INT4 -> TensorRT-LLM: *.weight I8 [.., K, N/2]
+//                   ([E, N, K/2] for W4AFP8 on sm90), *.weight_scale in the kernel's layout, and for
+//                   AWQ (W4A16) *.weight_zero = (8 - z) s (kernels/trtllm.h).
 // Each command reads one file and writes one file atomically (SafetensorsWriter: temporary file in
 // the output's directory + rename), so a failed run leaves nothing behind.
 // Errors: kInvalidArgument naming the tensor and the values (K % 16, N % 64, K % G, dtype, group
@@ -18,14 +25,19 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "kernels/awq.h"
 #include "kernels/int4.h"
+#include "kernels/trtllm.h"
 
 namespace wsync::tools {
+
+enum class QuantFileFormat { kCompressedTensors, kGptq, kAwq };
 
 struct QuantizeFileOptions {
   std::string in, out;
   int group_size = 128;  // 32, 64, 128 or -1 (channelwise)
-  kernels::PackFormat format = kernels::PackFormat::kCompressedTensors;
+  QuantFileFormat format = QuantFileFormat::kCompressedTensors;
+  kernels::AwqArith arith = kernels::AwqArith::kFp16;  // kAwq only
   kernels::QuantVariant variant = kernels::QuantVariant::kQat;
   // ECMAScript regexes matched from the start of the module name (tensor name without ".weight")
   // or of the tensor name, like compressed-tensors' `re:` ignore entries; a leading "re:" is
@@ -45,5 +57,19 @@ struct RepackFileOptions {
 };
 absl::Status MarlinRepackFile(const RepackFileOptions& options);
 absl::Status MarlinRestoreFile(const RepackFileOptions& options);
+
+struct ConvertFileOptions {
+  std::string in, out;
+  int threads = 0;
+  kernels::TrtllmArch arch = kernels::TrtllmArch::kSm80;  // trtllm-preprocess
+  bool w4afp8 = false;                                    // trtllm-preprocess
+};
+// AWQ layers are found by *.qweight with *.qzeros and *.scales where qweight is [.., K, N/8] and
+// scales [.., K/G, N]; G follows from the shapes (one group row = channelwise).
+absl::Status AwqMarlinRepackFile(const ConvertFileOptions& options);
+// Layers: *.weight_packed + *.weight_scale (compressed-tensors, transposed to GEMM orientation as
+// the engines do) or AWQ as above. A rank-3 tensor is an MoE expert stack. *.weight_shape of a
+// converted layer is dropped; everything else passes through.
+absl::Status TrtllmPreprocessFile(const ConvertFileOptions& options);
 
 }  // namespace wsync::tools

@@ -9,6 +9,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
@@ -16,8 +17,10 @@
 
 #include "common/dtype.h"
 #include "common/safetensors.h"
+#include "kernels/awq.h"
 #include "kernels/format/int4_format.h"
 #include "kernels/int4.h"
+#include "kernels/trtllm.h"
 
 namespace wsync {
 namespace {
@@ -268,6 +271,177 @@ TEST_F(Int4ToolTest, ActOrderPermFromGIdx) {
                                 dir_);
   EXPECT_EQ(bad.code, 1);
   EXPECT_THAT(bad.output, HasSubstr("tensor \"l.act_perm\": missing"));
+}
+
+// Runs `fn` into a fresh tensor of `dt` and `shape` and returns it.
+Tensor Make(DType dt, const Shape& shape, const std::function<absl::Status(MutableTensorView)>& fn) {
+  Tensor t = Tensor::Empty(dt, shape).value();
+  const absl::Status st = fn(t.mutable_view());
+  EXPECT_TRUE(st.ok()) << st;
+  return t;
+}
+
+TEST_F(Int4ToolTest, QuantizeAwqThenAwqMarlinRepack) {
+  for (const char* arith : {"fp16", "fp32"}) {
+    SCOPED_TRACE(arith);
+    const RunResult r = RunTool("quantize --format awq --arith " + std::string(arith) + " --in " + In() + " --out " +
+                                    P("awq.safetensors") + " --group-size 64 --ignore 're:.*mlp\\.gate$'",
+                                dir_);
+    ASSERT_EQ(r.code, 0) << r.output;
+    auto f = SafetensorsFile::Open(P("awq.safetensors"));
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ(f->metadata().at("wsync.layout"), "awq");
+    EXPECT_TRUE(SameBytes(f->Find("model.layers.0.mlp.gate.weight")->view, gate_.view()));
+    EXPECT_TRUE(SameBytes(f->Find("model.norm.weight")->view, norm_.view()));
+    kernels::AwqQuantizeOptions opt;
+    opt.group_size = 64;
+    opt.arith = std::string(arith) == "fp16" ? kernels::AwqArith::kFp16 : kernels::AwqArith::kFp32;
+    for (auto [prefix, w] : {std::pair<std::string, const Tensor*>{"model.layers.0.mlp.down_proj", &down_},
+                             {"model.layers.0.mlp.experts", &experts_}}) {
+      auto shapes = kernels::AwqShapesFor(w->view(), 64);
+      ASSERT_TRUE(shapes.ok());
+      Tensor qw = Tensor::Empty(DType::kI32, shapes->qweight).value();
+      Tensor qz = Tensor::Empty(DType::kI32, shapes->qzeros).value();
+      Tensor sc = Tensor::Empty(DType::kBF16, shapes->scales).value();
+      ASSERT_TRUE(kernels::QuantizeAwq(w->view(), qw.mutable_view(), qz.mutable_view(), sc.mutable_view(), opt).ok());
+      EXPECT_TRUE(SameBytes(f->Find(prefix + ".qweight")->view, qw.view())) << prefix;
+      EXPECT_TRUE(SameBytes(f->Find(prefix + ".qzeros")->view, qz.view())) << prefix;
+      EXPECT_TRUE(SameBytes(f->Find(prefix + ".scales")->view, sc.view())) << prefix;
+    }
+  }
+  // AWQ -> AWQ-Marlin, every tensor against the kernels.
+  RunResult r = RunTool("awq-marlin-repack --in " + P("awq.safetensors") + " --out " + P("am.safetensors"), dir_);
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto a = SafetensorsFile::Open(P("awq.safetensors"));
+  auto m = SafetensorsFile::Open(P("am.safetensors"));
+  ASSERT_TRUE(a.ok() && m.ok());
+  EXPECT_EQ(m->metadata().at("wsync.layout"), "awq-marlin");
+  EXPECT_TRUE(SameBytes(m->Find("model.norm.weight")->view, norm_.view()));
+  kernels::KernelOptions ko;
+  for (const std::string prefix : {"model.layers.0.mlp.down_proj", "model.layers.0.mlp.experts"}) {
+    const TensorView qw = a->Find(prefix + ".qweight")->view, qz = a->Find(prefix + ".qzeros")->view;
+    const TensorView sc = a->Find(prefix + ".scales")->view;
+    const Tensor mq = Make(DType::kI32, *kernels::AwqMarlinShapeFor(qw.shape()),
+                           [&](MutableTensorView o) { return kernels::AwqToMarlin(qw, o, ko); });
+    const Tensor mz =
+        Make(DType::kI32, qz.shape(), [&](MutableTensorView o) { return kernels::AwqZerosToMarlin(qz, o, ko); });
+    const Tensor ms = Make(DType::kBF16, sc.shape(), [&](MutableTensorView o) {
+      return kernels::PermuteMarlinScales(sc, qw.dim(qw.rank() - 2), 64, o, ko);
+    });
+    EXPECT_TRUE(SameBytes(m->Find(prefix + ".qweight")->view, mq.view())) << prefix;
+    EXPECT_TRUE(SameBytes(m->Find(prefix + ".qzeros")->view, mz.view())) << prefix;
+    EXPECT_TRUE(SameBytes(m->Find(prefix + ".scales")->view, ms.view())) << prefix;
+  }
+  // Refusals: repacking twice, and the GPTQ repack on an AWQ file.
+  r = RunTool("awq-marlin-repack --in " + P("am.safetensors") + " --out " + P("o.safetensors"), dir_);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("\"awq-marlin\": awq-marlin-repack does not take that layout"));
+  r = RunTool("marlin-repack --in " + P("awq.safetensors") + " --out " + P("o.safetensors") + " --group-size 64", dir_);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("is AWQ-packed"));
+  EXPECT_FALSE(std::filesystem::exists(P("o.safetensors")));
+}
+
+TEST_F(Int4ToolTest, TrtllmPreprocessFromCompressedTensorsAndAwq) {
+  ASSERT_EQ(RunTool("quantize --in " + In() + " --out " + P("ct.safetensors") + " --group-size 64", dir_).code, 0);
+  ASSERT_EQ(
+      RunTool("quantize --format awq --in " + In() + " --out " + P("awq.safetensors") + " --group-size 64", dir_).code,
+      0);
+  auto ct = SafetensorsFile::Open(P("ct.safetensors"));
+  auto awq = SafetensorsFile::Open(P("awq.safetensors"));
+  ASSERT_TRUE(ct.ok() && awq.ok());
+  kernels::KernelOptions ko;
+  for (const char* arch : {"sm80", "sm90"}) {
+    SCOPED_TRACE(arch);
+    kernels::TrtllmOptions topt;
+    topt.arch = std::string(arch) == "sm90" ? kernels::TrtllmArch::kSm90 : kernels::TrtllmArch::kSm80;
+    for (const char* src : {"ct", "awq"}) {
+      SCOPED_TRACE(src);
+      const bool is_awq = std::string(src) == "awq";
+      const RunResult r = RunTool("trtllm-preprocess --arch " + std::string(arch) + " --in " +
+                                      P(std::string(src) + ".safetensors") + " --out " + P("t.safetensors"),
+                                  dir_);
+      ASSERT_EQ(r.code, 0) << r.output;
+      auto t = SafetensorsFile::Open(P("t.safetensors"));
+      ASSERT_TRUE(t.ok()) << t.status();
+      EXPECT_EQ(t->metadata().at("wsync.layout"), "trtllm");
+      EXPECT_TRUE(SameBytes(t->Find("model.norm.weight")->view, norm_.view()));
+      EXPECT_EQ(t->Find("model.layers.0.mlp.down_proj.weight_packed"), nullptr);
+      EXPECT_EQ(t->Find("model.layers.0.mlp.down_proj.weight_shape"), nullptr);
+      EXPECT_EQ(t->Find("model.layers.0.mlp.down_proj.qweight"), nullptr);
+      const SafetensorsFile& in = is_awq ? *awq : *ct;
+      for (const std::string prefix :
+           {"model.layers.0.mlp.down_proj", "model.layers.0.mlp.gate", "model.layers.0.mlp.experts"}) {
+        // The codes [.., K/8, N] and scales [.., K/G, N] the kernels take, built independently here.
+        Tensor codes, scales;
+        if (is_awq) {
+          const TensorView qw = in.Find(prefix + ".qweight")->view;
+          Shape cs = qw.shape();
+          cs[cs.size() - 2] /= 8;
+          cs.back() *= 8;
+          codes = Make(DType::kI32, cs, [&](MutableTensorView o) { return kernels::AwqToGptq(qw, o, ko); });
+          scales = Tensor::CopyOf(in.Find(prefix + ".scales")->view).value();
+        } else {
+          const TensorView wp = in.Find(prefix + ".weight_packed")->view, ws = in.Find(prefix + ".weight_scale")->view;
+          Shape cs = wp.shape(), ss = ws.shape();
+          std::swap(cs[cs.size() - 1], cs[cs.size() - 2]);
+          std::swap(ss[ss.size() - 1], ss[ss.size() - 2]);
+          codes = Tensor::Empty(DType::kI32, cs).value();
+          scales = Tensor::Empty(DType::kBF16, ss).value();
+          const int64_t e = wp.rank() == 3 ? wp.dim(0) : 1;
+          for (int64_t x = 0; x < e; ++x) {
+            const int64_t n = wp.dim(wp.rank() - 2), kw = wp.dim(wp.rank() - 1), g = ws.dim(ws.rank() - 1);
+            for (int64_t i = 0; i < n; ++i) {
+              for (int64_t j = 0; j < kw; ++j)
+                codes.data_as<uint32_t>()[(x * kw + j) * n + i] = wp.data_as<uint32_t>()[(x * n + i) * kw + j];
+              for (int64_t j = 0; j < g; ++j)
+                scales.data_as<uint16_t>()[(x * g + j) * n + i] = ws.data_as<uint16_t>()[(x * n + i) * g + j];
+            }
+          }
+        }
+        const Tensor w = Make(DType::kI8, *kernels::TrtllmWeightShapeFor(codes.view().shape(), topt),
+                              [&](MutableTensorView o) { return kernels::PreprocessTrtllm(codes.view(), o, topt); });
+        EXPECT_TRUE(SameBytes(t->Find(prefix + ".weight")->view, w.view())) << prefix;
+        EXPECT_TRUE(SameBytes(t->Find(prefix + ".weight_scale")->view, scales.view())) << prefix;  // W4A16: as is
+        const SafetensorsEntry* zero = t->Find(prefix + ".weight_zero");
+        ASSERT_EQ(zero != nullptr, is_awq) << prefix;
+        if (is_awq) {
+          const TensorView qz = in.Find(prefix + ".qzeros")->view;
+          const Tensor z = Make(DType::kBF16, scales.view().shape(), [&](MutableTensorView o) {
+            return kernels::TrtllmZerosFromAwq(qz, scales.view(), o, topt);
+          });
+          EXPECT_TRUE(SameBytes(zero->view, z.view())) << prefix;
+        }
+      }
+    }
+  }
+  // W4AFP8 refuses a dense layer (naming it), and AWQ zeros; MoE-only compressed-tensors works.
+  RunResult r = RunTool(
+      "trtllm-preprocess --arch sm90 --w4afp8 --in " + P("ct.safetensors") + " --out " + P("o.safetensors"), dir_);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("tensor \"model.layers.0.mlp.down_proj.weight\""));
+  EXPECT_THAT(r.output, HasSubstr("MoE expert stacks [E, K, N] only"));
+  ASSERT_EQ(RunTool("quantize --in " + In() + " --out " + P("moe.safetensors") +
+                        " --group-size 64 --ignore 're:.*(down_proj|gate)$'",
+                    dir_)
+                .code,
+            0);
+  r = RunTool("trtllm-preprocess --arch sm90 --w4afp8 --in " + P("moe.safetensors") + " --out " + P("f8.safetensors"),
+              dir_);
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto f8 = SafetensorsFile::Open(P("f8.safetensors"));
+  ASSERT_TRUE(f8.ok());
+  EXPECT_THAT(f8->Find("model.layers.0.mlp.experts.weight")->view.shape(),
+              ::testing::ElementsAre(2, 64, 64));  // [E, N, K/2]
+  EXPECT_EQ(f8->Find("model.layers.0.mlp.experts.weight_scale")->view.dtype(), DType::kBF16);
+  EXPECT_THAT(f8->Find("model.layers.0.mlp.experts.weight_scale")->view.shape(),
+              ::testing::ElementsAre(2, 1, 128));  // I = 2
+  r = RunTool("trtllm-preprocess --arch sm70 --in " + P("ct.safetensors") + " --out " + P("o.safetensors"), dir_);
+  EXPECT_EQ(r.code, 2);
+  r = RunTool("trtllm-preprocess --arch sm80 --in " + P("f8.safetensors") + " --out " + P("o.safetensors"), dir_);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("\"trtllm\": trtllm-preprocess does not take that layout"));
+  EXPECT_FALSE(std::filesystem::exists(P("o.safetensors")));
 }
 
 TEST_F(Int4ToolTest, ErrorsNameTensorAndValuesAndLeaveNoFile) {
