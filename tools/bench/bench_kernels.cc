@@ -22,9 +22,12 @@
 #include "common/dtype.h"
 #include "common/tensor.h"
 #include "common/units.h"
+#include "kernels/awq.h"
 #include "kernels/cpu/int4_cpu.h"
+#include "kernels/format/awq_format.h"
 #include "kernels/format/int4_format.h"
 #include "kernels/int4.h"
+#include "kernels/trtllm.h"
 
 namespace wsync {
 namespace {
@@ -211,6 +214,99 @@ Row BenchScales(int64_t bytes, int threads, const Flags& f) {
   return Row{"scale-perm", threads, bytes, t, tm, wrong};
 }
 
+// AWQ quantize: W bf16 [N, 4096], G = 128, fp16 (AutoAWQ) or fp32 arithmetic -> qweight [K, N/8].
+Row BenchAwqQuantize(const char* name, kernels::AwqArith arith, int64_t bytes, int threads, const Flags& f) {
+  const int64_t k = 4096, n = std::max<int64_t>(128, bytes / (2 * k) / 128 * 128);
+  bytes = n * k * 2;
+  Buffer w = MustAlloc(static_cast<size_t>(bytes));
+  auto* wp = reinterpret_cast<uint16_t*>(w.data());
+  std::mt19937 rng(4);
+  std::normal_distribution<float> dist(0.0f, 0.02f);
+  std::vector<uint16_t> pool(1 << 16);
+  for (auto& x : pool) x = F32ToBF16(dist(rng));
+  for (int64_t i = 0; i < n * k; ++i) wp[i] = pool[(i * 2654435761u) & 0xFFFF];
+  Buffer qw = MustAlloc(static_cast<size_t>(n * k / 2)), qz = MustAlloc(static_cast<size_t>(n * k / 128 / 2));
+  Buffer sc = MustAlloc(static_cast<size_t>(n * k / 128 * 2)), copy = MustAlloc(static_cast<size_t>(bytes));
+  const TensorView wv(DType::kBF16, {n, k}, w.span());
+  const MutableTensorView qv(DType::kI32, {k, n / 8}, qw.span()), zv(DType::kI32, {k / 128, n / 8}, qz.span());
+  const MutableTensorView sv(DType::kBF16, {k / 128, n}, sc.span());
+  kernels::AwqQuantizeOptions opt;
+  opt.num_threads = threads;
+  opt.arith = arith;
+  auto run = [&] { Die(kernels::QuantizeAwq(wv, qv, zv, sv, opt)); };
+  for (int i = 0; i < f.warmup; ++i) run();
+  const double t = Seconds(run, f.iters);
+  for (int i = 0; i < f.warmup; ++i) ParallelMemcpy(copy.data(), w.data(), bytes, threads);
+  const double tm = Seconds([&] { ParallelMemcpy(copy.data(), w.data(), bytes, threads); }, f.iters);
+  int64_t wrong = 0;
+  if (f.check) {  // scalar recomputation of the codes of the first 8 rows (word column 0) through format/
+    const auto* q = reinterpret_cast<const uint32_t*>(qw.data());
+    const auto fa = arith == kernels::AwqArith::kFp16 ? fmt::AwqArith::kFp16 : fmt::AwqArith::kFp32;
+    for (int64_t g = 0; g < k / 128; ++g) {
+      fmt::AwqGroup p[8];
+      for (int i = 0; i < 8; ++i) {
+        const int64_t row = fmt::AwqOrder(i);
+        float mx = -1e30f, mn = 1e30f;
+        for (int j = 0; j < 128; ++j) {
+          const float v = BF16ToF32(wp[row * k + g * 128 + j]);
+          mx = std::max(mx, v), mn = std::min(mn, v);
+        }
+        if (fa == fmt::AwqArith::kFp16) mx = fmt::RoundToF16(mx), mn = fmt::RoundToF16(mn);
+        p[i] = fmt::AwqGroupParams(mx, mn, fa);
+      }
+      for (int j = 0; j < 128; ++j) {
+        uint32_t word = 0;
+        for (int i = 0; i < 8; ++i) {
+          float v = BF16ToF32(wp[fmt::AwqOrder(i) * k + g * 128 + j]);
+          if (fa == fmt::AwqArith::kFp16) v = fmt::RoundToF16(v);
+          word |= fmt::AwqCode(v, p[i], fa) << (4 * i);
+        }
+        wrong += q[(g * 128 + j) * (n / 8)] != word;
+      }
+    }
+  }
+  return Row{name, threads, bytes, t, tm, wrong};
+}
+
+// AWQ -> Marlin (qweight int32 [K, 4096/8]) and TensorRT-LLM preprocessing (codes [K/8, 4096],
+// sm80 W4A16 MoE layout); #wrong from the exact inverse (TRT) or GptqToMarlin of AwqToGptq (AWQ).
+Row BenchLayout(const char* name, bool trtllm, int64_t bytes, int threads, const Flags& f) {
+  const int64_t n = 4096, k = std::max<int64_t>(64, bytes / (n / 2) / 64 * 64);
+  bytes = k * n / 2;
+  Buffer in = MustAlloc(static_cast<size_t>(bytes)), out = MustAlloc(static_cast<size_t>(bytes));
+  Buffer back = MustAlloc(static_cast<size_t>(bytes)), copy = MustAlloc(static_cast<size_t>(bytes));
+  auto* ip = reinterpret_cast<uint32_t*>(in.data());
+  std::mt19937 rng(5);
+  for (int64_t i = 0; i < bytes / 4; ++i) ip[i] = rng();
+  kernels::TrtllmOptions opt;
+  opt.num_threads = threads;
+  const TensorView awq(DType::kI32, {k, n / 8}, in.span()), codes(DType::kI32, {1, k / 8, n}, in.span());
+  const MutableTensorView marlin(DType::kI32, {k / 16, 2 * n}, out.span());
+  const MutableTensorView trt(DType::kI8, {1, k, n / 2}, out.span());
+  auto run = [&] { Die(trtllm ? kernels::PreprocessTrtllm(codes, trt, opt) : kernels::AwqToMarlin(awq, marlin, opt)); };
+  for (int i = 0; i < f.warmup; ++i) run();
+  const double t = Seconds(run, f.iters);
+  for (int i = 0; i < f.warmup; ++i) ParallelMemcpy(copy.data(), in.data(), bytes, threads);
+  const double tm = Seconds([&] { ParallelMemcpy(copy.data(), in.data(), bytes, threads); }, f.iters);
+  int64_t wrong = 0;
+  if (f.check) {
+    const auto* bp = reinterpret_cast<const uint32_t*>(back.data());
+    const auto* op = reinterpret_cast<const uint32_t*>(out.data());
+    if (trtllm) {
+      Die(kernels::UnpreprocessTrtllm(TensorView(DType::kI8, {1, k, n / 2}, out.span()),
+                                      MutableTensorView(DType::kI32, {1, k / 8, n}, back.span()), opt));
+      for (int64_t i = 0; i < bytes / 4; ++i) wrong += bp[i] != ip[i];
+    } else {
+      Die(kernels::AwqToGptq(awq, MutableTensorView(DType::kI32, {k / 8, n}, back.span()), opt));
+      Die(kernels::GptqToMarlin(TensorView(DType::kI32, {k / 8, n}, back.span()), nullptr,
+                                MutableTensorView(DType::kI32, {k / 16, 2 * n}, copy.span()), opt));
+      const auto* cp = reinterpret_cast<const uint32_t*>(copy.data());
+      for (int64_t i = 0; i < bytes / 4; ++i) wrong += cp[i] != op[i];
+    }
+  }
+  return Row{name, threads, bytes, t, tm, wrong};
+}
+
 int Main(int argc, char** argv) {
   Flags f;
   CLI::App app{"wsync-bench-kernels: CPU INT4 kernel throughput vs memcpy"};
@@ -222,7 +318,8 @@ int Main(int argc, char** argv) {
   app.add_option("-c,--check", f.check, "check results (1) or not (0)");
   app.add_option("-t,--threads", f.threads, "threads for the 'all' rows (0 = hardware_concurrency)");
   app.add_option("-k,--kernel", f.kernels,
-                 "kernels to run: quantize-ct quantize-gptq repack repack-perm restore restore-perm scale-perm");
+                 "kernels to run: quantize-ct quantize-gptq repack repack-perm restore restore-perm scale-perm "
+                 "awq-quantize-fp16 awq-quantize-fp32 awq-marlin trtllm-sm80");
   CLI11_PARSE(app, argc, argv);
   const int all = f.threads > 0 ? f.threads : std::max(1u, std::thread::hardware_concurrency());
   auto want = [&](const char* k) {
@@ -231,8 +328,8 @@ int Main(int argc, char** argv) {
   std::printf("# wsync-bench-kernels  simd=%s  hardware threads=%u  iters=%d warmup=%d\n",
               kernels::cpu::SimdTargetName(), std::thread::hardware_concurrency(), f.iters, f.warmup);
   std::printf(
-      "# quantize: bf16 W[N, 4096] G=128 qat; repack: int32 GPTQ [K/8, 4096]; size = input bytes;"
-      " time = best of -n\n");
+      "# quantize: bf16 W[N, 4096] G=128 qat; repack: int32 GPTQ [K/8, 4096]; awq-quant: bf16 W[N, 4096] G=128;"
+      " awq-marlin: AWQ qweight [K, 512]; trtllm-sm80: codes [K/8, 4096]; size = input bytes; time = best of -n\n");
   std::printf("#%-15s %4s %12s %12s %9s %9s %7s %8s\n", "kernel", "thr", "size(B)", "time(us)", "GB/s", "memcpy",
               "ratio", "#wrong");
   std::vector<int> thread_counts = {1};
@@ -247,6 +344,10 @@ int Main(int argc, char** argv) {
       if (want("restore")) Print(BenchRepack("restore", true, false, bytes, t, f));
       if (want("restore-perm")) Print(BenchRepack("restore-perm", true, true, bytes, t, f));
       if (want("scale-perm")) Print(BenchScales(bytes, t, f));
+      if (want("awq-quantize-fp16")) Print(BenchAwqQuantize("awq-quant-fp16", kernels::AwqArith::kFp16, bytes, t, f));
+      if (want("awq-quantize-fp32")) Print(BenchAwqQuantize("awq-quant-fp32", kernels::AwqArith::kFp32, bytes, t, f));
+      if (want("awq-marlin")) Print(BenchLayout("awq-marlin", false, bytes, t, f));
+      if (want("trtllm-sm80")) Print(BenchLayout("trtllm-sm80", true, bytes, t, f));
     }
     if (f.factor <= 1) break;
   }

@@ -136,6 +136,43 @@ GroupRange Range(const uint16_t* HWY_RESTRICT x, int64_t g, bool bf16) {
   return r;
 }
 
+// qweight rows k = 0..g-1 (row stride ld words) of one group, word columns 0..nwords-1, from the code
+// bytes codes[row][k] (row stride g): word (k, jw) nibble i = codes[8 jw + ORDER[i]][k]. The vector
+// path builds the words lanewise over k into tmp[jw][k], then gathers each qweight row.
+void PackGroup(const uint8_t* HWY_RESTRICT codes, int64_t nwords, int64_t g, uint32_t* HWY_RESTRICT out, int64_t ld,
+               uint32_t* HWY_RESTRICT tmp) {
+  int64_t k0 = 0;
+#if HWY_TARGET != HWY_SCALAR
+  const hn::ScalableTag<uint32_t> d;
+  const hn::Rebind<uint8_t, decltype(d)> d8;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  if (g % lanes == 0 && nwords * g <= kAwqRowBlock / 8 * 256) {
+    for (int64_t jw = 0; jw < nwords; ++jw) {
+      for (int64_t k = 0; k < g; k += lanes) {
+        auto w = hn::Zero(d);
+        for (int i = 0; i < 8; ++i) {
+          const auto v = hn::PromoteTo(d, hn::LoadU(d8, codes + (8 * jw + fmt::AwqOrder(i)) * g + k));
+          w = hn::Or(w, hn::ShiftLeftSame(v, 4 * i));
+        }
+        hn::StoreU(w, d, tmp + jw * g + k);
+      }
+    }
+    for (int64_t k = 0; k < g; ++k) {
+      for (int64_t jw = 0; jw < nwords; ++jw) out[k * ld + jw] = tmp[jw * g + k];
+    }
+    return;
+  }
+#endif
+  for (int64_t k = k0; k < g; ++k) {
+    for (int64_t jw = 0; jw < nwords; ++jw) {
+      const uint8_t* c = codes + (8 * jw) * g + k;
+      uint32_t w = 0;
+      for (int i = 0; i < 8; ++i) w |= static_cast<uint32_t>(c[fmt::AwqOrder(i) * g]) << (4 * i);
+      out[k * ld + jw] = w;
+    }
+  }
+}
+
 // Units are (expert, block of kAwqRowBlock rows); scratch holds kAwqRowBlock * G code bytes.
 // Returns the smallest refusal code (see internal::AwqRefusedError), or -1.
 int64_t QuantizeAwqUnits(const internal::AwqQuantizeArgs& a, int64_t begin, int64_t end, uint8_t* scratch) {
@@ -149,6 +186,7 @@ int64_t QuantizeAwqUnits(const internal::AwqQuantizeArgs& a, int64_t begin, int6
     if (bad < 0 || code < bad) bad = code;
   };
   uint8_t zeros[kAwqRowBlock];
+  HWY_ALIGN uint32_t words_tmp[kAwqRowBlock / 8 * 256];  // PackGroup's [jw][k] (groups up to 256 wide)
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t e = unit / blocks;
     const int64_t n0 = (unit % blocks) * kAwqRowBlock;
@@ -176,18 +214,9 @@ int64_t QuantizeAwqUnits(const internal::AwqQuantizeArgs& a, int64_t begin, int6
         GroupCodes(x, a.group, a.is_bf16, p, a.arith, scratch + r * a.group);
       }
       // Pack: word (k, n0/8 + jw) nibble i = code of row 8 jw + ORDER[i].
-      const int64_t words = rows / 8;
-      for (int64_t kk = 0; kk < a.group; ++kk) {
-        uint32_t* out = a.qweight + (e * a.k + g * a.group + kk) * nw + n0 / 8;
-        for (int64_t jw = 0; jw < words; ++jw) {
-          const uint8_t* c = scratch + (8 * jw) * a.group + kk;
-          uint32_t w = 0;
-          for (int i = 0; i < 8; ++i) w |= static_cast<uint32_t>(c[fmt::AwqOrder(i) * a.group]) << (4 * i);
-          out[jw] = w;
-        }
-      }
+      PackGroup(scratch, rows / 8, a.group, a.qweight + (e * a.k + g * a.group) * nw + n0 / 8, nw, words_tmp);
       uint32_t* zout = a.qzeros + (e * ng + g) * nw + n0 / 8;
-      for (int64_t jw = 0; jw < words; ++jw) {
+      for (int64_t jw = 0; jw < rows / 8; ++jw) {
         uint32_t w = 0;
         for (int i = 0; i < 8; ++i) w |= static_cast<uint32_t>(zeros[8 * jw + fmt::AwqOrder(i)]) << (4 * i);
         zout[jw] = w;
@@ -329,30 +358,41 @@ absl::Status MarlinZerosToAwq(const internal::AwqRepackArgs& a) {
 }
 
 absl::Status Trtllm(const internal::TrtllmArgs& a) {
-  const int64_t kw = a.k / 8;
+  // Units are tiles of (expert, 256 columns, 16 blocks of 32 rows): each code row is read 1 KiB at a
+  // time (sequential within a page, so the prefetchers follow), and per (column, block) the 4 code
+  // words map to 4 consecutive output words (format::TrtllmBlock). Units never share an output.
+  constexpr int64_t kCols = 256, kBlocks = 16;
   const int64_t words = a.k * a.n / 8;  // per expert, in and out alike
-  // Units are (expert, column): a column's output words (or, inverted, its code words) are
-  // written by one unit, so units never share an output word.
-  ParallelFor(a.experts * a.n, a.threads, a.k / 2, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
-    for (int64_t u = b; u < e; ++u) {
-      const int64_t x = u / a.n, n = u % a.n;
-      uint32_t* codes = a.codes + x * words;
-      uint32_t* bytes = a.bytes + x * words;
-      if (!a.inverse) {
-        auto code = [&](int64_t row, int64_t col) { return fmt::GetNibble(codes[(row / 8) * a.n + col], row % 8); };
-        for (int64_t kp = 0; kp < a.k; kp += 8) {
-          const int64_t w = fmt::TrtllmWordOf(a.layout, n, kp, a.k);
-          bytes[w] = fmt::TrtllmWord(a.layout, w, a.k, code);
-        }
-      } else {
-        for (int64_t r = 0; r < kw; ++r) {
-          uint32_t word = 0;
-          for (int i = 0; i < 8; ++i) word |= fmt::TrtllmCodeAt(a.layout, bytes, 8 * r + i, n, a.k) << (4 * i);
-          codes[r * a.n + n] = word;
-        }
-      }
-    }
-  });
+  const int64_t blocks = a.k / fmt::kTrtllmRowBlock;
+  const int64_t col_tiles = (a.n + kCols - 1) / kCols, blk_tiles = (blocks + kBlocks - 1) / kBlocks;
+  const int64_t per_expert = col_tiles * blk_tiles;
+  ParallelFor(a.experts * per_expert, a.threads, kCols * kBlocks * 16, a.min_bytes_per_thread,
+              [&](int64_t b, int64_t e) {
+                for (int64_t u = b; u < e; ++u) {
+                  const int64_t x = u / per_expert, ct = (u % per_expert) / blk_tiles, bt = u % blk_tiles;
+                  const int64_t n0 = ct * kCols, n1 = std::min(a.n, n0 + kCols);
+                  const int64_t b0 = bt * kBlocks, b1 = std::min(blocks, b0 + kBlocks);
+                  uint32_t* codes = a.codes + x * words;
+                  uint32_t* bytes = a.bytes + x * words;
+                  for (int64_t blk = b0; blk < b1; ++blk) {
+                    uint32_t* rows = codes + 4 * blk * a.n;  // code rows 4 blk .. 4 blk + 3
+                    for (int64_t n = n0; n < n1; ++n) {
+                      uint32_t in[4], out[4];
+                      // The 4 output words of a block are consecutive in every layout (k' = 32 blk + 8t).
+                      uint32_t* dst = bytes + fmt::TrtllmWordOf(a.layout, n, 32 * blk, a.k);
+                      if (!a.inverse) {
+                        for (int r = 0; r < 4; ++r) in[r] = rows[r * a.n + n];
+                        fmt::TrtllmBlock(a.layout, in, out);
+                        std::memcpy(dst, out, sizeof(out));
+                      } else {
+                        std::memcpy(out, dst, sizeof(out));
+                        fmt::TrtllmBlockInverse(a.layout, out, in);
+                        for (int r = 0; r < 4; ++r) rows[r * a.n + n] = in[r];
+                      }
+                    }
+                  }
+                }
+              });
   return absl::OkStatus();
 }
 

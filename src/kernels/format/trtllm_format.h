@@ -129,6 +129,67 @@ WSYNC_HD uint32_t TrtllmCodeAt(TrtllmLayout layout, const uint32_t* words, int64
   return GetNibble(word, TrtllmRegDst(layout, static_cast<int>(kp & 7))) ^ TrtllmCodeXor(layout);
 }
 
+// ---- whole 32-row blocks (the vectorizable CPU form of the same map) --------------------------------
+
+// Step 4's interleave of one word: even nibbles to the low half, odd ones to the high half.
+WSYNC_HD uint32_t UnzipNibbles(uint32_t x) {
+  uint32_t e = x & 0x0F0F0F0Fu, o = (x >> 4) & 0x0F0F0F0Fu;
+  e = (e | (e >> 4)) & 0x00FF00FFu;
+  o = (o | (o >> 4)) & 0x00FF00FFu;
+  e = (e | (e >> 8)) & 0x0000FFFFu;
+  o = (o | (o >> 8)) & 0x0000FFFFu;
+  return e | (o << 16);
+}
+// Inverse of UnzipNibbles.
+WSYNC_HD uint32_t ZipNibbles(uint32_t x) {
+  uint32_t e = x & 0xFFFFu, o = x >> 16;
+  e = (e | (e << 8)) & 0x00FF00FFu;
+  o = (o | (o << 8)) & 0x00FF00FFu;
+  e = (e | (e << 4)) & 0x0F0F0F0Fu;
+  o = (o | (o << 4)) & 0x0F0F0F0Fu;
+  return e | (o << 4);
+}
+
+// One column's 32-row block b: in[r] = code word of rows 32b + 8r .. 32b + 8r + 7 (row i at nibble
+// i); out[t] = the output word holding k' = 32b + 8t .. + 7 (at TrtllmWordOf(layout, n, 32b + 8t, K)).
+// W4A16: step 1 takes byte t of every input word (PERM pairs rows 8r + 2t, 8r + 2t + 1), a 4x4
+// byte transpose; W4AFP8 (sm89): half t % 2 of words t / 2 and 2 + t / 2; then step 4's unzip.
+WSYNC_HD void TrtllmBlock(TrtllmLayout layout, const uint32_t in[4], uint32_t out[4]) {
+  if (layout == TrtllmLayout::kSm90W4AFp8) {
+    for (int t = 0; t < 4; ++t) out[t] = in[t] ^ 0x88888888u;
+    return;
+  }
+  uint32_t x[4] = {in[0], in[1], in[2], in[3]};
+  if (layout == TrtllmLayout::kSm80W4AFp8) {
+    for (int t = 0; t < 4; ++t) {
+      const int sh = 16 * (t & 1);
+      x[t] = ((in[t >> 1] >> sh) & 0xFFFFu) | (((in[2 + (t >> 1)] >> sh) & 0xFFFFu) << 16);
+    }
+  } else {
+    Transpose4x4Bytes(x[0], x[1], x[2], x[3]);
+  }
+  for (int t = 0; t < 4; ++t) out[t] = UnzipNibbles(x[t]);
+}
+
+// Inverse of TrtllmBlock.
+WSYNC_HD void TrtllmBlockInverse(TrtllmLayout layout, const uint32_t out[4], uint32_t in[4]) {
+  if (layout == TrtllmLayout::kSm90W4AFp8) {
+    for (int t = 0; t < 4; ++t) in[t] = out[t] ^ 0x88888888u;
+    return;
+  }
+  uint32_t x[4];
+  for (int t = 0; t < 4; ++t) x[t] = ZipNibbles(out[t]);
+  if (layout == TrtllmLayout::kSm80W4AFp8) {
+    for (int r = 0; r < 4; ++r) {  // word r (< 2) = halves of x[2r], x[2r+1] low; word 2 + r: their high
+      const int w = r & 1, hi = r >> 1;
+      in[r] = ((x[2 * w] >> (16 * hi)) & 0xFFFFu) | (((x[2 * w + 1] >> (16 * hi)) & 0xFFFFu) << 16);
+    }
+  } else {
+    Transpose4x4Bytes(x[0], x[1], x[2], x[3]);
+    for (int r = 0; r < 4; ++r) in[r] = x[r];
+  }
+}
+
 // W4AFP8 on sm90 (§3.2): scales [K/G, N] -> [K/G/I, N I] with I = 4, 2 or 1 as K % 4G, 2G.
 WSYNC_HD int TrtllmScaleInterleave(int64_t k, int64_t g) { return k % (4 * g) == 0 ? 4 : (k % (2 * g) == 0 ? 2 : 1); }
 // Source (row, column) of output scale (a, c) of that interleave: out[a, n I + i] = s[a I + i, n].
