@@ -104,25 +104,14 @@ absl::Status QuantizeAwq(const TensorView& w, MutableTensorView qweight, Mutable
   RETURN_IF_ERROR(CheckOutput(fn, "qweight", qweight, DType::kI32, shapes.qweight, 4));
   RETURN_IF_ERROR(CheckOutput(fn, "qzeros", qzeros, DType::kI32, shapes.qzeros, 4));
   RETURN_IF_ERROR(CheckOutput(fn, "scales", scales, w.dtype(), shapes.scales, 2));
-  const std::pair<const void*, size_t> views[] = {{w.data(), w.nbytes()},
-                                                  {qweight.data(), qweight.nbytes()},
-                                                  {qzeros.data(), qzeros.nbytes()},
-                                                  {scales.data(), scales.nbytes()}};
-  for (size_t i = 0; i < 4; ++i) {
-    for (size_t j = i + 1; j < 4; ++j) {
-      if (Overlaps(views[i].first, views[i].second, views[j].first, views[j].second)) {
-        return Invalid(fn, "W, qweight, qzeros and scales must not overlap");
-      }
-    }
+  if (internal::AnyOverlap({{w.data(), w.nbytes()},
+                            {qweight.data(), qweight.nbytes()},
+                            {qzeros.data(), qzeros.nbytes()},
+                            {scales.data(), scales.nbytes()}})) {
+    return Invalid(fn, "W, qweight, qzeros and scales must not overlap");
   }
-  const Shape& s = w.shape();
   AwqQuantizeArgs a;
-  a.w = w.data_as<uint16_t>();
-  a.is_bf16 = w.dtype() == DType::kBF16;
-  a.experts = s.size() == 3 ? s[0] : 1;
-  a.n = s[s.size() - 2];
-  a.k = s.back();
-  a.group = options.group_size == kChannelwise ? a.k : options.group_size;
+  internal::SetWeightDims(a, w, options.group_size);
   a.arith = options.arith == AwqArith::kFp16 ? format::AwqArith::kFp16 : format::AwqArith::kFp32;
   a.qweight = qweight.data_as<uint32_t>();
   a.qzeros = qzeros.data_as<uint32_t>();

@@ -21,6 +21,7 @@
 #include "hwy/targets.h"
 #include "kernels/format/awq_format.h"
 #include "kernels/int4.h"
+#include "kernels/testing/golden.h"
 
 namespace wsync::kernels {
 namespace {
@@ -189,8 +190,8 @@ absl::StatusOr<AwqOut> RunQuantize(const std::vector<uint16_t>& w, DType dt, int
 
 void CheckQuantize(const std::vector<uint16_t>& w, DType dt, int64_t e, int64_t n, int64_t k, int g, AwqArith arith,
                    int threads = 2) {
-  SCOPED_TRACE(testing::Message() << "dtype " << SafetensorsName(dt) << " E " << e << " N " << n << " K " << k << " G "
-                                  << g << (arith == AwqArith::kFp16 ? " fp16" : " fp32"));
+  SCOPED_TRACE(::testing::Message() << "dtype " << SafetensorsName(dt) << " E " << e << " N " << n << " K " << k
+                                    << " G " << g << (arith == AwqArith::kFp16 ? " fp16" : " fp32"));
   const int64_t ee = std::max<int64_t>(e, 1), gg = g == kChannelwise ? k : g;
   auto got = RunQuantize(w, dt, e, n, k, g, arith, threads);
   ASSERT_TRUE(got.ok()) << got.status();
@@ -440,36 +441,12 @@ TEST(AwqTargetsTest, EveryCompiledSimdTargetIsBitExact) {
 
 // ---- golden files (tools/golden/int4_golden.py: the upstream formulations, in Python) -------------
 
-std::vector<std::string> GoldenCases(const SafetensorsFile& f) {
-  std::vector<std::string> cases;
-  auto it = f.metadata().find("cases");
-  if (it == f.metadata().end()) return cases;
-  std::string s = it->second;  // a JSON list of plain names
-  std::string cur;
-  bool in = false;
-  for (char c : s) {
-    if (c == '"') {
-      if (in) cases.push_back(cur);
-      cur.clear();
-      in = !in;
-    } else if (in) {
-      cur += c;
-    }
-  }
-  return cases;
-}
-
-template <typename T>
-std::vector<T> Copy(const SafetensorsEntry& e) {
-  std::vector<T> v(e.view.nbytes() / sizeof(T));
-  std::memcpy(v.data(), e.view.data(), e.view.nbytes());
-  return v;
-}
+using kernels::testing::CopyOf;
 
 TEST(AwqGoldenTest, MatchesThePythonFormulation) {
   auto file = SafetensorsFile::Open(std::string(WSYNC_GOLDEN_DIR) + "/awq_golden.safetensors");
   ASSERT_TRUE(file.ok()) << file.status();
-  const std::vector<std::string> cases = GoldenCases(*file);
+  const std::vector<std::string> cases = kernels::testing::JsonNames(file->metadata().at("cases"));
   ASSERT_GE(cases.size(), 4u);
   for (const std::string& c : cases) {
     SCOPED_TRACE(c);
@@ -478,36 +455,36 @@ TEST(AwqGoldenTest, MatchesThePythonFormulation) {
     const int g = std::stoi(file->metadata().at(c + ".group_size"));
     const Shape& s = w->view.shape();
     const int64_t e = s.size() == 3 ? s[0] : 0, n = s[s.size() - 2], k = s.back();
-    const std::vector<uint16_t> wv = Copy<uint16_t>(*w);
+    const std::vector<uint16_t> wv = CopyOf<uint16_t>(*w);
     for (const char* arith : {"fp16", "fp32"}) {
       SCOPED_TRACE(arith);
       auto got = RunQuantize(wv, w->view.dtype(), e, n, k, g,
                              std::string(arith) == "fp16" ? AwqArith::kFp16 : AwqArith::kFp32);
       ASSERT_TRUE(got.ok()) << got.status();
-      EXPECT_EQ(got->qweight, Copy<uint32_t>(*file->Find(c + "." + arith + ".qweight")));
-      EXPECT_EQ(got->qzeros, Copy<uint32_t>(*file->Find(c + "." + arith + ".qzeros")));
-      EXPECT_EQ(got->scales, Copy<uint16_t>(*file->Find(c + "." + arith + ".scales")));
+      EXPECT_EQ(got->qweight, CopyOf<uint32_t>(*file->Find(c + "." + arith + ".qweight")));
+      EXPECT_EQ(got->qzeros, CopyOf<uint32_t>(*file->Find(c + "." + arith + ".qzeros")));
+      EXPECT_EQ(got->scales, CopyOf<uint16_t>(*file->Find(c + "." + arith + ".scales")));
     }
     // Marlin forms of the fp16 result.
     const SafetensorsEntry& qw = *file->Find(c + ".fp16.qweight");
     const SafetensorsEntry& qz = *file->Find(c + ".fp16.qzeros");
     const SafetensorsEntry& sc = *file->Find(c + ".fp16.scales");
-    const std::vector<uint32_t> qwv = Copy<uint32_t>(qw), qzv = Copy<uint32_t>(qz);
-    const std::vector<uint16_t> scv = Copy<uint16_t>(sc);
+    const std::vector<uint32_t> qwv = CopyOf<uint32_t>(qw), qzv = CopyOf<uint32_t>(qz);
+    const std::vector<uint16_t> scv = CopyOf<uint16_t>(sc);
     KernelOptions ko;
     std::vector<uint32_t> marlin(qwv.size()), mz(qzv.size());
     std::vector<uint16_t> ms(scv.size());
     ASSERT_TRUE(AwqToMarlin(In(qwv, DType::kI32, qw.view.shape()),
                             Out(marlin, DType::kI32, *AwqMarlinShapeFor(qw.view.shape())), ko)
                     .ok());
-    EXPECT_EQ(marlin, Copy<uint32_t>(*file->Find(c + ".fp16.marlin_qweight")));
+    EXPECT_EQ(marlin, CopyOf<uint32_t>(*file->Find(c + ".fp16.marlin_qweight")));
     ASSERT_TRUE(
         AwqZerosToMarlin(In(qzv, DType::kI32, qz.view.shape()), Out(mz, DType::kI32, qz.view.shape()), ko).ok());
-    EXPECT_EQ(mz, Copy<uint32_t>(*file->Find(c + ".fp16.marlin_qzeros")));
+    EXPECT_EQ(mz, CopyOf<uint32_t>(*file->Find(c + ".fp16.marlin_qzeros")));
     ASSERT_TRUE(PermuteMarlinScales(In(scv, sc.view.dtype(), sc.view.shape()), k, g,
                                     Out(ms, sc.view.dtype(), sc.view.shape()), ko)
                     .ok());
-    EXPECT_EQ(ms, Copy<uint16_t>(*file->Find(c + ".fp16.marlin_scales")));
+    EXPECT_EQ(ms, CopyOf<uint16_t>(*file->Find(c + ".fp16.marlin_scales")));
   }
 }
 

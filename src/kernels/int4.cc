@@ -79,19 +79,12 @@ absl::Status QuantizeInt4(const TensorView& w, MutableTensorView packed, Mutable
   RETURN_IF_ERROR(CheckBytes(fn, "W", w.dtype(), w.shape(), w.nbytes(), w.data(), cuda ? 16 : 2));
   RETURN_IF_ERROR(CheckOutput(fn, "packed", packed, DType::kI32, shapes.packed, cuda ? 16 : 4));
   RETURN_IF_ERROR(CheckOutput(fn, "scales", scales, w.dtype(), shapes.scales, 2));
-  if (Overlaps(packed.data(), packed.nbytes(), scales.data(), scales.nbytes()) ||
-      Overlaps(packed.data(), packed.nbytes(), w.data(), w.nbytes()) ||
-      Overlaps(scales.data(), scales.nbytes(), w.data(), w.nbytes())) {
+  if (internal::AnyOverlap(
+          {{packed.data(), packed.nbytes()}, {scales.data(), scales.nbytes()}, {w.data(), w.nbytes()}})) {
     return Invalid(fn, "W, packed and scales must not overlap");
   }
-  const Shape& s = w.shape();
   QuantizeArgs a;
-  a.w = w.data_as<uint16_t>();
-  a.is_bf16 = w.dtype() == DType::kBF16;
-  a.experts = s.size() == 3 ? s[0] : 1;
-  a.n = s[s.size() - 2];
-  a.k = s.back();
-  a.group = options.group_size == kChannelwise ? a.k : options.group_size;
+  internal::SetWeightDims(a, w, options.group_size);
   a.variant = options.variant == QuantVariant::kQat ? format::Variant::kQat : format::Variant::kSlime;
   a.layout = options.format == PackFormat::kGptq ? internal::Layout::kGptq : internal::Layout::kCompressedTensors;
   a.packed = packed.data_as<uint32_t>();

@@ -16,6 +16,7 @@
 #include "common/safetensors.h"
 #include "kernels/awq.h"
 #include "kernels/format/trtllm_format.h"
+#include "kernels/testing/golden.h"
 
 namespace wsync::kernels {
 namespace {
@@ -126,8 +127,8 @@ TEST(TrtllmPreprocessTest, EveryLayoutMatchesTheStepByStepReferenceAndInverts) {
     for (Variant v : {Variant{TrtllmArch::kSm80, false}, Variant{TrtllmArch::kSm90, false},
                       Variant{TrtllmArch::kSm80, true}, Variant{TrtllmArch::kSm90, true}}) {
       if (v.w4afp8 && e == 0) continue;  // W4AFP8 is MoE only
-      SCOPED_TRACE(testing::Message() << "E " << e << " sm" << (v.arch == TrtllmArch::kSm90 ? 90 : 80)
-                                      << (v.w4afp8 ? " w4afp8" : " w4a16"));
+      SCOPED_TRACE(::testing::Message() << "E " << e << " sm" << (v.arch == TrtllmArch::kSm90 ? 90 : 80)
+                                        << (v.w4afp8 ? " w4afp8" : " w4a16"));
       const int64_t ee = std::max<int64_t>(e, 1), k = 256, n = 192;
       std::vector<uint8_t> u(static_cast<size_t>(ee * k * n));
       for (auto& c : u) c = static_cast<uint8_t>(rng() & 0xF);
@@ -216,28 +217,8 @@ TEST(TrtllmValidationTest, ShapesAndVariantsAreRefusedWithTheValues) {
 
 // ---- golden file ----------------------------------------------------------------------------------
 
-template <typename T>
-std::vector<T> Copy(const SafetensorsEntry& e) {
-  std::vector<T> v(e.view.nbytes() / sizeof(T));
-  std::memcpy(v.data(), e.view.data(), e.view.nbytes());
-  return v;
-}
-
-std::vector<std::string> JsonNames(const std::string& s) {
-  std::vector<std::string> out;
-  std::string cur;
-  bool in = false;
-  for (char c : s) {
-    if (c == '"') {
-      if (in) out.push_back(cur);
-      cur.clear();
-      in = !in;
-    } else if (in) {
-      cur += c;
-    }
-  }
-  return out;
-}
+using kernels::testing::CopyOf;
+using kernels::testing::JsonNames;
 
 // [.., R, C] -> [.., C, R] of 4-byte or 2-byte elements.
 template <typename T>
@@ -273,21 +254,21 @@ TEST(TrtllmGoldenTest, MatchesThePythonFormulation) {
       const int64_t e = s.size() == 3 ? s[0] : 0, k = s[s.size() - 2], n = 8 * s.back();
       code_shape = Sh(e, {k / 8, n});
       codes.resize(qw.view.nbytes() / 4);
-      const std::vector<uint32_t> qwv = Copy<uint32_t>(qw);
+      const std::vector<uint32_t> qwv = CopyOf<uint32_t>(qw);
       ASSERT_TRUE(AwqToGptq(In(qwv, DType::kI32, s), Out(codes, DType::kI32, code_shape), KernelOptions{}).ok());
-      scales = Copy<uint16_t>(sc);
+      scales = CopyOf<uint16_t>(sc);
       scale_shape = sc.view.shape();
       sdt = sc.view.dtype();
-      qz = Copy<uint32_t>(*file->Find(c + ".qzeros"));
+      qz = CopyOf<uint32_t>(*file->Find(c + ".qzeros"));
     } else {
       const SafetensorsEntry& wp = *file->Find(c + ".weight_packed");
       const SafetensorsEntry& ws = *file->Find(c + ".weight_scale");
       const Shape& s = wp.view.shape();
       const int64_t e = s.size() == 3 ? s[0] : 0, n = s[s.size() - 2], kw = s.back();
-      codes = Transpose(Copy<uint32_t>(wp), std::max<int64_t>(e, 1), n, kw);
+      codes = Transpose(CopyOf<uint32_t>(wp), std::max<int64_t>(e, 1), n, kw);
       code_shape = Sh(e, {kw, n});
       const Shape& ss = ws.view.shape();
-      scales = Transpose(Copy<uint16_t>(ws), std::max<int64_t>(e, 1), ss[ss.size() - 2], ss.back());
+      scales = Transpose(CopyOf<uint16_t>(ws), std::max<int64_t>(e, 1), ss[ss.size() - 2], ss.back());
       scale_shape = Sh(e, {ss.back(), ss[ss.size() - 2]});
       sdt = ws.view.dtype();
     }
@@ -303,7 +284,7 @@ TEST(TrtllmGoldenTest, MatchesThePythonFormulation) {
       ASSERT_TRUE(PreprocessTrtllm(In(codes, DType::kI32, code_shape), Out(bytes, DType::kI8, *ws), o).ok());
       const SafetensorsEntry& want = *file->Find(c + "." + v + ".weight");
       EXPECT_EQ(want.view.shape(), *ws);
-      EXPECT_EQ(bytes, Copy<uint32_t>(want));
+      EXPECT_EQ(bytes, CopyOf<uint32_t>(want));
       auto lay = TrtllmScaleLayoutFor(In(scales, sdt, scale_shape), k, g, o);
       ASSERT_TRUE(lay.ok()) << lay.status();
       std::vector<uint16_t> so(scales.size());
@@ -311,7 +292,7 @@ TEST(TrtllmGoldenTest, MatchesThePythonFormulation) {
       const SafetensorsEntry& ws_want = *file->Find(c + "." + v + ".weight_scale");
       EXPECT_EQ(ws_want.view.dtype(), lay->dtype);
       EXPECT_EQ(ws_want.view.shape(), lay->shape);
-      EXPECT_EQ(so, Copy<uint16_t>(ws_want));
+      EXPECT_EQ(so, CopyOf<uint16_t>(ws_want));
       if (awq && !o.w4afp8) {
         std::vector<uint16_t> zo(scales.size());
         ASSERT_TRUE(TrtllmZerosFromAwq(In(qz, DType::kI32,
@@ -319,7 +300,7 @@ TEST(TrtllmGoldenTest, MatchesThePythonFormulation) {
                                              {scale_shape[scale_shape.size() - 2], scale_shape.back() / 8})),
                                        In(scales, sdt, scale_shape), Out(zo, sdt, scale_shape), o)
                         .ok());
-        EXPECT_EQ(zo, Copy<uint16_t>(*file->Find(c + "." + v + ".weight_zero")));
+        EXPECT_EQ(zo, CopyOf<uint16_t>(*file->Find(c + "." + v + ".weight_zero")));
       }
       ++checked;
     }

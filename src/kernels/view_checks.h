@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <thread>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -90,6 +91,28 @@ inline absl::StatusOr<int64_t> ResolveGroup(absl::string_view fn, int group_size
                                     " (K % G = ", k % group_size, ")"));
   }
   return static_cast<int64_t>(group_size);
+}
+
+// True when any two of the (pointer, size) ranges overlap.
+inline bool AnyOverlap(std::initializer_list<std::pair<const void*, size_t>> ranges) {
+  for (auto i = ranges.begin(); i != ranges.end(); ++i) {
+    for (auto j = i + 1; j != ranges.end(); ++j) {
+      if (Overlaps(i->first, i->second, j->first, j->second)) return true;
+    }
+  }
+  return false;
+}
+
+// Fills the weight dimensions of a quantizer's argument block from W [(E,) N, K] (already checked).
+template <typename Args>
+void SetWeightDims(Args& a, const TensorView& w, int group_size) {
+  const Shape& s = w.shape();
+  a.w = w.data_as<uint16_t>();
+  a.is_bf16 = w.dtype() == DType::kBF16;
+  a.experts = s.size() == 3 ? s[0] : 1;
+  a.n = s[s.size() - 2];
+  a.k = s.back();
+  a.group = group_size == kChannelwise ? a.k : group_size;
 }
 
 }  // namespace wsync::kernels::internal

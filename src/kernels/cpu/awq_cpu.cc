@@ -32,8 +32,8 @@
 #include <vector>
 
 #include "common/dtype.h"
-#include "common/parallel_for.h"
 #include "kernels/cpu/marlin_tile-inl.h"
+#include "kernels/cpu/parallel.h"
 #include "kernels/format/awq_format.h"
 #include "kernels/format/int4_format.h"
 #include "kernels/format/trtllm_format.h"
@@ -266,37 +266,25 @@ namespace wsync::kernels::cpu {
 HWY_EXPORT(QuantizeAwqUnits);
 HWY_EXPORT(AwqToMarlinUnits);
 
-namespace {
-
 namespace fmt = ::wsync::kernels::format;
-
-template <typename Fn>
-void ParallelFor(int64_t units, int threads, int64_t unit_bytes, int64_t min_bytes, Fn fn) {
-  const int64_t min_units = min_bytes > 0 ? (min_bytes + unit_bytes - 1) / std::max<int64_t>(1, unit_bytes) : 1;
-  ::wsync::ParallelFor(units, std::max(threads, 1), min_units, fn);
-}
-
-}  // namespace
 
 absl::Status QuantizeAwq(const internal::AwqQuantizeArgs& args) {
   const int64_t blocks = (args.n + 127) / 128;
   std::atomic<int64_t> bad{INT64_MAX};
-  ParallelFor(args.experts * blocks, args.threads, 128 * args.k * 2, args.min_bytes_per_thread,
-              [&](int64_t b, int64_t e) {
-                std::vector<uint8_t> scratch(static_cast<size_t>(128 * args.group));
-                const int64_t mine = HWY_DYNAMIC_DISPATCH(QuantizeAwqUnits)(args, b, e, scratch.data());
-                if (mine < 0) return;
-                int64_t cur = bad.load();
-                while (mine < cur && !bad.compare_exchange_weak(cur, mine)) {
-                }
-              });
+  ParallelForBytes(args.experts * blocks, args.threads, 128 * args.k * 2, args.min_bytes_per_thread,
+                   [&](int64_t b, int64_t e) {
+                     std::vector<uint8_t> scratch(static_cast<size_t>(128 * args.group));
+                     const int64_t mine = HWY_DYNAMIC_DISPATCH(QuantizeAwqUnits)(args, b, e, scratch.data());
+                     if (mine < 0) return;
+                     AtomicMin(bad, mine);
+                   });
   if (bad.load() != INT64_MAX) return internal::AwqRefusedError(args, bad.load());
   return absl::OkStatus();
 }
 
 absl::Status AwqToGptq(const internal::AwqRepackArgs& a) {
   const int64_t nw = a.n / 8, rblocks = a.rows / 8;
-  ParallelFor(a.experts * rblocks, a.threads, 32 * a.n, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
+  ParallelForBytes(a.experts * rblocks, a.threads, 32 * a.n, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
     for (int64_t u = b; u < e; ++u) {
       const int64_t x = u / rblocks, rb = u % rblocks;
       const uint32_t* src = a.in + (x * a.rows + 8 * rb) * nw;
@@ -313,7 +301,7 @@ absl::Status AwqToGptq(const internal::AwqRepackArgs& a) {
 
 absl::Status GptqToAwq(const internal::AwqRepackArgs& a) {
   const int64_t nw = a.n / 8, rblocks = a.rows / 8;
-  ParallelFor(a.experts * rblocks, a.threads, 32 * a.n, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
+  ParallelForBytes(a.experts * rblocks, a.threads, 32 * a.n, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
     for (int64_t u = b; u < e; ++u) {
       const int64_t x = u / rblocks, rb = u % rblocks;
       const uint32_t* src = a.in + (x * rblocks + rb) * a.n;
@@ -329,17 +317,17 @@ absl::Status GptqToAwq(const internal::AwqRepackArgs& a) {
 }
 
 absl::Status AwqToMarlin(const internal::AwqRepackArgs& args) {
-  ParallelFor(args.experts * (args.rows / fmt::kTileK), args.threads, 8 * args.n, args.min_bytes_per_thread,
-              [&](int64_t b, int64_t e) {
-                std::vector<uint32_t> scratch(static_cast<size_t>(2 * args.n));
-                HWY_DYNAMIC_DISPATCH(AwqToMarlinUnits)(args, b, e, scratch.data());
-              });
+  ParallelForBytes(args.experts * (args.rows / fmt::kTileK), args.threads, 8 * args.n, args.min_bytes_per_thread,
+                   [&](int64_t b, int64_t e) {
+                     std::vector<uint32_t> scratch(static_cast<size_t>(2 * args.n));
+                     HWY_DYNAMIC_DISPATCH(AwqToMarlinUnits)(args, b, e, scratch.data());
+                   });
   return absl::OkStatus();
 }
 
 absl::Status AwqZerosToMarlin(const internal::AwqRepackArgs& a) {
   const int64_t nw = a.n / 8;
-  ParallelFor(a.experts * a.rows, a.threads, a.n / 2, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
+  ParallelForBytes(a.experts * a.rows, a.threads, a.n / 2, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       for (int64_t w = 0; w < nw; ++w) a.out[r * nw + w] = fmt::MarlinZeroWord(a.in + r * nw, w);
     }
@@ -349,7 +337,7 @@ absl::Status AwqZerosToMarlin(const internal::AwqRepackArgs& a) {
 
 absl::Status MarlinZerosToAwq(const internal::AwqRepackArgs& a) {
   const int64_t nw = a.n / 8;
-  ParallelFor(a.experts * a.rows, a.threads, a.n / 2, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
+  ParallelForBytes(a.experts * a.rows, a.threads, a.n / 2, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       for (int64_t j = 0; j < nw; ++j) a.out[r * nw + j] = fmt::AwqZeroWordFromMarlin(a.in + r * nw, j);
     }
@@ -366,39 +354,39 @@ absl::Status Trtllm(const internal::TrtllmArgs& a) {
   const int64_t blocks = a.k / fmt::kTrtllmRowBlock;
   const int64_t col_tiles = (a.n + kCols - 1) / kCols, blk_tiles = (blocks + kBlocks - 1) / kBlocks;
   const int64_t per_expert = col_tiles * blk_tiles;
-  ParallelFor(a.experts * per_expert, a.threads, kCols * kBlocks * 16, a.min_bytes_per_thread,
-              [&](int64_t b, int64_t e) {
-                for (int64_t u = b; u < e; ++u) {
-                  const int64_t x = u / per_expert, ct = (u % per_expert) / blk_tiles, bt = u % blk_tiles;
-                  const int64_t n0 = ct * kCols, n1 = std::min(a.n, n0 + kCols);
-                  const int64_t b0 = bt * kBlocks, b1 = std::min(blocks, b0 + kBlocks);
-                  uint32_t* codes = a.codes + x * words;
-                  uint32_t* bytes = a.bytes + x * words;
-                  for (int64_t blk = b0; blk < b1; ++blk) {
-                    uint32_t* rows = codes + 4 * blk * a.n;  // code rows 4 blk .. 4 blk + 3
-                    for (int64_t n = n0; n < n1; ++n) {
-                      uint32_t in[4], out[4];
-                      // The 4 output words of a block are consecutive in every layout (k' = 32 blk + 8t).
-                      uint32_t* dst = bytes + fmt::TrtllmWordOf(a.layout, n, 32 * blk, a.k);
-                      if (!a.inverse) {
-                        for (int r = 0; r < 4; ++r) in[r] = rows[r * a.n + n];
-                        fmt::TrtllmBlock(a.layout, in, out);
-                        std::memcpy(dst, out, sizeof(out));
-                      } else {
-                        std::memcpy(out, dst, sizeof(out));
-                        fmt::TrtllmBlockInverse(a.layout, out, in);
-                        for (int r = 0; r < 4; ++r) rows[r * a.n + n] = in[r];
-                      }
-                    }
-                  }
-                }
-              });
+  ParallelForBytes(a.experts * per_expert, a.threads, kCols * kBlocks * 16, a.min_bytes_per_thread,
+                   [&](int64_t b, int64_t e) {
+                     for (int64_t u = b; u < e; ++u) {
+                       const int64_t x = u / per_expert, ct = (u % per_expert) / blk_tiles, bt = u % blk_tiles;
+                       const int64_t n0 = ct * kCols, n1 = std::min(a.n, n0 + kCols);
+                       const int64_t b0 = bt * kBlocks, b1 = std::min(blocks, b0 + kBlocks);
+                       uint32_t* codes = a.codes + x * words;
+                       uint32_t* bytes = a.bytes + x * words;
+                       for (int64_t blk = b0; blk < b1; ++blk) {
+                         uint32_t* rows = codes + 4 * blk * a.n;  // code rows 4 blk .. 4 blk + 3
+                         for (int64_t n = n0; n < n1; ++n) {
+                           uint32_t in[4], out[4];
+                           // The 4 output words of a block are consecutive in every layout (k' = 32 blk + 8t).
+                           uint32_t* dst = bytes + fmt::TrtllmWordOf(a.layout, n, 32 * blk, a.k);
+                           if (!a.inverse) {
+                             for (int r = 0; r < 4; ++r) in[r] = rows[r * a.n + n];
+                             fmt::TrtllmBlock(a.layout, in, out);
+                             std::memcpy(dst, out, sizeof(out));
+                           } else {
+                             std::memcpy(out, dst, sizeof(out));
+                             fmt::TrtllmBlockInverse(a.layout, out, in);
+                             for (int r = 0; r < 4; ++r) rows[r * a.n + n] = in[r];
+                           }
+                         }
+                       }
+                     }
+                   });
   return absl::OkStatus();
 }
 
 absl::Status TrtllmScales(const internal::TrtllmScaleArgs& a) {
   const int il = a.interleave;
-  ParallelFor(a.experts * a.rows, a.threads, 2 * a.n, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
+  ParallelForBytes(a.experts * a.rows, a.threads, 2 * a.n, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const uint16_t* in = a.in + r * a.n;
       switch (a.mode) {
@@ -424,7 +412,7 @@ absl::Status TrtllmScales(const internal::TrtllmScaleArgs& a) {
 
 absl::Status TrtllmZeros(const internal::TrtllmScaleArgs& a) {
   const int64_t nw = a.n / 8;
-  ParallelFor(a.experts * a.rows, a.threads, 2 * a.n, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
+  ParallelForBytes(a.experts * a.rows, a.threads, 2 * a.n, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       for (int64_t c = 0; c < a.n; ++c) {
         const float z = static_cast<float>(fmt::AwqNibble(a.qzeros[r * nw + c / 8], c));

@@ -42,8 +42,8 @@
 #include <vector>
 
 #include "common/dtype.h"
-#include "common/parallel_for.h"
 #include "kernels/cpu/marlin_tile-inl.h"
+#include "kernels/cpu/parallel.h"
 #include "kernels/format/int4_format.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -335,56 +335,42 @@ HWY_EXPORT(RestoreUnits);
 HWY_EXPORT(UnpermuteRows);
 HWY_EXPORT(TargetName);
 
-namespace {
-
 namespace fmt = ::wsync::kernels::format;
-
-// common/parallel_for.h over [0, units), no more than one range per `min_bytes` of input
-// (`unit_bytes` per unit).
-template <typename Fn>
-void ParallelFor(int64_t units, int threads, int64_t unit_bytes, int64_t min_bytes, Fn fn) {
-  const int64_t min_units = min_bytes > 0 ? (min_bytes + unit_bytes - 1) / std::max<int64_t>(1, unit_bytes) : 1;
-  ::wsync::ParallelFor(units, std::max(threads, 1), min_units, fn);
-}
-
-}  // namespace
 
 const char* SimdTargetName() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
 
 absl::Status Quantize(const internal::QuantizeArgs& args) {
   const int64_t blocks = (args.n + 15) / 16;
   std::atomic<int64_t> bad{INT64_MAX};
-  ParallelFor(args.experts * blocks, args.threads, 16 * args.k * 2, args.min_bytes_per_thread,
-              [&](int64_t b, int64_t e) {
-                // 16 staged word rows of StagingStride(K) = K/8 + 16 words
-                std::vector<uint8_t> scratch(16 * static_cast<size_t>(args.k / 8 + 16) * sizeof(uint32_t));
-                const int64_t mine = HWY_DYNAMIC_DISPATCH(QuantizeUnits)(args, b, e, scratch.data());
-                if (mine < 0) return;
-                int64_t cur = bad.load();
-                while (mine < cur && !bad.compare_exchange_weak(cur, mine)) {
-                }
-              });
+  ParallelForBytes(args.experts * blocks, args.threads, 16 * args.k * 2, args.min_bytes_per_thread,
+                   [&](int64_t b, int64_t e) {
+                     // 16 staged word rows of StagingStride(K) = K/8 + 16 words
+                     std::vector<uint8_t> scratch(16 * static_cast<size_t>(args.k / 8 + 16) * sizeof(uint32_t));
+                     const int64_t mine = HWY_DYNAMIC_DISPATCH(QuantizeUnits)(args, b, e, scratch.data());
+                     if (mine < 0) return;
+                     AtomicMin(bad, mine);
+                   });
   if (bad.load() != INT64_MAX) return internal::NonFiniteError(args, bad.load());
   return absl::OkStatus();
 }
 
 absl::Status GptqToMarlin(const internal::RepackArgs& args) {
-  ParallelFor(args.experts * (args.k / fmt::kTileK), args.threads, 8 * args.n, args.min_bytes_per_thread,
-              [&](int64_t b, int64_t e) {
-                std::vector<uint32_t> scratch(static_cast<size_t>(2 * args.n));
-                HWY_DYNAMIC_DISPATCH(RepackUnits)(args, b, e, scratch.data());
-              });
+  ParallelForBytes(args.experts * (args.k / fmt::kTileK), args.threads, 8 * args.n, args.min_bytes_per_thread,
+                   [&](int64_t b, int64_t e) {
+                     std::vector<uint32_t> scratch(static_cast<size_t>(2 * args.n));
+                     HWY_DYNAMIC_DISPATCH(RepackUnits)(args, b, e, scratch.data());
+                   });
   return absl::OkStatus();
 }
 
 absl::Status MarlinToGptq(const internal::RepackArgs& args) {
   const int64_t n = args.n, k = args.k, kw = k / 8;
   if (args.perm == nullptr) {
-    ParallelFor(args.experts * (k / fmt::kTileK), args.threads, 8 * n, args.min_bytes_per_thread,
-                [&](int64_t b, int64_t e) {
-                  std::vector<uint32_t> scratch(static_cast<size_t>(2 * n));
-                  HWY_DYNAMIC_DISPATCH(RestoreUnits)(args, b, e, scratch.data());
-                });
+    ParallelForBytes(args.experts * (k / fmt::kTileK), args.threads, 8 * n, args.min_bytes_per_thread,
+                     [&](int64_t b, int64_t e) {
+                       std::vector<uint32_t> scratch(static_cast<size_t>(2 * n));
+                       HWY_DYNAMIC_DISPATCH(RestoreUnits)(args, b, e, scratch.data());
+                     });
     return absl::OkStatus();
   }
   // Marlin row k is GPTQ row perm[k]: restore in Marlin row order into a temporary (allocated per
@@ -397,12 +383,12 @@ absl::Status MarlinToGptq(const internal::RepackArgs& args) {
   internal::RepackArgs plain = args;
   plain.perm = nullptr;
   plain.out = tmp.data();
-  ParallelFor(args.experts * (k / fmt::kTileK), args.threads, 8 * n, args.min_bytes_per_thread,
-              [&](int64_t b, int64_t e) {
-                std::vector<uint32_t> scratch(static_cast<size_t>(2 * n));
-                HWY_DYNAMIC_DISPATCH(RestoreUnits)(plain, b, e, scratch.data());
-              });
-  ParallelFor(args.experts * kw, args.threads, 4 * n, args.min_bytes_per_thread, [&](int64_t b, int64_t e) {
+  ParallelForBytes(args.experts * (k / fmt::kTileK), args.threads, 8 * n, args.min_bytes_per_thread,
+                   [&](int64_t b, int64_t e) {
+                     std::vector<uint32_t> scratch(static_cast<size_t>(2 * n));
+                     HWY_DYNAMIC_DISPATCH(RestoreUnits)(plain, b, e, scratch.data());
+                   });
+  ParallelForBytes(args.experts * kw, args.threads, 4 * n, args.min_bytes_per_thread, [&](int64_t b, int64_t e) {
     HWY_DYNAMIC_DISPATCH(UnpermuteRows)(args, tmp.data(), inv.data(), b, e);
   });
   return absl::OkStatus();
@@ -413,7 +399,7 @@ absl::Status PermuteScales(const internal::ScalePermArgs& args) {
   int src[fmt::kScalePermGroupedWidth];
   for (int p = 0; p < width; ++p) src[p] = args.channelwise ? fmt::ScalePermChannel(p) : fmt::ScalePermGrouped(p);
   const int64_t rows = args.experts * args.rows;
-  ParallelFor(rows, args.threads, 2 * args.n, args.min_bytes_per_thread, [&](int64_t b, int64_t e) {
+  ParallelForBytes(rows, args.threads, 2 * args.n, args.min_bytes_per_thread, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const uint16_t* in = args.in + r * args.n;
       uint16_t* out = args.out + r * args.n;
