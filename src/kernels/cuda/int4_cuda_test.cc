@@ -9,53 +9,16 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "kernels/cuda/testing/device_vec.h"
 #include "kernels/dispatch.h"
 #include "kernels/int4.h"
 
 namespace wsync::kernels {
 namespace {
 
-// Device copy of a host vector, freed on scope exit.
-template <typename T>
-class DeviceVec {
- public:
-  explicit DeviceVec(const std::vector<T>& host) : n_(host.size()) {
-    EXPECT_EQ(cudaMalloc(&ptr_, bytes()), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(ptr_, host.data(), bytes(), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  explicit DeviceVec(size_t n) : n_(n) {
-    EXPECT_EQ(cudaMalloc(&ptr_, bytes()), cudaSuccess);
-    EXPECT_EQ(cudaMemset(ptr_, 0xAB, bytes()), cudaSuccess);
-  }
-  ~DeviceVec() { cudaFree(ptr_); }
-  DeviceVec(const DeviceVec&) = delete;
-  DeviceVec& operator=(const DeviceVec&) = delete;
-  size_t bytes() const { return n_ * sizeof(T); }
-  TensorView view(DType dt, Shape s) const {
-    return TensorView(dt, std::move(s), std::span<const std::byte>(static_cast<const std::byte*>(ptr_), bytes()));
-  }
-  MutableTensorView mview(DType dt, Shape s) {
-    return MutableTensorView(dt, std::move(s), std::span<std::byte>(static_cast<std::byte*>(ptr_), bytes()));
-  }
-  std::vector<T> ToHost() const {
-    std::vector<T> h(n_);
-    EXPECT_EQ(cudaMemcpy(h.data(), ptr_, bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
-    return h;
-  }
-
- private:
-  void* ptr_ = nullptr;
-  size_t n_;
-};
-
-template <typename T>
-TensorView HostView(DType dt, Shape s, const std::vector<T>& v) {
-  return TensorView(dt, std::move(s), std::as_bytes(std::span(v)));
-}
-template <typename T>
-MutableTensorView HostMView(DType dt, Shape s, std::vector<T>& v) {
-  return MutableTensorView(dt, std::move(s), std::as_writable_bytes(std::span(v)));
-}
+using testing::DeviceVec;
+using testing::HostMView;
+using testing::HostView;
 
 class Int4CudaTest : public ::testing::Test {
  protected:
@@ -73,7 +36,7 @@ TEST_F(Int4CudaTest, QuantizeMatchesCpu) {
         for (QuantVariant v : {QuantVariant::kQat, QuantVariant::kSlime}) {
           for (auto [e, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 256, 1024}, {4, 64, 384}, {1, 192, 4096}}) {
             if (g > 0 && k % g != 0) continue;
-            SCOPED_TRACE(testing::Message() << "G=" << g << " E=" << e << " N=" << n << " K=" << k);
+            SCOPED_TRACE(::testing::Message() << "G=" << g << " E=" << e << " N=" << n << " K=" << k);
             std::vector<uint16_t> w(static_cast<size_t>(e * n * k));
             for (auto& x : w) x = dt == DType::kBF16 ? F32ToBF16(dist(rng)) : F32ToF16(dist(rng));
             for (size_t i = 0; i < 64; ++i) w[i] = 0;  // an all-zero group
@@ -110,7 +73,7 @@ TEST_F(Int4CudaTest, RepackRestoreAndScalesMatchCpu) {
   std::mt19937 rng(7);
   for (bool with_perm : {false, true}) {
     for (auto [e, k, n] : {std::tuple<int64_t, int64_t, int64_t>{1, 128, 64}, {1, 4096, 5632}, {8, 256, 192}}) {
-      SCOPED_TRACE(testing::Message() << "perm=" << with_perm << " E=" << e << " K=" << k << " N=" << n);
+      SCOPED_TRACE(::testing::Message() << "perm=" << with_perm << " E=" << e << " K=" << k << " N=" << n);
       std::vector<uint32_t> q(static_cast<size_t>(e * k / 8 * n));
       for (auto& x : q) x = rng();
       std::vector<int32_t> perm(static_cast<size_t>(e * k));
