@@ -101,20 +101,24 @@ TEST_F(AwqCudaTest, LayoutConversionsMatchCpu) {
     // AWQ -> GPTQ, and back.
     std::vector<uint32_t> g(awq.size());
     DeviceVec<uint32_t> dg(awq.size()), dback(awq.size());
-    ASSERT_TRUE(AwqToGptq(HostView(DType::kI32, Sh(e, {k, n / 8}), awq), HostMView(DType::kI32, Sh(e, {k / 8, n}), g), cpu)
-                    .ok());
-    ASSERT_TRUE(AwqToGptq(dawq.view(DType::kI32, Sh(e, {k, n / 8})), dg.mview(DType::kI32, Sh(e, {k / 8, n})), gpu).ok());
+    ASSERT_TRUE(
+        AwqToGptq(HostView(DType::kI32, Sh(e, {k, n / 8}), awq), HostMView(DType::kI32, Sh(e, {k / 8, n}), g), cpu)
+            .ok());
+    ASSERT_TRUE(
+        AwqToGptq(dawq.view(DType::kI32, Sh(e, {k, n / 8})), dg.mview(DType::kI32, Sh(e, {k / 8, n})), gpu).ok());
     EXPECT_EQ(dg.ToHost(), g);
-    ASSERT_TRUE(GptqToAwq(dg.view(DType::kI32, Sh(e, {k / 8, n})), dback.mview(DType::kI32, Sh(e, {k, n / 8})), gpu).ok());
+    ASSERT_TRUE(
+        GptqToAwq(dg.view(DType::kI32, Sh(e, {k / 8, n})), dback.mview(DType::kI32, Sh(e, {k, n / 8})), gpu).ok());
     EXPECT_EQ(dback.ToHost(), awq);
     // AWQ -> Marlin, zero points both ways.
     std::vector<uint32_t> m(awq.size()), mz(zeros.size());
     DeviceVec<uint32_t> dm(awq.size()), dmz(zeros.size()), dz2(zeros.size());
-    ASSERT_TRUE(
-        AwqToMarlin(HostView(DType::kI32, Sh(e, {k, n / 8}), awq), HostMView(DType::kI32, Sh(e, {k / 16, 2 * n}), m), cpu)
-            .ok());
-    ASSERT_TRUE(AwqToMarlin(dawq.view(DType::kI32, Sh(e, {k, n / 8})), dm.mview(DType::kI32, Sh(e, {k / 16, 2 * n})), gpu)
+    ASSERT_TRUE(AwqToMarlin(HostView(DType::kI32, Sh(e, {k, n / 8}), awq),
+                            HostMView(DType::kI32, Sh(e, {k / 16, 2 * n}), m), cpu)
                     .ok());
+    ASSERT_TRUE(
+        AwqToMarlin(dawq.view(DType::kI32, Sh(e, {k, n / 8})), dm.mview(DType::kI32, Sh(e, {k / 16, 2 * n})), gpu)
+            .ok());
     EXPECT_EQ(dm.ToHost(), m);
     const Shape zs = Sh(e, {groups, n / 8});
     ASSERT_TRUE(AwqZerosToMarlin(HostView(DType::kI32, zs, zeros), HostMView(DType::kI32, zs, mz), cpu).ok());
