@@ -87,15 +87,15 @@ RefAwq RefQuantize(const std::vector<uint16_t>& w, DType dt, int64_t e, int64_t 
 }
 
 // §2, AutoAWQ's loop: qweight[k, col] |= intweight[k, col*8 + order[i]] << 4i (per expert).
-std::vector<uint32_t> RefPackAwq(const std::vector<uint8_t>& v, int64_t e, int64_t n, int64_t rows, bool by_row) {
-  // v is [E, N, rows] (codes: by_row = true) and is packed into [E, rows, N/8].
+// v is [E, N, rows] (codes u[n, k] or zero points z[n, g]) and is packed into [E, rows, N/8].
+std::vector<uint32_t> RefPackAwq(const std::vector<uint8_t>& v, int64_t e, int64_t n, int64_t rows) {
   std::vector<uint32_t> out(static_cast<size_t>(e * rows * (n / 8)), 0);
   for (int64_t x = 0; x < e; ++x)
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t col = 0; col < n / 8; ++col)
         for (int i = 0; i < 8; ++i) {
           const int64_t nn = col * 8 + kOrder[i];
-          const uint32_t val = by_row ? v[(x * n + nn) * rows + r] : 0;
+          const uint32_t val = v[(x * n + nn) * rows + r];
           out[(x * rows + r) * (n / 8) + col] |= val << (4 * i);
         }
   return out;
@@ -197,8 +197,8 @@ void CheckQuantize(const std::vector<uint16_t>& w, DType dt, int64_t e, int64_t 
   ASSERT_TRUE(got.ok()) << got.status();
   const RefAwq ref = RefQuantize(w, dt, ee, n, k, gg, arith == AwqArith::kFp16);
   EXPECT_EQ(got->scales, ref.s16);
-  EXPECT_EQ(got->qweight, RefPackAwq(ref.u, ee, n, k, true));
-  EXPECT_EQ(got->qzeros, RefPackAwq(ref.z, ee, n, k / gg, true));
+  EXPECT_EQ(got->qweight, RefPackAwq(ref.u, ee, n, k));
+  EXPECT_EQ(got->qzeros, RefPackAwq(ref.z, ee, n, k / gg));
 }
 
 // ---- format helpers --------------------------------------------------------------------------------
@@ -231,7 +231,7 @@ TEST(AwqFormatTest, WorkedExamplesOfTheSpec) {
   // §2: columns 0..7 holding 0..7 -> 0x75316420.
   std::vector<uint8_t> codes(8);
   for (int c = 0; c < 8; ++c) codes[c] = static_cast<uint8_t>(c);
-  EXPECT_EQ(RefPackAwq(codes, 1, 8, 1, true)[0], 0x75316420u);
+  EXPECT_EQ(RefPackAwq(codes, 1, 8, 1)[0], 0x75316420u);
   uint32_t gptq[8];
   for (int c = 0; c < 8; ++c) gptq[c] = static_cast<uint32_t>(c);  // row 0 holds c in column c
   uint32_t awq[8];
@@ -240,7 +240,7 @@ TEST(AwqFormatTest, WorkedExamplesOfTheSpec) {
   // §3.3: z[0, c] = c % 16 for 64 columns -> Marlin zero word 0 = 0x88880000.
   std::vector<uint8_t> z(64);
   for (int c = 0; c < 64; ++c) z[c] = static_cast<uint8_t>(c % 16);
-  const std::vector<uint32_t> awq_z = RefPackAwq(z, 1, 64, 1, true);
+  const std::vector<uint32_t> awq_z = RefPackAwq(z, 1, 64, 1);
   EXPECT_EQ(format::MarlinZeroWord(awq_z.data(), 0), 0x88880000u);
   EXPECT_EQ(RefMarlinZeros(z, 1, 64, 1)[0], 0x88880000u);
 }
@@ -358,7 +358,7 @@ TEST(AwqRepackTest, GptqOrientationRoundTripsAndMarlinMatchesTheClosedForm) {
     std::mt19937 rng(static_cast<uint32_t>(20 + e));
     std::vector<uint8_t> u(static_cast<size_t>(ee * n * k));
     for (auto& c : u) c = static_cast<uint8_t>(rng() & 0xF);
-    const std::vector<uint32_t> awq = RefPackAwq(u, ee, n, k, true);
+    const std::vector<uint32_t> awq = RefPackAwq(u, ee, n, k);
     KernelOptions ko;
     ko.num_threads = 2;
     std::vector<uint32_t> gptq(awq.size()), back(awq.size());
@@ -390,7 +390,7 @@ TEST(AwqRepackTest, MarlinZeroPointsMatchVllmsRouteAndInvert) {
     std::mt19937 rng(static_cast<uint32_t>(40 + e));
     std::vector<uint8_t> z(static_cast<size_t>(ee * n * ng));
     for (auto& c : z) c = static_cast<uint8_t>(rng() & 0xF);
-    const std::vector<uint32_t> awq = RefPackAwq(z, ee, n, ng, true);
+    const std::vector<uint32_t> awq = RefPackAwq(z, ee, n, ng);
     std::vector<uint32_t> marlin(awq.size()), back(awq.size());
     KernelOptions ko;
     ASSERT_TRUE(

@@ -107,17 +107,25 @@ void Print(const Row& r) {
               r.seconds * 1e6, gbs, mgbs, gbs / mgbs, static_cast<long long>(r.wrong));
 }
 
+// `count` bf16 weights ~ N(0, 0.02), drawn from a pool of 64 Ki values (filling GiBs with one
+// normal draw each would dominate the benchmark's set-up).
+Buffer RandomBf16Weights(int64_t count, uint32_t seed) {
+  Buffer w = MustAlloc(static_cast<size_t>(count * 2));
+  auto* wp = reinterpret_cast<uint16_t*>(w.data());
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 0.02f);
+  std::vector<uint16_t> pool(1 << 16);
+  for (auto& x : pool) x = F32ToBF16(dist(rng));
+  for (int64_t i = 0; i < count; ++i) wp[i] = pool[(i * 2654435761u) & 0xFFFF];
+  return w;
+}
+
 // Quantize: W bf16 [N, 4096], G = 128, qat; `format` selects the output orientation.
 Row BenchQuantize(const char* name, kernels::PackFormat format, int64_t bytes, int threads, const Flags& f) {
   const int64_t k = 4096, n = std::max<int64_t>(64, bytes / (2 * k) / 64 * 64);
   bytes = n * k * 2;
-  Buffer w = MustAlloc(static_cast<size_t>(bytes));
+  Buffer w = RandomBf16Weights(n * k, 1);
   auto* wp = reinterpret_cast<uint16_t*>(w.data());
-  std::mt19937 rng(1);
-  std::normal_distribution<float> dist(0.0f, 0.02f);
-  std::vector<uint16_t> pool(1 << 16);
-  for (auto& x : pool) x = F32ToBF16(dist(rng));
-  for (int64_t i = 0; i < n * k; ++i) wp[i] = pool[(i * 2654435761u) & 0xFFFF];
   Buffer packed = MustAlloc(static_cast<size_t>(n * k / 2));
   Buffer scales = MustAlloc(static_cast<size_t>(n * k / 128 * 2));
   Buffer copy = MustAlloc(static_cast<size_t>(bytes));
@@ -218,13 +226,8 @@ Row BenchScales(int64_t bytes, int threads, const Flags& f) {
 Row BenchAwqQuantize(const char* name, kernels::AwqArith arith, int64_t bytes, int threads, const Flags& f) {
   const int64_t k = 4096, n = std::max<int64_t>(128, bytes / (2 * k) / 128 * 128);
   bytes = n * k * 2;
-  Buffer w = MustAlloc(static_cast<size_t>(bytes));
+  Buffer w = RandomBf16Weights(n * k, 4);
   auto* wp = reinterpret_cast<uint16_t*>(w.data());
-  std::mt19937 rng(4);
-  std::normal_distribution<float> dist(0.0f, 0.02f);
-  std::vector<uint16_t> pool(1 << 16);
-  for (auto& x : pool) x = F32ToBF16(dist(rng));
-  for (int64_t i = 0; i < n * k; ++i) wp[i] = pool[(i * 2654435761u) & 0xFFFF];
   Buffer qw = MustAlloc(static_cast<size_t>(n * k / 2)), qz = MustAlloc(static_cast<size_t>(n * k / 128 / 2));
   Buffer sc = MustAlloc(static_cast<size_t>(n * k / 128 * 2)), copy = MustAlloc(static_cast<size_t>(bytes));
   const TensorView wv(DType::kBF16, {n, k}, w.span());

@@ -141,7 +141,6 @@ GroupRange Range(const uint16_t* HWY_RESTRICT x, int64_t g, bool bf16) {
 // path builds the words lanewise over k into tmp[jw][k], then gathers each qweight row.
 void PackGroup(const uint8_t* HWY_RESTRICT codes, int64_t nwords, int64_t g, uint32_t* HWY_RESTRICT out, int64_t ld,
                uint32_t* HWY_RESTRICT tmp) {
-  int64_t k0 = 0;
 #if HWY_TARGET != HWY_SCALAR
   const hn::ScalableTag<uint32_t> d;
   const hn::Rebind<uint8_t, decltype(d)> d8;
@@ -163,7 +162,7 @@ void PackGroup(const uint8_t* HWY_RESTRICT codes, int64_t nwords, int64_t g, uin
     return;
   }
 #endif
-  for (int64_t k = k0; k < g; ++k) {
+  for (int64_t k = 0; k < g; ++k) {
     for (int64_t jw = 0; jw < nwords; ++jw) {
       const uint8_t* c = codes + (8 * jw) * g + k;
       uint32_t w = 0;
