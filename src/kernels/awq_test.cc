@@ -444,7 +444,7 @@ TEST(AwqTargetsTest, EveryCompiledSimdTargetIsBitExact) {
 using kernels::testing::CopyOf;
 
 TEST(AwqGoldenTest, MatchesThePythonFormulation) {
-  auto file = SafetensorsFile::Open(std::string(WSYNC_GOLDEN_DIR) + "/awq_golden.safetensors");
+  auto file = SafetensorsFile::Open(testing::GoldenPath("awq_golden.safetensors"));
   ASSERT_TRUE(file.ok()) << file.status();
   const std::vector<std::string> cases = kernels::testing::JsonNames(file->metadata().at("cases"));
   ASSERT_GE(cases.size(), 4u);

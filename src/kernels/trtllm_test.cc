@@ -231,7 +231,7 @@ std::vector<T> Transpose(const std::vector<T>& v, int64_t e, int64_t r, int64_t 
 }
 
 TEST(TrtllmGoldenTest, MatchesThePythonFormulation) {
-  auto file = SafetensorsFile::Open(std::string(WSYNC_GOLDEN_DIR) + "/trtllm_golden.safetensors");
+  auto file = SafetensorsFile::Open(testing::GoldenPath("trtllm_golden.safetensors"));
   ASSERT_TRUE(file.ok()) << file.status();
   const auto& md = file->metadata();
   const std::vector<std::string> cases = JsonNames(md.at("cases"));

@@ -3,6 +3,7 @@
 // Thread-safety: pure functions.
 #pragma once
 
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -10,6 +11,13 @@
 #include "common/safetensors.h"
 
 namespace wsync::kernels::testing {
+
+// The path of a golden file: $WSYNC_GOLDEN_DIR/<name> when that is set (the device bundle moves the
+// files), else the source tree's tests/data/golden/<name> (WSYNC_GOLDEN_DIR, compiled in).
+inline std::string GoldenPath(const std::string& name) {
+  const char* dir = std::getenv("WSYNC_GOLDEN_DIR");
+  return std::string(dir != nullptr && *dir != '\0' ? dir : WSYNC_GOLDEN_DIR) + "/" + name;
+}
 
 // The strings of a flat JSON list of names ("[\"a\", \"b\"]"), as the golden metadata holds them.
 inline std::vector<std::string> JsonNames(const std::string& json) {

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# run.sh of the device bundle (tools/device-bundle.sh copies this file there): the GPU checks of
+# docs/gpu.md, run from the bundle's folder on any x86-64 Linux machine with or without a GPU.
+#
+#   ./run.sh [RESULTS_DIR] [--quick]
+#
+# Every check writes RESULTS_DIR/<check>.log; RESULTS_DIR/summary.txt lists PASS / FAIL / SKIP per
+# check, and the exit status is the number of failed checks. Without a GPU the GPU checks report
+# SKIP (the test binaries skip themselves; the benchmark says there is no device). --quick runs the
+# benchmark on small sizes only.
+set -uo pipefail
+
+B="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+RES="${1:-$B/results}"
+QUICK=0
+[[ "${2:-}" == --quick || "${1:-}" == --quick ]] && QUICK=1
+[[ "$RES" == --quick ]] && RES="$B/results"
+mkdir -p "$RES"
+: >"$RES/summary.txt"
+
+# NCCL is not in the bundle (see tools/device-bundle.sh): WSYNC_NCCL_LIB, NVIDIA's Python wheel, or the system.
+nccl_dir="${WSYNC_NCCL_LIB:-}"
+if [[ -z "$nccl_dir" ]] && command -v python3 >/dev/null; then
+  nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
+fi
+if [[ -z "$nccl_dir" ]]; then
+  nccl_dir=$(ldconfig -p 2>/dev/null | sed -n 's|.*libnccl\.so\.2 .*=> \(.*\)/libnccl\.so\.2$|\1|p' | head -1)
+fi
+export LD_LIBRARY_PATH="$B/lib${nccl_dir:+:$nccl_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export WSYNC_GOLDEN_DIR="$B/data/golden"
+export OPAL_PREFIX="$B/mpi" PATH="$B/mpi/bin:$B/bin:$PATH"
+export OMPI_MCA_mca_base_component_show_load_errors=0 OMPI_MCA_btl='self,vader,tcp' OMPI_MCA_pml=ob1 \
+       OMPI_MCA_mtl='^ofi' OMPI_MCA_btl_base_warn_component_unused=0 OMPI_MCA_plm_rsh_agent=false \
+       OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+failed=0
+# check NAME COMMAND...: runs COMMAND (at most $WSYNC_CHECK_TIMEOUT s, default 300), logs it, and records PASS, FAIL or SKIP (a gtest run that
+# skipped every case, or a benchmark without a device).
+check() {
+  local name="$1"; shift
+  local t0=$SECONDS status
+  if [[ $(type -t "$1") == function ]]; then "$@"; else timeout "${WSYNC_CHECK_TIMEOUT:-300}" "$@"; fi \
+    >"$RES/$name.log" 2>&1
+  local rc=$?
+  (( rc == 124 )) && echo "timed out after ${WSYNC_CHECK_TIMEOUT:-300} s" >>"$RES/$name.log"
+  if (( rc != 0 )); then
+    status=FAIL; failed=$((failed + 1))
+  elif grep -qE '^\[  SKIPPED \]|no CUDA device' "$RES/$name.log" && ! grep -qE '^\[  PASSED  \] [1-9]' "$RES/$name.log"; then
+    status=SKIP
+  else
+    status=PASS
+  fi
+  printf '%-28s %-5s %4ds  %s\n' "$name" "$status" $((SECONDS - t0)) "$*" | tee -a "$RES/summary.txt"
+}
+
+{
+  echo "# wsync device bundle at commit $(cat "$B/COMMIT"), $(date -u +%FT%TZ), $(uname -m)"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  echo "# NCCL from: ${nccl_dir:-not found (only the NCCL backend needs it)}"
+} | tee -a "$RES/summary.txt"
+
+# 0. Every binary resolves every library: from the bundle, except the C library, the CUDA driver and NCCL.
+foreign() {
+  local bad=0 f line
+  for f in "$B"/bin/* "$B"/mpi/bin/orterun; do
+    while IFS= read -r line; do
+      case "$line" in
+        *"not found"*) echo "$f: $line"; bad=1 ;;
+        *"=> $B/lib/"* | *linux-vdso* | *ld-linux* | *libc.so* | *libm.so* | *libdl.so* | *libpthread.so* | \
+          *librt.so* | *libresolv.so* | *libcuda.so* | *libnccl.so*) ;;
+        *"=> /"*) echo "$f: from outside the bundle: $line"; bad=1 ;;
+      esac
+    done < <(ldd "$f")
+  done
+  return $bad
+}
+check libraries foreign
+# 1. Device discovery.
+check dispatch "$B/bin/kernels_dispatch_test"
+# 2. The CUDA kernels bit-exact against the CPU kernels (symmetric INT4 + Marlin; AWQ; TensorRT-LLM).
+check int4_cuda "$B/bin/kernels_int4_cuda_test"
+check awq_cuda "$B/bin/kernels_awq_cuda_test"
+# 3. The CPU kernels and the per-item CUDA bodies on this machine's CPU (golden files included).
+for t in kernels_int4_test kernels_awq_test kernels_trtllm_test kernels_int4_cuda_bodies_test kernels_awq_cuda_bodies_test; do
+  [[ -x "$B/bin/$t" ]] && check "${t#kernels_}" "$B/bin/$t"
+done
+# 4. OpenMPI from the bundle: the trainer side of a sync (TP2 x EP2 gathers, conversion, INT4) under mpirun.
+check mpi_trainer mpirun -np 4 --oversubscribe "$B/bin/wsync-bench-trainer" --preset tiny --work "$RES/bench-trainer" \
+  --regen --bucket-mb 0.25 -n 1 -w 0
+# 5. The GPU kernel benchmark: GB/s next to a device-to-device copy, every row checked against the CPU.
+if (( QUICK )); then
+  check bench_kernels_gpu "$B/bin/wsync-bench-kernels-gpu" -b 4M -e 64M -f 4 -n 3 -w 1
+else
+  check bench_kernels_gpu "$B/bin/wsync-bench-kernels-gpu" -b 16M -e 1G -f 4 -n 10 -w 2
+fi
+grep -qE ' [1-9][0-9]*$' "$RES/bench_kernels_gpu.log" && { echo "bench_kernels_gpu: rows with #wrong > 0" |
+  tee -a "$RES/summary.txt"; failed=$((failed + 1)); }
+echo "# failed checks: $failed" | tee -a "$RES/summary.txt"
+exit "$failed"
