@@ -8,7 +8,9 @@
 // QuantizeAwq runs in three passes: group parameters (one item per (e, n, g): range, refusal,
 // scale, zero point into f32 / u8 temporaries), qweight words (one item per (e, k, j), k fastest
 // so that a warp reads 32 consecutive weights of a row), qzeros words (one item per (e, g, j)).
-// Every other kernel is one item per output word (or element), a pure gather.
+// TensorRT-LLM preprocessing is one item per (column, 32-row block); AwqToMarlin's kernel stages
+// tiles in shared memory and emits them through AwqMarlinTileWord; every other kernel is one item
+// per output word (or element), a pure gather.
 // Thread-safety: pure functions of their arguments; each writes only its own outputs.
 #pragma once
 
@@ -116,17 +118,29 @@ WSYNC_HD void GptqToAwqItem(int64_t t, const internal::AwqRepackArgs& a) {
   a.out[t] = word;
 }
 
-// AwqToMarlin, item t = Marlin word (e, kt, nt, w) (the [E, K/16, 2N] output in order).
+// The eight Marlin words q + 16j (j = 0..7) of one 16 x 64 tile, q = 0..15, from its AWQ source:
+// `src` points at the tile's word (row 0, column word 0), `stride` words per row (the global
+// matrix, or the kernel's shared stage). Those eight words read the same eight AWQ words (rows
+// WordRow(q) + SlotDk(s), column word 2(q % 4) + SlotDn(s) / 8, for slot s) and differ only in the
+// nibble taken (AwqReverse(j)), so one 8x8 nibble transpose emits them all: 8 loads, 8 stores.
+WSYNC_HD void AwqMarlinTileGroup(const uint32_t* src, int64_t stride, int q, uint32_t out[8]) {
+  const int k0 = fmt::WordRow(q), c = 2 * (q & 3);
+  uint32_t m[8];
+  for (int s = 0; s < 8; ++s) m[s] = src[(k0 + fmt::SlotDk(s)) * stride + c + fmt::SlotDn(s) / 8];
+  fmt::TransposeNibbles8x8(m);  // m[i] = nibble i of every m[s], at nibble s
+  for (int j = 0; j < 8; ++j) out[j] = m[fmt::AwqReverse(j)];
+}
+
+// AwqToMarlin, item t = (e, tile, q): Marlin words (e, tile, q + 16j) of the [E, K/16, 2N] output.
 WSYNC_HD void AwqToMarlinItem(int64_t t, const internal::AwqRepackArgs& a) {
-  const int64_t tiles_n = a.n / fmt::kTileN, tiles = (a.rows / fmt::kTileK) * tiles_n;
-  const int w = static_cast<int>(t % fmt::kTileWords);
-  const int64_t tile = (t / fmt::kTileWords) % tiles, e = t / (fmt::kTileWords * tiles);
-  const int64_t k0 = (tile / tiles_n) * fmt::kTileK + fmt::WordRow(w);
-  const int64_t n0 = (tile % tiles_n) * fmt::kTileN + fmt::WordCol(w);
-  const uint32_t* awq = a.in + e * a.rows * (a.n / 8);
-  uint32_t word = 0;
-  for (int s = 0; s < 8; ++s) word |= AwqCodeAt(awq, a.n, k0 + fmt::SlotDk(s), n0 + fmt::SlotDn(s)) << (4 * s);
-  a.out[t] = word;
+  const int64_t nw = a.n / 8, tiles_n = a.n / fmt::kTileN, tiles = (a.rows / fmt::kTileK) * tiles_n;
+  const int q = static_cast<int>(t % 16);
+  const int64_t tile = (t / 16) % tiles, e = t / (16 * tiles);
+  const uint32_t* src = a.in + e * a.rows * nw + (tile / tiles_n) * fmt::kTileK * nw + (tile % tiles_n) * 8;
+  uint32_t out[8];
+  AwqMarlinTileGroup(src, nw, q, out);
+  uint32_t* dst = a.out + (e * tiles + tile) * fmt::kTileWords + q;
+  for (int j = 0; j < 8; ++j) dst[16 * j] = out[j];
 }
 
 // Zero points, item t = word (row, w) of [E * R, N/8], in either direction.
@@ -139,19 +153,25 @@ WSYNC_HD void MarlinZerosToAwqItem(int64_t t, const internal::AwqRepackArgs& a) 
   a.out[t] = fmt::AwqZeroWordFromMarlin(a.in + (t / nw) * nw, t % nw);
 }
 
-// TensorRT-LLM, item t: output word (e, w) (forward) or code word (e, r8, n) (inverse).
-WSYNC_HD void TrtllmItem(int64_t t, const internal::TrtllmArgs& a) {
-  const int64_t words = a.k * a.n / 8, e = t / words, w = t % words;
-  const uint32_t* codes = a.codes + e * words;
-  const uint32_t* bytes = a.bytes + e * words;
+// TensorRT-LLM by 32-row blocks, item t = (e * (K/32) + b) * N + n (n fastest, so that a warp's
+// reads of the code words (e, 4b + r, n) are coalesced): format::TrtllmBlock of the column's block,
+// whose four output words are consecutive from TrtllmWordOf(layout, n, 32b, K) in every layout
+// (the word index is linear in k'/8 inside a 32-row block). The inverse reads those four and writes
+// the four code words.
+WSYNC_HD void TrtllmBlockItem(int64_t t, const internal::TrtllmArgs& a) {
+  const int64_t blocks = a.k / fmt::kTrtllmRowBlock, words = a.k * a.n / 8;
+  const int64_t n = t % a.n, b = (t / a.n) % blocks, e = t / (a.n * blocks);
+  uint32_t* codes = a.codes + e * words + 4 * b * a.n + n;
+  uint32_t* bytes = a.bytes + e * words + fmt::TrtllmWordOf(a.layout, n, fmt::kTrtllmRowBlock * b, a.k);
+  uint32_t in[4], out[4];
   if (!a.inverse) {
-    auto code = [&](int64_t row, int64_t col) { return fmt::GetNibble(codes[(row / 8) * a.n + col], row % 8); };
-    a.bytes[t] = fmt::TrtllmWord(a.layout, w, a.k, code);
+    for (int r = 0; r < 4; ++r) in[r] = codes[r * a.n];
+    fmt::TrtllmBlock(a.layout, in, out);
+    for (int i = 0; i < 4; ++i) bytes[i] = out[i];
   } else {
-    const int64_t n = w % a.n, r8 = w / a.n;
-    uint32_t word = 0;
-    for (int i = 0; i < 8; ++i) word |= fmt::TrtllmCodeAt(a.layout, bytes, 8 * r8 + i, n, a.k) << (4 * i);
-    a.codes[t] = word;
+    for (int i = 0; i < 4; ++i) out[i] = bytes[i];
+    fmt::TrtllmBlockInverse(a.layout, out, in);
+    for (int r = 0; r < 4; ++r) codes[r * a.n] = in[r];
   }
 }
 

@@ -73,7 +73,8 @@ TEST(AwqKernelBodiesTest, RepacksMatchTheCpuPath) {
     a.out = want.data();
     ASSERT_TRUE(fn(a).ok());
     a.out = got.data();
-    for (int64_t t = 0; t < static_cast<int64_t>(got.size()); ++t) item(t, a);
+    const int64_t items = static_cast<int64_t>(got.size()) / (item == &body::AwqToMarlinItem ? 8 : 1);
+    for (int64_t t = 0; t < items; ++t) item(t, a);
     EXPECT_EQ(got, want);
   }
 }
@@ -90,11 +91,23 @@ TEST(AwqKernelBodiesTest, TrtllmMatchesTheCpuPath) {
     a.codes = codes.data(), a.bytes = want.data(), a.experts = e, a.k = k, a.n = n, a.layout = layout;
     ASSERT_TRUE(cpu::Trtllm(a).ok());
     a.bytes = got.data();
-    for (int64_t t = 0; t < static_cast<int64_t>(got.size()); ++t) body::TrtllmItem(t, a);
+    for (int64_t t = 0; t < static_cast<int64_t>(got.size()) / 4; ++t) body::TrtllmBlockItem(t, a);
     EXPECT_EQ(got, want);
+    // The per-nibble form of the spec (format::TrtllmWord / TrtllmCodeAt) agrees word for word.
+    for (int64_t w = 0; w < static_cast<int64_t>(got.size()); ++w) {
+      const int64_t ex = w / (k * n / 8);
+      auto code = [&](int64_t row, int64_t col) {
+        return format::GetNibble(codes[ex * (k * n / 8) + (row / 8) * n + col], static_cast<int>(row % 8));
+      };
+      ASSERT_EQ(format::TrtllmWord(layout, w % (k * n / 8), k, code), want[w]) << "word " << w;
+      const int64_t row = (w % (k * n / 8)) / n * 8, col = w % n;
+      ASSERT_EQ(format::TrtllmCodeAt(layout, want.data() + ex * (k * n / 8), row, col, k),
+                format::GetNibble(codes[w], 0))
+          << "code at word " << w;
+    }
     a.inverse = true;
     a.codes = back.data();
-    for (int64_t t = 0; t < static_cast<int64_t>(back.size()); ++t) body::TrtllmItem(t, a);
+    for (int64_t t = 0; t < static_cast<int64_t>(back.size()) / 4; ++t) body::TrtllmBlockItem(t, a);
     EXPECT_EQ(back, codes);
   }
   // Scales (every mode) and zeros.

@@ -3,9 +3,9 @@
 // by awq_kernel_bodies_test.cc), so the device code is the same arithmetic as the CPU path: the
 // fp16 rounding of AutoAWQ's arithmetic is the exact (x + C) - C formula, IEEE division (nvcc
 // --fmad=false, no --use_fast_math), rintf rounds half to even.
-// Every kernel is a grid-stride loop over items; QuantizeAwq runs three (parameters, qweight words,
-// qzeros words) with f32/u8 temporaries for the group parameters, and reports the smallest refused
-// group through one u64 atomicMin.
+// Every kernel but AwqToMarlin's (shared-memory tiles) is a grid-stride loop over items; QuantizeAwq
+// runs three (parameters, qweight words, qzeros words) with f32/u8 temporaries for the group
+// parameters, and reports the smallest refused group through one u64 atomicMin.
 
 #include <cuda_runtime_api.h>
 
@@ -17,6 +17,7 @@ namespace wsync::kernels::cuda {
 namespace {
 
 namespace body = ::wsync::kernels::cuda_body;
+namespace fmt = ::wsync::kernels::format;
 
 constexpr int kThreads = 256;
 
@@ -44,8 +45,33 @@ __global__ void AwqRepackKernel(internal::AwqRepackArgs a, int64_t total) {
   WSYNC_GRID_STRIDE(t, total) { kItem(t, a); }
 }
 __global__ void TrtllmKernel(internal::TrtllmArgs a, int64_t total) {
-  WSYNC_GRID_STRIDE(t, total) { body::TrtllmItem(t, a); }
+  WSYNC_GRID_STRIDE(t, total) { body::TrtllmBlockItem(t, a); }
 }
+
+// AwqToMarlin: one block (kMarlinThreads) per `tiles` consecutive Marlin tiles of one 16-row
+// stripe (same e, kt): their AWQ source, 16 rows x 8 * tiles words, is read row by row (coalesced)
+// into shared memory; then thread (tile, q) emits that tile's words q + 16j through
+// body::AwqMarlinTileGroup. The blocks are in output tile order.
+constexpr int kMarlinTilesPerBlock = 8, kMarlinThreads = 16 * kMarlinTilesPerBlock;
+__global__ void AwqToMarlinKernel(internal::AwqRepackArgs a, int tiles) {
+  __shared__ uint32_t stage[fmt::kTileK * 8 * kMarlinTilesPerBlock];
+  const int64_t nw = a.n / 8, groups_n = a.n / fmt::kTileN / tiles, stripes = a.rows / fmt::kTileK;
+  const int64_t blk = blockIdx.x, g = blk % groups_n, stripe = (blk / groups_n) % stripes,
+                e = blk / (groups_n * stripes);
+  const int row_words = 8 * tiles;
+  const uint32_t* src = a.in + e * a.rows * nw + stripe * fmt::kTileK * nw + g * row_words;
+  for (int i = threadIdx.x; i < fmt::kTileK * row_words; i += blockDim.x) {
+    stage[i] = src[(i / row_words) * nw + i % row_words];
+  }
+  __syncthreads();
+  const int tile = threadIdx.x / 16, q = threadIdx.x % 16;
+  if (tile >= tiles) return;
+  uint32_t out[8];
+  body::AwqMarlinTileGroup(stage + 8 * tile, row_words, q, out);
+  uint32_t* dst = a.out + (blk * tiles + tile) * fmt::kTileWords + q;
+  for (int j = 0; j < 8; ++j) dst[16 * j] = out[j];
+}
+
 __global__ void TrtllmScaleKernel(internal::TrtllmScaleArgs a, int64_t total, bool zeros) {
   WSYNC_GRID_STRIDE(t, total) {
     if (zeros) {
@@ -112,7 +138,17 @@ absl::Status GptqToAwq(const internal::AwqRepackArgs& a) {
   return LaunchRepack<body::GptqToAwqItem>(a, a.experts * a.rows * a.n / 8);
 }
 absl::Status AwqToMarlin(const internal::AwqRepackArgs& a) {
-  return LaunchRepack<body::AwqToMarlinItem>(a, a.experts * a.rows * a.n / 8);
+  const int64_t tiles_n = a.n / fmt::kTileN;
+  int tiles = kMarlinTilesPerBlock;
+  while (tiles_n % tiles != 0) tiles /= 2;
+  const int64_t blocks = a.experts * (a.rows / fmt::kTileK) * (tiles_n / tiles);
+  if (blocks <= 0) return absl::OkStatus();
+  if (blocks >= (int64_t{1} << 31)) {
+    return absl::InvalidArgumentError("AwqToMarlin: the weight has more than 2^31 Marlin tile groups");
+  }
+  auto stream = static_cast<cudaStream_t>(a.stream);
+  AwqToMarlinKernel<<<static_cast<unsigned>(blocks), kMarlinThreads, 0, stream>>>(a, tiles);
+  return Finish(stream);
 }
 absl::Status AwqZerosToMarlin(const internal::AwqRepackArgs& a) {
   return LaunchRepack<body::AwqZerosToMarlinItem>(a, a.experts * a.rows * a.n / 8);
@@ -123,7 +159,7 @@ absl::Status MarlinZerosToAwq(const internal::AwqRepackArgs& a) {
 
 absl::Status Trtllm(const internal::TrtllmArgs& a) {
   auto stream = static_cast<cudaStream_t>(a.stream);
-  const int64_t total = a.experts * a.k * a.n / 8;
+  const int64_t total = a.experts * (a.k / fmt::kTrtllmRowBlock) * a.n;  // (column, 32-row block) items
   TrtllmKernel<<<Blocks(total), kThreads, 0, stream>>>(a, total);
   return Finish(stream);
 }

@@ -33,10 +33,7 @@ namespace wsync::kernels::format {
 // Column (within its 8) held by nibble i of an AWQ word: ORDER = (0, 2, 4, 6, 1, 3, 5, 7).
 WSYNC_HD int AwqOrder(int i) { return ElementAtSlot(i); }  // the same interleave as Marlin's pack_idx
 // Nibble holding column c % 8: REV = argsort(ORDER) = (0, 4, 1, 5, 2, 6, 3, 7).
-WSYNC_HD int AwqReverse(int c) {
-  constexpr int k[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-  return k[c];
-}
+WSYNC_HD int AwqReverse(int c) { return (c >> 1) + 4 * (c & 1); }  // closed form: no table in device local memory
 
 // Transposes an 8x8 matrix of nibbles held in 8 words in place: nibble i of word r <-> nibble r
 // of word i. Three rounds of masked swaps (4x4 blocks, 2x2 blocks, single nibbles).

@@ -82,16 +82,10 @@ inline constexpr int kTileWords = 128;  // 16 * 64 nibbles / 8
 
 // Bits [4s, 4s+4) of a Marlin word hold the element of the thread's B fragment at ElementAtSlot(s)
 // (vLLM repack pack_idx; the FasterTransformer interleave that lets lop3 dequantize pairs).
-WSYNC_HD int ElementAtSlot(int s) {
-  constexpr int k[8] = {0, 2, 4, 6, 1, 3, 5, 7};
-  return k[s];
-}
+WSYNC_HD int ElementAtSlot(int s) { return 2 * (s & 3) + (s >> 2); }  // (0, 2, 4, 6, 1, 3, 5, 7), no table
 // K offset (from row r) and N offset (from column c) of fragment element e = 0..7:
 // rows r, r+1, r+8, r+9 for e%4, column c for e < 4 and c + 8 for e >= 4 (mma.m16n8k16 B fragment).
-WSYNC_HD int FragmentDk(int e) {
-  constexpr int k[4] = {0, 1, 8, 9};
-  return k[e & 3];
-}
+WSYNC_HD int FragmentDk(int e) { return (e & 1) + 8 * ((e >> 1) & 1); }  // (0, 1, 8, 9) for e % 4
 WSYNC_HD int FragmentDn(int e) { return e < 4 ? 0 : 8; }
 // Combined: slot s of the word holds u[r + SlotDk(s), c + SlotDn(s)];
 // SlotDk = (0, 8, 0, 8, 1, 9, 1, 9), SlotDn = (0, 0, 8, 8, 0, 0, 8, 8).
