@@ -171,45 +171,60 @@ WSYNC_HD TileIndex TileOfBlock(int64_t block, int64_t k, int64_t n) {
   return TileIndex{block / (ktiles * ntiles), (block / ntiles) % ktiles, block % ntiles};
 }
 
-// Repack phase 1 (thread tid < 128): stage GPTQ row 2kt + tid/64 (perm: the 8 gathered nibbles of
-// Marlin rows 16kt + 8(tid/64) + j) at column tid%64 of the tile into rows[tid/64][tid%64].
-WSYNC_HD void RepackStage(const uint32_t* in, const int32_t* perm, int64_t k, int64_t n, TileIndex ti, int tid,
-                          uint32_t (*rows)[fmt::kTileN]) {
-  const int h = tid >> 6, c = tid & 63;
+// GPTQ word (row 2kt + h, column col) of tile ti as the repack consumes it: the word itself, or
+// with perm the 8 nibbles of Marlin rows 16kt + 8h + j gathered from GPTQ rows perm[...].
+WSYNC_HD uint32_t StagedGptqWord(const uint32_t* in, const int32_t* perm, int64_t k, int64_t n, TileIndex ti, int h,
+                                 int64_t col) {
   const uint32_t* q = in + ti.e * (k / 8) * n;
-  const int64_t col = ti.nt * fmt::kTileN + c;
-  if (perm == nullptr) {
-    rows[h][c] = q[(2 * ti.kt + h) * n + col];
-  } else {
-    const int32_t* p = perm + ti.e * k + ti.kt * fmt::kTileK + 8 * h;
-    uint32_t word = 0;
-    for (int j = 0; j < 8; ++j) word |= fmt::GetNibble(q[(p[j] >> 3) * n + col], p[j] & 7) << (4 * j);
-    rows[h][c] = word;
-  }
+  if (perm == nullptr) return q[(2 * ti.kt + h) * n + col];
+  const int32_t* p = perm + ti.e * k + ti.kt * fmt::kTileK + 8 * h;
+  uint32_t word = 0;
+  for (int j = 0; j < 8; ++j) word |= fmt::GetNibble(q[(p[j] >> 3) * n + col], p[j] & 7) << (4 * j);
+  return word;
 }
 
-// Repack phase 2 (after the barrier): thread tid writes tile word tid.
-WSYNC_HD void RepackEmit(int64_t k, int64_t n, TileIndex ti, int tid, const uint32_t (*rows)[fmt::kTileN],
-                         uint32_t* out) {
-  const int r = fmt::WordRow(tid), c = fmt::WordCol(tid);
-  out[ti.e * (k / fmt::kTileK) * 2 * n + fmt::TileOffset(ti.kt, ti.nt, n) + tid] =
-      fmt::MarlinWord(rows[0][c], rows[1][c], rows[0][c + 8], rows[1][c + 8], r / 2);
+// Column c = 16a + b of a tile (a = 0..3, b = 0..7) holds Marlin words a + 4rr + 16b (rr = 0..3):
+// item i = 8a + b of a tile's 32 (consecutive items read neighbouring columns).
+WSYNC_HD int GroupColumn(int i) { return 16 * (i >> 3) + (i & 7); }
+WSYNC_HD int GroupWord(int i, int rr) { return (i >> 3) + 4 * rr + 16 * (i & 7); }
+
+// GptqToMarlin in registers, item t = 32 * tile + i: the (staged) GPTQ words of rows 2kt, 2kt + 1
+// at columns c and c + 8 -> byte planes -> Transpose4x4Bytes -> the column's four Marlin words.
+WSYNC_HD void RepackGroupItem(int64_t t, const uint32_t* in, const int32_t* perm, int64_t k, int64_t n, uint32_t* out) {
+  const int i = static_cast<int>(t & 31);
+  const TileIndex ti = TileOfBlock(t >> 5, k, n);
+  const int64_t col = ti.nt * fmt::kTileN + GroupColumn(i);
+  const uint32_t a0 = StagedGptqWord(in, perm, k, n, ti, 0, col), b0 = StagedGptqWord(in, perm, k, n, ti, 1, col);
+  const uint32_t a8 = StagedGptqWord(in, perm, k, n, ti, 0, col + 8);
+  const uint32_t b8 = StagedGptqWord(in, perm, k, n, ti, 1, col + 8);
+  uint32_t x0 = fmt::NibblePlaneLo(a0, b0), x1 = fmt::NibblePlaneLo(a8, b8);
+  uint32_t x2 = fmt::NibblePlaneHi(a0, b0), x3 = fmt::NibblePlaneHi(a8, b8);
+  fmt::Transpose4x4Bytes(x0, x1, x2, x3);
+  uint32_t* o = out + ti.e * (k / fmt::kTileK) * 2 * n + fmt::TileOffset(ti.kt, ti.nt, n);
+  o[GroupWord(i, 0)] = x0;
+  o[GroupWord(i, 1)] = x1;
+  o[GroupWord(i, 2)] = x2;
+  o[GroupWord(i, 3)] = x3;
+}
+
+// MarlinToGptq without perm, the exact inverse of RepackGroupItem: four Marlin words in, the GPTQ
+// words of rows 2kt, 2kt + 1 at columns c and c + 8 out.
+WSYNC_HD void RestoreGroupItem(int64_t t, const uint32_t* in, int64_t k, int64_t n, uint32_t* out) {
+  const int i = static_cast<int>(t & 31);
+  const TileIndex ti = TileOfBlock(t >> 5, k, n);
+  const uint32_t* m = in + ti.e * (k / fmt::kTileK) * 2 * n + fmt::TileOffset(ti.kt, ti.nt, n);
+  uint32_t x0 = m[GroupWord(i, 0)], x1 = m[GroupWord(i, 1)], x2 = m[GroupWord(i, 2)], x3 = m[GroupWord(i, 3)];
+  fmt::Transpose4x4Bytes(x0, x1, x2, x3);  // its own inverse: back to the byte planes
+  uint32_t* q = out + ti.e * (k / 8) * n + 2 * ti.kt * n + ti.nt * fmt::kTileN + GroupColumn(i);
+  q[0] = fmt::PlanesToA(x0, x2);
+  q[n] = fmt::PlanesToB(x0, x2);
+  q[8] = fmt::PlanesToA(x1, x3);
+  q[n + 8] = fmt::PlanesToB(x1, x3);
 }
 
 // Restore phase 1: thread tid stages tile word tid.
 WSYNC_HD void RestoreStage(const uint32_t* in, int64_t k, int64_t n, TileIndex ti, int tid, uint32_t* words) {
   words[tid] = in[ti.e * (k / fmt::kTileK) * 2 * n + fmt::TileOffset(ti.kt, ti.nt, n) + tid];
-}
-
-// Restore phase 2 without perm: thread tid = (h, c) writes GPTQ word (2kt + h, 64nt + c).
-WSYNC_HD void RestoreGather(int64_t k, int64_t n, TileIndex ti, int tid, const uint32_t* words, uint32_t* out) {
-  const int h = tid >> 6, c = tid & 63;
-  uint32_t word = 0;
-  for (int j = 0; j < 8; ++j) {
-    const fmt::TileSlot s = fmt::LocateInTile(8 * h + j, c);
-    word |= fmt::GetNibble(words[s.word], s.slot) << (4 * j);
-  }
-  out[ti.e * (k / 8) * n + (2 * ti.kt + h) * n + ti.nt * fmt::kTileN + c] = word;
 }
 
 // Restore phase 2 with perm (output zeroed first): the nibbles of Marlin rows 16kt + 8h + j at

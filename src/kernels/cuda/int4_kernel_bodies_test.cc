@@ -142,22 +142,17 @@ TEST(Int4KernelBodiesTest, RepackRestoreAndScalePermMatchCpu) {
     const int32_t* pp = with_perm ? perm.data() : nullptr;
     const int64_t tiles = e * (k / 16) * (n / 64);
     std::vector<uint32_t> marlin(q.size(), 0xDEADBEEF);
-    for (int64_t block = 0; block < tiles; ++block) {
-      const body::TileIndex ti = body::TileOfBlock(block, k, n);
-      uint32_t rows[2][format::kTileN];
-      for (int tid = 0; tid < kTileThreads; ++tid) body::RepackStage(q.data(), pp, k, n, ti, tid, rows);
-      for (int tid = 0; tid < kTileThreads; ++tid) body::RepackEmit(k, n, ti, tid, rows, marlin.data());
-    }
+    for (int64_t t = 0; t < tiles * 32; ++t) body::RepackGroupItem(t, q.data(), pp, k, n, marlin.data());
     EXPECT_EQ(marlin, cpu);
     std::vector<uint32_t> back(q.size(), with_perm ? 0u : 0xDEADBEEF);  // the kernel memsets with perm
-    for (int64_t block = 0; block < tiles; ++block) {
-      const body::TileIndex ti = body::TileOfBlock(block, k, n);
-      uint32_t words[format::kTileWords];
-      for (int tid = 0; tid < kTileThreads; ++tid) body::RestoreStage(marlin.data(), k, n, ti, tid, words);
-      for (int tid = 0; tid < kTileThreads; ++tid) {
-        if (pp == nullptr) {
-          body::RestoreGather(k, n, ti, tid, words, back.data());
-        } else {
+    if (pp == nullptr) {
+      for (int64_t t = 0; t < tiles * 32; ++t) body::RestoreGroupItem(t, marlin.data(), k, n, back.data());
+    } else {
+      for (int64_t block = 0; block < tiles; ++block) {
+        const body::TileIndex ti = body::TileOfBlock(block, k, n);
+        uint32_t words[format::kTileWords];
+        for (int tid = 0; tid < kTileThreads; ++tid) body::RestoreStage(marlin.data(), k, n, ti, tid, words);
+        for (int tid = 0; tid < kTileThreads; ++tid) {
           body::RestoreScatter(pp, k, n, ti, tid, words, back.data(), [](uint32_t* p, uint32_t bits) { *p |= bits; });
         }
       }

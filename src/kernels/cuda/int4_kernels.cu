@@ -69,28 +69,34 @@ __global__ void QuantizeRowKernel(const uint16_t* __restrict__ w, int64_t n, int
   if (b >= 0) atomicMin(bad, static_cast<unsigned long long>(b));
 }
 
-// One block (128 threads) per tile (e, kt, nt): stage 2 x 64 words, barrier, one word per thread.
+// GPTQ -> Marlin in registers, no shared memory: 32 threads per tile, each reading its column
+// pair's four GPTQ words and writing four Marlin words (body::RepackGroupItem); grid-stride.
 __global__ void RepackKernel(const uint32_t* __restrict__ in, const int32_t* __restrict__ perm, int64_t k, int64_t n,
-                             uint32_t* __restrict__ out) {
-  __shared__ uint32_t rows[2][fmt::kTileN];
-  const body::TileIndex ti = body::TileOfBlock(blockIdx.x, k, n);
-  body::RepackStage(in, perm, k, n, ti, threadIdx.x, rows);
-  __syncthreads();
-  body::RepackEmit(k, n, ti, threadIdx.x, rows, out);
+                             uint32_t* __restrict__ out, int64_t total) {
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < total;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    body::RepackGroupItem(t, in, perm, k, n, out);
+  }
 }
 
-__global__ void RestoreKernel(const uint32_t* __restrict__ in, const int32_t* __restrict__ perm, int64_t k, int64_t n,
-                              uint32_t* __restrict__ out) {
+// Marlin -> GPTQ without perm: the inverse, also in registers (body::RestoreGroupItem).
+__global__ void RestoreKernel(const uint32_t* __restrict__ in, int64_t k, int64_t n, uint32_t* __restrict__ out,
+                              int64_t total) {
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < total;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    body::RestoreGroupItem(t, in, k, n, out);
+  }
+}
+
+// Marlin -> GPTQ with perm (output zeroed first): one block (128 threads) per tile; stage the tile's
+// words, barrier, scatter every nibble to its GPTQ row perm[...] with atomicOr.
+__global__ void RestorePermKernel(const uint32_t* __restrict__ in, const int32_t* __restrict__ perm, int64_t k,
+                                  int64_t n, uint32_t* __restrict__ out) {
   __shared__ uint32_t words[fmt::kTileWords];
   const body::TileIndex ti = body::TileOfBlock(blockIdx.x, k, n);
   body::RestoreStage(in, k, n, ti, threadIdx.x, words);
   __syncthreads();
-  if (perm == nullptr) {
-    body::RestoreGather(k, n, ti, threadIdx.x, words, out);
-  } else {
-    body::RestoreScatter(perm, k, n, ti, threadIdx.x, words, out,
-                         [](uint32_t* p, uint32_t bits) { atomicOr(p, bits); });
-  }
+  body::RestoreScatter(perm, k, n, ti, threadIdx.x, words, out, [](uint32_t* p, uint32_t bits) { atomicOr(p, bits); });
 }
 
 __global__ void ScalePermKernel(const uint16_t* __restrict__ in, uint16_t* __restrict__ out, int64_t total,
@@ -183,8 +189,10 @@ absl::Status Quantize(const internal::QuantizeArgs& a) {
 absl::Status GptqToMarlin(const internal::RepackArgs& a) {
   if (auto s = CheckPermOnHost(a); !s.ok()) return s;
   auto stream = static_cast<cudaStream_t>(a.stream);
-  const auto tiles = static_cast<unsigned>(a.experts * (a.k / fmt::kTileK) * (a.n / fmt::kTileN));
-  RepackKernel<<<tiles, fmt::kTileWords, 0, stream>>>(a.in, a.perm, a.k, a.n, a.out);
+  const int64_t total = a.experts * (a.k / fmt::kTileK) * (a.n / fmt::kTileN) * 32;  // 32 items per tile
+  constexpr int kThreads = 256;
+  RepackKernel<<<static_cast<unsigned>(Blocks(total, kThreads)), kThreads, 0, stream>>>(a.in, a.perm, a.k, a.n, a.out,
+                                                                                        total);
   return Finish(stream);
 }
 
@@ -195,8 +203,14 @@ absl::Status MarlinToGptq(const internal::RepackArgs& a) {
     WSYNC_CUDA_RETURN_IF_ERROR(
         cudaMemsetAsync(a.out, 0, static_cast<size_t>(a.experts * (a.k / 8) * a.n) * sizeof(uint32_t), stream));
   }
-  const auto tiles = static_cast<unsigned>(a.experts * (a.k / fmt::kTileK) * (a.n / fmt::kTileN));
-  RestoreKernel<<<tiles, fmt::kTileWords, 0, stream>>>(a.in, a.perm, a.k, a.n, a.out);
+  const int64_t tiles = a.experts * (a.k / fmt::kTileK) * (a.n / fmt::kTileN);
+  if (a.perm != nullptr) {
+    RestorePermKernel<<<static_cast<unsigned>(tiles), fmt::kTileWords, 0, stream>>>(a.in, a.perm, a.k, a.n, a.out);
+  } else {
+    constexpr int kThreads = 256;
+    RestoreKernel<<<static_cast<unsigned>(Blocks(tiles * 32, kThreads)), kThreads, 0, stream>>>(a.in, a.k, a.n, a.out,
+                                                                                                tiles * 32);
+  }
   return Finish(stream);
 }
 
