@@ -39,7 +39,9 @@ TEST_F(AwqCudaTest, QuantizeMatchesCpu) {
   for (DType dt : {DType::kBF16, DType::kF16}) {
     for (AwqArith arith : {AwqArith::kFp16, AwqArith::kFp32}) {
       for (int g : {32, 64, 128, -1}) {
-        for (auto [e, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 256, 1024}, {4, 64, 384}}) {
+        // {2, 136, 196}: partial 32 x 32 pack tiles in both directions, rows not 16-byte aligned.
+        for (auto [e, n, k] :
+             {std::tuple<int64_t, int64_t, int64_t>{1, 256, 1024}, {4, 64, 384}, {1, 2304, 256}, {2, 136, 196}}) {
           if (g > 0 && k % g != 0) continue;
           SCOPED_TRACE(::testing::Message() << "G=" << g << " E=" << e << " N=" << n << " K=" << k);
           const int64_t gg = g < 0 ? k : g;

@@ -6,8 +6,10 @@
 //
 // Math and layout: kernels/format/awq_format.h, kernels/format/trtllm_format.h.
 // QuantizeAwq runs in three passes: group parameters (one item per (e, n, g): range, refusal,
-// scale, zero point into f32 / u8 temporaries), qweight words (one item per (e, k, j), k fastest
-// so that a warp reads 32 consecutive weights of a row), qzeros words (one item per (e, g, j)).
+// scale, zero point into f32 / u8 temporaries; 16-byte loads), qweight words (AwqPackWord; the
+// kernel works on 32 x 32-word tiles staged in shared memory so that both the weight reads and the
+// qweight writes are coalesced, AwqPackItem is the per-word host form), qzeros words (one item
+// per (e, g, j)).
 // TensorRT-LLM preprocessing is one item per (column, 32-row block); AwqToMarlin's kernel stages
 // tiles in shared memory and emits them through AwqMarlinTileWord; every other kernel is one item
 // per output word (or element), a pure gather.
@@ -35,20 +37,42 @@ WSYNC_HD float AwqInput(uint16_t bits, bool bf16, fmt::AwqArith arith) {
   return (arith == fmt::AwqArith::kFp16 && bf16) ? fmt::RoundToF16(v) : v;
 }
 
+// Eight consecutive 16-bit values at p (16-byte aligned on the device: one vector load).
+WSYNC_HD void Load8(const uint16_t* p, uint16_t v[8]) {
+#if defined(__CUDA_ARCH__)
+  const uint4 q = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+  for (int i = 0; i < 4; ++i)
+    v[2 * i] = static_cast<uint16_t>(w[i] & 0xFFFFu), v[2 * i + 1] = static_cast<uint16_t>(w[i] >> 16);
+#else
+  for (int i = 0; i < 8; ++i) v[i] = p[i];
+#endif
+}
+
 // Pass 1, item t = (e * N + n) * (K/G) + g. Returns the refusal code (t * 2 + reason) or -1.
+// The group is read 8 values at a time (16-byte loads) where it is 16-byte aligned and G % 8 == 0.
 WSYNC_HD int64_t AwqParamsItem(int64_t t, const internal::AwqQuantizeArgs& a, float* tmp_scale, uint8_t* tmp_zero) {
   const int64_t ng = a.k / a.group;
   const int64_t row = t / ng, g = t % ng, e = row / a.n, n = row % a.n;
   const uint16_t* x = a.w + row * a.k + g * a.group;
   uint32_t abs_bits = 0;
   float mx = -INFINITY, mn = INFINITY;
-  for (int64_t i = 0; i < a.group; ++i) {
-    const uint32_t b = fmt::AbsBits16(x[i]);
+  auto take = [&](uint16_t bits) {
+    const uint32_t b = fmt::AbsBits16(bits);
     abs_bits = abs_bits > b ? abs_bits : b;
-    const float v = Value16(x[i], a.is_bf16);
+    const float v = Value16(bits, a.is_bf16);
     mx = fmaxf(mx, v);
     mn = fminf(mn, v);
+  };
+  int64_t i = 0;
+  if (a.group % 8 == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0) {
+    for (; i < a.group; i += 8) {
+      uint16_t v[8];
+      Load8(x + i, v);
+      for (int j = 0; j < 8; ++j) take(v[j]);
+    }
   }
+  for (; i < a.group; ++i) take(x[i]);
   int64_t refused = -1;
   if (abs_bits >= fmt::NonFiniteAbsBits16(a.is_bf16)) {
     refused = t * 2 + static_cast<int>(internal::AwqRefusal::kNonFinite);
@@ -68,19 +92,30 @@ WSYNC_HD int64_t AwqParamsItem(int64_t t, const internal::AwqQuantizeArgs& a, fl
   return refused;
 }
 
-// Pass 2, item t = (e * (N/8) + j) * K + k: qweight word (e, k, j).
+// The qweight word of column k from the weights of rows 8j + AwqOrder(i), i = 0..7: bits(i) gives
+// the weight's bit pattern, p = row * (K/G) + k / G of row 8j (rows follow at stride K/G).
+template <typename Bits>
+WSYNC_HD uint32_t AwqPackWord(const internal::AwqQuantizeArgs& a, const float* tmp_scale, const uint8_t* tmp_zero,
+                              int64_t p, Bits bits) {
+  const int64_t ng = a.k / a.group;
+  uint32_t word = 0;
+  for (int i = 0; i < 8; ++i) {
+    const int64_t pi = p + fmt::AwqOrder(i) * ng;
+    const fmt::AwqGroup g{tmp_scale[pi], static_cast<float>(tmp_zero[pi])};
+    word |= fmt::AwqCode(AwqInput(bits(i), a.is_bf16, a.arith), g, a.arith) << (4 * i);
+  }
+  return word;
+}
+
+// Pass 2 (the host form; the kernel stages 32 x 32-word tiles in shared memory and calls
+// AwqPackWord the same way), item t = (e * (N/8) + j) * K + k: qweight word (e, k, j).
 WSYNC_HD void AwqPackItem(int64_t t, const internal::AwqQuantizeArgs& a, const float* tmp_scale,
                           const uint8_t* tmp_zero) {
   const int64_t nw = a.n / 8, ng = a.k / a.group;
   const int64_t k = t % a.k, j = (t / a.k) % nw, e = t / (a.k * nw);
-  uint32_t word = 0;
-  for (int i = 0; i < 8; ++i) {
-    const int64_t row = e * a.n + 8 * j + fmt::AwqOrder(i);
-    const int64_t p = row * ng + k / a.group;
-    const fmt::AwqGroup g{tmp_scale[p], static_cast<float>(tmp_zero[p])};
-    word |= fmt::AwqCode(AwqInput(a.w[row * a.k + k], a.is_bf16, a.arith), g, a.arith) << (4 * i);
-  }
-  a.qweight[(e * a.k + k) * nw + j] = word;
+  const int64_t row0 = e * a.n + 8 * j;
+  a.qweight[(e * a.k + k) * nw + j] = AwqPackWord(a, tmp_scale, tmp_zero, row0 * ng + k / a.group,
+                                                  [&](int i) { return a.w[(row0 + fmt::AwqOrder(i)) * a.k + k]; });
 }
 
 // Pass 3, item t = (e * (K/G) + g) * (N/8) + j: qzeros word (e, g, j).

@@ -27,12 +27,13 @@ std::vector<uint16_t> Weights(size_t count, bool bf16, uint32_t seed) {
 TEST(AwqKernelBodiesTest, QuantizePassesMatchTheCpuPath) {
   for (bool bf16 : {true, false}) {
     for (auto arith : {format::AwqArith::kFp16, format::AwqArith::kFp32}) {
-      for (int64_t g : {32, 128, 256}) {
+      // (K, G): 8-aligned groups (the 16-byte load path) and K = G = 196 (rows not 16-byte aligned).
+      for (auto [k, g] : {std::pair<int64_t, int64_t>{256, 32}, {256, 128}, {256, 256}, {196, 196}}) {
         internal::AwqQuantizeArgs a;
-        const std::vector<uint16_t> w = Weights(2 * 72 * 256, bf16, static_cast<uint32_t>(g + bf16));
+        const std::vector<uint16_t> w = Weights(2 * 72 * k, bf16, static_cast<uint32_t>(g + bf16));
         a.w = w.data();
         a.is_bf16 = bf16;
-        a.experts = 2, a.n = 72, a.k = 256, a.group = g, a.arith = arith;
+        a.experts = 2, a.n = 72, a.k = k, a.group = g, a.arith = arith;
         const int64_t ng = a.k / g, groups = a.experts * a.n * ng;
         std::vector<uint32_t> qw(a.experts * a.k * a.n / 8), qz(a.experts * ng * a.n / 8);
         std::vector<uint16_t> sc(a.experts * ng * a.n);

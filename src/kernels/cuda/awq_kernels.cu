@@ -3,9 +3,9 @@
 // by awq_kernel_bodies_test.cc), so the device code is the same arithmetic as the CPU path: the
 // fp16 rounding of AutoAWQ's arithmetic is the exact (x + C) - C formula, IEEE division (nvcc
 // --fmad=false, no --use_fast_math), rintf rounds half to even.
-// Every kernel but AwqToMarlin's (shared-memory tiles) is a grid-stride loop over items; QuantizeAwq
-// runs three (parameters, qweight words, qzeros words) with f32/u8 temporaries for the group
-// parameters, and reports the smallest refused group through one u64 atomicMin.
+// QuantizeAwq runs three kernels (parameters, qweight words by shared-memory tiles, qzeros words)
+// with f32/u8 temporaries for the group parameters, and reports the smallest refused group through
+// one u64 atomicMin; AwqToMarlin stages tiles in shared memory; the others are grid-stride loops.
 
 #include <cuda_runtime_api.h>
 
@@ -32,9 +32,37 @@ __global__ void AwqParamsKernel(internal::AwqQuantizeArgs a, float* tmp_scale, u
     if (r >= 0) atomicMin(bad, static_cast<unsigned long long>(r));
   }
 }
-__global__ void AwqPackKernel(internal::AwqQuantizeArgs a, const float* tmp_scale, const uint8_t* tmp_zero,
-                              int64_t total) {
-  WSYNC_GRID_STRIDE(t, total) { body::AwqPackItem(t, a, tmp_scale, tmp_zero); }
+// Pass 2 by tiles of 32 columns k x 32 words j (256 weight rows): the rows' 32 weights are read
+// row by row (coalesced) into shared memory, thread (k, j) packs its word from there
+// (body::AwqPackWord), the 32 x 32 words go back through shared memory so that each warp writes
+// whole qweight rows (coalesced). Partial tiles at the K and N/8 edges are masked.
+constexpr int kPackTile = 32, kPackThreads = 256;
+__global__ void AwqPackKernel(internal::AwqQuantizeArgs a, const float* tmp_scale, const uint8_t* tmp_zero) {
+  __shared__ uint16_t w_s[8 * kPackTile][kPackTile];
+  __shared__ uint32_t o_s[kPackTile][kPackTile + 1];
+  const int64_t nw = a.n / 8, ng = a.k / a.group;
+  const int64_t tiles_j = (nw + kPackTile - 1) / kPackTile, tiles_k = (a.k + kPackTile - 1) / kPackTile;
+  const int64_t blk = blockIdx.x, tj = blk % tiles_j, tk = (blk / tiles_j) % tiles_k, e = blk / (tiles_j * tiles_k);
+  const int64_t k0 = tk * kPackTile, j0 = tj * kPackTile, row0 = e * a.n + 8 * j0;
+  const int kn = static_cast<int>(a.k - k0 < kPackTile ? a.k - k0 : kPackTile);
+  const int jn = static_cast<int>(nw - j0 < kPackTile ? nw - j0 : kPackTile);
+  for (int i = threadIdx.x; i < 8 * jn * kPackTile; i += blockDim.x) {
+    const int r = i / kPackTile, c = i % kPackTile;
+    if (c < kn) w_s[r][c] = a.w[(row0 + r) * a.k + k0 + c];
+  }
+  __syncthreads();
+  const int c = threadIdx.x % kPackTile;
+  for (int j = threadIdx.x / kPackTile; j < jn; j += kPackThreads / kPackTile) {
+    if (c < kn) {
+      o_s[c][j] = body::AwqPackWord(a, tmp_scale, tmp_zero, (row0 + 8 * j) * ng + (k0 + c) / a.group,
+                                    [&](int i) { return w_s[8 * j + fmt::AwqOrder(i)][c]; });
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kn * kPackTile; i += blockDim.x) {
+    const int r = i / kPackTile, jj = i % kPackTile;
+    if (jj < jn) a.qweight[(e * a.k + k0 + r) * nw + j0 + jj] = o_s[r][jj];
+  }
 }
 __global__ void AwqZerosKernel(internal::AwqQuantizeArgs a, const uint8_t* tmp_zero, int64_t total) {
   WSYNC_GRID_STRIDE(t, total) { body::AwqZerosItem(t, a, tmp_zero); }
@@ -117,8 +145,11 @@ absl::Status QuantizeAwq(const internal::AwqQuantizeArgs& a) {
   absl::Status st = [&]() -> absl::Status {
     WSYNC_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(bad, 0xFF, sizeof(*bad), stream));
     AwqParamsKernel<<<Blocks(groups), kThreads, 0, stream>>>(a, tmp_scale, tmp_zero, groups, bad);
-    const int64_t words = a.experts * a.k * (a.n / 8);
-    AwqPackKernel<<<Blocks(words), kThreads, 0, stream>>>(a, tmp_scale, tmp_zero, words);
+    const int64_t pack_blocks =
+        a.experts * ((a.k + kPackTile - 1) / kPackTile) * ((a.n / 8 + kPackTile - 1) / kPackTile);
+    if (pack_blocks >= (int64_t{1} << 31))
+      return absl::InvalidArgumentError("QuantizeAwq: too many tiles for one launch");
+    AwqPackKernel<<<static_cast<unsigned>(pack_blocks), kPackThreads, 0, stream>>>(a, tmp_scale, tmp_zero);
     const int64_t zwords = a.experts * (a.k / a.group) * (a.n / 8);
     AwqZerosKernel<<<Blocks(zwords), kThreads, 0, stream>>>(a, tmp_zero, zwords);
     if (auto s = Finish(stream); !s.ok()) return s;
