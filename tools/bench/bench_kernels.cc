@@ -28,38 +28,20 @@
 #include "kernels/format/int4_format.h"
 #include "kernels/int4.h"
 #include "kernels/trtllm.h"
+#include "tools/bench/kernel_sweep.h"
 
 namespace wsync {
 namespace {
 
 namespace fmt = kernels::format;
 
-struct Flags {
-  std::string min_bytes = "16M", max_bytes = "256M";
-  int factor = 2, iters = 5, warmup = 1, check = 1, threads = 0;
-  std::vector<std::string> kernels;
+using bench::Die;
+
+struct Flags : bench::SweepFlags {
+  int threads = 0;
 };
 
-int64_t ParseSize(const std::string& s) {
-  auto v = ParseByteSize(s);
-  if (!v.ok()) {
-    std::fprintf(stderr, "%s\n", v.status().ToString().c_str());
-    std::exit(2);
-  }
-  return static_cast<int64_t>(*v);
-}
-
-// Best (minimum) time of `iters` calls: on a shared 2-core machine the mean mostly measures the
-// neighbours; kernel and memcpy are treated alike.
-double Seconds(const std::function<void()>& fn, int iters) {
-  double best = 1e30;
-  for (int i = 0; i < std::max(1, iters); ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  return best;
-}
+double Seconds(const std::function<void()>& fn, int iters) { return bench::BestSeconds(fn, iters); }
 
 // memcpy split over `threads` threads, as the kernels split their work.
 void ParallelMemcpy(std::byte* dst, const std::byte* src, size_t n, int threads) {
@@ -83,13 +65,6 @@ Buffer MustAlloc(size_t n) {
   }
   std::memset(b->data(), 0, n);  // touch every page before timing
   return std::move(b).value();
-}
-
-void Die(const absl::Status& st) {
-  if (!st.ok()) {
-    std::fprintf(stderr, "kernel failed: %s\n", st.ToString().c_str());
-    std::exit(1);
-  }
 }
 
 struct Row {
@@ -313,21 +288,11 @@ Row BenchLayout(const char* name, bool trtllm, int64_t bytes, int threads, const
 int Main(int argc, char** argv) {
   Flags f;
   CLI::App app{"wsync-bench-kernels: CPU INT4 kernel throughput vs memcpy"};
-  app.add_option("-b,--minbytes", f.min_bytes, "smallest input size (bytes, K/M/G suffix)");
-  app.add_option("-e,--maxbytes", f.max_bytes, "largest input size (up to 1G)");
-  app.add_option("-f,--stepfactor", f.factor, "size multiplication factor");
-  app.add_option("-n,--iters", f.iters, "timed iterations");
-  app.add_option("-w,--warmup_iters", f.warmup, "warmup iterations");
-  app.add_option("-c,--check", f.check, "check results (1) or not (0)");
+  bench::AddSweepFlags(app, f, "check results (1) or not (0)");
   app.add_option("-t,--threads", f.threads, "threads for the 'all' rows (0 = hardware_concurrency)");
-  app.add_option("-k,--kernel", f.kernels,
-                 "kernels to run: quantize-ct quantize-gptq repack repack-perm restore restore-perm scale-perm "
-                 "awq-quantize-fp16 awq-quantize-fp32 awq-marlin trtllm-sm80");
   CLI11_PARSE(app, argc, argv);
   const int all = f.threads > 0 ? f.threads : std::max(1u, std::thread::hardware_concurrency());
-  auto want = [&](const char* k) {
-    return f.kernels.empty() || std::find(f.kernels.begin(), f.kernels.end(), k) != f.kernels.end();
-  };
+  auto want = [&](const char* k) { return f.Wants(k); };
   std::printf("# wsync-bench-kernels  simd=%s  hardware threads=%u  iters=%d warmup=%d\n",
               kernels::cpu::SimdTargetName(), std::thread::hardware_concurrency(), f.iters, f.warmup);
   std::printf(
@@ -337,7 +302,7 @@ int Main(int argc, char** argv) {
               "ratio", "#wrong");
   std::vector<int> thread_counts = {1};
   if (all > 1) thread_counts.push_back(all);
-  for (int64_t bytes = ParseSize(f.min_bytes); bytes <= ParseSize(f.max_bytes); bytes *= f.factor) {
+  bench::ForEachSize(f, [&](int64_t bytes) {
     for (int t : thread_counts) {
       if (want("quantize-ct"))
         Print(BenchQuantize("quantize-ct", kernels::PackFormat::kCompressedTensors, bytes, t, f));
@@ -352,8 +317,7 @@ int Main(int argc, char** argv) {
       if (want("awq-marlin")) Print(BenchLayout("awq-marlin", false, bytes, t, f));
       if (want("trtllm-sm80")) Print(BenchLayout("trtllm-sm80", true, bytes, t, f));
     }
-    if (f.factor <= 1) break;
-  }
+  });
   return 0;
 }
 

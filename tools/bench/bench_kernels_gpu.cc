@@ -32,26 +32,20 @@
 #include "kernels/dispatch.h"
 #include "kernels/int4.h"
 #include "kernels/trtllm.h"
+#include "tools/bench/kernel_sweep.h"
 
 namespace wsync {
 namespace {
 
-struct Flags {
-  std::string min_bytes = "16M", max_bytes = "1G";
-  int factor = 4, iters = 10, warmup = 2, check = 1;
-  std::vector<std::string> kernels;
+using bench::Die;
+
+struct Flags : bench::SweepFlags {
+  Flags() { max_bytes = "1G", factor = 4, iters = 10, warmup = 2; }
 };
 
 void CudaOk(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
     std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
-
-void Die(const absl::Status& st) {
-  if (!st.ok()) {
-    std::fprintf(stderr, "kernel failed: %s\n", st.ToString().c_str());
     std::exit(1);
   }
 }
@@ -209,17 +203,6 @@ Case Layout(const char* name, bool trtllm, int64_t bytes) {
   return c;
 }
 
-template <typename Fn>
-double BestSeconds(const Fn& fn, int iters) {
-  double best = 1e30;
-  for (int i = 0; i < std::max(1, iters); ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  return best;
-}
-
 void RunCase(Case c, const Flags& f) {
   for (auto& t : c.in) t->Upload();
   Spans din, dout, hin, hout;
@@ -227,7 +210,7 @@ void RunCase(Case c, const Flags& f) {
   for (auto& t : c.out) dout.push_back(t->span(kernels::Device::kCuda)), hout.push_back(t->span(kernels::Device::kCpu));
   auto run = [&] { Die(c.call(kernels::Device::kCuda, din, dout)); };
   for (int i = 0; i < f.warmup; ++i) run();
-  const double t = BestSeconds(run, f.iters);
+  const double t = bench::BestSeconds(run, f.iters);
   void* copy = nullptr;
   CudaOk(cudaMalloc(&copy, c.bytes), "cudaMalloc");
   auto memcpy_d2d = [&] {
@@ -235,7 +218,7 @@ void RunCase(Case c, const Flags& f) {
     CudaOk(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   };
   for (int i = 0; i < f.warmup; ++i) memcpy_d2d();
-  const double tm = BestSeconds(memcpy_d2d, f.iters);
+  const double tm = bench::BestSeconds(memcpy_d2d, f.iters);
   cudaFree(copy);
   long long wrong = -1;
   if (f.check) {
@@ -252,31 +235,13 @@ void RunCase(Case c, const Flags& f) {
 int Main(int argc, char** argv) {
   Flags f;
   CLI::App app{"wsync-bench-kernels-gpu: CUDA INT4 kernel throughput vs a device-to-device copy, checked against CPU"};
-  app.add_option("-b,--minbytes", f.min_bytes, "smallest input size (bytes, K/M/G suffix)");
-  app.add_option("-e,--maxbytes", f.max_bytes, "largest input size");
-  app.add_option("-f,--stepfactor", f.factor, "size multiplication factor");
-  app.add_option("-n,--iters", f.iters, "timed iterations");
-  app.add_option("-w,--warmup_iters", f.warmup, "warmup iterations");
-  app.add_option("-c,--check", f.check, "compare every output with the CPU kernel's (1) or not (0)");
-  app.add_option("-k,--kernel", f.kernels,
-                 "kernels to run: quantize-ct quantize-gptq repack repack-perm restore restore-perm scale-perm "
-                 "awq-quantize-fp16 awq-quantize-fp32 awq-marlin trtllm-sm80");
+  bench::AddSweepFlags(app, f, "compare every output with the CPU kernel's (1) or not (0)");
   CLI11_PARSE(app, argc, argv);
   if (!kernels::GpuAvailable()) {
     std::printf("# wsync-bench-kernels-gpu: no CUDA device on this machine; nothing to measure\n");
     return 0;
   }
-  auto size = [](const std::string& s) {
-    auto v = ParseByteSize(s);
-    if (!v.ok()) {
-      std::fprintf(stderr, "%s\n", v.status().ToString().c_str());
-      std::exit(2);
-    }
-    return static_cast<int64_t>(*v);
-  };
-  auto want = [&](const char* k) {
-    return f.kernels.empty() || std::find(f.kernels.begin(), f.kernels.end(), k) != f.kernels.end();
-  };
+  auto want = [&](const char* k) { return f.Wants(k); };
   cudaDeviceProp prop{};
   CudaOk(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   int runtime = 0, driver = 0;
@@ -288,7 +253,7 @@ int Main(int argc, char** argv) {
       "# shapes as wsync-bench-kernels; size = input bytes; time = best of -n (launch + synchronize); d2d = "
       "cudaMemcpy D2D of the input bytes; #wrong = output words != CPU kernel\n");
   std::printf("#%-15s %12s %12s %9s %9s %7s %8s\n", "kernel", "size(B)", "time(us)", "GB/s", "d2d", "ratio", "#wrong");
-  for (int64_t bytes = size(f.min_bytes); bytes <= size(f.max_bytes); bytes *= f.factor) {
+  bench::ForEachSize(f, [&](int64_t bytes) {
     if (want("quantize-ct")) RunCase(Quantize("quantize-ct", kernels::PackFormat::kCompressedTensors, bytes), f);
     if (want("quantize-gptq")) RunCase(Quantize("quantize-gptq", kernels::PackFormat::kGptq, bytes), f);
     if (want("repack")) RunCase(Repack("repack", false, false, bytes), f);
@@ -300,8 +265,7 @@ int Main(int argc, char** argv) {
     if (want("awq-quantize-fp32")) RunCase(AwqQuantize("awq-quant-fp32", kernels::AwqArith::kFp32, bytes), f);
     if (want("awq-marlin")) RunCase(Layout("awq-marlin", false, bytes), f);
     if (want("trtllm-sm80")) RunCase(Layout("trtllm-sm80", true, bytes), f);
-    if (f.factor <= 1) break;
-  }
+  });
   return 0;
 }
 
