@@ -324,25 +324,22 @@ absl::Status AwqToMarlin(const internal::AwqRepackArgs& args) {
   return absl::OkStatus();
 }
 
-absl::Status AwqZerosToMarlin(const internal::AwqRepackArgs& a) {
+namespace {
+// Zero points in either direction: output word (row, w) = word(input row, w), rows split over threads.
+absl::Status ZeroWords(const internal::AwqRepackArgs& a, uint32_t (*word)(const uint32_t*, int64_t)) {
   const int64_t nw = a.n / 8;
   ParallelForBytes(a.experts * a.rows, a.threads, a.n / 2, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
-      for (int64_t w = 0; w < nw; ++w) a.out[r * nw + w] = fmt::MarlinZeroWord(a.in + r * nw, w);
+      for (int64_t w = 0; w < nw; ++w) a.out[r * nw + w] = word(a.in + r * nw, w);
     }
   });
   return absl::OkStatus();
 }
+}  // namespace
 
-absl::Status MarlinZerosToAwq(const internal::AwqRepackArgs& a) {
-  const int64_t nw = a.n / 8;
-  ParallelForBytes(a.experts * a.rows, a.threads, a.n / 2, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      for (int64_t j = 0; j < nw; ++j) a.out[r * nw + j] = fmt::AwqZeroWordFromMarlin(a.in + r * nw, j);
-    }
-  });
-  return absl::OkStatus();
-}
+absl::Status AwqZerosToMarlin(const internal::AwqRepackArgs& a) { return ZeroWords(a, &fmt::MarlinZeroWord); }
+
+absl::Status MarlinZerosToAwq(const internal::AwqRepackArgs& a) { return ZeroWords(a, &fmt::AwqZeroWordFromMarlin); }
 
 absl::Status Trtllm(const internal::TrtllmArgs& a) {
   // Units are tiles of (expert, 256 columns, 16 blocks of 32 rows): each code row is read 1 KiB at a
