@@ -46,12 +46,30 @@ absl::StatusOr<Tensor> WidenToF32(const TensorView& v) {
 absl::StatusOr<HfRowMap> HfRowMapFor(const ModelConfig& model, const MegatronParam& p) {
   if (p.full_shape.empty())
     return absl::InvalidArgumentError(absl::StrCat(p.global_name, ": a 0-d parameter has no row mapping"));
+  if (!p.kept_rows.empty() && p.hf_op != HfOp::kCopy)
+    return absl::InternalError(absl::StrCat(p.global_name, ": kept rows on a parameter that is not copied"));
   const int64_t rows = p.full_shape[0];
   HfRowMap m;
   switch (p.hf_op) {
     case HfOp::kCopy:
-      m.hf_shapes = {p.full_shape};
-      m.pieces = {{0, 0, 0, rows}};
+      if (p.kept_rows.empty()) {
+        m.hf_shapes = {p.full_shape};
+        m.pieces = {{0, 0, 0, rows}};
+        break;
+      }
+      m.hf_shapes = {WithRows(p.full_shape, static_cast<int64_t>(p.kept_rows.size()))};
+      for (size_t k = 0; k < p.kept_rows.size(); ++k) {
+        const int64_t row = p.kept_rows[k];
+        if (row < 0 || row >= rows)
+          return absl::InvalidArgumentError(
+              absl::StrCat(p.global_name, ": kept row ", row, " is outside its ", rows, " rows"));
+        HfRowPiece* last = m.pieces.empty() ? nullptr : &m.pieces.back();
+        if (last != nullptr && last->full_row + last->rows == row) {
+          ++last->rows;  // a run of consecutive kept rows is one piece
+        } else {
+          m.pieces.push_back({0, row, static_cast<int64_t>(k), 1});
+        }
+      }
       break;
     case HfOp::kVocab:
       if (model.vocab_size > rows)
@@ -93,7 +111,7 @@ absl::StatusOr<HfRowMap> HfRowMapFor(const ModelConfig& model, const MegatronPar
 absl::StatusOr<std::vector<model::HfTensor>> ToHf(const ModelConfig& model, const MegatronParam& p, TensorView full) {
   RETURN_IF_ERROR(CheckFull(p, full));
   std::vector<model::HfTensor> out;
-  if (!p.sent) return out;
+  if (!p.sent || p.pruned) return out;
   ASSIGN_OR_RETURN(HfRowMap map, HfRowMapFor(model, p));
   const int64_t row_bytes = static_cast<int64_t>(full.nbytes()) / p.full_shape[0];
   const std::byte* base = full.bytes().data();

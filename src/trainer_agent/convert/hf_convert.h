@@ -1,7 +1,7 @@
 // Full (gathered) Megatron tensor <-> HuggingFace tensors, per parameter (MEGATRON_TO_HF §2.3-2.5,
 // §5). Both directions use one row mapping per HfOp (HfRowMap), so the sharder and the sync
 // path cannot disagree:
-//   kCopy   HF = the full tensor
+//   kCopy   HF = the full tensor (expert pruning: its kept_rows, in that order)
 //   kVocab  HF = rows [0, vocab_size) of the padded tensor; padding rows are zeros when sharding
 //   kGlu    gate = rows [0, f), up = rows [f, 2f)
 //   kQkv    per query group g: q rows, then k, then v (view(ng, n_rep+2, hd, ...) split [n_rep,1,1])
@@ -41,6 +41,7 @@ absl::StatusOr<HfRowMap> HfRowMapFor(const ModelConfig& model, const MegatronPar
 
 // The HF tensors a gathered parameter becomes (none for the tied output copy, param.sent false).
 // `full` must have param.dtype and param.full_shape.
+// A pruned expert (param.pruned) becomes none either.
 absl::StatusOr<std::vector<model::HfTensor>> ToHf(const ModelConfig& model, const MegatronParam& param,
                                                   TensorView full);
 

@@ -82,6 +82,12 @@ struct MegatronParam {
   // validated but never sent (the engine ties lm_head to embed_tokens; ENGINE_LAYOUT §2.6).
   // Its hf_names name the HF tensor it is built from (model.embed_tokens.weight).
   bool sent = true;
+  // Expert pruning (convert/expert_prune.h). pruned: a routed expert the engines do not keep; it
+  // still takes part in its gathers (EP members' blocks are uniform) but is never converted,
+  // quantized or sent. kept_rows: the router (weight rows, expert_bias entries) keeps these full
+  // rows, in this order, as its one HF tensor (hf_op kCopy); empty: every row.
+  bool pruned = false;
+  std::vector<int64_t> kept_rows;
 };
 
 // Refuses models wsync cannot convert, naming the field: MTP layers are ignored (not an
