@@ -14,6 +14,7 @@
 #include "common/checksum.h"
 #include "common/status.h"
 #include "model/quant_target.h"
+#include "trainer_agent/convert/expert_prune.h"
 #include "trainer_agent/convert/hf_convert.h"
 #include "trainer_agent/convert/shard_layout.h"
 #include "trainer_agent/quantize/int4_quantizer.h"
@@ -57,8 +58,8 @@ absl::Status AgreeOnStart(comm::Communicator& world, const absl::Status& local, 
         return absl::InvalidArgumentError(absl::StrCat(
             "rank ", r,
             " runs a different weight source config or sync options than rank 0 (config.json, "
-            "parallel.json, gather size or quantization config differ): the ranks would not agree on their "
-            "collectives"));
+            "parallel.json, gather size, quantization config or expert map differ): the ranks would not agree on "
+            "their collectives"));
     return absl::OkStatus();
   }
   std::vector<size_t> sizes(all.size());
@@ -90,6 +91,7 @@ absl::Status AgreeOnStart(comm::Communicator& world, const absl::Status& local, 
 struct Item {
   int index = 0;          // into RankShard::params / tensors
   int ordinal = 0;        // experts: position among the rank's expert parameters
+  bool pruned = false;    // experts: this rank's own expert is pruned (its block is not filled)
   bool gathered = false;  // dense: all-gathered over TP; experts: always (see the phase)
   bool identity = false;  // dense: the all-gather's rank order is the full layout (no merge)
   bool int4 = false;      // experts: quantized by their holders; the gathers carry INT4 (Int4ExpertPlan)
@@ -274,9 +276,37 @@ absl::Status RankSync::Prepare() {
   if ((source_ || int4_members_) && o_.quant != nullptr) RETURN_IF_ERROR(o_.quant->CheckInt4Supported());
 
   ASSIGN_OR_RETURN(shard_, src_.OpenRank(me_, o_.version));
+  if (o_.expert_map != nullptr) RETURN_IF_ERROR(PruneExperts(src_.model(), *o_.expert_map, shard_.params));
+
+  // EP members' plans: their global expert ids (the source converts every member's experts; with
+  // INT4 experts every member decides, from the same plans, which of them it quantizes; with an
+  // expert map every member learns which items some member keeps).
+  const bool any_expert =
+      std::any_of(shard_.params.begin(), shard_.params.end(), [](const MegatronParam& p) { return p.is_expert; });
+  if (expert_member_ && any_expert && (source_ || int4_members_ || o_.expert_map != nullptr)) {
+    std::vector<const MegatronParam*> mine;
+    for (const MegatronParam& p : shard_.params)
+      if (p.is_expert) mine.push_back(&p);
+    for (int member : layout_.EpGroup(me_)) {
+      ASSIGN_OR_RETURN(std::vector<MegatronParam> plan, PlanRank(src_.model(), layout_, src_.parallel(), member));
+      if (o_.expert_map != nullptr) RETURN_IF_ERROR(PruneExperts(src_.model(), *o_.expert_map, plan));
+      std::vector<MegatronParam> ex;
+      for (MegatronParam& p : plan)
+        if (p.is_expert) ex.push_back(std::move(p));
+      if (ex.size() != mine.size())
+        return absl::InternalError(absl::StrCat("EP member rank ", member, " holds ", ex.size(),
+                                                " expert parameters, rank ", me_, " ", mine.size()));
+      for (size_t k = 0; k < ex.size(); ++k)
+        if (ex[k].local_name != mine[k]->local_name || ex[k].local_shape != mine[k]->local_shape)
+          return absl::InternalError(absl::StrCat("EP member rank ", member, " expert parameter ", k, " is ",
+                                                  ex[k].local_name, ", rank ", me_, "'s ", mine[k]->local_name));
+      member_experts_.push_back(std::move(ex));
+    }
+  }
 
   // Dense items: the stage source's TP group gathers TP-sharded parameters.
   std::vector<Item> dense, experts;
+  int expert_ordinal = 0;
   for (size_t i = 0; i < shard_.params.size(); ++i) {
     const MegatronParam& p = shard_.params[i];
     Item it;
@@ -302,37 +332,23 @@ absl::Status RankSync::Prepare() {
       it.region = it.full_bytes * static_cast<uint64_t>(layout_.ep());
       it.etp_region = it.full_bytes;
       it.weight = it.region;
-      it.ordinal = static_cast<int>(experts.size());
+      it.ordinal = expert_ordinal++;
+      it.pruned = p.pruned;
+      if (o_.expert_map != nullptr) {
+        const bool kept_somewhere = std::any_of(member_experts_.begin(), member_experts_.end(), [&](const auto& m) {
+          return !m[static_cast<size_t>(it.ordinal)].pruned;
+        });
+        if (!kept_somewhere) continue;  // no EP member keeps it: not gathered at all
+      }
       experts.push_back(it);
     }
   }
   for (Item& it : dense) it.weight = it.region;
 
-  // EP members' plans: their global expert ids (the source converts every member's experts; with
-  // INT4 experts every member decides, from the same plans, which of them it quantizes).
-  if (expert_member_ && !experts.empty() && (source_ || int4_members_)) {
-    std::vector<const MegatronParam*> mine;
-    for (const MegatronParam& p : shard_.params)
-      if (p.is_expert) mine.push_back(&p);
-    for (int member : layout_.EpGroup(me_)) {
-      ASSIGN_OR_RETURN(std::vector<MegatronParam> plan, PlanRank(src_.model(), layout_, src_.parallel(), member));
-      std::vector<MegatronParam> ex;
-      for (MegatronParam& p : plan)
-        if (p.is_expert) ex.push_back(std::move(p));
-      if (ex.size() != mine.size())
-        return absl::InternalError(absl::StrCat("EP member rank ", member, " holds ", ex.size(),
-                                                " expert parameters, rank ", me_, " ", mine.size()));
-      for (size_t k = 0; k < ex.size(); ++k)
-        if (ex[k].local_name != mine[k]->local_name || ex[k].local_shape != mine[k]->local_shape)
-          return absl::InternalError(absl::StrCat("EP member rank ", member, " expert parameter ", k, " is ",
-                                                  ex[k].local_name, ", rank ", me_, "'s ", mine[k]->local_name));
-      member_experts_.push_back(std::move(ex));
-    }
-  }
   // Which experts their holders quantize (the same decision on every member), and the sizes of
   // their INT4 blocks in the ETP and EP gathers.
   if (int4_members_) {
-    int4_plans_.resize(experts.size());
+    int4_plans_.resize(static_cast<size_t>(expert_ordinal));
     for (Item& it : experts) {
       std::vector<const MegatronParam*> on_members;
       for (const std::vector<MegatronParam>& member : member_experts_)
@@ -525,7 +541,7 @@ void RankSync::RunExperts() {
       // Shards quantized where they live, into this rank's block of the ETP output (in place).
       if (int4_members_ && failure_.ok()) {
         for (const Item& it : b.items) {
-          if (!it.int4 || !plan_of(it).by_shard) continue;
+          if (!it.int4 || !plan_of(it).by_shard || it.pruned) continue;
           const Int4ExpertPlan& plan = plan_of(it);
           std::byte* mine = etp_buffer_.data() + it.etp_offset + own_etp * plan.local_block;
           absl::Status s = int4_->QuantizeRows(shard_.params[static_cast<size_t>(it.index)],
@@ -567,6 +583,7 @@ void RankSync::RunExperts() {
       const absl::Time t0 = absl::Now();
       absl::Duration quantizing;
       for (const Item& it : b.items) {
+        if (it.pruned) continue;  // its block travels unfilled; nobody reads it
         const MegatronParam& p = shard_.params[static_cast<size_t>(it.index)];
         std::span<std::byte> block = slots_[slot].span().subspan(it.offset + own * it.block, it.block);
         std::span<const std::byte> region(etp_buffer_.data() + it.etp_offset, it.etp_region);
@@ -636,6 +653,7 @@ void RankSync::RunExperts() {
       for (const Item& it : experts_[j].items) {
         const MegatronParam& mine = shard_.params[static_cast<size_t>(it.index)];
         const MegatronParam& p = member_experts_[static_cast<size_t>(m)][static_cast<size_t>(it.ordinal)];
+        if (p.pruned) continue;
         std::span<const std::byte> block = slots_[slot].span().subspan(it.offset + m * it.block, it.block);
         absl::Status s;
         if (it.int4) {
@@ -675,7 +693,8 @@ absl::StatusOr<SyncReport> RankSync::Run() {
   const absl::Status local = Prepare();
   const std::string fingerprint_text =
       absl::StrCat(src_.config_json(), "\n", SourceParallelToJson(src_.parallel()), "\n", gather_limit_, "\n",
-                   QuantFingerprint(o_.quant, o_.quant_variant));
+                   QuantFingerprint(o_.quant, o_.quant_variant), "\n",
+                   o_.expert_map != nullptr ? o_.expert_map->Canonical() : "experts: all");
   const uint64_t fingerprint =
       Xxh3_64({reinterpret_cast<const std::byte*>(fingerprint_text.data()), fingerprint_text.size()});
   RETURN_IF_ERROR(AgreeOnStart(*comms_.world, local, fingerprint, o_.collective));

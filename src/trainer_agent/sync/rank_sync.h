@@ -81,6 +81,7 @@
 #include "comm/communicator.h"
 #include "common/config.h"
 #include "kernels/int4.h"
+#include "model/expert_map.h"
 #include "trainer_agent/gather/trainer_comms.h"
 #include "trainer_agent/source/weight_source.h"
 
@@ -114,6 +115,11 @@ struct SyncOptions {
   int quant_threads = 0;               // per rank; 0 = hardware concurrency
   comm::CollectiveOptions collective;  // every collective of the sync
   SyncWorkspace* workspace = nullptr;  // null: buffers live for this sync only. Not owned.
+  // Expert pruning (model/expert_map.h): only kept experts are converted, quantized and sent, under
+  // their compact ids, and the routers are sliced. A batch item whose expert every EP member prunes
+  // is not gathered at all; in a mixed one, a member's pruned block travels unfilled (its holder
+  // neither merges nor quantizes it). The same on every rank (the opening agreement). Not owned.
+  const model::ExpertMap* expert_map = nullptr;
 };
 
 struct SyncReport {

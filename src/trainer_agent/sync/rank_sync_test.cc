@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -86,7 +87,22 @@ struct Case {
   LayoutCase layout;
   int64_t moe_ffn = 32;
   bool int4 = true;
+  bool prune = false;  // an expert map: item 0 pruned on both EP members, item 3 on one
 };
+
+// Keeps experts 6, 1, 3, 5, 2 of 8 (reversed on odd layers): with EP 2, local expert 0 (experts 0
+// and 4) is pruned on both members, local expert 3 (3 and 7) on member 1 only.
+model::ExpertMap TestExpertMap(const ModelConfig& c) {
+  model::ExpertMap m;
+  m.num_experts = c.moe->num_experts;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    if (!c.IsMoeLayer(l)) continue;
+    std::vector<int64_t> ids = {6, 1, 3, 5, 2};
+    if (l % 2 == 1) std::reverse(ids.begin(), ids.end());
+    m.layers[l] = ids;
+  }
+  return m;
+}
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
@@ -111,6 +127,24 @@ class RankSyncFixture : public ::testing::Test {
     ASSERT_TRUE(stats.ok()) << stats.status();
   }
   std::string hf_dir() const { return dir_ + "/hf"; }
+  // dir_/hf_pruned: the oracle checkpoint of the model pruned by `map` (model::PruneHfCheckpoint).
+  std::string WritePrunedHf(const model::ExpertMap& map) {
+    auto original = model::HfCheckpoint::Open(hf_dir());
+    EXPECT_TRUE(original.ok()) << original.status();
+    auto text = ReadTextFile(hf_dir() + "/config.json");
+    EXPECT_TRUE(text.ok());
+    auto config = ParseModelConfig(*text, "config.json");
+    EXPECT_TRUE(config.ok());
+    tools::SyntheticModel pruned;
+    auto json = model::PrunedConfigJson(*text, map, "config.json");
+    EXPECT_TRUE(json.ok()) << json.status();
+    pruned.config_json = *json;
+    auto weights = model::PruneHfCheckpoint(*config, map, *original);
+    EXPECT_TRUE(weights.ok()) << weights.status();
+    pruned.weights = std::move(*weights);
+    EXPECT_TRUE(tools::WriteHfModel(pruned, dir_ + "/hf_pruned").ok());
+    return dir_ + "/hf_pruned";
+  }
   std::string src_dir() const { return dir_ + "/src"; }
 
   std::string dir_;
@@ -171,8 +205,15 @@ TEST_P(RankSyncTest, SendsExactlyTheConvertedCheckpoint) {
   o.quant = quant ? &*quant : nullptr;
   o.quant_threads = 1;
   o.collective = kTimeout;
+  std::string want_dir = hf_dir();
+  model::ExpertMap map;
+  if (c.prune) {
+    map = TestExpertMap(src->model());
+    o.expert_map = &map;
+    want_dir = WritePrunedHf(map);
+  }
   const std::vector<RankResult> results = SyncEveryRank(*src, *comms, o);
-  ExpectSentExactly(results, src->layout(), o, hf_dir(), quant);
+  ExpectSentExactly(results, src->layout(), o, want_dir, quant);
   // With INT4 experts gathered, every rank of the expert block quantizes (its experts, or its ETP
   // shards); other ranks only when they are a stage source.
   const ParallelLayout& l = src->layout();
@@ -204,6 +245,11 @@ std::vector<Case> AllCases() {
   out.push_back({"qwen3moe_" + etp2.name + "_ffn64_int4", Architecture::kQwen3Moe, etp2, 64, true});
   out.push_back({"deepseek_" + etp2.name + "_ffn64_int4", Architecture::kDeepseekV3, etp2, 64, true});
   out.push_back({"deepseek_" + ep2.name + "_int4", Architecture::kDeepseekV3, ep2, 32, true});
+  // Expert pruning: items pruned on every member are not gathered, mixed ones are.
+  out.push_back({"qwen3moe_" + ep2.name + "_int4_pruned", Architecture::kQwen3Moe, ep2, 32, true, true});
+  out.push_back({"qwen3moe_" + etp2.name + "_ffn64_int4_pruned", Architecture::kQwen3Moe, etp2, 64, true, true});
+  out.push_back({"deepseek_" + ep2.name + "_bf16_pruned", Architecture::kDeepseekV3, ep2, 32, false, true});
+  out.push_back({"deepseek_" + tp2.name + "_int4_pruned", Architecture::kDeepseekV3, tp2, 32, true, true});
   return out;
 }
 
