@@ -2,7 +2,7 @@
 // order. Rank 0 hosts the coordinator. See trainer_agent.h and deploy/mpirun/.
 //
 //   mpirun -np 4 wsync-trainer-agent --source dir:/ckpt/megatron --coordinator 127.0.0.1:7070
-//       [--quant-config quant.json] [--bucket-mib 512] [--backend gloo] [--token-file F]
+//       [--quant-config quant.json] [--expert-map map.json] [--bucket-mib 512] [--backend gloo] [--token-file F]
 //   mpirun -np 4 wsync-trainer-agent --source shm:job42 ...   (the training processes register
 //       their tensors through libwsync_trainer_client; see src/trainer_client/README.md)
 #include <csignal>
@@ -11,6 +11,7 @@
 #include "CLI/CLI.hpp"
 #include "common/config.h"
 #include "common/logging.h"
+#include "model/expert_map.h"
 #include "trainer_agent/agent/trainer_agent.h"
 
 namespace {
@@ -21,7 +22,7 @@ void OnSignal(int) { g_stop.store(true); }
 int main(int argc, char** argv) {
   CLI::App app("wsync-trainer-agent: the trainer side of wsync (one per Megatron rank, under mpirun)");
   wsync::trainer_agent::TrainerAgentOptions o;
-  std::string quant_file;
+  std::string quant_file, expert_map_file;
   uint64_t bucket_mib = 512;
   double sync_timeout_s = 600;
   wsync::RpcSecurityOptions sec;
@@ -36,6 +37,9 @@ int main(int argc, char** argv) {
   app.add_option("--quant-config", quant_file,
                  "The engines' quantization config (compressed-tensors object or a config.json holding one); "
                  "default: the model's own, else none");
+  app.add_option("--expert-map", expert_map_file,
+                 "Expert pruning: a JSON map {\"num_experts\": E, \"layers\": {\"<layer>\": [kept ids]}}; only kept "
+                 "experts are sent, under their compact ids, and the routers are sliced (docs/expert-pruning.md)");
   app.add_option("--quant-threads", o.quant_threads, "Threads for INT4 quantization (0: all cores)");
   app.add_option("--sync-timeout", sync_timeout_s, "Bound on one sync, seconds")->check(CLI::PositiveNumber);
   app.add_option("--token-file", sec.token_file, "Bearer token for every RPC (else $WSYNC_TOKEN)");
@@ -55,6 +59,14 @@ int main(int argc, char** argv) {
       return 2;
     }
     o.quant = *q;
+  }
+  if (!expert_map_file.empty()) {
+    auto m = wsync::model::LoadExpertMap(expert_map_file);
+    if (!m.ok()) {
+      std::fprintf(stderr, "wsync-trainer-agent: %s\n", m.status().ToString().c_str());
+      return 2;
+    }
+    o.expert_map = *m;
   }
   auto s = wsync::LoadRpcSecurity(sec);
   if (!s.ok()) {

@@ -230,7 +230,10 @@ class Agent {
     const bool is_source = layout_->IsStageSource(rank);
     const absl::Duration timeout = absl::Milliseconds(cmd.timeout_ms);
     WSYNC_LOG(INFO) << "sync " << cmd.sync_id << " (version " << cmd.version << ")"
-                    << (is_source ? absl::StrCat(": source of stage ", stage, " for ", cmd.num_agents, " agents") : "");
+                    << (is_source ? absl::StrCat(": source of stage ", stage, " for ", cmd.num_agents, " agents") : "")
+                    << (opts_.expert_map ? absl::StrCat(", experts pruned to ", opts_.expert_map->kept(), " of ",
+                                                        opts_.expert_map->num_experts, " per layer")
+                                         : "");
 
     // 1. Re-read the source (dir:) and form the stage groups; vote.
     absl::Status s;
@@ -275,6 +278,7 @@ class Agent {
       const std::optional<QuantizationConfig>& q = opts_.quant ? opts_.quant : src->model().quantization;
       so.quant = q ? &*q : nullptr;
       so.quant_threads = opts_.quant_threads;
+      so.expert_map = opts_.expert_map ? &*opts_.expert_map : nullptr;
       so.collective = comm::CollectiveOptions{timeout};
       so.workspace = &workspace_;
       auto report = RunRankSync(*src, comms_, sink.get(), so);

@@ -25,6 +25,7 @@
 #include "absl/time/time.h"
 #include "common/config.h"
 #include "common/rpc_security.h"
+#include "model/expert_map.h"
 
 namespace wsync::trainer_agent {
 
@@ -33,7 +34,8 @@ struct TrainerAgentOptions {
   std::string coordinator = "127.0.0.1:7070";  // rank 0 listens here; every rank reaches the store here
   std::string backend = "gloo";                // trainer -> rollout data plane
   uint64_t bucket_bytes = uint64_t{512} << 20;
-  std::optional<QuantizationConfig> quant;  // the engines' quantization config (else the model's own)
+  std::optional<QuantizationConfig> quant;     // the engines' quantization config (else the model's own)
+  std::optional<model::ExpertMap> expert_map;  // expert pruning (checked against the model at every sync)
   int quant_threads = 0;
   absl::Duration sync_timeout = absl::Minutes(10);
   RpcSecurity security;

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Expert pruning end to end (docs/expert-pruning.md): an INT4 DeepSeek-V3 checkpoint (8 routed
+# experts, two MoE layers) cut for TP 1 x EP 2 x PP 2, trainer agents under mpirun with an expert map
+# keeping 4 experts per layer in a scrambled order (an item pruned on both EP members, mixed ones),
+# one reference engine of TP 2 x EP 2 serving the pruned config. Two syncs, each verified bit for bit
+# against the pruned oracle checkpoint (wsync-prune --hf); then an engine started from that
+# checkpoint must generate exactly what the synced engine generates.
+set -euo pipefail
+here="$(cd "$(dirname "$0")/../.." && pwd)"
+bin="${WSYNC_BIN:-$here/build/bin}"
+w="$(mktemp -d /tmp/wsync-e2e-prune.XXXXXX)"
+trap 'rc=$?; if [ "$rc" = 0 ]; then rm -rf "$w"; else echo "e2e_prune: FAILED; files in $w" >&2; fi' EXIT
+
+cat > "$w/quant.json" <<'JSON'
+{"quant_method": "compressed-tensors", "format": "pack-quantized",
+ "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+   "strategy": "group", "group_size": 64, "symmetric": true, "actorder": null}}},
+ "ignore": ["lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*mlp\\.gate$"]}
+JSON
+"$bin/wsync-model-gen" --arch deepseek-v3 --preset tiny --layers 3 --seed 20261126 --out "$w/hf" \
+  --quant-config "$w/quant.json" > /dev/null
+"$bin/wsync-shard" --hf "$w/hf" --out "$w/src" --tp 1 --pp 2 --ep 2 --dp 2 --layers-per-stage 2,1 > /dev/null
+# Layers 1 and 2 are MoE. EP 2: member 0 holds experts 0-3, member 1 experts 4-7; local expert 1
+# (experts 1 and 5) is pruned on both members in layer 1.
+echo '{"num_experts": 8, "layers": {"1": [6, 0, 3, 4], "2": [7, 2, 5, 1]}}' > "$w/map.json"
+"$bin/wsync-prune" --expert-map "$w/map.json" --hf "$w/hf" --out "$w/hf_pruned"
+
+cat > "$w/then.sh" <<'THEN'
+set -euo pipefail
+ctl=("$WSYNC_BIN/wsyncctl" --coordinator "$WSYNC_COORDINATOR" --token-file "$WSYNC_TOKEN_FILE")
+synced=$("${ctl[@]}" --json generate --engine "$WSYNC_ENGINES" --prompt 3,14,15,92 --max-new-tokens 8 |
+         python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])')
+"$WSYNC_BIN/wsync-ref-engine" --model "$WSYNC_HF" --checkpoint "$WSYNC_HF" --engine-id from-checkpoint \
+  --listen 127.0.0.1:0 --address-file "$W/ckpt-engine" --token-file "$WSYNC_TOKEN_FILE" > "$W/ckpt-engine.log" 2>&1 &
+pid=$!
+trap 'kill $pid 2>/dev/null || true' EXIT
+for _ in $(seq 300); do [ -s "$W/ckpt-engine" ] && break; sleep 0.1; done
+loaded=$("${ctl[@]}" --json generate --engine "$(cat "$W/ckpt-engine")" --prompt 3,14,15,92 --max-new-tokens 8 |
+         python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])')
+echo "synced engine:      $synced"
+echo "checkpoint engine:  $loaded"
+[ "$synced" = "$loaded" ] || { echo "FAIL: the synced engine generates differently from the pruned checkpoint"; exit 1; }
+echo "ok: the synced engine generates as an engine started from the pruned checkpoint"
+THEN
+WSYNC_BIN="$bin" W="$w" "$here/tools/wsync-local" --source "$w/src" --expert-map "$w/map.json" --hf "$w/hf_pruned" \
+  --verify --syncs 2 --engine-tp 2 --engine-flags "--ep-size 2" --bucket-mib 1 --workdir "$w/run" \
+  --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"
+echo "e2e_prune: ok"
