@@ -18,6 +18,8 @@
 #include <regex>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -31,6 +33,7 @@
 #include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "model/expert_map.h"
 #include "ref_engine/hf_reference.h"
 #include "ref_engine/testing/fixtures.h"
 #include "rollout_agent/load/engine_layout.h"
@@ -299,17 +302,40 @@ struct ServeCase {
   const char* name;
   int tp;
   bool int4;
-  bool sent_form;  // INT4: the checkpoint holds weight_packed/scale/shape; else bf16 quantized at load
-  int ep = 1;      // > 1: the Qwen3-MoE model with --ep-size ep
+  bool sent_form;       // INT4: the checkpoint holds weight_packed/scale/shape; else bf16 quantized at load
+  int ep = 1;           // > 1: the Qwen3-MoE model with --ep-size ep
+  bool pruned = false;  // the Qwen3-MoE model pruned to experts 3, 1 of 4 (model/expert_map.h)
 };
+
+// The Qwen3-MoE model's config and random checkpoint pruned by an expert map (PrunedConfigJson,
+// PruneHfCheckpoint): what an engine of a pruned sync serves.
+std::pair<std::string, TensorMap> PrunedQwen3Moe(bool int4) {
+  const std::string original = Qwen3MoeConfig(int4);
+  const ModelConfig oc = ref_engine::testing::MustParseConfig(original);
+  auto map = model::ParseExpertMap(R"({"num_experts": 4, "layers": {"0": [3, 1]}})", "test map");
+  EXPECT_TRUE(map.ok()) << map.status();
+  auto json = model::PrunedConfigJson(original, *map, "qwen3-moe config");
+  EXPECT_TRUE(json.ok()) << json.status();
+  const TensorMap hf = ref_engine::testing::RandomHfModel(oc, 1234);
+  model::HfCheckpoint ckpt;
+  for (const auto& [name, t] : hf.all()) EXPECT_TRUE(ckpt.Add(name, *Tensor::CopyOf(t.view())).ok());
+  auto pruned = model::PruneHfCheckpoint(oc, *map, ckpt);
+  EXPECT_TRUE(pruned.ok()) << pruned.status();
+  TensorMap out;
+  for (const std::string& name : pruned->Names()) out.Put(name, *Tensor::CopyOf(*pruned->Get(name)));
+  EXPECT_EQ(out.At("model.layers.0.mlp.gate.weight").view().shape(), (Shape{2, 128}));
+  return {*json, std::move(out)};
+}
 
 class ServeTest : public ::testing::TestWithParam<ServeCase> {};
 
 TEST_P(ServeTest, GenerateMatchesTheHfReference) {
   const ServeCase& sc = GetParam();
-  const std::string config_json = sc.ep > 1 ? Qwen3MoeConfig(sc.int4) : Qwen3Config(sc.int4);
+  std::string config_json = sc.ep > 1 ? Qwen3MoeConfig(sc.int4) : Qwen3Config(sc.int4);
+  TensorMap hf;
+  if (sc.pruned) std::tie(config_json, hf) = PrunedQwen3Moe(sc.int4);
   const ModelConfig c = ref_engine::testing::MustParseConfig(config_json);
-  TensorMap hf = ref_engine::testing::RandomHfModel(c, 1234);
+  if (!sc.pruned) hf = ref_engine::testing::RandomHfModel(c, 1234);
   std::vector<std::vector<int32_t>> want;
   std::string dir;
   if (sc.int4) {
@@ -360,7 +386,8 @@ INSTANTIATE_TEST_SUITE_P(Checkpoints, ServeTest,
                                            ServeCase{"tp1_int4_sent", 1, true, true},
                                            ServeCase{"tp2_int4_sent", 2, true, true},
                                            ServeCase{"tp2_int4_quantized_at_load", 2, true, false},
-                                           ServeCase{"tp2_ep2_moe_int4_sent", 2, true, true, 2}),
+                                           ServeCase{"tp2_ep2_moe_int4_sent", 2, true, true, 2},
+                                           ServeCase{"tp2_ep2_moe_int4_pruned", 2, true, true, 2, true}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 // --- Control semantics -------------------------------------------------------------------------------

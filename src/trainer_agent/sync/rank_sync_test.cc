@@ -258,6 +258,36 @@ INSTANTIATE_TEST_SUITE_P(All, RankSyncTest, ::testing::ValuesIn(AllCases()),
 
 // Rank 2's file is gone: every rank returns the same kNotFound naming rank 2 and its file, before
 // any gather, nothing is sent, and no rank hangs.
+// An expert map that leaves out a MoE layer: every rank refuses the sync with the same error
+// naming the layer, before any gather, and nothing is sent.
+TEST_F(RankSyncFailureTest, AnExpertMapThatDoesNotFitFailsEveryRankBeforeAnyGather) {
+  ASSERT_NO_FATAL_FAILURE(
+      MakeFixture(tools::testing::SmallOptions(Architecture::kQwen3Moe), {"tp2_ep2_etp1", 2, 2, 1, 2}, 7));
+  auto src = DirSource::Open(src_dir());
+  ASSERT_TRUE(src.ok()) << src.status();
+  model::ExpertMap map = TestExpertMap(src->model());
+  map.layers.erase(std::prev(map.layers.end()));
+  comm::MemoryStore store;
+  auto comms = testing::MakeLocalTrainerComms(store, "badmap", src->layout());
+  ASSERT_TRUE(comms.ok()) << comms.status();
+  SyncOptions o;
+  o.bucket_bytes = 32 << 10;
+  o.collective = kTimeout;
+  o.expert_map = &map;
+  const std::vector<RankResult> results = SyncEveryRank(*src, *comms, o);
+  for (size_t r = 0; r < results.size(); ++r) {
+    const absl::StatusOr<SyncReport>& rep = results[r].report;
+    ASSERT_FALSE(rep.ok()) << "rank " << r;
+    EXPECT_EQ(rep.status().code(), absl::StatusCode::kInvalidArgument) << rep.status();
+    EXPECT_TRUE(absl::StrContains(rep.status().message(), "rank 0 cannot take part")) << rep.status();
+    EXPECT_TRUE(absl::StrContains(rep.status().message(), "does not list MoE layer(s) 3")) << rep.status();
+    EXPECT_EQ(rep.status(), results[0].report.status()) << "ranks disagree on the error (rank " << r << ")";
+    if (results[r].sink) {
+      EXPECT_TRUE(results[r].sink->buckets.empty()) << "nothing may be sent";
+    }
+  }
+}
+
 TEST_F(RankSyncFailureTest, AMissingRankFileFailsEveryRankWithTheSameErrorNamingIt) {
   ASSERT_NO_FATAL_FAILURE(
       MakeFixture(tools::testing::SmallOptions(Architecture::kQwen3Moe), {"tp2_ep2_etp1", 2, 2, 1, 2}, 7));
