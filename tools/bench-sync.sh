@@ -7,18 +7,22 @@
 # total sync / raw broadcast, the CPU time the last sync and the raw broadcast cost (summed over
 # every process), and the peak memory (VmHWM) of every rollout agent and trainer agent.
 #
-#   tools/bench-sync.sh [--engines 2] [--syncs 1] [--bucket-mib 256] [--workdir DIR]
+# --keep K: expert pruning (docs/expert-pruning.md): every MoE layer keeps K of its 32 experts (a
+# scrambled choice, different per layer); the engines serve the pruned model.
+#
+#   tools/bench-sync.sh [--engines 2] [--syncs 1] [--bucket-mib 256] [--keep K] [--workdir DIR]
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="${WSYNC_BIN:-$here/build/bin}"
-engines=2 syncs=1 bucket=256 work=""
+engines=2 syncs=1 bucket=256 work="" keep=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --engines) engines="$2"; shift 2 ;;
     --syncs) syncs="$2"; shift 2 ;;
     --bucket-mib) bucket="$2"; shift 2 ;;
     --workdir) work="$2"; shift 2 ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    --keep) keep="$2"; shift 2 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "bench-sync: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
@@ -56,15 +60,28 @@ done > "$work/memory.txt"
 "$bin/wsync-bench-comm" --backend gloo --ranks $((engines + 1)) -b "$bytes" -e "$bytes" -n 2 -w 1 > "$work/raw.txt"
 M
 chmod +x "$work/measure.sh"
+prune_args=()
+label="bench2g Qwen3-MoE"
+if [ -n "$keep" ]; then
+  python3 - "$work/hf/config.json" "$keep" > "$work/map.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1])); k = int(sys.argv[2]); e = c["num_experts"]
+dense = set(c.get("mlp_only_layers", []))
+layers = {str(l): [(7 * i + 3 * l) % e for i in range(k)] for l in range(c["num_hidden_layers"]) if l not in dense}
+print(json.dumps({"num_experts": e, "layers": layers}))
+PY
+  prune_args=(--expert-map "$work/map.json")
+  label="bench2g Qwen3-MoE pruned to $keep experts per layer"
+fi
 
 "$here/tools/wsync-local" --source "$work/megatron" --quant-config "$work/quant.json" --rollout-engines "$engines" \
   --engine-tp 1 --syncs "$syncs" --bucket-mib "$bucket" --workdir "$work/run" \
-  --agent-flags "--engine-timeout-ms 600000" \
+  --agent-flags "--engine-timeout-ms 600000" "${prune_args[@]}" \
   --then "$work/measure.sh $bin $work $engines" > "$work/local.log" 2>&1 || { tail -30 "$work/local.log"; exit 1; }
 
-python3 - "$work" "$engines" "$bucket" <<'PY'
+python3 - "$work" "$engines" "$bucket" "$label" <<'PY'
 import json, sys, re
-work, engines, bucket = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+work, engines, bucket, label = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 t = json.load(open(f"{work}/timings.json"))
 total = next(p["seconds"] for p in t["phases"] if p["phase"] == "total")
 nbytes = max(p.get("bytes", 0) for p in t["phases"])
@@ -73,7 +90,7 @@ for line in open(f"{work}/raw.txt"):
     f = line.split()
     if len(f) >= 9 and f[0].isdigit() and f[3] == "0":   # the broadcast row (root 0): time, ..., cpu
         raw_us, raw_cpu = float(f[4]), float(f[8]) / 1e6; break
-print(f"# wsync-bench-sync: bench2g Qwen3-MoE, 4 trainer ranks (TP2 x EP2) -> {engines} engines (TP 1), INT4 experts, "
+print(f"# wsync-bench-sync: {label}, 4 trainer ranks (TP2 x EP2) -> {engines} engines (TP 1), INT4 experts, "
       f"{bucket} MiB buckets, gloo")
 print(f"#{'phase':>18} {'seconds':>10} {'bytes':>14} {'GB/s':>8}")
 for p in t["phases"]:

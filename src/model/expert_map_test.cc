@@ -88,23 +88,26 @@ TEST(ExpertMapTest, ChecksTheFitAgainstTheTrainerModel) {
   EXPECT_THAT(CheckExpertMapFits(*m, MustParse(testing::kQwen3Json)).message(), HasSubstr("has no routed experts"));
 }
 
+// The pruned config of `config_json` by the map `map_json`, parsed.
+ModelConfig PrunedConfig(const char* config_json, const char* map_json) {
+  auto m = ParseExpertMap(map_json, "m");
+  EXPECT_TRUE(m.ok()) << m.status();
+  auto pruned = PrunedConfigJson(config_json, *m, "config.json");
+  EXPECT_TRUE(pruned.ok()) << pruned.status();
+  return MustParse(pruned.ok() ? pruned->c_str() : "{}");
+}
+
 TEST(ExpertMapTest, PrunedConfigsCarryTheKeptCountAndDropGroupsAndMtp) {
-  auto qm = ParseExpertMap(R"({"num_experts": 8, "layers": {"0": [3, 1, 6], "2": [0, 7, 2]}})", "m");
-  ASSERT_TRUE(qm.ok());
-  auto q = PrunedConfigJson(testing::kQwen3MoeJson, *qm, "config.json");
-  ASSERT_TRUE(q.ok()) << q.status();
-  const ModelConfig qc = MustParse(q->c_str());
+  const ModelConfig qc =
+      PrunedConfig(testing::kQwen3MoeJson, R"({"num_experts": 8, "layers": {"0": [3, 1, 6], "2": [0, 7, 2]}})");
   EXPECT_EQ(qc.moe->num_experts, 3);
   EXPECT_EQ(qc.moe->num_experts_per_tok, 2);
   EXPECT_EQ(qc.hidden_size, 256);
   EXPECT_THAT(qc.moe->mlp_only_layers, ElementsAre(1));
 
   // DeepSeek test model: layer 0 dense, layers 1-2 MoE, 8 experts in 2 groups, one MTP layer.
-  auto dm = ParseExpertMap(R"({"num_experts": 8, "layers": {"1": [4, 0, 5], "2": [1, 2, 3]}})", "m");
-  ASSERT_TRUE(dm.ok());
-  auto d = PrunedConfigJson(testing::kDeepseekJson, *dm, "config.json");
-  ASSERT_TRUE(d.ok()) << d.status();
-  const ModelConfig dc = MustParse(d->c_str());
+  const ModelConfig dc =
+      PrunedConfig(testing::kDeepseekJson, R"({"num_experts": 8, "layers": {"1": [4, 0, 5], "2": [1, 2, 3]}})");
   EXPECT_EQ(dc.moe->num_experts, 3);
   EXPECT_EQ(dc.moe->n_group, 1);
   EXPECT_EQ(dc.moe->topk_group, 1);
@@ -113,6 +116,8 @@ TEST(ExpertMapTest, PrunedConfigsCarryTheKeptCountAndDropGroupsAndMtp) {
   EXPECT_EQ(dc.moe->topk_method, "noaux_tc");
 
   // A map that does not fit is refused with the config's name.
+  auto dm = ParseExpertMap(R"({"num_experts": 8, "layers": {"1": [4, 0, 5], "2": [1, 2, 3]}})", "m");
+  ASSERT_TRUE(dm.ok());
   auto bad = PrunedConfigJson(testing::kQwen3MoeJson, *dm, "config.json");
   EXPECT_THAT(bad.status().message(), HasSubstr("config.json"));
   EXPECT_THAT(bad.status().message(), HasSubstr("does not list MoE layer(s) 0"));
