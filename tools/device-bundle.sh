@@ -11,6 +11,7 @@
 #   lib/   the shared libraries they load (ldd), except the C library, the CUDA driver and NCCL
 #   mpi/   OpenMPI's orterun, its MCA components and help files, relocated through OPAL_PREFIX
 #   data/  the golden files the kernel tests read
+#   tools/ demo.sh and wsync-local (the local deployment the device_engine_sync check runs)
 #   run.sh the GPU checks of docs/gpu.md; it works on a machine without a GPU (the GPU checks skip)
 # NCCL (libnccl.so.2, 218 MB here) is never bundled: run.sh takes it from WSYNC_NCCL_LIB, the
 # Python wheel nvidia-nccl-cu* or the system, and only the NCCL backend needs it.
@@ -90,6 +91,9 @@ done < <(find "$TMP/bin" "$TMP/mpi" -type f \( -perm -u+x -o -name '*.so*' \) 2>
 cp -r "$ROOT/tests/data/golden" "$TMP/data/"
 cp "$ROOT/tools/device-run.sh" "$TMP/run.sh"
 chmod +x "$TMP/run.sh"
+# The local deployment scripts (run.sh's device_engine_sync check runs the demo with WSYNC_BIN=bin/).
+mkdir -p "$TMP/tools"
+cp "$ROOT/tools/demo.sh" "$ROOT/tools/wsync-local" "$TMP/tools/"
 git -C "$ROOT" rev-parse HEAD >"$TMP/COMMIT" 2>/dev/null || echo unknown >"$TMP/COMMIT"
 
 rm -rf "$OUT" "$OUT.tar.xz"

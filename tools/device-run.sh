@@ -93,6 +93,21 @@ if (( QUICK )); then
 else
   check bench_kernels_gpu "$B/bin/wsync-bench-kernels-gpu" -b 16M -e 1G -f 4 -n 10 -w 2
 fi
+# 6. The device path of the rollout side, end to end: the demo (4 trainer ranks under mpirun, two
+#    reference engines of TP 2) with every engine's parameters in CUDA memory on device 0, registered by
+#    IPC handle; the rollout agents repack on the device straight into them. Each sync is verified
+#    bit-exact (wsyncctl verify: checksums of the device memory vs the oracle); the engines read their
+#    device memory back to generate. The same demo with shared-memory engines gives the baseline.
+engine_sync() {  # engine_sync shm|cuda:0
+  if [[ "$1" == cuda:* ]] && ! "$B/bin/kernels_dispatch_test" --gtest_filter=DispatchTest.GpuPresentWhenReported 2>/dev/null |
+       grep -q '^\[       OK \]'; then
+    echo "no CUDA device: the device engine sync needs one"
+    return 0
+  fi
+  WSYNC_BIN="$B/bin" "$B/tools/demo.sh" --syncs 3 --engine-flags "--param-memory $1"
+}
+check engine_sync_shm engine_sync shm
+check engine_sync_cuda engine_sync cuda:0
 grep -qE ' [1-9][0-9]*$' "$RES/bench_kernels_gpu.log" && { echo "bench_kernels_gpu: rows with #wrong > 0" |
   tee -a "$RES/summary.txt"; failed=$((failed + 1)); }
 echo "# failed checks: $failed" | tee -a "$RES/summary.txt"

@@ -1,14 +1,19 @@
-// Device memory of another process, reached through a CUDA IPC handle (cudaIpcGetMemHandle of its
-// allocation). Used by the trainer agent's shm: source (a training process's device tensors,
-// copied to host at each sync) and by the rollout agent's engine memory (an engine's device
-// parameters: a host shadow is written by the repack and published to the device at commit).
+// CUDA device memory for the data path's device stages, in three forms:
+//   CudaIpcMapping   device memory of another process, reached through a CUDA IPC handle
+//                    (cudaIpcGetMemHandle of its allocation): the trainer agent's shm: source (a
+//                    training process's device tensors) and the rollout agent's engine memory (an
+//                    engine's device parameters, which Commit writes in place on the device);
+//   CudaAllocation   device memory this process allocates (zero-filled), exportable by IPC handle:
+//                    device scratch of the repack, an engine's device parameter arena;
+//   CopyHostToDevice / CopyDeviceToHost   synchronous copies between host and device pointers.
 //
 // Built from cuda_ipc_cuda.cc when CUDA is compiled in, else from cuda_ipc_none.cc (every call
 // kUnimplemented naming the missing CUDA build), so no #if is needed by the callers.
 // Errors: kUnimplemented (no CUDA build), kFailedPrecondition (no such device, the handle cannot
-// be opened: e.g. no GPU visible, or a handle of this same process), kInternal for a failed copy,
-// each naming the CUDA error string.
-// Thread-safety: a CudaIpcMapping may be used from one thread at a time.
+// be opened: e.g. no GPU visible, or a handle of this same process), kResourceExhausted (an
+// allocation the device cannot hold), kInternal for a failed copy, each naming the CUDA error string.
+// Thread-safety: a CudaIpcMapping or CudaAllocation may be used from one thread at a time; the
+// copy functions are reentrant.
 #pragma once
 
 #include <cstddef>
@@ -27,6 +32,20 @@ class CudaIpcMapping {
   virtual absl::Status CopyToHost(uint64_t offset, size_t nbytes, void* dst) = 0;
   // Copies host `src` into [offset, offset + nbytes) of the allocation.
   virtual absl::Status CopyFromHost(uint64_t offset, size_t nbytes, const void* src) = 0;
+  // The allocation's base address in this process (a device pointer: never dereference on the host).
+  virtual void* data() const = 0;
+  virtual size_t size() const = 0;  // bytes of the allocation (cudaMemGetAddressRange)
+  virtual int device() const = 0;
+};
+
+class CudaAllocation {
+ public:
+  virtual ~CudaAllocation() = default;  // cudaFree
+  virtual void* data() const = 0;       // device pointer, 256-byte aligned
+  virtual size_t size() const = 0;
+  virtual int device() const = 0;
+  // The cudaIpcMemHandle_t (64 bytes) that another process opens with OpenCudaIpc.
+  virtual absl::StatusOr<std::string> IpcHandle() const = 0;
 };
 
 // True when this build can open CUDA IPC handles (the device may still be missing).
@@ -34,5 +53,12 @@ bool CudaIpcCompiled();
 
 // Opens a cudaIpcMemHandle_t (64 bytes) of an allocation on CUDA device `device`.
 absl::StatusOr<std::unique_ptr<CudaIpcMapping>> OpenCudaIpc(const std::string& handle, int device);
+
+// cudaMalloc of `bytes` (> 0) on `device`, zero-filled.
+absl::StatusOr<std::unique_ptr<CudaAllocation>> AllocateCuda(size_t bytes, int device);
+
+// Synchronous copies of `nbytes` between host memory and device memory on `device`.
+absl::Status CopyHostToDevice(void* dst, const void* src, size_t nbytes, int device);
+absl::Status CopyDeviceToHost(void* dst, const void* src, size_t nbytes, int device);
 
 }  // namespace wsync

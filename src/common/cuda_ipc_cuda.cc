@@ -2,6 +2,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "common/cuda_ipc.h"
@@ -13,9 +14,72 @@ absl::Status CudaError(cudaError_t e, absl::string_view what, absl::StatusCode c
   return absl::Status(code, absl::StrCat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
 }
 
+absl::Status SetDevice(int device) {
+  if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
+    return CudaError(e, absl::StrCat("cudaSetDevice(", device, ")"), absl::StatusCode::kFailedPrecondition);
+  return absl::OkStatus();
+}
+
+absl::Status Copy(void* dst, const void* src, size_t nbytes, int device, cudaMemcpyKind kind) {
+  if (nbytes == 0) return absl::OkStatus();
+  if (absl::Status s = SetDevice(device); !s.ok()) return s;
+  if (cudaError_t e = cudaMemcpy(dst, src, nbytes, kind); e != cudaSuccess)
+    return CudaError(
+        e,
+        absl::StrCat("copying ", nbytes, " bytes ", kind == cudaMemcpyHostToDevice ? "to" : "from", " device ", device),
+        absl::StatusCode::kInternal);
+  return absl::OkStatus();
+}
+
+// The size of the allocation at `base`, for the callers' bounds checks: the driver's
+// cuMemGetAddressRange, reached through the runtime (no link against libcuda, so that binaries
+// still start on hosts without a driver).
+absl::Status AllocationSize(void* base, size_t* size) {
+  using GetAddressRange = int (*)(unsigned long long* base, size_t* size, unsigned long long ptr);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaError_t e = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found);
+      e != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr)
+    return absl::InternalError("the CUDA driver has no cuMemGetAddressRange");
+  unsigned long long range_base = 0;
+  if (int r = reinterpret_cast<GetAddressRange>(fn)(&range_base, size, reinterpret_cast<uintptr_t>(base)); r != 0)
+    return absl::InternalError(absl::StrCat("cuMemGetAddressRange of a CUDA IPC allocation: CUresult ", r));
+  return absl::OkStatus();
+}
+
+class Allocation final : public CudaAllocation {
+ public:
+  Allocation(void* data, size_t size, int device) : data_(data), size_(size), device_(device) {}
+  ~Allocation() override {
+    int prev = 0;
+    if (cudaGetDevice(&prev) == cudaSuccess && cudaSetDevice(device_) == cudaSuccess) {
+      cudaFree(data_);
+      cudaSetDevice(prev);
+    }
+  }
+  void* data() const override { return data_; }
+  size_t size() const override { return size_; }
+  int device() const override { return device_; }
+  absl::StatusOr<std::string> IpcHandle() const override {
+    if (absl::Status s = SetDevice(device_); !s.ok()) return s;
+    cudaIpcMemHandle_t h;
+    if (cudaError_t e = cudaIpcGetMemHandle(&h, data_); e != cudaSuccess)
+      return CudaError(e, "cudaIpcGetMemHandle", absl::StatusCode::kFailedPrecondition);
+    return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+  }
+
+ private:
+  void* data_;
+  size_t size_;
+  int device_;
+};
+
 class Mapping final : public CudaIpcMapping {
  public:
-  Mapping(void* base, int device) : base_(base), device_(device) {}
+  Mapping(void* base, size_t size, int device) : base_(base), size_(size), device_(device) {}
+  void* data() const override { return base_; }
+  size_t size() const override { return size_; }
+  int device() const override { return device_; }
   ~Mapping() override {
     int prev = 0;
     if (cudaGetDevice(&prev) == cudaSuccess && cudaSetDevice(device_) == cudaSuccess) {
@@ -43,12 +107,45 @@ class Mapping final : public CudaIpcMapping {
 
  private:
   void* base_;
+  size_t size_;
   int device_;
 };
 
 }  // namespace
 
 bool CudaIpcCompiled() { return true; }
+
+absl::StatusOr<std::unique_ptr<CudaAllocation>> AllocateCuda(size_t bytes, int device) {
+  if (bytes == 0) return absl::InvalidArgumentError("a CUDA allocation of 0 bytes");
+  int count = 0;
+  if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess)
+    return CudaError(e, "no CUDA device to allocate on", absl::StatusCode::kFailedPrecondition);
+  if (device < 0 || device >= count)
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA device ", device, " does not exist: this process sees ", count, " devices"));
+  if (absl::Status s = SetDevice(device); !s.ok()) return s;
+  void* p = nullptr;
+  if (cudaError_t e = cudaMalloc(&p, bytes); e != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error state of a failed allocation
+    return CudaError(
+        e, absl::StrCat("cudaMalloc of ", bytes, " bytes on device ", device),
+        e == cudaErrorMemoryAllocation ? absl::StatusCode::kResourceExhausted : absl::StatusCode::kInternal);
+  }
+  auto a = std::make_unique<Allocation>(p, bytes, device);
+  if (cudaError_t e = cudaMemset(p, 0, bytes); e != cudaSuccess)
+    return CudaError(e, "cudaMemset", absl::StatusCode::kInternal);
+  if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess)
+    return CudaError(e, "cudaMemset", absl::StatusCode::kInternal);
+  return std::unique_ptr<CudaAllocation>(std::move(a));
+}
+
+absl::Status CopyHostToDevice(void* dst, const void* src, size_t nbytes, int device) {
+  return Copy(dst, src, nbytes, device, cudaMemcpyHostToDevice);
+}
+
+absl::Status CopyDeviceToHost(void* dst, const void* src, size_t nbytes, int device) {
+  return Copy(dst, src, nbytes, device, cudaMemcpyDeviceToHost);
+}
 
 absl::StatusOr<std::unique_ptr<CudaIpcMapping>> OpenCudaIpc(const std::string& handle, int device) {
   cudaIpcMemHandle_t h;
@@ -66,7 +163,12 @@ absl::StatusOr<std::unique_ptr<CudaIpcMapping>> OpenCudaIpc(const std::string& h
   void* base = nullptr;
   if (cudaError_t e = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess)
     return CudaError(e, "cudaIpcOpenMemHandle", absl::StatusCode::kFailedPrecondition);
-  return std::unique_ptr<CudaIpcMapping>(new Mapping(base, device));
+  size_t size = 0;
+  if (absl::Status st = AllocationSize(base, &size); !st.ok()) {
+    cudaIpcCloseMemHandle(base);
+    return st;
+  }
+  return std::unique_ptr<CudaIpcMapping>(new Mapping(base, size, device));
 }
 
 }  // namespace wsync

@@ -3,12 +3,31 @@
 #include "common/cuda_ipc.h"
 
 namespace wsync {
+namespace {
+
+absl::Status NoCuda(absl::string_view what, int device) {
+  return absl::UnimplementedError(
+      absl::StrCat(what, " (device ", device, ") needs wsync built with CUDA (WSYNC_WITH_CUDA)"));
+}
+
+}  // namespace
 
 bool CudaIpcCompiled() { return false; }
 
 absl::StatusOr<std::unique_ptr<CudaIpcMapping>> OpenCudaIpc(const std::string& handle, int device) {
-  return absl::UnimplementedError(
-      absl::StrCat("CUDA IPC memory (device ", device, ") needs wsync built with CUDA (WSYNC_WITH_CUDA)"));
+  return NoCuda("CUDA IPC memory", device);
+}
+
+absl::StatusOr<std::unique_ptr<CudaAllocation>> AllocateCuda(size_t, int device) {
+  return NoCuda("CUDA device memory", device);
+}
+
+absl::Status CopyHostToDevice(void*, const void*, size_t, int device) {
+  return NoCuda("a host-to-device copy", device);
+}
+
+absl::Status CopyDeviceToHost(void*, const void*, size_t, int device) {
+  return NoCuda("a device-to-host copy", device);
 }
 
 }  // namespace wsync

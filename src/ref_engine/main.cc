@@ -23,11 +23,13 @@
 #include <thread>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "comm/communicator.h"
 #include "comm/store/store.h"
 #include "common/config.h"
+#include "common/cuda_ipc.h"
 #include "common/logging.h"
 #include "common/rpc_security.h"
 #include "common/status.h"
@@ -51,6 +53,8 @@ struct Flags {
   std::string log_level;
   double hold_timeout_s = 600, version_wait_s = 10, tp_join_timeout_s = 300, tp_idle_timeout_s = 30;
   int heartbeat_ms = 1000, agent_poll_ms = 2000, threads = 0, test_step_delay_ms = 0;
+  std::string param_memory = "shm";  // "shm" or "cuda:N"
+  int cuda_device = -1;              // parsed from param_memory
 };
 
 // One-shot "please shut down", from a signal or from rank 0.
@@ -170,13 +174,26 @@ int Run(const Flags& f) {
   rank.ep_size = f.ep_size;
   absl::StatusOr<rollout_agent::EngineLayout> layout = rollout_agent::EngineLayout::Create(*config, qptr, rank);
   if (!layout.ok()) return fail(layout.status());
+  // The registered parameter memory: a shm segment, or (--param-memory cuda:N) one CUDA allocation
+  // that the rollout agent repacks into on the device. This engine computes on the CPU, so a device
+  // arena has a host mirror: the checkpoint is loaded there and uploaded, and every Prepare (a new
+  // version, after the agent wrote the device) copies each param back into it before serving.
   absl::StatusOr<std::unique_ptr<rollout_agent::ParamArena>> arena =
-      rollout_agent::ParamArena::Create(*layout, rollout_agent::UniqueShmName(f.engine_id, f.tp_rank));
+      f.cuda_device >= 0
+          ? rollout_agent::ParamArena::CreateOnDevice(*layout, f.cuda_device)
+          : rollout_agent::ParamArena::Create(*layout, rollout_agent::UniqueShmName(f.engine_id, f.tp_rank));
   if (!arena.ok()) return fail(arena.status());
+  std::unique_ptr<rollout_agent::OwnedEngineWeights> mirror;
+  if ((*arena)->on_device()) {
+    absl::StatusOr<std::unique_ptr<rollout_agent::OwnedEngineWeights>> m =
+        rollout_agent::OwnedEngineWeights::Allocate(*layout);
+    if (!m.ok()) return fail(m.status());
+    mirror = std::move(*m);
+  }
   WSYNC_LOG(INFO) << "engine " << f.engine_id << " tp rank " << f.tp_rank << "/" << f.tp_size << " ep " << f.ep_size
                   << ": " << ArchitectureName(config->arch) << (qptr ? " INT4" : " bf16") << ", "
-                  << layout->params().size() << " params, " << (*arena)->segment().size() << " bytes in shm "
-                  << (*arena)->segment().name();
+                  << layout->params().size() << " params, " << (*arena)->size() << " bytes in " << (*arena)->where()
+                  << (mirror ? " (host mirror for the CPU forward pass)" : "");
 
   EngineCoreOptions copts;
   copts.engine_id = f.engine_id;
@@ -187,9 +204,14 @@ int Run(const Flags& f) {
   copts.step_delay = absl::Milliseconds(f.test_step_delay_ms);
   copts.prepare_threads = f.threads;
   rollout_agent::EngineWeights* weights = &(*arena)->weights();
-  ParamLookup lookup = [weights](absl::string_view name) -> absl::StatusOr<TensorView> {
+  rollout_agent::EngineWeights* host_weights = mirror ? &mirror->weights() : weights;
+  ParamLookup lookup = [weights, host_weights](absl::string_view name) -> absl::StatusOr<TensorView> {
     ASSIGN_OR_RETURN(MutableTensorView v, weights->View(name));
-    return TensorView(v);
+    const rollout_agent::EngineBuffer* b = weights->Find(name);
+    if (!b->on_device()) return TensorView(v);
+    ASSIGN_OR_RETURN(MutableTensorView m, host_weights->View(name));
+    RETURN_IF_ERROR(CopyDeviceToHost(m.data(), v.data(), v.nbytes(), b->cuda_device));
+    return TensorView(m);
   };
   absl::StatusOr<std::unique_ptr<EngineCore>> core = EngineCore::Create(*config, rank, lookup, copts);
   if (!core.ok()) return fail(core.status());
@@ -199,8 +221,14 @@ int Run(const Flags& f) {
     CheckpointOptions co;
     co.num_threads = f.threads;
     co.variant = f.quant_variant == "slime" ? kernels::QuantVariant::kSlime : kernels::QuantVariant::kQat;
-    absl::StatusOr<CheckpointStats> stats = LoadCheckpoint(f.checkpoint, *layout, *weights, co);
+    absl::StatusOr<CheckpointStats> stats = LoadCheckpoint(f.checkpoint, *layout, *host_weights, co);
     if (!stats.ok()) return fail(stats.status());
+    if (mirror) {
+      for (const rollout_agent::EngineBuffer& b : weights->buffers()) {
+        const absl::Status up = CopyHostToDevice(b.data, host_weights->Find(b.name)->data, b.nbytes, b.cuda_device);
+        if (!up.ok()) return fail(Annotate(up, absl::StrCat("uploading ", b.name)));
+      }
+    }
     if (absl::Status s = (*core)->PrepareInitial(0, absl::StrCat("checkpoint ", f.checkpoint)); !s.ok()) return fail(s);
     WSYNC_LOG(INFO) << "loaded checkpoint " << f.checkpoint << ": " << stats->files << " files, " << stats->tensors
                     << " tensors, " << stats->quantized << " quantized at load, " << stats->skipped << " skipped, in "
@@ -302,7 +330,7 @@ int Run(const Flags& f) {
   if (former.joinable()) former.join();
   (*core)->Shutdown();
   (*server)->Shutdown(absl::Milliseconds(500));  // the core already failed every held request
-  WSYNC_LOG(INFO) << "stopped; unlinking " << (*arena)->segment().name();
+  WSYNC_LOG(INFO) << "stopped; releasing " << (*arena)->where();
   return 0;
 }
 
@@ -345,6 +373,9 @@ int main(int argc, char** argv) {
   app.add_option("--threads", f.threads, "threads for loading, repacking and preparing weights (0: all cores)");
   app.add_option("--test-step-delay-ms", f.test_step_delay_ms, "tests only: sleep before every forward pass")
       ->group("");
+  app.add_option("--param-memory", f.param_memory,
+                 "where the registered parameters live: shm (POSIX shared memory) or cuda:N (CUDA device N, "
+                 "registered by IPC handle; the rollout agent repacks on the device)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -355,6 +386,12 @@ int main(int argc, char** argv) {
     return 2;
   };
   if (f.model.empty() && f.checkpoint.empty()) return usage("--model or --checkpoint is required");
+  if (f.param_memory.rfind("cuda:", 0) == 0) {
+    if (!absl::SimpleAtoi(f.param_memory.substr(5), &f.cuda_device) || f.cuda_device < 0)
+      return usage(absl::StrCat("--param-memory ", f.param_memory, ": want cuda:N with a device number N >= 0"));
+  } else if (f.param_memory != "shm") {
+    return usage(absl::StrCat("--param-memory ", f.param_memory, ": want shm or cuda:N"));
+  }
   if (f.tp_rank >= f.tp_size) return usage(absl::StrCat("--tp-rank ", f.tp_rank, " must be < --tp-size ", f.tp_size));
   if (f.tp_size > 1 && f.tp_store.empty()) return usage("--tp-size > 1 needs --tp-store");
   if (f.heartbeat_ms <= 0 || f.tp_idle_timeout_s * 1000 <= 2 * f.heartbeat_ms)

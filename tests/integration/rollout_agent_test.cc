@@ -376,7 +376,7 @@ TEST_F(RolloutAgentTest, AWholeInt4SyncLandsInTheEngineBitExact) {
   const model::testing::HfModel& v2 = Model(kSeedV2);
   EXPECT_EQ(Status(agent).state(), "idle");
   EXPECT_EQ(Status(agent).version(), 1u);
-  const uint64_t before = engine.memory().Checksum();
+  const uint64_t before = engine.memory().Checksum().value();
 
   v1::BeginSyncReply begun;
   ASSERT_TRUE(Begin(agent, BeginRequest(7, 2, 1, 1, /*record=*/true), &begun).ok());
@@ -405,7 +405,7 @@ TEST_F(RolloutAgentTest, AWholeInt4SyncLandsInTheEngineBitExact) {
   EXPECT_EQ(prepared.tensors(), v2.order.size());
   EXPECT_GT(prepared.transfer_seconds(), 0.0);
   EXPECT_GT(prepared.load_seconds(), 0.0);
-  EXPECT_EQ(engine.memory().Checksum(), before) << "PrepareSync must not touch the engine";
+  EXPECT_EQ(engine.memory().Checksum().value(), before) << "PrepareSync must not touch the engine";
   EXPECT_EQ(Status(agent).state(), "prepared");
   // Prepare again: the same answer.
   v1::PrepareSyncReply again;
@@ -606,7 +606,7 @@ TEST_F(RolloutAgentTest, EveryFailureLeavesTheEngineOnItsPreviousVersion) {
     ++id;
     stall->store(false);
     engine.ClearCalls();
-    const uint64_t before = engine.memory().Checksum();
+    const uint64_t before = engine.memory().Checksum().value();
     ASSERT_TRUE(Begin(agent, BeginRequest(id, 2, 1, 1, /*record=*/true)).ok());
     trainer_->Run(GroupName(id), 2, [&c, &good](comm::Communicator& comm) { return c.send(comm, good, 2); });
     if (c.during) c.during(this, agent, id);
@@ -625,7 +625,7 @@ TEST_F(RolloutAgentTest, EveryFailureLeavesTheEngineOnItsPreviousVersion) {
     EXPECT_TRUE(as.ok()) << as.error_message();
     EXPECT_EQ(aborted.version(), 1u);
     EXPECT_TRUE(AbortRpc(agent, id).ok()) << "AbortSync is idempotent";
-    EXPECT_EQ(engine.memory().Checksum(), before) << "the engine's memory changed";
+    EXPECT_EQ(engine.memory().Checksum().value(), before) << "the engine's memory changed";
     const std::vector<std::string> calls = engine.calls();
     ASSERT_FALSE(calls.empty());
     EXPECT_EQ(calls.front(), "pause:HOLD");
@@ -657,7 +657,7 @@ TEST_F(RolloutAgentTest, FlushIsRetriedWhileTheEngineDrainsAndRefusedAtTheDeadli
 
   engine.ClearCalls();
   engine.RefuseFlushes(-1);
-  const uint64_t before = engine.memory().Checksum();
+  const uint64_t before = engine.memory().Checksum().value();
   const absl::Time t0 = absl::Now();
   grpc::Status s = Begin(agent, BeginRequest(2, 3, 1, 1, false, /*timeout_ms=*/600));
   const absl::Duration took = absl::Now() - t0;
@@ -671,7 +671,7 @@ TEST_F(RolloutAgentTest, FlushIsRetriedWhileTheEngineDrainsAndRefusedAtTheDeadli
   EXPECT_GE(std::count(calls.begin(), calls.end(), "flush:refused"), 2);
   EXPECT_EQ(calls.back(), "continue:2");
   EXPECT_FALSE(engine.paused());
-  EXPECT_EQ(engine.memory().Checksum(), before);
+  EXPECT_EQ(engine.memory().Checksum().value(), before);
   EXPECT_EQ(Status(agent).state(), "idle");
 
   // The caller's own deadline bounds the retries too: a coordinator that gave up leaves no engine
@@ -688,7 +688,7 @@ TEST_F(RolloutAgentTest, FlushIsRetriedWhileTheEngineDrainsAndRefusedAtTheDeadli
   // Well under the sync's own 30 s timeout (3 s leaves room for a loaded machine).
   EXPECT_LT(absl::Now() - t1, absl::Seconds(3)) << "the engine stayed paused after the caller's deadline";
   EXPECT_EQ(engine.calls().back(), "continue:2");
-  EXPECT_EQ(engine.memory().Checksum(), before);
+  EXPECT_EQ(engine.memory().Checksum().value(), before);
 
   engine.RefuseFlushes(0);
   SyncAll(4, 3, Model(kSeedV3));
@@ -699,7 +699,7 @@ TEST_F(RolloutAgentTest, AnAgentLeftAloneByItsCoordinatorAbortsOnItsOwn) {
   StartRank(1, 0, 1);
   rollout_agent::testing::FakeEngine& engine = *engines_[0];
   rollout_agent::testing::AgentProcess& agent = *agents_[0];
-  const uint64_t before = engine.memory().Checksum();
+  const uint64_t before = engine.memory().Checksum().value();
   // Prepared, then silence. The sync's timeout also bounds the group's formation, which starts at
   // BeginSync: the tensors are made before it (quantizing them under ASan takes seconds), and the
   // timeout leaves room for a loaded machine. The watchdog fires 2 x 3 s after PrepareSync.
@@ -714,7 +714,7 @@ TEST_F(RolloutAgentTest, AnAgentLeftAloneByItsCoordinatorAbortsOnItsOwn) {
   EXPECT_FALSE(engine.paused());
   EXPECT_GE(absl::Now() - t0, absl::Seconds(3));
   EXPECT_THAT(engine.calls(), ElementsAre("pause:HOLD", "flush", "continue:1"));
-  EXPECT_EQ(engine.memory().Checksum(), before);
+  EXPECT_EQ(engine.memory().Checksum().value(), before);
   grpc::Status late = CommitRpc(agent, 5);
   EXPECT_EQ(late.error_code(), grpc::StatusCode::ABORTED);
   EXPECT_THAT(late.error_message(), HasSubstr("coordinator"));
@@ -724,7 +724,7 @@ TEST_F(RolloutAgentTest, AnAgentLeftAloneByItsCoordinatorAbortsOnItsOwn) {
   ASSERT_TRUE(Begin(agent, BeginRequest(6, 2, 1, 1, false, /*timeout_ms=*/1000)).ok());
   WaitUntil([&] { return engine.calls().size() >= 3; }, absl::Seconds(10));
   EXPECT_THAT(engine.calls(), ElementsAre("pause:HOLD", "flush", "continue:1"));
-  EXPECT_EQ(engine.memory().Checksum(), before);
+  EXPECT_EQ(engine.memory().Checksum().value(), before);
   // The agent records the abort once the engine's Continue has returned: shortly after the engine
   // saw it (a race under load in CI, hence a bounded wait rather than one look).
   WaitUntil([&] { return Status(agent).state() == "idle"; }, absl::Seconds(5));
@@ -793,7 +793,7 @@ TEST_F(RolloutAgentTest, AWrongTokenIsRefusedAndChangesNothing) {
   StartRank(1, 0, 1);
   rollout_agent::testing::FakeEngine& engine = *engines_[0];
   rollout_agent::testing::AgentProcess& agent = *agents_[0];
-  const uint64_t before = engine.memory().Checksum();
+  const uint64_t before = engine.memory().Checksum().value();
   for (const std::string& token : {std::string("wrong"), std::string()}) {
     SCOPED_TRACE(token.empty() ? "no token" : "wrong token");
     RpcSecurity bad = sec_;
@@ -843,7 +843,7 @@ TEST_F(RolloutAgentTest, AWrongTokenIsRefusedAndChangesNothing) {
     }
   }
   EXPECT_TRUE(engine.calls().empty());
-  EXPECT_EQ(engine.memory().Checksum(), before);
+  EXPECT_EQ(engine.memory().Checksum().value(), before);
   v1::AgentStatusReply st = Status(agent);
   EXPECT_EQ(st.state(), "idle");
   EXPECT_EQ(st.engine_id(), "engine-a");
@@ -949,7 +949,7 @@ TEST_F(RolloutAgentTest, TwoPipelineStagesArriveThroughTwoGroupsAtOnce) {
   EXPECT_TRUE(files.contains("pp1-00000.safetensors"));
 
   // A bucket of stage 1 arriving in stage 0's group is refused.
-  const uint64_t before = engine.memory().Checksum();
+  const uint64_t before = engine.memory().Checksum().value();
   v1::BeginSyncRequest req2 = BeginRequest(22, 3, 1, 1);
   auto* h1 = req2.add_groups();
   h1->set_pp_stage(1);
@@ -963,7 +963,7 @@ TEST_F(RolloutAgentTest, TwoPipelineStagesArriveThroughTwoGroupsAtOnce) {
   EXPECT_THAT(ps.error_message(), HasSubstr("arrived in the group of stage 0"));
   EXPECT_FALSE(trainer_->Join().ok()) << "both stage sources must see the failure";
   ASSERT_TRUE(AbortRpc(agent, 22).ok());
-  EXPECT_EQ(engine.memory().Checksum(), before);
+  EXPECT_EQ(engine.memory().Checksum().value(), before);
   EXPECT_EQ(engine.calls().back(), "continue:2");
 }
 
@@ -987,11 +987,11 @@ TEST_F(RolloutAgentTest, EngineTp2WithExpertParallelismTwoAgentsOneGroup) {
   std::set<std::string> files;
   EXPECT_EQ(ReadRecording(record_dir_ + "shared/v2", &files).size(), v2.sent.size());
   // The two ranks hold different slices.
-  EXPECT_NE(engines_[0]->memory().Checksum(), engines_[1]->memory().Checksum());
+  EXPECT_NE(engines_[0]->memory().Checksum().value(), engines_[1]->memory().Checksum().value());
 
   // One rank fails (a tensor it needs is missing from the stream: both fail at Prepare, since every
   // agent needs every non-expert tensor); both are aborted and keep version 2.
-  const uint64_t c0 = engines_[0]->memory().Checksum(), c1 = engines_[1]->memory().Checksum();
+  const uint64_t c0 = engines_[0]->memory().Checksum().value(), c1 = engines_[1]->memory().Checksum().value();
   for (int r = 0; r < 2; ++r) ASSERT_TRUE(Begin(*agents_[r], BeginRequest(12, 3, r + 1, 2)).ok());
   Tensors t = SentTensors(Model(kSeedV3));
   t.erase(std::remove_if(t.begin(), t.end(),
@@ -1005,8 +1005,8 @@ TEST_F(RolloutAgentTest, EngineTp2WithExpertParallelismTwoAgentsOneGroup) {
   }
   EXPECT_TRUE(trainer_->Join().ok());
   for (int r = 0; r < 2; ++r) ASSERT_TRUE(AbortRpc(*agents_[r], 12).ok());
-  EXPECT_EQ(engines_[0]->memory().Checksum(), c0);
-  EXPECT_EQ(engines_[1]->memory().Checksum(), c1);
+  EXPECT_EQ(engines_[0]->memory().Checksum().value(), c0);
+  EXPECT_EQ(engines_[1]->memory().Checksum().value(), c1);
   for (int r = 0; r < 2; ++r) EXPECT_EQ(engines_[r]->calls().back(), "continue:2");
 }
 
@@ -1043,12 +1043,12 @@ TEST_F(RolloutAgentTest, JoinsHeartbeatsRejoinsAndLeavesTheCoordinator) {
   EXPECT_EQ((*coord)->joins().size(), 2u) << "heartbeats of the re-joined agent must be known";
 
   // SIGTERM during a sync: the engine continues on its previous version; the agent leaves.
-  const uint64_t before = engine.memory().Checksum();
+  const uint64_t before = engine.memory().Checksum().value();
   ASSERT_TRUE(Begin(agent, BeginRequest(1, 2, 1, 1)).ok());
   const int status = agent.Terminate();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << agent.Log();
   EXPECT_THAT(engine.calls(), ElementsAre("pause:HOLD", "flush", "continue:1"));
-  EXPECT_EQ(engine.memory().Checksum(), before);
+  EXPECT_EQ(engine.memory().Checksum().value(), before);
   EXPECT_THAT((*coord)->leaves(), ElementsAre("agent-2"));
 }
 

@@ -315,7 +315,11 @@ class Ctl {
           } else {
             std::map<std::string, uint64_t> actual;
             for (const auto& p : r.params()) actual[p.name()] = p.xxh3_64();
-            vr = tools::CompareChecksums(tools::ChecksumWeights((*weights)->weights()), actual);
+            auto want = tools::ChecksumWeights((*weights)->weights());
+            if (want.ok())
+              vr = tools::CompareChecksums(*want, actual);
+            else
+              s = want.status();
           }
         }
       }

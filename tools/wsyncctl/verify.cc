@@ -6,9 +6,9 @@
 
 namespace wsync::tools {
 
-std::map<std::string, uint64_t> ChecksumWeights(const rollout_agent::EngineWeights& weights) {
+absl::StatusOr<std::map<std::string, uint64_t>> ChecksumWeights(const rollout_agent::EngineWeights& weights) {
   std::map<std::string, uint64_t> out;
-  const std::vector<uint64_t> sums = weights.Checksums();
+  ASSIGN_OR_RETURN(const std::vector<uint64_t> sums, weights.Checksums());
   for (size_t i = 0; i < sums.size(); ++i) out[weights.buffers()[i].name] = sums[i];
   return out;
 }

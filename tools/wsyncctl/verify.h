@@ -18,8 +18,8 @@
 
 namespace wsync::tools {
 
-// name -> XXH3-64 of the buffer's bytes, for every buffer.
-std::map<std::string, uint64_t> ChecksumWeights(const rollout_agent::EngineWeights& weights);
+// name -> XXH3-64 of the buffer's bytes, for every buffer (EngineWeights::Checksums' errors).
+absl::StatusOr<std::map<std::string, uint64_t>> ChecksumWeights(const rollout_agent::EngineWeights& weights);
 
 // The engine weights one rank of `layout` holds after a sync of `sent` (HF names, INT4 triplets):
 // Loader + CheckComplete + Commit into fresh memory. Errors as the loader's.

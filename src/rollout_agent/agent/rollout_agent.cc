@@ -448,7 +448,7 @@ absl::Status RolloutAgent::EngineChecksums(v1::EngineChecksumsReply* reply) {
   }
   // engine_ cannot change while memory_mu_ is held.
   const std::vector<EngineBuffer>& buffers = engine_->memory->weights().buffers();
-  const std::vector<uint64_t> sums = engine_->memory->weights().Checksums();
+  ASSIGN_OR_RETURN(const std::vector<uint64_t> sums, engine_->memory->weights().Checksums());
   for (size_t i = 0; i < buffers.size(); ++i) {
     v1::ParamChecksum* p = reply->add_params();
     p->set_name(buffers[i].name);
@@ -794,9 +794,8 @@ absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::Comm
   {
     absl::MutexLock mem(&memory_mu_);
     st = Commit(*e.staging, e.memory->weights(), {.num_threads = options_.repack_threads, .verify = false});
-    // CUDA engines: the repack wrote the host shadows; the device copy follows (kInternal on failure:
-    // the device may be partly written, handled as a failed repack below).
-    if (st.ok()) st = e.memory->PublishToDevice();
+    // CUDA engines: Commit repacks on the device straight into the engine's memory (kInternal on a
+    // device failure: the memory may be partly written, handled as a failed repack below).
     if (st.ok()) {
       absl::MutexLock lock(&mu_);
       version_ = version;  // wakes UpdateWeights waiters

@@ -20,15 +20,6 @@ EngineMemory::~EngineMemory() {
     if (m.addr != nullptr && m.size > 0) munmap(m.addr, m.size);
 }
 
-absl::Status EngineMemory::PublishToDevice() {
-  for (const Device& d : device_) {
-    absl::Status s = handles_[d.handle]->CopyFromHost(d.offset, d.shadow.size(), d.shadow.data());
-    if (!s.ok())
-      return absl::InternalError(absl::StrCat("publishing engine param \"", d.name, "\" to its device: ", s.message()));
-  }
-  return absl::OkStatus();
-}
-
 std::vector<std::string> EngineMemory::segments() const {
   std::vector<std::string> out;
   for (const Mapping& m : mappings_) out.push_back(m.name);
@@ -67,7 +58,7 @@ absl::StatusOr<std::unique_ptr<EngineMemory>> MapEngineMemory(
                                                      ShapeToString(shape), " needs ", *want));
     }
     if (!p.memory().cuda_ipc_handle().empty()) {
-      // Device memory: one mapping per distinct allocation, a host shadow per param.
+      // Device memory: one mapping per distinct allocation; the buffer is the device memory itself.
       const std::string key = absl::StrCat(p.memory().cuda_device(), "/", p.memory().cuda_ipc_handle());
       auto h = by_handle.find(key);
       if (h == by_handle.end()) {
@@ -76,21 +67,22 @@ absl::StatusOr<std::unique_ptr<EngineMemory>> MapEngineMemory(
         h = by_handle.emplace(key, mem->handles_.size()).first;
         mem->handles_.push_back(std::move(*mapping));
       }
-      EngineMemory::Device d;
-      d.name = p.name();
-      d.handle = h->second;
-      d.offset = p.memory().offset();
-      ASSIGN_OR_RETURN(d.shadow, Buffer::Allocate(p.nbytes()));
-      RETURN_IF_ERROR(Annotate(mem->handles_[d.handle]->CopyToHost(d.offset, p.nbytes(), d.shadow.data()), what));
+      const CudaIpcMapping& m = *mem->handles_[h->second];
+      const uint64_t off = p.memory().offset();
+      if (off > m.size() || p.nbytes() > m.size() - off) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": bytes [", off, ", ", off + p.nbytes(),
+                                                       ") lie outside the ", m.size(),
+                                                       "-byte CUDA allocation of its IPC handle"));
+      }
       EngineBuffer b;
       b.name = p.name();
       b.dtype = *dtype;
       b.shape = std::move(shape);
-      b.data = d.shadow.data();
+      b.data = static_cast<std::byte*>(m.data()) + off;
       b.nbytes = p.nbytes();
+      b.cuda_device = m.device();
       RETURN_IF_ERROR(mem->weights_.Add(std::move(b)));
       mem->param_bytes_ += p.nbytes();
-      mem->device_.push_back(std::move(d));
       continue;
     }
     const std::string& seg = p.memory().shm_name();

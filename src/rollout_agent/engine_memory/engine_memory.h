@@ -10,10 +10,9 @@
 //
 // CUDA engines register device parameters by CUDA IPC handle (ParamMemory.cuda_ipc_handle +
 // cuda_device + offset into that allocation): the agent opens each distinct handle once
-// (common/cuda_ipc.h), keeps a host shadow of each such parameter, initialised from the device, and
-// EngineWeights address the shadow; PublishToDevice() copies the shadows to the device after a
-// commit wrote them. (The GPU-native path would repack on the device, kernels/dispatch; this one
-// is the correct fallback and is compiled, not run, here: no GPU.)
+// (common/cuda_ipc.h), checks that every param lies inside its allocation (cudaMemGetAddressRange),
+// and the EngineWeights address the device memory itself (EngineBuffer::cuda_device): Commit
+// repacks on the device straight into it, with no host copy of the engine's memory.
 //
 // Ownership: EngineMemory owns the mappings (munmap on destruction) and the file descriptors are
 // closed right after mmap. The segments themselves belong to the engine: the agent never unlinks
@@ -51,11 +50,8 @@ class EngineMemory {
   uint64_t param_bytes() const { return param_bytes_; }
   // Names of the mapped segments, in first-use order.
   std::vector<std::string> segments() const;
-  // Parameters that live on a CUDA device (through a host shadow).
-  size_t device_params() const { return device_.size(); }
-  // Copies every device parameter's shadow to the device (after a commit). OK when there are none;
-  // kInternal (naming the param) if a copy fails: the device may then be partly written.
-  absl::Status PublishToDevice();
+  // Parameters that live on a CUDA device.
+  size_t device_params() const { return weights_.device_buffers(); }
 
  private:
   friend absl::StatusOr<std::unique_ptr<EngineMemory>> MapEngineMemory(
@@ -65,17 +61,10 @@ class EngineMemory {
     void* addr = nullptr;
     size_t size = 0;
   };
-  struct Device {
-    std::string name;
-    size_t handle = 0;  // index into handles_
-    uint64_t offset = 0;
-    Buffer shadow;
-  };
   EngineMemory() = default;
 
   std::vector<Mapping> mappings_;
   std::vector<std::unique_ptr<CudaIpcMapping>> handles_;
-  std::vector<Device> device_;
   EngineWeights weights_;
   uint64_t param_bytes_ = 0;
 };

@@ -131,6 +131,15 @@ ShmSegment::~ShmSegment() {
 
 absl::StatusOr<std::unique_ptr<ParamArena>> ParamArena::Create(const EngineLayout& layout,
                                                                const std::string& shm_name) {
+  return Lay(layout, shm_name, -1);
+}
+
+absl::StatusOr<std::unique_ptr<ParamArena>> ParamArena::CreateOnDevice(const EngineLayout& layout, int device) {
+  return Lay(layout, "", device);
+}
+
+absl::StatusOr<std::unique_ptr<ParamArena>> ParamArena::Lay(const EngineLayout& layout, const std::string& shm_name,
+                                                            int device) {
   const auto& params = layout.params();
   std::vector<uint64_t> offsets;
   offsets.reserve(params.size());
@@ -146,8 +155,15 @@ absl::StatusOr<std::unique_ptr<ParamArena>> ParamArena::Create(const EngineLayou
   }
   const uint64_t size = std::max<uint64_t>((end + kParamAlignment - 1) / kParamAlignment * kParamAlignment, 64);
   auto arena = std::unique_ptr<ParamArena>(new ParamArena());
-  ASSIGN_OR_RETURN(arena->segment_, ShmSegment::Create(shm_name, size));
-  auto* base = static_cast<std::byte*>(arena->segment_->data());
+  std::byte* base = nullptr;
+  if (device >= 0) {
+    ASSIGN_OR_RETURN(arena->device_, AllocateCuda(size, device));
+    ASSIGN_OR_RETURN(arena->ipc_handle_, arena->device_->IpcHandle());
+    base = static_cast<std::byte*>(arena->device_->data());
+  } else {
+    ASSIGN_OR_RETURN(arena->segment_, ShmSegment::Create(shm_name, size));
+    base = static_cast<std::byte*>(arena->segment_->data());
+  }
   for (size_t i = 0; i < params.size(); ++i) {
     const EngineParam& p = params[i];
     EngineBuffer b;
@@ -156,11 +172,18 @@ absl::StatusOr<std::unique_ptr<ParamArena>> ParamArena::Create(const EngineLayou
     b.shape = p.engine_shape;
     b.data = base + offsets[i];
     b.nbytes = sizes[i];
+    b.cuda_device = device;
     RETURN_IF_ERROR(arena->weights_.Add(std::move(b)));
   }
   RETURN_IF_ERROR(arena->weights_.CheckMatches(layout));
   arena->offsets_ = std::move(offsets);
   return arena;
+}
+
+size_t ParamArena::size() const { return on_device() ? device_->size() : segment_->size(); }
+
+std::string ParamArena::where() const {
+  return on_device() ? absl::StrCat("CUDA device ", device_->device()) : absl::StrCat("shm ", segment_->name());
 }
 
 void ParamArena::FillParams(google::protobuf::RepeatedPtrField<v1::EngineParam>* out) const {
@@ -172,13 +195,21 @@ void ParamArena::FillParams(google::protobuf::RepeatedPtrField<v1::EngineParam>*
     p->set_dtype(comm::ToProto(buffers[i].dtype));  // comm/bucket/stream.h
     for (int64_t d : buffers[i].shape) p->add_shape(d);
     p->set_nbytes(buffers[i].nbytes);
-    p->mutable_memory()->set_shm_name(segment_->name());
+    if (on_device()) {
+      p->mutable_memory()->set_cuda_ipc_handle(ipc_handle_);
+      p->mutable_memory()->set_cuda_device(device_->device());
+    } else {
+      p->mutable_memory()->set_shm_name(segment_->name());
+    }
     p->mutable_memory()->set_offset(offsets_[i]);
   }
 }
 
-uint64_t ParamArena::Checksum() const {
-  return Xxh3_64({static_cast<const std::byte*>(segment_->data()), segment_->size()});
+absl::StatusOr<uint64_t> ParamArena::Checksum() const {
+  if (!on_device()) return Xxh3_64({static_cast<const std::byte*>(segment_->data()), segment_->size()});
+  ASSIGN_OR_RETURN(Buffer host, Buffer::Allocate(device_->size()));
+  RETURN_IF_ERROR(CopyDeviceToHost(host.data(), device_->data(), device_->size(), device_->device()));
+  return Xxh3_64(host.span());
 }
 
 }  // namespace wsync::rollout_agent

@@ -11,6 +11,9 @@
 //   ParamArena     a segment laid out for an EngineLayout: every param at a 64-byte aligned offset
 //                  in layout order, zero-filled, exposed as EngineWeights (what Commit()
 //                  and EngineModel read and write) and as the registration's EngineParam list.
+//                  CreateOnDevice lays the same offsets out in one CUDA allocation (a CUDA engine's
+//                  parameters) and registers them by IPC handle; its EngineWeights are device
+//                  buffers (EngineBuffer::cuda_device), which only the CUDA kernels and copies touch.
 //
 // Names: "/wsync-engine-<engine id>-r<rank>-<pid>-<random hex>"; the engine id is reduced to
 // [A-Za-z0-9._-] (others become '_') and at most 64 characters.
@@ -30,6 +33,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/cuda_ipc.h"
 #include "rollout_agent/load/engine_layout.h"
 #include "rollout_agent/repack/engine_weights.h"
 #include "wsync/v1/engine.pb.h"
@@ -74,23 +78,35 @@ class ParamArena {
  public:
   // Lays out every param of `layout` (ParamForm::kEngine) in one new segment named `shm_name`.
   static absl::StatusOr<std::unique_ptr<ParamArena>> Create(const EngineLayout& layout, const std::string& shm_name);
+  // The same layout in one new zero-filled CUDA allocation on `device` (cuda_ipc.h's errors).
+  static absl::StatusOr<std::unique_ptr<ParamArena>> CreateOnDevice(const EngineLayout& layout, int device);
 
+  bool on_device() const { return device_ != nullptr; }
+  // Host arenas only (on_device() false).
   const ShmSegment& segment() const { return *segment_; }
+  // Bytes of the segment or allocation, and "shm /name" or "CUDA device N" for logs.
+  size_t size() const;
+  std::string where() const;
   // Every param, by SGLang name, pointing into the segment (CheckMatches(layout) holds).
   EngineWeights& weights() { return weights_; }
   const EngineWeights& weights() const { return weights_; }
-  // The registration's params: name, dtype, engine shape, nbytes, {shm_name, offset}.
+  // The registration's params: name, dtype, engine shape, nbytes, {shm_name, offset} or
+  // {cuda_ipc_handle, cuda_device, offset}.
   void FillParams(google::protobuf::RepeatedPtrField<v1::EngineParam>* out) const;
   // Byte offset of a param in the segment (by index in weights().buffers()).
   uint64_t offset(size_t index) const { return offsets_[index]; }
-  // XXH3-64 of the whole segment (every param and the zeroed gaps between them): a fingerprint
-  // of the engine's weights, e.g. to show that a step left them unchanged. Reads the bytes as they
-  // are; the caller keeps writers away (the pause protocol).
-  uint64_t Checksum() const;
+  // XXH3-64 of the whole segment or allocation (every param and the zeroed gaps between them): a
+  // fingerprint of the engine's weights, e.g. to show that a step left them unchanged. Reads the
+  // bytes as they are (a device arena through one host copy); the caller keeps writers away.
+  absl::StatusOr<uint64_t> Checksum() const;
 
  private:
   ParamArena() = default;
+  static absl::StatusOr<std::unique_ptr<ParamArena>> Lay(const EngineLayout& layout, const std::string& shm_name,
+                                                         int device);
   std::unique_ptr<ShmSegment> segment_;
+  std::unique_ptr<CudaAllocation> device_;
+  std::string ipc_handle_;
   EngineWeights weights_;
   std::vector<uint64_t> offsets_;
 };

@@ -157,16 +157,16 @@ TEST(ParamArenaTest, ChecksumCoversTheWholeSegment) {
   ASSERT_TRUE(arena.ok()) << arena.status();
   const ShmSegment& seg = (*arena)->segment();
   auto* bytes = static_cast<std::byte*>(seg.data());
-  const uint64_t zero = (*arena)->Checksum();
+  const uint64_t zero = (*arena)->Checksum().value();
   EXPECT_EQ(zero, Xxh3_64({bytes, seg.size()}));
   // A byte of a param changes it; writing the byte back restores it.
   const EngineBuffer& last = (*arena)->weights().buffers().back();
   static_cast<unsigned char*>(last.data)[last.nbytes - 1] = 0x01;
-  const uint64_t written = (*arena)->Checksum();
+  const uint64_t written = (*arena)->Checksum().value();
   EXPECT_NE(written, zero);
   EXPECT_EQ(written, Xxh3_64({bytes, seg.size()}));
   static_cast<unsigned char*>(last.data)[last.nbytes - 1] = 0;
-  EXPECT_EQ((*arena)->Checksum(), zero);
+  EXPECT_EQ((*arena)->Checksum().value(), zero);
   // So does a byte between params (the zeroed alignment gaps are part of the segment).
   const auto& bufs = (*arena)->weights().buffers();
   bool gap = false;
@@ -174,13 +174,13 @@ TEST(ParamArenaTest, ChecksumCoversTheWholeSegment) {
     const uint64_t end = (*arena)->offset(i) + bufs[i].nbytes;
     if (end < (*arena)->offset(i + 1)) {
       bytes[end] = std::byte{1};
-      EXPECT_NE((*arena)->Checksum(), zero) << "gap after " << bufs[i].name;
+      EXPECT_NE((*arena)->Checksum().value(), zero) << "gap after " << bufs[i].name;
       bytes[end] = std::byte{0};
       gap = true;
     }
   }
   EXPECT_TRUE(gap) << "the layout has no gap between params; pick sizes that leave one";
-  EXPECT_EQ((*arena)->Checksum(), zero);
+  EXPECT_EQ((*arena)->Checksum().value(), zero);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/checksum.h"
+#include "common/cuda_ipc.h"
 #include "common/parallel_for.h"
 #include "common/status.h"
 
@@ -90,15 +91,31 @@ absl::StatusOr<std::unique_ptr<OwnedEngineWeights>> OwnedEngineWeights::Allocate
   return o;
 }
 
-std::vector<uint64_t> EngineWeights::Checksums(int threads) const {
+absl::StatusOr<std::vector<uint64_t>> EngineWeights::Checksums(int threads) const {
   std::vector<uint64_t> sums(buffers_.size());
   ParallelFor(static_cast<int64_t>(buffers_.size()), threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const EngineBuffer& b = buffers_[static_cast<size_t>(i)];
-      sums[static_cast<size_t>(i)] = Xxh3_64({static_cast<const std::byte*>(b.data), b.nbytes});
+      if (!b.on_device()) sums[static_cast<size_t>(i)] = Xxh3_64({static_cast<const std::byte*>(b.data), b.nbytes});
     }
   });
+  Buffer host;
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    const EngineBuffer& b = buffers_[i];
+    if (!b.on_device()) continue;
+    if (host.size() < b.nbytes) {
+      ASSIGN_OR_RETURN(host, Buffer::Allocate(b.nbytes));
+    }
+    RETURN_IF_ERROR(Annotate(CopyDeviceToHost(host.data(), b.data, b.nbytes, b.cuda_device),
+                             absl::StrCat("checksum of engine buffer ", b.name)));
+    sums[i] = Xxh3_64({static_cast<const std::byte*>(host.data()), b.nbytes});
+  }
   return sums;
+}
+
+size_t EngineWeights::device_buffers() const {
+  return static_cast<size_t>(
+      std::count_if(buffers_.begin(), buffers_.end(), [](const EngineBuffer& b) { return b.on_device(); }));
 }
 
 }  // namespace wsync::rollout_agent

@@ -3,8 +3,11 @@
 // later), addressed by SGLang parameter name. Commit() writes the final engine form into it and
 // Restore() reads it back (repack/repack.h).
 //
-// EngineBuffer is a plain description (name, dtype, shape, pointer, size); the memory belongs to
-// the engine and must outlive the EngineWeights that points at it. OwnedEngineWeights allocates
+// EngineBuffer is a plain description (name, dtype, shape, pointer, size, memory space); the
+// memory belongs to the engine and must outlive the EngineWeights that points at it. A buffer with
+// cuda_device >= 0 is device memory (an engine's CUDA parameter, mapped by IPC): View() then gives
+// a view of device memory, for the CUDA kernels only (Commit and Restore run those params on the
+// device, Checksums copies them to the host); nothing may read its bytes on the host. OwnedEngineWeights allocates
 // host buffers for every parameter of an EngineLayout in its engine form (tests, the reference
 // engine's private memory).
 //
@@ -35,6 +38,8 @@ struct EngineBuffer {
   Shape shape;
   void* data = nullptr;
   size_t nbytes = 0;
+  int cuda_device = -1;  // -1: host memory; else the CUDA device that holds `data`
+  bool on_device() const { return cuda_device >= 0; }
 };
 
 class EngineWeights {
@@ -56,8 +61,11 @@ class EngineWeights {
   absl::Status CheckMatches(const EngineLayout& layout) const;
 
   // The XXH3-64 of every buffer's bytes, in buffers() order, hashed on up to `threads` threads
-  // (0: the hardware's concurrency). What `wsyncctl verify` compares across engines and oracles.
-  std::vector<uint64_t> Checksums(int threads = 0) const;
+  // (0: the hardware's concurrency); device buffers are copied to the host first, one at a time.
+  // What `wsyncctl verify` compares across engines and oracles. Fails only on a device copy.
+  absl::StatusOr<std::vector<uint64_t>> Checksums(int threads = 0) const;
+  // Buffers in device memory.
+  size_t device_buffers() const;
 
  private:
   std::vector<EngineBuffer> buffers_;

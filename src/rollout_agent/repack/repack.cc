@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/cuda_ipc.h"
 #include "common/parallel_for.h"
 #include "common/status.h"
 #include "kernels/int4.h"
@@ -70,59 +73,111 @@ int64_t ScratchBytes(const EngineLayout& layout) {
   return m;
 }
 
-// Loaded form -> engine form of one param. `scratch` holds at least ScratchBytes(layout).
-absl::Status CommitParam(const EngineParam& p, const TensorView& loaded, const MutableTensorView& engine,
-                         std::span<std::byte> scratch, const RepackOptions& o) {
-  const kernels::KernelOptions ko = KernelOpts(o);
-  switch (p.kind) {
-    case ParamKind::kPlain:
-      ParallelCopy(loaded.bytes().data(), engine.bytes().data(), loaded.nbytes(), o.num_threads);
-      return absl::OkStatus();
-    case ParamKind::kPacked: {
-      if (p.marlin.experts > 0) return kernels::GptqToMarlin(loaded, nullptr, engine, ko);
-      const int64_t n = p.loaded_shape[0], kw = p.loaded_shape[1];
-      Transpose(loaded.bytes().data(), n, kw, scratch.data(), 4, o.num_threads);  // permute_param_layout_
-      const TensorView gptq(DType::kI32, {kw, n}, scratch.first(loaded.nbytes()));
-      return kernels::GptqToMarlin(gptq, nullptr, engine, ko);
-    }
-    case ParamKind::kScale: {
-      if (p.marlin.experts > 0) return PermuteScalesAs(loaded, engine, p.marlin.grouped_scale_perm, false, ko);
-      const int64_t n = p.loaded_shape[0], rows = p.loaded_shape[1];
-      Transpose(loaded.bytes().data(), n, rows, scratch.data(), ItemSize(p.dtype), o.num_threads);
-      const TensorView t(p.dtype, {rows, n}, scratch.first(loaded.nbytes()));
-      return PermuteScalesAs(t, engine, p.marlin.grouped_scale_perm, false, ko);
-    }
-  }
-  return absl::InternalError("unknown param kind");
+// Largest loaded form of an INT4 param (a kernel's input or output in GPTQ orientation).
+int64_t MaxInt4Bytes(const EngineLayout& layout) {
+  int64_t m = 0;
+  for (const EngineParam& p : layout.params())
+    if (p.kind != ParamKind::kPlain) m = std::max(m, NumBytes(p.dtype, p.loaded_shape).value_or(0));
+  return m;
 }
 
-// Engine form -> loaded form of one param (the inverse of CommitParam).
-absl::Status RestoreParam(const EngineParam& p, const TensorView& engine, const MutableTensorView& loaded,
-                          std::span<std::byte> scratch, const RepackOptions& o) {
-  const kernels::KernelOptions ko = KernelOpts(o);
-  switch (p.kind) {
-    case ParamKind::kPlain:
-      ParallelCopy(engine.bytes().data(), loaded.bytes().data(), engine.nbytes(), o.num_threads);
-      return absl::OkStatus();
-    case ParamKind::kPacked: {
-      if (p.marlin.experts > 0) return kernels::MarlinToGptq(engine, nullptr, loaded, ko);
-      const int64_t n = p.loaded_shape[0], kw = p.loaded_shape[1];
-      const MutableTensorView gptq(DType::kI32, {kw, n}, scratch.first(loaded.nbytes()));
-      RETURN_IF_ERROR(kernels::MarlinToGptq(engine, nullptr, gptq, ko));
-      Transpose(gptq.bytes().data(), kw, n, loaded.bytes().data(), 4, o.num_threads);
-      return absl::OkStatus();
-    }
-    case ParamKind::kScale: {
-      if (p.marlin.experts > 0) return PermuteScalesAs(engine, loaded, p.marlin.grouped_scale_perm, true, ko);
-      const int64_t n = p.loaded_shape[0], rows = p.loaded_shape[1];
-      const MutableTensorView t(p.dtype, {rows, n}, scratch.first(loaded.nbytes()));
-      RETURN_IF_ERROR(PermuteScalesAs(engine, t, p.marlin.grouped_scale_perm, true, ko));
-      Transpose(t.bytes().data(), rows, n, loaded.bytes().data(), ItemSize(p.dtype), o.num_threads);
-      return absl::OkStatus();
-    }
-  }
-  return absl::InternalError("unknown param kind");
+// The device side of a param whose engine buffer is CUDA memory: the kernel's GPTQ-orientation
+// input (Commit) or output (Restore) goes through `buffer` (at least MaxInt4Bytes) on `device`.
+struct DeviceSide {
+  int device = -1;
+  CudaAllocation* buffer = nullptr;
+};
+
+// The loaded form in GPTQ orientation, which the kernels read and write: the param itself for MoE
+// ([E, K/8, N] / [E, rows, N] already), else its transpose ([N, K/8] -> [K/8, N], the
+// permute_param_layout_; [N, rows] -> [rows, N]) in `scratch`.
+Shape GptqOrientation(const EngineParam& p) {
+  return p.marlin.experts > 0 ? p.loaded_shape : Shape{p.loaded_shape[1], p.loaded_shape[0]};
 }
+
+absl::Status RunKernel(const EngineParam& p, const TensorView& in, const MutableTensorView& out, bool inverse,
+                       const kernels::KernelOptions& ko) {
+  if (p.kind == ParamKind::kPacked)
+    return inverse ? kernels::MarlinToGptq(in, nullptr, out, ko) : kernels::GptqToMarlin(in, nullptr, out, ko);
+  return PermuteScalesAs(in, out, p.marlin.grouped_scale_perm, inverse, ko);
+}
+
+// Loaded form -> engine form of one param. `scratch` holds at least ScratchBytes(layout). With
+// `dev`, the engine buffer is device memory: plain params are copied to it, INT4 params are
+// prepared on the host (the transpose), uploaded and repacked on the device straight into it.
+absl::Status CommitParam(const EngineParam& p, const TensorView& loaded, const MutableTensorView& engine,
+                         std::span<std::byte> scratch, const RepackOptions& o, const DeviceSide* dev) {
+  if (p.kind == ParamKind::kPlain) {
+    if (dev != nullptr) return CopyHostToDevice(engine.data(), loaded.data(), loaded.nbytes(), dev->device);
+    ParallelCopy(loaded.bytes().data(), engine.bytes().data(), loaded.nbytes(), o.num_threads);
+    return absl::OkStatus();
+  }
+  TensorView in = loaded;
+  if (IsDenseInt4(p)) {
+    const int64_t n = p.loaded_shape[0], cols = p.loaded_shape[1];
+    Transpose(loaded.bytes().data(), n, cols, scratch.data(), ItemSize(p.dtype), o.num_threads);
+    in = TensorView(p.dtype, GptqOrientation(p), scratch.first(loaded.nbytes()));
+  }
+  kernels::KernelOptions ko = KernelOpts(o);
+  if (dev != nullptr) {
+    RETURN_IF_ERROR(CopyHostToDevice(dev->buffer->data(), in.data(), in.nbytes(), dev->device));
+    in = TensorView(p.dtype, in.shape(), {static_cast<const std::byte*>(dev->buffer->data()), in.nbytes()});
+    ko.device = kernels::Device::kCuda;
+  }
+  return RunKernel(p, in, engine, /*inverse=*/false, ko);
+}
+
+// Engine form -> loaded form of one param (the inverse of CommitParam; same `dev` contract).
+absl::Status RestoreParam(const EngineParam& p, const TensorView& engine, const MutableTensorView& loaded,
+                          std::span<std::byte> scratch, const RepackOptions& o, const DeviceSide* dev) {
+  if (p.kind == ParamKind::kPlain) {
+    if (dev != nullptr) return CopyDeviceToHost(loaded.data(), engine.data(), engine.nbytes(), dev->device);
+    ParallelCopy(engine.bytes().data(), loaded.bytes().data(), engine.nbytes(), o.num_threads);
+    return absl::OkStatus();
+  }
+  const bool dense = IsDenseInt4(p);
+  const MutableTensorView host(p.dtype, GptqOrientation(p), dense ? scratch.first(loaded.nbytes()) : loaded.bytes());
+  MutableTensorView out = host;
+  kernels::KernelOptions ko = KernelOpts(o);
+  if (dev != nullptr) {
+    out = MutableTensorView(p.dtype, host.shape(), {static_cast<std::byte*>(dev->buffer->data()), host.nbytes()});
+    ko.device = kernels::Device::kCuda;
+  }
+  RETURN_IF_ERROR(RunKernel(p, engine, out, /*inverse=*/true, ko));
+  if (dev != nullptr) RETURN_IF_ERROR(CopyDeviceToHost(host.data(), out.data(), host.nbytes(), dev->device));
+  if (dense)
+    Transpose(host.bytes().data(), host.dim(0), host.dim(1), loaded.bytes().data(), ItemSize(p.dtype), o.num_threads);
+  return absl::OkStatus();
+}
+
+// One device buffer of MaxInt4Bytes per CUDA device the engine's buffers live on, allocated before
+// anything is written (kResourceExhausted / kFailedPrecondition naming `what`).
+class DeviceBuffers {
+ public:
+  absl::Status Allocate(const EngineLayout& layout, const EngineWeights& engine, absl::string_view what) {
+    const size_t bytes = static_cast<size_t>(std::max<int64_t>(MaxInt4Bytes(layout), 1));
+    for (const EngineBuffer& b : engine.buffers()) {
+      if (!b.on_device() || Find(b.cuda_device) != nullptr) continue;
+      auto a = AllocateCuda(bytes, b.cuda_device);
+      if (!a.ok()) return Annotate(a.status(), absl::StrCat(what, " refused: device scratch"));
+      buffers_.push_back(std::move(*a));
+    }
+    return absl::OkStatus();
+  }
+  // The device side of `b`, or nullptr for host memory.
+  std::optional<DeviceSide> For(const EngineBuffer& b) const {
+    if (!b.on_device()) return std::nullopt;
+    return DeviceSide{b.cuda_device, Find(b.cuda_device)};
+  }
+
+ private:
+  CudaAllocation* Find(int device) const {
+    for (const auto& a : buffers_)
+      if (a->device() == device) return a.get();
+    return nullptr;
+  }
+  std::vector<std::unique_ptr<CudaAllocation>> buffers_;
+};
 
 // Staging and engine memory must not overlap (each side is checked on its own elsewhere).
 absl::Status CheckDisjoint(const Staging& staging, const EngineWeights& engine) {
@@ -176,19 +231,24 @@ absl::Status Commit(const Staging& staging, EngineWeights& engine, const RepackO
   RETURN_IF_ERROR(Validate(staging, engine, "commit"));
   int64_t max_loaded = 0;
   for (const EngineParam& p : layout.params())
-    if (p.kind != ParamKind::kPlain) max_loaded = std::max(max_loaded, NumBytes(p.dtype, p.loaded_shape).value_or(0));
+    max_loaded = std::max(max_loaded, NumBytes(p.dtype, p.loaded_shape).value_or(0));
   ASSIGN_OR_RETURN(Buffer scratch, AllocateScratch(ScratchBytes(layout), "commit"));
+  DeviceBuffers device;
+  RETURN_IF_ERROR(device.Allocate(layout, engine, "commit"));
   Buffer check, check_scratch;
   if (options.verify) {
     ASSIGN_OR_RETURN(check, AllocateScratch(max_loaded, "commit"));
     ASSIGN_OR_RETURN(check_scratch, AllocateScratch(ScratchBytes(layout), "commit"));
   }
-  // Nothing has been written so far; from here on only kernel bugs can fail.
+  // Nothing has been written so far; from here on only kernel bugs (or a failing device) can fail.
   const auto& params = layout.params();
   for (size_t i = 0; i < params.size(); ++i) {
     const EngineParam& p = params[i];
+    const EngineBuffer& b = *engine.Find(p.name);  // CheckMatches: every param has its buffer
     ASSIGN_OR_RETURN(const MutableTensorView dst, engine.View(p.name));
-    const absl::Status st = CommitParam(p, Const(staging.param(static_cast<int>(i))), dst, scratch.span(), options);
+    const std::optional<DeviceSide> dev = device.For(b);
+    const absl::Status st =
+        CommitParam(p, Const(staging.param(static_cast<int>(i))), dst, scratch.span(), options, dev ? &*dev : nullptr);
     if (!st.ok())
       return absl::InternalError(
           absl::StrCat("commit of ", p.name, " failed after validation (engine partially written): ", st.message()));
@@ -198,16 +258,13 @@ absl::Status Commit(const Staging& staging, EngineWeights& engine, const RepackO
     const EngineParam& p = params[i];
     const MutableTensorView want = staging.param(static_cast<int>(i));
     ASSIGN_OR_RETURN(const MutableTensorView src, engine.View(p.name));
-    if (p.kind == ParamKind::kPlain) {
-      if (std::memcmp(src.data(), want.data(), want.nbytes()) != 0)
-        return absl::InternalError(absl::StrCat("commit verify: engine ", p.name, " differs from staging"));
-      continue;
-    }
+    const std::optional<DeviceSide> dev = device.For(*engine.Find(p.name));
     const MutableTensorView got(p.dtype, p.loaded_shape, check.span().first(want.nbytes()));
-    RETURN_IF_ERROR(RestoreParam(p, Const(src), got, check_scratch.span(), options));
+    RETURN_IF_ERROR(RestoreParam(p, Const(src), got, check_scratch.span(), options, dev ? &*dev : nullptr));
     if (std::memcmp(got.data(), want.data(), want.nbytes()) != 0)
-      return absl::InternalError(
-          absl::StrCat("commit verify: ", p.name, " read back from Marlin differs from staging"));
+      return absl::InternalError(absl::StrCat("commit verify: engine ", p.name, " read back",
+                                              p.kind == ParamKind::kPlain ? "" : " from Marlin",
+                                              " differs from staging"));
   }
   return absl::OkStatus();
 }
@@ -216,11 +273,15 @@ absl::Status Restore(const EngineWeights& engine, Staging& staging, const Repack
   const EngineLayout& layout = staging.layout();
   RETURN_IF_ERROR(Validate(staging, engine, "restore"));
   ASSIGN_OR_RETURN(Buffer scratch, AllocateScratch(ScratchBytes(layout), "restore"));
+  DeviceBuffers device;
+  RETURN_IF_ERROR(device.Allocate(layout, engine, "restore"));
   const auto& params = layout.params();
   for (size_t i = 0; i < params.size(); ++i) {
     const EngineParam& p = params[i];
     ASSIGN_OR_RETURN(const MutableTensorView src, engine.View(p.name));
-    const absl::Status st = RestoreParam(p, Const(src), staging.param(static_cast<int>(i)), scratch.span(), options);
+    const std::optional<DeviceSide> dev = device.For(*engine.Find(p.name));
+    const absl::Status st =
+        RestoreParam(p, Const(src), staging.param(static_cast<int>(i)), scratch.span(), options, dev ? &*dev : nullptr);
     if (!st.ok()) {
       staging.ResetCoverage();
       return absl::InternalError(absl::StrCat("restore of ", p.name, " failed after validation: ", st.message()));
@@ -361,11 +422,21 @@ absl::StatusOr<Tensor> DequantizeToDense(const EngineLayout& layout, absl::strin
   if (li < 0) return absl::NotFoundError(absl::StrCat("DequantizeToDense: no linear named ", linear_name));
   const EngineLinear& lin = layout.linears()[static_cast<size_t>(li)];
   const auto& params = layout.params();
-  ASSIGN_OR_RETURN(const MutableTensorView w,
-                   engine.View(params[static_cast<size_t>(lin.quantized ? lin.packed : lin.weight)].name));
-  MutableTensorView s;
+  // A host view of a param; device memory is copied to `copy` first.
+  auto host_view = [&](int index, Tensor& copy) -> absl::StatusOr<TensorView> {
+    const std::string& name = params[static_cast<size_t>(index)].name;
+    ASSIGN_OR_RETURN(const MutableTensorView v, engine.View(name));
+    const EngineBuffer* b = engine.Find(name);
+    if (!b->on_device()) return TensorView(v);
+    ASSIGN_OR_RETURN(copy, Tensor::Empty(v.dtype(), v.shape()));
+    RETURN_IF_ERROR(CopyDeviceToHost(copy.mutable_view().data(), v.data(), v.nbytes(), b->cuda_device));
+    return copy.view();
+  };
+  Tensor wcopy, scopy;
+  ASSIGN_OR_RETURN(const TensorView w, host_view(lin.quantized ? lin.packed : lin.weight, wcopy));
+  TensorView s;
   if (lin.quantized) {
-    ASSIGN_OR_RETURN(s, engine.View(params[static_cast<size_t>(lin.scale)].name));
+    ASSIGN_OR_RETURN(s, host_view(lin.scale, scopy));
   }
   return DequantizeToDense(lin, layout, w, s, ParamForm::kEngine, options);
 }

@@ -12,15 +12,21 @@
 //   MoE packed            per expert gptq_marlin_moe_repack: [E, K/8, N] -> [E, K/16, 2N];
 //   MoE scale             per expert marlin_moe_permute_scales with SGLang's size_k (w13: 4I',
 //                         so the 64-column perm iff G < 4I'; w2: I').
+// Engine buffers in device memory (EngineBuffer::cuda_device >= 0, an engine's CUDA parameters)
+// are written on their device: plain params are copied host -> device; INT4 params are brought to
+// GPTQ orientation on the host as above, uploaded into one device scratch buffer per device (the
+// largest INT4 param's loaded bytes) and repacked by the CUDA kernels straight into the engine's
+// memory. No host copy of the engine's memory is kept; the bytes equal the host path's.
 // Everything is validated before the first byte is written (staging complete, engine buffers
-// exactly the layout's engine form, no overlaps, scratch allocated), so a refused Commit leaves the
-// engine untouched. Restore(engine, staging) is the exact inverse (MarlinToGptq, unpermute,
+// exactly the layout's engine form, no overlaps, host and device scratch allocated), so a refused
+// Commit leaves the engine untouched. Restore(engine, staging) is the exact inverse (MarlinToGptq, unpermute,
 // transpose back), fills every staging buffer and marks every piece restored.
 //
 // Errors: Commit/Restore return kNotFound (incomplete staging: the missing pieces) or
 // kInvalidArgument (engine buffers vs. layout, staging from another layout) before writing;
-// kResourceExhausted if scratch memory cannot be allocated (before writing); kInternal if a kernel
-// fails after validation (a bug: the engine may then be partially written) or, with
+// kResourceExhausted if scratch memory cannot be allocated (before writing; kFailedPrecondition or
+// kUnimplemented for device scratch without a usable device or CUDA build); kInternal if a kernel
+// or a device copy fails after validation (a bug: the engine may then be partially written) or, with
 // RepackOptions::verify, if the read-back differs.
 // Thread-safety: Commit and Restore may not run concurrently with each other or with Load on the
 // same staging; each uses up to RepackOptions::num_threads threads internally. DequantizeToDense
@@ -60,7 +66,8 @@ struct DenseOptions {
 absl::StatusOr<Tensor> DequantizeToDense(const EngineLinear& linear, const EngineLayout& layout,
                                          const TensorView& weight, const TensorView& scale, ParamForm form,
                                          const DenseOptions& options = {});
-// By linear name (EngineLinear::name), from engine memory (engine form) or staging (loaded form).
+// By linear name (EngineLinear::name), from engine memory (engine form; device buffers are copied
+// to the host first) or staging (loaded form).
 absl::StatusOr<Tensor> DequantizeToDense(const EngineLayout& layout, absl::string_view linear_name,
                                          const EngineWeights& engine, const DenseOptions& options = {});
 absl::StatusOr<Tensor> DequantizeToDense(absl::string_view linear_name, const Staging& staging,

@@ -1,0 +1,168 @@
+// Commit and Restore into engine buffers in CUDA device memory (EngineBuffer::cuda_device): the
+// device path's bytes equal the host path's, byte for byte, for every param of dense and MoE
+// models, bf16 and INT4 (G = 128, 32, channelwise), engine TP 1 and 2 (EP 2 for MoE); verify on,
+// Checksums and DequantizeToDense read device memory, Restore(device) == staging. The GPU cases
+// skip themselves without a device; the refusal cases run everywhere: a Commit whose device
+// scratch cannot be had (no GPU, or no CUDA build) is refused before the first byte is written.
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/config.h"
+#include "common/cuda_ipc.h"
+#include "common/status.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/dispatch.h"
+#include "model/testing/hf_model.h"
+#include "model/testing/test_models.h"
+#include "rollout_agent/repack/repack.h"
+
+namespace wsync::rollout_agent {
+namespace {
+
+using ::testing::HasSubstr;
+
+// INT4 on every linear SGLang quantizes (the embeddings, lm_head and MoE router stay bf16).
+const std::vector<std::string> kIgnore = {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"};
+
+// Every param of a layout in one device allocation, 256-byte aligned, like an engine's arena.
+struct DeviceWeights {
+  std::unique_ptr<CudaAllocation> memory;
+  EngineWeights weights;
+};
+
+absl::StatusOr<DeviceWeights> AllocateOnDevice(const EngineLayout& layout, int device) {
+  std::vector<uint64_t> offsets;
+  uint64_t size = 0;
+  for (const EngineParam& p : layout.params()) {
+    ASSIGN_OR_RETURN(const int64_t bytes, NumBytes(p.dtype, p.engine_shape));
+    offsets.push_back(size);
+    size += (static_cast<uint64_t>(bytes) + 255) / 256 * 256;
+  }
+  DeviceWeights d;
+  ASSIGN_OR_RETURN(d.memory, AllocateCuda(size, device));
+  for (size_t i = 0; i < layout.params().size(); ++i) {
+    const EngineParam& p = layout.params()[i];
+    EngineBuffer b{p.name,
+                   p.dtype,
+                   p.engine_shape,
+                   static_cast<std::byte*>(d.memory->data()) + offsets[i],
+                   static_cast<size_t>(*NumBytes(p.dtype, p.engine_shape)),
+                   device};
+    RETURN_IF_ERROR(d.weights.Add(std::move(b)));
+  }
+  return d;
+}
+
+struct Case {
+  std::string label;
+  const char* config;
+  int group;  // 0: bf16
+  std::vector<std::pair<int, int>> tp_ep;
+  uint64_t seed;
+};
+
+std::vector<Case> Cases() {
+  return {
+      {"qwen3_bf16", model::testing::kQwen3Json, 0, {{1, 1}, {2, 1}}, 9101},
+      {"qwen3_int4_g128", model::testing::kQwen3Json, 128, {{1, 1}, {2, 1}}, 9102},
+      {"llama_int4_channelwise", model::testing::kLlamaJson, -1, {{2, 1}}, 9103},
+      {"qwen3_moe_int4_g32", model::testing::kQwen3MoeJson, 32, {{1, 1}, {2, 2}}, 9104},
+      {"deepseek_int4_g128", model::testing::kDeepseekJson, 128, {{2, 2}}, 9105},
+  };
+}
+
+class RepackDevice : public ::testing::TestWithParam<Case> {};
+
+TEST_P(RepackDevice, CommitOnTheDeviceEqualsTheHostBytes) {
+  if (!kernels::GpuAvailable()) GTEST_SKIP() << "no CUDA device";
+  const Case& tc = GetParam();
+  SCOPED_TRACE(absl::StrCat(tc.label, " seed ", tc.seed));
+  const ModelConfig c = *ParseModelConfig(tc.config, tc.label);
+  std::optional<QuantizationConfig> q;
+  if (tc.group != 0) q = *ParseQuantizationConfig(model::testing::QuantJson(tc.group, kIgnore), tc.label);
+  auto m = model::testing::MakeHfModel(c, q ? &*q : nullptr, tc.seed);
+  ASSERT_TRUE(m.ok()) << m.status();
+  for (const auto& [T, EP] : tc.tp_ep) {
+    for (int r = 0; r < T; ++r) {
+      SCOPED_TRACE(absl::StrCat("T ", T, " EP ", EP, " rank ", r));
+      auto layout = EngineLayout::Create(c, q ? &*q : nullptr, {T, r, EP});
+      ASSERT_TRUE(layout.ok()) << layout.status();
+      auto staging = Staging::Create(*layout);
+      ASSERT_TRUE(staging.ok());
+      Loader loader(staging->get());
+      for (const std::string& name : m->order) ASSERT_TRUE(loader.Load(name, m->sent.at(name).view()).ok()) << name;
+      auto host = OwnedEngineWeights::Allocate(*layout);
+      ASSERT_TRUE(host.ok());
+      ASSERT_TRUE(Commit(**staging, (*host)->weights()).ok());
+      auto dev = AllocateOnDevice(*layout, 0);
+      ASSERT_TRUE(dev.ok()) << dev.status();
+      ASSERT_EQ(dev->weights.device_buffers(), layout->params().size());
+      const absl::Status st = Commit(**staging, dev->weights, {.num_threads = 2, .verify = true});
+      ASSERT_TRUE(st.ok()) << st;
+
+      // Every buffer, byte for byte (names the first param that differs).
+      for (const EngineBuffer& b : dev->weights.buffers()) {
+        std::vector<std::byte> got(b.nbytes);
+        ASSERT_TRUE(CopyDeviceToHost(got.data(), b.data, b.nbytes, 0).ok());
+        ASSERT_EQ(std::memcmp(got.data(), (*host)->weights().Find(b.name)->data, b.nbytes), 0) << b.name;
+      }
+      auto want = (*host)->weights().Checksums();
+      auto got = dev->weights.Checksums();
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(*got, *want);
+      for (const EngineLinear& lin : layout->linears()) {
+        auto a = DequantizeToDense(*layout, lin.name, (*host)->weights());
+        auto b = DequantizeToDense(*layout, lin.name, dev->weights);
+        ASSERT_TRUE(a.ok() && b.ok()) << lin.name;
+        ASSERT_EQ(std::memcmp(a->view().data(), b->view().data(), a->nbytes()), 0) << lin.name;
+      }
+      // Restore from device memory gives back what was received.
+      auto restored = Staging::Create(*layout);
+      ASSERT_TRUE(restored.ok());
+      ASSERT_TRUE(Restore(dev->weights, **restored).ok());
+      for (size_t i = 0; i < layout->params().size(); ++i) {
+        const TensorView a = (*staging)->param(static_cast<int>(i)), b = (*restored)->param(static_cast<int>(i));
+        ASSERT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << layout->params()[i].name;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, RepackDevice, ::testing::ValuesIn(Cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.label; });
+
+// A device buffer that names device 0 but holds host memory: on a machine without a GPU (or a
+// build without CUDA) the device scratch cannot be allocated, so Commit is refused before any
+// param is written (the host bytes behind the pretend device buffer are untouched too).
+TEST(RepackDeviceRefusal, NoUsableDeviceRefusesBeforeWriting) {
+  if (kernels::GpuAvailable()) GTEST_SKIP() << "a CUDA device is present: the refusal needs a machine without one";
+  const ModelConfig c = *ParseModelConfig(model::testing::kQwen3Json, "refusal");
+  const QuantizationConfig q = *ParseQuantizationConfig(model::testing::QuantJson(128, kIgnore), "refusal");
+  const EngineLayout layout = *EngineLayout::Create(c, &q, {1, 0, 1});
+  auto staging = *Staging::Create(layout);
+  auto m = *model::testing::MakeHfModel(c, &q, 9106);
+  Loader loader(staging.get());
+  for (const std::string& name : m.order) ASSERT_TRUE(loader.Load(name, m.sent.at(name).view()).ok());
+  auto host = *OwnedEngineWeights::Allocate(layout);
+  EngineWeights mixed;
+  for (const EngineBuffer& b : host->weights().buffers()) {
+    EngineBuffer x = b;
+    if (&b == &host->weights().buffers().back()) x.cuda_device = 0;
+    ASSERT_TRUE(mixed.Add(std::move(x)).ok());
+  }
+  const auto before = *host->weights().Checksums();
+  const absl::Status st = Commit(*staging, mixed);
+  EXPECT_TRUE(st.code() == absl::StatusCode::kFailedPrecondition || st.code() == absl::StatusCode::kUnimplemented)
+      << st;
+  EXPECT_THAT(st.message(), HasSubstr("commit refused: device scratch"));
+  EXPECT_EQ(*host->weights().Checksums(), before);
+  const absl::Status rs = Restore(mixed, *staging);
+  EXPECT_THAT(rs.message(), HasSubstr("restore refused: device scratch"));
+}
+
+}  // namespace
+}  // namespace wsync::rollout_agent
