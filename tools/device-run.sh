@@ -2,7 +2,7 @@
 # run.sh of the device bundle (tools/device-bundle.sh copies this file there): the GPU checks of
 # docs/gpu.md, run from the bundle's folder on any x86-64 Linux machine with or without a GPU.
 #
-#   ./run.sh [RESULTS_DIR] [--quick]
+#   ./run.sh [RESULTS_DIR] [--quick]        (WSYNC_CHECKS=REGEX: only the checks whose names match)
 #
 # Every check writes RESULTS_DIR/<check>.log; RESULTS_DIR/summary.txt lists PASS / FAIL / SKIP per
 # check, and the exit status is the number of failed checks. Without a GPU the GPU checks report
@@ -38,6 +38,8 @@ failed=0
 # skipped every case, or a benchmark without a device).
 check() {
   local name="$1"; shift
+  # WSYNC_CHECKS=REGEX runs only the checks whose names match (e.g. 'repack|engine_sync').
+  [[ -n "${WSYNC_CHECKS:-}" && ! "$name" =~ ${WSYNC_CHECKS} ]] && return 0
   local t0=$SECONDS status
   if [[ $(type -t "$1") == function ]]; then "$@"; else timeout "${WSYNC_CHECK_TIMEOUT:-300}" "$@"; fi \
     >"$RES/$name.log" 2>&1
@@ -106,9 +108,17 @@ engine_sync() {  # engine_sync shm|cuda:0
   fi
   WSYNC_BIN="$B/bin" "$B/tools/demo.sh" --syncs 3 --engine-flags "--param-memory $1"
 }
+# 7. Commit into device memory vs the host path, param by param (dense and MoE, bf16 and INT4, TP 1/2).
+check repack_device "$B/bin/rollout_repack_device_test"
+# 8. The commit's speed: host and device engine memory next to memcpy / host-to-device copies.
+if (( QUICK )); then
+  check bench_repack "$B/bin/wsync-bench-repack" --work "$RES/bench-repack" --preset small -n 3
+else
+  check bench_repack "$B/bin/wsync-bench-repack" --work "$RES/bench-repack" --preset bench2g -n 5
+fi
 check engine_sync_shm engine_sync shm
 check engine_sync_cuda engine_sync cuda:0
-grep -qE ' [1-9][0-9]*$' "$RES/bench_kernels_gpu.log" && { echo "bench_kernels_gpu: rows with #wrong > 0" |
+[[ -f "$RES/bench_kernels_gpu.log" ]] && grep -qE ' [1-9][0-9]*$' "$RES/bench_kernels_gpu.log" && { echo "bench_kernels_gpu: rows with #wrong > 0" |
   tee -a "$RES/summary.txt"; failed=$((failed + 1)); }
 echo "# failed checks: $failed" | tee -a "$RES/summary.txt"
 exit "$failed"
