@@ -57,6 +57,15 @@ absl::StatusOr<std::unique_ptr<CudaIpcMapping>> OpenCudaIpc(const std::string& h
 // cudaMalloc of `bytes` (> 0) on `device`, zero-filled.
 absl::StatusOr<std::unique_ptr<CudaAllocation>> AllocateCuda(size_t bytes, int device);
 
+// Page-locked host memory: cudaHostRegister of a caller's range (unregistered on destruction), so
+// that copies between it and a device run at the link's speed instead of through the driver's
+// pageable bounce buffers. The range must stay allocated while pinned.
+class PinnedHostRange {
+ public:
+  virtual ~PinnedHostRange() = default;
+};
+absl::StatusOr<std::unique_ptr<PinnedHostRange>> PinHostMemory(void* data, size_t nbytes);
+
 // Synchronous copies of `nbytes` between host memory and device memory on `device`.
 absl::Status CopyHostToDevice(void* dst, const void* src, size_t nbytes, int device);
 absl::Status CopyDeviceToHost(void* dst, const void* src, size_t nbytes, int device);

@@ -139,6 +139,30 @@ absl::StatusOr<std::unique_ptr<CudaAllocation>> AllocateCuda(size_t bytes, int d
   return std::unique_ptr<CudaAllocation>(std::move(a));
 }
 
+namespace {
+
+class Pinned final : public PinnedHostRange {
+ public:
+  explicit Pinned(void* data) : data_(data) {}
+  ~Pinned() override { cudaHostUnregister(data_); }
+
+ private:
+  void* data_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PinnedHostRange>> PinHostMemory(void* data, size_t nbytes) {
+  if (data == nullptr || nbytes == 0) return absl::InvalidArgumentError("pinning an empty host range");
+  if (cudaError_t e = cudaHostRegister(data, nbytes, cudaHostRegisterDefault); e != cudaSuccess) {
+    cudaGetLastError();
+    return CudaError(
+        e, absl::StrCat("cudaHostRegister of ", nbytes, " bytes"),
+        e == cudaErrorMemoryAllocation ? absl::StatusCode::kResourceExhausted : absl::StatusCode::kFailedPrecondition);
+  }
+  return std::unique_ptr<PinnedHostRange>(new Pinned(data));
+}
+
 absl::Status CopyHostToDevice(void* dst, const void* src, size_t nbytes, int device) {
   return Copy(dst, src, nbytes, device, cudaMemcpyHostToDevice);
 }

@@ -22,6 +22,10 @@ absl::StatusOr<std::unique_ptr<CudaAllocation>> AllocateCuda(size_t, int device)
   return NoCuda("CUDA device memory", device);
 }
 
+absl::StatusOr<std::unique_ptr<PinnedHostRange>> PinHostMemory(void*, size_t) {
+  return NoCuda("pinning host memory", -1);
+}
+
 absl::Status CopyHostToDevice(void*, const void*, size_t, int device) {
   return NoCuda("a host-to-device copy", device);
 }

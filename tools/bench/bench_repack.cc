@@ -14,6 +14,8 @@
 //   commit-cuda   Commit into an engine arena in device memory (ParamArena::CreateOnDevice): the
 //                 host transposes, the upload and the CUDA repack straight into it
 //   checksum-cuda EngineWeights::Checksums of the device arena (what `wsyncctl verify` costs)
+//   h2d-pinned, commit-cuda (pinned)   the same with the source page-locked, as the rollout agent
+//                 pins a CUDA engine's staging (Staging::PinForDevice)
 // and `same` says whether the device arena's bytes equal the host engine memory's (every param's
 // XXH3-64). Without a CUDA device the device rows say so and are skipped.
 #include <algorithm>
@@ -152,9 +154,25 @@ absl::Status Run(const Flags& f) {
                      ASSIGN_OR_RETURN(got, arena->weights().Checksums());
                      return absl::OkStatus();
                    }));
-  const bool same = got == want;
+  bool same = got == want;
   Row("commit-cuda", dev_s, bytes, h2d_s, same ? "same bytes as commit-host" : "DIFFERS from commit-host");
   Row("checksum-cuda", sum_s, bytes, h2d_s, "device -> host, XXH3-64");
+  // Page-locked: the staging pinned as the rollout agent pins it for CUDA engines.
+  ASSIGN_OR_RETURN(auto pin_src, PinHostMemory(flat_src.data(), bytes));
+  ASSIGN_OR_RETURN(flat_dev, AllocateCuda(bytes, f.device));
+  ASSIGN_OR_RETURN(double h2d_pinned_s,
+                   Best(n, [&] { return CopyHostToDevice(flat_dev->data(), flat_src.data(), bytes, f.device); }));
+  flat_dev.reset();
+  Row("h2d-pinned", h2d_pinned_s, bytes, h2d_pinned_s, "page-locked host memory");
+  RETURN_IF_ERROR(staging->PinForDevice());
+  ASSIGN_OR_RETURN(auto arena2, rollout_agent::ParamArena::CreateOnDevice(layout, f.device));
+  ASSIGN_OR_RETURN(double pinned_s, Best(n, [&] {
+                     return rollout_agent::Commit(*staging, arena2->weights(), {.num_threads = f.threads});
+                   }));
+  ASSIGN_OR_RETURN(got, arena2->weights().Checksums());
+  same = same && got == want;
+  Row("commit-cuda", pinned_s, bytes, h2d_pinned_s,
+      got == want ? "pinned staging; same bytes as commit-host" : "pinned staging; DIFFERS from commit-host");
   if (!same) return absl::InternalError("the device commit differs from the host commit");
   return absl::OkStatus();
 }

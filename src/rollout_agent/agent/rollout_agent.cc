@@ -355,6 +355,13 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
     if (!staging.ok()) return Annotate(staging.status(), absl::StrCat(who, ": allocating the staging buffers"));
     engine->staging = std::move(*staging);
   }
+  // A CUDA engine: page-lock the staging so that Commit's uploads run at the link's speed (on H200,
+  // docs/gpu.md: ~5x the pageable copy). Failing to pin costs speed, not correctness.
+  const size_t device_params = engine->memory->device_params();
+  if (device_params > 0 && !engine->staging->pinned()) {
+    if (absl::Status pin = engine->staging->PinForDevice(); !pin.ok())
+      WSYNC_LOG(WARNING) << who << ": staging stays pageable (commits upload more slowly): " << pin;
+  }
   const int64_t staging_bytes = engine->layout->TotalBytes(ParamForm::kLoaded);
   const uint64_t param_bytes = engine->memory->param_bytes();
   const size_t segments = engine->memory->segments().size();
@@ -372,8 +379,8 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
   WSYNC_LOG(INFO) << "registered engine \"" << req.engine_id() << "\" at " << req.engine_address() << ": "
                   << config->architecture << (quant ? " INT4" : " bf16") << ", tp " << req.tp_rank() << "/"
                   << req.tp_size() << ", ep " << ep << ", version " << req.version() << ", " << req.params_size()
-                  << " params (" << param_bytes << " bytes in " << segments << " shm segment(s)); staging "
-                  << staging_bytes << " bytes" << (reuse ? " (kept)" : "");
+                  << " params (" << param_bytes << " bytes in " << segments << " shm segment(s), " << device_params
+                  << " on a CUDA device); staging " << staging_bytes << " bytes" << (reuse ? " (kept)" : "");
   if (membership_) {
     v1::JoinRequest join;
     join.set_agent_address(address);

@@ -29,6 +29,19 @@ std::string PieceName(const EngineLayout& layout, const HfSource& s) {
 
 Staging::Staging(const EngineLayout& layout) : layout_(&layout) {}
 
+absl::Status Staging::PinForDevice() {
+  if (!pins_.empty()) return absl::OkStatus();
+  std::vector<std::unique_ptr<PinnedHostRange>> pins;
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    if (buffers_[i].size() == 0) continue;
+    auto pin = PinHostMemory(buffers_[i].data(), buffers_[i].size());
+    if (!pin.ok()) return Annotate(pin.status(), absl::StrCat("pinning the staging of ", layout_->params()[i].name));
+    pins.push_back(std::move(*pin));
+  }
+  pins_ = std::move(pins);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<Staging>> Staging::Create(const EngineLayout& layout) {
   std::unique_ptr<Staging> s(new Staging(layout));
   s->buffers_.reserve(layout.params().size());
