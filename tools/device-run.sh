@@ -100,9 +100,11 @@ fi
 #    IPC handle; the rollout agents repack on the device straight into them. Each sync is verified
 #    bit-exact (wsyncctl verify: checksums of the device memory vs the oracle); the engines read their
 #    device memory back to generate. The same demo with shared-memory engines gives the baseline.
+have_gpu() {
+  "$B/bin/kernels_dispatch_test" --gtest_filter=DispatchTest.GpuPresentWhenReported 2>/dev/null | grep -q '^\[       OK \]'
+}
 engine_sync() {  # engine_sync shm|cuda:0
-  if [[ "$1" == cuda:* ]] && ! "$B/bin/kernels_dispatch_test" --gtest_filter=DispatchTest.GpuPresentWhenReported 2>/dev/null |
-       grep -q '^\[       OK \]'; then
+  if [[ "$1" == cuda:* ]] && ! have_gpu; then
     echo "no CUDA device: the device engine sync needs one"
     return 0
   fi
@@ -118,6 +120,16 @@ else
 fi
 check engine_sync_shm engine_sync shm
 check engine_sync_cuda engine_sync cuda:0
+# 9. Both ends on the GPU: training processes (wsync-shm-trainer) hold their tensors in CUDA memory,
+#    the trainer agents read them by IPC handle, the engine's parameters are on the device too.
+trainer_cuda() {
+  if ! have_gpu; then
+    echo "no CUDA device: the device trainer sync needs one"
+    return 0
+  fi
+  WSYNC_BIN="$B/bin" "$B/tests/integration/e2e_shm.sh" --cuda 0
+}
+check trainer_cuda trainer_cuda
 [[ -f "$RES/bench_kernels_gpu.log" ]] && grep -qE ' [1-9][0-9]*$' "$RES/bench_kernels_gpu.log" && { echo "bench_kernels_gpu: rows with #wrong > 0" |
   tee -a "$RES/summary.txt"; failed=$((failed + 1)); }
 echo "# failed checks: $failed" | tee -a "$RES/summary.txt"

@@ -12,6 +12,9 @@
 // request_sync(version = first-version + i, wait). Rank 0 then runs CMD (bash -c, with
 // WSYNC_VERSION and WSYNC_FROM set) before the next step, e.g. `wsyncctl verify`; every rank
 // waits for the sync itself, so no rank writes step i+1 while step i is read.
+// --cuda-device N: the rank's tensors live in one CUDA allocation on device N (declared with
+// wsync_client_add_cuda_tensor, by IPC handle), as a GPU trainer's parameters do; each step is
+// copied there. The trainer agent then reads them from the device.
 // Exit status: 0 when every step synced (and CMD succeeded), 1 otherwise, 2 for bad flags.
 #include <mpi.h>
 #include <unistd.h>
@@ -19,11 +22,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "CLI/CLI.hpp"
 #include "common/config.h"
+#include "common/cuda_ipc.h"
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "trainer_client/wsync_trainer_client.h"
@@ -71,6 +77,9 @@ int main(int argc, char** argv) {
   app.add_option("--first-version", first_version, "Version of the first step")->check(CLI::PositiveNumber);
   app.add_option("--after-sync", after, "Rank 0 runs this (bash -c) after each sync; its failure stops the run");
   app.add_option("--timeout", timeout_s, "Bound on connecting, registering and each sync, seconds");
+  int cuda_device = -1;
+  app.add_option("--cuda-device", cuda_device, "keep the tensors in CUDA memory on this device (IPC handles)")
+      ->check(CLI::Range(0, 1023));
   std::string start_after;
   if (const char* f = std::getenv("WSYNC_START_FILE")) start_after = f;
   app.add_option("--start-after", start_after,
@@ -90,6 +99,8 @@ int main(int argc, char** argv) {
   wsync_client* c = nullptr;
   if (wsync_client_open(name.c_str(), rank, timeout_ms, &c) != WSYNC_OK) return Abort(wsync_last_error());
   int rc = 0;
+  std::unique_ptr<wsync::CudaAllocation> device_memory;  // --cuda-device: every tensor, 256-byte aligned
+  std::map<std::string, uint64_t> device_offset;
   for (size_t i = 0; i < steps.size() && rc == 0; ++i) {
     auto file = wsync::SafetensorsFile::Open(steps[i] + rank_file);
     if (!file.ok()) {
@@ -97,13 +108,32 @@ int main(int argc, char** argv) {
       break;
     }
     if (i == 0) {  // declare the parameters as the trainer holds them, then register
+      std::string handle;
+      if (cuda_device >= 0) {
+        uint64_t total = 0;
+        for (const auto& e : file->tensors()) {
+          device_offset[e.name] = total;
+          total += (e.view.nbytes() + 255) / 256 * 256;
+        }
+        auto mem = wsync::AllocateCuda(std::max<uint64_t>(total, 256), cuda_device);
+        auto h = mem.ok() ? (*mem)->IpcHandle() : absl::StatusOr<std::string>(mem.status());
+        if (!h.ok()) {
+          rc = Abort(h.status().ToString());
+          break;
+        }
+        device_memory = std::move(*mem);
+        handle = *h;
+      }
       for (const auto& e : file->tensors()) {
         std::vector<int64_t> shape(e.view.shape().begin(), e.view.shape().end());
         const std::string dtype(wsync::SafetensorsName(e.view.dtype()));
-        if (wsync_client_add_tensor(c, e.name.c_str(), dtype.c_str(), shape.data(), static_cast<int>(shape.size())) !=
-            WSYNC_OK) {
-          rc = Abort(wsync_last_error());
-        }
+        const int ok = cuda_device >= 0
+                           ? wsync_client_add_cuda_tensor(c, e.name.c_str(), dtype.c_str(), shape.data(),
+                                                          static_cast<int>(shape.size()), handle.data(), handle.size(),
+                                                          cuda_device, device_offset[e.name])
+                           : wsync_client_add_tensor(c, e.name.c_str(), dtype.c_str(), shape.data(),
+                                                     static_cast<int>(shape.size()));
+        if (ok != WSYNC_OK) rc = Abort(wsync_last_error());
       }
       const std::string config = ReadFile(steps[0] + "/config.json"), parallel = ReadFile(steps[0] + "/parallel.json");
       if (rc == 0 && wsync_client_register(c, config.c_str(), parallel.c_str(), timeout_ms) != WSYNC_OK)
@@ -126,6 +156,18 @@ int main(int argc, char** argv) {
       break;
     }
     for (const auto& e : file->tensors()) {
+      if (device_memory) {
+        auto at = device_offset.find(e.name);
+        const absl::Status s = at == device_offset.end()
+                                   ? absl::NotFoundError("not a registered tensor")
+                                   : wsync::CopyHostToDevice(static_cast<char*>(device_memory->data()) + at->second,
+                                                             e.view.data(), e.view.nbytes(), cuda_device);
+        if (!s.ok()) {
+          rc = Abort("step " + steps[i] + ": tensor " + e.name + ": " + s.ToString());
+          break;
+        }
+        continue;
+      }
       uint64_t nbytes = 0;
       void* dst = wsync_client_tensor(c, e.name.c_str(), &nbytes);
       if (dst == nullptr || nbytes != e.view.nbytes()) {
