@@ -53,6 +53,13 @@ for v in 10 11; do
   [ "$first" = 1 ] || { echo "e2e_shm: version $v was started by $first ranks, want 1 (coalesced)" >&2; exit 1; }
   [ -d "$work/record/v$v" ] || { echo "e2e_shm: version $v was not recorded" >&2; exit 1; }
 done
+if [ -n "$trainer_flags" ]; then  # the GPU form really read device tensors and wrote device params
+  n=$(grep -c "on CUDA devices" "$work/run/logs/trainer.log" || true)
+  [ "$n" -ge 4 ] || { echo "e2e_shm: $n of 4 trainer agents registered CUDA tensors" >&2; exit 1; }
+  n=$(cat "$work"/run/logs/agent-*.log | grep -c " [1-9][0-9]* on a CUDA device" || true)
+  [ "$n" -ge 2 ] || { echo "e2e_shm: $n of 2 rollout agents saw engine params on a CUDA device" >&2; exit 1; }
+  echo "   the training processes' tensors and the engine's parameters were on CUDA device ${trainer_flags##* }"
+fi
 after=$(ls /dev/shm | grep -c '^wsync\.' || true)
 [ "$after" -le "$before" ] || { echo "e2e_shm: shared memory left behind: $(ls /dev/shm | grep '^wsync\.')" >&2; exit 1; }
 echo "e2e_shm: ok"
