@@ -52,10 +52,11 @@ int Run(int argc, char** argv) {
   app.add_option("--listen", listen, "address of the RolloutAgent service (port 0 picks one)")->capture_default_str();
   app.add_option("--address-file", address_file, "write the bound HOST:PORT to this file (atomically)");
   app.add_option("--advertise-address", o.advertise_address,
-                 "the address the coordinator should call (default: the bound address)");
+                 "the address the coordinator should call (default: the bound address; for a wildcard --listen "
+                 "such as 0.0.0.0:PORT, the local address facing --coordinator)");
   app.add_option("--data-host", o.data_host,
-                 "address the data-plane (Gloo) endpoints listen on; reachable from the trainer's stage sources")
-      ->capture_default_str();
+                 "address the data-plane (Gloo) endpoints listen on, reachable from the trainer's stage sources "
+                 "(default: the local address facing --coordinator; 127.0.0.1 without one)");
   app.add_option("--coordinator", o.coordinator, "the coordinator's address: join it and send heartbeats");
   app.add_option("--record-dir", o.record_dir,
                  "record every committed version as received under DIR/v{version}/ (syncs that ask for it)");

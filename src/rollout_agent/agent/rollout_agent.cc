@@ -15,6 +15,7 @@
 #include "common/config.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
+#include "common/net.h"
 #include "common/status.h"
 #include "rollout_agent/agent/engine_client.h"
 #include "rollout_agent/agent/membership.h"
@@ -626,7 +627,7 @@ void RolloutAgent::RunStage(Sync* s, size_t index) {
   o.pp_stage = g.pp_stage();
   o.rank = static_cast<int>(s->req.agent_rank());
   o.size = static_cast<int>(g.size());
-  o.host = options_.data_host;
+  o.host = options_.data_host.empty() ? "127.0.0.1" : options_.data_host;  // AgentServer::Start picks one
   o.version = s->req.version();
   o.join_timeout = s->timeout;
   o.op_timeout = s->timeout;
@@ -939,6 +940,19 @@ absl::Status RolloutAgent::EndFailedSync(Sync* s, const std::string& reason, boo
 absl::StatusOr<std::unique_ptr<AgentServer>> AgentServer::Start(const std::string& listen, AgentOptions options) {
   std::unique_ptr<AgentServer> s(new AgentServer());
   RpcSecurity sec = options.security;
+  ASSIGN_OR_RETURN(const HostPort bind, SplitHostPort(listen));
+  // Defaults that work across hosts: the address facing the coordinator, for the data plane and,
+  // when the service binds a wildcard address, for what the coordinator is told to call.
+  std::string facing = "127.0.0.1";
+  if (!options.coordinator.empty() &&
+      (options.data_host.empty() || (options.advertise_address.empty() && IsWildcardHost(bind.host)))) {
+    auto f = LocalAddressFacing(options.coordinator);
+    if (!f.ok())
+      return Annotate(f.status(), absl::StrCat("choosing this agent's address facing the coordinator ",
+                                               options.coordinator, " (give --data-host / --advertise-address)"));
+    facing = *f;
+  }
+  if (options.data_host.empty()) options.data_host = facing;
   const std::string advertise = options.advertise_address;
   s->agent_ = std::make_unique<RolloutAgent>(std::move(options));
   grpc::ServerBuilder builder;
@@ -948,9 +962,10 @@ absl::StatusOr<std::unique_ptr<AgentServer>> AgentServer::Start(const std::strin
   builder.RegisterService(s->agent_->service());
   s->server_ = builder.BuildAndStart();
   if (!s->server_ || port == 0) return absl::UnavailableError(absl::StrCat("rollout agent: cannot listen on ", listen));
-  const size_t colon = listen.rfind(':');
-  s->address_ = absl::StrCat(colon == std::string::npos ? listen : listen.substr(0, colon), ":", port);
-  s->agent_->SetAddress(advertise.empty() ? s->address_ : advertise);
+  s->address_ = JoinHostPort(bind.host, port);
+  s->agent_->SetAddress(!advertise.empty()          ? advertise
+                        : IsWildcardHost(bind.host) ? JoinHostPort(facing, port)
+                                                    : s->address_);
   return s;
 }
 

@@ -56,11 +56,13 @@ class Server;
 namespace wsync::rollout_agent {
 
 struct AgentOptions {
-  std::string record_dir;               // --record-dir; empty: BeginSyncRequest.record is ignored
-  RpcSecurity security;                 // token + TLS, for the server and for calls to engine/coordinator
-  std::string coordinator;              // --coordinator; empty: no Join / heartbeats
-  std::string advertise_address;        // the agent address sent in Join; default: the bound address
-  std::string data_host = "127.0.0.1";  // the address this agent's Gloo endpoints listen on (--data-host)
+  std::string record_dir;         // --record-dir; empty: BeginSyncRequest.record is ignored
+  RpcSecurity security;           // token + TLS, for the server and for calls to engine/coordinator
+  std::string coordinator;        // --coordinator; empty: no Join / heartbeats
+  std::string advertise_address;  // the agent address sent in Join; default: the bound address
+  // The address this agent's Gloo endpoints listen on (--data-host); empty: the local address that
+  // faces the coordinator (127.0.0.1 without one), chosen by AgentServer::Start.
+  std::string data_host;
   absl::Duration heartbeat = absl::Seconds(2);
   absl::Duration engine_rpc_timeout = absl::Seconds(10);
   absl::Duration flush_deadline = absl::Seconds(30);       // bounded further by the sync's timeout

@@ -31,7 +31,15 @@ int main(int argc, char** argv) {
                  "training process of each rank shares its tensors through libwsync_trainer_client; the agent "
                  "waits for it to register)")
       ->required();
-  app.add_option("--coordinator", o.coordinator, "Coordinator address: rank 0 listens here, all ranks use its store");
+  app.add_option("--coordinator", o.coordinator,
+                 "Coordinator address as every rank and rollout agent dials it (rank 0 listens there unless "
+                 "--coordinator-listen)");
+  app.add_option("--coordinator-listen", o.coordinator_listen,
+                 "What rank 0 binds for the coordinator, e.g. 0.0.0.0:7070 (default: --coordinator)");
+  app.add_option("--data-host", o.data_host,
+                 "Address this rank's data-plane (Gloo) endpoints listen on (default: the local address facing the "
+                 "coordinator)");
+  app.add_option("--metrics-host", o.metrics_host, "Address of the Prometheus endpoint")->capture_default_str();
   app.add_option("--backend", o.backend, "Trainer -> rollout data plane: gloo (CPU) or nccl (GPU)");
   app.add_option("--bucket-mib", bucket_mib, "Bucket size in MiB")->check(CLI::Range(1, 1 << 16));
   app.add_option("--quant-config", quant_file,
@@ -46,7 +54,7 @@ int main(int argc, char** argv) {
   app.add_option("--tls-cert", sec.tls_cert_file, "TLS certificate of the coordinator");
   app.add_option("--tls-key", sec.tls_key_file, "TLS key");
   app.add_option("--tls-ca", sec.tls_ca_file, "CA for client certificates / of the servers");
-  app.add_option("--metrics-port", o.metrics_port, "Prometheus /metrics on 127.0.0.1:PORT (0: any; default off)");
+  app.add_option("--metrics-port", o.metrics_port, "Prometheus /metrics on --metrics-host:PORT (0: any; default off)");
   app.add_option("--address-file", o.address_file, "Rank 0 writes the coordinator's bound address here");
   CLI11_PARSE(app, argc, argv);
 

@@ -15,6 +15,7 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/metrics.h"
+#include "common/net.h"
 #include "common/status.h"
 #include "common/units.h"
 #include "trainer_agent/coordinator/coordinator.h"
@@ -171,7 +172,9 @@ class Agent {
     if (world_->rank() == 0) {
       channel = std::make_unique<CommandChannel>(world_->size(), stages_);
       CoordinatorOptions co;
-      co.listen = opts_.coordinator;
+      co.listen = opts_.coordinator_listen.empty() ? opts_.coordinator : opts_.coordinator_listen;
+      ASSIGN_OR_RETURN(const HostPort dial, SplitHostPort(opts_.coordinator));
+      co.advertise_host = dial.host;
       co.security = opts_.security;
       co.backend = opts_.backend;
       co.sync_timeout = opts_.sync_timeout;
@@ -189,6 +192,14 @@ class Agent {
     comm::MutableBytes ab{address, sizeof(address)};
     RETURN_IF_ERROR(Annotate(comm::Await(world_->Broadcast({&ab, 1}, 0)), "sharing the coordinator's address"));
     store_ = comm::GrpcStoreClient::Connect(address, absl::Seconds(30), opts_.security);
+    data_host_ = opts_.data_host;
+    if (data_host_.empty()) {  // each rank's own address towards the coordinator
+      auto facing = LocalAddressFacing(address);
+      if (!facing.ok())
+        return Annotate(facing.status(), "choosing the data-plane address facing the coordinator (give --data-host)");
+      data_host_ = *facing;
+    }
+    WSYNC_LOG(INFO) << "coordinator at " << address << "; data plane on " << data_host_;
     if (shm_) {
       const std::string coordinator = address;
       shm_->SetSyncRequester([this, coordinator](uint64_t version, bool wait, absl::Duration timeout) {
@@ -255,6 +266,7 @@ class Agent {
       g.name = SyncGroupName(cmd.sync_id, stage);
       g.rank = 0;
       g.size = static_cast<int>(cmd.num_agents) + 1;
+      g.host = data_host_;
       g.join_timeout = std::min(timeout, absl::Minutes(2));
       g.default_timeout = timeout;
       auto backend = comm::ParseBackend(cmd.backend);
@@ -370,6 +382,7 @@ class Agent {
   // Bucket buffers kept across syncs (stage sources only): two on the wire + the one being built.
   BufferPool bucket_pool_{3};
   std::unique_ptr<comm::Store> store_;
+  std::string data_host_;  // Run(): --data-host, else the address facing the coordinator
 };
 
 }  // namespace
@@ -385,7 +398,7 @@ absl::Status RunTrainerAgent(const TrainerAgentOptions& options, const std::atom
   std::unique_ptr<MetricsServer> metrics;
   if (options.metrics_port >= 0) {
     metrics = std::make_unique<MetricsServer>(&MetricsRegistry::Global());
-    RETURN_IF_ERROR(metrics->Start("127.0.0.1", options.metrics_port));
+    RETURN_IF_ERROR(metrics->Start(options.metrics_host, options.metrics_port));
   }
   return agent.Run(stop);
 }

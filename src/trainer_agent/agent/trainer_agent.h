@@ -31,8 +31,13 @@ namespace wsync::trainer_agent {
 
 struct TrainerAgentOptions {
   std::string source;                          // "dir:PATH" or "shm:NAME" (trainer_agent/source/)
-  std::string coordinator = "127.0.0.1:7070";  // rank 0 listens here; every rank reaches the store here
-  std::string backend = "gloo";                // trainer -> rollout data plane
+  std::string coordinator = "127.0.0.1:7070";  // the coordinator's address as every rank and agent dials it
+  std::string coordinator_listen;              // what rank 0 binds (e.g. 0.0.0.0:7070); empty: `coordinator`
+  // The address the stage sources' data-plane (Gloo) endpoints listen on; empty: the local address
+  // that faces the coordinator (each rank's own host, e.g. its InfiniBand or Ethernet interface).
+  std::string data_host;
+  std::string metrics_host = "127.0.0.1";  // the Prometheus endpoint's address (0.0.0.0 for a scraper elsewhere)
+  std::string backend = "gloo";            // trainer -> rollout data plane
   uint64_t bucket_bytes = uint64_t{512} << 20;
   std::optional<QuantizationConfig> quant;     // the engines' quantization config (else the model's own)
   std::optional<model::ExpertMap> expert_map;  // expert pruning (checked against the model at every sync)

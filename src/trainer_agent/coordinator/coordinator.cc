@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
+#include "common/net.h"
 #include "common/status.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 
@@ -90,6 +91,11 @@ class Coordinator::Impl {
   }
 
   absl::Status Start() {
+    ASSIGN_OR_RETURN(const HostPort bind, SplitHostPort(opts_.listen));
+    host_ = opts_.advertise_host.empty() ? bind.host : opts_.advertise_host;
+    if (IsWildcardHost(host_))
+      return absl::InvalidArgumentError(absl::StrCat("coordinator: listening on ", opts_.listen,
+                                                     " needs an address to advertise (--coordinator HOST:PORT)"));
     store_service_ = comm::MakeStoreService(&store_, opts_.security);
     grpc::ServerBuilder builder;
     builder.AddListeningPort(opts_.listen, ServerCredentials(opts_.security), &port_);
@@ -99,15 +105,13 @@ class Coordinator::Impl {
     if (!server_ || port_ == 0) {
       return absl::UnavailableError(absl::StrCat("coordinator: cannot listen on ", opts_.listen));
     }
-    const size_t colon = opts_.listen.rfind(':');
-    host_ = colon == std::string::npos ? opts_.listen : opts_.listen.substr(0, colon);
     domain_.Start(address());
     WSYNC_LOG(INFO) << "coordinator listening on " << address() << " (" << trainer_->world_size() << " trainer ranks, "
                     << trainer_->num_stages() << " stages)";
     return absl::OkStatus();
   }
 
-  std::string address() const { return absl::StrCat(host_, ":", port_); }
+  std::string address() const { return JoinHostPort(host_, port_); }
   comm::MemoryStore& store() { return store_; }
 
  private:

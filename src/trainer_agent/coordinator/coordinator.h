@@ -21,6 +21,9 @@ namespace wsync::trainer_agent {
 
 struct CoordinatorOptions {
   std::string listen = "127.0.0.1:7070";
+  // The host the coordinator is reached at (address() = advertise_host:bound port); empty: the
+  // listen host, which must then not be a wildcard (0.0.0.0, ::).
+  std::string advertise_host;
   RpcSecurity security;
   std::string backend = "gloo";
   absl::Duration heartbeat = absl::Seconds(2);        // agents heartbeat this often
