@@ -8,7 +8,9 @@
 # Use the hostfile (and slots) of the Megatron launch so that `mpirun --map-by` places rank r on
 # the host of Megatron rank r; with torchrun-launched Megatron, list each host once per GPU in
 # RANK order. The coordinator runs in agent rank 0: give it an address reachable from the rollout
-# hosts (HOST0 = the host of rank 0). Environment: WSYNC_BIN (default /opt/wsync/bin),
+# hosts (HOST0 = the host of rank 0); rank 0 binds 0.0.0.0 on its port (a Debian `hostname -f` may
+# resolve to 127.0.1.1 on its own host), and every rank's data plane listens on the address that
+# faces the coordinator (pass `-- --data-host ADDR` to pick another interface). Environment: WSYNC_BIN (default /opt/wsync/bin),
 # MPIRUN_ARGS (e.g. "--mca btl_tcp_if_include eth0").
 # Live training (--source shm:JOB): run the agents as the training job's user, with the same
 # WSYNC_RUNTIME_DIR (or XDG_RUNTIME_DIR) as the training processes; Megatron rank r then calls
@@ -36,4 +38,5 @@ hosts=()
 # shellcheck disable=SC2086
 exec mpirun ${MPIRUN_ARGS:-} "${hosts[@]}" -np "$np" \
   -x WSYNC_LOG_LEVEL -x WSYNC_TOKEN \
-  "$bin/wsync-trainer-agent" --source "$source" --coordinator "$coordinator" --token-file "$token" "${extra[@]}"
+  "$bin/wsync-trainer-agent" --source "$source" --coordinator "$coordinator" \
+  --coordinator-listen "0.0.0.0:${coordinator##*:}" --token-file "$token" "${extra[@]}"

@@ -62,14 +62,27 @@ class CommandChannel final : public TrainerSide {
   int num_stages() const override { return stages_; }
   int world_size() const override { return world_; }
 
+  // Hands the plan to the main loop and waits for its result until plan.deadline. A sync given up
+  // on keeps running on the ranks (draining); its late result is dropped, and the next plan waits
+  // in `pending_` until the main loop is free, so two syncs never run on the ranks at once.
   absl::StatusOr<TrainerReport> RunSync(const SyncPlan& plan) override {
     absl::MutexLock lock(&mu_);
     if (closed_) return absl::UnavailableError("the trainer agents are shutting down");
     pending_ = plan;
+    waiting_for_ = plan.sync_id;
     result_.reset();
     auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return result_.has_value() || closed_; };
-    mu_.Await(absl::Condition(&done));
-    if (!result_.has_value()) return absl::UnavailableError("the trainer agents shut down during the sync");
+    mu_.AwaitWithDeadline(absl::Condition(&done), plan.deadline);
+    if (!result_.has_value()) {
+      waiting_for_ = 0;
+      const bool queued = pending_.has_value();
+      pending_.reset();  // not yet picked up: it never starts
+      if (closed_) return absl::UnavailableError("the trainer agents shut down during the sync");
+      return absl::DeadlineExceededError(
+          queued ? "the trainer ranks were still finishing an earlier sync when this one's timeout passed"
+                 : "the trainer ranks did not finish the transfer within the sync's timeout (they finish it "
+                   "in the background; the next sync waits for them)");
+    }
     auto r = std::move(*result_);
     result_.reset();
     return r;
@@ -84,8 +97,13 @@ class CommandChannel final : public TrainerSide {
     pending_.reset();
     return p;
   }
-  void Complete(absl::StatusOr<TrainerReport> r) {
+  void Complete(uint64_t sync_id, absl::StatusOr<TrainerReport> r) {
     absl::MutexLock lock(&mu_);
+    if (sync_id != waiting_for_) {
+      WSYNC_LOG(WARNING) << "sync " << sync_id << " finished on the trainer ranks after its timeout: "
+                         << (r.ok() ? absl::OkStatus() : r.status());
+      return;
+    }
     result_ = std::move(r);
   }
   void Close() {
@@ -98,6 +116,7 @@ class CommandChannel final : public TrainerSide {
   absl::Mutex mu_;
   std::optional<SyncPlan> pending_ ABSL_GUARDED_BY(mu_);
   std::optional<absl::StatusOr<TrainerReport>> result_ ABSL_GUARDED_BY(mu_);
+  uint64_t waiting_for_ ABSL_GUARDED_BY(mu_) = 0;  // the sync RunSync waits for (0: none)
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
 };
 
@@ -112,13 +131,13 @@ absl::Status FromResult(const RankResult& r, int rank) {
 }
 
 // Every rank: OK only if every rank's `s` is OK; else the first failing rank's error.
-absl::Status Vote(comm::Communicator& world, const absl::Status& s) {
+absl::Status Vote(comm::Communicator& world, const absl::Status& s, const comm::CollectiveOptions& options = {}) {
   RankResult mine;
   if (!s.ok()) SetMessage(mine, s);
   std::vector<RankResult> all(world.size());
   comm::ConstBytes in{&mine, sizeof(mine)};
   comm::MutableBytes out{all.data(), all.size() * sizeof(RankResult)};
-  RETURN_IF_ERROR(comm::Await(world.AllGather({&in, 1}, {&out, 1})));
+  RETURN_IF_ERROR(comm::Await(world.AllGather({&in, 1}, {&out, 1}, options)));
   for (int r = 0; r < world.size(); ++r) {
     if (all[r].code != 0) return FromResult(all[r], r);
   }
@@ -227,7 +246,7 @@ class Agent {
       RETURN_IF_ERROR(Annotate(comm::Await(world_->Broadcast({&cb, 1}, 0, forever)), "command channel"));
       if (cmd.type == kStop) break;
       auto report = RunSync(cmd);
-      if (world_->rank() == 0) channel->Complete(std::move(report));
+      if (world_->rank() == 0) channel->Complete(cmd.sync_id, std::move(report));
     }
     if (channel) channel->Close();
     WSYNC_LOG(INFO) << "stopping";
@@ -259,6 +278,14 @@ class Agent {
         s = d.status();
       }
     }
+    // The world's collectives of a sync wait for the slowest rank, and a stage source legitimately
+    // spends a bounded time elsewhere first: up to join_timeout forming its data-plane group (before
+    // the vote), up to `timeout` in a failing data-plane operation and then the rest of its share,
+    // drained without sending (before the results). A world collective that timed out first would
+    // break the trainer job's communicator for good, so theirs are longer (still bounded).
+    const absl::Duration join_timeout = std::min(timeout, absl::Minutes(2));
+    const comm::CollectiveOptions vote_bound{join_timeout + absl::Seconds(30)};
+    const comm::CollectiveOptions results_bound{2 * timeout + absl::Minutes(1)};
     std::unique_ptr<comm::BroadcastSink> sink;
     if (s.ok() && is_source) {
       comm::GroupOptions g;
@@ -267,7 +294,7 @@ class Agent {
       g.rank = 0;
       g.size = static_cast<int>(cmd.num_agents) + 1;
       g.host = data_host_;
-      g.join_timeout = std::min(timeout, absl::Minutes(2));
+      g.join_timeout = join_timeout;
       g.default_timeout = timeout;
       auto backend = comm::ParseBackend(cmd.backend);
       auto comm = backend.ok() ? comm::CreateGroup(*backend, g) : backend.status();
@@ -278,7 +305,7 @@ class Agent {
         s = Annotate(comm.status(), absl::StrCat("stage ", stage, " data-plane group"));
       }
     }
-    s = Vote(*world_, s);
+    s = Vote(*world_, s, vote_bound);
 
     // 2. The sync itself.
     RankResult mine;
@@ -291,7 +318,9 @@ class Agent {
       so.quant = q ? &*q : nullptr;
       so.quant_threads = opts_.quant_threads;
       so.expert_map = opts_.expert_map ? &*opts_.expert_map : nullptr;
-      so.collective = comm::CollectiveOptions{timeout};
+      // The TP/EP gathers wait for peers that may be stuck up to `timeout` in a failing data-plane
+      // operation (then drain): longer than that, or the failure would break these communicators.
+      so.collective = comm::CollectiveOptions{timeout + absl::Minutes(1)};
       so.workspace = &workspace_;
       auto report = RunRankSync(*src, comms_, sink.get(), so);
       if (report.ok() && sink && !sink->status().ok()) report = sink->status();
@@ -314,7 +343,7 @@ class Agent {
     std::vector<RankResult> all(world_->size());
     comm::ConstBytes in{&mine, sizeof(mine)};
     comm::MutableBytes out{all.data(), all.size() * sizeof(RankResult)};
-    RETURN_IF_ERROR(comm::Await(world_->AllGather({&in, 1}, {&out, 1})));
+    RETURN_IF_ERROR(comm::Await(world_->AllGather({&in, 1}, {&out, 1}, results_bound)));
     for (int r = 0; r < world_->size(); ++r) {
       if (all[r].code != 0) return FromResult(all[r], r);
     }

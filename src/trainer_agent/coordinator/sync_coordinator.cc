@@ -279,6 +279,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
   plan.backend = opts_.backend;
   plan.num_agents = static_cast<int>(members.size());
   plan.timeout = opts_.sync_timeout;
+  plan.deadline = start + opts_.sync_timeout;
   for (int p = 0; p < trainer_->num_stages(); ++p) plan.group_names.push_back(SyncGroupName(id, p));
   WSYNC_LOG(INFO) << "sync " << id << " -> version " << plan.version << " with " << members.size() << " agents";
 
@@ -351,7 +352,9 @@ void SyncCoordinator::RunSync(uint64_t id) {
       r.set_sync_id(id);
       r.set_reason(std::string(s.message()));
       v1::AbortSyncReply reply;
-      return agent.AbortSync(r, opts_.rpc_timeout, &reply);
+      // Best effort and short: an agent that cannot be reached aborts on its own when the sync's
+      // timeout (sent in BeginSync) passes, so the sync ends now rather than an RPC timeout later.
+      return agent.AbortSync(r, std::min(opts_.rpc_timeout, absl::Seconds(5)), &reply);
     });
     if (!a.ok()) WSYNC_LOG(ERROR) << "sync " << id << ": abort incomplete: " << a;
   }

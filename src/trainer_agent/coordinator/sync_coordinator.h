@@ -50,7 +50,10 @@ struct SyncPlan {
   std::string backend;                   // "gloo" | "nccl"
   std::vector<std::string> group_names;  // one per pipeline stage: SyncGroupName(id, p)
   int num_agents = 0;                    // rollout agents, ranks 1..num_agents of every group
-  absl::Duration timeout;
+  absl::Duration timeout;                // every trainer-side operation's bound
+  // When the whole sync must have ended (its start + the sync timeout): RunSync gives up waiting
+  // then with kDeadlineExceeded, and the trainer ranks finish (drain) in the background.
+  absl::Time deadline = absl::InfiniteFuture();
 };
 
 struct PhaseTime {
@@ -72,8 +75,9 @@ class TrainerSide {
   virtual ~TrainerSide() = default;
   virtual int num_stages() const = 0;
   virtual int world_size() const = 0;
-  // Runs the trainer part of a sync on every rank; blocks until all are done. Errors name the
-  // rank and the cause.
+  // Runs the trainer part of a sync on every rank; blocks until all are done, or until
+  // plan.deadline (kDeadlineExceeded; a later sync then waits for the ranks to finish this one).
+  // Errors name the rank and the cause.
   virtual absl::StatusOr<TrainerReport> RunSync(const SyncPlan& plan) = 0;
 };
 
