@@ -127,9 +127,12 @@ trainer_cuda() {
     echo "no CUDA device: the device trainer sync needs one"
     return 0
   fi
-  WSYNC_BIN="$B/bin" "$B/tests/integration/e2e_shm.sh" --cuda 0
+  WSYNC_BIN="$B/bin" "$B/tests/integration/e2e_shm.sh" --cuda 0 "$@"
 }
 check trainer_cuda trainer_cuda
+# 10. Colocated on the GPU: the same, with the trainer -> rollout hand-off through shared memory
+#     (backend shm: no network, no NCCL group).
+check colocated_cuda trainer_cuda --backend shm
 [[ -f "$RES/bench_kernels_gpu.log" ]] && grep -qE ' [1-9][0-9]*$' "$RES/bench_kernels_gpu.log" && { echo "bench_kernels_gpu: rows with #wrong > 0" |
   tee -a "$RES/summary.txt"; failed=$((failed + 1)); }
 echo "# failed checks: $failed" | tee -a "$RES/summary.txt"

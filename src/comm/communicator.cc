@@ -9,6 +9,7 @@ absl::string_view BackendName(Backend b) {
     case Backend::kMpi: return "mpi";
     case Backend::kGloo: return "gloo";
     case Backend::kNccl: return "nccl";
+    case Backend::kShm: return "shm";
   }
   return "unknown";
 }
@@ -17,7 +18,8 @@ absl::StatusOr<Backend> ParseBackend(absl::string_view name) {
   if (name == "mpi") return Backend::kMpi;
   if (name == "gloo") return Backend::kGloo;
   if (name == "nccl") return Backend::kNccl;
-  return absl::InvalidArgumentError(absl::StrCat("unknown data-plane backend \"", name, "\" (mpi, gloo or nccl)"));
+  if (name == "shm") return Backend::kShm;
+  return absl::InvalidArgumentError(absl::StrCat("unknown data-plane backend \"", name, "\" (mpi, gloo, nccl or shm)"));
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int, int, std::string) {

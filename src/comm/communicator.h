@@ -40,8 +40,9 @@ namespace wsync::comm {
 
 class Store;
 
-enum class Backend { kMpi, kGloo, kNccl };
-absl::string_view BackendName(Backend b);                      // "mpi" | "gloo" | "nccl"
+// kShm: processes on one host through one shared-memory segment (the colocated mode; shm/).
+enum class Backend { kMpi, kGloo, kNccl, kShm };
+absl::string_view BackendName(Backend b);                      // "mpi" | "gloo" | "nccl" | "shm"
 absl::StatusOr<Backend> ParseBackend(absl::string_view name);  // kInvalidArgument otherwise
 bool BackendCompiledIn(Backend b);
 
@@ -65,7 +66,7 @@ class Communicator {
  public:
   virtual ~Communicator() = default;
 
-  virtual absl::string_view Name() const = 0;  // the backend: "mpi" | "gloo" | "nccl"
+  virtual absl::string_view Name() const = 0;  // the backend: "mpi" | "gloo" | "nccl" | "shm"
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual const std::string& group() const = 0;  // the group's name, for messages and metrics
@@ -134,7 +135,7 @@ struct GroupOptions {
   // sync aborted while its group was forming).
   std::function<bool()> cancelled;
 };
-// Forms a Gloo or NCCL group through the store. Blocks until every member has joined, or fails
+// Forms a Gloo, NCCL or shm group through the store. Blocks until every member has joined, or fails
 // with kDeadlineExceeded after join_timeout naming the members that did not.
 absl::StatusOr<std::unique_ptr<Communicator>> CreateGroup(Backend backend, const GroupOptions& options);
 

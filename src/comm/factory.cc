@@ -1,6 +1,7 @@
 // The one place that knows which backends were compiled in (STYLE.md §1).
 #include "absl/strings/str_cat.h"
 #include "comm/communicator.h"
+#include "comm/shm/shm_communicator.h"
 
 #if WSYNC_WITH_MPI
 #include "comm/mpi/mpi_communicator.h"
@@ -26,6 +27,7 @@ bool BackendCompiledIn(Backend b) {
     case Backend::kMpi: return WSYNC_WITH_MPI;
     case Backend::kGloo: return WSYNC_WITH_GLOO;
     case Backend::kNccl: return WSYNC_WITH_NCCL;
+    case Backend::kShm: return true;
   }
   return false;
 }
@@ -53,6 +55,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateGroup(Backend backend, const
 #else
       return NotBuilt(backend);
 #endif
+    case Backend::kShm: return ShmCommunicator::Create(options);
     case Backend::kMpi:
       return absl::InvalidArgumentError(
           "an MPI group is not formed through the store: use CreateMpiWorld() and Split()");

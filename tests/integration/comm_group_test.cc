@@ -1,6 +1,7 @@
-// Multi-process tests of the store-bootstrapped data plane (Gloo): the test hosts the rendezvous
-// store (as the coordinator does) and starts every member as a separate process
-// (wsync-comm-member), then checks each one's verdict and that nothing hangs.
+// Multi-process tests of the store-bootstrapped data plane (Gloo over TCP, and shm: one segment on
+// one host): the test hosts the rendezvous store (as the coordinator does) and starts every member
+// as a separate process (wsync-comm-member), then checks each one's verdict and that nothing hangs.
+// Every scenario runs on both backends.
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -30,7 +31,7 @@ struct Member {
   int status = -1;
 };
 
-class CommGroupTest : public ::testing::Test {
+class CommGroupTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     auto server = comm::StoreServer::Start(&store_, "127.0.0.1:0");
@@ -41,10 +42,20 @@ class CommGroupTest : public ::testing::Test {
   Member Spawn(const std::string& group, int rank, int size, const std::string& scenario) {
     Member m;
     m.rank = rank;
-    m.log = ::testing::TempDir() + absl::StrCat("member-", group, "-", rank, ".log");
-    std::vector<std::string> args = {
-        WSYNC_COMM_MEMBER,    "--store", server_->address(),   "--group",    group,   "--rank",
-        std::to_string(rank), "--size",  std::to_string(size), "--scenario", scenario};
+    m.log = ::testing::TempDir() + absl::StrCat("member-", GetParam(), "-", group, "-", rank, ".log");
+    std::vector<std::string> args = {WSYNC_COMM_MEMBER,
+                                     "--store",
+                                     server_->address(),
+                                     "--group",
+                                     group,
+                                     "--rank",
+                                     std::to_string(rank),
+                                     "--size",
+                                     std::to_string(size),
+                                     "--scenario",
+                                     scenario,
+                                     "--backend",
+                                     GetParam()};
     std::vector<char*> argv;
     for (auto& s : args) argv.push_back(s.data());
     argv.push_back(nullptr);
@@ -110,7 +121,7 @@ class CommGroupTest : public ::testing::Test {
   std::unique_ptr<comm::StoreServer> server_;
 };
 
-TEST_F(CommGroupTest, CollectivesOnTwoThreeAndFiveMembers) {
+TEST_P(CommGroupTest, CollectivesOnTwoThreeAndFiveMembers) {
   for (int n : {2, 3, 5}) {
     auto ms = Start(absl::StrCat("coll", n), n, "collectives");
     WaitAll(ms, absl::Seconds(120));
@@ -118,19 +129,19 @@ TEST_F(CommGroupTest, CollectivesOnTwoThreeAndFiveMembers) {
   }
 }
 
-TEST_F(CommGroupTest, MoreThanTwoGiBSplitCorrectly) {
+TEST_P(CommGroupTest, MoreThanTwoGiBSplitCorrectly) {
   auto ms = Start("big", 2, "big");
   WaitAll(ms, absl::Seconds(240));
   ExpectAllPassed(ms);
 }
 
-TEST_F(CommGroupTest, AMemberThatNeverJoinsIsNamedWithinTheTimeout) {
+TEST_P(CommGroupTest, AMemberThatNeverJoinsIsNamedWithinTheTimeout) {
   auto ms = Start("absent", 3, "never_joins", /*launched=*/2);
   WaitAll(ms, absl::Seconds(20));
   ExpectAllPassed(ms);
 }
 
-TEST_F(CommGroupTest, AMemberKilledMidBroadcastGivesUnavailable) {
+TEST_P(CommGroupTest, AMemberKilledMidBroadcastGivesUnavailable) {
   auto ms = Start("killed", 3, "killed");
   // Wait until rank 1 is broadcasting, then kill it.
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
@@ -146,22 +157,27 @@ TEST_F(CommGroupTest, AMemberKilledMidBroadcastGivesUnavailable) {
   waitpid(ms[1].pid, nullptr, 0);
 }
 
-TEST_F(CommGroupTest, AbortFromAnotherThreadMidBroadcast) {
+TEST_P(CommGroupTest, AbortFromAnotherThreadMidBroadcast) {
   auto ms = Start("abort", 3, "abort");
   WaitAll(ms, absl::Seconds(30));
   ExpectAllPassed(ms);
 }
 
-TEST_F(CommGroupTest, ASilentMemberTimesOut) {
+TEST_P(CommGroupTest, ASilentMemberTimesOut) {
   auto ms = Start("silent", 3, "timeout");
   WaitAll(ms, absl::Seconds(30));
   ExpectAllPassed(ms);
 }
 
+INSTANTIATE_TEST_SUITE_P(Backends, CommGroupTest, ::testing::Values("gloo", "shm"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
 TEST(CommFactoryTest, BackendsAndErrors) {
   EXPECT_TRUE(comm::BackendCompiledIn(comm::Backend::kGloo));
   EXPECT_TRUE(comm::BackendCompiledIn(comm::Backend::kMpi));
   EXPECT_EQ(*comm::ParseBackend("gloo"), comm::Backend::kGloo);
+  EXPECT_EQ(*comm::ParseBackend("shm"), comm::Backend::kShm);
+  EXPECT_TRUE(comm::BackendCompiledIn(comm::Backend::kShm));
   EXPECT_TRUE(absl::IsInvalidArgument(comm::ParseBackend("tcp").status()));
   comm::GroupOptions opts;
   opts.name = "x";
@@ -172,23 +188,41 @@ TEST(CommFactoryTest, BackendsAndErrors) {
   opts.size = 2;
   EXPECT_TRUE(absl::IsInvalidArgument(comm::CreateGroup(comm::Backend::kGloo, opts).status()));  // rank out of range
   EXPECT_TRUE(absl::IsInvalidArgument(comm::CreateGroup(comm::Backend::kMpi, opts).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(comm::CreateGroup(comm::Backend::kShm, opts).status()));
+}
+
+// Members that do not share a host (here: rank 1 announces another identity) are refused, naming both.
+TEST(CommFactoryTest, ShmRefusesMembersOnAnotherHost) {
+  comm::MemoryStore store;
+  ASSERT_TRUE(store.Set("cross/joined/1", "another-boot-id/dev42/uid0").ok());
+  comm::GroupOptions opts;
+  opts.store = &store;
+  opts.name = "cross";
+  opts.size = 2;
+  opts.join_timeout = absl::Seconds(5);
+  auto comm = comm::CreateGroup(comm::Backend::kShm, opts);
+  EXPECT_TRUE(absl::IsFailedPrecondition(comm.status())) << comm.status();
+  EXPECT_NE(comm.status().message().find("another-boot-id"), std::string::npos) << comm.status();
 }
 
 TEST(CommFactoryTest, SingleMemberGroupWorksInProcess) {
-  comm::MemoryStore store;
-  comm::GroupOptions opts;
-  opts.store = &store;
-  opts.name = "solo";
-  auto comm = comm::CreateGroup(comm::Backend::kGloo, opts);
-  ASSERT_TRUE(comm.ok()) << comm.status();
-  std::vector<char> buf(10, 3);
-  comm::MutableBytes b{buf.data(), buf.size()};
-  EXPECT_TRUE(comm::Await((*comm)->Broadcast({&b, 1}, 0)).ok());
-  EXPECT_TRUE(comm::Await((*comm)->Barrier()).ok());
-  (*comm)->Abort("done");
-  absl::Status later = comm::Await((*comm)->Barrier());
-  EXPECT_TRUE(absl::IsAborted(later)) << later;
-  EXPECT_NE(later.message().find("done"), std::string::npos) << later;
+  for (comm::Backend backend : {comm::Backend::kGloo, comm::Backend::kShm}) {
+    SCOPED_TRACE(comm::BackendName(backend));
+    comm::MemoryStore store;
+    comm::GroupOptions opts;
+    opts.store = &store;
+    opts.name = "solo";
+    auto comm = comm::CreateGroup(backend, opts);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    std::vector<char> buf(10, 3);
+    comm::MutableBytes b{buf.data(), buf.size()};
+    EXPECT_TRUE(comm::Await((*comm)->Broadcast({&b, 1}, 0)).ok());
+    EXPECT_TRUE(comm::Await((*comm)->Barrier()).ok());
+    (*comm)->Abort("done");
+    absl::Status later = comm::Await((*comm)->Barrier());
+    EXPECT_TRUE(absl::IsAborted(later)) << later;
+    EXPECT_NE(later.message().find("done"), std::string::npos) << later;
+  }
 }
 
 TEST(CommFactoryTest, NcclSkipsWithoutAGpu) {

@@ -9,16 +9,20 @@
 # ranks wait for the check (a barrier). Afterwards: one sync per version (the 4 requests
 # coalesced), both versions recorded, and no shared memory left behind.
 #
-#   tests/integration/e2e_shm.sh [--cuda N]
+#   tests/integration/e2e_shm.sh [--cuda N] [--backend gloo|shm]
 # --cuda N: the GPU form (run.sh of the device bundle): the training processes keep their tensors in
 # CUDA memory on device N (the trainer agents read them by IPC handle) and the engine's parameters
 # live there too (the rollout agents repack on the device).
+# --backend shm: the colocated hand-off (trainer agents to rollout agents through shared memory).
 set -euo pipefail
-trainer_flags="" engine_flags=()
-if [ "${1:-}" = --cuda ]; then
-  trainer_flags="--cuda-device $2"
-  engine_flags=(--engine-flags "--param-memory cuda:$2")
-fi
+trainer_flags="" engine_flags=() backend=gloo
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cuda) trainer_flags="--cuda-device $2"; engine_flags=(--engine-flags "--param-memory cuda:$2"); shift 2 ;;
+    --backend) backend="$2"; shift 2 ;;
+    *) echo "e2e_shm: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 bin="${WSYNC_BIN:-$here/build/bin}"
 work="$(mktemp -d /tmp/wsync-e2e-shm.XXXXXX)"
@@ -41,7 +45,7 @@ export WSYNC_BIN="$bin"
 before=$(ls /dev/shm | grep -c '^wsync\.' || true)
 "$here/tools/wsync-local" --source "$work/s1/megatron" --rollout-engines 1 --engine-tp 2 \
   --record-dir "$work/record" --workdir "$work/run" \
-  "${engine_flags[@]}" \
+  "${engine_flags[@]}" --backend "$backend" \
   --trainer "$bin/wsync-shm-trainer $trainer_flags --from $work/s1/megatron --from $work/s2/megatron --first-version 10 --after-sync $work/after.sh" \
   | tee "$work/out.txt"
 grep -q "version 10 verified bit-exact" "$work/out.txt"

@@ -521,10 +521,11 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
   if (*backend == comm::Backend::kNccl) {
     return absl::UnimplementedError(absl::StrCat(
         who,
-        ": backend nccl: this agent stages and repacks in host memory; receive with gloo (GPU staging is not built)"));
+        ": backend nccl: this agent receives into host memory; receive with gloo, or shm when colocated (device "
+        "receive buffers are not built)"));
   }
-  if (*backend != comm::Backend::kGloo)
-    return absl::InvalidArgumentError(absl::StrCat(who, ": backend ", req.backend()));
+  if (*backend != comm::Backend::kGloo && *backend != comm::Backend::kShm)
+    return absl::InvalidArgumentError(absl::StrCat(who, ": backend ", req.backend(), " (gloo or shm)"));
   if (req.groups_size() == 0) return absl::InvalidArgumentError(absl::StrCat(who, ": no groups"));
   if (req.store_address().empty()) return absl::InvalidArgumentError(absl::StrCat(who, ": no store_address"));
   absl::flat_hash_set<std::string> names;

@@ -40,7 +40,10 @@ int main(int argc, char** argv) {
                  "Address this rank's data-plane (Gloo) endpoints listen on (default: the local address facing the "
                  "coordinator)");
   app.add_option("--metrics-host", o.metrics_host, "Address of the Prometheus endpoint")->capture_default_str();
-  app.add_option("--backend", o.backend, "Trainer -> rollout data plane: gloo (CPU) or nccl (GPU)");
+  app.add_option("--backend", o.backend,
+                 "Trainer -> rollout data plane: gloo (TCP), shm (colocated: every rollout agent on the trainer's "
+                 "host, one shared-memory segment, no network) or nccl (GPU)")
+      ->check(CLI::IsMember({"gloo", "shm", "nccl"}));
   app.add_option("--bucket-mib", bucket_mib, "Bucket size in MiB")->check(CLI::Range(1, 1 << 16));
   app.add_option("--quant-config", quant_file,
                  "The engines' quantization config (compressed-tensors object or a config.json holding one); "

@@ -1,0 +1,294 @@
+#include "comm/shm/shm_communicator.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "comm/rendezvous.h"
+#include "comm/store/store.h"
+#include "common/status.h"
+
+namespace wsync::comm {
+namespace {
+
+constexpr uint64_t kMagic = 0x31306d6873797377;  // "wsyshm01"
+
+struct alignas(64) RankSlot {
+  std::atomic<uint64_t> consumed;  // global chunks this member has consumed (the root: published)
+  std::atomic<int32_t> pid;
+  std::atomic<uint64_t> start_time;  // /proc/<pid>/stat field 22: tells a reused pid apart
+};
+static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<int32_t>::is_always_lock_free,
+              "the segment's counters must be lock-free to be shared between processes");
+
+// The process's state letter and start time, from /proc/<pid>/stat; false if it is gone.
+bool ProcStat(int pid, char* state, uint64_t* start_time) {
+  std::ifstream f(absl::StrCat("/proc/", pid, "/stat"));
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const size_t close = text.rfind(')');
+  if (close == std::string::npos) return false;
+  std::istringstream rest(text.substr(close + 1));
+  std::string field;
+  rest >> *state;  // field 3
+  for (int i = 4; i < 22 && (rest >> field); ++i) {
+  }
+  return static_cast<bool>(rest >> *start_time);  // field 22
+}
+
+// What members of one group must share: the kernel (boot id) and the /dev/shm they map.
+absl::StatusOr<std::string> HostIdentity() {
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string boot;
+  std::getline(f, boot);
+  struct stat st;
+  if (stat("/dev/shm", &st) != 0) return ErrnoToStatus(errno, "stat /dev/shm (the shm backend needs it)");
+  return absl::StrCat(boot.empty() ? "unknown-boot" : boot, "/dev", st.st_dev, "/uid", geteuid());
+}
+
+}  // namespace
+
+struct ShmCommunicator::Header {
+  uint64_t magic;
+  uint32_t size;
+  uint32_t slots;
+  uint64_t slot_bytes;
+  alignas(64) std::atomic<uint64_t> published;  // global chunks published by the roots so far
+  alignas(64) std::atomic<int32_t> broken_by;   // 0, or 1 + the rank whose operation failed / aborted
+  RankSlot ranks[kMaxRanks];
+};
+
+absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Create(const GroupOptions& o) {
+  if (o.store == nullptr) return absl::InvalidArgumentError("shm group: no rendezvous store");
+  if (o.size < 1 || o.size > kMaxRanks || o.rank < 0 || o.rank >= o.size)
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm group \"", o.name, "\": rank ", o.rank, " of ", o.size, " (1..", kMaxRanks, " members)"));
+  ASSIGN_OR_RETURN(const std::string identity, HostIdentity());
+  RETURN_IF_ERROR(JoinGroup(*o.store, o.name, o.rank, o.size, identity, o.join_timeout, o.cancelled));
+  for (int r = 0; r < o.size; ++r) {
+    ASSIGN_OR_RETURN(const std::string other, o.store->Get(absl::StrCat(o.name, "/joined/", r), o.join_timeout));
+    if (other != identity)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "shm group \"", o.name, "\": the shm backend needs every member on one host with one /dev/shm, but rank ", r,
+          " is on ", other, " and rank ", o.rank, " on ", identity, " (use gloo or nccl across hosts)"));
+  }
+
+  const size_t header_bytes = (sizeof(Header) + 4095) / 4096 * 4096;
+  const size_t bytes = header_bytes + kSlots * kSlotBytes;
+  const std::string key = absl::StrCat(o.name, "/shm/segment");
+  std::string segment;
+  int fd = -1;
+  if (o.rank == 0) {
+    std::random_device rd;
+    segment = absl::StrFormat("/wsync-comm-%d-%08x%08x", getpid(), rd(), rd());
+    fd = shm_open(segment.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) return ErrnoToStatus(errno, absl::StrCat("creating the shm group segment ", segment));
+    if (fchmod(fd, 0600) != 0 || ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      const int err = errno;
+      close(fd);
+      shm_unlink(segment.c_str());
+      return ErrnoToStatus(err, absl::StrCat("sizing the shm group segment ", segment, " to ", bytes, " bytes"));
+    }
+  } else {
+    ASSIGN_OR_RETURN(segment, o.store->Get(key, o.join_timeout));
+    fd = shm_open(segment.c_str(), O_RDWR, 0);
+    if (fd < 0) return ErrnoToStatus(errno, absl::StrCat("opening the shm group segment ", segment));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
+      close(fd);
+      return absl::FailedPreconditionError(
+          absl::StrCat("shm group segment ", segment, " is not the ", bytes, "-byte segment of this wsync build"));
+    }
+  }
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int map_err = errno;
+  close(fd);
+  if (base == MAP_FAILED) {
+    if (o.rank == 0) shm_unlink(segment.c_str());
+    return ErrnoToStatus(map_err, absl::StrCat("mapping the shm group segment ", segment));
+  }
+  std::unique_ptr<ShmCommunicator> c(new ShmCommunicator(o, base, bytes));
+  Header* h = c->header_;
+  if (o.rank == 0) {
+    h->size = static_cast<uint32_t>(o.size);
+    h->slots = kSlots;
+    h->slot_bytes = kSlotBytes;
+    std::atomic_thread_fence(std::memory_order_release);
+    h->magic = kMagic;
+  } else if (h->magic != kMagic || h->size != static_cast<uint32_t>(o.size)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("shm group segment ", segment, " belongs to another group (size ", h->size, ")"));
+  }
+  char state = 0;
+  uint64_t start = 0;
+  ProcStat(getpid(), &state, &start);
+  h->ranks[o.rank].start_time.store(start, std::memory_order_relaxed);
+  h->ranks[o.rank].pid.store(getpid(), std::memory_order_release);
+  absl::Status published = o.rank == 0 ? o.store->Set(key, segment) : absl::OkStatus();
+  if (published.ok()) published = o.store->Set(absl::StrCat(o.name, "/shm/mapped/", o.rank), "1");
+  if (published.ok()) {
+    std::vector<std::string> mapped;
+    for (int r = 0; r < o.size; ++r) mapped.push_back(absl::StrCat(o.name, "/shm/mapped/", r));
+    published = o.store->Wait(mapped, o.join_timeout);
+  }
+  if (o.rank == 0) shm_unlink(segment.c_str());  // every member has it mapped (or formation failed)
+  RETURN_IF_ERROR(
+      Annotate(published, absl::StrCat("shm group \"", o.name, "\": waiting for every member to map ", segment)));
+  c->StartWorker();
+  return std::unique_ptr<Communicator>(std::move(c));
+}
+
+ShmCommunicator::ShmCommunicator(const GroupOptions& o, void* base, size_t bytes)
+    : QueuedCommunicator(o.name, o.rank, o.size, o.default_timeout),
+      header_(static_cast<Header*>(base)),
+      ring_(static_cast<std::byte*>(base) + (sizeof(Header) + 4095) / 4096 * 4096),
+      bytes_(bytes) {}
+
+ShmCommunicator::~ShmCommunicator() { (void)Shutdown(); }
+
+absl::Status ShmCommunicator::ReleaseBackend() {
+  if (header_ != nullptr) munmap(header_, bytes_);
+  header_ = nullptr;
+  return absl::OkStatus();
+}
+
+void ShmCommunicator::OnBroken() {
+  int32_t none = 0;
+  if (header_ != nullptr) header_->broken_by.compare_exchange_strong(none, rank() + 1, std::memory_order_acq_rel);
+}
+
+absl::Status ShmCommunicator::CheckPeers() const {
+  const int32_t b = header_->broken_by.load(std::memory_order_acquire);
+  if (b != 0 && b - 1 != rank())
+    return absl::UnavailableError(absl::StrCat("rank ", b - 1, " left the group (its operation failed or it aborted)"));
+  for (int r = 0; r < size(); ++r) {
+    if (r == rank()) continue;
+    const int32_t pid = header_->ranks[r].pid.load(std::memory_order_acquire);
+    if (pid <= 0) continue;
+    char state = 0;
+    uint64_t start = 0;
+    if (!ProcStat(pid, &state, &start) || state == 'Z' || state == 'X' ||
+        start != header_->ranks[r].start_time.load(std::memory_order_relaxed))
+      return absl::UnavailableError(absl::StrCat("rank ", r, " (pid ", pid, ") exited"));
+  }
+  return absl::OkStatus();
+}
+
+template <typename Ready>
+absl::Status ShmCommunicator::WaitFor(const OpContext& ctx, Ready&& ready, const char* what) {
+  absl::Time next_check = absl::InfinitePast();
+  for (int i = 0;; ++i) {
+    if (ready()) return absl::OkStatus();
+    if (i < 4096) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+      continue;
+    }
+    const absl::Time now = absl::Now();
+    if (now >= next_check) {
+      absl::Status s = ctx.Check();
+      if (s.ok()) s = CheckPeers();
+      if (!s.ok()) return Annotate(s, absl::StrCat("waiting for ", what));
+      next_check = now + absl::Milliseconds(20);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(i < 20000 ? 20 : 200));
+  }
+}
+
+absl::Status ShmCommunicator::Stream(const OpContext& ctx, absl::Span<const MutableBytes> pieces, int root) {
+  size_t total = 0;
+  for (const MutableBytes& p : pieces) total += p.nbytes;
+  if (size() == 1 || total == 0) return absl::OkStatus();
+  const uint64_t begin = next_chunk_, end = begin + (total + kSlotBytes - 1) / kSlotBytes;
+  next_chunk_ = end;
+  const bool is_root = rank() == root;
+  RankSlot* ranks = header_->ranks;
+  auto all_consumed = [&](uint64_t at_least) {
+    for (int r = 0; r < size(); ++r)
+      if (ranks[r].consumed.load(std::memory_order_acquire) < at_least) return false;
+    return true;
+  };
+  size_t piece = 0, offset = 0;  // cursor into `pieces`
+  for (uint64_t g = begin; g < end; ++g) {
+    std::byte* slot = ring_ + (g % kSlots) * kSlotBytes;
+    const size_t n = std::min(kSlotBytes, total - static_cast<size_t>(g - begin) * kSlotBytes);
+    if (is_root) {
+      if (g >= kSlots) {
+        RETURN_IF_ERROR(WaitFor(
+            ctx, [&] { return all_consumed(g + 1 - kSlots); }, "a free ring slot"));
+      }
+    } else {
+      RETURN_IF_ERROR(WaitFor(
+          ctx, [&] { return header_->published.load(std::memory_order_acquire) >= g + 1; },
+          absl::StrFormat("rank %d's data", root).c_str()));
+    }
+    for (size_t done = 0; done < n;) {  // copy n bytes between the slot and the pieces
+      while (pieces[piece].nbytes == offset) {
+        ++piece;
+        offset = 0;
+      }
+      const size_t m = std::min(n - done, pieces[piece].nbytes - offset);
+      std::byte* user = static_cast<std::byte*>(pieces[piece].data) + offset;
+      if (is_root)
+        std::memcpy(slot + done, user, m);
+      else
+        std::memcpy(user, slot + done, m);
+      done += m;
+      offset += m;
+    }
+    if (is_root) header_->published.store(g + 1, std::memory_order_release);
+    ranks[rank()].consumed.store(g + 1, std::memory_order_release);
+  }
+  return WaitFor(
+      ctx, [&] { return all_consumed(end); }, "every member to receive");
+}
+
+absl::Status ShmCommunicator::DoBroadcast(const OpContext& ctx, absl::Span<const MutableBytes> buffers, int root) {
+  return Stream(ctx, buffers, root);
+}
+
+absl::Status ShmCommunicator::DoAllGather(const OpContext& ctx, absl::Span<const ConstBytes> inputs,
+                                          absl::Span<const MutableBytes> outputs) {
+  std::vector<MutableBytes> blocks(inputs.size());
+  for (int q = 0; q < size(); ++q) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      blocks[i] = {static_cast<std::byte*>(outputs[i].data) + q * inputs[i].nbytes, inputs[i].nbytes};
+      if (q == rank() && blocks[i].data != inputs[i].data)
+        std::memmove(blocks[i].data, inputs[i].data, inputs[i].nbytes);
+    }
+    RETURN_IF_ERROR(Stream(ctx, blocks, q));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShmCommunicator::DoAllGatherV(const OpContext& ctx, ConstBytes input, MutableBytes output,
+                                           absl::Span<const size_t> bytes_per_rank) {
+  size_t offset = 0;
+  for (int q = 0; q < size(); ++q) {
+    MutableBytes block{static_cast<std::byte*>(output.data) + offset, bytes_per_rank[q]};
+    if (q == rank() && block.data != input.data) std::memmove(block.data, input.data, input.nbytes);
+    RETURN_IF_ERROR(Stream(ctx, {&block, 1}, q));
+    offset += bytes_per_rank[q];
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShmCommunicator::DoBarrier(const OpContext& ctx) {
+  uint8_t byte = 0;
+  MutableBytes b{&byte, 1};
+  return Stream(ctx, {&b, 1}, 0);
+}
+
+}  // namespace wsync::comm

@@ -1,0 +1,77 @@
+// The shm backend: a group of processes on one host (the colocated mode: trainer agents and
+// rollout agents beside the same GPUs) that moves bytes through one POSIX shared-memory segment,
+// with no network and no NCCL group. Formed through the rendezvous Store like Gloo.
+//
+// Formation: every member announces "<boot id>/<device of /dev/shm>" (JoinGroup; a member that
+// does not come is named). Members on another host, or in a container with another /dev/shm,
+// are refused with kFailedPrecondition naming both. Rank 0 creates the segment (shm_open
+// O_EXCL, mode 0600, a random name), publishes its name in the store, waits until every member
+// has mapped it and unlinks it: a crash can leave nothing behind in /dev/shm.
+//
+// Segment: a header (per rank: pid, start time, chunks consumed; the group's published chunk
+// count; a "broken" flag with the rank and reason), then a ring of kSlots slots of kSlotBytes.
+// Every collective is built on one primitive, a chunked broadcast through the ring: the root
+// copies chunk g into slot g % kSlots once every member has consumed chunk g - kSlots, then
+// publishes it; receivers copy it out and count it consumed. Chunk numbers are global (every
+// member issues the same operations with the same sizes), so roots may change between operations.
+// An operation ends on every member only when every member has consumed its last chunk, so a
+// completed Broadcast means delivered everywhere (and a 1-byte one is a barrier).
+//   AllGather / AllGatherV   one broadcast per rank, in rank order (own block copied locally)
+//   Barrier                  a 1-byte broadcast from rank 0
+// Waiting: spin, then short sleeps; every 20 ms the waiter checks its deadline and Abort (the
+// OpContext), the broken flag, and that every peer process is alive (its /proc entry, start time
+// and not a zombie): a dead peer gives kUnavailable naming it within ~20 ms, a peer's failure or
+// Abort (OnBroken sets the flag) kUnavailable naming its rank.
+// Limits: 2..kMaxRanks members (1 is allowed: operations are local copies).
+// Thread-safety: as Communicator.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "comm/queued_communicator.h"
+
+namespace wsync::comm {
+
+class ShmCommunicator final : public QueuedCommunicator {
+ public:
+  static constexpr int kMaxRanks = 256;
+  static constexpr int kSlots = 4;
+  static constexpr size_t kSlotBytes = size_t{4} << 20;
+
+  // See GroupOptions (host and cuda_device are unused). Blocks until every member has mapped the
+  // segment. kInvalidArgument for bad options, kFailedPrecondition for members on different hosts,
+  // the store's and JoinGroup's errors, errno codes (naming the segment) for shm failures.
+  static absl::StatusOr<std::unique_ptr<Communicator>> Create(const GroupOptions& options);
+  ~ShmCommunicator() override;
+
+  absl::string_view Name() const override { return "shm"; }
+
+ protected:
+  absl::Status DoBroadcast(const OpContext& ctx, absl::Span<const MutableBytes> buffers, int root) override;
+  absl::Status DoAllGather(const OpContext& ctx, absl::Span<const ConstBytes> inputs,
+                           absl::Span<const MutableBytes> outputs) override;
+  absl::Status DoAllGatherV(const OpContext& ctx, ConstBytes input, MutableBytes output,
+                            absl::Span<const size_t> bytes_per_rank) override;
+  absl::Status DoBarrier(const OpContext& ctx) override;
+  void Interrupt() override {}  // waits poll the OpContext
+  void OnBroken() override;
+  absl::Status ReleaseBackend() override;
+
+ private:
+  struct Header;
+  ShmCommunicator(const GroupOptions& options, void* base, size_t bytes);
+  // The chunked broadcast of the concatenation of `pieces` from `root` (see the file comment).
+  absl::Status Stream(const OpContext& ctx, absl::Span<const MutableBytes> pieces, int root);
+  // Waits until `ready()`; kUnavailable / kDeadlineExceeded / kAborted as in the file comment.
+  template <typename Ready>
+  absl::Status WaitFor(const OpContext& ctx, Ready&& ready, const char* what);
+  absl::Status CheckPeers() const;
+
+  Header* header_;
+  std::byte* ring_;
+  size_t bytes_;
+  uint64_t next_chunk_ = 0;  // global chunk number of this member's next operation
+};
+
+}  // namespace wsync::comm
