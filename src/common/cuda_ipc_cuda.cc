@@ -20,6 +20,17 @@ absl::Status SetDevice(int device) {
   return absl::OkStatus();
 }
 
+// Makes `device` current after checking that it exists; `what` names the use in the errors.
+absl::Status UseDevice(int device, absl::string_view what) {
+  int count = 0;
+  if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess)
+    return CudaError(e, absl::StrCat("no CUDA device for ", what), absl::StatusCode::kFailedPrecondition);
+  if (device < 0 || device >= count)
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " on CUDA device ", device, ", but this process sees ", count, " devices"));
+  return SetDevice(device);
+}
+
 absl::Status Copy(void* dst, const void* src, size_t nbytes, int device, cudaMemcpyKind kind) {
   if (nbytes == 0) return absl::OkStatus();
   if (absl::Status s = SetDevice(device); !s.ok()) return s;
@@ -117,13 +128,7 @@ bool CudaIpcCompiled() { return true; }
 
 absl::StatusOr<std::unique_ptr<CudaAllocation>> AllocateCuda(size_t bytes, int device) {
   if (bytes == 0) return absl::InvalidArgumentError("a CUDA allocation of 0 bytes");
-  int count = 0;
-  if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess)
-    return CudaError(e, "no CUDA device to allocate on", absl::StatusCode::kFailedPrecondition);
-  if (device < 0 || device >= count)
-    return absl::FailedPreconditionError(
-        absl::StrCat("CUDA device ", device, " does not exist: this process sees ", count, " devices"));
-  if (absl::Status s = SetDevice(device); !s.ok()) return s;
+  if (absl::Status s = UseDevice(device, "a CUDA allocation"); !s.ok()) return s;
   void* p = nullptr;
   if (cudaError_t e = cudaMalloc(&p, bytes); e != cudaSuccess) {
     cudaGetLastError();  // clear the sticky-free error state of a failed allocation
@@ -176,14 +181,7 @@ absl::StatusOr<std::unique_ptr<CudaIpcMapping>> OpenCudaIpc(const std::string& h
   if (handle.size() != sizeof(h))
     return absl::InvalidArgumentError(absl::StrCat("a CUDA IPC handle is ", sizeof(h), " bytes, got ", handle.size()));
   std::memcpy(&h, handle.data(), sizeof(h));
-  int count = 0;
-  if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess)
-    return CudaError(e, "no CUDA device for a CUDA IPC tensor", absl::StatusCode::kFailedPrecondition);
-  if (device < 0 || device >= count)
-    return absl::FailedPreconditionError(
-        absl::StrCat("CUDA IPC tensor on device ", device, ", but this agent sees ", count, " devices"));
-  if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
-    return CudaError(e, absl::StrCat("cudaSetDevice(", device, ")"), absl::StatusCode::kFailedPrecondition);
+  if (absl::Status s = UseDevice(device, "a CUDA IPC tensor"); !s.ok()) return s;
   void* base = nullptr;
   if (cudaError_t e = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess)
     return CudaError(e, "cudaIpcOpenMemHandle", absl::StatusCode::kFailedPrecondition);

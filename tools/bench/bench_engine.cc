@@ -46,11 +46,6 @@
 namespace wsync {
 namespace {
 
-constexpr char kBenchSyncQuant[] = R"({"quant_method": "compressed-tensors", "format": "pack-quantized",
- "config_groups": {"group_0": {"targets": ["Linear"],
-   "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": true}}},
- "ignore": ["lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*norm.*"]})";
-
 struct Flags {
   std::string checkpoint, work, preset = "bench2g", quant_config;
   int threads = 0, load_threads = 0, prompt = 8, new_tokens = 4;
@@ -82,19 +77,7 @@ double StatusKib(const char* key) {
 }
 
 absl::Status RunMode(const Flags& f, const std::string& dir, const Mode& mode, Result* out) {
-  ASSIGN_OR_RETURN(std::string text, ReadTextFile(dir + "/config.json"));
-  ASSIGN_OR_RETURN(ModelConfig config, ParseModelConfig(text, dir + "/config.json"));
-  if (f.quant_config != "none") {
-    std::string qtext = kBenchSyncQuant;
-    if (!f.quant_config.empty()) {
-      ASSIGN_OR_RETURN(qtext, ReadTextFile(f.quant_config));
-    }
-    ASSIGN_OR_RETURN(QuantizationConfig q, ParseQuantizationConfig(qtext, "quantization config"));
-    RETURN_IF_ERROR(q.CheckInt4Supported());
-    config.quantization = q;
-  } else {
-    config.quantization.reset();
-  }
+  ASSIGN_OR_RETURN(ModelConfig config, tools::BenchModelConfig(dir, f.quant_config));
   ref_engine::EngineRank rank;  // TP 1
   ASSIGN_OR_RETURN(
       rollout_agent::EngineLayout layout,
@@ -171,24 +154,12 @@ Result RunChild(const Flags& f, const std::string& dir, const Mode& mode) {
 }
 
 int Run(const Flags& f) {
-  std::string dir = f.checkpoint;
-  if (dir.empty()) {
-    if (f.work.empty()) {
-      std::fprintf(stderr, "wsync-bench-engine: give --checkpoint DIR or --work DIR\n");
-      return 2;
-    }
-    dir = f.work + "/hf";
-    if (!std::filesystem::exists(dir + "/config.json")) {
-      std::printf("# generating the %s Qwen3-MoE (seed 7) into %s\n", f.preset.c_str(), dir.c_str());
-      std::fflush(stdout);
-      auto opts = tools::PresetOptions(f.preset, Architecture::kQwen3Moe);
-      if (!opts.ok()) return std::fprintf(stderr, "%s\n", opts.status().ToString().c_str()), 1;
-      auto model = tools::GenerateSyntheticModel(*opts, 7);
-      if (!model.ok()) return std::fprintf(stderr, "%s\n", model.status().ToString().c_str()), 1;
-      if (absl::Status s = tools::WriteHfModel(*model, dir); !s.ok())
-        return std::fprintf(stderr, "%s\n", s.ToString().c_str()), 1;
-    }
+  auto model_dir = tools::EnsureBenchModel(f.checkpoint, f.work, f.preset);
+  if (!model_dir.ok()) {
+    std::fprintf(stderr, "wsync-bench-engine: %s\n", model_dir.status().ToString().c_str());
+    return model_dir.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
+  const std::string dir = *model_dir;
   const int all = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int n = f.threads > 0 ? f.threads : all;
   std::vector<Mode> modes;

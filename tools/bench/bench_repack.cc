@@ -41,12 +41,6 @@
 namespace wsync {
 namespace {
 
-// bench-sync.sh's quantization: INT4 G=128 experts, bf16 attention / embeddings / router / norms.
-constexpr char kBenchSyncQuant[] = R"({"quant_method": "compressed-tensors", "format": "pack-quantized",
- "config_groups": {"group_0": {"targets": ["Linear"],
-   "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": true}}},
- "ignore": ["lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*norm.*"]})";
-
 struct Flags {
   std::string checkpoint, work, preset = "bench2g", quant_config;
   int threads = 0, repeats = 5, device = 0;
@@ -69,31 +63,8 @@ void Row(const char* name, double seconds, uint64_t bytes, double baseline, cons
 }
 
 absl::Status Run(const Flags& f) {
-  std::string dir = f.checkpoint;
-  if (dir.empty()) {
-    if (f.work.empty()) return absl::InvalidArgumentError("give --checkpoint DIR or --work DIR");
-    dir = f.work + "/hf";
-    if (!std::filesystem::exists(dir + "/config.json")) {
-      std::printf("# generating the %s Qwen3-MoE (seed 7) into %s\n", f.preset.c_str(), dir.c_str());
-      std::fflush(stdout);
-      ASSIGN_OR_RETURN(auto opts, tools::PresetOptions(f.preset, Architecture::kQwen3Moe));
-      ASSIGN_OR_RETURN(auto model, tools::GenerateSyntheticModel(opts, 7));
-      RETURN_IF_ERROR(tools::WriteHfModel(model, dir));
-    }
-  }
-  ASSIGN_OR_RETURN(std::string text, ReadTextFile(dir + "/config.json"));
-  ASSIGN_OR_RETURN(ModelConfig config, ParseModelConfig(text, dir + "/config.json"));
-  if (f.quant_config != "none") {
-    std::string qtext = kBenchSyncQuant;
-    if (!f.quant_config.empty()) {
-      ASSIGN_OR_RETURN(qtext, ReadTextFile(f.quant_config));
-    }
-    ASSIGN_OR_RETURN(QuantizationConfig q, ParseQuantizationConfig(qtext, "quantization config"));
-    RETURN_IF_ERROR(q.CheckInt4Supported());
-    config.quantization = q;
-  } else {
-    config.quantization.reset();
-  }
+  ASSIGN_OR_RETURN(const std::string dir, tools::EnsureBenchModel(f.checkpoint, f.work, f.preset));
+  ASSIGN_OR_RETURN(ModelConfig config, tools::BenchModelConfig(dir, f.quant_config));
   ASSIGN_OR_RETURN(rollout_agent::EngineLayout layout,
                    rollout_agent::EngineLayout::Create(config, config.quantization ? &*config.quantization : nullptr,
                                                        rollout_agent::EngineParallel{}));

@@ -1,6 +1,7 @@
 #include "tools/synth/synthetic_model.h"
 
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -254,6 +255,45 @@ absl::Status WriteHfModel(const SyntheticModel& model, const std::string& dir) {
   out.close();
   if (!out) return ErrnoToStatus(errno, absl::StrCat("cannot write ", path));
   return absl::OkStatus();
+}
+
+namespace {
+
+constexpr char kBenchSyncQuant[] = R"({"quant_method": "compressed-tensors", "format": "pack-quantized",
+ "config_groups": {"group_0": {"targets": ["Linear"],
+   "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": true}}},
+ "ignore": ["lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*norm.*"]})";
+
+}  // namespace
+
+absl::StatusOr<std::string> EnsureBenchModel(const std::string& checkpoint, const std::string& work,
+                                             const std::string& preset) {
+  if (!checkpoint.empty()) return checkpoint;
+  if (work.empty()) return absl::InvalidArgumentError("give --checkpoint DIR or --work DIR");
+  const std::string dir = work + "/hf";
+  if (!std::filesystem::exists(dir + "/config.json")) {
+    std::printf("# generating the %s Qwen3-MoE (seed 7) into %s\n", preset.c_str(), dir.c_str());
+    std::fflush(stdout);
+    ASSIGN_OR_RETURN(SyntheticModelOptions opts, PresetOptions(preset, Architecture::kQwen3Moe));
+    ASSIGN_OR_RETURN(SyntheticModel model, GenerateSyntheticModel(opts, 7));
+    RETURN_IF_ERROR(WriteHfModel(model, dir));
+  }
+  return dir;
+}
+
+absl::StatusOr<ModelConfig> BenchModelConfig(const std::string& dir, const std::string& quant_config) {
+  ASSIGN_OR_RETURN(std::string text, ReadTextFile(dir + "/config.json"));
+  ASSIGN_OR_RETURN(ModelConfig config, ParseModelConfig(text, dir + "/config.json"));
+  config.quantization.reset();
+  if (quant_config == "none") return config;
+  std::string qtext = kBenchSyncQuant;
+  if (!quant_config.empty()) {
+    ASSIGN_OR_RETURN(qtext, ReadTextFile(quant_config));
+  }
+  ASSIGN_OR_RETURN(QuantizationConfig q, ParseQuantizationConfig(qtext, "quantization config"));
+  RETURN_IF_ERROR(q.CheckInt4Supported());
+  config.quantization = q;
+  return config;
 }
 
 }  // namespace wsync::tools

@@ -78,4 +78,14 @@ absl::StatusOr<SyntheticModel> GenerateSyntheticModel(const SyntheticModelOption
 // Writes DIR/config.json and DIR/model.safetensors (directory created if missing).
 absl::Status WriteHfModel(const SyntheticModel& model, const std::string& dir);
 
+// The benchmarks' model (wsync-bench-engine, wsync-bench-repack): `checkpoint` if given, else
+// WORK/hf, generated from `preset` (Qwen3-MoE, seed 7, what tools/bench-sync.sh uses) unless it
+// exists (a line on stdout says so). Returns the directory. kInvalidArgument without either.
+absl::StatusOr<std::string> EnsureBenchModel(const std::string& checkpoint, const std::string& work,
+                                             const std::string& preset);
+// DIR/config.json with the quantization the engines serve: `quant_config` a compressed-tensors
+// file, "none" for bf16, empty for bench-sync.sh's (INT4 G=128 experts; bf16 attention,
+// embeddings, router, norms). The config's own quantization is replaced.
+absl::StatusOr<ModelConfig> BenchModelConfig(const std::string& dir, const std::string& quant_config);
+
 }  // namespace wsync::tools
