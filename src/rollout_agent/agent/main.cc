@@ -58,6 +58,9 @@ int Run(int argc, char** argv) {
                  "address the data-plane (Gloo) endpoints listen on, reachable from the trainer's stage sources "
                  "(default: the local address facing --coordinator; 127.0.0.1 without one)");
   app.add_option("--coordinator", o.coordinator, "the coordinator's address: join it and send heartbeats");
+  app.add_flag("--pause-for-whole-sync", o.pause_whole_sync,
+               "pause the engine at the start of every sync instead of only for its commit (the engine then "
+               "serves nothing while the sync is gathered, sent and staged)");
   app.add_option("--record-dir", o.record_dir,
                  "record every committed version as received under DIR/v{version}/ (syncs that ask for it)");
   app.add_option("--token-file", sec_opts.token_file, "bearer token file (default: $WSYNC_TOKEN; none: no auth)");

@@ -67,6 +67,7 @@ struct RolloutAgent::Sync {
   // Guarded by the agent's mu_:
   Phase phase = Phase::kBeginning;
   bool engine_paused = false;
+  absl::Time paused_at;      // when Pause was sent (the engine's downtime runs from here to Continue)
   int running = 0;           // receive threads not yet finished
   absl::Status first_error;  // the first stage error, or the staging's CheckComplete
   StageStats totals;         // summed over stages (transfer: the longest)
@@ -141,7 +142,7 @@ class RolloutAgent::Service final : public v1::RolloutAgent::Service {
   grpc::Status CommitSync(grpc::ServerContext* ctx, const v1::CommitSyncRequest* req,
                           v1::CommitSyncReply* reply) override {
     WSYNC_AUTHORIZE(ctx, sec_);
-    return ToGrpcStatus(agent_->CommitSync(*req, reply));
+    return ToGrpcStatus(agent_->CommitSync(*req, reply, Deadline(ctx)));
   }
   grpc::Status AbortSync(grpc::ServerContext* ctx, const v1::AbortSyncRequest* req,
                          v1::AbortSyncReply* reply) override {
@@ -200,7 +201,7 @@ RolloutAgent::RolloutAgent(AgentOptions options) : options_(std::move(options)),
       OrDie(reg->GetGauge("wsync_rollout_weight_version", "The weight version in the engine's memory"), "version");
   m_->active = OrDie(reg->GetGauge("wsync_rollout_sync_active", "1 while a sync is in progress"), "active");
   m_->registered = OrDie(reg->GetGauge("wsync_rollout_engine_registered", "1 once an engine registered"), "registered");
-  for (const char* p : {"pause", "flush", "join", "transfer", "load", "repack", "continue"}) {
+  for (const char* p : {"pause", "flush", "join", "transfer", "load", "repack", "continue", "downtime"}) {
     m_->phase[p] = OrDie(reg->GetHistogram("wsync_rollout_phase_seconds", "Duration of each phase of a sync",
                                            ExponentialBuckets(0.001, 2.0, 20), {{"phase", p}}),
                          "phase");
@@ -560,30 +561,19 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
   }
   m_->active->Set(1);
   Engine& e = *engine_;
-  WSYNC_LOG(INFO) << who << ": pausing the engine at " << e.client->address();
   auto fail = [&](const absl::Status& st) {
-    // Continue even if Pause itself failed: the engine may have paused before the error.
-    absl::Status cont = EndFailedSync(s, std::string(st.message()), /*continue_engine=*/true);
+    // Continue if the engine was asked to pause, even if Pause itself failed: it may have paused.
+    absl::Status cont = EndFailedSync(s, std::string(st.message()), s->engine_paused);
     absl::Status out = Annotate(st, who);
     if (!cont.ok()) out = Annotate(out, absl::StrCat("[and continuing the engine failed too: ", cont.message(), "]"));
     return out;
   };
-  const absl::Time t0 = absl::Now();
-  auto paused = e.client->Pause(v1::PauseRequest::HOLD);
-  if (!paused.ok()) return fail(paused.status());
-  {
-    absl::MutexLock lock(&mu_);
-    s->engine_paused = true;
+  std::string paused_note = "the engine keeps serving until the commit";
+  if (options_.pause_whole_sync) {
+    auto paused = PauseEngine(s, deadline);
+    if (!paused.ok()) return fail(paused.status());
+    paused_note = *paused;
   }
-  const absl::Time t1 = absl::Now();
-  m_->Observe("pause", t1 - t0);
-  if (s->cancel.cancelled()) return fail(absl::AbortedError(s->cancel.reason()));
-  const absl::Time flush_deadline = std::min(t1 + std::min(options_.flush_deadline, s->timeout), deadline);
-  auto flushed = e.client->Flush(flush_deadline, [s] { return s->cancel.cancelled(); });
-  if (!flushed.ok()) return fail(flushed.status());
-  const absl::Time t2 = absl::Now();
-  m_->Observe("flush", t2 - t1);
-  if (s->cancel.cancelled()) return fail(absl::AbortedError(s->cancel.reason()));
 
   e.staging->ResetCoverage();
   if (req.record() && !options_.record_dir.empty()) {
@@ -610,13 +600,35 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
     s->rpcs--;
     s->idle_since = absl::Now();
   }
-  WSYNC_LOG(INFO) << who << ": engine paused (" << *paused << " in flight) and flushed"
-                  << (*flushed > 0 ? absl::StrCat(" after ", *flushed, " refusals") : "") << " in "
-                  << absl::FormatDuration(t2 - t0) << "; receiving " << req.groups_size() << " stage(s) as rank "
+  WSYNC_LOG(INFO) << who << ": " << paused_note << "; receiving " << req.groups_size() << " stage(s) as rank "
                   << req.agent_rank()
                   << (s->recorder ? absl::StrCat(", recording to ", s->recorder->partial_dir()) : "");
   reply->set_previous_version(s->previous_version);
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> RolloutAgent::PauseEngine(Sync* s, absl::Time deadline) {
+  Engine& e = *engine_;
+  const absl::Time t0 = absl::Now();
+  {
+    absl::MutexLock lock(&mu_);
+    s->engine_paused = true;  // from here on a failure must Continue the engine
+    s->paused_at = t0;
+  }
+  auto paused = e.client->Pause(v1::PauseRequest::HOLD);
+  if (!paused.ok()) return paused.status();
+  const absl::Time t1 = absl::Now();
+  m_->Observe("pause", t1 - t0);
+  if (s->cancel.cancelled()) return absl::AbortedError(s->cancel.reason());
+  const absl::Time flush_deadline = std::min(t1 + std::min(options_.flush_deadline, s->timeout), deadline);
+  auto flushed = e.client->Flush(flush_deadline, [s] { return s->cancel.cancelled(); });
+  if (!flushed.ok()) return flushed.status();
+  const absl::Time t2 = absl::Now();
+  m_->Observe("flush", t2 - t1);
+  if (s->cancel.cancelled()) return absl::AbortedError(s->cancel.reason());
+  return absl::StrCat("engine paused (", *paused, " in flight) and flushed",
+                      *flushed > 0 ? absl::StrCat(" after ", *flushed, " refusals") : "", " in ",
+                      absl::FormatDuration(t2 - t0));
 }
 
 void RolloutAgent::RunStage(Sync* s, size_t index) {
@@ -768,7 +780,8 @@ absl::Status RolloutAgent::PrepareSync(const v1::PrepareSyncRequest& req, absl::
 
 // --- CommitSync ---------------------------------------------------------------------------------------
 
-absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::CommitSyncReply* reply) {
+absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::CommitSyncReply* reply,
+                                      absl::Time deadline) {
   auto idempotent = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> std::optional<absl::Status> {
     if (sync_ != nullptr && sync_->id == req.sync_id()) return std::nullopt;
     if (req.sync_id() != 0 && req.sync_id() == last_sync_id_ && last_committed_) {
@@ -798,6 +811,24 @@ absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::Comm
   const uint64_t version = s->req.version();
   const std::string who = absl::StrCat("CommitSync ", s->id, " (version ", version, ")");
   Engine& e = *engine_;
+  // The engine served while the sync was received and staged; it pauses only now, to be written.
+  bool paused_now;
+  {
+    absl::MutexLock lock(&mu_);
+    paused_now = !s->engine_paused;
+  }
+  if (paused_now) {
+    auto paused = PauseEngine(s, deadline);
+    if (!paused.ok()) {
+      absl::Status cont = EndFailedSync(s, std::string(paused.status().message()), /*continue_engine=*/true);
+      absl::Status out = Annotate(paused.status(), absl::StrCat(who,
+                                                                ": pausing the engine to commit; nothing was "
+                                                                "written, it continues on the previous version"));
+      if (!cont.ok()) out = Annotate(out, absl::StrCat("[and continuing the engine failed too: ", cont.message(), "]"));
+      return out;
+    }
+    WSYNC_LOG(INFO) << who << ": " << *paused;
+  }
   const absl::Time t0 = absl::Now();
   absl::Status st;
   {
@@ -838,7 +869,14 @@ absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::Comm
   if (membership_) membership_->SetVersion(version);
   const absl::Time t1 = absl::Now();
   auto cont = e.client->Continue(version);
-  const absl::Duration continued = absl::Now() - t1;
+  const absl::Time t2 = absl::Now();
+  const absl::Duration continued = t2 - t1;
+  absl::Time paused_at;
+  {
+    absl::MutexLock lock(&mu_);
+    paused_at = s->paused_at;
+  }
+  const absl::Duration downtime = t2 - paused_at;
   if (s->recorder) {
     absl::Status rs = s->recorder->Finish();
     if (!rs.ok()) WSYNC_LOG(ERROR) << who << ": publishing the recording: " << rs;
@@ -852,6 +890,7 @@ absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::Comm
   }
   m_->Observe("repack", repack);
   m_->Observe("continue", continued);
+  m_->Observe("downtime", downtime);
   m_->syncs->Increment();
   m_->active->Set(0);
   if (!cont.ok()) {
@@ -860,10 +899,12 @@ absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::Comm
                     absl::StrCat(who, ": the engine's memory holds the new version, but Continue failed"));
   }
   WSYNC_LOG(INFO) << who << ": committed (repack " << absl::FormatDuration(repack) << ", continue "
-                  << absl::FormatDuration(continued) << ")";
+                  << absl::FormatDuration(continued) << "; the engine was paused for " << absl::FormatDuration(downtime)
+                  << ")";
   reply->set_version(version);
   reply->set_repack_seconds(Seconds(repack));
   reply->set_continue_seconds(Seconds(continued));
+  reply->set_downtime_seconds(Seconds(downtime));
   return absl::OkStatus();
 }
 

@@ -63,6 +63,11 @@ struct AgentOptions {
   // The address this agent's Gloo endpoints listen on (--data-host); empty: the local address that
   // faces the coordinator (127.0.0.1 without one), chosen by AgentServer::Start.
   std::string data_host;
+  // Pause the engine at BeginSync for the whole sync (the pre-staging behaviour), instead of only
+  // for the commit (the default: the engine serves while the sync is received into the staging).
+  // Costs the engine the whole sync as downtime; saves nothing in memory here, since the staging
+  // is a separate copy either way (--pause-for-whole-sync).
+  bool pause_whole_sync = false;
   absl::Duration heartbeat = absl::Seconds(2);
   absl::Duration engine_rpc_timeout = absl::Seconds(10);
   absl::Duration flush_deadline = absl::Seconds(30);       // bounded further by the sync's timeout
@@ -92,7 +97,10 @@ class RolloutAgent {
   absl::Status BeginSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply,
                          absl::Time deadline = absl::InfiniteFuture());
   absl::Status PrepareSync(const v1::PrepareSyncRequest& req, absl::Time deadline, v1::PrepareSyncReply* reply);
-  absl::Status CommitSync(const v1::CommitSyncRequest& req, v1::CommitSyncReply* reply);
+  // Pauses and flushes the engine first (unless --pause-for-whole-sync paused it at BeginSync);
+  // `deadline` bounds the Flush retries.
+  absl::Status CommitSync(const v1::CommitSyncRequest& req, v1::CommitSyncReply* reply,
+                          absl::Time deadline = absl::InfiniteFuture());
   absl::Status AbortSync(const v1::AbortSyncRequest& req, v1::AbortSyncReply* reply);
   absl::Status AgentStatus(v1::AgentStatusReply* reply);
   absl::Status EngineChecksums(v1::EngineChecksumsReply* reply);
@@ -105,6 +113,9 @@ class RolloutAgent {
  private:
   struct Engine;
   struct Sync;
+  // Pause(HOLD) then Flush (retried until `deadline`, bounded by the flush deadline and the sync's
+  // timeout); marks the engine paused first, so a failure continues it. Returns a log line.
+  absl::StatusOr<std::string> PauseEngine(Sync* s, absl::Time deadline);
   class Service;
   struct Metrics;
   enum class Phase;

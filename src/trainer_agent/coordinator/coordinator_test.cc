@@ -227,7 +227,8 @@ TEST_F(SyncCoordinatorTest, ASyncCallsEveryAgentInOrderAndPublishes) {
   for (const auto& p : timings.phases()) phases[p.phase()] = p.seconds();
   EXPECT_EQ(phases["gather"], 0.25);
   EXPECT_EQ(phases["load"], 0.5);
-  for (const char* p : {"pause", "transfer", "prepare", "commit", "total"}) EXPECT_TRUE(phases.count(p)) << p;
+  for (const char* p : {"begin", "transfer", "prepare", "commit", "downtime", "total"})
+    EXPECT_TRUE(phases.count(p)) << p;
 }
 
 TEST_F(SyncCoordinatorTest, AFailedPrepareAbortsEveryAgentAndCommitsNone) {

@@ -294,7 +294,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
     return s;
   };
 
-  absl::Status s = timed("pause", [&] {
+  absl::Status s = timed("begin", [&] {
     return CallAll(id, members, "BeginSync", [&](AgentClient& agent, size_t i) {
       v1::BeginSyncRequest r;
       r.set_sync_id(id);
@@ -360,7 +360,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
   }
 
   // Timings: the trainer's phases, the agents' (slowest member), the coordinator's.
-  double load = 0, transfer = 0, repack = 0, cont = 0;
+  double load = 0, transfer = 0, repack = 0, cont = 0, downtime = 0;
   uint64_t bytes = 0;
   for (const auto& p : prepared) {
     load = std::max(load, p.load_seconds());
@@ -370,12 +370,14 @@ void SyncCoordinator::RunSync(uint64_t id) {
   for (const auto& c : committed) {
     repack = std::max(repack, c.repack_seconds());
     cont = std::max(cont, c.continue_seconds());
+    downtime = std::max(downtime, c.downtime_seconds());
   }
   std::vector<PhaseTime> all = report.phases;
   all.push_back({"transfer(agents)", transfer, bytes});
   all.push_back({"load", load, bytes});
   all.push_back({"repack", repack, 0});
   all.push_back({"continue", cont, 0});
+  all.push_back({"downtime", downtime, 0});  // the longest engine pause (Pause sent -> Continue answered)
   for (auto& p : phases) all.push_back(p);
   const double total = absl::ToDoubleSeconds(absl::Now() - start);
   all.push_back({"total", total, report.bytes});
