@@ -10,11 +10,12 @@
 # --keep K: expert pruning (docs/expert-pruning.md): every MoE layer keeps K of its 32 experts (a
 # scrambled choice, different per layer); the engines serve the pruned model.
 #
-#   tools/bench-sync.sh [--engines 2] [--syncs 1] [--bucket-mib 256] [--keep K] [--workdir DIR]
+#   tools/bench-sync.sh [--engines 2] [--syncs 1] [--bucket-mib 256] [--keep K] [--pause-for-whole-sync]
+#                       [--workdir DIR]
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="${WSYNC_BIN:-$here/build/bin}"
-engines=2 syncs=1 bucket=256 work="" keep=""
+engines=2 syncs=1 bucket=256 work="" keep="" whole=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --engines) engines="$2"; shift 2 ;;
@@ -22,7 +23,8 @@ while [ $# -gt 0 ]; do
     --bucket-mib) bucket="$2"; shift 2 ;;
     --workdir) work="$2"; shift 2 ;;
     --keep) keep="$2"; shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    --pause-for-whole-sync) whole="--pause-for-whole-sync"; shift ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "bench-sync: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
@@ -76,12 +78,12 @@ fi
 
 "$here/tools/wsync-local" --source "$work/megatron" --quant-config "$work/quant.json" --rollout-engines "$engines" \
   --engine-tp 1 --syncs "$syncs" --bucket-mib "$bucket" --workdir "$work/run" \
-  --agent-flags "--engine-timeout-ms 600000" "${prune_args[@]}" \
+  --agent-flags "--engine-timeout-ms 600000 $whole" "${prune_args[@]}" \
   --then "$work/measure.sh $bin $work $engines" > "$work/local.log" 2>&1 || { tail -30 "$work/local.log"; exit 1; }
 
-python3 - "$work" "$engines" "$bucket" "$label" <<'PY'
+python3 - "$work" "$engines" "$bucket" "$label" "$whole" <<'PY'
 import json, sys, re
-work, engines, bucket, label = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+work, engines, bucket, label, whole = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 t = json.load(open(f"{work}/timings.json"))
 total = next(p["seconds"] for p in t["phases"] if p["phase"] == "total")
 nbytes = max(p.get("bytes", 0) for p in t["phases"])
@@ -101,6 +103,9 @@ raw = raw_us / 1e6
 print(f"# raw gloo broadcast of the same {nbytes} bytes to {engines} receivers: {raw:.3f} s ({nbytes / raw / 1e9:.2f} GB/s)")
 cont = next((p["seconds"] for p in t["phases"] if p["phase"] == "continue"), 0.0)
 print(f"# total sync / raw broadcast = {total / raw:.2f} (target <= 1.25)")
+down = next((p["seconds"] for p in t["phases"] if p["phase"] == "downtime"), 0.0)
+print(f"# engine downtime (Pause sent -> Continue answered, longest engine): {down:.3f} s of the {total:.3f} s sync "
+      f"({100 * down / total:.0f} %), {'paused for the whole sync (--pause-for-whole-sync)' if whole else 'paused only to commit'}")
 print(f"# of which the engine's Continue (the reference engine validates the committed memory, "
       f"then serves it in place): {cont:.3f} s")
 ticks, hz, cores = (int(x) for x in open(f"{work}/cpu.txt").read().split())
