@@ -1,8 +1,9 @@
 // wsync-rollout-agent: the agent beside one engine rank (see rollout_agent.h and README.md).
 //
 //   wsync-rollout-agent [--listen 127.0.0.1:0] [--address-file F] [--coordinator HOST:PORT]
+//                       [--advertise-address HOST:PORT] [--data-host ADDR] [--pause-for-whole-sync]
 //                       [--record-dir DIR] [--token-file F] [--tls-cert F --tls-key F] [--tls-ca F]
-//                       [--metrics-port P] [--heartbeat-ms MS] ...
+//                       [--metrics-host ADDR] [--metrics-port P] [--heartbeat-ms MS] ...
 //
 // Prints "listening on HOST:PORT" (and "metrics on HOST:PORT" with --metrics-port) on stdout once
 // serving. SIGINT / SIGTERM: abort an active sync (the engine continues on its previous version),

@@ -2,7 +2,9 @@
 // order. Rank 0 hosts the coordinator. See trainer_agent.h and deploy/mpirun/.
 //
 //   mpirun -np 4 wsync-trainer-agent --source dir:/ckpt/megatron --coordinator 127.0.0.1:7070
-//       [--quant-config quant.json] [--expert-map map.json] [--bucket-mib 512] [--backend gloo] [--token-file F]
+//       [--coordinator-listen 0.0.0.0:7070] [--data-host ADDR] [--metrics-host ADDR --metrics-port P]
+//       [--quant-config quant.json] [--expert-map map.json] [--bucket-mib 512] [--backend gloo|shm|nccl]
+//       [--token-file F]
 //   mpirun -np 4 wsync-trainer-agent --source shm:job42 ...   (the training processes register
 //       their tensors through libwsync_trainer_client; see src/trainer_client/README.md)
 #include <csignal>
