@@ -61,6 +61,9 @@ int main(int argc, char** argv) {
   app.add_option("--tls-ca", sec.tls_ca_file, "CA for client certificates / of the servers");
   app.add_option("--metrics-port", o.metrics_port, "Prometheus /metrics on --metrics-host:PORT (0: any; default off)");
   app.add_option("--address-file", o.address_file, "Rank 0 writes the coordinator's bound address here");
+  app.add_option("--state-dir", o.state_dir,
+                 "Rank 0 keeps the coordinator's state here (versions, timings; coordinator-state.json), so that a "
+                 "restarted trainer job continues its version numbers");
   CLI11_PARSE(app, argc, argv);
 
   o.bucket_bytes = bucket_mib << 20;

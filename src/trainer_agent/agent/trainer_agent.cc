@@ -198,6 +198,7 @@ class Agent {
       co.backend = opts_.backend;
       co.sync_timeout = opts_.sync_timeout;
       co.metrics = &MetricsRegistry::Global();
+      co.state_dir = opts_.state_dir;
       ASSIGN_OR_RETURN(coordinator, Coordinator::Start(co, channel.get()));
       if (!opts_.address_file.empty()) {
         std::ofstream(opts_.address_file) << coordinator->address() << "\n";

@@ -46,6 +46,7 @@ struct TrainerAgentOptions {
   RpcSecurity security;
   int metrics_port = -1;     // -1: none; 0: any
   std::string address_file;  // rank 0 writes the coordinator's bound address here
+  std::string state_dir;     // rank 0: the coordinator's durable state (--state-dir)
 };
 
 // Runs until Stop() (or SIGINT/SIGTERM through the caller). Returns the first fatal error.

@@ -80,7 +80,8 @@ class Coordinator::Impl {
                  .member_timeout = o.member_timeout,
                  .sync_timeout = o.sync_timeout,
                  .rpc_timeout = o.rpc_timeout,
-                 .metrics = o.metrics},
+                 .metrics = o.metrics,
+                 .state_dir = o.state_dir},
                 trainer, &store_,
                 [security = o.security](const std::string& address) { return MakeGrpcAgentClient(address, security); }),
         service_(&domain_, &opts_.security) {}
@@ -96,6 +97,7 @@ class Coordinator::Impl {
     if (IsWildcardHost(host_))
       return absl::InvalidArgumentError(absl::StrCat("coordinator: listening on ", opts_.listen,
                                                      " needs an address to advertise (--coordinator HOST:PORT)"));
+    RETURN_IF_ERROR(domain_.LoadState());  // before serving: a bad state file changes nothing
     store_service_ = comm::MakeStoreService(&store_, opts_.security);
     grpc::ServerBuilder builder;
     builder.AddListeningPort(opts_.listen, ServerCredentials(opts_.security), &port_);

@@ -31,6 +31,7 @@ struct CoordinatorOptions {
   absl::Duration sync_timeout = absl::Minutes(10);    // bound on one whole sync
   absl::Duration rpc_timeout = absl::Seconds(60);     // Begin/Commit/Abort round trips
   MetricsRegistry* metrics = nullptr;                 // optional
+  std::string state_dir;                              // durable state (SyncCoordinatorOptions::state_dir)
 };
 
 class Coordinator {

@@ -7,6 +7,8 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -312,6 +314,85 @@ TEST_F(SyncCoordinatorTest, ABusyTriggerIsRefusedOrQueued) {
   v1::StatusReply status;
   coordinator_->Status(&status);
   EXPECT_EQ(status.version(), 2u);
+}
+
+// --state-dir: a coordinator restarted on the same directory continues the version and sync
+// numbers and still knows the versions and timings; a damaged state file refuses the start and
+// is left as it was.
+TEST_F(SyncCoordinatorTest, TheStateSurvivesARestart) {
+  const std::string dir = ::testing::TempDir() + "/coordinator-state-" + std::to_string(getpid());
+  std::filesystem::remove_all(dir);
+  SyncCoordinatorOptions o;
+  o.state_dir = dir;
+  coordinator_ = std::make_unique<SyncCoordinator>(o, &trainer_, &store_, [this](const std::string& address) {
+    absl::MutexLock lock(&mu_);
+    auto& a = agents_[address];
+    if (!a) a = std::make_shared<FakeAgent>();
+    return std::make_unique<FakeAgentClient>(a);
+  });
+  ASSERT_TRUE(coordinator_->LoadState().ok());
+  coordinator_->Start("store:1");
+  Join("a:1");
+  uint64_t last_id = 0;
+  for (int i = 0; i < 2; ++i) {
+    auto t = Trigger();
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ(Finish(t->sync_id()).phase(), "done");
+    last_id = t->sync_id();
+  }
+  trainer_.Fail(absl::InternalError("rank 3 lost its GPU"));
+  auto failed = Trigger();
+  ASSERT_TRUE(failed.ok());
+  EXPECT_EQ(Finish(failed->sync_id()).phase(), "failed");
+  trainer_.Fail(absl::OkStatus());
+  coordinator_.reset();
+  ASSERT_TRUE(std::filesystem::exists(dir + "/coordinator-state.json"));
+
+  // Restarted: version 2 is published, version 3 failed, the next trigger is version 4, sync 4.
+  coordinator_ = std::make_unique<SyncCoordinator>(o, &trainer_, &store_, [this](const std::string& address) {
+    absl::MutexLock lock(&mu_);
+    auto& a = agents_[address];
+    if (!a) a = std::make_shared<FakeAgent>();
+    return std::make_unique<FakeAgentClient>(a);
+  });
+  ASSERT_TRUE(coordinator_->LoadState().ok());
+  coordinator_->Start("store:1");
+  v1::StatusReply status;
+  coordinator_->Status(&status);
+  EXPECT_EQ(status.version(), 2u);
+  EXPECT_THAT(status.last_error(), HasSubstr("rank 3 lost its GPU"));
+  v1::VersionsReply versions;
+  coordinator_->Versions(&versions);
+  ASSERT_EQ(versions.versions_size(), 3);
+  EXPECT_TRUE(versions.versions(1).ok());
+  EXPECT_FALSE(versions.versions(2).ok());
+  v1::TimingsRequest want2;
+  want2.set_version(2);
+  v1::TimingsReply timings;
+  ASSERT_TRUE(coordinator_->Timings(want2, &timings).ok());
+  EXPECT_EQ(timings.sync_id(), last_id);
+  EXPECT_GT(timings.phases_size(), 5);
+  Join("a:1");
+  auto t = Trigger();
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->version(), 4u);
+  EXPECT_EQ(t->sync_id(), failed->sync_id() + 1) << "sync ids continue: agents refuse an ended id";
+  EXPECT_EQ(Finish(t->sync_id()).phase(), "done");
+  coordinator_.reset();
+
+  // A damaged state file: LoadState refuses, naming it, and leaves it untouched.
+  const std::string path = dir + "/coordinator-state.json";
+  { std::ofstream(path, std::ios::trunc) << "{\"published\": \"many\"}"; }
+  coordinator_ = std::make_unique<SyncCoordinator>(o, &trainer_, &store_,
+                                                   [](const std::string&) { return std::unique_ptr<AgentClient>(); });
+  absl::Status bad = coordinator_->LoadState();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kFailedPrecondition) << bad;
+  EXPECT_THAT(bad.message(), HasSubstr(path));
+  std::ifstream f(path);
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, "{\"published\": \"many\"}");
+  coordinator_.reset();
+  std::filesystem::remove_all(dir);
 }
 
 TEST_F(SyncCoordinatorTest, VersionsOnlyGrowAndTheSameVersionCoalesces) {

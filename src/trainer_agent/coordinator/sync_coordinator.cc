@@ -1,15 +1,21 @@
 #include "trainer_agent/coordinator/sync_coordinator.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <filesystem>
 #include <random>
 #include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/config.h"
 #include "common/logging.h"
 #include "common/parallel_for.h"
 #include "common/status.h"
+#include "google/protobuf/util/json_util.h"
 #include "trainer_agent/coordinator/sync_keys.h"
 
 namespace wsync::trainer_agent {
@@ -414,6 +420,132 @@ void SyncCoordinator::RunSync(uint64_t id) {
     CounterOf(opts_.metrics, "wsync_sync_failures_total", "Syncs that failed and were aborted")->Increment();
   }
   ++event_seq_;
+  SaveState();
+}
+
+// --- Durable state --------------------------------------------------------------------------------
+
+namespace {
+
+constexpr size_t kKeptVersions = 1000, kKeptTimings = 64;
+
+std::string StatePath(const std::string& dir) { return dir + "/coordinator-state.json"; }
+
+absl::Status WriteDurably(const std::string& dir, const std::string& path, const std::string& text) {
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return ErrnoToStatus(errno, absl::StrCat("writing ", tmp));
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = errno;
+      close(fd);
+      unlink(tmp.c_str());
+      return ErrnoToStatus(err, absl::StrCat("writing ", tmp));
+    }
+    done += static_cast<size_t>(n);
+  }
+  const bool synced = fsync(fd) == 0;
+  const int err = errno;
+  close(fd);
+  if (!synced || rename(tmp.c_str(), path.c_str()) != 0) {
+    const int e = synced ? errno : err;
+    unlink(tmp.c_str());
+    return ErrnoToStatus(e, absl::StrCat("replacing ", path));
+  }
+  if (const int d = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); d >= 0) {
+    fsync(d);  // the rename itself
+    close(d);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status SyncCoordinator::LoadState() {
+  if (opts_.state_dir.empty()) return absl::OkStatus();
+  std::error_code ec;
+  std::filesystem::create_directories(opts_.state_dir, ec);
+  if (ec)
+    return absl::PermissionDeniedError(
+        absl::StrCat("creating the state directory ", opts_.state_dir, ": ", ec.message()));
+  const std::string path = StatePath(opts_.state_dir);
+  if (!std::filesystem::exists(path)) {
+    WSYNC_LOG(INFO) << "coordinator state: none in " << opts_.state_dir << " yet; versions start at 1";
+    return absl::OkStatus();
+  }
+  auto text = ReadTextFile(path);
+  if (!text.ok())
+    return absl::FailedPreconditionError(absl::StrCat("coordinator state ", path, ": ", text.status().message()));
+  v1::CoordinatorState st;
+  google::protobuf::util::JsonParseOptions jo;
+  if (auto parsed = google::protobuf::util::JsonStringToMessage(*text, &st, jo); !parsed.ok())
+    return absl::FailedPreconditionError(absl::StrCat("coordinator state ", path, " is not valid (", parsed.ToString(),
+                                                      "); fix it or move it away to start afresh"));
+  absl::MutexLock lock(&mu_);
+  published_ = st.published();
+  next_version_ = std::max<uint64_t>({st.next_version(), st.published() + 1, 1});
+  next_sync_id_ = std::max<uint64_t>(st.next_sync_id(), 1);
+  last_error_ = st.last_error();
+  versions_.assign(st.versions().begin(), st.versions().end());
+  for (const v1::VersionRecord& v : versions_) next_sync_id_ = std::max(next_sync_id_, v.sync_id() + 1);
+  for (const v1::TimingsReply& t : st.timings()) {
+    SyncRecord& rec = syncs_[t.sync_id()];
+    rec.id = t.sync_id();
+    rec.version = t.version();
+    rec.finished = true;
+    rec.phase = "done";
+    for (const v1::VersionRecord& v : versions_) {
+      if (v.sync_id() == t.sync_id() && !v.ok()) {
+        rec.phase = "failed";
+        rec.error = v.error();
+      }
+    }
+    for (const v1::PhaseTiming& p : t.phases()) rec.phases.push_back({p.phase(), p.seconds(), p.bytes()});
+    next_sync_id_ = std::max(next_sync_id_, rec.id + 1);
+  }
+  if (published_ > 0)
+    GaugeOf(opts_.metrics, "wsync_version", "Last published weight version")->Set(static_cast<double>(published_));
+  WSYNC_LOG(INFO) << "coordinator state from " << path << ": version " << published_ << " published, "
+                  << versions_.size() << " attempts; the next sync is " << next_sync_id_ << ", version "
+                  << next_version_;
+  return absl::OkStatus();
+}
+
+void SyncCoordinator::SaveState() {
+  if (opts_.state_dir.empty()) return;
+  v1::CoordinatorState st;
+  st.set_next_version(next_version_);
+  st.set_next_sync_id(next_sync_id_);
+  st.set_published(published_);
+  st.set_last_error(last_error_);
+  const size_t first = versions_.size() > kKeptVersions ? versions_.size() - kKeptVersions : 0;
+  for (size_t i = first; i < versions_.size(); ++i) *st.add_versions() = versions_[i];
+  std::vector<const SyncRecord*> done;
+  for (const auto& [id, rec] : syncs_)
+    if (rec.finished) done.push_back(&rec);
+  std::sort(done.begin(), done.end(), [](const SyncRecord* a, const SyncRecord* b) { return a->id < b->id; });
+  for (size_t i = done.size() > kKeptTimings ? done.size() - kKeptTimings : 0; i < done.size(); ++i) {
+    v1::TimingsReply* t = st.add_timings();
+    t->set_version(done[i]->version);
+    t->set_sync_id(done[i]->id);
+    for (const PhaseTime& p : done[i]->phases) {
+      v1::PhaseTiming* pt = t->add_phases();
+      pt->set_phase(p.phase);
+      pt->set_seconds(p.seconds);
+      pt->set_bytes(p.bytes);
+    }
+  }
+  std::string json;
+  google::protobuf::util::JsonPrintOptions po;
+  po.add_whitespace = true;
+  absl::Status s;
+  if (auto printed = google::protobuf::util::MessageToJsonString(st, &json, po); !printed.ok())
+    s = absl::InternalError(printed.ToString());
+  if (s.ok()) s = WriteDurably(opts_.state_dir, StatePath(opts_.state_dir), json);
+  if (!s.ok()) WSYNC_LOG(ERROR) << "saving the coordinator state in " << opts_.state_dir << ": " << s;
 }
 
 // --- Observation ----------------------------------------------------------------------------------

@@ -88,6 +88,9 @@ struct SyncCoordinatorOptions {
   absl::Duration sync_timeout = absl::Minutes(10);    // bound on one whole sync
   absl::Duration rpc_timeout = absl::Seconds(60);     // Begin/Commit/Abort round trips
   MetricsRegistry* metrics = nullptr;                 // optional, not owned
+  // Durable state (DIR/coordinator-state.json; empty: none): versions, the next version and sync
+  // id, the last published version and the finished syncs' timings survive a restart.
+  std::string state_dir;
 };
 
 class SyncCoordinator {
@@ -98,6 +101,10 @@ class SyncCoordinator {
                   AgentConnector connect);
   ~SyncCoordinator();  // Stop()
 
+  // Loads options.state_dir's state, before Start (a no-op without a state dir or file).
+  // kFailedPrecondition naming the file when it cannot be read or parsed (nothing is changed:
+  // fix or move the file); errno codes when the directory cannot be created.
+  absl::Status LoadState();
   // Starts the sync and reaper threads; agents are told to rendezvous at `store_address`.
   void Start(const std::string& store_address);
   // Stops the threads: waits for a running sync to end; queued syncs never run. Idempotent.
@@ -132,6 +139,9 @@ class SyncCoordinator {
 
   void SyncLoop();
   void ReapLoop();
+  // Writes the state file (tmp + fsync + rename + directory fsync); a failure is logged, never
+  // fails the sync that triggered it.
+  void SaveState() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunSync(uint64_t id);
   bool InRunningSync(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetPhase(uint64_t id, const std::string& phase);
