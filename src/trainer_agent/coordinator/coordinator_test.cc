@@ -122,14 +122,19 @@ class FakeTrainer final : public TrainerSide {
 
 class SyncCoordinatorTest : public ::testing::Test {
  protected:
-  void Make(SyncCoordinatorOptions o = {}) {
+  void Make(SyncCoordinatorOptions o = {}) { ASSERT_TRUE(MakeLoaded(o).ok()); }
+  // A coordinator over the fakes: its state loaded (options.state_dir), then started; LoadState's
+  // error leaves it unstarted.
+  absl::Status MakeLoaded(const SyncCoordinatorOptions& o) {
     coordinator_ = std::make_unique<SyncCoordinator>(o, &trainer_, &store_, [this](const std::string& address) {
       absl::MutexLock lock(&mu_);
       auto& a = agents_[address];
       if (!a) a = std::make_shared<FakeAgent>();
       return std::make_unique<FakeAgentClient>(a);
     });
+    if (absl::Status s = coordinator_->LoadState(); !s.ok()) return s;
     coordinator_->Start("store:1");
+    return absl::OkStatus();
   }
   // Joins an agent at `address`; returns its id.
   std::string Join(const std::string& address, uint32_t tp_rank = 0) {
@@ -324,14 +329,7 @@ TEST_F(SyncCoordinatorTest, TheStateSurvivesARestart) {
   std::filesystem::remove_all(dir);
   SyncCoordinatorOptions o;
   o.state_dir = dir;
-  coordinator_ = std::make_unique<SyncCoordinator>(o, &trainer_, &store_, [this](const std::string& address) {
-    absl::MutexLock lock(&mu_);
-    auto& a = agents_[address];
-    if (!a) a = std::make_shared<FakeAgent>();
-    return std::make_unique<FakeAgentClient>(a);
-  });
-  ASSERT_TRUE(coordinator_->LoadState().ok());
-  coordinator_->Start("store:1");
+  ASSERT_TRUE(MakeLoaded(o).ok());
   Join("a:1");
   uint64_t last_id = 0;
   for (int i = 0; i < 2; ++i) {
@@ -349,14 +347,7 @@ TEST_F(SyncCoordinatorTest, TheStateSurvivesARestart) {
   ASSERT_TRUE(std::filesystem::exists(dir + "/coordinator-state.json"));
 
   // Restarted: version 2 is published, version 3 failed, the next trigger is version 4, sync 4.
-  coordinator_ = std::make_unique<SyncCoordinator>(o, &trainer_, &store_, [this](const std::string& address) {
-    absl::MutexLock lock(&mu_);
-    auto& a = agents_[address];
-    if (!a) a = std::make_shared<FakeAgent>();
-    return std::make_unique<FakeAgentClient>(a);
-  });
-  ASSERT_TRUE(coordinator_->LoadState().ok());
-  coordinator_->Start("store:1");
+  ASSERT_TRUE(MakeLoaded(o).ok());
   v1::StatusReply status;
   coordinator_->Status(&status);
   EXPECT_EQ(status.version(), 2u);
@@ -383,9 +374,7 @@ TEST_F(SyncCoordinatorTest, TheStateSurvivesARestart) {
   // A damaged state file: LoadState refuses, naming it, and leaves it untouched.
   const std::string path = dir + "/coordinator-state.json";
   { std::ofstream(path, std::ios::trunc) << "{\"published\": \"many\"}"; }
-  coordinator_ = std::make_unique<SyncCoordinator>(o, &trainer_, &store_,
-                                                   [](const std::string&) { return std::unique_ptr<AgentClient>(); });
-  absl::Status bad = coordinator_->LoadState();
+  absl::Status bad = MakeLoaded(o);
   EXPECT_EQ(bad.code(), absl::StatusCode::kFailedPrecondition) << bad;
   EXPECT_THAT(bad.message(), HasSubstr(path));
   std::ifstream f(path);
