@@ -4,6 +4,8 @@
 //     sync [--wait] [--wait-if-busy] [--min-agents N] [--version V]   trigger a sync (and watch it)
 //     status                                           the coordinator's state and last version
 //     members                                          the rollout agents and their versions
+//     engines                                          the fleet: each engine's missing TP ranks, removed or not
+//     remove-engine ENGINE                             take an engine out of the fleet (syncs stop waiting for it)
 //     versions                                         every sync attempt: version, ok, time, bytes
 //     timings [VERSION]                                per-phase seconds and GB/s of one sync (default: latest)
 //     verify --against HF_DIR [--quant-config F]       recompute every engine rank's weights from a checkpoint
@@ -137,6 +139,43 @@ class Ctl {
                   m.engine_id().c_str(), m.tp_rank(), m.tp_size(), static_cast<unsigned long long>(m.version()),
                   m.last_heartbeat_age_seconds());
     }
+    return 0;
+  }
+
+  // The fleet: every engine an agent has joined for, its missing TP ranks, and whether it was
+  // taken out (remove-engine). A sync publishes only when no engine of the fleet misses a rank.
+  int Engines() {
+    v1::MembersReply r;
+    if (auto s = Call(&v1::Coordinator::Stub::Members, v1::MembersRequest(), &r); !s.ok()) return Fail(s, g_);
+    if (g_.json) {
+      json out = json::array();
+      for (const auto& e : r.engines())
+        out.push_back({{"engine_id", e.engine_id()},
+                       {"tp_size", e.tp_size()},
+                       {"missing_ranks", std::vector<uint32_t>(e.missing_ranks().begin(), e.missing_ranks().end())},
+                       {"removed", e.removed()}});
+      std::printf("%s\n", out.dump(2).c_str());
+      return 0;
+    }
+    std::printf("%-16s %-4s %s\n", "ENGINE", "TP", "STATE");
+    for (const auto& e : r.engines()) {
+      std::string state = e.removed() ? "out of the fleet (remove-engine): not synced" : "complete";
+      if (!e.removed() && e.missing_ranks_size() > 0) {
+        state = "MISSING TP rank";
+        for (int i = 0; i < e.missing_ranks_size(); ++i) absl::StrAppend(&state, i ? ", " : " ", e.missing_ranks(i));
+        absl::StrAppend(&state, ": syncs are refused until it is back or removed");
+      }
+      std::printf("%-16s %-4u %s\n", e.engine_id().c_str(), e.tp_size(), state.c_str());
+    }
+    return 0;
+  }
+
+  int RemoveEngine(const std::string& engine_id) {
+    v1::RemoveEngineRequest req;
+    req.set_engine_id(engine_id);
+    v1::RemoveEngineReply r;
+    if (auto s = Call(&v1::Coordinator::Stub::RemoveEngine, req, &r); !s.ok()) return Fail(s, g_);
+    if (!g_.json) std::printf("engine %s is out of the fleet: syncs no longer include it\n", engine_id.c_str());
     return 0;
   }
 
@@ -413,6 +452,11 @@ int Main(int argc, char** argv) {
                    "one; a request for a pending or published version joins that sync). Default: the next number");
   app.add_subcommand("status", "Coordinator state and last version");
   app.add_subcommand("members", "Rollout agents");
+  app.add_subcommand("engines", "The fleet: every engine, its missing TP ranks, removed or not");
+  std::string remove_id;
+  app.add_subcommand("remove-engine", "Take an engine out of the fleet (syncs stop waiting for its missing ranks)")
+      ->add_option("ENGINE", remove_id, "engine id (wsyncctl engines)")
+      ->required();
   app.add_subcommand("versions", "Every sync attempt");
   uint64_t version = 0;
   auto* timings = app.add_subcommand("timings", "Per-phase timings of one sync");
@@ -435,6 +479,8 @@ int Main(int argc, char** argv) {
   Ctl ctl(g);
   if (app.got_subcommand("status")) return ctl.Status();
   if (app.got_subcommand("members")) return ctl.Members();
+  if (app.got_subcommand("engines")) return ctl.Engines();
+  if (app.got_subcommand("remove-engine")) return ctl.RemoveEngine(remove_id);
   if (app.got_subcommand("versions")) return ctl.Versions();
   if (app.got_subcommand("timings")) return ctl.Timings(version);
   if (app.got_subcommand("sync")) return ctl.Sync(wait, wait_if_busy, min_agents, sync_version);

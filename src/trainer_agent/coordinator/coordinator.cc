@@ -53,6 +53,11 @@ class CoordinatorService final : public v1::Coordinator::Service {
     domain_->Members(reply);
     return grpc::Status::OK;
   }
+  grpc::Status RemoveEngine(grpc::ServerContext* ctx, const v1::RemoveEngineRequest* req,
+                            v1::RemoveEngineReply*) override {
+    WSYNC_AUTHORIZE(ctx, *security_);
+    return ToGrpcStatus(domain_->RemoveEngine(req->engine_id()));
+  }
   grpc::Status Versions(grpc::ServerContext* ctx, const v1::VersionsRequest*, v1::VersionsReply* reply) override {
     WSYNC_AUTHORIZE(ctx, *security_);
     domain_->Versions(reply);

@@ -136,13 +136,14 @@ class SyncCoordinatorTest : public ::testing::Test {
     coordinator_->Start("store:1");
     return absl::OkStatus();
   }
-  // Joins an agent at `address`; returns its id.
-  std::string Join(const std::string& address, uint32_t tp_rank = 0) {
+  // Joins an agent at `address` for TP rank `tp_rank` of engine `engine` (TP `tp_size`); returns its id.
+  std::string Join(const std::string& address, uint32_t tp_rank = 0, uint32_t tp_size = 1,
+                   const std::string& engine = "e0") {
     v1::JoinRequest req;
     req.set_agent_address(address);
-    req.set_engine_id("e0");
+    req.set_engine_id(engine);
     req.set_tp_rank(tp_rank);
-    req.set_tp_size(2);
+    req.set_tp_size(tp_size);
     v1::JoinReply reply;
     EXPECT_TRUE(coordinator_->Join(req, &reply).ok());
     return reply.agent_id();
@@ -191,8 +192,8 @@ class SyncCoordinatorTest : public ::testing::Test {
 
 TEST_F(SyncCoordinatorTest, ASyncCallsEveryAgentInOrderAndPublishes) {
   Make();
-  Join("a:1", 0);
-  Join("a:2", 1);
+  Join("a:1", 0, 2);
+  Join("a:2", 1, 2);
   auto t = Trigger();
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ(t->version(), 1u);
@@ -319,6 +320,51 @@ TEST_F(SyncCoordinatorTest, ABusyTriggerIsRefusedOrQueued) {
   v1::StatusReply status;
   coordinator_->Status(&status);
   EXPECT_EQ(status.version(), 2u);
+}
+
+// The fleet: a version is never published while an engine misses a TP rank's agent; the operator
+// can take the engine out (its remaining agents then sit the syncs out) and an agent that joins
+// again brings it back.
+TEST_F(SyncCoordinatorTest, AVersionIsNeverPublishedToPartOfTheFleet) {
+  Make();
+  Join("a:1", 0, 2, "e0");
+  const std::string a2 = Join("a:2", 1, 2, "e0");
+  Join("b:1", 0, 1, "e1");
+  auto t = Trigger();
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(Finish(t->sync_id()).phase(), "done");
+
+  v1::LeaveRequest leave;
+  leave.set_agent_id(a2);
+  ASSERT_TRUE(coordinator_->Leave(leave).ok());
+  auto refused = Trigger();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(), HasSubstr("engine e0 has no agent for TP rank 1 of 2"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("wsyncctl remove-engine"));
+  v1::MembersReply members;
+  coordinator_->Members(&members);
+  ASSERT_EQ(members.engines_size(), 2);
+  EXPECT_EQ(members.engines(0).engine_id(), "e0");
+  EXPECT_THAT(members.engines(0).missing_ranks(), ::testing::ElementsAre(1u));
+  EXPECT_EQ(members.engines(1).missing_ranks_size(), 0);
+
+  absl::Status unknown = coordinator_->RemoveEngine("nope");
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(unknown.message(), HasSubstr("known: e0, e1"));
+  ASSERT_TRUE(coordinator_->RemoveEngine("e0").ok());
+  const size_t a1_calls = Agent("a:1")->calls().size();
+  t = Trigger();
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(Finish(t->sync_id()).phase(), "done");
+  EXPECT_EQ(Agent("a:1")->calls().size(), a1_calls) << "the removed engine's remaining agent sits the sync out";
+  EXPECT_EQ(Agent("b:1")->calls().back(), absl::StrCat("Commit ", t->sync_id()));
+
+  Join("a:2", 1, 2, "e0");  // back: the engine is in the fleet again and synced
+  t = Trigger();
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(Finish(t->sync_id()).phase(), "done");
+  EXPECT_EQ(Agent("a:1")->calls().back(), absl::StrCat("Commit ", t->sync_id()));
+  EXPECT_EQ(Agent("a:2")->calls().back(), absl::StrCat("Commit ", t->sync_id()));
 }
 
 // --state-dir: a coordinator restarted on the same directory continues the version and sync

@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/config.h"
 #include "common/logging.h"
 #include "common/parallel_for.h"
@@ -117,6 +118,10 @@ absl::Status SyncCoordinator::Join(const v1::JoinRequest& req, v1::JoinReply* re
                   << "/" << m.tp_size << " at version " << m.version;
   reply->set_agent_id(m.id);
   reply->set_heartbeat_ms(absl::ToInt64Milliseconds(opts_.heartbeat));
+  FleetEngine& e = fleet_[m.engine_id];
+  if (e.removed) WSYNC_LOG(INFO) << "engine " << m.engine_id << " is back in the fleet (" << m.id << " joined)";
+  e.removed = false;
+  e.tp_size = std::max<uint32_t>(m.tp_size, 1);
   members_[m.id] = std::move(m);
   GaugeOf(opts_.metrics, "wsync_members", "Rollout agents in the membership")->Set(members_.size());
   return absl::OkStatus();
@@ -137,6 +142,46 @@ absl::Status SyncCoordinator::Leave(const v1::LeaveRequest& req) {
   absl::MutexLock lock(&mu_);
   members_.erase(req.agent_id());
   return absl::OkStatus();
+}
+
+absl::Status SyncCoordinator::RemoveEngine(const std::string& engine_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = fleet_.find(engine_id);
+  if (it == fleet_.end()) {
+    std::vector<std::string> known;
+    for (const auto& [id, e] : fleet_) known.push_back(id);
+    return absl::NotFoundError(absl::StrCat("no engine \"", engine_id, "\" in the fleet (known: ",
+                                            known.empty() ? "none" : absl::StrJoin(known, ", "), ")"));
+  }
+  it->second.removed = true;
+  WSYNC_LOG(WARNING) << "engine " << engine_id << " taken out of the fleet: syncs no longer include it";
+  return absl::OkStatus();
+}
+
+std::vector<uint32_t> SyncCoordinator::MissingRanks(const std::string& engine_id, uint32_t tp_size) const {
+  std::vector<bool> present(tp_size, false);
+  for (const auto& [id, m] : members_)
+    if (m.engine_id == engine_id && m.tp_rank < tp_size) present[m.tp_rank] = true;
+  std::vector<uint32_t> missing;
+  for (uint32_t r = 0; r < tp_size; ++r)
+    if (!present[r]) missing.push_back(r);
+  return missing;
+}
+
+absl::Status SyncCoordinator::CheckFleet() {
+  std::vector<std::string> problems;
+  for (const auto& [id, e] : fleet_) {
+    if (e.removed) continue;
+    const std::vector<uint32_t> missing = MissingRanks(id, e.tp_size);
+    if (!missing.empty())
+      problems.push_back(absl::StrCat("engine ", id, " has no agent for TP rank", missing.size() > 1 ? "s " : " ",
+                                      absl::StrJoin(missing, ", "), " of ", e.tp_size));
+  }
+  if (problems.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      absl::StrJoin(problems, "; "),
+      " (down, unreachable or not back yet): a version is never published to part of the fleet. Bring it back, or "
+      "take it out with `wsyncctl remove-engine ENGINE`"));
 }
 
 void SyncCoordinator::ReapLoop() {
@@ -173,6 +218,7 @@ absl::Status SyncCoordinator::TriggerSync(const v1::TriggerSyncRequest& req, v1:
     return absl::FailedPreconditionError(absl::StrCat("a sync needs at least ", std::max<uint32_t>(1, req.min_agents()),
                                                       " rollout agents; ", members_.size(), " have joined"));
   }
+  RETURN_IF_ERROR(CheckFleet());
   if (const uint64_t v = req.version(); v != 0) {
     // Join a sync of the same version (queued, running, or done): one sync for all ranks.
     for (auto& [sid, rec] : syncs_) {
@@ -264,11 +310,16 @@ absl::Status SyncCoordinator::CallAll(uint64_t id, const std::vector<Member>& me
 
 void SyncCoordinator::RunSync(uint64_t id) {
   std::vector<Member> members;
+  absl::Status fleet;  // the fleet when the sync starts: incomplete fails it before BeginSync
   SyncPlan plan;
   absl::Time start;
   {
     absl::MutexLock lock(&mu_);
-    for (auto& [mid, m] : members_) members.push_back(m);
+    fleet = CheckFleet();
+    for (auto& [mid, m] : members_)
+      if (!fleet_[m.engine_id].removed) members.push_back(m);  // a removed engine's agents sit it out
+    if (fleet.ok() && members.empty())
+      fleet = absl::FailedPreconditionError("every engine with a member agent is out of the fleet: nothing to sync");
     auto& rec = syncs_[id];
     start = rec.start;
     plan.sync_id = id;
@@ -300,27 +351,29 @@ void SyncCoordinator::RunSync(uint64_t id) {
     return s;
   };
 
-  absl::Status s = timed("begin", [&] {
-    return CallAll(id, members, "BeginSync", [&](AgentClient& agent, size_t i) {
-      v1::BeginSyncRequest r;
-      r.set_sync_id(id);
-      r.set_version(plan.version);
-      r.set_backend(plan.backend);
-      r.set_store_address(store_address_);
-      r.set_agent_rank(static_cast<uint32_t>(i + 1));
-      for (int p = 0; p < trainer_->num_stages(); ++p) {
-        auto* g = r.add_groups();
-        g->set_pp_stage(p);
-        g->set_name(plan.group_names[p]);
-        g->set_size(static_cast<uint32_t>(members.size() + 1));
-      }
-      r.set_timeout_ms(absl::ToInt64Milliseconds(opts_.sync_timeout));
-      r.set_record(true);
-      r.set_sync_key(absl::StrCat(run_id_, "-", id));
-      v1::BeginSyncReply reply;
-      return agent.BeginSync(r, opts_.rpc_timeout, &reply);
+  absl::Status s = fleet.ok() ? absl::OkStatus() : fleet;
+  if (s.ok())
+    s = timed("begin", [&] {
+      return CallAll(id, members, "BeginSync", [&](AgentClient& agent, size_t i) {
+        v1::BeginSyncRequest r;
+        r.set_sync_id(id);
+        r.set_version(plan.version);
+        r.set_backend(plan.backend);
+        r.set_store_address(store_address_);
+        r.set_agent_rank(static_cast<uint32_t>(i + 1));
+        for (int p = 0; p < trainer_->num_stages(); ++p) {
+          auto* g = r.add_groups();
+          g->set_pp_stage(p);
+          g->set_name(plan.group_names[p]);
+          g->set_size(static_cast<uint32_t>(members.size() + 1));
+        }
+        r.set_timeout_ms(absl::ToInt64Milliseconds(opts_.sync_timeout));
+        r.set_record(true);
+        r.set_sync_key(absl::StrCat(run_id_, "-", id));
+        v1::BeginSyncReply reply;
+        return agent.BeginSync(r, opts_.rpc_timeout, &reply);
+      });
     });
-  });
   TrainerReport report;
   if (s.ok()) {
     s = timed("transfer", [&] {
@@ -620,6 +673,13 @@ void SyncCoordinator::Members(v1::MembersReply* reply) {
     out->set_tp_size(m.tp_size);
     out->set_version(m.version);
     out->set_last_heartbeat_age_seconds(absl::ToDoubleSeconds(absl::Now() - m.last_seen));
+  }
+  for (const auto& [id, e] : fleet_) {
+    v1::EngineState* out = reply->add_engines();
+    out->set_engine_id(id);
+    out->set_tp_size(e.tp_size);
+    out->set_removed(e.removed);
+    for (uint32_t r : MissingRanks(id, e.tp_size)) out->add_missing_ranks(r);
   }
 }
 

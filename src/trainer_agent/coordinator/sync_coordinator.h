@@ -115,6 +115,8 @@ class SyncCoordinator {
   absl::Status Join(const v1::JoinRequest& req, v1::JoinReply* reply);
   absl::Status Heartbeat(const v1::HeartbeatRequest& req, v1::HeartbeatReply* reply);
   absl::Status Leave(const v1::LeaveRequest& req);
+  // Takes an engine out of the fleet (see coordinator.proto); kNotFound for an unknown id.
+  absl::Status RemoveEngine(const std::string& engine_id);
 
   // Queues a sync (see the file comment). kFailedPrecondition: fewer members than min_agents
   // (at least 1), a version not newer than every published, queued or running one, or busy
@@ -139,6 +141,11 @@ class SyncCoordinator {
 
   void SyncLoop();
   void ReapLoop();
+  // OK when every engine of the fleet has a member agent for each of its TP ranks; else
+  // kFailedPrecondition naming the engines and their missing ranks.
+  absl::Status CheckFleet() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<uint32_t> MissingRanks(const std::string& engine_id, uint32_t tp_size) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes the state file (tmp + fsync + rename + directory fsync); a failure is logged, never
   // fails the sync that triggered it.
   void SaveState() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -169,6 +176,11 @@ class SyncCoordinator {
   std::deque<uint64_t> queue_ ABSL_GUARDED_BY(mu_);
   bool running_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t running_id_ ABSL_GUARDED_BY(mu_) = 0;
+  struct FleetEngine {
+    uint32_t tp_size = 1;
+    bool removed = false;
+  };
+  std::map<std::string, FleetEngine> fleet_ ABSL_GUARDED_BY(mu_);  // engine id -> what its agents said
   uint64_t next_sync_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_version_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t published_ ABSL_GUARDED_BY(mu_) = 0;
