@@ -12,7 +12,9 @@
 #   2. a link taken down mid-sync (`ip link set eth0 down` on engine host 2, while its link is
 #      slowed with tbf so that the transfer is under way) ends the sync within its timeout, and
 #      nothing changed on any engine: both still verify bit-exact against the previous weights;
-#   3. with the link back, the next sync succeeds, bit-exact on both.
+#   3. while host 2 stays cut off (its agent dropped for silence), a sync is refused naming engine 2
+#      (a version is never published to part of the fleet);
+#   4. with the link back, the next sync succeeds, bit-exact on both.
 # Needs root and `ip netns` (CI runs as root); otherwise it exits 77 (ctest: skipped).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -148,6 +150,17 @@ took=$((SECONDS - t0))
 [ "$rc" != 0 ] || { cat "$work/logs/sync2.log" >&2; fail "sync 2 succeeded with engine host 2 cut off"; }
 [ "$took" -le $((timeout_s + 10)) ] || fail "sync 2 took $took s to fail, its timeout is $timeout_s s"
 echo "e2e_multihost: sync 2 failed after $took s (timeout $timeout_s s): $(grep -m1 -iE 'fail|abort|error|deadline' "$work/logs/sync2.log" || tail -n1 "$work/logs/sync2.log")"
+
+# While host 2 stays cut off, its agent is dropped for silence, and the fleet check refuses a sync
+# that would publish to engine 1 alone, naming engine 2.
+missing() { "${ctl[@]}" --json engines 2>/dev/null |
+  python3 -c 'import json,sys; print(sum(len(e["missing_ranks"]) for e in json.load(sys.stdin) if e["engine_id"] == "engine-2"))' \
+  2>/dev/null || echo 0; }
+for _ in $(seq 300); do [ "$(missing)" -ge 1 ] && break; sleep 0.1; done
+[ "$(missing)" -ge 1 ] || fail "engine host 2's agent was never dropped from the fleet"
+if out=$("${ctl[@]}" sync --wait 2>&1); then fail "a sync was published with engine 2 cut off: $out"; fi
+grep -q "engine engine-2 has no agent for TP rank 0" <<<"$out" || fail "the refused sync does not name engine 2: $out"
+echo "e2e_multihost: with engine 2 down, a sync is refused: $(grep -o 'engine engine-2 has no agent[^(]*' <<<"$out" | head -1)"
 
 # The link back: nothing changed on either engine (both still hold version 1's weights).
 ip netns exec "$lan" tc qdisc del dev "wsmh$s-3" root
