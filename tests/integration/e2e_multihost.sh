@@ -17,33 +17,17 @@
 #   4. with the link back, the next sync succeeds, bit-exact on both.
 # Needs root and `ip netns` (CI runs as root); otherwise it exits 77 (ctest: skipped).
 set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-bin="${WSYNC_BIN:-$here/build/bin}"
+source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
 if [ "$(id -u)" != 0 ] || ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
   echo "e2e_multihost: needs root, ip and tc (iproute2): skipped"; exit 77
 fi
+e2e_start e2e_multihost
 s=$(( $$ % 100000 ))
 lan="wsmh$s-lan" nt="wsmh$s-t" ne1="wsmh$s-e1" ne2="wsmh$s-e2"
-work="$(mktemp -d /tmp/wsync-e2e-multihost.XXXXXX)"
-pids=()
-cleanup() {
-  local rc=$?
-  trap - EXIT INT TERM
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  sleep 1
-  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
+e2e_cleanup_extra() {  # the namespaces (and whatever still runs in them) and their bridge
   for n in "$nt" "$ne1" "$ne2" "$lan"; do ip netns pids "$n" 2>/dev/null | xargs -r kill -KILL 2>/dev/null || true; done
   for n in "$nt" "$ne1" "$ne2" "$lan"; do ip netns del "$n" 2>/dev/null || true; done
-  if [ "$rc" != 0 ]; then
-    echo "e2e_multihost: FAILED (exit $rc); the logs:" >&2
-    for f in "$work"/logs/*.log; do echo "---- $f" >&2; tail -n 25 "$f" >&2; done
-  fi
-  rm -rf "$work"
-  exit "$rc"
 }
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-fail() { echo "e2e_multihost: $*" >&2; exit 1; }
 
 # --- the hosts ---------------------------------------------------------------------------------
 if ! ip netns add "$lan" 2>/dev/null; then echo "e2e_multihost: cannot create network namespaces: skipped"; exit 77; fi
@@ -65,13 +49,10 @@ done
 on() { local n="$1"; shift; ip netns exec "$n" "$@"; }
 
 # --- the model: two trainer steps of the default model, sharded TP 2 x EP 2 x DP 2 ----------------
-mkdir -p "$work/logs"
 for v in 1 2; do
   "$bin/wsync-model-gen" --from-config default --seed $((60 + v)) --out "$work/hf$v" > /dev/null
 done
 "$bin/wsync-shard" --hf "$work/hf1" --out "$work/megatron" --tp 2 --ep 2 --dp 2 > /dev/null
-token="$work/token"
-( umask 077; head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$token" )
 timeout_s=15
 
 wait_file() {  # wait_file PATH SECONDS WHAT
@@ -102,10 +83,9 @@ for e in 1 2; do
     --agent "127.0.0.1:$port" --token-file "$token" > "$work/logs/engine-$e.log" 2>&1 &
   pids+=($!)
 done
-members() { "${ctl[@]}" --json status 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["members"])' 2>/dev/null || echo 0; }
 wait_members() {
-  for _ in $(seq 300); do [ "$(members)" -ge 2 ] && return 0; sleep 0.1; done
-  fail "only $(members) of 2 rollout agents joined the coordinator"
+  for _ in $(seq 300); do [ "$(members "${ctl[@]}")" -ge 2 ] && return 0; sleep 0.1; done
+  fail "only $(members "${ctl[@]}") of 2 rollout agents joined the coordinator"
 }
 wait_members
 verify() {  # verify HF [SECONDS]: both engines bit-exact against it, retried for SECONDS (default 0)

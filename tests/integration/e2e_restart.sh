@@ -6,30 +6,10 @@
 # a plain `wsyncctl sync` then publishes version 3 (not 1, which the agent would refuse), the
 # engine verifies bit-exact, and `wsyncctl versions` still lists versions 1 and 2.
 set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-bin="${WSYNC_BIN:-$here/build/bin}"
-work="$(mktemp -d /tmp/wsync-e2e-restart.XXXXXX)"
-pids=()
-cleanup() {
-  local rc=$?
-  trap - EXIT INT TERM
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  sleep 1
-  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
-  if [ "$rc" != 0 ]; then
-    for f in "$work"/logs/*.log; do echo "---- $f" >&2; tail -n 20 "$f" >&2; done
-  fi
-  rm -rf "$work"
-  exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-fail() { echo "e2e_restart: $*" >&2; exit 1; }
-mkdir -p "$work/logs"
+source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
+e2e_start e2e_restart
 "$bin/wsync-model-gen" --from-config default --seed 71 --out "$work/hf" > /dev/null
 "$bin/wsync-shard" --hf "$work/hf" --out "$work/megatron" --tp 2 --ep 2 --dp 2 > /dev/null
-token="$work/token"
-( umask 077; head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$token" )
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 coord="127.0.0.1:$port"
 ctl=("$bin/wsyncctl" --coordinator "$coord" --token-file "$token")
@@ -40,9 +20,8 @@ start_trainer() {  # start_trainer N: the trainer job, log N
   trainer_pid=$!
   pids+=($trainer_pid)
 }
-members() { "${ctl[@]}" --json status 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["members"])' 2>/dev/null || echo 0; }
 wait_member() {
-  for _ in $(seq 600); do [ "$(members)" -ge 1 ] && return 0; sleep 0.1; done
+  for _ in $(seq 600); do [ "$(members "${ctl[@]}")" -ge 1 ] && return 0; sleep 0.1; done
   fail "the rollout agent did not join the coordinator at $coord"
 }
 

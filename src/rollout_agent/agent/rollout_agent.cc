@@ -183,7 +183,19 @@ std::string MakeAgentIdSalt() {
 
 }  // namespace
 
-RolloutAgent::RolloutAgent(AgentOptions options) : options_(std::move(options)), agent_id_salt_(MakeAgentIdSalt()) {
+namespace {
+
+// AgentServer::Start resolves an empty data host to the address facing the coordinator; an agent
+// built without it (tests, one machine) listens on loopback.
+AgentOptions WithDataHost(AgentOptions o) {
+  if (o.data_host.empty()) o.data_host = "127.0.0.1";
+  return o;
+}
+
+}  // namespace
+
+RolloutAgent::RolloutAgent(AgentOptions options)
+    : options_(WithDataHost(std::move(options))), agent_id_salt_(MakeAgentIdSalt()) {
   MetricsRegistry* reg = options_.metrics;
   if (reg == nullptr) {
     own_metrics_ = std::make_unique<MetricsRegistry>();
@@ -640,7 +652,7 @@ void RolloutAgent::RunStage(Sync* s, size_t index) {
   o.pp_stage = g.pp_stage();
   o.rank = static_cast<int>(s->req.agent_rank());
   o.size = static_cast<int>(g.size());
-  o.host = options_.data_host.empty() ? "127.0.0.1" : options_.data_host;  // AgentServer::Start picks one
+  o.host = options_.data_host;
   o.version = s->req.version();
   o.join_timeout = s->timeout;
   o.op_timeout = s->timeout;

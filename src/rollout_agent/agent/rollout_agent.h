@@ -61,7 +61,8 @@ struct AgentOptions {
   std::string coordinator;        // --coordinator; empty: no Join / heartbeats
   std::string advertise_address;  // the agent address sent in Join; default: the bound address
   // The address this agent's Gloo endpoints listen on (--data-host); empty: the local address that
-  // faces the coordinator (127.0.0.1 without one), chosen by AgentServer::Start.
+  // faces the coordinator, chosen by AgentServer::Start (127.0.0.1 without a coordinator, or for an
+  // agent built directly).
   std::string data_host;
   // Pause the engine at BeginSync for the whole sync (the pre-staging behaviour), instead of only
   // for the commit (the default: the engine serves while the sync is received into the staging).
