@@ -133,6 +133,29 @@ check trainer_cuda trainer_cuda
 # 10. Colocated on the GPU: the same, with the trainer -> rollout hand-off through shared memory
 #     (backend shm: no network, no NCCL group).
 check colocated_cuda trainer_cuda --backend shm
+# 11. The trainer's device stages: memory spaces, device buckets staged to the host, and RunRankSync
+#     with every tensor in CUDA memory (ToHf copies, CUDA INT4 kernels, device buckets) against the
+#     host stages, byte for byte (dense / MoE / MLA, bf16 / INT4, PP 1 / 2).
+check memory_space "$B/bin/common_memory_space_test"
+check device_staging "$B/bin/comm_device_staging_test"
+check trainer_device "$B/bin/trainer_rank_sync_device_test"
+# 12. The device stages end to end: a TP 1 x DP 4 training job holding CUDA tensors, the stage
+#     source converting and quantizing on the GPU, into device engine memory (Gloo, then colocated).
+check trainer_cuda_tp1 trainer_cuda --tp1
+check colocated_cuda_tp1 trainer_cuda --tp1 --backend shm
+# 13. The trainer side's speed, host stages vs device stages, on the same model and rank (TP 1).
+bench_trainer_device() {
+  if ! have_gpu; then
+    echo "no CUDA device: the device stages' benchmark needs one"
+    return 0
+  fi
+  local preset=bench2g
+  (( QUICK )) && preset=small
+  local args=(--preset "$preset" --work "$RES/bench-trainer-tp1" --tp 1 --ep 1 --quant all --sinks discard -n 3 -w 1)
+  mpirun -np 1 "$B/bin/wsync-bench-trainer" "${args[@]}" &&
+    mpirun -np 1 "$B/bin/wsync-bench-trainer" "${args[@]}" --cuda-device 0
+}
+check bench_trainer_device bench_trainer_device
 [[ -f "$RES/bench_kernels_gpu.log" ]] && grep -qE ' [1-9][0-9]*$' "$RES/bench_kernels_gpu.log" && { echo "bench_kernels_gpu: rows with #wrong > 0" |
   tee -a "$RES/summary.txt"; failed=$((failed + 1)); }
 echo "# failed checks: $failed" | tee -a "$RES/summary.txt"

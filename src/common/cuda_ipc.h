@@ -22,6 +22,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/tensor.h"
 
 namespace wsync {
 
@@ -69,5 +70,20 @@ absl::StatusOr<std::unique_ptr<PinnedHostRange>> PinHostMemory(void* data, size_
 // Synchronous copies of `nbytes` between host memory and device memory on `device`.
 absl::Status CopyHostToDevice(void* dst, const void* src, size_t nbytes, int device);
 absl::Status CopyDeviceToHost(void* dst, const void* src, size_t nbytes, int device);
+
+// Buffers (common/tensor.h) of device memory on `device` (cudaMalloc, uninitialized) and of
+// page-locked host memory (cudaMallocHost; device() == -1), freed by the Buffer. nbytes > 0.
+absl::StatusOr<Buffer> AllocateDeviceBuffer(size_t nbytes, int device);
+absl::StatusOr<Buffer> AllocatePinnedBuffer(size_t nbytes);
+
+// Enqueued on `device`'s legacy default stream (ordered with every kernel of kernels/ and every
+// synchronous copy above): a copy of `nbytes` from `src` to `dst`, each a device pointer of
+// `device` or host memory (cudaMemcpyDefault; from pageable host memory the call returns once the
+// source has been read), and a memset to zero of device memory. Execution errors surface at the
+// next SynchronizeDevice or synchronous call.
+absl::Status CopyOnDevice(void* dst, const void* src, size_t nbytes, int device);
+absl::Status ZeroOnDevice(void* dst, size_t nbytes, int device);
+// Waits for every operation enqueued on `device`; their first execution error.
+absl::Status SynchronizeDevice(int device);
 
 }  // namespace wsync

@@ -193,4 +193,66 @@ absl::StatusOr<std::unique_ptr<CudaIpcMapping>> OpenCudaIpc(const std::string& h
   return std::unique_ptr<CudaIpcMapping>(new Mapping(base, size, device));
 }
 
+namespace {
+
+void FreeDevice(std::byte* p, int device) {
+  int prev = 0;
+  if (cudaGetDevice(&prev) == cudaSuccess && cudaSetDevice(device) == cudaSuccess) {
+    cudaFree(p);
+    cudaSetDevice(prev);
+  }
+}
+
+void FreePinned(std::byte* p, int) { cudaFreeHost(p); }
+
+}  // namespace
+
+absl::StatusOr<Buffer> AllocateDeviceBuffer(size_t nbytes, int device) {
+  if (nbytes == 0) return absl::InvalidArgumentError("allocating an empty device buffer");
+  if (absl::Status s = UseDevice(device, "a device buffer"); !s.ok()) return s;
+  void* p = nullptr;
+  if (cudaError_t e = cudaMalloc(&p, nbytes); e != cudaSuccess) {
+    cudaGetLastError();
+    return CudaError(
+        e, absl::StrCat("cudaMalloc of ", nbytes, " bytes on device ", device),
+        e == cudaErrorMemoryAllocation ? absl::StatusCode::kResourceExhausted : absl::StatusCode::kInternal);
+  }
+  return Buffer::Adopt(static_cast<std::byte*>(p), nbytes, &FreeDevice, device);
+}
+
+absl::StatusOr<Buffer> AllocatePinnedBuffer(size_t nbytes) {
+  if (nbytes == 0) return absl::InvalidArgumentError("allocating an empty page-locked buffer");
+  void* p = nullptr;
+  if (cudaError_t e = cudaMallocHost(&p, nbytes); e != cudaSuccess) {
+    cudaGetLastError();
+    return CudaError(
+        e, absl::StrCat("cudaMallocHost of ", nbytes, " bytes"),
+        e == cudaErrorMemoryAllocation ? absl::StatusCode::kResourceExhausted : absl::StatusCode::kFailedPrecondition);
+  }
+  return Buffer::Adopt(static_cast<std::byte*>(p), nbytes, &FreePinned, -1);
+}
+
+absl::Status CopyOnDevice(void* dst, const void* src, size_t nbytes, int device) {
+  if (nbytes == 0) return absl::OkStatus();
+  if (absl::Status s = SetDevice(device); !s.ok()) return s;
+  if (cudaError_t e = cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, nullptr); e != cudaSuccess)
+    return CudaError(e, absl::StrCat("copying ", nbytes, " bytes on device ", device), absl::StatusCode::kInternal);
+  return absl::OkStatus();
+}
+
+absl::Status ZeroOnDevice(void* dst, size_t nbytes, int device) {
+  if (nbytes == 0) return absl::OkStatus();
+  if (absl::Status s = SetDevice(device); !s.ok()) return s;
+  if (cudaError_t e = cudaMemsetAsync(dst, 0, nbytes, nullptr); e != cudaSuccess)
+    return CudaError(e, absl::StrCat("zeroing ", nbytes, " bytes on device ", device), absl::StatusCode::kInternal);
+  return absl::OkStatus();
+}
+
+absl::Status SynchronizeDevice(int device) {
+  if (absl::Status s = SetDevice(device); !s.ok()) return s;
+  if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess)
+    return CudaError(e, absl::StrCat("work on device ", device), absl::StatusCode::kInternal);
+  return absl::OkStatus();
+}
+
 }  // namespace wsync

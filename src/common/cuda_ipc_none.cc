@@ -34,4 +34,14 @@ absl::Status CopyDeviceToHost(void*, const void*, size_t, int device) {
   return NoCuda("a device-to-host copy", device);
 }
 
+absl::StatusOr<Buffer> AllocateDeviceBuffer(size_t, int device) { return NoCuda("CUDA device memory", device); }
+
+absl::StatusOr<Buffer> AllocatePinnedBuffer(size_t) { return NoCuda("page-locked host memory", -1); }
+
+absl::Status CopyOnDevice(void*, const void*, size_t, int device) { return NoCuda("a device copy", device); }
+
+absl::Status ZeroOnDevice(void*, size_t, int device) { return NoCuda("a device memset", device); }
+
+absl::Status SynchronizeDevice(int device) { return NoCuda("synchronizing a device", device); }
+
 }  // namespace wsync

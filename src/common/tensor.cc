@@ -60,7 +60,20 @@ absl::StatusOr<MutableTensorView> MutableTensorView::Make(DType dtype, Shape sha
 }
 int64_t MutableTensorView::numel() const { return Product(shape_); }
 
-void Buffer::Free::operator()(std::byte* p) const { std::free(p); }
+void internal::BufferFree::operator()(std::byte* p) const {
+  if (release != nullptr) {
+    release(p, device);
+  } else {
+    std::free(p);
+  }
+}
+
+Buffer Buffer::Adopt(std::byte* data, size_t nbytes, Release release, int device) {
+  Buffer b;
+  b.data_ = std::unique_ptr<std::byte, Free>(data, Free{release, device});
+  b.size_ = data == nullptr ? 0 : nbytes;
+  return b;
+}
 
 absl::StatusOr<Buffer> Buffer::Allocate(size_t nbytes) {
   Buffer b;
@@ -95,6 +108,19 @@ absl::StatusOr<Tensor> Tensor::Empty(DType dtype, Shape shape) {
 absl::StatusOr<Tensor> Tensor::Zeros(DType dtype, Shape shape) {
   auto t = Empty(dtype, std::move(shape));
   if (t.ok() && t->nbytes() > 0) std::memset(t->buffer_.data(), 0, t->nbytes());
+  return t;
+}
+
+absl::StatusOr<Tensor> Tensor::FromBuffer(DType dtype, Shape shape, Buffer buffer) {
+  auto nbytes = NumBytes(dtype, shape);
+  if (!nbytes.ok()) return nbytes.status();
+  if (buffer.size() != static_cast<size_t>(*nbytes))
+    return absl::InvalidArgumentError(absl::StrCat("a ", SafetensorsName(dtype), ShapeToString(shape), " tensor needs ",
+                                                   *nbytes, " bytes, the buffer holds ", buffer.size()));
+  Tensor t;
+  t.dtype_ = dtype;
+  t.shape_ = std::move(shape);
+  t.buffer_ = std::move(buffer);
   return t;
 }
 

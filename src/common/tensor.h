@@ -93,25 +93,42 @@ class MutableTensorView {
   std::span<std::byte> bytes_;
 };
 
-// Owning, 64-byte-aligned host memory. Move-only. Allocate() returns uninitialized memory (no
-// page is touched, so allocating a bucket is cheap); AllocateZeroed() returns zeros.
+// Owning, 64-byte-aligned memory. Move-only. Allocate() returns uninitialized host memory (no
+// page is touched, so allocating a bucket is cheap); AllocateZeroed() returns zeros. Adopt() takes
+// memory of another allocator with its release function: device memory of a CUDA device
+// (device() >= 0: data() is a device pointer, never dereferenced on the host) or page-locked host
+// memory (common/cuda_ipc.h makes both), so that such memory travels through the same pools, bucket
+// builders and senders as host buffers.
+namespace internal {
+// How a Buffer frees its memory (outside Buffer so that its default member initializers are usable
+// in Buffer's own defaulted constructor).
+struct BufferFree {
+  void (*release)(std::byte* data, int device) = nullptr;  // null: std::free
+  int device = -1;
+  void operator()(std::byte* p) const;
+};
+}  // namespace internal
+
 class Buffer {
  public:
   static constexpr size_t kAlignment = 64;
+  using Release = void (*)(std::byte* data, int device);
 
   Buffer() = default;
   // ResourceExhausted if the allocation fails.
   static absl::StatusOr<Buffer> Allocate(size_t nbytes);
   static absl::StatusOr<Buffer> AllocateZeroed(size_t nbytes);
+  // Owns `data` (nbytes, kAlignment-aligned) and frees it with release(data, device).
+  static Buffer Adopt(std::byte* data, size_t nbytes, Release release, int device);
 
   std::byte* data() const { return data_.get(); }
   size_t size() const { return size_; }
   std::span<std::byte> span() const { return {data_.get(), size_}; }
+  // The CUDA device whose memory this is; -1 for host memory (pageable or page-locked).
+  int device() const { return data_.get_deleter().device; }
 
  private:
-  struct Free {
-    void operator()(std::byte* p) const;
-  };
+  using Free = internal::BufferFree;
   std::unique_ptr<std::byte, Free> data_;
   size_t size_ = 0;
 };
@@ -125,6 +142,9 @@ class Tensor {
   static absl::StatusOr<Tensor> Zeros(DType dtype, Shape shape);
   // A deep copy of `view`.
   static absl::StatusOr<Tensor> CopyOf(const TensorView& view);
+  // A tensor over `buffer` (host or device memory), which must hold exactly NumBytes(dtype, shape).
+  static absl::StatusOr<Tensor> FromBuffer(DType dtype, Shape shape, Buffer buffer);
+  int device() const { return buffer_.device(); }  // Buffer::device()
 
   DType dtype() const { return dtype_; }
   const Shape& shape() const { return shape_; }

@@ -9,17 +9,21 @@
 # ranks wait for the check (a barrier). Afterwards: one sync per version (the 4 requests
 # coalesced), both versions recorded, and no shared memory left behind.
 #
-#   tests/integration/e2e_shm.sh [--cuda N] [--backend gloo|shm]
+#   tests/integration/e2e_shm.sh [--cuda N] [--backend gloo|shm] [--tp1]
 # --cuda N: the GPU form (run.sh of the device bundle): the training processes keep their tensors in
 # CUDA memory on device N (the trainer agents read them by IPC handle) and the engine's parameters
 # live there too (the rollout agents repack on the device).
 # --backend shm: the colocated hand-off (trainer agents to rollout agents through shared memory).
+# --tp1: the training job is TP 1 x DP 4 (no gathers) instead of TP 2 x EP 2 x DP 2; with --cuda the
+# stage source then runs the device stages (CUDA INT4 kernels, buckets in device memory), checked
+# in the trainer agents' log.
 set -euo pipefail
-trainer_flags="" engine_flags=() backend=gloo
+trainer_flags="" engine_flags=() backend=gloo layout=(--tp 2 --ep 2 --dp 2)
 while [ $# -gt 0 ]; do
   case "$1" in
     --cuda) trainer_flags="--cuda-device $2"; engine_flags=(--engine-flags "--param-memory cuda:$2"); shift 2 ;;
     --backend) backend="$2"; shift 2 ;;
+    --tp1) layout=(--tp 1 --ep 1 --dp 4); shift ;;
     *) echo "e2e_shm: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -29,7 +33,7 @@ work="$(mktemp -d /tmp/wsync-e2e-shm.XXXXXX)"
 trap 'rm -rf "$work"' EXIT
 for step in 1 2; do
   "$bin/wsync-model-gen" --from-config default --seed $((40 + step)) --out "$work/s$step/hf" > /dev/null
-  "$bin/wsync-shard" --hf "$work/s$step/hf" --out "$work/s$step/megatron" --tp 2 --ep 2 --dp 2 > /dev/null
+  "$bin/wsync-shard" --hf "$work/s$step/hf" --out "$work/s$step/megatron" "${layout[@]}" > /dev/null
 done
 cat > "$work/after.sh" <<'AFTER'
 #!/usr/bin/env bash
@@ -63,6 +67,11 @@ if [ -n "$trainer_flags" ]; then  # the GPU form really read device tensors and 
   n=$(cat "$work"/run/logs/agent-*.log | grep -c " [1-9][0-9]* on a CUDA device" || true)
   [ "$n" -ge 2 ] || { echo "e2e_shm: $n of 2 rollout agents saw engine params on a CUDA device" >&2; exit 1; }
   echo "   the training processes' tensors and the engine's parameters were on CUDA device ${trainer_flags##* }"
+  if [ "${layout[1]}" = 1 ]; then
+    n=$(grep -c "stage source on cuda:" "$work/run/logs/trainer.log" || true)
+    [ "$n" -ge 2 ] || { echo "e2e_shm: $n of 2 syncs ran the device stages" >&2; exit 1; }
+    grep "stage source on cuda:" "$work/run/logs/trainer.log" | sed 's/^/   /'
+  fi
 fi
 after=$(ls /dev/shm | grep -c '^wsync\.' || true)
 [ "$after" -le "$before" ] || { echo "e2e_shm: shared memory left behind: $(ls /dev/shm | grep '^wsync\.')" >&2; exit 1; }

@@ -2,7 +2,10 @@
 // Qwen3-MoE sharded TP2 x EP2 (or any source directory), under mpirun.
 //
 //   mpirun -np 4 wsync-bench-trainer [--source DIR | --work DIR] [--tp 2 --ep 2 --etp 1]
-//          [--bucket-mb 512] [--gather-mb 0] [--quant experts|none|all] [-n 3] [-w 1]
+//          [--bucket-mb 512] [--gather-mb 0] [--quant experts|none|all] [-n 3] [-w 1] [--cuda-device N]
+//
+// --cuda-device N puts every rank's tensors in CUDA memory first (CudaResidentSource) and so runs
+// the device stages (sync/rank_sync.h; TP = EP = ETP = 1): its table adds the staging copies.
 //
 // Without --source, rank 0 generates the model (seed 1) and writes its Megatron source into --work
 // (reused when it already holds one of the same layout; --regen forces a new one).
@@ -33,6 +36,7 @@
 #include "common/status.h"
 #include "tools/synth/sharder.h"
 #include "tools/synth/synthetic_model.h"
+#include "trainer_agent/source/cuda_resident_source.h"
 #include "trainer_agent/source/dir_source.h"
 #include "trainer_agent/sync/rank_sync.h"
 
@@ -85,6 +89,7 @@ struct Row {
   double open, gather, convert, quantize, bucket, send_wait, total;
   double open_bytes, gather_bytes, hf_bytes, quantized_bytes, bucket_bytes, sent_bytes, buckets;
   double source, rss_mb, peak_bucket;
+  double staging;  // device stages: device-to-host copies of the buckets (inside send_wait)
 };
 
 std::vector<Row> GatherRows(comm::Communicator& world, const Row& mine) {
@@ -151,6 +156,10 @@ int Run(int argc, char** argv) {
   app.add_option("--quant", quant, "experts | all | none")->capture_default_str();
   app.add_option("--threads", threads, "quantization threads (0 = all cores)")->capture_default_str();
   app.add_option("--sinks", sinks, "discard,memcpy")->capture_default_str();
+  int cuda_device = -1;
+  app.add_option("--cuda-device", cuda_device,
+                 "every rank's tensors resident on this CUDA device: the device stages (TP = EP = ETP = 1; the "
+                 "sinks get the buckets through a DeviceStagingSink)");
   app.add_option("-n,--iters", iters)->capture_default_str();
   app.add_option("-w,--warmup", warmup)->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -187,11 +196,23 @@ int Run(int argc, char** argv) {
     }
     source_dir = dirbuf;
   }
-  auto src = trainer_agent::DirSource::Open(source_dir);
-  if (!src.ok()) {
-    std::fprintf(stderr, "%s\n", src.status().ToString().c_str());
+  auto dir_src = trainer_agent::DirSource::Open(source_dir);
+  if (!dir_src.ok()) {
+    std::fprintf(stderr, "%s\n", dir_src.status().ToString().c_str());
     return 1;
   }
+  std::unique_ptr<trainer_agent::CudaResidentSource> resident;
+  if (cuda_device >= 0) {
+    auto r = trainer_agent::CudaResidentSource::Create(*dir_src, {me}, cuda_device);
+    if (!r.ok()) {
+      std::fprintf(stderr, "rank %d: %s\n", me, r.status().ToString().c_str());
+      return 1;
+    }
+    resident = std::move(*r);
+  }
+  const trainer_agent::WeightSource& source =
+      resident ? static_cast<const trainer_agent::WeightSource&>(*resident) : *dir_src;
+  auto* src = &*dir_src;
   auto comms = trainer_agent::MakeTrainerComms(world, src->layout());
   if (!comms.ok()) {
     std::fprintf(stderr, "%s\n", comms.status().ToString().c_str());
@@ -211,9 +232,10 @@ int Run(int argc, char** argv) {
     std::error_code ec;
     shard_bytes = std::filesystem::file_size(src->RankPath(me), ec);
   }
-  std::printf("# wsync-bench-trainer: %s, %s, world %d, bucket %.4g MiB, gather %.4g MiB, quant %s\n",
+  std::printf("# wsync-bench-trainer: %s, %s, world %d, bucket %.4g MiB, gather %.4g MiB, quant %s, stages on %s\n",
               src->model().architecture.c_str(), src->layout().DebugString().c_str(), world.size(), bucket_mb,
-              gather_mb > 0 ? gather_mb : bucket_mb, quant.c_str());
+              gather_mb > 0 ? gather_mb : bucket_mb, quant.c_str(),
+              cuda_device >= 0 ? absl::StrCat("cuda:", cuda_device).c_str() : "the host");
   std::fflush(stdout);
 
   for (const std::string& sink_name : {std::string("discard"), std::string("memcpy")}) {
@@ -237,7 +259,7 @@ int Run(int argc, char** argv) {
       o.collective.timeout = absl::Minutes(10);
       o.workspace = fresh_buffers ? nullptr : &workspace;
       if (!comm::Await(world.Barrier()).ok()) return 1;
-      auto r = trainer_agent::RunRankSync(*src, *comms, sink, o);
+      auto r = trainer_agent::RunRankSync(source, *comms, sink, o);
       if (!r.ok()) {
         std::fprintf(stderr, "rank %d: %s\n", me, r.status().ToString().c_str());
         return 1;
@@ -260,7 +282,8 @@ int Run(int argc, char** argv) {
               static_cast<double>(r->buckets),
               r->source ? 1.0 : 0.0,
               0,
-              static_cast<double>(r->peak_bucket_bytes)};
+              static_cast<double>(r->peak_bucket_bytes),
+              s(r->staging)};
       double* a = reinterpret_cast<double*>(&sum);
       const double* b = reinterpret_cast<const double*>(&row);
       for (size_t k = 0; k < sizeof(Row) / sizeof(double); ++k) a[k] += b[k];
@@ -287,6 +310,7 @@ int Run(int argc, char** argv) {
     line("quantize", src_row.quantize, src_row.quantized_bytes);
     line("bucket", src_row.bucket, src_row.bucket_bytes);
     line("send_wait", src_row.send_wait, src_row.sent_bytes);
+    if (cuda_device >= 0) line(" (staging)", src_row.staging, src_row.sent_bytes);
     const double accounted =
         src_row.open + src_row.gather + src_row.convert + src_row.quantize + src_row.bucket + src_row.send_wait;
     line("other", std::max(0.0, src_row.total - accounted), 0);

@@ -14,12 +14,12 @@ absl::Status BucketBuilder::EnsureBuffer(uint64_t min_bytes) {
   const uint64_t want = std::max<uint64_t>(std::max<uint64_t>(options_.bucket_bytes, 1), min_bytes);
   if (buffer_.size() < want) {
     Buffer b = sink_.Recycle(want);
-    if (b.size() >= want) {
+    if (b.size() >= want && MemorySpace::Of(b) == options_.space) {
       buffer_ = std::move(b);
     } else {
-      b = Buffer();  // too small for this bucket: freed
+      b = Buffer();  // too small for this bucket, or of another space: freed
       buffer_ = Buffer();
-      ASSIGN_OR_RETURN(buffer_, Buffer::Allocate(want));
+      ASSIGN_OR_RETURN(buffer_, options_.space.Allocate(want));
     }
   }
   capacity_ = want;
@@ -49,7 +49,7 @@ absl::StatusOr<std::vector<MutableTensorView>> BucketBuilder::Reserve(std::span<
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Pending& t = tensors[i];
     start = AlignEntry(cursor_);
-    if (start > cursor_) std::memset(buffer_.data() + cursor_, 0, start - cursor_);
+    if (start > cursor_) RETURN_IF_ERROR(options_.space.Zero(buffer_.data() + cursor_, start - cursor_));
     v1::BucketEntry* e = manifest_.add_entries();
     v1::TensorSpec* spec = e->mutable_tensor();
     spec->set_name(t.name);
@@ -74,9 +74,9 @@ absl::Status BucketBuilder::Add(absl::string_view name, const TensorView& tensor
   const Pending p{std::string(name), tensor.dtype(), tensor.shape()};
   ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, Reserve({&p, 1}));
   const absl::Time t0 = absl::Now();
-  if (tensor.nbytes() > 0) std::memcpy(dst[0].data(), tensor.data(), tensor.nbytes());
+  absl::Status s = options_.space.Copy(dst[0].data(), tensor.data(), tensor.nbytes());
   stats_.copy += absl::Now() - t0;
-  return absl::OkStatus();
+  return Annotate(s, absl::StrCat("bucket builder: copying \"", name, "\" into a bucket"));
 }
 
 absl::Status BucketBuilder::SendCurrent(bool last) {

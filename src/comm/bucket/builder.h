@@ -35,6 +35,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "comm/bucket/stream.h"
+#include "common/memory_space.h"
 #include "common/tensor.h"
 #include "wsync/v1/tensor.pb.h"
 
@@ -57,6 +58,11 @@ struct BucketBuilderOptions {
   uint64_t bucket_bytes = 512ull << 20;  // > 0
   uint64_t version = 0;
   uint32_t pp_stage = 0;
+  // Where buckets are built (common/memory_space.h): host memory, or device memory of a CUDA
+  // device (the trainer's device stages: Add copies on the device, Reserve hands out device views
+  // for kernels; the sink gets device Buffers, see device_staging.h). Recycled buffers of another
+  // space are dropped.
+  MemorySpace space = MemorySpace::Host();
 };
 
 struct BucketBuilderStats {

@@ -34,6 +34,10 @@ absl::Status BucketSender::Send(v1::BucketManifest manifest, Buffer data, uint64
     return absl::InvalidArgumentError(
         absl::StrCat(DescribeBucket(manifest), ": ", nbytes, " bytes from a ", data.size(), "-byte buffer"));
   }
+  if (data.device() >= 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        DescribeBucket(manifest), " is in the memory of CUDA device ", data.device(), "; the ", comm_.Name(),
+        " bucket stream sends host buffers (put a DeviceStagingSink, comm/bucket/device_staging.h, in front)"));
   const absl::Time t0 = absl::Now();
   manifest.set_nbytes(nbytes);
   manifest.set_xxh3_64(Xxh3_64({data.data(), nbytes}));

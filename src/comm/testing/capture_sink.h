@@ -29,6 +29,7 @@ class CaptureSink : public BucketSink {
   absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) override {
     if (!error.ok()) return error;
     if (nbytes > data.size()) return absl::InternalError("nbytes beyond the buffer");
+    if (data.device() >= 0) return absl::InvalidArgumentError("CaptureSink takes host buckets");
     Bucket b;
     b.manifest = std::move(manifest);
     b.data.assign(data.data(), data.data() + nbytes);

@@ -64,7 +64,12 @@ int main(int argc, char** argv) {
   app.add_option("--state-dir", o.state_dir,
                  "Rank 0 keeps the coordinator's state here (versions, timings; coordinator-state.json), so that a "
                  "restarted trainer job continues its version numbers");
+  bool host_stages = false;
+  app.add_flag("--host-stages", host_stages,
+               "shm: sources whose training processes hold CUDA tensors: copy them to the host and convert / "
+               "quantize there, instead of the device stages (the CUDA kernels, buckets in device memory)");
   CLI11_PARSE(app, argc, argv);
+  o.device_stages = !host_stages;
 
   o.bucket_bytes = bucket_mib << 20;
   o.sync_timeout = absl::Seconds(sync_timeout_s);

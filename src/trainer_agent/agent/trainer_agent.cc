@@ -160,8 +160,10 @@ class Agent {
       src = dir_source ? &*dir_source : nullptr;
     } else if (absl::StartsWith(opts_.source, "shm:")) {
       // The training process of this rank registers its tensors (trainer_client); wait for it.
-      auto shm =
-          ShmSource::Start({.name = opts_.source.substr(4), .rank = world_->rank(), .world_size = world_->size()});
+      auto shm = ShmSource::Start({.name = opts_.source.substr(4),
+                                   .rank = world_->rank(),
+                                   .world_size = world_->size(),
+                                   .device_stages = opts_.device_stages});
       s = shm.status();
       if (shm.ok()) {
         shm_ = std::move(*shm);
@@ -332,6 +334,11 @@ class Agent {
         mine.bytes = report->bytes;
         mine.buckets = report->buckets;
         mine.tensors = report->tensors;
+        if (report->source && report->cuda_device >= 0)
+          WSYNC_LOG(INFO) << "sync " << cmd.sync_id << ": stage source on cuda:" << report->cuda_device << " ("
+                          << report->quantized_bytes << " bytes through the CUDA INT4 kernels, "
+                          << absl::FormatDuration(report->staging) << " staging " << report->bytes
+                          << " bucket bytes to the host)";
       } else {
         SetMessage(mine, report.status());
       }

@@ -47,6 +47,9 @@ struct TrainerAgentOptions {
   int metrics_port = -1;     // -1: none; 0: any
   std::string address_file;  // rank 0 writes the coordinator's bound address here
   std::string state_dir;     // rank 0: the coordinator's durable state (--state-dir)
+  // shm: sources: run the device stages where the training process's tensors are CUDA memory
+  // (sync/rank_sync.h); false (--host-stages): copy them to the host first.
+  bool device_stages = true;
 };
 
 // Runs until Stop() (or SIGINT/SIGTERM through the caller). Returns the first fatal error.

@@ -108,7 +108,8 @@ absl::StatusOr<HfRowMap> HfRowMapFor(const ModelConfig& model, const MegatronPar
   return m;
 }
 
-absl::StatusOr<std::vector<model::HfTensor>> ToHf(const ModelConfig& model, const MegatronParam& p, TensorView full) {
+absl::StatusOr<std::vector<model::HfTensor>> ToHf(const ModelConfig& model, const MegatronParam& p, TensorView full,
+                                                  const MemorySpace& space) {
   RETURN_IF_ERROR(CheckFull(p, full));
   std::vector<model::HfTensor> out;
   if (!p.sent || p.pruned) return out;
@@ -134,12 +135,14 @@ absl::StatusOr<std::vector<model::HfTensor>> ToHf(const ModelConfig& model, cons
                                                static_cast<size_t>(hf_rows * row_bytes)));
       continue;
     }
-    ASSIGN_OR_RETURN(t.owned, Tensor::Empty(p.dtype, shape));
+    ASSIGN_OR_RETURN(const int64_t nbytes, NumBytes(p.dtype, shape));
+    ASSIGN_OR_RETURN(Buffer buffer, space.Allocate(static_cast<size_t>(nbytes)));
+    ASSIGN_OR_RETURN(t.owned, Tensor::FromBuffer(p.dtype, shape, std::move(buffer)));
     std::byte* dst = t.owned.mutable_view().bytes().data();
     for (const HfRowPiece& piece : map.pieces)
       if (piece.hf_index == static_cast<int>(i))
-        std::memcpy(dst + piece.hf_row * row_bytes, base + piece.full_row * row_bytes,
-                    static_cast<size_t>(piece.rows * row_bytes));
+        RETURN_IF_ERROR(space.Copy(dst + piece.hf_row * row_bytes, base + piece.full_row * row_bytes,
+                                   static_cast<size_t>(piece.rows * row_bytes)));
     t.view = t.owned.view();
   }
   return out;

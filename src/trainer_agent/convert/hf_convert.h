@@ -18,6 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/config.h"
+#include "common/memory_space.h"
 #include "common/tensor.h"
 #include "model/hf_checkpoint.h"
 #include "model/hf_tensor.h"
@@ -41,9 +42,11 @@ absl::StatusOr<HfRowMap> HfRowMapFor(const ModelConfig& model, const MegatronPar
 
 // The HF tensors a gathered parameter becomes (none for the tied output copy, param.sent false).
 // `full` must have param.dtype and param.full_shape.
-// A pruned expert (param.pruned) becomes none either.
-absl::StatusOr<std::vector<model::HfTensor>> ToHf(const ModelConfig& model, const MegatronParam& param,
-                                                  TensorView full);
+// A pruned expert (param.pruned) becomes none either. `full` lives in `space` (the trainer's
+// device stages pass its CUDA space); an HF tensor that is not one contiguous block of it is
+// gathered into a tensor owned by the result, in that same space.
+absl::StatusOr<std::vector<model::HfTensor>> ToHf(const ModelConfig& model, const MegatronParam& param, TensorView full,
+                                                  const MemorySpace& space = MemorySpace::Host());
 
 // The reverse (used by the sharder): the full Megatron tensor built from the HF checkpoint. HF
 // tensors must have the parameter's dtype, except that a bf16/fp16 source of an fp32 parameter

@@ -21,9 +21,9 @@ uint64_t AlignUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
 // The three outputs of INT4 target `name` (a "*.weight" of [n, k]), in one bucket; weight_shape
 // is written here, packed and scales are the caller's to fill.
-absl::StatusOr<std::vector<MutableTensorView>> ReserveTriplet(comm::BucketBuilder& builder, absl::string_view name,
-                                                              DType dtype, const Shape& packed, const Shape& scales,
-                                                              int64_t n, int64_t k) {
+absl::StatusOr<std::vector<MutableTensorView>> ReserveTriplet(comm::BucketBuilder& builder, const MemorySpace& space,
+                                                              absl::string_view name, DType dtype, const Shape& packed,
+                                                              const Shape& scales, int64_t n, int64_t k) {
   absl::string_view prefix = name;
   if (!absl::ConsumeSuffix(&prefix, ".weight"))
     return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", name, "\": not a *.weight tensor"));
@@ -34,7 +34,7 @@ absl::StatusOr<std::vector<MutableTensorView>> ReserveTriplet(comm::BucketBuilde
   };
   ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, builder.Reserve(pending));
   const int64_t nk[2] = {n, k};
-  std::memcpy(dst[2].data(), nk, sizeof(nk));
+  RETURN_IF_ERROR(space.Copy(dst[2].data(), nk, sizeof(nk)));
   return dst;
 }
 
@@ -112,12 +112,13 @@ absl::Status MergeInt4Shards(const Int4ExpertPlan& plan, std::span<const std::by
 }
 
 Int4Quantizer::Int4Quantizer(const Int4Options& options)
-    : quant_(*options.quant), kernel_([&] {
+    : quant_(*options.quant), space_(options.space), kernel_([&] {
         kernels::QuantizeOptions ko;
         ko.group_size = options.quant->group_size;
         ko.variant = options.variant;
         ko.format = kFormat;
         ko.num_threads = options.num_threads;
+        ko.device = options.space.host() ? kernels::Device::kCpu : kernels::Device::kCuda;
         return ko;
       }()) {}
 
@@ -209,15 +210,16 @@ absl::Status Int4Quantizer::EmitExpert(comm::BucketBuilder& builder, const Megat
     const Shape& hf = plan.hf_shapes[h];
     const Shape packed{hf[0], plan.packed.full_shape[1]}, scales{hf[0], plan.scales.full_shape[1]};
     ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst,
-                     ReserveTriplet(builder, p.hf_names[h], p.dtype, packed, scales, hf[0], hf[1]));
+                     ReserveTriplet(builder, space_, p.hf_names[h], p.dtype, packed, scales, hf[0], hf[1]));
     const absl::Time t0 = absl::Now();
     for (const RowSegment& seg : plan.full_rows) {
       if (seg.hf_index != static_cast<int>(h)) continue;
       const uint64_t from = static_cast<uint64_t>(seg.row), to = static_cast<uint64_t>(seg.hf_row);
       const uint64_t count = static_cast<uint64_t>(seg.rows);
-      std::memcpy(dst[0].bytes().data() + to * packed_row, block.data() + from * packed_row, count * packed_row);
-      std::memcpy(dst[1].bytes().data() + to * scale_row, block.data() + plan.scale_offset + from * scale_row,
-                  count * scale_row);
+      RETURN_IF_ERROR(
+          space_.Copy(dst[0].bytes().data() + to * packed_row, block.data() + from * packed_row, count * packed_row));
+      RETURN_IF_ERROR(space_.Copy(dst[1].bytes().data() + to * scale_row,
+                                  block.data() + plan.scale_offset + from * scale_row, count * scale_row));
       stats_.copied_bytes += count * (packed_row + scale_row);
     }
     stats_.copy += absl::Now() - t0;
@@ -229,8 +231,8 @@ absl::Status Int4Quantizer::EmitExpert(comm::BucketBuilder& builder, const Megat
 absl::Status Int4Quantizer::QuantizeInto(comm::BucketBuilder& builder, const std::string& name, const TensorView& w) {
   absl::StatusOr<kernels::QuantizedShapes> shapes = kernels::QuantizedShapesFor(w, quant_.group_size, kFormat);
   if (!shapes.ok()) return Annotate(shapes.status(), absl::StrCat("quantizing \"", name, "\" (", w.DebugString(), ")"));
-  ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst,
-                   ReserveTriplet(builder, name, w.dtype(), shapes->packed, shapes->scales, w.dim(0), w.dim(1)));
+  ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, ReserveTriplet(builder, space_, name, w.dtype(), shapes->packed,
+                                                                      shapes->scales, w.dim(0), w.dim(1)));
   const absl::Time t0 = absl::Now();
   absl::Status s = kernels::QuantizeInt4(w, dst[0], dst[1], kernel_);
   stats_.quantize += absl::Now() - t0;

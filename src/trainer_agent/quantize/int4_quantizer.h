@@ -42,6 +42,7 @@
 #include "absl/types/span.h"
 #include "comm/bucket/builder.h"
 #include "common/config.h"
+#include "common/memory_space.h"
 #include "common/tensor.h"
 #include "kernels/int4.h"
 #include "trainer_agent/convert/hf_convert.h"
@@ -91,6 +92,9 @@ struct Int4Options {
   const QuantizationConfig* quant = nullptr;  // non-null; not owned
   kernels::QuantVariant variant = kernels::QuantVariant::kQat;
   int num_threads = 0;  // of each kernel call; 0 = hardware concurrency
+  // Where the weights, blocks and buckets are: host memory (the CPU kernels) or a CUDA device's
+  // (the CUDA kernels; every copy on the device).
+  MemorySpace space = MemorySpace::Host();
 };
 
 // What every rank must agree on besides config.json and parallel.json for the INT4 path to pair
@@ -139,6 +143,7 @@ class Int4Quantizer {
 
  private:
   const QuantizationConfig& quant_;
+  const MemorySpace space_;
   const kernels::QuantizeOptions kernel_;
   Int4Stats stats_;
 };

@@ -70,6 +70,7 @@ struct ShmSource::Registration {
     Buffer host;  // the tensor's view points here
   };
   std::vector<Device> devices;
+  int cuda_device = -1;  // >= 0: the tensors are views of this device's memory (the device stages)
   std::atomic<bool> connected{true};
 
   absl::Mutex mu;
@@ -403,6 +404,13 @@ absl::StatusOr<std::shared_ptr<ShmSource::Registration>> ShmSource::Register(con
     return absl::InvalidArgumentError(
         absl::StrCat(who, ": shared memory ", req.segment, " has no wsync segment header"));
 
+  // The device stages: every tensor on one CUDA device, and a layout without TP / EP gathers.
+  const ParallelLayout& layout = model.layout;
+  if (options_.device_stages && !req.tensors.empty() && layout.tp() == 1 && layout.ep() == 1 && layout.etp() == 1 &&
+      std::all_of(req.tensors.begin(), req.tensors.end(), [&](const tc::TensorDecl& t) {
+        return t.location != tc::Location::kHostShm && t.device == req.tensors.front().device;
+      }))
+    reg->cuda_device = req.tensors.front().device;
   std::vector<std::pair<std::string, TensorView>> named;
   named.reserve(req.tensors.size());
   for (const tc::TensorDecl& t : req.tensors) {
@@ -426,9 +434,17 @@ absl::StatusOr<std::shared_ptr<ShmSource::Registration>> ShmSource::Register(con
       auto mapping = OpenCudaIpc(t.cuda_ipc_handle, t.device);
       if (!mapping.ok()) return Annotate(mapping.status(), absl::StrCat(who, ": tensor ", t.name));
       d.mapping = std::move(*mapping);
-      ASSIGN_OR_RETURN(d.host, Buffer::Allocate(nbytes));
       d.offset = t.offset;
-      bytes = {d.host.data(), static_cast<size_t>(nbytes)};
+      if (reg->cuda_device >= 0) {
+        if (t.offset > d.mapping->size() || nbytes > d.mapping->size() - t.offset)
+          return absl::InvalidArgumentError(absl::StrCat(who, ": tensor ", t.name, " at [", t.offset, ", +", nbytes,
+                                                         ") lies outside its ", d.mapping->size(),
+                                                         "-byte CUDA allocation"));
+        bytes = {static_cast<const std::byte*>(d.mapping->data()) + t.offset, static_cast<size_t>(nbytes)};
+      } else {
+        ASSIGN_OR_RETURN(d.host, Buffer::Allocate(nbytes));
+        bytes = {d.host.data(), static_cast<size_t>(nbytes)};
+      }
       reg->devices.push_back(std::move(d));
     }
     ASSIGN_OR_RETURN(TensorView view, TensorView::Make(*dtype, std::move(shape), bytes, t.name));
@@ -449,7 +465,10 @@ absl::StatusOr<std::shared_ptr<ShmSource::Registration>> ShmSource::Register(con
   state_->current = reg;
   WSYNC_LOG(INFO) << "shm source: rank " << options_.rank << " registered by pid " << reg->pid << ": "
                   << reg->tensors.size() << " tensors, " << reg->bytes << " bytes of shared memory"
-                  << (reg->devices.empty() ? "" : absl::StrCat(", ", reg->devices.size(), " on CUDA devices"));
+                  << (reg->devices.empty() ? "" : absl::StrCat(", ", reg->devices.size(), " on CUDA devices"))
+                  << (reg->cuda_device >= 0
+                          ? absl::StrCat(", read in place on cuda:", reg->cuda_device, " (the device stages)")
+                          : "");
   return reg;
 }
 
@@ -474,11 +493,12 @@ absl::StatusOr<RankShard> ShmSource::OpenRank(int global_rank, uint64_t version)
   // The lease: releases the shared lock when the last copy of the shard's backing goes.
   std::shared_ptr<const void> lease(reg.get(), [reg](const void*) { reg->ReleaseShared(); });
   if (version != 0) RETURN_IF_ERROR(reg->CheckGeneration(version, options_.rank));
-  for (auto& dev : reg->devices) {
-    RETURN_IF_ERROR(dev.mapping->CopyToHost(dev.offset, dev.host.size(), dev.host.data()));
-  }
+  if (reg->cuda_device < 0)
+    for (auto& dev : reg->devices)
+      RETURN_IF_ERROR(dev.mapping->CopyToHost(dev.offset, dev.host.size(), dev.host.data()));
   RankShard shard;
   shard.global_rank = global_rank;
+  shard.cuda_device = reg->cuda_device;
   shard.params = reg->params;
   shard.tensors = reg->tensors;
   shard.backing = std::move(lease);

@@ -21,7 +21,10 @@
 // generation is still G, and returns views into the mapping; the lock is released when the last
 // copy of the shard's `backing` goes away. So every rank of a sync is read at the step its
 // training process declared, never half-written; OpenRank(rank, 0) skips the declaration check.
-// CUDA IPC tensors are copied to host buffers (cuda_ipc.h) under the same lock.
+// CUDA IPC tensors (cuda_ipc.h) are read in place when the agent runs the device stages
+// (options.device_stages, every tensor of the rank on one CUDA device and no TP / EP gathers in the
+// layout, see sync/rank_sync.h): the shard's views are device pointers and RankShard::cuda_device
+// says which device. Otherwise they are copied to host buffers under the same lock.
 // When the client disconnects, its registration stays mapped (a shard in use stays valid) but
 // OpenRank refuses it: a sync never reads the weights of a training process that is gone.
 //
@@ -53,6 +56,9 @@ struct ShmSourceOptions {
   int world_size = 0;       // the agents' world: a registration saying otherwise is refused (0: no check)
   std::string runtime_dir;  // "" = trainer_client::RuntimeDir()
   absl::Duration lock_timeout = absl::Minutes(2);
+  // Hand out CUDA tensors in place where the sync can run on the device (see above); false: always
+  // copy them to the host (the host stages, e.g. to compare).
+  bool device_stages = true;
 };
 
 struct SyncRequestResult {

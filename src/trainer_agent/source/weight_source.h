@@ -34,6 +34,9 @@ struct RankShard {
   // Keeps the memory behind `tensors` valid (and, for shm, the trainer's update lock shared)
   // for as long as any copy lives.
   std::shared_ptr<const void> backing;
+  // -1: `tensors` are host memory. >= 0: they are device memory of this CUDA device (the shm:
+  // source's CUDA tensors read in place; the sync then runs the device stages, sync/rank_sync.h).
+  int cuda_device = -1;
 
   // Index of the parameter with this local name, or -1 (linear search).
   int Find(absl::string_view local_name) const;

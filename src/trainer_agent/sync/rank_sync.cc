@@ -11,7 +11,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "comm/bucket/device_staging.h"
 #include "common/checksum.h"
+#include "common/memory_space.h"
 #include "common/status.h"
 #include "model/quant_target.h"
 #include "trainer_agent/convert/expert_prune.h"
@@ -188,9 +190,7 @@ class RankSync {
         ws_(o.workspace != nullptr ? *o.workspace : own_workspace_),
         slots_(ws_.slots_),
         etp_buffer_(ws_.etp_),
-        scratch_(ws_.scratch_) {
-    if (o.quant != nullptr) int4_.emplace(Int4Options{o.quant, o.quant_variant, o.quant_threads});
-  }
+        scratch_(ws_.scratch_) {}
 
   absl::StatusOr<SyncReport> Run();
 
@@ -234,6 +234,8 @@ class RankSync {
   std::array<Buffer, 2>& slots_;
   Buffer& etp_buffer_;
   Buffer& scratch_;
+  MemorySpace space_ = MemorySpace::Host();         // of the shard's tensors, the HF copies and the buckets
+  std::optional<comm::DeviceStagingSink> staging_;  // device stages: device buckets -> the host sink
   std::optional<comm::BucketBuilder> builder_;
   absl::Status failure_;
   bool comm_failed_ = false;
@@ -277,6 +279,18 @@ absl::Status RankSync::Prepare() {
 
   ASSIGN_OR_RETURN(shard_, src_.OpenRank(me_, o_.version));
   if (o_.expert_map != nullptr) RETURN_IF_ERROR(PruneExperts(src_.model(), *o_.expert_map, shard_.params));
+  // The device stages: the shard is CUDA memory; conversion, INT4 kernels and buckets run there.
+  // They need a layout without gathers (the gathers run on host communicators).
+  if (shard_.cuda_device >= 0) {
+    if (layout_.tp() != 1 || layout_.ep() != 1 || layout_.etp() != 1)
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", me_, "'s tensors are in the memory of CUDA device ", shard_.cuda_device,
+                       " but its layout needs TP / EP gathers (", layout_.DebugString(),
+                       "), which the device stages do not run: the source must hand out host copies"));
+    space_ = MemorySpace::Cuda(shard_.cuda_device);
+    report_.cuda_device = shard_.cuda_device;
+  }
+  if (o_.quant != nullptr) int4_.emplace(Int4Options{o_.quant, o_.quant_variant, o_.quant_threads, space_});
 
   // EP members' plans: their global expert ids (the source converts every member's experts; with
   // INT4 experts every member decides, from the same plans, which of them it quantizes; with an
@@ -397,7 +411,10 @@ absl::Status RankSync::Prepare() {
     bo.bucket_bytes = o_.bucket_bytes;
     bo.version = o_.version;
     bo.pp_stage = static_cast<uint32_t>(stage_);
-    builder_.emplace(*sink_, bo);
+    bo.space = space_;
+    comm::BucketSink* sink = sink_;
+    if (!space_.host()) sink = &staging_.emplace(*sink_);
+    builder_.emplace(*sink, bo);
   }
   return absl::OkStatus();
 }
@@ -456,7 +473,7 @@ absl::Status RankSync::CheckRecords(std::span<const std::byte> records, int coun
 
 absl::Status RankSync::Emit(const MegatronParam& p, const TensorView& full) {
   const absl::Time t0 = absl::Now();
-  absl::StatusOr<std::vector<model::HfTensor>> hf = ToHf(src_.model(), p, full);
+  absl::StatusOr<std::vector<model::HfTensor>> hf = ToHf(src_.model(), p, full, space_);
   report_.convert += absl::Now() - t0;
   if (!hf.ok()) return hf.status();
   for (const model::HfTensor& t : *hf) {
@@ -719,6 +736,9 @@ absl::StatusOr<SyncReport> RankSync::Run() {
     report_.tensors = st.tensors;
     report_.peak_bucket_bytes = st.peak_bucket_bytes;
   }
+  if (staging_) report_.staging = staging_->stats().copy;
+  // Device work still reading the shard (a failed sync's last copies) ends before its lease does.
+  if (!space_.host()) Fail(Annotate(space_.Synchronize(), "finishing the device stages"));
   if (comm_failed_) {
     for (Buffer& b : slots_) LeakForFailedCollectives(std::move(b));
     LeakForFailedCollectives(std::move(etp_buffer_));

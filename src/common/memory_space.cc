@@ -1,0 +1,40 @@
+#include "common/memory_space.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/cuda_ipc.h"
+
+namespace wsync {
+
+std::string MemorySpace::Name() const { return host() ? "host" : absl::StrCat("cuda:", device_); }
+
+absl::StatusOr<Buffer> MemorySpace::Allocate(size_t nbytes) const {
+  if (nbytes == 0) return Buffer();
+  return host() ? Buffer::Allocate(nbytes) : AllocateDeviceBuffer(nbytes, device_);
+}
+
+absl::Status MemorySpace::Copy(void* dst, const void* src, size_t nbytes) const {
+  if (nbytes == 0) return absl::OkStatus();
+  if (!host()) return CopyOnDevice(dst, src, nbytes, device_);
+  std::memcpy(dst, src, nbytes);
+  return absl::OkStatus();
+}
+
+absl::Status MemorySpace::Zero(void* dst, size_t nbytes) const {
+  if (nbytes == 0) return absl::OkStatus();
+  if (!host()) return ZeroOnDevice(dst, nbytes, device_);
+  std::memset(dst, 0, nbytes);
+  return absl::OkStatus();
+}
+
+absl::Status MemorySpace::CopyToHost(void* dst, const void* src, size_t nbytes) const {
+  if (nbytes == 0) return absl::OkStatus();
+  if (!host()) return CopyDeviceToHost(dst, src, nbytes, device_);
+  std::memcpy(dst, src, nbytes);
+  return absl::OkStatus();
+}
+
+absl::Status MemorySpace::Synchronize() const { return host() ? absl::OkStatus() : SynchronizeDevice(device_); }
+
+}  // namespace wsync

@@ -1,0 +1,212 @@
+// The device stages of RunRankSync (sync/rank_sync.h), on a GPU: every rank's tensors resident in
+// CUDA memory (CudaResidentSource), ToHf's copies, the CUDA INT4 kernels and the buckets on the
+// device, a DeviceStagingSink to the capture sink. For dense, MoE and MLA models, bf16 and INT4,
+// one and two pipeline stages, each stage's stream must equal the host stages' stream on the same
+// checkpoint byte for byte (manifests and data), and the oracle (ExpectedSentTensors). A NaN in a
+// device weight fails the sync naming the tensor, as on the host; a layout with gathers is refused
+// on every rank before any gather. Skipped without a CUDA device.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "comm/store/store.h"
+#include "common/cuda_ipc.h"
+#include "kernels/dispatch.h"
+#include "tools/synth/testing/world.h"
+#include "trainer_agent/gather/testing/local_trainer_comms.h"
+#include "trainer_agent/quantize/quant_select.h"
+#include "trainer_agent/source/cuda_resident_source.h"
+#include "trainer_agent/source/dir_source.h"
+#include "trainer_agent/sync/rank_sync.h"
+#include "trainer_agent/sync/testing/sync_capture.h"
+
+namespace wsync::trainer_agent {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::CaptureSink;
+
+struct RankResult {
+  absl::StatusOr<SyncReport> report = absl::UnknownError("not run");
+  std::optional<CaptureSink> sink;
+};
+
+std::vector<RankResult> SyncEveryRank(const WeightSource& src, const SyncOptions& o, const std::string& name) {
+  const ParallelLayout& layout = src.layout();
+  comm::MemoryStore store;
+  auto comms = testing::MakeLocalTrainerComms(store, name, layout);
+  EXPECT_TRUE(comms.ok()) << comms.status();
+  std::vector<RankResult> results(static_cast<size_t>(layout.world_size()));
+  if (!comms.ok()) return results;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < layout.world_size(); ++r) {
+    RankResult& res = results[static_cast<size_t>(r)];
+    if (layout.IsStageSource(r)) res.sink.emplace();
+    threads.emplace_back([&, r] {
+      res.report = RunRankSync(src, comms->ranks[static_cast<size_t>(r)], res.sink ? &*res.sink : nullptr, o);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return results;
+}
+
+struct Case {
+  std::string name;
+  Architecture arch;
+  int pp;
+  bool int4;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+class RankSyncDeviceTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    if (!kernels::GpuAvailable()) GTEST_SKIP() << "no CUDA device";
+    dir_ = absl::StrCat(
+        ::testing::TempDir(), "/rank_sync_device_",
+        absl::StrReplaceAll(::testing::UnitTest::GetInstance()->current_test_info()->name(), {{"/", "_"}}));
+    fs::remove_all(dir_);
+  }
+  void TearDown() override {
+    if (!dir_.empty()) fs::remove_all(dir_);
+  }
+  void MakeFixture(Architecture arch, int tp, int pp, uint64_t seed) {
+    auto m = tools::testing::SmallModel(tools::testing::SmallOptions(arch), seed);
+    ASSERT_TRUE(m.ok()) << m.status();
+    ASSERT_TRUE(tools::WriteHfModel(*m, dir_ + "/hf").ok());
+    auto stats = tools::WriteMegatronSource(m->config_json, m->config, m->weights,
+                                            tools::testing::Parallel(tp, pp, 1, 1, 1), dir_ + "/src");
+    ASSERT_TRUE(stats.ok()) << stats.status();
+  }
+  std::string dir_;
+};
+
+std::vector<int> AllRanks(const WeightSource& src) {
+  std::vector<int> r;
+  for (int i = 0; i < src.layout().world_size(); ++i) r.push_back(i);
+  return r;
+}
+
+TEST_P(RankSyncDeviceTest, SendsTheHostStagesBytes) {
+  const Case& c = GetParam();
+  ASSERT_NO_FATAL_FAILURE(MakeFixture(c.arch, 1, c.pp, 20261126));
+  auto host = DirSource::Open(dir_ + "/src");
+  ASSERT_TRUE(host.ok()) << host.status();
+  auto device = CudaResidentSource::Create(*host, AllRanks(*host), 0);
+  ASSERT_TRUE(device.ok()) << device.status();
+  std::optional<QuantizationConfig> quant;
+  if (c.int4) quant = *ParseQuantizationConfig(testing::kInt4Json, "test int4 config");
+  SyncOptions o;
+  o.version = 5;
+  o.bucket_bytes = 32 << 10;  // several buckets; the embedding gets one of its own
+  o.quant = quant ? &*quant : nullptr;
+  o.quant_threads = 1;
+  o.collective = {absl::Seconds(30)};
+  const std::vector<RankResult> on_host = SyncEveryRank(*host, o, "host");
+  const std::vector<RankResult> on_device = SyncEveryRank(**device, o, "device");
+  auto expected = ExpectedSentTensorsFromDir(dir_ + "/hf", quant);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  for (size_t r = 0; r < on_host.size(); ++r) {
+    ASSERT_TRUE(on_host[r].report.ok()) << "host rank " << r << ": " << on_host[r].report.status();
+    ASSERT_TRUE(on_device[r].report.ok()) << "device rank " << r << ": " << on_device[r].report.status();
+    EXPECT_EQ(on_host[r].report->cuda_device, -1);
+    EXPECT_EQ(on_device[r].report->cuda_device, 0);
+    if (!on_host[r].sink) continue;
+    const CaptureSink& want = *on_host[r].sink;
+    const CaptureSink& got = *on_device[r].sink;
+    ASSERT_EQ(want.buckets.size(), got.buckets.size()) << "rank " << r;
+    for (size_t b = 0; b < want.buckets.size(); ++b) {
+      EXPECT_EQ(want.buckets[b].manifest.SerializeAsString(), got.buckets[b].manifest.SerializeAsString())
+          << "rank " << r << " bucket " << b;
+      EXPECT_TRUE(want.buckets[b].data == got.buckets[b].data) << "rank " << r << " bucket " << b;
+    }
+    EXPECT_EQ(got.finishes, 1);
+    const int stage = host->layout().Dense(static_cast<int>(r)).pp;
+    testing::ExpectSentAsExpected(testing::DecodeStream(got, o.bucket_bytes, o.version, stage), expected->tensors,
+                                  stage);
+    if (c.int4) {
+      EXPECT_GT(on_device[r].report->quantized_bytes, 0u);
+    }
+    EXPECT_EQ(on_device[r].report->bytes, on_host[r].report->bytes);
+  }
+}
+
+std::vector<Case> Cases() {
+  std::vector<Case> out;
+  for (bool int4 : {false, true})
+    for (int pp : {1, 2}) {
+      const std::string s = absl::StrCat("_pp", pp, int4 ? "_int4" : "_bf16");
+      out.push_back({"qwen3" + s, Architecture::kQwen3, pp, int4});
+      out.push_back({"qwen3moe" + s, Architecture::kQwen3Moe, pp, int4});
+      out.push_back({"deepseek" + s, Architecture::kDeepseekV3, pp, int4});
+    }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(All, RankSyncDeviceTest, ::testing::ValuesIn(Cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
+
+class RankSyncDeviceFailureTest : public RankSyncDeviceTest {};
+
+// A NaN in a device weight that the sync quantizes: the sync fails naming the HF tensor, as the
+// host stages do.
+TEST_F(RankSyncDeviceFailureTest, ANanInADeviceWeightFailsTheSyncNamingTheTensor) {
+  ASSERT_NO_FATAL_FAILURE(MakeFixture(Architecture::kQwen3, 1, 1, 3));
+  auto host = DirSource::Open(dir_ + "/src");
+  ASSERT_TRUE(host.ok()) << host.status();
+  auto device = CudaResidentSource::Create(*host, {0}, 0);
+  ASSERT_TRUE(device.ok()) << device.status();
+  auto shard = (*device)->OpenRank(0);
+  ASSERT_TRUE(shard.ok());
+  const int i = shard->Find("decoder.layers.1.mlp.linear_fc2.weight");
+  ASSERT_GE(i, 0);
+  const uint16_t nan = 0x7FC0;  // bf16 quiet NaN, element 37
+  ASSERT_TRUE(CopyHostToDevice(const_cast<std::byte*>(shard->tensors[static_cast<size_t>(i)].bytes().data()) + 37 * 2,
+                               &nan, 2, 0)
+                  .ok());
+  const QuantizationConfig quant = *ParseQuantizationConfig(testing::kInt4Json, "test int4 config");
+  SyncOptions o;
+  o.bucket_bytes = 32 << 10;
+  o.quant = &quant;
+  o.collective = {absl::Seconds(30)};
+  const std::vector<RankResult> results = SyncEveryRank(**device, o, "nan");
+  ASSERT_FALSE(results[0].report.ok());
+  EXPECT_EQ(results[0].report.status().code(), absl::StatusCode::kInvalidArgument) << results[0].report.status();
+  EXPECT_TRUE(absl::StrContains(results[0].report.status().message(), "model.layers.1.mlp.down_proj.weight"))
+      << results[0].report.status();
+}
+
+// TP 2: the gathers run on host communicators, so device tensors are refused by every rank,
+// before any gather, with the reason.
+TEST_F(RankSyncDeviceFailureTest, ALayoutWithGathersIsRefusedOnEveryRank) {
+  ASSERT_NO_FATAL_FAILURE(MakeFixture(Architecture::kQwen3, 2, 1, 4));
+  auto host = DirSource::Open(dir_ + "/src");
+  ASSERT_TRUE(host.ok()) << host.status();
+  auto device = CudaResidentSource::Create(*host, {0, 1}, 0);
+  ASSERT_TRUE(device.ok()) << device.status();
+  SyncOptions o;
+  o.collective = {absl::Seconds(30)};
+  const std::vector<RankResult> results = SyncEveryRank(**device, o, "tp2");
+  for (size_t r = 0; r < results.size(); ++r) {
+    ASSERT_FALSE(results[r].report.ok()) << "rank " << r;
+    EXPECT_EQ(results[r].report.status().code(), absl::StatusCode::kFailedPrecondition) << results[r].report.status();
+    EXPECT_TRUE(absl::StrContains(results[r].report.status().message(), "TP / EP gathers"))
+        << results[r].report.status();
+    if (results[r].sink) {
+      EXPECT_TRUE(results[r].sink->buckets.empty());
+    }
+  }
+}
+
+}  // namespace
+}  // namespace wsync::trainer_agent
