@@ -25,6 +25,7 @@
 
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/int4_cuda.h"
 #include "kernels/cuda/int4_kernel_bodies.h"
@@ -151,6 +152,42 @@ absl::Status CheckPermOnHost(const internal::RepackArgs& a) {
   return internal::ValidatePerm(host.data(), a.experts, a.k);
 }
 
+// The refusal word of the calling thread on the current device (8 bytes of device memory and a
+// page-locked host word), made once and kept: a cudaMalloc / cudaFree per call synchronizes the
+// whole device and made up most of the time of quantizing a model's many small tensors in a sync.
+// Each thread has its own, so concurrent calls from several threads do not share it.
+struct RefusalWord {
+  unsigned long long* device = nullptr;
+  unsigned long long* host = nullptr;
+  int ordinal = -1;
+};
+struct ThreadRefusalWords {
+  std::vector<RefusalWord> words;
+  ~ThreadRefusalWords() {
+    for (const RefusalWord& w : words) {
+      cudaFree(w.device);  // errors ignored: the runtime may already be unloading at exit
+      cudaFreeHost(w.host);
+    }
+  }
+};
+
+absl::StatusOr<RefusalWord> ThreadRefusalWord() {
+  thread_local ThreadRefusalWords mine;
+  int ordinal = 0;
+  WSYNC_CUDA_RETURN_IF_ERROR(cudaGetDevice(&ordinal));
+  for (const RefusalWord& w : mine.words)
+    if (w.ordinal == ordinal) return w;
+  RefusalWord w;
+  w.ordinal = ordinal;
+  WSYNC_CUDA_RETURN_IF_ERROR(cudaMalloc(&w.device, sizeof(*w.device)));
+  if (cudaError_t e = cudaMallocHost(&w.host, sizeof(*w.host)); e != cudaSuccess) {
+    cudaFree(w.device);
+    WSYNC_CUDA_RETURN_IF_ERROR(e);
+  }
+  mine.words.push_back(w);
+  return w;
+}
+
 }  // namespace
 
 absl::Status Quantize(const internal::QuantizeArgs& a) {
@@ -159,8 +196,9 @@ absl::Status Quantize(const internal::QuantizeArgs& a) {
     return absl::InvalidArgumentError(absl::StrCat("CUDA QuantizeInt4: group size ", a.group, " has no kernel"));
   }
   // One u64 for the smallest non-finite group index (ULLONG_MAX = none).
-  unsigned long long* bad = nullptr;
-  WSYNC_CUDA_RETURN_IF_ERROR(cudaMalloc(&bad, sizeof(*bad)));
+  absl::StatusOr<RefusalWord> word = ThreadRefusalWord();
+  if (!word.ok()) return word.status();
+  unsigned long long* bad = word->device;
   absl::Status st = [&]() -> absl::Status {
     WSYNC_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(bad, 0xFF, sizeof(*bad), stream));
     if (a.is_bf16) {
@@ -176,13 +214,13 @@ absl::Status Quantize(const internal::QuantizeArgs& a) {
         LaunchQuantize<false, Layout::kCompressedTensors>(a, stream, bad);
       }
     }
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(word->host, bad, sizeof(*bad), cudaMemcpyDeviceToHost, stream));
     if (auto s = Finish(stream); !s.ok()) return s;
-    unsigned long long host = 0;
-    WSYNC_CUDA_RETURN_IF_ERROR(cudaMemcpy(&host, bad, sizeof(host), cudaMemcpyDeviceToHost));
+    const unsigned long long host = *word->host;
     if (host != ~0ull) return internal::NonFiniteError(a, static_cast<int64_t>(host));
     return absl::OkStatus();
   }();
-  cudaFree(bad);
   return st;
 }
 
