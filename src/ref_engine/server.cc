@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
+#include "common/heap.h"
 #include "common/logging.h"
 
 namespace wsync::ref_engine {
@@ -43,6 +44,7 @@ grpc::Status RolloutEngineService::Continue(grpc::ServerContext* ctx, const v1::
   absl::StatusOr<uint64_t> v = core_->Continue(req->version(), Deadline(ctx));
   if (!v.ok()) return ToGrpcStatus(v.status());
   reply->set_version(*v);
+  RequestHeapTrim();  // a sync ended here: hand what it freed back to the kernel (common/heap.h)
   return grpc::Status::OK;
 }
 

@@ -4,6 +4,7 @@
 
 #include <functional>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -36,6 +37,20 @@ absl::Status MemoryStore::Set(absl::string_view key, std::string value) {
   absl::MutexLock lock(&mu_);
   kv_.insert_or_assign(std::string(key), std::move(value));
   return absl::OkStatus();
+}
+
+size_t MemoryStore::DeletePrefix(absl::string_view prefix) {
+  if (prefix.empty()) return 0;
+  absl::MutexLock lock(&mu_);
+  size_t n = 0;
+  for (auto it = kv_.lower_bound(prefix); it != kv_.end() && absl::StartsWith(it->first, prefix); ++n)
+    it = kv_.erase(it);
+  return n;
+}
+
+size_t MemoryStore::size() {
+  absl::MutexLock lock(&mu_);
+  return kv_.size();
 }
 
 absl::Status MemoryStore::WaitOrCancel(const std::vector<std::string>& keys, absl::Duration timeout,

@@ -55,6 +55,11 @@ class MemoryStore : public Store {
   absl::Status WaitOrCancel(const std::vector<std::string>& keys, absl::Duration timeout,
                             const std::function<bool()>& cancelled);
 
+  // Removes every key that starts with `prefix` (non-empty); returns how many. The coordinator
+  // drops an ended sync's keys this way, so that the store does not grow with every sync.
+  size_t DeletePrefix(absl::string_view prefix);
+  size_t size();  // keys held
+
  private:
   absl::Mutex mu_;
   std::map<std::string, std::string, std::less<>> kv_;  // GUARDED_BY(mu_)

@@ -26,6 +26,19 @@ TEST(MemoryStoreTest, SetGetWaitAdd) {
   EXPECT_EQ(s.Set("", "x").code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(MemoryStoreTest, DeletePrefixRemovesExactlyThatPrefix) {
+  MemoryStore s;
+  for (const char* k : {"sync-1/pp0/a", "sync-1/progress/bytes", "sync-10/pp0/a", "sync-2/x", "sync-1"})
+    ASSERT_TRUE(s.Set(k, "v").ok());
+  EXPECT_EQ(s.DeletePrefix("sync-1/"), 2u);
+  EXPECT_EQ(s.size(), 3u);
+  EXPECT_TRUE(s.Get("sync-10/pp0/a", absl::ZeroDuration()).ok()) << "sync-10 is not sync-1";
+  EXPECT_TRUE(s.Get("sync-1", absl::ZeroDuration()).ok());
+  EXPECT_EQ(s.DeletePrefix(""), 0u) << "an empty prefix deletes nothing";
+  EXPECT_EQ(s.DeletePrefix("nothing/"), 0u);
+  EXPECT_EQ(s.size(), 3u);
+}
+
 TEST(MemoryStoreTest, WaitTimesOutNamingTheMissingKeys) {
   MemoryStore s;
   ASSERT_TRUE(s.Set("rank/0", "x").ok());

@@ -14,6 +14,7 @@
 #include "comm/store/store.h"
 #include "common/config.h"
 #include "common/grpc_status.h"
+#include "common/heap.h"
 #include "common/logging.h"
 #include "common/net.h"
 #include "common/status.h"
@@ -905,6 +906,7 @@ absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::Comm
   m_->Observe("downtime", downtime);
   m_->syncs->Increment();
   m_->active->Set(0);
+  RequestHeapTrim();  // off the request path: what the syncs freed goes back to the kernel (common/heap.h)
   if (!cont.ok()) {
     WSYNC_LOG(ERROR) << who << ": committed, but the engine did not continue: " << cont.status();
     return Annotate(cont.status(),
@@ -986,6 +988,7 @@ absl::Status RolloutAgent::EndFailedSync(Sync* s, const std::string& reason, boo
   }
   m_->failures->Increment();
   m_->active->Set(0);
+  RequestHeapTrim();
   return cont;
 }
 

@@ -13,6 +13,7 @@
 #include "comm/store/store.h"
 #include "common/buffer_pool.h"
 #include "common/grpc_status.h"
+#include "common/heap.h"
 #include "common/logging.h"
 #include "common/metrics.h"
 #include "common/net.h"
@@ -250,6 +251,7 @@ class Agent {
       if (cmd.type == kStop) break;
       auto report = RunSync(cmd);
       if (world_->rank() == 0) channel->Complete(cmd.sync_id, std::move(report));
+      RequestHeapTrim();  // between syncs: what this one freed goes back to the kernel (common/heap.h)
     }
     if (channel) channel->Close();
     WSYNC_LOG(INFO) << "stopping";

@@ -430,6 +430,39 @@ TEST_F(SyncCoordinatorTest, TheStateSurvivesARestart) {
   std::filesystem::remove_all(dir);
 }
 
+// A long job's history stays bounded: the newest 64 finished syncs keep their timings (an older
+// version's are refused, saying so), the attempts list only grows up to its cap, and an ended
+// sync's rendezvous keys are dropped when the next one ends.
+TEST_F(SyncCoordinatorTest, TheHistoryIsBounded) {
+  Make();
+  Join("a:1");
+  uint64_t first_id = 0;
+  for (int i = 0; i < 70; ++i) {
+    auto t = Trigger();
+    ASSERT_TRUE(t.ok()) << t.status();
+    // What a stage source's group leaves in the rendezvous store.
+    ASSERT_TRUE(store_.Set(SyncGroupName(t->sync_id(), 0) + "/gloo/rank/0", "10.0.0.1:1234").ok());
+    ASSERT_TRUE(store_.Add(SyncProgressPrefix(t->sync_id()) + kProgressBytes, 64).ok());
+    ASSERT_EQ(Finish(t->sync_id()).phase(), "done");
+    if (i == 0) first_id = t->sync_id();
+  }
+  EXPECT_EQ(store_.size(), 2u) << "only the last sync's keys remain in the store";
+  v1::TimingsRequest oldest;
+  oldest.set_version(1);
+  v1::TimingsReply timings;
+  absl::Status s = coordinator_->Timings(oldest, &timings);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  EXPECT_THAT(s.message(), HasSubstr("among the newest 64 syncs"));
+  v1::TimingsRequest kept;
+  kept.set_version(7);
+  EXPECT_TRUE(coordinator_->Timings(kept, &timings).ok());
+  EXPECT_EQ(coordinator_->WatchSync(first_id, [&](const v1::SyncEvent& e) { return true; }).code(),
+            absl::StatusCode::kNotFound);
+  v1::VersionsReply versions;
+  coordinator_->Versions(&versions);
+  EXPECT_EQ(versions.versions_size(), 70) << "every attempt up to the cap of 1000";
+}
+
 TEST_F(SyncCoordinatorTest, VersionsOnlyGrowAndTheSameVersionCoalesces) {
   Make();
   Join("a:1");

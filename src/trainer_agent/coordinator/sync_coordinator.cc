@@ -473,6 +473,11 @@ void SyncCoordinator::RunSync(uint64_t id) {
     CounterOf(opts_.metrics, "wsync_sync_failures_total", "Syncs that failed and were aborted")->Increment();
   }
   ++event_seq_;
+  PruneHistory();
+  // The store keys of the sync before this one (its groups are long gone; this one's stay until
+  // the next sync ends, for members still leaving it).
+  if (previous_sync_keys_ != 0) store_->DeletePrefix(SyncKeyPrefix(previous_sync_keys_));
+  previous_sync_keys_ = id;
   SaveState();
 }
 
@@ -481,6 +486,28 @@ void SyncCoordinator::RunSync(uint64_t id) {
 namespace {
 
 constexpr size_t kKeptVersions = 1000, kKeptTimings = 64;
+
+}  // namespace
+
+// A coordinator runs for as many syncs as the training job takes (tens of thousands): it keeps the
+// newest kKeptVersions attempts (`wsyncctl versions`) and the newest kKeptTimings finished syncs'
+// records (timings, members), as the state file does, so its memory does not grow with them.
+void SyncCoordinator::PruneHistory() {
+  if (versions_.size() > kKeptVersions)
+    versions_.erase(versions_.begin(), versions_.end() - static_cast<std::ptrdiff_t>(kKeptVersions));
+  size_t finished = 0;
+  for (const auto& [id, rec] : syncs_) finished += rec.finished ? 1 : 0;
+  for (auto it = syncs_.begin(); it != syncs_.end() && finished > kKeptTimings;) {
+    if (it->second.finished) {  // std::map: oldest sync ids first
+      it = syncs_.erase(it);
+      --finished;
+    } else {
+      ++it;
+    }
+  }
+}
+
+namespace {
 
 std::string StatePath(const std::string& dir) { return dir + "/coordinator-state.json"; }
 
@@ -697,7 +724,8 @@ absl::Status SyncCoordinator::Timings(const v1::TimingsRequest& req, v1::Timings
   }
   if (found == nullptr) {
     return absl::NotFoundError(req.version() == 0 ? "no sync has finished yet"
-                                                  : absl::StrCat("no finished sync for version ", req.version()));
+                                                  : absl::StrCat("no finished sync for version ", req.version(),
+                                                                 " among the newest ", kKeptTimings, " syncs"));
   }
   reply->set_version(found->version);
   reply->set_sync_id(found->id);

@@ -149,6 +149,8 @@ class SyncCoordinator {
   // Writes the state file (tmp + fsync + rename + directory fsync); a failure is logged, never
   // fails the sync that triggered it.
   void SaveState() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the attempts and finished sync records beyond the newest ones kept (sync_coordinator.cc).
+  void PruneHistory() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunSync(uint64_t id);
   bool InRunningSync(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetPhase(uint64_t id, const std::string& phase);
@@ -173,6 +175,7 @@ class SyncCoordinator {
   std::map<std::string, Member> members_ ABSL_GUARDED_BY(mu_);
   uint64_t next_member_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uint64_t, SyncRecord> syncs_ ABSL_GUARDED_BY(mu_);
+  uint64_t previous_sync_keys_ ABSL_GUARDED_BY(mu_) = 0;  // the ended sync whose store keys remain
   std::deque<uint64_t> queue_ ABSL_GUARDED_BY(mu_);
   bool running_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t running_id_ ABSL_GUARDED_BY(mu_) = 0;

@@ -6,6 +6,8 @@
 //                                prefixes its own keys with it)
 //   sync-<id>/progress/bytes     data bytes the stage sources have streamed so far (summed)
 //   sync-<id>/progress/buckets   buckets they have streamed so far (summed)
+// The keys of a sync are dropped when the next one ends (a late member of an ended sync then fails
+// to join within its timeout, as it would anyway).
 // Thread-safety: pure functions.
 #pragma once
 
@@ -16,11 +18,13 @@
 
 namespace wsync::trainer_agent {
 
+// Every key of one sync starts with this (the coordinator drops them once the sync is over).
+inline std::string SyncKeyPrefix(uint64_t sync_id) { return absl::StrCat("sync-", sync_id, "/"); }
 inline std::string SyncGroupName(uint64_t sync_id, int pp_stage) {
-  return absl::StrCat("sync-", sync_id, "/pp", pp_stage);
+  return absl::StrCat(SyncKeyPrefix(sync_id), "pp", pp_stage);
 }
 // The prefix of a sync's progress counters; the counters are SyncProgressPrefix(id) + kProgress*.
-inline std::string SyncProgressPrefix(uint64_t sync_id) { return absl::StrCat("sync-", sync_id, "/progress/"); }
+inline std::string SyncProgressPrefix(uint64_t sync_id) { return absl::StrCat(SyncKeyPrefix(sync_id), "progress/"); }
 inline constexpr char kProgressBytes[] = "bytes";
 inline constexpr char kProgressBuckets[] = "buckets";
 
