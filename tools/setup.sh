@@ -18,7 +18,7 @@ PACKAGES=(
   libabsl-dev libgtest-dev libgmock-dev libgloo-dev libhwy-dev libxxhash-dev
   nlohmann-json3-dev libcpp-httplib-dev libcli11-dev
   clang libclang-rt-14-dev clang-format
-  iproute2
+  iproute2 openssl
 )
 
 mode=default

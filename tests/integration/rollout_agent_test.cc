@@ -796,32 +796,41 @@ TEST_F(RolloutAgentTest, OneSyncAtATime) {
   EXPECT_EQ(Begin(agent, bad_rank).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_TRUE(engine.calls().empty()) << "refused requests must not pause the engine";
 
-  ASSERT_TRUE(Begin(agent, BeginRequest(1, 2, 1, 1)).ok());
-  s = Begin(agent, BeginRequest(2, 3, 1, 1));
+  ASSERT_TRUE(Begin(agent, BeginRequest(5, 2, 1, 1)).ok());
+  s = Begin(agent, BeginRequest(4, 3, 1, 1));  // an older sync while 5 runs
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(s.error_message(), HasSubstr("one sync at a time"));
-  s = CommitRpc(agent, 1);
+  s = CommitRpc(agent, 5);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(s.error_message(), HasSubstr("not prepared"));
   EXPECT_EQ(CommitRpc(agent, 99).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(Prepare(agent, 99).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   // Prepare returns at its own deadline while the transfer has not even started.
-  s = Prepare(agent, 1, nullptr, absl::Milliseconds(500));
+  s = Prepare(agent, 5, nullptr, absl::Milliseconds(500));
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   v1::AbortSyncReply other;
   EXPECT_TRUE(AbortRpc(agent, 42, &other).ok()) << "another sync's abort is a no-op";
   EXPECT_EQ(Status(agent).state(), "receiving");
   // Abort while the group is still forming: bounded.
   const absl::Time t0 = absl::Now();
-  ASSERT_TRUE(AbortRpc(agent, 1).ok());
+  ASSERT_TRUE(AbortRpc(agent, 5).ok());
   EXPECT_LT(absl::Now() - t0, absl::Seconds(3));
   EXPECT_TRUE(engine.calls().empty()) << "aborted before its commit: the engine never paused";
-  s = Prepare(agent, 1);
+  s = Prepare(agent, 5);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED);
   // A registration during a sync is refused; afterwards it works.
-  ASSERT_TRUE(Begin(agent, BeginRequest(3, 2, 1, 1)).ok());
+  ASSERT_TRUE(Begin(agent, BeginRequest(6, 2, 1, 1)).ok());
   EXPECT_EQ(engine.Register(agent.address()).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  ASSERT_TRUE(AbortRpc(agent, 3).ok());
+  // A newer sync supersedes one that is not committing (its coordinator gave it up, or died and
+  // was restarted): the old one ends at once, the engine untouched, instead of after its timeout.
+  const absl::Time t1 = absl::Now();
+  ASSERT_TRUE(Begin(agent, BeginRequest(7, 2, 1, 1)).ok());
+  EXPECT_LT(absl::Now() - t1, absl::Seconds(3));
+  EXPECT_EQ(Status(agent).state(), "receiving");
+  s = Prepare(agent, 6);
+  EXPECT_NE(s.error_code(), grpc::StatusCode::OK) << "sync 6 was superseded";
+  EXPECT_TRUE(engine.calls().empty()) << "a superseded sync never touched the engine";
+  ASSERT_TRUE(AbortRpc(agent, 7).ok());
   EXPECT_TRUE(engine.Register(agent.address()).ok());
 }
 

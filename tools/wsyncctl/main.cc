@@ -67,7 +67,8 @@ int ExitCodeFor(const absl::Status& s) {
   }
 }
 
-int Fail(const absl::Status& s, const Globals& g) {
+// `server`: what was called ("the coordinator at ADDR" by default), for the hint.
+int Fail(const absl::Status& s, const Globals& g, const std::string& server = "") {
   if (g.json) {
     std::printf(
         "%s\n",
@@ -75,7 +76,15 @@ int Fail(const absl::Status& s, const Globals& g) {
   } else {
     std::fprintf(stderr, "wsyncctl: %s\n", s.ToString().c_str());
     if (absl::IsUnavailable(s)) {
-      std::fprintf(stderr, "  (is the coordinator running at %s? see --coordinator)\n", g.coordinator.c_str());
+      if (server.empty()) {
+        std::fprintf(stderr, "  (is the coordinator running at %s? see --coordinator", g.coordinator.c_str());
+      } else {
+        std::fprintf(stderr, "  (is %s running?", server.c_str());
+      }
+      std::fprintf(stderr, "%s)\n",
+                   g.sec.tls() ? "; with TLS, --tls-ca must be the CA that signed its certificate, and "
+                                 "--tls-cert / --tls-key a client certificate it accepts"
+                               : "; a deployment that runs TLS needs --tls-ca (and --tls-cert / --tls-key)");
     }
     if (absl::IsUnauthenticated(s))
       std::fprintf(stderr, "  (pass the deployment's token with --token-file or WSYNC_TOKEN)\n");
@@ -281,6 +290,16 @@ class Ctl {
     }
     if (tty) std::fprintf(stderr, "\n");
     absl::Status s = FromGrpcStatus(reader->Finish());
+    if (absl::IsUnavailable(s) && last.sync_id() != 0) {
+      // The coordinator went away mid-sync: say what that means rather than "Socket closed".
+      s = absl::UnavailableError(absl::StrCat(
+          "lost the coordinator at ", g_.coordinator, " during sync ", id, " (version ", last.version(), ", phase ",
+          last.phase(), ", ", absl::StrFormat("%.1f", last.elapsed_seconds()),
+          " s in): the trainer job (its rank 0) is gone, e.g. a trainer rank died and mpirun ended the job. No "
+          "engine committed this version unless `wsyncctl versions` lists it after the restart; restart the trainer "
+          "job (with the same --state-dir), then sync again [",
+          s.message(), "]"));
+    }
     if (!s.ok()) return Fail(s, g_);
     const bool ok = last.phase() == "done";
     if (g_.json) {
@@ -407,7 +426,7 @@ class Ctl {
     PrepareContext(&ctx, g_.sec, absl::Seconds(g_.timeout_s));
     v1::GenerateReply r;
     absl::Status s = FromGrpcStatus(stub->Generate(&ctx, req, &r));
-    if (!s.ok()) return Fail(s, g_);
+    if (!s.ok()) return Fail(s, g_, absl::StrCat("the engine at ", engine));
     std::vector<int32_t> tokens(r.tokens().begin(), r.tokens().end());
     if (g_.json)
       std::printf("%s\n", json({{"version", r.version()}, {"tokens", tokens}}).dump().c_str());

@@ -514,7 +514,29 @@ absl::Status RolloutAgent::CheckBegin(const v1::BeginSyncRequest& req, bool* dup
 
 absl::Status RolloutAgent::BeginSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply, absl::Time deadline) {
   bool duplicate = false;
+  uint64_t stale = 0;  // a sync this newer one supersedes
+  std::string stale_phase;
   {
+    absl::MutexLock lock(&mu_);
+    if (sync_ != nullptr && req.sync_id() > sync_->id && sync_->phase != Phase::kCommitting) {
+      stale = sync_->id;
+      stale_phase = PhaseName(static_cast<int>(sync_->phase));
+    } else {
+      RETURN_IF_ERROR(CheckBegin(req, &duplicate, reply));
+      if (duplicate) return absl::OkStatus();
+    }
+  }
+  if (stale != 0) {
+    // The coordinator runs one sync at a time, so a newer sync means it is done with the older one:
+    // its AbortSync was lost, or the coordinator is a restarted one (its trainer job died mid-sync).
+    // End the old sync now (the engine was not written: it keeps its version) rather than refuse
+    // syncs until the old one's timeout passes. A sync that is committing is never superseded.
+    const std::string reason =
+        absl::StrCat("superseded by sync ", req.sync_id(), " (version ", req.version(), ") while ", stale_phase);
+    WSYNC_LOG(WARNING) << "sync " << stale << ": " << reason;
+    uint64_t version = 0;
+    RETURN_IF_ERROR(Annotate(AbortById(stale, reason, &version),
+                             absl::StrCat("BeginSync ", req.sync_id(), ": ending sync ", stale)));
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckBegin(req, &duplicate, reply));
     if (duplicate) return absl::OkStatus();

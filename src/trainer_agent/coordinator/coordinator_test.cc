@@ -417,6 +417,33 @@ TEST_F(SyncCoordinatorTest, TheStateSurvivesARestart) {
   EXPECT_EQ(Finish(t->sync_id()).phase(), "done");
   coordinator_.reset();
 
+  // A trainer job that dies during a sync: the state file already holds that sync's id and
+  // version, so the restarted coordinator starts after them (the agents refuse an id they saw end).
+  ASSERT_TRUE(MakeLoaded(o).ok());
+  Join("a:1");
+  trainer_.Hold(true);
+  auto dying = Trigger();
+  ASSERT_TRUE(dying.ok()) << dying.status();
+  {
+    std::ifstream f(dir + "/coordinator-state.json");
+    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    EXPECT_THAT(text, HasSubstr(absl::StrCat("\"nextSyncId\": \"", dying->sync_id() + 1, "\"")));
+  }
+  const std::string saved_at_trigger = dir + "/saved-at-trigger.json";
+  std::filesystem::copy_file(dir + "/coordinator-state.json", saved_at_trigger);
+  trainer_.Hold(false);
+  EXPECT_EQ(Finish(dying->sync_id()).phase(), "done");
+  coordinator_.reset();
+  std::filesystem::rename(saved_at_trigger, dir + "/coordinator-state.json");  // as if it had died then
+  ASSERT_TRUE(MakeLoaded(o).ok());
+  Join("a:1");
+  auto after = Trigger();
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->sync_id(), dying->sync_id() + 1);
+  EXPECT_EQ(after->version(), dying->version() + 1);
+  EXPECT_EQ(Finish(after->sync_id()).phase(), "done");
+  coordinator_.reset();
+
   // A damaged state file: LoadState refuses, naming it, and leaves it untouched.
   const std::string path = dir + "/coordinator-state.json";
   { std::ofstream(path, std::ios::trunc) << "{\"published\": \"many\"}"; }

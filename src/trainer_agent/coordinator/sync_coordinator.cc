@@ -253,6 +253,10 @@ absl::Status SyncCoordinator::TriggerSync(const v1::TriggerSyncRequest& req, v1:
   syncs_[id] = rec;
   queue_.push_back(id);
   ++event_seq_;
+  // The numbers are durable before any agent hears of them: a trainer job that dies during this
+  // sync restarts with the next id and version, which the agents (that saw this one begin and end)
+  // accept, instead of this id again, which they would refuse as ended.
+  SaveState();
   reply->set_sync_id(id);
   reply->set_version(rec.version);
   return absl::OkStatus();
