@@ -2,7 +2,7 @@
 //
 //   wsync-ref-engine --model DIR_OR_CONFIG [--checkpoint DIR] [--quant-config FILE|none]
 //                    [--tp-size T --tp-rank R --tp-store HOST:PORT] [--ep-size EP]
-//                    [--engine-id ID] [--listen 127.0.0.1:0] [--address-file F] [--agent ADDR]
+//                    [--engine-id ID] [--listen 127.0.0.1:0] [--address-file F] [--agent ADDR | --agent-file F]
 //                    [--token-file F] [--tls-cert F --tls-key F] [--tls-ca F]
 //
 // Start-up: allocates the rank's parameters (EngineLayout engine form) in one shared-memory
@@ -47,7 +47,7 @@ struct Flags {
   std::string model, checkpoint, quant_config, quant_variant = "qat";
   int tp_size = 1, tp_rank = 0, ep_size = 1;
   std::string engine_id = "ref-engine";
-  std::string listen = "127.0.0.1:0", address_file, agent;
+  std::string listen = "127.0.0.1:0", address_file, agent, agent_file;
   std::string tp_store, tp_host = "127.0.0.1";
   RpcSecurityOptions sec;
   std::string log_level;
@@ -302,9 +302,10 @@ int Run(const Flags& f) {
   }
 
   std::unique_ptr<AgentRegistrar> registrar;
-  if (!f.agent.empty()) {
+  if (!f.agent.empty() || !f.agent_file.empty()) {
     RegistrarOptions ro;
     ro.agent_address = f.agent;
+    ro.agent_address_file = f.agent_file;
     ro.security = *sec;
     ro.poll = absl::Milliseconds(f.agent_poll_ms);
     const std::string quant_json = quant->second, config_json = *config_text;
@@ -356,6 +357,9 @@ int main(int argc, char** argv) {
   app.add_option("--listen", f.listen, "RolloutEngine address (port 0 picks one)");
   app.add_option("--address-file", f.address_file, "write the bound HOST:PORT here");
   app.add_option("--agent", f.agent, "this rank's rollout agent (register and re-register)");
+  app.add_option("--agent-file", f.agent_file,
+                 "the file this rank's rollout agent writes its address to (its --address-file): re-read "
+                 "before every registration, so an agent restarted on another port is found again");
   app.add_option("--tp-store", f.tp_store,
                  "TP rendezvous: rank 0 serves a store here (port 0 picks one), other ranks connect to it");
   app.add_option("--tp-host", f.tp_host, "address this rank's Gloo TP endpoint listens on");

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "common/config.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
 
@@ -14,9 +16,25 @@ AgentRegistrar::AgentRegistrar(RegistrarOptions options, std::function<v1::Regis
 std::unique_ptr<AgentRegistrar> AgentRegistrar::Start(RegistrarOptions options,
                                                       std::function<v1::RegisterEngineRequest()> make_request) {
   auto r = std::unique_ptr<AgentRegistrar>(new AgentRegistrar(std::move(options), std::move(make_request)));
-  r->stub_ = v1::RolloutAgent::NewStub(MakeChannel(r->options_.agent_address, r->options_.security));
   r->thread_ = std::thread([p = r.get()] { p->Loop(); });
   return r;
+}
+
+bool AgentRegistrar::ResolveAgent() {
+  std::string address = options_.agent_address;
+  if (!options_.agent_address_file.empty()) {
+    absl::StatusOr<std::string> text = ReadTextFile(options_.agent_address_file);
+    if (text.ok()) address = std::string(absl::StripAsciiWhitespace(*text));
+  }
+  if (address.empty()) return false;
+  if (address != agent_ || stub_ == nullptr) {
+    if (!agent_.empty())
+      WSYNC_LOG(INFO) << "rollout agent address now " << address << " (was " << agent_ << ", from "
+                      << options_.agent_address_file << ")";
+    agent_ = address;
+    stub_ = v1::RolloutAgent::NewStub(MakeChannel(agent_, options_.security));
+  }
+  return true;
 }
 
 AgentRegistrar::~AgentRegistrar() { Stop(); }
@@ -48,7 +66,7 @@ bool AgentRegistrar::Sleep(absl::Duration d) {
 }
 
 void AgentRegistrar::Loop() {
-  const std::string& agent = options_.agent_address;
+  const std::string& agent = agent_;
   bool registered = false;
   std::string engine_id;
   absl::Duration backoff = options_.min_backoff;
@@ -59,12 +77,18 @@ void AgentRegistrar::Loop() {
       if (stop_) return;
     }
     if (!registered) {
-      v1::RegisterEngineRequest req = make_request_();
-      engine_id = req.engine_id();
+      absl::Status s;
+      v1::RegisterEngineRequest req;
       v1::RegisterEngineReply reply;
-      grpc::ClientContext ctx;
-      PrepareContext(&ctx, options_.security, options_.rpc_timeout);
-      const absl::Status s = FromGrpcStatus(stub_->RegisterEngine(&ctx, req, &reply));
+      if (ResolveAgent()) {
+        req = make_request_();
+        engine_id = req.engine_id();
+        grpc::ClientContext ctx;
+        PrepareContext(&ctx, options_.security, options_.rpc_timeout);
+        s = FromGrpcStatus(stub_->RegisterEngine(&ctx, req, &reply));
+      } else {
+        s = absl::UnavailableError(absl::StrCat("no agent address in ", options_.agent_address_file, " yet"));
+      }
       if (s.ok()) {
         registered = true;
         backoff = options_.min_backoff;

@@ -10,6 +10,10 @@
 //     differs from the one that accepted us (agent restarted), or the agent reports state
 //     "no_engine" or another engine_id, register again (backoff from min_backoff).
 // Every call has a deadline (rpc_timeout) and the bearer token (PrepareContext).
+// With agent_address_file, the agent's address is read from that file (what the rollout agent's
+// --address-file writes, atomically) before every registration attempt: an agent restarted on
+// another port is found again, without restarting the engine. The file may be missing or empty
+// for a while (the agent is starting): that counts as a failed attempt.
 //
 // Thread-safety: the public methods may be called from any thread. make_request is called on the
 // registrar's thread and must be thread-safe with respect to the engine.
@@ -28,7 +32,8 @@
 namespace wsync::ref_engine {
 
 struct RegistrarOptions {
-  std::string agent_address;
+  std::string agent_address;       // the initial address (may be empty with agent_address_file)
+  std::string agent_address_file;  // re-read before every registration attempt (see above)
   RpcSecurity security;
   absl::Duration rpc_timeout = absl::Seconds(10);
   absl::Duration min_backoff = absl::Milliseconds(100);
@@ -53,8 +58,12 @@ class AgentRegistrar {
   // Sleeps up to `d`; false when stopping.
   bool Sleep(absl::Duration d);
 
+  // The agent's address now (from the options, or the file); false when it has none yet.
+  bool ResolveAgent();
+
   const RegistrarOptions options_;
   const std::function<v1::RegisterEngineRequest()> make_request_;
+  std::string agent_;  // the address stub_ talks to (registrar thread only)
   std::unique_ptr<v1::RolloutAgent::Stub> stub_;
   mutable absl::Mutex mu_;
   absl::CondVar cv_;

@@ -534,6 +534,10 @@ class FakeAgent final : public v1::RolloutAgent::Service {
     reply->set_state(engine_id_.empty() ? "no_engine" : "idle");
     return grpc::Status::OK;
   }
+  size_t registrations() {
+    absl::MutexLock lock(&mu_);
+    return requests_.size();
+  }
   // Waits for the n-th registration (1-based).
   absl::StatusOr<v1::RegisterEngineRequest> Await(size_t n) {
     absl::MutexLock lock(&mu_);
@@ -606,6 +610,48 @@ class AgentSide {
   mode_t mode_ = 0;
   rollout_agent::EngineWeights weights_;
 };
+
+// The engine follows its agent through the agent's address file: nothing registers while the
+// file is missing; the first agent gets the registration once the file names it; an agent restarted
+// on another port (a new file, written atomically as the agent does) gets it again, without
+// restarting the engine.
+TEST(RegistrationTest, AnAgentRestartedOnAnotherPortIsFoundThroughItsAddressFile) {
+  const std::string config_json = Qwen3Config(false);
+  const std::string dir = ref_engine::testing::FreshTempDir("ref-engine-agent-file");
+  const std::string config_path = dir + "/config.json";
+  std::ofstream(config_path) << config_json;
+  const std::string agent_file = dir + "/agent-address";
+  auto publish = [&](int port) {  // what the rollout agent's --address-file does: tmp + rename
+    { std::ofstream(agent_file + ".tmp") << "127.0.0.1:" << port << "\n"; }
+    ASSERT_EQ(std::rename((agent_file + ".tmp").c_str(), agent_file.c_str()), 0);
+  };
+  FakeAgent agent1("agent-1");
+  int port1 = 0;
+  auto server1 = Serve(&agent1, "127.0.0.1:0", &port1);
+  ASSERT_TRUE(server1 && port1 > 0);
+  EngineProc proc("agent-file", {"--model", config_path, "--quant-config", "none", "--engine-id", "eng-8",
+                                 "--agent-file", agent_file, "--agent-poll-ms", "100"});
+  proc.Address();
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_EQ(agent1.registrations(), 0u) << "no address yet, so no registration";
+  publish(port1);
+  auto first = agent1.Await(1);
+  ASSERT_TRUE(first.ok()) << first.status() << proc.log();
+  EXPECT_EQ(first->engine_id(), "eng-8");
+
+  server1->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+  server1.reset();
+  FakeAgent agent2("agent-2");
+  int port2 = 0;
+  auto server2 = Serve(&agent2, "127.0.0.1:0", &port2);
+  ASSERT_TRUE(server2 && port2 > 0 && port2 != port1);
+  publish(port2);
+  auto again = agent2.Await(1);
+  ASSERT_TRUE(again.ok()) << again.status() << proc.log();
+  EXPECT_EQ(again->engine_id(), "eng-8");
+  EXPECT_THAT(proc.log(), HasSubstr(absl::StrCat("rollout agent address now 127.0.0.1:", port2)));
+  server2->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+}
 
 TEST(RegistrationTest, NoWeightsStartRegistersAndServesWhatTheAgentWrites) {
   const std::string config_json = Qwen3Config(true);
