@@ -344,6 +344,14 @@ void SyncCoordinator::RunSync(uint64_t id) {
   for (int p = 0; p < trainer_->num_stages(); ++p) plan.group_names.push_back(SyncGroupName(id, p));
   WSYNC_LOG(INFO) << "sync " << id << " -> version " << plan.version << " with " << members.size() << " agents";
 
+  // Every call to the agents ends by the sync's deadline (a hung agent fails the sync within its
+  // timeout, not an RPC timeout later), but never gets less than `floor`. The commit keeps at least
+  // kCommitFloor even past the deadline: cutting a commit short would report a failure while the
+  // agent may still be writing its engine.
+  auto bounded = [&](absl::Duration nominal, absl::Duration floor) {
+    return std::max(std::min(nominal, plan.deadline - absl::Now()), std::min(floor, nominal));
+  };
+  constexpr absl::Duration kCallFloor = absl::Seconds(1), kCommitFloor = absl::Seconds(5);
   std::vector<PhaseTime> phases;
   auto timed = [&](const std::string& phase, absl::FunctionRef<absl::Status()> fn) {
     SetPhase(id, phase);
@@ -375,7 +383,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
         r.set_record(true);
         r.set_sync_key(absl::StrCat(run_id_, "-", id));
         v1::BeginSyncReply reply;
-        return agent.BeginSync(r, opts_.rpc_timeout, &reply);
+        return agent.BeginSync(r, bounded(opts_.rpc_timeout, kCallFloor), &reply);
       });
     });
   TrainerReport report;
@@ -393,7 +401,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
       return CallAll(id, members, "PrepareSync", [&](AgentClient& agent, size_t i) {
         v1::PrepareSyncRequest r;
         r.set_sync_id(id);
-        return agent.PrepareSync(r, opts_.sync_timeout, &prepared[i]);
+        return agent.PrepareSync(r, bounded(opts_.sync_timeout, kCallFloor), &prepared[i]);
       });
     });
   }
@@ -403,7 +411,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
       return CallAll(id, members, "CommitSync", [&](AgentClient& agent, size_t i) {
         v1::CommitSyncRequest r;
         r.set_sync_id(id);
-        return agent.CommitSync(r, opts_.rpc_timeout, &committed[i]);
+        return agent.CommitSync(r, bounded(opts_.rpc_timeout, kCommitFloor), &committed[i]);
       });
     });
   }
@@ -415,9 +423,10 @@ void SyncCoordinator::RunSync(uint64_t id) {
       r.set_sync_id(id);
       r.set_reason(std::string(s.message()));
       v1::AbortSyncReply reply;
-      // Best effort and short: an agent that cannot be reached aborts on its own when the sync's
-      // timeout (sent in BeginSync) passes, so the sync ends now rather than an RPC timeout later.
-      return agent.AbortSync(r, std::min(opts_.rpc_timeout, absl::Seconds(5)), &reply);
+      // Best effort and short (2 s): an agent that cannot be reached, or is hung, aborts on its own
+      // when the sync's timeout (sent in BeginSync) passes, so the sync ends now rather than an
+      // RPC timeout later; a healthy agent answers in milliseconds.
+      return agent.AbortSync(r, std::min(opts_.rpc_timeout, absl::Seconds(2)), &reply);
     });
     if (!a.ok()) WSYNC_LOG(ERROR) << "sync " << id << ": abort incomplete: " << a;
   }

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# A hung member fails the sync within its timeout, not a multiple of it: 4 trainer agents under
+# mpirun (--sync-timeout 10), two reference engines (TP 1) with their rollout agents. Sync 1 is
+# verified. Then, for each phase a sync can hang in, one member is stopped (SIGSTOP) and a sync
+# triggered: the rollout agent of engine 1 (before BeginSync), and that engine itself (before
+# its commit: the agent pauses it). Each sync must end failed within timeout + 10 s, naming the
+# member, the other engine must keep serving version 1, and after SIGCONT the next sync succeeds
+# bit-exact on both engines.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
+e2e_start e2e_hang
+e2e_cleanup_extra() { for p in "${pids[@]}"; do kill -CONT "$p" 2>/dev/null || true; done; }
+timeout_s=10
+"$bin/wsync-model-gen" --from-config default --seed 91 --out "$work/hf" > /dev/null
+"$bin/wsync-shard" --hf "$work/hf" --out "$work/megatron" --tp 2 --ep 2 --dp 2 > /dev/null
+mpirun --allow-run-as-root --oversubscribe -np 4 "$bin/wsync-trainer-agent" --source "dir:$work/megatron" \
+  --coordinator 127.0.0.1:0 --address-file "$work/coordinator" --token-file "$token" --sync-timeout "$timeout_s" \
+  > "$work/logs/trainer.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 300); do [ -s "$work/coordinator" ] && break; sleep 0.1; done
+[ -s "$work/coordinator" ] || fail "the coordinator did not start"
+ctl=("$bin/wsyncctl" --coordinator "$(cat "$work/coordinator")" --token-file "$token")
+declare -a agent_pid engine_pid
+for e in 0 1; do
+  "$bin/wsync-rollout-agent" --listen 127.0.0.1:0 --coordinator "$(cat "$work/coordinator")" --token-file "$token" \
+    --heartbeat-ms 300 --address-file "$work/agent-$e" > "$work/logs/agent-$e.log" 2>&1 &
+  agent_pid[$e]=$!
+  pids+=($!)
+  for _ in $(seq 300); do [ -s "$work/agent-$e" ] && break; sleep 0.1; done
+  "$bin/wsync-ref-engine" --model "$work/hf" --engine-id "engine-$e" --listen 127.0.0.1:0 \
+    --address-file "$work/engine-$e" --agent-file "$work/agent-$e" --token-file "$token" \
+    > "$work/logs/engine-$e.log" 2>&1 &
+  engine_pid[$e]=$!
+  pids+=($!)
+done
+for _ in $(seq 300); do [ -s "$work/engine-1" ] && [ "$(members "${ctl[@]}")" -ge 2 ] && break; sleep 0.1; done
+out=$("${ctl[@]}" sync --wait --min-agents 2 2>&1) || fail "sync 1 failed: $out"
+
+hang() {  # hang WHAT PID: stop PID, sync, expect a bounded failure naming WHAT, continue PID
+  local what="$1" pid="$2" t0 t1 rc=0
+  kill -STOP "$pid"
+  t0=$(date +%s.%N)
+  out=$("${ctl[@]}" sync --wait --min-agents 2 2>&1) || rc=$?
+  t1=$(date +%s.%N)
+  local took
+  took=$(python3 -c "print(f'{$t1 - $t0:.1f}')")
+  gen=$("${ctl[@]}" generate --engine "$(cat "$work/engine-0")" --prompt 1,2,3 --max-new-tokens 2 2>&1) ||
+    { kill -CONT "$pid"; fail "engine 0 stopped serving while $what hung: $gen"; }
+  kill -CONT "$pid"
+  [ "$rc" != 0 ] || fail "the sync succeeded with $what stopped: $out"
+  python3 -c "import sys; sys.exit(0 if $t1 - $t0 <= $timeout_s + 10 else 1)" ||
+    fail "the sync with $what stopped took $took s (timeout $timeout_s s): $out"
+  grep -q "$3" <<<"$out" || fail "the failed sync does not name $what ($3): $out"
+  echo "e2e_hang: $what stopped: the sync failed in $took s (timeout $timeout_s s); engine 0 kept serving ($gen)"
+  echo "   $(grep FAILED <<<"$out" | head -n1 | cut -c1-200)"
+}
+hang "rollout agent 1" "${agent_pid[1]}" "engine-1"
+hang "engine 1" "${engine_pid[1]}" "engine-1"
+for _ in $(seq 50); do out=$("${ctl[@]}" sync --wait --min-agents 2 2>&1) && break; sleep 0.5; done
+v=$(sed -n 's/.*version \([0-9]*\) published.*/\1/p' <<<"$out" | tail -n1)
+[ -n "$v" ] || fail "no sync succeeded after the members continued: $out"
+"${ctl[@]}" verify --against "$work/hf" | grep -c "version $v: bit-exact" | grep -qx 2 || fail "version $v is not bit-exact"
+echo "e2e_hang: after SIGCONT, version $v published bit-exact on both engines"
+echo "e2e_hang: ok"
