@@ -14,13 +14,7 @@ namespace wsync::comm {
 namespace {
 
 using testing::CaptureSink;
-
-std::vector<std::byte> Pattern(size_t n, uint32_t seed) {
-  std::vector<std::byte> v(n);
-  std::mt19937 rng(seed);
-  for (auto& b : v) b = static_cast<std::byte>(rng());
-  return v;
-}
+using testing::Pattern;
 
 // Checks the stream's structure and returns (name, bytes) in stream order.
 std::vector<std::pair<std::string, std::vector<std::byte>>> CheckStream(const CaptureSink& sink, uint64_t bucket_bytes,

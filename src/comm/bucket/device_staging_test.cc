@@ -18,13 +18,7 @@ namespace wsync::comm {
 namespace {
 
 using testing::CaptureSink;
-
-std::vector<std::byte> Pattern(size_t n, uint32_t seed) {
-  std::vector<std::byte> v(n);
-  std::mt19937 rng(seed);
-  for (auto& b : v) b = static_cast<std::byte>(rng());
-  return v;
-}
+using testing::Pattern;
 
 // Host memory labelled as device 0's: what a device Buffer looks like to code that must refuse
 // it before touching its bytes (no device needed, nothing is dereferenced).

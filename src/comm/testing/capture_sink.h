@@ -3,11 +3,13 @@
 //
 // Send copies the bucket's nbytes of data and keeps the buffer for Recycle, which hands buffers
 // back oldest first (an empty Buffer when none is free); Send fails with `error` while it is set;
-// Finish counts its calls. Thread-safety: used by one thread, as every BucketSink.
+// Finish counts its calls. Thread-safety: used by one thread, as every BucketSink. Pattern() makes
+// the seeded bytes such tests send.
 #pragma once
 
 #include <cstdint>
 #include <deque>
+#include <random>
 #include <utility>
 #include <vector>
 
@@ -54,5 +56,13 @@ class CaptureSink : public BucketSink {
   absl::Status error;       // when set, Send fails with it
   int finishes = 0;
 };
+
+// n bytes of a seeded pseudo-random pattern (mt19937), the same for the same seed: test tensors.
+inline std::vector<std::byte> Pattern(size_t n, uint32_t seed) {
+  std::vector<std::byte> v(n);
+  std::mt19937 rng(seed);
+  for (auto& b : v) b = static_cast<std::byte>(rng());
+  return v;
+}
 
 }  // namespace wsync::comm::testing
