@@ -4,7 +4,8 @@
 # verified. Then, for each phase a sync can hang in, one member is stopped (SIGSTOP) and a sync
 # triggered: the rollout agent of engine 1 (before BeginSync), and that engine itself (before
 # its commit: the agent pauses it). Each sync must end failed within timeout + 10 s, naming the
-# member, the other engine must keep serving version 1, and after SIGCONT the next sync succeeds
+# member, and the other engine must keep serving; when engine 0 committed before engine 1's commit
+# timed out, the error says which engine holds the version. After SIGCONT the next sync succeeds
 # bit-exact on both engines.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
@@ -56,6 +57,9 @@ hang() {  # hang WHAT PID: stop PID, sync, expect a bounded failure naming WHAT,
 }
 hang "rollout agent 1" "${agent_pid[1]}" "engine-1"
 hang "engine 1" "${engine_pid[1]}" "engine-1"
+# Engine 0 committed that version before engine 1's commit timed out: the error says so first.
+grep -q "was committed on engine engine-0 tp 0 but not on engine engine-1 tp 0" <<<"$out" ||
+  fail "the partial commit is not reported by engine: $out"
 for _ in $(seq 50); do out=$("${ctl[@]}" sync --wait --min-agents 2 2>&1) && break; sleep 0.5; done
 v=$(sed -n 's/.*version \([0-9]*\) published.*/\1/p' <<<"$out" | tail -n1)
 [ -n "$v" ] || fail "no sync succeeded after the members continued: $out"

@@ -53,12 +53,22 @@ class FakeAgent {
     absl::MutexLock lock(&mu_);
     last_begin_ = r;
   }
+  // The version its engine serves: the last Begin's once a Commit succeeded.
+  uint64_t version() {
+    absl::MutexLock lock(&mu_);
+    return version_;
+  }
+  void Committed() {
+    absl::MutexLock lock(&mu_);
+    version_ = last_begin_.version();
+  }
 
  private:
   absl::Mutex mu_;
   std::vector<std::string> calls_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, absl::Status> failures_ ABSL_GUARDED_BY(mu_);
   v1::BeginSyncRequest last_begin_ ABSL_GUARDED_BY(mu_);
+  uint64_t version_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 class FakeAgentClient final : public AgentClient {
@@ -73,10 +83,16 @@ class FakeAgentClient final : public AgentClient {
     reply->set_load_seconds(0.5);
     return agent_->Record("Prepare", req.sync_id());
   }
-  absl::Status CommitSync(const v1::CommitSyncRequest& req, absl::Duration, v1::CommitSyncReply*) override {
-    return agent_->Record("Commit", req.sync_id());
+  absl::Status CommitSync(const v1::CommitSyncRequest& req, absl::Duration, v1::CommitSyncReply* reply) override {
+    absl::Status s = agent_->Record("Commit", req.sync_id());
+    if (s.ok()) {
+      agent_->Committed();
+      reply->set_version(agent_->version());
+    }
+    return s;
   }
-  absl::Status AbortSync(const v1::AbortSyncRequest& req, absl::Duration, v1::AbortSyncReply*) override {
+  absl::Status AbortSync(const v1::AbortSyncRequest& req, absl::Duration, v1::AbortSyncReply* reply) override {
+    reply->set_version(agent_->version());
     return agent_->Record("Abort", req.sync_id());
   }
 
@@ -276,6 +292,36 @@ TEST_F(SyncCoordinatorTest, AFailedPrepareAbortsEveryAgentAndCommitsNone) {
   ASSERT_EQ(versions.versions_size(), 2);
   EXPECT_FALSE(versions.versions(0).ok());
   EXPECT_TRUE(versions.versions(1).ok());
+}
+
+// A commit that fails on one engine after the other committed: the version is not published, and
+// the error says first which engines hold it and which do not (and on what version).
+TEST_F(SyncCoordinatorTest, APartialCommitSaysWhichEnginesHoldTheVersion) {
+  Make();
+  Join("a:1", 0, 1, "e0");
+  Join("b:1", 0, 1, "e1");
+  auto first = Trigger();
+  ASSERT_TRUE(first.ok());
+  ASSERT_EQ(Finish(first->sync_id()).phase(), "done");
+  Agent("b:1")->FailOn("Commit", absl::DeadlineExceededError("the engine did not answer Pause"));
+  auto t = Trigger();
+  ASSERT_TRUE(t.ok());
+  v1::SyncEvent e = Finish(t->sync_id());
+  EXPECT_EQ(e.phase(), "failed");
+  EXPECT_THAT(e.error(), HasSubstr("version 2 was committed on engine e0 tp 0 but not on engine e1 tp 0 (on version "
+                                   "1): it is not published"));
+  EXPECT_THAT(e.error(), HasSubstr("the engine did not answer Pause"));
+  v1::StatusReply status;
+  coordinator_->Status(&status);
+  EXPECT_EQ(status.version(), 1u) << "version 2 is not published";
+  // Nothing committed anywhere (a Prepare failure): no such line.
+  Agent("b:1")->FailOn("Commit", absl::OkStatus());
+  Agent("b:1")->FailOn("Prepare", absl::DataLossError("bucket 1 checksum"));
+  auto t3 = Trigger();
+  ASSERT_TRUE(t3.ok());
+  e = Finish(t3->sync_id());
+  EXPECT_EQ(e.phase(), "failed");
+  EXPECT_THAT(e.error(), ::testing::Not(HasSubstr("was committed on")));
 }
 
 TEST_F(SyncCoordinatorTest, ATrainerFailureSkipsPrepareAndAborts) {

@@ -418,17 +418,35 @@ void SyncCoordinator::RunSync(uint64_t id) {
   if (!s.ok()) {
     WSYNC_LOG(ERROR) << "sync " << id << " failed: " << s;
     SetPhase(id, "abort");
-    absl::Status a = CallAll(id, members, "AbortSync", [&](AgentClient& agent, size_t) {
+    std::vector<v1::AbortSyncReply> aborted(members.size());
+    absl::Status a = CallAll(id, members, "AbortSync", [&](AgentClient& agent, size_t i) {
       v1::AbortSyncRequest r;
       r.set_sync_id(id);
       r.set_reason(std::string(s.message()));
-      v1::AbortSyncReply reply;
+      v1::AbortSyncReply& reply = aborted[i];
       // Best effort and short (2 s): an agent that cannot be reached, or is hung, aborts on its own
       // when the sync's timeout (sent in BeginSync) passes, so the sync ends now rather than an
       // RPC timeout later; a healthy agent answers in milliseconds.
       return agent.AbortSync(r, std::min(opts_.rpc_timeout, absl::Seconds(2)), &reply);
     });
     if (!a.ok()) WSYNC_LOG(ERROR) << "sync " << id << ": abort incomplete: " << a;
+    // A commit that failed on some engines after others committed: say so first, by engine (the
+    // version is not published; each engine's replies name the version it serves).
+    std::vector<std::string> live, behind;
+    for (size_t i = 0; i < members.size(); ++i) {
+      const uint64_t v = committed[i].version() != 0 ? committed[i].version() : aborted[i].version();
+      const std::string who = absl::StrCat("engine ", members[i].engine_id, " tp ", members[i].tp_rank);
+      if (v == plan.version) {
+        live.push_back(who);
+      } else {
+        behind.push_back(v != 0 ? absl::StrCat(who, " (on version ", v, ")") : absl::StrCat(who, " (unreachable)"));
+      }
+    }
+    if (!live.empty())
+      s = Annotate(s, absl::StrCat("version ", plan.version, " was committed on ", absl::StrJoin(live, ", "),
+                                   " but not on ", absl::StrJoin(behind, ", "),
+                                   ": it is not published, the engines serve different versions (every reply names "
+                                   "its own) until the next sync brings them to one"));
   }
 
   // Timings: the trainer's phases, the agents' (slowest member), the coordinator's.
