@@ -5,8 +5,9 @@
 # triggered: the rollout agent of engine 1 (before BeginSync), and that engine itself (before
 # its commit: the agent pauses it). Each sync must end failed within timeout + 10 s, naming the
 # member, and the other engine must keep serving; when engine 0 committed before engine 1's commit
-# timed out, the error says which engine holds the version. After SIGCONT the next sync succeeds
-# bit-exact on both engines.
+# timed out, the error says which engine holds the version, and engine 1, once continued, rolls
+# forward to it from its agent's staging without a new sync. Then the next sync succeeds bit-exact
+# on both engines.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
 e2e_start e2e_hang
@@ -57,9 +58,21 @@ hang() {  # hang WHAT PID: stop PID, sync, expect a bounded failure naming WHAT,
 }
 hang "rollout agent 1" "${agent_pid[1]}" "engine-1"
 hang "engine 1" "${engine_pid[1]}" "engine-1"
-# Engine 0 committed that version before engine 1's commit timed out: the error says so first.
+# Engine 0 committed that version before engine 1's commit timed out: the error says so first,
+# and engine 1 rolls forward to it from its agent's staging once it runs again (no new sync).
 grep -q "was committed on engine engine-0 tp 0 but not on engine engine-1 tp 0" <<<"$out" ||
   fail "the partial commit is not reported by engine: $out"
+partial=$(sed -n 's/.*version \([0-9]*\) was committed on engine engine-0.*/\1/p' <<<"$out" | head -n1)
+t0=$(date +%s)
+for _ in $(seq 120); do
+  gen=$("${ctl[@]}" generate --engine "$(cat "$work/engine-1")" --prompt 1,2,3 --max-new-tokens 2 2>&1) || true
+  grep -q "^version $partial:" <<<"$gen" && break
+  sleep 0.5
+done
+grep -q "^version $partial:" <<<"$gen" || fail "engine 1 did not roll forward to version $partial: $gen"
+grep -q "rolling forward to version $partial .*committed from the staging" "$work/logs/agent-1.log" ||
+  fail "agent 1 did not log its roll forward to version $partial"
+echo "e2e_hang: engine 1 rolled forward to version $partial from its agent's staging in $(( $(date +%s) - t0 )) s ($gen)"
 for _ in $(seq 50); do out=$("${ctl[@]}" sync --wait --min-agents 2 2>&1) && break; sleep 0.5; done
 v=$(sed -n 's/.*version \([0-9]*\) published.*/\1/p' <<<"$out" | tail -n1)
 [ -n "$v" ] || fail "no sync succeeded after the members continued: $out"

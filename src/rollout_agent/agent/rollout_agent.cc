@@ -268,11 +268,20 @@ void RolloutAgent::Watchdog() {
   for (;;) {
     uint64_t id = 0;
     std::string reason;
+    bool catch_up = false;
     {
       absl::MutexLock lock(&mu_);
       auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
       mu_.AwaitWithTimeout(absl::Condition(&stop), absl::Milliseconds(100));
       if (stopping_) return;
+      catch_up = owed_version_ > version_ && sync_ == nullptr && absl::Now() >= next_catch_up_;
+    }
+    if (catch_up) {
+      CatchUp();
+      continue;
+    }
+    {
+      absl::MutexLock lock(&mu_);
       Sync* s = sync_.get();
       if (s != nullptr && s->rpcs == 0 && (s->phase == Phase::kReceiving || s->phase == Phase::kPrepared) &&
           absl::Now() - s->idle_since > s->timeout + std::min(s->timeout, absl::Seconds(10))) {
@@ -291,6 +300,58 @@ void RolloutAgent::Watchdog() {
       if (!s.ok()) WSYNC_LOG(ERROR) << "sync " << id << ": aborting: " << s;
     }
   }
+}
+
+void RolloutAgent::CatchUp() {
+  absl::MutexLock op(&op_mu_);
+  uint64_t owed = 0, current = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_ || sync_ != nullptr || engine_ == nullptr || owed_version_ <= version_) return;
+    owed = owed_version_;
+    current = version_;
+  }
+  Engine& e = *engine_;
+  const std::string who = absl::StrCat("rolling forward to version ", owed, " (from ", current, ")");
+  auto retry_later = [&](const absl::Status& st) {
+    absl::MutexLock lock(&mu_);
+    const int n = catch_up_failures_++;
+    next_catch_up_ = absl::Now() + std::min(absl::Seconds(1) * (1 << std::min(n, 4)), absl::Seconds(10));
+    if (n % 10 == 0) WSYNC_LOG(WARNING) << who << ": " << st << " (retrying; attempt " << n + 1 << ")";
+  };
+  auto paused = e.client->Pause(v1::PauseRequest::HOLD);
+  if (!paused.ok()) return retry_later(paused.status());
+  auto flushed = e.client->Flush(absl::Now() + options_.flush_deadline, [] { return false; });
+  absl::Status st = flushed.status();
+  if (st.ok()) {
+    absl::MutexLock mem(&memory_mu_);
+    st = Commit(*e.staging, e.memory->weights(), {.num_threads = options_.repack_threads, .verify = false});
+    if (st.ok()) {
+      absl::MutexLock lock(&mu_);
+      version_ = owed;
+      owed_version_ = 0;
+      catch_up_failures_ = 0;
+    }
+  }
+  if (!st.ok()) {
+    if (absl::IsInternal(st)) {  // possibly partly written: the engine stays paused, the next try rewrites it
+      WSYNC_LOG(ERROR) << who << ": the commit failed after validation; the engine stays paused: " << st;
+      return retry_later(st);
+    }
+    auto cont = e.client->Continue(current);
+    if (!cont.ok())
+      WSYNC_LOG(ERROR) << who << ": continuing the engine on version " << current << ": " << cont.status();
+    return retry_later(st);
+  }
+  m_->version->Set(static_cast<double>(owed));
+  if (membership_) membership_->SetVersion(owed);
+  auto cont = e.client->Continue(owed);
+  if (!cont.ok()) {
+    WSYNC_LOG(ERROR) << who << ": committed, but the engine did not continue: " << cont.status();
+    return;
+  }
+  WSYNC_LOG(INFO) << who << ": committed from the staging; the engine serves version " << owed
+                  << " as the other engines do";
 }
 
 // --- RegisterEngine -----------------------------------------------------------------------------------
@@ -385,6 +446,8 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
     absl::MutexLock mem(&memory_mu_);
     absl::MutexLock lock(&mu_);
     engine_ = std::move(engine);
+    staged_sync_id_ = staged_version_ = 0;  // a new staging for the new engine
+    owed_version_ = 0;
     version_ = req.version();
     address = options_.advertise_address.empty() ? address_ : options_.advertise_address;
   }
@@ -592,6 +655,8 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
     absl::MutexLock lock(&mu_);
     sync->previous_version = version_;
     sync_ = std::move(sync);
+    staged_sync_id_ = staged_version_ = 0;  // the staging is being overwritten
+    owed_version_ = 0;                      // this newer sync brings the engine forward
     s = sync_.get();
   }
   m_->active->Set(1);
@@ -796,6 +861,8 @@ absl::Status RolloutAgent::PrepareSync(const v1::PrepareSyncRequest& req, absl::
   {
     absl::MutexLock lock(&mu_);
     s->phase = Phase::kPrepared;
+    staged_sync_id_ = s->id;
+    staged_version_ = s->req.version();
     s->prepared.set_buckets(s->totals.buckets);
     s->prepared.set_bytes(s->totals.bytes);
     s->prepared.set_tensors(s->totals.tensors);
@@ -947,6 +1014,25 @@ absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::Comm
 // --- AbortSync ----------------------------------------------------------------------------------------
 
 absl::Status RolloutAgent::AbortSync(const v1::AbortSyncRequest& req, v1::AbortSyncReply* reply) {
+  if (req.roll_forward()) {
+    absl::MutexLock lock(&mu_);
+    // The version is owed once its staging is complete: now (prepared, or a failed commit left it
+    // there), or when the sync in progress gets there (it cannot: a commit had started elsewhere,
+    // so this agent had prepared).
+    const bool staged =
+        staged_sync_id_ == req.sync_id() || (sync_ != nullptr && sync_->id == req.sync_id() &&
+                                             (sync_->phase == Phase::kPrepared || sync_->phase == Phase::kCommitting));
+    if (staged) {
+      const uint64_t v = staged_sync_id_ == req.sync_id() ? staged_version_ : sync_->req.version();
+      if (v > version_) {
+        owed_version_ = v;
+        next_catch_up_ = absl::Now();
+        catch_up_failures_ = 0;
+        WSYNC_LOG(WARNING) << "sync " << req.sync_id() << ": other engines committed version " << v
+                           << "; this agent rolls its engine forward to it from the staging as soon as it can";
+      }
+    }
+  }
   uint64_t version = 0;
   absl::Status s =
       AbortById(req.sync_id(), req.reason().empty() ? "AbortSync from the coordinator" : req.reason(), &version);

@@ -132,6 +132,9 @@ class RolloutAgent {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_);
   absl::Status AbortById(uint64_t sync_id, const std::string& reason, uint64_t* version);
   void Watchdog();
+  // Roll forward: commits the owed version from the staging into the engine (Pause, Flush, Commit,
+  // Continue) when no sync runs; a no-op when nothing is owed. Failures are logged and retried.
+  void CatchUp();
   // This agent's id (AgentStatus, RegisterEngineReply): "agent@<address>/pid<pid>-<random>", fixed
   // for the process's lifetime. The coordinator's own id for it is used for heartbeats only.
   std::string AgentId() const;
@@ -160,6 +163,14 @@ class RolloutAgent {
   uint64_t last_sync_id_ ABSL_GUARDED_BY(mu_) = 0;
   bool last_committed_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status last_outcome_ ABSL_GUARDED_BY(mu_);
+  // The staging holds sync staged_sync_id_'s version, complete and verified (set when a sync is
+  // prepared, cleared when another starts receiving or the engine is replaced).
+  uint64_t staged_sync_id_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t staged_version_ ABSL_GUARDED_BY(mu_) = 0;
+  // A version the coordinator asked to roll forward to (AbortSync.roll_forward); 0: none.
+  uint64_t owed_version_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time next_catch_up_ ABSL_GUARDED_BY(mu_);
+  int catch_up_failures_ ABSL_GUARDED_BY(mu_) = 0;
   std::unique_ptr<class Membership> membership_;  // used under op_mu_ (reset by Stop)
   std::thread watchdog_;
 };

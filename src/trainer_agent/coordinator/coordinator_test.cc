@@ -93,7 +93,7 @@ class FakeAgentClient final : public AgentClient {
   }
   absl::Status AbortSync(const v1::AbortSyncRequest& req, absl::Duration, v1::AbortSyncReply* reply) override {
     reply->set_version(agent_->version());
-    return agent_->Record("Abort", req.sync_id());
+    return agent_->Record(req.roll_forward() ? "Abort(roll forward)" : "Abort", req.sync_id());
   }
 
  private:
@@ -311,6 +311,9 @@ TEST_F(SyncCoordinatorTest, APartialCommitSaysWhichEnginesHoldTheVersion) {
   EXPECT_THAT(e.error(), HasSubstr("version 2 was committed on engine e0 tp 0 but not on engine e1 tp 0 (on version "
                                    "1): it is not published"));
   EXPECT_THAT(e.error(), HasSubstr("the engine did not answer Pause"));
+  // The engine that did not commit is told to roll forward from its staging; the other is not.
+  EXPECT_EQ(Agent("b:1")->calls().back(), absl::StrCat("Abort(roll forward) ", t->sync_id()));
+  EXPECT_EQ(Agent("a:1")->calls().back(), absl::StrCat("Abort ", t->sync_id()));
   v1::StatusReply status;
   coordinator_->Status(&status);
   EXPECT_EQ(status.version(), 1u) << "version 2 is not published";

@@ -418,11 +418,16 @@ void SyncCoordinator::RunSync(uint64_t id) {
   if (!s.ok()) {
     WSYNC_LOG(ERROR) << "sync " << id << " failed: " << s;
     SetPhase(id, "abort");
+    // Engines that committed already: the others roll forward to the version from their staging
+    // (every agent prepared it, or no commit would have started), so the fleet converges on it.
+    const bool some_committed = std::any_of(committed.begin(), committed.end(),
+                                            [&](const v1::CommitSyncReply& c) { return c.version() == plan.version; });
     std::vector<v1::AbortSyncReply> aborted(members.size());
     absl::Status a = CallAll(id, members, "AbortSync", [&](AgentClient& agent, size_t i) {
       v1::AbortSyncRequest r;
       r.set_sync_id(id);
       r.set_reason(std::string(s.message()));
+      r.set_roll_forward(some_committed && committed[i].version() != plan.version);
       v1::AbortSyncReply& reply = aborted[i];
       // Best effort and short (2 s): an agent that cannot be reached, or is hung, aborts on its own
       // when the sync's timeout (sent in BeginSync) passes, so the sync ends now rather than an
@@ -445,8 +450,9 @@ void SyncCoordinator::RunSync(uint64_t id) {
     if (!live.empty())
       s = Annotate(s, absl::StrCat("version ", plan.version, " was committed on ", absl::StrJoin(live, ", "),
                                    " but not on ", absl::StrJoin(behind, ", "),
-                                   ": it is not published, the engines serve different versions (every reply names "
-                                   "its own) until the next sync brings them to one"));
+                                   ": it is not published; the others roll forward to it from their staging as soon "
+                                   "as their engines take it (until then the engines serve different versions, every "
+                                   "reply naming its own)"));
   }
 
   // Timings: the trainer's phases, the agents' (slowest member), the coordinator's.
