@@ -73,6 +73,14 @@ grep -q "^version $partial:" <<<"$gen" || fail "engine 1 did not roll forward to
 grep -q "rolling forward to version $partial .*committed from the staging" "$work/logs/agent-1.log" ||
   fail "agent 1 did not log its roll forward to version $partial"
 echo "e2e_hang: engine 1 rolled forward to version $partial from its agent's staging in $(( $(date +%s) - t0 )) s ($gen)"
+published=""
+for _ in $(seq 100); do
+  published=$("${ctl[@]}" --json status | python3 -c 'import json,sys; print(json.load(sys.stdin)["version"])')
+  [ "$published" = "$partial" ] && break
+  sleep 0.1
+done
+[ "$published" = "$partial" ] || fail "version $partial was not published after every engine rolled forward ($published)"
+echo "e2e_hang: version $partial published once both engines reported it"
 for _ in $(seq 50); do out=$("${ctl[@]}" sync --wait --min-agents 2 2>&1) && break; sleep 0.5; done
 v=$(sed -n 's/.*version \([0-9]*\) published.*/\1/p' <<<"$out" | tail -n1)
 [ -n "$v" ] || fail "no sync succeeded after the members continued: $out"

@@ -298,8 +298,8 @@ TEST_F(SyncCoordinatorTest, AFailedPrepareAbortsEveryAgentAndCommitsNone) {
 // the error says first which engines hold it and which do not (and on what version).
 TEST_F(SyncCoordinatorTest, APartialCommitSaysWhichEnginesHoldTheVersion) {
   Make();
-  Join("a:1", 0, 1, "e0");
-  Join("b:1", 0, 1, "e1");
+  const std::string a = Join("a:1", 0, 1, "e0");
+  const std::string b = Join("b:1", 0, 1, "e1");
   auto first = Trigger();
   ASSERT_TRUE(first.ok());
   ASSERT_EQ(Finish(first->sync_id()).phase(), "done");
@@ -317,6 +317,21 @@ TEST_F(SyncCoordinatorTest, APartialCommitSaysWhichEnginesHoldTheVersion) {
   v1::StatusReply status;
   coordinator_->Status(&status);
   EXPECT_EQ(status.version(), 1u) << "version 2 is not published";
+  // Once every engine reports version 2 (b:1's agent rolled forward), it is published.
+  auto beat = [&](const std::string& agent, uint64_t version) {
+    v1::HeartbeatRequest hb;
+    hb.set_agent_id(agent);
+    hb.set_version(version);
+    v1::HeartbeatReply r;
+    ASSERT_TRUE(coordinator_->Heartbeat(hb, &r).ok());
+  };
+  beat(a, 2);
+  beat(b, 1);
+  coordinator_->Status(&status);
+  EXPECT_EQ(status.version(), 1u) << "engine e1 is still on version 1";
+  beat(b, 2);
+  coordinator_->Status(&status);
+  EXPECT_EQ(status.version(), 2u) << "every engine rolled forward to version 2";
   // Nothing committed anywhere (a Prepare failure): no such line.
   Agent("b:1")->FailOn("Commit", absl::OkStatus());
   Agent("b:1")->FailOn("Prepare", absl::DataLossError("bucket 1 checksum"));

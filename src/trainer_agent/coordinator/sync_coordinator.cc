@@ -134,8 +134,31 @@ absl::Status SyncCoordinator::Heartbeat(const v1::HeartbeatRequest& req, v1::Hea
   if (it != members_.end()) {
     it->second.last_seen = absl::Now();
     it->second.version = req.version();
+    PublishRolledForward();
   }
   return absl::OkStatus();
+}
+
+// A version some engines committed in a failed sync, while the others roll forward to it from their
+// staging: published once every member of the fleet reports it (and the fleet is whole), as a
+// sync that had succeeded would have published it.
+void SyncCoordinator::PublishRolledForward() {
+  if (rolling_forward_ <= published_ || running_) return;
+  if (!CheckFleet().ok()) return;
+  size_t members = 0;
+  for (const auto& [mid, m] : members_) {
+    auto f = fleet_.find(m.engine_id);
+    if (f != fleet_.end() && f->second.removed) continue;
+    if (m.version < rolling_forward_) return;
+    ++members;
+  }
+  if (members == 0) return;
+  published_ = rolling_forward_;
+  rolling_forward_ = 0;
+  GaugeOf(opts_.metrics, "wsync_version", "Last published weight version")->Set(static_cast<double>(published_));
+  WSYNC_LOG(INFO) << "version " << published_ << " published: every engine of the fleet rolled forward to it";
+  ++event_seq_;
+  SaveState();
 }
 
 absl::Status SyncCoordinator::Leave(const v1::LeaveRequest& req) {
@@ -415,13 +438,14 @@ void SyncCoordinator::RunSync(uint64_t id) {
       });
     });
   }
+  bool some_committed = false;  // a failed commit that other engines had completed: they roll forward
   if (!s.ok()) {
     WSYNC_LOG(ERROR) << "sync " << id << " failed: " << s;
     SetPhase(id, "abort");
     // Engines that committed already: the others roll forward to the version from their staging
     // (every agent prepared it, or no commit would have started), so the fleet converges on it.
-    const bool some_committed = std::any_of(committed.begin(), committed.end(),
-                                            [&](const v1::CommitSyncReply& c) { return c.version() == plan.version; });
+    some_committed = std::any_of(committed.begin(), committed.end(),
+                                 [&](const v1::CommitSyncReply& c) { return c.version() == plan.version; });
     std::vector<v1::AbortSyncReply> aborted(members.size());
     absl::Status a = CallAll(id, members, "AbortSync", [&](AgentClient& agent, size_t i) {
       v1::AbortSyncRequest r;
@@ -496,6 +520,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
   vr.set_bytes(report.bytes);
   vr.set_finished_unix_ms(absl::ToUnixMillis(absl::Now()));
   versions_.push_back(vr);
+  if (some_committed) rolling_forward_ = rec.version;  // published once every engine reports it
   if (s.ok()) {
     published_ = rec.version;
     last_bytes_ = report.bytes;

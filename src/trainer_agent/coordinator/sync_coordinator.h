@@ -151,6 +151,8 @@ class SyncCoordinator {
   void SaveState() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the attempts and finished sync records beyond the newest ones kept (sync_coordinator.cc).
   void PruneHistory() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Publishes rolling_forward_ once every member of the fleet reports it (Heartbeat).
+  void PublishRolledForward() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunSync(uint64_t id);
   bool InRunningSync(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetPhase(uint64_t id, const std::string& phase);
@@ -187,6 +189,8 @@ class SyncCoordinator {
   uint64_t next_sync_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_version_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t published_ ABSL_GUARDED_BY(mu_) = 0;
+  // A version committed on part of the fleet by a failed sync (the rest rolls forward); 0: none.
+  uint64_t rolling_forward_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t last_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::string last_error_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::VersionRecord> versions_ ABSL_GUARDED_BY(mu_);
