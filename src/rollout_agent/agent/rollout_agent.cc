@@ -302,6 +302,16 @@ void RolloutAgent::Watchdog() {
   }
 }
 
+absl::Status RolloutAgent::CommitStaging(Engine& e, uint64_t version) {
+  absl::MutexLock mem(&memory_mu_);
+  absl::Status st = Commit(*e.staging, e.memory->weights(), {.num_threads = options_.repack_threads, .verify = false});
+  if (st.ok()) {
+    absl::MutexLock lock(&mu_);
+    version_ = version;  // wakes UpdateWeights waiters
+  }
+  return st;
+}
+
 void RolloutAgent::CatchUp() {
   absl::MutexLock op(&op_mu_);
   uint64_t owed = 0, current = 0;
@@ -323,15 +333,11 @@ void RolloutAgent::CatchUp() {
   if (!paused.ok()) return retry_later(paused.status());
   auto flushed = e.client->Flush(absl::Now() + options_.flush_deadline, [] { return false; });
   absl::Status st = flushed.status();
+  if (st.ok()) st = CommitStaging(e, owed);
   if (st.ok()) {
-    absl::MutexLock mem(&memory_mu_);
-    st = Commit(*e.staging, e.memory->weights(), {.num_threads = options_.repack_threads, .verify = false});
-    if (st.ok()) {
-      absl::MutexLock lock(&mu_);
-      version_ = owed;
-      owed_version_ = 0;
-      catch_up_failures_ = 0;
-    }
+    absl::MutexLock lock(&mu_);
+    owed_version_ = 0;
+    catch_up_failures_ = 0;
   }
   if (!st.ok()) {
     if (absl::IsInternal(st)) {  // possibly partly written: the engine stays paused, the next try rewrites it
@@ -932,17 +938,9 @@ absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::Comm
     WSYNC_LOG(INFO) << who << ": " << *paused;
   }
   const absl::Time t0 = absl::Now();
-  absl::Status st;
-  {
-    absl::MutexLock mem(&memory_mu_);
-    st = Commit(*e.staging, e.memory->weights(), {.num_threads = options_.repack_threads, .verify = false});
-    // CUDA engines: Commit repacks on the device straight into the engine's memory (kInternal on a
-    // device failure: the memory may be partly written, handled as a failed repack below).
-    if (st.ok()) {
-      absl::MutexLock lock(&mu_);
-      version_ = version;  // wakes UpdateWeights waiters
-    }
-  }
+  // CUDA engines: the commit repacks on the device straight into the engine's memory (kInternal on
+  // a device failure: the memory may be partly written, handled as a failed repack below).
+  absl::Status st = CommitStaging(e, version);
   const absl::Duration repack = absl::Now() - t0;
   if (!st.ok()) {
     if (absl::IsInternal(st)) {

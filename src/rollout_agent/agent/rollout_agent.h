@@ -135,6 +135,9 @@ class RolloutAgent {
   // Roll forward: commits the owed version from the staging into the engine (Pause, Flush, Commit,
   // Continue) when no sync runs; a no-op when nothing is owed. Failures are logged and retried.
   void CatchUp();
+  // Writes the staging into the engine's memory (Commit, under memory_mu_) and, on success, makes
+  // `version` the agent's version. The engine must be paused. The CommitSync and CatchUp step.
+  absl::Status CommitStaging(Engine& e, uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_);
   // This agent's id (AgentStatus, RegisterEngineReply): "agent@<address>/pid<pid>-<random>", fixed
   // for the process's lifetime. The coordinator's own id for it is used for heartbeats only.
   std::string AgentId() const;
