@@ -32,6 +32,18 @@ absl::StatusOr<int64_t> NumBytes(DType dtype, std::span<const int64_t> shape);
 // "[4096, 2048]"; "[]" for a 0-d shape.
 std::string ShapeToString(std::span<const int64_t> shape);
 
+// A tensor seen as a matrix, as the loader copies blocks of it and sharded delivery cuts them: a
+// 0-d tensor is [1, 1], a 1-D [n] is [n, 1], an N-D one its last two dims.
+struct MatrixDims {
+  int64_t rows = 1;
+  int64_t cols = 1;
+};
+inline MatrixDims MatrixOf(std::span<const int64_t> shape) {
+  if (shape.empty()) return {1, 1};
+  if (shape.size() == 1) return {shape[0], 1};
+  return {shape[shape.size() - 2], shape.back()};
+}
+
 class TensorView {
  public:
   TensorView() = default;

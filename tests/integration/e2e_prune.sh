@@ -2,9 +2,10 @@
 # Expert pruning end to end (docs/expert-pruning.md): an INT4 DeepSeek-V3 checkpoint (8 routed
 # experts, two MoE layers) cut for TP 1 x EP 2 x PP 2, trainer agents under mpirun with an expert map
 # keeping 4 experts per layer in a scrambled order (an item pruned on both EP members, mixed ones),
-# one reference engine of TP 2 x EP 2 serving the pruned config. Two syncs, each verified bit for bit
-# against the pruned oracle checkpoint (wsync-prune --hf); then an engine started from that
-# checkpoint must generate exactly what the synced engine generates.
+# one reference engine of TP 2 x EP 2 serving the pruned config. Two sharded syncs (each engine rank
+# receives only its blocks, planned on the pruned config), each verified bit for bit against the
+# pruned oracle checkpoint (wsync-prune --hf), then a broadcast one, verified too; then an engine
+# started from that checkpoint must generate exactly what the synced engine generates.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
 bin="${WSYNC_BIN:-$here/build/bin}"
@@ -28,6 +29,10 @@ echo '{"num_experts": 8, "layers": {"1": [6, 0, 3, 4], "2": [7, 2, 5, 1]}}' > "$
 cat > "$w/then.sh" <<'THEN'
 set -euo pipefail
 ctl=("$WSYNC_BIN/wsyncctl" --coordinator "$WSYNC_COORDINATOR" --token-file "$WSYNC_TOKEN_FILE")
+"${ctl[@]}" sync --wait --delivery broadcast > /dev/null
+"${ctl[@]}" verify --against "$WSYNC_HF" | grep -c ": bit-exact" | grep -qx 2 ||
+  { echo "FAIL: the broadcast sync of the pruned model is not bit-exact"; exit 1; }
+echo "ok: a broadcast sync of the pruned model, bit-exact on both engine ranks"
 synced=$("${ctl[@]}" --json generate --engine "$WSYNC_ENGINES" --prompt 3,14,15,92 --max-new-tokens 8 |
          python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])')
 "$WSYNC_BIN/wsync-ref-engine" --model "$WSYNC_HF" --checkpoint "$WSYNC_HF" --engine-id from-checkpoint \
@@ -43,6 +48,6 @@ echo "checkpoint engine:  $loaded"
 echo "ok: the synced engine generates as an engine started from the pruned checkpoint"
 THEN
 WSYNC_BIN="$bin" W="$w" "$here/tools/wsync-local" --source "$w/src" --expert-map "$w/map.json" --hf "$w/hf_pruned" \
-  --verify --syncs 2 --engine-tp 2 --engine-flags "--ep-size 2" --bucket-mib 1 --workdir "$w/run" \
+  --verify --syncs 2 --engine-tp 2 --engine-ep 2 --delivery sharded --bucket-mib 1 --workdir "$w/run" \
   --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"
 echo "e2e_prune: ok"

@@ -223,12 +223,16 @@ class Ctl {
       json phases = json::array();
       for (const auto& p : r.phases())
         phases.push_back({{"phase", p.phase()}, {"seconds", p.seconds()}, {"bytes", p.bytes()}});
-      std::printf("%s\n",
-                  json({{"version", r.version()}, {"sync_id", r.sync_id()}, {"phases", phases}}).dump(2).c_str());
+      std::printf(
+          "%s\n",
+          json({{"version", r.version()}, {"sync_id", r.sync_id()}, {"delivery", r.delivery()}, {"phases", phases}})
+              .dump(2)
+              .c_str());
       return 0;
     }
-    std::printf("version %llu (sync %llu)\n%-18s %10s %12s %10s\n", static_cast<unsigned long long>(r.version()),
-                static_cast<unsigned long long>(r.sync_id()), "PHASE", "SECONDS", "BYTES", "GB/s");
+    std::printf("version %llu (sync %llu, %s delivery)\n%-18s %10s %12s %10s\n",
+                static_cast<unsigned long long>(r.version()), static_cast<unsigned long long>(r.sync_id()),
+                r.delivery().c_str(), "PHASE", "SECONDS", "BYTES", "GB/s");
     for (const auto& p : r.phases()) {
       std::printf("%-18s %10.4f %12s %10s\n", p.phase().c_str(), p.seconds(),
                   p.bytes() ? FormatBytes(p.bytes()).c_str() : "-",
@@ -237,8 +241,9 @@ class Ctl {
     return 0;
   }
 
-  int Sync(bool wait, bool wait_if_busy, uint32_t min_agents, uint64_t version) {
+  int Sync(bool wait, bool wait_if_busy, uint32_t min_agents, uint64_t version, const std::string& delivery) {
     v1::TriggerSyncRequest req;
+    req.set_delivery(delivery);
     req.set_wait_if_busy(wait_if_busy);
     req.set_min_agents(min_agents);
     req.set_version(version);
@@ -462,10 +467,15 @@ int Main(int argc, char** argv) {
   bool wait = false, wait_if_busy = false;
   uint32_t min_agents = 1;
   uint64_t sync_version = 0;
+  std::string delivery;
   auto* sync = app.add_subcommand("sync", "Trigger a sync");
   sync->add_flag("--wait", wait, "Follow it to the end with a progress bar; exit 1 if it fails");
   sync->add_flag("--wait-if-busy", wait_if_busy, "Queue behind a running sync instead of failing (exit 5)");
   sync->add_option("--min-agents", min_agents, "Refuse with fewer rollout agents");
+  sync->add_option("--delivery", delivery,
+                   "broadcast (every agent receives every byte) or sharded (every agent only its engine rank's "
+                   "blocks); default: the trainer agents' --delivery")
+      ->check(CLI::IsMember({"broadcast", "sharded"}));
   sync->add_option("--version", sync_version,
                    "Publish this version (e.g. the training step; must be newer than every published or pending "
                    "one; a request for a pending or published version joins that sync). Default: the next number");
@@ -502,7 +512,7 @@ int Main(int argc, char** argv) {
   if (app.got_subcommand("remove-engine")) return ctl.RemoveEngine(remove_id);
   if (app.got_subcommand("versions")) return ctl.Versions();
   if (app.got_subcommand("timings")) return ctl.Timings(version);
-  if (app.got_subcommand("sync")) return ctl.Sync(wait, wait_if_busy, min_agents, sync_version);
+  if (app.got_subcommand("sync")) return ctl.Sync(wait, wait_if_busy, min_agents, sync_version, delivery);
   if (app.got_subcommand("verify")) return ctl.Verify(against, quant_file);
   if (app.got_subcommand("generate")) return ctl.Generate(engine, prompt, max_new);
   return 2;

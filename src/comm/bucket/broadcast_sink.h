@@ -35,6 +35,11 @@ class BroadcastSink final : public BucketSink {
   Buffer Recycle(uint64_t min_bytes) override;
   absl::Status Finish() override;
 
+  // Starts the drain with `s` (aborting the communicator) unless it has already started: a sharded
+  // stage source stops every group's stream when one of them fails.
+  void Abort(const absl::Status& s) {
+    if (error_.ok()) Drain(s);
+  }
   // OK, or the data-plane error that started the drain.
   const absl::Status& status() const { return error_; }
   const BucketStats& stats() const { return sender_.stats(); }

@@ -1,8 +1,11 @@
 #include "comm/bucket/bucket_format.h"
 
+#include <span>
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "common/tensor.h"
 
 namespace wsync::comm {
 
@@ -37,6 +40,33 @@ absl::StatusOr<DType> FromProto(v1::DType t) {
   return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", static_cast<int>(t)));
 }
 
+namespace {
+
+absl::Status CheckBlock(const v1::BucketManifest& m, const v1::BucketEntry& e, DType dtype) {
+  const auto& b = e.block();
+  const auto& shape = e.tensor().shape();
+  const std::string where = absl::StrCat(DescribeBucket(m), ": ", e.tensor().name());
+  if (shape.size() > 2)
+    return absl::InvalidArgumentError(absl::StrCat(where, ": a block of a ", shape.size(), "-dim tensor"));
+  const MatrixDims dims = MatrixOf(std::span<const int64_t>(shape.data(), static_cast<size_t>(shape.size())));
+  if (b.row0() < 0 || b.rows() <= 0 || b.col0() < 0 || b.cols() <= 0 || b.row0() > dims.rows - b.rows() ||
+      b.col0() > dims.cols - b.cols()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": block rows [", b.row0(), ", ", b.row0() + b.rows(), ") x columns [", b.col0(), ", ",
+                     b.col0() + b.cols(), ") does not lie inside its ", dims.rows, " x ", dims.cols, " matrix"));
+  }
+  // rows * cols <= the tensor's numel, which ValidateManifest bounded by 2^62.
+  const uint64_t want = static_cast<uint64_t>(b.rows()) * static_cast<uint64_t>(b.cols()) * ItemSize(dtype);
+  if (e.nbytes() != want || e.split_offset() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": a ", b.rows(), " x ", b.cols(), " block holds ", want,
+                                                   " bytes, the entry says ", e.nbytes(), " at split offset ",
+                                                   e.split_offset()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status ValidateManifest(const v1::BucketManifest& m, uint64_t data_bytes) {
   if (m.nbytes() != data_bytes) {
     return absl::InvalidArgumentError(
@@ -56,6 +86,7 @@ absl::Status ValidateManifest(const v1::BucketManifest& m, uint64_t data_bytes) 
       numel *= static_cast<uint64_t>(d);
     }
     const uint64_t whole = numel * ItemSize(*dtype);
+    if (e.has_block()) RETURN_IF_ERROR(CheckBlock(m, e, *dtype));
     if (e.total_nbytes() != whole || e.split_offset() + e.nbytes() > whole) {
       return absl::InvalidArgumentError(
           absl::StrCat(DescribeBucket(m), ": ", name, ": ", e.nbytes(), " bytes at split offset ", e.split_offset(),

@@ -471,6 +471,7 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
     join.set_engine_id(req.engine_id());
     join.set_tp_rank(req.tp_rank());
     join.set_tp_size(req.tp_size());
+    join.set_ep_size(static_cast<uint32_t>(ep));
     join.set_version(req.version());
     membership_->Update(join);
   }

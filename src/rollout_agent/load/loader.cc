@@ -1,5 +1,7 @@
 #include "rollout_agent/load/loader.h"
 
+#include <algorithm>
+#include <array>
 #include <cstring>
 #include <utility>
 
@@ -12,12 +14,6 @@ namespace wsync::rollout_agent {
 namespace {
 
 using State = Staging::PieceState;
-
-// Rows x columns of a param's per-expert matrix (a 1-D [n] param is [n, 1]).
-void MatrixDims(const Shape& s, int64_t* rows, int64_t* cols) {
-  *rows = s.size() >= 2 ? s[s.size() - 2] : s[0];
-  *cols = s.size() >= 2 ? s.back() : 1;
-}
 
 std::string PieceName(const EngineLayout& layout, const HfSource& s) {
   if (s.action == HfSource::Action::kCheckShape)
@@ -120,35 +116,56 @@ absl::Status Staging::CheckComplete() const {
                        : ""));
 }
 
-absl::Status Loader::Load(absl::string_view hf_name, const TensorView& data) {
+absl::StatusOr<int> Loader::CheckAndClaim(absl::string_view hf_name, DType dtype, std::span<const int64_t> shape,
+                                          const TensorView& data, const BlockRef* block) {
   const EngineLayout& layout = staging_->layout();
   const int idx = layout.FindSource(hf_name);
+  const std::string what = absl::StrCat(SafetensorsName(dtype), ShapeToString(shape));
   if (idx < 0) {
-    if (layout.IsIgnoredHfName(hf_name)) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat("unknown tensor ", hf_name, " (", data.DebugString(),
-                                                   "): not part of the ", ArchitectureName(layout.config().arch),
-                                                   layout.quantized() ? " INT4" : " bf16", " engine layout"));
+    if (layout.IsIgnoredHfName(hf_name) && block == nullptr) return -1;
+    return absl::InvalidArgumentError(absl::StrCat("unknown tensor ", hf_name, " (", what, "): not part of the ",
+                                                   ArchitectureName(layout.config().arch),
+                                                   layout.quantized() ? " INT4" : " bf16", " engine layout",
+                                                   block != nullptr ? " (a block of it was sent to this rank)" : ""));
   }
   const HfSource& s = layout.sources()[static_cast<size_t>(idx)];
   const bool shape_tensor = s.action == HfSource::Action::kCheckShape;
   // weight_shape (the only I64 tensors): int64 as compressed-tensors writes it, or int32 as slime sends it.
   const bool any_int = s.dtype == DType::kI64;
-  const bool dtype_ok = data.dtype() == s.dtype || (any_int && data.dtype() == DType::kI32);
-  if (!dtype_ok || data.shape() != s.shape) {
-    return absl::InvalidArgumentError(absl::StrCat(hf_name, ": got ", data.DebugString(), ", want ",
-                                                   SafetensorsName(s.dtype), ShapeToString(s.shape),
-                                                   any_int ? " (or I32)" : ""));
+  const bool dtype_ok = dtype == s.dtype || (any_int && dtype == DType::kI32);
+  if (!dtype_ok || !std::equal(shape.begin(), shape.end(), s.shape.begin(), s.shape.end())) {
+    return absl::InvalidArgumentError(absl::StrCat(hf_name, ": got ", what, ", want ", SafetensorsName(s.dtype),
+                                                   ShapeToString(s.shape), any_int ? " (or I32)" : ""));
   }
-  ASSIGN_OR_RETURN(const int64_t want_bytes, NumBytes(data.dtype(), data.shape()));
+  ASSIGN_OR_RETURN(const int64_t want_bytes, block == nullptr
+                                                 ? NumBytes(dtype, shape)
+                                                 : NumBytes(dtype, std::array<int64_t, 2>{block->rows, block->cols}));
   if (static_cast<int64_t>(data.nbytes()) != want_bytes || (want_bytes > 0 && data.data() == nullptr)) {
     return absl::InvalidArgumentError(absl::StrCat(hf_name, ": the view holds ", data.nbytes(), " bytes, but ",
-                                                   data.DebugString(), " needs ", want_bytes));
+                                                   block == nullptr ? what : "its block", " needs ", want_bytes));
   }
-  if (s.action == HfSource::Action::kSkip) return absl::OkStatus();
+  if (block != nullptr) {
+    // A block must be exactly what this rank keeps (all of a weight_shape): sharded delivery sends
+    // each rank its own bytes, nothing more and nothing less.
+    const MatrixDims whole = MatrixOf(s.shape);
+    int64_t r0 = 0, rows = whole.rows, c0 = 0, cols = whole.cols;
+    if (s.action == HfSource::Action::kCopy) r0 = s.src_row0, rows = s.rows, c0 = s.src_col0, cols = s.cols;
+    if (s.action == HfSource::Action::kSkip || block->row0 != r0 || block->rows != rows || block->col0 != c0 ||
+        block->cols != cols) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          hf_name, ": got its block rows [", block->row0, ", ", block->row0 + block->rows, ") x columns [", block->col0,
+          ", ", block->col0 + block->cols, "), but engine rank ", layout.parallel().tp_rank, " of ",
+          layout.parallel().tp_size,
+          s.action == HfSource::Action::kSkip
+              ? " keeps none of it"
+              : absl::StrCat(" keeps rows [", r0, ", ", r0 + rows, ") x columns [", c0, ", ", c0 + cols, ")")));
+    }
+  }
+  if (s.action == HfSource::Action::kSkip) return -1;
   if (shape_tensor) {
     int64_t v[2];
     for (int i = 0; i < 2; ++i) {
-      if (data.dtype() == DType::kI64) {
+      if (dtype == DType::kI64) {
         std::memcpy(&v[i], data.bytes().data() + 8 * i, 8);
       } else {
         int32_t x;
@@ -170,17 +187,35 @@ absl::Status Loader::Load(absl::string_view hf_name, const TensorView& data) {
           absl::StrCat(hf_name, " was already loaded in this sync (", shape_tensor ? "weight_shape" : s.what, ")"));
     }
   } while (!st.compare_exchange_weak(cur, static_cast<uint8_t>(State::kLoaded), std::memory_order_acq_rel));
-  if (shape_tensor) return absl::OkStatus();
+  return shape_tensor ? -1 : idx;
+}
 
+void Loader::CopyPiece(int idx, const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0) {
+  const EngineLayout& layout = staging_->layout();
+  const HfSource& s = layout.sources()[static_cast<size_t>(idx)];
   const EngineParam& p = layout.params()[static_cast<size_t>(s.param)];
   const MutableTensorView dst = staging_->param(s.param);
-  int64_t dst_rows = 0, dst_cols = 0, src_rows = 0, src_cols = 0;
-  MatrixDims(p.loaded_shape, &dst_rows, &dst_cols);
-  MatrixDims(s.shape, &src_rows, &src_cols);
+  const MatrixDims d = MatrixOf(p.loaded_shape);
   const size_t item = ItemSize(p.dtype);
-  std::byte* base = dst.bytes().data() + s.expert * dst_rows * dst_cols * static_cast<int64_t>(item);
-  internal::CopyBlock(data.bytes().data(), src_cols, s.src_row0, s.src_col0, s.rows, s.cols, base, dst_cols, s.dst_row0,
-                      s.dst_col0, item, s.transpose);
+  std::byte* base = dst.bytes().data() + s.expert * d.rows * d.cols * static_cast<int64_t>(item);
+  internal::CopyBlock(src, src_ld, r0, c0, s.rows, s.cols, base, d.cols, s.dst_row0, s.dst_col0, item, s.transpose);
+}
+
+absl::Status Loader::Load(absl::string_view hf_name, const TensorView& data) {
+  ASSIGN_OR_RETURN(const int idx, CheckAndClaim(hf_name, data.dtype(), data.shape(), data, nullptr));
+  if (idx < 0) return absl::OkStatus();
+  const HfSource& s = staging_->layout().sources()[static_cast<size_t>(idx)];
+  CopyPiece(idx, data.bytes().data(), MatrixOf(s.shape).cols, s.src_row0, s.src_col0);
+  return absl::OkStatus();
+}
+
+absl::Status Loader::LoadBlock(absl::string_view hf_name, DType dtype, std::span<const int64_t> shape,
+                               const BlockRef& block, const TensorView& data) {
+  if (shape.size() > 2)
+    return absl::InvalidArgumentError(absl::StrCat(hf_name, ": a block of a ", shape.size(), "-dim tensor"));
+  ASSIGN_OR_RETURN(const int idx, CheckAndClaim(hf_name, dtype, shape, data, &block));
+  if (idx < 0) return absl::OkStatus();
+  CopyPiece(idx, data.bytes().data(), block.cols, 0, 0);
   return absl::OkStatus();
 }
 

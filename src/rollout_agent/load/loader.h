@@ -30,6 +30,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -94,10 +95,28 @@ class Loader {
   // alignment); it is only read during the call.
   absl::Status Load(absl::string_view hf_name, const TensorView& data);
 
+  // Sharded delivery: `data` is a dense row-major [rows, cols] block of the sent tensor `hf_name`
+  // (dtype, shape: the whole tensor's, at most 2 dims), at (row0, col0) of its matrix view
+  // (MatrixOf). The block must be exactly the one this rank keeps (HfSource's rows and columns;
+  // all of a weight_shape), else kInvalidArgument naming both, nothing written: a block for a
+  // rank that keeps none of the tensor is refused too. Otherwise as Load.
+  struct BlockRef {
+    int64_t row0 = 0, rows = 0, col0 = 0, cols = 0;
+  };
+  absl::Status LoadBlock(absl::string_view hf_name, DType dtype, std::span<const int64_t> shape, const BlockRef& block,
+                         const TensorView& data);
+
   absl::Status CheckComplete() const { return staging_->CheckComplete(); }
   Staging& staging() const { return *staging_; }
 
  private:
+  // The checks and the claim both loads share: the source index to copy, -1 when nothing is to be
+  // copied (skipped, ignored, a weight_shape).
+  absl::StatusOr<int> CheckAndClaim(absl::string_view hf_name, DType dtype, std::span<const int64_t> shape,
+                                    const TensorView& data, const BlockRef* block);
+  // Copies source `idx`'s piece from `src` (row stride `src_ld` elements), its block starting at (r0, c0).
+  void CopyPiece(int idx, const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0);
+
   Staging* staging_;
 };
 

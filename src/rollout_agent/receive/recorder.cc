@@ -68,6 +68,10 @@ absl::Status Recorder::WriteBucket(const v1::BucketManifest& m, const std::byte*
   if (m.entries_size() == 0) return absl::OkStatus();
   SafetensorsWriter writer;
   for (const v1::BucketEntry& e : m.entries()) {
+    if (e.has_block()) {
+      return absl::UnimplementedError(absl::StrCat("recording ", e.tensor().name(),
+                                                   ": blocks of a sharded sync are not recorded (whole tensors only)"));
+    }
     if (e.nbytes() != e.total_nbytes()) {
       return absl::UnimplementedError(
           absl::StrCat("recording ", e.tensor().name(), ": split tensors are not recorded"));

@@ -15,7 +15,8 @@
 // "wsync_sync"}.
 //
 // Errors: file-system failures via ErrnoToStatus / std::filesystem codes naming the path;
-// kUnimplemented for a split entry (a tensor spread over several buckets is not recorded).
+// kUnimplemented for a split or block entry (a tensor spread over several buckets, or the block of
+// a sharded sync, is not recorded; the coordinator records broadcast syncs only).
 // Thread-safety: WriteBucket may be called concurrently (different buckets); Finish / Discard
 // must not run concurrently with WriteBucket.
 #pragma once

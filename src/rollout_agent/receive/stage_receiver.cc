@@ -52,17 +52,26 @@ std::string BucketWhere(const v1::BucketManifest& m) {
 absl::Status LoadEntry(const v1::BucketEntry& e, const Buffer& data, Loader& loader) {
   ASSIGN_OR_RETURN(const DType dtype, comm::FromProto(e.tensor().dtype()));
   Shape shape(e.tensor().shape().begin(), e.tensor().shape().end());
+  if (e.has_block()) {  // sharded delivery: the block this rank keeps (ValidateManifest sized it)
+    const auto& b = e.block();
+    const Loader::BlockRef block{b.row0(), b.rows(), b.col0(), b.cols()};
+    ASSIGN_OR_RETURN(TensorView view,
+                     TensorView::Make(dtype, Shape{b.rows(), b.cols()},
+                                      {data.data() + e.offset(), static_cast<size_t>(e.nbytes())}, e.tensor().name()));
+    return loader.LoadBlock(e.tensor().name(), dtype, shape, block, view);
+  }
   ASSIGN_OR_RETURN(TensorView view,
                    TensorView::Make(dtype, std::move(shape),
                                     {data.data() + e.offset(), static_cast<size_t>(e.nbytes())}, e.tensor().name()));
   return loader.Load(e.tensor().name(), view);
 }
 
-// Loads every entry of a bucket, up to `threads` at once; the first error wins.
+}  // namespace
+
 absl::Status LoadBucket(const v1::BucketManifest& m, const Buffer& data, Loader& loader, int threads) {
   const int n = m.entries_size();
   for (const v1::BucketEntry& e : m.entries()) {
-    if (e.nbytes() != e.total_nbytes()) {
+    if (!e.has_block() && e.nbytes() != e.total_nbytes()) {
       return absl::UnimplementedError(absl::StrCat(BucketWhere(m), ": ", e.tensor().name(), " is split (bytes [",
                                                    e.split_offset(), ", ", e.split_offset() + e.nbytes(), ") of ",
                                                    e.total_nbytes(), "); this agent loads whole tensors only"));
@@ -92,6 +101,8 @@ absl::Status LoadBucket(const v1::BucketManifest& m, const Buffer& data, Loader&
   for (auto& t : pool) t.join();
   return first;
 }
+
+namespace {
 
 absl::Status CheckManifest(const v1::BucketManifest& m, const StageOptions& o) {
   if (m.version() != o.version) {

@@ -6,10 +6,11 @@
 //
 // Checks per bucket, each failing the stage with an error naming stage and bucket:
 //   manifest.version == the sync's version, manifest.pp_stage == the group's stage (kInvalidArgument);
-//   no split entries (kUnimplemented: the agent loads whole tensors);
-//   every entry through Loader::Load (kInvalidArgument unknown name / dtype / shape, kAlreadyExists).
-// A bucket whose `targets` is non-empty and does not hold this agent's rank is skipped (sharded
-// delivery: addressed to other agents).
+//   no split entries (kUnimplemented: the agent loads whole tensors or blocks);
+//   every entry through Loader::Load, or Loader::LoadBlock for a block entry (sharded delivery:
+//   the block must be exactly this rank's) (kInvalidArgument unknown name / dtype / shape / block,
+//   kAlreadyExists).
+// A bucket whose `targets` is non-empty and does not hold this agent's rank is skipped.
 //
 // SyncCancel ties the stages of one sync together: Cancel(reason) sets the flag that group
 // formation polls and aborts every registered communicator, so a blocked receive fails at once
@@ -83,6 +84,11 @@ struct StageStats {
   absl::Duration load;      // wall time in the loader (overlaps the transfer)
   absl::Duration record;    // writing recordings
 };
+
+// Loads every entry of one received bucket (manifest validated by comm::ValidateManifest) into
+// staging, up to `threads` entries at once (one for buckets under 1 MiB); the first error, naming
+// the stage and bucket. What ReceiveStage does per bucket; public for tests of other senders.
+absl::Status LoadBucket(const v1::BucketManifest& m, const Buffer& data, Loader& loader, int threads);
 
 // See the file comment. Returns the stage's first error; on error the group is aborted.
 absl::StatusOr<StageStats> ReceiveStage(const StageOptions& options);

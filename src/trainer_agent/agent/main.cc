@@ -46,6 +46,12 @@ int main(int argc, char** argv) {
                  "Trainer -> rollout data plane: gloo (TCP), shm (colocated: every rollout agent on the trainer's "
                  "host, one shared-memory segment, no network) or nccl (GPU)")
       ->check(CLI::IsMember({"gloo", "shm", "nccl"}));
+  app.add_option("--delivery", o.delivery,
+                 "How syncs that do not choose (wsyncctl sync --delivery) reach the agents: broadcast (every agent "
+                 "receives every byte of its stage) or sharded (every agent receives only the blocks its engine "
+                 "rank keeps, one stream per group of like ranks; docs/sync.md)")
+      ->check(CLI::IsMember({"broadcast", "sharded"}))
+      ->capture_default_str();
   app.add_option("--bucket-mib", bucket_mib, "Bucket size in MiB")->check(CLI::Range(1, 1 << 16));
   app.add_option("--quant-config", quant_file,
                  "The engines' quantization config (compressed-tensors object or a config.json holding one); "

@@ -19,6 +19,9 @@
 #include "common/net.h"
 #include "common/status.h"
 #include "common/units.h"
+#include "model/expert_map.h"
+#include "plan/delivery_plan.h"
+#include "plan/sharded_sink.h"
 #include "trainer_agent/coordinator/coordinator.h"
 #include "trainer_agent/coordinator/sync_keys.h"
 #include "trainer_agent/gather/trainer_comms.h"
@@ -40,6 +43,14 @@ struct Command {
   uint64_t version = 0;
   uint64_t timeout_ms = 0;
   char backend[16] = {};
+  uint32_t sharded = 0;     // 1: sharded delivery; the receiver groups follow in a second Broadcast
+  uint32_t num_groups = 0;  // receiver groups (sharded)
+};
+
+// One receiver group of a sharded sync (SyncPlan::receiver_groups, group_agents), broadcast after
+// the Command.
+struct GroupDesc {
+  int32_t tp_size = 1, tp_rank = 0, ep_size = 1, agents = 0;
 };
 
 // One rank's outcome, gathered to every rank after a sync.
@@ -199,6 +210,7 @@ class Agent {
       co.advertise_host = dial.host;
       co.security = opts_.security;
       co.backend = opts_.backend;
+      ASSIGN_OR_RETURN(co.delivery, plan::ParseDelivery(opts_.delivery));
       co.sync_timeout = opts_.sync_timeout;
       co.metrics = &MetricsRegistry::Global();
       co.state_dir = opts_.state_dir;
@@ -242,6 +254,8 @@ class Agent {
           cmd.version = plan->version;
           cmd.timeout_ms = static_cast<uint64_t>(absl::ToInt64Milliseconds(plan->timeout));
           std::strncpy(cmd.backend, plan->backend.c_str(), sizeof(cmd.backend) - 1);
+          cmd.sharded = plan->delivery == plan::Delivery::kSharded ? 1 : 0;
+          cmd.num_groups = static_cast<uint32_t>(plan->receiver_groups.size());
         } else {
           cmd.type = kStop;
         }
@@ -249,7 +263,18 @@ class Agent {
       comm::MutableBytes cb{&cmd, sizeof(cmd)};
       RETURN_IF_ERROR(Annotate(comm::Await(world_->Broadcast({&cb, 1}, 0, forever)), "command channel"));
       if (cmd.type == kStop) break;
-      auto report = RunSync(cmd);
+      std::vector<GroupDesc> groups(cmd.num_groups);
+      if (cmd.num_groups > 0) {
+        if (world_->rank() == 0) {
+          for (size_t g = 0; g < groups.size(); ++g) {
+            const auto& p = plan->receiver_groups[g];
+            groups[g] = {p.tp_size, p.tp_rank, p.ep_size, plan->group_agents[g]};
+          }
+        }
+        comm::MutableBytes gb{groups.data(), groups.size() * sizeof(GroupDesc)};
+        RETURN_IF_ERROR(Annotate(comm::Await(world_->Broadcast({&gb, 1}, 0, forever)), "command channel (groups)"));
+      }
+      auto report = RunSync(cmd, groups);
       if (world_->rank() == 0) channel->Complete(cmd.sync_id, std::move(report));
       RequestHeapTrim();  // between syncs: what this one freed goes back to the kernel (common/heap.h)
     }
@@ -259,13 +284,53 @@ class Agent {
   }
 
  private:
-  absl::StatusOr<TrainerReport> RunSync(const Command& cmd) {
+  // Sharded delivery on a stage source: the plan over the receiver groups (the engine layouts of
+  // the model this source sends, with its quantization) and one data-plane group per receiver
+  // group, named ShardGroupName, of 1 + its agents. `make_sink(name, size)` forms one group.
+  template <typename MakeSink>
+  absl::Status MakeShardedSink(const Command& cmd, const std::vector<GroupDesc>& groups, const WeightSource& src,
+                               int stage, MakeSink& make_sink, std::optional<plan::ShardPlan>* plan_out,
+                               std::unique_ptr<plan::ShardedSink>* out) {
+    std::vector<rollout_agent::EngineParallel> parallel;
+    for (const GroupDesc& g : groups) parallel.push_back({g.tp_size, g.tp_rank, g.ep_size});
+    const std::optional<QuantizationConfig>& q = opts_.quant ? opts_.quant : src.model().quantization;
+    // Expert pruning: the engines serve the pruned model, so their layouts are its layouts.
+    std::optional<ModelConfig> pruned;
+    if (opts_.expert_map) {
+      auto json = model::PrunedConfigJson(src.config_json(), *opts_.expert_map, "the pruned model");
+      auto parsed = json.ok() ? ParseModelConfig(*json, "the pruned model") : json.status();
+      if (!parsed.ok()) return Annotate(parsed.status(), "sharded delivery");
+      pruned = std::move(*parsed);
+    }
+    auto p = plan::ShardPlan::Create(pruned ? *pruned : src.model(), q ? &*q : nullptr, parallel);
+    if (!p.ok()) return Annotate(p.status(), "sharded delivery");
+    plan_out->emplace(std::move(*p));
+    std::vector<std::unique_ptr<comm::BucketSink>> sinks;
+    std::vector<comm::BroadcastSink*> raw;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      auto made = make_sink(ShardGroupName(cmd.sync_id, stage, static_cast<int>(g)), groups[g].agents + 1);
+      if (!made.ok()) {
+        return Annotate(made.status(),
+                        absl::StrCat("stage ", stage, " data-plane group of receiver group ", g, " (engine TP rank ",
+                                     groups[g].tp_rank, " of ", groups[g].tp_size, ")"));
+      }
+      raw.push_back(made->get());
+      sinks.push_back(std::move(*made));
+    }
+    *out = std::make_unique<plan::ShardedSink>(&**plan_out, std::move(sinks), std::move(raw));
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<TrainerReport> RunSync(const Command& cmd, const std::vector<GroupDesc>& groups) {
     const int rank = world_->rank();
     const int stage = layout_->Dense(rank).pp;
     const bool is_source = layout_->IsStageSource(rank);
     const absl::Duration timeout = absl::Milliseconds(cmd.timeout_ms);
     WSYNC_LOG(INFO) << "sync " << cmd.sync_id << " (version " << cmd.version << ")"
-                    << (is_source ? absl::StrCat(": source of stage ", stage, " for ", cmd.num_agents, " agents") : "")
+                    << (is_source
+                            ? absl::StrCat(": source of stage ", stage, " for ", cmd.num_agents, " agents",
+                                           cmd.sharded ? absl::StrCat(" in ", groups.size(), " receiver groups") : "")
+                            : "")
                     << (opts_.expert_map ? absl::StrCat(", experts pruned to ", opts_.expert_map->kept(), " of ",
                                                         opts_.expert_map->num_experts, " per layer")
                                          : "");
@@ -291,23 +356,34 @@ class Agent {
     const absl::Duration join_timeout = std::min(timeout, absl::Minutes(2));
     const comm::CollectiveOptions vote_bound{join_timeout + absl::Seconds(30)};
     const comm::CollectiveOptions results_bound{2 * timeout + absl::Minutes(1)};
-    std::unique_ptr<comm::BroadcastSink> sink;
+    std::unique_ptr<comm::BroadcastSink> sink;  // broadcast delivery
+    std::optional<plan::ShardPlan> shard_plan;  // sharded delivery: the plan and its sink
+    std::unique_ptr<plan::ShardedSink> sharded;
     if (s.ok() && is_source) {
-      comm::GroupOptions g;
-      g.store = store_.get();
-      g.name = SyncGroupName(cmd.sync_id, stage);
-      g.rank = 0;
-      g.size = static_cast<int>(cmd.num_agents) + 1;
-      g.host = data_host_;
-      g.join_timeout = join_timeout;
-      g.default_timeout = timeout;
-      auto backend = comm::ParseBackend(cmd.backend);
-      auto comm = backend.ok() ? comm::CreateGroup(*backend, g) : backend.status();
-      if (comm.ok()) {
-        sink = std::make_unique<comm::BroadcastSink>(std::move(*comm), store_.get(), SyncProgressPrefix(cmd.sync_id),
+      // One data-plane group (and sink) of `size` ranks named `name`.
+      auto make_sink = [&](const std::string& name, int size) -> absl::StatusOr<std::unique_ptr<comm::BroadcastSink>> {
+        comm::GroupOptions g;
+        g.store = store_.get();
+        g.name = name;
+        g.rank = 0;
+        g.size = size;
+        g.host = data_host_;
+        g.join_timeout = join_timeout;
+        g.default_timeout = timeout;
+        ASSIGN_OR_RETURN(const comm::Backend backend, comm::ParseBackend(cmd.backend));
+        ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> comm, comm::CreateGroup(backend, g));
+        return std::make_unique<comm::BroadcastSink>(std::move(comm), store_.get(), SyncProgressPrefix(cmd.sync_id),
                                                      comm::CollectiveOptions{timeout}, &bucket_pool_);
+      };
+      if (!cmd.sharded) {
+        auto made = make_sink(SyncGroupName(cmd.sync_id, stage), static_cast<int>(cmd.num_agents) + 1);
+        if (made.ok()) {
+          sink = std::move(*made);
+        } else {
+          s = Annotate(made.status(), absl::StrCat("stage ", stage, " data-plane group"));
+        }
       } else {
-        s = Annotate(comm.status(), absl::StrCat("stage ", stage, " data-plane group"));
+        s = MakeShardedSink(cmd, groups, *src, stage, make_sink, &shard_plan, &sharded);
       }
     }
     s = Vote(*world_, s, vote_bound);
@@ -327,8 +403,15 @@ class Agent {
       // operation (then drain): longer than that, or the failure would break these communicators.
       so.collective = comm::CollectiveOptions{timeout + absl::Minutes(1)};
       so.workspace = &workspace_;
-      auto report = RunRankSync(*src, comms_, sink.get(), so);
+      comm::BucketSink* out = sharded ? static_cast<comm::BucketSink*>(sharded.get()) : sink.get();
+      auto report = RunRankSync(*src, comms_, out, so);
       if (report.ok() && sink && !sink->status().ok()) report = sink->status();
+      if (report.ok() && sharded && !sharded->status().ok()) report = sharded->status();
+      if (report.ok() && sharded) {
+        // What left this rank: every group's share (the builder's bytes are the full buckets).
+        report->bytes = 0;
+        for (uint64_t b : sharded->group_bytes()) report->bytes += b;
+      }
       if (report.ok()) {
         const absl::Duration d[7] = {report->open,   report->gather,    report->convert, report->quantize,
                                      report->bucket, report->send_wait, report->total};
@@ -348,6 +431,7 @@ class Agent {
       SetMessage(mine, s);
     }
     sink.reset();
+    sharded.reset();
 
     // 3. Results to every rank.
     std::vector<RankResult> all(world_->size());

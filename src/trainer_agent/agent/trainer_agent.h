@@ -38,6 +38,9 @@ struct TrainerAgentOptions {
   std::string data_host;
   std::string metrics_host = "127.0.0.1";  // the Prometheus endpoint's address (0.0.0.0 for a scraper elsewhere)
   std::string backend = "gloo";            // trainer -> rollout data plane
+  // Syncs that do not choose: every agent receives every byte (broadcast) or only its engine
+  // rank's blocks (sharded; plan/delivery_plan.h).
+  std::string delivery = "broadcast";
   uint64_t bucket_bytes = uint64_t{512} << 20;
   std::optional<QuantizationConfig> quant;     // the engines' quantization config (else the model's own)
   std::optional<model::ExpertMap> expert_map;  // expert pruning (checked against the model at every sync)

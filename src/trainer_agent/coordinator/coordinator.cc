@@ -81,6 +81,7 @@ class Coordinator::Impl {
       : opts_(o),
         trainer_(trainer),
         domain_({.backend = o.backend,
+                 .delivery = o.delivery,
                  .heartbeat = o.heartbeat,
                  .member_timeout = o.member_timeout,
                  .sync_timeout = o.sync_timeout,

@@ -15,6 +15,7 @@
 #include "comm/store/store.h"
 #include "common/metrics.h"
 #include "common/rpc_security.h"
+#include "plan/delivery_plan.h"
 #include "trainer_agent/coordinator/sync_coordinator.h"
 
 namespace wsync::trainer_agent {
@@ -26,12 +27,13 @@ struct CoordinatorOptions {
   std::string advertise_host;
   RpcSecurity security;
   std::string backend = "gloo";
-  absl::Duration heartbeat = absl::Seconds(2);        // agents heartbeat this often
-  absl::Duration member_timeout = absl::Seconds(10);  // dropped after this much silence
-  absl::Duration sync_timeout = absl::Minutes(10);    // bound on one whole sync
-  absl::Duration rpc_timeout = absl::Seconds(60);     // Begin/Commit/Abort round trips
-  MetricsRegistry* metrics = nullptr;                 // optional
-  std::string state_dir;                              // durable state (SyncCoordinatorOptions::state_dir)
+  plan::Delivery delivery = plan::Delivery::kBroadcast;  // of syncs that do not choose (--delivery)
+  absl::Duration heartbeat = absl::Seconds(2);           // agents heartbeat this often
+  absl::Duration member_timeout = absl::Seconds(10);     // dropped after this much silence
+  absl::Duration sync_timeout = absl::Minutes(10);       // bound on one whole sync
+  absl::Duration rpc_timeout = absl::Seconds(60);        // Begin/Commit/Abort round trips
+  MetricsRegistry* metrics = nullptr;                    // optional
+  std::string state_dir;                                 // durable state (SyncCoordinatorOptions::state_dir)
 };
 
 class Coordinator {

@@ -51,7 +51,7 @@ Histogram* HistogramOf(MetricsRegistry* m, absl::string_view name, absl::string_
 
 struct SyncCoordinator::Member {
   std::string id, address, engine_id;
-  uint32_t tp_rank = 0, tp_size = 1;
+  uint32_t tp_rank = 0, tp_size = 1, ep_size = 1;
   uint64_t version = 0;
   absl::Time last_seen;
   std::shared_ptr<AgentClient> client;
@@ -59,6 +59,7 @@ struct SyncCoordinator::Member {
 
 struct SyncCoordinator::SyncRecord {
   uint64_t id = 0, version = 0;
+  plan::Delivery delivery = plan::Delivery::kBroadcast;
   std::string phase = "queued";
   std::string error;
   absl::Time start;
@@ -111,6 +112,7 @@ absl::Status SyncCoordinator::Join(const v1::JoinRequest& req, v1::JoinReply* re
   m.engine_id = req.engine_id();
   m.tp_rank = req.tp_rank();
   m.tp_size = req.tp_size();
+  m.ep_size = std::max<uint32_t>(req.ep_size(), 1);
   m.version = req.version();
   m.last_seen = absl::Now();
   m.client = connect_(m.address);
@@ -242,6 +244,10 @@ absl::Status SyncCoordinator::TriggerSync(const v1::TriggerSyncRequest& req, v1:
                                                       " rollout agents; ", members_.size(), " have joined"));
   }
   RETURN_IF_ERROR(CheckFleet());
+  plan::Delivery delivery = opts_.delivery;
+  if (!req.delivery().empty()) {
+    ASSIGN_OR_RETURN(delivery, plan::ParseDelivery(req.delivery()));
+  }
   if (const uint64_t v = req.version(); v != 0) {
     // Join a sync of the same version (queued, running, or done): one sync for all ranks.
     for (auto& [sid, rec] : syncs_) {
@@ -267,6 +273,7 @@ absl::Status SyncCoordinator::TriggerSync(const v1::TriggerSyncRequest& req, v1:
   const uint64_t id = next_sync_id_++;
   SyncRecord rec;
   rec.id = id;
+  rec.delivery = delivery;
   if (req.version() != 0) {
     rec.version = req.version();
     next_version_ = std::max(next_version_, rec.version + 1);
@@ -351,6 +358,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
     start = rec.start;
     plan.sync_id = id;
     plan.version = rec.version;
+    plan.delivery = rec.delivery;
     for (auto& m : members) {
       v1::MemberState ms;
       ms.set_agent_id(m.id);
@@ -365,7 +373,22 @@ void SyncCoordinator::RunSync(uint64_t id) {
   plan.timeout = opts_.sync_timeout;
   plan.deadline = start + opts_.sync_timeout;
   for (int p = 0; p < trainer_->num_stages(); ++p) plan.group_names.push_back(SyncGroupName(id, p));
-  WSYNC_LOG(INFO) << "sync " << id << " -> version " << plan.version << " with " << members.size() << " agents";
+  // Sharded delivery: agents grouped by the blocks their engine ranks keep; each agent joins its
+  // group's stream of every stage, as rank 1 + its place in the group.
+  plan::Grouping grouping;
+  if (plan.delivery == plan::Delivery::kSharded) {
+    std::vector<rollout_agent::EngineParallel> ranks;
+    for (const Member& m : members)
+      ranks.push_back({static_cast<int>(m.tp_size), static_cast<int>(m.tp_rank), static_cast<int>(m.ep_size)});
+    grouping = plan::GroupReceivers(ranks);
+    plan.receiver_groups = grouping.groups;
+    for (const auto& g : grouping.members) plan.group_agents.push_back(static_cast<int>(g.size()));
+  }
+  WSYNC_LOG(INFO) << "sync " << id << " -> version " << plan.version << " with " << members.size() << " agents, "
+                  << plan::DeliveryName(plan.delivery) << " delivery"
+                  << (plan.delivery == plan::Delivery::kSharded
+                          ? absl::StrCat(" to ", grouping.groups.size(), " receiver groups")
+                          : "");
 
   // Every call to the agents ends by the sync's deadline (a hung agent fails the sync within its
   // timeout, not an RPC timeout later), but never gets less than `floor`. The commit keeps at least
@@ -395,15 +418,18 @@ void SyncCoordinator::RunSync(uint64_t id) {
         r.set_version(plan.version);
         r.set_backend(plan.backend);
         r.set_store_address(store_address_);
-        r.set_agent_rank(static_cast<uint32_t>(i + 1));
+        const bool sharded = plan.delivery == plan::Delivery::kSharded;
+        const int group = sharded ? grouping.group_of[i] : -1;
+        r.set_agent_rank(static_cast<uint32_t>(sharded ? grouping.rank_in_group[i] + 1 : i + 1));
         for (int p = 0; p < trainer_->num_stages(); ++p) {
           auto* g = r.add_groups();
           g->set_pp_stage(p);
-          g->set_name(plan.group_names[p]);
-          g->set_size(static_cast<uint32_t>(members.size() + 1));
+          g->set_name(sharded ? ShardGroupName(id, p, group) : plan.group_names[p]);
+          g->set_size(static_cast<uint32_t>(sharded ? plan.group_agents[group] + 1 : members.size() + 1));
         }
         r.set_timeout_ms(absl::ToInt64Milliseconds(opts_.sync_timeout));
-        r.set_record(true);
+        // A recording holds whole tensors: sharded syncs (blocks) are not recorded.
+        r.set_record(!sharded);
         r.set_sync_key(absl::StrCat(run_id_, "-", id));
         v1::BeginSyncReply reply;
         return agent.BeginSync(r, bounded(opts_.rpc_timeout, kCallFloor), &reply);
@@ -791,6 +817,7 @@ absl::Status SyncCoordinator::Timings(const v1::TimingsRequest& req, v1::Timings
   }
   reply->set_version(found->version);
   reply->set_sync_id(found->id);
+  reply->set_delivery(std::string(plan::DeliveryName(found->delivery)));
   for (const auto& p : found->phases) {
     auto* out = reply->add_phases();
     out->set_phase(p.phase);

@@ -38,6 +38,7 @@
 #include "absl/time/time.h"
 #include "comm/store/store.h"
 #include "common/metrics.h"
+#include "plan/delivery_plan.h"
 #include "trainer_agent/coordinator/agent_client.h"
 #include "wsync/v1/coordinator.pb.h"
 
@@ -50,7 +51,13 @@ struct SyncPlan {
   std::string backend;                   // "gloo" | "nccl"
   std::vector<std::string> group_names;  // one per pipeline stage: SyncGroupName(id, p)
   int num_agents = 0;                    // rollout agents, ranks 1..num_agents of every group
-  absl::Duration timeout;                // every trainer-side operation's bound
+  // Sharded delivery (plan/delivery_plan.h): the receiver groups (engine rank layouts) and how
+  // many agents each has; stage p's group g is ShardGroupName(id, p, g), of size 1 + its agents.
+  // Empty for broadcast delivery.
+  plan::Delivery delivery = plan::Delivery::kBroadcast;
+  std::vector<rollout_agent::EngineParallel> receiver_groups;
+  std::vector<int> group_agents;
+  absl::Duration timeout;  // every trainer-side operation's bound
   // When the whole sync must have ended (its start + the sync timeout): RunSync gives up waiting
   // then with kDeadlineExceeded, and the trainer ranks finish (drain) in the background.
   absl::Time deadline = absl::InfiniteFuture();
@@ -83,11 +90,12 @@ class TrainerSide {
 
 struct SyncCoordinatorOptions {
   std::string backend = "gloo";
-  absl::Duration heartbeat = absl::Seconds(2);        // agents heartbeat this often
-  absl::Duration member_timeout = absl::Seconds(10);  // dropped after this much silence
-  absl::Duration sync_timeout = absl::Minutes(10);    // bound on one whole sync
-  absl::Duration rpc_timeout = absl::Seconds(60);     // Begin/Commit/Abort round trips
-  MetricsRegistry* metrics = nullptr;                 // optional, not owned
+  plan::Delivery delivery = plan::Delivery::kBroadcast;  // the default of syncs that do not choose
+  absl::Duration heartbeat = absl::Seconds(2);           // agents heartbeat this often
+  absl::Duration member_timeout = absl::Seconds(10);     // dropped after this much silence
+  absl::Duration sync_timeout = absl::Minutes(10);       // bound on one whole sync
+  absl::Duration rpc_timeout = absl::Seconds(60);        // Begin/Commit/Abort round trips
+  MetricsRegistry* metrics = nullptr;                    // optional, not owned
   // Durable state (DIR/coordinator-state.json; empty: none): versions, the next version and sync
   // id, the last published version and the finished syncs' timings survive a restart.
   std::string state_dir;

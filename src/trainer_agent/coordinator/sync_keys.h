@@ -3,7 +3,8 @@
 // and the trainer agent (its stage sources form the groups and count progress).
 //
 //   sync-<id>/pp<stage>          the data-plane group of one pipeline stage (comm/rendezvous.h
-//                                prefixes its own keys with it)
+//                                prefixes its own keys with it); broadcast delivery
+//   sync-<id>/pp<stage>/g<group> sharded delivery: one group per stage and receiver group
 //   sync-<id>/progress/bytes     data bytes the stage sources have streamed so far (summed)
 //   sync-<id>/progress/buckets   buckets they have streamed so far (summed)
 // The keys of a sync are dropped when the next one ends (a late member of an ended sync then fails
@@ -22,6 +23,10 @@ namespace wsync::trainer_agent {
 inline std::string SyncKeyPrefix(uint64_t sync_id) { return absl::StrCat("sync-", sync_id, "/"); }
 inline std::string SyncGroupName(uint64_t sync_id, int pp_stage) {
   return absl::StrCat(SyncKeyPrefix(sync_id), "pp", pp_stage);
+}
+// Sharded delivery: the data-plane group of receiver group `group` in stage `pp_stage`.
+inline std::string ShardGroupName(uint64_t sync_id, int pp_stage, int group) {
+  return absl::StrCat(SyncGroupName(sync_id, pp_stage), "/g", group);
 }
 // The prefix of a sync's progress counters; the counters are SyncProgressPrefix(id) + kProgress*.
 inline std::string SyncProgressPrefix(uint64_t sync_id) { return absl::StrCat(SyncKeyPrefix(sync_id), "progress/"); }

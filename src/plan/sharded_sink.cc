@@ -1,0 +1,161 @@
+#include "plan/sharded_sink.h"
+
+#include <cstring>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "comm/bucket/bucket_format.h"
+#include "common/status.h"
+#include "common/tensor.h"
+
+namespace wsync::plan {
+
+ShardedSink::ShardedSink(const ShardPlan* plan, std::vector<std::unique_ptr<comm::BucketSink>> groups,
+                         std::vector<comm::BroadcastSink*> broadcast)
+    : plan_(plan),
+      groups_(std::move(groups)),
+      broadcast_(std::move(broadcast)),
+      next_index_(groups_.size(), 0),
+      group_bytes_(groups_.size(), 0) {}
+
+absl::Status ShardedSink::status() const {
+  for (comm::BroadcastSink* b : broadcast_)
+    if (!b->status().ok()) return b->status();
+  return absl::OkStatus();
+}
+
+absl::Status ShardedSink::CutGroup(int g, const v1::BucketManifest& full, const Buffer& data, Cut* cut) {
+  struct Piece {
+    const v1::BucketEntry* entry;
+    Block block;
+    uint64_t offset, nbytes;
+  };
+  std::vector<Piece> pieces;
+  uint64_t end = 0;
+  for (const v1::BucketEntry& e : full.entries()) {
+    ASSIGN_OR_RETURN(const DType dtype, comm::FromProto(e.tensor().dtype()));
+    const std::span<const int64_t> shape(e.tensor().shape().data(), static_cast<size_t>(e.tensor().shape_size()));
+    ASSIGN_OR_RETURN(const std::optional<Block> b, plan_->BlockFor(g, e.tensor().name(), dtype, shape));
+    if (!b) continue;
+    const uint64_t n = b->whole ? e.nbytes() : static_cast<uint64_t>(b->rows * b->cols) * ItemSize(dtype);
+    const uint64_t at = pieces.empty() ? 0 : comm::AlignEntry(end);
+    pieces.push_back({&e, *b, at, n});
+    end = at + n;
+  }
+  if (pieces.empty() && !full.last()) return absl::OkStatus();  // nothing for this group
+  Buffer out = groups_[static_cast<size_t>(g)]->Recycle(end);
+  if (out.size() < end || out.device() >= 0) {
+    auto b = Buffer::Allocate(end);
+    if (!b.ok()) return Annotate(b.status(), absl::StrCat("a bucket of receiver group ", g));
+    out = std::move(*b);
+  }
+  v1::BucketManifest m;
+  m.set_version(full.version());
+  m.set_pp_stage(full.pp_stage());
+  m.set_index(next_index_[static_cast<size_t>(g)]++);
+  m.set_last(full.last());
+  m.set_nbytes(end);
+  uint64_t cursor = 0;
+  for (const Piece& p : pieces) {
+    if (p.offset > cursor) std::memset(out.data() + cursor, 0, p.offset - cursor);
+    cursor = p.offset + p.nbytes;
+    const v1::BucketEntry& e = *p.entry;
+    const std::byte* src = data.data() + e.offset();
+    std::byte* dst = out.data() + p.offset;
+    v1::BucketEntry* ne = m.add_entries();
+    *ne->mutable_tensor() = e.tensor();
+    ne->set_offset(p.offset);
+    ne->set_nbytes(p.nbytes);
+    ne->set_split_offset(0);
+    ne->set_total_nbytes(e.total_nbytes());
+    if (p.block.whole) {
+      std::memcpy(dst, src, p.nbytes);
+      continue;
+    }
+    v1::TensorBlock* tb = ne->mutable_block();
+    tb->set_row0(p.block.row0);
+    tb->set_rows(p.block.rows);
+    tb->set_col0(p.block.col0);
+    tb->set_cols(p.block.cols);
+    const size_t item = ItemSize(*comm::FromProto(e.tensor().dtype()));
+    const MatrixDims dims =
+        MatrixOf(std::span<const int64_t>(e.tensor().shape().data(), static_cast<size_t>(e.tensor().shape_size())));
+    const size_t row_bytes = static_cast<size_t>(p.block.cols) * item;
+    const size_t ld = static_cast<size_t>(dims.cols) * item;
+    const std::byte* first = src + static_cast<size_t>(p.block.row0) * ld + static_cast<size_t>(p.block.col0) * item;
+    if (p.block.cols == dims.cols) {
+      std::memcpy(dst, first, row_bytes * static_cast<size_t>(p.block.rows));  // a row cut: one range
+    } else {
+      for (int64_t r = 0; r < p.block.rows; ++r)
+        std::memcpy(dst + static_cast<size_t>(r) * row_bytes, first + static_cast<size_t>(r) * ld, row_bytes);
+    }
+  }
+  cut->manifest = std::move(m);
+  cut->data = std::move(out);
+  cut->nbytes = end;
+  cut->send = true;
+  return absl::OkStatus();
+}
+
+absl::Status ShardedSink::Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) {
+  if (data.device() >= 0) {
+    return absl::FailedPreconditionError(
+        "sharded delivery cuts host buckets: stage device buckets to the host first (DeviceStagingSink)");
+  }
+  if (!status().ok()) return absl::OkStatus();  // draining
+  if (nbytes != manifest.nbytes() || nbytes > data.size())
+    return absl::InvalidArgumentError(absl::StrCat("ShardedSink: bucket of ", nbytes, " bytes, manifest says ",
+                                                   manifest.nbytes(), ", buffer holds ", data.size()));
+  const absl::Time t0 = absl::Now();
+  const int n = static_cast<int>(groups_.size());
+  std::vector<absl::Status> st(static_cast<size_t>(n));
+  std::vector<Cut> cuts(static_cast<size_t>(n));
+  // A thread per group, except for small buckets (a thread costs more than their copies).
+  if (n > 1 && nbytes >= (uint64_t{1} << 20)) {
+    std::vector<std::thread> threads;
+    for (int g = 1; g < n; ++g)
+      threads.emplace_back([&, g] { st[static_cast<size_t>(g)] = CutGroup(g, manifest, data, &cuts[g]); });
+    st[0] = CutGroup(0, manifest, data, &cuts[0]);
+    for (auto& t : threads) t.join();
+  } else {
+    for (int g = 0; g < n; ++g) st[static_cast<size_t>(g)] = CutGroup(g, manifest, data, &cuts[g]);
+  }
+  cut_ += absl::Now() - t0;
+  spare_ = std::move(data);
+  for (const absl::Status& s : st) RETURN_IF_ERROR(s);
+  // The group sinks are sent to from this thread only (a BucketSink is single-threaded).
+  for (int g = 0; g < n; ++g) {
+    Cut& c = cuts[static_cast<size_t>(g)];
+    if (!c.send) continue;
+    group_bytes_[static_cast<size_t>(g)] += c.nbytes;
+    RETURN_IF_ERROR(groups_[static_cast<size_t>(g)]->Send(std::move(c.manifest), std::move(c.data), c.nbytes));
+  }
+  const absl::Status failed = status();
+  if (!failed.ok()) {
+    for (comm::BroadcastSink* b : broadcast_) b->Abort(failed);
+  }
+  return absl::OkStatus();
+}
+
+Buffer ShardedSink::Recycle(uint64_t min_bytes) {
+  if (spare_.size() >= min_bytes && spare_.device() < 0) return std::move(spare_);
+  return Buffer();
+}
+
+absl::Status ShardedSink::Finish() {
+  absl::Status first;
+  for (auto& g : groups_) {
+    absl::Status s = g->Finish();
+    if (first.ok()) first = s;
+  }
+  const absl::Status failed = status();
+  if (!failed.ok()) {
+    for (comm::BroadcastSink* b : broadcast_) b->Abort(failed);
+  }
+  return first;
+}
+
+}  // namespace wsync::plan
