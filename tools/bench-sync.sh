@@ -13,7 +13,7 @@
 # --mode broadcast|sharded|both: the delivery measured (docs/sync.md "Sharded delivery"); with both,
 # one run measures broadcast then sharded (each after a warm-up sync of its own) and prints, per
 # mode, the total time, the bytes each engine rank received (and its share: 1/T of the broadcast
-# bytes plus what every rank keeps whole), the bytes the stage source sent, and the ratio of the
+# bytes plus what every rank keeps whole), the bytes each trainer rank sent, and the ratio of the
 # sync to this host's limit: the most bytes one process must send or receive, at the rate of a raw
 # one-to-one gloo broadcast of that many bytes measured in the same run.
 #
@@ -71,13 +71,16 @@ for f in "$WSYNC_WORKDIR"/logs/agent-*.log; do
   echo "$(basename "$f" .log) $(grep "prepared:" "$f" | tail -n1 | sed -n 's/.* tensors, \([0-9]*\) bytes in.*/\1/p')"
 done > "$work/received-$mode.txt"
 bytes=$(python3 -c 'import json,sys; t=json.load(open(sys.argv[1])); print(max(p.get("bytes",0) for p in t["phases"]))' "$work/timings-$mode.json")
+# Bytes each trainer rank sent in it (its "done on this rank" line of that sync).
+sid=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["sync_id"])' "$work/timings-$mode.json")
+grep "sync $sid done on this rank" "$WSYNC_WORKDIR/logs/trainer.log" |
+  sed -n 's/.*trainer\[\([0-9]*\)\].* (\([0-9]*\) bytes) sent.*/rank-\1 \2/p' | sort > "$work/sent-$mode.txt"
 # This host's limit: the most bytes one process sends or receives, through a raw one-to-one broadcast.
 most=$(python3 -c '
-import json, sys
-t = json.load(open(sys.argv[1]))
-sent = next(p["bytes"] for p in t["phases"] if p["phase"] == "trainer_total")
+import sys
+sent = max(int(l.split()[1]) for l in open(sys.argv[1]) if len(l.split()) == 2)
 got = max(int(l.split()[1]) for l in open(sys.argv[2]) if len(l.split()) == 2)
-print(max(sent, got))' "$work/timings-$mode.json" "$work/received-$mode.txt")
+print(max(sent, got))' "$work/sent-$mode.txt" "$work/received-$mode.txt")
 "$bin/wsync-bench-comm" --backend gloo --ranks 2 -b "$most" -e "$most" -n 2 -w 1 > "$work/limit-$mode.txt"
 # Peak memory of the processes while they are still up.
 for pid in $(pgrep -f "wsync-(rollout-agent|trainer-agent|ref-engine).*$work"); do
@@ -149,7 +152,6 @@ for line in open(f"{work}/memory-{mode}.txt"):
     print(f"#   {name:22s} pid {pid:>7}: peak {int(kb) / 1024:9.1f} MiB, of which engine shm {int(shm) / 1024:8.1f} MiB")
 # Delivery: bytes per engine rank and per sender, against this host's limit.
 got = {l.split()[0]: int(l.split()[1]) for l in open(f"{work}/received-{mode}.txt") if len(l.split()) == 2}
-sent = next(p["bytes"] for p in t["phases"] if p["phase"] == "trainer_total")
 bcast = {}
 try:
     bcast = {l.split()[0]: int(l.split()[1]) for l in open(f"{work}/received-broadcast.txt") if len(l.split()) == 2}
@@ -157,7 +159,8 @@ except FileNotFoundError:
     pass
 print(f"# bytes received per engine rank ({mode}):" + "".join(
     f" {a} {b}" + (f" ({b / bcast[a]:.3f} of broadcast)" if a in bcast else "") for a, b in sorted(got.items())))
-print(f"# bytes sent by the stage source: {sent} (one stage; the other trainer ranks only gather)")
+sent_by = {l.split()[0]: int(l.split()[1]) for l in open(f"{work}/sent-{mode}.txt") if len(l.split()) == 2}
+print(f"# bytes sent per trainer rank ({mode}):" + "".join(f" {r} {b}" for r, b in sorted(sent_by.items())))
 for line in open(f"{work}/limit-{mode}.txt"):
     f = line.split()
     if len(f) >= 9 and f[0].isdigit() and f[3] == "0":

@@ -3,7 +3,7 @@
 # (which exports WSYNC_COORDINATOR, WSYNC_TOKEN_FILE, WSYNC_ENGINES, WSYNC_HF, WSYNC_WORKDIR) with
 # a fleet of mixed layouts (engines of TP 2 with EP 2, TP 2, TP 1). The demo's syncs were sharded
 # and verified bit-exact on every engine rank. Here:
-#   1. the last sync's timings say "sharded delivery";
+#   1. the last sync's timings say "sharded delivery"; three trainer ranks sent the stage;
 #   2. one broadcast sync of the same weights, then one sharded sync, each verified bit-exact;
 #   3. bytes each rollout agent received (its log's "prepared" line): a TP 2 rank receives at most
 #      0.6 of what broadcast sends it (its half plus the replicated tensors), a TP 1 rank all of it.
@@ -13,6 +13,12 @@ ctl=("$bin/wsyncctl" --coordinator "$WSYNC_COORDINATOR" --token-file "$WSYNC_TOK
 fail() { echo "FAIL: $*"; exit 1; }
 "${ctl[@]}" timings | head -n1 | grep -q "sharded delivery" || fail "the demo's syncs were not sharded: $("${ctl[@]}" timings | head -n1)"
 echo "ok: the demo's syncs used sharded delivery"
+# Spread senders: the stage source's TP peer and EP peer send their share (4 ranks, TP 2 x EP 2).
+grep "sync 1 (version 1): sender" "$WSYNC_WORKDIR/logs/trainer.log" | head -n2
+senders=$(grep -c "sync 1 (version 1): \(source\|sender [0-9]*\) of stage 0 for 5 agents in 5 receiver groups" \
+  "$WSYNC_WORKDIR/logs/trainer.log" || true)
+[ "$senders" = 3 ] || fail "sync 1 had $senders senders of stage 0, expected 3 (the source, its TP peer, its EP peer)"
+echo "ok: three trainer ranks sent stage 0 (the source, its TP peer, its EP peer)"
 
 received() {  # received: "LOG BYTES" of every agent's last prepared sync
   for f in "$WSYNC_WORKDIR"/logs/agent-*.log; do

@@ -641,8 +641,11 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
       return absl::InvalidArgumentError(
           absl::StrCat(who, ": group names must be non-empty and distinct (\"", g.name(), "\")"));
     }
-    if (!stages.insert(g.pp_stage()).second) {
-      return absl::InvalidArgumentError(absl::StrCat(who, ": two groups for pipeline stage ", g.pp_stage()));
+    // Sharded delivery sends a stage over several streams (one per sender); a recording names its
+    // files by stage and bucket index, so a recorded sync has one stream per stage.
+    if (!stages.insert(g.pp_stage()).second && req.record()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(who, ": two groups for pipeline stage ", g.pp_stage(), " in a recorded sync"));
     }
     if (g.size() < 2 || req.agent_rank() < 1 || req.agent_rank() >= g.size()) {
       return absl::InvalidArgumentError(absl::StrCat(who, ": agent_rank ", req.agent_rank(), " does not fit group \"",

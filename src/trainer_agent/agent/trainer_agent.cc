@@ -70,8 +70,10 @@ constexpr const char* kPhaseNames[7] = {"open",   "gather",    "convert",      "
 // waits; the main loop broadcasts it and reports back.
 class CommandChannel final : public TrainerSide {
  public:
-  CommandChannel(int world, int stages) : world_(world), stages_(stages) {}
+  CommandChannel(int world, int stages, std::vector<int> senders)
+      : world_(world), stages_(stages), senders_(std::move(senders)) {}
   int num_stages() const override { return stages_; }
+  int num_senders(int stage) const override { return senders_[static_cast<size_t>(stage)]; }
   int world_size() const override { return world_; }
 
   // Hands the plan to the main loop and waits for its result until plan.deadline. A sync given up
@@ -125,6 +127,7 @@ class CommandChannel final : public TrainerSide {
 
  private:
   const int world_, stages_;
+  const std::vector<int> senders_;  // per stage, spread senders (sharded delivery)
   absl::Mutex mu_;
   std::optional<SyncPlan> pending_ ABSL_GUARDED_BY(mu_);
   std::optional<absl::StatusOr<TrainerReport>> result_ ABSL_GUARDED_BY(mu_);
@@ -203,7 +206,9 @@ class Agent {
     std::unique_ptr<Coordinator> coordinator;
     std::unique_ptr<CommandChannel> channel;
     if (world_->rank() == 0) {
-      channel = std::make_unique<CommandChannel>(world_->size(), stages_);
+      std::vector<int> senders;
+      for (int p = 0; p < stages_; ++p) senders.push_back(static_cast<int>(StageSenders(*layout_, p, true).size()));
+      channel = std::make_unique<CommandChannel>(world_->size(), stages_, std::move(senders));
       CoordinatorOptions co;
       co.listen = opts_.coordinator_listen.empty() ? opts_.coordinator : opts_.coordinator_listen;
       ASSIGN_OR_RETURN(const HostPort dial, SplitHostPort(opts_.coordinator));
@@ -284,12 +289,13 @@ class Agent {
   }
 
  private:
-  // Sharded delivery on a stage source: the plan over the receiver groups (the engine layouts of
-  // the model this source sends, with its quantization) and one data-plane group per receiver
-  // group, named ShardGroupName, of 1 + its agents. `make_sink(name, size)` forms one group.
+  // Sharded delivery on a sender of the stage (index `sender` of StageSenders): the plan over the
+  // receiver groups (the engine layouts of the model it sends, with its quantization) and one
+  // data-plane group per receiver group, named ShardGroupName, of 1 + its agents.
+  // `make_sink(name, size)` forms one group.
   template <typename MakeSink>
   absl::Status MakeShardedSink(const Command& cmd, const std::vector<GroupDesc>& groups, const WeightSource& src,
-                               int stage, MakeSink& make_sink, std::optional<plan::ShardPlan>* plan_out,
+                               int stage, int sender, MakeSink& make_sink, std::optional<plan::ShardPlan>* plan_out,
                                std::unique_ptr<plan::ShardedSink>* out) {
     std::vector<rollout_agent::EngineParallel> parallel;
     for (const GroupDesc& g : groups) parallel.push_back({g.tp_size, g.tp_rank, g.ep_size});
@@ -308,7 +314,7 @@ class Agent {
     std::vector<std::unique_ptr<comm::BucketSink>> sinks;
     std::vector<comm::BroadcastSink*> raw;
     for (size_t g = 0; g < groups.size(); ++g) {
-      auto made = make_sink(ShardGroupName(cmd.sync_id, stage, static_cast<int>(g)), groups[g].agents + 1);
+      auto made = make_sink(ShardGroupName(cmd.sync_id, stage, sender, static_cast<int>(g)), groups[g].agents + 1);
       if (!made.ok()) {
         return Annotate(made.status(),
                         absl::StrCat("stage ", stage, " data-plane group of receiver group ", g, " (engine TP rank ",
@@ -325,10 +331,18 @@ class Agent {
     const int rank = world_->rank();
     const int stage = layout_->Dense(rank).pp;
     const bool is_source = layout_->IsStageSource(rank);
+    // Sharded delivery spreads the stage over its senders (StageSenders); this rank's index there.
+    int sender = is_source ? 0 : -1;
+    if (cmd.sharded) {
+      const std::vector<int> senders = StageSenders(*layout_, stage, true);
+      auto at = std::find(senders.begin(), senders.end(), rank);
+      sender = at == senders.end() ? -1 : static_cast<int>(at - senders.begin());
+    }
     const absl::Duration timeout = absl::Milliseconds(cmd.timeout_ms);
     WSYNC_LOG(INFO) << "sync " << cmd.sync_id << " (version " << cmd.version << ")"
-                    << (is_source
-                            ? absl::StrCat(": source of stage ", stage, " for ", cmd.num_agents, " agents",
+                    << (sender >= 0
+                            ? absl::StrCat(": ", is_source ? "source" : absl::StrCat("sender ", sender), " of stage ",
+                                           stage, " for ", cmd.num_agents, " agents",
                                            cmd.sharded ? absl::StrCat(" in ", groups.size(), " receiver groups") : "")
                             : "")
                     << (opts_.expert_map ? absl::StrCat(", experts pruned to ", opts_.expert_map->kept(), " of ",
@@ -359,7 +373,7 @@ class Agent {
     std::unique_ptr<comm::BroadcastSink> sink;  // broadcast delivery
     std::optional<plan::ShardPlan> shard_plan;  // sharded delivery: the plan and its sink
     std::unique_ptr<plan::ShardedSink> sharded;
-    if (s.ok() && is_source) {
+    if (s.ok() && sender >= 0) {
       // One data-plane group (and sink) of `size` ranks named `name`.
       auto make_sink = [&](const std::string& name, int size) -> absl::StatusOr<std::unique_ptr<comm::BroadcastSink>> {
         comm::GroupOptions g;
@@ -383,14 +397,14 @@ class Agent {
           s = Annotate(made.status(), absl::StrCat("stage ", stage, " data-plane group"));
         }
       } else {
-        s = MakeShardedSink(cmd, groups, *src, stage, make_sink, &shard_plan, &sharded);
+        s = MakeShardedSink(cmd, groups, *src, stage, sender, make_sink, &shard_plan, &sharded);
       }
     }
     s = Vote(*world_, s, vote_bound);
 
     // 2. The sync itself.
     RankResult mine;
-    mine.source = is_source;
+    mine.source = sender >= 0;
     if (s.ok()) {
       SyncOptions so;
       so.version = cmd.version;
@@ -403,6 +417,7 @@ class Agent {
       // operation (then drain): longer than that, or the failure would break these communicators.
       so.collective = comm::CollectiveOptions{timeout + absl::Minutes(1)};
       so.workspace = &workspace_;
+      so.spread_senders = cmd.sharded != 0;
       comm::BucketSink* out = sharded ? static_cast<comm::BucketSink*>(sharded.get()) : sink.get();
       auto report = RunRankSync(*src, comms_, out, so);
       if (report.ok() && sink && !sink->status().ok()) report = sink->status();
@@ -455,8 +470,8 @@ class Agent {
       report.tensors += r.tensors;
     }
     report.phases.back().bytes = report.bytes;
-    WSYNC_LOG(INFO) << "sync " << cmd.sync_id << " done on this rank: " << FormatBytes(mine.bytes) << " in "
-                    << mine.seconds[6] << " s";
+    WSYNC_LOG(INFO) << "sync " << cmd.sync_id << " done on this rank: " << FormatBytes(mine.bytes) << " (" << mine.bytes
+                    << " bytes) sent in " << mine.seconds[6] << " s";
     return report;
   }
 

@@ -422,10 +422,12 @@ void SyncCoordinator::RunSync(uint64_t id) {
         const int group = sharded ? grouping.group_of[i] : -1;
         r.set_agent_rank(static_cast<uint32_t>(sharded ? grouping.rank_in_group[i] + 1 : i + 1));
         for (int p = 0; p < trainer_->num_stages(); ++p) {
-          auto* g = r.add_groups();
-          g->set_pp_stage(p);
-          g->set_name(sharded ? ShardGroupName(id, p, group) : plan.group_names[p]);
-          g->set_size(static_cast<uint32_t>(sharded ? plan.group_agents[group] + 1 : members.size() + 1));
+          for (int k = 0; k < (sharded ? trainer_->num_senders(p) : 1); ++k) {
+            auto* g = r.add_groups();
+            g->set_pp_stage(p);
+            g->set_name(sharded ? ShardGroupName(id, p, k, group) : plan.group_names[p]);
+            g->set_size(static_cast<uint32_t>(sharded ? plan.group_agents[group] + 1 : members.size() + 1));
+          }
         }
         r.set_timeout_ms(absl::ToInt64Milliseconds(opts_.sync_timeout));
         // A recording holds whole tensors: sharded syncs (blocks) are not recorded.

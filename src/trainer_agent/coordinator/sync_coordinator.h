@@ -52,8 +52,8 @@ struct SyncPlan {
   std::vector<std::string> group_names;  // one per pipeline stage: SyncGroupName(id, p)
   int num_agents = 0;                    // rollout agents, ranks 1..num_agents of every group
   // Sharded delivery (plan/delivery_plan.h): the receiver groups (engine rank layouts) and how
-  // many agents each has; stage p's group g is ShardGroupName(id, p, g), of size 1 + its agents.
-  // Empty for broadcast delivery.
+  // many agents each has; stage p's stream from sender k to group g is ShardGroupName(id, p, k, g),
+  // of size 1 + the group's agents. Empty for broadcast delivery.
   plan::Delivery delivery = plan::Delivery::kBroadcast;
   std::vector<rollout_agent::EngineParallel> receiver_groups;
   std::vector<int> group_agents;
@@ -81,6 +81,9 @@ class TrainerSide {
  public:
   virtual ~TrainerSide() = default;
   virtual int num_stages() const = 0;
+  // Ranks that send stage `stage` in sharded delivery (spread senders: the stage source's TP group
+  // and its EP mergers); each sends every receiver group its own stream.
+  virtual int num_senders(int stage) const { return 1; }
   virtual int world_size() const = 0;
   // Runs the trainer part of a sync on every rank; blocks until all are done, or until
   // plan.deadline (kDeadlineExceeded; a later sync then waits for the ranks to finish this one).

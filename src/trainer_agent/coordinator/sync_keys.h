@@ -4,7 +4,7 @@
 //
 //   sync-<id>/pp<stage>          the data-plane group of one pipeline stage (comm/rendezvous.h
 //                                prefixes its own keys with it); broadcast delivery
-//   sync-<id>/pp<stage>/g<group> sharded delivery: one group per stage and receiver group
+//   sync-<id>/pp<stage>/s<k>/g<g> sharded delivery: one group per stage, sender and receiver group
 //   sync-<id>/progress/bytes     data bytes the stage sources have streamed so far (summed)
 //   sync-<id>/progress/buckets   buckets they have streamed so far (summed)
 // The keys of a sync are dropped when the next one ends (a late member of an ended sync then fails
@@ -24,9 +24,10 @@ inline std::string SyncKeyPrefix(uint64_t sync_id) { return absl::StrCat("sync-"
 inline std::string SyncGroupName(uint64_t sync_id, int pp_stage) {
   return absl::StrCat(SyncKeyPrefix(sync_id), "pp", pp_stage);
 }
-// Sharded delivery: the data-plane group of receiver group `group` in stage `pp_stage`.
-inline std::string ShardGroupName(uint64_t sync_id, int pp_stage, int group) {
-  return absl::StrCat(SyncGroupName(sync_id, pp_stage), "/g", group);
+// Sharded delivery: the data-plane group from sender `sender` (its index among the stage's
+// senders, trainer_agent/sync/rank_sync.h StageSenders) to receiver group `group` in `pp_stage`.
+inline std::string ShardGroupName(uint64_t sync_id, int pp_stage, int sender, int group) {
+  return absl::StrCat(SyncGroupName(sync_id, pp_stage), "/s", sender, "/g", group);
 }
 // The prefix of a sync's progress counters; the counters are SyncProgressPrefix(id) + kProgress*.
 inline std::string SyncProgressPrefix(uint64_t sync_id) { return absl::StrCat(SyncKeyPrefix(sync_id), "progress/"); }

@@ -97,6 +97,7 @@ struct Item {
   bool gathered = false;  // dense: all-gathered over TP; experts: always (see the phase)
   bool identity = false;  // dense: the all-gather's rank order is the full layout (no merge)
   bool int4 = false;      // experts: quantized by their holders; the gathers carry INT4 (Int4ExpertPlan)
+  int owner = 0;          // dense: the TP rank that converts and sends it (0, the source, unless spread)
   uint64_t local_bytes = 0;
   uint64_t full_bytes = 0;  // after the TP / ETP merge
   uint64_t block = 0;       // experts: one EP member's bytes in the EP gather (full_bytes or INT4)
@@ -201,7 +202,7 @@ class RankSync {
   void Fail(const absl::Status& s) {
     if (!s.ok() && failure_.ok()) failure_ = s;
   }
-  bool converting() const { return source_ && failure_.ok(); }
+  bool converting() const { return emitter_ && failure_.ok(); }
   void Wait(std::unique_ptr<comm::Work>& w);
   absl::StatusOr<std::unique_ptr<comm::Work>> AllGather(comm::Communicator& c, const std::vector<comm::ConstBytes>& in,
                                                         const std::vector<comm::MutableBytes>& out);
@@ -219,6 +220,8 @@ class RankSync {
 
   int me_ = 0, stage_ = 0;
   bool source_ = false;
+  bool spread_ = false;         // SyncOptions::spread_senders
+  bool emitter_ = false;        // sends: the stage source, or any of StageSenders when spread
   bool dense_member_ = false;   // in the stage source's TP group
   bool expert_member_ = false;  // in the stage's expert block (edp == 0)
   bool int4_members_ = false;   // expert member, INT4 config, experts gathered: INT4 experts quantized by their holders
@@ -266,16 +269,16 @@ absl::Status RankSync::Prepare() {
                      " do not match the layout (tp ", d.tp, "/", layout_.tp(), ", etp ", e.etp, "/", layout_.etp(),
                      ", ep ", e.ep, "/", layout_.ep(), "; ", layout_.DebugString(), ")"));
   if (o_.bucket_bytes == 0) return absl::InvalidArgumentError("SyncOptions.bucket_bytes must be > 0");
-  if (source_ && sink_ == nullptr)
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", me_, " is the source of stage ", stage_, " but has no sink"));
-  if (!source_ && sink_ != nullptr)
-    return absl::InvalidArgumentError(absl::StrCat("rank ", me_, " is not a stage source (stage ", stage_,
-                                                   " is sent by rank ", layout_.StageSourceRank(stage_),
+  if (emitter_ && sink_ == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat("rank ", me_, " is ", source_ ? "the source" : "a sender",
+                                                   " of stage ", stage_, " but has no sink"));
+  if (!emitter_ && sink_ != nullptr)
+    return absl::InvalidArgumentError(absl::StrCat("rank ", me_, " does not send stage ", stage_, " (sent by rank(s) ",
+                                                   absl::StrJoin(StageSenders(layout_, stage_, spread_), ", "),
                                                    ") but was given a sink"));
   // Experts that are INT4 targets are quantized by the EP member that holds them.
   int4_members_ = o_.quant != nullptr && (layout_.ep() > 1 || layout_.etp() > 1) && expert_member_;
-  if ((source_ || int4_members_) && o_.quant != nullptr) RETURN_IF_ERROR(o_.quant->CheckInt4Supported());
+  if ((emitter_ || int4_members_) && o_.quant != nullptr) RETURN_IF_ERROR(o_.quant->CheckInt4Supported());
 
   ASSIGN_OR_RETURN(shard_, src_.OpenRank(me_, o_.version));
   if (o_.expert_map != nullptr) RETURN_IF_ERROR(PruneExperts(src_.model(), *o_.expert_map, shard_.params));
@@ -297,7 +300,7 @@ absl::Status RankSync::Prepare() {
   // expert map every member learns which items some member keeps).
   const bool any_expert =
       std::any_of(shard_.params.begin(), shard_.params.end(), [](const MegatronParam& p) { return p.is_expert; });
-  if (expert_member_ && any_expert && (source_ || int4_members_ || o_.expert_map != nullptr)) {
+  if (expert_member_ && any_expert && (emitter_ || int4_members_ || o_.expert_map != nullptr)) {
     std::vector<const MegatronParam*> mine;
     for (const MegatronParam& p : shard_.params)
       if (p.is_expert) mine.push_back(&p);
@@ -381,6 +384,16 @@ absl::Status RankSync::Prepare() {
   const uint64_t header = layout_.ep() > 1 ? kStatusRecordBytes * static_cast<uint64_t>(layout_.ep()) : 0;
   const uint64_t etp_header = layout_.etp() > 1 ? kStatusRecordBytes * static_cast<uint64_t>(layout_.etp()) : 0;
   if (dense_member_) dense_ = MakeBatches(std::move(dense), gather_limit_, 0, 0);
+  // Spread senders: each dense parameter to the least loaded TP rank so far (by its full bytes),
+  // in plan order; every member computes the same owners from the same plan.
+  if (spread_ && dense_member_) {
+    std::vector<uint64_t> load(static_cast<size_t>(layout_.tp()), 0);
+    for (Batch& b : dense_)
+      for (Item& it : b.items) {
+        it.owner = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+        load[static_cast<size_t>(it.owner)] += std::max<uint64_t>(it.full_bytes, 1);
+      }
+  }
   if (expert_member_) experts_ = MakeBatches(std::move(experts), gather_limit_, header, etp_header);
 
   // Buffers (uninitialized: no page is touched before the first gather writes it).
@@ -389,7 +402,8 @@ absl::Status RankSync::Prepare() {
     bool any = false;
     for (const Item& it : b.items) {
       any = any || it.gathered;
-      if (source_ && it.gathered && !it.identity) scratch_bytes = std::max(scratch_bytes, it.full_bytes);
+      if (emitter_ && it.owner == comms_.tp->rank() && it.gathered && !it.identity)
+        scratch_bytes = std::max(scratch_bytes, it.full_bytes);
     }
     if (any) slot_bytes = std::max(slot_bytes, b.bytes);
   }
@@ -406,7 +420,7 @@ absl::Status RankSync::Prepare() {
   RETURN_IF_ERROR(EnsureBuffer(etp_buffer_, etp_bytes));
   RETURN_IF_ERROR(EnsureBuffer(scratch_, scratch_bytes));
 
-  if (source_) {
+  if (emitter_) {
     comm::BucketBuilderOptions bo;
     bo.bucket_bytes = o_.bucket_bytes;
     bo.version = o_.version;
@@ -511,6 +525,7 @@ void RankSync::RunDense() {
     Wait(pending[slot]);
     if (!converting()) return;
     for (const Item& it : dense_[j].items) {
+      if (it.owner != comms_.tp->rank()) continue;  // another TP rank sends it (spread senders)
       const MegatronParam& p = shard_.params[static_cast<size_t>(it.index)];
       TensorView full = shard_.tensors[static_cast<size_t>(it.index)];
       if (it.gathered) {
@@ -636,7 +651,7 @@ void RankSync::RunExperts() {
       }
       report_.convert += absl::Now() - t0 - quantizing;
     }
-    if (merger && ep > 1) {
+    if (merger && ep > 1 && !spread_) {  // spread senders: each member sends its own experts, no EP gather
       std::span<std::byte> records = slots_[slot].span().subspan(0, kStatusRecordBytes * static_cast<uint64_t>(ep));
       WriteStatusRecord(records.subspan(own * kStatusRecordBytes, kStatusRecordBytes));
       std::vector<comm::ConstBytes> in = {{records.data() + own * kStatusRecordBytes, kStatusRecordBytes}};
@@ -660,13 +675,15 @@ void RankSync::RunExperts() {
   };
   auto complete = [&](size_t j, int slot) {
     Wait(pending[slot]);
-    if (!converting()) return;
-    if (ep > 1) {
+    // Experts are sent by a merger (etp = 0): a TP peer sending dense parameters holds no full expert.
+    if (!converting() || !merger) return;
+    if (ep > 1 && !spread_) {
       absl::Status s = CheckRecords(slots_[slot].span().subspan(0, kStatusRecordBytes * static_cast<uint64_t>(ep)), ep,
                                     coord.ep, "EP");
       if (!s.ok()) return Fail(s);
     }
     for (int m = 0; m < ep; ++m) {
+      if (spread_ && m != coord.ep) continue;  // the other members send theirs
       for (const Item& it : experts_[j].items) {
         const MegatronParam& mine = shard_.params[static_cast<size_t>(it.index)];
         const MegatronParam& p = member_experts_[static_cast<size_t>(m)][static_cast<size_t>(it.ordinal)];
@@ -677,7 +694,8 @@ void RankSync::RunExperts() {
           s = int4_->EmitExpert(*builder_, p, plan_of(it), block);
         } else {
           TensorView full = shard_.tensors[static_cast<size_t>(it.index)];
-          if (ep > 1 || etp > 1) full = TensorView(mine.dtype, mine.full_shape, block);
+          // The block holds the expert after the EP gather, or after this member's ETP merge.
+          if ((ep > 1 && !spread_) || etp > 1) full = TensorView(mine.dtype, mine.full_shape, block);
           s = Emit(p, full);
         }
         if (!s.ok()) return Fail(s);
@@ -701,17 +719,23 @@ absl::StatusOr<SyncReport> RankSync::Run() {
         absl::StrCat("world rank ", me_, " is outside the source's layout (", layout_.DebugString(), ")"));
   stage_ = layout_.Dense(me_).pp;
   source_ = layout_.IsStageSource(me_);
-  report_.source = source_;
+  spread_ = o_.spread_senders;
   const DenseCoord d = layout_.Dense(me_);
   dense_member_ = d.dp == 0 && d.cp == 0;
   expert_member_ = layout_.Expert(me_).edp == 0;
+  {
+    const std::vector<int> senders = StageSenders(layout_, stage_, spread_);
+    emitter_ = std::find(senders.begin(), senders.end(), me_) != senders.end();
+  }
+  report_.source = emitter_;
   gather_limit_ = o_.gather_bytes > 0 ? o_.gather_bytes : o_.bucket_bytes;
 
   const absl::Status local = Prepare();
   const std::string fingerprint_text =
       absl::StrCat(src_.config_json(), "\n", SourceParallelToJson(src_.parallel()), "\n", gather_limit_, "\n",
                    QuantFingerprint(o_.quant, o_.quant_variant), "\n",
-                   o_.expert_map != nullptr ? o_.expert_map->Canonical() : "experts: all");
+                   o_.expert_map != nullptr ? o_.expert_map->Canonical() : "experts: all", "\n",
+                   spread_ ? "senders: spread" : "senders: the stage source");
   const uint64_t fingerprint =
       Xxh3_64({reinterpret_cast<const std::byte*>(fingerprint_text.data()), fingerprint_text.size()});
   RETURN_IF_ERROR(AgreeOnStart(*comms_.world, local, fingerprint, o_.collective));
@@ -719,7 +743,7 @@ absl::StatusOr<SyncReport> RankSync::Run() {
 
   if (dense_member_) RunDense();
   if (expert_member_) RunExperts();
-  if (source_ && failure_.ok()) {
+  if (emitter_ && failure_.ok()) {
     Fail(builder_->Finish());
   }
   const Int4Stats int4 = int4_ ? int4_->stats() : Int4Stats();
@@ -746,9 +770,22 @@ absl::StatusOr<SyncReport> RankSync::Run() {
   }
   report_.total = absl::Now() - start;
   if (!failure_.ok())
-    return Annotate(failure_, absl::StrCat("sync version ", o_.version, ", rank ", me_,
-                                           source_ ? absl::StrCat(" (stage ", stage_, " source)") : ""));
+    return Annotate(failure_,
+                    absl::StrCat("sync version ", o_.version, ", rank ", me_,
+                                 emitter_ ? absl::StrCat(" (stage ", stage_, source_ ? " source)" : " sender)") : ""));
   return report_;
+}
+
+std::vector<int> StageSenders(const ParallelLayout& layout, int stage, bool spread) {
+  const int source = layout.StageSourceRank(stage);
+  std::vector<int> out = {source};
+  if (spread) {
+    for (int r : layout.TpGroup(source)) out.push_back(r);
+    for (int r : layout.EpGroup(source)) out.push_back(r);  // the source's etp = edp = 0: the mergers
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+  }
+  return out;
 }
 
 absl::StatusOr<SyncReport> RunRankSync(const WeightSource& src, TrainerComms& comms, comm::BucketSink* sink,

@@ -80,6 +80,7 @@
 
 #include <array>
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -126,7 +127,20 @@ struct SyncOptions {
   // is not gathered at all; in a mixed one, a member's pruned block travels unfilled (its holder
   // neither merges nor quantizes it). The same on every rank (the opening agreement). Not owned.
   const model::ExpertMap* expert_map = nullptr;
+  // Spread senders (sharded delivery): every rank that holds gathered data sends part of its
+  // stage, instead of the stage source alone. The dense parameters are shared out among the stage
+  // source's TP group (each parameter to one TP rank, greedily by bytes in plan order: the same
+  // assignment on every member), which converts and quantizes the ones it owns; every etp = 0 rank
+  // of the stage's expert block converts and sends its own experts, so there is no EP all-gather.
+  // Every rank of StageSenders(layout, stage, true) needs a sink; their streams together hold
+  // every tensor of the stage once. The same on every rank (the opening agreement).
+  bool spread_senders = false;
 };
+
+// The ranks that send stage `stage` (ascending; the stage source first): the source alone, or
+// with `spread` the source's TP group and the etp = 0 ranks of its EP group (SyncOptions::
+// spread_senders).
+std::vector<int> StageSenders(const ParallelLayout& layout, int stage, bool spread);
 
 struct SyncReport {
   // Wall time per phase on this rank. gather: issuing and waiting for all-gathers; convert:

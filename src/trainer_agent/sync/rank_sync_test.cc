@@ -56,9 +56,12 @@ std::vector<RankResult> SyncEveryRank(const DirSource& src, LocalTrainerComms& c
   std::vector<RankResult> results(static_cast<size_t>(n));
   std::vector<absl::Notification> done(static_cast<size_t>(n));
   std::vector<std::thread> threads;
+  std::vector<bool> sends(static_cast<size_t>(n), false);
+  for (int s = 0; s < layout.pp(); ++s)
+    for (int r : StageSenders(layout, s, o.spread_senders)) sends[static_cast<size_t>(r)] = true;
   for (int r = 0; r < n; ++r) {
     RankResult& res = results[static_cast<size_t>(r)];
-    if (layout.IsStageSource(r)) res.sink.emplace();
+    if (sends[static_cast<size_t>(r)]) res.sink.emplace();
     threads.emplace_back([&, r] {
       res.report = RunRankSync(src, comms.ranks[static_cast<size_t>(r)], res.sink ? &*res.sink : nullptr, o);
       done[static_cast<size_t>(r)].Notify();
@@ -87,7 +90,8 @@ struct Case {
   LayoutCase layout;
   int64_t moe_ffn = 32;
   bool int4 = true;
-  bool prune = false;  // an expert map: item 0 pruned on both EP members, item 3 on one
+  bool prune = false;   // an expert map: item 0 pruned on both EP members, item 3 on one
+  bool spread = false;  // SyncOptions::spread_senders: the TP group and the EP mergers send
 };
 
 // Keeps experts 6, 1, 3, 5, 2 of 8 (reversed on odd layers): with EP 2, local expert 0 (experts 0
@@ -212,8 +216,21 @@ TEST_P(RankSyncTest, SendsExactlyTheConvertedCheckpoint) {
     o.expert_map = &map;
     want_dir = WritePrunedHf(map);
   }
+  o.spread_senders = c.spread;
   const std::vector<RankResult> results = SyncEveryRank(*src, *comms, o);
   ExpectSentExactly(results, src->layout(), o, want_dir, quant);
+  // Spread senders share the stage: every one of them sent tensors (TP peers their dense share,
+  // EP members their own experts), and no EP gather ran.
+  if (c.spread) {
+    const std::vector<int> senders = StageSenders(src->layout(), 0, true);
+    EXPECT_GT(senders.size(), 1u);
+    for (int r : senders) {
+      const absl::StatusOr<SyncReport>& rep = results[static_cast<size_t>(r)].report;
+      if (rep.ok()) {
+        EXPECT_GT(rep->tensors, 0u) << "sender rank " << r << " sent nothing";
+      }
+    }
+  }
   // With INT4 experts gathered, every rank of the expert block quantizes (its experts, or its ETP
   // shards); other ranks only when they are a stage source.
   const ParallelLayout& l = src->layout();
@@ -250,6 +267,14 @@ std::vector<Case> AllCases() {
   out.push_back({"qwen3moe_" + etp2.name + "_ffn64_int4_pruned", Architecture::kQwen3Moe, etp2, 64, true, true});
   out.push_back({"deepseek_" + ep2.name + "_bf16_pruned", Architecture::kDeepseekV3, ep2, 32, false, true});
   out.push_back({"deepseek_" + tp2.name + "_int4_pruned", Architecture::kDeepseekV3, tp2, 32, true, true});
+  // Spread senders (sharded delivery): the same checks on the union of the senders' streams.
+  const size_t n = out.size();
+  for (size_t i = 0; i < n; ++i) {
+    Case c = out[i];
+    c.name += "_spread";
+    c.spread = true;
+    out.push_back(c);
+  }
   return out;
 }
 
