@@ -1,0 +1,440 @@
+// wsync-plan: the delivery plan of a sync and its projected time on a cluster described on the
+// command line, for both delivery modes (docs/sync.md "Planning a cluster").
+//
+//   wsync-plan --config FILE|kimi-k2|default [--quant-config FILE|int4-experts|none]
+//              --trainer-gpus W --trainer-tp T --trainer-pp P --trainer-ep E [--trainer-etp TP]
+//              --engines N --engine-tp T --engine-ep E
+//              [--nic-gbps 400] [--nvlink-gbps 900] [--bucket-mib 512] [--rates h200|h200-device|local|FILE]
+//              [--cores C] [--json]
+//
+// The bytes come from the plan itself: the sent tensors (every HF tensor an engine of TP 1 loads,
+// INT4 triplets included), the stage of each (layers split evenly over the pipeline stages), the
+// trainer ranks that send it (broadcast: the stage source; sharded: StageSenders, dense tensors
+// owned greedily by bytes over the source's TP group, experts by the EP rank holding them) and
+// the block every receiver group keeps (plan::ShardPlan, the agents' own layouts). The times come
+// from per-phase rates (GB/s): quantize (bf16 in), stage (device buckets to the host), cut (the
+// sharded copy), load (receiver, bucket to staging), commit (staging to the engine, repack
+// included), the NIC and NVLink; the built-in profiles are measured figures of this build (h200:
+// docs/gpu.md; local: this 2-core VM, docs/sync.md). A GPU's time is the longest of its link (in
+// and out are full duplex) and its own work, the pipeline adds one bucket per chain hop, and the
+// commit follows the transfer. With --cores C every process shares C cores (a single host): the
+// projection is then at least all the CPU work divided by C.
+//
+// The physical limit is the largest number of bytes any one GPU must receive or send (an engine
+// rank's own share; a trainer GPU's share of the unique bytes) over its NIC rate. Exit codes: 0,
+// 1 refused (the message says why), 2 bad command line.
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/config.h"
+#include "common/default_model.h"
+#include "common/status.h"
+#include "common/tensor.h"
+#include "nlohmann/json.hpp"
+#include "plan/delivery_plan.h"
+#include "presets.h"
+#include "rollout_agent/load/engine_layout.h"
+#include "trainer_agent/layout/parallel_layout.h"
+#include "trainer_agent/sync/rank_sync.h"
+
+namespace wsync::tools {
+namespace {
+
+using json = nlohmann::json;
+using rollout_agent::EngineLayout;
+using rollout_agent::EngineParallel;
+using rollout_agent::HfSource;
+
+constexpr double kGB = 1e9;
+
+struct Rates {  // GB/s
+  double quantize = 0, stage = 0, cut = 0, load = 0, commit = 0, nvlink = 0;
+  // Single host only (--cores): CPU cost of moving one byte between two processes (send + receive),
+  // and of building a bucket (copies), as GB per core-second. 0: not CPU-bound (GPU cluster).
+  double hop = 0, build = 0;
+  std::string source;
+};
+
+absl::StatusOr<Rates> LoadRates(const std::string& name) {
+  Rates r;
+  if (name == "h200" || name == "h200-device") {
+    // docs/gpu.md (H200, 16 cores): the CUDA INT4 kernel 149 GB/s; device buckets staged to pinned
+    // host memory 55 GB/s; the cut and the agent's load are host copies (one memcpy stream 11 GB/s
+    // there); commit from pinned staging into device memory 51 GB/s (upload-bound; the Marlin
+    // repack itself runs at 220-1545 GB/s). h200-device: buckets received into device memory and
+    // cut there (HBM copies, ~1000 GB/s), the open part of #14.
+    r = {149, 55, 11, 11, 51, 450, 0, 0, "measured on an H200 (docs/gpu.md)"};
+    if (name == "h200-device") {
+      r.stage = 1000, r.cut = 1000, r.load = 1000, r.commit = 220;
+      r.source = "H200 rates with receive and cut in device memory (not built yet)";
+    }
+    return r;
+  }
+  if (name == "local") {
+    // This 2-core VM, bench2g broadcast runs of tools/bench-sync.sh (docs/sync.md): the INT4 CPU
+    // kernel ~3.2 GB/s per rank, the agents' load 1.35-2.3 GB/s, commit (transpose + repack) ~4 GB/s;
+    // a loopback gloo hop ~3.9 GB per core-s (send + receive), bucket building ~5 GB per core-s.
+    r = {3.2, 0, 5, 1.8, 4, 0, 3.9, 5, "this 2-core VM (bench2g broadcast runs, docs/sync.md)"};
+    return r;
+  }
+  auto text = ReadTextFile(name);
+  if (!text.ok())
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rates: not a profile (h200, h200-device, local) and ", text.status().message()));
+  json j = json::parse(*text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(name, ": not a JSON object"));
+  for (auto [key, field] : std::vector<std::pair<const char*, double*>>{{"quantize", &r.quantize},
+                                                                        {"stage", &r.stage},
+                                                                        {"cut", &r.cut},
+                                                                        {"load", &r.load},
+                                                                        {"commit", &r.commit},
+                                                                        {"nvlink", &r.nvlink},
+                                                                        {"hop", &r.hop},
+                                                                        {"build", &r.build}}) {
+    if (j.contains(key)) {
+      if (!j[key].is_number() || j[key].get<double>() < 0)
+        return absl::InvalidArgumentError(absl::StrCat(name, ": \"", key, "\" must be a number >= 0 (GB/s)"));
+      *field = j[key].get<double>();
+    }
+  }
+  r.source = name;
+  return r;
+}
+
+// One sent HF tensor.
+struct Sent {
+  std::string name;
+  DType dtype;
+  Shape shape;
+  uint64_t bytes = 0;
+  int stage = 0;
+  int64_t expert = -1;     // global routed expert id, -1 for dense
+  uint64_t quantized = 0;  // bf16 bytes the INT4 kernel reads for it (weight_packed only)
+};
+
+int64_t Field(absl::string_view name, absl::string_view key) {  // "model.layers.12." -> 12
+  const size_t at = name.find(key);
+  if (at == absl::string_view::npos) return -1;
+  absl::string_view rest = name.substr(at + key.size());
+  int64_t v = 0;
+  return absl::SimpleAtoi(rest.substr(0, rest.find('.')), &v) ? v : -1;
+}
+
+struct Load {  // one GPU's bytes and work
+  uint64_t in = 0, out = 0, built = 0, cut = 0, quantized = 0, kept = 0, nvlink = 0;
+};
+
+struct Projection {
+  std::string mode;
+  std::map<std::string, Load> gpus;  // "trainer R" / "engine E rank R"
+  double seconds = 0, limit = 0, link = 0, work = 0, cpu = 0, commit = 0, fill = 0;
+  std::string busiest;
+};
+
+struct Setup {
+  ModelConfig config;
+  const QuantizationConfig* quant = nullptr;
+  trainer_agent::ParallelLayout trainer;
+  int engines = 1;
+  EngineParallel engine;
+  double nic = 50;  // GB/s per GPU
+  uint64_t bucket = 512ull << 20;
+  int cores = 0;
+  Rates rates;
+};
+
+absl::StatusOr<std::vector<Sent>> SentTensors(const Setup& s) {
+  ASSIGN_OR_RETURN(EngineLayout whole, EngineLayout::Create(s.config, s.quant, {1, 0, 1}));
+  const int64_t layers = s.config.num_hidden_layers;
+  const int pp = s.trainer.pp();
+  std::vector<Sent> out;
+  for (const HfSource& src : whole.sources()) {
+    if (src.action == HfSource::Action::kSkip) continue;  // a tied lm_head
+    Sent t;
+    t.name = src.hf_name;
+    t.dtype = src.dtype;
+    t.shape = src.shape;
+    ASSIGN_OR_RETURN(const int64_t nb, NumBytes(src.dtype, src.shape));
+    t.bytes = static_cast<uint64_t>(nb);
+    const int64_t layer = Field(t.name, "model.layers.");
+    if (layer >= 0) {
+      t.stage = static_cast<int>(std::min<int64_t>(pp - 1, layer * pp / std::max<int64_t>(layers, 1)));
+    } else {
+      t.stage = absl::StrContains(t.name, "embed_tokens") ? 0 : pp - 1;
+    }
+    t.expert = Field(t.name, ".mlp.experts.");
+    if (absl::EndsWith(t.name, ".weight_packed")) t.quantized = t.bytes * 4;  // [N, K/8] int32 <- [N, K] bf16
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+// `shard`: the plan over the engine's TP ranks (one receiver group per rank; replicas share it).
+absl::StatusOr<Projection> Project(const Setup& s, const std::vector<Sent>& sent, const plan::ShardPlan& shard,
+                                   bool sharded) {
+  Projection p;
+  p.mode = sharded ? "sharded" : "broadcast";
+  const auto& L = s.trainer;
+  const int ep = L.ep();
+  const int64_t per_ep = ep > 0 && L.num_experts() > 0 ? L.num_experts() / ep : 1;
+  auto trainer = [](int r) { return absl::StrFormat("trainer %05d", r); };
+  const size_t groups = static_cast<size_t>(shard.num_groups());
+  std::vector<uint64_t> group_in(groups, 0), keep(groups, 0);
+  uint64_t total = 0;
+  std::vector<std::vector<uint64_t>> dense_load(static_cast<size_t>(L.pp()), std::vector<uint64_t>(L.tp(), 0));
+  for (const Sent& t : sent) {
+    total += t.bytes;
+    const int source = L.StageSourceRank(t.stage);
+    // Who builds (and quantizes) it.
+    int sender = source;
+    if (t.expert >= 0 && ep > 1) {
+      sender = L.EpGroup(source)[static_cast<size_t>(t.expert / per_ep)];  // quantized by its holder (both modes)
+    }
+    int builder = sender;
+    if (sharded && t.expert < 0) {
+      auto& load = dense_load[static_cast<size_t>(t.stage)];
+      const int owner = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+      load[static_cast<size_t>(owner)] += std::max<uint64_t>(t.quantized > 0 ? t.quantized : t.bytes, 1);
+      builder = L.TpGroup(source)[static_cast<size_t>(owner)];
+    }
+    if (!sharded) builder = source;  // the source builds every bucket; holders only quantize experts
+    // What each receiver group keeps of it (sharded: what it receives).
+    const std::span<const int64_t> shape(t.shape.data(), t.shape.size());
+    std::vector<uint64_t> block(groups, 0);
+    for (size_t g = 0; g < groups; ++g) {
+      ASSIGN_OR_RETURN(const std::optional<plan::Block> blk,
+                       shard.BlockFor(static_cast<int>(g), t.name, t.dtype, shape));
+      if (blk) block[g] = blk->whole ? t.bytes : static_cast<uint64_t>(blk->rows * blk->cols) * ItemSize(t.dtype);
+      keep[g] += block[g];
+    }
+    Load& q = p.gpus[trainer(t.expert >= 0 ? sender : builder)];
+    q.quantized += t.quantized;
+    Load& b = p.gpus[trainer(builder)];
+    b.built += t.bytes;
+    if (t.expert < 0 && L.tp() > 1) b.nvlink += t.bytes * static_cast<uint64_t>(L.tp() - 1) / L.tp();
+    if (!sharded) {
+      b.out += t.bytes;
+      if (t.expert >= 0 && ep > 1) {  // the EP all-gather brings every expert to the source's EP group
+        for (int m : L.EpGroup(source)) {
+          p.gpus[trainer(m)].in += t.bytes;
+          if (m != sender) p.gpus[trainer(sender)].out += t.bytes;
+        }
+      }
+      continue;
+    }
+    for (size_t g = 0; g < groups; ++g) {
+      group_in[g] += block[g];
+      b.out += block[g];
+      b.cut += block[g];
+    }
+  }
+  // Receivers: every group chains through its replicas (broadcast: one chain through all ranks).
+  const int replicas = s.engines;
+  for (int e = 0; e < replicas; ++e) {
+    for (int r = 0; r < s.engine.tp_size; ++r) {
+      Load& l = p.gpus[absl::StrFormat("engine %04d rank %02d", e, r)];
+      l.in = sharded ? group_in[static_cast<size_t>(r)] : total;
+      const bool last = sharded ? e == replicas - 1 : (e == replicas - 1 && r == s.engine.tp_size - 1);
+      l.out = last ? 0 : l.in;
+      l.kept = keep[static_cast<size_t>(r)];  // broadcast receives more than that
+    }
+  }
+  // Times.
+  const Rates& R = s.rates;
+  auto t = [](uint64_t bytes, double gbps) { return gbps > 0 ? static_cast<double>(bytes) / (gbps * kGB) : 0.0; };
+  uint64_t limit_bytes = (total + static_cast<uint64_t>(L.world_size()) - 1) / static_cast<uint64_t>(L.world_size());
+  double cpu = 0;
+  for (auto& [name, l] : p.gpus) {
+    const double link = t(std::max(l.in, l.out), s.nic);
+    const bool engine = absl::StartsWith(name, "engine");
+    const double work =
+        engine ? t(l.in, R.load)
+               : t(l.quantized, R.quantize) + t(l.built, R.stage) + t(l.cut, R.cut) + t(l.nvlink, R.nvlink);
+    if (std::max(link, work) > std::max(p.link, p.work) || p.busiest.empty()) {
+      p.busiest = absl::StrFormat("%s (in %.2f GB, out %.2f GB; %s)", name, l.in / kGB, l.out / kGB,
+                                  link >= work ? "link-bound" : "work-bound");
+    }
+    p.link = std::max(p.link, link);
+    p.work = std::max(p.work, work);
+    p.commit = std::max(p.commit, engine ? t(l.kept, R.commit) : 0.0);
+    if (engine) limit_bytes = std::max(limit_bytes, l.kept);
+    // Single host: every byte moved costs both ends, every byte built and quantized costs a core.
+    cpu += t(l.out, R.hop) + t(l.built, R.build) + t(l.quantized, R.quantize) + t(l.cut, R.cut) +
+           (engine ? t(l.in, R.load) + t(l.kept, R.commit) : 0.0);
+  }
+  // The first bucket crosses every hop of the longest chain before the last receiver has it.
+  uint64_t biggest_out = 0;
+  for (const auto& [name, l] : p.gpus)
+    if (absl::StartsWith(name, "trainer")) biggest_out = std::max(biggest_out, l.built);
+  const int chain = sharded ? replicas : replicas * s.engine.tp_size;
+  p.fill = t(std::min(s.bucket, biggest_out), s.nic) * chain;
+  p.seconds = std::max(p.link, p.work) + p.fill + p.commit;
+  if (s.cores > 0) {
+    p.cpu = cpu / s.cores;
+    p.seconds = std::max(p.seconds, p.cpu);
+  }
+  p.limit = t(limit_bytes, s.nic);
+  return p;
+}
+
+int Main(int argc, char** argv) {
+  CLI::App app{"wsync-plan: a sync's delivery plan and its projected time on a cluster"};
+  std::string config_arg = "default", quant_arg = "model", rates_arg = "h200";
+  int world = 4, tp = 2, pp = 1, ep = 2, etp = 0, engines = 2, etp_engine = 1;
+  int engine_tp = 2;
+  double nic_gbps = 400, nvlink_gbps = 0;
+  int bucket_mib = 512, cores = 0;
+  bool as_json = false;
+  app.add_option("--config", config_arg, "HF config.json, or a preset: kimi-k2, default (the demo model)")
+      ->capture_default_str();
+  app.add_option(
+         "--quant-config", quant_arg,
+         "compressed-tensors config (file), int4-experts (G 128, experts only), none, or model (the config's own)")
+      ->capture_default_str();
+  app.add_option("--trainer-gpus", world, "Trainer ranks (Megatron world size)")->capture_default_str();
+  app.add_option("--trainer-tp", tp, "Megatron TP")->capture_default_str();
+  app.add_option("--trainer-pp", pp, "Megatron PP")->capture_default_str();
+  app.add_option("--trainer-ep", ep, "Megatron EP")->capture_default_str();
+  app.add_option("--trainer-etp", etp, "Megatron expert TP (0: the same as TP, Megatron's default)")
+      ->capture_default_str();
+  app.add_option("--engines", engines, "Identical engine replicas")->capture_default_str();
+  app.add_option("--engine-tp", engine_tp, "GPUs per engine (SGLang TP)")->capture_default_str();
+  app.add_option("--engine-ep", etp_engine, "Engine MoE expert parallelism (divides --engine-tp)")
+      ->capture_default_str();
+  app.add_option("--nic-gbps", nic_gbps, "NIC rate per GPU, Gb/s")->capture_default_str();
+  app.add_option("--nvlink-gbps", nvlink_gbps, "NVLink rate per GPU and direction, GB/s (default: the profile's)");
+  app.add_option("--bucket-mib", bucket_mib, "Bucket size")->capture_default_str();
+  app.add_option("--rates", rates_arg, "Per-phase rates: h200, h200-device, local, or a JSON file of GB/s")
+      ->capture_default_str();
+  app.add_option("--cores", cores, "Everything on one host of this many cores (CPU-bound model); 0: a cluster");
+  app.add_flag("--json", as_json, "JSON output");
+  CLI11_PARSE(app, argc, argv);
+
+  auto fail = [](const absl::Status& st) {
+    std::fprintf(stderr, "wsync-plan: %s\n", std::string(st.message()).c_str());
+    return 1;
+  };
+  std::string text;
+  if (config_arg == "kimi-k2") {
+    text = kKimiK2ConfigJson;
+  } else if (config_arg == "default") {
+    text = kDefaultModelConfigJson;
+  } else {
+    auto t = ReadTextFile(config_arg);
+    if (!t.ok()) return fail(t.status());
+    text = *t;
+  }
+  auto config = ParseModelConfig(text, config_arg);
+  if (!config.ok()) return fail(config.status());
+  std::optional<QuantizationConfig> quant;
+  if (quant_arg == "int4-experts") {
+    auto q = ParseQuantizationConfig(kInt4ExpertsJson, "int4-experts");
+    if (!q.ok()) return fail(q.status());
+    quant = *q;
+  } else if (quant_arg == "model") {
+    quant = config->quantization;
+  } else if (quant_arg != "none") {
+    auto q = LoadQuantizationConfig(quant_arg);
+    if (!q.ok()) return fail(q.status());
+    quant = *q;
+  }
+  auto layout = trainer_agent::ParallelLayout::Create({.world_size = world,
+                                                       .tp = tp,
+                                                       .pp = pp,
+                                                       .ep = ep,
+                                                       .etp = etp,
+                                                       .num_experts = config->moe ? config->moe->num_experts : 0});
+  if (!layout.ok()) return fail(layout.status());
+  auto rates = LoadRates(rates_arg);
+  if (!rates.ok()) return fail(rates.status());
+  if (nvlink_gbps > 0) rates->nvlink = nvlink_gbps;
+  Setup s{*config,
+          quant ? &*quant : nullptr,
+          *layout,
+          engines,
+          {engine_tp, 0, etp_engine},
+          nic_gbps / 8,
+          static_cast<uint64_t>(bucket_mib) << 20,
+          cores,
+          *rates};
+  auto sent = SentTensors(s);
+  if (!sent.ok()) return fail(sent.status());
+  std::vector<EngineParallel> groups;
+  for (int r = 0; r < engine_tp; ++r) groups.push_back({engine_tp, r, etp_engine});
+  auto shard = plan::ShardPlan::Create(s.config, s.quant, groups);
+  if (!shard.ok()) return fail(shard.status());
+  std::vector<Projection> out;
+  for (bool sharded : {false, true}) {
+    auto p = Project(s, *sent, *shard, sharded);
+    if (!p.ok()) return fail(p.status());
+    out.push_back(std::move(*p));
+  }
+  uint64_t total = 0, experts = 0;
+  for (const Sent& t : *sent) {
+    total += t.bytes;
+    if (t.expert >= 0) experts += t.bytes;
+  }
+  if (as_json) {
+    json j = {{"model", config_arg}, {"sent_bytes", total}, {"expert_bytes", experts}, {"rates", rates->source}};
+    for (const Projection& p : out) {
+      json gpus = json::object();
+      for (const auto& [name, l] : p.gpus)
+        gpus[name] = {{"in", l.in}, {"out", l.out}, {"kept", l.kept}, {"quantized", l.quantized}, {"built", l.built}};
+      j[p.mode] = {{"seconds", p.seconds},   {"limit_seconds", p.limit},   {"link_seconds", p.link},
+                   {"work_seconds", p.work}, {"commit_seconds", p.commit}, {"fill_seconds", p.fill},
+                   {"cpu_seconds", p.cpu},   {"busiest", p.busiest},       {"gpus", gpus}};
+    }
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  std::printf("# wsync-plan: %s (%s), %zu sent tensors, %.2f GB per sync (%.2f GB of routed experts)\n",
+              config_arg.c_str(), ArchitectureName(config->arch).data(), sent->size(), total / kGB, experts / kGB);
+  std::printf("# trainer: %s; engines: %d x TP %d / EP %d; NIC %.0f Gb/s per GPU; rates: %s%s\n",
+              layout->DebugString().c_str(), engines, engine_tp, etp_engine, nic_gbps, rates->source.c_str(),
+              cores > 0 ? absl::StrFormat("; one host of %d cores", cores).c_str() : "");
+  std::printf("%-34s %14s %14s\n", "", "broadcast", "sharded");
+  auto row = [&](const char* what, auto fn) {
+    std::printf("%-34s %14s %14s\n", what, fn(out[0]).c_str(), fn(out[1]).c_str());
+  };
+  auto max_of = [](const Projection& p, const char* prefix, uint64_t Load::*f) {
+    uint64_t m = 0;
+    for (const auto& [name, l] : p.gpus)
+      if (absl::StartsWith(name, prefix)) m = std::max(m, l.*f);
+    return absl::StrFormat("%.3f GB", m / kGB);
+  };
+  auto senders = [](const Projection& p) {
+    int n = 0;
+    for (const auto& [name, l] : p.gpus) n += absl::StartsWith(name, "trainer") && l.built > 0;
+    return absl::StrCat(n);
+  };
+  row("trainer GPUs sending to engines", senders);
+  row("bytes out, busiest trainer GPU", [&](const Projection& p) { return max_of(p, "trainer", &Load::out); });
+  row("bytes in, busiest trainer GPU", [&](const Projection& p) { return max_of(p, "trainer", &Load::in); });
+  row("bytes in, busiest engine GPU", [&](const Projection& p) { return max_of(p, "engine", &Load::in); });
+  row("bytes kept, busiest engine GPU", [&](const Projection& p) { return max_of(p, "engine", &Load::kept); });
+  auto sec = [](double v) { return v < 0.1 ? absl::StrFormat("%.2f ms", v * 1e3) : absl::StrFormat("%.3f s", v); };
+  row("link time, busiest GPU", [&](const Projection& p) { return sec(p.link); });
+  row("own work, busiest GPU", [&](const Projection& p) { return sec(p.work); });
+  row("pipeline fill", [&](const Projection& p) { return sec(p.fill); });
+  row("commit (load into engine)", [&](const Projection& p) { return sec(p.commit); });
+  if (cores > 0) row("all CPU work / cores", [&](const Projection& p) { return sec(p.cpu); });
+  row("projected sync", [&](const Projection& p) { return sec(p.seconds); });
+  row("physical limit", [&](const Projection& p) { return sec(p.limit); });
+  row("projected / limit", [&](const Projection& p) { return absl::StrFormat("%.2fx", p.seconds / p.limit); });
+  for (const Projection& p : out) std::printf("# %s: busiest %s\n", p.mode.c_str(), p.busiest.c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace wsync::tools
+
+int main(int argc, char** argv) { return wsync::tools::Main(argc, argv); }
