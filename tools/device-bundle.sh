@@ -11,7 +11,8 @@
 #   lib/   the shared libraries they load (ldd), except the C library, the CUDA driver and NCCL
 #   mpi/   OpenMPI's orterun, its MCA components and help files, relocated through OPAL_PREFIX
 #   data/  the golden files the kernel tests read
-#   tools/ demo.sh and wsync-local (the local deployment the engine_sync checks run)
+#   tools/ demo.sh, wsync-local and bench-sync.sh (the local deployment the engine_sync and
+#          bench_sync checks run)
 #   tests/integration/e2e_shm.sh (live training processes; the trainer_cuda check)
 #   run.sh the GPU checks of docs/gpu.md; it works on a machine without a GPU (the GPU checks skip)
 # NCCL (libnccl.so.2, 218 MB here) is never bundled: run.sh takes it from WSYNC_NCCL_LIB, the
@@ -94,7 +95,7 @@ cp "$ROOT/tools/device-run.sh" "$TMP/run.sh"
 chmod +x "$TMP/run.sh"
 # The local deployment scripts (run.sh's device_engine_sync check runs the demo with WSYNC_BIN=bin/).
 mkdir -p "$TMP/tools"
-cp "$ROOT/tools/demo.sh" "$ROOT/tools/wsync-local" "$TMP/tools/"
+cp "$ROOT/tools/demo.sh" "$ROOT/tools/wsync-local" "$ROOT/tools/bench-sync.sh" "$TMP/tools/"
 mkdir -p "$TMP/tests/integration"
 cp "$ROOT/tests/integration/e2e_shm.sh" "$TMP/tests/integration/"
 git -C "$ROOT" rev-parse HEAD >"$TMP/COMMIT" 2>/dev/null || echo unknown >"$TMP/COMMIT"

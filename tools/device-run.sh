@@ -103,12 +103,13 @@ fi
 have_gpu() {
   "$B/bin/kernels_dispatch_test" --gtest_filter=DispatchTest.GpuPresentWhenReported 2>/dev/null | grep -q '^\[       OK \]'
 }
-engine_sync() {  # engine_sync shm|cuda:0
+engine_sync() {  # engine_sync shm|cuda:0 [demo flags]
   if [[ "$1" == cuda:* ]] && ! have_gpu; then
     echo "no CUDA device: the device engine sync needs one"
     return 0
   fi
-  WSYNC_BIN="$B/bin" "$B/tools/demo.sh" --syncs 3 --engine-flags "--param-memory $1"
+  local memory="$1"; shift
+  WSYNC_BIN="$B/bin" "$B/tools/demo.sh" --syncs 3 --engine-flags "--param-memory $memory" "$@"
 }
 # 7. Commit into device memory vs the host path, param by param (dense and MoE, bf16 and INT4, TP 1/2).
 check repack_device "$B/bin/rollout_repack_device_test"
@@ -120,6 +121,8 @@ else
 fi
 check engine_sync_shm engine_sync shm
 check engine_sync_cuda engine_sync cuda:0
+# Sharded delivery into device engine memory: each rollout agent receives only its rank's blocks.
+check engine_sync_cuda_sharded engine_sync cuda:0 --delivery sharded
 # 9. Both ends on the GPU: training processes (wsync-shm-trainer) hold their tensors in CUDA memory,
 #    the trainer agents read them by IPC handle, the engine's parameters are on the device too.
 trainer_cuda() {
@@ -156,6 +159,16 @@ bench_trainer_device() {
     mpirun -np 1 "$B/bin/wsync-bench-trainer" "${args[@]}" --cuda-device 0
 }
 check bench_trainer_device bench_trainer_device
+# 14. Broadcast vs sharded delivery end to end on this host's CPUs (bench2g, 4 trainer ranks ->
+#     2 engines of TP 2): the same benchmark as docs/sync.md's 2-core table, on a larger host.
+bench_sync() {
+  if (( QUICK )); then
+    echo "quick run: the end-to-end benchmark is left out"
+    return 0
+  fi
+  WSYNC_BIN="$B/bin" "$B/tools/bench-sync.sh" --mode both --engine-tp 2 --workdir "${TMPDIR:-/tmp}/wsync-bench-sync"
+}
+WSYNC_CHECK_TIMEOUT=${WSYNC_CHECK_TIMEOUT:-300} check bench_sync bench_sync
 [[ -f "$RES/bench_kernels_gpu.log" ]] && grep -qE ' [1-9][0-9]*$' "$RES/bench_kernels_gpu.log" && { echo "bench_kernels_gpu: rows with #wrong > 0" |
   tee -a "$RES/summary.txt"; failed=$((failed + 1)); }
 echo "# failed checks: $failed" | tee -a "$RES/summary.txt"

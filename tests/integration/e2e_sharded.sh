@@ -57,4 +57,8 @@ for a in b:
 sys.exit(0 if ok else 1)
 PY
 echo "ok: every TP 2 rank received at most 0.6 of the broadcast bytes, the TP 1 rank all of them"
+# The plan is computed once per sender and kept: three sharded syncs, three plans.
+plans=$(grep -c "sharded delivery: planned 5 receiver groups" "$WSYNC_WORKDIR/logs/trainer.log" || true)
+[ "$plans" = 3 ] || fail "the trainer ranks planned $plans times for three sharded syncs on three senders (want 3)"
+echo "ok: each sender planned once and kept its plan for the next syncs"
 echo "e2e_sharded: ok"

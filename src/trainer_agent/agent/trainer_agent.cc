@@ -25,6 +25,7 @@
 #include "trainer_agent/coordinator/coordinator.h"
 #include "trainer_agent/coordinator/sync_keys.h"
 #include "trainer_agent/gather/trainer_comms.h"
+#include "trainer_agent/quantize/int4_quantizer.h"
 #include "trainer_agent/source/dir_source.h"
 #include "trainer_agent/source/shm_source.h"
 #include "trainer_agent/sync/rank_sync.h"
@@ -295,22 +296,37 @@ class Agent {
   // `make_sink(name, size)` forms one group.
   template <typename MakeSink>
   absl::Status MakeShardedSink(const Command& cmd, const std::vector<GroupDesc>& groups, const WeightSource& src,
-                               int stage, int sender, MakeSink& make_sink, std::optional<plan::ShardPlan>* plan_out,
+                               int stage, int sender, MakeSink& make_sink,
+                               std::shared_ptr<const plan::ShardPlan>* plan_out,
                                std::unique_ptr<plan::ShardedSink>* out) {
     std::vector<rollout_agent::EngineParallel> parallel;
     for (const GroupDesc& g : groups) parallel.push_back({g.tp_size, g.tp_rank, g.ep_size});
     const std::optional<QuantizationConfig>& q = opts_.quant ? opts_.quant : src.model().quantization;
-    // Expert pruning: the engines serve the pruned model, so their layouts are its layouts.
-    std::optional<ModelConfig> pruned;
-    if (opts_.expert_map) {
-      auto json = model::PrunedConfigJson(src.config_json(), *opts_.expert_map, "the pruned model");
-      auto parsed = json.ok() ? ParseModelConfig(*json, "the pruned model") : json.status();
-      if (!parsed.ok()) return Annotate(parsed.status(), "sharded delivery");
-      pruned = std::move(*parsed);
+    // The plan is computed once and kept while the receiver groups, the model and the quantization
+    // stay the same (the membership decides the groups): building one engine layout per group
+    // costs about a second for a 1T model.
+    std::string key =
+        absl::StrCat(src.config_json(), "\n", QuantFingerprint(q ? &*q : nullptr, kernels::QuantVariant::kQat), "\n",
+                     opts_.expert_map ? opts_.expert_map->Canonical() : "experts: all");
+    for (const GroupDesc& g : groups) absl::StrAppend(&key, "\n", g.tp_size, "/", g.tp_rank, "/", g.ep_size);
+    if (plan_ == nullptr || key != plan_key_) {
+      // Expert pruning: the engines serve the pruned model, so their layouts are its layouts.
+      std::optional<ModelConfig> pruned;
+      if (opts_.expert_map) {
+        auto json = model::PrunedConfigJson(src.config_json(), *opts_.expert_map, "the pruned model");
+        auto parsed = json.ok() ? ParseModelConfig(*json, "the pruned model") : json.status();
+        if (!parsed.ok()) return Annotate(parsed.status(), "sharded delivery");
+        pruned = std::move(*parsed);
+      }
+      const absl::Time t0 = absl::Now();
+      auto p = plan::ShardPlan::Create(pruned ? *pruned : src.model(), q ? &*q : nullptr, parallel);
+      if (!p.ok()) return Annotate(p.status(), "sharded delivery");
+      plan_ = std::make_shared<const plan::ShardPlan>(std::move(*p));
+      plan_key_ = std::move(key);
+      WSYNC_LOG(INFO) << "sharded delivery: planned " << groups.size() << " receiver groups in "
+                      << absl::FormatDuration(absl::Now() - t0) << " (kept until the groups or the model change)";
     }
-    auto p = plan::ShardPlan::Create(pruned ? *pruned : src.model(), q ? &*q : nullptr, parallel);
-    if (!p.ok()) return Annotate(p.status(), "sharded delivery");
-    plan_out->emplace(std::move(*p));
+    *plan_out = plan_;
     std::vector<std::unique_ptr<comm::BucketSink>> sinks;
     std::vector<comm::BroadcastSink*> raw;
     for (size_t g = 0; g < groups.size(); ++g) {
@@ -323,7 +339,7 @@ class Agent {
       raw.push_back(made->get());
       sinks.push_back(std::move(*made));
     }
-    *out = std::make_unique<plan::ShardedSink>(&**plan_out, std::move(sinks), std::move(raw));
+    *out = std::make_unique<plan::ShardedSink>(plan_out->get(), std::move(sinks), std::move(raw));
     return absl::OkStatus();
   }
 
@@ -370,8 +386,8 @@ class Agent {
     const absl::Duration join_timeout = std::min(timeout, absl::Minutes(2));
     const comm::CollectiveOptions vote_bound{join_timeout + absl::Seconds(30)};
     const comm::CollectiveOptions results_bound{2 * timeout + absl::Minutes(1)};
-    std::unique_ptr<comm::BroadcastSink> sink;  // broadcast delivery
-    std::optional<plan::ShardPlan> shard_plan;  // sharded delivery: the plan and its sink
+    std::unique_ptr<comm::BroadcastSink> sink;          // broadcast delivery
+    std::shared_ptr<const plan::ShardPlan> shard_plan;  // sharded delivery: the plan and its sink
     std::unique_ptr<plan::ShardedSink> sharded;
     if (s.ok() && sender >= 0) {
       // One data-plane group (and sink) of `size` ranks named `name`.
@@ -517,6 +533,9 @@ class Agent {
   int stages_ = 1;
   TrainerComms comms_;
   SyncWorkspace workspace_;  // gather buffers kept across syncs
+  // Sharded delivery: the plan of the last sharded sync, and what it was made for.
+  std::shared_ptr<const plan::ShardPlan> plan_;
+  std::string plan_key_;
   // Bucket buffers kept across syncs (stage sources only): two on the wire + the one being built.
   BufferPool bucket_pool_{3};
   std::unique_ptr<comm::Store> store_;
