@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/checksum.h"
+#include "common/failpoint.h"
 #include "common/status.h"
 
 namespace wsync::comm {
@@ -42,6 +43,8 @@ absl::Status BucketSender::Send(v1::BucketManifest manifest, Buffer data, uint64
   manifest.set_nbytes(nbytes);
   manifest.set_xxh3_64(Xxh3_64({data.data(), nbytes}));
   stats_.checksum += absl::Now() - t0;
+  // A link that damages the bucket after the sender hashed it (system tests, common/failpoint.h).
+  if (nbytes > 0 && FailpointHit("bucket.corrupt")) data.data()[nbytes / 2] ^= std::byte{0x10};
   while (static_cast<int>(in_flight_.size()) >= max_in_flight_) RETURN_IF_ERROR(WaitOldest());
 
   auto f = std::make_unique<InFlight>();

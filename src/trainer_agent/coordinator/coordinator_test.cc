@@ -6,6 +6,8 @@
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <sys/mount.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -518,6 +520,50 @@ TEST_F(SyncCoordinatorTest, TheStateSurvivesARestart) {
   std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   EXPECT_EQ(text, "{\"published\": \"many\"}");
   coordinator_.reset();
+  std::filesystem::remove_all(dir);
+}
+
+// A full state directory (a 64 KiB tmpfs filled up; needs root, as CI runs): the trigger is
+// refused, naming the directory and the cause, and changes nothing (no sync queued, the numbers
+// taken back); once there is room again the next trigger gets exactly the numbers the refused one
+// would have had, and its sync runs.
+TEST_F(SyncCoordinatorTest, AFullStateDirectoryRefusesTheTriggerAndChangesNothing) {
+  const std::string dir = ::testing::TempDir() + "/coordinator-full-" + std::to_string(getpid());
+  std::filesystem::create_directories(dir);
+  if (geteuid() != 0 || mount("tmpfs", dir.c_str(), "tmpfs", 0, "size=64k") != 0) {
+    std::filesystem::remove_all(dir);
+    GTEST_SKIP() << "mounting a small tmpfs needs root";
+  }
+  SyncCoordinatorOptions o;
+  o.state_dir = dir;
+  ASSERT_TRUE(MakeLoaded(o).ok());
+  Join("a:1");
+  auto first = Trigger();
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(Finish(first->sync_id()).phase(), "done");
+  {  // fill the file system
+    std::ofstream fill(dir + "/fill", std::ios::binary);
+    const std::string block(4096, 'x');
+    for (int i = 0; i < 64 && fill; ++i) fill.write(block.data(), block.size());
+  }
+  v1::StatusReply before;
+  coordinator_->Status(&before);
+  auto refused = Trigger();
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), HasSubstr("cannot make sync 2 (version 2) durable, so it was not started"));
+  EXPECT_THAT(refused.status().message(), HasSubstr(dir));
+  EXPECT_THAT(refused.status().message(), HasSubstr("No space left on device"));
+  v1::StatusReply after;
+  coordinator_->Status(&after);
+  EXPECT_EQ(after.DebugString(), before.DebugString()) << "a refused trigger changed the coordinator";
+  std::filesystem::remove(dir + "/fill");
+  auto next = Trigger();
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->sync_id(), 2u);
+  EXPECT_EQ(next->version(), 2u);
+  EXPECT_EQ(Finish(next->sync_id()).phase(), "done");
+  coordinator_.reset();
+  EXPECT_EQ(umount(dir.c_str()), 0);
   std::filesystem::remove_all(dir);
 }
 

@@ -160,7 +160,7 @@ void SyncCoordinator::PublishRolledForward() {
   GaugeOf(opts_.metrics, "wsync_version", "Last published weight version")->Set(static_cast<double>(published_));
   WSYNC_LOG(INFO) << "version " << published_ << " published: every engine of the fleet rolled forward to it";
   ++event_seq_;
-  SaveState();
+  SaveState().IgnoreError();  // logged; the next trigger saves again (and is refused if it cannot)
 }
 
 absl::Status SyncCoordinator::Leave(const v1::LeaveRequest& req) {
@@ -270,6 +270,7 @@ absl::Status SyncCoordinator::TriggerSync(const v1::TriggerSyncRequest& req, v1:
     return absl::FailedPreconditionError(absl::StrCat("sync ", running_ ? running_id_ : queue_.front(),
                                                       " is in progress; retry later or pass wait_if_busy"));
   }
+  const uint64_t before_id = next_sync_id_, before_version = next_version_;
   const uint64_t id = next_sync_id_++;
   SyncRecord rec;
   rec.id = id;
@@ -285,8 +286,18 @@ absl::Status SyncCoordinator::TriggerSync(const v1::TriggerSyncRequest& req, v1:
   ++event_seq_;
   // The numbers are durable before any agent hears of them: a trainer job that dies during this
   // sync restarts with the next id and version, which the agents (that saw this one begin and end)
-  // accept, instead of this id again, which they would refuse as ended.
-  SaveState();
+  // accept, instead of this id again, which they would refuse as ended. Numbers that cannot be made
+  // durable (a full or broken state directory) are taken back and the trigger is refused: a sync
+  // that started anyway could be repeated under the same numbers after a restart.
+  if (absl::Status saved = SaveState(); !saved.ok()) {
+    syncs_.erase(id);
+    queue_.pop_back();
+    next_sync_id_ = before_id;
+    next_version_ = before_version;
+    return Annotate(saved, absl::StrCat("the coordinator cannot make sync ", id, " (version ", rec.version,
+                                        ") durable, so it was not started (free space in or fix --state-dir ",
+                                        opts_.state_dir, ")"));
+  }
   reply->set_sync_id(id);
   reply->set_version(rec.version);
   return absl::OkStatus();
@@ -568,7 +579,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
   // the next sync ends, for members still leaving it).
   if (previous_sync_keys_ != 0) store_->DeletePrefix(SyncKeyPrefix(previous_sync_keys_));
   previous_sync_keys_ = id;
-  SaveState();
+  SaveState().IgnoreError();  // logged; the next trigger saves again (and is refused if it cannot)
 }
 
 // --- Durable state --------------------------------------------------------------------------------
@@ -684,8 +695,8 @@ absl::Status SyncCoordinator::LoadState() {
   return absl::OkStatus();
 }
 
-void SyncCoordinator::SaveState() {
-  if (opts_.state_dir.empty()) return;
+absl::Status SyncCoordinator::SaveState() {
+  if (opts_.state_dir.empty()) return absl::OkStatus();
   v1::CoordinatorState st;
   st.set_next_version(next_version_);
   st.set_next_sync_id(next_sync_id_);
@@ -716,6 +727,7 @@ void SyncCoordinator::SaveState() {
     s = absl::InternalError(printed.ToString());
   if (s.ok()) s = WriteDurably(opts_.state_dir, StatePath(opts_.state_dir), json);
   if (!s.ok()) WSYNC_LOG(ERROR) << "saving the coordinator state in " << opts_.state_dir << ": " << s;
+  return s;
 }
 
 // --- Observation ----------------------------------------------------------------------------------

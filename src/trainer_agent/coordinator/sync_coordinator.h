@@ -157,9 +157,10 @@ class SyncCoordinator {
   absl::Status CheckFleet() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<uint32_t> MissingRanks(const std::string& engine_id, uint32_t tp_size) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Writes the state file (tmp + fsync + rename + directory fsync); a failure is logged, never
-  // fails the sync that triggered it.
-  void SaveState() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes the state file (tmp + fsync + rename + directory fsync). A failure is logged and
+  // returned: TriggerSync refuses a sync whose numbers it cannot save (and takes them back); at the
+  // end of a sync (or a roll forward) it is only logged, and the next trigger saves again.
+  absl::Status SaveState() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the attempts and finished sync records beyond the newest ones kept (sync_coordinator.cc).
   void PruneHistory() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes rolling_forward_ once every member of the fleet reports it (Heartbeat).
