@@ -1,6 +1,7 @@
 #include "common/failpoint.h"
 
 #include <atomic>
+#include <csignal>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -16,12 +17,16 @@
 namespace wsync {
 namespace {
 
-constexpr absl::string_view kKnown[] = {"bucket.corrupt"};
+constexpr absl::string_view kKnown[] = {"bucket.corrupt", "rollout.begin", "rollout.transfer", "rollout.prepare",
+                                        "rollout.commit", "engine.pause",  "engine.continue"};
+
+enum class Action { kReturn, kStop, kKill };
 
 struct Point {
   std::string name;
   int64_t only = 0;  // 0: every hit; K: the K-th hit only
   int64_t hits = 0;
+  Action action = Action::kReturn;
 };
 
 struct Registry {
@@ -33,8 +38,20 @@ struct Registry {
     absl::MutexLock lock(&mu);
     points.clear();
     for (absl::string_view entry : absl::StrSplit(spec, ',', absl::SkipWhitespace())) {
-      std::vector<absl::string_view> parts = absl::StrSplit(entry, absl::MaxSplits(':', 1));
       Point p;
+      std::vector<absl::string_view> with_action = absl::StrSplit(entry, absl::MaxSplits('@', 1));
+      if (with_action.size() == 2) {
+        const absl::string_view a = absl::StripAsciiWhitespace(with_action[1]);
+        if (a == "stop") {
+          p.action = Action::kStop;
+        } else if (a == "kill") {
+          p.action = Action::kKill;
+        } else {
+          WSYNC_LOG(ERROR) << "WSYNC_FAILPOINTS: \"" << entry << "\": the action must be stop or kill; ignored";
+          continue;
+        }
+      }
+      std::vector<absl::string_view> parts = absl::StrSplit(with_action[0], absl::MaxSplits(':', 1));
       p.name = std::string(absl::StripAsciiWhitespace(parts[0]));
       if (parts.size() == 2 && (!absl::SimpleAtoi(parts[1], &p.only) || p.only <= 0)) {
         WSYNC_LOG(ERROR) << "WSYNC_FAILPOINTS: \"" << entry << "\": the hit count must be a positive number; ignored";
@@ -68,16 +85,31 @@ Registry& Get() {
 bool FailpointHit(absl::string_view name) {
   Registry& r = Get();
   if (!r.armed.load(std::memory_order_acquire)) return false;
-  absl::MutexLock lock(&r.mu);
-  for (Point& p : r.points) {
-    if (p.name != name) continue;
-    ++p.hits;
-    if (p.only == 0 || p.hits == p.only) {
-      WSYNC_LOG(WARNING) << "failpoint " << p.name << " fires (hit " << p.hits << ")";
-      return true;
+  Action action = Action::kReturn;
+  {
+    absl::MutexLock lock(&r.mu);
+    bool fires = false;
+    for (Point& p : r.points) {
+      if (p.name != name) continue;
+      ++p.hits;
+      if (p.only == 0 || p.hits == p.only) {
+        WSYNC_LOG(WARNING) << "failpoint " << p.name << " fires (hit " << p.hits << ")"
+                           << (p.action == Action::kStop   ? ": stopping this process (SIGSTOP)"
+                               : p.action == Action::kKill ? ": killing this process (SIGKILL)"
+                                                           : "");
+        fires = true;
+        action = p.action;
+        break;
+      }
     }
+    if (!fires) return false;
   }
-  return false;
+  if (action == Action::kStop) {
+    std::raise(SIGSTOP);
+    return false;  // continued: go on as if nothing happened
+  }
+  if (action == Action::kKill) std::raise(SIGKILL);
+  return true;
 }
 
 void ArmFailpointsForTest(absl::string_view spec) { Get().Load(spec); }

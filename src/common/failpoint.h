@@ -2,11 +2,21 @@
 // the process was started with them armed, so that a test can break one step of a real sync (a
 // bucket corrupted on the wire, ...) without a mock. Unarmed points cost one relaxed atomic load.
 //
-//   WSYNC_FAILPOINTS="NAME[:K],..."   NAME fires on every hit, NAME:K on its K-th hit only (1-based,
-//                                     counted per process from its start)
+//   WSYNC_FAILPOINTS="NAME[:K][@ACTION],..."
+//       NAME fires on every hit, NAME:K on its K-th hit only (1-based, counted per process from its
+//       start). ACTION: none (the call site misbehaves: FailpointHit returns true), stop (the
+//       process stops itself with SIGSTOP, as a hung process; after SIGCONT it goes on normally)
+//       or kill (SIGKILL, as a crash).
 //
-// The points (grep FailpointHit): "bucket.corrupt" (comm/bucket/stream.cc: the sender flips one
-// bit of a bucket's data after hashing it, as a damaged link would; the receiver must refuse it).
+// The points (grep FailpointHit):
+//   bucket.corrupt     comm/bucket/stream.cc: the sender flips one bit of a bucket's data after
+//                      hashing it, as a damaged link would; the receiver must refuse it
+//   rollout.begin      the rollout agent's BeginSync, before it starts receiving
+//   rollout.transfer   the rollout agent, when the first bucket of a sync has arrived
+//   rollout.prepare    the rollout agent's PrepareSync, before it waits for its streams
+//   rollout.commit     the rollout agent's CommitSync, once its engine is paused, before the repack
+//   engine.pause       the reference engine's Pause
+//   engine.continue    the reference engine's Continue (the end of a commit)
 // An unknown name in the variable is logged once and ignored; a malformed entry (K not a positive
 // number) is logged and ignored. Thread-safety: FailpointHit is safe from any thread.
 #pragma once

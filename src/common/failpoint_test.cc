@@ -18,7 +18,7 @@ TEST(FailpointTest, ArmedPointsFireAsTold) {
   ArmFailpointsForTest(" bucket.corrupt ");
   EXPECT_TRUE(FailpointHit("bucket.corrupt"));
   EXPECT_TRUE(FailpointHit("bucket.corrupt"));
-  ArmFailpointsForTest("no.such.point, bucket.corrupt:0, bucket.corrupt:x");
+  ArmFailpointsForTest("no.such.point, bucket.corrupt:0, bucket.corrupt:x, bucket.corrupt@explode");
   EXPECT_FALSE(FailpointHit("bucket.corrupt"));
   EXPECT_FALSE(FailpointHit("no.such.point"));
   ArmFailpointsForTest("");

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/failpoint.h"
 #include "common/grpc_status.h"
 #include "common/heap.h"
 #include "common/logging.h"
@@ -29,6 +30,7 @@ v1::HealthReply::State ToProto(HealthInfo::State s) {
 
 grpc::Status RolloutEngineService::Pause(grpc::ServerContext* ctx, const v1::PauseRequest* req, v1::PauseReply* reply) {
   WSYNC_AUTHORIZE(ctx, sec_);
+  FailpointHit("engine.pause");  // system tests (common/failpoint.h)
   reply->set_in_flight(core_->Pause(req->mode() == v1::PauseRequest::ABORT ? PauseMode::kAbort : PauseMode::kHold));
   return grpc::Status::OK;
 }
@@ -41,6 +43,7 @@ grpc::Status RolloutEngineService::Flush(grpc::ServerContext* ctx, const v1::Flu
 grpc::Status RolloutEngineService::Continue(grpc::ServerContext* ctx, const v1::ContinueRequest* req,
                                             v1::ContinueReply* reply) {
   WSYNC_AUTHORIZE(ctx, sec_);
+  FailpointHit("engine.continue");  // system tests (common/failpoint.h)
   absl::StatusOr<uint64_t> v = core_->Continue(req->version(), Deadline(ctx));
   if (!v.ok()) return ToGrpcStatus(v.status());
   reply->set_version(*v);

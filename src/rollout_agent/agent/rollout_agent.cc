@@ -13,6 +13,7 @@
 #include "absl/strings/str_replace.h"
 #include "comm/store/store.h"
 #include "common/config.h"
+#include "common/failpoint.h"
 #include "common/grpc_status.h"
 #include "common/heap.h"
 #include "common/logging.h"
@@ -583,6 +584,7 @@ absl::Status RolloutAgent::CheckBegin(const v1::BeginSyncRequest& req, bool* dup
 }
 
 absl::Status RolloutAgent::BeginSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply, absl::Time deadline) {
+  FailpointHit("rollout.begin");  // system tests (common/failpoint.h)
   bool duplicate = false;
   uint64_t stale = 0;  // a sync this newer one supersedes
   std::string stale_phase;
@@ -811,6 +813,7 @@ absl::Status NoSuchSync(absl::string_view rpc, uint64_t id, uint64_t last_id, bo
 
 absl::Status RolloutAgent::PrepareSync(const v1::PrepareSyncRequest& req, absl::Time deadline,
                                        v1::PrepareSyncReply* reply) {
+  FailpointHit("rollout.prepare");  // system tests (common/failpoint.h)
   {
     absl::MutexLock lock(&mu_);
     if (sync_ == nullptr || sync_->id != req.sync_id())
@@ -941,6 +944,7 @@ absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::Comm
     }
     WSYNC_LOG(INFO) << who << ": " << *paused;
   }
+  FailpointHit("rollout.commit");  // system tests (common/failpoint.h): the engine is paused
   const absl::Time t0 = absl::Now();
   // CUDA engines: the commit repacks on the device straight into the engine's memory (kInternal on
   // a device failure: the memory may be partly written, handled as a failed repack below).

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "comm/bucket/stream.h"
+#include "common/failpoint.h"
 #include "common/logging.h"
 #include "common/status.h"
 
@@ -160,6 +161,7 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
       if (!next->has_value()) return absl::OkStatus();
       comm::BucketReceiver::Bucket& b = **next;
       RETURN_IF_ERROR(CheckManifest(b.manifest, o));
+      if (stats.buckets == 0) FailpointHit("rollout.transfer");  // system tests (common/failpoint.h)
       stats.buckets++;
       stats.bytes += b.manifest.nbytes();
       if (!AddressedTo(b.manifest, o.rank)) {

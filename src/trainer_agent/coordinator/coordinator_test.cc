@@ -155,11 +155,13 @@ class SyncCoordinatorTest : public ::testing::Test {
     return absl::OkStatus();
   }
   // Joins an agent at `address` for TP rank `tp_rank` of engine `engine` (TP `tp_size`); returns its id.
+  // Without an engine id, each address serves an engine of its own ("e@<address>"): agents of one
+  // engine rank replace each other (SyncCoordinator::Join).
   std::string Join(const std::string& address, uint32_t tp_rank = 0, uint32_t tp_size = 1,
-                   const std::string& engine = "e0") {
+                   const std::string& engine = "") {
     v1::JoinRequest req;
     req.set_agent_address(address);
-    req.set_engine_id(engine);
+    req.set_engine_id(engine.empty() ? "e@" + address : engine);
     req.set_tp_rank(tp_rank);
     req.set_tp_size(tp_size);
     v1::JoinReply reply;
@@ -210,8 +212,8 @@ class SyncCoordinatorTest : public ::testing::Test {
 
 TEST_F(SyncCoordinatorTest, ASyncCallsEveryAgentInOrderAndPublishes) {
   Make();
-  Join("a:1", 0, 2);
-  Join("a:2", 1, 2);
+  Join("a:1", 0, 2, "e0");
+  Join("a:2", 1, 2, "e0");
   auto t = Trigger();
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ(t->version(), 1u);
@@ -628,6 +630,25 @@ TEST_F(SyncCoordinatorTest, TooFewMembersAreRefused) {
   auto t = Trigger(0, false, /*min_agents=*/2);
   EXPECT_EQ(t.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(t.status().message(), HasSubstr("at least 2 rollout agents; 1 have joined"));
+}
+
+// A rollout agent restarted on a new port joins for the engine rank its dead predecessor served:
+// the old entry goes at once, so the next sync calls only the live agent.
+TEST_F(SyncCoordinatorTest, AnAgentOfTheSameEngineRankReplacesTheOldOne) {
+  Make();
+  Join("a:1", 0, 2, "e0");
+  Join("a:2", 1, 2, "e0");
+  Join("a:3", 1, 2, "e0");  // rank 1's agent, restarted on another port
+  v1::MembersReply members;
+  coordinator_->Members(&members);
+  ASSERT_EQ(members.members_size(), 2);
+  std::vector<std::string> addresses;
+  for (const auto& m : members.members()) addresses.push_back(m.agent_address());
+  EXPECT_THAT(addresses, ::testing::UnorderedElementsAre("a:1", "a:3"));
+  auto t = Trigger();
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(Finish(t->sync_id()).phase(), "done");
+  EXPECT_TRUE(Agent("a:2")->calls().empty()) << "the replaced agent was called";
 }
 
 TEST_F(SyncCoordinatorTest, MembershipJoinRejoinLeaveAndTimeout) {

@@ -99,11 +99,19 @@ void SyncCoordinator::Stop() {
 absl::Status SyncCoordinator::Join(const v1::JoinRequest& req, v1::JoinReply* reply) {
   if (req.agent_address().empty()) return absl::InvalidArgumentError("agent_address is empty");
   absl::MutexLock lock(&mu_);
-  // A restarted agent re-joins from the same address: replace its old entry.
-  for (auto it = members_.begin(); it != members_.end(); ++it) {
-    if (it->second.address == req.agent_address()) {
-      members_.erase(it);
-      break;
+  // A restarted agent re-joins from the same address, or from a new one for the same engine rank
+  // (one agent serves one engine rank): its old entry goes now, not after a heartbeat timeout, so
+  // the next sync does not call a dead address.
+  for (auto it = members_.begin(); it != members_.end();) {
+    const Member& old = it->second;
+    const bool same_rank = !req.engine_id().empty() && old.engine_id == req.engine_id() && old.tp_rank == req.tp_rank();
+    if (old.address == req.agent_address() || same_rank) {
+      if (old.address != req.agent_address())
+        WSYNC_LOG(WARNING) << "member " << old.id << " (" << old.address << ") replaced: " << req.agent_address()
+                           << " joined for the same engine " << old.engine_id << " tp " << old.tp_rank;
+      it = members_.erase(it);
+    } else {
+      ++it;
     }
   }
   Member m;
@@ -510,7 +518,12 @@ void SyncCoordinator::RunSync(uint64_t id) {
         behind.push_back(v != 0 ? absl::StrCat(who, " (on version ", v, ")") : absl::StrCat(who, " (unreachable)"));
       }
     }
-    if (!live.empty())
+    if (!live.empty() && behind.empty())
+      s = Annotate(s,
+                   absl::StrCat("version ", plan.version, " was committed on every engine (", absl::StrJoin(live, ", "),
+                                ") but the commit did not complete everywhere: it is not published until every "
+                                "engine of the fleet reports it"));
+    else if (!live.empty())
       s = Annotate(s, absl::StrCat("version ", plan.version, " was committed on ", absl::StrJoin(live, ", "),
                                    " but not on ", absl::StrJoin(behind, ", "),
                                    ": it is not published; the others roll forward to it from their staging as soon "

@@ -122,7 +122,9 @@ class SyncCoordinator {
   void Stop();
 
   // Membership. Join: kInvalidArgument for an empty agent_address; an agent that joins again from
-  // the same address replaces its old entry. Heartbeat of an unknown id: OK with known = false.
+  // the same address, or any agent that joins for the engine rank (engine id, TP rank) of an
+  // existing member (a restarted agent on a new port), replaces the old entry at once. Heartbeat of
+  // an unknown id: OK with known = false.
   absl::Status Join(const v1::JoinRequest& req, v1::JoinReply* reply);
   absl::Status Heartbeat(const v1::HeartbeatRequest& req, v1::HeartbeatReply* reply);
   absl::Status Leave(const v1::LeaveRequest& req);

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# The fault matrix of the rollout side, through the real processes: 4 trainer agents under mpirun
+# (--sync-timeout 10), two reference engines (TP 1) with their rollout agents. For each fault, one
+# process of engine 1 is (re)started with a failpoint (common/failpoint.h) that kills it (-9) or
+# stops it (SIGSTOP: a hung process) at one phase of the next sync:
+#   rollout agent: begin (BeginSync), transfer (first bucket arrived), prepare (PrepareSync),
+#                  commit (engine paused, before the repack);
+#   engine:        pause (the commit's Pause), continue (the commit's Continue).
+# After each: the sync failed within timeout + 10 s with an error naming engine-1; engine 0 kept
+# answering, on one version (every reply names its version); a stopped process is continued; the
+# faulty process is restarted clean (on a new port) and found again, and the next sync publishes a
+# version bit-exact on both engines. Trainer-rank and coordinator faults: e2e.restart, e2e.hang.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
+e2e_start e2e_faults
+e2e_cleanup_extra() { for p in "${pids[@]}"; do kill -CONT "$p" 2>/dev/null || true; done; }
+timeout_s=10
+"$bin/wsync-model-gen" --from-config default --seed 5 --out "$work/hf" > /dev/null
+"$bin/wsync-shard" --hf "$work/hf" --out "$work/megatron" --tp 2 --ep 2 --dp 2 > /dev/null
+mpirun --allow-run-as-root --oversubscribe -np 4 "$bin/wsync-trainer-agent" --source "dir:$work/megatron" \
+  --coordinator 127.0.0.1:0 --address-file "$work/coordinator" --token-file "$token" --sync-timeout "$timeout_s" \
+  --state-dir "$work/state" > "$work/logs/trainer.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 300); do [ -s "$work/coordinator" ] && break; sleep 0.1; done
+[ -s "$work/coordinator" ] || fail "the coordinator did not start"
+coord=$(cat "$work/coordinator")
+ctl=("$bin/wsyncctl" --coordinator "$coord" --token-file "$token")
+declare -a agent_pid engine_pid
+
+start_agent() {  # start_agent E [FAILPOINTS]
+  rm -f "$work/agent-$1"
+  WSYNC_FAILPOINTS="${2:-}" "$bin/wsync-rollout-agent" --listen 127.0.0.1:0 --coordinator "$coord" \
+    --token-file "$token" --heartbeat-ms 300 --address-file "$work/agent-$1" >> "$work/logs/agent-$1.log" 2>&1 &
+  agent_pid[$1]=$!
+  pids+=($!)
+  for _ in $(seq 300); do [ -s "$work/agent-$1" ] && return 0; sleep 0.1; done
+  fail "rollout agent $1 did not start"
+}
+start_engine() {  # start_engine E [FAILPOINTS]
+  rm -f "$work/engine-$1"
+  WSYNC_FAILPOINTS="${2:-}" "$bin/wsync-ref-engine" --model "$work/hf" --engine-id "engine-$1" --listen 127.0.0.1:0 \
+    --address-file "$work/engine-$1" --agent-file "$work/agent-$1" --agent-poll-ms 300 --token-file "$token" \
+    >> "$work/logs/engine-$1.log" 2>&1 &
+  engine_pid[$1]=$!
+  pids+=($!)
+  for _ in $(seq 300); do [ -s "$work/engine-$1" ] && return 0; sleep 0.1; done
+  fail "engine $1 did not start"
+}
+registrations() { grep -c 'registered engine "engine-1"' "$work/logs/agent-1.log" 2>/dev/null || true; }
+ready() {  # ready N: agent 1 has registered engine 1 more than N times, and is a member at its address
+  local addr
+  for _ in $(seq 300); do
+    addr=$(cat "$work/agent-1" 2>/dev/null || true)
+    if [ "$(registrations)" -gt "$1" ] && [ "$(members "${ctl[@]}")" = 2 ] &&
+       "${ctl[@]}" --json members 2>/dev/null | grep -q "\"$addr\""; then
+      return 0
+    fi
+    sleep 0.1
+  done
+  fail "agent 1 ($addr) did not register engine 1 and join"
+}
+stop_proc() {  # stop_proc PID: kill -9 (continued first if stopped), reaped
+  kill -CONT "$1" 2>/dev/null || true
+  kill -KILL "$1" 2>/dev/null || true
+  wait "$1" 2>/dev/null || true
+}
+sync_ok() {  # sync_ok WHAT: a sync succeeds (retried while the restarted member registers), bit-exact on both
+  local out="" v
+  for _ in $(seq 60); do
+    out=$("${ctl[@]}" sync --wait --min-agents 2 2>&1) && break
+    sleep 0.5
+  done
+  v=$(sed -n 's/.*version \([0-9]*\) published.*/\1/p' <<<"$out" | tail -n1)
+  [ -n "$v" ] || fail "$1: no sync succeeded: $out"
+  "${ctl[@]}" verify --against "$work/hf" | grep -c "version $v: bit-exact" | grep -qx 2 ||
+    fail "$1: version $v is not bit-exact on both engines"
+  echo "$v"
+}
+for e in 0 1; do start_agent "$e"; start_engine "$e"; done
+v=$(sync_ok "the first sync")
+echo "e2e_faults: version $v bit-exact on both engines; the faults:"
+
+fault() {  # fault KIND PHASE ACTION: kind agent|engine, the failpoint point, kill|stop
+  local kind="$1" point="$2" action="$3" pid rc=0 out took gen n
+  n=$(registrations)
+  if [ "$kind" = agent ]; then
+    stop_proc "${agent_pid[1]}"; start_agent 1 "$point:1@$action"; pid=${agent_pid[1]}
+  else
+    stop_proc "${engine_pid[1]}"; start_engine 1 "$point:1@$action"; pid=${engine_pid[1]}
+  fi
+  ready "$n"
+  local t0 t1
+  t0=$(date +%s.%N)
+  out=$("${ctl[@]}" sync --wait --min-agents 2 2>&1) || rc=$?
+  t1=$(date +%s.%N)
+  took=$(python3 -c "print(f'{$t1 - $t0:.1f}')")
+  [ "$rc" != 0 ] || fail "$kind $point@$action: the sync succeeded: $out"
+  python3 -c "import sys; sys.exit(0 if $t1 - $t0 <= $timeout_s + 10 else 1)" ||
+    fail "$kind $point@$action: the failed sync took $took s (timeout $timeout_s s): $out"
+  grep -q "engine-1" <<<"$out" || fail "$kind $point@$action: the error does not name engine-1: $out"
+  grep -q "failpoint $point fires" "$work/logs/$kind-1.log" || fail "$kind $point@$action: the failpoint did not fire"
+  gen=$("${ctl[@]}" generate --engine "$(cat "$work/engine-0")" --prompt 1,2,3 --max-new-tokens 2 2>&1) ||
+    fail "$kind $point@$action: engine 0 stopped answering: $gen"
+  grep -q "^version [0-9]*:" <<<"$gen" || fail "$kind $point@$action: engine 0's reply names no version: $gen"
+  echo "   $kind $point@$action: failed in $took s: $(grep FAILED <<<"$out" | head -n1 | cut -c1-150)"
+  # Bring the process back clean; the next sync must be published on both engines.
+  n=$(registrations)
+  if [ "$kind" = agent ]; then
+    stop_proc "$pid"; start_agent 1
+  else
+    stop_proc "$pid"; start_engine 1
+  fi
+  ready "$n"
+  v=$(sync_ok "after $kind $point@$action")
+  echo "     restarted: version $v bit-exact on both engines"
+}
+for action in kill stop; do
+  for point in rollout.begin rollout.transfer rollout.prepare rollout.commit; do fault agent "$point" "$action"; done
+  for point in engine.pause engine.continue; do fault engine "$point" "$action"; done
+done
+echo "e2e_faults: ok"
