@@ -11,17 +11,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
 e2e_start e2e_corrupt
 timeout_s=20
 "$bin/wsync-model-gen" --from-config default --seed 1 --out "$work/start" > /dev/null
-"$bin/wsync-model-gen" --from-config default --seed 2 --out "$work/hf" > /dev/null
-"$bin/wsync-shard" --hf "$work/hf" --out "$work/megatron" --tp 2 --ep 2 --dp 2 > /dev/null
-mpirun --allow-run-as-root --oversubscribe -np 4 -x WSYNC_FAILPOINTS=bucket.corrupt:1 \
-  "$bin/wsync-trainer-agent" --source "dir:$work/megatron" --coordinator 127.0.0.1:0 --address-file "$work/coordinator" \
-  --token-file "$token" --sync-timeout "$timeout_s" --bucket-mib 64 > "$work/logs/trainer.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 300); do [ -s "$work/coordinator" ] && break; sleep 0.1; done
-[ -s "$work/coordinator" ] || fail "the coordinator did not start"
-ctl=("$bin/wsyncctl" --coordinator "$(cat "$work/coordinator")" --token-file "$token")
+e2e_trainer 2 -x WSYNC_FAILPOINTS=bucket.corrupt:1 -- --sync-timeout "$timeout_s" --bucket-mib 64
 for e in 0 1; do
-  "$bin/wsync-rollout-agent" --listen 127.0.0.1:0 --coordinator "$(cat "$work/coordinator")" --token-file "$token" \
+  "$bin/wsync-rollout-agent" --listen 127.0.0.1:0 --coordinator "$coord" --token-file "$token" \
     --heartbeat-ms 300 --address-file "$work/agent-$e" > "$work/logs/agent-$e.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 300); do [ -s "$work/agent-$e" ] && break; sleep 0.1; done

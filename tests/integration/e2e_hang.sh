@@ -13,18 +13,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
 e2e_start e2e_hang
 e2e_cleanup_extra() { for p in "${pids[@]}"; do kill -CONT "$p" 2>/dev/null || true; done; }
 timeout_s=10
-"$bin/wsync-model-gen" --from-config default --seed 91 --out "$work/hf" > /dev/null
-"$bin/wsync-shard" --hf "$work/hf" --out "$work/megatron" --tp 2 --ep 2 --dp 2 > /dev/null
-mpirun --allow-run-as-root --oversubscribe -np 4 "$bin/wsync-trainer-agent" --source "dir:$work/megatron" \
-  --coordinator 127.0.0.1:0 --address-file "$work/coordinator" --token-file "$token" --sync-timeout "$timeout_s" \
-  > "$work/logs/trainer.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 300); do [ -s "$work/coordinator" ] && break; sleep 0.1; done
-[ -s "$work/coordinator" ] || fail "the coordinator did not start"
-ctl=("$bin/wsyncctl" --coordinator "$(cat "$work/coordinator")" --token-file "$token")
+e2e_trainer 91 -- --sync-timeout "$timeout_s"
 declare -a agent_pid engine_pid
 for e in 0 1; do
-  "$bin/wsync-rollout-agent" --listen 127.0.0.1:0 --coordinator "$(cat "$work/coordinator")" --token-file "$token" \
+  "$bin/wsync-rollout-agent" --listen 127.0.0.1:0 --coordinator "$coord" --token-file "$token" \
     --heartbeat-ms 300 --address-file "$work/agent-$e" > "$work/logs/agent-$e.log" 2>&1 &
   agent_pid[$e]=$!
   pids+=($!)

@@ -5,6 +5,11 @@
 #                         e2e_cleanup_extra, the last lines of every log on failure, rm -rf work
 #   fail MSG...           "NAME: MSG" on stderr, exit 1
 #   members CTL...        the coordinator's member count through `CTL --json status` (0 if unreachable)
+#   e2e_trainer SEED [MPIRUN FLAGS] -- [AGENT FLAGS]
+#                         the default model of SEED as $work/hf, sharded TP2 x EP2 x DP2 into
+#                         $work/megatron, 4 trainer agents under mpirun on it (logs/trainer.log; extra
+#                         mpirun flags before --, agent flags after), waits for the coordinator; sets
+#                         coord (its address) and ctl (wsyncctl with the token)
 e2e_start() {
   e2e_name="$1"
   here="$(cd "$(dirname "${BASH_SOURCE[1]}")/../.." && pwd)"
@@ -38,4 +43,22 @@ fail() { echo "$e2e_name: $*" >&2; exit 1; }
 members() {
   "$@" --json status 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["members"])' 2>/dev/null ||
     echo 0
+}
+
+e2e_trainer() {
+  local seed="$1"; shift
+  local -a mpi=() agent=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do mpi+=("$1"); shift; done
+  [ $# -gt 0 ] && shift
+  agent=("$@")
+  "$bin/wsync-model-gen" --from-config default --seed "$seed" --out "$work/hf" > /dev/null
+  "$bin/wsync-shard" --hf "$work/hf" --out "$work/megatron" --tp 2 --ep 2 --dp 2 > /dev/null
+  mpirun --allow-run-as-root --oversubscribe -np 4 "${mpi[@]}" "$bin/wsync-trainer-agent" --source "dir:$work/megatron" \
+    --coordinator 127.0.0.1:0 --address-file "$work/coordinator" --token-file "$token" "${agent[@]}" \
+    > "$work/logs/trainer.log" 2>&1 &
+  pids+=($!)
+  for _ in $(seq 300); do [ -s "$work/coordinator" ] && break; sleep 0.1; done
+  [ -s "$work/coordinator" ] || fail "the coordinator did not start"
+  coord=$(cat "$work/coordinator")
+  ctl=("$bin/wsyncctl" --coordinator "$coord" --token-file "$token")
 }
