@@ -8,16 +8,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
 e2e_start e2e_rejoin
-"$bin/wsync-model-gen" --from-config default --seed 81 --out "$work/hf" > /dev/null
-"$bin/wsync-shard" --hf "$work/hf" --out "$work/megatron" --tp 2 --ep 2 --dp 2 > /dev/null
-mpirun --allow-run-as-root --oversubscribe -np 4 "$bin/wsync-trainer-agent" --source "dir:$work/megatron" \
-  --coordinator 127.0.0.1:0 --address-file "$work/coordinator" --token-file "$token" \
-  > "$work/logs/trainer.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 300); do [ -s "$work/coordinator" ] && break; sleep 0.1; done
-[ -s "$work/coordinator" ] || fail "the coordinator did not start"
-coord=$(cat "$work/coordinator")
-ctl=("$bin/wsyncctl" --coordinator "$coord" --token-file "$token")
+e2e_trainer 81
 
 start_agent() {  # start_agent R: rollout agent of engine rank R (a new port each time)
   rm -f "$work/agent-$1"
