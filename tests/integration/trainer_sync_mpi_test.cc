@@ -10,6 +10,7 @@
 // collective on one rank only.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <limits>
@@ -168,7 +169,9 @@ struct SyncResult {
 SyncResult SyncOnce(const DirSource& src, const SyncOptions& o) {
   SyncResult r;
   TrainerComms& comms = CommsFor(src.layout());
-  if (src.layout().IsStageSource(world->rank())) r.sink.emplace();
+  const int me = world->rank();
+  const std::vector<int> senders = StageSenders(src.layout(), src.layout().Dense(me).pp, o.spread_senders);
+  if (std::find(senders.begin(), senders.end(), me) != senders.end()) r.sink.emplace();
   r.report = RunRankSync(src, comms, r.sink ? &*r.sink : nullptr, o);
   return r;
 }
@@ -225,10 +228,11 @@ struct Param {
   LayoutCase layout;
   ModelCase model;
   bool int4;
+  bool spread = false;  // SyncOptions::spread_senders (sharded delivery's senders)
 };
 
 void PrintTo(const Param& p, std::ostream* os) {
-  *os << p.layout.name << " " << p.model.name << (p.int4 ? " int4" : " bf16");
+  *os << p.layout.name << " " << p.model.name << (p.int4 ? " int4" : " bf16") << (p.spread ? " spread" : "");
 }
 
 class TrainerSyncTest : public ::testing::TestWithParam<Param> {};
@@ -256,6 +260,7 @@ TEST_P(TrainerSyncTest, SendsExactlyTheConvertedCheckpoint) {
   o.quant = quant ? &*quant : nullptr;
   o.quant_threads = 2;
   o.collective = kTimeout;
+  o.spread_senders = P.spread;
   SyncResult r = SyncOnce(*src, o);
   CheckSyncAgainstHf(r, *src, o, fixture->hf_dir, quant);
   CheckWhoQuantized(r, src->layout(), P.int4 && IsMoe(P.model.arch));
@@ -285,13 +290,18 @@ std::vector<Param> AllParams() {
   for (const auto& l : layouts)
     for (const auto& m : models)
       for (bool int4 : {false, true}) out.push_back({l, m, int4});
+  // Spread senders under mpirun: a dense, a MoE and an MLA model, every layout.
+  for (const auto& l : layouts)
+    for (const auto& m : models)
+      if (m.name == "llama" || m.name == "qwen3moe" || m.name == "deepseek")
+        for (bool int4 : {false, true}) out.push_back({l, m, int4, true});
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(All, TrainerSyncTest, ::testing::ValuesIn(AllParams()),
                          [](const ::testing::TestParamInfo<Param>& i) {
                            return absl::StrCat(i.param.layout.name, "_", i.param.model.name,
-                                               i.param.int4 ? "_int4" : "_bf16");
+                                               i.param.int4 ? "_int4" : "_bf16", i.param.spread ? "_spread" : "");
                          });
 
 // Experts partly ignored, differently per EP member: an expert parameter whose HF tensors are not
