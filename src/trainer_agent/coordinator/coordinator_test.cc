@@ -172,9 +172,11 @@ class SyncCoordinatorTest : public ::testing::Test {
     absl::MutexLock lock(&mu_);
     return agents_[address];
   }
-  absl::StatusOr<v1::TriggerSyncReply> Trigger(uint64_t version = 0, bool wait = false, uint32_t min_agents = 0) {
+  absl::StatusOr<v1::TriggerSyncReply> Trigger(uint64_t version = 0, bool wait = false, uint32_t min_agents = 0,
+                                               const std::string& delivery = "") {
     v1::TriggerSyncRequest req;
     req.set_version(version);
+    req.set_delivery(delivery);
     req.set_wait_if_busy(wait);
     req.set_min_agents(min_agents);
     v1::TriggerSyncReply reply;
@@ -447,7 +449,7 @@ TEST_F(SyncCoordinatorTest, TheStateSurvivesARestart) {
   Join("a:1");
   uint64_t last_id = 0;
   for (int i = 0; i < 2; ++i) {
-    auto t = Trigger();
+    auto t = Trigger(0, false, 0, i == 1 ? "sharded" : "");
     ASSERT_TRUE(t.ok()) << t.status();
     EXPECT_EQ(Finish(t->sync_id()).phase(), "done");
     last_id = t->sync_id();
@@ -477,6 +479,11 @@ TEST_F(SyncCoordinatorTest, TheStateSurvivesARestart) {
   ASSERT_TRUE(coordinator_->Timings(want2, &timings).ok());
   EXPECT_EQ(timings.sync_id(), last_id);
   EXPECT_GT(timings.phases_size(), 5);
+  EXPECT_EQ(timings.delivery(), "sharded") << "the mode of version 2 (sharded) was not kept";
+  v1::TimingsRequest want1;
+  want1.set_version(1);
+  ASSERT_TRUE(coordinator_->Timings(want1, &timings).ok());
+  EXPECT_EQ(timings.delivery(), "broadcast");
   Join("a:1");
   auto t = Trigger();
   ASSERT_TRUE(t.ok()) << t.status();
@@ -630,6 +637,20 @@ TEST_F(SyncCoordinatorTest, TooFewMembersAreRefused) {
   auto t = Trigger(0, false, /*min_agents=*/2);
   EXPECT_EQ(t.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(t.status().message(), HasSubstr("at least 2 rollout agents; 1 have joined"));
+}
+
+// A trigger naming an unknown delivery is refused, naming the choices, and queues nothing.
+TEST_F(SyncCoordinatorTest, AnUnknownDeliveryIsRefused) {
+  Make();
+  Join("a:1");
+  auto t = Trigger(0, false, 0, "multicast");
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(t.status().message(), HasSubstr("unknown delivery \"multicast\" (broadcast or sharded)"));
+  auto ok = Trigger();
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->sync_id(), 1u);
+  EXPECT_EQ(Finish(ok->sync_id()).phase(), "done");
 }
 
 // A rollout agent restarted on a new port joins for the engine rank its dead predecessor served:

@@ -691,6 +691,10 @@ absl::Status SyncCoordinator::LoadState() {
     rec.version = t.version();
     rec.finished = true;
     rec.phase = "done";
+    if (!t.delivery().empty()) {
+      auto d = plan::ParseDelivery(t.delivery());
+      if (d.ok()) rec.delivery = *d;
+    }
     for (const v1::VersionRecord& v : versions_) {
       if (v.sync_id() == t.sync_id() && !v.ok()) {
         rec.phase = "failed";
@@ -725,6 +729,7 @@ absl::Status SyncCoordinator::SaveState() {
     v1::TimingsReply* t = st.add_timings();
     t->set_version(done[i]->version);
     t->set_sync_id(done[i]->id);
+    t->set_delivery(std::string(plan::DeliveryName(done[i]->delivery)));
     for (const PhaseTime& p : done[i]->phases) {
       v1::PhaseTiming* pt = t->add_phases();
       pt->set_phase(p.phase);
