@@ -14,7 +14,8 @@
 #      nothing changed on any engine: both still verify bit-exact against the previous weights;
 #   3. while host 2 stays cut off (its agent dropped for silence), a sync is refused naming engine 2
 #      (a version is never published to part of the fleet);
-#   4. with the link back, the next sync succeeds, bit-exact on both.
+#   4. with the link back, the next sync succeeds, bit-exact on both;
+#   5. a sharded sync (three trainer ranks sending) across the hosts is bit-exact on both.
 # Needs root and `ip netns` (CI runs as root); otherwise it exits 77 (ctest: skipped).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
@@ -161,4 +162,13 @@ done
 [ "$ok" = 1 ] || { cat "$work/logs/sync3.log" >&2; fail "sync 3 failed after the link came back"; }
 verify "$work/hf2" 30
 echo "e2e_multihost: with the link back, sync 3 is bit-exact on both engines"
+
+# 4. Sharded delivery across the hosts: sync 1's weights again, sent by three trainer ranks.
+"$bin/wsync-shard" --hf "$work/hf1" --out "$work/megatron.next" --tp 2 --ep 2 --dp 2 > /dev/null
+for f in "$work/megatron.next"/rank-*.safetensors; do mv "$f" "$work/megatron/$(basename "$f")"; done
+"${ctl[@]}" sync --wait --min-agents 2 --delivery sharded > "$work/logs/sync4.log" 2>&1 ||
+  { cat "$work/logs/sync4.log" >&2; fail "the sharded sync 4 failed"; }
+"${ctl[@]}" timings | head -n1 | grep -q "sharded delivery" || fail "sync 4 was not sharded"
+verify "$work/hf1" 30
+echo "e2e_multihost: a sharded sync across the hosts is bit-exact on both engines"
 echo "e2e_multihost: ok"
