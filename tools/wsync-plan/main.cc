@@ -68,11 +68,12 @@ absl::StatusOr<Rates> LoadRates(const std::string& name) {
   Rates r;
   if (name == "h200" || name == "h200-device") {
     // docs/gpu.md (H200, 16 cores): the CUDA INT4 kernel 149 GB/s; device buckets staged to pinned
-    // host memory 55 GB/s; the cut and the agent's load are host copies (one memcpy stream 11 GB/s
-    // there); commit from pinned staging into device memory 51 GB/s (upload-bound; the Marlin
-    // repack itself runs at 220-1545 GB/s). h200-device: buckets received into device memory and
-    // cut there (HBM copies, ~1000 GB/s), the open part of #14.
-    r = {149, 55, 11, 11, 51, 450, 0, 0, "measured on an H200 (docs/gpu.md)"};
+    // host memory 55 GB/s; the cut a host copy (one memcpy stream 11 GB/s there); the agent's load
+    // 7.3 GB/s (bench_sync there, sharded: 381 MB loaded in 0.052 s, INT4 transposes included);
+    // commit from pinned staging into device memory 51 GB/s (upload-bound; the Marlin repack itself
+    // runs at 220-1545 GB/s). h200-device: buckets received into device memory and cut there (HBM
+    // copies, ~1000 GB/s), the open part of #14.
+    r = {149, 55, 11, 7.3, 51, 450, 0, 0, "measured on an H200 host (docs/gpu.md)"};
     if (name == "h200-device") {
       r.stage = 1000, r.cut = 1000, r.load = 1000, r.commit = 220;
       r.source = "H200 rates with receive and cut in device memory (not built yet)";
