@@ -79,14 +79,14 @@ absl::StatusOr<std::optional<Block>> ShardPlan::BlockFor(int group, absl::string
                                                    ShapeToString(shape), ", the engine expects ",
                                                    SafetensorsName(s.dtype), ShapeToString(s.shape)));
   }
-  if (s.action == HfSource::Action::kSkip) return std::nullopt;
+  const rollout_agent::KeptBlock k = rollout_agent::KeptBlockOf(s);
+  if (k.empty()) return std::nullopt;
   const MatrixDims m = MatrixOf(shape);
-  Block b{0, m.rows, 0, m.cols, true};
-  if (s.action == HfSource::Action::kCopy && shape.size() <= 2) {
-    b = Block{s.src_row0, s.rows, s.src_col0, s.cols, false};
-    b.whole = b.row0 == 0 && b.col0 == 0 && b.rows == m.rows && b.cols == m.cols;
-  }
-  return b;
+  ASSIGN_OR_RETURN(const int64_t whole_bytes, NumBytes(dtype, shape));
+  // Tensors of more than two dims are never cut (the loader's blocks are of matrices).
+  if (shape.size() > 2 || (k.row0 == 0 && k.col0 == 0 && k.rows == m.rows && k.cols == m.cols))
+    return Block{0, m.rows, 0, m.cols, true, static_cast<uint64_t>(whole_bytes)};
+  return Block{k.row0, k.rows, k.col0, k.cols, false, static_cast<uint64_t>(k.rows * k.cols) * ItemSize(dtype)};
 }
 
 }  // namespace wsync::plan

@@ -45,7 +45,8 @@ absl::string_view DeliveryName(Delivery d);
 // The block of a tensor's matrix view that a receiver keeps.
 struct Block {
   int64_t row0 = 0, rows = 0, col0 = 0, cols = 0;
-  bool whole = false;  // the whole tensor (then row0 = col0 = 0 and rows x cols its matrix)
+  bool whole = false;   // the whole tensor (then row0 = col0 = 0 and rows x cols its matrix)
+  uint64_t nbytes = 0;  // what the receiver gets: the tensor's bytes when whole, else rows x cols elements
 };
 
 // Receivers grouped by the blocks they keep: `group_of[a]` is agent a's group, `rank_in_group[a]`

@@ -10,6 +10,7 @@
 #include "comm/bucket/bucket_format.h"
 #include "common/status.h"
 #include "common/tensor.h"
+#include "rollout_agent/load/block_copy.h"
 
 namespace wsync::plan {
 
@@ -30,6 +31,7 @@ absl::Status ShardedSink::status() const {
 absl::Status ShardedSink::CutGroup(int g, const v1::BucketManifest& full, const Buffer& data, Cut* cut) {
   struct Piece {
     const v1::BucketEntry* entry;
+    DType dtype;
     Block block;
     uint64_t offset, nbytes;
   };
@@ -40,9 +42,9 @@ absl::Status ShardedSink::CutGroup(int g, const v1::BucketManifest& full, const 
     const std::span<const int64_t> shape(e.tensor().shape().data(), static_cast<size_t>(e.tensor().shape_size()));
     ASSIGN_OR_RETURN(const std::optional<Block> b, plan_->BlockFor(g, e.tensor().name(), dtype, shape));
     if (!b) continue;
-    const uint64_t n = b->whole ? e.nbytes() : static_cast<uint64_t>(b->rows * b->cols) * ItemSize(dtype);
+    const uint64_t n = b->nbytes;
     const uint64_t at = pieces.empty() ? 0 : comm::AlignEntry(end);
-    pieces.push_back({&e, *b, at, n});
+    pieces.push_back({&e, dtype, *b, at, n});
     end = at + n;
   }
   if (pieces.empty() && !full.last()) return absl::OkStatus();  // nothing for this group
@@ -80,18 +82,11 @@ absl::Status ShardedSink::CutGroup(int g, const v1::BucketManifest& full, const 
     tb->set_rows(p.block.rows);
     tb->set_col0(p.block.col0);
     tb->set_cols(p.block.cols);
-    const size_t item = ItemSize(*comm::FromProto(e.tensor().dtype()));
     const MatrixDims dims =
         MatrixOf(std::span<const int64_t>(e.tensor().shape().data(), static_cast<size_t>(e.tensor().shape_size())));
-    const size_t row_bytes = static_cast<size_t>(p.block.cols) * item;
-    const size_t ld = static_cast<size_t>(dims.cols) * item;
-    const std::byte* first = src + static_cast<size_t>(p.block.row0) * ld + static_cast<size_t>(p.block.col0) * item;
-    if (p.block.cols == dims.cols) {
-      std::memcpy(dst, first, row_bytes * static_cast<size_t>(p.block.rows));  // a row cut: one range
-    } else {
-      for (int64_t r = 0; r < p.block.rows; ++r)
-        std::memcpy(dst + static_cast<size_t>(r) * row_bytes, first + static_cast<size_t>(r) * ld, row_bytes);
-    }
+    // The loader's strided copy (a row cut is one memcpy, a column cut one per row), into a dense block.
+    rollout_agent::internal::CopyBlock(src, dims.cols, p.block.row0, p.block.col0, p.block.rows, p.block.cols, dst,
+                                       p.block.cols, 0, 0, ItemSize(p.dtype), /*transpose=*/false);
   }
   cut->manifest = std::move(m);
   cut->data = std::move(out);

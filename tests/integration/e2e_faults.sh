@@ -55,20 +55,8 @@ stop_proc() {  # stop_proc PID: kill -9 (continued first if stopped), reaped
   kill -KILL "$1" 2>/dev/null || true
   wait "$1" 2>/dev/null || true
 }
-sync_ok() {  # sync_ok WHAT: a sync succeeds (retried while the restarted member registers), bit-exact on both
-  local out="" v
-  for _ in $(seq 60); do
-    out=$("${ctl[@]}" sync --wait --min-agents 2 2>&1) && break
-    sleep 0.5
-  done
-  v=$(sed -n 's/.*version \([0-9]*\) published.*/\1/p' <<<"$out" | tail -n1)
-  [ -n "$v" ] || fail "$1: no sync succeeded: $out"
-  "${ctl[@]}" verify --against "$work/hf" | grep -c "version $v: bit-exact" | grep -qx 2 ||
-    fail "$1: version $v is not bit-exact on both engines"
-  echo "$v"
-}
 for e in 0 1; do start_agent "$e"; start_engine "$e"; done
-v=$(sync_ok "the first sync")
+v=$(e2e_sync_verified "the first sync" 2)
 echo "e2e_faults: version $v bit-exact on both engines; the faults:"
 
 fault() {  # fault KIND PHASE ACTION: kind agent|engine, the failpoint point, kill|stop
@@ -102,7 +90,7 @@ fault() {  # fault KIND PHASE ACTION: kind agent|engine, the failpoint point, ki
     stop_proc "$pid"; start_engine 1
   fi
   ready "$n"
-  v=$(sync_ok "after $kind $point@$action")
+  v=$(e2e_sync_verified "after $kind $point@$action" 2)
   echo "     restarted: version $v bit-exact on both engines"
 }
 for action in kill stop; do

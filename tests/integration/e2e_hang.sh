@@ -73,9 +73,6 @@ for _ in $(seq 100); do
 done
 [ "$published" = "$partial" ] || fail "version $partial was not published after every engine rolled forward ($published)"
 echo "e2e_hang: version $partial published once both engines reported it"
-for _ in $(seq 50); do out=$("${ctl[@]}" sync --wait --min-agents 2 2>&1) && break; sleep 0.5; done
-v=$(sed -n 's/.*version \([0-9]*\) published.*/\1/p' <<<"$out" | tail -n1)
-[ -n "$v" ] || fail "no sync succeeded after the members continued: $out"
-"${ctl[@]}" verify --against "$work/hf" | grep -c "version $v: bit-exact" | grep -qx 2 || fail "version $v is not bit-exact"
+v=$(e2e_sync_verified "after the members continued" 2)
 echo "e2e_hang: after SIGCONT, version $v published bit-exact on both engines"
 echo "e2e_hang: ok"

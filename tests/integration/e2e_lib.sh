@@ -10,6 +10,10 @@
 #                         $work/megatron, 4 trainer agents under mpirun on it (logs/trainer.log; extra
 #                         mpirun flags before --, agent flags after), waits for the coordinator; sets
 #                         coord (its address) and ctl (wsyncctl with the token)
+#   e2e_sync_verified WHAT N
+#                         a sync with N agents, retried (up to 60 times, 0.5 s apart) while a restarted
+#                         member registers, then `verify --against $work/hf` bit-exact on N engine
+#                         ranks; prints the published version; fails naming WHAT otherwise
 e2e_start() {
   e2e_name="$1"
   here="$(cd "$(dirname "${BASH_SOURCE[1]}")/../.." && pwd)"
@@ -61,4 +65,17 @@ e2e_trainer() {
   [ -s "$work/coordinator" ] || fail "the coordinator did not start"
   coord=$(cat "$work/coordinator")
   ctl=("$bin/wsyncctl" --coordinator "$coord" --token-file "$token")
+}
+
+e2e_sync_verified() {
+  local what="$1" n="$2" out="" v
+  for _ in $(seq 60); do
+    out=$("${ctl[@]}" sync --wait --min-agents "$n" 2>&1) && break
+    sleep 0.5
+  done
+  v=$(sed -n 's/.*version \([0-9]*\) published.*/\1/p' <<<"$out" | tail -n1)
+  [ -n "$v" ] || fail "$what: no sync succeeded: $out"
+  "${ctl[@]}" verify --against "$work/hf" | grep -c "version $v: bit-exact" | grep -qx "$n" ||
+    fail "$what: version $v is not bit-exact on all $n engine ranks"
+  echo "$v"
 }

@@ -74,14 +74,7 @@ for _ in $(seq 100); do
 done
 grep -q "rollout agent address now $(cat "$work/agent-1")" "$work/logs/engine-1.log" ||
   fail "engine rank 1 did not follow agent 1 to $(cat "$work/agent-1")"
-out=""
-for _ in $(seq 50); do  # the restarted agent needs its engine's registration before it can sync
-  out=$("${ctl[@]}" sync --wait --min-agents 2 2>&1) && break
-  sleep 0.2
-done
-v=$(sed -n 's/.*version \([0-9]*\) published.*/\1/p' <<<"$out" | tail -n1)
-[ -n "$v" ] || fail "no sync after agent 1 came back: $out"
-"${ctl[@]}" verify --against "$work/hf" | grep -c "version $v: bit-exact" | grep -qx 2 ||
-  fail "version $v is not bit-exact on both ranks"
+# The restarted agent needs its engine's registration before it can sync.
+v=$(e2e_sync_verified "after agent 1 came back" 2)
 echo "e2e_rejoin: agent 1 restarted on $(cat "$work/agent-1") (was $old_port): engine rank 1 found it; version $v bit-exact on both ranks"
 echo "e2e_rejoin: ok"

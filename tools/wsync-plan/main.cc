@@ -214,7 +214,7 @@ absl::StatusOr<Projection> Project(const Setup& s, const std::vector<Sent>& sent
     for (size_t g = 0; g < groups; ++g) {
       ASSIGN_OR_RETURN(const std::optional<plan::Block> blk,
                        shard.BlockFor(static_cast<int>(g), t.name, t.dtype, shape));
-      if (blk) block[g] = blk->whole ? t.bytes : static_cast<uint64_t>(blk->rows * blk->cols) * ItemSize(t.dtype);
+      if (blk) block[g] = blk->nbytes;
       keep[g] += block[g];
     }
     Load& q = p.gpus[trainer(t.expert >= 0 ? sender : builder)];

@@ -692,6 +692,18 @@ int EngineLayout::FindLinear(absl::string_view name) const {
   return it == linear_index_.end() ? -1 : it->second;
 }
 
+KeptBlock KeptBlockOf(const HfSource& s) {
+  switch (s.action) {
+    case HfSource::Action::kCopy: return {s.src_row0, s.rows, s.src_col0, s.cols};
+    case HfSource::Action::kCheckShape: {
+      const MatrixDims m = MatrixOf(s.shape);
+      return {0, m.rows, 0, m.cols};
+    }
+    case HfSource::Action::kSkip: break;
+  }
+  return {};
+}
+
 int EngineLayout::FindSource(absl::string_view hf_name) const {
   auto it = source_index_.find(hf_name);
   return it == source_index_.end() ? -1 : it->second;

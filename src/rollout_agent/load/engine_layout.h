@@ -135,6 +135,16 @@ struct HfSource {
   std::string what;  // the piece, for coverage errors: "q_proj", "expert 5 up_proj", "gate_proj"
 };
 
+// The block of a sent tensor's matrix view (MatrixOf, common/tensor.h) this rank keeps: a kCopy
+// source's rows and columns, all of a kCheckShape tensor (a weight_shape), nothing for kSkip
+// (rows = cols = 0). What sharded delivery sends a rank, and the only block its loader takes
+// (plan/delivery_plan.h, Loader::LoadBlock).
+struct KeptBlock {
+  int64_t row0 = 0, rows = 0, col0 = 0, cols = 0;
+  bool empty() const { return rows == 0 || cols == 0; }
+};
+KeptBlock KeptBlockOf(const HfSource& s);
+
 class EngineLayout {
  public:
   // See the file comment. `quantization` null means a bf16 engine (any quantization_config inside

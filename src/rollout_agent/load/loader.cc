@@ -120,10 +120,11 @@ absl::StatusOr<int> Loader::CheckAndClaim(absl::string_view hf_name, DType dtype
                                           const TensorView& data, const BlockRef* block) {
   const EngineLayout& layout = staging_->layout();
   const int idx = layout.FindSource(hf_name);
-  const std::string what = absl::StrCat(SafetensorsName(dtype), ShapeToString(shape));
+  // Only for errors: no string is built for a tensor that loads.
+  auto what = [&] { return absl::StrCat(SafetensorsName(dtype), ShapeToString(shape)); };
   if (idx < 0) {
     if (layout.IsIgnoredHfName(hf_name) && block == nullptr) return -1;
-    return absl::InvalidArgumentError(absl::StrCat("unknown tensor ", hf_name, " (", what, "): not part of the ",
+    return absl::InvalidArgumentError(absl::StrCat("unknown tensor ", hf_name, " (", what(), "): not part of the ",
                                                    ArchitectureName(layout.config().arch),
                                                    layout.quantized() ? " INT4" : " bf16", " engine layout",
                                                    block != nullptr ? " (a block of it was sent to this rank)" : ""));
@@ -134,7 +135,7 @@ absl::StatusOr<int> Loader::CheckAndClaim(absl::string_view hf_name, DType dtype
   const bool any_int = s.dtype == DType::kI64;
   const bool dtype_ok = dtype == s.dtype || (any_int && dtype == DType::kI32);
   if (!dtype_ok || !std::equal(shape.begin(), shape.end(), s.shape.begin(), s.shape.end())) {
-    return absl::InvalidArgumentError(absl::StrCat(hf_name, ": got ", what, ", want ", SafetensorsName(s.dtype),
+    return absl::InvalidArgumentError(absl::StrCat(hf_name, ": got ", what(), ", want ", SafetensorsName(s.dtype),
                                                    ShapeToString(s.shape), any_int ? " (or I32)" : ""));
   }
   ASSIGN_OR_RETURN(const int64_t want_bytes, block == nullptr
@@ -142,23 +143,20 @@ absl::StatusOr<int> Loader::CheckAndClaim(absl::string_view hf_name, DType dtype
                                                  : NumBytes(dtype, std::array<int64_t, 2>{block->rows, block->cols}));
   if (static_cast<int64_t>(data.nbytes()) != want_bytes || (want_bytes > 0 && data.data() == nullptr)) {
     return absl::InvalidArgumentError(absl::StrCat(hf_name, ": the view holds ", data.nbytes(), " bytes, but ",
-                                                   block == nullptr ? what : "its block", " needs ", want_bytes));
+                                                   block == nullptr ? what() : "its block", " needs ", want_bytes));
   }
   if (block != nullptr) {
     // A block must be exactly what this rank keeps (all of a weight_shape): sharded delivery sends
     // each rank its own bytes, nothing more and nothing less.
-    const MatrixDims whole = MatrixOf(s.shape);
-    int64_t r0 = 0, rows = whole.rows, c0 = 0, cols = whole.cols;
-    if (s.action == HfSource::Action::kCopy) r0 = s.src_row0, rows = s.rows, c0 = s.src_col0, cols = s.cols;
-    if (s.action == HfSource::Action::kSkip || block->row0 != r0 || block->rows != rows || block->col0 != c0 ||
-        block->cols != cols) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          hf_name, ": got its block rows [", block->row0, ", ", block->row0 + block->rows, ") x columns [", block->col0,
-          ", ", block->col0 + block->cols, "), but engine rank ", layout.parallel().tp_rank, " of ",
-          layout.parallel().tp_size,
-          s.action == HfSource::Action::kSkip
-              ? " keeps none of it"
-              : absl::StrCat(" keeps rows [", r0, ", ", r0 + rows, ") x columns [", c0, ", ", c0 + cols, ")")));
+    const KeptBlock k = KeptBlockOf(s);
+    if (k.empty() || block->row0 != k.row0 || block->rows != k.rows || block->col0 != k.col0 || block->cols != k.cols) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(hf_name, ": got its block rows [", block->row0, ", ", block->row0 + block->rows, ") x columns [",
+                       block->col0, ", ", block->col0 + block->cols, "), but engine rank ", layout.parallel().tp_rank,
+                       " of ", layout.parallel().tp_size,
+                       k.empty() ? " keeps none of it"
+                                 : absl::StrCat(" keeps rows [", k.row0, ", ", k.row0 + k.rows, ") x columns [", k.col0,
+                                                ", ", k.col0 + k.cols, ")")));
     }
   }
   if (s.action == HfSource::Action::kSkip) return -1;
