@@ -8,6 +8,7 @@
 // Seeds are fixed and printed on failure.
 #include "plan/delivery_plan.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -220,6 +221,21 @@ TEST(ShardPlanTest, RefusalsNameWhatIsWrong) {
   const TensorView v(DType::kBF16, Shape{256, 255}, bytes);
   ASSERT_TRUE(builder.Add("model.layers.0.self_attn.o_proj.weight", v).ok());
   EXPECT_THAT(builder.Finish().message(), HasSubstr("the engine expects"));
+
+  // Device buckets are refused before a byte is read: they are staged to the host first.
+  std::vector<std::unique_ptr<comm::BucketSink>> more;
+  more.push_back(std::make_unique<CaptureSink>());
+  more.push_back(std::make_unique<CaptureSink>());
+  auto* first = static_cast<CaptureSink*>(more[0].get());
+  ShardedSink device_sink(&*plan, std::move(more));
+  Buffer on_device = Buffer::Adopt(
+      static_cast<std::byte*>(std::malloc(64)), 64, [](std::byte* p, int) { std::free(p); }, 0);
+  v1::BucketManifest m;
+  m.set_nbytes(64);
+  absl::Status refused_device = device_sink.Send(m, std::move(on_device), 64);
+  EXPECT_EQ(refused_device.code(), absl::StatusCode::kFailedPrecondition) << refused_device;
+  EXPECT_THAT(refused_device.message(), HasSubstr("DeviceStagingSink"));
+  EXPECT_TRUE(first->buckets.empty());
 }
 
 TEST(LoadBlockTest, RefusesEveryBlockButTheRanksOwn) {

@@ -1097,6 +1097,32 @@ TEST_F(RolloutAgentTest, JoinsHeartbeatsRejoinsAndLeavesTheCoordinator) {
   EXPECT_THAT((*coord)->leaves(), ElementsAre("agent-2"));
 }
 
+// Sharded delivery sends a stage over several streams (one per sender); a recording names its
+// files by stage, so a recorded sync with two streams for one stage is refused, changing nothing.
+TEST_F(RolloutAgentTest, TwoStreamsOfOneStageAreRefusedOnlyInARecordedSync) {
+  FakeEngine::Options o;
+  o.config_json = config_json_;
+  o.quant_json = quant_json_;
+  o.security = sec_;
+  auto engine = FakeEngine::Start(o);
+  ASSERT_TRUE(engine.ok());
+  rollout_agent::AgentOptions ao;
+  ao.security = sec_;
+  auto server = AgentServer::Start("127.0.0.1:0", ao);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_TRUE((*engine)->Register((*server)->address()).ok());
+  v1::BeginSyncRequest req = BeginRequest(1, 1, 1, 1, /*record=*/true);
+  *req.add_groups() = req.groups(0);
+  req.mutable_groups(1)->set_name(GroupName(1) + "/s1");
+  v1::BeginSyncReply begun;
+  absl::Status refused = (*server)->agent().BeginSync(req, &begun);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("two groups for pipeline stage 0 in a recorded sync"));
+  EXPECT_EQ((*server)->agent().version(), 0u);
+  EXPECT_TRUE((*engine)->calls().empty()) << "the refused sync reached the engine";
+  (*server)->Shutdown();
+}
+
 // The library in-process (what a launcher or an end-to-end test can embed).
 TEST_F(RolloutAgentTest, TheAgentLibraryRunsInProcess) {
   FakeEngine::Options o;

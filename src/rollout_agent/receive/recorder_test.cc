@@ -174,5 +174,20 @@ TEST_F(RecorderTest, RefusesSplitEntries) {
   EXPECT_THAT(s.message(), HasSubstr("t.0"));
 }
 
+// A block of a sharded sync is not a tensor: refused, nothing written.
+TEST_F(RecorderTest, RefusesBlockEntries) {
+  auto r = Recorder::Start(dir_, 10, "block");
+  ASSERT_TRUE(r.ok());
+  v1::BucketManifest m = buckets_[0].manifest;
+  auto* b = m.mutable_entries(0)->mutable_block();
+  b->set_rows(1);
+  b->set_cols(1);
+  absl::Status s = (*r)->WriteBucket(m, buckets_[0].data.data());
+  EXPECT_TRUE(absl::IsUnimplemented(s)) << s;
+  EXPECT_THAT(s.message(), HasSubstr("blocks of a sharded sync are not recorded"));
+  (*r)->Discard();
+  EXPECT_TRUE(Files(dir_).empty());
+}
+
 }  // namespace
 }  // namespace wsync::rollout_agent
