@@ -92,18 +92,20 @@ absl::Status EngineCore::PrepareInitial(uint64_t version, std::string source) {
 }
 
 void EngineCore::AttachGroup(std::unique_ptr<comm::Communicator> comm, std::string leader_address) {
-  comm_ = std::move(comm);
+  {
+    absl::MutexLock channel(&channel_mu_);
+    comm_ = std::move(comm);
+    seq_ = 0;
+    last_send_ = absl::Now();
+  }
   {
     absl::MutexLock lock(&mu_);
     leader_address_ = std::move(leader_address);
-    if (group_ == Group::kForming) {
+    if (group_ == Group::kForming || group_ == Group::kBroken) {
       group_ = Group::kReady;
       group_detail_.clear();
     }
-  }
-  {
-    absl::MutexLock lock(&channel_mu_);
-    last_send_ = absl::Now();
+    cv_.SignalAll();
   }
   if (rank_.tp_rank == 0) {
     heartbeat_ = std::thread([this] { HeartbeatLoop(); });
@@ -114,8 +116,42 @@ void EngineCore::AttachGroup(std::unique_ptr<comm::Communicator> comm, std::stri
 
 void EngineCore::GroupFailed(const absl::Status& status) {
   absl::MutexLock lock(&mu_);
-  group_ = Group::kBroken;
-  group_detail_ = absl::StrCat("the TP group could not be formed: ", status.ToString());
+  group_ = Group::kForming;
+  group_detail_ = absl::StrCat("the TP group could not be formed (still trying): ", status.ToString());
+  cv_.SignalAll();
+}
+
+bool EngineCore::AwaitBroken(const std::function<bool()>& cancelled, absl::Status* why) {
+  absl::MutexLock lock(&mu_);
+  for (;;) {
+    if (stopping_) return false;
+    if (group_ == Group::kBroken) {
+      *why = broken_by_;
+      return true;
+    }
+    if (cancelled && cancelled()) return false;
+    cv_.WaitWithTimeout(&mu_, kPollPeriod);
+  }
+}
+
+void EngineCore::DetachGroup(const absl::Status& why) {
+  if (comm_) comm_->Abort(absl::StrCat("tp rank ", rank_.tp_rank, " is re-forming the TP group"));
+  if (heartbeat_.joinable()) heartbeat_.join();
+  if (follower_.joinable()) follower_.join();
+  {
+    absl::MutexLock channel(&channel_mu_);  // a request that was using the group has failed by now
+    if (comm_) {
+      absl::Status s = comm_->Shutdown();
+      if (!s.ok()) WSYNC_LOG(DEBUG) << "TP group shutdown: " << s;
+      comm_.reset();
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (group_ == Group::kBroken) {
+    group_ = Group::kForming;
+    group_detail_ =
+        absl::StrCat("the TP group is re-forming (waiting for every rank to join) after it broke: ", why.ToString());
+  }
   cv_.SignalAll();
 }
 
@@ -132,7 +168,8 @@ void EngineCore::MarkBroken(const absl::Status& status) {
   absl::MutexLock lock(&mu_);
   if (group_ == Group::kBroken || stopping_) return;
   group_ = Group::kBroken;
-  group_detail_ = absl::StrCat("the TP group is broken (restart the engine): ", status.ToString());
+  broken_by_ = status;
+  group_detail_ = absl::StrCat("the TP group is broken (it re-forms once every rank is back): ", status.ToString());
   WSYNC_LOG(ERROR) << WhereLocked() << ": " << group_detail_;
   cv_.SignalAll();
 }
@@ -345,8 +382,23 @@ absl::StatusOr<GenerateResult> EngineCore::Generate(absl::Span<const int32_t> pr
   }
 }
 
+void EngineCore::HoldForCatchUp(uint64_t v) {
+  absl::MutexLock lock(&mu_);
+  if (v > version_ && !paused_ && !preparing_) {
+    WSYNC_LOG(INFO) << WhereLocked() << ": holding requests until the rollout agent commits version " << v
+                    << " (serving " << version_ << ")";
+    paused_ = held_for_catch_up_ = true;
+    mode_ = PauseMode::kHold;
+  } else if (v <= version_ && held_for_catch_up_) {
+    WSYNC_LOG(INFO) << WhereLocked() << ": no catch-up due; serving version " << version_;
+    paused_ = held_for_catch_up_ = false;
+    cv_.SignalAll();
+  }
+}
+
 uint32_t EngineCore::Pause(PauseMode mode) {
   absl::MutexLock lock(&mu_);
+  held_for_catch_up_ = false;
   if (!paused_ || mode_ != mode)
     WSYNC_LOG(INFO) << WhereLocked() << ": paused (" << (mode == PauseMode::kAbort ? "ABORT" : "HOLD") << "), "
                     << in_flight_ << " request(s) in flight";
@@ -377,6 +429,7 @@ absl::StatusOr<uint64_t> EngineCore::Continue(uint64_t version, absl::Time deadl
       return absl::FailedPreconditionError(absl::StrCat(WhereLocked(), ": another Continue is preparing weights"));
     const bool need = weights_ == Weights::kBad || (weights_ == Weights::kReady && version != version_) ||
                       (weights_ == Weights::kNone && version != 0);
+    held_for_catch_up_ = false;
     if (!need) {
       if (paused_) WSYNC_LOG(INFO) << WhereLocked() << ": continuing on version " << version_;
       paused_ = false;

@@ -33,8 +33,12 @@
 // Other ranks' Generate returns FAILED_PRECONDITION naming rank 0. Their requests arrive through a
 // follower thread that listens to rank 0; when rank 0 is idle it broadcasts a heartbeat every
 // `heartbeat`, and a follower that hears nothing for `idle_timeout` declares the group broken. A
-// failed collective also breaks the group for good: the rank turns UNHEALTHY (restart the engine).
-// On Shutdown rank 0 broadcasts a shutdown command; followers then call the shutdown callback.
+// failed collective also breaks the group: the rank turns UNHEALTHY and refuses requests until
+// the group is formed again (tp_group.h re-forms it: AwaitBroken, DetachGroup, AttachGroup of a new
+// communicator). A rank keeps its weights and version across a re-formation; a restarted rank
+// comes back with its own (a checkpoint's, or none), so requests wait until every rank holds the
+// same version again (its rollout agent catches it up). On Shutdown rank 0 broadcasts a shutdown
+// command; followers then call the shutdown callback.
 //
 // Status codes: INVALID_ARGUMENT (bad prompt / lengths), FAILED_PRECONDITION (no weights yet, not
 // the entry rank), UNAVAILABLE (paused with ABORT, unhealthy, TP group broken or forming, versions
@@ -105,10 +109,19 @@ class EngineCore {
   absl::Status PrepareInitial(uint64_t version, std::string source);
 
   // T > 1: the formed TP group (rank r of T). Rank 0 starts its heartbeat thread, other ranks
-  // their follower thread. `leader_address` names rank 0's RolloutEngine for redirections.
+  // their follower thread. `leader_address` names rank 0's RolloutEngine for redirections. Called
+  // once at start and again after each DetachGroup.
   void AttachGroup(std::unique_ptr<comm::Communicator> comm, std::string leader_address);
-  // T > 1: the group could not be formed; the rank is UNHEALTHY for good.
+  // T > 1: the group could not be formed (yet); the rank stays UNHEALTHY with this reason until an
+  // AttachGroup.
   void GroupFailed(const absl::Status& status);
+  // T > 1, with a group attached: blocks until the group breaks (returns true, *why = what broke
+  // it) or the core shuts down or `cancelled()` (polled every 100 ms) returns true (false).
+  bool AwaitBroken(const std::function<bool()>& cancelled, absl::Status* why);
+  // T > 1, after the group broke: aborts the communicator (peers' pending collectives fail at once,
+  // so they notice too), stops the heartbeat / follower thread, waits for a request using the
+  // group to fail, drops the communicator; the rank is "re-forming" until the next AttachGroup.
+  void DetachGroup(const absl::Status& why);
   // Called (once, from the follower thread) when rank 0 shuts the engine down.
   void SetShutdownCallback(std::function<void()> callback);
 
@@ -130,6 +143,13 @@ class EngineCore {
   absl::StatusOr<uint64_t> Continue(uint64_t version, absl::Time deadline);
   HealthInfo Health() const;
   uint64_t version() const;
+  // The rollout agent's answer to a registration (RegisterEngineReply.catch_up_version): it is about
+  // to commit version `v` into this rank's memory. When `v` is newer than the served version, new
+  // requests are held (as by Pause(HOLD)) until the agent's Continue, so that a restarted rank does
+  // not serve its older weights meanwhile; otherwise (the commit came first, or `v` == 0: a new
+  // agent that holds nothing) a hold set by an earlier call is released. An explicit Pause or
+  // Continue takes the hold over.
+  void HoldForCatchUp(uint64_t v);
 
   // Fails held requests, stops running ones at their next step, tells the followers (rank 0),
   // stops the threads and shuts the communicator down. Idempotent.
@@ -173,11 +193,15 @@ class EngineCore {
   const EngineRank rank_;
   const EngineCoreOptions options_;
   std::unique_ptr<EngineModel> model_;
-  std::unique_ptr<comm::Communicator> comm_;  // set once by AttachGroup, before any Generate is admitted
+  // Set by AttachGroup, before any Generate is admitted; replaced only by DetachGroup (under
+  // channel_mu_, with the heartbeat / follower thread joined and the group broken, so no request
+  // can be using it).
+  std::unique_ptr<comm::Communicator> comm_;
 
   mutable absl::Mutex mu_;
   absl::CondVar cv_;
   bool paused_ ABSL_GUARDED_BY(mu_) = false;
+  bool held_for_catch_up_ ABSL_GUARDED_BY(mu_) = false;  // paused_ set by HoldForCatchUp
   PauseMode mode_ ABSL_GUARDED_BY(mu_) = PauseMode::kHold;
   bool preparing_ ABSL_GUARDED_BY(mu_) = false;
   uint32_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
@@ -186,6 +210,7 @@ class EngineCore {
   std::string weights_detail_ ABSL_GUARDED_BY(mu_);
   Group group_ ABSL_GUARDED_BY(mu_) = Group::kSingle;
   std::string group_detail_ ABSL_GUARDED_BY(mu_);
+  absl::Status broken_by_ ABSL_GUARDED_BY(mu_);  // what broke the group (MarkBroken)
   std::string leader_address_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::function<void()> shutdown_callback_ ABSL_GUARDED_BY(mu_);

@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "ref_engine/hf_reference.h"
 #include "ref_engine/testing/fixtures.h"
+#include "ref_engine/tp_group.h"
 
 namespace wsync::ref_engine {
 namespace {
@@ -394,6 +395,126 @@ TEST_F(CoreTest, ShutdownOfRankZeroStopsTheFollowersAndALostPeerBreaksTheGroup) 
   EXPECT_EQ(h.state, HealthInfo::State::kUnhealthy);
   EXPECT_THAT(h.detail, HasSubstr("TP group is broken"));
   EXPECT_EQ(cores_[0]->Continue(0, In(absl::Seconds(1))).status().code(), absl::StatusCode::kUnavailable);
+}
+
+// A restarted rank whose agent is about to commit a newer version holds requests until then (it
+// never serves its older weights meanwhile); a promise that is already kept, or withdrawn, holds
+// nothing.
+TEST_F(CoreTest, AHoldForCatchUpLastsUntilTheAgentsContinue) {
+  MakeCores(1, FastOptions(), true);
+  EngineCore& e = *cores_[0];
+  e.HoldForCatchUp(3);
+  EXPECT_EQ(e.Health().state, HealthInfo::State::kPaused);
+  auto held = std::async(std::launch::async, [&] { return Gen(); });
+  EXPECT_EQ(held.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout);
+  e.Pause(PauseMode::kHold);  // the agent's catch-up
+  ASSERT_TRUE(e.Flush().ok());
+  WriteVersion2(0);
+  ASSERT_EQ(*e.Continue(3, In(absl::Seconds(5))), 3u);
+  auto r = held.get();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->version, 3u);
+  EXPECT_EQ(r->tokens, Reference(c_, hf2_));
+
+  e.HoldForCatchUp(2);  // already there
+  EXPECT_EQ(e.Health().state, HealthInfo::State::kServing);
+  e.HoldForCatchUp(5);
+  EXPECT_EQ(e.Health().state, HealthInfo::State::kPaused);
+  e.HoldForCatchUp(0);  // registered again with an agent that holds nothing
+  EXPECT_EQ(e.Health().state, HealthInfo::State::kServing);
+  r = Gen();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->version, 3u);
+  e.Pause(PauseMode::kAbort);
+  e.HoldForCatchUp(0);  // an explicit Pause is not released by it
+  EXPECT_EQ(e.Health().state, HealthInfo::State::kPaused);
+}
+
+// One rank of a TP 2 engine dies and comes back as a new process with its own weights (here: a new
+// core over fresh memory): rank 0 notices, re-forms the group under a new epoch with the newcomer
+// (RunTpGroup), keeps its weights, and serves again once both ranks hold the same version.
+TEST_F(CoreTest, ARestartedRankRejoinsTheReformedGroup) {
+  EngineCoreOptions o = FastOptions();
+  MakeCores(1, o, true);  // just the config; the two ranks are built below
+  cores_.clear();
+  params_.clear();
+  params_.resize(2);
+  auto make_rank = [&](int r, const TensorMap& hf) -> std::unique_ptr<EngineCore> {
+    EngineRank er;
+    er.tp_size = 2;
+    er.tp_rank = r;
+    auto p = EngineParamsForRank(c_, er, hf);
+    EXPECT_TRUE(p.ok()) << p.status();
+    params_[static_cast<size_t>(r)] = std::move(*p);
+    auto core = EngineCore::Create(c_, er, params_[static_cast<size_t>(r)].Lookup(), o);
+    EXPECT_TRUE(core.ok()) << core.status();
+    EXPECT_TRUE((*core)->PrepareInitial(0, "test checkpoint").ok());
+    return *std::move(core);
+  };
+  struct Former {
+    std::atomic<bool> stop{false};
+    std::thread thread;
+    void Start(EngineCore* core, comm::Store* store, int rank) {
+      TpGroupOptions g;
+      g.engine_id = "unit";
+      g.tp_rank = rank;
+      g.tp_size = 2;
+      g.address = absl::StrCat("rank", rank, ":1");
+      g.join_timeout = absl::Seconds(20);
+      thread = std::thread([this, core, store, g] { RunTpGroup(core, store, g, [this] { return stop.load(); }); });
+    }
+    void Stop() {
+      stop = true;
+      if (thread.joinable()) thread.join();
+    }
+    ~Former() { Stop(); }
+  } f0, f1;
+  auto serve_within = [&](absl::Duration d) {
+    absl::StatusOr<GenerateResult> r = absl::UnavailableError("not tried");
+    for (const absl::Time until = In(d); absl::Now() < until; absl::SleepFor(absl::Milliseconds(50))) {
+      r = Gen(absl::Seconds(5));
+      if (r.ok()) break;
+    }
+    return r;
+  };
+  cores_.push_back(make_rank(0, hf1_));
+  cores_.push_back(make_rank(1, hf1_));
+  f0.Start(cores_[0].get(), &store_, 0);
+  f1.Start(cores_[1].get(), &store_, 1);
+  const std::vector<int32_t> want = Reference(c_, hf1_);
+  auto r = serve_within(absl::Seconds(20));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->tokens, want);
+
+  // Rank 1 dies: its group is aborted (as a killed process's sockets close).
+  f1.Stop();
+  cores_[1]->Shutdown();
+  for (const absl::Time until = In(absl::Seconds(10));
+       absl::Now() < until && cores_[0]->Health().detail.find("re-forming") == std::string::npos;)
+    absl::SleepFor(absl::Milliseconds(20));  // broken first, then re-forming
+  HealthInfo h = cores_[0]->Health();
+  EXPECT_EQ(h.state, HealthInfo::State::kUnhealthy);
+  EXPECT_THAT(h.detail, HasSubstr("TP group is re-forming"));
+  EXPECT_EQ(h.version, 0u) << "rank 0 keeps its weights";
+  r = Gen(absl::Seconds(1));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+
+  // It comes back (new memory, new process state): the group re-forms and the engine serves again.
+  cores_[1] = make_rank(1, hf1_);
+  f1.stop = false;
+  f1.Start(cores_[1].get(), &store_, 1);
+  r = serve_within(absl::Seconds(20));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->tokens, want);
+  EXPECT_EQ(cores_[0]->Health().state, HealthInfo::State::kServing);
+  auto epoch = store_.Get("wsync-engine/unit/tp/epoch", absl::ZeroDuration());
+  ASSERT_TRUE(epoch.ok());
+  EXPECT_THAT(*epoch, ::testing::EndsWith("-2")) << "the second formation of rank 0's instance";
+
+  // (A killed rank 0 comes back with a new store and instance id: ref_engine_test, with processes;
+  // here rank 0's Shutdown would stop the followers, as it should.)
+  f0.Stop();
+  f1.Stop();
 }
 
 TEST_F(CoreTest, GroupFormationFailureIsUnhealthy) {

@@ -37,6 +37,7 @@
 #include "ref_engine/core.h"
 #include "ref_engine/registration.h"
 #include "ref_engine/server.h"
+#include "ref_engine/tp_group.h"
 #include "rollout_agent/engine_memory/param_arena.h"
 #include "rollout_agent/load/engine_layout.h"
 
@@ -178,6 +179,12 @@ int Run(const Flags& f) {
   // that the rollout agent repacks into on the device. This engine computes on the CPU, so a device
   // arena has a host mirror: the checkpoint is loaded there and uploaded, and every Prepare (a new
   // version, after the agent wrote the device) copies each param back into it before serving.
+  if (f.cuda_device < 0) {  // the segments of earlier lives of this rank that were killed
+    absl::StatusOr<std::vector<std::string>> stale = rollout_agent::ReclaimStaleShmSegments(f.engine_id, f.tp_rank);
+    if (!stale.ok()) WSYNC_LOG(WARNING) << "looking for stale shm segments: " << stale.status();
+    for (const std::string& name : stale.ok() ? *stale : std::vector<std::string>{})
+      WSYNC_LOG(INFO) << "removed the shm segment /" << name << " of a killed earlier process of this rank";
+  }
   absl::StatusOr<std::unique_ptr<rollout_agent::ParamArena>> arena =
       f.cuda_device >= 0
           ? rollout_agent::ParamArena::CreateOnDevice(*layout, f.cuda_device)
@@ -274,31 +281,15 @@ int Run(const Flags& f) {
 
   std::thread former;
   if (f.tp_size > 1) {
-    former = std::thread([&, c = core->get()] {
-      const std::string group = absl::StrCat("wsync-engine/", f.engine_id, "/tp");
-      absl::Status s = store->Set(absl::StrCat(group, "/address/", f.tp_rank), address);
-      comm::GroupOptions g;
-      g.store = store;
-      g.name = group;
-      g.rank = f.tp_rank;
-      g.size = f.tp_size;
-      g.host = f.tp_host;
-      g.join_timeout = absl::Seconds(f.tp_join_timeout_s);
-      g.default_timeout = absl::Seconds(60);
-      g.cancelled = [&latch] { return latch.requested(); };
-      absl::StatusOr<std::unique_ptr<comm::Communicator>> comm =
-          s.ok() ? comm::CreateGroup(comm::Backend::kGloo, g) : absl::StatusOr<std::unique_ptr<comm::Communicator>>(s);
-      absl::StatusOr<std::string> leader = comm.ok() ? store->Get(absl::StrCat(group, "/address/0"), absl::Seconds(30))
-                                                     : absl::StatusOr<std::string>(comm.status());
-      if (!comm.ok() || !leader.ok()) {
-        const absl::Status err = comm.ok() ? leader.status() : comm.status();
-        if (!latch.requested()) WSYNC_LOG(ERROR) << "TP group " << group << " not formed: " << err;
-        c->GroupFailed(err);
-        return;
-      }
-      WSYNC_LOG(INFO) << "TP group " << group << " formed (" << f.tp_size << " ranks); rank 0 at " << *leader;
-      c->AttachGroup(std::move(*comm), *leader);
-    });
+    TpGroupOptions g;
+    g.engine_id = f.engine_id;
+    g.tp_rank = f.tp_rank;
+    g.tp_size = f.tp_size;
+    g.host = f.tp_host;
+    g.address = address;
+    g.join_timeout = absl::Seconds(f.tp_join_timeout_s);
+    former = std::thread(
+        [&latch, g, store, c = core->get()] { RunTpGroup(c, store, g, [&latch] { return latch.requested(); }); });
   }
 
   std::unique_ptr<AgentRegistrar> registrar;
@@ -308,6 +299,7 @@ int Run(const Flags& f) {
     ro.agent_address_file = f.agent_file;
     ro.security = *sec;
     ro.poll = absl::Milliseconds(f.agent_poll_ms);
+    ro.on_registered = [c = core->get()](const v1::RegisterEngineReply& r) { c->HoldForCatchUp(r.catch_up_version()); };
     const std::string quant_json = quant->second, config_json = *config_text;
     rollout_agent::ParamArena* a = arena->get();
     EngineCore* c = core->get();

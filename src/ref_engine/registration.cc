@@ -97,7 +97,11 @@ void AgentRegistrar::Loop() {
         ++registrations_;
         agent_id_ = reply.agent_id();
         WSYNC_LOG(INFO) << "registered with rollout agent " << agent << " (agent_id " << reply.agent_id()
-                        << "): " << req.params_size() << " params, version " << req.version();
+                        << "): " << req.params_size() << " params, version " << req.version()
+                        << (reply.catch_up_version() > 0
+                                ? absl::StrCat("; it catches this engine up to version ", reply.catch_up_version())
+                                : "");
+        if (options_.on_registered) options_.on_registered(reply);
         continue;
       }
       if (failures++ % 10 == 0)

@@ -39,6 +39,8 @@ struct RegistrarOptions {
   absl::Duration min_backoff = absl::Milliseconds(100);
   absl::Duration max_backoff = absl::Seconds(5);
   absl::Duration poll = absl::Seconds(2);
+  // Called on the registrar's thread after every successful RegisterEngine (may be empty).
+  std::function<void(const v1::RegisterEngineReply&)> on_registered;
 };
 
 class AgentRegistrar {

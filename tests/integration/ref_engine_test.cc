@@ -469,9 +469,54 @@ TEST_F(ControlTest, PauseHoldWaitsAbortFailsFlushRefusesWhileRunning) {
   EXPECT_EQ(e.ranks[1]->Stop(SIGINT), 0) << e.ranks[1]->log();
   EXPECT_FALSE(ShmExists(shm1));
   AwaitState(r0, v1::HealthReply::UNHEALTHY);
-  EXPECT_THAT(Health(r0)->detail(), HasSubstr("TP group is broken"));
+  EXPECT_THAT(Health(r0)->detail(), HasSubstr("TP group is "));  // broken, then re-forming
   EXPECT_EQ(Generate(r0, kPrompts[0]).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(e.ranks[0]->Stop(SIGTERM), 0) << e.ranks[0]->log();
+}
+
+// kill -9 of one TP rank, then of the other: each time the survivor turns UNHEALTHY (re-forming,
+// weights kept) and the engine serves the same tokens again as soon as the killed rank is started
+// again with its own command line (rank 0 on the same --tp-store address), no full restart.
+TEST_F(ControlTest, AKilledRankStartedAgainRejoinsItsEngine) {
+  Engine e = StartEngine("reform", 2, {"--checkpoint", dir_});
+  const std::string store = e.ranks[0]->WaitFor("tp-store on (\\S+)");
+  AwaitState(*e.stubs[0], v1::HealthReply::SERVING);
+  auto start_rank = [&](int r, const std::string& tag) {
+    e.ranks[static_cast<size_t>(r)] = std::make_unique<EngineProc>(
+        tag, std::vector<std::string>{"--engine-id", "reform", "--tp-size", "2", "--tp-rank", std::to_string(r),
+                                      "--heartbeat-ms", "100", "--tp-store", store, "--checkpoint", dir_});
+    e.addresses[static_cast<size_t>(r)] = e.ranks[static_cast<size_t>(r)]->Address();
+    e.stubs[static_cast<size_t>(r)] = Stub(e.addresses[static_cast<size_t>(r)]);
+  };
+  auto serves = [&](const char* when) {
+    AwaitState(*e.stubs[0], v1::HealthReply::SERVING);
+    AwaitState(*e.stubs[1], v1::HealthReply::SERVING);
+    auto r = Generate(*e.stubs[0], kPrompts[1]);
+    ASSERT_TRUE(r.ok()) << when << ": " << r.status();
+    EXPECT_EQ(Tokens(*r), want_[1]) << when;
+  };
+  serves("at start");
+
+  EXPECT_EQ(e.ranks[1]->Stop(SIGKILL), -1);
+  AwaitState(*e.stubs[0], v1::HealthReply::UNHEALTHY);
+  auto h = Health(*e.stubs[0]);
+  for (int i = 0; i < 100 && h.ok() && h->detail().find("re-forming") == std::string::npos; ++i) {
+    absl::SleepFor(absl::Milliseconds(50));  // broken first, then re-forming
+    h = Health(*e.stubs[0]);
+  }
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_THAT(h->detail(), HasSubstr("TP group is re-forming"));
+  EXPECT_EQ(Generate(*e.stubs[0], kPrompts[1]).status().code(), absl::StatusCode::kUnavailable);
+  start_rank(1, "reform-r1-again");
+  serves("after rank 1 was killed and started again");
+  EXPECT_THAT(e.ranks[0]->log(), HasSubstr("re-forming"));
+
+  EXPECT_EQ(e.ranks[0]->Stop(SIGKILL), -1);
+  AwaitState(*e.stubs[1], v1::HealthReply::UNHEALTHY);
+  start_rank(0, "reform-r0-again");
+  serves("after rank 0 was killed and started again");
+  EXPECT_EQ(e.ranks[0]->Stop(SIGTERM), 0) << e.ranks[0]->log();
+  EXPECT_EQ(e.ranks[1]->ExitCode(absl::Seconds(20)), 0) << "rank 0's shutdown stops the engine:\n" << e.ranks[1]->log();
 }
 
 TEST_F(ControlTest, TokenIsRequiredOnEveryRpc) {

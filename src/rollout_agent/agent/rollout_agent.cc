@@ -449,12 +449,25 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
   const uint64_t param_bytes = engine->memory->param_bytes();
   const size_t segments = engine->memory->segments().size();
   std::string address;
+  bool catch_up = false;
+  uint64_t staged = 0;
   {
     absl::MutexLock mem(&memory_mu_);
     absl::MutexLock lock(&mu_);
     engine_ = std::move(engine);
-    staged_sync_id_ = staged_version_ = 0;  // a new staging for the new engine
-    owed_version_ = 0;
+    // The same engine rank restarted (same layout, so the staging was kept) behind the version the
+    // staging holds, complete and verified, and that this agent had committed or was told to roll
+    // forward to: commit it into the new memory (CatchUp) instead of waiting for the next sync.
+    staged = staged_version_;
+    catch_up = reuse && staged > req.version() && (staged == version_ || staged == owed_version_);
+    if (catch_up) {
+      owed_version_ = staged;
+      next_catch_up_ = absl::Now();
+      catch_up_failures_ = 0;
+    } else {
+      staged_sync_id_ = staged_version_ = 0;  // a new staging for the new engine
+      owed_version_ = 0;
+    }
     version_ = req.version();
     address = options_.advertise_address.empty() ? address_ : options_.advertise_address;
   }
@@ -465,7 +478,8 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
                   << config->architecture << (quant ? " INT4" : " bf16") << ", tp " << req.tp_rank() << "/"
                   << req.tp_size() << ", ep " << ep << ", version " << req.version() << ", " << req.params_size()
                   << " params (" << param_bytes << " bytes in " << segments << " shm segment(s), " << device_params
-                  << " on a CUDA device); staging " << staging_bytes << " bytes" << (reuse ? " (kept)" : "");
+                  << " on a CUDA device); staging " << staging_bytes << " bytes" << (reuse ? " (kept)" : "")
+                  << (catch_up ? absl::StrCat("; it holds version ", staged, ": catching the engine up to it") : "");
   if (membership_) {
     v1::JoinRequest join;
     join.set_agent_address(address);
@@ -477,6 +491,7 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
     membership_->Update(join);
   }
   reply->set_agent_id(AgentId());
+  if (catch_up) reply->set_catch_up_version(staged);
   return absl::OkStatus();
 }
 

@@ -1,5 +1,6 @@
 #include "rollout_agent/engine_memory/param_arena.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -12,6 +13,8 @@
 #include <cstring>
 #include <random>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "comm/bucket/stream.h"
@@ -80,7 +83,10 @@ void InstallShmCrashCleanup() {
   std::atexit(UnlinkAllShmSegments);
 }
 
-std::string UniqueShmName(absl::string_view engine_id, int tp_rank) {
+namespace {
+
+// "wsync-engine-<id>-r<rank>-": the part of a segment's name fixed by the engine rank.
+std::string ShmPrefix(absl::string_view engine_id, int tp_rank) {
   std::string id;
   for (char c : engine_id.substr(0, 64)) {
     const bool ok =
@@ -88,9 +94,43 @@ std::string UniqueShmName(absl::string_view engine_id, int tp_rank) {
     id.push_back(ok ? c : '_');
   }
   if (id.empty()) id = "engine";
+  return absl::StrFormat("wsync-engine-%s-r%d-", id, tp_rank);
+}
+
+}  // namespace
+
+std::string UniqueShmName(absl::string_view engine_id, int tp_rank) {
   std::random_device rd;
   const uint64_t r = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  return absl::StrFormat("/wsync-engine-%s-r%d-%d-%016x", id, tp_rank, static_cast<int>(getpid()), r);
+  return absl::StrFormat("/%s%d-%016x", ShmPrefix(engine_id, tp_rank), static_cast<int>(getpid()), r);
+}
+
+absl::StatusOr<std::vector<std::string>> ReclaimStaleShmSegments(absl::string_view engine_id, int tp_rank,
+                                                                 const std::string& dir) {
+  const std::string prefix = ShmPrefix(engine_id, tp_rank);
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return ErrnoToStatus(errno, absl::StrCat("listing ", dir));
+  std::vector<std::string> removed;
+  while (const dirent* e = readdir(d)) {
+    const absl::string_view name(e->d_name);
+    if (!absl::StartsWith(name, prefix)) continue;
+    // The rest is exactly "<pid>-<16 hex digits>" (an engine id that merely starts like ours, e.g.
+    // "a" vs "a-r0-x", leaves something else).
+    const absl::string_view rest = name.substr(prefix.size());
+    const size_t dash = rest.find('-');
+    int pid = 0;
+    if (dash == absl::string_view::npos || rest.size() - dash - 1 != 16 ||
+        rest.substr(dash + 1).find_first_not_of("0123456789abcdef") != absl::string_view::npos ||
+        !absl::SimpleAtoi(rest.substr(0, dash), &pid) || pid <= 0)
+      continue;
+    if (pid == getpid() || kill(pid, 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to judge)
+    const std::string path = absl::StrCat(dir, "/", name);
+    struct stat st;
+    if (stat(path.c_str(), &st) != 0 || st.st_uid != geteuid() || !S_ISREG(st.st_mode)) continue;
+    if (unlink(path.c_str()) == 0) removed.push_back(std::string(name));
+  }
+  closedir(d);
+  return removed;
 }
 
 absl::StatusOr<std::unique_ptr<ShmSegment>> ShmSegment::Create(const std::string& name, size_t size) {

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -66,6 +67,14 @@ class ShmSegment {
 
 // "/wsync-engine-<id>-r<rank>-<pid>-<16 random hex digits>" (see the file comment).
 std::string UniqueShmName(absl::string_view engine_id, int tp_rank);
+
+// Unlinks the segments that earlier processes of this engine rank left behind when they were
+// killed (SIGKILL runs no cleanup): every /dev/shm entry named for (engine_id, tp_rank) whose pid no
+// longer exists (kill(pid, 0) == ESRCH) and that belongs to this uid. A rollout agent that still
+// maps one keeps its mapping. Returns the names removed (for the log); errors of the directory
+// listing through ErrnoToStatus. The engine calls it before creating its own segment.
+absl::StatusOr<std::vector<std::string>> ReclaimStaleShmSegments(absl::string_view engine_id, int tp_rank,
+                                                                 const std::string& dir = "/dev/shm");
 
 // Unlinks every live segment of this process. Async-signal-safe; for fatal-signal handlers and
 // atexit. The segments' mappings stay valid; their destructors later find them gone (harmless).

@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <set>
 
 #include "absl/strings/match.h"
@@ -92,6 +94,34 @@ TEST(ShmSegmentTest, NamesAreUniqueAndSanitized) {
   EXPECT_TRUE(absl::StartsWith(n, "/wsync-engine-e_x_y-r7-")) << n;
   EXPECT_EQ(n.find('/', 1), std::string::npos);
   EXPECT_LE(UniqueShmName(std::string(500, 'a'), 0).size(), 120u);
+}
+
+// Segments of killed processes of the same engine rank are removed, nothing else: not a live
+// process's (this one, pid 1), not another rank's or engine's, not a name that only starts alike.
+TEST(ShmSegmentTest, ReclaimRemovesOnlyThisRanksSegmentsOfDeadProcesses) {
+  char tmpl[] = "/tmp/wsync-shm-reclaim-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  const std::string hex = "0123456789abcdef";
+  const std::string dead = "2147483000";  // above any pid_max: kill() says ESRCH
+  const std::string me = std::to_string(getpid());
+  const std::vector<std::string> kept = {
+      "wsync-engine-unit-r2-" + me + "-" + hex,     "wsync-engine-unit-r2-1-" + hex,
+      "wsync-engine-unit-r3-" + dead + "-" + hex,   "wsync-engine-other-r2-" + dead + "-" + hex,
+      "wsync-engine-unit-r2-" + dead + "-xyz",      "wsync-engine-unit-r2-" + dead + "-" + hex + "0",
+      "wsync-engine-unit-r2-x-" + dead + "-" + hex,
+  };
+  const std::string stale = "wsync-engine-unit-r2-" + dead + "-" + hex;
+  for (const std::string& n : kept) std::ofstream(dir + "/" + n) << "x";
+  std::ofstream(dir + "/" + stale) << "x";
+  auto removed = ReclaimStaleShmSegments("unit", 2, dir);
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_EQ(*removed, std::vector<std::string>{stale});
+  EXPECT_FALSE(std::filesystem::exists(dir + "/" + stale));
+  for (const std::string& n : kept) EXPECT_TRUE(std::filesystem::exists(dir + "/" + n)) << n;
+  EXPECT_TRUE(ReclaimStaleShmSegments("unit", 2, dir)->empty());
+  EXPECT_FALSE(ReclaimStaleShmSegments("unit", 2, dir + "/missing").ok());
+  std::filesystem::remove_all(dir);
 }
 
 TEST(ParamArenaTest, EveryParamIs64ByteAlignedDisjointAndRegistered) {
