@@ -364,7 +364,8 @@ int main(int argc, char** argv) {
   app.add_option("--version-wait-s", f.version_wait_s, "longest the TP ranks may disagree on the weight version");
   app.add_option("--heartbeat-ms", f.heartbeat_ms, "rank 0's idle heartbeat to the other ranks");
   app.add_option("--tp-idle-timeout-s", f.tp_idle_timeout_s, "a rank's longest silence from rank 0");
-  app.add_option("--tp-join-timeout-s", f.tp_join_timeout_s, "how long to wait for every TP rank to join");
+  app.add_option("--tp-join-timeout-s", f.tp_join_timeout_s,
+                 "how long one formation of the TP group waits for every rank (then it starts over)");
   app.add_option("--agent-poll-ms", f.agent_poll_ms, "how often to check that the agent still knows us");
   app.add_option("--threads", f.threads, "threads for loading, repacking and preparing weights (0: all cores)");
   app.add_option("--test-step-delay-ms", f.test_step_delay_ms, "tests only: sleep before every forward pass")

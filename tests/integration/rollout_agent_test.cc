@@ -947,18 +947,68 @@ TEST_F(RolloutAgentTest, MismatchedRegistrationsAreRefusedAndTheEngineStays) {
   SyncAll(1, 2, Model(kSeedV2));
   ExpectEngineHolds(engine, Model(kSeedV2));
 
-  // The engine restarts with new memory (same layout): the agent follows it.
+  // The engine restarts with new memory (same layout): the agent follows it, and catches the new
+  // memory up to version 2 from its staging at once (no sync).
   FakeEngine::Options o = engine.options();
   o.version = 0;
   auto restarted = FakeEngine::Start(o);
   ASSERT_TRUE(restarted.ok());
   ASSERT_TRUE((*restarted)->Register(agent.address()).ok());
-  EXPECT_EQ(Status(agent).version(), 0u);
   engines_.push_back(std::move(*restarted));
+  for (int i = 0; i < 100 && Status(agent).version() != 2; ++i) absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(Status(agent).version(), 2u);
+  ExpectEngineHolds(*engines_.back(), Model(kSeedV2));
+  EXPECT_THAT(engines_.back()->calls(), ElementsAre("pause:HOLD", "flush", "continue:2"));
+  engines_.back()->ClearCalls();
   SyncAll(2, 3, Model(kSeedV3));
   ExpectEngineHolds(*engines_.back(), Model(kSeedV3));
   EXPECT_THAT(engines_.back()->calls(), ElementsAre("pause:HOLD", "flush", "continue:3"));
   ExpectEngineHolds(engine, Model(kSeedV2));  // the old segment was not written
+
+  // FetchStaging (catch-up of a peer): the staging of the committed version, in order, each param's
+  // checksum on its last chunk; refused for another version or another layout.
+  auto fetch = [&](uint64_t version, uint64_t key, std::vector<v1::StagingChunk>* out) {
+    auto ctx = rollout_agent::testing::Context(agent.security());
+    v1::FetchStagingRequest req;
+    req.set_version(version);
+    req.set_layout_key(key);
+    auto reader = agent.stub().FetchStaging(ctx.get(), req);
+    v1::StagingChunk c;
+    while (reader->Read(&c)) out->push_back(c);
+    return reader->Finish();
+  };
+  const uint64_t key = rollout_agent::LayoutKeyHash(engines_.back()->RegisterRequest());
+  std::vector<v1::StagingChunk> chunks;
+  grpc::Status s = fetch(3, key, &chunks);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_FALSE(chunks.empty());
+  EXPECT_TRUE(chunks.back().last());
+  EXPECT_EQ(chunks.back().version(), 3u);
+  std::map<uint32_t, std::string> params;
+  size_t done = 0;
+  for (size_t i = 0; i + 1 < chunks.size(); ++i) {
+    const v1::StagingChunk& c = chunks[i];
+    std::string& p = params[c.param()];
+    EXPECT_EQ(c.offset(), p.size());
+    p += c.data();
+    if (c.param_done()) {
+      ++done;
+      EXPECT_EQ(c.xxh3_64(), Xxh3_64(std::as_bytes(std::span<const char>(p.data(), p.size())))) << c.param();
+    }
+  }
+  EXPECT_EQ(done, params.size());
+  EXPECT_EQ(params.size(), engine.layout().params().size());
+  int64_t total = 0;
+  for (const auto& [i, p] : params) total += static_cast<int64_t>(p.size());
+  EXPECT_EQ(total, engine.layout().TotalBytes(ParamForm::kLoaded));
+  chunks.clear();
+  s = fetch(2, key, &chunks);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("the staging holds version 3"));
+  s = fetch(3, key + 1, &chunks);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("another layout"));
+  EXPECT_TRUE(chunks.empty());
 }
 
 // --- pipeline stages ----------------------------------------------------------------------------------

@@ -41,6 +41,19 @@ void Membership::Update(const v1::JoinRequest& join) {
   join_ = join;
   have_join_ = true;
   need_join_ = true;
+  ++update_seq_;
+}
+
+bool Membership::AwaitJoined(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  const uint64_t want = update_seq_;
+  auto joined = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return joined_seq_ >= want || stop_; };
+  return mu_.AwaitWithTimeout(absl::Condition(&joined), timeout) && joined_seq_ >= want;
+}
+
+v1::CatchUpHint Membership::catch_up() const {
+  absl::MutexLock lock(&mu_);
+  return catch_up_;
 }
 
 void Membership::SetVersion(uint64_t version) {
@@ -58,7 +71,7 @@ int Membership::joins() const {
   return joins_;
 }
 
-bool Membership::DoJoin(const v1::JoinRequest& join, absl::Duration* period) {
+bool Membership::DoJoin(const v1::JoinRequest& join, uint64_t seq, absl::Duration* period) {
   grpc::ClientContext ctx;
   PrepareContext(&ctx, sec_, RpcTimeout());
   v1::JoinReply reply;
@@ -73,6 +86,8 @@ bool Membership::DoJoin(const v1::JoinRequest& join, absl::Duration* period) {
   absl::MutexLock lock(&mu_);
   agent_id_ = reply.agent_id();
   ++joins_;
+  joined_seq_ = std::max(joined_seq_, seq);
+  catch_up_ = reply.catch_up();
   WSYNC_LOG(INFO) << "joined the coordinator at " << coordinator_ << " as " << agent_id_ << " (engine "
                   << join.engine_id() << ", tp " << join.tp_rank() << "/" << join.tp_size() << ", version "
                   << join.version() << "); heartbeat every " << absl::FormatDuration(*period);
@@ -86,6 +101,7 @@ void Membership::Run() {
     v1::JoinRequest join;
     bool need_join = false;
     std::string id;
+    uint64_t seq = 0;
     {
       absl::MutexLock lock(&mu_);
       auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || need_join_; };
@@ -93,11 +109,12 @@ void Membership::Run() {
       if (stop_) return;
       if (!have_join_) continue;
       join = join_;
+      seq = update_seq_;
       need_join = need_join_;
       id = agent_id_;
     }
     if (need_join) {
-      if (DoJoin(join, &period)) {
+      if (DoJoin(join, seq, &period)) {
         absl::MutexLock lock(&mu_);
         // A later Update() asks again; this Join used the then current request.
         if (join_.SerializeAsString() == join.SerializeAsString()) need_join_ = false;
@@ -125,6 +142,10 @@ void Membership::Run() {
     }
     if (warned) WSYNC_LOG(INFO) << "the coordinator at " << coordinator_ << " answers heartbeats again";
     warned = false;
+    {
+      absl::MutexLock lock(&mu_);
+      catch_up_ = reply.catch_up();
+    }
     if (!reply.known()) {
       WSYNC_LOG(INFO) << "the coordinator does not know agent " << id << " any more: joining again";
       absl::MutexLock lock(&mu_);

@@ -33,10 +33,15 @@ class Membership {
   std::string agent_id() const;
   // Successful Joins so far (tests).
   int joins() const;
+  // Waits up to `timeout` until the request of the last Update() has joined; false otherwise.
+  bool AwaitJoined(absl::Duration timeout);
+  // The coordinator's last catch-up hint (JoinReply / HeartbeatReply): empty unless this member's
+  // engine is behind the published version.
+  v1::CatchUpHint catch_up() const;
 
  private:
   void Run();
-  bool DoJoin(const v1::JoinRequest& join, absl::Duration* period);
+  bool DoJoin(const v1::JoinRequest& join, uint64_t seq, absl::Duration* period);
   absl::Duration RpcTimeout() const;
 
   const std::string coordinator_;
@@ -51,6 +56,9 @@ class Membership {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::string agent_id_ ABSL_GUARDED_BY(mu_);
   int joins_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t update_seq_ ABSL_GUARDED_BY(mu_) = 0;  // Update() calls
+  uint64_t joined_seq_ ABSL_GUARDED_BY(mu_) = 0;  // the Update() the last successful Join carried
+  v1::CatchUpHint catch_up_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };
 

@@ -4,14 +4,19 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <random>
+#include <span>
 #include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "comm/store/store.h"
+#include "common/checksum.h"
 #include "common/config.h"
 #include "common/failpoint.h"
 #include "common/grpc_status.h"
@@ -161,6 +166,12 @@ class RolloutAgent::Service final : public v1::RolloutAgent::Service {
     WSYNC_AUTHORIZE(ctx, sec_);
     return ToGrpcStatus(agent_->EngineChecksums(reply));
   }
+  grpc::Status FetchStaging(grpc::ServerContext* ctx, const v1::FetchStagingRequest* req,
+                            grpc::ServerWriter<v1::StagingChunk>* writer) override {
+    WSYNC_AUTHORIZE(ctx, sec_);
+    return ToGrpcStatus(
+        agent_->ServeStaging(*req, [&](const v1::StagingChunk& c) { return !ctx->IsCancelled() && writer->Write(c); }));
+  }
 
  private:
   // The RPC's deadline, a little early so that the reply still reaches the caller in time.
@@ -269,16 +280,24 @@ void RolloutAgent::Watchdog() {
   for (;;) {
     uint64_t id = 0;
     std::string reason;
-    bool catch_up = false;
+    bool catch_up = false, fetch = false;
+    const v1::CatchUpHint hint = membership_ ? membership_->catch_up() : v1::CatchUpHint();
     {
       absl::MutexLock lock(&mu_);
       auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
       mu_.AwaitWithTimeout(absl::Condition(&stop), absl::Milliseconds(100));
       if (stopping_) return;
       catch_up = owed_version_ > version_ && sync_ == nullptr && absl::Now() >= next_catch_up_;
+      fetch = !catch_up && engine_ != nullptr && sync_ == nullptr && hint.peers_size() > 0 &&
+              hint.version() > version_ && hint.version() > owed_version_ && hint.version() != staged_version_ &&
+              absl::Now() >= next_fetch_;
     }
     if (catch_up) {
       CatchUp();
+      continue;
+    }
+    if (fetch) {
+      FetchFromPeers(hint);
       continue;
     }
     {
@@ -339,6 +358,7 @@ void RolloutAgent::CatchUp() {
     absl::MutexLock lock(&mu_);
     owed_version_ = 0;
     catch_up_failures_ = 0;
+    if (promised_version_ <= owed) promised_version_ = 0;
   }
   if (!st.ok()) {
     if (absl::IsInternal(st)) {  // possibly partly written: the engine stays paused, the next try rewrites it
@@ -359,6 +379,184 @@ void RolloutAgent::CatchUp() {
   }
   WSYNC_LOG(INFO) << who << ": committed from the staging; the engine serves version " << owed
                   << " as the other engines do";
+}
+
+// --- Catch-up from a peer ---------------------------------------------------------------------------
+
+namespace {
+
+constexpr size_t kStagingChunk = size_t{1} << 20;  // well under gRPC's 4 MiB message limit
+
+uint64_t HashOf(const std::string& key) {
+  return Xxh3_64(std::as_bytes(std::span<const char>(key.data(), key.size())));
+}
+
+}  // namespace
+
+std::string LayoutKey(const v1::RegisterEngineRequest& req) {
+  return absl::StrCat(req.model_config_json(), "\n--\n", req.quantization_config_json(), "\n--\n", req.tp_size(), "/",
+                      req.tp_rank(), "/", std::max<uint32_t>(req.ep_size(), 1));
+}
+
+uint64_t LayoutKeyHash(const v1::RegisterEngineRequest& req) { return HashOf(LayoutKey(req)); }
+
+absl::Status RolloutAgent::ServeStaging(const v1::FetchStagingRequest& req,
+                                        const std::function<bool(const v1::StagingChunk&)>& write) {
+  absl::ReaderMutexLock staging(&staging_mu_);
+  const Staging* st = nullptr;
+  std::string who;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return absl::UnavailableError("FetchStaging: the rollout agent is shutting down");
+    if (engine_ == nullptr) return absl::FailedPreconditionError("FetchStaging: no engine has registered here");
+    const v1::RegisterEngineRequest& info = engine_->info;
+    who = absl::StrCat("FetchStaging(version ", req.version(), ") from engine ", info.engine_id(), " tp ",
+                       info.tp_rank(), "/", info.tp_size(), " ep ", info.ep_size());
+    if (HashOf(engine_->layout_key) != req.layout_key())
+      return absl::FailedPreconditionError(absl::StrCat(
+          who, ": the caller's engine rank has another layout (model config, quantization, TP rank / size, EP)"));
+    if (staged_version_ != req.version() || version_ != req.version())
+      return absl::FailedPreconditionError(
+          absl::StrCat(who, ": the staging holds ",
+                       staged_version_ == 0 ? "no complete version" : absl::StrCat("version ", staged_version_),
+                       " and the engine version ", version_));
+    st = engine_->staging.get();
+  }
+  // The staging cannot change while staging_mu_ is held (a sync starting takes it exclusively).
+  const auto& params = st->layout().params();
+  v1::StagingChunk c;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::span<const std::byte> bytes = st->param(static_cast<int>(i)).bytes();
+    Xxh3Stream sum;
+    size_t off = 0;
+    do {
+      const size_t n = std::min(kStagingChunk, bytes.size() - off);
+      c.Clear();
+      c.set_param(static_cast<uint32_t>(i));
+      c.set_offset(off);
+      c.set_data(bytes.data() + off, n);
+      sum.Update(bytes.subspan(off, n));
+      off += n;
+      if (off == bytes.size()) {
+        c.set_param_done(true);
+        c.set_xxh3_64(sum.Digest());
+      }
+      if (!write(c)) return absl::CancelledError(absl::StrCat(who, ": the caller went away"));
+    } while (off < bytes.size());
+  }
+  c.Clear();
+  c.set_last(true);
+  c.set_version(req.version());
+  if (!write(c)) return absl::CancelledError(absl::StrCat(who, ": the caller went away"));
+  return absl::OkStatus();
+}
+
+absl::Status RolloutAgent::FetchFrom(const std::string& peer, uint64_t version, Engine& e) {
+  const std::string who = absl::StrCat("copying version ", version, " from the rollout agent at ", peer);
+  Staging& st = *e.staging;
+  const auto& params = st.layout().params();
+  const int64_t total = e.layout->TotalBytes(ParamForm::kLoaded);
+  auto stub = v1::RolloutAgent::NewStub(MakeChannel(peer, options_.security));
+  grpc::ClientContext ctx;
+  // Generous: a gRPC stream moves >= 0.5 GB/s even on a slow host.
+  PrepareContext(&ctx, options_.security, absl::Seconds(30) + absl::Seconds(static_cast<double>(total) / 5e8));
+  v1::FetchStagingRequest req;
+  req.set_version(version);
+  req.set_layout_key(HashOf(e.layout_key));
+  absl::MutexLock staging(&staging_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    staged_sync_id_ = staged_version_ = 0;  // the staging is being overwritten
+  }
+  std::unique_ptr<grpc::ClientReader<v1::StagingChunk>> reader = stub->FetchStaging(&ctx, req);
+  std::vector<uint64_t> got(params.size(), 0);
+  size_t done = 0;
+  bool last = false;
+  absl::Status bad;
+  v1::StagingChunk c;
+  while (bad.ok() && !last && reader->Read(&c)) {
+    if (c.last()) {
+      last = c.version() == version;
+      if (!last) bad = absl::DataLossError(absl::StrCat("the copy ended with version ", c.version()));
+      break;
+    }
+    if (c.param() >= params.size()) {
+      bad = absl::DataLossError(absl::StrCat("chunk of param ", c.param(), " of ", params.size()));
+      break;
+    }
+    const std::span<std::byte> dst = st.param(static_cast<int>(c.param())).bytes();
+    uint64_t& at = got[c.param()];
+    if (c.offset() != at || c.data().size() > dst.size() - at) {
+      bad = absl::DataLossError(absl::StrCat("chunk at ", c.offset(), " of ", c.data().size(), " bytes of ",
+                                             params[c.param()].name, " (", dst.size(), " bytes, ", at, " received)"));
+      break;
+    }
+    std::memcpy(dst.data() + at, c.data().data(), c.data().size());
+    at += c.data().size();
+    if (c.param_done()) {
+      if (at != dst.size()) {
+        bad = absl::DataLossError(absl::StrCat(params[c.param()].name, ": ", at, " of ", dst.size(), " bytes"));
+      } else if (Xxh3_64(dst) != c.xxh3_64()) {
+        bad = absl::DataLossError(absl::StrCat(params[c.param()].name, ": checksum mismatch"));
+      } else {
+        ++done;
+      }
+    }
+  }
+  if (!bad.ok()) ctx.TryCancel();
+  const absl::Status finished = FromGrpcStatus(reader->Finish());
+  if (!bad.ok()) return Annotate(bad, who);
+  if (!finished.ok()) return Annotate(finished, who);
+  if (!last || done != params.size())
+    return absl::DataLossError(absl::StrCat(who, ": the copy ended after ", done, " of ", params.size(), " params"));
+  st.MarkAllRestored();
+  absl::MutexLock lock(&mu_);
+  staged_version_ = version;  // complete and verified: owed to the engine, and servable to others
+  owed_version_ = version;
+  next_catch_up_ = absl::Now();
+  catch_up_failures_ = 0;
+  return absl::OkStatus();
+}
+
+void RolloutAgent::FetchFromPeers(const v1::CatchUpHint& hint) {
+  absl::MutexLock op(&op_mu_);
+  uint64_t current = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_ || sync_ != nullptr || engine_ == nullptr || hint.version() <= version_) return;
+    current = version_;
+  }
+  Engine& e = *engine_;
+  const absl::Time start = absl::Now();
+  std::vector<std::string> errors;
+  for (const std::string& peer : hint.peers()) {
+    absl::Status st = FetchFrom(peer, hint.version(), e);
+    if (st.ok()) {
+      const double s = absl::ToDoubleSeconds(absl::Now() - start);
+      const int64_t bytes = e.layout->TotalBytes(ParamForm::kLoaded);
+      WSYNC_LOG(INFO) << "copied version " << hint.version() << " from the rollout agent at " << peer << ": " << bytes
+                      << " bytes in " << absl::StrFormat("%.2f s (%.2f GB/s)", s, s > 0 ? bytes / s / 1e9 : 0.0)
+                      << "; committing it into the engine";
+      absl::MutexLock lock(&mu_);
+      fetch_failures_ = 0;
+      return;
+    }
+    errors.push_back(st.ToString());
+  }
+  uint64_t promised = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const int n = fetch_failures_++;
+    next_fetch_ = absl::Now() + std::min(absl::Seconds(1) * (1 << std::min(n, 4)), absl::Seconds(10));
+    if (n % 10 == 0)
+      WSYNC_LOG(WARNING) << "catching up to version " << hint.version() << " from a peer failed (attempt " << n + 1
+                         << "; retrying): " << absl::StrJoin(errors, "; ");
+    std::swap(promised, promised_version_);
+  }
+  if (promised > 0) {  // the engine holds requests for it: let it serve what it has meanwhile
+    auto cont = e.client->Continue(current);
+    if (!cont.ok()) WSYNC_LOG(ERROR) << "continuing the engine on version " << current << ": " << cont.status();
+  }
 }
 
 // --- RegisterEngine -----------------------------------------------------------------------------------
@@ -393,8 +591,7 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
     if (!q.ok()) return Annotate(q.status(), who);
     quant = std::move(*q);
   }
-  const std::string key = absl::StrCat(req.model_config_json(), "\n--\n", req.quantization_config_json(), "\n--\n",
-                                       req.tp_size(), "/", req.tp_rank(), "/", ep);
+  const std::string key = LayoutKey(req);
   const bool reuse = engine_ != nullptr && engine_->layout_key == key;
   std::unique_ptr<EngineLayout> new_layout;
   if (!reuse) {
@@ -428,6 +625,7 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
   } else {
     // Drop the previous engine's staging before allocating the new one (peak memory: one staging).
     if (engine_ != nullptr) {
+      absl::MutexLock staging(&staging_mu_);
       absl::MutexLock mem(&memory_mu_);
       absl::MutexLock lock(&mu_);
       engine_.reset();
@@ -452,6 +650,7 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
   bool catch_up = false;
   uint64_t staged = 0;
   {
+    absl::MutexLock staging(&staging_mu_);
     absl::MutexLock mem(&memory_mu_);
     absl::MutexLock lock(&mu_);
     engine_ = std::move(engine);
@@ -480,6 +679,7 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
                   << " params (" << param_bytes << " bytes in " << segments << " shm segment(s), " << device_params
                   << " on a CUDA device); staging " << staging_bytes << " bytes" << (reuse ? " (kept)" : "")
                   << (catch_up ? absl::StrCat("; it holds version ", staged, ": catching the engine up to it") : "");
+  uint64_t promise = catch_up ? staged : 0;  // RegisterEngineReply.catch_up_version
   if (membership_) {
     v1::JoinRequest join;
     join.set_agent_address(address);
@@ -489,9 +689,24 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
     join.set_ep_size(static_cast<uint32_t>(ep));
     join.set_version(req.version());
     membership_->Update(join);
+    // A restarted agent: the coordinator's answer says whether a peer can give the engine the
+    // published version; if so the engine may hold requests until it is committed.
+    if (!catch_up && membership_->AwaitJoined(absl::Seconds(2))) {
+      const v1::CatchUpHint hint = membership_->catch_up();
+      if (hint.version() > req.version() && hint.peers_size() > 0) {
+        promise = hint.version();
+        absl::MutexLock lock(&mu_);
+        promised_version_ = promise;
+        next_fetch_ = absl::Now();
+        fetch_failures_ = 0;
+        WSYNC_LOG(INFO) << "the fleet serves version " << promise << ": copying it from a peer (" << hint.peers(0)
+                        << (hint.peers_size() > 1 ? absl::StrCat(" or ", hint.peers_size() - 1, " other(s)") : "")
+                        << ") for the engine";
+      }
+    }
   }
   reply->set_agent_id(AgentId());
-  if (catch_up) reply->set_catch_up_version(staged);
+  if (promise > 0) reply->set_catch_up_version(promise);
   return absl::OkStatus();
 }
 
@@ -673,6 +888,7 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
 
   Sync* s = nullptr;
   {
+    absl::MutexLock staging(&staging_mu_);  // a peer's copy of the staging in progress ends first
     auto sync = std::make_unique<Sync>();
     sync->req = req;
     sync->id = req.sync_id();

@@ -24,6 +24,14 @@
 //   EngineChecksums XXH3-64 of every engine parameter as the engine holds it, with the version and
 //                   the engine's config (for `wsyncctl verify`); never mixes two versions (a
 //                   commit waits for it and vice versa). FAILED_PRECONDITION without an engine.
+//   FetchStaging    streams the staging (the version committed here, complete and verified) to a
+//                   peer agent whose engine rank has the same layout (catch-up, below).
+// Catch-up. An engine that re-registers (it restarted) behind the version this agent's staging
+// holds is committed that version at once (CatchUp). An agent that restarted with its engine (no
+// staging) learns from the coordinator (CatchUpHint in Join / Heartbeat replies) the published
+// version and the peer agents that hold it, copies it from one of them into its staging
+// (FetchStaging, each param's XXH3-64 checked), then commits it the same way. Either way the
+// engine is told in RegisterEngineReply.catch_up_version, so it can hold requests until then.
 // A sync left alone by its coordinator (no RPC for it for timeout_ms while none is running) is
 // aborted by the agent itself: the engine continues on its previous version.
 // Every failure leaves the engine's memory as it was and continues it on its previous version;
@@ -47,6 +55,7 @@
 #include "common/buffer_pool.h"
 #include "common/metrics.h"
 #include "common/rpc_security.h"
+#include "wsync/v1/coordinator.pb.h"
 #include "wsync/v1/rollout.grpc.pb.h"
 
 namespace grpc {
@@ -79,6 +88,11 @@ struct AgentOptions {
   bool set_log_identity = false;                           // log as "rollout[tp_rank]" once an engine registered
 };
 
+// What makes two engine ranks' stagings byte-compatible: model config, quantization, TP size / rank,
+// EP size, as registered. FetchStagingRequest.layout_key is its XXH3-64.
+std::string LayoutKey(const v1::RegisterEngineRequest& req);
+uint64_t LayoutKeyHash(const v1::RegisterEngineRequest& req);
+
 class RolloutAgent {
  public:
   explicit RolloutAgent(AgentOptions options);
@@ -105,6 +119,10 @@ class RolloutAgent {
   absl::Status AbortSync(const v1::AbortSyncRequest& req, v1::AbortSyncReply* reply);
   absl::Status AgentStatus(v1::AgentStatusReply* reply);
   absl::Status EngineChecksums(v1::EngineChecksumsReply* reply);
+  // FetchStaging, served: `write` sends one chunk (false: the caller went away, kCancelled). A sync
+  // that starts meanwhile waits for the copy to end (the staging is read under staging_mu_).
+  absl::Status ServeStaging(const v1::FetchStagingRequest& req,
+                            const std::function<bool(const v1::StagingChunk&)>& write);
 
   uint64_t version() const;
   MetricsRegistry& metrics() const;
@@ -138,6 +156,11 @@ class RolloutAgent {
   // Writes the staging into the engine's memory (Commit, under memory_mu_) and, on success, makes
   // `version` the agent's version. The engine must be paused. The CommitSync and CatchUp step.
   absl::Status CommitStaging(Engine& e, uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_);
+  // Catch-up from a peer: copies `hint.version` from the first of `hint.peers` that has it into the
+  // staging, then owes it to the engine (CatchUp commits it). On failure retried with backoff; an
+  // engine told to hold for it is continued on its version meanwhile.
+  void FetchFromPeers(const v1::CatchUpHint& hint);
+  absl::Status FetchFrom(const std::string& peer, uint64_t version, Engine& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_);
   // This agent's id (AgentStatus, RegisterEngineReply): "agent@<address>/pid<pid>-<random>", fixed
   // for the process's lifetime. The coordinator's own id for it is used for heartbeats only.
   std::string AgentId() const;
@@ -154,6 +177,10 @@ class RolloutAgent {
   // Held exclusively while the engine's memory is written (Commit) or the engine replaced, shared
   // while it is read for checksums. Order: op_mu_, memory_mu_, mu_.
   absl::Mutex memory_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  // Shared while a peer copies the staging out (ServeStaging); exclusive while the staging starts
+  // being written (a sync starting, a copy in from a peer) or is replaced. Order: op_mu_,
+  // staging_mu_, memory_mu_, mu_.
+  absl::Mutex staging_mu_ ABSL_ACQUIRED_BEFORE(memory_mu_);
   mutable absl::Mutex mu_;
   std::string address_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Engine> engine_;  // written under op_mu_ and mu_; read under either
@@ -174,6 +201,10 @@ class RolloutAgent {
   uint64_t owed_version_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time next_catch_up_ ABSL_GUARDED_BY(mu_);
   int catch_up_failures_ ABSL_GUARDED_BY(mu_) = 0;
+  // Catch-up from a peer: when to try again, and whether the engine was told to hold for it.
+  absl::Time next_fetch_ ABSL_GUARDED_BY(mu_);
+  int fetch_failures_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t promised_version_ ABSL_GUARDED_BY(mu_) = 0;
   std::unique_ptr<class Membership> membership_;  // used under op_mu_ (reset by Stop)
   std::thread watchdog_;
 };

@@ -672,6 +672,44 @@ TEST_F(SyncCoordinatorTest, AnAgentOfTheSameEngineRankReplacesTheOldOne) {
   EXPECT_TRUE(Agent("a:2")->calls().empty()) << "the replaced agent was called";
 }
 
+// A member behind the published version (its agent and engine restarted) is told the version and
+// the agents of the same engine rank layout elsewhere in the fleet that report it.
+TEST_F(SyncCoordinatorTest, AMemberBehindThePublishedVersionIsToldWhichPeersHoldIt) {
+  Make();
+  std::map<std::string, std::string> ids;
+  ids["a:1"] = Join("a:1", 0, 2, "e0");
+  ids["a:2"] = Join("a:2", 1, 2, "e0");
+  ids["b:1"] = Join("b:1", 0, 2, "e1");
+  ids["b:2"] = Join("b:2", 1, 2, "e1");
+  auto t = Trigger();
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_EQ(Finish(t->sync_id()).phase(), "done");
+  auto beat = [&](const std::string& id, uint64_t version) {
+    v1::HeartbeatRequest req;
+    req.set_agent_id(id);
+    req.set_version(version);
+    v1::HeartbeatReply reply;
+    EXPECT_TRUE(coordinator_->Heartbeat(req, &reply).ok());
+    return reply;
+  };
+  for (const auto& [address, id] : ids) EXPECT_EQ(beat(id, 1).catch_up().version(), 0u) << address;
+
+  // e0's rank 1 comes back on a new address with nothing: b:2 (e1's rank 1) holds version 1.
+  v1::JoinRequest req;
+  req.set_agent_address("a:9");
+  req.set_engine_id("e0");
+  req.set_tp_rank(1);
+  req.set_tp_size(2);
+  v1::JoinReply reply;
+  ASSERT_TRUE(coordinator_->Join(req, &reply).ok());
+  EXPECT_EQ(reply.catch_up().version(), 1u);
+  EXPECT_THAT(reply.catch_up().peers(), ::testing::ElementsAre("b:2"));
+  EXPECT_THAT(beat(reply.agent_id(), 0).catch_up().peers(), ::testing::ElementsAre("b:2"));
+  EXPECT_EQ(beat(ids["b:2"], 0).catch_up().version(), 1u);  // now b:2 is behind too: no peer has it
+  EXPECT_TRUE(beat(ids["b:2"], 0).catch_up().peers().empty());
+  EXPECT_EQ(beat(reply.agent_id(), 1).catch_up().version(), 0u);  // caught up
+}
+
 TEST_F(SyncCoordinatorTest, MembershipJoinRejoinLeaveAndTimeout) {
   Make({.member_timeout = absl::Milliseconds(600)});
   v1::JoinRequest bad;

@@ -132,6 +132,10 @@ absl::Status SyncCoordinator::Join(const v1::JoinRequest& req, v1::JoinReply* re
   if (e.removed) WSYNC_LOG(INFO) << "engine " << m.engine_id << " is back in the fleet (" << m.id << " joined)";
   e.removed = false;
   e.tp_size = std::max<uint32_t>(m.tp_size, 1);
+  FillCatchUp(m, reply->mutable_catch_up());
+  if (reply->catch_up().version() > 0)
+    WSYNC_LOG(INFO) << "member " << m.id << " is behind version " << published_ << ": "
+                    << reply->catch_up().peers_size() << " peer(s) can give it";
   members_[m.id] = std::move(m);
   GaugeOf(opts_.metrics, "wsync_members", "Rollout agents in the membership")->Set(members_.size());
   return absl::OkStatus();
@@ -144,9 +148,20 @@ absl::Status SyncCoordinator::Heartbeat(const v1::HeartbeatRequest& req, v1::Hea
   if (it != members_.end()) {
     it->second.last_seen = absl::Now();
     it->second.version = req.version();
+    FillCatchUp(it->second, reply->mutable_catch_up());
     PublishRolledForward();
   }
   return absl::OkStatus();
+}
+
+void SyncCoordinator::FillCatchUp(const Member& m, v1::CatchUpHint* hint) const {
+  if (m.version >= published_ || published_ == 0) return;
+  hint->set_version(published_);
+  for (const auto& [id, p] : members_) {
+    if (p.engine_id != m.engine_id && p.tp_size == m.tp_size && p.tp_rank == m.tp_rank && p.ep_size == m.ep_size &&
+        p.version == published_)
+      hint->add_peers(p.address);
+  }
 }
 
 // A version some engines committed in a failed sync, while the others roll forward to it from their

@@ -167,6 +167,9 @@ class SyncCoordinator {
   void PruneHistory() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes rolling_forward_ once every member of the fleet reports it (Heartbeat).
   void PublishRolledForward() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // For a member behind the published version: that version and the agents of other engines' ranks
+  // with the member's (TP size, TP rank, EP size) that report it (JoinReply / HeartbeatReply).
+  void FillCatchUp(const Member& m, v1::CatchUpHint* hint) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunSync(uint64_t id);
   bool InRunningSync(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetPhase(uint64_t id, const std::string& phase);

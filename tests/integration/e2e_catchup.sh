@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Catch-up from a peer: two engines of TP 1, each with its rollout agent, 4 trainer agents under
+# mpirun. Version V is published bit-exact; then engine 1 AND its agent are killed (-9), so neither
+# its memory nor the agent's staging survives, and both are started again (the agent on a new
+# port, the engine without a checkpoint). The coordinator tells the new agent that the fleet serves
+# V and that engine 0's agent holds it; the agent copies V from that peer (FetchStaging, checksums
+# per param) and commits it, the engine holds requests until then, and serves V bit-exact with no
+# sync. The next sync is published bit-exact on both.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
+e2e_start e2e_catchup
+e2e_trainer 83
+
+declare -a agent_pid engine_pid
+start_agent() {  # start_agent E: the rollout agent of engine E (a new port each time)
+  rm -f "$work/agent-$1"
+  "$bin/wsync-rollout-agent" --listen 127.0.0.1:0 --coordinator "$coord" --token-file "$token" --heartbeat-ms 300 \
+    --address-file "$work/agent-$1" >> "$work/logs/agent-$1.log" 2>&1 &
+  agent_pid[$1]=$!
+  pids+=($!)
+  for _ in $(seq 300); do [ -s "$work/agent-$1" ] && return 0; sleep 0.1; done
+  fail "rollout agent $1 did not start"
+}
+start_engine() {  # start_engine E: engine E (TP 1, no checkpoint: NO_WEIGHTS until its agent commits)
+  rm -f "$work/engine-$1"
+  "$bin/wsync-ref-engine" --model "$work/hf" --engine-id "engine-$1" --listen 127.0.0.1:0 \
+    --address-file "$work/engine-$1" --agent-file "$work/agent-$1" --agent-poll-ms 300 --token-file "$token" \
+    >> "$work/logs/engine-$1.log" 2>&1 &
+  engine_pid[$1]=$!
+  pids+=($!)
+  for _ in $(seq 300); do [ -s "$work/engine-$1" ] && return 0; sleep 0.1; done
+  fail "engine $1 did not start"
+}
+for e in 0 1; do start_agent $e; start_engine $e; done
+for _ in $(seq 600); do [ "$(members "${ctl[@]}")" -ge 2 ] && break; sleep 0.1; done
+v=$(e2e_sync_verified "the first sync" 2)
+echo "e2e_catchup: version $v published bit-exact on both engines"
+
+kill -KILL "${engine_pid[1]}" "${agent_pid[1]}"
+wait "${engine_pid[1]}" "${agent_pid[1]}" 2>/dev/null || true
+t0=$(date +%s.%N)
+start_agent 1
+start_engine 1
+ok=
+for _ in $(seq 300); do
+  out=$("${ctl[@]}" generate --engine "$(cat "$work/engine-1")" --prompt 1,2,3 --max-new-tokens 2 2>&1) && { ok=1; break; }
+  sleep 0.1
+done
+[ -n "$ok" ] || fail "engine 1 does not serve after it and its agent came back: $out"
+t1=$(date +%s.%N)
+grep -q "^version $v:" <<<"$out" || fail "engine 1 came back serving: $out (want version $v)"
+copied=$(grep -o "copied version $v from the rollout agent at [^ ]*: [0-9]* bytes in .*GB/s)" "$work/logs/agent-1.log" | head -n1)
+[ -n "$copied" ] || fail "agent 1 did not copy version $v from a peer"
+grep -q "from the rollout agent at $(cat "$work/agent-0")" <<<"$copied" || fail "agent 1 copied from another peer: $copied"
+grep -q "it catches this engine up to version $v" "$work/logs/engine-1.log" ||
+  fail "engine 1 was not told of the catch-up (it would have served nothing or old weights meanwhile)"
+"${ctl[@]}" verify --against "$work/hf" | grep -c "version $v: bit-exact" | grep -qx 2 ||
+  fail "after the catch-up the engines are not both bit-exact on version $v"
+echo "e2e_catchup: engine 1 and its agent killed and started again: $copied; serving version $v bit-exact $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }') s after the restart, no sync"
+
+v2=$(e2e_sync_verified "the sync after the catch-up" 2)
+[ "$v2" -gt "$v" ] || fail "the next sync published version $v2"
+echo "e2e_catchup: the next sync publishes version $v2 bit-exact"
+echo "e2e_catchup: ok"
