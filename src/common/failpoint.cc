@@ -17,8 +17,9 @@
 namespace wsync {
 namespace {
 
-constexpr absl::string_view kKnown[] = {"bucket.corrupt", "rollout.begin", "rollout.transfer", "rollout.prepare",
-                                        "rollout.commit", "engine.pause",  "engine.continue"};
+constexpr absl::string_view kKnown[] = {
+    "bucket.corrupt", "rollout.begin",   "rollout.transfer",     "rollout.prepare",    "rollout.commit",
+    "engine.pause",   "engine.continue", "coordinator.transfer", "coordinator.commit", "coordinator.committed"};
 
 enum class Action { kReturn, kStop, kKill };
 

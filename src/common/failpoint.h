@@ -17,6 +17,11 @@
 //   rollout.commit     the rollout agent's CommitSync, once its engine is paused, before the repack
 //   engine.pause       the reference engine's Pause
 //   engine.continue    the reference engine's Continue (the end of a commit)
+//   coordinator.transfer   the coordinator (trainer rank 0), once every agent began, before the
+//                      trainer ranks send
+//   coordinator.commit the coordinator, once every agent prepared and the commit is in its state
+//                      file, before any CommitSync
+//   coordinator.committed  the coordinator, when the first agent's CommitSync has succeeded
 // An unknown name in the variable is logged once and ignored; a malformed entry (K not a positive
 // number) is logged and ignored. Thread-safety: FailpointHit is safe from any thread.
 #pragma once

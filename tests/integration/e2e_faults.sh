@@ -9,7 +9,8 @@
 # After each: the sync failed within timeout + 10 s with an error naming engine-1; engine 0 kept
 # answering, on one version (every reply names its version); a stopped process is continued; the
 # faulty process is restarted clean (on a new port) and found again, and the next sync publishes a
-# version bit-exact on both engines. Trainer-rank and coordinator faults: e2e.restart, e2e.hang.
+# version bit-exact on both engines. Trainer-rank and coordinator faults: e2e.trainer_faults,
+# e2e.restart, e2e.hang.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
 e2e_start e2e_faults

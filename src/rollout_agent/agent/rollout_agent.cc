@@ -706,7 +706,16 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
     }
   }
   reply->set_agent_id(AgentId());
-  if (promise > 0) reply->set_catch_up_version(promise);
+  if (promise > 0) {
+    reply->set_catch_up_version(promise);
+  } else {
+    // An engine left paused by an agent that died mid-commit (it re-registers with this one) must
+    // not stay paused: nothing is in flight for it here (RegisterEngine is refused during a sync).
+    // On an engine that is not paused, Continue on its own version is a no-op.
+    auto cont = engine_->client->Continue(req.version());
+    if (!cont.ok())
+      WSYNC_LOG(WARNING) << who << ": continuing the engine on version " << req.version() << ": " << cont.status();
+  }
   return absl::OkStatus();
 }
 

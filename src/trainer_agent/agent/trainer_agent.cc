@@ -4,9 +4,11 @@
 #include <cstring>
 #include <fstream>
 #include <optional>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "comm/bucket/broadcast_sink.h"
 #include "comm/communicator.h"
@@ -54,6 +56,12 @@ struct GroupDesc {
   int32_t tp_size = 1, tp_rank = 0, ep_size = 1, agents = 0;
 };
 
+// Every rank adds 1 to its counter in the coordinator's store every kBeatPeriod, from a thread of its
+// own: a rank whose counter stands still for a whole sync timeout is stopped or hung, and the sync's
+// timeout error names it (a rank blocked in a collective behind it keeps beating).
+constexpr absl::Duration kBeatPeriod = absl::Milliseconds(500);
+std::string RankBeatKey(int rank) { return absl::StrCat("trainer/alive/", rank); }
+
 // One rank's outcome, gathered to every rank after a sync.
 struct RankResult {
   int32_t code = 0;
@@ -81,6 +89,7 @@ class CommandChannel final : public TrainerSide {
   // on keeps running on the ranks (draining); its late result is dropped, and the next plan waits
   // in `pending_` until the main loop is free, so two syncs never run on the ranks at once.
   absl::StatusOr<TrainerReport> RunSync(const SyncPlan& plan) override {
+    const std::vector<int64_t> beats_before = Beats();
     absl::MutexLock lock(&mu_);
     if (closed_) return absl::UnavailableError("the trainer agents are shutting down");
     pending_ = plan;
@@ -93,10 +102,13 @@ class CommandChannel final : public TrainerSide {
       const bool queued = pending_.has_value();
       pending_.reset();  // not yet picked up: it never starts
       if (closed_) return absl::UnavailableError("the trainer agents shut down during the sync");
-      return absl::DeadlineExceededError(
-          queued ? "the trainer ranks were still finishing an earlier sync when this one's timeout passed"
-                 : "the trainer ranks did not finish the transfer within the sync's timeout (they finish it "
-                   "in the background; the next sync waits for them)");
+      mu_.Unlock();  // the store calls below take time
+      const std::string silent = SilentRanks(beats_before, Beats());
+      mu_.Lock();
+      return absl::DeadlineExceededError(absl::StrCat(
+          silent, queued ? "the trainer ranks were still finishing an earlier sync when this one's timeout passed"
+                         : "the trainer ranks did not finish the transfer within the sync's timeout (they finish it "
+                           "in the background; the next sync waits for them)"));
     }
     auto r = std::move(*result_);
     result_.reset();
@@ -125,10 +137,44 @@ class CommandChannel final : public TrainerSide {
     absl::MutexLock lock(&mu_);
     closed_ = true;
   }
+  // Where every rank's liveness counter is (RankBeat); set once the store exists.
+  void SetStore(comm::Store* store) {
+    absl::MutexLock lock(&mu_);
+    store_ = store;
+  }
 
  private:
+  // Every rank's liveness counter now (-1: unreadable).
+  std::vector<int64_t> Beats() {
+    comm::Store* store = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      store = store_;
+    }
+    std::vector<int64_t> beats(static_cast<size_t>(world_), -1);
+    if (store == nullptr) return beats;
+    for (int r = 0; r < world_; ++r) {
+      auto v = store->Add(RankBeatKey(r), 0);
+      if (v.ok()) beats[static_cast<size_t>(r)] = *v;
+    }
+    return beats;
+  }
+  // "trainer rank R sent no liveness beat during the sync (stopped or hung); " for each rank whose
+  // counter did not move between the two samples (a whole sync timeout apart).
+  std::string SilentRanks(const std::vector<int64_t>& before, const std::vector<int64_t>& after) const {
+    std::vector<std::string> silent;
+    for (size_t r = 0; r < before.size(); ++r) {
+      if (before[r] >= 0 && after[r] >= 0 && after[r] == before[r]) silent.push_back(absl::StrCat(r));
+    }
+    if (silent.empty()) return "";
+    return absl::StrCat("trainer rank", silent.size() > 1 ? "s " : " ", absl::StrJoin(silent, ", "),
+                        silent.size() > 1 ? " were" : " was",
+                        " silent for the whole sync (no liveness beat: stopped or hung); ");
+  }
+
   const int world_, stages_;
   const std::vector<int> senders_;  // per stage, spread senders (sharded delivery)
+  comm::Store* store_ ABSL_GUARDED_BY(mu_) = nullptr;
   absl::Mutex mu_;
   std::optional<SyncPlan> pending_ ABSL_GUARDED_BY(mu_);
   std::optional<absl::StatusOr<TrainerReport>> result_ ABSL_GUARDED_BY(mu_);
@@ -241,6 +287,15 @@ class Agent {
       data_host_ = *facing;
     }
     WSYNC_LOG(INFO) << "coordinator at " << address << "; data plane on " << data_host_;
+    std::jthread beat([this](std::stop_token st) {
+      const std::string key = RankBeatKey(world_->rank());
+      while (!st.stop_requested()) {
+        (void)store_->Add(key, 1);  // a failure (coordinator gone) shows as silence; nothing to do here
+        for (absl::Time until = absl::Now() + kBeatPeriod; !st.stop_requested() && absl::Now() < until;)
+          absl::SleepFor(absl::Milliseconds(50));
+      }
+    });
+    if (channel) channel->SetStore(store_.get());
     if (shm_) {
       const std::string coordinator = address;
       shm_->SetSyncRequester([this, coordinator](uint64_t version, bool wait, absl::Duration timeout) {

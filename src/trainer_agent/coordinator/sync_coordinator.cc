@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/config.h"
+#include "common/failpoint.h"
 #include "common/logging.h"
 #include "common/parallel_for.h"
 #include "common/status.h"
@@ -126,7 +127,7 @@ absl::Status SyncCoordinator::Join(const v1::JoinRequest& req, v1::JoinReply* re
   m.client = connect_(m.address);
   WSYNC_LOG(INFO) << "member " << m.id << " joined: " << m.address << " engine " << m.engine_id << " tp " << m.tp_rank
                   << "/" << m.tp_size << " at version " << m.version;
-  reply->set_agent_id(m.id);
+  reply->set_agent_id(absl::StrCat(m.id, "@", run_id_));
   reply->set_heartbeat_ms(absl::ToInt64Milliseconds(opts_.heartbeat));
   FleetEngine& e = fleet_[m.engine_id];
   if (e.removed) WSYNC_LOG(INFO) << "engine " << m.engine_id << " is back in the fleet (" << m.id << " joined)";
@@ -141,9 +142,18 @@ absl::Status SyncCoordinator::Join(const v1::JoinRequest& req, v1::JoinReply* re
   return absl::OkStatus();
 }
 
+// JoinReply.agent_id is "<member id>@<run id>": the run id is this coordinator's, so an agent that
+// joined an earlier coordinator (restarted on the same address, numbering members from 0 again)
+// is told it is unknown, re-joins, and never borrows a new member's id.
+std::string SyncCoordinator::MemberKey(absl::string_view agent_id) const {
+  const size_t at = agent_id.rfind('@');
+  if (at == absl::string_view::npos || agent_id.substr(at + 1) != run_id_) return "";
+  return std::string(agent_id.substr(0, at));
+}
+
 absl::Status SyncCoordinator::Heartbeat(const v1::HeartbeatRequest& req, v1::HeartbeatReply* reply) {
   absl::MutexLock lock(&mu_);
-  auto it = members_.find(req.agent_id());
+  auto it = members_.find(MemberKey(req.agent_id()));
   reply->set_known(it != members_.end());
   if (it != members_.end()) {
     it->second.last_seen = absl::Now();
@@ -155,11 +165,14 @@ absl::Status SyncCoordinator::Heartbeat(const v1::HeartbeatRequest& req, v1::Hea
 }
 
 void SyncCoordinator::FillCatchUp(const Member& m, v1::CatchUpHint* hint) const {
-  if (m.version >= published_ || published_ == 0) return;
-  hint->set_version(published_);
+  // The version the fleet converges on: the published one, or one that engines committed and the
+  // rest roll forward to (a member that restarted has no staging to roll forward from).
+  const uint64_t target = std::max(published_, rolling_forward_);
+  if (m.version >= target || target == 0) return;
+  hint->set_version(target);
   for (const auto& [id, p] : members_) {
     if (p.engine_id != m.engine_id && p.tp_size == m.tp_size && p.tp_rank == m.tp_rank && p.ep_size == m.ep_size &&
-        p.version == published_)
+        p.version == target)
       hint->add_peers(p.address);
   }
 }
@@ -180,6 +193,8 @@ void SyncCoordinator::PublishRolledForward() {
   if (members == 0) return;
   published_ = rolling_forward_;
   rolling_forward_ = 0;
+  recover_sync_ = 0;
+  told_.clear();
   GaugeOf(opts_.metrics, "wsync_version", "Last published weight version")->Set(static_cast<double>(published_));
   WSYNC_LOG(INFO) << "version " << published_ << " published: every engine of the fleet rolled forward to it";
   ++event_seq_;
@@ -188,7 +203,7 @@ void SyncCoordinator::PublishRolledForward() {
 
 absl::Status SyncCoordinator::Leave(const v1::LeaveRequest& req) {
   absl::MutexLock lock(&mu_);
-  members_.erase(req.agent_id());
+  members_.erase(MemberKey(req.agent_id()));
   return absl::OkStatus();
 }
 
@@ -203,6 +218,7 @@ absl::Status SyncCoordinator::RemoveEngine(const std::string& engine_id) {
   }
   it->second.removed = true;
   WSYNC_LOG(WARNING) << "engine " << engine_id << " taken out of the fleet: syncs no longer include it";
+  SaveState().IgnoreError();  // logged; a restarted coordinator would otherwise wait for the engine
   return absl::OkStatus();
 }
 
@@ -236,6 +252,29 @@ void SyncCoordinator::ReapLoop() {
   absl::MutexLock lock(&mu_);
   while (!stopping_) {
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(500));
+    // After a restart during a commit: tell every member behind to roll forward (once per member).
+    if (recover_sync_ != 0 && !running_) {
+      std::vector<Member> behind;
+      for (const auto& [mid, m] : members_) {
+        if (m.version < rolling_forward_ && told_.insert(mid).second) behind.push_back(m);
+      }
+      const uint64_t sync = recover_sync_, version = rolling_forward_;
+      if (!behind.empty()) {
+        mu_.Unlock();  // no agent call under mu_
+        for (const Member& m : behind) {
+          v1::AbortSyncRequest r;
+          r.set_sync_id(sync);
+          r.set_roll_forward(true);
+          r.set_reason(absl::StrCat("the coordinator stopped during the commit of version ", version));
+          v1::AbortSyncReply reply;
+          absl::Status st = m.client->AbortSync(r, absl::Seconds(2), &reply);
+          WSYNC_LOG(INFO) << "member " << m.id << " (engine " << m.engine_id << " tp " << m.tp_rank << ", version "
+                          << m.version << ") told to roll forward to version " << version << " from sync " << sync
+                          << "'s staging" << (st.ok() ? "" : absl::StrCat(": ", st.ToString()));
+        }
+        mu_.Lock();
+      }
+    }
     const absl::Time now = absl::Now();
     for (auto it = members_.begin(); it != members_.end();) {
       if (now - it->second.last_seen > opts_.member_timeout && !(running_ && InRunningSync(it->first))) {
@@ -390,6 +429,10 @@ void SyncCoordinator::RunSync(uint64_t id) {
       fleet = absl::FailedPreconditionError("every engine with a member agent is out of the fleet: nothing to sync");
     auto& rec = syncs_[id];
     start = rec.start;
+    if (recover_sync_ != 0)
+      WSYNC_LOG(WARNING) << "sync " << id << " supersedes the roll forward to version " << rolling_forward_;
+    recover_sync_ = 0;  // this sync brings every engine forward (or fails and changes nothing)
+    told_.clear();
     plan.sync_id = id;
     plan.version = rec.version;
     plan.delivery = rec.delivery;
@@ -474,6 +517,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
   TrainerReport report;
   if (s.ok()) {
     s = timed("transfer", [&] {
+      FailpointHit("coordinator.transfer");
       auto r = trainer_->RunSync(plan);
       if (!r.ok()) return r.status();
       report = *r;
@@ -492,11 +536,22 @@ void SyncCoordinator::RunSync(uint64_t id) {
   }
   std::vector<v1::CommitSyncReply> committed(members.size());
   if (s.ok()) {
+    {
+      // Durable before the first CommitSync: a successor of a coordinator that stops from here on
+      // rolls the fleet forward to this version (every agent has it prepared).
+      absl::MutexLock lock(&mu_);
+      committing_sync_ = id;
+      committing_version_ = plan.version;
+      SaveState().IgnoreError();  // logged; without it a crash here leaves the fleet to the next sync
+    }
+    FailpointHit("coordinator.commit");
     s = timed("commit", [&] {
       return CallAll(id, members, "CommitSync", [&](AgentClient& agent, size_t i) {
         v1::CommitSyncRequest r;
         r.set_sync_id(id);
-        return agent.CommitSync(r, bounded(opts_.rpc_timeout, kCommitFloor), &committed[i]);
+        absl::Status st = agent.CommitSync(r, bounded(opts_.rpc_timeout, kCommitFloor), &committed[i]);
+        if (st.ok()) FailpointHit("coordinator.committed");
+        return st;
       });
     });
   }
@@ -588,6 +643,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
   vr.set_finished_unix_ms(absl::ToUnixMillis(absl::Now()));
   versions_.push_back(vr);
   if (some_committed) rolling_forward_ = rec.version;  // published once every engine reports it
+  committing_sync_ = committing_version_ = 0;
   if (s.ok()) {
     published_ = rec.version;
     last_bytes_ = report.bytes;
@@ -719,11 +775,35 @@ absl::Status SyncCoordinator::LoadState() {
     for (const v1::PhaseTiming& p : t.phases()) rec.phases.push_back({p.phase(), p.seconds(), p.bytes()});
     next_sync_id_ = std::max(next_sync_id_, rec.id + 1);
   }
+  rolling_forward_ = st.rolling_forward();
+  for (const v1::FleetEngineState& f : st.fleet()) {
+    FleetEngine& e = fleet_[f.engine_id()];
+    e.tp_size = std::max<uint32_t>(f.tp_size(), 1);
+    e.removed = f.removed();
+  }
+  if (st.committing_sync_id() != 0 && st.committing_version() > published_) {
+    // The previous coordinator stopped during this sync's commit: some engines may hold the version,
+    // every agent has it prepared. Roll them all forward to it (the reaper tells each one behind).
+    recover_sync_ = st.committing_sync_id();
+    rolling_forward_ = std::max(rolling_forward_, st.committing_version());
+    v1::VersionRecord vr;
+    vr.set_version(st.committing_version());
+    vr.set_sync_id(st.committing_sync_id());
+    vr.set_ok(false);
+    vr.set_error(
+        "the coordinator stopped during this sync's commit: the engines roll forward to it from their staging");
+    versions_.push_back(vr);
+    last_error_ = vr.error();
+    WSYNC_LOG(WARNING) << "sync " << recover_sync_ << " was committing version " << st.committing_version()
+                       << " when the previous coordinator stopped: every engine rolls forward to it from its "
+                          "agent's staging, and it is published once all report it";
+  }
+  if (rolling_forward_ <= published_) rolling_forward_ = 0;
   if (published_ > 0)
     GaugeOf(opts_.metrics, "wsync_version", "Last published weight version")->Set(static_cast<double>(published_));
   WSYNC_LOG(INFO) << "coordinator state from " << path << ": version " << published_ << " published, "
                   << versions_.size() << " attempts; the next sync is " << next_sync_id_ << ", version "
-                  << next_version_;
+                  << next_version_ << "; a fleet of " << fleet_.size() << " engine(s)";
   return absl::OkStatus();
 }
 
@@ -734,6 +814,15 @@ absl::Status SyncCoordinator::SaveState() {
   st.set_next_sync_id(next_sync_id_);
   st.set_published(published_);
   st.set_last_error(last_error_);
+  st.set_committing_sync_id(committing_sync_);
+  st.set_committing_version(committing_version_);
+  st.set_rolling_forward(rolling_forward_);
+  for (const auto& [id, e] : fleet_) {
+    v1::FleetEngineState* f = st.add_fleet();
+    f->set_engine_id(id);
+    f->set_tp_size(e.tp_size);
+    f->set_removed(e.removed);
+  }
   const size_t first = versions_.size() > kKeptVersions ? versions_.size() - kKeptVersions : 0;
   for (size_t i = first; i < versions_.size(); ++i) *st.add_versions() = versions_[i];
   std::vector<const SyncRecord*> done;

@@ -27,6 +27,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -152,6 +153,8 @@ class SyncCoordinator {
   struct Member;
   struct SyncRecord;
 
+  // The member id within an agent_id this coordinator gave (JoinReply), "" for another's.
+  std::string MemberKey(absl::string_view agent_id) const;
   void SyncLoop();
   void ReapLoop();
   // OK when every engine of the fleet has a member agent for each of its TP ranks; else
@@ -208,6 +211,15 @@ class SyncCoordinator {
   uint64_t published_ ABSL_GUARDED_BY(mu_) = 0;
   // A version committed on part of the fleet by a failed sync (the rest rolls forward); 0: none.
   uint64_t rolling_forward_ ABSL_GUARDED_BY(mu_) = 0;
+  // The sync whose commit is in progress (in the state file from before its first CommitSync to its
+  // end; 0: none). A coordinator that stopped during a commit finds it there at start (LoadState):
+  // recover_sync_ is then that sync, whose prepared staging the members roll forward from (the
+  // reaper tells each member behind once, `told_`), until the version is published or a newer sync
+  // starts.
+  uint64_t committing_sync_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t committing_version_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t recover_sync_ ABSL_GUARDED_BY(mu_) = 0;
+  std::set<std::string> told_ ABSL_GUARDED_BY(mu_);
   uint64_t last_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::string last_error_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::VersionRecord> versions_ ABSL_GUARDED_BY(mu_);
