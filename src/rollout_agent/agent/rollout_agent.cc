@@ -711,10 +711,17 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
   } else {
     // An engine left paused by an agent that died mid-commit (it re-registers with this one) must
     // not stay paused: nothing is in flight for it here (RegisterEngine is refused during a sync).
-    // On an engine that is not paused, Continue on its own version is a no-op.
-    auto cont = engine_->client->Continue(req.version());
-    if (!cont.ok())
-      WSYNC_LOG(WARNING) << who << ": continuing the engine on version " << req.version() << ": " << cont.status();
+    auto health = engine_->client->Health();
+    if (health.ok() && health->state() == v1::HealthReply::PAUSED) {
+      auto cont = engine_->client->Continue(req.version());
+      if (cont.ok())
+        WSYNC_LOG(WARNING) << who
+                           << ": the engine was paused (by an earlier agent that stopped?): continued on version "
+                           << *cont;
+      else
+        WSYNC_LOG(WARNING) << who << ": continuing the paused engine on version " << req.version() << ": "
+                           << cont.status();
+    }
   }
   return absl::OkStatus();
 }
