@@ -26,6 +26,16 @@ if(WSYNC_SANITIZE)
   add_link_options(-fsanitize=address,undefined)
 endif()
 
+if(WSYNC_TSAN)
+  if(WSYNC_SANITIZE)
+    message(FATAL_ERROR "WSYNC_TSAN and WSYNC_SANITIZE exclude each other (one build directory each)")
+  endif()
+  add_compile_options($<$<COMPILE_LANGUAGE:C,CXX>:-fsanitize=thread> $<$<COMPILE_LANGUAGE:C,CXX>:-fno-omit-frame-pointer>)
+  add_link_options(-fsanitize=thread)
+endif()
+# The tests labelled tsan, so that a TSan build compiles only what it runs.
+add_custom_target(wsync_tsan_tests)
+
 if(WSYNC_HAVE_FUZZ)
   # Coverage instrumentation for the code the fuzz targets reach (the libFuzzer runtime itself
   # is linked into the fuzz targets only).
@@ -46,4 +56,7 @@ function(wsync_add_test)
   file(WRITE ${labels_file}
        "foreach(t IN LISTS ${T_NAME}_TESTS)\n  set_tests_properties(\"\${t}\" PROPERTIES LABELS \"unit;${T_LABELS}\")\nendforeach()\n")
   set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES ${labels_file})
+  if("tsan" IN_LIST T_LABELS)
+    add_dependencies(wsync_tsan_tests ${T_NAME})
+  endif()
 endfunction()

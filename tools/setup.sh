@@ -5,6 +5,8 @@
 #
 #   tools/setup.sh                      # build/ : CUDA kernels + NCCL when nvcc exists, else CPU-only
 #   tools/setup.sh --sanitize           # build-asan/ : clang, CPU-only, ASan+UBSan, libFuzzer targets
+#   tools/setup.sh --tsan               # build-tsan/ : clang, CPU-only, ThreadSanitizer, the tests labelled
+#                                       # tsan, and a TSan build of abseil in build-tsan/absl-tsan
 #   tools/setup.sh --deps-only          # packages only
 #
 # Environment: CI=true turns -Werror on. WSYNC_BUILD_DIR overrides the build directory.
@@ -26,6 +28,7 @@ deps_only=0
 for arg in "$@"; do
   case "$arg" in
     --sanitize) mode=sanitize ;;
+    --tsan) mode=tsan ;;
     --deps-only) deps_only=1 ;;
     -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
@@ -53,6 +56,12 @@ if [ "${CI:-}" = "true" ]; then args+=(-DWSYNC_WERROR=ON); fi
 if [ "$mode" = sanitize ]; then
   build="${WSYNC_BUILD_DIR:-build-asan}"
   args+=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DWSYNC_WITH_CUDA=OFF -DWSYNC_SANITIZE=ON -DWSYNC_FUZZ=ON)
+elif [ "$mode" = tsan ]; then
+  build="${WSYNC_BUILD_DIR:-build-tsan}"
+  args+=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DWSYNC_WITH_CUDA=OFF -DWSYNC_TSAN=ON -DWSYNC_FUZZ=OFF)
+  tools/build-absl-tsan.sh "$build/absl-tsan"
+  cmake -S . -B "$build" "${args[@]}" >/dev/null
+  exec cmake --build "$build" -j"$(nproc)" --target wsync_tsan_tests
 else
   build="${WSYNC_BUILD_DIR:-build}"
 fi

@@ -9,6 +9,10 @@
 #include "ref_engine/ops.h"
 
 namespace wsync::ref_engine {
+#ifndef __has_feature  // gcc
+#define __has_feature(x) 0
+#endif
+
 namespace {
 
 namespace fmt = kernels::format;
@@ -16,7 +20,9 @@ namespace fmt = kernels::format;
 // The hot loops are compiled twice, for AVX2 and for the x86-64 baseline, and picked at load time
 // (ifunc). Both compute the same bits: the loops are per lane (no reassociation), and FMA
 // contraction is off (-ffp-contract=off), so a wider vector only does more lanes at once.
-#if defined(__x86_64__)
+// Not under ThreadSanitizer: the ifunc resolver would be instrumented, and it runs at relocation
+// time, before the TSan runtime is initialized (a crash at load).
+#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__) && !__has_feature(thread_sanitizer)
 #define WSYNC_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define WSYNC_SIMD_CLONES

@@ -223,7 +223,10 @@ void GlooCommunicator::Interrupt() {
   CloseConnections();
 }
 
+void GlooCommunicator::OnBroken() { CloseConnections(); }
+
 void GlooCommunicator::CloseConnections() {
+  absl::MutexLock close(&close_mu_);
   {
     absl::MutexLock lock(&inflight_mu_);
     if (closed_) return;

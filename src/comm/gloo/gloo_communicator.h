@@ -59,6 +59,10 @@ class GlooCommunicator final : public QueuedCommunicator {
   absl::Status DoBarrier(const OpContext& ctx) override;
   void Interrupt() override;
   absl::Status ReleaseBackend() override;
+  // A failed op closes the connections before it finishes: gloo's loop thread may still be
+  // receiving into the op's buffers (an abort wakes the waiter first), and closing takes each
+  // pair's lock, so once it returns gloo no longer touches them and the caller may free them.
+  void OnBroken() override;
 
  private:
   struct Block {  // one transfer: `nbytes` at `offset` of buffer `buffer`
@@ -80,6 +84,9 @@ class GlooCommunicator final : public QueuedCommunicator {
 
   std::shared_ptr<gloo::Context> context_;
   std::unique_ptr<LinkMonitor> monitor_;
+  // Held for the whole of CloseConnections, so that a second caller returns only once the
+  // connections are closed. Before inflight_mu_.
+  absl::Mutex close_mu_ ABSL_ACQUIRED_BEFORE(inflight_mu_);
   absl::Mutex inflight_mu_;
   std::vector<gloo::transport::UnboundBuffer*> inflight_ ABSL_GUARDED_BY(inflight_mu_);
   bool closed_ ABSL_GUARDED_BY(inflight_mu_) = false;
