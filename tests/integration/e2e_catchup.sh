@@ -11,27 +11,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
 e2e_start e2e_catchup
 e2e_trainer 83
 
-declare -a agent_pid engine_pid
-start_agent() {  # start_agent E: the rollout agent of engine E (a new port each time)
-  rm -f "$work/agent-$1"
-  "$bin/wsync-rollout-agent" --listen 127.0.0.1:0 --coordinator "$coord" --token-file "$token" --heartbeat-ms 300 \
-    --address-file "$work/agent-$1" >> "$work/logs/agent-$1.log" 2>&1 &
-  agent_pid[$1]=$!
-  pids+=($!)
-  for _ in $(seq 300); do [ -s "$work/agent-$1" ] && return 0; sleep 0.1; done
-  fail "rollout agent $1 did not start"
-}
-start_engine() {  # start_engine E: engine E (TP 1, no checkpoint: NO_WEIGHTS until its agent commits)
-  rm -f "$work/engine-$1"
-  "$bin/wsync-ref-engine" --model "$work/hf" --engine-id "engine-$1" --listen 127.0.0.1:0 \
-    --address-file "$work/engine-$1" --agent-file "$work/agent-$1" --agent-poll-ms 300 --token-file "$token" \
-    >> "$work/logs/engine-$1.log" 2>&1 &
-  engine_pid[$1]=$!
-  pids+=($!)
-  for _ in $(seq 300); do [ -s "$work/engine-$1" ] && return 0; sleep 0.1; done
-  fail "engine $1 did not start"
-}
-for e in 0 1; do start_agent $e; start_engine $e; done
+for e in 0 1; do e2e_start_agent $e; e2e_start_engine $e; done
 for _ in $(seq 600); do [ "$(members "${ctl[@]}")" -ge 2 ] && break; sleep 0.1; done
 v=$(e2e_sync_verified "the first sync" 2)
 echo "e2e_catchup: version $v published bit-exact on both engines"
@@ -39,8 +19,8 @@ echo "e2e_catchup: version $v published bit-exact on both engines"
 kill -KILL "${engine_pid[1]}" "${agent_pid[1]}"
 wait "${engine_pid[1]}" "${agent_pid[1]}" 2>/dev/null || true
 t0=$(date +%s.%N)
-start_agent 1
-start_engine 1
+e2e_start_agent 1
+e2e_start_engine 1
 ok=
 for _ in $(seq 300); do
   out=$("${ctl[@]}" generate --engine "$(cat "$work/engine-1")" --prompt 1,2,3 --max-new-tokens 2 2>&1) && { ok=1; break; }

@@ -17,27 +17,6 @@ e2e_start e2e_faults
 e2e_cleanup_extra() { for p in "${pids[@]}"; do kill -CONT "$p" 2>/dev/null || true; done; }
 timeout_s=10
 e2e_trainer 5 -- --sync-timeout "$timeout_s" --state-dir "$work/state"
-declare -a agent_pid engine_pid
-
-start_agent() {  # start_agent E [FAILPOINTS]
-  rm -f "$work/agent-$1"
-  WSYNC_FAILPOINTS="${2:-}" "$bin/wsync-rollout-agent" --listen 127.0.0.1:0 --coordinator "$coord" \
-    --token-file "$token" --heartbeat-ms 300 --address-file "$work/agent-$1" >> "$work/logs/agent-$1.log" 2>&1 &
-  agent_pid[$1]=$!
-  pids+=($!)
-  for _ in $(seq 300); do [ -s "$work/agent-$1" ] && return 0; sleep 0.1; done
-  fail "rollout agent $1 did not start"
-}
-start_engine() {  # start_engine E [FAILPOINTS]
-  rm -f "$work/engine-$1"
-  WSYNC_FAILPOINTS="${2:-}" "$bin/wsync-ref-engine" --model "$work/hf" --engine-id "engine-$1" --listen 127.0.0.1:0 \
-    --address-file "$work/engine-$1" --agent-file "$work/agent-$1" --agent-poll-ms 300 --token-file "$token" \
-    >> "$work/logs/engine-$1.log" 2>&1 &
-  engine_pid[$1]=$!
-  pids+=($!)
-  for _ in $(seq 300); do [ -s "$work/engine-$1" ] && return 0; sleep 0.1; done
-  fail "engine $1 did not start"
-}
 registrations() { grep -c 'registered engine "engine-1"' "$work/logs/agent-1.log" 2>/dev/null || true; }
 ready() {  # ready N: agent 1 has registered engine 1 more than N times, and is a member at its address
   local addr
@@ -56,7 +35,7 @@ stop_proc() {  # stop_proc PID: kill -9 (continued first if stopped), reaped
   kill -KILL "$1" 2>/dev/null || true
   wait "$1" 2>/dev/null || true
 }
-for e in 0 1; do start_agent "$e"; start_engine "$e"; done
+for e in 0 1; do e2e_start_agent "$e"; e2e_start_engine "$e"; done
 v=$(e2e_sync_verified "the first sync" 2)
 echo "e2e_faults: version $v bit-exact on both engines; the faults:"
 
@@ -64,9 +43,9 @@ fault() {  # fault KIND PHASE ACTION: kind agent|engine, the failpoint point, ki
   local kind="$1" point="$2" action="$3" pid rc=0 out took gen n
   n=$(registrations)
   if [ "$kind" = agent ]; then
-    stop_proc "${agent_pid[1]}"; start_agent 1 "$point:1@$action"; pid=${agent_pid[1]}
+    stop_proc "${agent_pid[1]}"; e2e_start_agent 1 "$point:1@$action"; pid=${agent_pid[1]}
   else
-    stop_proc "${engine_pid[1]}"; start_engine 1 "$point:1@$action"; pid=${engine_pid[1]}
+    stop_proc "${engine_pid[1]}"; e2e_start_engine 1 "$point:1@$action"; pid=${engine_pid[1]}
   fi
   ready "$n"
   local t0 t1
@@ -86,9 +65,9 @@ fault() {  # fault KIND PHASE ACTION: kind agent|engine, the failpoint point, ki
   # Bring the process back clean; the next sync must be published on both engines.
   n=$(registrations)
   if [ "$kind" = agent ]; then
-    stop_proc "$pid"; start_agent 1
+    stop_proc "$pid"; e2e_start_agent 1
   else
-    stop_proc "$pid"; start_engine 1
+    stop_proc "$pid"; e2e_start_engine 1
   fi
   ready "$n"
   v=$(e2e_sync_verified "after $kind $point@$action" 2)

@@ -10,6 +10,14 @@
 #                         $work/megatron, 4 trainer agents under mpirun on it (logs/trainer.log; extra
 #                         mpirun flags before --, agent flags after), waits for the coordinator; sets
 #                         coord (its address) and ctl (wsyncctl with the token)
+#   e2e_start_agent I [FAILPOINTS]
+#                         a rollout agent (--coordinator $coord, 300 ms heartbeats) on a new port,
+#                         its address in $work/agent-I (log appended to logs/agent-I.log), armed with
+#                         WSYNC_FAILPOINTS; sets agent_pid[I]
+#   e2e_start_engine E [FAILPOINTS]
+#                         reference engine "engine-E" (TP 1, no checkpoint: NO_WEIGHTS until its agent
+#                         commits) following agent E through its address file; its address in
+#                         $work/engine-E; sets engine_pid[E]
 #   e2e_sync_verified WHAT N
 #                         a sync with N agents, retried (up to 60 times, 0.5 s apart) while a restarted
 #                         member registers, then `verify --against $work/hf` bit-exact on N engine
@@ -21,6 +29,8 @@ e2e_start() {
   work="$(mktemp -d "/tmp/wsync-$e2e_name.XXXXXX")"
   mkdir -p "$work/logs"
   pids=()
+  agent_pid=()
+  engine_pid=()
   token="$work/token"
   ( umask 077; head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$token" )
   trap e2e_cleanup EXIT
@@ -78,4 +88,25 @@ e2e_sync_verified() {
   "${ctl[@]}" verify --against "$work/hf" | grep -c "version $v: bit-exact" | grep -qx "$n" ||
     fail "$what: version $v is not bit-exact on all $n engine ranks"
   echo "$v"
+}
+
+e2e_start_agent() {
+  rm -f "$work/agent-$1"
+  WSYNC_FAILPOINTS="${2:-}" "$bin/wsync-rollout-agent" --listen 127.0.0.1:0 --coordinator "$coord" \
+    --token-file "$token" --heartbeat-ms 300 --address-file "$work/agent-$1" >> "$work/logs/agent-$1.log" 2>&1 &
+  agent_pid[$1]=$!
+  pids+=($!)
+  for _ in $(seq 300); do [ -s "$work/agent-$1" ] && return 0; sleep 0.1; done
+  fail "rollout agent $1 did not start"
+}
+
+e2e_start_engine() {
+  rm -f "$work/engine-$1"
+  WSYNC_FAILPOINTS="${2:-}" "$bin/wsync-ref-engine" --model "$work/hf" --engine-id "engine-$1" --listen 127.0.0.1:0 \
+    --address-file "$work/engine-$1" --agent-file "$work/agent-$1" --agent-poll-ms 300 --token-file "$token" \
+    >> "$work/logs/engine-$1.log" 2>&1 &
+  engine_pid[$1]=$!
+  pids+=($!)
+  for _ in $(seq 300); do [ -s "$work/engine-$1" ] && return 0; sleep 0.1; done
+  fail "engine $1 did not start"
 }

@@ -12,23 +12,12 @@ source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
 e2e_start e2e_rejoin
 e2e_trainer 81
 
-start_agent() {  # start_agent R: rollout agent of engine rank R (a new port each time)
-  rm -f "$work/agent-$1"
-  "$bin/wsync-rollout-agent" --listen 127.0.0.1:0 --coordinator "$coord" --token-file "$token" --heartbeat-ms 300 \
-    --address-file "$work/agent-$1" >> "$work/logs/agent-$1.log" 2>&1 &
-  agent_pid[$1]=$!
-  pids+=($!)
-  for _ in $(seq 300); do [ -s "$work/agent-$1" ] && return 0; sleep 0.1; done
-  fail "rollout agent $1 did not start"
-}
 wait_members() {  # wait_members N
   for _ in $(seq 600); do [ "$(members "${ctl[@]}")" -ge "$1" ] && return 0; sleep 0.1; done
   fail "only $(members "${ctl[@]}") of $1 rollout agents joined"
 }
-declare -a agent_pid
-start_agent 0
-start_agent 1
-declare -a engine_pid
+e2e_start_agent 0
+e2e_start_agent 1
 start_engine() {  # start_engine R STORE: engine rank R, following agent R through its address file
   rm -f "$work/engine-$1"
   "$bin/wsync-ref-engine" --model "$work/hf" --engine-id engine-0 --tp-size 2 --tp-rank "$1" --tp-store "$2" \
@@ -67,7 +56,7 @@ refused=$("${ctl[@]}" sync --wait 2>&1) && fail "a sync was published to half of
 grep -q "engine engine-0 has no agent for TP rank 1" <<<"$refused" || fail "the sync was not refused naming engine-0: $refused"
 echo "e2e_rejoin: agent 1 dropped: a sync is refused: $(grep -v '^ *(' <<<"$refused" | tail -n1 | cut -c1-140)"
 
-start_agent 1
+e2e_start_agent 1
 [ "$(cat "$work/agent-1")" != "$old_port" ] || fail "agent 1 came back on its old address $old_port"
 wait_members 2
 for _ in $(seq 100); do

@@ -57,25 +57,11 @@ bit_exact() {  # bit_exact V WHAT
   "${ctl[@]}" verify --against "$work/hf" | grep -c "version $1: bit-exact" | grep -qx 2 ||
     fail "$2: the engines are not both bit-exact on version $1"
 }
-declare -a agent_pid
 restart_agent() {  # restart_agent E [FAILPOINTS]: (re)start engine E's rollout agent, on a new port
   [ -n "${agent_pid[$1]:-}" ] && { kill -KILL "${agent_pid[$1]}" 2>/dev/null || true; wait "${agent_pid[$1]}" 2>/dev/null || true; }
-  rm -f "$work/agent-$1"
-  WSYNC_FAILPOINTS="${2:-}" "$bin/wsync-rollout-agent" --listen 127.0.0.1:0 --coordinator "$coord" \
-    --token-file "$token" --heartbeat-ms 300 --address-file "$work/agent-$1" >> "$work/logs/agent-$1.log" 2>&1 &
-  agent_pid[$1]=$!
-  pids+=($!)
-  for _ in $(seq 300); do [ -s "$work/agent-$1" ] && return 0; sleep 0.1; done
-  fail "rollout agent $1 did not start"
+  e2e_start_agent "$@"
 }
-for e in 0 1; do
-  restart_agent $e
-  "$bin/wsync-ref-engine" --model "$work/hf" --engine-id "engine-$e" --listen 127.0.0.1:0 \
-    --address-file "$work/engine-$e" --agent-file "$work/agent-$e" --agent-poll-ms 300 --token-file "$token" \
-    > "$work/logs/engine-$e.log" 2>&1 &
-  pids+=($!)
-  for _ in $(seq 300); do [ -s "$work/engine-$e" ] && break; sleep 0.1; done
-done
+for e in 0 1; do restart_agent $e; e2e_start_engine $e; done
 
 run=1
 start_trainer $run

@@ -170,6 +170,15 @@ class SyncCoordinatorTest : public ::testing::Test {
     EXPECT_TRUE(coordinator_->Join(req, &reply).ok());
     return reply.agent_id();
   }
+  // A heartbeat of member `id` reporting `version`; the reply.
+  v1::HeartbeatReply Beat(const std::string& id, uint64_t version) {
+    v1::HeartbeatRequest req;
+    req.set_agent_id(id);
+    req.set_version(version);
+    v1::HeartbeatReply reply;
+    EXPECT_TRUE(coordinator_->Heartbeat(req, &reply).ok());
+    return reply;
+  }
   std::shared_ptr<FakeAgent> Agent(const std::string& address) {
     absl::MutexLock lock(&mu_);
     return agents_[address];
@@ -326,18 +335,11 @@ TEST_F(SyncCoordinatorTest, APartialCommitSaysWhichEnginesHoldTheVersion) {
   coordinator_->Status(&status);
   EXPECT_EQ(status.version(), 1u) << "version 2 is not published";
   // Once every engine reports version 2 (b:1's agent rolled forward), it is published.
-  auto beat = [&](const std::string& agent, uint64_t version) {
-    v1::HeartbeatRequest hb;
-    hb.set_agent_id(agent);
-    hb.set_version(version);
-    v1::HeartbeatReply r;
-    ASSERT_TRUE(coordinator_->Heartbeat(hb, &r).ok());
-  };
-  beat(a, 2);
-  beat(b, 1);
+  Beat(a, 2);
+  Beat(b, 1);
   coordinator_->Status(&status);
   EXPECT_EQ(status.version(), 1u) << "engine e1 is still on version 1";
-  beat(b, 2);
+  Beat(b, 2);
   coordinator_->Status(&status);
   EXPECT_EQ(status.version(), 2u) << "every engine rolled forward to version 2";
   // Nothing committed anywhere (a Prepare failure): no such line.
@@ -555,13 +557,6 @@ TEST_F(SyncCoordinatorTest, ACoordinatorStoppedDuringACommitRollsTheFleetForward
   std::string text = *ReadTextFile(dir + "/coordinator-state.json");
   EXPECT_THAT(text, Not(HasSubstr("committing"))) << "a finished sync leaves no commit in the state";
 
-  auto beat = [&](const std::string& id, uint64_t version) {
-    v1::HeartbeatRequest req;
-    req.set_agent_id(id);
-    req.set_version(version);
-    v1::HeartbeatReply reply;
-    EXPECT_TRUE(coordinator_->Heartbeat(req, &reply).ok());
-  };
   // As the state of a coordinator that stopped while committing sync 2 (version 2)
   // (and whose fleet was engines e0 and e1).
   std::ofstream(dir + "/coordinator-state.json")
@@ -573,7 +568,7 @@ TEST_F(SyncCoordinatorTest, ACoordinatorStoppedDuringACommitRollsTheFleetForward
   EXPECT_EQ(status.version(), 1u);
   EXPECT_THAT(status.last_error(), HasSubstr("stopped during this sync's commit"));
   const std::string a = Join("a:1", 0, 1, "e0");
-  beat(a, 2);  // e1 is not back yet: nothing is published, and no sync may run
+  Beat(a, 2);  // e1 is not back yet: nothing is published, and no sync may run
   coordinator_->Status(&status);
   EXPECT_EQ(status.version(), 1u) << "published while engine e1 of the fleet was missing";
   auto refused = Trigger();
@@ -583,10 +578,10 @@ TEST_F(SyncCoordinatorTest, ACoordinatorStoppedDuringACommitRollsTheFleetForward
   for (int i = 0; i < 100 && Agent("b:1")->calls().empty(); ++i) absl::SleepFor(absl::Milliseconds(50));
   absl::SleepFor(absl::Milliseconds(600));  // another pass of the reaper
   EXPECT_THAT(Agent("b:1")->calls(), ::testing::ElementsAre("Abort(roll forward) 2")) << "told once";
-  beat(a, 2);
+  Beat(a, 2);
   coordinator_->Status(&status);
   EXPECT_EQ(status.version(), 1u) << "published only once every engine has it";
-  beat(b, 2);
+  Beat(b, 2);
   coordinator_->Status(&status);
   EXPECT_EQ(status.version(), 2u);
   coordinator_.reset();
@@ -744,15 +739,7 @@ TEST_F(SyncCoordinatorTest, AMemberBehindThePublishedVersionIsToldWhichPeersHold
   auto t = Trigger();
   ASSERT_TRUE(t.ok()) << t.status();
   ASSERT_EQ(Finish(t->sync_id()).phase(), "done");
-  auto beat = [&](const std::string& id, uint64_t version) {
-    v1::HeartbeatRequest req;
-    req.set_agent_id(id);
-    req.set_version(version);
-    v1::HeartbeatReply reply;
-    EXPECT_TRUE(coordinator_->Heartbeat(req, &reply).ok());
-    return reply;
-  };
-  for (const auto& [address, id] : ids) EXPECT_EQ(beat(id, 1).catch_up().version(), 0u) << address;
+  for (const auto& [address, id] : ids) EXPECT_EQ(Beat(id, 1).catch_up().version(), 0u) << address;
 
   // e0's rank 1 comes back on a new address with nothing: b:2 (e1's rank 1) holds version 1.
   v1::JoinRequest req;
@@ -764,10 +751,10 @@ TEST_F(SyncCoordinatorTest, AMemberBehindThePublishedVersionIsToldWhichPeersHold
   ASSERT_TRUE(coordinator_->Join(req, &reply).ok());
   EXPECT_EQ(reply.catch_up().version(), 1u);
   EXPECT_THAT(reply.catch_up().peers(), ::testing::ElementsAre("b:2"));
-  EXPECT_THAT(beat(reply.agent_id(), 0).catch_up().peers(), ::testing::ElementsAre("b:2"));
-  EXPECT_EQ(beat(ids["b:2"], 0).catch_up().version(), 1u);  // now b:2 is behind too: no peer has it
-  EXPECT_TRUE(beat(ids["b:2"], 0).catch_up().peers().empty());
-  EXPECT_EQ(beat(reply.agent_id(), 1).catch_up().version(), 0u);  // caught up
+  EXPECT_THAT(Beat(reply.agent_id(), 0).catch_up().peers(), ::testing::ElementsAre("b:2"));
+  EXPECT_EQ(Beat(ids["b:2"], 0).catch_up().version(), 1u);  // now b:2 is behind too: no peer has it
+  EXPECT_TRUE(Beat(ids["b:2"], 0).catch_up().peers().empty());
+  EXPECT_EQ(Beat(reply.agent_id(), 1).catch_up().version(), 0u);  // caught up
 }
 
 TEST_F(SyncCoordinatorTest, MembershipJoinRejoinLeaveAndTimeout) {
