@@ -18,6 +18,7 @@
 #                         reference engine "engine-E" (TP 1, no checkpoint: NO_WEIGHTS until its agent
 #                         commits) following agent E through its address file; its address in
 #                         $work/engine-E; sets engine_pid[E]
+#   e2e_rank_pid R        the pid of trainer agent rank R of the running job (on $work/megatron)
 #   e2e_sync_verified WHAT N
 #                         a sync with N agents, retried (up to 60 times, 0.5 s apart) while a restarted
 #                         member registers, then `verify --against $work/hf` bit-exact on N engine
@@ -109,4 +110,12 @@ e2e_start_engine() {
   pids+=($!)
   for _ in $(seq 300); do [ -s "$work/engine-$1" ] && return 0; sleep 0.1; done
   fail "engine $1 did not start"
+}
+
+e2e_rank_pid() {
+  local p
+  for p in $(pgrep -f "wsync-trainer-agent --source dir:$work/megatron"); do
+    tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$1" && { echo "$p"; return 0; }
+  done
+  return 1
 }

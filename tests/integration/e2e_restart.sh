@@ -59,15 +59,8 @@ echo "e2e_restart: the restarted trainer job published version 3, bit-exact; ver
 # The job is started again: its first plain sync publishes version 5 (4 was taken by the sync that
 # died, and is durable since its trigger), although the rollout agent still holds the dead sync
 # 4 (that sync is superseded, not waited out for its 600 s timeout).
-rank_pid() {  # rank_pid R: the pid of trainer agent rank R of the current job
-  local p
-  for p in $(pgrep -f "wsync-trainer-agent --source dir:$work/megatron"); do
-    tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$1" && { echo "$p"; return 0; }
-  done
-  return 1
-}
 engine=$(cat "$work/engine-address" 2>/dev/null || true)
-r1=$(rank_pid 1) || fail "no trainer agent rank 1 found"
+r1=$(e2e_rank_pid 1) || fail "no trainer agent rank 1 found"
 kill -STOP "$r1"
 "${ctl[@]}" sync --wait --min-agents 1 > "$work/logs/sync4.log" 2>&1 &
 sync4=$!

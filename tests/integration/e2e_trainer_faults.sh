@@ -35,13 +35,6 @@ start_trainer() {  # start_trainer N [FAILPOINTS]: the trainer job (log N)
   trainer_pid=$!
   pids+=($trainer_pid)
 }
-rank_pid() {  # rank_pid R: the pid of trainer agent rank R of the current job
-  local p
-  for p in $(pgrep -f "wsync-trainer-agent --source dir:$work/megatron"); do
-    tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$1" && { echo "$p"; return 0; }
-  done
-  return 1
-}
 wait_members() {
   for _ in $(seq 600); do [ "$(members "${ctl[@]}")" -ge 2 ] && return 0; sleep 0.1; done
   fail "the rollout agents did not join the coordinator at $coord"
@@ -106,7 +99,7 @@ for point in coordinator.commit coordinator.committed; do
 done
 
 # Trainer rank 2 hung during the transfer.
-r2=$(rank_pid 2) || fail "no trainer agent rank 2"
+r2=$(e2e_rank_pid 2) || fail "no trainer agent rank 2"
 kill -STOP "$r2"
 t0=$(date +%s)
 out=$("${ctl[@]}" sync --wait --min-agents 2 2>&1) && { kill -CONT "$r2"; fail "a sync succeeded with trainer rank 2 stopped: $out"; }
@@ -129,7 +122,7 @@ wait_members
 "${ctl[@]}" sync --min-agents 2 > /dev/null 2>&1 || fail "the trigger was refused"
 r0=
 for _ in $(seq 100); do
-  r0=$(rank_pid 0) && [ "$(awk '{print $3}' "/proc/$r0/stat" 2>/dev/null)" = T ] && break
+  r0=$(e2e_rank_pid 0) && [ "$(awk '{print $3}' "/proc/$r0/stat" 2>/dev/null)" = T ] && break
   sleep 0.1
 done
 [ "$(awk '{print $3}' "/proc/$r0/stat" 2>/dev/null)" = T ] || fail "the coordinator did not stop at the transfer"
