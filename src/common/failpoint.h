@@ -19,6 +19,7 @@
 //   engine.continue    the reference engine's Continue (the end of a commit)
 //   coordinator.transfer   the coordinator (trainer rank 0), once every agent began, before the
 //                      trainer ranks send
+//   coordinator.prepare    the coordinator, once the trainer ranks sent everything, before PrepareSync
 //   coordinator.commit the coordinator, once every agent prepared and the commit is in its state
 //                      file, before any CommitSync
 //   coordinator.committed  the coordinator, when the first agent's CommitSync has succeeded

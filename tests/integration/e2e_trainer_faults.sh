@@ -3,6 +3,8 @@
 # (the coordinator in rank 0 on a fixed port, --state-dir, --sync-timeout 10), two reference
 # engines (TP 1) with their rollout agents. Each case breaks one trainer process at one phase of a
 # sync (failpoints, common/failpoint.h, or signals):
+#   coordinator killed (-9) during the transfer and before PrepareSync: the engines keep serving
+#   and the restarted job's first sync (superseding the orphaned one) is published bit-exact;
 #   coordinator killed (-9) at the start of the commit (every agent prepared, none committed):
 #   mpirun takes the job down; the engines keep serving; the job started again with the same
 #   command finds the commit in its state directory and rolls both engines forward to that version
@@ -62,6 +64,31 @@ wait_members
 out=$("${ctl[@]}" sync --wait --min-agents 2 2>&1) || fail "sync 1 failed: $out"
 bit_exact 1 "sync 1"
 v=1
+
+# The coordinator killed before the commit: while the agents receive, and once they received
+# everything (before PrepareSync). Nothing was committed: the engines keep serving, and the first
+# sync of the job started again supersedes the orphaned one at once (not after its timeout).
+for point in coordinator.transfer coordinator.prepare; do
+  kill -TERM "$trainer_pid"; wait "$trainer_pid" 2>/dev/null || true
+  run=$((run + 1)); start_trainer $run "$point:1@kill"
+  wait_members
+  out=$("${ctl[@]}" sync --wait --min-agents 2 2>&1) && fail "$point: the sync succeeded with the coordinator killed: $out"
+  wait "$trainer_pid" 2>/dev/null || true
+  for e in 0 1; do serves $e $v; done
+  run=$((run + 1)); start_trainer $run
+  wait_members
+  t0=$(date +%s.%N)
+  out=$("${ctl[@]}" sync --wait --min-agents 2 2>&1) || fail "$point: the first sync after the restart failed: $out"
+  t1=$(date +%s.%N)
+  next=$(sed -n 's/.*version \([0-9]*\) published.*/\1/p' <<<"$out" | head -n1)
+  [ -n "$next" ] && [ "$next" -gt "$v" ] || fail "$point: the first sync after the restart published no newer version: $out"
+  took=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+  awk -v t="$took" -v lim="$timeout_s" 'BEGIN { exit !(t < lim) }' ||
+    fail "$point: the first sync after the restart took $took s (it waited for the orphaned sync?)"
+  bit_exact "$next" "$point"
+  echo "e2e_trainer_faults: coordinator killed at $point: the engines kept serving version $v; the restarted job's first sync published version $next bit-exact in $took s"
+  v=$next
+done
 
 # The coordinator killed during the commit: before any engine committed; then after engine 0
 # committed while engine 1's agent was killed in its own commit (engine 1 left paused on the old

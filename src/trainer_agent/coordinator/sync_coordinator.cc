@@ -527,6 +527,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
   std::vector<v1::PrepareSyncReply> prepared(members.size());
   if (s.ok()) {
     s = timed("prepare", [&] {
+      FailpointHit("coordinator.prepare");
       return CallAll(id, members, "PrepareSync", [&](AgentClient& agent, size_t i) {
         v1::PrepareSyncRequest r;
         r.set_sync_id(id);
