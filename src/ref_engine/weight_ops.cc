@@ -9,10 +9,6 @@
 #include "ref_engine/ops.h"
 
 namespace wsync::ref_engine {
-#ifndef __has_feature  // gcc
-#define __has_feature(x) 0
-#endif
-
 namespace {
 
 namespace fmt = kernels::format;
@@ -22,7 +18,14 @@ namespace fmt = kernels::format;
 // contraction is off (-ffp-contract=off), so a wider vector only does more lanes at once.
 // Not under ThreadSanitizer: the ifunc resolver would be instrumented, and it runs at relocation
 // time, before the TSan runtime is initialized (a crash at load).
-#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__) && !__has_feature(thread_sanitizer)
+#if defined(__SANITIZE_THREAD__)  // gcc
+#define WSYNC_UNDER_TSAN 1
+#elif defined(__has_feature)  // clang
+#if __has_feature(thread_sanitizer)
+#define WSYNC_UNDER_TSAN 1
+#endif
+#endif
+#if defined(__x86_64__) && !defined(WSYNC_UNDER_TSAN)
 #define WSYNC_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define WSYNC_SIMD_CLONES

@@ -226,6 +226,22 @@ class RolloutAgentTest : public ::testing::Test {
     auto ctx = rollout_agent::testing::Context(a.security());
     return a.stub().AbortSync(ctx.get(), req, reply ? reply : &r);
   }
+  // A fake engine and the agent library in-process (AgentServer), the engine registered with it.
+  void StartInProcess(std::unique_ptr<FakeEngine>* engine, std::unique_ptr<AgentServer>* server) {
+    FakeEngine::Options o;
+    o.config_json = config_json_;
+    o.quant_json = quant_json_;
+    o.security = sec_;
+    auto e = FakeEngine::Start(o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    rollout_agent::AgentOptions ao;
+    ao.security = sec_;
+    auto a = AgentServer::Start("127.0.0.1:0", ao);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE((*e)->Register((*a)->address()).ok());
+    *engine = *std::move(e);
+    *server = *std::move(a);
+  }
   v1::AgentStatusReply Status(AgentProcess& a) {
     v1::AgentStatusReply r;
     auto ctx = rollout_agent::testing::Context(a.security());
@@ -1150,60 +1166,44 @@ TEST_F(RolloutAgentTest, JoinsHeartbeatsRejoinsAndLeavesTheCoordinator) {
 // Sharded delivery sends a stage over several streams (one per sender); a recording names its
 // files by stage, so a recorded sync with two streams for one stage is refused, changing nothing.
 TEST_F(RolloutAgentTest, TwoStreamsOfOneStageAreRefusedOnlyInARecordedSync) {
-  FakeEngine::Options o;
-  o.config_json = config_json_;
-  o.quant_json = quant_json_;
-  o.security = sec_;
-  auto engine = FakeEngine::Start(o);
-  ASSERT_TRUE(engine.ok());
-  rollout_agent::AgentOptions ao;
-  ao.security = sec_;
-  auto server = AgentServer::Start("127.0.0.1:0", ao);
-  ASSERT_TRUE(server.ok()) << server.status();
-  ASSERT_TRUE((*engine)->Register((*server)->address()).ok());
+  std::unique_ptr<FakeEngine> engine;
+  std::unique_ptr<AgentServer> server;
+  ASSERT_NO_FATAL_FAILURE(StartInProcess(&engine, &server));
   v1::BeginSyncRequest req = BeginRequest(1, 1, 1, 1, /*record=*/true);
   *req.add_groups() = req.groups(0);
   req.mutable_groups(1)->set_name(GroupName(1) + "/s1");
   v1::BeginSyncReply begun;
-  absl::Status refused = (*server)->agent().BeginSync(req, &begun);
+  absl::Status refused = server->agent().BeginSync(req, &begun);
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
   EXPECT_THAT(refused.message(), HasSubstr("two groups for pipeline stage 0 in a recorded sync"));
-  EXPECT_EQ((*server)->agent().version(), 0u);
-  EXPECT_TRUE((*engine)->calls().empty()) << "the refused sync reached the engine";
-  (*server)->Shutdown();
+  EXPECT_EQ(server->agent().version(), 0u);
+  EXPECT_TRUE(engine->calls().empty()) << "the refused sync reached the engine";
+  server->Shutdown();
 }
 
 // The library in-process (what a launcher or an end-to-end test can embed).
 TEST_F(RolloutAgentTest, TheAgentLibraryRunsInProcess) {
-  FakeEngine::Options o;
-  o.config_json = config_json_;
-  o.quant_json = quant_json_;
-  o.security = sec_;
-  auto engine = FakeEngine::Start(o);
-  ASSERT_TRUE(engine.ok());
-  rollout_agent::AgentOptions ao;
-  ao.security = sec_;
-  auto server = AgentServer::Start("127.0.0.1:0", ao);
-  ASSERT_TRUE(server.ok()) << server.status();
-  ASSERT_TRUE((*engine)->Register((*server)->address()).ok());
+  std::unique_ptr<FakeEngine> engine;
+  std::unique_ptr<AgentServer> server;
+  ASSERT_NO_FATAL_FAILURE(StartInProcess(&engine, &server));
   v1::BeginSyncRequest req = BeginRequest(1, 1, 1, 1);
   v1::BeginSyncReply begun;
-  ASSERT_TRUE((*server)->agent().BeginSync(req, &begun).ok());
+  ASSERT_TRUE(server->agent().BeginSync(req, &begun).ok());
   trainer_->Run(GroupName(1), 2, SendAll(SentTensors(Model(kSeedV2)), 1));
   v1::PrepareSyncRequest p;
   p.set_sync_id(1);
   v1::PrepareSyncReply prepared;
-  absl::Status ps = (*server)->agent().PrepareSync(p, absl::Now() + absl::Seconds(60), &prepared);
+  absl::Status ps = server->agent().PrepareSync(p, absl::Now() + absl::Seconds(60), &prepared);
   ASSERT_TRUE(ps.ok()) << ps;
   ASSERT_TRUE(trainer_->Join().ok());
   v1::CommitSyncRequest c;
   c.set_sync_id(1);
   v1::CommitSyncReply committed;
-  ASSERT_TRUE((*server)->agent().CommitSync(c, &committed).ok());
-  EXPECT_EQ((*server)->agent().version(), 1u);
-  ExpectEngineHolds(**engine, Model(kSeedV2));
-  EXPECT_THAT((*server)->agent().metrics().RenderPrometheus(), HasSubstr("wsync_rollout_syncs_total 1"));
-  (*server)->Shutdown();
+  ASSERT_TRUE(server->agent().CommitSync(c, &committed).ok());
+  EXPECT_EQ(server->agent().version(), 1u);
+  ExpectEngineHolds(*engine, Model(kSeedV2));
+  EXPECT_THAT(server->agent().metrics().RenderPrometheus(), HasSubstr("wsync_rollout_syncs_total 1"));
+  server->Shutdown();
 }
 
 }  // namespace
