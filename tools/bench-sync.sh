@@ -18,11 +18,13 @@
 # one-to-one gloo broadcast of that many bytes measured in the same run.
 #
 #   tools/bench-sync.sh [--engines 2] [--engine-tp 1] [--mode broadcast] [--syncs 1] [--bucket-mib 256]
-#                       [--keep K] [--pause-for-whole-sync] [--workdir DIR]
+#                       [--keep K] [--pause-for-whole-sync] [--bucket-mac auto|on|off] [--workdir DIR]
+# --bucket-mac: authenticated buckets (docs/bucket_format.md); auto (the default) is on here (the
+# deployment has a token); off measures the sync without the tags.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="${WSYNC_BIN:-$here/build/bin}"
-engines=2 syncs=1 bucket=256 work="" keep="" whole="" tp=1 mode=broadcast
+engines=2 syncs=1 bucket=256 work="" keep="" whole="" tp=1 mode=broadcast mac=auto
 while [ $# -gt 0 ]; do
   case "$1" in
     --engines) engines="$2"; shift 2 ;;
@@ -33,7 +35,8 @@ while [ $# -gt 0 ]; do
     --workdir) work="$2"; shift 2 ;;
     --keep) keep="$2"; shift 2 ;;
     --pause-for-whole-sync) whole="--pause-for-whole-sync"; shift ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    --bucket-mac) mac="$2"; shift 2 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "bench-sync: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
@@ -105,9 +108,10 @@ PY
   prune_args=(--expert-map "$work/map.json")
   label="bench2g Qwen3-MoE pruned to $keep experts per layer"
 fi
+label="$label, bucket MAC $mac"
 
 "$here/tools/wsync-local" --source "$work/megatron" --quant-config "$work/quant.json" --rollout-engines "$engines" \
-  --engine-tp "$tp" --syncs "$syncs" --bucket-mib "$bucket" --workdir "$work/run" \
+  --engine-tp "$tp" --syncs "$syncs" --bucket-mib "$bucket" --bucket-mac "$mac" --workdir "$work/run" \
   --agent-flags "--engine-timeout-ms 600000 $whole" "${prune_args[@]}" \
   --then "for m in $modes; do $work/measure.sh $bin $work $engines \$m || exit 1; done" > "$work/local.log" 2>&1 ||
   { tail -30 "$work/local.log"; exit 1; }
@@ -139,6 +143,10 @@ print(f"# total sync / raw broadcast = {total / raw:.2f} (target <= 1.25)")
 down = next((p["seconds"] for p in t["phases"] if p["phase"] == "downtime"), 0.0)
 print(f"# engine downtime (Pause sent -> Continue answered, longest engine): {down:.3f} s of the {total:.3f} s sync "
       f"({100 * down / total:.0f} %), {'paused for the whole sync (--pause-for-whole-sync)' if whole else 'paused only to commit'}")
+commit = next((p["seconds"] for p in t["phases"] if p["phase"] == "commit"), 0.0)
+if commit > 0:
+    print(f"# the commit phase (every CommitSync, as the coordinator timed it): {commit:.3f} s; "
+          f"downtime / commit = {down / commit:.2f} (target <= 1.10)")
 print(f"# of which the engine's Continue (the reference engine validates the committed memory, "
       f"then serves it in place): {cont:.3f} s")
 ticks, hz, cores = (int(x) for x in open(f"{work}/cpu-{mode}.txt").read().split())

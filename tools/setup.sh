@@ -17,7 +17,7 @@ PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   libopenmpi-dev openmpi-bin
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev libgtest-dev libgmock-dev libgloo-dev libhwy-dev libxxhash-dev
+  libabsl-dev libgtest-dev libgmock-dev libgloo-dev libhwy-dev libxxhash-dev libssl-dev
   nlohmann-json3-dev libcpp-httplib-dev libcli11-dev
   clang libclang-rt-14-dev clang-format
   iproute2 openssl

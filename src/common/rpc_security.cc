@@ -53,6 +53,13 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const Rpc
   return grpc::CreateCustomChannel(address, grpc::SslCredentials(opts), args);
 }
 
+absl::StatusOr<bool> ResolveBucketMac(absl::string_view mode, const RpcSecurity& sec) {
+  if (mode == "on") return true;
+  if (mode == "off") return false;
+  if (mode == "auto") return !sec.token.empty();
+  return absl::InvalidArgumentError(absl::StrCat("--bucket-mac is on, off or auto, not \"", mode, "\""));
+}
+
 void PrepareContext(grpc::ClientContext* ctx, const RpcSecurity& sec, absl::Duration timeout) {
   if (!sec.token.empty()) ctx->AddMetadata("authorization", absl::StrCat("Bearer ", sec.token));
   ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));

@@ -43,6 +43,11 @@ absl::StatusOr<RpcSecurity> LoadRpcSecurity(const RpcSecurityOptions& options);
 std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const RpcSecurity& sec);
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const RpcSecurity& sec);
 
+// The --bucket-mac setting of a process (comm/bucket/bucket_mac.h): "on", "off", or "auto" (on
+// exactly when the control plane has a token: a deployment that authenticates its RPCs authenticates
+// its buckets too). kInvalidArgument for anything else.
+absl::StatusOr<bool> ResolveBucketMac(absl::string_view mode, const RpcSecurity& sec);
+
 // Sets the bearer token and the deadline of one call.
 void PrepareContext(grpc::ClientContext* ctx, const RpcSecurity& sec, absl::Duration timeout);
 

@@ -66,13 +66,15 @@ Tensors SentTensors(const model::testing::HfModel& m) {
   return t;
 }
 
-std::function<absl::Status(comm::Communicator&)> SendAll(Tensors tensors, uint64_t version, uint32_t pp_stage = 0) {
+// `mac`: tag every bucket (the stream's BucketMac); none: unauthenticated buckets.
+std::function<absl::Status(comm::Communicator&)> SendAll(Tensors tensors, uint64_t version, uint32_t pp_stage = 0,
+                                                         std::optional<comm::BucketMac> mac = std::nullopt) {
   auto buckets = std::make_shared<std::vector<testing::PackedBucket>>();
   auto packed = testing::PackBuckets(tensors, {.version = version, .pp_stage = pp_stage, .bucket_bytes = kBucketBytes});
   if (packed.ok()) *buckets = std::move(*packed);
-  return [buckets, st = packed.status()](comm::Communicator& c) -> absl::Status {
+  return [buckets, st = packed.status(), mac](comm::Communicator& c) -> absl::Status {
     if (!st.ok()) return st;
-    return testing::SendBuckets(c, std::move(*buckets));
+    return testing::SendBuckets(c, std::move(*buckets), mac);
   };
 }
 
@@ -170,7 +172,8 @@ class RolloutAgentTest : public ::testing::Test {
     std::vector<std::string> args = {
         "--token-file",   token_file_,
         "--record-dir",   shared_record_ ? record_dir_ + "shared" : record_dir_ + std::to_string(rank),
-        "--heartbeat-ms", "100"};
+        "--heartbeat-ms", "100",
+        "--bucket-mac",   bucket_mac_};
     args.insert(args.end(), extra_args.begin(), extra_args.end());
     auto agent = AgentProcess::Start(WSYNC_ROLLOUT_AGENT, absl::StrCat(name_, "-", rank), args, sec_);
     ASSERT_TRUE(agent.ok()) << agent.status();
@@ -287,6 +290,9 @@ class RolloutAgentTest : public ::testing::Test {
   QuantizationConfig quant_;
   std::map<uint32_t, model::testing::HfModel> models_;
   std::unique_ptr<rollout_agent::testing::TrainerSide> trainer_;
+  // The agents' --bucket-mac. With a token it would be on ("auto"); these tests' fake trainer sends
+  // unauthenticated buckets unless a test gives SendAll a BucketMac (AuthenticatedBuckets... below).
+  std::string bucket_mac_ = "off";
   std::vector<std::unique_ptr<rollout_agent::testing::FakeEngine>> engines_;
   std::vector<std::unique_ptr<rollout_agent::testing::AgentProcess>> agents_;
 };
@@ -665,6 +671,61 @@ TEST_F(RolloutAgentTest, EveryFailureLeavesTheEngineOnItsPreviousVersion) {
 // The default: the engine serves through BeginSync, the transfer and PrepareSync; CommitSync pauses
 // and flushes it. A flush that never completes refuses the commit before anything is written, and
 // the engine continues on its previous version.
+// With a token, an agent takes only authenticated buckets (--bucket-mac auto): a sync without a key
+// is refused, a stream tagged under another key fails the sync, and neither touches the engine; a
+// stream tagged under the sync's key lands bit-exact.
+TEST_F(RolloutAgentTest, OnlyBucketsTaggedUnderTheSyncsKeyReachTheEngine) {
+  bucket_mac_ = "auto";
+  StartRank(1, 0, 1);
+  rollout_agent::testing::FakeEngine& engine = *engines_[0];
+  rollout_agent::testing::AgentProcess& agent = *agents_[0];
+  const uint64_t before = engine.memory().Checksum().value();
+  const model::testing::HfModel& v2 = Model(kSeedV2);
+  auto expect_untouched = [&] {
+    EXPECT_EQ(engine.memory().Checksum().value(), before);
+    EXPECT_TRUE(engine.calls().empty());
+    EXPECT_EQ(Status(agent).state(), "idle");
+    EXPECT_EQ(Status(agent).version(), 1u);
+  };
+
+  grpc::Status keyless = Begin(agent, BeginRequest(1, 2, 1, 1));
+  EXPECT_EQ(keyless.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << keyless.error_message();
+  EXPECT_THAT(keyless.error_message(), HasSubstr("accepts only authenticated buckets"));
+  expect_untouched();
+  v1::BeginSyncRequest short_key = BeginRequest(2, 2, 1, 1);
+  short_key.set_bucket_mac_key("12345");
+  grpc::Status refused = Begin(agent, short_key);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << refused.error_message();
+  EXPECT_THAT(refused.error_message(), HasSubstr("a 5-byte bucket key (32 or none)"));
+  expect_untouched();
+
+  const std::string key(comm::kBucketMacKeyBytes, '\x7e');
+  std::string wrong = key;
+  wrong[0] = 'w';
+  v1::BeginSyncRequest forged = BeginRequest(3, 2, 1, 1);
+  forged.set_bucket_mac_key(key);
+  ASSERT_TRUE(Begin(agent, forged).ok());
+  trainer_->Run(GroupName(3), 2, SendAll(SentTensors(v2), 2, 0, *comm::BucketMac::ForStream(wrong, GroupName(3))));
+  grpc::Status ps = Prepare(agent, 3);
+  EXPECT_EQ(ps.error_code(), grpc::StatusCode::DATA_LOSS) << ps.error_message();
+  EXPECT_THAT(ps.error_message(), HasSubstr("bucket 0: not authenticated"));
+  EXPECT_FALSE(trainer_->Join().ok()) << "the sender must see the refusal";
+  EXPECT_TRUE(AbortRpc(agent, 3).ok());
+  expect_untouched();
+
+  v1::BeginSyncRequest good = BeginRequest(4, 2, 1, 1);
+  good.set_bucket_mac_key(key);
+  ASSERT_TRUE(Begin(agent, good).ok());
+  trainer_->Run(GroupName(4), 2, SendAll(SentTensors(v2), 2, 0, *comm::BucketMac::ForStream(key, GroupName(4))));
+  ps = Prepare(agent, 4);
+  ASSERT_TRUE(ps.ok()) << ps.error_message();
+  ASSERT_TRUE(trainer_->Join().ok());
+  grpc::Status cs = CommitRpc(agent, 4);
+  ASSERT_TRUE(cs.ok()) << cs.error_message();
+  EXPECT_EQ(engine.version(), 2u);
+  ExpectEngineHolds(engine, v2);
+}
+
 TEST_F(RolloutAgentTest, TheEngineIsPausedOnlyToCommitAndARefusedFlushWritesNothing) {
   StartRank(1, 0, 1);
   rollout_agent::testing::FakeEngine& engine = *engines_[0];
@@ -785,7 +846,8 @@ TEST_F(RolloutAgentTest, AnAgentLeftAloneByItsCoordinatorAbortsOnItsOwn) {
 
 TEST_F(RolloutAgentTest, OneSyncAtATime) {
   // No engine yet.
-  auto lonely = AgentProcess::Start(WSYNC_ROLLOUT_AGENT, name_ + "-lonely", {"--token-file", token_file_}, sec_);
+  auto lonely = AgentProcess::Start(WSYNC_ROLLOUT_AGENT, name_ + "-lonely",
+                                    {"--token-file", token_file_, "--bucket-mac", "off"}, sec_);
   ASSERT_TRUE(lonely.ok()) << lonely.status();
   grpc::Status s = Begin(**lonely, BeginRequest(1, 2, 1, 1));
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);

@@ -19,6 +19,8 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "comm/bucket/bucket_mac.h"
+#include "common/checksum.h"
 #include "common/dtype.h"
 #include "common/tensor.h"
 #include "common/units.h"
@@ -197,6 +199,50 @@ Row BenchScales(int64_t bytes, int threads, const Flags& f) {
   return Row{"scale-perm", threads, bytes, t, tm, wrong};
 }
 
+// A bucket's integrity and authentication on one thread, as BucketSender / BucketReceiver run them
+// (once per bucket, sequentially): XXH3-64 (common/checksum.h) or the GMAC tag (bucket_mac.h).
+// #wrong: XXH3 differs from the incremental hash over two halves; the tag does not verify.
+Row BenchBucketHash(const char* name, bool mac, int64_t bytes, const Flags& f) {
+  Buffer d = MustAlloc(static_cast<size_t>(bytes)), copy = MustAlloc(static_cast<size_t>(bytes));
+  std::mt19937_64 rng(5);
+  for (int64_t i = 0; i + 8 <= bytes; i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(d.data() + i, &v, 8);
+  }
+  const std::span<const std::byte> data{d.data(), static_cast<size_t>(bytes)};
+  const std::string manifest(512, 'm');
+  auto m = comm::BucketMac::ForStream(std::string(comm::kBucketMacKeyBytes, 'k'), "bench/pp0");
+  Die(m.status());
+  comm::BucketTag tag{};
+  uint64_t sum = 0;
+  auto run = [&] {
+    if (mac) {
+      auto t = m->Tag(0, manifest, data);
+      Die(t.status());
+      tag = *t;
+    } else {
+      sum = Xxh3_64(data);
+    }
+  };
+  for (int i = 0; i < f.warmup; ++i) run();
+  const double t = Seconds(run, f.iters);
+  const double tm = Seconds([&] { ParallelMemcpy(copy.data(), d.data(), bytes, 1); }, f.iters);
+  int64_t wrong = 0;
+  if (f.check) {
+    run();
+    if (mac) {
+      auto ok = m->Verify(0, manifest, data, tag);
+      wrong = !ok.ok() || !*ok;
+    } else {
+      Xxh3Stream stream;
+      stream.Update(data.first(data.size() / 2));
+      stream.Update(data.subspan(data.size() / 2));
+      wrong = stream.Digest() != sum;
+    }
+  }
+  return Row{name, 1, bytes, t, tm, wrong};
+}
+
 // AWQ quantize: W bf16 [N, 4096], G = 128, fp16 (AutoAWQ) or fp32 arithmetic -> qweight [K, N/8].
 Row BenchAwqQuantize(const char* name, kernels::AwqArith arith, int64_t bytes, int threads, const Flags& f) {
   const int64_t k = 4096, n = std::max<int64_t>(128, bytes / (2 * k) / 128 * 128);
@@ -297,7 +343,8 @@ int Main(int argc, char** argv) {
               kernels::cpu::SimdTargetName(), std::thread::hardware_concurrency(), f.iters, f.warmup);
   std::printf(
       "# quantize: bf16 W[N, 4096] G=128 qat; repack: int32 GPTQ [K/8, 4096]; awq-quant: bf16 W[N, 4096] G=128;"
-      " awq-marlin: AWQ qweight [K, 512]; trtllm-sm80: codes [K/8, 4096]; size = input bytes; time = best of -n\n");
+      " awq-marlin: AWQ qweight [K, 512]; trtllm-sm80: codes [K/8, 4096]; xxh3, bucket-mac: one bucket's checksum /"
+      " GMAC tag; size = input bytes; time = best of -n\n");
   std::printf("#%-15s %4s %12s %12s %9s %9s %7s %8s\n", "kernel", "thr", "size(B)", "time(us)", "GB/s", "memcpy",
               "ratio", "#wrong");
   std::vector<int> thread_counts = {1};
@@ -316,6 +363,8 @@ int Main(int argc, char** argv) {
       if (want("awq-quantize-fp32")) Print(BenchAwqQuantize("awq-quant-fp32", kernels::AwqArith::kFp32, bytes, t, f));
       if (want("awq-marlin")) Print(BenchLayout("awq-marlin", false, bytes, t, f));
       if (want("trtllm-sm80")) Print(BenchLayout("trtllm-sm80", true, bytes, t, f));
+      if (t == 1 && want("xxh3")) Print(BenchBucketHash("xxh3", false, bytes, f));
+      if (t == 1 && want("bucket-mac")) Print(BenchBucketHash("bucket-mac", true, bytes, f));
     }
   });
   return 0;

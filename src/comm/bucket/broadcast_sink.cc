@@ -7,9 +7,9 @@
 namespace wsync::comm {
 
 BroadcastSink::BroadcastSink(std::unique_ptr<Communicator> comm, Store* store, std::string progress_prefix,
-                             CollectiveOptions options, BufferPool* pool)
+                             CollectiveOptions options, BufferPool* pool, std::optional<BucketMac> mac)
     : comm_(std::move(comm)),
-      sender_(*comm_, 0, 2, options, pool),
+      sender_(*comm_, 0, 2, options, pool, std::move(mac)),
       store_(store),
       prefix_(std::move(progress_prefix)) {}
 

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -27,8 +28,9 @@ namespace wsync::comm {
 
 class BroadcastSink final : public BucketSink {
  public:
+  // `mac`: the stream's BucketMac when the sync authenticates its buckets (bucket_mac.h).
   BroadcastSink(std::unique_ptr<Communicator> comm, Store* store, std::string progress_prefix,
-                CollectiveOptions options, BufferPool* pool);
+                CollectiveOptions options, BufferPool* pool, std::optional<BucketMac> mac = std::nullopt);
 
   // Always OK; a data-plane error starts the drain and is kept in status().
   absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) override;

@@ -15,16 +15,19 @@ struct BucketSender::InFlight {
   BucketHeader header;
   std::string manifest;
   Buffer data;
+  BucketTag tag{};
   std::unique_ptr<Work> header_work, payload_work;
 };
 
-BucketSender::BucketSender(Communicator& comm, int root, int max_in_flight, CollectiveOptions options, BufferPool* pool)
+BucketSender::BucketSender(Communicator& comm, int root, int max_in_flight, CollectiveOptions options, BufferPool* pool,
+                           std::optional<BucketMac> mac)
     : comm_(comm),
       root_(root),
       max_in_flight_(std::max(1, max_in_flight)),
       options_(options),
       own_pool_(pool == nullptr ? std::make_unique<BufferPool>(static_cast<size_t>(max_in_flight_)) : nullptr),
-      pool_(pool == nullptr ? own_pool_.get() : pool) {}
+      pool_(pool == nullptr ? own_pool_.get() : pool),
+      mac_(std::move(mac)) {}
 
 BucketSender::~BucketSender() {
   while (!in_flight_.empty()) WaitOldest().IgnoreError();
@@ -42,18 +45,24 @@ absl::Status BucketSender::Send(v1::BucketManifest manifest, Buffer data, uint64
   const absl::Time t0 = absl::Now();
   manifest.set_nbytes(nbytes);
   manifest.set_xxh3_64(Xxh3_64({data.data(), nbytes}));
-  stats_.checksum += absl::Now() - t0;
+  const absl::Time t1 = absl::Now();
+  stats_.checksum += t1 - t0;
+  auto f = std::make_unique<InFlight>();
+  f->manifest = manifest.SerializeAsString();
+  if (mac_) {
+    ASSIGN_OR_RETURN(f->tag, mac_->Tag(manifest.index(), f->manifest, {data.data(), nbytes}));
+    stats_.mac += absl::Now() - t1;
+  }
   // A link that damages the bucket after the sender hashed it (system tests, common/failpoint.h).
   if (nbytes > 0 && FailpointHit("bucket.corrupt")) data.data()[nbytes / 2] ^= std::byte{0x10};
   while (static_cast<int>(in_flight_.size()) >= max_in_flight_) RETURN_IF_ERROR(WaitOldest());
 
-  auto f = std::make_unique<InFlight>();
-  f->manifest = manifest.SerializeAsString();
   f->header = {f->manifest.size(), nbytes};
   f->data = std::move(data);
   MutableBytes header{&f->header, sizeof(BucketHeader)};
   ASSIGN_OR_RETURN(f->header_work, comm_.Broadcast({&header, 1}, root_, options_));
-  MutableBytes payload[2] = {{f->manifest.data(), f->manifest.size()}, {f->data.data(), nbytes}};
+  MutableBytes payload[3] = {
+      {f->manifest.data(), f->manifest.size()}, {f->data.data(), nbytes}, {f->tag.data(), f->tag.size()}};
   ASSIGN_OR_RETURN(f->payload_work, comm_.Broadcast(payload, root_, options_));
   in_flight_.push_back(std::move(f));
   ++stats_.buckets;
@@ -85,8 +94,9 @@ absl::Status BucketSender::Finish() {
 
 // --- Receiver -----------------------------------------------------------------------------------
 
-BucketReceiver::BucketReceiver(Communicator& comm, int root, CollectiveOptions options, BufferPool* pool)
-    : comm_(comm), root_(root), options_(options), pool_(pool) {
+BucketReceiver::BucketReceiver(Communicator& comm, int root, CollectiveOptions options, BufferPool* pool,
+                               std::optional<BucketMac> mac)
+    : comm_(comm), root_(root), options_(options), pool_(pool), mac_(std::move(mac)) {
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -118,8 +128,10 @@ void BucketReceiver::Run() {
       data = pool_ != nullptr ? pool_->Get(want) : Buffer::Allocate(want);
       s = data.status();
     }
+    BucketTag tag{};
     if (s.ok()) {
-      MutableBytes payload[2] = {{manifest_bytes.data(), manifest_bytes.size()}, {data->data(), header.data_bytes}};
+      MutableBytes payload[3] = {
+          {manifest_bytes.data(), manifest_bytes.size()}, {data->data(), header.data_bytes}, {tag.data(), tag.size()}};
       s = Await(comm_.Broadcast(payload, root_, options_));
     }
     const absl::Duration wire = absl::Now() - t0;
@@ -127,7 +139,7 @@ void BucketReceiver::Run() {
     if (s.ok() && !bucket.manifest.ParseFromString(manifest_bytes)) {
       s = absl::InvalidArgumentError(absl::StrCat("bucket ", index, ": the manifest does not parse"));
     }
-    absl::Duration hashing;
+    absl::Duration hashing, authenticating;
     if (s.ok()) s = ValidateManifest(bucket.manifest, header.data_bytes);
     if (s.ok() && bucket.manifest.index() != index) {
       s = absl::InvalidArgumentError(
@@ -142,6 +154,18 @@ void BucketReceiver::Run() {
                                              ", manifest says ", bucket.manifest.xxh3_64(), ")"));
       }
     }
+    if (s.ok() && mac_) {
+      const absl::Time m0 = absl::Now();
+      absl::StatusOr<bool> good = mac_->Verify(index, manifest_bytes, {data->data(), header.data_bytes}, tag);
+      authenticating = absl::Now() - m0;
+      if (!good.ok()) {
+        s = good.status();
+      } else if (!*good) {
+        s = absl::DataLossError(absl::StrCat(DescribeBucket(bucket.manifest),
+                                             ": not authenticated (its tag does not verify under the sync's bucket "
+                                             "key: sent by a process without the key, or altered on the way)"));
+      }
+    }
     absl::MutexLock lock(&mu_);
     if (!s.ok()) {
       error_ = s;
@@ -151,6 +175,7 @@ void BucketReceiver::Run() {
     stats_.bytes += header.data_bytes;
     stats_.wire += wire;
     stats_.checksum += hashing;
+    stats_.mac += authenticating;
     const bool last = bucket.manifest.last();
     bucket.data = std::move(*data);
     // Wait until the consumer took the previous bucket (a queue of one), or stop.

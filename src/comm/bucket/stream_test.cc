@@ -1,5 +1,6 @@
 #include "comm/bucket/stream.h"
 
+#include <functional>
 #include <random>
 #include <set>
 #include <thread>
@@ -8,6 +9,7 @@
 #include "comm/store/store.h"
 #include "comm/testing/local_group.h"
 #include "common/checksum.h"
+#include "common/status.h"
 #include "gtest/gtest.h"
 
 namespace wsync::comm {
@@ -99,6 +101,22 @@ TEST(BucketStreamTest, ManyBucketsReachEveryReceiverIntact) {
   EXPECT_LE(pool.idle_buffers(), 3u);
 }
 
+// A raw sender: one bucket framed by hand (bucket_format.h), with the given checksum and tag.
+absl::Status SendRaw(Communicator& comm, v1::BucketManifest m, std::vector<char> data, uint64_t xxh3, BucketTag tag) {
+  m.set_nbytes(data.size());
+  m.set_xxh3_64(xxh3);
+  std::string ms = m.SerializeAsString();
+  BucketHeader header{ms.size(), data.size()};
+  MutableBytes hb{&header, sizeof(header)};
+  RETURN_IF_ERROR(Await(comm.Broadcast({&hb, 1}, 0)));
+  MutableBytes payload[3] = {{ms.data(), ms.size()}, {data.data(), data.size()}, {tag.data(), tag.size()}};
+  return Await(comm.Broadcast(payload, 0));
+}
+
+uint64_t Xxh3Of(const std::vector<char>& data) {
+  return Xxh3_64({reinterpret_cast<const std::byte*>(data.data()), data.size()});
+}
+
 TEST(BucketStreamTest, ACorruptBucketIsDataLossNamingIt) {
   MemoryStore store;
   auto comms = MakeGroup(store, "corrupt", 2);
@@ -106,15 +124,7 @@ TEST(BucketStreamTest, ACorruptBucketIsDataLossNamingIt) {
   std::thread sender([&] {
     // A raw sender that lies about the checksum.
     std::vector<char> data(1000, 7);
-    v1::BucketManifest m = MakeManifest(0, {1000}, true);
-    m.set_nbytes(1000);
-    m.set_xxh3_64(Xxh3_64({reinterpret_cast<std::byte*>(data.data()), data.size()}) ^ 1);
-    std::string ms = m.SerializeAsString();
-    uint64_t header[2] = {ms.size(), data.size()};
-    MutableBytes hb{header, sizeof(header)};
-    ASSERT_TRUE(Await(comms[0]->Broadcast({&hb, 1}, 0)).ok());
-    MutableBytes payload[2] = {{ms.data(), ms.size()}, {data.data(), data.size()}};
-    ASSERT_TRUE(Await(comms[0]->Broadcast(payload, 0)).ok());
+    EXPECT_TRUE(SendRaw(*comms[0], MakeManifest(0, {1000}, true), data, Xxh3Of(data) ^ 1, {}).ok());
   });
   BucketReceiver recv(*comms[1], 0);
   auto next = recv.Next();
@@ -122,6 +132,119 @@ TEST(BucketStreamTest, ACorruptBucketIsDataLossNamingIt) {
   ASSERT_FALSE(next.ok());
   EXPECT_TRUE(absl::IsDataLoss(next.status())) << next.status();
   EXPECT_NE(next.status().message().find("stage 0 bucket 0"), std::string::npos) << next.status();
+}
+
+BucketMac StreamMac(const std::string& sync_key, const std::string& group) {
+  auto m = BucketMac::ForStream(sync_key, group);
+  EXPECT_TRUE(m.ok()) << m.status();
+  return *m;
+}
+
+TEST(BucketStreamTest, AuthenticatedBucketsArriveAndCountTheirMacTime) {
+  MemoryStore store;
+  auto comms = MakeGroup(store, "mac", 3);
+  for (auto& c : comms) ASSERT_NE(c, nullptr);
+  const std::string key(kBucketMacKeyBytes, '\x5a');
+  std::mt19937_64 rng(20261126);  // seed recorded
+  constexpr int kBuckets = 4;
+  std::vector<std::vector<char>> contents;
+  for (int b = 0; b < kBuckets; ++b) {
+    contents.emplace_back(2 * (rng() % 300000 + 1));
+    for (auto& ch : contents.back()) ch = static_cast<char>(rng());
+  }
+  std::thread sender([&] {
+    BucketSender s(*comms[0], 0, 2, {}, nullptr, StreamMac(key, "mac"));
+    for (int b = 0; b < kBuckets; ++b) {
+      Buffer buf = *Buffer::Allocate(contents[b].size());
+      std::memcpy(buf.data(), contents[b].data(), contents[b].size());
+      ASSERT_TRUE(
+          s.Send(MakeManifest(b, {contents[b].size()}, b == kBuckets - 1), std::move(buf), contents[b].size()).ok());
+    }
+    EXPECT_TRUE(s.Finish().ok());
+    EXPECT_GT(s.stats().mac, absl::ZeroDuration());
+  });
+  std::vector<std::thread> receivers;
+  for (int r = 1; r < 3; ++r) {
+    receivers.emplace_back([&, r] {
+      BucketReceiver recv(*comms[r], 0, {}, nullptr, StreamMac(key, "mac"));
+      for (int b = 0;; ++b) {
+        auto next = recv.Next();
+        ASSERT_TRUE(next.ok()) << next.status();
+        if (!next->has_value()) break;
+        EXPECT_EQ(std::memcmp((*next)->data.data(), contents[b].data(), contents[b].size()), 0);
+      }
+      EXPECT_EQ(recv.stats().buckets, static_cast<uint64_t>(kBuckets));
+      EXPECT_GT(recv.stats().mac, absl::ZeroDuration());
+    });
+  }
+  sender.join();
+  for (auto& t : receivers) t.join();
+}
+
+// The tag SendRaw's bucket must carry on stream `group` of the sync whose key is `key`.
+BucketTag TagFor(const std::string& key, const std::string& group, v1::BucketManifest m,
+                 const std::vector<char>& data) {
+  m.set_nbytes(data.size());
+  m.set_xxh3_64(Xxh3Of(data));
+  auto tag = StreamMac(key, group)
+                 .Tag(m.index(), m.SerializeAsString(), {reinterpret_cast<const std::byte*>(data.data()), data.size()});
+  EXPECT_TRUE(tag.ok()) << tag.status();
+  return tag.ok() ? *tag : BucketTag{};
+}
+
+// What a process that joined the group without the sync's key can send: nothing the receiver takes.
+TEST(BucketStreamTest, ABucketWithoutTheSyncsKeyIsRefusedBeforeItIsHandedOut) {
+  const std::string key(kBucketMacKeyBytes, '\x01');
+  std::string other = key;
+  other[31] = '\x02';
+  struct Case {
+    const char* what;
+    std::function<absl::Status(Communicator&)> send;
+  };
+  std::vector<char> data(4096, 3);
+  const v1::BucketManifest m = MakeManifest(0, {4096}, true);
+  std::vector<Case> cases = {
+      {"no tag (an unauthenticated sender)", [&](Communicator& c) { return SendRaw(c, m, data, Xxh3Of(data), {}); }},
+      {"a tag under another sync's key",
+       [&](Communicator& c) { return SendRaw(c, m, data, Xxh3Of(data), TagFor(other, "forged", m, data)); }},
+      {"a tag of the right key for another group (a replayed stream)",
+       [&](Communicator& c) { return SendRaw(c, m, data, Xxh3Of(data), TagFor(key, "another-group", m, data)); }},
+      {"the right tag with its data changed and the checksum recomputed",
+       [&](Communicator& c) {
+         std::vector<char> changed = data;
+         changed[100] ^= 1;
+         return SendRaw(c, m, changed, Xxh3Of(changed), TagFor(key, "forged", m, data));
+       }},
+      {"the right tag with its manifest changed",
+       [&](Communicator& c) {
+         v1::BucketManifest renamed = m;
+         renamed.mutable_entries(0)->mutable_tensor()->set_name("model.embed_tokens.weight");
+         return SendRaw(c, renamed, data, Xxh3Of(data), TagFor(key, "forged", m, data));
+       }},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    MemoryStore store;
+    auto comms = MakeGroup(store, "forged", 2);
+    for (auto& p : comms) ASSERT_NE(p, nullptr);
+    std::thread sender([&] { EXPECT_TRUE(c.send(*comms[0]).ok()); });
+    BucketReceiver recv(*comms[1], 0, {}, nullptr, StreamMac(key, "forged"));
+    auto next = recv.Next();
+    sender.join();
+    ASSERT_FALSE(next.ok());
+    EXPECT_TRUE(absl::IsDataLoss(next.status())) << next.status();
+    EXPECT_NE(next.status().message().find("stage 0 bucket 0: not authenticated"), std::string::npos) << next.status();
+  }
+  // The control: the same bucket tagged with the stream's own key is taken.
+  MemoryStore store;
+  auto comms = MakeGroup(store, "forged", 2);
+  std::thread sender(
+      [&] { EXPECT_TRUE(SendRaw(*comms[0], m, data, Xxh3Of(data), TagFor(key, "forged", m, data)).ok()); });
+  BucketReceiver recv(*comms[1], 0, {}, nullptr, StreamMac(key, "forged"));
+  auto next = recv.Next();
+  sender.join();
+  ASSERT_TRUE(next.ok()) << next.status();
+  ASSERT_TRUE(next->has_value());
 }
 
 TEST(BucketStreamTest, ManifestValidation) {

@@ -68,6 +68,13 @@ int Run(int argc, char** argv) {
   app.add_option("--tls-cert", sec_opts.tls_cert_file, "server certificate (PEM)");
   app.add_option("--tls-key", sec_opts.tls_key_file, "server key (PEM)");
   app.add_option("--tls-ca", sec_opts.tls_ca_file, "CA for client certificates, and of the engine / coordinator");
+  std::string bucket_mac = "auto";
+  app.add_option(
+         "--bucket-mac", bucket_mac,
+         "refuse syncs whose buckets are not authenticated (on), accept them (off), or auto: on when RPCs carry "
+         "a token (docs/bucket_format.md)")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
   app.add_option("--metrics-port", metrics_port, "serve Prometheus metrics on this port (0 picks one; -1 off)")
       ->capture_default_str();
   app.add_option("--metrics-host", metrics_host, "address of the metrics endpoint")->capture_default_str();
@@ -109,6 +116,7 @@ int Run(int argc, char** argv) {
     return 1;
   }
   o.security = *sec;
+  o.require_bucket_mac = *ResolveBucketMac(bucket_mac, o.security);  // checked by CLI11 above
   o.heartbeat = absl::Milliseconds(heartbeat_ms);
   o.engine_rpc_timeout = absl::Milliseconds(engine_timeout_ms);
   o.flush_deadline = absl::Milliseconds(flush_deadline_ms);

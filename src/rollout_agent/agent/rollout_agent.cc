@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "comm/bucket/bucket_mac.h"
 #include "comm/store/store.h"
 #include "common/checksum.h"
 #include "common/config.h"
@@ -881,6 +882,16 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
   if (*backend != comm::Backend::kGloo && *backend != comm::Backend::kShm)
     return absl::InvalidArgumentError(absl::StrCat(who, ": backend ", req.backend(), " (gloo or shm)"));
   if (req.groups_size() == 0) return absl::InvalidArgumentError(absl::StrCat(who, ": no groups"));
+  if (!req.bucket_mac_key().empty() && req.bucket_mac_key().size() != comm::kBucketMacKeyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": a ", req.bucket_mac_key().size(), "-byte bucket key (",
+                                                   comm::kBucketMacKeyBytes, " or none)"));
+  }
+  if (req.bucket_mac_key().empty() && options_.require_bucket_mac) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(who,
+                     ": this agent accepts only authenticated buckets (--bucket-mac), and the sync has no "
+                     "bucket key: start the trainer agents with --bucket-mac on (or a token)"));
+  }
   if (req.store_address().empty()) return absl::InvalidArgumentError(absl::StrCat(who, ": no store_address"));
   absl::flat_hash_set<std::string> names;
   absl::flat_hash_set<uint32_t> stages;
@@ -1010,6 +1021,7 @@ void RolloutAgent::RunStage(Sync* s, size_t index) {
                        : static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
   o.cancel = &s->cancel;
   o.pool = &bucket_pool_;
+  o.bucket_mac_key = s->req.bucket_mac_key();
   auto r = ReceiveStage(o);
   bool cancel_others = false;
   {

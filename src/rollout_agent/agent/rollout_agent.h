@@ -78,6 +78,9 @@ struct AgentOptions {
   // Costs the engine the whole sync as downtime; saves nothing in memory here, since the staging
   // is a separate copy either way (--pause-for-whole-sync).
   bool pause_whole_sync = false;
+  // Refuse a BeginSync without a bucket key (--bucket-mac): every bucket must be authenticated
+  // (comm/bucket/bucket_mac.h). A sync that has a key is authenticated either way.
+  bool require_bucket_mac = false;
   absl::Duration heartbeat = absl::Seconds(2);
   absl::Duration engine_rpc_timeout = absl::Seconds(10);
   absl::Duration flush_deadline = absl::Seconds(30);       // bounded further by the sync's timeout

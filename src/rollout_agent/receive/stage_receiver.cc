@@ -1,6 +1,7 @@
 #include "rollout_agent/receive/stage_receiver.h"
 
 #include <algorithm>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -134,6 +135,12 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
   auto aborted = [&](const absl::Status& s) {
     return absl::AbortedError(absl::StrCat("the sync was aborted (", cancel.reason(), "): ", s.message()));
   };
+  std::optional<comm::BucketMac> mac;
+  if (!o.bucket_mac_key.empty()) {
+    auto m = comm::BucketMac::ForStream(o.bucket_mac_key, o.group);
+    if (!m.ok()) return Annotate(m.status(), where);
+    mac = std::move(*m);
+  }
   StageStats stats;
   comm::GroupOptions g;
   g.store = o.store;
@@ -154,7 +161,7 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
 
   const absl::Time t1 = absl::Now();
   absl::Status s = [&]() -> absl::Status {
-    comm::BucketReceiver receiver(**comm, 0, comm::CollectiveOptions{o.op_timeout}, o.pool);
+    comm::BucketReceiver receiver(**comm, 0, comm::CollectiveOptions{o.op_timeout}, o.pool, mac);
     for (;;) {
       auto next = receiver.Next();
       if (!next.ok()) return Annotate(next.status(), where);

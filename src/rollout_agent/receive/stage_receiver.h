@@ -73,6 +73,8 @@ struct StageOptions {
   int load_threads = 2;                          // entries of one bucket loaded concurrently
   SyncCancel* cancel = nullptr;                  // not owned; required
   BufferPool* pool = nullptr;                    // optional, not owned: bucket buffers, each given back once loaded
+  // The sync's bucket key (comm/bucket/bucket_mac.h): every bucket's tag is verified; empty: none.
+  std::string bucket_mac_key;
 };
 
 struct StageStats {

@@ -65,6 +65,12 @@ int main(int argc, char** argv) {
   app.add_option("--tls-cert", sec.tls_cert_file, "TLS certificate of the coordinator");
   app.add_option("--tls-key", sec.tls_key_file, "TLS key");
   app.add_option("--tls-ca", sec.tls_ca_file, "CA for client certificates / of the servers");
+  std::string bucket_mac = "auto";
+  app.add_option("--bucket-mac", bucket_mac,
+                 "Authenticate every bucket with a per-sync key (GMAC; docs/bucket_format.md): on, off, or auto (on "
+                 "when RPCs carry a token)")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
   app.add_option("--metrics-port", o.metrics_port, "Prometheus /metrics on --metrics-host:PORT (0: any; default off)");
   app.add_option("--address-file", o.address_file, "Rank 0 writes the coordinator's bound address here");
   app.add_option("--state-dir", o.state_dir,
@@ -101,6 +107,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   o.security = *s;
+  o.bucket_mac = *wsync::ResolveBucketMac(bucket_mac, o.security);  // checked by CLI11 above
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
   absl::Status st = wsync::trainer_agent::RunTrainerAgent(o, &g_stop);

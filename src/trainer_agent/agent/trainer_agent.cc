@@ -48,6 +48,8 @@ struct Command {
   char backend[16] = {};
   uint32_t sharded = 0;     // 1: sharded delivery; the receiver groups follow in a second Broadcast
   uint32_t num_groups = 0;  // receiver groups (sharded)
+  uint32_t bucket_mac = 0;  // 1: buckets are authenticated with bucket_mac_key (comm/bucket/bucket_mac.h)
+  char bucket_mac_key[comm::kBucketMacKeyBytes] = {};
 };
 
 // One receiver group of a sharded sync (SyncPlan::receiver_groups, group_agents), broadcast after
@@ -266,6 +268,7 @@ class Agent {
       co.sync_timeout = opts_.sync_timeout;
       co.metrics = &MetricsRegistry::Global();
       co.state_dir = opts_.state_dir;
+      co.bucket_mac = opts_.bucket_mac;
       ASSIGN_OR_RETURN(coordinator, Coordinator::Start(co, channel.get()));
       if (!opts_.address_file.empty()) {
         std::ofstream(opts_.address_file) << coordinator->address() << "\n";
@@ -317,6 +320,10 @@ class Agent {
           std::strncpy(cmd.backend, plan->backend.c_str(), sizeof(cmd.backend) - 1);
           cmd.sharded = plan->delivery == plan::Delivery::kSharded ? 1 : 0;
           cmd.num_groups = static_cast<uint32_t>(plan->receiver_groups.size());
+          if (plan->bucket_mac_key.size() == sizeof(cmd.bucket_mac_key)) {
+            cmd.bucket_mac = 1;
+            std::memcpy(cmd.bucket_mac_key, plan->bucket_mac_key.data(), sizeof(cmd.bucket_mac_key));
+          }
         } else {
           cmd.type = kStop;
         }
@@ -456,9 +463,13 @@ class Agent {
         g.join_timeout = join_timeout;
         g.default_timeout = timeout;
         ASSIGN_OR_RETURN(const comm::Backend backend, comm::ParseBackend(cmd.backend));
+        std::optional<comm::BucketMac> mac;
+        if (cmd.bucket_mac) {
+          ASSIGN_OR_RETURN(mac, comm::BucketMac::ForStream({cmd.bucket_mac_key, sizeof(cmd.bucket_mac_key)}, name));
+        }
         ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> comm, comm::CreateGroup(backend, g));
         return std::make_unique<comm::BroadcastSink>(std::move(comm), store_.get(), SyncProgressPrefix(cmd.sync_id),
-                                                     comm::CollectiveOptions{timeout}, &bucket_pool_);
+                                                     comm::CollectiveOptions{timeout}, &bucket_pool_, std::move(mac));
       };
       if (!cmd.sharded) {
         auto made = make_sink(SyncGroupName(cmd.sync_id, stage), static_cast<int>(cmd.num_agents) + 1);

@@ -47,6 +47,7 @@ struct TrainerAgentOptions {
   int quant_threads = 0;
   absl::Duration sync_timeout = absl::Minutes(10);
   RpcSecurity security;
+  bool bucket_mac = false;   // rank 0: authenticate every bucket (--bucket-mac; comm/bucket/bucket_mac.h)
   int metrics_port = -1;     // -1: none; 0: any
   std::string address_file;  // rank 0 writes the coordinator's bound address here
   std::string state_dir;     // rank 0: the coordinator's durable state (--state-dir)

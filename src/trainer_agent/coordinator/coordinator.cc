@@ -87,7 +87,8 @@ class Coordinator::Impl {
                  .sync_timeout = o.sync_timeout,
                  .rpc_timeout = o.rpc_timeout,
                  .metrics = o.metrics,
-                 .state_dir = o.state_dir},
+                 .state_dir = o.state_dir,
+                 .bucket_mac = o.bucket_mac},
                 trainer, &store_,
                 [security = o.security](const std::string& address) { return MakeGrpcAgentClient(address, security); }),
         service_(&domain_, &opts_.security) {}

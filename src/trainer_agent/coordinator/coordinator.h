@@ -34,6 +34,7 @@ struct CoordinatorOptions {
   absl::Duration rpc_timeout = absl::Seconds(60);        // Begin/Commit/Abort round trips
   MetricsRegistry* metrics = nullptr;                    // optional
   std::string state_dir;                                 // durable state (SyncCoordinatorOptions::state_dir)
+  bool bucket_mac = false;                               // SyncCoordinatorOptions::bucket_mac
 };
 
 class Coordinator {

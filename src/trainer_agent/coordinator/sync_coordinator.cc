@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "comm/bucket/bucket_mac.h"
 #include "common/config.h"
 #include "common/failpoint.h"
 #include "common/logging.h"
@@ -449,6 +450,14 @@ void SyncCoordinator::RunSync(uint64_t id) {
   plan.num_agents = static_cast<int>(members.size());
   plan.timeout = opts_.sync_timeout;
   plan.deadline = start + opts_.sync_timeout;
+  if (opts_.bucket_mac && fleet.ok()) {
+    auto key = comm::NewSyncMacKey();
+    if (key.ok()) {
+      plan.bucket_mac_key = std::move(*key);
+    } else {
+      fleet = Annotate(key.status(), "making the sync's bucket key");
+    }
+  }
   for (int p = 0; p < trainer_->num_stages(); ++p) plan.group_names.push_back(SyncGroupName(id, p));
   // Sharded delivery: agents grouped by the blocks their engine ranks keep; each agent joins its
   // group's stream of every stage, as rank 1 + its place in the group.
@@ -510,6 +519,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
         // A recording holds whole tensors: sharded syncs (blocks) are not recorded.
         r.set_record(!sharded);
         r.set_sync_key(absl::StrCat(run_id_, "-", id));
+        r.set_bucket_mac_key(plan.bucket_mac_key);
         v1::BeginSyncReply reply;
         return agent.BeginSync(r, bounded(opts_.rpc_timeout, kCallFloor), &reply);
       });

@@ -62,6 +62,9 @@ struct SyncPlan {
   // When the whole sync must have ended (its start + the sync timeout): RunSync gives up waiting
   // then with kDeadlineExceeded, and the trainer ranks finish (drain) in the background.
   absl::Time deadline = absl::InfiniteFuture();
+  // The sync's bucket key (comm/bucket/bucket_mac.h): 32 random bytes, or empty when buckets are
+  // not authenticated (SyncCoordinatorOptions::bucket_mac).
+  std::string bucket_mac_key;
 };
 
 struct PhaseTime {
@@ -103,6 +106,8 @@ struct SyncCoordinatorOptions {
   // Durable state (DIR/coordinator-state.json; empty: none): versions, the next version and sync
   // id, the last published version and the finished syncs' timings survive a restart.
   std::string state_dir;
+  // Authenticate every bucket: a fresh key per sync, given to the trainer ranks and the agents.
+  bool bucket_mac = false;
 };
 
 class SyncCoordinator {

@@ -34,8 +34,9 @@ absl::StatusOr<std::vector<PackedBucket>> PackBuckets(const std::vector<std::pai
   return sink.Take();
 }
 
-absl::Status SendBuckets(comm::Communicator& comm, std::vector<PackedBucket> buckets) {
-  comm::BucketSender sender(comm, 0, 2);
+absl::Status SendBuckets(comm::Communicator& comm, std::vector<PackedBucket> buckets,
+                         std::optional<comm::BucketMac> mac) {
+  comm::BucketSender sender(comm, 0, 2, {}, nullptr, std::move(mac));
   for (PackedBucket& b : buckets) RETURN_IF_ERROR(sender.Send(std::move(b.manifest), std::move(b.data), b.nbytes));
   return sender.Finish();
 }
@@ -50,7 +51,8 @@ absl::Status SendRawBucket(comm::Communicator& comm, v1::BucketManifest m, const
   comm::BucketHeader header{.manifest_bytes = ms.size(), .data_bytes = nbytes};
   comm::MutableBytes hb{&header, sizeof(header)};
   RETURN_IF_ERROR(comm::Await(comm.Broadcast({&hb, 1}, 0)));
-  comm::MutableBytes payload[2] = {{ms.data(), ms.size()}, {data.data(), nbytes}};
+  comm::BucketTag tag{};  // not authenticated
+  comm::MutableBytes payload[3] = {{ms.data(), ms.size()}, {data.data(), nbytes}, {tag.data(), tag.size()}};
   return comm::Await(comm.Broadcast(payload, 0));
 }
 

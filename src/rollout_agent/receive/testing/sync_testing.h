@@ -11,11 +11,13 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "comm/bucket/bucket_mac.h"
 #include "comm/communicator.h"
 #include "common/tensor.h"
 #include "wsync/v1/tensor.pb.h"
@@ -39,10 +41,12 @@ struct PackOptions {
 absl::StatusOr<std::vector<PackedBucket>> PackBuckets(const std::vector<std::pair<std::string, TensorView>>& tensors,
                                                       const PackOptions& options);
 
-// Sends every bucket through a BucketSender rooted at group rank 0 and waits for all of them.
-absl::Status SendBuckets(comm::Communicator& comm, std::vector<PackedBucket> buckets);
-// The wire protocol of comm/bucket/stream.h by hand: header + (manifest, data) broadcasts from rank 0,
-// with nbytes set and the XXH3 of the data (flipped in its lowest bit if `corrupt_checksum`).
+// Sends every bucket through a BucketSender rooted at group rank 0 and waits for all of them;
+// with `mac`, every bucket is tagged with it (comm/bucket/bucket_mac.h).
+absl::Status SendBuckets(comm::Communicator& comm, std::vector<PackedBucket> buckets,
+                         std::optional<comm::BucketMac> mac = std::nullopt);
+// The wire protocol of comm/bucket/stream.h by hand: header + (manifest, data, zero tag) broadcasts
+// from rank 0, with nbytes set and the XXH3 of the data (flipped in its lowest bit if `corrupt_checksum`).
 absl::Status SendRawBucket(comm::Communicator& comm, v1::BucketManifest manifest, const Buffer& data, uint64_t nbytes,
                            bool corrupt_checksum);
 
