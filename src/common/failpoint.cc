@@ -20,7 +20,7 @@ namespace {
 constexpr absl::string_view kKnown[] = {"bucket.corrupt",        "rollout.begin",        "rollout.transfer",
                                         "rollout.prepare",       "rollout.commit",       "engine.pause",
                                         "engine.continue",       "coordinator.transfer", "coordinator.commit",
-                                        "coordinator.committed", "coordinator.prepare"};
+                                        "coordinator.committed", "coordinator.prepare",  "coordinator.begin"};
 
 enum class Action { kReturn, kStop, kKill };
 

@@ -17,7 +17,8 @@
 //   rollout.commit     the rollout agent's CommitSync, once its engine is paused, before the repack
 //   engine.pause       the reference engine's Pause
 //   engine.continue    the reference engine's Continue (the end of a commit)
-//   coordinator.transfer   the coordinator (trainer rank 0), once every agent began, before the
+//   coordinator.begin  the coordinator (trainer rank 0), each time an agent's BeginSync succeeded
+//   coordinator.transfer   the coordinator, once every agent began, before the
 //                      trainer ranks send
 //   coordinator.prepare    the coordinator, once the trainer ranks sent everything, before PrepareSync
 //   coordinator.commit the coordinator, once every agent prepared and the commit is in its state

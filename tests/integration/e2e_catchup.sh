@@ -6,6 +6,10 @@
 # V and that engine 0's agent holds it; the agent copies V from that peer (FetchStaging, checksums
 # per param) and commits it, the engine holds requests until then, and serves V bit-exact with no
 # sync. The next sync is published bit-exact on both.
+# Then a catch-up no peer can serve: engine 1, its agent AND engine 0's agent are killed (engine 0
+# keeps serving from its memory, but no staging holds the version any more). Agent 1 asks agent 0
+# (restarted, no staging), which refuses; agent 1 lets engine 1 serve what it has (no weights: a
+# clear refusal, not a hold that never ends) and retries; the next sync brings both engines on.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
 e2e_start e2e_catchup
@@ -41,4 +45,33 @@ echo "e2e_catchup: engine 1 and its agent killed and started again: $copied; ser
 v2=$(e2e_sync_verified "the sync after the catch-up" 2)
 [ "$v2" -gt "$v" ] || fail "the next sync published version $v2"
 echo "e2e_catchup: the next sync publishes version $v2 bit-exact"
+
+kill -KILL "${agent_pid[0]}" "${engine_pid[1]}" "${agent_pid[1]}"
+wait "${agent_pid[0]}" "${engine_pid[1]}" "${agent_pid[1]}" 2>/dev/null || true
+e2e_start_agent 0  # engine 0 re-registers with it, still on version $v2 in its memory
+for _ in $(seq 100); do grep -q "registered engine" <(tail -n 20 "$work/logs/agent-0.log") && break; sleep 0.1; done
+e2e_start_agent 1
+e2e_start_engine 1
+refused=
+for _ in $(seq 200); do
+  refused=$(grep -m1 "catching up to version $v2 from a peer failed" "$work/logs/agent-1.log") && break
+  sleep 0.1
+done
+[ -n "$refused" ] || fail "agent 1 did not report the failed catch-up to version $v2"
+out=
+for _ in $(seq 100); do
+  out=$("${ctl[@]}" generate --engine "$(cat "$work/engine-1")" --prompt 1,2,3 --max-new-tokens 2 2>&1) && break
+  grep -q "holds no weights yet" <<<"$out" && break
+  sleep 0.1
+done
+grep -q "holds no weights yet" <<<"$out" ||
+  fail "with no peer to copy from, engine 1 should serve what it has (no weights), not: $out"
+out=$("${ctl[@]}" generate --engine "$(cat "$work/engine-0")" --prompt 1,2,3 --max-new-tokens 2 2>&1) ||
+  fail "engine 0 stopped serving: $out"
+grep -q "^version $v2:" <<<"$out" || fail "engine 0 serves $out, want version $v2"
+why=$(grep -o 'retrying): .*' <<<"$refused" | cut -c12-220)
+echo "e2e_catchup: no peer holds version $v2 ($why); engine 1 answers \"holds no weights yet\" instead of waiting, engine 0 keeps serving"
+v3=$(e2e_sync_verified "the sync after a catch-up no peer could serve" 2)
+[ "$v3" -gt "$v2" ] || fail "the next sync published version $v3"
+echo "e2e_catchup: the next sync publishes version $v3 bit-exact on both"
 echo "e2e_catchup: ok"

@@ -3,8 +3,9 @@
 # (the coordinator in rank 0 on a fixed port, --state-dir, --sync-timeout 10), two reference
 # engines (TP 1) with their rollout agents. Each case breaks one trainer process at one phase of a
 # sync (failpoints, common/failpoint.h, or signals):
-#   coordinator killed (-9) during the transfer and before PrepareSync: the engines keep serving
-#   and the restarted job's first sync (superseding the orphaned one) is published bit-exact;
+#   coordinator killed (-9) once an agent has begun (BeginSync answered), during the transfer and
+#   before PrepareSync: the engines keep serving and the restarted job's first sync (superseding
+#   the orphaned one) is published bit-exact;
 #   coordinator killed (-9) at the start of the commit (every agent prepared, none committed):
 #   mpirun takes the job down; the engines keep serving; the job started again with the same
 #   command finds the commit in its state directory and rolls both engines forward to that version
@@ -65,10 +66,10 @@ out=$("${ctl[@]}" sync --wait --min-agents 2 2>&1) || fail "sync 1 failed: $out"
 bit_exact 1 "sync 1"
 v=1
 
-# The coordinator killed before the commit: while the agents receive, and once they received
-# everything (before PrepareSync). Nothing was committed: the engines keep serving, and the first
+# The coordinator killed before the commit: as the agents begin, while they receive, and once they
+# received everything (before PrepareSync). Nothing was committed: the engines keep serving, and the first
 # sync of the job started again supersedes the orphaned one at once (not after its timeout).
-for point in coordinator.transfer coordinator.prepare; do
+for point in coordinator.begin coordinator.transfer coordinator.prepare; do
   kill -TERM "$trainer_pid"; wait "$trainer_pid" 2>/dev/null || true
   run=$((run + 1)); start_trainer $run "$point:1@kill"
   wait_members

@@ -544,6 +544,7 @@ void RolloutAgent::FetchFromPeers(const v1::CatchUpHint& hint) {
     }
     errors.push_back(st.ToString());
   }
+  if (hint.peers().empty()) errors.push_back("no agent of an engine rank with this layout reports that version");
   uint64_t promised = 0;
   {
     absl::MutexLock lock(&mu_);

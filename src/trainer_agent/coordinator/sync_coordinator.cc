@@ -521,7 +521,9 @@ void SyncCoordinator::RunSync(uint64_t id) {
         r.set_sync_key(absl::StrCat(run_id_, "-", id));
         r.set_bucket_mac_key(plan.bucket_mac_key);
         v1::BeginSyncReply reply;
-        return agent.BeginSync(r, bounded(opts_.rpc_timeout, kCallFloor), &reply);
+        absl::Status st = agent.BeginSync(r, bounded(opts_.rpc_timeout, kCallFloor), &reply);
+        if (st.ok()) FailpointHit("coordinator.begin");  // system tests: some agents have begun
+        return st;
       });
     });
   TrainerReport report;
