@@ -19,7 +19,10 @@
 #   rank 2, the engines keep serving; continued, the job runs the next sync bit-exact;
 #   coordinator hung (SIGSTOP) during the transfer: the agents abort on their own (the engines
 #   never paused, they keep serving); continued, the coordinator fails that sync and the next one
-#   is published bit-exact.
+#   is published bit-exact;
+#   coordinator hung in its commit (after one agent committed): the engines keep serving (maybe
+#   on different versions, each reply naming its own); continued, the commit is completed by
+#   rolling the laggard forward, and the version is published bit-exact on both.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
 e2e_start e2e_trainer_faults
@@ -169,4 +172,41 @@ v=$(sed -n 's/.*version \([0-9]*\) published.*/\1/p' <<<"$out" | head -n1)
 [ -n "$v" ] || fail "no version published after the coordinator was continued: $out"
 bit_exact "$v" "after the coordinator was continued"
 echo "e2e_trainer_faults: coordinator continued: version $v published bit-exact"
+
+# The coordinator hung in the middle of the commit, once an agent's CommitSync succeeded (the other
+# agent's may be in flight, or not sent). An agent left prepared gives up on its own after its
+# timeout (its engine keeps serving the old version, each reply naming its own); continued, the
+# coordinator finds the commit partial, the laggard rolls forward from its staging, and the new
+# version is published on both engines, bit-exact, with no new sync.
+kill -TERM "$trainer_pid"; wait "$trainer_pid" 2>/dev/null || true
+run=$((run + 1)); start_trainer $run coordinator.committed:1@stop
+wait_members
+"${ctl[@]}" sync --min-agents 2 > /dev/null 2>&1 || fail "the trigger was refused"
+r0=
+for _ in $(seq 200); do
+  r0=$(e2e_rank_pid 0) && [ "$(awk '{print $3}' "/proc/$r0/stat" 2>/dev/null)" = T ] && break
+  sleep 0.1
+done
+[ "$(awk '{print $3}' "/proc/$r0/stat" 2>/dev/null)" = T ] || fail "the coordinator did not stop in the commit"
+sleep $((2 * timeout_s + 2))  # past the agents' own abort of a sync left prepared
+on=$(for e in 0 1; do
+  out=$("${ctl[@]}" generate --engine "$(cat "$work/engine-$e")" --prompt 1,2,3 --max-new-tokens 2 2>&1) ||
+    { kill -CONT "$r0"; fail "engine $e stopped serving while the coordinator was stopped in the commit: $out"; }
+  cut -d: -f1 <<<"$out"
+done | tr '\n' ' ')
+kill -CONT "$r0"
+want=
+for _ in $(seq 300); do
+  p=$(published); [ "$p" -gt "$v" ] && { want=$p; break; }
+  sleep 0.1
+done
+[ -n "$want" ] || fail "the coordinator continued in its commit published no newer version (status: $("${ctl[@]}" status 2>&1 | head -n 3))"
+for e in 0 1; do serves $e "$want"; done
+bit_exact "$want" "after the coordinator stopped in its commit was continued"
+echo "e2e_trainer_faults: coordinator hung in its commit: the engines served [$on] meanwhile; continued, version $want published bit-exact on both"
+v=$want
+out=$("${ctl[@]}" sync --wait --min-agents 2 2>&1) || fail "the sync after the commit was completed failed: $out"
+v=$(sed -n 's/.*version \([0-9]*\) published.*/\1/p' <<<"$out" | head -n1)
+bit_exact "$v" "the sync after the stopped commit"
+echo "e2e_trainer_faults: the next sync published version $v bit-exact"
 echo "e2e_trainer_faults: ok"

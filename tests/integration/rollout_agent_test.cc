@@ -810,6 +810,8 @@ TEST_F(RolloutAgentTest, FlushIsRetriedWhileTheEngineDrainsAndRefusedAtTheDeadli
   ExpectEngineHolds(engine, Model(kSeedV3));
 }
 
+// A sync left prepared by its coordinator ends on its own, keeping its staging: a coordinator that
+// comes back to a partial commit rolls this engine forward from it.
 TEST_F(RolloutAgentTest, AnAgentLeftAloneByItsCoordinatorAbortsOnItsOwn) {
   StartRank(1, 0, 1);
   rollout_agent::testing::FakeEngine& engine = *engines_[0];
@@ -835,13 +837,34 @@ TEST_F(RolloutAgentTest, AnAgentLeftAloneByItsCoordinatorAbortsOnItsOwn) {
   EXPECT_EQ(late.error_code(), grpc::StatusCode::ABORTED);
   EXPECT_THAT(late.error_message(), HasSubstr("coordinator"));
 
+  // The coordinator comes back (it was stopped in its commit) and finds the commit partial: other
+  // engines committed version 2. Told to roll forward, the agent commits it from the staging its
+  // own abort kept, and the engine switches at one request boundary (Pause, Flush, Continue).
+  {
+    v1::AbortSyncRequest req;
+    req.set_sync_id(5);
+    req.set_reason("version 2 was committed on the other engines");
+    req.set_roll_forward(true);
+    v1::AbortSyncReply r;
+    auto ctx = rollout_agent::testing::Context(agent.security());
+    grpc::Status fwd = agent.stub().AbortSync(ctx.get(), req, &r);
+    ASSERT_TRUE(fwd.ok()) << fwd.error_message();
+  }
+  WaitUntil([&] { return engine.version() == 2u; }, absl::Seconds(20));
+  ASSERT_EQ(engine.version(), 2u) << agent.Log();
+  EXPECT_THAT(engine.calls(), ElementsAre("pause:HOLD", "flush", "continue:2"));
+  ExpectEngineHolds(engine, Model(kSeedV2));
+  WaitUntil([&] { return Status(agent).version() == 2u; }, absl::Seconds(10));
+  EXPECT_EQ(Status(agent).version(), 2u);
+  const uint64_t rolled = engine.memory().Checksum().value();
+
   // Begun, and the coordinator never calls again (no sender either).
   engine.ClearCalls();
-  ASSERT_TRUE(Begin(agent, BeginRequest(6, 2, 1, 1, false, /*timeout_ms=*/1000)).ok());
+  ASSERT_TRUE(Begin(agent, BeginRequest(6, 3, 1, 1, false, /*timeout_ms=*/1000)).ok());
   WaitUntil([&] { return Status(agent).state() == "idle"; }, absl::Seconds(10));
   EXPECT_EQ(Status(agent).state(), "idle");
   EXPECT_TRUE(engine.calls().empty());
-  EXPECT_EQ(engine.memory().Checksum().value(), before);
+  EXPECT_EQ(engine.memory().Checksum().value(), rolled);
 }
 
 TEST_F(RolloutAgentTest, OneSyncAtATime) {
