@@ -1,0 +1,241 @@
+"""The trainer side: a training process publishes its weights to its local wsync trainer agent.
+
+One Publisher per training rank, beside ``wsync-trainer-agent --source shm:NAME`` (same NAME, same
+global rank). The parameters live in one shared-memory segment that the agent maps read-only; the
+training process writes them in place under the update lock and declares each step a version::
+
+    from wsync.trainer import Publisher
+    pub = Publisher("job42", rank)                            # the agent's socket (it may start later)
+    pub.share(model.named_parameters(), config_json, parallel_json)  # torch: params now live in shm
+    for step in ...:
+        with pub.update():                                    # waits while a sync reads the weights
+            optimizer.step()                                  # writes the shared parameters in place
+        pub.publish(step)                                     # every rank; one sync per version
+
+Without torch, declare() + register() and write through buffer(name) (a writable memoryview) or
+numpy(name). Names are the rank's Megatron local names (GPTModel.named_parameters(), as
+MEGATRON_TO_HF.md gives them); the agent checks every name, dtype and shape against the rank's
+parameter plan at register() and names what does not fit.
+
+Errors: every failure raises wsync.WsyncError (code_name, message); a failed call changes
+nothing (a refused register keeps the declarations: fix and retry). Thread-safety: the calls
+are serialized by the library; the tensor memory is the caller's to synchronize (update()).
+"""
+
+import contextlib
+import ctypes
+import json
+from dataclasses import dataclass
+
+from wsync import _native
+from wsync._native import WsyncError
+
+# safetensors dtype names the agent accepts, with their item sizes.
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    sync_id: int
+    version: int  # the version the sync published
+    coalesced: bool  # another rank had already requested this version
+
+
+def _ms(seconds):
+    return int(seconds * 1000) if seconds is not None else -1
+
+
+def _torch_dtype_name(t):
+    import torch
+
+    names = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+             torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+             torch.bool: "BOOL"}
+    if t.dtype not in names:
+        return None
+    return names[t.dtype]
+
+
+def _numpy_dtype(name):
+    import numpy as np
+
+    # numpy has no bfloat16: a BF16 tensor is seen as its raw 16-bit patterns.
+    return {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
+            "U8": np.uint8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "BOOL": np.bool_}[name]
+
+
+class Publisher:
+    """One training rank's connection to its trainer agent (see the module docstring)."""
+
+    def __init__(self, source_name, rank, *, timeout=60.0):
+        """Connects to the agent of `--source shm:<source_name>` for Megatron global `rank`, retrying
+        for `timeout` seconds (UNAVAILABLE when nothing answers)."""
+        self._lib = _native.library()
+        if not isinstance(source_name, str) or not isinstance(rank, int) or isinstance(rank, bool):
+            raise WsyncError(3, f"Publisher(source_name: str, rank: int), not ({source_name!r}, {rank!r})")
+        handle = ctypes.c_void_p()
+        _native.check(self._lib, self._lib.wsync_client_open(source_name.encode(), rank, _ms(timeout),
+                                                              ctypes.byref(handle)),
+                      f"connecting to the trainer agent of shm:{source_name} rank {rank}")
+        self._c = handle
+        self.source_name, self.rank = source_name, rank
+        self._declared = {}  # name -> (dtype, shape), in declaration order
+        self._registered = False
+        self._in_update = False
+
+    # --- declaring and registering ------------------------------------------------------------
+
+    def declare(self, name, dtype, shape):
+        """Declares a host tensor (before register): safetensors dtype name ("BF16", "F32", ...) and shape."""
+        self._check_open()
+        if not isinstance(name, str) or not name:
+            raise WsyncError(3, f"a tensor name is a non-empty str, not {name!r}")
+        if dtype not in ITEMSIZE:
+            raise WsyncError(3, f"tensor {name}: dtype {dtype!r} (one of {', '.join(ITEMSIZE)})")
+        try:
+            dims = [int(d) for d in shape]
+        except (TypeError, ValueError):
+            raise WsyncError(3, f"tensor {name}: shape {shape!r} is not a sequence of ints") from None
+        arr = (ctypes.c_int64 * max(len(dims), 1))(*dims)
+        _native.check(self._lib, self._lib.wsync_client_add_tensor(self._c, name.encode(), dtype.encode(), arr,
+                                                                   len(dims)), f"declaring tensor {name}")
+        self._declared[name] = (dtype, tuple(dims))
+
+    def register(self, config_json, parallel_json, *, timeout=60.0):
+        """Creates the shared segment and registers every declared tensor; the agent checks them
+        against its model (config.json text) and parallel layout (parallel.json text)."""
+        self._check_open()
+        config_json, parallel_json = _text(config_json, "config_json"), _text(parallel_json, "parallel_json")
+        _native.check(self._lib, self._lib.wsync_client_register(self._c, config_json.encode(), parallel_json.encode(),
+                                                                 _ms(timeout)),
+                      f"registering {len(self._declared)} tensors with shm:{self.source_name} rank {self.rank}")
+        self._registered = True
+
+    def share(self, named_tensors, config_json, parallel_json, *, timeout=60.0):
+        """Declares, registers and moves host torch tensors into the shared segment in one step:
+        each tensor's values are copied there and its storage is replaced by the shared one
+        (``param.data = shared``), so the optimizer then writes the shared memory in place.
+        `named_tensors`: (name, torch.Tensor) pairs, e.g. model.named_parameters(). Refused before
+        anything is declared: a CUDA tensor (not shareable this way yet), a dtype the agent does not
+        take, a non-contiguous tensor, a repeated name."""
+        import torch
+
+        pairs = list(named_tensors)
+        seen = set()
+        for name, t in pairs:
+            if not isinstance(t, torch.Tensor):
+                raise WsyncError(3, f"tensor {name}: a torch.Tensor, not {type(t).__name__}")
+            if t.device.type != "cpu":
+                raise WsyncError(12, f"tensor {name} is on {t.device}: the Python publisher shares host tensors "
+                                     "(CUDA tensors go through wsync_client_add_cuda_tensor)")
+            if _torch_dtype_name(t) is None:
+                raise WsyncError(3, f"tensor {name}: dtype {t.dtype} is not one the agent takes")
+            if not t.is_contiguous():
+                raise WsyncError(3, f"tensor {name} is not contiguous")
+            if name in seen or name in self._declared:
+                raise WsyncError(6, f"tensor {name} is declared twice")
+            seen.add(name)
+        for name, t in pairs:
+            self.declare(name, _torch_dtype_name(t), tuple(t.shape))
+        self.register(config_json, parallel_json, timeout=timeout)
+        with torch.no_grad():
+            for name, t in pairs:
+                shared = self.torch(name)
+                shared.copy_(t)
+                t.data = shared
+        return self
+
+    # --- the shared tensors ---------------------------------------------------------------------
+
+    @property
+    def names(self):
+        return list(self._declared)
+
+    def buffer(self, name):
+        """The tensor's bytes in the shared segment: a writable memoryview (format "B")."""
+        self._check_open()
+        if not self._registered:
+            raise WsyncError(9, f"tensor {name}: register() first")
+        nbytes = ctypes.c_uint64()
+        ptr = self._lib.wsync_client_tensor(self._c, name.encode(), ctypes.byref(nbytes))
+        if not ptr:
+            raise WsyncError(5, f"tensor {name} is not a registered host tensor of shm:{self.source_name} "
+                                f"rank {self.rank}")
+        return memoryview((ctypes.c_char * nbytes.value).from_address(ptr)).cast("B")
+
+    def numpy(self, name):
+        """The tensor as a numpy array over the shared memory (BF16: its raw uint16 bit patterns)."""
+        import numpy as np
+
+        dtype, shape = self._declared[name] if name in self._declared else (None, None)
+        buf = self.buffer(name)
+        return np.frombuffer(buf, dtype=_numpy_dtype(dtype)).reshape(shape)
+
+    def torch(self, name):
+        """The tensor as a torch tensor over the shared memory."""
+        import torch
+
+        dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                  "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+                  "BOOL": torch.bool}
+        buf = self.buffer(name)
+        dtype, shape = self._declared[name]
+        return torch.frombuffer(buf, dtype=dtypes[dtype]).view(shape)
+
+    # --- steps ----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def update(self, *, timeout=60.0):
+        """Holds the update lock while the block writes the weights (waits while a sync reads them;
+        DEADLINE_EXCEEDED after `timeout` seconds)."""
+        self._check_open()
+        _native.check(self._lib, self._lib.wsync_client_begin_update(self._c, _ms(timeout)), "begin_update")
+        self._in_update = True
+        try:
+            yield self
+        finally:
+            self._in_update = False
+            _native.check(self._lib, self._lib.wsync_client_end_update(self._c), "end_update")
+
+    def publish(self, version=0, *, wait=True, timeout=600.0):
+        """Declares the weights as last written to be `version` (0: the next one) and asks for its
+        sync; with `wait`, returns when the sync has ended (raising if it failed)."""
+        self._check_open()
+        if self._in_update:
+            raise WsyncError(9, f"publish({version}) inside update(): end the update first")
+        info = _native.SyncInfo()
+        _native.check(self._lib, self._lib.wsync_client_request_sync(self._c, int(version), 1 if wait else 0,
+                                                                     _ms(timeout), ctypes.byref(info)),
+                      f"version {version}")
+        return SyncResult(info.sync_id, info.version, bool(info.coalesced))
+
+    # --- lifetime -------------------------------------------------------------------------------
+
+    def close(self):
+        """Disconnects and unmaps the segment (views from buffer() / numpy() / torch() die with it)."""
+        if getattr(self, "_c", None):
+            self._lib.wsync_client_close(self._c)
+            self._c = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def _check_open(self):
+        if not getattr(self, "_c", None):
+            raise WsyncError(9, "the publisher is closed")
+
+
+def _text(value, what):
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    if isinstance(value, bytes):
+        return value.decode()
+    if not isinstance(value, str):
+        raise WsyncError(3, f"{what}: JSON text (str) or a dict, not {type(value).__name__}")
+    return value

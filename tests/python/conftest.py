@@ -1,0 +1,100 @@
+"""Fixtures of the Python tests: the built wsync binaries, a generated model sharded for Megatron,
+and a real trainer agent (`wsync-trainer-agent --source shm:NAME` under mpirun) to publish to.
+
+$WSYNC_BIN: the build's bin directory (default: build/bin of this checkout).
+"""
+
+import json
+import os
+import pathlib
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BIN = pathlib.Path(os.environ.get("WSYNC_BIN", ROOT / "build" / "bin"))
+
+
+def read_safetensors(path):
+    """{name: (dtype, shape, bytes)} of a safetensors file (its format: u64 header size, JSON, data)."""
+    raw = pathlib.Path(path).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    data = raw[8 + n:]
+    return {k: (v["dtype"], tuple(v["shape"]), data[v["data_offsets"][0]:v["data_offsets"][1]])
+            for k, v in header.items() if k != "__metadata__"}
+
+
+def run(*args, **kw):
+    return subprocess.run([str(a) for a in args], check=True, capture_output=True, text=True, **kw)
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory):
+    """The embedded default model (HF) and its Megatron shards for one rank (TP 1, EP 1, DP 1)."""
+    d = tmp_path_factory.mktemp("model")
+    run(BIN / "wsync-model-gen", "--from-config", "default", "--seed", "61", "--out", d / "hf")
+    run(BIN / "wsync-shard", "--hf", d / "hf", "--out", d / "megatron", "--tp", "1", "--ep", "1", "--dp", "1")
+    return d
+
+
+class Agent:
+    def __init__(self, name, runtime_dir, proc, log):
+        self.name, self.runtime_dir, self.proc, self.log = name, runtime_dir, proc, log
+
+    def log_text(self):
+        return pathlib.Path(self.log).read_text(errors="replace")
+
+
+@pytest.fixture
+def trainer_agent(model, tmp_path, monkeypatch):
+    """A one-rank trainer job on shm:NAME (its coordinator on a free port), with the client's
+    runtime directory pointed at it. Stopped after the test."""
+    name = "pytest-" + secrets.token_hex(4)
+    runtime = tmp_path / "rt"
+    runtime.mkdir(mode=0o700)
+    token = tmp_path / "token"
+    token.write_text(secrets.token_hex(16))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, WSYNC_RUNTIME_DIR=str(runtime))
+    monkeypatch.setenv("WSYNC_RUNTIME_DIR", str(runtime))
+    log = tmp_path / "trainer.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [shutil.which("mpirun"), "--allow-run-as-root", "--oversubscribe", "-np", "1", "-x", "WSYNC_RUNTIME_DIR",
+             str(BIN / "wsync-trainer-agent"), "--source", f"shm:{name}", "--coordinator", f"127.0.0.1:{port}",
+             "--token-file", str(token)],
+            stdout=out, stderr=subprocess.STDOUT, env=env)
+    agent = Agent(name, runtime, proc, log)
+    yield agent
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def rank_tensors(model):
+    return read_safetensors(model / "megatron" / "rank-00000.safetensors")
+
+
+@pytest.fixture
+def config_texts(model):
+    return ((model / "megatron" / "config.json").read_text(), (model / "megatron" / "parallel.json").read_text())
+
+
+def wait_for(predicate, timeout=30.0, what="the condition"):
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
