@@ -4,7 +4,7 @@
 # installs nothing and rebuilds only what changed.
 #
 #   tools/setup.sh                      # build/ : CUDA kernels + NCCL when nvcc exists, else CPU-only; the
-#                                       # Python package in build/venv (with pytest, numpy from PyPI)
+#                                       # Python package in build/venv (Debian's Python, torch, numpy, pytest)
 #   tools/setup.sh --sanitize           # build-asan/ : clang, CPU-only, ASan+UBSan, libFuzzer targets
 #   tools/setup.sh --tsan               # build-tsan/ : clang, CPU-only, ThreadSanitizer, the tests labelled
 #                                       # tsan, and a TSan build of abseil in build-tsan/absl-tsan
@@ -21,7 +21,7 @@ PACKAGES=(
   libabsl-dev libgtest-dev libgmock-dev libgloo-dev libhwy-dev libxxhash-dev libssl-dev
   nlohmann-json3-dev libcpp-httplib-dev libcli11-dev
   clang libclang-rt-14-dev clang-format
-  iproute2 openssl python3-venv
+  iproute2 openssl python3-venv python3-torch python3-numpy python3-pytest python3-wheel python3-setuptools
 )
 
 mode=default
@@ -70,13 +70,13 @@ cmake -S . -B "$build" "${args[@]}" >/dev/null
 cmake --build "$build" -j"$(nproc)"
 [ "$mode" = default ] || exit 0
 
-# The Python package (python/) in a virtual environment, $build/venv, with the test tools (pytest,
-# numpy and wheel) from PyPI once, then wsync reinstalled at every run with this build's
-# libwsync_trainer_client.so inside (tests/python run it through ctest).
+# The Python package (python/) in a virtual environment, $build/venv, on Debian's Python with its
+# site packages (torch, numpy, pytest from the Debian packages above), wsync reinstalled at every
+# run with this build's libwsync_trainer_client.so inside (tests/python run it through ctest).
 venv="$build/venv"
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-"$venv/bin/python" -c 'import numpy, pytest, wheel' 2>/dev/null || "$venv/bin/pip" install -q --disable-pip-version-check pytest numpy wheel
+grep -qs '^home = /usr/bin$' "$venv/pyvenv.cfg" && grep -qs '^include-system-site-packages = true$' "$venv/pyvenv.cfg" ||
+  { rm -rf "$venv"; /usr/bin/python3 -m venv --system-site-packages "$venv"; }
 case "$build" in /*) build_abs="$build" ;; *) build_abs="$PWD/$build" ;; esac
-WSYNC_BUILD_DIR="$build_abs" "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation \
-  --force-reinstall ./python
+WSYNC_BUILD_DIR="$build_abs" "$venv/bin/pip" install -q --disable-pip-version-check --no-index --no-deps \
+  --no-build-isolation --force-reinstall ./python
 rm -rf python/build python/*.egg-info

@@ -6,7 +6,9 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np  # noqa: F401 (Debian python3-numpy, tools/setup.sh)
 import pytest
+import torch  # Debian python3-torch
 
 from conftest import BIN, ROOT, read_safetensors
 from wsync import WsyncError
@@ -70,7 +72,6 @@ def test_register_names_what_does_not_fit_and_a_fixed_set_registers(trainer_agen
 
 def test_the_shared_tensors_are_the_declared_bytes_and_numpy_views_write_them(trainer_agent, rank_tensors,
                                                                               config_texts):
-    np = pytest.importorskip("numpy")
     with Publisher(trainer_agent.name, 0, timeout=60) as pub:
         declare_all(pub, rank_tensors)
         pub.register(*config_texts, timeout=60)
@@ -101,7 +102,6 @@ def test_the_shared_tensors_are_the_declared_bytes_and_numpy_views_write_them(tr
 
 
 def test_torch_parameters_move_into_the_shared_segment(trainer_agent, rank_tensors, config_texts):
-    torch = pytest.importorskip("torch")
     params = []
     for name, (dtype, shape, data) in rank_tensors.items():
         assert dtype == "BF16"
