@@ -1,11 +1,14 @@
 #include "tools/synth/reassemble.h"
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "common/safetensors.h"
 #include "common/status.h"
 #include "trainer_agent/convert/shard_layout.h"
 
@@ -119,26 +122,71 @@ absl::StatusOr<VerifyReport> VerifyAgainstHf(const ModelConfig& model, const Par
   return report;
 }
 
-absl::StatusOr<VerifyReport> VerifyDirSource(const trainer_agent::DirSource& source, const model::HfCheckpoint& hf) {
+namespace {
+
+// Each rank file of `source` opened once, on first use; the views stay valid while it lives.
+class RankFiles {
+ public:
+  explicit RankFiles(const trainer_agent::DirSource& source) : source_(source) {}
+  RankTensorLookup Lookup() {
+    return [this](int rank, const MegatronParam& p) -> absl::StatusOr<TensorView> {
+      auto it = open_.find(rank);
+      if (it == open_.end()) {
+        Open o;
+        ASSIGN_OR_RETURN(o.shard, source_.OpenRank(rank));
+        for (size_t i = 0; i < o.shard.params.size(); ++i) o.index.emplace(o.shard.params[i].local_name, i);
+        it = open_.emplace(rank, std::move(o)).first;
+      }
+      auto found = it->second.index.find(p.local_name);
+      if (found == it->second.index.end())
+        return absl::NotFoundError(absl::StrCat("rank ", rank, " holds no parameter ", p.local_name));
+      return it->second.shard.tensors[found->second];
+    };
+  }
+
+ private:
   struct Open {
     trainer_agent::RankShard shard;
     absl::flat_hash_map<std::string, size_t> index;  // local name -> position
   };
-  std::map<int, Open> open;
-  RankTensorLookup lookup = [&](int rank, const MegatronParam& p) -> absl::StatusOr<TensorView> {
-    auto it = open.find(rank);
-    if (it == open.end()) {
-      Open o;
-      ASSIGN_OR_RETURN(o.shard, source.OpenRank(rank));
-      for (size_t i = 0; i < o.shard.params.size(); ++i) o.index.emplace(o.shard.params[i].local_name, i);
-      it = open.emplace(rank, std::move(o)).first;
-    }
-    auto found = it->second.index.find(p.local_name);
-    if (found == it->second.index.end())
-      return absl::NotFoundError(absl::StrCat("rank ", rank, " holds no parameter ", p.local_name));
-    return it->second.shard.tensors[found->second];
-  };
-  return VerifyAgainstHf(source.model(), source.layout(), source.parallel(), lookup, hf);
+  const trainer_agent::DirSource& source_;
+  std::map<int, Open> open_;
+};
+
+}  // namespace
+
+absl::StatusOr<VerifyReport> VerifyDirSource(const trainer_agent::DirSource& source, const model::HfCheckpoint& hf) {
+  RankFiles files(source);
+  return VerifyAgainstHf(source.model(), source.layout(), source.parallel(), files.Lookup(), hf);
+}
+
+absl::StatusOr<VerifyReport> WriteHfOfDirSource(const trainer_agent::DirSource& source, const std::string& out_dir) {
+  RankFiles files(source);
+  std::vector<model::HfTensor> out;  // each copied: a converted tensor may alias a gather buffer
+  VerifyReport report;
+  RETURN_IF_ERROR(ReassembleModel(source.model(), source.layout(), source.parallel(), files.Lookup(),
+                                  [&](int, const MegatronParam&, TensorView, std::vector<model::HfTensor> hf) {
+                                    ++report.params;
+                                    for (model::HfTensor& t : hf) {
+                                      ASSIGN_OR_RETURN(Tensor copy, Tensor::CopyOf(t.view));
+                                      report.hf_bytes += t.view.nbytes();
+                                      out.push_back({std::move(t.name), copy.view(), std::move(copy)});
+                                    }
+                                    return absl::OkStatus();
+                                  }));
+  std::error_code ec;
+  std::filesystem::create_directories(out_dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("creating ", out_dir, ": ", ec.message()));
+  SafetensorsWriter writer;
+  for (const model::HfTensor& t : out) RETURN_IF_ERROR(writer.Add(t.name, t.owned.view()));
+  RETURN_IF_ERROR(writer.Write(out_dir + "/model.safetensors"));
+  {
+    std::ofstream config(out_dir + "/config.json", std::ios::binary | std::ios::trunc);
+    config << source.config_json();
+    if (!config.flush()) return absl::InternalError(absl::StrCat("writing ", out_dir, "/config.json"));
+  }
+  report.hf_tensors = static_cast<int64_t>(out.size());
+  return report;
 }
 
 }  // namespace wsync::tools

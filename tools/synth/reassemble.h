@@ -59,4 +59,10 @@ absl::StatusOr<VerifyReport> VerifyAgainstHf(const ModelConfig& model, const Par
 // the HF tensors bit for bit with `hf` (VerifyAgainstHf). Used by wsync-shard --verify.
 absl::StatusOr<VerifyReport> VerifyDirSource(const trainer_agent::DirSource& source, const model::HfCheckpoint& hf);
 
+// The HF checkpoint a source directory holds (every stage's gathers simulated and converted, as a
+// sync sends it before quantization): OUT/config.json (the source's) and OUT/model.safetensors.
+// Used by `wsync-shard --src DIR --to-hf OUT`, e.g. to check an engine against the weights a live
+// trainer dumped at one step. Errors: ReassembleModel's, and the file system's naming the path.
+absl::StatusOr<VerifyReport> WriteHfOfDirSource(const trainer_agent::DirSource& source, const std::string& out_dir);
+
 }  // namespace wsync::tools

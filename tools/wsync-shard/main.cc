@@ -5,6 +5,7 @@
 //               [--layers-per-stage a,b,...] [--make-vocab-size-divisible-by N]
 //               [--padded-vocab-size N] [--verify]
 //   wsync-shard --hf HF_DIR --src SRC_DIR --verify        check an existing source directory
+//   wsync-shard --src SRC_DIR --to-hf HF_DIR                 the HF checkpoint a source directory holds
 //
 // world_size = tp*cp*pp*dp; etp defaults to tp (Megatron's default). --verify reads the rank files
 // back as the trainer agent does, simulates every stage's TP / EP / ETP gathers in-process,
@@ -37,7 +38,8 @@ int Run(int argc, char** argv) {
   trainer_agent::SourceParallel p;
   std::vector<int64_t> layers_per_stage;
   bool verify = false;
-  app.add_option("--hf", hf_dir, "HF checkpoint directory (config.json + *.safetensors)")->required();
+  std::string to_hf;
+  app.add_option("--hf", hf_dir, "HF checkpoint directory (config.json + *.safetensors)");
   auto* out_opt = app.add_option("--out", out_dir, "source directory to write");
   auto* src_opt = app.add_option("--src", src_dir, "existing source directory to verify");
   out_opt->excludes(src_opt);
@@ -52,10 +54,16 @@ int Run(int argc, char** argv) {
   app.add_option("--make-vocab-size-divisible-by", p.make_vocab_size_divisible_by)->capture_default_str();
   app.add_option("--padded-vocab-size", p.padded_vocab_size, "override Megatron's padded vocab formula");
   app.add_flag("--verify", verify, "simulate the gathers and compare with the HF checkpoint bit for bit");
+  auto* to_hf_opt = app.add_option(
+      "--to-hf", to_hf, "with --src: write the HF checkpoint the source holds (config.json, model.safetensors)");
   try {
     app.parse(argc, argv);
     if (out_opt->count() == 0 && src_opt->count() == 0) throw CLI::RequiredError("--out or --src");
-    if (src_opt->count() > 0 && !verify) throw CLI::RequiredError("--verify (with --src)");
+    if (to_hf_opt->count() > 0 && (src_opt->count() == 0 || verify || !hf_dir.empty()))
+      throw CLI::ValidationError("--to-hf", "takes --src only (no --hf, --verify)");
+    if (src_opt->count() > 0 && !verify && to_hf_opt->count() == 0)
+      throw CLI::RequiredError("--verify or --to-hf (with --src)");
+    if (to_hf_opt->count() == 0 && hf_dir.empty()) throw CLI::RequiredError("--hf");
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);
     return rc == 0 ? 0 : 2;
@@ -65,6 +73,17 @@ int Run(int argc, char** argv) {
     return 1;
   };
   auto t0 = std::chrono::steady_clock::now();
+  if (to_hf_opt->count() > 0) {
+    auto src = trainer_agent::DirSource::Open(src_dir);
+    if (!src.ok()) return fail(src.status());
+    auto report = tools::WriteHfOfDirSource(*src, to_hf);
+    if (!report.ok()) return fail(report.status());
+    std::printf("%s\n", absl::StrFormat("wrote %s from %s: %d parameters -> %d HF tensors (%.1f MiB), %.2f s", to_hf,
+                                        src_dir, report->params, report->hf_tensors,
+                                        static_cast<double>(report->hf_bytes) / (1 << 20), Since(t0))
+                            .c_str());
+    return 0;
+  }
   auto hf = model::HfCheckpoint::Open(hf_dir);
   if (!hf.ok()) return fail(hf.status());
 
