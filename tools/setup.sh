@@ -5,6 +5,7 @@
 #
 #   tools/setup.sh                      # build/ : CUDA kernels + NCCL when nvcc exists, else CPU-only; the
 #                                       # Python package in build/venv (Debian's Python, torch, numpy, pytest)
+#                                       # and in build/venv-megatron (PyPI torch + megatron-core, ~5 GB)
 #   tools/setup.sh --sanitize           # build-asan/ : clang, CPU-only, ASan+UBSan, libFuzzer targets
 #   tools/setup.sh --tsan               # build-tsan/ : clang, CPU-only, ThreadSanitizer, the tests labelled
 #                                       # tsan, and a TSan build of abseil in build-tsan/absl-tsan
@@ -78,5 +79,13 @@ grep -qs '^home = /usr/bin$' "$venv/pyvenv.cfg" && grep -qs '^include-system-sit
   { rm -rf "$venv"; /usr/bin/python3 -m venv --system-site-packages "$venv"; }
 case "$build" in /*) build_abs="$build" ;; *) build_abs="$PWD/$build" ;; esac
 WSYNC_BUILD_DIR="$build_abs" "$venv/bin/pip" install -q --disable-pip-version-check --no-index --no-deps \
+  --no-build-isolation --force-reinstall ./python
+# A second environment for real megatron-core (issue #15's trainer tests): PyPI's torch (a CUDA
+# build, which runs on CPU; ~5 GB with its nvidia-* wheels, installed once) and megatron-core.
+mvenv="$build/venv-megatron"
+[ -x "$mvenv/bin/python" ] || /usr/bin/python3 -m venv "$mvenv"
+"$mvenv/bin/python" -c 'import torch, megatron.core, wheel' 2>/dev/null ||
+  "$mvenv/bin/pip" install -q --disable-pip-version-check torch==2.15.0 megatron-core==0.16.1 wheel
+WSYNC_BUILD_DIR="$build_abs" "$mvenv/bin/pip" install -q --disable-pip-version-check --no-index --no-deps \
   --no-build-isolation --force-reinstall ./python
 rm -rf python/build python/*.egg-info

@@ -15,18 +15,10 @@ import time
 
 import pytest
 
+from safetensors_files import read_safetensors, write_safetensors  # noqa: F401 (fixtures, tests)
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(os.environ.get("WSYNC_BIN", ROOT / "build" / "bin"))
-
-
-def read_safetensors(path):
-    """{name: (dtype, shape, bytes)} of a safetensors file (its format: u64 header size, JSON, data)."""
-    raw = pathlib.Path(path).read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
-    data = raw[8 + n:]
-    return {k: (v["dtype"], tuple(v["shape"]), data[v["data_offsets"][0]:v["data_offsets"][1]])
-            for k, v in header.items() if k != "__metadata__"}
 
 
 def run(*args, **kw):

@@ -10,7 +10,7 @@ import numpy as np  # noqa: F401 (Debian python3-numpy, tools/setup.sh)
 import pytest
 import torch  # Debian python3-torch
 
-from conftest import BIN, ROOT, read_safetensors
+from conftest import BIN, ROOT
 from wsync import WsyncError
 from wsync.trainer import Publisher
 
@@ -129,7 +129,7 @@ def test_a_python_training_job_syncs_every_step_bit_exact(tmp_path):
     ranks = pathlib.Path(__file__).with_name("train_ranks.py")
     cmd = (f"{sys.executable} {ranks} --from {tmp_path}/s1/megatron --from {tmp_path}/s2/megatron "
            f"--first-version 20")
-    env = dict(os.environ, WSYNC_BIN=str(BIN), PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(os.environ, WSYNC_BIN=str(BIN))
     out = subprocess.run([ROOT / "tools" / "wsync-local", "--source", tmp_path / "s1" / "megatron",
                           "--rollout-engines", "1", "--engine-tp", "2", "--workdir", tmp_path / "run",
                           "--trainer", cmd], env=env, capture_output=True, text=True, timeout=300)

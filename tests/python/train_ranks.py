@@ -13,7 +13,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from conftest import read_safetensors  # noqa: E402
+from safetensors_files import read_safetensors  # noqa: E402
 from wsync.trainer import Publisher  # noqa: E402
 
 

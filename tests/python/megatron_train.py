@@ -1,0 +1,144 @@
+"""Training processes of a real megatron-core job on CPU, one per rank (under mpirun beside
+`wsync-trainer-agent --source shm:$WSYNC_SHM_NAME`, as tools/wsync-local --trainer runs them).
+
+Every rank builds the GPTModel of --hf-config with megatron's local spec (TP / EP from the flags,
+gloo, bf16 as Float16Module casts it), loads its weights from --init (the rank files of a Megatron
+source directory made by wsync-shard from an HF checkpoint: the names checked against the model's
+on the way), and creates a wsync.megatron.MegatronPublisher. Then, for steps 0..--steps: step 0
+publishes the loaded weights, every later step first takes a real optimizer step (forward and
+backward on random tokens, SGD). After each sync every rank dumps its weights as a source directory
+(--out/step{k}/megatron) and rank 0 checks the engines bit-exact against the HF checkpoint of that
+directory (wsync-shard --to-hf, then wsyncctl verify).
+
+CPU harness (megatron-core 0.16 assumes CUDA in places): torch.cuda.current_device -> "cpu", the
+CUDA RNG tracker's fork() a no-op (no dropout is used), moe_utils.te_general_gemm = None, and the
+allgather token dispatcher (the all-to-all one makes a CUDA stream)."""
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from safetensors_files import read_safetensors, write_safetensors  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hf-config", required=True)
+    ap.add_argument("--init", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--first-version", type=int, default=1)
+    ap.add_argument("--port", type=int, required=True)
+    a = ap.parse_args()
+    rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank, world_size=world)
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.cuda.current_device = lambda: "cpu"
+    tp_random.get_cuda_rng_tracker().fork = lambda *args, **kw: contextlib.nullcontext()
+    moe_utils.te_general_gemm = None
+    ps.initialize_model_parallel(tensor_model_parallel_size=a.tp, expert_model_parallel_size=a.ep)
+
+    from wsync.megatron import MegatronPublisher, local_tensors
+
+    cfg = json.loads(pathlib.Path(a.hf_config).read_text())
+    init = pathlib.Path(a.init)
+    padded_vocab = json.loads((init / "parallel.json").read_text())["padded_vocab_size"]
+    moe = "num_experts" in cfg
+    tc = TransformerConfig(
+        num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+        num_attention_heads=cfg["num_attention_heads"], num_query_groups=cfg["num_key_value_heads"],
+        kv_channels=cfg["head_dim"], ffn_hidden_size=cfg["intermediate_size"], normalization="RMSNorm",
+        layernorm_epsilon=cfg["rms_norm_eps"], gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        qk_layernorm=True, params_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=True,
+        tensor_model_parallel_size=a.tp, sequence_parallel=False, attention_dropout=0.0, hidden_dropout=0.0,
+        **(dict(num_moe_experts=cfg["num_experts"], moe_router_topk=cfg["num_experts_per_tok"],
+                moe_ffn_hidden_size=cfg["moe_intermediate_size"], moe_grouped_gemm=False,
+                moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
+                expert_model_parallel_size=a.ep) if moe else {}))
+    model = GPTModel(config=tc, vocab_size=padded_vocab, max_sequence_length=128, position_embedding_type="rope",
+                     rotary_base=int(cfg["rope_theta"]), share_embeddings_and_output_weights=False,
+                     transformer_layer_spec=get_gpt_layer_local_spec(
+                         num_experts=cfg.get("num_experts"), moe_grouped_gemm=False, qk_layernorm=True))
+    model = model.bfloat16()  # what Float16Module does under --bf16
+
+    # The initial weights: this rank's file, every model tensor by its wsync name.
+    loaded = read_safetensors(init / f"rank-{rank:05d}.safetensors")
+    names = [n for n, _ in local_tensors(model)]
+    assert sorted(names) == sorted(loaded), f"rank {rank}: model {sorted(set(names) ^ set(loaded))} differ"
+    with torch.no_grad():
+        for name, t in local_tensors(model):
+            dtype, shape, data = loaded[name]
+            assert tuple(t.shape) == shape, f"{name}: model {tuple(t.shape)}, file {shape}"
+            t.copy_(torch.frombuffer(bytearray(data), dtype=torch.bfloat16).view(shape))
+
+    pub = MegatronPublisher(model, (init / "config.json").read_text(), os.environ["WSYNC_SHM_NAME"], timeout=120)
+    print(f"rank {rank}: registered {len(pub.tensors)} megatron tensors, parallel {json.dumps(pub.parallel)}",
+          flush=True)
+    start = os.environ.get("WSYNC_START_FILE")
+    while start and not os.path.exists(start):
+        time.sleep(0.1)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1234)  # the same tokens on every rank
+    seq = 32
+    ctl = [os.path.join(os.environ["WSYNC_BIN"], "wsyncctl"), "--coordinator",
+           pathlib.Path(os.environ["WSYNC_COORDINATOR_FILE"]).read_text().strip(),
+           "--token-file", os.environ["WSYNC_TOKEN_FILE"]]
+    for step in range(a.steps + 1):
+        if step > 0:
+            before = [t.detach().clone() for _, t in local_tensors(model)]
+            tokens = torch.randint(0, cfg["vocab_size"], (2, seq), generator=gen)
+            pos = torch.arange(seq).unsqueeze(0).expand(2, seq)
+            mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)
+            loss = model(tokens, pos, mask, labels=tokens).float().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            changed = sum(not torch.equal(b, t) for b, (_, t) in zip(before, local_tensors(model)))
+            if rank == 0:
+                print(f"step {step}: loss {loss.item():.4f}, {changed} of {len(before)} tensors changed", flush=True)
+        version = a.first_version + step
+        r = pub.publish(version, timeout=300)
+        print(f"rank {rank}: version {r.version} synced (sync {r.sync_id})", flush=True)
+        # The step's checkpoint, as the training job holds it.
+        src = pathlib.Path(a.out) / f"step{step}" / "megatron"
+        src.mkdir(parents=True, exist_ok=True)
+        write_safetensors(src / f"rank-{rank:05d}.safetensors",
+                          {n: ("BF16", tuple(t.shape), t.detach().contiguous().view(-1).view(torch.uint8).numpy()
+                               .tobytes()) for n, t in local_tensors(model)})
+        if rank == 0:
+            (src / "config.json").write_text((init / "config.json").read_text())
+            (src / "parallel.json").write_text(json.dumps(pub.parallel))
+        dist.barrier()
+        if rank == 0:
+            hf = src.parent / "hf"
+            subprocess.run([os.path.join(os.environ["WSYNC_BIN"], "wsync-shard"), "--src", str(src), "--to-hf",
+                            str(hf)], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(ctl + ["verify", "--against", str(hf)], check=True)
+            print(f"   version {version} verified bit-exact against the step {step} checkpoint", flush=True)
+        dist.barrier()
+    pub.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
