@@ -60,6 +60,19 @@ restart_agent() {  # restart_agent E [FAILPOINTS]: (re)start engine E's rollout 
   [ -n "${agent_pid[$1]:-}" ] && { kill -KILL "${agent_pid[$1]}" 2>/dev/null || true; wait "${agent_pid[$1]}" 2>/dev/null || true; }
   e2e_start_agent "$@"
 }
+# stop_coordinator_at FAILPOINT WHERE: the job started again with rank 0 (the coordinator) stopping
+# at FAILPOINT (SIGSTOP), a sync triggered, and the stop awaited; sets r0 to rank 0's pid.
+stop_coordinator_at() {
+  kill -TERM "$trainer_pid"; wait "$trainer_pid" 2>/dev/null || true
+  run=$((run + 1)); start_trainer $run "$1"
+  wait_members
+  "${ctl[@]}" sync --min-agents 2 > /dev/null 2>&1 || fail "the trigger was refused"
+  for _ in $(seq 200); do
+    r0=$(e2e_rank_pid 0) && [ "$(awk '{print $3}' "/proc/$r0/stat" 2>/dev/null)" = T ] && return 0
+    sleep 0.1
+  done
+  fail "the coordinator did not stop $2"
+}
 for e in 0 1; do restart_agent $e; e2e_start_engine $e; done
 
 run=1
@@ -147,16 +160,7 @@ bit_exact $v "after trainer rank 2 was continued"
 echo "e2e_trainer_faults: rank 2 continued: version $v published bit-exact"
 
 # The coordinator hung during the transfer.
-kill -TERM "$trainer_pid"; wait "$trainer_pid" 2>/dev/null || true
-run=$((run + 1)); start_trainer $run coordinator.transfer:1@stop
-wait_members
-"${ctl[@]}" sync --min-agents 2 > /dev/null 2>&1 || fail "the trigger was refused"
-r0=
-for _ in $(seq 100); do
-  r0=$(e2e_rank_pid 0) && [ "$(awk '{print $3}' "/proc/$r0/stat" 2>/dev/null)" = T ] && break
-  sleep 0.1
-done
-[ "$(awk '{print $3}' "/proc/$r0/stat" 2>/dev/null)" = T ] || fail "the coordinator did not stop at the transfer"
+stop_coordinator_at coordinator.transfer:1@stop "at the transfer"
 t0=$(date +%s)
 for e in 0 1; do
   for _ in $(seq 400); do grep -q "aborting on my own" "$work/logs/agent-$e.log" && break; sleep 0.1; done
@@ -178,16 +182,7 @@ echo "e2e_trainer_faults: coordinator continued: version $v published bit-exact"
 # timeout (its engine keeps serving the old version, each reply naming its own); continued, the
 # coordinator finds the commit partial, the laggard rolls forward from its staging, and the new
 # version is published on both engines, bit-exact, with no new sync.
-kill -TERM "$trainer_pid"; wait "$trainer_pid" 2>/dev/null || true
-run=$((run + 1)); start_trainer $run coordinator.committed:1@stop
-wait_members
-"${ctl[@]}" sync --min-agents 2 > /dev/null 2>&1 || fail "the trigger was refused"
-r0=
-for _ in $(seq 200); do
-  r0=$(e2e_rank_pid 0) && [ "$(awk '{print $3}' "/proc/$r0/stat" 2>/dev/null)" = T ] && break
-  sleep 0.1
-done
-[ "$(awk '{print $3}' "/proc/$r0/stat" 2>/dev/null)" = T ] || fail "the coordinator did not stop in the commit"
+stop_coordinator_at coordinator.committed:1@stop "in the commit"
 sleep $((2 * timeout_s + 2))  # past the agents' own abort of a sync left prepared
 on=$(for e in 0 1; do
   out=$("${ctl[@]}" generate --engine "$(cat "$work/engine-$e")" --prompt 1,2,3 --max-new-tokens 2 2>&1) ||
