@@ -38,6 +38,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--first-version", type=int, default=1)
     ap.add_argument("--port", type=int, required=True)
@@ -55,7 +56,8 @@ def main():
     torch.cuda.current_device = lambda: "cpu"
     tp_random.get_cuda_rng_tracker().fork = lambda *args, **kw: contextlib.nullcontext()
     moe_utils.te_general_gemm = None
-    ps.initialize_model_parallel(tensor_model_parallel_size=a.tp, expert_model_parallel_size=a.ep)
+    ps.initialize_model_parallel(tensor_model_parallel_size=a.tp, expert_model_parallel_size=a.ep,
+                                 pipeline_model_parallel_size=a.pp)
 
     from wsync.megatron import MegatronPublisher, local_tensors
 
@@ -69,13 +71,15 @@ def main():
         kv_channels=cfg["head_dim"], ffn_hidden_size=cfg["intermediate_size"], normalization="RMSNorm",
         layernorm_epsilon=cfg["rms_norm_eps"], gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         qk_layernorm=True, params_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=True,
-        tensor_model_parallel_size=a.tp, sequence_parallel=False, attention_dropout=0.0, hidden_dropout=0.0,
+        tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp, pipeline_dtype=torch.bfloat16,
+        sequence_parallel=False, attention_dropout=0.0, hidden_dropout=0.0,
         **(dict(num_moe_experts=cfg["num_experts"], moe_router_topk=cfg["num_experts_per_tok"],
                 moe_ffn_hidden_size=cfg["moe_intermediate_size"], moe_grouped_gemm=False,
                 moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
                 expert_model_parallel_size=a.ep) if moe else {}))
     model = GPTModel(config=tc, vocab_size=padded_vocab, max_sequence_length=128, position_embedding_type="rope",
                      rotary_base=int(cfg["rope_theta"]), share_embeddings_and_output_weights=False,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                      transformer_layer_spec=get_gpt_layer_local_spec(
                          num_experts=cfg.get("num_experts"), moe_grouped_gemm=False, qk_layernorm=True))
     model = model.bfloat16()  # what Float16Module does under --bf16
@@ -104,7 +108,15 @@ def main():
            pathlib.Path(os.environ["WSYNC_COORDINATOR_FILE"]).read_text().strip(),
            "--token-file", os.environ["WSYNC_TOKEN_FILE"]]
     for step in range(a.steps + 1):
-        if step > 0:
+        if step > 0 and a.pp > 1:
+            # Pipeline stages would need megatron's pipeline schedule; the step is a deterministic
+            # in-place change of every weight instead (what the sync must carry is the same).
+            with torch.no_grad():
+                for _, t in local_tensors(model):
+                    t.mul_(1.0 + 0.125 * step)
+            if rank == 0:
+                print(f"step {step}: weights scaled, {len(local_tensors(model))} tensors changed", flush=True)
+        elif step > 0:
             before = [t.detach().clone() for _, t in local_tensors(model)]
             tokens = torch.randint(0, cfg["vocab_size"], (2, seq), generator=gen)
             pos = torch.arange(seq).unsqueeze(0).expand(2, seq)
