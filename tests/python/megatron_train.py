@@ -6,7 +6,8 @@ gloo, bf16 as Float16Module casts it), loads its weights from --init (the rank f
 source directory made by wsync-shard from an HF checkpoint: the names checked against the model's
 on the way), and creates a wsync.megatron.MegatronPublisher. Then, for steps 0..--steps: step 0
 publishes the loaded weights, every later step first takes a real optimizer step (forward and
-backward on random tokens, SGD). After each sync every rank dumps its weights as a source directory
+backward on random tokens, SGD; with --pp > 1, a deterministic in-place scaling of every weight,
+megatron's pipeline schedule being out of this script's scope). After each sync every rank dumps its weights as a source directory
 (--out/step{k}/megatron) and rank 0 checks the engines bit-exact against the HF checkpoint of that
 directory (wsync-shard --to-hf, then wsyncctl verify).
 
