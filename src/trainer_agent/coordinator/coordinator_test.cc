@@ -145,6 +145,13 @@ class SyncCoordinatorTest : public ::testing::Test {
   void Make(SyncCoordinatorOptions o = {}) { ASSERT_TRUE(MakeLoaded(o).ok()); }
   // A coordinator over the fakes: its state loaded (options.state_dir), then started; LoadState's
   // error leaves it unstarted.
+  // Options with an empty state directory of the test's own (TempDir()/coordinator-NAME-PID).
+  static SyncCoordinatorOptions WithFreshStateDir(const std::string& name) {
+    SyncCoordinatorOptions o;
+    o.state_dir = ::testing::TempDir() + "/coordinator-" + name + "-" + std::to_string(getpid());
+    std::filesystem::remove_all(o.state_dir);
+    return o;
+  }
   absl::Status MakeLoaded(const SyncCoordinatorOptions& o) {
     coordinator_ = std::make_unique<SyncCoordinator>(o, &trainer_, &store_, [this](const std::string& address) {
       absl::MutexLock lock(&mu_);
@@ -445,10 +452,8 @@ TEST_F(SyncCoordinatorTest, AVersionIsNeverPublishedToPartOfTheFleet) {
 // numbers and still knows the versions and timings; a damaged state file refuses the start and
 // is left as it was.
 TEST_F(SyncCoordinatorTest, TheStateSurvivesARestart) {
-  const std::string dir = ::testing::TempDir() + "/coordinator-state-" + std::to_string(getpid());
-  std::filesystem::remove_all(dir);
-  SyncCoordinatorOptions o;
-  o.state_dir = dir;
+  const SyncCoordinatorOptions o = WithFreshStateDir("state");
+  const std::string& dir = o.state_dir;
   ASSERT_TRUE(MakeLoaded(o).ok());
   Join("a:1");
   uint64_t last_id = 0;
@@ -536,18 +541,12 @@ TEST_F(SyncCoordinatorTest, TheStateSurvivesARestart) {
   std::filesystem::remove_all(dir);
 }
 
-// A full state directory (a 64 KiB tmpfs filled up; needs root, as CI runs): the trigger is
-// refused, naming the directory and the cause, and changes nothing (no sync queued, the numbers
-// taken back); once there is room again the next trigger gets exactly the numbers the refused one
-// would have had, and its sync runs.
 // A coordinator that stopped during a commit (its state file names the committing sync) rolls
 // every engine forward to that version once restarted: each member behind is told once
 // (AbortSync with roll_forward for that sync), and the version is published when all report it.
 TEST_F(SyncCoordinatorTest, ACoordinatorStoppedDuringACommitRollsTheFleetForwardWhenRestarted) {
-  const std::string dir = ::testing::TempDir() + "/coordinator-commit-" + std::to_string(getpid());
-  std::filesystem::remove_all(dir);
-  SyncCoordinatorOptions o;
-  o.state_dir = dir;
+  const SyncCoordinatorOptions o = WithFreshStateDir("commit");
+  const std::string& dir = o.state_dir;
   ASSERT_TRUE(MakeLoaded(o).ok());
   Join("a:1");
   auto t = Trigger();
@@ -591,6 +590,10 @@ TEST_F(SyncCoordinatorTest, ACoordinatorStoppedDuringACommitRollsTheFleetForward
   std::filesystem::remove_all(dir);
 }
 
+// A full state directory (a 64 KiB tmpfs filled up; needs root, as CI runs): the trigger is
+// refused, naming the directory and the cause, and changes nothing (no sync queued, the numbers
+// taken back); once there is room again the next trigger gets exactly the numbers the refused one
+// would have had, and its sync runs.
 TEST_F(SyncCoordinatorTest, AFullStateDirectoryRefusesTheTriggerAndChangesNothing) {
   const std::string dir = ::testing::TempDir() + "/coordinator-full-" + std::to_string(getpid());
   std::filesystem::create_directories(dir);
