@@ -16,6 +16,21 @@ TEST(RpcSecurityTest, ConstantTimeEquals) {
   EXPECT_TRUE(ConstantTimeEquals("", ""));
 }
 
+TEST(RpcSecurityTest, BucketMacFollowsTheTokenUnlessSet) {
+  RpcSecurity none, token;
+  token.token = "secret";
+  for (const RpcSecurity* sec : {&none, &token}) {
+    EXPECT_TRUE(*ResolveBucketMac("on", *sec));
+    EXPECT_FALSE(*ResolveBucketMac("off", *sec));
+  }
+  EXPECT_FALSE(*ResolveBucketMac("auto", none));
+  EXPECT_TRUE(*ResolveBucketMac("auto", token));
+  auto bad = ResolveBucketMac("yes", token);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(bad.status()));
+  EXPECT_NE(bad.status().message().find("\"yes\""), std::string::npos) << bad.status();
+}
+
 TEST(RpcSecurityTest, TokenFromFileAndErrors) {
   const std::string path = ::testing::TempDir() + "/token";
   std::ofstream(path) << "  s3cret\n";

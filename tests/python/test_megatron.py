@@ -11,9 +11,11 @@ import socket
 import subprocess
 
 import pytest
+import torch
 
 from conftest import BIN, ROOT
-from wsync.megatron import _te_norm_names, wsync_name
+from wsync import WsyncError
+from wsync.megatron import _te_norm_names, local_tensors, wsync_name
 
 MEGATRON_PYTHON = os.environ.get("WSYNC_MEGATRON_PYTHON")
 
@@ -33,6 +35,13 @@ def test_names_follow_megatron_to_hf():
     assert _te_norm_names(names) == {
         "decoder.layers.0.input_layernorm.weight": "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
         "decoder.layers.0.pre_mlp_layernorm.weight": "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"}
+
+
+def test_model_chunks_are_refused_naming_them():
+    # Virtual pipeline stages hand over a list of model chunks: refused before anything is declared.
+    with pytest.raises(WsyncError) as e:
+        local_tensors([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    assert e.value.code_name == "UNIMPLEMENTED" and "2 model chunks" in str(e.value)
 
 
 @pytest.mark.skipif(not MEGATRON_PYTHON, reason="no megatron-core environment ($WSYNC_MEGATRON_PYTHON)")
