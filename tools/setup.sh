@@ -80,12 +80,14 @@ grep -qs '^home = /usr/bin$' "$venv/pyvenv.cfg" && grep -qs '^include-system-sit
 case "$build" in /*) build_abs="$build" ;; *) build_abs="$PWD/$build" ;; esac
 WSYNC_BUILD_DIR="$build_abs" "$venv/bin/pip" install -q --disable-pip-version-check --no-index --no-deps \
   --no-build-isolation --force-reinstall ./python
-# A second environment for real megatron-core (issue #15's trainer tests): PyPI's torch (a CUDA
-# build, which runs on CPU; ~5 GB with its nvidia-* wheels, installed once) and megatron-core.
+# A second environment, on torch 2 (issue #15): real megatron-core for the trainer tests and HF
+# transformers for the engine tests (wsync.engine.TransformersEngine). PyPI's torch (a CUDA build,
+# which runs on CPU; ~5 GB with its nvidia-* wheels, installed once), megatron-core, transformers.
 mvenv="$build/venv-megatron"
 [ -x "$mvenv/bin/python" ] || /usr/bin/python3 -m venv "$mvenv"
-"$mvenv/bin/python" -c 'import torch, megatron.core, wheel' 2>/dev/null ||
-  "$mvenv/bin/pip" install -q --disable-pip-version-check torch==2.15.0 megatron-core==0.16.1 wheel
+"$mvenv/bin/python" -c 'import torch, megatron.core, wheel, transformers' 2>/dev/null ||
+  "$mvenv/bin/pip" install -q --disable-pip-version-check torch==2.15.0 megatron-core==0.16.1 wheel \
+    transformers==5.24.0
 WSYNC_BUILD_DIR="$build_abs" "$mvenv/bin/pip" install -q --disable-pip-version-check --no-index --no-deps \
   --no-build-isolation --force-reinstall ./python
 rm -rf python/build python/*.egg-info

@@ -1,6 +1,8 @@
-"""ctypes bindings of libwsync_trainer_client (src/trainer_client/wsync_trainer_client.h).
+"""ctypes bindings of libwsync_trainer_client (src/trainer_client/wsync_trainer_client.h), and the
+loader that wsync.engine uses for libwsync_engine_host too.
 
-The library is found, in this order, at $WSYNC_TRAINER_CLIENT, inside this package (wsync/_lib/,
+A library is found, in this order, at its environment variable ($WSYNC_TRAINER_CLIENT,
+$WSYNC_ENGINE_HOST), inside this package (wsync/_lib/,
 where `pip install ./python` puts the one of the checkout's build), in a checkout's build/lib next
 to this package's source, then through the dynamic loader's search path. Every failure of a
 wsync_* call becomes a WsyncError carrying the C code and the library's message.
@@ -36,28 +38,28 @@ class SyncInfo(ctypes.Structure):
     _fields_ = [("sync_id", ctypes.c_uint64), ("version", ctypes.c_uint64), ("coalesced", ctypes.c_int)]
 
 
-def _candidates():
-    env = os.environ.get("WSYNC_TRAINER_CLIENT")
+def _candidates(lib_name, env_var):
+    env = os.environ.get(env_var)
     if env:
         yield env
     here = pathlib.Path(__file__).resolve().parent
-    yield str(here / "_lib" / _LIB)
-    yield str(here.parent.parent / "build" / "lib" / _LIB)  # python/wsync in a built checkout
-    yield _LIB + ".1"
+    yield str(here / "_lib" / lib_name)
+    yield str(here.parent.parent / "build" / "lib" / lib_name)  # python/wsync in a built checkout
+    yield lib_name + ".1"
 
 
 _lock = threading.Lock()
-_lib = None
+_loaded = {}
 
 
-def library():
-    """The loaded library (loaded once per process). WsyncError(NOT_FOUND) names every place tried."""
-    global _lib
+def load(lib_name, env_var, declare, abi_function, abi_version):
+    """`lib_name` loaded once per process from the places above, `declare`d, its ABI checked.
+    WsyncError(NOT_FOUND) names every place tried."""
     with _lock:
-        if _lib is not None:
-            return _lib
+        if lib_name in _loaded:
+            return _loaded[lib_name]
         tried = []
-        for path in _candidates():
+        for path in _candidates(lib_name, env_var):
             if os.sep in path and not os.path.exists(path):
                 tried.append(f"{path} (missing)")
                 continue
@@ -66,14 +68,19 @@ def library():
             except OSError as e:
                 tried.append(f"{path} ({e})")
                 continue
-            _declare(lib)
-            abi = lib.wsync_client_abi_version()
-            if abi != _ABI_VERSION:
-                raise WsyncError(9, f"{path} has client ABI {abi}; this package speaks {_ABI_VERSION}")
-            _lib = lib
+            declare(lib)
+            abi = getattr(lib, abi_function)()
+            if abi != abi_version:
+                raise WsyncError(9, f"{path} has ABI {abi}; this package speaks {abi_version}")
+            _loaded[lib_name] = lib
             return lib
-        raise WsyncError(5, f"{_LIB} not found; tried: " + "; ".join(tried) +
-                         " (build wsync, or set WSYNC_TRAINER_CLIENT to the library's path)")
+        raise WsyncError(5, f"{lib_name} not found; tried: " + "; ".join(tried) +
+                         f" (build wsync, or set {env_var} to the library's path)")
+
+
+def library():
+    """libwsync_trainer_client, loaded once per process."""
+    return load(_LIB, "WSYNC_TRAINER_CLIENT", _declare, "wsync_client_abi_version", _ABI_VERSION)
 
 
 def _declare(lib):
@@ -101,8 +108,8 @@ def _declare(lib):
     lib.wsync_client_close.argtypes = [ctypes.c_void_p]
 
 
-def check(lib, rc, what):
+def check(lib, rc, what, last_error="wsync_last_error"):
     """Raises WsyncError for a non-zero return code, with the library's message for this thread."""
     if rc != 0:
-        message = (lib.wsync_last_error() or b"").decode("utf-8", "replace")
+        message = (getattr(lib, last_error)() or b"").decode("utf-8", "replace")
         raise WsyncError(rc, f"{what}: {message}" if message else what)

@@ -40,6 +40,20 @@ const char* AdmitName(int32_t a) {
   return "in an unknown state";
 }
 
+// The reference engine's model as the core's ServedModel.
+class RefModel final : public ServedModel {
+ public:
+  explicit RefModel(EngineModel model) : model_(std::move(model)) {}
+  absl::Status Prepare(uint64_t) override { return model_.Prepare(); }
+  absl::StatusOr<std::vector<int32_t>> Generate(absl::Span<const int32_t> prompt, int max_new_tokens,
+                                                const StepHook& before_step) override {
+    return model_.Generate(prompt, max_new_tokens, before_step);
+  }
+
+ private:
+  EngineModel model_;
+};
+
 }  // namespace
 
 absl::string_view HealthStateName(HealthInfo::State s) {
@@ -76,14 +90,26 @@ absl::StatusOr<std::unique_ptr<EngineCore>> EngineCore::Create(const ModelConfig
   EngineModelOptions mo;
   mo.prepare_threads = core->options_.prepare_threads;
   ASSIGN_OR_RETURN(EngineModel model, EngineModel::Create(config, rank, std::move(lookup), std::move(coll), mo));
-  core->model_ = std::make_unique<EngineModel>(std::move(model));
+  core->model_ = std::make_unique<RefModel>(std::move(model));
+  return core;
+}
+
+absl::StatusOr<std::unique_ptr<EngineCore>> EngineCore::Create(const ModelConfig& config, EngineRank rank,
+                                                               std::unique_ptr<ServedModel> model,
+                                                               EngineCoreOptions options) {
+  if (rank.tp_size != 1 || rank.tp_rank != 0)
+    return absl::InvalidArgumentError(absl::StrCat("engine ", options.engine_id, ": tp rank ", rank.tp_rank, "/",
+                                                   rank.tp_size, ": an engine behind an adapter serves TP 1 only"));
+  if (model == nullptr) return absl::InvalidArgumentError("EngineCore::Create: no model");
+  auto core = std::unique_ptr<EngineCore>(new EngineCore(config, rank, std::move(options)));
+  core->model_ = std::move(model);
   return core;
 }
 
 EngineCore::~EngineCore() { Shutdown(); }
 
 absl::Status EngineCore::PrepareInitial(uint64_t version, std::string source) {
-  RETURN_IF_ERROR(model_->Prepare());
+  RETURN_IF_ERROR(model_->Prepare(version));
   absl::MutexLock lock(&mu_);
   weights_ = Weights::kReady;
   version_ = version;
@@ -190,6 +216,19 @@ EngineCore::Admit EngineCore::TryAdmitLocked() {
   return kOk;
 }
 
+int32_t EngineCore::StopFlag() const {
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return 2;
+  return paused_ && mode_ == PauseMode::kAbort ? 1 : 0;
+}
+
+absl::Status EngineCore::RequestStopped() const {
+  const int32_t flag = StopFlag();
+  if (flag == 0) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat("engine ", options_.engine_id, ": request aborted: ",
+                                             flag == 2 ? "shutting down" : "paused for a weight sync (ABORT)"));
+}
+
 void EngineCore::Release() {
   absl::MutexLock lock(&mu_);
   --in_flight_;
@@ -218,14 +257,7 @@ absl::StatusOr<std::vector<int32_t>> EngineCore::Compute(absl::Span<const int32_
   const int T = rank_.tp_size;
   EngineModel::StepHook hook = [this, T](int) -> absl::Status {
     if (options_.step_delay > absl::ZeroDuration()) absl::SleepFor(options_.step_delay);
-    int32_t flag = 0;
-    {
-      absl::MutexLock lock(&mu_);
-      if (stopping_)
-        flag = 2;
-      else if (paused_ && mode_ == PauseMode::kAbort)
-        flag = 1;
-    }
+    const int32_t flag = StopFlag();
     std::vector<int32_t> flags(static_cast<size_t>(T), flag);
     if (T > 1) {
       comm::ConstBytes in{&flag, sizeof(flag)};
@@ -329,25 +361,12 @@ absl::StatusOr<GenerateResult> EngineCore::Generate(absl::Span<const int32_t> pr
   const absl::Time start = absl::Now();
   const absl::Time hold_until = std::min(deadline, start + options_.hold_timeout);
   absl::Time versions_differ_since = absl::InfiniteFuture();
+  std::string held_by = "this rank is paused (HOLD) or preparing new weights";
   for (;;) {
     uint64_t version = 0;
-    std::string held_by = "this rank is paused (HOLD) or preparing new weights";
     {
       absl::MutexLock lock(&mu_);
-      Admit a;
-      while ((a = TryAdmitLocked()) == kHold) {
-        if (cancelled && cancelled())
-          return absl::CancelledError(absl::StrCat(where, ": the caller went away while held"));
-        const absl::Time now = absl::Now();
-        if (now >= hold_until) {
-          const std::string msg =
-              absl::StrCat(where, ": held for ", absl::FormatDuration(now - start), " (", held_by, "); giving up");
-          return now >= deadline ? absl::DeadlineExceededError(msg) : absl::UnavailableError(msg);
-        }
-        cv_.WaitWithDeadline(&mu_, std::min(hold_until, now + kPollPeriod));
-      }
-      if (a != kOk) return Refusal(a, rank_.tp_rank);
-      version = version_;
+      ASSIGN_OR_RETURN(version, AdmitWaiting(where, start, hold_until, deadline, cancelled, held_by));
     }
     if (rank_.tp_size == 1) {
       absl::StatusOr<std::vector<int32_t>> tokens = Compute(prompt, max_new);
@@ -380,6 +399,34 @@ absl::StatusOr<GenerateResult> EngineCore::Generate(absl::Span<const int32_t> pr
     absl::MutexLock lock(&mu_);
     cv_.WaitWithDeadline(&mu_, std::min(hold_until, now + kRetryPeriod));
   }
+}
+
+absl::StatusOr<uint64_t> EngineCore::AdmitWaiting(const std::string& where, absl::Time start, absl::Time hold_until,
+                                                  absl::Time deadline, const std::function<bool()>& cancelled,
+                                                  const std::string& held_by) {
+  Admit a;
+  while ((a = TryAdmitLocked()) == kHold) {
+    if (cancelled && cancelled()) return absl::CancelledError(absl::StrCat(where, ": the caller went away while held"));
+    const absl::Time now = absl::Now();
+    if (now >= hold_until) {
+      const std::string msg =
+          absl::StrCat(where, ": held for ", absl::FormatDuration(now - start), " (", held_by, "); giving up");
+      return now >= deadline ? absl::DeadlineExceededError(msg) : absl::UnavailableError(msg);
+    }
+    cv_.WaitWithDeadline(&mu_, std::min(hold_until, now + kPollPeriod));
+  }
+  if (a != kOk) return Refusal(a, rank_.tp_rank);
+  return version_;
+}
+
+absl::StatusOr<uint64_t> EngineCore::BeginRequest(absl::Time deadline, const std::function<bool()>& cancelled) {
+  const absl::Time start = absl::Now();
+  absl::MutexLock lock(&mu_);
+  if (rank_.tp_size != 1)
+    return absl::FailedPreconditionError(
+        absl::StrCat(WhereLocked(), ": BeginRequest serves TP 1 only (Generate runs the TP protocol)"));
+  return AdmitWaiting(WhereLocked(), start, std::min(deadline, start + options_.hold_timeout), deadline, cancelled,
+                      "this rank is paused (HOLD) or preparing new weights");
 }
 
 void EngineCore::HoldForCatchUp(uint64_t v) {
@@ -447,7 +494,7 @@ absl::StatusOr<uint64_t> EngineCore::Continue(uint64_t version, absl::Time deadl
     }
   }
   const absl::Time start = absl::Now();
-  absl::Status s = model_->Prepare();
+  absl::Status s = model_->Prepare(version);
   absl::MutexLock lock(&mu_);
   preparing_ = false;
   paused_ = false;

@@ -84,6 +84,23 @@ struct GenerateResult {
   uint64_t version = 0;
 };
 
+// What an EngineCore serves: the reference engine's EngineModel (Create with a ParamLookup), or
+// another engine behind an adapter (src/engine_host: an engine in Python through callbacks).
+// Prepare and Generate are called by the core only, never concurrently with each other's
+// Prepare: Prepare only while no request is admitted (the core's pause protocol above).
+class ServedModel {
+ public:
+  using StepHook = EngineModel::StepHook;
+  virtual ~ServedModel() = default;
+  // Reads the weights the parameter memory holds now, to serve them as `version`. On error the
+  // core turns UNHEALTHY until a later Prepare succeeds.
+  virtual absl::Status Prepare(uint64_t version) = 0;
+  // Greedy decoding of max_new_tokens tokens; `before_step` (may be null) is called before every
+  // forward pass and stops generation with its error.
+  virtual absl::StatusOr<std::vector<int32_t>> Generate(absl::Span<const int32_t> prompt, int max_new_tokens,
+                                                        const StepHook& before_step) = 0;
+};
+
 struct EngineCoreOptions {
   absl::Duration hold_timeout = absl::Minutes(10);        // longest a Generate waits for a HOLD
   absl::Duration version_wait = absl::Seconds(10);        // longest the TP ranks may disagree on versions
@@ -104,6 +121,12 @@ class EngineCore {
   ~EngineCore();  // Shutdown()
   EngineCore(const EngineCore&) = delete;
   EngineCore& operator=(const EngineCore&) = delete;
+
+  // A core over another engine's model (one rank: T must be 1, since the lockstep TP protocol is
+  // the reference model's; an engine that shards does so itself). kInvalidArgument for T != 1.
+  static absl::StatusOr<std::unique_ptr<EngineCore>> Create(const ModelConfig& config, EngineRank rank,
+                                                            std::unique_ptr<ServedModel> model,
+                                                            EngineCoreOptions options);
 
   // Prepares the weights in memory as `version` (start-up from a checkpoint); Prepare's errors.
   absl::Status PrepareInitial(uint64_t version, std::string source);
@@ -129,6 +152,16 @@ class EngineCore {
   // waiting (may be null).
   absl::StatusOr<GenerateResult> Generate(absl::Span<const int32_t> prompt, int64_t max_new_tokens, absl::Time deadline,
                                           const std::function<bool()>& cancelled);
+  // Admission for requests an embedding process computes itself (T = 1; engine_host): waits as
+  // Generate does while the rank is held (up to `deadline` and hold_timeout), then counts the
+  // request in flight and returns the version it must be computed with; the caller must call
+  // EndRequest() once it is done. Generate's refusals (UNAVAILABLE, FAILED_PRECONDITION, ...).
+  absl::StatusOr<uint64_t> BeginRequest(absl::Time deadline, const std::function<bool()>& cancelled);
+  void EndRequest() { Release(); }
+  // Whether a running request admitted by BeginRequest should stop now (paused with ABORT, or
+  // shutting down): the error to return, else OK.
+  absl::Status RequestStopped() const;
+
   // Stops admitting requests; ABORT also stops running ones at their next step. Returns the
   // number of requests in flight at the time. Idempotent; a later call sets the mode.
   uint32_t Pause(PauseMode mode);
@@ -173,7 +206,14 @@ class EngineCore {
   EngineCore(ModelConfig config, EngineRank rank, EngineCoreOptions options);
 
   Admit TryAdmitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits while TryAdmitLocked() says kHold (until hold_until / the deadline / cancelled); then
+  // the version admitted, or the refusal. `held_by` says why, for the timeout message.
+  absl::StatusOr<uint64_t> AdmitWaiting(const std::string& where, absl::Time start, absl::Time hold_until,
+                                        absl::Time deadline, const std::function<bool()>& cancelled,
+                                        const std::string& held_by) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Release();
+  // 2 when shutting down, 1 when paused with ABORT, else 0 (what a running request checks).
+  int32_t StopFlag() const;
   absl::Status Refusal(Admit admit, int tp_rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkBroken(const absl::Status& status);
   std::string WhereLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -192,7 +232,7 @@ class EngineCore {
   const ModelConfig config_;
   const EngineRank rank_;
   const EngineCoreOptions options_;
-  std::unique_ptr<EngineModel> model_;
+  std::unique_ptr<ServedModel> model_;
   // Set by AttachGroup, before any Generate is admitted; replaced only by DetachGroup (under
   // channel_mu_, with the heartbeat / follower thread joined and the group broken, so no request
   // can be using it).

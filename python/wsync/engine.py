@@ -1,0 +1,467 @@
+"""The engine side: an engine that wsync does not build follows the trainer's syncs.
+
+``EngineHost`` (libwsync_engine_host, src/engine_host/wsync_engine_host.h) is one engine rank on a
+rollout agent: the parameters in one shared-memory segment in the SGLang engine form the agents
+write (fused qkv_proj / gate_up_proj, stacked experts, vocab padded to 64, INT4 in Marlin layout),
+the RolloutEngine gRPC service (Pause, Flush, Continue, Health, WeightVersion, Generate) with the
+reference engine's state machine, and the registration with the agent. An *adapter* is the
+engine: it reads the parameters (``host.tensor(name)``, in place) and is called back
+
+* ``prepare(version)`` when a sync has written version ``version`` into the segment (the engine is
+  paused and idle then; a failure makes the engine UNHEALTHY until a later sync prepares), and
+* ``generate(prompt, max_new_tokens)`` for the gRPC Generate (greedy; a list of token ids).
+
+Requests the process computes itself go through ``with host.request() as version:``, which waits
+while a sync holds the engine and names the weight version the request runs on, so no request
+ever mixes two versions.
+
+``TransformersEngine`` is the adapter for a HuggingFace transformers model (a CPU engine for
+small RL loops): every bf16 parameter of the model *is* a view of the segment (no copy: a sync
+writes the model's weights), INT4 linears are dequantized into the model's own bf16 parameters at
+``prepare``. ``python -m wsync.engine`` runs it as a process with wsync-ref-engine's flags.
+
+Errors: every failure raises wsync.WsyncError (code_name, message) naming what is wrong; a failed
+constructor leaves nothing behind.
+"""
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+
+from wsync import _native
+from wsync._native import WsyncError
+
+_LIB = "libwsync_engine_host.so"
+_ABI_VERSION = 1
+
+_PREPARE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t)
+_GENERATE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t,
+                             ctypes.c_uint32, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_size_t),
+                             ctypes.c_void_p, ctypes.c_size_t)
+
+
+class _Options(ctypes.Structure):
+    _fields_ = [("engine_id", ctypes.c_char_p), ("config_json", ctypes.c_char_p), ("quant_json", ctypes.c_char_p),
+                ("listen", ctypes.c_char_p), ("agent", ctypes.c_char_p), ("agent_file", ctypes.c_char_p),
+                ("token_file", ctypes.c_char_p), ("prepare", _PREPARE), ("generate", _GENERATE),
+                ("ctx", ctypes.c_void_p), ("hold_timeout_s", ctypes.c_double), ("checkpoint", ctypes.c_char_p)]
+
+
+class _ParamInfo(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("dtype", ctypes.c_char_p), ("ndim", ctypes.c_int),
+                ("shape", ctypes.c_int64 * 4), ("nbytes", ctypes.c_uint64), ("data", ctypes.c_void_p),
+                ("kind", ctypes.c_int)]
+
+
+class _LinearInfo(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("quantized", ctypes.c_int), ("experts", ctypes.c_int64),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+def _declare(lib):
+    P = ctypes.c_void_p
+    for name, res, args in [
+        ("wsync_engine_last_error", ctypes.c_char_p, []),
+        ("wsync_engine_abi_version", ctypes.c_int, []),
+        ("wsync_engine_create", ctypes.c_int, [ctypes.POINTER(_Options), ctypes.POINTER(P)]),
+        ("wsync_engine_param_count", ctypes.c_size_t, [P]),
+        ("wsync_engine_param", ctypes.c_int, [P, ctypes.c_size_t, ctypes.POINTER(_ParamInfo)]),
+        ("wsync_engine_linear_count", ctypes.c_size_t, [P]),
+        ("wsync_engine_linear", ctypes.c_int, [P, ctypes.c_size_t, ctypes.POINTER(_LinearInfo)]),
+        ("wsync_engine_dense_bf16", ctypes.c_int, [P, ctypes.c_char_p, P, ctypes.c_uint64]),
+        ("wsync_engine_start", ctypes.c_int, [P]),
+        ("wsync_engine_address", ctypes.c_char_p, [P]),
+        ("wsync_engine_begin_request", ctypes.c_int, [P, ctypes.c_int64, ctypes.POINTER(ctypes.c_uint64)]),
+        ("wsync_engine_end_request", None, [P]),
+        ("wsync_engine_request_stopped", ctypes.c_int, [P]),
+        ("wsync_engine_health", ctypes.c_int, [P, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64)]),
+        ("wsync_engine_destroy", None, [P]),
+    ]:
+        f = getattr(lib, name)
+        f.restype, f.argtypes = res, args
+
+
+def library():
+    """libwsync_engine_host, loaded once per process ($WSYNC_ENGINE_HOST, the package, build/lib)."""
+    return _native.load(_LIB, "WSYNC_ENGINE_HOST", _declare, "wsync_engine_abi_version", _ABI_VERSION)
+
+
+def _check(lib, rc, what):
+    _native.check(lib, rc, what, last_error="wsync_engine_last_error")
+
+
+def _write_err(err, err_len, message):
+    data = message.encode("utf-8", "replace")[: max(0, err_len - 1)] + b"\0"
+    ctypes.memmove(err, data, len(data))
+
+
+class Param:
+    """One engine parameter: SGLang name, safetensors dtype, engine-form shape, kind ("plain",
+    "packed": INT4 Marlin int32, "scale": permuted INT4 scales), its bytes in the segment."""
+
+    KINDS = ("plain", "packed", "scale")
+
+    def __init__(self, info):
+        self.name = info.name.decode()
+        self.dtype = info.dtype.decode()
+        self.shape = tuple(info.shape[i] for i in range(info.ndim))
+        self.nbytes = int(info.nbytes)
+        self.kind = self.KINDS[info.kind]
+        self.address = int(info.data)
+
+
+class Linear:
+    """One GEMM weight of the engine: `name` of its bf16 weight, `quantized` (then held as
+    name_packed + name_scale), `shape` of the dense weight ([n, k] or [experts, n, k])."""
+
+    def __init__(self, info):
+        self.name = info.name.decode()
+        self.quantized = bool(info.quantized)
+        self.shape = (int(info.experts), int(info.n), int(info.k)) if info.experts else (int(info.n), int(info.k))
+
+
+class EngineHost:
+    """See the module comment. `adapter` has prepare(version) and (optionally) generate(prompt,
+    max_new_tokens); it may be attached after construction (attach()), before start()."""
+
+    def __init__(self, engine_id, config_json, agent=None, agent_file=None, quant_json=None, listen="127.0.0.1:0",
+                 token_file=None, hold_timeout=600.0, checkpoint=None):
+        self._lib = library()
+        self._adapter = None
+        self._prepare_cb = _PREPARE(self._on_prepare)
+        self._generate_cb = _GENERATE(self._on_generate)
+        opts = _Options(engine_id=engine_id.encode(), config_json=config_json.encode(),
+                        quant_json=(quant_json or "").encode(), listen=listen.encode(),
+                        agent=agent.encode() if agent else None, agent_file=agent_file.encode() if agent_file else None,
+                        token_file=token_file.encode() if token_file else None, prepare=self._prepare_cb,
+                        generate=self._generate_cb, ctx=None, hold_timeout_s=float(hold_timeout),
+                        checkpoint=checkpoint.encode() if checkpoint else None)
+        h = ctypes.c_void_p()
+        _check(self._lib, self._lib.wsync_engine_create(ctypes.byref(opts), ctypes.byref(h)), f"engine {engine_id}")
+        self._h = h
+        self.engine_id = engine_id
+        self.config = json.loads(config_json)
+        self.params = {}
+        for i in range(self._lib.wsync_engine_param_count(h)):
+            info = _ParamInfo()
+            _check(self._lib, self._lib.wsync_engine_param(h, i, ctypes.byref(info)), "param")
+            p = Param(info)
+            self.params[p.name] = p
+        self.linears = {}
+        for i in range(self._lib.wsync_engine_linear_count(h)):
+            info = _LinearInfo()
+            _check(self._lib, self._lib.wsync_engine_linear(h, i, ctypes.byref(info)), "linear")
+            lin = Linear(info)
+            self.linears[lin.name] = lin
+        self._buffers = {}
+
+    # --- the parameters -------------------------------------------------------------------------
+    def buffer(self, name):
+        """A writable ctypes char array over the parameter's bytes in the segment (valid until close)."""
+        p = self._param(name)
+        if name not in self._buffers:
+            self._buffers[name] = (ctypes.c_char * p.nbytes).from_address(p.address)
+        return self._buffers[name]
+
+    def tensor(self, name):
+        """The parameter as a torch tensor over the segment's bytes (no copy), engine-form shape."""
+        import torch
+
+        dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32}
+        p = self._param(name)
+        return torch.frombuffer(self.buffer(name), dtype=dtypes[p.dtype]).view(p.shape)
+
+    def dense_bf16(self, linear_name, out=None):
+        """The linear's weight as bf16 in HF orientation ([n, k] / [experts, n, k]; INT4
+        dequantized); written into `out` (a contiguous bf16 torch tensor of that shape) if given."""
+        import torch
+
+        if linear_name not in self.linears:
+            raise WsyncError(5, f"engine {self.engine_id}: no linear '{linear_name}'")
+        lin = self.linears[linear_name]
+        if out is None:
+            out = torch.empty(lin.shape, dtype=torch.bfloat16)
+        if out.dtype != torch.bfloat16 or not out.is_contiguous() or tuple(out.shape) != lin.shape:
+            raise WsyncError(3, f"{linear_name}: want a contiguous bf16 tensor {list(lin.shape)}, got "
+                                f"{out.dtype} {list(out.shape)}")
+        _check(self._lib, self._lib.wsync_engine_dense_bf16(self._h, linear_name.encode(), out.data_ptr(),
+                                                            out.numel() * 2), linear_name)
+        return out
+
+    def _param(self, name):
+        if name not in self.params:
+            raise WsyncError(5, f"engine {self.engine_id}: no parameter '{name}'")
+        return self.params[name]
+
+    # --- serving --------------------------------------------------------------------------------
+    def attach(self, adapter):
+        self._adapter = adapter
+
+    def start(self):
+        """Prepares the checkpoint given at construction (version 0), serves RolloutEngine and
+        registers with the agent; returns the address served."""
+        if self._adapter is None:
+            raise WsyncError(9, f"engine {self.engine_id}: attach an adapter before start()")
+        _check(self._lib, self._lib.wsync_engine_start(self._h), f"engine {self.engine_id}: start")
+        return self.address
+
+    @property
+    def address(self):
+        return self._lib.wsync_engine_address(self._h).decode()
+
+    @contextlib.contextmanager
+    def request(self, timeout=600.0):
+        """Admits one request (waits while a sync holds the engine); yields the weight version it runs on."""
+        v = ctypes.c_uint64()
+        _check(self._lib, self._lib.wsync_engine_begin_request(self._h, int(timeout * 1000), ctypes.byref(v)),
+               f"engine {self.engine_id}")
+        try:
+            yield v.value
+        finally:
+            self._lib.wsync_engine_end_request(self._h)
+
+    def stopped(self):
+        """Inside a request: True once a sync paused the engine with ABORT (stop computing)."""
+        return self._lib.wsync_engine_request_stopped(self._h) != 0
+
+    STATES = {1: "SERVING", 2: "PAUSED", 3: "NO_WEIGHTS", 4: "UNHEALTHY"}
+
+    def health(self):
+        """(state name, version served)."""
+        state, version = ctypes.c_int(), ctypes.c_uint64()
+        _check(self._lib, self._lib.wsync_engine_health(self._h, ctypes.byref(state), ctypes.byref(version)), "health")
+        return self.STATES.get(state.value, str(state.value)), version.value
+
+    def close(self):
+        if self._h:
+            self._buffers.clear()
+            self._lib.wsync_engine_destroy(self._h)
+            self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # --- callbacks (gRPC threads) ---------------------------------------------------------------
+    def _on_prepare(self, _ctx, version, err, err_len):
+        try:
+            self._adapter.prepare(int(version))
+            return 0
+        except BaseException as e:  # noqa: BLE001 (reported to the agent, never raised into C)
+            _write_err(err, err_len, f"{type(e).__name__}: {e}")
+            return 1
+
+    def _on_generate(self, _ctx, prompt, n, max_new, out, out_len, err, err_len):
+        try:
+            gen = getattr(self._adapter, "generate", None)
+            if gen is None:
+                raise NotImplementedError("the adapter has no generate()")
+            tokens = list(gen([prompt[i] for i in range(n)], int(max_new)))
+            if len(tokens) > max_new:
+                raise ValueError(f"generate returned {len(tokens)} tokens for max_new_tokens {max_new}")
+            for i, t in enumerate(tokens):
+                out[i] = int(t)
+            out_len[0] = len(tokens)
+            return 0
+        except BaseException as e:  # noqa: BLE001
+            _write_err(err, err_len, f"{type(e).__name__}: {e}")
+            return 1
+
+
+# --- transformers ----------------------------------------------------------------------------------
+
+def _hf_source(name, cfg):
+    """Where transformers parameter `name` lives in the SGLang engine form: (engine tensor name,
+    row0, rows or None for all), TP 1. The engine tensor is a linear's weight name or a param name."""
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    q = cfg["num_attention_heads"] * hd
+    kv = cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * hd
+    for proj, (r0, rows) in (("q_proj", (0, q)), ("k_proj", (q, kv)), ("v_proj", (q + kv, kv))):
+        for suffix in (".weight", ".bias"):
+            tail = f".self_attn.{proj}{suffix}"
+            if name.endswith(tail):
+                return name[: -len(tail)] + f".self_attn.qkv_proj{suffix}", r0, rows
+    for proj, half in (("gate_proj", 0), ("up_proj", 1)):
+        tail = f".{proj}.weight"
+        if name.endswith(tail) and ".experts." not in name:
+            return name[: -len(tail)] + ".gate_up_proj.weight", half, None  # half: resolved by the caller
+    if name.endswith(".mlp.experts.gate_up_proj"):
+        return name[: -len("gate_up_proj")] + "w13_weight", 0, None
+    if name.endswith(".mlp.experts.down_proj"):
+        return name[: -len("down_proj")] + "w2_weight", 0, None
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return name, 0, cfg["vocab_size"]
+    return name, 0, None
+
+
+class TransformersEngine:
+    """A HuggingFace transformers causal LM served from the engine host's segment (module comment).
+    Its parameters are bound at construction: bf16 ones are views of the segment, INT4 linears get
+    their own bf16 tensor that prepare() fills. Every parameter of the model must have a source of
+    its shape in the engine, else WsyncError(INVALID_ARGUMENT) names every one that does not."""
+
+    def __init__(self, host, model=None):
+        import torch
+        import transformers
+
+        self.host = host
+        self.torch = torch
+        cfg = host.config
+        if model is None:
+            hf_config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "quantization_config"})
+            model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+        self.model = model.eval()
+        self._dequantized = []  # (linear name, the model's tensor, row0, rows)
+        problems = []
+        tied = self.model.config.tie_word_embeddings
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if tied and name == "lm_head.weight":
+                    continue  # the embedding's Parameter
+                try:
+                    param.data = self._bind(name, tuple(param.shape), cfg)
+                except WsyncError as e:
+                    problems.append(e.message)
+        if problems:
+            raise WsyncError(3, f"engine {host.engine_id}: the transformers model does not fit the engine's "
+                                f"parameters: " + "; ".join(problems))
+        host.attach(self)
+
+    def _bind(self, name, shape, cfg):
+        torch = self.torch
+        src, row0, rows = _hf_source(name, cfg)
+        host = self.host
+        lin = host.linears.get(src)
+        quantized = lin is not None and lin.quantized
+        if not quantized:
+            if src not in host.params:
+                raise WsyncError(5, f"{name}: the engine has no {src}")
+            p = host.params[src]
+            if p.kind != "plain" or p.dtype not in ("BF16", "F32"):
+                raise WsyncError(3, f"{name}: the engine's {src} is {p.dtype} {p.kind}")
+        full = lin.shape if quantized else host.params[src].shape
+        if src.endswith(".gate_up_proj.weight"):  # row0 is the half: 0 gate, 1 up
+            rows = full[0] // 2
+            row0 *= rows
+        take = full[0] if rows is None else rows
+        want = (take,) + tuple(full[1:])
+        if want != shape or row0 + take > full[0]:
+            raise WsyncError(3, f"{name} {list(shape)}: the engine's {src} gives {list(want)}")
+        if quantized:
+            t = torch.zeros(shape, dtype=torch.bfloat16)
+            self._dequantized.append((src, t, row0, rows))
+            return t
+        view = host.tensor(src)
+        view = view if rows is None else view[row0:row0 + rows]
+        return view if view.dtype == torch.bfloat16 else view.to(torch.bfloat16)
+
+    def prepare(self, version):
+        """The segment holds `version`: dequantize the INT4 linears into the model's tensors; check
+        every weight is finite (a NaN refuses the version, naming the parameter)."""
+        torch = self.torch
+        dense = {}
+        with torch.no_grad():
+            for src, t, row0, rows in self._dequantized:
+                if src not in dense:
+                    dense[src] = self.host.dense_bf16(src)
+                d = dense[src]
+                t.copy_(d if rows is None else d[row0:row0 + rows])
+            for name, p in self.model.named_parameters():
+                if not torch.isfinite(p).all():
+                    raise ValueError(f"version {version}: {name} holds NaN or Inf")
+
+    def generate(self, prompt, max_new_tokens):
+        """Greedy decoding (model.generate), exactly max_new_tokens new tokens."""
+        torch = self.torch
+        ids = torch.tensor([list(prompt)], dtype=torch.long)
+        with torch.no_grad():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                      eos_token_id=None, pad_token_id=0)
+        return out[0, ids.shape[1]:].tolist()
+
+    def generate_request(self, prompt, max_new_tokens, timeout=600.0):
+        """generate() admitted by the host: (tokens, the weight version they were computed with)."""
+        with self.host.request(timeout) as version:
+            return self.generate(prompt, max_new_tokens), version
+
+
+# --- the process: python -m wsync.engine -----------------------------------------------------------
+
+def _quant_json(args, config):
+    if args.quant_config == "none":
+        return ""
+    if args.quant_config:
+        with open(args.quant_config) as f:
+            j = json.load(f)
+        return json.dumps(j.get("quantization_config", j))
+    q = config.get("quantization_config")
+    return json.dumps(q) if q else ""
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m wsync.engine",
+                                 description="A transformers model served as a wsync rollout engine (TP 1).")
+    ap.add_argument("--model", default="", help="config.json, or a directory holding one (default: --checkpoint's)")
+    ap.add_argument("--quant-config", default="", help="FILE | none (default: the config's quantization_config)")
+    ap.add_argument("--checkpoint", default="", help="an HF checkpoint to serve as version 0 until the first sync")
+    ap.add_argument("--engine-id", default="transformers")
+    ap.add_argument("--listen", default="127.0.0.1:0")
+    ap.add_argument("--address-file", default="")
+    ap.add_argument("--agent", default="")
+    ap.add_argument("--agent-file", default="")
+    ap.add_argument("--token-file", default="")
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--tp-rank", type=int, default=0)
+    ap.add_argument("--ep-size", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args(argv)
+    if (args.tp_size, args.tp_rank, args.ep_size) != (1, 0, 1):
+        ap.error(f"--tp-size {args.tp_size} --tp-rank {args.tp_rank} --ep-size {args.ep_size}: "
+                 "this engine serves TP 1, EP 1")
+    if not args.agent and not args.agent_file:
+        ap.error("--agent or --agent-file is required")
+    model = args.model or args.checkpoint
+    if not model:
+        ap.error("--model or --checkpoint is required")
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    with open(path) as f:
+        config_text = f.read()
+    config = json.loads(config_text)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        host = EngineHost(args.engine_id, config_text, agent=args.agent or None, agent_file=args.agent_file or None,
+                          quant_json=_quant_json(args, config), listen=args.listen,
+                          token_file=args.token_file or None, checkpoint=args.checkpoint or None)
+        TransformersEngine(host)
+        address = host.start()
+    except WsyncError as e:
+        print(f"wsync.engine: {e}", file=sys.stderr)
+        return 1
+    print(f"listening on {address}", flush=True)
+    if args.address_file:
+        tmp = f"{args.address_file}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(address + "\n")
+        os.replace(tmp, args.address_file)
+    while not stop.wait(0.2):
+        pass
+    host.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+// libwsync_engine_host: the C API of wsync_engine_host.h over the reference engine's process shell
+// (ref_engine: EngineCore's state machine, the RolloutEngine service, the agent registrar) and the
+// rollout agent's ParamArena, with the engine's own model behind callbacks (CallbackModel).
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/config.h"
+#include "common/dtype.h"
+#include "common/logging.h"
+#include "common/rpc_security.h"
+#include "common/status.h"
+#include "ref_engine/checkpoint.h"
+#include "ref_engine/core.h"
+#include "ref_engine/registration.h"
+#include "ref_engine/server.h"
+#include "rollout_agent/engine_memory/param_arena.h"
+#include "rollout_agent/load/engine_layout.h"
+#include "rollout_agent/repack/repack.h"
+#include "wsync_engine_host.h"
+
+namespace {
+
+using wsync::ref_engine::EngineCore;
+
+thread_local std::string g_last_error;
+
+int Fail(const absl::Status& s) {
+  g_last_error = std::string(s.message());
+  return static_cast<int>(s.code());
+}
+int Ok() {
+  g_last_error.clear();
+  return 0;
+}
+
+constexpr size_t kErrLen = 2048;
+
+// The engine's model: Prepare and Generate call the host's callbacks.
+class CallbackModel final : public wsync::ref_engine::ServedModel {
+ public:
+  CallbackModel(wsync_engine_prepare_fn prepare, wsync_engine_generate_fn generate, void* ctx)
+      : prepare_(prepare), generate_(generate), ctx_(ctx) {}
+
+  absl::Status Prepare(uint64_t version) override {
+    char err[kErrLen] = {0};
+    const int rc = prepare_(ctx_, version, err, sizeof(err));
+    if (rc == 0) return absl::OkStatus();
+    err[kErrLen - 1] = 0;
+    return absl::InternalError(absl::StrCat("the engine could not read version ", version, ": ",
+                                            err[0] ? err : "its prepare callback failed (no message)"));
+  }
+
+  absl::StatusOr<std::vector<int32_t>> Generate(absl::Span<const int32_t> prompt, int max_new_tokens,
+                                                const StepHook& before_step) override {
+    if (generate_ == nullptr) return absl::UnimplementedError("this engine serves no Generate over gRPC");
+    if (before_step) RETURN_IF_ERROR(before_step(0));
+    std::vector<int32_t> out(static_cast<size_t>(max_new_tokens));
+    size_t n = 0;
+    char err[kErrLen] = {0};
+    const int rc = generate_(ctx_, prompt.data(), prompt.size(), static_cast<uint32_t>(max_new_tokens), out.data(), &n,
+                             err, sizeof(err));
+    err[kErrLen - 1] = 0;
+    if (rc != 0) return absl::InternalError(absl::StrCat("the engine's generate failed: ", err));
+    if (n > out.size())
+      return absl::InternalError(absl::StrCat("the engine's generate returned ", n, " tokens for ", out.size()));
+    out.resize(n);
+    return out;
+  }
+
+ private:
+  wsync_engine_prepare_fn prepare_;
+  wsync_engine_generate_fn generate_;
+  void* ctx_;
+};
+
+std::string Str(const char* s) { return s ? std::string(s) : std::string(); }
+
+}  // namespace
+
+struct wsync_engine {
+  std::string engine_id, config_json, quant_json, listen, agent, agent_file;
+  wsync::RpcSecurity security;
+  wsync::ModelConfig config;
+  std::unique_ptr<wsync::rollout_agent::EngineLayout> layout;
+  std::unique_ptr<wsync::rollout_agent::ParamArena> arena;
+  std::unique_ptr<EngineCore> core;
+  std::vector<std::string> dtype_names;
+  std::string checkpoint;  // loaded at create, prepared as version 0 at start
+
+  absl::Mutex mu;
+  std::unique_ptr<wsync::ref_engine::EngineServer> server ABSL_GUARDED_BY(mu);
+  std::unique_ptr<wsync::ref_engine::AgentRegistrar> registrar ABSL_GUARDED_BY(mu);
+  std::string address;  // set once by start
+};
+
+extern "C" {
+
+const char* wsync_engine_last_error(void) { return g_last_error.c_str(); }
+int wsync_engine_abi_version(void) { return WSYNC_ENGINE_HOST_ABI_VERSION; }
+
+int wsync_engine_create(const wsync_engine_options* o, wsync_engine** out) {
+  using namespace wsync;
+  if (o == nullptr || out == nullptr) return Fail(absl::InvalidArgumentError("wsync_engine_create: null argument"));
+  *out = nullptr;
+  const std::string id = Str(o->engine_id);
+  if (id.empty() || id.size() > 64 ||
+      id.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+                           "0123456789._-") != std::string::npos)
+    return Fail(absl::InvalidArgumentError(absl::StrCat("engine id '", id, "': want [A-Za-z0-9._-]{1,64}")));
+  if (o->prepare == nullptr) return Fail(absl::InvalidArgumentError("wsync_engine_create: no prepare callback"));
+  if (Str(o->agent).empty() && Str(o->agent_file).empty())
+    return Fail(absl::InvalidArgumentError("wsync_engine_create: no rollout agent (agent or agent_file)"));
+  auto e = std::make_unique<wsync_engine>();
+  e->engine_id = id;
+  e->config_json = Str(o->config_json);
+  e->quant_json = Str(o->quant_json);
+  e->listen = o->listen && *o->listen ? o->listen : "127.0.0.1:0";
+  e->agent = Str(o->agent);
+  e->agent_file = Str(o->agent_file);
+  RpcSecurityOptions so;
+  so.token_file = Str(o->token_file);
+  absl::StatusOr<RpcSecurity> sec = LoadRpcSecurity(so);
+  if (!sec.ok()) return Fail(sec.status());
+  e->security = *sec;
+
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(e->config_json, "the engine's config.json");
+  if (!config.ok()) return Fail(config.status());
+  e->config = *config;
+  e->config.quantization.reset();
+  if (!e->quant_json.empty()) {
+    absl::StatusOr<QuantizationConfig> q = ParseQuantizationConfig(e->quant_json, "the engine's quantization_config");
+    if (!q.ok()) return Fail(q.status());
+    if (absl::Status s = q->CheckInt4Supported(); !s.ok()) return Fail(s);
+    e->config.quantization = *q;
+  }
+  ref_engine::EngineRank rank;  // TP 1: the host is one engine rank
+  absl::StatusOr<rollout_agent::EngineLayout> layout =
+      rollout_agent::EngineLayout::Create(e->config, e->config.quantization ? &*e->config.quantization : nullptr, rank);
+  if (!layout.ok()) return Fail(layout.status());
+  e->layout = std::make_unique<rollout_agent::EngineLayout>(*std::move(layout));
+
+  absl::StatusOr<std::vector<std::string>> stale = rollout_agent::ReclaimStaleShmSegments(id, 0);
+  for (const std::string& name : stale.ok() ? *stale : std::vector<std::string>{})
+    WSYNC_LOG(INFO) << "removed the shm segment /" << name << " of a killed earlier process of engine " << id;
+  absl::StatusOr<std::unique_ptr<rollout_agent::ParamArena>> arena =
+      rollout_agent::ParamArena::Create(*e->layout, rollout_agent::UniqueShmName(id, 0));
+  if (!arena.ok()) return Fail(arena.status());
+  e->arena = *std::move(arena);
+  for (const rollout_agent::EngineBuffer& b : e->arena->weights().buffers())
+    e->dtype_names.emplace_back(SafetensorsName(b.dtype));
+
+  if (o->checkpoint && *o->checkpoint) {
+    e->checkpoint = o->checkpoint;
+    absl::StatusOr<ref_engine::CheckpointStats> stats =
+        ref_engine::LoadCheckpoint(e->checkpoint, *e->layout, e->arena->weights());
+    if (!stats.ok()) return Fail(stats.status());
+    WSYNC_LOG(INFO) << "engine host " << id << ": loaded checkpoint " << e->checkpoint << " (" << stats->tensors
+                    << " tensors, " << stats->quantized << " quantized at load)";
+  }
+  ref_engine::EngineCoreOptions co;
+  co.engine_id = id;
+  if (o->hold_timeout_s > 0) co.hold_timeout = absl::Seconds(o->hold_timeout_s);
+  absl::StatusOr<std::unique_ptr<EngineCore>> core =
+      EngineCore::Create(e->config, rank, std::make_unique<CallbackModel>(o->prepare, o->generate, o->ctx), co);
+  if (!core.ok()) return Fail(core.status());
+  e->core = *std::move(core);
+  WSYNC_LOG(INFO) << "engine host " << id << ": " << wsync::ArchitectureName(e->config.arch)
+                  << (e->config.quantization ? " INT4" : " bf16") << ", " << e->layout->params().size() << " params, "
+                  << e->arena->size() << " bytes in " << e->arena->where();
+  *out = e.release();
+  return Ok();
+}
+
+size_t wsync_engine_param_count(const wsync_engine* e) { return e ? e->arena->weights().size() : 0; }
+
+int wsync_engine_param(const wsync_engine* e, size_t index, wsync_engine_param_info* out) {
+  if (e == nullptr || out == nullptr) return Fail(absl::InvalidArgumentError("wsync_engine_param: null argument"));
+  const auto& buffers = e->arena->weights().buffers();
+  if (index >= buffers.size())
+    return Fail(absl::OutOfRangeError(absl::StrCat("param ", index, " of ", buffers.size())));
+  const wsync::rollout_agent::EngineBuffer& b = buffers[index];
+  const int p = e->layout->FindParam(b.name);
+  if (b.shape.size() > 4) return Fail(absl::InternalError(absl::StrCat(b.name, ": more than 4 dimensions")));
+  std::memset(out, 0, sizeof(*out));
+  out->name = b.name.c_str();
+  out->dtype = e->dtype_names[index].c_str();
+  out->ndim = static_cast<int>(b.shape.size());
+  for (size_t i = 0; i < b.shape.size(); ++i) out->shape[i] = b.shape[i];
+  out->nbytes = b.nbytes;
+  out->data = b.data;
+  out->kind = p < 0 ? 0 : static_cast<int>(e->layout->params()[static_cast<size_t>(p)].kind);
+  return Ok();
+}
+
+size_t wsync_engine_linear_count(const wsync_engine* e) { return e ? e->layout->linears().size() : 0; }
+
+int wsync_engine_linear(const wsync_engine* e, size_t index, wsync_engine_linear_info* out) {
+  if (e == nullptr || out == nullptr) return Fail(absl::InvalidArgumentError("wsync_engine_linear: null argument"));
+  const auto& linears = e->layout->linears();
+  if (index >= linears.size())
+    return Fail(absl::OutOfRangeError(absl::StrCat("linear ", index, " of ", linears.size())));
+  const wsync::rollout_agent::EngineLinear& l = linears[index];
+  out->name = l.name.c_str();
+  out->quantized = l.quantized ? 1 : 0;
+  out->experts = l.experts;
+  out->n = l.n;
+  out->k = l.k;
+  return Ok();
+}
+
+int wsync_engine_dense_bf16(const wsync_engine* e, const char* linear_name, void* out, uint64_t out_bytes) {
+  using namespace wsync;
+  if (e == nullptr || linear_name == nullptr || out == nullptr)
+    return Fail(absl::InvalidArgumentError("wsync_engine_dense_bf16: null argument"));
+  const int li = e->layout->FindLinear(linear_name);
+  if (li < 0) return Fail(absl::NotFoundError(absl::StrCat("no linear '", linear_name, "' in this engine")));
+  const rollout_agent::EngineLinear& l = e->layout->linears()[static_cast<size_t>(li)];
+  const uint64_t want = static_cast<uint64_t>((l.experts > 0 ? l.experts : 1) * l.n * l.k) * 2;
+  if (out_bytes != want)
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat(linear_name, ": the bf16 weight is ", want, " bytes, the buffer ", out_bytes)));
+  rollout_agent::DenseOptions d;
+  d.out_dtype = DType::kBF16;
+  absl::StatusOr<Tensor> dense = rollout_agent::DequantizeToDense(*e->layout, linear_name, e->arena->weights(), d);
+  if (!dense.ok()) return Fail(dense.status());
+  if (dense->nbytes() != want)
+    return Fail(absl::InternalError(absl::StrCat(linear_name, ": dequantized to ", dense->nbytes(), " bytes")));
+  std::memcpy(out, dense->data_as<std::byte>(), want);
+  return Ok();
+}
+
+int wsync_engine_start(wsync_engine* e) {
+  using namespace wsync;
+  if (e == nullptr) return Fail(absl::InvalidArgumentError("wsync_engine_start: null engine"));
+  absl::MutexLock lock(&e->mu);
+  if (e->server) return Fail(absl::FailedPreconditionError(absl::StrCat("engine ", e->engine_id, " already started")));
+  if (!e->checkpoint.empty() && e->core->Health().state == ref_engine::HealthInfo::State::kNoWeights) {
+    if (absl::Status s = e->core->PrepareInitial(0, absl::StrCat("checkpoint ", e->checkpoint)); !s.ok())
+      return Fail(s);
+  }
+  absl::StatusOr<std::unique_ptr<ref_engine::EngineServer>> server =
+      ref_engine::EngineServer::Start(e->core.get(), e->listen, e->security);
+  if (!server.ok()) return Fail(server.status());
+  e->server = *std::move(server);
+  e->address = e->server->address();
+  ref_engine::RegistrarOptions ro;
+  ro.agent_address = e->agent;
+  ro.agent_address_file = e->agent_file;
+  ro.security = e->security;
+  EngineCore* core = e->core.get();
+  ro.on_registered = [core](const v1::RegisterEngineReply& r) { core->HoldForCatchUp(r.catch_up_version()); };
+  e->registrar = ref_engine::AgentRegistrar::Start(ro, [e, core] {
+    v1::RegisterEngineRequest req;
+    req.set_engine_id(e->engine_id);
+    req.set_tp_size(1);
+    req.set_tp_rank(0);
+    req.set_ep_size(1);
+    req.set_model_config_json(e->config_json);
+    req.set_quantization_config_json(e->quant_json);
+    req.set_engine_address(e->address);
+    req.set_version(core->version());
+    e->arena->FillParams(req.mutable_params());
+    return req;
+  });
+  WSYNC_LOG(INFO) << "engine host " << e->engine_id << ": RolloutEngine on " << e->address;
+  return Ok();
+}
+
+const char* wsync_engine_address(const wsync_engine* e) { return e ? e->address.c_str() : ""; }
+
+int wsync_engine_begin_request(wsync_engine* e, int64_t timeout_ms, uint64_t* version) {
+  if (e == nullptr || version == nullptr)
+    return Fail(absl::InvalidArgumentError("wsync_engine_begin_request: null argument"));
+  absl::StatusOr<uint64_t> v = e->core->BeginRequest(absl::Now() + absl::Milliseconds(timeout_ms), nullptr);
+  if (!v.ok()) return Fail(v.status());
+  *version = *v;
+  return Ok();
+}
+
+void wsync_engine_end_request(wsync_engine* e) {
+  if (e) e->core->EndRequest();
+}
+
+int wsync_engine_request_stopped(const wsync_engine* e) {
+  if (e == nullptr) return Fail(absl::InvalidArgumentError("wsync_engine_request_stopped: null engine"));
+  const absl::Status s = e->core->RequestStopped();
+  return s.ok() ? Ok() : Fail(s);
+}
+
+int wsync_engine_health(const wsync_engine* e, int* state, uint64_t* version) {
+  if (e == nullptr || state == nullptr || version == nullptr)
+    return Fail(absl::InvalidArgumentError("wsync_engine_health: null argument"));
+  const wsync::ref_engine::HealthInfo h = e->core->Health();
+  *state = static_cast<int>(h.state) + 1;  // kServing.. -> SERVING = 1 ..
+  *version = h.version;
+  return Ok();
+}
+
+void wsync_engine_destroy(wsync_engine* e) {
+  if (e == nullptr) return;
+  {
+    absl::MutexLock lock(&e->mu);
+    if (e->registrar) e->registrar->Stop();
+    e->core->Shutdown();
+    if (e->server) e->server->Shutdown(absl::Milliseconds(500));
+  }
+  delete e;
+}
+
+}  // extern "C"

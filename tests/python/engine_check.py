@@ -1,0 +1,102 @@
+"""wsync.engine.TransformersEngine in one process, against transformers itself (hf_oracle.py): run
+by test_engine.py in the torch 2 environment ($WSYNC_MEGATRON_PYTHON, which has transformers).
+
+    python engine_check.py --hf DIR [--int4 FILE] --prompt 1,2,3 --max-new-tokens 6
+
+An EngineHost loads the checkpoint into its segment (the engine form a sync writes), a
+TransformersEngine binds a transformers model to it, and every parameter of that model must equal
+the oracle's bit for bit (bf16: the checkpoint as transformers loads it; INT4: dequantized from
+FILE independently); the bf16 ones must be views of the segment (no copy); greedy tokens must equal
+the oracle's. Then the refusals: a model whose shapes differ from the engine's names every
+parameter that does not fit, and nothing is served. Prints "engine check passed" at the end.
+"""
+
+import argparse
+import json
+import pathlib
+import sys
+
+import torch
+import transformers
+
+from hf_oracle import load_model
+from wsync import WsyncError
+from wsync.engine import EngineHost, TransformersEngine
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hf", required=True)
+    ap.add_argument("--int4", default="")
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--max-new-tokens", type=int, required=True)
+    args = ap.parse_args()
+    config_text = (pathlib.Path(args.hf) / "config.json").read_text()
+    config = json.loads(config_text)
+    quant = json.dumps(config["quantization_config"]) if args.int4 else ""
+    prompt = [int(t) for t in args.prompt.split(",")]
+
+    host = EngineHost("check", config_text, agent="127.0.0.1:1", quant_json=quant, checkpoint=args.hf)
+    engine = TransformersEngine(host)
+    host.start()
+    assert host.health() == ("SERVING", 0), host.health()
+    oracle = load_model(args.hf, args.int4).eval()
+    ours = dict(engine.model.named_parameters())
+    theirs = dict(oracle.named_parameters())
+    assert sorted(ours) == sorted(theirs), set(ours) ^ set(theirs)
+    segment = [(p.address, p.address + p.nbytes) for p in host.params.values()]
+    views = copies = 0
+    for name, p in ours.items():
+        assert p.dtype == theirs[name].dtype and p.shape == theirs[name].shape, name
+        assert torch.equal(p.view(torch.int16), theirs[name].view(torch.int16)), f"{name} differs from the oracle"
+        in_segment = any(lo <= p.data_ptr() < hi for lo, hi in segment)
+        views += in_segment
+        copies += not in_segment
+    assert views > 0
+    if not args.int4:
+        assert copies == 0, f"{copies} bf16 parameters are copies, not views of the segment"
+    tokens, version = engine.generate_request(prompt, args.max_new_tokens)
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        want = oracle.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                               max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert version == 0 and tokens == want, (version, tokens, want)
+    print(f"{views} parameters are views of the segment, {copies} dequantized copies; all equal the oracle; "
+          f"tokens {tokens}")
+    # Writing the segment is what a sync does: the model sees it at once (bf16) or at prepare (INT4).
+    name = "model.norm.weight"
+    with torch.no_grad():
+        host.tensor(name).mul_(2)
+    assert torch.equal(ours[name], theirs[name] * 2)
+    host.close()
+
+    # A model that does not fit the engine: every mis-shaped parameter named, nothing served.
+    key = "moe_intermediate_size" if "moe_intermediate_size" in config else "intermediate_size"
+    small = dict(config, **{key: config[key] // 2})
+    small.pop("quantization_config", None)
+    wrong = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**small),
+                                                          dtype=torch.bfloat16)
+    host = EngineHost("check-wrong", config_text, agent="127.0.0.1:1", quant_json=quant)
+    try:
+        TransformersEngine(host, model=wrong)
+        raise AssertionError("a mis-shaped model was accepted")
+    except WsyncError as e:
+        assert e.code_name == "INVALID_ARGUMENT", e
+        want = (["model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"] if key.startswith("moe")
+                else ["model.layers.0.mlp.gate_proj.weight", "model.layers.1.mlp.down_proj.weight"])
+        assert all(w in str(e) for w in want), e
+        print(f"refused: {str(e)[:200]}...")
+    try:
+        host.start()
+        raise AssertionError("started without an adapter")
+    except WsyncError as e:
+        assert e.code_name == "FAILED_PRECONDITION", e
+    assert host.health() == ("NO_WEIGHTS", 0)
+    host.close()
+    print("engine check passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The oracle of the engine tests: HuggingFace transformers itself, loading the checkpoint a sync
+should have delivered, and generating greedily as wsync.engine.TransformersEngine does.
+
+    python hf_oracle.py --hf DIR [--int4 FILE] --prompt 1,2,3 --max-new-tokens 6
+
+--int4 FILE: the engine serves INT4; FILE is the checkpoint's compressed-tensors INT4 form
+(`wsync-int4 quantize`, what the trainer agents send). Every `X.weight_packed` / `X.weight_scale`
+pair is dequantized here, independently of wsync's kernels, from FORMATS.md §2: eight 4-bit
+values per int32, the low nibble first; value = bf16((nibble - 8) * scale), scale per group of G
+input columns; and replaces `X.weight` before transformers loads the checkpoint (without its
+quantization_config). Prints one JSON line: {"tokens": [...], "params": {name: sha256 of bytes}}.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import sys
+import tempfile
+
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+
+def dequantize(packed, scale):
+    """[N, K/8] int32 + [N, K/G] bf16 -> [N, K] bf16."""
+    n, k8 = packed.shape
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [N, K/8, 8], low nibble first
+    q = (nibbles.reshape(n, k8 * 8) - 8).to(torch.float32)
+    g = (k8 * 8) // scale.shape[1]
+    s = scale.to(torch.float32).repeat_interleave(g, dim=1)
+    return (q * s).to(torch.bfloat16)  # q * s is exact in float32 (|q| <= 8, s a bf16): one rounding
+
+
+def load_model(hf, int4):
+    if not int4:
+        return transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16)
+    tensors = {}
+    for f in sorted(pathlib.Path(hf).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    q = load_file(int4)
+    replaced = 0
+    for name in list(q):
+        if name.endswith(".weight_packed"):
+            base = name[: -len("_packed")]
+            tensors[base] = dequantize(q[name], q[base + "_scale"])
+            replaced += 1
+    assert replaced > 0, f"{int4} holds no weight_packed tensor"
+    config = json.loads((pathlib.Path(hf) / "config.json").read_text())
+    config.pop("quantization_config", None)
+    with tempfile.TemporaryDirectory() as d:
+        (pathlib.Path(d) / "config.json").write_text(json.dumps(config))
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(d, "model.safetensors"))
+        return transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hf", required=True)
+    ap.add_argument("--int4", default="")
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--max-new-tokens", type=int, required=True)
+    args = ap.parse_args()
+    model = load_model(args.hf, args.int4).eval()
+    ids = torch.tensor([[int(t) for t in args.prompt.split(",")]], dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
+                             eos_token_id=None, pad_token_id=0)
+    params = {n: hashlib.sha256(p.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+              for n, p in model.named_parameters()}
+    print(json.dumps({"tokens": out[0, ids.shape[1]:].tolist(), "params": params}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""wsync.engine: a HuggingFace transformers model as a wsync rollout engine (TransformersEngine on
+the engine host), against transformers itself as the oracle (hf_oracle.py).
+
+They run in the torch 2 environment tools/setup.sh makes ($WSYNC_MEGATRON_PYTHON, set by ctest),
+which has transformers: in one process (engine_check.py: every model parameter bit-exact with the
+oracle's, views of the segment, the refusals), and as whole deployments (wsync-local with
+`--engine-cmd "python -m wsync.engine"`: real trainer agents under mpirun, real rollout agents, two
+transformers engines; after every sync the engines are verified bit-exact and their greedy tokens
+equal the oracle's on that step's checkpoint)."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+from conftest import BIN, ROOT
+
+PY = os.environ.get("WSYNC_MEGATRON_PYTHON")
+HERE = pathlib.Path(__file__).resolve().parent
+PROMPT, MAX_NEW = "1,2,3,5,8", 6
+# The default model's quantization_config.ignore, as wsync-int4's regexes.
+DEFAULT_IGNORE = ["lm_head", ".*self_attn.*", r".*mlp\.gate$", ".*embed_tokens.*", ".*norm.*"]
+
+
+def _has_transformers():
+    if not PY:
+        return False
+    return subprocess.run([PY, "-c", "import transformers, wsync.engine"], capture_output=True).returncode == 0
+
+
+pytestmark = pytest.mark.skipif(not _has_transformers(),
+                                reason="no torch 2 environment with transformers ($WSYNC_MEGATRON_PYTHON)")
+
+CASES = {
+    # case: (wsync-model-gen args, INT4)
+    "qwen3_bf16": (["--arch", "qwen3", "--preset", "tiny"], False),
+    "qwen3moe_int4": (["--from-config", "default"], True),
+}
+
+
+def _gen(case, seed, out):
+    args, int4 = CASES[case]
+    subprocess.run([BIN / "wsync-model-gen", *args, "--seed", str(seed), "--out", out / "hf"], check=True,
+                   capture_output=True)
+    if int4:  # what the trainer agents send: the checkpoint's compressed-tensors INT4 form
+        subprocess.run([BIN / "wsync-int4", "quantize", "--in", out / "hf" / "model.safetensors", "--out",
+                        out / "int4.safetensors", "--group-size", "128", "--ignore", *DEFAULT_IGNORE], check=True,
+                       capture_output=True)
+    return out
+
+
+def _oracle_tokens(step_dir, int4):
+    cmd = [PY, HERE / "hf_oracle.py", "--hf", step_dir / "hf", "--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW)]
+    if int4:
+        cmd += ["--int4", step_dir / "int4.safetensors"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["tokens"]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_transformers_model_reads_the_engine_memory_bit_exact(tmp_path, case):
+    step = _gen(case, 11, tmp_path)
+    cmd = [PY, HERE / "engine_check.py", "--hf", step / "hf", "--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW)]
+    if CASES[case][1]:
+        cmd += ["--int4", step / "int4.safetensors"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(HERE)))
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert "engine check passed" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_transformers_engines_follow_the_syncs(tmp_path, case):
+    """Two syncs (two checkpoints, TP 2 Megatron shards) into two transformers engines: each sync
+    verified bit-exact, and after it every engine generates the oracle's tokens for that step."""
+    int4 = CASES[case][1]
+    steps = [_gen(case, 50 + s, tmp_path / f"s{s}") for s in (1, 2)]
+    for s in steps:
+        subprocess.run([BIN / "wsync-shard", "--hf", s / "hf", "--out", s / "megatron", "--tp", "2"], check=True,
+                       capture_output=True)
+    src, cur = tmp_path / "src", tmp_path / "cur"
+    subprocess.run(["cp", "-r", steps[0] / "megatron", src], check=True)
+    subprocess.run(["cp", "-r", steps[0] / "hf", cur], check=True)
+    between = f"rm -rf {src} {cur} && cp -r {steps[1]}/megatron {src} && cp -r {steps[1]}/hf {cur}"
+    out = subprocess.run([ROOT / "tools" / "wsync-local", "--source", src, "--rollout-engines", "2", "--syncs", "2",
+                          "--between-syncs", between, "--hf", cur, "--verify", "--prompt", PROMPT,
+                          "--max-new-tokens", str(MAX_NEW), "--engine-cmd", f"{PY} -m wsync.engine",
+                          "--workdir", tmp_path / "run"],
+                         env=dict(os.environ, WSYNC_BIN=str(BIN)), capture_output=True, text=True, timeout=600)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-5000:]
+    for sync, step in ((1, steps[0]), (2, steps[1])):
+        want = ",".join(str(t) for t in _oracle_tokens(step, int4))
+        for engine in (0, 1):
+            got = re.search(rf"after sync {sync}\s+engine-{engine}: version (\d+): ([0-9,]+)", text)
+            assert got, text[-5000:]
+            assert int(got.group(1)) == sync and got.group(2) == want, (sync, engine, got.group(0), want)
+        assert text.count(f"version {sync}: bit-exact") == 2, text[-5000:]
+    # Before the first sync the engines hold no weights and say so.
+    assert "before sync 1 engine-0:" in text and "no weights" in text, text[-5000:]
+
+
+def test_the_engine_process_refuses_what_it_cannot_serve(tmp_path):
+    config = tmp_path / "config.json"
+    _gen("qwen3_bf16", 3, tmp_path)
+    out = subprocess.run([PY, "-m", "wsync.engine", "--model", tmp_path / "hf", "--tp-size", "2", "--agent", "x:1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--tp-size 2" in out.stderr, out.stderr
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["num_key_value_heads"] = 3  # does not divide the 4 attention heads
+    config.write_text(json.dumps(cfg))
+    out = subprocess.run([PY, "-m", "wsync.engine", "--model", config, "--agent", "127.0.0.1:1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "wsync.engine: " in out.stderr and "num_key_value_heads" in out.stderr, out.stderr
