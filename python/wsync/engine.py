@@ -63,6 +63,14 @@ class _LinearInfo(ctypes.Structure):
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
 
 
+class _SourceInfo(ctypes.Structure):
+    _fields_ = [("hf_name", ctypes.c_char_p), ("dtype", ctypes.c_char_p), ("ndim", ctypes.c_int),
+                ("shape", ctypes.c_int64 * 4), ("action", ctypes.c_int), ("param", ctypes.c_char_p),
+                ("expert", ctypes.c_int64), ("transpose", ctypes.c_int), ("dst_row0", ctypes.c_int64),
+                ("dst_col0", ctypes.c_int64), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64),
+                ("shape_values", ctypes.c_int64 * 2)]
+
+
 def _declare(lib):
     P = ctypes.c_void_p
     for name, res, args in [
@@ -74,6 +82,9 @@ def _declare(lib):
         ("wsync_engine_linear_count", ctypes.c_size_t, [P]),
         ("wsync_engine_linear", ctypes.c_int, [P, ctypes.c_size_t, ctypes.POINTER(_LinearInfo)]),
         ("wsync_engine_dense_bf16", ctypes.c_int, [P, ctypes.c_char_p, P, ctypes.c_uint64]),
+        ("wsync_engine_source_count", ctypes.c_size_t, [P]),
+        ("wsync_engine_source", ctypes.c_int, [P, ctypes.c_size_t, ctypes.POINTER(_SourceInfo)]),
+        ("wsync_engine_loaded", ctypes.c_int, [P, ctypes.c_char_p, P, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int64)]),
         ("wsync_engine_start", ctypes.c_int, [P]),
         ("wsync_engine_address", ctypes.c_char_p, [P]),
         ("wsync_engine_begin_request", ctypes.c_int, [P, ctypes.c_int64, ctypes.POINTER(ctypes.c_uint64)]),
@@ -89,6 +100,24 @@ def _declare(lib):
 def library():
     """libwsync_engine_host, loaded once per process ($WSYNC_ENGINE_HOST, the package, build/lib)."""
     return _native.load(_LIB, "WSYNC_ENGINE_HOST", _declare, "wsync_engine_abi_version", _ABI_VERSION)
+
+
+_HOSTS = {}  # engine id -> the EngineHost of this process (wsync.vllm's weight-transfer backend finds it here)
+
+
+def host_of(engine_id):
+    """The EngineHost of this process serving `engine_id`; WsyncError(NOT_FOUND) otherwise."""
+    if engine_id not in _HOSTS:
+        raise WsyncError(5, f"no wsync engine host '{engine_id}' in this process (pid {os.getpid()}); hosts: "
+                            f"{sorted(_HOSTS) or 'none'}")
+    return _HOSTS[engine_id]
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _check(lib, rc, what):
@@ -125,6 +154,33 @@ class Linear:
         self.shape = (int(info.experts), int(info.n), int(info.k)) if info.experts else (int(info.n), int(info.k))
 
 
+class Source:
+    """One tensor of the HF checkpoint and where the engine keeps it (wsync_engine_source_info):
+    action "copy" (the block of `param`'s loaded form described by expert / dst_row0 / dst_col0 /
+    rows / cols / transpose), "shape" (an INT4 weight_shape: `shape_values`), "skip" (not held)."""
+
+    ACTIONS = ("copy", "shape", "skip")
+
+    def __init__(self, info):
+        self.hf_name = info.hf_name.decode()
+        self.dtype = info.dtype.decode()
+        self.shape = tuple(info.shape[i] for i in range(info.ndim))
+        self.action = self.ACTIONS[info.action]
+        self.param = info.param.decode()
+        self.expert, self.transpose = int(info.expert), bool(info.transpose)
+        self.dst_row0, self.dst_col0, self.rows, self.cols = info.dst_row0, info.dst_col0, info.rows, info.cols
+        self.shape_values = (info.shape_values[0], info.shape_values[1])
+
+
+_TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "I32": "int32", "I64": "int64"}
+
+
+def _torch_dtype(name):
+    import torch
+
+    return getattr(torch, _TORCH_DTYPES[name])
+
+
 class EngineHost:
     """See the module comment. `adapter` has prepare(version) and (optionally) generate(prompt,
     max_new_tokens); it may be attached after construction (attach()), before start()."""
@@ -145,6 +201,7 @@ class EngineHost:
         _check(self._lib, self._lib.wsync_engine_create(ctypes.byref(opts), ctypes.byref(h)), f"engine {engine_id}")
         self._h = h
         self.engine_id = engine_id
+        self.quant_json = quant_json or ""
         self.config = json.loads(config_json)
         self.params = {}
         for i in range(self._lib.wsync_engine_param_count(h)):
@@ -158,7 +215,13 @@ class EngineHost:
             _check(self._lib, self._lib.wsync_engine_linear(h, i, ctypes.byref(info)), "linear")
             lin = Linear(info)
             self.linears[lin.name] = lin
+        self.sources = []
+        for i in range(self._lib.wsync_engine_source_count(h)):
+            info = _SourceInfo()
+            _check(self._lib, self._lib.wsync_engine_source(h, i, ctypes.byref(info)), "source")
+            self.sources.append(Source(info))
         self._buffers = {}
+        _HOSTS[engine_id] = self
 
     # --- the parameters -------------------------------------------------------------------------
     def buffer(self, name):
@@ -172,9 +235,52 @@ class EngineHost:
         """The parameter as a torch tensor over the segment's bytes (no copy), engine-form shape."""
         import torch
 
-        dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32}
         p = self._param(name)
-        return torch.frombuffer(self.buffer(name), dtype=dtypes[p.dtype]).view(p.shape)
+        return torch.frombuffer(self.buffer(name), dtype=_torch_dtype(p.dtype)).view(p.shape)
+
+    def loaded(self, name):
+        """The parameter in its loaded form (wsync_engine_loaded): the segment's tensor itself for a
+        plain one (no copy), a restored copy for INT4 (compressed-tensors / GPTQ orientation)."""
+        import torch
+
+        p = self._param(name)
+        if p.kind == "plain":
+            return self.tensor(name)
+        # The same element count as the engine form (Marlin is a permutation of it).
+        out = torch.empty(p.nbytes // torch.empty(0, dtype=_torch_dtype(p.dtype)).element_size(),
+                          dtype=_torch_dtype(p.dtype))
+        shape = (ctypes.c_int64 * 4)()
+        _check(self._lib, self._lib.wsync_engine_loaded(self._h, name.encode(), out.data_ptr(), p.nbytes, shape), name)
+        return out.view(tuple(int(d) for d in shape if d))
+
+    def hf_tensors(self):
+        """Yields (HF checkpoint name, tensor) for every tensor the engine holds, as an HF
+        checkpoint of this engine rank would hold them (TP 1: whole tensors): views of the segment
+        for plain params, restored copies for INT4 (compressed-tensors weight_packed [N, K/8],
+        weight_scale [N, K/G], weight_shape). What a weight loader (vLLM's load_weights) takes."""
+        import torch
+
+        loaded = {}
+        for s in self.sources:
+            if s.action == "skip":
+                continue
+            if s.action == "shape":
+                yield s.hf_name, torch.tensor(list(s.shape_values)[: s.shape[0]], dtype=_torch_dtype(s.dtype))
+                continue
+            if s.param not in loaded:
+                loaded[s.param] = self.loaded(s.param)
+            t = loaded[s.param]
+            m = t[s.expert] if t.dim() == 3 else t
+            if m.dim() == 1:
+                m = m.view(-1, 1)
+            if s.transpose:
+                block = m[s.dst_row0:s.dst_row0 + s.cols, s.dst_col0:s.dst_col0 + s.rows].t()
+            else:
+                block = m[s.dst_row0:s.dst_row0 + s.rows, s.dst_col0:s.dst_col0 + s.cols]
+            if tuple(block.shape) != (s.rows, s.cols) or s.rows * s.cols != _numel(s.shape):
+                raise WsyncError(13, f"{s.hf_name}: the block of {s.param} is {list(block.shape)}, the tensor "
+                                     f"{list(s.shape)} (this engine rank holds part of it: TP 1 only)")
+            yield s.hf_name, block.reshape(s.shape)
 
     def dense_bf16(self, linear_name, out=None):
         """The linear's weight as bf16 in HF orientation ([n, k] / [experts, n, k]; INT4
@@ -239,6 +345,7 @@ class EngineHost:
 
     def close(self):
         if self._h:
+            _HOSTS.pop(self.engine_id, None)
             self._buffers.clear()
             self._lib.wsync_engine_destroy(self._h)
             self._h = None
@@ -406,9 +513,28 @@ def _quant_json(args, config):
     return json.dumps(q) if q else ""
 
 
+def _model_dir(config, quant_json):
+    """A directory holding config.json with the quantization_config the engine serves (vLLM reads a
+    model directory); removed at exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="wsync-engine-model-")
+    atexit.register(shutil.rmtree, d, True)
+    config = dict(config)
+    config.pop("quantization_config", None)
+    if quant_json:
+        config["quantization_config"] = json.loads(quant_json)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(config, f)
+    return d
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m wsync.engine",
-                                 description="A transformers model served as a wsync rollout engine (TP 1).")
+                                 description="A transformers model or vLLM served as a wsync rollout engine (TP 1).")
+    ap.add_argument("--adapter", choices=("transformers", "vllm"), default="transformers")
     ap.add_argument("--model", default="", help="config.json, or a directory holding one (default: --checkpoint's)")
     ap.add_argument("--quant-config", default="", help="FILE | none (default: the config's quantization_config)")
     ap.add_argument("--checkpoint", default="", help="an HF checkpoint to serve as version 0 until the first sync")
@@ -446,7 +572,12 @@ def main(argv=None):
         host = EngineHost(args.engine_id, config_text, agent=args.agent or None, agent_file=args.agent_file or None,
                           quant_json=_quant_json(args, config), listen=args.listen,
                           token_file=args.token_file or None, checkpoint=args.checkpoint or None)
-        TransformersEngine(host)
+        if args.adapter == "vllm":
+            from wsync.vllm import VllmEngine, start_llm
+
+            VllmEngine(host, start_llm(_model_dir(config, host.quant_json), load_format="dummy"))
+        else:
+            TransformersEngine(host)
         address = host.start()
     except WsyncError as e:
         print(f"wsync.engine: {e}", file=sys.stderr)
@@ -464,4 +595,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main, not this __main__ copy's: wsync.vllm finds hosts in
+    # wsync.engine's registry, which a second copy of this module would not share.
+    from wsync.engine import main as _main
+
+    sys.exit(_main())

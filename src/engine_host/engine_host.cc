@@ -89,6 +89,7 @@ struct wsync_engine {
   std::unique_ptr<wsync::rollout_agent::ParamArena> arena;
   std::unique_ptr<EngineCore> core;
   std::vector<std::string> dtype_names;
+  std::vector<std::string> source_dtypes;
   std::string checkpoint;  // loaded at create, prepared as version 0 at start
 
   absl::Mutex mu;
@@ -152,6 +153,8 @@ int wsync_engine_create(const wsync_engine_options* o, wsync_engine** out) {
   e->arena = *std::move(arena);
   for (const rollout_agent::EngineBuffer& b : e->arena->weights().buffers())
     e->dtype_names.emplace_back(SafetensorsName(b.dtype));
+  for (const rollout_agent::HfSource& src : e->layout->sources())
+    e->source_dtypes.emplace_back(SafetensorsName(src.dtype));
 
   if (o->checkpoint && *o->checkpoint) {
     e->checkpoint = o->checkpoint;
@@ -209,6 +212,56 @@ int wsync_engine_linear(const wsync_engine* e, size_t index, wsync_engine_linear
   out->experts = l.experts;
   out->n = l.n;
   out->k = l.k;
+  return Ok();
+}
+
+size_t wsync_engine_source_count(const wsync_engine* e) { return e ? e->layout->sources().size() : 0; }
+
+int wsync_engine_source(const wsync_engine* e, size_t index, wsync_engine_source_info* out) {
+  using wsync::rollout_agent::HfSource;
+  if (e == nullptr || out == nullptr) return Fail(absl::InvalidArgumentError("wsync_engine_source: null argument"));
+  const auto& sources = e->layout->sources();
+  if (index >= sources.size())
+    return Fail(absl::OutOfRangeError(absl::StrCat("source ", index, " of ", sources.size())));
+  const HfSource& s = sources[index];
+  if (s.shape.size() > 4) return Fail(absl::InternalError(absl::StrCat(s.hf_name, ": more than 4 dimensions")));
+  std::memset(out, 0, sizeof(*out));
+  out->hf_name = s.hf_name.c_str();
+  out->dtype = e->source_dtypes[index].c_str();
+  out->ndim = static_cast<int>(s.shape.size());
+  for (size_t i = 0; i < s.shape.size(); ++i) out->shape[i] = s.shape[i];
+  out->action = s.action == HfSource::Action::kCopy ? 0 : s.action == HfSource::Action::kCheckShape ? 1 : 2;
+  out->param = s.param >= 0 ? e->layout->params()[static_cast<size_t>(s.param)].name.c_str() : "";
+  out->expert = s.expert;
+  out->transpose = s.transpose ? 1 : 0;
+  out->dst_row0 = s.dst_row0;
+  out->dst_col0 = s.dst_col0;
+  out->rows = s.rows;
+  out->cols = s.cols;
+  out->shape_values[0] = s.shape_values[0];
+  out->shape_values[1] = s.shape_values[1];
+  return Ok();
+}
+
+int wsync_engine_loaded(const wsync_engine* e, const char* param_name, void* out, uint64_t out_bytes, int64_t* shape) {
+  using namespace wsync;
+  if (e == nullptr || param_name == nullptr || out == nullptr)
+    return Fail(absl::InvalidArgumentError("wsync_engine_loaded: null argument"));
+  const int pi = e->layout->FindParam(param_name);
+  if (pi < 0) return Fail(absl::NotFoundError(absl::StrCat("no parameter '", param_name, "' in this engine")));
+  const rollout_agent::EngineParam& p = e->layout->params()[static_cast<size_t>(pi)];
+  absl::StatusOr<int64_t> elements = NumElements(p.loaded_shape);
+  if (!elements.ok()) return Fail(elements.status());
+  const uint64_t want = static_cast<uint64_t>(*elements) * ItemSize(p.dtype);
+  if (out_bytes != want)
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat(param_name, ": the loaded form is ", want, " bytes, the buffer ", out_bytes)));
+  const MutableTensorView view(p.dtype, p.loaded_shape, {static_cast<std::byte*>(out), want});
+  if (absl::Status s = rollout_agent::RestoreParamToLoaded(*e->layout, param_name, e->arena->weights(), view); !s.ok())
+    return Fail(s);
+  if (shape != nullptr) {
+    for (size_t i = 0; i < 4; ++i) shape[i] = i < p.loaded_shape.size() ? p.loaded_shape[i] : 0;
+  }
   return Ok();
 }
 

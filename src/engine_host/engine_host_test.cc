@@ -148,6 +148,33 @@ TEST(EngineHost, ListsTheEngineFormParamsAndDequantizesLinears) {
     }
   }
   EXPECT_TRUE(saw_qkv);
+  // The loaded (compressed-tensors) form: every nibble 9 and every scale 1.0 survive the restore.
+  std::vector<uint32_t> packed(256 * 128 / 8);
+  int64_t shape[4] = {0, 0, 0, 0};
+  ASSERT_EQ(wsync_engine_loaded(e, "model.layers.0.self_attn.qkv_proj.weight_packed", packed.data(), packed.size() * 4,
+                                shape),
+            0)
+      << LastError();
+  EXPECT_EQ(shape[0], 256);
+  EXPECT_EQ(shape[1], 16);
+  for (uint32_t w : packed) ASSERT_EQ(w, 0x99999999u);
+  EXPECT_EQ(wsync_engine_loaded(e, "model.layers.0.self_attn.qkv_proj.weight_packed", packed.data(), 4, nullptr), 3);
+  EXPECT_EQ(wsync_engine_loaded(e, "nope", packed.data(), 4, nullptr), 5);
+  // Where the checkpoint's k_proj goes: rows [128, 192) of the fused qkv (4 q heads of 32 first).
+  bool saw_k = false;
+  for (size_t i = 0; i < wsync_engine_source_count(e); ++i) {
+    wsync_engine_source_info src;
+    ASSERT_EQ(wsync_engine_source(e, i, &src), 0);
+    if (std::string(src.hf_name) != "model.layers.0.self_attn.k_proj.weight_packed") continue;
+    saw_k = true;
+    EXPECT_EQ(src.action, 0);
+    EXPECT_STREQ(src.param, "model.layers.0.self_attn.qkv_proj.weight_packed");
+    EXPECT_STREQ(src.dtype, "I32");
+    EXPECT_EQ(src.dst_row0, 128);
+    EXPECT_EQ(src.rows, 64);
+    EXPECT_EQ(src.cols, 16);
+  }
+  EXPECT_TRUE(saw_k);
   wsync_engine_destroy(e);
 }
 

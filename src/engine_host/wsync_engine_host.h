@@ -94,6 +94,24 @@ typedef struct {
   int64_t n, k;
 } wsync_engine_linear_info;
 
+/* One tensor of the HF checkpoint and where this engine rank keeps it (EngineLayout's HfSource):
+ * the whole tensor (TP 1), viewed as a matrix ([n] as [n, 1]), is the block at (dst_row0, dst_col0)
+ * of `param`'s loaded form (of its local expert `expert` when stacked), rows x cols, or cols x rows
+ * stored transposed when `transpose`. action 0: copy (as above); 1: an INT4 `weight_shape`, whose
+ * values are shape_values; 2: known and not held (a tied lm_head.weight). */
+typedef struct {
+  const char* hf_name;
+  const char* dtype;
+  int ndim;
+  int64_t shape[4];
+  int action;
+  const char* param; /* "" unless action 0 */
+  int64_t expert;
+  int transpose;
+  int64_t dst_row0, dst_col0, rows, cols;
+  int64_t shape_values[2];
+} wsync_engine_source_info;
+
 WSYNC_ENGINE_API const char* wsync_engine_last_error(void);
 WSYNC_ENGINE_API int wsync_engine_abi_version(void);
 
@@ -105,6 +123,14 @@ WSYNC_ENGINE_API size_t wsync_engine_param_count(const wsync_engine* e);
 WSYNC_ENGINE_API int wsync_engine_param(const wsync_engine* e, size_t index, wsync_engine_param_info* out);
 WSYNC_ENGINE_API size_t wsync_engine_linear_count(const wsync_engine* e);
 WSYNC_ENGINE_API int wsync_engine_linear(const wsync_engine* e, size_t index, wsync_engine_linear_info* out);
+WSYNC_ENGINE_API size_t wsync_engine_source_count(const wsync_engine* e);
+WSYNC_ENGINE_API int wsync_engine_source(const wsync_engine* e, size_t index, wsync_engine_source_info* out);
+/* The param in its loaded form (what SGLang's / vLLM's weight loaders take: plain params as they
+ * are; INT4 restored from Marlin: compressed-tensors [N, K/8] int32 + [N, K/G] scales for a dense
+ * linear, GPTQ orientation [E, K/8, N] + [E, K/G, N] for stacked experts), written to `out` (exactly
+ * its bytes); *shape gets its loaded shape (4 entries) when not NULL. From `prepare` or a request. */
+WSYNC_ENGINE_API int wsync_engine_loaded(const wsync_engine* e, const char* param_name, void* out, uint64_t out_bytes,
+                                         int64_t* shape);
 /* The linear's weight as bf16 in HF orientation (INT4: bf16((nibble - 8) * scale), FORMATS.md §2),
  * [n, k] or [experts, n, k] (w13: gate rows first), written to `out` (exactly that many bytes). Call
  * it from `prepare` or inside a request. NOT_FOUND for an unknown name, INVALID_ARGUMENT for a size. */

@@ -42,6 +42,15 @@ grep -q "it catches this engine up to version $v" "$work/logs/engine-1.log" ||
   fail "after the catch-up the engines are not both bit-exact on version $v"
 echo "e2e_catchup: engine 1 and its agent killed and started again: $copied; serving version $v bit-exact $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }') s after the restart, no sync"
 
+# UpdateWeights: the newest published version (min 0) is the one engine 1 now holds; a version
+# nobody published makes the call wait for the next sync, and its deadline error says so.
+out=$("${ctl[@]}" update-weights --agent "$(cat "$work/agent-1")" --min-version 0) || fail "update-weights: $out"
+grep -q "^version $v " <<<"$out" || fail "update-weights --min-version 0 answered $out, want version $v"
+late=$("${ctl[@]}" --timeout 2 update-weights --agent "$(cat "$work/agent-1")" --min-version $((v + 100)) 2>&1) &&
+  fail "update-weights to an unpublished version succeeded: $late"
+grep -q "DEADLINE_EXCEEDED.*waiting for the next sync" <<<"$late" || fail "update-weights to an unpublished version: $late"
+echo "e2e_catchup: update-weights: the newest published version $v at once ($out); version $((v + 100)) waits for a sync"
+
 v2=$(e2e_sync_verified "the sync after the catch-up" 2)
 [ "$v2" -gt "$v" ] || fail "the next sync published version $v2"
 echo "e2e_catchup: the next sync publishes version $v2 bit-exact"

@@ -155,6 +155,8 @@ class RolloutAgentTest : public ::testing::Test {
   }
 
   // Starts engine `rank` of `tp` (EP `ep`) holding version 1 (seed kSeedV1), and its agent.
+  std::string heartbeat_ms_ = "100";  // the agents' --heartbeat-ms
+
   void StartRank(int tp, int rank, int ep, std::vector<std::string> extra_args = {}) {
     FakeEngine::Options o;
     o.config_json = config_json_;
@@ -172,7 +174,7 @@ class RolloutAgentTest : public ::testing::Test {
     std::vector<std::string> args = {
         "--token-file",   token_file_,
         "--record-dir",   shared_record_ ? record_dir_ + "shared" : record_dir_ + std::to_string(rank),
-        "--heartbeat-ms", "100",
+        "--heartbeat-ms", heartbeat_ms_,
         "--bucket-mac",   bucket_mac_};
     args.insert(args.end(), extra_args.begin(), extra_args.end());
     auto agent = AgentProcess::Start(WSYNC_ROLLOUT_AGENT, absl::StrCat(name_, "-", rank), args, sec_);
@@ -1246,6 +1248,52 @@ TEST_F(RolloutAgentTest, JoinsHeartbeatsRejoinsAndLeavesTheCoordinator) {
   EXPECT_TRUE(engine.calls().empty()) << "the sync never reached its commit: the engine kept serving";
   EXPECT_EQ(engine.memory().Checksum().value(), before);
   EXPECT_THAT((*coord)->leaves(), ElementsAre("agent-2"));
+}
+
+// UpdateWeights asks the coordinator at once (not at the next heartbeat) what is published and who
+// holds it: the newest version (min_version 0) is the hint's; a peer that holds it is copied from;
+// without one the call waits for the next sync, and its deadline error says which case it was.
+TEST_F(RolloutAgentTest, UpdateWeightsAsksTheCoordinatorAtOnce) {
+  auto coord = testing::FakeCoordinator::Start(sec_);
+  ASSERT_TRUE(coord.ok());
+  (*coord)->SetHeartbeatMs(600000);  // no periodic heartbeat during the test
+  heartbeat_ms_ = "600000";
+  StartRank(1, 0, 1, {"--coordinator", (*coord)->address()});
+  rollout_agent::testing::AgentProcess& agent = *agents_[0];
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while ((*coord)->joins().empty() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_FALSE((*coord)->joins().empty()) << agent.Log();
+  const uint64_t before = engines_[0]->memory().Checksum().value();
+  const int hb = (*coord)->heartbeats();
+  uint64_t v = 0;
+  // Not behind: the engine's version, after one question to the coordinator.
+  ASSERT_TRUE(UpdateWeights(agent, 0, absl::Seconds(10), &v).ok()) << agent.Log();
+  EXPECT_EQ(v, 1u);
+  EXPECT_EQ((*coord)->heartbeats(), hb + 1);
+  // A version the engine holds: answered without asking.
+  ASSERT_TRUE(UpdateWeights(agent, 1, absl::Seconds(10), &v).ok());
+  EXPECT_EQ((*coord)->heartbeats(), hb + 1);
+  // Version 7 published and held by a peer (that does not answer here): the agent tries to copy it.
+  v1::CatchUpHint hint;
+  hint.set_version(7);
+  hint.add_peers("127.0.0.1:1");
+  (*coord)->SetCatchUp(hint);
+  const absl::Time start = absl::Now();
+  grpc::Status s = UpdateWeights(agent, 0, absl::Milliseconds(1500), &v);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(s.error_message(), HasSubstr("version 7 was not committed"));
+  EXPECT_THAT(s.error_message(), HasSubstr("copying version 7 from a peer (127.0.0.1:1)"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ((*coord)->heartbeats(), hb + 2);
+  // Published, no peer holds it: the call waits for the next sync.
+  hint.clear_peers();
+  (*coord)->SetCatchUp(hint);
+  s = UpdateWeights(agent, 7, absl::Milliseconds(1000), &v);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(s.error_message(), HasSubstr("no peer holds it; waiting for the next sync"));
+  // Nothing was written: the engine still serves version 1.
+  EXPECT_EQ(engines_[0]->memory().Checksum().value(), before);
+  EXPECT_THAT(agent.Log(), HasSubstr("UpdateWeights(0): copying version 7 from a peer"));
 }
 
 // Sharded delivery sends a stage over several streams (one per sender); a recording names its

@@ -207,8 +207,19 @@ grpc::Status FakeCoordinator::Join(grpc::ServerContext* ctx, const v1::JoinReque
   absl::MutexLock l(&mu_);
   joins_.push_back(*req);
   reply->set_agent_id(absl::StrCat("agent-", joins_.size()));
-  reply->set_heartbeat_ms(100);
+  reply->set_heartbeat_ms(heartbeat_ms_);
+  *reply->mutable_catch_up() = catch_up_;
   return grpc::Status::OK;
+}
+
+void FakeCoordinator::SetHeartbeatMs(uint64_t ms) {
+  absl::MutexLock l(&mu_);
+  heartbeat_ms_ = ms;
+}
+
+void FakeCoordinator::SetCatchUp(v1::CatchUpHint hint) {
+  absl::MutexLock l(&mu_);
+  catch_up_ = std::move(hint);
 }
 
 grpc::Status FakeCoordinator::Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
@@ -217,6 +228,7 @@ grpc::Status FakeCoordinator::Heartbeat(grpc::ServerContext* ctx, const v1::Hear
   absl::MutexLock l(&mu_);
   ++heartbeats_;
   reply->set_known(!forget_ && req->agent_id() == absl::StrCat("agent-", joins_.size()));
+  *reply->mutable_catch_up() = catch_up_;
   forget_ = false;
   return grpc::Status::OK;
 }

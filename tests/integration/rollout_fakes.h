@@ -99,6 +99,10 @@ class FakeCoordinator final : public v1::Coordinator::Service {
   std::vector<std::string> leaves() const;
   // The next heartbeat is answered known = false (the agent must join again).
   void ForgetAgents();
+  // What Join replies tell the agents to use as their heartbeat period (default 100 ms), and the
+  // catch-up hint every Join / Heartbeat reply carries (default empty: not behind).
+  void SetHeartbeatMs(uint64_t ms);
+  void SetCatchUp(v1::CatchUpHint hint);
 
   grpc::Status Join(grpc::ServerContext*, const v1::JoinRequest*, v1::JoinReply*) override;
   grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest*, v1::HeartbeatReply*) override;
@@ -114,6 +118,8 @@ class FakeCoordinator final : public v1::Coordinator::Service {
   int heartbeats_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::string> leaves_ ABSL_GUARDED_BY(mu_);
   bool forget_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t heartbeat_ms_ ABSL_GUARDED_BY(mu_) = 100;
+  v1::CatchUpHint catch_up_ ABSL_GUARDED_BY(mu_);
 };
 
 class AgentProcess {

@@ -62,8 +62,27 @@ def main():
                                max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert version == 0 and tokens == want, (version, tokens, want)
+    # The segment as an HF checkpoint (what vLLM's load_weights takes): equal to the checkpoint's
+    # tensors, INT4 ones to their compressed-tensors form (FILE), bit for bit.
+    from safetensors.torch import load_file
+
+    want_tensors = {}
+    for f in sorted(pathlib.Path(args.hf).glob("*.safetensors")):
+        want_tensors.update(load_file(str(f)))
+    if args.int4:
+        q = load_file(args.int4)
+        for name in q:
+            if name.endswith(".weight_packed"):
+                del want_tensors[name[: -len("_packed")]]
+        want_tensors.update(q)
+    got = dict(host.hf_tensors())
+    assert sorted(got) == sorted(want_tensors), set(got) ^ set(want_tensors)
+    for name, t in got.items():
+        w = want_tensors[name]
+        assert t.dtype == w.dtype and t.shape == w.shape, (name, t.dtype, w.dtype, t.shape, w.shape)
+        assert torch.equal(t.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)), f"{name} differs"
     print(f"{views} parameters are views of the segment, {copies} dequantized copies; all equal the oracle; "
-          f"tokens {tokens}")
+          f"tokens {tokens}; {len(got)} checkpoint tensors restored bit-exact")
     # Writing the segment is what a sync does: the model sees it at once (bf16) or at prepare (INT4).
     name = "model.norm.weight"
     with torch.no_grad():

@@ -441,6 +441,26 @@ class Ctl {
     return 0;
   }
 
+  // RolloutAgent.UpdateWeights: the engine behind `agent` on a version >= min_version (0: the
+  // newest published), copied from a peer when one holds it; waits up to --timeout.
+  int UpdateWeights(const std::string& agent, uint64_t min_version) {
+    auto stub = v1::RolloutAgent::NewStub(MakeChannel(agent, g_.sec));
+    grpc::ClientContext ctx;
+    PrepareContext(&ctx, g_.sec, absl::Seconds(g_.timeout_s));
+    v1::UpdateWeightsRequest req;
+    req.set_min_version(min_version);
+    v1::UpdateWeightsReply r;
+    const absl::Time start = absl::Now();
+    absl::Status s = FromGrpcStatus(stub->UpdateWeights(&ctx, req, &r));
+    if (!s.ok()) return Fail(s, g_, absl::StrCat("the rollout agent at ", agent));
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    if (g_.json)
+      std::printf("%s\n", json({{"version", r.version()}, {"seconds", seconds}}).dump().c_str());
+    else
+      std::printf("version %llu (%.3f s)\n", static_cast<unsigned long long>(r.version()), seconds);
+    return 0;
+  }
+
  private:
   const Globals& g_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
@@ -453,7 +473,8 @@ int Main(int argc, char** argv) {
       "Examples:\n"
       "  wsyncctl sync --wait                      trigger a sync and follow it\n"
       "  wsyncctl timings                          where the last sync spent its time\n"
-      "  wsyncctl verify --against /ckpt/step-100  bit-exact check of every engine rank\n");
+      "  wsyncctl verify --against /ckpt/step-100  bit-exact check of every engine rank\n"
+      "  wsyncctl update-weights --agent HOST:PORT  an engine on the newest published version\n");
   app.require_subcommand(1);
   Globals g;
   app.add_option("--coordinator", g.coordinator, "Coordinator address (trainer rank 0)")->envname("WSYNC_COORDINATOR");
@@ -500,6 +521,12 @@ int Main(int argc, char** argv) {
   generate->add_option("--engine", engine, "The engine's RolloutEngine address (its rank 0)")->required();
   generate->add_option("--prompt", prompt, "Comma-separated token ids")->required();
   generate->add_option("--max-new-tokens", max_new, "Tokens to generate");
+  std::string agent;
+  uint64_t min_version = 0;
+  auto* update = app.add_subcommand(
+      "update-weights", "Bring an engine to a version >= --min-version (0: the newest published) through its agent");
+  update->add_option("--agent", agent, "The engine rank's rollout agent address")->required();
+  update->add_option("--min-version", min_version, "The version wanted; 0: the newest the coordinator published");
   CLI11_PARSE(app, argc, argv);
 
   auto sec = LoadRpcSecurity(g.sec_options);
@@ -515,6 +542,7 @@ int Main(int argc, char** argv) {
   if (app.got_subcommand("sync")) return ctl.Sync(wait, wait_if_busy, min_agents, sync_version, delivery);
   if (app.got_subcommand("verify")) return ctl.Verify(against, quant_file);
   if (app.got_subcommand("generate")) return ctl.Generate(engine, prompt, max_new);
+  if (app.got_subcommand("update-weights")) return ctl.UpdateWeights(agent, min_version);
   return 2;
 }
 

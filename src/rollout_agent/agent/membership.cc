@@ -2,8 +2,10 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
+#include "common/status.h"
 
 namespace wsync::rollout_agent {
 
@@ -92,6 +94,26 @@ bool Membership::DoJoin(const v1::JoinRequest& join, uint64_t seq, absl::Duratio
                   << join.engine_id() << ", tp " << join.tp_rank() << "/" << join.tp_size() << ", version "
                   << join.version() << "); heartbeat every " << absl::FormatDuration(*period);
   return true;
+}
+
+absl::StatusOr<v1::CatchUpHint> Membership::RefreshHint(absl::Duration timeout) {
+  v1::HeartbeatRequest req;
+  {
+    absl::MutexLock lock(&mu_);
+    if (agent_id_.empty() || need_join_)
+      return absl::FailedPreconditionError(absl::StrCat("not joined at the coordinator ", coordinator_, " yet"));
+    req.set_agent_id(agent_id_);
+    req.set_version(join_.version());
+  }
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx, sec_, timeout);
+  v1::HeartbeatReply reply;
+  const grpc::Status s = stub_->Heartbeat(&ctx, req, &reply);
+  if (!s.ok()) return Annotate(FromGrpcStatus(s), absl::StrCat("asking the coordinator at ", coordinator_));
+  absl::MutexLock lock(&mu_);
+  catch_up_ = reply.catch_up();
+  if (!reply.known()) need_join_ = true;
+  return reply.catch_up();
 }
 
 void Membership::Run() {

@@ -13,6 +13,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/rpc_security.h"
@@ -38,6 +39,10 @@ class Membership {
   // The coordinator's last catch-up hint (JoinReply / HeartbeatReply): empty unless this member's
   // engine is behind the published version.
   v1::CatchUpHint catch_up() const;
+  // Asks the coordinator now (one Heartbeat from the caller's thread, bounded by `timeout`) and
+  // returns its catch-up hint, which catch_up() then returns too. kFailedPrecondition before the
+  // first Join; the RPC's error otherwise.
+  absl::StatusOr<v1::CatchUpHint> RefreshHint(absl::Duration timeout);
 
  private:
   void Run();

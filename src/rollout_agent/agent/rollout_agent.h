@@ -19,7 +19,11 @@
 //   AbortSync       any time: cancel group formation, abort the communicators (the trainer side
 //                   fails fast), join the threads, Continue(previous version); engine memory
 //                   untouched. Idempotent (unknown / finished sync ids return the current version).
-//   UpdateWeights   the committed version, or waits (until the RPC deadline) for min_version.
+//   UpdateWeights   the engine's version once it is >= min_version (0: the newest version the
+//                   coordinator has published). Asks the coordinator at once (not at the next
+//                   heartbeat) what is published and which peers hold it; a version a peer holds
+//                   is copied from it and committed (catch-up, below), else the call waits for the
+//                   next sync, until the RPC deadline (DEADLINE_EXCEEDED says which case it was).
 //   AgentStatus     ids, TP rank, version, state (idle | receiving | prepared | no_engine).
 //   EngineChecksums XXH3-64 of every engine parameter as the engine holds it, with the version and
 //                   the engine's config (for `wsyncctl verify`); never mixes two versions (a
@@ -208,6 +212,12 @@ class RolloutAgent {
   absl::Time next_fetch_ ABSL_GUARDED_BY(mu_);
   int fetch_failures_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t promised_version_ ABSL_GUARDED_BY(mu_) = 0;
+  // UpdateWeights asks the watchdog to ask the coordinator now (hint_wanted_); the answer is
+  // last_hint_ / last_hint_status_, hint_seq_ counts answers.
+  bool hint_wanted_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t hint_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  v1::CatchUpHint last_hint_ ABSL_GUARDED_BY(mu_);
+  absl::Status last_hint_status_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<class Membership> membership_;  // used under op_mu_ (reset by Stop)
   std::thread watchdog_;
 };

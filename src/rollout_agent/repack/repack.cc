@@ -293,6 +293,27 @@ absl::Status Restore(const EngineWeights& engine, Staging& staging, const Repack
 
 // --- dense dequantization ------------------------------------------------------------------------
 
+absl::Status RestoreParamToLoaded(const EngineLayout& layout, absl::string_view name, const EngineWeights& engine,
+                                  const MutableTensorView& loaded, const RepackOptions& options) {
+  const int pi = layout.FindParam(name);
+  if (pi < 0) return absl::NotFoundError(absl::StrCat("no engine param '", name, "' in the layout"));
+  const EngineParam& p = layout.params()[static_cast<size_t>(pi)];
+  const EngineBuffer* b = engine.Find(name);
+  if (b == nullptr) return absl::NotFoundError(absl::StrCat("engine memory holds no '", name, "'"));
+  if (b->on_device())
+    return absl::FailedPreconditionError(absl::StrCat(name, ": in device memory (restore it with Restore)"));
+  if (loaded.dtype() != p.dtype || loaded.shape() != p.loaded_shape)
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": the loaded form is ", SafetensorsName(p.dtype), " ", ShapeToString(p.loaded_shape),
+                     ", the view ", SafetensorsName(loaded.dtype()), " ", ShapeToString(loaded.shape())));
+  ASSIGN_OR_RETURN(MutableTensorView view, engine.View(name));
+  Buffer scratch;
+  if (IsDenseInt4(p)) {
+    ASSIGN_OR_RETURN(scratch, AllocateScratch(static_cast<int64_t>(loaded.nbytes()), name));
+  }
+  return RestoreParam(p, view, loaded, scratch.span(), options, nullptr);
+}
+
 namespace {
 
 float ScaleAt(const std::byte* s, int64_t i, DType dt) {

@@ -53,6 +53,14 @@ struct RepackOptions {
 absl::Status Commit(const Staging& staging, EngineWeights& engine, const RepackOptions& options = {});
 absl::Status Restore(const EngineWeights& engine, Staging& staging, const RepackOptions& options = {});
 
+// One param of host engine memory in its loaded form (the inverse of Commit for that param: plain
+// params copied, INT4 restored from Marlin to compressed-tensors / GPTQ orientation), into `loaded`
+// (the param's loaded dtype and shape). kNotFound for an unknown name, kInvalidArgument for a view
+// that does not fit, kFailedPrecondition for device memory (use Restore), kResourceExhausted if
+// scratch memory cannot be allocated.
+absl::Status RestoreParamToLoaded(const EngineLayout& layout, absl::string_view name, const EngineWeights& engine,
+                                  const MutableTensorView& loaded, const RepackOptions& options = {});
+
 struct DenseOptions {
   DType out_dtype = DType::kF32;  // kF32 (exact: q * s) or kBF16 (bf16(q * s), one rounding)
   int num_threads = 0;

