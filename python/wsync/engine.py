@@ -90,6 +90,8 @@ def _declare(lib):
         ("wsync_engine_begin_request", ctypes.c_int, [P, ctypes.c_int64, ctypes.POINTER(ctypes.c_uint64)]),
         ("wsync_engine_end_request", None, [P]),
         ("wsync_engine_request_stopped", ctypes.c_int, [P]),
+        ("wsync_engine_update_weights", ctypes.c_int, [P, ctypes.c_uint64, ctypes.c_int64,
+                                                       ctypes.POINTER(ctypes.c_uint64)]),
         ("wsync_engine_health", ctypes.c_int, [P, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64)]),
         ("wsync_engine_destroy", None, [P]),
     ]:
@@ -334,6 +336,15 @@ class EngineHost:
     def stopped(self):
         """Inside a request: True once a sync paused the engine with ABORT (stop computing)."""
         return self._lib.wsync_engine_request_stopped(self._h) != 0
+
+    def update_weights(self, min_version=0, timeout=60.0):
+        """Brings this engine to a version >= min_version (0: the newest published) through its
+        rollout agent, copied from a peer or by the next sync (wsync_engine_update_weights); returns
+        the version served. Not inside a request(). For asynchronous RL: between batches."""
+        v = ctypes.c_uint64()
+        _check(self._lib, self._lib.wsync_engine_update_weights(self._h, int(min_version), int(timeout * 1000),
+                                                                ctypes.byref(v)), f"engine {self.engine_id}")
+        return v.value
 
     STATES = {1: "SERVING", 2: "PAUSED", 3: "NO_WEIGHTS", 4: "UNHEALTHY"}
 

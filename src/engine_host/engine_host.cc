@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "common/grpc_status.h"
 #include "absl/synchronization/mutex.h"
 #include "common/config.h"
 #include "common/dtype.h"
@@ -342,6 +344,29 @@ int wsync_engine_request_stopped(const wsync_engine* e) {
   if (e == nullptr) return Fail(absl::InvalidArgumentError("wsync_engine_request_stopped: null engine"));
   const absl::Status s = e->core->RequestStopped();
   return s.ok() ? Ok() : Fail(s);
+}
+
+int wsync_engine_update_weights(wsync_engine* e, uint64_t min_version, int64_t timeout_ms, uint64_t* version) {
+  using namespace wsync;
+  if (e == nullptr || version == nullptr)
+    return Fail(absl::InvalidArgumentError("wsync_engine_update_weights: null argument"));
+  std::string agent = e->agent;
+  if (!e->agent_file.empty()) {
+    absl::StatusOr<std::string> text = ReadTextFile(e->agent_file);
+    if (!text.ok()) return Fail(text.status());
+    agent = std::string(absl::StripAsciiWhitespace(*text));
+  }
+  if (agent.empty()) return Fail(absl::UnavailableError("no rollout agent address yet (agent_file is empty)"));
+  auto stub = v1::RolloutAgent::NewStub(MakeChannel(agent, e->security));
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx, e->security, absl::Milliseconds(timeout_ms));
+  v1::UpdateWeightsRequest req;
+  req.set_min_version(min_version);
+  v1::UpdateWeightsReply reply;
+  const absl::Status s = FromGrpcStatus(stub->UpdateWeights(&ctx, req, &reply));
+  if (!s.ok()) return Fail(Annotate(s, absl::StrCat("UpdateWeights at the rollout agent ", agent)));
+  *version = reply.version();
+  return Ok();
 }
 
 int wsync_engine_health(const wsync_engine* e, int* state, uint64_t* version) {

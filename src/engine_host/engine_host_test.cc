@@ -262,6 +262,12 @@ TEST_F(Served, TheSyncProtocolDrivesPrepareAndAdmission) {
   EXPECT_EQ(r_.prepared, (std::vector<uint64_t>{5, 6}));
 }
 
+TEST_F(Served, UpdateWeightsAsksTheAgentAndNamesItWhenItIsGone) {
+  uint64_t v = 0;
+  EXPECT_EQ(wsync_engine_update_weights(e_, 0, 2000, &v), 14);  // UNAVAILABLE: nobody at 127.0.0.1:1
+  EXPECT_NE(LastError().find("UpdateWeights at the rollout agent 127.0.0.1:1"), std::string::npos) << LastError();
+}
+
 TEST_F(Served, AFailedPrepareLeavesTheEngineUnhealthyUntilOneSucceeds) {
   {
     absl::MutexLock lock(&r_.mu);

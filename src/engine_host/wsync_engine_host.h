@@ -152,6 +152,16 @@ WSYNC_ENGINE_API void wsync_engine_end_request(wsync_engine* e);
 /* Inside a request: UNAVAILABLE once the engine was paused with ABORT (stop computing), else OK. */
 WSYNC_ENGINE_API int wsync_engine_request_stopped(const wsync_engine* e);
 
+/* Asks the rollout agent for a version >= min_version (0: the newest the coordinator published):
+ * the agent copies it from a peer that holds it, or waits for the next sync, and commits it into
+ * this engine (Pause, Flush, write, Continue: the prepare callback runs meanwhile). Returns with
+ * *version once the engine serves it; DEADLINE_EXCEEDED after timeout_ms (the message says whether
+ * a peer was being copied from or the next sync awaited). Never call it inside a request of this
+ * host (the commit would wait for that request to end). For asynchronous RL: call it between
+ * batches to move to the newest policy without a trainer sync. */
+WSYNC_ENGINE_API int wsync_engine_update_weights(wsync_engine* e, uint64_t min_version, int64_t timeout_ms,
+                                                 uint64_t* version);
+
 /* state: 1 SERVING, 2 PAUSED, 3 NO_WEIGHTS, 4 UNHEALTHY (engine.proto HealthReply.State). */
 WSYNC_ENGINE_API int wsync_engine_health(const wsync_engine* e, int* state, uint64_t* version);
 
