@@ -11,12 +11,9 @@ megatron's pipeline schedule being out of this script's scope). After each sync 
 (--out/step{k}/megatron) and rank 0 checks the engines bit-exact against the HF checkpoint of that
 directory (wsync-shard --to-hf, then wsyncctl verify).
 
-CPU harness (megatron-core 0.16 assumes CUDA in places): torch.cuda.current_device -> "cpu", the
-CUDA RNG tracker's fork() a no-op (no dropout is used), moe_utils.te_general_gemm = None, and the
-allgather token dispatcher (the all-to-all one makes a CUDA stream)."""
+The CPU harness (megatron-core 0.16 assumes CUDA in places) is examples/rl_loop/megatron_cpu.py."""
 
 import argparse
-import contextlib
 import json
 import os
 import pathlib
@@ -26,10 +23,11 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from safetensors_files import read_safetensors, write_safetensors  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "rl_loop"))
+import megatron_cpu  # noqa: E402 (the CPU harness the example RL loop uses too)
+from safetensors_files import write_safetensors  # noqa: E402
 
 
 def main():
@@ -47,53 +45,13 @@ def main():
     rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank, world_size=world)
 
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel import random as tp_random
-    from megatron.core.transformer.moe import moe_utils
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    torch.cuda.current_device = lambda: "cpu"
-    tp_random.get_cuda_rng_tracker().fork = lambda *args, **kw: contextlib.nullcontext()
-    moe_utils.te_general_gemm = None
-    ps.initialize_model_parallel(tensor_model_parallel_size=a.tp, expert_model_parallel_size=a.ep,
-                                 pipeline_model_parallel_size=a.pp)
-
+    megatron_cpu.setup(a.tp, a.ep, a.pp)
     from wsync.megatron import MegatronPublisher, local_tensors
 
     cfg = json.loads(pathlib.Path(a.hf_config).read_text())
     init = pathlib.Path(a.init)
-    padded_vocab = json.loads((init / "parallel.json").read_text())["padded_vocab_size"]
-    moe = "num_experts" in cfg
-    tc = TransformerConfig(
-        num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
-        num_attention_heads=cfg["num_attention_heads"], num_query_groups=cfg["num_key_value_heads"],
-        kv_channels=cfg["head_dim"], ffn_hidden_size=cfg["intermediate_size"], normalization="RMSNorm",
-        layernorm_epsilon=cfg["rms_norm_eps"], gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        qk_layernorm=True, params_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=True,
-        tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp, pipeline_dtype=torch.bfloat16,
-        sequence_parallel=False, attention_dropout=0.0, hidden_dropout=0.0,
-        **(dict(num_moe_experts=cfg["num_experts"], moe_router_topk=cfg["num_experts_per_tok"],
-                moe_ffn_hidden_size=cfg["moe_intermediate_size"], moe_grouped_gemm=False,
-                moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
-                expert_model_parallel_size=a.ep) if moe else {}))
-    model = GPTModel(config=tc, vocab_size=padded_vocab, max_sequence_length=128, position_embedding_type="rope",
-                     rotary_base=int(cfg["rope_theta"]), share_embeddings_and_output_weights=False,
-                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                     transformer_layer_spec=get_gpt_layer_local_spec(
-                         num_experts=cfg.get("num_experts"), moe_grouped_gemm=False, qk_layernorm=True))
-    model = model.bfloat16()  # what Float16Module does under --bf16
-
-    # The initial weights: this rank's file, every model tensor by its wsync name.
-    loaded = read_safetensors(init / f"rank-{rank:05d}.safetensors")
-    names = [n for n, _ in local_tensors(model)]
-    assert sorted(names) == sorted(loaded), f"rank {rank}: model {sorted(set(names) ^ set(loaded))} differ"
-    with torch.no_grad():
-        for name, t in local_tensors(model):
-            dtype, shape, data = loaded[name]
-            assert tuple(t.shape) == shape, f"{name}: model {tuple(t.shape)}, file {shape}"
-            t.copy_(torch.frombuffer(bytearray(data), dtype=torch.bfloat16).view(shape))
+    model = megatron_cpu.gpt_model(cfg, megatron_cpu.padded_vocab(init), a.tp, a.ep, a.pp)
+    megatron_cpu.load_source(model, init, rank)  # the initial weights: this rank's file
 
     pub = MegatronPublisher(model, (init / "config.json").read_text(), os.environ["WSYNC_SHM_NAME"], timeout=120)
     print(f"rank {rank}: registered {len(pub.tensors)} megatron tensors, parallel {json.dumps(pub.parallel)}",

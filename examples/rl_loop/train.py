@@ -1,0 +1,133 @@
+"""The training processes of the example RL loop: one per Megatron rank, under mpirun beside the
+wsync trainer agents (tools/wsync-local --trainer runs them; run.sh sets everything up).
+
+A real megatron-core GPTModel (Qwen3 layout, TP from --tp, on CPU with gloo: megatron_cpu.py)
+learns by REINFORCE from the rollout engines' generations:
+
+    publish version 1 (the initial weights) -> every engine serves it
+    for each step:
+        rank 0 asks every engine for completions of a few prompts; every reply names the weight
+            version that produced it, which must be the version published last
+        every rank: reward = the share of completion tokens in a target set (ids < vocab / 8),
+            advantage = the reward's deviation from the batch mean, loss = -advantage * log p
+            (megatron's own vocab-parallel cross entropy), backward, Adam step
+        every rank: MegatronPublisher.publish(step + 1): one wsync sync to every engine
+
+Prints one line per step: the replies per engine and version, the mean reward, the loss and the
+time the sync took.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import megatron_cpu  # noqa: E402
+
+
+def rollouts(engines, ctl, prompts, max_new):
+    """Every engine's completion of every prompt: [(engine index, prompt, completion, version)]."""
+    out = []
+    for e, address in enumerate(engines):
+        for prompt in prompts:
+            r = subprocess.run(ctl + ["--json", "generate", "--engine", address, "--prompt",
+                                      ",".join(map(str, prompt)), "--max-new-tokens", str(max_new)],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"engine {e} at {address}: {r.stderr.strip() or r.stdout.strip()}")
+            reply = json.loads(r.stdout)
+            out.append((e, prompt, reply["tokens"], reply["version"]))
+    return out
+
+
+def main():
+    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")  # Apex, CUDA hints
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--init", required=True, help="Megatron source directory (wsync-shard) of the initial weights")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per engine per step")
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--port", type=int, required=True)
+    a = ap.parse_args()
+    rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank, world_size=world)
+    megatron_cpu.setup(a.tp)
+    from wsync.megatron import MegatronPublisher
+
+    init = pathlib.Path(a.init)
+    cfg = json.loads((init / "config.json").read_text())
+    model = megatron_cpu.gpt_model(cfg, megatron_cpu.padded_vocab(init), tp=a.tp)
+    megatron_cpu.load_source(model, init, rank)
+    pub = MegatronPublisher(model, (init / "config.json").read_text(), os.environ["WSYNC_SHM_NAME"], timeout=120)
+    start = os.environ["WSYNC_START_FILE"]
+    while not os.path.exists(start):
+        time.sleep(0.1)
+    engines = pathlib.Path(os.environ["WSYNC_ENGINES_FILE"]).read_text().split()
+    ctl = [os.path.join(os.environ["WSYNC_BIN"], "wsyncctl"), "--coordinator",
+           pathlib.Path(os.environ["WSYNC_COORDINATOR_FILE"]).read_text().strip(),
+           "--token-file", os.environ["WSYNC_TOKEN_FILE"]]
+
+    t0 = time.time()
+    version = pub.publish(1, timeout=300).version
+    if rank == 0:
+        print(f"version {version}: the initial weights on {len(engines)} engines ({time.time() - t0:.2f} s)", flush=True)
+    opt = torch.optim.Adam(model.parameters(), lr=a.lr)
+    rng = random.Random(a.seed)
+    target = cfg["vocab_size"] // 8
+    P, K = a.prompt_len, a.max_new_tokens
+    history = []
+    for step in range(1, a.steps + 1):
+        batch = [None]
+        if rank == 0:
+            prompts = [[rng.randrange(cfg["vocab_size"]) for _ in range(P)] for _ in range(a.prompts)]
+            batch[0] = rollouts(engines, ctl, prompts, K)
+            stale = [(e, v) for e, _, _, v in batch[0] if v != version]
+            assert not stale, f"replies from another version than {version}: {stale}"
+        dist.broadcast_object_list(batch, src=0)
+        batch = batch[0]
+        rewards = torch.tensor([sum(t < target for t in c) / K for _, _, c, _ in batch], dtype=torch.float32)
+        adv = rewards - rewards.mean()
+        seq = torch.tensor([p + c for _, p, c, _ in batch], dtype=torch.long)
+        inp, labels = seq[:, :-1], seq[:, 1:]
+        n = inp.shape[1]
+        pos = torch.arange(n).unsqueeze(0).expand_as(inp)
+        mask = torch.ones(1, 1, n, n, dtype=torch.bool).triu(1)
+        nll = model(inp, pos, mask, labels=labels).float()  # [b, n]: -log p(labels), vocab-parallel
+        logp = -nll[:, P - 1:].sum(dim=1)  # the completion's tokens
+        loss = -(adv * logp).mean() / K
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t0 = time.time()
+        version = pub.publish(step + 1, timeout=300).version
+        took = time.time() - t0
+        if rank == 0:
+            per = {}
+            for e, _, _, v in batch:
+                per.setdefault((e, v), 0)
+                per[(e, v)] += 1
+            replies = ", ".join(f"engine-{e}: {c} on version {v}" for (e, v), c in sorted(per.items()))
+            history.append(rewards.mean().item())
+            print(f"step {step}: {replies}; mean reward {rewards.mean():.3f}; loss {loss.item():+.4f}; "
+                  f"synced version {version} in {took:.2f} s", flush=True)
+    if rank == 0:
+        print("mean reward by step: " + " ".join(f"{r:.3f}" for r in history), flush=True)
+    pub.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""examples/rl_loop: the example RL loop runs (megatron-core trainers, two vLLM engines, a sync
+every step), every reply of every step comes from the version published last, every sync succeeds.
+Needs both environments tools/setup.sh makes ($WSYNC_MEGATRON_PYTHON, $WSYNC_VLLM_PYTHON)."""
+
+import os
+import re
+import subprocess
+
+import pytest
+
+from conftest import BIN, ROOT
+
+NEED = [os.environ.get("WSYNC_MEGATRON_PYTHON"), os.environ.get("WSYNC_VLLM_PYTHON")]
+
+
+@pytest.mark.skipif(not all(NEED) or not all(os.path.exists(p) for p in NEED if p),
+                    reason="needs $WSYNC_MEGATRON_PYTHON and $WSYNC_VLLM_PYTHON")
+def test_the_example_rl_loop_trains_and_syncs_every_step(tmp_path):
+    out = subprocess.run([ROOT / "examples" / "rl_loop" / "run.sh", "--steps", "3", "--workdir", tmp_path],
+                         env=dict(os.environ, WSYNC_BIN=str(BIN)), capture_output=True, text=True, timeout=600)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-5000:]
+    for step in (1, 2, 3):
+        line = re.search(rf"step {step}: (.*)", text)
+        assert line, text[-5000:]
+        assert f"engine-0: 4 on version {step}, engine-1: 4 on version {step};" in line.group(1), line.group(0)
+        assert f"synced version {step + 1} in" in line.group(1), line.group(0)
+    assert "mean reward by step:" in text and "the training processes' syncs succeeded" in text, text[-3000:]
