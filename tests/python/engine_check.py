@@ -11,7 +11,6 @@ the oracle's. Then the refusals: a model whose shapes differ from the engine's n
 parameter that does not fit, and nothing is served. Prints "engine check passed" at the end.
 """
 
-import argparse
 import json
 import pathlib
 import sys
@@ -19,22 +18,17 @@ import sys
 import torch
 import transformers
 
-from hf_oracle import load_model
+from hf_oracle import greedy, load_model, parse_args
 from wsync import WsyncError
 from wsync.engine import EngineHost, TransformersEngine
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--hf", required=True)
-    ap.add_argument("--int4", default="")
-    ap.add_argument("--prompt", required=True)
-    ap.add_argument("--max-new-tokens", type=int, required=True)
-    args = ap.parse_args()
+    args = parse_args()
     config_text = (pathlib.Path(args.hf) / "config.json").read_text()
     config = json.loads(config_text)
     quant = json.dumps(config["quantization_config"]) if args.int4 else ""
-    prompt = [int(t) for t in args.prompt.split(",")]
+    prompt = args.prompt
 
     host = EngineHost("check", config_text, agent="127.0.0.1:1", quant_json=quant, checkpoint=args.hf)
     engine = TransformersEngine(host)
@@ -56,11 +50,7 @@ def main():
     if not args.int4:
         assert copies == 0, f"{copies} bf16 parameters are copies, not views of the segment"
     tokens, version = engine.generate_request(prompt, args.max_new_tokens)
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        want = oracle.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                               max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
-                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    want = greedy(oracle, prompt, args.max_new_tokens)
     assert version == 0 and tokens == want, (version, tokens, want)
     # The segment as an HF checkpoint (what vLLM's load_weights takes): equal to the checkpoint's
     # tensors, INT4 ones to their compressed-tensors form (FILE), bit for bit.

@@ -57,22 +57,33 @@ def load_model(hf, int4):
         return transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
 
 
-def main():
+def parse_args():
+    """--hf, --int4, --prompt (a list of ints), --max-new-tokens: what the oracle and engine_check.py take."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--hf", required=True)
     ap.add_argument("--int4", default="")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--max-new-tokens", type=int, required=True)
     args = ap.parse_args()
-    model = load_model(args.hf, args.int4).eval()
-    ids = torch.tensor([[int(t) for t in args.prompt.split(",")]], dtype=torch.long)
+    args.prompt = [int(t) for t in args.prompt.split(",")]
+    return args
+
+
+def greedy(model, prompt, max_new_tokens):
+    """Exactly max_new_tokens greedy tokens (model.generate, no EOS stop)."""
+    ids = torch.tensor([prompt], dtype=torch.long)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
-                             eos_token_id=None, pad_token_id=0)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def main():
+    args = parse_args()
+    model = load_model(args.hf, args.int4).eval()
     params = {n: hashlib.sha256(p.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
               for n, p in model.named_parameters()}
-    print(json.dumps({"tokens": out[0, ids.shape[1]:].tolist(), "params": params}))
+    print(json.dumps({"tokens": greedy(model, args.prompt, args.max_new_tokens), "params": params}))
     return 0
 
 
