@@ -97,7 +97,13 @@ chmod +x "$TMP/run.sh"
 mkdir -p "$TMP/tools"
 cp "$ROOT/tools/demo.sh" "$ROOT/tools/wsync-local" "$ROOT/tools/bench-sync.sh" "$TMP/tools/"
 mkdir -p "$TMP/tests/integration"
-cp "$ROOT/tests/integration/e2e_shm.sh" "$TMP/tests/integration/"
+cp "$ROOT/tests/integration/e2e_shm.sh" "$ROOT/tests/integration/e2e_python_cuda.sh" "$TMP/tests/integration/"
+# The Python package (pure Python and the libc-only trainer client) and the training processes of
+# the python_cuda check, run by the GPU host's own Python and torch.
+mkdir -p "$TMP/python/wsync/_lib" "$TMP/tests/python"
+cp "$ROOT"/python/wsync/*.py "$TMP/python/wsync/"
+cp -L "$BUILD/lib/libwsync_trainer_client.so" "$TMP/python/wsync/_lib/"
+cp "$ROOT/tests/python/cuda_publish.py" "$ROOT/tests/python/safetensors_files.py" "$TMP/tests/python/"
 git -C "$ROOT" rev-parse HEAD >"$TMP/COMMIT" 2>/dev/null || echo unknown >"$TMP/COMMIT"
 
 rm -rf "$OUT" "$OUT.tar.xz"

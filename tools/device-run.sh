@@ -136,6 +136,20 @@ check trainer_cuda trainer_cuda
 # 10. Colocated on the GPU: the same, with the trainer -> rollout hand-off through shared memory
 #     (backend shm: no network, no NCCL group).
 check colocated_cuda trainer_cuda --backend shm
+# 10b. Python training processes (wsync.trainer.Publisher) whose tensors stay in CUDA memory,
+#     declared by IPC handle from torch (wsync.trainer.cuda_ipc); the host's python3 and torch.
+python_cuda() {
+  if ! have_gpu; then
+    echo "no CUDA device: the Python CUDA publisher needs one"
+    return 0
+  fi
+  if ! python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+    echo "no CUDA device usable from python3 (torch) on this host"
+    return 0
+  fi
+  WSYNC_BIN="$B/bin" WSYNC_PYTHON=python3 "$B/tests/integration/e2e_python_cuda.sh" --cuda 0
+}
+check python_cuda python_cuda
 # 11. The trainer's device stages: memory spaces, device buckets staged to the host, and RunRankSync
 #     with every tensor in CUDA memory (ToHf copies, CUDA INT4 kernels, device buckets) against the
 #     host stages, byte for byte (dense / MoE / MLA, bf16 / INT4, PP 1 / 2).

@@ -93,6 +93,10 @@ def _declare(lib):
     lib.wsync_client_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p)]
     lib.wsync_client_add_tensor.restype = ctypes.c_int
     lib.wsync_client_add_tensor.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, c_int64_p, ctypes.c_int]
+    lib.wsync_client_add_cuda_tensor.restype = ctypes.c_int
+    lib.wsync_client_add_cuda_tensor.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, c_int64_p,
+                                                 ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                 ctypes.c_uint64]
     lib.wsync_client_register.restype = ctypes.c_int
     lib.wsync_client_register.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int64]
     lib.wsync_client_tensor.restype = ctypes.c_void_p

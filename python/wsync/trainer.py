@@ -56,6 +56,33 @@ def _torch_dtype_name(t):
     return names[t.dtype]
 
 
+def cuda_ipc(t):
+    """(cudaIpcMemHandle_t bytes, CUDA device, byte offset of the tensor's data in its allocation)
+    of a CUDA tensor, through the driver API (libcuda.so.1, present wherever the NVIDIA driver is):
+    the allocation holding the data (cuMemGetAddressRange) and its IPC handle (cuIpcGetMemHandle).
+    torch's caching allocator hands out pieces of larger cudaMalloc blocks, hence the offset.
+    WsyncError naming the tensor when the driver refuses (e.g. expandable_segments memory, which
+    has no legacy IPC handle)."""
+    import torch
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise WsyncError(9, f"CUDA tensor on {t.device}: the NVIDIA driver library: {e}") from None
+    torch.cuda.set_device(t.device)
+    torch.cuda.synchronize(t.device)  # the device's primary context is current on this thread
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = cuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(t.data_ptr()))
+    if rc != 0:
+        raise WsyncError(13, f"cuMemGetAddressRange of a tensor on {t.device} failed (CUresult {rc})")
+    handle = (ctypes.c_char * 64)()
+    rc = cuda.cuIpcGetMemHandle(handle, base)
+    if rc != 0:
+        raise WsyncError(12, f"cuIpcGetMemHandle of a tensor on {t.device} failed (CUresult {rc}): its memory "
+                             "cannot be shared by IPC (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True?)")
+    return bytes(handle), t.device.index, t.data_ptr() - base.value
+
+
 def _numpy_dtype(name):
     import numpy as np
 
@@ -80,6 +107,7 @@ class Publisher:
         self._c = handle
         self.source_name, self.rank = source_name, rank
         self._declared = {}  # name -> (dtype, shape), in declaration order
+        self._cuda = set()  # the declared CUDA tensors (read by the agent in place)
         self._registered = False
         self._in_update = False
 
@@ -101,6 +129,26 @@ class Publisher:
                                                                    len(dims)), f"declaring tensor {name}")
         self._declared[name] = (dtype, tuple(dims))
 
+    def declare_cuda(self, name, tensor):
+        """Declares a contiguous CUDA torch tensor (before register): the agent reads it in place
+        from the device through its IPC handle at every sync (no copy into the segment). Write it
+        only inside update(), like the host tensors."""
+        self._check_open()
+        dtype = _torch_dtype_name(tensor)
+        if dtype is None:
+            raise WsyncError(3, f"tensor {name}: dtype {tensor.dtype} is not one the agent takes")
+        if not tensor.is_contiguous():
+            raise WsyncError(3, f"tensor {name} is not contiguous")
+        handle, device, offset = cuda_ipc(tensor)
+        dims = [int(d) for d in tensor.shape]
+        arr = (ctypes.c_int64 * max(len(dims), 1))(*dims)
+        _native.check(self._lib, self._lib.wsync_client_add_cuda_tensor(self._c, name.encode(), dtype.encode(), arr,
+                                                                        len(dims), handle, len(handle), device,
+                                                                        offset),
+                      f"declaring CUDA tensor {name}")
+        self._declared[name] = (dtype, tuple(dims))
+        self._cuda.add(name)
+
     def register(self, config_json, parallel_json, *, timeout=60.0):
         """Creates the shared segment and registers every declared tensor; the agent checks them
         against its model (config.json text) and parallel layout (parallel.json text)."""
@@ -115,9 +163,10 @@ class Publisher:
         """Declares, registers and moves host torch tensors into the shared segment in one step:
         each tensor's values are copied there and its storage is replaced by the shared one
         (``param.data = shared``), so the optimizer then writes the shared memory in place.
-        `named_tensors`: (name, torch.Tensor) pairs, e.g. model.named_parameters(). Refused before
-        anything is declared: a CUDA tensor (not shareable this way yet), a dtype the agent does not
-        take, a non-contiguous tensor, a repeated name."""
+        `named_tensors`: (name, torch.Tensor) pairs, e.g. model.named_parameters(). CUDA tensors stay
+        where they are: they are declared by IPC handle (declare_cuda) and the agent reads them on the
+        device. Refused before anything is declared: a tensor neither on the CPU nor on a CUDA
+        device, a dtype the agent does not take, a non-contiguous tensor, a repeated name."""
         import torch
 
         pairs = list(named_tensors)
@@ -125,9 +174,8 @@ class Publisher:
         for name, t in pairs:
             if not isinstance(t, torch.Tensor):
                 raise WsyncError(3, f"tensor {name}: a torch.Tensor, not {type(t).__name__}")
-            if t.device.type != "cpu":
-                raise WsyncError(12, f"tensor {name} is on {t.device}: the Python publisher shares host tensors "
-                                     "(CUDA tensors go through wsync_client_add_cuda_tensor)")
+            if t.device.type not in ("cpu", "cuda"):
+                raise WsyncError(12, f"tensor {name} is on {t.device}: the publisher shares host and CUDA tensors")
             if _torch_dtype_name(t) is None:
                 raise WsyncError(3, f"tensor {name}: dtype {t.dtype} is not one the agent takes")
             if not t.is_contiguous():
@@ -136,10 +184,15 @@ class Publisher:
                 raise WsyncError(6, f"tensor {name} is declared twice")
             seen.add(name)
         for name, t in pairs:
-            self.declare(name, _torch_dtype_name(t), tuple(t.shape))
+            if t.device.type == "cuda":
+                self.declare_cuda(name, t)
+            else:
+                self.declare(name, _torch_dtype_name(t), tuple(t.shape))
         self.register(config_json, parallel_json, timeout=timeout)
         with torch.no_grad():
             for name, t in pairs:
+                if t.device.type == "cuda":
+                    continue  # read in place by the agent
                 shared = self.torch(name)
                 shared.copy_(t)
                 t.data = shared
