@@ -9,7 +9,9 @@ engine: it reads the parameters (``host.tensor(name)``, in place) and is called 
 
 * ``prepare(version)`` when a sync has written version ``version`` into the segment (the engine is
   paused and idle then; a failure makes the engine UNHEALTHY until a later sync prepares), and
-* ``generate(prompt, max_new_tokens)`` for the gRPC Generate (greedy; a list of token ids).
+* ``generate(prompt, max_new_tokens)`` for the gRPC Generate (greedy; a list of token ids), and,
+  for an engine that also serves requests of its own (an HTTP server), ``on_pause(mode)`` ("HOLD"
+  or "ABORT") when a sync pauses the host and ``on_continue(version)`` when it serves again.
 
 Requests the process computes itself go through ``with host.request() as version:``, which waits
 while a sync holds the engine and names the weight version the request runs on, so no request
@@ -45,11 +47,16 @@ _GENERATE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctype
                              ctypes.c_void_p, ctypes.c_size_t)
 
 
+_PAUSE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
+_CONTINUE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t)
+
+
 class _Options(ctypes.Structure):
     _fields_ = [("engine_id", ctypes.c_char_p), ("config_json", ctypes.c_char_p), ("quant_json", ctypes.c_char_p),
                 ("listen", ctypes.c_char_p), ("agent", ctypes.c_char_p), ("agent_file", ctypes.c_char_p),
                 ("token_file", ctypes.c_char_p), ("prepare", _PREPARE), ("generate", _GENERATE),
-                ("ctx", ctypes.c_void_p), ("hold_timeout_s", ctypes.c_double), ("checkpoint", ctypes.c_char_p)]
+                ("ctx", ctypes.c_void_p), ("hold_timeout_s", ctypes.c_double), ("checkpoint", ctypes.c_char_p),
+                ("on_pause", _PAUSE), ("on_continue", _CONTINUE)]
 
 
 class _ParamInfo(ctypes.Structure):
@@ -193,12 +200,15 @@ class EngineHost:
         self._adapter = None
         self._prepare_cb = _PREPARE(self._on_prepare)
         self._generate_cb = _GENERATE(self._on_generate)
+        self._pause_cb = _PAUSE(self._on_pause)
+        self._continue_cb = _CONTINUE(self._on_continue)
         opts = _Options(engine_id=engine_id.encode(), config_json=config_json.encode(),
                         quant_json=(quant_json or "").encode(), listen=listen.encode(),
                         agent=agent.encode() if agent else None, agent_file=agent_file.encode() if agent_file else None,
                         token_file=token_file.encode() if token_file else None, prepare=self._prepare_cb,
                         generate=self._generate_cb, ctx=None, hold_timeout_s=float(hold_timeout),
-                        checkpoint=checkpoint.encode() if checkpoint else None)
+                        checkpoint=checkpoint.encode() if checkpoint else None, on_pause=self._pause_cb,
+                        on_continue=self._continue_cb)
         h = ctypes.c_void_p()
         _check(self._lib, self._lib.wsync_engine_create(ctypes.byref(opts), ctypes.byref(h)), f"engine {engine_id}")
         self._h = h
@@ -222,20 +232,23 @@ class EngineHost:
             info = _SourceInfo()
             _check(self._lib, self._lib.wsync_engine_source(h, i, ctypes.byref(info)), "source")
             self.sources.append(Source(info))
-        self._buffers = {}
         _HOSTS[engine_id] = self
 
     # --- the parameters -------------------------------------------------------------------------
     def buffer(self, name):
         """A writable ctypes char array over the parameter's bytes in the segment (valid until close)."""
         p = self._param(name)
-        if name not in self._buffers:
-            self._buffers[name] = (ctypes.c_char * p.nbytes).from_address(p.address)
-        return self._buffers[name]
+        # A fresh array per call: torch 1.13's frombuffer releases the exporter once too often when
+        # its tensor dies, so a cached array would be freed under the next tensor made from it.
+        return (ctypes.c_char * p.nbytes).from_address(p.address)
 
     def tensor(self, name):
         """The parameter as a torch tensor over the segment's bytes (no copy), engine-form shape."""
         import torch
+
+        if int(torch.__version__.split(".")[0]) < 2:
+            raise WsyncError(9, f"wsync.engine needs torch >= 2, not {torch.__version__} (torch 1.13 crashed "
+                                "reading the segment on the host's callback threads)")
 
         p = self._param(name)
         return torch.frombuffer(self.buffer(name), dtype=_torch_dtype(p.dtype)).view(p.shape)
@@ -357,7 +370,6 @@ class EngineHost:
     def close(self):
         if self._h:
             _HOSTS.pop(self.engine_id, None)
-            self._buffers.clear()
             self._lib.wsync_engine_destroy(self._h)
             self._h = None
 
@@ -373,6 +385,28 @@ class EngineHost:
             self._adapter.prepare(int(version))
             return 0
         except BaseException as e:  # noqa: BLE001 (reported to the agent, never raised into C)
+            _write_err(err, err_len, f"{type(e).__name__}: {e}")
+            return 1
+
+    def _on_pause(self, _ctx, mode, err, err_len):
+        hook = getattr(self._adapter, "on_pause", None)
+        if hook is None:
+            return 0
+        try:
+            hook("ABORT" if mode == 2 else "HOLD")
+            return 0
+        except BaseException as e:  # noqa: BLE001
+            _write_err(err, err_len, f"{type(e).__name__}: {e}")
+            return 1
+
+    def _on_continue(self, _ctx, version, err, err_len):
+        hook = getattr(self._adapter, "on_continue", None)
+        if hook is None:
+            return 0
+        try:
+            hook(int(version))
+            return 0
+        except BaseException as e:  # noqa: BLE001
             _write_err(err, err_len, f"{type(e).__name__}: {e}")
             return 1
 
@@ -544,8 +578,9 @@ def _model_dir(config, quant_json):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m wsync.engine",
-                                 description="A transformers model or vLLM served as a wsync rollout engine (TP 1).")
-    ap.add_argument("--adapter", choices=("transformers", "vllm"), default="transformers")
+                                 description="A transformers model, vLLM or SGLang served as a wsync rollout engine (TP 1).")
+    ap.add_argument("--adapter", choices=("transformers", "vllm", "sglang"), default="transformers")
+    ap.add_argument("--sglang-url", default="", help="sglang: the SGLang server, e.g. http://127.0.0.1:30000")
     ap.add_argument("--model", default="", help="config.json, or a directory holding one (default: --checkpoint's)")
     ap.add_argument("--quant-config", default="", help="FILE | none (default: the config's quantization_config)")
     ap.add_argument("--checkpoint", default="", help="an HF checkpoint to serve as version 0 until the first sync")
@@ -560,6 +595,9 @@ def main(argv=None):
     ap.add_argument("--ep-size", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args(argv)
+    import faulthandler
+
+    faulthandler.enable()  # a crash in a callback thread prints every thread's Python stack
     if (args.tp_size, args.tp_rank, args.ep_size) != (1, 0, 1):
         ap.error(f"--tp-size {args.tp_size} --tp-rank {args.tp_rank} --ep-size {args.ep_size}: "
                  "this engine serves TP 1, EP 1")
@@ -583,7 +621,13 @@ def main(argv=None):
         host = EngineHost(args.engine_id, config_text, agent=args.agent or None, agent_file=args.agent_file or None,
                           quant_json=_quant_json(args, config), listen=args.listen,
                           token_file=args.token_file or None, checkpoint=args.checkpoint or None)
-        if args.adapter == "vllm":
+        if args.adapter == "sglang":
+            from wsync.sglang import SglangEngine
+
+            if not args.sglang_url:
+                ap.error("--adapter sglang needs --sglang-url")
+            SglangEngine(host, args.sglang_url)
+        elif args.adapter == "vllm":
             from wsync.vllm import VllmEngine, start_llm
 
             VllmEngine(host, start_llm(_model_dir(config, host.quant_json), load_format="dummy"))

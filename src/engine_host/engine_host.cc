@@ -8,10 +8,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
-#include "common/grpc_status.h"
 #include "absl/synchronization/mutex.h"
 #include "common/config.h"
 #include "common/dtype.h"
+#include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/rpc_security.h"
 #include "common/status.h"
@@ -44,8 +44,25 @@ constexpr size_t kErrLen = 2048;
 // The engine's model: Prepare and Generate call the host's callbacks.
 class CallbackModel final : public wsync::ref_engine::ServedModel {
  public:
-  CallbackModel(wsync_engine_prepare_fn prepare, wsync_engine_generate_fn generate, void* ctx)
-      : prepare_(prepare), generate_(generate), ctx_(ctx) {}
+  explicit CallbackModel(const wsync_engine_options& o)
+      : prepare_(o.prepare), generate_(o.generate), on_pause_(o.on_pause), on_continue_(o.on_continue), ctx_(o.ctx) {}
+
+  absl::Status OnPause(wsync::ref_engine::PauseMode mode) override {
+    if (on_pause_ == nullptr) return absl::OkStatus();
+    char err[kErrLen] = {0};
+    const int m = mode == wsync::ref_engine::PauseMode::kAbort ? 2 : 1;
+    if (on_pause_(ctx_, m, err, sizeof(err)) == 0) return absl::OkStatus();
+    err[kErrLen - 1] = 0;
+    return absl::UnavailableError(absl::StrCat("the engine's pause failed: ", err));
+  }
+
+  absl::Status OnContinue(uint64_t version) override {
+    if (on_continue_ == nullptr) return absl::OkStatus();
+    char err[kErrLen] = {0};
+    if (on_continue_(ctx_, version, err, sizeof(err)) == 0) return absl::OkStatus();
+    err[kErrLen - 1] = 0;
+    return absl::UnavailableError(absl::StrCat("the engine could not resume on version ", version, ": ", err));
+  }
 
   absl::Status Prepare(uint64_t version) override {
     char err[kErrLen] = {0};
@@ -76,6 +93,8 @@ class CallbackModel final : public wsync::ref_engine::ServedModel {
  private:
   wsync_engine_prepare_fn prepare_;
   wsync_engine_generate_fn generate_;
+  wsync_engine_pause_fn on_pause_;
+  wsync_engine_continue_fn on_continue_;
   void* ctx_;
 };
 
@@ -170,7 +189,7 @@ int wsync_engine_create(const wsync_engine_options* o, wsync_engine** out) {
   co.engine_id = id;
   if (o->hold_timeout_s > 0) co.hold_timeout = absl::Seconds(o->hold_timeout_s);
   absl::StatusOr<std::unique_ptr<EngineCore>> core =
-      EngineCore::Create(e->config, rank, std::make_unique<CallbackModel>(o->prepare, o->generate, o->ctx), co);
+      EngineCore::Create(e->config, rank, std::make_unique<CallbackModel>(*o), co);
   if (!core.ok()) return Fail(core.status());
   e->core = *std::move(core);
   WSYNC_LOG(INFO) << "engine host " << id << ": " << wsync::ArchitectureName(e->config.arch)

@@ -33,7 +33,22 @@ struct Recorder {
   std::vector<uint64_t> prepared;
   bool fail_next = false;
   std::vector<int32_t> last_prompt;
+  std::vector<std::string> hooks;  // "pause 1", "continue 5", ...
 };
+
+int OnPause(void* ctx, int mode, char*, size_t) {
+  auto* r = static_cast<Recorder*>(ctx);
+  absl::MutexLock lock(&r->mu);
+  r->hooks.push_back("pause " + std::to_string(mode));
+  return 0;
+}
+
+int OnContinue(void* ctx, uint64_t version, char*, size_t) {
+  auto* r = static_cast<Recorder*>(ctx);
+  absl::MutexLock lock(&r->mu);
+  r->hooks.push_back("continue " + std::to_string(version));
+  return 0;
+}
 
 int Prepare(void* ctx, uint64_t version, char* err, size_t err_len) {
   auto* r = static_cast<Recorder*>(ctx);
@@ -70,6 +85,8 @@ wsync_engine_options Options(Recorder* r, const char* config, const char* quant 
   o.generate = &Generate;
   o.ctx = r;
   o.hold_timeout_s = 5;
+  o.on_pause = &OnPause;
+  o.on_continue = &OnContinue;
   return o;
 }
 
@@ -260,6 +277,9 @@ TEST_F(Served, TheSyncProtocolDrivesPrepareAndAdmission) {
   ASSERT_TRUE(Continue(6).ok());  // the same version: no prepare
   absl::MutexLock lock(&r_.mu);
   EXPECT_EQ(r_.prepared, (std::vector<uint64_t>{5, 6}));
+  // The engine's own serving followed: paused (HOLD = 1, ABORT = 2) and resumed on every Continue.
+  EXPECT_EQ(r_.hooks,
+            (std::vector<std::string>{"pause 1", "continue 5", "pause 1", "continue 6", "pause 2", "continue 6"}));
 }
 
 TEST_F(Served, UpdateWeightsAsksTheAgentAndNamesItWhenItIsGone) {

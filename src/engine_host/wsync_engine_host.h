@@ -60,21 +60,31 @@ typedef int (*wsync_engine_prepare_fn)(void* ctx, uint64_t version, char* err, s
 typedef int (*wsync_engine_generate_fn)(void* ctx, const int32_t* prompt, size_t prompt_len, uint32_t max_new,
                                         int32_t* out, size_t* out_len, char* err, size_t err_len);
 
+/* For an engine that also serves requests of its own (an HTTP server: SGLang): the agent paused the
+ * host (mode 1 HOLD: let running requests finish, hold new ones; 2 ABORT: fail them). Errors are
+ * logged. */
+typedef int (*wsync_engine_pause_fn)(void* ctx, int mode, char* err, size_t err_len);
+/* ... and the host serves `version` again (after prepare, or on the same version after an aborted
+ * sync): resume the engine's own serving. An error fails the agent's Continue. */
+typedef int (*wsync_engine_continue_fn)(void* ctx, uint64_t version, char* err, size_t err_len);
+
 typedef struct {
-  const char* engine_id;             /* e.g. "vllm-0"; [A-Za-z0-9._-]{1,64} */
-  const char* config_json;           /* the HF config.json text the engine serves */
-  const char* quant_json;            /* a compressed-tensors quantization_config object; NULL or "" = bf16 */
-  const char* listen;                /* RolloutEngine address, "HOST:PORT" (port 0 picks one); NULL = 127.0.0.1:0 */
-  const char* agent;                 /* the rollout agent's address, or NULL with agent_file */
-  const char* agent_file;            /* re-read before every registration (the agent's --address-file) */
-  const char* token_file;            /* bearer token for both directions; NULL = $WSYNC_TOKEN, else none */
-  wsync_engine_prepare_fn prepare;   /* required */
-  wsync_engine_generate_fn generate; /* NULL: gRPC Generate answers UNIMPLEMENTED */
-  void* ctx;                         /* passed to the callbacks */
-  double hold_timeout_s;             /* longest a request waits for a sync's HOLD; 0 = 600 */
-  const char* checkpoint;            /* an HF checkpoint directory loaded at create (bf16 weights of an INT4
-                                        engine quantized as the trainer agents do), prepared and served as
-                                        version 0 at start; NULL: NO_WEIGHTS until the first sync */
+  const char* engine_id;                /* e.g. "vllm-0"; [A-Za-z0-9._-]{1,64} */
+  const char* config_json;              /* the HF config.json text the engine serves */
+  const char* quant_json;               /* a compressed-tensors quantization_config object; NULL or "" = bf16 */
+  const char* listen;                   /* RolloutEngine address, "HOST:PORT" (port 0 picks one); NULL = 127.0.0.1:0 */
+  const char* agent;                    /* the rollout agent's address, or NULL with agent_file */
+  const char* agent_file;               /* re-read before every registration (the agent's --address-file) */
+  const char* token_file;               /* bearer token for both directions; NULL = $WSYNC_TOKEN, else none */
+  wsync_engine_prepare_fn prepare;      /* required */
+  wsync_engine_generate_fn generate;    /* NULL: gRPC Generate answers UNIMPLEMENTED */
+  void* ctx;                            /* passed to the callbacks */
+  double hold_timeout_s;                /* longest a request waits for a sync's HOLD; 0 = 600 */
+  const char* checkpoint;               /* an HF checkpoint directory loaded at create (bf16 weights of an INT4
+                                           engine quantized as the trainer agents do), prepared and served as
+                                           version 0 at start; NULL: NO_WEIGHTS until the first sync */
+  wsync_engine_pause_fn on_pause;       /* NULL: nothing to pause besides the host's own admission */
+  wsync_engine_continue_fn on_continue; /* NULL: nothing to resume */
 } wsync_engine_options;
 
 typedef struct {

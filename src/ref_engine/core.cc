@@ -444,15 +444,21 @@ void EngineCore::HoldForCatchUp(uint64_t v) {
 }
 
 uint32_t EngineCore::Pause(PauseMode mode) {
-  absl::MutexLock lock(&mu_);
-  held_for_catch_up_ = false;
-  if (!paused_ || mode_ != mode)
-    WSYNC_LOG(INFO) << WhereLocked() << ": paused (" << (mode == PauseMode::kAbort ? "ABORT" : "HOLD") << "), "
-                    << in_flight_ << " request(s) in flight";
-  paused_ = true;
-  mode_ = mode;
-  cv_.SignalAll();
-  return in_flight_;
+  uint32_t in_flight = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    held_for_catch_up_ = false;
+    if (!paused_ || mode_ != mode)
+      WSYNC_LOG(INFO) << WhereLocked() << ": paused (" << (mode == PauseMode::kAbort ? "ABORT" : "HOLD") << "), "
+                      << in_flight_ << " request(s) in flight";
+    paused_ = true;
+    mode_ = mode;
+    cv_.SignalAll();
+    in_flight = in_flight_;
+  }
+  if (absl::Status s = model_->OnPause(mode); !s.ok())
+    WSYNC_LOG(WARNING) << "engine " << options_.engine_id << ": the model's pause hook: " << s;
+  return in_flight;
 }
 
 absl::Status EngineCore::Flush() {
@@ -464,6 +470,12 @@ absl::Status EngineCore::Flush() {
 }
 
 absl::StatusOr<uint64_t> EngineCore::Continue(uint64_t version, absl::Time deadline) {
+  ASSIGN_OR_RETURN(const uint64_t served, ContinueServing(version, deadline));
+  RETURN_IF_ERROR(Annotate(model_->OnContinue(served), absl::StrCat("engine ", options_.engine_id, ": resuming")));
+  return served;
+}
+
+absl::StatusOr<uint64_t> EngineCore::ContinueServing(uint64_t version, absl::Time deadline) {
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return absl::UnavailableError(absl::StrCat(WhereLocked(), " is shutting down"));

@@ -99,6 +99,11 @@ class ServedModel {
   // forward pass and stops generation with its error.
   virtual absl::StatusOr<std::vector<int32_t>> Generate(absl::Span<const int32_t> prompt, int max_new_tokens,
                                                         const StepHook& before_step) = 0;
+  // Hooks for an engine that also serves requests the core does not admit (an HTTP server of its
+  // own): called after the core paused (errors are logged) and after every successful Continue,
+  // with the version served (an error fails the Continue). No-ops by default.
+  virtual absl::Status OnPause(PauseMode) { return absl::OkStatus(); }
+  virtual absl::Status OnContinue(uint64_t) { return absl::OkStatus(); }
 };
 
 struct EngineCoreOptions {
@@ -212,6 +217,8 @@ class EngineCore {
                                         absl::Time deadline, const std::function<bool()>& cancelled,
                                         const std::string& held_by) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Release();
+  // Continue without the model's OnContinue hook.
+  absl::StatusOr<uint64_t> ContinueServing(uint64_t version, absl::Time deadline);
   // 2 when shutting down, 1 when paused with ABORT, else 0 (what a running request checks).
   int32_t StopFlag() const;
   absl::Status Refusal(Admit admit, int tp_rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
