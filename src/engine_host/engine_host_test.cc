@@ -195,7 +195,7 @@ TEST(EngineHost, ListsTheEngineFormParamsAndDequantizesLinears) {
   wsync_engine_destroy(e);
 }
 
-class Served : public ::testing::Test {
+class EngineHostServed : public ::testing::Test {
  protected:
   void SetUp() override {
     wsync_engine_options o = Options(&r_, kDense);
@@ -236,7 +236,7 @@ class Served : public ::testing::Test {
   std::unique_ptr<wsync::v1::RolloutEngine::Stub> stub_;
 };
 
-TEST_F(Served, TheSyncProtocolDrivesPrepareAndAdmission) {
+TEST_F(EngineHostServed, TheSyncProtocolDrivesPrepareAndAdmission) {
   uint64_t v = 99;
   EXPECT_EQ(State(&v), 3);  // NO_WEIGHTS
   EXPECT_EQ(wsync_engine_begin_request(e_, 100, &v), 9);
@@ -282,13 +282,13 @@ TEST_F(Served, TheSyncProtocolDrivesPrepareAndAdmission) {
             (std::vector<std::string>{"pause 1", "continue 5", "pause 1", "continue 6", "pause 2", "continue 6"}));
 }
 
-TEST_F(Served, UpdateWeightsAsksTheAgentAndNamesItWhenItIsGone) {
+TEST_F(EngineHostServed, UpdateWeightsAsksTheAgentAndNamesItWhenItIsGone) {
   uint64_t v = 0;
   EXPECT_EQ(wsync_engine_update_weights(e_, 0, 2000, &v), 14);  // UNAVAILABLE: nobody at 127.0.0.1:1
   EXPECT_NE(LastError().find("UpdateWeights at the rollout agent 127.0.0.1:1"), std::string::npos) << LastError();
 }
 
-TEST_F(Served, AFailedPrepareLeavesTheEngineUnhealthyUntilOneSucceeds) {
+TEST_F(EngineHostServed, AFailedPrepareLeavesTheEngineUnhealthyUntilOneSucceeds) {
   {
     absl::MutexLock lock(&r_.mu);
     r_.fail_next = true;
@@ -305,7 +305,7 @@ TEST_F(Served, AFailedPrepareLeavesTheEngineUnhealthyUntilOneSucceeds) {
   EXPECT_EQ(v, 3u);
 }
 
-TEST_F(Served, GenerateOverGrpcCallsTheEngineAndNamesTheVersion) {
+TEST_F(EngineHostServed, GenerateOverGrpcCallsTheEngineAndNamesTheVersion) {
   ASSERT_TRUE(Continue(2).ok());
   grpc::ClientContext ctx;
   wsync::v1::GenerateRequest req;
