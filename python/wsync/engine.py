@@ -89,6 +89,8 @@ def _declare(lib):
         ("wsync_engine_linear_count", ctypes.c_size_t, [P]),
         ("wsync_engine_linear", ctypes.c_int, [P, ctypes.c_size_t, ctypes.POINTER(_LinearInfo)]),
         ("wsync_engine_dense_bf16", ctypes.c_int, [P, ctypes.c_char_p, P, ctypes.c_uint64]),
+        ("wsync_engine_attach_info", ctypes.c_char_p, [P]),
+        ("wsync_engine_attach", ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(P)]),
         ("wsync_engine_source_count", ctypes.c_size_t, [P]),
         ("wsync_engine_source", ctypes.c_int, [P, ctypes.c_size_t, ctypes.POINTER(_SourceInfo)]),
         ("wsync_engine_loaded", ctypes.c_int, [P, ctypes.c_char_p, P, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int64)]),
@@ -190,27 +192,11 @@ def _torch_dtype(name):
     return getattr(torch, _TORCH_DTYPES[name])
 
 
-class EngineHost:
-    """See the module comment. `adapter` has prepare(version) and (optionally) generate(prompt,
-    max_new_tokens); it may be attached after construction (attach()), before start()."""
+class _Segment:
+    """An engine rank's parameters in a segment: the lists and the accessors EngineHost and
+    EngineView share."""
 
-    def __init__(self, engine_id, config_json, agent=None, agent_file=None, quant_json=None, listen="127.0.0.1:0",
-                 token_file=None, hold_timeout=600.0, checkpoint=None):
-        self._lib = library()
-        self._adapter = None
-        self._prepare_cb = _PREPARE(self._on_prepare)
-        self._generate_cb = _GENERATE(self._on_generate)
-        self._pause_cb = _PAUSE(self._on_pause)
-        self._continue_cb = _CONTINUE(self._on_continue)
-        opts = _Options(engine_id=engine_id.encode(), config_json=config_json.encode(),
-                        quant_json=(quant_json or "").encode(), listen=listen.encode(),
-                        agent=agent.encode() if agent else None, agent_file=agent_file.encode() if agent_file else None,
-                        token_file=token_file.encode() if token_file else None, prepare=self._prepare_cb,
-                        generate=self._generate_cb, ctx=None, hold_timeout_s=float(hold_timeout),
-                        checkpoint=checkpoint.encode() if checkpoint else None, on_pause=self._pause_cb,
-                        on_continue=self._continue_cb)
-        h = ctypes.c_void_p()
-        _check(self._lib, self._lib.wsync_engine_create(ctypes.byref(opts), ctypes.byref(h)), f"engine {engine_id}")
+    def _list(self, h, engine_id, config_json, quant_json):
         self._h = h
         self.engine_id = engine_id
         self.quant_json = quant_json or ""
@@ -232,7 +218,6 @@ class EngineHost:
             info = _SourceInfo()
             _check(self._lib, self._lib.wsync_engine_source(h, i, ctypes.byref(info)), "source")
             self.sources.append(Source(info))
-        _HOSTS[engine_id] = self
 
     # --- the parameters -------------------------------------------------------------------------
     def buffer(self, name):
@@ -318,6 +303,35 @@ class EngineHost:
         if name not in self.params:
             raise WsyncError(5, f"engine {self.engine_id}: no parameter '{name}'")
         return self.params[name]
+
+
+class EngineHost(_Segment):
+    """See the module comment. `adapter` has prepare(version) and (optionally) generate(prompt,
+    max_new_tokens); it may be attached after construction (attach()), before start()."""
+
+    def __init__(self, engine_id, config_json, agent=None, agent_file=None, quant_json=None, listen="127.0.0.1:0",
+                 token_file=None, hold_timeout=600.0, checkpoint=None):
+        self._lib = library()
+        self._adapter = None
+        self._prepare_cb = _PREPARE(self._on_prepare)
+        self._generate_cb = _GENERATE(self._on_generate)
+        self._pause_cb = _PAUSE(self._on_pause)
+        self._continue_cb = _CONTINUE(self._on_continue)
+        opts = _Options(engine_id=engine_id.encode(), config_json=config_json.encode(),
+                        quant_json=(quant_json or "").encode(), listen=listen.encode(),
+                        agent=agent.encode() if agent else None, agent_file=agent_file.encode() if agent_file else None,
+                        token_file=token_file.encode() if token_file else None, prepare=self._prepare_cb,
+                        generate=self._generate_cb, ctx=None, hold_timeout_s=float(hold_timeout),
+                        checkpoint=checkpoint.encode() if checkpoint else None, on_pause=self._pause_cb,
+                        on_continue=self._continue_cb)
+        h = ctypes.c_void_p()
+        _check(self._lib, self._lib.wsync_engine_create(ctypes.byref(opts), ctypes.byref(h)), f"engine {engine_id}")
+        self._list(h, engine_id, config_json, quant_json)
+        _HOSTS[engine_id] = self
+
+    def attach_info(self):
+        """What EngineView needs to map this host's segment in another process (a JSON string)."""
+        return self._lib.wsync_engine_attach_info(self._h).decode()
 
     # --- serving --------------------------------------------------------------------------------
     def attach(self, adapter):
@@ -425,6 +439,24 @@ class EngineHost:
         except BaseException as e:  # noqa: BLE001
             _write_err(err, err_len, f"{type(e).__name__}: {e}")
             return 1
+
+
+class EngineView(_Segment):
+    """Another process's read-only view of an EngineHost's segment (a vLLM worker process beside
+    the host's), from the host's attach_info(): the same params / linears / sources and tensor(),
+    loaded(), hf_tensors(), dense_bf16(); it serves nothing. Same user only (the segment is 0600)."""
+
+    def __init__(self, attach_info):
+        self._lib = library()
+        h = ctypes.c_void_p()
+        _check(self._lib, self._lib.wsync_engine_attach(attach_info.encode(), ctypes.byref(h)), "attaching")
+        info = json.loads(attach_info)
+        self._list(h, info.get("engine_id", "attached"), info["config_json"], info.get("quant_json", ""))
+
+    def close(self):
+        if self._h:
+            self._lib.wsync_engine_destroy(self._h)
+            self._h = None
 
 
 # --- transformers ----------------------------------------------------------------------------------

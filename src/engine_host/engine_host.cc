@@ -3,9 +3,11 @@
 // rollout agent's ParamArena, with the engine's own model behind callbacks (CallbackModel).
 #include <cstring>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
@@ -19,6 +21,7 @@
 #include "ref_engine/core.h"
 #include "ref_engine/registration.h"
 #include "ref_engine/server.h"
+#include "rollout_agent/engine_memory/engine_memory.h"
 #include "rollout_agent/engine_memory/param_arena.h"
 #include "rollout_agent/load/engine_layout.h"
 #include "rollout_agent/repack/repack.h"
@@ -100,6 +103,8 @@ class CallbackModel final : public wsync::ref_engine::ServedModel {
 
 std::string Str(const char* s) { return s ? std::string(s) : std::string(); }
 
+constexpr char kViewServesNothing[] = "an attached view (wsync_engine_attach) serves nothing: use its host";
+
 }  // namespace
 
 struct wsync_engine {
@@ -107,17 +112,51 @@ struct wsync_engine {
   wsync::RpcSecurity security;
   wsync::ModelConfig config;
   std::unique_ptr<wsync::rollout_agent::EngineLayout> layout;
-  std::unique_ptr<wsync::rollout_agent::ParamArena> arena;
+  std::unique_ptr<wsync::rollout_agent::ParamArena> arena;       // a host: its own segment
+  std::unique_ptr<wsync::rollout_agent::EngineMemory> attached;  // a view: another host's, mapped
+  wsync::rollout_agent::EngineWeights* weights = nullptr;        // the arena's or the mapping's
   std::unique_ptr<EngineCore> core;
   std::vector<std::string> dtype_names;
   std::vector<std::string> source_dtypes;
-  std::string checkpoint;  // loaded at create, prepared as version 0 at start
+  std::string checkpoint;   // loaded at create, prepared as version 0 at start
+  std::string attach_info;  // made once, by wsync_engine_attach_info
 
   absl::Mutex mu;
   std::unique_ptr<wsync::ref_engine::EngineServer> server ABSL_GUARDED_BY(mu);
   std::unique_ptr<wsync::ref_engine::AgentRegistrar> registrar ABSL_GUARDED_BY(mu);
   std::string address;  // set once by start
 };
+
+namespace {
+
+// The config, quantization and EngineLayout of e->config_json / e->quant_json (TP 1).
+absl::Status MakeLayout(wsync_engine* e) {
+  using namespace wsync;
+  ASSIGN_OR_RETURN(ModelConfig config, ParseModelConfig(e->config_json, "the engine's config.json"));
+  e->config = std::move(config);
+  e->config.quantization.reset();
+  if (!e->quant_json.empty()) {
+    ASSIGN_OR_RETURN(QuantizationConfig q, ParseQuantizationConfig(e->quant_json, "the engine's quantization_config"));
+    RETURN_IF_ERROR(q.CheckInt4Supported());
+    e->config.quantization = std::move(q);
+  }
+  ASSIGN_OR_RETURN(
+      rollout_agent::EngineLayout layout,
+      rollout_agent::EngineLayout::Create(e->config, e->config.quantization ? &*e->config.quantization : nullptr,
+                                          ref_engine::EngineRank()));
+  e->layout = std::make_unique<rollout_agent::EngineLayout>(std::move(layout));
+  return absl::OkStatus();
+}
+
+// The safetensors names of the params' and sources' dtypes (what the info structs point at).
+void NameDtypes(wsync_engine* e) {
+  for (const wsync::rollout_agent::EngineBuffer& b : e->weights->buffers())
+    e->dtype_names.emplace_back(wsync::SafetensorsName(b.dtype));
+  for (const wsync::rollout_agent::HfSource& src : e->layout->sources())
+    e->source_dtypes.emplace_back(wsync::SafetensorsName(src.dtype));
+}
+
+}  // namespace
 
 extern "C" {
 
@@ -149,21 +188,8 @@ int wsync_engine_create(const wsync_engine_options* o, wsync_engine** out) {
   if (!sec.ok()) return Fail(sec.status());
   e->security = *sec;
 
-  absl::StatusOr<ModelConfig> config = ParseModelConfig(e->config_json, "the engine's config.json");
-  if (!config.ok()) return Fail(config.status());
-  e->config = *config;
-  e->config.quantization.reset();
-  if (!e->quant_json.empty()) {
-    absl::StatusOr<QuantizationConfig> q = ParseQuantizationConfig(e->quant_json, "the engine's quantization_config");
-    if (!q.ok()) return Fail(q.status());
-    if (absl::Status s = q->CheckInt4Supported(); !s.ok()) return Fail(s);
-    e->config.quantization = *q;
-  }
+  if (absl::Status st = MakeLayout(e.get()); !st.ok()) return Fail(st);
   ref_engine::EngineRank rank;  // TP 1: the host is one engine rank
-  absl::StatusOr<rollout_agent::EngineLayout> layout =
-      rollout_agent::EngineLayout::Create(e->config, e->config.quantization ? &*e->config.quantization : nullptr, rank);
-  if (!layout.ok()) return Fail(layout.status());
-  e->layout = std::make_unique<rollout_agent::EngineLayout>(*std::move(layout));
 
   absl::StatusOr<std::vector<std::string>> stale = rollout_agent::ReclaimStaleShmSegments(id, 0);
   for (const std::string& name : stale.ok() ? *stale : std::vector<std::string>{})
@@ -172,15 +198,13 @@ int wsync_engine_create(const wsync_engine_options* o, wsync_engine** out) {
       rollout_agent::ParamArena::Create(*e->layout, rollout_agent::UniqueShmName(id, 0));
   if (!arena.ok()) return Fail(arena.status());
   e->arena = *std::move(arena);
-  for (const rollout_agent::EngineBuffer& b : e->arena->weights().buffers())
-    e->dtype_names.emplace_back(SafetensorsName(b.dtype));
-  for (const rollout_agent::HfSource& src : e->layout->sources())
-    e->source_dtypes.emplace_back(SafetensorsName(src.dtype));
+  e->weights = &e->arena->weights();
+  NameDtypes(e.get());
 
   if (o->checkpoint && *o->checkpoint) {
     e->checkpoint = o->checkpoint;
     absl::StatusOr<ref_engine::CheckpointStats> stats =
-        ref_engine::LoadCheckpoint(e->checkpoint, *e->layout, e->arena->weights());
+        ref_engine::LoadCheckpoint(e->checkpoint, *e->layout, *e->weights);
     if (!stats.ok()) return Fail(stats.status());
     WSYNC_LOG(INFO) << "engine host " << id << ": loaded checkpoint " << e->checkpoint << " (" << stats->tensors
                     << " tensors, " << stats->quantized << " quantized at load)";
@@ -199,11 +223,53 @@ int wsync_engine_create(const wsync_engine_options* o, wsync_engine** out) {
   return Ok();
 }
 
-size_t wsync_engine_param_count(const wsync_engine* e) { return e ? e->arena->weights().size() : 0; }
+const char* wsync_engine_attach_info(wsync_engine* e) {
+  if (e == nullptr) return "";
+  if (e->attach_info.empty()) {
+    wsync::v1::RegisterEngineRequest req;
+    if (e->arena) e->arena->FillParams(req.mutable_params());
+    nlohmann::json j = {{"engine_id", e->engine_id},
+                        {"config_json", e->config_json},
+                        {"quant_json", e->quant_json},
+                        {"params", absl::Base64Escape(req.SerializeAsString())}};
+    e->attach_info = j.dump();
+  }
+  return e->attach_info.c_str();
+}
+
+int wsync_engine_attach(const char* info, wsync_engine** out) {
+  using namespace wsync;
+  if (info == nullptr || out == nullptr) return Fail(absl::InvalidArgumentError("wsync_engine_attach: null argument"));
+  *out = nullptr;
+  nlohmann::json j = nlohmann::json::parse(info, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("params") || !j["params"].is_string() ||
+      !j.value("config_json", nlohmann::json()).is_string())
+    return Fail(absl::InvalidArgumentError("wsync_engine_attach: not a host's attach info (wsync_engine_attach_info)"));
+  auto e = std::make_unique<wsync_engine>();
+  e->engine_id = j.value("engine_id", std::string("attached"));
+  e->config_json = j["config_json"].get<std::string>();
+  e->quant_json = j.value("quant_json", std::string());
+  if (absl::Status st = MakeLayout(e.get()); !st.ok()) return Fail(st);
+  std::string bytes;
+  v1::RegisterEngineRequest req;
+  if (!absl::Base64Unescape(j["params"].get<std::string>(), &bytes) || !req.ParseFromString(bytes))
+    return Fail(absl::InvalidArgumentError("wsync_engine_attach: the params of the attach info do not parse"));
+  absl::StatusOr<std::unique_ptr<rollout_agent::EngineMemory>> memory = rollout_agent::MapEngineMemory(req.params());
+  if (!memory.ok()) return Fail(Annotate(memory.status(), absl::StrCat("attaching to engine ", e->engine_id)));
+  e->attached = *std::move(memory);
+  e->weights = &e->attached->weights();
+  if (absl::Status st = e->weights->CheckMatches(*e->layout); !st.ok())
+    return Fail(Annotate(st, absl::StrCat("attaching to engine ", e->engine_id)));
+  NameDtypes(e.get());
+  *out = e.release();
+  return Ok();
+}
+
+size_t wsync_engine_param_count(const wsync_engine* e) { return e ? e->weights->size() : 0; }
 
 int wsync_engine_param(const wsync_engine* e, size_t index, wsync_engine_param_info* out) {
   if (e == nullptr || out == nullptr) return Fail(absl::InvalidArgumentError("wsync_engine_param: null argument"));
-  const auto& buffers = e->arena->weights().buffers();
+  const auto& buffers = e->weights->buffers();
   if (index >= buffers.size())
     return Fail(absl::OutOfRangeError(absl::StrCat("param ", index, " of ", buffers.size())));
   const wsync::rollout_agent::EngineBuffer& b = buffers[index];
@@ -278,7 +344,7 @@ int wsync_engine_loaded(const wsync_engine* e, const char* param_name, void* out
     return Fail(absl::InvalidArgumentError(
         absl::StrCat(param_name, ": the loaded form is ", want, " bytes, the buffer ", out_bytes)));
   const MutableTensorView view(p.dtype, p.loaded_shape, {static_cast<std::byte*>(out), want});
-  if (absl::Status s = rollout_agent::RestoreParamToLoaded(*e->layout, param_name, e->arena->weights(), view); !s.ok())
+  if (absl::Status s = rollout_agent::RestoreParamToLoaded(*e->layout, param_name, *e->weights, view); !s.ok())
     return Fail(s);
   if (shape != nullptr) {
     for (size_t i = 0; i < 4; ++i) shape[i] = i < p.loaded_shape.size() ? p.loaded_shape[i] : 0;
@@ -299,7 +365,7 @@ int wsync_engine_dense_bf16(const wsync_engine* e, const char* linear_name, void
         absl::StrCat(linear_name, ": the bf16 weight is ", want, " bytes, the buffer ", out_bytes)));
   rollout_agent::DenseOptions d;
   d.out_dtype = DType::kBF16;
-  absl::StatusOr<Tensor> dense = rollout_agent::DequantizeToDense(*e->layout, linear_name, e->arena->weights(), d);
+  absl::StatusOr<Tensor> dense = rollout_agent::DequantizeToDense(*e->layout, linear_name, *e->weights, d);
   if (!dense.ok()) return Fail(dense.status());
   if (dense->nbytes() != want)
     return Fail(absl::InternalError(absl::StrCat(linear_name, ": dequantized to ", dense->nbytes(), " bytes")));
@@ -310,6 +376,7 @@ int wsync_engine_dense_bf16(const wsync_engine* e, const char* linear_name, void
 int wsync_engine_start(wsync_engine* e) {
   using namespace wsync;
   if (e == nullptr) return Fail(absl::InvalidArgumentError("wsync_engine_start: null engine"));
+  if (!e->core) return Fail(absl::FailedPreconditionError(kViewServesNothing));
   absl::MutexLock lock(&e->mu);
   if (e->server) return Fail(absl::FailedPreconditionError(absl::StrCat("engine ", e->engine_id, " already started")));
   if (!e->checkpoint.empty() && e->core->Health().state == ref_engine::HealthInfo::State::kNoWeights) {
@@ -349,6 +416,7 @@ const char* wsync_engine_address(const wsync_engine* e) { return e ? e->address.
 int wsync_engine_begin_request(wsync_engine* e, int64_t timeout_ms, uint64_t* version) {
   if (e == nullptr || version == nullptr)
     return Fail(absl::InvalidArgumentError("wsync_engine_begin_request: null argument"));
+  if (!e->core) return Fail(absl::FailedPreconditionError(kViewServesNothing));
   absl::StatusOr<uint64_t> v = e->core->BeginRequest(absl::Now() + absl::Milliseconds(timeout_ms), nullptr);
   if (!v.ok()) return Fail(v.status());
   *version = *v;
@@ -356,11 +424,12 @@ int wsync_engine_begin_request(wsync_engine* e, int64_t timeout_ms, uint64_t* ve
 }
 
 void wsync_engine_end_request(wsync_engine* e) {
-  if (e) e->core->EndRequest();
+  if (e && e->core) e->core->EndRequest();
 }
 
 int wsync_engine_request_stopped(const wsync_engine* e) {
   if (e == nullptr) return Fail(absl::InvalidArgumentError("wsync_engine_request_stopped: null engine"));
+  if (!e->core) return Fail(absl::FailedPreconditionError(kViewServesNothing));
   const absl::Status s = e->core->RequestStopped();
   return s.ok() ? Ok() : Fail(s);
 }
@@ -369,6 +438,7 @@ int wsync_engine_update_weights(wsync_engine* e, uint64_t min_version, int64_t t
   using namespace wsync;
   if (e == nullptr || version == nullptr)
     return Fail(absl::InvalidArgumentError("wsync_engine_update_weights: null argument"));
+  if (!e->core) return Fail(absl::FailedPreconditionError(kViewServesNothing));
   std::string agent = e->agent;
   if (!e->agent_file.empty()) {
     absl::StatusOr<std::string> text = ReadTextFile(e->agent_file);
@@ -391,6 +461,7 @@ int wsync_engine_update_weights(wsync_engine* e, uint64_t min_version, int64_t t
 int wsync_engine_health(const wsync_engine* e, int* state, uint64_t* version) {
   if (e == nullptr || state == nullptr || version == nullptr)
     return Fail(absl::InvalidArgumentError("wsync_engine_health: null argument"));
+  if (!e->core) return Fail(absl::FailedPreconditionError(kViewServesNothing));
   const wsync::ref_engine::HealthInfo h = e->core->Health();
   *state = static_cast<int>(h.state) + 1;  // kServing.. -> SERVING = 1 ..
   *version = h.version;
@@ -402,7 +473,7 @@ void wsync_engine_destroy(wsync_engine* e) {
   {
     absl::MutexLock lock(&e->mu);
     if (e->registrar) e->registrar->Stop();
-    e->core->Shutdown();
+    if (e->core) e->core->Shutdown();
     if (e->server) e->server->Shutdown(absl::Milliseconds(500));
   }
   delete e;

@@ -195,6 +195,40 @@ TEST(EngineHost, ListsTheEngineFormParamsAndDequantizesLinears) {
   wsync_engine_destroy(e);
 }
 
+// Another process's view (a vLLM worker): the same bytes through the host's attach info; serving refused.
+TEST(EngineHost, AViewAttachedFromTheInfoSeesTheHostsBytesAndServesNothing) {
+  Recorder r;
+  wsync_engine* e = nullptr;
+  wsync_engine_options o = Options(&r, kDense, kInt4);
+  ASSERT_EQ(wsync_engine_create(&o, &e), 0) << LastError();
+  wsync_engine_param_info p;
+  ASSERT_EQ(wsync_engine_param(e, 0, &p), 0);
+  std::memset(p.data, 0x5a, p.nbytes);
+  wsync_engine* v = nullptr;
+  ASSERT_EQ(wsync_engine_attach(wsync_engine_attach_info(e), &v), 0) << LastError();
+  ASSERT_EQ(wsync_engine_param_count(v), wsync_engine_param_count(e));
+  wsync_engine_param_info q;
+  ASSERT_EQ(wsync_engine_param(v, 0, &q), 0);
+  EXPECT_STREQ(q.name, p.name);
+  EXPECT_NE(q.data, p.data);  // its own mapping of the same segment
+  EXPECT_EQ(std::memcmp(q.data, p.data, p.nbytes), 0);
+  std::vector<uint32_t> packed(256 * 128 / 8);
+  EXPECT_EQ(wsync_engine_loaded(v, "model.layers.0.self_attn.qkv_proj.weight_packed", packed.data(), packed.size() * 4,
+                                nullptr),
+            0)
+      << LastError();
+  uint64_t version = 0;
+  EXPECT_EQ(wsync_engine_start(v), 9);
+  EXPECT_NE(LastError().find("serves nothing"), std::string::npos);
+  EXPECT_EQ(wsync_engine_begin_request(v, 10, &version), 9);
+  wsync_engine_destroy(v);
+  wsync_engine* bad = nullptr;
+  EXPECT_EQ(wsync_engine_attach("{\"params\": 1}", &bad), 3);
+  EXPECT_EQ(wsync_engine_attach("not json", &bad), 3);
+  EXPECT_EQ(bad, nullptr);
+  wsync_engine_destroy(e);
+}
+
 class EngineHostServed : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -147,6 +147,16 @@ WSYNC_ENGINE_API int wsync_engine_loaded(const wsync_engine* e, const char* para
 WSYNC_ENGINE_API int wsync_engine_dense_bf16(const wsync_engine* e, const char* linear_name, void* out,
                                              uint64_t out_bytes);
 
+/* Another process's read-only way in (a vLLM worker process beside the host's): the host's
+ * attach info (a JSON string: its config, quantization and segment; valid until destroy), and
+ * wsync_engine_attach, which maps that segment in this process (same user only: the segment is
+ * mode 0600) and gives a view on which the param / linear / source / loaded / dense_bf16 calls
+ * work as on the host; the serving calls answer FAILED_PRECONDITION. Destroy the view with
+ * wsync_engine_destroy. INVALID_ARGUMENT for info that is not a host's, NOT_FOUND for a segment
+ * that is gone. */
+WSYNC_ENGINE_API const char* wsync_engine_attach_info(wsync_engine* e);
+WSYNC_ENGINE_API int wsync_engine_attach(const char* attach_info, wsync_engine** out);
+
 /* With a checkpoint, prepares it as version 0 (the prepare callback's error); then serves
  * RolloutEngine on options->listen and starts registering with the agent (FAILED_PRECONDITION when
  * already started, UNAVAILABLE when the address cannot be bound). */

@@ -4,7 +4,8 @@ expected checkpoint as the oracle (vllm_check.py). Runs in the vLLM environment 
 
 * In one process: an EngineHost with the checkpoint in its segment, a vLLM on dummy weights taking
   them through its own weight-update round (the "wsync" weight-transfer backend), generating the
-  oracle's tokens; the refusals (no host for an engine id, a vLLM of another shape).
+  oracle's tokens; the refusals (no host for an engine id, a vLLM of another shape). Again with
+  vLLM's engine core in a process of its own, whose worker maps the host's segment.
 * Whole deployments (wsync-local with `--engine-cmd "python -m wsync.engine --adapter vllm"`): real
   trainer agents under mpirun and rollout agents, two vLLM engines, two syncs of two checkpoints;
   after each, every engine is verified bit-exact and generates the oracle's tokens for that step.
@@ -69,7 +70,7 @@ def _vllm(*args):
     out = subprocess.run([PY, HERE / "vllm_check.py", *args, "--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW)],
                          capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(HERE)))
     assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])  # vLLM logs too
 
 
 def test_the_plugin_is_an_entry_point_vllm_finds():
@@ -88,6 +89,15 @@ def test_vllm_takes_the_engine_memory_through_its_weight_update(tmp_path, int4):
     assert got["tokens"] == want["tokens"], (got, want)
     assert got["dummy_tokens"] != want["tokens"]  # the weights did change
     assert "intermediate_size" in got["refusal"], got
+
+
+def test_a_vllm_worker_in_its_own_process_maps_the_host_segment(tmp_path):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=1: vLLM's engine core runs in a process of its own, whose
+    wsync backend maps the host's segment through the attach info (EngineView)."""
+    step, oracle = _step(tmp_path, 23, False)
+    got = _vllm("engine", "--hf", step / "hf", "--multiprocess")
+    want = _vllm("oracle", "--model", oracle)
+    assert got["tokens"] == want["tokens"], (got, want)
 
 
 @pytest.mark.parametrize("int4", [False, True], ids=["bf16", "int4"])

@@ -3,7 +3,7 @@
 
     python vllm_check.py oracle --model DIR --prompt 1,2,3 --max-new-tokens 6
         a fresh vLLM loading checkpoint DIR itself (bf16, or compressed-tensors INT4): the oracle.
-    python vllm_check.py engine --hf DIR [--quant-config FILE] --prompt ... --max-new-tokens ...
+    python vllm_check.py engine --hf DIR [--quant-config FILE] [--multiprocess] --prompt ... --max-new-tokens ...
         wsync.vllm.VllmEngine in one process: an EngineHost loads checkpoint DIR into its segment
         (quantizing to INT4 as the trainer agents do when FILE is given), a vLLM started on dummy
         weights with the "wsync" weight-transfer backend takes them through its update round
@@ -17,7 +17,9 @@ import os
 import sys
 import tempfile
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# --multiprocess: vLLM's engine core (and its worker) in a process of its own, which maps the
+# host's segment itself (EngineView); else in this process.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if "--multiprocess" in sys.argv else "0")
 
 
 def tokens_of(llm, prompt, n):
@@ -36,6 +38,7 @@ def main():
     ap.add_argument("--quant-config", default="")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--max-new-tokens", type=int, required=True)
+    ap.add_argument("--multiprocess", action="store_true")
     args = ap.parse_args()
     prompt = [int(t) for t in args.prompt.split(",")]
     if args.mode == "oracle":
