@@ -394,35 +394,30 @@ class EngineHost(_Segment):
         self.close()
 
     # --- callbacks (gRPC threads) ---------------------------------------------------------------
-    def _on_prepare(self, _ctx, version, err, err_len):
-        try:
-            self._adapter.prepare(int(version))
+    def _call_adapter(self, hook_name, err, err_len, *args):
+        """Calls the adapter's hook (a missing optional hook is a success); an exception becomes
+        the C callback's error (reported to the agent, never raised into C)."""
+        hook = getattr(self._adapter, hook_name, None)
+        if hook is None:
             return 0
-        except BaseException as e:  # noqa: BLE001 (reported to the agent, never raised into C)
+        try:
+            hook(*args)
+            return 0
+        except BaseException as e:  # noqa: BLE001
             _write_err(err, err_len, f"{type(e).__name__}: {e}")
             return 1
+
+    def _on_prepare(self, _ctx, version, err, err_len):
+        if getattr(self._adapter, "prepare", None) is None:
+            _write_err(err, err_len, "the adapter has no prepare()")
+            return 1
+        return self._call_adapter("prepare", err, err_len, int(version))
 
     def _on_pause(self, _ctx, mode, err, err_len):
-        hook = getattr(self._adapter, "on_pause", None)
-        if hook is None:
-            return 0
-        try:
-            hook("ABORT" if mode == 2 else "HOLD")
-            return 0
-        except BaseException as e:  # noqa: BLE001
-            _write_err(err, err_len, f"{type(e).__name__}: {e}")
-            return 1
+        return self._call_adapter("on_pause", err, err_len, "ABORT" if mode == 2 else "HOLD")
 
     def _on_continue(self, _ctx, version, err, err_len):
-        hook = getattr(self._adapter, "on_continue", None)
-        if hook is None:
-            return 0
-        try:
-            hook(int(version))
-            return 0
-        except BaseException as e:  # noqa: BLE001
-            _write_err(err, err_len, f"{type(e).__name__}: {e}")
-            return 1
+        return self._call_adapter("on_continue", err, err_len, int(version))
 
     def _on_generate(self, _ctx, prompt, n, max_new, out, out_len, err, err_len):
         try:
