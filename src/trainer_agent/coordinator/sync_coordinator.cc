@@ -638,6 +638,15 @@ void SyncCoordinator::RunSync(uint64_t id) {
   all.push_back({"total", total, report.bytes});
 
   absl::MutexLock lock(&mu_);
+  // An agent whose CommitSync answered this version serves it from now on: record it at once
+  // rather than at its next heartbeat, so that a member joining meanwhile (a restarted engine) is
+  // told which peers can give it the version.
+  for (size_t i = 0; i < members.size() && i < committed.size(); ++i) {
+    if (committed[i].version() != plan.version) continue;
+    auto it = members_.find(members[i].id);
+    if (it != members_.end() && it->second.address == members[i].address)
+      it->second.version = std::max(it->second.version, plan.version);
+  }
   auto& rec = syncs_[id];
   rec.phases = all;
   rec.finished = true;
