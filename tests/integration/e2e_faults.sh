@@ -5,7 +5,9 @@
 # stops it (SIGSTOP: a hung process) at one phase of the next sync:
 #   rollout agent: begin (BeginSync), transfer (first bucket arrived), prepare (PrepareSync),
 #                  commit (engine paused, before the repack);
-#   engine:        pause (the commit's Pause), continue (the commit's Continue).
+#   engine:        pause (the commit's Pause), continue (the commit's Continue). A restarted engine
+#                  is first caught up by its agent (a commit of the staged version: its own Pause
+#                  and Continue), so the engine's points fire on their second hit, the sync's.
 # After each: the sync failed within timeout + 10 s with an error naming engine-1; engine 0 kept
 # answering, on one version (every reply names its version); a stopped process is continued; the
 # faulty process is restarted clean (on a new port) and found again, and the next sync publishes a
@@ -44,8 +46,8 @@ fault() {  # fault KIND PHASE ACTION: kind agent|engine, the failpoint point, ki
   n=$(registrations)
   if [ "$kind" = agent ]; then
     stop_proc "${agent_pid[1]}"; e2e_start_agent 1 "$point:1@$action"; pid=${agent_pid[1]}
-  else
-    stop_proc "${engine_pid[1]}"; e2e_start_engine 1 "$point:1@$action"; pid=${engine_pid[1]}
+  else  # hit 1 is the catch-up's commit into the restarted engine (see the top), hit 2 the sync's
+    stop_proc "${engine_pid[1]}"; e2e_start_engine 1 "$point:2@$action"; pid=${engine_pid[1]}
   fi
   ready "$n"
   local t0 t1
