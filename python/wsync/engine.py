@@ -37,6 +37,7 @@ import threading
 
 from wsync import _native
 from wsync._native import WsyncError
+from wsync.trainer import ITEMSIZE, torch_dtype
 
 _LIB = "libwsync_engine_host.so"
 _ABI_VERSION = 1
@@ -183,13 +184,6 @@ class Source:
         self.shape_values = (info.shape_values[0], info.shape_values[1])
 
 
-_TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "I32": "int32", "I64": "int64"}
-
-
-def _torch_dtype(name):
-    import torch
-
-    return getattr(torch, _TORCH_DTYPES[name])
 
 
 class _Segment:
@@ -236,7 +230,7 @@ class _Segment:
                                 "reading the segment on the host's callback threads)")
 
         p = self._param(name)
-        return torch.frombuffer(self.buffer(name), dtype=_torch_dtype(p.dtype)).view(p.shape)
+        return torch.frombuffer(self.buffer(name), dtype=torch_dtype(p.dtype)).view(p.shape)
 
     def loaded(self, name):
         """The parameter in its loaded form (wsync_engine_loaded): the segment's tensor itself for a
@@ -247,8 +241,7 @@ class _Segment:
         if p.kind == "plain":
             return self.tensor(name)
         # The same element count as the engine form (Marlin is a permutation of it).
-        out = torch.empty(p.nbytes // torch.empty(0, dtype=_torch_dtype(p.dtype)).element_size(),
-                          dtype=_torch_dtype(p.dtype))
+        out = torch.empty(p.nbytes // ITEMSIZE[p.dtype], dtype=torch_dtype(p.dtype))
         shape = (ctypes.c_int64 * 4)()
         _check(self._lib, self._lib.wsync_engine_loaded(self._h, name.encode(), out.data_ptr(), p.nbytes, shape), name)
         return out.view(tuple(int(d) for d in shape if d))
@@ -265,7 +258,7 @@ class _Segment:
             if s.action == "skip":
                 continue
             if s.action == "shape":
-                yield s.hf_name, torch.tensor(list(s.shape_values)[: s.shape[0]], dtype=_torch_dtype(s.dtype))
+                yield s.hf_name, torch.tensor(list(s.shape_values)[: s.shape[0]], dtype=torch_dtype(s.dtype))
                 continue
             if s.param not in loaded:
                 loaded[s.param] = self.loaded(s.param)

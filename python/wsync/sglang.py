@@ -105,7 +105,7 @@ class SglangEngine:
             buckets.append(current)
         with self._lock:
             for i, names in enumerate(buckets):
-                named = [(n, self.host.tensor(n).clone()) for n in names]  # by value: the bytes travel
+                named = [(n, self.host.tensor(n)) for n in names]  # pickled by value: the bytes travel
                 buf = io.BytesIO()  # torch's own tensor pickling: what SGLang's SafeUnpickler rebuilds
                 pickle.dump(named, buf, protocol=pickle.HIGHEST_PROTOCOL)
                 body = {"serialized_named_tensors": [base64.b64encode(buf.getvalue()).decode()],

@@ -83,6 +83,15 @@ def cuda_ipc(t):
     return bytes(handle), t.device.index, t.data_ptr() - base.value
 
 
+def torch_dtype(name):
+    """The torch dtype of a safetensors dtype name ("BF16" -> torch.bfloat16, ...)."""
+    import torch
+
+    return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+            "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+            "BOOL": torch.bool}[name]
+
+
 def _numpy_dtype(name):
     import numpy as np
 
@@ -228,12 +237,9 @@ class Publisher:
         """The tensor as a torch tensor over the shared memory."""
         import torch
 
-        dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-                  "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-                  "BOOL": torch.bool}
         buf = self.buffer(name)
         dtype, shape = self._declared[name]
-        return torch.frombuffer(buf, dtype=dtypes[dtype]).view(shape)
+        return torch.frombuffer(buf, dtype=torch_dtype(dtype)).view(shape)
 
     # --- steps ----------------------------------------------------------------------------------
 
