@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -114,15 +115,57 @@ std::string SupportedArchs() {
   return absl::StrJoin(names, ", ");
 }
 
+// The first of `keys` present in `q` (AWQConfig.from_config's get_from_keys), or nullptr.
+const char* FirstKey(const Json& q, std::initializer_list<const char*> keys) {
+  for (const char* k : keys)
+    if (q.contains(k) && !q.at(k).is_null()) return k;
+  return nullptr;
+}
+
+// quant_method "awq" (config.h): AutoAWQ's and transformers' spellings.
+absl::StatusOr<QuantizationConfig> ParseAwqObject(const Json& q, const Fields& f, QuantizationConfig c) {
+  const char* bits_key = FirstKey(q, {"w_bit", "bits"});
+  if (bits_key == nullptr) return f.Error("bits", "is required (or \"w_bit\")");
+  ASSIGN_OR_RETURN(int64_t bits, f.Int(bits_key));
+  c.num_bits = static_cast<int>(std::min<int64_t>(bits, 64));
+  const char* gs_key = FirstKey(q, {"q_group_size", "group_size"});
+  if (gs_key == nullptr) return f.Error("group_size", "is required (or \"q_group_size\")");
+  ASSIGN_OR_RETURN(int64_t gs, f.Int(gs_key, std::nullopt, -1));
+  if (gs == 0 || gs > (int64_t{1} << 30)) return f.Error(gs_key, absl::StrCat("must be positive or -1, got ", gs));
+  c.group_size = static_cast<int>(gs);
+  c.strategy = gs == -1 ? "channel" : "group";
+  if (!f.Has("zero_point")) return f.Error("zero_point", "is required");
+  ASSIGN_OR_RETURN(const bool zero_point, f.Bool("zero_point", true));
+  c.symmetric = !zero_point;
+  ASSIGN_OR_RETURN(c.format, f.String("version", "gemm"));
+  c.format = absl::AsciiStrToLower(c.format);
+  c.targets = {"Linear"};
+  ASSIGN_OR_RETURN(std::vector<std::string> skip, f.Strings("modules_to_not_convert"));
+  for (std::string& text : skip) {
+    if (text.empty()) return f.Error("modules_to_not_convert", "holds an empty entry (it would match every module)");
+    IgnoreRule r;
+    r.text = std::move(text);
+    r.substring = true;
+    c.ignore.push_back(std::move(r));
+  }
+  // What the engines build unquantized under AWQ whatever the config says (config.h).
+  for (const char* never : {"lm_head", "model.embed_tokens", "re:.*mlp\\.gate$"}) {
+    ASSIGN_OR_RETURN(IgnoreRule r, IgnoreRule::Parse(never));
+    c.ignore.push_back(std::move(r));
+  }
+  return c;
+}
+
 absl::StatusOr<QuantizationConfig> ParseQuantizationObject(const Json& q, absl::string_view source) {
   if (!q.is_object())
     return absl::InvalidArgumentError(absl::StrCat(source, ": quantization_config must be an object, got ", q.dump()));
   Fields f(q, source, "quantization_config.");
   QuantizationConfig c;
   ASSIGN_OR_RETURN(c.quant_method, f.String("quant_method"));
+  if (c.quant_method == "awq") return ParseAwqObject(q, f, std::move(c));
   if (c.quant_method != "compressed-tensors")
     return f.Error("quant_method", absl::StrCat("is \"", c.quant_method,
-                                                "\"; wsync reads compressed-tensors quantization configs only"));
+                                                "\"; wsync reads compressed-tensors and awq quantization configs"));
   ASSIGN_OR_RETURN(c.format, f.String("format", "pack-quantized"));
   ASSIGN_OR_RETURN(std::vector<std::string> ignore, f.Strings("ignore"));
   for (auto& text : ignore) {
@@ -222,6 +265,7 @@ bool IgnoreRule::Matches(absl::string_view name) const {
     std::cmatch m;
     return std::regex_search(name.data(), name.data() + name.size(), m, *regex, std::regex_constants::match_continuous);
   }
+  if (substring) return absl::StrContains(name, text);
   return absl::StartsWith(name, text);
 }
 
@@ -238,10 +282,17 @@ absl::Status QuantizationConfig::CheckInt4Supported() const {
     return absl::UnimplementedError(
         absl::StrCat("quantization_config: ", what, " is not supported by wsync's INT4 path"));
   };
-  if (format != "pack-quantized") return unsupported(absl::StrCat("format \"", format, "\""));
+  if (is_awq()) {
+    if (format != "gemm") return unsupported(absl::StrCat("AWQ version \"", format, "\" (supported: gemm)"));
+    if (num_bits != 4) return unsupported(absl::StrCat("AWQ bits ", num_bits));
+    if (symmetric) return unsupported("AWQ without zero points (zero_point: false)");
+  } else {
+    if (quant_method != "compressed-tensors") return unsupported(absl::StrCat("quant_method \"", quant_method, "\""));
+    if (format != "pack-quantized") return unsupported(absl::StrCat("format \"", format, "\""));
+    if (num_bits != 4) return unsupported(absl::StrCat("num_bits ", num_bits));
+    if (!symmetric) return unsupported("asymmetric quantization (symmetric: false)");
+  }
   if (type != "int") return unsupported(absl::StrCat("type \"", type, "\""));
-  if (num_bits != 4) return unsupported(absl::StrCat("num_bits ", num_bits));
-  if (!symmetric) return unsupported("asymmetric quantization (symmetric: false)");
   if (!actorder.empty()) return unsupported(absl::StrCat("act-order (actorder: \"", actorder, "\")"));
   if (dynamic) return unsupported("dynamic quantization");
   if (group_size != -1 && group_size != 32 && group_size != 64 && group_size != 128)

@@ -37,10 +37,23 @@ absl::string_view ArchitectureName(Architecture a);
 //    "ignore": ["lm_head", "re:.*mlp.gate$"]}
 // Parsing is faithful; whether wsync can produce a setting (4-bit, symmetric, no act-order) is
 // checked by CheckInt4Supported(), so that a clear "not supported" differs from "malformed".
-// One entry of quantization_config.ignore: "re:PATTERN" (compiled once) or a literal name/prefix.
+// AWQ quantization_config (docs/spec/AWQ.md §2), as AutoAWQ / transformers write it and vLLM /
+// SGLang read it (AWQConfig.from_config: the first of each key pair that is present):
+//   {"quant_method": "awq", "bits" | "w_bit": 4, "group_size" | "q_group_size": 128,
+//    "zero_point": true, "version": "gemm", "modules_to_not_convert": ["visual"]}
+// It becomes a QuantizationConfig with quant_method "awq", format = the version in lower case,
+// symmetric = !zero_point, strategy "group" ("channel" for group_size -1), and `ignore` =
+// modules_to_not_convert as substring rules (`name in prefix`, is_layer_skipped_awq and AutoAWQ's
+// exclude_layers_to_not_quantize) plus the modules the engines never build quantized under AWQ:
+// lm_head and embed_tokens (not LinearBase) and MoE routers "mlp.gate" (ReplicatedLinear with
+// quant_config None). docs/spec/README.md records the decision.
+//
+// One entry of quantization_config.ignore: "re:PATTERN" (compiled once) or a literal name/prefix
+// (compressed-tensors), or a substring (AWQ modules_to_not_convert).
 struct IgnoreRule {
   std::string text;                 // as written in the config
   std::optional<std::regex> regex;  // set for "re:" entries
+  bool substring = false;           // AWQ: matches any name containing `text`
   // InvalidArgument for a pattern std::regex (ECMAScript) cannot compile, longer than 1024 bytes,
   // or holding a number of more than 6 digits (libstdc++'s compiler overflows on those), naming it.
   static absl::StatusOr<IgnoreRule> Parse(std::string text);
@@ -48,8 +61,8 @@ struct IgnoreRule {
 };
 
 struct QuantizationConfig {
-  std::string quant_method;  // "compressed-tensors"
-  std::string format;        // "pack-quantized"
+  std::string quant_method;  // "compressed-tensors" or "awq"
+  std::string format;        // "pack-quantized" (compressed-tensors) or the AWQ version ("gemm")
   int num_bits = 4;
   std::string type = "int";
   std::string strategy;  // "group" or "channel"
@@ -67,9 +80,12 @@ struct QuantizationConfig {
   // a prefix of the name.
   bool IsIgnored(absl::string_view param_name) const;
 
-  // OK for what the INT4 kernels implement: 4-bit symmetric int, group size 32/64/128 or
-  // channelwise, no act-order, static. Otherwise kInvalidArgument / kUnimplemented naming it.
+  // OK for what the INT4 kernels implement: compressed-tensors pack-quantized 4-bit symmetric int,
+  // or AWQ gemm 4-bit with zero points; group size 32/64/128 or channelwise, no act-order,
+  // static. Otherwise kInvalidArgument / kUnimplemented naming it.
   absl::Status CheckInt4Supported() const;
+  // quant_method "awq": asymmetric INT4 with zero points, AWQ tensors (qweight / qzeros / scales).
+  bool is_awq() const { return quant_method == "awq"; }
 };
 
 struct MoeConfig {

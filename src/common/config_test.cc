@@ -224,7 +224,9 @@ TEST(ConfigTest, QuantizationErrorsAndUnsupportedSettings) {
   };
   const Case cases[] = {
       {R"("quant_method": "compressed-tensors")", R"("quant_method": "awq")", absl::StatusCode::kInvalidArgument,
-       "awq"},
+       "bits"},  // an AWQ config is read as one: it has no bits
+      {R"("quant_method": "compressed-tensors")", R"("quant_method": "gptq")", absl::StatusCode::kInvalidArgument,
+       "gptq"},
       {R"("strategy": "group")", R"("strategy": "tensor")", absl::StatusCode::kInvalidArgument, "strategy"},
       {R"("group_size": 128)", R"("group_size": 0)", absl::StatusCode::kInvalidArgument, "group_size"},
       {R"("group_size": 128)", R"("group_size": "128")", absl::StatusCode::kInvalidArgument, "group_size"},
@@ -255,6 +257,76 @@ TEST(ConfigTest, QuantizationErrorsAndUnsupportedSettings) {
   ASSERT_TRUE(channel.ok()) << channel.status();
   EXPECT_EQ(channel->group_size, -1);
   EXPECT_TRUE(channel->CheckInt4Supported().ok());
+}
+
+// AWQ configs in both spellings (transformers' AwqConfig and AutoAWQ's quant_config.json).
+TEST(ConfigTest, AwqQuantizationConfig) {
+  auto hf = ParseQuantizationConfig(
+      R"({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm",
+          "modules_to_not_convert": ["visual", "mlp.shared_expert_gate"]})",
+      "awq.json");
+  ASSERT_TRUE(hf.ok()) << hf.status();
+  EXPECT_TRUE(hf->is_awq());
+  EXPECT_EQ(hf->format, "gemm");
+  EXPECT_EQ(hf->num_bits, 4);
+  EXPECT_EQ(hf->group_size, 128);
+  EXPECT_FALSE(hf->symmetric);
+  EXPECT_TRUE(hf->CheckInt4Supported().ok()) << hf->CheckInt4Supported();
+  // modules_to_not_convert matches by substring (vLLM is_layer_skipped_awq: `name in prefix`).
+  EXPECT_TRUE(hf->IsIgnored("model.visual.blocks.0.attn.qkv.weight"));
+  EXPECT_TRUE(hf->IsIgnored("model.layers.3.mlp.shared_expert_gate.weight"));
+  // Never quantized under AWQ, whatever the config says: lm_head, embeddings, MoE routers.
+  EXPECT_TRUE(hf->IsIgnored("lm_head.weight"));
+  EXPECT_TRUE(hf->IsIgnored("model.embed_tokens.weight"));
+  EXPECT_TRUE(hf->IsIgnored("model.layers.3.mlp.gate.weight"));
+  EXPECT_FALSE(hf->IsIgnored("model.layers.3.mlp.gate_proj.weight"));
+  EXPECT_FALSE(hf->IsIgnored("model.layers.3.mlp.experts.7.down_proj.weight"));
+  EXPECT_FALSE(hf->IsIgnored("model.layers.3.self_attn.q_proj.weight"));
+
+  auto autoawq = ParseQuantizationConfig(
+      R"({"quant_method": "awq", "w_bit": 4, "q_group_size": 64, "zero_point": true, "version": "GEMM"})", "q.json");
+  ASSERT_TRUE(autoawq.ok()) << autoawq.status();
+  EXPECT_EQ(autoawq->group_size, 64);
+  EXPECT_EQ(autoawq->format, "gemm");
+  EXPECT_TRUE(autoawq->CheckInt4Supported().ok());
+
+  struct Case {
+    const char* json;
+    absl::StatusCode parse_code;
+    const char* mention;
+  };
+  const Case cases[] = {
+      {R"({"quant_method": "awq", "group_size": 128, "zero_point": true})", absl::StatusCode::kInvalidArgument,
+       "bits"},
+      {R"({"quant_method": "awq", "bits": 4, "zero_point": true})", absl::StatusCode::kInvalidArgument, "group_size"},
+      {R"({"quant_method": "awq", "bits": 4, "group_size": 0, "zero_point": true})",
+       absl::StatusCode::kInvalidArgument, "group_size"},
+      {R"({"quant_method": "awq", "bits": 4, "group_size": 128})", absl::StatusCode::kInvalidArgument, "zero_point"},
+      {R"({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true,
+           "modules_to_not_convert": [""]})",
+       absl::StatusCode::kInvalidArgument, "empty"},
+      {R"({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemv"})",
+       absl::StatusCode::kOk, "gemv"},
+      {R"({"quant_method": "awq", "bits": 8, "group_size": 128, "zero_point": true})", absl::StatusCode::kOk,
+       "bits 8"},
+      {R"({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": false})", absl::StatusCode::kOk,
+       "zero_point"},
+      {R"({"quant_method": "awq", "bits": 4, "group_size": 256, "zero_point": true})", absl::StatusCode::kOk,
+       "group_size 256"},
+  };
+  for (const auto& c : cases) {
+    auto q = ParseQuantizationConfig(c.json, "q.json");
+    if (c.parse_code != absl::StatusCode::kOk) {
+      ASSERT_FALSE(q.ok()) << c.json;
+      EXPECT_EQ(q.status().code(), c.parse_code) << q.status();
+      EXPECT_NE(q.status().message().find(c.mention), std::string_view::npos) << q.status();
+    } else {
+      ASSERT_TRUE(q.ok()) << q.status();
+      auto s = q->CheckInt4Supported();
+      EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << c.json;
+      EXPECT_NE(s.message().find(c.mention), std::string_view::npos) << s;
+    }
+  }
 }
 
 }  // namespace

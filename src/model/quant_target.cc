@@ -13,6 +13,44 @@ bool IsQuantTarget(absl::string_view hf_name, absl::Span<const int64_t> shape, c
   return !config.IsIgnored(hf_name);
 }
 
+std::vector<std::string> QuantizedNames(absl::string_view prefix, const QuantizationConfig& config) {
+  if (config.is_awq())
+    return {absl::StrCat(prefix, ".qweight"), absl::StrCat(prefix, ".qzeros"), absl::StrCat(prefix, ".scales")};
+  return {absl::StrCat(prefix, ".weight_packed"), absl::StrCat(prefix, ".weight_scale"),
+          absl::StrCat(prefix, ".weight_shape")};
+}
+
+namespace {
+
+absl::StatusOr<std::vector<HfTensor>> QuantizeAwqTensor(absl::string_view hf_name, absl::string_view prefix,
+                                                        const TensorView& w, const QuantizationConfig& config,
+                                                        const QuantizeOptions& options) {
+  const int64_t n = w.dim(0), k = w.dim(1);
+  if (n % 8 != 0 || (config.group_size != kernels::kChannelwise && k % config.group_size != 0))
+    return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", hf_name, "\" (", w.DebugString(), ") to AWQ: N=",
+                                                   n, " must be a multiple of 8 and K=", k,
+                                                   " a multiple of group_size ", config.group_size));
+  ASSIGN_OR_RETURN(kernels::AwqShapes shapes, kernels::AwqShapesFor(w, config.group_size));
+  const std::vector<std::string> names = QuantizedNames(prefix, config);
+  std::vector<HfTensor> out(3);
+  for (size_t i = 0; i < 3; ++i) out[i].name = names[i];
+  ASSIGN_OR_RETURN(out[0].owned, Tensor::Empty(DType::kI32, shapes.qweight));
+  ASSIGN_OR_RETURN(out[1].owned, Tensor::Empty(DType::kI32, shapes.qzeros));
+  ASSIGN_OR_RETURN(out[2].owned, Tensor::Empty(w.dtype(), shapes.scales));
+  kernels::AwqQuantizeOptions q;
+  q.group_size = config.group_size;
+  q.arith = options.awq_arith;
+  q.num_threads = options.num_threads;
+  if (absl::Status s = kernels::QuantizeAwq(w, out[0].owned.mutable_view(), out[1].owned.mutable_view(),
+                                            out[2].owned.mutable_view(), q);
+      !s.ok())
+    return Annotate(s, absl::StrCat("quantizing \"", hf_name, "\" to AWQ"));
+  for (auto& t : out) t.view = t.owned.view();
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<HfTensor>> QuantizeHfTensor(absl::string_view hf_name, const TensorView& w,
                                                        const QuantizationConfig& config,
                                                        const QuantizeOptions& options) {
@@ -23,16 +61,16 @@ absl::StatusOr<std::vector<HfTensor>> QuantizeHfTensor(absl::string_view hf_name
   if (w.rank() != 2 || (w.dtype() != DType::kBF16 && w.dtype() != DType::kF16))
     return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", hf_name, "\" (", w.DebugString(),
                                                    "): INT4 targets are 2-D BF16 or F16 weights"));
+  if (config.is_awq()) return QuantizeAwqTensor(hf_name, prefix, w, config, options);
   const int64_t n = w.dim(0), k = w.dim(1);
   if (k % 8 != 0 || (config.group_size != kernels::kChannelwise && k % config.group_size != 0))
     return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", hf_name, "\" (", w.DebugString(), "): K=", k,
                                                    " must be a multiple of 8 and of group_size ", config.group_size));
   ASSIGN_OR_RETURN(kernels::QuantizedShapes shapes,
                    kernels::QuantizedShapesFor(w, config.group_size, kernels::PackFormat::kCompressedTensors));
+  const std::vector<std::string> names = QuantizedNames(prefix, config);
   std::vector<HfTensor> out(3);
-  out[0].name = absl::StrCat(prefix, ".weight_packed");
-  out[1].name = absl::StrCat(prefix, ".weight_scale");
-  out[2].name = absl::StrCat(prefix, ".weight_shape");
+  for (size_t i = 0; i < 3; ++i) out[i].name = names[i];
   ASSIGN_OR_RETURN(out[0].owned, Tensor::Empty(DType::kI32, shapes.packed));
   ASSIGN_OR_RETURN(out[1].owned, Tensor::Empty(w.dtype(), shapes.scales));
   ASSIGN_OR_RETURN(out[2].owned, Tensor::Empty(DType::kI64, Shape{2}));

@@ -9,15 +9,16 @@
 #include "absl/strings/str_join.h"
 #include "common/safetensors.h"
 #include "common/status.h"
+#include "model/quant_target.h"
 #include "rollout_agent/load/loader.h"
 #include "rollout_agent/repack/repack.h"
 
 namespace wsync::ref_engine {
 namespace {
 
-// "X.weight_packed" -> "X" for the three INT4 suffixes, else "".
+// "X.weight_packed" -> "X" for the INT4 suffixes (compressed-tensors and AWQ), else "".
 std::string Int4Prefix(absl::string_view name) {
-  for (absl::string_view suffix : {".weight_packed", ".weight_scale", ".weight_shape"}) {
+  for (absl::string_view suffix : {".weight_packed", ".weight_scale", ".weight_shape", ".qweight", ".qzeros", ".scales"}) {
     if (absl::EndsWith(name, suffix)) return std::string(name.substr(0, name.size() - suffix.size()));
   }
   return "";
@@ -58,29 +59,20 @@ absl::StatusOr<CheckpointStats> LoadCheckpoint(const std::string& dir, const rol
         continue;
       }
       // A bf16 weight of a linear the engine serves in INT4: quantize it the way a sync sends it.
-      if (absl::EndsWith(name, ".weight")) {
+      if (absl::EndsWith(name, ".weight") && layout.quantization() != nullptr) {
         const std::string prefix = name.substr(0, name.size() - 7);
-        if (layout.FindSource(prefix + ".weight_packed") >= 0) {
+        const std::vector<std::string> sent = model::QuantizedNames(prefix, *layout.quantization());
+        if (layout.FindSource(sent[0]) >= 0) {
           if (e.view.shape().size() != 2)
             return absl::InvalidArgumentError(absl::StrCat("checkpoint ", path, ": ", name, " has rank ",
                                                            e.view.shape().size(), ", want a 2-D weight to quantize"));
-          kernels::QuantizeOptions q;
-          q.group_size = layout.group_size();
+          model::QuantizeOptions q;
           q.variant = options.variant;
-          q.format = kernels::PackFormat::kCompressedTensors;
           q.num_threads = options.num_threads;
-          absl::StatusOr<kernels::QuantizedShapes> shapes = kernels::QuantizedShapesFor(e.view, q.group_size, q.format);
-          if (!shapes.ok()) return where(Annotate(shapes.status(), absl::StrCat("quantizing ", name)));
-          ASSIGN_OR_RETURN(Tensor packed, Tensor::Empty(DType::kI32, shapes->packed));
-          ASSIGN_OR_RETURN(Tensor scales, Tensor::Empty(e.view.dtype(), shapes->scales));
-          RETURN_IF_ERROR(where(Annotate(kernels::QuantizeInt4(e.view, packed.mutable_view(), scales.mutable_view(), q),
-                                         absl::StrCat("quantizing ", name))));
-          ASSIGN_OR_RETURN(Tensor shape, Tensor::Empty(DType::kI64, {2}));
-          shape.data_as<int64_t>()[0] = e.view.shape()[0];
-          shape.data_as<int64_t>()[1] = e.view.shape()[1];
-          RETURN_IF_ERROR(where(loader.Load(prefix + ".weight_packed", packed.view())));
-          RETURN_IF_ERROR(where(loader.Load(prefix + ".weight_scale", scales.view())));
-          RETURN_IF_ERROR(where(loader.Load(prefix + ".weight_shape", shape.view())));
+          absl::StatusOr<std::vector<model::HfTensor>> tensors =
+              model::QuantizeHfTensor(name, e.view, *layout.quantization(), q);
+          if (!tensors.ok()) return where(tensors.status());
+          for (const model::HfTensor& t : *tensors) RETURN_IF_ERROR(where(loader.Load(t.name, t.view)));
           ++stats.quantized;
           continue;
         }

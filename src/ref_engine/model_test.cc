@@ -58,6 +58,12 @@ std::string Quant(int group, const std::string& ignore) {
                       strategy, R"(", "group_size": )", group == -1 ? std::string("null") : absl::StrCat(group),
                       R"(, "symmetric": true, "actorder": null, "dynamic": false}}}, "ignore": [)", ignore, "]}");
 }
+// An AWQ quantization_config (lm_head, embeddings and routers are never AWQ).
+std::string AwqQuant(int group, const std::string& modules_to_not_convert = "") {
+  return absl::StrCat(R"(, "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": )", group,
+                      R"(, "zero_point": true, "version": "gemm", "modules_to_not_convert": [)",
+                      modules_to_not_convert, "]}");
+}
 const char kIgnoreDense[] = R"("lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$")";
 const char kIgnoreDeepseek[] =
     R"("lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$", "re:.*q_a_proj$", "re:.*kv_a_proj_with_mqa$", "re:.*kv_b_proj$")";
@@ -204,7 +210,8 @@ TEST_P(EngineVsHfTest, LogitsAndGreedyTokensMatchOracle) {
     q = testing::QuantizeHf(c, hf);
     ASSERT_TRUE(q.ok()) << q.status();
     size_t n_int4 = 0;
-    for (const auto& [name, t] : q->sent.all()) n_int4 += absl::EndsWith(name, ".weight_packed") ? 1 : 0;
+    for (const auto& [name, t] : q->sent.all())
+      n_int4 += absl::EndsWith(name, ".weight_packed") || absl::EndsWith(name, ".qweight") ? 1 : 0;
     ASSERT_GT(n_int4, 0u) << "the INT4 case quantized nothing";
     sent_p = &q->sent;
     oracle_p = &q->dequantized;
@@ -274,6 +281,12 @@ std::vector<Case> Cases() {
   add("int4_qwen3_moe_h_eq_g", Qwen3MoeSmallH(Quant(64, kIgnoreDense)), {{1, 1}, {2, 1}}, true);
   add("int4_deepseek_v3", Deepseek(Quant(32, kIgnoreDeepseek)), {{1, 1}, {2, 1}, {4, 1}, {4, 2}}, true);
   add("int4_default_model", kDefaultModelConfigJson, {{1, 1}, {2, 1}}, true);
+  add("awq_llama_tied", Llama(AwqQuant(32)), {{1, 1}, {2, 1}, {4, 1}}, true);
+  add("awq_qwen3_channelwise", Qwen3(AwqQuant(-1)), {{1, 1}, {2, 1}}, true);
+  add("awq_qwen3_moe", Qwen3Moe(AwqQuant(32)), {{1, 1}, {2, 1}, {4, 2}, {4, 4}}, true);
+  add("awq_qwen3_moe_h_eq_g", Qwen3MoeSmallH(AwqQuant(64)), {{1, 1}, {2, 1}}, true);
+  add("awq_deepseek_v3", Deepseek(AwqQuant(32, R"("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj")")), {{1, 1}, {4, 2}},
+      true);
   return v;
 }
 
@@ -286,8 +299,9 @@ INSTANTIATE_TEST_SUITE_P(All, EngineVsHfTest, ::testing::ValuesIn(Cases()),
 // loader makes of the dequantized HF checkpoint under a bf16 layout: Marlin unpacking, scale
 // un-permutation (including the w13 quirk) and dequantization are exact.
 TEST(EngineModelWeights, Int4PreparedWeightsEqualDequantizedSlices) {
-  for (const std::string& json : {Qwen3Moe(Quant(32, kIgnoreDense)), Qwen3MoeSmallH(Quant(64, kIgnoreDense)),
-                                  Deepseek(Quant(32, kIgnoreDeepseek)), Qwen3(Quant(-1, kIgnoreDense))}) {
+  for (const std::string& json :
+       {Qwen3Moe(Quant(32, kIgnoreDense)), Qwen3MoeSmallH(Quant(64, kIgnoreDense)), Deepseek(Quant(32, kIgnoreDeepseek)),
+        Qwen3(Quant(-1, kIgnoreDense)), Qwen3Moe(AwqQuant(32)), Qwen3MoeSmallH(AwqQuant(64)), Qwen3(AwqQuant(-1))}) {
     const ModelConfig c = MustParseConfig(json);
     absl::StatusOr<testing::QuantizedHf> q = testing::QuantizeHf(c, testing::RandomHfModel(c, 77));
     ASSERT_TRUE(q.ok()) << q.status();
@@ -315,7 +329,11 @@ TEST(EngineModelWeights, Int4PreparedWeightsEqualDequantizedSlices) {
           ASSERT_EQ(0, std::memcmp(w->data.data(), want.data(), want.size() * sizeof(float))) << name;
           ++checked;
           const std::string base = absl::EndsWith(name, ".weight") ? name.substr(0, name.size() - 7) : name;
-          quantized += int4->Has(base + ".weight_packed") || int4->Has(name + "_packed") ? 1 : 0;
+          const std::string awq_base = absl::EndsWith(name, "_weight") ? name.substr(0, name.size() - 7) : base;
+          quantized += int4->Has(base + ".weight_packed") || int4->Has(name + "_packed") ||
+                               int4->Has(base + ".qweight") || int4->Has(awq_base + "_qweight")
+                           ? 1
+                           : 0;
         }
         EXPECT_GT(quantized, 0);
         EXPECT_GT(checked, quantized);

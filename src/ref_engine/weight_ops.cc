@@ -1,10 +1,12 @@
 #include "ref_engine/weight_ops.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "kernels/format/awq_format.h"
 #include "kernels/format/int4_format.h"
 #include "ref_engine/ops.h"
 
@@ -98,6 +100,24 @@ void BlockScales(const MarlinRef& m, int64_t e, int64_t nt, float* sw) {
   }
 }
 
+// The zero points of 64-column block nt of expert e for every group, in the word order of
+// BlockScales: 8 (GPTQ's bias) without AWQ zero points.
+void BlockZeros(const MarlinRef& m, int64_t e, int64_t nt, float* zw) {
+  const int64_t groups = m.groups();
+  if (m.zeros == nullptr) {
+    std::fill(zw, zw + groups * 2 * kWords, static_cast<float>(fmt::kNibbleBias));
+    return;
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint32_t* row = m.zeros + (e * groups + g) * (m.n / 8);
+    float* out = zw + g * 2 * kWords;
+    for (int half = 0; half < 2; ++half)
+      for (int w = 0; w < kWords; ++w)
+        out[half * kWords + w] =
+            static_cast<float>(fmt::MarlinZeroOf(row, 64 * nt + fmt::WordCol(w) + 8 * half));
+  }
+}
+
 // The group of every row of tile kt, or -1 when the group changes inside the tile (G < 16 or not
 // a multiple of 16).
 std::vector<int64_t> TileGroups(const MarlinRef& m) {
@@ -116,8 +136,8 @@ WSYNC_INLINE float RoundFiniteToBf16(float p) {
   return std::bit_cast<float>((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
 }
 
-// The scales slot s of tile kt multiplies, one per word: sw's row for the tile's group `g`, or,
-// for g == -1, gathered row by row into `mixed`.
+// The scales (or zero points) slot s of tile kt uses, one per word: sw's row for the tile's group
+// `g`, or, for g == -1, gathered row by row into `mixed`.
 WSYNC_INLINE const float* SlotScales(const float* sw, int64_t kt, int64_t g, int64_t group, int s, float* mixed) {
   const int half = fmt::SlotDn(s) / 8;
   if (g >= 0) return sw + (g * 2 + half) * kWords;
@@ -127,22 +147,27 @@ WSYNC_INLINE const float* SlotScales(const float* sw, int64_t kt, int64_t g, int
 }
 
 // Dequantizes slot s of the tile's 128 words: out[w] = element (16 kt + WordRow(w) + SlotDk(s),
-// WordCol(w) + SlotDn(s)) of the tile's 64-column block. kFinite: the weights are known to be finite.
+// WordCol(w) + SlotDn(s)) of the tile's 64-column block, (u - z) * s with z from `zc` (u - z is an
+// exact small integer, so the GPTQ bias z = 8 gives the bits of (u - 8) * s). kFinite: the
+// weights are known to be finite.
 template <bool kFinite>
-WSYNC_INLINE void DecodeSlot(const uint32_t* words, const float* sc, int s, float* out) {
+WSYNC_INLINE void DecodeSlot(const uint32_t* words, const float* sc, const float* zc, int s, float* out) {
   const int shift = 4 * s;
   for (int w = 0; w < kWords; ++w) {
-    const int u = static_cast<int>((words[w] >> shift) & 0xfu);
-    const float p = static_cast<float>(u - fmt::kNibbleBias) * sc[w];
+    const float u = static_cast<float>(static_cast<int>((words[w] >> shift) & 0xfu));
+    const float p = (u - zc[w]) * sc[w];
     out[w] = kFinite ? RoundFiniteToBf16(p) : RoundToBf16(p);
   }
 }
 
 // The whole tile: dq[s * 128 + w] for the 8 slots.
 template <bool kFinite>
-WSYNC_INLINE void DecodeTile(const uint32_t* words, const float* sw, int64_t kt, int64_t g, int64_t group, float* dq) {
-  float mixed[kWords];
-  for (int s = 0; s < 8; ++s) DecodeSlot<kFinite>(words, SlotScales(sw, kt, g, group, s, mixed), s, dq + s * kWords);
+WSYNC_INLINE void DecodeTile(const uint32_t* words, const float* sw, const float* zw, int64_t kt, int64_t g,
+                             int64_t group, float* dq) {
+  float mixed[kWords], mixed_z[kWords];
+  for (int s = 0; s < 8; ++s)
+    DecodeSlot<kFinite>(words, SlotScales(sw, kt, g, group, s, mixed), SlotScales(zw, kt, g, group, s, mixed_z), s,
+                        dq + s * kWords);
 }
 
 // acc[(parity * 2 + half) * 128 + w] += x[WordRow(w) + SlotDk(s)] * value[w] for one slot of one
@@ -180,23 +205,25 @@ const uint32_t* TileWords(const MarlinRef& m, int64_t e, int64_t kt, int64_t nt)
 WSYNC_SIMD_CLONES void MarlinMatMul(const float* x, int64_t n, const MarlinRef& m, float* y) {
   const int64_t K = m.k, N = m.n, kts = K / 16, nts = N / 64;
   const std::vector<int64_t> groups = TileGroups(m);
-  std::vector<float> sw(static_cast<size_t>(m.groups() * 2 * kWords)), dq(kTileFloats),
+  std::vector<float> sw(static_cast<size_t>(m.groups() * 2 * kWords)), zw(sw.size()), dq(kTileFloats),
       acc(static_cast<size_t>(n * kAccFloats));
-  float mixed[kWords];
+  float mixed[kWords], mixed_z[kWords];
   for (int64_t nt = 0; nt < nts; ++nt) {
     BlockScales(m, 0, nt, sw.data());
+    BlockZeros(m, 0, nt, zw.data());
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t kt = 0; kt < kts; ++kt) {
       const uint32_t* words = TileWords(m, 0, kt, nt);
       const int64_t g = groups[static_cast<size_t>(kt)];
       if (n == 1) {  // decode each slot straight into the accumulators
         for (int s : kSlotOrder) {
-          DecodeSlot<true>(words, SlotScales(sw.data(), kt, g, m.group, s, mixed), s, dq.data());
+          DecodeSlot<true>(words, SlotScales(sw.data(), kt, g, m.group, s, mixed),
+                           SlotScales(zw.data(), kt, g, m.group, s, mixed_z), s, dq.data());
           AccumulateSlot(x + 16 * kt, dq.data(), s, acc.data());
         }
         continue;
       }
-      DecodeTile<true>(words, sw.data(), kt, g, m.group, dq.data());
+      DecodeTile<true>(words, sw.data(), zw.data(), kt, g, m.group, dq.data());
       for (int64_t t = 0; t < n; ++t) AccumulateTile(x + t * K + 16 * kt, dq.data(), acc.data() + t * kAccFloats);
     }
     for (int64_t t = 0; t < n; ++t) CombineBlock(acc.data() + t * kAccFloats, y + t * N + 64 * nt);
@@ -234,6 +261,11 @@ float MarlinRef::Scale(int64_t e, int64_t g, int64_t col) const {
   return scales_f16 ? F16ToF32(bits) : BF16ToF32(bits);
 }
 
+int MarlinRef::Zero(int64_t e, int64_t g, int64_t col) const {
+  if (zeros == nullptr) return fmt::kNibbleBias;
+  return static_cast<int>(fmt::MarlinZeroOf(zeros + (e * groups() + g) * (n / 8), col));
+}
+
 WeightRef WeightRef::Expert(int64_t e, int64_t num_experts) const {
   WeightRef out = *this;
   const int64_t per = rows / num_experts;
@@ -245,6 +277,7 @@ WeightRef WeightRef::Expert(int64_t e, int64_t num_experts) const {
     case WeightForm::kMarlin:
       out.marlin.packed = marlin.packed + e * (marlin.k / 16) * 2 * marlin.n;
       out.marlin.scales = marlin.scales + e * marlin.groups() * marlin.n;
+      if (marlin.zeros != nullptr) out.marlin.zeros = marlin.zeros + e * marlin.groups() * (marlin.n / 8);
       out.marlin.experts = 1;
       break;
     case WeightForm::kNone: break;
@@ -285,9 +318,11 @@ void RowToFloats(const WeightRef& w, int64_t i, float* out) {
 }
 
 void DecodeMarlinTile(const MarlinRef& m, int64_t e, int64_t kt, int64_t nt, float* out) {
-  std::vector<float> sw(static_cast<size_t>(m.groups() * 2 * kWords)), dq(kTileFloats);
+  std::vector<float> sw(static_cast<size_t>(m.groups() * 2 * kWords)), zw(sw.size()), dq(kTileFloats);
   BlockScales(m, e, nt, sw.data());
-  DecodeTile<false>(TileWords(m, e, kt, nt), sw.data(), kt, TileGroups(m)[static_cast<size_t>(kt)], m.group, dq.data());
+  BlockZeros(m, e, nt, zw.data());
+  DecodeTile<false>(TileWords(m, e, kt, nt), sw.data(), zw.data(), kt, TileGroups(m)[static_cast<size_t>(kt)], m.group,
+                    dq.data());
   for (int s = 0; s < 8; ++s)
     for (int w = 0; w < kWords; ++w)
       out[(fmt::WordRow(w) + fmt::SlotDk(s)) * 64 + fmt::WordCol(w) + fmt::SlotDn(s)] = dq[s * kWords + w];
@@ -302,14 +337,15 @@ void MaterializeWeight(const WeightRef& w, float* out) {
     case WeightForm::kMarlin: {
       const MarlinRef& m = w.marlin;
       const int64_t K = m.k, N = m.n;
-      std::vector<float> sw(static_cast<size_t>(m.groups() * 2 * kWords)), dq(kTileFloats);
+      std::vector<float> sw(static_cast<size_t>(m.groups() * 2 * kWords)), zw(sw.size()), dq(kTileFloats);
       const std::vector<int64_t> groups = TileGroups(m);
       for (int64_t e = 0; e < m.experts; ++e)
         for (int64_t nt = 0; nt < N / 64; ++nt) {
           BlockScales(m, e, nt, sw.data());
+          BlockZeros(m, e, nt, zw.data());
           for (int64_t kt = 0; kt < K / 16; ++kt) {
-            DecodeTile<false>(TileWords(m, e, kt, nt), sw.data(), kt, groups[static_cast<size_t>(kt)], m.group,
-                              dq.data());
+            DecodeTile<false>(TileWords(m, e, kt, nt), sw.data(), zw.data(), kt, groups[static_cast<size_t>(kt)],
+                              m.group, dq.data());
             for (int s = 0; s < 8; ++s)
               for (int w = 0; w < kWords; ++w) {
                 const int64_t k = 16 * kt + fmt::WordRow(w) + fmt::SlotDk(s);
@@ -357,10 +393,11 @@ float FloatAt(DType dtype, const std::byte* data, int64_t i) {
   }
 }
 
-bool MarlinScalesCertainlyFinite(const std::byte* scales, bool f16, size_t count) {
+bool MarlinScalesCertainlyFinite(const std::byte* scales, bool f16, size_t count, bool zero_points) {
+  const float c = zero_points ? 15.0f : 8.0f;  // |u - 8| <= 8; |u - z| <= 15
   for (size_t i = 0; i < count; ++i) {
     const uint16_t h = Load<uint16_t>(scales, static_cast<int64_t>(i));
-    const float top = 8.0f * std::fabs(f16 ? F16ToF32(h) : BF16ToF32(h));  // |u - 8| <= 8
+    const float top = c * std::fabs(f16 ? F16ToF32(h) : BF16ToF32(h));
     if (!std::isfinite(top) || !std::isfinite(RoundToBf16(top))) return false;
   }
   return true;

@@ -5,10 +5,12 @@
 //   kF32     f32 rows (f32 parameters, and f32 copies of f16 / misaligned / 1-D parameters);
 //   kMarlin  INT4 in SGLang's Marlin layout (ENGINE_LAYOUT.md §4, FORMATS.md §4-§5): int32 words
 //            [E, K/16, 2N] holding 16 (K) x 64 (N) tiles, and bf16/f16 scales [E, K/G, N] permuted
-//            with scale_perm (64 columns) or scale_perm_single (32 columns).
+//            with scale_perm (64 columns) or scale_perm_single (32 columns); AWQ-Marlin adds zero
+//            points [E, K/G, N/8] in Marlin's zero-point layout (AWQ.md §3.3).
 //
 // Math. The weight element (n, k) of a Marlin matrix is
-//     w = bf16((u - 8) * s),  u = the nibble of (k, n) (kernels/format/int4_format.h LocateInTile),
+//     w = bf16((u - z) * s),  u = the nibble of (k, n) (kernels/format/int4_format.h LocateInTile),
+//                             z = 8 (GPTQ's bias), or AWQ's zero point of (k / G, n),
 //                             s = f32(scale[k / G][n]) after undoing the scale permutation,
 // rounded to bf16 as the Marlin GEMM does (FORMATS.md §8); the f32 product is exact. Every
 // product below is x * w in f32 without FMA contraction (-ffp-contract=off), and every dot
@@ -17,8 +19,8 @@
 // returns the same bits as ops.h Dot over the f32 matrix MaterializeWeight() returns, and a
 // forward pass over in-place weights is bit-identical to one over an f32 copy of every weight.
 //
-// Marlin MatMul, per 64-column block: the scales of the block are un-permuted once into tile-word
-// order; then every 16 x 64 tile is decoded into [slot 8][word 128] dequantized values (slot s of
+// Marlin MatMul, per 64-column block: the scales (and AWQ zero points) of the block are
+// un-permuted once into tile-word order; then every 16 x 64 tile is decoded into [slot 8][word 128] dequantized values (slot s of
 // word w is element (WordRow(w) + SlotDk(s), WordCol(w) + SlotDn(s)) of the tile), and each token
 // accumulates x * w into acc[row parity][column half][word], the x of a lane following the
 // 16-word period of WordRow. The slots are visited with rows r, r+1 before r+8, r+9, so each
@@ -44,6 +46,7 @@ namespace wsync::ref_engine {
 struct MarlinRef {
   const uint32_t* packed = nullptr;  // [E, K/16, 2N] words
   const uint16_t* scales = nullptr;  // [E, K/group, N] bf16 (or f16) bits, permuted
+  const uint32_t* zeros = nullptr;   // AWQ-Marlin zero points [E, K/group, N/8]; null: z = 8 (GPTQ)
   bool scales_f16 = false;
   int64_t experts = 1, n = 0, k = 0;  // K % 16 == 0, N % 64 == 0
   int64_t group = 0;                  // rows of K per scale row (K for channelwise); K % group == 0
@@ -54,7 +57,9 @@ struct MarlinRef {
   int64_t groups() const { return k / group; }
   size_t packed_words() const { return static_cast<size_t>(experts * (k / 16) * 2 * n); }
   size_t scale_count() const { return static_cast<size_t>(experts * groups() * n); }
+  size_t zero_words() const { return static_cast<size_t>(experts * groups() * (n / 8)); }
   float Scale(int64_t e, int64_t g, int64_t col) const;  // un-permuted scale, as f32
+  int Zero(int64_t e, int64_t g, int64_t col) const;     // the zero point: 8, or AWQ's
 };
 
 enum class WeightForm : uint8_t { kNone, kF32, kBF16, kMarlin };
@@ -111,9 +116,10 @@ std::optional<int64_t> FirstNonFinite(DType dtype, const std::byte* data, int64_
 float FloatAt(DType dtype, const std::byte* data, int64_t i);
 
 // True if every dequantized value of `m` is certainly finite, judged from the scales alone:
-// every scale s is finite and bf16(8 |s|) (the largest magnitude, u = 0) is finite. False means
-// "maybe not" (a non-finite scale is always used, so it is then certainly not); the caller then
-// decides exactly with MaterializeWeight. `scales` may be misaligned (read with memcpy).
-bool MarlinScalesCertainlyFinite(const std::byte* scales, bool f16, size_t count);
+// every scale s is finite and bf16(c |s|) is finite, c = the largest |u - z| (8 for GPTQ's bias,
+// 15 with AWQ zero points). False means "maybe not" (a non-finite scale is always used, so it is
+// then certainly not); the caller then decides exactly with MaterializeWeight. `scales` may be
+// misaligned (read with memcpy).
+bool MarlinScalesCertainlyFinite(const std::byte* scales, bool f16, size_t count, bool zero_points = false);
 
 }  // namespace wsync::ref_engine

@@ -12,6 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/parallel_for.h"
 #include "common/status.h"
+#include "kernels/awq.h"
+#include "kernels/format/awq_format.h"
 #include "kernels/format/int4_format.h"
 #include "kernels/int4.h"
 #include "ref_engine/ops.h"
@@ -32,13 +34,13 @@ struct Plan {
     TensorView v;
     int64_t begin = 0, end = 0;
     bool marlin = false;
-    TensorView scales;
-    MarlinRef ref;  // sizes only (the pointers may be misaligned views; see RunCheck)
+    TensorView scales, zeros;  // zeros: AWQ-Marlin only
+    MarlinRef ref;             // sizes only (the pointers may be misaligned views; see RunCheck)
   };
   // A copy into the model's reused buffers: f32 conversion of a float view, or the raw bytes of
   // misaligned Marlin words / scales.
   struct Copy {
-    enum class Kind { kToF32, kPacked, kScales };
+    enum class Kind { kToF32, kPacked, kScales, kZeros };
     std::string key;
     TensorView src;
     WeightRef* dst = nullptr;
@@ -119,11 +121,13 @@ struct RankWeights::Impl {
   // f32 are read where they are; 1-D params and f16 or misaligned matrices get a float32 copy.
   absl::Status Float(const std::string& name, const Shape& shape, WeightRef* out, Plan& plan) const {
     if (absl::EndsWith(name, ".weight")) {
-      const std::string packed = absl::StrCat(name.substr(0, name.size() - 7), ".weight_packed");
-      ASSIGN_OR_RETURN(std::optional<TensorView> p, Find(packed));
-      if (p)
-        return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", packed, " is INT4, but the engine keeps ", name,
-                                                       " in bf16 (ENGINE_LAYOUT.md §3.1)"));
+      const std::string base = name.substr(0, name.size() - 7);
+      for (const std::string& packed : {base + ".weight_packed", base + ".qweight"}) {
+        ASSIGN_OR_RETURN(std::optional<TensorView> p, Find(packed));
+        if (p)
+          return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", packed, " is INT4, but the engine keeps ",
+                                                         name, " in bf16 (ENGINE_LAYOUT.md §3.1)"));
+      }
     }
     ASSIGN_OR_RETURN(TensorView v, Get(name));
     RETURN_IF_ERROR(CheckDType(name, v, {DType::kBF16, DType::kF16, DType::kF32}));
@@ -223,9 +227,10 @@ struct RankWeights::Impl {
     return absl::OkStatus();
   }
 
-  // W[e][n][k] = bf16((u - 8) * scale[e][k / G][n]) from GPTQ qweight [E, K/8, N] and scales [E, K/G, N],
-  // written to out (row-major [E, N, K]).
-  static void Dequantize(const Tensor& gptq, const Tensor& scales, int64_t E, int64_t K, int64_t N, int G, float* out) {
+  // W[e][n][k] = bf16((u - z) * scale[e][k / G][n]) from GPTQ qweight [E, K/8, N] and scales [E, K/G, N],
+  // z = 8, or from AWQ-packed zero points [E, K/G, N/8] (`awq_zeros`); written to out (row-major [E, N, K]).
+  static void Dequantize(const Tensor& gptq, const Tensor& scales, const Tensor* awq_zeros, int64_t E, int64_t K,
+                         int64_t N, int G, float* out) {
     const uint32_t* q = reinterpret_cast<const uint32_t*>(gptq.view().data());
     const TensorView sv = scales.view();
     const int64_t Gc = G == -1 ? K : G, groups = K / Gc;
@@ -242,7 +247,12 @@ struct RankWeights::Impl {
           const uint32_t word = qe[kw * N + n];
           for (int i = 0; i < 8; ++i) {
             const int64_t k = kw * 8 + i;
-            const float v = static_cast<float>(static_cast<int>((word >> (4 * i)) & 0xFu) - 8) *
+            int z = 8;
+            if (awq_zeros != nullptr) {
+              const uint32_t* zr = reinterpret_cast<const uint32_t*>(awq_zeros->view().data());
+              z = static_cast<int>(kernels::format::AwqNibble(zr[((e * groups) + k / Gc) * (N / 8) + n / 8], n));
+            }
+            const float v = static_cast<float>(static_cast<int>((word >> (4 * i)) & 0xFu) - z) *
                             srow[static_cast<size_t>((k / Gc) * N + n)];
             oe[n * K + k] = BF16ToF32(F32ToBF16(v));
           }
@@ -255,9 +265,11 @@ struct RankWeights::Impl {
   // Marlin tensors [E, K/16, 2N] + [E, K/G, N] of one weight [E, N, K] (checked by the caller).
   // kInPlace: read where they are (aligned copies if they are not 4 / 2-byte aligned), checked
   // for finiteness by a Check; kFloat32Copy: dequantized into a fresh float32 copy.
+  // AWQ-Marlin: `zeros` (named zname) holds the Marlin zero points [E, K/G, N/8]; null for GPTQ.
   absl::Status Marlin(const std::string& name, const std::string& pname, const TensorView& packed,
                       const std::string& sname, const TensorView& scale, int64_t E, int64_t N, int64_t K, int G,
-                      bool sglang_grouped, WeightRef* out, Plan& plan) const {
+                      bool sglang_grouped, WeightRef* out, Plan& plan, const std::string& zname = "",
+                      const TensorView* zeros = nullptr) const {
     out->shape = E == 1 && packed.rank() == 2 ? Shape{N, K} : Shape{E, N, K};
     out->rows = E * N;
     out->cols = K;
@@ -266,8 +278,18 @@ struct RankWeights::Impl {
       const std::optional<bool> force =
           sglang_grouped == (G != -1 && G < K) ? std::nullopt : std::optional(sglang_grouped);
       RETURN_IF_ERROR(UnMarlin(pname, packed, sname, scale, K, G, force, &gptq, &scales));
+      std::optional<Tensor> awq_zeros;
+      if (zeros != nullptr) {
+        kernels::KernelOptions opts;
+        opts.num_threads = 1;
+        std::optional<Tensor> keep;
+        ASSIGN_OR_RETURN(const TensorView z, Aligned(*zeros, 4, &keep));
+        ASSIGN_OR_RETURN(awq_zeros, Tensor::Empty(DType::kI32, z.shape()));
+        RETURN_IF_ERROR(Annotate(kernels::MarlinZerosToAwq(z, awq_zeros->mutable_view(), opts),
+                                 absl::StrCat(Where(), ": ", zname)));
+      }
       ASSIGN_OR_RETURN(float* dst, Fresh(plan, E * N * K));
-      Dequantize(gptq, scales, E, K, N, G, dst);
+      Dequantize(gptq, scales, awq_zeros ? &*awq_zeros : nullptr, E, K, N, G, dst);
       out->form = WeightForm::kF32;
       out->data = dst;
       return absl::OkStatus();
@@ -292,11 +314,18 @@ struct RankWeights::Impl {
     } else {
       plan.copies.push_back({sname, scale, out, Plan::Copy::Kind::kScales});
     }
+    if (zeros != nullptr && zeros->IsAligned(4)) {
+      m.zeros = zeros->data_as<uint32_t>();
+      plan.bytes_in_place += static_cast<int64_t>(zeros->nbytes());
+    } else if (zeros != nullptr) {
+      plan.copies.push_back({zname, *zeros, out, Plan::Copy::Kind::kZeros});
+    }
     Plan::Check c;
     c.name = name;
     c.v = packed;
     c.marlin = true;
     c.scales = scale;
+    if (zeros != nullptr) c.zeros = *zeros;
     c.ref = m;
     plan.checks.push_back(std::move(c));
     return absl::OkStatus();
@@ -306,6 +335,8 @@ struct RankWeights::Impl {
   // `prefix.weight_scale` (Marlin INT4) when `int4_ok`.
   absl::Status Linear(const std::string& prefix, int64_t N, int64_t K, bool int4_ok, WeightRef* out, Plan& plan) const {
     const std::string wname = prefix + ".weight", pname = prefix + ".weight_packed", sname = prefix + ".weight_scale";
+    ASSIGN_OR_RETURN(std::optional<TensorView> qweight, Find(prefix + ".qweight"));
+    if (qweight) return AwqLinear(prefix, *qweight, N, K, int4_ok, out, plan);
     ASSIGN_OR_RETURN(std::optional<TensorView> packed, Find(pname));
     if (!packed) return Float(wname, {N, K}, out, plan);
     if (!int4_ok)
@@ -330,10 +361,94 @@ struct RankWeights::Impl {
     return Marlin(wname, pname, *packed, sname, scale, 1, N, K, G, G != -1 && G < K, out, plan);
   }
 
+  // An AWQ-Marlin linear (vLLM / SGLang awq_marlin, AWQ.md §3): `prefix.qweight` int32
+  // [K/16, 2N], `prefix.qzeros` int32 [K/G, N/8] (Marlin zero points), `prefix.scales` [K/G, N]
+  // permuted with the 64-column perm iff G < K.
+  absl::Status AwqLinear(const std::string& prefix, const TensorView& qweight, int64_t N, int64_t K, bool int4_ok,
+                         WeightRef* out, Plan& plan) const {
+    const std::string qname = prefix + ".qweight", zname = prefix + ".qzeros", sname = prefix + ".scales";
+    if (!int4_ok)
+      return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", qname, " is INT4, but SGLang cannot load ", prefix,
+                                                     " as INT4 (ENGINE_LAYOUT.md §3.1); the engine keeps it in bf16"));
+    for (const std::string& other : {prefix + ".weight", prefix + ".weight_packed"}) {
+      ASSIGN_OR_RETURN(std::optional<TensorView> v, Find(other));
+      if (v)
+        return absl::InvalidArgumentError(
+            absl::StrCat(Where(), ": both ", other, " and ", qname, " exist; a linear has one form"));
+    }
+    RETURN_IF_ERROR(CheckDType(qname, qweight, {DType::kI32}));
+    if (K % 16 != 0 || N % 64 != 0)
+      return absl::InvalidArgumentError(absl::StrCat(
+          Where(), ": ", qname, ": AWQ-Marlin needs K % 16 == 0 and N % 64 == 0, got [N, K] = [", N, ", ", K, "]"));
+    RETURN_IF_ERROR(CheckShape(qname, qweight, {K / 16, 2 * N}));
+    ASSIGN_OR_RETURN(TensorView scale, Get(sname));
+    RETURN_IF_ERROR(CheckDType(sname, scale, {DType::kBF16, DType::kF16}));
+    if (scale.rank() != 2 || scale.dim(1) != N)
+      return absl::InvalidArgumentError(absl::StrCat(Where(), ": parameter ", sname, " has shape ",
+                                                     ShapeToString(scale.shape()), ", want [K/G, ", N, "] (K = ", K,
+                                                     ")"));
+    ASSIGN_OR_RETURN(const int G, GroupFor(sname, K, scale.dim(0)));
+    ASSIGN_OR_RETURN(TensorView zeros, Get(zname));
+    RETURN_IF_ERROR(CheckDType(zname, zeros, {DType::kI32}));
+    RETURN_IF_ERROR(CheckShape(zname, zeros, {scale.dim(0), N / 8}));
+    return Marlin(prefix + ".weight", qname, qweight, sname, scale, 1, N, K, G, G != -1 && G < K, out, plan, zname,
+                  &zeros);
+  }
+
+  // AWQ-Marlin stacked experts (AWQ.md §4): w13_qweight [E, H/16, 4I'], w2_qweight [E, I'/16, 2H],
+  // w13_qzeros [E, H/G, 2I'/8], w2_qzeros [E, I'/G, H/8], w13_scales [E, H/G, 2I'], w2_scales
+  // [E, I'/G, H]; both scale permutations use size_k = I' (vLLM's quirk).
+  absl::Status AwqExperts(const std::string& prefix, WeightRef* w13, WeightRef* w2, Plan& plan) const {
+    const int64_t E = g.E_loc, I = g.I_loc, H = g.H;
+    struct Part {
+      std::string base;  // "...experts.w13"
+      int64_t n, k;
+      WeightRef* out;
+    };
+    const Part parts[2] = {{prefix + ".w13", 2 * I, H, w13}, {prefix + ".w2", H, I, w2}};
+    if (H % 64 != 0 || I % 32 != 0)
+      return absl::InvalidArgumentError(absl::StrCat(
+          Where(), ": ", prefix, ": AWQ-Marlin MoE needs H % 64 == 0 and I' % 32 == 0 (ENGINE_LAYOUT.md §4), got H = ",
+          H, ", I' = ", I));
+    int G_first = 0;
+    for (const Part& part : parts) {
+      const std::string qn = part.base + "_qweight", zn = part.base + "_qzeros", sn = part.base + "_scales";
+      for (const std::string& other : {part.base + "_weight", part.base + "_weight_packed"}) {
+        ASSIGN_OR_RETURN(std::optional<TensorView> v, Find(other));
+        if (v)
+          return absl::InvalidArgumentError(
+              absl::StrCat(Where(), ": both ", other, " and ", qn, " exist; one FusedMoE has one quantization method"));
+      }
+      ASSIGN_OR_RETURN(TensorView q, Get(qn));
+      RETURN_IF_ERROR(CheckDType(qn, q, {DType::kI32}));
+      RETURN_IF_ERROR(CheckShape(qn, q, {E, part.k / 16, 2 * part.n}));
+      ASSIGN_OR_RETURN(TensorView sc, Get(sn));
+      RETURN_IF_ERROR(CheckDType(sn, sc, {DType::kBF16, DType::kF16}));
+      if (sc.rank() != 3 || sc.dim(0) != E || sc.dim(2) != part.n)
+        return absl::InvalidArgumentError(absl::StrCat(Where(), ": parameter ", sn, " has shape ",
+                                                       ShapeToString(sc.shape()), ", want [", E, ", K/G, ", part.n,
+                                                       "]"));
+      ASSIGN_OR_RETURN(const int G, GroupFor(sn, part.k, sc.dim(1)));
+      if (G_first == 0) G_first = G;
+      if (g.group_size == 0 && G != G_first && sc.dim(1) != 1)
+        return absl::InvalidArgumentError(
+            absl::StrCat(Where(), ": ", prefix, ": w13 scales imply group size ", G_first, " but w2 scales imply ", G));
+      ASSIGN_OR_RETURN(TensorView z, Get(zn));
+      RETURN_IF_ERROR(CheckDType(zn, z, {DType::kI32}));
+      RETURN_IF_ERROR(CheckShape(zn, z, {E, sc.dim(1), part.n / 8}));
+      RETURN_IF_ERROR(Marlin(part.base + "_weight", qn, q, sn, sc, E, part.n, part.k, G, G != -1 && G < I, part.out,
+                             plan, zn, &z));
+    }
+    return absl::OkStatus();
+  }
+
   // Stacked experts of a FusedMoE (ENGINE_LAYOUT.md §2.7 bf16, §3.3 + §4 Marlin INT4).
   absl::Status Experts(const std::string& prefix, WeightRef* w13, WeightRef* w2, Plan& plan) const {
     const int64_t E = g.E_loc, I = g.I_loc, H = g.H;
     const std::string n13 = prefix + ".w13_weight", n2 = prefix + ".w2_weight";
+    ASSIGN_OR_RETURN(std::optional<TensorView> a13, Find(prefix + ".w13_qweight"));
+    ASSIGN_OR_RETURN(std::optional<TensorView> a2, Find(prefix + ".w2_qweight"));
+    if (a13 || a2) return AwqExperts(prefix, w13, w2, plan);
     ASSIGN_OR_RETURN(std::optional<TensorView> p13, Find(n13 + "_packed"));
     ASSIGN_OR_RETURN(std::optional<TensorView> p2, Find(n2 + "_packed"));
     if (!p13 && !p2) {
@@ -495,17 +610,24 @@ struct RankWeights::Impl {
       if (!bad) return absl::OkStatus();
       return NonFinite(c.name, FloatAt(c.v.dtype(), c.v.bytes().data(), *bad), *bad);
     }
-    if (MarlinScalesCertainlyFinite(c.scales.bytes().data(), c.ref.scales_f16, c.ref.scale_count()))
+    const bool awq = c.zeros.nbytes() > 0;
+    if (MarlinScalesCertainlyFinite(c.scales.bytes().data(), c.ref.scales_f16, c.ref.scale_count(), awq))
       return absl::OkStatus();
     // A scale is non-finite or large enough that bf16((u - 8) s) may overflow: decide exactly.
     std::optional<Tensor> keep_p, keep_s;
     ASSIGN_OR_RETURN(const TensorView p, Aligned(c.v, 4, &keep_p));
     ASSIGN_OR_RETURN(const TensorView s, Aligned(c.scales, 2, &keep_s));
+    std::optional<Tensor> keep_z;
     WeightRef ref;
     ref.form = WeightForm::kMarlin;
     ref.marlin = c.ref;
     ref.marlin.packed = p.data_as<uint32_t>();
     ref.marlin.scales = s.data_as<uint16_t>();
+    ref.marlin.zeros = nullptr;
+    if (awq) {
+      ASSIGN_OR_RETURN(const TensorView z, Aligned(c.zeros, 4, &keep_z));
+      ref.marlin.zeros = z.data_as<uint32_t>();
+    }
     ref.rows = c.ref.experts * c.ref.n;
     ref.cols = c.ref.k;
     std::vector<float> dense(static_cast<size_t>(ref.rows * ref.cols));
@@ -550,6 +672,7 @@ struct RankWeights::Impl {
         case Plan::Copy::Kind::kToF32: c.dst->data = dst; break;
         case Plan::Copy::Kind::kPacked: c.dst->marlin.packed = static_cast<const uint32_t*>(dst); break;
         case Plan::Copy::Kind::kScales: c.dst->marlin.scales = static_cast<const uint16_t*>(dst); break;
+        case Plan::Copy::Kind::kZeros: c.dst->marlin.zeros = static_cast<const uint32_t*>(dst); break;
       }
     }
     RETURN_IF_ERROR(RunTasks(threads, plan.copies.size(), [&](size_t i) {

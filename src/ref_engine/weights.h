@@ -5,8 +5,11 @@
 // and its dtype and shape are checked against the rank's geometry (docs/spec/ENGINE_LAYOUT.md
 // §1-§5). A linear is INT4 iff `P.weight_packed` exists (Marlin, ENGINE_LAYOUT.md §4: int32
 // [K_p/16, 2N_p] + bf16 `P.weight_scale` [K_p/G, N_p] permuted; MoE `w13_weight_packed`
-// [E_loc, H/16, 4I'] etc.), otherwise `P.weight` (bf16 or f32) is read. INT4 values are
-// value = bf16((u - 8) * scale) (FORMATS.md §2; rounded to bf16 as the Marlin GEMM does). The group
+// [E_loc, H/16, 4I'] etc.) or `P.qweight` exists (AWQ-Marlin, AWQ.md §3-4: the same Marlin words
+// plus `P.qzeros` int32 [K_p/G, N_p/8] Marlin zero points and `P.scales`; MoE `w13_qweight`,
+// `w13_qzeros`, `w13_scales`, both MoE scale permutations with size_k = I'), otherwise `P.weight`
+// (bf16 or f32) is read. INT4 values are value = bf16((u - 8) * scale) (FORMATS.md §2), AWQ
+// bf16((u - z) * scale) (rounded to bf16 as the Marlin GEMM does). The group
 // size G comes from config.quantization when present, else from the scales' shape (a single scale
 // row is read as channelwise). README.md records the decisions.
 //

@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "kernels/awq.h"
 
 namespace wsync::model::testing {
 namespace {
@@ -69,6 +70,20 @@ void AddLayer(std::vector<HfTensorSpec>& v, const ModelConfig& c, int64_t i) {
     AddMlp(v, absl::StrCat(L, "mlp.experts.", e, "."), H, m.moe_intermediate_size, dt);
   if (c.arch == Architecture::kDeepseekV3 && m.num_shared_experts > 0)
     AddMlp(v, L + "mlp.shared_experts.", H, m.num_shared_experts * m.moe_intermediate_size, dt);
+}
+
+// AWQ (docs/spec/AWQ.md §2), written from the spec's byte table: column c of a packed row is in
+// word c / 8 at nibble (0, 4, 1, 5, 2, 6, 3, 7)[c % 8]; W[n, k] = (u - z) * s, in f32 (exact).
+uint32_t AwqCode(const Tensor& t, int64_t row, int64_t c, int64_t N) {
+  static constexpr int kNibble[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  const uint32_t w = t.view().data_as<uint32_t>()[row * (N / 8) + c / 8];
+  return (w >> (4 * kNibble[c % 8])) & 0xFu;
+}
+float AwqDequant(const Tensor& qweight, const Tensor& qzeros, const Tensor& scales, int64_t n, int64_t k, int64_t N,
+                 int64_t G) {
+  const int u = static_cast<int>(AwqCode(qweight, k, n, N)), z = static_cast<int>(AwqCode(qzeros, k / G, n, N));
+  const uint16_t s = scales.view().data_as<uint16_t>()[(k / G) * N + n];
+  return static_cast<float>(u - z) * (scales.dtype() == DType::kBF16 ? BF16ToF32(s) : F16ToF32(s));
 }
 
 float Dequant(const Tensor& packed, const Tensor& scale, int64_t n, int64_t k, int64_t K, int64_t G) {
@@ -145,6 +160,28 @@ absl::StatusOr<HfModel> MakeHfModel(const ModelConfig& c, const QuantizationConf
       continue;
     }
     const std::string base = s.name.substr(0, s.name.size() - 7);  // strip ".weight"
+    if (q->is_awq()) {
+      kernels::AwqQuantizeOptions ao;
+      ao.group_size = q->group_size;
+      ao.num_threads = 1;
+      ASSIGN_OR_RETURN(const kernels::AwqShapes shapes, kernels::AwqShapesFor(raw.view(), q->group_size));
+      ASSIGN_OR_RETURN(Tensor qweight, Tensor::Empty(DType::kI32, shapes.qweight));
+      ASSIGN_OR_RETURN(Tensor qzeros, Tensor::Empty(DType::kI32, shapes.qzeros));
+      ASSIGN_OR_RETURN(Tensor scales, Tensor::Empty(s.dtype, shapes.scales));
+      RETURN_IF_ERROR(
+          kernels::QuantizeAwq(raw.view(), qweight.mutable_view(), qzeros.mutable_view(), scales.mutable_view(), ao));
+      const int64_t N = s.shape[0], K = s.shape[1], G = q->group_size > 0 ? q->group_size : K;
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t k = 0; k < K; ++k)
+          dense.data_as<float>()[n * K + k] = AwqDequant(qweight, qzeros, scales, n, k, N, G);
+      for (const char* suffix : {".qweight", ".qzeros", ".scales"}) m.order.push_back(base + suffix);
+      m.sent.emplace(base + ".qweight", std::move(qweight));
+      m.sent.emplace(base + ".qzeros", std::move(qzeros));
+      m.sent.emplace(base + ".scales", std::move(scales));
+      m.dense.emplace(s.name, std::move(dense));
+      m.int4.insert(s.name);
+      continue;
+    }
     kernels::QuantizeOptions qo;
     qo.group_size = q->group_size;
     qo.variant = o.variant;

@@ -1,5 +1,6 @@
 // Test helper: a random HF checkpoint for a ModelConfig, as a weight sync sends it (HF names;
-// INT4 linears as weight_packed int32 [N, K/8] + weight_scale [N, K/G] + weight_shape [2]), plus
+// INT4 linears as weight_packed int32 [N, K/8] + weight_scale [N, K/G] + weight_shape [2], or for
+// an AWQ config qweight [K, N/8] + qzeros [K/G, N/8] + scales [K/G, N], AutoAWQ's fp16 arithmetic), plus
 // the dense float32 value of every checkpoint tensor (dequantized for INT4) to check engine slices
 // against. The names follow docs/spec/MEGATRON_TO_HF.md §5 and are written here independently of
 // the engine layout, so that tests cross-check the layout's HF names.

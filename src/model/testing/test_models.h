@@ -81,4 +81,13 @@ inline std::string QuantJson(int group_size, const std::vector<std::string>& ign
       weights, R"(}}}, "ignore": [)", absl::StrJoin(quoted, ", "), "]}");
 }
 
+// An AWQ quantization_config (transformers' spelling) with group size G and modules_to_not_convert.
+inline std::string AwqQuantJson(int group_size, const std::vector<std::string>& modules_to_not_convert) {
+  std::vector<std::string> quoted;
+  for (const auto& s : modules_to_not_convert) quoted.push_back(absl::StrCat("\"", s, "\""));
+  return absl::StrCat(R"({"quant_method": "awq", "bits": 4, "group_size": )", group_size,
+                      R"(, "zero_point": true, "version": "gemm", "modules_to_not_convert": [)",
+                      absl::StrJoin(quoted, ", "), "]}");
+}
+
 }  // namespace wsync::model::testing

@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "kernels/awq.h"
 #include "kernels/int4.h"
 #include "rollout_agent/load/engine_layout.h"
 #include "rollout_agent/load/loader.h"
@@ -171,6 +172,36 @@ absl::StatusOr<QuantizedHf> QuantizeHf(const ModelConfig& c, const TensorMap& hf
       q.dequantized.Put(name, Copy(t));
       continue;
     }
+    const std::string prefix = name.substr(0, name.size() - 7);
+    if (c.quantization->is_awq()) {
+      kernels::AwqQuantizeOptions ao;
+      ao.group_size = G;
+      ao.num_threads = 1;
+      ASSIGN_OR_RETURN(kernels::AwqShapes shapes, kernels::AwqShapesFor(t.view(), G));
+      Tensor qweight = New(DType::kI32, shapes.qweight), qzeros = New(DType::kI32, shapes.qzeros),
+             scales = New(t.dtype(), shapes.scales);
+      RETURN_IF_ERROR(
+          kernels::QuantizeAwq(t.view(), qweight.mutable_view(), qzeros.mutable_view(), scales.mutable_view(), ao));
+      // Dequantize (AWQ.md §1-2): W[n, k] = (u - z) * scales[k / G, n], column n of a packed row in
+      // word n / 8 at nibble (0, 4, 1, 5, 2, 6, 3, 7)[n % 8]; rounded to bf16.
+      static constexpr int kNibble[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+      const int64_t N = t.shape()[0], K = t.shape()[1], Gc = G == -1 ? K : G;
+      auto code = [&](const Tensor& packed, int64_t row, int64_t n) {
+        return static_cast<int>((packed.view().data_as<uint32_t>()[row * (N / 8) + n / 8] >> (4 * kNibble[n % 8])) & 0xFu);
+      };
+      Tensor deq = New(DType::kBF16, t.shape());
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t k = 0; k < K; ++k) {
+          const float sc = BF16ToF32(scales.data_as<uint16_t>()[(k / Gc) * N + n]);
+          deq.data_as<uint16_t>()[n * K + k] =
+              F32ToBF16(static_cast<float>(code(qweight, k, n) - code(qzeros, k / Gc, n)) * sc);
+        }
+      q.sent.Put(prefix + ".qweight", std::move(qweight));
+      q.sent.Put(prefix + ".qzeros", std::move(qzeros));
+      q.sent.Put(prefix + ".scales", std::move(scales));
+      q.dequantized.Put(name, std::move(deq));
+      continue;
+    }
     kernels::QuantizeOptions opts;
     opts.group_size = G;
     opts.format = kernels::PackFormat::kCompressedTensors;
@@ -188,7 +219,6 @@ absl::StatusOr<QuantizedHf> QuantizeHf(const ModelConfig& c, const TensorMap& hf
         const float s = BF16ToF32(scales.data_as<uint16_t>()[n * (K / Gc) + k / Gc]);
         deq.data_as<uint16_t>()[n * K + k] = F32ToBF16(static_cast<float>(u - 8) * s);
       }
-    const std::string prefix = name.substr(0, name.size() - 7);
     q.sent.Put(prefix + ".weight_packed", std::move(packed));
     q.sent.Put(prefix + ".weight_scale", std::move(scales));
     Tensor shape = New(DType::kI64, {2});

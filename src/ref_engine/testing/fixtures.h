@@ -48,8 +48,9 @@ TensorMap RandomHfModel(const ModelConfig& config, uint64_t seed);
 
 // INT4 per config.quantization: every 2-D `*.weight` not ignored becomes compressed-tensors
 // `P.weight_packed` [N, K/8] + `P.weight_scale` [N, K/G] + `P.weight_shape` I64 [N, K] in `sent`
-// (what slime sends); `dequantized` holds the HF
-// checkpoint with those weights replaced by bf16((u - 8) * scale) (for the oracle).
+// (what slime sends), or for an AWQ config `P.qweight` [K, N/8] + `P.qzeros` [K/G, N/8] +
+// `P.scales` [K/G, N]; `dequantized` holds the HF checkpoint with those weights replaced by
+// bf16((u - 8) * scale), AWQ bf16((u - z) * scale) (for the oracle).
 struct QuantizedHf {
   TensorMap sent;
   TensorMap dequantized;

@@ -34,6 +34,7 @@ absl::string_view ParamKindName(ParamKind kind) {
     case ParamKind::kPlain: return "plain";
     case ParamKind::kPacked: return "packed";
     case ParamKind::kScale: return "scale";
+    case ParamKind::kZeros: return "zeros";
   }
   return "?";
 }
@@ -68,6 +69,15 @@ struct LinearSpec {
 };
 
 std::string Layer(int64_t i) { return absl::StrCat("model.layers.", i, "."); }
+
+// The AWQ engine name of a linear's tensor (vLLM / SGLang AWQ-Marlin): "X.weight" -> "X.qweight",
+// "...experts.w13_weight" -> "...experts.w13_qweight".
+std::string AwqParamName(absl::string_view weight_name, absl::string_view what) {
+  absl::string_view base = weight_name;
+  if (absl::ConsumeSuffix(&base, ".weight")) return absl::StrCat(base, ".", what);
+  absl::ConsumeSuffix(&base, "_weight");
+  return absl::StrCat(base, "_", what);
+}
 
 }  // namespace
 
@@ -169,10 +179,12 @@ class LayoutBuilder {
 
   absl::Status CheckQuantization() {
     if (q_ == nullptr) return absl::OkStatus();
-    if (q_->quant_method != "compressed-tensors")
+    if (q_->quant_method != "compressed-tensors" && !q_->is_awq())
       return absl::UnimplementedError(absl::StrCat("quantization_config: quant_method \"", q_->quant_method,
-                                                   "\" is not supported (want compressed-tensors)"));
+                                                   "\" is not supported (want compressed-tensors or awq)"));
     RETURN_IF_ERROR(q_->CheckInt4Supported());
+    L_.format_ = q_->is_awq() ? Int4Format::kAwq : Int4Format::kCompressedTensors;
+    L_.quantization_ = *q_;
     if (dt_ != DType::kBF16 && dt_ != DType::kF16)
       return absl::UnimplementedError(
           absl::StrCat("INT4 needs a bf16 or fp16 model (the scales' dtype), got ", TorchName(dt_)));
@@ -350,16 +362,27 @@ class LayoutBuilder {
       }
     } else {
       const std::string generic = Generic(spec.name);
-      // Sent-format and loader constraints (§3.2, §3.3, §6 INT4 refusals).
+      const bool awq = L_.format_ == Int4Format::kAwq;
+      // Sent-format and loader constraints (§3.2, §3.3, §6 INT4 refusals; AWQ.md §2).
       for (const Shard& sh : shards) {
-        if (sh.hf_k % 8 != 0)
-          return Refuse(absl::StrCat(sh.hf, ": INT4 needs K % 8 == 0 (packed words), K = ", sh.hf_k));
         if (G > 0 && sh.hf_k % G != 0)
           return Refuse(absl::StrCat(sh.hf, ": INT4 needs K % G == 0, K = ", sh.hf_k, ", G = ", G));
-        if (sh.c0 % 8 != 0 || sh.nc % 8 != 0)
-          return Refuse(absl::StrCat(spec.name, ": the INT4 shard of ", sh.hf, " on this rank spans input columns ",
-                                     sh.c0, "..", sh.c0 + sh.nc - 1, " (K_p = ", sh.nc,
-                                     "), not a multiple of 8 (packed words); ", Ctx()));
+        if (awq) {
+          // AWQ packs 8 output features (rows of W) per word: a rank's rows must be whole words.
+          if (sh.hf_n % 8 != 0)
+            return Refuse(absl::StrCat(sh.hf, ": AWQ needs N % 8 == 0 (packed words), N = ", sh.hf_n));
+          if (sh.r0 % 8 != 0 || sh.nr % 8 != 0 || sh.dst_n % 8 != 0)
+            return Refuse(absl::StrCat(spec.name, ": the AWQ shard of ", sh.hf, " on this rank spans output rows ",
+                                       sh.r0, "..", sh.r0 + sh.nr - 1, " (to row ", sh.dst_n,
+                                       "), not whole packed words of 8; ", Ctx()));
+        } else {
+          if (sh.hf_k % 8 != 0)
+            return Refuse(absl::StrCat(sh.hf, ": INT4 needs K % 8 == 0 (packed words), K = ", sh.hf_k));
+          if (sh.c0 % 8 != 0 || sh.nc % 8 != 0)
+            return Refuse(absl::StrCat(spec.name, ": the INT4 shard of ", sh.hf, " on this rank spans input columns ",
+                                       sh.c0, "..", sh.c0 + sh.nc - 1, " (K_p = ", sh.nc,
+                                       "), not a multiple of 8 (packed words); ", Ctx()));
+        }
         if (G > 0 && (sh.c0 % G != 0 || sh.nc % G != 0))
           return Refuse(absl::StrCat(spec.name, ": the INT4 shard of ", sh.hf, " on this rank has K_p = ", sh.nc,
                                      " input columns (from ", sh.c0, "), not a multiple of the group size G = ", G,
@@ -383,6 +406,7 @@ class LayoutBuilder {
       }
       const int64_t scale_rows = G > 0 ? k / G : 1;
       MarlinSpec m;
+      m.awq = awq;
       m.experts = spec.experts;
       m.size_k = k;
       m.size_n = n;
@@ -391,30 +415,38 @@ class LayoutBuilder {
       m.scale_perm_size_k = spec.scale_perm_size_k > 0 ? spec.scale_perm_size_k : k;
       m.grouped_scale_perm = G != -1 && G < m.scale_perm_size_k;
 
-      EngineParam pk;
-      pk.name = absl::StrCat(spec.name, "_packed");
-      pk.role = spec.role;
-      pk.kind = ParamKind::kPacked;
-      pk.dtype = DType::kI32;
-      pk.loaded_shape = stacked ? with_e({k / 8, n}) : Shape{n, k / 8};
-      pk.engine_shape = with_e({k / 16, 2 * n});
-      pk.layer = spec.layer;
-      pk.linear = lidx;
-      pk.marlin = m;
-      lin.packed = AddParam(std::move(pk));
-      EngineParam sc;
-      sc.name = absl::StrCat(spec.name, "_scale");
-      sc.role = spec.role;
-      sc.kind = ParamKind::kScale;
-      sc.dtype = dt_;
-      sc.loaded_shape = stacked ? with_e({scale_rows, n}) : Shape{n, scale_rows};
-      sc.engine_shape = with_e({scale_rows, n});
-      sc.layer = spec.layer;
-      sc.linear = lidx;
-      sc.marlin = m;
-      lin.scale = AddParam(std::move(sc));
+      auto add = [&](ParamKind kind, std::string name, DType dt, Shape loaded, Shape engine) {
+        EngineParam q;
+        q.name = std::move(name);
+        q.role = spec.role;
+        q.kind = kind;
+        q.dtype = dt;
+        q.loaded_shape = std::move(loaded);
+        q.engine_shape = std::move(engine);
+        q.layer = spec.layer;
+        q.linear = lidx;
+        q.marlin = m;
+        return AddParam(std::move(q));
+      };
+      if (awq) {
+        lin.packed = add(ParamKind::kPacked, AwqParamName(spec.name, "qweight"), DType::kI32, with_e({k, n / 8}),
+                         with_e({k / 16, 2 * n}));
+        lin.zeros = add(ParamKind::kZeros, AwqParamName(spec.name, "qzeros"), DType::kI32, with_e({scale_rows, n / 8}),
+                        with_e({scale_rows, n / 8}));
+        lin.scale =
+            add(ParamKind::kScale, AwqParamName(spec.name, "scales"), dt_, with_e({scale_rows, n}), with_e({scale_rows, n}));
+      } else {
+        lin.packed = add(ParamKind::kPacked, absl::StrCat(spec.name, "_packed"), DType::kI32,
+                         stacked ? with_e({k / 8, n}) : Shape{n, k / 8}, with_e({k / 16, 2 * n}));
+        lin.scale = add(ParamKind::kScale, absl::StrCat(spec.name, "_scale"), dt_,
+                        stacked ? with_e({scale_rows, n}) : Shape{n, scale_rows}, with_e({scale_rows, n}));
+      }
 
       for (const Shard& sh : shards) {
+        if (awq) {
+          AddAwqSources(sh, lin, G);
+          continue;
+        }
         const std::string pn = absl::StrCat(sh.hf, ".weight_packed"), sn = absl::StrCat(sh.hf, ".weight_scale"),
                           wn = absl::StrCat(sh.hf, ".weight_shape");
         const Shape pshape = {sh.hf_n, sh.hf_k / 8}, sshape = {sh.hf_n, G > 0 ? sh.hf_k / G : 1};
@@ -484,6 +516,55 @@ class LayoutBuilder {
     L_.linear_index_[lin.name] = lidx;
     L_.linears_.push_back(std::move(lin));
     return absl::OkStatus();
+  }
+
+  // The AWQ tensors of one shard (AWQ.md §2): qweight [K, N/8], qzeros [K/G, N/8], scales [K/G, N].
+  // They are K-major: the shard's rows of W are word columns of qweight / qzeros and columns of
+  // scales, its input columns are their rows; copied as blocks, no transpose (dense and MoE alike).
+  void AddAwqSources(const Shard& sh, const EngineLinear& lin, int G) {
+    const int64_t groups = G > 0 ? sh.hf_k / G : 1;
+    const std::string qn = sh.hf + ".qweight", zn = sh.hf + ".qzeros", sn = sh.hf + ".scales";
+    const Shape qshape = {sh.hf_k, sh.hf_n / 8}, zshape = {groups, sh.hf_n / 8}, sshape = {groups, sh.hf_n};
+    if (!sh.owned) {
+      AddSkip(qn, DType::kI32, qshape, sh.what);
+      AddSkip(zn, DType::kI32, zshape, sh.what);
+      AddSkip(sn, dt_, sshape, sh.what);
+      return;
+    }
+    HfSource s;
+    s.expert = sh.expert;
+    s.what = sh.what;
+    HfSource q = s;
+    q.hf_name = qn;
+    q.dtype = DType::kI32;
+    q.shape = qshape;
+    q.param = lin.packed;
+    q.src_row0 = sh.c0;
+    q.rows = sh.nc;
+    q.src_col0 = sh.r0 / 8;
+    q.cols = sh.nr / 8;
+    q.dst_col0 = sh.dst_n / 8;
+    AddSource(std::move(q));
+    HfSource z = s;  // channelwise: one group row, whole on every rank
+    z.hf_name = zn;
+    z.dtype = DType::kI32;
+    z.shape = zshape;
+    z.param = lin.zeros;
+    z.src_row0 = G > 0 ? sh.c0 / G : 0;
+    z.rows = G > 0 ? sh.nc / G : 1;
+    z.src_col0 = sh.r0 / 8;
+    z.cols = sh.nr / 8;
+    z.dst_col0 = sh.dst_n / 8;
+    HfSource sc = z;
+    sc.hf_name = sn;
+    sc.dtype = dt_;
+    sc.shape = sshape;
+    sc.param = lin.scale;
+    sc.src_col0 = sh.r0;
+    sc.cols = sh.nr;
+    sc.dst_col0 = sh.dst_n;
+    AddSource(std::move(z));
+    AddSource(std::move(sc));
   }
 
   // Column-parallel shard: rows [r * n/T, +n/T) of an [n, k] HF weight.
@@ -646,7 +727,10 @@ class LayoutBuilder {
       w2.push_back(
           Shard{ex + "down_proj", H, I, 0, H, t * Ip, Ip, 0, l, owned, absl::StrCat("expert ", e, " down_proj")});
     }
-    LinearSpec s13{pre + "experts.w13_weight", ParamRole::kExpertsW13, i, E_loc, 2 * Ip, H, q, 4 * Ip};
+    // Scale permutation size_k: SGLang's compressed-tensors MoE passes 4I' for w13 (§4); vLLM's
+    // AWQ-Marlin MoE passes I' for both (AWQ.md §4).
+    const bool awq = L_.format_ == Int4Format::kAwq;
+    LinearSpec s13{pre + "experts.w13_weight", ParamRole::kExpertsW13, i, E_loc, 2 * Ip, H, q, awq ? Ip : 4 * Ip};
     RETURN_IF_ERROR(AddLinear(s13, w13));
     // w2 scale permutation: size_k = (I'/G)·G = I' (channelwise: 8, which selects the same single perm).
     LinearSpec s2{pre + "experts.w2_weight", ParamRole::kExpertsW2, i, E_loc, H, Ip, q, Ip};

@@ -7,15 +7,20 @@
 //     "...qkv_proj.weight_packed" / "weight_scale", "model.layers.1.mlp.experts.w13_weight_packed"),
 //     dtype, role, and shape in two forms:
 //       kLoaded  what SGLang's weight loaders fill (bf16 [N_p, K_p]; INT4 compressed-tensors
-//                [N_p, K_p/8] + [N_p, K_p/G]; MoE GPTQ orientation [E_loc, K/8, N] + [E_loc, K/G, N])
+//                [N_p, K_p/8] + [N_p, K_p/G]; MoE GPTQ orientation [E_loc, K/8, N] + [E_loc, K/G, N];
+//                AWQ qweight [(E_loc,) K_p, N_p/8] + qzeros [(E_loc,) K_p/G, N_p/8] + scales
+//                [(E_loc,) K_p/G, N_p], the checkpoint's own layout, AWQ.md §2 / §4)
 //       kEngine  what the engine serves from after process_weights_after_loading (Marlin
-//                [K_p/16, 2N_p] + permuted [K_p/G, N_p]; MoE [E_loc, K/16, 2N] + [E_loc, K/G, N]);
+//                [K_p/16, 2N_p] + permuted [K_p/G, N_p]; MoE [E_loc, K/16, 2N] + [E_loc, K/G, N];
+//                AWQ-Marlin adds Marlin zero points [(E_loc,) K_p/G, N_p/8], AWQ.md §3);
 //                identical to kLoaded for every unquantized parameter;
 //   * every logical GEMM weight (EngineLinear): the bf16 weight or the packed + scale pair;
 //   * every sent HF tensor (HfSource): its expected dtype and shape, and the block of it this rank
 //     copies into which parameter (or that it is accepted and skipped: other ranks' experts, a tied
 //     lm_head.weight), the §2/§3 slicing included (column / row / qkv with KV replication /
-//     gate_up / vocab with zero padding / MoE w13, w2 in the transposed GPTQ orientation of §3.3).
+//     gate_up / vocab with zero padding / MoE w13, w2 in the transposed GPTQ orientation of §3.3;
+//     AWQ tensors are K-major, so a rank's rows of W are word columns of qweight / qzeros and
+//     columns of scales, copied without a transpose, dense and MoE alike).
 // Quantization is decided per engine layer from QuantizationConfig::IsIgnored on the HF shard
 // names; all shards of a fused layer must agree (§3.1). Decisions the spec leaves open are in
 // src/rollout_agent/load/README.md (shared-experts fusion is always off, Marlin is always used for
@@ -29,6 +34,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -63,21 +69,30 @@ absl::string_view ParamRoleName(ParamRole role);  // "replicated", "column", ...
 
 enum class ParamKind {
   kPlain,   // bf16 / fp32 tensor, the same in both forms
-  kPacked,  // INT4 weight: compressed-tensors / GPTQ int32 when loaded, Marlin int32 in the engine
+  kPacked,  // INT4 weight: compressed-tensors / GPTQ (or AWQ) int32 when loaded, Marlin int32 in the engine
   kScale,   // INT4 group scales: model dtype; Marlin-permuted in the engine
+  kZeros,   // AWQ zero points: AWQ-packed int32 when loaded, Marlin zero-point layout in the engine
 };
-absl::string_view ParamKindName(ParamKind kind);  // "plain", "packed", "scale"
+absl::string_view ParamKindName(ParamKind kind);  // "plain", "packed", "scale", "zeros"
+
+// The INT4 format an engine serves (config.quantization's quant_method).
+enum class Int4Format {
+  kNone,               // a bf16 engine
+  kCompressedTensors,  // compressed-tensors INT4 -> Marlin (SGLang's gptq_marlin path, FORMATS.md)
+  kAwq,                // AWQ -> AWQ-Marlin with zero points (vLLM / SGLang awq_marlin, AWQ.md §2-4)
+};
 
 enum class ParamForm { kLoaded, kEngine };
 
 // Marlin geometry of a kPacked / kScale parameter (per expert for stacked experts).
 struct MarlinSpec {
+  bool awq = false;                 // AWQ-Marlin (zero points; AWQ loaded form) rather than GPTQ-Marlin
   int64_t experts = 0;              // 0: a dense 2-D GEMM weight; else E_loc (3-D, stacked)
   int64_t size_k = 0;               // GEMM K: K_p (dense), H (w13), I' (w2)
   int64_t size_n = 0;               // GEMM N: N_p (dense), 2I' (w13), H (w2)
   int group_size = -1;              // G; -1 channelwise
   int64_t scale_rows = 0;           // K/G (1 channelwise)
-  int64_t scale_perm_size_k = 0;    // the size_k SGLang passes to the scale permutation (w13: 4I', §4)
+  int64_t scale_perm_size_k = 0;    // the size_k the engine passes to the scale permutation (w13: 4I', §4; AWQ: I')
   bool grouped_scale_perm = false;  // 64-column scale_perm iff G != -1 && G < scale_perm_size_k (§4, FORMATS §5)
 };
 
@@ -98,7 +113,8 @@ struct EngineParam {
 // One logical GEMM weight of this rank: a linear layer or a stacked-expert tensor.
 struct EngineLinear {
   // Name of the unquantized weight parameter; an INT4 linear's params are name + "_packed" and
-  // name + "_scale" ("...qkv_proj.weight" -> "...qkv_proj.weight_packed"; "...experts.w13_weight").
+  // name + "_scale" ("...qkv_proj.weight" -> "...qkv_proj.weight_packed"; "...experts.w13_weight"),
+  // for AWQ the engines' qweight / qzeros / scales ("...qkv_proj.qweight", "...experts.w13_qzeros").
   std::string name;
   ParamRole role = ParamRole::kReplicated;
   int64_t layer = -1;
@@ -110,6 +126,7 @@ struct EngineLinear {
   int weight = -1;      // param index of the bf16 weight (unquantized), else -1
   int packed = -1;      // param indices of the INT4 pair (quantized), else -1
   int scale = -1;
+  int zeros = -1;       // AWQ: param index of the zero points, else -1
 };
 
 // One sent HF tensor and what this rank does with it.
@@ -155,6 +172,9 @@ class EngineLayout {
   const ModelConfig& config() const { return config_; }
   const EngineParallel& parallel() const { return parallel_; }
   bool quantized() const { return quantized_; }
+  Int4Format int4_format() const { return format_; }
+  // The quantization config the layout was made for; nullptr for a bf16 engine.
+  const QuantizationConfig* quantization() const { return quantization_ ? &*quantization_ : nullptr; }
   int group_size() const { return group_size_; }  // INT4 only
   int moe_tp_size() const { return moe_tp_size_; }
   int moe_tp_rank() const { return moe_tp_rank_; }
@@ -188,6 +208,8 @@ class EngineLayout {
   ModelConfig config_;
   EngineParallel parallel_;
   bool quantized_ = false;
+  Int4Format format_ = Int4Format::kNone;
+  std::optional<QuantizationConfig> quantization_;
   int group_size_ = -1;
   int moe_tp_size_ = 1, moe_tp_rank_ = 0, ep_rank_ = 0;
   int64_t local_experts_ = 0, first_expert_ = 0, padded_vocab_ = 0;

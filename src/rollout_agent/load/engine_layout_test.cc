@@ -145,6 +145,77 @@ TEST(EngineLayoutTest, WorkedExampleQwen3_30B_A3B) {
   EXPECT_TRUE(EngineLayout::Create(c, &q, {2, 1, 1}).ok());
 }
 
+// The same model as an AWQ engine (vLLM / SGLang awq_marlin, AWQ.md §2-4), T=4, EP=4: K-major AWQ
+// tensors loaded as they are in the checkpoint, Marlin qweight and zero points in the engine; lm_head,
+// embeddings and the router stay bf16 without being listed in modules_to_not_convert.
+TEST(EngineLayoutTest, WorkedExampleQwen3_30B_A3B_Awq) {
+  const ModelConfig c = Config(kQwen3_30B);
+  auto q = ParseQuantizationConfig(model::testing::AwqQuantJson(128, {}), "awq");
+  ASSERT_TRUE(q.ok()) << q.status();
+  constexpr auto kZp = ParamKind::kZeros;
+  for (int r = 0; r < 4; ++r) {
+    auto l = EngineLayout::Create(c, &*q, {4, r, 4});
+    ASSERT_TRUE(l.ok()) << l.status();
+    EXPECT_EQ(l->int4_format(), Int4Format::kAwq);
+    const std::string L = "model.layers.47.";
+    ExpectParam(*l, {L + "self_attn.qkv_proj.qweight", ParamRole::kQkv, kPk, kI, {2048, 160}, {128, 2560}});
+    ExpectParam(*l, {L + "self_attn.qkv_proj.qzeros", ParamRole::kQkv, kZp, kI, {16, 160}, {16, 160}});
+    ExpectParam(*l, {L + "self_attn.qkv_proj.scales", ParamRole::kQkv, kSc, kB, {16, 1280}, {16, 1280}});
+    ExpectParam(*l, {L + "self_attn.o_proj.qweight", ParamRole::kRow, kPk, kI, {1024, 256}, {64, 4096}});
+    ExpectParam(*l, {L + "self_attn.o_proj.qzeros", ParamRole::kRow, kZp, kI, {8, 256}, {8, 256}});
+    ExpectParam(*l, {L + "mlp.experts.w13_qweight", ParamRole::kExpertsW13, kPk, kI, {32, 2048, 192}, {32, 128, 3072}});
+    ExpectParam(*l, {L + "mlp.experts.w13_qzeros", ParamRole::kExpertsW13, kZp, kI, {32, 16, 192}, {32, 16, 192}});
+    ExpectParam(*l, {L + "mlp.experts.w13_scales", ParamRole::kExpertsW13, kSc, kB, {32, 16, 1536}, {32, 16, 1536}});
+    ExpectParam(*l, {L + "mlp.experts.w2_qweight", ParamRole::kExpertsW2, kPk, kI, {32, 768, 256}, {32, 48, 4096}});
+    ExpectParam(*l, {L + "mlp.experts.w2_scales", ParamRole::kExpertsW2, kSc, kB, {32, 6, 2048}, {32, 6, 2048}});
+    ExpectParam(*l, {L + "mlp.gate.weight", ParamRole::kReplicated, kPl, kB, {128, 2048}, {128, 2048}});
+    ExpectParam(*l, {"lm_head.weight", ParamRole::kVocab, kPl, kB, {37984, 2048}, {37984, 2048}});
+    EXPECT_LT(l->FindParam(L + "self_attn.qkv_proj.weight_packed"), 0);
+    // vLLM's AWQ-Marlin MoE permutes both scales with size_k = I' (AWQ.md §4).
+    const EngineParam& s13 = l->params()[static_cast<size_t>(l->FindParam(L + "mlp.experts.w13_scales"))];
+    EXPECT_EQ(s13.marlin.scale_perm_size_k, 768);
+    EXPECT_TRUE(s13.marlin.awq);
+    // k_proj's AWQ tensors: all K rows, kv head r's 128 output features = word columns 16r .. 16r+15,
+    // landing after the 8 q heads (word column 128); its scales by feature, its zeros by word.
+    const HfSource& k = l->sources()[static_cast<size_t>(l->FindSource(L + "self_attn.k_proj.qweight"))];
+    EXPECT_EQ(k.shape, (Shape{2048, 64}));
+    EXPECT_EQ(k.src_row0, 0);
+    EXPECT_EQ(k.rows, 2048);
+    EXPECT_EQ(k.src_col0, 16 * r);
+    EXPECT_EQ(k.cols, 16);
+    EXPECT_EQ(k.dst_col0, 128);
+    EXPECT_FALSE(k.transpose);
+    const HfSource& ks = l->sources()[static_cast<size_t>(l->FindSource(L + "self_attn.k_proj.scales"))];
+    EXPECT_EQ(ks.shape, (Shape{16, 512}));
+    EXPECT_EQ(ks.src_col0, 128 * r);
+    EXPECT_EQ(ks.cols, 128);
+    EXPECT_EQ(ks.dst_col0, 1024);
+    // o_proj is row parallel: rank r takes K rows [1024 r, +1024) of qweight and 8 group rows.
+    const HfSource& o = l->sources()[static_cast<size_t>(l->FindSource(L + "self_attn.o_proj.qzeros"))];
+    EXPECT_EQ(o.src_row0, 8 * r);
+    EXPECT_EQ(o.rows, 8);
+    EXPECT_EQ(o.cols, 256);
+    // Another EP rank's expert: its three AWQ tensors are checked and skipped.
+    const int other = (r + 1) % 4 * 32;
+    const HfSource& skip =
+        l->sources()[static_cast<size_t>(l->FindSource(absl::StrCat(L, "mlp.experts.", other, ".up_proj.qzeros")))];
+    EXPECT_EQ(skip.action, HfSource::Action::kSkip);
+    EXPECT_EQ(skip.shape, (Shape{16, 96}));
+  }
+  // T=4, EP=1: I' = 192 is not a multiple of 128, for AWQ as for compressed-tensors.
+  auto bad = EngineLayout::Create(c, &*q, {4, 0, 1});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("I' = I / moe_tp = 768 / 4 = 192"));
+  // AWQ versions other than gemm are refused.
+  auto gemv = ParseQuantizationConfig(
+      R"({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemv"})", "awq");
+  ASSERT_TRUE(gemv.ok());
+  auto refused = EngineLayout::Create(c, &*gemv, {4, 0, 4});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(refused.status().message(), HasSubstr("gemv"));
+}
+
 // §7 worked example: DeepSeek-V3, T=8, EP=1, bf16 (shared-experts fusion off: see README.md).
 const char kDeepseekV3Full[] = R"({
   "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,

@@ -11,6 +11,8 @@
 #include "common/cuda_ipc.h"
 #include "common/parallel_for.h"
 #include "common/status.h"
+#include "kernels/awq.h"
+#include "kernels/format/awq_format.h"
 #include "kernels/int4.h"
 #include "rollout_agent/load/block_copy.h"
 
@@ -63,7 +65,11 @@ void ParallelCopy(const std::byte* src, std::byte* dst, size_t n, int threads) {
               [&](int64_t b, int64_t e) { std::memcpy(dst + b, src + b, static_cast<size_t>(e - b)); });
 }
 
-bool IsDenseInt4(const EngineParam& p) { return p.kind != ParamKind::kPlain && p.marlin.experts == 0; }
+// A dense compressed-tensors INT4 param, whose loaded form is transposed to reach GPTQ orientation.
+// AWQ params are K-major already: their loaded form is the kernels' input as is.
+bool IsDenseInt4(const EngineParam& p) {
+  return p.kind != ParamKind::kPlain && !p.marlin.awq && p.marlin.experts == 0;
+}
 
 // Largest scratch a dense INT4 param needs (its loaded-form bytes).
 int64_t ScratchBytes(const EngineLayout& layout) {
@@ -92,13 +98,40 @@ struct DeviceSide {
 // ([E, K/8, N] / [E, rows, N] already), else its transpose ([N, K/8] -> [K/8, N], the
 // permute_param_layout_; [N, rows] -> [rows, N]) in `scratch`.
 Shape GptqOrientation(const EngineParam& p) {
-  return p.marlin.experts > 0 ? p.loaded_shape : Shape{p.loaded_shape[1], p.loaded_shape[0]};
+  return IsDenseInt4(p) ? Shape{p.loaded_shape[1], p.loaded_shape[0]} : p.loaded_shape;
 }
 
+// AWQ-Marlin qweight [(E,) K/16, 2N] -> AWQ qweight [(E,) K, N/8] (AWQ.md §3.1 inverted): MarlinToGptq
+// into a temporary of the same memory (host, or the device of `ko`), then GptqToAwq.
+absl::Status MarlinToAwq(const TensorView& marlin, const MutableTensorView& awq, const kernels::KernelOptions& ko,
+                         int device) {
+  ASSIGN_OR_RETURN(const Shape gshape, kernels::GptqShapeFor(marlin.shape()));
+  ASSIGN_OR_RETURN(const int64_t bytes, NumBytes(DType::kI32, gshape));
+  Buffer host;
+  std::unique_ptr<CudaAllocation> dev_tmp;
+  std::byte* tmp = nullptr;
+  if (ko.device == kernels::Device::kCuda) {
+    ASSIGN_OR_RETURN(dev_tmp, AllocateCuda(static_cast<size_t>(std::max<int64_t>(bytes, 1)), device));
+    tmp = static_cast<std::byte*>(dev_tmp->data());
+  } else {
+    ASSIGN_OR_RETURN(host, Buffer::Allocate(static_cast<size_t>(std::max<int64_t>(bytes, 1))));
+    tmp = host.data();
+  }
+  const MutableTensorView gptq(DType::kI32, gshape, {tmp, static_cast<size_t>(bytes)});
+  RETURN_IF_ERROR(kernels::MarlinToGptq(marlin, nullptr, gptq, ko));
+  return kernels::GptqToAwq(gptq, awq, ko);
+}
+
+// Loaded (GPTQ orientation, or AWQ as loaded) -> engine form of an INT4 param, or back (inverse).
+// `device`: the CUDA device of `in` and `out` when ko.device is kCuda.
 absl::Status RunKernel(const EngineParam& p, const TensorView& in, const MutableTensorView& out, bool inverse,
-                       const kernels::KernelOptions& ko) {
+                       const kernels::KernelOptions& ko, int device) {
+  if (p.kind == ParamKind::kPacked && p.marlin.awq)
+    return inverse ? MarlinToAwq(in, out, ko, device) : kernels::AwqToMarlin(in, out, ko);
   if (p.kind == ParamKind::kPacked)
     return inverse ? kernels::MarlinToGptq(in, nullptr, out, ko) : kernels::GptqToMarlin(in, nullptr, out, ko);
+  if (p.kind == ParamKind::kZeros)
+    return inverse ? kernels::MarlinZerosToAwq(in, out, ko) : kernels::AwqZerosToMarlin(in, out, ko);
   return PermuteScalesAs(in, out, p.marlin.grouped_scale_perm, inverse, ko);
 }
 
@@ -124,7 +157,7 @@ absl::Status CommitParam(const EngineParam& p, const TensorView& loaded, const M
     in = TensorView(p.dtype, in.shape(), {static_cast<const std::byte*>(dev->buffer->data()), in.nbytes()});
     ko.device = kernels::Device::kCuda;
   }
-  return RunKernel(p, in, engine, /*inverse=*/false, ko);
+  return RunKernel(p, in, engine, /*inverse=*/false, ko, dev != nullptr ? dev->device : -1);
 }
 
 // Engine form -> loaded form of one param (the inverse of CommitParam; same `dev` contract).
@@ -143,7 +176,7 @@ absl::Status RestoreParam(const EngineParam& p, const TensorView& engine, const 
     out = MutableTensorView(p.dtype, host.shape(), {static_cast<std::byte*>(dev->buffer->data()), host.nbytes()});
     ko.device = kernels::Device::kCuda;
   }
-  RETURN_IF_ERROR(RunKernel(p, engine, out, /*inverse=*/true, ko));
+  RETURN_IF_ERROR(RunKernel(p, engine, out, /*inverse=*/true, ko, dev != nullptr ? dev->device : -1));
   if (dev != nullptr) RETURN_IF_ERROR(CopyDeviceToHost(host.data(), out.data(), host.nbytes(), dev->device));
   if (dense)
     Transpose(host.bytes().data(), host.dim(0), host.dim(1), loaded.bytes().data(), ItemSize(p.dtype), o.num_threads);
@@ -358,9 +391,77 @@ absl::Status CheckView(const TensorView& v, const EngineParam& p, ParamForm form
 
 }  // namespace
 
+namespace {
+
+// AWQ (AWQ.md §1-3): W[e][r][c] = (u - z) * s from qweight [(E,) k, n/8], qzeros [(E,) rows, n/8]
+// and scales [(E,) rows, n]; the engine form is first restored to them (Marlin -> AWQ, Marlin zero
+// points -> AWQ, scales un-permuted).
+absl::StatusOr<Tensor> DequantizeAwq(const EngineLinear& linear, const EngineParam& pk, const EngineParam& ps,
+                                     const EngineLayout& layout, const TensorView& weight, const TensorView& scale,
+                                     const TensorView& zeros, ParamForm form, const DenseOptions& options,
+                                     Tensor out) {
+  if (linear.zeros < 0) return absl::InternalError(absl::StrCat(linear.name, ": an AWQ linear without zero points"));
+  const EngineParam& pz = layout.params()[static_cast<size_t>(linear.zeros)];
+  RETURN_IF_ERROR(CheckView(zeros, pz, form));
+  const int64_t E = std::max<int64_t>(linear.experts, 1), n = linear.n, k = linear.k, rows = pk.marlin.scale_rows;
+  const int64_t G = linear.group_size > 0 ? linear.group_size : k;
+  Tensor qt, zt, st;
+  TensorView q = weight, z = zeros, sc = scale;
+  if (form == ParamForm::kEngine) {
+    kernels::KernelOptions ko;
+    ko.num_threads = options.num_threads;
+    Tensor wa, za, sa;  // aligned copies for the kernels' checks
+    if (!weight.IsAligned(4)) {
+      ASSIGN_OR_RETURN(wa, Tensor::CopyOf(weight));
+    }
+    if (!zeros.IsAligned(4)) {
+      ASSIGN_OR_RETURN(za, Tensor::CopyOf(zeros));
+    }
+    if (!scale.IsAligned(2)) {
+      ASSIGN_OR_RETURN(sa, Tensor::CopyOf(scale));
+    }
+    ASSIGN_OR_RETURN(qt, Tensor::Empty(DType::kI32, pk.loaded_shape));
+    ASSIGN_OR_RETURN(zt, Tensor::Empty(DType::kI32, pz.loaded_shape));
+    ASSIGN_OR_RETURN(st, Tensor::Empty(ps.dtype, ps.loaded_shape));
+    RETURN_IF_ERROR(MarlinToAwq(weight.IsAligned(4) ? weight : wa.view(), qt.mutable_view(), ko, -1));
+    RETURN_IF_ERROR(kernels::MarlinZerosToAwq(zeros.IsAligned(4) ? zeros : za.view(), zt.mutable_view(), ko));
+    RETURN_IF_ERROR(PermuteScalesAs(scale.IsAligned(2) ? scale : sa.view(), st.mutable_view(),
+                                    pk.marlin.grouped_scale_perm, true, ko));
+    q = qt.view();
+    z = zt.view();
+    sc = st.view();
+  }
+  const std::byte* qb = q.bytes().data();
+  const std::byte* zb = z.bytes().data();
+  const std::byte* sb = sc.bytes().data();
+  std::byte* o = reinterpret_cast<std::byte*>(out.data_as<uint8_t>());
+  const DType sdt = ps.dtype, odt = options.out_dtype;
+  auto word = [](const std::byte* p, int64_t i) {
+    uint32_t x;
+    std::memcpy(&x, p + 4 * i, 4);
+    return x;
+  };
+  ParallelFor(E * n, options.num_threads, 64, [&](int64_t b, int64_t e) {
+    for (int64_t row = b; row < e; ++row) {
+      const int64_t ex = row / n, r = row % n;
+      for (int64_t c = 0; c < k; ++c) {
+        const int64_t g = c / G;
+        const uint32_t u = kernels::format::AwqNibble(word(qb, (ex * k + c) * (n / 8) + r / 8), r);
+        const uint32_t zp = kernels::format::AwqNibble(word(zb, (ex * rows + g) * (n / 8) + r / 8), r);
+        Store(o, row * k + c,
+              static_cast<float>(static_cast<int>(u) - static_cast<int>(zp)) * ScaleAt(sb, (ex * rows + g) * n + r, sdt),
+              odt);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<Tensor> DequantizeToDense(const EngineLinear& linear, const EngineLayout& layout,
-                                         const TensorView& weight, const TensorView& scale, ParamForm form,
-                                         const DenseOptions& options) {
+                                         const TensorView& weight, const TensorView& scale, const TensorView& zeros,
+                                         ParamForm form, const DenseOptions& options) {
   if (options.out_dtype != DType::kF32 && options.out_dtype != DType::kBF16)
     return absl::InvalidArgumentError("DequantizeToDense: out_dtype must be F32 or BF16");
   const int64_t E = std::max<int64_t>(linear.experts, 1), n = linear.n, k = linear.k;
@@ -384,6 +485,7 @@ absl::StatusOr<Tensor> DequantizeToDense(const EngineLinear& linear, const Engin
   const int64_t rows = pk.marlin.scale_rows;
   const int64_t G = linear.group_size > 0 ? linear.group_size : k;
   const DType sdt = ps.dtype;
+  if (pk.marlin.awq) return DequantizeAwq(linear, pk, ps, layout, weight, scale, zeros, form, options, std::move(out));
   if (form == ParamForm::kLoaded && linear.experts == 0) {
     // compressed-tensors: packed [n, k/8], scale [n, rows].
     const std::byte* w = weight.bytes().data();
@@ -453,13 +555,16 @@ absl::StatusOr<Tensor> DequantizeToDense(const EngineLayout& layout, absl::strin
     RETURN_IF_ERROR(CopyDeviceToHost(copy.mutable_view().data(), v.data(), v.nbytes(), b->cuda_device));
     return copy.view();
   };
-  Tensor wcopy, scopy;
+  Tensor wcopy, scopy, zcopy;
   ASSIGN_OR_RETURN(const TensorView w, host_view(lin.quantized ? lin.packed : lin.weight, wcopy));
-  TensorView s;
+  TensorView s, z;
   if (lin.quantized) {
     ASSIGN_OR_RETURN(s, host_view(lin.scale, scopy));
   }
-  return DequantizeToDense(lin, layout, w, s, ParamForm::kEngine, options);
+  if (lin.zeros >= 0) {
+    ASSIGN_OR_RETURN(z, host_view(lin.zeros, zcopy));
+  }
+  return DequantizeToDense(lin, layout, w, s, z, ParamForm::kEngine, options);
 }
 
 absl::StatusOr<Tensor> DequantizeToDense(absl::string_view linear_name, const Staging& staging,
@@ -470,7 +575,8 @@ absl::StatusOr<Tensor> DequantizeToDense(absl::string_view linear_name, const St
   const EngineLinear& lin = layout.linears()[static_cast<size_t>(li)];
   const MutableTensorView w = staging.param(lin.quantized ? lin.packed : lin.weight);
   const MutableTensorView s = lin.quantized ? staging.param(lin.scale) : MutableTensorView();
-  return DequantizeToDense(lin, layout, w, s, ParamForm::kLoaded, options);
+  const MutableTensorView z = lin.zeros >= 0 ? staging.param(lin.zeros) : MutableTensorView();
+  return DequantizeToDense(lin, layout, w, s, z, ParamForm::kLoaded, options);
 }
 
 }  // namespace wsync::rollout_agent

@@ -11,7 +11,10 @@
 //                         64-column perm iff G != -1 and G < K_p;
 //   MoE packed            per expert gptq_marlin_moe_repack: [E, K/8, N] -> [E, K/16, 2N];
 //   MoE scale             per expert marlin_moe_permute_scales with SGLang's size_k (w13: 4I',
-//                         so the 64-column perm iff G < 4I'; w2: I').
+//                         so the 64-column perm iff G < 4I'; w2: I');
+//   AWQ qweight           awq_marlin_repack [(E,) K, N/8] -> [(E,) K/16, 2N] (AWQ.md §3.1, no transpose);
+//   AWQ qzeros            awq_to_marlin_zero_points, same shape (§3.3);
+//   AWQ scales            marlin_permute_scales as above, vLLM's size_k (MoE: I' for w13 and w2, §4).
 // Engine buffers in device memory (EngineBuffer::cuda_device >= 0, an engine's CUDA parameters)
 // are written on their device: plain params are copied host -> device; INT4 params are brought to
 // GPTQ orientation on the host as above, uploaded into one device scratch buffer per device (the
@@ -19,8 +22,9 @@
 // memory. No host copy of the engine's memory is kept; the bytes equal the host path's.
 // Everything is validated before the first byte is written (staging complete, engine buffers
 // exactly the layout's engine form, no overlaps, host and device scratch allocated), so a refused
-// Commit leaves the engine untouched. Restore(engine, staging) is the exact inverse (MarlinToGptq, unpermute,
-// transpose back), fills every staging buffer and marks every piece restored.
+// Commit leaves the engine untouched. Restore(engine, staging) is the exact inverse (MarlinToGptq,
+// unpermute, transpose back; AWQ: MarlinToGptq + GptqToAwq, MarlinZerosToAwq), fills every
+// staging buffer and marks every piece restored.
 //
 // Errors: Commit/Restore return kNotFound (incomplete staging: the missing pieces) or
 // kInvalidArgument (engine buffers vs. layout, staging from another layout) before writing;
@@ -69,11 +73,12 @@ struct DenseOptions {
 // The weight of `linear` as a dense HF-orientation tensor, [n, k] or [experts, n, k] (w13:
 // [E_loc, 2I', H] with gate rows first; w2: [E_loc, H, I']), from its params in `form`.
 // Unquantized: `weight` is the bf16/fp32 param (scale unused), converted. INT4: `weight` is the
-// packed param and `scale` the scale param, both in `form`; W = (nibble - 8) * scale.
+// packed param and `scale` the scale param, both in `form`; W = (nibble - 8) * scale. AWQ:
+// `zeros` is the zero-point param (empty otherwise); W = (u - z) * scale.
 // kInvalidArgument if a view's dtype or shape is not the layout's.
 absl::StatusOr<Tensor> DequantizeToDense(const EngineLinear& linear, const EngineLayout& layout,
-                                         const TensorView& weight, const TensorView& scale, ParamForm form,
-                                         const DenseOptions& options = {});
+                                         const TensorView& weight, const TensorView& scale, const TensorView& zeros,
+                                         ParamForm form, const DenseOptions& options = {});
 // By linear name (EngineLinear::name), from engine memory (engine form; device buffers are copied
 // to the host first) or staging (loaded form).
 absl::StatusOr<Tensor> DequantizeToDense(const EngineLayout& layout, absl::string_view linear_name,

@@ -22,6 +22,7 @@
 #include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/awq.h"
 #include "kernels/int4.h"
 #include "model/testing/hf_model.h"
 #include "model/testing/test_models.h"
@@ -256,6 +257,7 @@ struct Case {
   std::vector<std::string> ignore;
   std::vector<std::pair<int, int>> tp_ep;
   uint32_t seed = 1;
+  bool awq = false;  // an AWQ config (ignore = modules_to_not_convert) instead of compressed-tensors
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.label << " (seed " << c.seed << ")"; }
@@ -290,6 +292,19 @@ std::vector<Case> Cases() {
       {"deepseek_g32_slime", model::testing::kDeepseekJson, 32, kSlime, {{2, 2}, {4, 1}}, 53},
       {"deepseek_noqlora_g128", model::testing::kDeepseekNoQLoraJson, 128, kDeepseekNoQLoraInt4, {{1, 1}, {2, 1}}, 54},
       {"deepseek_noqlora_g32", model::testing::kDeepseekNoQLoraJson, 32, kDeepseekNoQLoraInt4, {{4, 1}, {4, 4}}, 55},
+      // AWQ -> AWQ-Marlin (AWQ.md): lm_head, embeddings and routers are never quantized under AWQ.
+      {"llama_awq_g128", model::testing::kLlamaJson, 128, {}, kTp124, 61, true},
+      {"llama_awq_g32", model::testing::kLlamaJson, 32, {}, {{1, 1}, {2, 1}}, 62, true},
+      {"llama_awq_channel", model::testing::kLlamaJson, -1, {}, {{1, 1}, {4, 1}}, 63, true},
+      {"qwen2_tied_awq_g32", model::testing::kQwen2Json, 32, {}, {{1, 1}, {2, 1}}, 64, true},
+      {"qwen3_mqa_awq_g128", model::testing::kQwen3Json, 128, {}, kTp124, 65, true},
+      {"qwen3moe_awq_g128_attn_bf16", model::testing::kQwen3MoeJson, 128, {"self_attn"},
+       {{1, 1}, {2, 1}, {2, 2}, {4, 2}, {4, 4}}, 66, true},
+      {"qwen3moe_awq_g32", model::testing::kQwen3MoeJson, 32, {}, {{1, 1}, {4, 4}}, 67, true},
+      {"qwen3moe_h128_awq_g128_quirk", model::testing::kQwen3MoeH128Json, 128, {"self_attn"}, {{1, 1}, {2, 2}}, 68,
+       true},
+      {"deepseek_noqlora_awq_g32", model::testing::kDeepseekNoQLoraJson, 32, {"kv_b_proj"}, {{1, 1}, {4, 4}}, 69,
+       true},
   };
 }
 
@@ -338,6 +353,43 @@ void CheckMarlin(const EngineLayout& l, const EngineLinear& lin, const Staging& 
   }
 }
 
+// AWQ-Marlin: qweight is the kernels' awq_marlin_repack of what was received; the zero points
+// follow AWQ.md §3.3's closed form (nibble t of word (g, w) = z[g, 64(w/8) + w%8 + 8 ORDER[t]],
+// z read from the AWQ layout by the §2 byte table); the scales are the §5 reference with vLLM's
+// size_k (dense K_p; MoE I' for w13 and w2).
+void CheckAwqMarlin(const EngineLayout& l, const EngineLinear& lin, const Staging& staging,
+                    const EngineWeights& engine) {
+  static constexpr int kOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+  static constexpr int kNibble[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  ASSERT_GE(lin.zeros, 0) << lin.name;
+  const EngineParam& pk = l.params()[static_cast<size_t>(lin.packed)];
+  const EngineParam& pz = l.params()[static_cast<size_t>(lin.zeros)];
+  const EngineParam& ps = l.params()[static_cast<size_t>(lin.scale)];
+  const TensorView sq = staging.param(lin.packed), sz = staging.param(lin.zeros), ss = staging.param(lin.scale);
+  const MutableTensorView eq = *engine.View(pk.name), ez = *engine.View(pz.name), es = *engine.View(ps.name);
+  const int64_t E = std::max<int64_t>(lin.experts, 1), n = lin.n, k = lin.k, G = lin.group_size;
+  const int64_t rows = G > 0 ? k / G : 1;
+  Tensor want = *Tensor::Empty(DType::kI32, pk.engine_shape);
+  ASSERT_TRUE(kernels::AwqToMarlin(sq, want.mutable_view(), {}).ok());
+  ASSERT_EQ(std::memcmp(want.view().data(), eq.data(), eq.nbytes()), 0) << pk.name << ": != awq_marlin_repack";
+  const uint32_t* z = sz.data_as<uint32_t>();
+  const uint32_t* mz = ez.data_as<uint32_t>();
+  auto zero = [&](int64_t row, int64_t c) { return (z[row * (n / 8) + c / 8] >> (4 * kNibble[c % 8])) & 0xFu; };
+  for (int64_t row = 0; row < E * rows; ++row)
+    for (int64_t w = 0; w < n / 8; ++w) {
+      uint32_t expect = 0;
+      for (int t = 0; t < 8; ++t) expect |= zero(row, 64 * (w / 8) + (w % 8) + 8 * kOrder[t]) << (4 * t);
+      ASSERT_EQ(mz[row * (n / 8) + w], expect) << pz.name << " row " << row << " word " << w;
+    }
+  const int64_t size_k = lin.experts > 0 ? (lin.role == ParamRole::kExpertsW13 ? n / 2 : k) : k;
+  const bool grouped = G != -1 && G < size_k;
+  for (int64_t e = 0; e < E; ++e) {
+    const auto ref = RefPermuteScales(ss.data_as<uint16_t>() + e * rows * n, rows, n, grouped);
+    ASSERT_EQ(std::memcmp(ref.data(), es.data_as<uint16_t>() + e * rows * n, ref.size() * 2), 0)
+        << ps.name << " expert " << e << " grouped=" << grouped;
+  }
+}
+
 TEST_P(RepackEndToEnd, LoadCommitVerifyRestore) {
   const Case& tc = GetParam();
   SCOPED_TRACE(absl::StrCat(tc.label, " seed ", tc.seed));
@@ -346,7 +398,9 @@ TEST_P(RepackEndToEnd, LoadCommitVerifyRestore) {
   const ModelConfig& c = *cfg;
   std::optional<QuantizationConfig> q;
   if (tc.group != 0) {
-    auto parsed = ParseQuantizationConfig(model::testing::QuantJson(tc.group, tc.ignore), tc.label);
+    auto parsed = ParseQuantizationConfig(tc.awq ? model::testing::AwqQuantJson(tc.group, tc.ignore)
+                                                 : model::testing::QuantJson(tc.group, tc.ignore),
+                                          tc.label);
     ASSERT_TRUE(parsed.ok()) << parsed.status();
     q = *parsed;
   }
@@ -400,7 +454,8 @@ TEST_P(RepackEndToEnd, LoadCommitVerifyRestore) {
         auto loaded = DequantizeToDense(lin.name, **staging);
         ASSERT_TRUE(loaded.ok()) << loaded.status();
         ASSERT_TRUE(Same(FromTensor(*loaded), want.at(lin.name), lin.name + " (loaded form)"));
-        if (lin.quantized) CheckMarlin(l, lin, **staging, (*engine)->weights());
+        if (lin.quantized && tc.awq) CheckAwqMarlin(l, lin, **staging, (*engine)->weights());
+        if (lin.quantized && !tc.awq) CheckMarlin(l, lin, **staging, (*engine)->weights());
         got[static_cast<size_t>(r)][lin.name] = d;
         covered.insert(lin.name);
       }
@@ -685,10 +740,10 @@ TEST(RepackTest, DequantizeToDenseBf16AndErrors) {
   const EngineLinear& lin = l.linears()[static_cast<size_t>(l.FindLinear(name))];
   const TensorView packed = f->staging->param(lin.packed), scale = f->staging->param(lin.scale);
   // Loaded-form views passed as engine form are refused.
-  EXPECT_THAT(DequantizeToDense(lin, l, packed, scale, ParamForm::kEngine).status().message(),
+  EXPECT_THAT(DequantizeToDense(lin, l, packed, scale, TensorView(), ParamForm::kEngine).status().message(),
               HasSubstr("want I32[16, 512]"));
   bo.out_dtype = DType::kI32;
-  EXPECT_FALSE(DequantizeToDense(lin, l, packed, scale, ParamForm::kLoaded, bo).ok());
+  EXPECT_FALSE(DequantizeToDense(lin, l, packed, scale, TensorView(), ParamForm::kLoaded, bo).ok());
 }
 
 }  // namespace

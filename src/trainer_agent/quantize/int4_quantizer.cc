@@ -83,15 +83,17 @@ absl::StatusOr<std::vector<RowSegment>> RowSegments(const MegatronParam& p, cons
   return out;
 }
 
-std::string QuantFingerprint(const QuantizationConfig* quant, kernels::QuantVariant variant) {
+std::string QuantFingerprint(const QuantizationConfig* quant, kernels::QuantVariant variant,
+                             kernels::AwqArith awq_arith) {
   if (quant == nullptr) return "quant none";
   const QuantizationConfig& q = *quant;
   std::vector<std::string> ignore;
-  for (const IgnoreRule& r : q.ignore) ignore.push_back(r.text);
+  for (const IgnoreRule& r : q.ignore) ignore.push_back(r.substring ? absl::StrCat("~", r.text) : r.text);
   return absl::StrCat("quant ", q.quant_method, "|", q.format, "|", q.num_bits, "|", q.type, "|", q.strategy, "|",
                       q.group_size, "|", q.symmetric, "|", q.dynamic, "|", q.actorder, "|",
                       absl::StrJoin(q.targets, ","), "|", absl::StrJoin(ignore, "\n"), "|",
-                      variant == kernels::QuantVariant::kQat ? "qat" : "slime");
+                      q.is_awq() ? (awq_arith == kernels::AwqArith::kFp16 ? "awq-fp16" : "awq-fp32")
+                                 : (variant == kernels::QuantVariant::kQat ? "qat" : "slime"));
 }
 
 absl::Status MergeInt4Shards(const Int4ExpertPlan& plan, std::span<const std::byte> shards,
@@ -120,6 +122,14 @@ Int4Quantizer::Int4Quantizer(const Int4Options& options)
         ko.num_threads = options.num_threads;
         ko.device = options.space.host() ? kernels::Device::kCpu : kernels::Device::kCuda;
         return ko;
+      }()),
+      awq_([&] {
+        kernels::AwqQuantizeOptions ao;
+        ao.group_size = options.quant->group_size;
+        ao.arith = options.awq_arith;
+        ao.num_threads = options.num_threads;
+        ao.device = options.space.host() ? kernels::Device::kCpu : kernels::Device::kCuda;
+        return ao;
       }()) {}
 
 kernels::QuantizeOptions Int4Quantizer::KernelOptions() const { return kernel_; }
@@ -128,6 +138,9 @@ absl::StatusOr<std::optional<Int4ExpertPlan>> Int4Quantizer::PlanExpert(
     const ModelConfig& model, const MegatronParam& p, absl::Span<const MegatronParam* const> on_members,
     int etp) const {
   if (p.hf_op != HfOp::kCopy && p.hf_op != HfOp::kGlu) return std::nullopt;
+  // AWQ packs along N (qweight [K, N/8]): a row block of the Megatron tensor is a column block of
+  // every AWQ tensor, so AWQ experts travel in bf16 and the merger quantizes each HF tensor.
+  if (quant_.is_awq()) return std::nullopt;
   for (const MegatronParam* mp : on_members) {
     ASSIGN_OR_RETURN(HfRowMap map, HfRowMapFor(model, *mp));
     if (map.hf_shapes.size() != mp->hf_names.size())
@@ -229,6 +242,7 @@ absl::Status Int4Quantizer::EmitExpert(comm::BucketBuilder& builder, const Megat
 }
 
 absl::Status Int4Quantizer::QuantizeInto(comm::BucketBuilder& builder, const std::string& name, const TensorView& w) {
+  if (quant_.is_awq()) return QuantizeAwqInto(builder, name, w);
   absl::StatusOr<kernels::QuantizedShapes> shapes = kernels::QuantizedShapesFor(w, quant_.group_size, kFormat);
   if (!shapes.ok()) return Annotate(shapes.status(), absl::StrCat("quantizing \"", name, "\" (", w.DebugString(), ")"));
   ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, ReserveTriplet(builder, space_, name, w.dtype(), shapes->packed,
@@ -237,6 +251,29 @@ absl::Status Int4Quantizer::QuantizeInto(comm::BucketBuilder& builder, const std
   absl::Status s = kernels::QuantizeInt4(w, dst[0], dst[1], kernel_);
   stats_.quantize += absl::Now() - t0;
   if (!s.ok()) return Annotate(s, absl::StrCat("quantizing \"", name, "\""));
+  stats_.quantized_bytes += w.nbytes();
+  return absl::OkStatus();
+}
+
+absl::Status Int4Quantizer::QuantizeAwqInto(comm::BucketBuilder& builder, const std::string& name,
+                                            const TensorView& w) {
+  const std::string where = absl::StrCat("quantizing \"", name, "\" (", w.DebugString(), ") to AWQ");
+  absl::string_view prefix = name;
+  if (!absl::ConsumeSuffix(&prefix, ".weight"))
+    return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", name, "\": not a *.weight tensor"));
+  absl::StatusOr<kernels::AwqShapes> shapes = kernels::AwqShapesFor(w, quant_.group_size);
+  if (!shapes.ok()) return Annotate(shapes.status(), where);
+  const std::vector<std::string> names = model::QuantizedNames(prefix, quant_);
+  const comm::BucketBuilder::Pending pending[3] = {
+      {names[0], DType::kI32, shapes->qweight},
+      {names[1], DType::kI32, shapes->qzeros},
+      {names[2], w.dtype(), shapes->scales},
+  };
+  ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, builder.Reserve(pending));
+  const absl::Time t0 = absl::Now();
+  absl::Status s = kernels::QuantizeAwq(w, dst[0], dst[1], dst[2], awq_);
+  stats_.quantize += absl::Now() - t0;
+  if (!s.ok()) return Annotate(s, where);
   stats_.quantized_bytes += w.nbytes();
   return absl::OkStatus();
 }

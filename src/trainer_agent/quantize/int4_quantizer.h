@@ -11,7 +11,8 @@
 //                     the packed int32 and the scales, described as parameters);
 //   EmitExpert        cuts each HF tensor's packed / scale rows out of a full block into a bucket
 //                     triplet (weight_packed, weight_scale, weight_shape);
-//   QuantizeInto      one HF tensor through the kernel straight into a bucket triplet.
+//   QuantizeInto      one HF tensor through the kernel straight into a bucket triplet (AWQ too:
+//                     qweight / qzeros / scales; AWQ experts are never planned by PlanExpert).
 // Quantization is row-local (groups run along K), so the rows of a tensor may be quantized in any
 // split: every path yields the bytes of model::QuantizeHfTensor on each HF tensor (compressed-
 // tensors packing, the configured group size and variant).
@@ -44,6 +45,7 @@
 #include "common/config.h"
 #include "common/memory_space.h"
 #include "common/tensor.h"
+#include "kernels/awq.h"
 #include "kernels/int4.h"
 #include "trainer_agent/convert/hf_convert.h"
 #include "trainer_agent/convert/megatron_param.h"
@@ -90,17 +92,19 @@ struct Int4Stats {
 
 struct Int4Options {
   const QuantizationConfig* quant = nullptr;  // non-null; not owned
-  kernels::QuantVariant variant = kernels::QuantVariant::kQat;
+  kernels::QuantVariant variant = kernels::QuantVariant::kQat;  // compressed-tensors
   int num_threads = 0;  // of each kernel call; 0 = hardware concurrency
   // Where the weights, blocks and buckets are: host memory (the CPU kernels) or a CUDA device's
   // (the CUDA kernels; every copy on the device).
   MemorySpace space = MemorySpace::Host();
+  kernels::AwqArith awq_arith = kernels::AwqArith::kFp16;  // AWQ (quant->is_awq())
 };
 
 // What every rank must agree on besides config.json and parallel.json for the INT4 path to pair
 // its collectives (the quantization config and variant decide which experts travel as INT4).
 // "quant none" for a null config.
-std::string QuantFingerprint(const QuantizationConfig* quant, kernels::QuantVariant variant);
+std::string QuantFingerprint(const QuantizationConfig* quant, kernels::QuantVariant variant,
+                             kernels::AwqArith awq_arith = kernels::AwqArith::kFp16);
 
 // The ETP ranks' shard blocks of an expert parameter (`shards`: plan.packed.group_size blocks of
 // plan.local_block bytes, in ETP rank order) merged into the full block `block` (block_bytes).
@@ -136,15 +140,20 @@ class Int4Quantizer {
   absl::Status EmitExpert(comm::BucketBuilder& builder, const MegatronParam& p, const Int4ExpertPlan& plan,
                           std::span<const std::byte> block);
 
-  // Quantizes HF tensor `name` ("*.weight", [n, k]) straight into a triplet reserved in `builder`.
+  // Quantizes HF tensor `name` ("*.weight", [n, k]) straight into a triplet reserved in `builder`:
+  // weight_packed / weight_scale / weight_shape, or for AWQ qweight / qzeros / scales
+  // (kernels::QuantizeAwq with Int4Options::awq_arith).
   absl::Status QuantizeInto(comm::BucketBuilder& builder, const std::string& name, const TensorView& w);
 
   const Int4Stats& stats() const { return stats_; }
 
  private:
+  absl::Status QuantizeAwqInto(comm::BucketBuilder& builder, const std::string& name, const TensorView& w);
+
   const QuantizationConfig& quant_;
   const MemorySpace space_;
   const kernels::QuantizeOptions kernel_;
+  const kernels::AwqQuantizeOptions awq_;
   Int4Stats stats_;
 };
 

@@ -416,6 +416,55 @@ TEST(Int4EmitTest, QuantizeIntoWritesTheTripletOfQuantizeHfTensor) {
   ExpectTriplet(sink, name, *w, quant, kernels::QuantVariant::kQat);
 }
 
+// AWQ configs (quant_method "awq"): QuantizeInto writes qweight / qzeros / scales as
+// model::QuantizeHfTensor does, in either arithmetic, and no expert is planned for its holders
+// (AWQ packs along N, so experts travel in bf16 and the merger quantizes them).
+TEST(Int4EmitTest, AwqQuantizeIntoWritesQweightQzerosScales) {
+  auto f = MakeFixture(/*etp=*/1, /*moe_ffn=*/32);
+  ASSERT_TRUE(f.ok()) << f.status();
+  auto quant = ParseQuantizationConfig(
+      R"({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": true, "version": "gemm"})", "awq");
+  ASSERT_TRUE(quant.ok()) << quant.status();
+  const std::string name = "model.layers.2.self_attn.o_proj.weight";
+  auto w = f->model.weights.Get(name);
+  ASSERT_TRUE(w.ok()) << w.status();
+  for (kernels::AwqArith arith : {kernels::AwqArith::kFp16, kernels::AwqArith::kFp32}) {
+    SCOPED_TRACE(arith == kernels::AwqArith::kFp16 ? "fp16" : "fp32");
+    Int4Options o;
+    o.quant = &*quant;
+    o.num_threads = 1;
+    o.awq_arith = arith;
+    Int4Quantizer q(o);
+    KeepSink sink;
+    comm::BucketBuilder builder(sink, {.bucket_bytes = 1 << 20});
+    ASSERT_TRUE(q.QuantizeInto(builder, name, *w).ok());
+    ASSERT_TRUE(builder.Finish().ok());
+    EXPECT_EQ(q.stats().quantized_bytes, w->nbytes());
+    auto want = model::QuantizeHfTensor(name, *w, *quant, {.num_threads = 1, .awq_arith = arith});
+    ASSERT_TRUE(want.ok()) << want.status();
+    ASSERT_EQ(want->size(), 3u);
+    EXPECT_EQ((*want)[0].name, "model.layers.2.self_attn.o_proj.qweight");
+    EXPECT_EQ((*want)[1].name, "model.layers.2.self_attn.o_proj.qzeros");
+    EXPECT_EQ((*want)[2].name, "model.layers.2.self_attn.o_proj.scales");
+    EXPECT_EQ((*want)[0].view.shape(), (Shape{w->dim(1), w->dim(0) / 8}));
+    EXPECT_EQ(sink.tensors.size(), 3u);
+    for (const model::HfTensor& t : *want) {
+      auto it = sink.tensors.find(t.name);
+      ASSERT_NE(it, sink.tensors.end()) << t.name << " not sent";
+      EXPECT_TRUE(SameBytes(it->second, t.view.bytes())) << t.name;
+    }
+    const int rank = EtpRank(*f, 0);
+    const tools::RankTensor& e = ExpertOf(*f, rank, ShardKind::kExpertGluFc1);
+    auto plan = q.PlanExpert(f->model.config, e.param, OnMembers(*f, rank, e.param), f->world.layout.etp());
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_FALSE(plan->has_value());
+  }
+  EXPECT_NE(QuantFingerprint(&*quant, kernels::QuantVariant::kQat, kernels::AwqArith::kFp16),
+            QuantFingerprint(&*quant, kernels::QuantVariant::kQat, kernels::AwqArith::kFp32));
+  const QuantizationConfig ct = Int4Config(32);
+  EXPECT_NE(QuantFingerprint(&*quant, kernels::QuantVariant::kQat), QuantFingerprint(&ct, kernels::QuantVariant::kQat));
+}
+
 TEST(QuantFingerprintTest, DiffersWhereTheRanksWouldDisagree) {
   const QuantizationConfig a = Int4Config(32);
   EXPECT_EQ(QuantFingerprint(nullptr, kernels::QuantVariant::kQat), "quant none");

@@ -293,7 +293,7 @@ absl::Status RankSync::Prepare() {
     space_ = MemorySpace::Cuda(shard_.cuda_device);
     report_.cuda_device = shard_.cuda_device;
   }
-  if (o_.quant != nullptr) int4_.emplace(Int4Options{o_.quant, o_.quant_variant, o_.quant_threads, space_});
+  if (o_.quant != nullptr) int4_.emplace(Int4Options{o_.quant, o_.quant_variant, o_.quant_threads, space_, o_.awq_arith});
 
   // EP members' plans: their global expert ids (the source converts every member's experts; with
   // INT4 experts every member decides, from the same plans, which of them it quantizes; with an
@@ -733,7 +733,7 @@ absl::StatusOr<SyncReport> RankSync::Run() {
   const absl::Status local = Prepare();
   const std::string fingerprint_text =
       absl::StrCat(src_.config_json(), "\n", SourceParallelToJson(src_.parallel()), "\n", gather_limit_, "\n",
-                   QuantFingerprint(o_.quant, o_.quant_variant), "\n",
+                   QuantFingerprint(o_.quant, o_.quant_variant, o_.awq_arith), "\n",
                    o_.expert_map != nullptr ? o_.expert_map->Canonical() : "experts: all", "\n",
                    spread_ ? "senders: spread" : "senders: the stage source");
   const uint64_t fingerprint =

@@ -87,6 +87,7 @@
 #include "comm/bucket/builder.h"
 #include "comm/communicator.h"
 #include "common/config.h"
+#include "kernels/awq.h"
 #include "kernels/int4.h"
 #include "model/expert_map.h"
 #include "trainer_agent/gather/trainer_comms.h"
@@ -119,6 +120,7 @@ struct SyncOptions {
   // members quantize their own experts; checked at the opening agreement).
   const QuantizationConfig* quant = nullptr;
   kernels::QuantVariant quant_variant = kernels::QuantVariant::kQat;
+  kernels::AwqArith awq_arith = kernels::AwqArith::kFp16;  // AWQ configs (quant->is_awq()); same on every rank
   int quant_threads = 0;               // per rank; 0 = hardware concurrency
   comm::CollectiveOptions collective;  // every collective of the sync
   SyncWorkspace* workspace = nullptr;  // null: buffers live for this sync only. Not owned.
