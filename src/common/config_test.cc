@@ -296,19 +296,17 @@ TEST(ConfigTest, AwqQuantizationConfig) {
     const char* mention;
   };
   const Case cases[] = {
-      {R"({"quant_method": "awq", "group_size": 128, "zero_point": true})", absl::StatusCode::kInvalidArgument,
-       "bits"},
+      {R"({"quant_method": "awq", "group_size": 128, "zero_point": true})", absl::StatusCode::kInvalidArgument, "bits"},
       {R"({"quant_method": "awq", "bits": 4, "zero_point": true})", absl::StatusCode::kInvalidArgument, "group_size"},
-      {R"({"quant_method": "awq", "bits": 4, "group_size": 0, "zero_point": true})",
-       absl::StatusCode::kInvalidArgument, "group_size"},
+      {R"({"quant_method": "awq", "bits": 4, "group_size": 0, "zero_point": true})", absl::StatusCode::kInvalidArgument,
+       "group_size"},
       {R"({"quant_method": "awq", "bits": 4, "group_size": 128})", absl::StatusCode::kInvalidArgument, "zero_point"},
       {R"({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true,
            "modules_to_not_convert": [""]})",
        absl::StatusCode::kInvalidArgument, "empty"},
       {R"({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemv"})",
        absl::StatusCode::kOk, "gemv"},
-      {R"({"quant_method": "awq", "bits": 8, "group_size": 128, "zero_point": true})", absl::StatusCode::kOk,
-       "bits 8"},
+      {R"({"quant_method": "awq", "bits": 8, "group_size": 128, "zero_point": true})", absl::StatusCode::kOk, "bits 8"},
       {R"({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": false})", absl::StatusCode::kOk,
        "zero_point"},
       {R"({"quant_method": "awq", "bits": 4, "group_size": 256, "zero_point": true})", absl::StatusCode::kOk,

@@ -27,8 +27,8 @@ absl::StatusOr<std::vector<HfTensor>> QuantizeAwqTensor(absl::string_view hf_nam
                                                         const QuantizeOptions& options) {
   const int64_t n = w.dim(0), k = w.dim(1);
   if (n % 8 != 0 || (config.group_size != kernels::kChannelwise && k % config.group_size != 0))
-    return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", hf_name, "\" (", w.DebugString(), ") to AWQ: N=",
-                                                   n, " must be a multiple of 8 and K=", k,
+    return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", hf_name, "\" (", w.DebugString(),
+                                                   ") to AWQ: N=", n, " must be a multiple of 8 and K=", k,
                                                    " a multiple of group_size ", config.group_size));
   ASSIGN_OR_RETURN(kernels::AwqShapes shapes, kernels::AwqShapesFor(w, config.group_size));
   const std::vector<std::string> names = QuantizedNames(prefix, config);

@@ -18,7 +18,8 @@ namespace {
 
 // "X.weight_packed" -> "X" for the INT4 suffixes (compressed-tensors and AWQ), else "".
 std::string Int4Prefix(absl::string_view name) {
-  for (absl::string_view suffix : {".weight_packed", ".weight_scale", ".weight_shape", ".qweight", ".qzeros", ".scales"}) {
+  for (absl::string_view suffix :
+       {".weight_packed", ".weight_scale", ".weight_shape", ".qweight", ".qzeros", ".scales"}) {
     if (absl::EndsWith(name, suffix)) return std::string(name.substr(0, name.size() - suffix.size()));
   }
   return "";

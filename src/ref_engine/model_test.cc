@@ -61,8 +61,8 @@ std::string Quant(int group, const std::string& ignore) {
 // An AWQ quantization_config (lm_head, embeddings and routers are never AWQ).
 std::string AwqQuant(int group, const std::string& modules_to_not_convert = "") {
   return absl::StrCat(R"(, "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": )", group,
-                      R"(, "zero_point": true, "version": "gemm", "modules_to_not_convert": [)",
-                      modules_to_not_convert, "]}");
+                      R"(, "zero_point": true, "version": "gemm", "modules_to_not_convert": [)", modules_to_not_convert,
+                      "]}");
 }
 const char kIgnoreDense[] = R"("lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$")";
 const char kIgnoreDeepseek[] =
@@ -299,9 +299,9 @@ INSTANTIATE_TEST_SUITE_P(All, EngineVsHfTest, ::testing::ValuesIn(Cases()),
 // loader makes of the dequantized HF checkpoint under a bf16 layout: Marlin unpacking, scale
 // un-permutation (including the w13 quirk) and dequantization are exact.
 TEST(EngineModelWeights, Int4PreparedWeightsEqualDequantizedSlices) {
-  for (const std::string& json :
-       {Qwen3Moe(Quant(32, kIgnoreDense)), Qwen3MoeSmallH(Quant(64, kIgnoreDense)), Deepseek(Quant(32, kIgnoreDeepseek)),
-        Qwen3(Quant(-1, kIgnoreDense)), Qwen3Moe(AwqQuant(32)), Qwen3MoeSmallH(AwqQuant(64)), Qwen3(AwqQuant(-1))}) {
+  for (const std::string& json : {Qwen3Moe(Quant(32, kIgnoreDense)), Qwen3MoeSmallH(Quant(64, kIgnoreDense)),
+                                  Deepseek(Quant(32, kIgnoreDeepseek)), Qwen3(Quant(-1, kIgnoreDense)),
+                                  Qwen3Moe(AwqQuant(32)), Qwen3MoeSmallH(AwqQuant(64)), Qwen3(AwqQuant(-1))}) {
     const ModelConfig c = MustParseConfig(json);
     absl::StatusOr<testing::QuantizedHf> q = testing::QuantizeHf(c, testing::RandomHfModel(c, 77));
     ASSERT_TRUE(q.ok()) << q.status();

@@ -113,8 +113,7 @@ void BlockZeros(const MarlinRef& m, int64_t e, int64_t nt, float* zw) {
     float* out = zw + g * 2 * kWords;
     for (int half = 0; half < 2; ++half)
       for (int w = 0; w < kWords; ++w)
-        out[half * kWords + w] =
-            static_cast<float>(fmt::MarlinZeroOf(row, 64 * nt + fmt::WordCol(w) + 8 * half));
+        out[half * kWords + w] = static_cast<float>(fmt::MarlinZeroOf(row, 64 * nt + fmt::WordCol(w) + 8 * half));
   }
 }
 

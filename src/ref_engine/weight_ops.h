@@ -20,8 +20,8 @@
 // forward pass over in-place weights is bit-identical to one over an f32 copy of every weight.
 //
 // Marlin MatMul, per 64-column block: the scales (and AWQ zero points) of the block are
-// un-permuted once into tile-word order; then every 16 x 64 tile is decoded into [slot 8][word 128] dequantized values (slot s of
-// word w is element (WordRow(w) + SlotDk(s), WordCol(w) + SlotDn(s)) of the tile), and each token
+// un-permuted once into tile-word order; then every 16 x 64 tile is decoded into [slot 8][word 128] dequantized values
+// (slot s of word w is element (WordRow(w) + SlotDk(s), WordCol(w) + SlotDn(s)) of the tile), and each token
 // accumulates x * w into acc[row parity][column half][word], the x of a lane following the
 // 16-word period of WordRow. The slots are visited with rows r, r+1 before r+8, r+9, so each
 // accumulator sees its k in increasing order; the columns are put back in order only when the

@@ -125,8 +125,8 @@ struct RankWeights::Impl {
       for (const std::string& packed : {base + ".weight_packed", base + ".qweight"}) {
         ASSIGN_OR_RETURN(std::optional<TensorView> p, Find(packed));
         if (p)
-          return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", packed, " is INT4, but the engine keeps ",
-                                                         name, " in bf16 (ENGINE_LAYOUT.md §3.1)"));
+          return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", packed, " is INT4, but the engine keeps ", name,
+                                                         " in bf16 (ENGINE_LAYOUT.md §3.1)"));
       }
     }
     ASSIGN_OR_RETURN(TensorView v, Get(name));
@@ -408,8 +408,8 @@ struct RankWeights::Impl {
     const Part parts[2] = {{prefix + ".w13", 2 * I, H, w13}, {prefix + ".w2", H, I, w2}};
     if (H % 64 != 0 || I % 32 != 0)
       return absl::InvalidArgumentError(absl::StrCat(
-          Where(), ": ", prefix, ": AWQ-Marlin MoE needs H % 64 == 0 and I' % 32 == 0 (ENGINE_LAYOUT.md §4), got H = ",
-          H, ", I' = ", I));
+          Where(), ": ", prefix,
+          ": AWQ-Marlin MoE needs H % 64 == 0 and I' % 32 == 0 (ENGINE_LAYOUT.md §4), got H = ", H, ", I' = ", I));
     int G_first = 0;
     for (const Part& part : parts) {
       const std::string qn = part.base + "_qweight", zn = part.base + "_qzeros", sn = part.base + "_scales";
@@ -436,8 +436,8 @@ struct RankWeights::Impl {
       ASSIGN_OR_RETURN(TensorView z, Get(zn));
       RETURN_IF_ERROR(CheckDType(zn, z, {DType::kI32}));
       RETURN_IF_ERROR(CheckShape(zn, z, {E, sc.dim(1), part.n / 8}));
-      RETURN_IF_ERROR(Marlin(part.base + "_weight", qn, q, sn, sc, E, part.n, part.k, G, G != -1 && G < I, part.out,
-                             plan, zn, &z));
+      RETURN_IF_ERROR(
+          Marlin(part.base + "_weight", qn, q, sn, sc, E, part.n, part.k, G, G != -1 && G < I, part.out, plan, zn, &z));
     }
     return absl::OkStatus();
   }

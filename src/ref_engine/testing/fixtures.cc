@@ -187,7 +187,8 @@ absl::StatusOr<QuantizedHf> QuantizeHf(const ModelConfig& c, const TensorMap& hf
       static constexpr int kNibble[8] = {0, 4, 1, 5, 2, 6, 3, 7};
       const int64_t N = t.shape()[0], K = t.shape()[1], Gc = G == -1 ? K : G;
       auto code = [&](const Tensor& packed, int64_t row, int64_t n) {
-        return static_cast<int>((packed.view().data_as<uint32_t>()[row * (N / 8) + n / 8] >> (4 * kNibble[n % 8])) & 0xFu);
+        return static_cast<int>((packed.view().data_as<uint32_t>()[row * (N / 8) + n / 8] >> (4 * kNibble[n % 8])) &
+                                0xFu);
       };
       Tensor deq = New(DType::kBF16, t.shape());
       for (int64_t n = 0; n < N; ++n)

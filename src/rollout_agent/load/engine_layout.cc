@@ -433,8 +433,8 @@ class LayoutBuilder {
                          with_e({k / 16, 2 * n}));
         lin.zeros = add(ParamKind::kZeros, AwqParamName(spec.name, "qzeros"), DType::kI32, with_e({scale_rows, n / 8}),
                         with_e({scale_rows, n / 8}));
-        lin.scale =
-            add(ParamKind::kScale, AwqParamName(spec.name, "scales"), dt_, with_e({scale_rows, n}), with_e({scale_rows, n}));
+        lin.scale = add(ParamKind::kScale, AwqParamName(spec.name, "scales"), dt_, with_e({scale_rows, n}),
+                        with_e({scale_rows, n}));
       } else {
         lin.packed = add(ParamKind::kPacked, absl::StrCat(spec.name, "_packed"), DType::kI32,
                          stacked ? with_e({k / 8, n}) : Shape{n, k / 8}, with_e({k / 16, 2 * n}));

@@ -126,7 +126,7 @@ struct EngineLinear {
   int weight = -1;      // param index of the bf16 weight (unquantized), else -1
   int packed = -1;      // param indices of the INT4 pair (quantized), else -1
   int scale = -1;
-  int zeros = -1;       // AWQ: param index of the zero points, else -1
+  int zeros = -1;  // AWQ: param index of the zero points, else -1
 };
 
 // One sent HF tensor and what this rank does with it.

@@ -67,9 +67,7 @@ void ParallelCopy(const std::byte* src, std::byte* dst, size_t n, int threads) {
 
 // A dense compressed-tensors INT4 param, whose loaded form is transposed to reach GPTQ orientation.
 // AWQ params are K-major already: their loaded form is the kernels' input as is.
-bool IsDenseInt4(const EngineParam& p) {
-  return p.kind != ParamKind::kPlain && !p.marlin.awq && p.marlin.experts == 0;
-}
+bool IsDenseInt4(const EngineParam& p) { return p.kind != ParamKind::kPlain && !p.marlin.awq && p.marlin.experts == 0; }
 
 // Largest scratch a dense INT4 param needs (its loaded-form bytes).
 int64_t ScratchBytes(const EngineLayout& layout) {
@@ -398,8 +396,7 @@ namespace {
 // points -> AWQ, scales un-permuted).
 absl::StatusOr<Tensor> DequantizeAwq(const EngineLinear& linear, const EngineParam& pk, const EngineParam& ps,
                                      const EngineLayout& layout, const TensorView& weight, const TensorView& scale,
-                                     const TensorView& zeros, ParamForm form, const DenseOptions& options,
-                                     Tensor out) {
+                                     const TensorView& zeros, ParamForm form, const DenseOptions& options, Tensor out) {
   if (linear.zeros < 0) return absl::InternalError(absl::StrCat(linear.name, ": an AWQ linear without zero points"));
   const EngineParam& pz = layout.params()[static_cast<size_t>(linear.zeros)];
   RETURN_IF_ERROR(CheckView(zeros, pz, form));
@@ -448,9 +445,10 @@ absl::StatusOr<Tensor> DequantizeAwq(const EngineLinear& linear, const EnginePar
         const int64_t g = c / G;
         const uint32_t u = kernels::format::AwqNibble(word(qb, (ex * k + c) * (n / 8) + r / 8), r);
         const uint32_t zp = kernels::format::AwqNibble(word(zb, (ex * rows + g) * (n / 8) + r / 8), r);
-        Store(o, row * k + c,
-              static_cast<float>(static_cast<int>(u) - static_cast<int>(zp)) * ScaleAt(sb, (ex * rows + g) * n + r, sdt),
-              odt);
+        Store(
+            o, row * k + c,
+            static_cast<float>(static_cast<int>(u) - static_cast<int>(zp)) * ScaleAt(sb, (ex * rows + g) * n + r, sdt),
+            odt);
       }
     }
   });

@@ -298,13 +298,22 @@ std::vector<Case> Cases() {
       {"llama_awq_channel", model::testing::kLlamaJson, -1, {}, {{1, 1}, {4, 1}}, 63, true},
       {"qwen2_tied_awq_g32", model::testing::kQwen2Json, 32, {}, {{1, 1}, {2, 1}}, 64, true},
       {"qwen3_mqa_awq_g128", model::testing::kQwen3Json, 128, {}, kTp124, 65, true},
-      {"qwen3moe_awq_g128_attn_bf16", model::testing::kQwen3MoeJson, 128, {"self_attn"},
-       {{1, 1}, {2, 1}, {2, 2}, {4, 2}, {4, 4}}, 66, true},
+      {"qwen3moe_awq_g128_attn_bf16",
+       model::testing::kQwen3MoeJson,
+       128,
+       {"self_attn"},
+       {{1, 1}, {2, 1}, {2, 2}, {4, 2}, {4, 4}},
+       66,
+       true},
       {"qwen3moe_awq_g32", model::testing::kQwen3MoeJson, 32, {}, {{1, 1}, {4, 4}}, 67, true},
-      {"qwen3moe_h128_awq_g128_quirk", model::testing::kQwen3MoeH128Json, 128, {"self_attn"}, {{1, 1}, {2, 2}}, 68,
+      {"qwen3moe_h128_awq_g128_quirk",
+       model::testing::kQwen3MoeH128Json,
+       128,
+       {"self_attn"},
+       {{1, 1}, {2, 2}},
+       68,
        true},
-      {"deepseek_noqlora_awq_g32", model::testing::kDeepseekNoQLoraJson, 32, {"kv_b_proj"}, {{1, 1}, {4, 4}}, 69,
-       true},
+      {"deepseek_noqlora_awq_g32", model::testing::kDeepseekNoQLoraJson, 32, {"kv_b_proj"}, {{1, 1}, {4, 4}}, 69, true},
   };
 }
 
@@ -398,9 +407,9 @@ TEST_P(RepackEndToEnd, LoadCommitVerifyRestore) {
   const ModelConfig& c = *cfg;
   std::optional<QuantizationConfig> q;
   if (tc.group != 0) {
-    auto parsed = ParseQuantizationConfig(tc.awq ? model::testing::AwqQuantJson(tc.group, tc.ignore)
-                                                 : model::testing::QuantJson(tc.group, tc.ignore),
-                                          tc.label);
+    auto parsed = ParseQuantizationConfig(
+        tc.awq ? model::testing::AwqQuantJson(tc.group, tc.ignore) : model::testing::QuantJson(tc.group, tc.ignore),
+        tc.label);
     ASSERT_TRUE(parsed.ok()) << parsed.status();
     q = *parsed;
   }

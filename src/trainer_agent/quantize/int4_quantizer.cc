@@ -114,7 +114,9 @@ absl::Status MergeInt4Shards(const Int4ExpertPlan& plan, std::span<const std::by
 }
 
 Int4Quantizer::Int4Quantizer(const Int4Options& options)
-    : quant_(*options.quant), space_(options.space), kernel_([&] {
+    : quant_(*options.quant),
+      space_(options.space),
+      kernel_([&] {
         kernels::QuantizeOptions ko;
         ko.group_size = options.quant->group_size;
         ko.variant = options.variant;

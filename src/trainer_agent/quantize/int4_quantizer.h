@@ -91,9 +91,9 @@ struct Int4Stats {
 };
 
 struct Int4Options {
-  const QuantizationConfig* quant = nullptr;  // non-null; not owned
+  const QuantizationConfig* quant = nullptr;                    // non-null; not owned
   kernels::QuantVariant variant = kernels::QuantVariant::kQat;  // compressed-tensors
-  int num_threads = 0;  // of each kernel call; 0 = hardware concurrency
+  int num_threads = 0;                                          // of each kernel call; 0 = hardware concurrency
   // Where the weights, blocks and buckets are: host memory (the CPU kernels) or a CUDA device's
   // (the CUDA kernels; every copy on the device).
   MemorySpace space = MemorySpace::Host();

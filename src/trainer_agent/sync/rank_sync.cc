@@ -293,7 +293,8 @@ absl::Status RankSync::Prepare() {
     space_ = MemorySpace::Cuda(shard_.cuda_device);
     report_.cuda_device = shard_.cuda_device;
   }
-  if (o_.quant != nullptr) int4_.emplace(Int4Options{o_.quant, o_.quant_variant, o_.quant_threads, space_, o_.awq_arith});
+  if (o_.quant != nullptr)
+    int4_.emplace(Int4Options{o_.quant, o_.quant_variant, o_.quant_threads, space_, o_.awq_arith});
 
   // EP members' plans: their global expert ids (the source converts every member's experts; with
   // INT4 experts every member decides, from the same plans, which of them it quantizes; with an

@@ -121,9 +121,9 @@ struct SyncOptions {
   const QuantizationConfig* quant = nullptr;
   kernels::QuantVariant quant_variant = kernels::QuantVariant::kQat;
   kernels::AwqArith awq_arith = kernels::AwqArith::kFp16;  // AWQ configs (quant->is_awq()); same on every rank
-  int quant_threads = 0;               // per rank; 0 = hardware concurrency
-  comm::CollectiveOptions collective;  // every collective of the sync
-  SyncWorkspace* workspace = nullptr;  // null: buffers live for this sync only. Not owned.
+  int quant_threads = 0;                                   // per rank; 0 = hardware concurrency
+  comm::CollectiveOptions collective;                      // every collective of the sync
+  SyncWorkspace* workspace = nullptr;                      // null: buffers live for this sync only. Not owned.
   // Expert pruning (model/expert_map.h): only kept experts are converted, quantized and sent, under
   // their compact ids, and the routers are sliced. A batch item whose expert every EP member prunes
   // is not gathered at all; in a mixed one, a member's pruned block travels unfilled (its holder
