@@ -101,7 +101,8 @@ int InspectConfig(const std::string& path, bool json) {
     std::vector<std::string> ignore;
     for (const auto& r : q.ignore) ignore.push_back(r.text);
     auto sup = q.CheckInt4Supported();
-    out["quantization"] = {{"num_bits", q.num_bits}, {"group_size", q.group_size},
+    out["quantization"] = {{"quant_method", q.quant_method}, {"format", q.format},
+                           {"num_bits", q.num_bits},         {"group_size", q.group_size},
                            {"strategy", q.strategy}, {"symmetric", q.symmetric},
                            {"ignore", ignore},       {"int4_supported", sup.ok() ? "yes" : std::string(sup.message())}};
   }

@@ -173,7 +173,8 @@ absl::StatusOr<std::vector<Sent>> SentTensors(const Setup& s) {
       t.stage = absl::StrContains(t.name, "embed_tokens") ? 0 : pp - 1;
     }
     t.expert = Field(t.name, ".mlp.experts.");
-    if (absl::EndsWith(t.name, ".weight_packed")) t.quantized = t.bytes * 4;  // [N, K/8] int32 <- [N, K] bf16
+    // [N, K/8] (compressed-tensors) or [K, N/8] (AWQ) int32 <- [N, K] bf16
+    if (absl::EndsWith(t.name, ".weight_packed") || absl::EndsWith(t.name, ".qweight")) t.quantized = t.bytes * 4;
     out.push_back(std::move(t));
   }
   return out;
