@@ -19,12 +19,15 @@
 #
 #   tools/bench-sync.sh [--engines 2] [--engine-tp 1] [--mode broadcast] [--syncs 1] [--bucket-mib 256]
 #                       [--keep K] [--pause-for-whole-sync] [--bucket-mac auto|on|off] [--workdir DIR]
+#                       [--format compressed-tensors|awq]
+# --format: the engines' INT4 format (docs/engine-formats.md): compressed-tensors Marlin (the
+# default) or AWQ-Marlin, with the same targets (the experts, the dense MLPs).
 # --bucket-mac: authenticated buckets (docs/bucket_format.md); auto (the default) is on here (the
 # deployment has a token); off measures the sync without the tags.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="${WSYNC_BIN:-$here/build/bin}"
-engines=2 syncs=1 bucket=256 work="" keep="" whole="" tp=1 mode=broadcast mac=auto
+engines=2 syncs=1 bucket=256 work="" keep="" whole="" tp=1 mode=broadcast mac=auto format=compressed-tensors
 while [ $# -gt 0 ]; do
   case "$1" in
     --engines) engines="$2"; shift 2 ;;
@@ -36,21 +39,30 @@ while [ $# -gt 0 ]; do
     --keep) keep="$2"; shift 2 ;;
     --pause-for-whole-sync) whole="--pause-for-whole-sync"; shift ;;
     --bucket-mac) mac="$2"; shift 2 ;;
+    --format) format="$2"; shift 2 ;;
     -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "bench-sync: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
 case "$mode" in broadcast|sharded|both) ;; *) echo "bench-sync: --mode broadcast|sharded|both" >&2; exit 2 ;; esac
+case "$format" in compressed-tensors|awq) ;; *) echo "bench-sync: --format compressed-tensors|awq" >&2; exit 2 ;; esac
 modes="$mode"
 [ "$mode" = both ] && modes="broadcast sharded"
 work="${work:-$(mktemp -d /tmp/wsync-bench-sync.XXXXXX)}"
 mkdir -p "$work"
-cat > "$work/quant.json" <<'Q'
+if [ "$format" = awq ]; then  # the same INT4 targets as AWQ (docs/engine-formats.md)
+  cat > "$work/quant.json" <<'Q'
+{"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm",
+ "modules_to_not_convert": ["self_attn"]}
+Q
+else
+  cat > "$work/quant.json" <<'Q'
 {"quant_method": "compressed-tensors", "format": "pack-quantized",
  "config_groups": {"group_0": {"targets": ["Linear"],
    "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": true}}},
  "ignore": ["lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*norm.*"]}
 Q
+fi
 [ -d "$work/hf" ] || "$bin/wsync-model-gen" --arch qwen3-moe --preset bench2g --seed 7 --out "$work/hf"
 [ -d "$work/megatron" ] || "$bin/wsync-shard" --hf "$work/hf" --out "$work/megatron" --tp 2 --ep 2 --dp 2
 
@@ -108,7 +120,7 @@ PY
   prune_args=(--expert-map "$work/map.json")
   label="bench2g Qwen3-MoE pruned to $keep experts per layer"
 fi
-label="$label, bucket MAC $mac"
+label="$label, $format, bucket MAC $mac"
 
 "$here/tools/wsync-local" --source "$work/megatron" --quant-config "$work/quant.json" --rollout-engines "$engines" \
   --engine-tp "$tp" --syncs "$syncs" --bucket-mib "$bucket" --bucket-mac "$mac" --workdir "$work/run" \

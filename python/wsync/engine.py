@@ -143,9 +143,10 @@ def _write_err(err, err_len, message):
 
 class Param:
     """One engine parameter: SGLang name, safetensors dtype, engine-form shape, kind ("plain",
-    "packed": INT4 Marlin int32, "scale": permuted INT4 scales), its bytes in the segment."""
+    "packed": INT4 Marlin int32, "scale": permuted INT4 scales, "zeros": AWQ-Marlin zero points),
+    its bytes in the segment."""
 
-    KINDS = ("plain", "packed", "scale")
+    KINDS = ("plain", "packed", "scale", "zeros")
 
     def __init__(self, info):
         self.name = info.name.decode()

@@ -108,9 +108,13 @@ TEST(EngineHost, RefusesBadOptionsNamingWhatIsWrong) {
   o = Options(&r, R"({"model_type": "qwen3", "hidden_size": 100, "num_attention_heads": 3})");
   EXPECT_NE(wsync_engine_create(&o, &e), 0);
   EXPECT_FALSE(LastError().empty());
-  o = Options(&r, kDense, R"({"quant_method": "awq", "bits": 4})");
+  o = Options(&r, kDense, R"({"quant_method": "gptq", "bits": 4})");
   EXPECT_NE(wsync_engine_create(&o, &e), 0);
-  EXPECT_NE(LastError().find("awq"), std::string::npos) << LastError();
+  EXPECT_NE(LastError().find("gptq"), std::string::npos) << LastError();
+  EXPECT_EQ(e, nullptr);
+  o = Options(&r, kDense, R"({"quant_method": "awq", "bits": 4, "zero_point": true})");
+  EXPECT_NE(wsync_engine_create(&o, &e), 0);
+  EXPECT_NE(LastError().find("group_size"), std::string::npos) << LastError();
   EXPECT_EQ(e, nullptr);
 }
 

@@ -94,7 +94,7 @@ typedef struct {
   int64_t shape[4]; /* the engine form (Marlin for INT4) */
   uint64_t nbytes;
   void* data; /* in the segment; valid until wsync_engine_destroy */
-  int kind;   /* 0 plain, 1 INT4 packed (Marlin), 2 INT4 scales (permuted) */
+  int kind;   /* 0 plain, 1 INT4 packed (Marlin), 2 INT4 scales (permuted), 3 AWQ zero points (Marlin) */
 } wsync_engine_param_info;
 
 typedef struct {

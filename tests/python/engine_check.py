@@ -53,7 +53,7 @@ def main():
     want = greedy(oracle, prompt, args.max_new_tokens)
     assert version == 0 and tokens == want, (version, tokens, want)
     # The segment as an HF checkpoint (what vLLM's load_weights takes): equal to the checkpoint's
-    # tensors, INT4 ones to their compressed-tensors form (FILE), bit for bit.
+    # tensors, INT4 ones to their compressed-tensors (or AWQ) form (FILE), bit for bit.
     from safetensors.torch import load_file
 
     want_tensors = {}
@@ -64,6 +64,8 @@ def main():
         for name in q:
             if name.endswith(".weight_packed"):
                 del want_tensors[name[: -len("_packed")]]
+            elif name.endswith(".qweight"):  # AWQ
+                del want_tensors[name[: -len(".qweight")] + ".weight"]
         want_tensors.update(q)
     got = dict(host.hf_tensors())
     assert sorted(got) == sorted(want_tensors), set(got) ^ set(want_tensors)

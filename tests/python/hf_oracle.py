@@ -8,7 +8,8 @@ should have delivered, and generating greedily as wsync.engine.TransformersEngin
 pair is dequantized here, independently of wsync's kernels, from FORMATS.md §2: eight 4-bit
 values per int32, the low nibble first; value = bf16((nibble - 8) * scale), scale per group of G
 input columns; and replaces `X.weight` before transformers loads the checkpoint (without its
-quantization_config). Prints one JSON line: {"tokens": [...], "params": {name: sha256 of bytes}}.
+quantization_config). An AWQ FILE (`X.qweight` / `X.qzeros` / `X.scales`, AWQ.md §2) likewise:
+nibble i of a word holds output column 8j + (0, 2, 4, 6, 1, 3, 5, 7)[i]; value = bf16((u - z) * scale). Prints one JSON line: {"tokens": [...], "params": {name: sha256 of bytes}}.
 """
 
 import argparse
@@ -35,6 +36,28 @@ def dequantize(packed, scale):
     return (q * s).to(torch.bfloat16)  # q * s is exact in float32 (|q| <= 8, s a bf16): one rounding
 
 
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def awq_codes(packed):
+    """AWQ-packed [R, N/8] int32 -> [R, N] codes: nibble i of word j is column 8j + AWQ_ORDER[i]."""
+    r, n8 = packed.shape
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [R, N/8, 8], nibble i at index i
+    codes = torch.empty_like(nibbles)
+    codes[:, :, list(AWQ_ORDER)] = nibbles
+    return codes.reshape(r, n8 * 8)
+
+
+def dequantize_awq(qweight, qzeros, scales):
+    """qweight [K, N/8] + qzeros [K/G, N/8] + scales [K/G, N] -> [N, K] bf16."""
+    u, z = awq_codes(qweight), awq_codes(qzeros)
+    g = u.shape[0] // z.shape[0]
+    q = (u - z.repeat_interleave(g, dim=0)).to(torch.float32)
+    w = q * scales.to(torch.float32).repeat_interleave(g, dim=0)  # exact: |u - z| <= 15, a bf16 scale
+    return w.to(torch.bfloat16).t().contiguous()
+
+
 def load_model(hf, int4):
     if not int4:
         return transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16)
@@ -48,7 +71,11 @@ def load_model(hf, int4):
             base = name[: -len("_packed")]
             tensors[base] = dequantize(q[name], q[base + "_scale"])
             replaced += 1
-    assert replaced > 0, f"{int4} holds no weight_packed tensor"
+        elif name.endswith(".qweight"):
+            prefix = name[: -len(".qweight")]
+            tensors[prefix + ".weight"] = dequantize_awq(q[name], q[prefix + ".qzeros"], q[prefix + ".scales"])
+            replaced += 1
+    assert replaced > 0, f"{int4} holds no weight_packed or qweight tensor"
     config = json.loads((pathlib.Path(hf) / "config.json").read_text())
     config.pop("quantization_config", None)
     with tempfile.TemporaryDirectory() as d:

@@ -35,20 +35,30 @@ pytestmark = pytest.mark.skipif(not _has_transformers(),
                                 reason="no torch 2 environment with transformers ($WSYNC_MEGATRON_PYTHON)")
 
 CASES = {
-    # case: (wsync-model-gen args, INT4)
-    "qwen3_bf16": (["--arch", "qwen3", "--preset", "tiny"], False),
-    "qwen3moe_int4": (["--from-config", "default"], True),
+    # case: (wsync-model-gen args, INT4: None, "compressed-tensors" (the default model's own config) or "awq")
+    "qwen3_bf16": (["--arch", "qwen3", "--preset", "tiny"], None),
+    "qwen3moe_int4": (["--from-config", "default"], "compressed-tensors"),
+    "qwen3moe_awq": (["--arch", "qwen3-moe", "--preset", "tiny"], "awq"),
 }
+# An AWQ engine (docs/engine-formats.md): every linear but lm_head, the embeddings and the routers.
+AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}
+AWQ_IGNORE = ["lm_head", ".*embed_tokens.*", r".*mlp\.gate$"]
 
 
 def _gen(case, seed, out):
     args, int4 = CASES[case]
     subprocess.run([BIN / "wsync-model-gen", *args, "--seed", str(seed), "--out", out / "hf"], check=True,
                    capture_output=True)
-    if int4:  # what the trainer agents send: the checkpoint's compressed-tensors INT4 form
+    if int4 == "awq":  # the engines serve AWQ: the model's config says so
+        config_path = out / "hf" / "config.json"
+        config = json.loads(config_path.read_text())
+        config["quantization_config"] = AWQ_CONFIG
+        config_path.write_text(json.dumps(config, indent=1))
+    if int4:  # what the trainer agents send: the checkpoint's compressed-tensors (or AWQ) INT4 form
+        fmt = ["--format", "awq", "--group-size", "64", "--ignore", *AWQ_IGNORE] if int4 == "awq" else [
+            "--group-size", "128", "--ignore", *DEFAULT_IGNORE]
         subprocess.run([BIN / "wsync-int4", "quantize", "--in", out / "hf" / "model.safetensors", "--out",
-                        out / "int4.safetensors", "--group-size", "128", "--ignore", *DEFAULT_IGNORE], check=True,
-                       capture_output=True)
+                        out / "int4.safetensors", *fmt], check=True, capture_output=True)
     return out
 
 

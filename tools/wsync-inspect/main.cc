@@ -101,10 +101,14 @@ int InspectConfig(const std::string& path, bool json) {
     std::vector<std::string> ignore;
     for (const auto& r : q.ignore) ignore.push_back(r.text);
     auto sup = q.CheckInt4Supported();
-    out["quantization"] = {{"quant_method", q.quant_method}, {"format", q.format},
-                           {"num_bits", q.num_bits},         {"group_size", q.group_size},
-                           {"strategy", q.strategy}, {"symmetric", q.symmetric},
-                           {"ignore", ignore},       {"int4_supported", sup.ok() ? "yes" : std::string(sup.message())}};
+    out["quantization"] = {{"quant_method", q.quant_method},
+                           {"format", q.format},
+                           {"num_bits", q.num_bits},
+                           {"group_size", q.group_size},
+                           {"strategy", q.strategy},
+                           {"symmetric", q.symmetric},
+                           {"ignore", ignore},
+                           {"int4_supported", sup.ok() ? "yes" : std::string(sup.message())}};
   }
   if (json) {
     std::printf("%s\n", out.dump(2).c_str());
