@@ -140,6 +140,7 @@ absl::StatusOr<QuantizationConfig> ParseAwqObject(const Json& q, const Fields& f
   ASSIGN_OR_RETURN(c.format, f.String("version", "gemm"));
   c.format = absl::AsciiStrToLower(c.format);
   c.targets = {"Linear"};
+  ASSIGN_OR_RETURN(c.engine_layout, f.String("engine_layout", "marlin"));
   ASSIGN_OR_RETURN(std::vector<std::string> skip, f.Strings("modules_to_not_convert"));
   for (std::string& text : skip) {
     if (text.empty()) return f.Error("modules_to_not_convert", "holds an empty entry (it would match every module)");
@@ -167,6 +168,7 @@ absl::StatusOr<QuantizationConfig> ParseQuantizationObject(const Json& q, absl::
     return f.Error("quant_method", absl::StrCat("is \"", c.quant_method,
                                                 "\"; wsync reads compressed-tensors and awq quantization configs"));
   ASSIGN_OR_RETURN(c.format, f.String("format", "pack-quantized"));
+  ASSIGN_OR_RETURN(c.engine_layout, f.String("engine_layout", "marlin"));
   ASSIGN_OR_RETURN(std::vector<std::string> ignore, f.Strings("ignore"));
   for (auto& text : ignore) {
     auto rule = IgnoreRule::Parse(text);
@@ -293,6 +295,12 @@ absl::Status QuantizationConfig::CheckInt4Supported() const {
     if (!symmetric) return unsupported("asymmetric quantization (symmetric: false)");
   }
   if (type != "int") return unsupported(absl::StrCat("type \"", type, "\""));
+  if (engine_layout != "marlin" && engine_layout != "trtllm-sm80" && engine_layout != "trtllm-sm90")
+    return unsupported(
+        absl::StrCat("engine_layout \"", engine_layout, "\" (supported: marlin, trtllm-sm80, trtllm-sm90)"));
+  if (is_awq() && engine_layout != "marlin")
+    return unsupported(absl::StrCat("AWQ with engine_layout \"", engine_layout,
+                                    "\" (TensorRT-LLM engines take symmetric compressed-tensors INT4 from a sync)"));
   if (!actorder.empty()) return unsupported(absl::StrCat("act-order (actorder: \"", actorder, "\")"));
   if (dynamic) return unsupported("dynamic quantization");
   if (group_size != -1 && group_size != 32 && group_size != 64 && group_size != 128)

@@ -72,6 +72,12 @@ struct QuantizationConfig {
   std::string actorder;  // "" when null / absent
   std::vector<std::string> targets;
   std::vector<IgnoreRule> ignore;
+  // What the engine holds in memory, declared by the engine with the key "engine_layout" (a wsync
+  // key: the checkpoint formats have none, docs/engine-formats.md): "marlin" (the default: SGLang's
+  // and vLLM's Marlin / AWQ-Marlin) or TensorRT-LLM's preprocessed W4A16 layout for the GPU family,
+  // "trtllm-sm80" (sm75-89, sm100+) or "trtllm-sm90" (Hopper; its MoE weights use the sm80 layout).
+  std::string engine_layout = "marlin";
+  bool trtllm() const { return engine_layout == "trtllm-sm80" || engine_layout == "trtllm-sm90"; }
 
   // Whether `param_name` (e.g. "model.layers.0.mlp.gate.weight") is excluded by `ignore`. An
   // entry matches the module name (the parameter name without ".weight") or the parameter name:
@@ -82,7 +88,8 @@ struct QuantizationConfig {
 
   // OK for what the INT4 kernels implement: compressed-tensors pack-quantized 4-bit symmetric int,
   // or AWQ gemm 4-bit with zero points; group size 32/64/128 or channelwise, no act-order,
-  // static. Otherwise kInvalidArgument / kUnimplemented naming it.
+  // static; engine_layout marlin, or trtllm-sm80 / trtllm-sm90 with compressed-tensors.
+  // Otherwise kInvalidArgument / kUnimplemented naming it.
   absl::Status CheckInt4Supported() const;
   // quant_method "awq": asymmetric INT4 with zero points, AWQ tensors (qweight / qzeros / scales).
   bool is_awq() const { return quant_method == "awq"; }

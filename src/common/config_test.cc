@@ -4,6 +4,8 @@
 
 #include <string>
 
+#include "absl/strings/str_cat.h"
+
 namespace wsync {
 namespace {
 
@@ -325,6 +327,41 @@ TEST(ConfigTest, AwqQuantizationConfig) {
       EXPECT_NE(s.message().find(c.mention), std::string_view::npos) << s;
     }
   }
+}
+
+// The engine declares the layout it holds ("engine_layout", docs/engine-formats.md).
+TEST(ConfigTest, EngineLayoutKey) {
+  auto marlin = ParseQuantizationConfig(kInt4Quant, "q.json");
+  ASSERT_TRUE(marlin.ok()) << marlin.status();
+  EXPECT_EQ(marlin->engine_layout, "marlin");
+  EXPECT_FALSE(marlin->trtllm());
+  for (const char* layout : {"trtllm-sm80", "trtllm-sm90"}) {
+    auto q = ParseQuantizationConfig(
+        Replace(kInt4Quant, R"("quant_method": "compressed-tensors")",
+                absl::StrCat(R"("quant_method": "compressed-tensors", "engine_layout": ")", layout, R"(")")),
+        "q.json");
+    ASSERT_TRUE(q.ok()) << q.status();
+    EXPECT_EQ(q->engine_layout, layout);
+    EXPECT_TRUE(q->trtllm());
+    EXPECT_TRUE(q->CheckInt4Supported().ok()) << q->CheckInt4Supported();
+  }
+  auto bad = ParseQuantizationConfig(Replace(kInt4Quant, R"("quant_method": "compressed-tensors")",
+                                             R"("quant_method": "compressed-tensors", "engine_layout": "exllama")"),
+                                     "q.json");
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  EXPECT_EQ(bad->CheckInt4Supported().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(bad->CheckInt4Supported().message().find("exllama"), std::string_view::npos);
+  auto not_string = ParseQuantizationConfig(Replace(kInt4Quant, R"("quant_method": "compressed-tensors")",
+                                                    R"("quant_method": "compressed-tensors", "engine_layout": 80)"),
+                                            "q.json");
+  EXPECT_EQ(not_string.status().code(), absl::StatusCode::kInvalidArgument);
+  // AWQ's zero points have no TensorRT-LLM delivery (its W4A16 zeros are not produced by a sync).
+  auto awq = ParseQuantizationConfig(
+      R"({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "engine_layout": "trtllm-sm80"})",
+      "q.json");
+  ASSERT_TRUE(awq.ok()) << awq.status();
+  EXPECT_EQ(awq->CheckInt4Supported().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(awq->CheckInt4Supported().message().find("TensorRT-LLM"), std::string_view::npos);
 }
 
 }  // namespace

@@ -64,6 +64,13 @@ std::string AwqQuant(int group, const std::string& modules_to_not_convert = "") 
                       R"(, "zero_point": true, "version": "gemm", "modules_to_not_convert": [)", modules_to_not_convert,
                       "]}");
 }
+// A compressed-tensors config for an engine that declares TensorRT-LLM's layout.
+std::string TrtllmQuant(int group, const std::string& ignore, const std::string& layout = "trtllm-sm80") {
+  std::string q = Quant(group, ignore);
+  const std::string key = R"("quantization_config": {)";
+  q.insert(q.find(key) + key.size(), absl::StrCat(R"("engine_layout": ")", layout, R"(", )"));
+  return q;
+}
 const char kIgnoreDense[] = R"("lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$")";
 const char kIgnoreDeepseek[] =
     R"("lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$", "re:.*q_a_proj$", "re:.*kv_a_proj_with_mqa$", "re:.*kv_b_proj$")";
@@ -287,6 +294,10 @@ std::vector<Case> Cases() {
   add("awq_qwen3_moe_h_eq_g", Qwen3MoeSmallH(AwqQuant(64)), {{1, 1}, {2, 1}}, true);
   add("awq_deepseek_v3", Deepseek(AwqQuant(32, R"("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj")")), {{1, 1}, {4, 2}},
       true);
+  add("trtllm_llama_tied_sm80", Llama(TrtllmQuant(64, kIgnoreDense)), {{1, 1}, {2, 1}}, true);
+  add("trtllm_qwen3_sm90", Qwen3(TrtllmQuant(32, kIgnoreDense, "trtllm-sm90")), {{1, 1}, {2, 1}}, true);
+  add("trtllm_qwen3_moe_sm80", Qwen3Moe(TrtllmQuant(32, kIgnoreDense)), {{1, 1}, {2, 2}}, true);
+  add("trtllm_qwen3_moe_sm90", Qwen3Moe(TrtllmQuant(64, kIgnoreDense, "trtllm-sm90")), {{1, 1}, {2, 1}}, true);
   return v;
 }
 
@@ -299,9 +310,11 @@ INSTANTIATE_TEST_SUITE_P(All, EngineVsHfTest, ::testing::ValuesIn(Cases()),
 // loader makes of the dequantized HF checkpoint under a bf16 layout: Marlin unpacking, scale
 // un-permutation (including the w13 quirk) and dequantization are exact.
 TEST(EngineModelWeights, Int4PreparedWeightsEqualDequantizedSlices) {
-  for (const std::string& json : {Qwen3Moe(Quant(32, kIgnoreDense)), Qwen3MoeSmallH(Quant(64, kIgnoreDense)),
-                                  Deepseek(Quant(32, kIgnoreDeepseek)), Qwen3(Quant(-1, kIgnoreDense)),
-                                  Qwen3Moe(AwqQuant(32)), Qwen3MoeSmallH(AwqQuant(64)), Qwen3(AwqQuant(-1))}) {
+  for (const std::string& json :
+       {Qwen3Moe(Quant(32, kIgnoreDense)), Qwen3MoeSmallH(Quant(64, kIgnoreDense)),
+        Deepseek(Quant(32, kIgnoreDeepseek)), Qwen3(Quant(-1, kIgnoreDense)), Qwen3Moe(AwqQuant(32)),
+        Qwen3MoeSmallH(AwqQuant(64)), Qwen3(AwqQuant(-1)), Qwen3Moe(TrtllmQuant(32, kIgnoreDense)),
+        Qwen3(TrtllmQuant(64, kIgnoreDense, "trtllm-sm90"))}) {
     const ModelConfig c = MustParseConfig(json);
     absl::StatusOr<testing::QuantizedHf> q = testing::QuantizeHf(c, testing::RandomHfModel(c, 77));
     ASSERT_TRUE(q.ok()) << q.status();
@@ -330,8 +343,11 @@ TEST(EngineModelWeights, Int4PreparedWeightsEqualDequantizedSlices) {
           ++checked;
           const std::string base = absl::EndsWith(name, ".weight") ? name.substr(0, name.size() - 7) : name;
           const std::string awq_base = absl::EndsWith(name, "_weight") ? name.substr(0, name.size() - 7) : base;
+          const bool trtllm =
+              (int4->Has(name) && int4->At(name).dtype() == DType::kI8) ||
+              (absl::EndsWith(name, "w13_weight") && int4->Has(name.substr(0, name.size() - 10) + "w3_w1_weight"));
           quantized += int4->Has(base + ".weight_packed") || int4->Has(name + "_packed") ||
-                               int4->Has(base + ".qweight") || int4->Has(awq_base + "_qweight")
+                               int4->Has(base + ".qweight") || int4->Has(awq_base + "_qweight") || trtllm
                            ? 1
                            : 0;
         }

@@ -16,12 +16,43 @@
 #include "kernels/format/awq_format.h"
 #include "kernels/format/int4_format.h"
 #include "kernels/int4.h"
+#include "kernels/trtllm.h"
 #include "ref_engine/ops.h"
 
 namespace wsync::ref_engine {
 namespace {
 
 constexpr int64_t kScanChunk = int64_t{1} << 20;  // elements per finiteness-scan task
+
+// A TensorRT-LLM W4A16 weight (TRTLLM_INT4.md): int8 bytes [(E,) K, N/2] + scales [(E,) K/G, N].
+struct TrtllmRef {
+  int64_t experts = 1, n = 0, k = 0, group = 0;  // group: rows of K per scale row (K: channelwise)
+  bool sm90 = false;                             // the engine's GPU family (dense layout on sm90)
+  bool up_first = false;                         // MoE w3_w1: up_proj columns first (§4)
+};
+
+// W[e][n][k] = bf16((u - 8) * scale[e][k / G][n']) as float32, gate rows first (n' swaps the
+// halves of a w3_w1); through the kernels' exact inverse of the preprocessing.
+absl::Status DecodeTrtllm(const TensorView& bytes, const TensorView& scales, const TrtllmRef& r, float* out) {
+  const int64_t E = r.experts, N = r.n, K = r.k, G = r.group, groups = K / G;
+  kernels::TrtllmOptions t;
+  t.num_threads = 1;
+  t.arch = r.sm90 ? kernels::TrtllmArch::kSm90 : kernels::TrtllmArch::kSm80;
+  ASSIGN_OR_RETURN(Tensor codes, Tensor::Empty(DType::kI32, bytes.rank() == 3 ? Shape{E, K / 8, N} : Shape{K / 8, N}));
+  RETURN_IF_ERROR(kernels::UnpreprocessTrtllm(bytes, codes.mutable_view(), t));
+  const uint32_t* q = codes.data_as<uint32_t>();
+  const int64_t half = r.up_first ? N / 2 : 0;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t src = (n + half) % N;
+      for (int64_t k = 0; k < K; ++k) {
+        const int u = static_cast<int>((q[(e * (K / 8) + k / 8) * N + src] >> (4 * (k % 8))) & 0xFu);
+        const float s = FloatAt(scales.dtype(), scales.bytes().data(), (e * groups + k / G) * N + src);
+        out[(e * N + n) * K + k] = BF16ToF32(F32ToBF16(static_cast<float>(u - 8) * s));
+      }
+    }
+  return absl::OkStatus();
+}
 
 // One Prepare in progress. kInPlace: the new version's references plus the checks to run and the
 // copies to make once every check has passed; kFloat32Copy: fresh float32 copies.
@@ -36,15 +67,19 @@ struct Plan {
     bool marlin = false;
     TensorView scales, zeros;  // zeros: AWQ-Marlin only
     MarlinRef ref;             // sizes only (the pointers may be misaligned views; see RunCheck)
+    bool trtllm = false;       // a TensorRT-LLM weight `v` with `scales`, decoded as `trt` says
+    TrtllmRef trt;
   };
   // A copy into the model's reused buffers: f32 conversion of a float view, or the raw bytes of
   // misaligned Marlin words / scales.
   struct Copy {
-    enum class Kind { kToF32, kPacked, kScales, kZeros };
+    enum class Kind { kToF32, kPacked, kScales, kZeros, kTrtllm };
     std::string key;
     TensorView src;
     WeightRef* dst = nullptr;
     Kind kind = Kind::kToF32;
+    TensorView scales;  // kTrtllm: decoded to float32 with these scales
+    TrtllmRef trt;
   };
   std::vector<Check> checks;
   std::vector<Copy> copies;
@@ -338,7 +373,11 @@ struct RankWeights::Impl {
     ASSIGN_OR_RETURN(std::optional<TensorView> qweight, Find(prefix + ".qweight"));
     if (qweight) return AwqLinear(prefix, *qweight, N, K, int4_ok, out, plan);
     ASSIGN_OR_RETURN(std::optional<TensorView> packed, Find(pname));
-    if (!packed) return Float(wname, {N, K}, out, plan);
+    if (!packed) {
+      ASSIGN_OR_RETURN(std::optional<TensorView> w, Find(wname));
+      if (w && w->dtype() == DType::kI8) return TrtllmLinear(prefix, *w, N, K, int4_ok, out, plan);
+      return Float(wname, {N, K}, out, plan);
+    }
     if (!int4_ok)
       return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", pname, " is INT4, but SGLang cannot load ", prefix,
                                                      " as INT4 (ENGINE_LAYOUT.md §3.1); the engine keeps it in bf16"));
@@ -359,6 +398,95 @@ struct RankWeights::Impl {
                                                      ")"));
     ASSIGN_OR_RETURN(const int G, GroupFor(sname, K, scale.dim(0)));
     return Marlin(wname, pname, *packed, sname, scale, 1, N, K, G, G != -1 && G < K, out, plan);
+  }
+
+  bool TrtllmSm90() const { return config.quantization && config.quantization->engine_layout == "trtllm-sm90"; }
+
+  // A TensorRT-LLM weight [E, N, K] (`bytes` int8 [(E,) K, N/2], `scale` [(E,) K/G, N], checked by the
+  // caller), served from a float32 copy decoded at Prepare (kInPlace: after every check passed).
+  absl::Status Trtllm(const std::string& name, const TensorView& bytes, const std::string& sname,
+                      const TensorView& scale, const TrtllmRef& r, WeightRef* out, Plan& plan) const {
+    out->shape = bytes.rank() == 2 ? Shape{r.n, r.k} : Shape{r.experts, r.n, r.k};
+    out->rows = r.experts * r.n;
+    out->cols = r.k;
+    out->form = WeightForm::kF32;
+    if (float32_copy()) {
+      ASSIGN_OR_RETURN(float* dst, Fresh(plan, r.experts * r.n * r.k));
+      out->data = dst;
+      return Annotate(DecodeTrtllm(bytes, scale, r, dst), absl::StrCat(Where(), ": ", name));
+    }
+    Plan::Copy c{name, bytes, out, Plan::Copy::Kind::kTrtllm};
+    c.scales = scale;
+    c.trt = r;
+    plan.copies.push_back(std::move(c));
+    Plan::Check check;
+    check.name = name;
+    check.v = bytes;
+    check.scales = scale;
+    check.trtllm = true;
+    check.trt = r;
+    plan.checks.push_back(std::move(check));
+    (void)sname;
+    return absl::OkStatus();
+  }
+
+  // Scales [(E,) K/G, N] of a TensorRT-LLM weight and its group size.
+  absl::StatusOr<int> TrtllmScales(const std::string& sname, const TensorView& scale, int64_t E, bool stacked,
+                                   int64_t N, int64_t K) const {
+    RETURN_IF_ERROR(CheckDType(sname, scale, {DType::kBF16, DType::kF16}));
+    if (scale.rank() != (stacked ? 3 : 2) || scale.dim(scale.rank() - 1) != N || (stacked && scale.dim(0) != E))
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(), ": parameter ", sname, " has shape ", ShapeToString(scale.shape()), ", want [",
+                       stacked ? absl::StrCat(E, ", ") : "", "K/G, ", N, "] (K = ", K, ")"));
+    return GroupFor(sname, K, scale.dim(scale.rank() - 2));
+  }
+
+  // A TensorRT-LLM linear (TRTLLM_INT4.md §1-§3, engine_layout trtllm-*): `prefix.weight` int8
+  // [K, N/2] preprocessed, `prefix.weight_scale` [K/G, N].
+  absl::Status TrtllmLinear(const std::string& prefix, const TensorView& w, int64_t N, int64_t K, bool int4_ok,
+                            WeightRef* out, Plan& plan) const {
+    const std::string wname = prefix + ".weight", sname = prefix + ".weight_scale";
+    if (!int4_ok)
+      return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", wname, " is INT4 (int8 TensorRT-LLM bytes), but ",
+                                                     prefix, " is served in bf16 (ENGINE_LAYOUT.md §3.1)"));
+    if (K % 64 != 0 || N % 64 != 0)
+      return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", wname,
+                                                     ": the TensorRT-LLM layout needs K % 64 == 0 and N % 64 == 0, "
+                                                     "got [N, K] = [",
+                                                     N, ", ", K, "]"));
+    RETURN_IF_ERROR(CheckShape(wname, w, {K, N / 2}));
+    ASSIGN_OR_RETURN(TensorView scale, Get(sname));
+    ASSIGN_OR_RETURN(const int G, TrtllmScales(sname, scale, 1, false, N, K));
+    TrtllmRef r{1, N, K, G == -1 ? K : G, TrtllmSm90(), false};
+    return Trtllm(wname, w, sname, scale, r, out, plan);
+  }
+
+  // TensorRT-LLM MoE (TRTLLM_INT4.md §4): `w3_w1_weight` int8 [E, H, I'] (up_proj columns first),
+  // `w2_weight` int8 [E, I', H/2], scales [E, H/G, 2I'] and [E, I'/G, H]; the sm80 layout on every arch.
+  absl::Status TrtllmExperts(const std::string& prefix, WeightRef* w13, WeightRef* w2, Plan& plan) const {
+    const int64_t E = g.E_loc, I = g.I_loc, H = g.H;
+    if (H % 64 != 0 || I % 64 != 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(), ": ", prefix,
+                       ": the TensorRT-LLM MoE layout needs H % 64 == 0 and I' % 64 == 0, got H = ", H, ", I' = ", I));
+    struct Part {
+      std::string name;
+      int64_t n, k;
+      bool up_first;
+      WeightRef* out;
+    };
+    const Part parts[2] = {{prefix + ".w3_w1_weight", 2 * I, H, true, w13}, {prefix + ".w2_weight", H, I, false, w2}};
+    for (const Part& part : parts) {
+      ASSIGN_OR_RETURN(TensorView w, Get(part.name));
+      RETURN_IF_ERROR(CheckDType(part.name, w, {DType::kI8}));
+      RETURN_IF_ERROR(CheckShape(part.name, w, {E, part.k, part.n / 2}));
+      const std::string sname = part.name + "_scale";
+      ASSIGN_OR_RETURN(TensorView scale, Get(sname));
+      ASSIGN_OR_RETURN(const int G, TrtllmScales(sname, scale, E, true, part.n, part.k));
+      TrtllmRef r{E, part.n, part.k, G == -1 ? part.k : G, TrtllmSm90(), part.up_first};
+      RETURN_IF_ERROR(Trtllm(part.name, w, sname, scale, r, part.out, plan));
+    }
+    return absl::OkStatus();
   }
 
   // An AWQ-Marlin linear (vLLM / SGLang awq_marlin, AWQ.md §3): `prefix.qweight` int32
@@ -449,6 +577,8 @@ struct RankWeights::Impl {
     ASSIGN_OR_RETURN(std::optional<TensorView> a13, Find(prefix + ".w13_qweight"));
     ASSIGN_OR_RETURN(std::optional<TensorView> a2, Find(prefix + ".w2_qweight"));
     if (a13 || a2) return AwqExperts(prefix, w13, w2, plan);
+    ASSIGN_OR_RETURN(std::optional<TensorView> t13, Find(prefix + ".w3_w1_weight"));
+    if (t13) return TrtllmExperts(prefix, w13, w2, plan);
     ASSIGN_OR_RETURN(std::optional<TensorView> p13, Find(n13 + "_packed"));
     ASSIGN_OR_RETURN(std::optional<TensorView> p2, Find(n2 + "_packed"));
     if (!p13 && !p2) {
@@ -605,6 +735,16 @@ struct RankWeights::Impl {
   // One check of a kInPlace plan. Memory a weight sync wrote must hold finite numbers: NaN / Inf
   // weights are refused, never served.
   absl::Status RunCheck(const Plan::Check& c) const {
+    if (c.trtllm) {
+      const size_t count = static_cast<size_t>(c.scales.numel());
+      if (MarlinScalesCertainlyFinite(c.scales.bytes().data(), c.scales.dtype() == DType::kF16, count))
+        return absl::OkStatus();
+      std::vector<float> dense(static_cast<size_t>(c.trt.experts * c.trt.n * c.trt.k));
+      RETURN_IF_ERROR(Annotate(DecodeTrtllm(c.v, c.scales, c.trt, dense.data()), absl::StrCat(Where(), ": ", c.name)));
+      for (size_t k = 0; k < dense.size(); ++k)
+        if (!std::isfinite(dense[k])) return NonFinite(c.name, dense[k], static_cast<int64_t>(k));
+      return absl::OkStatus();
+    }
     if (!c.marlin) {
       const std::optional<int64_t> bad = FirstNonFinite(c.v.dtype(), c.v.bytes().data(), c.begin, c.end);
       if (!bad) return absl::OkStatus();
@@ -649,13 +789,15 @@ struct RankWeights::Impl {
     st.threads = threads;
     st.params = static_cast<int64_t>(plan.w->order.size());
     for (const Plan::Check& c : plan.checks)
-      st.bytes_checked += c.marlin ? static_cast<int64_t>(c.scales.nbytes())
-                                   : (c.end - c.begin) * static_cast<int64_t>(ItemSize(c.v.dtype()));
+      st.bytes_checked += c.marlin || c.trtllm ? static_cast<int64_t>(c.scales.nbytes())
+                                               : (c.end - c.begin) * static_cast<int64_t>(ItemSize(c.v.dtype()));
     absl::flat_hash_map<std::string, Buffer> fresh;
     absl::flat_hash_set<std::string> used;
     for (const Plan::Copy& c : plan.copies) {
-      const size_t bytes =
-          c.kind == Plan::Copy::Kind::kToF32 ? static_cast<size_t>(c.src.numel()) * sizeof(float) : c.src.nbytes();
+      const size_t bytes = c.kind == Plan::Copy::Kind::kToF32 ? static_cast<size_t>(c.src.numel()) * sizeof(float)
+                           : c.kind == Plan::Copy::Kind::kTrtllm
+                               ? static_cast<size_t>(c.trt.experts * c.trt.n * c.trt.k) * sizeof(float)
+                               : c.src.nbytes();
       used.insert(c.key);
       st.bytes_copied += static_cast<int64_t>(bytes);
       auto it = copies.find(c.key);
@@ -669,7 +811,8 @@ struct RankWeights::Impl {
     for (Plan::Copy& c : plan.copies) {
       void* dst = copies[c.key].data();
       switch (c.kind) {
-        case Plan::Copy::Kind::kToF32: c.dst->data = dst; break;
+        case Plan::Copy::Kind::kToF32:
+        case Plan::Copy::Kind::kTrtllm: c.dst->data = dst; break;
         case Plan::Copy::Kind::kPacked: c.dst->marlin.packed = static_cast<const uint32_t*>(dst); break;
         case Plan::Copy::Kind::kScales: c.dst->marlin.scales = static_cast<const uint16_t*>(dst); break;
         case Plan::Copy::Kind::kZeros: c.dst->marlin.zeros = static_cast<const uint32_t*>(dst); break;
@@ -679,6 +822,7 @@ struct RankWeights::Impl {
       const Plan::Copy& c = plan.copies[i];
       void* dst = copies.find(c.key)->second.data();
       if (c.kind == Plan::Copy::Kind::kToF32) return ReadFloats(c.src, static_cast<float*>(dst), c.key);
+      if (c.kind == Plan::Copy::Kind::kTrtllm) return DecodeTrtllm(c.src, c.scales, c.trt, static_cast<float*>(dst));
       std::memcpy(dst, c.src.data(), c.src.nbytes());
       return absl::OkStatus();
     }));

@@ -341,8 +341,28 @@ class Ctl {
       if (!q.ok()) return Fail(q.status(), g_);
       quant = *q;
     }
-    auto expected = trainer_agent::ExpectedSentTensorsFromDir(hf_dir, quant);
-    if (!expected.ok()) return Fail(expected.status(), g_);
+    // What a sync must have delivered, per quantization: --quant-config for every engine, else each
+    // engine's own (engines may declare different layouts of one quantization), else the
+    // checkpoint's. Computed once per distinct config.
+    std::map<std::string, std::unique_ptr<trainer_agent::ExpectedSync>> expected_by_quant;
+    auto expected_for = [&](const std::optional<QuantizationConfig>& engine_quant,
+                            const std::string& key) -> absl::StatusOr<const trainer_agent::ExpectedSync*> {
+      const bool own = quant_file.empty() && engine_quant.has_value();
+      const std::string k = own ? key : std::string();
+      auto it = expected_by_quant.find(k);
+      if (it != expected_by_quant.end()) return it->second.get();
+      ASSIGN_OR_RETURN(trainer_agent::ExpectedSync e,
+                       trainer_agent::ExpectedSentTensorsFromDir(hf_dir, own ? engine_quant : quant));
+      auto owned = std::make_unique<trainer_agent::ExpectedSync>(std::move(e));
+      const trainer_agent::ExpectedSync* p = owned.get();
+      expected_by_quant.emplace(k, std::move(owned));
+      return p;
+    };
+    if (quant_file.empty()) {  // the checkpoint must be readable whatever the engines say
+      if (auto e = expected_for(std::nullopt, ""); !e.ok()) return Fail(e.status(), g_);
+    } else if (auto e = expected_for(quant, ""); !e.ok()) {
+      return Fail(e.status(), g_);
+    }
     json out = json::array();
     bool all_ok = members.members_size() > 0;
     if (members.members_size() == 0 && !g_.json) std::printf("no rollout agents to verify\n");
@@ -371,8 +391,13 @@ class Ctl {
               {static_cast<int>(r.tp_size()), static_cast<int>(r.tp_rank()), static_cast<int>(r.ep_size())});
           s = layout.status();
         }
+        absl::StatusOr<const trainer_agent::ExpectedSync*> expected = absl::InternalError("unset");
         if (s.ok()) {
-          auto weights = tools::ExpectedEngineWeights(*layout, expected->tensors);
+          expected = expected_for(engine_quant, r.quantization_config_json());
+          s = expected.status();
+        }
+        if (s.ok()) {
+          auto weights = tools::ExpectedEngineWeights(*layout, (*expected)->tensors);
           if (!weights.ok()) {
             s = Annotate(weights.status(), "recomputing the engine weights from the checkpoint");
           } else {

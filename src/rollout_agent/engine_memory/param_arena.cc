@@ -189,7 +189,7 @@ absl::StatusOr<std::unique_ptr<ParamArena>> ParamArena::Lay(const EngineLayout& 
   for (const EngineParam& p : params) {
     end = (end + kParamAlignment - 1) / kParamAlignment * kParamAlignment;
     offsets.push_back(end);
-    ASSIGN_OR_RETURN(int64_t nbytes, NumBytes(p.dtype, p.engine_shape));
+    ASSIGN_OR_RETURN(int64_t nbytes, NumBytes(p.dtype_in(ParamForm::kEngine), p.engine_shape));
     sizes.push_back(static_cast<uint64_t>(nbytes));
     end += static_cast<uint64_t>(nbytes);
   }
@@ -208,7 +208,7 @@ absl::StatusOr<std::unique_ptr<ParamArena>> ParamArena::Lay(const EngineLayout& 
     const EngineParam& p = params[i];
     EngineBuffer b;
     b.name = p.name;
-    b.dtype = p.dtype;
+    b.dtype = p.dtype_in(ParamForm::kEngine);
     b.shape = p.engine_shape;
     b.data = base + offsets[i];
     b.nbytes = sizes[i];

@@ -183,7 +183,7 @@ class LayoutBuilder {
       return absl::UnimplementedError(absl::StrCat("quantization_config: quant_method \"", q_->quant_method,
                                                    "\" is not supported (want compressed-tensors or awq)"));
     RETURN_IF_ERROR(q_->CheckInt4Supported());
-    L_.format_ = q_->is_awq() ? Int4Format::kAwq : Int4Format::kCompressedTensors;
+    L_.format_ = q_->is_awq() ? Int4Format::kAwq : q_->trtllm() ? Int4Format::kTrtllm : Int4Format::kCompressedTensors;
     L_.quantization_ = *q_;
     if (dt_ != DType::kBF16 && dt_ != DType::kF16)
       return absl::UnimplementedError(
@@ -388,12 +388,17 @@ class LayoutBuilder {
                                      " input columns (from ", sh.c0, "), not a multiple of the group size G = ", G,
                                      "; ", Ctx()));
       }
+      const bool trtllm = L_.format_ == Int4Format::kTrtllm;
+      if (trtllm && (k % 64 != 0 || n % 64 != 0))  // TRTLLM_INT4.md §1 steps 2-3 (W4A16: RPT 64)
+        return Refuse(absl::StrCat(spec.name,
+                                   ": the TensorRT-LLM W4A16 layout needs K % 64 == 0 and N % 64 == 0, [K, N] = [", k,
+                                   ", ", n, "]; ", Ctx()));
       // Marlin repack constraints (§4 hard constraints).
-      if (k % 16 != 0)
+      if (!trtllm && k % 16 != 0)
         return Refuse(absl::StrCat(spec.name, ": Marlin repack needs size_k % 16 == 0, size_k = ", k, "; ", Ctx()));
-      if (n % 64 != 0)
+      if (!trtllm && n % 64 != 0)
         return Refuse(absl::StrCat(spec.name, ": Marlin repack needs size_n % 64 == 0, size_n = ", n, "; ", Ctx()));
-      if (!stacked) {
+      if (!stacked && !trtllm) {
         if (k % 128 != 0)
           Warn(absl::StrCat(generic, ": advisory (verify_marlin_supports_shape): K_p = ", k,
                             " is not a multiple of 128"));
@@ -407,6 +412,9 @@ class LayoutBuilder {
       const int64_t scale_rows = G > 0 ? k / G : 1;
       MarlinSpec m;
       m.awq = awq;
+      m.trtllm = trtllm;
+      m.trtllm_sm90 = trtllm && q_->engine_layout == "trtllm-sm90";
+      m.up_first = trtllm && spec.role == ParamRole::kExpertsW13;
       m.experts = spec.experts;
       m.size_k = k;
       m.size_n = n;
@@ -428,7 +436,15 @@ class LayoutBuilder {
         q.marlin = m;
         return AddParam(std::move(q));
       };
-      if (awq) {
+      if (trtllm) {
+        // TensorRT-LLM's names: "X.weight" int8, "X.weight_scale"; the fused MoE FC1 "w3_w1_weight".
+        const std::string wname = spec.role == ParamRole::kExpertsW13
+                                      ? absl::StrCat(spec.name.substr(0, spec.name.size() - 10), "w3_w1_weight")
+                                      : spec.name;
+        lin.packed = add(ParamKind::kPacked, wname, DType::kI32, with_e({k / 8, n}), with_e({k, n / 2}));
+        L_.params_[static_cast<size_t>(lin.packed)].engine_dtype = DType::kI8;
+        lin.scale = add(ParamKind::kScale, wname + "_scale", dt_, with_e({scale_rows, n}), with_e({scale_rows, n}));
+      } else if (awq) {
         lin.packed = add(ParamKind::kPacked, AwqParamName(spec.name, "qweight"), DType::kI32, with_e({k, n / 8}),
                          with_e({k / 16, 2 * n}));
         lin.zeros = add(ParamKind::kZeros, AwqParamName(spec.name, "qzeros"), DType::kI32, with_e({scale_rows, n / 8}),
@@ -458,11 +474,13 @@ class LayoutBuilder {
         }
         HfSource s;
         s.expert = sh.expert;
-        s.transpose = stacked;  // MoE: GPTQ orientation [K/8, N] per expert (§3.3)
+        // MoE (§3.3) and TensorRT-LLM: GPTQ orientation [K/8, N] when loaded, so transposed.
+        const bool gptq = stacked || trtllm;
+        s.transpose = gptq;
         s.src_row0 = sh.r0;
         s.rows = sh.nr;
-        s.dst_row0 = stacked ? 0 : sh.dst_n;
-        s.dst_col0 = stacked ? sh.dst_n : 0;
+        s.dst_row0 = gptq ? 0 : sh.dst_n;
+        s.dst_col0 = gptq ? sh.dst_n : 0;
         s.what = sh.what;
         HfSource sp = s;
         sp.hf_name = pn;
@@ -701,17 +719,18 @@ class LayoutBuilder {
                                    ctx));
       if (G > 0 && H % G != 0) return Refuse(absl::StrCat(pre, "experts: INT4 needs H % G == 0, H = ", H, ", G = ", G));
       if (H % 8 != 0) return Refuse(absl::StrCat(pre, "experts: INT4 needs H % 8 == 0, H = ", H));
-      if (H % 16 != 0 || (2 * Ip) % 64 != 0)
+      const bool marlin = L_.format_ != Int4Format::kTrtllm;  // TensorRT-LLM's constraints: AddLinear
+      if (marlin && (H % 16 != 0 || (2 * Ip) % 64 != 0))
         return Refuse(absl::StrCat(pre, "experts.w13: Marlin repack needs H % 16 == 0 and 2I' % 64 == 0, H = ", H,
                                    ", I' = ", Ip, ctx));
-      if (Ip % 16 != 0 || H % 64 != 0)
+      if (marlin && (Ip % 16 != 0 || H % 64 != 0))
         return Refuse(absl::StrCat(pre, "experts.w2: Marlin repack needs I' % 16 == 0 and H % 64 == 0, I' = ", Ip,
                                    ", H = ", H, ctx));
       const std::string gen = Generic(pre + "experts");
-      if (H % 128 != 0)
+      if (marlin && H % 128 != 0)
         Warn(absl::StrCat(gen, ": advisory (check_moe_marlin_supports_layer): H = ", H, " is not a multiple of 128"));
       const int64_t need = std::max<int64_t>(64, G);
-      if (Ip % need != 0)
+      if (marlin && Ip % need != 0)
         Warn(absl::StrCat(gen, ": advisory (check_moe_marlin_supports_layer): I' = ", Ip,
                           " is not a multiple of max(64, G) = ", need));
     }
@@ -731,6 +750,9 @@ class LayoutBuilder {
     // AWQ-Marlin MoE passes I' for both (AWQ.md §4).
     const bool awq = L_.format_ == Int4Format::kAwq;
     LinearSpec s13{pre + "experts.w13_weight", ParamRole::kExpertsW13, i, E_loc, 2 * Ip, H, q, awq ? Ip : 4 * Ip};
+    if (q && L_.format_ == Int4Format::kTrtllm) {  // w3_w1: up_proj first (TRTLLM_INT4.md §4)
+      for (Shard& sh : w13) sh.dst_n = sh.dst_n == 0 ? Ip : 0;
+    }
     RETURN_IF_ERROR(AddLinear(s13, w13));
     // w2 scale permutation: size_k = (I'/G)·G = I' (channelwise: 8, which selects the same single perm).
     LinearSpec s2{pre + "experts.w2_weight", ParamRole::kExpertsW2, i, E_loc, H, Ip, q, Ip};
@@ -803,7 +825,7 @@ bool EngineLayout::IsIgnoredHfName(absl::string_view hf_name) const {
 
 int64_t EngineLayout::TotalBytes(ParamForm form) const {
   int64_t total = 0;
-  for (const auto& p : params_) total += NumBytes(p.dtype, p.shape(form)).value_or(0);
+  for (const auto& p : params_) total += NumBytes(p.dtype_in(form), p.shape(form)).value_or(0);
   return total;
 }
 

@@ -12,7 +12,10 @@
 //                [(E_loc,) K_p/G, N_p], the checkpoint's own layout, AWQ.md §2 / §4)
 //       kEngine  what the engine serves from after process_weights_after_loading (Marlin
 //                [K_p/16, 2N_p] + permuted [K_p/G, N_p]; MoE [E_loc, K/16, 2N] + [E_loc, K/G, N];
-//                AWQ-Marlin adds Marlin zero points [(E_loc,) K_p/G, N_p/8], AWQ.md §3);
+//                AWQ-Marlin adds Marlin zero points [(E_loc,) K_p/G, N_p/8], AWQ.md §3;
+//                TensorRT-LLM (engine_layout trtllm-*): int8 [(E_loc,) K, N/2] preprocessed bytes
+//                + scales [(E_loc,) K/G, N], loaded as GPTQ-orientation codes [(E_loc,) K/8, N]
+//                + [(E_loc,) K/G, N]; MoE FC1 "w3_w1" holds up_proj before gate_proj);
 //                identical to kLoaded for every unquantized parameter;
 //   * every logical GEMM weight (EngineLinear): the bf16 weight or the packed + scale pair;
 //   * every sent HF tensor (HfSource): its expected dtype and shape, and the block of it this rank
@@ -80,13 +83,18 @@ enum class Int4Format {
   kNone,               // a bf16 engine
   kCompressedTensors,  // compressed-tensors INT4 -> Marlin (SGLang's gptq_marlin path, FORMATS.md)
   kAwq,                // AWQ -> AWQ-Marlin with zero points (vLLM / SGLang awq_marlin, AWQ.md §2-4)
+  kTrtllm,             // compressed-tensors INT4 -> TensorRT-LLM's preprocessed W4A16 layout (TRTLLM_INT4.md)
 };
 
 enum class ParamForm { kLoaded, kEngine };
 
 // Marlin geometry of a kPacked / kScale parameter (per expert for stacked experts).
+// (For TensorRT-LLM params the same fields describe the GEMM; `trtllm` says which layout.)
 struct MarlinSpec {
   bool awq = false;                 // AWQ-Marlin (zero points; AWQ loaded form) rather than GPTQ-Marlin
+  bool trtllm = false;              // TensorRT-LLM W4A16 (TRTLLM_INT4.md §1-§3) rather than Marlin
+  bool trtllm_sm90 = false;         // its GPU family: sm90 (dense weights skip the column interleave)
+  bool up_first = false;            // TensorRT-LLM w3_w1: up_proj in columns [0, I'), gate_proj after (§4)
   int64_t experts = 0;              // 0: a dense 2-D GEMM weight; else E_loc (3-D, stacked)
   int64_t size_k = 0;               // GEMM K: K_p (dense), H (w13), I' (w2)
   int64_t size_n = 0;               // GEMM N: N_p (dense), 2I' (w13), H (w2)
@@ -100,7 +108,9 @@ struct EngineParam {
   std::string name;  // SGLang parameter name
   ParamRole role = ParamRole::kReplicated;
   ParamKind kind = ParamKind::kPlain;
-  DType dtype = DType::kBF16;  // the same in both forms
+  DType dtype = DType::kBF16;  // the loaded form's, and the engine form's unless engine_dtype is set
+  // TensorRT-LLM weights: int8 bytes in the engine, int32 GPTQ-orientation codes when loaded.
+  std::optional<DType> engine_dtype;
   Shape loaded_shape;
   Shape engine_shape;
   int64_t layer = -1;  // decoder layer, -1 for embeddings / final norm / lm_head
@@ -108,6 +118,7 @@ struct EngineParam {
   MarlinSpec marlin;   // kPacked / kScale only
 
   const Shape& shape(ParamForm form) const { return form == ParamForm::kLoaded ? loaded_shape : engine_shape; }
+  DType dtype_in(ParamForm form) const { return form == ParamForm::kEngine && engine_dtype ? *engine_dtype : dtype; }
 };
 
 // One logical GEMM weight of this rank: a linear layer or a stacked-expert tensor.

@@ -216,6 +216,57 @@ TEST(EngineLayoutTest, WorkedExampleQwen3_30B_A3B_Awq) {
   EXPECT_THAT(refused.status().message(), HasSubstr("gemv"));
 }
 
+// The same model in an engine that holds TensorRT-LLM's W4A16 layout (TRTLLM_INT4.md), T=4, EP=4:
+// compressed-tensors sources, GPTQ-orientation codes when loaded (so every INT4 source is a
+// transposed copy), int8 [K, N/2] in the engine, w3_w1 with up_proj's columns first.
+TEST(EngineLayoutTest, WorkedExampleQwen3_30B_A3B_Trtllm) {
+  const ModelConfig c = Config(kQwen3_30B);
+  std::string json = QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"});
+  json.insert(1, R"("engine_layout": "trtllm-sm90", )");
+  auto q = ParseQuantizationConfig(json, "trtllm");
+  ASSERT_TRUE(q.ok()) << q.status();
+  for (int r = 0; r < 4; ++r) {
+    auto l = EngineLayout::Create(c, &*q, {4, r, 4});
+    ASSERT_TRUE(l.ok()) << l.status();
+    EXPECT_EQ(l->int4_format(), Int4Format::kTrtllm);
+    const std::string L = "model.layers.47.";
+    ExpectParam(*l, {L + "self_attn.qkv_proj.weight", ParamRole::kQkv, kPk, kI, {256, 1280}, {2048, 640}});
+    ExpectParam(*l, {L + "self_attn.qkv_proj.weight_scale", ParamRole::kQkv, kSc, kB, {16, 1280}, {16, 1280}});
+    ExpectParam(*l, {L + "self_attn.o_proj.weight", ParamRole::kRow, kPk, kI, {128, 2048}, {1024, 1024}});
+    ExpectParam(*l,
+                {L + "mlp.experts.w3_w1_weight", ParamRole::kExpertsW13, kPk, kI, {32, 256, 1536}, {32, 2048, 768}});
+    ExpectParam(
+        *l, {L + "mlp.experts.w3_w1_weight_scale", ParamRole::kExpertsW13, kSc, kB, {32, 16, 1536}, {32, 16, 1536}});
+    ExpectParam(*l, {L + "mlp.experts.w2_weight", ParamRole::kExpertsW2, kPk, kI, {32, 96, 2048}, {32, 768, 1024}});
+    ExpectParam(*l, {L + "mlp.experts.w2_weight_scale", ParamRole::kExpertsW2, kSc, kB, {32, 6, 2048}, {32, 6, 2048}});
+    const EngineParam& qkv = l->params()[static_cast<size_t>(l->FindParam(L + "self_attn.qkv_proj.weight"))];
+    EXPECT_EQ(qkv.dtype_in(ParamForm::kEngine), DType::kI8);
+    EXPECT_EQ(qkv.dtype_in(ParamForm::kLoaded), DType::kI32);
+    EXPECT_TRUE(qkv.marlin.trtllm_sm90);
+    EXPECT_LT(l->FindParam(L + "mlp.experts.w13_weight_packed"), 0);
+    // up_proj of a local expert lands in w3_w1's first 768 columns, gate_proj after it.
+    const int64_t e = 32 * r + 5;
+    const HfSource& up =
+        l->sources()[static_cast<size_t>(l->FindSource(absl::StrCat(L, "mlp.experts.", e, ".up_proj.weight_packed")))];
+    const HfSource& gate = l->sources()[static_cast<size_t>(
+        l->FindSource(absl::StrCat(L, "mlp.experts.", e, ".gate_proj.weight_packed")))];
+    EXPECT_EQ(up.dst_col0, 0);
+    EXPECT_EQ(gate.dst_col0, 768);
+    EXPECT_TRUE(up.transpose);
+    EXPECT_EQ(up.expert, 5);
+    // Dense sources are transposed copies too: k_proj's kv head r lands after the 8 q heads.
+    const HfSource& k = l->sources()[static_cast<size_t>(l->FindSource(L + "self_attn.k_proj.weight_packed"))];
+    EXPECT_TRUE(k.transpose);
+    EXPECT_EQ(k.src_row0, 128 * r);
+    EXPECT_EQ(k.dst_col0, 1024);
+    EXPECT_TRUE(l->warnings().empty()) << l->warnings()[0];  // no Marlin advisories for this layout
+  }
+  // The layout's own constraint: K and N multiples of 64 on every rank (T=4, EP=1: I' = 192 is
+  // refused first, by the group size).
+  auto bad = EngineLayout::Create(c, &*q, {4, 0, 1});
+  ASSERT_FALSE(bad.ok());
+}
+
 // §7 worked example: DeepSeek-V3, T=8, EP=1, bf16 (shared-experts fusion off: see README.md).
 const char kDeepseekV3Full[] = R"({
   "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
@@ -347,7 +398,14 @@ std::vector<RefusalCase> RefusalCases() {
   std::string llama12 =
       Edit(Edit(model::testing::kLlamaJson, R"("num_attention_heads": 8)", R"("num_attention_heads": 12)"),
            R"("head_dim": 64)", R"("head_dim": 32)");
+  std::string trtllm = model::testing::QuantJson(32, {"lm_head", "re:.*embed_tokens.*"});
+  trtllm.insert(1, R"("engine_layout": "trtllm-sm80", )");
   return {
+      {"trtllm K, N % 64",
+       Edit(kLlamaJson, R"("head_dim": 64)", R"("head_dim": 32)"),
+       trtllm,
+       {8, 0, 1},
+       "TensorRT-LLM W4A16 layout needs K % 64 == 0 and N % 64 == 0, [K, N] = [256, 96]"},
       {"tp size", model::testing::kLlamaJson, "", {0, 0, 1}, "tp_size must be >= 1"},
       {"tp rank", model::testing::kLlamaJson, "", {2, 2, 1}, "tp_rank 2 is outside [0, 2)"},
       {"nh % T", kLlamaJson, "", {3, 0, 1}, "num_attention_heads 8 is not divisible by T 3"},

@@ -48,13 +48,14 @@ absl::Status EngineWeights::CheckMatches(const EngineLayout& layout) const {
       problems.push_back(absl::StrCat(p.name, " is not registered"));
       continue;
     }
-    if (b->dtype != p.dtype || b->shape != p.engine_shape) {
+    const DType dt = p.dtype_in(ParamForm::kEngine);
+    if (b->dtype != dt || b->shape != p.engine_shape) {
       problems.push_back(absl::StrCat(p.name, " is ", SafetensorsName(b->dtype), ShapeToString(b->shape), ", want ",
-                                      SafetensorsName(p.dtype), ShapeToString(p.engine_shape)));
+                                      SafetensorsName(dt), ShapeToString(p.engine_shape)));
       continue;
     }
-    if (reinterpret_cast<uintptr_t>(b->data) % ItemSize(p.dtype) != 0)
-      problems.push_back(absl::StrCat(p.name, " is not ", ItemSize(p.dtype), "-byte aligned"));
+    if (reinterpret_cast<uintptr_t>(b->data) % ItemSize(dt) != 0)
+      problems.push_back(absl::StrCat(p.name, " is not ", ItemSize(dt), "-byte aligned"));
   }
   for (const EngineBuffer& b : buffers_)
     if (layout.FindParam(b.name) < 0) problems.push_back(absl::StrCat(b.name, " is not a parameter of the layout"));
@@ -81,10 +82,11 @@ absl::StatusOr<std::unique_ptr<OwnedEngineWeights>> OwnedEngineWeights::Allocate
   std::unique_ptr<OwnedEngineWeights> o(new OwnedEngineWeights());
   o->memory_.reserve(layout.params().size());
   for (const EngineParam& p : layout.params()) {
-    ASSIGN_OR_RETURN(const int64_t bytes, NumBytes(p.dtype, p.engine_shape));
+    const DType dt = p.dtype_in(ParamForm::kEngine);
+    ASSIGN_OR_RETURN(const int64_t bytes, NumBytes(dt, p.engine_shape));
     auto buf = Buffer::AllocateZeroed(static_cast<size_t>(bytes));
     if (!buf.ok()) return Annotate(buf.status(), absl::StrCat("engine buffer for ", p.name));
-    EngineBuffer b{p.name, p.dtype, p.engine_shape, buf->data(), static_cast<size_t>(bytes)};
+    EngineBuffer b{p.name, dt, p.engine_shape, buf->data(), static_cast<size_t>(bytes)};
     o->memory_.push_back(std::move(*buf));
     RETURN_IF_ERROR(o->weights_.Add(std::move(b)));
   }

@@ -14,6 +14,7 @@
 #include "kernels/awq.h"
 #include "kernels/format/awq_format.h"
 #include "kernels/int4.h"
+#include "kernels/trtllm.h"
 #include "rollout_agent/load/block_copy.h"
 
 namespace wsync::rollout_agent {
@@ -67,7 +68,27 @@ void ParallelCopy(const std::byte* src, std::byte* dst, size_t n, int threads) {
 
 // A dense compressed-tensors INT4 param, whose loaded form is transposed to reach GPTQ orientation.
 // AWQ params are K-major already: their loaded form is the kernels' input as is.
-bool IsDenseInt4(const EngineParam& p) { return p.kind != ParamKind::kPlain && !p.marlin.awq && p.marlin.experts == 0; }
+bool IsDenseInt4(const EngineParam& p) {
+  return p.kind != ParamKind::kPlain && !p.marlin.awq && !p.marlin.trtllm && p.marlin.experts == 0;
+}
+
+kernels::TrtllmOptions TrtllmOpts(const EngineParam& p, const kernels::KernelOptions& ko) {
+  kernels::TrtllmOptions t;
+  static_cast<kernels::KernelOptions&>(t) = ko;
+  t.arch = p.marlin.trtllm_sm90 ? kernels::TrtllmArch::kSm90 : kernels::TrtllmArch::kSm80;
+  return t;
+}
+
+// TensorRT-LLM params (TRTLLM_INT4.md): codes I32 [(E,) K/8, N] <-> the preprocessed int8 bytes
+// [(E,) K, N/2]; W4A16 scales are the GPTQ-orientation scales unchanged (§3.1), so TrtllmScales is
+// the identity and its own inverse.
+absl::Status RunTrtllm(const EngineParam& p, const TensorView& in, const MutableTensorView& out, bool inverse,
+                       const kernels::KernelOptions& ko) {
+  const kernels::TrtllmOptions t = TrtllmOpts(p, ko);
+  if (p.kind == ParamKind::kPacked)
+    return inverse ? kernels::UnpreprocessTrtllm(in, out, t) : kernels::PreprocessTrtllm(in, out, t);
+  return kernels::TrtllmScales(in, p.marlin.size_k, p.marlin.group_size, out, t);
+}
 
 // Largest scratch a dense INT4 param needs (its loaded-form bytes).
 int64_t ScratchBytes(const EngineLayout& layout) {
@@ -124,6 +145,7 @@ absl::Status MarlinToAwq(const TensorView& marlin, const MutableTensorView& awq,
 // `device`: the CUDA device of `in` and `out` when ko.device is kCuda.
 absl::Status RunKernel(const EngineParam& p, const TensorView& in, const MutableTensorView& out, bool inverse,
                        const kernels::KernelOptions& ko, int device) {
+  if (p.marlin.trtllm) return RunTrtllm(p, in, out, inverse, ko);
   if (p.kind == ParamKind::kPacked && p.marlin.awq)
     return inverse ? MarlinToAwq(in, out, ko, device) : kernels::AwqToMarlin(in, out, ko);
   if (p.kind == ParamKind::kPacked)
@@ -379,10 +401,10 @@ float PlainAt(const std::byte* p, int64_t i, DType dt) {
 
 absl::Status CheckView(const TensorView& v, const EngineParam& p, ParamForm form) {
   const Shape& want = p.shape(form);
-  if (v.dtype() != p.dtype || v.shape() != want ||
-      static_cast<int64_t>(v.nbytes()) != NumBytes(p.dtype, want).value_or(-1))
+  const DType dt = p.dtype_in(form);
+  if (v.dtype() != dt || v.shape() != want || static_cast<int64_t>(v.nbytes()) != NumBytes(dt, want).value_or(-1))
     return absl::InvalidArgumentError(absl::StrCat("DequantizeToDense: ", p.name, " is ", v.DebugString(), " (",
-                                                   v.nbytes(), " bytes), want ", SafetensorsName(p.dtype),
+                                                   v.nbytes(), " bytes), want ", SafetensorsName(dt),
                                                    ShapeToString(want)));
   return absl::OkStatus();
 }
@@ -484,7 +506,7 @@ absl::StatusOr<Tensor> DequantizeToDense(const EngineLinear& linear, const Engin
   const int64_t G = linear.group_size > 0 ? linear.group_size : k;
   const DType sdt = ps.dtype;
   if (pk.marlin.awq) return DequantizeAwq(linear, pk, ps, layout, weight, scale, zeros, form, options, std::move(out));
-  if (form == ParamForm::kLoaded && linear.experts == 0) {
+  if (form == ParamForm::kLoaded && linear.experts == 0 && !pk.marlin.trtllm) {
     // compressed-tensors: packed [n, k/8], scale [n, rows].
     const std::byte* w = weight.bytes().data();
     const std::byte* s = scale.bytes().data();
@@ -519,14 +541,21 @@ absl::StatusOr<Tensor> DequantizeToDense(const EngineLinear& linear, const Engin
     }
     kernels::KernelOptions ko;
     ko.num_threads = options.num_threads;
-    RETURN_IF_ERROR(kernels::MarlinToGptq(wv, nullptr, gptq_t.mutable_view(), ko));
-    RETURN_IF_ERROR(PermuteScalesAs(sv, scale_t.mutable_view(), pk.marlin.grouped_scale_perm, true, ko));
+    if (pk.marlin.trtllm) {
+      RETURN_IF_ERROR(RunTrtllm(pk, wv, gptq_t.mutable_view(), /*inverse=*/true, ko));
+      RETURN_IF_ERROR(RunTrtllm(ps, sv, scale_t.mutable_view(), /*inverse=*/true, ko));
+    } else {
+      RETURN_IF_ERROR(kernels::MarlinToGptq(wv, nullptr, gptq_t.mutable_view(), ko));
+      RETURN_IF_ERROR(PermuteScalesAs(sv, scale_t.mutable_view(), pk.marlin.grouped_scale_perm, true, ko));
+    }
     w = gptq_t.view().bytes().data();
     s = scale_t.view().bytes().data();
   }
+  // TensorRT-LLM's w3_w1 holds up_proj first; the dense weight has gate_proj rows first.
+  const int64_t half = pk.marlin.up_first ? n / 2 : 0;
   ParallelFor(E * n, options.num_threads, 64, [&](int64_t b, int64_t e) {
     for (int64_t row = b; row < e; ++row) {
-      const int64_t ex = row / n, r = row % n;
+      const int64_t ex = row / n, r = (row % n + half) % n;
       const int64_t wbase = ex * (k / 8) * n, sbase = ex * rows * n;
       for (int64_t c = 0; c < k; ++c)
         Store(o, row * k + c,

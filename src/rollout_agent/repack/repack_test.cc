@@ -24,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "kernels/awq.h"
 #include "kernels/int4.h"
+#include "kernels/trtllm.h"
 #include "model/testing/hf_model.h"
 #include "model/testing/test_models.h"
 
@@ -257,7 +258,8 @@ struct Case {
   std::vector<std::string> ignore;
   std::vector<std::pair<int, int>> tp_ep;
   uint32_t seed = 1;
-  bool awq = false;  // an AWQ config (ignore = modules_to_not_convert) instead of compressed-tensors
+  bool awq = false;               // an AWQ config (ignore = modules_to_not_convert) instead of compressed-tensors
+  const char* layout = "marlin";  // the engine_layout the engine declares
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.label << " (seed " << c.seed << ")"; }
@@ -314,6 +316,25 @@ std::vector<Case> Cases() {
        68,
        true},
       {"deepseek_noqlora_awq_g32", model::testing::kDeepseekNoQLoraJson, 32, {"kv_b_proj"}, {{1, 1}, {4, 4}}, 69, true},
+      // TensorRT-LLM W4A16 (TRTLLM_INT4.md): compressed-tensors on the wire, the preprocessed layout in the engine.
+      {"llama_trtllm_sm80_g64", model::testing::kLlamaJson, 64, kAllInt4, {{1, 1}, {2, 1}}, 71, false, "trtllm-sm80"},
+      {"llama_trtllm_sm90_g32", model::testing::kLlamaJson, 32, kAllInt4, {{1, 1}, {2, 1}}, 72, false, "trtllm-sm90"},
+      {"qwen3moe_trtllm_sm80_g128",
+       model::testing::kQwen3MoeJson,
+       128,
+       kSlime,
+       {{1, 1}, {2, 2}},
+       73,
+       false,
+       "trtllm-sm80"},
+      {"qwen3moe_trtllm_sm90_g32",
+       model::testing::kQwen3MoeJson,
+       32,
+       kSlime,
+       {{1, 1}, {2, 2}},
+       74,
+       false,
+       "trtllm-sm90"},
   };
 }
 
@@ -399,6 +420,39 @@ void CheckAwqMarlin(const EngineLayout& l, const EngineLinear& lin, const Stagin
   }
 }
 
+// TensorRT-LLM: the engine's int8 bytes are the kernels' preprocessing of the GPTQ-orientation
+// codes received, the scales those received unchanged (W4A16), and an MoE w3_w1 holds up_proj in
+// its first I' columns: checked against the sent compressed-tensors tensors directly.
+void CheckTrtllm(const EngineLayout& l, const EngineLinear& lin, const Staging& staging, const EngineWeights& engine,
+                 const model::testing::HfModel& m, int ep, int rank) {
+  const EngineParam& pk = l.params()[static_cast<size_t>(lin.packed)];
+  const EngineParam& ps = l.params()[static_cast<size_t>(lin.scale)];
+  ASSERT_EQ(pk.dtype_in(ParamForm::kEngine), DType::kI8) << pk.name;
+  const TensorView sp = staging.param(lin.packed), ss = staging.param(lin.scale);
+  const MutableTensorView eb = *engine.View(pk.name), es = *engine.View(ps.name);
+  kernels::TrtllmOptions t;
+  t.arch = pk.marlin.trtllm_sm90 ? kernels::TrtllmArch::kSm90 : kernels::TrtllmArch::kSm80;
+  Tensor want = *Tensor::Empty(DType::kI8, pk.engine_shape);
+  ASSERT_TRUE(kernels::PreprocessTrtllm(sp, want.mutable_view(), t).ok());
+  ASSERT_EQ(std::memcmp(want.view().data(), eb.data(), eb.nbytes()), 0) << pk.name << ": != TensorRT-LLM preprocess";
+  ASSERT_EQ(std::memcmp(ss.data(), es.data(), es.nbytes()), 0) << ps.name << ": W4A16 scales are not permuted";
+  if (lin.role != ParamRole::kExpertsW13) return;
+  // Local expert 0's up_proj rows [t I', +I') are its first I' columns: word (kw, c) = the sent
+  // weight_packed [I, H/8] word (t I' + c, kw); gate_proj's follow.
+  ASSERT_TRUE(pk.marlin.up_first);
+  const int64_t Ip = lin.n / 2, mt = l.parallel().tp_size / ep, t_rank = rank % mt, first = l.first_local_expert();
+  const std::string layer = pk.name.substr(0, pk.name.find(".mlp.experts."));
+  const Tensor& up = m.sent.at(absl::StrCat(layer, ".mlp.experts.", first, ".up_proj.weight_packed"));
+  const Tensor& gate = m.sent.at(absl::StrCat(layer, ".mlp.experts.", first, ".gate_proj.weight_packed"));
+  const int64_t kw = lin.k / 8;
+  for (int64_t w = 0; w < kw; ++w)
+    for (int64_t c = 0; c < Ip; ++c) {
+      ASSERT_EQ(sp.data_as<uint32_t>()[w * lin.n + c], up.view().data_as<uint32_t>()[(t_rank * Ip + c) * kw + w]);
+      ASSERT_EQ(sp.data_as<uint32_t>()[w * lin.n + Ip + c],
+                gate.view().data_as<uint32_t>()[(t_rank * Ip + c) * kw + w]);
+    }
+}
+
 TEST_P(RepackEndToEnd, LoadCommitVerifyRestore) {
   const Case& tc = GetParam();
   SCOPED_TRACE(absl::StrCat(tc.label, " seed ", tc.seed));
@@ -407,9 +461,10 @@ TEST_P(RepackEndToEnd, LoadCommitVerifyRestore) {
   const ModelConfig& c = *cfg;
   std::optional<QuantizationConfig> q;
   if (tc.group != 0) {
-    auto parsed = ParseQuantizationConfig(
-        tc.awq ? model::testing::AwqQuantJson(tc.group, tc.ignore) : model::testing::QuantJson(tc.group, tc.ignore),
-        tc.label);
+    std::string json =
+        tc.awq ? model::testing::AwqQuantJson(tc.group, tc.ignore) : model::testing::QuantJson(tc.group, tc.ignore);
+    json.insert(1, absl::StrCat("\"engine_layout\": \"", tc.layout, "\", "));
+    auto parsed = ParseQuantizationConfig(json, tc.label);
     ASSERT_TRUE(parsed.ok()) << parsed.status();
     q = *parsed;
   }
@@ -463,8 +518,10 @@ TEST_P(RepackEndToEnd, LoadCommitVerifyRestore) {
         auto loaded = DequantizeToDense(lin.name, **staging);
         ASSERT_TRUE(loaded.ok()) << loaded.status();
         ASSERT_TRUE(Same(FromTensor(*loaded), want.at(lin.name), lin.name + " (loaded form)"));
+        const bool trtllm = q && q->trtllm();
         if (lin.quantized && tc.awq) CheckAwqMarlin(l, lin, **staging, (*engine)->weights());
-        if (lin.quantized && !tc.awq) CheckMarlin(l, lin, **staging, (*engine)->weights());
+        if (lin.quantized && trtllm) CheckTrtllm(l, lin, **staging, (*engine)->weights(), m, EP, r);
+        if (lin.quantized && !tc.awq && !trtllm) CheckMarlin(l, lin, **staging, (*engine)->weights());
         got[static_cast<size_t>(r)][lin.name] = d;
         covered.insert(lin.name);
       }

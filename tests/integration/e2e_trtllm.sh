@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Syncs to engines that hold TensorRT-LLM's INT4 layout end to end (docs/engine-formats.md,
+# docs/spec/TRTLLM_INT4.md): a Qwen3-MoE checkpoint cut for TP 2 x EP 2 x DP 2, trainer agents under
+# mpirun quantizing to compressed-tensors INT4 as for a Marlin engine, two reference engines that
+# declare "engine_layout": "trtllm-sm80" (TP 2 x EP 2) and "trtllm-sm90" (TP 1), whose rollout
+# agents preprocess into TensorRT-LLM's W4A16 bytes (up_proj before gate_proj in w3_w1). Two sharded
+# syncs and a broadcast one, each verified bit for bit; then a Marlin engine started from the same
+# checkpoint (the same INT4 values in SGLang's layout) must generate exactly what both generate.
+set -euo pipefail
+here="$(cd "$(dirname "$0")/../.." && pwd)"
+bin="${WSYNC_BIN:-$here/build/bin}"
+w="$(mktemp -d /tmp/wsync-e2e-trtllm.XXXXXX)"
+trap 'rc=$?; if [ "$rc" = 0 ]; then rm -rf "$w"; else echo "e2e_trtllm: FAILED; files in $w" >&2; fi' EXIT
+
+quant() {  # quant LAYOUT: the compressed-tensors config, with the engine layout the engine declares
+  cat <<JSON
+{"quant_method": "compressed-tensors", "format": "pack-quantized", "engine_layout": "$1",
+ "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+   "strategy": "group", "group_size": 64, "symmetric": true, "actorder": null}}},
+ "ignore": ["lm_head", "re:.*embed_tokens.*", "re:.*mlp\\\\.gate\$"]}
+JSON
+}
+quant trtllm-sm80 > "$w/sm80.json"
+quant trtllm-sm90 > "$w/sm90.json"
+quant marlin > "$w/marlin.json"
+"$bin/wsync-model-gen" --arch qwen3-moe --preset tiny --seed 20261127 --out "$w/hf" > /dev/null
+"$bin/wsync-shard" --hf "$w/hf" --out "$w/src" --tp 2 --pp 1 --ep 2 --dp 2 > /dev/null
+
+cat > "$w/then.sh" <<'THEN'
+set -euo pipefail
+ctl=("$WSYNC_BIN/wsyncctl" --coordinator "$WSYNC_COORDINATOR" --token-file "$WSYNC_TOKEN_FILE")
+"${ctl[@]}" sync --wait --delivery broadcast > /dev/null
+"${ctl[@]}" verify --against "$WSYNC_HF" | grep -c ": bit-exact" | grep -qx 3 ||
+  { echo "FAIL: the broadcast sync is not bit-exact on the 3 TensorRT-LLM engine ranks"; exit 1; }
+echo "ok: a broadcast sync to the TensorRT-LLM-layout engines, bit-exact on all 3 engine ranks"
+gen() {
+  "${ctl[@]}" --json generate --engine "$1" --prompt 3,14,15,92 --max-new-tokens 8 |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])'
+}
+read -r -a engines <<< "$WSYNC_ENGINES"
+sm80=$(gen "${engines[0]}")
+sm90=$(gen "${engines[1]}")
+"$WSYNC_BIN/wsync-ref-engine" --model "$WSYNC_HF" --checkpoint "$WSYNC_HF" --quant-config "$W/marlin.json" \
+  --engine-id marlin-from-checkpoint --listen 127.0.0.1:0 --address-file "$W/ckpt-engine" \
+  --token-file "$WSYNC_TOKEN_FILE" > "$W/ckpt-engine.log" 2>&1 &
+pid=$!
+trap 'kill $pid 2>/dev/null || true' EXIT
+for _ in $(seq 300); do [ -s "$W/ckpt-engine" ] && break; sleep 0.1; done
+marlin=$(gen "$(cat "$W/ckpt-engine")")
+echo "synced TensorRT-LLM sm80 engine (TP 2 x EP 2): $sm80"
+echo "synced TensorRT-LLM sm90 engine (TP 1):        $sm90"
+echo "Marlin engine from the checkpoint:             $marlin"
+[ "$sm80" = "$marlin" ] && [ "$sm90" = "$marlin" ] ||
+  { echo "FAIL: the TensorRT-LLM-layout engines generate differently from the Marlin engine"; exit 1; }
+echo "ok: both TensorRT-LLM-layout engines generate as a Marlin engine of the same checkpoint"
+THEN
+# Each engine declares its own layout (--engine-flags apply to every engine: the second engine's
+# config is given by a per-engine quant file through wsync-local's --quant-config list).
+WSYNC_BIN="$bin" W="$w" "$here/tools/wsync-local" --source "$w/src" --quant-config "$w/sm80.json,$w/sm90.json" \
+  --hf "$w/hf" --verify --syncs 2 --rollout-engines 2 --engine-tp 2,1 --engine-ep 2,1 --delivery sharded \
+  --bucket-mib 1 --workdir "$w/run" --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"
+echo "e2e_trtllm: ok"
