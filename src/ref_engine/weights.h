@@ -8,8 +8,10 @@
 // [E_loc, H/16, 4I'] etc.) or `P.qweight` exists (AWQ-Marlin, AWQ.md §3-4: the same Marlin words
 // plus `P.qzeros` int32 [K_p/G, N_p/8] Marlin zero points and `P.scales`; MoE `w13_qweight`,
 // `w13_qzeros`, `w13_scales`, both MoE scale permutations with size_k = I'), otherwise `P.weight`
-// (bf16 or f32) is read. INT4 values are value = bf16((u - 8) * scale) (FORMATS.md §2), AWQ
-// bf16((u - z) * scale) (rounded to bf16 as the Marlin GEMM does). The group
+// (bf16 or f32) is read; an int8 `P.weight` (MoE: `w3_w1_weight`, `w2_weight`) is TensorRT-LLM's
+// W4A16 layout (TRTLLM_INT4.md), served from a float32 copy decoded at Prepare. INT4 values are
+// value = bf16((u - 8) * scale) (FORMATS.md §2), AWQ bf16((u - z) * scale) (rounded to bf16 as
+// the Marlin GEMM does). The group
 // size G comes from config.quantization when present, else from the scales' shape (a single scale
 // row is read as channelwise). README.md records the decisions.
 //
