@@ -1,6 +1,7 @@
 // Commit and Restore into engine buffers in CUDA device memory (EngineBuffer::cuda_device): the
 // device path's bytes equal the host path's, byte for byte, for every param of dense and MoE
-// models, bf16 and INT4 (G = 128, 32, channelwise), engine TP 1 and 2 (EP 2 for MoE); verify on,
+// models, bf16 and INT4 (G = 128, 32, channelwise; Marlin, AWQ-Marlin and TensorRT-LLM sm80 / sm90
+// layouts), engine TP 1 and 2 (EP 2 for MoE); verify on,
 // Checksums and DequantizeToDense read device memory, Restore(device) == staging. The GPU cases
 // skip themselves without a device; the refusal cases run everywhere: a Commit whose device
 // scratch cannot be had (no GPU, or no CUDA build) is refused before the first byte is written.
@@ -41,7 +42,7 @@ absl::StatusOr<DeviceWeights> AllocateOnDevice(const EngineLayout& layout, int d
   std::vector<uint64_t> offsets;
   uint64_t size = 0;
   for (const EngineParam& p : layout.params()) {
-    ASSIGN_OR_RETURN(const int64_t bytes, NumBytes(p.dtype, p.engine_shape));
+    ASSIGN_OR_RETURN(const int64_t bytes, NumBytes(p.dtype_in(ParamForm::kEngine), p.engine_shape));
     offsets.push_back(size);
     size += (static_cast<uint64_t>(bytes) + 255) / 256 * 256;
   }
@@ -49,11 +50,12 @@ absl::StatusOr<DeviceWeights> AllocateOnDevice(const EngineLayout& layout, int d
   ASSIGN_OR_RETURN(d.memory, AllocateCuda(size, device));
   for (size_t i = 0; i < layout.params().size(); ++i) {
     const EngineParam& p = layout.params()[i];
+    const DType dt = p.dtype_in(ParamForm::kEngine);
     EngineBuffer b{p.name,
-                   p.dtype,
+                   dt,
                    p.engine_shape,
                    static_cast<std::byte*>(d.memory->data()) + offsets[i],
-                   static_cast<size_t>(*NumBytes(p.dtype, p.engine_shape)),
+                   static_cast<size_t>(*NumBytes(dt, p.engine_shape)),
                    device};
     RETURN_IF_ERROR(d.weights.Add(std::move(b)));
   }
@@ -67,7 +69,15 @@ struct Case {
   std::vector<std::pair<int, int>> tp_ep;
   uint64_t seed;
   std::vector<std::string> ignore = kIgnore;
+  std::string format = "ct";  // "ct", "awq" (ignore: modules_to_not_convert), "trtllm-sm80", "trtllm-sm90"
 };
+
+QuantizationConfig QuantFor(const Case& tc) {
+  if (tc.format == "awq") return *ParseQuantizationConfig(model::testing::AwqQuantJson(tc.group, tc.ignore), tc.label);
+  std::string json = model::testing::QuantJson(tc.group, tc.ignore);
+  if (tc.format != "ct") json.insert(1, absl::StrCat(R"("engine_layout": ")", tc.format, R"(", )"));
+  return *ParseQuantizationConfig(json, tc.label);
+}
 
 std::vector<Case> Cases() {
   return {
@@ -76,6 +86,10 @@ std::vector<Case> Cases() {
       {"llama_int4_channelwise", model::testing::kLlamaJson, -1, {{2, 1}}, 9103},
       {"qwen3_moe_int4_g32", model::testing::kQwen3MoeJson, 32, {{1, 1}, {2, 2}}, 9104},
       {"deepseek_int4_g128", model::testing::kDeepseekJson, 128, {{2, 2}}, 9105, kDeepseekIgnore},
+      // AWQ-Marlin and TensorRT-LLM layouts (docs/engine-formats.md): their CUDA kernels on the device.
+      {"qwen3_moe_awq_g32", model::testing::kQwen3MoeJson, 32, {{1, 1}, {2, 2}}, 9106, {}, "awq"},
+      {"llama_trtllm_sm80_g64", model::testing::kLlamaJson, 64, {{1, 1}, {2, 1}}, 9107, kIgnore, "trtllm-sm80"},
+      {"qwen3_moe_trtllm_sm90_g32", model::testing::kQwen3MoeJson, 32, {{1, 1}, {2, 2}}, 9108, kIgnore, "trtllm-sm90"},
   };
 }
 
@@ -87,7 +101,7 @@ TEST_P(RepackDevice, CommitOnTheDeviceEqualsTheHostBytes) {
   SCOPED_TRACE(absl::StrCat(tc.label, " seed ", tc.seed));
   const ModelConfig c = *ParseModelConfig(tc.config, tc.label);
   std::optional<QuantizationConfig> q;
-  if (tc.group != 0) q = *ParseQuantizationConfig(model::testing::QuantJson(tc.group, tc.ignore), tc.label);
+  if (tc.group != 0) q = QuantFor(tc);
   auto m = model::testing::MakeHfModel(c, q ? &*q : nullptr, tc.seed);
   ASSERT_TRUE(m.ok()) << m.status();
   for (const auto& [T, EP] : tc.tp_ep) {
