@@ -51,6 +51,9 @@ class SglangEngine:
     def __init__(self, host, url, *, api_key=None, timeout=600.0, bucket_bytes=256 << 20, tp_size=1):
         if tp_size != 1:
             raise WsyncError(12, f"SGLang with tensor parallelism {tp_size}: this adapter serves TP 1")
+        layout = json.loads(host.quant_json).get("engine_layout", "marlin") if host.quant_json else "marlin"
+        if layout != "marlin":  # docs/engine-formats.md: SGLang holds Marlin and AWQ-Marlin
+            raise WsyncError(12, f"SGLang holds Marlin weights; this engine declares engine_layout {layout!r}")
         self.host, self.url, self.timeout = host, url.rstrip("/"), timeout
         self.api_key, self.bucket_bytes = api_key, int(bucket_bytes)
         self._paused = False

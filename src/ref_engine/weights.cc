@@ -391,12 +391,7 @@ struct RankWeights::Impl {
           Where(), ": ", pname, ": Marlin needs K % 16 == 0 and N % 64 == 0, got [N, K] = [", N, ", ", K, "]"));
     RETURN_IF_ERROR(CheckShape(pname, *packed, {K / 16, 2 * N}));
     ASSIGN_OR_RETURN(TensorView scale, Get(sname));
-    RETURN_IF_ERROR(CheckDType(sname, scale, {DType::kBF16, DType::kF16}));
-    if (scale.rank() != 2 || scale.dim(1) != N)
-      return absl::InvalidArgumentError(absl::StrCat(Where(), ": parameter ", sname, " has shape ",
-                                                     ShapeToString(scale.shape()), ", want [K/G, ", N, "] (K = ", K,
-                                                     ")"));
-    ASSIGN_OR_RETURN(const int G, GroupFor(sname, K, scale.dim(0)));
+    ASSIGN_OR_RETURN(const int G, GroupScales(sname, scale, 1, false, N, K));
     return Marlin(wname, pname, *packed, sname, scale, 1, N, K, G, G != -1 && G < K, out, plan);
   }
 
@@ -430,9 +425,10 @@ struct RankWeights::Impl {
     return absl::OkStatus();
   }
 
-  // Scales [(E,) K/G, N] of a TensorRT-LLM weight and its group size.
-  absl::StatusOr<int> TrtllmScales(const std::string& sname, const TensorView& scale, int64_t E, bool stacked,
-                                   int64_t N, int64_t K) const {
+  // Checks group scales [(E,) K/G, N] (bf16 / fp16; Marlin's permuted, AWQ's, TensorRT-LLM's) and
+  // returns their group size.
+  absl::StatusOr<int> GroupScales(const std::string& sname, const TensorView& scale, int64_t E, bool stacked, int64_t N,
+                                  int64_t K) const {
     RETURN_IF_ERROR(CheckDType(sname, scale, {DType::kBF16, DType::kF16}));
     if (scale.rank() != (stacked ? 3 : 2) || scale.dim(scale.rank() - 1) != N || (stacked && scale.dim(0) != E))
       return absl::InvalidArgumentError(
@@ -456,7 +452,7 @@ struct RankWeights::Impl {
                                                      N, ", ", K, "]"));
     RETURN_IF_ERROR(CheckShape(wname, w, {K, N / 2}));
     ASSIGN_OR_RETURN(TensorView scale, Get(sname));
-    ASSIGN_OR_RETURN(const int G, TrtllmScales(sname, scale, 1, false, N, K));
+    ASSIGN_OR_RETURN(const int G, GroupScales(sname, scale, 1, false, N, K));
     TrtllmRef r{1, N, K, G == -1 ? K : G, TrtllmSm90(), false};
     return Trtllm(wname, w, sname, scale, r, out, plan);
   }
@@ -482,7 +478,7 @@ struct RankWeights::Impl {
       RETURN_IF_ERROR(CheckShape(part.name, w, {E, part.k, part.n / 2}));
       const std::string sname = part.name + "_scale";
       ASSIGN_OR_RETURN(TensorView scale, Get(sname));
-      ASSIGN_OR_RETURN(const int G, TrtllmScales(sname, scale, E, true, part.n, part.k));
+      ASSIGN_OR_RETURN(const int G, GroupScales(sname, scale, E, true, part.n, part.k));
       TrtllmRef r{E, part.n, part.k, G == -1 ? part.k : G, TrtllmSm90(), part.up_first};
       RETURN_IF_ERROR(Trtllm(part.name, w, sname, scale, r, part.out, plan));
     }
@@ -510,12 +506,7 @@ struct RankWeights::Impl {
           Where(), ": ", qname, ": AWQ-Marlin needs K % 16 == 0 and N % 64 == 0, got [N, K] = [", N, ", ", K, "]"));
     RETURN_IF_ERROR(CheckShape(qname, qweight, {K / 16, 2 * N}));
     ASSIGN_OR_RETURN(TensorView scale, Get(sname));
-    RETURN_IF_ERROR(CheckDType(sname, scale, {DType::kBF16, DType::kF16}));
-    if (scale.rank() != 2 || scale.dim(1) != N)
-      return absl::InvalidArgumentError(absl::StrCat(Where(), ": parameter ", sname, " has shape ",
-                                                     ShapeToString(scale.shape()), ", want [K/G, ", N, "] (K = ", K,
-                                                     ")"));
-    ASSIGN_OR_RETURN(const int G, GroupFor(sname, K, scale.dim(0)));
+    ASSIGN_OR_RETURN(const int G, GroupScales(sname, scale, 1, false, N, K));
     ASSIGN_OR_RETURN(TensorView zeros, Get(zname));
     RETURN_IF_ERROR(CheckDType(zname, zeros, {DType::kI32}));
     RETURN_IF_ERROR(CheckShape(zname, zeros, {scale.dim(0), N / 8}));

@@ -40,19 +40,10 @@ ctl=("$WSYNC_BIN/wsyncctl" --coordinator "$WSYNC_COORDINATOR" --token-file "$WSY
 "${ctl[@]}" verify --against "$WSYNC_HF" --quant-config "$W/awq.json" | grep -c ": bit-exact" | grep -qx 3 ||
   { echo "FAIL: the broadcast AWQ sync is not bit-exact on the 3 engine ranks"; exit 1; }
 echo "ok: a broadcast sync to the AWQ engines, bit-exact on all 3 engine ranks"
-gen() {
-  "${ctl[@]}" --json generate --engine "$1" --prompt 3,14,15,92 --max-new-tokens 8 |
-    python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])'
-}
 read -r -a engines <<< "$WSYNC_ENGINES"
-tp2=$(gen "${engines[0]}")
-tp1=$(gen "${engines[1]}")
-"$WSYNC_BIN/wsync-ref-engine" --model "$W/ckpt" --checkpoint "$W/ckpt" --engine-id from-awq-checkpoint \
-  --listen 127.0.0.1:0 --address-file "$W/ckpt-engine" --token-file "$WSYNC_TOKEN_FILE" > "$W/ckpt-engine.log" 2>&1 &
-pid=$!
-trap 'kill $pid 2>/dev/null || true' EXIT
-for _ in $(seq 300); do [ -s "$W/ckpt-engine" ] && break; sleep 0.1; done
-loaded=$(gen "$(cat "$W/ckpt-engine")")
+tp2=$("$T" "${engines[0]}")
+tp1=$("$T" "${engines[1]}")
+loaded=$("$T" --checkpoint "$W/ckpt" "$W")
 echo "synced engine TP 2 x EP 2:  $tp2"
 echo "synced engine TP 1:         $tp1"
 echo "AWQ checkpoint engine:      $loaded"
@@ -60,7 +51,7 @@ echo "AWQ checkpoint engine:      $loaded"
   { echo "FAIL: the synced AWQ engines generate differently from the AWQ checkpoint"; exit 1; }
 echo "ok: both synced engines generate as an engine started from the AWQ checkpoint"
 THEN
-WSYNC_BIN="$bin" W="$w" "$here/tools/wsync-local" --source "$w/src" --quant-config "$w/awq.json" --hf "$w/hf" \
+WSYNC_BIN="$bin" W="$w" T="$here/tests/integration/e2e_tokens.sh" "$here/tools/wsync-local" --source "$w/src" --quant-config "$w/awq.json" --hf "$w/hf" \
   --verify --syncs 2 --rollout-engines 2 --engine-tp 2,1 --engine-ep 2,1 --delivery sharded --bucket-mib 1 \
   --workdir "$w/run" --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"
 echo "e2e_awq: ok"

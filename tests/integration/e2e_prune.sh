@@ -33,21 +33,14 @@ ctl=("$WSYNC_BIN/wsyncctl" --coordinator "$WSYNC_COORDINATOR" --token-file "$WSY
 "${ctl[@]}" verify --against "$WSYNC_HF" | grep -c ": bit-exact" | grep -qx 2 ||
   { echo "FAIL: the broadcast sync of the pruned model is not bit-exact"; exit 1; }
 echo "ok: a broadcast sync of the pruned model, bit-exact on both engine ranks"
-synced=$("${ctl[@]}" --json generate --engine "$WSYNC_ENGINES" --prompt 3,14,15,92 --max-new-tokens 8 |
-         python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])')
-"$WSYNC_BIN/wsync-ref-engine" --model "$WSYNC_HF" --checkpoint "$WSYNC_HF" --engine-id from-checkpoint \
-  --listen 127.0.0.1:0 --address-file "$W/ckpt-engine" --token-file "$WSYNC_TOKEN_FILE" > "$W/ckpt-engine.log" 2>&1 &
-pid=$!
-trap 'kill $pid 2>/dev/null || true' EXIT
-for _ in $(seq 300); do [ -s "$W/ckpt-engine" ] && break; sleep 0.1; done
-loaded=$("${ctl[@]}" --json generate --engine "$(cat "$W/ckpt-engine")" --prompt 3,14,15,92 --max-new-tokens 8 |
-         python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])')
+synced=$("$T" "$WSYNC_ENGINES")
+loaded=$("$T" --checkpoint "$WSYNC_HF" "$W")
 echo "synced engine:      $synced"
 echo "checkpoint engine:  $loaded"
 [ "$synced" = "$loaded" ] || { echo "FAIL: the synced engine generates differently from the pruned checkpoint"; exit 1; }
 echo "ok: the synced engine generates as an engine started from the pruned checkpoint"
 THEN
-WSYNC_BIN="$bin" W="$w" "$here/tools/wsync-local" --source "$w/src" --expert-map "$w/map.json" --hf "$w/hf_pruned" \
+WSYNC_BIN="$bin" W="$w" T="$here/tests/integration/e2e_tokens.sh" "$here/tools/wsync-local" --source "$w/src" --expert-map "$w/map.json" --hf "$w/hf_pruned" \
   --verify --syncs 2 --engine-tp 2 --engine-ep 2 --delivery sharded --bucket-mib 1 --workdir "$w/run" \
   --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"
 echo "e2e_prune: ok"

@@ -74,6 +74,7 @@ echo "e2e_rejoin: agent 1 restarted on $(cat "$work/agent-1") (was $old_port): e
 # commits the version its staging holds into the new memory, and the engine serves version $v
 # again, bit-exact on both ranks, with no new sync; the dead process's shm segment is removed.
 for r in 1 0; do
+  killed=${engine_pid[$r]}
   kill -KILL "${engine_pid[$r]}"
   wait "${engine_pid[$r]}" 2>/dev/null || true
   t0=$(date +%s.%N)
@@ -92,8 +93,12 @@ for r in 1 0; do
     fail "engine rank $r was not told of the catch-up (it would serve its checkpoint meanwhile)"
   "${ctl[@]}" verify --against "$work/hf" | grep -c "version $v: bit-exact" | grep -qx 2 ||
     fail "after rank $r came back the engine is not bit-exact on version $v"
-  n=$(find /dev/shm -maxdepth 1 -name "wsync-engine-engine-0-r$r-*" | wc -l)
-  [ "$n" = 1 ] || fail "$n shm segments of engine rank $r in /dev/shm (the killed one's was not removed)"
+  # Segments are named wsync-engine-<id>-r<rank>-<pid>-<nonce>: only this deployment's processes
+  # count (other deployments on the machine, e.g. a concurrent test, may use the same engine id).
+  n=$(find /dev/shm -maxdepth 1 -name "wsync-engine-engine-0-r$r-$killed-*" | wc -l)
+  [ "$n" = 0 ] || fail "the shm segment of the killed engine rank $r (pid $killed) was not removed"
+  n=$(find /dev/shm -maxdepth 1 -name "wsync-engine-engine-0-r$r-${engine_pid[$r]}-*" | wc -l)
+  [ "$n" = 1 ] || fail "$n shm segments of the restarted engine rank $r (pid ${engine_pid[$r]}) in /dev/shm"
   echo "e2e_rejoin: engine rank $r killed and started again: TP group re-formed, caught up from the agent's staging, serving version $v bit-exact $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }') s after the start"
 done
 v2=$(e2e_sync_verified "after both engine ranks came back" 2)

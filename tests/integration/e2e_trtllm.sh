@@ -33,20 +33,10 @@ ctl=("$WSYNC_BIN/wsyncctl" --coordinator "$WSYNC_COORDINATOR" --token-file "$WSY
 "${ctl[@]}" verify --against "$WSYNC_HF" | grep -c ": bit-exact" | grep -qx 3 ||
   { echo "FAIL: the broadcast sync is not bit-exact on the 3 TensorRT-LLM engine ranks"; exit 1; }
 echo "ok: a broadcast sync to the TensorRT-LLM-layout engines, bit-exact on all 3 engine ranks"
-gen() {
-  "${ctl[@]}" --json generate --engine "$1" --prompt 3,14,15,92 --max-new-tokens 8 |
-    python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])'
-}
 read -r -a engines <<< "$WSYNC_ENGINES"
-sm80=$(gen "${engines[0]}")
-sm90=$(gen "${engines[1]}")
-"$WSYNC_BIN/wsync-ref-engine" --model "$WSYNC_HF" --checkpoint "$WSYNC_HF" --quant-config "$W/marlin.json" \
-  --engine-id marlin-from-checkpoint --listen 127.0.0.1:0 --address-file "$W/ckpt-engine" \
-  --token-file "$WSYNC_TOKEN_FILE" > "$W/ckpt-engine.log" 2>&1 &
-pid=$!
-trap 'kill $pid 2>/dev/null || true' EXIT
-for _ in $(seq 300); do [ -s "$W/ckpt-engine" ] && break; sleep 0.1; done
-marlin=$(gen "$(cat "$W/ckpt-engine")")
+sm80=$("$T" "${engines[0]}")
+sm90=$("$T" "${engines[1]}")
+marlin=$("$T" --checkpoint "$WSYNC_HF" "$W" --quant-config "$W/marlin.json")
 echo "synced TensorRT-LLM sm80 engine (TP 2 x EP 2): $sm80"
 echo "synced TensorRT-LLM sm90 engine (TP 1):        $sm90"
 echo "Marlin engine from the checkpoint:             $marlin"
@@ -54,9 +44,8 @@ echo "Marlin engine from the checkpoint:             $marlin"
   { echo "FAIL: the TensorRT-LLM-layout engines generate differently from the Marlin engine"; exit 1; }
 echo "ok: both TensorRT-LLM-layout engines generate as a Marlin engine of the same checkpoint"
 THEN
-# Each engine declares its own layout (--engine-flags apply to every engine: the second engine's
-# config is given by a per-engine quant file through wsync-local's --quant-config list).
-WSYNC_BIN="$bin" W="$w" "$here/tools/wsync-local" --source "$w/src" --quant-config "$w/sm80.json,$w/sm90.json" \
+# Each engine declares its own layout: one quant file per engine (the trainer side takes the first).
+WSYNC_BIN="$bin" W="$w" T="$here/tests/integration/e2e_tokens.sh" "$here/tools/wsync-local" --source "$w/src" --quant-config "$w/sm80.json,$w/sm90.json" \
   --hf "$w/hf" --verify --syncs 2 --rollout-engines 2 --engine-tp 2,1 --engine-ep 2,1 --delivery sharded \
   --bucket-mib 1 --workdir "$w/run" --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"
 echo "e2e_trtllm: ok"

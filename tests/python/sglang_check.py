@@ -12,6 +12,7 @@ has another shape (named, nothing served), a server that is not there, SGLang TP
 """
 
 import argparse
+import json
 import sys
 
 import torch
@@ -95,6 +96,17 @@ def check_refusals(hf):
         assert "SGLang at http://127.0.0.1:1" in str(e), e
         e = raises(lambda: SglangEngine(host, "http://127.0.0.1:1", tp_size=2))
         assert e.code_name == "UNIMPLEMENTED"
+    finally:
+        host.close()
+    # An engine that declares TensorRT-LLM's layout is not an SGLang engine (docs/engine-formats.md).
+    trtllm = {"quant_method": "compressed-tensors", "format": "pack-quantized", "engine_layout": "trtllm-sm80",
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                  "num_bits": 4, "type": "int", "strategy": "group", "group_size": 64, "symmetric": True}}},
+              "ignore": ["lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"]}
+    host = EngineHost("sgl-trtllm", config, agent="127.0.0.1:1", quant_json=json.dumps(trtllm))
+    try:
+        e = raises(lambda: SglangEngine(host, "http://127.0.0.1:1"))
+        assert e.code_name == "UNIMPLEMENTED" and "trtllm-sm80" in str(e), e
     finally:
         host.close()
 
