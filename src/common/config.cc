@@ -271,6 +271,21 @@ bool IgnoreRule::Matches(absl::string_view name) const {
   return absl::StartsWith(name, text);
 }
 
+std::string QuantizationConfig::Canonical() const {
+  std::vector<std::string> rules;
+  for (const IgnoreRule& r : ignore) rules.push_back(r.substring ? absl::StrCat("~", r.text) : r.text);
+  return absl::StrCat(quant_method, "|", format, "|", num_bits, "|", type, "|", strategy, "|", group_size, "|",
+                      symmetric, "|", dynamic, "|", actorder, "|", absl::StrJoin(targets, ","), "|",
+                      absl::StrJoin(rules, "\n"));
+}
+
+std::string QuantizationConfig::Describe() const {
+  return absl::StrCat(quant_method, " ", format, " ", num_bits, "-bit ",
+                      group_size == -1 ? std::string("channelwise") : absl::StrCat("group ", group_size),
+                      symmetric ? " symmetric" : " with zero points", ", ", ignore.size(), " ignore rule",
+                      ignore.size() == 1 ? "" : "s");
+}
+
 bool QuantizationConfig::IsIgnored(absl::string_view param_name) const {
   absl::string_view module = param_name;
   absl::ConsumeSuffix(&module, ".weight");

@@ -93,6 +93,12 @@ struct QuantizationConfig {
   absl::Status CheckInt4Supported() const;
   // quant_method "awq": asymmetric INT4 with zero points, AWQ tensors (qweight / qzeros / scales).
   bool is_awq() const { return quant_method == "awq"; }
+  // Every setting that decides what a sync sends, on one line (engine_layout excluded: engines
+  // that hold different layouts of one quantization are sent the same tensors). Equal strings:
+  // configs that quantize alike.
+  std::string Canonical() const;
+  // For messages: "awq gemm 4-bit group 128 with zero points, 3 ignore rules".
+  std::string Describe() const;
 };
 
 struct MoeConfig {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Syncs to engines that hold TensorRT-LLM's INT4 layout end to end (docs/engine-formats.md,
 # docs/spec/TRTLLM_INT4.md): a Qwen3-MoE checkpoint cut for TP 2 x EP 2 x DP 2, trainer agents under
-# mpirun quantizing to compressed-tensors INT4 as for a Marlin engine, two reference engines that
+# mpirun given no quantization config, quantizing to compressed-tensors INT4 because the engines
+# declare it (as for a Marlin engine), two reference engines that
 # declare "engine_layout": "trtllm-sm80" (TP 2 x EP 2) and "trtllm-sm90" (TP 1), whose rollout
 # agents preprocess into TensorRT-LLM's W4A16 bytes (up_proj before gate_proj in w3_w1). Two sharded
 # syncs and a broadcast one, each verified bit for bit; then a Marlin engine started from the same
@@ -29,6 +30,9 @@ quant marlin > "$w/marlin.json"
 cat > "$w/then.sh" <<'THEN'
 set -euo pipefail
 ctl=("$WSYNC_BIN/wsyncctl" --coordinator "$WSYNC_COORDINATOR" --token-file "$WSYNC_TOKEN_FILE")
+grep -q "compressed-tensors pack-quantized 4-bit group 64 symmetric, 3 ignore rules (as the engines declare)" \
+  "$WSYNC_WORKDIR/logs/trainer.log" || { echo "FAIL: the trainer agents did not follow the engines' quantization"; exit 1; }
+echo "ok: the trainer agents, given no --quant-config, quantize as the engines declare"
 "${ctl[@]}" sync --wait --delivery broadcast > /dev/null
 "${ctl[@]}" verify --against "$WSYNC_HF" | grep -c ": bit-exact" | grep -qx 3 ||
   { echo "FAIL: the broadcast sync is not bit-exact on the 3 TensorRT-LLM engine ranks"; exit 1; }
@@ -44,7 +48,8 @@ echo "Marlin engine from the checkpoint:             $marlin"
   { echo "FAIL: the TensorRT-LLM-layout engines generate differently from the Marlin engine"; exit 1; }
 echo "ok: both TensorRT-LLM-layout engines generate as a Marlin engine of the same checkpoint"
 THEN
-# Each engine declares its own layout: one quant file per engine (the trainer side takes the first).
+# Each engine declares its own layout: one quant file per engine; the trainer agents get none and
+# quantize as the engines declare (docs/engine-formats.md).
 WSYNC_BIN="$bin" W="$w" T="$here/tests/integration/e2e_tokens.sh" "$here/tools/wsync-local" --source "$w/src" --quant-config "$w/sm80.json,$w/sm90.json" \
   --hf "$w/hf" --verify --syncs 2 --rollout-engines 2 --engine-tp 2,1 --engine-ep 2,1 --delivery sharded \
   --bucket-mib 1 --workdir "$w/run" --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"

@@ -705,6 +705,7 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
     join.set_tp_size(req.tp_size());
     join.set_ep_size(static_cast<uint32_t>(ep));
     join.set_version(req.version());
+    join.set_quantization_config_json(req.quantization_config_json());
     membership_->Update(join);
     // A restarted agent: the coordinator's answer says whether a peer can give the engine the
     // published version; if so the engine may hold requests until it is committed.

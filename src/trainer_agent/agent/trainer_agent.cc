@@ -50,6 +50,7 @@ struct Command {
   uint32_t num_groups = 0;  // receiver groups (sharded)
   uint32_t bucket_mac = 0;  // 1: buckets are authenticated with bucket_mac_key (comm/bucket/bucket_mac.h)
   char bucket_mac_key[comm::kBucketMacKeyBytes] = {};
+  uint32_t quant_json_bytes = 0;  // SyncPlan::engine_quant_json, in a Broadcast after the groups
 };
 
 // One receiver group of a sharded sync (SyncPlan::receiver_groups, group_agents), broadcast after
@@ -324,6 +325,7 @@ class Agent {
             cmd.bucket_mac = 1;
             std::memcpy(cmd.bucket_mac_key, plan->bucket_mac_key.data(), sizeof(cmd.bucket_mac_key));
           }
+          cmd.quant_json_bytes = static_cast<uint32_t>(plan->engine_quant_json.size());
         } else {
           cmd.type = kStop;
         }
@@ -342,7 +344,14 @@ class Agent {
         comm::MutableBytes gb{groups.data(), groups.size() * sizeof(GroupDesc)};
         RETURN_IF_ERROR(Annotate(comm::Await(world_->Broadcast({&gb, 1}, 0, forever)), "command channel (groups)"));
       }
-      auto report = RunSync(cmd, groups);
+      std::string engine_quant(cmd.quant_json_bytes, '\0');
+      if (cmd.quant_json_bytes > 0) {
+        if (world_->rank() == 0) engine_quant = plan->engine_quant_json;
+        comm::MutableBytes qb{engine_quant.data(), engine_quant.size()};
+        RETURN_IF_ERROR(
+            Annotate(comm::Await(world_->Broadcast({&qb, 1}, 0, forever)), "command channel (quantization)"));
+      }
+      auto report = RunSync(cmd, groups, engine_quant);
       if (world_->rank() == 0) channel->Complete(cmd.sync_id, std::move(report));
       RequestHeapTrim();  // between syncs: what this one freed goes back to the kernel (common/heap.h)
     }
@@ -363,7 +372,7 @@ class Agent {
                                std::unique_ptr<plan::ShardedSink>* out) {
     std::vector<rollout_agent::EngineParallel> parallel;
     for (const GroupDesc& g : groups) parallel.push_back({g.tp_size, g.tp_rank, g.ep_size});
-    const std::optional<QuantizationConfig>& q = opts_.quant ? opts_.quant : src.model().quantization;
+    const std::optional<QuantizationConfig>& q = sync_quant_;
     // The plan is computed once and kept while the receiver groups, the model and the quantization
     // stay the same (the membership decides the groups): building one engine layout per group
     // costs about a second for a 1T model.
@@ -405,7 +414,25 @@ class Agent {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<TrainerReport> RunSync(const Command& cmd, const std::vector<GroupDesc>& groups) {
+  // The quantization of a sync (docs/engine-formats.md): the trainer's --quant-config when given,
+  // which must be the one the engines registered (`engine_quant`, "" for bf16 engines), else theirs.
+  // kFailedPrecondition naming both when they differ.
+  absl::StatusOr<std::optional<QuantizationConfig>> SyncQuantization(const std::string& engine_quant) const {
+    std::optional<QuantizationConfig> engines;
+    if (!engine_quant.empty()) {
+      ASSIGN_OR_RETURN(engines, ParseQuantizationConfig(engine_quant, "the engines' quantization_config"));
+    }
+    if (!opts_.quant) return engines;
+    if (!engines || engines->Canonical() != opts_.quant->Canonical())
+      return absl::FailedPreconditionError(
+          absl::StrCat("the trainer's --quant-config (", opts_.quant->Describe(), ") is not what the engines serve (",
+                       engines ? engines->Describe() : std::string("bf16"),
+                       "); give the trainer the engines' config, or none: it then quantizes as the engines declare"));
+    return opts_.quant;
+  }
+
+  absl::StatusOr<TrainerReport> RunSync(const Command& cmd, const std::vector<GroupDesc>& groups,
+                                        const std::string& engine_quant) {
     const int rank = world_->rank();
     const int stage = layout_->Dense(rank).pp;
     const bool is_source = layout_->IsStageSource(rank);
@@ -438,6 +465,18 @@ class Agent {
         src = &*dir_source;
       } else {
         s = d.status();
+      }
+    }
+    if (s.ok()) {
+      absl::StatusOr<std::optional<QuantizationConfig>> q = SyncQuantization(engine_quant);
+      if (q.ok()) {
+        sync_quant_ = *std::move(q);
+        if (rank == 0)
+          WSYNC_LOG(INFO) << "sync " << cmd.sync_id << ": " << (sync_quant_ ? sync_quant_->Describe() : "bf16")
+                          << (opts_.quant ? " (--quant-config, what the engines declare)"
+                                          : " (as the engines declare)");
+      } else {
+        s = q.status();
       }
     }
     // The world's collectives of a sync wait for the slowest rank, and a stage source legitimately
@@ -491,8 +530,7 @@ class Agent {
       SyncOptions so;
       so.version = cmd.version;
       so.bucket_bytes = opts_.bucket_bytes;
-      const std::optional<QuantizationConfig>& q = opts_.quant ? opts_.quant : src->model().quantization;
-      so.quant = q ? &*q : nullptr;
+      so.quant = sync_quant_ ? &*sync_quant_ : nullptr;
       so.quant_threads = opts_.quant_threads;
       so.expert_map = opts_.expert_map ? &*opts_.expert_map : nullptr;
       // The TP/EP gathers wait for peers that may be stuck up to `timeout` in a failing data-plane
@@ -602,6 +640,7 @@ class Agent {
   // Sharded delivery: the plan of the last sharded sync, and what it was made for.
   std::shared_ptr<const plan::ShardPlan> plan_;
   std::string plan_key_;
+  std::optional<QuantizationConfig> sync_quant_;  // the running sync's (SyncQuantization)
   // Bucket buffers kept across syncs (stage sources only): two on the wire + the one being built.
   BufferPool bucket_pool_{3};
   std::unique_ptr<comm::Store> store_;

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -167,12 +168,13 @@ class SyncCoordinatorTest : public ::testing::Test {
   // Without an engine id, each address serves an engine of its own ("e@<address>"): agents of one
   // engine rank replace each other (SyncCoordinator::Join).
   std::string Join(const std::string& address, uint32_t tp_rank = 0, uint32_t tp_size = 1,
-                   const std::string& engine = "") {
+                   const std::string& engine = "", const std::string& quant_json = "") {
     v1::JoinRequest req;
     req.set_agent_address(address);
     req.set_engine_id(engine.empty() ? "e@" + address : engine);
     req.set_tp_rank(tp_rank);
     req.set_tp_size(tp_size);
+    req.set_quantization_config_json(quant_json);
     v1::JoinReply reply;
     EXPECT_TRUE(coordinator_->Join(req, &reply).ok());
     return reply.agent_id();
@@ -380,6 +382,37 @@ TEST_F(SyncCoordinatorTest, AFailedBeginNeverStartsTheTrainer) {
   ASSERT_TRUE(t.ok());
   EXPECT_EQ(Finish(t->sync_id()).phase(), "failed");
   EXPECT_TRUE(trainer_.plans().empty());
+}
+
+// The engines' quantization_config reaches the trainer side in the plan (docs/engine-formats.md):
+// engines that hold different layouts of one quantization sync together; engines of different
+// quantizations are refused before any agent is called, naming them.
+TEST_F(SyncCoordinatorTest, TheEnginesQuantizationReachesTheTrainerAndMustAgree) {
+  const std::string ct = R"({"quant_method": "compressed-tensors", "format": "pack-quantized",
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+    "strategy": "group", "group_size": 64, "symmetric": true}}}, "ignore": ["lm_head"]})";
+  std::string trtllm = ct;
+  trtllm.insert(1, R"("engine_layout": "trtllm-sm80", )");
+  const std::string awq = R"({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": true})";
+  Make();
+  Join("a:1", 0, 1, "marlin", ct);
+  Join("a:2", 0, 1, "trtllm", trtllm);
+  auto t = Trigger();
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(Finish(t->sync_id()).phase(), "done");
+  ASSERT_EQ(trainer_.plans().size(), 1u);
+  const std::string got = trainer_.plans()[0].engine_quant_json;
+  EXPECT_TRUE(got == ct || got == trtllm) << got;
+  Join("a:3", 0, 1, "awq", awq);
+  t = Trigger();
+  ASSERT_TRUE(t.ok()) << t.status();
+  const v1::SyncEvent e = Finish(t->sync_id());
+  EXPECT_EQ(e.phase(), "failed");
+  EXPECT_THAT(e.error(), HasSubstr("the engines serve different quantizations"));
+  EXPECT_THAT(e.error(), HasSubstr("marlin, trtllm: compressed-tensors pack-quantized 4-bit group 64 symmetric"));
+  EXPECT_THAT(e.error(), HasSubstr("awq: awq gemm 4-bit group 64 with zero points"));
+  EXPECT_EQ(trainer_.plans().size(), 1u);  // the trainer never ran, no agent began the sync
+  for (const std::string& call : Agent("a:3")->calls()) EXPECT_FALSE(absl::StartsWith(call, "Begin")) << call;
 }
 
 TEST_F(SyncCoordinatorTest, ABusyTriggerIsRefusedOrQueued) {

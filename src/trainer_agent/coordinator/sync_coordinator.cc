@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 #include <random>
+#include <set>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -53,11 +55,50 @@ Histogram* HistogramOf(MetricsRegistry* m, absl::string_view name, absl::string_
 
 struct SyncCoordinator::Member {
   std::string id, address, engine_id;
+  std::string quant_json;  // the engine's quantization_config ("" = bf16)
   uint32_t tp_rank = 0, tp_size = 1, ep_size = 1;
   uint64_t version = 0;
   absl::Time last_seen;
   std::shared_ptr<AgentClient> client;
 };
+
+namespace {
+
+// The quantization_config every member's engine registered, when they describe one quantization
+// (QuantizationConfig::Canonical; the engine layouts may differ): one of the JSON texts, "" for bf16
+// engines. kFailedPrecondition naming the engines of each quantization when they differ, or an
+// engine whose config does not parse.
+template <typename Member>
+absl::StatusOr<std::string> EnginesQuantization(const std::vector<Member>& members) {
+  struct Kind {
+    std::string json, description;
+    std::set<std::string> engines;
+  };
+  std::map<std::string, Kind> by;  // QuantizationConfig::Canonical (or "bf16") -> engines
+  for (const Member& m : members) {
+    std::string canonical = "bf16", description = "bf16";
+    if (!m.quant_json.empty()) {
+      absl::StatusOr<QuantizationConfig> q =
+          ParseQuantizationConfig(m.quant_json, absl::StrCat("engine ", m.engine_id, "'s quantization_config"));
+      if (!q.ok()) return absl::FailedPreconditionError(q.status().message());
+      canonical = q->Canonical();
+      description = q->Describe();
+    }
+    Kind& k = by[canonical];
+    if (k.engines.empty()) k = {m.quant_json, description, {}};
+    k.engines.insert(m.engine_id);
+  }
+  if (by.size() <= 1) return by.empty() ? std::string() : by.begin()->second.json;
+  std::vector<std::string> parts;
+  for (const auto& [canonical, k] : by)
+    parts.push_back(absl::StrCat(absl::StrJoin(k.engines, ", "), ": ", k.description));
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the engines serve different quantizations (", absl::StrJoin(parts, "; "),
+      "); one sync sends one, so every engine must declare the same quantization_config (their engine_layout "
+      "may differ)"));
+}
+
+}  // namespace
 
 struct SyncCoordinator::SyncRecord {
   uint64_t id = 0, version = 0;
@@ -123,6 +164,7 @@ absl::Status SyncCoordinator::Join(const v1::JoinRequest& req, v1::JoinReply* re
   m.tp_rank = req.tp_rank();
   m.tp_size = req.tp_size();
   m.ep_size = std::max<uint32_t>(req.ep_size(), 1);
+  m.quant_json = req.quantization_config_json();
   m.version = req.version();
   m.last_seen = absl::Now();
   m.client = connect_(m.address);
@@ -437,6 +479,14 @@ void SyncCoordinator::RunSync(uint64_t id) {
     plan.sync_id = id;
     plan.version = rec.version;
     plan.delivery = rec.delivery;
+    if (fleet.ok()) {
+      absl::StatusOr<std::string> q = EnginesQuantization(members);
+      if (q.ok()) {
+        plan.engine_quant_json = *std::move(q);
+      } else {
+        fleet = q.status();
+      }
+    }
     for (auto& m : members) {
       v1::MemberState ms;
       ms.set_agent_id(m.id);

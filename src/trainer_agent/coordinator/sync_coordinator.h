@@ -65,6 +65,10 @@ struct SyncPlan {
   // The sync's bucket key (comm/bucket/bucket_mac.h): 32 random bytes, or empty when buckets are
   // not authenticated (SyncCoordinatorOptions::bucket_mac).
   std::string bucket_mac_key;
+  // The quantization_config the engines registered (JoinRequest), one quantization for all of them
+  // (their engine layouts may differ; otherwise the sync is refused before it starts); "" when
+  // they serve bf16. The trainer quantizes as it says unless it has a --quant-config of its own.
+  std::string engine_quant_json;
 };
 
 struct PhaseTime {

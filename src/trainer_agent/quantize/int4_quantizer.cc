@@ -87,11 +87,7 @@ std::string QuantFingerprint(const QuantizationConfig* quant, kernels::QuantVari
                              kernels::AwqArith awq_arith) {
   if (quant == nullptr) return "quant none";
   const QuantizationConfig& q = *quant;
-  std::vector<std::string> ignore;
-  for (const IgnoreRule& r : q.ignore) ignore.push_back(r.substring ? absl::StrCat("~", r.text) : r.text);
-  return absl::StrCat("quant ", q.quant_method, "|", q.format, "|", q.num_bits, "|", q.type, "|", q.strategy, "|",
-                      q.group_size, "|", q.symmetric, "|", q.dynamic, "|", q.actorder, "|",
-                      absl::StrJoin(q.targets, ","), "|", absl::StrJoin(ignore, "\n"), "|",
+  return absl::StrCat("quant ", q.Canonical(), "|",
                       q.is_awq() ? (awq_arith == kernels::AwqArith::kFp16 ? "awq-fp16" : "awq-fp32")
                                  : (variant == kernels::QuantVariant::kQat ? "qat" : "slime"));
 }
