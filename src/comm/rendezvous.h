@@ -6,8 +6,10 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "comm/store/store.h"
 
@@ -18,5 +20,10 @@ namespace wsync::comm {
 // `cancelled` (may be empty) is polled every 200 ms: true gives kCancelled.
 absl::Status JoinGroup(Store& store, const std::string& group, int rank, int size, const std::string& value,
                        absl::Duration timeout, const std::function<bool()>& cancelled = {});
+
+// store.Wait(keys, timeout), in slices of 200 ms between which `cancelled` (may be empty: one
+// plain Wait) is polled: true gives kCancelled naming `what`.
+absl::Status WaitUnlessCancelled(Store& store, const std::vector<std::string>& keys, absl::Duration timeout,
+                                 const std::function<bool()>& cancelled, absl::string_view what);
 
 }  // namespace wsync::comm

@@ -8,9 +8,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -222,6 +224,37 @@ TEST(CommFactoryTest, SingleMemberGroupWorksInProcess) {
     absl::Status later = comm::Await((*comm)->Barrier());
     EXPECT_TRUE(absl::IsAborted(later)) << later;
     EXPECT_NE(later.message().find("done"), std::string::npos) << later;
+  }
+}
+
+// A member that joined the rendezvous and then went away (an agent that aborted its sync): the one
+// still forming the group stops when its `cancelled` says so, while joining and while connecting
+// the mesh, not after its join timeout.
+TEST(CommFactoryTest, ACancelledFormationEndsAtOnce) {
+  for (const bool peer_joined : {false, true}) {
+    SCOPED_TRACE(peer_joined ? "connecting the mesh" : "joining");
+    comm::MemoryStore store;
+    if (peer_joined) {
+      ASSERT_TRUE(store.Set("gone/joined/1", "127.0.0.1").ok());
+    }
+    std::atomic<bool> cancel{false};
+    comm::GroupOptions opts;
+    opts.store = &store;
+    opts.name = "gone";
+    opts.size = 2;
+    opts.join_timeout = absl::Seconds(30);
+    opts.cancelled = [&cancel] { return cancel.load(); };
+    std::thread canceller([&cancel] {
+      absl::SleepFor(absl::Milliseconds(300));
+      cancel = true;
+    });
+    const absl::Time t0 = absl::Now();
+    auto comm = comm::CreateGroup(comm::Backend::kGloo, opts);
+    const absl::Duration took = absl::Now() - t0;
+    canceller.join();
+    EXPECT_TRUE(absl::IsCancelled(comm.status())) << comm.status();
+    EXPECT_NE(comm.status().message().find(peer_joined ? "mesh" : "joining"), std::string::npos) << comm.status();
+    EXPECT_LT(took, absl::Seconds(3));
   }
 }
 

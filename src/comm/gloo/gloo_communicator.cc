@@ -5,6 +5,7 @@
 #include <csignal>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -33,13 +34,15 @@ std::chrono::milliseconds ToMillis(absl::Duration d) {
 // Gloo's rendezvous interface over a wsync Store, under a key prefix. Gloo expects exceptions.
 class GlooStore : public gloo::rendezvous::Store {
  public:
-  GlooStore(comm::Store* store, std::string prefix, absl::Duration timeout)
-      : store_(store), prefix_(std::move(prefix)), timeout_(timeout) {}
+  // `cancelled` (may be empty) is polled while waiting for peers' keys (comm/rendezvous.h).
+  GlooStore(comm::Store* store, std::string prefix, absl::Duration timeout, std::function<bool()> cancelled)
+      : store_(store), prefix_(std::move(prefix)), timeout_(timeout), cancelled_(std::move(cancelled)) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
     Throw(store_->Set(prefix_ + key, std::string(data.begin(), data.end())));
   }
   std::vector<char> get(const std::string& key) override {
+    Throw(WaitUnlessCancelled(*store_, {prefix_ + key}, timeout_, cancelled_, "connecting the mesh"));
     auto v = store_->Get(prefix_ + key, timeout_);
     Throw(v.status());
     return std::vector<char>(v->begin(), v->end());
@@ -48,16 +51,20 @@ class GlooStore : public gloo::rendezvous::Store {
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
     std::vector<std::string> full;
     for (const auto& k : keys) full.push_back(prefix_ + k);
-    Throw(store_->Wait(full, absl::Milliseconds(timeout.count())));
+    Throw(WaitUnlessCancelled(*store_, full, absl::Milliseconds(timeout.count()), cancelled_, "connecting the mesh"));
   }
+  bool was_cancelled() const { return cancelled_hit_; }
 
  private:
-  static void Throw(const absl::Status& s) {
+  void Throw(const absl::Status& s) {
+    if (absl::IsCancelled(s)) cancelled_hit_ = true;
     if (!s.ok()) throw gloo::IoException(std::string(s.ToString()));
   }
   comm::Store* store_;
   std::string prefix_;
   absl::Duration timeout_;
+  std::function<bool()> cancelled_;
+  bool cancelled_hit_ = false;
 };
 
 }  // namespace
@@ -166,14 +173,15 @@ absl::StatusOr<std::unique_ptr<Communicator>> GlooCommunicator::Create(const Gro
   // Connect the full mesh through the same store.
   const absl::Duration remaining = std::max(deadline - absl::Now(), absl::Seconds(1));
   auto context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.size);
+  GlooStore gstore(&store, absl::StrCat(options.name, "/mesh/"), remaining, options.cancelled);
   try {
     gloo::transport::tcp::attr attr(options.host.c_str());
     auto device = gloo::transport::tcp::CreateDevice(attr);
     context->setTimeout(ToMillis(remaining));
-    GlooStore gstore(&store, absl::StrCat(options.name, "/mesh/"), remaining);
     context->connectFullMesh(gstore, device);
     context->setTimeout(ToMillis(options.default_timeout));
   } catch (const std::exception& e) {
+    if (gstore.was_cancelled()) return absl::CancelledError(absl::StrCat(where, ": connecting the mesh was cancelled"));
     return absl::UnavailableError(absl::StrCat(where, ": connecting the mesh failed: ", e.what()));
   }
   auto monitor = LinkMonitor::Create(store, absl::StrCat(options.name, "/link/"), options.rank, options.size,

@@ -118,6 +118,23 @@ class CommandChannel final : public TrainerSide {
     return r;
   }
 
+  uint64_t draining_sync() override {
+    absl::MutexLock lock(&mu_);
+    return running_ != waiting_for_ ? running_ : 0;
+  }
+  absl::Status AwaitIdle(absl::Time deadline) override {
+    absl::MutexLock lock(&mu_);
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return running_ == 0 || closed_; };
+    mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+    if (closed_) return absl::UnavailableError("the trainer agents are shutting down");
+    if (running_ != 0)
+      return absl::DeadlineExceededError(
+          absl::StrCat("the trainer ranks were still running sync ", running_,
+                       " (given up on after its timeout) a whole sync timeout later; a rank may be hung (its "
+                       "trainer agent's log and `wsyncctl status` name the ranks that stopped beating)"));
+    return absl::OkStatus();
+  }
+
   // Main loop: the next plan, or nullopt after `poll` without one.
   std::optional<SyncPlan> Next(absl::Duration poll) {
     absl::MutexLock lock(&mu_);
@@ -125,10 +142,12 @@ class CommandChannel final : public TrainerSide {
     mu_.AwaitWithTimeout(absl::Condition(&has), poll);
     auto p = std::move(pending_);
     pending_.reset();
+    if (p) running_ = p->sync_id;
     return p;
   }
   void Complete(uint64_t sync_id, absl::StatusOr<TrainerReport> r) {
     absl::MutexLock lock(&mu_);
+    if (running_ == sync_id) running_ = 0;
     if (sync_id != waiting_for_) {
       WSYNC_LOG(WARNING) << "sync " << sync_id << " finished on the trainer ranks after its timeout: "
                          << (r.ok() ? absl::OkStatus() : r.status());
@@ -182,6 +201,7 @@ class CommandChannel final : public TrainerSide {
   std::optional<SyncPlan> pending_ ABSL_GUARDED_BY(mu_);
   std::optional<absl::StatusOr<TrainerReport>> result_ ABSL_GUARDED_BY(mu_);
   uint64_t waiting_for_ ABSL_GUARDED_BY(mu_) = 0;  // the sync RunSync waits for (0: none)
+  uint64_t running_ ABSL_GUARDED_BY(mu_) = 0;      // the sync the ranks are running (0: none)
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
 };
 
@@ -501,6 +521,11 @@ class Agent {
         g.host = data_host_;
         g.join_timeout = join_timeout;
         g.default_timeout = timeout;
+        // A sync the coordinator gave up on: its agents have aborted and will never join.
+        g.cancelled = [store = store_.get(), key = SyncAbandonedKey(cmd.sync_id)] {
+          absl::StatusOr<int64_t> v = store->Add(key, 0);
+          return v.ok() && *v > 0;
+        };
         ASSIGN_OR_RETURN(const comm::Backend backend, comm::ParseBackend(cmd.backend));
         std::optional<comm::BucketMac> mac;
         if (cmd.bucket_mac) {

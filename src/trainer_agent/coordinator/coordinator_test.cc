@@ -105,7 +105,8 @@ class FakeAgentClient final : public AgentClient {
   std::shared_ptr<FakeAgent> agent_;
 };
 
-// The trainer ranks: records plans; fails when told to; blocks while `hold` is set.
+// The trainer ranks: records plans; fails when told to; blocks while `hold` is set; says it is still
+// running a sync given up on while `draining` is set.
 class FakeTrainer final : public TrainerSide {
  public:
   int num_stages() const override { return 2; }
@@ -121,9 +122,25 @@ class FakeTrainer final : public TrainerSide {
     r.phases.push_back({"gather", 0.25, 1000});
     return r;
   }
+  uint64_t draining_sync() override {
+    absl::MutexLock lock(&mu_);
+    return draining_;
+  }
+  absl::Status AwaitIdle(absl::Time deadline) override {
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithDeadline(absl::Condition(
+                              +[](uint64_t* d) { return *d == 0; }, &draining_),
+                          deadline);
+    if (draining_ != 0) return absl::DeadlineExceededError(absl::StrCat("still running sync ", draining_));
+    return absl::OkStatus();
+  }
   void Hold(bool h) {
     absl::MutexLock lock(&mu_);
     hold_ = h;
+  }
+  void Drain(uint64_t sync_id) {
+    absl::MutexLock lock(&mu_);
+    draining_ = sync_id;
   }
   void Fail(absl::Status s) {
     absl::MutexLock lock(&mu_);
@@ -137,6 +154,7 @@ class FakeTrainer final : public TrainerSide {
  private:
   absl::Mutex mu_;
   bool hold_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t draining_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status fail_ ABSL_GUARDED_BY(mu_);
   std::vector<SyncPlan> plans_ ABSL_GUARDED_BY(mu_);
 };
@@ -242,6 +260,7 @@ TEST_F(SyncCoordinatorTest, ASyncCallsEveryAgentInOrderAndPublishes) {
   v1::SyncEvent e = Finish(t->sync_id());
   EXPECT_EQ(e.phase(), "done");
   EXPECT_EQ(e.error(), "");
+  EXPECT_EQ(*store_.Add(SyncAbandonedKey(t->sync_id()), 0), 0);
   const std::string id = absl::StrCat(t->sync_id());
   for (const char* address : {"a:1", "a:2"}) {
     EXPECT_EQ(Agent(address)->calls(), (std::vector<std::string>{"Begin " + id, "Prepare " + id, "Commit " + id}))
@@ -281,6 +300,58 @@ TEST_F(SyncCoordinatorTest, ASyncCallsEveryAgentInOrderAndPublishes) {
     EXPECT_TRUE(phases.count(p)) << p;
 }
 
+// A sync given up on keeps the trainer ranks busy in the background: the next sync waits for them
+// before any agent hears of it, and then has its whole timeout.
+TEST_F(SyncCoordinatorTest, ASyncWaitsForTheTrainerRanksToFinishOneGivenUpOn) {
+  SyncCoordinatorOptions o;
+  o.sync_timeout = absl::Seconds(3);
+  Make(o);
+  Join("a:1");
+  trainer_.Drain(7);
+  auto t = Trigger();
+  ASSERT_TRUE(t.ok()) << t.status();
+  absl::SleepFor(absl::Milliseconds(400));
+  v1::StatusReply status;
+  coordinator_->Status(&status);
+  EXPECT_EQ(status.state(), "syncing");
+  EXPECT_TRUE(Agent("a:1")->calls().empty());
+  EXPECT_TRUE(trainer_.plans().empty());
+  const absl::Time freed = absl::Now();
+  trainer_.Drain(0);
+  v1::SyncEvent e = Finish(t->sync_id());
+  EXPECT_EQ(e.phase(), "done");
+  EXPECT_EQ(e.error(), "");
+  const std::string id = absl::StrCat(t->sync_id());
+  EXPECT_EQ(Agent("a:1")->calls(), (std::vector<std::string>{"Begin " + id, "Prepare " + id, "Commit " + id}));
+  ASSERT_EQ(trainer_.plans().size(), 1u);
+  EXPECT_GE(trainer_.plans()[0].deadline, freed + o.sync_timeout - absl::Milliseconds(100))
+      << "the sync's timeout counts from when the ranks are free";
+  v1::TimingsReply timings;
+  ASSERT_TRUE(coordinator_->Timings({}, &timings).ok());
+  std::map<std::string, double> phases;
+  for (const auto& p : timings.phases()) phases[p.phase()] = p.seconds();
+  EXPECT_GE(phases["wait_trainer"], 0.35);
+}
+
+TEST_F(SyncCoordinatorTest, RanksThatStayBusyFailTheNextSyncBeforeAnyAgentBegins) {
+  SyncCoordinatorOptions o;
+  o.sync_timeout = absl::Milliseconds(300);
+  Make(o);
+  Join("a:1");
+  trainer_.Drain(7);
+  auto t = Trigger();
+  ASSERT_TRUE(t.ok()) << t.status();
+  v1::SyncEvent e = Finish(t->sync_id());
+  EXPECT_EQ(e.phase(), "failed");
+  EXPECT_THAT(e.error(), HasSubstr("still running sync 7"));
+  EXPECT_THAT(e.error(), HasSubstr("was not started"));
+  for (const std::string& call : Agent("a:1")->calls()) EXPECT_THAT(call, Not(HasSubstr("Begin")));
+  EXPECT_TRUE(trainer_.plans().empty());
+  v1::StatusReply status;
+  coordinator_->Status(&status);
+  EXPECT_EQ(status.version(), 0u);
+}
+
 TEST_F(SyncCoordinatorTest, AFailedPrepareAbortsEveryAgentAndCommitsNone) {
   Make();
   Join("a:1");
@@ -293,6 +364,9 @@ TEST_F(SyncCoordinatorTest, AFailedPrepareAbortsEveryAgentAndCommitsNone) {
   EXPECT_THAT(e.error(), HasSubstr("PrepareSync on"));
   EXPECT_THAT(e.error(), HasSubstr("a:2"));
   EXPECT_THAT(e.error(), HasSubstr("bucket 3 checksum"));
+  auto abandoned = store_.Add(SyncAbandonedKey(t->sync_id()), 0);  // late trainer ranks stop joining its groups
+  ASSERT_TRUE(abandoned.ok());
+  EXPECT_EQ(*abandoned, 1);
   const std::string id = absl::StrCat(t->sync_id());
   for (const char* address : {"a:1", "a:2"}) {
     EXPECT_EQ(Agent(address)->calls(), (std::vector<std::string>{"Begin " + id, "Prepare " + id, "Abort " + id}))

@@ -546,6 +546,19 @@ void SyncCoordinator::RunSync(uint64_t id) {
   };
 
   absl::Status s = fleet.ok() ? absl::OkStatus() : fleet;
+  // A sync given up on keeps running on the trainer ranks until its collectives end (their own
+  // timeouts). Wait for them before any agent hears of this sync, for at most one sync timeout, and
+  // give this sync its whole timeout from when they are free: it would otherwise wait in the trainer's
+  // queue while its own clock ran.
+  if (const uint64_t draining = s.ok() ? trainer_->draining_sync() : 0; draining != 0) {
+    WSYNC_LOG(WARNING) << "sync " << id << " waits for the trainer ranks to finish sync " << draining
+                       << ", which was given up on after its timeout";
+    s = timed("wait_trainer", [&] {
+      return Annotate(trainer_->AwaitIdle(absl::Now() + opts_.sync_timeout),
+                      absl::StrCat("sync ", id, " was not started (no agent or engine was touched)"));
+    });
+    plan.deadline = absl::Now() + opts_.sync_timeout;
+  }
   if (s.ok())
     s = timed("begin", [&] {
       return CallAll(id, members, "BeginSync", [&](AgentClient& agent, size_t i) {
@@ -622,6 +635,9 @@ void SyncCoordinator::RunSync(uint64_t id) {
   if (!s.ok()) {
     WSYNC_LOG(ERROR) << "sync " << id << " failed: " << s;
     SetPhase(id, "abort");
+    // Trainer ranks that reach the sync late (one was hung, say) stop forming its groups at once
+    // rather than after their join timeout, and the next sync need not wait for them.
+    (void)store_->Add(SyncAbandonedKey(id), 1);
     // Engines that committed already: the others roll forward to the version from their staging
     // (every agent prepared it, or no commit would have started), so the fleet converges on it.
     some_committed = std::any_of(committed.begin(), committed.end(),

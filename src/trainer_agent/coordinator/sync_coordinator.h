@@ -97,6 +97,13 @@ class TrainerSide {
   // plan.deadline (kDeadlineExceeded; a later sync then waits for the ranks to finish this one).
   // Errors name the rank and the cause.
   virtual absl::StatusOr<TrainerReport> RunSync(const SyncPlan& plan) = 0;
+  // The sync a RunSync gave up on (its deadline passed) that the ranks are still running, finishing
+  // it in the background; 0 when they are free. The coordinator waits for it before it begins a
+  // sync with the agents (AwaitIdle), so that sync's timeout counts from when the ranks can run it.
+  virtual uint64_t draining_sync() { return 0; }
+  // Blocks until draining_sync() is 0 (OK) or until `deadline` (kDeadlineExceeded, naming the sync
+  // the ranks are still running), or the ranks shut down (kUnavailable).
+  virtual absl::Status AwaitIdle(absl::Time deadline) { return absl::OkStatus(); }
 };
 
 struct SyncCoordinatorOptions {

@@ -7,6 +7,9 @@
 //   sync-<id>/pp<stage>/s<k>/g<g> sharded delivery: one group per stage, sender and receiver group
 //   sync-<id>/progress/bytes     data bytes the stage sources have streamed so far (summed)
 //   sync-<id>/progress/buckets   buckets they have streamed so far (summed)
+//   sync-<id>/abandoned          a counter the coordinator sets (> 0) when the sync fails: trainer
+//                                ranks still forming its data-plane groups stop waiting for agents
+//                                that have aborted
 // The keys of a sync are dropped when the next one ends (a late member of an ended sync then fails
 // to join within its timeout, as it would anyway).
 // Thread-safety: pure functions.
@@ -33,5 +36,6 @@ inline std::string ShardGroupName(uint64_t sync_id, int pp_stage, int sender, in
 inline std::string SyncProgressPrefix(uint64_t sync_id) { return absl::StrCat(SyncKeyPrefix(sync_id), "progress/"); }
 inline constexpr char kProgressBytes[] = "bytes";
 inline constexpr char kProgressBuckets[] = "buckets";
+inline std::string SyncAbandonedKey(uint64_t sync_id) { return absl::StrCat(SyncKeyPrefix(sync_id), "abandoned"); }
 
 }  // namespace wsync::trainer_agent
