@@ -434,23 +434,6 @@ class Agent {
     return absl::OkStatus();
   }
 
-  // The quantization of a sync (docs/engine-formats.md): the trainer's --quant-config when given,
-  // which must be the one the engines registered (`engine_quant`, "" for bf16 engines), else theirs.
-  // kFailedPrecondition naming both when they differ.
-  absl::StatusOr<std::optional<QuantizationConfig>> SyncQuantization(const std::string& engine_quant) const {
-    std::optional<QuantizationConfig> engines;
-    if (!engine_quant.empty()) {
-      ASSIGN_OR_RETURN(engines, ParseQuantizationConfig(engine_quant, "the engines' quantization_config"));
-    }
-    if (!opts_.quant) return engines;
-    if (!engines || engines->Canonical() != opts_.quant->Canonical())
-      return absl::FailedPreconditionError(
-          absl::StrCat("the trainer's --quant-config (", opts_.quant->Describe(), ") is not what the engines serve (",
-                       engines ? engines->Describe() : std::string("bf16"),
-                       "); give the trainer the engines' config, or none: it then quantizes as the engines declare"));
-    return opts_.quant;
-  }
-
   absl::StatusOr<TrainerReport> RunSync(const Command& cmd, const std::vector<GroupDesc>& groups,
                                         const std::string& engine_quant) {
     const int rank = world_->rank();
@@ -488,7 +471,7 @@ class Agent {
       }
     }
     if (s.ok()) {
-      absl::StatusOr<std::optional<QuantizationConfig>> q = SyncQuantization(engine_quant);
+      absl::StatusOr<std::optional<QuantizationConfig>> q = SyncQuantization(opts_.quant, engine_quant);
       if (q.ok()) {
         sync_quant_ = *std::move(q);
         if (rank == 0)

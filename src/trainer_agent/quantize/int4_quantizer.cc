@@ -83,6 +83,21 @@ absl::StatusOr<std::vector<RowSegment>> RowSegments(const MegatronParam& p, cons
   return out;
 }
 
+absl::StatusOr<std::optional<QuantizationConfig>> SyncQuantization(const std::optional<QuantizationConfig>& trainer,
+                                                                   const std::string& engines_json) {
+  std::optional<QuantizationConfig> engines;
+  if (!engines_json.empty()) {
+    ASSIGN_OR_RETURN(engines, ParseQuantizationConfig(engines_json, "the engines' quantization_config"));
+  }
+  if (!trainer) return engines;
+  if (!engines || engines->Canonical() != trainer->Canonical())
+    return absl::FailedPreconditionError(
+        absl::StrCat("the trainer's --quant-config (", trainer->Describe(), ") is not what the engines serve (",
+                     engines ? engines->Describe() : std::string("bf16"),
+                     "); give the trainer the engines' config, or none: it then quantizes as the engines declare"));
+  return trainer;
+}
+
 std::string QuantFingerprint(const QuantizationConfig* quant, kernels::QuantVariant variant,
                              kernels::AwqArith awq_arith) {
   if (quant == nullptr) return "quant none";

@@ -106,6 +106,15 @@ struct Int4Options {
 std::string QuantFingerprint(const QuantizationConfig* quant, kernels::QuantVariant variant,
                              kernels::AwqArith awq_arith = kernels::AwqArith::kFp16);
 
+// What one sync quantizes to: the engines' declared quantization_config (`engines_json`, agreed by
+// the coordinator; empty: the engines serve bf16), checked against the trainer's own --quant-config
+// (`trainer`; nullopt: none given, the trainer follows the engines). nullopt result: bf16.
+// kFailedPrecondition naming both when the trainer's config is not what the engines serve (the
+// engines' engine_layout does not count: QuantizationConfig::Canonical); the parse error of a
+// malformed `engines_json`.
+absl::StatusOr<std::optional<QuantizationConfig>> SyncQuantization(const std::optional<QuantizationConfig>& trainer,
+                                                                   const std::string& engines_json);
+
 // The ETP ranks' shard blocks of an expert parameter (`shards`: plan.packed.group_size blocks of
 // plan.local_block bytes, in ETP rank order) merged into the full block `block` (block_bytes).
 // Requires plan.by_shard. kInvalidArgument from MergeShards for mis-sized spans.

@@ -13,9 +13,11 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "common/status.h"
 #include "model/quant_target.h"
 #include "tools/synth/testing/world.h"
@@ -463,6 +465,51 @@ TEST(Int4EmitTest, AwqQuantizeIntoWritesQweightQzerosScales) {
             QuantFingerprint(&*quant, kernels::QuantVariant::kQat, kernels::AwqArith::kFp32));
   const QuantizationConfig ct = Int4Config(32);
   EXPECT_NE(QuantFingerprint(&*quant, kernels::QuantVariant::kQat), QuantFingerprint(&ct, kernels::QuantVariant::kQat));
+}
+
+// The trainer quantizes as the engines declare; its own --quant-config must be theirs.
+TEST(SyncQuantizationTest, FollowsTheEnginesAndRefusesATrainerConfigTheyDoNotServe) {
+  const std::string g64 = R"({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+      "strategy": "group", "group_size": 64, "symmetric": true}}}, "ignore": ["lm_head"]})";
+  const std::string g64_trtllm = absl::StrReplaceAll(
+      g64, {{R"("format": "pack-quantized")", R"("format": "pack-quantized", "engine_layout": "trtllm-sm90")"}});
+  const std::string g128 = absl::StrReplaceAll(g64, {{R"("group_size": 64)", R"("group_size": 128)"}});
+  const std::string awq = R"({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": true})";
+  auto parse = [](const std::string& json) {
+    auto q = ParseQuantizationConfig(json, "test");
+    EXPECT_TRUE(q.ok()) << q.status();
+    return q.ok() ? std::optional<QuantizationConfig>(*q) : std::nullopt;
+  };
+
+  // No trainer config: the engines' (bf16 engines: bf16).
+  auto q = SyncQuantization(std::nullopt, g64_trtllm);
+  ASSERT_TRUE(q.ok()) << q.status();
+  ASSERT_TRUE(q->has_value());
+  EXPECT_EQ((*q)->group_size, 64);
+  EXPECT_EQ((*q)->engine_layout, "trtllm-sm90");
+  q = SyncQuantization(std::nullopt, "");
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_FALSE(q->has_value());
+  // The trainer's own, when the engines serve it (their engine_layout does not count).
+  q = SyncQuantization(parse(g64), g64_trtllm);
+  ASSERT_TRUE(q.ok()) << q.status();
+  ASSERT_TRUE(q->has_value());
+  EXPECT_EQ((*q)->group_size, 64);
+  // Refused, naming both: another group size, another method, engines in bf16.
+  for (const auto& [trainer, engines, want_engines] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {g128, g64, "group 64"}, {g64, awq, "awq"}, {g64, "", "bf16"}}) {
+    SCOPED_TRACE(trainer + " vs " + engines);
+    q = SyncQuantization(parse(trainer), engines);
+    ASSERT_EQ(q.status().code(), absl::StatusCode::kFailedPrecondition) << q.status();
+    EXPECT_THAT(q.status().message(), HasSubstr("the trainer's --quant-config ("));
+    EXPECT_THAT(q.status().message(), HasSubstr(parse(trainer)->Describe()));
+    EXPECT_THAT(q.status().message(), HasSubstr(want_engines));
+  }
+  // A malformed engines' config is the parser's error.
+  q = SyncQuantization(std::nullopt, R"({"quant_method": "gptq"})");
+  EXPECT_FALSE(q.ok());
+  EXPECT_THAT(q.status().message(), HasSubstr("the engines' quantization_config"));
 }
 
 TEST(QuantFingerprintTest, DiffersWhereTheRanksWouldDisagree) {
