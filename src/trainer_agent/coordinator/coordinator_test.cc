@@ -234,6 +234,24 @@ class SyncCoordinatorTest : public ::testing::Test {
                     .ok());
     return last;
   }
+  // The newest sync's timings, by phase.
+  std::map<std::string, double> LastPhases() {
+    v1::TimingsReply timings;
+    EXPECT_TRUE(coordinator_->Timings({}, &timings).ok());
+    std::map<std::string, double> phases;
+    for (const auto& p : timings.phases()) phases[p.phase()] = p.seconds();
+    return phases;
+  }
+  // A coordinator of sync timeout `timeout` and one agent ("a:1"), whose trainer ranks still run sync
+  // 7 (given up on), and a sync triggered meanwhile.
+  absl::StatusOr<v1::TriggerSyncReply> TriggerWhileDraining(absl::Duration timeout) {
+    SyncCoordinatorOptions o;
+    o.sync_timeout = timeout;
+    Make(o);
+    Join("a:1");
+    trainer_.Drain(7);
+    return Trigger();
+  }
   // Waits (bounded) until a sync has reached the trainer side (phase "transfer").
   void WaitForTransfer() {
     for (int i = 0; i < 500; ++i) {
@@ -290,10 +308,7 @@ TEST_F(SyncCoordinatorTest, ASyncCallsEveryAgentInOrderAndPublishes) {
   ASSERT_EQ(versions.versions_size(), 1);
   EXPECT_TRUE(versions.versions(0).ok());
   EXPECT_EQ(versions.versions(0).bytes(), 1000u);
-  v1::TimingsReply timings;
-  ASSERT_TRUE(coordinator_->Timings({}, &timings).ok());
-  std::map<std::string, double> phases;
-  for (const auto& p : timings.phases()) phases[p.phase()] = p.seconds();
+  std::map<std::string, double> phases = LastPhases();
   EXPECT_EQ(phases["gather"], 0.25);
   EXPECT_EQ(phases["load"], 0.5);
   for (const char* p : {"begin", "transfer", "prepare", "commit", "downtime", "total"})
@@ -303,12 +318,8 @@ TEST_F(SyncCoordinatorTest, ASyncCallsEveryAgentInOrderAndPublishes) {
 // A sync given up on keeps the trainer ranks busy in the background: the next sync waits for them
 // before any agent hears of it, and then has its whole timeout.
 TEST_F(SyncCoordinatorTest, ASyncWaitsForTheTrainerRanksToFinishOneGivenUpOn) {
-  SyncCoordinatorOptions o;
-  o.sync_timeout = absl::Seconds(3);
-  Make(o);
-  Join("a:1");
-  trainer_.Drain(7);
-  auto t = Trigger();
+  constexpr absl::Duration kTimeout = absl::Seconds(3);
+  auto t = TriggerWhileDraining(kTimeout);
   ASSERT_TRUE(t.ok()) << t.status();
   absl::SleepFor(absl::Milliseconds(400));
   v1::StatusReply status;
@@ -324,22 +335,13 @@ TEST_F(SyncCoordinatorTest, ASyncWaitsForTheTrainerRanksToFinishOneGivenUpOn) {
   const std::string id = absl::StrCat(t->sync_id());
   EXPECT_EQ(Agent("a:1")->calls(), (std::vector<std::string>{"Begin " + id, "Prepare " + id, "Commit " + id}));
   ASSERT_EQ(trainer_.plans().size(), 1u);
-  EXPECT_GE(trainer_.plans()[0].deadline, freed + o.sync_timeout - absl::Milliseconds(100))
+  EXPECT_GE(trainer_.plans()[0].deadline, freed + kTimeout - absl::Milliseconds(100))
       << "the sync's timeout counts from when the ranks are free";
-  v1::TimingsReply timings;
-  ASSERT_TRUE(coordinator_->Timings({}, &timings).ok());
-  std::map<std::string, double> phases;
-  for (const auto& p : timings.phases()) phases[p.phase()] = p.seconds();
-  EXPECT_GE(phases["wait_trainer"], 0.35);
+  EXPECT_GE(LastPhases()["wait_trainer"], 0.35);
 }
 
 TEST_F(SyncCoordinatorTest, RanksThatStayBusyFailTheNextSyncBeforeAnyAgentBegins) {
-  SyncCoordinatorOptions o;
-  o.sync_timeout = absl::Milliseconds(300);
-  Make(o);
-  Join("a:1");
-  trainer_.Drain(7);
-  auto t = Trigger();
+  auto t = TriggerWhileDraining(absl::Milliseconds(300));
   ASSERT_TRUE(t.ok()) << t.status();
   v1::SyncEvent e = Finish(t->sync_id());
   EXPECT_EQ(e.phase(), "failed");
