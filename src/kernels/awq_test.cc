@@ -306,6 +306,24 @@ TEST(AwqQuantizeTest, EdgeGroups) {
   }
 }
 
+// Every finite bf16 value that fp16 can hold (|x| < 65520: exponents up to 2^15), positive then
+// negative, in groups of 32 consecutive bit patterns: each is rounded to fp16 (the fp16 arithmetic's
+// first step, subnormals and ties included) and divided by its group's scale, on every compiled SIMD
+// target, bit-exact with the scalar reference.
+TEST(AwqQuantizeTest, EveryBf16ValueFp16CanHoldOnEverySimdTarget) {
+  std::vector<uint16_t> w;
+  for (uint16_t sign : {0x0000, 0x8000})
+    for (uint32_t bits = 0; bits < (143u << 7); ++bits) w.push_back(static_cast<uint16_t>(sign | bits));
+  const int64_t k = 256, n = (static_cast<int64_t>(w.size()) + 8 * k - 1) / (8 * k) * 8;
+  w.resize(static_cast<size_t>(n * k), 0);
+  for (int64_t t : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(t);
+    SCOPED_TRACE(hwy::TargetName(t));
+    for (AwqArith arith : {AwqArith::kFp16, AwqArith::kFp32}) CheckQuantize(w, DType::kBF16, 0, n, k, 32, arith);
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
 TEST(AwqQuantizeTest, Fp16ArithmeticRefusesWhatFp16CannotHoldFp32Accepts) {
   const int64_t n = 8, k = 32;
   std::vector<uint16_t> w(static_cast<size_t>(n * k), F32ToBF16(0.01f));
@@ -352,7 +370,9 @@ TEST(AwqQuantizeTest, NonFiniteAndBadShapesAreRefusedWithTheValues) {
 
 // ---- layout conversions ----------------------------------------------------------------------------
 
-TEST(AwqRepackTest, GptqOrientationRoundTripsAndMarlinMatchesTheClosedForm) {
+// AWQ -> GPTQ orientation and back, AWQ -> Marlin against the closed form and GptqToMarlin; N = 192
+// (24 words per row: whole vectors and a tail on every SIMD width).
+void CheckAwqRepack() {
   for (int64_t e : {0, 2}) {
     const int64_t ee = std::max<int64_t>(e, 1), n = 192, k = 96;
     std::mt19937 rng(static_cast<uint32_t>(20 + e));
@@ -383,6 +403,8 @@ TEST(AwqRepackTest, GptqOrientationRoundTripsAndMarlinMatchesTheClosedForm) {
     EXPECT_EQ(marlin, via_gptq);
   }
 }
+
+TEST(AwqRepackTest, GptqOrientationRoundTripsAndMarlinMatchesTheClosedForm) { CheckAwqRepack(); }
 
 TEST(AwqRepackTest, MarlinZeroPointsMatchVllmsRouteAndInvert) {
   for (int64_t e : {0, 3}) {
@@ -435,6 +457,7 @@ TEST(AwqTargetsTest, EveryCompiledSimdTargetIsBitExact) {
         CheckQuantize(RandomWeights(2 * 16 * 136, dt, ++seed), dt, 2, 16, 136, kChannelwise, arith);
       }
     }
+    CheckAwqRepack();
   }
   hwy::SetSupportedTargetsForTest(0);
 }

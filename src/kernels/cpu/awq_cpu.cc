@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common/dtype.h"
@@ -62,6 +63,18 @@ HWY_INLINE V RoundToF16V(DF df, V v) {
   const auto overflow = hn::Ge(hn::Abs(v), hn::Set(df, 65520.0f));
   return hn::IfThenElse(overflow, hn::CopySign(hn::Set(df, kInf), v), r);
 }
+
+// The same rounding, by the hardware where every x86 target from AVX2 has it (F16C's vcvtps2ph with
+// round-to-nearest-even, and back): two instructions instead of ten.
+template <class DF, class V>
+HWY_INLINE V RoundF16(DF df, V v) {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  return hn::PromoteTo(df, hn::DemoteTo(dh, v));
+#else
+  return RoundToF16V(df, v);
+#endif
+}
 #endif
 
 // codes[0..g) = the AWQ codes of one row's group x[0..g) with parameters p.
@@ -82,9 +95,9 @@ void GroupCodes(const uint16_t* HWY_RESTRICT x, int64_t g, bool bf16, fmt::AwqGr
   for (; i + lanes <= g; i += lanes) {
     auto v = bf16 ? hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(d16, x + i))))
                   : hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(x + i)));
-    if (f16 && bf16) v = RoundToF16V(df, v);  // AutoAWQ converts the bf16 model to fp16 first
+    if (f16 && bf16) v = RoundF16(df, v);  // AutoAWQ converts the bf16 model to fp16 first
     auto q = hn::Div(v, vs);
-    if (f16) q = RoundToF16V(df, q);
+    if (f16) q = RoundF16(df, q);
     auto u = hn::Add(hn::Round(q), vz);
     u = hn::Min(hn::Max(u, lo), hi);
     hn::StoreU(hn::DemoteTo(d8, hn::ConvertTo(di32, u)), d8, codes + i);
@@ -194,6 +207,11 @@ int64_t QuantizeAwqUnits(const internal::AwqQuantizeArgs& a, int64_t begin, int6
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t row = e * a.n + n0 + r;
         const uint16_t* x = a.w + row * a.k + g * a.group;
+        // The block reads W a group column at a time (kAwqRowBlock rows 2K bytes apart), a pattern
+        // the hardware prefetchers do not follow: fetch this row's next group meanwhile (2x here).
+        if (g + 1 < ng) {
+          for (int64_t b = 0; b < a.group * 2; b += 64) hwy::Prefetch(reinterpret_cast<const char*>(x + a.group) + b);
+        }
         const GroupRange range = Range(x, a.group, a.is_bf16);
         float mx = range.mx, mn = range.mn;
         if (range.abs_bits >= nonfinite) {
@@ -225,11 +243,47 @@ int64_t QuantizeAwqUnits(const internal::AwqQuantizeArgs& a, int64_t begin, int6
   return bad;
 }
 
-// GPTQ rows [8 rb, 8 rb + 8) of one expert's AWQ matrix [R, N/8] into dst[0..N) (one GPTQ row).
+#if HWY_TARGET != HWY_SCALAR
+// format::TransposeNibbles8x8 lanewise, round for round: lane l of m[0..8) is the l-th 8x8 block.
+template <class D, class V>
+HWY_INLINE void TransposeNibbles8x8V(D d, V* HWY_RESTRICT m) {
+  const auto swap = [&](V& a, V& b, uint32_t keep_a, auto shift) {  // a's high part <-> b's low part
+    constexpr int kShift = decltype(shift)::value;
+    const V lo = hn::Set(d, keep_a);
+    const V na = hn::Or(hn::And(a, lo), hn::ShiftLeft<kShift>(hn::And(b, lo)));
+    b = hn::Or(hn::And(hn::ShiftRight<kShift>(a), lo), hn::AndNot(lo, b));
+    a = na;
+  };
+  for (int r = 0; r < 4; ++r) swap(m[r], m[r + 4], 0x0000FFFFu, std::integral_constant<int, 16>());
+  for (int r : {0, 1, 4, 5}) swap(m[r], m[r + 2], 0x00FF00FFu, std::integral_constant<int, 8>());
+  for (int r = 0; r < 8; r += 2) swap(m[r], m[r + 1], 0x0F0F0F0Fu, std::integral_constant<int, 4>());
+}
+#endif
+
+// GPTQ rows [8 rb, 8 rb + 8) of one expert's AWQ matrix [R, N/8] into dst[0..N) (one GPTQ row). The
+// vector path transposes one 8x8 block per lane (8 contiguous loads, one per AWQ row), then writes
+// each block's 8 words in GPTQ column order from a small buffer.
 void AwqRowsToGptqRow(const uint32_t* HWY_RESTRICT awq, int64_t n, int64_t rb, uint32_t* HWY_RESTRICT dst) {
   const int64_t nw = n / 8;
   const uint32_t* src = awq + 8 * rb * nw;
-  for (int64_t j = 0; j < nw; ++j) {
+  int64_t j = 0;
+#if HWY_TARGET != HWY_SCALAR
+  const hn::ScalableTag<uint32_t> d;
+  using V = hn::Vec<decltype(d)>;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  HWY_ALIGN uint32_t tmp[8 * HWY_LANES(uint32_t)];
+  for (; j + lanes <= nw; j += lanes) {
+    V m[8];
+    for (int r = 0; r < 8; ++r) m[r] = hn::LoadU(d, src + r * nw + j);
+    TransposeNibbles8x8V(d, m);
+    for (int i = 0; i < 8; ++i) hn::Store(m[i], d, tmp + i * lanes);
+    for (int64_t l = 0; l < lanes; ++l) {
+      uint32_t* out = dst + 8 * (j + l);
+      for (int i = 0; i < 8; ++i) out[fmt::AwqOrder(i)] = tmp[i * lanes + l];
+    }
+  }
+#endif
+  for (; j < nw; ++j) {
     uint32_t block[8];
     for (int r = 0; r < 8; ++r) block[r] = src[r * nw + j];
     fmt::AwqBlockToGptq(block, dst + 8 * j);
