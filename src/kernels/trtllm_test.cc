@@ -14,6 +14,7 @@
 
 #include "common/dtype.h"
 #include "common/safetensors.h"
+#include "hwy/targets.h"
 #include "kernels/awq.h"
 #include "kernels/format/trtllm_format.h"
 #include "kernels/testing/golden.h"
@@ -121,37 +122,45 @@ struct Variant {
   bool w4afp8;
 };
 
+// On every compiled SIMD target (the W4A16 preprocessing runs lanewise over columns).
 TEST(TrtllmPreprocessTest, EveryLayoutMatchesTheStepByStepReferenceAndInverts) {
-  std::mt19937 rng(17);
-  for (int64_t e : {0, 3}) {
-    for (Variant v : {Variant{TrtllmArch::kSm80, false}, Variant{TrtllmArch::kSm90, false},
-                      Variant{TrtllmArch::kSm80, true}, Variant{TrtllmArch::kSm90, true}}) {
-      if (v.w4afp8 && e == 0) continue;  // W4AFP8 is MoE only
-      SCOPED_TRACE(::testing::Message() << "E " << e << " sm" << (v.arch == TrtllmArch::kSm90 ? 90 : 80)
-                                        << (v.w4afp8 ? " w4afp8" : " w4a16"));
-      const int64_t ee = std::max<int64_t>(e, 1), k = 256, n = 192;
-      std::vector<uint8_t> u(static_cast<size_t>(ee * k * n));
-      for (auto& c : u) c = static_cast<uint8_t>(rng() & 0xF);
-      const std::vector<uint32_t> codes = PackGptq(u, ee, k, n);
-      TrtllmOptions o;
-      o.arch = v.arch;
-      o.w4afp8 = v.w4afp8;
-      o.num_threads = 2;
-      auto shape = TrtllmWeightShapeFor(Sh(e, {k / 8, n}), o);
-      ASSERT_TRUE(shape.ok()) << shape.status();
-      std::vector<uint32_t> bytes(codes.size());
-      ASSERT_TRUE(PreprocessTrtllm(In(codes, DType::kI32, Sh(e, {k / 8, n})), Out(bytes, DType::kI8, *shape), o).ok());
-      for (int64_t x = 0; x < ee; ++x) {
-        std::vector<int> q(static_cast<size_t>(k * n));
-        for (int64_t i = 0; i < k * n; ++i) q[i] = static_cast<int>(u[x * k * n + i]) - 8;
-        const std::vector<uint32_t> ref = RefPreprocess(q, k, n, e > 0, v.arch, v.w4afp8);
-        ASSERT_TRUE(std::equal(ref.begin(), ref.end(), bytes.begin() + x * k * n / 8)) << "expert " << x;
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    std::mt19937 rng(17);
+    for (int64_t e : {0, 3}) {
+      for (Variant v : {Variant{TrtllmArch::kSm80, false}, Variant{TrtllmArch::kSm90, false},
+                        Variant{TrtllmArch::kSm80, true}, Variant{TrtllmArch::kSm90, true}}) {
+        if (v.w4afp8 && e == 0) continue;  // W4AFP8 is MoE only
+        SCOPED_TRACE(::testing::Message() << "E " << e << " sm" << (v.arch == TrtllmArch::kSm90 ? 90 : 80)
+                                          << (v.w4afp8 ? " w4afp8" : " w4a16"));
+        const int64_t ee = std::max<int64_t>(e, 1), k = 256, n = 192;
+        std::vector<uint8_t> u(static_cast<size_t>(ee * k * n));
+        for (auto& c : u) c = static_cast<uint8_t>(rng() & 0xF);
+        const std::vector<uint32_t> codes = PackGptq(u, ee, k, n);
+        TrtllmOptions o;
+        o.arch = v.arch;
+        o.w4afp8 = v.w4afp8;
+        o.num_threads = 2;
+        auto shape = TrtllmWeightShapeFor(Sh(e, {k / 8, n}), o);
+        ASSERT_TRUE(shape.ok()) << shape.status();
+        std::vector<uint32_t> bytes(codes.size());
+        ASSERT_TRUE(
+            PreprocessTrtllm(In(codes, DType::kI32, Sh(e, {k / 8, n})), Out(bytes, DType::kI8, *shape), o).ok());
+        for (int64_t x = 0; x < ee; ++x) {
+          std::vector<int> q(static_cast<size_t>(k * n));
+          for (int64_t i = 0; i < k * n; ++i) q[i] = static_cast<int>(u[x * k * n + i]) - 8;
+          const std::vector<uint32_t> ref = RefPreprocess(q, k, n, e > 0, v.arch, v.w4afp8);
+          ASSERT_TRUE(std::equal(ref.begin(), ref.end(), bytes.begin() + x * k * n / 8)) << "expert " << x;
+        }
+        std::vector<uint32_t> back(codes.size(), 0xDEADBEEF);
+        ASSERT_TRUE(
+            UnpreprocessTrtllm(In(bytes, DType::kI8, *shape), Out(back, DType::kI32, Sh(e, {k / 8, n})), o).ok());
+        EXPECT_EQ(back, codes);
       }
-      std::vector<uint32_t> back(codes.size(), 0xDEADBEEF);
-      ASSERT_TRUE(UnpreprocessTrtllm(In(bytes, DType::kI8, *shape), Out(back, DType::kI32, Sh(e, {k / 8, n})), o).ok());
-      EXPECT_EQ(back, codes);
     }
   }
+  hwy::SetSupportedTargetsForTest(0);
 }
 
 TEST(TrtllmScalesTest, LayoutsAndZeros) {

@@ -46,6 +46,7 @@ namespace hn = hwy::HWY_NAMESPACE;
 namespace fmt = ::wsync::kernels::format;
 
 constexpr int64_t kAwqRowBlock = 128;
+constexpr int64_t kTrtllmCols = 256, kTrtllmBlocks = 16;        // a TensorRT-LLM unit: columns x 32-row blocks
 constexpr float kInf = std::numeric_limits<float>::infinity();  // rows per unit: 16 AWQ words = 64 bytes per k
 
 float ToF32(uint16_t bits, bool bf16) { return bf16 ? BF16ToF32(bits) : F16ToF32(bits); }
@@ -308,6 +309,89 @@ void AwqToMarlinUnits(const internal::AwqRepackArgs& a, int64_t begin, int64_t e
   hwy::FlushStream();
 }
 
+#if HWY_TARGET != HWY_SCALAR
+// format::UnzipNibbles lanewise.
+template <class D, class V>
+HWY_INLINE V UnzipNibblesV(D d, V x) {
+  const auto m4 = hn::Set(d, 0x0F0F0F0Fu), m8 = hn::Set(d, 0x00FF00FFu), m16 = hn::Set(d, 0x0000FFFFu);
+  V e = hn::And(x, m4), o = hn::And(hn::ShiftRight<4>(x), m4);
+  e = hn::And(hn::Or(e, hn::ShiftRight<4>(e)), m8);
+  o = hn::And(hn::Or(o, hn::ShiftRight<4>(o)), m8);
+  e = hn::And(hn::Or(e, hn::ShiftRight<8>(e)), m16);
+  o = hn::And(hn::Or(o, hn::ShiftRight<8>(o)), m16);
+  return hn::Or(e, hn::ShiftLeft<16>(o));
+}
+#endif
+
+// Tiles of (expert, 256 columns, 16 blocks of 32 rows) [begin, end) of format::TrtllmBlock (or its
+// inverse): each code row is read 1 KiB at a time (sequential within a page, so the prefetchers
+// follow), and per (column, block) the 4 code words map to 4 consecutive output words. The W4A16
+// preprocessing (what syncs deliver) runs lanewise over columns: 4 contiguous loads, the byte
+// transpose and the unzip of format::TrtllmBlock per lane, then each column's 4 words to its place.
+// Columns are outermost there: with blocks outermost, every block wrote 16 bytes into each of 64
+// output runs 8 KiB apart (one L1 set), half the speed (docs/kernels.md).
+void TrtllmUnits(const internal::TrtllmArgs& a, int64_t begin, int64_t end) {
+  const int64_t words = a.k * a.n / 8;  // per expert, in and out alike
+  const int64_t blocks = a.k / fmt::kTrtllmRowBlock;
+  const int64_t col_tiles = (a.n + kTrtllmCols - 1) / kTrtllmCols;
+  const int64_t blk_tiles = (blocks + kTrtllmBlocks - 1) / kTrtllmBlocks;
+  const int64_t per_expert = col_tiles * blk_tiles;
+  [[maybe_unused]] const bool w4a16 =
+      a.layout == fmt::TrtllmLayout::kSm80W4A16 || a.layout == fmt::TrtllmLayout::kSm90Dense;
+  for (int64_t u = begin; u < end; ++u) {
+    const int64_t x = u / per_expert, ct = (u % per_expert) / blk_tiles, bt = u % blk_tiles;
+    const int64_t n0 = ct * kTrtllmCols, n1 = std::min(a.n, n0 + kTrtllmCols);
+    const int64_t b0 = bt * kTrtllmBlocks, b1 = std::min(blocks, b0 + kTrtllmBlocks);
+    uint32_t* codes = a.codes + x * words;
+    uint32_t* bytes = a.bytes + x * words;
+    int64_t n_scalar = n0;  // the columns left to the scalar loop
+#if HWY_TARGET != HWY_SCALAR
+    if (!a.inverse && w4a16) {
+      // Columns outermost: the unit's 16 blocks of a vector of columns fill whole runs of output
+      // (sm80: 1 KiB per 4 columns; sm90: 256 bytes per column) before the next columns start.
+      const hn::ScalableTag<uint32_t> d;
+      using V = hn::Vec<decltype(d)>;
+      const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+      HWY_ALIGN uint32_t tmp[4 * HWY_LANES(uint32_t)];
+      for (; n_scalar + lanes <= n1; n_scalar += lanes) {
+        const int64_t n = n_scalar;
+        for (int64_t blk = b0; blk < b1; ++blk) {
+          const uint32_t* rows = codes + 4 * blk * a.n + n;  // code rows 4 blk .. 4 blk + 3
+          V v0 = hn::LoadU(d, rows), v1 = hn::LoadU(d, rows + a.n);
+          V v2 = hn::LoadU(d, rows + 2 * a.n), v3 = hn::LoadU(d, rows + 3 * a.n);
+          Transpose4x4BytesV(d, v0, v1, v2, v3);
+          hn::Store(UnzipNibblesV(d, v0), d, tmp);
+          hn::Store(UnzipNibblesV(d, v1), d, tmp + lanes);
+          hn::Store(UnzipNibblesV(d, v2), d, tmp + 2 * lanes);
+          hn::Store(UnzipNibblesV(d, v3), d, tmp + 3 * lanes);
+          for (int64_t l = 0; l < lanes; ++l) {
+            uint32_t* dst = bytes + fmt::TrtllmWordOf(a.layout, n + l, 32 * blk, a.k);
+            for (int t = 0; t < 4; ++t) dst[t] = tmp[t * lanes + l];
+          }
+        }
+      }
+    }
+#endif
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      uint32_t* rows = codes + 4 * blk * a.n;  // code rows 4 blk .. 4 blk + 3
+      for (int64_t n = n_scalar; n < n1; ++n) {
+        uint32_t in[4], out[4];
+        // The 4 output words of a block are consecutive in every layout (k' = 32 blk + 8t).
+        uint32_t* dst = bytes + fmt::TrtllmWordOf(a.layout, n, 32 * blk, a.k);
+        if (!a.inverse) {
+          for (int r = 0; r < 4; ++r) in[r] = rows[r * a.n + n];
+          fmt::TrtllmBlock(a.layout, in, out);
+          std::memcpy(dst, out, sizeof(out));
+        } else {
+          std::memcpy(out, dst, sizeof(out));
+          fmt::TrtllmBlockInverse(a.layout, out, in);
+          for (int r = 0; r < 4; ++r) rows[r * a.n + n] = in[r];
+        }
+      }
+    }
+  }
+}
+
 // NOLINTNEXTLINE(google-readability-namespace-comments)
 }  // namespace HWY_NAMESPACE
 }  // namespace wsync::kernels::cpu
@@ -318,6 +402,7 @@ namespace wsync::kernels::cpu {
 
 HWY_EXPORT(QuantizeAwqUnits);
 HWY_EXPORT(AwqToMarlinUnits);
+HWY_EXPORT(TrtllmUnits);
 
 namespace fmt = ::wsync::kernels::format;
 
@@ -396,41 +481,13 @@ absl::Status AwqZerosToMarlin(const internal::AwqRepackArgs& a) { return ZeroWor
 absl::Status MarlinZerosToAwq(const internal::AwqRepackArgs& a) { return ZeroWords(a, &fmt::AwqZeroWordFromMarlin); }
 
 absl::Status Trtllm(const internal::TrtllmArgs& a) {
-  // Units are tiles of (expert, 256 columns, 16 blocks of 32 rows): each code row is read 1 KiB at a
-  // time (sequential within a page, so the prefetchers follow), and per (column, block) the 4 code
-  // words map to 4 consecutive output words (format::TrtllmBlock). Units never share an output.
-  constexpr int64_t kCols = 256, kBlocks = 16;
-  const int64_t words = a.k * a.n / 8;  // per expert, in and out alike
+  // Units never share an output (TrtllmUnits).
+  constexpr int64_t kCols = 256, kBlocks = 16;  // = kTrtllmCols, kTrtllmBlocks of the SIMD namespaces
   const int64_t blocks = a.k / fmt::kTrtllmRowBlock;
-  const int64_t col_tiles = (a.n + kCols - 1) / kCols, blk_tiles = (blocks + kBlocks - 1) / kBlocks;
-  const int64_t per_expert = col_tiles * blk_tiles;
-  ParallelForBytes(a.experts * per_expert, a.threads, kCols * kBlocks * 16, a.min_bytes_per_thread,
-                   [&](int64_t b, int64_t e) {
-                     for (int64_t u = b; u < e; ++u) {
-                       const int64_t x = u / per_expert, ct = (u % per_expert) / blk_tiles, bt = u % blk_tiles;
-                       const int64_t n0 = ct * kCols, n1 = std::min(a.n, n0 + kCols);
-                       const int64_t b0 = bt * kBlocks, b1 = std::min(blocks, b0 + kBlocks);
-                       uint32_t* codes = a.codes + x * words;
-                       uint32_t* bytes = a.bytes + x * words;
-                       for (int64_t blk = b0; blk < b1; ++blk) {
-                         uint32_t* rows = codes + 4 * blk * a.n;  // code rows 4 blk .. 4 blk + 3
-                         for (int64_t n = n0; n < n1; ++n) {
-                           uint32_t in[4], out[4];
-                           // The 4 output words of a block are consecutive in every layout (k' = 32 blk + 8t).
-                           uint32_t* dst = bytes + fmt::TrtllmWordOf(a.layout, n, 32 * blk, a.k);
-                           if (!a.inverse) {
-                             for (int r = 0; r < 4; ++r) in[r] = rows[r * a.n + n];
-                             fmt::TrtllmBlock(a.layout, in, out);
-                             std::memcpy(dst, out, sizeof(out));
-                           } else {
-                             std::memcpy(out, dst, sizeof(out));
-                             fmt::TrtllmBlockInverse(a.layout, out, in);
-                             for (int r = 0; r < 4; ++r) rows[r * a.n + n] = in[r];
-                           }
-                         }
-                       }
-                     }
-                   });
+  const int64_t units = a.experts * ((a.n + kCols - 1) / kCols) * ((blocks + kBlocks - 1) / kBlocks);
+  ParallelForBytes(units, a.threads, kCols * kBlocks * 16, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
+    HWY_DYNAMIC_DISPATCH(TrtllmUnits)(a, b, e);
+  });
   return absl::OkStatus();
 }
 
