@@ -10,10 +10,14 @@
 // float whose ulp is x's fp16 quantum (format::F16QuantumMagic), the same formula the scalar
 // helper and the CUDA code use.
 //
+// W is read a group column at a time (128 rows 2K bytes apart), which the hardware prefetchers
+// do not follow: each row's next group is prefetched while the current one is coded.
+//
 // AwqToMarlin: per k-tile, the 16 AWQ rows become the tile's two GPTQ rows (8x8 nibble
-// transposes, format::AwqBlockToGptq), which the GPTQ -> Marlin tile emitter of
-// kernels/cpu/marlin_tile-inl.h turns into Marlin tiles. The TensorRT-LLM preprocessing is a
-// per-column gather through format::TrtllmWord.
+// transposes, format::AwqBlockToGptq, lanewise: one block per lane), which the GPTQ -> Marlin tile
+// emitter of kernels/cpu/marlin_tile-inl.h turns into Marlin tiles. The TensorRT-LLM
+// preprocessing maps each column's 32-row blocks with format::TrtllmBlock (W4A16 lanewise over
+// columns).
 
 // clang-format off
 #undef HWY_TARGET_INCLUDE
