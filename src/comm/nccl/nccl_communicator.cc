@@ -190,6 +190,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const Group
     RETURN_IF_ERROR(
         Annotate(options.store->Set(key, std::string(reinterpret_cast<const char*>(&id), sizeof(id))), where));
   } else {
+    RETURN_IF_ERROR(Annotate(WaitUnlessCancelled(*options.store, {key}, deadline - absl::Now(), options.cancelled,
+                                                 "waiting for the unique id"),
+                             where));
     ASSIGN_OR_RETURN(std::string bytes, options.store->Get(key, deadline - absl::Now()));
     if (bytes.size() != sizeof(id)) {
       return absl::InvalidArgumentError(

@@ -101,6 +101,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Create(const Grou
       return ErrnoToStatus(err, absl::StrCat("sizing the shm group segment ", segment, " to ", bytes, " bytes"));
     }
   } else {
+    RETURN_IF_ERROR(WaitUnlessCancelled(*o.store, {key}, o.join_timeout, o.cancelled,
+                                        absl::StrCat("shm group \"", o.name, "\": waiting for the segment's name")));
     ASSIGN_OR_RETURN(segment, o.store->Get(key, o.join_timeout));
     fd = shm_open(segment.c_str(), O_RDWR, 0);
     if (fd < 0) return ErrnoToStatus(errno, absl::StrCat("opening the shm group segment ", segment));
@@ -140,7 +142,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Create(const Grou
   if (published.ok()) {
     std::vector<std::string> mapped;
     for (int r = 0; r < o.size; ++r) mapped.push_back(absl::StrCat(o.name, "/shm/mapped/", r));
-    published = o.store->Wait(mapped, o.join_timeout);
+    published = WaitUnlessCancelled(*o.store, mapped, o.join_timeout, o.cancelled, "forming the group");
   }
   if (o.rank == 0) shm_unlink(segment.c_str());  // every member has it mapped (or formation failed)
   RETURN_IF_ERROR(
