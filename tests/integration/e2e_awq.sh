@@ -40,16 +40,8 @@ ctl=("$WSYNC_BIN/wsyncctl" --coordinator "$WSYNC_COORDINATOR" --token-file "$WSY
 "${ctl[@]}" verify --against "$WSYNC_HF" --quant-config "$W/awq.json" | grep -c ": bit-exact" | grep -qx 3 ||
   { echo "FAIL: the broadcast AWQ sync is not bit-exact on the 3 engine ranks"; exit 1; }
 echo "ok: a broadcast sync to the AWQ engines, bit-exact on all 3 engine ranks"
-read -r -a engines <<< "$WSYNC_ENGINES"
-tp2=$("$T" "${engines[0]}")
-tp1=$("$T" "${engines[1]}")
-loaded=$("$T" --checkpoint "$W/ckpt" "$W")
-echo "synced engine TP 2 x EP 2:  $tp2"
-echo "synced engine TP 1:         $tp1"
-echo "AWQ checkpoint engine:      $loaded"
-[ "$tp2" = "$loaded" ] && [ "$tp1" = "$loaded" ] ||
-  { echo "FAIL: the synced AWQ engines generate differently from the AWQ checkpoint"; exit 1; }
-echo "ok: both synced engines generate as an engine started from the AWQ checkpoint"
+# The engines of TP 2 x EP 2 and TP 1.
+"$T" --every-engine-as "an engine started from the AWQ checkpoint" "$W/ckpt" "$W"
 THEN
 WSYNC_BIN="$bin" W="$w" T="$here/tests/integration/e2e_tokens.sh" "$here/tools/wsync-local" --source "$w/src" --quant-config "$w/awq.json" --hf "$w/hf" \
   --verify --syncs 2 --rollout-engines 2 --engine-tp 2,1 --engine-ep 2,1 --delivery sharded --bucket-mib 1 \

@@ -37,16 +37,8 @@ echo "ok: the trainer agents, given no --quant-config, quantize as the engines d
 "${ctl[@]}" verify --against "$WSYNC_HF" | grep -c ": bit-exact" | grep -qx 3 ||
   { echo "FAIL: the broadcast sync is not bit-exact on the 3 TensorRT-LLM engine ranks"; exit 1; }
 echo "ok: a broadcast sync to the TensorRT-LLM-layout engines, bit-exact on all 3 engine ranks"
-read -r -a engines <<< "$WSYNC_ENGINES"
-sm80=$("$T" "${engines[0]}")
-sm90=$("$T" "${engines[1]}")
-marlin=$("$T" --checkpoint "$WSYNC_HF" "$W" --quant-config "$W/marlin.json")
-echo "synced TensorRT-LLM sm80 engine (TP 2 x EP 2): $sm80"
-echo "synced TensorRT-LLM sm90 engine (TP 1):        $sm90"
-echo "Marlin engine from the checkpoint:             $marlin"
-[ "$sm80" = "$marlin" ] && [ "$sm90" = "$marlin" ] ||
-  { echo "FAIL: the TensorRT-LLM-layout engines generate differently from the Marlin engine"; exit 1; }
-echo "ok: both TensorRT-LLM-layout engines generate as a Marlin engine of the same checkpoint"
+# The sm80 engine (TP 2 x EP 2) and the sm90 one (TP 1).
+"$T" --every-engine-as "a Marlin engine of the same checkpoint" "$WSYNC_HF" "$W" --quant-config "$W/marlin.json"
 THEN
 # Each engine declares its own layout: one quant file per engine; the trainer agents get none and
 # quantize as the engines declare (docs/engine-formats.md).
