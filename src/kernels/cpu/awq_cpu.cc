@@ -49,9 +49,7 @@ namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 namespace fmt = ::wsync::kernels::format;
 
-constexpr int64_t kAwqRowBlock = 128;
-constexpr int64_t kTrtllmCols = 256, kTrtllmBlocks = 16;        // a TensorRT-LLM unit: columns x 32-row blocks
-constexpr float kInf = std::numeric_limits<float>::infinity();  // rows per unit: 16 AWQ words = 64 bytes per k
+constexpr float kInf = std::numeric_limits<float>::infinity();
 
 float ToF32(uint16_t bits, bool bf16) { return bf16 ? BF16ToF32(bits) : F16ToF32(bits); }
 
@@ -337,15 +335,15 @@ HWY_INLINE V UnzipNibblesV(D d, V x) {
 void TrtllmUnits(const internal::TrtllmArgs& a, int64_t begin, int64_t end) {
   const int64_t words = a.k * a.n / 8;  // per expert, in and out alike
   const int64_t blocks = a.k / fmt::kTrtllmRowBlock;
-  const int64_t col_tiles = (a.n + kTrtllmCols - 1) / kTrtllmCols;
-  const int64_t blk_tiles = (blocks + kTrtllmBlocks - 1) / kTrtllmBlocks;
+  const int64_t col_tiles = (a.n + kTrtllmTileCols - 1) / kTrtllmTileCols;
+  const int64_t blk_tiles = (blocks + kTrtllmTileBlocks - 1) / kTrtllmTileBlocks;
   const int64_t per_expert = col_tiles * blk_tiles;
   [[maybe_unused]] const bool w4a16 =
       a.layout == fmt::TrtllmLayout::kSm80W4A16 || a.layout == fmt::TrtllmLayout::kSm90Dense;
   for (int64_t u = begin; u < end; ++u) {
     const int64_t x = u / per_expert, ct = (u % per_expert) / blk_tiles, bt = u % blk_tiles;
-    const int64_t n0 = ct * kTrtllmCols, n1 = std::min(a.n, n0 + kTrtllmCols);
-    const int64_t b0 = bt * kTrtllmBlocks, b1 = std::min(blocks, b0 + kTrtllmBlocks);
+    const int64_t n0 = ct * kTrtllmTileCols, n1 = std::min(a.n, n0 + kTrtllmTileCols);
+    const int64_t b0 = bt * kTrtllmTileBlocks, b1 = std::min(blocks, b0 + kTrtllmTileBlocks);
     uint32_t* codes = a.codes + x * words;
     uint32_t* bytes = a.bytes + x * words;
     int64_t n_scalar = n0;  // the columns left to the scalar loop
@@ -411,11 +409,11 @@ HWY_EXPORT(TrtllmUnits);
 namespace fmt = ::wsync::kernels::format;
 
 absl::Status QuantizeAwq(const internal::AwqQuantizeArgs& args) {
-  const int64_t blocks = (args.n + 127) / 128;
+  const int64_t blocks = (args.n + kAwqRowBlock - 1) / kAwqRowBlock;
   std::atomic<int64_t> bad{INT64_MAX};
-  ParallelForBytes(args.experts * blocks, args.threads, 128 * args.k * 2, args.min_bytes_per_thread,
+  ParallelForBytes(args.experts * blocks, args.threads, kAwqRowBlock * args.k * 2, args.min_bytes_per_thread,
                    [&](int64_t b, int64_t e) {
-                     std::vector<uint8_t> scratch(static_cast<size_t>(128 * args.group));
+                     std::vector<uint8_t> scratch(static_cast<size_t>(kAwqRowBlock * args.group));
                      const int64_t mine = HWY_DYNAMIC_DISPATCH(QuantizeAwqUnits)(args, b, e, scratch.data());
                      if (mine < 0) return;
                      AtomicMin(bad, mine);
@@ -486,12 +484,12 @@ absl::Status MarlinZerosToAwq(const internal::AwqRepackArgs& a) { return ZeroWor
 
 absl::Status Trtllm(const internal::TrtllmArgs& a) {
   // Units never share an output (TrtllmUnits).
-  constexpr int64_t kCols = 256, kBlocks = 16;  // = kTrtllmCols, kTrtllmBlocks of the SIMD namespaces
   const int64_t blocks = a.k / fmt::kTrtllmRowBlock;
-  const int64_t units = a.experts * ((a.n + kCols - 1) / kCols) * ((blocks + kBlocks - 1) / kBlocks);
-  ParallelForBytes(units, a.threads, kCols * kBlocks * 16, a.min_bytes_per_thread, [&](int64_t b, int64_t e) {
-    HWY_DYNAMIC_DISPATCH(TrtllmUnits)(a, b, e);
-  });
+  const int64_t units = a.experts * ((a.n + kTrtllmTileCols - 1) / kTrtllmTileCols) *
+                        ((blocks + kTrtllmTileBlocks - 1) / kTrtllmTileBlocks);
+  ParallelForBytes(units, a.threads, kTrtllmTileCols * kTrtllmTileBlocks * 16, a.min_bytes_per_thread,
+                   [&](int64_t b, int64_t e) { HWY_DYNAMIC_DISPATCH(TrtllmUnits)
+                                               (a, b, e); });
   return absl::OkStatus();
 }
 

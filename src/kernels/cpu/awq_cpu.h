@@ -4,10 +4,16 @@
 // Thread-safety: reentrant; concurrent calls must not write overlapping outputs.
 #pragma once
 
+#include <cstdint>
+
 #include "absl/status/status.h"
 #include "kernels/int4_args.h"
 
 namespace wsync::kernels::cpu {
+
+// The units these kernels split their work into (for the dispatchers and every SIMD target alike).
+inline constexpr int64_t kAwqRowBlock = 128;  // QuantizeAwq: rows per unit (16 AWQ words = 64 bytes per k)
+inline constexpr int64_t kTrtllmTileCols = 256, kTrtllmTileBlocks = 16;  // Trtllm: columns x 32-row blocks
 
 // AWQ.md §1 + §2: writes qweight, qzeros, scales; kInvalidArgument for the smallest refused group.
 absl::Status QuantizeAwq(const internal::AwqQuantizeArgs& args);
