@@ -488,8 +488,10 @@ absl::Status Trtllm(const internal::TrtllmArgs& a) {
   const int64_t units = a.experts * ((a.n + kTrtllmTileCols - 1) / kTrtllmTileCols) *
                         ((blocks + kTrtllmTileBlocks - 1) / kTrtllmTileBlocks);
   ParallelForBytes(units, a.threads, kTrtllmTileCols * kTrtllmTileBlocks * 16, a.min_bytes_per_thread,
-                   [&](int64_t b, int64_t e) { HWY_DYNAMIC_DISPATCH(TrtllmUnits)
-                                               (a, b, e); });
+                   [&](int64_t b, int64_t e) {
+                     HWY_DYNAMIC_DISPATCH(TrtllmUnits)
+                     (a, b, e);
+                   });
   return absl::OkStatus();
 }
 
