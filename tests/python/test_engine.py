@@ -1,7 +1,7 @@
 """wsync.engine: a HuggingFace transformers model as a wsync rollout engine (TransformersEngine on
 the engine host), against transformers itself as the oracle (hf_oracle.py).
 
-They run in the torch 2 environment tools/setup.sh makes ($WSYNC_MEGATRON_PYTHON, set by ctest),
+They run in the torch 2 environment `tools/setup.sh --torch` makes ($WSYNC_MEGATRON_PYTHON, set by ctest),
 which has transformers: in one process (engine_check.py: every model parameter bit-exact with the
 oracle's, views of the segment, the refusals), and as whole deployments (wsync-local with
 `--engine-cmd "python -m wsync.engine"`: real trainer agents under mpirun, real rollout agents, two

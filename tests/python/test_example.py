@@ -1,6 +1,6 @@
 """examples/rl_loop: the example RL loop runs (megatron-core trainers, two vLLM engines, a sync
 every step), every reply of every step comes from the version published last, every sync succeeds.
-Needs both environments tools/setup.sh makes ($WSYNC_MEGATRON_PYTHON, $WSYNC_VLLM_PYTHON)."""
+Needs both environments `tools/setup.sh --torch` makes ($WSYNC_MEGATRON_PYTHON, $WSYNC_VLLM_PYTHON)."""
 
 import os
 import re

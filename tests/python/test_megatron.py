@@ -2,7 +2,7 @@
 trained for a few steps under mpirun, TP 2 dense and EP 2 MoE (INT4 experts), a sync after every
 step, every engine bit-exact with the checkpoint of that step; and PP 2, whose steps change the
 weights in place (no pipeline schedule). Runs in the megatron-core
-environment tools/setup.sh makes ($WSYNC_MEGATRON_PYTHON, set by ctest)."""
+environment `tools/setup.sh --torch` makes ($WSYNC_MEGATRON_PYTHON, set by ctest)."""
 
 import os
 import pathlib

