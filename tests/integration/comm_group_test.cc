@@ -227,12 +227,25 @@ TEST(CommFactoryTest, SingleMemberGroupWorksInProcess) {
   }
 }
 
+// NCCL where it is compiled in and a GPU is here: a one-member group forms.
+bool NcclRunsHere() {
+  if (!comm::BackendCompiledIn(comm::Backend::kNccl)) return false;
+  comm::MemoryStore store;
+  comm::GroupOptions opts;
+  opts.store = &store;
+  opts.name = "nccl-probe";
+  return comm::CreateGroup(comm::Backend::kNccl, opts).ok();
+}
+
 // A member that joined the rendezvous and then went away (an agent that aborted its sync): the one
 // still forming the group stops when its `cancelled` says so, while joining and after it (Gloo's
-// mesh, shm's mapping), not after its join timeout. The peer "joins" with rank 0's own value (its
-// address, or for shm its host identity), copied once rank 0 has written it.
+// mesh, shm's mapping, NCCL's ncclCommInitRankConfig waiting for the member's bootstrap), not
+// after its join timeout. The peer "joins" with rank 0's own value (its address, or for shm its
+// host identity), copied once rank 0 has written it. NCCL only on a GPU host.
 TEST(CommFactoryTest, ACancelledFormationEndsAtOnce) {
-  for (comm::Backend backend : {comm::Backend::kGloo, comm::Backend::kShm}) {
+  std::vector<comm::Backend> backends = {comm::Backend::kGloo, comm::Backend::kShm};
+  if (NcclRunsHere()) backends.push_back(comm::Backend::kNccl);
+  for (comm::Backend backend : backends) {
     for (const bool peer_joined : {false, true}) {
       SCOPED_TRACE(absl::StrCat(comm::BackendName(backend), peer_joined ? ", after joining" : ", joining"));
       comm::MemoryStore store;

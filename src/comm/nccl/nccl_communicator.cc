@@ -4,6 +4,7 @@
 #include <nccl.h>
 
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -44,7 +45,9 @@ class NcclCommunicator final : public QueuedCommunicator {
   absl::string_view Name() const override { return "nccl"; }
 
   // Runs on the worker (the device is per thread): create the stream, event and communicator.
-  absl::Status Init(const ncclUniqueId& id, absl::Duration timeout) {
+  // The communicator is initialised non-blocking and polled until it is ready, fails, `timeout`
+  // passes or `cancelled` (may be empty; asked every 200 ms) says so; the last three abort it.
+  absl::Status Init(const ncclUniqueId& id, absl::Duration timeout, const std::function<bool()>& cancelled) {
     return RunOnWorker([&]() -> absl::Status {
       WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
       WSYNC_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -53,21 +56,26 @@ class NcclCommunicator final : public QueuedCommunicator {
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
       config.blocking = 0;
       WSYNC_NCCL_RETURN_IF_ERROR(ncclCommInitRankConfig(&comm_, size(), id, rank(), &config));
+      const auto abort_with = [this](absl::Status s) {
+        ncclCommAbort(comm_);
+        comm_ = nullptr;
+        return s;
+      };
       const absl::Time deadline = absl::Now() + timeout;
+      absl::Time next_ask = absl::Now() + absl::Milliseconds(200);
       for (;;) {
         ncclResult_t state = ncclSuccess;
         WSYNC_NCCL_RETURN_IF_ERROR(ncclCommGetAsyncError(comm_, &state));
         if (state == ncclSuccess) return absl::OkStatus();
-        if (state != ncclInProgress) {
-          ncclCommAbort(comm_);
-          comm_ = nullptr;
-          return NcclStatus(state, "ncclCommInitRankConfig");
+        if (state != ncclInProgress) return abort_with(NcclStatus(state, "ncclCommInitRankConfig"));
+        const absl::Time now = absl::Now();
+        if (now > deadline) {
+          return abort_with(absl::DeadlineExceededError(
+              absl::StrCat("ncclCommInitRankConfig did not finish within ", absl::FormatDuration(timeout))));
         }
-        if (absl::Now() > deadline) {
-          ncclCommAbort(comm_);
-          comm_ = nullptr;
-          return absl::DeadlineExceededError(
-              absl::StrCat("ncclCommInitRankConfig did not finish within ", absl::FormatDuration(timeout)));
+        if (cancelled && now >= next_ask) {
+          if (cancelled()) return abort_with(absl::CancelledError("ncclCommInitRankConfig was cancelled"));
+          next_ask = now + absl::Milliseconds(200);
         }
         absl::SleepFor(absl::Microseconds(100));
       }
@@ -201,7 +209,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const Group
     std::memcpy(&id, bytes.data(), sizeof(id));
   }
   auto comm = std::make_unique<NcclCommunicator>(options);
-  RETURN_IF_ERROR(Annotate(comm->Init(id, std::max(deadline - absl::Now(), absl::Seconds(1))), where));
+  RETURN_IF_ERROR(
+      Annotate(comm->Init(id, std::max(deadline - absl::Now(), absl::Seconds(1)), options.cancelled), where));
   return std::unique_ptr<Communicator>(std::move(comm));
 }
 

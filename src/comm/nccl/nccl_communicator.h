@@ -8,6 +8,10 @@
 // ncclCommAbort, after which NCCL no longer touches the buffers. AllGatherV is a group of
 // ncclBroadcast calls, one per rank (the usual NCCL idiom).
 //
+// Formation is bounded the same way: joining the rendezvous, waiting for rank 0's unique id, and
+// ncclCommInitRankConfig (polled, aborted on the deadline) all end with kCancelled within about
+// 200 ms once `GroupOptions::cancelled` says so (a sync abandoned while a member never comes).
+//
 // Compiled and linked wherever CUDA and NCCL are installed; its tests skip without a GPU.
 // Thread-safety: as Communicator.
 #pragma once
