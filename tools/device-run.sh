@@ -154,6 +154,7 @@ check python_cuda python_cuda
 #     with every tensor in CUDA memory (ToHf copies, CUDA INT4 kernels, device buckets) against the
 #     host stages, byte for byte (dense / MoE / MLA, bf16 / INT4, PP 1 / 2).
 check memory_space "$B/bin/common_memory_space_test"
+check nccl_formation "$B/bin/comm_group_test" --gtest_filter='CommFactoryTest.*Nccl*'
 check device_staging "$B/bin/comm_device_staging_test"
 check trainer_device "$B/bin/trainer_rank_sync_device_test"
 # 12. The device stages end to end: a TP 1 x DP 4 training job holding CUDA tensors, the stage
