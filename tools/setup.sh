@@ -13,7 +13,7 @@
 #                                       # tsan, and a TSan build of abseil in build-tsan/absl-tsan
 #   tools/setup.sh --deps-only          # packages only
 #
-# Environment: CI=true turns -Werror on. WSYNC_BUILD_DIR overrides the build directory.
+# Environment: CI=true turns -Werror on (and -g1, no ccache). WSYNC_BUILD_DIR overrides the build directory.
 # With --torch, where the disk has too little room for build/venv-torch (or pip runs out of it midway),
 # setup.sh says so, leaves the environment out and goes on: the tests that need it skip, saying why.
 # WSYNC_REQUIRE_TORCH_ENV=1 makes that an error instead.
@@ -63,7 +63,12 @@ args=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo)
 if command -v ccache >/dev/null && [ "${CI:-}" != "true" ]; then
   args+=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
 fi
-if [ "${CI:-}" = "true" ]; then args+=(-DWSYNC_WERROR=ON); fi
+# CI: warnings are errors, and debug info is line tables only (-g1: sanitizer reports and gdb
+# backtraces keep file:line; objects are ~4x smaller, so builds take a fraction of the disk).
+if [ "${CI:-}" = "true" ]; then
+  args+=(-DWSYNC_WERROR=ON "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG"
+    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG")
+fi
 if [ "$mode" = sanitize ]; then
   build="${WSYNC_BUILD_DIR:-build-asan}"
   args+=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DWSYNC_WITH_CUDA=OFF -DWSYNC_SANITIZE=ON -DWSYNC_FUZZ=ON)
