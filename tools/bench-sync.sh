@@ -48,10 +48,11 @@ case "$mode" in broadcast|sharded|both) ;; *) echo "bench-sync: --mode broadcast
 case "$format" in compressed-tensors|awq) ;; *) echo "bench-sync: --format compressed-tensors|awq" >&2; exit 2 ;; esac
 modes="$mode"
 [ "$mode" = both ] && modes="broadcast sharded"
-# A --workdir is kept (its model is reused by the next run); a directory of our own (~4 GB) is not.
+# A --workdir is kept (its model is reused by the next run); a directory of our own (~4 GB) is
+# removed when the run succeeds.
 if [ -z "$work" ]; then
   work="$(mktemp -d /tmp/wsync-bench-sync.XXXXXX)"
-  trap 'rm -rf "$work"' EXIT
+  trap 'rc=$?; if [ "$rc" = 0 ]; then rm -rf "$work"; else echo "bench-sync: failed; its files are in $work" >&2; fi' EXIT
 fi
 mkdir -p "$work"
 if [ "$format" = awq ]; then  # the same INT4 targets as AWQ (docs/engine-formats.md)

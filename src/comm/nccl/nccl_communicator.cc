@@ -65,7 +65,9 @@ class NcclCommunicator final : public QueuedCommunicator {
       absl::Time next_ask = absl::Now() + absl::Milliseconds(200);
       for (;;) {
         ncclResult_t state = ncclSuccess;
-        WSYNC_NCCL_RETURN_IF_ERROR(ncclCommGetAsyncError(comm_, &state));
+        if (ncclResult_t r = ncclCommGetAsyncError(comm_, &state); r != ncclSuccess) {
+          return abort_with(NcclStatus(r, "ncclCommGetAsyncError"));
+        }
         if (state == ncclSuccess) return absl::OkStatus();
         if (state != ncclInProgress) return abort_with(NcclStatus(state, "ncclCommInitRankConfig"));
         const absl::Time now = absl::Now();
