@@ -49,6 +49,64 @@ absl::Status BlockSizes(const kernels::QuantizedShapes& q, DType dtype, uint64_t
   return absl::OkStatus();
 }
 
+// The AWQ triple of HF tensor `hf_index`'s rows [n0, n0 + n) by columns [k0, k0 + k), its parts
+// laid out from block offset `at` (AwqPart).
+absl::StatusOr<AwqPart> MakeAwqPart(int hf_index, int64_t n0, int64_t n, int64_t k0, int64_t k, DType dtype, int group,
+                                    uint64_t at) {
+  ASSIGN_OR_RETURN(const kernels::AwqShapes shapes, kernels::AwqShapesFor(TensorView(dtype, Shape{n, k}, {}), group));
+  AwqPart part{.hf_index = hf_index, .n0 = n0, .n = n, .k0 = k0, .k = k};
+  part.qweight = shapes.qweight;
+  part.qzeros = shapes.qzeros;
+  part.scales = shapes.scales;
+  ASSIGN_OR_RETURN(const int64_t qweight_bytes, NumBytes(DType::kI32, shapes.qweight));
+  ASSIGN_OR_RETURN(const int64_t qzeros_bytes, NumBytes(DType::kI32, shapes.qzeros));
+  ASSIGN_OR_RETURN(const int64_t scales_bytes, NumBytes(dtype, shapes.scales));
+  part.qweight_at = AlignUp(at, kBlockAlignment);
+  part.qzeros_at = AlignUp(part.qweight_at + static_cast<uint64_t>(qweight_bytes), kBlockAlignment);
+  part.scales_at = AlignUp(part.qzeros_at + static_cast<uint64_t>(qzeros_bytes), kBlockAlignment);
+  part.end = AlignUp(part.scales_at + static_cast<uint64_t>(scales_bytes), kBlockAlignment);
+  return part;
+}
+
+// Copies `rows` rows of `row_bytes` from `src` (rows `src_pitch` apart) to `dst` (rows `dst_pitch`
+// apart); one copy where both are contiguous. Host memory.
+void CopyRows(std::byte* dst, uint64_t dst_pitch, const std::byte* src, uint64_t src_pitch, int64_t rows,
+              uint64_t row_bytes) {
+  if (row_bytes == dst_pitch && row_bytes == src_pitch) {
+    std::memcpy(dst, src, static_cast<uint64_t>(rows) * row_bytes);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(dst + static_cast<uint64_t>(r) * dst_pitch, src + static_cast<uint64_t>(r) * src_pitch, row_bytes);
+}
+
+// AWQ triple `src` (in `from`) written into triple `dst` of the same HF tensor (in `to`) at its
+// rows and columns: qweight rows k0 - dst.k0 on, qzeros / scales rows (k0 - dst.k0) / G on, and
+// words (n0 - dst.n0) / 8, scale columns n0 - dst.n0 on. Host memory; the part must lie inside.
+void PlaceAwqPart(const AwqPart& src, std::span<const std::byte> from, const AwqPart& dst, std::span<std::byte> to,
+                  DType scale_dtype) {
+  const int64_t rows_per_scale = src.k / src.qzeros[0];  // G, or K for channelwise
+  const int64_t k_off = src.k0 - dst.k0, word_off = (src.n0 - dst.n0) / 8, col_off = src.n0 - dst.n0;
+  const uint64_t item = ItemSize(scale_dtype);
+  const uint64_t src_words = static_cast<uint64_t>(src.n / 8) * 4, dst_words = static_cast<uint64_t>(dst.n / 8) * 4;
+  CopyRows(to.data() + dst.qweight_at + static_cast<uint64_t>(k_off) * dst_words + static_cast<uint64_t>(word_off) * 4,
+           dst_words, from.data() + src.qweight_at, src_words, src.k, src_words);
+  const int64_t z_off = k_off / rows_per_scale;
+  CopyRows(to.data() + dst.qzeros_at + static_cast<uint64_t>(z_off) * dst_words + static_cast<uint64_t>(word_off) * 4,
+           dst_words, from.data() + src.qzeros_at, src_words, src.qzeros[0], src_words);
+  const uint64_t src_cols = static_cast<uint64_t>(src.n) * item, dst_cols = static_cast<uint64_t>(dst.n) * item;
+  CopyRows(to.data() + dst.scales_at + static_cast<uint64_t>(z_off) * dst_cols + static_cast<uint64_t>(col_off) * item,
+           dst_cols, from.data() + src.scales_at, src_cols, src.scales[0], src_cols);
+}
+
+// The first column of ETP rank `rank`'s shard of `p` in the full tensor: 0 for row blocks.
+absl::StatusOr<int64_t> ShardColumn0(const MegatronParam& p, int rank) {
+  if (p.local_shape.back() == p.full_shape.back()) return 0;
+  const auto copies = ShardCopies(p, rank);
+  if (copies.empty()) return absl::InternalError(absl::StrCat(p.global_name, ": shard ", rank, " has no copies"));
+  return static_cast<int64_t>(copies.front().full_offset / ItemSize(p.dtype));
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<RowSegment>> RowSegments(const MegatronParam& p, const HfRowMap& map, int rank_in_group) {
@@ -109,6 +167,18 @@ std::string QuantFingerprint(const QuantizationConfig* quant, kernels::QuantVari
 
 absl::Status MergeInt4Shards(const Int4ExpertPlan& plan, std::span<const std::byte> shards,
                              std::span<std::byte> block) {
+  if (plan.awq) {
+    const uint64_t etp = plan.awq_shards.size();
+    if (shards.size() != etp * plan.local_block || block.size() != plan.block_bytes)
+      return absl::InvalidArgumentError(absl::StrCat("merging AWQ shard blocks: ", shards.size(),
+                                                     " bytes of shards (want ", etp, " x ", plan.local_block,
+                                                     "), a block of ", block.size(), " (want ", plan.block_bytes, ")"));
+    for (uint64_t r = 0; r < etp; ++r)
+      for (const AwqPart& part : plan.awq_shards[r])
+        PlaceAwqPart(part, shards.subspan(r * plan.local_block, plan.local_block),
+                     plan.awq_full[static_cast<size_t>(part.hf_index)], block, plan.scales.dtype);
+    return absl::OkStatus();
+  }
   std::vector<TensorView> packed, scales;
   for (int r = 0; r < plan.packed.group_size; ++r) {
     std::span<const std::byte> shard = shards.subspan(static_cast<uint64_t>(r) * plan.local_block, plan.local_block);
@@ -151,9 +221,6 @@ absl::StatusOr<std::optional<Int4ExpertPlan>> Int4Quantizer::PlanExpert(
     const ModelConfig& model, const MegatronParam& p, absl::Span<const MegatronParam* const> on_members,
     int etp) const {
   if (p.hf_op != HfOp::kCopy && p.hf_op != HfOp::kGlu) return std::nullopt;
-  // AWQ packs along N (qweight [K, N/8]): a row block of the Megatron tensor is a column block of
-  // every AWQ tensor, so AWQ experts travel in bf16 and the merger quantizes each HF tensor.
-  if (quant_.is_awq()) return std::nullopt;
   for (const MegatronParam* mp : on_members) {
     ASSIGN_OR_RETURN(HfRowMap map, HfRowMapFor(model, *mp));
     if (map.hf_shapes.size() != mp->hf_names.size())
@@ -167,6 +234,7 @@ absl::StatusOr<std::optional<Int4ExpertPlan>> Int4Quantizer::PlanExpert(
     if (s.size() != 2 || s[1] != p.full_shape.back())
       return absl::InternalError(absl::StrCat(p.global_name, ": HF tensor ", ShapeToString(s),
                                               " is not a row block of ", ShapeToString(p.full_shape)));
+  if (quant_.is_awq()) return PlanAwqExpert(p, std::move(map), etp);
   const int group = quant_.group_size;
   Int4ExpertPlan plan;
   absl::StatusOr<kernels::QuantizedShapes> full =
@@ -201,6 +269,133 @@ absl::StatusOr<std::optional<Int4ExpertPlan>> Int4Quantizer::PlanExpert(
   return plan;
 }
 
+absl::StatusOr<std::optional<Int4ExpertPlan>> Int4Quantizer::PlanAwqExpert(const MegatronParam& p, HfRowMap map,
+                                                                           int etp) const {
+  // Merges place AWQ parts row by row: host code. (The device stages run without gathers.)
+  if (!space_.host() && etp > 1) return std::nullopt;
+  const int group = quant_.group_size;
+  Int4ExpertPlan plan;
+  plan.awq = true;
+  plan.packed = plan.scales = p;
+  plan.packed.dtype = DType::kI32;
+  plan.hf_shapes = std::move(map.hf_shapes);
+  ASSIGN_OR_RETURN(plan.full_rows, RowSegments(p, map, -1));
+  const int64_t k = p.full_shape.back();
+  for (size_t h = 0; h < plan.hf_shapes.size(); ++h) {
+    absl::StatusOr<AwqPart> part = MakeAwqPart(static_cast<int>(h), 0, plan.hf_shapes[h][0], 0, k, p.dtype, group,
+                                               plan.awq_full.empty() ? 0 : plan.awq_full.back().end);
+    if (!part.ok())
+      return Annotate(part.status(), absl::StrCat("quantizing \"", p.hf_names[h], "\" (", SafetensorsName(p.dtype),
+                                                  ShapeToString(plan.hf_shapes[h]), ") to AWQ"));
+    plan.awq_full.push_back(*part);
+  }
+  plan.block_bytes = plan.awq_full.back().end;
+  // A segment of an HF tensor's rows is a column block of its AWQ tensors: whole words of 8 rows,
+  // or the stage source quantizes the tensor itself.
+  auto whole_words = [](const std::vector<RowSegment>& segs) {
+    return std::all_of(segs.begin(), segs.end(),
+                       [](const RowSegment& s) { return s.hf_row % 8 == 0 && s.rows % 8 == 0; });
+  };
+  if (!whole_words(plan.full_rows)) return std::nullopt;
+  const int64_t local_k = p.local_shape.back();
+  plan.by_shard = etp == 1 || p.kind == ShardKind::kExpertGluFc1 ||
+                  (p.kind == ShardKind::kExpertDim1 && group > 0 && local_k % group == 0);
+  if (plan.by_shard && etp > 1) {
+    for (int r = 0; r < etp && plan.by_shard; ++r) {
+      ASSIGN_OR_RETURN(const std::vector<RowSegment> segs, RowSegments(p, map, r));
+      ASSIGN_OR_RETURN(const int64_t k0, ShardColumn0(p, r));
+      std::vector<AwqPart> parts;
+      plan.by_shard = whole_words(segs);
+      for (size_t i = 0; i < segs.size() && plan.by_shard; ++i) {
+        ASSIGN_OR_RETURN(AwqPart part, MakeAwqPart(segs[i].hf_index, segs[i].hf_row, segs[i].rows, k0, local_k, p.dtype,
+                                                   group, parts.empty() ? 0 : parts.back().end));
+        parts.push_back(std::move(part));
+      }
+      if (parts.empty()) plan.by_shard = false;
+      if (!plan.by_shard) break;
+      if (r == 0) plan.local_block = parts.back().end;
+      if (parts.back().end != plan.local_block) plan.by_shard = false;  // shards of unequal blocks: merge in bf16
+      plan.awq_shards.push_back(std::move(parts));
+    }
+    if (plan.by_shard) {
+      ASSIGN_OR_RETURN(plan.local_rows, RowSegments(p, map, p.rank_in_group));
+    } else {
+      plan.awq_shards.clear();
+      plan.local_block = 0;
+    }
+  } else if (plan.by_shard) {
+    plan.local_rows = plan.full_rows;
+  }
+  return plan;
+}
+
+absl::Status Int4Quantizer::QuantizeExpert(const MegatronParam& p, const TensorView& w, const Int4ExpertPlan& plan,
+                                           bool shard, std::span<std::byte> block, absl::string_view where) {
+  const uint64_t want = shard ? plan.local_block : plan.block_bytes;
+  if (block.size() != want || (shard && !plan.by_shard))
+    return absl::InvalidArgumentError(absl::StrCat(p.global_name, ": a block of ", block.size(), " bytes for its ",
+                                                   shard ? "ETP shard" : "full tensor", " (the plan's: ", want,
+                                                   plan.by_shard || !shard ? "" : ", not by shard", ")"));
+  if (!plan.awq) {
+    if (shard)
+      return QuantizeRows(p, w, plan.local_rows, block.subspan(0, plan.local_packed_bytes),
+                          block.subspan(plan.local_scale_offset, plan.local_scale_bytes), where);
+    return QuantizeRows(p, w, plan.full_rows, block.subspan(0, plan.packed_bytes),
+                        block.subspan(plan.scale_offset, plan.scale_bytes), where);
+  }
+  if (shard) {
+    const std::vector<AwqPart>& parts = plan.awq_shards.at(static_cast<size_t>(p.rank_in_group));
+    for (size_t i = 0; i < parts.size(); ++i)
+      RETURN_IF_ERROR(QuantizeAwqPart(p, w, plan.local_rows[i].row, parts[i], block, where));
+    return absl::OkStatus();
+  }
+  for (const RowSegment& seg : plan.full_rows) {
+    const AwqPart& whole = plan.awq_full[static_cast<size_t>(seg.hf_index)];
+    if (seg.hf_row == 0 && seg.rows == whole.n) {
+      RETURN_IF_ERROR(QuantizeAwqPart(p, w, seg.row, whole, block, where));
+      continue;
+    }
+    // Some rows of the HF tensor: a column block of its triple, quantized apart and placed.
+    if (!space_.host())
+      return absl::InternalError(absl::StrCat(p.global_name, ": an AWQ row segment to place in device memory"));
+    ASSIGN_OR_RETURN(const AwqPart piece,
+                     MakeAwqPart(seg.hf_index, seg.hf_row, seg.rows, 0, whole.k, p.dtype, quant_.group_size, 0));
+    std::vector<std::byte> scratch(piece.end);
+    RETURN_IF_ERROR(QuantizeAwqPart(p, w, seg.row, piece, scratch, where));
+    PlaceAwqPart(piece, scratch, whole, block, p.dtype);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Int4Quantizer::QuantizeAwqPart(const MegatronParam& p, const TensorView& w, int64_t row,
+                                            const AwqPart& part, std::span<std::byte> block, absl::string_view where) {
+  const int64_t k = w.dim(1);
+  const uint64_t w_row = w.nbytes() / static_cast<uint64_t>(w.dim(0));
+  if (row < 0 || row + part.n > w.dim(0) || part.k != k || part.end > block.size())
+    return absl::InternalError(absl::StrCat(p.global_name, ": AWQ part of rows ", row, "..", row + part.n - 1, " x ",
+                                            part.k, " columns does not fit ", w.DebugString(), " and a block of ",
+                                            block.size(), " bytes"));
+  const TensorView ws(w.dtype(), Shape{part.n, k},
+                      w.bytes().subspan(static_cast<uint64_t>(row) * w_row, static_cast<uint64_t>(part.n) * w_row));
+  auto view = [&](DType dtype, const Shape& shape, uint64_t at) {
+    return MutableTensorView(dtype, shape, block.subspan(at, static_cast<uint64_t>(*NumBytes(dtype, shape))));
+  };
+  const absl::Time t0 = absl::Now();
+  absl::Status s = kernels::QuantizeAwq(ws, view(DType::kI32, part.qweight, part.qweight_at),
+                                        view(DType::kI32, part.qzeros, part.qzeros_at),
+                                        view(w.dtype(), part.scales, part.scales_at), awq_);
+  stats_.quantize += absl::Now() - t0;
+  if (!s.ok()) {
+    const std::string columns =
+        k == p.full_shape.back() ? "" : absl::StrCat(", its columns ", part.k0, "..", part.k0 + k - 1);
+    return Annotate(s, absl::StrCat("quantizing \"", p.hf_names[static_cast<size_t>(part.hf_index)], "\" (its rows ",
+                                    part.n0, "..", part.n0 + part.n - 1, columns, " as the kernel's rows 0..",
+                                    part.n - 1, "; ", where, ") to AWQ"));
+  }
+  stats_.quantized_bytes += ws.nbytes();
+  return absl::OkStatus();
+}
+
 absl::Status Int4Quantizer::QuantizeRows(const MegatronParam& p, const TensorView& w, absl::Span<const RowSegment> rows,
                                          std::span<std::byte> packed, std::span<std::byte> scales,
                                          absl::string_view where) {
@@ -229,6 +424,7 @@ absl::Status Int4Quantizer::QuantizeRows(const MegatronParam& p, const TensorVie
 
 absl::Status Int4Quantizer::EmitExpert(comm::BucketBuilder& builder, const MegatronParam& p, const Int4ExpertPlan& plan,
                                        std::span<const std::byte> block) {
+  if (plan.awq) return EmitAwqExpert(builder, p, plan, block);
   const int64_t rows = p.full_shape[0];
   const uint64_t packed_row = plan.packed_bytes / static_cast<uint64_t>(rows);
   const uint64_t scale_row = plan.scale_bytes / static_cast<uint64_t>(rows);
@@ -250,6 +446,32 @@ absl::Status Int4Quantizer::EmitExpert(comm::BucketBuilder& builder, const Megat
     }
     stats_.copy += absl::Now() - t0;
     stats_.hf_bytes += static_cast<uint64_t>(hf[0] * hf[1]) * ItemSize(p.dtype);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Int4Quantizer::EmitAwqExpert(comm::BucketBuilder& builder, const MegatronParam& p,
+                                          const Int4ExpertPlan& plan, std::span<const std::byte> block) {
+  for (const AwqPart& part : plan.awq_full) {
+    const std::string& name = p.hf_names[static_cast<size_t>(part.hf_index)];
+    absl::string_view prefix = name;
+    if (!absl::ConsumeSuffix(&prefix, ".weight"))
+      return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", name, "\": not a *.weight tensor"));
+    const std::vector<std::string> names = model::QuantizedNames(prefix, quant_);
+    const comm::BucketBuilder::Pending pending[3] = {
+        {names[0], DType::kI32, part.qweight},
+        {names[1], DType::kI32, part.qzeros},
+        {names[2], p.dtype, part.scales},
+    };
+    ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, builder.Reserve(pending));
+    const absl::Time t0 = absl::Now();
+    const uint64_t at[3] = {part.qweight_at, part.qzeros_at, part.scales_at};
+    for (size_t i = 0; i < 3; ++i) {
+      RETURN_IF_ERROR(space_.Copy(dst[i].bytes().data(), block.data() + at[i], dst[i].nbytes()));
+      stats_.copied_bytes += dst[i].nbytes();
+    }
+    stats_.copy += absl::Now() - t0;
+    stats_.hf_bytes += static_cast<uint64_t>(part.n * part.k) * ItemSize(p.dtype);
   }
   return absl::OkStatus();
 }

@@ -5,20 +5,27 @@
 //                     the INT4 block sizes, which rows of the Megatron tensor (or of this rank's ETP
 //                     shard) are which HF tensor's rows, and whether each ETP rank quantizes its own
 //                     shard (by_shard) or the merger quantizes after a bf16 merge;
+//   QuantizeExpert    a shard or a full tensor into its block, as the plan says (QuantizeRows for
+//                     compressed-tensors; AWQ triples for AWQ);
 //   QuantizeRows      quantizes row segments of a shard or a full tensor into a block's packed and
-//                     scale parts;
+//                     scale parts (compressed-tensors);
 //   MergeInt4Shards   the ETP ranks' INT4 shard blocks -> the full tensor's block (MergeShards on
-//                     the packed int32 and the scales, described as parameters);
+//                     the packed int32 and the scales, described as parameters; AWQ: each shard's
+//                     triples placed at their rows and columns of the HF tensors' triples);
 //   EmitExpert        cuts each HF tensor's packed / scale rows out of a full block into a bucket
-//                     triplet (weight_packed, weight_scale, weight_shape);
+//                     triplet (weight_packed, weight_scale, weight_shape; AWQ: qweight, qzeros, scales);
 //   QuantizeInto      one HF tensor through the kernel straight into a bucket triplet (AWQ too:
-//                     qweight / qzeros / scales; AWQ experts are never planned by PlanExpert).
+//                     qweight / qzeros / scales).
 // Quantization is row-local (groups run along K), so the rows of a tensor may be quantized in any
 // split: every path yields the bytes of model::QuantizeHfTensor on each HF tensor (compressed-
 // tensors packing, the configured group size and variant).
 //
 // An INT4 block of a parameter [R, K] (or of a shard [r, k]): packed int32 [R, K/8] at 0, scales
 // [R, K/G] in the weight's dtype at scale_offset (64-byte aligned), the block padded to 64 bytes.
+// AWQ packs along N (qweight [K, N/8]), so a row block of the Megatron tensor is a column block of
+// the AWQ tensors: an AWQ block is instead one AWQ triple per part (AwqPart), each HF tensor whole
+// in a full block, each of this shard's row segments in a shard block (docs/engine-formats.md,
+// decision 3).
 //
 // Ownership: an Int4Quantizer keeps a pointer to its QuantizationConfig (not owned; must outlive
 // it). Spans and views are the caller's; the bucket triplets belong to the BucketBuilder.
@@ -65,6 +72,16 @@ struct RowSegment {
 // the shard is neither row blocks nor column blocks of the full tensor.
 absl::StatusOr<std::vector<RowSegment>> RowSegments(const MegatronParam& p, const HfRowMap& map, int rank_in_group);
 
+// One AWQ triple in a block: HF tensor hf_index's output rows [n0, n0 + n) by input columns
+// [k0, k0 + k), as qweight [k, n/8] int32, qzeros [k/G, n/8] int32 and scales [k/G, n] in the
+// weight's dtype, at these offsets of the block (each 64-byte aligned; `end` too).
+struct AwqPart {
+  int hf_index = 0;
+  int64_t n0 = 0, n = 0, k0 = 0, k = 0;
+  Shape qweight, qzeros, scales;
+  uint64_t qweight_at = 0, qzeros_at = 0, scales_at = 0, end = 0;
+};
+
 // How an expert parameter quantized by its holders travels. A member's block of the EP gather is
 // the full Megatron tensor [R, K] quantized (block_bytes). With ETP > 1 and by_shard, every ETP rank
 // quantizes its own shard (rows, or column blocks holding whole groups) into a shard block of
@@ -79,6 +96,13 @@ struct Int4ExpertPlan {
   std::vector<Shape> hf_shapes;        // parallel to the parameter's hf_names
   std::vector<RowSegment> full_rows;   // the HF tensors' rows in the full tensor
   std::vector<RowSegment> local_rows;  // in this rank's shard (by_shard; ETP 1: full_rows)
+  // AWQ: the blocks hold AwqParts instead of packed rows then scales (the packed / scale fields
+  // above are unused). awq_full: one part per HF tensor (block_bytes in all); awq_shards[r]: ETP
+  // rank r's shard block (local_block bytes), one part per row segment of its shard (by_shard
+  // with ETP > 1 only).
+  bool awq = false;
+  std::vector<AwqPart> awq_full;
+  std::vector<std::vector<AwqPart>> awq_shards;
 };
 
 // Bytes and time an Int4Quantizer spent, accumulated over its calls.
@@ -138,9 +162,16 @@ class Int4Quantizer {
                                                            absl::Span<const MegatronParam* const> on_members,
                                                            int etp) const;
 
+  // Quantizes `w`, parameter `p`'s tensor as `plan` says: with `shard`, this rank's ETP shard into
+  // its shard block (plan.local_block bytes; by_shard with ETP > 1), else the full tensor into the
+  // full block (plan.block_bytes). `where` ends the error message ("ETP shard 1 of 2"). Errors as
+  // QuantizeRows; kInvalidArgument for a block of another size.
+  absl::Status QuantizeExpert(const MegatronParam& p, const TensorView& w, const Int4ExpertPlan& plan, bool shard,
+                              std::span<std::byte> block, absl::string_view where);
+
   // Quantizes rows `rows` of `w` (parameter `p`'s tensor: a shard or the full tensor, [n, k])
   // into `packed` (n x k/8 int32) and `scales` (n x k/G), each segment at its own rows. `where`
-  // ends the error message ("ETP shard 1 of 2").
+  // ends the error message ("ETP shard 1 of 2"). Compressed-tensors only.
   absl::Status QuantizeRows(const MegatronParam& p, const TensorView& w, absl::Span<const RowSegment> rows,
                             std::span<std::byte> packed, std::span<std::byte> scales, absl::string_view where);
 
@@ -158,6 +189,12 @@ class Int4Quantizer {
 
  private:
   absl::Status QuantizeAwqInto(comm::BucketBuilder& builder, const std::string& name, const TensorView& w);
+  absl::StatusOr<std::optional<Int4ExpertPlan>> PlanAwqExpert(const MegatronParam& p, HfRowMap map, int etp) const;
+  // Rows [row, row + part.n) of `w` quantized into AWQ triple `part` of `block`.
+  absl::Status QuantizeAwqPart(const MegatronParam& p, const TensorView& w, int64_t row, const AwqPart& part,
+                               std::span<std::byte> block, absl::string_view where);
+  absl::Status EmitAwqExpert(comm::BucketBuilder& builder, const MegatronParam& p, const Int4ExpertPlan& plan,
+                             std::span<const std::byte> block);
 
   const QuantizationConfig& quant_;
   const MemorySpace space_;

@@ -2,7 +2,8 @@
 // (fc1 / fc2, ETP 1 / 2, group sizes that do and do not divide K / ETP, experts ignored on one EP
 // member), row quantization of any split bit-exact to quantizing the whole tensor (seeded random
 // weights, an all-zero group), a NaN refused naming the HF tensor, the INT4 shard merge, and the
-// triplets written into a bucket bit-exact to model::QuantizeHfTensor.
+// triplets written into a bucket bit-exact to model::QuantizeHfTensor; AWQ experts the same way
+// (their blocks of AWQ triples, by holder, by ETP shard and merged, in both arithmetics).
 #include "trainer_agent/quantize/int4_quantizer.h"
 
 #include <gmock/gmock.h>
@@ -347,10 +348,11 @@ class KeepSink : public comm::BucketSink {
   std::map<std::string, std::vector<std::byte>> tensors;
 };
 
-// Every tensor of QuantizeHfTensor(name, w) is in `sink`, byte for byte.
-void ExpectTriplet(const KeepSink& sink, const std::string& name, const TensorView& w, const QuantizationConfig& quant,
-                   kernels::QuantVariant variant) {
-  auto want = model::QuantizeHfTensor(name, w, quant, {.variant = variant, .num_threads = 1});
+// Every tensor of QuantizeHfTensor(name, w) is in `sink`, byte for byte (the compressed-tensors or
+// AWQ triple).
+void ExpectSent(const KeepSink& sink, const std::string& name, const TensorView& w, const QuantizationConfig& quant,
+                const model::QuantizeOptions& options) {
+  auto want = model::QuantizeHfTensor(name, w, quant, options);
   ASSERT_TRUE(want.ok()) << want.status();
   ASSERT_EQ(want->size(), 3u);
   for (const model::HfTensor& t : *want) {
@@ -395,7 +397,7 @@ TEST(Int4EmitTest, ExpertBlocksBecomeTheHfTripletsOfEachTensor) {
   for (const std::string& name : names) {
     auto w = f->model.weights.Get(name);
     ASSERT_TRUE(w.ok()) << w.status();
-    ExpectTriplet(sink, name, *w, quant, kernels::QuantVariant::kSlime);
+    ExpectSent(sink, name, *w, quant, {.variant = kernels::QuantVariant::kSlime, .num_threads = 1});
   }
 }
 
@@ -415,12 +417,12 @@ TEST(Int4EmitTest, QuantizeIntoWritesTheTripletOfQuantizeHfTensor) {
   EXPECT_THAT(std::string(bad.message()), HasSubstr("not a *.weight tensor"));
   ASSERT_TRUE(builder.Finish().ok());
   EXPECT_EQ(q.stats().quantized_bytes, w->nbytes());
-  ExpectTriplet(sink, name, *w, quant, kernels::QuantVariant::kQat);
+  ExpectSent(sink, name, *w, quant, {.num_threads = 1});
 }
 
 // AWQ configs (quant_method "awq"): QuantizeInto writes qweight / qzeros / scales as
-// model::QuantizeHfTensor does, in either arithmetic, and no expert is planned for its holders
-// (AWQ packs along N, so experts travel in bf16 and the merger quantizes them).
+// model::QuantizeHfTensor does, in either arithmetic; experts are planned for their holders as AWQ
+// triples (Int4AwqExpertTest below).
 TEST(Int4EmitTest, AwqQuantizeIntoWritesQweightQzerosScales) {
   auto f = MakeFixture(/*etp=*/1, /*moe_ffn=*/32);
   ASSERT_TRUE(f.ok()) << f.status();
@@ -450,21 +452,133 @@ TEST(Int4EmitTest, AwqQuantizeIntoWritesQweightQzerosScales) {
     EXPECT_EQ((*want)[2].name, "model.layers.2.self_attn.o_proj.scales");
     EXPECT_EQ((*want)[0].view.shape(), (Shape{w->dim(1), w->dim(0) / 8}));
     EXPECT_EQ(sink.tensors.size(), 3u);
-    for (const model::HfTensor& t : *want) {
-      auto it = sink.tensors.find(t.name);
-      ASSERT_NE(it, sink.tensors.end()) << t.name << " not sent";
-      EXPECT_TRUE(SameBytes(it->second, t.view.bytes())) << t.name;
-    }
+    ExpectSent(sink, name, *w, *quant, {.num_threads = 1, .awq_arith = arith});
     const int rank = EtpRank(*f, 0);
     const tools::RankTensor& e = ExpertOf(*f, rank, ShardKind::kExpertGluFc1);
     auto plan = q.PlanExpert(f->model.config, e.param, OnMembers(*f, rank, e.param), f->world.layout.etp());
     ASSERT_TRUE(plan.ok()) << plan.status();
-    EXPECT_FALSE(plan->has_value());
+    ASSERT_TRUE(plan->has_value());
+    EXPECT_TRUE((*plan)->awq);
   }
   EXPECT_NE(QuantFingerprint(&*quant, kernels::QuantVariant::kQat, kernels::AwqArith::kFp16),
             QuantFingerprint(&*quant, kernels::QuantVariant::kQat, kernels::AwqArith::kFp32));
   const QuantizationConfig ct = Int4Config(32);
   EXPECT_NE(QuantFingerprint(&*quant, kernels::QuantVariant::kQat), QuantFingerprint(&ct, kernels::QuantVariant::kQat));
+}
+
+// --- AWQ experts by their holders ----------------------------------------------------------------
+
+QuantizationConfig AwqConfig(int group) {
+  auto q = ParseQuantizationConfig(absl::StrCat(R"({"quant_method": "awq", "bits": 4, "group_size": )", group,
+                                                R"(, "zero_point": true, "version": "gemm"})"),
+                                   "awq");
+  EXPECT_TRUE(q.ok()) << q.status();
+  return q.ok() ? *q : QuantizationConfig();
+}
+
+// AWQ packs along N, so a holder's row block is a column block of each AWQ tensor: the block holds
+// one triple per HF tensor (per shard segment for ETP shards). Every path gives QuantizeHfTensor's
+// bytes for each HF tensor, in both arithmetics: the full tensor by its holder (ETP 1), ETP shards
+// quantized where they live and merged (fc1 rows; fc2 columns of whole groups, moe_ffn 64), and a
+// bf16 merge quantized by the merger (fc2 with 16 columns a shard, narrower than a group).
+TEST(Int4AwqExpertTest, HoldersShardsAndMergesGiveEachHfTensorsTriple) {
+  struct Way {
+    int etp;
+    int64_t moe_ffn;
+    ShardKind kind;
+    bool by_shard;
+  };
+  const Way ways[] = {{1, 32, ShardKind::kExpertGluFc1, true},
+                      {1, 32, ShardKind::kExpertDim1, true},
+                      {2, 32, ShardKind::kExpertGluFc1, true},
+                      {2, 64, ShardKind::kExpertDim1, true},
+                      {2, 32, ShardKind::kExpertDim1, false}};
+  const QuantizationConfig quant = AwqConfig(32);
+  for (kernels::AwqArith arith : {kernels::AwqArith::kFp16, kernels::AwqArith::kFp32}) {
+    for (const Way& way : ways) {
+      SCOPED_TRACE(absl::StrCat("ETP ", way.etp, ", ", ShardKindName(way.kind), ", moe_ffn ", way.moe_ffn,
+                                arith == kernels::AwqArith::kFp16 ? ", fp16" : ", fp32"));
+      auto f = MakeFixture(way.etp, way.moe_ffn);
+      ASSERT_TRUE(f.ok()) << f.status();
+      Int4Options o;
+      o.quant = &quant;
+      o.num_threads = 2;
+      o.awq_arith = arith;
+      Int4Quantizer q(o);
+      std::vector<Int4ExpertPlan> plans;
+      std::vector<const tools::RankTensor*> shards;
+      for (int e = 0; e < way.etp; ++e) {
+        shards.push_back(&ExpertOf(*f, EtpRank(*f, e), way.kind, 1));
+        std::optional<Int4ExpertPlan> plan = Plan(*f, q, EtpRank(*f, e), shards.back()->param);
+        ASSERT_TRUE(plan.has_value());
+        EXPECT_TRUE(plan->awq);
+        EXPECT_EQ(plan->by_shard, way.by_shard);
+        plans.push_back(std::move(*plan));
+      }
+      const MegatronParam& p = shards[0]->param;
+      const Int4ExpertPlan& plan = plans[0];
+      ASSERT_EQ(plan.awq_full.size(), p.hf_names.size());
+      std::vector<std::byte> block(plan.block_bytes);
+      if (way.etp == 1) {
+        ASSERT_TRUE(q.QuantizeExpert(p, shards[0]->view, plan, /*shard=*/false, block, "by its holder").ok());
+      } else if (way.by_shard) {
+        std::vector<std::byte> gathered(static_cast<size_t>(way.etp) * plan.local_block);
+        for (int e = 0; e < way.etp; ++e) {
+          const Int4ExpertPlan& pe = plans[static_cast<size_t>(e)];
+          ASSERT_EQ(pe.local_block, plan.local_block);
+          ASSERT_EQ(pe.awq_shards.size(), static_cast<size_t>(way.etp));
+          std::span<std::byte> mine = std::span<std::byte>(gathered).subspan(e * pe.local_block, pe.local_block);
+          ASSERT_TRUE(q.QuantizeExpert(shards[static_cast<size_t>(e)]->param, shards[static_cast<size_t>(e)]->view, pe,
+                                       /*shard=*/true, mine, "ETP shard")
+                          .ok());
+        }
+        ASSERT_TRUE(MergeInt4Shards(plan, gathered, block).ok());
+        const absl::Status bad = MergeInt4Shards(plan, std::span<const std::byte>(gathered).subspan(1), block);
+        EXPECT_TRUE(absl::IsInvalidArgument(bad)) << bad;
+      } else {
+        auto full = HfToMegatronFull(f->model.config, p, f->model.weights);
+        ASSERT_TRUE(full.ok()) << full.status();
+        ASSERT_TRUE(q.QuantizeExpert(p, full->view(), plan, /*shard=*/false, block, "merged").ok());
+      }
+      KeepSink sink;
+      comm::BucketBuilder builder(sink, {.bucket_bytes = 1 << 20});
+      ASSERT_TRUE(q.EmitExpert(builder, p, plan, block).ok());
+      ASSERT_TRUE(builder.Finish().ok());
+      EXPECT_EQ(sink.tensors.size(), 3 * p.hf_names.size());
+      for (const std::string& name : p.hf_names) {
+        auto w = f->model.weights.Get(name);
+        ASSERT_TRUE(w.ok()) << w.status();
+        ExpectSent(sink, name, *w, quant, {.num_threads = 1, .awq_arith = arith});
+      }
+    }
+  }
+}
+
+// A NaN in an ETP shard is refused naming the HF tensor, its rows and the shard; a block of the
+// wrong size is refused before the kernel runs.
+TEST(Int4AwqExpertTest, ANanOrAWrongBlockIsRefusedNamingIt) {
+  auto f = MakeFixture(/*etp=*/2, /*moe_ffn=*/32);
+  ASSERT_TRUE(f.ok()) << f.status();
+  const QuantizationConfig quant = AwqConfig(32);
+  Int4Quantizer q({.quant = &quant, .num_threads = 1});
+  const int rank = EtpRank(*f, 1);
+  const tools::RankTensor& fc1 = ExpertOf(*f, rank, ShardKind::kExpertGluFc1, 1);
+  const std::optional<Int4ExpertPlan> plan = Plan(*f, q, rank, fc1.param);
+  ASSERT_TRUE(plan.has_value() && plan->by_shard);
+  auto copy = Tensor::CopyOf(fc1.view);
+  ASSERT_TRUE(copy.ok());
+  reinterpret_cast<uint16_t*>(copy->mutable_view().data())[20 * 64 + 3] = 0x7fc0;  // up_proj's row 16 + 4
+  std::vector<std::byte> block(plan->local_block);
+  absl::Status s = q.QuantizeExpert(fc1.param, copy->view(), *plan, /*shard=*/true, block, "ETP shard 1 of 2");
+  ASSERT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr(absl::StrCat("quantizing \"", fc1.param.hf_names[1], "\" (its rows 16..31")));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("ETP shard 1 of 2"));
+  const uint64_t quantized = q.stats().quantized_bytes;
+  block.resize(plan->local_block + 64);
+  s = q.QuantizeExpert(fc1.param, fc1.view, *plan, /*shard=*/true, block, "ETP shard 1 of 2");
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_EQ(q.stats().quantized_bytes, quantized) << "the kernel ran on a wrong block";
 }
 
 // The trainer quantizes as the engines declare; its own --quant-config must be theirs.

@@ -577,11 +577,9 @@ void RankSync::RunExperts() {
           if (!it.int4 || !plan_of(it).by_shard || it.pruned) continue;
           const Int4ExpertPlan& plan = plan_of(it);
           std::byte* mine = etp_buffer_.data() + it.etp_offset + own_etp * plan.local_block;
-          absl::Status s = int4_->QuantizeRows(shard_.params[static_cast<size_t>(it.index)],
-                                               shard_.tensors[static_cast<size_t>(it.index)], plan.local_rows,
-                                               {mine, plan.local_packed_bytes},
-                                               {mine + plan.local_scale_offset, plan.local_scale_bytes},
-                                               absl::StrCat("ETP shard ", coord.etp, " of ", etp));
+          absl::Status s = int4_->QuantizeExpert(
+              shard_.params[static_cast<size_t>(it.index)], shard_.tensors[static_cast<size_t>(it.index)], plan,
+              /*shard=*/true, {mine, plan.local_block}, absl::StrCat("ETP shard ", coord.etp, " of ", etp));
           if (!s.ok()) {
             Fail(s);
             break;
@@ -624,9 +622,8 @@ void RankSync::RunExperts() {
         if (it.int4 && etp == 1) {
           const Int4ExpertPlan& plan = plan_of(it);
           const absl::Duration q0 = int4_->stats().quantize;
-          s = int4_->QuantizeRows(p, shard_.tensors[static_cast<size_t>(it.index)], plan.full_rows,
-                                  block.subspan(0, plan.packed_bytes),
-                                  block.subspan(plan.scale_offset, plan.scale_bytes), "by its holder");
+          s = int4_->QuantizeExpert(p, shard_.tensors[static_cast<size_t>(it.index)], plan, /*shard=*/false, block,
+                                    "by its holder");
           quantizing += int4_->stats().quantize - q0;
         } else if (it.int4 && plan_of(it).by_shard) {
           s = MergeInt4Shards(plan_of(it), region, block);
@@ -639,9 +636,8 @@ void RankSync::RunExperts() {
           if (s.ok() && it.int4) {
             const Int4ExpertPlan& plan = plan_of(it);
             const absl::Duration q0 = int4_->stats().quantize;
-            s = int4_->QuantizeRows(p, TensorView(p.dtype, p.full_shape, dst), plan.full_rows,
-                                    block.subspan(0, plan.packed_bytes),
-                                    block.subspan(plan.scale_offset, plan.scale_bytes), "merged from its ETP shards");
+            s = int4_->QuantizeExpert(p, TensorView(p.dtype, p.full_shape, dst), plan, /*shard=*/false, block,
+                                      "merged from its ETP shards");
             quantizing += int4_->stats().quantize - q0;
           }
         }

@@ -1,7 +1,8 @@
 // RunRankSync on every rank of a layout, one thread per rank in this process, over local Gloo
 // groups (gather/testing/local_trainer_comms.h) and a DirSource of the synthetic sharder's rank
 // files: a dense model over TP 2 (world 2) and MoE models over TP 2 x EP 2 with ETP 1 and 2 (world
-// 4; with ETP 2, fc2 shards both narrower and as wide as a group), bf16 and INT4. Each stage
+// 4; with ETP 2, fc2 shards both narrower and as wide as a group), bf16 and INT4 (compressed-tensors,
+// and AWQ with its expert blocks of AWQ triples). Each stage
 // source's buckets are decoded and compared bit for bit with ExpectedSentTensors, the oracle of the
 // mpirun test (tests/integration/trainer_sync_mpi_test.cc), through the same helpers
 // (sync/testing/sync_capture.h). A missing rank file fails every rank with the same error naming
@@ -92,6 +93,7 @@ struct Case {
   bool int4 = true;
   bool prune = false;   // an expert map: item 0 pruned on both EP members, item 3 on one
   bool spread = false;  // SyncOptions::spread_senders: the TP group and the EP mergers send
+  bool awq = false;     // INT4 as AWQ (group 32) rather than compressed-tensors
 };
 
 // Keeps experts 6, 1, 3, 5, 2 of 8 (reversed on odd layers): with EP 2, local expert 0 (experts 0
@@ -195,7 +197,10 @@ TEST_P(RankSyncTest, SendsExactlyTheConvertedCheckpoint) {
   ASSERT_TRUE(src.ok()) << src.status();
   std::optional<QuantizationConfig> quant;
   if (c.int4) {
-    auto q = ParseQuantizationConfig(testing::kInt4Json, "test int4 config");
+    auto q = ParseQuantizationConfig(
+        c.awq ? R"({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": true, "version": "gemm"})"
+              : testing::kInt4Json,
+        "test int4 config");
     ASSERT_TRUE(q.ok()) << q.status();
     quant = std::move(*q);
   }
@@ -267,6 +272,14 @@ std::vector<Case> AllCases() {
   out.push_back({"qwen3moe_" + etp2.name + "_ffn64_int4_pruned", Architecture::kQwen3Moe, etp2, 64, true, true});
   out.push_back({"deepseek_" + ep2.name + "_bf16_pruned", Architecture::kDeepseekV3, ep2, 32, false, true});
   out.push_back({"deepseek_" + tp2.name + "_int4_pruned", Architecture::kDeepseekV3, tp2, 32, true, true});
+  // AWQ experts quantized by their holders (ETP 1), by ETP shards (fc1; fc2 with 32 columns a
+  // shard) or after a bf16 merge (fc2 with 16), then merged as AWQ triples.
+  out.push_back({"qwen3moe_" + ep2.name + "_awq", Architecture::kQwen3Moe, ep2, 32, true, false, false, true});
+  out.push_back({"qwen3moe_" + etp2.name + "_awq", Architecture::kQwen3Moe, etp2, 32, true, false, false, true});
+  out.push_back(
+      {"deepseek_" + etp2.name + "_ffn64_awq", Architecture::kDeepseekV3, etp2, 64, true, false, false, true});
+  out.push_back(
+      {"qwen3moe_" + etp2.name + "_ffn64_awq_pruned", Architecture::kQwen3Moe, etp2, 64, true, true, false, true});
   // Spread senders (sharded delivery): the same checks on the union of the senders' streams.
   const size_t n = out.size();
   for (size_t i = 0; i < n; ++i) {
