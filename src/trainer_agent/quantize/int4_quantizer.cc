@@ -82,10 +82,18 @@ void CopyRows(std::byte* dst, uint64_t dst_pitch, const std::byte* src, uint64_t
 
 // AWQ triple `src` (in `from`) written into triple `dst` of the same HF tensor (in `to`) at its
 // rows and columns: qweight rows k0 - dst.k0 on, qzeros / scales rows (k0 - dst.k0) / G on, and
-// words (n0 - dst.n0) / 8, scale columns n0 - dst.n0 on. Host memory; the part must lie inside.
-void PlaceAwqPart(const AwqPart& src, std::span<const std::byte> from, const AwqPart& dst, std::span<std::byte> to,
-                  DType scale_dtype) {
+// words (n0 - dst.n0) / 8, scale columns n0 - dst.n0 on. Host memory. kInternal, naming `what`,
+// for a part that does not lie inside `dst` on whole words and groups, or outside its buffers.
+absl::Status PlaceAwqPart(const AwqPart& src, std::span<const std::byte> from, const AwqPart& dst,
+                          std::span<std::byte> to, DType scale_dtype, absl::string_view what) {
   const int64_t rows_per_scale = src.k / src.qzeros[0];  // G, or K for channelwise
+  if (src.hf_index != dst.hf_index || src.n0 < dst.n0 || src.n0 + src.n > dst.n0 + dst.n ||
+      (src.n0 - dst.n0) % 8 != 0 || src.k0 < dst.k0 || src.k0 + src.k > dst.k0 + dst.k ||
+      (src.k0 - dst.k0) % rows_per_scale != 0 || src.end > from.size() || dst.end > to.size())
+    return absl::InternalError(absl::StrCat(what, ": AWQ part rows ", src.n0, "+", src.n, " x columns ", src.k0, "+",
+                                            src.k, " of HF tensor ", src.hf_index, " does not fit part rows ", dst.n0,
+                                            "+", dst.n, " x columns ", dst.k0, "+", dst.k, " of HF tensor ",
+                                            dst.hf_index, " (buffers of ", from.size(), " and ", to.size(), " bytes)"));
   const int64_t k_off = src.k0 - dst.k0, word_off = (src.n0 - dst.n0) / 8, col_off = src.n0 - dst.n0;
   const uint64_t item = ItemSize(scale_dtype);
   const uint64_t src_words = static_cast<uint64_t>(src.n / 8) * 4, dst_words = static_cast<uint64_t>(dst.n / 8) * 4;
@@ -97,6 +105,7 @@ void PlaceAwqPart(const AwqPart& src, std::span<const std::byte> from, const Awq
   const uint64_t src_cols = static_cast<uint64_t>(src.n) * item, dst_cols = static_cast<uint64_t>(dst.n) * item;
   CopyRows(to.data() + dst.scales_at + static_cast<uint64_t>(z_off) * dst_cols + static_cast<uint64_t>(col_off) * item,
            dst_cols, from.data() + src.scales_at, src_cols, src.scales[0], src_cols);
+  return absl::OkStatus();
 }
 
 // The first column of ETP rank `rank`'s shard of `p` in the full tensor: 0 for row blocks.
@@ -169,14 +178,18 @@ absl::Status MergeInt4Shards(const Int4ExpertPlan& plan, std::span<const std::by
                              std::span<std::byte> block) {
   if (plan.awq) {
     const uint64_t etp = plan.awq_shards.size();
+    const std::string what = absl::StrCat("merging the AWQ shard blocks of ", plan.scales.global_name);
+    if (!plan.by_shard || etp == 0)
+      return absl::InvalidArgumentError(absl::StrCat(what, ": the plan has no ETP shard blocks"));
     if (shards.size() != etp * plan.local_block || block.size() != plan.block_bytes)
-      return absl::InvalidArgumentError(absl::StrCat("merging AWQ shard blocks: ", shards.size(),
-                                                     " bytes of shards (want ", etp, " x ", plan.local_block,
-                                                     "), a block of ", block.size(), " (want ", plan.block_bytes, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(what, ": ", shards.size(), " bytes of shards (want ", etp, " x ",
+                                                     plan.local_block, "), a block of ", block.size(), " (want ",
+                                                     plan.block_bytes, ")"));
     for (uint64_t r = 0; r < etp; ++r)
       for (const AwqPart& part : plan.awq_shards[r])
-        PlaceAwqPart(part, shards.subspan(r * plan.local_block, plan.local_block),
-                     plan.awq_full[static_cast<size_t>(part.hf_index)], block, plan.scales.dtype);
+        RETURN_IF_ERROR(PlaceAwqPart(part, shards.subspan(r * plan.local_block, plan.local_block),
+                                     plan.awq_full[static_cast<size_t>(part.hf_index)], block, plan.scales.dtype,
+                                     what));
     return absl::OkStatus();
   }
   std::vector<TensorView> packed, scales;
@@ -290,8 +303,9 @@ absl::StatusOr<std::optional<Int4ExpertPlan>> Int4Quantizer::PlanAwqExpert(const
     plan.awq_full.push_back(*part);
   }
   plan.block_bytes = plan.awq_full.back().end;
-  // A segment of an HF tensor's rows is a column block of its AWQ tensors: whole words of 8 rows,
-  // or the stage source quantizes the tensor itself.
+  // A segment of an HF tensor's rows is a column block of its AWQ tensors, so segments must be whole
+  // words of 8 rows: the full tensor's, or the holders do not quantize it (the stage source does);
+  // an ETP shard's, or its ETP merge is in bf16 and its merger quantizes it.
   auto whole_words = [](const std::vector<RowSegment>& segs) {
     return std::all_of(segs.begin(), segs.end(),
                        [](const RowSegment& s) { return s.hf_row % 8 == 0 && s.rows % 8 == 0; });
@@ -332,7 +346,7 @@ absl::StatusOr<std::optional<Int4ExpertPlan>> Int4Quantizer::PlanAwqExpert(const
 absl::Status Int4Quantizer::QuantizeExpert(const MegatronParam& p, const TensorView& w, const Int4ExpertPlan& plan,
                                            bool shard, std::span<std::byte> block, absl::string_view where) {
   const uint64_t want = shard ? plan.local_block : plan.block_bytes;
-  if (block.size() != want || (shard && !plan.by_shard))
+  if (block.size() != want || (shard && (!plan.by_shard || plan.local_block == 0)))
     return absl::InvalidArgumentError(absl::StrCat(p.global_name, ": a block of ", block.size(), " bytes for its ",
                                                    shard ? "ETP shard" : "full tensor", " (the plan's: ", want,
                                                    plan.by_shard || !shard ? "" : ", not by shard", ")"));
@@ -344,7 +358,13 @@ absl::Status Int4Quantizer::QuantizeExpert(const MegatronParam& p, const TensorV
                         block.subspan(plan.scale_offset, plan.scale_bytes), where);
   }
   if (shard) {
-    const std::vector<AwqPart>& parts = plan.awq_shards.at(static_cast<size_t>(p.rank_in_group));
+    // The plan's shard parts are those of the rank it was made on (local_rows too).
+    if (plan.awq_shards.empty() || p.rank_in_group != plan.scales.rank_in_group ||
+        plan.awq_shards[static_cast<size_t>(p.rank_in_group)].size() != plan.local_rows.size())
+      return absl::InvalidArgumentError(absl::StrCat(p.global_name, ": ETP shard ", p.rank_in_group,
+                                                     " and a plan made for shard ", plan.scales.rank_in_group, " of ",
+                                                     plan.awq_shards.size()));
+    const std::vector<AwqPart>& parts = plan.awq_shards[static_cast<size_t>(p.rank_in_group)];
     for (size_t i = 0; i < parts.size(); ++i)
       RETURN_IF_ERROR(QuantizeAwqPart(p, w, plan.local_rows[i].row, parts[i], block, where));
     return absl::OkStatus();
@@ -362,7 +382,7 @@ absl::Status Int4Quantizer::QuantizeExpert(const MegatronParam& p, const TensorV
                      MakeAwqPart(seg.hf_index, seg.hf_row, seg.rows, 0, whole.k, p.dtype, quant_.group_size, 0));
     std::vector<std::byte> scratch(piece.end);
     RETURN_IF_ERROR(QuantizeAwqPart(p, w, seg.row, piece, scratch, where));
-    PlaceAwqPart(piece, scratch, whole, block, p.dtype);
+    RETURN_IF_ERROR(PlaceAwqPart(piece, scratch, whole, block, p.dtype, p.global_name));
   }
   return absl::OkStatus();
 }

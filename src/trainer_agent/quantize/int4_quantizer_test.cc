@@ -479,25 +479,31 @@ QuantizationConfig AwqConfig(int group) {
 // AWQ packs along N, so a holder's row block is a column block of each AWQ tensor: the block holds
 // one triple per HF tensor (per shard segment for ETP shards). Every path gives QuantizeHfTensor's
 // bytes for each HF tensor, in both arithmetics: the full tensor by its holder (ETP 1), ETP shards
-// quantized where they live and merged (fc1 rows; fc2 columns of whole groups, moe_ffn 64), and a
-// bf16 merge quantized by the merger (fc2 with 16 columns a shard, narrower than a group).
+// quantized where they live and merged (fc1 rows; fc2 columns of whole groups, moe_ffn 64: one
+// group a shard, 128: two, so shard 1's qzeros / scales start at row 2), and a bf16 merge quantized
+// by the merger (fc2 with 16 columns a shard, narrower than a group); channelwise (G = -1) fc1 by
+// shard and fc2 merged in bf16 (a K split cannot hold whole channels).
 TEST(Int4AwqExpertTest, HoldersShardsAndMergesGiveEachHfTensorsTriple) {
   struct Way {
     int etp;
     int64_t moe_ffn;
     ShardKind kind;
     bool by_shard;
+    int group = 32;
   };
   const Way ways[] = {{1, 32, ShardKind::kExpertGluFc1, true},
                       {1, 32, ShardKind::kExpertDim1, true},
                       {2, 32, ShardKind::kExpertGluFc1, true},
                       {2, 64, ShardKind::kExpertDim1, true},
-                      {2, 32, ShardKind::kExpertDim1, false}};
-  const QuantizationConfig quant = AwqConfig(32);
+                      {2, 128, ShardKind::kExpertDim1, true},
+                      {2, 32, ShardKind::kExpertDim1, false},
+                      {2, 32, ShardKind::kExpertGluFc1, true, kernels::kChannelwise},
+                      {2, 64, ShardKind::kExpertDim1, false, kernels::kChannelwise}};
   for (kernels::AwqArith arith : {kernels::AwqArith::kFp16, kernels::AwqArith::kFp32}) {
     for (const Way& way : ways) {
-      SCOPED_TRACE(absl::StrCat("ETP ", way.etp, ", ", ShardKindName(way.kind), ", moe_ffn ", way.moe_ffn,
-                                arith == kernels::AwqArith::kFp16 ? ", fp16" : ", fp32"));
+      SCOPED_TRACE(absl::StrCat("ETP ", way.etp, ", ", ShardKindName(way.kind), ", moe_ffn ", way.moe_ffn, ", G ",
+                                way.group, arith == kernels::AwqArith::kFp16 ? ", fp16" : ", fp32"));
+      const QuantizationConfig quant = AwqConfig(way.group);
       auto f = MakeFixture(way.etp, way.moe_ffn);
       ASSERT_TRUE(f.ok()) << f.status();
       Int4Options o;
@@ -535,6 +541,10 @@ TEST(Int4AwqExpertTest, HoldersShardsAndMergesGiveEachHfTensorsTriple) {
         ASSERT_TRUE(MergeInt4Shards(plan, gathered, block).ok());
         const absl::Status bad = MergeInt4Shards(plan, std::span<const std::byte>(gathered).subspan(1), block);
         EXPECT_TRUE(absl::IsInvalidArgument(bad)) << bad;
+        // A shard quantized with another rank's plan is refused.
+        const absl::Status other = q.QuantizeExpert(shards[1]->param, shards[1]->view, plans[0], /*shard=*/true,
+                                                    std::span<std::byte>(gathered).subspan(0, plan.local_block), "x");
+        EXPECT_TRUE(absl::IsInvalidArgument(other)) << other;
       } else {
         auto full = HfToMegatronFull(f->model.config, p, f->model.weights);
         ASSERT_TRUE(full.ok()) << full.status();
@@ -552,6 +562,32 @@ TEST(Int4AwqExpertTest, HoldersShardsAndMergesGiveEachHfTensorsTriple) {
       }
     }
   }
+}
+
+// The rows of one HF tensor in several segments (the general case of a full tensor): each is
+// quantized apart and placed at its columns of the triple, the same bytes as the tensor whole; a
+// shard block asked of a plan without shards, and a merge of one, are refused.
+TEST(Int4AwqExpertTest, ARowSplitOfAnHfTensorIsPlacedAtItsColumns) {
+  auto f = MakeFixture(/*etp=*/1, /*moe_ffn=*/32);
+  ASSERT_TRUE(f.ok()) << f.status();
+  const QuantizationConfig quant = AwqConfig(32);
+  Int4Quantizer q({.quant = &quant, .num_threads = 1});
+  const tools::RankTensor& fc2 = ExpertOf(*f, EtpRank(*f, 0), ShardKind::kExpertDim1, 1);
+  std::optional<Int4ExpertPlan> plan = Plan(*f, q, EtpRank(*f, 0), fc2.param);
+  ASSERT_TRUE(plan.has_value() && plan->awq);
+  ASSERT_EQ(plan->full_rows, (std::vector<RowSegment>{{0, 0, 0, 64}}));
+  std::vector<std::byte> whole(plan->block_bytes), split(plan->block_bytes);
+  ASSERT_TRUE(q.QuantizeExpert(fc2.param, fc2.view, *plan, /*shard=*/false, whole, "whole").ok());
+  Int4ExpertPlan pieces = *plan;
+  pieces.full_rows = {{0, 0, 0, 8}, {0, 8, 8, 40}, {0, 48, 48, 16}};
+  ASSERT_TRUE(q.QuantizeExpert(fc2.param, fc2.view, pieces, /*shard=*/false, split, "split").ok());
+  EXPECT_TRUE(SameBytes(whole, split));
+  std::vector<std::byte> none;
+  const absl::Status s = q.QuantizeExpert(fc2.param, fc2.view, *plan, /*shard=*/true, none, "x");
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  const absl::Status m = MergeInt4Shards(*plan, none, whole);
+  EXPECT_TRUE(absl::IsInvalidArgument(m)) << m;
+  EXPECT_THAT(std::string(m.message()), HasSubstr("no ETP shard blocks"));
 }
 
 // A NaN in an ETP shard is refused naming the HF tensor, its rows and the shard; a block of the
