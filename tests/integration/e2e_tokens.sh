@@ -22,10 +22,15 @@ checkpoint_tokens() {  # DIR WORK [FLAGS]
   "$WSYNC_BIN/wsync-ref-engine" --model "$dir" --checkpoint "$dir" --engine-id from-checkpoint --listen 127.0.0.1:0 \
     --address-file "$work/ckpt-engine" --token-file "$WSYNC_TOKEN_FILE" "$@" > "$work/ckpt-engine.log" 2>&1 &
   pid=$!
-  trap 'kill $pid 2>/dev/null || true' EXIT
+  # The pid now, not when the trap runs (pid is local): a failure on the way still stops the engine.
+  # shellcheck disable=SC2064
+  trap "kill $pid 2>/dev/null || true" EXIT
   for _ in $(seq 300); do [ -s "$work/ckpt-engine" ] && break; sleep 0.1; done
   [ -s "$work/ckpt-engine" ] || { echo "e2e_tokens: the checkpoint engine did not start (see $work/ckpt-engine.log)" >&2; exit 1; }
   tokens "$(cat "$work/ckpt-engine")"
+  kill "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+  trap - EXIT
 }
 case "${1:-}" in
   --checkpoint)
