@@ -10,6 +10,9 @@
 #                         $work/megatron, 4 trainer agents under mpirun on it (logs/trainer.log; extra
 #                         mpirun flags before --, agent flags after), waits for the coordinator; sets
 #                         coord (its address) and ctl (wsyncctl with the token)
+#   e2e_fixed_port        a free port below the ephemeral range (ip_local_port_range), for a server
+#                         restarted on the same port: no bind(0) or outgoing connection of another
+#                         process (mpirun's own TCP ports) can take it between starts
 #   e2e_start_agent I [FAILPOINTS]
 #                         a rollout agent (--coordinator $coord, 300 ms heartbeats) on a new port,
 #                         its address in $work/agent-I (log appended to logs/agent-I.log), armed with
@@ -23,6 +26,25 @@
 #                         a sync with N agents, retried (up to 60 times, 0.5 s apart) while a restarted
 #                         member registers, then `verify --against $work/hf` bit-exact on N engine
 #                         ranks; prints the published version; fails naming WHAT otherwise
+e2e_fixed_port() {
+  python3 - <<'PY'
+import random, socket
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for _ in range(500):
+    port = random.randint(10000, max(10001, low - 1))
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+        print(port)
+        break
+    except OSError:
+        continue
+    finally:
+        s.close()
+else:
+    raise SystemExit("e2e_fixed_port: no free port below " + str(low))
+PY
+}
 e2e_start() {
   e2e_name="$1"
   here="$(cd "$(dirname "${BASH_SOURCE[1]}")/../.." && pwd)"

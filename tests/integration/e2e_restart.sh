@@ -11,7 +11,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
 e2e_start e2e_restart
 "$bin/wsync-model-gen" --from-config default --seed 71 --out "$work/hf" > /dev/null
 "$bin/wsync-shard" --hf "$work/hf" --out "$work/megatron" --tp 2 --ep 2 --dp 2 > /dev/null
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+port=$(e2e_fixed_port)  # the coordinator's, the same at every start of the job
 coord="127.0.0.1:$port"
 ctl=("$bin/wsyncctl" --coordinator "$coord" --token-file "$token")
 

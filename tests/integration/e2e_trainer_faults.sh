@@ -30,7 +30,7 @@ e2e_cleanup_extra() { for p in "${pids[@]}"; do kill -CONT "$p" 2>/dev/null || t
 timeout_s=10
 "$bin/wsync-model-gen" --from-config default --seed 73 --out "$work/hf" > /dev/null
 "$bin/wsync-shard" --hf "$work/hf" --out "$work/megatron" --tp 2 --ep 2 --dp 2 > /dev/null
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+port=$(e2e_fixed_port)  # the coordinator's, the same at every start of the job
 coord="127.0.0.1:$port"
 ctl=("$bin/wsyncctl" --coordinator "$coord" --token-file "$token")
 
