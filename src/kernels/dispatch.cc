@@ -3,12 +3,14 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/checksum.h"
 #include "kernels/cpu/awq_cpu.h"
 #include "kernels/cpu/int4_cpu.h"
 #include "kernels/int4_dispatch.h"
 
 #if WSYNC_WITH_CUDA
 #include "kernels/cuda/awq_cuda.h"
+#include "kernels/cuda/checksum_cuda.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/int4_cuda.h"
 #endif
@@ -28,6 +30,16 @@ absl::StatusOr<int> CudaDeviceCount() {
 bool GpuAvailable() {
   auto n = CudaDeviceCount();
   return n.ok() && *n > 0;
+}
+
+absl::StatusOr<uint64_t> Sum64(const MemorySpace& space, const void* data, size_t nbytes) {
+  if (space.host()) return Sum64Host({static_cast<const std::byte*>(data), nbytes});
+#if WSYNC_WITH_CUDA
+  return cuda::Sum64(space.cuda_device(), data, nbytes);
+#else
+  return absl::FailedPreconditionError(
+      absl::StrCat("Sum64 of ", nbytes, " bytes in ", space.Name(), ": this binary was built without CUDA"));
+#endif
 }
 
 namespace internal {

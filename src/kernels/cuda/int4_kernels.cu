@@ -27,6 +27,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/device.h"
 #include "kernels/cuda/int4_cuda.h"
 #include "kernels/cuda/int4_kernel_bodies.h"
 #include "kernels/format/int4_format.h"
@@ -152,42 +153,6 @@ absl::Status CheckPermOnHost(const internal::RepackArgs& a) {
   return internal::ValidatePerm(host.data(), a.experts, a.k);
 }
 
-// The refusal word of the calling thread on the current device (8 bytes of device memory and a
-// page-locked host word), made once and kept: a cudaMalloc / cudaFree per call synchronizes the
-// whole device and made up most of the time of quantizing a model's many small tensors in a sync.
-// Each thread has its own, so concurrent calls from several threads do not share it.
-struct RefusalWord {
-  unsigned long long* device = nullptr;
-  unsigned long long* host = nullptr;
-  int ordinal = -1;
-};
-struct ThreadRefusalWords {
-  std::vector<RefusalWord> words;
-  ~ThreadRefusalWords() {
-    for (const RefusalWord& w : words) {
-      cudaFree(w.device);  // errors ignored: the runtime may already be unloading at exit
-      cudaFreeHost(w.host);
-    }
-  }
-};
-
-absl::StatusOr<RefusalWord> ThreadRefusalWord() {
-  thread_local ThreadRefusalWords mine;
-  int ordinal = 0;
-  WSYNC_CUDA_RETURN_IF_ERROR(cudaGetDevice(&ordinal));
-  for (const RefusalWord& w : mine.words)
-    if (w.ordinal == ordinal) return w;
-  RefusalWord w;
-  w.ordinal = ordinal;
-  WSYNC_CUDA_RETURN_IF_ERROR(cudaMalloc(&w.device, sizeof(*w.device)));
-  if (cudaError_t e = cudaMallocHost(&w.host, sizeof(*w.host)); e != cudaSuccess) {
-    cudaFree(w.device);
-    WSYNC_CUDA_RETURN_IF_ERROR(e);
-  }
-  mine.words.push_back(w);
-  return w;
-}
-
 }  // namespace
 
 absl::Status Quantize(const internal::QuantizeArgs& a) {
@@ -196,7 +161,7 @@ absl::Status Quantize(const internal::QuantizeArgs& a) {
     return absl::InvalidArgumentError(absl::StrCat("CUDA QuantizeInt4: group size ", a.group, " has no kernel"));
   }
   // One u64 for the smallest non-finite group index (ULLONG_MAX = none).
-  absl::StatusOr<RefusalWord> word = ThreadRefusalWord();
+  absl::StatusOr<KeptWord> word = ThreadKeptWord();
   if (!word.ok()) return word.status();
   unsigned long long* bad = word->device;
   absl::Status st = [&]() -> absl::Status {

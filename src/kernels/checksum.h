@@ -1,0 +1,25 @@
+// Sum64 (kernels/format/sum64.h, where it is defined): the checksum of the buckets that travel in
+// device memory, run where the bytes are. Both functions give the same bits for the same bytes.
+//
+//   Sum64Host     host memory; ~1 word per cycle per core.
+//   Sum64         a MemorySpace's memory: Sum64Host on the host; on a CUDA device, one kernel on
+//                 the device's legacy default stream (ordered after the copies and kernels that
+//                 filled the bytes, common/memory_space.h), then 8 bytes back to the host.
+// Errors (Sum64): kFailedPrecondition for device memory in a build without CUDA; kInternal naming
+// the CUDA error. Thread-safety: reentrant.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "absl/status/statusor.h"
+#include "common/memory_space.h"
+
+namespace wsync::kernels {
+
+uint64_t Sum64Host(std::span<const std::byte> bytes);
+
+absl::StatusOr<uint64_t> Sum64(const MemorySpace& space, const void* data, size_t nbytes);
+
+}  // namespace wsync::kernels
