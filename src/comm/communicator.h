@@ -35,6 +35,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "comm/work.h"
+#include "common/memory_space.h"
 
 namespace wsync::comm {
 
@@ -70,6 +71,9 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual const std::string& group() const = 0;  // the group's name, for messages and metrics
+  // Where the buffers of its operations must be: host memory (MPI, Gloo, shm), or the memory of
+  // the communicator's CUDA device (NCCL).
+  virtual MemorySpace space() const { return MemorySpace::Host(); }
 
   // Every rank's `buffers` (same count and sizes everywhere) receive root's. In place.
   virtual absl::StatusOr<std::unique_ptr<Work>> Broadcast(absl::Span<const MutableBytes> buffers, int root,

@@ -29,7 +29,7 @@ absl::StatusOr<Buffer> BufferPool::Get(size_t nbytes) {
     size = high_water_;
   }
   too_small.clear();
-  return Buffer::Allocate(size);
+  return allocate_ ? allocate_(size) : Buffer::Allocate(size);
 }
 
 void BufferPool::Put(Buffer buffer) {

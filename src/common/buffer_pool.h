@@ -12,11 +12,16 @@
 // a Get(), the idle ones (all too small) are freed before allocating, and the new buffer takes the
 // largest size ever asked for, so buckets of varying sizes converge on buffers that fit them all
 // (the memory of K buffers in use is then at most K x the largest bucket).
+// Memory: host memory by default; a pool may allocate elsewhere (device memory of a CUDA device
+// for the NCCL data plane's buckets, page-locked host memory for the copies to and from it), given
+// an allocator: every buffer it hands out comes from it.
 // Thread-safety: all methods may be called from any thread.
-// Errors: Get() returns kResourceExhausted when a needed allocation fails.
+// Errors: Get() returns kResourceExhausted when a needed allocation fails (or the allocator's error).
 #pragma once
 
 #include <cstddef>
+#include <functional>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -27,7 +32,9 @@ namespace wsync {
 
 class BufferPool {
  public:
-  explicit BufferPool(size_t max_free = 2) : max_free_(max_free) {}
+  using Allocator = std::function<absl::StatusOr<Buffer>(size_t nbytes)>;
+  explicit BufferPool(size_t max_free = 2, Allocator allocate = nullptr)
+      : max_free_(max_free), allocate_(std::move(allocate)) {}
 
   // A buffer of at least `nbytes` (size() may be larger): the smallest idle one that fits, else a
   // new allocation of max(nbytes, the largest size asked for so far), after freeing the idle
@@ -44,6 +51,7 @@ class BufferPool {
 
  private:
   const size_t max_free_;
+  const Allocator allocate_;  // null: Buffer::Allocate
   mutable absl::Mutex mu_;
   std::vector<Buffer> free_ ABSL_GUARDED_BY(mu_);
   size_t high_water_ ABSL_GUARDED_BY(mu_) = 0;

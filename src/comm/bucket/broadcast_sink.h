@@ -36,6 +36,7 @@ class BroadcastSink final : public BucketSink {
   absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) override;
   Buffer Recycle(uint64_t min_bytes) override;
   absl::Status Finish() override;
+  MemorySpace space() const override { return comm_->space(); }  // the communicator's
 
   // Starts the drain with `s` (aborting the communicator) unless it has already started: a sharded
   // stage source stops every group's stream when one of them fails.

@@ -52,6 +52,9 @@ class BucketSink {
   virtual Buffer Recycle(uint64_t min_bytes) = 0;
   // Blocks until every bucket handed to Send has left; the first error of any of them.
   virtual absl::Status Finish() = 0;
+  // Where the buckets handed to Send must be (a DeviceStagingSink bridges another space): host
+  // memory, or a CUDA device's for a sink that sends device buckets (the NCCL data plane).
+  virtual MemorySpace space() const { return MemorySpace::Host(); }
 };
 
 struct BucketBuilderOptions {

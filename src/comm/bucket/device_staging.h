@@ -1,19 +1,23 @@
-// DeviceStagingSink: the hand-off from buckets built in device memory (the trainer's device
-// stages: INT4 kernels and copies on the GPU, comm/bucket/builder.h with a CUDA MemorySpace) to a
-// sink of host buckets (BroadcastSink over Gloo, shm or MPI).
+// DeviceStagingSink: the hand-off between the memory space buckets are built in and the one the
+// sink behind it sends from (BucketSink::space()), when they differ:
+//   device -> host   the trainer's device stages (INT4 kernels and copies on the GPU) in front of a
+//                    sink of host buckets (BroadcastSink over Gloo, shm or MPI);
+//   host -> device   the host stages (a layout with gathers, or --host-stages) in front of the NCCL
+//                    data plane, which sends device buckets;
+//   device -> other device (a peer copy), for completeness.
 //
-// Per bucket: one copy of its nbytes from the device into a host buffer (the inner sink's recycled
-// one, else a new page-locked one, so the copy runs at the link's speed), then the inner sink's
-// Send; the device buffer is kept for the builder's next bucket (Recycle). The copy is synchronous
+// Per bucket: one copy of its nbytes into a buffer of the inner sink's space (its recycled one,
+// else a new one: page-locked on the host, so the copy runs at the link's speed), then the inner
+// sink's Send; the builder's buffer is kept for its next bucket (Recycle). The copy is synchronous
 // on the builder's thread and also surfaces the execution errors of the kernels that filled the
-// bucket. The inner sink keeps broadcasting bucket k while the device fills bucket k+1. A host
-// bucket passes through untouched.
+// bucket. The inner sink keeps broadcasting bucket k while the builder fills bucket k+1. A bucket
+// already in the inner sink's space passes through untouched.
 //
-// Memory: at most `max_free_device` device buffers kept (2: the one being filled is the builder's);
-// host buffers as the inner sink's (BucketSender: up to three bucket buffers, kept by its pool).
+// Memory: at most `max_free` builder buffers kept (2: the one being filled is the builder's);
+// the inner sink's buffers as it keeps them (BucketSender: up to three, kept by its pool).
 // Ownership: `inner` is not owned and must outlive this sink.
-// Errors: the device copy's (kInternal naming the CUDA error, kResourceExhausted when no
-// page-locked buffer can be had), then the inner sink's as they are.
+// Errors: the copy's (kInternal naming the CUDA error, kResourceExhausted when no buffer can be
+// had), then the inner sink's as they are.
 // Thread-safety: used by one thread, as every BucketSink.
 #pragma once
 
@@ -27,27 +31,30 @@
 namespace wsync::comm {
 
 struct DeviceStagingStats {
-  uint64_t buckets = 0;  // copied from a device
+  uint64_t buckets = 0;  // copied to the inner sink's space
   uint64_t bytes = 0;
-  absl::Duration copy;  // in the device-to-host copies (includes waiting for the bucket's kernels)
+  absl::Duration copy;  // in the copies (includes waiting for the kernels that filled the bucket)
 };
 
 class DeviceStagingSink final : public BucketSink {
  public:
-  explicit DeviceStagingSink(BucketSink& inner, int max_free_device = 2);
+  // `from`: the space the builder in front builds in.
+  DeviceStagingSink(BucketSink& inner, MemorySpace from, int max_free = 2);
 
   absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) override;
-  // A kept device buffer of at least min_bytes, else an empty Buffer (the builder in front builds
-  // in device memory; the inner sink's host buffers stay for the staging copies).
+  // A kept builder buffer of at least min_bytes, else an empty Buffer (the inner sink's buffers
+  // stay with it, for the staging copies).
   Buffer Recycle(uint64_t min_bytes) override;
   absl::Status Finish() override { return inner_.Finish(); }
+  MemorySpace space() const override { return from_; }
 
   const DeviceStagingStats& stats() const { return stats_; }
 
  private:
   BucketSink& inner_;
-  const size_t max_free_device_;
-  std::vector<Buffer> free_device_;
+  const MemorySpace from_;
+  const size_t max_free_;
+  std::vector<Buffer> free_;  // the builder's, in from_
   DeviceStagingStats stats_;
 };
 

@@ -11,6 +11,7 @@
 #include "comm/store/store.h"
 #include "comm/testing/capture_sink.h"
 #include "comm/testing/local_group.h"
+#include "common/status.h"
 #include "gtest/gtest.h"
 #include "kernels/dispatch.h"
 
@@ -46,7 +47,7 @@ void BuildBoth(const MemorySpace& space, uint32_t seed) {
     ASSERT_TRUE(b.Finish().ok());
   };
   CaptureSink host_sink, staged_sink;
-  DeviceStagingSink staging(staged_sink);
+  DeviceStagingSink staging(staged_sink, space);
   build(MemorySpace::Host(), host_sink);
   build(space, staging);
   ASSERT_EQ(host_sink.buckets.size(), staged_sink.buckets.size());
@@ -65,6 +66,52 @@ TEST(DeviceStagingSinkTest, DeviceBucketsArriveAsTheHostBuildsThem) {
   for (uint32_t seed : {1u, 2u, 3u}) BuildBoth(MemorySpace::Cuda(0), seed);
 }
 
+// A sink that sends device buckets (what a BroadcastSink over NCCL is): it takes buckets in device
+// 0's memory and keeps a host copy of each, for comparison.
+class DeviceCaptureSink final : public BucketSink {
+ public:
+  absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) override {
+    if (data.device() != 0) return absl::InvalidArgumentError("not a cuda:0 bucket");
+    CaptureSink::Bucket c;
+    c.manifest = std::move(manifest);
+    c.data.resize(nbytes);
+    RETURN_IF_ERROR(MemorySpace::Cuda(0).CopyToHost(c.data.data(), data.data(), nbytes));
+    inner.buckets.push_back(std::move(c));
+    return absl::OkStatus();
+  }
+  Buffer Recycle(uint64_t) override { return Buffer(); }
+  absl::Status Finish() override {
+    ++inner.finishes;
+    return absl::OkStatus();
+  }
+  MemorySpace space() const override { return MemorySpace::Cuda(0); }
+  CaptureSink inner;  // its buckets and finishes only
+};
+
+// Host stages in front of the NCCL data plane: host buckets uploaded, one copy each.
+TEST(DeviceStagingSinkTest, HostBucketsGoUpToADeviceSinkAsTheyWereBuilt) {
+  if (!kernels::GpuAvailable()) GTEST_SKIP() << "no CUDA device";
+  std::vector<std::vector<std::byte>> tensors;
+  for (int i = 0; i < 30; ++i) tensors.push_back(Pattern(1 + (i * 7919) % 20000, 40 + i));
+  CaptureSink host_sink;
+  DeviceCaptureSink device_sink;
+  DeviceStagingSink staging(device_sink, MemorySpace::Host());
+  for (BucketSink* sink : {static_cast<BucketSink*>(&host_sink), static_cast<BucketSink*>(&staging)}) {
+    BucketBuilderOptions o;
+    o.bucket_bytes = 64 << 10;
+    BucketBuilder b(*sink, o);
+    for (size_t i = 0; i < tensors.size(); ++i)
+      ASSERT_TRUE(
+          b.Add(absl::StrCat("t", i), TensorView(DType::kU8, {static_cast<int64_t>(tensors[i].size())}, tensors[i]))
+              .ok());
+    ASSERT_TRUE(b.Finish().ok());
+  }
+  ASSERT_EQ(host_sink.buckets.size(), device_sink.inner.buckets.size());
+  for (size_t i = 0; i < host_sink.buckets.size(); ++i)
+    EXPECT_TRUE(host_sink.buckets[i].data == device_sink.inner.buckets[i].data) << "bucket " << i;
+  EXPECT_EQ(staging.stats().buckets, host_sink.buckets.size());
+}
+
 TEST(DeviceStagingSinkTest, HostSinksRefuseDeviceBuffersBeforeReadingThem) {
   CaptureSink capture;
   absl::Status s = capture.Send(v1::BucketManifest(), FakeDeviceBuffer(64), 64);
@@ -80,7 +127,7 @@ TEST(DeviceStagingSinkTest, HostSinksRefuseDeviceBuffersBeforeReadingThem) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_TRUE(absl::StrContains(s.message(), "DeviceStagingSink")) << s;
   // A device bucket larger than its buffer is refused by the staging sink itself.
-  DeviceStagingSink staging(capture);
+  DeviceStagingSink staging(capture, MemorySpace::Cuda(0));
   s = staging.Send(m, FakeDeviceBuffer(64), 65);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
 }

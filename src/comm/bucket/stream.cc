@@ -7,21 +7,53 @@
 #include "common/checksum.h"
 #include "common/failpoint.h"
 #include "common/status.h"
+#include "kernels/checksum.h"
 
 namespace wsync::comm {
+namespace {
+
+// The framing buffer of one bucket, in the stream's space: the header at 0, the manifest at
+// kManifestAt, the tag after the manifest at the next 64 bytes.
+constexpr uint64_t kManifestAt = 64;
+uint64_t TagAt(uint64_t manifest_bytes) { return AlignEntry(kManifestAt + manifest_bytes); }
+uint64_t ControlBytes(uint64_t manifest_bytes) { return TagAt(manifest_bytes) + kBucketMacTagBytes; }
+
+std::byte* At(const Buffer& b, uint64_t offset) { return b.data() + offset; }
+
+// The span a BucketMac covers: the data of a host bucket; nothing of a device bucket (its tag
+// covers the framing and the manifest, whose Sum64 stands for the data).
+std::span<const std::byte> MacData(const MemorySpace& space, const Buffer& data, uint64_t nbytes) {
+  if (!space.host()) return {};
+  return {data.data(), nbytes};
+}
+
+// A link that damages the bucket after the sender summed it (system tests, common/failpoint.h):
+// one bit of the middle byte flipped, wherever the data is.
+absl::Status CorruptForTest(const MemorySpace& space, const Buffer& data, uint64_t nbytes) {
+  std::byte b;
+  std::byte* at = data.data() + nbytes / 2;
+  RETURN_IF_ERROR(space.CopyToHost(&b, at, 1));
+  b ^= std::byte{0x10};
+  return space.Copy(at, &b, 1);
+}
+
+}  // namespace
 // --- Sender -------------------------------------------------------------------------------------
 
 struct BucketSender::InFlight {
   BucketHeader header;
   std::string manifest;
   Buffer data;
+  Buffer control;  // the framing, in the stream's space
   BucketTag tag{};
   std::unique_ptr<Work> header_work, payload_work;
 };
 
 BucketSender::BucketSender(Communicator& comm, int root, int max_in_flight, CollectiveOptions options, BufferPool* pool,
-                           std::optional<BucketMac> mac)
+                           std::optional<BucketMac> mac, BucketChecksum checksum)
     : comm_(comm),
+      space_(comm.space()),
+      sum64_(checksum == BucketChecksum::kSum64 || (checksum == BucketChecksum::kAuto && !space_.host())),
       root_(root),
       max_in_flight_(std::max(1, max_in_flight)),
       options_(options),
@@ -38,31 +70,56 @@ absl::Status BucketSender::Send(v1::BucketManifest manifest, Buffer data, uint64
     return absl::InvalidArgumentError(
         absl::StrCat(DescribeBucket(manifest), ": ", nbytes, " bytes from a ", data.size(), "-byte buffer"));
   }
-  if (data.device() >= 0)
-    return absl::InvalidArgumentError(absl::StrCat(
-        DescribeBucket(manifest), " is in the memory of CUDA device ", data.device(), "; the ", comm_.Name(),
-        " bucket stream sends host buffers (put a DeviceStagingSink, comm/bucket/device_staging.h, in front)"));
+  if (MemorySpace::Of(data) != space_)
+    return absl::InvalidArgumentError(
+        absl::StrCat(DescribeBucket(manifest), " is in ", MemorySpace::Of(data).Name(), " memory; the ", comm_.Name(),
+                     " bucket stream sends buffers of ", space_.Name(),
+                     " (put a DeviceStagingSink, comm/bucket/device_staging.h, in front)"));
+  if (!sum64_ && !space_.host())
+    return absl::InvalidArgumentError(absl::StrCat(DescribeBucket(manifest), ": an XXH3 checksum of a bucket in ",
+                                                   space_.Name(), " (device buckets carry Sum64)"));
   const absl::Time t0 = absl::Now();
   manifest.set_nbytes(nbytes);
-  manifest.set_xxh3_64(Xxh3_64({data.data(), nbytes}));
+  if (sum64_) {
+    absl::StatusOr<uint64_t> sum = kernels::Sum64(space_, data.data(), nbytes);
+    if (!sum.ok()) return Annotate(sum.status(), absl::StrCat("the Sum64 of ", DescribeBucket(manifest)));
+    manifest.set_xxh3_64(0);
+    manifest.set_sum64(*sum);
+  } else {
+    manifest.set_xxh3_64(Xxh3_64({data.data(), nbytes}));
+    manifest.clear_sum64();
+  }
   const absl::Time t1 = absl::Now();
   stats_.checksum += t1 - t0;
   auto f = std::make_unique<InFlight>();
   f->manifest = manifest.SerializeAsString();
   if (mac_) {
-    ASSIGN_OR_RETURN(f->tag, mac_->Tag(manifest.index(), f->manifest, {data.data(), nbytes}));
+    ASSIGN_OR_RETURN(f->tag, mac_->Tag(manifest.index(), f->manifest, MacData(space_, data, nbytes)));
     stats_.mac += absl::Now() - t1;
   }
-  // A link that damages the bucket after the sender hashed it (system tests, common/failpoint.h).
-  if (nbytes > 0 && FailpointHit("bucket.corrupt")) data.data()[nbytes / 2] ^= std::byte{0x10};
+  if (nbytes > 0 && FailpointHit("bucket.corrupt")) RETURN_IF_ERROR(CorruptForTest(space_, data, nbytes));
   while (static_cast<int>(in_flight_.size()) >= max_in_flight_) RETURN_IF_ERROR(WaitOldest());
 
-  f->header = {f->manifest.size(), nbytes};
+  // The framing, in a buffer of the stream's space (kept from an earlier bucket when one fits).
+  const uint64_t m = f->manifest.size();
+  for (size_t i = 0; i < free_control_.size(); ++i) {
+    if (free_control_[i].size() < ControlBytes(m)) continue;
+    f->control = std::move(free_control_[i]);
+    free_control_.erase(free_control_.begin() + static_cast<std::ptrdiff_t>(i));
+    break;
+  }
+  if (f->control.size() == 0) {
+    ASSIGN_OR_RETURN(f->control, space_.Allocate(ControlBytes(std::max<uint64_t>(m, 4096))));
+  }
+  f->header = {m, nbytes};
+  RETURN_IF_ERROR(space_.Copy(At(f->control, 0), &f->header, sizeof(BucketHeader)));
+  RETURN_IF_ERROR(space_.Copy(At(f->control, kManifestAt), f->manifest.data(), m));
+  RETURN_IF_ERROR(space_.Copy(At(f->control, TagAt(m)), f->tag.data(), f->tag.size()));
   f->data = std::move(data);
-  MutableBytes header{&f->header, sizeof(BucketHeader)};
+  MutableBytes header{At(f->control, 0), sizeof(BucketHeader)};
   ASSIGN_OR_RETURN(f->header_work, comm_.Broadcast({&header, 1}, root_, options_));
   MutableBytes payload[3] = {
-      {f->manifest.data(), f->manifest.size()}, {f->data.data(), nbytes}, {f->tag.data(), f->tag.size()}};
+      {At(f->control, kManifestAt), m}, {f->data.data(), nbytes}, {At(f->control, TagAt(m)), f->tag.size()}};
   ASSIGN_OR_RETURN(f->payload_work, comm_.Broadcast(payload, root_, options_));
   in_flight_.push_back(std::move(f));
   ++stats_.buckets;
@@ -77,7 +134,10 @@ absl::Status BucketSender::WaitOldest() {
   absl::Status s = f->header_work->Wait();
   if (s.ok()) s = f->payload_work->Wait();
   stats_.wire += absl::Now() - t0;
-  if (s.ok()) pool_->Put(std::move(f->data));
+  if (s.ok()) {
+    pool_->Put(std::move(f->data));
+    if (free_control_.size() < static_cast<size_t>(max_in_flight_)) free_control_.push_back(std::move(f->control));
+  }
   return s;
 }
 
@@ -96,7 +156,7 @@ absl::Status BucketSender::Finish() {
 
 BucketReceiver::BucketReceiver(Communicator& comm, int root, CollectiveOptions options, BufferPool* pool,
                                std::optional<BucketMac> mac)
-    : comm_(comm), root_(root), options_(options), pool_(pool), mac_(std::move(mac)) {
+    : comm_(comm), space_(comm.space()), root_(root), options_(options), pool_(pool), mac_(std::move(mac)) {
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -112,28 +172,49 @@ BucketReceiver::~BucketReceiver() {
 }
 
 void BucketReceiver::Run() {
+  Buffer control;  // the framing, in space_; grows to the largest manifest seen
+  auto ensure_control = [&](uint64_t manifest_bytes) -> absl::Status {
+    if (control.size() >= ControlBytes(manifest_bytes)) return absl::OkStatus();
+    control = Buffer();
+    ASSIGN_OR_RETURN(control, space_.Allocate(ControlBytes(std::max<uint64_t>(manifest_bytes, 4096))));
+    return absl::OkStatus();
+  };
   for (uint64_t index = 0;; ++index) {
     const absl::Time t0 = absl::Now();
     BucketHeader header;
-    MutableBytes hb{&header, sizeof(header)};
-    absl::Status s = Await(comm_.Broadcast({&hb, 1}, root_, options_));
+    absl::Status s = ensure_control(0);
+    if (s.ok()) {
+      MutableBytes hb{At(control, 0), sizeof(header)};
+      s = Await(comm_.Broadcast({&hb, 1}, root_, options_));
+    }
+    if (s.ok()) s = space_.CopyToHost(&header, At(control, 0), sizeof(header));
     std::string manifest_bytes;
     absl::StatusOr<Buffer> data = absl::InternalError("unset");
     if (s.ok() && header.manifest_bytes > kMaxManifestBytes) {
       s = absl::InvalidArgumentError(absl::StrCat("bucket ", index, ": a ", header.manifest_bytes, "-byte manifest"));
     }
+    if (s.ok()) s = ensure_control(header.manifest_bytes);
     if (s.ok()) {
       manifest_bytes.resize(header.manifest_bytes);
       const uint64_t want = std::max<uint64_t>(header.data_bytes, 1);
-      data = pool_ != nullptr ? pool_->Get(want) : Buffer::Allocate(want);
+      data = pool_ != nullptr ? pool_->Get(want) : space_.Allocate(want);
       s = data.status();
+      if (s.ok() && MemorySpace::Of(*data) != space_) {
+        s = absl::InvalidArgumentError(absl::StrCat("bucket ", index, ": the receiver's pool gave a buffer of ",
+                                                    MemorySpace::Of(*data).Name(), "; the ", comm_.Name(),
+                                                    " stream receives into ", space_.Name()));
+      }
     }
     BucketTag tag{};
+    const uint64_t tag_at = TagAt(header.manifest_bytes);
     if (s.ok()) {
-      MutableBytes payload[3] = {
-          {manifest_bytes.data(), manifest_bytes.size()}, {data->data(), header.data_bytes}, {tag.data(), tag.size()}};
+      MutableBytes payload[3] = {{At(control, kManifestAt), header.manifest_bytes},
+                                 {data->data(), header.data_bytes},
+                                 {At(control, tag_at), tag.size()}};
       s = Await(comm_.Broadcast(payload, root_, options_));
     }
+    if (s.ok()) s = space_.CopyToHost(manifest_bytes.data(), At(control, kManifestAt), header.manifest_bytes);
+    if (s.ok()) s = space_.CopyToHost(tag.data(), At(control, tag_at), tag.size());
     const absl::Duration wire = absl::Now() - t0;
     Bucket bucket;
     if (s.ok() && !bucket.manifest.ParseFromString(manifest_bytes)) {
@@ -147,16 +228,28 @@ void BucketReceiver::Run() {
     }
     if (s.ok()) {
       const absl::Time h0 = absl::Now();
-      const uint64_t sum = Xxh3_64({data->data(), header.data_bytes});
+      const bool sum64 = bucket.manifest.has_sum64();
+      absl::StatusOr<uint64_t> sum = uint64_t{0};
+      if (sum64) {
+        sum = kernels::Sum64(space_, data->data(), header.data_bytes);
+      } else if (space_.host()) {
+        sum = Xxh3_64({data->data(), header.data_bytes});
+      } else {
+        sum = absl::InvalidArgumentError(absl::StrCat(DescribeBucket(bucket.manifest), " arrived in ", space_.Name(),
+                                                      " with an XXH3 checksum, which only host buckets carry"));
+      }
       hashing = absl::Now() - h0;
-      if (sum != bucket.manifest.xxh3_64()) {
-        s = absl::DataLossError(absl::StrCat(DescribeBucket(bucket.manifest), ": checksum mismatch (xxh3 ", sum,
-                                             ", manifest says ", bucket.manifest.xxh3_64(), ")"));
+      const uint64_t want = sum64 ? bucket.manifest.sum64() : bucket.manifest.xxh3_64();
+      if (!sum.ok()) {
+        s = sum.status();
+      } else if (*sum != want) {
+        s = absl::DataLossError(absl::StrCat(DescribeBucket(bucket.manifest), ": checksum mismatch (",
+                                             sum64 ? "sum64 " : "xxh3 ", *sum, ", manifest says ", want, ")"));
       }
     }
     if (s.ok() && mac_) {
       const absl::Time m0 = absl::Now();
-      absl::StatusOr<bool> good = mac_->Verify(index, manifest_bytes, {data->data(), header.data_bytes}, tag);
+      absl::StatusOr<bool> good = mac_->Verify(index, manifest_bytes, MacData(space_, *data, header.data_bytes), tag);
       authenticating = absl::Now() - m0;
       if (!good.ok()) {
         s = good.status();

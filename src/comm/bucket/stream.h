@@ -3,11 +3,23 @@
 //
 // Per bucket, two Broadcasts from the root in issue order: the BucketHeader, then the serialized
 // BucketManifest, the data and the 16-byte tag as three buffers of one Broadcast (bucket_format.h). The stream ends
-// with the bucket whose manifest has `last` set (it may be empty). The sender fills in manifest.nbytes and
-// manifest.xxh3_64; the receiver checks both, and that every entry lies inside the data and has the size its dtype and
+// with the bucket whose manifest has `last` set (it may be empty). The sender fills in manifest.nbytes and a
+// checksum; the receiver checks both, and that every entry lies inside the data and has the size its dtype and
 // shape say. With a BucketMac (bucket_mac.h; both ends from the same sync key) the sender fills in the tag (else it is
-// zero) and the receiver refuses a bucket whose tag does not verify (kDataLoss "not authenticated"), after the XXH3
-// check; a receiver without one ignores the tag.
+// zero) and the receiver refuses a bucket whose tag does not verify (kDataLoss "not authenticated"), after the
+// checksum; a receiver without one ignores the tag.
+//
+// Memory spaces: every buffer of a bucket is in the communicator's space (Communicator::space(): host memory for
+// MPI, Gloo and shm; the CUDA device's memory for NCCL). The data is sent from and received into buffers of that
+// space (a device bucket goes from the GPU that built it to the GPU that loads it, never through host memory); the
+// header, manifest and tag travel through a small buffer of the same space, copied from and to the host. One
+// control flow for both: on the host those copies are memcpys.
+// Checksums, chosen by the sender (BucketChecksum) and named by the manifest: XXH3-64 (manifest.xxh3_64) for host
+// buckets; Sum64 (manifest.sum64, kernels/checksum.h) for device buckets, which both ends compute on their GPU, as
+// there is no XXH3 on the device. The receiver checks the one the manifest carries, where its buffer is.
+// The tag of a device bucket covers its framing and manifest, Sum64 included, not the data bytes themselves (no
+// GMAC on the device): it proves who sent the bucket, and Sum64 that the bytes arrived as sent, but Sum64 is not a
+// MAC, so a party that can write into the NCCL transport could alter data undetected. docs/comm.md, "Device buckets".
 //
 // Ownership and memory: the sender keeps at most `max_in_flight` buckets on the wire (double
 // buffering: the caller builds bucket k+1 while k moves) and hands finished buffers back through
@@ -26,6 +38,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -34,10 +47,16 @@
 #include "comm/communicator.h"
 #include "common/buffer_pool.h"
 #include "common/dtype.h"
+#include "common/memory_space.h"
 #include "common/tensor.h"
 #include "wsync/v1/tensor.pb.h"
 
 namespace wsync::comm {
+
+// What the sender puts in the manifest. kAuto: XXH3 for a host stream, Sum64 for a device stream.
+// kSum64 on a host stream runs the device streams' checks through host memory (tests, and the
+// CPU build's coverage of that path); kXxh3 on a device stream is refused by Send.
+enum class BucketChecksum { kAuto, kXxh3, kSum64 };
 
 struct BucketStats {
   uint64_t buckets = 0;
@@ -50,12 +69,14 @@ struct BucketStats {
 class BucketSender {
  public:
   BucketSender(Communicator& comm, int root, int max_in_flight = 2, CollectiveOptions options = {},
-               BufferPool* pool = nullptr, std::optional<BucketMac> mac = std::nullopt);
+               BufferPool* pool = nullptr, std::optional<BucketMac> mac = std::nullopt,
+               BucketChecksum checksum = BucketChecksum::kAuto);
   ~BucketSender();  // waits for buckets still in flight (errors are dropped: call Finish())
 
   // Starts broadcasting `data[0, nbytes)` under `manifest` and returns once it is queued; if
-  // `max_in_flight` buckets are already on the wire, first waits for the oldest. Errors of the
-  // data plane (kDeadlineExceeded, kAborted, kUnavailable) come back from here or from Finish().
+  // `max_in_flight` buckets are already on the wire, first waits for the oldest. `data` must be in
+  // the communicator's space (kInvalidArgument naming both spaces, before anything is sent). Errors
+  // of the data plane (kDeadlineExceeded, kAborted, kUnavailable) come back from here or from Finish().
   absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes);
   // A buffer of a finished bucket of at least `min_bytes`, for reuse (an empty Buffer if none).
   Buffer Recycle(uint64_t min_bytes);
@@ -68,6 +89,8 @@ class BucketSender {
   absl::Status WaitOldest();
 
   Communicator& comm_;
+  const MemorySpace space_;  // comm_.space()
+  const bool sum64_;         // the checksum is Sum64
   const int root_;
   const int max_in_flight_;
   const CollectiveOptions options_;
@@ -75,6 +98,7 @@ class BucketSender {
   std::unique_ptr<BufferPool> own_pool_;  // when the caller gave none
   BufferPool* pool_;
   const std::optional<BucketMac> mac_;
+  std::vector<Buffer> free_control_;  // framing buffers of finished buckets, in space_
   BucketStats stats_;
 };
 
@@ -82,9 +106,11 @@ class BucketReceiver {
  public:
   struct Bucket {
     v1::BucketManifest manifest;
-    Buffer data;  // holds manifest.nbytes() bytes; a pooled buffer may be larger
+    Buffer data;  // holds manifest.nbytes() bytes, in the communicator's space; a pooled buffer may be larger
   };
-  // Starts receiving at once on its own thread.
+  // Starts receiving at once on its own thread, into buffers of the communicator's space: `pool`'s
+  // (which must allocate there: a bucket in another space fails the stream with kInvalidArgument),
+  // else the space's own allocations.
   BucketReceiver(Communicator& comm, int root, CollectiveOptions options = {}, BufferPool* pool = nullptr,
                  std::optional<BucketMac> mac = std::nullopt);
   ~BucketReceiver();  // aborts the communicator if the stream is unfinished, then joins
@@ -98,9 +124,10 @@ class BucketReceiver {
   void Run();
 
   Communicator& comm_;
+  const MemorySpace space_;  // comm_.space()
   const int root_;
   const CollectiveOptions options_;
-  BufferPool* const pool_;  // null: plain allocations
+  BufferPool* const pool_;  // null: allocations of space_
   const std::optional<BucketMac> mac_;
   mutable absl::Mutex mu_;
   std::optional<Bucket> ready_ ABSL_GUARDED_BY(mu_);

@@ -1,6 +1,8 @@
 #include "comm/bucket/stream.h"
 
+#include <cstdlib>
 #include <functional>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
@@ -11,6 +13,7 @@
 #include "common/checksum.h"
 #include "common/status.h"
 #include "gtest/gtest.h"
+#include "kernels/checksum.h"
 
 namespace wsync::comm {
 namespace {
@@ -40,7 +43,8 @@ v1::BucketManifest MakeManifest(uint32_t index, const std::vector<uint64_t>& siz
   return m;
 }
 
-TEST(BucketStreamTest, ManyBucketsReachEveryReceiverIntact) {
+// Seven buckets of random sizes (some entries empty) to two receivers, with `checksum`.
+void ManyBucketsReachEveryReceiverIntact(BucketChecksum checksum) {
   MemoryStore store;
   auto comms = MakeGroup(store, "buckets", 3);
   for (auto& c : comms) ASSERT_NE(c, nullptr);
@@ -56,7 +60,7 @@ TEST(BucketStreamTest, ManyBucketsReachEveryReceiverIntact) {
     for (auto& ch : contents.back()) ch = static_cast<char>(rng());
   }
   std::thread sender([&] {
-    BucketSender s(*comms[0], 0, 2);
+    BucketSender s(*comms[0], 0, 2, {}, nullptr, std::nullopt, checksum);
     for (int b = 0; b < kBuckets; ++b) {
       Buffer buf = s.Recycle(contents[b].size());
       if (buf.size() < contents[b].size()) buf = *Buffer::Allocate(contents[b].size() + 1);
@@ -83,6 +87,9 @@ TEST(BucketStreamTest, ManyBucketsReachEveryReceiverIntact) {
         }
         auto& bucket = **next;
         EXPECT_EQ(bucket.manifest.index(), static_cast<uint32_t>(b));
+        // The manifest names the checksum it carries, and only that one.
+        EXPECT_EQ(bucket.manifest.has_sum64(), checksum == BucketChecksum::kSum64);
+        EXPECT_EQ(bucket.manifest.xxh3_64() != 0, checksum != BucketChecksum::kSum64);
         ASSERT_EQ(bucket.manifest.nbytes(), contents[b].size());
         ASSERT_GE(bucket.data.size(), contents[b].size());
         EXPECT_EQ(std::memcmp(bucket.data.data(), contents[b].data(), contents[b].size()), 0) << "bucket " << b;
@@ -101,10 +108,22 @@ TEST(BucketStreamTest, ManyBucketsReachEveryReceiverIntact) {
   EXPECT_LE(pool.idle_buffers(), 3u);
 }
 
+TEST(BucketStreamTest, ManyBucketsReachEveryReceiverIntact) {
+  ManyBucketsReachEveryReceiverIntact(BucketChecksum::kAuto);
+}
+
+// The device streams' checksum, run through host memory (what the CPU build covers of that path:
+// the framing through a buffer of the stream's space, Sum64 on both ends).
+TEST(BucketStreamTest, ManyBucketsReachEveryReceiverIntactUnderSum64) {
+  ManyBucketsReachEveryReceiverIntact(BucketChecksum::kSum64);
+}
+
 // A raw sender: one bucket framed by hand (bucket_format.h), with the given checksum and tag.
-absl::Status SendRaw(Communicator& comm, v1::BucketManifest m, std::vector<char> data, uint64_t xxh3, BucketTag tag) {
+absl::Status SendRaw(Communicator& comm, v1::BucketManifest m, std::vector<char> data, uint64_t xxh3, BucketTag tag,
+                     std::optional<uint64_t> sum64 = std::nullopt) {
   m.set_nbytes(data.size());
   m.set_xxh3_64(xxh3);
+  if (sum64) m.set_sum64(*sum64);
   std::string ms = m.SerializeAsString();
   BucketHeader header{ms.size(), data.size()};
   MutableBytes hb{&header, sizeof(header)};
@@ -132,6 +151,53 @@ TEST(BucketStreamTest, ACorruptBucketIsDataLossNamingIt) {
   ASSERT_FALSE(next.ok());
   EXPECT_TRUE(absl::IsDataLoss(next.status())) << next.status();
   EXPECT_NE(next.status().message().find("stage 0 bucket 0"), std::string::npos) << next.status();
+}
+
+TEST(BucketStreamTest, ACorruptSum64BucketIsDataLossNamingIt) {
+  MemoryStore store;
+  auto comms = MakeGroup(store, "corrupt64", 2);
+  for (auto& c : comms) ASSERT_NE(c, nullptr);
+  std::vector<char> data(1000, 7);
+  data[999] = 8;
+  const uint64_t right = kernels::Sum64Host({reinterpret_cast<const std::byte*>(data.data()), data.size()});
+  std::thread sender([&] {
+    // The XXH3 is right, the Sum64 one bit off: the receiver checks the one the manifest names.
+    EXPECT_TRUE(SendRaw(*comms[0], MakeManifest(0, {1000}, true), data, Xxh3Of(data), {}, right ^ 1).ok());
+  });
+  BucketReceiver recv(*comms[1], 0);
+  auto next = recv.Next();
+  sender.join();
+  ASSERT_FALSE(next.ok());
+  EXPECT_TRUE(absl::IsDataLoss(next.status())) << next.status();
+  EXPECT_NE(next.status().message().find("stage 0 bucket 0: checksum mismatch (sum64"), std::string::npos)
+      << next.status();
+}
+
+TEST(BucketStreamTest, APoolOfAnotherSpaceIsRefusedNamingBoth) {
+  MemoryStore store;
+  auto comms = MakeGroup(store, "pool_space", 2);
+  for (auto& c : comms) ASSERT_NE(c, nullptr);
+  // A pool that hands out buffers labelled as device 0's (host memory, never dereferenced as such).
+  BufferPool device_pool(2, [](size_t n) -> absl::StatusOr<Buffer> {
+    return Buffer::Adopt(
+        static_cast<std::byte*>(std::aligned_alloc(64, (n + 63) / 64 * 64)), n, [](std::byte* p, int) { std::free(p); },
+        0);
+  });
+  std::thread sender([&] {
+    std::vector<char> data(64, 1);
+    // The receiver fails before the payload and aborts: the sender's broadcast may fail too.
+    SendRaw(*comms[0], MakeManifest(0, {64}, true), data, Xxh3Of(data), {}).IgnoreError();
+  });
+  {
+    BucketReceiver recv(*comms[1], 0, {absl::Seconds(10)}, &device_pool);
+    auto next = recv.Next();
+    ASSERT_FALSE(next.ok());
+    EXPECT_EQ(next.status().code(), absl::StatusCode::kInvalidArgument) << next.status();
+    EXPECT_NE(next.status().message().find("a buffer of cuda:0; the gloo stream receives into host"), std::string::npos)
+        << next.status();
+  }
+  comms[1]->Abort("test over");
+  sender.join();
 }
 
 BucketMac StreamMac(const std::string& sync_key, const std::string& group) {

@@ -43,6 +43,7 @@ class NcclCommunicator final : public QueuedCommunicator {
   ~NcclCommunicator() override { Shutdown().IgnoreError(); }
 
   absl::string_view Name() const override { return "nccl"; }
+  MemorySpace space() const override { return MemorySpace::Cuda(device_); }
 
   // Runs on the worker (the device is per thread): create the stream, event and communicator.
   // The communicator is initialised non-blocking and polled until it is ready, fails, `timeout`
@@ -52,6 +53,7 @@ class NcclCommunicator final : public QueuedCommunicator {
       WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
       WSYNC_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
       WSYNC_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+      WSYNC_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ordered_, cudaEventDisableTiming));
       WSYNC_CUDA_RETURN_IF_ERROR(cudaMalloc(&scratch_, sizeof(float)));
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
       config.blocking = 0;
@@ -86,6 +88,7 @@ class NcclCommunicator final : public QueuedCommunicator {
 
  protected:
   absl::Status DoBroadcast(const OpContext& ctx, absl::Span<const MutableBytes> buffers, int root) override {
+    RETURN_IF_ERROR(AfterEnqueuedWork());
     WSYNC_NCCL_RETURN_IF_ERROR(ncclGroupStart());
     for (const auto& b : buffers) {
       if (b.nbytes == 0) continue;
@@ -96,6 +99,7 @@ class NcclCommunicator final : public QueuedCommunicator {
   }
   absl::Status DoAllGather(const OpContext& ctx, absl::Span<const ConstBytes> inputs,
                            absl::Span<const MutableBytes> outputs) override {
+    RETURN_IF_ERROR(AfterEnqueuedWork());
     WSYNC_NCCL_RETURN_IF_ERROR(ncclGroupStart());
     for (size_t i = 0; i < inputs.size(); ++i) {
       if (inputs[i].nbytes == 0) continue;
@@ -107,6 +111,7 @@ class NcclCommunicator final : public QueuedCommunicator {
   }
   absl::Status DoAllGatherV(const OpContext& ctx, ConstBytes input, MutableBytes output,
                             absl::Span<const size_t> bytes_per_rank) override {
+    RETURN_IF_ERROR(AfterEnqueuedWork());
     size_t off = 0;
     WSYNC_NCCL_RETURN_IF_ERROR(ncclGroupStart());
     for (int r = 0; r < size(); ++r) {
@@ -122,11 +127,13 @@ class NcclCommunicator final : public QueuedCommunicator {
   }
   absl::Status DoAllReduceSum(const OpContext& ctx, absl::Span<float> data) override {
     if (data.empty()) return absl::OkStatus();
+    RETURN_IF_ERROR(AfterEnqueuedWork());
     WSYNC_NCCL_RETURN_IF_ERROR(
         ncclAllReduce(data.data(), data.data(), data.size(), ncclFloat32, ncclSum, comm_, stream_));
     return Complete(ctx);
   }
   absl::Status DoBarrier(const OpContext& ctx) override {
+    RETURN_IF_ERROR(AfterEnqueuedWork());
     WSYNC_NCCL_RETURN_IF_ERROR(ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm_, stream_));
     return Complete(ctx);
   }
@@ -142,12 +149,22 @@ class NcclCommunicator final : public QueuedCommunicator {
       comm_ = nullptr;
     }
     if (event_) cudaEventDestroy(event_);
+    if (ordered_) cudaEventDestroy(ordered_);
     if (stream_) cudaStreamDestroy(stream_);
     if (scratch_) cudaFree(scratch_);
     return absl::OkStatus();
   }
 
  private:
+  // The communicator's stream is non-blocking, so it does not wait for the device's legacy default
+  // stream by itself; the buffers of an operation are filled there (MemorySpace's copies, the
+  // kernels of kernels/: a bucket built on the device, a header copied up), and the operation
+  // must start after them.
+  absl::Status AfterEnqueuedWork() {
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaEventRecord(ordered_, cudaStreamLegacy));
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ordered_, 0));
+    return absl::OkStatus();
+  }
   // Waits for the operation just launched: the event, NCCL's asynchronous errors, the deadline
   // and Abort. Any failure aborts the NCCL communicator, so the buffers are released.
   absl::Status Complete(const OpContext& ctx) {
@@ -176,6 +193,7 @@ class NcclCommunicator final : public QueuedCommunicator {
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t event_ = nullptr;
+  cudaEvent_t ordered_ = nullptr;  // AfterEnqueuedWork
   float* scratch_ = nullptr;
 };
 

@@ -238,7 +238,7 @@ class RankSync {
   Buffer& etp_buffer_;
   Buffer& scratch_;
   MemorySpace space_ = MemorySpace::Host();         // of the shard's tensors, the HF copies and the buckets
-  std::optional<comm::DeviceStagingSink> staging_;  // device stages: device buckets -> the host sink
+  std::optional<comm::DeviceStagingSink> staging_;  // the buckets' space -> the sink's, where they differ
   std::optional<comm::BucketBuilder> builder_;
   absl::Status failure_;
   bool comm_failed_ = false;
@@ -428,7 +428,9 @@ absl::Status RankSync::Prepare() {
     bo.pp_stage = static_cast<uint32_t>(stage_);
     bo.space = space_;
     comm::BucketSink* sink = sink_;
-    if (!space_.host()) sink = &staging_.emplace(*sink_);
+    // Buckets built in one space and sent from another (device stages -> a host data plane, host
+    // stages -> the NCCL data plane) cross once per bucket.
+    if (space_ != sink_->space()) sink = &staging_.emplace(*sink_, space_);
     builder_.emplace(*sink, bo);
   }
   return absl::OkStatus();
