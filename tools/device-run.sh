@@ -82,6 +82,8 @@ check dispatch "$B/bin/kernels_dispatch_test"
 # 2. The CUDA kernels bit-exact against the CPU kernels (symmetric INT4 + Marlin; AWQ; TensorRT-LLM).
 check int4_cuda "$B/bin/kernels_int4_cuda_test"
 check awq_cuda "$B/bin/kernels_awq_cuda_test"
+# Sum64, the device buckets' checksum: the CUDA kernel against the host function (any size and alignment).
+check sum64_cuda "$B/bin/kernels_checksum_test"
 # 3. The CPU kernels and the per-item CUDA bodies on this machine's CPU (golden files included).
 for t in kernels_int4_test kernels_awq_test kernels_trtllm_test kernels_int4_cuda_bodies_test kernels_awq_cuda_bodies_test; do
   [[ -x "$B/bin/$t" ]] && check "${t#kernels_}" "$B/bin/$t"
@@ -156,6 +158,10 @@ check python_cuda python_cuda
 check memory_space "$B/bin/common_memory_space_test"
 check nccl_formation "$B/bin/comm_group_test" --gtest_filter='CommFactoryTest.*Nccl*'
 check device_staging "$B/bin/comm_device_staging_test"
+# The NCCL data plane's bucket stream with device buckets: one GPU, a lone sender over real NCCL
+# (Sum64 on the device, the framing, the ordering after the device work); two GPUs, sender and
+# receiver on different devices, every bucket byte-equal, Sum64 and tag verified.
+check device_stream "$B/bin/comm_device_stream_test"
 check trainer_device "$B/bin/trainer_rank_sync_device_test"
 # 12. The device stages end to end: a TP 1 x DP 4 training job holding CUDA tensors, the stage
 #     source converting and quantizing on the GPU, into device engine memory (Gloo, then colocated).

@@ -32,6 +32,7 @@
 #include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/dispatch.h"
 #include "model/testing/hf_model.h"
 #include "model/testing/test_models.h"
 #include "rollout_agent/engine_memory/param_arena.h"
@@ -894,7 +895,10 @@ TEST_F(RolloutAgentTest, OneSyncAtATime) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << "version 1 is not newer";
   auto nccl = BeginRequest(1, 2, 1, 1);
   nccl.set_backend("nccl");
-  EXPECT_EQ(Begin(agent, nccl).error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  // NCCL receives into GPU memory: refused up front on a host without one (no group is formed).
+  if (!kernels::GpuAvailable()) {
+    EXPECT_EQ(Begin(agent, nccl).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  }
   auto bad_rank = BeginRequest(1, 2, 2, 1);
   EXPECT_EQ(Begin(agent, bad_rank).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_TRUE(engine.calls().empty()) << "refused requests must not pause the engine";

@@ -1,8 +1,9 @@
 // wsync-rollout-agent: the agent beside one engine rank (see rollout_agent.h and README.md).
 //
 //   wsync-rollout-agent [--listen 127.0.0.1:0] [--address-file F] [--coordinator HOST:PORT]
-//                       [--advertise-address HOST:PORT] [--data-host ADDR] [--pause-for-whole-sync]
-//                       [--record-dir DIR] [--token-file F] [--tls-cert F --tls-key F] [--tls-ca F]
+//                       [--advertise-address HOST:PORT] [--data-host ADDR] [--cuda-device N]
+//                       [--pause-for-whole-sync] [--record-dir DIR] [--token-file F] [--tls-cert F --tls-key F]
+//                       [--tls-ca F]
 //                       [--metrics-host ADDR] [--metrics-port P] [--heartbeat-ms MS] ...
 //
 // Prints "listening on HOST:PORT" (and "metrics on HOST:PORT" with --metrics-port) on stdout once
@@ -59,6 +60,9 @@ int Run(int argc, char** argv) {
                  "address the data-plane (Gloo) endpoints listen on, reachable from the trainer's stage sources "
                  "(default: the local address facing --coordinator; 127.0.0.1 without one)");
   app.add_option("--coordinator", o.coordinator, "the coordinator's address: join it and send heartbeats");
+  app.add_option("--cuda-device", o.cuda_device,
+                 "the GPU that syncs over nccl receive on (default: the device of the engine's CUDA parameters, "
+                 "else 0)");
   app.add_flag("--pause-for-whole-sync", o.pause_whole_sync,
                "pause the engine at the start of every sync instead of only for its commit (the engine then "
                "serves nothing while the sync is gathered, sent and staged)");

@@ -23,8 +23,10 @@
 #include "common/grpc_status.h"
 #include "common/heap.h"
 #include "common/logging.h"
+#include "common/memory_space.h"
 #include "common/net.h"
 #include "common/status.h"
+#include "kernels/dispatch.h"
 #include "rollout_agent/agent/engine_client.h"
 #include "rollout_agent/agent/membership.h"
 #include "rollout_agent/engine_memory/engine_memory.h"
@@ -67,6 +69,7 @@ struct RolloutAgent::Sync {
   uint64_t previous_version = 0;
   absl::Duration timeout;
   comm::Backend backend = comm::Backend::kGloo;
+  int cuda_device = 0;  // the GPU an NCCL sync receives on (ReceiveDevice)
   SyncCancel cancel;
   std::unique_ptr<comm::GrpcStoreClient> store;
   std::unique_ptr<Recorder> recorder;
@@ -918,14 +921,16 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
   const std::string who = absl::StrCat("BeginSync ", req.sync_id(), " (version ", req.version(), ")");
   auto backend = comm::ParseBackend(req.backend());
   if (!backend.ok()) return Annotate(backend.status(), who);
-  if (*backend == comm::Backend::kNccl) {
-    return absl::UnimplementedError(absl::StrCat(
-        who,
-        ": backend nccl: this agent receives into host memory; receive with gloo, or shm when colocated (device "
-        "receive buffers are not built)"));
-  }
-  if (*backend != comm::Backend::kGloo && *backend != comm::Backend::kShm)
-    return absl::InvalidArgumentError(absl::StrCat(who, ": backend ", req.backend(), " (gloo or shm)"));
+  if (*backend != comm::Backend::kGloo && *backend != comm::Backend::kShm && *backend != comm::Backend::kNccl)
+    return absl::InvalidArgumentError(absl::StrCat(who, ": backend ", req.backend(), " (gloo, shm or nccl)"));
+  if (*backend == comm::Backend::kNccl && !comm::BackendCompiledIn(comm::Backend::kNccl))
+    return absl::FailedPreconditionError(
+        absl::StrCat(who, ": backend nccl, and this agent was built without NCCL (receive with gloo)"));
+  if (*backend == comm::Backend::kNccl && !kernels::GpuAvailable())
+    return absl::FailedPreconditionError(
+        absl::StrCat(who,
+                     ": backend nccl receives into GPU memory, and this host has no CUDA device (receive with "
+                     "gloo)"));
   if (req.groups_size() == 0) return absl::InvalidArgumentError(absl::StrCat(who, ": no groups"));
   if (!req.bucket_mac_key().empty() && req.bucket_mac_key().size() != comm::kBucketMacKeyBytes) {
     return absl::InvalidArgumentError(absl::StrCat(who, ": a ", req.bucket_mac_key().size(), "-byte bucket key (",
@@ -965,6 +970,7 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
     sync->req = req;
     sync->id = req.sync_id();
     sync->backend = *backend;
+    sync->cuda_device = ReceiveDevice();
     sync->timeout = req.timeout_ms() > 0 ? absl::Milliseconds(req.timeout_ms()) : options_.default_sync_timeout;
     sync->rpcs = 1;
     absl::MutexLock lock(&mu_);
@@ -1046,6 +1052,23 @@ absl::StatusOr<std::string> RolloutAgent::PauseEngine(Sync* s, absl::Time deadli
                       absl::FormatDuration(t2 - t0));
 }
 
+int RolloutAgent::ReceiveDevice() const {
+  if (options_.cuda_device >= 0) return options_.cuda_device;
+  if (engine_ != nullptr && engine_->memory != nullptr) {
+    for (const EngineBuffer& b : engine_->memory->weights().buffers())
+      if (b.on_device()) return b.cuda_device;
+  }
+  return 0;
+}
+
+BufferPool* RolloutAgent::DevicePool(int device) {
+  absl::MutexLock lock(&pools_mu_);
+  std::unique_ptr<BufferPool>& p = device_pools_[device];
+  if (p == nullptr)
+    p = std::make_unique<BufferPool>(2, [space = MemorySpace::Cuda(device)](size_t n) { return space.Allocate(n); });
+  return p.get();
+}
+
 void RolloutAgent::RunStage(Sync* s, size_t index) {
   const v1::SyncGroup& g = s->req.groups(static_cast<int>(index));
   StageOptions o;
@@ -1066,6 +1089,11 @@ void RolloutAgent::RunStage(Sync* s, size_t index) {
                        : static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
   o.cancel = &s->cancel;
   o.pool = &bucket_pool_;
+  if (s->backend == comm::Backend::kNccl) {
+    o.cuda_device = s->cuda_device;
+    o.device_pool = DevicePool(s->cuda_device);
+    o.host_pool = &pinned_pool_;
+  }
   o.bucket_mac_key = s->req.bucket_mac_key();
   auto r = ReceiveStage(o);
   bool cancel_others = false;
@@ -1080,6 +1108,7 @@ void RolloutAgent::RunStage(Sync* s, size_t index) {
       s->totals.transfer = std::max(s->totals.transfer, r->transfer);
       s->totals.load += r->load;
       s->totals.record += r->record;
+      s->totals.to_host += r->to_host;
     } else if (s->first_error.ok()) {
       s->first_error = r.status();
       cancel_others = true;

@@ -50,6 +50,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -57,6 +58,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/buffer_pool.h"
+#include "common/cuda_ipc.h"
 #include "common/metrics.h"
 #include "common/rpc_security.h"
 #include "wsync/v1/coordinator.pb.h"
@@ -91,8 +93,11 @@ struct AgentOptions {
   absl::Duration default_sync_timeout = absl::Minutes(5);  // when BeginSyncRequest.timeout_ms == 0
   int load_threads = 0;                                    // entries loaded at once per bucket; 0: min(4, cores)
   int repack_threads = 0;                                  // Commit; 0: the kernels' default
-  MetricsRegistry* metrics = nullptr;                      // not owned; null: the agent's own registry
-  bool set_log_identity = false;                           // log as "rollout[tp_rank]" once an engine registered
+  // The GPU the NCCL data plane receives on (--cuda-device); -1: the device of the engine's CUDA
+  // parameters, else 0.
+  int cuda_device = -1;
+  MetricsRegistry* metrics = nullptr;  // not owned; null: the agent's own registry
+  bool set_log_identity = false;       // log as "rollout[tp_rank]" once an engine registered
 };
 
 // What makes two engine ranks' stagings byte-compatible: model config, quantization, TP size / rank,
@@ -151,6 +156,10 @@ class RolloutAgent {
   absl::Status StartSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_);
   void RunStage(Sync* sync, size_t index);
+  // The GPU an NCCL sync receives on: --cuda-device, else the device of the engine's CUDA
+  // parameters, else 0. Under op_mu_ or mu_ (reads engine_).
+  int ReceiveDevice() const;
+  BufferPool* DevicePool(int device);
   // Ends `sync` (cancel, join threads, drop the recording, continue the engine on the previous
   // version if the agent paused it). Returns the status of Continue.
   absl::Status EndFailedSync(Sync* sync, const std::string& reason, bool continue_engine)
@@ -194,6 +203,11 @@ class RolloutAgent {
   std::unique_ptr<Sync> sync_;      // the same
   // Received bucket buffers kept across syncs: one being received while the previous one loads.
   BufferPool bucket_pool_{2};
+  // The NCCL data plane: receive buffers on each GPU (DevicePool), and the page-locked host buffers
+  // every device bucket is copied into for the loader; kept across syncs, allocated on first use.
+  absl::Mutex pools_mu_;
+  std::map<int, std::unique_ptr<BufferPool>> device_pools_ ABSL_GUARDED_BY(pools_mu_);
+  BufferPool pinned_pool_{3, [](size_t n) { return AllocatePinnedBuffer(n); }};
   uint64_t version_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // The last sync that ended: its id and outcome (for idempotent / late RPCs).

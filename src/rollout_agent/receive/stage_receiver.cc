@@ -3,11 +3,14 @@
 #include <algorithm>
 #include <optional>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "comm/bucket/stream.h"
+#include "common/cuda_ipc.h"
 #include "common/failpoint.h"
 #include "common/logging.h"
+#include "common/memory_space.h"
 #include "common/status.h"
 
 namespace wsync::rollout_agent {
@@ -148,6 +151,7 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
   g.rank = o.rank;
   g.size = o.size;
   g.host = o.host;
+  g.cuda_device = o.cuda_device;
   g.join_timeout = o.join_timeout;
   g.default_timeout = o.op_timeout;
   g.cancelled = [&cancel] { return cancel.cancelled(); };
@@ -159,9 +163,24 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
     return aborted(absl::AbortedError(absl::StrCat(where, ": after forming the group")));
   WSYNC_LOG(DEBUG) << where << ": group formed in " << absl::FormatDuration(stats.join);
 
+  // Where the buckets arrive: host memory, or the group's GPU (NCCL), whose buckets are copied to
+  // host buffers for the loader.
+  const MemorySpace space = (*comm)->space();
+  std::optional<BufferPool> own_device_pool;
+  BufferPool* receive_pool = o.pool;
+  if (!space.host()) {
+    receive_pool = o.device_pool;
+    if (receive_pool == nullptr)
+      receive_pool = &own_device_pool.emplace(2, [space](size_t n) { return space.Allocate(n); });
+  }
+  BufferPool* host_pool = o.host_pool != nullptr ? o.host_pool : o.pool;
+  auto give_back = [&](Buffer b) {
+    BufferPool* to = MemorySpace::Of(b) == space ? receive_pool : host_pool;
+    if (to != nullptr) to->Put(std::move(b));
+  };
   const absl::Time t1 = absl::Now();
   absl::Status s = [&]() -> absl::Status {
-    comm::BucketReceiver receiver(**comm, 0, comm::CollectiveOptions{o.op_timeout}, o.pool, mac);
+    comm::BucketReceiver receiver(**comm, 0, comm::CollectiveOptions{o.op_timeout}, receive_pool, mac);
     for (;;) {
       auto next = receiver.Next();
       if (!next.ok()) return Annotate(next.status(), where);
@@ -172,8 +191,19 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
       stats.buckets++;
       stats.bytes += b.manifest.nbytes();
       if (!AddressedTo(b.manifest, o.rank)) {
-        if (o.pool != nullptr) o.pool->Put(std::move(b.data));
+        give_back(std::move(b.data));
         continue;
+      }
+      if (!space.host()) {
+        const absl::Time c0 = absl::Now();
+        const uint64_t n = std::max<uint64_t>(b.manifest.nbytes(), 1);
+        absl::StatusOr<Buffer> host = host_pool != nullptr ? host_pool->Get(n) : AllocatePinnedBuffer(n);
+        if (!host.ok())
+          return Annotate(host.status(), absl::StrCat(where, ": a host buffer for ", BucketWhere(b.manifest)));
+        RETURN_IF_ERROR(Annotate(space.CopyToHost(host->data(), b.data.data(), b.manifest.nbytes()),
+                                 absl::StrCat(where, ": ", BucketWhere(b.manifest), " from ", space.Name())));
+        give_back(std::exchange(b.data, std::move(*host)));
+        stats.to_host += absl::Now() - c0;
       }
       const absl::Time l0 = absl::Now();
       RETURN_IF_ERROR(LoadBucket(b.manifest, b.data, *o.loader, o.load_threads));
@@ -184,7 +214,7 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
         RETURN_IF_ERROR(o.recorder->WriteBucket(b.manifest, b.data.data()));
         stats.record += absl::Now() - l1;
       }
-      if (o.pool != nullptr) o.pool->Put(std::move(b.data));
+      give_back(std::move(b.data));
       if (cancel.cancelled()) return absl::AbortedError("cancelled between buckets");
     }
   }();

@@ -3,6 +3,9 @@
 // size and XXH3 checked there), check each manifest against the sync, load every entry into
 // staging with the Loader (several entries of a bucket at once), and record the bucket if asked.
 // The consumer loads bucket k while bucket k+1 arrives (the BucketReceiver's queue of one).
+// Over NCCL the buckets arrive in device memory (the GPU `cuda_device`), and each is copied once
+// to a page-locked host buffer for the loader and its host staging (docs/gpu.md, "Receiving on
+// the GPU": the staging's memory cost is why it stays on the host).
 //
 // Checks per bucket, each failing the stage with an error naming stage and bucket:
 //   manifest.version == the sync's version, manifest.pp_stage == the group's stage (kInvalidArgument);
@@ -73,6 +76,12 @@ struct StageOptions {
   int load_threads = 2;                          // entries of one bucket loaded concurrently
   SyncCancel* cancel = nullptr;                  // not owned; required
   BufferPool* pool = nullptr;                    // optional, not owned: bucket buffers, each given back once loaded
+  // The NCCL data plane (buckets received into device memory, comm/bucket/stream.h):
+  int cuda_device = 0;                // the GPU this agent receives on (GroupOptions::cuda_device)
+  BufferPool* device_pool = nullptr;  // optional, not owned: receive buffers on that GPU (else a pool of the stage's)
+  // Host buffers a device bucket is copied into for the loader (page-locked: the copy runs at
+  // the link's speed); optional, not owned (else `pool`, else pinned allocations per bucket).
+  BufferPool* host_pool = nullptr;
   // The sync's bucket key (comm/bucket/bucket_mac.h): every bucket's tag is verified; empty: none.
   std::string bucket_mac_key;
 };
@@ -85,6 +94,7 @@ struct StageStats {
   absl::Duration transfer;  // group formed -> last bucket loaded
   absl::Duration load;      // wall time in the loader (overlaps the transfer)
   absl::Duration record;    // writing recordings
+  absl::Duration to_host;   // NCCL: copying device buckets to host memory for the loader
 };
 
 // Loads every entry of one received bucket (manifest validated by comm::ValidateManifest) into

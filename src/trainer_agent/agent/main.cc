@@ -46,6 +46,9 @@ int main(int argc, char** argv) {
                  "Trainer -> rollout data plane: gloo (TCP), shm (colocated: every rollout agent on the trainer's "
                  "host, one shared-memory segment, no network) or nccl (GPU)")
       ->check(CLI::IsMember({"gloo", "shm", "nccl"}));
+  app.add_option("--cuda-device", o.cuda_device,
+                 "The GPU this rank's nccl data plane sends from (default: the local rank, from "
+                 "OMPI_COMM_WORLD_LOCAL_RANK or SLURM_LOCALID, modulo the GPUs visible)");
   app.add_option("--delivery", o.delivery,
                  "How syncs that do not choose (wsyncctl sync --delivery) reach the agents: broadcast (every agent "
                  "receives every byte of its stage) or sharded (every agent receives only the blocks its engine "
@@ -83,6 +86,12 @@ int main(int argc, char** argv) {
                "quantize there, instead of the device stages (the CUDA kernels, buckets in device memory)");
   CLI11_PARSE(app, argc, argv);
   o.device_stages = !host_stages;
+  if (o.backend == "nccl" && o.delivery == "sharded") {
+    std::fprintf(stderr,
+                 "wsync-trainer-agent: --delivery sharded with --backend nccl: sharded delivery cuts host buckets, "
+                 "and the nccl data plane sends device buckets (use --delivery broadcast)\n");
+    return 2;
+  }
 
   o.bucket_bytes = bucket_mib << 20;
   o.sync_timeout = absl::Seconds(sync_timeout_s);

@@ -1,12 +1,14 @@
 #include "trainer_agent/agent/trainer_agent.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <optional>
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
@@ -21,6 +23,7 @@
 #include "common/net.h"
 #include "common/status.h"
 #include "common/units.h"
+#include "kernels/dispatch.h"
 #include "model/expert_map.h"
 #include "plan/delivery_plan.h"
 #include "plan/sharded_sink.h"
@@ -37,6 +40,20 @@ namespace wsync::trainer_agent {
 namespace {
 
 enum : uint32_t { kSync = 1, kStop = 2 };
+
+// The GPU the nccl data plane of this rank uses: `chosen` (--cuda-device) when set, else the
+// rank's local index on its host (the launcher's) modulo the GPUs it sees, the usual one GPU per
+// local rank.
+int DataPlaneDevice(int chosen) {
+  if (chosen >= 0) return chosen;
+  int local = 0;
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"}) {
+    if (const char* v = std::getenv(var); v != nullptr && absl::SimpleAtoi(v, &local) && local >= 0) break;
+    local = 0;
+  }
+  absl::StatusOr<int> devices = kernels::CudaDeviceCount();
+  return devices.ok() && *devices > 0 ? local % *devices : 0;
+}
 
 // The command rank 0 broadcasts to every rank (a fixed-size POD).
 struct Command {
@@ -502,6 +519,7 @@ class Agent {
         g.rank = 0;
         g.size = size;
         g.host = data_host_;
+        g.cuda_device = DataPlaneDevice(opts_.cuda_device);
         g.join_timeout = join_timeout;
         g.default_timeout = timeout;
         // A sync the coordinator gave up on: its agents have aborted and will never join.
