@@ -58,6 +58,17 @@ absl::InlinedVector<StridedCopy, 2> ShardCopies(const MegatronParam& p, int r) {
   return out;
 }
 
+void CopyRows(std::byte* dst, uint64_t dst_pitch, const std::byte* src, uint64_t src_pitch, int64_t rows,
+              uint64_t row_bytes) {
+  if (row_bytes == 0 || rows <= 0) return;
+  if (row_bytes == dst_pitch && row_bytes == src_pitch) {
+    std::memcpy(dst, src, static_cast<uint64_t>(rows) * row_bytes);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(dst + static_cast<uint64_t>(r) * dst_pitch, src + static_cast<uint64_t>(r) * src_pitch, row_bytes);
+}
+
 absl::Status MergeShards(const MegatronParam& p, absl::Span<const TensorView> shards, MutableTensorView full) {
   if (static_cast<int>(shards.size()) != p.group_size)
     return absl::InvalidArgumentError(absl::StrCat(p.global_name, ": ", shards.size(), " shard(s) given, the ",
@@ -73,9 +84,8 @@ absl::Status MergeShards(const MegatronParam& p, absl::Span<const TensorView> sh
   for (size_t r = 0; r < shards.size(); ++r) {
     const std::byte* src = shards[r].bytes().data();
     for (const StridedCopy& c : ShardCopies(p, static_cast<int>(r)))
-      for (int64_t i = 0; c.bytes > 0 && i < c.count; ++i)
-        std::memcpy(dst + c.full_offset + i * c.full_stride, src + c.local_offset + i * c.local_stride,
-                    static_cast<size_t>(c.bytes));
+      CopyRows(dst + c.full_offset, static_cast<uint64_t>(c.full_stride), src + c.local_offset,
+               static_cast<uint64_t>(c.local_stride), c.count, static_cast<uint64_t>(c.bytes));
   }
   return absl::OkStatus();
 }
@@ -91,9 +101,8 @@ absl::Status ShardFull(const MegatronParam& p, const TensorView& full, int r, Mu
   const std::byte* src = full.bytes().data();
   std::byte* dst = local.bytes().data();
   for (const StridedCopy& c : ShardCopies(p, r))
-    for (int64_t i = 0; c.bytes > 0 && i < c.count; ++i)
-      std::memcpy(dst + c.local_offset + i * c.local_stride, src + c.full_offset + i * c.full_stride,
-                  static_cast<size_t>(c.bytes));
+    CopyRows(dst + c.local_offset, static_cast<uint64_t>(c.local_stride), src + c.full_offset,
+             static_cast<uint64_t>(c.full_stride), c.count, static_cast<uint64_t>(c.bytes));
   return absl::OkStatus();
 }
 

@@ -33,6 +33,12 @@ struct StridedCopy {
   int64_t bytes = 0;
 };
 
+// Copies `rows` rows of `row_bytes` from `src` (rows `src_pitch` bytes apart) to `dst` (rows
+// `dst_pitch` apart); one memcpy where both are contiguous. Host memory. What every StridedCopy,
+// and the AWQ holders' placement of a part in its triple, come down to.
+void CopyRows(std::byte* dst, uint64_t dst_pitch, const std::byte* src, uint64_t src_pitch, int64_t rows,
+              uint64_t row_bytes);
+
 // The copies that place the shard of group rank `rank_in_group` in the full tensor.
 absl::InlinedVector<StridedCopy, 2> ShardCopies(const MegatronParam& param, int rank_in_group);
 

@@ -68,18 +68,6 @@ absl::StatusOr<AwqPart> MakeAwqPart(int hf_index, int64_t n0, int64_t n, int64_t
   return part;
 }
 
-// Copies `rows` rows of `row_bytes` from `src` (rows `src_pitch` apart) to `dst` (rows `dst_pitch`
-// apart); one copy where both are contiguous. Host memory.
-void CopyRows(std::byte* dst, uint64_t dst_pitch, const std::byte* src, uint64_t src_pitch, int64_t rows,
-              uint64_t row_bytes) {
-  if (row_bytes == dst_pitch && row_bytes == src_pitch) {
-    std::memcpy(dst, src, static_cast<uint64_t>(rows) * row_bytes);
-    return;
-  }
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(dst + static_cast<uint64_t>(r) * dst_pitch, src + static_cast<uint64_t>(r) * src_pitch, row_bytes);
-}
-
 // AWQ triple `src` (in `from`) written into triple `dst` of the same HF tensor (in `to`) at its
 // rows and columns: qweight rows k0 - dst.k0 on, qzeros / scales rows (k0 - dst.k0) / G on, and
 // words (n0 - dst.n0) / 8, scale columns n0 - dst.n0 on. Host memory. kInternal, naming `what`,
