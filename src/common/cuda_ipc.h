@@ -82,6 +82,9 @@ absl::StatusOr<Buffer> AllocatePinnedBuffer(size_t nbytes);
 // source has been read), and a memset to zero of device memory. Execution errors surface at the
 // next SynchronizeDevice or synchronous call.
 absl::Status CopyOnDevice(void* dst, const void* src, size_t nbytes, int device);
+// The same for `rows` rows of `row_bytes` bytes, `src_pitch` / `dst_pitch` bytes apart (cudaMemcpy2DAsync).
+absl::Status Copy2DOnDevice(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                            size_t rows, int device);
 absl::Status ZeroOnDevice(void* dst, size_t nbytes, int device);
 // Waits for every operation enqueued on `device`; their first execution error.
 absl::Status SynchronizeDevice(int device);

@@ -240,6 +240,17 @@ absl::Status CopyOnDevice(void* dst, const void* src, size_t nbytes, int device)
   return absl::OkStatus();
 }
 
+absl::Status Copy2DOnDevice(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                            size_t rows, int device) {
+  if (row_bytes == 0 || rows == 0) return absl::OkStatus();
+  if (absl::Status s = SetDevice(device); !s.ok()) return s;
+  if (cudaError_t e = cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDefault, nullptr);
+      e != cudaSuccess)
+    return CudaError(e, absl::StrCat("copying ", rows, " rows of ", row_bytes, " bytes on device ", device),
+                     absl::StatusCode::kInternal);
+  return absl::OkStatus();
+}
+
 absl::Status ZeroOnDevice(void* dst, size_t nbytes, int device) {
   if (nbytes == 0) return absl::OkStatus();
   if (absl::Status s = SetDevice(device); !s.ok()) return s;

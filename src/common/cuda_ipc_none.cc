@@ -40,6 +40,10 @@ absl::StatusOr<Buffer> AllocatePinnedBuffer(size_t) { return NoCuda("page-locked
 
 absl::Status CopyOnDevice(void*, const void*, size_t, int device) { return NoCuda("a device copy", device); }
 
+absl::Status Copy2DOnDevice(void*, size_t, const void*, size_t, size_t, size_t, int device) {
+  return NoCuda("a device copy", device);
+}
+
 absl::Status ZeroOnDevice(void*, size_t, int device) { return NoCuda("a device memset", device); }
 
 absl::Status SynchronizeDevice(int device) { return NoCuda("synchronizing a device", device); }

@@ -21,6 +21,20 @@ absl::Status MemorySpace::Copy(void* dst, const void* src, size_t nbytes) const 
   return absl::OkStatus();
 }
 
+absl::Status MemorySpace::Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                                 size_t rows) const {
+  if (row_bytes == 0 || rows == 0) return absl::OkStatus();
+  if (!host()) return Copy2DOnDevice(dst, dst_pitch, src, src_pitch, row_bytes, rows, device_);
+  auto* d = static_cast<std::byte*>(dst);
+  const auto* s = static_cast<const std::byte*>(src);
+  if (row_bytes == dst_pitch && row_bytes == src_pitch) {
+    std::memcpy(d, s, row_bytes * rows);
+    return absl::OkStatus();
+  }
+  for (size_t r = 0; r < rows; ++r) std::memcpy(d + r * dst_pitch, s + r * src_pitch, row_bytes);
+  return absl::OkStatus();
+}
+
 absl::Status MemorySpace::Zero(void* dst, size_t nbytes) const {
   if (nbytes == 0) return absl::OkStatus();
   if (!host()) return ZeroOnDevice(dst, nbytes, device_);

@@ -36,6 +36,10 @@ class MemorySpace {
   absl::StatusOr<Buffer> Allocate(size_t nbytes) const;
   // `nbytes` from `src` to `dst`; each is memory of this space or host memory.
   absl::Status Copy(void* dst, const void* src, size_t nbytes) const;
+  // `rows` rows of `row_bytes` from `src` (rows `src_pitch` bytes apart) to `dst` (`dst_pitch`
+  // apart); each as for Copy.
+  absl::Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                      size_t rows) const;
   absl::Status Zero(void* dst, size_t nbytes) const;
   // `nbytes` of this space's `src` into host `dst`, complete when it returns.
   absl::Status CopyToHost(void* dst, const void* src, size_t nbytes) const;

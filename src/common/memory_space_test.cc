@@ -62,6 +62,20 @@ void RoundTrip(const MemorySpace& space) {
   ASSERT_TRUE(space.Synchronize().ok());
   for (size_t i = 0; i < in.size(); ++i) ASSERT_EQ(out[i], i >= 100 && i < 150 ? 0 : in[i]) << space.Name() << " " << i;
   EXPECT_TRUE(space.Allocate(0)->size() == 0);
+  // A block: 7 rows of 24 bytes from column 40 of a 64-byte-pitch matrix (a), into a dense
+  // 24-byte-pitch block (b), then back out at column 8 of another matrix (a) with pitch 32: the
+  // column cut of sharded delivery, on the space's own memory.
+  ASSERT_TRUE(space.Zero(b->data(), in.size()).ok());
+  ASSERT_TRUE(space.Copy2D(b->data(), 24, a->data() + 40, 64, 24, 7).ok());
+  ASSERT_TRUE(space.Zero(a->data(), in.size()).ok());
+  ASSERT_TRUE(space.Copy2D(a->data() + 8, 32, b->data(), 24, 24, 7).ok());
+  ASSERT_TRUE(space.Copy2D(a->data(), 0, b->data(), 0, 0, 7).ok());  // nothing to copy
+  ASSERT_TRUE(space.CopyToHost(out.data(), a->data(), out.size()).ok());
+  for (size_t r = 0; r < 7; ++r)
+    for (size_t c = 0; c < 32; ++c) {
+      const uint8_t want = c >= 8 ? in[r * 64 + 40 + (c - 8)] : 0;
+      ASSERT_EQ(out[r * 32 + c], want) << space.Name() << " row " << r << " column " << c;
+    }
 }
 
 TEST(MemorySpace, HostRoundTrip) {

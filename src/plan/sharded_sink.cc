@@ -1,5 +1,6 @@
 #include "plan/sharded_sink.h"
 
+#include <algorithm>
 #include <cstring>
 #include <span>
 #include <string>
@@ -8,9 +9,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "comm/bucket/bucket_format.h"
+#include "common/memory_space.h"
 #include "common/status.h"
 #include "common/tensor.h"
-#include "rollout_agent/load/block_copy.h"
 
 namespace wsync::plan {
 
@@ -48,9 +49,11 @@ absl::Status ShardedSink::CutGroup(int g, const v1::BucketManifest& full, const 
     end = at + n;
   }
   if (pieces.empty() && !full.last()) return absl::OkStatus();  // nothing for this group
+  const MemorySpace space = MemorySpace::Of(data);              // the group sinks' (Send checked it)
   Buffer out = groups_[static_cast<size_t>(g)]->Recycle(end);
-  if (out.size() < end || out.device() >= 0) {
-    auto b = Buffer::Allocate(end);
+  if (out.size() < end || MemorySpace::Of(out) != space) {
+    out = Buffer();
+    auto b = space.Allocate(std::max<uint64_t>(end, 1));
     if (!b.ok()) return Annotate(b.status(), absl::StrCat("a bucket of receiver group ", g));
     out = std::move(*b);
   }
@@ -62,7 +65,7 @@ absl::Status ShardedSink::CutGroup(int g, const v1::BucketManifest& full, const 
   m.set_nbytes(end);
   uint64_t cursor = 0;
   for (const Piece& p : pieces) {
-    if (p.offset > cursor) std::memset(out.data() + cursor, 0, p.offset - cursor);
+    if (p.offset > cursor) RETURN_IF_ERROR(space.Zero(out.data() + cursor, p.offset - cursor));
     cursor = p.offset + p.nbytes;
     const v1::BucketEntry& e = *p.entry;
     const std::byte* src = data.data() + e.offset();
@@ -74,7 +77,7 @@ absl::Status ShardedSink::CutGroup(int g, const v1::BucketManifest& full, const 
     ne->set_split_offset(0);
     ne->set_total_nbytes(e.total_nbytes());
     if (p.block.whole) {
-      std::memcpy(dst, src, p.nbytes);
+      RETURN_IF_ERROR(space.Copy(dst, src, p.nbytes));
       continue;
     }
     v1::TensorBlock* tb = ne->mutable_block();
@@ -84,9 +87,13 @@ absl::Status ShardedSink::CutGroup(int g, const v1::BucketManifest& full, const 
     tb->set_cols(p.block.cols);
     const MatrixDims dims =
         MatrixOf(std::span<const int64_t>(e.tensor().shape().data(), static_cast<size_t>(e.tensor().shape_size())));
-    // The loader's strided copy (a row cut is one memcpy, a column cut one per row), into a dense block.
-    rollout_agent::internal::CopyBlock(src, dims.cols, p.block.row0, p.block.col0, p.block.rows, p.block.cols, dst,
-                                       p.block.cols, 0, 0, ItemSize(p.dtype), /*transpose=*/false);
+    // Into a dense block: a row cut is one copy, a column cut one 2D copy (a memcpy per row on the
+    // host, cudaMemcpy2DAsync on a device).
+    const uint64_t item = ItemSize(p.dtype);
+    RETURN_IF_ERROR(space.Copy2D(dst, static_cast<size_t>(p.block.cols) * item,
+                                 src + (static_cast<uint64_t>(p.block.row0) * dims.cols + p.block.col0) * item,
+                                 static_cast<size_t>(dims.cols) * item, static_cast<size_t>(p.block.cols) * item,
+                                 static_cast<size_t>(p.block.rows)));
   }
   cut->manifest = std::move(m);
   cut->data = std::move(out);
@@ -96,9 +103,10 @@ absl::Status ShardedSink::CutGroup(int g, const v1::BucketManifest& full, const 
 }
 
 absl::Status ShardedSink::Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) {
-  if (data.device() >= 0) {
+  if (MemorySpace::Of(data) != space()) {
     return absl::FailedPreconditionError(
-        "sharded delivery cuts host buckets: stage device buckets to the host first (DeviceStagingSink)");
+        absl::StrCat("sharded delivery cuts buckets in the group streams' memory (", space().Name(),
+                     "), this one is in ", MemorySpace::Of(data).Name(), ": stage it there first (DeviceStagingSink)"));
   }
   if (!status().ok()) return absl::OkStatus();  // draining
   if (nbytes != manifest.nbytes() || nbytes > data.size())
@@ -136,7 +144,7 @@ absl::Status ShardedSink::Send(v1::BucketManifest manifest, Buffer data, uint64_
 }
 
 Buffer ShardedSink::Recycle(uint64_t min_bytes) {
-  if (spare_.size() >= min_bytes && spare_.device() < 0) return std::move(spare_);
+  if (spare_.size() >= min_bytes && MemorySpace::Of(spare_) == space()) return std::move(spare_);
   return Buffer();
 }
 

@@ -6,10 +6,13 @@
 // has its own indices and ends with its own `last` bucket; a group that keeps nothing of a bucket
 // gets no bucket for it (except the last one).
 //
-// Cost: the cut copies every kept byte once on the source (a row cut is one memcpy, a column cut
-// one per row), one thread per group; the full bucket's buffer is free again as soon as Send
-// returns (Recycle hands it back to the builder). Device buckets are refused (stage them first:
-// comm/bucket/device_staging.h).
+// Cost: the cut copies every kept byte once on the source (a row cut is one copy, a column cut
+// one 2D copy), one thread per group; the full bucket's buffer is free again as soon as Send
+// returns (Recycle hands it back to the builder).
+// Memory spaces: the cut runs where the group streams send from (space(): the first group sink's;
+// host memory for gloo / shm, the GPU for nccl, where the copies are enqueued on the device's
+// legacy default stream, ordered before the NCCL broadcasts and the builder's next bucket). A
+// bucket in another space is refused (kFailedPrecondition; stage it first: comm/bucket/device_staging.h).
 //
 // Failures: a group stream that fails aborts every group's stream (the sync fails anyway) and the
 // sink drains: later Sends return OK at once, status() holds the first error. A tensor the plan
@@ -41,6 +44,7 @@ class ShardedSink final : public comm::BucketSink {
   absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) override;
   Buffer Recycle(uint64_t min_bytes) override;
   absl::Status Finish() override;
+  MemorySpace space() const override { return groups_.empty() ? MemorySpace::Host() : groups_[0]->space(); }
 
   // OK, or the first error of a group stream (a plan refusal is returned by Send instead).
   absl::Status status() const;

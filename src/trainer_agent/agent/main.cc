@@ -86,12 +86,6 @@ int main(int argc, char** argv) {
                "quantize there, instead of the device stages (the CUDA kernels, buckets in device memory)");
   CLI11_PARSE(app, argc, argv);
   o.device_stages = !host_stages;
-  if (o.backend == "nccl" && o.delivery == "sharded") {
-    std::fprintf(stderr,
-                 "wsync-trainer-agent: --delivery sharded with --backend nccl: sharded delivery cuts host buckets, "
-                 "and the nccl data plane sends device buckets (use --delivery broadcast)\n");
-    return 2;
-  }
 
   o.bucket_bytes = bucket_mib << 20;
   o.sync_timeout = absl::Seconds(sync_timeout_s);

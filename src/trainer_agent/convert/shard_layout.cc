@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/memory_space.h"
 #include "common/status.h"
 
 namespace wsync::trainer_agent {
@@ -60,13 +61,8 @@ absl::InlinedVector<StridedCopy, 2> ShardCopies(const MegatronParam& p, int r) {
 
 void CopyRows(std::byte* dst, uint64_t dst_pitch, const std::byte* src, uint64_t src_pitch, int64_t rows,
               uint64_t row_bytes) {
-  if (row_bytes == 0 || rows <= 0) return;
-  if (row_bytes == dst_pitch && row_bytes == src_pitch) {
-    std::memcpy(dst, src, static_cast<uint64_t>(rows) * row_bytes);
-    return;
-  }
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(dst + static_cast<uint64_t>(r) * dst_pitch, src + static_cast<uint64_t>(r) * src_pitch, row_bytes);
+  if (rows <= 0) return;
+  MemorySpace::Host().Copy2D(dst, dst_pitch, src, src_pitch, row_bytes, static_cast<size_t>(rows)).IgnoreError();
 }
 
 absl::Status MergeShards(const MegatronParam& p, absl::Span<const TensorView> shards, MutableTensorView full) {

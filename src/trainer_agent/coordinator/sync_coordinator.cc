@@ -353,13 +353,6 @@ absl::Status SyncCoordinator::TriggerSync(const v1::TriggerSyncRequest& req, v1:
   if (!req.delivery().empty()) {
     ASSIGN_OR_RETURN(delivery, plan::ParseDelivery(req.delivery()));
   }
-  // The cut of sharded delivery runs on host buckets (plan/sharded_sink.h); the NCCL data plane
-  // sends device buckets, and there is no device cut yet.
-  if (delivery == plan::Delivery::kSharded && opts_.backend == "nccl") {
-    return absl::UnimplementedError(
-        "sharded delivery over the nccl data plane is not built (its cut runs on host buckets): sync with "
-        "--delivery broadcast, or use gloo");
-  }
   if (const uint64_t v = req.version(); v != 0) {
     // Join a sync of the same version (queued, running, or done): one sync for all ranks.
     for (auto& [sid, rec] : syncs_) {
