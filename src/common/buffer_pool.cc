@@ -24,7 +24,7 @@ absl::StatusOr<Buffer> BufferPool::Get(size_t nbytes) {
   size_t size = nbytes;
   {
     absl::MutexLock lock(&mu_);
-    too_small.swap(free_);
+    if (!keep_) too_small.swap(free_);
     high_water_ = std::max(high_water_, nbytes);
     size = high_water_;
   }
@@ -37,12 +37,18 @@ void BufferPool::Put(Buffer buffer) {
   Buffer dropped;  // freed outside the lock
   absl::MutexLock lock(&mu_);
   free_.push_back(std::move(buffer));
-  if (free_.size() > max_free_) {
+  if (free_.size() > max_free_ && !keep_) {
     auto smallest = std::min_element(free_.begin(), free_.end(),
                                      [](const Buffer& a, const Buffer& b) { return a.size() < b.size(); });
     dropped = std::move(*smallest);
     free_.erase(smallest);
   }
+}
+
+void BufferPool::Trim() {
+  std::vector<Buffer> idle;  // freed outside the lock
+  absl::MutexLock lock(&mu_);
+  idle.swap(free_);
 }
 
 size_t BufferPool::idle_buffers() const {

@@ -33,8 +33,12 @@ namespace wsync {
 class BufferPool {
  public:
   using Allocator = std::function<absl::StatusOr<Buffer>(size_t nbytes)>;
-  explicit BufferPool(size_t max_free = 2, Allocator allocate = nullptr)
-      : max_free_(max_free), allocate_(std::move(allocate)) {}
+  // `keep_until_trim`: the pool frees nothing until Trim() (Put keeps every buffer, past
+  // max_free; Get allocates beside idle buffers that are too small instead of freeing them). For
+  // device and page-locked memory used beside NCCL: a cudaFree / cudaFreeHost waits for the whole
+  // device, and must not run while an NCCL operation there waits for this process.
+  explicit BufferPool(size_t max_free = 2, Allocator allocate = nullptr, bool keep_until_trim = false)
+      : max_free_(max_free), allocate_(std::move(allocate)), keep_(keep_until_trim) {}
 
   // A buffer of at least `nbytes` (size() may be larger): the smallest idle one that fits, else a
   // new allocation of max(nbytes, the largest size asked for so far), after freeing the idle
@@ -45,6 +49,9 @@ class BufferPool {
   // Returns `buffer` to the pool (empty buffers are ignored).
   void Put(Buffer buffer);
 
+  // Frees every idle buffer (a keep_until_trim pool's owner calls it when no NCCL operation runs).
+  void Trim();
+
   size_t idle_buffers() const;
   size_t idle_bytes() const;
   size_t max_free() const { return max_free_; }
@@ -52,6 +59,7 @@ class BufferPool {
  private:
   const size_t max_free_;
   const Allocator allocate_;  // null: Buffer::Allocate
+  const bool keep_;
   mutable absl::Mutex mu_;
   std::vector<Buffer> free_ ABSL_GUARDED_BY(mu_);
   size_t high_water_ ABSL_GUARDED_BY(mu_) = 0;

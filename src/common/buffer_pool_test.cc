@@ -1,5 +1,6 @@
 #include "common/buffer_pool.h"
 
+#include <cstdlib>
 #include <thread>
 #include <vector>
 
@@ -51,6 +52,39 @@ TEST(BufferPoolTest, GrowsToTheLargestSizeAndFreesIdleBuffersThatDoNotFit) {
   EXPECT_EQ(pool.idle_buffers(), 1u);
   EXPECT_EQ(pool.Get(0)->size(), 0u);  // zero bytes: an empty buffer, the pool untouched
   EXPECT_EQ(pool.idle_buffers(), 1u);
+}
+
+// A pool beside NCCL: every buffer from its allocator, none freed until Trim.
+TEST(BufferPoolTest, AKeepingPoolFreesNothingUntilTrimmed) {
+  static int live = 0;
+  live = 0;
+  auto allocate = [](size_t n) -> absl::StatusOr<Buffer> {
+    ++live;
+    return Buffer::Adopt(
+        static_cast<std::byte*>(std::aligned_alloc(64, (n + 63) / 64 * 64)), n,
+        [](std::byte* p, int) {
+          --live;
+          std::free(p);
+        },
+        -1);
+  };
+  BufferPool pool(1, allocate, /*keep_until_trim=*/true);
+  auto a = pool.Get(1000);
+  ASSERT_TRUE(a.ok());
+  pool.Put(std::move(*a));
+  auto b = pool.Get(3000);  // the idle 1000-byte buffer does not fit: allocated beside it, not freed
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(live, 2);
+  auto c = pool.Get(10);
+  ASSERT_TRUE(c.ok());  // the idle 1000-byte one
+  EXPECT_EQ(c->size(), 1000u);
+  pool.Put(std::move(*b));
+  pool.Put(std::move(*c));  // past max_free 1: kept
+  EXPECT_EQ(pool.idle_buffers(), 2u);
+  EXPECT_EQ(live, 2);
+  pool.Trim();
+  EXPECT_EQ(pool.idle_buffers(), 0u);
+  EXPECT_EQ(live, 0);
 }
 
 TEST(BufferPoolTest, KeepsTheLargestWhenFull) {

@@ -4,7 +4,11 @@
 //   Sum64Host     host memory; ~1 word per cycle per core.
 //   Sum64         a MemorySpace's memory: Sum64Host on the host; on a CUDA device, one kernel on
 //                 the device's legacy default stream (ordered after the copies and kernels that
-//                 filled the bytes, common/memory_space.h), then 8 bytes back to the host.
+//                 filled the bytes, common/memory_space.h), then 8 bytes back to the host. Its
+//                 sum goes to `device_word` (8 bytes of that device's memory, 8-byte aligned) when
+//                 given, else to a word the calling thread keeps (cuda/device.h): the bucket
+//                 streams give one of their framing buffer, so that no receive thread allocates
+//                 device or page-locked memory beside running NCCL operations.
 // Errors (Sum64): kFailedPrecondition for device memory in a build without CUDA; kInternal naming
 // the CUDA error. Thread-safety: reentrant.
 #pragma once
@@ -20,6 +24,6 @@ namespace wsync::kernels {
 
 uint64_t Sum64Host(std::span<const std::byte> bytes);
 
-absl::StatusOr<uint64_t> Sum64(const MemorySpace& space, const void* data, size_t nbytes);
+absl::StatusOr<uint64_t> Sum64(const MemorySpace& space, const void* data, size_t nbytes, void* device_word = nullptr);
 
 }  // namespace wsync::kernels

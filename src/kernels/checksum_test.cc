@@ -130,6 +130,13 @@ TEST(Sum64Test, CudaKernelEqualsTheHost) {
       ASSERT_TRUE(s.ok()) << s.status();
       EXPECT_EQ(*s, Host(b)) << "n " << n << " offset " << off << " seed " << seed;
     }
+    // Summed in a word of the caller's (what the bucket streams pass) rather than the thread's.
+    absl::StatusOr<Buffer> word = dev.Allocate(8);
+    ASSERT_TRUE(word.ok()) << word.status();
+    ASSERT_TRUE(dev.Copy(d->data(), b.data(), n).ok());
+    absl::StatusOr<uint64_t> s = Sum64(dev, d->data(), n, word->data());
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(*s, Host(b)) << "n " << n << " (caller's word)";
   }
 }
 

@@ -32,11 +32,12 @@ bool GpuAvailable() {
   return n.ok() && *n > 0;
 }
 
-absl::StatusOr<uint64_t> Sum64(const MemorySpace& space, const void* data, size_t nbytes) {
+absl::StatusOr<uint64_t> Sum64(const MemorySpace& space, const void* data, size_t nbytes, void* device_word) {
   if (space.host()) return Sum64Host({static_cast<const std::byte*>(data), nbytes});
 #if WSYNC_WITH_CUDA
-  return cuda::Sum64(space.cuda_device(), data, nbytes);
+  return cuda::Sum64(space.cuda_device(), data, nbytes, device_word);
 #else
+  (void)device_word;
   return absl::FailedPreconditionError(
       absl::StrCat("Sum64 of ", nbytes, " bytes in ", space.Name(), ": this binary was built without CUDA"));
 #endif

@@ -1,6 +1,8 @@
 // Bucket authentication: a keyed MAC over every byte of a bucket, so that a process that does not
 // hold the sync's key (handed out only over the authenticated control plane) cannot feed a rollout
 // agent a bucket, nor alter one unnoticed. XXH3 (stream.h) detects damage; this detects forgery.
+// A device bucket (the NCCL data plane) is tagged with empty data: the tag then covers its framing
+// and manifest, whose Sum64 stands for the data (stream.h, docs/bucket_format.md §3).
 //
 // Construction (docs/bucket_format.md §2):
 //   sync key     32 random bytes per sync, made by the coordinator (NewSyncMacKey), sent to the

@@ -27,10 +27,20 @@ absl::Status DeviceStagingSink::Send(v1::BucketManifest manifest, Buffer data, u
     ASSIGN_OR_RETURN(out, to.host() ? AllocatePinnedBuffer(std::max<uint64_t>(nbytes, 1))
                                     : to.Allocate(std::max<uint64_t>(nbytes, 1)));
   }
-  RETURN_IF_ERROR(
-      Annotate(to.host() ? of.CopyToHost(out.data(), data.data(), nbytes) : to.Copy(out.data(), data.data(), nbytes),
-               absl::StrCat("staging bucket ", manifest.index(), " of stage ", manifest.pp_stage(), " from ", of.Name(),
-                            " to ", to.Name())));
+  // Synchronous, whichever the direction: the builder refills `data` as soon as Recycle hands it
+  // back, so the copy must have read it by then.
+  absl::Status copied;
+  if (to.host()) {
+    copied = of.CopyToHost(out.data(), data.data(), nbytes);
+  } else if (of.host()) {
+    copied = CopyHostToDevice(out.data(), data.data(), nbytes, to.cuda_device());
+  } else {  // between two GPUs: after the source's work, and done before the source is refilled
+    copied = of.Synchronize();
+    if (copied.ok()) copied = to.Copy(out.data(), data.data(), nbytes);
+    if (copied.ok()) copied = to.Synchronize();
+  }
+  RETURN_IF_ERROR(Annotate(copied, absl::StrCat("staging bucket ", manifest.index(), " of stage ", manifest.pp_stage(),
+                                                " from ", of.Name(), " to ", to.Name())));
   stats_.copy += absl::Now() - t0;
   ++stats_.buckets;
   stats_.bytes += nbytes;

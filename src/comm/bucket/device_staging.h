@@ -9,9 +9,10 @@
 // Per bucket: one copy of its nbytes into a buffer of the inner sink's space (its recycled one,
 // else a new one: page-locked on the host, so the copy runs at the link's speed), then the inner
 // sink's Send; the builder's buffer is kept for its next bucket (Recycle). The copy is synchronous
-// on the builder's thread and also surfaces the execution errors of the kernels that filled the
-// bucket. The inner sink keeps broadcasting bucket k while the builder fills bucket k+1. A bucket
-// already in the inner sink's space passes through untouched.
+// on the builder's thread in every direction (a host-to-device copy from page-locked memory would
+// otherwise still be reading when the builder refills the buffer) and also surfaces the execution
+// errors of the kernels that filled the bucket. The inner sink keeps broadcasting bucket k while the builder fills
+// bucket k+1. A bucket already in the inner sink's space passes through untouched.
 //
 // Memory: at most `max_free` builder buffers kept (2: the one being filled is the builder's);
 // the inner sink's buffers as it keeps them (BucketSender: up to three, kept by its pool).

@@ -12,8 +12,12 @@
 namespace wsync::comm {
 namespace {
 
-// The framing buffer of one bucket, in the stream's space: the header at 0, the manifest at
-// kManifestAt, the tag after the manifest at the next 64 bytes.
+// The framing buffer of one bucket, in the stream's space: the header at 0, the receiver's Sum64
+// word at kSumAt, the manifest at kManifestAt, the tag after the manifest at the next 64 bytes.
+// Beside NCCL, framing buffers are never freed while the stream runs (a cudaFree waits for the
+// whole device, nccl_communicator.h): the sender keeps every one it made, the receiver retires
+// the ones it outgrew; both free them when they end.
+constexpr uint64_t kSumAt = 16;
 constexpr uint64_t kManifestAt = 64;
 uint64_t TagAt(uint64_t manifest_bytes) { return AlignEntry(kManifestAt + manifest_bytes); }
 uint64_t ControlBytes(uint64_t manifest_bytes) { return TagAt(manifest_bytes) + kBucketMacTagBytes; }
@@ -81,7 +85,10 @@ absl::Status BucketSender::Send(v1::BucketManifest manifest, Buffer data, uint64
   const absl::Time t0 = absl::Now();
   manifest.set_nbytes(nbytes);
   if (sum64_) {
-    absl::StatusOr<uint64_t> sum = kernels::Sum64(space_, data.data(), nbytes);
+    if (!space_.host() && sum_word_.size() == 0) {
+      ASSIGN_OR_RETURN(sum_word_, space_.Allocate(64));
+    }
+    absl::StatusOr<uint64_t> sum = kernels::Sum64(space_, data.data(), nbytes, sum_word_.data());
     if (!sum.ok()) return Annotate(sum.status(), absl::StrCat("the Sum64 of ", DescribeBucket(manifest)));
     manifest.set_xxh3_64(0);
     manifest.set_sum64(*sum);
@@ -136,7 +143,7 @@ absl::Status BucketSender::WaitOldest() {
   stats_.wire += absl::Now() - t0;
   if (s.ok()) {
     pool_->Put(std::move(f->data));
-    if (free_control_.size() < static_cast<size_t>(max_in_flight_)) free_control_.push_back(std::move(f->control));
+    free_control_.push_back(std::move(f->control));
   }
   return s;
 }
@@ -172,11 +179,12 @@ BucketReceiver::~BucketReceiver() {
 }
 
 void BucketReceiver::Run() {
-  Buffer control;  // the framing, in space_; grows to the largest manifest seen
+  Buffer control;               // the framing, in space_; grows to the largest manifest seen
+  std::vector<Buffer> retired;  // outgrown framing buffers, freed when the stream ends
   auto ensure_control = [&](uint64_t manifest_bytes) -> absl::Status {
     if (control.size() >= ControlBytes(manifest_bytes)) return absl::OkStatus();
-    control = Buffer();
-    ASSIGN_OR_RETURN(control, space_.Allocate(ControlBytes(std::max<uint64_t>(manifest_bytes, 4096))));
+    ASSIGN_OR_RETURN(Buffer bigger, space_.Allocate(ControlBytes(std::max<uint64_t>(manifest_bytes, 64 << 10))));
+    retired.push_back(std::exchange(control, std::move(bigger)));
     return absl::OkStatus();
   };
   for (uint64_t index = 0;; ++index) {
@@ -231,7 +239,7 @@ void BucketReceiver::Run() {
       const bool sum64 = bucket.manifest.has_sum64();
       absl::StatusOr<uint64_t> sum = uint64_t{0};
       if (sum64) {
-        sum = kernels::Sum64(space_, data->data(), header.data_bytes);
+        sum = kernels::Sum64(space_, data->data(), header.data_bytes, At(control, kSumAt));
       } else if (space_.host()) {
         sum = Xxh3_64({data->data(), header.data_bytes});
       } else {

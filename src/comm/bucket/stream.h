@@ -98,7 +98,8 @@ class BucketSender {
   std::unique_ptr<BufferPool> own_pool_;  // when the caller gave none
   BufferPool* pool_;
   const std::optional<BucketMac> mac_;
-  std::vector<Buffer> free_control_;  // framing buffers of finished buckets, in space_
+  std::vector<Buffer> free_control_;  // framing buffers of finished buckets, in space_ (all kept)
+  Buffer sum_word_;                   // a device stream's Sum64 word
   BucketStats stats_;
 };
 

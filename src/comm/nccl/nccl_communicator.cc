@@ -168,6 +168,19 @@ class NcclCommunicator final : public QueuedCommunicator {
   // Waits for the operation just launched: the event, NCCL's asynchronous errors, the deadline
   // and Abort. Any failure aborts the NCCL communicator, so the buffers are released.
   absl::Status Complete(const OpContext& ctx) {
+    // A non-blocking communicator may return ncclInProgress from the launch (its first operation
+    // connects its peers lazily): nothing is on the stream until its state leaves ncclInProgress,
+    // so an event recorded earlier would complete at once, before NCCL touched the buffers.
+    for (;;) {
+      ncclResult_t state = ncclSuccess;
+      if (ncclResult_t r = ncclCommGetAsyncError(comm_, &state); r != ncclSuccess)
+        return AbortWith(NcclStatus(r, "ncclCommGetAsyncError"));
+      if (state == ncclSuccess) break;
+      if (state != ncclInProgress) return AbortWith(NcclStatus(state, "NCCL launch"));
+      absl::Status s = ctx.Check();
+      if (!s.ok()) return AbortWith(s);
+      absl::SleepFor(absl::Microseconds(20));
+    }
     WSYNC_CUDA_RETURN_IF_ERROR(cudaEventRecord(event_, stream_));
     for (;;) {
       cudaError_t q = cudaEventQuery(event_);

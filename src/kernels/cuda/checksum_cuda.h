@@ -10,7 +10,7 @@
 namespace wsync::kernels::cuda {
 
 // `data[0, nbytes)` in the memory of CUDA device `device`; runs on its legacy default stream and
-// waits for the result.
-absl::StatusOr<uint64_t> Sum64(int device, const void* data, size_t nbytes);
+// waits for the result, summed in `word` (device memory; null: the thread's kept word).
+absl::StatusOr<uint64_t> Sum64(int device, const void* data, size_t nbytes, void* word);
 
 }  // namespace wsync::kernels::cuda

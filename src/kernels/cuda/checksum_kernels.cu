@@ -33,11 +33,17 @@ __global__ void Sum64Kernel(const unsigned char* p, uint64_t n, bool aligned, un
 
 }  // namespace
 
-absl::StatusOr<uint64_t> Sum64(int device, const void* data, size_t nbytes) {
+absl::StatusOr<uint64_t> Sum64(int device, const void* data, size_t nbytes, void* word) {
   WSYNC_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-  ASSIGN_OR_RETURN(const KeptWord word, ThreadKeptWord());
+  unsigned long long* sum = static_cast<unsigned long long*>(word);
+  unsigned long long* host = nullptr;  // page-locked, with the kept word
+  if (sum == nullptr) {
+    ASSIGN_OR_RETURN(const KeptWord kept, ThreadKeptWord());
+    sum = kept.device;
+    host = kept.host;
+  }
   const cudaStream_t stream = cudaStreamLegacy;
-  WSYNC_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(word.device, 0, sizeof(*word.device), stream));
+  WSYNC_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sum, 0, sizeof(*sum), stream));
   const uint64_t words = (nbytes + 7) / 8;
   if (words > 0) {
     int sms = 0;
@@ -46,13 +52,20 @@ absl::StatusOr<uint64_t> Sum64(int device, const void* data, size_t nbytes) {
     const uint64_t want = (words + kThreads - 1) / kThreads;
     const unsigned blocks = static_cast<unsigned>(want < uint64_t(8) * sms ? want : uint64_t(8) * sms);
     const bool aligned = reinterpret_cast<uintptr_t>(data) % 8 == 0;
-    Sum64Kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const unsigned char*>(data), nbytes, aligned, word.device);
+    Sum64Kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const unsigned char*>(data), nbytes, aligned, sum);
     WSYNC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
-  WSYNC_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(word.host, word.device, sizeof(*word.host), cudaMemcpyDeviceToHost, stream));
-  WSYNC_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  return format::Sum64Final(*word.host, nbytes);
+  unsigned long long result = 0;
+  if (host != nullptr) {
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host, sum, sizeof(*host), cudaMemcpyDeviceToHost, stream));
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    result = *host;
+  } else {
+    // Into pageable memory: returns once the copy (and the kernel before it) is done.
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&result, sum, sizeof(result), cudaMemcpyDeviceToHost, stream));
+    WSYNC_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  }
+  return format::Sum64Final(result, nbytes);
 }
 
 }  // namespace wsync::kernels::cuda

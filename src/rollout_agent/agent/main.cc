@@ -61,8 +61,8 @@ int Run(int argc, char** argv) {
                  "(default: the local address facing --coordinator; 127.0.0.1 without one)");
   app.add_option("--coordinator", o.coordinator, "the coordinator's address: join it and send heartbeats");
   app.add_option("--cuda-device", o.cuda_device,
-                 "the GPU that syncs over nccl receive on (default: the device of the engine's CUDA parameters, "
-                 "else 0)");
+                 "the GPU that syncs over nccl receive on (default: the device of the engine's CUDA parameters; "
+                 "required for an engine whose parameters are in host memory)");
   app.add_flag("--pause-for-whole-sync", o.pause_whole_sync,
                "pause the engine at the start of every sync instead of only for its commit (the engine then "
                "serves nothing while the sync is gathered, sent and staged)");

@@ -931,6 +931,11 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
         absl::StrCat(who,
                      ": backend nccl receives into GPU memory, and this host has no CUDA device (receive with "
                      "gloo)"));
+  if (*backend == comm::Backend::kNccl && ReceiveDevice() < 0)
+    return absl::FailedPreconditionError(absl::StrCat(
+        who,
+        ": backend nccl receives on this agent's GPU, and none is known: the engine's parameters are not in "
+        "CUDA memory; start the agent with --cuda-device N (each agent of a host on its own GPU)"));
   if (req.groups_size() == 0) return absl::InvalidArgumentError(absl::StrCat(who, ": no groups"));
   if (!req.bucket_mac_key().empty() && req.bucket_mac_key().size() != comm::kBucketMacKeyBytes) {
     return absl::InvalidArgumentError(absl::StrCat(who, ": a ", req.bucket_mac_key().size(), "-byte bucket key (",
@@ -1058,15 +1063,24 @@ int RolloutAgent::ReceiveDevice() const {
     for (const EngineBuffer& b : engine_->memory->weights().buffers())
       if (b.on_device()) return b.cuda_device;
   }
-  return 0;
+  return -1;
 }
 
 BufferPool* RolloutAgent::DevicePool(int device) {
   absl::MutexLock lock(&pools_mu_);
   std::unique_ptr<BufferPool>& p = device_pools_[device];
   if (p == nullptr)
-    p = std::make_unique<BufferPool>(2, [space = MemorySpace::Cuda(device)](size_t n) { return space.Allocate(n); });
+    p = std::make_unique<BufferPool>(
+        2, [space = MemorySpace::Cuda(device)](size_t n) { return space.Allocate(n); }, /*keep_until_trim=*/true);
   return p.get();
+}
+
+void RolloutAgent::TrimNcclPools() {
+  {
+    absl::MutexLock lock(&pools_mu_);
+    for (auto& [device, pool] : device_pools_) pool->Trim();
+  }
+  pinned_pool_.Trim();
 }
 
 void RolloutAgent::RunStage(Sync* s, size_t index) {
@@ -1186,6 +1200,7 @@ absl::Status RolloutAgent::PrepareSync(const v1::PrepareSyncRequest& req, absl::
   }
   for (auto& t : s->threads) t.join();
   s->threads.clear();
+  if (s->backend == comm::Backend::kNccl) TrimNcclPools();
   absl::Status st;
   {
     absl::MutexLock lock(&mu_);
@@ -1414,6 +1429,7 @@ absl::Status RolloutAgent::EndFailedSync(Sync* s, const std::string& reason, boo
   s->cancel.Cancel(reason);
   for (auto& t : s->threads) t.join();
   s->threads.clear();
+  if (s->backend == comm::Backend::kNccl) TrimNcclPools();
   if (s->recorder) s->recorder->Discard();
   absl::Status cont;
   if (continue_engine && engine_ != nullptr) {

@@ -94,7 +94,7 @@ struct AgentOptions {
   int load_threads = 0;                                    // entries loaded at once per bucket; 0: min(4, cores)
   int repack_threads = 0;                                  // Commit; 0: the kernels' default
   // The GPU the NCCL data plane receives on (--cuda-device); -1: the device of the engine's CUDA
-  // parameters, else 0.
+  // parameters (without them an nccl sync is refused: two agents of a host on one GPU would hang NCCL).
   int cuda_device = -1;
   MetricsRegistry* metrics = nullptr;  // not owned; null: the agent's own registry
   bool set_log_identity = false;       // log as "rollout[tp_rank]" once an engine registered
@@ -157,9 +157,12 @@ class RolloutAgent {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_);
   void RunStage(Sync* sync, size_t index);
   // The GPU an NCCL sync receives on: --cuda-device, else the device of the engine's CUDA
-  // parameters, else 0. Under op_mu_ or mu_ (reads engine_).
+  // parameters, else -1 (unknown: an nccl sync is refused). Under op_mu_ or mu_ (reads engine_).
   int ReceiveDevice() const;
   BufferPool* DevicePool(int device);
+  // Frees the NCCL pools' idle buffers: after a sync's stage threads have ended (no NCCL operation
+  // runs), so that no cudaFree waits beside one; the engine's GPU gets the memory back between syncs.
+  void TrimNcclPools();
   // Ends `sync` (cancel, join threads, drop the recording, continue the engine on the previous
   // version if the agent paused it). Returns the status of Continue.
   absl::Status EndFailedSync(Sync* sync, const std::string& reason, bool continue_engine)
@@ -204,10 +207,11 @@ class RolloutAgent {
   // Received bucket buffers kept across syncs: one being received while the previous one loads.
   BufferPool bucket_pool_{2};
   // The NCCL data plane: receive buffers on each GPU (DevicePool), and the page-locked host buffers
-  // every device bucket is copied into for the loader; kept across syncs, allocated on first use.
+  // every device bucket is copied into for the loader. Shared by the stages of a sync; nothing is
+  // freed while its streams run (keep_until_trim), all of it after (TrimNcclPools).
   absl::Mutex pools_mu_;
   std::map<int, std::unique_ptr<BufferPool>> device_pools_ ABSL_GUARDED_BY(pools_mu_);
-  BufferPool pinned_pool_{3, [](size_t n) { return AllocatePinnedBuffer(n); }};
+  BufferPool pinned_pool_{3, [](size_t n) { return AllocatePinnedBuffer(n); }, /*keep_until_trim=*/true};
   uint64_t version_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // The last sync that ended: its id and outcome (for idempotent / late RPCs).

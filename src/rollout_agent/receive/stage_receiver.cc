@@ -166,14 +166,22 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
   // Where the buckets arrive: host memory, or the group's GPU (NCCL), whose buckets are copied to
   // host buffers for the loader.
   const MemorySpace space = (*comm)->space();
-  std::optional<BufferPool> own_device_pool;
+  // Pools of the stage's own where the caller gave none. Beside NCCL nothing is freed while the
+  // stream runs (keep_until_trim: a cudaFree waits for the whole device); the stage's own pools
+  // go when the stage has ended.
+  std::optional<BufferPool> own_device_pool, own_host_pool;
   BufferPool* receive_pool = o.pool;
+  BufferPool* host_pool = nullptr;
   if (!space.host()) {
     receive_pool = o.device_pool;
     if (receive_pool == nullptr)
-      receive_pool = &own_device_pool.emplace(2, [space](size_t n) { return space.Allocate(n); });
+      receive_pool = &own_device_pool.emplace(
+          2, [space](size_t n) { return space.Allocate(n); }, /*keep_until_trim=*/true);
+    host_pool = o.host_pool;
+    if (host_pool == nullptr)
+      host_pool = &own_host_pool.emplace(
+          3, [](size_t n) { return AllocatePinnedBuffer(n); }, /*keep_until_trim=*/true);
   }
-  BufferPool* host_pool = o.host_pool != nullptr ? o.host_pool : o.pool;
   auto give_back = [&](Buffer b) {
     BufferPool* to = MemorySpace::Of(b) == space ? receive_pool : host_pool;
     if (to != nullptr) to->Put(std::move(b));
@@ -197,7 +205,7 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
       if (!space.host()) {
         const absl::Time c0 = absl::Now();
         const uint64_t n = std::max<uint64_t>(b.manifest.nbytes(), 1);
-        absl::StatusOr<Buffer> host = host_pool != nullptr ? host_pool->Get(n) : AllocatePinnedBuffer(n);
+        absl::StatusOr<Buffer> host = host_pool->Get(n);
         if (!host.ok())
           return Annotate(host.status(), absl::StrCat(where, ": a host buffer for ", BucketWhere(b.manifest)));
         RETURN_IF_ERROR(Annotate(space.CopyToHost(host->data(), b.data.data(), b.manifest.nbytes()),

@@ -1,6 +1,6 @@
 // One pipeline stage's stream on a rollout agent: form the stage's data-plane group (the trainer
 // stage source is group rank 0, this agent is `rank`), receive its buckets (comm/bucket/stream.h:
-// size and XXH3 checked there), check each manifest against the sync, load every entry into
+// size and checksum checked there), check each manifest against the sync, load every entry into
 // staging with the Loader (several entries of a bucket at once), and record the bucket if asked.
 // The consumer loads bucket k while bucket k+1 arrives (the BucketReceiver's queue of one).
 // Over NCCL the buckets arrive in device memory (the GPU `cuda_device`), and each is copied once
@@ -80,7 +80,8 @@ struct StageOptions {
   int cuda_device = 0;                // the GPU this agent receives on (GroupOptions::cuda_device)
   BufferPool* device_pool = nullptr;  // optional, not owned: receive buffers on that GPU (else a pool of the stage's)
   // Host buffers a device bucket is copied into for the loader (page-locked: the copy runs at
-  // the link's speed); optional, not owned (else `pool`, else pinned allocations per bucket).
+  // the link's speed); optional, not owned (else a pool of the stage's). Pools given for an NCCL
+  // stage must not free while streams run (BufferPool keep_until_trim).
   BufferPool* host_pool = nullptr;
   // The sync's bucket key (comm/bucket/bucket_mac.h): every bucket's tag is verified; empty: none.
   std::string bucket_mac_key;

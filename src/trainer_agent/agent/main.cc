@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"gloo", "shm", "nccl"}));
   app.add_option("--cuda-device", o.cuda_device,
                  "The GPU this rank's nccl data plane sends from (default: the local rank, from "
-                 "OMPI_COMM_WORLD_LOCAL_RANK or SLURM_LOCALID, modulo the GPUs visible)");
+                 "OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID or LOCAL_RANK, modulo the GPUs visible)");
   app.add_option("--delivery", o.delivery,
                  "How syncs that do not choose (wsyncctl sync --delivery) reach the agents: broadcast (every agent "
                  "receives every byte of its stage) or sharded (every agent receives only the blocks its engine "

@@ -389,6 +389,8 @@ class Agent {
             Annotate(comm::Await(world_->Broadcast({&qb, 1}, 0, forever)), "command channel (quantization)"));
       }
       auto report = RunSync(cmd, groups, engine_quant);
+      // The sync's NCCL groups are gone: the device buckets kept during it can be freed now.
+      if (opts_.backend == "nccl") bucket_pool_.Trim();
       if (world_->rank() == 0) channel->Complete(cmd.sync_id, std::move(report));
       RequestHeapTrim();  // between syncs: what this one freed goes back to the kernel (common/heap.h)
     }
@@ -584,7 +586,8 @@ class Agent {
           WSYNC_LOG(INFO) << "sync " << cmd.sync_id << ": stage source on cuda:" << report->cuda_device << " ("
                           << report->quantized_bytes << " bytes through the CUDA INT4 kernels, "
                           << absl::FormatDuration(report->staging) << " staging " << report->bytes
-                          << " bucket bytes to the host)";
+                          << (report->staging > absl::ZeroDuration() ? " bucket bytes to the host)"
+                                                                     : " bucket bytes, sent from the device)");
       } else {
         SetMessage(mine, report.status());
       }
@@ -667,8 +670,10 @@ class Agent {
   std::shared_ptr<const plan::ShardPlan> plan_;
   std::string plan_key_;
   std::optional<QuantizationConfig> sync_quant_;  // the running sync's (SyncQuantization)
-  // Bucket buffers kept across syncs (stage sources only): two on the wire + the one being built.
-  BufferPool bucket_pool_{3};
+  // Bucket buffers (stage sources only): two on the wire + the one being built. Kept across syncs,
+  // except over nccl: device buffers, none freed while the sync's groups run (a cudaFree waits for
+  // the whole device), all of them after it.
+  BufferPool bucket_pool_{3, nullptr, /*keep_until_trim=*/opts_.backend == "nccl"};
   std::unique_ptr<comm::Store> store_;
   std::string data_host_;  // Run(): --data-host, else the address facing the coordinator
 };

@@ -292,6 +292,13 @@ absl::Status RankSync::Prepare() {
                        "), which the device stages do not run: the source must hand out host copies"));
     space_ = MemorySpace::Cuda(shard_.cuda_device);
     report_.cuda_device = shard_.cuda_device;
+    // Device buckets go to a device data plane (nccl) on the same GPU: a copy between two GPUs
+    // would not be ordered after the kernels that filled the bucket.
+    if (emitter_ && !sink_->space().host() && sink_->space() != space_)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", me_, "'s tensors are in the memory of ", space_.Name(), " and its nccl data plane is on ",
+          sink_->space().Name(), ": start the trainer agent with --cuda-device ", shard_.cuda_device,
+          " (the GPU of the rank's training process)"));
   }
   if (o_.quant != nullptr)
     int4_.emplace(Int4Options{o_.quant, o_.quant_variant, o_.quant_threads, space_, o_.awq_arith});

@@ -45,8 +45,10 @@
 //            a `last` bucket and BucketSink::Finish.
 // Device stages: when the shard is CUDA memory (RankShard::cuda_device, the shm: source's CUDA
 // tensors read in place), step 4 runs on that device: ToHf's copies, the CUDA INT4 kernels and the
-// buckets are in device memory, and a DeviceStagingSink (comm/bucket/device_staging.h) copies each
-// full bucket once to a page-locked host buffer for `sink`. Same bytes as the host stages. They
+// buckets are in device memory; a sink on that GPU (the nccl data plane) sends them as they are,
+// and for a host sink a DeviceStagingSink (comm/bucket/device_staging.h) copies each full bucket
+// once to a page-locked host buffer (host stages in front of an nccl sink: one upload per bucket;
+// an nccl sink on another GPU than the shard's is refused). Same bytes as the host stages. They
 // need a layout without gathers (TP = EP = ETP = 1; kFailedPrecondition otherwise); gathers on
 // device (NCCL) are not built yet, so a source hands out host copies for other layouts.
 // Ranks outside those groups (dense DP / expert EDP replicas) only open their shard and agree.
@@ -161,7 +163,7 @@ struct SyncReport {
   uint64_t copied_bytes = 0;     // bytes copied into buckets: unquantized tensors and gathered INT4 (source)
   uint64_t gather_calls = 0;     // all-gather calls issued by this rank
   int cuda_device = -1;          // >= 0: the device stages ran on this CUDA device
-  absl::Duration staging;        // device stages: copying the device buckets to the host sink
+  absl::Duration staging;        // copying buckets between the builder's memory and the sink's (DeviceStagingSink)
 };
 
 absl::StatusOr<SyncReport> RunRankSync(const WeightSource& src, TrainerComms& comms, comm::BucketSink* sink,
