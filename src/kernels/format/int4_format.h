@@ -22,11 +22,7 @@
 #include <cmath>
 #include <cstdint>
 
-#ifdef __CUDACC__
-#define WSYNC_HD __host__ __device__ __forceinline__
-#else
-#define WSYNC_HD inline
-#endif
+#include "kernels/format/host_device.h"
 
 namespace wsync::kernels::format {
 
