@@ -162,6 +162,9 @@ check device_staging "$B/bin/comm_device_staging_test"
 # (Sum64 on the device, the framing, the ordering after the device work); two GPUs, sender and
 # receiver on different devices, every bucket byte-equal, Sum64 and tag verified.
 check device_stream "$B/bin/comm_device_stream_test"
+# The rollout side of it: a stage received over NCCL on GPU 1 from a source on GPU 0, into device
+# buffers, copied down once each, loaded into staging equal to a direct load (two GPUs).
+check receive_nccl "$B/bin/rollout_receive_test" --gtest_filter='*Nccl*'
 check trainer_device "$B/bin/trainer_rank_sync_device_test"
 # 12. The device stages end to end: a TP 1 x DP 4 training job holding CUDA tensors, the stage
 #     source converting and quantizing on the GPU, into device engine memory (Gloo, then colocated).

@@ -1,7 +1,8 @@
 // ReceiveStage over a real Gloo group inside this process (the stage source on a thread as group
 // rank 0, the receiving agent as rank 1, an in-memory store): a generated INT4 checkpoint arrives
 // complete in staging; manifests of another version or a split tensor are refused; Cancel stops
-// a stage waiting for its group or for buckets within a bounded time.
+// a stage waiting for its group or for buckets within a bounded time. With two GPUs, the same
+// checkpoint over NCCL (source on GPU 0, receiver on GPU 1: device buffers, copied down once).
 #include "rollout_agent/receive/stage_receiver.h"
 
 #include <thread>
@@ -10,6 +11,7 @@
 #include "common/config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/dispatch.h"
 #include "model/testing/hf_model.h"
 #include "model/testing/test_models.h"
 #include "rollout_agent/receive/testing/sync_testing.h"
@@ -53,20 +55,35 @@ class StageReceiverTest : public ::testing::Test {
     return o;
   }
 
-  // Forms the group as rank 0 on a thread and runs `send` with it.
-  std::thread Source(const std::string& group, std::function<void(comm::Communicator&)> send) {
-    return std::thread([this, group, send] {
+  // Forms the group as rank 0 on a thread and runs `send` with it (over NCCL on GPU 0).
+  std::thread Source(const std::string& group, std::function<void(comm::Communicator&)> send,
+                     comm::Backend backend = comm::Backend::kGloo) {
+    return std::thread([this, group, send, backend] {
       comm::GroupOptions g;
       g.store = &store_;
       g.name = group;
       g.rank = 0;
       g.size = 2;
+      g.cuda_device = 0;
       g.join_timeout = absl::Seconds(20);
       g.default_timeout = absl::Seconds(20);
-      auto comm = comm::CreateGroup(comm::Backend::kGloo, g);
+      auto comm = comm::CreateGroup(backend, g);
       ASSERT_TRUE(comm.ok()) << comm.status();
       send(**comm);
     });
+  }
+
+  // Every sent tensor is in staging, which equals a direct load of the same tensors.
+  void ExpectStagingIsADirectLoad() {
+    EXPECT_TRUE(staging_->CheckComplete().ok()) << staging_->CheckComplete();
+    auto direct = Staging::Create(*layout_);
+    ASSERT_TRUE(direct.ok());
+    Loader direct_loader(direct->get());
+    for (const auto& [name, view] : tensors_) ASSERT_TRUE(direct_loader.Load(name, view).ok()) << name;
+    for (size_t i = 0; i < layout_->params().size(); ++i) {
+      const auto a = staging_->param(static_cast<int>(i)), b = (*direct)->param(static_cast<int>(i));
+      ASSERT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << layout_->params()[i].name;
+    }
   }
 
   comm::MemoryStore store_;
@@ -91,16 +108,32 @@ TEST_F(StageReceiverTest, ACheckpointArrivesCompleteInStaging) {
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->buckets, n);
   EXPECT_EQ(stats->tensors, tensors_.size());
-  EXPECT_TRUE(staging_->CheckComplete().ok()) << staging_->CheckComplete();
-  // Staging equals a direct load of the same tensors.
-  auto direct = Staging::Create(*layout_);
-  ASSERT_TRUE(direct.ok());
-  Loader direct_loader(direct->get());
-  for (const auto& [name, view] : tensors_) ASSERT_TRUE(direct_loader.Load(name, view).ok()) << name;
-  for (size_t i = 0; i < layout_->params().size(); ++i) {
-    const auto a = staging_->param(static_cast<int>(i)), b = (*direct)->param(static_cast<int>(i));
-    ASSERT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << layout_->params()[i].name;
-  }
+  ExpectStagingIsADirectLoad();
+}
+
+// The NCCL data plane: the stage source on GPU 0, this agent receiving on GPU 1 into device
+// buffers, each bucket Sum64-checked there and copied down once for the loader.
+TEST_F(StageReceiverTest, OverNcclACheckpointArrivesCompleteInStagingFromAnotherGpu) {
+  absl::StatusOr<int> gpus = kernels::CudaDeviceCount();
+  if (!comm::BackendCompiledIn(comm::Backend::kNccl) || !gpus.ok() || *gpus < 2)
+    GTEST_SKIP() << "needs NCCL and two GPUs";
+  auto buckets = testing::PackBuckets(tensors_, {.version = 5, .bucket_bytes = 256 << 10});
+  ASSERT_TRUE(buckets.ok());
+  const size_t n = buckets->size();
+  std::thread source = Source(
+      "nccl", [&](comm::Communicator& c) { EXPECT_TRUE(testing::SendBuckets(c, std::move(*buckets)).ok()); },
+      comm::Backend::kNccl);
+  SyncCancel cancel;
+  Loader loader(staging_.get());
+  StageOptions o = Options("nccl", &cancel, &loader);
+  o.backend = comm::Backend::kNccl;
+  o.cuda_device = 1;
+  auto stats = ReceiveStage(o);
+  source.join();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->buckets, n);
+  EXPECT_GT(stats->to_host, absl::ZeroDuration());
+  ExpectStagingIsADirectLoad();
 }
 
 TEST_F(StageReceiverTest, ABucketOfAnotherVersionIsRefused) {

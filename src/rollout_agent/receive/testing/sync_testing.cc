@@ -1,8 +1,11 @@
 #include "rollout_agent/receive/testing/sync_testing.h"
 
+#include <algorithm>
+
 #include "comm/bucket/builder.h"
 #include "comm/bucket/stream.h"
 #include "common/checksum.h"
+#include "common/memory_space.h"
 #include "common/status.h"
 
 namespace wsync::rollout_agent::testing {
@@ -37,7 +40,15 @@ absl::StatusOr<std::vector<PackedBucket>> PackBuckets(const std::vector<std::pai
 absl::Status SendBuckets(comm::Communicator& comm, std::vector<PackedBucket> buckets,
                          std::optional<comm::BucketMac> mac) {
   comm::BucketSender sender(comm, 0, 2, {}, nullptr, std::move(mac));
-  for (PackedBucket& b : buckets) RETURN_IF_ERROR(sender.Send(std::move(b.manifest), std::move(b.data), b.nbytes));
+  const MemorySpace space = comm.space();
+  for (PackedBucket& b : buckets) {
+    if (MemorySpace::Of(b.data) != space) {  // an NCCL group: the bucket goes up to its GPU first
+      ASSIGN_OR_RETURN(Buffer up, space.Allocate(std::max<uint64_t>(b.nbytes, 1)));
+      RETURN_IF_ERROR(space.Copy(up.data(), b.data.data(), b.nbytes));
+      b.data = std::move(up);
+    }
+    RETURN_IF_ERROR(sender.Send(std::move(b.manifest), std::move(b.data), b.nbytes));
+  }
   return sender.Finish();
 }
 

@@ -42,7 +42,8 @@ absl::StatusOr<std::vector<PackedBucket>> PackBuckets(const std::vector<std::pai
                                                       const PackOptions& options);
 
 // Sends every bucket through a BucketSender rooted at group rank 0 and waits for all of them;
-// with `mac`, every bucket is tagged with it (comm/bucket/bucket_mac.h).
+// with `mac`, every bucket is tagged with it (comm/bucket/bucket_mac.h). Over NCCL each bucket is
+// first copied to the group's GPU.
 absl::Status SendBuckets(comm::Communicator& comm, std::vector<PackedBucket> buckets,
                          std::optional<comm::BucketMac> mac = std::nullopt);
 // The wire protocol of comm/bucket/stream.h by hand: header + (manifest, data, zero tag) broadcasts
