@@ -25,9 +25,11 @@
 #include "common/tensor.h"
 #include "common/units.h"
 #include "kernels/awq.h"
+#include "kernels/checksum.h"
 #include "kernels/cpu/int4_cpu.h"
 #include "kernels/format/awq_format.h"
 #include "kernels/format/int4_format.h"
+#include "kernels/format/sum64.h"
 #include "kernels/int4.h"
 #include "kernels/trtllm.h"
 #include "tools/bench/kernel_sweep.h"
@@ -200,9 +202,13 @@ Row BenchScales(int64_t bytes, int threads, const Flags& f) {
 }
 
 // A bucket's integrity and authentication on one thread, as BucketSender / BucketReceiver run them
-// (once per bucket, sequentially): XXH3-64 (common/checksum.h) or the GMAC tag (bucket_mac.h).
-// #wrong: XXH3 differs from the incremental hash over two halves; the tag does not verify.
-Row BenchBucketHash(const char* name, bool mac, int64_t bytes, const Flags& f) {
+// (once per bucket, sequentially): XXH3-64 (common/checksum.h), the GMAC tag (bucket_mac.h), or
+// Sum64 on the host (kernels/checksum.h; the device buckets' checksum, here on the CPU).
+// #wrong: XXH3 differs from the incremental hash over two halves; the tag does not verify; Sum64
+// differs from its terms added in reverse order.
+enum class BucketHash { kXxh3, kMac, kSum64 };
+Row BenchBucketHash(const char* name, BucketHash kind, int64_t bytes, const Flags& f) {
+  const bool mac = kind == BucketHash::kMac;
   Buffer d = MustAlloc(static_cast<size_t>(bytes)), copy = MustAlloc(static_cast<size_t>(bytes));
   std::mt19937_64 rng(5);
   for (int64_t i = 0; i + 8 <= bytes; i += 8) {
@@ -220,6 +226,8 @@ Row BenchBucketHash(const char* name, bool mac, int64_t bytes, const Flags& f) {
       auto t = m->Tag(0, manifest, data);
       Die(t.status());
       tag = *t;
+    } else if (kind == BucketHash::kSum64) {
+      sum = kernels::Sum64Host(data);
     } else {
       sum = Xxh3_64(data);
     }
@@ -233,6 +241,12 @@ Row BenchBucketHash(const char* name, bool mac, int64_t bytes, const Flags& f) {
     if (mac) {
       auto ok = m->Verify(0, manifest, data, tag);
       wrong = !ok.ok() || !*ok;
+    } else if (kind == BucketHash::kSum64) {
+      const auto* p = reinterpret_cast<const unsigned char*>(data.data());
+      uint64_t s = 0;
+      for (uint64_t i = (data.size() + 7) / 8; i-- > 0;)
+        s += kernels::format::Sum64Term(kernels::format::Sum64WordAt(p, data.size(), i), i);
+      wrong = kernels::format::Sum64Final(s, data.size()) != sum;
     } else {
       Xxh3Stream stream;
       stream.Update(data.first(data.size() / 2));
@@ -343,7 +357,8 @@ int Main(int argc, char** argv) {
               kernels::cpu::SimdTargetName(), std::thread::hardware_concurrency(), f.iters, f.warmup);
   std::printf(
       "# quantize: bf16 W[N, 4096] G=128 qat; repack: int32 GPTQ [K/8, 4096]; awq-quant: bf16 W[N, 4096] G=128;"
-      " awq-marlin: AWQ qweight [K, 512]; trtllm-sm80: codes [K/8, 4096]; xxh3, bucket-mac: one bucket's checksum /"
+      " awq-marlin: AWQ qweight [K, 512]; trtllm-sm80: codes [K/8, 4096]; xxh3, sum64, bucket-mac: one bucket's "
+      "checksum /"
       " GMAC tag; size = input bytes; time = best of -n\n");
   std::printf("#%-15s %4s %12s %12s %9s %9s %7s %8s\n", "kernel", "thr", "size(B)", "time(us)", "GB/s", "memcpy",
               "ratio", "#wrong");
@@ -363,8 +378,9 @@ int Main(int argc, char** argv) {
       if (want("awq-quantize-fp32")) Print(BenchAwqQuantize("awq-quant-fp32", kernels::AwqArith::kFp32, bytes, t, f));
       if (want("awq-marlin")) Print(BenchLayout("awq-marlin", false, bytes, t, f));
       if (want("trtllm-sm80")) Print(BenchLayout("trtllm-sm80", true, bytes, t, f));
-      if (t == 1 && want("xxh3")) Print(BenchBucketHash("xxh3", false, bytes, f));
-      if (t == 1 && want("bucket-mac")) Print(BenchBucketHash("bucket-mac", true, bytes, f));
+      if (t == 1 && want("xxh3")) Print(BenchBucketHash("xxh3", BucketHash::kXxh3, bytes, f));
+      if (t == 1 && want("sum64")) Print(BenchBucketHash("sum64", BucketHash::kSum64, bytes, f));
+      if (t == 1 && want("bucket-mac")) Print(BenchBucketHash("bucket-mac", BucketHash::kMac, bytes, f));
     }
   });
   return 0;
