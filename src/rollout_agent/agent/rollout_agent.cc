@@ -69,7 +69,8 @@ struct RolloutAgent::Sync {
   uint64_t previous_version = 0;
   absl::Duration timeout;
   comm::Backend backend = comm::Backend::kGloo;
-  int cuda_device = 0;  // the GPU an NCCL sync receives on (ReceiveDevice)
+  int cuda_device = 0;                     // the GPU an NCCL sync receives on (ReceiveDevice)
+  std::unique_ptr<FormationLatch> formed;  // NCCL: every stage's group formed before any receives
   SyncCancel cancel;
   std::unique_ptr<comm::GrpcStoreClient> store;
   std::unique_ptr<Recorder> recorder;
@@ -976,6 +977,7 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
     sync->id = req.sync_id();
     sync->backend = *backend;
     sync->cuda_device = ReceiveDevice();
+    sync->formed = std::make_unique<FormationLatch>(req.groups_size());
     sync->timeout = req.timeout_ms() > 0 ? absl::Milliseconds(req.timeout_ms()) : options_.default_sync_timeout;
     sync->rpcs = 1;
     absl::MutexLock lock(&mu_);
@@ -1104,6 +1106,7 @@ void RolloutAgent::RunStage(Sync* s, size_t index) {
   o.cancel = &s->cancel;
   o.pool = &bucket_pool_;
   if (s->backend == comm::Backend::kNccl) {
+    o.formed = s->formed.get();
     o.cuda_device = s->cuda_device;
     o.device_pool = DevicePool(s->cuda_device);
     o.host_pool = &pinned_pool_;

@@ -46,6 +46,26 @@ void SyncCancel::Unregister(comm::Communicator* comm) {
   comms_.erase(std::remove(comms_.begin(), comms_.end(), comm), comms_.end());
 }
 
+// --- FormationLatch -------------------------------------------------------------------------------
+
+void FormationLatch::Arrive() {
+  absl::MutexLock lock(&mu_);
+  --left_;
+}
+
+absl::Status FormationLatch::Wait(const SyncCancel& cancel, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::MutexLock lock(&mu_);
+  auto all = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return left_ <= 0; };
+  while (!mu_.AwaitWithTimeout(absl::Condition(&all), absl::Milliseconds(20))) {
+    if (cancel.cancelled()) return absl::AbortedError("cancelled while the other stages formed their groups");
+    if (absl::Now() >= deadline)
+      return absl::DeadlineExceededError(
+          absl::StrCat(left_, " stage(s) still forming their groups after ", absl::FormatDuration(timeout)));
+  }
+  return absl::OkStatus();
+}
+
 // --- ReceiveStage ---------------------------------------------------------------------------------
 
 namespace {
@@ -162,6 +182,14 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
   if (!cancel.Register(comm->get()))
     return aborted(absl::AbortedError(absl::StrCat(where, ": after forming the group")));
   WSYNC_LOG(DEBUG) << where << ": group formed in " << absl::FormatDuration(stats.join);
+  if (o.formed != nullptr) {
+    o.formed->Arrive();
+    if (absl::Status w = o.formed->Wait(cancel, o.join_timeout); !w.ok()) {
+      (*comm)->Abort(w.message());
+      cancel.Unregister(comm->get());
+      return cancel.cancelled() ? aborted(w) : Annotate(w, where);
+    }
+  }
 
   // Where the buckets arrive: host memory, or the group's GPU (NCCL), whose buckets are copied to
   // host buffers for the loader.

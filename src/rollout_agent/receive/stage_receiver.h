@@ -60,6 +60,23 @@ class SyncCancel {
   std::vector<comm::Communicator*> comms_ ABSL_GUARDED_BY(mu_);
 };
 
+// The stages of one NCCL sync on one agent share its GPU, and NCCL's group formation allocates
+// device memory, which may wait for the device while another stage's broadcast there waits for
+// this process: every stage forms its group, then waits here until all have (or the sync is
+// cancelled, or the join timeout passes) before it receives. Thread-safety: any thread.
+class FormationLatch {
+ public:
+  explicit FormationLatch(int stages) : left_(stages) {}
+  void Arrive();
+  // OK once every stage arrived; kAborted when `cancel` is set first (polled every 20 ms);
+  // kDeadlineExceeded naming how many stages are still forming after `timeout`.
+  absl::Status Wait(const SyncCancel& cancel, absl::Duration timeout);
+
+ private:
+  absl::Mutex mu_;
+  int left_ ABSL_GUARDED_BY(mu_);
+};
+
 struct StageOptions {
   comm::Backend backend = comm::Backend::kGloo;
   comm::Store* store = nullptr;  // not owned
@@ -83,6 +100,8 @@ struct StageOptions {
   // the link's speed); optional, not owned (else a pool of the stage's). Pools given for an NCCL
   // stage must not free while streams run (BufferPool keep_until_trim).
   BufferPool* host_pool = nullptr;
+  // Optional, not owned: the sync's formation latch (the rollout agent gives one to NCCL syncs).
+  FormationLatch* formed = nullptr;
   // The sync's bucket key (comm/bucket/bucket_mac.h): every bucket's tag is verified; empty: none.
   std::string bucket_mac_key;
 };

@@ -210,5 +210,61 @@ TEST_F(StageReceiverTest, CancelStopsAStageWaitingForBuckets) {
   EXPECT_FALSE(sent.ok()) << "the source's next broadcast must fail";
 }
 
+TEST(FormationLatchTest, OpensWhenEveryStageArrivedAndEndsOnCancelOrTimeout) {
+  SyncCancel cancel;
+  FormationLatch latch(3);
+  std::vector<std::thread> stages;
+  for (int i = 0; i < 2; ++i) stages.emplace_back([&] { latch.Arrive(); });
+  for (auto& t : stages) t.join();
+  // Two of three: the third is still forming.
+  absl::Status late = latch.Wait(cancel, absl::Milliseconds(100));
+  EXPECT_TRUE(absl::IsDeadlineExceeded(late)) << late;
+  EXPECT_THAT(late.message(), HasSubstr("1 stage(s) still forming"));
+  std::thread third([&] {
+    absl::SleepFor(absl::Milliseconds(50));
+    latch.Arrive();
+  });
+  EXPECT_TRUE(latch.Wait(cancel, absl::Seconds(10)).ok());
+  third.join();
+  // A stage that never forms: the sync is cancelled (its stage failed), and the wait ends at once.
+  FormationLatch stuck(2);
+  stuck.Arrive();
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    cancel.Cancel("stage 1 failed");
+  });
+  const absl::Time t0 = absl::Now();
+  EXPECT_TRUE(absl::IsAborted(stuck.Wait(cancel, absl::Seconds(30))));
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
+  canceller.join();
+}
+
+// A stage whose group formed waits for the sync's other stages before it receives a bucket; when
+// the sync is cancelled meanwhile it ends with kAborted, nothing loaded.
+TEST_F(StageReceiverTest, AFormedStageWaitsForTheOthersBeforeReceiving) {
+  auto buckets = testing::PackBuckets(tensors_, {.version = 5, .bucket_bytes = 256 << 10});
+  ASSERT_TRUE(buckets.ok());
+  SyncCancel cancel;
+  FormationLatch formed(2);  // this stage and one that never forms
+  std::thread source = Source("latched", [&](comm::Communicator& c) {
+    auto& b = *buckets;  // fails once the stage aborts the group (or is buffered by the socket)
+    testing::SendRawBucket(c, b[0].manifest, b[0].data, b[0].nbytes, false).IgnoreError();
+  });
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(500));
+    cancel.Cancel("the other stage's group never formed");
+  });
+  Loader loader(staging_.get());
+  StageOptions o = Options("latched", &cancel, &loader);
+  o.formed = &formed;
+  auto stats = ReceiveStage(o);
+  canceller.join();
+  source.join();
+  ASSERT_FALSE(stats.ok());
+  EXPECT_TRUE(absl::IsAborted(stats.status())) << stats.status();
+  EXPECT_THAT(stats.status().message(), HasSubstr("never formed"));
+  EXPECT_EQ(staging_->num_missing(), staging_->num_required()) << "nothing loaded";
+}
+
 }  // namespace
 }  // namespace wsync::rollout_agent
