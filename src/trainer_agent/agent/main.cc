@@ -47,7 +47,8 @@ int main(int argc, char** argv) {
                  "host, one shared-memory segment, no network) or nccl (GPU)")
       ->check(CLI::IsMember({"gloo", "shm", "nccl"}));
   app.add_option("--cuda-device", o.cuda_device,
-                 "The GPU this rank's nccl data plane sends from (default: the local rank, from "
+                 "The GPU this rank's nccl data plane sends from (default: the GPU of the training process's "
+                 "tensors when the device stages read them in place, else the local rank, from "
                  "OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID or LOCAL_RANK, modulo the GPUs visible)");
   app.add_option("--delivery", o.delivery,
                  "How syncs that do not choose (wsyncctl sync --delivery) reach the agents: broadcast (every agent "

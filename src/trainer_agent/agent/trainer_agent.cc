@@ -41,11 +41,13 @@ namespace {
 
 enum : uint32_t { kSync = 1, kStop = 2 };
 
-// The GPU the nccl data plane of this rank uses: `chosen` (--cuda-device) when set, else the
-// rank's local index on its host (the launcher's) modulo the GPUs it sees, the usual one GPU per
-// local rank.
-int DataPlaneDevice(int chosen) {
+// The GPU the nccl data plane of this rank uses: `chosen` (--cuda-device) when set, else the GPU
+// its training process's tensors are read from in place (`resident`, the device stages: the
+// buckets are built there), else the rank's local index on its host (the launcher's) modulo the
+// GPUs it sees, the usual one GPU per local rank.
+int DataPlaneDevice(int chosen, int resident) {
   if (chosen >= 0) return chosen;
+  if (resident >= 0) return resident;
   int local = 0;
   for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"}) {
     if (const char* v = std::getenv(var); v != nullptr && absl::SimpleAtoi(v, &local) && local >= 0) break;
@@ -521,7 +523,7 @@ class Agent {
         g.rank = 0;
         g.size = size;
         g.host = data_host_;
-        g.cuda_device = DataPlaneDevice(opts_.cuda_device);
+        g.cuda_device = DataPlaneDevice(opts_.cuda_device, shm_ != nullptr ? shm_->resident_device() : -1);
         g.join_timeout = join_timeout;
         g.default_timeout = timeout;
         // A sync the coordinator gave up on: its agents have aborted and will never join.

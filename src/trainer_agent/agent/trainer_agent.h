@@ -38,7 +38,8 @@ struct TrainerAgentOptions {
   std::string data_host;
   std::string metrics_host = "127.0.0.1";  // the Prometheus endpoint's address (0.0.0.0 for a scraper elsewhere)
   std::string backend = "gloo";            // trainer -> rollout data plane
-  // The GPU this rank's nccl data plane sends from (--cuda-device); -1: the local rank
+  // The GPU this rank's nccl data plane sends from (--cuda-device); -1: the GPU of the training
+  // process's tensors when they are read in place (the device stages), else the local rank
   // (OMPI_COMM_WORLD_LOCAL_RANK, else SLURM_LOCALID, else LOCAL_RANK, else 0) modulo the GPUs visible.
   int cuda_device = -1;
   // Syncs that do not choose: every agent receives every byte (broadcast) or only its engine

@@ -472,6 +472,11 @@ absl::StatusOr<std::shared_ptr<ShmSource::Registration>> ShmSource::Register(con
   return reg;
 }
 
+int ShmSource::resident_device() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->current != nullptr ? state_->current->cuda_device : -1;
+}
+
 absl::StatusOr<RankShard> ShmSource::OpenRank(int global_rank, uint64_t version) const {
   if (global_rank != options_.rank)
     return absl::InvalidArgumentError(

@@ -86,6 +86,9 @@ class ShmSource final : public WeightSource {
   absl::StatusOr<RankShard> OpenRank(int global_rank, uint64_t version = 0) const override;
   std::string Describe() const override { return "shm:" + options_.name; }
   const std::string& socket_path() const { return socket_path_; }
+  // The CUDA device whose memory the current registration's tensors are read from in place (the
+  // device stages), else -1: where this rank's nccl data plane goes by default.
+  int resident_device() const;
 
   struct Registration;
 
