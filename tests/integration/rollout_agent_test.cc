@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -939,6 +940,32 @@ TEST_F(RolloutAgentTest, OneSyncAtATime) {
   EXPECT_TRUE(engine.calls().empty()) << "a superseded sync never touched the engine";
   ASSERT_TRUE(AbortRpc(agent, 7).ok());
   EXPECT_TRUE(engine.Register(agent.address()).ok());
+}
+
+// An engine that hangs while it registers (it stopped right after asking; the agent checks its
+// Health) must not hold the agent: a BeginSync sent meanwhile is answered at once, not after the
+// engine RPC timeout (seen in e2e.hang: the coordinator's BeginSync deadline passed).
+TEST_F(RolloutAgentTest, AnEngineHungInItsRegistrationDoesNotHoldABeginSync) {
+  StartRank(1, 0, 1);
+  rollout_agent::testing::FakeEngine& engine = *engines_[0];
+  rollout_agent::testing::AgentProcess& agent = *agents_[0];
+  engine.HoldHealth(true);
+  grpc::Status reg;
+  std::thread registering([&] { reg = engine.Register(agent.address()); });
+  const bool waiting =
+      rollout_agent::testing::WaitUntil([&] { return engine.health_waiting() > 0; }, absl::Seconds(10));
+  if (!waiting) engine.HoldHealth(false);
+  ASSERT_TRUE(waiting) << "the agent did not check the registering engine's health\n" << agent.Log();
+  const absl::Time t0 = absl::Now();
+  const grpc::Status begin = Begin(agent, BeginRequest(1, 2, 1, 1));
+  const absl::Duration took = absl::Now() - t0;
+  engine.HoldHealth(false);
+  registering.join();
+  ASSERT_TRUE(begin.ok()) << begin.error_message();
+  EXPECT_LT(took, absl::Seconds(3)) << "BeginSync waited for the hung registration";
+  EXPECT_TRUE(reg.ok()) << reg.error_message();
+  ASSERT_TRUE(AbortRpc(agent, 1).ok());
+  EXPECT_TRUE(engine.calls().empty()) << "the sync never reached its commit; the engine was serving";
 }
 
 TEST_F(RolloutAgentTest, AWrongTokenIsRefusedAndChangesNothing) {

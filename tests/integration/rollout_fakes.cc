@@ -154,9 +154,23 @@ grpc::Status FakeEngine::Continue(grpc::ServerContext* ctx, const v1::ContinueRe
   return grpc::Status::OK;
 }
 
+void FakeEngine::HoldHealth(bool hold) {
+  absl::MutexLock l(&mu_);
+  hold_health_ = hold;
+}
+
+int FakeEngine::health_waiting() const {
+  absl::MutexLock l(&mu_);
+  return health_waiting_;
+}
+
 grpc::Status FakeEngine::Health(grpc::ServerContext* ctx, const v1::HealthRequest*, v1::HealthReply* reply) {
   WSYNC_AUTHORIZE(ctx, options_.security);
   absl::MutexLock l(&mu_);
+  ++health_waiting_;
+  auto released = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !hold_health_; };
+  mu_.AwaitWithTimeout(absl::Condition(&released), absl::Seconds(30));
+  --health_waiting_;
   reply->set_state(paused_ ? v1::HealthReply::PAUSED : v1::HealthReply::SERVING);
   reply->set_version(version_);
   return grpc::Status::OK;

@@ -67,6 +67,10 @@ class FakeEngine final : public v1::RolloutEngine::Service {
   bool paused() const;
   // Flush answers FAILED_PRECONDITION the next `n` times (-1: always).
   void RefuseFlushes(int n);
+  // While held, Health does not answer (a hung or stopped engine) until released or 30 s passed;
+  // health_waiting() counts the Health calls waiting now.
+  void HoldHealth(bool hold);
+  int health_waiting() const;
 
   grpc::Status Pause(grpc::ServerContext*, const v1::PauseRequest*, v1::PauseReply*) override;
   grpc::Status Flush(grpc::ServerContext*, const v1::FlushRequest*, v1::FlushReply*) override;
@@ -86,6 +90,8 @@ class FakeEngine final : public v1::RolloutEngine::Service {
   uint64_t version_ ABSL_GUARDED_BY(mu_) = 0;
   bool paused_ ABSL_GUARDED_BY(mu_) = false;
   int refuse_flushes_ ABSL_GUARDED_BY(mu_) = 0;
+  bool hold_health_ ABSL_GUARDED_BY(mu_) = false;
+  int health_waiting_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 class FakeCoordinator final : public v1::Coordinator::Service {

@@ -59,8 +59,8 @@ struct RolloutAgent::Engine {
   std::string layout_key;          // equal keys: equal layouts (config, quantization, parallel)
   std::unique_ptr<EngineLayout> layout;
   std::unique_ptr<EngineMemory> memory;
-  std::unique_ptr<Staging> staging;  // points at *layout
-  std::unique_ptr<EngineClient> client;
+  std::unique_ptr<Staging> staging;      // points at *layout
+  std::shared_ptr<EngineClient> client;  // shared: RegisterEngine checks the engine outside op_mu_
 };
 
 struct RolloutAgent::Sync {
@@ -238,7 +238,7 @@ RolloutAgent::RolloutAgent(AgentOptions options)
   }
   service_ = std::make_unique<Service>(this, options_.security);
   if (!options_.coordinator.empty()) {
-    membership_ = std::make_unique<Membership>(options_.coordinator, options_.security, options_.heartbeat);
+    membership_ = std::make_shared<Membership>(options_.coordinator, options_.security, options_.heartbeat);
   }
   watchdog_ = std::thread([this] { Watchdog(); });
 }
@@ -587,6 +587,58 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
     absl::MutexLock lock(&mu_);
     if (stopping_) return absl::UnavailableError("the rollout agent is shutting down");
   }
+  const std::string who =
+      absl::StrCat("RegisterEngine(engine \"", req.engine_id(), "\", tp rank ", req.tp_rank(), "/", req.tp_size(), ")");
+  ASSIGN_OR_RETURN(Registered r, InstallEngine(req, who));
+  // What follows waits on the coordinator and the engine, so it runs without op_mu_: an engine that
+  // stops answering here (it hangs, or is stopped right after it asked) must not hold a BeginSync
+  // that the coordinator sends meanwhile for the engine RPC timeout.
+  uint64_t promise = r.catch_up ? r.staged : 0;  // RegisterEngineReply.catch_up_version
+  // A restarted agent: the coordinator's answer says whether a peer can give the engine the
+  // published version; if so the engine may hold requests until it is committed.
+  if (r.membership && !r.catch_up && r.membership->AwaitJoined(absl::Seconds(2))) {
+    const v1::CatchUpHint hint = r.membership->catch_up();
+    if (hint.version() > req.version() && hint.peers_size() > 0) {
+      absl::MutexLock lock(&mu_);
+      if (engine_ != nullptr && engine_->client == r.client) {  // not replaced meanwhile
+        promise = hint.version();
+        promised_version_ = promise;
+        next_fetch_ = absl::Now();
+        fetch_failures_ = 0;
+        WSYNC_LOG(INFO) << "the fleet serves version " << promise << ": copying it from a peer (" << hint.peers(0)
+                        << (hint.peers_size() > 1 ? absl::StrCat(" or ", hint.peers_size() - 1, " other(s)") : "")
+                        << ") for the engine";
+      }
+    }
+  }
+  reply->set_agent_id(AgentId());
+  if (promise > 0) {
+    reply->set_catch_up_version(promise);
+    return absl::OkStatus();
+  }
+  // An engine left paused by an agent that died mid-commit (it re-registers with this one) must not
+  // stay paused. Continue only while no sync runs (one may pause the engine itself), the engine was
+  // not replaced and no commit changed its version since; it answered Health just now, so Continue
+  // is prompt.
+  auto health = r.client->Health();
+  if (!health.ok() || health->state() != v1::HealthReply::PAUSED) return absl::OkStatus();
+  absl::MutexLock op(&op_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (sync_ != nullptr || engine_ == nullptr || engine_->client != r.client || version_ != req.version())
+      return absl::OkStatus();
+  }
+  auto cont = r.client->Continue(req.version());
+  if (cont.ok())
+    WSYNC_LOG(WARNING) << who << ": the engine was paused (by an earlier agent that stopped?): continued on version "
+                       << *cont;
+  else
+    WSYNC_LOG(WARNING) << who << ": continuing the paused engine on version " << req.version() << ": " << cont.status();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RolloutAgent::Registered> RolloutAgent::InstallEngine(const v1::RegisterEngineRequest& req,
+                                                                     const std::string& who) {
   absl::MutexLock op(&op_mu_);
   {
     absl::MutexLock lock(&mu_);
@@ -595,8 +647,6 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
           absl::StrCat("RegisterEngine: sync ", sync_->id, " is in progress; register again once it has ended"));
     }
   }
-  const std::string who =
-      absl::StrCat("RegisterEngine(engine \"", req.engine_id(), "\", tp rank ", req.tp_rank(), "/", req.tp_size(), ")");
   const uint32_t ep = req.ep_size() == 0 ? 1 : req.ep_size();
   if (req.tp_size() == 0 || req.tp_rank() >= req.tp_size()) {
     return absl::InvalidArgumentError(absl::StrCat(who, ": tp_rank must lie in [0, tp_size)"));
@@ -638,7 +688,7 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
   engine->info.set_ep_size(ep);
   engine->layout_key = key;
   engine->memory = std::move(*memory);
-  engine->client = std::make_unique<EngineClient>(req.engine_address(), options_.security,
+  engine->client = std::make_shared<EngineClient>(req.engine_address(), options_.security,
                                                   EngineClientOptions{options_.engine_rpc_timeout});
   if (reuse) {
     engine->layout = std::move(engine_->layout);
@@ -700,7 +750,10 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
                   << " params (" << param_bytes << " bytes in " << segments << " shm segment(s), " << device_params
                   << " on a CUDA device); staging " << staging_bytes << " bytes" << (reuse ? " (kept)" : "")
                   << (catch_up ? absl::StrCat("; it holds version ", staged, ": catching the engine up to it") : "");
-  uint64_t promise = catch_up ? staged : 0;  // RegisterEngineReply.catch_up_version
+  Registered r;
+  r.client = engine_->client;
+  r.catch_up = catch_up;
+  r.staged = staged;
   if (membership_) {
     v1::JoinRequest join;
     join.set_agent_address(address);
@@ -711,41 +764,9 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
     join.set_version(req.version());
     join.set_quantization_config_json(req.quantization_config_json());
     membership_->Update(join);
-    // A restarted agent: the coordinator's answer says whether a peer can give the engine the
-    // published version; if so the engine may hold requests until it is committed.
-    if (!catch_up && membership_->AwaitJoined(absl::Seconds(2))) {
-      const v1::CatchUpHint hint = membership_->catch_up();
-      if (hint.version() > req.version() && hint.peers_size() > 0) {
-        promise = hint.version();
-        absl::MutexLock lock(&mu_);
-        promised_version_ = promise;
-        next_fetch_ = absl::Now();
-        fetch_failures_ = 0;
-        WSYNC_LOG(INFO) << "the fleet serves version " << promise << ": copying it from a peer (" << hint.peers(0)
-                        << (hint.peers_size() > 1 ? absl::StrCat(" or ", hint.peers_size() - 1, " other(s)") : "")
-                        << ") for the engine";
-      }
-    }
+    r.membership = membership_;
   }
-  reply->set_agent_id(AgentId());
-  if (promise > 0) {
-    reply->set_catch_up_version(promise);
-  } else {
-    // An engine left paused by an agent that died mid-commit (it re-registers with this one) must
-    // not stay paused: nothing is in flight for it here (RegisterEngine is refused during a sync).
-    auto health = engine_->client->Health();
-    if (health.ok() && health->state() == v1::HealthReply::PAUSED) {
-      auto cont = engine_->client->Continue(req.version());
-      if (cont.ok())
-        WSYNC_LOG(WARNING) << who
-                           << ": the engine was paused (by an earlier agent that stopped?): continued on version "
-                           << *cont;
-      else
-        WSYNC_LOG(WARNING) << who << ": continuing the paused engine on version " << req.version() << ": "
-                           << cont.status();
-    }
-  }
-  return absl::OkStatus();
+  return r;
 }
 
 // --- UpdateWeights / AgentStatus ----------------------------------------------------------------------

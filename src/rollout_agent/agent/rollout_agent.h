@@ -151,6 +151,16 @@ class RolloutAgent {
   struct Metrics;
   enum class Phase;
 
+  // RegisterEngine's first half, under op_mu_: checks the request, maps the engine's memory, makes
+  // or keeps the staging, installs the engine and updates the coordinator's join request. The rest
+  // (waiting for the join, the paused-engine check) runs without op_mu_ on what this returns.
+  struct Registered {
+    std::shared_ptr<class EngineClient> client;    // the installed engine's
+    std::shared_ptr<class Membership> membership;  // null without a coordinator
+    bool catch_up = false;                         // the kept staging's version is committed into it
+    uint64_t staged = 0;                           // that version
+  };
+  absl::StatusOr<Registered> InstallEngine(const v1::RegisterEngineRequest& req, const std::string& who);
   absl::Status CheckBegin(const v1::BeginSyncRequest& req, bool* duplicate, v1::BeginSyncReply* reply)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status StartSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply, absl::Time deadline)
@@ -236,7 +246,8 @@ class RolloutAgent {
   uint64_t hint_seq_ ABSL_GUARDED_BY(mu_) = 0;
   v1::CatchUpHint last_hint_ ABSL_GUARDED_BY(mu_);
   absl::Status last_hint_status_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<class Membership> membership_;  // used under op_mu_ (reset by Stop)
+  // Used under op_mu_ (reset by Stop); RegisterEngine keeps a reference while it waits for the join.
+  std::shared_ptr<class Membership> membership_;
   std::thread watchdog_;
 };
 
