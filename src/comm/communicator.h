@@ -142,5 +142,15 @@ struct GroupOptions {
 // Forms a Gloo, NCCL or shm group through the store. Blocks until every member has joined, or fails
 // with kDeadlineExceeded after join_timeout naming the members that did not.
 absl::StatusOr<std::unique_ptr<Communicator>> CreateGroup(Backend backend, const GroupOptions& options);
+// A group of `parent`'s members on another backend, with `parent`'s ranks: NCCL only (the trainer's
+// device gathers: its TP / ETP / EP groups on the GPUs). Rank 0's ncclUniqueId is all-gathered over
+// `parent` with every member's readiness (no store; options.store, rank, size and host are not
+// used), then the communicator is initialised on options.cuda_device within options.join_timeout.
+// Collective over `parent`: every member calls it, in the same order as its other collectives.
+// Errors: kUnimplemented for another backend or a build without NCCL; kFailedPrecondition, on
+// every member, naming the member without its GPU; the parent's AllGather errors; NCCL's.
+absl::StatusOr<std::unique_ptr<Communicator>> CreateGroupOver(Backend backend, Communicator& parent,
+                                                              const GroupOptions& options,
+                                                              const CollectiveOptions& collective = {});
 
 }  // namespace wsync::comm

@@ -63,4 +63,20 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateGroup(Backend backend, const
   return absl::InvalidArgumentError("unknown backend");
 }
 
+absl::StatusOr<std::unique_ptr<Communicator>> CreateGroupOver(Backend backend, Communicator& parent,
+                                                              const GroupOptions& options,
+                                                              const CollectiveOptions& collective) {
+  if (backend != Backend::kNccl)
+    return absl::UnimplementedError(
+        absl::StrCat("a ", BackendName(backend), " group is not formed over another group (only nccl is)"));
+#if WSYNC_WITH_NCCL
+  return CreateNcclCommunicatorOver(parent, options, collective);
+#else
+  (void)parent;
+  (void)options;
+  (void)collective;
+  return NotBuilt(backend);
+#endif
+}
+
 }  // namespace wsync::comm

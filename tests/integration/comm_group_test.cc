@@ -19,7 +19,11 @@
 #include "absl/time/clock.h"
 #include "comm/communicator.h"
 #include "comm/store/store.h"
+#include "comm/testing/local_group.h"
+#include "common/memory_space.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/dispatch.h"
 
 extern char** environ;
 
@@ -283,6 +287,72 @@ TEST(CommFactoryTest, NcclFormsAndACancelledNcclFormationEndsAtOnce) {
   if (absl::IsFailedPrecondition(solo.status())) GTEST_SKIP() << solo.status();
   ASSERT_TRUE(solo.ok()) << solo.status();
   ExpectACancelledFormationEndsAtOnce(comm::Backend::kNccl);
+}
+
+// NCCL over a parent group (the trainer's device gathers): every member takes part in the id
+// exchange, so on a host without the GPU each member fails at once (not in NCCL's formation),
+// naming the first member that cannot join; with one GPU a one-member group forms over a
+// one-member parent and gathers device memory. Another backend is refused.
+TEST(CommFactoryTest, NcclOverAParentGroupFailsOnEveryMemberWithoutItsGpu) {
+  comm::MemoryStore store;
+  auto parent = comm::testing::MakeLocalGroup(store, "over-parent", 2);
+  ASSERT_TRUE(parent.ok()) << parent.status();
+  comm::GroupOptions o;
+  o.name = "over-gloo";
+  auto gloo = comm::CreateGroupOver(comm::Backend::kGloo, *(*parent)[0], o);
+  EXPECT_EQ(gloo.status().code(), absl::StatusCode::kUnimplemented) << gloo.status();
+  if (!comm::BackendCompiledIn(comm::Backend::kNccl)) GTEST_SKIP() << "built without NCCL";
+  // Member 1 asks for a GPU no host has; member 0 for cuda:0 (there or not).
+  std::vector<absl::Status> got(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      comm::GroupOptions g;
+      g.name = "nccl-over";
+      g.cuda_device = r == 0 ? 0 : 4096;
+      g.join_timeout = absl::Seconds(20);
+      got[static_cast<size_t>(r)] =
+          comm::CreateGroupOver(comm::Backend::kNccl, *(*parent)[static_cast<size_t>(r)], g).status();
+    });
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    const absl::Status& s = got[static_cast<size_t>(r)];
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << "member " << r << ": " << s;
+    EXPECT_THAT(s.message(), ::testing::HasSubstr("nccl group \"nccl-over\" over gloo group")) << s;
+  }
+  EXPECT_THAT(got[1].message(), ::testing::HasSubstr("rank 1 has no CUDA device 4096")) << got[1];
+  if (kernels::GpuAvailable()) {
+    EXPECT_THAT(got[0].message(), ::testing::HasSubstr("rank 1 cannot join")) << got[0];
+  } else {
+    EXPECT_THAT(got[0].message(), ::testing::HasSubstr("rank 0 has no CUDA device 0")) << got[0];
+  }
+  for (auto& c : *parent) EXPECT_TRUE(c->Shutdown().ok());
+}
+
+TEST(CommFactoryTest, NcclOverAOneMemberParentGathersOnTheGpu) {
+  if (!comm::BackendCompiledIn(comm::Backend::kNccl) || !kernels::GpuAvailable()) GTEST_SKIP() << "no NCCL or GPU";
+  comm::MemoryStore store;
+  auto parent = comm::testing::MakeLocalGroup(store, "over-solo", 1);
+  ASSERT_TRUE(parent.ok()) << parent.status();
+  comm::GroupOptions g;
+  g.name = "nccl-solo";
+  auto nccl = comm::CreateGroupOver(comm::Backend::kNccl, *(*parent)[0], g);
+  ASSERT_TRUE(nccl.ok()) << nccl.status();
+  EXPECT_EQ((*nccl)->space(), MemorySpace::Cuda(0));
+  const MemorySpace gpu = MemorySpace::Cuda(0);
+  auto in = gpu.Allocate(4096);
+  auto out = gpu.Allocate(4096);
+  ASSERT_TRUE(in.ok() && out.ok());
+  std::vector<std::byte> pattern(4096);
+  for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<std::byte>(i * 7 + 3);
+  ASSERT_TRUE(gpu.Copy(in->data(), pattern.data(), pattern.size()).ok());
+  comm::ConstBytes cin{in->data(), 4096};
+  comm::MutableBytes cout{out->data(), 4096};
+  ASSERT_TRUE(comm::Await((*nccl)->AllGather({&cin, 1}, {&cout, 1})).ok());
+  std::vector<std::byte> back(4096);
+  ASSERT_TRUE(gpu.CopyToHost(back.data(), out->data(), back.size()).ok());
+  EXPECT_EQ(back, pattern);
+  EXPECT_TRUE((*nccl)->Shutdown().ok());
 }
 
 }  // namespace

@@ -247,4 +247,46 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const Group
   return std::unique_ptr<Communicator>(std::move(comm));
 }
 
+// One member's part of the unique-id exchange over a parent group: whether it can form the group
+// (a GPU), and rank 0's id.
+struct IdRecord {
+  int32_t ok = 0;
+  int32_t reserved = 0;
+  ncclUniqueId id;
+};
+
+absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicatorOver(Communicator& parent,
+                                                                         const GroupOptions& options,
+                                                                         const CollectiveOptions& collective) {
+  GroupOptions o = options;
+  o.rank = parent.rank();
+  o.size = parent.size();
+  const std::string where =
+      absl::StrCat("forming nccl group \"", o.name, "\" over ", parent.Name(), " group \"", parent.group(),
+                   "\" as rank ", o.rank, "/", o.size, " on cuda:", o.cuda_device);
+  // Every member takes part in the exchange, so that a member without its GPU fails the group on
+  // every member at once instead of leaving the others in ncclCommInitRankConfig.
+  IdRecord mine;
+  int devices = 0;
+  absl::Status local;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || o.cuda_device < 0 || o.cuda_device >= devices)
+    local = absl::FailedPreconditionError(
+        absl::StrCat("rank ", o.rank, " has no CUDA device ", o.cuda_device, " (", devices, " visible)"));
+  else if (o.rank == 0)
+    local = NcclStatus(ncclGetUniqueId(&mine.id), "ncclGetUniqueId");
+  mine.ok = local.ok() ? 1 : 0;
+  std::vector<IdRecord> all(static_cast<size_t>(o.size));
+  ConstBytes in{&mine, sizeof(mine)};
+  MutableBytes out{all.data(), all.size() * sizeof(IdRecord)};
+  RETURN_IF_ERROR(Annotate(Await(parent.AllGather({&in, 1}, {&out, 1}, collective)),
+                           absl::StrCat(where, ": exchanging the unique id")));
+  if (!local.ok()) return Annotate(local, where);
+  for (int r = 0; r < o.size; ++r)
+    if (all[static_cast<size_t>(r)].ok == 0)
+      return absl::FailedPreconditionError(absl::StrCat(where, ": rank ", r, " cannot join (no GPU, or no unique id)"));
+  auto comm = std::make_unique<NcclCommunicator>(o);
+  RETURN_IF_ERROR(Annotate(comm->Init(all[0].id, o.join_timeout, o.cancelled), where));
+  return std::unique_ptr<Communicator>(std::move(comm));
+}
+
 }  // namespace wsync::comm

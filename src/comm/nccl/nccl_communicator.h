@@ -28,5 +28,9 @@
 namespace wsync::comm {
 
 absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const GroupOptions& options);
+// The same members as `parent`, in its rank order, formed without a store: see CreateGroupOver.
+absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicatorOver(Communicator& parent,
+                                                                         const GroupOptions& options,
+                                                                         const CollectiveOptions& collective);
 
 }  // namespace wsync::comm
