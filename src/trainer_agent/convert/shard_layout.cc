@@ -59,13 +59,14 @@ absl::InlinedVector<StridedCopy, 2> ShardCopies(const MegatronParam& p, int r) {
   return out;
 }
 
-void CopyRows(std::byte* dst, uint64_t dst_pitch, const std::byte* src, uint64_t src_pitch, int64_t rows,
-              uint64_t row_bytes) {
-  if (rows <= 0) return;
-  MemorySpace::Host().Copy2D(dst, dst_pitch, src, src_pitch, row_bytes, static_cast<size_t>(rows)).IgnoreError();
+absl::Status CopyRows(std::byte* dst, uint64_t dst_pitch, const std::byte* src, uint64_t src_pitch, int64_t rows,
+                      uint64_t row_bytes, const MemorySpace& space) {
+  if (rows <= 0) return absl::OkStatus();
+  return space.Copy2D(dst, dst_pitch, src, src_pitch, row_bytes, static_cast<size_t>(rows));
 }
 
-absl::Status MergeShards(const MegatronParam& p, absl::Span<const TensorView> shards, MutableTensorView full) {
+absl::Status MergeShards(const MegatronParam& p, absl::Span<const TensorView> shards, MutableTensorView full,
+                         const MemorySpace& space) {
   if (static_cast<int>(shards.size()) != p.group_size)
     return absl::InvalidArgumentError(absl::StrCat(p.global_name, ": ", shards.size(), " shard(s) given, the ",
                                                    ShardKindName(p.kind), " group has ", p.group_size));
@@ -80,13 +81,14 @@ absl::Status MergeShards(const MegatronParam& p, absl::Span<const TensorView> sh
   for (size_t r = 0; r < shards.size(); ++r) {
     const std::byte* src = shards[r].bytes().data();
     for (const StridedCopy& c : ShardCopies(p, static_cast<int>(r)))
-      CopyRows(dst + c.full_offset, static_cast<uint64_t>(c.full_stride), src + c.local_offset,
-               static_cast<uint64_t>(c.local_stride), c.count, static_cast<uint64_t>(c.bytes));
+      RETURN_IF_ERROR(CopyRows(dst + c.full_offset, static_cast<uint64_t>(c.full_stride), src + c.local_offset,
+                               static_cast<uint64_t>(c.local_stride), c.count, static_cast<uint64_t>(c.bytes), space));
   }
   return absl::OkStatus();
 }
 
-absl::Status ShardFull(const MegatronParam& p, const TensorView& full, int r, MutableTensorView local) {
+absl::Status ShardFull(const MegatronParam& p, const TensorView& full, int r, MutableTensorView local,
+                       const MemorySpace& space) {
   if (r < 0 || r >= p.group_size)
     return absl::InvalidArgumentError(
         absl::StrCat(p.global_name, ": group rank ", r, " is outside the group of ", p.group_size));
@@ -97,8 +99,8 @@ absl::Status ShardFull(const MegatronParam& p, const TensorView& full, int r, Mu
   const std::byte* src = full.bytes().data();
   std::byte* dst = local.bytes().data();
   for (const StridedCopy& c : ShardCopies(p, r))
-    CopyRows(dst + c.local_offset, static_cast<uint64_t>(c.local_stride), src + c.full_offset,
-             static_cast<uint64_t>(c.full_stride), c.count, static_cast<uint64_t>(c.bytes));
+    RETURN_IF_ERROR(CopyRows(dst + c.local_offset, static_cast<uint64_t>(c.local_stride), src + c.full_offset,
+                             static_cast<uint64_t>(c.full_stride), c.count, static_cast<uint64_t>(c.bytes), space));
   return absl::OkStatus();
 }
 

@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/memory_space.h"
 #include "common/tensor.h"
 #include "trainer_agent/convert/megatron_param.h"
 
@@ -34,20 +35,24 @@ struct StridedCopy {
 };
 
 // Copies `rows` rows of `row_bytes` from `src` (rows `src_pitch` bytes apart) to `dst` (rows
-// `dst_pitch` apart); one memcpy where both are contiguous. Host memory. What every StridedCopy,
-// and the AWQ holders' placement of a part in its triple, come down to.
-void CopyRows(std::byte* dst, uint64_t dst_pitch, const std::byte* src, uint64_t src_pitch, int64_t rows,
-              uint64_t row_bytes);
+// `dst_pitch` apart) in `space` (MemorySpace::Copy2D: one memcpy where both are contiguous on the
+// host, one cudaMemcpy2DAsync on a device). What every StridedCopy, and the AWQ holders' placement
+// of a part in its triple, come down to. Errors: the space's (none on the host).
+absl::Status CopyRows(std::byte* dst, uint64_t dst_pitch, const std::byte* src, uint64_t src_pitch, int64_t rows,
+                      uint64_t row_bytes, const MemorySpace& space = MemorySpace::Host());
 
 // The copies that place the shard of group rank `rank_in_group` in the full tensor.
 absl::InlinedVector<StridedCopy, 2> ShardCopies(const MegatronParam& param, int rank_in_group);
 
 // `shards[r]` is group rank r's local tensor (param.local_shape, param.dtype); `full` receives
 // param.full_shape. For kReplicated, exactly one shard, copied.
-absl::Status MergeShards(const MegatronParam& param, absl::Span<const TensorView> shards, MutableTensorView full);
+// The views are memory of `space` (the device gathers merge on the GPU).
+absl::Status MergeShards(const MegatronParam& param, absl::Span<const TensorView> shards, MutableTensorView full,
+                         const MemorySpace& space = MemorySpace::Host());
 
 // Writes group rank `rank_in_group`'s shard of `full` into `local`.
-absl::Status ShardFull(const MegatronParam& param, const TensorView& full, int rank_in_group, MutableTensorView local);
+absl::Status ShardFull(const MegatronParam& param, const TensorView& full, int rank_in_group, MutableTensorView local,
+                       const MemorySpace& space = MemorySpace::Host());
 // Same, into a new tensor.
 absl::StatusOr<Tensor> ShardFull(const MegatronParam& param, const TensorView& full, int rank_in_group);
 

@@ -70,10 +70,12 @@ absl::StatusOr<AwqPart> MakeAwqPart(int hf_index, int64_t n0, int64_t n, int64_t
 
 // AWQ triple `src` (in `from`) written into triple `dst` of the same HF tensor (in `to`) at its
 // rows and columns: qweight rows k0 - dst.k0 on, qzeros / scales rows (k0 - dst.k0) / G on, and
-// words (n0 - dst.n0) / 8, scale columns n0 - dst.n0 on. Host memory. kInternal, naming `what`,
-// for a part that does not lie inside `dst` on whole words and groups, or outside its buffers.
+// words (n0 - dst.n0) / 8, scale columns n0 - dst.n0 on. Memory of `space`. kInternal, naming
+// `what`, for a part that does not lie inside `dst` on whole words and groups, or outside its
+// buffers; the space's copy errors.
 absl::Status PlaceAwqPart(const AwqPart& src, std::span<const std::byte> from, const AwqPart& dst,
-                          std::span<std::byte> to, DType scale_dtype, absl::string_view what) {
+                          std::span<std::byte> to, DType scale_dtype, absl::string_view what,
+                          const MemorySpace& space = MemorySpace::Host()) {
   const int64_t rows_per_scale = src.k / src.qzeros[0];  // G, or K for channelwise
   if (src.hf_index != dst.hf_index || src.n0 < dst.n0 || src.n0 + src.n > dst.n0 + dst.n ||
       (src.n0 - dst.n0) % 8 != 0 || src.k0 < dst.k0 || src.k0 + src.k > dst.k0 + dst.k ||
@@ -85,15 +87,17 @@ absl::Status PlaceAwqPart(const AwqPart& src, std::span<const std::byte> from, c
   const int64_t k_off = src.k0 - dst.k0, word_off = (src.n0 - dst.n0) / 8, col_off = src.n0 - dst.n0;
   const uint64_t item = ItemSize(scale_dtype);
   const uint64_t src_words = static_cast<uint64_t>(src.n / 8) * 4, dst_words = static_cast<uint64_t>(dst.n / 8) * 4;
-  CopyRows(to.data() + dst.qweight_at + static_cast<uint64_t>(k_off) * dst_words + static_cast<uint64_t>(word_off) * 4,
-           dst_words, from.data() + src.qweight_at, src_words, src.k, src_words);
+  RETURN_IF_ERROR(CopyRows(
+      to.data() + dst.qweight_at + static_cast<uint64_t>(k_off) * dst_words + static_cast<uint64_t>(word_off) * 4,
+      dst_words, from.data() + src.qweight_at, src_words, src.k, src_words, space));
   const int64_t z_off = k_off / rows_per_scale;
-  CopyRows(to.data() + dst.qzeros_at + static_cast<uint64_t>(z_off) * dst_words + static_cast<uint64_t>(word_off) * 4,
-           dst_words, from.data() + src.qzeros_at, src_words, src.qzeros[0], src_words);
+  RETURN_IF_ERROR(CopyRows(
+      to.data() + dst.qzeros_at + static_cast<uint64_t>(z_off) * dst_words + static_cast<uint64_t>(word_off) * 4,
+      dst_words, from.data() + src.qzeros_at, src_words, src.qzeros[0], src_words, space));
   const uint64_t src_cols = static_cast<uint64_t>(src.n) * item, dst_cols = static_cast<uint64_t>(dst.n) * item;
-  CopyRows(to.data() + dst.scales_at + static_cast<uint64_t>(z_off) * dst_cols + static_cast<uint64_t>(col_off) * item,
-           dst_cols, from.data() + src.scales_at, src_cols, src.scales[0], src_cols);
-  return absl::OkStatus();
+  return CopyRows(
+      to.data() + dst.scales_at + static_cast<uint64_t>(z_off) * dst_cols + static_cast<uint64_t>(col_off) * item,
+      dst_cols, from.data() + src.scales_at, src_cols, src.scales[0], src_cols, space);
 }
 
 // The first column of ETP rank `rank`'s shard of `p` in the full tensor: 0 for row blocks.
@@ -162,8 +166,8 @@ std::string QuantFingerprint(const QuantizationConfig* quant, kernels::QuantVari
                                  : (variant == kernels::QuantVariant::kQat ? "qat" : "slime"));
 }
 
-absl::Status MergeInt4Shards(const Int4ExpertPlan& plan, std::span<const std::byte> shards,
-                             std::span<std::byte> block) {
+absl::Status MergeInt4Shards(const Int4ExpertPlan& plan, std::span<const std::byte> shards, std::span<std::byte> block,
+                             const MemorySpace& space) {
   if (plan.awq) {
     const uint64_t etp = plan.awq_shards.size();
     const std::string what = absl::StrCat("merging the AWQ shard blocks of ", plan.scales.global_name);
@@ -176,8 +180,8 @@ absl::Status MergeInt4Shards(const Int4ExpertPlan& plan, std::span<const std::by
     for (uint64_t r = 0; r < etp; ++r)
       for (const AwqPart& part : plan.awq_shards[r])
         RETURN_IF_ERROR(PlaceAwqPart(part, shards.subspan(r * plan.local_block, plan.local_block),
-                                     plan.awq_full[static_cast<size_t>(part.hf_index)], block, plan.scales.dtype,
-                                     what));
+                                     plan.awq_full[static_cast<size_t>(part.hf_index)], block, plan.scales.dtype, what,
+                                     space));
     return absl::OkStatus();
   }
   std::vector<TensorView> packed, scales;
@@ -189,10 +193,11 @@ absl::Status MergeInt4Shards(const Int4ExpertPlan& plan, std::span<const std::by
   }
   RETURN_IF_ERROR(
       MergeShards(plan.packed, packed,
-                  MutableTensorView(DType::kI32, plan.packed.full_shape, block.subspan(0, plan.packed_bytes))));
+                  MutableTensorView(DType::kI32, plan.packed.full_shape, block.subspan(0, plan.packed_bytes)), space));
   return MergeShards(
       plan.scales, scales,
-      MutableTensorView(plan.scales.dtype, plan.scales.full_shape, block.subspan(plan.scale_offset, plan.scale_bytes)));
+      MutableTensorView(plan.scales.dtype, plan.scales.full_shape, block.subspan(plan.scale_offset, plan.scale_bytes)),
+      space);
 }
 
 Int4Quantizer::Int4Quantizer(const Int4Options& options)

@@ -141,8 +141,10 @@ absl::StatusOr<std::optional<QuantizationConfig>> SyncQuantization(const std::op
 
 // The ETP ranks' shard blocks of an expert parameter (`shards`: plan.packed.group_size blocks of
 // plan.local_block bytes, in ETP rank order) merged into the full block `block` (block_bytes).
-// Requires plan.by_shard. kInvalidArgument from MergeShards for mis-sized spans.
-absl::Status MergeInt4Shards(const Int4ExpertPlan& plan, std::span<const std::byte> shards, std::span<std::byte> block);
+// Requires plan.by_shard. Both spans are memory of `space`. kInvalidArgument from MergeShards for
+// mis-sized spans; the space's copy errors.
+absl::Status MergeInt4Shards(const Int4ExpertPlan& plan, std::span<const std::byte> shards, std::span<std::byte> block,
+                             const MemorySpace& space = MemorySpace::Host());
 
 class Int4Quantizer {
  public:
