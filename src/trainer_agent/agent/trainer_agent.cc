@@ -267,7 +267,9 @@ class Agent {
       auto shm = ShmSource::Start({.name = opts_.source.substr(4),
                                    .rank = world_->rank(),
                                    .world_size = world_->size(),
-                                   .device_stages = opts_.device_stages});
+                                   .device_stages = opts_.device_stages,
+                                   // TP / EP gathers on the GPUs need NCCL groups (EnsureDeviceComms)
+                                   .device_gathers = comm::BackendCompiledIn(comm::Backend::kNccl)});
       s = shm.status();
       if (shm.ok()) {
         shm_ = std::move(*shm);

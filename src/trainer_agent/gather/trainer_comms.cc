@@ -53,4 +53,37 @@ absl::StatusOr<TrainerComms> MakeTrainerComms(comm::Communicator& world, const P
   return c;
 }
 
+absl::Status EnsureDeviceComms(TrainerComms& c, const std::vector<int>& devices,
+                               const comm::CollectiveOptions& options) {
+  if (c.world == nullptr || c.tp == nullptr || c.etp == nullptr || c.ep == nullptr)
+    return absl::InvalidArgumentError("EnsureDeviceComms: TrainerComms without its world / tp / etp / ep");
+  if (devices.size() != static_cast<size_t>(c.world->size()))
+    return absl::InvalidArgumentError(
+        absl::StrCat("EnsureDeviceComms: ", devices.size(), " devices for a world of ", c.world->size()));
+  for (size_t r = 0; r < devices.size(); ++r)
+    if (devices[r] < 0)
+      return absl::InvalidArgumentError(absl::StrCat("EnsureDeviceComms: rank ", r, "'s tensors are in host memory"));
+  if (c.device.devices == devices) return absl::OkStatus();
+  c.device = TrainerComms::Device();  // the old groups end before new ones form on the same GPUs
+  const int me = c.world->rank();
+  TrainerComms::Device d;
+  auto form = [&](comm::Communicator& parent, std::unique_ptr<comm::Communicator>& out,
+                  absl::string_view kind) -> absl::Status {
+    if (parent.size() == 1) return absl::OkStatus();
+    comm::GroupOptions o;
+    o.name = absl::StrCat(kind, "@cuda/", parent.group());
+    o.cuda_device = devices[static_cast<size_t>(me)];
+    o.join_timeout = options.timeout > absl::ZeroDuration() ? options.timeout : absl::Minutes(5);
+    o.default_timeout = o.join_timeout;
+    ASSIGN_OR_RETURN(out, comm::CreateGroupOver(comm::Backend::kNccl, parent, o, options));
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(Annotate(form(*c.tp, d.tp, "tp"), absl::StrCat("rank ", me, ": the device TP group")));
+  RETURN_IF_ERROR(Annotate(form(*c.etp, d.etp, "etp"), absl::StrCat("rank ", me, ": the device ETP group")));
+  RETURN_IF_ERROR(Annotate(form(*c.ep, d.ep, "ep"), absl::StrCat("rank ", me, ": the device EP group")));
+  d.devices = devices;
+  c.device = std::move(d);
+  return absl::OkStatus();
+}
+
 }  // namespace wsync::trainer_agent

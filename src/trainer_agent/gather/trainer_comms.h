@@ -17,6 +17,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "comm/communicator.h"
@@ -27,9 +28,26 @@ namespace wsync::trainer_agent {
 struct TrainerComms {
   std::unique_ptr<comm::Communicator> tp, etp, ep;
   comm::Communicator* world = nullptr;  // not owned
+  // The device gathers' groups: NCCL groups of the same members on this rank's GPU, formed by
+  // EnsureDeviceComms for the GPUs every rank's tensors are on (`devices`, by world rank); null for
+  // a group of one member (nothing to gather) and until formed.
+  struct Device {
+    std::vector<int> devices;
+    std::unique_ptr<comm::Communicator> tp, etp, ep;
+  } device;
 };
 
 absl::StatusOr<TrainerComms> MakeTrainerComms(comm::Communicator& world, const ParallelLayout& layout,
                                               const comm::CollectiveOptions& options = {});
+
+// Forms the NCCL tp / etp / ep groups (comm::CreateGroupOver the host ones) of `comms` on the GPUs
+// `devices` says (world rank -> CUDA device; this rank's is its own), or keeps those formed for the
+// same `devices` by an earlier sync. Collective over the world: every rank calls it with the same
+// `devices` (agreed: rank_sync's AgreeOnStart), so all form or all keep. Groups of one member are
+// not formed. Errors: kInvalidArgument for `devices` of another size than the world or a host
+// entry (-1); CreateGroupOver's (kUnimplemented without NCCL, kFailedPrecondition without the
+// GPU), after which no device group is kept.
+absl::Status EnsureDeviceComms(TrainerComms& comms, const std::vector<int>& devices,
+                               const comm::CollectiveOptions& options = {});
 
 }  // namespace wsync::trainer_agent

@@ -20,11 +20,22 @@ uint64_t AlignUp(uint64_t x) { return (x + kAlignment - 1) / kAlignment * kAlign
 absl::StatusOr<std::unique_ptr<CudaResidentSource>> CudaResidentSource::Create(const WeightSource& inner,
                                                                                absl::Span<const int> ranks,
                                                                                int device) {
+  return Create(inner, ranks, std::vector<int>(ranks.size(), device));
+}
+
+absl::StatusOr<std::unique_ptr<CudaResidentSource>> CudaResidentSource::Create(const WeightSource& inner,
+                                                                               absl::Span<const int> ranks,
+                                                                               absl::Span<const int> devices) {
+  if (devices.size() != ranks.size())
+    return absl::InvalidArgumentError(
+        absl::StrCat("CudaResidentSource: ", devices.size(), " devices for ", ranks.size(), " ranks"));
   std::unique_ptr<CudaResidentSource> out(new CudaResidentSource());
   out->model_ = inner.source_model();
-  out->description_ =
-      absl::StrCat(inner.Describe(), " resident on cuda:", device, " (ranks ", absl::StrJoin(ranks, ", "), ")");
-  for (int rank : ranks) {
+  std::vector<std::string> where;
+  for (size_t i = 0; i < ranks.size(); ++i) where.push_back(absl::StrCat(ranks[i], " on cuda:", devices[i]));
+  out->description_ = absl::StrCat(inner.Describe(), " resident on the GPU (rank ", absl::StrJoin(where, ", "), ")");
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const int rank = ranks[i], device = devices[i];
     ASSIGN_OR_RETURN(RankShard host, inner.OpenRank(rank));
     uint64_t total = 0;
     for (const TensorView& t : host.tensors) total = AlignUp(total) + t.nbytes();

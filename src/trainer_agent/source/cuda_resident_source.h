@@ -25,6 +25,11 @@ class CudaResidentSource final : public WeightSource {
  public:
   static absl::StatusOr<std::unique_ptr<CudaResidentSource>> Create(const WeightSource& inner,
                                                                     absl::Span<const int> ranks, int device);
+  // Rank ranks[i] on devices[i] (the device gathers' tests: one GPU per member of a group).
+  // kInvalidArgument for a `devices` of another length.
+  static absl::StatusOr<std::unique_ptr<CudaResidentSource>> Create(const WeightSource& inner,
+                                                                    absl::Span<const int> ranks,
+                                                                    absl::Span<const int> devices);
 
   const SourceModel& source_model() const override { return model_; }
   // `version` is not checked (the tensors do not change).

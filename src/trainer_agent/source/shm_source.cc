@@ -404,9 +404,11 @@ absl::StatusOr<std::shared_ptr<ShmSource::Registration>> ShmSource::Register(con
     return absl::InvalidArgumentError(
         absl::StrCat(who, ": shared memory ", req.segment, " has no wsync segment header"));
 
-  // The device stages: every tensor on one CUDA device, and a layout without TP / EP gathers.
+  // The device stages: every tensor on one CUDA device, and a layout without TP / EP gathers unless
+  // the gathers run on the device too.
   const ParallelLayout& layout = model.layout;
-  if (options_.device_stages && !req.tensors.empty() && layout.tp() == 1 && layout.ep() == 1 && layout.etp() == 1 &&
+  const bool gathers = layout.tp() > 1 || layout.ep() > 1 || layout.etp() > 1;
+  if (options_.device_stages && !req.tensors.empty() && (!gathers || options_.device_gathers) &&
       std::all_of(req.tensors.begin(), req.tensors.end(), [&](const tc::TensorDecl& t) {
         return t.location != tc::Location::kHostShm && t.device == req.tensors.front().device;
       }))

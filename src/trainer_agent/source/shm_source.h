@@ -22,9 +22,10 @@
 // copy of the shard's `backing` goes away. So every rank of a sync is read at the step its
 // training process declared, never half-written; OpenRank(rank, 0) skips the declaration check.
 // CUDA IPC tensors (cuda_ipc.h) are read in place when the agent runs the device stages
-// (options.device_stages, every tensor of the rank on one CUDA device and no TP / EP gathers in the
-// layout, see sync/rank_sync.h): the shard's views are device pointers and RankShard::cuda_device
-// says which device. Otherwise they are copied to host buffers under the same lock.
+// (options.device_stages, every tensor of the rank on one CUDA device, and either no TP / EP gathers
+// in the layout or options.device_gathers, see sync/rank_sync.h): the shard's views are device
+// pointers and RankShard::cuda_device says which device. Otherwise they are copied to host buffers
+// under the same lock.
 // When the client disconnects, its registration stays mapped (a shard in use stays valid) but
 // OpenRank refuses it: a sync never reads the weights of a training process that is gone.
 //
@@ -59,6 +60,9 @@ struct ShmSourceOptions {
   // Hand out CUDA tensors in place where the sync can run on the device (see above); false: always
   // copy them to the host (the host stages, e.g. to compare).
   bool device_stages = true;
+  // Also for a layout with TP / EP gathers: the sync gathers on the GPUs through NCCL groups (a
+  // build with NCCL); false: such a layout gets host copies and gathers on the host.
+  bool device_gathers = false;
 };
 
 struct SyncRequestResult {

@@ -1,5 +1,7 @@
 #include "trainer_agent/sync/rank_sync.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -31,21 +33,33 @@ uint64_t AlignUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
 // --- The opening agreement ----------------------------------------------------------------------
 
+uint64_t HostId() {
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  return Xxh3_64({reinterpret_cast<const std::byte*>(name), std::strlen(name)});
+}
+
 struct StartRecord {
   int32_t code = 0;
   uint32_t message_bytes = 0;
   uint64_t fingerprint = 0;
+  uint64_t host = 0;
+  int32_t device = -1;
+  int32_t reserved = 0;
 };
-static_assert(sizeof(StartRecord) == 16);
+static_assert(sizeof(StartRecord) == 32);
 
-// Every rank learns every rank's opening status; all return the same result.
-absl::Status AgreeOnStart(comm::Communicator& world, const absl::Status& local, uint64_t fingerprint,
-                          const comm::CollectiveOptions& options) {
+// Every rank learns every rank's opening status, and where its tensors are (`places`, by world
+// rank); all return the same result.
+absl::Status AgreeOnStart(comm::Communicator& world, const absl::Status& local, uint64_t fingerprint, RankPlace place,
+                          const comm::CollectiveOptions& options, std::vector<RankPlace>* places) {
   const std::string message(local.message().substr(0, kMaxAgreedMessage));
   StartRecord mine;
   mine.code = static_cast<int32_t>(local.code());
   mine.message_bytes = static_cast<uint32_t>(message.size());
   mine.fingerprint = fingerprint;
+  mine.host = place.host;
+  mine.device = place.device;
   std::vector<StartRecord> all(static_cast<size_t>(world.size()));
   comm::ConstBytes in{&mine, sizeof(mine)};
   comm::MutableBytes out{all.data(), all.size() * sizeof(StartRecord)};
@@ -62,6 +76,8 @@ absl::Status AgreeOnStart(comm::Communicator& world, const absl::Status& local, 
             " runs a different weight source config or sync options than rank 0 (config.json, "
             "parallel.json, gather size, quantization config or expert map differ): the ranks would not agree on "
             "their collectives"));
+    places->clear();
+    for (const StartRecord& r : all) places->push_back({r.host, r.device});
     return absl::OkStatus();
   }
   std::vector<size_t> sizes(all.size());
@@ -197,6 +213,10 @@ class RankSync {
 
  private:
   absl::Status Prepare();  // everything local that can fail, before the agreement
+  // After the agreement: the gathers' communicators, in the space of the ranks' tensors (`devices`,
+  // agreed): the host groups, or the NCCL groups of the same members when every rank's tensors are
+  // on a GPU. The same result on every rank.
+  absl::Status ChooseGatherComms(const std::vector<RankPlace>& places);
   void RunDense();
   void RunExperts();
   void Fail(const absl::Status& s) {
@@ -207,7 +227,7 @@ class RankSync {
   absl::StatusOr<std::unique_ptr<comm::Work>> AllGather(comm::Communicator& c, const std::vector<comm::ConstBytes>& in,
                                                         const std::vector<comm::MutableBytes>& out);
   absl::Status Emit(const MegatronParam& p, const TensorView& full);  // ToHf + quantize / copy into buckets
-  void WriteStatusRecord(std::span<std::byte> record) const;
+  absl::Status WriteStatusRecord(std::span<std::byte> record) const;  // into a gather buffer
   // The records of a gather's `count` members; `mine` is skipped. `group`: "EP" or "ETP".
   absl::Status CheckRecords(std::span<const std::byte> records, int count, int mine, absl::string_view group) const;
   absl::Status EnsureBuffer(Buffer& b, uint64_t bytes);
@@ -217,6 +237,9 @@ class RankSync {
   TrainerComms& comms_;
   comm::BucketSink* sink_;
   const SyncOptions& o_;
+  comm::Communicator* tp_ = nullptr;  // the gathers' groups (ChooseGatherComms)
+  comm::Communicator* etp_ = nullptr;
+  comm::Communicator* ep_ = nullptr;
 
   int me_ = 0, stage_ = 0;
   bool source_ = false;
@@ -246,9 +269,24 @@ class RankSync {
 };
 
 absl::Status RankSync::EnsureBuffer(Buffer& b, uint64_t bytes) {
-  if (b.size() >= bytes || bytes == 0) return absl::OkStatus();
+  if (bytes == 0 || (b.size() >= bytes && MemorySpace::Of(b) == space_)) return absl::OkStatus();
   b = Buffer();
-  ASSIGN_OR_RETURN(b, Buffer::Allocate(bytes));
+  ASSIGN_OR_RETURN(b, space_.Allocate(bytes));
+  return absl::OkStatus();
+}
+
+absl::Status RankSync::ChooseGatherComms(const std::vector<RankPlace>& places) {
+  tp_ = comms_.tp.get();
+  etp_ = comms_.etp.get();
+  ep_ = comms_.ep.get();
+  ASSIGN_OR_RETURN(const bool on_device, DeviceGathers(layout_, places));
+  if (!on_device) return absl::OkStatus();
+  std::vector<int> devices;
+  for (const RankPlace& p : places) devices.push_back(p.device);
+  RETURN_IF_ERROR(Annotate(EnsureDeviceComms(comms_, devices, o_.collective), "forming the device gathers' groups"));
+  if (comms_.device.tp) tp_ = comms_.device.tp.get();
+  if (comms_.device.etp) etp_ = comms_.device.etp.get();
+  if (comms_.device.ep) ep_ = comms_.device.ep.get();
   return absl::OkStatus();
 }
 
@@ -282,14 +320,9 @@ absl::Status RankSync::Prepare() {
 
   ASSIGN_OR_RETURN(shard_, src_.OpenRank(me_, o_.version));
   if (o_.expert_map != nullptr) RETURN_IF_ERROR(PruneExperts(src_.model(), *o_.expert_map, shard_.params));
-  // The device stages: the shard is CUDA memory; conversion, INT4 kernels and buckets run there.
-  // They need a layout without gathers (the gathers run on host communicators).
+  // The device stages: the shard is CUDA memory; gathers (NCCL groups, ChooseGatherComms), merges,
+  // conversion, INT4 kernels and buckets run there.
   if (shard_.cuda_device >= 0) {
-    if (layout_.tp() != 1 || layout_.ep() != 1 || layout_.etp() != 1)
-      return absl::FailedPreconditionError(
-          absl::StrCat("rank ", me_, "'s tensors are in the memory of CUDA device ", shard_.cuda_device,
-                       " but its layout needs TP / EP gathers (", layout_.DebugString(),
-                       "), which the device stages do not run: the source must hand out host copies"));
     space_ = MemorySpace::Cuda(shard_.cuda_device);
     report_.cuda_device = shard_.cuda_device;
     // Device buckets go to a device data plane (nccl) on the same GPU: a copy between two GPUs
@@ -468,14 +501,14 @@ absl::StatusOr<std::unique_ptr<comm::Work>> RankSync::AllGather(comm::Communicat
   return w;
 }
 
-void RankSync::WriteStatusRecord(std::span<std::byte> record) const {
+absl::Status RankSync::WriteStatusRecord(std::span<std::byte> record) const {
   MemberStatus st;
   st.code = static_cast<int32_t>(failure_.code());
   st.world_rank = me_;
   const absl::string_view msg = failure_.message().substr(0, sizeof(st.message));
   st.message_bytes = static_cast<uint32_t>(msg.size());
   std::memcpy(st.message, msg.data(), msg.size());
-  std::memcpy(record.data(), &st, sizeof(st));
+  return space_.Copy(record.data(), &st, sizeof(st));  // the gather buffers are in the shard's space
 }
 
 absl::Status RankSync::CheckRecords(std::span<const std::byte> records, int count, int mine,
@@ -483,7 +516,7 @@ absl::Status RankSync::CheckRecords(std::span<const std::byte> records, int coun
   for (int m = 0; m < count; ++m) {
     if (m == mine) continue;
     MemberStatus st;
-    std::memcpy(&st, records.data() + static_cast<size_t>(m) * kStatusRecordBytes, sizeof(st));
+    RETURN_IF_ERROR(space_.CopyToHost(&st, records.data() + static_cast<size_t>(m) * kStatusRecordBytes, sizeof(st)));
     if (st.code == 0) continue;
     const absl::StatusCode code = st.code > 0 && st.code <= static_cast<int32_t>(absl::StatusCode::kUnauthenticated)
                                       ? static_cast<absl::StatusCode>(st.code)
@@ -525,7 +558,7 @@ void RankSync::RunDense() {
       in.push_back({t.data(), t.nbytes()});
       out.push_back({slots_[slot].data() + it.offset, it.region});
     }
-    auto w = AllGather(*comms_.tp, in, out);
+    auto w = AllGather(*tp_, in, out);
     if (w.ok())
       pending[slot] = std::move(*w);
     else
@@ -548,7 +581,7 @@ void RankSync::RunDense() {
             shards.emplace_back(p.dtype, p.local_shape, region.subspan(r * it.local_bytes, it.local_bytes));
           MutableTensorView merged(p.dtype, p.full_shape, scratch_.span().subspan(0, it.full_bytes));
           const absl::Time t0 = absl::Now();
-          absl::Status s = MergeShards(p, shards, merged);
+          absl::Status s = MergeShards(p, shards, merged, space_);
           report_.convert += absl::Now() - t0;
           if (!s.ok()) return Fail(s);
           full = merged;
@@ -596,7 +629,7 @@ void RankSync::RunExperts() {
         }
       }
       std::span<std::byte> records = etp_buffer_.span().subspan(0, kStatusRecordBytes * static_cast<uint64_t>(etp));
-      WriteStatusRecord(records.subspan(own_etp * kStatusRecordBytes, kStatusRecordBytes));
+      Fail(WriteStatusRecord(records.subspan(own_etp * kStatusRecordBytes, kStatusRecordBytes)));
       std::vector<comm::ConstBytes> in = {{records.data() + own_etp * kStatusRecordBytes, kStatusRecordBytes}};
       std::vector<comm::MutableBytes> out = {{records.data(), records.size()}};
       for (const Item& it : b.items) {
@@ -610,7 +643,7 @@ void RankSync::RunExperts() {
         out.push_back({region, it.etp_region});
       }
       std::unique_ptr<comm::Work> w;
-      auto issued = AllGather(*comms_.etp, in, out);
+      auto issued = AllGather(*etp_, in, out);
       if (issued.ok())
         w = std::move(*issued);
       else
@@ -635,13 +668,13 @@ void RankSync::RunExperts() {
                                     "by its holder");
           quantizing += int4_->stats().quantize - q0;
         } else if (it.int4 && plan_of(it).by_shard) {
-          s = MergeInt4Shards(plan_of(it), region, block);
+          s = MergeInt4Shards(plan_of(it), region, block, space_);
         } else if (etp > 1) {
           std::vector<TensorView> shards;
           for (int r = 0; r < etp; ++r)
             shards.emplace_back(p.dtype, p.local_shape, region.subspan(r * it.local_bytes, it.local_bytes));
           std::span<std::byte> dst = it.int4 ? scratch_.span().subspan(0, it.full_bytes) : block;
-          s = MergeShards(p, shards, MutableTensorView(p.dtype, p.full_shape, dst));
+          s = MergeShards(p, shards, MutableTensorView(p.dtype, p.full_shape, dst), space_);
           if (s.ok() && it.int4) {
             const Int4ExpertPlan& plan = plan_of(it);
             const absl::Duration q0 = int4_->stats().quantize;
@@ -659,7 +692,7 @@ void RankSync::RunExperts() {
     }
     if (merger && ep > 1 && !spread_) {  // spread senders: each member sends its own experts, no EP gather
       std::span<std::byte> records = slots_[slot].span().subspan(0, kStatusRecordBytes * static_cast<uint64_t>(ep));
-      WriteStatusRecord(records.subspan(own * kStatusRecordBytes, kStatusRecordBytes));
+      Fail(WriteStatusRecord(records.subspan(own * kStatusRecordBytes, kStatusRecordBytes)));
       std::vector<comm::ConstBytes> in = {{records.data() + own * kStatusRecordBytes, kStatusRecordBytes}};
       std::vector<comm::MutableBytes> out = {{records.data(), records.size()}};
       for (const Item& it : b.items) {
@@ -672,7 +705,7 @@ void RankSync::RunExperts() {
         }
         out.push_back({region, it.region});
       }
-      auto w = AllGather(*comms_.ep, in, out);
+      auto w = AllGather(*ep_, in, out);
       if (w.ok())
         pending[slot] = std::move(*w);
       else
@@ -744,7 +777,10 @@ absl::StatusOr<SyncReport> RankSync::Run() {
                    spread_ ? "senders: spread" : "senders: the stage source");
   const uint64_t fingerprint =
       Xxh3_64({reinterpret_cast<const std::byte*>(fingerprint_text.data()), fingerprint_text.size()});
-  RETURN_IF_ERROR(AgreeOnStart(*comms_.world, local, fingerprint, o_.collective));
+  std::vector<RankPlace> places;
+  RETURN_IF_ERROR(AgreeOnStart(*comms_.world, local, fingerprint, {HostId(), local.ok() ? space_.cuda_device() : -1},
+                               o_.collective, &places));
+  RETURN_IF_ERROR(ChooseGatherComms(places));
   report_.open = absl::Now() - start;
 
   if (dense_member_) RunDense();
@@ -780,6 +816,42 @@ absl::StatusOr<SyncReport> RankSync::Run() {
                     absl::StrCat("sync version ", o_.version, ", rank ", me_,
                                  emitter_ ? absl::StrCat(" (stage ", stage_, source_ ? " source)" : " sender)") : ""));
   return report_;
+}
+
+absl::StatusOr<bool> DeviceGathers(const ParallelLayout& layout, absl::Span<const RankPlace> places) {
+  if (places.size() != static_cast<size_t>(layout.world_size()))
+    return absl::InvalidArgumentError(
+        absl::StrCat(places.size(), " rank places for a layout of ", layout.world_size(), " ranks"));
+  if (layout.tp() == 1 && layout.ep() == 1 && layout.etp() == 1) return false;  // no gathers
+  std::vector<int> on_device, on_host;
+  for (size_t r = 0; r < places.size(); ++r)
+    (places[r].device >= 0 ? on_device : on_host).push_back(static_cast<int>(r));
+  if (on_device.empty()) return false;
+  if (!on_host.empty()) {
+    auto some = [](const std::vector<int>& v) {
+      const std::vector<int> head(v.begin(), v.begin() + static_cast<ptrdiff_t>(std::min<size_t>(v.size(), 8)));
+      return absl::StrCat(absl::StrJoin(head, ", "), v.size() > 8 ? ", ..." : "");
+    };
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank(s) ", some(on_device), " hold their tensors on GPUs and rank(s) ", some(on_host),
+        " in host memory, but the TP / EP gathers (", layout.DebugString(),
+        ") run in one memory space: register every rank's tensors the same way (all CUDA, or all host copies)"));
+  }
+  // NCCL refuses two members of a group on one GPU ("duplicate GPU"): every group is checked, so
+  // that every rank gives the same answer.
+  for (int r = 0; r < layout.world_size(); ++r)
+    for (const std::vector<int>& group : {layout.TpGroup(r), layout.EtpGroup(r), layout.EpGroup(r)})
+      for (size_t i = 0; i < group.size(); ++i)
+        for (size_t j = i + 1; j < group.size(); ++j) {
+          const RankPlace& a = places[static_cast<size_t>(group[i])];
+          const RankPlace& b = places[static_cast<size_t>(group[j])];
+          if (a.host == b.host && a.device == b.device)
+            return absl::FailedPreconditionError(absl::StrCat(
+                "ranks ", group[i], " and ", group[j], " hold their tensors on the same GPU (cuda:", a.device,
+                " of one host) and gather together (", layout.DebugString(),
+                "): NCCL needs one GPU per member of a TP / EP group"));
+        }
+  return true;
 }
 
 std::vector<int> StageSenders(const ParallelLayout& layout, int stage, bool spread) {

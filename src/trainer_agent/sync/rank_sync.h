@@ -44,13 +44,20 @@
 //            BucketBuilder sends full buckets to `sink` while the next gathers run, and ends with
 //            a `last` bucket and BucketSink::Finish.
 // Device stages: when the shard is CUDA memory (RankShard::cuda_device, the shm: source's CUDA
-// tensors read in place), step 4 runs on that device: ToHf's copies, the CUDA INT4 kernels and the
-// buckets are in device memory; a sink on that GPU (the nccl data plane) sends them as they are,
-// and for a host sink a DeviceStagingSink (comm/bucket/device_staging.h) copies each full bucket
-// once to a page-locked host buffer (host stages in front of an nccl sink: one upload per bucket;
-// an nccl sink on another GPU than the shard's is refused). Same bytes as the host stages. They
-// need a layout without gathers (TP = EP = ETP = 1; kFailedPrecondition otherwise); gathers on
-// device (NCCL) are not built yet, so a source hands out host copies for other layouts.
+// tensors read in place), steps 2-4 run on that device: the gather buffers, ETP buffer and merge
+// scratch are device memory; the TP / ETP / EP all-gathers run over NCCL groups of the same members
+// (TrainerComms::device, formed by EnsureDeviceComms over the host groups at the first such sync,
+// kept while every rank's GPU stays the same); the merges are cudaMemcpy2D copies
+// (MemorySpace::Copy2D), the members' status records are copied into and out of the gather
+// buffers; ToHf's copies, the CUDA INT4 kernels and the buckets are in device memory; a sink on
+// that GPU (the nccl data plane) sends them as they are, and for a host sink a DeviceStagingSink
+// (comm/bucket/device_staging.h) copies each full bucket once to a page-locked host buffer (host
+// stages in front of an nccl sink: one upload per bucket; an nccl sink on another GPU than the
+// shard's is refused). Same bytes as the host stages. The opening agreement carries each rank's
+// host and GPU: with gathers in the layout, every rank refuses the sync (kFailedPrecondition,
+// naming them) when some ranks are on GPUs and others in host memory, or when two members of one
+// TP / ETP / EP group are on the same GPU of one host (NCCL needs one GPU per member). AWQ experts
+// with ETP > 1 travel in bf16 to the stage source on the device (their row placement is host code).
 // Ranks outside those groups (dense DP / expert EDP replicas) only open their shard and agree.
 // PP stages run in parallel: after the opening agreement a stage only talks within its groups.
 //
@@ -86,6 +93,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "comm/bucket/builder.h"
 #include "comm/communicator.h"
 #include "common/config.h"
@@ -140,6 +148,19 @@ struct SyncOptions {
   // every tensor of the stage once. The same on every rank (the opening agreement).
   bool spread_senders = false;
 };
+
+// Where a rank's tensors are: the CUDA device (-1: host memory) of which host (a hash of its name).
+struct RankPlace {
+  uint64_t host = 0;
+  int device = -1;
+};
+// Whether the TP / ETP / EP gathers of `layout` run on the GPUs (true: every rank's tensors are on
+// one, and no two members of a group share a GPU of one host) or on the host (false: every rank in
+// host memory, or no gathers at all). `places`: every world rank's, as the opening agreement
+// delivers them, so every rank gets the same answer. kFailedPrecondition naming the ranks when
+// some are on GPUs and some in host memory, or two members of a group are on one GPU;
+// kInvalidArgument for `places` of another size than the world.
+absl::StatusOr<bool> DeviceGathers(const ParallelLayout& layout, absl::Span<const RankPlace> places);
 
 // The ranks that send stage `stage` (ascending; the stage source first): the source alone, or
 // with `spread` the source's TP group and the etp = 0 ranks of its EP group (SyncOptions::

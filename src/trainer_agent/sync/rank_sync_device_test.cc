@@ -3,8 +3,10 @@
 // device, a DeviceStagingSink to the capture sink. For dense, MoE and MLA models, bf16 and INT4,
 // one and two pipeline stages, each stage's stream must equal the host stages' stream on the same
 // checkpoint byte for byte (manifests and data), and the oracle (ExpectedSentTensors). A NaN in a
-// device weight fails the sync naming the tensor, as on the host; a layout with gathers is refused
-// on every rank before any gather. Skipped without a CUDA device.
+// device weight fails the sync naming the tensor, as on the host; two members of a gather group on
+// one GPU are refused on every rank before any group forms. With two GPUs, the TP / ETP / EP gathers
+// run on them (NCCL groups over the host groups) and the streams equal the host stages' again.
+// Skipped without the CUDA devices each needs.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -80,12 +82,12 @@ class RankSyncDeviceTest : public ::testing::TestWithParam<Case> {
   void TearDown() override {
     if (!dir_.empty()) fs::remove_all(dir_);
   }
-  void MakeFixture(Architecture arch, int tp, int pp, uint64_t seed) {
+  void MakeFixture(Architecture arch, int tp, int pp, uint64_t seed, int ep = 1, int etp = 1) {
     auto m = tools::testing::SmallModel(tools::testing::SmallOptions(arch), seed);
     ASSERT_TRUE(m.ok()) << m.status();
     ASSERT_TRUE(tools::WriteHfModel(*m, dir_ + "/hf").ok());
     auto stats = tools::WriteMegatronSource(m->config_json, m->config, m->weights,
-                                            tools::testing::Parallel(tp, pp, 1, 1, 1), dir_ + "/src");
+                                            tools::testing::Parallel(tp, pp, ep, etp, 1), dir_ + "/src");
     ASSERT_TRUE(stats.ok()) << stats.status();
   }
   std::string dir_;
@@ -186,9 +188,9 @@ TEST_F(RankSyncDeviceFailureTest, ANanInADeviceWeightFailsTheSyncNamingTheTensor
       << results[0].report.status();
 }
 
-// TP 2: the gathers run on host communicators, so device tensors are refused by every rank,
-// before any gather, with the reason.
-TEST_F(RankSyncDeviceFailureTest, ALayoutWithGathersIsRefusedOnEveryRank) {
+// TP 2 with both ranks on one GPU: NCCL refuses two members of a group on one device, so every
+// rank refuses the sync before any group forms, naming the ranks.
+TEST_F(RankSyncDeviceFailureTest, TwoMembersOfAGatherGroupOnOneGpuAreRefusedOnEveryRank) {
   ASSERT_NO_FATAL_FAILURE(MakeFixture(Architecture::kQwen3, 2, 1, 4));
   auto host = DirSource::Open(dir_ + "/src");
   ASSERT_TRUE(host.ok()) << host.status();
@@ -200,13 +202,97 @@ TEST_F(RankSyncDeviceFailureTest, ALayoutWithGathersIsRefusedOnEveryRank) {
   for (size_t r = 0; r < results.size(); ++r) {
     ASSERT_FALSE(results[r].report.ok()) << "rank " << r;
     EXPECT_EQ(results[r].report.status().code(), absl::StatusCode::kFailedPrecondition) << results[r].report.status();
-    EXPECT_TRUE(absl::StrContains(results[r].report.status().message(), "TP / EP gathers"))
+    EXPECT_TRUE(
+        absl::StrContains(results[r].report.status().message(), "ranks 0 and 1 hold their tensors on the same GPU"))
         << results[r].report.status();
     if (results[r].sink) {
       EXPECT_TRUE(results[r].sink->buckets.empty());
     }
   }
 }
+
+// The device gathers (two GPUs): TP 2, EP 2 and ETP 2 layouts with rank r's tensors on cuda:r; the
+// TP / ETP / EP all-gathers run over NCCL groups formed over the host groups, the merges and the
+// holders' INT4 quantization on the GPUs. Every stage's stream equals the host stages' byte for
+// byte, as on one GPU.
+struct GatherCase {
+  std::string name;
+  Architecture arch;
+  int tp, ep, etp;
+  bool int4;
+};
+void PrintTo(const GatherCase& c, std::ostream* os) { *os << c.name; }
+
+class RankSyncDeviceGatherTest : public ::testing::TestWithParam<GatherCase> {
+ protected:
+  void SetUp() override {
+    auto n = kernels::CudaDeviceCount();
+    if (!n.ok() || *n < 2) GTEST_SKIP() << "the device gathers need two CUDA devices";
+    dir_ = absl::StrCat(::testing::TempDir(), "/rank_sync_device_gather_", GetParam().name);
+    fs::remove_all(dir_);
+  }
+  void TearDown() override {
+    if (!dir_.empty()) fs::remove_all(dir_);
+  }
+  std::string dir_;
+};
+
+TEST_P(RankSyncDeviceGatherTest, GathersOnTheGpusSendTheHostStagesBytes) {
+  const GatherCase& c = GetParam();
+  auto m = tools::testing::SmallModel(tools::testing::SmallOptions(c.arch), 20261127);
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_TRUE(tools::WriteHfModel(*m, dir_ + "/hf").ok());
+  ASSERT_TRUE(tools::WriteMegatronSource(m->config_json, m->config, m->weights,
+                                         tools::testing::Parallel(c.tp, 1, c.ep, c.etp, 1), dir_ + "/src")
+                  .ok());
+  auto host = DirSource::Open(dir_ + "/src");
+  ASSERT_TRUE(host.ok()) << host.status();
+  ASSERT_EQ(host->layout().world_size(), 2);
+  auto device = CudaResidentSource::Create(*host, std::vector<int>{0, 1}, std::vector<int>{0, 1});
+  ASSERT_TRUE(device.ok()) << device.status();
+  std::optional<QuantizationConfig> quant;
+  if (c.int4) quant = *ParseQuantizationConfig(testing::kInt4Json, "test int4 config");
+  SyncOptions o;
+  o.version = 9;
+  o.bucket_bytes = 32 << 10;
+  o.gather_bytes = 16 << 10;  // several gather batches, both slots
+  o.quant = quant ? &*quant : nullptr;
+  o.quant_threads = 1;
+  o.collective = {absl::Seconds(60)};
+  const std::vector<RankResult> on_host = SyncEveryRank(*host, o, "host");
+  const std::vector<RankResult> on_device = SyncEveryRank(**device, o, "device");
+  for (size_t r = 0; r < on_host.size(); ++r) {
+    ASSERT_TRUE(on_host[r].report.ok()) << "host rank " << r << ": " << on_host[r].report.status();
+    ASSERT_TRUE(on_device[r].report.ok()) << "device rank " << r << ": " << on_device[r].report.status();
+    EXPECT_EQ(on_device[r].report->cuda_device, static_cast<int>(r));
+    EXPECT_GT(on_device[r].report->gather_calls, 0u) << "rank " << r;
+    if (!on_host[r].sink) continue;
+    const CaptureSink& want = *on_host[r].sink;
+    const CaptureSink& got = *on_device[r].sink;
+    ASSERT_EQ(want.buckets.size(), got.buckets.size()) << "rank " << r;
+    for (size_t b = 0; b < want.buckets.size(); ++b) {
+      EXPECT_EQ(want.buckets[b].manifest.SerializeAsString(), got.buckets[b].manifest.SerializeAsString())
+          << "rank " << r << " bucket " << b;
+      EXPECT_TRUE(want.buckets[b].data == got.buckets[b].data) << "rank " << r << " bucket " << b;
+    }
+    EXPECT_EQ(got.finishes, 1);
+  }
+}
+
+std::vector<GatherCase> GatherCases() {
+  std::vector<GatherCase> out;
+  for (bool int4 : {false, true}) {
+    const std::string s = int4 ? "_int4" : "_bf16";
+    out.push_back({"qwen3_tp2" + s, Architecture::kQwen3, 2, 1, 1, int4});
+    out.push_back({"qwen3moe_ep2" + s, Architecture::kQwen3Moe, 1, 2, 1, int4});
+    out.push_back({"qwen3moe_tp2_etp2" + s, Architecture::kQwen3Moe, 2, 1, 2, int4});
+    out.push_back({"deepseek_tp2_ep2" + s, Architecture::kDeepseekV3, 2, 2, 1, int4});
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(All, RankSyncDeviceGatherTest, ::testing::ValuesIn(GatherCases()),
+                         [](const ::testing::TestParamInfo<GatherCase>& i) { return i.param.name; });
 
 }  // namespace
 }  // namespace wsync::trainer_agent
