@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -15,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "comm/bucket/device_staging.h"
 #include "common/checksum.h"
+#include "common/logging.h"
 #include "common/memory_space.h"
 #include "common/status.h"
 #include "model/quant_target.h"
@@ -213,10 +215,9 @@ class RankSync {
 
  private:
   absl::Status Prepare();  // everything local that can fail, before the agreement
-  // After the agreement: the gathers' communicators, in the space of the ranks' tensors (`devices`,
-  // agreed): the host groups, or the NCCL groups of the same members when every rank's tensors are
-  // on a GPU. The same result on every rank.
-  absl::Status ChooseGatherComms(const std::vector<RankPlace>& places);
+  // After the agreement: the gathers' communicators: the host groups, or (`on_device`,
+  // DecideGathers) the NCCL groups of the same members on the ranks' GPUs (`places`, agreed).
+  absl::Status ChooseGatherComms(const std::vector<RankPlace>& places, bool on_device);
   void RunDense();
   void RunExperts();
   void Fail(const absl::Status& s) {
@@ -247,7 +248,9 @@ class RankSync {
   bool emitter_ = false;        // sends: the stage source, or any of StageSenders when spread
   bool dense_member_ = false;   // in the stage source's TP group
   bool expert_member_ = false;  // in the stage's expert block (edp == 0)
-  bool int4_members_ = false;   // expert member, INT4 config, experts gathered: INT4 experts quantized by their holders
+  bool int4_members_ = false;
+  bool host_copies_ = false;  // DecideGathers' kHostCopies: device shards are copied to the host   // expert member,
+                              // INT4 config, experts gathered: INT4 experts quantized by their holders
   uint64_t gather_limit_ = 0;
   RankShard shard_;
   std::vector<Batch> dense_, experts_;
@@ -275,11 +278,10 @@ absl::Status RankSync::EnsureBuffer(Buffer& b, uint64_t bytes) {
   return absl::OkStatus();
 }
 
-absl::Status RankSync::ChooseGatherComms(const std::vector<RankPlace>& places) {
+absl::Status RankSync::ChooseGatherComms(const std::vector<RankPlace>& places, bool on_device) {
   tp_ = comms_.tp.get();
   etp_ = comms_.etp.get();
   ep_ = comms_.ep.get();
-  ASSIGN_OR_RETURN(const bool on_device, DeviceGathers(layout_, places));
   if (!on_device) return absl::OkStatus();
   std::vector<int> devices;
   for (const RankPlace& p : places) devices.push_back(p.device);
@@ -289,6 +291,33 @@ absl::Status RankSync::ChooseGatherComms(const std::vector<RankPlace>& places) {
   if (comms_.device.ep) ep_ = comms_.device.ep.get();
   return absl::OkStatus();
 }
+
+namespace {
+
+// A host copy of a device shard (the gathers run on the host: DecideGathers' kHostCopies). The
+// original backing is kept with the copy.
+absl::StatusOr<RankShard> HostCopyOf(const RankShard& shard) {
+  const MemorySpace from = MemorySpace::Cuda(shard.cuda_device);
+  uint64_t total = 0;
+  for (const TensorView& t : shard.tensors) total = AlignUp(total, kRegionAlignment) + t.nbytes();
+  ASSIGN_OR_RETURN(Buffer copy, MemorySpace::Host().Allocate(std::max<uint64_t>(total, 1)));
+  RankShard out;
+  out.global_rank = shard.global_rank;
+  out.params = shard.params;
+  uint64_t at = 0;
+  for (const TensorView& t : shard.tensors) {
+    at = AlignUp(at, kRegionAlignment);
+    std::span<std::byte> dst = copy.span().subspan(at, t.nbytes());
+    RETURN_IF_ERROR(Annotate(from.CopyToHost(dst.data(), t.data(), t.nbytes()),
+                             absl::StrCat("copying rank ", shard.global_rank, "'s tensors to host memory")));
+    out.tensors.emplace_back(t.dtype(), t.shape(), dst);
+    at += t.nbytes();
+  }
+  out.backing = std::make_shared<std::pair<Buffer, std::shared_ptr<const void>>>(std::move(copy), shard.backing);
+  return out;
+}
+
+}  // namespace
 
 absl::Status RankSync::Prepare() {
   if (comms_.tp == nullptr || comms_.etp == nullptr || comms_.ep == nullptr)
@@ -318,7 +347,20 @@ absl::Status RankSync::Prepare() {
   int4_members_ = o_.quant != nullptr && (layout_.ep() > 1 || layout_.etp() > 1) && expert_member_;
   if ((emitter_ || int4_members_) && o_.quant != nullptr) RETURN_IF_ERROR(o_.quant->CheckInt4Supported());
 
+  // Prepare runs again (with host_copies_) when the gathers must run on the host: start afresh.
+  builder_.reset();
+  staging_.reset();
+  int4_.reset();
+  member_experts_.clear();
+  int4_plans_.clear();
+  dense_.clear();
+  experts_.clear();
+  space_ = MemorySpace::Host();
+  report_.cuda_device = -1;
   ASSIGN_OR_RETURN(shard_, src_.OpenRank(me_, o_.version));
+  if (host_copies_ && shard_.cuda_device >= 0) {
+    ASSIGN_OR_RETURN(shard_, HostCopyOf(shard_));
+  }
   if (o_.expert_map != nullptr) RETURN_IF_ERROR(PruneExperts(src_.model(), *o_.expert_map, shard_.params));
   // The device stages: the shard is CUDA memory; gathers (NCCL groups, ChooseGatherComms), merges,
   // conversion, INT4 kernels and buckets run there.
@@ -780,7 +822,18 @@ absl::StatusOr<SyncReport> RankSync::Run() {
   std::vector<RankPlace> places;
   RETURN_IF_ERROR(AgreeOnStart(*comms_.world, local, fingerprint, {HostId(), local.ok() ? space_.cuda_device() : -1},
                                o_.collective, &places));
-  RETURN_IF_ERROR(ChooseGatherComms(places));
+  ASSIGN_OR_RETURN(const GatherDecision gathers, DecideGathers(layout_, places));
+  if (gathers.space == GatherSpace::kHostCopies) {
+    // Every rank decided the same: all prepare again on host copies, and agree again.
+    static std::atomic<bool> said{false};
+    if (me_ == 0 && !said.exchange(true))
+      WSYNC_LOG(WARNING) << "the TP / EP gathers run on the host (" << layout_.DebugString() << "): " << gathers.why
+                         << "; the ranks on GPUs copy their tensors to host memory at each sync";
+    host_copies_ = true;
+    const absl::Status again = Prepare();
+    RETURN_IF_ERROR(AgreeOnStart(*comms_.world, again, fingerprint, {HostId(), -1}, o_.collective, &places));
+  }
+  RETURN_IF_ERROR(ChooseGatherComms(places, gathers.space == GatherSpace::kDevice));
   report_.open = absl::Now() - start;
 
   if (dense_member_) RunDense();
@@ -818,27 +871,26 @@ absl::StatusOr<SyncReport> RankSync::Run() {
   return report_;
 }
 
-absl::StatusOr<bool> DeviceGathers(const ParallelLayout& layout, absl::Span<const RankPlace> places) {
+absl::StatusOr<GatherDecision> DecideGathers(const ParallelLayout& layout, absl::Span<const RankPlace> places) {
   if (places.size() != static_cast<size_t>(layout.world_size()))
     return absl::InvalidArgumentError(
         absl::StrCat(places.size(), " rank places for a layout of ", layout.world_size(), " ranks"));
-  if (layout.tp() == 1 && layout.ep() == 1 && layout.etp() == 1) return false;  // no gathers
+  if (layout.tp() == 1 && layout.ep() == 1 && layout.etp() == 1) return GatherDecision{GatherSpace::kNone, ""};
   std::vector<int> on_device, on_host;
   for (size_t r = 0; r < places.size(); ++r)
     (places[r].device >= 0 ? on_device : on_host).push_back(static_cast<int>(r));
-  if (on_device.empty()) return false;
+  if (on_device.empty()) return GatherDecision{GatherSpace::kHost, ""};
   if (!on_host.empty()) {
     auto some = [](const std::vector<int>& v) {
       const std::vector<int> head(v.begin(), v.begin() + static_cast<ptrdiff_t>(std::min<size_t>(v.size(), 8)));
       return absl::StrCat(absl::StrJoin(head, ", "), v.size() > 8 ? ", ..." : "");
     };
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank(s) ", some(on_device), " hold their tensors on GPUs and rank(s) ", some(on_host),
-        " in host memory, but the TP / EP gathers (", layout.DebugString(),
-        ") run in one memory space: register every rank's tensors the same way (all CUDA, or all host copies)"));
+    return GatherDecision{GatherSpace::kHostCopies,
+                          absl::StrCat("rank(s) ", some(on_device), " hold their tensors on GPUs and rank(s) ",
+                                       some(on_host), " in host memory")};
   }
-  // NCCL refuses two members of a group on one GPU ("duplicate GPU"): every group is checked, so
-  // that every rank gives the same answer.
+  // NCCL refuses two members of a group on one GPU ("duplicate GPU"). Every group is checked, so
+  // that every rank decides the same.
   for (int r = 0; r < layout.world_size(); ++r)
     for (const std::vector<int>& group : {layout.TpGroup(r), layout.EtpGroup(r), layout.EpGroup(r)})
       for (size_t i = 0; i < group.size(); ++i)
@@ -846,12 +898,12 @@ absl::StatusOr<bool> DeviceGathers(const ParallelLayout& layout, absl::Span<cons
           const RankPlace& a = places[static_cast<size_t>(group[i])];
           const RankPlace& b = places[static_cast<size_t>(group[j])];
           if (a.host == b.host && a.device == b.device)
-            return absl::FailedPreconditionError(absl::StrCat(
-                "ranks ", group[i], " and ", group[j], " hold their tensors on the same GPU (cuda:", a.device,
-                " of one host) and gather together (", layout.DebugString(),
-                "): NCCL needs one GPU per member of a TP / EP group"));
+            return GatherDecision{GatherSpace::kHostCopies,
+                                  absl::StrCat("ranks ", group[i], " and ", group[j],
+                                               " hold their tensors on the same GPU (cuda:", a.device,
+                                               " of one host) and gather together, and NCCL needs one GPU per member")};
         }
-  return true;
+  return GatherDecision{GatherSpace::kDevice, ""};
 }
 
 std::vector<int> StageSenders(const ParallelLayout& layout, int stage, bool spread) {

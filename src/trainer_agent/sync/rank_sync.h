@@ -54,10 +54,11 @@
 // (comm/bucket/device_staging.h) copies each full bucket once to a page-locked host buffer (host
 // stages in front of an nccl sink: one upload per bucket; an nccl sink on another GPU than the
 // shard's is refused). Same bytes as the host stages. The opening agreement carries each rank's
-// host and GPU: with gathers in the layout, every rank refuses the sync (kFailedPrecondition,
-// naming them) when some ranks are on GPUs and others in host memory, or when two members of one
-// TP / ETP / EP group are on the same GPU of one host (NCCL needs one GPU per member). AWQ experts
-// with ETP > 1 travel in bf16 to the stage source on the device (their row placement is host code).
+// host and GPU (DecideGathers): when some ranks are on GPUs and others in host memory, or two
+// members of one TP / ETP / EP group are on the same GPU of one host (NCCL needs one GPU per
+// member), every rank copies its shard to host memory, prepares again and agrees again, and the
+// host stages run. AWQ experts with ETP > 1 travel in bf16 to the stage source on the device
+// (their row placement is host code).
 // Ranks outside those groups (dense DP / expert EDP replicas) only open their shard and agree.
 // PP stages run in parallel: after the opening agreement a stage only talks within its groups.
 //
@@ -89,6 +90,7 @@
 
 #include <array>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -154,13 +156,20 @@ struct RankPlace {
   uint64_t host = 0;
   int device = -1;
 };
-// Whether the TP / ETP / EP gathers of `layout` run on the GPUs (true: every rank's tensors are on
-// one, and no two members of a group share a GPU of one host) or on the host (false: every rank in
-// host memory, or no gathers at all). `places`: every world rank's, as the opening agreement
-// delivers them, so every rank gets the same answer. kFailedPrecondition naming the ranks when
-// some are on GPUs and some in host memory, or two members of a group are on one GPU;
+// Where the TP / ETP / EP gathers of `layout` run, from every world rank's place (`places`, as the
+// opening agreement delivers them, so every rank decides the same):
+//   kNone        the layout has no gathers (each rank stays in its own space)
+//   kHost        every rank's tensors are in host memory
+//   kDevice      every rank's are on a GPU and no two members of a group share one: NCCL groups
+//   kHostCopies  otherwise (`why` says which ranks): the ranks on GPUs copy their tensors to the
+//                host and the gathers run there (as before the device gathers; logged once)
 // kInvalidArgument for `places` of another size than the world.
-absl::StatusOr<bool> DeviceGathers(const ParallelLayout& layout, absl::Span<const RankPlace> places);
+enum class GatherSpace { kNone, kHost, kDevice, kHostCopies };
+struct GatherDecision {
+  GatherSpace space = GatherSpace::kNone;
+  std::string why;  // kHostCopies: the ranks that prevent the device gathers
+};
+absl::StatusOr<GatherDecision> DecideGathers(const ParallelLayout& layout, absl::Span<const RankPlace> places);
 
 // The ranks that send stage `stage` (ascending; the stage source first): the source alone, or
 // with `spread` the source's TP group and the etp = 0 ranks of its EP group (SyncOptions::

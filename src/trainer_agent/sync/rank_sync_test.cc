@@ -361,9 +361,9 @@ TEST_F(RankSyncFailureTest, AMissingRankFileFailsEveryRankWithTheSameErrorNaming
 }
 
 // Where the gathers run, from every rank's place (the opening agreement's): the same answer for
-// every rank; mixed spaces and two members of a group on one GPU of one host are refused naming
-// the ranks. The device gathers themselves are in rank_sync_device_test (two GPUs).
-TEST(DeviceGathersTest, DecidesFromEveryRanksPlace) {
+// every rank; mixed spaces and two members of a group on one GPU of one host fall back to host
+// copies, saying which ranks. The device gathers themselves are in rank_sync_device_test.
+TEST(DecideGathersTest, DecidesFromEveryRanksPlace) {
   ParallelSizes sizes;
   sizes.world_size = 8;
   sizes.tp = 2;
@@ -372,44 +372,40 @@ TEST(DeviceGathersTest, DecidesFromEveryRanksPlace) {
   sizes.num_experts = 8;
   auto layout = ParallelLayout::Create(sizes);
   ASSERT_TRUE(layout.ok()) << layout.status();
-  std::vector<RankPlace> host(8);
-  EXPECT_EQ(DeviceGathers(*layout, host).value(), false);
+  auto space = [&](const std::vector<RankPlace>& places) { return DecideGathers(*layout, places).value().space; };
+  EXPECT_EQ(space(std::vector<RankPlace>(8)), GatherSpace::kHost);
   std::vector<RankPlace> gpus;
   for (int r = 0; r < 8; ++r) gpus.push_back({0xA, r});  // one host, eight GPUs
-  EXPECT_EQ(DeviceGathers(*layout, gpus).value(), true);
+  EXPECT_EQ(space(gpus), GatherSpace::kDevice);
   // Two hosts of four GPUs: the same device numbers on each are different GPUs.
   std::vector<RankPlace> two_hosts;
   for (int r = 0; r < 8; ++r) two_hosts.push_back({r < 4 ? 0xAu : 0xBu, r % 4});
-  EXPECT_EQ(DeviceGathers(*layout, two_hosts).value(), true);
+  EXPECT_EQ(space(two_hosts), GatherSpace::kDevice);
 
   std::vector<RankPlace> mixed = gpus;
   mixed[5].device = -1;
-  auto m = DeviceGathers(*layout, mixed);
-  EXPECT_EQ(m.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_TRUE(absl::StrContains(m.status().message(),
-                                "rank(s) 0, 1, 2, 3, 4, 6, 7 hold their tensors on GPUs and "
-                                "rank(s) 5 in host memory"))
-      << m.status();
+  const GatherDecision m = DecideGathers(*layout, mixed).value();
+  EXPECT_EQ(m.space, GatherSpace::kHostCopies);
+  EXPECT_EQ(m.why, "rank(s) 0, 1, 2, 3, 4, 6, 7 hold their tensors on GPUs and rank(s) 5 in host memory");
 
-  // Ranks 0 and 1 are a TP group; 0 and 2 an EP group (tp-cp-ep-dp-pp).
+  // Ranks 0 and 1 are a TP group; 0 and 2 share an EP group.
   for (int other : {1, 2}) {
     std::vector<RankPlace> shared = gpus;
     shared[static_cast<size_t>(other)].device = 0;
-    auto s = DeviceGathers(*layout, shared);
-    EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
-    EXPECT_TRUE(absl::StrContains(s.status().message(),
-                                  absl::StrCat("ranks 0 and ", other, " hold their tensors on the same GPU (cuda:0")))
-        << s.status();
+    const GatherDecision d = DecideGathers(*layout, shared).value();
+    EXPECT_EQ(d.space, GatherSpace::kHostCopies);
+    EXPECT_TRUE(
+        absl::StrContains(d.why, absl::StrCat("ranks 0 and ", other, " hold their tensors on the same GPU (cuda:0")))
+        << d.why;
   }
-  // Not a group: DP replicas may share a GPU's number on different hosts, and a layout without
-  // gathers never asks.
+  // DP replicas are no group: with no gathers in the layout, nothing is asked.
   ParallelSizes solo;
   solo.world_size = 2;
   auto dp = ParallelLayout::Create(solo);
   ASSERT_TRUE(dp.ok()) << dp.status();
-  std::vector<RankPlace> same = {{0xA, 0}, {0xA, 0}};
-  EXPECT_EQ(DeviceGathers(*dp, same).value(), false);
-  EXPECT_EQ(DeviceGathers(*dp, std::vector<RankPlace>(3)).status().code(), absl::StatusCode::kInvalidArgument);
+  const std::vector<RankPlace> same = {{0xA, 0}, {0xA, 0}};
+  EXPECT_EQ(DecideGathers(*dp, same).value().space, GatherSpace::kNone);
+  EXPECT_EQ(DecideGathers(*dp, std::vector<RankPlace>(3)).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
