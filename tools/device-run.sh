@@ -157,7 +157,7 @@ check python_cuda python_cuda
 #     host stages, byte for byte (dense / MoE / MLA, bf16 / INT4, PP 1 / 2).
 check memory_space "$B/bin/common_memory_space_test"
 check nccl_formation "$B/bin/comm_group_test" --gtest_filter='CommFactoryTest.*Nccl*'
-check device_staging "$B/bin/comm_device_staging_test"
+check device_staging "$B/bin/comm_space_staging_test"
 # The NCCL data plane's bucket stream with device buckets: one GPU, a lone sender over real NCCL
 # (Sum64 on the device, the framing, the ordering after the device work); two GPUs, sender and
 # receiver on different devices, every bucket byte-equal, Sum64 and tag verified.

@@ -234,7 +234,7 @@ TEST(ShardPlanTest, RefusalsNameWhatIsWrong) {
   m.set_nbytes(64);
   absl::Status refused_device = device_sink.Send(m, std::move(on_device), 64);
   EXPECT_EQ(refused_device.code(), absl::StatusCode::kFailedPrecondition) << refused_device;
-  EXPECT_THAT(refused_device.message(), HasSubstr("DeviceStagingSink"));
+  EXPECT_THAT(refused_device.message(), HasSubstr("SpaceStagingSink"));
   EXPECT_TRUE(first->buckets.empty());
 }
 

@@ -106,7 +106,7 @@ absl::Status ShardedSink::Send(v1::BucketManifest manifest, Buffer data, uint64_
   if (MemorySpace::Of(data) != space()) {
     return absl::FailedPreconditionError(
         absl::StrCat("sharded delivery cuts buckets in the group streams' memory (", space().Name(),
-                     "), this one is in ", MemorySpace::Of(data).Name(), ": stage it there first (DeviceStagingSink)"));
+                     "), this one is in ", MemorySpace::Of(data).Name(), ": stage it there first (SpaceStagingSink)"));
   }
   if (!status().ok()) return absl::OkStatus();  // draining
   if (nbytes != manifest.nbytes() || nbytes > data.size())

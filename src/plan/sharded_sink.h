@@ -12,7 +12,7 @@
 // Memory spaces: the cut runs where the group streams send from (space(): the first group sink's;
 // host memory for gloo / shm, the GPU for nccl, where the copies are enqueued on the device's
 // legacy default stream, ordered before the NCCL broadcasts and the builder's next bucket). A
-// bucket in another space is refused (kFailedPrecondition; stage it first: comm/bucket/device_staging.h).
+// bucket in another space is refused (kFailedPrecondition; stage it first: comm/bucket/space_staging.h).
 //
 // Failures: a group stream that fails aborts every group's stream (the sync fails anyway) and the
 // sink drains: later Sends return OK at once, status() holds the first error. A tensor the plan

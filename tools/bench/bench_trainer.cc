@@ -159,7 +159,7 @@ int Run(int argc, char** argv) {
   int cuda_device = -1;
   app.add_option("--cuda-device", cuda_device,
                  "every rank's tensors resident on this CUDA device: the device stages (TP = EP = ETP = 1; the "
-                 "sinks get the buckets through a DeviceStagingSink)");
+                 "sinks get the buckets through a SpaceStagingSink)");
   app.add_option("-n,--iters", iters)->capture_default_str();
   app.add_option("-w,--warmup", warmup)->capture_default_str();
   CLI11_PARSE(app, argc, argv);

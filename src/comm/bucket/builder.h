@@ -52,7 +52,7 @@ class BucketSink {
   virtual Buffer Recycle(uint64_t min_bytes) = 0;
   // Blocks until every bucket handed to Send has left; the first error of any of them.
   virtual absl::Status Finish() = 0;
-  // Where the buckets handed to Send must be (a DeviceStagingSink bridges another space): host
+  // Where the buckets handed to Send must be (a SpaceStagingSink bridges another space): host
   // memory, or a CUDA device's for a sink that sends device buckets (the NCCL data plane).
   virtual MemorySpace space() const { return MemorySpace::Host(); }
 };
@@ -63,7 +63,7 @@ struct BucketBuilderOptions {
   uint32_t pp_stage = 0;
   // Where buckets are built (common/memory_space.h): host memory, or device memory of a CUDA
   // device (the trainer's device stages: Add copies on the device, Reserve hands out device views
-  // for kernels; the sink gets device Buffers, see device_staging.h). Recycled buffers of another
+  // for kernels; the sink gets device Buffers, see space_staging.h). Recycled buffers of another
   // space are dropped.
   MemorySpace space = MemorySpace::Host();
 };

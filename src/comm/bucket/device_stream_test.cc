@@ -16,6 +16,7 @@
 #include "comm/bucket/stream.h"
 #include "comm/communicator.h"
 #include "comm/store/store.h"
+#include "comm/testing/local_group.h"
 #include "common/memory_space.h"
 #include "kernels/checksum.h"
 #include "kernels/dispatch.h"
@@ -57,15 +58,7 @@ Buffer Upload(const MemorySpace& space, const std::vector<std::byte>& bytes) {
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> Nccl(Store& store, const std::string& name, int rank, int size) {
-  GroupOptions g;
-  g.store = &store;
-  g.name = name;
-  g.rank = rank;
-  g.size = size;
-  g.cuda_device = rank;
-  g.join_timeout = absl::Seconds(60);
-  g.default_timeout = absl::Seconds(60);
-  return CreateGroup(Backend::kNccl, g);
+  return CreateGroup(Backend::kNccl, testing::LocalMemberOptions(store, name, rank, size, absl::Seconds(60)));
 }
 
 TEST(DeviceStreamTest, ALoneSenderSendsDeviceBucketsOverNccl) {

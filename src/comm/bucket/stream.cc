@@ -75,10 +75,10 @@ absl::Status BucketSender::Send(v1::BucketManifest manifest, Buffer data, uint64
         absl::StrCat(DescribeBucket(manifest), ": ", nbytes, " bytes from a ", data.size(), "-byte buffer"));
   }
   if (MemorySpace::Of(data) != space_)
-    return absl::InvalidArgumentError(
-        absl::StrCat(DescribeBucket(manifest), " is in ", MemorySpace::Of(data).Name(), " memory; the ", comm_.Name(),
-                     " bucket stream sends buffers of ", space_.Name(),
-                     " (put a DeviceStagingSink, comm/bucket/device_staging.h, in front)"));
+    return absl::InvalidArgumentError(absl::StrCat(DescribeBucket(manifest), " is in ", MemorySpace::Of(data).Name(),
+                                                   " memory; the ", comm_.Name(), " bucket stream sends buffers of ",
+                                                   space_.Name(),
+                                                   " (put a SpaceStagingSink, comm/bucket/space_staging.h, in front)"));
   if (!sum64_ && !space_.host())
     return absl::InvalidArgumentError(absl::StrCat(DescribeBucket(manifest), ": an XXH3 checksum of a bucket in ",
                                                    space_.Name(), " (device buckets carry Sum64)"));

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "comm/store/store.h"
+#include "comm/testing/local_group.h"
 #include "common/config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -59,15 +60,7 @@ class StageReceiverTest : public ::testing::Test {
   std::thread Source(const std::string& group, std::function<void(comm::Communicator&)> send,
                      comm::Backend backend = comm::Backend::kGloo) {
     return std::thread([this, group, send, backend] {
-      comm::GroupOptions g;
-      g.store = &store_;
-      g.name = group;
-      g.rank = 0;
-      g.size = 2;
-      g.cuda_device = 0;
-      g.join_timeout = absl::Seconds(20);
-      g.default_timeout = absl::Seconds(20);
-      auto comm = comm::CreateGroup(backend, g);
+      auto comm = comm::CreateGroup(backend, comm::testing::LocalMemberOptions(store_, group, 0, 2, absl::Seconds(20)));
       ASSERT_TRUE(comm.ok()) << comm.status();
       send(**comm);
     });

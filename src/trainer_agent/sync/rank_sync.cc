@@ -14,7 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "comm/bucket/device_staging.h"
+#include "comm/bucket/space_staging.h"
 #include "common/checksum.h"
 #include "common/logging.h"
 #include "common/memory_space.h"
@@ -263,8 +263,8 @@ class RankSync {
   std::array<Buffer, 2>& slots_;
   Buffer& etp_buffer_;
   Buffer& scratch_;
-  MemorySpace space_ = MemorySpace::Host();         // of the shard's tensors, the HF copies and the buckets
-  std::optional<comm::DeviceStagingSink> staging_;  // the buckets' space -> the sink's, where they differ
+  MemorySpace space_ = MemorySpace::Host();        // of the shard's tensors, the HF copies and the buckets
+  std::optional<comm::SpaceStagingSink> staging_;  // the buckets' space -> the sink's, where they differ
   std::optional<comm::BucketBuilder> builder_;
   absl::Status failure_;
   bool comm_failed_ = false;

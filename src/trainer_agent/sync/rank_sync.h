@@ -50,8 +50,8 @@
 // kept while every rank's GPU stays the same); the merges are cudaMemcpy2D copies
 // (MemorySpace::Copy2D), the members' status records are copied into and out of the gather
 // buffers; ToHf's copies, the CUDA INT4 kernels and the buckets are in device memory; a sink on
-// that GPU (the nccl data plane) sends them as they are, and for a host sink a DeviceStagingSink
-// (comm/bucket/device_staging.h) copies each full bucket once to a page-locked host buffer (host
+// that GPU (the nccl data plane) sends them as they are, and for a host sink a SpaceStagingSink
+// (comm/bucket/space_staging.h) copies each full bucket once to a page-locked host buffer (host
 // stages in front of an nccl sink: one upload per bucket; an nccl sink on another GPU than the
 // shard's is refused). Same bytes as the host stages. The opening agreement carries each rank's
 // host and GPU (DecideGathers): when some ranks are on GPUs and others in host memory, or two
@@ -193,7 +193,7 @@ struct SyncReport {
   uint64_t copied_bytes = 0;     // bytes copied into buckets: unquantized tensors and gathered INT4 (source)
   uint64_t gather_calls = 0;     // all-gather calls issued by this rank
   int cuda_device = -1;          // >= 0: the device stages ran on this CUDA device
-  absl::Duration staging;        // copying buckets between the builder's memory and the sink's (DeviceStagingSink)
+  absl::Duration staging;        // copying buckets between the builder's memory and the sink's (SpaceStagingSink)
 };
 
 absl::StatusOr<SyncReport> RunRankSync(const WeightSource& src, TrainerComms& comms, comm::BucketSink* sink,

@@ -1,6 +1,6 @@
 // The device stages of RunRankSync (sync/rank_sync.h), on a GPU: every rank's tensors resident in
 // CUDA memory (CudaResidentSource), ToHf's copies, the CUDA INT4 kernels and the buckets on the
-// device, a DeviceStagingSink to the capture sink. For dense, MoE and MLA models, bf16 and INT4,
+// device, a SpaceStagingSink to the capture sink. For dense, MoE and MLA models, bf16 and INT4,
 // one and two pipeline stages, each stage's stream must equal the host stages' stream on the same
 // checkpoint byte for byte (manifests and data), and the oracle (ExpectedSentTensors). A NaN in a
 // device weight fails the sync naming the tensor, as on the host; two members of a gather group on

@@ -1,4 +1,4 @@
-// DeviceStagingSink: the hand-off between the memory space buckets are built in and the one the
+// SpaceStagingSink: the hand-off between the memory space buckets are built in and the one the
 // sink behind it sends from (BucketSink::space()), when they differ:
 //   device -> host   the trainer's device stages (INT4 kernels and copies on the GPU) in front of a
 //                    sink of host buckets (BroadcastSink over Gloo, shm or MPI);
@@ -31,16 +31,16 @@
 
 namespace wsync::comm {
 
-struct DeviceStagingStats {
+struct SpaceStagingStats {
   uint64_t buckets = 0;  // copied to the inner sink's space
   uint64_t bytes = 0;
   absl::Duration copy;  // in the copies (includes waiting for the kernels that filled the bucket)
 };
 
-class DeviceStagingSink final : public BucketSink {
+class SpaceStagingSink final : public BucketSink {
  public:
   // `from`: the space the builder in front builds in.
-  DeviceStagingSink(BucketSink& inner, MemorySpace from, int max_free = 2);
+  SpaceStagingSink(BucketSink& inner, MemorySpace from, int max_free = 2);
 
   absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) override;
   // A kept builder buffer of at least min_bytes, else an empty Buffer (the inner sink's buffers
@@ -49,14 +49,14 @@ class DeviceStagingSink final : public BucketSink {
   absl::Status Finish() override { return inner_.Finish(); }
   MemorySpace space() const override { return from_; }
 
-  const DeviceStagingStats& stats() const { return stats_; }
+  const SpaceStagingStats& stats() const { return stats_; }
 
  private:
   BucketSink& inner_;
   const MemorySpace from_;
   const size_t max_free_;
   std::vector<Buffer> free_;  // the builder's, in from_
-  DeviceStagingStats stats_;
+  SpaceStagingStats stats_;
 };
 
 }  // namespace wsync::comm

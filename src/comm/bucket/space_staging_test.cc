@@ -1,4 +1,4 @@
-#include "comm/bucket/device_staging.h"
+#include "comm/bucket/space_staging.h"
 
 #include <cstring>
 #include <random>
@@ -47,7 +47,7 @@ void BuildBoth(const MemorySpace& space, uint32_t seed) {
     ASSERT_TRUE(b.Finish().ok());
   };
   CaptureSink host_sink, staged_sink;
-  DeviceStagingSink staging(staged_sink, space);
+  SpaceStagingSink staging(staged_sink, space);
   build(MemorySpace::Host(), host_sink);
   build(space, staging);
   ASSERT_EQ(host_sink.buckets.size(), staged_sink.buckets.size());
@@ -59,9 +59,9 @@ void BuildBoth(const MemorySpace& space, uint32_t seed) {
   EXPECT_EQ(staged_sink.finishes, 1);
 }
 
-TEST(DeviceStagingSinkTest, HostBucketsPassThrough) { BuildBoth(MemorySpace::Host(), 11); }
+TEST(SpaceStagingSinkTest, HostBucketsPassThrough) { BuildBoth(MemorySpace::Host(), 11); }
 
-TEST(DeviceStagingSinkTest, DeviceBucketsArriveAsTheHostBuildsThem) {
+TEST(SpaceStagingSinkTest, DeviceBucketsArriveAsTheHostBuildsThem) {
   if (!kernels::GpuAvailable()) GTEST_SKIP() << "no CUDA device";
   for (uint32_t seed : {1u, 2u, 3u}) BuildBoth(MemorySpace::Cuda(0), seed);
 }
@@ -89,13 +89,13 @@ class DeviceCaptureSink final : public BucketSink {
 };
 
 // Host stages in front of the NCCL data plane: host buckets uploaded, one copy each.
-TEST(DeviceStagingSinkTest, HostBucketsGoUpToADeviceSinkAsTheyWereBuilt) {
+TEST(SpaceStagingSinkTest, HostBucketsGoUpToADeviceSinkAsTheyWereBuilt) {
   if (!kernels::GpuAvailable()) GTEST_SKIP() << "no CUDA device";
   std::vector<std::vector<std::byte>> tensors;
   for (int i = 0; i < 30; ++i) tensors.push_back(Pattern(1 + (i * 7919) % 20000, 40 + i));
   CaptureSink host_sink;
   DeviceCaptureSink device_sink;
-  DeviceStagingSink staging(device_sink, MemorySpace::Host());
+  SpaceStagingSink staging(device_sink, MemorySpace::Host());
   for (BucketSink* sink : {static_cast<BucketSink*>(&host_sink), static_cast<BucketSink*>(&staging)}) {
     BucketBuilderOptions o;
     o.bucket_bytes = 64 << 10;
@@ -112,7 +112,7 @@ TEST(DeviceStagingSinkTest, HostBucketsGoUpToADeviceSinkAsTheyWereBuilt) {
   EXPECT_EQ(staging.stats().buckets, host_sink.buckets.size());
 }
 
-TEST(DeviceStagingSinkTest, HostSinksRefuseDeviceBuffersBeforeReadingThem) {
+TEST(SpaceStagingSinkTest, HostSinksRefuseDeviceBuffersBeforeReadingThem) {
   CaptureSink capture;
   absl::Status s = capture.Send(v1::BucketManifest(), FakeDeviceBuffer(64), 64);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
@@ -125,9 +125,9 @@ TEST(DeviceStagingSinkTest, HostSinksRefuseDeviceBuffersBeforeReadingThem) {
   m.set_index(3);
   s = sender.Send(m, FakeDeviceBuffer(64), 64);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_TRUE(absl::StrContains(s.message(), "DeviceStagingSink")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "SpaceStagingSink")) << s;
   // A device bucket larger than its buffer is refused by the staging sink itself.
-  DeviceStagingSink staging(capture, MemorySpace::Cuda(0));
+  SpaceStagingSink staging(capture, MemorySpace::Cuda(0));
   s = staging.Send(m, FakeDeviceBuffer(64), 65);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
 }

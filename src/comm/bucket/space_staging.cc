@@ -1,4 +1,4 @@
-#include "comm/bucket/device_staging.h"
+#include "comm/bucket/space_staging.h"
 
 #include <algorithm>
 #include <utility>
@@ -10,10 +10,10 @@
 
 namespace wsync::comm {
 
-DeviceStagingSink::DeviceStagingSink(BucketSink& inner, MemorySpace from, int max_free)
+SpaceStagingSink::SpaceStagingSink(BucketSink& inner, MemorySpace from, int max_free)
     : inner_(inner), from_(from), max_free_(static_cast<size_t>(std::max(max_free, 0))) {}
 
-absl::Status DeviceStagingSink::Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) {
+absl::Status SpaceStagingSink::Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) {
   const MemorySpace to = inner_.space(), of = MemorySpace::Of(data);
   if (of == to) return inner_.Send(std::move(manifest), std::move(data), nbytes);
   if (nbytes > data.size())
@@ -48,7 +48,7 @@ absl::Status DeviceStagingSink::Send(v1::BucketManifest manifest, Buffer data, u
   return inner_.Send(std::move(manifest), std::move(out), nbytes);
 }
 
-Buffer DeviceStagingSink::Recycle(uint64_t min_bytes) {
+Buffer SpaceStagingSink::Recycle(uint64_t min_bytes) {
   for (size_t i = 0; i < free_.size(); ++i) {
     if (free_[i].size() < min_bytes) continue;
     Buffer b = std::move(free_[i]);
