@@ -88,5 +88,8 @@ absl::Status Copy2DOnDevice(void* dst, size_t dst_pitch, const void* src, size_t
 absl::Status ZeroOnDevice(void* dst, size_t nbytes, int device);
 // Waits for every operation enqueued on `device`; their first execution error.
 absl::Status SynchronizeDevice(int device);
+// The PCI bus id of `device` ("0000:3b:00.0"): names one physical GPU of a host whatever
+// CUDA_VISIBLE_DEVICES each process has (device ordinals do not).
+absl::StatusOr<std::string> DevicePciBusId(int device);
 
 }  // namespace wsync

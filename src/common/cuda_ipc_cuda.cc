@@ -243,12 +243,24 @@ absl::Status CopyOnDevice(void* dst, const void* src, size_t nbytes, int device)
 absl::Status Copy2DOnDevice(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
                             size_t rows, int device) {
   if (row_bytes == 0 || rows == 0) return absl::OkStatus();
+  // One row (its pitches may be 0: a StridedCopy of one block), or rows that are contiguous on
+  // both sides: one plain copy. cudaMemcpy2DAsync refuses a pitch below the row's width (and
+  // above cudaDevAttrMaxPitch).
+  if (rows == 1 || (dst_pitch == row_bytes && src_pitch == row_bytes))
+    return CopyOnDevice(dst, src, rows * row_bytes, device);
   if (absl::Status s = SetDevice(device); !s.ok()) return s;
   if (cudaError_t e = cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDefault, nullptr);
       e != cudaSuccess)
     return CudaError(e, absl::StrCat("copying ", rows, " rows of ", row_bytes, " bytes on device ", device),
                      absl::StatusCode::kInternal);
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> DevicePciBusId(int device) {
+  char id[32] = {};
+  if (cudaError_t e = cudaDeviceGetPCIBusId(id, sizeof(id), device); e != cudaSuccess)
+    return CudaError(e, absl::StrCat("the PCI bus id of device ", device), absl::StatusCode::kFailedPrecondition);
+  return std::string(id);
 }
 
 absl::Status ZeroOnDevice(void* dst, size_t nbytes, int device) {

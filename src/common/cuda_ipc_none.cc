@@ -48,4 +48,6 @@ absl::Status ZeroOnDevice(void*, size_t, int device) { return NoCuda("a device m
 
 absl::Status SynchronizeDevice(int device) { return NoCuda("synchronizing a device", device); }
 
+absl::StatusOr<std::string> DevicePciBusId(int device) { return NoCuda("a device's PCI bus id", device); }
+
 }  // namespace wsync

@@ -76,6 +76,17 @@ void RoundTrip(const MemorySpace& space) {
       const uint8_t want = c >= 8 ? in[r * 64 + 40 + (c - 8)] : 0;
       ASSERT_EQ(out[r * 32 + c], want) << space.Name() << " row " << r << " column " << c;
     }
+  // One row with pitches 0 (a shard merge's single block: GLU halves, dim-0 shards), and rows
+  // contiguous on both sides: plain copies (cudaMemcpy2D refuses a pitch below the width).
+  ASSERT_TRUE(space.Copy(a->data(), in.data(), in.size()).ok());
+  ASSERT_TRUE(space.Zero(b->data(), in.size()).ok());
+  ASSERT_TRUE(space.Copy2D(b->data() + 1000, 0, a->data() + 7, 0, 1500, 1).ok());
+  ASSERT_TRUE(space.Copy2D(b->data() + 3000, 16, a->data() + 100, 16, 16, 5).ok());
+  ASSERT_TRUE(space.CopyToHost(out.data(), b->data(), out.size()).ok());
+  for (size_t i = 0; i < out.size(); ++i) {
+    const uint8_t want = i >= 1000 && i < 2500 ? in[i - 1000 + 7] : i >= 3000 && i < 3080 ? in[i - 3000 + 100] : 0;
+    ASSERT_EQ(out[i], want) << space.Name() << " byte " << i;
+  }
 }
 
 TEST(MemorySpace, HostRoundTrip) {
