@@ -146,11 +146,15 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateGroup(Backend backend, const
 // device gathers: its TP / ETP / EP groups on the GPUs). Rank 0's ncclUniqueId is all-gathered over
 // `parent` with every member's readiness (no store; options.store, rank, size and host are not
 // used), then the communicator is initialised on options.cuda_device within options.join_timeout.
-// Collective over `parent`: every member calls it, in the same order as its other collectives.
+// Collective over `parent`: every member calls it, in the same order as its other collectives. A
+// member whose `ready` is an error (an earlier group failed on it) still takes part in the exchange
+// and returns `ready`; the others then fail too, so no member is left in NCCL's formation.
 // Errors: kUnimplemented for another backend or a build without NCCL; kFailedPrecondition, on
-// every member, naming the member without its GPU; the parent's AllGather errors; NCCL's.
+// every member, naming the first member without its GPU or not ready; the parent's AllGather
+// errors; NCCL's.
 absl::StatusOr<std::unique_ptr<Communicator>> CreateGroupOver(Backend backend, Communicator& parent,
                                                               const GroupOptions& options,
-                                                              const CollectiveOptions& collective = {});
+                                                              const CollectiveOptions& collective = {},
+                                                              const absl::Status& ready = absl::OkStatus());
 
 }  // namespace wsync::comm

@@ -65,16 +65,18 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateGroup(Backend backend, const
 
 absl::StatusOr<std::unique_ptr<Communicator>> CreateGroupOver(Backend backend, Communicator& parent,
                                                               const GroupOptions& options,
-                                                              const CollectiveOptions& collective) {
+                                                              const CollectiveOptions& collective,
+                                                              const absl::Status& ready) {
   if (backend != Backend::kNccl)
     return absl::UnimplementedError(
         absl::StrCat("a ", BackendName(backend), " group is not formed over another group (only nccl is)"));
 #if WSYNC_WITH_NCCL
-  return CreateNcclCommunicatorOver(parent, options, collective);
+  return CreateNcclCommunicatorOver(parent, options, collective, ready);
 #else
   (void)parent;
   (void)options;
   (void)collective;
+  (void)ready;
   return NotBuilt(backend);
 #endif
 }

@@ -257,7 +257,8 @@ struct IdRecord {
 
 absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicatorOver(Communicator& parent,
                                                                          const GroupOptions& options,
-                                                                         const CollectiveOptions& collective) {
+                                                                         const CollectiveOptions& collective,
+                                                                         const absl::Status& ready) {
   GroupOptions o = options;
   o.rank = parent.rank();
   o.size = parent.size();
@@ -268,8 +269,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicatorOver(Communi
   // every member at once instead of leaving the others in ncclCommInitRankConfig.
   IdRecord mine;
   int devices = 0;
-  absl::Status local;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || o.cuda_device < 0 || o.cuda_device >= devices)
+  absl::Status local = ready;
+  if (!local.ok()) {
+    // Not ready: take part in the exchange only, so that the others fail with us.
+  } else if (cudaGetDeviceCount(&devices) != cudaSuccess || o.cuda_device < 0 || o.cuda_device >= devices)
     local = absl::FailedPreconditionError(
         absl::StrCat("rank ", o.rank, " has no CUDA device ", o.cuda_device, " (", devices, " visible)"));
   else if (o.rank == 0)
@@ -283,7 +286,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicatorOver(Communi
   if (!local.ok()) return Annotate(local, where);
   for (int r = 0; r < o.size; ++r)
     if (all[static_cast<size_t>(r)].ok == 0)
-      return absl::FailedPreconditionError(absl::StrCat(where, ": rank ", r, " cannot join (no GPU, or no unique id)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(where, ": rank ", r, " cannot join (no GPU, no unique id, or an earlier group failed there)"));
   auto comm = std::make_unique<NcclCommunicator>(o);
   RETURN_IF_ERROR(Annotate(comm->Init(all[0].id, o.join_timeout, o.cancelled), where));
   return std::unique_ptr<Communicator>(std::move(comm));

@@ -31,6 +31,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const Group
 // The same members as `parent`, in its rank order, formed without a store: see CreateGroupOver.
 absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicatorOver(Communicator& parent,
                                                                          const GroupOptions& options,
-                                                                         const CollectiveOptions& collective);
+                                                                         const CollectiveOptions& collective,
+                                                                         const absl::Status& ready);
 
 }  // namespace wsync::comm

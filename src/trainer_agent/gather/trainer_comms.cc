@@ -53,7 +53,21 @@ absl::StatusOr<TrainerComms> MakeTrainerComms(comm::Communicator& world, const P
   return c;
 }
 
-absl::Status EnsureDeviceComms(TrainerComms& c, const std::vector<int>& devices,
+namespace {
+
+// Every rank's `mine` (one int32 each, world rank order).
+absl::StatusOr<std::vector<int32_t>> GatherInts(comm::Communicator& world, int32_t mine,
+                                                const comm::CollectiveOptions& options, absl::string_view what) {
+  std::vector<int32_t> all(static_cast<size_t>(world.size()));
+  comm::ConstBytes in{&mine, sizeof(mine)};
+  comm::MutableBytes out{all.data(), all.size() * sizeof(int32_t)};
+  RETURN_IF_ERROR(Annotate(comm::Await(world.AllGather({&in, 1}, {&out, 1}, options)), what));
+  return all;
+}
+
+}  // namespace
+
+absl::Status EnsureDeviceComms(TrainerComms& c, const std::vector<int>& devices, bool dense, bool experts,
                                const comm::CollectiveOptions& options) {
   if (c.world == nullptr || c.tp == nullptr || c.etp == nullptr || c.ep == nullptr)
     return absl::InvalidArgumentError("EnsureDeviceComms: TrainerComms without its world / tp / etp / ep");
@@ -63,24 +77,44 @@ absl::Status EnsureDeviceComms(TrainerComms& c, const std::vector<int>& devices,
   for (size_t r = 0; r < devices.size(); ++r)
     if (devices[r] < 0)
       return absl::InvalidArgumentError(absl::StrCat("EnsureDeviceComms: rank ", r, "'s tensors are in host memory"));
-  if (c.device.devices == devices) return absl::OkStatus();
-  c.device = TrainerComms::Device();  // the old groups end before new ones form on the same GPUs
   const int me = c.world->rank();
+  // Form anew when any rank's groups are missing, stale or for other devices (every rank decides
+  // the same from the vote).
+  const bool fresh = !c.device.stale && c.device.devices == devices;
+  ASSIGN_OR_RETURN(const std::vector<int32_t> stale,
+                   GatherInts(*c.world, fresh ? 0 : 1, options, "agreeing on the device gathers' groups"));
+  if (std::all_of(stale.begin(), stale.end(), [](int32_t v) { return v == 0; })) return absl::OkStatus();
+  c.device = TrainerComms::Device();  // the old groups end before new ones form on the same GPUs
   TrainerComms::Device d;
-  auto form = [&](comm::Communicator& parent, std::unique_ptr<comm::Communicator>& out,
-                  absl::string_view kind) -> absl::Status {
-    if (parent.size() == 1) return absl::OkStatus();
+  absl::Status status;  // the first failure on this rank; later groups still take part in the exchanges
+  auto form = [&](comm::Communicator& parent, bool wanted, std::unique_ptr<comm::Communicator>& out,
+                  absl::string_view kind) {
+    if (!wanted || parent.size() == 1) return;
     comm::GroupOptions o;
     o.name = absl::StrCat(kind, "@cuda/", parent.group());
     o.cuda_device = devices[static_cast<size_t>(me)];
     o.join_timeout = options.timeout > absl::ZeroDuration() ? options.timeout : absl::Minutes(5);
     o.default_timeout = o.join_timeout;
-    ASSIGN_OR_RETURN(out, comm::CreateGroupOver(comm::Backend::kNccl, parent, o, options));
-    return absl::OkStatus();
+    auto g = comm::CreateGroupOver(comm::Backend::kNccl, parent, o, options, status);
+    if (g.ok())
+      out = std::move(*g);
+    else if (status.ok())
+      status = Annotate(g.status(), absl::StrCat("rank ", me, ": the device ", kind, " group"));
   };
-  RETURN_IF_ERROR(Annotate(form(*c.tp, d.tp, "tp"), absl::StrCat("rank ", me, ": the device TP group")));
-  RETURN_IF_ERROR(Annotate(form(*c.etp, d.etp, "etp"), absl::StrCat("rank ", me, ": the device ETP group")));
-  RETURN_IF_ERROR(Annotate(form(*c.ep, d.ep, "ep"), absl::StrCat("rank ", me, ": the device EP group")));
+  // Every member of a TP group gathers dense parameters or none does (same dp, cp); likewise the
+  // ETP and EP groups for experts (same edp): each group is formed by all its members or by none.
+  form(*c.tp, dense, d.tp, "tp");
+  form(*c.etp, experts, d.etp, "etp");
+  form(*c.ep, experts, d.ep, "ep");
+  ASSIGN_OR_RETURN(const std::vector<int32_t> failed,
+                   GatherInts(*c.world, status.ok() ? 0 : static_cast<int32_t>(status.code()), options,
+                              "agreeing that the device gathers' groups formed"));
+  if (!status.ok()) return status;
+  for (size_t r = 0; r < failed.size(); ++r)
+    if (failed[r] != 0)
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", r, " could not form its device gather groups (",
+                       absl::StatusCodeToString(static_cast<absl::StatusCode>(failed[r])), "; its log says why)"));
   d.devices = devices;
   c.device = std::move(d);
   return absl::OkStatus();

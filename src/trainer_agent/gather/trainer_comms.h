@@ -30,9 +30,11 @@ struct TrainerComms {
   comm::Communicator* world = nullptr;  // not owned
   // The device gathers' groups: NCCL groups of the same members on this rank's GPU, formed by
   // EnsureDeviceComms for the GPUs every rank's tensors are on (`devices`, by world rank); null for
-  // a group of one member (nothing to gather) and until formed.
+  // a group of one member (nothing to gather), one this rank does not gather in, and until formed.
+  // `stale`: a device gather failed (the group is aborted): the next EnsureDeviceComms forms anew.
   struct Device {
     std::vector<int> devices;
+    bool stale = false;
     std::unique_ptr<comm::Communicator> tp, etp, ep;
   } device;
 };
@@ -40,14 +42,17 @@ struct TrainerComms {
 absl::StatusOr<TrainerComms> MakeTrainerComms(comm::Communicator& world, const ParallelLayout& layout,
                                               const comm::CollectiveOptions& options = {});
 
-// Forms the NCCL tp / etp / ep groups (comm::CreateGroupOver the host ones) of `comms` on the GPUs
-// `devices` says (world rank -> CUDA device; this rank's is its own), or keeps those formed for the
-// same `devices` by an earlier sync. Collective over the world: every rank calls it with the same
-// `devices` (agreed: rank_sync's AgreeOnStart), so all form or all keep. Groups of one member are
-// not formed. Errors: kInvalidArgument for `devices` of another size than the world or a host
-// entry (-1); CreateGroupOver's (kUnimplemented without NCCL, kFailedPrecondition without the
-// GPU), after which no device group is kept.
-absl::Status EnsureDeviceComms(TrainerComms& comms, const std::vector<int>& devices,
+// Forms the NCCL groups (comm::CreateGroupOver the host ones) of `comms` on the GPUs `devices` says
+// (world rank -> CUDA device; this rank's is its own): the TP group when `dense` (this rank gathers
+// dense parameters), the ETP and EP groups when `experts`; groups of one member are not formed.
+// Groups formed for the same `devices` by an earlier sync are kept unless some rank's are stale.
+// Collective over the world: every rank calls it with the same `devices` (agreed: rank_sync's
+// AgreeOnStart); whether to form anew and whether forming succeeded are voted over the world, so
+// every rank returns the same (a failure: every group dropped). Errors: kInvalidArgument for
+// `devices` of another size than the world or a host entry (-1); CreateGroupOver's on the rank
+// where forming failed (kUnimplemented without NCCL, kFailedPrecondition without the GPU), and
+// kFailedPrecondition naming that rank on the others; the world's errors.
+absl::Status EnsureDeviceComms(TrainerComms& comms, const std::vector<int>& devices, bool dense, bool experts,
                                const comm::CollectiveOptions& options = {});
 
 }  // namespace wsync::trainer_agent
