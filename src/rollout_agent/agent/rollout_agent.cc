@@ -600,7 +600,9 @@ absl::Status RolloutAgent::RegisterEngine(const v1::RegisterEngineRequest& req, 
     const v1::CatchUpHint hint = r.membership->catch_up();
     if (hint.version() > req.version() && hint.peers_size() > 0) {
       absl::MutexLock lock(&mu_);
-      if (engine_ != nullptr && engine_->client == r.client) {  // not replaced meanwhile
+      // Not replaced meanwhile, and no sync has started or committed that version since (the
+      // engine would hold requests for a version it is not going to be given).
+      if (engine_ != nullptr && engine_->client == r.client && sync_ == nullptr && version_ < hint.version()) {
         promise = hint.version();
         promised_version_ = promise;
         next_fetch_ = absl::Now();

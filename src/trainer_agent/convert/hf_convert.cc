@@ -109,41 +109,65 @@ absl::StatusOr<HfRowMap> HfRowMapFor(const ModelConfig& model, const MegatronPar
 }
 
 absl::StatusOr<std::vector<model::HfTensor>> ToHf(const ModelConfig& model, const MegatronParam& p, TensorView full,
-                                                  const MemorySpace& space) {
+                                                  const MemorySpace& space, Buffer* scratch) {
   RETURN_IF_ERROR(CheckFull(p, full));
   std::vector<model::HfTensor> out;
   if (!p.sent || p.pruned) return out;
   ASSIGN_OR_RETURN(HfRowMap map, HfRowMapFor(model, p));
   const int64_t row_bytes = static_cast<int64_t>(full.nbytes()) / p.full_shape[0];
   const std::byte* base = full.bytes().data();
+  // An HF tensor that is one piece of whole rows is a view of `full`; the others are gathered.
+  std::vector<const HfRowPiece*> only(map.hf_shapes.size(), nullptr);
+  std::vector<int> pieces(map.hf_shapes.size(), 0);
+  for (const HfRowPiece& piece : map.pieces) {
+    ++pieces[static_cast<size_t>(piece.hf_index)];
+    only[static_cast<size_t>(piece.hf_index)] = &piece;
+  }
+  auto is_view = [&](size_t i) {
+    return pieces[i] == 1 && only[i]->hf_row == 0 && only[i]->rows == map.hf_shapes[i][0];
+  };
+  constexpr uint64_t kAlign = 256;
+  auto align = [](uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; };
+  if (scratch != nullptr) {  // room for every gathered tensor, one after the other
+    uint64_t need = 0;
+    for (size_t i = 0; i < map.hf_shapes.size(); ++i) {
+      if (is_view(i)) continue;
+      ASSIGN_OR_RETURN(const int64_t nbytes, NumBytes(p.dtype, map.hf_shapes[i]));
+      need = align(need) + static_cast<uint64_t>(nbytes);
+    }
+    if (need > 0 && (scratch->size() < need || MemorySpace::Of(*scratch) != space)) {
+      *scratch = Buffer();
+      ASSIGN_OR_RETURN(*scratch, space.Allocate(need));
+    }
+  }
+  uint64_t used = 0;
   out.resize(map.hf_shapes.size());
   for (size_t i = 0; i < map.hf_shapes.size(); ++i) {
     model::HfTensor& t = out[i];
     t.name = p.hf_names[i];
     const Shape& shape = map.hf_shapes[i];
-    const int64_t hf_rows = shape[0];
-    int count = 0;
-    const HfRowPiece* only = nullptr;
-    for (const HfRowPiece& piece : map.pieces)
-      if (piece.hf_index == static_cast<int>(i)) {
-        ++count;
-        only = &piece;
-      }
-    if (count == 1 && only->hf_row == 0 && only->rows == hf_rows) {
+    if (is_view(i)) {
       t.view = TensorView(p.dtype, shape,
-                          full.bytes().subspan(static_cast<size_t>(only->full_row * row_bytes),
-                                               static_cast<size_t>(hf_rows * row_bytes)));
+                          full.bytes().subspan(static_cast<size_t>(only[i]->full_row * row_bytes),
+                                               static_cast<size_t>(shape[0] * row_bytes)));
       continue;
     }
     ASSIGN_OR_RETURN(const int64_t nbytes, NumBytes(p.dtype, shape));
-    ASSIGN_OR_RETURN(Buffer buffer, space.Allocate(static_cast<size_t>(nbytes)));
-    ASSIGN_OR_RETURN(t.owned, Tensor::FromBuffer(p.dtype, shape, std::move(buffer)));
-    std::byte* dst = t.owned.mutable_view().bytes().data();
+    std::span<std::byte> into;
+    if (scratch != nullptr) {
+      used = align(used);
+      into = scratch->span().subspan(used, static_cast<size_t>(nbytes));
+      used += static_cast<uint64_t>(nbytes);
+    } else {
+      ASSIGN_OR_RETURN(Buffer buffer, space.Allocate(static_cast<size_t>(nbytes)));
+      ASSIGN_OR_RETURN(t.owned, Tensor::FromBuffer(p.dtype, shape, std::move(buffer)));
+      into = t.owned.mutable_view().bytes();
+    }
     for (const HfRowPiece& piece : map.pieces)
       if (piece.hf_index == static_cast<int>(i))
-        RETURN_IF_ERROR(space.Copy(dst + piece.hf_row * row_bytes, base + piece.full_row * row_bytes,
+        RETURN_IF_ERROR(space.Copy(into.data() + piece.hf_row * row_bytes, base + piece.full_row * row_bytes,
                                    static_cast<size_t>(piece.rows * row_bytes)));
-    t.view = t.owned.view();
+    t.view = TensorView(p.dtype, shape, into);
   }
   return out;
 }

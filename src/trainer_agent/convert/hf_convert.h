@@ -44,9 +44,14 @@ absl::StatusOr<HfRowMap> HfRowMapFor(const ModelConfig& model, const MegatronPar
 // `full` must have param.dtype and param.full_shape.
 // A pruned expert (param.pruned) becomes none either. `full` lives in `space` (the trainer's
 // device stages pass its CUDA space); an HF tensor that is not one contiguous block of it is
-// gathered into a tensor owned by the result, in that same space.
+// gathered into a tensor owned by the result, in that same space, or, given `scratch`, into
+// `scratch` (grown in `space` when too small: at most param.full_shape's bytes plus 256 per HF
+// tensor), whose contents the result's views then point to until the next call with it. The sync
+// passes one scratch for all its parameters, sized beforehand, so that no device memory is freed
+// while its NCCL operations run (docs/comm.md).
 absl::StatusOr<std::vector<model::HfTensor>> ToHf(const ModelConfig& model, const MegatronParam& param, TensorView full,
-                                                  const MemorySpace& space = MemorySpace::Host());
+                                                  const MemorySpace& space = MemorySpace::Host(),
+                                                  Buffer* scratch = nullptr);
 
 // The reverse (used by the sharder): the full Megatron tensor built from the HF checkpoint. HF
 // tensors must have the parameter's dtype, except that a bf16/fp16 source of an fp32 parameter

@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "comm/bucket/space_staging.h"
 #include "common/checksum.h"
+#include "common/cuda_ipc.h"
 #include "common/logging.h"
 #include "common/memory_space.h"
 #include "common/status.h"
@@ -35,10 +36,23 @@ uint64_t AlignUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
 // --- The opening agreement ----------------------------------------------------------------------
 
-uint64_t HostId() {
+uint64_t Hash(absl::string_view text) {
+  return Xxh3_64({reinterpret_cast<const std::byte*>(text.data()), text.size()});
+}
+
+// Where this rank's tensors are: its host, and for a CUDA device the physical GPU (its PCI bus id:
+// two processes with different CUDA_VISIBLE_DEVICES number one GPU differently).
+RankPlace PlaceOf(int device) {
   char name[256] = {};
   gethostname(name, sizeof(name) - 1);
-  return Xxh3_64({reinterpret_cast<const std::byte*>(name), std::strlen(name)});
+  RankPlace p;
+  p.host = Hash(name);
+  p.device = device;
+  if (device >= 0) {
+    absl::StatusOr<std::string> bus = DevicePciBusId(device);
+    p.gpu = Hash(bus.ok() ? *bus : absl::StrCat("cuda:", device));
+  }
+  return p;
 }
 
 struct StartRecord {
@@ -46,10 +60,11 @@ struct StartRecord {
   uint32_t message_bytes = 0;
   uint64_t fingerprint = 0;
   uint64_t host = 0;
+  uint64_t gpu = 0;
   int32_t device = -1;
   int32_t reserved = 0;
 };
-static_assert(sizeof(StartRecord) == 32);
+static_assert(sizeof(StartRecord) == 40);
 
 // Every rank learns every rank's opening status, and where its tensors are (`places`, by world
 // rank); all return the same result.
@@ -61,6 +76,7 @@ absl::Status AgreeOnStart(comm::Communicator& world, const absl::Status& local, 
   mine.message_bytes = static_cast<uint32_t>(message.size());
   mine.fingerprint = fingerprint;
   mine.host = place.host;
+  mine.gpu = place.gpu;
   mine.device = place.device;
   std::vector<StartRecord> all(static_cast<size_t>(world.size()));
   comm::ConstBytes in{&mine, sizeof(mine)};
@@ -79,7 +95,7 @@ absl::Status AgreeOnStart(comm::Communicator& world, const absl::Status& local, 
             "parallel.json, gather size, quantization config or expert map differ): the ranks would not agree on "
             "their collectives"));
     places->clear();
-    for (const StartRecord& r : all) places->push_back({r.host, r.device});
+    for (const StartRecord& r : all) places->push_back({r.host, r.device, r.gpu});
     return absl::OkStatus();
   }
   std::vector<size_t> sizes(all.size());
@@ -194,7 +210,9 @@ void LeakForFailedCollectives(Buffer b) {
 
 }  // namespace
 
-uint64_t SyncWorkspace::bytes() const { return slots_[0].size() + slots_[1].size() + etp_.size() + scratch_.size(); }
+uint64_t SyncWorkspace::bytes() const {
+  return slots_[0].size() + slots_[1].size() + etp_.size() + scratch_.size() + hf_.size();
+}
 
 // --- One rank's sync ----------------------------------------------------------------------------
 
@@ -209,12 +227,16 @@ class RankSync {
         ws_(o.workspace != nullptr ? *o.workspace : own_workspace_),
         slots_(ws_.slots_),
         etp_buffer_(ws_.etp_),
-        scratch_(ws_.scratch_) {}
+        scratch_(ws_.scratch_),
+        hf_scratch_(ws_.hf_) {}
 
   absl::StatusOr<SyncReport> Run();
 
  private:
   absl::Status Prepare();  // everything local that can fail, before the agreement
+  // Prepare's last step: the gather buffers and the bucket builder (after the agreement for a
+  // device shard).
+  absl::Status Allocate();
   // After the agreement: the gathers' communicators: the host groups, or (`on_device`,
   // DecideGathers) the NCCL groups of the same members on the ranks' GPUs (`places`, agreed).
   absl::Status ChooseGatherComms(const std::vector<RankPlace>& places, bool on_device);
@@ -248,9 +270,8 @@ class RankSync {
   bool emitter_ = false;        // sends: the stage source, or any of StageSenders when spread
   bool dense_member_ = false;   // in the stage source's TP group
   bool expert_member_ = false;  // in the stage's expert block (edp == 0)
-  bool int4_members_ = false;
-  bool host_copies_ = false;  // DecideGathers' kHostCopies: device shards are copied to the host   // expert member,
-                              // INT4 config, experts gathered: INT4 experts quantized by their holders
+  bool int4_members_ = false;   // expert member, INT4 config, experts gathered: INT4 experts quantized by their holders
+  bool host_copies_ = false;    // DecideGathers' kHostCopies: device shards are copied to the host
   uint64_t gather_limit_ = 0;
   RankShard shard_;
   std::vector<Batch> dense_, experts_;
@@ -263,6 +284,7 @@ class RankSync {
   std::array<Buffer, 2>& slots_;
   Buffer& etp_buffer_;
   Buffer& scratch_;
+  Buffer& hf_scratch_;
   MemorySpace space_ = MemorySpace::Host();        // of the shard's tensors, the HF copies and the buckets
   std::optional<comm::SpaceStagingSink> staging_;  // the buckets' space -> the sink's, where they differ
   std::optional<comm::BucketBuilder> builder_;
@@ -285,7 +307,8 @@ absl::Status RankSync::ChooseGatherComms(const std::vector<RankPlace>& places, b
   if (!on_device) return absl::OkStatus();
   std::vector<int> devices;
   for (const RankPlace& p : places) devices.push_back(p.device);
-  RETURN_IF_ERROR(Annotate(EnsureDeviceComms(comms_, devices, o_.collective), "forming the device gathers' groups"));
+  RETURN_IF_ERROR(Annotate(EnsureDeviceComms(comms_, devices, dense_member_, expert_member_, o_.collective),
+                           "forming the device gathers' groups"));
   if (comms_.device.tp) tp_ = comms_.device.tp.get();
   if (comms_.device.etp) etp_ = comms_.device.etp.get();
   if (comms_.device.ep) ep_ = comms_.device.ep.get();
@@ -367,13 +390,6 @@ absl::Status RankSync::Prepare() {
   if (shard_.cuda_device >= 0) {
     space_ = MemorySpace::Cuda(shard_.cuda_device);
     report_.cuda_device = shard_.cuda_device;
-    // Device buckets go to a device data plane (nccl) on the same GPU: a copy between two GPUs
-    // would not be ordered after the kernels that filled the bucket.
-    if (emitter_ && !sink_->space().host() && sink_->space() != space_)
-      return absl::FailedPreconditionError(absl::StrCat(
-          "rank ", me_, "'s tensors are in the memory of ", space_.Name(), " and its nccl data plane is on ",
-          sink_->space().Name(), ": start the trainer agent with --cuda-device ", shard_.cuda_device,
-          " (the GPU of the rank's training process)"));
   }
   if (o_.quant != nullptr)
     int4_.emplace(Int4Options{o_.quant, o_.quant_variant, o_.quant_threads, space_, o_.awq_arith});
@@ -479,6 +495,19 @@ absl::Status RankSync::Prepare() {
   }
   if (expert_member_) experts_ = MakeBatches(std::move(experts), gather_limit_, header, etp_header);
 
+  // A device shard allocates once every rank's place is agreed (Run: the sync may fall back to host
+  // copies, and the training GPU should not pay for buffers it will not use).
+  return space_.host() ? Allocate() : absl::OkStatus();
+}
+
+absl::Status RankSync::Allocate() {
+  // Device buckets go to a device data plane (nccl) on the same GPU: a copy between two GPUs
+  // would not be ordered after the kernels that filled the bucket.
+  if (!space_.host() && emitter_ && !sink_->space().host() && sink_->space() != space_)
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", me_, "'s tensors are in the memory of ", space_.Name(), " and its nccl data plane is on ",
+                     sink_->space().Name(), ": start the trainer agent with --cuda-device ", space_.cuda_device(),
+                     " (the GPU of the rank's training process)"));
   // Buffers (uninitialized: no page is touched before the first gather writes it).
   uint64_t slot_bytes = 0, etp_bytes = 0, scratch_bytes = 0;
   for (const Batch& b : dense_) {
@@ -502,6 +531,15 @@ absl::Status RankSync::Prepare() {
   for (Buffer& s : slots_) RETURN_IF_ERROR(EnsureBuffer(s, slot_bytes));
   RETURN_IF_ERROR(EnsureBuffer(etp_buffer_, etp_bytes));
   RETURN_IF_ERROR(EnsureBuffer(scratch_, scratch_bytes));
+  // ToHf's gathered tensors (a fused QKV's q part, ...): at most a full parameter plus alignment,
+  // sized now so that nothing is allocated (or freed) beside the sync's NCCL operations.
+  if (emitter_) {
+    uint64_t hf_bytes = 0;
+    for (const MegatronParam& p : shard_.params)
+      hf_bytes = std::max<uint64_t>(
+          hf_bytes, static_cast<uint64_t>(NumBytes(p.dtype, p.full_shape).value_or(0)) + 256 * p.hf_names.size());
+    RETURN_IF_ERROR(EnsureBuffer(hf_scratch_, hf_bytes));
+  }
 
   if (emitter_) {
     comm::BucketBuilderOptions bo;
@@ -555,10 +593,11 @@ absl::Status RankSync::WriteStatusRecord(std::span<std::byte> record) const {
 
 absl::Status RankSync::CheckRecords(std::span<const std::byte> records, int count, int mine,
                                     absl::string_view group) const {
+  std::vector<MemberStatus> all(static_cast<size_t>(count));  // one copy of every record (device memory)
+  RETURN_IF_ERROR(space_.CopyToHost(all.data(), records.data(), all.size() * sizeof(MemberStatus)));
   for (int m = 0; m < count; ++m) {
     if (m == mine) continue;
-    MemberStatus st;
-    RETURN_IF_ERROR(space_.CopyToHost(&st, records.data() + static_cast<size_t>(m) * kStatusRecordBytes, sizeof(st)));
+    const MemberStatus& st = all[static_cast<size_t>(m)];
     if (st.code == 0) continue;
     const absl::StatusCode code = st.code > 0 && st.code <= static_cast<int32_t>(absl::StatusCode::kUnauthenticated)
                                       ? static_cast<absl::StatusCode>(st.code)
@@ -572,7 +611,7 @@ absl::Status RankSync::CheckRecords(std::span<const std::byte> records, int coun
 
 absl::Status RankSync::Emit(const MegatronParam& p, const TensorView& full) {
   const absl::Time t0 = absl::Now();
-  absl::StatusOr<std::vector<model::HfTensor>> hf = ToHf(src_.model(), p, full, space_);
+  absl::StatusOr<std::vector<model::HfTensor>> hf = ToHf(src_.model(), p, full, space_, &hf_scratch_);
   report_.convert += absl::Now() - t0;
   if (!hf.ok()) return hf.status();
   for (const model::HfTensor& t : *hf) {
@@ -820,8 +859,8 @@ absl::StatusOr<SyncReport> RankSync::Run() {
   const uint64_t fingerprint =
       Xxh3_64({reinterpret_cast<const std::byte*>(fingerprint_text.data()), fingerprint_text.size()});
   std::vector<RankPlace> places;
-  RETURN_IF_ERROR(AgreeOnStart(*comms_.world, local, fingerprint, {HostId(), local.ok() ? space_.cuda_device() : -1},
-                               o_.collective, &places));
+  const RankPlace place = PlaceOf(local.ok() ? space_.cuda_device() : -1);
+  RETURN_IF_ERROR(AgreeOnStart(*comms_.world, local, fingerprint, place, o_.collective, &places));
   ASSIGN_OR_RETURN(const GatherDecision gathers, DecideGathers(layout_, places));
   if (gathers.space == GatherSpace::kHostCopies) {
     // Every rank decided the same: all prepare again on host copies, and agree again.
@@ -831,7 +870,11 @@ absl::StatusOr<SyncReport> RankSync::Run() {
                          << "; the ranks on GPUs copy their tensors to host memory at each sync";
     host_copies_ = true;
     const absl::Status again = Prepare();
-    RETURN_IF_ERROR(AgreeOnStart(*comms_.world, again, fingerprint, {HostId(), -1}, o_.collective, &places));
+    RETURN_IF_ERROR(AgreeOnStart(*comms_.world, again, fingerprint, PlaceOf(-1), o_.collective, &places));
+  } else if (std::any_of(places.begin(), places.end(), [](const RankPlace& p) { return p.device >= 0; })) {
+    // Some rank's shard is on a GPU (every rank knows it): those allocate now; all agree again.
+    const absl::Status allocated = space_.host() ? absl::OkStatus() : Allocate();
+    RETURN_IF_ERROR(AgreeOnStart(*comms_.world, allocated, fingerprint, place, o_.collective, &places));
   }
   RETURN_IF_ERROR(ChooseGatherComms(places, gathers.space == GatherSpace::kDevice));
   report_.open = absl::Now() - start;
@@ -858,7 +901,11 @@ absl::StatusOr<SyncReport> RankSync::Run() {
   if (staging_) report_.staging = staging_->stats().copy;
   // Device work still reading the shard (a failed sync's last copies) ends before its lease does.
   if (!space_.host()) Fail(Annotate(space_.Synchronize(), "finishing the device stages"));
-  if (comm_failed_) {
+  if (comm_failed_ && !space_.host()) {
+    // An NCCL gather failed: its communicator was aborted (NCCL no longer touches the buffers), and
+    // its groups are formed anew at the next sync.
+    comms_.device.stale = true;
+  } else if (comm_failed_) {
     for (Buffer& b : slots_) LeakForFailedCollectives(std::move(b));
     LeakForFailedCollectives(std::move(etp_buffer_));
     if (shard_.backing) new std::shared_ptr<const void>(shard_.backing);  // NOLINT: send buffers
@@ -897,7 +944,7 @@ absl::StatusOr<GatherDecision> DecideGathers(const ParallelLayout& layout, absl:
         for (size_t j = i + 1; j < group.size(); ++j) {
           const RankPlace& a = places[static_cast<size_t>(group[i])];
           const RankPlace& b = places[static_cast<size_t>(group[j])];
-          if (a.host == b.host && a.device == b.device)
+          if (a.host == b.host && a.gpu == b.gpu)
             return GatherDecision{GatherSpace::kHostCopies,
                                   absl::StrCat("ranks ", group[i], " and ", group[j],
                                                " hold their tensors on the same GPU (cuda:", a.device,

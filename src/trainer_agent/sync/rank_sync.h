@@ -108,8 +108,8 @@
 namespace wsync::trainer_agent {
 
 // Buffers a rank keeps from one sync to the next (the two gather buffers, the ETP buffer, the
-// merge scratch), so that their pages stay mapped: a fresh allocation pays a page fault per 4 KiB
-// page on first touch, which costs more than the all-gather's copy itself on small hosts. They
+// merge scratch, ToHf's scratch), in the shard's memory space, so that their pages stay mapped: a fresh allocation pays
+// a page fault per 4 KiB page on first touch, which costs more than the all-gather's copy itself on small hosts. They
 // grow to the largest batch seen. Owned by the caller; used by one RunRankSync at a time. After a
 // failed collective the buffers are given up (see "Failures") and the workspace starts empty.
 class SyncWorkspace {
@@ -120,6 +120,7 @@ class SyncWorkspace {
   friend class RankSync;
   std::array<Buffer, 2> slots_;
   Buffer etp_, scratch_;
+  Buffer hf_;  // ToHf's gathered HF tensors (the emitters')
 };
 
 struct SyncOptions {
@@ -151,16 +152,19 @@ struct SyncOptions {
   bool spread_senders = false;
 };
 
-// Where a rank's tensors are: the CUDA device (-1: host memory) of which host (a hash of its name).
+// Where a rank's tensors are: the CUDA device (-1: host memory) of which host (a hash of its name),
+// and which physical GPU that is.
 struct RankPlace {
   uint64_t host = 0;
   int device = -1;
+  uint64_t gpu = 0;  // the physical GPU (a hash of its PCI bus id); 0 for host memory
 };
 // Where the TP / ETP / EP gathers of `layout` run, from every world rank's place (`places`, as the
 // opening agreement delivers them, so every rank decides the same):
 //   kNone        the layout has no gathers (each rank stays in its own space)
 //   kHost        every rank's tensors are in host memory
-//   kDevice      every rank's are on a GPU and no two members of a group share one: NCCL groups
+//   kDevice      every rank's are on a GPU and no two members of a group share one (same host and
+//                `gpu`): NCCL groups
 //   kHostCopies  otherwise (`why` says which ranks): the ranks on GPUs copy their tensors to the
 //                host and the gathers run there (as before the device gathers; logged once)
 // kInvalidArgument for `places` of another size than the world.

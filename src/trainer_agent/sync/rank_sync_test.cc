@@ -375,11 +375,11 @@ TEST(DecideGathersTest, DecidesFromEveryRanksPlace) {
   auto space = [&](const std::vector<RankPlace>& places) { return DecideGathers(*layout, places).value().space; };
   EXPECT_EQ(space(std::vector<RankPlace>(8)), GatherSpace::kHost);
   std::vector<RankPlace> gpus;
-  for (int r = 0; r < 8; ++r) gpus.push_back({0xA, r});  // one host, eight GPUs
+  for (int r = 0; r < 8; ++r) gpus.push_back({0xA, r, 100u + r});  // one host, eight GPUs
   EXPECT_EQ(space(gpus), GatherSpace::kDevice);
   // Two hosts of four GPUs: the same device numbers on each are different GPUs.
   std::vector<RankPlace> two_hosts;
-  for (int r = 0; r < 8; ++r) two_hosts.push_back({r < 4 ? 0xAu : 0xBu, r % 4});
+  for (int r = 0; r < 8; ++r) two_hosts.push_back({r < 4 ? 0xAu : 0xBu, r % 4, 100u + r % 4});
   EXPECT_EQ(space(two_hosts), GatherSpace::kDevice);
 
   std::vector<RankPlace> mixed = gpus;
@@ -388,10 +388,15 @@ TEST(DecideGathersTest, DecidesFromEveryRanksPlace) {
   EXPECT_EQ(m.space, GatherSpace::kHostCopies);
   EXPECT_EQ(m.why, "rank(s) 0, 1, 2, 3, 4, 6, 7 hold their tensors on GPUs and rank(s) 5 in host memory");
 
+  // One GPU numbered differently by two processes (CUDA_VISIBLE_DEVICES): still one GPU.
+  std::vector<RankPlace> renumbered = gpus;
+  renumbered[7].gpu = gpus[6].gpu;
+  EXPECT_EQ(space(renumbered), GatherSpace::kHostCopies);
   // Ranks 0 and 1 are a TP group; 0 and 2 share an EP group.
   for (int other : {1, 2}) {
     std::vector<RankPlace> shared = gpus;
     shared[static_cast<size_t>(other)].device = 0;
+    shared[static_cast<size_t>(other)].gpu = gpus[0].gpu;
     const GatherDecision d = DecideGathers(*layout, shared).value();
     EXPECT_EQ(d.space, GatherSpace::kHostCopies);
     EXPECT_TRUE(
@@ -403,7 +408,7 @@ TEST(DecideGathersTest, DecidesFromEveryRanksPlace) {
   solo.world_size = 2;
   auto dp = ParallelLayout::Create(solo);
   ASSERT_TRUE(dp.ok()) << dp.status();
-  const std::vector<RankPlace> same = {{0xA, 0}, {0xA, 0}};
+  const std::vector<RankPlace> same = {{0xA, 0, 100}, {0xA, 0, 100}};
   EXPECT_EQ(DecideGathers(*dp, same).value().space, GatherSpace::kNone);
   EXPECT_EQ(DecideGathers(*dp, std::vector<RankPlace>(3)).status().code(), absl::StatusCode::kInvalidArgument);
 }
