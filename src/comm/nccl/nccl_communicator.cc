@@ -140,12 +140,24 @@ class NcclCommunicator final : public QueuedCommunicator {
   void Interrupt() override {}  // Complete() watches the aborted flag and aborts the communicator
   absl::Status ReleaseBackend() override {
     if (comm_ != nullptr) {
-      if (broken())
-        ncclCommAbort(comm_);
-      else {
-        ncclCommFinalize(comm_);
-        ncclCommDestroy(comm_);
+      // A non-blocking communicator finalizes asynchronously (ncclCommFinalize returns
+      // ncclInProgress): poll it to the end, bounded, before ncclCommDestroy; abort on an error or
+      // after 10 s (a peer that never finalizes).
+      bool finalized = false;
+      if (!broken()) {
+        ncclResult_t r = ncclCommFinalize(comm_);
+        const absl::Time until = absl::Now() + absl::Seconds(10);
+        ncclResult_t state = r;
+        while (state == ncclInProgress && absl::Now() < until) {
+          absl::SleepFor(absl::Microseconds(200));
+          if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) state = ncclInternalError;
+        }
+        finalized = (r == ncclSuccess || r == ncclInProgress) && state == ncclSuccess;
       }
+      if (finalized)
+        ncclCommDestroy(comm_);
+      else
+        ncclCommAbort(comm_);
       comm_ = nullptr;
     }
     if (event_) cudaEventDestroy(event_);
