@@ -413,5 +413,39 @@ TEST(DecideGathersTest, DecidesFromEveryRanksPlace) {
   EXPECT_EQ(DecideGathers(*dp, std::vector<RankPlace>(3)).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// The device gathers' groups fail the same on every rank when a member cannot form them (here
+// rank 1 names a GPU no host has; on this CPU host rank 0 has none either), and keep nothing; bad
+// arguments are refused before any collective.
+TEST(EnsureDeviceCommsTest, AFailureToFormIsTheSameOnEveryRank) {
+  ParallelSizes sizes;
+  sizes.world_size = 2;
+  sizes.tp = 2;
+  auto layout = ParallelLayout::Create(sizes);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  comm::MemoryStore store;
+  auto comms = testing::MakeLocalTrainerComms(store, "ensure-device", *layout);
+  ASSERT_TRUE(comms.ok()) << comms.status();
+  EXPECT_EQ(EnsureDeviceComms(comms->ranks[0], {0}, true, true).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(EnsureDeviceComms(comms->ranks[0], {0, -1}, true, true).code(), absl::StatusCode::kInvalidArgument);
+  std::vector<absl::Status> got(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      got[static_cast<size_t>(r)] =
+          EnsureDeviceComms(comms->ranks[static_cast<size_t>(r)], {0, 4096}, true, true, {absl::Seconds(20)});
+    });
+  for (std::thread& t : threads) t.join();
+  const absl::StatusCode want = comm::BackendCompiledIn(comm::Backend::kNccl) ? absl::StatusCode::kFailedPrecondition
+                                                                              : absl::StatusCode::kUnimplemented;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(got[static_cast<size_t>(r)].code(), want) << "rank " << r << ": " << got[static_cast<size_t>(r)];
+    EXPECT_EQ(comms->ranks[static_cast<size_t>(r)].device.tp, nullptr);
+    EXPECT_TRUE(comms->ranks[static_cast<size_t>(r)].device.devices.empty());
+  }
+  if (want == absl::StatusCode::kFailedPrecondition) {
+    EXPECT_TRUE(absl::StrContains(got[1].message(), "rank 1 has no CUDA device 4096")) << got[1];
+  }
+}
+
 }  // namespace
 }  // namespace wsync::trainer_agent
