@@ -183,6 +183,22 @@ bench_trainer_device() {
     mpirun -np 1 "$B/bin/wsync-bench-trainer" "${args[@]}" --cuda-device 0
 }
 check bench_trainer_device bench_trainer_device
+# 13b. The device gathers' speed (two GPUs): TP 2 on the host, then with rank r's tensors on GPU r
+#      (the TP all-gathers over NCCL on the GPUs, sync/rank_sync.h).
+bench_trainer_gathers() {
+  local gpus
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  if (( ${gpus:-0} < 2 )); then
+    echo "fewer than two GPUs: the device gathers' benchmark needs two"
+    return 0
+  fi
+  local preset=bench2g
+  (( QUICK )) && preset=small
+  local args=(--preset "$preset" --work "$RES/bench-trainer-tp2" --tp 2 --ep 1 --quant all --sinks discard -n 3 -w 1)
+  mpirun -np 2 "$B/bin/wsync-bench-trainer" "${args[@]}" &&
+    mpirun -np 2 "$B/bin/wsync-bench-trainer" "${args[@]}" --gpu-per-rank
+}
+check bench_trainer_gathers bench_trainer_gathers
 # 14. Broadcast vs sharded delivery end to end on this host's CPUs (bench2g, 4 trainer ranks ->
 #     2 engines of TP 2): the same benchmark as docs/sync.md's 2-core table, on a larger host.
 bench_sync() {

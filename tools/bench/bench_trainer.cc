@@ -2,10 +2,14 @@
 // Qwen3-MoE sharded TP2 x EP2 (or any source directory), under mpirun.
 //
 //   mpirun -np 4 wsync-bench-trainer [--source DIR | --work DIR] [--tp 2 --ep 2 --etp 1]
-//          [--bucket-mb 512] [--gather-mb 0] [--quant experts|none|all] [-n 3] [-w 1] [--cuda-device N]
+//          [--bucket-mb 512] [--gather-mb 0] [--quant experts|none|all] [-n 3] [-w 1]
+//          [--cuda-device N | --gpu-per-rank]
 //
-// --cuda-device N puts every rank's tensors in CUDA memory first (CudaResidentSource) and so runs
-// the device stages (sync/rank_sync.h; TP = EP = ETP = 1): its table adds the staging copies.
+// --cuda-device N puts every rank's tensors in CUDA memory of device N first (CudaResidentSource)
+// and so runs the device stages (sync/rank_sync.h): its table adds the staging copies. With
+// gathers in the layout the ranks then share one GPU and gather on host copies; --gpu-per-rank
+// puts rank r's tensors on its node-local rank's GPU (OMPI_COMM_WORLD_LOCAL_RANK), so the TP / EP
+// gathers run on the GPUs over NCCL (one GPU per rank of the node).
 //
 // Without --source, rank 0 generates the model (seed 1) and writes its Megatron source into --work
 // (reused when it already holds one of the same layout; --regen forces a new one).
@@ -23,6 +27,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -157,9 +162,12 @@ int Run(int argc, char** argv) {
   app.add_option("--threads", threads, "quantization threads (0 = all cores)")->capture_default_str();
   app.add_option("--sinks", sinks, "discard,memcpy")->capture_default_str();
   int cuda_device = -1;
+  bool gpu_per_rank = false;
   app.add_option("--cuda-device", cuda_device,
-                 "every rank's tensors resident on this CUDA device: the device stages (TP = EP = ETP = 1; the "
-                 "sinks get the buckets through a SpaceStagingSink)");
+                 "every rank's tensors resident on this CUDA device: the device stages (the sinks get the buckets "
+                 "through a SpaceStagingSink)");
+  app.add_flag("--gpu-per-rank", gpu_per_rank,
+               "rank r's tensors on the GPU of its node-local rank: the device stages with the gathers on the GPUs");
   app.add_option("-n,--iters", iters)->capture_default_str();
   app.add_option("-w,--warmup", warmup)->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -202,6 +210,10 @@ int Run(int argc, char** argv) {
     return 1;
   }
   std::unique_ptr<trainer_agent::CudaResidentSource> resident;
+  if (gpu_per_rank) {
+    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+    cuda_device = local != nullptr ? std::atoi(local) : me;
+  }
   if (cuda_device >= 0) {
     auto r = trainer_agent::CudaResidentSource::Create(*dir_src, {me}, cuda_device);
     if (!r.ok()) {
