@@ -61,6 +61,17 @@ std::vector<RankResult> SyncEveryRank(const WeightSource& src, const SyncOptions
   return results;
 }
 
+// Rank `rank`'s stream `got` equals `want` bucket for bucket: manifests and data; one Finish.
+void ExpectSameStream(const CaptureSink& want, const CaptureSink& got, size_t rank) {
+  ASSERT_EQ(want.buckets.size(), got.buckets.size()) << "rank " << rank;
+  for (size_t b = 0; b < want.buckets.size(); ++b) {
+    EXPECT_EQ(want.buckets[b].manifest.SerializeAsString(), got.buckets[b].manifest.SerializeAsString())
+        << "rank " << rank << " bucket " << b;
+    EXPECT_TRUE(want.buckets[b].data == got.buckets[b].data) << "rank " << rank << " bucket " << b;
+  }
+  EXPECT_EQ(got.finishes, 1) << "rank " << rank;
+}
+
 struct Case {
   std::string name;
   Architecture arch;
@@ -124,15 +135,8 @@ TEST_P(RankSyncDeviceTest, SendsTheHostStagesBytes) {
     EXPECT_EQ(on_host[r].report->cuda_device, -1);
     EXPECT_EQ(on_device[r].report->cuda_device, 0);
     if (!on_host[r].sink) continue;
-    const CaptureSink& want = *on_host[r].sink;
+    ExpectSameStream(*on_host[r].sink, *on_device[r].sink, r);
     const CaptureSink& got = *on_device[r].sink;
-    ASSERT_EQ(want.buckets.size(), got.buckets.size()) << "rank " << r;
-    for (size_t b = 0; b < want.buckets.size(); ++b) {
-      EXPECT_EQ(want.buckets[b].manifest.SerializeAsString(), got.buckets[b].manifest.SerializeAsString())
-          << "rank " << r << " bucket " << b;
-      EXPECT_TRUE(want.buckets[b].data == got.buckets[b].data) << "rank " << r << " bucket " << b;
-    }
-    EXPECT_EQ(got.finishes, 1);
     const int stage = host->layout().Dense(static_cast<int>(r)).pp;
     testing::ExpectSentAsExpected(testing::DecodeStream(got, o.bucket_bytes, o.version, stage), expected->tensors,
                                   stage);
@@ -206,10 +210,7 @@ TEST_F(RankSyncDeviceFailureTest, TwoMembersOfAGatherGroupOnOneGpuGatherOnTheHos
     ASSERT_TRUE(on_host[r].report.ok()) << "rank " << r << ": " << on_host[r].report.status();
     ASSERT_TRUE(shared[r].report.ok()) << "rank " << r << ": " << shared[r].report.status();
     EXPECT_EQ(shared[r].report->cuda_device, -1) << "rank " << r;
-    if (!shared[r].sink) continue;
-    ASSERT_EQ(shared[r].sink->buckets.size(), on_host[r].sink->buckets.size());
-    for (size_t b = 0; b < shared[r].sink->buckets.size(); ++b)
-      EXPECT_TRUE(shared[r].sink->buckets[b].data == on_host[r].sink->buckets[b].data) << "bucket " << b;
+    if (shared[r].sink) ExpectSameStream(*on_host[r].sink, *shared[r].sink, r);
   }
 }
 
@@ -269,15 +270,7 @@ TEST_P(RankSyncDeviceGatherTest, GathersOnTheGpusSendTheHostStagesBytes) {
     EXPECT_EQ(on_device[r].report->cuda_device, static_cast<int>(r));
     EXPECT_GT(on_device[r].report->gather_calls, 0u) << "rank " << r;
     if (!on_host[r].sink) continue;
-    const CaptureSink& want = *on_host[r].sink;
-    const CaptureSink& got = *on_device[r].sink;
-    ASSERT_EQ(want.buckets.size(), got.buckets.size()) << "rank " << r;
-    for (size_t b = 0; b < want.buckets.size(); ++b) {
-      EXPECT_EQ(want.buckets[b].manifest.SerializeAsString(), got.buckets[b].manifest.SerializeAsString())
-          << "rank " << r << " bucket " << b;
-      EXPECT_TRUE(want.buckets[b].data == got.buckets[b].data) << "rank " << r << " bucket " << b;
-    }
-    EXPECT_EQ(got.finishes, 1);
+    ExpectSameStream(*on_host[r].sink, *on_device[r].sink, r);
   }
 }
 
