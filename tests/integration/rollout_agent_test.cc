@@ -968,6 +968,35 @@ TEST_F(RolloutAgentTest, AnEngineHungInItsRegistrationDoesNotHoldABeginSync) {
   EXPECT_TRUE(engine.calls().empty()) << "the sync never reached its commit; the engine was serving";
 }
 
+// A copy of the published version from a peer (catch-up after a restart) holds the agent while it
+// streams; a BeginSync ends it (the sync rewrites the staging) instead of waiting for it: here the
+// peer never sends, and the BeginSync is answered at once.
+TEST_F(RolloutAgentTest, ABeginSyncCancelsACopyFromAPeer) {
+  auto coord = testing::FakeCoordinator::Start(sec_);
+  ASSERT_TRUE(coord.ok());
+  auto peer = testing::HangingPeer::Start(sec_);
+  ASSERT_TRUE(peer.ok());
+  v1::CatchUpHint hint;
+  hint.set_version(3);
+  hint.add_peers((*peer)->address());
+  (*coord)->SetCatchUp(hint);
+  StartRank(1, 0, 1, {"--coordinator", (*coord)->address()});
+  rollout_agent::testing::AgentProcess& agent = *agents_[0];
+  ASSERT_TRUE(WaitUntil([&] { return (*peer)->fetches() > 0; }, absl::Seconds(10)))
+      << "the agent did not copy from the peer\n"
+      << agent.Log();
+  (*coord)->SetCatchUp(v1::CatchUpHint());  // no more copies after this one
+  const absl::Time t0 = absl::Now();
+  const grpc::Status begin = Begin(agent, BeginRequest(1, 4, 1, 1));
+  const absl::Duration took = absl::Now() - t0;
+  ASSERT_TRUE(begin.ok()) << begin.error_message() << "\n" << agent.Log();
+  EXPECT_LT(took, absl::Seconds(5)) << "BeginSync waited for the copy from the peer";
+  EXPECT_TRUE(WaitUntil([&] { return (*peer)->cancelled() > 0; }, absl::Seconds(5)));
+  EXPECT_THAT(agent.Log(), HasSubstr("BeginSync 1: cancelling the copy from a peer in progress"));
+  ASSERT_TRUE(AbortRpc(agent, 1).ok());
+  EXPECT_EQ(Status(agent).version(), 1u) << "the engine keeps the version it had";
+}
+
 TEST_F(RolloutAgentTest, AWrongTokenIsRefusedAndChangesNothing) {
   StartRank(1, 0, 1);
   rollout_agent::testing::FakeEngine& engine = *engines_[0];

@@ -186,6 +186,45 @@ grpc::Status FakeEngine::WeightVersion(grpc::ServerContext* ctx, const v1::Weigh
 
 // --- FakeCoordinator ----------------------------------------------------------------------------------
 
+absl::StatusOr<std::unique_ptr<HangingPeer>> HangingPeer::Start(RpcSecurity security) {
+  std::unique_ptr<HangingPeer> p(new HangingPeer());
+  p->sec_ = std::move(security);
+  ASSIGN_OR_RETURN(auto served, Serve(p.get(), p->sec_));
+  p->server_ = std::move(served.first);
+  p->address_ = served.second;
+  return p;
+}
+
+HangingPeer::~HangingPeer() {
+  if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+}
+
+int HangingPeer::fetches() const {
+  absl::MutexLock l(&mu_);
+  return fetches_;
+}
+
+int HangingPeer::cancelled() const {
+  absl::MutexLock l(&mu_);
+  return cancelled_;
+}
+
+grpc::Status HangingPeer::FetchStaging(grpc::ServerContext* ctx, const v1::FetchStagingRequest*,
+                                       grpc::ServerWriter<v1::StagingChunk>*) {
+  WSYNC_AUTHORIZE(ctx, sec_);
+  {
+    absl::MutexLock l(&mu_);
+    ++fetches_;
+  }
+  const absl::Time until = absl::Now() + absl::Seconds(60);
+  while (!ctx->IsCancelled() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
+  if (ctx->IsCancelled()) {
+    absl::MutexLock l(&mu_);
+    ++cancelled_;
+  }
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE, "a hanging peer");
+}
+
 absl::StatusOr<std::unique_ptr<FakeCoordinator>> FakeCoordinator::Start(RpcSecurity security) {
   std::unique_ptr<FakeCoordinator> c(new FakeCoordinator());
   c->sec_ = std::move(security);

@@ -128,6 +128,29 @@ class FakeCoordinator final : public v1::Coordinator::Service {
   v1::CatchUpHint catch_up_ ABSL_GUARDED_BY(mu_);
 };
 
+// A rollout agent peer that never sends: its FetchStaging holds the stream open until the caller
+// cancels it (or 60 s pass). For tests of what a copy from a peer in progress must not block.
+class HangingPeer final : public v1::RolloutAgent::Service {
+ public:
+  static absl::StatusOr<std::unique_ptr<HangingPeer>> Start(RpcSecurity security);
+  ~HangingPeer() override;
+  const std::string& address() const { return address_; }
+  int fetches() const;    // FetchStaging calls so far
+  int cancelled() const;  // of which the caller cancelled
+
+  grpc::Status FetchStaging(grpc::ServerContext*, const v1::FetchStagingRequest*,
+                            grpc::ServerWriter<v1::StagingChunk>*) override;
+
+ private:
+  HangingPeer() = default;
+  RpcSecurity sec_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+  mutable absl::Mutex mu_;
+  int fetches_ ABSL_GUARDED_BY(mu_) = 0;
+  int cancelled_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 class AgentProcess {
  public:
   // Starts `binary` with --listen 127.0.0.1:0 --address-file ... plus `args`; waits (10 s) for the

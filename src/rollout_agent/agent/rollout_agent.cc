@@ -487,7 +487,15 @@ absl::Status RolloutAgent::FetchFrom(const std::string& peer, uint64_t version, 
   {
     absl::MutexLock lock(&mu_);
     staged_sync_id_ = staged_version_ = 0;  // the staging is being overwritten
+    fetch_ctx_ = &ctx;                      // a BeginSync cancels the copy (it will write the staging)
   }
+  struct Unregister {
+    RolloutAgent* agent;
+    ~Unregister() {
+      absl::MutexLock lock(&agent->mu_);
+      agent->fetch_ctx_ = nullptr;
+    }
+  } unregister{this};
   std::unique_ptr<grpc::ClientReader<v1::StagingChunk>> reader = stub->FetchStaging(&ctx, req);
   std::vector<uint64_t> got(params.size(), 0);
   size_t done = 0;
@@ -931,6 +939,15 @@ absl::Status RolloutAgent::BeginSync(const v1::BeginSyncRequest& req, v1::BeginS
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckBegin(req, &duplicate, reply));
     if (duplicate) return absl::OkStatus();
+  }
+  {
+    // A copy of a version from a peer (catch-up) holds op_mu_ for as long as it streams: the sync
+    // rewrites the staging anyway, so the copy ends now instead of holding this BeginSync.
+    absl::MutexLock lock(&mu_);
+    if (fetch_ctx_ != nullptr) {
+      WSYNC_LOG(INFO) << "BeginSync " << req.sync_id() << ": cancelling the copy from a peer in progress";
+      fetch_ctx_->TryCancel();
+    }
   }
   absl::MutexLock op(&op_mu_);
   {

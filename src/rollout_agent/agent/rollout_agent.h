@@ -240,6 +240,8 @@ class RolloutAgent {
   absl::Time next_fetch_ ABSL_GUARDED_BY(mu_);
   int fetch_failures_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t promised_version_ ABSL_GUARDED_BY(mu_) = 0;
+  // The context of a copy from a peer in progress (FetchFrom), which BeginSync cancels.
+  grpc::ClientContext* fetch_ctx_ ABSL_GUARDED_BY(mu_) = nullptr;
   // UpdateWeights asks the watchdog to ask the coordinator now (hint_wanted_); the answer is
   // last_hint_ / last_hint_status_, hint_seq_ counts answers.
   bool hint_wanted_ ABSL_GUARDED_BY(mu_) = false;
