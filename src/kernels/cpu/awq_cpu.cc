@@ -1,8 +1,10 @@
 // CPU AWQ kernels. Math and layout: kernels/format/awq_format.h (AWQ.md §1-§4).
 //
 // QuantizeAwq works on units of (expert, block of up to 128 rows): per group, each row's max and
-// min are reduced in SIMD (the first touch of W), the group parameters follow in scalar code
-// through the shared helpers, and the G codes of the row are computed lanewise (widen to f32,
+// min are reduced in SIMD (the first touch of W), the group parameters of the block's rows follow
+// lanewise across rows (the shared helpers' IEEE operations in the same order: fp16 roundings by
+// F16C, one division per row; the scalar helpers for a remainder), and the G codes of each row
+// are computed lanewise (widen to f32,
 // round to fp16 for the fp16 arithmetic, IEEE division, round to fp16 again, round half to even,
 // add the zero point, clamp) into a byte scratch [rows][G]; then every k of the group packs the
 // block's codes into AWQ words (8 interleaved columns per word, 16 words = one 64-byte line of
@@ -201,37 +203,87 @@ int64_t QuantizeAwqUnits(const internal::AwqQuantizeArgs& a, int64_t begin, int6
     if (bad < 0 || code < bad) bad = code;
   };
   uint8_t zeros[kAwqRowBlock];
+  float mxs[kAwqRowBlock], mns[kAwqRowBlock], scales[kAwqRowBlock], zps[kAwqRowBlock];
   HWY_ALIGN uint32_t words_tmp[kAwqRowBlock / 8 * 256];  // PackGroup's [jw][k] (groups up to 256 wide)
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t e = unit / blocks;
     const int64_t n0 = (unit % blocks) * kAwqRowBlock;
     const int64_t rows = std::min(a.n - n0, kAwqRowBlock);
     for (int64_t g = 0; g < ng; ++g) {
+      // Each row's range (the first touch of W), then the group parameters of all the block's rows
+      // (lanewise where the target has vectors: the same IEEE operations as format::AwqGroupParams,
+      // so the same bits), then each row's codes.
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t row = e * a.n + n0 + r;
-        const uint16_t* x = a.w + row * a.k + g * a.group;
+        const uint16_t* x = a.w + (e * a.n + n0 + r) * a.k + g * a.group;
         // The block reads W a group column at a time (kAwqRowBlock rows 2K bytes apart), a pattern
         // the hardware prefetchers do not follow: fetch this row's next group meanwhile (2x here).
         if (g + 1 < ng) {
           for (int64_t b = 0; b < a.group * 2; b += 64) hwy::Prefetch(reinterpret_cast<const char*>(x + a.group) + b);
         }
         const GroupRange range = Range(x, a.group, a.is_bf16);
-        float mx = range.mx, mn = range.mn;
+        mxs[r] = range.mx;
+        mns[r] = range.mn;
         if (range.abs_bits >= nonfinite) {
-          refuse(row, g, internal::AwqRefusal::kNonFinite);
-          mx = mn = 0.0f;  // keep going with finite values; the call fails anyway
-        } else if (f16) {
+          refuse(e * a.n + n0 + r, g, internal::AwqRefusal::kNonFinite);
+          mxs[r] = mns[r] = 0.0f;  // keep going with finite values; the call fails anyway
+        }
+      }
+      int64_t r = 0;
+#if HWY_TARGET != HWY_SCALAR
+      {
+        const hn::ScalableTag<float> df;
+        const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+        const auto zero = hn::Zero(df), max_code = hn::Set(df, static_cast<float>(fmt::kAwqMaxCode));
+        for (; r + lanes <= rows; r += lanes) {
+          auto mx = hn::LoadU(df, mxs + r), mn = hn::LoadU(df, mns + r);
+          decltype(mx) scale, zp;
+          if (f16) {
+            mx = RoundF16(df, mx);
+            mn = RoundF16(df, mn);
+            const auto inf = hn::Set(df, kInf);
+            const auto out = hn::Or(hn::Or(hn::Eq(hn::Abs(mx), inf), hn::Eq(hn::Abs(mn), inf)),
+                                    hn::Eq(hn::Abs(RoundF16(df, hn::Sub(mx, mn))), inf));
+            if (!hn::AllFalse(df, out)) {
+              HWY_ALIGN float flags[hn::MaxLanes(df)];
+              hn::Store(hn::VecFromMask(df, out), df, flags);
+              for (int64_t l = 0; l < lanes; ++l)
+                if (flags[l] != 0.0f) refuse(e * a.n + n0 + r + l, g, internal::AwqRefusal::kF16Range);
+              mx = hn::IfThenZeroElse(out, mx);
+              mn = hn::IfThenZeroElse(out, mn);
+            }
+            auto d = hn::Max(RoundF16(df, hn::Sub(mx, mn)), hn::Set(df, fmt::kF16ScaleFloor));
+            scale = RoundF16(df, hn::Mul(d, hn::Set(df, fmt::kAwqInv15)));
+            zp = hn::Neg(hn::Round(RoundF16(df, hn::Div(mn, scale))));
+          } else {
+            auto d = hn::Max(hn::Sub(mx, mn), hn::Set(df, fmt::kScaleFloor));
+            scale = hn::Div(d, hn::Set(df, 15.0f));
+            zp = hn::Neg(hn::Round(hn::Div(mn, scale)));
+          }
+          hn::StoreU(scale, df, scales + r);
+          hn::StoreU(hn::Min(hn::Max(zp, zero), max_code), df, zps + r);
+        }
+      }
+#endif
+      for (; r < rows; ++r) {
+        float mx = mxs[r], mn = mns[r];
+        if (f16) {
           mx = fmt::RoundToF16(mx);
           mn = fmt::RoundToF16(mn);
           if (std::isinf(mx) || std::isinf(mn) || std::isinf(fmt::RoundToF16(mx - mn))) {
-            refuse(row, g, internal::AwqRefusal::kF16Range);
+            refuse(e * a.n + n0 + r, g, internal::AwqRefusal::kF16Range);
             mx = mn = 0.0f;
           }
         }
         const fmt::AwqGroup p = fmt::AwqGroupParams(mx, mn, a.arith);
-        a.scales[(e * ng + g) * a.n + n0 + r] = a.is_bf16 ? F32ToBF16(p.scale) : F32ToF16(p.scale);
-        zeros[r] = static_cast<uint8_t>(p.zero);
-        GroupCodes(x, a.group, a.is_bf16, p, a.arith, scratch + r * a.group);
+        scales[r] = p.scale;
+        zps[r] = p.zero;
+      }
+      for (r = 0; r < rows; ++r) {
+        const int64_t row = e * a.n + n0 + r;
+        const uint16_t* x = a.w + row * a.k + g * a.group;
+        a.scales[(e * ng + g) * a.n + n0 + r] = a.is_bf16 ? F32ToBF16(scales[r]) : F32ToF16(scales[r]);
+        zeros[r] = static_cast<uint8_t>(zps[r]);
+        GroupCodes(x, a.group, a.is_bf16, fmt::AwqGroup{scales[r], zps[r]}, a.arith, scratch + r * a.group);
       }
       // Pack: word (k, n0/8 + jw) nibble i = code of row 8 jw + ORDER[i].
       PackGroup(scratch, rows / 8, a.group, a.qweight + (e * a.k + g * a.group) * nw + n0 / 8, nw, words_tmp);
