@@ -342,6 +342,42 @@ TEST(AwqQuantizeTest, Fp16ArithmeticRefusesWhatFp16CannotHoldFp32Accepts) {
   EXPECT_THAT(st.status().message(), HasSubstr("row 5, group 0"));
 }
 
+// The group parameters are computed lanewise across rows (8 or 16 per vector) with a scalar
+// remainder: the edge groups above and both refusals, placed inside a full vector of rows, give
+// the reference's bits and name the same rows.
+TEST(AwqQuantizeTest, EdgeGroupsAndRefusalsInsideAVectorOfRows) {
+  const int64_t n = 40, k = 64;  // rows 0..31: whole vectors; 32..39: the remainder
+  std::vector<float> v(static_cast<size_t>(n * k));
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  for (auto& x : v) x = uni(rng);
+  auto row = [&](int r) { return v.data() + r * k; };
+  std::fill_n(row(17), 32, 0.0f);
+  for (int i = 0; i < 32; ++i) row(18)[i] = 0.5f + 0.01f * i;
+  for (int i = 0; i < 32; ++i) row(19)[i] = -0.5f - 0.01f * i;
+  std::fill_n(row(20), 32, 0.75f);
+  for (int i = 0; i < 32; ++i) row(21)[i] = (i % 2 ? 1 : -1) * 20000.0f * (i + 1) / 32;
+  for (int i = 0; i < 32; ++i) row(22)[i] = 1e-6f * (i - 16);
+  for (int i = 0; i < 32; ++i) row(35)[i] = 1e-6f * (i - 16);  // and one in the remainder
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    std::vector<uint16_t> w(v.size());
+    for (size_t i = 0; i < v.size(); ++i) w[i] = dt == DType::kBF16 ? F32ToBF16(v[i]) : F32ToF16(v[i]);
+    for (AwqArith arith : {AwqArith::kFp16, AwqArith::kFp32}) CheckQuantize(w, dt, 0, n, k, 32, arith);
+  }
+  std::vector<uint16_t> wide(static_cast<size_t>(n * k), F32ToBF16(0.01f));
+  wide[13 * k + 40] = F32ToBF16(40000.0f);  // row 13, group 1: a range past fp16
+  wide[13 * k + 41] = F32ToBF16(-40000.0f);
+  auto st = RunQuantize(wide, DType::kBF16, 0, n, k, 32, AwqArith::kFp16);
+  ASSERT_FALSE(st.ok());
+  EXPECT_THAT(st.status().message(), HasSubstr("row 13, group 1"));
+  EXPECT_TRUE(RunQuantize(wide, DType::kBF16, 0, n, k, 32, AwqArith::kFp32).ok());
+  std::vector<uint16_t> inf(static_cast<size_t>(n * k), F32ToBF16(0.01f));
+  inf[26 * k + 3] = 0x7F80;  // +inf in row 26, group 0
+  st = RunQuantize(inf, DType::kBF16, 0, n, k, 32, AwqArith::kFp32);
+  ASSERT_FALSE(st.ok());
+  EXPECT_THAT(st.status().message(), HasSubstr("row 26, group 0"));
+}
+
 TEST(AwqQuantizeTest, NonFiniteAndBadShapesAreRefusedWithTheValues) {
   std::vector<uint16_t> w(16 * 64, F32ToF16(0.1f));
   w[9 * 64 + 40] = 0x7E00;  // NaN
