@@ -7,12 +7,14 @@
 #include "kernels/cpu/awq_cpu.h"
 #include "kernels/cpu/int4_cpu.h"
 #include "kernels/int4_dispatch.h"
+#include "kernels/transpose.h"
 
 #if WSYNC_WITH_CUDA
 #include "kernels/cuda/awq_cuda.h"
 #include "kernels/cuda/checksum_cuda.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/int4_cuda.h"
+#include "kernels/cuda/transpose_cuda.h"
 #endif
 
 namespace wsync::kernels {
@@ -40,6 +42,24 @@ absl::StatusOr<uint64_t> Sum64(const MemorySpace& space, const void* data, size_
   (void)device_word;
   return absl::FailedPreconditionError(
       absl::StrCat("Sum64 of ", nbytes, " bytes in ", space.Name(), ": this binary was built without CUDA"));
+#endif
+}
+
+absl::Status TransposeBlock(const MemorySpace& space, const TransposeArgs& a) {
+  if (space.host())
+    return absl::InvalidArgumentError("TransposeBlock: host memory (the host's transposes are the loader's own)");
+  if (a.item != 1 && a.item != 2 && a.item != 4 && a.item != 8)
+    return absl::InvalidArgumentError(absl::StrCat("TransposeBlock: elements of ", a.item, " bytes"));
+  if (a.rows < 0 || a.cols < 0 || a.r0 < 0 || a.c0 < 0 || a.dr < 0 || a.dc < 0 || a.src_ld < a.c0 + a.cols ||
+      a.dst_ld < a.dc + a.rows || ((a.rows > 0 && a.cols > 0) && (a.src == nullptr || a.dst == nullptr)))
+    return absl::InvalidArgumentError(absl::StrCat("TransposeBlock: a block of ", a.rows, " x ", a.cols, " at (", a.r0,
+                                                   ", ", a.c0, ") of rows of ", a.src_ld, " into (", a.dr, ", ", a.dc,
+                                                   ") of rows of ", a.dst_ld));
+#if WSYNC_WITH_CUDA
+  return cuda::TransposeBlock(space.cuda_device(), a);
+#else
+  return absl::FailedPreconditionError(
+      absl::StrCat("TransposeBlock in ", space.Name(), ": this binary was built without CUDA"));
 #endif
 }
 
