@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/parallel_for.h"
+#include "kernels/transpose.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -101,6 +102,20 @@ void CopyBlock(const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0, int
 #endif
     default: return TransposeBlock<8>(src, src_ld, r0, c0, rows, cols, dst, dst_ld, dr, dc);
   }
+}
+
+absl::Status CopyBlockIn(const MemorySpace& space, const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0,
+                         int64_t rows, int64_t cols, std::byte* dst, int64_t dst_ld, int64_t dr, int64_t dc,
+                         size_t item, bool transpose) {
+  if (space.host()) {
+    CopyBlock(src, src_ld, r0, c0, rows, cols, dst, dst_ld, dr, dc, item, transpose);
+    return absl::OkStatus();
+  }
+  if (transpose) return kernels::TransposeBlock(space, {src, src_ld, r0, c0, rows, cols, dst, dst_ld, dr, dc, item});
+  if (rows == 0 || cols == 0) return absl::OkStatus();
+  const auto it = static_cast<int64_t>(item);
+  return space.Copy2D(dst + (dr * dst_ld + dc) * it, static_cast<size_t>(dst_ld * it), src + (r0 * src_ld + c0) * it,
+                      static_cast<size_t>(src_ld * it), static_cast<size_t>(cols * it), static_cast<size_t>(rows));
 }
 
 void Transpose(const std::byte* src, int64_t rows, int64_t cols, std::byte* dst, size_t item, int threads) {

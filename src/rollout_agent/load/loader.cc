@@ -23,10 +23,10 @@ std::string PieceName(const EngineLayout& layout, const HfSource& s) {
 
 }  // namespace
 
-Staging::Staging(const EngineLayout& layout) : layout_(&layout) {}
+Staging::Staging(const EngineLayout& layout, const MemorySpace& space) : layout_(&layout), space_(space) {}
 
 absl::Status Staging::PinForDevice() {
-  if (!pins_.empty()) return absl::OkStatus();
+  if (!pins_.empty() || !space_.host()) return absl::OkStatus();
   std::vector<std::unique_ptr<PinnedHostRange>> pins;
   for (size_t i = 0; i < buffers_.size(); ++i) {
     if (buffers_[i].size() == 0) continue;
@@ -38,15 +38,20 @@ absl::Status Staging::PinForDevice() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<Staging>> Staging::Create(const EngineLayout& layout) {
-  std::unique_ptr<Staging> s(new Staging(layout));
+absl::StatusOr<std::unique_ptr<Staging>> Staging::Create(const EngineLayout& layout, const MemorySpace& space) {
+  std::unique_ptr<Staging> s(new Staging(layout, space));
   s->buffers_.reserve(layout.params().size());
   for (const EngineParam& p : layout.params()) {
     ASSIGN_OR_RETURN(const int64_t bytes, NumBytes(p.dtype, p.loaded_shape));
-    auto buf = Buffer::AllocateZeroed(static_cast<size_t>(bytes));
-    if (!buf.ok()) return Annotate(buf.status(), absl::StrCat("staging buffer for ", p.name));
+    auto buf =
+        space.host() ? Buffer::AllocateZeroed(static_cast<size_t>(bytes)) : space.Allocate(static_cast<size_t>(bytes));
+    if (buf.ok() && !space.host()) {
+      if (absl::Status z = space.Zero(buf->data(), buf->size()); !z.ok()) buf = z;
+    }
+    if (!buf.ok()) return Annotate(buf.status(), absl::StrCat("staging buffer for ", p.name, " in ", space.Name()));
     s->buffers_.push_back(std::move(*buf));
   }
+  RETURN_IF_ERROR(Annotate(space.Synchronize(), absl::StrCat("zeroing the staging in ", space.Name())));
   const size_t n = layout.sources().size();
   s->state_ = std::make_unique<std::atomic<uint8_t>[]>(n);
   for (size_t i = 0; i < n; ++i) {
@@ -161,13 +166,21 @@ absl::StatusOr<int> Loader::CheckAndClaim(absl::string_view hf_name, DType dtype
   }
   if (s.action == HfSource::Action::kSkip) return -1;
   if (shape_tensor) {
+    // Two values, read back to the host first from a device staging's memory.
+    std::byte raw[16];
+    const std::byte* at = data.bytes().data();
+    if (!staging_->space().host()) {
+      RETURN_IF_ERROR(Annotate(staging_->space().CopyToHost(raw, at, data.nbytes()),
+                               absl::StrCat("reading ", hf_name, " from ", staging_->space().Name())));
+      at = raw;
+    }
     int64_t v[2];
     for (int i = 0; i < 2; ++i) {
       if (dtype == DType::kI64) {
-        std::memcpy(&v[i], data.bytes().data() + 8 * i, 8);
+        std::memcpy(&v[i], at + 8 * i, 8);
       } else {
         int32_t x;
-        std::memcpy(&x, data.bytes().data() + 4 * i, 4);
+        std::memcpy(&x, at + 4 * i, 4);
         v[i] = x;
       }
     }
@@ -188,7 +201,7 @@ absl::StatusOr<int> Loader::CheckAndClaim(absl::string_view hf_name, DType dtype
   return shape_tensor ? -1 : idx;
 }
 
-void Loader::CopyPiece(int idx, const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0) {
+absl::Status Loader::CopyPiece(int idx, const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0) {
   const EngineLayout& layout = staging_->layout();
   const HfSource& s = layout.sources()[static_cast<size_t>(idx)];
   const EngineParam& p = layout.params()[static_cast<size_t>(s.param)];
@@ -196,15 +209,19 @@ void Loader::CopyPiece(int idx, const std::byte* src, int64_t src_ld, int64_t r0
   const MatrixDims d = MatrixOf(p.loaded_shape);
   const size_t item = ItemSize(p.dtype);
   std::byte* base = dst.bytes().data() + s.expert * d.rows * d.cols * static_cast<int64_t>(item);
-  internal::CopyBlock(src, src_ld, r0, c0, s.rows, s.cols, base, d.cols, s.dst_row0, s.dst_col0, item, s.transpose);
+  const absl::Status st = internal::CopyBlockIn(staging_->space(), src, src_ld, r0, c0, s.rows, s.cols, base, d.cols,
+                                                s.dst_row0, s.dst_col0, item, s.transpose);
+  if (st.ok()) return st;
+  staging_->state_[static_cast<size_t>(idx)].store(static_cast<uint8_t>(State::kMissing), std::memory_order_release);
+  return absl::InternalError(
+      absl::StrCat(s.hf_name, ": copying into the staging in ", staging_->space().Name(), " failed: ", st.message()));
 }
 
 absl::Status Loader::Load(absl::string_view hf_name, const TensorView& data) {
   ASSIGN_OR_RETURN(const int idx, CheckAndClaim(hf_name, data.dtype(), data.shape(), data, nullptr));
   if (idx < 0) return absl::OkStatus();
   const HfSource& s = staging_->layout().sources()[static_cast<size_t>(idx)];
-  CopyPiece(idx, data.bytes().data(), MatrixOf(s.shape).cols, s.src_row0, s.src_col0);
-  return absl::OkStatus();
+  return CopyPiece(idx, data.bytes().data(), MatrixOf(s.shape).cols, s.src_row0, s.src_col0);
 }
 
 absl::Status Loader::LoadBlock(absl::string_view hf_name, DType dtype, std::span<const int64_t> shape,
@@ -213,8 +230,7 @@ absl::Status Loader::LoadBlock(absl::string_view hf_name, DType dtype, std::span
     return absl::InvalidArgumentError(absl::StrCat(hf_name, ": a block of a ", shape.size(), "-dim tensor"));
   ASSIGN_OR_RETURN(const int idx, CheckAndClaim(hf_name, dtype, shape, data, &block));
   if (idx < 0) return absl::OkStatus();
-  CopyPiece(idx, data.bytes().data(), block.cols, 0, 0);
-  return absl::OkStatus();
+  return CopyPiece(idx, data.bytes().data(), block.cols, 0, 0);
 }
 
 }  // namespace wsync::rollout_agent

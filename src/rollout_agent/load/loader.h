@@ -1,7 +1,7 @@
 // Staging and loading: sent HF tensors -> the slices one engine rank owns, in SGLang's *loaded*
 // form (ENGINE_LAYOUT.md §2, §3), before repack/ writes them into the engine.
 //
-// Staging owns one host buffer per engine parameter of an EngineLayout, in ParamForm::kLoaded
+// Staging owns one buffer per engine parameter of an EngineLayout, in ParamForm::kLoaded
 // (bf16 [N_p, K_p]; INT4 compressed-tensors [N_p, K_p/8] + [N_p, K_p/G]; MoE GPTQ orientation
 // [E_loc, K/8, N] + [E_loc, K/G, N]), zero-initialized (the vocab padding rows stay zero), and a
 // coverage state per piece (HfSource): missing, restored (filled from the engine by Restore()),
@@ -21,6 +21,15 @@
 // kAlreadyExists for a duplicate. CheckComplete(): kNotFound naming every missing piece (the
 // message lists the first 32; MissingPieces() returns all).
 //
+// Memory space. The staging is host memory by default, or the memory of one CUDA device (a device
+// staging, for an engine whose parameters are on that GPU and which has room for a second copy of
+// them: docs/gpu.md "Device staging"). Then param() views are device memory (for the kernels and
+// MemorySpace copies only), every view given to Load / LoadBlock must be memory of that device too
+// (the receiver puts each bucket there), and a load's copy is enqueued on the device's legacy
+// default stream: Synchronize() before the source memory is reused (LoadBucket does, per bucket);
+// Commit and Restore run on the same stream, after the loads. The weight_shape values are read back
+// to the host to be checked. Errors of a device copy are kInternal, and the piece stays missing.
+//
 // Thread-safety: Load may be called concurrently from several threads (different tensors, even
 // of the same param: pieces never overlap and each piece is claimed atomically). ResetCoverage,
 // the Restore() of repack/ and Commit() must not run concurrently with Load. The Staging must
@@ -38,6 +47,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/cuda_ipc.h"
+#include "common/memory_space.h"
 #include "common/tensor.h"
 #include "rollout_agent/load/engine_layout.h"
 
@@ -47,10 +57,15 @@ class Staging {
  public:
   enum class PieceState : uint8_t { kMissing = 0, kRestored = 1, kLoaded = 2 };
 
-  // Allocates zeroed buffers for every param (kResourceExhausted on failure).
-  static absl::StatusOr<std::unique_ptr<Staging>> Create(const EngineLayout& layout);
+  // Allocates zeroed buffers for every param in `space` (kResourceExhausted on failure; for a CUDA
+  // device also kFailedPrecondition without that device, kUnimplemented without CUDA).
+  static absl::StatusOr<std::unique_ptr<Staging>> Create(const EngineLayout& layout,
+                                                         const MemorySpace& space = MemorySpace::Host());
 
   const EngineLayout& layout() const { return *layout_; }
+  const MemorySpace& space() const { return space_; }
+  // Waits for the loads enqueued on a device staging (a no-op on the host); their first error.
+  absl::Status Synchronize() const { return space_.Synchronize(); }
   // Param `index` of layout().params() in its loaded form; the memory is owned by this Staging.
   MutableTensorView param(int index) const;
   // By SGLang name; kNotFound naming it.
@@ -72,15 +87,17 @@ class Staging {
   // Page-locks every staging buffer (cuda_ipc.h PinHostMemory), for engines whose memory is on a
   // CUDA device: Commit's uploads then run at the link's speed. Idempotent; on failure nothing
   // stays pinned (Commit still works, through pageable copies). The pins end with the Staging.
+  // A device staging has nothing to pin (OK, pinned() stays false).
   absl::Status PinForDevice();
   bool pinned() const { return !pins_.empty(); }
 
  private:
   friend class Loader;
-  explicit Staging(const EngineLayout& layout);
+  Staging(const EngineLayout& layout, const MemorySpace& space);
   static bool Required(const HfSource& s) { return s.action != HfSource::Action::kSkip; }
 
   const EngineLayout* layout_;
+  MemorySpace space_;
   std::vector<Buffer> buffers_;
   std::unique_ptr<std::atomic<uint8_t>[]> state_;       // per layout source
   std::vector<std::unique_ptr<PinnedHostRange>> pins_;  // declared after buffers_: unpinned first
@@ -114,8 +131,9 @@ class Loader {
   // copied (skipped, ignored, a weight_shape).
   absl::StatusOr<int> CheckAndClaim(absl::string_view hf_name, DType dtype, std::span<const int64_t> shape,
                                     const TensorView& data, const BlockRef* block);
-  // Copies source `idx`'s piece from `src` (row stride `src_ld` elements), its block starting at (r0, c0).
-  void CopyPiece(int idx, const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0);
+  // Copies source `idx`'s piece from `src` (row stride `src_ld` elements), its block starting at
+  // (r0, c0); on a device copy's failure the piece is missing again (kInternal).
+  absl::Status CopyPiece(int idx, const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0);
 
   Staging* staging_;
 };

@@ -14,6 +14,7 @@
 #include "kernels/awq.h"
 #include "kernels/format/awq_format.h"
 #include "kernels/int4.h"
+#include "kernels/transpose.h"
 #include "kernels/trtllm.h"
 #include "rollout_agent/load/block_copy.h"
 
@@ -108,10 +109,17 @@ int64_t MaxInt4Bytes(const EngineLayout& layout) {
 
 // The device side of a param whose engine buffer is CUDA memory: the kernel's GPTQ-orientation
 // input (Commit) or output (Restore) goes through `buffer` (at least MaxInt4Bytes) on `device`.
+// `staging`: the staging is that device's memory too (a device staging): nothing crosses the link.
 struct DeviceSide {
   int device = -1;
   CudaAllocation* buffer = nullptr;
+  bool staging = false;
 };
+
+// [rows, cols] -> [cols, rows] of `item`-byte elements on `device` (enqueued).
+absl::Status TransposeOnDevice(int device, const void* src, int64_t rows, int64_t cols, void* dst, size_t item) {
+  return kernels::TransposeBlock(MemorySpace::Cuda(device), {src, cols, 0, 0, rows, cols, dst, rows, 0, 0, item});
+}
 
 // The loaded form in GPTQ orientation, which the kernels read and write: the param itself for MoE
 // ([E, K/8, N] / [E, rows, N] already), else its transpose ([N, K/8] -> [K/8, N], the
@@ -155,17 +163,31 @@ absl::Status RunKernel(const EngineParam& p, const TensorView& in, const Mutable
   return PermuteScalesAs(in, out, p.marlin.grouped_scale_perm, inverse, ko);
 }
 
-// Loaded form -> engine form of one param. `scratch` holds at least ScratchBytes(layout). With
-// `dev`, the engine buffer is device memory: plain params are copied to it, INT4 params are
-// prepared on the host (the transpose), uploaded and repacked on the device straight into it.
+// Loaded form -> engine form of one param. `scratch` holds at least ScratchBytes(layout) (host
+// staging). With `dev`, the engine buffer is device memory: plain params are copied to it, INT4
+// params are prepared on the host (the transpose), uploaded and repacked on the device straight
+// into it; from a device staging everything stays on the device (the transpose into the device
+// buffer, the kernels reading the staging itself).
 absl::Status CommitParam(const EngineParam& p, const TensorView& loaded, const MutableTensorView& engine,
                          std::span<std::byte> scratch, const RepackOptions& o, const DeviceSide* dev) {
   if (p.kind == ParamKind::kPlain) {
+    if (dev != nullptr && dev->staging) return CopyOnDevice(engine.data(), loaded.data(), loaded.nbytes(), dev->device);
     if (dev != nullptr) return CopyHostToDevice(engine.data(), loaded.data(), loaded.nbytes(), dev->device);
     ParallelCopy(loaded.bytes().data(), engine.bytes().data(), loaded.nbytes(), o.num_threads);
     return absl::OkStatus();
   }
   TensorView in = loaded;
+  if (dev != nullptr && dev->staging) {
+    if (IsDenseInt4(p)) {
+      RETURN_IF_ERROR(TransposeOnDevice(dev->device, loaded.data(), p.loaded_shape[0], p.loaded_shape[1],
+                                        dev->buffer->data(), ItemSize(p.dtype)));
+      in = TensorView(p.dtype, GptqOrientation(p),
+                      {static_cast<const std::byte*>(dev->buffer->data()), loaded.nbytes()});
+    }
+    kernels::KernelOptions ko = KernelOpts(o);
+    ko.device = kernels::Device::kCuda;
+    return RunKernel(p, in, engine, /*inverse=*/false, ko, dev->device);
+  }
   if (IsDenseInt4(p)) {
     const int64_t n = p.loaded_shape[0], cols = p.loaded_shape[1];
     Transpose(loaded.bytes().data(), n, cols, scratch.data(), ItemSize(p.dtype), o.num_threads);
@@ -184,11 +206,23 @@ absl::Status CommitParam(const EngineParam& p, const TensorView& loaded, const M
 absl::Status RestoreParam(const EngineParam& p, const TensorView& engine, const MutableTensorView& loaded,
                           std::span<std::byte> scratch, const RepackOptions& o, const DeviceSide* dev) {
   if (p.kind == ParamKind::kPlain) {
+    if (dev != nullptr && dev->staging) return CopyOnDevice(loaded.data(), engine.data(), engine.nbytes(), dev->device);
     if (dev != nullptr) return CopyDeviceToHost(loaded.data(), engine.data(), engine.nbytes(), dev->device);
     ParallelCopy(engine.bytes().data(), loaded.bytes().data(), engine.nbytes(), o.num_threads);
     return absl::OkStatus();
   }
   const bool dense = IsDenseInt4(p);
+  if (dev != nullptr && dev->staging) {
+    kernels::KernelOptions ko = KernelOpts(o);
+    ko.device = kernels::Device::kCuda;
+    const Shape gshape = GptqOrientation(p);
+    const MutableTensorView out =
+        dense ? MutableTensorView(p.dtype, gshape, {static_cast<std::byte*>(dev->buffer->data()), loaded.nbytes()})
+              : loaded;
+    RETURN_IF_ERROR(RunKernel(p, engine, out, /*inverse=*/true, ko, dev->device));
+    if (!dense) return absl::OkStatus();
+    return TransposeOnDevice(dev->device, out.data(), gshape[0], gshape[1], loaded.data(), ItemSize(p.dtype));
+  }
   const MutableTensorView host(p.dtype, GptqOrientation(p), dense ? scratch.first(loaded.nbytes()) : loaded.bytes());
   MutableTensorView out = host;
   kernels::KernelOptions ko = KernelOpts(o);
@@ -217,10 +251,10 @@ class DeviceBuffers {
     }
     return absl::OkStatus();
   }
-  // The device side of `b`, or nullptr for host memory.
-  std::optional<DeviceSide> For(const EngineBuffer& b) const {
+  // The device side of `b`, or nullptr for host memory; `staging`: the staging's space.
+  std::optional<DeviceSide> For(const EngineBuffer& b, const MemorySpace& staging) const {
     if (!b.on_device()) return std::nullopt;
-    return DeviceSide{b.cuda_device, Find(b.cuda_device)};
+    return DeviceSide{b.cuda_device, Find(b.cuda_device), !staging.host()};
   }
 
  private:
@@ -267,7 +301,25 @@ absl::Status CheckDisjoint(const Staging& staging, const EngineWeights& engine) 
 
 absl::Status Validate(const Staging& staging, const EngineWeights& engine, absl::string_view what) {
   RETURN_IF_ERROR(Annotate(engine.CheckMatches(staging.layout()), absl::StrCat(what, " refused")));
+  // A device staging feeds the kernels of its own device only: every engine buffer must be there.
+  if (const MemorySpace& sp = staging.space(); !sp.host()) {
+    for (const EngineBuffer& b : engine.buffers()) {
+      if (b.cuda_device != sp.cuda_device())
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, " refused: the staging is in ", sp.Name(), ", but engine buffer ", b.name, " is in ",
+                         b.on_device() ? MemorySpace::Cuda(b.cuda_device).Name() : "host memory",
+                         " (a device staging serves an engine whose parameters are all on its GPU)"));
+    }
+  }
   return Annotate(CheckDisjoint(staging, engine), absl::StrCat(what, " refused"));
+}
+
+// A device staging: the loads enqueued on its device are waited for (their errors surface here,
+// before anything is written) and the device is made this thread's, for the kernels.
+absl::Status SettleStaging(const Staging& staging, absl::string_view what) {
+  if (staging.space().host()) return absl::OkStatus();
+  return Annotate(staging.Synchronize(),
+                  absl::StrCat(what, " refused: the loads into the staging in ", staging.space().Name()));
 }
 
 absl::StatusOr<Buffer> AllocateScratch(int64_t bytes, absl::string_view what) {
@@ -285,13 +337,25 @@ absl::Status Commit(const Staging& staging, EngineWeights& engine, const RepackO
   int64_t max_loaded = 0;
   for (const EngineParam& p : layout.params())
     max_loaded = std::max(max_loaded, NumBytes(p.dtype, p.loaded_shape).value_or(0));
-  ASSIGN_OR_RETURN(Buffer scratch, AllocateScratch(ScratchBytes(layout), "commit"));
+  const MemorySpace& space = staging.space();
+  RETURN_IF_ERROR(SettleStaging(staging, "commit"));
+  ASSIGN_OR_RETURN(Buffer scratch, AllocateScratch(space.host() ? ScratchBytes(layout) : 0, "commit"));
   DeviceBuffers device;
   RETURN_IF_ERROR(device.Allocate(layout, engine, "commit"));
-  Buffer check, check_scratch;
+  // verify: the read-back lands in `check` (the staging's space); a device staging's bytes are
+  // compared on the host, through `got_host` and `want_host`.
+  Buffer check, check_scratch, got_host, want_host;
   if (options.verify) {
-    ASSIGN_OR_RETURN(check, AllocateScratch(max_loaded, "commit"));
-    ASSIGN_OR_RETURN(check_scratch, AllocateScratch(ScratchBytes(layout), "commit"));
+    if (space.host()) {
+      ASSIGN_OR_RETURN(check, AllocateScratch(max_loaded, "commit"));
+      ASSIGN_OR_RETURN(check_scratch, AllocateScratch(ScratchBytes(layout), "commit"));
+    } else {
+      auto c = space.Allocate(static_cast<size_t>(std::max<int64_t>(max_loaded, 1)));
+      if (!c.ok()) return Annotate(c.status(), "commit refused: verify buffer");
+      check = std::move(*c);
+      ASSIGN_OR_RETURN(got_host, AllocateScratch(max_loaded, "commit"));
+      ASSIGN_OR_RETURN(want_host, AllocateScratch(max_loaded, "commit"));
+    }
   }
   // Nothing has been written so far; from here on only kernel bugs (or a failing device) can fail.
   const auto& params = layout.params();
@@ -299,22 +363,34 @@ absl::Status Commit(const Staging& staging, EngineWeights& engine, const RepackO
     const EngineParam& p = params[i];
     const EngineBuffer& b = *engine.Find(p.name);  // CheckMatches: every param has its buffer
     ASSIGN_OR_RETURN(const MutableTensorView dst, engine.View(p.name));
-    const std::optional<DeviceSide> dev = device.For(b);
+    const std::optional<DeviceSide> dev = device.For(b, space);
     const absl::Status st =
         CommitParam(p, Const(staging.param(static_cast<int>(i))), dst, scratch.span(), options, dev ? &*dev : nullptr);
     if (!st.ok())
       return absl::InternalError(
           absl::StrCat("commit of ", p.name, " failed after validation (engine partially written): ", st.message()));
   }
+  // The device copies are enqueued: the engine may read its memory once they are done.
+  if (absl::Status st = space.Synchronize(); !st.ok())
+    return absl::InternalError(absl::StrCat("commit from the staging in ", space.Name(),
+                                            " failed after validation (engine partially written): ", st.message()));
   if (!options.verify) return absl::OkStatus();
   for (size_t i = 0; i < params.size(); ++i) {
     const EngineParam& p = params[i];
     const MutableTensorView want = staging.param(static_cast<int>(i));
     ASSIGN_OR_RETURN(const MutableTensorView src, engine.View(p.name));
-    const std::optional<DeviceSide> dev = device.For(*engine.Find(p.name));
+    const std::optional<DeviceSide> dev = device.For(*engine.Find(p.name), space);
     const MutableTensorView got(p.dtype, p.loaded_shape, check.span().first(want.nbytes()));
     RETURN_IF_ERROR(RestoreParam(p, Const(src), got, check_scratch.span(), options, dev ? &*dev : nullptr));
-    if (std::memcmp(got.data(), want.data(), want.nbytes()) != 0)
+    const void* got_bytes = got.data();
+    const void* want_bytes = want.data();
+    if (!space.host()) {
+      RETURN_IF_ERROR(space.CopyToHost(got_host.data(), got.data(), got.nbytes()));
+      RETURN_IF_ERROR(space.CopyToHost(want_host.data(), want.data(), want.nbytes()));
+      got_bytes = got_host.data();
+      want_bytes = want_host.data();
+    }
+    if (std::memcmp(got_bytes, want_bytes, want.nbytes()) != 0)
       return absl::InternalError(absl::StrCat("commit verify: engine ", p.name, " read back",
                                               p.kind == ParamKind::kPlain ? "" : " from Marlin",
                                               " differs from staging"));
@@ -325,20 +401,26 @@ absl::Status Commit(const Staging& staging, EngineWeights& engine, const RepackO
 absl::Status Restore(const EngineWeights& engine, Staging& staging, const RepackOptions& options) {
   const EngineLayout& layout = staging.layout();
   RETURN_IF_ERROR(Validate(staging, engine, "restore"));
-  ASSIGN_OR_RETURN(Buffer scratch, AllocateScratch(ScratchBytes(layout), "restore"));
+  RETURN_IF_ERROR(SettleStaging(staging, "restore"));
+  ASSIGN_OR_RETURN(Buffer scratch, AllocateScratch(staging.space().host() ? ScratchBytes(layout) : 0, "restore"));
   DeviceBuffers device;
   RETURN_IF_ERROR(device.Allocate(layout, engine, "restore"));
   const auto& params = layout.params();
   for (size_t i = 0; i < params.size(); ++i) {
     const EngineParam& p = params[i];
     ASSIGN_OR_RETURN(const MutableTensorView src, engine.View(p.name));
-    const std::optional<DeviceSide> dev = device.For(*engine.Find(p.name));
+    const std::optional<DeviceSide> dev = device.For(*engine.Find(p.name), staging.space());
     const absl::Status st =
         RestoreParam(p, Const(src), staging.param(static_cast<int>(i)), scratch.span(), options, dev ? &*dev : nullptr);
     if (!st.ok()) {
       staging.ResetCoverage();
       return absl::InternalError(absl::StrCat("restore of ", p.name, " failed after validation: ", st.message()));
     }
+  }
+  if (absl::Status st = staging.Synchronize(); !st.ok()) {
+    staging.ResetCoverage();
+    return absl::InternalError(
+        absl::StrCat("restore into the staging in ", staging.space().Name(), ": ", st.message()));
   }
   staging.MarkAllRestored();
   return absl::OkStatus();
@@ -600,9 +682,23 @@ absl::StatusOr<Tensor> DequantizeToDense(absl::string_view linear_name, const St
   const int li = layout.FindLinear(linear_name);
   if (li < 0) return absl::NotFoundError(absl::StrCat("DequantizeToDense: no linear named ", linear_name));
   const EngineLinear& lin = layout.linears()[static_cast<size_t>(li)];
-  const MutableTensorView w = staging.param(lin.quantized ? lin.packed : lin.weight);
-  const MutableTensorView s = lin.quantized ? staging.param(lin.scale) : MutableTensorView();
-  const MutableTensorView z = lin.zeros >= 0 ? staging.param(lin.zeros) : MutableTensorView();
+  // A host view of a param; a device staging's is copied to `copy` first.
+  auto host_view = [&](int index, Tensor& copy) -> absl::StatusOr<TensorView> {
+    const MutableTensorView v = staging.param(index);
+    if (staging.space().host()) return TensorView(v);
+    ASSIGN_OR_RETURN(copy, Tensor::Empty(v.dtype(), v.shape()));
+    RETURN_IF_ERROR(staging.space().CopyToHost(copy.mutable_view().data(), v.data(), v.nbytes()));
+    return copy.view();
+  };
+  Tensor wcopy, scopy, zcopy;
+  ASSIGN_OR_RETURN(const TensorView w, host_view(lin.quantized ? lin.packed : lin.weight, wcopy));
+  TensorView s, z;
+  if (lin.quantized) {
+    ASSIGN_OR_RETURN(s, host_view(lin.scale, scopy));
+  }
+  if (lin.zeros >= 0) {
+    ASSIGN_OR_RETURN(z, host_view(lin.zeros, zcopy));
+  }
   return DequantizeToDense(lin, layout, w, s, z, ParamForm::kLoaded, options);
 }
 

@@ -2,17 +2,23 @@
 // device path's bytes equal the host path's, byte for byte, for every param of dense and MoE
 // models, bf16 and INT4 (G = 128, 32, channelwise; Marlin, AWQ-Marlin and TensorRT-LLM sm80 / sm90
 // layouts), engine TP 1 and 2 (EP 2 for MoE); verify on,
-// Checksums and DequantizeToDense read device memory, Restore(device) == staging. The GPU cases
-// skip themselves without a device; the refusal cases run everywhere: a Commit whose device
-// scratch cannot be had (no GPU, or no CUDA build) is refused before the first byte is written.
+// Checksums and DequantizeToDense read device memory, Restore(device) == staging. A device
+// staging (Staging in the GPU's memory, loaded from device copies of the sent tensors: the
+// loader's copies and transposes on the device, weight_shape values read back) commits the same
+// bytes without crossing the link, and restores the same staging. The GPU cases skip themselves
+// without a device; the refusal cases run everywhere: a Commit whose device scratch cannot be had
+// (no GPU, or no CUDA build) is refused before the first byte is written, and so is a device
+// staging.
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/config.h"
 #include "common/cuda_ipc.h"
+#include "common/memory_space.h"
 #include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -154,6 +160,120 @@ TEST_P(RepackDevice, CommitOnTheDeviceEqualsTheHostBytes) {
   }
 }
 
+// The staging's bytes, on the host (a device staging's copied down).
+std::vector<std::byte> StagingBytes(const Staging& st, int i) {
+  const TensorView v = st.param(i);
+  std::vector<std::byte> out(v.nbytes());
+  EXPECT_TRUE(st.space().CopyToHost(out.data(), v.data(), v.nbytes()).ok());
+  return out;
+}
+
+TEST_P(RepackDevice, ADeviceStagingLoadsAndCommitsOnTheDeviceToTheHostBytes) {
+  if (!kernels::GpuAvailable()) GTEST_SKIP() << "no CUDA device";
+  const Case& tc = GetParam();
+  SCOPED_TRACE(absl::StrCat(tc.label, " seed ", tc.seed));
+  const ModelConfig c = *ParseModelConfig(tc.config, tc.label);
+  std::optional<QuantizationConfig> q;
+  if (tc.group != 0) q = QuantFor(tc);
+  auto m = model::testing::MakeHfModel(c, q ? &*q : nullptr, tc.seed);
+  ASSERT_TRUE(m.ok()) << m.status();
+  const MemorySpace gpu = MemorySpace::Cuda(0);
+  // Every sent tensor in device memory, as an NCCL bucket would hold it; odd sizes at odd offsets.
+  absl::flat_hash_map<std::string, Buffer> on_device;
+  for (const std::string& name : m->order) {
+    const TensorView v = m->sent.at(name).view();
+    auto b = gpu.Allocate(std::max<size_t>(v.nbytes(), 1));
+    ASSERT_TRUE(b.ok()) << b.status();
+    ASSERT_TRUE(gpu.Copy(b->data(), v.data(), v.nbytes()).ok());
+    on_device.emplace(name, std::move(*b));
+  }
+  for (const auto& [T, EP] : tc.tp_ep) {
+    for (int r = 0; r < T; ++r) {
+      SCOPED_TRACE(absl::StrCat("T ", T, " EP ", EP, " rank ", r));
+      auto layout = EngineLayout::Create(c, q ? &*q : nullptr, {T, r, EP});
+      ASSERT_TRUE(layout.ok()) << layout.status();
+      auto host_staging = Staging::Create(*layout);
+      auto dev_staging = Staging::Create(*layout, gpu);
+      ASSERT_TRUE(host_staging.ok() && dev_staging.ok()) << dev_staging.status();
+      Loader host_loader(host_staging->get()), dev_loader(dev_staging->get());
+      for (const std::string& name : m->order) {
+        const TensorView v = m->sent.at(name).view();
+        ASSERT_TRUE(host_loader.Load(name, v).ok()) << name;
+        const TensorView dv(v.dtype(), v.shape(), {on_device.at(name).data(), v.nbytes()});
+        const absl::Status st = dev_loader.Load(name, dv);
+        ASSERT_TRUE(st.ok()) << name << ": " << st;
+      }
+      ASSERT_TRUE(dev_loader.CheckComplete().ok());
+      ASSERT_TRUE((*dev_staging)->Synchronize().ok());
+      for (size_t i = 0; i < layout->params().size(); ++i) {
+        const TensorView a = (*host_staging)->param(static_cast<int>(i));
+        ASSERT_EQ(std::memcmp(StagingBytes(**dev_staging, static_cast<int>(i)).data(), a.data(), a.nbytes()), 0)
+            << "loaded " << layout->params()[i].name;
+      }
+      for (const EngineLinear& lin : layout->linears()) {
+        auto a = DequantizeToDense(lin.name, **host_staging);
+        auto b = DequantizeToDense(lin.name, **dev_staging);
+        ASSERT_TRUE(a.ok() && b.ok()) << lin.name;
+        ASSERT_EQ(std::memcmp(a->view().data(), b->view().data(), a->nbytes()), 0) << lin.name;
+      }
+      auto host = OwnedEngineWeights::Allocate(*layout);
+      ASSERT_TRUE(host.ok());
+      ASSERT_TRUE(Commit(**host_staging, (*host)->weights()).ok());
+      // A device staging serves device engine memory only: refused before writing.
+      const auto untouched = *(*host)->weights().Checksums();
+      const absl::Status mixed = Commit(**dev_staging, (*host)->weights());
+      EXPECT_EQ(mixed.code(), absl::StatusCode::kInvalidArgument) << mixed;
+      EXPECT_THAT(mixed.message(), HasSubstr("a device staging serves"));
+      EXPECT_EQ(*(*host)->weights().Checksums(), untouched);
+
+      auto dev = AllocateOnDevice(*layout, 0);
+      ASSERT_TRUE(dev.ok()) << dev.status();
+      const absl::Status st = Commit(**dev_staging, dev->weights, {.num_threads = 2, .verify = true});
+      ASSERT_TRUE(st.ok()) << st;
+      for (const EngineBuffer& b : dev->weights.buffers()) {
+        std::vector<std::byte> got(b.nbytes);
+        ASSERT_TRUE(CopyDeviceToHost(got.data(), b.data, b.nbytes, 0).ok());
+        ASSERT_EQ(std::memcmp(got.data(), (*host)->weights().Find(b.name)->data, b.nbytes), 0) << b.name;
+      }
+      // Restore from device memory into a second device staging gives back what was received.
+      auto restored = Staging::Create(*layout, gpu);
+      ASSERT_TRUE(restored.ok());
+      ASSERT_TRUE(Restore(dev->weights, **restored).ok());
+      EXPECT_TRUE((*restored)->CheckComplete().ok());
+      for (size_t i = 0; i < layout->params().size(); ++i) {
+        const TensorView a = (*host_staging)->param(static_cast<int>(i));
+        ASSERT_EQ(std::memcmp(StagingBytes(**restored, static_cast<int>(i)).data(), a.data(), a.nbytes()), 0)
+            << "restored " << layout->params()[i].name;
+      }
+    }
+  }
+}
+
+// A weight_shape in device memory is read back and checked like one in host memory; a wrong one
+// is refused and leaves its piece missing.
+TEST(RepackDeviceStaging, AWrongWeightShapeInDeviceMemoryIsRefused) {
+  if (!kernels::GpuAvailable()) GTEST_SKIP() << "no CUDA device";
+  const ModelConfig c = *ParseModelConfig(model::testing::kQwen3Json, "shape");
+  const QuantizationConfig q = *ParseQuantizationConfig(model::testing::QuantJson(128, kIgnore), "shape");
+  const EngineLayout layout = *EngineLayout::Create(c, &q, {1, 0, 1});
+  auto m = *model::testing::MakeHfModel(c, &q, 9109);
+  const MemorySpace gpu = MemorySpace::Cuda(0);
+  auto staging = *Staging::Create(layout, gpu);
+  Loader loader(staging.get());
+  const std::string name = "model.layers.0.self_attn.q_proj.weight_shape";
+  ASSERT_TRUE(m.sent.contains(name));
+  const TensorView v = m.sent.at(name).view();
+  std::vector<std::byte> bad(v.bytes().begin(), v.bytes().end());
+  bad[0] = std::byte(static_cast<uint8_t>(bad[0]) + 1);
+  auto b = *gpu.Allocate(v.nbytes());
+  ASSERT_TRUE(gpu.Copy(b.data(), bad.data(), v.nbytes()).ok());
+  const absl::Status st = loader.Load(name, TensorView(v.dtype(), v.shape(), {b.data(), v.nbytes()}));
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(st.message(), HasSubstr("holds ["));
+  ASSERT_TRUE(gpu.Copy(b.data(), v.data(), v.nbytes()).ok());
+  EXPECT_TRUE(loader.Load(name, TensorView(v.dtype(), v.shape(), {b.data(), v.nbytes()})).ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, RepackDevice, ::testing::ValuesIn(Cases()),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.label; });
 
@@ -187,6 +307,12 @@ TEST(RepackDeviceRefusal, NoUsableDeviceRefusesBeforeWriting) {
   // Pinning the staging needs a device too; a failed pin leaves nothing pinned.
   EXPECT_FALSE(staging->PinForDevice().ok());
   EXPECT_FALSE(staging->pinned());
+  // And so does a device staging.
+  auto dev_staging = Staging::Create(layout, MemorySpace::Cuda(0));
+  EXPECT_TRUE(dev_staging.status().code() == absl::StatusCode::kFailedPrecondition ||
+              dev_staging.status().code() == absl::StatusCode::kUnimplemented)
+      << dev_staging.status();
+  EXPECT_THAT(dev_staging.status().message(), HasSubstr("in cuda:0"));
 }
 
 }  // namespace
