@@ -124,6 +124,10 @@ absl::Status LoadBucket(const v1::BucketManifest& m, const Buffer& data, Loader&
   for (int t = 1; t < threads; ++t) pool.emplace_back(work);
   work();
   for (auto& t : pool) t.join();
+  // A device staging's copies are enqueued: the bucket may be reused only once they are done.
+  const Staging& staging = loader.staging();
+  if (first.ok() && !staging.space().host())
+    first = Annotate(staging.Synchronize(), absl::StrCat(BucketWhere(m), ": loading into ", staging.space().Name()));
   return first;
 }
 
@@ -191,27 +195,46 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
     }
   }
 
-  // Where the buckets arrive: host memory, or the group's GPU (NCCL), whose buckets are copied to
-  // host buffers for the loader.
+  // Where the buckets arrive (host memory, or the group's GPU over NCCL) and where the loader reads
+  // them (the staging's space): a bucket that arrives elsewhere is moved once, into a page-locked
+  // host buffer (NCCL into a host staging) or a device buffer (gloo / shm into a device staging).
   const MemorySpace space = (*comm)->space();
+  const MemorySpace load_space = o.loader->staging().space();
+  if (!space.host() && !load_space.host() && space != load_space) {
+    const absl::Status st = absl::FailedPreconditionError(
+        absl::StrCat(where, ": the buckets arrive in ", space.Name(), " but the staging is in ", load_space.Name()));
+    (*comm)->Abort(st.message());
+    cancel.Unregister(comm->get());
+    return st;
+  }
   // Pools of the stage's own where the caller gave none. Beside NCCL nothing is freed while the
   // stream runs (keep_until_trim: a cudaFree waits for the whole device); the stage's own pools
   // go when the stage has ended.
-  std::optional<BufferPool> own_device_pool, own_host_pool;
+  std::optional<BufferPool> own_device_pool, own_host_pool, own_upload_pool;
   BufferPool* receive_pool = o.pool;
   BufferPool* host_pool = nullptr;
+  BufferPool* upload_pool = nullptr;  // device buffers a host bucket is uploaded into (device staging)
   if (!space.host()) {
     receive_pool = o.device_pool;
     if (receive_pool == nullptr)
       receive_pool = &own_device_pool.emplace(
           2, [space](size_t n) { return space.Allocate(n); }, /*keep_until_trim=*/true);
-    host_pool = o.host_pool;
-    if (host_pool == nullptr)
-      host_pool = &own_host_pool.emplace(
-          3, [](size_t n) { return AllocatePinnedBuffer(n); }, /*keep_until_trim=*/true);
+    if (load_space.host() || o.recorder != nullptr) {
+      host_pool = o.host_pool;
+      if (host_pool == nullptr)
+        host_pool = &own_host_pool.emplace(
+            3, [](size_t n) { return AllocatePinnedBuffer(n); }, /*keep_until_trim=*/true);
+    }
+  } else if (!load_space.host()) {
+    upload_pool = o.device_pool != nullptr
+                      ? o.device_pool
+                      : &own_upload_pool.emplace(
+                            2, [load_space](size_t n) { return load_space.Allocate(n); }, /*keep_until_trim=*/true);
   }
   auto give_back = [&](Buffer b) {
-    BufferPool* to = MemorySpace::Of(b) == space ? receive_pool : host_pool;
+    if (b.size() == 0) return;
+    BufferPool* to = MemorySpace::Of(b).host() ? (space.host() ? receive_pool : host_pool)
+                                               : (space.host() ? upload_pool : receive_pool);
     if (to != nullptr) to->Put(std::move(b));
   };
   const absl::Time t1 = absl::Now();
@@ -230,27 +253,46 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
         give_back(std::move(b.data));
         continue;
       }
-      if (!space.host()) {
+      const uint64_t n = std::max<uint64_t>(b.manifest.nbytes(), 1);
+      // `host_copy`: the bucket's bytes in host memory, for the loader or the recorder, when it
+      // arrived on the GPU; `uploaded`: in the device staging's memory, when it arrived in host memory.
+      Buffer host_copy, uploaded;
+      if (!space.host() && host_pool != nullptr) {
         const absl::Time c0 = absl::Now();
-        const uint64_t n = std::max<uint64_t>(b.manifest.nbytes(), 1);
         absl::StatusOr<Buffer> host = host_pool->Get(n);
         if (!host.ok())
           return Annotate(host.status(), absl::StrCat(where, ": a host buffer for ", BucketWhere(b.manifest)));
         RETURN_IF_ERROR(Annotate(space.CopyToHost(host->data(), b.data.data(), b.manifest.nbytes()),
                                  absl::StrCat(where, ": ", BucketWhere(b.manifest), " from ", space.Name())));
-        give_back(std::exchange(b.data, std::move(*host)));
+        host_copy = std::move(*host);
+        if (load_space.host()) give_back(std::move(b.data));  // free for the next receive at once
         stats.to_host += absl::Now() - c0;
       }
+      if (space.host() && !load_space.host()) {
+        const absl::Time c0 = absl::Now();
+        absl::StatusOr<Buffer> dev = upload_pool->Get(n);
+        if (!dev.ok())
+          return Annotate(dev.status(),
+                          absl::StrCat(where, ": a ", load_space.Name(), " buffer for ", BucketWhere(b.manifest)));
+        RETURN_IF_ERROR(Annotate(load_space.Copy(dev->data(), b.data.data(), b.manifest.nbytes()),
+                                 absl::StrCat(where, ": ", BucketWhere(b.manifest), " to ", load_space.Name())));
+        uploaded = std::move(*dev);
+        stats.to_device += absl::Now() - c0;
+      }
+      const Buffer& loadable =
+          load_space.host() ? (space.host() ? b.data : host_copy) : (space.host() ? uploaded : b.data);
       const absl::Time l0 = absl::Now();
-      RETURN_IF_ERROR(LoadBucket(b.manifest, b.data, *o.loader, o.load_threads));
+      RETURN_IF_ERROR(LoadBucket(b.manifest, loadable, *o.loader, o.load_threads));
       const absl::Time l1 = absl::Now();
       stats.load += l1 - l0;
       stats.tensors += static_cast<uint64_t>(b.manifest.entries_size());
       if (o.recorder != nullptr) {
-        RETURN_IF_ERROR(o.recorder->WriteBucket(b.manifest, b.data.data()));
+        RETURN_IF_ERROR(o.recorder->WriteBucket(b.manifest, space.host() ? b.data.data() : host_copy.data()));
         stats.record += absl::Now() - l1;
       }
       give_back(std::move(b.data));
+      give_back(std::move(host_copy));
+      give_back(std::move(uploaded));
       if (cancel.cancelled()) return absl::AbortedError("cancelled between buckets");
     }
   }();

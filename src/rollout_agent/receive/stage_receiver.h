@@ -3,9 +3,12 @@
 // size and checksum checked there), check each manifest against the sync, load every entry into
 // staging with the Loader (several entries of a bucket at once), and record the bucket if asked.
 // The consumer loads bucket k while bucket k+1 arrives (the BucketReceiver's queue of one).
-// Over NCCL the buckets arrive in device memory (the GPU `cuda_device`), and each is copied once
-// to a page-locked host buffer for the loader and its host staging (docs/gpu.md, "Receiving on
-// the GPU": the staging's memory cost is why it stays on the host).
+// Over NCCL the buckets arrive in device memory (the GPU `cuda_device`). The loader reads each
+// bucket in its staging's space (docs/gpu.md "Receiving on the GPU", "Device staging"): a device
+// bucket is loaded in place into a device staging, or copied once to a page-locked host buffer
+// for a host staging; a host bucket (gloo, shm) is loaded in place into a host staging, or
+// uploaded once into a device buffer for a device staging. A device staging must be on the GPU
+// the buckets arrive on.
 //
 // Checks per bucket, each failing the stage with an error naming stage and bucket:
 //   manifest.version == the sync's version, manifest.pp_stage == the group's stage (kInvalidArgument);
@@ -108,13 +111,14 @@ struct StageOptions {
 
 struct StageStats {
   uint64_t buckets = 0;
-  uint64_t bytes = 0;       // bucket data bytes
-  uint64_t tensors = 0;     // entries received (loaded or accepted and skipped by the loader)
-  absl::Duration join;      // forming the group
-  absl::Duration transfer;  // group formed -> last bucket loaded
-  absl::Duration load;      // wall time in the loader (overlaps the transfer)
-  absl::Duration record;    // writing recordings
-  absl::Duration to_host;   // NCCL: copying device buckets to host memory for the loader
+  uint64_t bytes = 0;        // bucket data bytes
+  uint64_t tensors = 0;      // entries received (loaded or accepted and skipped by the loader)
+  absl::Duration join;       // forming the group
+  absl::Duration transfer;   // group formed -> last bucket loaded
+  absl::Duration load;       // wall time in the loader (overlaps the transfer)
+  absl::Duration record;     // writing recordings
+  absl::Duration to_host;    // NCCL: copying device buckets to host memory for a host staging (or the recorder)
+  absl::Duration to_device;  // gloo / shm: uploading host buckets to a device staging's GPU
 };
 
 // Loads every entry of one received bucket (manifest validated by comm::ValidateManifest) into

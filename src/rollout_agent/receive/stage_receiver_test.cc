@@ -2,7 +2,8 @@
 // rank 0, the receiving agent as rank 1, an in-memory store): a generated INT4 checkpoint arrives
 // complete in staging; manifests of another version or a split tensor are refused; Cancel stops
 // a stage waiting for its group or for buckets within a bounded time. With two GPUs, the same
-// checkpoint over NCCL (source on GPU 0, receiver on GPU 1: device buffers, copied down once).
+// checkpoint over NCCL (source on GPU 0, receiver on GPU 1: device buffers, copied down once, or
+// loaded in place into a device staging); with one GPU, Gloo into a device staging (uploaded once).
 #include "rollout_agent/receive/stage_receiver.h"
 
 #include <thread>
@@ -75,7 +76,9 @@ class StageReceiverTest : public ::testing::Test {
     for (const auto& [name, view] : tensors_) ASSERT_TRUE(direct_loader.Load(name, view).ok()) << name;
     for (size_t i = 0; i < layout_->params().size(); ++i) {
       const auto a = staging_->param(static_cast<int>(i)), b = (*direct)->param(static_cast<int>(i));
-      ASSERT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << layout_->params()[i].name;
+      std::vector<std::byte> got(a.nbytes());  // a device staging's bytes, copied down
+      ASSERT_TRUE(staging_->space().CopyToHost(got.data(), a.data(), a.nbytes()).ok());
+      ASSERT_EQ(std::memcmp(got.data(), b.data(), a.nbytes()), 0) << layout_->params()[i].name;
     }
   }
 
@@ -126,6 +129,54 @@ TEST_F(StageReceiverTest, OverNcclACheckpointArrivesCompleteInStagingFromAnother
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->buckets, n);
   EXPECT_GT(stats->to_host, absl::ZeroDuration());
+  ExpectStagingIsADirectLoad();
+}
+
+// A device staging on the receiving GPU: over NCCL the buckets are loaded where they arrive (no
+// copy down); over Gloo each host bucket is uploaded once and loaded on the GPU.
+TEST_F(StageReceiverTest, OverNcclADeviceStagingLoadsTheBucketsWhereTheyArrive) {
+  absl::StatusOr<int> gpus = kernels::CudaDeviceCount();
+  if (!comm::BackendCompiledIn(comm::Backend::kNccl) || !gpus.ok() || *gpus < 2)
+    GTEST_SKIP() << "needs NCCL and two GPUs";
+  auto device_staging = Staging::Create(*layout_, MemorySpace::Cuda(1));
+  ASSERT_TRUE(device_staging.ok()) << device_staging.status();
+  staging_ = std::move(*device_staging);
+  auto buckets = testing::PackBuckets(tensors_, {.version = 5, .bucket_bytes = 256 << 10});
+  ASSERT_TRUE(buckets.ok());
+  std::thread source = Source(
+      "nccl-dev", [&](comm::Communicator& c) { EXPECT_TRUE(testing::SendBuckets(c, std::move(*buckets)).ok()); },
+      comm::Backend::kNccl);
+  SyncCancel cancel;
+  Loader loader(staging_.get());
+  StageOptions o = Options("nccl-dev", &cancel, &loader);
+  o.backend = comm::Backend::kNccl;
+  o.cuda_device = 1;
+  auto stats = ReceiveStage(o);
+  source.join();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->to_host, absl::ZeroDuration());
+  ExpectStagingIsADirectLoad();
+}
+
+TEST_F(StageReceiverTest, OverGlooADeviceStagingGetsEveryBucketUploadedOnce) {
+  if (!kernels::GpuAvailable()) GTEST_SKIP() << "no CUDA device";
+  auto device_staging = Staging::Create(*layout_, MemorySpace::Cuda(0));
+  ASSERT_TRUE(device_staging.ok()) << device_staging.status();
+  staging_ = std::move(*device_staging);
+  auto buckets = testing::PackBuckets(tensors_, {.version = 5, .bucket_bytes = 256 << 10});
+  ASSERT_TRUE(buckets.ok());
+  const size_t n = buckets->size();
+  std::thread source = Source(
+      "gloo-dev", [&](comm::Communicator& c) { EXPECT_TRUE(testing::SendBuckets(c, std::move(*buckets)).ok()); });
+  SyncCancel cancel;
+  Loader loader(staging_.get());
+  StageOptions o = Options("gloo-dev", &cancel, &loader);
+  o.load_threads = 3;
+  auto stats = ReceiveStage(o);
+  source.join();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->buckets, n);
+  EXPECT_GT(stats->to_device, absl::ZeroDuration());
   ExpectStagingIsADirectLoad();
 }
 
