@@ -1058,6 +1058,33 @@ TEST_F(RolloutAgentTest, AWrongTokenIsRefusedAndChangesNothing) {
   EXPECT_EQ(st.version(), 1u);
 }
 
+// --staging device keeps the staging on the GPU of the engine's params: an engine whose params are
+// in host memory (the shm engines here) is refused at registration, naming a param, and nothing is
+// registered; a build without CUDA refuses the flag at start-up.
+TEST_F(RolloutAgentTest, ADeviceStagingRefusesAnEngineWhoseParamsAreInHostMemory) {
+  FakeEngine::Options o;
+  o.config_json = config_json_;
+  o.quant_json = quant_json_;
+  o.parallel = {1, 0, 1};
+  o.version = 1;
+  o.security = sec_;
+  auto engine = FakeEngine::Start(o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto agent = AgentProcess::Start(WSYNC_ROLLOUT_AGENT, absl::StrCat(name_, "-device-staging"),
+                                   {"--token-file", token_file_, "--staging", "device"}, sec_);
+  if (!kernels::CudaCompiledIn()) {
+    EXPECT_FALSE(agent.ok());
+    return;
+  }
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  const grpc::Status reg = (*engine)->Register((*agent)->address());
+  EXPECT_EQ(reg.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << reg.error_message();
+  EXPECT_THAT(reg.error_message(), HasSubstr("--staging device"));
+  EXPECT_THAT(reg.error_message(), HasSubstr("is in host memory"));
+  EXPECT_EQ(Status(**agent).engine_id(), "");
+  EXPECT_TRUE((*engine)->calls().empty());
+}
+
 TEST_F(RolloutAgentTest, MismatchedRegistrationsAreRefusedAndTheEngineStays) {
   StartRank(1, 0, 1);
   rollout_agent::testing::FakeEngine& engine = *engines_[0];

@@ -2,7 +2,8 @@
 //
 //   wsync-rollout-agent [--listen 127.0.0.1:0] [--address-file F] [--coordinator HOST:PORT]
 //                       [--advertise-address HOST:PORT] [--data-host ADDR] [--cuda-device N]
-//                       [--pause-for-whole-sync] [--record-dir DIR] [--token-file F] [--tls-cert F --tls-key F]
+//                       [--staging host|device] [--pause-for-whole-sync] [--record-dir DIR] [--token-file F]
+//                       [--tls-cert F --tls-key F]
 //                       [--tls-ca F]
 //                       [--metrics-host ADDR] [--metrics-port P] [--heartbeat-ms MS] ...
 //
@@ -23,6 +24,7 @@
 #include "common/logging.h"
 #include "common/metrics.h"
 #include "common/rpc_security.h"
+#include "kernels/dispatch.h"
 #include "rollout_agent/agent/rollout_agent.h"
 
 namespace wsync::rollout_agent {
@@ -63,6 +65,12 @@ int Run(int argc, char** argv) {
   app.add_option("--cuda-device", o.cuda_device,
                  "the GPU that syncs over nccl receive on (default: the device of the engine's CUDA parameters; "
                  "required for an engine whose parameters are in host memory)");
+  std::string staging = "host";
+  app.add_option("--staging", staging,
+                 "where the staging (the next version, received while the engine serves) lives: host (page-locked "
+                 "for a CUDA engine) or device (the GPU of the engine's params: loaded and repacked there, nothing "
+                 "crosses the host link; costs that GPU a second copy of the rank's weights, docs/gpu.md)")
+      ->check(CLI::IsMember({"host", "device"}));
   app.add_flag("--pause-for-whole-sync", o.pause_whole_sync,
                "pause the engine at the start of every sync instead of only for its commit (the engine then "
                "serves nothing while the sync is gathered, sent and staged)");
@@ -106,6 +114,12 @@ int Run(int argc, char** argv) {
     return rc == 0 ? 0 : 2;
   }
   SetLogIdentity("rollout", -1);
+  o.device_staging = staging == "device";
+  if (o.device_staging && !kernels::CudaCompiledIn()) {
+    WSYNC_LOG(ERROR) << "--staging device: this binary was built without CUDA (a device staging needs the GPU "
+                        "kernels); use --staging host";
+    return 1;
+  }
   if (!log_level.empty()) {
     LogLevel level;
     if (!ParseLogLevel(log_level, &level)) {

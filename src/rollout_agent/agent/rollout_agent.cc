@@ -443,7 +443,13 @@ absl::Status RolloutAgent::ServeStaging(const v1::FetchStagingRequest& req,
     st = engine_->staging.get();
   }
   // The staging cannot change while staging_mu_ is held (a sync starting takes it exclusively).
+  // A device staging's chunks are copied to the host one at a time.
   const auto& params = st->layout().params();
+  const MemorySpace& space = st->space();
+  Buffer host_chunk;
+  if (!space.host()) {
+    ASSIGN_OR_RETURN(host_chunk, Buffer::Allocate(kStagingChunk));
+  }
   v1::StagingChunk c;
   for (size_t i = 0; i < params.size(); ++i) {
     const std::span<const std::byte> bytes = st->param(static_cast<int>(i)).bytes();
@@ -451,11 +457,17 @@ absl::Status RolloutAgent::ServeStaging(const v1::FetchStagingRequest& req,
     size_t off = 0;
     do {
       const size_t n = std::min(kStagingChunk, bytes.size() - off);
+      std::span<const std::byte> chunk = bytes.subspan(off, n);
+      if (!space.host()) {
+        RETURN_IF_ERROR(Annotate(space.CopyToHost(host_chunk.data(), chunk.data(), n),
+                                 absl::StrCat(who, ": reading the staging in ", space.Name())));
+        chunk = host_chunk.span().first(n);
+      }
       c.Clear();
       c.set_param(static_cast<uint32_t>(i));
       c.set_offset(off);
-      c.set_data(bytes.data() + off, n);
-      sum.Update(bytes.subspan(off, n));
+      c.set_data(chunk.data(), n);
+      sum.Update(chunk);
       off += n;
       if (off == bytes.size()) {
         c.set_param_done(true);
@@ -497,7 +509,11 @@ absl::Status RolloutAgent::FetchFrom(const std::string& peer, uint64_t version, 
     }
   } unregister{this};
   std::unique_ptr<grpc::ClientReader<v1::StagingChunk>> reader = stub->FetchStaging(&ctx, req);
+  // Each param's chunks are hashed as they arrive and copied into the staging's space (a device
+  // staging: uploaded, then waited for once at the end).
+  const MemorySpace& space = st.space();
   std::vector<uint64_t> got(params.size(), 0);
+  Xxh3Stream sum;
   size_t done = 0;
   bool last = false;
   absl::Status bad;
@@ -519,12 +535,18 @@ absl::Status RolloutAgent::FetchFrom(const std::string& peer, uint64_t version, 
                                              params[c.param()].name, " (", dst.size(), " bytes, ", at, " received)"));
       break;
     }
-    std::memcpy(dst.data() + at, c.data().data(), c.data().size());
+    if (at == 0) sum = Xxh3Stream();
+    const auto data = std::as_bytes(std::span<const char>(c.data().data(), c.data().size()));
+    if (absl::Status cp = space.Copy(dst.data() + at, data.data(), data.size()); !cp.ok()) {
+      bad = Annotate(cp, absl::StrCat(params[c.param()].name, " into the staging in ", space.Name()));
+      break;
+    }
+    sum.Update(data);
     at += c.data().size();
     if (c.param_done()) {
       if (at != dst.size()) {
         bad = absl::DataLossError(absl::StrCat(params[c.param()].name, ": ", at, " of ", dst.size(), " bytes"));
-      } else if (Xxh3_64(dst) != c.xxh3_64()) {
+      } else if (sum.Digest() != c.xxh3_64()) {
         bad = absl::DataLossError(absl::StrCat(params[c.param()].name, ": checksum mismatch"));
       } else {
         ++done;
@@ -537,6 +559,7 @@ absl::Status RolloutAgent::FetchFrom(const std::string& peer, uint64_t version, 
   if (!finished.ok()) return Annotate(finished, who);
   if (!last || done != params.size())
     return absl::DataLossError(absl::StrCat(who, ": the copy ended after ", done, " of ", params.size(), " params"));
+  RETURN_IF_ERROR(Annotate(st.Synchronize(), absl::StrCat(who, ": into the staging in ", space.Name())));
   st.MarkAllRestored();
   absl::MutexLock lock(&mu_);
   staged_version_ = version;  // complete and verified: owed to the engine, and servable to others
@@ -692,6 +715,29 @@ absl::StatusOr<RolloutAgent::Registered> RolloutAgent::InstallEngine(const v1::R
                                         quant ? " (INT4)" : " (bf16)"));
   }
 
+  // --staging device: the staging goes to the GPU that holds every one of the engine's params.
+  MemorySpace staging_space = MemorySpace::Host();
+  if (options_.device_staging) {
+    const EngineWeights& w = (*memory)->weights();
+    const int dev = w.buffers().empty() ? -1 : w.buffers().front().cuda_device;
+    for (const EngineBuffer& b : w.buffers()) {
+      if (b.cuda_device != dev || dev < 0)
+        return absl::InvalidArgumentError(absl::StrCat(
+            who, ": this agent keeps its staging on the engine's GPU (--staging device), but engine param ", b.name,
+            " is in ", b.on_device() ? MemorySpace::Cuda(b.cuda_device).Name() : "host memory",
+            dev >= 0 ? absl::StrCat(" and ", w.buffers().front().name, " in ", MemorySpace::Cuda(dev).Name()) : "",
+            ": a device staging needs every param on one CUDA device"));
+    }
+    if (options_.cuda_device >= 0 && options_.cuda_device != dev)
+      return absl::InvalidArgumentError(absl::StrCat(who, ": the engine's params are in ",
+                                                     MemorySpace::Cuda(dev).Name(),
+                                                     ", but NCCL syncs are received on --cuda-device ",
+                                                     options_.cuda_device, ", and a device staging loads in place"));
+    staging_space = MemorySpace::Cuda(dev);
+  }
+  // A kept staging stays only where the new one would be (the engine's GPU may have changed).
+  const bool keep_staging = reuse && engine_->staging->space() == staging_space;
+
   auto engine = std::make_unique<Engine>();
   engine->info = req;
   engine->info.clear_params();
@@ -700,8 +746,8 @@ absl::StatusOr<RolloutAgent::Registered> RolloutAgent::InstallEngine(const v1::R
   engine->memory = std::move(*memory);
   engine->client = std::make_shared<EngineClient>(req.engine_address(), options_.security,
                                                   EngineClientOptions{options_.engine_rpc_timeout});
-  if (reuse) {
-    engine->layout = std::move(engine_->layout);
+  engine->layout = reuse ? std::move(engine_->layout) : std::move(new_layout);
+  if (keep_staging) {
     engine->staging = std::move(engine_->staging);
   } else {
     // Drop the previous engine's staging before allocating the new one (peak memory: one staging).
@@ -712,9 +758,10 @@ absl::StatusOr<RolloutAgent::Registered> RolloutAgent::InstallEngine(const v1::R
       engine_.reset();
       m_->registered->Set(0);
     }
-    engine->layout = std::move(new_layout);
-    auto staging = Staging::Create(*engine->layout);
-    if (!staging.ok()) return Annotate(staging.status(), absl::StrCat(who, ": allocating the staging buffers"));
+    auto staging = Staging::Create(*engine->layout, staging_space);
+    if (!staging.ok())
+      return Annotate(staging.status(),
+                      absl::StrCat(who, ": allocating the staging buffers (", staging_space.Name(), ")"));
     engine->staging = std::move(*staging);
   }
   // A CUDA engine: page-lock the staging so that Commit's uploads run at the link's speed (H200,
@@ -725,6 +772,7 @@ absl::StatusOr<RolloutAgent::Registered> RolloutAgent::InstallEngine(const v1::R
       WSYNC_LOG(WARNING) << who << ": staging stays pageable (commits upload more slowly): " << pin;
   }
   const int64_t staging_bytes = engine->layout->TotalBytes(ParamForm::kLoaded);
+  const std::string staging_where = engine->staging->space().Name();
   const uint64_t param_bytes = engine->memory->param_bytes();
   const size_t segments = engine->memory->segments().size();
   std::string address;
@@ -739,7 +787,7 @@ absl::StatusOr<RolloutAgent::Registered> RolloutAgent::InstallEngine(const v1::R
     // staging holds, complete and verified, and that this agent had committed or was told to roll
     // forward to: commit it into the new memory (CatchUp) instead of waiting for the next sync.
     staged = staged_version_;
-    catch_up = reuse && staged > req.version() && (staged == version_ || staged == owed_version_);
+    catch_up = keep_staging && staged > req.version() && (staged == version_ || staged == owed_version_);
     if (catch_up) {
       owed_version_ = staged;
       next_catch_up_ = absl::Now();
@@ -758,7 +806,8 @@ absl::StatusOr<RolloutAgent::Registered> RolloutAgent::InstallEngine(const v1::R
                   << config->architecture << (quant ? " INT4" : " bf16") << ", tp " << req.tp_rank() << "/"
                   << req.tp_size() << ", ep " << ep << ", version " << req.version() << ", " << req.params_size()
                   << " params (" << param_bytes << " bytes in " << segments << " shm segment(s), " << device_params
-                  << " on a CUDA device); staging " << staging_bytes << " bytes" << (reuse ? " (kept)" : "")
+                  << " on a CUDA device); staging " << staging_bytes << " bytes in " << staging_where
+                  << (keep_staging ? " (kept)" : "")
                   << (catch_up ? absl::StrCat("; it holds version ", staged, ": catching the engine up to it") : "");
   Registered r;
   r.client = engine_->client;
@@ -1101,6 +1150,8 @@ absl::StatusOr<std::string> RolloutAgent::PauseEngine(Sync* s, absl::Time deadli
 
 int RolloutAgent::ReceiveDevice() const {
   if (options_.cuda_device >= 0) return options_.cuda_device;
+  if (engine_ != nullptr && engine_->staging != nullptr && !engine_->staging->space().host())
+    return engine_->staging->space().cuda_device();
   if (engine_ != nullptr && engine_->memory != nullptr) {
     for (const EngineBuffer& b : engine_->memory->weights().buffers())
       if (b.on_device()) return b.cuda_device;

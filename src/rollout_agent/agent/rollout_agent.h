@@ -96,6 +96,13 @@ struct AgentOptions {
   // The GPU the NCCL data plane receives on (--cuda-device); -1: the device of the engine's CUDA
   // parameters (without them an nccl sync is refused: two agents of a host on one GPU would hang NCCL).
   int cuda_device = -1;
+  // Where the staging lives (--staging): host memory (page-locked for a CUDA engine; the default),
+  // or the GPU of a CUDA engine's parameters (a device staging: the sync is loaded and repacked on
+  // the GPU and nothing crosses the host link, at the cost of a second copy of the engine rank's
+  // weights in GPU memory; docs/gpu.md "Device staging"). With `device_staging` an engine whose
+  // parameters are not all on one CUDA device is refused at registration, and NCCL syncs receive
+  // on the staging's GPU (--cuda-device must then name it, or be left out).
+  bool device_staging = false;
   MetricsRegistry* metrics = nullptr;  // not owned; null: the agent's own registry
   bool set_log_identity = false;       // log as "rollout[tp_rank]" once an engine registered
 };
