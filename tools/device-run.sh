@@ -47,7 +47,7 @@ check() {
   (( rc == 124 )) && echo "timed out after ${WSYNC_CHECK_TIMEOUT:-300} s" >>"$RES/$name.log"
   if (( rc != 0 )); then
     status=FAIL; failed=$((failed + 1))
-  elif grep -qE '^\[  SKIPPED \]|no CUDA device' "$RES/$name.log" && ! grep -qE '^\[  PASSED  \] [1-9]' "$RES/$name.log"; then
+  elif grep -qE '^\[  SKIPPED \]|no CUDA device|^skipped: ' "$RES/$name.log" && ! grep -qE '^\[  PASSED  \] [1-9]' "$RES/$name.log"; then
     status=SKIP
   else
     status=PASS
@@ -84,6 +84,8 @@ check int4_cuda "$B/bin/kernels_int4_cuda_test"
 check awq_cuda "$B/bin/kernels_awq_cuda_test"
 # Sum64, the device buckets' checksum: the CUDA kernel against the host function (any size and alignment).
 check sum64_cuda "$B/bin/kernels_checksum_test"
+# The block transpose a device staging loads and repacks with: the CUDA kernel against a reference.
+check transpose_cuda "$B/bin/kernels_transpose_test"
 # 3. The CPU kernels and the per-item CUDA bodies on this machine's CPU (golden files included).
 for t in kernels_int4_test kernels_awq_test kernels_trtllm_test kernels_int4_cuda_bodies_test kernels_awq_cuda_bodies_test; do
   [[ -x "$B/bin/$t" ]] && check "${t#kernels_}" "$B/bin/$t"
@@ -125,6 +127,25 @@ check engine_sync_shm engine_sync shm
 check engine_sync_cuda engine_sync cuda:0
 # Sharded delivery into device engine memory: each rollout agent receives only its rank's blocks.
 check engine_sync_cuda_sharded engine_sync cuda:0 --delivery sharded
+# The staging on the engine's GPU (--staging device): every bucket uploaded once and loaded, and
+# the commit repacked, on the device; the agents' logs must say where their staging is.
+engine_sync_device_staging() {
+  if ! have_gpu; then
+    echo "no CUDA device: the device staging needs one"
+    return 0
+  fi
+  local run="$RES/device-staging-run"
+  rm -rf "$run"
+  engine_sync cuda:0 --agent-flags "--staging device" --workdir "$run" "$@" || return 1
+  local n
+  n=$(grep -l 'bytes in cuda:0' "$run"/logs/agent-*.log 2>/dev/null | wc -l)
+  echo "rollout agents with their staging in cuda:0: $n of 4"
+  grep -h 'staging .* bytes in' "$run"/logs/agent-*.log | head -4
+  rm -rf "$run"
+  (( n == 4 ))
+}
+check engine_sync_device_staging engine_sync_device_staging
+check engine_sync_device_staging_sharded engine_sync_device_staging --delivery sharded
 # 9. Both ends on the GPU: training processes (wsync-shm-trainer) hold their tensors in CUDA memory,
 #    the trainer agents read them by IPC handle, the engine's parameters are on the device too.
 trainer_cuda() {
@@ -165,22 +186,31 @@ check device_stream "$B/bin/comm_device_stream_test"
 # The rollout side of it: a stage received over NCCL on GPU 1 from a source on GPU 0, into device
 # buffers, copied down once each, loaded into staging equal to a direct load (two GPUs).
 check receive_nccl "$B/bin/rollout_receive_test" --gtest_filter='*Nccl*'
+# A device staging: over Gloo every bucket uploaded once and loaded on the GPU (one GPU); over NCCL
+# loaded where it arrives, no copy down (two GPUs).
+check receive_device_staging "$B/bin/rollout_receive_test" --gtest_filter='*DeviceStaging*'
 check trainer_device "$B/bin/trainer_rank_sync_device_test"
 # 12. The device stages end to end: a TP 1 x DP 4 training job holding CUDA tensors, the stage
 #     source converting and quantizing on the GPU, into device engine memory (Gloo, then colocated).
 check trainer_cuda_tp1 trainer_cuda --tp1
 check colocated_cuda_tp1 trainer_cuda --tp1 --backend shm
 # 13. The trainer side's speed, host stages vs device stages, on the same model and rank (TP 1).
+# bench_trainer_pair NP WORK FLAG...: wsync-bench-trainer (TP = NP, every Linear INT4) under mpirun -np
+# NP, with the host stages and then with FLAG... (a device path), on bench2g (--quick: small).
+bench_trainer_pair() {
+  local np="$1" work="$2"; shift 2
+  local preset=bench2g
+  (( QUICK )) && preset=small
+  local args=(--preset "$preset" --work "$RES/$work" --tp "$np" --ep 1 --quant all --sinks discard -n 3 -w 1)
+  mpirun -np "$np" "$B/bin/wsync-bench-trainer" "${args[@]}" &&
+    mpirun -np "$np" "$B/bin/wsync-bench-trainer" "${args[@]}" "$@"
+}
 bench_trainer_device() {
   if ! have_gpu; then
     echo "no CUDA device: the device stages' benchmark needs one"
     return 0
   fi
-  local preset=bench2g
-  (( QUICK )) && preset=small
-  local args=(--preset "$preset" --work "$RES/bench-trainer-tp1" --tp 1 --ep 1 --quant all --sinks discard -n 3 -w 1)
-  mpirun -np 1 "$B/bin/wsync-bench-trainer" "${args[@]}" &&
-    mpirun -np 1 "$B/bin/wsync-bench-trainer" "${args[@]}" --cuda-device 0
+  bench_trainer_pair 1 bench-trainer-tp1 --cuda-device 0
 }
 check bench_trainer_device bench_trainer_device
 # 13b. The device gathers' speed (two GPUs): TP 2 on the host, then with rank r's tensors on GPU r
@@ -189,21 +219,17 @@ bench_trainer_gathers() {
   local gpus
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   if (( ${gpus:-0} < 2 )); then
-    echo "fewer than two GPUs: the device gathers' benchmark needs two"
+    echo "skipped: fewer than two GPUs (the device gathers' benchmark needs two)"
     return 0
   fi
-  local preset=bench2g
-  (( QUICK )) && preset=small
-  local args=(--preset "$preset" --work "$RES/bench-trainer-tp2" --tp 2 --ep 1 --quant all --sinks discard -n 3 -w 1)
-  mpirun -np 2 "$B/bin/wsync-bench-trainer" "${args[@]}" &&
-    mpirun -np 2 "$B/bin/wsync-bench-trainer" "${args[@]}" --gpu-per-rank
+  bench_trainer_pair 2 bench-trainer-tp2 --gpu-per-rank
 }
 check bench_trainer_gathers bench_trainer_gathers
 # 14. Broadcast vs sharded delivery end to end on this host's CPUs (bench2g, 4 trainer ranks ->
 #     2 engines of TP 2): the same benchmark as docs/sync.md's 2-core table, on a larger host.
 bench_sync() {
   if (( QUICK )); then
-    echo "quick run: the end-to-end benchmark is left out"
+    echo "skipped: a quick run leaves the end-to-end benchmark out"
     return 0
   fi
   WSYNC_BIN="$B/bin" "$B/tools/bench-sync.sh" --mode both --engine-tp 2 --workdir "${TMPDIR:-/tmp}/wsync-bench-sync"

@@ -16,6 +16,9 @@
 //   checksum-cuda EngineWeights::Checksums of the device arena (what `wsyncctl verify` costs)
 //   h2d-pinned, commit-cuda (pinned)   the same with the source page-locked, as the rollout agent
 //                 pins a CUDA engine's staging (Staging::PinForDevice)
+//   d2d-copy, commit-cuda (device staging)   a device-to-device copy of the staging bytes, and the
+//                 commit from a staging in device memory (--staging device: the transposes and the
+//                 CUDA repack on the device, nothing crosses the link)
 // and `same` says whether the device arena's bytes equal the host engine memory's (every param's
 // XXH3-64). Without a CUDA device the device rows say so and are skipped.
 #include <algorithm>
@@ -30,11 +33,13 @@
 #include "absl/time/clock.h"
 #include "common/config.h"
 #include "common/cuda_ipc.h"
+#include "common/memory_space.h"
 #include "common/status.h"
 #include "kernels/dispatch.h"
 #include "ref_engine/checkpoint.h"
 #include "rollout_agent/engine_memory/param_arena.h"
 #include "rollout_agent/load/engine_layout.h"
+#include "rollout_agent/load/loader.h"
 #include "rollout_agent/repack/repack.h"
 #include "tools/synth/synthetic_model.h"
 
@@ -144,6 +149,31 @@ absl::Status Run(const Flags& f) {
   same = same && got == want;
   Row("commit-cuda", pinned_s, bytes, h2d_pinned_s,
       got == want ? "pinned staging; same bytes as commit-host" : "pinned staging; DIFFERS from commit-host");
+  // A device staging, holding what a sync leaves there (Restore from the device arena: the same
+  // bytes as the host staging, or the commit below differs).
+  arena.reset();
+  const MemorySpace gpu = MemorySpace::Cuda(f.device);
+  {
+    ASSIGN_OR_RETURN(Buffer a, gpu.Allocate(bytes));
+    ASSIGN_OR_RETURN(Buffer b, gpu.Allocate(bytes));
+    ASSIGN_OR_RETURN(double d2d_s, Best(n, [&] {
+                       RETURN_IF_ERROR(gpu.Copy(b.data(), a.data(), bytes));
+                       return gpu.Synchronize();
+                     }));
+    Row("d2d-copy", d2d_s, bytes, d2d_s, "device memory");
+    a = Buffer();
+    b = Buffer();
+    ASSIGN_OR_RETURN(auto dev_staging, rollout_agent::Staging::Create(layout, gpu));
+    RETURN_IF_ERROR(rollout_agent::Restore(arena2->weights(), *dev_staging, {.num_threads = f.threads}));
+    ASSIGN_OR_RETURN(auto arena3, rollout_agent::ParamArena::CreateOnDevice(layout, f.device));
+    ASSIGN_OR_RETURN(double staged_s, Best(n, [&] {
+                       return rollout_agent::Commit(*dev_staging, arena3->weights(), {.num_threads = f.threads});
+                     }));
+    ASSIGN_OR_RETURN(got, arena3->weights().Checksums());
+    same = same && got == want;
+    Row("commit-cuda", staged_s, bytes, d2d_s,
+        got == want ? "device staging; same bytes as commit-host" : "device staging; DIFFERS from commit-host");
+  }
   if (!same) return absl::InternalError("the device commit differs from the host commit");
   return absl::OkStatus();
 }
