@@ -30,6 +30,10 @@ if(NOT WSYNC_WITH_CUDA STREQUAL "OFF")
       set(CMAKE_CUDA_ARCHITECTURES "80;90")
     endif()
     enable_language(CUDA)
+    # Every binary that links the kernels carries their fatbin (SASS for sm_80 / sm_90 and PTX for
+    # both): compressed, about 4.5x smaller (int4_kernels.cu: 2.2 -> 0.48 MB), inflated by the CUDA
+    # runtime when the module loads. It keeps the device bundle's folder small (docs/gpu.md).
+    string(APPEND CMAKE_CUDA_FLAGS " -Xfatbin=-compress-all")
     # CMake 3.25 predates nvcc's C++20 support: teach it the flag, then ask for C++20 like the host code.
     set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
     set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
