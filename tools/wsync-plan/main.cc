@@ -71,12 +71,13 @@ absl::StatusOr<Rates> LoadRates(const std::string& name) {
     // host memory 55 GB/s; the cut a host copy (one memcpy stream 11 GB/s there); the agent's load
     // 7.3 GB/s (bench_sync there, sharded: 381 MB loaded in 0.052 s, INT4 transposes included);
     // commit from pinned staging into device memory 51 GB/s (upload-bound; the Marlin repack itself
-    // runs at 220-1545 GB/s). h200-device: buckets received into device memory and cut there (HBM
-    // copies, ~1000 GB/s), the open part of #14.
+    // runs at 220-1545 GB/s). h200-device: buckets received into device memory, cut and loaded there
+    // (HBM copies, ~1000 GB/s: projected) into a device staging (--staging device), committed at a
+    // conservative 220 GB/s (measured since: 610 GB/s on bench2g, docs/gpu.md "Device staging").
     r = {149, 55, 11, 7.3, 51, 450, 0, 0, "measured on an H200 host (docs/gpu.md)"};
     if (name == "h200-device") {
       r.stage = 1000, r.cut = 1000, r.load = 1000, r.commit = 220;
-      r.source = "H200 rates with receive and cut in device memory (not built yet)";
+      r.source = "H200 rates with receive, cut and load in device memory (a device staging; load rate projected)";
     }
     return r;
   }
