@@ -33,7 +33,7 @@ absl::StatusOr<Buffer> BufferPool::Get(size_t nbytes) {
 }
 
 void BufferPool::Put(Buffer buffer) {
-  if (buffer.size() == 0 || max_free_ == 0) return;
+  if (buffer.size() == 0 || buffer.data() == nullptr || max_free_ == 0) return;
   Buffer dropped;  // freed outside the lock
   absl::MutexLock lock(&mu_);
   free_.push_back(std::move(buffer));

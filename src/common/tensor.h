@@ -14,6 +14,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 
 #include "absl/container/inlined_vector.h"
 #include "absl/status/statusor.h"
@@ -127,6 +128,13 @@ class Buffer {
   using Release = void (*)(std::byte* data, int device);
 
   Buffer() = default;
+  // A moved-from Buffer is empty: no memory and size 0.
+  Buffer(Buffer&& o) noexcept : data_(std::move(o.data_)), size_(std::exchange(o.size_, 0)) {}
+  Buffer& operator=(Buffer&& o) noexcept {
+    data_ = std::move(o.data_);
+    size_ = std::exchange(o.size_, 0);
+    return *this;
+  }
   // ResourceExhausted if the allocation fails.
   static absl::StatusOr<Buffer> Allocate(size_t nbytes);
   static absl::StatusOr<Buffer> AllocateZeroed(size_t nbytes);

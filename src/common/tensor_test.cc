@@ -5,6 +5,8 @@
 #include <cstring>
 #include <limits>
 
+#include "common/buffer_pool.h"
+
 namespace wsync {
 namespace {
 
@@ -34,6 +36,29 @@ TEST(TensorTest, BufferIsAligned) {
   auto empty = Buffer::Allocate(0);
   ASSERT_TRUE(empty.ok());
   EXPECT_EQ(empty->size(), 0u);
+}
+
+// A moved-from Buffer is empty in both respects, so that a pool or a size check cannot mistake it
+// for memory (a pool once got a null buffer that still claimed its old size).
+TEST(TensorTest, AMovedFromBufferIsEmpty) {
+  auto b = Buffer::Allocate(256);
+  ASSERT_TRUE(b.ok());
+  std::byte* p = b->data();
+  Buffer moved(std::move(*b));
+  EXPECT_EQ(b->data(), nullptr);
+  EXPECT_EQ(b->size(), 0u);
+  EXPECT_EQ(moved.data(), p);
+  EXPECT_EQ(moved.size(), 256u);
+  Buffer assigned;
+  assigned = std::move(moved);
+  EXPECT_EQ(moved.data(), nullptr);
+  EXPECT_EQ(moved.size(), 0u);
+  EXPECT_EQ(assigned.size(), 256u);
+  BufferPool pool(2, [](size_t n) { return Buffer::Allocate(n); });
+  pool.Put(std::move(moved));  // nothing: no memory behind it
+  auto got = pool.Get(128);
+  ASSERT_TRUE(got.ok());
+  EXPECT_NE(got->data(), nullptr);
 }
 
 TEST(TensorTest, ViewsCheckSizes) {
