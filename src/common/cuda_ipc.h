@@ -80,14 +80,18 @@ absl::StatusOr<Buffer> AllocatePinnedBuffer(size_t nbytes);
 // synchronous copy above): a copy of `nbytes` from `src` to `dst`, each a device pointer of
 // `device` or host memory (cudaMemcpyDefault; from pageable host memory the call returns once the
 // source has been read), and a memset to zero of device memory. Execution errors surface at the
-// next SynchronizeDevice or synchronous call.
+// next SynchronizeLegacyStream or synchronous call.
 absl::Status CopyOnDevice(void* dst, const void* src, size_t nbytes, int device);
 // The same for `rows` rows of `row_bytes` bytes, `src_pitch` / `dst_pitch` bytes apart (cudaMemcpy2DAsync).
 absl::Status Copy2DOnDevice(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
                             size_t rows, int device);
 absl::Status ZeroOnDevice(void* dst, size_t nbytes, int device);
-// Waits for every operation enqueued on `device`; their first execution error.
-absl::Status SynchronizeDevice(int device);
+// Makes `device` the calling thread's current CUDA device (the kernels of kernels/ run on it).
+absl::Status MakeDeviceCurrent(int device);
+// Waits for every operation enqueued on `device`'s legacy default stream (the copies above, the
+// kernels of kernels/); their first execution error. Not for work on non-blocking streams (NCCL's):
+// a stage that waits for its own copies never waits for another stage's transfer in flight.
+absl::Status SynchronizeLegacyStream(int device);
 // The PCI bus id of `device` ("0000:3b:00.0"): names one physical GPU of a host whatever
 // CUDA_VISIBLE_DEVICES each process has (device ordinals do not).
 absl::StatusOr<std::string> DevicePciBusId(int device);

@@ -139,7 +139,7 @@ absl::StatusOr<std::unique_ptr<CudaAllocation>> AllocateCuda(size_t bytes, int d
   auto a = std::make_unique<Allocation>(p, bytes, device);
   if (cudaError_t e = cudaMemset(p, 0, bytes); e != cudaSuccess)
     return CudaError(e, "cudaMemset", absl::StatusCode::kInternal);
-  if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess)
+  if (cudaError_t e = cudaStreamSynchronize(cudaStreamLegacy); e != cudaSuccess)
     return CudaError(e, "cudaMemset", absl::StatusCode::kInternal);
   return std::unique_ptr<CudaAllocation>(std::move(a));
 }
@@ -271,9 +271,11 @@ absl::Status ZeroOnDevice(void* dst, size_t nbytes, int device) {
   return absl::OkStatus();
 }
 
-absl::Status SynchronizeDevice(int device) {
+absl::Status MakeDeviceCurrent(int device) { return SetDevice(device); }
+
+absl::Status SynchronizeLegacyStream(int device) {
   if (absl::Status s = SetDevice(device); !s.ok()) return s;
-  if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess)
+  if (cudaError_t e = cudaStreamSynchronize(cudaStreamLegacy); e != cudaSuccess)
     return CudaError(e, absl::StrCat("work on device ", device), absl::StatusCode::kInternal);
   return absl::OkStatus();
 }

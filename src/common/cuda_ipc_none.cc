@@ -46,7 +46,9 @@ absl::Status Copy2DOnDevice(void*, size_t, const void*, size_t, size_t, size_t, 
 
 absl::Status ZeroOnDevice(void*, size_t, int device) { return NoCuda("a device memset", device); }
 
-absl::Status SynchronizeDevice(int device) { return NoCuda("synchronizing a device", device); }
+absl::Status MakeDeviceCurrent(int device) { return NoCuda("a current device", device); }
+
+absl::Status SynchronizeLegacyStream(int device) { return NoCuda("synchronizing a device", device); }
 
 absl::StatusOr<std::string> DevicePciBusId(int device) { return NoCuda("a device's PCI bus id", device); }
 

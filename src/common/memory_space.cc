@@ -49,6 +49,6 @@ absl::Status MemorySpace::CopyToHost(void* dst, const void* src, size_t nbytes) 
   return absl::OkStatus();
 }
 
-absl::Status MemorySpace::Synchronize() const { return host() ? absl::OkStatus() : SynchronizeDevice(device_); }
+absl::Status MemorySpace::Synchronize() const { return host() ? absl::OkStatus() : SynchronizeLegacyStream(device_); }
 
 }  // namespace wsync

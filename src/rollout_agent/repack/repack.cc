@@ -153,6 +153,8 @@ absl::Status MarlinToAwq(const TensorView& marlin, const MutableTensorView& awq,
 // `device`: the CUDA device of `in` and `out` when ko.device is kCuda.
 absl::Status RunKernel(const EngineParam& p, const TensorView& in, const MutableTensorView& out, bool inverse,
                        const kernels::KernelOptions& ko, int device) {
+  // The CUDA kernels run on the thread's current device: make it this param's.
+  if (ko.device == kernels::Device::kCuda && device >= 0) RETURN_IF_ERROR(MakeDeviceCurrent(device));
   if (p.marlin.trtllm) return RunTrtllm(p, in, out, inverse, ko);
   if (p.kind == ParamKind::kPacked && p.marlin.awq)
     return inverse ? MarlinToAwq(in, out, ko, device) : kernels::AwqToMarlin(in, out, ko);
