@@ -441,6 +441,7 @@ absl::Status RolloutAgent::ServeStaging(const v1::FetchStagingRequest& req,
                        staged_version_ == 0 ? "no complete version" : absl::StrCat("version ", staged_version_),
                        " and the engine version ", version_));
     st = engine_->staging.get();
+    if (st == nullptr) return absl::UnavailableError(absl::StrCat(who, ": the engine is being replaced"));
   }
   // The staging cannot change while staging_mu_ is held (a sync starting takes it exclusively).
   // A device staging's chunks are copied to the host one at a time.
@@ -513,6 +514,7 @@ absl::Status RolloutAgent::FetchFrom(const std::string& peer, uint64_t version, 
   // staging: uploaded, then waited for once at the end).
   const MemorySpace& space = st.space();
   std::vector<uint64_t> got(params.size(), 0);
+  std::vector<bool> param_done(params.size(), false);
   Xxh3Stream sum;
   size_t done = 0;
   bool last = false;
@@ -526,6 +528,10 @@ absl::Status RolloutAgent::FetchFrom(const std::string& peer, uint64_t version, 
     }
     if (c.param() >= params.size()) {
       bad = absl::DataLossError(absl::StrCat("chunk of param ", c.param(), " of ", params.size()));
+      break;
+    }
+    if (param_done[c.param()]) {
+      bad = absl::DataLossError(absl::StrCat("a chunk of ", params[c.param()].name, " after its last one"));
       break;
     }
     const std::span<std::byte> dst = st.param(static_cast<int>(c.param())).bytes();
@@ -549,6 +555,7 @@ absl::Status RolloutAgent::FetchFrom(const std::string& peer, uint64_t version, 
       } else if (sum.Digest() != c.xxh3_64()) {
         bad = absl::DataLossError(absl::StrCat(params[c.param()].name, ": checksum mismatch"));
       } else {
+        param_done[c.param()] = true;
         ++done;
       }
     }
@@ -1217,6 +1224,7 @@ void RolloutAgent::RunStage(Sync* s, size_t index) {
       s->totals.load += r->load;
       s->totals.record += r->record;
       s->totals.to_host += r->to_host;
+      s->totals.to_device += r->to_device;
     } else if (s->first_error.ok()) {
       s->first_error = r.status();
       cancel_others = true;

@@ -28,7 +28,8 @@
 // (the receiver puts each bucket there), and a load's copy is enqueued on the device's legacy
 // default stream: Synchronize() before the source memory is reused (LoadBucket does, per bucket);
 // Commit and Restore run on the same stream, after the loads. The weight_shape values are read back
-// to the host to be checked. Errors of a device copy are kInternal, and the piece stays missing.
+// to the host to be checked. A device copy that cannot be enqueued is kInternal and its piece stays
+// missing; one that fails while running surfaces at Synchronize (the sync fails).
 //
 // Thread-safety: Load may be called concurrently from several threads (different tensors, even
 // of the same param: pieces never overlap and each piece is claimed atomically). ResetCoverage,

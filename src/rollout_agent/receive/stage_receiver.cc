@@ -95,6 +95,10 @@ absl::Status LoadEntry(const v1::BucketEntry& e, const Buffer& data, Loader& loa
 
 absl::Status LoadBucket(const v1::BucketManifest& m, const Buffer& data, Loader& loader, int threads) {
   const int n = m.entries_size();
+  const Staging& staging = loader.staging();
+  if (m.nbytes() > 0 && MemorySpace::Of(data) != staging.space())
+    return absl::InvalidArgumentError(absl::StrCat(BucketWhere(m), ": the bucket is in ", MemorySpace::Of(data).Name(),
+                                                   ", the staging in ", staging.space().Name()));
   for (const v1::BucketEntry& e : m.entries()) {
     if (!e.has_block() && e.nbytes() != e.total_nbytes()) {
       return absl::UnimplementedError(absl::StrCat(BucketWhere(m), ": ", e.tensor().name(), " is split (bytes [",
@@ -124,10 +128,13 @@ absl::Status LoadBucket(const v1::BucketManifest& m, const Buffer& data, Loader&
   for (int t = 1; t < threads; ++t) pool.emplace_back(work);
   work();
   for (auto& t : pool) t.join();
-  // A device staging's copies are enqueued: the bucket may be reused only once they are done.
-  const Staging& staging = loader.staging();
-  if (first.ok() && !staging.space().host())
-    first = Annotate(staging.Synchronize(), absl::StrCat(BucketWhere(m), ": loading into ", staging.space().Name()));
+  // A device staging's copies are enqueued: the bucket may be reused only once they are done (also
+  // after a failed entry: other entries' copies may be in flight).
+  if (!staging.space().host()) {
+    absl::Status done = staging.Synchronize();
+    if (first.ok() && !done.ok())
+      first = Annotate(done, absl::StrCat(BucketWhere(m), ": loading into ", staging.space().Name()));
+  }
   return first;
 }
 
@@ -232,7 +239,7 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
                             2, [load_space](size_t n) { return load_space.Allocate(n); }, /*keep_until_trim=*/true);
   }
   auto give_back = [&](Buffer b) {
-    if (b.size() == 0) return;
+    if (b.size() == 0 || b.data() == nullptr) return;
     BufferPool* to = MemorySpace::Of(b).host() ? (space.host() ? receive_pool : host_pool)
                                                : (space.host() ? upload_pool : receive_pool);
     if (to != nullptr) to->Put(std::move(b));
@@ -265,7 +272,7 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
         RETURN_IF_ERROR(Annotate(space.CopyToHost(host->data(), b.data.data(), b.manifest.nbytes()),
                                  absl::StrCat(where, ": ", BucketWhere(b.manifest), " from ", space.Name())));
         host_copy = std::move(*host);
-        if (load_space.host()) give_back(std::move(b.data));  // free for the next receive at once
+        if (load_space.host()) give_back(std::exchange(b.data, Buffer()));  // free for the next receive at once
         stats.to_host += absl::Now() - c0;
       }
       if (space.host() && !load_space.host()) {
