@@ -650,58 +650,53 @@ absl::StatusOr<Tensor> DequantizeToDense(const EngineLinear& linear, const Engin
   return out;
 }
 
-absl::StatusOr<Tensor> DequantizeToDense(const EngineLayout& layout, absl::string_view linear_name,
-                                         const EngineWeights& engine, const DenseOptions& options) {
+namespace {
+
+// `v` (memory of `space`) as a host view: itself, or its bytes copied into `copy` (the caller's).
+absl::StatusOr<TensorView> OnHost(const TensorView& v, const MemorySpace& space, Tensor& copy) {
+  if (space.host()) return v;
+  ASSIGN_OR_RETURN(copy, Tensor::Empty(v.dtype(), v.shape()));
+  RETURN_IF_ERROR(space.CopyToHost(copy.mutable_view().data(), v.data(), v.nbytes()));
+  return copy.view();
+}
+
+// DequantizeToDense of linear `linear_name` whose params `param_at(index)` gives with their space.
+absl::StatusOr<Tensor> DequantizeLinear(
+    const EngineLayout& layout, absl::string_view linear_name, ParamForm form, const DenseOptions& options,
+    const std::function<absl::StatusOr<std::pair<TensorView, MemorySpace>>(int index)>& param_at) {
   const int li = layout.FindLinear(linear_name);
   if (li < 0) return absl::NotFoundError(absl::StrCat("DequantizeToDense: no linear named ", linear_name));
   const EngineLinear& lin = layout.linears()[static_cast<size_t>(li)];
-  const auto& params = layout.params();
-  // A host view of a param; device memory is copied to `copy` first.
-  auto host_view = [&](int index, Tensor& copy) -> absl::StatusOr<TensorView> {
-    const std::string& name = params[static_cast<size_t>(index)].name;
-    ASSIGN_OR_RETURN(const MutableTensorView v, engine.View(name));
-    const EngineBuffer* b = engine.Find(name);
-    if (!b->on_device()) return TensorView(v);
-    ASSIGN_OR_RETURN(copy, Tensor::Empty(v.dtype(), v.shape()));
-    RETURN_IF_ERROR(CopyDeviceToHost(copy.mutable_view().data(), v.data(), v.nbytes(), b->cuda_device));
-    return copy.view();
-  };
-  Tensor wcopy, scopy, zcopy;
-  ASSIGN_OR_RETURN(const TensorView w, host_view(lin.quantized ? lin.packed : lin.weight, wcopy));
-  TensorView s, z;
-  if (lin.quantized) {
-    ASSIGN_OR_RETURN(s, host_view(lin.scale, scopy));
+  Tensor copies[3];
+  TensorView views[3];
+  const int index[3] = {lin.quantized ? lin.packed : lin.weight, lin.quantized ? lin.scale : -1, lin.zeros};
+  for (int i = 0; i < 3; ++i) {
+    if (index[i] < 0) continue;
+    ASSIGN_OR_RETURN(const auto at, param_at(index[i]));
+    ASSIGN_OR_RETURN(views[i], OnHost(at.first, at.second, copies[i]));
   }
-  if (lin.zeros >= 0) {
-    ASSIGN_OR_RETURN(z, host_view(lin.zeros, zcopy));
-  }
-  return DequantizeToDense(lin, layout, w, s, z, ParamForm::kEngine, options);
+  return DequantizeToDense(lin, layout, views[0], views[1], views[2], form, options);
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> DequantizeToDense(const EngineLayout& layout, absl::string_view linear_name,
+                                         const EngineWeights& engine, const DenseOptions& options) {
+  return DequantizeLinear(layout, linear_name, ParamForm::kEngine, options,
+                          [&](int index) -> absl::StatusOr<std::pair<TensorView, MemorySpace>> {
+                            const std::string& name = layout.params()[static_cast<size_t>(index)].name;
+                            ASSIGN_OR_RETURN(const MutableTensorView v, engine.View(name));
+                            return std::pair<TensorView, MemorySpace>(
+                                v, MemorySpace::Cuda(engine.Find(name)->cuda_device));
+                          });
 }
 
 absl::StatusOr<Tensor> DequantizeToDense(absl::string_view linear_name, const Staging& staging,
                                          const DenseOptions& options) {
-  const EngineLayout& layout = staging.layout();
-  const int li = layout.FindLinear(linear_name);
-  if (li < 0) return absl::NotFoundError(absl::StrCat("DequantizeToDense: no linear named ", linear_name));
-  const EngineLinear& lin = layout.linears()[static_cast<size_t>(li)];
-  // A host view of a param; a device staging's is copied to `copy` first.
-  auto host_view = [&](int index, Tensor& copy) -> absl::StatusOr<TensorView> {
-    const MutableTensorView v = staging.param(index);
-    if (staging.space().host()) return TensorView(v);
-    ASSIGN_OR_RETURN(copy, Tensor::Empty(v.dtype(), v.shape()));
-    RETURN_IF_ERROR(staging.space().CopyToHost(copy.mutable_view().data(), v.data(), v.nbytes()));
-    return copy.view();
-  };
-  Tensor wcopy, scopy, zcopy;
-  ASSIGN_OR_RETURN(const TensorView w, host_view(lin.quantized ? lin.packed : lin.weight, wcopy));
-  TensorView s, z;
-  if (lin.quantized) {
-    ASSIGN_OR_RETURN(s, host_view(lin.scale, scopy));
-  }
-  if (lin.zeros >= 0) {
-    ASSIGN_OR_RETURN(z, host_view(lin.zeros, zcopy));
-  }
-  return DequantizeToDense(lin, layout, w, s, z, ParamForm::kLoaded, options);
+  return DequantizeLinear(staging.layout(), linear_name, ParamForm::kLoaded, options,
+                          [&](int index) -> absl::StatusOr<std::pair<TensorView, MemorySpace>> {
+                            return std::pair<TensorView, MemorySpace>(staging.param(index), staging.space());
+                          });
 }
 
 }  // namespace wsync::rollout_agent

@@ -99,17 +99,32 @@ std::vector<Case> Cases() {
   };
 }
 
+// A case's model config, quantization (none for bf16) and random HF checkpoint.
+struct CaseModel {
+  ModelConfig config;
+  std::optional<QuantizationConfig> quant;
+  model::testing::HfModel model;
+  const QuantizationConfig* q() const { return quant ? &*quant : nullptr; }
+};
+absl::StatusOr<CaseModel> ModelFor(const Case& tc) {
+  CaseModel cm;
+  ASSIGN_OR_RETURN(cm.config, ParseModelConfig(tc.config, tc.label));
+  if (tc.group != 0) cm.quant = QuantFor(tc);
+  ASSIGN_OR_RETURN(cm.model, model::testing::MakeHfModel(cm.config, cm.q(), tc.seed));
+  return cm;
+}
+
 class RepackDevice : public ::testing::TestWithParam<Case> {};
 
 TEST_P(RepackDevice, CommitOnTheDeviceEqualsTheHostBytes) {
   if (!kernels::GpuAvailable()) GTEST_SKIP() << "no CUDA device";
   const Case& tc = GetParam();
   SCOPED_TRACE(absl::StrCat(tc.label, " seed ", tc.seed));
-  const ModelConfig c = *ParseModelConfig(tc.config, tc.label);
-  std::optional<QuantizationConfig> q;
-  if (tc.group != 0) q = QuantFor(tc);
-  auto m = model::testing::MakeHfModel(c, q ? &*q : nullptr, tc.seed);
-  ASSERT_TRUE(m.ok()) << m.status();
+  auto cm = ModelFor(tc);
+  ASSERT_TRUE(cm.ok()) << cm.status();
+  const ModelConfig& c = cm->config;
+  const std::optional<QuantizationConfig>& q = cm->quant;
+  const model::testing::HfModel* m = &cm->model;
   for (const auto& [T, EP] : tc.tp_ep) {
     for (int r = 0; r < T; ++r) {
       SCOPED_TRACE(absl::StrCat("T ", T, " EP ", EP, " rank ", r));
@@ -172,11 +187,11 @@ TEST_P(RepackDevice, ADeviceStagingLoadsAndCommitsOnTheDeviceToTheHostBytes) {
   if (!kernels::GpuAvailable()) GTEST_SKIP() << "no CUDA device";
   const Case& tc = GetParam();
   SCOPED_TRACE(absl::StrCat(tc.label, " seed ", tc.seed));
-  const ModelConfig c = *ParseModelConfig(tc.config, tc.label);
-  std::optional<QuantizationConfig> q;
-  if (tc.group != 0) q = QuantFor(tc);
-  auto m = model::testing::MakeHfModel(c, q ? &*q : nullptr, tc.seed);
-  ASSERT_TRUE(m.ok()) << m.status();
+  auto cm = ModelFor(tc);
+  ASSERT_TRUE(cm.ok()) << cm.status();
+  const ModelConfig& c = cm->config;
+  const std::optional<QuantizationConfig>& q = cm->quant;
+  const model::testing::HfModel* m = &cm->model;
   const MemorySpace gpu = MemorySpace::Cuda(0);
   // Every sent tensor in device memory, as an NCCL bucket would hold it; odd sizes at odd offsets.
   absl::flat_hash_map<std::string, Buffer> on_device;
