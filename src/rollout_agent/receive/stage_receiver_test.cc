@@ -67,6 +67,26 @@ class StageReceiverTest : public ::testing::Test {
     });
   }
 
+  // Sends the checkpoint (256 KiB buckets) from a stage source on a thread and receives it into
+  // staging_ as rank 1; `sent`: the number of buckets.
+  absl::StatusOr<StageStats> SendAndReceive(const std::string& group, comm::Backend backend, int cuda_device,
+                                            int load_threads, size_t* sent) {
+    auto buckets = testing::PackBuckets(tensors_, {.version = 5, .bucket_bytes = 256 << 10});
+    if (!buckets.ok()) return buckets.status();
+    *sent = buckets->size();
+    std::thread source = Source(
+        group, [&](comm::Communicator& c) { EXPECT_TRUE(testing::SendBuckets(c, std::move(*buckets)).ok()); }, backend);
+    SyncCancel cancel;
+    Loader loader(staging_.get());
+    StageOptions o = Options(group, &cancel, &loader);
+    o.backend = backend;
+    o.cuda_device = cuda_device;
+    o.load_threads = load_threads;
+    auto stats = ReceiveStage(o);
+    source.join();
+    return stats;
+  }
+
   // Every sent tensor is in staging, which equals a direct load of the same tensors.
   void ExpectStagingIsADirectLoad() {
     EXPECT_TRUE(staging_->CheckComplete().ok()) << staging_->CheckComplete();
@@ -90,17 +110,8 @@ class StageReceiverTest : public ::testing::Test {
 };
 
 TEST_F(StageReceiverTest, ACheckpointArrivesCompleteInStaging) {
-  auto buckets = testing::PackBuckets(tensors_, {.version = 5, .bucket_bytes = 256 << 10});
-  ASSERT_TRUE(buckets.ok());
-  const size_t n = buckets->size();
-  std::thread source =
-      Source("ok", [&](comm::Communicator& c) { EXPECT_TRUE(testing::SendBuckets(c, std::move(*buckets)).ok()); });
-  SyncCancel cancel;
-  Loader loader(staging_.get());
-  StageOptions o = Options("ok", &cancel, &loader);
-  o.load_threads = 3;
-  auto stats = ReceiveStage(o);
-  source.join();
+  size_t n = 0;
+  auto stats = SendAndReceive("ok", comm::Backend::kGloo, 0, 3, &n);
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->buckets, n);
   EXPECT_EQ(stats->tensors, tensors_.size());
@@ -113,19 +124,8 @@ TEST_F(StageReceiverTest, OverNcclACheckpointArrivesCompleteInStagingFromAnother
   absl::StatusOr<int> gpus = kernels::CudaDeviceCount();
   if (!comm::BackendCompiledIn(comm::Backend::kNccl) || !gpus.ok() || *gpus < 2)
     GTEST_SKIP() << "needs NCCL and two GPUs";
-  auto buckets = testing::PackBuckets(tensors_, {.version = 5, .bucket_bytes = 256 << 10});
-  ASSERT_TRUE(buckets.ok());
-  const size_t n = buckets->size();
-  std::thread source = Source(
-      "nccl", [&](comm::Communicator& c) { EXPECT_TRUE(testing::SendBuckets(c, std::move(*buckets)).ok()); },
-      comm::Backend::kNccl);
-  SyncCancel cancel;
-  Loader loader(staging_.get());
-  StageOptions o = Options("nccl", &cancel, &loader);
-  o.backend = comm::Backend::kNccl;
-  o.cuda_device = 1;
-  auto stats = ReceiveStage(o);
-  source.join();
+  size_t n = 0;
+  auto stats = SendAndReceive("nccl", comm::Backend::kNccl, 1, 2, &n);
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->buckets, n);
   EXPECT_GT(stats->to_host, absl::ZeroDuration());
@@ -141,19 +141,10 @@ TEST_F(StageReceiverTest, OverNcclADeviceStagingLoadsTheBucketsWhereTheyArrive) 
   auto device_staging = Staging::Create(*layout_, MemorySpace::Cuda(1));
   ASSERT_TRUE(device_staging.ok()) << device_staging.status();
   staging_ = std::move(*device_staging);
-  auto buckets = testing::PackBuckets(tensors_, {.version = 5, .bucket_bytes = 256 << 10});
-  ASSERT_TRUE(buckets.ok());
-  std::thread source = Source(
-      "nccl-dev", [&](comm::Communicator& c) { EXPECT_TRUE(testing::SendBuckets(c, std::move(*buckets)).ok()); },
-      comm::Backend::kNccl);
-  SyncCancel cancel;
-  Loader loader(staging_.get());
-  StageOptions o = Options("nccl-dev", &cancel, &loader);
-  o.backend = comm::Backend::kNccl;
-  o.cuda_device = 1;
-  auto stats = ReceiveStage(o);
-  source.join();
+  size_t n = 0;
+  auto stats = SendAndReceive("nccl-dev", comm::Backend::kNccl, 1, 2, &n);
   ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->buckets, n);
   EXPECT_EQ(stats->to_host, absl::ZeroDuration());
   ExpectStagingIsADirectLoad();
 }
@@ -163,17 +154,8 @@ TEST_F(StageReceiverTest, OverGlooADeviceStagingGetsEveryBucketUploadedOnce) {
   auto device_staging = Staging::Create(*layout_, MemorySpace::Cuda(0));
   ASSERT_TRUE(device_staging.ok()) << device_staging.status();
   staging_ = std::move(*device_staging);
-  auto buckets = testing::PackBuckets(tensors_, {.version = 5, .bucket_bytes = 256 << 10});
-  ASSERT_TRUE(buckets.ok());
-  const size_t n = buckets->size();
-  std::thread source = Source(
-      "gloo-dev", [&](comm::Communicator& c) { EXPECT_TRUE(testing::SendBuckets(c, std::move(*buckets)).ok()); });
-  SyncCancel cancel;
-  Loader loader(staging_.get());
-  StageOptions o = Options("gloo-dev", &cancel, &loader);
-  o.load_threads = 3;
-  auto stats = ReceiveStage(o);
-  source.join();
+  size_t n = 0;
+  auto stats = SendAndReceive("gloo-dev", comm::Backend::kGloo, 0, 3, &n);
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->buckets, n);
   EXPECT_GT(stats->to_device, absl::ZeroDuration());
