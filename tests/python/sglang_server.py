@@ -22,7 +22,10 @@ schemas do it: a missing JSON body or a wrong literal is HTTP 400, unknown keys 
   GET /model_info            -> 200 {"model_path", ..., "weight_version"}
 The payload is unpickled with an allowlist like SGLang's SafeUnpickler (torch, builtins,
 collections, copyreg, _codecs); "direct" copies each tensor into the parameter of the same name
-(SGLang's _model_load_weights_direct: param.copy_), refusing unknown names and other shapes/dtypes.
+(SGLang's _model_load_weights_direct, model_runner.py:3411-3414: params_dict[name], a KeyError for
+an unknown name; default_weight_loader, weight_utils.py:1346-1360: the size asserted, param.copy_),
+refusing unknown names and other shapes. It also refuses another dtype, where SGLang's copy_ would
+cast: stricter, so that wsync must send each tensor in the dtype SGLang holds.
 """
 
 import base64
@@ -51,7 +54,10 @@ class _BadRequest(Exception):
 
 
 class FakeSglang:
-    """params: {SGLang name: torch tensor} (the server's model, zero-filled by the caller)."""
+    """params: {SGLang name: torch tensor}: the server's model, as SGLang would hold it for the
+    model config (sglang_form.zero_params: SGLang's own names, shapes and dtypes, zero-filled).
+    After the updates: held[version] (every parameter after that version's last update) and
+    written[version] (the names its updates wrote, in order)."""
 
     def __init__(self, params, vocab_size, tp_size=1):
         self.params, self.vocab_size, self.tp_size = params, vocab_size, tp_size
@@ -60,6 +66,9 @@ class FakeSglang:
         self.cond = threading.Condition()
         self.log = []  # (method, path, body or None)
         self.fail_next_update = None  # a message: the next update fails as a load error would
+        # What the tests check after each sync: per weight version named by the updates, a copy of
+        # every parameter after that version's last successful update, and the names it wrote.
+        self.held, self.written = {}, {}
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -172,6 +181,9 @@ class FakeSglang:
                                        f"{t.dtype}")
             for name, t in named:
                 self.params[name].copy_(t)
+            if version is not None:
+                self.held[version] = {n: p.clone() for n, p in self.params.items()}
+                self.written.setdefault(version, []).extend(n for n, _ in named)
         except Exception as e:  # noqa: BLE001 (SGLang reports a failed load as success: false)
             return 400, {"success": False, "message": f"Failed to update weights: {e}."}
         msg = "Success"
