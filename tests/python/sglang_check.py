@@ -9,7 +9,8 @@ shapes and dtypes, zero-filled, read from SGLang's code, not from wsync). An eng
 checkpoint DIR, the adapter pushing it into the server ("direct", in 1 MiB buckets, the version
 named): the server then holds exactly what SGLang's own loaders make of DIR (sglang_form.expected,
 computed without wsync), every parameter written once; generation on the server; the ABORT pause and
-the resume (HOLD sends nothing). The premise breaking fails: expectations stacked, transposed or
+the resume (HOLD sends nothing). An engine form with k and v swapped or non-zero vocabulary padding
+(the adapter's tensors wrapped) loads but fails the comparison. The premise breaking fails: expectations stacked, transposed or
 padded otherwise than SGLang's loaders do differ from what the server holds, naming exactly those
 parameters; a server whose model has another shape (a transposed down_proj, a wrong size) or lacks
 a name refuses the version (named, nothing served). INT4 (compressed-tensors W4A16): the host
@@ -110,6 +111,37 @@ def check_loads_direct_and_follows_pauses(hf):
     finally:
         host.close()
         fake.close()
+
+
+def check_a_wrong_engine_form_fails(hf):
+    """What the oracle is for: had wsync's engine form k and v swapped in qkv_proj, or non-zero
+    vocabulary padding rows, the version would load (the names and shapes fit) and the server would
+    hold something other than SGLang's form, and the comparison names exactly those parameters. The
+    engine form is broken here by wrapping the host's tensor() the adapter sends from."""
+    config_text = open(f"{hf}/config.json").read()
+    config = json.loads(config_text)
+    want = sglang_form.expected(hf)
+    hd, v = config["head_dim"], config["vocab_size"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    bugs = {
+        "k and v swapped": (lambda n, t: torch.cat([t[:q], t[q + kv:], t[q:q + kv]])
+                            if n.endswith("qkv_proj.weight") else t,
+                            [f"model.layers.{i}.self_attn.qkv_proj.weight" for i in range(config["num_hidden_layers"])]),
+        "padding rows not zero": (lambda n, t: torch.cat([t[:v], t[:1].expand(t.shape[0] - v, -1)])
+                                  if n == "lm_head.weight" else t, ["lm_head.weight"]),
+    }
+    for what, (bug, names) in bugs.items():
+        host = EngineHost("sgl-bug", config_text, agent="127.0.0.1:1", checkpoint=str(hf))
+        fake = FakeSglang(sglang_form.zero_params(config), vocab_size=v)
+        try:
+            tensor = host.tensor
+            host.tensor = lambda n, tensor=tensor, bug=bug: bug(n, tensor(n)).contiguous()
+            SglangEngine(host, fake.url)
+            host.start()
+            assert sglang_form.differences(fake.params, want) == sorted(names), what
+        finally:
+            host.close()
+            fake.close()
 
 
 def _refused(hf, config_text, params, name, why):
@@ -234,6 +266,7 @@ def main():
     ap.add_argument("--hf", required=True)
     hf = ap.parse_args().hf
     check_loads_direct_and_follows_pauses(hf)
+    check_a_wrong_engine_form_fails(hf)
     check_refusals(hf)
     check_int4(hf)
     print("sglang check passed")
