@@ -10,15 +10,15 @@ checkpoint DIR, the adapter pushing it into the server ("direct", in 1 MiB bucke
 named): the server then holds exactly what SGLang's own loaders make of DIR (sglang_form.expected,
 computed without wsync), every parameter written once; generation on the server; the ABORT pause and
 the resume (HOLD sends nothing). An engine form with k and v swapped or non-zero vocabulary padding
-(the adapter's tensors wrapped) loads but fails the comparison. The premise breaking fails: expectations stacked, transposed or
-padded otherwise than SGLang's loaders do differ from what the server holds, naming exactly those
-parameters; a server whose model has another shape (a transposed down_proj, a wrong size) or lacks
-a name refuses the version (named, nothing served). INT4 (compressed-tensors W4A16): the host
-quantizes the checkpoint as the trainer agents do and the server then holds SGLang's Marlin form of
-its compressed-tensors form (sglang_form: FORMATS.md's quantizer, SGLang's loaders and repack);
-unpermuted scales or GPTQ-ordered weights differ; a server holding the unrepacked shapes refuses.
-Refusals: a server that is not there, SGLang TP > 1, an engine of TensorRT-LLM's layout. Prints
-"sglang check passed".
+(the adapter's tensors wrapped) loads but fails the comparison. The premise breaking fails:
+expectations stacked, transposed or padded otherwise than SGLang's loaders do differ from what the
+server holds, naming exactly those parameters; a server whose model has another shape (a transposed
+down_proj, a wrong size) or lacks a name refuses the version (named, nothing served).
+INT4 (compressed-tensors W4A16): the host quantizes the checkpoint as the trainer agents do, and the
+server then holds SGLang's Marlin form of its compressed-tensors form (sglang_form: FORMATS.md's
+quantizer, SGLang's loaders and repack); unpermuted scales or GPTQ-ordered weights differ; a server
+holding the unrepacked shapes refuses. Refusals: a server that is not there, SGLang TP > 1, an
+engine of TensorRT-LLM's layout. Prints "sglang check passed".
 """
 
 import argparse
@@ -123,10 +123,11 @@ def check_a_wrong_engine_form_fails(hf):
     want = sglang_form.expected(hf)
     hd, v = config["head_dim"], config["vocab_size"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    layers = range(config["num_hidden_layers"])
     bugs = {
         "k and v swapped": (lambda n, t: torch.cat([t[:q], t[q + kv:], t[q:q + kv]])
                             if n.endswith("qkv_proj.weight") else t,
-                            [f"model.layers.{i}.self_attn.qkv_proj.weight" for i in range(config["num_hidden_layers"])]),
+                            [f"model.layers.{i}.self_attn.qkv_proj.weight" for i in layers]),
         "padding rows not zero": (lambda n, t: torch.cat([t[:v], t[:1].expand(t.shape[0] - v, -1)])
                                   if n == "lm_head.weight" else t, ["lm_head.weight"]),
     }
