@@ -2,21 +2,23 @@
 //
 //   wsyncctl [--coordinator HOST:PORT] [--token-file F] [--tls-ca F] [--json] [--timeout S] COMMAND
 //     sync [--wait] [--wait-if-busy] [--min-agents N] [--version V]   trigger a sync (and watch it)
-//     status                                           the coordinator's state and last version
+//     status                                           the fleet's version and what each engine serves
 //     members                                          the rollout agents and their versions
 //     engines                                          the fleet: each engine's missing TP ranks, removed or not
-//     remove-engine ENGINE                             take an engine out of the fleet (syncs stop waiting for it)
-//     versions                                         every sync attempt: version, ok, time, bytes
-//     timings [VERSION]                                per-phase seconds and GB/s of one sync (default: latest)
+//     remove-engine ENGINE                             take an engine out of the fleet (no longer counted behind)
+//     versions                                         every sync attempt: version, outcome, engines behind, time,
+//     bytes timings [VERSION]                                per-phase seconds and GB/s of one sync (default: latest)
 //     verify --against HF_DIR [--quant-config F]       recompute every engine rank's weights from a checkpoint
 //                                                      and compare them, bit for bit, with what it holds
 //     generate --engine ADDR --prompt 1,2,3 [--max-new-tokens K]   one request to an engine (smoke test)
 //
 // Exit codes: 0 success; 1 the operation failed (a sync failed, verify found differences);
 // 2 bad usage or input; 3 the coordinator or an agent is unreachable or timed out;
-// 4 refused (wrong or missing token); 5 busy (a sync is already running).
+// 4 refused (wrong or missing token); 5 busy (a sync is already running) or refused by the fleet's
+// state; 6 the sync was committed on part of the fleet only (partial: the engines left behind named).
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -27,6 +29,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/time.h"
 #include "common/config.h"
 #include "common/grpc_status.h"
 #include "common/rpc_security.h"
@@ -108,20 +111,54 @@ class Ctl {
     v1::StatusReply r;
     if (auto s = Call(&v1::Coordinator::Stub::Status, v1::StatusRequest(), &r); !s.ok()) return Fail(s, g_);
     if (g_.json) {
+      json engines = json::array();
+      for (const auto& e : r.engines()) {
+        json ranks = json::array();
+        for (const auto& rv : e.rank_versions())
+          ranks.push_back({{"tp_rank", rv.tp_rank()}, {"version", rv.version()}, {"has_agent", rv.has_agent()}});
+        engines.push_back({{"engine_id", e.engine_id()},
+                           {"tp_size", e.tp_size()},
+                           {"version", e.version()},
+                           {"behind", e.behind()},
+                           {"removed", e.removed()},
+                           {"ranks", ranks}});
+      }
       std::printf("%s\n", json({{"version", r.version()},
                                 {"state", r.state()},
                                 {"running_sync_id", r.running_sync_id()},
                                 {"members", r.members()},
                                 {"trainer_ranks", r.trainer_ranks()},
-                                {"last_error", r.last_error()}})
+                                {"last_error", r.last_error()},
+                                {"engines_behind", r.engines_behind()},
+                                {"engines", engines}})
                               .dump(2)
                               .c_str());
-    } else {
-      std::printf("coordinator %s: %s, version %llu, %u rollout agents, %u trainer ranks\n", g_.coordinator.c_str(),
-                  r.state().c_str(), static_cast<unsigned long long>(r.version()), r.members(), r.trainer_ranks());
-      if (r.running_sync_id()) std::printf("running sync %llu\n", static_cast<unsigned long long>(r.running_sync_id()));
-      if (!r.last_error().empty()) std::printf("last error: %s\n", r.last_error().c_str());
+      return 0;
     }
+    std::printf(
+        "coordinator %s: %s, version %llu%s, %u rollout agents, %u trainer ranks\n", g_.coordinator.c_str(),
+        r.state().c_str(), static_cast<unsigned long long>(r.version()),
+        r.engines_behind()
+            ? absl::StrCat(" (", r.engines_behind(), " engine", r.engines_behind() > 1 ? "s" : "", " BEHIND)").c_str()
+            : "",
+        r.members(), r.trainer_ranks());
+    if (r.running_sync_id()) std::printf("running sync %llu\n", static_cast<unsigned long long>(r.running_sync_id()));
+    for (const auto& e : r.engines()) {
+      std::string state;
+      if (e.removed()) {
+        state = "out of the fleet (remove-engine)";
+      } else if (e.version() != 0 && !e.behind()) {
+        state = absl::StrCat("serves version ", e.version());
+      } else {
+        std::vector<std::string> ranks;
+        for (const auto& rv : e.rank_versions())
+          ranks.push_back(absl::StrCat(e.tp_size() > 1 ? absl::StrCat("tp ", rv.tp_rank(), " ") : "",
+                                       rv.has_agent() ? absl::StrCat("on version ", rv.version()) : "no agent"));
+        state = absl::StrCat(e.behind() ? "BEHIND: " : "", absl::StrJoin(ranks, ", "));
+      }
+      std::printf("  engine %-14s tp %-3u %s\n", e.engine_id().c_str(), e.tp_size(), state.c_str());
+    }
+    if (!r.last_error().empty()) std::printf("last error: %s\n", r.last_error().c_str());
     return 0;
   }
 
@@ -172,7 +209,7 @@ class Ctl {
       if (!e.removed() && e.missing_ranks_size() > 0) {
         state = "MISSING TP rank";
         for (int i = 0; i < e.missing_ranks_size(); ++i) absl::StrAppend(&state, i ? ", " : " ", e.missing_ranks(i));
-        absl::StrAppend(&state, ": syncs are refused until it is back or removed");
+        absl::StrAppend(&state, ": it sits syncs out (and is behind) until it is back or removed");
       }
       std::printf("%-16s %-4u %s\n", e.engine_id().c_str(), e.tp_size(), state.c_str());
     }
@@ -197,6 +234,9 @@ class Ctl {
         out.push_back({{"version", v.version()},
                        {"sync_id", v.sync_id()},
                        {"ok", v.ok()},
+                       {"outcome", v.outcome()},
+                       {"behind", std::vector<std::string>(v.behind().begin(), v.behind().end())},
+                       {"caught_up_unix_ms", v.caught_up_unix_ms()},
                        {"error", v.error()},
                        {"seconds", v.seconds()},
                        {"bytes", v.bytes()},
@@ -205,11 +245,24 @@ class Ctl {
       std::printf("%s\n", out.dump(2).c_str());
       return 0;
     }
-    std::printf("%-8s %-6s %-7s %10s %12s  %s\n", "VERSION", "SYNC", "RESULT", "SECONDS", "BYTES", "ERROR");
+    std::printf("%-8s %-6s %-8s %10s %12s  %s\n", "VERSION", "SYNC", "OUTCOME", "SECONDS", "BYTES", "DETAIL");
     for (const auto& v : r.versions()) {
-      std::printf("%-8llu %-6llu %-7s %10.3f %12s  %s\n", static_cast<unsigned long long>(v.version()),
-                  static_cast<unsigned long long>(v.sync_id()), v.ok() ? "ok" : "FAILED", v.seconds(),
-                  FormatBytes(v.bytes()).c_str(), v.error().c_str());
+      std::string outcome = v.outcome().empty() ? (v.ok() ? "done" : "failed") : v.outcome();
+      std::string detail = v.error();
+      if (outcome == "partial") {
+        detail = v.behind_size() > 0
+                     ? absl::StrCat("BEHIND: ", absl::StrJoin(v.behind(), ", "))
+                     : absl::StrCat("every engine caught up", v.caught_up_unix_ms() ? " since " : "",
+                                    v.caught_up_unix_ms()
+                                        ? absl::FormatTime("%H:%M:%S", absl::FromUnixMillis(v.caught_up_unix_ms()),
+                                                           absl::LocalTimeZone())
+                                        : "");
+        if (!v.error().empty()) absl::StrAppend(&detail, " [", v.error(), "]");
+      }
+      for (char& c : outcome) c = outcome == "done" ? c : static_cast<char>(std::toupper(c));
+      std::printf("%-8llu %-6llu %-8s %10.3f %12s  %s\n", static_cast<unsigned long long>(v.version()),
+                  static_cast<unsigned long long>(v.sync_id()), outcome.c_str(), v.seconds(),
+                  FormatBytes(v.bytes()).c_str(), detail.c_str());
     }
     return 0;
   }
@@ -307,10 +360,12 @@ class Ctl {
     }
     if (!s.ok()) return Fail(s, g_);
     const bool ok = last.phase() == "done";
+    const bool partial = last.phase() == "partial";
     if (g_.json) {
       std::printf("%s\n", json({{"sync_id", last.sync_id()},
                                 {"version", last.version()},
                                 {"ok", ok},
+                                {"outcome", last.phase()},
                                 {"phase", last.phase()},
                                 {"seconds", last.elapsed_seconds()},
                                 {"bytes", last.bytes_done()},
@@ -321,6 +376,15 @@ class Ctl {
       std::printf("sync %llu: version %llu published in %.3f s (%s)\n", static_cast<unsigned long long>(last.sync_id()),
                   static_cast<unsigned long long>(last.version()), last.elapsed_seconds(),
                   FormatBytes(last.bytes_done()).c_str());
+    } else if (partial) {
+      std::printf("sync %llu: version %llu PARTIAL (published to part of the fleet) in %.3f s: %s\n",
+                  static_cast<unsigned long long>(last.sync_id()), static_cast<unsigned long long>(last.version()),
+                  last.elapsed_seconds(), last.error().c_str());
+      for (const auto& m : last.members()) {
+        if (!m.error().empty())
+          std::printf("  %s (engine %s tp %u): %s\n", m.agent_id().c_str(), m.engine_id().c_str(), m.tp_rank(),
+                      m.error().c_str());
+      }
     } else {
       std::printf("sync %llu FAILED: %s\n", static_cast<unsigned long long>(last.sync_id()), last.error().c_str());
       for (const auto& m : last.members()) {
@@ -329,7 +393,7 @@ class Ctl {
                       m.error().c_str());
       }
     }
-    return ok ? 0 : 1;
+    return ok ? 0 : partial ? 6 : 1;
   }
 
   int Verify(const std::string& hf_dir, const std::string& quant_file) {
@@ -525,14 +589,14 @@ int Main(int argc, char** argv) {
   sync->add_option("--version", sync_version,
                    "Publish this version (e.g. the training step; must be newer than every published or pending "
                    "one; a request for a pending or published version joins that sync). Default: the next number");
-  app.add_subcommand("status", "Coordinator state and last version");
+  app.add_subcommand("status", "The fleet's version, the coordinator's state and what every engine serves");
   app.add_subcommand("members", "Rollout agents");
   app.add_subcommand("engines", "The fleet: every engine, its missing TP ranks, removed or not");
   std::string remove_id;
-  app.add_subcommand("remove-engine", "Take an engine out of the fleet (syncs stop waiting for its missing ranks)")
+  app.add_subcommand("remove-engine", "Take an engine out of the fleet (no longer counted as behind)")
       ->add_option("ENGINE", remove_id, "engine id (wsyncctl engines)")
       ->required();
-  app.add_subcommand("versions", "Every sync attempt");
+  app.add_subcommand("versions", "Every sync attempt: done, partial (engines behind named) or failed");
   uint64_t version = 0;
   auto* timings = app.add_subcommand("timings", "Per-phase timings of one sync");
   timings->add_option("version", version, "Version (default: the latest finished)");

@@ -654,7 +654,10 @@ class Agent {
     v1::SyncEvent e, last;
     while (reader->Read(&e)) last = e;
     RETURN_IF_ERROR(Annotate(FromGrpcStatus(reader->Finish()), absl::StrCat("watching sync ", result.sync_id)));
-    if (last.phase() != "done") {
+    if (last.phase() == "partial") {  // the version is published; the engines left behind catch up
+      WSYNC_LOG(WARNING) << "sync " << result.sync_id << " (version " << result.version
+                         << ") was committed on part of the fleet: " << last.error();
+    } else if (last.phase() != "done") {
       return absl::AbortedError(absl::StrCat("sync ", result.sync_id, " (version ", result.version, ") ",
                                              last.phase().empty() ? "did not finish" : last.phase(), ": ",
                                              last.error()));

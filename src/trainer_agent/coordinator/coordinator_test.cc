@@ -396,10 +396,14 @@ TEST_F(SyncCoordinatorTest, AFailedPrepareAbortsEveryAgentAndCommitsNone) {
   EXPECT_TRUE(versions.versions(1).ok());
 }
 
-// A commit that fails on one engine after the other committed: the version is not published, and
-// the error says first which engines hold it and which do not (and on what version).
-TEST_F(SyncCoordinatorTest, APartialCommitSaysWhichEnginesHoldTheVersion) {
-  Make();
+// A commit that fails on one engine after the other committed: the sync is partial, the version is
+// the fleet's (published), and every report names the engine left behind, until it catches up:
+// the sync's event, `versions`, `status` (per engine) and the metrics say the same.
+TEST_F(SyncCoordinatorTest, APartialCommitIsReportedAsPartialEverywhereUntilTheEngineCatchesUp) {
+  MetricsRegistry metrics;
+  SyncCoordinatorOptions o;
+  o.metrics = &metrics;
+  Make(o);
   const std::string a = Join("a:1", 0, 1, "e0");
   const std::string b = Join("b:1", 0, 1, "e1");
   auto first = Trigger();
@@ -409,25 +413,52 @@ TEST_F(SyncCoordinatorTest, APartialCommitSaysWhichEnginesHoldTheVersion) {
   auto t = Trigger();
   ASSERT_TRUE(t.ok());
   v1::SyncEvent e = Finish(t->sync_id());
-  EXPECT_EQ(e.phase(), "failed");
+  EXPECT_EQ(e.phase(), "partial");
   EXPECT_THAT(e.error(), HasSubstr("version 2 was committed on engine e0 tp 0 but not on engine e1 tp 0 (on version "
-                                   "1): it is not published"));
+                                   "1): published to part of the fleet"));
   EXPECT_THAT(e.error(), HasSubstr("the engine did not answer Pause"));
   // The engine that did not commit is told to roll forward from its staging; the other is not.
   EXPECT_EQ(Agent("b:1")->calls().back(), absl::StrCat("Abort(roll forward) ", t->sync_id()));
   EXPECT_EQ(Agent("a:1")->calls().back(), absl::StrCat("Abort ", t->sync_id()));
-  v1::StatusReply status;
-  coordinator_->Status(&status);
-  EXPECT_EQ(status.version(), 1u) << "version 2 is not published";
-  // Once every engine reports version 2 (b:1's agent rolled forward), it is published.
+  auto check = [&](bool e1_behind) {
+    SCOPED_TRACE(e1_behind ? "e1 behind" : "e1 caught up");
+    v1::StatusReply status;
+    coordinator_->Status(&status);
+    EXPECT_EQ(status.version(), 2u) << "version 2 is served by e0: it is the fleet's version";
+    EXPECT_EQ(status.engines_behind(), e1_behind ? 1u : 0u);
+    ASSERT_EQ(status.engines_size(), 2);
+    EXPECT_EQ(status.engines(0).engine_id(), "e0");
+    EXPECT_EQ(status.engines(0).version(), 2u);
+    EXPECT_FALSE(status.engines(0).behind());
+    EXPECT_EQ(status.engines(1).version(), e1_behind ? 1u : 2u);
+    EXPECT_EQ(status.engines(1).behind(), e1_behind);
+    v1::VersionsReply versions;
+    coordinator_->Versions(&versions);
+    ASSERT_EQ(versions.versions_size(), 2);
+    const v1::VersionRecord& v2 = versions.versions(1);
+    EXPECT_TRUE(v2.ok());
+    EXPECT_EQ(v2.outcome(), "partial");
+    if (e1_behind) {
+      EXPECT_THAT(v2.behind(), ::testing::ElementsAre("e1 (on version 1)"));
+      EXPECT_EQ(v2.caught_up_unix_ms(), 0);
+    } else {
+      EXPECT_EQ(v2.behind_size(), 0);
+      EXPECT_GT(v2.caught_up_unix_ms(), 0);
+    }
+    const std::string text = metrics.RenderPrometheus();
+    EXPECT_THAT(text, HasSubstr("wsync_version 2"));
+    EXPECT_THAT(text, HasSubstr(absl::StrCat("wsync_engines_behind ", e1_behind ? 1 : 0)));
+    EXPECT_THAT(text, HasSubstr(absl::StrCat("wsync_engine_version{engine=\"e1\"} ", e1_behind ? 1 : 2)));
+    EXPECT_THAT(text, HasSubstr("wsync_syncs_partial_total 1"));
+    EXPECT_THAT(text, HasSubstr("wsync_syncs_total 1"));
+  };
+  check(true);
   Beat(a, 2);
   Beat(b, 1);
-  coordinator_->Status(&status);
-  EXPECT_EQ(status.version(), 1u) << "engine e1 is still on version 1";
-  Beat(b, 2);
-  coordinator_->Status(&status);
-  EXPECT_EQ(status.version(), 2u) << "every engine rolled forward to version 2";
-  // Nothing committed anywhere (a Prepare failure): no such line.
+  check(true);
+  Beat(b, 2);  // b:1's agent rolled forward
+  check(false);
+  // Nothing committed anywhere (a Prepare failure): failed, nothing published, no such line.
   Agent("b:1")->FailOn("Commit", absl::OkStatus());
   Agent("b:1")->FailOn("Prepare", absl::DataLossError("bucket 1 checksum"));
   auto t3 = Trigger();
@@ -435,6 +466,24 @@ TEST_F(SyncCoordinatorTest, APartialCommitSaysWhichEnginesHoldTheVersion) {
   e = Finish(t3->sync_id());
   EXPECT_EQ(e.phase(), "failed");
   EXPECT_THAT(e.error(), ::testing::Not(HasSubstr("was committed on")));
+  v1::StatusReply status;
+  coordinator_->Status(&status);
+  EXPECT_EQ(status.version(), 2u);
+  EXPECT_THAT(metrics.RenderPrometheus(), HasSubstr("wsync_sync_failures_total 1"));
+}
+
+// Versions only grow, also for a coordinator without state: past every version a member reports.
+TEST_F(SyncCoordinatorTest, VersionsGrowPastWhatTheMembersServe) {
+  Make();
+  const std::string a = Join("a:1");
+  Beat(a, 41);  // its engine serves version 41 (from a coordinator before this one)
+  auto refused = Trigger(7);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(), HasSubstr("not newer than version 41 (an engine serves it)"));
+  auto t = Trigger();
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->version(), 42u);
+  EXPECT_EQ(Finish(t->sync_id()).phase(), "done");
 }
 
 TEST_F(SyncCoordinatorTest, ATrainerFailureSkipsPrepareAndAborts) {
@@ -512,10 +561,11 @@ TEST_F(SyncCoordinatorTest, ABusyTriggerIsRefusedOrQueued) {
   EXPECT_EQ(status.version(), 2u);
 }
 
-// The fleet: a version is never published while an engine misses a TP rank's agent; the operator
-// can take the engine out (its remaining agents then sit the syncs out) and an agent that joins
-// again brings it back.
-TEST_F(SyncCoordinatorTest, AVersionIsNeverPublishedToPartOfTheFleet) {
+// The fleet: an engine that misses a TP rank's agent sits the sync out (its remaining agents are
+// not called: half an engine is never written) and is named behind; the others are not held back.
+// The operator can take the engine out (no longer counted behind); an agent that joins again brings
+// it back, and the next sync includes it. With no complete engine at all, a sync is refused.
+TEST_F(SyncCoordinatorTest, AnEngineMissingARankSitsTheSyncOutAndIsNamedBehind) {
   Make();
   Join("a:1", 0, 2, "e0");
   const std::string a2 = Join("a:2", 1, 2, "e0");
@@ -524,13 +574,29 @@ TEST_F(SyncCoordinatorTest, AVersionIsNeverPublishedToPartOfTheFleet) {
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ(Finish(t->sync_id()).phase(), "done");
 
-  v1::LeaveRequest leave;
-  leave.set_agent_id(a2);
-  ASSERT_TRUE(coordinator_->Leave(leave).ok());
-  auto refused = Trigger();
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(refused.status().message(), HasSubstr("engine e0 has no agent for TP rank 1 of 2"));
-  EXPECT_THAT(refused.status().message(), HasSubstr("wsyncctl remove-engine"));
+  auto leave = [&](const std::string& id) {
+    v1::LeaveRequest req;
+    req.set_agent_id(id);
+    ASSERT_TRUE(coordinator_->Leave(req).ok());
+  };
+  leave(a2);
+  const size_t a1_calls = Agent("a:1")->calls().size();
+  t = Trigger();
+  ASSERT_TRUE(t.ok()) << t.status();
+  v1::SyncEvent e = Finish(t->sync_id());
+  EXPECT_EQ(e.phase(), "partial");
+  EXPECT_THAT(e.error(), HasSubstr("e0 (no agent for TP rank 1 of 2) sat it out"));
+  EXPECT_EQ(Agent("a:1")->calls().size(), a1_calls) << "the incomplete engine's remaining agent sits the sync out";
+  EXPECT_EQ(Agent("b:1")->calls().back(), absl::StrCat("Commit ", t->sync_id()));
+  v1::VersionsReply versions;
+  coordinator_->Versions(&versions);
+  ASSERT_EQ(versions.versions_size(), 2);
+  EXPECT_EQ(versions.versions(1).outcome(), "partial");
+  EXPECT_THAT(versions.versions(1).behind(), ::testing::ElementsAre("e0 (tp 0: on version 1; tp 1: no agent)"));
+  v1::StatusReply status;
+  coordinator_->Status(&status);
+  EXPECT_EQ(status.version(), 2u);
+  EXPECT_EQ(status.engines_behind(), 1u);
   v1::MembersReply members;
   coordinator_->Members(&members);
   ASSERT_EQ(members.engines_size(), 2);
@@ -542,19 +608,30 @@ TEST_F(SyncCoordinatorTest, AVersionIsNeverPublishedToPartOfTheFleet) {
   EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(unknown.message(), HasSubstr("known: e0, e1"));
   ASSERT_TRUE(coordinator_->RemoveEngine("e0").ok());
-  const size_t a1_calls = Agent("a:1")->calls().size();
+  coordinator_->Status(&status);
+  EXPECT_EQ(status.engines_behind(), 0u) << "a removed engine is not behind";
+  versions.Clear();
+  coordinator_->Versions(&versions);
+  EXPECT_EQ(versions.versions(1).behind_size(), 0) << "nor named behind version 2 any more";
   t = Trigger();
   ASSERT_TRUE(t.ok()) << t.status();
-  EXPECT_EQ(Finish(t->sync_id()).phase(), "done");
+  EXPECT_EQ(Finish(t->sync_id()).phase(), "done") << "every engine of the fleet (e1) committed";
   EXPECT_EQ(Agent("a:1")->calls().size(), a1_calls) << "the removed engine's remaining agent sits the sync out";
-  EXPECT_EQ(Agent("b:1")->calls().back(), absl::StrCat("Commit ", t->sync_id()));
 
-  Join("a:2", 1, 2, "e0");  // back: the engine is in the fleet again and synced
+  const std::string back = Join("a:2", 1, 2, "e0");  // back: the engine is in the fleet again and synced
   t = Trigger();
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ(Finish(t->sync_id()).phase(), "done");
   EXPECT_EQ(Agent("a:1")->calls().back(), absl::StrCat("Commit ", t->sync_id()));
   EXPECT_EQ(Agent("a:2")->calls().back(), absl::StrCat("Commit ", t->sync_id()));
+
+  // No engine complete: nothing can take a sync.
+  leave(back);
+  ASSERT_TRUE(coordinator_->RemoveEngine("e1").ok());
+  auto refused = Trigger();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("no engine of the fleet has an agent for every TP rank (e0 (no agent for TP rank 1 of 2))"));
 }
 
 // --state-dir: a coordinator restarted on the same directory continues the version and sync
@@ -652,7 +729,8 @@ TEST_F(SyncCoordinatorTest, TheStateSurvivesARestart) {
 
 // A coordinator that stopped during a commit (its state file names the committing sync) rolls
 // every engine forward to that version once restarted: each member behind is told once
-// (AbortSync with roll_forward for that sync), and the version is published when all report it.
+// (AbortSync with roll_forward for that sync); the version is published (partial) as soon as an
+// engine reports it, and complete when all do.
 TEST_F(SyncCoordinatorTest, ACoordinatorStoppedDuringACommitRollsTheFleetForwardWhenRestarted) {
   const SyncCoordinatorOptions o = WithFreshStateDir("commit");
   const std::string& dir = o.state_dir;
@@ -675,23 +753,34 @@ TEST_F(SyncCoordinatorTest, ACoordinatorStoppedDuringACommitRollsTheFleetForward
   coordinator_->Status(&status);
   EXPECT_EQ(status.version(), 1u);
   EXPECT_THAT(status.last_error(), HasSubstr("stopped during this sync's commit"));
+  v1::VersionsReply versions;
+  coordinator_->Versions(&versions);
+  ASSERT_EQ(versions.versions_size(), 1);
+  EXPECT_EQ(versions.versions(0).outcome(), "rolling_forward");
   const std::string a = Join("a:1", 0, 1, "e0");
-  Beat(a, 2);  // e1 is not back yet: nothing is published, and no sync may run
+  Beat(a, 1);
   coordinator_->Status(&status);
-  EXPECT_EQ(status.version(), 1u) << "published while engine e1 of the fleet was missing";
-  auto refused = Trigger();
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(refused.status().message(), HasSubstr("e1"));
+  EXPECT_EQ(status.version(), 1u) << "published before any engine reported it";
+  Beat(a, 2);  // e0 rolled forward: version 2 is served, published; e1 (not back yet) is behind it
+  coordinator_->Status(&status);
+  EXPECT_EQ(status.version(), 2u);
+  EXPECT_EQ(status.engines_behind(), 1u);
+  versions.Clear();
+  coordinator_->Versions(&versions);
+  EXPECT_EQ(versions.versions(0).outcome(), "partial");
+  EXPECT_THAT(versions.versions(0).behind(), ::testing::ElementsAre("e1 (no agent)"));
   const std::string b = Join("b:1", 0, 1, "e1");
   for (int i = 0; i < 100 && Agent("b:1")->calls().empty(); ++i) absl::SleepFor(absl::Milliseconds(50));
   absl::SleepFor(absl::Milliseconds(600));  // another pass of the reaper
   EXPECT_THAT(Agent("b:1")->calls(), ::testing::ElementsAre("Abort(roll forward) 2")) << "told once";
-  Beat(a, 2);
-  coordinator_->Status(&status);
-  EXPECT_EQ(status.version(), 1u) << "published only once every engine has it";
   Beat(b, 2);
   coordinator_->Status(&status);
   EXPECT_EQ(status.version(), 2u);
+  EXPECT_EQ(status.engines_behind(), 0u);
+  versions.Clear();
+  coordinator_->Versions(&versions);
+  EXPECT_EQ(versions.versions(0).behind_size(), 0);
+  EXPECT_GT(versions.versions(0).caught_up_unix_ms(), 0);
   coordinator_.reset();
   text = *ReadTextFile(dir + "/coordinator-state.json");
   EXPECT_THAT(text, Not(HasSubstr("committing")));

@@ -1,6 +1,7 @@
 #include "trainer_agent/coordinator/sync_coordinator.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <set>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -32,10 +34,10 @@ std::string NewRunId() {
 }
 
 // The registry's metric, or a private one that nobody reads when there is no registry.
-Gauge* GaugeOf(MetricsRegistry* m, absl::string_view name, absl::string_view help) {
+Gauge* GaugeOf(MetricsRegistry* m, absl::string_view name, absl::string_view help, const Labels& labels = {}) {
   static Gauge unused;
   if (m == nullptr) return &unused;
-  auto g = m->GetGauge(name, help);
+  auto g = m->GetGauge(name, help, labels);
   return g.ok() ? *g : &unused;
 }
 Counter* CounterOf(MetricsRegistry* m, absl::string_view name, absl::string_view help) {
@@ -135,6 +137,8 @@ void SyncCoordinator::Stop() {
   }
   if (worker_.joinable()) worker_.join();
   if (reaper_.joinable()) reaper_.join();
+  if (state_lock_fd_ >= 0) close(state_lock_fd_);  // the state directory is free for a successor
+  state_lock_fd_ = -1;
 }
 
 // --- Membership -----------------------------------------------------------------------------------
@@ -182,6 +186,7 @@ absl::Status SyncCoordinator::Join(const v1::JoinRequest& req, v1::JoinReply* re
                     << reply->catch_up().peers_size() << " peer(s) can give it";
   members_[m.id] = std::move(m);
   GaugeOf(opts_.metrics, "wsync_members", "Rollout agents in the membership")->Set(members_.size());
+  RefreshVersions();
   return absl::OkStatus();
 }
 
@@ -202,7 +207,7 @@ absl::Status SyncCoordinator::Heartbeat(const v1::HeartbeatRequest& req, v1::Hea
     it->second.last_seen = absl::Now();
     it->second.version = req.version();
     FillCatchUp(it->second, reply->mutable_catch_up());
-    PublishRolledForward();
+    RefreshVersions();
   }
   return absl::OkStatus();
 }
@@ -220,33 +225,73 @@ void SyncCoordinator::FillCatchUp(const Member& m, v1::CatchUpHint* hint) const 
   }
 }
 
-// A version some engines committed in a failed sync, while the others roll forward to it from their
-// staging: published once every member of the fleet reports it (and the fleet is whole), as a
-// sync that had succeeded would have published it.
-void SyncCoordinator::PublishRolledForward() {
-  if (rolling_forward_ <= published_ || running_) return;
-  if (!CheckFleet().ok()) return;
-  size_t members = 0;
-  for (const auto& [mid, m] : members_) {
-    auto f = fleet_.find(m.engine_id);
-    if (f != fleet_.end() && f->second.removed) continue;
-    if (m.version < rolling_forward_) return;
-    ++members;
+// The partial versions' `behind` follow the members' reports; a version being rolled forward to
+// after a coordinator restart is published as soon as an engine serves it.
+void SyncCoordinator::RefreshVersions() {
+  bool changed = false;
+  if (rolling_forward_ > published_ && !running_) {
+    for (const auto& [mid, m] : members_) {
+      auto f = fleet_.find(m.engine_id);
+      if ((f != fleet_.end() && f->second.removed) || m.version < rolling_forward_) continue;
+      published_ = rolling_forward_;
+      for (v1::VersionRecord& vr : versions_) {
+        if (vr.version() != rolling_forward_ || vr.outcome() != "rolling_forward") continue;
+        vr.set_ok(true);
+        vr.set_outcome("partial");
+        for (const auto& [engine, why] : EnginesBehind(vr.version()))
+          vr.add_behind(absl::StrCat(engine, " (", why, ")"));
+      }
+      WSYNC_LOG(INFO) << "version " << published_ << " published: engine " << m.engine_id << " tp " << m.tp_rank
+                      << " serves it (rolled forward after the coordinator's restart)";
+      changed = true;
+      break;
+    }
   }
-  if (members == 0) return;
-  published_ = rolling_forward_;
-  rolling_forward_ = 0;
-  recover_sync_ = 0;
-  told_.clear();
-  GaugeOf(opts_.metrics, "wsync_version", "Last published weight version")->Set(static_cast<double>(published_));
-  WSYNC_LOG(INFO) << "version " << published_ << " published: every engine of the fleet rolled forward to it";
-  ++event_seq_;
-  SaveState().IgnoreError();  // logged; the next trigger saves again (and is refused if it cannot)
+  if (rolling_forward_ != 0 &&
+      (rolling_forward_ < published_ || (rolling_forward_ == published_ && EnginesBehind(rolling_forward_).empty()))) {
+    rolling_forward_ = 0;  // every engine has it, or a newer version is published: no more rolling forward
+    recover_sync_ = 0;
+    told_.clear();
+    changed = true;
+  }
+  const int64_t now_ms = absl::ToUnixMillis(absl::Now());
+  for (v1::VersionRecord& vr : versions_) {
+    if (vr.outcome() != "partial" || vr.behind_size() == 0) continue;
+    const std::map<std::string, std::string> now = EnginesBehind(vr.version());
+    google::protobuf::RepeatedPtrField<std::string> still;
+    for (const std::string& b : vr.behind()) {
+      const std::string engine = b.substr(0, b.find(' '));
+      auto it = now.find(engine);
+      if (it != now.end()) *still.Add() = absl::StrCat(engine, " (", it->second, ")");
+    }
+    if (still.size() == vr.behind_size() && std::equal(still.begin(), still.end(), vr.behind().begin())) continue;
+    vr.mutable_behind()->Swap(&still);
+    changed = true;
+    if (vr.behind_size() == 0) {
+      vr.set_caught_up_unix_ms(now_ms);
+      WSYNC_LOG(INFO) << "version " << vr.version() << ": no engine of the fleet is behind it any more";
+    }
+  }
+  GaugeOf(opts_.metrics, "wsync_version", "The fleet's version (the newest committed on an engine)")
+      ->Set(static_cast<double>(published_));
+  GaugeOf(opts_.metrics, "wsync_engines_behind", "Engines of the fleet not serving the fleet's version")
+      ->Set(published_ == 0 ? 0.0 : static_cast<double>(EnginesBehind(published_).size()));
+  for (const auto& [id, e] : fleet_) {
+    uint64_t v = EngineServes(id, e.tp_size);
+    GaugeOf(opts_.metrics, "wsync_engine_version", "The version every TP rank of the engine holds (0: they differ)",
+            {{"engine", id}})
+        ->Set(static_cast<double>(v));
+  }
+  if (changed) {
+    ++event_seq_;
+    SaveState().IgnoreError();  // logged; the next trigger saves again (and is refused if it cannot)
+  }
 }
 
 absl::Status SyncCoordinator::Leave(const v1::LeaveRequest& req) {
   absl::MutexLock lock(&mu_);
   members_.erase(MemberKey(req.agent_id()));
+  RefreshVersions();
   return absl::OkStatus();
 }
 
@@ -261,7 +306,8 @@ absl::Status SyncCoordinator::RemoveEngine(const std::string& engine_id) {
   }
   it->second.removed = true;
   WSYNC_LOG(WARNING) << "engine " << engine_id << " taken out of the fleet: syncs no longer include it";
-  SaveState().IgnoreError();  // logged; a restarted coordinator would otherwise wait for the engine
+  RefreshVersions();
+  SaveState().IgnoreError();  // logged; a restarted coordinator would otherwise count the engine behind
   return absl::OkStatus();
 }
 
@@ -275,20 +321,61 @@ std::vector<uint32_t> SyncCoordinator::MissingRanks(const std::string& engine_id
   return missing;
 }
 
-absl::Status SyncCoordinator::CheckFleet() {
-  std::vector<std::string> problems;
+std::vector<std::string> SyncCoordinator::IncompleteEngines() const {
+  std::vector<std::string> out;
   for (const auto& [id, e] : fleet_) {
     if (e.removed) continue;
     const std::vector<uint32_t> missing = MissingRanks(id, e.tp_size);
     if (!missing.empty())
-      problems.push_back(absl::StrCat("engine ", id, " has no agent for TP rank", missing.size() > 1 ? "s " : " ",
-                                      absl::StrJoin(missing, ", "), " of ", e.tp_size));
+      out.push_back(absl::StrCat(id, " (no agent for TP rank", missing.size() > 1 ? "s " : " ",
+                                 absl::StrJoin(missing, ", "), " of ", e.tp_size, ")"));
   }
-  if (problems.empty()) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat(
-      absl::StrJoin(problems, "; "),
-      " (down, unreachable or not back yet): a version is never published to part of the fleet. Bring it back, or "
-      "take it out with `wsyncctl remove-engine ENGINE`"));
+  return out;
+}
+
+absl::Status SyncCoordinator::CanSync() const {
+  for (const auto& [mid, m] : members_) {
+    auto f = fleet_.find(m.engine_id);
+    if (f != fleet_.end() && !f->second.removed && MissingRanks(m.engine_id, f->second.tp_size).empty())
+      return absl::OkStatus();
+  }
+  const std::vector<std::string> incomplete = IncompleteEngines();
+  if (incomplete.empty())
+    return absl::FailedPreconditionError("every engine with a member agent is out of the fleet: nothing to sync");
+  return absl::FailedPreconditionError(
+      absl::StrCat("no engine of the fleet has an agent for every TP rank (", absl::StrJoin(incomplete, ", "),
+                   "): nothing can take a sync; bring the agents back, or take an engine out with `wsyncctl "
+                   "remove-engine ENGINE`"));
+}
+
+uint64_t SyncCoordinator::EngineServes(const std::string& engine_id, uint32_t tp_size) const {
+  std::vector<std::optional<uint64_t>> rank(tp_size);
+  for (const auto& [mid, m] : members_)
+    if (m.engine_id == engine_id && m.tp_rank < tp_size) rank[m.tp_rank] = m.version;
+  uint64_t v = 0;
+  for (uint32_t r = 0; r < tp_size; ++r) {
+    if (!rank[r].has_value() || (r > 0 && *rank[r] != v)) return 0;
+    v = *rank[r];
+  }
+  return v;
+}
+
+std::map<std::string, std::string> SyncCoordinator::EnginesBehind(uint64_t version) const {
+  std::map<std::string, std::string> out;
+  for (const auto& [id, e] : fleet_) {
+    if (e.removed) continue;
+    std::vector<std::optional<uint64_t>> rank(e.tp_size);
+    for (const auto& [mid, m] : members_)
+      if (m.engine_id == id && m.tp_rank < e.tp_size) rank[m.tp_rank] = m.version;
+    std::vector<std::string> parts;
+    for (uint32_t r = 0; r < e.tp_size; ++r) {
+      if (rank[r].has_value() && *rank[r] >= version) continue;
+      const std::string what = rank[r].has_value() ? absl::StrCat("on version ", *rank[r]) : "no agent";
+      parts.push_back(e.tp_size > 1 ? absl::StrCat("tp ", r, ": ", what) : what);
+    }
+    if (!parts.empty()) out[id] = absl::StrJoin(parts, "; ");
+  }
+  return out;
 }
 
 void SyncCoordinator::ReapLoop() {
@@ -324,6 +411,7 @@ void SyncCoordinator::ReapLoop() {
         WSYNC_LOG(WARNING) << "member " << it->first << " (" << it->second.address << ") silent for "
                            << absl::FormatDuration(now - it->second.last_seen) << ": dropped";
         it = members_.erase(it);
+        RefreshVersions();
       } else {
         ++it;
       }
@@ -348,15 +436,18 @@ absl::Status SyncCoordinator::TriggerSync(const v1::TriggerSyncRequest& req, v1:
     return absl::FailedPreconditionError(absl::StrCat("a sync needs at least ", std::max<uint32_t>(1, req.min_agents()),
                                                       " rollout agents; ", members_.size(), " have joined"));
   }
-  RETURN_IF_ERROR(CheckFleet());
+  RETURN_IF_ERROR(CanSync());
   plan::Delivery delivery = opts_.delivery;
+  // Versions only grow, also over a coordinator that lost its state: past every member's.
+  uint64_t served = 0;
+  for (const auto& [mid, m] : members_) served = std::max(served, m.version);
   if (!req.delivery().empty()) {
     ASSIGN_OR_RETURN(delivery, plan::ParseDelivery(req.delivery()));
   }
   if (const uint64_t v = req.version(); v != 0) {
     // Join a sync of the same version (queued, running, or done): one sync for all ranks.
     for (auto& [sid, rec] : syncs_) {
-      if (rec.version == v && (!rec.finished || rec.phase == "done")) {
+      if (rec.version == v && (!rec.finished || rec.phase == "done" || rec.phase == "partial")) {
         reply->set_sync_id(sid);
         reply->set_version(v);
         reply->set_coalesced(true);
@@ -366,9 +457,10 @@ absl::Status SyncCoordinator::TriggerSync(const v1::TriggerSyncRequest& req, v1:
     uint64_t newest = published_;
     for (uint64_t q : queue_) newest = std::max(newest, syncs_[q].version);
     if (running_) newest = std::max(newest, syncs_[running_id_].version);
-    if (v <= newest) {
-      return absl::FailedPreconditionError(absl::StrCat("version ", v, " is not newer than version ", newest,
-                                                        " (published, queued or running); versions only grow"));
+    if (v <= std::max(newest, served)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "version ", v, " is not newer than version ", std::max(newest, served),
+          newest >= served ? " (published, queued or running)" : " (an engine serves it)", "; versions only grow"));
     }
   }
   if ((running_ || !queue_.empty()) && !req.wait_if_busy()) {
@@ -384,6 +476,7 @@ absl::Status SyncCoordinator::TriggerSync(const v1::TriggerSyncRequest& req, v1:
     rec.version = req.version();
     next_version_ = std::max(next_version_, rec.version + 1);
   } else {
+    next_version_ = std::max(next_version_, served + 1);
     rec.version = next_version_++;
   }
   syncs_[id] = rec;
@@ -460,20 +553,31 @@ absl::Status SyncCoordinator::CallAll(uint64_t id, const std::vector<Member>& me
 
 void SyncCoordinator::RunSync(uint64_t id) {
   std::vector<Member> members;
-  absl::Status fleet;  // the fleet when the sync starts: incomplete fails it before BeginSync
+  absl::Status fleet;  // no engine of the fleet can take the sync: it fails before BeginSync
+  std::vector<std::string> sat_out;
   SyncPlan plan;
   absl::Time start;
   {
     absl::MutexLock lock(&mu_);
-    fleet = CheckFleet();
-    for (auto& [mid, m] : members_)
-      if (!fleet_[m.engine_id].removed) members.push_back(m);  // a removed engine's agents sit it out
-    if (fleet.ok() && members.empty())
-      fleet = absl::FailedPreconditionError("every engine with a member agent is out of the fleet: nothing to sync");
+    fleet = CanSync();
+    // A removed engine's agents, and those of an engine missing a rank's agent, sit the sync out
+    // (half an engine is never written); the latter are named as behind when it ends.
+    sat_out = IncompleteEngines();
+    for (auto& [mid, m] : members_) {
+      const FleetEngine& e = fleet_[m.engine_id];
+      if (!e.removed && MissingRanks(m.engine_id, e.tp_size).empty()) members.push_back(m);
+    }
     auto& rec = syncs_[id];
     start = rec.start;
-    if (recover_sync_ != 0)
+    if (recover_sync_ != 0) {
       WSYNC_LOG(WARNING) << "sync " << id << " supersedes the roll forward to version " << rolling_forward_;
+      for (v1::VersionRecord& vr : versions_) {
+        if (vr.outcome() != "rolling_forward") continue;
+        vr.set_outcome("failed");  // no engine had reported it: the engines go to this sync's version instead
+        vr.set_error(absl::StrCat(vr.error(), "; superseded by sync ", id, " before any engine reported it"));
+      }
+      rolling_forward_ = 0;
+    }
     recover_sync_ = 0;  // this sync brings every engine forward (or fails and changes nothing)
     told_.clear();
     plan.sync_id = id;
@@ -632,6 +736,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
     });
   }
   bool some_committed = false;  // a failed commit that other engines had completed: they roll forward
+  std::vector<uint64_t> reported(members.size(), 0);  // after a failure: the version each member said it holds
   if (!s.ok()) {
     WSYNC_LOG(ERROR) << "sync " << id << " failed: " << s;
     SetPhase(id, "abort");
@@ -660,6 +765,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
     std::vector<std::string> live, behind;
     for (size_t i = 0; i < members.size(); ++i) {
       const uint64_t v = committed[i].version() != 0 ? committed[i].version() : aborted[i].version();
+      reported[i] = v;
       const std::string who = absl::StrCat("engine ", members[i].engine_id, " tp ", members[i].tp_rank);
       if (v == plan.version) {
         live.push_back(who);
@@ -668,16 +774,14 @@ void SyncCoordinator::RunSync(uint64_t id) {
       }
     }
     if (!live.empty() && behind.empty())
-      s = Annotate(s,
-                   absl::StrCat("version ", plan.version, " was committed on every engine (", absl::StrJoin(live, ", "),
-                                ") but the commit did not complete everywhere: it is not published until every "
-                                "engine of the fleet reports it"));
+      s = Annotate(s, absl::StrCat("version ", plan.version, " was committed on every engine (",
+                                   absl::StrJoin(live, ", "), ") but the commit did not complete everywhere"));
     else if (!live.empty())
       s = Annotate(s, absl::StrCat("version ", plan.version, " was committed on ", absl::StrJoin(live, ", "),
                                    " but not on ", absl::StrJoin(behind, ", "),
-                                   ": it is not published; the others roll forward to it from their staging as soon "
-                                   "as their engines take it (until then the engines serve different versions, every "
-                                   "reply naming its own)"));
+                                   ": published to part of the fleet; the others roll forward to it from their "
+                                   "staging as soon as their engines take it (until then the engines serve different "
+                                   "versions, every reply naming its own)"));
   }
 
   // Timings: the trainer's phases, the agents' (slowest member), the coordinator's.
@@ -708,7 +812,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
   // rather than at its next heartbeat, so that a member joining meanwhile (a restarted engine) is
   // told which peers can give it the version.
   for (size_t i = 0; i < members.size() && i < committed.size(); ++i) {
-    if (committed[i].version() != plan.version) continue;
+    if (committed[i].version() != plan.version && reported[i] != plan.version) continue;
     auto it = members_.find(members[i].id);
     if (it != members_.end() && it->second.address == members[i].address)
       it->second.version = std::max(it->second.version, plan.version);
@@ -717,34 +821,58 @@ void SyncCoordinator::RunSync(uint64_t id) {
   rec.phases = all;
   rec.finished = true;
   rec.bytes = report.bytes;
-  rec.phase = s.ok() ? "done" : "failed";
-  rec.error = s.ok() ? "" : std::string(s.message());
+  // The outcome, from what the engines hold now (docs/sync.md "Versions"): done when every engine
+  // of the fleet has the version, partial when some engine rank committed it, failed when none did.
+  std::vector<std::string> behind;
+  for (const auto& [engine, why] : EnginesBehind(rec.version)) behind.push_back(absl::StrCat(engine, " (", why, ")"));
+  std::string outcome = "failed";
+  if (s.ok() || some_committed) outcome = behind.empty() ? "done" : "partial";
+  if (outcome == "partial" && s.ok())
+    s = absl::UnavailableError(
+        absl::StrCat("version ", rec.version, " was committed on every engine that took the sync; ",
+                     sat_out.empty() ? absl::StrJoin(behind, ", ") : absl::StrJoin(sat_out, ", "),
+                     sat_out.empty() ? " did not take it (it joined during the sync)" : " sat it out",
+                     ": it catches up when its agents are back (a copy from a peer, or the next sync)"));
+  rec.phase = outcome;
+  rec.error = s.ok() || outcome == "done" ? "" : std::string(s.message());
   for (auto& m : rec.members) m.set_phase(rec.phase);
   running_ = false;  // with the outcome: whoever sees the sync finished sees the coordinator idle
   v1::VersionRecord vr;
   vr.set_version(rec.version);
   vr.set_sync_id(id);
-  vr.set_ok(s.ok());
+  vr.set_ok(outcome != "failed");
+  vr.set_outcome(outcome);
   vr.set_error(rec.error);
+  for (const std::string& b : behind)
+    if (outcome == "partial") vr.add_behind(b);
   vr.set_seconds(total);
   vr.set_bytes(report.bytes);
   vr.set_finished_unix_ms(absl::ToUnixMillis(absl::Now()));
   versions_.push_back(vr);
-  if (some_committed) rolling_forward_ = rec.version;  // published once every engine reports it
   committing_sync_ = committing_version_ = 0;
-  if (s.ok()) {
+  if (outcome != "failed") {
     published_ = rec.version;
     last_bytes_ = report.bytes;
-    CounterOf(opts_.metrics, "wsync_syncs_total", "Syncs that published a version")->Increment();
-    CounterOf(opts_.metrics, "wsync_sync_bytes_total", "Bytes streamed by successful syncs")
+    CounterOf(opts_.metrics, "wsync_sync_bytes_total", "Bytes streamed by syncs that published a version")
         ->Increment(static_cast<double>(report.bytes));
-    GaugeOf(opts_.metrics, "wsync_version", "Last published weight version")->Set(static_cast<double>(published_));
+  }
+  if (outcome == "done") {
+    CounterOf(opts_.metrics, "wsync_syncs_total", "Syncs that every engine of the fleet committed")->Increment();
     WSYNC_LOG(INFO) << "sync " << id << ": version " << rec.version << " published in " << total << " s ("
                     << report.bytes << " bytes)";
+  } else if (outcome == "partial") {
+    last_error_ = rec.error;
+    CounterOf(opts_.metrics, "wsync_syncs_partial_total",
+              "Syncs committed on part of the fleet (the others left behind, catching up)")
+        ->Increment();
+    WSYNC_LOG(WARNING) << "sync " << id << ": version " << rec.version << " published to part of the fleet in " << total
+                       << " s; behind: " << absl::StrJoin(behind, ", ");
   } else {
     last_error_ = rec.error;
-    CounterOf(opts_.metrics, "wsync_sync_failures_total", "Syncs that failed and were aborted")->Increment();
+    CounterOf(opts_.metrics, "wsync_sync_failures_total", "Syncs that no engine committed (aborted everywhere)")
+        ->Increment();
   }
+  RefreshVersions();
   ++event_seq_;
   PruneHistory();
   // The store keys of the sync before this one (its groups are long gone; this one's stay until
@@ -824,6 +952,27 @@ absl::Status SyncCoordinator::LoadState() {
   if (ec)
     return absl::PermissionDeniedError(
         absl::StrCat("creating the state directory ", opts_.state_dir, ": ", ec.message()));
+  // One coordinator per state directory: a second job started on it (a forgotten one still running,
+  // a test beside another) would overwrite the first's numbers. The lock goes with the process.
+  const std::string lock_path = opts_.state_dir + "/coordinator.lock";
+  const int lock_fd = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (lock_fd < 0) return ErrnoToStatus(errno, absl::StrCat("opening ", lock_path));
+  if (flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    std::string holder;
+    if (auto t = ReadTextFile(lock_path); t.ok()) holder = std::string(absl::StripAsciiWhitespace(*t));
+    close(lock_fd);
+    if (err != EWOULDBLOCK) return ErrnoToStatus(err, absl::StrCat("locking ", lock_path));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the state directory ", opts_.state_dir, " is in use by another coordinator (", holder.empty() ? "?" : holder,
+        "): one trainer job per --state-dir; stop the other job, or give this one its own --state-dir"));
+  }
+  if (ftruncate(lock_fd, 0) == 0) {
+    const std::string me = absl::StrCat("pid ", getpid(), "\n");
+    (void)!write(lock_fd, me.data(), me.size());
+  }
+  if (state_lock_fd_ >= 0) close(state_lock_fd_);
+  state_lock_fd_ = lock_fd;
   const std::string path = StatePath(opts_.state_dir);
   if (!std::filesystem::exists(path)) {
     WSYNC_LOG(INFO) << "coordinator state: none in " << opts_.state_dir << " yet; versions start at 1";
@@ -843,6 +992,8 @@ absl::Status SyncCoordinator::LoadState() {
   next_sync_id_ = std::max<uint64_t>(st.next_sync_id(), 1);
   last_error_ = st.last_error();
   versions_.assign(st.versions().begin(), st.versions().end());
+  for (v1::VersionRecord& v : versions_)
+    if (v.outcome().empty()) v.set_outcome(v.ok() ? "done" : "failed");  // a state file from before outcomes
   for (const v1::VersionRecord& v : versions_) next_sync_id_ = std::max(next_sync_id_, v.sync_id() + 1);
   for (const v1::TimingsReply& t : st.timings()) {
     SyncRecord& rec = syncs_[t.sync_id()];
@@ -855,10 +1006,9 @@ absl::Status SyncCoordinator::LoadState() {
       if (d.ok()) rec.delivery = *d;
     }
     for (const v1::VersionRecord& v : versions_) {
-      if (v.sync_id() == t.sync_id() && !v.ok()) {
-        rec.phase = "failed";
-        rec.error = v.error();
-      }
+      if (v.sync_id() != t.sync_id()) continue;
+      rec.phase = v.outcome();
+      rec.error = v.error();
     }
     for (const v1::PhaseTiming& p : t.phases()) rec.phases.push_back({p.phase(), p.seconds(), p.bytes()});
     next_sync_id_ = std::max(next_sync_id_, rec.id + 1);
@@ -878,17 +1028,17 @@ absl::Status SyncCoordinator::LoadState() {
     vr.set_version(st.committing_version());
     vr.set_sync_id(st.committing_sync_id());
     vr.set_ok(false);
+    vr.set_outcome("rolling_forward");
     vr.set_error(
         "the coordinator stopped during this sync's commit: the engines roll forward to it from their staging");
     versions_.push_back(vr);
     last_error_ = vr.error();
     WSYNC_LOG(WARNING) << "sync " << recover_sync_ << " was committing version " << st.committing_version()
                        << " when the previous coordinator stopped: every engine rolls forward to it from its "
-                          "agent's staging, and it is published once all report it";
+                          "agent's staging, and it is published as soon as one reports it";
   }
   if (rolling_forward_ <= published_) rolling_forward_ = 0;
-  if (published_ > 0)
-    GaugeOf(opts_.metrics, "wsync_version", "Last published weight version")->Set(static_cast<double>(published_));
+  RefreshVersions();
   WSYNC_LOG(INFO) << "coordinator state from " << path << ": version " << published_ << " published, "
                   << versions_.size() << " attempts; the next sync is " << next_sync_id_ << ", version "
                   << next_version_ << "; a fleet of " << fleet_.size() << " engine(s)";
@@ -999,6 +1149,26 @@ void SyncCoordinator::Status(v1::StatusReply* reply) {
   reply->set_members(static_cast<uint32_t>(members_.size()));
   reply->set_trainer_ranks(static_cast<uint32_t>(trainer_->world_size()));
   reply->set_last_error(last_error_);
+  const std::map<std::string, std::string> behind =
+      published_ == 0 ? std::map<std::string, std::string>() : EnginesBehind(published_);
+  reply->set_engines_behind(static_cast<uint32_t>(behind.size()));
+  for (const auto& [id, e] : fleet_) {
+    v1::EngineVersion* ev = reply->add_engines();
+    ev->set_engine_id(id);
+    ev->set_tp_size(e.tp_size);
+    ev->set_version(EngineServes(id, e.tp_size));
+    ev->set_behind(behind.count(id) > 0);
+    ev->set_removed(e.removed);
+    for (uint32_t r = 0; r < e.tp_size; ++r) {
+      v1::RankVersion* rv = ev->add_rank_versions();
+      rv->set_tp_rank(r);
+      for (const auto& [mid, m] : members_) {
+        if (m.engine_id != id || m.tp_rank != r) continue;
+        rv->set_has_agent(true);
+        rv->set_version(m.version);
+      }
+    }
+  }
 }
 
 void SyncCoordinator::Members(v1::MembersReply* reply) {

@@ -6,17 +6,25 @@
 // with fakes of both (coordinator_test.cc).
 //
 // One sync, on the internal sync thread:
-//   pause    BeginSync on every member (each pauses and flushes its engine, then starts joining
-//            the per-stage data-plane groups and receiving);
+//   begin    BeginSync on every member (each joins the per-stage data-plane groups and receives into
+//            its staging; the engines keep serving their current version);
 //   transfer TrainerSide::RunSync (every trainer rank gathers, converts, quantizes and streams);
 //   prepare  PrepareSync on every member (all buckets arrived, verified, loaded into staging);
-//   commit   CommitSync on every member (repack into engine memory, continue the engine);
-//   on any failure: AbortSync on every member (engines continue on their previous version), and
-//   no later phase runs (no CommitSync after a failed PrepareSync).
-// The members of a sync are those joined when it starts. One sync at a time: a trigger during a
-// sync is refused (kFailedPrecondition) or, with wait_if_busy, queued. A version is given by the
-// trigger (versions only grow; a trigger for a version already queued, running or published
-// joins that sync) or is the next number; it is published only when every member committed.
+//   commit   CommitSync on every member (each pauses its engine, writes the staging into engine
+//            memory, continues it: the only time an engine stops serving);
+//   on any failure: AbortSync on every member, and no later phase runs (no CommitSync after a
+//   failed PrepareSync).
+// The members of a sync are the agents of the engines of the fleet that have an agent for every
+// TP rank when it starts; an engine missing a rank's agent sits the sync out (half an engine is
+// never written). A sync ends "done" (every engine of the fleet committed the version), "partial"
+// (some engine ranks committed it; the others are named as behind and brought to it: roll forward
+// from their staging, a copy from a peer, or the next sync) or "failed" (no engine rank committed
+// it; every engine keeps its version). A done or partial version is published: it is the fleet's
+// version, which engines that are behind catch up to (docs/sync.md "Versions").
+// One sync at a time: a trigger during a sync is refused (kFailedPrecondition) or, with
+// wait_if_busy, queued. A version is given by the trigger (versions only grow, also across a
+// coordinator restart: past the durable state's and every member's; a trigger for a version already
+// queued, running or published joins that sync) or is the next number.
 // A member silent for longer than member_timeout is dropped, unless it is in the running sync.
 //
 // Thread-safety: every public method may be called from any thread. Syncs run on one internal
@@ -27,6 +35,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -129,9 +138,11 @@ class SyncCoordinator {
                   AgentConnector connect);
   ~SyncCoordinator();  // Stop()
 
-  // Loads options.state_dir's state, before Start (a no-op without a state dir or file).
-  // kFailedPrecondition naming the file when it cannot be read or parsed (nothing is changed:
-  // fix or move the file); errno codes when the directory cannot be created.
+  // Locks options.state_dir (DIR/coordinator.lock, held until Stop) and loads its state, before
+  // Start (a no-op without a state dir; no file: versions start at 1). kFailedPrecondition naming
+  // the holder when another coordinator holds the directory, naming the file when it cannot be read
+  // or parsed (nothing is changed: fix or move the file); errno codes when the directory cannot be
+  // created.
   absl::Status LoadState();
   // Starts the sync and reaper threads; agents are told to rendezvous at `store_address`.
   void Start(const std::string& store_address);
@@ -149,8 +160,8 @@ class SyncCoordinator {
   absl::Status RemoveEngine(const std::string& engine_id);
 
   // Queues a sync (see the file comment). kFailedPrecondition: fewer members than min_agents
-  // (at least 1), a version not newer than every published, queued or running one, or busy
-  // without wait_if_busy.
+  // (at least 1), no engine of the fleet with an agent for every TP rank, a version not newer than
+  // every published, queued or running one and every member's, or busy without wait_if_busy.
   absl::Status TriggerSync(const v1::TriggerSyncRequest& req, v1::TriggerSyncReply* reply);
 
   // Calls `emit` with the state of sync `sync_id` (0: the running or next queued one, waiting for
@@ -173,9 +184,17 @@ class SyncCoordinator {
   std::string MemberKey(absl::string_view agent_id) const;
   void SyncLoop();
   void ReapLoop();
-  // OK when every engine of the fleet has a member agent for each of its TP ranks; else
-  // kFailedPrecondition naming the engines and their missing ranks.
-  absl::Status CheckFleet() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The engines of the fleet (not removed) that miss a TP rank's agent, each as "ENGINE (no agent
+  // for TP rank R of T)"; they sit syncs out.
+  std::vector<std::string> IncompleteEngines() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OK when some engine of the fleet (not removed) has a member agent for every TP rank; else
+  // kFailedPrecondition naming the incomplete engines.
+  absl::Status CanSync() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The engines of the fleet (not removed) not on `version` or a newer one: engine id -> why, e.g.
+  // "tp 1: on version 2; tp 0: no agent" ("on version 2" for TP 1).
+  std::map<std::string, std::string> EnginesBehind(uint64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The version every TP rank of the engine reports; 0 when they differ or a rank has no agent.
+  uint64_t EngineServes(const std::string& engine_id, uint32_t tp_size) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<uint32_t> MissingRanks(const std::string& engine_id, uint32_t tp_size) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes the state file (tmp + fsync + rename + directory fsync). A failure is logged and
@@ -184,8 +203,10 @@ class SyncCoordinator {
   absl::Status SaveState() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the attempts and finished sync records beyond the newest ones kept (sync_coordinator.cc).
   void PruneHistory() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Publishes rolling_forward_ once every member of the fleet reports it (Heartbeat).
-  void PublishRolledForward() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After members' versions changed (Join, Heartbeat, the end of a sync): publishes rolling_forward_
+  // once any member reports it, empties the `behind` of the partial versions' records as engines
+  // catch up (saving the state when one changed), and sets the fleet's gauges.
+  void RefreshVersions() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // For a member behind the published version: that version and the agents of other engines' ranks
   // with the member's (TP size, TP rank, EP size) that report it (JoinReply / HeartbeatReply).
   void FillCatchUp(const Member& m, v1::CatchUpHint* hint) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -206,6 +227,7 @@ class SyncCoordinator {
   const std::string run_id_;  // random per coordinator: sync keys differ across restarts
   std::string store_address_;
   std::thread worker_, reaper_;
+  int state_lock_fd_ = -1;  // DIR/coordinator.lock, flock()ed from LoadState to Stop
 
   absl::Mutex mu_;
   bool started_ ABSL_GUARDED_BY(mu_) = false;
@@ -224,8 +246,10 @@ class SyncCoordinator {
   std::map<std::string, FleetEngine> fleet_ ABSL_GUARDED_BY(mu_);  // engine id -> what its agents said
   uint64_t next_sync_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_version_ ABSL_GUARDED_BY(mu_) = 1;
+  // The fleet's version: the newest version a sync committed on at least one engine rank.
   uint64_t published_ ABSL_GUARDED_BY(mu_) = 0;
-  // A version committed on part of the fleet by a failed sync (the rest rolls forward); 0: none.
+  // The version a coordinator that stopped during its commit was committing (LoadState): every
+  // engine rolls forward to it, and it is published as soon as any member reports it; 0: none.
   uint64_t rolling_forward_ ABSL_GUARDED_BY(mu_) = 0;
   // The sync whose commit is in progress (in the state file from before its first CommitSync to its
   // end; 0: none). A coordinator that stopped during a commit finds it there at start (LoadState):
