@@ -3,7 +3,8 @@
 # order (Megatron's tp-cp-ep-dp-pp), so agent rank r reads Megatron rank r's shard.
 #
 #   deploy/mpirun/launch-trainer-agents.sh --hostfile HOSTS --np N --source dir:/ckpt/megatron \
-#       [--coordinator HOST0:7070] [--token-file /etc/wsync/token] [-- extra agent flags]
+#       [--coordinator HOST0:7070] [--token-file /etc/wsync/token] [--state-dir /var/lib/wsync/state]
+#       [-- extra agent flags]
 #
 # Use the hostfile (and slots) of the Megatron launch so that `mpirun --map-by` places rank r on
 # the host of Megatron rank r; with torchrun-launched Megatron, list each host once per GPU in
@@ -12,12 +13,15 @@
 # resolve to 127.0.1.1 on its own host), and every rank's data plane listens on the address that
 # faces the coordinator (pass `-- --data-host ADDR` to pick another interface). Environment: WSYNC_BIN (default /opt/wsync/bin),
 # MPIRUN_ARGS (e.g. "--mca btl_tcp_if_include eth0").
+# The coordinator's durable state (versions, the fleet, a commit in progress) lives in --state-dir on
+# rank 0's host (default /var/lib/wsync/state; "none": in memory only): the job started again with
+# this same command continues its versions (docs/sync.md "Versions").
 # Live training (--source shm:JOB): run the agents as the training job's user, with the same
 # WSYNC_RUNTIME_DIR (or XDG_RUNTIME_DIR) as the training processes; Megatron rank r then calls
 # wsync_client_open("JOB", r, ...) (src/trainer_client) and requests its syncs. The agents wait
 # for the training processes to register before the coordinator comes up.
 set -euo pipefail
-hostfile="" np="" source="" coordinator="" token="/etc/wsync/token"
+hostfile="" np="" source="" coordinator="" token="/etc/wsync/token" state_dir="/var/lib/wsync/state"
 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -26,11 +30,12 @@ while [ $# -gt 0 ]; do
     --source) source="$2"; shift 2 ;;
     --coordinator) coordinator="$2"; shift 2 ;;
     --token-file) token="$2"; shift 2 ;;
+    --state-dir) state_dir="$2"; shift 2 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
-[ -n "$np" ] && [ -n "$source" ] || { sed -n '2,14p' "$0"; exit 2; }
+[ -n "$np" ] && [ -n "$source" ] || { sed -n '2,18p' "$0"; exit 2; }
 bin="${WSYNC_BIN:-/opt/wsync/bin}"
 coordinator="${coordinator:-$(hostname -f):7070}"
 hosts=()
@@ -39,4 +44,4 @@ hosts=()
 exec mpirun ${MPIRUN_ARGS:-} "${hosts[@]}" -np "$np" \
   -x WSYNC_LOG_LEVEL -x WSYNC_TOKEN \
   "$bin/wsync-trainer-agent" --source "$source" --coordinator "$coordinator" \
-  --coordinator-listen "0.0.0.0:${coordinator##*:}" --token-file "$token" "${extra[@]}"
+  --coordinator-listen "0.0.0.0:${coordinator##*:}" --token-file "$token" --state-dir "$state_dir" "${extra[@]}"

@@ -18,7 +18,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
 e2e_start e2e_faults
 e2e_cleanup_extra() { for p in "${pids[@]}"; do kill -CONT "$p" 2>/dev/null || true; done; }
 timeout_s=10
-e2e_trainer 5 -- --sync-timeout "$timeout_s" --state-dir "$work/state"
+e2e_trainer 5 -- --sync-timeout "$timeout_s"
 registrations() { grep -c 'registered engine "engine-1"' "$work/logs/agent-1.log" 2>/dev/null || true; }
 ready() {  # ready N: agent 1 has registered engine 1 more than N times, and is a member at its address
   local addr

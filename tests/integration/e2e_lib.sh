@@ -91,7 +91,7 @@ e2e_trainer() {
   "$bin/wsync-model-gen" --from-config default --seed "$seed" --out "$work/hf" > /dev/null
   "$bin/wsync-shard" --hf "$work/hf" --out "$work/megatron" --tp 2 --ep 2 --dp 2 > /dev/null
   mpirun --allow-run-as-root --oversubscribe -np 4 "${mpi[@]}" "$bin/wsync-trainer-agent" --source "dir:$work/megatron" \
-    --coordinator 127.0.0.1:0 --address-file "$work/coordinator" --token-file "$token" "${agent[@]}" \
+    --coordinator 127.0.0.1:0 --address-file "$work/coordinator" --token-file "$token" --state-dir "$work/state" "${agent[@]}" \
     > "$work/logs/trainer.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 300); do [ -s "$work/coordinator" ] && break; sleep 0.1; done

@@ -65,7 +65,7 @@ wait_file() {  # wait_file PATH SECONDS WHAT
 on "$nt" mpirun --allow-run-as-root --oversubscribe -np 4 \
   "$bin/wsync-trainer-agent" --source "dir:$work/megatron" --coordinator 10.211.0.1:0 \
   --coordinator-listen 0.0.0.0:0 --sync-timeout "$timeout_s" --bucket-mib 4 --token-file "$token" \
-  --address-file "$work/coordinator" > "$work/logs/trainer.log" 2>&1 &
+  --address-file "$work/coordinator" --state-dir "$work/state" > "$work/logs/trainer.log" 2>&1 &
 pids+=($!)
 wait_file "$work/coordinator" 60 "the trainer job"
 coord=$(cat "$work/coordinator")

@@ -174,6 +174,8 @@ TEST_F(RolloutAgentE2eTest, TheRealTrainerAndCoordinatorSyncAnEngineThroughTheAg
                     token_file_,
                     "--address-file",
                     coord_file,
+                    "--state-dir",
+                    dir_ + "/state",
                     "--quant-config",
                     quant_file_},
                    dir_ + "/logs/trainer.log");

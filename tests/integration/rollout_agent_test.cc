@@ -938,7 +938,26 @@ TEST_F(RolloutAgentTest, OneSyncAtATime) {
   s = Prepare(agent, 6);
   EXPECT_NE(s.error_code(), grpc::StatusCode::OK) << "sync 6 was superseded";
   EXPECT_TRUE(engine.calls().empty()) << "a superseded sync never touched the engine";
-  ASSERT_TRUE(AbortRpc(agent, 7).ok());
+  // A sync of another coordinator run (its sync_key's run id differs: a trainer job started again
+  // without its state numbers its syncs from 1 again) supersedes too, whatever its id.
+  auto run_a = BeginRequest(8, 2, 1, 1);
+  run_a.set_sync_key("runA-8");
+  ASSERT_TRUE(Begin(agent, run_a).ok());
+  auto run_b = BeginRequest(3, 2, 1, 1);
+  run_b.set_sync_key("runB-3");
+  const absl::Time t2 = absl::Now();
+  s = Begin(agent, run_b);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_LT(absl::Now() - t2, absl::Seconds(3));
+  EXPECT_NE(Prepare(agent, 8).error_code(), grpc::StatusCode::OK) << "run A's sync 8 was superseded";
+  ASSERT_TRUE(AbortRpc(agent, 3).ok());
+  // Sync 3 of run B ended; sync 3 of a run C is another sync, not "already ended".
+  auto run_c = BeginRequest(3, 2, 1, 1);
+  run_c.set_sync_key("runC-3");
+  s = Begin(agent, run_c);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(AbortRpc(agent, 3).ok());
+  EXPECT_TRUE(engine.calls().empty()) << "superseded syncs never touched the engine";
   EXPECT_TRUE(engine.Register(agent.address()).ok());
 }
 

@@ -72,6 +72,7 @@ def trainer_agent(model, tmp_path, monkeypatch):
         proc = subprocess.Popen(
             [shutil.which("mpirun"), "--allow-run-as-root", "--oversubscribe", "-np", "1", "-x", "WSYNC_RUNTIME_DIR",
              str(BIN / "wsync-trainer-agent"), "--source", f"shm:{name}", "--coordinator", f"127.0.0.1:{port}",
+             "--state-dir", str(tmp_path / "state"),
              "--token-file", str(token)],
             stdout=out, stderr=subprocess.STDOUT, env=env)
     agent = Agent(name, runtime, proc, log)

@@ -177,6 +177,12 @@ class RolloutAgent::Service final : public v1::RolloutAgent::Service {
     return ToGrpcStatus(
         agent_->ServeStaging(*req, [&](const v1::StagingChunk& c) { return !ctx->IsCancelled() && writer->Write(c); }));
   }
+  grpc::Status ReadEngine(grpc::ServerContext* ctx, const v1::ReadEngineRequest*,
+                          grpc::ServerWriter<v1::EngineChunk>* writer) override {
+    WSYNC_AUTHORIZE(ctx, sec_);
+    return ToGrpcStatus(
+        agent_->ReadEngine([&](const v1::EngineChunk& c) { return !ctx->IsCancelled() && writer->Write(c); }));
+  }
 
  private:
   // The RPC's deadline, a little early so that the reply still reaches the caller in time.
@@ -480,6 +486,59 @@ absl::Status RolloutAgent::ServeStaging(const v1::FetchStagingRequest& req,
   c.Clear();
   c.set_last(true);
   c.set_version(req.version());
+  if (!write(c)) return absl::CancelledError(absl::StrCat(who, ": the caller went away"));
+  return absl::OkStatus();
+}
+
+absl::Status RolloutAgent::ReadEngine(const std::function<bool(const v1::EngineChunk&)>& write) {
+  absl::ReaderMutexLock mem(&memory_mu_);  // no commit while the engine is read: one version
+  uint64_t version = 0;
+  std::string who;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return absl::UnavailableError("ReadEngine: the rollout agent is shutting down");
+    if (engine_ == nullptr) return absl::FailedPreconditionError("ReadEngine: no engine has registered here");
+    version = version_;
+    who = absl::StrCat("ReadEngine of engine ", engine_->info.engine_id(), " tp ", engine_->info.tp_rank());
+  }
+  // engine_ cannot change while memory_mu_ is held. Device params are copied to the host a chunk at
+  // a time.
+  const std::vector<EngineBuffer>& buffers = engine_->memory->weights().buffers();
+  Buffer host_chunk;
+  v1::EngineChunk c;
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const EngineBuffer& b = buffers[i];
+    const MemorySpace space = b.on_device() ? MemorySpace::Cuda(b.cuda_device) : MemorySpace::Host();
+    if (!space.host() && host_chunk.size() == 0) {
+      ASSIGN_OR_RETURN(host_chunk, Buffer::Allocate(kStagingChunk));
+    }
+    size_t off = 0;
+    do {
+      const size_t n = std::min(kStagingChunk, b.nbytes - off);
+      const std::byte* src = static_cast<const std::byte*>(b.data) + off;
+      if (!space.host()) {
+        RETURN_IF_ERROR(Annotate(space.CopyToHost(host_chunk.data(), src, n),
+                                 absl::StrCat(who, ": reading ", b.name, " in ", space.Name())));
+        src = host_chunk.data();
+      }
+      c.Clear();
+      c.set_param(static_cast<uint32_t>(i));
+      if (off == 0) {
+        c.set_name(b.name);
+        c.set_dtype(std::string(SafetensorsName(b.dtype)));
+        for (int64_t d : b.shape) c.add_shape(d);
+        c.set_nbytes(b.nbytes);
+      }
+      c.set_offset(off);
+      c.set_data(src, n);
+      c.set_version(version);
+      off += n;
+      if (!write(c)) return absl::CancelledError(absl::StrCat(who, ": the caller went away"));
+    } while (off < b.nbytes);
+  }
+  c.Clear();
+  c.set_last(true);
+  c.set_version(version);
   if (!write(c)) return absl::CancelledError(absl::StrCat(who, ": the caller went away"));
   return absl::OkStatus();
 }
@@ -936,6 +995,14 @@ absl::Status RolloutAgent::EngineChecksums(v1::EngineChecksumsReply* reply) {
 
 // --- BeginSync ----------------------------------------------------------------------------------------
 
+// The coordinator run a sync belongs to: the run id of its sync_key ("<run id>-<sync id>"; "" from
+// a coordinator that sends none).
+std::string RolloutAgent::SyncRun(const v1::BeginSyncRequest& req) {
+  const std::string& key = req.sync_key();
+  const size_t dash = key.rfind('-');
+  return dash == std::string::npos ? std::string() : key.substr(0, dash);
+}
+
 absl::Status RolloutAgent::CheckBegin(const v1::BeginSyncRequest& req, bool* duplicate, v1::BeginSyncReply* reply) {
   *duplicate = false;
   if (stopping_) return absl::UnavailableError("the rollout agent is shutting down");
@@ -951,7 +1018,7 @@ absl::Status RolloutAgent::CheckBegin(const v1::BeginSyncRequest& req, bool* dup
         sync_->first_error.ok() ? "" : " (failed, waiting for AbortSync)", "; one sync at a time"));
   }
   if (req.sync_id() == 0) return absl::InvalidArgumentError("BeginSync: sync_id 0 is reserved");
-  if (req.sync_id() == last_sync_id_) {
+  if (req.sync_id() == last_sync_id_ && SyncRun(req) == last_sync_run_) {
     return absl::FailedPreconditionError(
         absl::StrCat("BeginSync ", req.sync_id(), ": that sync already ended (",
                      last_committed_ ? "committed" : absl::StrCat("failed: ", last_outcome_.message()), ")"));
@@ -973,7 +1040,10 @@ absl::Status RolloutAgent::BeginSync(const v1::BeginSyncRequest& req, v1::BeginS
   std::string stale_phase;
   {
     absl::MutexLock lock(&mu_);
-    if (sync_ != nullptr && req.sync_id() > sync_->id && sync_->phase != Phase::kCommitting) {
+    // A newer sync of the same coordinator, or any sync of another one (its run id differs: a
+    // restarted trainer job numbers syncs on from its state file, or from 1 without one).
+    if (sync_ != nullptr && (req.sync_id() > sync_->id || SyncRun(req) != SyncRun(sync_->req)) &&
+        sync_->phase != Phase::kCommitting) {
       stale = sync_->id;
       stale_phase = PhaseName(static_cast<int>(sync_->phase));
     } else {
@@ -983,7 +1053,8 @@ absl::Status RolloutAgent::BeginSync(const v1::BeginSyncRequest& req, v1::BeginS
   }
   if (stale != 0) {
     // The coordinator runs one sync at a time, so a newer sync means it is done with the older one:
-    // its AbortSync was lost, or the coordinator is a restarted one (its trainer job died mid-sync).
+    // its AbortSync was lost, or the coordinator is a restarted one (its trainer job died mid-sync:
+    // then the sync comes from another run, whatever its id).
     // End the old sync now (the engine was not written: it keeps its version) rather than refuse
     // syncs until the old one's timeout passes. A sync that is committing is never superseded.
     const std::string reason =
@@ -1407,6 +1478,7 @@ absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::Comm
       {
         absl::MutexLock lock(&mu_);
         last_sync_id_ = s->id;
+        last_sync_run_ = SyncRun(s->req);
         last_committed_ = false;
         last_outcome_ = st;
         sync_.reset();
@@ -1442,6 +1514,7 @@ absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::Comm
   {
     absl::MutexLock lock(&mu_);
     last_sync_id_ = s->id;
+    last_sync_run_ = SyncRun(s->req);
     last_committed_ = true;
     last_outcome_ = absl::OkStatus();
     sync_.reset();
@@ -1547,6 +1620,7 @@ absl::Status RolloutAgent::EndFailedSync(Sync* s, const std::string& reason, boo
   {
     absl::MutexLock lock(&mu_);
     last_sync_id_ = id;
+    last_sync_run_ = SyncRun(s->req);
     last_committed_ = false;
     last_outcome_ = absl::AbortedError(reason);
     sync_.reset();

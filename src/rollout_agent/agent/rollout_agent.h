@@ -4,21 +4,25 @@
 //                   EngineLayout, mapped EngineWeights checked against it (CheckMatches), one
 //                   Staging allocated for all syncs. Replaces a previous engine (refused while a
 //                   sync is active). Then Join + heartbeats at the coordinator, if one is configured.
-//   BeginSync       Pause(HOLD) + Flush (retried every 50 ms while the engine refuses, until
-//                   min(flush deadline, timeout)) the engine, reset staging coverage, start one
-//                   receive thread per SyncGroup (receive/stage_receiver.h) and return at once.
+//   BeginSync       reset staging coverage, start one receive thread per SyncGroup
+//                   (receive/stage_receiver.h) and return at once; the engine keeps serving (with
+//                   --pause-for-whole-sync it is paused here instead of at the commit).
 //                   FAILED_PRECONDITION without an engine, during another sync, or for a version
-//                   not newer than the engine's; the same sync_id again is a no-op.
+//                   not newer than the engine's; the same sync_id again is a no-op. A sync of
+//                   another coordinator run, or a newer one, supersedes one not committing.
 //   PrepareSync     waits (until the RPC deadline) for the receive threads; returns the first
 //                   error (data plane as is, checksum DATA_LOSS, loader INVALID_ARGUMENT, ...) or
 //                   the staging's CheckComplete (NOT_FOUND naming missing tensors); engine memory
 //                   untouched.
-//   CommitSync      after a successful Prepare of that sync: Commit (repack) staging into the
-//                   engine memory, publish the version, Continue(version) the engine, wake
-//                   UpdateWeights waiters, publish the recording.
+//   CommitSync      after a successful Prepare of that sync: Pause(HOLD) + Flush the engine
+//                   (retried every 50 ms while it refuses, until min(flush deadline, timeout)),
+//                   Commit (repack) staging into the engine memory, publish the version,
+//                   Continue(version) the engine, wake UpdateWeights waiters, publish the recording.
 //   AbortSync       any time: cancel group formation, abort the communicators (the trainer side
-//                   fails fast), join the threads, Continue(previous version); engine memory
-//                   untouched. Idempotent (unknown / finished sync ids return the current version).
+//                   fails fast), join the threads, Continue(previous version) if the sync paused
+//                   the engine; engine memory untouched (with roll_forward: the staged version is
+//                   committed as soon as the engine takes it). Idempotent (unknown / finished sync
+//                   ids return the current version).
 //   UpdateWeights   the engine's version once it is >= min_version (0: the newest version the
 //                   coordinator has published). Asks the coordinator at once (not at the next
 //                   heartbeat) what is published and which peers hold it; a version a peer holds
@@ -30,6 +34,8 @@
 //                   commit waits for it and vice versa). FAILED_PRECONDITION without an engine.
 //   FetchStaging    streams the staging (the version committed here, complete and verified) to a
 //                   peer agent whose engine rank has the same layout (catch-up, below).
+//   ReadEngine      streams the engine's memory as it holds it (for `wsyncctl verify
+//                   --independent`), under the commit's lock: one version throughout.
 // Catch-up. An engine that re-registers (it restarted) behind the version this agent's staging
 // holds is committed that version at once (CatchUp). An agent that restarted with its engine (no
 // staging) learns from the coordinator (CatchUpHint in Join / Heartbeat replies) the published
@@ -138,6 +144,10 @@ class RolloutAgent {
   absl::Status AbortSync(const v1::AbortSyncRequest& req, v1::AbortSyncReply* reply);
   absl::Status AgentStatus(v1::AgentStatusReply* reply);
   absl::Status EngineChecksums(v1::EngineChecksumsReply* reply);
+  // ReadEngine, served: `write` sends one chunk (false: the caller went away, kCancelled). A commit
+  // waits for the read to end (engine memory is read under memory_mu_). FAILED_PRECONDITION
+  // without an engine.
+  absl::Status ReadEngine(const std::function<bool(const v1::EngineChunk&)>& write);
   // FetchStaging, served: `write` sends one chunk (false: the caller went away, kCancelled). A sync
   // that starts meanwhile waits for the copy to end (the staging is read under staging_mu_).
   absl::Status ServeStaging(const v1::FetchStagingRequest& req,
@@ -168,6 +178,7 @@ class RolloutAgent {
     uint64_t staged = 0;                           // that version
   };
   absl::StatusOr<Registered> InstallEngine(const v1::RegisterEngineRequest& req, const std::string& who);
+  static std::string SyncRun(const v1::BeginSyncRequest& req);
   absl::Status CheckBegin(const v1::BeginSyncRequest& req, bool* duplicate, v1::BeginSyncReply* reply)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status StartSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply, absl::Time deadline)
@@ -233,6 +244,7 @@ class RolloutAgent {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // The last sync that ended: its id and outcome (for idempotent / late RPCs).
   uint64_t last_sync_id_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string last_sync_run_ ABSL_GUARDED_BY(mu_);  // SyncRun of the last sync that ended
   bool last_committed_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status last_outcome_ ABSL_GUARDED_BY(mu_);
   // The staging holds sync staged_sync_id_'s version, complete and verified (set when a sync is

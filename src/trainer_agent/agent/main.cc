@@ -78,15 +78,20 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--metrics-port", o.metrics_port, "Prometheus /metrics on --metrics-host:PORT (0: any; default off)");
   app.add_option("--address-file", o.address_file, "Rank 0 writes the coordinator's bound address here");
+  o.state_dir = "wsync-state";
   app.add_option("--state-dir", o.state_dir,
-                 "Rank 0 keeps the coordinator's state here (versions, timings; coordinator-state.json), so that a "
-                 "restarted trainer job continues its version numbers");
+                 "Rank 0 keeps the coordinator's durable state here (versions, timings, the fleet, a commit in "
+                 "progress; coordinator-state.json), so that a trainer job started again with the same command "
+                 "continues where it stopped; relative to rank 0's working directory; one coordinator per directory "
+                 "(locked); \"none\": in memory only (docs/sync.md)")
+      ->capture_default_str();
   bool host_stages = false;
   app.add_flag("--host-stages", host_stages,
                "shm: sources whose training processes hold CUDA tensors: copy them to the host and convert / "
                "quantize there, instead of the device stages (the CUDA kernels, buckets in device memory)");
   CLI11_PARSE(app, argc, argv);
   o.device_stages = !host_stages;
+  if (o.state_dir == "none") o.state_dir.clear();
 
   o.bucket_bytes = bucket_mib << 20;
   o.sync_timeout = absl::Seconds(sync_timeout_s);

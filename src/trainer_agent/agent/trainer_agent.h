@@ -54,7 +54,7 @@ struct TrainerAgentOptions {
   bool bucket_mac = false;   // rank 0: authenticate every bucket (--bucket-mac; comm/bucket/bucket_mac.h)
   int metrics_port = -1;     // -1: none; 0: any
   std::string address_file;  // rank 0 writes the coordinator's bound address here
-  std::string state_dir;     // rank 0: the coordinator's durable state (--state-dir)
+  std::string state_dir;     // rank 0: the coordinator's durable state (--state-dir; "": in memory only)
   // shm: sources: run the device stages where the training process's tensors are CUDA memory
   // (sync/rank_sync.h); false (--host-stages): copy them to the host first.
   bool device_stages = true;
