@@ -13,21 +13,24 @@ the resume (HOLD sends nothing). An engine form with k and v swapped or non-zero
 (the adapter's tensors wrapped) loads but fails the comparison. The premise breaking fails:
 expectations stacked, transposed or padded otherwise than SGLang's loaders do differ from what the
 server holds, naming exactly those parameters; a server whose model has another shape (a transposed
-down_proj, a wrong size) or lacks a name refuses the version (named, nothing served).
-INT4 (compressed-tensors W4A16): the host quantizes the checkpoint as the trainer agents do, and the
-server then holds SGLang's Marlin form of its compressed-tensors form (sglang_form: FORMATS.md's
-quantizer, SGLang's loaders and repack); unpermuted scales or GPTQ-ordered weights differ; a server
-holding the unrepacked shapes refuses. Refusals: a server that is not there, SGLang TP > 1, an
-engine of TensorRT-LLM's layout. Prints "sglang check passed".
+down_proj, a wrong size) or lacks a name refuses the version (named, nothing served). Qwen3 with
+attention_bias (q/k/v and o_proj biases) likewise. INT4 (compressed-tensors W4A16): the host
+quantizes the checkpoint as the trainer agents do, and the server then holds SGLang's Marlin form of
+its compressed-tensors form (sglang_form: FORMATS.md's quantizer, SGLang's loaders and repack);
+unpermuted scales or GPTQ-ordered weights differ; a server holding the unrepacked shapes refuses.
+Refusals: a server that is not there, SGLang TP > 1, an engine of TensorRT-LLM's layout. Prints
+"sglang check passed".
 """
 
 import argparse
 import json
 import sys
+import tempfile
 
 import torch
 
 import sglang_form
+from safetensors_files import read_safetensors, write_safetensors
 from sglang_server import FakeSglang
 from wsync import WsyncError
 from wsync.engine import EngineHost
@@ -140,6 +143,38 @@ def check_a_wrong_engine_form_fails(hf):
             SglangEngine(host, fake.url)
             host.start()
             assert sglang_form.differences(fake.params, want) == sorted(names), what
+        finally:
+            host.close()
+            fake.close()
+
+
+def check_qwen3_attention_bias(hf):
+    """Qwen3 with attention_bias: SGLang gives qkv_proj and o_proj a bias (qwen3.py:121-141). The
+    checkpoint hf with q/k/v/o biases added is served as SGLang holds it."""
+    config = dict(json.loads(open(f"{hf}/config.json").read()), attention_bias=True)
+    tensors = read_safetensors(f"{hf}/model.safetensors")
+    gen = torch.Generator().manual_seed(3)
+    hd = config["head_dim"]
+    sizes = {"q": config["num_attention_heads"] * hd, "k": config["num_key_value_heads"] * hd,
+             "v": config["num_key_value_heads"] * hd, "o": config["hidden_size"]}
+    for i in range(config["num_hidden_layers"]):
+        for proj, n in sizes.items():
+            b = (torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16)
+            data = b.view(torch.uint8).numpy().tobytes()
+            tensors[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = ("BF16", (n,), data)
+    with tempfile.TemporaryDirectory() as d:
+        with open(f"{d}/config.json", "w") as f:
+            json.dump(config, f)
+        write_safetensors(f"{d}/model.safetensors", tensors)
+        want = sglang_form.expected(d)
+        assert sum(n.endswith((".qkv_proj.bias", ".o_proj.bias")) for n in want) == 2 * config["num_hidden_layers"]
+        host = EngineHost("sgl-bias", json.dumps(config), agent="127.0.0.1:1", checkpoint=d)
+        fake = FakeSglang(sglang_form.zero_params(config), vocab_size=config["vocab_size"])
+        try:
+            SglangEngine(host, fake.url)
+            host.start()
+            assert sglang_form.differences(fake.params, want) == []
+            assert sorted(fake.written["0"]) == sorted(want)
         finally:
             host.close()
             fake.close()
@@ -268,6 +303,7 @@ def main():
     hf = ap.parse_args().hf
     check_loads_direct_and_follows_pauses(hf)
     check_a_wrong_engine_form_fails(hf)
+    check_qwen3_attention_bias(hf)
     check_refusals(hf)
     check_int4(hf)
     print("sglang check passed")
