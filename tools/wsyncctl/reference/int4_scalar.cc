@@ -165,4 +165,20 @@ void DecodeMarlinZeros(const unsigned char* words, int64_t rows, int64_t n, uint
   }
 }
 
+void DecodeTrtllmWeight(const unsigned char* bytes, int64_t k, int64_t n, bool sm90_dense, uint8_t* codes_nk) {
+  static constexpr int kPerm[32] = {0, 1, 8,  9,  16, 17, 24, 25, 2, 3, 10, 11, 18, 19, 26, 27,
+                                    4, 5, 12, 13, 20, 21, 28, 29, 6, 7, 14, 15, 22, 23, 30, 31};
+  static constexpr int kRegDst[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  for (int64_t col = 0; col < n; ++col) {
+    for (int64_t kp = 0; kp < k; ++kp) {
+      const int64_t word =
+          sm90_dense ? col * (k / 8) + kp / 8 : (col / 4) * (k / 2) + 32 * (kp / 64) + 8 * (col % 4) + (kp % 64) / 8;
+      const int nibble = kRegDst[kp % 8];
+      const unsigned char byte = bytes[4 * word + nibble / 2];
+      const int64_t src_row = 32 * (kp / 32) + kPerm[kp % 32];
+      codes_nk[col * k + src_row] = static_cast<uint8_t>(nibble % 2 == 0 ? byte & 0xFu : byte >> 4);
+    }
+  }
+}
+
 }  // namespace wsync::tools::reference

@@ -22,6 +22,11 @@
 //     single, per 32 columns out[8i + j] = in[2i + (0,1,8,9,16,17,24,25)[j]].
 //   Marlin zero points (AWQ.md §3.3): nibble t of word w of a group row = z[64(w/8) + w%8 + 8·ORDER[t]],
 //     ORDER = (0,2,4,6,1,3,5,7).
+//   TensorRT-LLM W4A16 (TRTLLM_INT4.md §1.1), a [K, N/2] byte array per expert: position k' of column
+//     n holds u[32(k'/32) + PERM[k'%32], n] in nibble REG_DST[k'%8] of word
+//     sm80: (n/4)(K/2) + 32(k'/64) + 8(n%4) + (k'%64)/8;  sm90 dense: n(K/8) + k'/8,
+//     PERM = (0 1 8 9 16 17 24 25 2 3 10 11 18 19 26 27 4 5 12 13 20 21 28 29 6 7 14 15 22 23 30 31),
+//     REG_DST = (0 4 1 5 2 6 3 7); u = q + 8.
 //
 // Decisions where the specs are silent (the same as the kernels', docs/kernels.md, but re-derived):
 //   * a non-finite weight is refused (kInvalidArgument naming the column): upstream would emit NaN
@@ -72,5 +77,10 @@ void UnpermuteMarlinScales(const uint16_t* permuted, int64_t rows, int64_t n, bo
 
 // Marlin zero points: `words` [rows, n/8] int32 (little-endian bytes) -> z[rows * n] (0..15).
 void DecodeMarlinZeros(const unsigned char* words, int64_t rows, int64_t n, uint8_t* z);
+
+// One TensorRT-LLM W4A16 GEMM weight (one expert): `bytes` [k, n/2] -> codes_nk[row * k + col] = u.
+// `sm90_dense`: the sm90 layout of a dense weight (no column interleave), else the sm80 layout.
+// Requires k % 64 == 0 and n % 64 == 0.
+void DecodeTrtllmWeight(const unsigned char* bytes, int64_t k, int64_t n, bool sm90_dense, uint8_t* codes_nk);
 
 }  // namespace wsync::tools::reference

@@ -13,7 +13,7 @@
 namespace wsync::tools::reference::internal {
 
 Shape Int4Spec::packed_shape() const {
-  Shape s = {k / 16, 2 * n};
+  Shape s = trtllm ? Shape{k, n / 2} : Shape{k / 16, 2 * n};
   if (experts > 0) s.insert(s.begin(), experts);
   return s;
 }
@@ -264,6 +264,11 @@ class Builder {
       w2.push_back({down[e], l, 0, t * Ip, H, Ip, 0, 0});
     }
     const std::string X = M + "experts.";
+    if (quantized != 0 && q_->trtllm()) {
+      // TensorRT-LLM's FC1 is w3_w1: up_proj (w3) in the first I' output columns (TRTLLM_INT4.md §4,
+      // docs/engine-formats.md decision 6).
+      for (Block& b : w13) b.dst_row0 = b.dst_row0 == 0 ? Ip : 0;
+    }
     if (quantized == 0) {
       AddPlain(PlainSpec{X + "w13_weight", c_.dtype, {El, 2 * Ip, H}, El, 2 * Ip, H, std::move(w13)});
       AddPlain(PlainSpec{X + "w2_weight", c_.dtype, {El, H, Ip}, El, H, Ip, std::move(w2)});
@@ -275,7 +280,8 @@ class Builder {
       // Scale permutation size_k (§4 and AWQ.md §4): SGLang's CT MoE passes 4I' for w13 (read after
       // the repack) and I' for w2; vLLM's AWQ-Marlin MoE passes I' for both.
       const int64_t w13_size_k = q_->is_awq() ? Ip : 4 * Ip;
-      RETURN_IF_ERROR(AddInt4(X + "w13", El, 2 * Ip, H, {H}, w13_size_k, std::move(w13), true));
+      RETURN_IF_ERROR(
+          AddInt4(X + (q_->trtllm() ? "w3_w1" : "w13"), El, 2 * Ip, H, {H}, w13_size_k, std::move(w13), true));
       RETURN_IF_ERROR(AddInt4(X + "w2", El, H, Ip, {I}, Ip, std::move(w2), true));
     }
     if (c_.arch == Architecture::kDeepseekV3 && m.num_shared_experts > 0)  // decision 1: fusion off
@@ -395,12 +401,20 @@ class Builder {
     if (G != -1 && k % G != 0)
       return Refuse(absl::StrCat(linear, ": K_p = ", k, " is not a multiple of the group size ", G, " (§3.2)"));
     if (k % 8 != 0) return Refuse(absl::StrCat(linear, ": K_p = ", k, " is not a multiple of 8 (§3.2)"));
-    if (k % 16 != 0 || n % 64 != 0)  // §4 hard constraints of the Marlin repack
+    if (q_->trtllm()) {
+      if (k % 64 != 0 || n % 64 != 0)  // TRTLLM_INT4.md §1 steps 1-3 (K % 32, K % 64, N % 64, K % RPT)
+        return Refuse(absl::StrCat(linear, ": TensorRT-LLM needs K % 64 == 0 and N % 64 == 0, got K ", k, ", N ", n,
+                                   " (TRTLLM_INT4.md §1)"));
+    } else if (k % 16 != 0 || n % 64 != 0) {  // §4 hard constraints of the Marlin repack
       return Refuse(
           absl::StrCat(linear, ": Marlin needs size_k % 16 == 0 and size_n % 64 == 0, got size_k ", k, ", size_n ", n));
+    }
     Int4Spec s;
     s.linear = linear;
     s.awq = q_->is_awq();
+    // TRTLLM_INT4.md §2: MoE W4A16 runs the sm80 kernels on Hopper too; a dense weight on sm90
+    // skips the column interleave.
+    if (q_->trtllm()) s.trtllm = q_->engine_layout == "trtllm-sm90" && !moe ? 90 : 80;
     s.scale_dtype = scale_dtype_;
     s.experts = experts;
     s.n = n;
@@ -410,7 +424,10 @@ class Builder {
     s.grouped_perm = G != -1 && G < scale_perm_size_k;  // FORMATS.md §5, AWQ.md §3.2
     s.blocks = std::move(blocks);
     const std::string sep = moe ? "_" : ".";  // "experts.w13_qweight" / "qkv_proj.qweight"
-    if (s.awq) {
+    if (s.trtllm != 0) {                      // docs/engine-formats.md decision 7: X.weight int8, X.weight_scale
+      s.packed_name = linear + (moe ? "_weight" : ".weight");
+      s.scale_name = linear + (moe ? "_weight_scale" : ".weight_scale");
+    } else if (s.awq) {
       s.packed_name = linear + sep + "qweight";
       s.scale_name = linear + sep + "scales";
       s.zeros_name = linear + sep + "qzeros";
@@ -418,7 +435,7 @@ class Builder {
       s.packed_name = linear + (moe ? "_weight_packed" : ".weight_packed");
       s.scale_name = linear + (moe ? "_weight_scale" : ".weight_scale");
     }
-    spec_.params.push_back({s.packed_name, DType::kI32, s.packed_shape(), "int4 weight"});
+    spec_.params.push_back({s.packed_name, s.packed_dtype(), s.packed_shape(), "int4 weight"});
     spec_.params.push_back({s.scale_name, s.scale_dtype, s.scale_shape(), "int4 scales"});
     if (s.awq) spec_.params.push_back({s.zeros_name, DType::kI32, s.zeros_shape(), "int4 zero points"});
     spec_.int4.push_back(std::move(s));

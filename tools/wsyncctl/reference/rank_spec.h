@@ -44,15 +44,17 @@ struct Int4Spec {
   std::string linear;                               // for messages: "model.layers.0.self_attn.qkv_proj"
   std::string packed_name, scale_name, zeros_name;  // zeros_name only for AWQ
   bool awq = false;
+  int trtllm = 0;  // TensorRT-LLM W4A16 instead of Marlin: 80 (sm80 layout), 90 (sm90 dense layout)
   DType scale_dtype = DType::kBF16;
   int64_t experts = 0;  // 0: dense [n, k]; else E_loc stacked
   int64_t n = 0, k = 0;
   int group = -1;             // G, -1 channelwise
   int64_t groups = 1;         // k / G, 1 channelwise
-  bool grouped_perm = false;  // the 64-column scale permutation (else the 32-column single one)
+  bool grouped_perm = false;  // Marlin: the 64-column scale permutation (else the 32-column single one)
   std::vector<Block> blocks;
-  Shape packed_shape() const;  // (E,) [k/16, 2n]
-  Shape scale_shape() const;   // (E,) [groups, n]
+  DType packed_dtype() const { return trtllm ? DType::kI8 : DType::kI32; }
+  Shape packed_shape() const;  // (E,) [k/16, 2n] int32 (Marlin); (E,) [k, n/2] int8 (TensorRT-LLM)
+  Shape scale_shape() const;   // (E,) [groups, n], Marlin-permuted or (TensorRT-LLM) not
   Shape zeros_shape() const;   // (E,) [groups, n/8]
 };
 

@@ -84,13 +84,6 @@ absl::StatusOr<Reference> Reference::Open(const std::string& hf_dir, const Refer
     ASSIGN_OR_RETURN(st->quant,
                      ParseQuantizationConfig(options.quantization_config_json, "engine quantization config"));
     RETURN_IF_ERROR(st->quant->CheckInt4Supported());
-    if (st->quant->trtllm())
-      // TRTLLM_INT4.md's layout (LDSM row permutation, sub-byte transpose, column and register
-      // interleaves, up_proj-first w3_w1) has no independent decoder here yet.
-      return absl::UnimplementedError(absl::StrCat(
-          "engine_layout \"", st->quant->engine_layout,
-          "\": the independent reference decodes Marlin and AWQ-Marlin only, not TensorRT-LLM's preprocessed "
-          "W4A16 bytes (TRTLLM_INT4.md); verify such engines by checksums"));
   }
   std::error_code ec;
   std::vector<std::string> paths;
@@ -330,17 +323,26 @@ class Checker {
         rz{s.zeros_name, ParamResult::Verdict::kOk, ""};
     std::optional<std::vector<uint8_t>> got_codes, got_zeros;  // [E][n][k], [E][ng][n]
     std::optional<std::vector<uint16_t>> got_scales;           // [E][ng][n]
-    if (ShapeAndDtype(DType::kI32, s.packed_shape(), packed, &rp)) {
+    if (ShapeAndDtype(s.packed_dtype(), s.packed_shape(), packed, &rp)) {
       got_codes.emplace(E * n * k);
       const auto* words = reinterpret_cast<const unsigned char*>(packed.param->bytes.data());
-      for (int64_t e = 0; e < E; ++e) DecodeMarlinWeight(words + e * (k * n / 2), k, n, got_codes->data() + e * n * k);
+      for (int64_t e = 0; e < E; ++e) {  // k * n / 2 bytes per expert in every layout
+        if (s.trtllm != 0)
+          DecodeTrtllmWeight(words + e * (k * n / 2), k, n, s.trtllm == 90, got_codes->data() + e * n * k);
+        else
+          DecodeMarlinWeight(words + e * (k * n / 2), k, n, got_codes->data() + e * n * k);
+      }
     }
     if (ShapeAndDtype(s.scale_dtype, s.scale_shape(), scales, &rs)) {
       std::vector<uint16_t> permuted(E * ng * n);
       std::memcpy(permuted.data(), scales.param->bytes.data(), permuted.size() * 2);
       got_scales.emplace(E * ng * n);
-      for (int64_t e = 0; e < E; ++e)
-        UnpermuteMarlinScales(permuted.data() + e * ng * n, ng, n, s.grouped_perm, got_scales->data() + e * ng * n);
+      if (s.trtllm != 0) {  // W4A16 scales are not permuted (TRTLLM_INT4.md §3.1)
+        *got_scales = std::move(permuted);
+      } else {
+        for (int64_t e = 0; e < E; ++e)
+          UnpermuteMarlinScales(permuted.data() + e * ng * n, ng, n, s.grouped_perm, got_scales->data() + e * ng * n);
+      }
     }
     if (s.awq && ShapeAndDtype(DType::kI32, s.zeros_shape(), zeros, &rz)) {
       got_zeros.emplace(E * ng * n);

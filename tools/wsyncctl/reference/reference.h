@@ -12,12 +12,12 @@
 //     "Decisions": shared-experts fusion off, no placeholder params, o_proj.bias with
 //     attention_bias, tied MoE models refused);
 //   * plain params (bf16 / fp16 / fp32): the expected bytes, compared bit for bit;
-//   * INT4 params (compressed-tensors -> Marlin; AWQ -> AWQ-Marlin with zero points): the engine's
-//     words decoded (int4_scalar.h), compared code for code, scale for scale and zero for zero with
-//     the checkpoint's bf16 weight quantized by int4_scalar.h, and reported with the dequantized
-//     float32 values of both sides (CT: (u - 8) * s, AWQ: (u - z) * s);
+//   * INT4 params (compressed-tensors -> Marlin, or with "engine_layout": "trtllm-sm80" / "-sm90"
+//     -> TensorRT-LLM's preprocessed W4A16 bytes, MoE FC1 w3_w1 up_proj first; AWQ -> AWQ-Marlin
+//     with zero points): the engine's words decoded (int4_scalar.h), compared code for code, scale for scale and zero
+//     for zero with the checkpoint's bf16 weight quantized by int4_scalar.h, and reported with the dequantized float32
+//     values of both sides (CT: (u - 8) * s, AWQ: (u - z) * s);
 //   * the set: every expected param present, none unexpected, dtypes and shapes as specified.
-// TensorRT-LLM engine layouts (engine_layout trtllm-*) are kUnimplemented (see reference.cc).
 //
 // Usage:
 //   ASSIGN_OR_RETURN(auto ref, Reference::Open("/ckpt/step-100", {.quantization_config_json = q}));

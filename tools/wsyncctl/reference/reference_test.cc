@@ -131,12 +131,15 @@ struct Case {
   uint32_t seed = 0;
   SymmetricVariant variant = SymmetricVariant::kQat;
   AwqArith arith = AwqArith::kFp16;
+  const char* layout = "marlin";  // the engine_layout the engines declare (compressed-tensors)
 };
 void PrintTo(const Case& c, std::ostream* os) { *os << c.label << " (seed " << c.seed << ")"; }
 
 ReferenceOptions OptionsOf(const Case& c) {
   ReferenceOptions o;
   if (c.quant == Quant::kCt) o.quantization_config_json = model::testing::QuantJson(c.group, c.ignore);
+  if (std::string(c.layout) != "marlin")
+    o.quantization_config_json.insert(1, absl::StrCat("\"engine_layout\": \"", c.layout, "\", "));
   if (c.quant == Quant::kAwq) o.quantization_config_json = model::testing::AwqQuantJson(c.group, c.ignore);
   o.variant = c.variant;
   o.awq_arith = c.arith;
@@ -180,6 +183,8 @@ std::vector<Case> AgreementCases() {
       model::testing::kQwen3MoeJson;
   const auto S = SymmetricVariant::kSlime;
   const auto F32 = AwqArith::kFp32;
+  const auto Q = SymmetricVariant::kQat;
+  const auto F16 = AwqArith::kFp16;
   return {
       {"qwen3_untied_bf16", kQwen3Json, Quant::kNone, 0, {}, {{1, 1}, {2, 1}, {4, 1}}, 101},
       {"qwen3_tied_bf16", Qwen3Tied().c_str(), Quant::kNone, 0, {}, {{1, 1}, {2, 1}}, 102},
@@ -206,6 +211,20 @@ std::vector<Case> AgreementCases() {
       {"deepseek_ct_g128_max", kDeepseekJson, Quant::kCt, 128, kDeepseekMaxInt4, {{2, 1}, {4, 2}}, 142},
       {"deepseek_noqlora_ct_g32", kDeepseekNoQLoraJson, Quant::kCt, 32, kDeepseekNoQLoraInt4, {{1, 1}, {4, 4}}, 143},
       {"deepseek_noqlora_awq_g32", kDeepseekNoQLoraJson, Quant::kAwq, 32, {"kv_b_proj"}, {{2, 2}}, 144},
+      // TensorRT-LLM W4A16 (TRTLLM_INT4.md): sm80 layout everywhere, sm90 dense layout for dense weights.
+      {"llama_trtllm_sm80_g64", kLlamaJson, Quant::kCt, 64, kAllInt4, {{1, 1}, {2, 1}}, 151, Q, F16, "trtllm-sm80"},
+      {"llama_trtllm_sm90_g32", kLlamaJson, Quant::kCt, 32, kAllInt4, {{1, 1}, {2, 1}}, 152, S, F16, "trtllm-sm90"},
+      {"qwen3moe_trtllm_sm80_g128",
+       kQwen3MoeJson,
+       Quant::kCt,
+       128,
+       kSlimeIgnore,
+       {{1, 1}, {2, 2}},
+       153,
+       Q,
+       F16,
+       "trtllm-sm80"},
+      {"qwen3moe_trtllm_sm90_g32_all", kQwen3MoeJson, Quant::kCt, 32, kAllInt4, {{2, 2}}, 154, Q, F16, "trtllm-sm90"},
   };
 }
 
@@ -454,6 +473,36 @@ TEST_F(Broken, FlippedBitInAwqZeroPointsScalesAndWords) {
   EXPECT_THAT(d, HasSubstr(MarlinElement(77, 3, 256, 256, false)));
 }
 
+TEST_F(Broken, TrtllmFlippedBitAndGateUpOrder) {
+  ReferenceOptions o;
+  o.quantization_config_json = model::testing::QuantJson(128, kSlimeIgnore);
+  o.quantization_config_json.insert(1, R"("engine_layout": "trtllm-sm80", )");
+  Prepare("broken_trtllm", model::testing::kQwen3MoeJson, o, 2, 2, 0);
+  const std::string name = "model.layers.0.mlp.experts.w3_w1_weight";  // I8 [E_loc 4, H 256, I' 256]
+  EngineParam* p = FindParam(&params_, name);
+  ASSERT_NE(p, nullptr);
+  ASSERT_EQ(p->dtype, "I8");
+  FlipBit(p, 3 * 256 * 256 + 0, 4);  // expert 3, word 0, nibble 1: column 0, k' = 2 = row 8 (§1.1)
+  std::string d = OnlyFailure(Check(), name, Verdict::kMismatch);
+  EXPECT_THAT(d, HasSubstr("codes differ at expert 3, row 0, column 8 (group 0)"));
+  EXPECT_THAT(d, HasSubstr("model.layers.0.mlp.experts.3.up_proj.weight[0, 8]"));  // up_proj first
+  FlipBit(p, 3 * 256 * 256 + 0, 4);
+  // gate_proj first (vLLM's w13 order) instead of TensorRT-LLM's w3_w1: columns [0, I') and
+  // [I', 2I') swapped, i.e. words of column groups (n / 4) swapped, per k-row block (§1.1).
+  std::string swapped = p->bytes;
+  const int64_t K = 256, N = 512, per_expert = K * N / 2, half = per_expert / 2;
+  for (int64_t e = 0; e < 4; ++e) {
+    swapped.replace(e * per_expert, half, p->bytes, e * per_expert + half, half);
+    swapped.replace(e * per_expert + half, half, p->bytes, e * per_expert, half);
+  }
+  p->bytes = swapped;
+  RankReport r = Check();
+  d = OnlyFailure(r, name, Verdict::kMismatch);
+  EXPECT_THAT(d, HasSubstr("codes differ at expert 0, row 0, column 0"));
+  const std::string scale = "model.layers.0.mlp.experts.w3_w1_weight_scale";
+  EXPECT_EQ(r.Find(scale)->verdict, Verdict::kOk);
+}
+
 TEST_F(Broken, FlippedBitInABf16Param) {
   Prepare("broken_bf16", model::testing::kQwen3MoeJson, {}, 2, 2, 0);
   const std::string name = "model.layers.1.post_attention_layernorm.weight";
@@ -566,13 +615,24 @@ TEST(BadInput, ErrorsNameTheFileTensorOrParam) {
   EXPECT_THAT(ref->CheckRank({3, 0, 1}, {}).status().message(), HasSubstr("padded vocab 1024"));
   EXPECT_THAT(ref->CheckRank({2, 0, 2}, {}).status().message(), HasSubstr("ep_size 2 on a model without experts"));
   EXPECT_EQ(ref->CheckRank({2, 2, 1}, {}).status().code(), absl::StatusCode::kInvalidArgument);
-  // TensorRT-LLM layouts are refused, saying why.
-  ReferenceOptions trt;
-  trt.quantization_config_json = model::testing::QuantJson(64, kAllInt4);
+  // TensorRT-LLM: K and N multiples of 64 on every rank. The H = 128 Qwen3-MoE at T = 4, EP 1:
+  // the experts' w2 has K = I' = 32, which Marlin takes (32 % 16 == 0) and TensorRT-LLM does not.
+  const std::string h128 = WriteCheckpoint("bad_trtllm", model::testing::kQwen3MoeH128Json, 405);
+  ReferenceOptions marlin;
+  marlin.quantization_config_json = model::testing::QuantJson(32, kSlimeIgnore);
+  ReferenceOptions trt = marlin;
   trt.quantization_config_json.insert(1, R"("engine_layout": "trtllm-sm80", )");
-  auto refused = Reference::Open(dir, trt);
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(refused.status().message(), HasSubstr("TensorRT-LLM"));
+  auto m4 = Reference::Open(h128, marlin);
+  auto t4 = Reference::Open(h128, trt);
+  ASSERT_TRUE(m4.ok() && t4.ok());
+  EXPECT_TRUE(m4->ExpectedParams({4, 0, 1}).ok()) << m4->ExpectedParams({4, 0, 1}).status();
+  EXPECT_THAT(t4->ExpectedParams({4, 0, 1}).status().message(),
+              HasSubstr("model.layers.1.mlp.experts.w2: TensorRT-LLM needs K % 64 == 0 and N % 64 == 0, got K 32"));
+  // AWQ with a TensorRT-LLM layout: not a setting wsync serves.
+  ReferenceOptions awq_trt;
+  awq_trt.quantization_config_json = model::testing::AwqQuantJson(32, {});
+  awq_trt.quantization_config_json.insert(1, R"("engine_layout": "trtllm-sm80", )");
+  EXPECT_EQ(Reference::Open(dir, awq_trt).status().code(), absl::StatusCode::kUnimplemented);
   // Mixed quantization of a fused layer, an INT4 router: refused naming them.
   ReferenceOptions mixed;
   mixed.quantization_config_json = model::testing::QuantJson(32, {"lm_head", "re:.*k_proj$"});
@@ -705,6 +765,68 @@ TEST(Int4Scalar, MarlinZeroPointsWorkedExample) {
   for (int c : {0, 16, 32, 48}) EXPECT_EQ(z[c], 0) << c;
   for (int c : {8, 24, 40, 56}) EXPECT_EQ(z[c], 8) << c;
   for (uint8_t v : z) EXPECT_LE(v, 15);
+}
+
+// TRTLLM_INT4.md §1.1: "word 0 holds column 0, k' = 0..7 = source rows 0,1,8,9,16,17,24,25; from
+// bit 0 upward its nibbles are u[0,0] u[8,0] u[16,0] u[24,0] u[1,0] u[9,0] u[17,0] u[25,0]"; §1
+// step 4: nibbles 0..7 (q = i at k' = i) become 0xFDB9ECA8.
+TEST(Int4Scalar, TrtllmWorkedExample) {
+  std::vector<unsigned char> bytes(64 * 64 / 2, 0x88);
+  bytes[0] = 0xA8;
+  bytes[1] = 0xEC;
+  bytes[2] = 0xB9;
+  bytes[3] = 0xFD;
+  std::vector<uint8_t> codes(64 * 64, 0xFF);
+  DecodeTrtllmWeight(bytes.data(), 64, 64, false, codes.data());
+  const int rows[8] = {0, 1, 8, 9, 16, 17, 24, 25};  // k' = 0..7
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(codes[static_cast<size_t>(rows[i])], 8 + i) << "u[" << rows[i] << ", 0]";
+  EXPECT_EQ(codes[2], 8);
+  for (uint8_t c : codes) EXPECT_LE(c, 15);
+}
+
+// TRTLLM_INT4.md §1 steps 1-4 as separate passes (the pipeline the closed form summarises); the
+// decoder must invert it for both layouts.
+std::vector<unsigned char> TrtllmPipeline(const std::vector<uint8_t>& u_kn, int64_t K, int64_t N, bool sm90_dense) {
+  static constexpr int kPerm[32] = {0, 1, 8,  9,  16, 17, 24, 25, 2, 3, 10, 11, 18, 19, 26, 27,
+                                    4, 5, 12, 13, 20, 21, 28, 29, 6, 7, 14, 15, 22, 23, 30, 31};
+  static constexpr int kRegSrc[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+  // 1: rows permuted within every 32; 2: transpose to [N, K] (word v of column n: k' = 8v..8v+7).
+  std::vector<uint32_t> col_words(static_cast<size_t>(N * K / 8), 0);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t kp = 0; kp < K; ++kp) {
+      const uint32_t u = u_kn[(32 * (kp / 32) + kPerm[kp % 32]) * N + n];
+      col_words[n * (K / 8) + kp / 8] |= u << (4 * (kp % 8));  // u = q + 8: the step-4 bias applied here
+    }
+  // 3: column interleave (I = 4, VRPT = 8), not for a dense sm90 weight.
+  std::vector<uint32_t> words(col_words.size());
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t v = 0; v < K / 8; ++v) {
+      const int64_t w = sm90_dense ? n * (K / 8) + v : (n / 4) * (K / 8) * 4 + 4 * 8 * (v / 8) + 8 * (n % 4) + v % 8;
+      words[w] = col_words[n * (K / 8) + v];
+    }
+  // 4: register interleave: destination nibble j takes source nibble REG_SRC[j].
+  std::vector<unsigned char> out(words.size() * 4);
+  for (size_t w = 0; w < words.size(); ++w) {
+    uint32_t x = 0;
+    for (int j = 0; j < 8; ++j) x |= ((words[w] >> (4 * kRegSrc[j])) & 0xFu) << (4 * j);
+    for (int b = 0; b < 4; ++b) out[4 * w + b] = static_cast<unsigned char>(x >> (8 * b));
+  }
+  return out;
+}
+
+TEST(Int4Scalar, TrtllmDecoderInvertsTheFourSteps) {
+  std::mt19937 rng(11);
+  for (bool sm90 : {false, true})
+    for (auto [K, N] : std::vector<std::pair<int64_t, int64_t>>{{64, 64}, {128, 192}, {256, 128}}) {
+      std::vector<uint8_t> u_kn(static_cast<size_t>(K * N));
+      for (uint8_t& x : u_kn) x = static_cast<uint8_t>(rng() & 0xF);
+      const std::vector<unsigned char> bytes = TrtllmPipeline(u_kn, K, N, sm90);
+      std::vector<uint8_t> codes_nk(u_kn.size());
+      DecodeTrtllmWeight(bytes.data(), K, N, sm90, codes_nk.data());
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t n = 0; n < N; ++n)
+          ASSERT_EQ(codes_nk[n * K + k], u_kn[k * N + n]) << (sm90 ? "sm90 " : "sm80 ") << K << "x" << N;
+    }
 }
 
 TEST(Int4Scalar, SymmetricTiesZerosHugeAndTiny) {
