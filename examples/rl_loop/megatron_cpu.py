@@ -1,10 +1,14 @@
 """megatron-core 0.16 on CPU: the harness the example RL loop and wsync's megatron tests share.
 
 megatron-core assumes CUDA in a few places; on CPU (gloo) with megatron's local layer spec it runs
-once `setup()` has redirected them: torch.cuda.current_device -> "cpu", the CUDA RNG tracker's
-fork() a no-op (no dropout is used), moe_utils.te_general_gemm = None, and the allgather token
-dispatcher (the all-to-all one makes a CUDA stream). TP 2 dense and EP 2 MoE work; TP 2 with MoE
-does not (sequence parallelism needs TransformerEngine).
+once `setup()` has redirected them: torch.cuda.current_device -> "cpu", Tensor.cuda() a no-op (tied
+embeddings under PP), the CUDA RNG tracker's fork() a no-op (no dropout is used),
+moe_utils.te_general_gemm = None, and the allgather token dispatcher (the all-to-all one makes a
+CUDA stream). Llama, Qwen2, Qwen3 and Qwen3-MoE build; TP 2
+dense, EP 2 MoE and PP 2 train. TP 2 with MoE runs forward in eval() only: megatron's MoE layer
+refuses to train with TP > 1 without sequence parallelism, which the local spec's torch norms do not
+support (TransformerEngine's do). DeepSeek-V3 (MLA) does not build with the local spec in 0.16.1
+(python/README.md, "How the Megatron -> HF conversion is proven").
 """
 
 import contextlib
@@ -15,48 +19,90 @@ import torch
 import torch.nn.functional as F
 
 
-def setup(tp=1, ep=1, pp=1):
+def setup(tp=1, ep=1, pp=1, etp=None):
     """After torch.distributed.init_process_group("gloo", ...): the CPU redirections, then
-    megatron's parallel state."""
+    megatron's parallel state (etp: the experts' TP, megatron's default: tp)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import moe_utils
 
     torch.cuda.current_device = lambda: "cpu"
+    # Tied embeddings under PP: megatron moves the last stage's copy of the embedding to the GPU to
+    # all-reduce it with the first stage's (language_module.setup_embeddings_and_output_layer).
+    torch.Tensor.cuda = lambda self, *args, **kw: self
     tp_random.get_cuda_rng_tracker().fork = lambda *args, **kw: contextlib.nullcontext()
     moe_utils.te_general_gemm = None
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                 pipeline_model_parallel_size=pp)
+                                 pipeline_model_parallel_size=pp, expert_tensor_parallel_size=etp)
 
 
-def gpt_model(cfg, padded_vocab, tp=1, ep=1, pp=1, max_sequence_length=128):
-    """The GPTModel of HF config `cfg` (a dict: Qwen3 / Qwen3-MoE) with megatron's local spec, in
-    bf16 as Float16Module casts it under --bf16."""
+def transformer_config(cfg, tp=1, ep=1, pp=1, dtype=torch.bfloat16, etp=None):
+    """megatron-core's TransformerConfig of HF config `cfg` (a dict: Llama, Qwen2, Qwen3, Qwen3-MoE,
+    DeepSeek-V3), with parameters in `dtype` (bf16: as Float16Module casts them under --bf16)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    arch = cfg["model_type"]
+    common = dict(
+        num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+        num_attention_heads=cfg["num_attention_heads"], ffn_hidden_size=cfg["intermediate_size"],
+        normalization="RMSNorm", layernorm_epsilon=cfg["rms_norm_eps"], gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype, sequence_parallel=False, attention_dropout=0.0, hidden_dropout=0.0,
+        expert_tensor_parallel_size=etp)
+    if arch == "deepseek_v3":  # MLA; dense first layers, then MoE with a shared expert (sigmoid routing)
+        dense = cfg.get("first_k_dense_replace", 0)
+        return MLATransformerConfig(
+            **common, q_lora_rank=cfg["q_lora_rank"], kv_lora_rank=cfg["kv_lora_rank"],
+            qk_head_dim=cfg["qk_nope_head_dim"], qk_pos_emb_head_dim=cfg["qk_rope_head_dim"],
+            v_head_dim=cfg["v_head_dim"], rope_type="rope", rotary_base=cfg["rope_theta"], qk_layernorm=True,
+            num_moe_experts=cfg["n_routed_experts"], moe_router_topk=cfg["num_experts_per_tok"],
+            moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+            moe_layer_freq=[0] * dense + [1] * (cfg["num_hidden_layers"] - dense),
+            moe_shared_expert_intermediate_size=cfg["moe_intermediate_size"] * cfg["n_shared_experts"],
+            moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+            moe_router_topk_scaling_factor=cfg["routed_scaling_factor"],
+            moe_router_num_groups=cfg["n_group"], moe_router_group_topk=cfg["topk_group"],
+            moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
+            expert_model_parallel_size=ep)
+    moe = {}
+    if arch == "qwen3_moe":
+        moe = dict(num_moe_experts=cfg["num_experts"], moe_router_topk=cfg["num_experts_per_tok"],
+                   moe_ffn_hidden_size=cfg["moe_intermediate_size"], moe_grouped_gemm=False,
+                   moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
+                   expert_model_parallel_size=ep)
+    elif arch not in ("llama", "qwen2", "qwen3"):
+        raise ValueError(f"model_type {arch!r}: megatron_cpu builds llama, qwen2, qwen3, qwen3_moe, deepseek_v3")
+    return TransformerConfig(
+        **common, num_query_groups=cfg["num_key_value_heads"],
+        kv_channels=cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
+        qk_layernorm=arch in ("qwen3", "qwen3_moe"), add_qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias")),
+        **moe)
+
+
+def gpt_model(cfg, padded_vocab, tp=1, ep=1, pp=1, max_sequence_length=128, *, dtype=torch.bfloat16,
+              parallel_output=True, etp=None):
+    """The GPTModel of HF config `cfg` (transformer_config) with megatron's local spec, its
+    parameters in `dtype`, initialised by megatron-core (use_cpu_initialization: each weight drawn
+    whole by its init_method from torch's RNG, then this rank's TP part taken). parallel_output=False:
+    forward() returns the logits of the whole (padded) vocabulary on every TP rank."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    moe = "num_experts" in cfg
-    tc = TransformerConfig(
-        num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
-        num_attention_heads=cfg["num_attention_heads"], num_query_groups=cfg["num_key_value_heads"],
-        kv_channels=cfg["head_dim"], ffn_hidden_size=cfg["intermediate_size"], normalization="RMSNorm",
-        layernorm_epsilon=cfg["rms_norm_eps"], gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        qk_layernorm=True, params_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=True,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.bfloat16,
-        sequence_parallel=False, attention_dropout=0.0, hidden_dropout=0.0,
-        **(dict(num_moe_experts=cfg["num_experts"], moe_router_topk=cfg["num_experts_per_tok"],
-                moe_ffn_hidden_size=cfg["moe_intermediate_size"], moe_grouped_gemm=False,
-                moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
-                expert_model_parallel_size=ep) if moe else {}))
+    tc = transformer_config(cfg, tp, ep, pp, dtype, etp)
     model = GPTModel(config=tc, vocab_size=padded_vocab, max_sequence_length=max_sequence_length,
                      position_embedding_type="rope", rotary_base=int(cfg["rope_theta"]),
-                     share_embeddings_and_output_weights=False, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage(),
-                     transformer_layer_spec=get_gpt_layer_local_spec(
-                         num_experts=cfg.get("num_experts"), moe_grouped_gemm=False, qk_layernorm=True))
-    return model.bfloat16()
+                     share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings")),
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                     parallel_output=parallel_output,
+                     transformer_layer_spec=get_gpt_decoder_block_spec(tc, use_transformer_engine=False,
+                                                                       normalization="RMSNorm"))
+    model.to(dtype)
+    for name, buf in model.named_buffers():  # megatron keeps the routers' expert_bias in fp32
+        if name.endswith("router.expert_bias"):
+            buf.data = buf.data.float()
+    return model
 
 
 def load_source(model, source_dir, rank):
