@@ -2,14 +2,22 @@
 `wsync-trainer-agent --source shm:$WSYNC_SHM_NAME`, as tools/wsync-local --trainer runs them).
 
 Every rank builds the GPTModel of --hf-config with megatron's local spec (TP / EP from the flags,
-gloo, bf16 as Float16Module casts it), loads its weights from --init (the rank files of a Megatron
-source directory made by wsync-shard from an HF checkpoint: the names checked against the model's
-on the way), and creates a wsync.megatron.MegatronPublisher. Then, for steps 0..--steps: step 0
-publishes the loaded weights, every later step first takes a real optimizer step (forward and
-backward on random tokens, SGD; with --pp > 1, a deterministic in-place scaling of every weight,
-megatron's pipeline schedule being out of this script's scope). After each sync every rank dumps its weights as a source directory
-(--out/step{k}/megatron) and rank 0 checks the engines bit-exact against the HF checkpoint of that
-directory (wsync-shard --to-hf, then wsyncctl verify).
+gloo, bf16 as Float16Module casts it), takes its weights either from --init (the rank files of a
+Megatron source directory made by wsync-shard from an HF checkpoint: the names checked against the
+model's on the way) or, with --megatron-init SEED, from megatron-core's own seeded initialisation
+(megatron_forward.seeded_weights: no weight from wsync; --init then only gives the config), and
+creates a wsync.megatron.MegatronPublisher. Then, for steps 0..--steps: step 0 publishes the initial
+weights, every later step first takes a real optimizer step (forward and backward on random tokens,
+SGD; with --pp > 1, a deterministic in-place scaling of every weight, megatron's pipeline schedule
+being out of this script's scope). After each sync every rank dumps its weights as a source
+directory (--out/step{k}/megatron), rank 0 converts it to HF with `wsync-shard --to-hf` (the trainer
+agents' own gather and conversion) and checks two things:
+
+- the engines hold exactly that conversion (`wsyncctl verify`, bit for bit: the sync's transport,
+  quantization and repack), which alone would prove nothing about the conversion itself;
+- that conversion is the Megatron model: transformers' logits on it (AutoModelForCausalLM, float32)
+  equal megatron-core's own float32 forward of the step's weights (a float32 copy of the model,
+  every rank taking part) within megatron_logits.TOLERANCE of the logits' scale.
 
 The CPU harness (megatron-core 0.16 assumes CUDA in places) is examples/rl_loop/megatron_cpu.py."""
 
@@ -27,6 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "rl_loop"))
 import megatron_cpu  # noqa: E402 (the CPU harness the example RL loop uses too)
+import megatron_logits  # noqa: E402
 from safetensors_files import write_safetensors  # noqa: E402
 
 
@@ -41,6 +50,8 @@ def main():
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--first-version", type=int, default=1)
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--megatron-init", type=int, default=None, metavar="SEED",
+                    help="megatron-core's own seeded initialisation instead of --init's rank files")
     a = ap.parse_args()
     rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank, world_size=world)
@@ -50,8 +61,18 @@ def main():
 
     cfg = json.loads(pathlib.Path(a.hf_config).read_text())
     init = pathlib.Path(a.init)
+    if a.megatron_init is not None:
+        torch.manual_seed(a.megatron_init)
     model = megatron_cpu.gpt_model(cfg, megatron_cpu.padded_vocab(init), a.tp, a.ep, a.pp)
-    megatron_cpu.load_source(model, init, rank)  # the initial weights: this rank's file
+    if a.megatron_init is not None:
+        import megatron_forward
+        megatron_forward.seeded_weights(model, a.megatron_init)
+    else:
+        megatron_cpu.load_source(model, init, rank)  # the initial weights: this rank's file
+    # The float32 copy the logits check runs (its weights copied from the model at every step).
+    twin = megatron_cpu.gpt_model(cfg, megatron_cpu.padded_vocab(init), a.tp, a.ep, a.pp, dtype=torch.float32,
+                                  parallel_output=False)
+    check_tokens = megatron_logits.tokens_for(cfg["vocab_size"])
 
     pub = MegatronPublisher(model, (init / "config.json").read_text(), os.environ["WSYNC_SHM_NAME"], timeout=120)
     print(f"rank {rank}: registered {len(pub.tensors)} megatron tensors, parallel {json.dumps(pub.parallel)}",
@@ -105,7 +126,20 @@ def main():
             subprocess.run([os.path.join(os.environ["WSYNC_BIN"], "wsync-shard"), "--src", str(src), "--to-hf",
                             str(hf)], check=True, stdout=subprocess.DEVNULL)
             subprocess.run(ctl + ["verify", "--against", str(hf)], check=True)
-            print(f"   version {version} verified bit-exact against the step {step} checkpoint", flush=True)
+            print(f"   version {version}: every engine bit-exact with the HF conversion of the step {step} rank files",
+                  flush=True)
+        weights = dict(local_tensors(model))
+        with torch.no_grad():
+            for n, t32 in local_tensors(twin):
+                t32.copy_(weights[n])  # bf16 -> float32: exact
+        logits = megatron_logits.megatron_logits(twin, check_tokens)  # every rank
+        if rank == 0:
+            r = megatron_logits.check(logits, hf, check_tokens)
+            print(f"   version {version}: the conversion computes the Megatron model's logits: max|diff| "
+                  f"{r['max_diff']:.3g} of logits up to {r['scale']:.3g} (rel {r['rel']:.3g}, fp32 noise "
+                  f"{r['fp32_noise']:.3g}, tolerance {r['tolerance']:g}): {'ok' if r['ok'] else 'FAILED'}", flush=True)
+            if not r["ok"]:
+                sys.exit(1)
         dist.barrier()
     pub.close()
     dist.destroy_process_group()
