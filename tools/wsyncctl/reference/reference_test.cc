@@ -158,6 +158,18 @@ const std::string& Qwen3Vocab1050() {
   return s;
 }
 
+// Qwen2 in float16 (scales and plain params in fp16).
+std::string Qwen2Fp16Json() {
+  std::string s = model::testing::kQwen2Json;
+  const std::string from = R"("torch_dtype": "bfloat16")";
+  s.replace(s.find(from), from.size(), R"("torch_dtype": "float16")");
+  return s;
+}
+const std::string& Qwen2Fp16() {
+  static const std::string s = Qwen2Fp16Json();
+  return s;
+}
+
 std::string Qwen3TiedJson() {
   std::string s = model::testing::kQwen3Json;
   const std::string from = R"("tie_word_embeddings": false)";
@@ -194,6 +206,9 @@ std::vector<Case> AgreementCases() {
       {"qwen3_awq_g128", kQwen3Json, Quant::kAwq, 128, {}, {{2, 1}}, 105},
       {"qwen2_bias_bf16", kQwen2Json, Quant::kNone, 0, {}, {{1, 1}, {2, 1}, {4, 1}}, 111},
       {"qwen2_bias_ct_g64", kQwen2Json, Quant::kCt, 64, kAllInt4, {{1, 1}, {2, 1}}, 112},
+      {"qwen2_fp16_bf16", Qwen2Fp16().c_str(), Quant::kNone, 0, {}, {{2, 1}}, 115},
+      {"qwen2_fp16_ct_g32", Qwen2Fp16().c_str(), Quant::kCt, 32, kAllInt4, {{2, 1}}, 116},
+      {"qwen2_fp16_awq_g64", Qwen2Fp16().c_str(), Quant::kAwq, 64, {}, {{1, 1}}, 117},
       {"qwen2_bias_awq_g32", kQwen2Json, Quant::kAwq, 32, {}, {{1, 1}, {2, 1}}, 113},
       {"qwen2_bias_awq_g32_fp32", kQwen2Json, Quant::kAwq, 32, {}, {{2, 1}}, 114, SymmetricVariant::kQat, F32},
       {"llama_bf16", kLlamaJson, Quant::kNone, 0, {}, {{2, 1}, {4, 1}}, 121},
@@ -237,12 +252,18 @@ TEST_P(Agreement, WsyncEngineMemoryPassesTheReference) {
   const ReferenceOptions o = OptionsOf(c);
   auto ref = Reference::Open(dir, o);
   ASSERT_TRUE(ref.ok()) << ref.status();
+  auto config = ParseModelConfig(c.config, c.label);
+  ASSERT_TRUE(config.ok());
   for (auto [T, EP] : c.tp_ep) {
     auto ranks = WsyncEngineMemory(dir, o, T, EP);
     ASSERT_TRUE(ranks.ok()) << ranks.status();
     for (int r = 0; r < T; ++r) {
       SCOPED_TRACE(absl::StrCat("TP ", T, " EP ", EP, " rank ", r));
       const std::vector<EngineParam>& params = (*ranks)[static_cast<size_t>(r)];
+      for (const EngineParam& p : params)  // 16-bit params are in the model's dtype (bf16 or fp16)
+        if (p.dtype == "BF16" || p.dtype == "F16") {
+          EXPECT_EQ(p.dtype, SafetensorsName(config->dtype)) << p.name;
+        }
       auto report = ref->CheckRank({T, r, EP}, params);
       ASSERT_TRUE(report.ok()) << report.status();
       EXPECT_TRUE(report->ok()) << report->Summary();
