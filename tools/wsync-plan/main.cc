@@ -4,7 +4,7 @@
 //   wsync-plan --config FILE|kimi-k2|default [--quant-config FILE|int4-experts|none]
 //              --trainer-gpus W --trainer-tp T --trainer-pp P --trainer-ep E [--trainer-etp TP]
 //              --engines N --engine-tp T --engine-ep E
-//              [--nic-gbps 400] [--nvlink-gbps 900] [--bucket-mib 512] [--rates h200|h200-device|local|FILE]
+//              [--nic-gbps 400] [--nvlink-gbps N] [--bucket-mib 512] [--rates h200|h200-device|local|FILE]
 //              [--cores C] [--json]
 //
 // The bytes come from the plan itself: the sent tensors (every HF tensor an engine of TP 1 loads,
@@ -14,8 +14,11 @@
 // the block every receiver group keeps (plan::ShardPlan, the agents' own layouts). The times come
 // from per-phase rates (GB/s): quantize (bf16 in), stage (device buckets to the host), cut (the
 // sharded copy), load (receiver, bucket to staging), commit (staging to the engine, repack
-// included), the NIC and NVLink; the built-in profiles are measured figures of this build (h200:
-// docs/gpu.md; local: this 2-core VM, docs/sync.md). A GPU's time is the longest of its link (in
+// included), the NIC and NVLink (--nvlink-gbps: default the profile's). The built-in profiles are
+// figures of this build measured where a result file has them (h200: one H200 host,
+// docs/results/h200/2026-11-28-8a0d3c4, docs/gpu.md; local: this 2-core VM, docs/sync.md) and stated
+// assumptions elsewhere (NVLink 450 GB/s; h200-device's receive, cut and load in device memory,
+// 1000 GB/s). A GPU's time is the longest of its link (in
 // and out are full duplex) and its own work, the pipeline adds one bucket per chain hop, and the
 // commit follows the transfer. With --cores C every process shares C cores (a single host): the
 // projection is then at least all the CPU work divided by C.
@@ -67,17 +70,24 @@ struct Rates {  // GB/s
 absl::StatusOr<Rates> LoadRates(const std::string& name) {
   Rates r;
   if (name == "h200" || name == "h200-device") {
-    // docs/gpu.md (H200, 16 cores): the CUDA INT4 kernel 149 GB/s; device buckets staged to pinned
-    // host memory 55 GB/s; the cut a host copy (one memcpy stream 11 GB/s there); the agent's load
-    // 7.3 GB/s (bench_sync there, sharded: 381 MB loaded in 0.052 s, INT4 transposes included);
-    // commit from pinned staging into device memory 51 GB/s (upload-bound; the Marlin repack itself
-    // runs at 220-1545 GB/s). h200-device: buckets received into device memory, cut and loaded there
-    // (HBM copies, ~1000 GB/s: projected) into a device staging (--staging device), committed at a
-    // conservative 220 GB/s (measured since: 610 GB/s on bench2g, docs/gpu.md "Device staging").
-    r = {149, 55, 11, 7.3, 51, 450, 0, 0, "measured on an H200 host (docs/gpu.md)"};
+    // Measured on one H200 host (16 cores), files in docs/results/h200/2026-11-28-8a0d3c4/:
+    //   quantize 145.07  the CUDA INT4 kernel in the trainer's device stages (bench_trainer_device.log)
+    //   stage     55.22  device buckets staged to pinned host memory (bench_trainer_device.log)
+    //   cut       11.67  a host copy: one memcpy stream (bench_repack.log)
+    //   load       8.03  the agent's load, sharded: 381482864 bytes in 0.0475 s, INT4 transposes
+    //                    included (bench_sync.log)
+    //   commit    50.21  pinned host staging into device engine memory, upload-bound (bench_repack.log)
+    // Assumed, not measured: NVLink 450 GB/s per GPU and direction (needs two GPUs).
+    // h200-device: buckets received into device memory, cut and loaded there into a device staging
+    // (--staging device): stage, cut and load 1000 GB/s are assumed (HBM copies; the NCCL receive
+    // has not run); commit 835.60 GB/s is measured (device staging, bench2g, bench_repack.log).
+    r = {145.07, 55.22, 11.67, 8.03, 50.21, 450, 0, 0, ""};
+    r.source = "measured on an H200 host (docs/results/h200/2026-11-28-8a0d3c4); NVLink 450 GB/s assumed";
     if (name == "h200-device") {
-      r.stage = 1000, r.cut = 1000, r.load = 1000, r.commit = 220;
-      r.source = "H200 rates with receive, cut and load in device memory (a device staging; load rate projected)";
+      r.stage = 1000, r.cut = 1000, r.load = 1000, r.commit = 835.60;
+      r.source =
+          "H200 rates with receive, cut and load in device memory at 1000 GB/s (assumed) and the "
+          "device-staging commit (measured); NVLink 450 GB/s assumed";
     }
     return r;
   }
