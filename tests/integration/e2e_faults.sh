@@ -63,7 +63,26 @@ fault() {  # fault KIND PHASE ACTION: kind agent|engine, the failpoint point, ki
   gen=$("${ctl[@]}" generate --engine "$(cat "$work/engine-0")" --prompt 1,2,3 --max-new-tokens 2 2>&1) ||
     fail "$kind $point@$action: engine 0 stopped answering: $gen"
   grep -q "^version [0-9]*:" <<<"$gen" || fail "$kind $point@$action: engine 0's reply names no version: $gen"
-  echo "   $kind $point@$action: failed in $took s: $(grep FAILED <<<"$out" | head -n1 | cut -c1-150)"
+  # One truth about versions (docs/sync.md "Versions"): a fault before the commit fails the sync (no
+  # engine took it: engine 0 still serves the version before); a fault in engine 1's commit leaves
+  # the sync partial (engine 0 committed it and serves it), engine-1 named behind, exit 6; the
+  # coordinator's versions, status and the sync's own exit status all say the same.
+  local want_outcome=failed want_rc=1 last lv lo lb served
+  case "$point" in rollout.commit | engine.*) want_outcome=partial want_rc=6 ;; esac
+  last=$("${ctl[@]}" --json versions | python3 -c 'import json,sys; v=json.load(sys.stdin)[-1]; print(v["version"], v["outcome"], ";".join(v["behind"]) or "-")')
+  read -r lv lo lb <<<"$last"
+  [ "$lo" = "$want_outcome" ] || fail "$kind $point@$action: versions says $lo for version $lv, want $want_outcome: $out"
+  [ "$rc" = "$want_rc" ] || fail "$kind $point@$action: sync --wait exited $rc for a $lo sync (want $want_rc): $out"
+  served=$(sed -n 's/^version \([0-9]*\):.*/\1/p' <<<"$gen")
+  if [ "$lo" = partial ]; then
+    [ "$served" = "$lv" ] || fail "$kind $point@$action: engine 0 serves version $served, not the partial version $lv"
+    grep -q "engine-1" <<<"$lb $out" || fail "$kind $point@$action: the partial version names no engine-1 behind: $lb / $out"
+    "${ctl[@]}" --json status | python3 -c 'import json,sys; s=json.load(sys.stdin); sys.exit(0 if s["version"] == '"$lv"' else 1)' ||
+      fail "$kind $point@$action: status does not give version $lv as the fleet's: $("${ctl[@]}" status)"
+  else
+    [ "$served" -lt "$lv" ] || fail "$kind $point@$action: engine 0 serves version $served of a failed sync ($lv)"
+  fi
+  echo "   $kind $point@$action: $lo in $took s (engine 0 on version $served): $(grep "FAILED\|PARTIAL" <<<"$out" | head -n1 | cut -c1-150)"
   # Bring the process back clean; the next sync must be published on both engines.
   n=$(registrations)
   if [ "$kind" = agent ]; then

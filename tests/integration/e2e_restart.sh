@@ -17,7 +17,7 @@ ctl=("$bin/wsyncctl" --coordinator "$coord" --token-file "$token")
 
 start_trainer() {  # start_trainer N: the trainer job, log N
   mpirun --allow-run-as-root --oversubscribe -np 4 "$bin/wsync-trainer-agent" --source "dir:$work/megatron" \
-    --coordinator "$coord" --state-dir "$work/state" --token-file "$token" > "$work/logs/trainer-$1.log" 2>&1 &
+    --coordinator "$coord" --state-dir "${state_dir:-$work/state}" --token-file "$token" > "$work/logs/trainer-$1.log" 2>&1 &
   trainer_pid=$!
   pids+=($trainer_pid)
 }
@@ -59,6 +59,8 @@ echo "e2e_restart: the restarted trainer job published version 3, bit-exact; ver
 # The job is started again: its first plain sync publishes version 5 (4 was taken by the sync that
 # died, and is durable since its trigger), although the rollout agent still holds the dead sync
 # 4 (that sync is superseded, not waited out for its 600 s timeout).
+# Then the same crash with the job started again without its state (--state-dir none): its first
+# sync still succeeds at once, past the version the engine serves.
 engine=$(cat "$work/engine-address" 2>/dev/null || true)
 r1=$(e2e_rank_pid 1) || fail "no trainer agent rank 1 found"
 kill -STOP "$r1"
@@ -88,4 +90,25 @@ grep -q "version 5 published" <<<"$out" || fail "the first sync after the crash 
 "${ctl[@]}" verify --against "$work/hf" | grep -q "version 5: bit-exact" || fail "the engine is not bit-exact on version 5"
 grep -q "superseded by sync" "$work/logs/agent.log" || fail "the rollout agent did not supersede the dead sync"
 echo "e2e_restart: after the crash restart, version 5 published bit-exact in $(( $(date +%s) - s0 )) s"
+
+# The same crash, and the job started again WITHOUT its state (--state-dir none: as if the directory
+# were lost): the agent still holds the dead sync (receiving), and the new coordinator numbers its
+# syncs from 1. Its first plain sync must still succeed at once: the agent ends the dead sync of the
+# other coordinator run whatever its id, and the version goes past the one the engine serves (5).
+r1=$(e2e_rank_pid 1) || fail "no trainer agent rank 1 found"
+kill -STOP "$r1"
+"${ctl[@]}" sync --wait --min-agents 1 > "$work/logs/sync-dead.log" 2>&1 &
+dead=$!
+sleep 2
+kill -KILL "$r1"
+wait "$dead" 2>/dev/null || true
+wait "$trainer_pid" 2>/dev/null || true
+state_dir="none" start_trainer 4
+wait_member
+s0=$(date +%s)
+out=$("${ctl[@]}" sync --wait --min-agents 1 2>&1) || fail "the first sync of a job restarted without its state failed: $out"
+v=$(sed -n 's/.*version \([0-9]*\) published.*/\1/p' <<<"$out")
+[ -n "$v" ] && [ "$v" -gt 5 ] || fail "the first sync of a job restarted without its state did not publish a version past 5: $out"
+"${ctl[@]}" verify --against "$work/hf" | grep -q "version $v: bit-exact" || fail "the engine is not bit-exact on version $v"
+echo "e2e_restart: restarted without its state, the job's first sync published version $v bit-exact in $(( $(date +%s) - s0 )) s"
 echo "e2e_restart: ok"

@@ -46,6 +46,7 @@ wait_members() {
   fail "the rollout agents did not join the coordinator at $coord"
 }
 published() { "${ctl[@]}" --json status 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["version"])' 2>/dev/null || echo 0; }
+behind() { "${ctl[@]}" --json status 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["engines_behind"])' 2>/dev/null || echo -1; }
 serves() {  # serves E V: engine E answers, on version V
   local out
   out=$("${ctl[@]}" generate --engine "$(cat "$work/engine-$1")" --prompt 1,2,3 --max-new-tokens 2 2>&1) ||
@@ -127,8 +128,9 @@ for point in coordinator.commit coordinator.committed; do
   on=$(for e in 0 1; do "${ctl[@]}" generate --engine "$(cat "$work/engine-$e")" --prompt 1,2,3 --max-new-tokens 2 | cut -d: -f1; done | tr '\n' ' ')
   t0=$(date +%s.%N)
   run=$((run + 1)); start_trainer $run
-  for _ in $(seq 300); do [ "$(published)" = "$want" ] && break; sleep 0.1; done
-  [ "$(published)" = "$want" ] || fail "$point: the restarted coordinator did not publish version $want (status: $("${ctl[@]}" status 2>&1 | head -n 3))"
+  # Published as soon as an engine serves it (partial), complete once both do (no engine behind).
+  for _ in $(seq 300); do [ "$(published) $(behind)" = "$want 0" ] && break; sleep 0.1; done
+  [ "$(published) $(behind)" = "$want 0" ] || fail "$point: the restarted coordinator did not bring both engines to version $want (status: $("${ctl[@]}" status 2>&1 | head -n 5))"
   t1=$(date +%s.%N)
   grep -q "was committing version $want when the previous coordinator stopped" "$work/logs/trainer-$run.log" ||
     fail "$point: the restarted coordinator did not find the commit in its state"
@@ -191,8 +193,8 @@ echo "e2e_trainer_faults: coordinator continued: version $v published bit-exact"
 # The coordinator hung in the middle of the commit, once an agent's CommitSync succeeded (the other
 # agent's may be in flight, or not sent). An agent left prepared gives up on its own after its
 # timeout (its engine keeps serving the old version, each reply naming its own); continued, the
-# coordinator finds the commit partial, the laggard rolls forward from its staging, and the new
-# version is published on both engines, bit-exact, with no new sync.
+# coordinator finds the commit partial (the version published, the laggard behind), the laggard
+# rolls forward from its staging, and both engines serve the new version, bit-exact, with no new sync.
 stop_coordinator_at coordinator.committed:1@stop "in the commit"
 sleep $((2 * timeout_s + 2))  # past the agents' own abort of a sync left prepared
 on=$(for e in 0 1; do
@@ -203,10 +205,10 @@ done | tr '\n' ' ')
 kill -CONT "$r0"
 want=
 for _ in $(seq 300); do
-  p=$(published); [ "$p" -gt "$v" ] && { want=$p; break; }
+  p=$(published); [ "$p" -gt "$v" ] && [ "$(behind)" = 0 ] && { want=$p; break; }
   sleep 0.1
 done
-[ -n "$want" ] || fail "the coordinator continued in its commit published no newer version (status: $("${ctl[@]}" status 2>&1 | head -n 3))"
+[ -n "$want" ] || fail "the coordinator continued in its commit did not bring both engines to a newer version (status: $("${ctl[@]}" status 2>&1 | head -n 5))"
 for e in 0 1; do serves $e "$want"; done
 bit_exact "$want" "after the coordinator stopped in its commit was continued"
 echo "e2e_trainer_faults: coordinator hung in its commit: the engines served [$on] meanwhile; continued, version $want published bit-exact on both"

@@ -760,8 +760,8 @@ void SyncCoordinator::RunSync(uint64_t id) {
       return agent.AbortSync(r, std::min(opts_.rpc_timeout, absl::Seconds(2)), &reply);
     });
     if (!a.ok()) WSYNC_LOG(ERROR) << "sync " << id << ": abort incomplete: " << a;
-    // A commit that failed on some engines after others committed: say so first, by engine (the
-    // version is not published; each engine's replies name the version it serves).
+    // A commit that failed on some engines after others committed: say so first, by engine (each
+    // engine's replies name the version it serves).
     std::vector<std::string> live, behind;
     for (size_t i = 0; i < members.size(); ++i) {
       const uint64_t v = committed[i].version() != 0 ? committed[i].version() : aborted[i].version();
@@ -773,6 +773,9 @@ void SyncCoordinator::RunSync(uint64_t id) {
         behind.push_back(v != 0 ? absl::StrCat(who, " (on version ", v, ")") : absl::StrCat(who, " (unreachable)"));
       }
     }
+    // An engine rank whose agent holds the version (its commit wrote the engine's memory, and then
+    // Continue or the reply failed) counts as committed: it serves the version once its engine runs.
+    some_committed = some_committed || !live.empty();
     if (!live.empty() && behind.empty())
       s = Annotate(s, absl::StrCat("version ", plan.version, " was committed on every engine (",
                                    absl::StrJoin(live, ", "), ") but the commit did not complete everywhere"));
@@ -823,10 +826,19 @@ void SyncCoordinator::RunSync(uint64_t id) {
   rec.bytes = report.bytes;
   // The outcome, from what the engines hold now (docs/sync.md "Versions"): done when every engine
   // of the fleet has the version, partial when some engine rank committed it, failed when none did.
+  std::map<std::string, std::string> behind_by = EnginesBehind(rec.version);
+  if (!s.ok()) {  // a member whose commit did not complete is behind, whatever its agent holds
+    for (size_t i = 0; i < members.size(); ++i) {
+      if (committed[i].version() == plan.version) continue;
+      std::string& why = behind_by[members[i].engine_id];
+      if (why.empty()) why = absl::StrCat("tp ", members[i].tp_rank, ": its commit did not complete");
+    }
+  }
   std::vector<std::string> behind;
-  for (const auto& [engine, why] : EnginesBehind(rec.version)) behind.push_back(absl::StrCat(engine, " (", why, ")"));
+  for (const auto& [engine, why] : behind_by) behind.push_back(absl::StrCat(engine, " (", why, ")"));
   std::string outcome = "failed";
-  if (s.ok() || some_committed) outcome = behind.empty() ? "done" : "partial";
+  if (s.ok()) outcome = behind.empty() ? "done" : "partial";
+  if (!s.ok() && some_committed) outcome = "partial";
   if (outcome == "partial" && s.ok())
     s = absl::UnavailableError(
         absl::StrCat("version ", rec.version, " was committed on every engine that took the sync; ",
@@ -834,7 +846,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
                      sat_out.empty() ? " did not take it (it joined during the sync)" : " sat it out",
                      ": it catches up when its agents are back (a copy from a peer, or the next sync)"));
   rec.phase = outcome;
-  rec.error = s.ok() || outcome == "done" ? "" : std::string(s.message());
+  rec.error = s.ok() ? "" : std::string(s.message());
   for (auto& m : rec.members) m.set_phase(rec.phase);
   running_ = false;  // with the outcome: whoever sees the sync finished sees the coordinator idle
   v1::VersionRecord vr;
