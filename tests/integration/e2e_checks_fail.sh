@@ -4,7 +4,9 @@
 #      the demo exits non-zero, the verify naming the params that differ;
 #   2. tools/demo.sh --break generate: requests the engines refuse (a token id out of the vocabulary)
 #      -> the demo exits non-zero, naming the failed requests;
-#   3. tools/soak.sh --self-test same-weights: the weights left unchanged before a verified sync ->
+#   3. `wsyncctl verify --independent` (the reference decoder) against a checkpoint the engines do
+#      not hold, after a demo sync -> it exits non-zero naming the params that differ;
+#   4. tools/soak.sh --self-test same-weights: the weights left unchanged before a verified sync ->
 #      the soak says FAILED, naming the verify.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -21,6 +23,10 @@ expect_failure() {  # expect_failure NAME PATTERN CMD...: CMD must exit non-zero
 }
 expect_failure demo-verify "differ" "$here/tools/demo.sh" --syncs 1 --break verify
 expect_failure demo-generate "generation request" "$here/tools/demo.sh" --syncs 1 --break generate
+# The independent verify (wsyncctl verify --independent) against a checkpoint the engines do not hold.
+expect_failure independent-verify "independent: DIFFERS" "$here/tools/demo.sh" --syncs 1 --then \
+  "${WSYNC_BIN:-$here/build/bin}/wsyncctl --coordinator \$WSYNC_COORDINATOR --token-file \$WSYNC_TOKEN_FILE verify \
+   --independent --against \$(dirname \$WSYNC_WORKDIR)/engine-start"
 expect_failure soak-same-weights "verify against checkpoint" "$here/tools/soak.sh" --syncs 2 --warm 1 --verify-every 2 \
   --self-test same-weights
 echo "e2e_checks_fail: ok"

@@ -10,6 +10,8 @@
 //     bytes timings [VERSION]                                per-phase seconds and GB/s of one sync (default: latest)
 //     verify --against HF_DIR [--quant-config F]       recompute every engine rank's weights from a checkpoint
 //                                                      and compare them, bit for bit, with what it holds
+//            [--independent]                           instead: decode every rank's memory with the independent
+//                                                      reference and compare with the checkpoint it quantizes
 //     generate --engine ADDR --prompt 1,2,3 [--max-new-tokens K]   one request to an engine (smoke test)
 //
 // Exit codes: 0 success; 1 the operation failed (a sync failed, verify found differences);
@@ -37,6 +39,7 @@
 #include "common/units.h"
 #include "nlohmann/json.hpp"
 #include "rollout_agent/load/engine_layout.h"
+#include "tools/wsyncctl/reference/reference.h"
 #include "tools/wsyncctl/verify.h"
 #include "trainer_agent/quantize/quant_select.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
@@ -506,6 +509,125 @@ class Ctl {
     return all_ok ? 0 : 1;
   }
 
+  // verify --independent: every engine rank's memory (ReadEngine) decoded by the independent
+  // reference (tools/wsyncctl/reference/: specs re-implemented in scalar code, sharing nothing with
+  // the loader, repack or kernels) and compared with the checkpoint quantized by it: codes, scales
+  // and zero points exactly, bf16 params bit for bit. One Reference per quantization config.
+  int VerifyIndependent(const std::string& hf_dir, const std::string& quant_file) {
+    v1::MembersReply members;
+    if (auto s = Call(&v1::Coordinator::Stub::Members, v1::MembersRequest(), &members); !s.ok()) return Fail(s, g_);
+    std::string forced_quant;
+    if (!quant_file.empty()) {
+      auto text = ReadTextFile(quant_file);
+      if (!text.ok()) return Fail(text.status(), g_);
+      forced_quant = *text;
+    }
+    std::map<std::string, std::unique_ptr<tools::reference::Reference>> refs;  // by quantization config text
+    json out = json::array();
+    bool all_ok = members.members_size() > 0;
+    if (members.members_size() == 0 && !g_.json) std::printf("no rollout agents to verify\n");
+    for (const auto& m : members.members()) {
+      auto stub = v1::RolloutAgent::NewStub(MakeChannel(m.agent_address(), g_.sec));
+      v1::EngineChecksumsReply info;
+      absl::Status s;
+      {
+        grpc::ClientContext ctx;
+        PrepareContext(&ctx, g_.sec, absl::Seconds(g_.timeout_s));
+        s = FromGrpcStatus(stub->EngineChecksums(&ctx, v1::EngineChecksumsRequest(), &info));
+      }
+      // The engine's memory, param by param (one version: the agent reads it under the commit's lock).
+      std::vector<tools::reference::EngineParam> params;
+      uint64_t version = 0;
+      if (s.ok()) {
+        grpc::ClientContext ctx;
+        PrepareContext(&ctx, g_.sec, absl::Seconds(g_.timeout_s) + absl::Minutes(10));
+        auto reader = stub->ReadEngine(&ctx, v1::ReadEngineRequest());
+        v1::EngineChunk c;
+        bool last = false;
+        while (reader->Read(&c)) {
+          version = c.version();
+          if (c.last()) {
+            last = true;
+            break;
+          }
+          if (c.param() == params.size()) {
+            tools::reference::EngineParam p;
+            p.name = c.name();
+            p.dtype = c.dtype();
+            p.shape.assign(c.shape().begin(), c.shape().end());
+            p.bytes.reserve(c.nbytes());
+            params.push_back(std::move(p));
+          }
+          if (c.param() + 1 != params.size() || c.offset() != params.back().bytes.size()) {
+            s = absl::DataLossError(
+                absl::StrCat("ReadEngine: chunk of param ", c.param(), " at offset ", c.offset(), " out of order"));
+            ctx.TryCancel();
+            break;
+          }
+          params.back().bytes.append(c.data());
+        }
+        absl::Status fin = FromGrpcStatus(reader->Finish());
+        if (s.ok() && !fin.ok()) s = Annotate(fin, "reading the engine's memory (ReadEngine)");
+        if (s.ok() && !last) s = absl::DataLossError("ReadEngine: the stream ended before its last chunk");
+      }
+      absl::StatusOr<tools::reference::RankReport> report = absl::InternalError("unset");
+      if (s.ok()) {
+        const std::string quant = quant_file.empty() ? info.quantization_config_json() : forced_quant;
+        auto it = refs.find(quant);
+        if (it == refs.end()) {
+          auto ref = tools::reference::Reference::Open(hf_dir, {.quantization_config_json = quant});
+          if (ref.ok()) {
+            it = refs.emplace(quant, std::make_unique<tools::reference::Reference>(std::move(*ref))).first;
+          } else {
+            s = Annotate(ref.status(), "the independent reference");
+          }
+        }
+        if (s.ok()) {
+          report = it->second->CheckRank(
+              {static_cast<int>(info.tp_size()), static_cast<int>(info.tp_rank()), static_cast<int>(info.ep_size())},
+              params);
+          s = report.status();
+        }
+      }
+      const bool ok = s.ok() && report->ok();
+      all_ok = all_ok && ok;
+      if (g_.json) {
+        json bad = json::array();
+        if (s.ok())
+          for (const auto& p : report->params)
+            if (p.verdict != tools::reference::ParamResult::Verdict::kOk)
+              bad.push_back({{"name", p.name},
+                             {"verdict", std::string(tools::reference::VerdictName(p.verdict))},
+                             {"detail", p.detail}});
+        out.push_back({{"agent_id", m.agent_id()},
+                       {"engine_id", m.engine_id()},
+                       {"tp_rank", m.tp_rank()},
+                       {"version", version},
+                       {"ok", ok},
+                       {"params", s.ok() ? report->params.size() : 0},
+                       {"not_ok", bad},
+                       {"error", std::string(s.message())}});
+      } else if (!s.ok()) {
+        std::printf("%s engine %s tp %u: independent verify: ERROR %s\n", m.agent_id().c_str(), m.engine_id().c_str(),
+                    m.tp_rank(), s.ToString().c_str());
+      } else {
+        std::printf("%s engine %s tp %u version %llu: independent: %s (%zu params decoded and compared)\n",
+                    m.agent_id().c_str(), m.engine_id().c_str(), m.tp_rank(), static_cast<unsigned long long>(version),
+                    ok ? "equal to the reference" : "DIFFERS", report->params.size());
+        if (!ok) {
+          int shown = 0;
+          for (const auto& p : report->params) {
+            if (p.verdict == tools::reference::ParamResult::Verdict::kOk || shown++ >= 10) continue;
+            std::printf("  %s %s: %s\n", std::string(tools::reference::VerdictName(p.verdict)).c_str(), p.name.c_str(),
+                        p.detail.c_str());
+          }
+        }
+      }
+    }
+    if (g_.json) std::printf("%s\n", json({{"ok", all_ok}, {"engines", out}}).dump(2).c_str());
+    return all_ok ? 0 : 1;
+  }
+
   int Generate(const std::string& engine, const std::string& prompt, uint32_t max_new) {
     v1::GenerateRequest req;
     for (absl::string_view t : absl::StrSplit(prompt, ',', absl::SkipWhitespace())) {
@@ -604,6 +726,11 @@ int Main(int argc, char** argv) {
   auto* verify = app.add_subcommand("verify", "Compare every engine rank's weights with a checkpoint, bit for bit");
   verify->add_option("--against", against, "HF checkpoint directory (config.json + *.safetensors)")->required();
   verify->add_option("--quant-config", quant_file, "Quantization config (default: the engines' own)");
+  bool independent = false;
+  verify->add_flag("--independent", independent,
+                   "Decode every engine rank's memory with the independent reference (tools/wsyncctl/reference: the "
+                   "specs in scalar code, sharing nothing with the loader, repack or kernels) and compare it with the "
+                   "checkpoint quantized by that reference, instead of recomputing checksums with the sync's own code");
   std::string engine, prompt;
   uint32_t max_new = 8;
   auto* generate = app.add_subcommand("generate", "Send one greedy generation request to an engine (a smoke test)");
@@ -629,7 +756,8 @@ int Main(int argc, char** argv) {
   if (app.got_subcommand("versions")) return ctl.Versions();
   if (app.got_subcommand("timings")) return ctl.Timings(version);
   if (app.got_subcommand("sync")) return ctl.Sync(wait, wait_if_busy, min_agents, sync_version, delivery);
-  if (app.got_subcommand("verify")) return ctl.Verify(against, quant_file);
+  if (app.got_subcommand("verify"))
+    return independent ? ctl.VerifyIndependent(against, quant_file) : ctl.Verify(against, quant_file);
   if (app.got_subcommand("generate")) return ctl.Generate(engine, prompt, max_new);
   if (app.got_subcommand("update-weights")) return ctl.UpdateWeights(agent, min_version);
   return 2;
