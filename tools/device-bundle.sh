@@ -13,7 +13,8 @@
 #   data/  the golden files the kernel tests read
 #   tools/ demo.sh, wsync-local and bench-sync.sh (the local deployment the engine_sync and
 #          bench_sync checks run)
-#   tests/integration/e2e_shm.sh (live training processes; the trainer_cuda check)
+#   tests/integration/e2e_shm.sh, e2e_python_cuda.sh (live training processes: the trainer_cuda
+#          and python_cuda checks), tests/python/ and python/ (the Python publisher they run)
 #   run.sh the GPU checks of docs/gpu.md; it works on a machine without a GPU (the GPU checks skip)
 # NCCL (libnccl.so.2, 218 MB here) is never bundled: run.sh takes it from WSYNC_NCCL_LIB, the
 # Python wheel nvidia-nccl-cu* or the system, and only the NCCL backend needs it.
@@ -95,7 +96,7 @@ done < <(find "$TMP/bin" "$TMP/mpi" -type f \( -perm -u+x -o -name '*.so*' \) 2>
 cp -r "$ROOT/tests/data/golden" "$TMP/data/"
 cp "$ROOT/tools/device-run.sh" "$TMP/run.sh"
 chmod +x "$TMP/run.sh"
-# The local deployment scripts (run.sh's device_engine_sync check runs the demo with WSYNC_BIN=bin/).
+# The local deployment scripts (run.sh's engine_sync_* checks run the demo with WSYNC_BIN=bin/).
 mkdir -p "$TMP/tools"
 cp "$ROOT/tools/demo.sh" "$ROOT/tools/wsync-local" "$ROOT/tools/bench-sync.sh" "$TMP/tools/"
 mkdir -p "$TMP/tests/integration"

@@ -2,7 +2,7 @@
 // it is cut into one bucket per receiver group, holding only the blocks that group keeps
 // (ShardPlan::BlockFor), and each goes to that group's own data-plane stream (a BroadcastSink over
 // the group's communicator: the source and the group's agents). A tensor a group keeps whole is a
-// plain entry; a cut one an entry with `block` set (docs/bucket_format.md §6). Every group's stream
+// plain entry; a cut one an entry with `block` set (docs/bucket_format.md §7). Every group's stream
 // has its own indices and ends with its own `last` bucket; a group that keeps nothing of a bucket
 // gets no bucket for it (except the last one).
 //

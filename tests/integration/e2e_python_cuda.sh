@@ -33,7 +33,8 @@ out=$(PYTHONPATH="$pkg${PYTHONPATH:+:$PYTHONPATH}" WSYNC_BIN="$bin" "$root/tools
   { echo "$out" | tail -n 40; echo "e2e_python_cuda: the run failed" >&2; exit 1; }
 echo "$out" | grep -E "shared|verified" | sed 's/^ */   /'
 for v in 1 2; do
-  grep -q "version $v verified bit-exact" <<<"$out" || { echo "e2e_python_cuda: version $v not verified" >&2; exit 1; }
+  grep -q "version $v: every engine bit-exact with the HF conversion" <<<"$out" ||
+    { echo "e2e_python_cuda: version $v not verified" >&2; exit 1; }
 done
 if [ "$device" != cpu ]; then
   n=$(grep -c "on CUDA devices" "$work/run/logs/trainer.log" || true)

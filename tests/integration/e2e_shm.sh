@@ -40,6 +40,7 @@ cat > "$work/after.sh" <<'AFTER'
 set -euo pipefail
 ctl=("$WSYNC_BIN/wsyncctl" --coordinator "$(cat "$WSYNC_COORDINATOR_FILE")" --token-file "$WSYNC_TOKEN_FILE")
 "${ctl[@]}" verify --against "${WSYNC_FROM%/megatron}/hf"
+"${ctl[@]}" verify --independent --against "${WSYNC_FROM%/megatron}/hf"
 published=$("${ctl[@]}" --json status | python3 -c 'import json,sys; print(json.load(sys.stdin)["version"])')
 [ "$published" = "$WSYNC_VERSION" ] || { echo "published version $published, expected $WSYNC_VERSION" >&2; exit 1; }
 echo "   version $WSYNC_VERSION verified bit-exact against ${WSYNC_FROM%/megatron}/hf"

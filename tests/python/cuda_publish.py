@@ -77,7 +77,9 @@ def main():
             subprocess.run([os.path.join(bin_dir, "wsync-shard"), "--src", str(step_dir / "megatron"), "--to-hf",
                             str(step_dir / "hf")], check=True, stdout=subprocess.DEVNULL)
             subprocess.run(ctl + ["verify", "--against", str(step_dir / "hf")], check=True)
-            print(f"   version {version} verified bit-exact against the step {step} checkpoint", flush=True)
+            subprocess.run(ctl + ["verify", "--independent", "--against", str(step_dir / "hf")], check=True)
+            print(f"   version {version}: every engine bit-exact with the HF conversion of the step {step} rank files "
+                  "(checksums, and the independent reference)", flush=True)
             (step_dir / "verified").touch()
         wait_for([step_dir / "verified"], timeout=300)
     pub.close()

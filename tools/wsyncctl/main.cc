@@ -6,13 +6,14 @@
 //     members                                          the rollout agents and their versions
 //     engines                                          the fleet: each engine's missing TP ranks, removed or not
 //     remove-engine ENGINE                             take an engine out of the fleet (no longer counted behind)
-//     versions                                         every sync attempt: version, outcome, engines behind, time,
-//     bytes timings [VERSION]                                per-phase seconds and GB/s of one sync (default: latest)
+//     versions                                         every sync attempt: version, outcome, engines behind
+//     timings [VERSION]                                per-phase seconds and GB/s of one sync (default: latest)
 //     verify --against HF_DIR [--quant-config F]       recompute every engine rank's weights from a checkpoint
 //                                                      and compare them, bit for bit, with what it holds
 //            [--independent]                           instead: decode every rank's memory with the independent
 //                                                      reference and compare with the checkpoint it quantizes
 //     generate --engine ADDR --prompt 1,2,3 [--max-new-tokens K]   one request to an engine (smoke test)
+//     update-weights --agent ADDR [--min-version V]    bring the engine behind an agent to a published version
 //
 // Exit codes: 0 success; 1 the operation failed (a sync failed, verify found differences);
 // 2 bad usage or input; 3 the coordinator or an agent is unreachable or timed out;

@@ -831,7 +831,8 @@ absl::StatusOr<RolloutAgent::Registered> RolloutAgent::InstallEngine(const v1::R
     engine->staging = std::move(*staging);
   }
   // A CUDA engine: page-lock the staging so that Commit's uploads run at the link's speed (H200,
-  // docs/gpu.md: 51 vs 8.6 GB/s). Failing to pin costs speed, not correctness.
+  // docs/results/h200/2026-11-28-8a0d3c4/bench_repack.log: 50.21 vs 9.06 GB/s). Failing to pin costs speed, not
+  // correctness.
   const size_t device_params = engine->memory->device_params();
   if (device_params > 0 && !engine->staging->pinned()) {
     if (absl::Status pin = engine->staging->PinForDevice(); !pin.ok())

@@ -1,6 +1,6 @@
 // The rollout agent (proto/wsync/v1/rollout.proto, service RolloutAgent): one per engine rank.
 //
-//   RegisterEngine  the engine's config, quantization, TP rank and parameter memory (POSIX shm) ->
+//   RegisterEngine  the engine's config, quantization, TP rank and parameter memory (POSIX shm or CUDA IPC) ->
 //                   EngineLayout, mapped EngineWeights checked against it (CheckMatches), one
 //                   Staging allocated for all syncs. Replaces a previous engine (refused while a
 //                   sync is active). Then Join + heartbeats at the coordinator, if one is configured.
@@ -85,7 +85,7 @@ struct AgentOptions {
   // faces the coordinator, chosen by AgentServer::Start (127.0.0.1 without a coordinator, or for an
   // agent built directly).
   std::string data_host;
-  // Pause the engine at BeginSync for the whole sync (the pre-staging behaviour), instead of only
+  // Pause the engine at BeginSync for the whole sync, instead of only
   // for the commit (the default: the engine serves while the sync is received into the staging).
   // Costs the engine the whole sync as downtime; saves nothing in memory here, since the staging
   // is a separate copy either way (--pause-for-whole-sync).

@@ -87,7 +87,7 @@ struct PhaseTime {
 };
 
 struct TrainerReport {
-  std::vector<PhaseTime> phases;  // gather, convert, quantize, bucket, send (summed over stage sources)
+  std::vector<PhaseTime> phases;  // open, gather, convert, quantize, bucket, send_wait, trainer_total (the slowest stage source's)
   uint64_t bytes = 0;
   uint64_t buckets = 0;
   uint64_t tensors = 0;
