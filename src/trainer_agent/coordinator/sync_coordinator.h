@@ -87,7 +87,8 @@ struct PhaseTime {
 };
 
 struct TrainerReport {
-  std::vector<PhaseTime> phases;  // open, gather, convert, quantize, bucket, send_wait, trainer_total (the slowest stage source's)
+  std::vector<PhaseTime>
+      phases;  // open, gather, convert, quantize, bucket, send_wait, trainer_total (the slowest stage source's)
   uint64_t bytes = 0;
   uint64_t buckets = 0;
   uint64_t tensors = 0;
