@@ -83,8 +83,10 @@ apt_get() {
 }
 if ((${#missing[@]})); then
   echo "setup.sh: installing ${missing[*]}"
+  t0=$SECONDS
   apt_get update -qq
   apt_get install -y -qq "${missing[@]}" >/dev/null
+  echo "setup.sh: packages installed in $((SECONDS - t0)) s"
 fi
 ((deps_only)) && exit 0
 
@@ -112,11 +114,15 @@ elif [ "$mode" = tsan ]; then
 else
   build="${WSYNC_BUILD_DIR:-build}"
 fi
+t0=$SECONDS
 cmake -S . -B "$build" "${args[@]}" >/dev/null
 if [ "$mode" = demo ]; then
-  exec cmake --build "$build" -j"$(nproc)" --target wsync_demo
+  cmake --build "$build" -j"$(nproc)" --target wsync_demo
+  echo "setup.sh: the demo's targets configured and built in $((SECONDS - t0)) s"
+  exit 0
 fi
 cmake --build "$build" -j"$(nproc)"
+echo "setup.sh: configured and built in $((SECONDS - t0)) s"
 [ "$mode" = default ] || exit 0
 
 # The Python package (python/) in $build/venv is made by the build (tools/python-venv.sh, CMake
