@@ -461,6 +461,12 @@ def _hf_source(name, cfg):
             tail = f".self_attn.{proj}{suffix}"
             if name.endswith(tail):
                 return name[: -len(tail)] + f".self_attn.qkv_proj{suffix}", r0, rows
+    if cfg.get("q_lora_rank"):  # MLA (DeepSeek-V3): SGLang fuses q_a_proj and kv_a_proj_with_mqa, in that order
+        qa, kva = cfg["q_lora_rank"], cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+        for proj, (r0, rows) in (("q_a_proj", (0, qa)), ("kv_a_proj_with_mqa", (qa, kva))):
+            tail = f".self_attn.{proj}.weight"
+            if name.endswith(tail):
+                return name[: -len(tail)] + ".self_attn.fused_qkv_a_proj_with_mqa.weight", r0, rows
     for proj, half in (("gate_proj", 0), ("up_proj", 1)):
         tail = f".{proj}.weight"
         if name.endswith(tail) and ".experts." not in name:
@@ -469,6 +475,8 @@ def _hf_source(name, cfg):
         return name[: -len("gate_up_proj")] + "w13_weight", 0, None
     if name.endswith(".mlp.experts.down_proj"):
         return name[: -len("down_proj")] + "w2_weight", 0, None
+    if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+        return "model.embed_tokens.weight", 0, cfg["vocab_size"]  # the engine holds no lm_head (tied)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return name, 0, cfg["vocab_size"]
     return name, 0, None
@@ -476,9 +484,12 @@ def _hf_source(name, cfg):
 
 class TransformersEngine:
     """A HuggingFace transformers causal LM served from the engine host's segment (module comment).
-    Its parameters are bound at construction: bf16 ones are views of the segment, INT4 linears get
-    their own bf16 tensor that prepare() fills. Every parameter of the model must have a source of
-    its shape in the engine, else WsyncError(INVALID_ARGUMENT) names every one that does not."""
+    Its weights are bound at construction: every parameter and every persistent buffer (a weight
+    a checkpoint holds, e.g. DeepSeek-V3's e_score_correction_bias), under each name it has (a tied
+    lm_head included), is a view of the segment, or, for an INT4 linear or an engine tensor of
+    another dtype, a tensor of its own that prepare() refills from the segment at every version.
+    No copy made at load time survives a sync. Every weight must have a source of its shape in the
+    engine, else WsyncError(INVALID_ARGUMENT) names every one that does not."""
 
     def __init__(self, host, model=None):
         import torch
@@ -492,23 +503,37 @@ class TransformersEngine:
             model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
         self.model = model.eval()
         self._dequantized = []  # (linear name, the model's tensor, row0, rows)
+        self._converted = []  # (engine param name, the model's tensor, row0, rows): the engine's dtype differs
         problems = []
-        tied = self.model.config.tie_word_embeddings
+        bound = set()  # id of each Parameter bound: one under two names (a tied lm_head) is bound once
         with torch.no_grad():
-            for name, param in self.model.named_parameters():
-                if tied and name == "lm_head.weight":
-                    continue  # the embedding's Parameter
+            for name, param in self.model.named_parameters(remove_duplicate=False):
                 try:
-                    param.data = self._bind(name, tuple(param.shape), cfg)
+                    if id(param) not in bound:
+                        param.data = self._bind(name, param, cfg)
+                        bound.add(id(param))
                 except WsyncError as e:
                     problems.append(e.message)
+            for prefix, module in self.model.named_modules():
+                for bname, buf in list(module._buffers.items()):
+                    if buf is None or bname in module._non_persistent_buffers_set:
+                        continue  # a non-persistent buffer (rotary inv_freq) is computed from the config
+                    try:  # in the engine's dtype (DeepSeek-V3's F32 bias: transformers keeps it in fp32 too)
+                        module._buffers[bname] = self._bind(f"{prefix}.{bname}" if prefix else bname, buf, cfg,
+                                                            engine_dtype=True)
+                    except WsyncError as e:
+                        problems.append(e.message)
         if problems:
             raise WsyncError(3, f"engine {host.engine_id}: the transformers model does not fit the engine's "
                                 f"parameters: " + "; ".join(problems))
         host.attach(self)
 
-    def _bind(self, name, shape, cfg):
+    def _bind(self, name, current, cfg, engine_dtype=False):
+        """The tensor that serves model weight `name` (its current tensor `current`), in current's
+        dtype or with `engine_dtype` the engine's: a view of the segment, or a tensor of its own
+        recorded for prepare() to refill."""
         torch = self.torch
+        shape = tuple(current.shape)
         src, row0, rows = _hf_source(name, cfg)
         host = self.host
         lin = host.linears.get(src)
@@ -533,11 +558,16 @@ class TransformersEngine:
             return t
         view = host.tensor(src)
         view = view if rows is None else view[row0:row0 + rows]
-        return view if view.dtype == torch.bfloat16 else view.to(torch.bfloat16)
+        dtype = view.dtype if engine_dtype else current.dtype
+        if view.dtype == dtype:
+            return view
+        t = view.to(dtype)  # refilled at every prepare
+        self._converted.append((src, t, row0, rows))
+        return t
 
     def prepare(self, version):
-        """The segment holds `version`: dequantize the INT4 linears into the model's tensors; check
-        every weight is finite (a NaN refuses the version, naming the parameter)."""
+        """The segment holds `version`: dequantize the INT4 linears into the model's tensors, refill
+        the converted ones; check every weight is finite (a NaN refuses the version, naming it)."""
         torch = self.torch
         dense = {}
         with torch.no_grad():
@@ -546,6 +576,9 @@ class TransformersEngine:
                     dense[src] = self.host.dense_bf16(src)
                 d = dense[src]
                 t.copy_(d if rows is None else d[row0:row0 + rows])
+            for src, t, row0, rows in self._converted:
+                v = self.host.tensor(src)
+                t.copy_(v if rows is None else v[row0:row0 + rows])
             for name, p in self.model.named_parameters():
                 if not torch.isfinite(p).all():
                     raise ValueError(f"version {version}: {name} holds NaN or Inf")
