@@ -5,8 +5,10 @@ by test_engine.py in the torch 2 environment ($WSYNC_MEGATRON_PYTHON, which has 
 
 An EngineHost loads the checkpoint into its segment (the engine form a sync writes), a
 TransformersEngine binds a transformers model to it, and every parameter of that model must equal
-the oracle's bit for bit (bf16: the checkpoint as transformers loads it; INT4: dequantized from
-FILE independently); the bf16 ones must be views of the segment (no copy); greedy tokens must equal
+the oracle's bit for bit, and so must every persistent buffer (bf16: the checkpoint as transformers
+loads it; INT4: dequantized from FILE independently); the bf16 ones must be views of the segment (no
+copy); a tied model's lm_head, even one holding a Parameter of its own, serves the embedding; greedy
+tokens must equal
 the oracle's. Then the refusals: a model whose shapes differ from the engine's names every
 parameter that does not fit, and nothing is served. Prints "engine check passed" at the end.
 """
@@ -23,6 +25,17 @@ from wsync import WsyncError
 from wsync.engine import EngineHost, TransformersEngine
 
 
+def weights(model):
+    """{name: tensor} of every parameter and every persistent buffer (a checkpoint's tensor too, e.g.
+    DeepSeek-V3's e_score_correction_bias) of `model`."""
+    out = dict(model.named_parameters())
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buf
+    return out
+
+
 def main():
     args = parse_args()
     config_text = (pathlib.Path(args.hf) / "config.json").read_text()
@@ -35,14 +48,13 @@ def main():
     host.start()
     assert host.health() == ("SERVING", 0), host.health()
     oracle = load_model(args.hf, args.int4).eval()
-    ours = dict(engine.model.named_parameters())
-    theirs = dict(oracle.named_parameters())
+    ours, theirs = weights(engine.model), weights(oracle)
     assert sorted(ours) == sorted(theirs), set(ours) ^ set(theirs)
     segment = [(p.address, p.address + p.nbytes) for p in host.params.values()]
     views = copies = 0
     for name, p in ours.items():
         assert p.dtype == theirs[name].dtype and p.shape == theirs[name].shape, name
-        assert torch.equal(p.view(torch.int16), theirs[name].view(torch.int16)), f"{name} differs from the oracle"
+        assert torch.equal(p.view(torch.uint8), theirs[name].view(torch.uint8)), f"{name} differs from the oracle"
         in_segment = any(lo <= p.data_ptr() < hi for lo, hi in segment)
         views += in_segment
         copies += not in_segment
@@ -82,6 +94,24 @@ def main():
     assert torch.equal(ours[name], theirs[name] * 2)
     host.close()
 
+    if config.get("tie_word_embeddings"):
+        # A model whose config ties the word embeddings but whose lm_head holds a Parameter of its own
+        # (built or loaded so): its lm_head is bound to the embedding in the segment too, and it serves
+        # the oracle's tokens (a head left on its own Parameter would keep the weights it was built with).
+        plain = {k: v for k, v in config.items() if k != "quantization_config"}
+        own = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**plain),
+                                                            dtype=torch.bfloat16)
+        own.lm_head.weight = torch.nn.Parameter(own.lm_head.weight.detach().clone(), requires_grad=False)
+        assert own.lm_head.weight is not own.model.embed_tokens.weight
+        host = EngineHost("check-own-head", config_text, agent="127.0.0.1:1", quant_json=quant, checkpoint=args.hf)
+        own_engine = TransformersEngine(host, model=own)
+        host.start()
+        got, _ = own_engine.generate_request(prompt, args.max_new_tokens)
+        assert got == want, (got, want)
+        assert own.lm_head.weight.data_ptr() == own.model.embed_tokens.weight.data_ptr()
+        host.close()
+        print("a tied model with an lm_head Parameter of its own serves the embedding")
+
     # A model that does not fit the engine: every mis-shaped parameter named, nothing served.
     key = "moe_intermediate_size" if "moe_intermediate_size" in config else "intermediate_size"
     small = dict(config, **{key: config[key] // 2})
@@ -94,7 +124,7 @@ def main():
         raise AssertionError("a mis-shaped model was accepted")
     except WsyncError as e:
         assert e.code_name == "INVALID_ARGUMENT", e
-        want = (["model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"] if key.startswith("moe")
+        want = ([".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"] if key.startswith("moe")
                 else ["model.layers.0.mlp.gate_proj.weight", "model.layers.1.mlp.down_proj.weight"])
         assert all(w in str(e) for w in want), e
         print(f"refused: {str(e)[:200]}...")

@@ -1,7 +1,8 @@
-"""The oracle of the engine tests: HuggingFace transformers itself, loading the checkpoint a sync
-should have delivered, and generating greedily as wsync.engine.TransformersEngine does.
+"""The oracle of the engine tests (test_engine.py, test_fresh_load.py): HuggingFace transformers
+itself, loading the checkpoint a sync should have delivered, and generating greedily as
+wsync.engine.TransformersEngine does.
 
-    python hf_oracle.py --hf DIR [--int4 FILE] --prompt 1,2,3 --max-new-tokens 6
+    python hf_oracle.py --hf DIR [--int4 FILE] --prompt 1,2,3 [--prompt ...] --max-new-tokens 6
 
 --int4 FILE: the engine serves INT4; FILE is the checkpoint's compressed-tensors INT4 form
 (`wsync-int4 quantize`, what the trainer agents send). Every `X.weight_packed` / `X.weight_scale`
@@ -9,7 +10,9 @@ pair is dequantized here, independently of wsync's kernels, from FORMATS.md §2:
 values per int32, the low nibble first; value = bf16((nibble - 8) * scale), scale per group of G
 input columns; and replaces `X.weight` before transformers loads the checkpoint (without its
 quantization_config). An AWQ FILE (`X.qweight` / `X.qzeros` / `X.scales`, AWQ.md §2) likewise:
-nibble i of a word holds output column 8j + (0, 2, 4, 6, 1, 3, 5, 7)[i]; value = bf16((u - z) * scale). Prints one JSON line: {"tokens": [...], "params": {name: sha256 of bytes}}.
+nibble i of a word holds output column 8j + (0, 2, 4, 6, 1, 3, 5, 7)[i]; value = bf16((u - z) * scale).
+No wsync code runs here (torch, transformers and safetensors only; checked at the end). Prints one
+JSON line: {"tokens": [...] (the first prompt's), "outputs": [[...] per prompt], "params": {name: sha256 of bytes}}.
 """
 
 import argparse
@@ -85,14 +88,16 @@ def load_model(hf, int4):
 
 
 def parse_args():
-    """--hf, --int4, --prompt (a list of ints), --max-new-tokens: what the oracle and engine_check.py take."""
+    """--hf, --int4, --prompt (repeatable; args.prompts: lists of ints, args.prompt the first),
+    --max-new-tokens: what the oracle and engine_check.py take."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--hf", required=True)
     ap.add_argument("--int4", default="")
-    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--prompt", action="append", required=True)
     ap.add_argument("--max-new-tokens", type=int, required=True)
     args = ap.parse_args()
-    args.prompt = [int(t) for t in args.prompt.split(",")]
+    args.prompts = [[int(t) for t in p.split(",")] for p in args.prompt]
+    args.prompt = args.prompts[0]
     return args
 
 
@@ -110,7 +115,10 @@ def main():
     model = load_model(args.hf, args.int4).eval()
     params = {n: hashlib.sha256(p.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
               for n, p in model.named_parameters()}
-    print(json.dumps({"tokens": greedy(model, args.prompt, args.max_new_tokens), "params": params}))
+    outputs = [greedy(model, p, args.max_new_tokens) for p in args.prompts]
+    loaded = sorted(m for m in sys.modules if m == "wsync" or m.startswith("wsync."))
+    assert not loaded, f"the oracle ran wsync code: {loaded}"
+    print(json.dumps({"tokens": outputs[0], "outputs": outputs, "params": params}))
     return 0
 
 

