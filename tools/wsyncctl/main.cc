@@ -27,6 +27,7 @@
 #include <string>
 
 #include "CLI/CLI.hpp"
+#include "absl/functional/function_ref.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -400,6 +401,30 @@ class Ctl {
     return ok ? 0 : partial ? 6 : 1;
   }
 
+  // What both verifies share: for every member, its agent's stub and EngineChecksums (the engine's
+  // config, TP layout, version and checksums; its error otherwise), handed to `check`, which prints
+  // its lines, fills its JSON entry and says whether the rank passed. With --json the entries are
+  // printed at the end. Exit status 0 when there is a member and every one passed.
+  using RankCheck = absl::FunctionRef<bool(const v1::Member&, v1::RolloutAgent::Stub&, absl::Status,
+                                           const v1::EngineChecksumsReply&, json*)>;
+  int ForEveryEngineRank(const v1::MembersReply& members, RankCheck check) {
+    json out = json::array();
+    bool all_ok = members.members_size() > 0;
+    if (members.members_size() == 0 && !g_.json) std::printf("no rollout agents to verify\n");
+    for (const auto& m : members.members()) {
+      auto stub = v1::RolloutAgent::NewStub(MakeChannel(m.agent_address(), g_.sec));
+      grpc::ClientContext ctx;
+      PrepareContext(&ctx, g_.sec, absl::Seconds(g_.timeout_s) + absl::Minutes(5));
+      v1::EngineChecksumsReply r;
+      absl::Status s = FromGrpcStatus(stub->EngineChecksums(&ctx, v1::EngineChecksumsRequest(), &r));
+      json entry;
+      all_ok = check(m, *stub, s, r, &entry) && all_ok;
+      out.push_back(std::move(entry));
+    }
+    if (g_.json) std::printf("%s\n", json({{"ok", all_ok}, {"engines", out}}).dump(2).c_str());
+    return all_ok ? 0 : 1;
+  }
+
   int Verify(const std::string& hf_dir, const std::string& quant_file) {
     v1::MembersReply members;
     if (auto s = Call(&v1::Coordinator::Stub::Members, v1::MembersRequest(), &members); !s.ok()) return Fail(s, g_);
@@ -431,15 +456,8 @@ class Ctl {
     } else if (auto e = expected_for(quant, ""); !e.ok()) {
       return Fail(e.status(), g_);
     }
-    json out = json::array();
-    bool all_ok = members.members_size() > 0;
-    if (members.members_size() == 0 && !g_.json) std::printf("no rollout agents to verify\n");
-    for (const auto& m : members.members()) {
-      auto stub = v1::RolloutAgent::NewStub(MakeChannel(m.agent_address(), g_.sec));
-      grpc::ClientContext ctx;
-      PrepareContext(&ctx, g_.sec, absl::Seconds(g_.timeout_s) + absl::Minutes(5));
-      v1::EngineChecksumsReply r;
-      absl::Status s = FromGrpcStatus(stub->EngineChecksums(&ctx, v1::EngineChecksumsRequest(), &r));
+    return ForEveryEngineRank(members, [&](const v1::Member& m, v1::RolloutAgent::Stub&, absl::Status s,
+                                           const v1::EngineChecksumsReply& r, json* entry) {
       tools::VerifyResult vr;
       if (s.ok()) {
         auto model = ParseModelConfig(r.model_config_json(), "engine config");
@@ -480,9 +498,8 @@ class Ctl {
         }
       }
       const bool ok = s.ok() && vr.ok();
-      all_ok = all_ok && ok;
       if (g_.json) {
-        out.push_back({{"agent_id", m.agent_id()},
+        *entry = json({{"agent_id", m.agent_id()},
                        {"engine_id", m.engine_id()},
                        {"tp_rank", m.tp_rank()},
                        {"version", r.version()},
@@ -505,9 +522,8 @@ class Ctl {
         for (size_t i = 0; i < vr.mismatched.size() && i < 10; ++i)
           std::printf("  differs: %s\n", vr.mismatched[i].c_str());
       }
-    }
-    if (g_.json) std::printf("%s\n", json({{"ok", all_ok}, {"engines", out}}).dump(2).c_str());
-    return all_ok ? 0 : 1;
+      return ok;
+    });
   }
 
   // verify --independent: every engine rank's memory (ReadEngine) decoded by the independent
@@ -524,25 +540,15 @@ class Ctl {
       forced_quant = *text;
     }
     std::map<std::string, std::unique_ptr<tools::reference::Reference>> refs;  // by quantization config text
-    json out = json::array();
-    bool all_ok = members.members_size() > 0;
-    if (members.members_size() == 0 && !g_.json) std::printf("no rollout agents to verify\n");
-    for (const auto& m : members.members()) {
-      auto stub = v1::RolloutAgent::NewStub(MakeChannel(m.agent_address(), g_.sec));
-      v1::EngineChecksumsReply info;
-      absl::Status s;
-      {
-        grpc::ClientContext ctx;
-        PrepareContext(&ctx, g_.sec, absl::Seconds(g_.timeout_s));
-        s = FromGrpcStatus(stub->EngineChecksums(&ctx, v1::EngineChecksumsRequest(), &info));
-      }
+    return ForEveryEngineRank(members, [&](const v1::Member& m, v1::RolloutAgent::Stub& stub, absl::Status s,
+                                           const v1::EngineChecksumsReply& info, json* entry) {
       // The engine's memory, param by param (one version: the agent reads it under the commit's lock).
       std::vector<tools::reference::EngineParam> params;
       uint64_t version = 0;
       if (s.ok()) {
         grpc::ClientContext ctx;
         PrepareContext(&ctx, g_.sec, absl::Seconds(g_.timeout_s) + absl::Minutes(10));
-        auto reader = stub->ReadEngine(&ctx, v1::ReadEngineRequest());
+        auto reader = stub.ReadEngine(&ctx, v1::ReadEngineRequest());
         v1::EngineChunk c;
         bool last = false;
         while (reader->Read(&c)) {
@@ -591,7 +597,6 @@ class Ctl {
         }
       }
       const bool ok = s.ok() && report->ok();
-      all_ok = all_ok && ok;
       if (g_.json) {
         json bad = json::array();
         if (s.ok())
@@ -600,7 +605,7 @@ class Ctl {
               bad.push_back({{"name", p.name},
                              {"verdict", std::string(tools::reference::VerdictName(p.verdict))},
                              {"detail", p.detail}});
-        out.push_back({{"agent_id", m.agent_id()},
+        *entry = json({{"agent_id", m.agent_id()},
                        {"engine_id", m.engine_id()},
                        {"tp_rank", m.tp_rank()},
                        {"version", version},
@@ -624,9 +629,8 @@ class Ctl {
           }
         }
       }
-    }
-    if (g_.json) std::printf("%s\n", json({{"ok", all_ok}, {"engines", out}}).dump(2).c_str());
-    return all_ok ? 0 : 1;
+      return ok;
+    });
   }
 
   int Generate(const std::string& engine, const std::string& prompt, uint32_t max_new) {
