@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Makes BUILD/venv, the virtual environment the Python tests run in (ctest python.pytest): Debian's
+# Makes BUILD/venv, the virtual environment the Python tests run in (the ctest tests python.test_*): Debian's
 # Python with its site packages (torch, numpy, pytest from the Debian packages tools/setup.sh
 # installs), and the wsync package (python/) installed with this build's libwsync_trainer_client.so
 # and libwsync_engine_host.so inside. Run by the build (CMake target wsync_python_venv, whenever the
