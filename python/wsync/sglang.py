@@ -27,9 +27,10 @@ Every reply is checked (HTTP status, ``success``); a failed update fails the Con
 host turns UNHEALTHY (refusing its own requests) rather than claim a version SGLang does not hold.
 
 Scope: SGLang with tensor parallelism 1 (one host per SGLang server); the tensors travel by value
-in the request (a copy through HTTP per sync). The GPU deployment the project targets instead has
-SGLang's scheduler register its CUDA parameters with the rollout agent (CUDA IPC), which then
-writes them in place: docs/gpu.md.
+in the request (a copy through HTTP per sync). Not built: SGLang's scheduler registering its CUDA
+parameters with the rollout agent (CUDA IPC) for the agent to write them in place, as the engine
+host's CUDA parameters are. Tested against a stand-in server only (tests/python/sglang_server.py,
+docs/sglang.md): SGLang's kernels are CUDA-only.
 """
 
 import base64
