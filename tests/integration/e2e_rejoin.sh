@@ -2,7 +2,8 @@
 # A rollout agent killed (-9) and restarted on another port is found again: 4 trainer agents under
 # mpirun, one reference engine of TP 2 whose ranks follow their agents through the agents' address
 # files (--agent-file). Sync 1 is verified; agent 1 is killed: the engine keeps serving version 1,
-# and a sync is refused naming the engine that misses its rank; agent 1 is started again with the
+# and (engine-0 being the only engine of the fleet) a sync is refused naming the engine that misses
+# its rank; agent 1 is started again with the
 # same command on a new port: engine rank 1 registers with it (it re-reads the file), the agent
 # rejoins the coordinator, and the next sync publishes a new version, bit-exact on both ranks.
 # Then each engine rank in turn is killed (-9) and started again: the TP group re-forms, the agent

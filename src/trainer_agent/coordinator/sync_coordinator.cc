@@ -228,6 +228,7 @@ void SyncCoordinator::FillCatchUp(const Member& m, v1::CatchUpHint* hint) const 
 // The partial versions' `behind` follow the members' reports; a version being rolled forward to
 // after a coordinator restart is published as soon as an engine serves it.
 void SyncCoordinator::RefreshVersions() {
+  const RankVersions fleet = FleetVersions();  // once: a heartbeat of a large fleet stays cheap
   bool changed = false;
   if (rolling_forward_ > published_ && !running_) {
     for (const auto& [mid, m] : members_) {
@@ -238,7 +239,7 @@ void SyncCoordinator::RefreshVersions() {
         if (vr.version() != rolling_forward_ || vr.outcome() != "rolling_forward") continue;
         vr.set_ok(true);
         vr.set_outcome("partial");
-        for (const auto& [engine, why] : EnginesBehind(vr.version()))
+        for (const auto& [engine, why] : EnginesBehind(fleet, vr.version()))
           vr.add_behind(absl::StrCat(engine, " (", why, ")"));
       }
       WSYNC_LOG(INFO) << "version " << published_ << " published: engine " << m.engine_id << " tp " << m.tp_rank
@@ -247,8 +248,8 @@ void SyncCoordinator::RefreshVersions() {
       break;
     }
   }
-  if (rolling_forward_ != 0 &&
-      (rolling_forward_ < published_ || (rolling_forward_ == published_ && EnginesBehind(rolling_forward_).empty()))) {
+  if (rolling_forward_ != 0 && (rolling_forward_ < published_ ||
+                                (rolling_forward_ == published_ && EnginesBehind(fleet, rolling_forward_).empty()))) {
     rolling_forward_ = 0;  // every engine has it, or a newer version is published: no more rolling forward
     recover_sync_ = 0;
     told_.clear();
@@ -257,12 +258,12 @@ void SyncCoordinator::RefreshVersions() {
   const int64_t now_ms = absl::ToUnixMillis(absl::Now());
   for (v1::VersionRecord& vr : versions_) {
     if (vr.outcome() != "partial" || vr.behind_size() == 0) continue;
-    const std::map<std::string, std::string> now = EnginesBehind(vr.version());
     google::protobuf::RepeatedPtrField<std::string> still;
-    for (const std::string& b : vr.behind()) {
+    for (const std::string& b : vr.behind()) {  // only the engines named: O(behind) per record
       const std::string engine = b.substr(0, b.find(' '));
-      auto it = now.find(engine);
-      if (it != now.end()) *still.Add() = absl::StrCat(engine, " (", it->second, ")");
+      auto it = fleet.find(engine);
+      const std::string why = it == fleet.end() ? std::string() : BehindWhy(it->second, vr.version());
+      if (!why.empty()) *still.Add() = absl::StrCat(engine, " (", why, ")");
     }
     if (still.size() == vr.behind_size() && std::equal(still.begin(), still.end(), vr.behind().begin())) continue;
     vr.mutable_behind()->Swap(&still);
@@ -275,12 +276,11 @@ void SyncCoordinator::RefreshVersions() {
   GaugeOf(opts_.metrics, "wsync_version", "The fleet's version (the newest committed on an engine)")
       ->Set(static_cast<double>(published_));
   GaugeOf(opts_.metrics, "wsync_engines_behind", "Engines of the fleet not serving the fleet's version")
-      ->Set(published_ == 0 ? 0.0 : static_cast<double>(EnginesBehind(published_).size()));
-  for (const auto& [id, e] : fleet_) {
-    uint64_t v = EngineServes(id, e.tp_size);
+      ->Set(published_ == 0 ? 0.0 : static_cast<double>(EnginesBehind(fleet, published_).size()));
+  for (const auto& [id, ranks] : fleet) {
     GaugeOf(opts_.metrics, "wsync_engine_version", "The version every TP rank of the engine holds (0: they differ)",
             {{"engine", id}})
-        ->Set(static_cast<double>(v));
+        ->Set(static_cast<double>(EngineServes(ranks)));
   }
   if (changed) {
     ++event_seq_;
@@ -348,32 +348,41 @@ absl::Status SyncCoordinator::CanSync() const {
                    "remove-engine ENGINE`"));
 }
 
-uint64_t SyncCoordinator::EngineServes(const std::string& engine_id, uint32_t tp_size) const {
-  std::vector<std::optional<uint64_t>> rank(tp_size);
-  for (const auto& [mid, m] : members_)
-    if (m.engine_id == engine_id && m.tp_rank < tp_size) rank[m.tp_rank] = m.version;
+SyncCoordinator::RankVersions SyncCoordinator::FleetVersions() const {
+  RankVersions out;
+  for (const auto& [id, e] : fleet_)
+    if (!e.removed) out[id].resize(e.tp_size);
+  for (const auto& [mid, m] : members_) {
+    auto it = out.find(m.engine_id);
+    if (it != out.end() && m.tp_rank < it->second.size()) it->second[m.tp_rank] = m.version;
+  }
+  return out;
+}
+
+uint64_t SyncCoordinator::EngineServes(const std::vector<std::optional<uint64_t>>& ranks) {
   uint64_t v = 0;
-  for (uint32_t r = 0; r < tp_size; ++r) {
-    if (!rank[r].has_value() || (r > 0 && *rank[r] != v)) return 0;
-    v = *rank[r];
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    if (!ranks[r].has_value() || (r > 0 && *ranks[r] != v)) return 0;
+    v = *ranks[r];
   }
   return v;
 }
 
-std::map<std::string, std::string> SyncCoordinator::EnginesBehind(uint64_t version) const {
+std::string SyncCoordinator::BehindWhy(const std::vector<std::optional<uint64_t>>& ranks, uint64_t version) {
+  std::vector<std::string> parts;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    if (ranks[r].has_value() && *ranks[r] >= version) continue;
+    const std::string what = ranks[r].has_value() ? absl::StrCat("on version ", *ranks[r]) : "no agent";
+    parts.push_back(ranks.size() > 1 ? absl::StrCat("tp ", r, ": ", what) : what);
+  }
+  return absl::StrJoin(parts, "; ");
+}
+
+std::map<std::string, std::string> SyncCoordinator::EnginesBehind(const RankVersions& fleet, uint64_t version) {
   std::map<std::string, std::string> out;
-  for (const auto& [id, e] : fleet_) {
-    if (e.removed) continue;
-    std::vector<std::optional<uint64_t>> rank(e.tp_size);
-    for (const auto& [mid, m] : members_)
-      if (m.engine_id == id && m.tp_rank < e.tp_size) rank[m.tp_rank] = m.version;
-    std::vector<std::string> parts;
-    for (uint32_t r = 0; r < e.tp_size; ++r) {
-      if (rank[r].has_value() && *rank[r] >= version) continue;
-      const std::string what = rank[r].has_value() ? absl::StrCat("on version ", *rank[r]) : "no agent";
-      parts.push_back(e.tp_size > 1 ? absl::StrCat("tp ", r, ": ", what) : what);
-    }
-    if (!parts.empty()) out[id] = absl::StrJoin(parts, "; ");
+  for (const auto& [id, ranks] : fleet) {
+    std::string why = BehindWhy(ranks, version);
+    if (!why.empty()) out[id] = std::move(why);
   }
   return out;
 }
@@ -826,7 +835,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
   rec.bytes = report.bytes;
   // The outcome, from what the engines hold now (docs/sync.md "Versions"): done when every engine
   // of the fleet has the version, partial when some engine rank committed it, failed when none did.
-  std::map<std::string, std::string> behind_by = EnginesBehind(rec.version);
+  std::map<std::string, std::string> behind_by = EnginesBehind(FleetVersions(), rec.version);
   if (!s.ok()) {  // a member whose commit did not complete is behind, whatever its agent holds
     for (size_t i = 0; i < members.size(); ++i) {
       if (committed[i].version() == plan.version) continue;
@@ -1161,14 +1170,16 @@ void SyncCoordinator::Status(v1::StatusReply* reply) {
   reply->set_members(static_cast<uint32_t>(members_.size()));
   reply->set_trainer_ranks(static_cast<uint32_t>(trainer_->world_size()));
   reply->set_last_error(last_error_);
+  const RankVersions fleet = FleetVersions();
   const std::map<std::string, std::string> behind =
-      published_ == 0 ? std::map<std::string, std::string>() : EnginesBehind(published_);
+      published_ == 0 ? std::map<std::string, std::string>() : EnginesBehind(fleet, published_);
   reply->set_engines_behind(static_cast<uint32_t>(behind.size()));
   for (const auto& [id, e] : fleet_) {
     v1::EngineVersion* ev = reply->add_engines();
     ev->set_engine_id(id);
     ev->set_tp_size(e.tp_size);
-    ev->set_version(EngineServes(id, e.tp_size));
+    auto ranks = fleet.find(id);
+    ev->set_version(ranks == fleet.end() ? 0 : EngineServes(ranks->second));
     ev->set_behind(behind.count(id) > 0);
     ev->set_removed(e.removed);
     for (uint32_t r = 0; r < e.tp_size; ++r) {

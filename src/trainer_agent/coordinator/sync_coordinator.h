@@ -191,11 +191,17 @@ class SyncCoordinator {
   // OK when some engine of the fleet (not removed) has a member agent for every TP rank; else
   // kFailedPrecondition naming the incomplete engines.
   absl::Status CanSync() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The engines of the fleet (not removed) not on `version` or a newer one: engine id -> why, e.g.
-  // "tp 1: on version 2; tp 0: no agent" ("on version 2" for TP 1).
-  std::map<std::string, std::string> EnginesBehind(uint64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The version every TP rank of the engine reports; 0 when they differ or a rank has no agent.
-  uint64_t EngineServes(const std::string& engine_id, uint32_t tp_size) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every engine of the fleet (not removed): the version each TP rank's member reports (none: no
+  // member). One pass over the members; the helpers below read it.
+  using RankVersions = std::map<std::string, std::vector<std::optional<uint64_t>>>;
+  RankVersions FleetVersions() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why an engine's ranks are not on `version` or a newer one ("" when they are), e.g. "tp 1: on
+  // version 2; tp 0: no agent" ("on version 2" for TP 1).
+  static std::string BehindWhy(const std::vector<std::optional<uint64_t>>& ranks, uint64_t version);
+  // The engines of `fleet` not on `version` or a newer one: engine id -> BehindWhy.
+  static std::map<std::string, std::string> EnginesBehind(const RankVersions& fleet, uint64_t version);
+  // The version every rank holds; 0 when they differ or a rank has no agent.
+  static uint64_t EngineServes(const std::vector<std::optional<uint64_t>>& ranks);
   std::vector<uint32_t> MissingRanks(const std::string& engine_id, uint32_t tp_size) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes the state file (tmp + fsync + rename + directory fsync). A failure is logged and
