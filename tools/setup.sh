@@ -71,7 +71,11 @@ apt_get() {
     out=$(DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=30 "$@" 2>&1) || rc=$?
     if [ "$rc" = 0 ]; then return 0; fi
     if grep -q "Could not get lock\|Unable to acquire the dpkg frontend lock\|is held by process" <<<"$out" && ((waited < 600)); then
-      ((waited == 0)) && echo "setup.sh: another apt-get or dpkg is running ($(grep -o 'held by process [0-9]*[^)]*' <<<"$out" | head -n1 || echo 'a lock is held')); waiting for it (up to 10 minutes)" >&2
+      if ((waited == 0)); then
+        local holder
+        holder=$(grep -o 'held by process [0-9]*[^)]*' <<<"$out" | head -n1)
+        echo "setup.sh: another apt-get or dpkg is running (${holder:-its lock is held}); waiting for it (up to 10 minutes)" >&2
+      fi
       sleep 10
       waited=$((waited + 10))
       continue
