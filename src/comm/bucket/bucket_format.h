@@ -1,10 +1,12 @@
 // The bytes of one bucket on the data plane: the constants, the framing header and the manifest
-// checks that the builder (builder.h), the stream (stream.h) and their tests share. The format is
-// described in full, with the life of one bucket, in docs/bucket_format.md.
+// checks that the builder (builder.h), the stream (stream.h) and their tests share. The format,
+// with the life of one bucket, is docs/bucket_format.md.
 //
+// A bucket is two Broadcasts on the stage's communicator:
 //   header    16 bytes, BucketHeader {manifest bytes, data bytes}, broadcast alone;
-//   payload   the serialized BucketManifest (proto/wsync/v1/tensor.proto) and the data, as the
-//             two buffers of one Broadcast;
+//   payload   three buffers of one Broadcast: the serialized BucketManifest
+//             (proto/wsync/v1/tensor.proto), the data, and a 16-byte tag (the bucket's GMAC when
+//             the sync authenticates its buckets, bucket_mac.h; else zeros);
 //   data      entries at offsets aligned to kEntryAlignment, zeroed gaps, no tail padding.
 // Thread-safety: pure functions and constants.
 #pragma once

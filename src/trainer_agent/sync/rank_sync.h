@@ -1,90 +1,34 @@
-// One weight sync on one trainer rank: this rank's shard -> TP / ETP / EP all-gathers -> (on the
-// pipeline stage's source rank) Megatron -> HF conversion, INT4 quantization, buckets -> a
-// BucketSink; routed experts that are INT4 targets are quantized where they live (each ETP / EP
-// rank its own shard) before the ETP / EP all-gathers; the INT4 steps themselves (plans, row
-// quantization, shard merge, triplets into buckets) are quantize/int4_quantizer.h. Spec:
-// docs/spec/MEGATRON_TO_HF.md, docs/spec/RANKS.md; the bucket format: docs/bucket_format.md.
-// Design and measurements: README.md beside this file.
+// RunRankSync: one weight sync on one trainer rank. Every rank of the world calls it with the same
+// options; the ranks the stage's source needs gather (TP / ETP / EP all-gathers), and the stage
+// source converts Megatron -> HF, quantizes INT4 targets and hands full buckets to its BucketSink
+// (with spread_senders, every rank of StageSenders does this for its share). The steps, the
+// decisions and the figures are in README.md beside this file; the INT4 steps are
+// quantize/int4_quantizer.h. Specs: docs/spec/MEGATRON_TO_HF.md, docs/spec/RANKS.md; the bucket
+// bytes: docs/bucket_format.md.
 //
-// Steps, on every rank of the world (each rank runs RunRankSync with the same options):
-//  1. open   WeightSource::OpenRank(own rank) (dir: the file is mapped anew every sync; shm: the
-//            trainer's update lock is held shared until the sync ends), then one world
-//            agreement (two small AllGathers): every rank learns whether every rank opened its
-//            shard and whether all ranks run the same source config and options. On any failure
-//            every rank returns the same error, naming the first failing rank and its error
-//            (e.g. the missing or truncated file), before anyone enters a gather.
-//  2. dense  the ranks of the stage source's TP group (dp = cp = 0) all-gather the TP-sharded
-//            non-expert parameters in plan order, batched: one AllGather call per batch of about
-//            gather_bytes of output, many tensors per call, double-buffered (batch k+1 is in flight
-//            while the source converts batch k). Replicated parameters are not gathered (the source
-//            uses its own), nor is the tied output-layer copy of the last stage (never sent).
-//  3. expert the ranks of the stage's expert block (edp = 0) gather routed experts: ETP
-//            all-gather + MergeShards into the full local experts (when ETP > 1), then an EP
-//            all-gather among the etp = 0 ranks (in place); EP communicator rank r holds global
-//            experts [r * E/EP, (r+1) * E/EP) (MegatronParam::global_expert of rank r's plan).
-//            INT4 experts: when EP or ETP > 1 and an expert parameter's HF tensors are INT4
-//            targets on every EP member (and are row blocks of it: fc1 gate/up, fc2), the ranks
-//            holding it quantize it before the gathers, which then carry packed int32 + scales
-//            instead of bf16. Quantization is row-local (groups run along K), so the full Megatron
-//            tensor [R, K] is quantized as one: with ETP > 1 every ETP rank quantizes its own shard
-//            when that shard is rows (GLU fc1) or column blocks of whole groups (fc2 with K/ETP a
-//            multiple of the group size), and the etp = 0 rank merges the INT4 shards; otherwise
-//            (channelwise fc2, ...) it merges bf16 and quantizes. The source cuts the HF tensors'
-//            rows out of the gathered INT4 (the same kernel and options: identical bytes). Every
-//            ETP and EP gather also carries one status record per member: a member that failed (a
-//            NaN refused by its quantizer, a merge) says so and why; the merger, then the stage
-//            source, fail instead of using its blocks.
-//  4. source (layout.StageSourceRank(pp) only) per gathered parameter: the full tensor (a view into
-//            the gather buffer when the all-gather's rank order already is the full layout: dim-0,
-//            vocab and full expert tensors; else MergeShards into a scratch tensor), ToHf (views),
-//            then per HF tensor either INT4 (IsQuantTarget under options.quant; the kernel writes
-//            straight into the bucket) or a copy into the bucket; experts quantized by their EP
-//            member are copied as gathered (weight_packed, weight_scale; weight_shape written).
-//            Non-expert tensors first, then experts (per batch: EP rank order, then plan order).
-//            BucketBuilder sends full buckets to `sink` while the next gathers run, and ends with
-//            a `last` bucket and BucketSink::Finish.
-// Device stages: when the shard is CUDA memory (RankShard::cuda_device, the shm: source's CUDA
-// tensors read in place), steps 2-4 run on that device: the gather buffers, ETP buffer and merge
-// scratch are device memory; the TP / ETP / EP all-gathers run over NCCL groups of the same members
-// (TrainerComms::device, formed by EnsureDeviceComms over the host groups at the first such sync,
-// kept while every rank's GPU stays the same); the merges are cudaMemcpy2D copies
-// (MemorySpace::Copy2D), the members' status records are copied into and out of the gather
-// buffers; ToHf's copies, the CUDA INT4 kernels and the buckets are in device memory; a sink on
-// that GPU (the nccl data plane) sends them as they are, and for a host sink a SpaceStagingSink
-// (comm/bucket/space_staging.h) copies each full bucket once to a page-locked host buffer (host
-// stages in front of an nccl sink: one upload per bucket; an nccl sink on another GPU than the
-// shard's is refused). Same bytes as the host stages. The opening agreement carries each rank's
-// host and GPU (DecideGathers): when some ranks are on GPUs and others in host memory, or two
-// members of one TP / ETP / EP group are on the same GPU of one host (NCCL needs one GPU per
-// member), every rank copies its shard to host memory, prepares again and agrees again, and the
-// host stages run. AWQ experts with ETP > 1 travel in bf16 to the stage source on the device
-// (their row placement is host code).
-// Ranks outside those groups (dense DP / expert EDP replicas) only open their shard and agree.
-// PP stages run in parallel: after the opening agreement a stage only talks within its groups.
+// Contract:
+//  - Opening agreement: before any gather, every rank learns whether every rank opened its shard
+//    with the same config, gather size, quantization and options; on a failure every rank returns
+//    the same error, naming the first failing rank.
+//  - Tensors in CUDA memory (RankShard::cuda_device) run the device stages on that GPU (same
+//    bytes as the host stages); DecideGathers says where the gathers run, identically on every rank.
+//  - A rank that fails after the agreement keeps taking part in the remaining collectives with the
+//    same sizes, so no peer hangs, and returns its first error; an expert holder's failure reaches
+//    its merger and the stage source through the status records of the ETP / EP gathers, which
+//    then fail naming it. A failed sync leaves the sink without its `last` bucket and without
+//    Finish(): the caller aborts the stream.
+//  - Memory per gathering rank: two gather buffers of about gather_bytes, one ETP buffer of
+//    gather_bytes / EP when ETP > 1, a merge scratch (the largest parameter merged along dim 1 /
+//    GLU); the source also holds up to three bucket buffers (one filling, two on the wire).
 //
-// Memory: every gathering rank holds two gather buffers of about gather_bytes (all-gathers
-// deliver every shard to every member, so the TP/EP peers of a source receive the same batches
-// the source does; batches are sized by their bf16 bytes, so INT4 expert batches need about 3.6x
-// less), plus one ETP buffer of gather_bytes / EP when ETP > 1; the source also holds up to three
-// bucket buffers (one filling, two on the wire) and a scratch tensor the size of the largest
-// parameter merged along dim 1 / GLU (ETP > 1: every merger, for experts merged in bf16 then
-// quantized).
-//
-// Failures after step 1: a rank that fails (a NaN refused by the quantizer, an allocation, the
-// sink) stops converting and sending but keeps taking part in the remaining gathers with the same
-// sizes, so its peers never hang; it returns its first error. An EP member's failure also reaches
-// its merger and stage source through the status records of the next ETP / EP gather: they fail
-// too ("EP rank e (world rank r) could not produce its experts: <the member's error>"). A
-// data-plane error (timeout, abort)
-// breaks that communicator (comm/communicator.h); the buffers of a failed MPI operation are never
-// freed (MPI may still write them) and the process is expected to exit. A failed sync leaves the
-// sink without its `last` bucket and without Finish(): the caller aborts the stream.
-//
-// Errors: kInvalidArgument (sink given on a non-source rank or missing on the source, bad options,
-// communicators not matching the layout, ranks with different configs / gather sizes /
-// quantization configs), the opening errors of any rank (see 1: kNotFound, kInvalidArgument, ...),
-// conversion / quantization errors naming the tensor (and, on the source, the EP member that
-// hit them), and the data plane's kDeadlineExceeded / kAborted / kUnavailable.
+// Ownership: the caller owns `src`, the communicators, the sink, and everything SyncOptions points
+// to (quant, workspace, expert_map); they must outlive the call.
+// Errors: kInvalidArgument (a sink given on a rank that sends nothing or missing on one that
+// sends, bad options, communicators not matching the layout, ranks that disagree), the opening
+// errors of any rank (kNotFound, kInvalidArgument, ...), conversion / quantization errors naming
+// the tensor (and the EP member that hit them), and the data plane's kDeadlineExceeded / kAborted /
+// kUnavailable. After a failed collective the communicator is broken and the buffers of a failed
+// MPI operation are never freed (MPI may still write them): the process is expected to exit.
 // Thread-safety: one RunRankSync per TrainerComms at a time. `src` may be shared.
 #pragma once
 
@@ -166,7 +110,7 @@ struct RankPlace {
 //   kDevice      every rank's are on a GPU and no two members of a group share one (same host and
 //                `gpu`): NCCL groups
 //   kHostCopies  otherwise (`why` says which ranks): the ranks on GPUs copy their tensors to the
-//                host and the gathers run there (as before the device gathers; logged once)
+//                host and the gathers run there (logged once)
 // kInvalidArgument for `places` of another size than the world.
 enum class GatherSpace { kNone, kHost, kDevice, kHostCopies };
 struct GatherDecision {
