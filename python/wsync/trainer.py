@@ -22,16 +22,22 @@ nothing (a refused register keeps the declarations: fix and retry). Thread-safet
 are serialized by the library; the tensor memory is the caller's to synchronize (update()).
 """
 
+from __future__ import annotations
+
 import contextlib
 import ctypes
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
 
-from wsync import _native
+from wsync import _trainer_client
 from wsync._native import WsyncError
+from wsync.dtypes import ITEMSIZE, numpy_dtype, torch_dtype, torch_dtype_name
 
-# safetensors dtype names the agent accepts, with their item sizes.
-ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
+if TYPE_CHECKING:
+    from torch import Tensor
+
+__all__ = ["ITEMSIZE", "Publisher", "SyncResult", "cuda_ipc", "torch_dtype"]
 
 
 @dataclass(frozen=True)
@@ -41,22 +47,19 @@ class SyncResult:
     coalesced: bool  # another rank had already requested this version
 
 
-def _ms(seconds):
+# config.json / parallel.json: the text, or the parsed dict (dumped here).
+JsonText = Union[str, bytes, Dict[str, Any], List[Any]]
+
+
+def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
+    _trainer_client.check(lib, rc, what)
+
+
+def _ms(seconds: Optional[float]) -> int:
     return int(seconds * 1000) if seconds is not None else -1
 
 
-def _torch_dtype_name(t):
-    import torch
-
-    names = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
-             torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
-             torch.bool: "BOOL"}
-    if t.dtype not in names:
-        return None
-    return names[t.dtype]
-
-
-def cuda_ipc(t):
+def cuda_ipc(t: "Tensor") -> Tuple[bytes, int, int]:
     """(cudaIpcMemHandle_t bytes, CUDA device, byte offset of the tensor's data in its allocation)
     of a CUDA tensor, through the driver API (libcuda.so.1, present wherever the NVIDIA driver is):
     the allocation holding the data (cuMemGetAddressRange) and its IPC handle (cuIpcGetMemHandle).
@@ -83,46 +86,29 @@ def cuda_ipc(t):
     return bytes(handle), t.device.index, t.data_ptr() - base.value
 
 
-def torch_dtype(name):
-    """The torch dtype of a safetensors dtype name ("BF16" -> torch.bfloat16, ...)."""
-    import torch
-
-    return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-            "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-            "BOOL": torch.bool}[name]
-
-
-def _numpy_dtype(name):
-    import numpy as np
-
-    # numpy has no bfloat16: a BF16 tensor is seen as its raw 16-bit patterns.
-    return {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
-            "U8": np.uint8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "BOOL": np.bool_}[name]
-
-
 class Publisher:
     """One training rank's connection to its trainer agent (see the module docstring)."""
 
-    def __init__(self, source_name, rank, *, timeout=60.0):
+    def __init__(self, source_name: str, rank: int, *, timeout: Optional[float] = 60.0) -> None:
         """Connects to the agent of `--source shm:<source_name>` for Megatron global `rank`, retrying
         for `timeout` seconds (UNAVAILABLE when nothing answers)."""
-        self._lib = _native.library()
+        self._lib = _trainer_client.library()
         if not isinstance(source_name, str) or not isinstance(rank, int) or isinstance(rank, bool):
             raise WsyncError(3, f"Publisher(source_name: str, rank: int), not ({source_name!r}, {rank!r})")
         handle = ctypes.c_void_p()
-        _native.check(self._lib, self._lib.wsync_client_open(source_name.encode(), rank, _ms(timeout),
-                                                              ctypes.byref(handle)),
-                      f"connecting to the trainer agent of shm:{source_name} rank {rank}")
-        self._c = handle
+        _check(self._lib, self._lib.wsync_client_open(source_name.encode(), rank, _ms(timeout),
+                                                       ctypes.byref(handle)),
+               f"connecting to the trainer agent of shm:{source_name} rank {rank}")
+        self._c: Optional[ctypes.c_void_p] = handle
         self.source_name, self.rank = source_name, rank
-        self._declared = {}  # name -> (dtype, shape), in declaration order
-        self._cuda = set()  # the declared CUDA tensors (read by the agent in place)
+        self._declared: Dict[str, Tuple[str, Tuple[int, ...]]] = {}  # name -> (dtype, shape), in declaration order
+        self._cuda: Set[str] = set()  # the declared CUDA tensors (read by the agent in place)
         self._registered = False
         self._in_update = False
 
     # --- declaring and registering ------------------------------------------------------------
 
-    def declare(self, name, dtype, shape):
+    def declare(self, name: str, dtype: str, shape: Iterable[int]) -> None:
         """Declares a host tensor (before register): safetensors dtype name ("BF16", "F32", ...) and shape."""
         self._check_open()
         if not isinstance(name, str) or not name:
@@ -134,16 +120,16 @@ class Publisher:
         except (TypeError, ValueError):
             raise WsyncError(3, f"tensor {name}: shape {shape!r} is not a sequence of ints") from None
         arr = (ctypes.c_int64 * max(len(dims), 1))(*dims)
-        _native.check(self._lib, self._lib.wsync_client_add_tensor(self._c, name.encode(), dtype.encode(), arr,
-                                                                   len(dims)), f"declaring tensor {name}")
+        _check(self._lib, self._lib.wsync_client_add_tensor(self._c, name.encode(), dtype.encode(), arr,
+                                                            len(dims)), f"declaring tensor {name}")
         self._declared[name] = (dtype, tuple(dims))
 
-    def declare_cuda(self, name, tensor):
+    def declare_cuda(self, name: str, tensor: "Tensor") -> None:
         """Declares a contiguous CUDA torch tensor (before register): the agent reads it in place
         from the device through its IPC handle at every sync (no copy into the segment). Write it
         only inside update(), like the host tensors."""
         self._check_open()
-        dtype = _torch_dtype_name(tensor)
+        dtype = torch_dtype_name(tensor)
         if dtype is None:
             raise WsyncError(3, f"tensor {name}: dtype {tensor.dtype} is not one the agent takes")
         if not tensor.is_contiguous():
@@ -151,24 +137,25 @@ class Publisher:
         handle, device, offset = cuda_ipc(tensor)
         dims = [int(d) for d in tensor.shape]
         arr = (ctypes.c_int64 * max(len(dims), 1))(*dims)
-        _native.check(self._lib, self._lib.wsync_client_add_cuda_tensor(self._c, name.encode(), dtype.encode(), arr,
-                                                                        len(dims), handle, len(handle), device,
-                                                                        offset),
-                      f"declaring CUDA tensor {name}")
+        _check(self._lib, self._lib.wsync_client_add_cuda_tensor(self._c, name.encode(), dtype.encode(), arr,
+                                                                 len(dims), handle, len(handle), device,
+                                                                 offset),
+               f"declaring CUDA tensor {name}")
         self._declared[name] = (dtype, tuple(dims))
         self._cuda.add(name)
 
-    def register(self, config_json, parallel_json, *, timeout=60.0):
+    def register(self, config_json: JsonText, parallel_json: JsonText, *, timeout: Optional[float] = 60.0) -> None:
         """Creates the shared segment and registers every declared tensor; the agent checks them
         against its model (config.json text) and parallel layout (parallel.json text)."""
         self._check_open()
         config_json, parallel_json = _text(config_json, "config_json"), _text(parallel_json, "parallel_json")
-        _native.check(self._lib, self._lib.wsync_client_register(self._c, config_json.encode(), parallel_json.encode(),
-                                                                 _ms(timeout)),
-                      f"registering {len(self._declared)} tensors with shm:{self.source_name} rank {self.rank}")
+        _check(self._lib, self._lib.wsync_client_register(self._c, config_json.encode(), parallel_json.encode(),
+                                                          _ms(timeout)),
+               f"registering {len(self._declared)} tensors with shm:{self.source_name} rank {self.rank}")
         self._registered = True
 
-    def share(self, named_tensors, config_json, parallel_json, *, timeout=60.0):
+    def share(self, named_tensors: Iterable[Tuple[str, "Tensor"]], config_json: JsonText,
+              parallel_json: JsonText, *, timeout: Optional[float] = 60.0) -> "Publisher":
         """Declares, registers and moves host torch tensors into the shared segment in one step:
         each tensor's values are copied there and its storage is replaced by the shared one
         (``param.data = shared``), so the optimizer then writes the shared memory in place.
@@ -179,24 +166,25 @@ class Publisher:
         import torch
 
         pairs = list(named_tensors)
-        seen = set()
+        dtypes: Dict[str, str] = {}  # the host tensors' dtype names
         for name, t in pairs:
             if not isinstance(t, torch.Tensor):
                 raise WsyncError(3, f"tensor {name}: a torch.Tensor, not {type(t).__name__}")
             if t.device.type not in ("cpu", "cuda"):
                 raise WsyncError(12, f"tensor {name} is on {t.device}: the publisher shares host and CUDA tensors")
-            if _torch_dtype_name(t) is None:
+            dtype = torch_dtype_name(t)
+            if dtype is None:
                 raise WsyncError(3, f"tensor {name}: dtype {t.dtype} is not one the agent takes")
             if not t.is_contiguous():
                 raise WsyncError(3, f"tensor {name} is not contiguous")
-            if name in seen or name in self._declared:
+            if name in dtypes or name in self._declared:
                 raise WsyncError(6, f"tensor {name} is declared twice")
-            seen.add(name)
+            dtypes[name] = dtype
         for name, t in pairs:
             if t.device.type == "cuda":
                 self.declare_cuda(name, t)
             else:
-                self.declare(name, _torch_dtype_name(t), tuple(t.shape))
+                self.declare(name, dtypes[name], tuple(t.shape))
         self.register(config_json, parallel_json, timeout=timeout)
         with torch.no_grad():
             for name, t in pairs:
@@ -210,10 +198,10 @@ class Publisher:
     # --- the shared tensors ---------------------------------------------------------------------
 
     @property
-    def names(self):
+    def names(self) -> List[str]:
         return list(self._declared)
 
-    def buffer(self, name):
+    def buffer(self, name: str) -> memoryview:
         """The tensor's bytes in the shared segment: a writable memoryview (format "B")."""
         self._check_open()
         if not self._registered:
@@ -225,15 +213,15 @@ class Publisher:
                                 f"rank {self.rank}")
         return memoryview((ctypes.c_char * nbytes.value).from_address(ptr)).cast("B")
 
-    def numpy(self, name):
+    def numpy(self, name: str) -> Any:
         """The tensor as a numpy array over the shared memory (BF16: its raw uint16 bit patterns)."""
         import numpy as np
 
-        dtype, shape = self._declared[name] if name in self._declared else (None, None)
-        buf = self.buffer(name)
-        return np.frombuffer(buf, dtype=_numpy_dtype(dtype)).reshape(shape)
+        buf = self.buffer(name)  # raises for a name not declared
+        dtype, shape = self._declared[name]
+        return np.frombuffer(buf, dtype=numpy_dtype(dtype)).reshape(shape)
 
-    def torch(self, name):
+    def torch(self, name: str) -> "Tensor":
         """The tensor as a torch tensor over the shared memory."""
         import torch
 
@@ -244,53 +232,53 @@ class Publisher:
     # --- steps ----------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def update(self, *, timeout=60.0):
+    def update(self, *, timeout: Optional[float] = 60.0) -> Iterator["Publisher"]:
         """Holds the update lock while the block writes the weights (waits while a sync reads them;
         DEADLINE_EXCEEDED after `timeout` seconds)."""
         self._check_open()
-        _native.check(self._lib, self._lib.wsync_client_begin_update(self._c, _ms(timeout)), "begin_update")
+        _check(self._lib, self._lib.wsync_client_begin_update(self._c, _ms(timeout)), "begin_update")
         self._in_update = True
         try:
             yield self
         finally:
             self._in_update = False
-            _native.check(self._lib, self._lib.wsync_client_end_update(self._c), "end_update")
+            _check(self._lib, self._lib.wsync_client_end_update(self._c), "end_update")
 
-    def publish(self, version=0, *, wait=True, timeout=600.0):
+    def publish(self, version: int = 0, *, wait: bool = True, timeout: Optional[float] = 600.0) -> SyncResult:
         """Declares the weights as last written to be `version` (0: the next one) and asks for its
         sync; with `wait`, returns when the sync has ended (raising if it failed)."""
         self._check_open()
         if self._in_update:
             raise WsyncError(9, f"publish({version}) inside update(): end the update first")
-        info = _native.SyncInfo()
-        _native.check(self._lib, self._lib.wsync_client_request_sync(self._c, int(version), 1 if wait else 0,
-                                                                     _ms(timeout), ctypes.byref(info)),
-                      f"version {version}")
+        info = _trainer_client.SyncInfo()
+        _check(self._lib, self._lib.wsync_client_request_sync(self._c, int(version), 1 if wait else 0,
+                                                              _ms(timeout), ctypes.byref(info)),
+               f"version {version}")
         return SyncResult(info.sync_id, info.version, bool(info.coalesced))
 
     # --- lifetime -------------------------------------------------------------------------------
 
-    def close(self):
+    def close(self) -> None:
         """Disconnects and unmaps the segment (views from buffer() / numpy() / torch() die with it)."""
         if getattr(self, "_c", None):
             self._lib.wsync_client_close(self._c)
             self._c = None
 
-    def __enter__(self):
+    def __enter__(self) -> "Publisher":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self):
+    def __del__(self) -> None:
         self.close()
 
-    def _check_open(self):
+    def _check_open(self) -> None:
         if not getattr(self, "_c", None):
             raise WsyncError(9, "the publisher is closed")
 
 
-def _text(value, what):
+def _text(value: JsonText, what: str) -> str:
     if isinstance(value, (dict, list)):
         return json.dumps(value)
     if isinstance(value, bytes):

@@ -1,4 +1,4 @@
-"""wsync.engine.TransformersEngine in one process, against transformers itself (hf_oracle.py): run
+"""wsync.adapters.transformers.TransformersEngine in one process, against transformers itself (hf_oracle.py): run
 by test_engine.py in the torch 2 environment ($WSYNC_MEGATRON_PYTHON, which has transformers).
 
     python engine_check.py --hf DIR [--int4 FILE] --prompt 1,2,3 --max-new-tokens 6
@@ -22,7 +22,8 @@ import transformers
 
 from hf_oracle import greedy, load_model, parse_args
 from wsync import WsyncError
-from wsync.engine import EngineHost, TransformersEngine
+from wsync.adapters.transformers import TransformersEngine
+from wsync.engine import EngineHost
 
 
 def weights(model):

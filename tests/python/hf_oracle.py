@@ -1,6 +1,6 @@
 """The oracle of the engine tests (test_engine.py, test_fresh_load.py): HuggingFace transformers
 itself, loading the checkpoint a sync should have delivered, and generating greedily as
-wsync.engine.TransformersEngine does.
+wsync.adapters.transformers.TransformersEngine does.
 
     python hf_oracle.py --hf DIR [--int4 FILE] --prompt 1,2,3 [--prompt ...] --max-new-tokens 6
 

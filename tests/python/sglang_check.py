@@ -1,4 +1,4 @@
-"""wsync.sglang in one process, against sglang_server.py (a server answering as SGLang
+"""wsync.adapters.sglang in one process, against sglang_server.py (a server answering as SGLang
 0.5.15.post1's routes do): run by test_sglang.py in the torch 2 environment ($WSYNC_MEGATRON_PYTHON)
 that wsync.engine needs.
 
@@ -33,8 +33,8 @@ import sglang_form
 from safetensors_files import read_safetensors, write_safetensors
 from sglang_server import FakeSglang
 from wsync import WsyncError
+from wsync.adapters.sglang import SglangEngine
 from wsync.engine import EngineHost
-from wsync.sglang import SglangEngine
 
 
 def raises(fn):

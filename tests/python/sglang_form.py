@@ -18,7 +18,7 @@ Architectures: Qwen3ForCausalLM and Qwen2ForCausalLM (q/k/v bias), tied or not, 
 picks for "--dtype auto"; Qwen3 also as compressed-tensors W4A16 (symmetric, group strategy, no
 act-order), served by CompressedTensorsWNA16 in Marlin layout. SGLang with TP 1, PP 1, no DP
 attention, no LoRA vocabulary and no `--rl-on-policy-target` (which makes norms and embeddings
-float32): the server wsync.sglang drives.
+float32): the server wsync.adapters.sglang drives.
 """
 
 import json

@@ -1,6 +1,6 @@
 """An HTTP server that answers as SGLang 0.5.15.post1's routes do (docs/sglang.md records them from
 its code: sglang/srt/entrypoints/http_server.py, sglang/srt/managers/io_struct.py), for testing
-wsync.sglang on a machine where SGLang cannot run (its kernels are CUDA-only). It is not SGLang:
+wsync.adapters.sglang on a machine where SGLang cannot run (its kernels are CUDA-only). It is not SGLang:
 its "model" is a dict of parameter tensors under SGLang's names, and /generate answers tokens
 derived from a hash of those parameters and the prompt (so the tests can tell versions apart).
 

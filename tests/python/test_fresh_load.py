@@ -4,7 +4,7 @@ the same kind loading that version's checkpoint itself, with no wsync code (vllm
 hf_oracle.py).
 
 One deployment per row (tools/wsync-local: real trainer agents under mpirun on the row's Megatron
-shards, real rollout agents, one engine per engine kind the row runs on: `python -m wsync.engine
+shards, real rollout agents, one engine per engine kind the row runs on: `python -m wsync
 --adapter vllm` and `--adapter transformers`, through catalog_engine.py), two syncs of two
 checkpoints; after each sync every engine answers every prompt (catalog_probe.py) and is verified
 bit-exact; then one oracle process per version and engine kind. Every (row, engine) the catalog
@@ -35,7 +35,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 def _has_engines():
     if not PY:
         return False
-    return subprocess.run([PY, "-c", "import vllm, transformers, wsync.vllm"], capture_output=True).returncode == 0
+    return subprocess.run([PY, "-c", "import vllm, transformers, wsync.adapters.vllm"], capture_output=True).returncode == 0
 
 
 pytestmark = pytest.mark.skipif(not _has_engines(),

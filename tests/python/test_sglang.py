@@ -1,4 +1,4 @@
-"""wsync.sglang against a server that answers as SGLang 0.5.15.post1's routes do
+"""wsync.adapters.sglang against a server that answers as SGLang 0.5.15.post1's routes do
 (sglang_server.py: SGLang itself cannot run here, its kernels being CUDA-only), seeded with SGLang's
 own parameters for the model (sglang_form.py: the names, shapes and dtypes of SGLang's model classes,
 read from SGLang's code, not from wsync's engine form), and checked against what SGLang's own weight
@@ -13,7 +13,7 @@ server then holding SGLang's form of the checkpoint, bf16 and INT4; an engine fo
 or non-zero padding fails the comparison, and so do expectations stacked, transposed, padded or
 permuted otherwise; the ABORT pause and the resume; refusals (a server whose model has another
 shape or lacks a name, a server that is not there). As a deployment, for Qwen3 (untied, tied, INT4)
-and Qwen2 (q/k/v bias): wsync-local with `--engine-cmd "python -m wsync.engine --adapter sglang"`,
+and Qwen2 (q/k/v bias): wsync-local with `--engine-cmd "python -m wsync --adapter sglang"`,
 two syncs; after each the server holds exactly SGLang's form of that step's checkpoint (every synced
 parameter written once, INT4 metadata left alone), the engine verifies bit-exact, and Generate
 through wsync names the version the server reports."""
@@ -104,7 +104,7 @@ def test_sglang_holds_its_own_form_of_each_sync(tmp_path, model):
         out = subprocess.run(
             [ROOT / "tools" / "wsync-local", "--source", src, "--rollout-engines", "1", "--syncs", "2",
              "--between-syncs", between, "--hf", cur, "--verify", "--prompt", "1,2,3", "--max-new-tokens", "4",
-             "--engine-cmd", f"{PY2} -m wsync.engine --adapter sglang --sglang-url {fake.url}",
+             "--engine-cmd", f"{PY2} -m wsync --adapter sglang --sglang-url {fake.url}",
              "--workdir", tmp_path / "run", *(["--quant-config", tmp_path / "quant.json"] if quant else [])],
             env=dict(os.environ, WSYNC_BIN=str(BIN)), capture_output=True, text=True, timeout=300)
         text = out.stdout + out.stderr

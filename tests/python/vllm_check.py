@@ -6,7 +6,7 @@ environment ($WSYNC_VLLM_PYTHON). Two modes, each printing one JSON line {"token
         No wsync code runs in it (vLLM's plugins off: VLLM_PLUGINS empty; checked at the end).
         Prints {"tokens": [...] (the first prompt's), "outputs": [[...] per prompt]}.
     python vllm_check.py engine --hf DIR [--quant-config FILE] [--multiprocess] --prompt ... --max-new-tokens ...
-        wsync.vllm.VllmEngine in one process: an EngineHost loads checkpoint DIR into its segment
+        wsync.adapters.vllm.VllmEngine in one process: an EngineHost loads checkpoint DIR into its segment
         (quantizing to INT4 as the trainer agents do when FILE is given), a vLLM started on dummy
         weights with the "wsync" weight-transfer backend takes them through its update round
         (prepare), and generates through the host's admission. Also checks the refusals: the
@@ -25,7 +25,7 @@ import tempfile
 # host's segment itself (EngineView); else in this process.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if "--multiprocess" in sys.argv else "0")
 if sys.argv[1:2] == ["oracle"]:
-    os.environ["VLLM_PLUGINS"] = ""  # no general plugin (wsync.vllm registers as one) in the oracle
+    os.environ["VLLM_PLUGINS"] = ""  # no general plugin (wsync.adapters.vllm registers as one) in the oracle
 
 
 def tokens_of(llm, prompt, n):
@@ -60,8 +60,8 @@ def main():
         return 0
 
     from wsync import WsyncError
-    from wsync.engine import EngineHost, _model_dir
-    from wsync.vllm import VllmEngine, start_llm
+    from wsync.adapters.vllm import VllmEngine, model_dir, start_llm
+    from wsync.engine import EngineHost
 
     config_text = open(os.path.join(args.hf, "config.json")).read()
     quant = ""
@@ -69,7 +69,7 @@ def main():
         q = json.load(open(args.quant_config))
         quant = json.dumps(q.get("quantization_config", q))
     host = EngineHost("vllm-check", config_text, agent="127.0.0.1:1", quant_json=quant, checkpoint=args.hf)
-    llm = start_llm(_model_dir(json.loads(config_text), quant), load_format="dummy", max_model_len=256)
+    llm = start_llm(model_dir(json.loads(config_text), quant), load_format="dummy", max_model_len=256)
     dummy = tokens_of(llm, prompt, args.max_new_tokens)
     engine = VllmEngine(host, llm)
     host.start()  # prepares the checkpoint (version 0) through vLLM's weight update

@@ -33,6 +33,8 @@ host's CUDA parameters are. Tested against a stand-in server only (tests/python/
 docs/sglang.md): SGLang's kernels are CUDA-only.
 """
 
+from __future__ import annotations
+
 import base64
 import io
 import json
@@ -40,8 +42,12 @@ import pickle
 import threading
 import urllib.error
 import urllib.request
+from typing import Any, List, Optional, Sequence, Tuple
 
 from wsync._native import WsyncError
+from wsync.engine import EngineHost
+
+__all__ = ["SGLANG_VERSION", "SglangEngine"]
 
 SGLANG_VERSION = "0.5.15.post1"
 
@@ -49,7 +55,8 @@ SGLANG_VERSION = "0.5.15.post1"
 class SglangEngine:
     """The engine host's adapter for an SGLang HTTP server at `url` (module comment)."""
 
-    def __init__(self, host, url, *, api_key=None, timeout=600.0, bucket_bytes=256 << 20, tp_size=1):
+    def __init__(self, host: EngineHost, url: str, *, api_key: Optional[str] = None, timeout: float = 600.0,
+                 bucket_bytes: int = 256 << 20, tp_size: int = 1) -> None:
         if tp_size != 1:
             raise WsyncError(12, f"SGLang with tensor parallelism {tp_size}: this adapter serves TP 1")
         layout = json.loads(host.quant_json).get("engine_layout", "marlin") if host.quant_json else "marlin"
@@ -59,11 +66,11 @@ class SglangEngine:
         self.api_key, self.bucket_bytes = api_key, int(bucket_bytes)
         self._paused = False
         self._lock = threading.Lock()
-        self.calls = []  # (method, route) of every request sent, for logs and tests
+        self.calls: List[Tuple[str, str]] = []  # (method, route) of every request sent, for logs and tests
         host.attach(self)
 
     # --- HTTP ---------------------------------------------------------------------------------
-    def _request(self, method, route, body=None):
+    def _request(self, method: str, route: str, body: Any = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + route, data=data, method=method)
         if data is not None:
@@ -91,14 +98,17 @@ class SglangEngine:
             return text  # /flush_cache answers plain text
 
     # --- the host's callbacks -------------------------------------------------------------------
-    def on_pause(self, mode):
+    def on_pause(self, mode: str) -> None:
+        """ABORT: SGLang's /pause_generation (HOLD needs nothing: module comment)."""
         if mode == "ABORT":
             self._request("POST", "/pause_generation", {"mode": "abort"})
             self._paused = True
 
-    def prepare(self, version):
+    def prepare(self, version: int) -> None:
         """Sends the segment's tensors (SGLang's names and layout) in buckets, "direct"."""
-        buckets, current, size = [], [], 0
+        buckets: List[List[str]] = []
+        current: List[str] = []
+        size = 0
         for name, p in self.host.params.items():
             if current and size + p.nbytes > self.bucket_bytes:
                 buckets.append(current)
@@ -120,12 +130,13 @@ class SglangEngine:
                     raise WsyncError(13, f"SGLang refused version {version} (bucket {i + 1} of {len(buckets)}): "
                                          f"{reply}")
 
-    def on_continue(self, version):
+    def on_continue(self, version: int) -> None:
+        """SGLang's /continue_generation after an ABORT pause."""
         if self._paused:
             self._request("POST", "/continue_generation", {})
             self._paused = False
 
-    def generate(self, prompt, max_new_tokens):
+    def generate(self, prompt: Sequence[int], max_new_tokens: int) -> List[int]:
         """Greedy decoding of exactly max_new_tokens tokens through SGLang's /generate."""
         reply = self._request("POST", "/generate", {
             "input_ids": list(prompt),
@@ -134,6 +145,6 @@ class SglangEngine:
             raise WsyncError(13, f"SGLang /generate answered {str(reply)[:300]}")
         return reply["output_ids"]
 
-    def weight_version(self):
+    def weight_version(self) -> Any:
         """The version SGLang reports (GET /model_info's weight_version)."""
         return self._request("GET", "/model_info").get("weight_version")

