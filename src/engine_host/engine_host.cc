@@ -17,19 +17,19 @@
 #include "common/logging.h"
 #include "common/rpc_security.h"
 #include "common/status.h"
-#include "ref_engine/checkpoint.h"
-#include "ref_engine/core.h"
-#include "ref_engine/registration.h"
-#include "ref_engine/server.h"
-#include "rollout_agent/engine_memory/engine_memory.h"
-#include "rollout_agent/engine_memory/param_arena.h"
-#include "rollout_agent/load/engine_layout.h"
-#include "rollout_agent/repack/repack.h"
+#include "engine_memory/engine_memory.h"
+#include "engine_memory/param_arena.h"
+#include "engine_model/engine_layout.h"
+#include "engine_model/repack.h"
+#include "engine_side/checkpoint.h"
+#include "engine_side/core.h"
+#include "engine_side/registration.h"
+#include "engine_side/server.h"
 #include "wsync_engine_host.h"
 
 namespace {
 
-using wsync::ref_engine::EngineCore;
+using wsync::engine_side::EngineCore;
 
 thread_local std::string g_last_error;
 
@@ -45,15 +45,15 @@ int Ok() {
 constexpr size_t kErrLen = 2048;
 
 // The engine's model: Prepare and Generate call the host's callbacks.
-class CallbackModel final : public wsync::ref_engine::ServedModel {
+class CallbackModel final : public wsync::engine_side::ServedModel {
  public:
   explicit CallbackModel(const wsync_engine_options& o)
       : prepare_(o.prepare), generate_(o.generate), on_pause_(o.on_pause), on_continue_(o.on_continue), ctx_(o.ctx) {}
 
-  absl::Status OnPause(wsync::ref_engine::PauseMode mode) override {
+  absl::Status OnPause(wsync::engine_side::PauseMode mode) override {
     if (on_pause_ == nullptr) return absl::OkStatus();
     char err[kErrLen] = {0};
-    const int m = mode == wsync::ref_engine::PauseMode::kAbort ? 2 : 1;
+    const int m = mode == wsync::engine_side::PauseMode::kAbort ? 2 : 1;
     if (on_pause_(ctx_, m, err, sizeof(err)) == 0) return absl::OkStatus();
     err[kErrLen - 1] = 0;
     return absl::UnavailableError(absl::StrCat("the engine's pause failed: ", err));
@@ -111,10 +111,10 @@ struct wsync_engine {
   std::string engine_id, config_json, quant_json, listen, agent, agent_file;
   wsync::RpcSecurity security;
   wsync::ModelConfig config;
-  std::unique_ptr<wsync::rollout_agent::EngineLayout> layout;
-  std::unique_ptr<wsync::rollout_agent::ParamArena> arena;       // a host: its own segment
-  std::unique_ptr<wsync::rollout_agent::EngineMemory> attached;  // a view: another host's, mapped
-  wsync::rollout_agent::EngineWeights* weights = nullptr;        // the arena's or the mapping's
+  std::unique_ptr<wsync::engine_model::EngineLayout> layout;
+  std::unique_ptr<wsync::engine_memory::ParamArena> arena;       // a host: its own segment
+  std::unique_ptr<wsync::engine_memory::EngineMemory> attached;  // a view: another host's, mapped
+  wsync::engine_model::EngineWeights* weights = nullptr;         // the arena's or the mapping's
   std::unique_ptr<EngineCore> core;
   std::vector<std::string> dtype_names;
   std::vector<std::string> source_dtypes;
@@ -122,8 +122,8 @@ struct wsync_engine {
   std::string attach_info;  // made once, by wsync_engine_attach_info
 
   absl::Mutex mu;
-  std::unique_ptr<wsync::ref_engine::EngineServer> server ABSL_GUARDED_BY(mu);
-  std::unique_ptr<wsync::ref_engine::AgentRegistrar> registrar ABSL_GUARDED_BY(mu);
+  std::unique_ptr<wsync::engine_side::EngineServer> server ABSL_GUARDED_BY(mu);
+  std::unique_ptr<wsync::engine_side::AgentRegistrar> registrar ABSL_GUARDED_BY(mu);
   std::string address;  // set once by start
 };
 
@@ -141,18 +141,18 @@ absl::Status MakeLayout(wsync_engine* e) {
     e->config.quantization = std::move(q);
   }
   ASSIGN_OR_RETURN(
-      rollout_agent::EngineLayout layout,
-      rollout_agent::EngineLayout::Create(e->config, e->config.quantization ? &*e->config.quantization : nullptr,
-                                          ref_engine::EngineRank()));
-  e->layout = std::make_unique<rollout_agent::EngineLayout>(std::move(layout));
+      engine_model::EngineLayout layout,
+      engine_model::EngineLayout::Create(e->config, e->config.quantization ? &*e->config.quantization : nullptr,
+                                         engine_model::EngineRank()));
+  e->layout = std::make_unique<engine_model::EngineLayout>(std::move(layout));
   return absl::OkStatus();
 }
 
 // The safetensors names of the params' and sources' dtypes (what the info structs point at).
 void NameDtypes(wsync_engine* e) {
-  for (const wsync::rollout_agent::EngineBuffer& b : e->weights->buffers())
+  for (const wsync::engine_model::EngineBuffer& b : e->weights->buffers())
     e->dtype_names.emplace_back(wsync::SafetensorsName(b.dtype));
-  for (const wsync::rollout_agent::HfSource& src : e->layout->sources())
+  for (const wsync::engine_model::HfSource& src : e->layout->sources())
     e->source_dtypes.emplace_back(wsync::SafetensorsName(src.dtype));
 }
 
@@ -189,13 +189,13 @@ int wsync_engine_create(const wsync_engine_options* o, wsync_engine** out) {
   e->security = *sec;
 
   if (absl::Status st = MakeLayout(e.get()); !st.ok()) return Fail(st);
-  ref_engine::EngineRank rank;  // TP 1: the host is one engine rank
+  engine_model::EngineRank rank;  // TP 1: the host is one engine rank
 
-  absl::StatusOr<std::vector<std::string>> stale = rollout_agent::ReclaimStaleShmSegments(id, 0);
+  absl::StatusOr<std::vector<std::string>> stale = engine_memory::ReclaimStaleShmSegments(id, 0);
   for (const std::string& name : stale.ok() ? *stale : std::vector<std::string>{})
     WSYNC_LOG(INFO) << "removed the shm segment /" << name << " of a killed earlier process of engine " << id;
-  absl::StatusOr<std::unique_ptr<rollout_agent::ParamArena>> arena =
-      rollout_agent::ParamArena::Create(*e->layout, rollout_agent::UniqueShmName(id, 0));
+  absl::StatusOr<std::unique_ptr<engine_memory::ParamArena>> arena =
+      engine_memory::ParamArena::Create(*e->layout, engine_memory::UniqueShmName(id, 0));
   if (!arena.ok()) return Fail(arena.status());
   e->arena = *std::move(arena);
   e->weights = &e->arena->weights();
@@ -203,13 +203,13 @@ int wsync_engine_create(const wsync_engine_options* o, wsync_engine** out) {
 
   if (o->checkpoint && *o->checkpoint) {
     e->checkpoint = o->checkpoint;
-    absl::StatusOr<ref_engine::CheckpointStats> stats =
-        ref_engine::LoadCheckpoint(e->checkpoint, *e->layout, *e->weights);
+    absl::StatusOr<engine_side::CheckpointStats> stats =
+        engine_side::LoadCheckpoint(e->checkpoint, *e->layout, *e->weights);
     if (!stats.ok()) return Fail(stats.status());
     WSYNC_LOG(INFO) << "engine host " << id << ": loaded checkpoint " << e->checkpoint << " (" << stats->tensors
                     << " tensors, " << stats->quantized << " quantized at load)";
   }
-  ref_engine::EngineCoreOptions co;
+  engine_side::EngineCoreOptions co;
   co.engine_id = id;
   if (o->hold_timeout_s > 0) co.hold_timeout = absl::Seconds(o->hold_timeout_s);
   absl::StatusOr<std::unique_ptr<EngineCore>> core =
@@ -254,7 +254,7 @@ int wsync_engine_attach(const char* info, wsync_engine** out) {
   v1::RegisterEngineRequest req;
   if (!absl::Base64Unescape(j["params"].get<std::string>(), &bytes) || !req.ParseFromString(bytes))
     return Fail(absl::InvalidArgumentError("wsync_engine_attach: the params of the attach info do not parse"));
-  absl::StatusOr<std::unique_ptr<rollout_agent::EngineMemory>> memory = rollout_agent::MapEngineMemory(req.params());
+  absl::StatusOr<std::unique_ptr<engine_memory::EngineMemory>> memory = engine_memory::MapEngineMemory(req.params());
   if (!memory.ok()) return Fail(Annotate(memory.status(), absl::StrCat("attaching to engine ", e->engine_id)));
   e->attached = *std::move(memory);
   e->weights = &e->attached->weights();
@@ -272,7 +272,7 @@ int wsync_engine_param(const wsync_engine* e, size_t index, wsync_engine_param_i
   const auto& buffers = e->weights->buffers();
   if (index >= buffers.size())
     return Fail(absl::OutOfRangeError(absl::StrCat("param ", index, " of ", buffers.size())));
-  const wsync::rollout_agent::EngineBuffer& b = buffers[index];
+  const wsync::engine_model::EngineBuffer& b = buffers[index];
   const int p = e->layout->FindParam(b.name);
   if (b.shape.size() > 4) return Fail(absl::InternalError(absl::StrCat(b.name, ": more than 4 dimensions")));
   std::memset(out, 0, sizeof(*out));
@@ -293,7 +293,7 @@ int wsync_engine_linear(const wsync_engine* e, size_t index, wsync_engine_linear
   const auto& linears = e->layout->linears();
   if (index >= linears.size())
     return Fail(absl::OutOfRangeError(absl::StrCat("linear ", index, " of ", linears.size())));
-  const wsync::rollout_agent::EngineLinear& l = linears[index];
+  const wsync::engine_model::EngineLinear& l = linears[index];
   out->name = l.name.c_str();
   out->quantized = l.quantized ? 1 : 0;
   out->experts = l.experts;
@@ -305,7 +305,7 @@ int wsync_engine_linear(const wsync_engine* e, size_t index, wsync_engine_linear
 size_t wsync_engine_source_count(const wsync_engine* e) { return e ? e->layout->sources().size() : 0; }
 
 int wsync_engine_source(const wsync_engine* e, size_t index, wsync_engine_source_info* out) {
-  using wsync::rollout_agent::HfSource;
+  using wsync::engine_model::HfSource;
   if (e == nullptr || out == nullptr) return Fail(absl::InvalidArgumentError("wsync_engine_source: null argument"));
   const auto& sources = e->layout->sources();
   if (index >= sources.size())
@@ -336,7 +336,7 @@ int wsync_engine_loaded(const wsync_engine* e, const char* param_name, void* out
     return Fail(absl::InvalidArgumentError("wsync_engine_loaded: null argument"));
   const int pi = e->layout->FindParam(param_name);
   if (pi < 0) return Fail(absl::NotFoundError(absl::StrCat("no parameter '", param_name, "' in this engine")));
-  const rollout_agent::EngineParam& p = e->layout->params()[static_cast<size_t>(pi)];
+  const engine_model::EngineParam& p = e->layout->params()[static_cast<size_t>(pi)];
   absl::StatusOr<int64_t> elements = NumElements(p.loaded_shape);
   if (!elements.ok()) return Fail(elements.status());
   const uint64_t want = static_cast<uint64_t>(*elements) * ItemSize(p.dtype);
@@ -344,7 +344,7 @@ int wsync_engine_loaded(const wsync_engine* e, const char* param_name, void* out
     return Fail(absl::InvalidArgumentError(
         absl::StrCat(param_name, ": the loaded form is ", want, " bytes, the buffer ", out_bytes)));
   const MutableTensorView view(p.dtype, p.loaded_shape, {static_cast<std::byte*>(out), want});
-  if (absl::Status s = rollout_agent::RestoreParamToLoaded(*e->layout, param_name, *e->weights, view); !s.ok())
+  if (absl::Status s = engine_model::RestoreParamToLoaded(*e->layout, param_name, *e->weights, view); !s.ok())
     return Fail(s);
   if (shape != nullptr) {
     for (size_t i = 0; i < 4; ++i) shape[i] = i < p.loaded_shape.size() ? p.loaded_shape[i] : 0;
@@ -358,14 +358,14 @@ int wsync_engine_dense_bf16(const wsync_engine* e, const char* linear_name, void
     return Fail(absl::InvalidArgumentError("wsync_engine_dense_bf16: null argument"));
   const int li = e->layout->FindLinear(linear_name);
   if (li < 0) return Fail(absl::NotFoundError(absl::StrCat("no linear '", linear_name, "' in this engine")));
-  const rollout_agent::EngineLinear& l = e->layout->linears()[static_cast<size_t>(li)];
+  const engine_model::EngineLinear& l = e->layout->linears()[static_cast<size_t>(li)];
   const uint64_t want = static_cast<uint64_t>((l.experts > 0 ? l.experts : 1) * l.n * l.k) * 2;
   if (out_bytes != want)
     return Fail(absl::InvalidArgumentError(
         absl::StrCat(linear_name, ": the bf16 weight is ", want, " bytes, the buffer ", out_bytes)));
-  rollout_agent::DenseOptions d;
+  engine_model::DenseOptions d;
   d.out_dtype = DType::kBF16;
-  absl::StatusOr<Tensor> dense = rollout_agent::DequantizeToDense(*e->layout, linear_name, *e->weights, d);
+  absl::StatusOr<Tensor> dense = engine_model::DequantizeToDense(*e->layout, linear_name, *e->weights, d);
   if (!dense.ok()) return Fail(dense.status());
   if (dense->nbytes() != want)
     return Fail(absl::InternalError(absl::StrCat(linear_name, ": dequantized to ", dense->nbytes(), " bytes")));
@@ -379,22 +379,22 @@ int wsync_engine_start(wsync_engine* e) {
   if (!e->core) return Fail(absl::FailedPreconditionError(kViewServesNothing));
   absl::MutexLock lock(&e->mu);
   if (e->server) return Fail(absl::FailedPreconditionError(absl::StrCat("engine ", e->engine_id, " already started")));
-  if (!e->checkpoint.empty() && e->core->Health().state == ref_engine::HealthInfo::State::kNoWeights) {
+  if (!e->checkpoint.empty() && e->core->Health().state == engine_side::HealthInfo::State::kNoWeights) {
     if (absl::Status s = e->core->PrepareInitial(0, absl::StrCat("checkpoint ", e->checkpoint)); !s.ok())
       return Fail(s);
   }
-  absl::StatusOr<std::unique_ptr<ref_engine::EngineServer>> server =
-      ref_engine::EngineServer::Start(e->core.get(), e->listen, e->security);
+  absl::StatusOr<std::unique_ptr<engine_side::EngineServer>> server =
+      engine_side::EngineServer::Start(e->core.get(), e->listen, e->security);
   if (!server.ok()) return Fail(server.status());
   e->server = *std::move(server);
   e->address = e->server->address();
-  ref_engine::RegistrarOptions ro;
+  engine_side::RegistrarOptions ro;
   ro.agent_address = e->agent;
   ro.agent_address_file = e->agent_file;
   ro.security = e->security;
   EngineCore* core = e->core.get();
   ro.on_registered = [core](const v1::RegisterEngineReply& r) { core->HoldForCatchUp(r.catch_up_version()); };
-  e->registrar = ref_engine::AgentRegistrar::Start(ro, [e, core] {
+  e->registrar = engine_side::AgentRegistrar::Start(ro, [e, core] {
     v1::RegisterEngineRequest req;
     req.set_engine_id(e->engine_id);
     req.set_tp_size(1);
@@ -462,7 +462,7 @@ int wsync_engine_health(const wsync_engine* e, int* state, uint64_t* version) {
   if (e == nullptr || state == nullptr || version == nullptr)
     return Fail(absl::InvalidArgumentError("wsync_engine_health: null argument"));
   if (!e->core) return Fail(absl::FailedPreconditionError(kViewServesNothing));
-  const wsync::ref_engine::HealthInfo h = e->core->Health();
+  const wsync::engine_side::HealthInfo h = e->core->Health();
   *state = static_cast<int>(h.state) + 1;  // kServing.. -> SERVING = 1 ..
   *version = h.version;
   return Ok();

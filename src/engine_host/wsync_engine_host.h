@@ -7,7 +7,7 @@
  *     stacked experts w13 / w2, vocab padded to a multiple of 64, INT4 in Marlin layout), and lists
  *     them with their addresses (wsync_engine_param) so the engine can read them in place;
  *   - serves the RolloutEngine gRPC service (proto/wsync/v1/engine.proto: Pause, Flush, Continue,
- *     Health, WeightVersion, Generate) with the reference engine's state machine (ref_engine/core.h):
+ *     Health, WeightVersion, Generate) with the reference engine's state machine (engine_side/core.h):
  *     requests are admitted one version at a time; the agent writes the memory only while the
  *     engine is paused with no request in flight, then calls Continue(version), which calls the
  *     engine's `prepare` callback before anything is admitted again;

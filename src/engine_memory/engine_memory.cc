@@ -1,4 +1,4 @@
-#include "rollout_agent/engine_memory/engine_memory.h"
+#include "engine_memory/engine_memory.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -13,7 +13,7 @@
 #include "comm/bucket/stream.h"
 #include "common/status.h"
 
-namespace wsync::rollout_agent {
+namespace wsync::engine_memory {
 
 EngineMemory::~EngineMemory() {
   for (const Mapping& m : mappings_)
@@ -74,7 +74,7 @@ absl::StatusOr<std::unique_ptr<EngineMemory>> MapEngineMemory(
                                                        ") lie outside the ", m.size(),
                                                        "-byte CUDA allocation of its IPC handle"));
       }
-      EngineBuffer b;
+      engine_model::EngineBuffer b;
       b.name = p.name();
       b.dtype = *dtype;
       b.shape = std::move(shape);
@@ -130,7 +130,7 @@ absl::StatusOr<std::unique_ptr<EngineMemory>> MapEngineMemory(
       return absl::InvalidArgumentError(absl::StrCat(what, ": bytes [", off, ", ", off + p.nbytes(),
                                                      ") lie outside the ", m.size, "-byte segment ", seg));
     }
-    EngineBuffer b;
+    engine_model::EngineBuffer b;
     b.name = p.name();
     b.dtype = *dtype;
     b.shape = std::move(shape);
@@ -142,4 +142,4 @@ absl::StatusOr<std::unique_ptr<EngineMemory>> MapEngineMemory(
   return mem;
 }
 
-}  // namespace wsync::rollout_agent
+}  // namespace wsync::engine_memory

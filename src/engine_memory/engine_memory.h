@@ -1,6 +1,6 @@
 // The engine's parameter memory as its rollout agent sees it: the POSIX shared-memory segments an
 // engine rank registered (RegisterEngineRequest.params[i].memory), mapped read-write into the
-// agent, and the EngineWeights (repack/engine_weights.h) that address every parameter in them.
+// agent, and the EngineWeights (engine_model/engine_weights.h) that address every parameter in them.
 //
 // MapEngineMemory(params) opens every distinct segment once (shm_open O_RDWR, mmap MAP_SHARED of
 // the whole segment) after checking that it is a regular segment owned by this process's effective
@@ -32,11 +32,11 @@
 #include "absl/status/statusor.h"
 #include "common/cuda_ipc.h"
 #include "common/tensor.h"
+#include "engine_model/engine_weights.h"
 #include "google/protobuf/repeated_ptr_field.h"
-#include "rollout_agent/repack/engine_weights.h"
 #include "wsync/v1/engine.pb.h"
 
-namespace wsync::rollout_agent {
+namespace wsync::engine_memory {
 
 class EngineMemory {
  public:
@@ -44,8 +44,8 @@ class EngineMemory {
   EngineMemory(const EngineMemory&) = delete;
   EngineMemory& operator=(const EngineMemory&) = delete;
 
-  const EngineWeights& weights() const { return weights_; }
-  EngineWeights& weights() { return weights_; }
+  const engine_model::EngineWeights& weights() const { return weights_; }
+  engine_model::EngineWeights& weights() { return weights_; }
   // Total bytes of all registered params.
   uint64_t param_bytes() const { return param_bytes_; }
   // Names of the mapped segments, in first-use order.
@@ -65,7 +65,7 @@ class EngineMemory {
 
   std::vector<Mapping> mappings_;
   std::vector<std::unique_ptr<CudaIpcMapping>> handles_;
-  EngineWeights weights_;
+  engine_model::EngineWeights weights_;
   uint64_t param_bytes_ = 0;
 };
 
@@ -73,4 +73,4 @@ class EngineMemory {
 absl::StatusOr<std::unique_ptr<EngineMemory>> MapEngineMemory(
     const google::protobuf::RepeatedPtrField<v1::EngineParam>& params);
 
-}  // namespace wsync::rollout_agent
+}  // namespace wsync::engine_memory

@@ -1,6 +1,6 @@
 // MapEngineMemory: the agent maps exactly what the engine registered, writes land in the engine's
 // segment, and every unsafe or inconsistent registration is refused naming the param / segment.
-#include "rollout_agent/engine_memory/engine_memory.h"
+#include "engine_memory/engine_memory.h"
 
 #include <sys/stat.h>
 
@@ -8,12 +8,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/config.h"
+#include "engine_memory/param_arena.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/testing/test_models.h"
-#include "rollout_agent/engine_memory/param_arena.h"
 
-namespace wsync::rollout_agent {
+namespace wsync::engine_memory {
 namespace {
 
 using ::testing::HasSubstr;
@@ -23,9 +23,9 @@ class EngineMemoryTest : public ::testing::Test {
   void SetUp() override {
     auto config = ParseModelConfig(model::testing::kQwen3Json, "qwen3");
     ASSERT_TRUE(config.ok()) << config.status();
-    auto layout = EngineLayout::Create(*config, nullptr, {2, 1, 1});
+    auto layout = engine_model::EngineLayout::Create(*config, nullptr, {2, 1, 1});
     ASSERT_TRUE(layout.ok()) << layout.status();
-    layout_ = std::make_unique<EngineLayout>(std::move(*layout));
+    layout_ = std::make_unique<engine_model::EngineLayout>(std::move(*layout));
   }
   // The engine's end: a ParamArena for the layout, its segment then set to `mode` (ParamArena
   // always creates 0600; a wider mode is what an engine that shares its weights wider registers).
@@ -38,7 +38,7 @@ class EngineMemoryTest : public ::testing::Test {
     }
     return std::move(*m);
   }
-  std::unique_ptr<EngineLayout> layout_;
+  std::unique_ptr<engine_model::EngineLayout> layout_;
 };
 
 TEST_F(EngineMemoryTest, MapsEveryParamIntoTheEnginesSegment) {
@@ -54,9 +54,9 @@ TEST_F(EngineMemoryTest, MapsEveryParamIntoTheEnginesSegment) {
   for (const auto& p : req.params()) total += p.nbytes();
   EXPECT_EQ((*mem)->param_bytes(), total);
   // A write through the agent's mapping is visible in the engine's (a different mapping).
-  const EngineBuffer& b = (*mem)->weights().buffers().back();
+  const engine_model::EngineBuffer& b = (*mem)->weights().buffers().back();
   std::memset(b.data, 0x5a, b.nbytes);
-  const EngineBuffer* theirs = seg->weights().Find(b.name);
+  const engine_model::EngineBuffer* theirs = seg->weights().Find(b.name);
   ASSERT_NE(theirs, nullptr);
   EXPECT_NE(theirs->data, b.data);
   EXPECT_EQ(static_cast<const unsigned char*>(theirs->data)[b.nbytes - 1], 0x5a);
@@ -131,4 +131,4 @@ TEST_F(EngineMemoryTest, AWrongShapeMapsButDoesNotMatchTheLayout) {
 }
 
 }  // namespace
-}  // namespace wsync::rollout_agent
+}  // namespace wsync::engine_memory

@@ -1,4 +1,4 @@
-#include "rollout_agent/engine_memory/param_arena.h"
+#include "engine_memory/param_arena.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -21,7 +21,7 @@
 #include "common/checksum.h"
 #include "common/status.h"
 
-namespace wsync::rollout_agent {
+namespace wsync::engine_memory {
 namespace {
 
 // Crash-cleanup registry: fixed slots of precomputed /dev/shm paths, so that a signal handler can
@@ -169,27 +169,28 @@ ShmSegment::~ShmSegment() {
   Unregister(slot_);
 }
 
-absl::StatusOr<std::unique_ptr<ParamArena>> ParamArena::Create(const EngineLayout& layout,
+absl::StatusOr<std::unique_ptr<ParamArena>> ParamArena::Create(const engine_model::EngineLayout& layout,
                                                                const std::string& shm_name) {
   return Lay(layout, shm_name, -1);
 }
 
-absl::StatusOr<std::unique_ptr<ParamArena>> ParamArena::CreateOnDevice(const EngineLayout& layout, int device) {
+absl::StatusOr<std::unique_ptr<ParamArena>> ParamArena::CreateOnDevice(const engine_model::EngineLayout& layout,
+                                                                       int device) {
   return Lay(layout, "", device);
 }
 
-absl::StatusOr<std::unique_ptr<ParamArena>> ParamArena::Lay(const EngineLayout& layout, const std::string& shm_name,
-                                                            int device) {
+absl::StatusOr<std::unique_ptr<ParamArena>> ParamArena::Lay(const engine_model::EngineLayout& layout,
+                                                            const std::string& shm_name, int device) {
   const auto& params = layout.params();
   std::vector<uint64_t> offsets;
   offsets.reserve(params.size());
   std::vector<uint64_t> sizes;
   sizes.reserve(params.size());
   uint64_t end = 0;
-  for (const EngineParam& p : params) {
+  for (const engine_model::EngineParam& p : params) {
     end = (end + kParamAlignment - 1) / kParamAlignment * kParamAlignment;
     offsets.push_back(end);
-    ASSIGN_OR_RETURN(int64_t nbytes, NumBytes(p.dtype_in(ParamForm::kEngine), p.engine_shape));
+    ASSIGN_OR_RETURN(int64_t nbytes, NumBytes(p.dtype_in(engine_model::ParamForm::kEngine), p.engine_shape));
     sizes.push_back(static_cast<uint64_t>(nbytes));
     end += static_cast<uint64_t>(nbytes);
   }
@@ -205,10 +206,10 @@ absl::StatusOr<std::unique_ptr<ParamArena>> ParamArena::Lay(const EngineLayout& 
     base = static_cast<std::byte*>(arena->segment_->data());
   }
   for (size_t i = 0; i < params.size(); ++i) {
-    const EngineParam& p = params[i];
-    EngineBuffer b;
+    const engine_model::EngineParam& p = params[i];
+    engine_model::EngineBuffer b;
     b.name = p.name;
-    b.dtype = p.dtype_in(ParamForm::kEngine);
+    b.dtype = p.dtype_in(engine_model::ParamForm::kEngine);
     b.shape = p.engine_shape;
     b.data = base + offsets[i];
     b.nbytes = sizes[i];
@@ -252,4 +253,4 @@ absl::StatusOr<uint64_t> ParamArena::Checksum() const {
   return Xxh3_64(host.span());
 }
 
-}  // namespace wsync::rollout_agent
+}  // namespace wsync::engine_memory

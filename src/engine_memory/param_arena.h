@@ -35,11 +35,11 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/cuda_ipc.h"
-#include "rollout_agent/load/engine_layout.h"
-#include "rollout_agent/repack/engine_weights.h"
+#include "engine_model/engine_layout.h"
+#include "engine_model/engine_weights.h"
 #include "wsync/v1/engine.pb.h"
 
-namespace wsync::rollout_agent {
+namespace wsync::engine_memory {
 
 inline constexpr size_t kParamAlignment = 64;
 
@@ -86,9 +86,11 @@ void InstallShmCrashCleanup();
 class ParamArena {
  public:
   // Lays out every param of `layout` (ParamForm::kEngine) in one new segment named `shm_name`.
-  static absl::StatusOr<std::unique_ptr<ParamArena>> Create(const EngineLayout& layout, const std::string& shm_name);
+  static absl::StatusOr<std::unique_ptr<ParamArena>> Create(const engine_model::EngineLayout& layout,
+                                                            const std::string& shm_name);
   // The same layout in one new zero-filled CUDA allocation on `device` (cuda_ipc.h's errors).
-  static absl::StatusOr<std::unique_ptr<ParamArena>> CreateOnDevice(const EngineLayout& layout, int device);
+  static absl::StatusOr<std::unique_ptr<ParamArena>> CreateOnDevice(const engine_model::EngineLayout& layout,
+                                                                    int device);
 
   bool on_device() const { return device_ != nullptr; }
   // Host arenas only (on_device() false).
@@ -97,8 +99,8 @@ class ParamArena {
   size_t size() const;
   std::string where() const;
   // Every param, by SGLang name, pointing into the segment (CheckMatches(layout) holds).
-  EngineWeights& weights() { return weights_; }
-  const EngineWeights& weights() const { return weights_; }
+  engine_model::EngineWeights& weights() { return weights_; }
+  const engine_model::EngineWeights& weights() const { return weights_; }
   // The registration's params: name, dtype, engine shape, nbytes, {shm_name, offset} or
   // {cuda_ipc_handle, cuda_device, offset}.
   void FillParams(google::protobuf::RepeatedPtrField<v1::EngineParam>* out) const;
@@ -111,13 +113,13 @@ class ParamArena {
 
  private:
   ParamArena() = default;
-  static absl::StatusOr<std::unique_ptr<ParamArena>> Lay(const EngineLayout& layout, const std::string& shm_name,
-                                                         int device);
+  static absl::StatusOr<std::unique_ptr<ParamArena>> Lay(const engine_model::EngineLayout& layout,
+                                                         const std::string& shm_name, int device);
   std::unique_ptr<ShmSegment> segment_;
   std::unique_ptr<CudaAllocation> device_;
   std::string ipc_handle_;
-  EngineWeights weights_;
+  engine_model::EngineWeights weights_;
   std::vector<uint64_t> offsets_;
 };
 
-}  // namespace wsync::rollout_agent
+}  // namespace wsync::engine_memory

@@ -1,4 +1,4 @@
-#include "rollout_agent/engine_memory/param_arena.h"
+#include "engine_memory/param_arena.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -16,7 +16,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
-namespace wsync::rollout_agent {
+namespace wsync::engine_memory {
 namespace {
 
 using ::testing::HasSubstr;
@@ -134,7 +134,7 @@ TEST(ParamArenaTest, EveryParamIs64ByteAlignedDisjointAndRegistered) {
         "strategy": "group", "group_size": 32, "symmetric": true, "dynamic": false}}},
       "ignore": ["lm_head", "re:.*embed_tokens.*"]}})");
   for (int tp : {1, 2}) {
-    auto layout = EngineLayout::Create(c, &*c.quantization, {tp, tp - 1, 1});
+    auto layout = engine_model::EngineLayout::Create(c, &*c.quantization, {tp, tp - 1, 1});
     ASSERT_TRUE(layout.ok()) << layout.status();
     auto arena = ParamArena::Create(*layout, UniqueShmName("arena", tp));
     ASSERT_TRUE(arena.ok()) << arena.status();
@@ -169,7 +169,7 @@ TEST(ParamArenaTest, EveryParamIs64ByteAlignedDisjointAndRegistered) {
     }
     EXPECT_TRUE(any_marlin);
     // The Marlin form: qkv_proj packed [K/16, 2N] on this rank.
-    const EngineBuffer* qkv = (*arena)->weights().Find("model.layers.0.self_attn.qkv_proj.weight_packed");
+    const engine_model::EngineBuffer* qkv = (*arena)->weights().Find("model.layers.0.self_attn.qkv_proj.weight_packed");
     ASSERT_NE(qkv, nullptr);
     const int64_t n = (4 / tp + 2 * (2 / tp)) * 32;
     EXPECT_EQ(qkv->shape, Shape({128 / 16, 2 * n}));
@@ -181,7 +181,7 @@ TEST(ParamArenaTest, ChecksumCoversTheWholeSegment) {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 40,
     "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
     "intermediate_size": 96, "vocab_size": 100, "max_position_embeddings": 64, "torch_dtype": "bfloat16"})");
-  auto layout = EngineLayout::Create(c, nullptr, {1, 0, 1});
+  auto layout = engine_model::EngineLayout::Create(c, nullptr, {1, 0, 1});
   ASSERT_TRUE(layout.ok()) << layout.status();
   auto arena = ParamArena::Create(*layout, UniqueShmName("checksum", 0));
   ASSERT_TRUE(arena.ok()) << arena.status();
@@ -190,7 +190,7 @@ TEST(ParamArenaTest, ChecksumCoversTheWholeSegment) {
   const uint64_t zero = (*arena)->Checksum().value();
   EXPECT_EQ(zero, Xxh3_64({bytes, seg.size()}));
   // A byte of a param changes it; writing the byte back restores it.
-  const EngineBuffer& last = (*arena)->weights().buffers().back();
+  const engine_model::EngineBuffer& last = (*arena)->weights().buffers().back();
   static_cast<unsigned char*>(last.data)[last.nbytes - 1] = 0x01;
   const uint64_t written = (*arena)->Checksum().value();
   EXPECT_NE(written, zero);
@@ -214,4 +214,4 @@ TEST(ParamArenaTest, ChecksumCoversTheWholeSegment) {
 }
 
 }  // namespace
-}  // namespace wsync::rollout_agent
+}  // namespace wsync::engine_memory

@@ -1,4 +1,4 @@
-#include "rollout_agent/load/block_copy.h"
+#include "engine_model/block_copy.h"
 
 #include <algorithm>
 #include <cstring>
@@ -12,7 +12,7 @@
 #include <emmintrin.h>
 #endif
 
-namespace wsync::rollout_agent::internal {
+namespace wsync::engine_model::internal {
 namespace {
 
 constexpr int64_t kTile = 32;
@@ -129,4 +129,4 @@ void Transpose(const std::byte* src, int64_t rows, int64_t cols, std::byte* dst,
   });
 }
 
-}  // namespace wsync::rollout_agent::internal
+}  // namespace wsync::engine_model::internal

@@ -1,5 +1,5 @@
 // Internal: strided block copies and transposes of dense row-major matrices of 1/2/4/8-byte
-// elements, used by the loader (sent tensor -> staging slice) and by repack/ (compressed-tensors
+// elements, used by the loader (sent tensor -> staging slice) and by repack (compressed-tensors
 // [N, K/8] <-> GPTQ [K/8, N]). Pointers may be unaligned (bucket payloads); elements are moved with
 // memcpy. CopyBlockIn runs the same copy in a MemorySpace (a device staging: MemorySpace::Copy2D
 // and kernels::TransposeBlock, enqueued on the device's legacy stream). Not a public API.
@@ -13,7 +13,7 @@
 #include "absl/status/status.h"
 #include "common/memory_space.h"
 
-namespace wsync::rollout_agent::internal {
+namespace wsync::engine_model::internal {
 
 // dst[(dr + i) * dst_ld + dc + j] = src[(r0 + i) * src_ld + c0 + j] for i < rows, j < cols; with
 // `transpose`, dst[(dr + j) * dst_ld + dc + i] = src[(r0 + i) * src_ld + c0 + j]. Sizes in elements.
@@ -29,4 +29,4 @@ absl::Status CopyBlockIn(const MemorySpace& space, const std::byte* src, int64_t
 // dst [cols, rows] = src [rows, cols]^T, split over up to `threads` threads (0 = hardware).
 void Transpose(const std::byte* src, int64_t rows, int64_t cols, std::byte* dst, size_t item, int threads);
 
-}  // namespace wsync::rollout_agent::internal
+}  // namespace wsync::engine_model::internal

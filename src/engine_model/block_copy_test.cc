@@ -1,7 +1,7 @@
 // CopyBlock / Transpose against an element-by-element reference: every element size, with and
 // without transpose, random sub-blocks at random offsets of random (odd) leading dimensions, so
 // the 4 x 4 SIMD path and its scalar edges are both exercised. Seed 20261122.
-#include "rollout_agent/load/block_copy.h"
+#include "engine_model/block_copy.h"
 
 #include <cstring>
 #include <random>
@@ -9,7 +9,7 @@
 
 #include "gtest/gtest.h"
 
-namespace wsync::rollout_agent::internal {
+namespace wsync::engine_model::internal {
 namespace {
 
 void Reference(const std::byte* src, int64_t src_ld, int64_t r0, int64_t c0, int64_t rows, int64_t cols, std::byte* dst,
@@ -67,4 +67,4 @@ TEST(BlockCopyTest, ThreadedTransposeMatches) {
 }
 
 }  // namespace
-}  // namespace wsync::rollout_agent::internal
+}  // namespace wsync::engine_model::internal

@@ -1,4 +1,4 @@
-#include "rollout_agent/load/engine_layout.h"
+#include "engine_model/engine_layout.h"
 
 #include <algorithm>
 #include <set>
@@ -12,7 +12,7 @@
 #include "common/logging.h"
 #include "common/status.h"
 
-namespace wsync::rollout_agent {
+namespace wsync::engine_model {
 
 absl::string_view ParamRoleName(ParamRole role) {
   switch (role) {
@@ -829,4 +829,4 @@ int64_t EngineLayout::TotalBytes(ParamForm form) const {
   return total;
 }
 
-}  // namespace wsync::rollout_agent
+}  // namespace wsync::engine_model

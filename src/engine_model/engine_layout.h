@@ -26,7 +26,7 @@
 //     columns of scales, copied without a transpose, dense and MoE alike).
 // Quantization is decided per engine layer from QuantizationConfig::IsIgnored on the HF shard
 // names; all shards of a fused layer must agree (§3.1). Decisions the spec leaves open are in
-// src/rollout_agent/load/README.md (shared-experts fusion is always off, Marlin is always used for
+// src/engine_model/README.md (shared-experts fusion is always off, Marlin is always used for
 // INT4, MTP layers are skipped, no weight_shape / g_idx placeholders are engine params).
 //
 // Errors: Create() returns kInvalidArgument naming the config values for every refusal of §6 (TP
@@ -48,7 +48,7 @@
 #include "common/dtype.h"
 #include "common/tensor.h"
 
-namespace wsync::rollout_agent {
+namespace wsync::engine_model {
 
 struct EngineParallel {
   int tp_size = 1;  // T: the engine's tensor-parallel size
@@ -57,6 +57,18 @@ struct EngineParallel {
 };
 
 // How a parameter is sharded over the engine ranks (§2).
+// One engine rank's place (ENGINE_LAYOUT.md §1): the rollout loader's geometry (tp_size, tp_rank,
+// ep_size; moe_tp = tp_size / ep_size, ep_rank = tp_rank / moe_tp, moe_tp_rank = tp_rank % moe_tp)
+// plus the one thing only the engine knows, whether DeepSeek-V3's shared experts are fused.
+// An EngineRank is an EngineParallel, so it passes straight to EngineLayout::Create.
+struct EngineRank : EngineParallel {
+  // DeepSeek-V3 shared-experts fusion (ENGINE_LAYOUT.md §2.7): the shared expert is routed
+  // expert n_routed (E_total = n_routed + 1, always selected with weight 1) and there is no
+  // mlp.shared_experts module. Requires n_shared_experts == 1. The rollout loader never fuses
+  // (README.md decision 1), so wsync-ref-engine always serves with it off.
+  bool fused_shared_experts = false;
+};
+
 enum class ParamRole {
   kReplicated,  // norms, ReplicatedLinear (router gate, kv_a_proj_with_mqa without q_lora), MoEGate bias
   kColumn,      // ColumnParallelLinear: q_b_proj, q_proj (MLA), kv_b_proj
@@ -231,4 +243,4 @@ class EngineLayout {
   std::vector<std::string> warnings_;
 };
 
-}  // namespace wsync::rollout_agent
+}  // namespace wsync::engine_model

@@ -1,6 +1,6 @@
 // EngineLayout: names, shapes and roles against hand-written tables of ENGINE_LAYOUT.md §5 / §7,
 // the rank geometry of §1, and every refusal / warning of §6.
-#include "rollout_agent/load/engine_layout.h"
+#include "engine_model/engine_layout.h"
 
 #include <string>
 #include <vector>
@@ -12,7 +12,7 @@
 #include "gtest/gtest.h"
 #include "model/testing/test_models.h"
 
-namespace wsync::rollout_agent {
+namespace wsync::engine_model {
 namespace {
 
 using model::testing::QuantJson;
@@ -602,9 +602,9 @@ TEST(EngineLayoutTest, ChannelwiseRowParallelScalesAreWhole) {
 }
 
 }  // namespace
-}  // namespace wsync::rollout_agent
+}  // namespace wsync::engine_model
 
-namespace wsync::rollout_agent {
+namespace wsync::engine_model {
 namespace {
 
 TEST(EngineLayoutTest, W13ScalePermutationUsesSglangSizeK) {
@@ -629,4 +629,4 @@ TEST(EngineLayoutTest, W13ScalePermutationUsesSglangSizeK) {
 }
 
 }  // namespace
-}  // namespace wsync::rollout_agent
+}  // namespace wsync::engine_model

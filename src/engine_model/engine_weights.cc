@@ -1,4 +1,4 @@
-#include "rollout_agent/repack/engine_weights.h"
+#include "engine_model/engine_weights.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -11,7 +11,7 @@
 #include "common/parallel_for.h"
 #include "common/status.h"
 
-namespace wsync::rollout_agent {
+namespace wsync::engine_model {
 
 absl::Status EngineWeights::Add(EngineBuffer b) {
   if (index_.contains(b.name))
@@ -120,4 +120,4 @@ size_t EngineWeights::device_buffers() const {
       std::count_if(buffers_.begin(), buffers_.end(), [](const EngineBuffer& b) { return b.on_device(); }));
 }
 
-}  // namespace wsync::rollout_agent
+}  // namespace wsync::engine_model

@@ -1,7 +1,7 @@
 // The engine side of a weight sync: the parameter memory an engine rank registered with its
 // rollout agent (a POSIX shared-memory segment on CPU hosts; filled by the registration RPC
 // later), addressed by SGLang parameter name. Commit() writes the final engine form into it and
-// Restore() reads it back (repack/repack.h).
+// Restore() reads it back (repack.h).
 //
 // EngineBuffer is a plain description (name, dtype, shape, pointer, size, memory space); the
 // memory belongs to the engine and must outlive the EngineWeights that points at it. A buffer with
@@ -28,9 +28,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/tensor.h"
-#include "rollout_agent/load/engine_layout.h"
+#include "engine_model/engine_layout.h"
 
-namespace wsync::rollout_agent {
+namespace wsync::engine_model {
 
 struct EngineBuffer {
   std::string name;  // SGLang parameter name
@@ -85,4 +85,4 @@ class OwnedEngineWeights {
   EngineWeights weights_;
 };
 
-}  // namespace wsync::rollout_agent
+}  // namespace wsync::engine_model

@@ -1,6 +1,6 @@
 // Loader + Staging: name / dtype / shape / weight_shape checks, duplicates, coverage errors,
 // accepted-and-skipped tensors, and concurrent loading. Seeds are fixed and printed on failure.
-#include "rollout_agent/load/loader.h"
+#include "engine_model/loader.h"
 
 #include <cstring>
 #include <thread>
@@ -14,7 +14,7 @@
 #include "model/testing/hf_model.h"
 #include "model/testing/test_models.h"
 
-namespace wsync::rollout_agent {
+namespace wsync::engine_model {
 namespace {
 
 using model::testing::HfModel;
@@ -298,4 +298,4 @@ TEST(LoaderTest, ConcurrentLoadsEqualSequentialLoads) {
 }
 
 }  // namespace
-}  // namespace wsync::rollout_agent
+}  // namespace wsync::engine_model

@@ -1,4 +1,4 @@
-#include "rollout_agent/repack/repack.h"
+#include "engine_model/repack.h"
 
 #include <algorithm>
 #include <cstring>
@@ -11,14 +11,14 @@
 #include "common/cuda_ipc.h"
 #include "common/parallel_for.h"
 #include "common/status.h"
+#include "engine_model/block_copy.h"
 #include "kernels/awq.h"
 #include "kernels/format/awq_format.h"
 #include "kernels/int4.h"
 #include "kernels/transpose.h"
 #include "kernels/trtllm.h"
-#include "rollout_agent/load/block_copy.h"
 
-namespace wsync::rollout_agent {
+namespace wsync::engine_model {
 namespace {
 
 using internal::Transpose;
@@ -699,4 +699,4 @@ absl::StatusOr<Tensor> DequantizeToDense(absl::string_view linear_name, const St
                           });
 }
 
-}  // namespace wsync::rollout_agent
+}  // namespace wsync::engine_model

@@ -43,11 +43,11 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/tensor.h"
-#include "rollout_agent/load/engine_layout.h"
-#include "rollout_agent/load/loader.h"
-#include "rollout_agent/repack/engine_weights.h"
+#include "engine_model/engine_layout.h"
+#include "engine_model/engine_weights.h"
+#include "engine_model/loader.h"
 
-namespace wsync::rollout_agent {
+namespace wsync::engine_model {
 
 struct RepackOptions {
   int num_threads = 0;  // 0: hardware concurrency (kernels: at most one thread per MiB)
@@ -86,4 +86,4 @@ absl::StatusOr<Tensor> DequantizeToDense(const EngineLayout& layout, absl::strin
 absl::StatusOr<Tensor> DequantizeToDense(absl::string_view linear_name, const Staging& staging,
                                          const DenseOptions& options = {});
 
-}  // namespace wsync::rollout_agent
+}  // namespace wsync::engine_model

@@ -20,14 +20,14 @@
 #include "common/cuda_ipc.h"
 #include "common/memory_space.h"
 #include "common/status.h"
+#include "engine_model/repack.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/dispatch.h"
 #include "model/testing/hf_model.h"
 #include "model/testing/test_models.h"
-#include "rollout_agent/repack/repack.h"
 
-namespace wsync::rollout_agent {
+namespace wsync::engine_model {
 namespace {
 
 using ::testing::HasSubstr;
@@ -331,4 +331,4 @@ TEST(RepackDeviceRefusal, NoUsableDeviceRefusesBeforeWriting) {
 }
 
 }  // namespace
-}  // namespace wsync::rollout_agent
+}  // namespace wsync::engine_model

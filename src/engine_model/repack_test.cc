@@ -9,7 +9,7 @@
 //   * Restore(Commit(x)) == x.
 // Plus: every failed Load / Commit leaves the engine byte-identical (checksums), partial updates.
 // Seeds are fixed per case (printed on failure).
-#include "rollout_agent/repack/repack.h"
+#include "engine_model/repack.h"
 
 #include <cstring>
 #include <map>
@@ -28,7 +28,7 @@
 #include "model/testing/hf_model.h"
 #include "model/testing/test_models.h"
 
-namespace wsync::rollout_agent {
+namespace wsync::engine_model {
 namespace {
 
 using model::testing::HfModel;
@@ -813,4 +813,4 @@ TEST(RepackTest, DequantizeToDenseBf16AndErrors) {
 }
 
 }  // namespace
-}  // namespace wsync::rollout_agent
+}  // namespace wsync::engine_model

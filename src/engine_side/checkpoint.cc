@@ -1,4 +1,4 @@
-#include "ref_engine/checkpoint.h"
+#include "engine_side/checkpoint.h"
 
 #include <algorithm>
 #include <filesystem>
@@ -9,11 +9,11 @@
 #include "absl/strings/str_join.h"
 #include "common/safetensors.h"
 #include "common/status.h"
+#include "engine_model/loader.h"
+#include "engine_model/repack.h"
 #include "model/quant_target.h"
-#include "rollout_agent/load/loader.h"
-#include "rollout_agent/repack/repack.h"
 
-namespace wsync::ref_engine {
+namespace wsync::engine_side {
 namespace {
 
 // "X.weight_packed" -> "X" for the INT4 suffixes (compressed-tensors and AWQ), else "".
@@ -27,9 +27,8 @@ std::string Int4Prefix(absl::string_view name) {
 
 }  // namespace
 
-absl::StatusOr<CheckpointStats> LoadCheckpoint(const std::string& dir, const rollout_agent::EngineLayout& layout,
-                                               rollout_agent::EngineWeights& weights,
-                                               const CheckpointOptions& options) {
+absl::StatusOr<CheckpointStats> LoadCheckpoint(const std::string& dir, const engine_model::EngineLayout& layout,
+                                               engine_model::EngineWeights& weights, const CheckpointOptions& options) {
   std::vector<std::string> files;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
@@ -39,8 +38,8 @@ absl::StatusOr<CheckpointStats> LoadCheckpoint(const std::string& dir, const rol
   if (files.empty()) return absl::NotFoundError(absl::StrCat("checkpoint ", dir, " holds no *.safetensors file"));
   std::sort(files.begin(), files.end());
 
-  ASSIGN_OR_RETURN(std::unique_ptr<rollout_agent::Staging> staging, rollout_agent::Staging::Create(layout));
-  rollout_agent::Loader loader(staging.get());
+  ASSIGN_OR_RETURN(std::unique_ptr<engine_model::Staging> staging, engine_model::Staging::Create(layout));
+  engine_model::Loader loader(staging.get());
   CheckpointStats stats;
   std::vector<std::string> unknown;
   for (const std::string& path : files) {
@@ -95,11 +94,11 @@ absl::StatusOr<CheckpointStats> LoadCheckpoint(const std::string& dir, const rol
         unknown.size() > shown ? ", ..." : ""));
   }
   RETURN_IF_ERROR(Annotate(loader.CheckComplete(), absl::StrCat("checkpoint ", dir)));
-  rollout_agent::RepackOptions ro;
+  engine_model::RepackOptions ro;
   ro.num_threads = options.num_threads;
   ro.verify = true;
-  RETURN_IF_ERROR(Annotate(rollout_agent::Commit(*staging, weights, ro), absl::StrCat("checkpoint ", dir)));
+  RETURN_IF_ERROR(Annotate(engine_model::Commit(*staging, weights, ro), absl::StrCat("checkpoint ", dir)));
   return stats;
 }
 
-}  // namespace wsync::ref_engine
+}  // namespace wsync::engine_side

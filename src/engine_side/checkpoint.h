@@ -1,6 +1,6 @@
-// Start-up of the reference engine from an HF checkpoint directory: every tensor of every
-// *.safetensors file goes through the rollout agent's own path (load/ Loader into a Staging, then
-// repack/ Commit into the engine memory), so the engine serves exactly what a weight sync of the
+// Start-up of an engine rank from an HF checkpoint directory: every tensor of every
+// *.safetensors file goes through the rollout agent's own path (engine_model Loader into a Staging, then
+// repack Commit into the engine memory), so the engine serves exactly what a weight sync of the
 // same checkpoint would have installed.
 //
 // Quantized linears (EngineLayout::quantized()) accept either form, per weight:
@@ -23,11 +23,11 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "engine_model/engine_layout.h"
+#include "engine_model/engine_weights.h"
 #include "kernels/int4.h"
-#include "rollout_agent/load/engine_layout.h"
-#include "rollout_agent/repack/engine_weights.h"
 
-namespace wsync::ref_engine {
+namespace wsync::engine_side {
 
 struct CheckpointOptions {
   kernels::QuantVariant variant = kernels::QuantVariant::kQat;  // for bf16 weights quantized at load
@@ -43,8 +43,8 @@ struct CheckpointStats {
 };
 
 // Loads checkpoint directory `dir` into `weights` (which must match `layout` in its engine form).
-absl::StatusOr<CheckpointStats> LoadCheckpoint(const std::string& dir, const rollout_agent::EngineLayout& layout,
-                                               rollout_agent::EngineWeights& weights,
+absl::StatusOr<CheckpointStats> LoadCheckpoint(const std::string& dir, const engine_model::EngineLayout& layout,
+                                               engine_model::EngineWeights& weights,
                                                const CheckpointOptions& options = {});
 
-}  // namespace wsync::ref_engine
+}  // namespace wsync::engine_side

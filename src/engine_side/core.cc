@@ -1,4 +1,4 @@
-#include "ref_engine/core.h"
+#include "engine_side/core.h"
 
 #include <algorithm>
 #include <cstring>
@@ -9,7 +9,7 @@
 #include "common/logging.h"
 #include "common/status.h"
 
-namespace wsync::ref_engine {
+namespace wsync::engine_side {
 
 // The command rank 0 broadcasts to the other ranks.
 struct EngineCore::Header {
@@ -40,20 +40,6 @@ const char* AdmitName(int32_t a) {
   return "in an unknown state";
 }
 
-// The reference engine's model as the core's ServedModel.
-class RefModel final : public ServedModel {
- public:
-  explicit RefModel(EngineModel model) : model_(std::move(model)) {}
-  absl::Status Prepare(uint64_t) override { return model_.Prepare(); }
-  absl::StatusOr<std::vector<int32_t>> Generate(absl::Span<const int32_t> prompt, int max_new_tokens,
-                                                const StepHook& before_step) override {
-    return model_.Generate(prompt, max_new_tokens, before_step);
-  }
-
- private:
-  EngineModel model_;
-};
-
 }  // namespace
 
 absl::string_view HealthStateName(HealthInfo::State s) {
@@ -70,7 +56,8 @@ EngineCore::EngineCore(ModelConfig config, EngineRank rank, EngineCoreOptions op
     : config_(std::move(config)), rank_(rank), options_(std::move(options)) {}
 
 absl::StatusOr<std::unique_ptr<EngineCore>> EngineCore::Create(const ModelConfig& config, EngineRank rank,
-                                                               ParamLookup lookup, EngineCoreOptions options) {
+                                                               const ModelFactory& make_model,
+                                                               EngineCoreOptions options) {
   auto core = std::unique_ptr<EngineCore>(new EngineCore(config, rank, std::move(options)));
   EngineCore* self = core.get();
   TpCollectives coll;
@@ -87,10 +74,8 @@ absl::StatusOr<std::unique_ptr<EngineCore>> EngineCore::Create(const ModelConfig
     core->group_ = Group::kForming;
     core->group_detail_ = "the TP group is forming (waiting for every rank to join)";
   }
-  EngineModelOptions mo;
-  mo.prepare_threads = core->options_.prepare_threads;
-  ASSIGN_OR_RETURN(EngineModel model, EngineModel::Create(config, rank, std::move(lookup), std::move(coll), mo));
-  core->model_ = std::make_unique<RefModel>(std::move(model));
+  ASSIGN_OR_RETURN(core->model_, make_model(std::move(coll)));
+  if (core->model_ == nullptr) return absl::InvalidArgumentError("EngineCore::Create: no model");
   return core;
 }
 
@@ -255,7 +240,7 @@ absl::Status EngineCore::Refusal(Admit admit, int tp_rank) const {
 
 absl::StatusOr<std::vector<int32_t>> EngineCore::Compute(absl::Span<const int32_t> prompt, int max_new_tokens) {
   const int T = rank_.tp_size;
-  EngineModel::StepHook hook = [this, T](int) -> absl::Status {
+  ServedModel::StepHook hook = [this, T](int) -> absl::Status {
     if (options_.step_delay > absl::ZeroDuration()) absl::SleepFor(options_.step_delay);
     const int32_t flag = StopFlag();
     std::vector<int32_t> flags(static_cast<size_t>(T), flag);
@@ -657,4 +642,4 @@ void EngineCore::Shutdown() {
   }
 }
 
-}  // namespace wsync::ref_engine
+}  // namespace wsync::engine_side

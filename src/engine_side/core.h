@@ -1,5 +1,6 @@
-// EngineCore: one rank of the reference engine (wsync-ref-engine) without its RPC shell. It owns
-// the rank's EngineModel (over the parameter memory the rollout agent writes) and implements the
+// EngineCore: one engine rank's state machine, shared by every engine process wsync runs (the
+// reference engine, wsync-ref-engine, and the engines behind libwsync_engine_host.so). It owns the
+// rank's ServedModel (which reads the parameter memory the rollout agent writes) and implements the
 // RolloutEngine semantics of proto/wsync/v1/engine.proto: Generate on one weight version, Pause
 // (HOLD / ABORT), Flush, Continue(version) with a re-Prepare, Health and WeightVersion.
 //
@@ -64,9 +65,12 @@
 #include "absl/types/span.h"
 #include "comm/communicator.h"
 #include "common/config.h"
-#include "ref_engine/model.h"
+#include "engine_model/engine_layout.h"
+#include "engine_side/tp_collectives.h"
 
-namespace wsync::ref_engine {
+namespace wsync::engine_side {
+
+using engine_model::EngineRank;
 
 enum class PauseMode { kHold, kAbort };
 
@@ -84,13 +88,15 @@ struct GenerateResult {
   uint64_t version = 0;
 };
 
-// What an EngineCore serves: the reference engine's EngineModel (Create with a ParamLookup), or
+// What an EngineCore serves: the reference engine's EngineModel (ref_engine/ref_core.h), or
 // another engine behind an adapter (src/engine_host: an engine in Python through callbacks).
 // Prepare and Generate are called by the core only, never concurrently with each other's
 // Prepare: Prepare only while no request is admitted (the core's pause protocol above).
 class ServedModel {
  public:
-  using StepHook = EngineModel::StepHook;
+  // Called before every forward pass with the number of tokens generated so far; a non-OK status
+  // stops generation and is returned.
+  using StepHook = std::function<absl::Status(int step)>;
   virtual ~ServedModel() = default;
   // Reads the weights the parameter memory holds now, to serve them as `version`. On error the
   // core turns UNHEALTHY until a later Prepare succeeds.
@@ -119,10 +125,13 @@ struct EngineCoreOptions {
 
 class EngineCore {
  public:
-  // Creates the rank's EngineModel (EngineModel::Create errors pass through). The core starts
-  // with no weights; T > 1 ranks are "forming" until AttachGroup or GroupFailed.
+  // A model served by T ranks in lockstep (the file comment): `make_model` is called once, with
+  // the collectives over the TP group (empty with T = 1), which its forward pass may call; its
+  // errors pass through. The core starts with no weights; T > 1 ranks are "forming" until
+  // AttachGroup or GroupFailed.
+  using ModelFactory = std::function<absl::StatusOr<std::unique_ptr<ServedModel>>(TpCollectives)>;
   static absl::StatusOr<std::unique_ptr<EngineCore>> Create(const ModelConfig& config, EngineRank rank,
-                                                            ParamLookup lookup, EngineCoreOptions options);
+                                                            const ModelFactory& make_model, EngineCoreOptions options);
   ~EngineCore();  // Shutdown()
   EngineCore(const EngineCore&) = delete;
   EngineCore& operator=(const EngineCore&) = delete;
@@ -273,4 +282,4 @@ class EngineCore {
   std::thread follower_;
 };
 
-}  // namespace wsync::ref_engine
+}  // namespace wsync::engine_side

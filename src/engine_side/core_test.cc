@@ -1,6 +1,6 @@
 // EngineCore in-process: the pause / flush / continue state machine and the TP protocol (two
 // cores over a real Gloo group in one process), against HfReferenceModel tokens.
-#include "ref_engine/core.h"
+#include "engine_side/core.h"
 
 #include <cmath>
 #include <cstring>
@@ -12,20 +12,22 @@
 #include "comm/store/store.h"
 #include "comm/testing/local_group.h"
 #include "common/dtype.h"
+#include "engine_side/tp_group.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "ref_engine/hf_reference.h"
+#include "ref_engine/ref_core.h"
 #include "ref_engine/testing/fixtures.h"
-#include "ref_engine/tp_group.h"
 
-namespace wsync::ref_engine {
+namespace wsync::engine_side {
 namespace {
 
-using testing::EngineParamsForRank;
+using ref_engine::HfReferenceModel;
+using ref_engine::testing::EngineParamsForRank;
+using ref_engine::testing::MustParseConfig;
+using ref_engine::testing::RandomHfModel;
+using ref_engine::testing::TensorMap;
 using ::testing::HasSubstr;
-using testing::MustParseConfig;
-using testing::RandomHfModel;
-using testing::TensorMap;
 
 constexpr char kQwen3[] = R"({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 128,
   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
@@ -78,7 +80,7 @@ class CoreTest : public ::testing::Test {
       auto p = EngineParamsForRank(c_, er, hf1_);
       ASSERT_TRUE(p.ok()) << p.status();
       params_[static_cast<size_t>(r)] = std::move(*p);
-      auto core = EngineCore::Create(c_, er, params_[static_cast<size_t>(r)].Lookup(), options);
+      auto core = ref_engine::CreateEngineCore(c_, er, params_[static_cast<size_t>(r)].Lookup(), options);
       ASSERT_TRUE(core.ok()) << core.status();
       if (with_weights) {
         ASSERT_TRUE((*core)->PrepareInitial(0, "test checkpoint").ok());
@@ -446,7 +448,7 @@ TEST_F(CoreTest, ARestartedRankRejoinsTheReformedGroup) {
     auto p = EngineParamsForRank(c_, er, hf);
     EXPECT_TRUE(p.ok()) << p.status();
     params_[static_cast<size_t>(r)] = std::move(*p);
-    auto core = EngineCore::Create(c_, er, params_[static_cast<size_t>(r)].Lookup(), o);
+    auto core = ref_engine::CreateEngineCore(c_, er, params_[static_cast<size_t>(r)].Lookup(), o);
     EXPECT_TRUE(core.ok()) << core.status();
     EXPECT_TRUE((*core)->PrepareInitial(0, "test checkpoint").ok());
     return *std::move(core);
@@ -520,7 +522,7 @@ TEST_F(CoreTest, ARestartedRankRejoinsTheReformedGroup) {
 TEST_F(CoreTest, GroupFormationFailureIsUnhealthy) {
   EngineRank er;
   er.tp_size = 2;
-  auto core = EngineCore::Create(c_, er, hf1_.Lookup(), FastOptions());
+  auto core = ref_engine::CreateEngineCore(c_, er, hf1_.Lookup(), FastOptions());
   ASSERT_TRUE(core.ok());
   EXPECT_EQ((*core)->Health().state, HealthInfo::State::kUnhealthy);
   EXPECT_THAT((*core)->Health().detail, HasSubstr("forming"));
@@ -531,4 +533,4 @@ TEST_F(CoreTest, GroupFormationFailureIsUnhealthy) {
 }
 
 }  // namespace
-}  // namespace wsync::ref_engine
+}  // namespace wsync::engine_side

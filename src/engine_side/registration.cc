@@ -1,4 +1,4 @@
-#include "ref_engine/registration.h"
+#include "engine_side/registration.h"
 
 #include <algorithm>
 
@@ -8,7 +8,7 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 
-namespace wsync::ref_engine {
+namespace wsync::engine_side {
 
 AgentRegistrar::AgentRegistrar(RegistrarOptions options, std::function<v1::RegisterEngineRequest()> make_request)
     : options_(std::move(options)), make_request_(std::move(make_request)) {}
@@ -132,4 +132,4 @@ void AgentRegistrar::Loop() {
   }
 }
 
-}  // namespace wsync::ref_engine
+}  // namespace wsync::engine_side

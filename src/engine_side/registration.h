@@ -29,7 +29,7 @@
 #include "common/rpc_security.h"
 #include "wsync/v1/rollout.grpc.pb.h"
 
-namespace wsync::ref_engine {
+namespace wsync::engine_side {
 
 struct RegistrarOptions {
   std::string agent_address;       // the initial address (may be empty with agent_address_file)
@@ -75,4 +75,4 @@ class AgentRegistrar {
   std::thread thread_;
 };
 
-}  // namespace wsync::ref_engine
+}  // namespace wsync::engine_side

@@ -1,4 +1,4 @@
-#include "ref_engine/server.h"
+#include "engine_side/server.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -7,7 +7,7 @@
 #include "common/heap.h"
 #include "common/logging.h"
 
-namespace wsync::ref_engine {
+namespace wsync::engine_side {
 namespace {
 
 absl::Time Deadline(const grpc::ServerContext* ctx) {
@@ -103,4 +103,4 @@ void EngineServer::Shutdown(absl::Duration grace) {
   server_->Wait();
 }
 
-}  // namespace wsync::ref_engine
+}  // namespace wsync::engine_side

@@ -18,10 +18,10 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/rpc_security.h"
-#include "ref_engine/core.h"
+#include "engine_side/core.h"
 #include "wsync/v1/engine.grpc.pb.h"
 
-namespace wsync::ref_engine {
+namespace wsync::engine_side {
 
 class RolloutEngineService final : public v1::RolloutEngine::Service {
  public:
@@ -62,4 +62,4 @@ class EngineServer {
   bool shut_down_ = false;
 };
 
-}  // namespace wsync::ref_engine
+}  // namespace wsync::engine_side

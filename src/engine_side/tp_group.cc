@@ -1,4 +1,4 @@
-#include "ref_engine/tp_group.h"
+#include "engine_side/tp_group.h"
 
 #include <random>
 #include <utility>
@@ -7,7 +7,7 @@
 #include "comm/communicator.h"
 #include "common/logging.h"
 
-namespace wsync::ref_engine {
+namespace wsync::engine_side {
 namespace {
 
 constexpr absl::Duration kRetry = absl::Milliseconds(200);
@@ -100,4 +100,4 @@ void RunTpGroup(EngineCore* core, comm::Store* store, const TpGroupOptions& o, c
   }
 }
 
-}  // namespace wsync::ref_engine
+}  // namespace wsync::engine_side

@@ -28,9 +28,9 @@
 
 #include "absl/time/time.h"
 #include "comm/store/store.h"
-#include "ref_engine/core.h"
+#include "engine_side/core.h"
 
-namespace wsync::ref_engine {
+namespace wsync::engine_side {
 
 struct TpGroupOptions {
   std::string engine_id;
@@ -46,4 +46,4 @@ struct TpGroupOptions {
 void RunTpGroup(EngineCore* core, comm::Store* store, const TpGroupOptions& options,
                 const std::function<bool()>& cancelled);
 
-}  // namespace wsync::ref_engine
+}  // namespace wsync::engine_side

@@ -1,5 +1,5 @@
 // Block transposes of row-major matrices in device memory: what a device staging needs where the
-// host path uses rollout_agent/load/block_copy.h (the loader's MoE w13 / w2 and TensorRT-LLM
+// host path uses engine_model/block_copy.h (the loader's MoE w13 / w2 and TensorRT-LLM
 // blocks into GPTQ orientation, the repack's dense INT4 [N, K/8] <-> [K/8, N]).
 //
 //   TransposeBlock(space, a)   dst[(dr + j) * dst_ld + dc + i] = src[(r0 + i) * src_ld + c0 + j]

@@ -11,9 +11,9 @@
 
 namespace wsync::plan {
 
-using rollout_agent::EngineLayout;
-using rollout_agent::EngineParallel;
-using rollout_agent::HfSource;
+using engine_model::EngineLayout;
+using engine_model::EngineParallel;
+using engine_model::HfSource;
 
 absl::StatusOr<Delivery> ParseDelivery(absl::string_view name) {
   if (name == "broadcast") return Delivery::kBroadcast;
@@ -79,7 +79,7 @@ absl::StatusOr<std::optional<Block>> ShardPlan::BlockFor(int group, absl::string
                                                    ShapeToString(shape), ", the engine expects ",
                                                    SafetensorsName(s.dtype), ShapeToString(s.shape)));
   }
-  const rollout_agent::KeptBlock k = rollout_agent::KeptBlockOf(s);
+  const engine_model::KeptBlock k = engine_model::KeptBlockOf(s);
   if (k.empty()) return std::nullopt;
   const MatrixDims m = MatrixOf(shape);
   ASSIGN_OR_RETURN(const int64_t whole_bytes, NumBytes(dtype, shape));

@@ -7,7 +7,7 @@
 // replicas therefore share one group per rank, and the stage source sends each block once per group
 // (a Broadcast to the group; Gloo chains it, NCCL rings it), never once per replica.
 //
-// ShardPlan::Create builds one EngineLayout (rollout_agent/load/engine_layout.h, the same code the
+// ShardPlan::Create builds one EngineLayout (engine_model/engine_layout.h, the same code the
 // receiving agent loads with) per group; BlockFor answers, for a sent tensor, the block of its
 // matrix view (MatrixOf) a group keeps, read from that layout's HfSource: the TP row or column cut,
 // qkv with KV replication, gate_up halves, vocab rows, a local expert whole, an INT4 weight_packed
@@ -31,7 +31,7 @@
 #include "absl/strings/string_view.h"
 #include "common/config.h"
 #include "common/dtype.h"
-#include "rollout_agent/load/engine_layout.h"
+#include "engine_model/engine_layout.h"
 
 namespace wsync::plan {
 
@@ -52,21 +52,21 @@ struct Block {
 // Receivers grouped by the blocks they keep: `group_of[a]` is agent a's group, `rank_in_group[a]`
 // its position there (agents in the order given), groups ordered by (TP size, EP size, TP rank).
 struct Grouping {
-  std::vector<rollout_agent::EngineParallel> groups;
+  std::vector<engine_model::EngineParallel> groups;
   std::vector<std::vector<int>> members;  // agent indices per group
   std::vector<int> group_of;
   std::vector<int> rank_in_group;
 };
-Grouping GroupReceivers(std::span<const rollout_agent::EngineParallel> agents);
+Grouping GroupReceivers(std::span<const engine_model::EngineParallel> agents);
 
 class ShardPlan {
  public:
   // `quantization` null: a bf16 engine. Copies what it needs; nothing is kept by reference.
   static absl::StatusOr<ShardPlan> Create(const ModelConfig& config, const QuantizationConfig* quantization,
-                                          std::span<const rollout_agent::EngineParallel> groups);
+                                          std::span<const engine_model::EngineParallel> groups);
 
   int num_groups() const { return static_cast<int>(layouts_.size()); }
-  const rollout_agent::EngineLayout& layout(int group) const { return *layouts_[static_cast<size_t>(group)]; }
+  const engine_model::EngineLayout& layout(int group) const { return *layouts_[static_cast<size_t>(group)]; }
 
   // The block group `group` keeps of the sent tensor, std::nullopt if it keeps none of it (another
   // EP rank's expert, a vocab range past the rank, a tied lm_head, a part of the checkpoint the
@@ -75,7 +75,7 @@ class ShardPlan {
                                                 std::span<const int64_t> shape) const;
 
  private:
-  std::vector<std::unique_ptr<rollout_agent::EngineLayout>> layouts_;
+  std::vector<std::unique_ptr<engine_model::EngineLayout>> layouts_;
 };
 
 }  // namespace wsync::plan

@@ -33,15 +33,27 @@
 #include "common/logging.h"
 #include "common/rpc_security.h"
 #include "common/status.h"
-#include "ref_engine/checkpoint.h"
-#include "ref_engine/core.h"
-#include "ref_engine/registration.h"
-#include "ref_engine/server.h"
-#include "ref_engine/tp_group.h"
-#include "rollout_agent/engine_memory/param_arena.h"
-#include "rollout_agent/load/engine_layout.h"
+#include "engine_memory/param_arena.h"
+#include "engine_model/engine_layout.h"
+#include "engine_side/checkpoint.h"
+#include "engine_side/core.h"
+#include "engine_side/registration.h"
+#include "engine_side/server.h"
+#include "engine_side/tp_group.h"
+#include "ref_engine/ref_core.h"
 
 namespace wsync::ref_engine {
+using engine_side::AgentRegistrar;
+using engine_side::CheckpointOptions;
+using engine_side::CheckpointStats;
+using engine_side::EngineCore;
+using engine_side::EngineCoreOptions;
+using engine_side::EngineServer;
+using engine_side::LoadCheckpoint;
+using engine_side::RegistrarOptions;
+using engine_side::RunTpGroup;
+using engine_side::TpGroupOptions;
+
 namespace {
 
 struct Flags {
@@ -130,7 +142,7 @@ int Run(const Flags& f) {
     }
     SetLogLevel(level);
   }
-  rollout_agent::InstallShmCrashCleanup();
+  engine_memory::InstallShmCrashCleanup();
 
   ShutdownLatch latch;
   std::atomic<bool> watcher_done{false};
@@ -173,27 +185,27 @@ int Run(const Flags& f) {
   rank.tp_size = f.tp_size;
   rank.tp_rank = f.tp_rank;
   rank.ep_size = f.ep_size;
-  absl::StatusOr<rollout_agent::EngineLayout> layout = rollout_agent::EngineLayout::Create(*config, qptr, rank);
+  absl::StatusOr<engine_model::EngineLayout> layout = engine_model::EngineLayout::Create(*config, qptr, rank);
   if (!layout.ok()) return fail(layout.status());
   // The registered parameter memory: a shm segment, or (--param-memory cuda:N) one CUDA allocation
   // that the rollout agent repacks into on the device. This engine computes on the CPU, so a device
   // arena has a host mirror: the checkpoint is loaded there and uploaded, and every Prepare (a new
   // version, after the agent wrote the device) copies each param back into it before serving.
   if (f.cuda_device < 0) {  // the segments of earlier lives of this rank that were killed
-    absl::StatusOr<std::vector<std::string>> stale = rollout_agent::ReclaimStaleShmSegments(f.engine_id, f.tp_rank);
+    absl::StatusOr<std::vector<std::string>> stale = engine_memory::ReclaimStaleShmSegments(f.engine_id, f.tp_rank);
     if (!stale.ok()) WSYNC_LOG(WARNING) << "looking for stale shm segments: " << stale.status();
     for (const std::string& name : stale.ok() ? *stale : std::vector<std::string>{})
       WSYNC_LOG(INFO) << "removed the shm segment /" << name << " of a killed earlier process of this rank";
   }
-  absl::StatusOr<std::unique_ptr<rollout_agent::ParamArena>> arena =
+  absl::StatusOr<std::unique_ptr<engine_memory::ParamArena>> arena =
       f.cuda_device >= 0
-          ? rollout_agent::ParamArena::CreateOnDevice(*layout, f.cuda_device)
-          : rollout_agent::ParamArena::Create(*layout, rollout_agent::UniqueShmName(f.engine_id, f.tp_rank));
+          ? engine_memory::ParamArena::CreateOnDevice(*layout, f.cuda_device)
+          : engine_memory::ParamArena::Create(*layout, engine_memory::UniqueShmName(f.engine_id, f.tp_rank));
   if (!arena.ok()) return fail(arena.status());
-  std::unique_ptr<rollout_agent::OwnedEngineWeights> mirror;
+  std::unique_ptr<engine_model::OwnedEngineWeights> mirror;
   if ((*arena)->on_device()) {
-    absl::StatusOr<std::unique_ptr<rollout_agent::OwnedEngineWeights>> m =
-        rollout_agent::OwnedEngineWeights::Allocate(*layout);
+    absl::StatusOr<std::unique_ptr<engine_model::OwnedEngineWeights>> m =
+        engine_model::OwnedEngineWeights::Allocate(*layout);
     if (!m.ok()) return fail(m.status());
     mirror = std::move(*m);
   }
@@ -210,17 +222,17 @@ int Run(const Flags& f) {
   copts.idle_timeout = absl::Seconds(f.tp_idle_timeout_s);
   copts.step_delay = absl::Milliseconds(f.test_step_delay_ms);
   copts.prepare_threads = f.threads;
-  rollout_agent::EngineWeights* weights = &(*arena)->weights();
-  rollout_agent::EngineWeights* host_weights = mirror ? &mirror->weights() : weights;
+  engine_model::EngineWeights* weights = &(*arena)->weights();
+  engine_model::EngineWeights* host_weights = mirror ? &mirror->weights() : weights;
   ParamLookup lookup = [weights, host_weights](absl::string_view name) -> absl::StatusOr<TensorView> {
     ASSIGN_OR_RETURN(MutableTensorView v, weights->View(name));
-    const rollout_agent::EngineBuffer* b = weights->Find(name);
+    const engine_model::EngineBuffer* b = weights->Find(name);
     if (!b->on_device()) return TensorView(v);
     ASSIGN_OR_RETURN(MutableTensorView m, host_weights->View(name));
     RETURN_IF_ERROR(CopyDeviceToHost(m.data(), v.data(), v.nbytes(), b->cuda_device));
     return TensorView(m);
   };
-  absl::StatusOr<std::unique_ptr<EngineCore>> core = EngineCore::Create(*config, rank, lookup, copts);
+  absl::StatusOr<std::unique_ptr<EngineCore>> core = CreateEngineCore(*config, rank, lookup, copts);
   if (!core.ok()) return fail(core.status());
 
   if (!f.checkpoint.empty()) {
@@ -231,7 +243,7 @@ int Run(const Flags& f) {
     absl::StatusOr<CheckpointStats> stats = LoadCheckpoint(f.checkpoint, *layout, *host_weights, co);
     if (!stats.ok()) return fail(stats.status());
     if (mirror) {
-      for (const rollout_agent::EngineBuffer& b : weights->buffers()) {
+      for (const engine_model::EngineBuffer& b : weights->buffers()) {
         const absl::Status up = CopyHostToDevice(b.data, host_weights->Find(b.name)->data, b.nbytes, b.cuda_device);
         if (!up.ok()) return fail(Annotate(up, absl::StrCat("uploading ", b.name)));
       }
@@ -301,7 +313,7 @@ int Run(const Flags& f) {
     ro.poll = absl::Milliseconds(f.agent_poll_ms);
     ro.on_registered = [c = core->get()](const v1::RegisterEngineReply& r) { c->HoldForCatchUp(r.catch_up_version()); };
     const std::string quant_json = quant->second, config_json = *config_text;
-    rollout_agent::ParamArena* a = arena->get();
+    engine_memory::ParamArena* a = arena->get();
     EngineCore* c = core->get();
     registrar = AgentRegistrar::Start(ro, [=, &f] {
       v1::RegisterEngineRequest req;

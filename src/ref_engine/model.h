@@ -45,30 +45,14 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "common/config.h"
+#include "engine_model/engine_layout.h"
+#include "engine_side/tp_collectives.h"
 #include "ref_engine/weights.h"
-#include "rollout_agent/load/engine_layout.h"
 
 namespace wsync::ref_engine {
 
-// One engine rank's place (ENGINE_LAYOUT.md §1): the rollout loader's geometry (tp_size, tp_rank,
-// ep_size; moe_tp = tp_size / ep_size, ep_rank = tp_rank / moe_tp, moe_tp_rank = tp_rank % moe_tp)
-// plus the one thing only the engine knows, whether DeepSeek-V3's shared experts are fused.
-// An EngineRank is an EngineParallel, so it passes straight to EngineLayout::Create.
-struct EngineRank : rollout_agent::EngineParallel {
-  // DeepSeek-V3 shared-experts fusion (ENGINE_LAYOUT.md §2.7): the shared expert is routed
-  // expert n_routed (E_total = n_routed + 1, always selected with weight 1) and there is no
-  // mlp.shared_experts module. Requires n_shared_experts == 1. The rollout loader never fuses
-  // (load/README.md decision 1), so wsync-ref-engine always serves with it off.
-  bool fused_shared_experts = false;
-};
-
-// Collectives over the engine's TP group. all_reduce_sum sums the span element-wise over all T
-// ranks, in place; all_gather writes the T ranks' `local` spans (equal sizes) into `gathered`
-// (T * local.size()) in rank order. Both block until every rank has joined.
-struct TpCollectives {
-  std::function<absl::Status(absl::Span<float>)> all_reduce_sum;
-  std::function<absl::Status(absl::Span<const float> local, absl::Span<float> gathered)> all_gather;
-};
+using engine_model::EngineRank;
+using engine_side::TpCollectives;
 
 struct EngineModelOptions {
   WeightMode weights = WeightMode::kInPlace;

@@ -31,15 +31,15 @@
 #include "common/rpc_security.h"
 #include "common/safetensors.h"
 #include "common/status.h"
+#include "engine_model/engine_layout.h"
+#include "engine_model/engine_weights.h"
+#include "engine_model/loader.h"
+#include "engine_model/repack.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/expert_map.h"
 #include "ref_engine/hf_reference.h"
 #include "ref_engine/testing/fixtures.h"
-#include "rollout_agent/load/engine_layout.h"
-#include "rollout_agent/load/loader.h"
-#include "rollout_agent/repack/engine_weights.h"
-#include "rollout_agent/repack/repack.h"
 #include "wsync/v1/engine.grpc.pb.h"
 #include "wsync/v1/rollout.grpc.pb.h"
 
@@ -624,7 +624,7 @@ class AgentSide {
       EXPECT_EQ(p.memory().shm_name(), name);
       EXPECT_EQ(p.memory().offset() % 64, 0u) << p.name();
       EXPECT_LE(p.memory().offset() + p.nbytes(), size_) << p.name();
-      rollout_agent::EngineBuffer b;
+      engine_model::EngineBuffer b;
       b.name = p.name();
       absl::StatusOr<DType> dtype = comm::FromProto(p.dtype());
       EXPECT_TRUE(dtype.ok()) << dtype.status();
@@ -639,21 +639,21 @@ class AgentSide {
 
   // Loads HF tensors `sent` through the rollout loader and commits them into the engine's memory.
   absl::Status Write(const ModelConfig& c, const QuantizationConfig* q, const TensorMap& sent) {
-    ASSIGN_OR_RETURN(rollout_agent::EngineLayout layout, rollout_agent::EngineLayout::Create(c, q, {1, 0, 1}));
+    ASSIGN_OR_RETURN(engine_model::EngineLayout layout, engine_model::EngineLayout::Create(c, q, {1, 0, 1}));
     RETURN_IF_ERROR(weights_.CheckMatches(layout));
-    ASSIGN_OR_RETURN(std::unique_ptr<rollout_agent::Staging> staging, rollout_agent::Staging::Create(layout));
-    rollout_agent::Loader loader(staging.get());
+    ASSIGN_OR_RETURN(std::unique_ptr<engine_model::Staging> staging, engine_model::Staging::Create(layout));
+    engine_model::Loader loader(staging.get());
     for (const auto& [name, t] : sent.all()) RETURN_IF_ERROR(loader.Load(name, t.view()));
-    return rollout_agent::Commit(*staging, weights_);
+    return engine_model::Commit(*staging, weights_);
   }
-  rollout_agent::EngineWeights& weights() { return weights_; }
+  engine_model::EngineWeights& weights() { return weights_; }
   mode_t mode() const { return mode_; }
 
  private:
   void* base_ = nullptr;
   size_t size_ = 0;
   mode_t mode_ = 0;
-  rollout_agent::EngineWeights weights_;
+  engine_model::EngineWeights weights_;
 };
 
 // The engine follows its agent through the agent's address file: nothing registers while the
@@ -735,7 +735,7 @@ TEST(RegistrationTest, NoWeightsStartRegistersAndServesWhatTheAgentWrites) {
   auto qc = ParseQuantizationConfig(reg->quantization_config_json(), "registration");
   ASSERT_TRUE(qc.ok()) << qc.status() << reg->quantization_config_json();
   EXPECT_EQ(qc->group_size, 32);
-  auto layout = rollout_agent::EngineLayout::Create(c, &*c.quantization, {1, 0, 1});
+  auto layout = engine_model::EngineLayout::Create(c, &*c.quantization, {1, 0, 1});
   ASSERT_TRUE(layout.ok());
   EXPECT_EQ(reg->params_size(), static_cast<int>(layout->params().size()));
 

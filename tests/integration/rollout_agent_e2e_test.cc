@@ -30,6 +30,8 @@
 extern char** environ;
 
 namespace wsync::rollout_agent {
+using engine_model::EngineBuffer;
+
 namespace {
 
 namespace fs = std::filesystem;

@@ -31,18 +31,30 @@
 #include "common/grpc_status.h"
 #include "common/safetensors.h"
 #include "common/status.h"
+#include "engine_memory/param_arena.h"
+#include "engine_model/loader.h"
+#include "engine_model/repack.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/dispatch.h"
 #include "model/testing/hf_model.h"
 #include "model/testing/test_models.h"
-#include "rollout_agent/engine_memory/param_arena.h"
-#include "rollout_agent/load/loader.h"
 #include "rollout_agent/receive/testing/sync_testing.h"
-#include "rollout_agent/repack/repack.h"
 #include "rollout_fakes.h"
 
 namespace wsync::rollout_agent {
+using engine_memory::ParamArena;
+using engine_memory::UniqueShmName;
+using engine_model::DequantizeToDense;
+using engine_model::EngineBuffer;
+using engine_model::EngineLayout;
+using engine_model::EngineLinear;
+using engine_model::EngineParam;
+using engine_model::OwnedEngineWeights;
+using engine_model::ParamForm;
+using engine_model::ParamRole;
+using engine_model::Staging;
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -130,15 +142,15 @@ class RolloutAgentTest : public ::testing::Test {
   }
 
   // The engine form of `model` for `layout`, computed here with the library (Load + Commit).
-  std::unique_ptr<rollout_agent::OwnedEngineWeights> Reference(const EngineLayout& layout,
-                                                               const model::testing::HfModel& model) {
+  std::unique_ptr<engine_model::OwnedEngineWeights> Reference(const EngineLayout& layout,
+                                                              const model::testing::HfModel& model) {
     auto staging = Staging::Create(layout);
     EXPECT_TRUE(staging.ok());
-    rollout_agent::Loader loader(staging->get());
+    engine_model::Loader loader(staging->get());
     for (const auto& name : model.order) EXPECT_TRUE(loader.Load(name, model.sent.at(name).view()).ok()) << name;
     auto owned = OwnedEngineWeights::Allocate(layout);
     EXPECT_TRUE(owned.ok());
-    absl::Status s = rollout_agent::Commit(**staging, (*owned)->weights());
+    absl::Status s = engine_model::Commit(**staging, (*owned)->weights());
     EXPECT_TRUE(s.ok()) << s;
     return std::move(*owned);
   }

@@ -19,6 +19,9 @@
 extern char** environ;
 
 namespace wsync::rollout_agent::testing {
+using engine_memory::ParamArena;
+using engine_memory::UniqueShmName;
+using engine_model::EngineLayout;
 
 namespace {
 

@@ -3,7 +3,7 @@
 //   FakeEngine       the engine *control surface* only (RolloutEngine Pause / Flush / Continue /
 //                    Health / WeightVersion over real gRPC on loopback), recording every call so
 //                    that tests can assert their order, plus the engine's real parameter memory:
-//                    a ParamArena (rollout_agent/engine_memory/param_arena.h, the engine's end of
+//                    a ParamArena (engine_memory/param_arena.h, the engine's end of
 //                    the shm protocol), registered with the agent through RegisterEngine. It stands
 //                    in for the reference engine; the data path through it is the real one.
 //   FakeCoordinator  Join / Heartbeat / Leave of the Coordinator service, recorded.
@@ -29,13 +29,16 @@
 #include "comm/communicator.h"
 #include "comm/store/store.h"
 #include "common/rpc_security.h"
-#include "rollout_agent/engine_memory/param_arena.h"
-#include "rollout_agent/load/engine_layout.h"
+#include "engine_memory/param_arena.h"
+#include "engine_model/engine_layout.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 #include "wsync/v1/engine.grpc.pb.h"
 #include "wsync/v1/rollout.grpc.pb.h"
 
 namespace wsync::rollout_agent::testing {
+using engine_memory::ParamArena;
+using engine_model::EngineLayout;
+using engine_model::EngineParallel;
 
 class FakeEngine final : public v1::RolloutEngine::Service {
  public:

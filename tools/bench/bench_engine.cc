@@ -37,10 +37,10 @@
 #include "absl/time/clock.h"
 #include "common/config.h"
 #include "common/status.h"
-#include "ref_engine/checkpoint.h"
+#include "engine_memory/param_arena.h"
+#include "engine_model/engine_layout.h"
+#include "engine_side/checkpoint.h"
 #include "ref_engine/model.h"
-#include "rollout_agent/engine_memory/param_arena.h"
-#include "rollout_agent/load/engine_layout.h"
 #include "tools/synth/synthetic_model.h"
 
 namespace wsync {
@@ -80,22 +80,22 @@ absl::Status RunMode(const Flags& f, const std::string& dir, const Mode& mode, R
   ASSIGN_OR_RETURN(ModelConfig config, tools::BenchModelConfig(dir, f.quant_config));
   ref_engine::EngineRank rank;  // TP 1
   ASSIGN_OR_RETURN(
-      rollout_agent::EngineLayout layout,
-      rollout_agent::EngineLayout::Create(config, config.quantization ? &*config.quantization : nullptr, rank));
-  ASSIGN_OR_RETURN(std::unique_ptr<rollout_agent::ParamArena> arena,
-                   rollout_agent::ParamArena::Create(layout, rollout_agent::UniqueShmName("bench-engine", 0)));
+      engine_model::EngineLayout layout,
+      engine_model::EngineLayout::Create(config, config.quantization ? &*config.quantization : nullptr, rank));
+  ASSIGN_OR_RETURN(std::unique_ptr<engine_memory::ParamArena> arena,
+                   engine_memory::ParamArena::Create(layout, engine_memory::UniqueShmName("bench-engine", 0)));
   out->shm_mib = static_cast<double>(arena->segment().size()) / (1 << 20);
   absl::Time t0 = absl::Now();
-  ref_engine::CheckpointOptions co;
+  engine_side::CheckpointOptions co;
   co.num_threads = f.load_threads;
-  RETURN_IF_ERROR(ref_engine::LoadCheckpoint(dir, layout, arena->weights(), co).status());
+  RETURN_IF_ERROR(engine_side::LoadCheckpoint(dir, layout, arena->weights(), co).status());
   out->load_s = absl::ToDoubleSeconds(absl::Now() - t0);
   out->rss_after_load_mib = StatusKib("VmRSS:") / 1024;
   {
     std::ofstream clear("/proc/self/clear_refs");
     clear << "5";  // resets VmHWM to the current RSS
   }
-  rollout_agent::EngineWeights* weights = &arena->weights();
+  engine_model::EngineWeights* weights = &arena->weights();
   ref_engine::ParamLookup lookup = [weights](absl::string_view name) -> absl::StatusOr<TensorView> {
     ASSIGN_OR_RETURN(MutableTensorView v, weights->View(name));
     return TensorView(v);

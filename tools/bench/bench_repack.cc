@@ -35,12 +35,12 @@
 #include "common/cuda_ipc.h"
 #include "common/memory_space.h"
 #include "common/status.h"
+#include "engine_memory/param_arena.h"
+#include "engine_model/engine_layout.h"
+#include "engine_model/loader.h"
+#include "engine_model/repack.h"
+#include "engine_side/checkpoint.h"
 #include "kernels/dispatch.h"
-#include "ref_engine/checkpoint.h"
-#include "rollout_agent/engine_memory/param_arena.h"
-#include "rollout_agent/load/engine_layout.h"
-#include "rollout_agent/load/loader.h"
-#include "rollout_agent/repack/repack.h"
 #include "tools/synth/synthetic_model.h"
 
 namespace wsync {
@@ -70,16 +70,16 @@ void Row(const char* name, double seconds, uint64_t bytes, double baseline, cons
 absl::Status Run(const Flags& f) {
   ASSIGN_OR_RETURN(const std::string dir, tools::EnsureBenchModel(f.checkpoint, f.work, f.preset));
   ASSIGN_OR_RETURN(ModelConfig config, tools::BenchModelConfig(dir, f.quant_config));
-  ASSIGN_OR_RETURN(rollout_agent::EngineLayout layout,
-                   rollout_agent::EngineLayout::Create(config, config.quantization ? &*config.quantization : nullptr,
-                                                       rollout_agent::EngineParallel{}));
+  ASSIGN_OR_RETURN(engine_model::EngineLayout layout,
+                   engine_model::EngineLayout::Create(config, config.quantization ? &*config.quantization : nullptr,
+                                                      engine_model::EngineParallel{}));
   // The staging a sync of this checkpoint fills: load into host engine memory, restore from it.
-  ASSIGN_OR_RETURN(auto host, rollout_agent::OwnedEngineWeights::Allocate(layout));
-  ref_engine::CheckpointOptions co;
+  ASSIGN_OR_RETURN(auto host, engine_model::OwnedEngineWeights::Allocate(layout));
+  engine_side::CheckpointOptions co;
   co.num_threads = f.threads;
-  RETURN_IF_ERROR(ref_engine::LoadCheckpoint(dir, layout, host->weights(), co).status());
-  ASSIGN_OR_RETURN(auto staging, rollout_agent::Staging::Create(layout));
-  RETURN_IF_ERROR(rollout_agent::Restore(host->weights(), *staging, {.num_threads = f.threads}));
+  RETURN_IF_ERROR(engine_side::LoadCheckpoint(dir, layout, host->weights(), co).status());
+  ASSIGN_OR_RETURN(auto staging, engine_model::Staging::Create(layout));
+  RETURN_IF_ERROR(engine_model::Restore(host->weights(), *staging, {.num_threads = f.threads}));
   uint64_t bytes = 0;
   for (size_t i = 0; i < layout.params().size(); ++i) bytes += staging->param(static_cast<int>(i)).nbytes();
   ASSIGN_OR_RETURN(Buffer flat_src, Buffer::Allocate(bytes));
@@ -107,7 +107,7 @@ absl::Status Run(const Flags& f) {
                    }));
   Row("memcpy", memcpy_s, bytes, memcpy_s);
   ASSIGN_OR_RETURN(double host_s, Best(n, [&] {
-                     return rollout_agent::Commit(*staging, host->weights(), {.num_threads = f.threads});
+                     return engine_model::Commit(*staging, host->weights(), {.num_threads = f.threads});
                    }));
   Row("commit-host", host_s, bytes, memcpy_s);
   ASSIGN_OR_RETURN(const std::vector<uint64_t> want, host->weights().Checksums());
@@ -121,9 +121,9 @@ absl::Status Run(const Flags& f) {
                    Best(n, [&] { return CopyHostToDevice(flat_dev->data(), flat_src.data(), bytes, f.device); }));
   Row("h2d-copy", h2d_s, bytes, h2d_s, "pageable host memory");
   flat_dev.reset();
-  ASSIGN_OR_RETURN(auto arena, rollout_agent::ParamArena::CreateOnDevice(layout, f.device));
+  ASSIGN_OR_RETURN(auto arena, engine_memory::ParamArena::CreateOnDevice(layout, f.device));
   ASSIGN_OR_RETURN(double dev_s, Best(n, [&] {
-                     return rollout_agent::Commit(*staging, arena->weights(), {.num_threads = f.threads});
+                     return engine_model::Commit(*staging, arena->weights(), {.num_threads = f.threads});
                    }));
   std::vector<uint64_t> got;
   ASSIGN_OR_RETURN(double sum_s, Best(n, [&]() -> absl::Status {
@@ -141,9 +141,9 @@ absl::Status Run(const Flags& f) {
   flat_dev.reset();
   Row("h2d-pinned", h2d_pinned_s, bytes, h2d_pinned_s, "page-locked host memory");
   RETURN_IF_ERROR(staging->PinForDevice());
-  ASSIGN_OR_RETURN(auto arena2, rollout_agent::ParamArena::CreateOnDevice(layout, f.device));
+  ASSIGN_OR_RETURN(auto arena2, engine_memory::ParamArena::CreateOnDevice(layout, f.device));
   ASSIGN_OR_RETURN(double pinned_s, Best(n, [&] {
-                     return rollout_agent::Commit(*staging, arena2->weights(), {.num_threads = f.threads});
+                     return engine_model::Commit(*staging, arena2->weights(), {.num_threads = f.threads});
                    }));
   ASSIGN_OR_RETURN(got, arena2->weights().Checksums());
   same = same && got == want;
@@ -163,11 +163,11 @@ absl::Status Run(const Flags& f) {
     Row("d2d-copy", d2d_s, bytes, d2d_s, "device memory");
     a = Buffer();
     b = Buffer();
-    ASSIGN_OR_RETURN(auto dev_staging, rollout_agent::Staging::Create(layout, gpu));
-    RETURN_IF_ERROR(rollout_agent::Restore(arena2->weights(), *dev_staging, {.num_threads = f.threads}));
-    ASSIGN_OR_RETURN(auto arena3, rollout_agent::ParamArena::CreateOnDevice(layout, f.device));
+    ASSIGN_OR_RETURN(auto dev_staging, engine_model::Staging::Create(layout, gpu));
+    RETURN_IF_ERROR(engine_model::Restore(arena2->weights(), *dev_staging, {.num_threads = f.threads}));
+    ASSIGN_OR_RETURN(auto arena3, engine_memory::ParamArena::CreateOnDevice(layout, f.device));
     ASSIGN_OR_RETURN(double staged_s, Best(n, [&] {
-                       return rollout_agent::Commit(*dev_staging, arena3->weights(), {.num_threads = f.threads});
+                       return engine_model::Commit(*dev_staging, arena3->weights(), {.num_threads = f.threads});
                      }));
     ASSIGN_OR_RETURN(got, arena3->weights().Checksums());
     same = same && got == want;

@@ -42,10 +42,10 @@
 #include "common/default_model.h"
 #include "common/status.h"
 #include "common/tensor.h"
+#include "engine_model/engine_layout.h"
 #include "nlohmann/json.hpp"
 #include "plan/delivery_plan.h"
 #include "presets.h"
-#include "rollout_agent/load/engine_layout.h"
 #include "trainer_agent/layout/parallel_layout.h"
 #include "trainer_agent/sync/rank_sync.h"
 
@@ -53,9 +53,9 @@ namespace wsync::tools {
 namespace {
 
 using json = nlohmann::json;
-using rollout_agent::EngineLayout;
-using rollout_agent::EngineParallel;
-using rollout_agent::HfSource;
+using engine_model::EngineLayout;
+using engine_model::EngineParallel;
+using engine_model::HfSource;
 
 constexpr double kGB = 1e9;
 

@@ -39,8 +39,8 @@
 #include "common/rpc_security.h"
 #include "common/status.h"
 #include "common/units.h"
+#include "engine_model/engine_layout.h"
 #include "nlohmann/json.hpp"
-#include "rollout_agent/load/engine_layout.h"
 #include "tools/wsyncctl/reference/reference.h"
 #include "tools/wsyncctl/verify.h"
 #include "trainer_agent/quantize/quant_select.h"
@@ -470,9 +470,9 @@ class Ctl {
             s = q.status();
         }
         if (!model.ok()) s = model.status();
-        absl::StatusOr<rollout_agent::EngineLayout> layout = absl::InternalError("unset");
+        absl::StatusOr<engine_model::EngineLayout> layout = absl::InternalError("unset");
         if (s.ok()) {
-          layout = rollout_agent::EngineLayout::Create(
+          layout = engine_model::EngineLayout::Create(
               *model, engine_quant ? &*engine_quant : nullptr,
               {static_cast<int>(r.tp_size()), static_cast<int>(r.tp_rank()), static_cast<int>(r.ep_size())});
           s = layout.status();

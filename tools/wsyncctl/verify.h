@@ -12,19 +12,19 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "rollout_agent/load/engine_layout.h"
-#include "rollout_agent/repack/engine_weights.h"
+#include "engine_model/engine_layout.h"
+#include "engine_model/engine_weights.h"
 #include "trainer_agent/convert/hf_convert.h"
 
 namespace wsync::tools {
 
 // name -> XXH3-64 of the buffer's bytes, for every buffer (EngineWeights::Checksums' errors).
-absl::StatusOr<std::map<std::string, uint64_t>> ChecksumWeights(const rollout_agent::EngineWeights& weights);
+absl::StatusOr<std::map<std::string, uint64_t>> ChecksumWeights(const engine_model::EngineWeights& weights);
 
 // The engine weights one rank of `layout` holds after a sync of `sent` (HF names, INT4 triplets):
 // Loader + CheckComplete + Commit into fresh memory. Errors as the loader's.
-absl::StatusOr<std::unique_ptr<rollout_agent::OwnedEngineWeights>> ExpectedEngineWeights(
-    const rollout_agent::EngineLayout& layout, const std::vector<model::HfTensor>& sent);
+absl::StatusOr<std::unique_ptr<engine_model::OwnedEngineWeights>> ExpectedEngineWeights(
+    const engine_model::EngineLayout& layout, const std::vector<model::HfTensor>& sent);
 
 struct VerifyResult {
   size_t params = 0;

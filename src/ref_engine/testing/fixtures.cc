@@ -14,12 +14,12 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "engine_model/engine_layout.h"
+#include "engine_model/engine_weights.h"
+#include "engine_model/loader.h"
+#include "engine_model/repack.h"
 #include "kernels/awq.h"
 #include "kernels/int4.h"
-#include "rollout_agent/load/engine_layout.h"
-#include "rollout_agent/load/loader.h"
-#include "rollout_agent/repack/engine_weights.h"
-#include "rollout_agent/repack/repack.h"
 
 namespace wsync::ref_engine::testing {
 namespace {
@@ -235,20 +235,20 @@ absl::StatusOr<TensorMap> EngineParamsForRank(const ModelConfig& c, const Engine
   if (rank.fused_shared_experts && rank.ep_size != 1)
     return absl::InvalidArgumentError("EngineParamsForRank: the test's shared-experts fusion needs EP = 1");
   const QuantizationConfig* quant = c.quantization ? &*c.quantization : nullptr;
-  ASSIGN_OR_RETURN(rollout_agent::EngineLayout layout,
-                   rollout_agent::EngineLayout::Create(c, quant, {rank.tp_size, rank.tp_rank, rank.ep_size}));
-  ASSIGN_OR_RETURN(std::unique_ptr<rollout_agent::Staging> staging, rollout_agent::Staging::Create(layout));
-  rollout_agent::Loader loader(staging.get());
+  ASSIGN_OR_RETURN(engine_model::EngineLayout layout,
+                   engine_model::EngineLayout::Create(c, quant, {rank.tp_size, rank.tp_rank, rank.ep_size}));
+  ASSIGN_OR_RETURN(std::unique_ptr<engine_model::Staging> staging, engine_model::Staging::Create(layout));
+  engine_model::Loader loader(staging.get());
   for (const auto& [name, t] : sent.all()) RETURN_IF_ERROR(loader.Load(name, t.view()));
   RETURN_IF_ERROR(loader.CheckComplete());
-  ASSIGN_OR_RETURN(std::unique_ptr<rollout_agent::OwnedEngineWeights> engine,
-                   rollout_agent::OwnedEngineWeights::Allocate(layout));
-  rollout_agent::RepackOptions ro;
+  ASSIGN_OR_RETURN(std::unique_ptr<engine_model::OwnedEngineWeights> engine,
+                   engine_model::OwnedEngineWeights::Allocate(layout));
+  engine_model::RepackOptions ro;
   ro.num_threads = 1;
   ro.verify = true;
-  RETURN_IF_ERROR(rollout_agent::Commit(*staging, engine->weights(), ro));
+  RETURN_IF_ERROR(engine_model::Commit(*staging, engine->weights(), ro));
   TensorMap out;
-  for (const rollout_agent::EngineBuffer& b : engine->weights().buffers()) {
+  for (const engine_model::EngineBuffer& b : engine->weights().buffers()) {
     ASSIGN_OR_RETURN(MutableTensorView v, engine->weights().View(b.name));
     ASSIGN_OR_RETURN(Tensor t, Tensor::CopyOf(v));
     out.Put(b.name, std::move(t));

@@ -1,6 +1,6 @@
 // Test-only helpers for the reference-engine tests: random HF checkpoints for a ModelConfig,
 // compressed-tensors INT4 quantization of them (src/kernels QuantizeInt4), engine-rank parameters
-// produced by the real rollout loader (rollout_agent/load EngineLayout + Loader, repack Commit into
+// produced by the real rollout loader (engine_model EngineLayout + Loader, repack Commit into
 // Marlin), and an in-process TP group (threads + barrier) that provides TpCollectives.
 //
 // Thread-safety: TensorMap is not synchronized (build it, then share it read-only);

@@ -26,18 +26,27 @@
 #include "common/memory_space.h"
 #include "common/net.h"
 #include "common/status.h"
+#include "engine_memory/engine_memory.h"
+#include "engine_model/block_copy.h"
+#include "engine_model/engine_layout.h"
+#include "engine_model/loader.h"
+#include "engine_model/repack.h"
 #include "kernels/dispatch.h"
 #include "rollout_agent/agent/engine_client.h"
 #include "rollout_agent/agent/membership.h"
-#include "rollout_agent/engine_memory/engine_memory.h"
-#include "rollout_agent/load/block_copy.h"
-#include "rollout_agent/load/engine_layout.h"
-#include "rollout_agent/load/loader.h"
 #include "rollout_agent/receive/recorder.h"
 #include "rollout_agent/receive/stage_receiver.h"
-#include "rollout_agent/repack/repack.h"
 
 namespace wsync::rollout_agent {
+using engine_memory::EngineMemory;
+using engine_memory::MapEngineMemory;
+using engine_model::Commit;
+using engine_model::EngineBuffer;
+using engine_model::EngineLayout;
+using engine_model::EngineWeights;
+using engine_model::Loader;
+using engine_model::ParamForm;
+using engine_model::Staging;
 
 enum class RolloutAgent::Phase { kBeginning, kReceiving, kPrepared, kCommitting };
 

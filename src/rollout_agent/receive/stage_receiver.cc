@@ -14,6 +14,8 @@
 #include "common/status.h"
 
 namespace wsync::rollout_agent {
+using engine_model::Loader;
+using engine_model::Staging;
 
 // --- SyncCancel -----------------------------------------------------------------------------------
 

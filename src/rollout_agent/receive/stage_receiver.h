@@ -39,10 +39,11 @@
 #include "comm/communicator.h"
 #include "comm/store/store.h"
 #include "common/buffer_pool.h"
-#include "rollout_agent/load/loader.h"
+#include "engine_model/loader.h"
 #include "rollout_agent/receive/recorder.h"
 
 namespace wsync::rollout_agent {
+using engine_model::Loader;
 
 class SyncCancel {
  public:

@@ -19,6 +19,10 @@
 #include "rollout_agent/receive/testing/sync_testing.h"
 
 namespace wsync::rollout_agent {
+using engine_model::EngineLayout;
+using engine_model::Loader;
+using engine_model::Staging;
+
 namespace {
 
 using ::testing::HasSubstr;

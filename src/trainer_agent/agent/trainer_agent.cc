@@ -413,7 +413,7 @@ class Agent {
                                int stage, int sender, MakeSink& make_sink,
                                std::shared_ptr<const plan::ShardPlan>* plan_out,
                                std::unique_ptr<plan::ShardedSink>* out) {
-    std::vector<rollout_agent::EngineParallel> parallel;
+    std::vector<engine_model::EngineParallel> parallel;
     for (const GroupDesc& g : groups) parallel.push_back({g.tp_size, g.tp_rank, g.ep_size});
     const std::optional<QuantizationConfig>& q = sync_quant_;
     // The plan is computed once and kept while the receiver groups, the model and the quantization

@@ -626,7 +626,7 @@ void SyncCoordinator::RunSync(uint64_t id) {
   // group's stream of every stage, as rank 1 + its place in the group.
   plan::Grouping grouping;
   if (plan.delivery == plan::Delivery::kSharded) {
-    std::vector<rollout_agent::EngineParallel> ranks;
+    std::vector<engine_model::EngineParallel> ranks;
     for (const Member& m : members)
       ranks.push_back({static_cast<int>(m.tp_size), static_cast<int>(m.tp_rank), static_cast<int>(m.ep_size)});
     grouping = plan::GroupReceivers(ranks);

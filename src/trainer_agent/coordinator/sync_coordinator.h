@@ -65,7 +65,7 @@ struct SyncPlan {
   // many agents each has; stage p's stream from sender k to group g is ShardGroupName(id, p, k, g),
   // of size 1 + the group's agents. Empty for broadcast delivery.
   plan::Delivery delivery = plan::Delivery::kBroadcast;
-  std::vector<rollout_agent::EngineParallel> receiver_groups;
+  std::vector<engine_model::EngineParallel> receiver_groups;
   std::vector<int> group_agents;
   absl::Duration timeout;  // every trainer-side operation's bound
   // When the whole sync must have ended (its start + the sync timeout): RunSync gives up waiting

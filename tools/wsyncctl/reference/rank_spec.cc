@@ -1,6 +1,6 @@
 // The engine rank's params from docs/spec/ENGINE_LAYOUT.md (cited as §n), written without the
 // rollout agent's EngineLayout. Where the spec leaves a choice, wsync's engines take the one in
-// src/rollout_agent/load/README.md "Decisions", and so does this file (each is named below by
+// src/engine_model/README.md "Decisions", and so does this file (each is named below by
 // that README's number, "decision n").
 #include "tools/wsyncctl/reference/rank_spec.h"
 

@@ -8,7 +8,7 @@
 //     checkpoint tensor fills each: docs/spec/ENGINE_LAYOUT.md §1-§5 (replicated, column / row
 //     parallel, QKV by query groups with KV replication, gate_up, vocab padded to 64 and sliced,
 //     fused MoE w13 / w2 with the EP rank r / (T/EP) and moe_tp rank r % (T/EP), tied embeddings,
-//     DeepSeek-V3 MLA), with wsync's documented choices (src/rollout_agent/load/README.md
+//     DeepSeek-V3 MLA), with wsync's documented choices (src/engine_model/README.md
 //     "Decisions": shared-experts fusion off, no placeholder params, o_proj.bias with
 //     attention_bias, tied MoE models refused);
 //   * plain params (bf16 / fp16 / fp32): the expected bytes, compared bit for bit;

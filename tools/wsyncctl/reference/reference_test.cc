@@ -27,12 +27,12 @@
 #include "common/config.h"
 #include "common/safetensors.h"
 #include "common/status.h"
+#include "engine_model/engine_layout.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/quant_target.h"
 #include "model/testing/hf_model.h"
 #include "model/testing/test_models.h"
-#include "rollout_agent/load/engine_layout.h"
 #include "tools/wsyncctl/reference/int4_scalar.h"
 #include "tools/wsyncctl/verify.h"
 
@@ -98,10 +98,10 @@ absl::StatusOr<std::vector<std::vector<EngineParam>>> WsyncEngineMemory(const st
   }
   std::vector<std::vector<EngineParam>> ranks;
   for (int r = 0; r < T; ++r) {
-    ASSIGN_OR_RETURN(auto layout, rollout_agent::EngineLayout::Create(config, q ? &*q : nullptr, {T, r, EP}));
+    ASSIGN_OR_RETURN(auto layout, engine_model::EngineLayout::Create(config, q ? &*q : nullptr, {T, r, EP}));
     ASSIGN_OR_RETURN(auto engine, ExpectedEngineWeights(layout, sent));
     std::vector<EngineParam> params;
-    for (const rollout_agent::EngineBuffer& b : engine->weights().buffers())
+    for (const engine_model::EngineBuffer& b : engine->weights().buffers())
       params.push_back({b.name, std::string(SafetensorsName(b.dtype)),
                         std::vector<int64_t>(b.shape.begin(), b.shape.end()),
                         std::string(static_cast<const char*>(b.data), b.nbytes)});

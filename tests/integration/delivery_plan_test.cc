@@ -22,23 +22,23 @@
 #include "comm/testing/capture_sink.h"
 #include "common/config.h"
 #include "common/status.h"
+#include "engine_model/loader.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/testing/hf_model.h"
 #include "model/testing/test_models.h"
 #include "plan/sharded_sink.h"
-#include "rollout_agent/load/loader.h"
 #include "rollout_agent/receive/stage_receiver.h"
 
 namespace wsync::plan {
 namespace {
 
 using comm::testing::CaptureSink;
-using rollout_agent::EngineLayout;
-using rollout_agent::EngineParallel;
-using rollout_agent::HfSource;
-using rollout_agent::Loader;
-using rollout_agent::Staging;
+using engine_model::EngineLayout;
+using engine_model::EngineParallel;
+using engine_model::HfSource;
+using engine_model::Loader;
+using engine_model::Staging;
 using ::testing::HasSubstr;
 
 struct Model {
