@@ -101,4 +101,30 @@ absl::Status ValidateManifest(const v1::BucketManifest& m, uint64_t data_bytes) 
   return absl::OkStatus();
 }
 
+absl::Status CheckHeader(const BucketHeader& header, uint64_t index) {
+  if (header.manifest_bytes > kMaxManifestBytes) {
+    return absl::DataLossError(absl::StrCat("bucket ", index, ": its header announces a ", header.manifest_bytes,
+                                            "-byte manifest (at most ", kMaxManifestBytes, "): a corrupt framing"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::BucketManifest> DecodeManifest(const BucketHeader& header, absl::string_view manifest_bytes,
+                                                  uint64_t index) {
+  RETURN_IF_ERROR(CheckHeader(header, index));
+  v1::BucketManifest m;
+  if (manifest_bytes.size() != header.manifest_bytes ||
+      !m.ParseFromArray(manifest_bytes.data(), static_cast<int>(manifest_bytes.size()))) {
+    return absl::DataLossError(absl::StrCat("bucket ", index, ": the ", manifest_bytes.size(),
+                                            "-byte manifest does not parse: a corrupt framing"));
+  }
+  if (absl::Status s = ValidateManifest(m, header.data_bytes); !s.ok()) {
+    return absl::DataLossError(absl::StrCat(s.message(), ": a corrupt framing"));
+  }
+  if (m.index() != index) {
+    return absl::DataLossError(absl::StrCat(DescribeBucket(m), ": expected bucket ", index, " (lost or reordered)"));
+  }
+  return m;
+}
+
 }  // namespace wsync::comm

@@ -16,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/dtype.h"
 #include "wsync/v1/tensor.pb.h"
 
@@ -46,5 +47,15 @@ absl::StatusOr<DType> FromProto(v1::DType t);
 // Checks a received manifest against its data size: every entry named, of a known dtype, sized as
 // its dtype and shape say, and inside the data. kInvalidArgument naming the stage, bucket and entry.
 absl::Status ValidateManifest(const v1::BucketManifest& m, uint64_t data_bytes);
+
+// The receiver's checks of bucket `index`'s framing, the one untrusted input of the data plane.
+// CheckHeader, before anything is allocated: a manifest larger than kMaxManifestBytes.
+// DecodeManifest, once the payload arrived: the manifest must be exactly the header's size, parse,
+// pass ValidateManifest against the header's data size, and be bucket `index`. Every refusal is
+// kDataLoss naming the bucket (a corrupt or forged framing, or a lost or reordered bucket); the
+// caller then delivers nothing of it.
+absl::Status CheckHeader(const BucketHeader& header, uint64_t index);
+absl::StatusOr<v1::BucketManifest> DecodeManifest(const BucketHeader& header, absl::string_view manifest_bytes,
+                                                  uint64_t index);
 
 }  // namespace wsync::comm

@@ -198,9 +198,7 @@ void BucketReceiver::Run() {
     if (s.ok()) s = space_.CopyToHost(&header, At(control, 0), sizeof(header));
     std::string manifest_bytes;
     absl::StatusOr<Buffer> data = absl::InternalError("unset");
-    if (s.ok() && header.manifest_bytes > kMaxManifestBytes) {
-      s = absl::InvalidArgumentError(absl::StrCat("bucket ", index, ": a ", header.manifest_bytes, "-byte manifest"));
-    }
+    if (s.ok()) s = CheckHeader(header, index);
     if (s.ok()) s = ensure_control(header.manifest_bytes);
     if (s.ok()) {
       manifest_bytes.resize(header.manifest_bytes);
@@ -225,15 +223,12 @@ void BucketReceiver::Run() {
     if (s.ok()) s = space_.CopyToHost(tag.data(), At(control, tag_at), tag.size());
     const absl::Duration wire = absl::Now() - t0;
     Bucket bucket;
-    if (s.ok() && !bucket.manifest.ParseFromString(manifest_bytes)) {
-      s = absl::InvalidArgumentError(absl::StrCat("bucket ", index, ": the manifest does not parse"));
+    if (s.ok()) {
+      absl::StatusOr<v1::BucketManifest> m = DecodeManifest(header, manifest_bytes, index);
+      if (m.ok()) bucket.manifest = std::move(*m);
+      s = m.status();
     }
     absl::Duration hashing, authenticating;
-    if (s.ok()) s = ValidateManifest(bucket.manifest, header.data_bytes);
-    if (s.ok() && bucket.manifest.index() != index) {
-      s = absl::InvalidArgumentError(
-          absl::StrCat(DescribeBucket(bucket.manifest), ": expected bucket ", index, " (lost or reordered)"));
-    }
     if (s.ok()) {
       const absl::Time h0 = absl::Now();
       const bool sum64 = bucket.manifest.has_sum64();

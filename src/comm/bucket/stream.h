@@ -117,7 +117,8 @@ class BucketReceiver {
   ~BucketReceiver();  // aborts the communicator if the stream is unfinished, then joins
 
   // The next bucket, in order; std::nullopt after the last one. Errors: the data plane's, or
-  // kDataLoss (checksum, tag), kInvalidArgument (manifest), each naming the stage and bucket index.
+  // kDataLoss (checksum, tag, a corrupt framing: header, manifest, index; bucket_format.h DecodeManifest), each naming
+  // the stage and bucket index.
   absl::StatusOr<std::optional<Bucket>> Next();
   BucketStats stats() const;
 

@@ -153,6 +153,83 @@ TEST(BucketStreamTest, ACorruptBucketIsDataLossNamingIt) {
   EXPECT_NE(next.status().message().find("stage 0 bucket 0"), std::string::npos) << next.status();
 }
 
+// A framing corrupted on the way, or forged: every case is refused with kDataLoss naming what is
+// wrong, and nothing of the bucket is delivered.
+TEST(BucketStreamTest, ACorruptFramingIsDataLossAndDeliversNothing) {
+  std::vector<char> data(1000, 7);
+  const uint64_t xxh3 = Xxh3Of(data);
+  auto good = [&](uint32_t index) {
+    v1::BucketManifest m = MakeManifest(index, {1000}, true);
+    m.set_nbytes(data.size());
+    m.set_xxh3_64(xxh3);
+    return m;
+  };
+  // One raw sender per case: the header as given, then (unless only the header goes) the payload
+  // of the header's sizes, with `manifest` as its manifest bytes.
+  struct Case {
+    std::string name;
+    BucketHeader header;
+    std::string manifest;
+    bool header_only = false;
+    std::string says;
+  };
+  const std::string ms = good(0).SerializeAsString();
+  v1::BucketManifest outside = good(0);
+  outside.mutable_entries(0)->set_offset(64);  // [64, 1064) of a 1000-byte bucket
+  v1::BucketManifest second = good(1);
+  std::vector<Case> cases = {
+      {"huge manifest", {kMaxManifestBytes + 1, data.size()}, "", true, "-byte manifest (at most"},
+      {"garbage manifest", {ms.size(), data.size()}, std::string(ms.size(), '\xff'), false, "does not parse"},
+      {"manifest with trailing bytes",
+       {ms.size() + 5, data.size()},
+       ms + std::string(5, '\xff'),
+       false,
+       "does not parse"},
+      {"data size differs",
+       {ms.size(), data.size()},
+       [&] {
+         v1::BucketManifest m = good(0);
+         m.set_nbytes(data.size() + 64);
+         return m.SerializeAsString();
+       }(),
+       false,
+       "1064 bytes, 1000 arrived"},
+      {"entry outside the data",
+       {outside.ByteSizeLong(), data.size()},
+       outside.SerializeAsString(),
+       false,
+       "lie outside the 1000-byte bucket"},
+      {"lost bucket",
+       {second.ByteSizeLong(), data.size()},
+       second.SerializeAsString(),
+       false,
+       "expected bucket 0 (lost or reordered)"},
+  };
+  for (Case& k : cases) {
+    SCOPED_TRACE(k.name);
+    MemoryStore store;
+    auto comms = MakeGroup(store, "framing", 2);
+    for (auto& cm : comms) ASSERT_NE(cm, nullptr);
+    std::thread sender([&] {
+      MutableBytes hb{&k.header, sizeof(k.header)};
+      if (!Await(comms[0]->Broadcast({&hb, 1}, 0)).ok() || k.header_only) return;
+      std::vector<char> body(data.begin(), data.end());
+      BucketTag tag{};
+      k.manifest.resize(k.header.manifest_bytes);
+      MutableBytes payload[3] = {
+          {k.manifest.data(), k.manifest.size()}, {body.data(), body.size()}, {tag.data(), tag.size()}};
+      (void)Await(comms[0]->Broadcast(payload, 0));
+    });
+    BucketReceiver recv(*comms[1], 0);
+    auto next = recv.Next();
+    sender.join();
+    ASSERT_FALSE(next.ok()) << "a bucket was delivered";
+    EXPECT_TRUE(absl::IsDataLoss(next.status())) << next.status();
+    EXPECT_NE(next.status().message().find(k.says), std::string::npos) << next.status();
+    EXPECT_EQ(recv.stats().buckets, 0u);
+  }
+}
+
 TEST(BucketStreamTest, ACorruptSum64BucketIsDataLossNamingIt) {
   MemoryStore store;
   auto comms = MakeGroup(store, "corrupt64", 2);
