@@ -1,5 +1,5 @@
 /* wsync_engine_host: puts an engine that wsync does not build (vLLM, transformers, one's own) on a
- * rollout agent. Python's `wsync.engine` loads it with ctypes; any C program can link it.
+ * rollout agent. Python's `wsync._engine_host` loads it with ctypes; any C program can link it.
  *
  * One host is one engine rank (TP 1: an engine that shards over devices does so itself). The host:
  *   - lays the rank's parameters out in one POSIX shared-memory segment, in the SGLang engine form
