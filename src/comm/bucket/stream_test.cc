@@ -1,6 +1,7 @@
 #include "comm/bucket/stream.h"
 
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <optional>
 #include <random>
@@ -8,7 +9,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "comm/store/store.h"
+#include "comm/testing/faulty_communicator.h"
 #include "comm/testing/local_group.h"
 #include "common/checksum.h"
 #include "common/status.h"
@@ -227,6 +231,93 @@ TEST(BucketStreamTest, ACorruptFramingIsDataLossAndDeliversNothing) {
     EXPECT_TRUE(absl::IsDataLoss(next.status())) << next.status();
     EXPECT_NE(next.status().message().find(k.says), std::string::npos) << next.status();
     EXPECT_EQ(recv.stats().buckets, 0u);
+  }
+}
+
+// Every fault a communicator shows, at every operation of a three-bucket stream, on the receiver
+// or on the sender: the stream fails on both ends within the group's timeout (no hang), with the
+// fault's code on the member it hit, and every bucket the receiver got before is intact; none
+// after. A bucket is two Broadcasts (header, payload), so operation 2b + 1 is bucket b's payload.
+TEST(BucketStreamTest, ACommunicatorFaultAtAnyOperationFailsTheStreamCleanly) {
+  using testing::Fault;
+  constexpr int kBuckets = 3;
+  std::vector<std::vector<char>> contents;
+  for (int b = 0; b < kBuckets; ++b) contents.emplace_back(4096 * (b + 1), static_cast<char>(b + 1));
+  struct Case {
+    Fault fault;
+    bool on_receiver;
+    absl::StatusCode code;  // on the member the fault hit
+  };
+  std::vector<Case> cases;
+  for (int op = 0; op < 2 * kBuckets; ++op) {
+    for (bool rx : {true, false})
+      cases.push_back({{.kind = Fault::Kind::kError, .at = op}, rx, absl::StatusCode::kInternal});
+    cases.push_back({{.kind = Fault::Kind::kPeerGone, .at = op}, op % 2 == 0, absl::StatusCode::kUnavailable});
+    if (op % 3 == 0) {
+      cases.push_back({{.kind = Fault::Kind::kTimeout, .at = op, .delay = absl::Milliseconds(200)},
+                       true,
+                       absl::StatusCode::kDeadlineExceeded});
+    }
+    if (op % 2 == 1) {  // what a payload carries, damaged on the way: never delivered
+      // Byte 0 is the manifest's first field tag; byte 2000 is in the data (the manifest is < 100 bytes).
+      cases.push_back({{.kind = Fault::Kind::kCorrupt, .at = op, .offset = 0}, true, absl::StatusCode::kDataLoss});
+      cases.push_back({{.kind = Fault::Kind::kCorrupt, .at = op, .offset = 2000}, true, absl::StatusCode::kDataLoss});
+      cases.push_back({{.kind = Fault::Kind::kShort, .at = op, .bytes = 64}, true, absl::StatusCode::kDataLoss});
+    }
+  }
+  for (const Case& k : cases) {
+    SCOPED_TRACE(::testing::Message() << (k.on_receiver ? "receiver" : "sender") << " op " << k.fault.at << " kind "
+                                      << static_cast<int>(k.fault.kind));
+    MemoryStore store;
+    auto group = testing::MakeLocalGroup(store, "faulty", 2, absl::Seconds(5));
+    ASSERT_TRUE(group.ok()) << group.status();
+    testing::InjectFaults(*group, k.on_receiver ? 1 : 0, {k.fault});
+    const absl::Time t0 = absl::Now();
+    absl::Status sent;
+    std::thread sender([&] {
+      BucketSender s(*(*group)[0], 0);
+      for (int b = 0; b < kBuckets && sent.ok(); ++b) {
+        Buffer buf = *Buffer::Allocate(contents[b].size());
+        std::memcpy(buf.data(), contents[b].data(), contents[b].size());
+        sent = s.Send(MakeManifest(b, {contents[b].size()}, b == kBuckets - 1), std::move(buf), contents[b].size());
+      }
+      absl::Status f = s.Finish();
+      if (sent.ok()) sent = f;
+    });
+    BucketReceiver recv(*(*group)[1], 0);
+    int delivered = 0;
+    absl::Status received;
+    for (;;) {
+      auto next = recv.Next();
+      if (!next.ok()) {
+        received = next.status();
+        break;
+      }
+      if (!next->has_value() || delivered >= kBuckets) break;
+      const auto& bucket = **next;
+      EXPECT_EQ(bucket.manifest.index(), static_cast<uint32_t>(delivered));
+      EXPECT_EQ(bucket.manifest.entries(0).tensor().name(), absl::StrCat("t", delivered, ".0"));
+      EXPECT_EQ(std::memcmp(bucket.data.data(), contents[delivered].data(), contents[delivered].size()), 0)
+          << "bucket " << delivered << " delivered damaged";
+      ++delivered;
+    }
+    // What the rollout agent does with a failed stage: abort its side of the group, so the sender
+    // fails at once instead of waiting out its timeout.
+    if (!received.ok()) (*group)[1]->Abort(received.message());
+    sender.join();
+    EXPECT_FALSE(received.ok()) << "the receiver's stream ended as if nothing had failed";
+    EXPECT_LT(absl::Now() - t0, absl::Seconds(15)) << "a member waited out its peer";
+    EXPECT_LE(delivered, k.fault.at / 2) << "a bucket at or after the fault was delivered";
+    EXPECT_FALSE(sent.ok() && k.on_receiver == false) << "the sender's own fault did not fail its stream";
+    // The member the fault hit fails with it, or (a later operation of its broken communicator
+    // surfacing first) with kAborted naming it, as a real communicator does.
+    const absl::Status& hit = k.on_receiver ? received : sent;
+    const bool named = hit.code() == absl::StatusCode::kAborted && absl::StrContains(hit.message(), "injected");
+    EXPECT_TRUE(hit.code() == k.code || named) << hit;
+    // Its peer fails too, whatever the code, unless the fault hit the last operation (the sender
+    // may have finished by then).
+    EXPECT_FALSE((k.on_receiver ? sent : received).ok() && k.fault.at < 2 * kBuckets - 1)
+        << "the peer of the failed member finished as if nothing had failed";
   }
 }
 

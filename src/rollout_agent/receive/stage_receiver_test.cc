@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "comm/store/store.h"
+#include "comm/testing/faulty_communicator.h"
 #include "comm/testing/local_group.h"
 #include "common/config.h"
 #include "gmock/gmock.h"
@@ -238,6 +239,44 @@ TEST_F(StageReceiverTest, CancelStopsAStageWaitingForBuckets) {
   EXPECT_TRUE(absl::IsAborted(stats.status())) << stats.status();
   EXPECT_LT(absl::Now() - t0, absl::Seconds(10));
   EXPECT_FALSE(sent.ok()) << "the source's next broadcast must fail";
+}
+
+// A stage source whose communicator fails mid-stream the way a real one does (an error, or the
+// member gone; comm/testing/faulty_communicator.h), at its 2nd, 5th and 8th operation: the stage
+// fails within the timeout with the data plane's error, and the staging is left incomplete (the
+// sync cannot commit it).
+TEST_F(StageReceiverTest, ASourceWhoseCommunicatorFailsMidStreamFailsTheStage) {
+  using comm::testing::Fault;
+  auto packed = testing::PackBuckets(tensors_, {.version = 5, .bucket_bytes = 64 << 10});
+  ASSERT_TRUE(packed.ok()) << packed.status();
+  ASSERT_GE(packed->size(), 5u);
+  for (Fault::Kind kind : {Fault::Kind::kError, Fault::Kind::kPeerGone}) {
+    for (int at : {1, 4, 7}) {
+      SCOPED_TRACE(::testing::Message() << "kind " << static_cast<int>(kind) << " at " << at);
+      auto buckets = testing::PackBuckets(tensors_, {.version = 5, .bucket_bytes = 64 << 10});
+      ASSERT_TRUE(buckets.ok());
+      const std::string group = absl::StrCat("faulty-", static_cast<int>(kind), "-", at);
+      absl::Status sent;
+      std::thread source([&] {
+        auto comm = comm::CreateGroup(comm::Backend::kGloo,
+                                      comm::testing::LocalMemberOptions(store_, group, 0, 2, absl::Seconds(20)));
+        ASSERT_TRUE(comm.ok()) << comm.status();
+        comm::testing::FaultyCommunicator faulty(std::move(*comm), {{.kind = kind, .at = at}});
+        sent = testing::SendBuckets(faulty, std::move(*buckets));
+      });
+      staging_->ResetCoverage();
+      SyncCancel cancel;
+      Loader loader(staging_.get());
+      const absl::Time t0 = absl::Now();
+      auto stats = ReceiveStage(Options(group, &cancel, &loader));
+      source.join();
+      EXPECT_LT(absl::Now() - t0, absl::Seconds(10)) << "the stage waited out its source";
+      ASSERT_FALSE(stats.ok()) << "the stage finished as if nothing had failed";
+      EXPECT_TRUE(absl::IsAborted(stats.status()) || absl::IsUnavailable(stats.status())) << stats.status();
+      EXPECT_FALSE(sent.ok());
+      EXPECT_FALSE(staging_->CheckComplete().ok()) << "a stage that failed left a complete staging";
+    }
+  }
 }
 
 TEST(FormationLatchTest, OpensWhenEveryStageArrivedAndEndsOnCancelOrTimeout) {

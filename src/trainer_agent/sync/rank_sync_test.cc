@@ -27,6 +27,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "comm/store/store.h"
+#include "comm/testing/faulty_communicator.h"
 #include "tools/synth/testing/world.h"
 #include "trainer_agent/gather/testing/local_trainer_comms.h"
 #include "trainer_agent/quantize/quant_select.h"
@@ -356,6 +357,45 @@ TEST_F(RankSyncFailureTest, AMissingRankFileFailsEveryRankWithTheSameErrorNaming
     if (results[r].sink) {
       EXPECT_TRUE(results[r].sink->buckets.empty()) << "nothing may be sent";
       EXPECT_EQ(results[r].sink->finishes, 0);
+    }
+  }
+}
+
+// A TP gather that fails the way a communicator fails (comm/testing/faulty_communicator.h), at its
+// first, second and fifth operation on rank 1: every rank returns within the timeout (no rank waits
+// out a peer), both ranks of that TP group fail (rank 1 with the fault, or kAborted naming it), and
+// no stage finishes its stream, so no receiver could commit. (Ranks 2 and 3, the other TP group,
+// may finish their part: the trainer agent fails the sync on any rank's error.)
+TEST_F(RankSyncFailureTest, ACommunicatorFaultInAGatherFailsItsGroupAndFinishesNoStream) {
+  ASSERT_NO_FATAL_FAILURE(
+      MakeFixture(tools::testing::SmallOptions(Architecture::kQwen3Moe), {"tp2_ep2_etp1", 2, 2, 1, 2}, 7));
+  auto src = DirSource::Open(src_dir());
+  ASSERT_TRUE(src.ok()) << src.status();
+  for (int at : {0, 1, 4}) {
+    SCOPED_TRACE(::testing::Message() << "fault at rank 1's TP operation " << at);
+    comm::MemoryStore store;
+    auto comms = testing::MakeLocalTrainerComms(store, absl::StrCat("faulty", at), src->layout());
+    ASSERT_TRUE(comms.ok()) << comms.status();
+    auto faulty = std::make_unique<comm::testing::FaultyCommunicator>(std::move(comms->ranks[1].tp),
+                                                                      std::vector<comm::testing::Fault>{{.at = at}});
+    comm::testing::FaultyCommunicator* tp = faulty.get();
+    comms->ranks[1].tp = std::move(faulty);
+    SyncOptions o;
+    o.bucket_bytes = 32 << 10;
+    o.collective = kTimeout;
+    const absl::Time t0 = absl::Now();
+    const std::vector<RankResult> results = SyncEveryRank(*src, *comms, o);
+    EXPECT_LT(absl::Now() - t0, absl::Seconds(20)) << "failing took too long";
+    EXPECT_EQ(tp->fired(), 1) << "the fault never fired: rank 1 ran " << tp->operations() << " TP operations";
+    for (size_t r = 0; r < results.size(); ++r) {
+      const absl::StatusOr<SyncReport>& rep = results[r].report;
+      if (r < 2) EXPECT_FALSE(rep.ok()) << "rank " << r << " of the failed TP group finished its sync";
+      if (r == 1 && !rep.ok()) {
+        EXPECT_TRUE(absl::StrContains(rep.status().message(), "injected")) << rep.status();
+      }
+      if (results[r].sink) {
+        EXPECT_EQ(results[r].sink->finishes, 0) << "rank " << r << " finished its stage's stream";
+      }
     }
   }
 }
