@@ -334,6 +334,66 @@ bool ModelConfig::IsMoeLayer(int64_t layer) const {
   return false;
 }
 
+namespace {
+
+// Qwen3-MoE's expert fields, checked against the layers of `c`.
+absl::StatusOr<MoeConfig> ParseQwen3MoeFields(const Fields& f, const ModelConfig& c) {
+  MoeConfig m;
+  ASSIGN_OR_RETURN(m.num_experts, f.Int("num_experts"));
+  ASSIGN_OR_RETURN(m.num_experts_per_tok, f.Int("num_experts_per_tok"));
+  ASSIGN_OR_RETURN(m.moe_intermediate_size, f.Int("moe_intermediate_size"));
+  ASSIGN_OR_RETURN(m.norm_topk_prob, f.Bool("norm_topk_prob", false));
+  ASSIGN_OR_RETURN(m.decoder_sparse_step, f.Int("decoder_sparse_step", 1));
+  ASSIGN_OR_RETURN(m.mlp_only_layers, f.Ints("mlp_only_layers"));
+  for (int64_t l : m.mlp_only_layers)
+    if (l >= c.num_hidden_layers)
+      return f.Error("mlp_only_layers", absl::StrCat("names layer ", l, " but the model has ", c.num_hidden_layers));
+  return m;
+}
+
+// DeepSeek-V3's expert and MLA fields: sets c.moe, c.mla, c.head_dim and c.num_nextn_predict_layers.
+absl::Status ParseDeepseekV3Fields(const Fields& f, ModelConfig& c) {
+  MoeConfig m;
+  ASSIGN_OR_RETURN(m.num_experts, f.Int("n_routed_experts"));
+  ASSIGN_OR_RETURN(m.num_experts_per_tok, f.Int("num_experts_per_tok"));
+  ASSIGN_OR_RETURN(m.moe_intermediate_size, f.Int("moe_intermediate_size"));
+  ASSIGN_OR_RETURN(m.num_shared_experts, f.Int("n_shared_experts", 1, 0));
+  ASSIGN_OR_RETURN(m.norm_topk_prob, f.Bool("norm_topk_prob", true));
+  ASSIGN_OR_RETURN(m.first_k_dense_replace, f.Int("first_k_dense_replace", 0, 0));
+  ASSIGN_OR_RETURN(m.moe_layer_freq, f.Int("moe_layer_freq", 1));
+  ASSIGN_OR_RETURN(m.n_group, f.Int("n_group", 1));
+  ASSIGN_OR_RETURN(m.topk_group, f.Int("topk_group", 1));
+  ASSIGN_OR_RETURN(m.routed_scaling_factor, f.Number("routed_scaling_factor", 2.5));
+  ASSIGN_OR_RETURN(m.scoring_func, f.String("scoring_func", "sigmoid"));
+  ASSIGN_OR_RETURN(m.topk_method, f.String("topk_method", "noaux_tc"));
+  if (m.first_k_dense_replace > c.num_hidden_layers)
+    return f.Error("first_k_dense_replace",
+                   absl::StrCat(m.first_k_dense_replace, " exceeds num_hidden_layers ", c.num_hidden_layers));
+  if (m.num_experts % m.n_group != 0)
+    return f.Error("n_group", absl::StrCat(m.n_group, " does not divide n_routed_experts ", m.num_experts));
+  if (m.topk_group > m.n_group)
+    return f.Error("topk_group", absl::StrCat(m.topk_group, " exceeds n_group ", m.n_group));
+  if (m.scoring_func != "sigmoid" && m.scoring_func != "softmax")
+    return f.Error("scoring_func", absl::StrCat("is \"", m.scoring_func, "\"; expected sigmoid or softmax"));
+  c.moe = m;
+  MlaConfig a;
+  if (f.Has("q_lora_rank")) {
+    ASSIGN_OR_RETURN(a.q_lora_rank, f.Int("q_lora_rank"));
+  }
+  ASSIGN_OR_RETURN(a.kv_lora_rank, f.Int("kv_lora_rank"));
+  ASSIGN_OR_RETURN(a.qk_nope_head_dim, f.Int("qk_nope_head_dim"));
+  ASSIGN_OR_RETURN(a.qk_rope_head_dim, f.Int("qk_rope_head_dim"));
+  ASSIGN_OR_RETURN(a.v_head_dim, f.Int("v_head_dim"));
+  if (a.qk_rope_head_dim % 2 != 0)
+    return f.Error("qk_rope_head_dim", absl::StrCat("must be even for rotary embeddings, got ", a.qk_rope_head_dim));
+  c.mla = a;
+  c.head_dim = a.qk_nope_head_dim + a.qk_rope_head_dim;
+  ASSIGN_OR_RETURN(c.num_nextn_predict_layers, f.Int("num_nextn_predict_layers", 0, 0));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::string_view source) {
   ASSIGN_OR_RETURN(Json j, ParseJson(json_text, source));
   Fields f(j, source, "");
@@ -400,54 +460,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::
                    absl::StrCat(c.num_key_value_heads, " does not divide num_attention_heads ", c.num_attention_heads));
 
   if (c.arch == Architecture::kQwen3Moe) {
-    MoeConfig m;
-    ASSIGN_OR_RETURN(m.num_experts, f.Int("num_experts"));
-    ASSIGN_OR_RETURN(m.num_experts_per_tok, f.Int("num_experts_per_tok"));
-    ASSIGN_OR_RETURN(m.moe_intermediate_size, f.Int("moe_intermediate_size"));
-    ASSIGN_OR_RETURN(m.norm_topk_prob, f.Bool("norm_topk_prob", false));
-    ASSIGN_OR_RETURN(m.decoder_sparse_step, f.Int("decoder_sparse_step", 1));
-    ASSIGN_OR_RETURN(m.mlp_only_layers, f.Ints("mlp_only_layers"));
-    for (int64_t l : m.mlp_only_layers)
-      if (l >= c.num_hidden_layers)
-        return f.Error("mlp_only_layers", absl::StrCat("names layer ", l, " but the model has ", c.num_hidden_layers));
-    c.moe = m;
+    ASSIGN_OR_RETURN(c.moe, ParseQwen3MoeFields(f, c));
   } else if (is_mla) {
-    MoeConfig m;
-    ASSIGN_OR_RETURN(m.num_experts, f.Int("n_routed_experts"));
-    ASSIGN_OR_RETURN(m.num_experts_per_tok, f.Int("num_experts_per_tok"));
-    ASSIGN_OR_RETURN(m.moe_intermediate_size, f.Int("moe_intermediate_size"));
-    ASSIGN_OR_RETURN(m.num_shared_experts, f.Int("n_shared_experts", 1, 0));
-    ASSIGN_OR_RETURN(m.norm_topk_prob, f.Bool("norm_topk_prob", true));
-    ASSIGN_OR_RETURN(m.first_k_dense_replace, f.Int("first_k_dense_replace", 0, 0));
-    ASSIGN_OR_RETURN(m.moe_layer_freq, f.Int("moe_layer_freq", 1));
-    ASSIGN_OR_RETURN(m.n_group, f.Int("n_group", 1));
-    ASSIGN_OR_RETURN(m.topk_group, f.Int("topk_group", 1));
-    ASSIGN_OR_RETURN(m.routed_scaling_factor, f.Number("routed_scaling_factor", 2.5));
-    ASSIGN_OR_RETURN(m.scoring_func, f.String("scoring_func", "sigmoid"));
-    ASSIGN_OR_RETURN(m.topk_method, f.String("topk_method", "noaux_tc"));
-    if (m.first_k_dense_replace > c.num_hidden_layers)
-      return f.Error("first_k_dense_replace",
-                     absl::StrCat(m.first_k_dense_replace, " exceeds num_hidden_layers ", c.num_hidden_layers));
-    if (m.num_experts % m.n_group != 0)
-      return f.Error("n_group", absl::StrCat(m.n_group, " does not divide n_routed_experts ", m.num_experts));
-    if (m.topk_group > m.n_group)
-      return f.Error("topk_group", absl::StrCat(m.topk_group, " exceeds n_group ", m.n_group));
-    if (m.scoring_func != "sigmoid" && m.scoring_func != "softmax")
-      return f.Error("scoring_func", absl::StrCat("is \"", m.scoring_func, "\"; expected sigmoid or softmax"));
-    c.moe = m;
-    MlaConfig a;
-    if (f.Has("q_lora_rank")) {
-      ASSIGN_OR_RETURN(a.q_lora_rank, f.Int("q_lora_rank"));
-    }
-    ASSIGN_OR_RETURN(a.kv_lora_rank, f.Int("kv_lora_rank"));
-    ASSIGN_OR_RETURN(a.qk_nope_head_dim, f.Int("qk_nope_head_dim"));
-    ASSIGN_OR_RETURN(a.qk_rope_head_dim, f.Int("qk_rope_head_dim"));
-    ASSIGN_OR_RETURN(a.v_head_dim, f.Int("v_head_dim"));
-    if (a.qk_rope_head_dim % 2 != 0)
-      return f.Error("qk_rope_head_dim", absl::StrCat("must be even for rotary embeddings, got ", a.qk_rope_head_dim));
-    c.mla = a;
-    c.head_dim = a.qk_nope_head_dim + a.qk_rope_head_dim;
-    ASSIGN_OR_RETURN(c.num_nextn_predict_layers, f.Int("num_nextn_predict_layers", 0, 0));
+    RETURN_IF_ERROR(ParseDeepseekV3Fields(f, c));
   }
   if (c.moe && c.moe->num_experts_per_tok > c.moe->num_experts)
     return f.Error("num_experts_per_tok",
