@@ -107,4 +107,5 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m wsync") ->
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # PROG: set by the `python -m wsync.engine` alias (wsync/engine.py) when it runs this module.
+    sys.exit(main(prog=globals().get("PROG", "python -m wsync")))

@@ -390,11 +390,9 @@ class EngineView(_Segment):
 
 
 if __name__ == "__main__":
-    # `python -m wsync.engine`: the same process as `python -m wsync` (wsync/__main__.py). Its main
-    # uses the imported wsync.engine, not this __main__ copy of the module, whose registry of
-    # hosts no adapter would see.
-    import sys
+    # `python -m wsync.engine`: the same process as `python -m wsync` (wsync/__main__.py), run by
+    # name (the library does not import its CLI). That main uses the imported wsync.engine, not this
+    # __main__ copy of the module, whose registry of hosts no adapter would see.
+    import runpy
 
-    from wsync.__main__ import main
-
-    sys.exit(main(prog="python -m wsync.engine"))
+    runpy.run_module("wsync", run_name="__main__", init_globals={"PROG": "python -m wsync.engine"})
