@@ -389,7 +389,9 @@ TEST_F(RankSyncFailureTest, ACommunicatorFaultInAGatherFailsItsGroupAndFinishesN
     EXPECT_EQ(tp->fired(), 1) << "the fault never fired: rank 1 ran " << tp->operations() << " TP operations";
     for (size_t r = 0; r < results.size(); ++r) {
       const absl::StatusOr<SyncReport>& rep = results[r].report;
-      if (r < 2) EXPECT_FALSE(rep.ok()) << "rank " << r << " of the failed TP group finished its sync";
+      if (r < 2) {
+        EXPECT_FALSE(rep.ok()) << "rank " << r << " of the failed TP group finished its sync";
+      }
       if (r == 1 && !rep.ok()) {
         EXPECT_TRUE(absl::StrContains(rep.status().message(), "injected")) << rep.status();
       }
