@@ -4,12 +4,9 @@
 // shm memory registers with the agent, and wsyncctl triggers syncs and verifies the engine's memory
 // bit for bit against the checkpoint (through RolloutAgent.EngineChecksums). Two stage groups, two
 // syncs, recordings, engine call order.
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -76,23 +73,6 @@ int WaitFor(pid_t pid, absl::Duration limit) {
   }
 }
 
-// A TCP port nobody listens on right now.
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof(a);
-  int port = -1;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
-  }
-  close(fd);
-  return port;
-}
-
 class RolloutAgentE2eTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -154,9 +134,8 @@ TEST_F(RolloutAgentE2eTest, TheRealTrainerAndCoordinatorSyncAnEngineThroughTheAg
             0);
   ASSERT_EQ(Run("wsync-shard", {"--hf", hf, "--out", src, "--tp", "1", "--pp", "2"}), 0);
 
-  // A free port chosen here, so that the test knows the coordinator's address up front.
-  const int port = FreePort();
-  ASSERT_GT(port, 0);
+  // Port 0: the coordinator binds a port of its own and writes it to --address-file. A port picked
+  // here and bound later can be taken in between by another test running in parallel.
   const std::string coord_file = dir_ + "/coordinator";
   trainer_ = Spawn({WSYNC_MPIEXEC,
                     "--allow-run-as-root",
@@ -167,7 +146,7 @@ TEST_F(RolloutAgentE2eTest, TheRealTrainerAndCoordinatorSyncAnEngineThroughTheAg
                     "--source",
                     "dir:" + src,
                     "--coordinator",
-                    absl::StrCat("127.0.0.1:", port),
+                    "127.0.0.1:0",
                     "--backend",
                     "gloo",
                     "--bucket-mib",
@@ -184,7 +163,8 @@ TEST_F(RolloutAgentE2eTest, TheRealTrainerAndCoordinatorSyncAnEngineThroughTheAg
   ASSERT_GT(trainer_, 0);
   for (int i = 0; i < 600 && !absl::EndsWith(ReadFile(coord_file), "\n"); ++i) absl::SleepFor(absl::Milliseconds(100));
   coordinator_ = std::string(absl::StripAsciiWhitespace(ReadFile(coord_file)));
-  ASSERT_EQ(coordinator_, absl::StrCat("127.0.0.1:", port)) << "the coordinator did not start";
+  ASSERT_TRUE(absl::StartsWith(coordinator_, "127.0.0.1:") && coordinator_ != "127.0.0.1:0")
+      << "the coordinator did not start: address file holds '" << coordinator_ << "'";
 
   const std::string record = dir_ + "/record";
   auto agent = AgentProcess::Start(

@@ -12,7 +12,6 @@ import os
 import pathlib
 import secrets
 import shutil
-import socket
 import subprocess
 import time
 
@@ -55,23 +54,20 @@ class Agent:
 
 @pytest.fixture
 def trainer_agent(model, tmp_path, monkeypatch):
-    """A one-rank trainer job on shm:NAME (its coordinator on a free port), with the client's
+    """A one-rank trainer job on shm:NAME (its coordinator on a port of its own choosing), with the client's
     runtime directory pointed at it. Stopped after the test."""
     name = "pytest-" + secrets.token_hex(4)
     runtime = tmp_path / "rt"
     runtime.mkdir(mode=0o700)
     token = tmp_path / "token"
     token.write_text(secrets.token_hex(16))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = dict(os.environ, WSYNC_RUNTIME_DIR=str(runtime))
     monkeypatch.setenv("WSYNC_RUNTIME_DIR", str(runtime))
     log = tmp_path / "trainer.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [shutil.which("mpirun"), "--allow-run-as-root", "--oversubscribe", "-np", "1", "-x", "WSYNC_RUNTIME_DIR",
-             str(BIN / "wsync-trainer-agent"), "--source", f"shm:{name}", "--coordinator", f"127.0.0.1:{port}",
+             str(BIN / "wsync-trainer-agent"), "--source", f"shm:{name}", "--coordinator", "127.0.0.1:0",
              "--state-dir", str(tmp_path / "state"),
              "--token-file", str(token)],
             stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -20,6 +20,7 @@ ctest)."""
 import json
 import os
 import pathlib
+import random
 import re
 import shutil
 import socket
@@ -62,9 +63,20 @@ def test_model_chunks_are_refused_naming_them():
 
 
 def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for torch.distributed's rendezvous, which every rank must know before it starts (so
+    port 0 cannot serve). Drawn below the kernel's ephemeral range: a port bound with 0 or used by an
+    outgoing connection elsewhere on the machine never lands there, so only another fixed pick can
+    collide, one chance in thousands."""
+    low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(500):
+        port = random.randint(10000, max(10001, low - 1))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError(f"no free port below {low}")
 
 
 @pytest.mark.skipif(not MEGATRON_PYTHON, reason="no megatron-core environment ($WSYNC_MEGATRON_PYTHON)")
