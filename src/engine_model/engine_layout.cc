@@ -310,230 +310,271 @@ class LayoutBuilder {
 
   // Adds the params and sources of one linear. Checks the INT4 / Marlin constraints (§3, §4, §6).
   absl::Status AddLinear(LinearSpec spec, const std::vector<Shard>& shards, const std::string& bias_name = "") {
-    const int G = G_;
-    const bool stacked = spec.experts > 0;
-    const int64_t n = spec.n, k = spec.k;
     EngineLinear lin;
     lin.name = spec.name;
     lin.role = spec.role;
     lin.layer = spec.layer;
     lin.experts = spec.experts;
-    lin.n = n;
-    lin.k = k;
+    lin.n = spec.n;
+    lin.k = spec.k;
     lin.quantized = spec.quantized;
-    lin.group_size = spec.quantized ? G : -1;
+    lin.group_size = spec.quantized ? G_ : -1;
     const int lidx = static_cast<int>(L_.linears_.size());
-    auto with_e = [&](std::initializer_list<int64_t> t) {
-      Shape s;
-      if (stacked) s.push_back(spec.experts);
-      for (int64_t d : t) s.push_back(d);
-      return s;
-    };
-
     if (!spec.quantized) {
-      EngineParam p;
-      p.name = spec.name;
-      p.role = spec.role;
-      p.dtype = dt_;
-      p.loaded_shape = with_e({n, k});
-      p.engine_shape = p.loaded_shape;
-      p.layer = spec.layer;
-      p.linear = lidx;
-      lin.weight = AddParam(std::move(p));
-      for (const Shard& sh : shards) {
-        const std::string hf = absl::StrCat(sh.hf, ".weight");
-        if (!sh.owned) {
-          AddSkip(hf, dt_, {sh.hf_n, sh.hf_k}, sh.what);
-          continue;
-        }
-        HfSource s;
-        s.hf_name = hf;
-        s.dtype = dt_;
-        s.shape = {sh.hf_n, sh.hf_k};
-        s.param = lin.weight;
-        s.expert = sh.expert;
-        s.src_row0 = sh.r0;
-        s.rows = sh.nr;
-        s.src_col0 = sh.c0;
-        s.cols = sh.nc;
-        s.dst_row0 = sh.dst_n;
-        s.what = sh.what;
-        AddSource(std::move(s));
-      }
+      AddBf16Linear(spec, shards, lidx, lin);
     } else {
-      const std::string generic = Generic(spec.name);
-      const bool awq = L_.format_ == Int4Format::kAwq;
-      // Sent-format and loader constraints (§3.2, §3.3, §6 INT4 refusals; AWQ.md §2).
+      RETURN_IF_ERROR(CheckInt4Shards(spec, shards));
+      RETURN_IF_ERROR(CheckInt4Shape(spec));
+      AddInt4Params(spec, lidx, lin);
       for (const Shard& sh : shards) {
-        if (G > 0 && sh.hf_k % G != 0)
-          return Refuse(absl::StrCat(sh.hf, ": INT4 needs K % G == 0, K = ", sh.hf_k, ", G = ", G));
-        if (awq) {
-          // AWQ packs 8 output features (rows of W) per word: a rank's rows must be whole words.
-          if (sh.hf_n % 8 != 0)
-            return Refuse(absl::StrCat(sh.hf, ": AWQ needs N % 8 == 0 (packed words), N = ", sh.hf_n));
-          if (sh.r0 % 8 != 0 || sh.nr % 8 != 0 || sh.dst_n % 8 != 0)
-            return Refuse(absl::StrCat(spec.name, ": the AWQ shard of ", sh.hf, " on this rank spans output rows ",
-                                       sh.r0, "..", sh.r0 + sh.nr - 1, " (to row ", sh.dst_n,
-                                       "), not whole packed words of 8; ", Ctx()));
+        if (L_.format_ == Int4Format::kAwq) {
+          AddAwqSources(sh, lin, G_);
         } else {
-          if (sh.hf_k % 8 != 0)
-            return Refuse(absl::StrCat(sh.hf, ": INT4 needs K % 8 == 0 (packed words), K = ", sh.hf_k));
-          if (sh.c0 % 8 != 0 || sh.nc % 8 != 0)
-            return Refuse(absl::StrCat(spec.name, ": the INT4 shard of ", sh.hf, " on this rank spans input columns ",
-                                       sh.c0, "..", sh.c0 + sh.nc - 1, " (K_p = ", sh.nc,
-                                       "), not a multiple of 8 (packed words); ", Ctx()));
+          AddInt4Sources(sh, lin, spec.experts > 0);
         }
-        if (G > 0 && (sh.c0 % G != 0 || sh.nc % G != 0))
-          return Refuse(absl::StrCat(spec.name, ": the INT4 shard of ", sh.hf, " on this rank has K_p = ", sh.nc,
-                                     " input columns (from ", sh.c0, "), not a multiple of the group size G = ", G,
-                                     "; ", Ctx()));
-      }
-      const bool trtllm = L_.format_ == Int4Format::kTrtllm;
-      if (trtllm && (k % 64 != 0 || n % 64 != 0))  // TRTLLM_INT4.md §1 steps 2-3 (W4A16: RPT 64)
-        return Refuse(absl::StrCat(spec.name,
-                                   ": the TensorRT-LLM W4A16 layout needs K % 64 == 0 and N % 64 == 0, [K, N] = [", k,
-                                   ", ", n, "]; ", Ctx()));
-      // Marlin repack constraints (§4 hard constraints).
-      if (!trtllm && k % 16 != 0)
-        return Refuse(absl::StrCat(spec.name, ": Marlin repack needs size_k % 16 == 0, size_k = ", k, "; ", Ctx()));
-      if (!trtllm && n % 64 != 0)
-        return Refuse(absl::StrCat(spec.name, ": Marlin repack needs size_n % 64 == 0, size_n = ", n, "; ", Ctx()));
-      if (!stacked && !trtllm) {
-        if (k % 128 != 0)
-          Warn(absl::StrCat(generic, ": advisory (verify_marlin_supports_shape): K_p = ", k,
-                            " is not a multiple of 128"));
-        const bool thread_cfg = (k % 128 == 0) || (k % 64 == 0 && n % 128 == 0);
-        if (!thread_cfg)
-          Warn(absl::StrCat(generic,
-                            ": advisory: no Marlin thread config (k, n) in {(128,128), (128,64), (64,128), "
-                            "(64,256)} divides (K_p, N_p) = (",
-                            k, ", ", n, ")"));
-      }
-      const int64_t scale_rows = G > 0 ? k / G : 1;
-      MarlinSpec m;
-      m.awq = awq;
-      m.trtllm = trtllm;
-      m.trtllm_sm90 = trtllm && q_->engine_layout == "trtllm-sm90";
-      m.up_first = trtllm && spec.role == ParamRole::kExpertsW13;
-      m.experts = spec.experts;
-      m.size_k = k;
-      m.size_n = n;
-      m.group_size = G;
-      m.scale_rows = scale_rows;
-      m.scale_perm_size_k = spec.scale_perm_size_k > 0 ? spec.scale_perm_size_k : k;
-      m.grouped_scale_perm = G != -1 && G < m.scale_perm_size_k;
-
-      auto add = [&](ParamKind kind, std::string name, DType dt, Shape loaded, Shape engine) {
-        EngineParam q;
-        q.name = std::move(name);
-        q.role = spec.role;
-        q.kind = kind;
-        q.dtype = dt;
-        q.loaded_shape = std::move(loaded);
-        q.engine_shape = std::move(engine);
-        q.layer = spec.layer;
-        q.linear = lidx;
-        q.marlin = m;
-        return AddParam(std::move(q));
-      };
-      if (trtllm) {
-        // TensorRT-LLM's names: "X.weight" int8, "X.weight_scale"; the fused MoE FC1 "w3_w1_weight".
-        const std::string wname = spec.role == ParamRole::kExpertsW13
-                                      ? absl::StrCat(spec.name.substr(0, spec.name.size() - 10), "w3_w1_weight")
-                                      : spec.name;
-        lin.packed = add(ParamKind::kPacked, wname, DType::kI32, with_e({k / 8, n}), with_e({k, n / 2}));
-        L_.params_[static_cast<size_t>(lin.packed)].engine_dtype = DType::kI8;
-        lin.scale = add(ParamKind::kScale, wname + "_scale", dt_, with_e({scale_rows, n}), with_e({scale_rows, n}));
-      } else if (awq) {
-        lin.packed = add(ParamKind::kPacked, AwqParamName(spec.name, "qweight"), DType::kI32, with_e({k, n / 8}),
-                         with_e({k / 16, 2 * n}));
-        lin.zeros = add(ParamKind::kZeros, AwqParamName(spec.name, "qzeros"), DType::kI32, with_e({scale_rows, n / 8}),
-                        with_e({scale_rows, n / 8}));
-        lin.scale = add(ParamKind::kScale, AwqParamName(spec.name, "scales"), dt_, with_e({scale_rows, n}),
-                        with_e({scale_rows, n}));
-      } else {
-        lin.packed = add(ParamKind::kPacked, absl::StrCat(spec.name, "_packed"), DType::kI32,
-                         stacked ? with_e({k / 8, n}) : Shape{n, k / 8}, with_e({k / 16, 2 * n}));
-        lin.scale = add(ParamKind::kScale, absl::StrCat(spec.name, "_scale"), dt_,
-                        stacked ? with_e({scale_rows, n}) : Shape{n, scale_rows}, with_e({scale_rows, n}));
-      }
-
-      for (const Shard& sh : shards) {
-        if (awq) {
-          AddAwqSources(sh, lin, G);
-          continue;
-        }
-        const std::string pn = absl::StrCat(sh.hf, ".weight_packed"), sn = absl::StrCat(sh.hf, ".weight_scale"),
-                          wn = absl::StrCat(sh.hf, ".weight_shape");
-        const Shape pshape = {sh.hf_n, sh.hf_k / 8}, sshape = {sh.hf_n, G > 0 ? sh.hf_k / G : 1};
-        if (!sh.owned) {
-          AddSkip(pn, DType::kI32, pshape, sh.what);
-          AddSkip(sn, dt_, sshape, sh.what);
-          AddSkip(wn, DType::kI64, {2}, sh.what);
-          continue;
-        }
-        HfSource s;
-        s.expert = sh.expert;
-        // MoE (§3.3) and TensorRT-LLM: GPTQ orientation [K/8, N] when loaded, so transposed.
-        const bool gptq = stacked || trtllm;
-        s.transpose = gptq;
-        s.src_row0 = sh.r0;
-        s.rows = sh.nr;
-        s.dst_row0 = gptq ? 0 : sh.dst_n;
-        s.dst_col0 = gptq ? sh.dst_n : 0;
-        s.what = sh.what;
-        HfSource sp = s;
-        sp.hf_name = pn;
-        sp.dtype = DType::kI32;
-        sp.shape = pshape;
-        sp.param = lin.packed;
-        sp.src_col0 = sh.c0 / 8;
-        sp.cols = sh.nc / 8;
-        AddSource(std::move(sp));
-        HfSource ss = s;
-        ss.hf_name = sn;
-        ss.dtype = dt_;
-        ss.shape = sshape;
-        ss.param = lin.scale;
-        ss.src_col0 = G > 0 ? sh.c0 / G : 0;  // channelwise: one scale per row, whole on every rank
-        ss.cols = G > 0 ? sh.nc / G : 1;
-        AddSource(std::move(ss));
-        HfSource sw;
-        sw.hf_name = wn;
-        sw.dtype = DType::kI64;
-        sw.shape = {2};
-        sw.action = HfSource::Action::kCheckShape;
-        sw.shape_values = {sh.hf_n, sh.hf_k};
-        sw.what = sh.what;
-        AddSource(std::move(sw));
       }
     }
-    if (!bias_name.empty()) {
-      EngineParam b;
-      b.name = bias_name;
-      b.role = spec.role;
-      b.dtype = dt_;
-      b.loaded_shape = {n};
-      b.engine_shape = {n};
-      b.layer = spec.layer;
-      const int bidx = AddParam(std::move(b));
-      for (const Shard& sh : shards) {
-        HfSource s;
-        s.hf_name = absl::StrCat(sh.hf, ".bias");
-        s.dtype = dt_;
-        s.shape = {sh.hf_n};
-        s.param = bidx;
-        s.src_row0 = sh.r0;
-        s.rows = sh.nr;
-        s.cols = 1;
-        s.dst_row0 = sh.dst_n;
-        s.what = absl::StrCat(sh.what, " bias");
-        AddSource(std::move(s));
-      }
-    }
+    if (!bias_name.empty()) AddBias(spec, shards, bias_name);
     L_.linear_index_[lin.name] = lidx;
     L_.linears_.push_back(std::move(lin));
     return absl::OkStatus();
+  }
+
+  // `dims` with the expert dimension in front for a stacked (MoE) linear.
+  static Shape WithExperts(const LinearSpec& spec, std::initializer_list<int64_t> dims) {
+    Shape s;
+    if (spec.experts > 0) s.push_back(spec.experts);
+    s.insert(s.end(), dims.begin(), dims.end());
+    return s;
+  }
+
+  // A bf16 linear: one weight param [(E,) N, K]; each owned shard a block copy of its rows / columns.
+  void AddBf16Linear(const LinearSpec& spec, const std::vector<Shard>& shards, int lidx, EngineLinear& lin) {
+    EngineParam p;
+    p.name = spec.name;
+    p.role = spec.role;
+    p.dtype = dt_;
+    p.loaded_shape = WithExperts(spec, {spec.n, spec.k});
+    p.engine_shape = p.loaded_shape;
+    p.layer = spec.layer;
+    p.linear = lidx;
+    lin.weight = AddParam(std::move(p));
+    for (const Shard& sh : shards) {
+      const std::string hf = absl::StrCat(sh.hf, ".weight");
+      if (!sh.owned) {
+        AddSkip(hf, dt_, {sh.hf_n, sh.hf_k}, sh.what);
+        continue;
+      }
+      HfSource s;
+      s.hf_name = hf;
+      s.dtype = dt_;
+      s.shape = {sh.hf_n, sh.hf_k};
+      s.param = lin.weight;
+      s.expert = sh.expert;
+      s.src_row0 = sh.r0;
+      s.rows = sh.nr;
+      s.src_col0 = sh.c0;
+      s.cols = sh.nc;
+      s.dst_row0 = sh.dst_n;
+      s.what = sh.what;
+      AddSource(std::move(s));
+    }
+  }
+
+  // Sent-format and loader constraints on each shard of an INT4 linear (§3.2, §3.3, §6 INT4
+  // refusals; AWQ.md §2): INVALID_ARGUMENT naming the shard and the rank when one fails.
+  absl::Status CheckInt4Shards(const LinearSpec& spec, const std::vector<Shard>& shards) const {
+    const int G = G_;
+    const bool awq = L_.format_ == Int4Format::kAwq;
+    for (const Shard& sh : shards) {
+      if (G > 0 && sh.hf_k % G != 0)
+        return Refuse(absl::StrCat(sh.hf, ": INT4 needs K % G == 0, K = ", sh.hf_k, ", G = ", G));
+      if (awq) {
+        // AWQ packs 8 output features (rows of W) per word: a rank's rows must be whole words.
+        if (sh.hf_n % 8 != 0)
+          return Refuse(absl::StrCat(sh.hf, ": AWQ needs N % 8 == 0 (packed words), N = ", sh.hf_n));
+        if (sh.r0 % 8 != 0 || sh.nr % 8 != 0 || sh.dst_n % 8 != 0)
+          return Refuse(absl::StrCat(spec.name, ": the AWQ shard of ", sh.hf, " on this rank spans output rows ", sh.r0,
+                                     "..", sh.r0 + sh.nr - 1, " (to row ", sh.dst_n, "), not whole packed words of 8; ",
+                                     Ctx()));
+      } else {
+        if (sh.hf_k % 8 != 0)
+          return Refuse(absl::StrCat(sh.hf, ": INT4 needs K % 8 == 0 (packed words), K = ", sh.hf_k));
+        if (sh.c0 % 8 != 0 || sh.nc % 8 != 0)
+          return Refuse(absl::StrCat(spec.name, ": the INT4 shard of ", sh.hf, " on this rank spans input columns ",
+                                     sh.c0, "..", sh.c0 + sh.nc - 1, " (K_p = ", sh.nc,
+                                     "), not a multiple of 8 (packed words); ", Ctx()));
+      }
+      if (G > 0 && (sh.c0 % G != 0 || sh.nc % G != 0))
+        return Refuse(absl::StrCat(spec.name, ": the INT4 shard of ", sh.hf, " on this rank has K_p = ", sh.nc,
+                                   " input columns (from ", sh.c0, "), not a multiple of the group size G = ", G, "; ",
+                                   Ctx()));
+    }
+    return absl::OkStatus();
+  }
+
+  // The engine-side shape constraints of an INT4 linear [N_p, K_p] on this rank: the TensorRT-LLM
+  // layout's or Marlin repack's (§4 hard constraints; INVALID_ARGUMENT), and Marlin's advisories
+  // (warnings, given once per generic name).
+  absl::Status CheckInt4Shape(const LinearSpec& spec) {
+    const int64_t n = spec.n, k = spec.k;
+    if (L_.format_ == Int4Format::kTrtllm) {
+      if (k % 64 != 0 || n % 64 != 0)  // TRTLLM_INT4.md §1 steps 2-3 (W4A16: RPT 64)
+        return Refuse(absl::StrCat(spec.name,
+                                   ": the TensorRT-LLM W4A16 layout needs K % 64 == 0 and N % 64 == 0, [K, N] = [", k,
+                                   ", ", n, "]; ", Ctx()));
+      return absl::OkStatus();
+    }
+    if (k % 16 != 0)
+      return Refuse(absl::StrCat(spec.name, ": Marlin repack needs size_k % 16 == 0, size_k = ", k, "; ", Ctx()));
+    if (n % 64 != 0)
+      return Refuse(absl::StrCat(spec.name, ": Marlin repack needs size_n % 64 == 0, size_n = ", n, "; ", Ctx()));
+    if (spec.experts == 0) {
+      const std::string generic = Generic(spec.name);
+      if (k % 128 != 0)
+        Warn(
+            absl::StrCat(generic, ": advisory (verify_marlin_supports_shape): K_p = ", k, " is not a multiple of 128"));
+      const bool thread_cfg = (k % 128 == 0) || (k % 64 == 0 && n % 128 == 0);
+      if (!thread_cfg)
+        Warn(absl::StrCat(generic,
+                          ": advisory: no Marlin thread config (k, n) in {(128,128), (128,64), (64,128), "
+                          "(64,256)} divides (K_p, N_p) = (",
+                          k, ", ", n, ")"));
+    }
+    return absl::OkStatus();
+  }
+
+  // The params of an INT4 linear in this layout's format (packed, scale, AWQ zeros), each with
+  // the repack's MarlinSpec; their indices recorded in `lin`.
+  void AddInt4Params(const LinearSpec& spec, int lidx, EngineLinear& lin) {
+    const int G = G_;
+    const int64_t n = spec.n, k = spec.k;
+    const bool stacked = spec.experts > 0;
+    const bool awq = L_.format_ == Int4Format::kAwq, trtllm = L_.format_ == Int4Format::kTrtllm;
+    const int64_t scale_rows = G > 0 ? k / G : 1;
+    MarlinSpec m;
+    m.awq = awq;
+    m.trtllm = trtllm;
+    m.trtllm_sm90 = trtllm && q_->engine_layout == "trtllm-sm90";
+    m.up_first = trtllm && spec.role == ParamRole::kExpertsW13;
+    m.experts = spec.experts;
+    m.size_k = k;
+    m.size_n = n;
+    m.group_size = G;
+    m.scale_rows = scale_rows;
+    m.scale_perm_size_k = spec.scale_perm_size_k > 0 ? spec.scale_perm_size_k : k;
+    m.grouped_scale_perm = G != -1 && G < m.scale_perm_size_k;
+    auto e = [&](std::initializer_list<int64_t> dims) { return WithExperts(spec, dims); };
+    auto add = [&](ParamKind kind, std::string name, DType dt, Shape loaded, Shape engine) {
+      EngineParam q;
+      q.name = std::move(name);
+      q.role = spec.role;
+      q.kind = kind;
+      q.dtype = dt;
+      q.loaded_shape = std::move(loaded);
+      q.engine_shape = std::move(engine);
+      q.layer = spec.layer;
+      q.linear = lidx;
+      q.marlin = m;
+      return AddParam(std::move(q));
+    };
+    if (trtllm) {
+      // TensorRT-LLM's names: "X.weight" int8, "X.weight_scale"; the fused MoE FC1 "w3_w1_weight".
+      const std::string wname = spec.role == ParamRole::kExpertsW13
+                                    ? absl::StrCat(spec.name.substr(0, spec.name.size() - 10), "w3_w1_weight")
+                                    : spec.name;
+      lin.packed = add(ParamKind::kPacked, wname, DType::kI32, e({k / 8, n}), e({k, n / 2}));
+      L_.params_[static_cast<size_t>(lin.packed)].engine_dtype = DType::kI8;
+      lin.scale = add(ParamKind::kScale, wname + "_scale", dt_, e({scale_rows, n}), e({scale_rows, n}));
+    } else if (awq) {
+      lin.packed =
+          add(ParamKind::kPacked, AwqParamName(spec.name, "qweight"), DType::kI32, e({k, n / 8}), e({k / 16, 2 * n}));
+      lin.zeros = add(ParamKind::kZeros, AwqParamName(spec.name, "qzeros"), DType::kI32, e({scale_rows, n / 8}),
+                      e({scale_rows, n / 8}));
+      lin.scale =
+          add(ParamKind::kScale, AwqParamName(spec.name, "scales"), dt_, e({scale_rows, n}), e({scale_rows, n}));
+    } else {
+      lin.packed = add(ParamKind::kPacked, absl::StrCat(spec.name, "_packed"), DType::kI32,
+                       stacked ? e({k / 8, n}) : Shape{n, k / 8}, e({k / 16, 2 * n}));
+      lin.scale = add(ParamKind::kScale, absl::StrCat(spec.name, "_scale"), dt_,
+                      stacked ? e({scale_rows, n}) : Shape{n, scale_rows}, e({scale_rows, n}));
+    }
+  }
+
+  // The compressed-tensors sources of one shard of an INT4 linear (GPTQ / Marlin and TensorRT-LLM
+  // layouts): weight_packed and weight_scale as block copies, weight_shape checked; skipped when
+  // another rank owns the shard.
+  void AddInt4Sources(const Shard& sh, const EngineLinear& lin, bool stacked) {
+    const int G = G_;
+    const bool trtllm = L_.format_ == Int4Format::kTrtllm;
+    const std::string pn = absl::StrCat(sh.hf, ".weight_packed"), sn = absl::StrCat(sh.hf, ".weight_scale"),
+                      wn = absl::StrCat(sh.hf, ".weight_shape");
+    const Shape pshape = {sh.hf_n, sh.hf_k / 8}, sshape = {sh.hf_n, G > 0 ? sh.hf_k / G : 1};
+    if (!sh.owned) {
+      AddSkip(pn, DType::kI32, pshape, sh.what);
+      AddSkip(sn, dt_, sshape, sh.what);
+      AddSkip(wn, DType::kI64, {2}, sh.what);
+      return;
+    }
+    HfSource s;
+    s.expert = sh.expert;
+    // MoE (§3.3) and TensorRT-LLM: GPTQ orientation [K/8, N] when loaded, so transposed.
+    const bool gptq = stacked || trtllm;
+    s.transpose = gptq;
+    s.src_row0 = sh.r0;
+    s.rows = sh.nr;
+    s.dst_row0 = gptq ? 0 : sh.dst_n;
+    s.dst_col0 = gptq ? sh.dst_n : 0;
+    s.what = sh.what;
+    HfSource sp = s;
+    sp.hf_name = pn;
+    sp.dtype = DType::kI32;
+    sp.shape = pshape;
+    sp.param = lin.packed;
+    sp.src_col0 = sh.c0 / 8;
+    sp.cols = sh.nc / 8;
+    AddSource(std::move(sp));
+    HfSource ss = s;
+    ss.hf_name = sn;
+    ss.dtype = dt_;
+    ss.shape = sshape;
+    ss.param = lin.scale;
+    ss.src_col0 = G > 0 ? sh.c0 / G : 0;  // channelwise: one scale per row, whole on every rank
+    ss.cols = G > 0 ? sh.nc / G : 1;
+    AddSource(std::move(ss));
+    HfSource sw;
+    sw.hf_name = wn;
+    sw.dtype = DType::kI64;
+    sw.shape = {2};
+    sw.action = HfSource::Action::kCheckShape;
+    sw.shape_values = {sh.hf_n, sh.hf_k};
+    sw.what = sh.what;
+    AddSource(std::move(sw));
+  }
+
+  // The bias [N] of a linear: one param, each shard's rows of "<hf>.bias".
+  void AddBias(const LinearSpec& spec, const std::vector<Shard>& shards, const std::string& bias_name) {
+    EngineParam b;
+    b.name = bias_name;
+    b.role = spec.role;
+    b.dtype = dt_;
+    b.loaded_shape = {spec.n};
+    b.engine_shape = {spec.n};
+    b.layer = spec.layer;
+    const int bidx = AddParam(std::move(b));
+    for (const Shard& sh : shards) {
+      HfSource s;
+      s.hf_name = absl::StrCat(sh.hf, ".bias");
+      s.dtype = dt_;
+      s.shape = {sh.hf_n};
+      s.param = bidx;
+      s.src_row0 = sh.r0;
+      s.rows = sh.nr;
+      s.cols = 1;
+      s.dst_row0 = sh.dst_n;
+      s.what = absl::StrCat(sh.what, " bias");
+      AddSource(std::move(s));
+    }
   }
 
   // The AWQ tensors of one shard (AWQ.md §2): qweight [K, N/8], qzeros [K/G, N/8], scales [K/G, N].

@@ -119,7 +119,6 @@ struct EngineCoreOptions {
   absl::Duration idle_timeout = absl::Seconds(30);        // a follower's longest silence from rank 0
   absl::Duration collective_timeout = absl::Seconds(60);  // every other TP collective
   absl::Duration step_delay = absl::ZeroDuration();       // test seam: sleep before every forward pass
-  int prepare_threads = 0;                                // EngineModel::Prepare's threads; 0 = all cores
   std::string engine_id;                                  // for messages
 };
 

@@ -127,66 +127,67 @@ absl::StatusOr<std::pair<std::optional<QuantizationConfig>, std::string>> Resolv
   return std::make_pair(std::optional<QuantizationConfig>(std::move(q)), object);
 }
 
-int Run(const Flags& f) {
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);  // before any thread: only the watcher takes them
-  SetLogIdentity("engine", f.tp_rank);
-  if (!f.log_level.empty()) {
-    LogLevel level;
-    if (!ParseLogLevel(f.log_level, &level)) {
-      std::fprintf(stderr, "unknown --log-level %s\n", f.log_level.c_str());
-      return 2;
-    }
-    SetLogLevel(level);
+// SIGINT / SIGTERM, blocked in every thread (Block() runs before any thread starts), taken by one
+// watcher thread that requests shutdown on the latch. Joined on destruction.
+class SignalWatcher {
+ public:
+  static sigset_t Block() {
+    sigset_t signals;
+    sigemptyset(&signals);
+    sigaddset(&signals, SIGINT);
+    sigaddset(&signals, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+    return signals;
   }
-  engine_memory::InstallShmCrashCleanup();
+  SignalWatcher(sigset_t signals, ShutdownLatch* latch)
+      : thread_([this, signals, latch] {
+          while (!done_.load()) {
+            timespec ts{0, 200'000'000};
+            const int sig = sigtimedwait(&signals, nullptr, &ts);
+            if (sig == SIGINT || sig == SIGTERM) latch->Request(sig == SIGINT ? "SIGINT" : "SIGTERM");
+          }
+        }) {}
+  ~SignalWatcher() {
+    done_ = true;
+    thread_.join();
+  }
 
-  ShutdownLatch latch;
-  std::atomic<bool> watcher_done{false};
-  std::thread watcher([&] {
-    while (!watcher_done.load()) {
-      timespec ts{0, 200'000'000};
-      const int sig = sigtimedwait(&signals, nullptr, &ts);
-      if (sig == SIGINT || sig == SIGTERM) latch.Request(sig == SIGINT ? "SIGINT" : "SIGTERM");
-    }
-  });
-  struct JoinWatcher {
-    std::atomic<bool>& done;
-    std::thread& t;
-    ~JoinWatcher() {
-      done = true;
-      t.join();
-    }
-  } join_watcher{watcher_done, watcher};
+ private:
+  std::atomic<bool> done_{false};
+  std::thread thread_;
+};
 
-  auto fail = [](const absl::Status& s) {
-    WSYNC_LOG(ERROR) << s;
-    std::fprintf(stderr, "wsync-ref-engine: %s\n", s.ToString().c_str());
-    return 1;
-  };
+// What the engine serves and where its parameters live: the model and quantization configs, the
+// rank's layout and its registered parameter memory (plus, for a device arena, the host mirror the
+// CPU forward pass reads).
+struct EngineMemory {
+  std::string config_text, quant_json;
+  ModelConfig config;
+  EngineRank rank;
+  std::unique_ptr<engine_model::EngineLayout> layout;  // the arena refers to it: not moved
+  std::unique_ptr<engine_memory::ParamArena> arena;
+  std::unique_ptr<engine_model::OwnedEngineWeights> mirror;
 
-  // --- Configuration ---------------------------------------------------------------------------
-  std::string model = f.model.empty() ? f.checkpoint : f.model;
+  engine_model::EngineWeights* weights() { return &arena->weights(); }
+  engine_model::EngineWeights* host_weights() { return mirror ? &mirror->weights() : weights(); }
+};
+
+absl::StatusOr<EngineMemory> AllocateEngineMemory(const Flags& f) {
+  EngineMemory m;
+  const std::string model = f.model.empty() ? f.checkpoint : f.model;
   std::string config_path = model;
   if (std::ifstream(model + "/config.json").good()) config_path = model + "/config.json";
-  absl::StatusOr<std::string> config_text = ReadTextFile(config_path);
-  if (!config_text.ok()) return fail(config_text.status());
-  absl::StatusOr<ModelConfig> config = ParseModelConfig(*config_text, config_path);
-  if (!config.ok()) return fail(config.status());
-  auto quant = ResolveQuantization(f, config_path, *config_text);
-  if (!quant.ok()) return fail(quant.status());
-  config->quantization = quant->first;
-  const QuantizationConfig* qptr = config->quantization ? &*config->quantization : nullptr;
-
-  EngineRank rank;
-  rank.tp_size = f.tp_size;
-  rank.tp_rank = f.tp_rank;
-  rank.ep_size = f.ep_size;
-  absl::StatusOr<engine_model::EngineLayout> layout = engine_model::EngineLayout::Create(*config, qptr, rank);
-  if (!layout.ok()) return fail(layout.status());
+  ASSIGN_OR_RETURN(m.config_text, ReadTextFile(config_path));
+  ASSIGN_OR_RETURN(m.config, ParseModelConfig(m.config_text, config_path));
+  ASSIGN_OR_RETURN(auto quant, ResolveQuantization(f, config_path, m.config_text));
+  m.config.quantization = std::move(quant.first);
+  m.quant_json = std::move(quant.second);
+  const QuantizationConfig* qptr = m.config.quantization ? &*m.config.quantization : nullptr;
+  m.rank.tp_size = f.tp_size;
+  m.rank.tp_rank = f.tp_rank;
+  m.rank.ep_size = f.ep_size;
+  ASSIGN_OR_RETURN(engine_model::EngineLayout layout, engine_model::EngineLayout::Create(m.config, qptr, m.rank));
+  m.layout = std::make_unique<engine_model::EngineLayout>(std::move(layout));
   // The registered parameter memory: a shm segment, or (--param-memory cuda:N) one CUDA allocation
   // that the rollout agent repacks into on the device. This engine computes on the CPU, so a device
   // arena has a host mirror: the checkpoint is loaded there and uploaded, and every Prepare (a new
@@ -197,23 +198,22 @@ int Run(const Flags& f) {
     for (const std::string& name : stale.ok() ? *stale : std::vector<std::string>{})
       WSYNC_LOG(INFO) << "removed the shm segment /" << name << " of a killed earlier process of this rank";
   }
-  absl::StatusOr<std::unique_ptr<engine_memory::ParamArena>> arena =
-      f.cuda_device >= 0
-          ? engine_memory::ParamArena::CreateOnDevice(*layout, f.cuda_device)
-          : engine_memory::ParamArena::Create(*layout, engine_memory::UniqueShmName(f.engine_id, f.tp_rank));
-  if (!arena.ok()) return fail(arena.status());
-  std::unique_ptr<engine_model::OwnedEngineWeights> mirror;
-  if ((*arena)->on_device()) {
-    absl::StatusOr<std::unique_ptr<engine_model::OwnedEngineWeights>> m =
-        engine_model::OwnedEngineWeights::Allocate(*layout);
-    if (!m.ok()) return fail(m.status());
-    mirror = std::move(*m);
+  ASSIGN_OR_RETURN(m.arena, f.cuda_device >= 0 ? engine_memory::ParamArena::CreateOnDevice(*m.layout, f.cuda_device)
+                                               : engine_memory::ParamArena::Create(
+                                                     *m.layout, engine_memory::UniqueShmName(f.engine_id, f.tp_rank)));
+  if (m.arena->on_device()) {
+    ASSIGN_OR_RETURN(m.mirror, engine_model::OwnedEngineWeights::Allocate(*m.layout));
   }
   WSYNC_LOG(INFO) << "engine " << f.engine_id << " tp rank " << f.tp_rank << "/" << f.tp_size << " ep " << f.ep_size
-                  << ": " << ArchitectureName(config->arch) << (qptr ? " INT4" : " bf16") << ", "
-                  << layout->params().size() << " params, " << (*arena)->size() << " bytes in " << (*arena)->where()
-                  << (mirror ? " (host mirror for the CPU forward pass)" : "");
+                  << ": " << ArchitectureName(m.config.arch) << (qptr ? " INT4" : " bf16") << ", "
+                  << m.layout->params().size() << " params, " << m.arena->size() << " bytes in " << m.arena->where()
+                  << (m.mirror ? " (host mirror for the CPU forward pass)" : "");
+  return m;
+}
 
+// The rank's EngineCore over `m`: the forward pass reads the host weights (a device param copied
+// into its mirror at each lookup).
+absl::StatusOr<std::unique_ptr<EngineCore>> CreateCore(const Flags& f, EngineMemory& m) {
   EngineCoreOptions copts;
   copts.engine_id = f.engine_id;
   copts.hold_timeout = absl::Seconds(f.hold_timeout_s);
@@ -221,65 +221,126 @@ int Run(const Flags& f) {
   copts.heartbeat = absl::Milliseconds(f.heartbeat_ms);
   copts.idle_timeout = absl::Seconds(f.tp_idle_timeout_s);
   copts.step_delay = absl::Milliseconds(f.test_step_delay_ms);
-  copts.prepare_threads = f.threads;
-  engine_model::EngineWeights* weights = &(*arena)->weights();
-  engine_model::EngineWeights* host_weights = mirror ? &mirror->weights() : weights;
+  EngineModelOptions mo;
+  mo.prepare_threads = f.threads;
+  engine_model::EngineWeights* weights = m.weights();
+  engine_model::EngineWeights* host_weights = m.host_weights();
   ParamLookup lookup = [weights, host_weights](absl::string_view name) -> absl::StatusOr<TensorView> {
     ASSIGN_OR_RETURN(MutableTensorView v, weights->View(name));
     const engine_model::EngineBuffer* b = weights->Find(name);
     if (!b->on_device()) return TensorView(v);
-    ASSIGN_OR_RETURN(MutableTensorView m, host_weights->View(name));
-    RETURN_IF_ERROR(CopyDeviceToHost(m.data(), v.data(), v.nbytes(), b->cuda_device));
-    return TensorView(m);
+    ASSIGN_OR_RETURN(MutableTensorView host, host_weights->View(name));
+    RETURN_IF_ERROR(CopyDeviceToHost(host.data(), v.data(), v.nbytes(), b->cuda_device));
+    return TensorView(host);
   };
-  absl::StatusOr<std::unique_ptr<EngineCore>> core = CreateEngineCore(*config, rank, lookup, copts);
-  if (!core.ok()) return fail(core.status());
+  return CreateEngineCore(m.config, m.rank, lookup, copts, mo);
+}
 
-  if (!f.checkpoint.empty()) {
-    const absl::Time start = absl::Now();
-    CheckpointOptions co;
-    co.num_threads = f.threads;
-    co.variant = f.quant_variant == "slime" ? kernels::QuantVariant::kSlime : kernels::QuantVariant::kQat;
-    absl::StatusOr<CheckpointStats> stats = LoadCheckpoint(f.checkpoint, *layout, *host_weights, co);
-    if (!stats.ok()) return fail(stats.status());
-    if (mirror) {
-      for (const engine_model::EngineBuffer& b : weights->buffers()) {
-        const absl::Status up = CopyHostToDevice(b.data, host_weights->Find(b.name)->data, b.nbytes, b.cuda_device);
-        if (!up.ok()) return fail(Annotate(up, absl::StrCat("uploading ", b.name)));
-      }
+// --checkpoint into the host weights (uploaded to a device arena), served as version 0.
+absl::Status LoadStartupCheckpoint(const Flags& f, EngineMemory& m, EngineCore* core) {
+  const absl::Time start = absl::Now();
+  CheckpointOptions co;
+  co.num_threads = f.threads;
+  co.variant = f.quant_variant == "slime" ? kernels::QuantVariant::kSlime : kernels::QuantVariant::kQat;
+  ASSIGN_OR_RETURN(CheckpointStats stats, LoadCheckpoint(f.checkpoint, *m.layout, *m.host_weights(), co));
+  if (m.mirror) {
+    for (const engine_model::EngineBuffer& b : m.weights()->buffers()) {
+      RETURN_IF_ERROR(Annotate(CopyHostToDevice(b.data, m.host_weights()->Find(b.name)->data, b.nbytes, b.cuda_device),
+                               absl::StrCat("uploading ", b.name)));
     }
-    if (absl::Status s = (*core)->PrepareInitial(0, absl::StrCat("checkpoint ", f.checkpoint)); !s.ok()) return fail(s);
-    WSYNC_LOG(INFO) << "loaded checkpoint " << f.checkpoint << ": " << stats->files << " files, " << stats->tensors
-                    << " tensors, " << stats->quantized << " quantized at load, " << stats->skipped << " skipped, in "
-                    << absl::FormatDuration(absl::Now() - start) << "; serving version 0";
+  }
+  RETURN_IF_ERROR(core->PrepareInitial(0, absl::StrCat("checkpoint ", f.checkpoint)));
+  WSYNC_LOG(INFO) << "loaded checkpoint " << f.checkpoint << ": " << stats.files << " files, " << stats.tensors
+                  << " tensors, " << stats.quantized << " quantized at load, " << stats.skipped << " skipped, in "
+                  << absl::FormatDuration(absl::Now() - start) << "; serving version 0";
+  return absl::OkStatus();
+}
+
+// The TP group's rendezvous store (T > 1): rank 0 hosts it on --tp-store (and prints its port), the
+// others connect. `store` is null for T = 1.
+struct TpStore {
+  comm::MemoryStore memory;
+  std::unique_ptr<comm::StoreServer> server;
+  std::unique_ptr<comm::GrpcStoreClient> client;
+  comm::Store* store = nullptr;
+};
+
+absl::Status StartTpStore(const Flags& f, const RpcSecurity& sec, TpStore& t) {
+  if (f.tp_size <= 1) return absl::OkStatus();
+  if (f.tp_rank != 0) {
+    t.client = comm::GrpcStoreClient::Connect(f.tp_store, absl::Seconds(30), sec);
+    t.store = t.client.get();
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(t.server, comm::StoreServer::Start(&t.memory, f.tp_store, sec));
+  const size_t colon = f.tp_store.rfind(':');
+  std::printf("tp-store on %s:%d\n", f.tp_store.substr(0, colon).c_str(), t.server->port());
+  std::fflush(stdout);
+  t.store = &t.memory;
+  return absl::OkStatus();
+}
+
+// Registers the rank with its rollout agent (--agent / --agent-file), again whenever the agent
+// restarts; null when neither flag is given.
+std::unique_ptr<AgentRegistrar> StartRegistrar(const Flags& f, const RpcSecurity& sec, const EngineMemory& m,
+                                               EngineCore* core, const std::string& address) {
+  if (f.agent.empty() && f.agent_file.empty()) return nullptr;
+  RegistrarOptions ro;
+  ro.agent_address = f.agent;
+  ro.agent_address_file = f.agent_file;
+  ro.security = sec;
+  ro.poll = absl::Milliseconds(f.agent_poll_ms);
+  ro.on_registered = [core](const v1::RegisterEngineReply& r) { core->HoldForCatchUp(r.catch_up_version()); };
+  engine_memory::ParamArena* arena = m.arena.get();
+  return AgentRegistrar::Start(ro, [&f, &m, arena, core, address] {
+    v1::RegisterEngineRequest req;
+    req.set_engine_id(f.engine_id);
+    req.set_tp_size(static_cast<uint32_t>(f.tp_size));
+    req.set_tp_rank(static_cast<uint32_t>(f.tp_rank));
+    req.set_ep_size(static_cast<uint32_t>(f.ep_size));
+    req.set_model_config_json(m.config_text);
+    req.set_quantization_config_json(m.quant_json);
+    req.set_engine_address(address);
+    req.set_version(core->version());
+    arena->FillParams(req.mutable_params());
+    return req;
+  });
+}
+
+int Run(const Flags& f) {
+  const sigset_t signals = SignalWatcher::Block();  // before any thread: only the watcher takes them
+  SetLogIdentity("engine", f.tp_rank);
+  if (!f.log_level.empty()) {
+    LogLevel level;
+    if (!ParseLogLevel(f.log_level, &level)) {
+      std::fprintf(stderr, "unknown --log-level %s\n", f.log_level.c_str());
+      return 2;
+    }
+    SetLogLevel(level);
+  }
+  engine_memory::InstallShmCrashCleanup();
+  ShutdownLatch latch;
+  SignalWatcher watcher(signals, &latch);
+  auto fail = [](const absl::Status& s) {
+    WSYNC_LOG(ERROR) << s;
+    std::fprintf(stderr, "wsync-ref-engine: %s\n", s.ToString().c_str());
+    return 1;
+  };
+
+  absl::StatusOr<EngineMemory> memory = AllocateEngineMemory(f);
+  if (!memory.ok()) return fail(memory.status());
+  absl::StatusOr<std::unique_ptr<EngineCore>> core = CreateCore(f, *memory);
+  if (!core.ok()) return fail(core.status());
+  if (!f.checkpoint.empty()) {
+    if (absl::Status s = LoadStartupCheckpoint(f, *memory, core->get()); !s.ok()) return fail(s);
   } else {
     WSYNC_LOG(INFO) << "no checkpoint: NO_WEIGHTS until the first sync";
   }
-
   absl::StatusOr<RpcSecurity> sec = LoadRpcSecurity(f.sec);
   if (!sec.ok()) return fail(sec.status());
+  TpStore tp_store;
+  if (absl::Status s = StartTpStore(f, *sec, tp_store); !s.ok()) return fail(s);
 
-  // --- The TP group's rendezvous ------------------------------------------------------------------
-  comm::MemoryStore memory_store;
-  std::unique_ptr<comm::StoreServer> store_server;
-  std::unique_ptr<comm::GrpcStoreClient> store_client;
-  comm::Store* store = nullptr;
-  if (f.tp_size > 1) {
-    if (f.tp_rank == 0) {
-      absl::StatusOr<std::unique_ptr<comm::StoreServer>> s = comm::StoreServer::Start(&memory_store, f.tp_store, *sec);
-      if (!s.ok()) return fail(s.status());
-      store_server = std::move(*s);
-      const size_t colon = f.tp_store.rfind(':');
-      std::printf("tp-store on %s:%d\n", f.tp_store.substr(0, colon).c_str(), store_server->port());
-      std::fflush(stdout);
-      store = &memory_store;
-    } else {
-      store_client = comm::GrpcStoreClient::Connect(f.tp_store, absl::Seconds(30), *sec);
-      store = store_client.get();
-    }
-  }
-
-  // --- Serving ------------------------------------------------------------------------------------
   absl::StatusOr<std::unique_ptr<EngineServer>> server = EngineServer::Start(core->get(), f.listen, *sec);
   if (!server.ok()) return fail(server.status());
   const std::string address = (*server)->address();
@@ -300,42 +361,18 @@ int Run(const Flags& f) {
     g.host = f.tp_host;
     g.address = address;
     g.join_timeout = absl::Seconds(f.tp_join_timeout_s);
-    former = std::thread(
-        [&latch, g, store, c = core->get()] { RunTpGroup(c, store, g, [&latch] { return latch.requested(); }); });
-  }
-
-  std::unique_ptr<AgentRegistrar> registrar;
-  if (!f.agent.empty() || !f.agent_file.empty()) {
-    RegistrarOptions ro;
-    ro.agent_address = f.agent;
-    ro.agent_address_file = f.agent_file;
-    ro.security = *sec;
-    ro.poll = absl::Milliseconds(f.agent_poll_ms);
-    ro.on_registered = [c = core->get()](const v1::RegisterEngineReply& r) { c->HoldForCatchUp(r.catch_up_version()); };
-    const std::string quant_json = quant->second, config_json = *config_text;
-    engine_memory::ParamArena* a = arena->get();
-    EngineCore* c = core->get();
-    registrar = AgentRegistrar::Start(ro, [=, &f] {
-      v1::RegisterEngineRequest req;
-      req.set_engine_id(f.engine_id);
-      req.set_tp_size(static_cast<uint32_t>(f.tp_size));
-      req.set_tp_rank(static_cast<uint32_t>(f.tp_rank));
-      req.set_ep_size(static_cast<uint32_t>(f.ep_size));
-      req.set_model_config_json(config_json);
-      req.set_quantization_config_json(quant_json);
-      req.set_engine_address(address);
-      req.set_version(c->version());
-      a->FillParams(req.mutable_params());
-      return req;
+    former = std::thread([&latch, g, store = tp_store.store, c = core->get()] {
+      RunTpGroup(c, store, g, [&latch] { return latch.requested(); });
     });
   }
+  std::unique_ptr<AgentRegistrar> registrar = StartRegistrar(f, *sec, *memory, core->get(), address);
 
   latch.Wait();
   if (registrar) registrar->Stop();
   if (former.joinable()) former.join();
   (*core)->Shutdown();
   (*server)->Shutdown(absl::Milliseconds(500));  // the core already failed every held request
-  WSYNC_LOG(INFO) << "stopped; releasing " << (*arena)->where();
+  WSYNC_LOG(INFO) << "stopped; releasing " << memory->arena->where();
   return 0;
 }
 

@@ -24,11 +24,11 @@ class RefModel final : public engine_side::ServedModel {
 
 absl::StatusOr<std::unique_ptr<engine_side::EngineCore>> CreateEngineCore(const ModelConfig& config, EngineRank rank,
                                                                           ParamLookup lookup,
-                                                                          engine_side::EngineCoreOptions options) {
-  EngineModelOptions mo;
-  mo.prepare_threads = options.prepare_threads;
+                                                                          engine_side::EngineCoreOptions options,
+                                                                          EngineModelOptions model_options) {
   auto make_model = [&](TpCollectives coll) -> absl::StatusOr<std::unique_ptr<engine_side::ServedModel>> {
-    ASSIGN_OR_RETURN(EngineModel model, EngineModel::Create(config, rank, std::move(lookup), std::move(coll), mo));
+    ASSIGN_OR_RETURN(EngineModel model,
+                     EngineModel::Create(config, rank, std::move(lookup), std::move(coll), model_options));
     return std::make_unique<RefModel>(std::move(model));
   };
   return engine_side::EngineCore::Create(config, rank, make_model, std::move(options));

@@ -15,9 +15,11 @@
 
 namespace wsync::ref_engine {
 
-// EngineCoreOptions::prepare_threads sets EngineModel::Prepare's threads.
+// `model_options` is the reference model's own (EngineModel::Prepare's threads); `options` the
+// core's, as for any served model.
 absl::StatusOr<std::unique_ptr<engine_side::EngineCore>> CreateEngineCore(const ModelConfig& config, EngineRank rank,
                                                                           ParamLookup lookup,
-                                                                          engine_side::EngineCoreOptions options);
+                                                                          engine_side::EngineCoreOptions options,
+                                                                          EngineModelOptions model_options = {});
 
 }  // namespace wsync::ref_engine
