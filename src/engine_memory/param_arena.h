@@ -1,7 +1,8 @@
-// The reference engine's parameter memory: one POSIX shared-memory segment per engine rank, holding
-// every parameter of the rank's EngineLayout in its engine form (bf16 plain params, Marlin INT4),
-// which the engine registers with its rollout agent (engine.proto ParamMemory{shm_name, offset})
-// and which the agent writes directly while the engine is paused.
+// An engine rank's parameter memory (wsync-ref-engine's and libwsync_engine_host.so's): one POSIX
+// shared-memory segment per engine rank, holding every parameter of the rank's EngineLayout in its
+// engine form (bf16 plain params, Marlin INT4), which the engine registers with its rollout agent
+// (engine.proto ParamMemory{shm_name, offset}) and which the agent writes directly while the
+// engine is paused.
 //
 //   ShmSegment     one segment: shm_open(O_CREAT | O_EXCL | O_RDWR, 0600) (then fchmod 0600, so
 //                  the umask cannot change the mode), ftruncate, mmap MAP_SHARED; destruction

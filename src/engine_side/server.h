@@ -1,5 +1,6 @@
-// The RPC shell of the reference engine: the RolloutEngine gRPC service over an EngineCore
-// (proto/wsync/v1/engine.proto), and the server that listens for it.
+// The RPC shell of every engine process (wsync-ref-engine, libwsync_engine_host.so): the
+// RolloutEngine gRPC service over an EngineCore (proto/wsync/v1/engine.proto), and the server that
+// listens for it.
 //
 // Every handler begins with WSYNC_AUTHORIZE (bearer token; UNAUTHENTICATED before anything
 // changes) and maps absl::Status with ToGrpcStatus. Generate passes the caller's deadline and

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/checksum.h"
 #include "common/status.h"
 #include "common/tensor.h"
 
@@ -105,6 +106,21 @@ absl::Status CheckHeader(const BucketHeader& header, uint64_t index) {
   if (header.manifest_bytes > kMaxManifestBytes) {
     return absl::DataLossError(absl::StrCat("bucket ", index, ": its header announces a ", header.manifest_bytes,
                                             "-byte manifest (at most ", kMaxManifestBytes, "): a corrupt framing"));
+  }
+  return absl::OkStatus();
+}
+
+BucketTag ManifestChecksumTag(absl::string_view manifest_bytes) {
+  const uint64_t sum = Xxh3_64(std::as_bytes(std::span(manifest_bytes.data(), manifest_bytes.size())));
+  BucketTag tag{};
+  for (size_t i = 0; i < sizeof(sum); ++i) tag[i] = static_cast<std::byte>((sum >> (8 * i)) & 0xff);
+  return tag;
+}
+
+absl::Status CheckManifestChecksum(const BucketTag& tag, absl::string_view manifest_bytes, uint64_t index) {
+  if (tag != ManifestChecksumTag(manifest_bytes)) {
+    return absl::DataLossError(absl::StrCat("bucket ", index, ": the ", manifest_bytes.size(),
+                                            "-byte manifest does not match its checksum: a corrupt framing"));
   }
   return absl::OkStatus();
 }

@@ -6,7 +6,8 @@
 //   header    16 bytes, BucketHeader {manifest bytes, data bytes}, broadcast alone;
 //   payload   three buffers of one Broadcast: the serialized BucketManifest
 //             (proto/wsync/v1/tensor.proto), the data, and a 16-byte tag (the bucket's GMAC when
-//             the sync authenticates its buckets, bucket_mac.h; else zeros);
+//             the sync authenticates its buckets, bucket_mac.h; else the manifest's own checksum,
+//             ManifestChecksumTag);
 //   data      entries at offsets aligned to kEntryAlignment, zeroed gaps, no tail padding.
 // Thread-safety: pure functions and constants.
 #pragma once
@@ -17,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "comm/bucket/bucket_mac.h"
 #include "common/dtype.h"
 #include "wsync/v1/tensor.pb.h"
 
@@ -55,6 +57,14 @@ absl::Status ValidateManifest(const v1::BucketManifest& m, uint64_t data_bytes);
 // kDataLoss naming the bucket (a corrupt or forged framing, or a lost or reordered bucket); the
 // caller then delivers nothing of it.
 absl::Status CheckHeader(const BucketHeader& header, uint64_t index);
+
+// The tag of a bucket whose sync does not authenticate its buckets: XXH3-64 of the serialized
+// manifest (bytes 0..7, little-endian), zeros after. The data's checksum is in the manifest; this is
+// the manifest's own, so that a damaged entry name, offset or shape is caught even where it still
+// parses and passes ValidateManifest. CheckManifestChecksum: kDataLoss naming bucket `index` when
+// the tag is not that of `manifest_bytes` (checked before the manifest is decoded).
+BucketTag ManifestChecksumTag(absl::string_view manifest_bytes);
+absl::Status CheckManifestChecksum(const BucketTag& tag, absl::string_view manifest_bytes, uint64_t index);
 absl::StatusOr<v1::BucketManifest> DecodeManifest(const BucketHeader& header, absl::string_view manifest_bytes,
                                                   uint64_t index);
 

@@ -103,6 +103,8 @@ absl::Status BucketSender::Send(v1::BucketManifest manifest, Buffer data, uint64
   if (mac_) {
     ASSIGN_OR_RETURN(f->tag, mac_->Tag(manifest.index(), f->manifest, MacData(space_, data, nbytes)));
     stats_.mac += absl::Now() - t1;
+  } else {
+    f->tag = ManifestChecksumTag(f->manifest);
   }
   if (nbytes > 0 && FailpointHit("bucket.corrupt")) RETURN_IF_ERROR(CorruptForTest(space_, data, nbytes));
   while (static_cast<int>(in_flight_.size()) >= max_in_flight_) RETURN_IF_ERROR(WaitOldest());
@@ -223,6 +225,7 @@ void BucketReceiver::Run() {
     if (s.ok()) s = space_.CopyToHost(tag.data(), At(control, tag_at), tag.size());
     const absl::Duration wire = absl::Now() - t0;
     Bucket bucket;
+    if (s.ok() && !mac_) s = CheckManifestChecksum(tag, manifest_bytes, index);  // a MAC covers the manifest
     if (s.ok()) {
       absl::StatusOr<v1::BucketManifest> m = DecodeManifest(header, manifest_bytes, index);
       if (m.ok()) bucket.manifest = std::move(*m);

@@ -123,16 +123,18 @@ TEST(BucketStreamTest, ManyBucketsReachEveryReceiverIntactUnderSum64) {
 }
 
 // A raw sender: one bucket framed by hand (bucket_format.h), with the given checksum and tag.
-absl::Status SendRaw(Communicator& comm, v1::BucketManifest m, std::vector<char> data, uint64_t xxh3, BucketTag tag,
-                     std::optional<uint64_t> sum64 = std::nullopt) {
+// No tag ({}): an unauthenticated sender's (bucket_format.h ManifestChecksumTag).
+absl::Status SendRaw(Communicator& comm, v1::BucketManifest m, std::vector<char> data, uint64_t xxh3,
+                     std::optional<BucketTag> tag, std::optional<uint64_t> sum64 = std::nullopt) {
   m.set_nbytes(data.size());
   m.set_xxh3_64(xxh3);
   if (sum64) m.set_sum64(*sum64);
   std::string ms = m.SerializeAsString();
+  if (!tag) tag = ManifestChecksumTag(ms);
   BucketHeader header{ms.size(), data.size()};
   MutableBytes hb{&header, sizeof(header)};
   RETURN_IF_ERROR(Await(comm.Broadcast({&hb, 1}, 0)));
-  MutableBytes payload[3] = {{ms.data(), ms.size()}, {data.data(), data.size()}, {tag.data(), tag.size()}};
+  MutableBytes payload[3] = {{ms.data(), ms.size()}, {data.data(), data.size()}, {tag->data(), tag->size()}};
   return Await(comm.Broadcast(payload, 0));
 }
 
@@ -176,11 +178,15 @@ TEST(BucketStreamTest, ACorruptFramingIsDataLossAndDeliversNothing) {
     std::string manifest;
     bool header_only = false;
     std::string says;
+    std::string tagged;  // the manifest bytes the tag is the checksum of; "" for `manifest`
   };
   const std::string ms = good(0).SerializeAsString();
   v1::BucketManifest outside = good(0);
   outside.mutable_entries(0)->set_offset(64);  // [64, 1064) of a 1000-byte bucket
   v1::BucketManifest second = good(1);
+  v1::BucketManifest renamed = good(0);
+  renamed.mutable_entries(0)->mutable_tensor()->set_name("model.embed_tokens.weight");
+  const std::string changed = renamed.SerializeAsString();
   std::vector<Case> cases = {
       {"huge manifest", {kMaxManifestBytes + 1, data.size()}, "", true, "-byte manifest (at most"},
       {"garbage manifest", {ms.size(), data.size()}, std::string(ms.size(), '\xff'), false, "does not parse"},
@@ -208,6 +214,13 @@ TEST(BucketStreamTest, ACorruptFramingIsDataLossAndDeliversNothing) {
        second.SerializeAsString(),
        false,
        "expected bucket 0 (lost or reordered)"},
+      // Valid on its own (it parses, its entry lies inside the data) but not what was sent.
+      {"manifest changed on the way",
+       {changed.size(), data.size()},
+       changed,
+       false,
+       "-byte manifest does not match its checksum",
+       ms},
   };
   for (Case& k : cases) {
     SCOPED_TRACE(k.name);
@@ -218,8 +231,8 @@ TEST(BucketStreamTest, ACorruptFramingIsDataLossAndDeliversNothing) {
       MutableBytes hb{&k.header, sizeof(k.header)};
       if (!Await(comms[0]->Broadcast({&hb, 1}, 0)).ok() || k.header_only) return;
       std::vector<char> body(data.begin(), data.end());
-      BucketTag tag{};
       k.manifest.resize(k.header.manifest_bytes);
+      BucketTag tag = ManifestChecksumTag(k.tagged.empty() ? k.manifest : k.tagged);
       MutableBytes payload[3] = {
           {k.manifest.data(), k.manifest.size()}, {body.data(), body.size()}, {tag.data(), tag.size()}};
       (void)Await(comms[0]->Broadcast(payload, 0));

@@ -62,7 +62,7 @@ absl::Status SendRawBucket(comm::Communicator& comm, v1::BucketManifest m, const
   comm::BucketHeader header{.manifest_bytes = ms.size(), .data_bytes = nbytes};
   comm::MutableBytes hb{&header, sizeof(header)};
   RETURN_IF_ERROR(comm::Await(comm.Broadcast({&hb, 1}, 0)));
-  comm::BucketTag tag{};  // not authenticated
+  comm::BucketTag tag = comm::ManifestChecksumTag(ms);  // not authenticated
   comm::MutableBytes payload[3] = {{ms.data(), ms.size()}, {data.data(), nbytes}, {tag.data(), tag.size()}};
   return comm::Await(comm.Broadcast(payload, 0));
 }
