@@ -1,7 +1,7 @@
 // Multi-process tests of the store-bootstrapped data plane (Gloo over TCP, and shm: one segment on
 // one host): the test hosts the rendezvous store (as the coordinator does) and starts every member
 // as a separate process (wsync-comm-member), then checks each one's verdict and that nothing hangs.
-// Every scenario runs on both backends.
+// Every scenario runs on both backends, and on the shm backend's device ring where a GPU is.
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "comm/communicator.h"
@@ -40,6 +41,13 @@ struct Member {
 class CommGroupTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
+    if (GetParam() == "shm_device") {
+      const bool gpu = kernels::GpuAvailable();
+      const bool without_gpu =
+          absl::StrContains(::testing::UnitTest::GetInstance()->current_test_info()->name(), "WithoutAGpu");
+      if (gpu && without_gpu) GTEST_SKIP() << "a GPU is present: the device ring forms";
+      if (!gpu && !without_gpu) GTEST_SKIP() << "no GPU: the device ring's collectives run on the GPU machine";
+    }
     auto server = comm::StoreServer::Start(&store_, "127.0.0.1:0");
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
@@ -175,7 +183,16 @@ TEST_P(CommGroupTest, ASilentMemberTimesOut) {
   ExpectAllPassed(ms);
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, CommGroupTest, ::testing::Values("gloo", "shm"),
+// A device ring rank 0 cannot allocate (no GPU here): every member fails formation at once,
+// naming why, instead of waiting out its join timeout for a ring that will not come.
+TEST_P(CommGroupTest, ADeviceRingWithoutAGpuFailsEveryMemberAtOnce) {
+  if (GetParam() != "shm_device") GTEST_SKIP() << "the shm backend's device ring only";
+  auto ms = Start("no-device", 3, "no_device");
+  WaitAll(ms, absl::Seconds(20));
+  ExpectAllPassed(ms);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, CommGroupTest, ::testing::Values("gloo", "shm", "shm_device"),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 TEST(CommFactoryTest, BackendsAndErrors) {

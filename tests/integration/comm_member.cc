@@ -1,7 +1,10 @@
-// One member of a Gloo (or NCCL) group formed through a rendezvous store, for the multi-process
-// data-plane tests (comm_group_test.cc starts several of these, separately, as real processes).
+// One member of a Gloo, shm (or NCCL) group formed through a rendezvous store, for the
+// multi-process data-plane tests (comm_group_test.cc starts several of these, separately, as real
+// processes).
 //
 //   wsync-comm-member --store ADDR --group NAME --rank R --size N --scenario S [--backend gloo]
+//
+// --backend shm_device: the shm backend with its ring on CUDA device 0 (ShmCommunicator::Ring::kDevice).
 //
 // Scenarios (each checks its own expectations and exits 0 when they hold, 1 otherwise):
 //   collectives  Broadcast / AllGather / AllGatherV / AllReduceSum / Barrier over several sizes
@@ -12,6 +15,8 @@
 //   abort        rank 0 aborts from another thread mid-broadcast: it sees kAborted with the
 //                reason, the others kUnavailable
 //   timeout      rank 1 never calls the broadcast: the others see kDeadlineExceeded in time
+//   no_device    (shm_device on a host without a GPU) formation fails on every member within
+//                5 s, kFailedPrecondition naming the device ring (kUnimplemented without CUDA)
 #include <unistd.h>
 
 #include <cstdio>
@@ -25,7 +30,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "comm/communicator.h"
+#include "comm/shm/shm_communicator.h"
 #include "comm/store/store.h"
+#include "common/cuda_ipc.h"
 #include "common/status.h"
 #include "tests/integration/comm_scenarios.h"
 
@@ -56,7 +63,8 @@ absl::Status BroadcastUntilFailure(comm::Communicator& comm, absl::Duration time
 
 absl::Status Run(const Args& a) {
   auto store = comm::GrpcStoreClient::Connect(a.store, absl::Seconds(10));
-  ASSIGN_OR_RETURN(comm::Backend backend, comm::ParseBackend(a.backend));
+  const bool device_ring = a.backend == "shm_device";
+  ASSIGN_OR_RETURN(comm::Backend backend, comm::ParseBackend(device_ring ? "shm" : a.backend));
   comm::GroupOptions opts;
   opts.store = store.get();
   opts.name = a.group;
@@ -64,8 +72,21 @@ absl::Status Run(const Args& a) {
   opts.size = a.size;
   opts.join_timeout = a.scenario == "never_joins" ? absl::Seconds(2) : absl::Seconds(30);
   opts.default_timeout = absl::Seconds(60);
+  opts.cuda_device = 0;
   const absl::Time start = absl::Now();
-  auto comm = comm::CreateGroup(backend, opts);
+  auto comm = device_ring ? comm::ShmCommunicator::Create(opts, comm::ShmCommunicator::Ring::kDevice)
+                          : comm::CreateGroup(backend, opts);
+  if (a.scenario == "no_device") {
+    const absl::Duration took = absl::Now() - start;
+    std::fprintf(stderr, "rank %d: %s (after %s)\n", a.rank, comm.status().ToString().c_str(),
+                 absl::FormatDuration(took).c_str());
+    if (!CudaIpcCompiled()) return Expect(absl::IsUnimplemented(comm.status()), "kUnimplemented without CUDA");
+    RETURN_IF_ERROR(Expect(absl::IsFailedPrecondition(comm.status()), "formation fails with kFailedPrecondition"));
+    RETURN_IF_ERROR(Expect(absl::StrContains(comm.status().message(),
+                                             a.rank == 0 ? "-byte device ring on cuda:0" : "rank 0 could not form"),
+                           "the message says why"));
+    return Expect(took < absl::Seconds(5), "every member fails at once, not after its join timeout");
+  }
   if (a.scenario == "never_joins") {
     const absl::Duration took = absl::Now() - start;
     std::fprintf(stderr, "rank %d: %s (after %s)\n", a.rank, comm.status().ToString().c_str(),

@@ -14,10 +14,13 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "comm/rendezvous.h"
 #include "comm/store/store.h"
+#include "common/cuda_ipc.h"
 #include "common/status.h"
 
 namespace wsync::comm {
@@ -57,7 +60,16 @@ absl::StatusOr<std::string> HostIdentity() {
   return absl::StrCat(boot.empty() ? "unknown-boot" : boot, "/dev", st.st_dev, "/uid", geteuid());
 }
 
+// The store's value under "<group>/shm/segment": the segment's name, then for a device ring its
+// IPC handle in hex; or "!" and why rank 0 could not form the group.
+constexpr char kFailed = '!';
+
 }  // namespace
+
+struct ShmCommunicator::DeviceRing {
+  std::unique_ptr<CudaAllocation> owned;   // rank 0
+  std::unique_ptr<CudaIpcMapping> mapped;  // every other member
+};
 
 struct ShmCommunicator::Header {
   uint64_t magic;
@@ -69,8 +81,14 @@ struct ShmCommunicator::Header {
   RankSlot ranks[kMaxRanks];
 };
 
-absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Create(const GroupOptions& o) {
+absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Create(const GroupOptions& o, Ring ring) {
   if (o.store == nullptr) return absl::InvalidArgumentError("shm group: no rendezvous store");
+  const bool device = ring == Ring::kDevice;
+  if (device && !CudaIpcCompiled())
+    return absl::UnimplementedError(absl::StrCat("shm group \"", o.name, "\": a device ring needs a CUDA build"));
+  if (device && o.cuda_device < 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm group \"", o.name, "\": a device ring needs a CUDA device, got ", o.cuda_device));
   if (o.size < 1 || o.size > kMaxRanks || o.rank < 0 || o.rank >= o.size)
     return absl::InvalidArgumentError(
         absl::StrCat("shm group \"", o.name, "\": rank ", o.rank, " of ", o.size, " (1..", kMaxRanks, " members)"));
@@ -85,9 +103,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Create(const Grou
   }
 
   const size_t header_bytes = (sizeof(Header) + 4095) / 4096 * 4096;
-  const size_t bytes = header_bytes + kSlots * kSlotBytes;
+  const size_t bytes = header_bytes + (device ? 0 : kSlots * kSlotBytes);
   const std::string key = absl::StrCat(o.name, "/shm/segment");
-  std::string segment;
+  std::string segment, ring_handle;
   int fd = -1;
   if (o.rank == 0) {
     std::random_device rd;
@@ -104,6 +122,20 @@ absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Create(const Grou
     RETURN_IF_ERROR(WaitUnlessCancelled(*o.store, {key}, o.join_timeout, o.cancelled,
                                         absl::StrCat("shm group \"", o.name, "\": waiting for the segment's name")));
     ASSIGN_OR_RETURN(segment, o.store->Get(key, o.join_timeout));
+    if (!segment.empty() && segment[0] == kFailed)
+      return absl::FailedPreconditionError(
+          absl::StrCat("shm group \"", o.name, "\": rank 0 could not form the group: ", segment.substr(1)));
+    std::vector<std::string> parts = absl::StrSplit(segment, absl::MaxSplits('\n', 1));
+    segment = parts[0];
+    if (parts.size() > 1) {
+      if (parts[1].size() % 2 != 0 || parts[1].find_first_not_of("0123456789abcdef") != std::string::npos)
+        return absl::DataLossError(absl::StrCat("shm group \"", o.name, "\": rank 0's device ring handle is not hex"));
+      ring_handle = absl::HexStringToBytes(parts[1]);
+    }
+    if (device != (parts.size() > 1))
+      return absl::FailedPreconditionError(absl::StrCat("shm group \"", o.name, "\": rank 0 formed a ",
+                                                        device ? "host" : "device", " ring, this member a ",
+                                                        device ? "device" : "host", " one"));
     fd = shm_open(segment.c_str(), O_RDWR, 0);
     if (fd < 0) return ErrnoToStatus(errno, absl::StrCat("opening the shm group segment ", segment));
     struct stat st;
@@ -121,28 +153,57 @@ absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Create(const Grou
     return ErrnoToStatus(map_err, absl::StrCat("mapping the shm group segment ", segment));
   }
   std::unique_ptr<ShmCommunicator> c(new ShmCommunicator(o, base, bytes));
+  if (device) {
+    c->space_ = MemorySpace::Cuda(o.cuda_device);
+    c->slots_ = kDeviceSlots;
+    c->slot_bytes_ = kDeviceSlotBytes;
+  }
   Header* h = c->header_;
   if (o.rank == 0) {
     h->size = static_cast<uint32_t>(o.size);
-    h->slots = kSlots;
-    h->slot_bytes = kSlotBytes;
+    h->slots = static_cast<uint32_t>(c->slots_);
+    h->slot_bytes = c->slot_bytes_;
     std::atomic_thread_fence(std::memory_order_release);
     h->magic = kMagic;
-  } else if (h->magic != kMagic || h->size != static_cast<uint32_t>(o.size)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("shm group segment ", segment, " belongs to another group (size ", h->size, ")"));
+  } else if (h->magic != kMagic || h->size != static_cast<uint32_t>(o.size) || h->slot_bytes != c->slot_bytes_) {
+    return absl::FailedPreconditionError(absl::StrCat("shm group segment ", segment, " belongs to another group (size ",
+                                                      h->size, ", ", h->slot_bytes, "-byte ring slots)"));
   }
   char state = 0;
   uint64_t start = 0;
   ProcStat(getpid(), &state, &start);
   h->ranks[o.rank].start_time.store(start, std::memory_order_relaxed);
   h->ranks[o.rank].pid.store(getpid(), std::memory_order_release);
-  absl::Status published = o.rank == 0 ? o.store->Set(key, segment) : absl::OkStatus();
-  if (published.ok()) published = o.store->Set(absl::StrCat(o.name, "/shm/mapped/", o.rank), "1");
+  // The device ring: made by rank 0 before it publishes the segment, opened by the others after.
+  absl::StatusOr<std::string> ring_ok = std::string();
+  if (device) ring_ok = c->MakeDeviceRing(o, ring_handle);
+  if (o.rank == 0) {
+    const std::string value = !ring_ok.ok() ? absl::StrCat(std::string(1, kFailed), ring_ok.status().ToString())
+                              : device      ? absl::StrCat(segment, "\n", absl::BytesToHexString(*ring_ok))
+                                            : segment;
+    absl::Status set = o.store->Set(key, value);
+    if (!ring_ok.ok() || !set.ok()) shm_unlink(segment.c_str());
+    RETURN_IF_ERROR(ring_ok.status());
+    RETURN_IF_ERROR(set);
+  }
+  // Each member says it has mapped the segment (and opened the ring), or why not; all wait for all.
+  const std::string mapped_key = absl::StrCat(o.name, "/shm/mapped/");
+  absl::Status published = o.store->Set(
+      absl::StrCat(mapped_key, o.rank),
+      ring_ok.ok() ? std::string("1") : absl::StrCat(std::string(1, kFailed), ring_ok.status().ToString()));
+  if (published.ok()) published = ring_ok.status();
   if (published.ok()) {
     std::vector<std::string> mapped;
-    for (int r = 0; r < o.size; ++r) mapped.push_back(absl::StrCat(o.name, "/shm/mapped/", r));
+    for (int r = 0; r < o.size; ++r) mapped.push_back(absl::StrCat(mapped_key, r));
     published = WaitUnlessCancelled(*o.store, mapped, o.join_timeout, o.cancelled, "forming the group");
+    for (int r = 0; published.ok() && r < o.size; ++r) {
+      absl::StatusOr<std::string> v = o.store->Get(mapped[static_cast<size_t>(r)], o.join_timeout);
+      if (!v.ok()) {
+        published = v.status();
+      } else if (!v->empty() && (*v)[0] == kFailed) {
+        published = absl::FailedPreconditionError(absl::StrCat("rank ", r, " could not join: ", v->substr(1)));
+      }
+    }
   }
   if (o.rank == 0) shm_unlink(segment.c_str());  // every member has it mapped (or formation failed)
   RETURN_IF_ERROR(
@@ -159,7 +220,31 @@ ShmCommunicator::ShmCommunicator(const GroupOptions& o, void* base, size_t bytes
 
 ShmCommunicator::~ShmCommunicator() { (void)Shutdown(); }
 
+absl::StatusOr<std::string> ShmCommunicator::MakeDeviceRing(const GroupOptions& o, const std::string& handle) {
+  device_ring_ = std::make_unique<DeviceRing>();
+  const size_t bytes = static_cast<size_t>(slots_) * slot_bytes_;
+  if (o.rank == 0) {
+    absl::StatusOr<std::unique_ptr<CudaAllocation>> a = AllocateCuda(bytes, o.cuda_device);
+    if (!a.ok())
+      return Annotate(a.status(), absl::StrCat("allocating the ", bytes, "-byte device ring on cuda:", o.cuda_device));
+    device_ring_->owned = std::move(*a);
+    ring_ = static_cast<std::byte*>(device_ring_->owned->data());
+    return device_ring_->owned->IpcHandle();
+  }
+  absl::StatusOr<std::unique_ptr<CudaIpcMapping>> m = OpenCudaIpc(handle, o.cuda_device);
+  if (!m.ok())
+    return Annotate(m.status(), absl::StrCat("rank ", o.rank, " opening rank 0's device ring on cuda:", o.cuda_device,
+                                             " (another GPU without peer access? then use the host ring)"));
+  device_ring_->mapped = std::move(*m);
+  if (device_ring_->mapped->size() < bytes)
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank 0's device ring holds ", device_ring_->mapped->size(), " bytes, this build's ", bytes));
+  ring_ = static_cast<std::byte*>(device_ring_->mapped->data());
+  return handle;
+}
+
 absl::Status ShmCommunicator::ReleaseBackend() {
+  device_ring_.reset();  // every operation has finished: no member reads the ring any more
   if (header_ != nullptr) munmap(header_, bytes_);
   header_ = nullptr;
   return absl::OkStatus();
@@ -213,7 +298,8 @@ absl::Status ShmCommunicator::Stream(const OpContext& ctx, absl::Span<const Muta
   size_t total = 0;
   for (const MutableBytes& p : pieces) total += p.nbytes;
   if (size() == 1 || total == 0) return absl::OkStatus();
-  const uint64_t begin = next_chunk_, end = begin + (total + kSlotBytes - 1) / kSlotBytes;
+  const uint64_t slots = static_cast<uint64_t>(slots_);
+  const uint64_t begin = next_chunk_, end = begin + (total + slot_bytes_ - 1) / slot_bytes_;
   next_chunk_ = end;
   const bool is_root = rank() == root;
   RankSlot* ranks = header_->ranks;
@@ -224,12 +310,12 @@ absl::Status ShmCommunicator::Stream(const OpContext& ctx, absl::Span<const Muta
   };
   size_t piece = 0, offset = 0;  // cursor into `pieces`
   for (uint64_t g = begin; g < end; ++g) {
-    std::byte* slot = ring_ + (g % kSlots) * kSlotBytes;
-    const size_t n = std::min(kSlotBytes, total - static_cast<size_t>(g - begin) * kSlotBytes);
+    std::byte* slot = ring_ + (g % slots) * slot_bytes_;
+    const size_t n = std::min(slot_bytes_, total - static_cast<size_t>(g - begin) * slot_bytes_);
     if (is_root) {
-      if (g >= kSlots) {
+      if (g >= slots) {
         RETURN_IF_ERROR(WaitFor(
-            ctx, [&] { return all_consumed(g + 1 - kSlots); }, "a free ring slot"));
+            ctx, [&] { return all_consumed(g + 1 - slots); }, "a free ring slot"));
       }
     } else {
       RETURN_IF_ERROR(WaitFor(
@@ -243,13 +329,12 @@ absl::Status ShmCommunicator::Stream(const OpContext& ctx, absl::Span<const Muta
       }
       const size_t m = std::min(n - done, pieces[piece].nbytes - offset);
       std::byte* user = static_cast<std::byte*>(pieces[piece].data) + offset;
-      if (is_root)
-        std::memcpy(slot + done, user, m);
-      else
-        std::memcpy(user, slot + done, m);
+      RETURN_IF_ERROR(is_root ? space_.Copy(slot + done, user, m) : space_.Copy(user, slot + done, m));
       done += m;
       offset += m;
     }
+    // A device chunk counts (published, or consumed: its slot free again) once its copy finished.
+    if (!space_.host()) RETURN_IF_ERROR(space_.Synchronize());
     if (is_root) header_->published.store(g + 1, std::memory_order_release);
     ranks[rank()].consumed.store(g + 1, std::memory_order_release);
   }
@@ -268,7 +353,7 @@ absl::Status ShmCommunicator::DoAllGather(const OpContext& ctx, absl::Span<const
     for (size_t i = 0; i < inputs.size(); ++i) {
       blocks[i] = {static_cast<std::byte*>(outputs[i].data) + q * inputs[i].nbytes, inputs[i].nbytes};
       if (q == rank() && blocks[i].data != inputs[i].data)
-        std::memmove(blocks[i].data, inputs[i].data, inputs[i].nbytes);
+        RETURN_IF_ERROR(space_.Copy(blocks[i].data, inputs[i].data, inputs[i].nbytes));
     }
     RETURN_IF_ERROR(Stream(ctx, blocks, q));
   }
@@ -280,7 +365,7 @@ absl::Status ShmCommunicator::DoAllGatherV(const OpContext& ctx, ConstBytes inpu
   size_t offset = 0;
   for (int q = 0; q < size(); ++q) {
     MutableBytes block{static_cast<std::byte*>(output.data) + offset, bytes_per_rank[q]};
-    if (q == rank() && block.data != input.data) std::memmove(block.data, input.data, input.nbytes);
+    if (q == rank() && block.data != input.data) RETURN_IF_ERROR(space_.Copy(block.data, input.data, input.nbytes));
     RETURN_IF_ERROR(Stream(ctx, {&block, 1}, q));
     offset += bytes_per_rank[q];
   }

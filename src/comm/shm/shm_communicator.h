@@ -23,6 +23,17 @@
 // and not a zombie): a dead peer gives kUnavailable naming it within ~20 ms, a peer's failure or
 // Abort (OnBroken sets the flag) kUnavailable naming its rank.
 // Limits: 2..kMaxRanks members (1 is allowed: operations are local copies).
+//
+// Device ring (Ring::kDevice, the colocated hand-off on GPUs): the same protocol with the ring's
+// slots in one CUDA allocation of rank 0 on its GroupOptions::cuda_device (kDeviceSlots slots of
+// kDeviceSlotBytes), which every member opens once by its IPC handle when the group forms; the
+// header stays in the host segment. space() is then that device: every operation's buffers are
+// device memory (or host memory, as MemorySpace::Copy allows), chunks move device to device, and
+// a chunk is published (or counted consumed) only after its copy finished on the device. Rank 0
+// publishes the ring's handle with the segment's name, or why it has none (no GPU, allocation
+// refused): every member then fails formation with that reason instead of waiting for a ring. A
+// member whose device cannot open the handle (another GPU without peer access) fails formation
+// with kFailedPrecondition naming both devices.
 // Thread-safety: as Communicator.
 #pragma once
 
@@ -30,6 +41,7 @@
 #include <string>
 
 #include "comm/queued_communicator.h"
+#include "common/memory_space.h"
 
 namespace wsync::comm {
 
@@ -39,13 +51,21 @@ class ShmCommunicator final : public QueuedCommunicator {
   static constexpr int kSlots = 4;
   static constexpr size_t kSlotBytes = size_t{4} << 20;
 
-  // See GroupOptions (host and cuda_device are unused). Blocks until every member has mapped the
-  // segment. kInvalidArgument for bad options, kFailedPrecondition for members on different hosts,
-  // the store's and JoinGroup's errors, errno codes (naming the segment) for shm failures.
-  static absl::StatusOr<std::unique_ptr<Communicator>> Create(const GroupOptions& options);
+  static constexpr int kDeviceSlots = 4;
+  static constexpr size_t kDeviceSlotBytes = size_t{32} << 20;
+
+  enum class Ring { kHost, kDevice };
+
+  // See GroupOptions (host is unused; cuda_device only for Ring::kDevice). Blocks until every
+  // member has mapped the segment (and opened the device ring). kInvalidArgument for bad options,
+  // kFailedPrecondition for members on different hosts or a device ring that cannot be made or
+  // opened (the reason named on every member), kUnimplemented for a device ring in a build without
+  // CUDA, the store's and JoinGroup's errors, errno codes (naming the segment) for shm failures.
+  static absl::StatusOr<std::unique_ptr<Communicator>> Create(const GroupOptions& options, Ring ring = Ring::kHost);
   ~ShmCommunicator() override;
 
   absl::string_view Name() const override { return "shm"; }
+  MemorySpace space() const override { return space_; }
 
  protected:
   absl::Status DoBroadcast(const OpContext& ctx, absl::Span<const MutableBytes> buffers, int root) override;
@@ -60,7 +80,10 @@ class ShmCommunicator final : public QueuedCommunicator {
 
  private:
   struct Header;
+  struct DeviceRing;
   ShmCommunicator(const GroupOptions& options, void* base, size_t bytes);
+  // Rank 0: allocates the device ring and returns its handle; the others open `handle`.
+  absl::StatusOr<std::string> MakeDeviceRing(const GroupOptions& options, const std::string& handle);
   // The chunked broadcast of the concatenation of `pieces` from `root` (see the file comment).
   absl::Status Stream(const OpContext& ctx, absl::Span<const MutableBytes> pieces, int root);
   // Waits until `ready()`; kUnavailable / kDeadlineExceeded / kAborted as in the file comment.
@@ -69,8 +92,12 @@ class ShmCommunicator final : public QueuedCommunicator {
   absl::Status CheckPeers() const;
 
   Header* header_;
-  std::byte* ring_;
+  std::byte* ring_;  // the slots: in the host segment, or device memory of space_
   size_t bytes_;
+  MemorySpace space_ = MemorySpace::Host();
+  int slots_ = kSlots;
+  size_t slot_bytes_ = kSlotBytes;
+  std::unique_ptr<DeviceRing> device_ring_;
   uint64_t next_chunk_ = 0;  // global chunk number of this member's next operation
 };
 
