@@ -178,6 +178,10 @@ check python_cuda python_cuda
 #     host stages, byte for byte (dense / MoE / MLA, bf16 / INT4, PP 1 / 2).
 check memory_space "$B/bin/common_memory_space_test"
 check nccl_formation "$B/bin/comm_group_test" --gtest_filter='CommFactoryTest.*Nccl*'
+# The shm backend's device ring (the colocated device hand-off): every comm group scenario
+# (collectives 2 / 3 / 5 members, > 2 GiB, a member missing, killed, aborted, silent) with the ring
+# in one CUDA allocation of device 0 that every member process opens by IPC handle.
+check device_ring "$B/bin/comm_group_test" --gtest_filter='*CommGroupTest.*/shm_device'
 check device_staging "$B/bin/comm_space_staging_test"
 # The NCCL data plane's bucket stream with device buckets: one GPU, a lone sender over real NCCL
 # (Sum64 on the device, the framing, the ordering after the device work); two GPUs, sender and

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -30,6 +31,14 @@ extern char** environ;
 
 namespace wsync {
 namespace {
+
+// wsync-comm-member: where the build put it, else beside this test binary (the device bundle's bin/).
+std::string MemberBinary() {
+  if (access(WSYNC_COMM_MEMBER, X_OK) == 0) return WSYNC_COMM_MEMBER;
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return (self.parent_path() / "wsync-comm-member").string();
+}
 
 struct Member {
   pid_t pid = -1;
@@ -57,7 +66,7 @@ class CommGroupTest : public ::testing::TestWithParam<std::string> {
     Member m;
     m.rank = rank;
     m.log = ::testing::TempDir() + absl::StrCat("member-", GetParam(), "-", group, "-", rank, ".log");
-    std::vector<std::string> args = {WSYNC_COMM_MEMBER,
+    std::vector<std::string> args = {MemberBinary(),
                                      "--store",
                                      server_->address(),
                                      "--group",
