@@ -188,14 +188,19 @@ int wsync_engine_create(const wsync_engine_options* o, wsync_engine** out) {
   if (!sec.ok()) return Fail(sec.status());
   e->security = *sec;
 
+  absl::StatusOr<int> device = engine_memory::ParseParamMemory(o->param_memory ? o->param_memory : "shm");
+  if (!device.ok()) return Fail(device.status());
   if (absl::Status st = MakeLayout(e.get()); !st.ok()) return Fail(st);
   engine_model::EngineRank rank;  // TP 1: the host is one engine rank
 
-  absl::StatusOr<std::vector<std::string>> stale = engine_memory::ReclaimStaleShmSegments(id, 0);
-  for (const std::string& name : stale.ok() ? *stale : std::vector<std::string>{})
-    WSYNC_LOG(INFO) << "removed the shm segment /" << name << " of a killed earlier process of engine " << id;
+  if (*device < 0) {
+    absl::StatusOr<std::vector<std::string>> stale = engine_memory::ReclaimStaleShmSegments(id, 0);
+    for (const std::string& name : stale.ok() ? *stale : std::vector<std::string>{})
+      WSYNC_LOG(INFO) << "removed the shm segment /" << name << " of a killed earlier process of engine " << id;
+  }
   absl::StatusOr<std::unique_ptr<engine_memory::ParamArena>> arena =
-      engine_memory::ParamArena::Create(*e->layout, engine_memory::UniqueShmName(id, 0));
+      *device >= 0 ? engine_memory::ParamArena::CreateOnDevice(*e->layout, *device)
+                   : engine_memory::ParamArena::Create(*e->layout, engine_memory::UniqueShmName(id, 0));
   if (!arena.ok()) return Fail(arena.status());
   e->arena = *std::move(arena);
   e->weights = &e->arena->weights();
@@ -283,6 +288,7 @@ int wsync_engine_param(const wsync_engine* e, size_t index, wsync_engine_param_i
   out->nbytes = b.nbytes;
   out->data = b.data;
   out->kind = p < 0 ? 0 : static_cast<int>(e->layout->params()[static_cast<size_t>(p)].kind);
+  out->device = b.on_device() ? b.cuda_device : -1;
   return Ok();
 }
 

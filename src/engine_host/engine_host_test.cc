@@ -11,8 +11,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "common/rpc_security.h"
+#include "kernels/dispatch.h"
 #include "wsync/v1/engine.grpc.pb.h"
 #include "wsync_engine_host.h"
 
@@ -116,6 +118,35 @@ TEST(EngineHost, RefusesBadOptionsNamingWhatIsWrong) {
   EXPECT_NE(wsync_engine_create(&o, &e), 0);
   EXPECT_NE(LastError().find("group_size"), std::string::npos) << LastError();
   EXPECT_EQ(e, nullptr);
+  o = Options(&r, kDense);
+  o.param_memory = "gpu0";
+  EXPECT_EQ(wsync_engine_create(&o, &e), 3);
+  EXPECT_NE(LastError().find("param-memory gpu0: want shm or cuda:N"), std::string::npos) << LastError();
+  EXPECT_EQ(e, nullptr);
+}
+
+// Parameters in CUDA memory: without a usable device (this CPU host) the host is refused, naming
+// the missing device, and nothing is created; with one, every param is a device pointer on it.
+TEST(EngineHost, ParamsInCudaMemoryAreOnTheDeviceOrRefused) {
+  Recorder r;
+  wsync_engine* e = nullptr;
+  wsync_engine_options o = Options(&r, kDense, kInt4);
+  o.param_memory = "cuda:0";
+  const int rc = wsync_engine_create(&o, &e);
+  if (!wsync::kernels::GpuAvailable()) {
+    EXPECT_NE(rc, 0);
+    EXPECT_EQ(e, nullptr);
+    EXPECT_TRUE(absl::StrContains(LastError(), "CUDA")) << LastError();
+    return;
+  }
+  ASSERT_EQ(rc, 0) << LastError();
+  ASSERT_GT(wsync_engine_param_count(e), 0u);
+  for (size_t i = 0; i < wsync_engine_param_count(e); ++i) {
+    wsync_engine_param_info p;
+    ASSERT_EQ(wsync_engine_param(e, i, &p), 0);
+    EXPECT_EQ(p.device, 0) << p.name;
+  }
+  wsync_engine_destroy(e);
 }
 
 TEST(EngineHost, ListsTheEngineFormParamsAndDequantizesLinears) {
@@ -134,6 +165,7 @@ TEST(EngineHost, ListsTheEngineFormParamsAndDequantizesLinears) {
   // Vocab padded to 64, fused qkv (4 + 2 * 2 heads of 32), Marlin INT4 for the MLP.
   const auto& embed = params.at("model.embed_tokens.weight");
   EXPECT_STREQ(embed.dtype, "BF16");
+  EXPECT_EQ(embed.device, -1);  // the segment
   EXPECT_EQ(embed.shape[0], 1024);
   EXPECT_EQ(embed.shape[1], 128);
   const auto& qkv = params.at("model.layers.0.self_attn.qkv_proj.weight_packed");

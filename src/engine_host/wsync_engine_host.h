@@ -44,7 +44,7 @@
 extern "C" {
 #endif
 
-#define WSYNC_ENGINE_HOST_ABI_VERSION 1
+#define WSYNC_ENGINE_HOST_ABI_VERSION 2
 
 #if defined(__GNUC__)
 #define WSYNC_ENGINE_API __attribute__((visibility("default")))
@@ -85,6 +85,10 @@ typedef struct {
                                            version 0 at start; NULL: NO_WEIGHTS until the first sync */
   wsync_engine_pause_fn on_pause;       /* NULL: nothing to pause besides the host's own admission */
   wsync_engine_continue_fn on_continue; /* NULL: nothing to resume */
+  const char* param_memory;             /* NULL or "shm": the POSIX shared-memory segment; "cuda:N": one CUDA
+                                           allocation on device N, registered with the agent by IPC handle
+                                           (the agent repacks into it on the device); the params' `data` are
+                                           then device pointers */
 } wsync_engine_options;
 
 typedef struct {
@@ -93,8 +97,9 @@ typedef struct {
   int ndim;
   int64_t shape[4]; /* the engine form (Marlin for INT4) */
   uint64_t nbytes;
-  void* data; /* in the segment; valid until wsync_engine_destroy */
+  void* data; /* in the segment, or on `device`; valid until wsync_engine_destroy */
   int kind;   /* 0 plain, 1 INT4 packed (Marlin), 2 INT4 scales (permuted), 3 AWQ zero points (Marlin) */
+  int device; /* -1: host memory (the segment); else the CUDA device `data` is on */
 } wsync_engine_param_info;
 
 typedef struct {

@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_format.h"
 #include "comm/bucket/stream.h"
 #include "common/checksum.h"
@@ -98,6 +99,14 @@ std::string ShmPrefix(absl::string_view engine_id, int tp_rank) {
 }
 
 }  // namespace
+
+absl::StatusOr<int> ParseParamMemory(absl::string_view text) {
+  if (text == "shm") return -1;
+  absl::string_view number = text;
+  int device = -1;
+  if (absl::ConsumePrefix(&number, "cuda:") && absl::SimpleAtoi(number, &device) && device >= 0) return device;
+  return absl::InvalidArgumentError(absl::StrCat("param-memory ", text, ": want shm or cuda:N"));
+}
 
 std::string UniqueShmName(absl::string_view engine_id, int tp_rank) {
   std::random_device rd;

@@ -84,6 +84,11 @@ void UnlinkAllShmSegments();
 // with the default action) and at exit(). For the engine's main(); idempotent.
 void InstallShmCrashCleanup();
 
+// Where an engine's parameter memory is to live, as its command line or options say it: "shm" (a
+// POSIX shared-memory segment; -1) or "cuda:N" (one CUDA allocation on device N; N). Anything
+// else: kInvalidArgument ("param-memory X: want shm or cuda:N").
+absl::StatusOr<int> ParseParamMemory(absl::string_view text);
+
 class ParamArena {
  public:
   // Lays out every param of `layout` (ParamForm::kEngine) in one new segment named `shm_name`.

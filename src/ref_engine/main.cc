@@ -432,12 +432,9 @@ int main(int argc, char** argv) {
     return 2;
   };
   if (f.model.empty() && f.checkpoint.empty()) return usage("--model or --checkpoint is required");
-  if (f.param_memory.rfind("cuda:", 0) == 0) {
-    if (!absl::SimpleAtoi(f.param_memory.substr(5), &f.cuda_device) || f.cuda_device < 0)
-      return usage(absl::StrCat("--param-memory ", f.param_memory, ": want cuda:N with a device number N >= 0"));
-  } else if (f.param_memory != "shm") {
-    return usage(absl::StrCat("--param-memory ", f.param_memory, ": want shm or cuda:N"));
-  }
+  absl::StatusOr<int> param_device = wsync::engine_memory::ParseParamMemory(f.param_memory);
+  if (!param_device.ok()) return usage(absl::StrCat("--", param_device.status().message()));
+  f.cuda_device = *param_device;
   if (f.tp_rank >= f.tp_size) return usage(absl::StrCat("--tp-rank ", f.tp_rank, " must be < --tp-size ", f.tp_size));
   if (f.tp_size > 1 && f.tp_store.empty()) return usage("--tp-size > 1 needs --tp-store");
   if (f.heartbeat_ms <= 0 || f.tp_idle_timeout_s * 1000 <= 2 * f.heartbeat_ms)
