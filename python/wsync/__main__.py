@@ -49,6 +49,9 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m wsync") ->
     ap.add_argument("--tp-rank", type=int, default=0)
     ap.add_argument("--ep-size", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--param-memory", default="shm",
+                    help="shm, or cuda:N: the parameters in one CUDA allocation on device N (transformers adapter: "
+                         "the model and its generation on that GPU)")
     args = ap.parse_args(argv)
     import faulthandler
 
@@ -58,6 +61,9 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m wsync") ->
                  "this engine serves TP 1, EP 1")
     if not args.agent and not args.agent_file:
         ap.error("--agent or --agent-file is required")
+    if args.param_memory != "shm" and args.adapter != "transformers":
+        ap.error(f"--param-memory {args.param_memory}: the {args.adapter} adapter reads its parameters from host "
+                 "memory (shm); only the transformers adapter runs on CUDA parameters")
     model = args.model or args.checkpoint
     if not model:
         ap.error("--model or --checkpoint is required")
@@ -75,7 +81,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m wsync") ->
     try:
         host = EngineHost(args.engine_id, config_text, agent=args.agent or None, agent_file=args.agent_file or None,
                           quant_json=_quant_json(args, config), listen=args.listen,
-                          token_file=args.token_file or None, checkpoint=args.checkpoint or None)
+                          token_file=args.token_file or None, checkpoint=args.checkpoint or None,
+                          param_memory=args.param_memory)
         if args.adapter == "sglang":
             from wsync.adapters.sglang import SglangEngine
 

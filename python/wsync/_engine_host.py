@@ -9,7 +9,7 @@ import ctypes
 from wsync import _native
 
 LIB = "libwsync_engine_host.so"
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 PREPARE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t)
 GENERATE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t,
@@ -24,13 +24,13 @@ class Options(ctypes.Structure):
                 ("listen", ctypes.c_char_p), ("agent", ctypes.c_char_p), ("agent_file", ctypes.c_char_p),
                 ("token_file", ctypes.c_char_p), ("prepare", PREPARE), ("generate", GENERATE),
                 ("ctx", ctypes.c_void_p), ("hold_timeout_s", ctypes.c_double), ("checkpoint", ctypes.c_char_p),
-                ("on_pause", PAUSE), ("on_continue", CONTINUE)]
+                ("on_pause", PAUSE), ("on_continue", CONTINUE), ("param_memory", ctypes.c_char_p)]
 
 
 class ParamInfo(ctypes.Structure):
     _fields_ = [("name", ctypes.c_char_p), ("dtype", ctypes.c_char_p), ("ndim", ctypes.c_int),
                 ("shape", ctypes.c_int64 * 4), ("nbytes", ctypes.c_uint64), ("data", ctypes.c_void_p),
-                ("kind", ctypes.c_int)]
+                ("kind", ctypes.c_int), ("device", ctypes.c_int)]
 
 
 class LinearInfo(ctypes.Structure):

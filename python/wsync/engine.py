@@ -79,7 +79,7 @@ def _write_err(err: int, err_len: int, message: str) -> None:
 class Param:
     """One engine parameter: SGLang name, safetensors dtype, engine-form shape, kind ("plain",
     "packed": INT4 Marlin int32, "scale": permuted INT4 scales, "zeros": AWQ-Marlin zero points),
-    its bytes in the segment."""
+    its bytes in the segment, or on CUDA device `device` (-1: the segment, host memory)."""
 
     KINDS = ("plain", "packed", "scale", "zeros")
 
@@ -90,6 +90,7 @@ class Param:
         self.nbytes = int(info.nbytes)
         self.kind = self.KINDS[info.kind]
         self.address = int(info.data)
+        self.device = int(info.device)
 
 
 class Linear:
@@ -118,6 +119,15 @@ class Source:
         self.expert, self.transpose = int(info.expert), bool(info.transpose)
         self.dst_row0, self.dst_col0, self.rows, self.cols = info.dst_row0, info.dst_col0, info.rows, info.cols
         self.shape_values = (info.shape_values[0], info.shape_values[1])
+
+
+class _CudaBytes:
+    """`nbytes` bytes of CUDA memory at `address`, as the CUDA array interface (version 3) describes
+    them: what torch.as_tensor wraps without a copy."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                         "strides": None, "version": 3}
 
 
 class _Segment:
@@ -152,8 +162,11 @@ class _Segment:
 
     # --- the parameters -------------------------------------------------------------------------
     def buffer(self, name: str) -> ctypes.Array[ctypes.c_char]:
-        """A writable ctypes char array over the parameter's bytes in the segment (valid until close)."""
+        """A writable ctypes char array over the parameter's bytes in the segment (valid until close).
+        Host memory only: a param in CUDA memory has no such view (WsyncError FAILED_PRECONDITION)."""
         p = self._param(name)
+        if p.device >= 0:
+            raise WsyncError(9, f"engine {self.engine_id}: {name} is in CUDA memory (cuda:{p.device}); use tensor()")
         # A fresh array per call: torch 1.13's frombuffer releases the exporter once too often when
         # its tensor dies, so a cached array would be freed under the next tensor made from it.
         return (ctypes.c_char * p.nbytes).from_address(p.address)
@@ -167,6 +180,9 @@ class _Segment:
                                 "reading the segment on the host's callback threads)")
 
         p = self._param(name)
+        if p.device >= 0:  # a view of the CUDA allocation, through the CUDA array interface (no copy)
+            raw = torch.as_tensor(_CudaBytes(p.address, p.nbytes), device=f"cuda:{p.device}")
+            return raw.view(torch_dtype(p.dtype)).view(p.shape)
         return torch.frombuffer(self.buffer(name), dtype=torch_dtype(p.dtype)).view(p.shape)
 
     def loaded(self, name: str) -> "Tensor":
@@ -237,11 +253,14 @@ class _Segment:
 
 class EngineHost(_Segment):
     """See the module comment. `adapter` has prepare(version) and (optionally) generate(prompt,
-    max_new_tokens); it may be attached after construction (attach()), before start()."""
+    max_new_tokens); it may be attached after construction (attach()), before start().
+    `param_memory`: None or "shm" (the segment), or "cuda:N" (one CUDA allocation on device N,
+    registered with the agent by IPC handle: tensor() gives CUDA tensors over it)."""
 
     def __init__(self, engine_id: str, config_json: str, agent: Optional[str] = None, agent_file: Optional[str] = None,
                  quant_json: Optional[str] = None, listen: str = "127.0.0.1:0", token_file: Optional[str] = None,
-                 hold_timeout: float = 600.0, checkpoint: Optional[str] = None) -> None:
+                 hold_timeout: float = 600.0, checkpoint: Optional[str] = None,
+                 param_memory: Optional[str] = None) -> None:
         self._lib = _engine_host.library()
         self._adapter: Optional[object] = None
         self._prepare_cb = _engine_host.PREPARE(self._on_prepare)
@@ -254,7 +273,8 @@ class EngineHost(_Segment):
                         token_file=token_file.encode() if token_file else None, prepare=self._prepare_cb,
                         generate=self._generate_cb, ctx=None, hold_timeout_s=float(hold_timeout),
                         checkpoint=checkpoint.encode() if checkpoint else None, on_pause=self._pause_cb,
-                        on_continue=self._continue_cb)
+                        on_continue=self._continue_cb,
+                        param_memory=param_memory.encode() if param_memory else None)
         h = ctypes.c_void_p()
         _check(self._lib, self._lib.wsync_engine_create(ctypes.byref(opts), ctypes.byref(h)), f"engine {engine_id}")
         self._list(h, engine_id, config_json, quant_json)

@@ -37,6 +37,38 @@ def weights(model):
     return out
 
 
+def check_cuda_params(args, config_text, quant, prompt):
+    """The engine's parameters in CUDA memory (param_memory="cuda:0"): a bad value refused; without a
+    GPU the host refused naming CUDA; with one, the model runs on the GPU over views of the host's
+    allocation and its greedy tokens equal a fresh transformers model's on the GPU (bf16)."""
+    try:
+        EngineHost("check-bad-memory", config_text, agent="127.0.0.1:1", quant_json=quant, param_memory="gpu")
+        raise AssertionError("param_memory 'gpu' was accepted")
+    except WsyncError as e:
+        assert e.code_name == "INVALID_ARGUMENT" and "want shm or cuda:N" in str(e), e
+    if not torch.cuda.is_available():
+        try:
+            EngineHost("check-cuda", config_text, agent="127.0.0.1:1", quant_json=quant, param_memory="cuda:0")
+            raise AssertionError("CUDA parameter memory was created without a GPU")
+        except WsyncError as e:
+            assert "CUDA" in str(e), e
+        print("CUDA parameter memory refused without a GPU")
+        return
+    host = EngineHost("check-cuda", config_text, agent="127.0.0.1:1", quant_json=quant, checkpoint=args.hf,
+                      param_memory="cuda:0")
+    engine = TransformersEngine(host)
+    host.start()
+    assert all(p.device == 0 for p in host.params.values())
+    assert all(t.device.type == "cuda" for t in weights(engine.model).values())
+    tokens, version = engine.generate_request(prompt, args.max_new_tokens)
+    if not args.int4:
+        fresh = transformers.AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.bfloat16).to("cuda:0").eval()
+        want = greedy(fresh, prompt, args.max_new_tokens)
+        assert version == 0 and tokens == want, (version, tokens, want)
+    host.close()
+    print(f"CUDA parameter memory: the model on cuda:0, tokens {tokens}")
+
+
 def main():
     args = parse_args()
     config_text = (pathlib.Path(args.hf) / "config.json").read_text()
@@ -112,6 +144,8 @@ def main():
         assert own.lm_head.weight.data_ptr() == own.model.embed_tokens.weight.data_ptr()
         host.close()
         print("a tied model with an lm_head Parameter of its own serves the embedding")
+
+    check_cuda_params(args, config_text, quant, prompt)
 
     # A model that does not fit the engine: every mis-shaped parameter named, nothing served.
     key = "moe_intermediate_size" if "moe_intermediate_size" in config else "intermediate_size"

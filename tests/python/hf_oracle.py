@@ -103,7 +103,7 @@ def parse_args():
 
 def greedy(model, prompt, max_new_tokens):
     """Exactly max_new_tokens greedy tokens (model.generate, no EOS stop)."""
-    ids = torch.tensor([prompt], dtype=torch.long)
+    ids = torch.tensor([prompt], dtype=torch.long, device=next(model.parameters()).device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)

@@ -78,6 +78,9 @@ def test_the_engine_process_refuses_what_it_cannot_serve(tmp_path):
     out = subprocess.run([PY, "-m", "wsync.engine", "--model", tmp_path / "hf", "--tp-size", "2", "--agent", "x:1"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--tp-size 2" in out.stderr, out.stderr
+    out = subprocess.run([PY, "-m", "wsync.engine", "--model", tmp_path / "hf", "--agent", "x:1", "--adapter", "vllm",
+                          "--param-memory", "cuda:0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "only the transformers adapter runs on CUDA" in out.stderr, out.stderr
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     cfg["num_key_value_heads"] = 3  # does not divide the 4 attention heads
     config.write_text(json.dumps(cfg))

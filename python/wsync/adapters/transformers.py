@@ -1,5 +1,7 @@
 """A HuggingFace transformers causal LM as a wsync rollout engine: the engine host's adapter
-(wsync.engine.EngineHost) for a CPU engine of small RL loops.
+(wsync.engine.EngineHost) for small RL loops, on the CPU, or on the GPU when the host's parameters
+are in CUDA memory (``EngineHost(param_memory="cuda:N")``: the model and its generation then run on
+that device, over views of the host's allocation).
 
 Every bf16 parameter of the model *is* a view of the host's segment (no copy: a sync writes the
 model's weights); INT4 linears, and engine tensors of another dtype than the model's, get tensors
@@ -65,10 +67,15 @@ class TransformersEngine:
         self.host = host
         self.torch = torch
         cfg = host.config
+        devices = {p.device for p in host.params.values()}
+        if len(devices) != 1:
+            raise WsyncError(3, f"engine {host.engine_id}: its parameters are on several devices {sorted(devices)}")
+        d = devices.pop()
+        self.device = torch.device("cpu" if d < 0 else f"cuda:{d}")
         if model is None:
             hf_config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "quantization_config"})
             model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
-        self.model = model.eval()
+        self.model = model.to(self.device).eval()
         self._dequantized: List[Tuple[str, Any, int, Optional[int]]] = []  # (linear name, the model's tensor, row0, rows)
         self._converted: List[Tuple[str, Any, int, Optional[int]]] = []  # (engine param name, the model's tensor, row0, rows): the engine's dtype differs
         problems: List[str] = []
@@ -120,7 +127,7 @@ class TransformersEngine:
         if want != shape or row0 + take > full[0]:
             raise WsyncError(3, f"{name} {list(shape)}: the engine's {src} gives {list(want)}")
         if quantized:
-            t = torch.zeros(shape, dtype=torch.bfloat16)
+            t = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
             self._dequantized.append((src, t, row0, rows))
             return t
         view = host.tensor(src)
@@ -153,7 +160,7 @@ class TransformersEngine:
     def generate(self, prompt: Sequence[int], max_new_tokens: int) -> List[int]:
         """Greedy decoding (model.generate), exactly max_new_tokens new tokens."""
         torch = self.torch
-        ids = torch.tensor([list(prompt)], dtype=torch.long)
+        ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
         with torch.no_grad():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                       max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
