@@ -40,13 +40,6 @@
 namespace wsync::rollout_agent {
 using engine_memory::EngineMemory;
 using engine_memory::MapEngineMemory;
-using engine_model::Commit;
-using engine_model::EngineBuffer;
-using engine_model::EngineLayout;
-using engine_model::EngineWeights;
-using engine_model::Loader;
-using engine_model::ParamForm;
-using engine_model::Staging;
 
 enum class RolloutAgent::Phase { kBeginning, kReceiving, kPrepared, kCommitting };
 
@@ -66,10 +59,10 @@ double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
 struct RolloutAgent::Engine {
   v1::RegisterEngineRequest info;  // without params
   std::string layout_key;          // equal keys: equal layouts (config, quantization, parallel)
-  std::unique_ptr<EngineLayout> layout;
+  std::unique_ptr<engine_model::EngineLayout> layout;
   std::unique_ptr<EngineMemory> memory;
-  std::unique_ptr<Staging> staging;      // points at *layout
-  std::shared_ptr<EngineClient> client;  // shared: RegisterEngine checks the engine outside op_mu_
+  std::unique_ptr<engine_model::Staging> staging;  // points at *layout
+  std::shared_ptr<EngineClient> client;            // shared: RegisterEngine checks the engine outside op_mu_
 };
 
 struct RolloutAgent::Sync {
@@ -83,7 +76,7 @@ struct RolloutAgent::Sync {
   SyncCancel cancel;
   std::unique_ptr<comm::GrpcStoreClient> store;
   std::unique_ptr<Recorder> recorder;
-  std::unique_ptr<Loader> loader;
+  std::unique_ptr<engine_model::Loader> loader;
   std::vector<std::thread> threads;  // touched under op_mu_ only
   // Guarded by the agent's mu_:
   Phase phase = Phase::kBeginning;
@@ -359,7 +352,8 @@ void RolloutAgent::Watchdog() {
 
 absl::Status RolloutAgent::CommitStaging(Engine& e, uint64_t version) {
   absl::MutexLock mem(&memory_mu_);
-  absl::Status st = Commit(*e.staging, e.memory->weights(), {.num_threads = options_.repack_threads, .verify = false});
+  absl::Status st =
+      engine_model::Commit(*e.staging, e.memory->weights(), {.num_threads = options_.repack_threads, .verify = false});
   if (st.ok()) {
     absl::MutexLock lock(&mu_);
     version_ = version;  // wakes UpdateWeights waiters
@@ -438,7 +432,7 @@ uint64_t LayoutKeyHash(const v1::RegisterEngineRequest& req) { return HashOf(Lay
 absl::Status RolloutAgent::ServeStaging(const v1::FetchStagingRequest& req,
                                         const std::function<bool(const v1::StagingChunk&)>& write) {
   absl::ReaderMutexLock staging(&staging_mu_);
-  const Staging* st = nullptr;
+  const engine_model::Staging* st = nullptr;
   std::string who;
   {
     absl::MutexLock lock(&mu_);
@@ -512,11 +506,11 @@ absl::Status RolloutAgent::ReadEngine(const std::function<bool(const v1::EngineC
   }
   // engine_ cannot change while memory_mu_ is held. Device params are copied to the host a chunk at
   // a time.
-  const std::vector<EngineBuffer>& buffers = engine_->memory->weights().buffers();
+  const std::vector<engine_model::EngineBuffer>& buffers = engine_->memory->weights().buffers();
   Buffer host_chunk;
   v1::EngineChunk c;
   for (size_t i = 0; i < buffers.size(); ++i) {
-    const EngineBuffer& b = buffers[i];
+    const engine_model::EngineBuffer& b = buffers[i];
     const MemorySpace space = b.on_device() ? MemorySpace::Cuda(b.cuda_device) : MemorySpace::Host();
     if (!space.host() && host_chunk.size() == 0) {
       ASSIGN_OR_RETURN(host_chunk, Buffer::Allocate(kStagingChunk));
@@ -554,9 +548,9 @@ absl::Status RolloutAgent::ReadEngine(const std::function<bool(const v1::EngineC
 
 absl::Status RolloutAgent::FetchFrom(const std::string& peer, uint64_t version, Engine& e) {
   const std::string who = absl::StrCat("copying version ", version, " from the rollout agent at ", peer);
-  Staging& st = *e.staging;
+  engine_model::Staging& st = *e.staging;
   const auto& params = st.layout().params();
-  const int64_t total = e.layout->TotalBytes(ParamForm::kLoaded);
+  const int64_t total = e.layout->TotalBytes(engine_model::ParamForm::kLoaded);
   auto stub = v1::RolloutAgent::NewStub(MakeChannel(peer, options_.security));
   grpc::ClientContext ctx;
   // Generous: a gRPC stream moves >= 0.5 GB/s even on a slow host.
@@ -659,7 +653,7 @@ void RolloutAgent::FetchFromPeers(const v1::CatchUpHint& hint) {
     absl::Status st = FetchFrom(peer, hint.version(), e);
     if (st.ok()) {
       const double s = absl::ToDoubleSeconds(absl::Now() - start);
-      const int64_t bytes = e.layout->TotalBytes(ParamForm::kLoaded);
+      const int64_t bytes = e.layout->TotalBytes(engine_model::ParamForm::kLoaded);
       WSYNC_LOG(INFO) << "copied version " << hint.version() << " from the rollout agent at " << peer << ": " << bytes
                       << " bytes in " << absl::StrFormat("%.2f s (%.2f GB/s)", s, s > 0 ? bytes / s / 1e9 : 0.0)
                       << "; committing it into the engine";
@@ -772,15 +766,15 @@ absl::StatusOr<RolloutAgent::Registered> RolloutAgent::InstallEngine(const v1::R
   }
   const std::string key = LayoutKey(req);
   const bool reuse = engine_ != nullptr && engine_->layout_key == key;
-  std::unique_ptr<EngineLayout> new_layout;
+  std::unique_ptr<engine_model::EngineLayout> new_layout;
   if (!reuse) {
-    auto layout =
-        EngineLayout::Create(*config, quant ? &*quant : nullptr,
-                             {static_cast<int>(req.tp_size()), static_cast<int>(req.tp_rank()), static_cast<int>(ep)});
+    auto layout = engine_model::EngineLayout::Create(
+        *config, quant ? &*quant : nullptr,
+        {static_cast<int>(req.tp_size()), static_cast<int>(req.tp_rank()), static_cast<int>(ep)});
     if (!layout.ok()) return Annotate(layout.status(), who);
-    new_layout = std::make_unique<EngineLayout>(std::move(*layout));
+    new_layout = std::make_unique<engine_model::EngineLayout>(std::move(*layout));
   }
-  const EngineLayout& layout = reuse ? *engine_->layout : *new_layout;
+  const engine_model::EngineLayout& layout = reuse ? *engine_->layout : *new_layout;
   auto memory = MapEngineMemory(req.params());
   if (!memory.ok()) return Annotate(memory.status(), who);
   absl::Status match = (*memory)->weights().CheckMatches(layout);
@@ -793,9 +787,9 @@ absl::StatusOr<RolloutAgent::Registered> RolloutAgent::InstallEngine(const v1::R
   // --staging device: the staging goes to the GPU that holds every one of the engine's params.
   MemorySpace staging_space = MemorySpace::Host();
   if (options_.device_staging) {
-    const EngineWeights& w = (*memory)->weights();
+    const engine_model::EngineWeights& w = (*memory)->weights();
     const int dev = w.buffers().empty() ? -1 : w.buffers().front().cuda_device;
-    for (const EngineBuffer& b : w.buffers()) {
+    for (const engine_model::EngineBuffer& b : w.buffers()) {
       if (b.cuda_device != dev || dev < 0)
         return absl::InvalidArgumentError(absl::StrCat(
             who, ": this agent keeps its staging on the engine's GPU (--staging device), but engine param ", b.name,
@@ -833,7 +827,7 @@ absl::StatusOr<RolloutAgent::Registered> RolloutAgent::InstallEngine(const v1::R
       engine_.reset();
       m_->registered->Set(0);
     }
-    auto staging = Staging::Create(*engine->layout, staging_space);
+    auto staging = engine_model::Staging::Create(*engine->layout, staging_space);
     if (!staging.ok())
       return Annotate(staging.status(),
                       absl::StrCat(who, ": allocating the staging buffers (", staging_space.Name(), ")"));
@@ -847,7 +841,7 @@ absl::StatusOr<RolloutAgent::Registered> RolloutAgent::InstallEngine(const v1::R
     if (absl::Status pin = engine->staging->PinForDevice(); !pin.ok())
       WSYNC_LOG(WARNING) << who << ": staging stays pageable (commits upload more slowly): " << pin;
   }
-  const int64_t staging_bytes = engine->layout->TotalBytes(ParamForm::kLoaded);
+  const int64_t staging_bytes = engine->layout->TotalBytes(engine_model::ParamForm::kLoaded);
   const std::string staging_where = engine->staging->space().Name();
   const uint64_t param_bytes = engine->memory->param_bytes();
   const size_t segments = engine->memory->segments().size();
@@ -992,7 +986,7 @@ absl::Status RolloutAgent::EngineChecksums(v1::EngineChecksumsReply* reply) {
     reply->set_version(version_);
   }
   // engine_ cannot change while memory_mu_ is held.
-  const std::vector<EngineBuffer>& buffers = engine_->memory->weights().buffers();
+  const std::vector<engine_model::EngineBuffer>& buffers = engine_->memory->weights().buffers();
   ASSIGN_OR_RETURN(const std::vector<uint64_t> sums, engine_->memory->weights().Checksums());
   for (size_t i = 0; i < buffers.size(); ++i) {
     v1::ParamChecksum* p = reply->add_params();
@@ -1192,7 +1186,7 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
     WSYNC_LOG(DEBUG) << who << ": the sync asks for a recording, but this agent has no --record-dir";
   }
   s->store = comm::GrpcStoreClient::Connect(req.store_address(), absl::Seconds(30), options_.security);
-  s->loader = std::make_unique<Loader>(e.staging.get());
+  s->loader = std::make_unique<engine_model::Loader>(e.staging.get());
   {
     absl::MutexLock lock(&mu_);
     s->phase = Phase::kReceiving;
@@ -1241,7 +1235,7 @@ int RolloutAgent::ReceiveDevice() const {
   if (engine_ != nullptr && engine_->staging != nullptr && !engine_->staging->space().host())
     return engine_->staging->space().cuda_device();
   if (engine_ != nullptr && engine_->memory != nullptr) {
-    for (const EngineBuffer& b : engine_->memory->weights().buffers())
+    for (const engine_model::EngineBuffer& b : engine_->memory->weights().buffers())
       if (b.on_device()) return b.cuda_device;
   }
   return -1;

@@ -14,8 +14,6 @@
 #include "common/status.h"
 
 namespace wsync::rollout_agent {
-using engine_model::Loader;
-using engine_model::Staging;
 
 // --- SyncCancel -----------------------------------------------------------------------------------
 
@@ -76,12 +74,12 @@ std::string BucketWhere(const v1::BucketManifest& m) {
   return absl::StrCat("stage ", m.pp_stage(), " bucket ", m.index());
 }
 
-absl::Status LoadEntry(const v1::BucketEntry& e, const Buffer& data, Loader& loader) {
+absl::Status LoadEntry(const v1::BucketEntry& e, const Buffer& data, engine_model::Loader& loader) {
   ASSIGN_OR_RETURN(const DType dtype, comm::FromProto(e.tensor().dtype()));
   Shape shape(e.tensor().shape().begin(), e.tensor().shape().end());
   if (e.has_block()) {  // sharded delivery: the block this rank keeps (ValidateManifest sized it)
     const auto& b = e.block();
-    const Loader::BlockRef block{b.row0(), b.rows(), b.col0(), b.cols()};
+    const engine_model::Loader::BlockRef block{b.row0(), b.rows(), b.col0(), b.cols()};
     ASSIGN_OR_RETURN(TensorView view,
                      TensorView::Make(dtype, Shape{b.rows(), b.cols()},
                                       {data.data() + e.offset(), static_cast<size_t>(e.nbytes())}, e.tensor().name()));
@@ -95,9 +93,9 @@ absl::Status LoadEntry(const v1::BucketEntry& e, const Buffer& data, Loader& loa
 
 }  // namespace
 
-absl::Status LoadBucket(const v1::BucketManifest& m, const Buffer& data, Loader& loader, int threads) {
+absl::Status LoadBucket(const v1::BucketManifest& m, const Buffer& data, engine_model::Loader& loader, int threads) {
   const int n = m.entries_size();
-  const Staging& staging = loader.staging();
+  const engine_model::Staging& staging = loader.staging();
   if (m.nbytes() > 0 && MemorySpace::Of(data) != staging.space())
     return absl::InvalidArgumentError(absl::StrCat(BucketWhere(m), ": the bucket is in ", MemorySpace::Of(data).Name(),
                                                    ", the staging in ", staging.space().Name()));
