@@ -7,8 +7,8 @@
 // bucket in its staging's space (docs/gpu.md "Receiving on the GPU", "Device staging"): a device
 // bucket is loaded in place into a device staging, or copied once to a page-locked host buffer
 // for a host staging; a host bucket (gloo, shm) is loaded in place into a host staging, or
-// uploaded once into a device buffer for a device staging. A device staging must be on the GPU
-// the buckets arrive on.
+// uploaded once into a device buffer for a device staging (SpaceBridge, receive/space_bridge.h). A
+// device staging must be on the GPU the buckets arrive on.
 //
 // Checks per bucket, each failing the stage with an error naming stage and bucket:
 //   manifest.version == the sync's version, manifest.pp_stage == the group's stage (kInvalidArgument);
