@@ -43,104 +43,109 @@ absl::Status WriteAddressFile(const std::string& path, const std::string& addres
   return absl::OkStatus();
 }
 
-int Run(int argc, char** argv) {
-  CLI::App app{
-      "wsync-rollout-agent: receives weight syncs for one engine rank, loads them into the engine's "
-      "memory in its own TP layout, repacks INT4 to Marlin and commits versions"};
+// The command line: the agent's options and what the binary itself serves.
+struct Flags {
   std::string listen = "127.0.0.1:0", address_file, log_level;
   RpcSecurityOptions sec_opts;
   AgentOptions o;
   int metrics_port = -1;
   std::string metrics_host = "127.0.0.1";
   int64_t heartbeat_ms = 2000, engine_timeout_ms = 10000, flush_deadline_ms = 30000, sync_timeout_ms = 300000;
-  app.add_option("--listen", listen, "address of the RolloutAgent service (port 0 picks one)")->capture_default_str();
-  app.add_option("--address-file", address_file, "write the bound HOST:PORT to this file (atomically)");
-  app.add_option("--advertise-address", o.advertise_address,
+  std::string staging = "host";
+  std::string bucket_mac = "auto";
+};
+
+// Declares every flag on `app`, writing into `f`.
+void AddFlags(CLI::App& app, Flags& f) {
+  app.add_option("--listen", f.listen, "address of the RolloutAgent service (port 0 picks one)")->capture_default_str();
+  app.add_option("--address-file", f.address_file, "write the bound HOST:PORT to this file (atomically)");
+  app.add_option("--advertise-address", f.o.advertise_address,
                  "the address the coordinator should call (default: the bound address; for a wildcard --listen "
                  "such as 0.0.0.0:PORT, the local address facing --coordinator)");
-  app.add_option("--data-host", o.data_host,
+  app.add_option("--data-host", f.o.data_host,
                  "address the data-plane (Gloo) endpoints listen on, reachable from the trainer's stage sources "
                  "(default: the local address facing --coordinator; 127.0.0.1 without one)");
-  app.add_option("--coordinator", o.coordinator, "the coordinator's address: join it and send heartbeats");
-  app.add_option("--cuda-device", o.cuda_device,
+  app.add_option("--coordinator", f.o.coordinator, "the coordinator's address: join it and send heartbeats");
+  app.add_option("--cuda-device", f.o.cuda_device,
                  "the GPU that syncs over nccl receive on (default: the device of the engine's CUDA parameters; "
                  "required for an engine whose parameters are in host memory)");
-  std::string staging = "host";
-  app.add_option("--staging", staging,
+  app.add_option("--staging", f.staging,
                  "where the staging (the next version, received while the engine serves) lives: host (page-locked "
                  "for a CUDA engine) or device (the GPU of the engine's params: loaded and repacked there, nothing "
                  "crosses the host link; costs that GPU a second copy of the rank's weights, docs/gpu.md)")
       ->check(CLI::IsMember({"host", "device"}));
-  app.add_flag("--pause-for-whole-sync", o.pause_whole_sync,
+  app.add_flag("--pause-for-whole-sync", f.o.pause_whole_sync,
                "pause the engine at the start of every sync instead of only for its commit (the engine then "
                "serves nothing while the sync is gathered, sent and staged)");
-  app.add_option("--record-dir", o.record_dir,
+  app.add_option("--record-dir", f.o.record_dir,
                  "record every committed version as received under DIR/v{version}/ (syncs that ask for it)");
-  app.add_option("--token-file", sec_opts.token_file, "bearer token file (default: $WSYNC_TOKEN; none: no auth)");
-  app.add_option("--tls-cert", sec_opts.tls_cert_file, "server certificate (PEM)");
-  app.add_option("--tls-key", sec_opts.tls_key_file, "server key (PEM)");
-  app.add_option("--tls-ca", sec_opts.tls_ca_file, "CA for client certificates, and of the engine / coordinator");
-  std::string bucket_mac = "auto";
+  app.add_option("--token-file", f.sec_opts.token_file, "bearer token file (default: $WSYNC_TOKEN; none: no auth)");
+  app.add_option("--tls-cert", f.sec_opts.tls_cert_file, "server certificate (PEM)");
+  app.add_option("--tls-key", f.sec_opts.tls_key_file, "server key (PEM)");
+  app.add_option("--tls-ca", f.sec_opts.tls_ca_file, "CA for client certificates, and of the engine / coordinator");
   app.add_option(
-         "--bucket-mac", bucket_mac,
+         "--bucket-mac", f.bucket_mac,
          "refuse syncs whose buckets are not authenticated (on), accept them (off), or auto: on when RPCs carry "
          "a token (docs/bucket_format.md)")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
-  app.add_option("--metrics-port", metrics_port, "serve Prometheus metrics on this port (0 picks one; -1 off)")
+  app.add_option("--metrics-port", f.metrics_port, "serve Prometheus metrics on this port (0 picks one; -1 off)")
       ->capture_default_str();
-  app.add_option("--metrics-host", metrics_host, "address of the metrics endpoint")->capture_default_str();
-  app.add_option("--heartbeat-ms", heartbeat_ms, "heartbeat period to the coordinator")
+  app.add_option("--metrics-host", f.metrics_host, "address of the metrics endpoint")->capture_default_str();
+  app.add_option("--heartbeat-ms", f.heartbeat_ms, "heartbeat period to the coordinator")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{10}, int64_t{3600000}));
-  app.add_option("--engine-timeout-ms", engine_timeout_ms, "deadline of each call to the engine")
+  app.add_option("--engine-timeout-ms", f.engine_timeout_ms, "deadline of each call to the engine")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{3600000}));
-  app.add_option("--flush-deadline-ms", flush_deadline_ms, "how long a refused Flush is retried")
+  app.add_option("--flush-deadline-ms", f.flush_deadline_ms, "how long a refused Flush is retried")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{3600000}));
-  app.add_option("--sync-timeout-ms", sync_timeout_ms, "bound of a sync whose BeginSync carries no timeout_ms")
+  app.add_option("--sync-timeout-ms", f.sync_timeout_ms, "bound of a sync whose BeginSync carries no timeout_ms")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{86400000}));
-  app.add_option("--load-threads", o.load_threads, "tensors of a bucket loaded at once (0: min(4, cores))")
+  app.add_option("--load-threads", f.o.load_threads, "tensors of a bucket loaded at once (0: min(4, cores))")
       ->capture_default_str();
-  app.add_option("--repack-threads", o.repack_threads, "threads of the Marlin repack (0: all cores)")
+  app.add_option("--repack-threads", f.o.repack_threads, "threads of the Marlin repack (0: all cores)")
       ->capture_default_str();
-  app.add_option("--log-level", log_level, "debug | info | warning | error (default: $WSYNC_LOG_LEVEL or info)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int rc = app.exit(e);
-    return rc == 0 ? 0 : 2;
-  }
+  app.add_option("--log-level", f.log_level, "debug | info | warning | error (default: $WSYNC_LOG_LEVEL or info)");
+}
+
+// Turns the parsed flags into f.o (log level, security, durations). 0, else the exit code: 1 for a
+// start-up failure (logged), 2 for a bad command line.
+int ResolveOptions(Flags& f) {
   SetLogIdentity("rollout", -1);
-  o.device_staging = staging == "device";
-  if (o.device_staging && !kernels::CudaCompiledIn()) {
+  f.o.device_staging = f.staging == "device";
+  if (f.o.device_staging && !kernels::CudaCompiledIn()) {
     WSYNC_LOG(ERROR) << "--staging device: this binary was built without CUDA (a device staging needs the GPU "
                         "kernels); use --staging host";
     return 1;
   }
-  if (!log_level.empty()) {
+  if (!f.log_level.empty()) {
     LogLevel level;
-    if (!ParseLogLevel(log_level, &level)) {
-      std::fprintf(stderr, "--log-level: unknown level \"%s\"\n", log_level.c_str());
+    if (!ParseLogLevel(f.log_level, &level)) {
+      std::fprintf(stderr, "--log-level: unknown level \"%s\"\n", f.log_level.c_str());
       return 2;
     }
     SetLogLevel(level);
   }
-  auto sec = LoadRpcSecurity(sec_opts);
+  auto sec = LoadRpcSecurity(f.sec_opts);
   if (!sec.ok()) {
     WSYNC_LOG(ERROR) << sec.status();
     return 1;
   }
-  o.security = *sec;
-  o.require_bucket_mac = *ResolveBucketMac(bucket_mac, o.security);  // checked by CLI11 above
-  o.heartbeat = absl::Milliseconds(heartbeat_ms);
-  o.engine_rpc_timeout = absl::Milliseconds(engine_timeout_ms);
-  o.flush_deadline = absl::Milliseconds(flush_deadline_ms);
-  o.default_sync_timeout = absl::Milliseconds(sync_timeout_ms);
-  o.set_log_identity = true;
+  f.o.security = *sec;
+  f.o.require_bucket_mac = *ResolveBucketMac(f.bucket_mac, f.o.security);  // checked by CLI11 above
+  f.o.heartbeat = absl::Milliseconds(f.heartbeat_ms);
+  f.o.engine_rpc_timeout = absl::Milliseconds(f.engine_timeout_ms);
+  f.o.flush_deadline = absl::Milliseconds(f.flush_deadline_ms);
+  f.o.default_sync_timeout = absl::Milliseconds(f.sync_timeout_ms);
+  f.o.set_log_identity = true;
+  return 0;
+}
 
+// Serves until SIGINT / SIGTERM: the agent, the metrics endpoint, the address file. The exit code.
+int Serve(Flags& f) {
   // Signals are taken by sigwait() below; block them before any thread starts.
   sigset_t signals;
   sigemptyset(&signals);
@@ -149,36 +154,36 @@ int Run(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   MetricsRegistry registry;
-  o.metrics = &registry;
-  auto server = AgentServer::Start(listen, o);
+  f.o.metrics = &registry;
+  auto server = AgentServer::Start(f.listen, f.o);
   if (!server.ok()) {
     WSYNC_LOG(ERROR) << server.status();
     return 1;
   }
   std::unique_ptr<MetricsServer> metrics;
-  if (metrics_port >= 0) {
+  if (f.metrics_port >= 0) {
     metrics = std::make_unique<MetricsServer>(&registry);
-    absl::Status ms = metrics->Start(metrics_host, metrics_port);
+    absl::Status ms = metrics->Start(f.metrics_host, f.metrics_port);
     if (!ms.ok()) {
       WSYNC_LOG(ERROR) << "metrics endpoint: " << ms;
       return 1;
     }
   }
-  if (!address_file.empty()) {
-    absl::Status as = WriteAddressFile(address_file, (*server)->address());
+  if (!f.address_file.empty()) {
+    absl::Status as = WriteAddressFile(f.address_file, (*server)->address());
     if (!as.ok()) {
       WSYNC_LOG(ERROR) << "--address-file: " << as;
       return 1;
     }
   }
   std::printf("listening on %s\n", (*server)->address().c_str());
-  if (metrics) std::printf("metrics on %s:%d\n", metrics_host.c_str(), metrics->port());
+  if (metrics) std::printf("metrics on %s:%d\n", f.metrics_host.c_str(), metrics->port());
   std::fflush(stdout);
   WSYNC_LOG(INFO) << "rollout agent listening on " << (*server)->address()
-                  << (o.coordinator.empty() ? "" : absl::StrCat(", coordinator ", o.coordinator))
-                  << (o.record_dir.empty() ? "" : absl::StrCat(", recording to ", o.record_dir))
-                  << (o.security.token.empty() ? ", no auth (loopback development)" : ", token auth")
-                  << (o.security.tls() ? ", TLS" : "");
+                  << (f.o.coordinator.empty() ? "" : absl::StrCat(", coordinator ", f.o.coordinator))
+                  << (f.o.record_dir.empty() ? "" : absl::StrCat(", recording to ", f.o.record_dir))
+                  << (f.o.security.token.empty() ? ", no auth (loopback development)" : ", token auth")
+                  << (f.o.security.tls() ? ", TLS" : "");
 
   int sig = 0;
   sigwait(&signals, &sig);
@@ -186,6 +191,22 @@ int Run(int argc, char** argv) {
   (*server)->Shutdown();
   if (metrics) metrics->Stop();
   return 0;
+}
+
+int Run(int argc, char** argv) {
+  CLI::App app{
+      "wsync-rollout-agent: receives weight syncs for one engine rank, loads them into the engine's "
+      "memory in its own TP layout, repacks INT4 to Marlin and commits versions"};
+  Flags f;
+  AddFlags(app, f);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+  if (const int rc = ResolveOptions(f); rc != 0) return rc;
+  return Serve(f);
 }
 
 }  // namespace

@@ -52,6 +52,8 @@
 // unless AgentOptions::metrics is set, its metrics registry. AgentServer owns a RolloutAgent and
 // the gRPC server in front of it (every handler starts with WSYNC_AUTHORIZE).
 // Thread-safety: every method may be called from any thread; sync operations are serialized.
+// RolloutAgent is defined in one file per phase (agent/README.md); its private state types are in
+// agent/rollout_agent_state.h.
 #pragma once
 
 #include <cstdint>
@@ -65,6 +67,7 @@
 #include "absl/time/time.h"
 #include "common/buffer_pool.h"
 #include "common/cuda_ipc.h"
+#include "common/memory_space.h"
 #include "common/metrics.h"
 #include "common/rpc_security.h"
 #include "wsync/v1/coordinator.pb.h"
@@ -178,6 +181,12 @@ class RolloutAgent {
     uint64_t staged = 0;                           // that version
   };
   absl::StatusOr<Registered> InstallEngine(const v1::RegisterEngineRequest& req, const std::string& who);
+  // InstallEngine's staging for `engine` (its layout and memory set): the installed engine's, moved,
+  // when `keep`; else a new one in `space`, the installed engine (and its staging) dropped first so
+  // that one staging at most is allocated at a time. Page-locked for a CUDA engine (a failure to
+  // pin is logged: it costs speed only). Errors: the allocation's, annotated with `who`.
+  absl::Status StageEngine(Engine& engine, bool keep, MemorySpace space, const std::string& who)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_);
   static std::string SyncRun(const v1::BeginSyncRequest& req);
   absl::Status CheckBegin(const v1::BeginSyncRequest& req, bool* duplicate, v1::BeginSyncReply* reply)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -195,6 +204,14 @@ class RolloutAgent {
   // version if the agent paused it). Returns the status of Continue.
   absl::Status EndFailedSync(Sync* sync, const std::string& reason, bool continue_engine)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_);
+  // CommitSync's failed CommitStaging (`st`): a refusal (nothing written) ends the sync and
+  // continues the engine on its previous version, returning `st` annotated; a failure after
+  // validation (kInternal) ends it and leaves the engine paused, returning kInternal saying so.
+  absl::Status FailCommit(Sync* s, const absl::Status& st, const std::string& who)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_);
+  // Records `s`, the active sync, as the last that ended (id, run, outcome; committed when
+  // `outcome` is OK) and drops it (`s` dangles after).
+  void RetireSync(Sync* s, const absl::Status& outcome) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status AbortById(uint64_t sync_id, const std::string& reason, uint64_t* version);
   void Watchdog();
   // Roll forward: commits the owed version from the staging into the engine (Pause, Flush, Commit,

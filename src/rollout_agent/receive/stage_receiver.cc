@@ -12,10 +12,9 @@
 #include "common/logging.h"
 #include "common/memory_space.h"
 #include "common/status.h"
+#include "rollout_agent/receive/space_bridge.h"
 
 namespace wsync::rollout_agent {
-using engine_model::Loader;
-using engine_model::Staging;
 
 // --- SyncCancel -----------------------------------------------------------------------------------
 
@@ -76,12 +75,12 @@ std::string BucketWhere(const v1::BucketManifest& m) {
   return absl::StrCat("stage ", m.pp_stage(), " bucket ", m.index());
 }
 
-absl::Status LoadEntry(const v1::BucketEntry& e, const Buffer& data, Loader& loader) {
+absl::Status LoadEntry(const v1::BucketEntry& e, const Buffer& data, engine_model::Loader& loader) {
   ASSIGN_OR_RETURN(const DType dtype, comm::FromProto(e.tensor().dtype()));
   Shape shape(e.tensor().shape().begin(), e.tensor().shape().end());
   if (e.has_block()) {  // sharded delivery: the block this rank keeps (ValidateManifest sized it)
     const auto& b = e.block();
-    const Loader::BlockRef block{b.row0(), b.rows(), b.col0(), b.cols()};
+    const engine_model::Loader::BlockRef block{b.row0(), b.rows(), b.col0(), b.cols()};
     ASSIGN_OR_RETURN(TensorView view,
                      TensorView::Make(dtype, Shape{b.rows(), b.cols()},
                                       {data.data() + e.offset(), static_cast<size_t>(e.nbytes())}, e.tensor().name()));
@@ -95,9 +94,9 @@ absl::Status LoadEntry(const v1::BucketEntry& e, const Buffer& data, Loader& loa
 
 }  // namespace
 
-absl::Status LoadBucket(const v1::BucketManifest& m, const Buffer& data, Loader& loader, int threads) {
+absl::Status LoadBucket(const v1::BucketManifest& m, const Buffer& data, engine_model::Loader& loader, int threads) {
   const int n = m.entries_size();
-  const Staging& staging = loader.staging();
+  const engine_model::Staging& staging = loader.staging();
   if (m.nbytes() > 0 && MemorySpace::Of(data) != staging.space())
     return absl::InvalidArgumentError(absl::StrCat(BucketWhere(m), ": the bucket is in ", MemorySpace::Of(data).Name(),
                                                    ", the staging in ", staging.space().Name()));
@@ -205,50 +204,23 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
   }
 
   // Where the buckets arrive (host memory, or the group's GPU over NCCL) and where the loader reads
-  // them (the staging's space): a bucket that arrives elsewhere is moved once, into a page-locked
-  // host buffer (NCCL into a host staging) or a device buffer (gloo / shm into a device staging).
+  // them (the staging's space): the bridge moves a bucket that arrives elsewhere once.
   const MemorySpace space = (*comm)->space();
-  const MemorySpace load_space = o.loader->staging().space();
-  if (!space.host() && !load_space.host() && space != load_space) {
-    const absl::Status st = absl::FailedPreconditionError(
-        absl::StrCat(where, ": the buckets arrive in ", space.Name(), " but the staging is in ", load_space.Name()));
+  if (absl::Status st = SpaceBridge::Check(space, o.loader->staging().space()); !st.ok()) {
+    st = absl::FailedPreconditionError(absl::StrCat(where, ": ", st.message()));
     (*comm)->Abort(st.message());
     cancel.Unregister(comm->get());
     return st;
   }
-  // Pools of the stage's own where the caller gave none. Beside NCCL nothing is freed while the
-  // stream runs (keep_until_trim: a cudaFree waits for the whole device); the stage's own pools
-  // go when the stage has ended.
-  std::optional<BufferPool> own_device_pool, own_host_pool, own_upload_pool;
-  BufferPool* receive_pool = o.pool;
-  BufferPool* host_pool = nullptr;
-  BufferPool* upload_pool = nullptr;  // device buffers a host bucket is uploaded into (device staging)
-  if (!space.host()) {
-    receive_pool = o.device_pool;
-    if (receive_pool == nullptr)
-      receive_pool = &own_device_pool.emplace(
-          2, [space](size_t n) { return space.Allocate(n); }, /*keep_until_trim=*/true);
-    if (load_space.host() || o.recorder != nullptr) {
-      host_pool = o.host_pool;
-      if (host_pool == nullptr)
-        host_pool = &own_host_pool.emplace(
-            3, [](size_t n) { return AllocatePinnedBuffer(n); }, /*keep_until_trim=*/true);
-    }
-  } else if (!load_space.host()) {
-    upload_pool = o.device_pool != nullptr
-                      ? o.device_pool
-                      : &own_upload_pool.emplace(
-                            2, [load_space](size_t n) { return load_space.Allocate(n); }, /*keep_until_trim=*/true);
-  }
-  auto give_back = [&](Buffer b) {
-    if (b.size() == 0 || b.data() == nullptr) return;
-    BufferPool* to = MemorySpace::Of(b).host() ? (space.host() ? receive_pool : host_pool)
-                                               : (space.host() ? upload_pool : receive_pool);
-    if (to != nullptr) to->Put(std::move(b));
-  };
+  SpaceBridge bridge({.arrive = space,
+                      .load = o.loader->staging().space(),
+                      .record = o.recorder != nullptr,
+                      .host_receive_pool = o.pool,
+                      .device_pool = o.device_pool,
+                      .pinned_pool = o.host_pool});
   const absl::Time t1 = absl::Now();
   absl::Status s = [&]() -> absl::Status {
-    comm::BucketReceiver receiver(**comm, 0, comm::CollectiveOptions{o.op_timeout}, receive_pool, mac);
+    comm::BucketReceiver receiver(**comm, 0, comm::CollectiveOptions{o.op_timeout}, bridge.receive_pool(), mac);
     for (;;) {
       auto next = receiver.Next();
       if (!next.ok()) return Annotate(next.status(), where);
@@ -259,49 +231,25 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
       stats.buckets++;
       stats.bytes += b.manifest.nbytes();
       if (!AddressedTo(b.manifest, o.rank)) {
-        give_back(std::move(b.data));
+        bridge.GiveBack(std::move(b.data));
         continue;
       }
-      const uint64_t n = std::max<uint64_t>(b.manifest.nbytes(), 1);
-      // `host_copy`: the bucket's bytes in host memory, for the loader or the recorder, when it
-      // arrived on the GPU; `uploaded`: in the device staging's memory, when it arrived in host memory.
-      Buffer host_copy, uploaded;
-      if (!space.host() && host_pool != nullptr) {
-        const absl::Time c0 = absl::Now();
-        absl::StatusOr<Buffer> host = host_pool->Get(n);
-        if (!host.ok())
-          return Annotate(host.status(), absl::StrCat(where, ": a host buffer for ", BucketWhere(b.manifest)));
-        RETURN_IF_ERROR(Annotate(space.CopyToHost(host->data(), b.data.data(), b.manifest.nbytes()),
-                                 absl::StrCat(where, ": ", BucketWhere(b.manifest), " from ", space.Name())));
-        host_copy = std::move(*host);
-        if (load_space.host()) give_back(std::exchange(b.data, Buffer()));  // free for the next receive at once
-        stats.to_host += absl::Now() - c0;
-      }
-      if (space.host() && !load_space.host()) {
-        const absl::Time c0 = absl::Now();
-        absl::StatusOr<Buffer> dev = upload_pool->Get(n);
-        if (!dev.ok())
-          return Annotate(dev.status(),
-                          absl::StrCat(where, ": a ", load_space.Name(), " buffer for ", BucketWhere(b.manifest)));
-        RETURN_IF_ERROR(Annotate(load_space.Copy(dev->data(), b.data.data(), b.manifest.nbytes()),
-                                 absl::StrCat(where, ": ", BucketWhere(b.manifest), " to ", load_space.Name())));
-        uploaded = std::move(*dev);
-        stats.to_device += absl::Now() - c0;
-      }
-      const Buffer& loadable =
-          load_space.host() ? (space.host() ? b.data : host_copy) : (space.host() ? uploaded : b.data);
+      Bridged bridged;
+      absl::Status moved =
+          bridge.Bridge(std::move(b.data), b.manifest.nbytes(), where, BucketWhere(b.manifest), &bridged);
+      stats.to_host = bridge.stats().to_host;
+      stats.to_device = bridge.stats().to_device;
+      RETURN_IF_ERROR(moved);
       const absl::Time l0 = absl::Now();
-      RETURN_IF_ERROR(LoadBucket(b.manifest, loadable, *o.loader, o.load_threads));
+      RETURN_IF_ERROR(LoadBucket(b.manifest, bridge.Loadable(bridged), *o.loader, o.load_threads));
       const absl::Time l1 = absl::Now();
       stats.load += l1 - l0;
       stats.tensors += static_cast<uint64_t>(b.manifest.entries_size());
       if (o.recorder != nullptr) {
-        RETURN_IF_ERROR(o.recorder->WriteBucket(b.manifest, space.host() ? b.data.data() : host_copy.data()));
+        RETURN_IF_ERROR(o.recorder->WriteBucket(b.manifest, bridge.HostBytes(bridged)));
         stats.record += absl::Now() - l1;
       }
-      give_back(std::move(b.data));
-      give_back(std::move(host_copy));
-      give_back(std::move(uploaded));
+      bridge.GiveBack(bridged);
       if (cancel.cancelled()) return absl::AbortedError("cancelled between buckets");
     }
   }();

@@ -7,8 +7,8 @@
 // bucket in its staging's space (docs/gpu.md "Receiving on the GPU", "Device staging"): a device
 // bucket is loaded in place into a device staging, or copied once to a page-locked host buffer
 // for a host staging; a host bucket (gloo, shm) is loaded in place into a host staging, or
-// uploaded once into a device buffer for a device staging. A device staging must be on the GPU
-// the buckets arrive on.
+// uploaded once into a device buffer for a device staging (SpaceBridge, receive/space_bridge.h). A
+// device staging must be on the GPU the buckets arrive on.
 //
 // Checks per bucket, each failing the stage with an error naming stage and bucket:
 //   manifest.version == the sync's version, manifest.pp_stage == the group's stage (kInvalidArgument);
@@ -43,7 +43,6 @@
 #include "rollout_agent/receive/recorder.h"
 
 namespace wsync::rollout_agent {
-using engine_model::Loader;
 
 class SyncCancel {
  public:
@@ -92,7 +91,7 @@ struct StageOptions {
   uint64_t version = 0;            // the sync's version; every manifest must carry it
   absl::Duration join_timeout = absl::Seconds(60);
   absl::Duration op_timeout = absl::Minutes(5);  // per bucket broadcast
-  Loader* loader = nullptr;                      // not owned
+  engine_model::Loader* loader = nullptr;        // not owned
   const Recorder* recorder = nullptr;            // optional, not owned
   int load_threads = 2;                          // entries of one bucket loaded concurrently
   SyncCancel* cancel = nullptr;                  // not owned; required
@@ -125,7 +124,7 @@ struct StageStats {
 // Loads every entry of one received bucket (manifest validated by comm::ValidateManifest) into
 // staging, up to `threads` entries at once (one for buckets under 1 MiB); the first error, naming
 // the stage and bucket. What ReceiveStage does per bucket; public for tests of other senders.
-absl::Status LoadBucket(const v1::BucketManifest& m, const Buffer& data, Loader& loader, int threads);
+absl::Status LoadBucket(const v1::BucketManifest& m, const Buffer& data, engine_model::Loader& loader, int threads);
 
 // See the file comment. Returns the stage's first error; on error the group is aborted.
 absl::StatusOr<StageStats> ReceiveStage(const StageOptions& options);

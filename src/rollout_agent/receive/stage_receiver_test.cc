@@ -20,9 +20,6 @@
 #include "rollout_agent/receive/testing/sync_testing.h"
 
 namespace wsync::rollout_agent {
-using engine_model::EngineLayout;
-using engine_model::Loader;
-using engine_model::Staging;
 
 namespace {
 
@@ -36,10 +33,10 @@ class StageReceiverTest : public ::testing::Test {
     auto quant = ParseQuantizationConfig(
         model::testing::QuantJson(128, {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$"}), "quant");
     ASSERT_TRUE(quant.ok()) << quant.status();
-    auto layout = EngineLayout::Create(*config, &*quant, {2, 1, 1});
+    auto layout = engine_model::EngineLayout::Create(*config, &*quant, {2, 1, 1});
     ASSERT_TRUE(layout.ok()) << layout.status();
-    layout_ = std::make_unique<EngineLayout>(std::move(*layout));
-    auto staging = Staging::Create(*layout_);
+    layout_ = std::make_unique<engine_model::EngineLayout>(std::move(*layout));
+    auto staging = engine_model::Staging::Create(*layout_);
     ASSERT_TRUE(staging.ok());
     staging_ = std::move(*staging);
     auto model = model::testing::MakeHfModel(*config, &*quant, /*seed=*/20261122);
@@ -48,7 +45,7 @@ class StageReceiverTest : public ::testing::Test {
     for (const auto& name : model_.order) tensors_.emplace_back(name, model_.sent.at(name).view());
   }
 
-  StageOptions Options(const std::string& group, SyncCancel* cancel, Loader* loader) {
+  StageOptions Options(const std::string& group, SyncCancel* cancel, engine_model::Loader* loader) {
     StageOptions o;
     o.store = &store_;
     o.group = group;
@@ -82,7 +79,7 @@ class StageReceiverTest : public ::testing::Test {
     std::thread source = Source(
         group, [&](comm::Communicator& c) { EXPECT_TRUE(testing::SendBuckets(c, std::move(*buckets)).ok()); }, backend);
     SyncCancel cancel;
-    Loader loader(staging_.get());
+    engine_model::Loader loader(staging_.get());
     StageOptions o = Options(group, &cancel, &loader);
     o.backend = backend;
     o.cuda_device = cuda_device;
@@ -95,9 +92,9 @@ class StageReceiverTest : public ::testing::Test {
   // Every sent tensor is in staging, which equals a direct load of the same tensors.
   void ExpectStagingIsADirectLoad() {
     EXPECT_TRUE(staging_->CheckComplete().ok()) << staging_->CheckComplete();
-    auto direct = Staging::Create(*layout_);
+    auto direct = engine_model::Staging::Create(*layout_);
     ASSERT_TRUE(direct.ok());
-    Loader direct_loader(direct->get());
+    engine_model::Loader direct_loader(direct->get());
     for (const auto& [name, view] : tensors_) ASSERT_TRUE(direct_loader.Load(name, view).ok()) << name;
     for (size_t i = 0; i < layout_->params().size(); ++i) {
       const auto a = staging_->param(static_cast<int>(i)), b = (*direct)->param(static_cast<int>(i));
@@ -108,8 +105,8 @@ class StageReceiverTest : public ::testing::Test {
   }
 
   comm::MemoryStore store_;
-  std::unique_ptr<EngineLayout> layout_;
-  std::unique_ptr<Staging> staging_;
+  std::unique_ptr<engine_model::EngineLayout> layout_;
+  std::unique_ptr<engine_model::Staging> staging_;
   model::testing::HfModel model_;
   std::vector<std::pair<std::string, TensorView>> tensors_;
 };
@@ -143,7 +140,7 @@ TEST_F(StageReceiverTest, OverNcclADeviceStagingLoadsTheBucketsWhereTheyArrive) 
   absl::StatusOr<int> gpus = kernels::CudaDeviceCount();
   if (!comm::BackendCompiledIn(comm::Backend::kNccl) || !gpus.ok() || *gpus < 2)
     GTEST_SKIP() << "needs NCCL and two GPUs";
-  auto device_staging = Staging::Create(*layout_, MemorySpace::Cuda(1));
+  auto device_staging = engine_model::Staging::Create(*layout_, MemorySpace::Cuda(1));
   ASSERT_TRUE(device_staging.ok()) << device_staging.status();
   staging_ = std::move(*device_staging);
   size_t n = 0;
@@ -156,7 +153,7 @@ TEST_F(StageReceiverTest, OverNcclADeviceStagingLoadsTheBucketsWhereTheyArrive) 
 
 TEST_F(StageReceiverTest, OverGlooADeviceStagingGetsEveryBucketUploadedOnce) {
   if (!kernels::GpuAvailable()) GTEST_SKIP() << "no CUDA device";
-  auto device_staging = Staging::Create(*layout_, MemorySpace::Cuda(0));
+  auto device_staging = engine_model::Staging::Create(*layout_, MemorySpace::Cuda(0));
   ASSERT_TRUE(device_staging.ok()) << device_staging.status();
   staging_ = std::move(*device_staging);
   size_t n = 0;
@@ -173,7 +170,7 @@ TEST_F(StageReceiverTest, ABucketOfAnotherVersionIsRefused) {
   std::thread source =
       Source("version", [&](comm::Communicator& c) { (void)testing::SendBuckets(c, std::move(*buckets)); });
   SyncCancel cancel;
-  Loader loader(staging_.get());
+  engine_model::Loader loader(staging_.get());
   auto stats = ReceiveStage(Options("version", &cancel, &loader));
   source.join();
   ASSERT_FALSE(stats.ok());
@@ -192,7 +189,7 @@ TEST_F(StageReceiverTest, ASplitTensorIsRefusedAndTheSenderLearnsIt) {
   std::thread source =
       Source("split", [&](comm::Communicator& c) { sent = testing::SendBuckets(c, std::move(*buckets)); });
   SyncCancel cancel;
-  Loader loader(staging_.get());
+  engine_model::Loader loader(staging_.get());
   auto stats = ReceiveStage(Options("split", &cancel, &loader));
   source.join();
   ASSERT_FALSE(stats.ok());
@@ -203,7 +200,7 @@ TEST_F(StageReceiverTest, ASplitTensorIsRefusedAndTheSenderLearnsIt) {
 
 TEST_F(StageReceiverTest, CancelStopsAStageWaitingForItsGroup) {
   SyncCancel cancel;
-  Loader loader(staging_.get());
+  engine_model::Loader loader(staging_.get());
   std::thread canceller([&] {
     absl::SleepFor(absl::Milliseconds(300));
     cancel.Cancel("operator abort");
@@ -231,7 +228,7 @@ TEST_F(StageReceiverTest, CancelStopsAStageWaitingForBuckets) {
     cancel.Cancel("AbortSync");
     sent = testing::SendRawBucket(c, b[2].manifest, b[2].data, b[2].nbytes, false);
   });
-  Loader loader(staging_.get());
+  engine_model::Loader loader(staging_.get());
   const absl::Time t0 = absl::Now();
   auto stats = ReceiveStage(Options("stall", &cancel, &loader));
   source.join();
@@ -266,7 +263,7 @@ TEST_F(StageReceiverTest, ASourceWhoseCommunicatorFailsMidStreamFailsTheStage) {
       });
       staging_->ResetCoverage();
       SyncCancel cancel;
-      Loader loader(staging_.get());
+      engine_model::Loader loader(staging_.get());
       const absl::Time t0 = absl::Now();
       auto stats = ReceiveStage(Options(group, &cancel, &loader));
       source.join();
@@ -323,7 +320,7 @@ TEST_F(StageReceiverTest, AFormedStageWaitsForTheOthersBeforeReceiving) {
     absl::SleepFor(absl::Milliseconds(500));
     cancel.Cancel("the other stage's group never formed");
   });
-  Loader loader(staging_.get());
+  engine_model::Loader loader(staging_.get());
   StageOptions o = Options("latched", &cancel, &loader);
   o.formed = &formed;
   auto stats = ReceiveStage(o);
