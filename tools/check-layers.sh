@@ -9,6 +9,8 @@
 #   3. src/engine_model/, src/engine_memory/ and src/engine_side/ include no agent
 #      (rollout_agent/, trainer_agent/), plan/ or engine process (ref_engine/, engine_host/).
 #   4. The trainer agent's binary has no engine_model repack symbol (Commit, Restore, DequantizeToDense).
+#   5. src/trainer_agent/coordinator/ (the control plane, tests included) includes nothing of
+#      trainer_agent/ outside coordinator/: it reaches the trainer ranks only through TrainerSide.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bad=0
@@ -32,6 +34,11 @@ for f in "${files[@]}"; do
         case "$f" in *_test.cc) continue ;; esac
         case "$target" in
           rollout_agent/* | trainer_agent/* | plan/* | ref_engine/* | engine_host/*) breach "$f:$line includes $target (rule 3)" ;;
+        esac ;;
+      src/trainer_agent/coordinator/*)
+        case "$target" in
+          trainer_agent/coordinator/*) ;;
+          trainer_agent/*) breach "$f:$line includes $target (rule 5)" ;;
         esac ;;
     esac
   done < <(grep -nE '^\s*#\s*include "' "$f" || true)

@@ -457,19 +457,70 @@ class Agent {
     return absl::OkStatus();
   }
 
+  // This rank's data-plane side of a sync: a stage's broadcast sink, or its sharded sink and plan.
+  struct StageSinks {
+    std::unique_ptr<comm::BroadcastSink> broadcast;     // broadcast delivery
+    std::shared_ptr<const plan::ShardPlan> shard_plan;  // sharded delivery: the plan and its sink
+    std::unique_ptr<plan::ShardedSink> sharded;
+    comm::BucketSink* out() const { return sharded ? static_cast<comm::BucketSink*>(sharded.get()) : broadcast.get(); }
+  };
+
+  // One sync on this rank: 1. the source and the stage groups, voted on; 2. the sync itself;
+  // 3. every rank's result to every rank (rank 0 reports them to the coordinator).
   absl::StatusOr<TrainerReport> RunSync(const Command& cmd, const std::vector<GroupDesc>& groups,
                                         const std::string& engine_quant) {
     const int rank = world_->rank();
     const int stage = layout_->Dense(rank).pp;
+    const int sender = SenderIndex(cmd, rank, stage);
+    LogSyncStart(cmd, groups, stage, sender);
+    const absl::Duration timeout = absl::Milliseconds(cmd.timeout_ms);
+    // The world's collectives of a sync wait for the slowest rank, and a stage source legitimately
+    // spends a bounded time elsewhere first: up to join_timeout forming its data-plane group (before
+    // the vote), up to `timeout` in a failing data-plane operation and then the rest of its share,
+    // drained without sending (before the results). A world collective that timed out first would
+    // break the trainer job's communicator for good, so theirs are longer (still bounded).
+    const absl::Duration join_timeout = std::min(timeout, absl::Minutes(2));
+    const comm::CollectiveOptions vote_bound{join_timeout + absl::Seconds(30)};
+    const comm::CollectiveOptions results_bound{2 * timeout + absl::Minutes(1)};
+
+    // 1. Re-read the source (dir:) and form the stage groups; vote.
+    std::optional<DirSource> dir_source;
+    const WeightSource* src = shm_.get();
+    absl::Status s = OpenSyncSource(cmd, engine_quant, &dir_source, &src);
+    StageSinks sinks;
+    if (s.ok() && sender >= 0) s = MakeStageSinks(cmd, groups, *src, stage, sender, join_timeout, &sinks);
+    s = Vote(*world_, s, vote_bound);
+
+    // 2. The sync itself.
+    RankResult mine;
+    mine.source = sender >= 0;
+    if (s.ok()) {
+      SendStage(cmd, *src, sinks, mine);
+    } else {
+      SetMessage(mine, s);
+    }
+    sinks.broadcast.reset();
+    sinks.sharded.reset();
+
+    // 3. Results to every rank.
+    return GatherResults(cmd, mine, results_bound);
+  }
+
+  // Sharded delivery spreads the stage over its senders (StageSenders): this rank's index there;
+  // broadcast delivery: 0 on the stage source. -1: this rank sends nothing.
+  int SenderIndex(const Command& cmd, int rank, int stage) const {
     const bool is_source = layout_->IsStageSource(rank);
-    // Sharded delivery spreads the stage over its senders (StageSenders); this rank's index there.
     int sender = is_source ? 0 : -1;
     if (cmd.sharded) {
       const std::vector<int> senders = StageSenders(*layout_, stage, true);
       auto at = std::find(senders.begin(), senders.end(), rank);
       sender = at == senders.end() ? -1 : static_cast<int>(at - senders.begin());
     }
-    const absl::Duration timeout = absl::Milliseconds(cmd.timeout_ms);
+    return sender;
+  }
+
+  void LogSyncStart(const Command& cmd, const std::vector<GroupDesc>& groups, int stage, int sender) const {
+    const bool is_source = layout_->IsStageSource(world_->rank());
     WSYNC_LOG(INFO) << "sync " << cmd.sync_id << " (version " << cmd.version << ")"
                     << (sender >= 0
                             ? absl::StrCat(": ", is_source ? "source" : absl::StrCat("sender ", sender), " of stage ",
@@ -479,129 +530,112 @@ class Agent {
                     << (opts_.expert_map ? absl::StrCat(", experts pruned to ", opts_.expert_map->kept(), " of ",
                                                         opts_.expert_map->num_experts, " per layer")
                                          : "");
+  }
 
-    // 1. Re-read the source (dir:) and form the stage groups; vote.
-    absl::Status s;
-    std::optional<DirSource> dir_source;
-    const WeightSource* src = shm_.get();
+  // The sync's weight source (the shm: source, or the dir: source re-read into `dir_source`) and
+  // quantization (sync_quant_: SyncQuantization of --quant-config and what the engines declare).
+  absl::Status OpenSyncSource(const Command& cmd, const std::string& engine_quant, std::optional<DirSource>* dir_source,
+                              const WeightSource** src) {
     if (!shm_) {
       auto d = DirSource::Open(dir_);
-      if (d.ok()) {
-        dir_source = std::move(*d);
-        src = &*dir_source;
-      } else {
-        s = d.status();
-      }
+      if (!d.ok()) return d.status();
+      *dir_source = std::move(*d);
+      *src = &**dir_source;
     }
-    if (s.ok()) {
-      absl::StatusOr<std::optional<QuantizationConfig>> q = SyncQuantization(opts_.quant, engine_quant);
-      if (q.ok()) {
-        sync_quant_ = *std::move(q);
-        if (rank == 0)
-          WSYNC_LOG(INFO) << "sync " << cmd.sync_id << ": " << (sync_quant_ ? sync_quant_->Describe() : "bf16")
-                          << (opts_.quant ? " (--quant-config, what the engines declare)"
-                                          : " (as the engines declare)");
-      } else {
-        s = q.status();
-      }
-    }
-    // The world's collectives of a sync wait for the slowest rank, and a stage source legitimately
-    // spends a bounded time elsewhere first: up to join_timeout forming its data-plane group (before
-    // the vote), up to `timeout` in a failing data-plane operation and then the rest of its share,
-    // drained without sending (before the results). A world collective that timed out first would
-    // break the trainer job's communicator for good, so theirs are longer (still bounded).
-    const absl::Duration join_timeout = std::min(timeout, absl::Minutes(2));
-    const comm::CollectiveOptions vote_bound{join_timeout + absl::Seconds(30)};
-    const comm::CollectiveOptions results_bound{2 * timeout + absl::Minutes(1)};
-    std::unique_ptr<comm::BroadcastSink> sink;          // broadcast delivery
-    std::shared_ptr<const plan::ShardPlan> shard_plan;  // sharded delivery: the plan and its sink
-    std::unique_ptr<plan::ShardedSink> sharded;
-    if (s.ok() && sender >= 0) {
-      // One data-plane group (and sink) of `size` ranks named `name`.
-      auto make_sink = [&](const std::string& name, int size) -> absl::StatusOr<std::unique_ptr<comm::BroadcastSink>> {
-        comm::GroupOptions g;
-        g.store = store_.get();
-        g.name = name;
-        g.rank = 0;
-        g.size = size;
-        g.host = data_host_;
-        g.cuda_device = DataPlaneDevice(opts_.cuda_device, shm_ != nullptr ? shm_->resident_device() : -1);
-        g.join_timeout = join_timeout;
-        g.default_timeout = timeout;
-        // A sync the coordinator gave up on: its agents have aborted and will never join.
-        g.cancelled = [store = store_.get(), key = SyncAbandonedKey(cmd.sync_id)] {
-          absl::StatusOr<int64_t> v = store->Add(key, 0);
-          return v.ok() && *v > 0;
-        };
-        ASSIGN_OR_RETURN(const comm::Backend backend, comm::ParseBackend(cmd.backend));
-        std::optional<comm::BucketMac> mac;
-        if (cmd.bucket_mac) {
-          ASSIGN_OR_RETURN(mac, comm::BucketMac::ForStream({cmd.bucket_mac_key, sizeof(cmd.bucket_mac_key)}, name));
-        }
-        ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> comm, comm::CreateGroup(backend, g));
-        return std::make_unique<comm::BroadcastSink>(std::move(comm), store_.get(), SyncProgressPrefix(cmd.sync_id),
-                                                     comm::CollectiveOptions{timeout}, &bucket_pool_, std::move(mac));
-      };
-      if (!cmd.sharded) {
-        auto made = make_sink(SyncGroupName(cmd.sync_id, stage), static_cast<int>(cmd.num_agents) + 1);
-        if (made.ok()) {
-          sink = std::move(*made);
-        } else {
-          s = Annotate(made.status(), absl::StrCat("stage ", stage, " data-plane group"));
-        }
-      } else {
-        s = MakeShardedSink(cmd, groups, *src, stage, sender, make_sink, &shard_plan, &sharded);
-      }
-    }
-    s = Vote(*world_, s, vote_bound);
+    absl::StatusOr<std::optional<QuantizationConfig>> q = SyncQuantization(opts_.quant, engine_quant);
+    if (!q.ok()) return q.status();
+    sync_quant_ = *std::move(q);
+    if (world_->rank() == 0)
+      WSYNC_LOG(INFO) << "sync " << cmd.sync_id << ": " << (sync_quant_ ? sync_quant_->Describe() : "bf16")
+                      << (opts_.quant ? " (--quant-config, what the engines declare)" : " (as the engines declare)");
+    return absl::OkStatus();
+  }
 
-    // 2. The sync itself.
-    RankResult mine;
-    mine.source = sender >= 0;
-    if (s.ok()) {
-      SyncOptions so;
-      so.version = cmd.version;
-      so.bucket_bytes = opts_.bucket_bytes;
-      so.quant = sync_quant_ ? &*sync_quant_ : nullptr;
-      so.quant_threads = opts_.quant_threads;
-      so.expert_map = opts_.expert_map ? &*opts_.expert_map : nullptr;
-      // The TP/EP gathers wait for peers that may be stuck up to `timeout` in a failing data-plane
-      // operation (then drain): longer than that, or the failure would break these communicators.
-      so.collective = comm::CollectiveOptions{timeout + absl::Minutes(1)};
-      so.workspace = &workspace_;
-      so.spread_senders = cmd.sharded != 0;
-      comm::BucketSink* out = sharded ? static_cast<comm::BucketSink*>(sharded.get()) : sink.get();
-      auto report = RunRankSync(*src, comms_, out, so);
-      if (report.ok() && sink && !sink->status().ok()) report = sink->status();
-      if (report.ok() && sharded && !sharded->status().ok()) report = sharded->status();
-      if (report.ok() && sharded) {
-        // What left this rank: every group's share (the builder's bytes are the full buckets).
-        report->bytes = 0;
-        for (uint64_t b : sharded->group_bytes()) report->bytes += b;
-      }
-      if (report.ok()) {
-        const absl::Duration d[7] = {report->open,   report->gather,    report->convert, report->quantize,
-                                     report->bucket, report->send_wait, report->total};
-        for (int i = 0; i < 7; ++i) mine.seconds[i] = absl::ToDoubleSeconds(d[i]);
-        mine.bytes = report->bytes;
-        mine.buckets = report->buckets;
-        mine.tensors = report->tensors;
-        if (report->source && report->cuda_device >= 0)
-          WSYNC_LOG(INFO) << "sync " << cmd.sync_id << ": stage source on cuda:" << report->cuda_device << " ("
-                          << report->quantized_bytes << " bytes through the CUDA INT4 kernels, "
-                          << absl::FormatDuration(report->staging) << " staging " << report->bytes
-                          << (report->staging > absl::ZeroDuration() ? " bucket bytes to the host)"
-                                                                     : " bucket bytes, sent from the device)");
-      } else {
-        SetMessage(mine, report.status());
-      }
-    } else {
-      SetMessage(mine, s);
+  // One data-plane group (and sink) of `size` ranks named `name`, this rank its rank 0.
+  absl::StatusOr<std::unique_ptr<comm::BroadcastSink>> MakeGroupSink(const Command& cmd, const std::string& name,
+                                                                     int size, absl::Duration join_timeout) {
+    const absl::Duration timeout = absl::Milliseconds(cmd.timeout_ms);
+    comm::GroupOptions g;
+    g.store = store_.get();
+    g.name = name;
+    g.rank = 0;
+    g.size = size;
+    g.host = data_host_;
+    g.cuda_device = DataPlaneDevice(opts_.cuda_device, shm_ != nullptr ? shm_->resident_device() : -1);
+    g.join_timeout = join_timeout;
+    g.default_timeout = timeout;
+    // A sync the coordinator gave up on: its agents have aborted and will never join.
+    g.cancelled = [store = store_.get(), key = SyncAbandonedKey(cmd.sync_id)] {
+      absl::StatusOr<int64_t> v = store->Add(key, 0);
+      return v.ok() && *v > 0;
+    };
+    ASSIGN_OR_RETURN(const comm::Backend backend, comm::ParseBackend(cmd.backend));
+    std::optional<comm::BucketMac> mac;
+    if (cmd.bucket_mac) {
+      ASSIGN_OR_RETURN(mac, comm::BucketMac::ForStream({cmd.bucket_mac_key, sizeof(cmd.bucket_mac_key)}, name));
     }
-    sink.reset();
-    sharded.reset();
+    ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> comm, comm::CreateGroup(backend, g));
+    return std::make_unique<comm::BroadcastSink>(std::move(comm), store_.get(), SyncProgressPrefix(cmd.sync_id),
+                                                 comm::CollectiveOptions{timeout}, &bucket_pool_, std::move(mac));
+  }
 
-    // 3. Results to every rank.
+  // A sender's data-plane groups of the sync: the stage's one group (broadcast), or one per
+  // receiver group (sharded).
+  absl::Status MakeStageSinks(const Command& cmd, const std::vector<GroupDesc>& groups, const WeightSource& src,
+                              int stage, int sender, absl::Duration join_timeout, StageSinks* sinks) {
+    auto make_sink = [&](const std::string& name, int size) { return MakeGroupSink(cmd, name, size, join_timeout); };
+    if (cmd.sharded)
+      return MakeShardedSink(cmd, groups, src, stage, sender, make_sink, &sinks->shard_plan, &sinks->sharded);
+    auto made = make_sink(SyncGroupName(cmd.sync_id, stage), static_cast<int>(cmd.num_agents) + 1);
+    if (!made.ok()) return Annotate(made.status(), absl::StrCat("stage ", stage, " data-plane group"));
+    sinks->broadcast = std::move(*made);
+    return absl::OkStatus();
+  }
+
+  // RunRankSync into this rank's sinks; its times and counts (or its error) into `mine`.
+  void SendStage(const Command& cmd, const WeightSource& src, const StageSinks& sinks, RankResult& mine) {
+    const absl::Duration timeout = absl::Milliseconds(cmd.timeout_ms);
+    SyncOptions so;
+    so.version = cmd.version;
+    so.bucket_bytes = opts_.bucket_bytes;
+    so.quant = sync_quant_ ? &*sync_quant_ : nullptr;
+    so.quant_threads = opts_.quant_threads;
+    so.expert_map = opts_.expert_map ? &*opts_.expert_map : nullptr;
+    // The TP/EP gathers wait for peers that may be stuck up to `timeout` in a failing data-plane
+    // operation (then drain): longer than that, or the failure would break these communicators.
+    so.collective = comm::CollectiveOptions{timeout + absl::Minutes(1)};
+    so.workspace = &workspace_;
+    so.spread_senders = cmd.sharded != 0;
+    auto report = RunRankSync(src, comms_, sinks.out(), so);
+    if (report.ok() && sinks.broadcast && !sinks.broadcast->status().ok()) report = sinks.broadcast->status();
+    if (report.ok() && sinks.sharded && !sinks.sharded->status().ok()) report = sinks.sharded->status();
+    if (report.ok() && sinks.sharded) {
+      // What left this rank: every group's share (the builder's bytes are the full buckets).
+      report->bytes = 0;
+      for (uint64_t b : sinks.sharded->group_bytes()) report->bytes += b;
+    }
+    if (!report.ok()) {
+      SetMessage(mine, report.status());
+      return;
+    }
+    const absl::Duration d[7] = {report->open,   report->gather,    report->convert, report->quantize,
+                                 report->bucket, report->send_wait, report->total};
+    for (int i = 0; i < 7; ++i) mine.seconds[i] = absl::ToDoubleSeconds(d[i]);
+    mine.bytes = report->bytes;
+    mine.buckets = report->buckets;
+    mine.tensors = report->tensors;
+    if (report->source && report->cuda_device >= 0)
+      WSYNC_LOG(INFO) << "sync " << cmd.sync_id << ": stage source on cuda:" << report->cuda_device << " ("
+                      << report->quantized_bytes << " bytes through the CUDA INT4 kernels, "
+                      << absl::FormatDuration(report->staging) << " staging " << report->bytes
+                      << (report->staging > absl::ZeroDuration() ? " bucket bytes to the host)"
+                                                                 : " bucket bytes, sent from the device)");
+  }
+
+  // Every rank's result to every rank: the first rank's error (in rank order), else the report
+  // (the slowest stage source's phases, the sums of the counts).
+  absl::StatusOr<TrainerReport> GatherResults(const Command& cmd, const RankResult& mine,
+                                              const comm::CollectiveOptions& results_bound) {
     std::vector<RankResult> all(world_->size());
     comm::ConstBytes in{&mine, sizeof(mine)};
     comm::MutableBytes out{all.data(), all.size() * sizeof(RankResult)};

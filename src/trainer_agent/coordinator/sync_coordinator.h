@@ -1,34 +1,26 @@
-// The coordinator's domain: the membership of the rollout agents, the queue of sync triggers and
-// the sync state machine (docs/spec/SYSTEM.md "One sync, step by step"), and what operators read
-// of them (status, members, versions, timings, the events of a sync). It speaks absl::Status and
-// the protocol's messages; the gRPC service over it is coordinator.h, and it reaches agents only
-// through AgentClient (agent_client.h) and the trainer only through TrainerSide, so tests drive it
-// with fakes of both (coordinator_test.cc).
-//
-// One sync, on the internal sync thread:
-//   begin    BeginSync on every member (each joins the per-stage data-plane groups and receives into
-//            its staging; the engines keep serving their current version);
+// SyncCoordinator: the coordinator's domain, behind its gRPC service (coordinator.h). It holds the
+// membership of the rollout agents, the fleet's versions and their durable state, the queue of sync
+// triggers, and runs each sync, on its sync thread (docs/spec/SYSTEM.md "One sync, step by step"):
+//   begin    BeginSync on every member (it joins the data-plane groups; its engine keeps serving);
 //   transfer TrainerSide::RunSync (every trainer rank gathers, converts, quantizes and streams);
-//   prepare  PrepareSync on every member (all buckets arrived, verified, loaded into staging);
-//   commit   CommitSync on every member (each pauses its engine, writes the staging into engine
-//            memory, continues it: the only time an engine stops serving);
-//   on any failure: AbortSync on every member, and no later phase runs (no CommitSync after a
-//   failed PrepareSync).
-// The members of a sync are the agents of the engines of the fleet that have an agent for every
-// TP rank when it starts; an engine missing a rank's agent sits the sync out (half an engine is
-// never written). A sync ends "done" (every engine of the fleet committed the version), "partial"
-// (some engine ranks committed it; the others are named as behind and brought to it: roll forward
-// from their staging, a copy from a peer, or the next sync) or "failed" (no engine rank committed
-// it; every engine keeps its version). A done or partial version is published: it is the fleet's
-// version, which engines that are behind catch up to (docs/sync.md "Versions").
-// One sync at a time: a trigger during a sync is refused (kFailedPrecondition) or, with
-// wait_if_busy, queued. A version is given by the trigger (versions only grow, also across a
-// coordinator restart: past the durable state's and every member's; a trigger for a version already
-// queued, running or published joins that sync) or is the next number.
-// A member silent for longer than member_timeout is dropped, unless it is in the running sync.
+//   prepare  PrepareSync on every member (every bucket arrived, verified, in its staging);
+//   commit   CommitSync on every member (pause, write, continue: the only time an engine stops);
+//   on any failure, AbortSync on every member and no later phase.
+// A sync ends done (every engine of the fleet committed), partial (some engine ranks did; the
+// others are named behind and catch up) or failed (none did: every engine keeps its version); done
+// or partial publishes the version, the fleet's version (docs/sync.md "Versions").
 //
-// Thread-safety: every public method may be called from any thread. Syncs run on one internal
-// thread, started by Start(); TrainerSide::RunSync and the AgentClients are called from it.
+// Owns: the members' AgentClients (made by the AgentConnector), the sync and reaper threads, the
+// lock on the state directory. Borrows: the TrainerSide and the store (they outlive it).
+// It reaches agents only through AgentClient and the trainer only through TrainerSide, so tests
+// drive it with fakes of both (coordinator_test.cc).
+//
+// Thread-safety: every public method may be called from any thread. Syncs run one at a time on one
+// internal thread, started by Start(); TrainerSide::RunSync and the AgentClients are called from it
+// (and from the reaper thread for a roll forward), never under the coordinator's lock.
+// Errors: absl::Status, codes as each method says; the implementation is spread over
+// sync_coordinator.cc (life, observation), sync_coordinator_membership.cc,
+// sync_coordinator_state.cc and sync_coordinator_run.cc.
 #pragma once
 
 #include <cstdint>
@@ -145,7 +137,8 @@ class SyncCoordinator {
   // or parsed (nothing is changed: fix or move the file); errno codes when the directory cannot be
   // created.
   absl::Status LoadState();
-  // Starts the sync and reaper threads; agents are told to rendezvous at `store_address`.
+  // Starts the sync and reaper threads; agents are told to rendezvous at `store_address`. The
+  // reaper drops a member silent for longer than member_timeout, unless it is in the running sync.
   void Start(const std::string& store_address);
   // Stops the threads: waits for a running sync to end; queued syncs never run. Idempotent.
   void Stop();
@@ -160,7 +153,12 @@ class SyncCoordinator {
   // Takes an engine out of the fleet (see coordinator.proto); kNotFound for an unknown id.
   absl::Status RemoveEngine(const std::string& engine_id);
 
-  // Queues a sync (see the file comment). kFailedPrecondition: fewer members than min_agents
+  // Queues a sync. One sync at a time: while one runs, a trigger is refused (kFailedPrecondition)
+  // or, with wait_if_busy, queued. Its version is the trigger's (versions only grow, also across a
+  // restart: past the durable state's and every member's; a trigger for a version queued, running
+  // or published joins that sync: coalesced) or the next number. The members of a sync are the
+  // agents of the engines that have an agent for every TP rank when it starts; the others sit it
+  // out. kFailedPrecondition: fewer members than min_agents
   // (at least 1), no engine of the fleet with an agent for every TP rank, a version not newer than
   // every published, queued or running one and every member's, or busy without wait_if_busy.
   absl::Status TriggerSync(const v1::TriggerSyncRequest& req, v1::TriggerSyncReply* reply);
@@ -208,7 +206,8 @@ class SyncCoordinator {
   // returned: TriggerSync refuses a sync whose numbers it cannot save (and takes them back); at the
   // end of a sync (or a roll forward) it is only logged, and the next trigger saves again.
   absl::Status SaveState() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops the attempts and finished sync records beyond the newest ones kept (sync_coordinator.cc).
+  // Drops the attempts and finished sync records beyond the newest ones kept (kKeptVersions,
+  // kKeptTimings: sync_coordinator_internal.h).
   void PruneHistory() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After members' versions changed (Join, Heartbeat, the end of a sync): publishes rolling_forward_
   // once any member reports it, empties the `behind` of the partial versions' records as engines
@@ -217,7 +216,33 @@ class SyncCoordinator {
   // For a member behind the published version: that version and the agents of other engines' ranks
   // with the member's (TP size, TP rank, EP size) that report it (JoinReply / HeartbeatReply).
   void FillCatchUp(const Member& m, v1::CatchUpHint* hint) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One sync (sync_coordinator_run.cc), on the sync thread: PlanSync, then each phase while the
+  // attempt's status is OK, AbortPhase after a failure, FinishSync (the outcome) in any case.
+  struct Attempt;
   void RunSync(uint64_t id);
+  // The members that take the sync (a copy), the plan, the receiver groups; the status fails when no
+  // engine can take it, the engines' quantizations differ or no bucket key could be made.
+  Attempt PlanSync(uint64_t id);
+  void TakeMembers(Attempt& a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs `fn` as phase `phase` of the sync: sets the phase, times it (Attempt::phases, metrics).
+  absl::Status Timed(Attempt& a, const std::string& phase, absl::FunctionRef<absl::Status()> fn);
+  // Waits for trainer ranks still draining a sync given up on (a fresh deadline after).
+  absl::Status AwaitTrainerRanks(Attempt& a);
+  v1::BeginSyncRequest BeginRequest(const Attempt& a, size_t i) const;
+  absl::Status BeginPhase(Attempt& a);
+  absl::Status TransferPhase(Attempt& a);
+  absl::Status PreparePhase(Attempt& a);
+  // Saves the committing sync (durable before the first CommitSync), then CommitSync on every member.
+  absl::Status CommitPhase(Attempt& a);
+  // AbortSync on every member (roll forward where other engines committed); names them in the status.
+  void AbortPhase(Attempt& a);
+  static std::vector<PhaseTime> SyncTimings(const Attempt& a, double total);
+  void NoteCommittedMembers(const Attempt& a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<std::string> BehindAfter(const Attempt& a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records the outcome (done / partial / failed), publishes the version, ends the sync (running_).
+  void FinishSync(Attempt& a);
+  void RecordOutcome(const SyncRecord& rec, const std::string& outcome, const std::vector<std::string>& behind,
+                     double total) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool InRunningSync(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetPhase(uint64_t id, const std::string& phase);
   void SetMemberError(uint64_t id, size_t i, const absl::Status& s);

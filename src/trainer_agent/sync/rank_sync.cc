@@ -234,6 +234,16 @@ class RankSync {
 
  private:
   absl::Status Prepare();  // everything local that can fail, before the agreement
+  // Prepare's steps. The communicators, options and sink fit the layout (kInvalidArgument).
+  absl::Status CheckSetup() const;
+  absl::Status OpenShard();  // this rank's shard (afresh), its memory space, the INT4 quantizer
+  // The expert parameters of every EP member (member_experts_), where this rank needs them.
+  absl::Status PlanMemberExperts();
+  // The dense and expert items of the shard (the gathers' sizes); `expert_ordinal`: experts seen.
+  absl::Status MakeItems(std::vector<Item>& dense, std::vector<Item>& experts, int& expert_ordinal);
+  // Which experts their holders quantize (int4_plans_), and their INT4 blocks' sizes in the gathers.
+  absl::Status PlanInt4Experts(std::vector<Item>& experts, int expert_ordinal);
+  void MakeAllBatches(std::vector<Item> dense, std::vector<Item> experts);  // dense_, experts_
   // Prepare's last step: the gather buffers and the bucket builder (after the agreement for a
   // device shard).
   absl::Status Allocate();
@@ -242,6 +252,14 @@ class RankSync {
   absl::Status ChooseGatherComms(const std::vector<RankPlace>& places, bool on_device);
   void RunDense();
   void RunExperts();
+  // RunExperts' steps, per batch of experts (double-buffered over slots_).
+  void IssueExpertBatch(size_t j, int slot, std::unique_ptr<comm::Work>& pending);
+  void QuantizeEtpShards(const Batch& b);  // INT4 by shard: each ETP rank quantizes its own shard
+  void GatherEtp(const Batch& b);
+  void MergeExperts(const Batch& b, int slot);
+  void IssueEpGather(const Batch& b, int slot, std::unique_ptr<comm::Work>& pending);
+  void CompleteExpertBatch(size_t j, int slot);
+  const Int4ExpertPlan& PlanOf(const Item& it) const { return int4_plans_[static_cast<size_t>(it.ordinal)]; }
   void Fail(const absl::Status& s) {
     if (!s.ok() && failure_.ok()) failure_ = s;
   }
@@ -343,6 +361,23 @@ absl::StatusOr<RankShard> HostCopyOf(const RankShard& shard) {
 }  // namespace
 
 absl::Status RankSync::Prepare() {
+  RETURN_IF_ERROR(CheckSetup());
+  // Experts that are INT4 targets are quantized by the EP member that holds them.
+  int4_members_ = o_.quant != nullptr && (layout_.ep() > 1 || layout_.etp() > 1) && expert_member_;
+  if ((emitter_ || int4_members_) && o_.quant != nullptr) RETURN_IF_ERROR(o_.quant->CheckInt4Supported());
+  RETURN_IF_ERROR(OpenShard());
+  RETURN_IF_ERROR(PlanMemberExperts());
+  std::vector<Item> dense, experts;
+  int expert_ordinal = 0;
+  RETURN_IF_ERROR(MakeItems(dense, experts, expert_ordinal));
+  if (int4_members_) RETURN_IF_ERROR(PlanInt4Experts(experts, expert_ordinal));
+  MakeAllBatches(std::move(dense), std::move(experts));
+  // A device shard allocates once every rank's place is agreed (Run: the sync may fall back to host
+  // copies, and the training GPU should not pay for buffers it will not use).
+  return space_.host() ? Allocate() : absl::OkStatus();
+}
+
+absl::Status RankSync::CheckSetup() const {
   if (comms_.tp == nullptr || comms_.etp == nullptr || comms_.ep == nullptr)
     return absl::InvalidArgumentError("RunRankSync: TrainerComms without its tp / etp / ep communicators");
   if (comms_.world->size() != layout_.world_size())
@@ -366,10 +401,10 @@ absl::Status RankSync::Prepare() {
     return absl::InvalidArgumentError(absl::StrCat("rank ", me_, " does not send stage ", stage_, " (sent by rank(s) ",
                                                    absl::StrJoin(StageSenders(layout_, stage_, spread_), ", "),
                                                    ") but was given a sink"));
-  // Experts that are INT4 targets are quantized by the EP member that holds them.
-  int4_members_ = o_.quant != nullptr && (layout_.ep() > 1 || layout_.etp() > 1) && expert_member_;
-  if ((emitter_ || int4_members_) && o_.quant != nullptr) RETURN_IF_ERROR(o_.quant->CheckInt4Supported());
+  return absl::OkStatus();
+}
 
+absl::Status RankSync::OpenShard() {
   // Prepare runs again (with host_copies_) when the gathers must run on the host: start afresh.
   builder_.reset();
   staging_.reset();
@@ -393,7 +428,10 @@ absl::Status RankSync::Prepare() {
   }
   if (o_.quant != nullptr)
     int4_.emplace(Int4Options{o_.quant, o_.quant_variant, o_.quant_threads, space_, o_.awq_arith});
+  return absl::OkStatus();
+}
 
+absl::Status RankSync::PlanMemberExperts() {
   // EP members' plans: their global expert ids (the source converts every member's experts; with
   // INT4 experts every member decides, from the same plans, which of them it quantizes; with an
   // expert map every member learns which items some member keeps).
@@ -419,10 +457,11 @@ absl::Status RankSync::Prepare() {
       member_experts_.push_back(std::move(ex));
     }
   }
+  return absl::OkStatus();
+}
 
-  // Dense items: the stage source's TP group gathers TP-sharded parameters.
-  std::vector<Item> dense, experts;
-  int expert_ordinal = 0;
+absl::Status RankSync::MakeItems(std::vector<Item>& dense, std::vector<Item>& experts, int& expert_ordinal) {
+  // Dense items (the stage source's TP group gathers TP-sharded parameters) and expert items.
   for (size_t i = 0; i < shard_.params.size(); ++i) {
     const MegatronParam& p = shard_.params[i];
     Item it;
@@ -460,7 +499,10 @@ absl::Status RankSync::Prepare() {
     }
   }
   for (Item& it : dense) it.weight = it.region;
+  return absl::OkStatus();
+}
 
+absl::Status RankSync::PlanInt4Experts(std::vector<Item>& experts, int expert_ordinal) {
   // Which experts their holders quantize (the same decision on every member), and the sizes of
   // their INT4 blocks in the ETP and EP gathers.
   if (int4_members_) {
@@ -480,6 +522,10 @@ absl::Status RankSync::Prepare() {
       int4_plans_[static_cast<size_t>(it.ordinal)] = std::move(*plan);
     }
   }
+  return absl::OkStatus();
+}
+
+void RankSync::MakeAllBatches(std::vector<Item> dense, std::vector<Item> experts) {
   const uint64_t header = layout_.ep() > 1 ? kStatusRecordBytes * static_cast<uint64_t>(layout_.ep()) : 0;
   const uint64_t etp_header = layout_.etp() > 1 ? kStatusRecordBytes * static_cast<uint64_t>(layout_.etp()) : 0;
   if (dense_member_) dense_ = MakeBatches(std::move(dense), gather_limit_, 0, 0);
@@ -494,10 +540,6 @@ absl::Status RankSync::Prepare() {
       }
   }
   if (expert_member_) experts_ = MakeBatches(std::move(experts), gather_limit_, header, etp_header);
-
-  // A device shard allocates once every rank's place is agreed (Run: the sync may fall back to host
-  // copies, and the training GPU should not pay for buffers it will not use).
-  return space_.host() ? Allocate() : absl::OkStatus();
 }
 
 absl::Status RankSync::Allocate() {
@@ -685,148 +727,180 @@ void RankSync::RunDense() {
 // merger merges INT4), or by the merger after a bf16 ETP merge. Both gathers carry the members'
 // status records. Double-buffered like the dense phase.
 void RankSync::RunExperts() {
+  if (experts_.empty()) return;
+  std::array<std::unique_ptr<comm::Work>, 2> pending;
+  IssueExpertBatch(0, 0, pending[0]);
+  for (size_t j = 0; j < experts_.size(); ++j) {
+    if (j + 1 < experts_.size()) {
+      const int next = static_cast<int>((j + 1) % 2);
+      IssueExpertBatch(j + 1, next, pending[static_cast<size_t>(next)]);
+    }
+    const int slot = static_cast<int>(j % 2);
+    Wait(pending[static_cast<size_t>(slot)]);
+    CompleteExpertBatch(j, slot);
+  }
+}
+
+// Batch j's gathers: the ETP gather (and merges) and, on a merger, the EP gather into `slot`,
+// left in flight in `pending`.
+void RankSync::IssueExpertBatch(size_t j, int slot, std::unique_ptr<comm::Work>& pending) {
+  const Batch& b = experts_[j];
+  const bool merger = layout_.Expert(me_).etp == 0;
+  if (layout_.etp() > 1) {
+    // Shards quantized where they live, into this rank's block of the ETP output (in place).
+    if (int4_members_ && failure_.ok()) QuantizeEtpShards(b);
+    GatherEtp(b);
+  }
+  // The merger's part: ETP merges, and the INT4 items not quantized by shard.
+  if (merger && failure_.ok() && (layout_.etp() > 1 || int4_members_)) MergeExperts(b, slot);
+  if (merger && layout_.ep() > 1 && !spread_)  // spread senders: each member sends its own experts, no EP gather
+    IssueEpGather(b, slot, pending);
+}
+
+void RankSync::QuantizeEtpShards(const Batch& b) {
+  const int etp = layout_.etp();
+  const ExpertCoord coord = layout_.Expert(me_);
+  const uint64_t own_etp = static_cast<uint64_t>(coord.etp);
+  for (const Item& it : b.items) {
+    if (!it.int4 || !PlanOf(it).by_shard || it.pruned) continue;
+    const Int4ExpertPlan& plan = PlanOf(it);
+    std::byte* mine = etp_buffer_.data() + it.etp_offset + own_etp * plan.local_block;
+    absl::Status s = int4_->QuantizeExpert(
+        shard_.params[static_cast<size_t>(it.index)], shard_.tensors[static_cast<size_t>(it.index)], plan,
+        /*shard=*/true, {mine, plan.local_block}, absl::StrCat("ETP shard ", coord.etp, " of ", etp));
+    if (!s.ok()) return Fail(s);
+  }
+}
+
+// The ETP all-gather of the batch (with the members' status records), waited for; the merger checks
+// the records.
+void RankSync::GatherEtp(const Batch& b) {
+  const int etp = layout_.etp();
+  const ExpertCoord coord = layout_.Expert(me_);
+  const uint64_t own_etp = static_cast<uint64_t>(coord.etp);
+  std::span<std::byte> records = etp_buffer_.span().subspan(0, kStatusRecordBytes * static_cast<uint64_t>(etp));
+  Fail(WriteStatusRecord(records.subspan(own_etp * kStatusRecordBytes, kStatusRecordBytes)));
+  std::vector<comm::ConstBytes> in = {{records.data() + own_etp * kStatusRecordBytes, kStatusRecordBytes}};
+  std::vector<comm::MutableBytes> out = {{records.data(), records.size()}};
+  for (const Item& it : b.items) {
+    std::byte* region = etp_buffer_.data() + it.etp_offset;
+    if (it.int4 && PlanOf(it).by_shard) {
+      in.push_back({region + own_etp * PlanOf(it).local_block, PlanOf(it).local_block});
+    } else {
+      const TensorView& t = shard_.tensors[static_cast<size_t>(it.index)];
+      in.push_back({t.data(), t.nbytes()});
+    }
+    out.push_back({region, it.etp_region});
+  }
+  std::unique_ptr<comm::Work> w;
+  auto issued = AllGather(*etp_, in, out);
+  if (issued.ok())
+    w = std::move(*issued);
+  else
+    Fail(issued.status());
+  Wait(w);
+  if (coord.etp == 0 && failure_.ok()) Fail(CheckRecords(records, etp, coord.etp, "ETP"));
+}
+
+// On the merger: each kept expert of the batch into this member's block of `slot`: its ETP shards
+// merged (bf16 or INT4), quantized when it is INT4 and was not quantized by shard.
+void RankSync::MergeExperts(const Batch& b, int slot) {
+  const int etp = layout_.etp();
+  const uint64_t own = static_cast<uint64_t>(layout_.Expert(me_).ep);
+  const absl::Time t0 = absl::Now();
+  absl::Duration quantizing;
+  for (const Item& it : b.items) {
+    if (it.pruned) continue;  // its block travels unfilled; nobody reads it
+    const MegatronParam& p = shard_.params[static_cast<size_t>(it.index)];
+    std::span<std::byte> block = slots_[slot].span().subspan(it.offset + own * it.block, it.block);
+    std::span<const std::byte> region(etp_buffer_.data() + it.etp_offset, it.etp_region);
+    absl::Status s;
+    if (it.int4 && etp == 1) {
+      const Int4ExpertPlan& plan = PlanOf(it);
+      const absl::Duration q0 = int4_->stats().quantize;
+      s = int4_->QuantizeExpert(p, shard_.tensors[static_cast<size_t>(it.index)], plan, /*shard=*/false, block,
+                                "by its holder");
+      quantizing += int4_->stats().quantize - q0;
+    } else if (it.int4 && PlanOf(it).by_shard) {
+      s = MergeInt4Shards(PlanOf(it), region, block, space_);
+    } else if (etp > 1) {
+      std::vector<TensorView> shards;
+      for (int r = 0; r < etp; ++r)
+        shards.emplace_back(p.dtype, p.local_shape, region.subspan(r * it.local_bytes, it.local_bytes));
+      std::span<std::byte> dst = it.int4 ? scratch_.span().subspan(0, it.full_bytes) : block;
+      s = MergeShards(p, shards, MutableTensorView(p.dtype, p.full_shape, dst), space_);
+      if (s.ok() && it.int4) {
+        const Int4ExpertPlan& plan = PlanOf(it);
+        const absl::Duration q0 = int4_->stats().quantize;
+        s = int4_->QuantizeExpert(p, TensorView(p.dtype, p.full_shape, dst), plan, /*shard=*/false, block,
+                                  "merged from its ETP shards");
+        quantizing += int4_->stats().quantize - q0;
+      }
+    }
+    if (!s.ok()) {
+      Fail(s);
+      break;
+    }
+  }
+  report_.convert += absl::Now() - t0 - quantizing;
+}
+
+// The EP all-gather among the mergers of the batch's blocks in `slot` (in place), with the members'
+// status records; left in flight in `pending`.
+void RankSync::IssueEpGather(const Batch& b, int slot, std::unique_ptr<comm::Work>& pending) {
+  const int etp = layout_.etp(), ep = layout_.ep();
+  const uint64_t own = static_cast<uint64_t>(layout_.Expert(me_).ep);
+  std::span<std::byte> records = slots_[slot].span().subspan(0, kStatusRecordBytes * static_cast<uint64_t>(ep));
+  Fail(WriteStatusRecord(records.subspan(own * kStatusRecordBytes, kStatusRecordBytes)));
+  std::vector<comm::ConstBytes> in = {{records.data() + own * kStatusRecordBytes, kStatusRecordBytes}};
+  std::vector<comm::MutableBytes> out = {{records.data(), records.size()}};
+  for (const Item& it : b.items) {
+    std::byte* region = slots_[slot].data() + it.offset;
+    if (etp > 1 || it.int4) {
+      in.push_back({region + own * it.block, it.block});  // in place
+    } else {
+      const TensorView& t = shard_.tensors[static_cast<size_t>(it.index)];
+      in.push_back({t.data(), t.nbytes()});
+    }
+    out.push_back({region, it.region});
+  }
+  auto w = AllGather(*ep_, in, out);
+  if (w.ok())
+    pending = std::move(*w);
+  else
+    Fail(w.status());
+}
+
+// After batch j's gathers (waited for): the merger checks the EP records and emits every member's
+// kept experts (spread senders: its own).
+void RankSync::CompleteExpertBatch(size_t j, int slot) {
   const int etp = layout_.etp(), ep = layout_.ep();
   const ExpertCoord coord = layout_.Expert(me_);
-  const bool merger = coord.etp == 0;
-  const uint64_t own = static_cast<uint64_t>(coord.ep), own_etp = static_cast<uint64_t>(coord.etp);
-  auto plan_of = [&](const Item& it) -> const Int4ExpertPlan& { return int4_plans_[static_cast<size_t>(it.ordinal)]; };
-  std::array<std::unique_ptr<comm::Work>, 2> pending;
-  auto issue = [&](size_t j, int slot) {
-    const Batch& b = experts_[j];
-    if (etp > 1) {
-      // Shards quantized where they live, into this rank's block of the ETP output (in place).
-      if (int4_members_ && failure_.ok()) {
-        for (const Item& it : b.items) {
-          if (!it.int4 || !plan_of(it).by_shard || it.pruned) continue;
-          const Int4ExpertPlan& plan = plan_of(it);
-          std::byte* mine = etp_buffer_.data() + it.etp_offset + own_etp * plan.local_block;
-          absl::Status s = int4_->QuantizeExpert(
-              shard_.params[static_cast<size_t>(it.index)], shard_.tensors[static_cast<size_t>(it.index)], plan,
-              /*shard=*/true, {mine, plan.local_block}, absl::StrCat("ETP shard ", coord.etp, " of ", etp));
-          if (!s.ok()) {
-            Fail(s);
-            break;
-          }
-        }
+  // Experts are sent by a merger (etp = 0): a TP peer sending dense parameters holds no full expert.
+  if (!converting() || coord.etp != 0) return;
+  if (ep > 1 && !spread_) {
+    absl::Status s = CheckRecords(slots_[slot].span().subspan(0, kStatusRecordBytes * static_cast<uint64_t>(ep)), ep,
+                                  coord.ep, "EP");
+    if (!s.ok()) return Fail(s);
+  }
+  for (int m = 0; m < ep; ++m) {
+    if (spread_ && m != coord.ep) continue;  // the other members send theirs
+    for (const Item& it : experts_[j].items) {
+      const MegatronParam& mine = shard_.params[static_cast<size_t>(it.index)];
+      const MegatronParam& p = member_experts_[static_cast<size_t>(m)][static_cast<size_t>(it.ordinal)];
+      if (p.pruned) continue;
+      std::span<const std::byte> block = slots_[slot].span().subspan(it.offset + m * it.block, it.block);
+      absl::Status s;
+      if (it.int4) {
+        s = int4_->EmitExpert(*builder_, p, PlanOf(it), block);
+      } else {
+        TensorView full = shard_.tensors[static_cast<size_t>(it.index)];
+        // The block holds the expert after the EP gather, or after this member's ETP merge.
+        if ((ep > 1 && !spread_) || etp > 1) full = TensorView(mine.dtype, mine.full_shape, block);
+        s = Emit(p, full);
       }
-      std::span<std::byte> records = etp_buffer_.span().subspan(0, kStatusRecordBytes * static_cast<uint64_t>(etp));
-      Fail(WriteStatusRecord(records.subspan(own_etp * kStatusRecordBytes, kStatusRecordBytes)));
-      std::vector<comm::ConstBytes> in = {{records.data() + own_etp * kStatusRecordBytes, kStatusRecordBytes}};
-      std::vector<comm::MutableBytes> out = {{records.data(), records.size()}};
-      for (const Item& it : b.items) {
-        std::byte* region = etp_buffer_.data() + it.etp_offset;
-        if (it.int4 && plan_of(it).by_shard) {
-          in.push_back({region + own_etp * plan_of(it).local_block, plan_of(it).local_block});
-        } else {
-          const TensorView& t = shard_.tensors[static_cast<size_t>(it.index)];
-          in.push_back({t.data(), t.nbytes()});
-        }
-        out.push_back({region, it.etp_region});
-      }
-      std::unique_ptr<comm::Work> w;
-      auto issued = AllGather(*etp_, in, out);
-      if (issued.ok())
-        w = std::move(*issued);
-      else
-        Fail(issued.status());
-      Wait(w);
-      if (merger && failure_.ok()) Fail(CheckRecords(records, etp, coord.etp, "ETP"));
-    }
-    // The merger's part: ETP merges, and the INT4 items not quantized by shard.
-    if (merger && failure_.ok() && (etp > 1 || int4_members_)) {
-      const absl::Time t0 = absl::Now();
-      absl::Duration quantizing;
-      for (const Item& it : b.items) {
-        if (it.pruned) continue;  // its block travels unfilled; nobody reads it
-        const MegatronParam& p = shard_.params[static_cast<size_t>(it.index)];
-        std::span<std::byte> block = slots_[slot].span().subspan(it.offset + own * it.block, it.block);
-        std::span<const std::byte> region(etp_buffer_.data() + it.etp_offset, it.etp_region);
-        absl::Status s;
-        if (it.int4 && etp == 1) {
-          const Int4ExpertPlan& plan = plan_of(it);
-          const absl::Duration q0 = int4_->stats().quantize;
-          s = int4_->QuantizeExpert(p, shard_.tensors[static_cast<size_t>(it.index)], plan, /*shard=*/false, block,
-                                    "by its holder");
-          quantizing += int4_->stats().quantize - q0;
-        } else if (it.int4 && plan_of(it).by_shard) {
-          s = MergeInt4Shards(plan_of(it), region, block, space_);
-        } else if (etp > 1) {
-          std::vector<TensorView> shards;
-          for (int r = 0; r < etp; ++r)
-            shards.emplace_back(p.dtype, p.local_shape, region.subspan(r * it.local_bytes, it.local_bytes));
-          std::span<std::byte> dst = it.int4 ? scratch_.span().subspan(0, it.full_bytes) : block;
-          s = MergeShards(p, shards, MutableTensorView(p.dtype, p.full_shape, dst), space_);
-          if (s.ok() && it.int4) {
-            const Int4ExpertPlan& plan = plan_of(it);
-            const absl::Duration q0 = int4_->stats().quantize;
-            s = int4_->QuantizeExpert(p, TensorView(p.dtype, p.full_shape, dst), plan, /*shard=*/false, block,
-                                      "merged from its ETP shards");
-            quantizing += int4_->stats().quantize - q0;
-          }
-        }
-        if (!s.ok()) {
-          Fail(s);
-          break;
-        }
-      }
-      report_.convert += absl::Now() - t0 - quantizing;
-    }
-    if (merger && ep > 1 && !spread_) {  // spread senders: each member sends its own experts, no EP gather
-      std::span<std::byte> records = slots_[slot].span().subspan(0, kStatusRecordBytes * static_cast<uint64_t>(ep));
-      Fail(WriteStatusRecord(records.subspan(own * kStatusRecordBytes, kStatusRecordBytes)));
-      std::vector<comm::ConstBytes> in = {{records.data() + own * kStatusRecordBytes, kStatusRecordBytes}};
-      std::vector<comm::MutableBytes> out = {{records.data(), records.size()}};
-      for (const Item& it : b.items) {
-        std::byte* region = slots_[slot].data() + it.offset;
-        if (etp > 1 || it.int4) {
-          in.push_back({region + own * it.block, it.block});  // in place
-        } else {
-          const TensorView& t = shard_.tensors[static_cast<size_t>(it.index)];
-          in.push_back({t.data(), t.nbytes()});
-        }
-        out.push_back({region, it.region});
-      }
-      auto w = AllGather(*ep_, in, out);
-      if (w.ok())
-        pending[slot] = std::move(*w);
-      else
-        Fail(w.status());
-    }
-  };
-  auto complete = [&](size_t j, int slot) {
-    Wait(pending[slot]);
-    // Experts are sent by a merger (etp = 0): a TP peer sending dense parameters holds no full expert.
-    if (!converting() || !merger) return;
-    if (ep > 1 && !spread_) {
-      absl::Status s = CheckRecords(slots_[slot].span().subspan(0, kStatusRecordBytes * static_cast<uint64_t>(ep)), ep,
-                                    coord.ep, "EP");
       if (!s.ok()) return Fail(s);
     }
-    for (int m = 0; m < ep; ++m) {
-      if (spread_ && m != coord.ep) continue;  // the other members send theirs
-      for (const Item& it : experts_[j].items) {
-        const MegatronParam& mine = shard_.params[static_cast<size_t>(it.index)];
-        const MegatronParam& p = member_experts_[static_cast<size_t>(m)][static_cast<size_t>(it.ordinal)];
-        if (p.pruned) continue;
-        std::span<const std::byte> block = slots_[slot].span().subspan(it.offset + m * it.block, it.block);
-        absl::Status s;
-        if (it.int4) {
-          s = int4_->EmitExpert(*builder_, p, plan_of(it), block);
-        } else {
-          TensorView full = shard_.tensors[static_cast<size_t>(it.index)];
-          // The block holds the expert after the EP gather, or after this member's ETP merge.
-          if ((ep > 1 && !spread_) || etp > 1) full = TensorView(mine.dtype, mine.full_shape, block);
-          s = Emit(p, full);
-        }
-        if (!s.ok()) return Fail(s);
-      }
-    }
-  };
-  if (experts_.empty()) return;
-  issue(0, 0);
-  for (size_t j = 0; j < experts_.size(); ++j) {
-    if (j + 1 < experts_.size()) issue(j + 1, static_cast<int>((j + 1) % 2));
-    complete(j, static_cast<int>(j % 2));
   }
 }
 
