@@ -64,6 +64,40 @@ absl::StatusOr<std::string> HostIdentity() {
 // IPC handle in hex; or "!" and why rank 0 could not form the group.
 constexpr char kFailed = '!';
 
+// Joins the group's rendezvous (JoinGroup) announcing this host's identity, and checks that every
+// member announced the same: kFailedPrecondition naming a member on another host or /dev/shm.
+absl::Status JoinOnOneHost(const GroupOptions& o) {
+  ASSIGN_OR_RETURN(const std::string identity, HostIdentity());
+  RETURN_IF_ERROR(JoinGroup(*o.store, o.name, o.rank, o.size, identity, o.join_timeout, o.cancelled));
+  for (int r = 0; r < o.size; ++r) {
+    ASSIGN_OR_RETURN(const std::string other, o.store->Get(absl::StrCat(o.name, "/joined/", r), o.join_timeout));
+    if (other != identity)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "shm group \"", o.name, "\": the shm backend needs every member on one host with one /dev/shm, but rank ", r,
+          " is on ", other, " and rank ", o.rank, " on ", identity, " (use gloo or nccl across hosts)"));
+  }
+  return absl::OkStatus();
+}
+
+// Each member says it has mapped the segment (and opened the ring), or why not (`mine`), and waits
+// for every other's word: the first failure (its own, or kFailedPrecondition naming another member
+// and its reason), else OK.
+absl::Status AllMapped(const GroupOptions& o, const absl::Status& mine) {
+  const std::string key = absl::StrCat(o.name, "/shm/mapped/");
+  RETURN_IF_ERROR(o.store->Set(absl::StrCat(key, o.rank),
+                               mine.ok() ? std::string("1") : absl::StrCat(std::string(1, kFailed), mine.ToString())));
+  RETURN_IF_ERROR(mine);
+  std::vector<std::string> mapped;
+  for (int r = 0; r < o.size; ++r) mapped.push_back(absl::StrCat(key, r));
+  RETURN_IF_ERROR(WaitUnlessCancelled(*o.store, mapped, o.join_timeout, o.cancelled, "forming the group"));
+  for (int r = 0; r < o.size; ++r) {
+    ASSIGN_OR_RETURN(const std::string v, o.store->Get(mapped[static_cast<size_t>(r)], o.join_timeout));
+    if (!v.empty() && v[0] == kFailed)
+      return absl::FailedPreconditionError(absl::StrCat("rank ", r, " could not join: ", v.substr(1)));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 struct ShmCommunicator::DeviceRing {
@@ -92,15 +126,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Create(const Grou
   if (o.size < 1 || o.size > kMaxRanks || o.rank < 0 || o.rank >= o.size)
     return absl::InvalidArgumentError(
         absl::StrCat("shm group \"", o.name, "\": rank ", o.rank, " of ", o.size, " (1..", kMaxRanks, " members)"));
-  ASSIGN_OR_RETURN(const std::string identity, HostIdentity());
-  RETURN_IF_ERROR(JoinGroup(*o.store, o.name, o.rank, o.size, identity, o.join_timeout, o.cancelled));
-  for (int r = 0; r < o.size; ++r) {
-    ASSIGN_OR_RETURN(const std::string other, o.store->Get(absl::StrCat(o.name, "/joined/", r), o.join_timeout));
-    if (other != identity)
-      return absl::FailedPreconditionError(absl::StrCat(
-          "shm group \"", o.name, "\": the shm backend needs every member on one host with one /dev/shm, but rank ", r,
-          " is on ", other, " and rank ", o.rank, " on ", identity, " (use gloo or nccl across hosts)"));
-  }
+  RETURN_IF_ERROR(JoinOnOneHost(o));
 
   const size_t header_bytes = (sizeof(Header) + 4095) / 4096 * 4096;
   const size_t bytes = header_bytes + (device ? 0 : kSlots * kSlotBytes);
@@ -186,25 +212,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Create(const Grou
     RETURN_IF_ERROR(ring_ok.status());
     RETURN_IF_ERROR(set);
   }
-  // Each member says it has mapped the segment (and opened the ring), or why not; all wait for all.
-  const std::string mapped_key = absl::StrCat(o.name, "/shm/mapped/");
-  absl::Status published = o.store->Set(
-      absl::StrCat(mapped_key, o.rank),
-      ring_ok.ok() ? std::string("1") : absl::StrCat(std::string(1, kFailed), ring_ok.status().ToString()));
-  if (published.ok()) published = ring_ok.status();
-  if (published.ok()) {
-    std::vector<std::string> mapped;
-    for (int r = 0; r < o.size; ++r) mapped.push_back(absl::StrCat(mapped_key, r));
-    published = WaitUnlessCancelled(*o.store, mapped, o.join_timeout, o.cancelled, "forming the group");
-    for (int r = 0; published.ok() && r < o.size; ++r) {
-      absl::StatusOr<std::string> v = o.store->Get(mapped[static_cast<size_t>(r)], o.join_timeout);
-      if (!v.ok()) {
-        published = v.status();
-      } else if (!v->empty() && (*v)[0] == kFailed) {
-        published = absl::FailedPreconditionError(absl::StrCat("rank ", r, " could not join: ", v->substr(1)));
-      }
-    }
-  }
+  const absl::Status published = AllMapped(o, ring_ok.status());
   if (o.rank == 0) shm_unlink(segment.c_str());  // every member has it mapped (or formation failed)
   RETURN_IF_ERROR(
       Annotate(published, absl::StrCat("shm group \"", o.name, "\": waiting for every member to map ", segment)));
