@@ -5,12 +5,9 @@ A function is a definition that opens at column 0 (namespace-level, as STYLE.md 
 at column 2 inside a class, and ends at the brace that closes it; its length counts from the first
 line of its signature to that brace, lambdas and comments inside included.
 
-  tools/check-functions.py            list the offenders; exit 1 if any is not in the baseline or
-                                      grew past its baseline length
-  tools/check-functions.py --baseline rewrite tools/function-lengths.txt from the tree
+  tools/check-functions.py     list the offenders, longest first; exit 1 if there is any
 
-The baseline (tools/function-lengths.txt) holds the offenders the rooms-by-phase split has still to
-break up; it may only shrink. ctest runs the check as tool.check_functions.
+ctest runs it as tool.check_functions.
 """
 import os
 import re
@@ -19,7 +16,6 @@ import sys
 
 LIMIT = 120
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASELINE = os.path.join(ROOT, "tools", "function-lengths.txt")
 NOT_A_FUNCTION = re.compile(r"^\s*(namespace|class|struct|enum|union|extern|using|typedef|template\s*<[^>]*>\s*(class|struct))\b")
 
 
@@ -78,44 +74,15 @@ def functions(path):
 
 
 def main():
-    found = {}
+    found = []
     for f in sources():
         for name, line, n in functions(f):
             if n > LIMIT:
-                found[f"{f} {name}"] = (n, line)
-    if "--baseline" in sys.argv:
-        with open(BASELINE, "w") as out:
-            out.write("# Functions over %d lines still to split (tools/check-functions.py); may only shrink.\n" % LIMIT)
-            for k in sorted(found):
-                out.write(f"{k} {found[k][0]}\n")
-        print(f"check-functions: {len(found)} offenders written to {os.path.relpath(BASELINE, ROOT)}")
-        return 0
-    base = {}
-    if os.path.exists(BASELINE):
-        for l in open(BASELINE):
-            if l.strip() and not l.startswith("#"):
-                key, n = l.rsplit(" ", 1)
-                base[key] = int(n)
-    bad = 0
-    for k in sorted(found, key=lambda k: -found[k][0]):
-        n, line = found[k]
-        f, name = k.split(" ", 1)
-        where = f"{f}:{line} {name}: {n} lines"
-        if k not in base:
-            print(f"check-functions: {where} (over {LIMIT}, not in the baseline)", file=sys.stderr)
-            bad = 1
-        elif n > base[k]:
-            print(f"check-functions: {where} (grew past its baseline {base[k]})", file=sys.stderr)
-            bad = 1
-        else:
-            print(f"  {where} (baseline {base[k]})")
-    gone = sorted(set(base) - set(found))
-    if gone:
-        print(f"check-functions: {len(gone)} baseline entries are no longer over {LIMIT}: drop them "
-              f"(tools/check-functions.py --baseline): " + "; ".join(gone), file=sys.stderr)
-        bad = 1
-    print(f"check-functions: {len(found)} functions in src/ over {LIMIT} lines ({len(base)} in the baseline)")
-    return bad
+                found.append((n, f"{f}:{line} {name}: {n} lines (over {LIMIT})"))
+    for _, where in sorted(found, reverse=True):
+        print(f"check-functions: {where}", file=sys.stderr)
+    print(f"check-functions: {len(found)} functions in src/ over {LIMIT} lines")
+    return 1 if found else 0
 
 
 if __name__ == "__main__":
