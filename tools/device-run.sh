@@ -159,6 +159,10 @@ check trainer_cuda trainer_cuda
 # 10. Colocated on the GPU: the same, with the trainer -> rollout hand-off through shared memory
 #     (backend shm: no network, no NCCL group).
 check colocated_cuda trainer_cuda --backend shm
+# 10a. Colocated on the GPU through the device ring (backend cuda-ipc): the buckets go from the
+#     stage sources to the rollout agents through one CUDA allocation opened by IPC handle.
+check colocated_device_ring trainer_cuda --backend cuda-ipc
+check colocated_device_ring_tp1 trainer_cuda --tp1 --backend cuda-ipc
 # 10b. Python training processes (wsync.trainer.Publisher) whose tensors stay in CUDA memory,
 #     declared by IPC handle from torch (wsync.trainer.cuda_ipc); the host's python3 and torch.
 python_cuda() {

@@ -10,6 +10,7 @@ absl::string_view BackendName(Backend b) {
     case Backend::kGloo: return "gloo";
     case Backend::kNccl: return "nccl";
     case Backend::kShm: return "shm";
+    case Backend::kCudaIpc: return "cuda-ipc";
   }
   return "unknown";
 }
@@ -19,8 +20,12 @@ absl::StatusOr<Backend> ParseBackend(absl::string_view name) {
   if (name == "gloo") return Backend::kGloo;
   if (name == "nccl") return Backend::kNccl;
   if (name == "shm") return Backend::kShm;
-  return absl::InvalidArgumentError(absl::StrCat("unknown data-plane backend \"", name, "\" (mpi, gloo, nccl or shm)"));
+  if (name == "cuda-ipc") return Backend::kCudaIpc;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown data-plane backend \"", name, "\" (mpi, gloo, nccl, shm or cuda-ipc)"));
 }
+
+bool MovesDeviceMemory(Backend b) { return b == Backend::kNccl || b == Backend::kCudaIpc; }
 
 absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int, int, std::string) {
   return absl::UnimplementedError(absl::StrCat("Split is not supported by the ", Name(), " backend (MPI only)"));

@@ -42,10 +42,14 @@ namespace wsync::comm {
 class Store;
 
 // kShm: processes on one host through one shared-memory segment (the colocated mode; shm/).
-enum class Backend { kMpi, kGloo, kNccl, kShm };
-absl::string_view BackendName(Backend b);                      // "mpi" | "gloo" | "nccl" | "shm"
+// kCudaIpc: the same protocol with its ring in one CUDA allocation every member opens by IPC handle
+// (the colocated mode on GPUs: buckets move device to device; shm/, ShmCommunicator::Ring::kDevice).
+enum class Backend { kMpi, kGloo, kNccl, kShm, kCudaIpc };
+absl::string_view BackendName(Backend b);                      // "mpi" | "gloo" | "nccl" | "shm" | "cuda-ipc"
 absl::StatusOr<Backend> ParseBackend(absl::string_view name);  // kInvalidArgument otherwise
 bool BackendCompiledIn(Backend b);
+// Whether the backend's operations move device memory (nccl, cuda-ipc): its members need a GPU.
+bool MovesDeviceMemory(Backend b);
 
 // A region of memory an operation reads or writes: host memory for MPI and Gloo, device memory
 // of the communicator's device for NCCL. Not owned.

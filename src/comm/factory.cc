@@ -2,6 +2,7 @@
 #include "absl/strings/str_cat.h"
 #include "comm/communicator.h"
 #include "comm/shm/shm_communicator.h"
+#include "common/cuda_ipc.h"
 
 #if WSYNC_WITH_MPI
 #include "comm/mpi/mpi_communicator.h"
@@ -28,6 +29,7 @@ bool BackendCompiledIn(Backend b) {
     case Backend::kGloo: return WSYNC_WITH_GLOO;
     case Backend::kNccl: return WSYNC_WITH_NCCL;
     case Backend::kShm: return true;
+    case Backend::kCudaIpc: return CudaIpcCompiled();
   }
   return false;
 }
@@ -56,6 +58,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateGroup(Backend backend, const
       return NotBuilt(backend);
 #endif
     case Backend::kShm: return ShmCommunicator::Create(options);
+    case Backend::kCudaIpc: return ShmCommunicator::Create(options, ShmCommunicator::Ring::kDevice);
     case Backend::kMpi:
       return absl::InvalidArgumentError(
           "an MPI group is not formed through the store: use CreateMpiWorld() and Split()");

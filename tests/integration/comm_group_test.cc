@@ -22,6 +22,7 @@
 #include "comm/communicator.h"
 #include "comm/store/store.h"
 #include "comm/testing/local_group.h"
+#include "common/cuda_ipc.h"
 #include "common/memory_space.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -210,6 +211,11 @@ TEST(CommFactoryTest, BackendsAndErrors) {
   EXPECT_EQ(*comm::ParseBackend("gloo"), comm::Backend::kGloo);
   EXPECT_EQ(*comm::ParseBackend("shm"), comm::Backend::kShm);
   EXPECT_TRUE(comm::BackendCompiledIn(comm::Backend::kShm));
+  EXPECT_EQ(*comm::ParseBackend("cuda-ipc"), comm::Backend::kCudaIpc);
+  EXPECT_EQ(comm::BackendName(comm::Backend::kCudaIpc), "cuda-ipc");
+  EXPECT_EQ(comm::BackendCompiledIn(comm::Backend::kCudaIpc), CudaIpcCompiled());
+  EXPECT_TRUE(comm::MovesDeviceMemory(comm::Backend::kCudaIpc) && comm::MovesDeviceMemory(comm::Backend::kNccl));
+  EXPECT_FALSE(comm::MovesDeviceMemory(comm::Backend::kShm) || comm::MovesDeviceMemory(comm::Backend::kGloo));
   EXPECT_TRUE(absl::IsInvalidArgument(comm::ParseBackend("tcp").status()));
   comm::GroupOptions opts;
   opts.name = "x";

@@ -4,7 +4,7 @@
 //
 //   wsync-comm-member --store ADDR --group NAME --rank R --size N --scenario S [--backend gloo]
 //
-// --backend shm_device: the shm backend with its ring on CUDA device 0 (ShmCommunicator::Ring::kDevice).
+// --backend shm_device (or cuda-ipc): the shm backend with its ring on CUDA device 0 (cuda-ipc).
 //
 // Scenarios (each checks its own expectations and exits 0 when they hold, 1 otherwise):
 //   collectives  Broadcast / AllGather / AllGatherV / AllReduceSum / Barrier over several sizes
@@ -30,7 +30,6 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "comm/communicator.h"
-#include "comm/shm/shm_communicator.h"
 #include "comm/store/store.h"
 #include "common/cuda_ipc.h"
 #include "common/status.h"
@@ -63,8 +62,7 @@ absl::Status BroadcastUntilFailure(comm::Communicator& comm, absl::Duration time
 
 absl::Status Run(const Args& a) {
   auto store = comm::GrpcStoreClient::Connect(a.store, absl::Seconds(10));
-  const bool device_ring = a.backend == "shm_device";
-  ASSIGN_OR_RETURN(comm::Backend backend, comm::ParseBackend(device_ring ? "shm" : a.backend));
+  ASSIGN_OR_RETURN(comm::Backend backend, comm::ParseBackend(a.backend == "shm_device" ? "cuda-ipc" : a.backend));
   comm::GroupOptions opts;
   opts.store = store.get();
   opts.name = a.group;
@@ -74,8 +72,7 @@ absl::Status Run(const Args& a) {
   opts.default_timeout = absl::Seconds(60);
   opts.cuda_device = 0;
   const absl::Time start = absl::Now();
-  auto comm = device_ring ? comm::ShmCommunicator::Create(opts, comm::ShmCommunicator::Ring::kDevice)
-                          : comm::CreateGroup(backend, opts);
+  auto comm = comm::CreateGroup(backend, opts);
   if (a.scenario == "no_device") {
     const absl::Duration took = absl::Now() - start;
     std::fprintf(stderr, "rank %d: %s (after %s)\n", a.rank, comm.status().ToString().c_str(),

@@ -9,16 +9,20 @@
 # ranks wait for the check (a barrier). Afterwards: one sync per version (the 4 requests
 # coalesced), both versions recorded, and no shared memory left behind.
 #
-#   tests/integration/e2e_shm.sh [--cuda N] [--backend gloo|shm] [--tp1]
+#   tests/integration/e2e_shm.sh [--cuda N] [--backend gloo|shm|cuda-ipc] [--tp1]
 # --cuda N: the GPU form (run.sh of the device bundle): the training processes keep their tensors in
 # CUDA memory on device N (the trainer agents read them by IPC handle) and the engine's parameters
 # live there too (the rollout agents repack on the device).
-# --backend shm: the colocated hand-off (trainer agents to rollout agents through shared memory).
+# --backend shm: the colocated hand-off (trainer agents to rollout agents through shared memory);
+# cuda-ipc (with --cuda): the same through a ring in one CUDA allocation, device to device, into
+# device stagings, nothing recorded; with --tp1 no payload byte may cross between host and device
+# (the rollout agents' "host<->device: 0 bytes down, 0 bytes up", the stage sources' "sent from the
+# device").
 # --tp1: the training job is TP 1 x DP 4 (no gathers) instead of TP 2 x EP 2 x DP 2; with --cuda the
 # stage source then runs the device stages (CUDA INT4 kernels, buckets in device memory), checked
 # in the trainer agents' log.
 set -euo pipefail
-trainer_flags="" engine_flags=() backend=gloo layout=(--tp 2 --ep 2 --dp 2)
+trainer_flags="" engine_flags=() agent_flags=() backend=gloo layout=(--tp 2 --ep 2 --dp 2)
 while [ $# -gt 0 ]; do
   case "$1" in
     --cuda) trainer_flags="--cuda-device $2"; engine_flags=(--engine-flags "--param-memory cuda:$2"); shift 2 ;;
@@ -31,6 +35,10 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 bin="${WSYNC_BIN:-$here/build/bin}"
 work="$(mktemp -d /tmp/wsync-e2e-shm.XXXXXX)"
 trap 'rm -rf "$work"' EXIT
+# The device ring: the rollout agents stage on the GPU, and nothing is recorded (a recording copies
+# every bucket down), so that the payload can stay on the device end to end.
+record=(--record-dir "$work/record")
+if [ "$backend" = cuda-ipc ]; then agent_flags=(--agent-flags "--staging device"); record=(); fi
 for step in 1 2; do
   "$bin/wsync-model-gen" --from-config default --seed $((40 + step)) --out "$work/s$step/hf" > /dev/null
   "$bin/wsync-shard" --hf "$work/s$step/hf" --out "$work/s$step/megatron" "${layout[@]}" > /dev/null
@@ -49,8 +57,8 @@ chmod +x "$work/after.sh"
 export WSYNC_BIN="$bin"
 before=$(ls /dev/shm | grep -c '^wsync\.' || true)
 "$here/tools/wsync-local" --source "$work/s1/megatron" --rollout-engines 1 --engine-tp 2 \
-  --record-dir "$work/record" --workdir "$work/run" \
-  "${engine_flags[@]}" --backend "$backend" \
+  "${record[@]}" --workdir "$work/run" \
+  "${engine_flags[@]}" "${agent_flags[@]}" --backend "$backend" \
   --trainer "$bin/wsync-shm-trainer $trainer_flags --from $work/s1/megatron --from $work/s2/megatron --first-version 10 --after-sync $work/after.sh" \
   | tee "$work/out.txt"
 grep -q "version 10 verified bit-exact" "$work/out.txt"
@@ -60,7 +68,7 @@ for v in 10 11; do
   first=$(grep "version $v synced" "$work/out.txt" | grep -vc "requested by another rank first" || true)
   [ "$n" = 4 ] || { echo "e2e_shm: $n of 4 ranks saw version $v synced" >&2; exit 1; }
   [ "$first" = 1 ] || { echo "e2e_shm: version $v was started by $first ranks, want 1 (coalesced)" >&2; exit 1; }
-  [ -d "$work/record/v$v" ] || { echo "e2e_shm: version $v was not recorded" >&2; exit 1; }
+  [ "$backend" = cuda-ipc ] || [ -d "$work/record/v$v" ] || { echo "e2e_shm: version $v was not recorded" >&2; exit 1; }
 done
 if [ -n "$trainer_flags" ]; then  # the GPU form really read device tensors and wrote device params
   n=$(grep -c "on CUDA devices" "$work/run/logs/trainer.log" || true)
@@ -73,6 +81,13 @@ if [ -n "$trainer_flags" ]; then  # the GPU form really read device tensors and 
     [ "$n" -ge 2 ] || { echo "e2e_shm: $n of 2 syncs ran the device stages" >&2; exit 1; }
     grep "stage source on cuda:" "$work/run/logs/trainer.log" | sed 's/^/   /'
   fi
+fi
+if [ "$backend" = cuda-ipc ] && [ "${layout[1]}" = 1 ]; then  # no payload byte through the host
+  n=$(cat "$work"/run/logs/agent-*.log | grep -c "host<->device: 0 bytes down, 0 bytes up" || true)
+  [ "$n" -ge 4 ] || { echo "e2e_shm: $n of 4 prepared syncs of the rollout agents kept the payload on the GPU" >&2; exit 1; }
+  n=$(grep -c "bucket bytes, sent from the device" "$work/run/logs/trainer.log" || true)
+  [ "$n" -ge 2 ] || { echo "e2e_shm: $n of 2 syncs sent their buckets from the device" >&2; exit 1; }
+  echo "   no payload byte crossed between host and device (trainer and rollout agents)"
 fi
 after=$(ls /dev/shm | grep -c '^wsync\.' || true)
 [ "$after" -le "$before" ] || { echo "e2e_shm: shared memory left behind: $(ls /dev/shm | grep '^wsync\.')" >&2; exit 1; }

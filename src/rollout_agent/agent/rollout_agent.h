@@ -193,13 +193,14 @@ class RolloutAgent {
   absl::Status StartSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_);
   void RunStage(Sync* sync, size_t index);
-  // The GPU an NCCL sync receives on: --cuda-device, else the device of the engine's CUDA
-  // parameters, else -1 (unknown: an nccl sync is refused). Under op_mu_ or mu_ (reads engine_).
+  // The GPU a device sync (nccl, cuda-ipc) receives on: --cuda-device, else the device of the
+  // engine's CUDA parameters, else -1 (unknown: such a sync is refused). Under op_mu_ or mu_ (reads engine_).
   int ReceiveDevice() const;
   BufferPool* DevicePool(int device);
-  // Frees the NCCL pools' idle buffers: after a sync's stage threads have ended (no NCCL operation
-  // runs), so that no cudaFree waits beside one; the engine's GPU gets the memory back between syncs.
-  void TrimNcclPools();
+  // Frees the device pools' idle buffers: after a sync's stage threads have ended (no device
+  // operation runs), so that no cudaFree waits beside one; the engine's GPU gets the memory back
+  // between syncs.
+  void TrimDevicePools();
   // Ends `sync` (cancel, join threads, drop the recording, continue the engine on the previous
   // version if the agent paused it). Returns the status of Continue.
   absl::Status EndFailedSync(Sync* sync, const std::string& reason, bool continue_engine)
@@ -251,9 +252,9 @@ class RolloutAgent {
   std::unique_ptr<Sync> sync_;      // the same
   // Received bucket buffers kept across syncs: one being received while the previous one loads.
   BufferPool bucket_pool_{2};
-  // The NCCL data plane: receive buffers on each GPU (DevicePool), and the page-locked host buffers
+  // A device data plane (nccl, cuda-ipc): receive buffers on each GPU (DevicePool), and the page-locked host buffers
   // every device bucket is copied into for the loader. Shared by the stages of a sync; nothing is
-  // freed while its streams run (keep_until_trim), all of it after (TrimNcclPools).
+  // freed while its streams run (keep_until_trim), all of it after (TrimDevicePools).
   absl::Mutex pools_mu_;
   std::map<int, std::unique_ptr<BufferPool>> device_pools_ ABSL_GUARDED_BY(pools_mu_);
   BufferPool pinned_pool_{3, [](size_t n) { return AllocatePinnedBuffer(n); }, /*keep_until_trim=*/true};

@@ -1,5 +1,5 @@
 // RolloutAgent, a sync beginning and receiving: BeginSync (CheckBegin, StartSync), the pause of
-// the engine, the NCCL receive device and pools, and RunStage (one receive thread per stage).
+// the engine, the device receive (nccl, cuda-ipc) and its pools, and RunStage (one receive thread per stage).
 
 #include <algorithm>
 #include <thread>
@@ -118,21 +118,22 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
   const std::string who = absl::StrCat("BeginSync ", req.sync_id(), " (version ", req.version(), ")");
   auto backend = comm::ParseBackend(req.backend());
   if (!backend.ok()) return Annotate(backend.status(), who);
-  if (*backend != comm::Backend::kGloo && *backend != comm::Backend::kShm && *backend != comm::Backend::kNccl)
-    return absl::InvalidArgumentError(absl::StrCat(who, ": backend ", req.backend(), " (gloo, shm or nccl)"));
-  if (*backend == comm::Backend::kNccl && !comm::BackendCompiledIn(comm::Backend::kNccl))
-    return absl::FailedPreconditionError(
-        absl::StrCat(who, ": backend nccl, and this agent was built without NCCL (receive with gloo)"));
-  if (*backend == comm::Backend::kNccl && !kernels::GpuAvailable())
-    return absl::FailedPreconditionError(
-        absl::StrCat(who,
-                     ": backend nccl receives into GPU memory, and this host has no CUDA device (receive with "
-                     "gloo)"));
-  if (*backend == comm::Backend::kNccl && ReceiveDevice() < 0)
+  if (*backend == comm::Backend::kMpi)
+    return absl::InvalidArgumentError(absl::StrCat(who, ": backend ", req.backend(), " (gloo, shm, nccl or cuda-ipc)"));
+  const std::string name(comm::BackendName(*backend));
+  if (!comm::BackendCompiledIn(*backend))
+    return absl::FailedPreconditionError(absl::StrCat(who, ": backend ", name, ", and this agent was built without ",
+                                                      *backend == comm::Backend::kNccl ? "NCCL" : "CUDA",
+                                                      " (receive with gloo)"));
+  if (comm::MovesDeviceMemory(*backend) && !kernels::GpuAvailable())
     return absl::FailedPreconditionError(absl::StrCat(
-        who,
-        ": backend nccl receives on this agent's GPU, and none is known: the engine's parameters are not in "
-        "CUDA memory; start the agent with --cuda-device N (each agent of a host on its own GPU)"));
+        who, ": backend ", name, " receives into GPU memory, and this host has no CUDA device (receive with gloo)"));
+  if (comm::MovesDeviceMemory(*backend) && ReceiveDevice() < 0)
+    return absl::FailedPreconditionError(
+        absl::StrCat(who, ": backend ", name,
+                     " receives on this agent's GPU, and none is known: the engine's parameters are not in "
+                     "CUDA memory; start the agent with --cuda-device N",
+                     *backend == comm::Backend::kNccl ? " (each agent of a host on its own GPU)" : ""));
   if (req.groups_size() == 0) return absl::InvalidArgumentError(absl::StrCat(who, ": no groups"));
   if (!req.bucket_mac_key().empty() && req.bucket_mac_key().size() != comm::kBucketMacKeyBytes) {
     return absl::InvalidArgumentError(absl::StrCat(who, ": a ", req.bucket_mac_key().size(), "-byte bucket key (",
@@ -275,7 +276,7 @@ BufferPool* RolloutAgent::DevicePool(int device) {
   return p.get();
 }
 
-void RolloutAgent::TrimNcclPools() {
+void RolloutAgent::TrimDevicePools() {
   {
     absl::MutexLock lock(&pools_mu_);
     for (auto& [device, pool] : device_pools_) pool->Trim();
@@ -303,8 +304,8 @@ void RolloutAgent::RunStage(Sync* s, size_t index) {
                        : static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
   o.cancel = &s->cancel;
   o.pool = &bucket_pool_;
-  if (s->backend == comm::Backend::kNccl) {
-    o.formed = s->formed.get();
+  if (comm::MovesDeviceMemory(s->backend)) {
+    if (s->backend == comm::Backend::kNccl) o.formed = s->formed.get();
     o.cuda_device = s->cuda_device;
     o.device_pool = DevicePool(s->cuda_device);
     o.host_pool = &pinned_pool_;
@@ -325,6 +326,8 @@ void RolloutAgent::RunStage(Sync* s, size_t index) {
       s->totals.record += r->record;
       s->totals.to_host += r->to_host;
       s->totals.to_device += r->to_device;
+      s->totals.to_host_bytes += r->to_host_bytes;
+      s->totals.to_device_bytes += r->to_device_bytes;
     } else if (s->first_error.ok()) {
       s->first_error = r.status();
       cancel_others = true;

@@ -72,7 +72,7 @@ absl::Status RolloutAgent::PrepareSync(const v1::PrepareSyncRequest& req, absl::
   }
   for (auto& t : s->threads) t.join();
   s->threads.clear();
-  if (s->backend == comm::Backend::kNccl) TrimNcclPools();
+  if (comm::MovesDeviceMemory(s->backend)) TrimDevicePools();
   absl::Status st;
   {
     absl::MutexLock lock(&mu_);
@@ -109,7 +109,8 @@ absl::Status RolloutAgent::PrepareSync(const v1::PrepareSyncRequest& req, absl::
   done_rpc();
   WSYNC_LOG(INFO) << who << ": prepared: " << reply->buckets() << " buckets, " << reply->tensors() << " tensors, "
                   << reply->bytes() << " bytes in " << reply->transfer_seconds() << " s (loading "
-                  << reply->load_seconds() << " s)";
+                  << reply->load_seconds() << " s); host<->device: " << s->totals.to_host_bytes << " bytes down, "
+                  << s->totals.to_device_bytes << " bytes up";
   return absl::OkStatus();
 }
 
@@ -305,7 +306,7 @@ absl::Status RolloutAgent::EndFailedSync(Sync* s, const std::string& reason, boo
   s->cancel.Cancel(reason);
   for (auto& t : s->threads) t.join();
   s->threads.clear();
-  if (s->backend == comm::Backend::kNccl) TrimNcclPools();
+  if (comm::MovesDeviceMemory(s->backend)) TrimDevicePools();
   if (s->recorder) s->recorder->Discard();
   absl::Status cont;
   if (continue_engine && engine_ != nullptr) {

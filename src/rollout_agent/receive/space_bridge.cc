@@ -53,6 +53,7 @@ absl::Status SpaceBridge::Bridge(Buffer received, uint64_t nbytes, const std::st
     out->host_copy = std::move(*host);
     if (load_.host()) GiveBack(std::exchange(out->received, Buffer()));  // free for the next receive at once
     stats_.to_host += absl::Now() - c0;
+    stats_.to_host_bytes += nbytes;
   }
   if (arrive_.host() && !load_.host()) {
     const absl::Time c0 = absl::Now();
@@ -62,6 +63,7 @@ absl::Status SpaceBridge::Bridge(Buffer received, uint64_t nbytes, const std::st
                              absl::StrCat(where, ": ", bucket, " to ", load_.Name())));
     out->uploaded = std::move(*dev);
     stats_.to_device += absl::Now() - c0;
+    stats_.to_device_bytes += nbytes;
   }
   return absl::OkStatus();
 }

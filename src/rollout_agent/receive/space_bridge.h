@@ -55,6 +55,8 @@ struct Bridged {
 struct SpaceBridgeStats {
   absl::Duration to_host;    // copying device buckets to host memory
   absl::Duration to_device;  // uploading host buckets to a device staging's GPU
+  uint64_t to_host_bytes = 0;
+  uint64_t to_device_bytes = 0;
 };
 
 class SpaceBridge {

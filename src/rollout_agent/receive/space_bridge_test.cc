@@ -44,6 +44,7 @@ TEST(SpaceBridgeTest, HostToHostPassesTheReceivedBufferThrough) {
     EXPECT_EQ(bridge.Loadable(b).data()[99], std::byte{0x5a});
     EXPECT_EQ(bridge.stats().to_host, absl::ZeroDuration());
     EXPECT_EQ(bridge.stats().to_device, absl::ZeroDuration());
+    EXPECT_EQ(bridge.stats().to_host_bytes + bridge.stats().to_device_bytes, 0u);  // no copy between spaces
     EXPECT_EQ(pool.idle_buffers(), 0u);
     bridge.GiveBack(b);
     EXPECT_EQ(pool.idle_buffers(), 1u);

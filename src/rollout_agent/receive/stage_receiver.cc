@@ -239,6 +239,8 @@ absl::StatusOr<StageStats> ReceiveStage(const StageOptions& o) {
           bridge.Bridge(std::move(b.data), b.manifest.nbytes(), where, BucketWhere(b.manifest), &bridged);
       stats.to_host = bridge.stats().to_host;
       stats.to_device = bridge.stats().to_device;
+      stats.to_host_bytes = bridge.stats().to_host_bytes;
+      stats.to_device_bytes = bridge.stats().to_device_bytes;
       RETURN_IF_ERROR(moved);
       const absl::Time l0 = absl::Now();
       RETURN_IF_ERROR(LoadBucket(b.manifest, bridge.Loadable(bridged), *o.loader, o.load_threads));

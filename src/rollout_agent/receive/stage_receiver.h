@@ -111,14 +111,16 @@ struct StageOptions {
 
 struct StageStats {
   uint64_t buckets = 0;
-  uint64_t bytes = 0;        // bucket data bytes
-  uint64_t tensors = 0;      // entries received (loaded or accepted and skipped by the loader)
-  absl::Duration join;       // forming the group
-  absl::Duration transfer;   // group formed -> last bucket loaded
-  absl::Duration load;       // wall time in the loader (overlaps the transfer)
-  absl::Duration record;     // writing recordings
-  absl::Duration to_host;    // NCCL: copying device buckets to host memory for a host staging (or the recorder)
-  absl::Duration to_device;  // gloo / shm: uploading host buckets to a device staging's GPU
+  uint64_t bytes = 0;            // bucket data bytes
+  uint64_t tensors = 0;          // entries received (loaded or accepted and skipped by the loader)
+  absl::Duration join;           // forming the group
+  absl::Duration transfer;       // group formed -> last bucket loaded
+  absl::Duration load;           // wall time in the loader (overlaps the transfer)
+  absl::Duration record;         // writing recordings
+  absl::Duration to_host;        // NCCL: copying device buckets to host memory for a host staging (or the recorder)
+  absl::Duration to_device;      // gloo / shm: uploading host buckets to a device staging's GPU
+  uint64_t to_host_bytes = 0;    // bucket bytes copied device -> host (0: the payload stayed on the GPU)
+  uint64_t to_device_bytes = 0;  // bucket bytes copied host -> device
 };
 
 // Loads every entry of one received bucket (manifest validated by comm::ValidateManifest) into

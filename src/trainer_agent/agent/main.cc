@@ -3,7 +3,7 @@
 //
 //   mpirun -np 4 wsync-trainer-agent --source dir:/ckpt/megatron --coordinator 127.0.0.1:7070
 //       [--coordinator-listen 0.0.0.0:7070] [--data-host ADDR] [--metrics-host ADDR --metrics-port P]
-//       [--quant-config quant.json] [--expert-map map.json] [--bucket-mib 512] [--backend gloo|shm|nccl]
+//       [--quant-config quant.json] [--expert-map map.json] [--bucket-mib 512] [--backend gloo|shm|nccl|cuda-ipc]
 //       [--token-file F]
 //   mpirun -np 4 wsync-trainer-agent --source shm:job42 ...   (the training processes register
 //       their tensors through libwsync_trainer_client; see src/trainer_client/README.md)
@@ -44,12 +44,14 @@ int main(int argc, char** argv) {
   app.add_option("--metrics-host", o.metrics_host, "Address of the Prometheus endpoint")->capture_default_str();
   app.add_option("--backend", o.backend,
                  "Trainer -> rollout data plane: gloo (TCP), shm (colocated: every rollout agent on the trainer's "
-                 "host, one shared-memory segment, no network) or nccl (GPU)")
-      ->check(CLI::IsMember({"gloo", "shm", "nccl"}));
-  app.add_option("--cuda-device", o.cuda_device,
-                 "The GPU this rank's nccl data plane sends from (default: the GPU of the training process's "
-                 "tensors when the device stages read them in place, else the local rank, from "
-                 "OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID or LOCAL_RANK, modulo the GPUs visible)");
+                 "host, one shared-memory segment, no network), nccl (GPU) or cuda-ipc (colocated on GPUs: the "
+                 "ring in one CUDA allocation shared by IPC, buckets device to device)")
+      ->check(CLI::IsMember({"gloo", "shm", "nccl", "cuda-ipc"}));
+  app.add_option(
+      "--cuda-device", o.cuda_device,
+      "The GPU this rank's device data plane (nccl, cuda-ipc) sends from (default: the GPU of the training process's "
+      "tensors when the device stages read them in place, else the local rank, from "
+      "OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID or LOCAL_RANK, modulo the GPUs visible)");
   app.add_option("--delivery", o.delivery,
                  "How syncs that do not choose (wsyncctl sync --delivery) reach the agents: broadcast (every agent "
                  "receives every byte of its stage) or sharded (every agent receives only the blocks its engine "

@@ -41,7 +41,7 @@ namespace {
 
 enum : uint32_t { kSync = 1, kStop = 2 };
 
-// The GPU the nccl data plane of this rank uses: `chosen` (--cuda-device) when set, else the GPU
+// The GPU the device data plane (nccl, cuda-ipc) of this rank uses: `chosen` (--cuda-device) when set, else the GPU
 // its training process's tensors are read from in place (`resident`, the device stages: the
 // buckets are built there), else the rank's local index on its host (the launcher's) modulo the
 // GPUs it sees, the usual one GPU per local rank.
@@ -394,7 +394,7 @@ class Agent {
       }
       auto report = RunSync(cmd, groups, engine_quant);
       // The sync's NCCL groups are gone: the device buckets kept during it can be freed now.
-      if (opts_.backend == "nccl") bucket_pool_.Trim();
+      if (opts_.backend == "nccl" || opts_.backend == "cuda-ipc") bucket_pool_.Trim();
       if (world_->rank() == 0) channel->Complete(cmd.sync_id, std::move(report));
       RequestHeapTrim();  // between syncs: what this one freed goes back to the kernel (common/heap.h)
     }
@@ -714,7 +714,7 @@ class Agent {
   // Bucket buffers (stage sources only): two on the wire + the one being built. Kept across syncs,
   // except over nccl: device buffers, none freed while the sync's groups run (a cudaFree waits for
   // the whole device), all of them after it.
-  BufferPool bucket_pool_{3, nullptr, /*keep_until_trim=*/opts_.backend == "nccl"};
+  BufferPool bucket_pool_{3, nullptr, /*keep_until_trim=*/opts_.backend == "nccl" || opts_.backend == "cuda-ipc"};
   std::unique_ptr<comm::Store> store_;
   std::string data_host_;  // Run(): --data-host, else the address facing the coordinator
 };
