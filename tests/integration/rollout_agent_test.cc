@@ -906,12 +906,20 @@ TEST_F(RolloutAgentTest, OneSyncAtATime) {
   rollout_agent::testing::AgentProcess& agent = *agents_[0];
   s = Begin(agent, BeginRequest(1, 1, 1, 1));
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << "version 1 is not newer";
-  auto nccl = BeginRequest(1, 2, 1, 1);
-  nccl.set_backend("nccl");
-  // NCCL receives into GPU memory: refused up front on a host without one (no group is formed).
-  if (!kernels::GpuAvailable()) {
-    EXPECT_EQ(Begin(agent, nccl).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  // NCCL and the device ring receive into GPU memory: refused up front on a host without one (no
+  // group is formed), naming the backend.
+  for (const char* device_backend : {"nccl", "cuda-ipc"}) {
+    auto req = BeginRequest(1, 2, 1, 1);
+    req.set_backend(device_backend);
+    if (!kernels::GpuAvailable()) {
+      s = Begin(agent, req);
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << device_backend;
+      EXPECT_THAT(s.error_message(), HasSubstr(absl::StrCat("backend ", device_backend))) << device_backend;
+    }
   }
+  auto mpi = BeginRequest(1, 2, 1, 1);
+  mpi.set_backend("mpi");
+  EXPECT_EQ(Begin(agent, mpi).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   auto bad_rank = BeginRequest(1, 2, 2, 1);
   EXPECT_EQ(Begin(agent, bad_rank).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_TRUE(engine.calls().empty()) << "refused requests must not pause the engine";
