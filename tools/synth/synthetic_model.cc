@@ -119,8 +119,15 @@ absl::StatusOr<SyntheticModelOptions> PresetOptions(absl::string_view preset, Ar
     } else {
       o.layers = 14, o.ffn = 8192;
     }
+  } else if (preset == "bench8g") {  // at least 8 GB (8e9 bytes) of bf16 weights: the GPU's whole-sync check
+    o.hidden = 4096, o.heads = 32, o.kv_heads = 8, o.head_dim = 128, o.vocab = 32011;
+    o.experts = 32, o.moe_ffn = 1536, o.topk = 4;
+    o.q_lora_rank = 1536, o.kv_lora_rank = 512, o.qk_nope_head_dim = 128, o.qk_rope_head_dim = 64, o.v_head_dim = 128;
+    o.first_k_dense = 1, o.ffn = 12288;
+    o.layers = mla ? 7 : moe ? 6 : 20;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("unknown preset \"", preset, "\"; expected tiny, small or bench2g"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown preset \"", preset, "\"; expected tiny, small, bench2g or bench8g"));
   }
   return o;
 }

@@ -13,6 +13,8 @@
 //   small    hidden 512, 4 layers, 8 heads, vocab 4000 (the default model's sizes)  ~ 10-40 MB
 //   bench2g  hidden 2048, ~2 GB bf16: qwen3-moe 4 layers x 32 experts (moe_ffn 1024),
 //            deepseek-v3 4 layers x 32 experts, dense archs 16 layers (ffn 8192); vocab 32011
+//   bench8g  hidden 4096, >= 8 GB bf16 (8e9 bytes; the GPU's whole colocated sync): qwen3-moe 6 layers
+//            x 32 experts (moe_ffn 1536), deepseek-v3 7, dense archs 20 layers (ffn 12288); vocab 32011
 //
 // Errors: kInvalidArgument for an unknown preset/architecture or sizes the config parser
 // refuses (named); kResourceExhausted if the tensors cannot be allocated.
@@ -58,7 +60,7 @@ struct SyntheticModelOptions {
 // "llama", "qwen2", "qwen3", "qwen3-moe" (or "qwen3_moe"), "deepseek-v3" (or "deepseek_v3").
 absl::StatusOr<Architecture> ParseArchitectureFlag(absl::string_view name);
 
-// The preset's sizes for `arch` ("tiny", "small", "bench2g").
+// The preset's sizes for `arch` ("tiny", "small", "bench2g", "bench8g").
 absl::StatusOr<SyntheticModelOptions> PresetOptions(absl::string_view preset, Architecture arch);
 
 // The HF config.json text of the options (validated by ParseModelConfig before it is returned).

@@ -22,7 +22,7 @@ constexpr Architecture kArchs[] = {Architecture::kLlama, Architecture::kQwen2, A
                                    Architecture::kQwen3Moe, Architecture::kDeepseekV3};
 
 TEST(Synthetic, EveryPresetAndArchitectureGivesAValidConfig) {
-  for (const char* preset : {"tiny", "small", "bench2g"}) {
+  for (const char* preset : {"tiny", "small", "bench2g", "bench8g"}) {
     for (Architecture arch : kArchs) {
       auto o = PresetOptions(preset, arch);
       ASSERT_TRUE(o.ok());
@@ -47,6 +47,10 @@ TEST(Synthetic, EveryPresetAndArchitectureGivesAValidConfig) {
       if (std::string(preset) == "bench2g") {
         EXPECT_GT(bytes, int64_t{1800} << 20) << ArchitectureName(arch);
         EXPECT_LT(bytes, int64_t{2300} << 20) << ArchitectureName(arch);
+      }
+      if (std::string(preset) == "bench8g") {  // the "at least 8 GB of weights", not much more
+        EXPECT_GE(bytes, int64_t{8'000'000'000}) << ArchitectureName(arch);
+        EXPECT_LT(bytes, int64_t{9'000'000'000}) << ArchitectureName(arch);
       }
     }
   }

@@ -1,7 +1,7 @@
 // wsync-model-gen: write a random HuggingFace checkpoint (config.json + model.safetensors, bf16)
 // of a supported architecture, for tests, demos and benchmarks.
 //
-//   wsync-model-gen --arch qwen3-moe --out DIR [--preset tiny|small|bench2g] [--seed N]
+//   wsync-model-gen --arch qwen3-moe --out DIR [--preset tiny|small|bench2g|bench8g] [--seed N]
 //       [--hidden N --layers N --heads N --kv-heads N --head-dim N --ffn N --moe-ffn N --experts N
 //        --topk N --vocab N --tie]
 //       [--q-lora N (0: none) --kv-lora N --qk-nope N --qk-rope N --v-head N --shared-experts N
@@ -10,8 +10,8 @@
 //                               config.json holding it) written into config.json
 //
 // Presets (tools/synth/synthetic_model.h): tiny (default; MBs), small (the default
-// model's sizes), bench2g (~2 GB bf16). Size flags override the preset. Values are N(0, 0.02)-like
-// (norm weights around 1), deterministic in --seed.
+// model's sizes), bench2g (~2 GB bf16), bench8g (>= 8 GB bf16). Size flags override the preset.
+// Values are N(0, 0.02)-like (norm weights around 1), deterministic in --seed.
 // Exit codes: 0 ok, 1 refused (the message names the field/value), 2 bad command line.
 #include <CLI/CLI.hpp>
 #include <chrono>
@@ -34,7 +34,7 @@ int Run(int argc, char** argv) {
   app.add_option("--arch", arch_name,
                  "llama, qwen2, qwen3, qwen3-moe or deepseek-v3");  // required unless --from-config
   app.add_option("--out", out, "output directory (created)")->required();
-  app.add_option("--preset", preset, "tiny, small or bench2g")->capture_default_str();
+  app.add_option("--preset", preset, "tiny, small, bench2g or bench8g")->capture_default_str();
   app.add_option("--seed", seed, "random seed")->capture_default_str();
   app.add_option("-t,--threads", threads, "CPU threads (0 = all)");
   app.add_option("--quant-config", quant_config, "compressed-tensors quantization_config JSON file");
