@@ -24,6 +24,8 @@
 //   coordinator.commit the coordinator, once every agent prepared and the commit is in its state
 //                      file, before any CommitSync
 //   coordinator.committed  the coordinator, when the first agent's CommitSync has succeeded
+//   shm.device_ring_open   comm/shm: a member (not rank 0) cannot open the device ring's IPC
+//                      handle, as on another GPU without peer access: the group falls back to the host ring
 // An unknown name in the variable is logged once and ignored; a malformed entry (K not a positive
 // number) is logged and ignored. Thread-safety: FailpointHit is safe from any thread.
 #pragma once

@@ -202,6 +202,15 @@ TEST_P(CommGroupTest, ADeviceRingWithoutAGpuFailsEveryMemberAtOnce) {
   ExpectAllPassed(ms);
 }
 
+// A member that cannot open rank 0's device ring (another GPU without peer access; here a failpoint
+// on rank 1): the group forms on the host ring instead, on every member, and moves every byte.
+TEST_P(CommGroupTest, AMemberThatCannotOpenTheDeviceRingMovesTheGroupToTheHostRing) {
+  if (GetParam() != "shm_device") GTEST_SKIP() << "the shm backend's device ring only";
+  auto ms = Start("no-peer", 3, "no_peer");
+  WaitAll(ms, absl::Seconds(60));
+  ExpectAllPassed(ms);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, CommGroupTest, ::testing::Values("gloo", "shm", "shm_device"),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 

@@ -17,6 +17,9 @@
 //   timeout      rank 1 never calls the broadcast: the others see kDeadlineExceeded in time
 //   no_device    (shm_device on a host without a GPU) formation fails on every member within
 //                5 s, kFailedPrecondition naming the device ring (kUnimplemented without CUDA)
+//   no_peer      (shm_device) rank 1 cannot open the device ring (failpoint shm.device_ring_open,
+//                as on another GPU without peer access): every member falls back to the host ring
+//                (space() host) and runs the collectives through it
 #include <unistd.h>
 
 #include <cstdio>
@@ -32,6 +35,7 @@
 #include "comm/communicator.h"
 #include "comm/store/store.h"
 #include "common/cuda_ipc.h"
+#include "common/failpoint.h"
 #include "common/status.h"
 #include "tests/integration/comm_scenarios.h"
 
@@ -72,6 +76,7 @@ absl::Status Run(const Args& a) {
   opts.default_timeout = absl::Seconds(60);
   opts.cuda_device = 0;
   const absl::Time start = absl::Now();
+  if (a.scenario == "no_peer" && a.rank == 1) ArmFailpointsForTest("shm.device_ring_open");
   auto comm = comm::CreateGroup(backend, opts);
   if (a.scenario == "no_device") {
     const absl::Duration took = absl::Now() - start;
@@ -96,6 +101,10 @@ absl::Status Run(const Args& a) {
   RETURN_IF_ERROR(comm.status());
   comm::Communicator& c = **comm;
   if (a.scenario == "collectives") return Collectives(c);
+  if (a.scenario == "no_peer") {
+    RETURN_IF_ERROR(Expect(c.space().host(), "every member fell back to the host ring"));
+    return Collectives(c);
+  }
   if (a.scenario == "big") return BigTransfers(c);
   if (a.scenario == "killed") {
     absl::Status s = BroadcastUntilFailure(c, absl::Seconds(60));

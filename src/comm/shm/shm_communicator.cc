@@ -21,6 +21,8 @@
 #include "comm/rendezvous.h"
 #include "comm/store/store.h"
 #include "common/cuda_ipc.h"
+#include "common/failpoint.h"
+#include "common/logging.h"
 #include "common/status.h"
 
 namespace wsync::comm {
@@ -79,21 +81,30 @@ absl::Status JoinOnOneHost(const GroupOptions& o) {
   return absl::OkStatus();
 }
 
-// Each member says it has mapped the segment (and opened the ring), or why not (`mine`), and waits
-// for every other's word: the first failure (its own, or kFailedPrecondition naming another member
-// and its reason), else OK.
-absl::Status AllMapped(const GroupOptions& o, const absl::Status& mine) {
+// Each member says it has mapped the segment, and whether it opened the device ring (`no_ring`: why
+// not), or why it failed (`mine`), then waits for every other's word. The first failure (its own, or
+// kFailedPrecondition naming another member and its reason); else OK with, when some member could not
+// open the device ring, the first such member's reason in *host_ring_because (every member reads the
+// same words, so all of them fall back to the host ring together).
+constexpr char kNoRing = '~';
+absl::Status AllMapped(const GroupOptions& o, const absl::Status& mine, const absl::Status& no_ring,
+                       std::string* host_ring_because) {
   const std::string key = absl::StrCat(o.name, "/shm/mapped/");
-  RETURN_IF_ERROR(o.store->Set(absl::StrCat(key, o.rank),
-                               mine.ok() ? std::string("1") : absl::StrCat(std::string(1, kFailed), mine.ToString())));
+  const std::string word = !mine.ok()      ? absl::StrCat(std::string(1, kFailed), mine.ToString())
+                           : !no_ring.ok() ? absl::StrCat(std::string(1, kNoRing), no_ring.ToString())
+                                           : std::string("1");
+  RETURN_IF_ERROR(o.store->Set(absl::StrCat(key, o.rank), word));
   RETURN_IF_ERROR(mine);
   std::vector<std::string> mapped;
   for (int r = 0; r < o.size; ++r) mapped.push_back(absl::StrCat(key, r));
   RETURN_IF_ERROR(WaitUnlessCancelled(*o.store, mapped, o.join_timeout, o.cancelled, "forming the group"));
+  host_ring_because->clear();
   for (int r = 0; r < o.size; ++r) {
     ASSIGN_OR_RETURN(const std::string v, o.store->Get(mapped[static_cast<size_t>(r)], o.join_timeout));
     if (!v.empty() && v[0] == kFailed)
       return absl::FailedPreconditionError(absl::StrCat("rank ", r, " could not join: ", v.substr(1)));
+    if (!v.empty() && v[0] == kNoRing && host_ring_because->empty())
+      *host_ring_because = absl::StrCat("rank ", r, " cannot open the device ring: ", v.substr(1));
   }
   return absl::OkStatus();
 }
@@ -128,8 +139,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Create(const Grou
         absl::StrCat("shm group \"", o.name, "\": rank ", o.rank, " of ", o.size, " (1..", kMaxRanks, " members)"));
   RETURN_IF_ERROR(JoinOnOneHost(o));
 
+  // The host ring's slots are in the segment for a device ring too (untouched pages cost nothing): a
+  // group whose members cannot all open the device ring falls back to them.
   const size_t header_bytes = (sizeof(Header) + 4095) / 4096 * 4096;
-  const size_t bytes = header_bytes + (device ? 0 : kSlots * kSlotBytes);
+  const size_t bytes = header_bytes + kSlots * kSlotBytes;
   const std::string key = absl::StrCat(o.name, "/shm/segment");
   std::string segment, ring_handle;
   int fd = -1;
@@ -212,10 +225,19 @@ absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Create(const Grou
     RETURN_IF_ERROR(ring_ok.status());
     RETURN_IF_ERROR(set);
   }
-  const absl::Status published = AllMapped(o, ring_ok.status());
+  // A member whose GPU cannot open rank 0's allocation (another GPU without peer access) does not
+  // fail the group: every member then uses the host ring.
+  absl::Status no_ring = absl::OkStatus();
+  if (o.rank != 0 && absl::IsFailedPrecondition(ring_ok.status()) && c->device_ring_->mapped == nullptr) {
+    no_ring = ring_ok.status();
+    ring_ok = std::string();
+  }
+  std::string host_ring_because;
+  const absl::Status published = AllMapped(o, ring_ok.status(), no_ring, &host_ring_because);
   if (o.rank == 0) shm_unlink(segment.c_str());  // every member has it mapped (or formation failed)
   RETURN_IF_ERROR(
       Annotate(published, absl::StrCat("shm group \"", o.name, "\": waiting for every member to map ", segment)));
+  if (!host_ring_because.empty()) c->UseHostRing(host_ring_because);
   c->StartWorker();
   return std::unique_ptr<Communicator>(std::move(c));
 }
@@ -239,7 +261,10 @@ absl::StatusOr<std::string> ShmCommunicator::MakeDeviceRing(const GroupOptions& 
     ring_ = static_cast<std::byte*>(device_ring_->owned->data());
     return device_ring_->owned->IpcHandle();
   }
-  absl::StatusOr<std::unique_ptr<CudaIpcMapping>> m = OpenCudaIpc(handle, o.cuda_device);
+  absl::StatusOr<std::unique_ptr<CudaIpcMapping>> m =
+      FailpointHit("shm.device_ring_open")
+          ? absl::FailedPreconditionError("failpoint shm.device_ring_open: the handle cannot be opened here")
+          : OpenCudaIpc(handle, o.cuda_device);
   if (!m.ok())
     return Annotate(m.status(), absl::StrCat("rank ", o.rank, " opening rank 0's device ring on cuda:", o.cuda_device,
                                              " (another GPU without peer access? then use the host ring)"));
@@ -249,6 +274,18 @@ absl::StatusOr<std::string> ShmCommunicator::MakeDeviceRing(const GroupOptions& 
         absl::StrCat("rank 0's device ring holds ", device_ring_->mapped->size(), " bytes, this build's ", bytes));
   ring_ = static_cast<std::byte*>(device_ring_->mapped->data());
   return handle;
+}
+
+void ShmCommunicator::UseHostRing(const std::string& because) {
+  // Rank 0 keeps its allocation until the group ends (a member may still have it open); the others
+  // close theirs now.
+  if (device_ring_ != nullptr) device_ring_->mapped.reset();
+  WSYNC_LOG(WARNING) << "shm group \"" << group() << "\" (rank " << rank() << "): " << because
+                     << "; the group moves its bytes through the host ring instead (device -> host -> device)";
+  space_ = MemorySpace::Host();
+  slots_ = kSlots;
+  slot_bytes_ = kSlotBytes;
+  ring_ = reinterpret_cast<std::byte*>(header_) + (sizeof(Header) + 4095) / 4096 * 4096;
 }
 
 absl::Status ShmCommunicator::ReleaseBackend() {

@@ -31,9 +31,10 @@
 // device memory (or host memory, as MemorySpace::Copy allows), chunks move device to device, and
 // a chunk is published (or counted consumed) only after its copy finished on the device. Rank 0
 // publishes the ring's handle with the segment's name, or why it has none (no GPU, allocation
-// refused): every member then fails formation with that reason instead of waiting for a ring. A
-// member whose device cannot open the handle (another GPU without peer access) fails formation
-// with kFailedPrecondition naming both devices.
+// refused): every member then fails formation with that reason instead of waiting for a ring. When
+// a member's device cannot open the handle (another GPU without peer access), every member falls
+// back to the host ring in the segment (space() is then the host), and each logs it once, with
+// that member's reason, when the group forms.
 // Thread-safety: as Communicator.
 #pragma once
 
@@ -84,6 +85,8 @@ class ShmCommunicator final : public QueuedCommunicator {
   ShmCommunicator(const GroupOptions& options, void* base, size_t bytes);
   // Rank 0: allocates the device ring and returns its handle; the others open `handle`.
   absl::StatusOr<std::string> MakeDeviceRing(const GroupOptions& options, const std::string& handle);
+  // Every member, when some member cannot open the device ring: the host ring of the segment.
+  void UseHostRing(const std::string& because);
   // The chunked broadcast of the concatenation of `pieces` from `root` (see the file comment).
   absl::Status Stream(const OpContext& ctx, absl::Span<const MutableBytes> pieces, int root);
   // Waits until `ready()`; kUnavailable / kDeadlineExceeded / kAborted as in the file comment.
