@@ -11,8 +11,8 @@
 #   lib/   the shared libraries they load (ldd), except the C library, the CUDA driver and NCCL
 #   mpi/   OpenMPI's orterun, its MCA components and help files, relocated through OPAL_PREFIX
 #   data/  the golden files the kernel tests read
-#   tools/ demo.sh, wsync-local and bench-sync.sh (the local deployment the engine_sync and
-#          bench_sync checks run)
+#   tools/ demo.sh, wsync-local, bench-sync.sh and bench-colocated.sh (the local deployment the
+#          engine_sync, bench_sync and colocated_whole checks run)
 #   tests/integration/e2e_shm.sh, e2e_python_cuda.sh (live training processes: the trainer_cuda
 #          and python_cuda checks), tests/python/ and python/ (the Python publisher they run)
 #   run.sh the GPU checks of docs/gpu.md; it works on a machine without a GPU (the GPU checks skip)
@@ -98,7 +98,7 @@ cp "$ROOT/tools/device-run.sh" "$TMP/run.sh"
 chmod +x "$TMP/run.sh"
 # The local deployment scripts (run.sh's engine_sync_* checks run the demo with WSYNC_BIN=bin/).
 mkdir -p "$TMP/tools"
-cp "$ROOT/tools/demo.sh" "$ROOT/tools/wsync-local" "$ROOT/tools/bench-sync.sh" "$TMP/tools/"
+cp "$ROOT/tools/demo.sh" "$ROOT/tools/wsync-local" "$ROOT/tools/bench-sync.sh" "$ROOT/tools/bench-colocated.sh" "$TMP/tools/"
 mkdir -p "$TMP/tests/integration"
 cp "$ROOT/tests/integration/e2e_shm.sh" "$ROOT/tests/integration/e2e_python_cuda.sh" "$TMP/tests/integration/"
 # The Python package (pure Python and the libc-only trainer client) and the training processes of

@@ -163,6 +163,20 @@ check colocated_cuda trainer_cuda --backend shm
 #     stage sources to the rollout agents through one CUDA allocation opened by IPC handle.
 check colocated_device_ring trainer_cuda --backend cuda-ipc
 check colocated_device_ring_tp1 trainer_cuda --tp1 --backend cuda-ipc
+# 10c. The whole colocated sync on one GPU, measured (tools/bench-colocated.sh): one training process
+#     holding CUDA tensors -> the device ring -> a device staging -> the engine's CUDA parameters,
+#     for the demo model and the >= 8 GB bench8g Qwen3 (generated here); each version verified
+#     bit-exact and its greedy tokens equal to a fresh engine's; the table of sync time, downtime,
+#     payload and the same bytes through a device-to-device copy, and peak GPU memory per process.
+colocated_whole() {
+  if ! have_gpu; then
+    echo "no CUDA device: the whole colocated sync on the GPU needs one"
+    return 0
+  fi
+  WSYNC_BIN="$B/bin" WSYNC_PYTHON=python3 timeout 480 "$B/tools/bench-colocated.sh" --cuda 0 --model default --model bench8g \
+    --out "${TMPDIR:-/tmp}/wsync-colocated" && cp "${TMPDIR:-/tmp}"/wsync-colocated/*/timings-v*.json "$RES/" 2>/dev/null
+}
+check colocated_whole colocated_whole  # at most 8 minutes
 # 10b. Python training processes (wsync.trainer.Publisher) whose tensors stay in CUDA memory,
 #     declared by IPC handle from torch (wsync.trainer.cuda_ipc); the host's python3 and torch.
 python_cuda() {
