@@ -39,6 +39,13 @@
 namespace wsync::trainer_agent {
 namespace {
 
+// Whether the data plane `backend` moves device memory (nccl, cuda-ipc): its bucket buffers are device
+// memory that is not freed while a sync's transfers run (comm/communicator.h, MovesDeviceMemory).
+bool MovesDeviceMemory(const std::string& backend) {
+  const absl::StatusOr<comm::Backend> b = comm::ParseBackend(backend);
+  return b.ok() && comm::MovesDeviceMemory(*b);
+}
+
 enum : uint32_t { kSync = 1, kStop = 2 };
 
 // The GPU the device data plane (nccl, cuda-ipc) of this rank uses: `chosen` (--cuda-device) when set, else the GPU
@@ -394,7 +401,7 @@ class Agent {
       }
       auto report = RunSync(cmd, groups, engine_quant);
       // The sync's NCCL groups are gone: the device buckets kept during it can be freed now.
-      if (opts_.backend == "nccl" || opts_.backend == "cuda-ipc") bucket_pool_.Trim();
+      if (MovesDeviceMemory(opts_.backend)) bucket_pool_.Trim();
       if (world_->rank() == 0) channel->Complete(cmd.sync_id, std::move(report));
       RequestHeapTrim();  // between syncs: what this one freed goes back to the kernel (common/heap.h)
     }
@@ -714,7 +721,7 @@ class Agent {
   // Bucket buffers (stage sources only): two on the wire + the one being built. Kept across syncs,
   // except over nccl: device buffers, none freed while the sync's groups run (a cudaFree waits for
   // the whole device), all of them after it.
-  BufferPool bucket_pool_{3, nullptr, /*keep_until_trim=*/opts_.backend == "nccl" || opts_.backend == "cuda-ipc"};
+  BufferPool bucket_pool_{3, nullptr, /*keep_until_trim=*/MovesDeviceMemory(opts_.backend)};
   std::unique_ptr<comm::Store> store_;
   std::string data_host_;  // Run(): --data-host, else the address facing the coordinator
 };
