@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
@@ -56,6 +57,18 @@ bool ParseLogLevel(absl::string_view text, LogLevel* out) {
     *out = LogLevel::kError;
   else
     return false;
+  return true;
+}
+
+bool ApplyLogLevelFlag(absl::string_view flag) {
+  if (flag.empty()) return true;
+  LogLevel level;
+  if (!ParseLogLevel(flag, &level)) {
+    std::fprintf(stderr, "--log-level: unknown level \"%.*s\" (debug, info, warning or error)\n",
+                 static_cast<int>(flag.size()), flag.data());
+    return false;
+  }
+  SetLogLevel(level);
   return true;
 }
 

@@ -25,6 +25,9 @@ void SetLogLevel(LogLevel level);
 LogLevel GetLogLevel();
 // Parses "debug", "info", "warning"/"warn", "error" (case-insensitive); false if unknown.
 bool ParseLogLevel(absl::string_view text, LogLevel* out);
+// A --log-level flag's value: empty leaves the level as it is; a known level is set; an unknown one
+// is refused (false) after a line on stderr naming it and the levels.
+bool ApplyLogLevelFlag(absl::string_view flag);
 
 // Redirects output (tests); nullptr restores stderr. The sink receives whole lines with '\n'.
 using LogSink = void (*)(const std::string& line);

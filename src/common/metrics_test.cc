@@ -128,6 +128,15 @@ TEST(LoggingTest, LevelsPrefixAndSink) {
   EXPECT_TRUE(ParseLogLevel("WARN", &l));
   EXPECT_EQ(l, LogLevel::kWarning);
   EXPECT_FALSE(ParseLogLevel("loud", &l));
+  // The --log-level flag of the binaries: empty keeps the level, an unknown one changes nothing.
+  SetLogLevel(LogLevel::kInfo);
+  EXPECT_TRUE(ApplyLogLevelFlag(""));
+  EXPECT_EQ(GetLogLevel(), LogLevel::kInfo);
+  EXPECT_FALSE(ApplyLogLevelFlag("loud"));
+  EXPECT_EQ(GetLogLevel(), LogLevel::kInfo);
+  EXPECT_TRUE(ApplyLogLevelFlag("error"));
+  EXPECT_EQ(GetLogLevel(), LogLevel::kError);
+  SetLogLevel(LogLevel::kInfo);
 }
 
 }  // namespace

@@ -310,14 +310,7 @@ std::unique_ptr<AgentRegistrar> StartRegistrar(const Flags& f, const RpcSecurity
 int Run(const Flags& f) {
   const sigset_t signals = SignalWatcher::Block();  // before any thread: only the watcher takes them
   SetLogIdentity("engine", f.tp_rank);
-  if (!f.log_level.empty()) {
-    LogLevel level;
-    if (!ParseLogLevel(f.log_level, &level)) {
-      std::fprintf(stderr, "unknown --log-level %s\n", f.log_level.c_str());
-      return 2;
-    }
-    SetLogLevel(level);
-  }
+  if (!ApplyLogLevelFlag(f.log_level)) return 2;
   engine_memory::InstallShmCrashCleanup();
   ShutdownLatch latch;
   SignalWatcher watcher(signals, &latch);

@@ -121,14 +121,7 @@ int ResolveOptions(Flags& f) {
                         "kernels); use --staging host";
     return 1;
   }
-  if (!f.log_level.empty()) {
-    LogLevel level;
-    if (!ParseLogLevel(f.log_level, &level)) {
-      std::fprintf(stderr, "--log-level: unknown level \"%s\"\n", f.log_level.c_str());
-      return 2;
-    }
-    SetLogLevel(level);
-  }
+  if (!ApplyLogLevelFlag(f.log_level)) return 2;
   auto sec = LoadRpcSecurity(f.sec_opts);
   if (!sec.ok()) {
     WSYNC_LOG(ERROR) << sec.status();
