@@ -13,9 +13,10 @@ struct DTypeNames {
   absl::string_view torch;
 };
 constexpr DTypeNames kNames[] = {
-    {DType::kBF16, "BF16", "bfloat16"}, {DType::kF16, "F16", "float16"}, {DType::kF32, "F32", "float32"},
-    {DType::kI32, "I32", "int32"},      {DType::kI64, "I64", "int64"},   {DType::kI8, "I8", "int8"},
-    {DType::kU8, "U8", "uint8"},
+    {DType::kBF16, "BF16", "bfloat16"}, {DType::kF16, "F16", "float16"},
+    {DType::kF32, "F32", "float32"},    {DType::kI32, "I32", "int32"},
+    {DType::kI64, "I64", "int64"},      {DType::kI8, "I8", "int8"},
+    {DType::kU8, "U8", "uint8"},        {DType::kF8E4M3, "F8_E4M3", "float8_e4m3fn"},
 };
 
 }  // namespace
@@ -35,8 +36,8 @@ absl::string_view TorchName(DType t) {
 absl::StatusOr<DType> ParseSafetensorsDType(absl::string_view name) {
   for (const auto& n : kNames)
     if (n.safetensors == name) return n.type;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unsupported safetensors dtype \"", name, "\" (wsync handles BF16, F16, F32, I32, I64, I8, U8)"));
+  return absl::InvalidArgumentError(absl::StrCat("unsupported safetensors dtype \"", name,
+                                                 "\" (wsync handles BF16, F16, F32, I32, I64, I8, U8, F8_E4M3)"));
 }
 
 absl::StatusOr<DType> ParseTorchDType(absl::string_view name) {

@@ -16,11 +16,12 @@
 
 namespace wsync {
 
-enum class DType : uint8_t { kBF16, kF16, kF32, kI32, kI64, kI8, kU8 };
+// kF8E4M3: FP8 E4M3FN (docs/spec/FP8.md §1), moved as its raw bytes; no conversion here.
+enum class DType : uint8_t { kBF16, kF16, kF32, kI32, kI64, kI8, kU8, kF8E4M3 };
 inline constexpr DType kAllDTypes[] = {DType::kBF16, DType::kF16, DType::kF32, DType::kI32,
-                                       DType::kI64,  DType::kI8,  DType::kU8};
+                                       DType::kI64,  DType::kI8,  DType::kU8,  DType::kF8E4M3};
 
-// Bytes per element: 2, 2, 4, 4, 8, 1, 1.
+// Bytes per element: 2, 2, 4, 4, 8, 1, 1, 1.
 constexpr size_t ItemSize(DType t) {
   switch (t) {
     case DType::kBF16:
@@ -29,18 +30,20 @@ constexpr size_t ItemSize(DType t) {
     case DType::kI32: return 4;
     case DType::kI64: return 8;
     case DType::kI8:
-    case DType::kU8: return 1;
+    case DType::kU8:
+    case DType::kF8E4M3: return 1;
   }
   return 0;
 }
 constexpr bool IsFloating(DType t) { return t == DType::kBF16 || t == DType::kF16 || t == DType::kF32; }
 
-// The safetensors header name: "BF16", "F16", "F32", "I32", "I64", "I8", "U8".
+// The safetensors header name: "BF16", "F16", "F32", "I32", "I64", "I8", "U8", "F8_E4M3".
 absl::string_view SafetensorsName(DType t);
 // Parses a safetensors dtype name; any other name (including valid safetensors types wsync does
-// not move, e.g. "F64", "BOOL", "F8_E4M3") is InvalidArgument naming it.
+// not move, e.g. "F64", "BOOL", "F8_E5M2") is InvalidArgument naming it.
 absl::StatusOr<DType> ParseSafetensorsDType(absl::string_view name);
-// PyTorch-style name ("bfloat16", "float16", "float32", "int32", "int64", "int8", "uint8").
+// PyTorch-style name ("bfloat16", "float16", "float32", "int32", "int64", "int8", "uint8",
+// "float8_e4m3fn").
 absl::string_view TorchName(DType t);
 // Parses a torch name, with or without "torch." (as in HF config.json "torch_dtype").
 absl::StatusOr<DType> ParseTorchDType(absl::string_view name);

@@ -23,6 +23,7 @@ v1::DType ToProto(DType t) {
     case DType::kI64: return v1::DTYPE_I64;
     case DType::kI8: return v1::DTYPE_I8;
     case DType::kU8: return v1::DTYPE_U8;
+    case DType::kF8E4M3: return v1::DTYPE_F8_E4M3;
   }
   return v1::DTYPE_UNSPECIFIED;
 }
@@ -36,6 +37,7 @@ absl::StatusOr<DType> FromProto(v1::DType t) {
     case v1::DTYPE_I64: return DType::kI64;
     case v1::DTYPE_I8: return DType::kI8;
     case v1::DTYPE_U8: return DType::kU8;
+    case v1::DTYPE_F8_E4M3: return DType::kF8E4M3;
     default: break;
   }
   return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", static_cast<int>(t)));
