@@ -82,6 +82,7 @@ check dispatch "$B/bin/kernels_dispatch_test"
 # 2. The CUDA kernels bit-exact against the CPU kernels (symmetric INT4 + Marlin; AWQ; TensorRT-LLM).
 check int4_cuda "$B/bin/kernels_int4_cuda_test"
 check awq_cuda "$B/bin/kernels_awq_cuda_test"
+check fp8_cuda "$B/bin/kernels_fp8_cuda_test"
 # Sum64, the device buckets' checksum: the CUDA kernel against the host function (any size and alignment).
 check sum64_cuda "$B/bin/kernels_checksum_test"
 # The block transpose a device staging loads and repacks with: the CUDA kernel against a reference.

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/checksum.h"
 #include "kernels/cpu/awq_cpu.h"
+#include "kernels/cpu/fp8_cpu.h"
 #include "kernels/cpu/int4_cpu.h"
 #include "kernels/int4_dispatch.h"
 #include "kernels/transpose.h"
@@ -13,6 +14,7 @@
 #include "kernels/cuda/awq_cuda.h"
 #include "kernels/cuda/checksum_cuda.h"
 #include "kernels/cuda/device.h"
+#include "kernels/cuda/fp8_cuda.h"
 #include "kernels/cuda/int4_cuda.h"
 #include "kernels/cuda/transpose_cuda.h"
 #endif
@@ -85,6 +87,13 @@ absl::Status Run(Device device, const Args& args, absl::Status (*on_cpu)(const A
 
 }  // namespace
 
+absl::Status RunFp8Quantize(Device device, const Fp8QuantizeArgs& args) {
+  return Run(device, args, &cpu::QuantizeFp8, WSYNC_CUDA_ENTRY(QuantizeFp8),
+             args.block ? "QuantizeFp8Block" : "QuantizeFp8Channel");
+}
+absl::Status RunFp8Dequantize(Device device, const Fp8DequantizeArgs& args) {
+  return Run(device, args, &cpu::DequantizeFp8, WSYNC_CUDA_ENTRY(DequantizeFp8), "DequantizeFp8");
+}
 absl::Status RunQuantize(Device device, const QuantizeArgs& args) {
   return Run(device, args, &cpu::Quantize, WSYNC_CUDA_ENTRY(Quantize), "QuantizeInt4");
 }

@@ -1,4 +1,4 @@
-// wsync-bench-kernels: throughput of the CPU INT4 kernels against memcpy of the same bytes,
+// wsync-bench-kernels: throughput of the CPU INT4 and FP8 kernels against memcpy of the same bytes,
 // nccl-tests style. For every kernel and input size it reports the time per call, the bandwidth
 // on the kernel's input bytes, the memcpy bandwidth of the same byte count with the same thread
 // count measured in the same run (both as the best of -n iterations), their ratio, and #wrong from a checked iteration
@@ -28,8 +28,10 @@
 #include "kernels/checksum.h"
 #include "kernels/cpu/int4_cpu.h"
 #include "kernels/format/awq_format.h"
+#include "kernels/format/fp8_format.h"
 #include "kernels/format/int4_format.h"
 #include "kernels/format/sum64.h"
+#include "kernels/fp8.h"
 #include "kernels/int4.h"
 #include "kernels/trtllm.h"
 #include "tools/bench/kernel_sweep.h"
@@ -345,6 +347,47 @@ Row BenchLayout(const char* name, bool trtllm, int64_t bytes, int threads, const
   return Row{name, threads, bytes, t, tm, wrong};
 }
 
+// FP8: W bf16 [N, 4096] -> E4M3 codes, block-wise (128 x 128, slime) or per channel (slime). #wrong:
+// codes of the first 64 rows differing from a scalar recomputation through the format helpers.
+Row BenchFp8(const char* name, bool block, int64_t bytes, int threads, const Flags& f) {
+  const int64_t k = 4096, n = std::max<int64_t>(128, bytes / (2 * k) / 128 * 128);
+  bytes = n * k * 2;
+  Buffer w = RandomBf16Weights(n * k, 3);
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data());
+  Buffer q = MustAlloc(static_cast<size_t>(n * k));
+  Buffer scales = MustAlloc(static_cast<size_t>(block ? (n / 128) * (k / 128) * 4 : n * 4));
+  Buffer copy = MustAlloc(static_cast<size_t>(bytes));
+  const TensorView wv(DType::kBF16, {n, k}, w.span());
+  const MutableTensorView qv(DType::kF8E4M3, {n, k}, q.span());
+  const MutableTensorView sv(DType::kF32, block ? Shape{n / 128, k / 128} : Shape{n, 1}, scales.span());
+  kernels::Fp8BlockOptions bo;
+  bo.num_threads = threads;
+  kernels::Fp8ChannelOptions co;
+  co.num_threads = threads;
+  auto run = [&] {
+    Die(block ? kernels::QuantizeFp8Block(wv, qv, sv, bo) : kernels::QuantizeFp8Channel(wv, qv, sv, co));
+  };
+  for (int i = 0; i < f.warmup; ++i) run();
+  const double t = Seconds(run, f.iters);
+  for (int i = 0; i < f.warmup; ++i) ParallelMemcpy(copy.data(), w.data(), bytes, threads);
+  const double tm = Seconds([&] { ParallelMemcpy(copy.data(), w.data(), bytes, threads); }, f.iters);
+  int64_t wrong = 0;
+  if (f.check) {
+    const auto* qp = reinterpret_cast<const uint8_t*>(q.data());
+    const auto* sp = reinterpret_cast<const float*>(scales.data());
+    for (int64_t r = 0; r < 64; ++r) {
+      for (int64_t c = 0; c < k; ++c) {
+        const float x = BF16ToF32(wp[r * k + c]);
+        const uint8_t want =
+            block ? fmt::QuantizeBlockElement(x, fmt::BlockMultiplier(sp[(r / 128) * (k / 128) + c / 128]))
+                  : fmt::QuantizeChannelElementSlime(x, sp[r]);
+        wrong += qp[r * k + c] != want;
+      }
+    }
+  }
+  return Row{name, threads, bytes, t, tm, wrong};
+}
+
 int Main(int argc, char** argv) {
   Flags f;
   CLI::App app{"wsync-bench-kernels: CPU INT4 kernel throughput vs memcpy"};
@@ -357,7 +400,8 @@ int Main(int argc, char** argv) {
               kernels::cpu::SimdTargetName(), std::thread::hardware_concurrency(), f.iters, f.warmup);
   std::printf(
       "# quantize: bf16 W[N, 4096] G=128 qat; repack: int32 GPTQ [K/8, 4096]; awq-quant: bf16 W[N, 4096] G=128;"
-      " awq-marlin: AWQ qweight [K, 512]; trtllm-sm80: codes [K/8, 4096]; xxh3, sum64, bucket-mac: one bucket's "
+      " awq-marlin: AWQ qweight [K, 512]; trtllm-sm80: codes [K/8, 4096]; fp8-block / fp8-channel: bf16 W[N, 4096]"
+      " -> E4M3 (128 x 128 blocks / rows, slime); xxh3, sum64, bucket-mac: one bucket's "
       "checksum /"
       " GMAC tag; size = input bytes; time = best of -n\n");
   std::printf("#%-15s %4s %12s %12s %9s %9s %7s %8s\n", "kernel", "thr", "size(B)", "time(us)", "GB/s", "memcpy",
@@ -378,6 +422,8 @@ int Main(int argc, char** argv) {
       if (want("awq-quantize-fp32")) Print(BenchAwqQuantize("awq-quant-fp32", kernels::AwqArith::kFp32, bytes, t, f));
       if (want("awq-marlin")) Print(BenchLayout("awq-marlin", false, bytes, t, f));
       if (want("trtllm-sm80")) Print(BenchLayout("trtllm-sm80", true, bytes, t, f));
+      if (want("fp8-block")) Print(BenchFp8("fp8-block", true, bytes, t, f));
+      if (want("fp8-channel")) Print(BenchFp8("fp8-channel", false, bytes, t, f));
       if (t == 1 && want("xxh3")) Print(BenchBucketHash("xxh3", BucketHash::kXxh3, bytes, f));
       if (t == 1 && want("sum64")) Print(BenchBucketHash("sum64", BucketHash::kSum64, bytes, f));
       if (t == 1 && want("bucket-mac")) Print(BenchBucketHash("bucket-mac", BucketHash::kMac, bytes, f));

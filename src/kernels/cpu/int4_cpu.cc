@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "kernels/cpu/abs_max-inl.h"
 #include "kernels/cpu/marlin_tile-inl.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/format/int4_format.h"
@@ -53,28 +54,6 @@ namespace hn = hwy::HWY_NAMESPACE;
 namespace fmt = ::wsync::kernels::format;
 
 constexpr int64_t kRowBlock = 16;
-
-// max |x| as 15-bit magnitude pattern over n 16-bit values.
-uint32_t AbsMaxBits(const uint16_t* HWY_RESTRICT x, int64_t n) {
-  const hn::ScalableTag<uint16_t> d;
-  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
-  const auto mask = hn::Set(d, static_cast<uint16_t>(0x7FFF));
-  auto m = hn::Zero(d);
-  int64_t i = 0;
-  for (; i + lanes <= n; i += lanes) m = hn::Max(m, hn::And(hn::LoadU(d, x + i), mask));
-  uint32_t r = 0;
-#if HWY_TARGET == HWY_SCALAR
-  r = hn::GetLane(m);
-#else
-  // Horizontal max: the two u16 halves of each u32 lane, then MaxOfLanes on u32.
-  const hn::Repartition<uint32_t, decltype(d)> d32;
-  const auto v32 = hn::BitCast(d32, m);
-  const auto mm = hn::Max(hn::And(v32, hn::Set(d32, 0xFFFFu)), hn::ShiftRight<16>(v32));
-  r = hn::GetLane(hn::MaxOfLanes(d32, mm));
-#endif
-  for (; i < n; ++i) r = std::max<uint32_t>(r, fmt::AbsBits16(x[i]));
-  return r;
-}
 
 #if HWY_TARGET != HWY_SCALAR
 // q = clamp(rint(vf / vs), -7, 7); u = q + 8; pairs of lanes -> one byte (u_even | u_odd << 4),
