@@ -22,7 +22,8 @@ absl::Status CheckWeight(absl::string_view fn, const TensorView& w) {
 
 absl::Status CheckBlock(absl::string_view fn, int64_t bn, int64_t bk) {
   if (bn < 1 || bk < 1 || bn > (int64_t{1} << 20) || bk > (int64_t{1} << 20))
-    return Invalid(fn, absl::StrCat("block sizes ", bn, " x ", bk, " (want 1 .. 2^20 each; checkpoints use 128 x 128)"));
+    return Invalid(fn,
+                   absl::StrCat("block sizes ", bn, " x ", bk, " (want 1 .. 2^20 each; checkpoints use 128 x 128)"));
   return absl::OkStatus();
 }
 

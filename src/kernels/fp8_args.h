@@ -51,13 +51,13 @@ struct Fp8DequantizeArgs {
 // block (e * ceil(N/bn) + bi) * ceil(K/bk) + bj, or row e * N + n.
 inline absl::Status Fp8NonFiniteError(const Fp8QuantizeArgs& a, int64_t index) {
   if (!a.block)
-    return absl::InvalidArgumentError(absl::StrCat("QuantizeFp8Channel: W holds Inf or NaN in expert ", index / a.n,
-                                                   ", row ", index % a.n));
+    return absl::InvalidArgumentError(
+        absl::StrCat("QuantizeFp8Channel: W holds Inf or NaN in expert ", index / a.n, ", row ", index % a.n));
   const int64_t nb = (a.n + a.bn - 1) / a.bn, kb = (a.k + a.bk - 1) / a.bk;
   const int64_t bj = index % kb, bi = (index / kb) % nb, e = index / kb / nb;
-  return absl::InvalidArgumentError(absl::StrCat("QuantizeFp8Block: W holds Inf or NaN in expert ", e, ", block (",
-                                                 bi, ", ", bj, ") (rows ", bi * a.bn, "..", std::min(a.n, (bi + 1) * a.bn) - 1,
-                                                 ", columns ", bj * a.bk, "..", std::min(a.k, (bj + 1) * a.bk) - 1, ")"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "QuantizeFp8Block: W holds Inf or NaN in expert ", e, ", block (", bi, ", ", bj, ") (rows ", bi * a.bn, "..",
+      std::min(a.n, (bi + 1) * a.bn) - 1, ", columns ", bj * a.bk, "..", std::min(a.k, (bj + 1) * a.bk) - 1, ")"));
 }
 
 }  // namespace wsync::kernels::internal

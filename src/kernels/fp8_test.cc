@@ -126,7 +126,8 @@ absl::StatusOr<Result> RunBlock(const std::vector<uint16_t>& w, DType dt, int64_
   Result r;
   r.q.assign(w.size(), 0xAA);
   r.s32.assign(static_cast<size_t>(ss.size() == 3 ? ss[0] * ss[1] * ss[2] : ss[0] * ss[1]), -1.0f);
-  RETURN_IF_ERROR(QuantizeFp8Block(In16(w, dt, s), MutableTensorView(DType::kF8E4M3, s, std::as_writable_bytes(std::span(r.q))),
+  RETURN_IF_ERROR(QuantizeFp8Block(In16(w, dt, s),
+                                   MutableTensorView(DType::kF8E4M3, s, std::as_writable_bytes(std::span(r.q))),
                                    MutableTensorView(DType::kF32, ss, std::as_writable_bytes(std::span(r.s32))), o));
   return r;
 }
@@ -145,9 +146,8 @@ absl::StatusOr<Result> RunChannel(const std::vector<uint16_t>& w, DType dt, int6
     r.s16.assign(static_cast<size_t>(e * n), 0xFFFF);
     scale = MutableTensorView(dt, ss, std::as_writable_bytes(std::span(r.s16)));
   }
-  RETURN_IF_ERROR(
-      QuantizeFp8Channel(In16(w, dt, s), MutableTensorView(DType::kF8E4M3, s, std::as_writable_bytes(std::span(r.q))),
-                         scale, o));
+  RETURN_IF_ERROR(QuantizeFp8Channel(
+      In16(w, dt, s), MutableTensorView(DType::kF8E4M3, s, std::as_writable_bytes(std::span(r.q))), scale, o));
   return r;
 }
 
@@ -164,8 +164,8 @@ std::vector<uint16_t> Weights(uint64_t seed, DType dt, int64_t e, int64_t n, int
   std::vector<uint16_t> w(static_cast<size_t>(e * n * k));
   auto to16 = [&](float f) { return dt == DType::kBF16 ? F32ToBF16(f) : F32ToF16(f); };
   for (auto& h : w) h = to16(normal(rng));
-  const float edges[] = {0.0f, -0.0f, 1e-30f, 3e-39f, 0x1p-9f, 0x1p-10f, 3 * 0x1p-10f, 1.0625f, -17.0f, 1e4f,
-                         -3e4f, 65504.0f, 448.0f, 464.0f, 480.0f, 1e-8f};
+  const float edges[] = {0.0f,   -0.0f, 1e-30f, 3e-39f,   0x1p-9f, 0x1p-10f, 3 * 0x1p-10f, 1.0625f,
+                         -17.0f, 1e4f,  -3e4f,  65504.0f, 448.0f,  464.0f,   480.0f,       1e-8f};
   std::uniform_int_distribution<size_t> at(0, w.size() - 1);
   for (int rep = 0; rep < 4; ++rep)
     for (float f : edges) w[at(rng)] = to16(f);
@@ -192,9 +192,9 @@ TEST(Fp8Block, EveryVariantEqualsTheReferenceOnSeededWeightsAndEdges) {
       const std::vector<uint16_t> w = Weights(c.seed, c.dt, c.e, c.n, c.k, sigma);
       for (auto v : {Fp8BlockVariant::kSlime, Fp8BlockVariant::kVllm, Fp8BlockVariant::kUe8m0}) {
         for (int threads : {1, 3}) {
-          SCOPED_TRACE(::testing::Message() << SafetensorsName(c.dt) << " " << c.e << "x" << c.n << "x" << c.k << " seed "
-                                          << c.seed << " sigma " << sigma << " variant " << static_cast<int>(v)
-                                          << " threads " << threads);
+          SCOPED_TRACE(::testing::Message()
+                       << SafetensorsName(c.dt) << " " << c.e << "x" << c.n << "x" << c.k << " seed " << c.seed
+                       << " sigma " << sigma << " variant " << static_cast<int>(v) << " threads " << threads);
           Fp8BlockOptions o;
           o.variant = v;
           o.num_threads = threads;
@@ -229,8 +229,8 @@ TEST(Fp8Block, OddBlockSizesEqualTheReference) {
 TEST(Fp8Block, TiesGoToTheEvenCodeAndHugeOrTinyBlocksQuantize) {
   // Midpoints whose even neighbour is below (1.0625, 17, 2^-10, 5 x 2^-10, 400) or above (1.1875, 19,
   // 3 x 2^-10): each must take the even code.
-  const float xs[] = {448.0f, 1.0625f, 17.0f,   3 * 0x1p-10f, 0x1p-10f, 0x1p-9f, 1.5f * 0x1p-6f, -0.0f,
-                      -448.0f, 0.0f,   1.1875f, 19.0f,        5 * 0x1p-10f, -1.1875f, 400.0f};
+  const float xs[] = {448.0f,  1.0625f, 17.0f,   3 * 0x1p-10f, 0x1p-10f,     0x1p-9f,  1.5f * 0x1p-6f, -0.0f,
+                      -448.0f, 0.0f,    1.1875f, 19.0f,        5 * 0x1p-10f, -1.1875f, 400.0f};
   const uint8_t want[] = {0x7E, 0x38, 0x58, 0x02, 0x00, 0x01, 0x0C, 0x80, 0xFE, 0x00, 0x3A, 0x5A, 0x02, 0xBA, 0x7C};
   for (auto v : {Fp8BlockVariant::kSlime, Fp8BlockVariant::kVllm, Fp8BlockVariant::kUe8m0}) {
     std::vector<uint16_t> w;
@@ -261,7 +261,7 @@ TEST(Fp8Channel, BothVariantsEqualTheReference) {
       const std::vector<uint16_t> w = Weights(c.seed + 100, c.dt, c.e, c.n, c.k, sigma);
       for (auto v : {Fp8ChannelVariant::kSlime, Fp8ChannelVariant::kCompressedTensors}) {
         SCOPED_TRACE(::testing::Message() << SafetensorsName(c.dt) << " " << c.e << "x" << c.n << "x" << c.k << " seed "
-                                        << c.seed + 100 << " sigma " << sigma << " variant " << static_cast<int>(v));
+                                          << c.seed + 100 << " sigma " << sigma << " variant " << static_cast<int>(v));
         Fp8ChannelOptions o;
         o.variant = v;
         auto got = RunChannel(w, c.dt, c.e, c.n, c.k, o);
@@ -301,12 +301,12 @@ TEST(Fp8Dequantize, IsTheCodeTimesItsScale) {
   auto ch = RunChannel(w, DType::kBF16, 2, 130, 200, co);
   ASSERT_TRUE(ch.ok());
   std::vector<uint16_t> out16(w.size());
-  ASSERT_TRUE(DequantizeFp8Channel(TensorView(DType::kF8E4M3, {2, 130, 200}, std::as_bytes(std::span(ch->q))),
-                                   TensorView(DType::kBF16, {2, 130, 1}, std::as_bytes(std::span(ch->s16))),
-                                   MutableTensorView(DType::kBF16, {2, 130, 200},
-                                                     std::as_writable_bytes(std::span(out16))),
-                                   KernelOptions{})
-                  .ok());
+  ASSERT_TRUE(
+      DequantizeFp8Channel(TensorView(DType::kF8E4M3, {2, 130, 200}, std::as_bytes(std::span(ch->q))),
+                           TensorView(DType::kBF16, {2, 130, 1}, std::as_bytes(std::span(ch->s16))),
+                           MutableTensorView(DType::kBF16, {2, 130, 200}, std::as_writable_bytes(std::span(out16))),
+                           KernelOptions{})
+          .ok());
   for (int64_t i = 0; i < static_cast<int64_t>(w.size()); ++i) {
     const uint8_t q = ch->q[i];
     const float v = static_cast<float>((q & 0x80 ? -1 : 1) * mags[q & 0x7F]) * BF16ToF32(ch->s16[i / 200]);
@@ -335,11 +335,15 @@ TEST(Fp8Refusals, BadShapesDtypesAndBlocks) {
   std::vector<uint16_t> w(64);
   std::vector<uint8_t> q(64);
   std::vector<float> s(1);
-  auto qv = [&](Shape sh) { return MutableTensorView(DType::kF8E4M3, std::move(sh), std::as_writable_bytes(std::span(q))); };
-  auto sv = [&](Shape sh) { return MutableTensorView(DType::kF32, std::move(sh), std::as_writable_bytes(std::span(s))); };
+  auto qv = [&](Shape sh) {
+    return MutableTensorView(DType::kF8E4M3, std::move(sh), std::as_writable_bytes(std::span(q)));
+  };
+  auto sv = [&](Shape sh) {
+    return MutableTensorView(DType::kF32, std::move(sh), std::as_writable_bytes(std::span(s)));
+  };
   const TensorView wv(DType::kBF16, {8, 8}, std::as_bytes(std::span(w)));
-  EXPECT_TRUE(absl::IsInvalidArgument(QuantizeFp8Block(TensorView(DType::kBF16, {64}, std::as_bytes(std::span(w))),
-                                                       qv({64}), sv({1}), {})));
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      QuantizeFp8Block(TensorView(DType::kBF16, {64}, std::as_bytes(std::span(w))), qv({64}), sv({1}), {})));
   EXPECT_TRUE(absl::IsInvalidArgument(
       QuantizeFp8Block(TensorView(DType::kF32, {4, 8}, std::as_bytes(std::span(w))), qv({4, 8}), sv({1, 1}), {})));
   EXPECT_TRUE(absl::IsInvalidArgument(QuantizeFp8Block(wv, qv({8, 8}), sv({1, 2}), {})));  // scale shape
@@ -349,9 +353,9 @@ TEST(Fp8Refusals, BadShapesDtypesAndBlocks) {
   zero.block_k = 0;
   EXPECT_TRUE(absl::IsInvalidArgument(QuantizeFp8Block(wv, qv({8, 8}), sv({1, 1}), zero)));
   EXPECT_TRUE(absl::IsInvalidArgument(QuantizeFp8Channel(wv, qv({8, 8}), sv({1, 1}), {})));  // want [8, 1]
-  EXPECT_TRUE(absl::IsInvalidArgument(QuantizeFp8Block(
-      wv, MutableTensorView(DType::kF8E4M3, {8, 8}, std::as_writable_bytes(std::span(w)).first(64)), sv({1, 1}),
-      {})));  // q overlaps W
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      QuantizeFp8Block(wv, MutableTensorView(DType::kF8E4M3, {8, 8}, std::as_writable_bytes(std::span(w)).first(64)),
+                       sv({1, 1}), {})));  // q overlaps W
   EXPECT_TRUE(QuantizeFp8Block(wv, qv({8, 8}), sv({1, 1}), {}).ok());
   EXPECT_EQ(*Fp8BlockScaleShape({3, 129, 7168}, 128, 128), (Shape{3, 2, 56}));
 }
@@ -376,7 +380,7 @@ TEST(Fp8Golden, EveryCaseEqualsTorch) {
     const std::string v = c.substr(c.find('.') + 1);
     if (absl::StartsWith(v, "block_")) {
       Fp8BlockOptions o;
-      o.variant = v == "block_slime" ? Fp8BlockVariant::kSlime
+      o.variant = v == "block_slime"  ? Fp8BlockVariant::kSlime
                   : v == "block_vllm" ? Fp8BlockVariant::kVllm
                                       : Fp8BlockVariant::kUe8m0;
       got = RunBlock(wv, w->view.dtype(), s[0], s[1], s[2], o);

@@ -45,7 +45,6 @@ inline uint32_t AbsMaxBits(const uint16_t* HWY_RESTRICT x, int64_t n) {
   return r;
 }
 
-
 // NOLINTNEXTLINE(google-readability-namespace-comments)
 }  // namespace HWY_NAMESPACE
 }  // namespace wsync::kernels::cpu

@@ -68,9 +68,9 @@ HWY_INLINE hn::VFromD<DU> E4m3Codes(hn::VFromD<DF> x) {
   const auto sign = hn::And(hn::ShiftRight<24>(hn::BitCast(du, x)), hn::Set(du, 0x80u));
   const auto a = hn::Abs(x);
   const auto b = hn::BitCast(du, a);
-  const auto normal = hn::ShiftRight<20>(hn::Add(hn::Sub(b, hn::Set(du, 120u << 23)),
-                                                 hn::Add(hn::Set(du, 0x7FFFFu), hn::And(hn::ShiftRight<20>(b),
-                                                                                         hn::Set(du, 1u)))));
+  const auto normal =
+      hn::ShiftRight<20>(hn::Add(hn::Sub(b, hn::Set(du, 120u << 23)),
+                                 hn::Add(hn::Set(du, 0x7FFFFu), hn::And(hn::ShiftRight<20>(b), hn::Set(du, 1u)))));
   const auto is_sub = hn::Lt(a, hn::Set(df, 0x1p-6f));
   if (HWY_LIKELY(hn::AllFalse(df, is_sub))) return hn::Or(normal, sign);  // subnormal codes are rare
   const auto sub = hn::BitCast(du, hn::ConvertTo(di, hn::Round(hn::Mul(a, hn::Set(df, 512.0f)))));
@@ -97,7 +97,8 @@ void QuantizeRun(const uint16_t* HWY_RESTRICT x, int64_t n, bool bf16, float r, 
 }
 
 float BitsToFloat(uint32_t abs_bits, bool bf16) {
-  return bf16 ? fmt::Bf16BitsToF32(static_cast<uint16_t>(abs_bits)) : fmt::F16BitsToF32(static_cast<uint16_t>(abs_bits));
+  return bf16 ? fmt::Bf16BitsToF32(static_cast<uint16_t>(abs_bits))
+              : fmt::F16BitsToF32(static_cast<uint16_t>(abs_bits));
 }
 
 // Per-thread scratch of the block-wise quantizer, sized once per call of a thread's range.

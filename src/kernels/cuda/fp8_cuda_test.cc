@@ -51,16 +51,17 @@ TEST_F(Fp8CudaTest, BlockEqualsTheCpuForEveryVariant) {
       const Shape s = sh.e > 1 ? Shape{sh.e, sh.n, sh.k} : Shape{sh.n, sh.k};
       const std::vector<uint16_t> w = Weights(7 + sh.n, dt, static_cast<size_t>(sh.e * sh.n * sh.k), 0.3f);
       for (auto v : {Fp8BlockVariant::kSlime, Fp8BlockVariant::kVllm, Fp8BlockVariant::kUe8m0}) {
-        SCOPED_TRACE(::testing::Message() << SafetensorsName(dt) << " " << ShapeToString(s) << " variant "
-                                          << static_cast<int>(v));
+        SCOPED_TRACE(::testing::Message()
+                     << SafetensorsName(dt) << " " << ShapeToString(s) << " variant " << static_cast<int>(v));
         Fp8BlockOptions o;
         o.variant = v;
         const Shape ss = *Fp8BlockScaleShape(s, 128, 128);
         const size_t ns = static_cast<size_t>(ss.size() == 3 ? ss[0] * ss[1] * ss[2] : ss[0] * ss[1]);
         std::vector<uint8_t> q(w.size());
         std::vector<float> sc(ns);
-        ASSERT_TRUE(QuantizeFp8Block(HostView(dt, s, w), HostMView(DType::kF8E4M3, s, q), HostMView(DType::kF32, ss, sc), o)
-                        .ok());
+        ASSERT_TRUE(
+            QuantizeFp8Block(HostView(dt, s, w), HostMView(DType::kF8E4M3, s, q), HostMView(DType::kF32, ss, sc), o)
+                .ok());
         DeviceVec<uint16_t> dw(w);
         DeviceVec<uint8_t> dq(w.size());
         DeviceVec<float> ds(ns);
@@ -99,8 +100,7 @@ TEST_F(Fp8CudaTest, ChannelEqualsTheCpuForBothVariants) {
       o.variant = v;
       std::vector<uint8_t> q(w.size());
       std::vector<uint32_t> sc(3 * 130);  // room for either width
-      MutableTensorView sv(sdt, {3, 130, 1},
-                           std::as_writable_bytes(std::span(sc)).first(3 * 130 * ItemSize(sdt)));
+      MutableTensorView sv(sdt, {3, 130, 1}, std::as_writable_bytes(std::span(sc)).first(3 * 130 * ItemSize(sdt)));
       ASSERT_TRUE(QuantizeFp8Channel(HostView(dt, s, w), HostMView(DType::kF8E4M3, s, q), sv, o).ok());
       DeviceVec<uint16_t> dw(w);
       DeviceVec<uint8_t> dq(w.size());
@@ -121,13 +121,16 @@ TEST_F(Fp8CudaTest, NonFiniteIsNamedLikeOnTheCpu) {
   std::vector<uint8_t> q(w.size());
   std::vector<float> sc(18);
   const absl::Status cpu =
-      QuantizeFp8Block(HostView(DType::kBF16, {2, 300, 260}, w), HostMView(DType::kF8E4M3, {2, 300, 260}, q), HostMView(DType::kF32, {2, 3, 3}, sc), {});
+      QuantizeFp8Block(HostView(DType::kBF16, {2, 300, 260}, w), HostMView(DType::kF8E4M3, {2, 300, 260}, q),
+                       HostMView(DType::kF32, {2, 3, 3}, sc), {});
   DeviceVec<uint16_t> dw(w);
   DeviceVec<uint8_t> dq(w.size());
   DeviceVec<float> ds(18);
   Fp8BlockOptions o;
   o.device = Device::kCuda;
-  const absl::Status gpu = QuantizeFp8Block(dw.view(DType::kBF16, {2, 300, 260}), dq.mview(DType::kF8E4M3, {2, 300, 260}), ds.mview(DType::kF32, {2, 3, 3}), o);
+  const absl::Status gpu =
+      QuantizeFp8Block(dw.view(DType::kBF16, {2, 300, 260}), dq.mview(DType::kF8E4M3, {2, 300, 260}),
+                       ds.mview(DType::kF32, {2, 3, 3}), o);
   EXPECT_TRUE(absl::IsInvalidArgument(gpu)) << gpu;
   EXPECT_EQ(gpu.message(), cpu.message());
 }

@@ -128,8 +128,8 @@ absl::Status QuantizeFp8(const internal::Fp8QuantizeArgs& a) {
   auto stream = static_cast<cudaStream_t>(a.stream);
   const int64_t nb = (a.n + a.bn - 1) / a.bn, kb = (a.k + a.bk - 1) / a.bk;
   if (a.block && (kb > (int64_t{1} << 31) - 1 || nb > 65535 || a.experts > 65535))
-    return absl::InvalidArgumentError(absl::StrCat("CUDA QuantizeFp8Block: a grid of ", kb, " x ", nb, " x ",
-                                                   a.experts, " blocks is beyond the launch limits"));
+    return absl::InvalidArgumentError(absl::StrCat("CUDA QuantizeFp8Block: a grid of ", kb, " x ", nb, " x ", a.experts,
+                                                   " blocks is beyond the launch limits"));
   if (!a.block && a.experts * a.n > (int64_t{1} << 31) - 1)
     return absl::InvalidArgumentError(absl::StrCat("CUDA QuantizeFp8Channel: ", a.experts * a.n, " rows"));
   absl::StatusOr<KeptWord> word = ThreadKeptWord();

@@ -21,10 +21,10 @@
 
 namespace wsync::kernels::format {
 
-inline constexpr float kFp8Max = 448.0f;       // largest finite E4M3FN value (code 0x7E)
-inline constexpr uint8_t kFp8MaxCode = 0x7E;   //
-inline constexpr float kSlimeBlockFloor = 1e-10f;  // §2.1, 0x2EDBE6FF
-inline constexpr float kVllmBlockFloor = 1e-4f;    // §2.2 / §2.3, 0x38D1B717
+inline constexpr float kFp8Max = 448.0f;                         // largest finite E4M3FN value (code 0x7E)
+inline constexpr uint8_t kFp8MaxCode = 0x7E;                     //
+inline constexpr float kSlimeBlockFloor = 1e-10f;                // §2.1, 0x2EDBE6FF
+inline constexpr float kVllmBlockFloor = 1e-4f;                  // §2.2 / §2.3, 0x38D1B717
 inline constexpr uint32_t kSlimeChannelFloorBits = 0x2B8D0000u;  // §3.1: float(bf16(1e-12))
 
 enum class Fp8BlockVariant : int { kSlime = 0, kVllm = 1, kUe8m0 = 2 };
