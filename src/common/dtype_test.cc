@@ -43,7 +43,8 @@ TEST(DTypeTest, NamesRoundTrip) {
   }
   EXPECT_EQ(ItemSize(DType::kBF16), 2u);
   EXPECT_EQ(ItemSize(DType::kI64), 8u);
-  for (const char* bad : {"F64", "BOOL", "F8_E4M3", "bf16", "", "U16"}) {
+  EXPECT_EQ(ItemSize(DType::kF8E4M3), 1u);
+  for (const char* bad : {"F64", "BOOL", "F8_E5M2", "bf16", "", "U16"}) {
     auto r = ParseSafetensorsDType(bad);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
   }
