@@ -153,7 +153,7 @@ absl::StatusOr<Result> RunChannel(const std::vector<uint16_t>& w, DType dt, int6
 
 std::vector<uint32_t> Bits(const std::vector<float>& v) {
   std::vector<uint32_t> b(v.size());
-  std::memcpy(b.data(), v.data(), v.size() * 4);
+  if (!v.empty()) std::memcpy(b.data(), v.data(), v.size() * 4);  // an empty vector's data() may be null
   return b;
 }
 
