@@ -122,6 +122,17 @@ const char* FirstKey(const Json& q, std::initializer_list<const char*> keys) {
   return nullptr;
 }
 
+// The modules SGLang and vLLM build unquantized under AWQ and Fp8Config whatever the config lists:
+// lm_head and the token embedding (not LinearBase) and MoE routers (ReplicatedLinear without a
+// quant_config): appended to c.ignore.
+absl::Status AddNeverQuantized(QuantizationConfig& c) {
+  for (const char* never : {"lm_head", "model.embed_tokens", "re:.*mlp\\.gate$"}) {
+    ASSIGN_OR_RETURN(IgnoreRule r, IgnoreRule::Parse(never));
+    c.ignore.push_back(std::move(r));
+  }
+  return absl::OkStatus();
+}
+
 // quant_method "awq" (config.h): AutoAWQ's and transformers' spellings.
 absl::StatusOr<QuantizationConfig> ParseAwqObject(const Json& q, const Fields& f, QuantizationConfig c) {
   const char* bits_key = FirstKey(q, {"w_bit", "bits"});
@@ -150,10 +161,43 @@ absl::StatusOr<QuantizationConfig> ParseAwqObject(const Json& q, const Fields& f
     c.ignore.push_back(std::move(r));
   }
   // What the engines build unquantized under AWQ whatever the config says (config.h).
-  for (const char* never : {"lm_head", "model.embed_tokens", "re:.*mlp\\.gate$"}) {
-    ASSIGN_OR_RETURN(IgnoreRule r, IgnoreRule::Parse(never));
-    c.ignore.push_back(std::move(r));
+  RETURN_IF_ERROR(AddNeverQuantized(c));
+  return c;
+}
+
+// quant_method "fp8" (config.h): DeepSeek-V3's block form.
+absl::StatusOr<QuantizationConfig> ParseFp8Object(const Json& q, const Fields& f, QuantizationConfig c) {
+  ASSIGN_OR_RETURN(c.format, f.String("fmt", "e4m3"));
+  c.num_bits = 8;
+  c.type = "float";
+  c.strategy = "block";
+  c.targets = {"Linear"};
+  ASSIGN_OR_RETURN(c.activation_scheme, f.String("activation_scheme", "dynamic"));
+  ASSIGN_OR_RETURN(c.scale_fmt, f.String("scale_fmt", ""));
+  ASSIGN_OR_RETURN(c.engine_layout, f.String("engine_layout", "fp8"));
+  if (f.Has("weight_block_size")) {
+    ASSIGN_OR_RETURN(std::vector<int64_t> block, f.Ints("weight_block_size"));
+    if (block.size() != 2)
+      return f.Error("weight_block_size",
+                     absl::StrCat("must hold two sizes [block_n, block_k], got ", q.at("weight_block_size").dump()));
+    for (int64_t b : block)
+      if (b <= 0 || b > 4096)
+        return f.Error("weight_block_size",
+                       absl::StrCat("sizes must be in 1..4096, got ", q.at("weight_block_size").dump()));
+    c.block_n = block[0];
+    c.block_k = block[1];
   }
+  for (const char* key : {"modules_to_not_convert", "ignored_layers"}) {
+    ASSIGN_OR_RETURN(std::vector<std::string> skip, f.Strings(key));
+    for (std::string& text : skip) {
+      if (text.empty()) return f.Error(key, "holds an empty entry (it would match every module)");
+      IgnoreRule r;
+      r.text = std::move(text);
+      c.ignore.push_back(std::move(r));
+    }
+  }
+  // What the engines build unquantized under Fp8Config whatever the config says (config.h).
+  RETURN_IF_ERROR(AddNeverQuantized(c));
   return c;
 }
 
@@ -164,9 +208,11 @@ absl::StatusOr<QuantizationConfig> ParseQuantizationObject(const Json& q, absl::
   QuantizationConfig c;
   ASSIGN_OR_RETURN(c.quant_method, f.String("quant_method"));
   if (c.quant_method == "awq") return ParseAwqObject(q, f, std::move(c));
+  if (c.quant_method == "fp8") return ParseFp8Object(q, f, std::move(c));
   if (c.quant_method != "compressed-tensors")
-    return f.Error("quant_method", absl::StrCat("is \"", c.quant_method,
-                                                "\"; wsync reads compressed-tensors and awq quantization configs"));
+    return f.Error(
+        "quant_method",
+        absl::StrCat("is \"", c.quant_method, "\"; wsync reads compressed-tensors, awq and fp8 quantization configs"));
   ASSIGN_OR_RETURN(c.format, f.String("format", "pack-quantized"));
   ASSIGN_OR_RETURN(c.engine_layout, f.String("engine_layout", "marlin"));
   ASSIGN_OR_RETURN(std::vector<std::string> ignore, f.Strings("ignore"));
@@ -220,6 +266,8 @@ absl::StatusOr<QuantizationConfig> ParseQuantizationObject(const Json& q, absl::
   } else {
     return w.Error("strategy", absl::StrCat("is \"", c.strategy, "\"; expected \"group\" or \"channel\""));
   }
+  // FP8 weights are held by the engines as FP8 tensors (config.h).
+  if (c.type == "float" && !f.Has("engine_layout")) c.engine_layout = "fp8";
   return c;
 }
 
@@ -275,11 +323,15 @@ std::string QuantizationConfig::Canonical() const {
   std::vector<std::string> rules;
   for (const IgnoreRule& r : ignore) rules.push_back(r.substring ? absl::StrCat("~", r.text) : r.text);
   return absl::StrCat(quant_method, "|", format, "|", num_bits, "|", type, "|", strategy, "|", group_size, "|",
-                      symmetric, "|", dynamic, "|", actorder, "|", absl::StrJoin(targets, ","), "|",
-                      absl::StrJoin(rules, "\n"));
+                      symmetric, "|", dynamic, "|", actorder, "|", absl::StrJoin(targets, ","), "|", block_n, "x",
+                      block_k, "|", scale_fmt, "|", activation_scheme, "|", absl::StrJoin(rules, "\n"));
 }
 
 std::string QuantizationConfig::Describe() const {
+  if (is_fp8_block())
+    return absl::StrCat("fp8 ", format, " ", block_n > 0 ? absl::StrCat("block ", block_n, "x", block_k) : "per-tensor",
+                        scale_fmt.empty() ? "" : absl::StrCat(" scale_fmt ", scale_fmt), ", ", ignore.size(),
+                        " ignore rule", ignore.size() == 1 ? "" : "s");
   return absl::StrCat(quant_method, " ", format, " ", num_bits, "-bit ",
                       group_size == -1 ? std::string("channelwise") : absl::StrCat("group ", group_size),
                       symmetric ? " symmetric" : " with zero points", ", ", ignore.size(), " ignore rule",
@@ -299,6 +351,7 @@ absl::Status QuantizationConfig::CheckInt4Supported() const {
     return absl::UnimplementedError(
         absl::StrCat("quantization_config: ", what, " is not supported by wsync's INT4 path"));
   };
+  if (is_fp8()) return unsupported(absl::StrCat("FP8 (", Describe(), ")"));
   if (is_awq()) {
     if (format != "gemm") return unsupported(absl::StrCat("AWQ version \"", format, "\" (supported: gemm)"));
     if (num_bits != 4) return unsupported(absl::StrCat("AWQ bits ", num_bits));
@@ -321,6 +374,39 @@ absl::Status QuantizationConfig::CheckInt4Supported() const {
   if (group_size != -1 && group_size != 32 && group_size != 64 && group_size != 128)
     return unsupported(absl::StrCat("group_size ", group_size, " (supported: 32, 64, 128, -1)"));
   return absl::OkStatus();
+}
+
+absl::Status QuantizationConfig::CheckFp8Supported() const {
+  auto unsupported = [](absl::string_view what) {
+    return absl::UnimplementedError(
+        absl::StrCat("quantization_config: ", what, " is not supported by wsync's FP8 path"));
+  };
+  if (!is_fp8())
+    return absl::InvalidArgumentError(
+        absl::StrCat("quantization_config: ", Describe(), " is not an FP8 configuration"));
+  if (num_bits != 8) return unsupported(absl::StrCat("num_bits ", num_bits));
+  if (is_fp8_block()) {
+    if (format != "e4m3") return unsupported(absl::StrCat("fmt \"", format, "\" (supported: e4m3)"));
+    if (block_n <= 0 || block_k <= 0) return unsupported("per-tensor FP8 (no weight_block_size)");
+    if (!scale_fmt.empty() && scale_fmt != "ue8m0")
+      return unsupported(absl::StrCat("scale_fmt \"", scale_fmt, "\" (supported: ue8m0 or absent)"));
+    if (activation_scheme != "dynamic" && activation_scheme != "static")
+      return unsupported(absl::StrCat("activation_scheme \"", activation_scheme, "\""));
+  } else {
+    if (format != "float-quantized")
+      return unsupported(absl::StrCat("format \"", format, "\" (supported: float-quantized)"));
+    if (strategy != "channel") return unsupported(absl::StrCat("FP8 strategy \"", strategy, "\" (supported: channel)"));
+    if (!symmetric) return unsupported("asymmetric FP8 (symmetric: false)");
+    if (dynamic) return unsupported("dynamic weight quantization");
+    if (!actorder.empty()) return unsupported(absl::StrCat("act-order (actorder: \"", actorder, "\")"));
+  }
+  if (engine_layout != "fp8")
+    return unsupported(absl::StrCat("engine_layout \"", engine_layout, "\" with FP8 weights (supported: fp8)"));
+  return absl::OkStatus();
+}
+
+absl::Status QuantizationConfig::CheckSupported() const {
+  return is_fp8() ? CheckFp8Supported() : CheckInt4Supported();
 }
 
 bool ModelConfig::IsMoeLayer(int64_t layer) const {

@@ -1,6 +1,7 @@
 // HuggingFace model configs (config.json) for the architectures wsync converts
 // (docs: docs/spec/MEGATRON_TO_HF.md): Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3, and the
-// optional compressed-tensors `quantization_config` that tells which tensors go to INT4.
+// optional `quantization_config` that tells which tensors go to INT4 (compressed-tensors, AWQ) or
+// to FP8 (DeepSeek-V3's block form, compressed-tensors per channel).
 //
 // The parser validates what each architecture needs: structural sizes (hidden size, layers,
 // heads, vocab, experts, MLA ranks) must be present and positive and consistent (KV heads divide
@@ -48,6 +49,18 @@ absl::string_view ArchitectureName(Architecture a);
 // lm_head and embed_tokens (not LinearBase) and MoE routers "mlp.gate" (ReplicatedLinear with
 // quant_config None). docs/spec/README.md records the decision.
 //
+// FP8 block-wise quantization_config (docs/spec/FP8.md §6), as DeepSeek-V3, Kimi-K2 and the Qwen3
+// FP8 releases and slime's converter write it and SGLang / vLLM Fp8Config read it:
+//   {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+//    "weight_block_size": [128, 128], "scale_fmt": "ue8m0" (optional),
+//    "modules_to_not_convert" | "ignored_layers": ["lm_head", ...]}
+// It becomes quant_method "fp8", format = fmt, type "float", num_bits 8, strategy "block",
+// block_n / block_k = weight_block_size; `ignore` = both lists (exact names or prefixes, as
+// SGLang's is_layer_skipped) plus what the engines never build FP8 (lm_head, embed_tokens, MoE
+// routers "mlp.gate"). No weight_block_size: per-tensor FP8, parsed and refused by CheckFp8Supported.
+// FP8 per channel is compressed-tensors with format "float-quantized", weights {"num_bits": 8,
+// "type": "float", "strategy": "channel"} (llm-compressor's FP8_DYNAMIC scheme).
+//
 // One entry of quantization_config.ignore: "re:PATTERN" (compiled once) or a literal name/prefix
 // (compressed-tensors), or a substring (AWQ modules_to_not_convert).
 struct IgnoreRule {
@@ -61,21 +74,29 @@ struct IgnoreRule {
 };
 
 struct QuantizationConfig {
-  std::string quant_method;  // "compressed-tensors" or "awq"
-  std::string format;        // "pack-quantized" (compressed-tensors) or the AWQ version ("gemm")
+  std::string quant_method;  // "compressed-tensors", "awq" or "fp8"
+  // "pack-quantized" / "float-quantized" (compressed-tensors), the AWQ version ("gemm") or the
+  // FP8 fmt ("e4m3")
+  std::string format;
   int num_bits = 4;
-  std::string type = "int";
-  std::string strategy;  // "group" or "channel"
-  int group_size = -1;   // -1: channelwise (one group spanning K)
+  std::string type = "int";  // "int" or "float"
+  std::string strategy;      // "group", "channel" or "block" (fp8)
+  int group_size = -1;       // -1: channelwise (one group spanning K)
   bool symmetric = true;
   bool dynamic = false;
   std::string actorder;  // "" when null / absent
   std::vector<std::string> targets;
   std::vector<IgnoreRule> ignore;
+  // FP8 block form: weight_block_size [block_n, block_k] (0: absent, per-tensor), scale_fmt
+  // ("" or "ue8m0": scales are powers of two) and activation_scheme ("dynamic" or "static").
+  int64_t block_n = 0, block_k = 0;
+  std::string scale_fmt;
+  std::string activation_scheme;
   // What the engine holds in memory, declared by the engine with the key "engine_layout" (a wsync
   // key: the checkpoint formats have none, docs/engine-formats.md): "marlin" (the default: SGLang's
   // and vLLM's Marlin / AWQ-Marlin) or TensorRT-LLM's preprocessed W4A16 layout for the GPU family,
   // "trtllm-sm80" (sm75-89, sm100+) or "trtllm-sm90" (Hopper; its MoE weights use the sm80 layout).
+  // FP8 configs: "fp8" (the default there: the engines' FP8 weight and scale tensors as loaded).
   std::string engine_layout = "marlin";
   bool trtllm() const { return engine_layout == "trtllm-sm80" || engine_layout == "trtllm-sm90"; }
 
@@ -91,13 +112,25 @@ struct QuantizationConfig {
   // static; engine_layout marlin, or trtllm-sm80 / trtllm-sm90 with compressed-tensors.
   // Otherwise kInvalidArgument / kUnimplemented naming it.
   absl::Status CheckInt4Supported() const;
+  // OK for what the FP8 kernels implement: quant_method fp8 e4m3 with a weight_block_size (each
+  // side 1..4096), scale_fmt absent or ue8m0, or compressed-tensors float-quantized 8-bit float
+  // symmetric per channel; static weights. Otherwise kInvalidArgument / kUnimplemented naming it.
+  absl::Status CheckFp8Supported() const;
+  // CheckFp8Supported for an FP8 config, CheckInt4Supported otherwise: for the consumers that
+  // handle both.
+  absl::Status CheckSupported() const;
+  // FP8 weights: the block form (quant_method fp8) or per channel (compressed-tensors float).
+  bool is_fp8() const { return is_fp8_block() || is_fp8_channel(); }
+  bool is_fp8_block() const { return quant_method == "fp8"; }
+  bool is_fp8_channel() const { return quant_method == "compressed-tensors" && type == "float"; }
   // quant_method "awq": asymmetric INT4 with zero points, AWQ tensors (qweight / qzeros / scales).
   bool is_awq() const { return quant_method == "awq"; }
   // Every setting that decides what a sync sends, on one line (engine_layout excluded: engines
   // that hold different layouts of one quantization are sent the same tensors). Equal strings:
   // configs that quantize alike.
   std::string Canonical() const;
-  // For messages: "awq gemm 4-bit group 128 with zero points, 3 ignore rules".
+  // For messages: "awq gemm 4-bit group 128 with zero points, 3 ignore rules", "fp8 e4m3 block
+  // 128x128, 4 ignore rules".
   std::string Describe() const;
 };
 

@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -85,12 +87,121 @@ TEST(ConfigTest, Qwen3Moe) {
   EXPECT_FALSE(sparse->IsMoeLayer(3));
 }
 
-TEST(ConfigTest, DeepseekV3RefusesFp8QuantizationClearly) {
+// DeepSeek-V3's own block FP8 config (docs/spec/FP8.md §4): parsed, FP8-supported, refused by
+// every INT4 consumer naming FP8; the engines' never-quantized modules are ignored.
+TEST(ConfigTest, DeepseekV3Fp8QuantizationConfig) {
   auto c = ParseModelConfig(kDeepseekV3, "dsv3/config.json");
-  ASSERT_FALSE(c.ok());
-  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(c.status().message().find("\"fp8\""), std::string_view::npos) << c.status();
-  EXPECT_NE(c.status().message().find("dsv3/config.json"), std::string_view::npos);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE(c->quantization.has_value());
+  const QuantizationConfig& q = *c->quantization;
+  EXPECT_TRUE(q.is_fp8() && q.is_fp8_block() && !q.is_fp8_channel() && !q.is_awq());
+  EXPECT_EQ(q.block_n, 128);
+  EXPECT_EQ(q.block_k, 128);
+  EXPECT_EQ(q.format, "e4m3");
+  EXPECT_EQ(q.num_bits, 8);
+  EXPECT_EQ(q.engine_layout, "fp8");
+  EXPECT_TRUE(q.CheckFp8Supported().ok()) << q.CheckFp8Supported();
+  EXPECT_TRUE(q.CheckSupported().ok());
+  const absl::Status int4 = q.CheckInt4Supported();
+  EXPECT_EQ(int4.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(int4.message().find("FP8 (fp8 e4m3 block 128x128"), std::string_view::npos) << int4;
+  EXPECT_TRUE(q.IsIgnored("lm_head.weight"));
+  EXPECT_TRUE(q.IsIgnored("model.embed_tokens.weight"));
+  EXPECT_TRUE(q.IsIgnored("model.layers.3.mlp.gate.weight"));
+  EXPECT_FALSE(q.IsIgnored("model.layers.3.mlp.experts.7.gate_proj.weight"));
+  EXPECT_FALSE(q.IsIgnored("model.layers.0.self_attn.kv_a_proj_with_mqa.weight"));
+}
+
+TEST(ConfigTest, Fp8BlockQuantizationConfigs) {
+  // Qwen3-4B-Thinking-2507-FP8's config, and ignored_layers (vLLM's key) beside it.
+  auto qwen = ParseQuantizationConfig(
+      R"({"activation_scheme": "dynamic", "modules_to_not_convert": ["model.layers.0.mlp"], "fmt": "e4m3",
+          "quant_method": "fp8", "weight_block_size": [128, 64], "ignored_layers": ["model.layers.1.self_attn.o_proj"],
+          "scale_fmt": "ue8m0"})",
+      "qwen.json");
+  ASSERT_TRUE(qwen.ok()) << qwen.status();
+  EXPECT_TRUE(qwen->CheckFp8Supported().ok()) << qwen->CheckFp8Supported();
+  EXPECT_EQ(qwen->block_n, 128);
+  EXPECT_EQ(qwen->block_k, 64);
+  EXPECT_EQ(qwen->scale_fmt, "ue8m0");
+  EXPECT_TRUE(qwen->IsIgnored("model.layers.0.mlp.down_proj.weight"));
+  EXPECT_TRUE(qwen->IsIgnored("model.layers.1.self_attn.o_proj.weight"));
+  EXPECT_FALSE(qwen->IsIgnored("model.layers.1.self_attn.q_proj.weight"));
+  EXPECT_EQ(qwen->Describe(), "fp8 e4m3 block 128x64 scale_fmt ue8m0, 5 ignore rules");
+  // Settings that decide the bytes make different configs; the block size and the scale format do.
+  const std::string base =
+      R"({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})";
+  auto a = ParseQuantizationConfig(base, "a");
+  auto b = ParseQuantizationConfig(Replace(base, "[128, 128]", "[64, 128]"), "b");
+  auto u = ParseQuantizationConfig(Replace(base, R"("fmt")", R"("scale_fmt": "ue8m0", "fmt")"), "u");
+  ASSERT_TRUE(a.ok() && b.ok() && u.ok());
+  EXPECT_NE(a->Canonical(), b->Canonical());
+  EXPECT_NE(a->Canonical(), u->Canonical());
+
+  struct Case {
+    std::string from, to;
+    absl::StatusCode parse_code;
+    const char* mention;
+  };
+  const Case cases[] = {
+      {"[128, 128]", "[128]", absl::StatusCode::kInvalidArgument, "two sizes"},
+      {"[128, 128]", "[0, 128]", absl::StatusCode::kInvalidArgument, "weight_block_size"},
+      {"[128, 128]", "[128, 8192]", absl::StatusCode::kInvalidArgument, "1..4096"},
+      {"[128, 128]", R"(["128", 128])", absl::StatusCode::kInvalidArgument, "weight_block_size"},
+      {R"("activation_scheme")", R"("modules_to_not_convert": [""], "activation_scheme")",
+       absl::StatusCode::kInvalidArgument, "empty entry"},
+      {R"(, "weight_block_size": [128, 128])", "", absl::StatusCode::kOk, "per-tensor FP8"},
+      {R"("e4m3")", R"("e5m2")", absl::StatusCode::kOk, "fmt \"e5m2\""},
+      {R"("fmt")", R"("scale_fmt": "e8m0x", "fmt")", absl::StatusCode::kOk, "scale_fmt \"e8m0x\""},
+      {R"("fmt")", R"("engine_layout": "marlin", "fmt")", absl::StatusCode::kOk, "engine_layout \"marlin\""},
+  };
+  for (const auto& c : cases) {
+    auto q = ParseQuantizationConfig(Replace(base, c.from, c.to), "q.json");
+    if (c.parse_code != absl::StatusCode::kOk) {
+      ASSERT_FALSE(q.ok()) << c.to;
+      EXPECT_EQ(q.status().code(), c.parse_code) << q.status();
+      EXPECT_NE(q.status().message().find(c.mention), std::string_view::npos) << q.status();
+      EXPECT_NE(q.status().message().find("q.json"), std::string_view::npos) << q.status();
+    } else {
+      ASSERT_TRUE(q.ok()) << q.status();
+      const absl::Status s = q->CheckSupported();
+      EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << c.to;
+      EXPECT_NE(s.message().find(c.mention), std::string_view::npos) << s;
+    }
+  }
+}
+
+// llm-compressor's FP8_DYNAMIC scheme: compressed-tensors float-quantized per channel.
+TEST(ConfigTest, Fp8ChannelQuantizationConfig) {
+  const std::string text = R"({"quant_method": "compressed-tensors", "format": "float-quantized",
+    "quantization_status": "compressed", "ignore": ["lm_head"],
+    "config_groups": {"group_0": {"targets": ["Linear"],
+      "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": true, "dynamic": false,
+                  "group_size": null, "actorder": null, "observer": "minmax"},
+      "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": true,
+                            "symmetric": true}}}})";
+  auto q = ParseQuantizationConfig(text, "fp8-dynamic.json");
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_TRUE(q->is_fp8() && q->is_fp8_channel() && !q->is_fp8_block());
+  EXPECT_EQ(q->engine_layout, "fp8");
+  EXPECT_TRUE(q->CheckSupported().ok()) << q->CheckSupported();
+  EXPECT_EQ(q->CheckInt4Supported().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_TRUE(q->IsIgnored("lm_head.weight"));
+  for (const auto& [from, to, mention] : std::vector<std::array<std::string, 3>>{
+           {R"("strategy": "channel")", R"("strategy": "group", "group_size_": 0)", ""},
+           {R"("symmetric": true, "dynamic")", R"("symmetric": false, "dynamic")", "asymmetric FP8"},
+           {R"("float-quantized")", R"("pack-quantized")", "format \"pack-quantized\""},
+           {R"("dynamic": false)", R"("dynamic": true)", "dynamic weight"},
+       }) {
+    auto bad = ParseQuantizationConfig(Replace(text, from, to), "fp8-dynamic.json");
+    if (mention.empty()) {  // group strategy without a group size: malformed, not merely unsupported
+      EXPECT_FALSE(bad.ok());
+      continue;
+    }
+    ASSERT_TRUE(bad.ok()) << bad.status();
+    EXPECT_EQ(bad->CheckSupported().code(), absl::StatusCode::kUnimplemented) << to;
+    EXPECT_NE(bad->CheckSupported().message().find(mention), std::string_view::npos) << bad->CheckSupported();
+  }
 }
 
 TEST(ConfigTest, DeepseekV3) {

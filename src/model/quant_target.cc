@@ -14,6 +14,8 @@ bool IsQuantTarget(absl::string_view hf_name, absl::Span<const int64_t> shape, c
 }
 
 std::vector<std::string> QuantizedNames(absl::string_view prefix, const QuantizationConfig& config) {
+  if (config.is_fp8_block()) return {absl::StrCat(prefix, ".weight"), absl::StrCat(prefix, ".weight_scale_inv")};
+  if (config.is_fp8_channel()) return {absl::StrCat(prefix, ".weight"), absl::StrCat(prefix, ".weight_scale")};
   if (config.is_awq())
     return {absl::StrCat(prefix, ".qweight"), absl::StrCat(prefix, ".qzeros"), absl::StrCat(prefix, ".scales")};
   return {absl::StrCat(prefix, ".weight_packed"), absl::StrCat(prefix, ".weight_scale"),
@@ -49,18 +51,73 @@ absl::StatusOr<std::vector<HfTensor>> QuantizeAwqTensor(absl::string_view hf_nam
   return out;
 }
 
+absl::StatusOr<std::vector<HfTensor>> QuantizeFp8Tensor(absl::string_view hf_name, absl::string_view prefix,
+                                                        const TensorView& w, const QuantizationConfig& config,
+                                                        const QuantizeOptions& options) {
+  ASSIGN_OR_RETURN(Fp8Shapes shapes, Fp8ShapesFor(w, config, options));
+  const std::vector<std::string> names = QuantizedNames(prefix, config);
+  std::vector<HfTensor> out(2);
+  for (size_t i = 0; i < 2; ++i) out[i].name = names[i];
+  ASSIGN_OR_RETURN(out[0].owned, Tensor::Empty(DType::kF8E4M3, w.shape()));
+  ASSIGN_OR_RETURN(out[1].owned, Tensor::Empty(shapes.scale_dtype, shapes.scale));
+  if (absl::Status s = QuantizeFp8(w, out[0].owned.mutable_view(), out[1].owned.mutable_view(), config, options);
+      !s.ok())
+    return Annotate(s, absl::StrCat("quantizing \"", hf_name, "\" to FP8"));
+  for (auto& t : out) t.view = t.owned.view();
+  return out;
+}
+
 }  // namespace
+
+absl::StatusOr<Fp8Shapes> Fp8ShapesFor(const TensorView& w, const QuantizationConfig& config,
+                                       const QuantizeOptions& options) {
+  Fp8Shapes out;
+  if (config.is_fp8_block()) {
+    ASSIGN_OR_RETURN(out.scale, kernels::Fp8BlockScaleShape(w.shape(), config.block_n, config.block_k));
+    return out;
+  }
+  if (!config.is_fp8_channel())
+    return absl::InvalidArgumentError(absl::StrCat("Fp8ShapesFor: ", config.Describe(), " is not FP8"));
+  out.scale = w.shape();
+  if (!out.scale.empty()) out.scale.back() = 1;
+  if (options.fp8_channel == kernels::Fp8ChannelVariant::kCompressedTensors) out.scale_dtype = w.dtype();
+  return out;
+}
+
+absl::Status QuantizeFp8(const TensorView& w, MutableTensorView q, MutableTensorView scale,
+                         const QuantizationConfig& config, const QuantizeOptions& options) {
+  if (config.is_fp8_block()) {
+    kernels::Fp8BlockOptions o;
+    o.block_n = config.block_n;
+    o.block_k = config.block_k;
+    o.variant = Fp8BlockVariantFor(config, options);
+    o.num_threads = options.num_threads;
+    o.device = options.device;
+    return kernels::QuantizeFp8Block(w, q, scale, o);
+  }
+  kernels::Fp8ChannelOptions o;
+  o.variant = options.fp8_channel;
+  o.num_threads = options.num_threads;
+  o.device = options.device;
+  return kernels::QuantizeFp8Channel(w, q, scale, o);
+}
+
+kernels::Fp8BlockVariant Fp8BlockVariantFor(const QuantizationConfig& config, const QuantizeOptions& options) {
+  if (options.fp8_block) return *options.fp8_block;
+  return config.scale_fmt == "ue8m0" ? kernels::Fp8BlockVariant::kUe8m0 : kernels::Fp8BlockVariant::kSlime;
+}
 
 absl::StatusOr<std::vector<HfTensor>> QuantizeHfTensor(absl::string_view hf_name, const TensorView& w,
                                                        const QuantizationConfig& config,
                                                        const QuantizeOptions& options) {
-  RETURN_IF_ERROR(config.CheckInt4Supported());
+  RETURN_IF_ERROR(config.CheckSupported());
   absl::string_view prefix = hf_name;
   if (!absl::ConsumeSuffix(&prefix, ".weight"))
     return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", hf_name, "\": not a *.weight tensor"));
   if (w.rank() != 2 || (w.dtype() != DType::kBF16 && w.dtype() != DType::kF16))
     return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", hf_name, "\" (", w.DebugString(),
-                                                   "): INT4 targets are 2-D BF16 or F16 weights"));
+                                                   "): quantized targets are 2-D BF16 or F16 weights"));
+  if (config.is_fp8()) return QuantizeFp8Tensor(hf_name, prefix, w, config, options);
   if (config.is_awq()) return QuantizeAwqTensor(hf_name, prefix, w, config, options);
   const int64_t n = w.dim(0), k = w.dim(1);
   if (k % 8 != 0 || (config.group_size != kernels::kChannelwise && k % config.group_size != 0))
