@@ -219,6 +219,14 @@ Int4Quantizer::Int4Quantizer(const Int4Options& options)
         ao.num_threads = options.num_threads;
         ao.device = options.space.host() ? kernels::Device::kCpu : kernels::Device::kCuda;
         return ao;
+      }()),
+      fp8_([&] {
+        model::QuantizeOptions fo;
+        fo.num_threads = options.num_threads;
+        fo.fp8_block = options.fp8_block;
+        fo.fp8_channel = options.fp8_channel;
+        fo.device = options.space.host() ? kernels::Device::kCpu : kernels::Device::kCuda;
+        return fo;
       }()) {}
 
 kernels::QuantizeOptions Int4Quantizer::KernelOptions() const { return kernel_; }
@@ -226,7 +234,8 @@ kernels::QuantizeOptions Int4Quantizer::KernelOptions() const { return kernel_; 
 absl::StatusOr<std::optional<Int4ExpertPlan>> Int4Quantizer::PlanExpert(
     const ModelConfig& model, const MegatronParam& p, absl::Span<const MegatronParam* const> on_members,
     int etp) const {
-  if (p.hf_op != HfOp::kCopy && p.hf_op != HfOp::kGlu) return std::nullopt;
+  // FP8 experts travel in bf16 and are quantized where they are emitted (README.md).
+  if (quant_.is_fp8() || (p.hf_op != HfOp::kCopy && p.hf_op != HfOp::kGlu)) return std::nullopt;
   for (const MegatronParam* mp : on_members) {
     ASSIGN_OR_RETURN(HfRowMap map, HfRowMapFor(model, *mp));
     if (map.hf_shapes.size() != mp->hf_names.size())
@@ -490,6 +499,7 @@ absl::Status Int4Quantizer::EmitAwqExpert(comm::BucketBuilder& builder, const Me
 }
 
 absl::Status Int4Quantizer::QuantizeInto(comm::BucketBuilder& builder, const std::string& name, const TensorView& w) {
+  if (quant_.is_fp8()) return QuantizeFp8Into(builder, name, w);
   if (quant_.is_awq()) return QuantizeAwqInto(builder, name, w);
   absl::StatusOr<kernels::QuantizedShapes> shapes = kernels::QuantizedShapesFor(w, quant_.group_size, kFormat);
   if (!shapes.ok()) return Annotate(shapes.status(), absl::StrCat("quantizing \"", name, "\" (", w.DebugString(), ")"));
@@ -499,6 +509,28 @@ absl::Status Int4Quantizer::QuantizeInto(comm::BucketBuilder& builder, const std
   absl::Status s = kernels::QuantizeInt4(w, dst[0], dst[1], kernel_);
   stats_.quantize += absl::Now() - t0;
   if (!s.ok()) return Annotate(s, absl::StrCat("quantizing \"", name, "\""));
+  stats_.quantized_bytes += w.nbytes();
+  return absl::OkStatus();
+}
+
+absl::Status Int4Quantizer::QuantizeFp8Into(comm::BucketBuilder& builder, const std::string& name,
+                                            const TensorView& w) {
+  const std::string where = absl::StrCat("quantizing \"", name, "\" (", w.DebugString(), ") to FP8");
+  absl::string_view prefix = name;
+  if (!absl::ConsumeSuffix(&prefix, ".weight"))
+    return absl::InvalidArgumentError(absl::StrCat("cannot quantize \"", name, "\": not a *.weight tensor"));
+  absl::StatusOr<model::Fp8Shapes> shapes = model::Fp8ShapesFor(w, quant_, fp8_);
+  if (!shapes.ok()) return Annotate(shapes.status(), where);
+  const std::vector<std::string> names = model::QuantizedNames(prefix, quant_);
+  const comm::BucketBuilder::Pending pending[2] = {
+      {names[0], DType::kF8E4M3, w.shape()},
+      {names[1], shapes->scale_dtype, shapes->scale},
+  };
+  ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, builder.Reserve(pending));
+  const absl::Time t0 = absl::Now();
+  absl::Status s = model::QuantizeFp8(w, dst[0], dst[1], quant_, fp8_);
+  stats_.quantize += absl::Now() - t0;
+  if (!s.ok()) return Annotate(s, where);
   stats_.quantized_bytes += w.nbytes();
   return absl::OkStatus();
 }

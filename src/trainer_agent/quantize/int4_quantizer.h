@@ -15,7 +15,10 @@
 //   EmitExpert        cuts each HF tensor's packed / scale rows out of a full block into a bucket
 //                     triplet (weight_packed, weight_scale, weight_shape; AWQ: qweight, qzeros, scales);
 //   QuantizeInto      one HF tensor through the kernel straight into a bucket triplet (AWQ too:
-//                     qweight / qzeros / scales).
+//                     qweight / qzeros / scales; FP8: the pair weight / weight_scale_inv or
+//                     weight_scale, docs/spec/FP8.md).
+// FP8 experts are never quantized by their holders (PlanExpert: nullopt): they travel in bf16 and
+// are quantized by the emitter like every other FP8 target.
 // Quantization is row-local (groups run along K), so the rows of a tensor may be quantized in any
 // split: every path yields the bytes of model::QuantizeHfTensor on each HF tensor (compressed-
 // tensors packing, the configured group size and variant).
@@ -53,7 +56,9 @@
 #include "common/memory_space.h"
 #include "common/tensor.h"
 #include "kernels/awq.h"
+#include "kernels/fp8.h"
 #include "kernels/int4.h"
+#include "model/quant_target.h"
 #include "trainer_agent/convert/hf_convert.h"
 #include "trainer_agent/convert/megatron_param.h"
 
@@ -122,6 +127,9 @@ struct Int4Options {
   // (the CUDA kernels; every copy on the device).
   MemorySpace space = MemorySpace::Host();
   kernels::AwqArith awq_arith = kernels::AwqArith::kFp16;  // AWQ (quant->is_awq())
+  // FP8 (quant->is_fp8()): the block variant (nullopt: the config's) and the channel variant.
+  std::optional<kernels::Fp8BlockVariant> fp8_block;
+  kernels::Fp8ChannelVariant fp8_channel = kernels::Fp8ChannelVariant::kSlime;
 };
 
 // What every rank must agree on besides config.json and parallel.json for the INT4 path to pair
@@ -191,6 +199,7 @@ class Int4Quantizer {
 
  private:
   absl::Status QuantizeAwqInto(comm::BucketBuilder& builder, const std::string& name, const TensorView& w);
+  absl::Status QuantizeFp8Into(comm::BucketBuilder& builder, const std::string& name, const TensorView& w);
   absl::StatusOr<std::optional<Int4ExpertPlan>> PlanAwqExpert(const MegatronParam& p, HfRowMap map, int etp) const;
   // Rows [row, row + part.n) of `w` quantized into AWQ triple `part` of `block`.
   absl::Status QuantizeAwqPart(const MegatronParam& p, const TensorView& w, int64_t row, const AwqPart& part,
@@ -202,6 +211,7 @@ class Int4Quantizer {
   const MemorySpace space_;
   const kernels::QuantizeOptions kernel_;
   const kernels::AwqQuantizeOptions awq_;
+  const model::QuantizeOptions fp8_;
   Int4Stats stats_;
 };
 

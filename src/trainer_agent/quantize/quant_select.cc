@@ -26,7 +26,7 @@ absl::StatusOr<std::vector<model::HfTensor>> ExpectedSentTensors(const ModelConf
                                                                  const model::HfCheckpoint& hf,
                                                                  const QuantizationConfig* quant,
                                                                  const model::QuantizeOptions& options) {
-  if (quant != nullptr) RETURN_IF_ERROR(quant->CheckInt4Supported());
+  if (quant != nullptr) RETURN_IF_ERROR(quant->CheckSupported());
   ASSIGN_OR_RETURN(std::vector<model::HfTensorSpec> specs, HfTensorSpecs(model));
   std::set<std::string> known;
   for (const auto& s : specs) known.insert(s.name);

@@ -363,8 +363,10 @@ absl::StatusOr<RankShard> HostCopyOf(const RankShard& shard) {
 absl::Status RankSync::Prepare() {
   RETURN_IF_ERROR(CheckSetup());
   // Experts that are INT4 targets are quantized by the EP member that holds them.
-  int4_members_ = o_.quant != nullptr && (layout_.ep() > 1 || layout_.etp() > 1) && expert_member_;
-  if ((emitter_ || int4_members_) && o_.quant != nullptr) RETURN_IF_ERROR(o_.quant->CheckInt4Supported());
+  // FP8 experts travel in bf16 to the emitter, which quantizes them (quantize/int4_quantizer.h).
+  int4_members_ =
+      o_.quant != nullptr && !o_.quant->is_fp8() && (layout_.ep() > 1 || layout_.etp() > 1) && expert_member_;
+  if ((emitter_ || int4_members_) && o_.quant != nullptr) RETURN_IF_ERROR(o_.quant->CheckSupported());
   RETURN_IF_ERROR(OpenShard());
   RETURN_IF_ERROR(PlanMemberExperts());
   std::vector<Item> dense, experts;

@@ -18,6 +18,7 @@
 #include <ostream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -95,6 +96,7 @@ struct Case {
   bool prune = false;   // an expert map: item 0 pruned on both EP members, item 3 on one
   bool spread = false;  // SyncOptions::spread_senders: the TP group and the EP mergers send
   bool awq = false;     // INT4 as AWQ (group 32) rather than compressed-tensors
+  bool fp8 = false;     // block FP8 (16 x 32 blocks) rather than INT4; `int4` set too
 };
 
 // Keeps experts 6, 1, 3, 5, 2 of 8 (reversed on odd layers): with EP 2, local expert 0 (experts 0
@@ -199,9 +201,10 @@ TEST_P(RankSyncTest, SendsExactlyTheConvertedCheckpoint) {
   std::optional<QuantizationConfig> quant;
   if (c.int4) {
     auto q = ParseQuantizationConfig(
-        c.awq ? R"({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": true, "version": "gemm"})"
-              : testing::kInt4Json,
-        "test int4 config");
+        c.fp8   ? R"({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 32]})"
+        : c.awq ? R"({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": true, "version": "gemm"})"
+                : testing::kInt4Json,
+        "test quantization config");
     ASSERT_TRUE(q.ok()) << q.status();
     quant = std::move(*q);
   }
@@ -243,7 +246,7 @@ TEST_P(RankSyncTest, SendsExactlyTheConvertedCheckpoint) {
   const bool moe = l.num_experts() > 0;
   for (int r = 0; r < l.world_size(); ++r) {
     const absl::StatusOr<SyncReport>& rep = results[static_cast<size_t>(r)].report;
-    if (!rep.ok()) continue;
+    if (!rep.ok() || c.fp8) continue;  // FP8 experts are quantized by whoever emits them
     if (c.int4 && moe && l.Expert(r).edp == 0) {
       EXPECT_GT(rep->quantized_bytes, 0u) << "rank " << r << " holds experts";
     } else if (!rep->source) {
@@ -281,6 +284,14 @@ std::vector<Case> AllCases() {
       {"deepseek_" + etp2.name + "_ffn64_awq", Architecture::kDeepseekV3, etp2, 64, true, false, false, true});
   out.push_back(
       {"qwen3moe_" + etp2.name + "_ffn64_awq_pruned", Architecture::kQwen3Moe, etp2, 64, true, true, false, true});
+  // Block FP8: experts travel in bf16 and are quantized where they are emitted.
+  for (const auto& [arch, lc, ffn] :
+       {std::tuple{Architecture::kQwen3, tp2, 32}, std::tuple{Architecture::kQwen3Moe, ep2, 32},
+        std::tuple{Architecture::kDeepseekV3, etp2, 64}}) {
+    Case f{std::string(ArchitectureName(arch)) + "_" + lc.name + "_fp8", arch, lc, ffn, true};
+    f.fp8 = true;
+    out.push_back(f);
+  }
   // Spread senders (sharded delivery): the same checks on the union of the senders' streams.
   const size_t n = out.size();
   for (size_t i = 0; i < n; ++i) {
