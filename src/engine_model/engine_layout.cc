@@ -179,6 +179,7 @@ class LayoutBuilder {
 
   absl::Status CheckQuantization() {
     if (q_ == nullptr) return absl::OkStatus();
+    if (q_->is_fp8()) return CheckFp8Quantization();
     if (q_->quant_method != "compressed-tensors" && !q_->is_awq())
       return absl::UnimplementedError(absl::StrCat("quantization_config: quant_method \"", q_->quant_method,
                                                    "\" is not supported (want compressed-tensors or awq)"));
@@ -201,6 +202,28 @@ class LayoutBuilder {
           "quantization_config.ignore must cover it");
     return absl::OkStatus();
   }
+
+  // FP8 (docs/spec/FP8.md §4): the engines' Fp8Config / compressed-tensors FP8 on a GPU with FP8
+  // GEMMs, whose loaded tensors are what they serve from.
+  absl::Status CheckFp8Quantization() {
+    RETURN_IF_ERROR(q_->CheckFp8Supported());
+    L_.format_ = q_->is_fp8_block() ? Int4Format::kFp8Block : Int4Format::kFp8Channel;
+    L_.quantization_ = *q_;
+    if (dt_ != DType::kBF16 && dt_ != DType::kF16)
+      return absl::UnimplementedError(
+          absl::StrCat("FP8 weights need a bf16 or fp16 model (what the trainer quantizes), got ", TorchName(dt_)));
+    L_.quantized_ = true;
+    bn_ = q_->is_fp8_block() ? q_->block_n : 0;
+    bk_ = q_->is_fp8_block() ? q_->block_k : 0;
+    // The embedding is never a target (model::IsQuantTarget); lm_head is a Linear in HF.
+    if (!c_.tie_word_embeddings && !q_->IsIgnored("lm_head.weight"))
+      return Refuse(
+          "FP8 lm_head refused: the engines never build lm_head FP8 (ParallelLMHead); the ignore list "
+          "must cover it");
+    return absl::OkStatus();
+  }
+
+  bool Fp8() const { return L_.format_ == Int4Format::kFp8Block || L_.format_ == Int4Format::kFp8Channel; }
 
   // Whether HF weight `name` is sent as INT4 (slime: not ignored; every linear weight has dim 2).
   bool Int4(absl::string_view hf_weight) const { return q_ != nullptr && !q_->IsIgnored(hf_weight); }
@@ -322,6 +345,11 @@ class LayoutBuilder {
     const int lidx = static_cast<int>(L_.linears_.size());
     if (!spec.quantized) {
       AddBf16Linear(spec, shards, lidx, lin);
+    } else if (Fp8()) {
+      RETURN_IF_ERROR(CheckFp8Shards(spec, shards));
+      lin.group_size = -1;
+      lin.fp8 = true;
+      AddFp8Linear(spec, shards, lidx, lin);
     } else {
       RETURN_IF_ERROR(CheckInt4Shards(spec, shards));
       RETURN_IF_ERROR(CheckInt4Shape(spec));
@@ -378,6 +406,111 @@ class LayoutBuilder {
       s.dst_row0 = sh.dst_n;
       s.what = sh.what;
       AddSource(std::move(s));
+    }
+  }
+
+  // The engines' block-shape rules for a block-FP8 linear (FP8.md §4: SGLang's
+  // validate_block_quant_shapes and the FusedMoE checks, with their messages), then what every
+  // block copy of weight_scale_inv needs: each shard's rows and columns start on a block and end on
+  // one or at the tensor's end. INVALID_ARGUMENT naming the layer, the sizes and this rank.
+  absl::Status CheckFp8Shards(const LinearSpec& spec, const std::vector<Shard>& shards) const {
+    if (L_.format_ != Int4Format::kFp8Block) return absl::OkStatus();
+    const int64_t bn = bn_, bk = bk_;
+    auto refuse = [&](absl::string_view what) { return Refuse(absl::StrCat(spec.name, ": ", what, "; ", Ctx())); };
+    const int T = p_.tp_size, moe_tp = L_.moe_tp_size_;
+    if (spec.role == ParamRole::kExpertsW13 && (spec.n / 2) % bn != 0)
+      return refuse(absl::StrCat("The output_size of gate's and up's weight = ", spec.n / 2,
+                                 " is not divisible by weight quantization block_n = ", bn, "."));
+    if (spec.role == ParamRole::kExpertsW2 && moe_tp > 1 && spec.k % bk != 0)
+      return refuse(absl::StrCat("The input_size of down's weight = ", spec.k,
+                                 " is not divisible by weight quantization block_k = ", bk, "."));
+    if (spec.experts == 0) {
+      const bool k_split = T > 1 && spec.role == ParamRole::kRow;
+      const bool n_split =
+          T > 1 && (spec.role == ParamRole::kColumn || spec.role == ParamRole::kQkv || spec.role == ParamRole::kGateUp);
+      const bool merged = spec.role == ParamRole::kQkv || spec.role == ParamRole::kGateUp;
+      if (k_split && spec.k % bk != 0)
+        return refuse(absl::StrCat("Weight input_size_per_partition = ", spec.k,
+                                   " is not divisible by weight quantization block_k = ", bk, "."));
+      if (n_split || merged)
+        for (const Shard& sh : shards)
+          if (sh.nr % bn != 0)
+            return refuse(absl::StrCat("Weight output_partition_size = ", sh.nr, " (", sh.what,
+                                       ") is not divisible by weight quantization block_n = ", bn, "."));
+    }
+    for (const Shard& sh : shards) {
+      const bool rows_ok = sh.r0 % bn == 0 && sh.dst_n % bn == 0 && (sh.nr % bn == 0 || sh.r0 + sh.nr == sh.hf_n);
+      const bool cols_ok = sh.c0 % bk == 0 && (sh.nc % bk == 0 || sh.c0 + sh.nc == sh.hf_k);
+      if (!rows_ok || !cols_ok)
+        return refuse(absl::StrCat("the FP8 shard of ", sh.hf, " (", sh.what, ") on this rank is rows ", sh.r0, "..",
+                                   sh.r0 + sh.nr - 1, " (to row ", sh.dst_n, ") by columns ", sh.c0, "..",
+                                   sh.c0 + sh.nc - 1, " of [", sh.hf_n, ", ", sh.hf_k,
+                                   "], which cuts weight quantization blocks of ", bn, "x", bk));
+    }
+    return absl::OkStatus();
+  }
+
+  // An FP8 linear (FP8.md §4): weight F8_E4M3 [(E,) n, k] and its scales, F32 in both forms:
+  // block weight_scale_inv [(E,) ceil(n/bn), ceil(k/bk)] ("X.weight_scale_inv",
+  // "...experts.w13_weight_scale_inv"), channel weight_scale [(E,) n, 1]. Each owned shard is a block
+  // copy of its rows / columns of both sent tensors (scales: of whole blocks, CheckFp8Shards).
+  void AddFp8Linear(const LinearSpec& spec, const std::vector<Shard>& shards, int lidx, EngineLinear& lin) {
+    const bool block = L_.format_ == Int4Format::kFp8Block;
+    auto blocks = [](int64_t x, int64_t b) { return (x + b - 1) / b; };
+    const Shape scale_shape =
+        block ? WithExperts(spec, {blocks(spec.n, bn_), blocks(spec.k, bk_)}) : WithExperts(spec, {spec.n, 1});
+    auto add = [&](std::string name, DType dt, Shape shape) {
+      EngineParam q;
+      q.name = std::move(name);
+      q.role = spec.role;
+      q.kind = ParamKind::kPlain;
+      q.dtype = dt;
+      q.loaded_shape = shape;
+      q.engine_shape = std::move(shape);
+      q.layer = spec.layer;
+      q.linear = lidx;
+      return AddParam(std::move(q));
+    };
+    lin.weight = add(spec.name, DType::kF8E4M3, WithExperts(spec, {spec.n, spec.k}));
+    lin.scale = add(absl::StrCat(spec.name, block ? "_scale_inv" : "_scale"), DType::kF32, scale_shape);
+    for (const Shard& sh : shards) {
+      const std::string wn = absl::StrCat(sh.hf, ".weight"),
+                        sn = absl::StrCat(sh.hf, block ? ".weight_scale_inv" : ".weight_scale");
+      const Shape sshape = block ? Shape{blocks(sh.hf_n, bn_), blocks(sh.hf_k, bk_)} : Shape{sh.hf_n, 1};
+      if (!sh.owned) {
+        AddSkip(wn, DType::kF8E4M3, {sh.hf_n, sh.hf_k}, sh.what);
+        AddSkip(sn, DType::kF32, sshape, sh.what);
+        continue;
+      }
+      HfSource w;
+      w.hf_name = wn;
+      w.dtype = DType::kF8E4M3;
+      w.shape = {sh.hf_n, sh.hf_k};
+      w.param = lin.weight;
+      w.expert = sh.expert;
+      w.src_row0 = sh.r0;
+      w.rows = sh.nr;
+      w.src_col0 = sh.c0;
+      w.cols = sh.nc;
+      w.dst_row0 = sh.dst_n;
+      w.what = sh.what;
+      HfSource sc = w;
+      sc.hf_name = sn;
+      sc.dtype = DType::kF32;
+      sc.shape = sshape;
+      sc.param = lin.scale;
+      if (block) {
+        sc.src_row0 = sh.r0 / bn_;
+        sc.rows = blocks(sh.nr, bn_);
+        sc.src_col0 = sh.c0 / bk_;
+        sc.cols = blocks(sh.nc, bk_);
+        sc.dst_row0 = sh.dst_n / bn_;
+      } else {
+        sc.src_col0 = 0;
+        sc.cols = 1;
+      }
+      AddSource(std::move(w));
+      AddSource(std::move(sc));
     }
   }
 
@@ -688,16 +821,22 @@ class LayoutBuilder {
     const int64_t kva = a.kv_lora_rank + a.qk_rope_head_dim;
     const std::string pre = Layer(i) + "self_attn.";
     if (a.q_lora_rank > 0) {
-      // cat(q_a_proj, kv_a_proj_with_mqa) must stay bf16 (§3.1: the two weight_shape [2] become [4]).
+      // INT4: cat(q_a_proj, kv_a_proj_with_mqa) must stay bf16 (§3.1: the two weight_shape [2] become
+      // [4]). FP8: the two concatenate, scales too (DeepSeek-V3 ships them FP8), both or neither.
+      bool fused_fp8 = false;
+      if (Fp8()) {
+        ASSIGN_OR_RETURN(fused_fp8, Agree(pre + "fused_qkv_a_proj_with_mqa",
+                                          {pre + "q_a_proj.weight", pre + "kv_a_proj_with_mqa.weight"}));
+      }
       for (const char* m : {"q_a_proj", "kv_a_proj_with_mqa"}) {
-        if (Int4(absl::StrCat(pre, m, ".weight")))
+        if (!Fp8() && Int4(absl::StrCat(pre, m, ".weight")))
           return Refuse(absl::StrCat("INT4 ", pre, m,
                                      " refused: with q_lora_rank set SGLang fuses q_a_proj and "
                                      "kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa, which cannot load INT4 "
                                      "(weight_shape [2]+[2] -> [4]); quantization_config.ignore must cover both"));
       }
       LinearSpec f{
-          pre + "fused_qkv_a_proj_with_mqa.weight", ParamRole::kFusedQkvA, i, 0, a.q_lora_rank + kva, H, false};
+          pre + "fused_qkv_a_proj_with_mqa.weight", ParamRole::kFusedQkvA, i, 0, a.q_lora_rank + kva, H, fused_fp8};
       RETURN_IF_ERROR(
           AddLinear(f, {WholeShard(pre + "q_a_proj", a.q_lora_rank, H, 0, "q_a_proj"),
                         WholeShard(pre + "kv_a_proj_with_mqa", kva, H, a.q_lora_rank, "kv_a_proj_with_mqa")}));
@@ -715,12 +854,19 @@ class LayoutBuilder {
     }
     AddPlain(pre + "kv_a_layernorm.weight", ParamRole::kReplicated, dt_, {a.kv_lora_rank}, i,
              pre + "kv_a_layernorm.weight");
-    if (Int4(pre + "kv_b_proj.weight"))
+    // (FP8 kv_b_proj is what DeepSeek-V3 ships: post_load_weights dequantizes its blocks.)
+    if (!Fp8() && Int4(pre + "kv_b_proj.weight"))
       return Refuse(absl::StrCat("INT4 ", pre,
                                  "kv_b_proj refused: SGLang's post_load_weights derives w_kc / w_vc "
                                  "from a bf16 kv_b_proj.weight and has no compressed-tensors path; "
                                  "quantization_config.ignore must cover it"));
-    LinearSpec kvb{pre + "kv_b_proj.weight", ParamRole::kColumn, i, 0, nl * kvd, a.kv_lora_rank, false};
+    LinearSpec kvb{pre + "kv_b_proj.weight",
+                   ParamRole::kColumn,
+                   i,
+                   0,
+                   nl * kvd,
+                   a.kv_lora_rank,
+                   Fp8() && Int4(pre + "kv_b_proj.weight")};
     RETURN_IF_ERROR(AddLinear(kvb, {ColShard(pre + "kv_b_proj", nh * kvd, a.kv_lora_rank, 0, "kv_b_proj")}));
     const int64_t K = nh * a.v_head_dim;
     LinearSpec o{pre + "o_proj.weight", ParamRole::kRow, i, 0, H, K / T, Int4(pre + "o_proj.weight")};
@@ -820,6 +966,7 @@ class LayoutBuilder {
   EngineLayout L_;
   DType dt_ = DType::kBF16;
   int G_ = -1;
+  int64_t bn_ = 0, bk_ = 0;  // FP8 block sizes (block form)
   std::set<std::string> warned_;
   std::vector<std::string> warnings_;
 };

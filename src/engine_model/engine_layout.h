@@ -90,12 +90,15 @@ enum class ParamKind {
 };
 absl::string_view ParamKindName(ParamKind kind);  // "plain", "packed", "scale", "zeros"
 
-// The INT4 format an engine serves (config.quantization's quant_method).
+// The quantized format an engine serves (config.quantization's quant_method); despite the name,
+// the FP8 forms too.
 enum class Int4Format {
   kNone,               // a bf16 engine
   kCompressedTensors,  // compressed-tensors INT4 -> Marlin (SGLang's gptq_marlin path, FORMATS.md)
   kAwq,                // AWQ -> AWQ-Marlin with zero points (vLLM / SGLang awq_marlin, AWQ.md §2-4)
   kTrtllm,             // compressed-tensors INT4 -> TensorRT-LLM's preprocessed W4A16 layout (TRTLLM_INT4.md)
+  kFp8Block,           // block FP8 (quant_method fp8): weight F8_E4M3 + weight_scale_inv F32 (FP8.md §4)
+  kFp8Channel,         // compressed-tensors FP8 per channel: weight F8_E4M3 + weight_scale F32 [N, 1]
 };
 
 enum class ParamForm { kLoaded, kEngine };
@@ -145,11 +148,12 @@ struct EngineLinear {
   int64_t n = 0;        // rows of the dense weight on this rank (HF orientation, per expert)
   int64_t k = 0;        // columns (input features) on this rank
   bool quantized = false;
+  bool fp8 = false;     // FP8: `weight` is the F8_E4M3 param and `scale` its scales (both kPlain)
   int group_size = -1;  // INT4 only
-  int weight = -1;      // param index of the bf16 weight (unquantized), else -1
+  int weight = -1;      // param index of the bf16 weight (unquantized) or the FP8 weight, else -1
   int packed = -1;      // param indices of the INT4 pair (quantized), else -1
-  int scale = -1;
-  int zeros = -1;  // AWQ: param index of the zero points, else -1
+  int scale = -1;       // INT4 scales, or the FP8 scales
+  int zeros = -1;       // AWQ: param index of the zero points, else -1
 };
 
 // One sent HF tensor and what this rank does with it.

@@ -628,5 +628,136 @@ TEST(EngineLayoutTest, W13ScalePermutationUsesSglangSizeK) {
   EXPECT_FALSE(gu.marlin.grouped_scale_perm);  // K = H = 128 = G
 }
 
+// ---- FP8 (docs/spec/FP8.md §4) ---------------------------------------------------------------------
+
+constexpr const char* kFp8Block =
+    R"({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})";
+constexpr const char* kFp8Channel = R"({"quant_method": "compressed-tensors", "format": "float-quantized",
+  "ignore": ["lm_head", "re:.*mlp\\.gate$"], "config_groups": {"group_0": {"targets": ["Linear"],
+  "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": true, "dynamic": false}}}})";
+
+QuantizationConfig Fp8(const char* json) {
+  auto q = ParseQuantizationConfig(json, "fp8");
+  EXPECT_TRUE(q.ok()) << q.status();
+  return *q;
+}
+
+const HfSource& SourceOf(const EngineLayout& l, const std::string& hf) {
+  const int i = l.FindSource(hf);
+  EXPECT_GE(i, 0) << hf;
+  return l.sources()[static_cast<size_t>(std::max(i, 0))];
+}
+
+constexpr auto kF8 = DType::kF8E4M3;
+constexpr auto kF32 = DType::kF32;
+
+// DeepSeek-V3 as published (block FP8), SGLang TP 8 rank 3: weight F8_E4M3 and weight_scale_inv
+// F32 [ceil(N/128), ceil(K/128)] per linear, the fused MoE scales [E, 2 I'/128, H/128], and the
+// scale blocks each shard's rows map to; the router, embeddings and lm_head stay bf16.
+TEST(EngineLayoutTest, Fp8BlockDeepseekV3Tp8) {
+  const ModelConfig c = Config(kDeepseekV3Full);
+  const QuantizationConfig q = Fp8(kFp8Block);
+  auto l = EngineLayout::Create(c, &q, {8, 3, 1});
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_EQ(l->int4_format(), Int4Format::kFp8Block);
+  const std::string A = "model.layers.0.self_attn.", M = "model.layers.3.mlp.";
+  const std::vector<Want> want = {
+      {A + "fused_qkv_a_proj_with_mqa.weight", ParamRole::kFusedQkvA, kPl, kF8, {2112, 7168}, {2112, 7168}},
+      {A + "fused_qkv_a_proj_with_mqa.weight_scale_inv", ParamRole::kFusedQkvA, kPl, kF32, {17, 56}, {17, 56}},
+      {A + "q_b_proj.weight_scale_inv", ParamRole::kColumn, kPl, kF32, {24, 12}, {24, 12}},
+      {A + "kv_b_proj.weight", ParamRole::kColumn, kPl, kF8, {4096, 512}, {4096, 512}},
+      {A + "kv_b_proj.weight_scale_inv", ParamRole::kColumn, kPl, kF32, {32, 4}, {32, 4}},
+      {A + "o_proj.weight_scale_inv", ParamRole::kRow, kPl, kF32, {56, 16}, {56, 16}},
+      {"model.layers.2.mlp.gate_up_proj.weight_scale_inv", ParamRole::kGateUp, kPl, kF32, {36, 56}, {36, 56}},
+      {"model.layers.2.mlp.down_proj.weight_scale_inv", ParamRole::kRow, kPl, kF32, {56, 18}, {56, 18}},
+      {M + "gate.weight", ParamRole::kReplicated, kPl, kB, {256, 7168}, {256, 7168}},
+      {M + "experts.w13_weight", ParamRole::kExpertsW13, kPl, kF8, {256, 512, 7168}, {256, 512, 7168}},
+      {M + "experts.w13_weight_scale_inv", ParamRole::kExpertsW13, kPl, kF32, {256, 4, 56}, {256, 4, 56}},
+      {M + "experts.w2_weight", ParamRole::kExpertsW2, kPl, kF8, {256, 7168, 256}, {256, 7168, 256}},
+      {M + "experts.w2_weight_scale_inv", ParamRole::kExpertsW2, kPl, kF32, {256, 56, 2}, {256, 56, 2}},
+      {M + "shared_experts.gate_up_proj.weight_scale_inv", ParamRole::kGateUp, kPl, kF32, {4, 56}, {4, 56}},
+      {"model.embed_tokens.weight", ParamRole::kVocab, kPl, kB, {16160, 7168}, {16160, 7168}},
+  };
+  for (const Want& w : want) ExpectParam(*l, w);
+  // kv_a's 576 rows follow q_a's 1536 = 12 blocks: its 5 scale rows (the last one partial) at row 12.
+  const HfSource& kva = SourceOf(*l, A + "kv_a_proj_with_mqa.weight_scale_inv");
+  EXPECT_EQ(kva.shape, (Shape{5, 56}));
+  EXPECT_EQ(kva.dst_row0, 12);
+  EXPECT_EQ(kva.rows, 5);
+  // kv_b rows 3 * 4096.. of 32768: scale rows 96..127.
+  const HfSource& kvb = SourceOf(*l, A + "kv_b_proj.weight_scale_inv");
+  EXPECT_EQ(kvb.src_row0, 96);
+  EXPECT_EQ(kvb.rows, 32);
+  // o_proj: columns 3 * 2048.. of 16384: scale columns 48..63.
+  const HfSource& o = SourceOf(*l, A + "o_proj.weight_scale_inv");
+  EXPECT_EQ(o.src_col0, 48);
+  EXPECT_EQ(o.cols, 16);
+  // expert 5's up_proj rows 768..1023 (moe_tp rank 3 of 8, I = 2048) -> scale rows 6..7 at row 2.
+  const HfSource& up = SourceOf(*l, M + "experts.5.up_proj.weight_scale_inv");
+  EXPECT_EQ(up.dtype, kF32);
+  EXPECT_EQ(up.expert, 5);
+  EXPECT_EQ(up.src_row0, 6);
+  EXPECT_EQ(up.rows, 2);
+  EXPECT_EQ(up.dst_row0, 2);
+  const HfSource& upw = SourceOf(*l, M + "experts.5.up_proj.weight");
+  EXPECT_EQ(upw.dtype, kF8);
+  EXPECT_EQ(upw.src_row0, 768);
+  EXPECT_EQ(upw.dst_row0, 256);
+  EXPECT_FALSE(upw.transpose);
+}
+
+// The engines' block-shape refusals (SGLang's messages), before any byte moves; and per channel.
+TEST(EngineLayoutTest, Fp8RefusalsAndChannelLayout) {
+  const ModelConfig qwen = Config(kQwen3_30B);
+  const QuantizationConfig block = Fp8(kFp8Block);
+  // T=4, EP=1: I' = 768 / 4 = 192 is not a multiple of block_n (the Qwen3-235B-FP8-at-TP8 failure).
+  auto moe = EngineLayout::Create(qwen, &block, {4, 0, 1});
+  ASSERT_FALSE(moe.ok());
+  EXPECT_EQ(moe.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(moe.status().message(),
+              HasSubstr("The output_size of gate's and up's weight = 192 is not divisible by weight quantization "
+                        "block_n = 128."));
+  EXPECT_THAT(moe.status().message(), HasSubstr("model.layers.0.mlp.experts.w13_weight"));
+  EXPECT_TRUE(EngineLayout::Create(qwen, &block, {4, 1, 4}).ok());  // EP 4 keeps I' = 768
+  // Block 256 x 256 at T=4, EP=4: a k_proj partition of one 128-row head.
+  QuantizationConfig big = block;
+  big.block_n = big.block_k = 256;
+  auto qkv = EngineLayout::Create(qwen, &big, {4, 0, 4});
+  ASSERT_FALSE(qkv.ok());
+  EXPECT_THAT(
+      qkv.status().message(),
+      HasSubstr("Weight output_partition_size = 128 (k_proj (kv shard 0)) is not divisible by weight quantization "
+                "block_n = 256."));
+  // A row-parallel K slice: o_proj at block_k 384, K' = 4096 / 4 = 1024.
+  big.block_n = 128;
+  big.block_k = 384;
+  auto row = EngineLayout::Create(qwen, &big, {4, 0, 4});
+  ASSERT_FALSE(row.ok());
+  EXPECT_THAT(
+      row.status().message(),
+      HasSubstr("Weight input_size_per_partition = 1024 is not divisible by weight quantization block_k = 384."));
+  // Per channel: weight_scale [(E,) N, 1] F32 whole rows, no block rules.
+  const QuantizationConfig channel = Fp8(kFp8Channel);
+  auto l = EngineLayout::Create(qwen, &channel, {4, 2, 1});
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_EQ(l->int4_format(), Int4Format::kFp8Channel);
+  const std::string L = "model.layers.47.";
+  ExpectParam(*l, {L + "self_attn.qkv_proj.weight", ParamRole::kQkv, kPl, kF8, {1280, 2048}, {1280, 2048}});
+  ExpectParam(*l, {L + "self_attn.qkv_proj.weight_scale", ParamRole::kQkv, kPl, kF32, {1280, 1}, {1280, 1}});
+  ExpectParam(*l,
+              {L + "mlp.experts.w13_weight_scale", ParamRole::kExpertsW13, kPl, kF32, {128, 384, 1}, {128, 384, 1}});
+  ExpectParam(*l,
+              {L + "mlp.experts.w2_weight_scale", ParamRole::kExpertsW2, kPl, kF32, {128, 2048, 1}, {128, 2048, 1}});
+  const HfSource& up = SourceOf(*l, L + "mlp.experts.9.up_proj.weight_scale");
+  EXPECT_EQ(up.shape, (Shape{768, 1}));
+  EXPECT_EQ(up.src_row0, 2 * 192);
+  EXPECT_EQ(up.rows, 192);
+  EXPECT_EQ(up.dst_row0, 192);
+  // An FP8 lm_head is refused (the engines never build one).
+  QuantizationConfig head = channel;
+  head.ignore.clear();
+  EXPECT_THAT(EngineLayout::Create(qwen, &head, {1, 0, 1}).status().message(), HasSubstr("lm_head"));
+}
+
 }  // namespace
 }  // namespace wsync::engine_model

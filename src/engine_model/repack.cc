@@ -14,6 +14,7 @@
 #include "engine_model/block_copy.h"
 #include "kernels/awq.h"
 #include "kernels/format/awq_format.h"
+#include "kernels/format/fp8_format.h"
 #include "kernels/int4.h"
 #include "kernels/transpose.h"
 #include "kernels/trtllm.h"
@@ -582,6 +583,29 @@ absl::StatusOr<Tensor> DequantizeToDense(const EngineLinear& linear, const Engin
     });
     return out;
   }
+  if (linear.fp8) {
+    // FP8 (docs/spec/FP8.md §1): float(code) x its block's or row's F32 scale; the same in both forms.
+    const EngineParam& pw = layout.params()[static_cast<size_t>(linear.weight)];
+    const EngineParam& ps = layout.params()[static_cast<size_t>(linear.scale)];
+    RETURN_IF_ERROR(CheckView(weight, pw, form));
+    RETURN_IF_ERROR(CheckView(scale, ps, form));
+    const Shape& ss = ps.loaded_shape;
+    const int64_t srows = ss[ss.size() - 2], scols = ss.back();
+    const bool block = layout.int4_format() == Int4Format::kFp8Block;  // else per channel: [n, 1]
+    const int64_t bn = block ? layout.quantization()->block_n : 1, bk = block ? layout.quantization()->block_k : k;
+    const auto* q = reinterpret_cast<const uint8_t*>(weight.bytes().data());
+    const std::byte* s = scale.bytes().data();
+    ParallelFor(E * n, options.num_threads, 64, [&](int64_t b, int64_t e) {
+      for (int64_t er = b; er < e; ++er) {
+        const int64_t ex = er / n, r = er % n;
+        for (int64_t c = 0; c < k; ++c) {
+          const float sc = PlainAt(s, (ex * srows + (block ? r / bn : r)) * scols + (block ? c / bk : 0), ps.dtype);
+          Store(o, er * k + c, kernels::format::E4m3Value(q[er * k + c]) * sc, odt);
+        }
+      }
+    });
+    return out;
+  }
   const EngineParam& pk = layout.params()[static_cast<size_t>(linear.packed)];
   const EngineParam& ps = layout.params()[static_cast<size_t>(linear.scale)];
   RETURN_IF_ERROR(CheckView(weight, pk, form));
@@ -669,7 +693,8 @@ absl::StatusOr<Tensor> DequantizeLinear(
   const EngineLinear& lin = layout.linears()[static_cast<size_t>(li)];
   Tensor copies[3];
   TensorView views[3];
-  const int index[3] = {lin.quantized ? lin.packed : lin.weight, lin.quantized ? lin.scale : -1, lin.zeros};
+  const bool int4 = lin.quantized && !lin.fp8;
+  const int index[3] = {int4 ? lin.packed : lin.weight, lin.quantized ? lin.scale : -1, lin.zeros};
   for (int i = 0; i < 3; ++i) {
     if (index[i] < 0) continue;
     ASSIGN_OR_RETURN(const auto at, param_at(index[i]));

@@ -1,14 +1,14 @@
 // wsync-plan: the delivery plan of a sync and its projected time on a cluster described on the
 // command line, for both delivery modes (docs/sync.md "Planning a cluster").
 //
-//   wsync-plan --config FILE|kimi-k2|default [--quant-config FILE|int4-experts|none]
+//   wsync-plan --config FILE|kimi-k2|default [--quant-config FILE|int4-experts|fp8-block|none|model]
 //              --trainer-gpus W --trainer-tp T --trainer-pp P --trainer-ep E [--trainer-etp TP]
 //              --engines N --engine-tp T --engine-ep E
 //              [--nic-gbps 400] [--nvlink-gbps N] [--bucket-mib 512] [--rates h200|h200-device|local|FILE]
 //              [--cores C] [--json]
 //
 // The bytes come from the plan itself: the sent tensors (every HF tensor an engine of TP 1 loads,
-// INT4 triplets included), the stage of each (layers split evenly over the pipeline stages), the
+// INT4 triplets and FP8 pairs included), the stage of each (layers split evenly over the pipeline stages), the
 // trainer ranks that send it (broadcast: the stage source; sharded: StageSenders, dense tensors
 // owned greedily by bytes over the source's TP group, experts by the EP rank holding them) and
 // the block every receiver group keeps (plan::ShardPlan, the agents' own layouts). The times come
@@ -184,8 +184,9 @@ absl::StatusOr<std::vector<Sent>> SentTensors(const Setup& s) {
       t.stage = absl::StrContains(t.name, "embed_tokens") ? 0 : pp - 1;
     }
     t.expert = Field(t.name, ".mlp.experts.");
-    // [N, K/8] (compressed-tensors) or [K, N/8] (AWQ) int32 <- [N, K] bf16
+    // [N, K/8] (compressed-tensors) or [K, N/8] (AWQ) int32 <- [N, K] bf16; FP8 [N, K] <- [N, K] bf16
     if (absl::EndsWith(t.name, ".weight_packed") || absl::EndsWith(t.name, ".qweight")) t.quantized = t.bytes * 4;
+    if (t.dtype == DType::kF8E4M3) t.quantized = t.bytes * 2;
     out.push_back(std::move(t));
   }
   return out;
@@ -309,9 +310,9 @@ int Main(int argc, char** argv) {
   bool as_json = false;
   app.add_option("--config", config_arg, "HF config.json, or a preset: kimi-k2, default (the demo model)")
       ->capture_default_str();
-  app.add_option(
-         "--quant-config", quant_arg,
-         "compressed-tensors config (file), int4-experts (G 128, experts only), none, or model (the config's own)")
+  app.add_option("--quant-config", quant_arg,
+                 "quantization config (file), int4-experts (G 128, experts only), fp8-block (DeepSeek-V3's block FP8), "
+                 "none, or model (the config's own)")
       ->capture_default_str();
   app.add_option("--trainer-gpus", world, "Trainer ranks (Megatron world size)")->capture_default_str();
   app.add_option("--trainer-tp", tp, "Megatron TP")->capture_default_str();
@@ -349,8 +350,8 @@ int Main(int argc, char** argv) {
   auto config = ParseModelConfig(text, config_arg);
   if (!config.ok()) return fail(config.status());
   std::optional<QuantizationConfig> quant;
-  if (quant_arg == "int4-experts") {
-    auto q = ParseQuantizationConfig(kInt4ExpertsJson, "int4-experts");
+  if (quant_arg == "int4-experts" || quant_arg == "fp8-block") {
+    auto q = ParseQuantizationConfig(quant_arg == "fp8-block" ? kFp8BlockJson : kInt4ExpertsJson, quant_arg);
     if (!q.ok()) return fail(q.status());
     quant = *q;
   } else if (quant_arg == "model") {

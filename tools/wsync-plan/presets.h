@@ -27,4 +27,9 @@ inline constexpr const char kInt4ExpertsJson[] = R"json({
   "ignore": ["lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*shared_experts.*",
              "re:.*mlp\\.(gate|up|down)_proj$"]})json";
 
+// Block FP8 as DeepSeek-V3 ships it (docs/spec/FP8.md §6): every linear in FP8 with
+// 128 x 128 blocks; routers, embeddings and lm_head in bf16 (what the engines never build FP8).
+inline constexpr const char kFp8BlockJson[] = R"json({
+  "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})json";
+
 }  // namespace wsync::tools
