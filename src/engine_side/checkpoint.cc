@@ -49,7 +49,11 @@ absl::StatusOr<CheckpointStats> LoadCheckpoint(const std::string& dir, const eng
       const std::string& name = e.name;
       stats.bytes += static_cast<int64_t>(e.view.nbytes());
       auto where = [&](const absl::Status& s) { return Annotate(s, absl::StrCat("checkpoint ", path)); };
-      if (layout.FindSource(name) >= 0) {
+      // An FP8 engine's "X.weight" is F8_E4M3: a bf16 / fp16 one is quantized below, an FP8 one loads.
+      const int source = layout.FindSource(name);
+      const bool to_fp8 = source >= 0 && layout.sources()[static_cast<size_t>(source)].dtype == DType::kF8E4M3 &&
+                          (e.view.dtype() == DType::kBF16 || e.view.dtype() == DType::kF16);
+      if (source >= 0 && !to_fp8) {
         RETURN_IF_ERROR(where(loader.Load(name, e.view)));
         ++stats.tensors;
         continue;
@@ -58,7 +62,7 @@ absl::StatusOr<CheckpointStats> LoadCheckpoint(const std::string& dir, const eng
         ++stats.skipped;
         continue;
       }
-      // A bf16 weight of a linear the engine serves in INT4: quantize it the way a sync sends it.
+      // A bf16 weight of a linear the engine serves in INT4 or FP8: quantize it the way a sync sends it.
       if (absl::EndsWith(name, ".weight") && layout.quantization() != nullptr) {
         const std::string prefix = name.substr(0, name.size() - 7);
         const std::vector<std::string> sent = model::QuantizedNames(prefix, *layout.quantization());

@@ -123,7 +123,7 @@ absl::StatusOr<std::pair<std::optional<QuantizationConfig>, std::string>> Resolv
   }
   const std::string object = j.dump();
   ASSIGN_OR_RETURN(QuantizationConfig q, ParseQuantizationConfig(object, source));
-  RETURN_IF_ERROR(Annotate(q.CheckInt4Supported(), source));
+  RETURN_IF_ERROR(Annotate(q.CheckSupported(), source));
   return std::make_pair(std::optional<QuantizationConfig>(std::move(q)), object);
 }
 

@@ -385,11 +385,9 @@ absl::StatusOr<EngineModel> EngineModel::Create(const ModelConfig& config, Engin
   g.nh = c.num_attention_heads;
   if (g.nh % g.T != 0) return bad("num_attention_heads ", g.nh, " is not divisible by tp_size ", g.T);
   if (c.quantization) {
-    // The forward reads INT4 GEMM weights only (an FP8 config.json parses since FP8 syncs exist).
-    if (c.quantization->is_fp8())
-      return absl::UnimplementedError(absl::StrCat(
-          where, ": the reference engine computes with bf16 or INT4 weights, not ", c.quantization->Describe()));
-    if (c.quantization->strategy == "channel" || c.quantization->group_size == kernels::kChannelwise) {
+    if (c.quantization->is_fp8()) {
+      RETURN_IF_ERROR(Annotate(c.quantization->CheckFp8Supported(), where));  // block sizes: weights.cc
+    } else if (c.quantization->strategy == "channel" || c.quantization->group_size == kernels::kChannelwise) {
       g.group_size = -1;
     } else if (c.quantization->group_size > 0) {
       g.group_size = c.quantization->group_size;

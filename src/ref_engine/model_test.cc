@@ -58,6 +58,19 @@ std::string Quant(int group, const std::string& ignore) {
                       strategy, R"(", "group_size": )", group == -1 ? std::string("null") : absl::StrCat(group),
                       R"(, "symmetric": true, "actorder": null, "dynamic": false}}}, "ignore": [)", ignore, "]}");
 }
+// FP8 quantization_configs: DeepSeek-V3's block form with small blocks (the tiny models' partitions
+// are 32 rows), and compressed-tensors per channel.
+std::string Fp8Block(int bn, int bk) {
+  return absl::StrCat(R"(, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+    "weight_block_size": [)",
+                      bn, ", ", bk, "]}");
+}
+std::string Fp8Channel(const std::string& ignore) {
+  return absl::StrCat(R"(, "quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized",
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
+    "strategy": "channel", "symmetric": true, "dynamic": false}}}, "ignore": [)",
+                      ignore, "]}");
+}
 // An AWQ quantization_config (lm_head, embeddings and routers are never AWQ).
 std::string AwqQuant(int group, const std::string& modules_to_not_convert = "") {
   return absl::StrCat(R"(, "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": )", group,
@@ -218,7 +231,9 @@ TEST_P(EngineVsHfTest, LogitsAndGreedyTokensMatchOracle) {
     ASSERT_TRUE(q.ok()) << q.status();
     size_t n_int4 = 0;
     for (const auto& [name, t] : q->sent.all())
-      n_int4 += absl::EndsWith(name, ".weight_packed") || absl::EndsWith(name, ".qweight") ? 1 : 0;
+      n_int4 +=
+          absl::EndsWith(name, ".weight_packed") || absl::EndsWith(name, ".qweight") || t.dtype() == DType::kF8E4M3 ? 1
+                                                                                                                    : 0;
     ASSERT_GT(n_int4, 0u) << "the INT4 case quantized nothing";
     sent_p = &q->sent;
     oracle_p = &q->dequantized;
@@ -294,6 +309,11 @@ std::vector<Case> Cases() {
   add("awq_qwen3_moe_h_eq_g", Qwen3MoeSmallH(AwqQuant(64)), {{1, 1}, {2, 1}}, true);
   add("awq_deepseek_v3", Deepseek(AwqQuant(32, R"("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj")")), {{1, 1}, {4, 2}},
       true);
+  add("fp8_llama_tied", Llama(Fp8Block(32, 32)), {{1, 1}, {2, 1}}, true);
+  add("fp8_qwen3_moe", Qwen3Moe(Fp8Block(32, 64)), {{1, 1}, {2, 1}, {4, 4}}, true);  // TP 4 EP 1: I' 32 < bk
+  add("fp8_deepseek_v3", Deepseek(Fp8Block(32, 32)), {{1, 1}, {2, 2}}, true);
+  add("fp8_channel_qwen3", Qwen3(Fp8Channel(kIgnoreDense)), {{1, 1}, {2, 1}}, true);
+  add("fp8_channel_qwen3_moe", Qwen3Moe(Fp8Channel(kIgnoreDense)), {{2, 2}}, true);
   add("trtllm_llama_tied_sm80", Llama(TrtllmQuant(64, kIgnoreDense)), {{1, 1}, {2, 1}}, true);
   add("trtllm_qwen3_sm90", Qwen3(TrtllmQuant(32, kIgnoreDense, "trtllm-sm90")), {{1, 1}, {2, 1}}, true);
   add("trtllm_qwen3_moe_sm80", Qwen3Moe(TrtllmQuant(32, kIgnoreDense)), {{1, 1}, {2, 2}}, true);

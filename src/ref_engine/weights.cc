@@ -14,6 +14,7 @@
 #include "common/status.h"
 #include "kernels/awq.h"
 #include "kernels/format/awq_format.h"
+#include "kernels/format/fp8_format.h"
 #include "kernels/format/int4_format.h"
 #include "kernels/int4.h"
 #include "kernels/trtllm.h"
@@ -54,6 +55,30 @@ absl::Status DecodeTrtllm(const TensorView& bytes, const TensorView& scales, con
   return absl::OkStatus();
 }
 
+// An FP8 weight (docs/spec/FP8.md §1, §4): F8_E4M3 codes [(E,) N, K] and F32 scales, per block
+// (bn x bk: [(E,) ceil(N/bn), ceil(K/bk)]) or per row (bn = 0: [(E,) N, 1]).
+struct Fp8Ref {
+  int64_t experts = 1, n = 0, k = 0, bn = 0, bk = 0;
+};
+
+// W[e][n][k] = float(code) * scale of its block or row, in float32 (what the engines' block-FP8
+// GEMMs multiply with once the activations are dequantized).
+absl::Status DecodeFp8(const TensorView& codes, const TensorView& scales, const Fp8Ref& r, float* out) {
+  const int64_t E = r.experts, N = r.n, K = r.k;
+  const int64_t srows = r.bn > 0 ? (N + r.bn - 1) / r.bn : N, scols = r.bk > 0 ? (K + r.bk - 1) / r.bk : 1;
+  const auto* q = reinterpret_cast<const uint8_t*>(codes.bytes().data());
+  const std::byte* s = scales.bytes().data();
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t srow = e * srows + (r.bn > 0 ? n / r.bn : n);
+      for (int64_t k = 0; k < K; ++k) {
+        const float sc = FloatAt(DType::kF32, s, srow * scols + (r.bk > 0 ? k / r.bk : 0));
+        out[(e * N + n) * K + k] = kernels::format::E4m3Value(q[(e * N + n) * K + k]) * sc;
+      }
+    }
+  return absl::OkStatus();
+}
+
 // One Prepare in progress. kInPlace: the new version's references plus the checks to run and the
 // copies to make once every check has passed; kFloat32Copy: fresh float32 copies.
 struct Plan {
@@ -69,17 +94,20 @@ struct Plan {
     MarlinRef ref;             // sizes only (the pointers may be misaligned views; see RunCheck)
     bool trtllm = false;       // a TensorRT-LLM weight `v` with `scales`, decoded as `trt` says
     TrtllmRef trt;
+    bool fp8 = false;  // an FP8 weight `v` with `scales`, decoded as `f8` says
+    Fp8Ref f8;
   };
   // A copy into the model's reused buffers: f32 conversion of a float view, or the raw bytes of
   // misaligned Marlin words / scales.
   struct Copy {
-    enum class Kind { kToF32, kPacked, kScales, kZeros, kTrtllm };
+    enum class Kind { kToF32, kPacked, kScales, kZeros, kTrtllm, kFp8 };
     std::string key;
     TensorView src;
     WeightRef* dst = nullptr;
     Kind kind = Kind::kToF32;
-    TensorView scales;  // kTrtllm: decoded to float32 with these scales
+    TensorView scales;  // kTrtllm / kFp8: decoded to float32 with these scales
     TrtllmRef trt;
+    Fp8Ref f8;
   };
   std::vector<Check> checks;
   std::vector<Copy> copies;
@@ -376,6 +404,8 @@ struct RankWeights::Impl {
     if (!packed) {
       ASSIGN_OR_RETURN(std::optional<TensorView> w, Find(wname));
       if (w && w->dtype() == DType::kI8) return TrtllmLinear(prefix, *w, N, K, int4_ok, out, plan);
+      // FP8 has no fused-layer limits of INT4's (kv_b_proj, fused_qkv_a_proj_with_mqa load FP8).
+      if (w && w->dtype() == DType::kF8E4M3) return Fp8(wname, *w, 1, N, K, true, out, plan);
       return Float(wname, {N, K}, out, plan);
     }
     if (!int4_ok)
@@ -393,6 +423,48 @@ struct RankWeights::Impl {
     ASSIGN_OR_RETURN(TensorView scale, Get(sname));
     ASSIGN_OR_RETURN(const int G, GroupScales(sname, scale, 1, false, N, K));
     return Marlin(wname, pname, *packed, sname, scale, 1, N, K, G, G != -1 && G < K, out, plan);
+  }
+
+  // An FP8 weight `name` (F8_E4M3 [(E,) N, K], checked here) and its scales `name`_scale_inv (block,
+  // the config's weight_block_size) or `name`_scale (per channel [(E,) N, 1]), all F32; served
+  // from a float32 copy decoded at Prepare (kInPlace: after every check passed).
+  absl::Status Fp8(const std::string& name, const TensorView& w, int64_t E, int64_t N, int64_t K, bool quant_ok,
+                   WeightRef* out, Plan& plan) const {
+    const QuantizationConfig* q = config.quantization ? &*config.quantization : nullptr;
+    if (!quant_ok || q == nullptr || !q->is_fp8())
+      return absl::InvalidArgumentError(absl::StrCat(Where(), ": ", name, " is FP8, but ",
+                                                     q == nullptr || !q->is_fp8()
+                                                         ? "the engine's quantization_config is not FP8"
+                                                         : "the engine keeps this linear in bf16"));
+    const bool stacked = E > 1 || w.rank() == 3;
+    RETURN_IF_ERROR(CheckShape(name, w, stacked ? Shape{E, N, K} : Shape{N, K}));
+    Fp8Ref r{E, N, K, q->is_fp8_block() ? q->block_n : 0, q->is_fp8_block() ? q->block_k : 0};
+    const std::string sname = name + (q->is_fp8_block() ? "_scale_inv" : "_scale");
+    ASSIGN_OR_RETURN(TensorView scale, Get(sname));
+    RETURN_IF_ERROR(CheckDType(sname, scale, {DType::kF32}));
+    const int64_t srows = r.bn > 0 ? (N + r.bn - 1) / r.bn : N, scols = r.bk > 0 ? (K + r.bk - 1) / r.bk : 1;
+    RETURN_IF_ERROR(CheckShape(sname, scale, stacked ? Shape{E, srows, scols} : Shape{srows, scols}));
+    out->shape = stacked ? Shape{E, N, K} : Shape{N, K};
+    out->rows = E * N;
+    out->cols = K;
+    out->form = WeightForm::kF32;
+    if (float32_copy()) {
+      ASSIGN_OR_RETURN(float* dst, Fresh(plan, E * N * K));
+      out->data = dst;
+      return DecodeFp8(w, scale, r, dst);
+    }
+    Plan::Copy c{name, w, out, Plan::Copy::Kind::kFp8};
+    c.scales = scale;
+    c.f8 = r;
+    plan.copies.push_back(std::move(c));
+    Plan::Check check;
+    check.name = name;
+    check.v = w;
+    check.scales = scale;
+    check.fp8 = true;
+    check.f8 = r;
+    plan.checks.push_back(std::move(check));
+    return absl::OkStatus();
   }
 
   bool TrtllmSm90() const { return config.quantization && config.quantization->engine_layout == "trtllm-sm90"; }
@@ -573,6 +645,13 @@ struct RankWeights::Impl {
     ASSIGN_OR_RETURN(std::optional<TensorView> p13, Find(n13 + "_packed"));
     ASSIGN_OR_RETURN(std::optional<TensorView> p2, Find(n2 + "_packed"));
     if (!p13 && !p2) {
+      ASSIGN_OR_RETURN(std::optional<TensorView> f13, Find(n13));
+      if (f13 && f13->dtype() == DType::kF8E4M3) {
+        ASSIGN_OR_RETURN(TensorView f2, Get(n2));
+        RETURN_IF_ERROR(CheckDType(n2, f2, {DType::kF8E4M3}));
+        RETURN_IF_ERROR(Fp8(n13, *f13, E, 2 * I, H, true, w13, plan));
+        return Fp8(n2, f2, E, H, I, true, w2, plan);
+      }
       RETURN_IF_ERROR(Float(n13, {E, 2 * I, H}, w13, plan));
       return Float(n2, {E, H, I}, w2, plan);
     }
@@ -726,6 +805,13 @@ struct RankWeights::Impl {
   // One check of a kInPlace plan. Memory a weight sync wrote must hold finite numbers: NaN / Inf
   // weights are refused, never served.
   absl::Status RunCheck(const Plan::Check& c) const {
+    if (c.fp8) {
+      std::vector<float> dense(static_cast<size_t>(c.f8.experts * c.f8.n * c.f8.k));
+      RETURN_IF_ERROR(DecodeFp8(c.v, c.scales, c.f8, dense.data()));
+      for (size_t k = 0; k < dense.size(); ++k)
+        if (!std::isfinite(dense[k])) return NonFinite(c.name, dense[k], static_cast<int64_t>(k));
+      return absl::OkStatus();
+    }
     if (c.trtllm) {
       const size_t count = static_cast<size_t>(c.scales.numel());
       if (MarlinScalesCertainlyFinite(c.scales.bytes().data(), c.scales.dtype() == DType::kF16, count))
@@ -780,15 +866,17 @@ struct RankWeights::Impl {
     st.threads = threads;
     st.params = static_cast<int64_t>(plan.w->order.size());
     for (const Plan::Check& c : plan.checks)
-      st.bytes_checked += c.marlin || c.trtllm ? static_cast<int64_t>(c.scales.nbytes())
-                                               : (c.end - c.begin) * static_cast<int64_t>(ItemSize(c.v.dtype()));
+      st.bytes_checked += c.fp8                  ? static_cast<int64_t>(c.v.nbytes() + c.scales.nbytes())
+                          : c.marlin || c.trtllm ? static_cast<int64_t>(c.scales.nbytes())
+                                                 : (c.end - c.begin) * static_cast<int64_t>(ItemSize(c.v.dtype()));
     absl::flat_hash_map<std::string, Buffer> fresh;
     absl::flat_hash_set<std::string> used;
     for (const Plan::Copy& c : plan.copies) {
-      const size_t bytes = c.kind == Plan::Copy::Kind::kToF32 ? static_cast<size_t>(c.src.numel()) * sizeof(float)
-                           : c.kind == Plan::Copy::Kind::kTrtllm
-                               ? static_cast<size_t>(c.trt.experts * c.trt.n * c.trt.k) * sizeof(float)
-                               : c.src.nbytes();
+      const size_t bytes =
+          c.kind == Plan::Copy::Kind::kToF32    ? static_cast<size_t>(c.src.numel()) * sizeof(float)
+          : c.kind == Plan::Copy::Kind::kTrtllm ? static_cast<size_t>(c.trt.experts * c.trt.n * c.trt.k) * sizeof(float)
+          : c.kind == Plan::Copy::Kind::kFp8    ? static_cast<size_t>(c.f8.experts * c.f8.n * c.f8.k) * sizeof(float)
+                                                : c.src.nbytes();
       used.insert(c.key);
       st.bytes_copied += static_cast<int64_t>(bytes);
       auto it = copies.find(c.key);
@@ -803,7 +891,8 @@ struct RankWeights::Impl {
       void* dst = copies[c.key].data();
       switch (c.kind) {
         case Plan::Copy::Kind::kToF32:
-        case Plan::Copy::Kind::kTrtllm: c.dst->data = dst; break;
+        case Plan::Copy::Kind::kTrtllm:
+        case Plan::Copy::Kind::kFp8: c.dst->data = dst; break;
         case Plan::Copy::Kind::kPacked: c.dst->marlin.packed = static_cast<const uint32_t*>(dst); break;
         case Plan::Copy::Kind::kScales: c.dst->marlin.scales = static_cast<const uint16_t*>(dst); break;
         case Plan::Copy::Kind::kZeros: c.dst->marlin.zeros = static_cast<const uint32_t*>(dst); break;
@@ -814,6 +903,7 @@ struct RankWeights::Impl {
       void* dst = copies.find(c.key)->second.data();
       if (c.kind == Plan::Copy::Kind::kToF32) return ReadFloats(c.src, static_cast<float*>(dst), c.key);
       if (c.kind == Plan::Copy::Kind::kTrtllm) return DecodeTrtllm(c.src, c.scales, c.trt, static_cast<float*>(dst));
+      if (c.kind == Plan::Copy::Kind::kFp8) return DecodeFp8(c.src, c.scales, c.f8, static_cast<float*>(dst));
       std::memcpy(dst, c.src.data(), c.src.nbytes());
       return absl::OkStatus();
     }));

@@ -19,6 +19,7 @@
 #include "engine_model/loader.h"
 #include "engine_model/repack.h"
 #include "kernels/awq.h"
+#include "kernels/fp8.h"
 #include "kernels/int4.h"
 
 namespace wsync::ref_engine::testing {
@@ -173,6 +174,36 @@ absl::StatusOr<QuantizedHf> QuantizeHf(const ModelConfig& c, const TensorMap& hf
       continue;
     }
     const std::string prefix = name.substr(0, name.size() - 7);
+    if (c.quantization->is_fp8()) {
+      // FP8 (FP8.md §2.1 / §3.1, slime's variants): codes + F32 scales; the oracle gets
+      // float(code) * scale (kernels::DequantizeFp8*, checked against torch in kernels/fp8_test.cc).
+      const QuantizationConfig& fq = *c.quantization;
+      kernels::KernelOptions ko;
+      ko.num_threads = 1;
+      Tensor codes = New(DType::kF8E4M3, t.shape()), deq = New(DType::kF32, t.shape());
+      Tensor scales;
+      if (fq.is_fp8_block()) {
+        ASSIGN_OR_RETURN(const Shape sshape, kernels::Fp8BlockScaleShape(t.shape(), fq.block_n, fq.block_k));
+        scales = New(DType::kF32, sshape);
+        kernels::Fp8BlockOptions bo;
+        bo.block_n = fq.block_n;
+        bo.block_k = fq.block_k;
+        bo.num_threads = 1;
+        RETURN_IF_ERROR(kernels::QuantizeFp8Block(t.view(), codes.mutable_view(), scales.mutable_view(), bo));
+        RETURN_IF_ERROR(
+            kernels::DequantizeFp8Block(codes.view(), scales.view(), fq.block_n, fq.block_k, deq.mutable_view(), ko));
+      } else {
+        scales = New(DType::kF32, {t.shape()[0], 1});
+        kernels::Fp8ChannelOptions co;
+        co.num_threads = 1;
+        RETURN_IF_ERROR(kernels::QuantizeFp8Channel(t.view(), codes.mutable_view(), scales.mutable_view(), co));
+        RETURN_IF_ERROR(kernels::DequantizeFp8Channel(codes.view(), scales.view(), deq.mutable_view(), ko));
+      }
+      q.sent.Put(name, std::move(codes));
+      q.sent.Put(prefix + (fq.is_fp8_block() ? ".weight_scale_inv" : ".weight_scale"), std::move(scales));
+      q.dequantized.Put(name, std::move(deq));
+      continue;
+    }
     if (c.quantization->is_awq()) {
       kernels::AwqQuantizeOptions ao;
       ao.group_size = G;
