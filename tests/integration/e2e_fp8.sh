@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# FP8 syncs end to end (docs/spec/FP8.md): Megatron shards -> trainer agents under mpirun,
+# quantizing to FP8 as the engines declare it -> reference engines.
+#   1. DeepSeek-V3 (MoE, MLA), block FP8 with 64 x 64 blocks (the tiny model's partitions are 64
+#      rows: DeepSeek-V3's own 128 x 128 would be refused at TP 2, as the engines refuse it), cut for
+#      TP 2 x EP 2 x DP 2; two engines, TP 2 x EP 2 and TP 1; two sharded syncs and a broadcast one.
+#   2. Qwen3 (dense), FP8 per channel (compressed-tensors FP8_DYNAMIC), cut for TP 2 x DP 2; one
+#      engine of TP 2; a broadcast and a sharded sync.
+# After each, every synced engine must generate exactly what an engine started from the bf16 HF
+# checkpoint generates (it quantizes at load, engine_side/checkpoint.cc); the engines' FP8 forward
+# itself is checked against the HF oracle in ref_engine_test (EngineVsHfTest fp8_*). Finally a
+# model whose engine TP cut splits an FP8 block is refused before any byte moves.
+set -euo pipefail
+here="$(cd "$(dirname "$0")/../.." && pwd)"
+bin="${WSYNC_BIN:-$here/build/bin}"
+w="$(mktemp -d /tmp/wsync-e2e-fp8.XXXXXX)"
+trap 'rc=$?; if [ "$rc" = 0 ]; then rm -rf "$w"; else echo "e2e_fp8: FAILED; files in $w" >&2; fi' EXIT
+
+cat > "$w/block.json" <<'JSON'
+{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 64]}
+JSON
+cat > "$w/channel.json" <<'JSON'
+{"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+ "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
+   "strategy": "channel", "symmetric": true, "dynamic": false}}}}
+JSON
+"$bin/wsync-model-gen" --arch deepseek-v3 --preset tiny --seed 20261129 --out "$w/ds" > /dev/null
+"$bin/wsync-shard" --hf "$w/ds" --out "$w/ds-src" --tp 2 --pp 1 --ep 2 --dp 2 > /dev/null
+"$bin/wsync-model-gen" --arch qwen3 --preset tiny --seed 20261130 --out "$w/qw" > /dev/null
+"$bin/wsync-shard" --hf "$w/qw" --out "$w/qw-src" --tp 2 --pp 1 --dp 2 > /dev/null
+
+cat > "$w/then.sh" <<'THEN'
+set -euo pipefail
+ctl=("$WSYNC_BIN/wsyncctl" --coordinator "$WSYNC_COORDINATOR" --token-file "$WSYNC_TOKEN_FILE")
+grep -qF "$WANT_QUANT (--quant-config, what the engines declare)" "$WSYNC_WORKDIR/logs/trainer.log" ||
+  { echo "FAIL: the trainer agents did not sync in the engines' FP8 quantization"; exit 1; }
+echo "ok: the trainer agents sync in the engines' quantization: $WANT_QUANT"
+"$T" --every-engine-as "an engine started from the bf16 checkpoint" "$WSYNC_HF" "$W" --quant-config "$Q"
+"${ctl[@]}" sync --wait --delivery "$THEN_DELIVERY" > /dev/null
+echo "ok: a $THEN_DELIVERY sync"
+"$T" --every-engine-as "an engine started from the bf16 checkpoint" "$WSYNC_HF" "$W" --quant-config "$Q"
+THEN
+T="$here/tests/integration/e2e_tokens.sh"
+WSYNC_BIN="$bin" W="$w" T="$T" Q="$w/block.json" THEN_DELIVERY=broadcast \
+  WANT_QUANT="fp8 e4m3 block 64x64, 3 ignore rules" "$here/tools/wsync-local" --source "$w/ds-src" \
+  --quant-config "$w/block.json" --hf "$w/ds" --syncs 2 --rollout-engines 2 --engine-tp 2,1 --engine-ep 2,1 \
+  --delivery sharded --bucket-mib 1 --workdir "$w/run-ds" --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"
+echo "ok: DeepSeek-V3 in block FP8, sharded and broadcast"
+WSYNC_BIN="$bin" W="$w" T="$T" Q="$w/channel.json" THEN_DELIVERY=sharded \
+  WANT_QUANT="compressed-tensors float-quantized 8-bit channelwise symmetric, 1 ignore rule" "$here/tools/wsync-local" \
+  --source "$w/qw-src" --quant-config "$w/channel.json" --hf "$w/qw" --syncs 1 --rollout-engines 1 --engine-tp 2 \
+  --delivery broadcast --bucket-mib 1 --workdir "$w/run-qw" --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"
+echo "ok: Qwen3 in FP8 per channel, broadcast and sharded"
+# 128 x 128 blocks at engine TP 2 (EP 1): the experts' I' = 128 / 2 = 64 rows split a block.
+sed 's/\[64, 64\]/[128, 128]/' "$w/block.json" > "$w/block128.json"
+if "$bin/wsync-ref-engine" --model "$w/ds" --checkpoint "$w/ds" --quant-config "$w/block128.json" --tp-size 2 --tp-rank 0 --tp-store 127.0.0.1:1 \
+    --engine-id refused --listen 127.0.0.1:0 > "$w/refused.log" 2>&1; then
+  echo "FAIL: an engine whose TP cut splits FP8 blocks started"; exit 1
+fi
+grep -q "is not divisible by weight quantization block_n = 128" "$w/refused.log" ||
+  { echo "FAIL: the refusal does not name the block rule"; cat "$w/refused.log"; exit 1; }
+echo "ok: a TP cut that splits FP8 blocks is refused: $(grep -o 'model[^;]*block_n = 128' "$w/refused.log" | head -1)"
+echo "e2e_fp8: ok"
