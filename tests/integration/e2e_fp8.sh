@@ -6,10 +6,12 @@
 #      TP 2 x EP 2 x DP 2; two engines, TP 2 x EP 2 and TP 1; two sharded syncs and a broadcast one.
 #   2. Qwen3 (dense), FP8 per channel (compressed-tensors FP8_DYNAMIC), cut for TP 2 x DP 2; one
 #      engine of TP 2; a broadcast and a sharded sync.
-# After each, every synced engine must generate exactly what an engine started from the bf16 HF
-# checkpoint generates (it quantizes at load, engine_side/checkpoint.cc); the engines' FP8 forward
-# itself is checked against the HF oracle in ref_engine_test (EngineVsHfTest fp8_*). Finally a
-# model whose engine TP cut splits an FP8 block is refused before any byte moves.
+# Every sync is verified bit for bit by `wsyncctl verify` (the independent reference: the checkpoint
+# quantized by tools/wsyncctl/reference/fp8_scalar.h, laid out from the specs), and every synced
+# engine must generate exactly what an engine started from the bf16 HF checkpoint generates (it
+# quantizes at load, engine_side/checkpoint.cc); the engines' FP8 forward itself is checked against
+# the HF oracle in ref_engine_test (EngineVsHfTest fp8_*). Finally a model whose engine TP cut splits
+# an FP8 block is refused before any byte moves.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
 bin="${WSYNC_BIN:-$here/build/bin}"
@@ -37,18 +39,20 @@ grep -qF "$WANT_QUANT (--quant-config, what the engines declare)" "$WSYNC_WORKDI
 echo "ok: the trainer agents sync in the engines' quantization: $WANT_QUANT"
 "$T" --every-engine-as "an engine started from the bf16 checkpoint" "$WSYNC_HF" "$W" --quant-config "$Q"
 "${ctl[@]}" sync --wait --delivery "$THEN_DELIVERY" > /dev/null
-echo "ok: a $THEN_DELIVERY sync"
+"${ctl[@]}" verify --against "$WSYNC_HF" | grep -c ": bit-exact" | grep -qx "$RANKS" ||
+  { echo "FAIL: the $THEN_DELIVERY sync is not bit-exact on the $RANKS engine ranks"; exit 1; }
+echo "ok: a $THEN_DELIVERY sync, bit-exact on all $RANKS engine ranks (wsyncctl verify, the independent reference)"
 "$T" --every-engine-as "an engine started from the bf16 checkpoint" "$WSYNC_HF" "$W" --quant-config "$Q"
 THEN
 T="$here/tests/integration/e2e_tokens.sh"
-WSYNC_BIN="$bin" W="$w" T="$T" Q="$w/block.json" THEN_DELIVERY=broadcast \
+WSYNC_BIN="$bin" W="$w" T="$T" Q="$w/block.json" THEN_DELIVERY=broadcast RANKS=3 \
   WANT_QUANT="fp8 e4m3 block 64x64, 3 ignore rules" "$here/tools/wsync-local" --source "$w/ds-src" \
-  --quant-config "$w/block.json" --hf "$w/ds" --syncs 2 --rollout-engines 2 --engine-tp 2,1 --engine-ep 2,1 \
+  --quant-config "$w/block.json" --hf "$w/ds" --verify --syncs 2 --rollout-engines 2 --engine-tp 2,1 --engine-ep 2,1 \
   --delivery sharded --bucket-mib 1 --workdir "$w/run-ds" --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"
 echo "ok: DeepSeek-V3 in block FP8, sharded and broadcast"
-WSYNC_BIN="$bin" W="$w" T="$T" Q="$w/channel.json" THEN_DELIVERY=sharded \
+WSYNC_BIN="$bin" W="$w" T="$T" Q="$w/channel.json" THEN_DELIVERY=sharded RANKS=2 \
   WANT_QUANT="compressed-tensors float-quantized 8-bit channelwise symmetric, 1 ignore rule" "$here/tools/wsync-local" \
-  --source "$w/qw-src" --quant-config "$w/channel.json" --hf "$w/qw" --syncs 1 --rollout-engines 1 --engine-tp 2 \
+  --source "$w/qw-src" --quant-config "$w/channel.json" --hf "$w/qw" --verify --syncs 1 --rollout-engines 1 --engine-tp 2 \
   --delivery broadcast --bucket-mib 1 --workdir "$w/run-qw" --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"
 echo "ok: Qwen3 in FP8 per channel, broadcast and sharded"
 # 128 x 128 blocks at engine TP 2 (EP 1): the experts' I' = 128 / 2 = 64 rows split a block.

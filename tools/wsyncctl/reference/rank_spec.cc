@@ -46,6 +46,7 @@ struct LinearArgs {
   int64_t k = 0;            // HF in_features
   bool bias = false;        // QKV bias (same row mapping as the weight)
   std::string bf16_reason;  // non-empty: must stay bf16 (refused if the quantization config covers it)
+  bool fp8_ok = false;      // an FP8 config may quantize it despite bf16_reason (an INT4-only limit)
 };
 
 class Builder {
@@ -189,7 +190,8 @@ class Builder {
                                {A + "kv_a_proj_with_mqa.weight", a.kv_lora_rank + a.qk_rope_head_dim}},
                               H,
                               false,
-                              "q_a_proj and kv_a_proj_with_mqa are fused by the loader (§3.1)"}));
+                              "q_a_proj and kv_a_proj_with_mqa are fused by the loader (§3.1)",
+                              true}));
       Norm(A + "q_a_layernorm.weight", a.q_lora_rank);
       RETURN_IF_ERROR(
           Linear({A + "q_b_proj", Role::kColumn, {{A + "q_b_proj.weight", nh * qd}}, a.q_lora_rank, false, ""}));
@@ -208,7 +210,8 @@ class Builder {
                             {{A + "kv_b_proj.weight", nh * kvd}},
                             a.kv_lora_rank,
                             false,
-                            "post_load_weights derives w_kc / w_vc from a bf16 kv_b_proj (§3.1)"}));
+                            "post_load_weights derives w_kc / w_vc from a bf16 kv_b_proj (§3.1)",
+                            true}));
     return Linear({A + "o_proj", Role::kRow, {{A + "o_proj.weight", H}}, nh * a.v_head_dim, false, ""});
   }
 
@@ -272,6 +275,14 @@ class Builder {
     if (quantized == 0) {
       AddPlain(PlainSpec{X + "w13_weight", c_.dtype, {El, 2 * Ip, H}, El, 2 * Ip, H, std::move(w13)});
       AddPlain(PlainSpec{X + "w2_weight", c_.dtype, {El, H, Ip}, El, H, Ip, std::move(w2)});
+    } else if (q_->is_fp8()) {
+      // FP8.md §4: FusedMoE's checks, then the stacked weights and scales like a dense FP8 linear's.
+      if (q_->is_fp8_block() && Ip % q_->block_n != 0)
+        return Refuse(absl::StrCat(X, "w13: I' = ", Ip, " is not a multiple of block_n ", q_->block_n, " (FP8.md §4)"));
+      if (q_->is_fp8_block() && moe_tp_ > 1 && Ip % q_->block_k != 0)
+        return Refuse(absl::StrCat(X, "w2: I' = ", Ip, " is not a multiple of block_k ", q_->block_k, " (FP8.md §4)"));
+      RETURN_IF_ERROR(AddFp8(X + "w13_weight", Role::kReplicated, El, 2 * Ip, H, std::move(w13)));
+      RETURN_IF_ERROR(AddFp8(X + "w2_weight", Role::kReplicated, El, H, Ip, std::move(w2)));
     } else {
       if (Ip % 8 != 0) return Refuse(absl::StrCat(X, "w2: I' = ", Ip, " is not a multiple of 8 (§3.3)"));
       if (q_->group_size != -1 && Ip % q_->group_size != 0)
@@ -360,7 +371,7 @@ class Builder {
     if (quantized != 0 && quantized != static_cast<int>(a.shards.size()))
       return Refuse(absl::StrCat(a.module, ": ", quantized, " of its ", a.shards.size(),
                                  " fused shards are quantized, the others ignored (mixed shards, §3.1)"));
-    if (quantized != 0 && !a.bf16_reason.empty())
+    if (quantized != 0 && !a.bf16_reason.empty() && !(q_->is_fp8() && a.fp8_ok))
       return Refuse(absl::StrCat(a.module, " must stay bf16 (", a.bf16_reason,
                                  ") but the quantization config does not ignore ", a.shards[0].hf));
     std::vector<Block> blocks;
@@ -379,7 +390,11 @@ class Builder {
         AddPlain(std::move(b));
         return absl::OkStatus();
       }
-      RETURN_IF_ERROR(AddInt4(a.module, 0, n, k, {a.k}, k, std::move(blocks), false));
+      if (q_->is_fp8()) {
+        RETURN_IF_ERROR(AddFp8(a.module + ".weight", a.role, 0, n, k, std::move(blocks)));
+      } else {
+        RETURN_IF_ERROR(AddInt4(a.module, 0, n, k, {a.k}, k, std::move(blocks), false));
+      }
       AddPlain(std::move(b));
       return absl::OkStatus();
     }
@@ -387,7 +402,79 @@ class Builder {
       AddPlain(PlainSpec{a.module + ".weight", c_.dtype, {n, k}, 0, n, k, std::move(blocks)});
       return absl::OkStatus();
     }
+    if (q_->is_fp8()) return AddFp8(a.module + ".weight", a.role, 0, n, k, std::move(blocks));
     return AddInt4(a.module, 0, n, k, {a.k}, k, std::move(blocks), false);
+  }
+
+  // An FP8 GEMM weight of the rank (FP8.md §4): `weight` F8_E4M3 [(E,) n, k] holding the codes of
+  // the checkpoint blocks, and its F32 scales `weight`_scale_inv [(E,) ceil(n/bn), ceil(k/bk)] (the
+  // blocks' scales) or `weight`_scale [(E,) n, 1]. Refuses what the engines refuse (a TP-split or
+  // merged output partition, a row-parallel K slice, not whole blocks) and any block that would
+  // cut an FP8 block.
+  absl::Status AddFp8(const std::string& weight, Role role, int64_t experts, int64_t n, int64_t k,
+                      std::vector<Block> blocks) {
+    const bool block = q_->is_fp8_block();
+    const int64_t bn = block ? q_->block_n : 0, bk = block ? q_->block_k : 0;
+    const int T = rank_.tp_size;
+    if (block) {
+      if (role == Role::kRow && T > 1 && k % bk != 0)
+        return Refuse(absl::StrCat(weight, ": K_p = ", k, " is not a multiple of block_k ", bk, " (FP8.md §4)"));
+      const bool partitions = role == Role::kQkv || role == Role::kGateUp || (role == Role::kColumn && T > 1);
+      for (const Block& b : blocks) {
+        const Shape& hf = spec_.hf.at(b.hf).shape;
+        if (partitions && b.rows % bn != 0)
+          return Refuse(absl::StrCat(weight, ": the output partition of ", b.hf, " has ", b.rows,
+                                     " rows, not a multiple of block_n ", bn, " (FP8.md §4)"));
+        const bool rows_ok =
+            b.src_row0 % bn == 0 && b.dst_row0 % bn == 0 && (b.rows % bn == 0 || b.src_row0 + b.rows == hf[0]);
+        const bool cols_ok =
+            b.src_col0 % bk == 0 && b.dst_col0 % bk == 0 && (b.cols % bk == 0 || b.src_col0 + b.cols == hf[1]);
+        if (!rows_ok || !cols_ok)
+          return Refuse(absl::StrCat(weight, ": rows ", b.src_row0, "+", b.rows, ", columns ", b.src_col0, "+", b.cols,
+                                     " of ", b.hf, " cut its ", bn, "x", bk, " FP8 blocks (FP8.md §4)"));
+      }
+    }
+    auto with_experts = [&](Shape s) {
+      if (experts > 0) s.insert(s.begin(), experts);
+      return s;
+    };
+    auto blocks_of = [](int64_t x, int64_t b) { return (x + b - 1) / b; };
+    std::vector<Block> codes, scales;
+    for (const Block& b : blocks) {
+      spec_.fp8[b.hf] = Fp8Source{bn, bk, block && q_->scale_fmt == "ue8m0"};
+      Block c = b;
+      c.hf = b.hf + "#fp8";
+      codes.push_back(c);
+      Block s = b;
+      s.hf = b.hf + "#scale";
+      if (block) {
+        s.src_row0 = b.src_row0 / bn;
+        s.rows = blocks_of(b.rows, bn);
+        s.dst_row0 = b.dst_row0 / bn;
+        s.src_col0 = b.src_col0 / bk;
+        s.cols = blocks_of(b.cols, bk);
+        s.dst_col0 = b.dst_col0 / bk;
+      } else {
+        s.src_col0 = 0;
+        s.cols = 1;
+        s.dst_col0 = 0;
+      }
+      scales.push_back(s);
+    }
+    const int64_t sn = block ? blocks_of(n, bn) : n, sk = block ? blocks_of(k, bk) : 1;
+    PlainSpec w{weight, DType::kF8E4M3, with_experts({n, k}), experts, n, k, std::move(codes)};
+    PlainSpec sc{weight + (block ? "_scale_inv" : "_scale"),
+                 DType::kF32,
+                 with_experts({sn, sk}),
+                 experts,
+                 sn,
+                 sk,
+                 std::move(scales)};
+    spec_.params.push_back({w.name, w.dtype, w.shape, "fp8 weight"});
+    spec_.plain.push_back(std::move(w));
+    spec_.params.push_back({sc.name, sc.dtype, sc.shape, "fp8 scales"});
+    spec_.plain.push_back(std::move(sc));
+    return absl::OkStatus();
   }
 
   // An INT4 GEMM weight of the rank: §3.2-§4 (compressed-tensors -> Marlin), AWQ.md §3-§4.

@@ -1,6 +1,7 @@
 // Internal to the independent verifier (reference.h): what one SGLang engine rank holds, derived
 // from docs/spec/ENGINE_LAYOUT.md alone. Every engine param is either plain (bf16 / fp16 / fp32,
-// filled by blocks of checkpoint tensors, zero elsewhere) or one of the two / three params of an
+// filled by blocks of checkpoint tensors, zero elsewhere; FP8 codes and scales, filled by blocks
+// of checkpoint weights quantized by fp8_scalar.h, FP8.md §4) or one of the two / three params of an
 // INT4 GEMM weight (Marlin words, permuted scales, AWQ-Marlin zero points) filled from blocks of
 // checkpoint weights. Blocks are given in the HF orientation of the rank's GEMM matrix ([n, k] per
 // expert: n output features, k input features).
@@ -58,6 +59,14 @@ struct Int4Spec {
   Shape zeros_shape() const;   // (E,) [groups, n/8]
 };
 
+// How a checkpoint weight is quantized to FP8 (docs/spec/FP8.md §2-§3, §6): its codes are the
+// tensor "<hf>#fp8" (F8_E4M3, the weight's shape) and its F32 scales "<hf>#scale" ([ceil(N/bn),
+// ceil(K/bk)], or [N, 1] per channel when bn == 0), which the FP8 params' blocks read.
+struct Fp8Source {
+  int64_t bn = 0, bk = 0;
+  bool ue8m0 = false;
+};
+
 // A tensor of the checkpoint the model consists of (every rank's, every expert's).
 struct HfInfo {
   Shape shape;
@@ -69,9 +78,10 @@ struct HfInfo {
 struct RankSpec {
   std::vector<PlainSpec> plain;
   std::vector<Int4Spec> int4;
-  std::vector<ExpectedParam> params;   // every param, in layout order
-  std::map<std::string, HfInfo> hf;    // the checkpoint tensors of the model
-  int64_t mtp_first = 0, mtp_end = 0;  // layers [mtp_first, mtp_end): DeepSeek MTP, not loaded
+  std::map<std::string, Fp8Source> fp8;  // checkpoint weights quantized to FP8 (FP8 params are plain)
+  std::vector<ExpectedParam> params;     // every param, in layout order
+  std::map<std::string, HfInfo> hf;      // the checkpoint tensors of the model
+  int64_t mtp_first = 0, mtp_end = 0;    // layers [mtp_first, mtp_end): DeepSeek MTP, not loaded
 };
 
 absl::StatusOr<RankSpec> BuildRankSpec(const ModelConfig& config, const QuantizationConfig* quant,

@@ -6,6 +6,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <span>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -17,6 +18,7 @@
 #include "common/config.h"
 #include "common/safetensors.h"
 #include "common/status.h"
+#include "tools/wsyncctl/reference/fp8_scalar.h"
 #include "tools/wsyncctl/reference/rank_spec.h"
 
 namespace wsync::tools::reference {
@@ -83,7 +85,7 @@ absl::StatusOr<Reference> Reference::Open(const std::string& hf_dir, const Refer
   if (!options.quantization_config_json.empty()) {
     ASSIGN_OR_RETURN(st->quant,
                      ParseQuantizationConfig(options.quantization_config_json, "engine quantization config"));
-    RETURN_IF_ERROR(st->quant->CheckInt4Supported());
+    RETURN_IF_ERROR(st->quant->CheckSupported());
   }
   std::error_code ec;
   std::vector<std::string> paths;
@@ -150,6 +152,7 @@ std::string Bits(const std::byte* p, DType dtype) {
 }
 
 std::string ElementString(const std::byte* p, DType dtype) {
+  if (dtype == DType::kF8E4M3) return absl::StrCat(Bits(p, dtype), " (", E4m3ValueOf(static_cast<uint8_t>(*p)), ")");
   if (IsFloating(dtype)) return absl::StrCat(Bits(p, dtype), " (", ToFloat(p, dtype), ")");
   return Bits(p, dtype);
 }
@@ -196,6 +199,27 @@ class Checker {
           const ReferenceOptions& options)
       : config_(config), tensors_(tensors), options_(options) {}
 
+  // The checkpoint weights spec.fp8 names quantized to FP8 by fp8_scalar.h: "<hf>#fp8" (codes)
+  // and "<hf>#scale" (F32 scales), read by the FP8 params' blocks. After CheckCheckpoint.
+  absl::Status QuantizeFp8(const RankSpec& spec) {
+    for (const auto& [hf, how] : spec.fp8) {
+      const TensorView& w = tensors_.at(hf).first;
+      Derived& codes = derived_[hf + "#fp8"];
+      Derived& scales = derived_[hf + "#scale"];
+      std::vector<uint8_t> c;
+      std::vector<float> sc;
+      RETURN_IF_ERROR(Annotate(QuantizeFp8Scalar(w, how.bn, how.bk, how.ue8m0, &c, &sc),
+                               absl::StrCat("quantizing checkpoint tensor \"", hf, "\" to FP8")));
+      codes.bytes.assign(reinterpret_cast<const char*>(c.data()), c.size());
+      scales.bytes.assign(reinterpret_cast<const char*>(sc.data()), sc.size() * 4);
+      const int64_t N = w.dim(0), K = w.dim(1);
+      const Shape sshape = how.bn > 0 ? Shape{(N + how.bn - 1) / how.bn, (K + how.bk - 1) / how.bk} : Shape{N, 1};
+      codes.view = TensorView(DType::kF8E4M3, w.shape(), std::as_bytes(std::span(codes.bytes)));
+      scales.view = TensorView(DType::kF32, sshape, std::as_bytes(std::span(scales.bytes)));
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status CheckCheckpoint(const RankSpec& spec) {
     for (const auto& [name, info] : spec.hf) {
       auto it = tensors_.find(name);
@@ -233,7 +257,7 @@ class Checker {
     const size_t item = ItemSize(p.dtype);
     std::string want(static_cast<size_t>(std::max<int64_t>(p.experts, 1) * p.n * p.k) * item, '\0');
     for (const Block& b : p.blocks) {
-      const TensorView& src = tensors_.at(b.hf).first;
+      const TensorView& src = Source(b.hf);
       const int64_t src_cols = src.rank() == 1 ? 1 : src.dim(1);
       const size_t src_item = ItemSize(src.dtype());
       for (int64_t i = 0; i < b.rows; ++i) {
@@ -466,6 +490,16 @@ class Checker {
 
   const ModelConfig& config_;
   const std::map<std::string, std::pair<TensorView, std::string>>& tensors_;
+  struct Derived {
+    std::string bytes;
+    TensorView view;
+  };
+  std::map<std::string, Derived> derived_;  // QuantizeFp8's tensors (std::map: stable addresses)
+
+  const TensorView& Source(const std::string& name) const {
+    auto it = derived_.find(name);
+    return it != derived_.end() ? it->second.view : tensors_.at(name).first;
+  }
   const ReferenceOptions& options_;
 };
 
@@ -476,6 +510,7 @@ absl::StatusOr<RankReport> Reference::CheckRank(const EngineRank& rank, const st
   ASSIGN_OR_RETURN(RankSpec spec, internal::BuildRankSpec(st.config, st.quant ? &*st.quant : nullptr, rank));
   Checker checker(st.config, st.tensors, st.options);
   RETURN_IF_ERROR(checker.CheckCheckpoint(spec));
+  RETURN_IF_ERROR(checker.QuantizeFp8(spec));
 
   // The engine's params, validated as input.
   std::map<std::string, Reported> reported;

@@ -17,6 +17,9 @@
 //     with zero points): the engine's words decoded (int4_scalar.h), compared code for code, scale for scale and zero
 //     for zero with the checkpoint's bf16 weight quantized by int4_scalar.h, and reported with the dequantized float32
 //     values of both sides (CT: (u - 8) * s, AWQ: (u - z) * s);
+//   * FP8 params (quant_method fp8 block, compressed-tensors float per channel; docs/spec/FP8.md
+//     §4, §6): the checkpoint's bf16 weight quantized by fp8_scalar.h (slime's scales, ue8m0 for
+//     scale_fmt "ue8m0"), its codes and F32 scales cut as the rank holds them, compared bit for bit;
 //   * the set: every expected param present, none unexpected, dtypes and shapes as specified.
 //
 // Usage:

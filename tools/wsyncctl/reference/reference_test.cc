@@ -20,6 +20,7 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,7 @@
 #include "model/quant_target.h"
 #include "model/testing/hf_model.h"
 #include "model/testing/test_models.h"
+#include "tools/wsyncctl/reference/fp8_scalar.h"
 #include "tools/wsyncctl/reference/int4_scalar.h"
 #include "tools/wsyncctl/verify.h"
 
@@ -119,7 +121,7 @@ EngineParam* FindParam(std::vector<EngineParam>* params, absl::string_view name)
 
 // --- agreement with wsync's path ------------------------------------------------------------------
 
-enum class Quant { kNone, kCt, kAwq };
+enum class Quant { kNone, kCt, kAwq, kFp8 };
 
 struct Case {
   const char* label;
@@ -132,6 +134,7 @@ struct Case {
   SymmetricVariant variant = SymmetricVariant::kQat;
   AwqArith arith = AwqArith::kFp16;
   const char* layout = "marlin";  // the engine_layout the engines declare (compressed-tensors)
+  const char* fp8 = "";           // Quant::kFp8: the quantization_config
 };
 void PrintTo(const Case& c, std::ostream* os) { *os << c.label << " (seed " << c.seed << ")"; }
 
@@ -141,6 +144,7 @@ ReferenceOptions OptionsOf(const Case& c) {
   if (std::string(c.layout) != "marlin")
     o.quantization_config_json.insert(1, absl::StrCat("\"engine_layout\": \"", c.layout, "\", "));
   if (c.quant == Quant::kAwq) o.quantization_config_json = model::testing::AwqQuantJson(c.group, c.ignore);
+  if (c.quant == Quant::kFp8) o.quantization_config_json = c.fp8;
   o.variant = c.variant;
   o.awq_arith = c.arith;
   return o;
@@ -188,6 +192,14 @@ const std::vector<std::string> kDeepseekMaxInt4 = {"lm_head",        "re:.*embed
                                                    "re:.*q_a_proj$", "re:.*kv_a_proj_with_mqa$", "re:.*kv_b_proj$"};
 const std::vector<std::string> kDeepseekNoQLoraInt4 = {"lm_head", "re:.*embed_tokens.*", "re:.*mlp\\.gate$",
                                                        "re:.*kv_b_proj$"};
+
+constexpr const char kFp8Block64[] =
+    R"({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 64]})";
+constexpr const char kFp8Block64x128Ue8m0[] = R"({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+  "weight_block_size": [64, 128], "scale_fmt": "ue8m0"})";
+constexpr const char kFp8Channel[] = R"({"quant_method": "compressed-tensors", "format": "float-quantized",
+  "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"],
+  "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": true, "dynamic": false}}}})";
 
 std::vector<Case> AgreementCases() {
   using model::testing::kDeepseekJson, model::testing::kDeepseekNoQLoraJson, model::testing::kLlamaJson,
@@ -240,6 +252,40 @@ std::vector<Case> AgreementCases() {
        F16,
        "trtllm-sm80"},
       {"qwen3moe_trtllm_sm90_g32_all", kQwen3MoeJson, Quant::kCt, 32, kAllInt4, {{2, 2}}, 154, Q, F16, "trtllm-sm90"},
+      // FP8 (FP8.md §4, §6): block (slime's scales, ue8m0 where the config says so) and per channel.
+      {"deepseek_fp8_block64",
+       kDeepseekJson,
+       Quant::kFp8,
+       0,
+       {},
+       {{1, 1}, {2, 1}, {2, 2}},
+       161,
+       Q,
+       F16,
+       "marlin",
+       kFp8Block64},
+      {"qwen3moe_fp8_block64x128_ue8m0",
+       kQwen3MoeJson,
+       Quant::kFp8,
+       0,
+       {},
+       {{1, 1}, {2, 2}, {2, 1}},
+       162,
+       Q,
+       F16,
+       "marlin",
+       kFp8Block64x128Ue8m0},
+      {"llama_fp8_channel",
+       kLlamaJson,
+       Quant::kFp8,
+       0,
+       {},
+       {{1, 1}, {2, 1}, {4, 1}},
+       163,
+       Q,
+       F16,
+       "marlin",
+       kFp8Channel},
   };
 }
 
@@ -522,6 +568,30 @@ TEST_F(Broken, TrtllmFlippedBitAndGateUpOrder) {
   EXPECT_THAT(d, HasSubstr("codes differ at expert 0, row 0, column 0"));
   const std::string scale = "model.layers.0.mlp.experts.w3_w1_weight_scale";
   EXPECT_EQ(r.Find(scale)->verdict, Verdict::kOk);
+}
+
+// FP8: one code of an expert's w13 and one block scale of a dense weight, each named with its
+// element and the checkpoint element (or block) it came from.
+TEST_F(Broken, Fp8FlippedCodeAndScale) {
+  ReferenceOptions o;
+  o.quantization_config_json = kFp8Block64x128Ue8m0;
+  Prepare("broken_fp8", model::testing::kQwen3MoeJson, o, 2, 2, 1);
+  const std::string w13 = "model.layers.2.mlp.experts.w13_weight";  // [E_loc 4, 2I 512, H 256] F8_E4M3
+  EngineParam* p = FindParam(&params_, w13);
+  ASSERT_NE(p, nullptr);
+  FlipBit(p, (2 * 512 + 300) * 256 + 17, 0);  // local expert 2, row 300 (up_proj row 44), column 17
+  std::string d = OnlyFailure(Check(), w13, Verdict::kMismatch);
+  EXPECT_THAT(d, HasSubstr("element [2, 300, 17]"));
+  EXPECT_THAT(d, HasSubstr("model.layers.2.mlp.experts.6.up_proj.weight#fp8[44, 17]"));  // EP rank 1: experts 4..7
+  EXPECT_THAT(d, HasSubstr("1 of 524288 elements differ"));
+  FlipBit(p, (2 * 512 + 300) * 256 + 17, 0);
+  const std::string o_scale = "model.layers.0.self_attn.o_proj.weight_scale_inv";  // [256/64, 128/128] F32
+  EngineParam* s = FindParam(&params_, o_scale);
+  ASSERT_NE(s, nullptr);
+  FlipBit(s, 4 * 3 + 1, 3);  // block (3, 0): rows 192.., columns 128.. of the HF o_proj (TP rank 1)
+  d = OnlyFailure(Check(), o_scale, Verdict::kMismatch);
+  EXPECT_THAT(d, HasSubstr("element [3, 0]"));
+  EXPECT_THAT(d, HasSubstr("model.layers.0.self_attn.o_proj.weight#scale[3, 1]"));
 }
 
 TEST_F(Broken, FlippedBitInABf16Param) {
@@ -912,6 +982,60 @@ TEST(Int4Scalar, AwqFp16ArithmeticByHand) {
   EXPECT_TRUE(QuantizeRowAwq(wide, 2, AwqArith::kFp32, DType::kBF16, codes.data(), &scale, &zero).ok());
   EXPECT_EQ(codes[0], 15);
   EXPECT_EQ(codes[1], 0);
+}
+
+// fp8_scalar.h against torch: every block_slime / block_ue8m0 / channel_slime case of
+// tests/data/golden/fp8_golden.safetensors (tools/golden/fp8_golden.py: torch's float32 ops and its
+// own float8_e4m3fn cast), expert by expert, code for code and scale bit for bit.
+TEST(Fp8Scalar, EqualsTorchOnTheGoldenCases) {
+  auto file = SafetensorsFile::Open(std::string(WSYNC_GOLDEN_DIR) + "/fp8_golden.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status();
+  const std::string cases = file->metadata().at("cases");
+  int checked = 0;
+  for (size_t at = cases.find('"'); at != std::string::npos; at = cases.find('"', cases.find('"', at + 1) + 1)) {
+    const std::string c = cases.substr(at + 1, cases.find('"', at + 1) - at - 1);
+    const std::string base = c.substr(0, c.find('.')), variant = c.substr(c.find('.') + 1);
+    if (variant != "block_slime" && variant != "block_ue8m0" && variant != "channel_slime") continue;
+    SCOPED_TRACE(c);
+    const SafetensorsEntry* w = file->Find(base + ".w");
+    const SafetensorsEntry* q = file->Find(c + ".q");
+    const SafetensorsEntry* sc = file->Find(c + ".s");
+    ASSERT_TRUE(w != nullptr && q != nullptr && sc != nullptr);
+    const int64_t E = w->view.dim(0), N = w->view.dim(1), K = w->view.dim(2);
+    const int64_t per_scale = sc->view.numel() / E;
+    for (int64_t e = 0; e < E; ++e) {
+      std::string wbytes(static_cast<size_t>(N * K * 2), '\0');
+      std::memcpy(wbytes.data(), w->view.bytes().data() + e * N * K * 2, wbytes.size());
+      const TensorView we(w->view.dtype(), Shape{N, K}, std::as_bytes(std::span(wbytes)));
+      std::vector<uint8_t> codes;
+      std::vector<float> scales;
+      const bool block = variant != "channel_slime";
+      ASSERT_TRUE(
+          QuantizeFp8Scalar(we, block ? 128 : 0, block ? 128 : 0, variant == "block_ue8m0", &codes, &scales).ok());
+      ASSERT_EQ(codes.size(), static_cast<size_t>(N * K));
+      EXPECT_EQ(0, std::memcmp(codes.data(), q->view.bytes().data() + e * N * K, codes.size())) << "expert " << e;
+      ASSERT_EQ(scales.size(), static_cast<size_t>(per_scale));
+      EXPECT_EQ(0, std::memcmp(scales.data(), sc->view.bytes().data() + e * per_scale * 4, scales.size() * 4))
+          << "expert " << e;
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 20);
+}
+
+TEST(Fp8Scalar, CodesByTheDefinition) {
+  EXPECT_EQ(E4m3CodeOf(448.0f), 0x7E);
+  EXPECT_EQ(E4m3CodeOf(463.9f), 0x7E);
+  EXPECT_EQ(E4m3CodeOf(464.0f), 0x7F);  // beyond: NaN (torch's cast does not saturate)
+  EXPECT_EQ(E4m3CodeOf(-1.0f), 0xB8);
+  EXPECT_EQ(E4m3CodeOf(std::ldexp(1.0f, -9)), 0x01);   // the smallest subnormal
+  EXPECT_EQ(E4m3CodeOf(std::ldexp(1.0f, -10)), 0x00);  // half of it: a tie, to even (zero)
+  EXPECT_EQ(E4m3CodeOf(std::ldexp(3.0f, -10)), 0x02);  // 1.5 x 2^-9: to even (2)
+  EXPECT_EQ(E4m3CodeOf(1.0625f), 0x38);                // between 1 and 1.125: to 1 (even)
+  EXPECT_EQ(E4m3CodeOf(1.1875f), 0x3A);                // between 1.125 and 1.25: to 1.25 (even)
+  EXPECT_EQ(E4m3CodeOf(-0.0f), 0x80);
+  for (int c = 0; c < 256; ++c)
+    if ((c & 0x7F) != 0x7F) EXPECT_EQ(E4m3CodeOf(E4m3ValueOf(static_cast<uint8_t>(c))), c) << c;
 }
 
 }  // namespace
