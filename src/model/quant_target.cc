@@ -1,8 +1,11 @@
 #include "model/quant_target.h"
 
+#include <cstring>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "common/dtype.h"
 #include "common/status.h"
 
 namespace wsync::model {
@@ -105,6 +108,57 @@ absl::Status QuantizeFp8(const TensorView& w, MutableTensorView q, MutableTensor
 kernels::Fp8BlockVariant Fp8BlockVariantFor(const QuantizationConfig& config, const QuantizeOptions& options) {
   if (options.fp8_block) return *options.fp8_block;
   return config.scale_fmt == "ue8m0" ? kernels::Fp8BlockVariant::kUe8m0 : kernels::Fp8BlockVariant::kSlime;
+}
+
+absl::StatusOr<HfCheckpoint> DequantizeFp8Checkpoint(const HfCheckpoint& fp8, const QuantizationConfig& q, DType dtype,
+                                                     int num_threads) {
+  RETURN_IF_ERROR(q.CheckFp8Supported());
+  if (dtype != DType::kBF16 && dtype != DType::kF16)
+    return absl::InvalidArgumentError("DequantizeFp8Checkpoint: the output dtype must be BF16 or F16");
+  const absl::string_view suffix = q.is_fp8_block() ? "_scale_inv" : "_scale";
+  HfCheckpoint out;
+  kernels::KernelOptions ko;
+  ko.num_threads = num_threads;
+  for (const std::string& name : fp8.Names()) {
+    ASSIGN_OR_RETURN(const TensorView v, fp8.Get(name));
+    absl::string_view base = name;
+    if (absl::ConsumeSuffix(&base, suffix) && absl::EndsWith(base, ".weight") && fp8.Contains(base)) {
+      ASSIGN_OR_RETURN(const TensorView w, fp8.Get(base));
+      if (w.dtype() == DType::kF8E4M3) continue;  // consumed with its weight
+    }
+    if (v.dtype() != DType::kF8E4M3) {
+      ASSIGN_OR_RETURN(Tensor copy, Tensor::CopyOf(v));
+      RETURN_IF_ERROR(out.Add(name, std::move(copy)));
+      continue;
+    }
+    const std::string sname = absl::StrCat(name, suffix);
+    if (!absl::EndsWith(name, ".weight") || !fp8.Contains(sname))
+      return absl::InvalidArgumentError(
+          absl::StrCat("FP8 tensor \"", name, "\" (", v.DebugString(), ") has no \"", sname, "\" to dequantize it"));
+    ASSIGN_OR_RETURN(const TensorView sv, fp8.Get(sname));
+    Tensor wide;  // the engines hold scales in F32; a BF16 / F16 one widens exactly
+    TensorView scale = sv;
+    if (sv.dtype() == DType::kBF16 || sv.dtype() == DType::kF16) {
+      ASSIGN_OR_RETURN(wide, Tensor::Empty(DType::kF32, sv.shape()));
+      for (int64_t i = 0; i < sv.numel(); ++i) {
+        uint16_t h;
+        std::memcpy(&h, sv.bytes().data() + 2 * i, 2);
+        wide.data_as<float>()[i] = sv.dtype() == DType::kBF16 ? BF16ToF32(h) : F16ToF32(h);
+      }
+      scale = wide.view();
+    }
+    ASSIGN_OR_RETURN(Tensor f32, Tensor::Empty(DType::kF32, v.shape()));
+    absl::Status st = q.is_fp8_block()
+                          ? kernels::DequantizeFp8Block(v, scale, q.block_n, q.block_k, f32.mutable_view(), ko)
+                          : kernels::DequantizeFp8Channel(v, scale, f32.mutable_view(), ko);
+    if (!st.ok()) return Annotate(st, absl::StrCat("dequantizing \"", name, "\""));
+    ASSIGN_OR_RETURN(Tensor narrow, Tensor::Empty(dtype, v.shape()));
+    const float* src = f32.data_as<float>();
+    uint16_t* dst = narrow.data_as<uint16_t>();
+    for (int64_t i = 0; i < v.numel(); ++i) dst[i] = dtype == DType::kBF16 ? F32ToBF16(src[i]) : F32ToF16(src[i]);
+    RETURN_IF_ERROR(out.Add(name, std::move(narrow)));
+  }
+  return out;
 }
 
 absl::StatusOr<std::vector<HfTensor>> QuantizeHfTensor(absl::string_view hf_name, const TensorView& w,

@@ -37,6 +37,7 @@
 #include "kernels/awq.h"
 #include "kernels/fp8.h"
 #include "kernels/int4.h"
+#include "model/hf_checkpoint.h"
 #include "model/hf_tensor.h"
 
 namespace wsync::model {
@@ -78,5 +79,13 @@ kernels::Fp8BlockVariant Fp8BlockVariantFor(const QuantizationConfig& config, co
 // options, on options.device; the kernels' errors.
 absl::Status QuantizeFp8(const TensorView& w, MutableTensorView q, MutableTensorView scale,
                          const QuantizationConfig& config, const QuantizeOptions& options);
+
+// An FP8 checkpoint (DeepSeek-V3's block form or compressed-tensors per channel, `q`) as the
+// checkpoint a trainer holds: every F8_E4M3 `X.weight` replaced by float(code) x its block's or
+// row's scale (`X.weight_scale_inv` / `X.weight_scale`, F32 or BF16), rounded to `dtype` (BF16 or
+// F16), the scales dropped, every other tensor copied. kInvalidArgument naming an FP8 weight
+// without its scale, or a scale of the wrong shape; the kernels' errors.
+absl::StatusOr<HfCheckpoint> DequantizeFp8Checkpoint(const HfCheckpoint& fp8, const QuantizationConfig& q,
+                                                     DType dtype = DType::kBF16, int num_threads = 0);
 
 }  // namespace wsync::model

@@ -6,12 +6,14 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "common/dtype.h"
 #include "common/safetensors.h"
 #include "kernels/testing/golden.h"
 
@@ -112,6 +114,53 @@ TEST(QuantTargetFp8, BadWeightsAreRefusedNamingTheTensor) {
   per_tensor.block_n = per_tensor.block_k = 0;
   w[13] = 0x3F80;
   EXPECT_EQ(QuantizeHfTensor("x.weight", inf, per_tensor).status().code(), absl::StatusCode::kUnimplemented);
+}
+
+// An FP8 checkpoint as a trainer holds it: torch's codes and scales of a golden case dequantized
+// to bf16(value(code) x scale), value() by the E4M3 definition (sign, 4 exponent bits of bias 7, 3
+// mantissa bits, subnormals below 2^-6); non-FP8 tensors copied, scales dropped.
+TEST(QuantTargetFp8, DequantizeFp8CheckpointByTheDefinition) {
+  auto file = SafetensorsFile::Open(kernels::testing::GoldenPath("fp8_golden.safetensors"));
+  ASSERT_TRUE(file.ok()) << file.status();
+  for (const char* variant : {"block_slime", "channel_slime"}) {
+    SCOPED_TRACE(variant);
+    const std::string c = std::string("bf16_1x160x256_edges.") + variant;
+    const std::vector<uint8_t> q = kernels::testing::CopyOf<uint8_t>(*file->Find(c + ".q"));
+    const std::vector<float> s = kernels::testing::CopyOf<float>(*file->Find(c + ".s"));
+    const bool block = std::string(variant) == "block_slime";
+    HfCheckpoint ckpt;
+    Tensor codes = *Tensor::Empty(DType::kF8E4M3, Shape{160, 256});
+    std::memcpy(codes.data_as<uint8_t>(), q.data(), q.size());
+    const Shape sshape = block ? Shape{2, 2} : Shape{160, 1};
+    Tensor scales = *Tensor::Empty(DType::kF32, sshape);
+    std::memcpy(scales.data_as<float>(), s.data(), s.size() * 4);
+    Tensor norm = *Tensor::Empty(DType::kBF16, Shape{4});
+    for (int i = 0; i < 4; ++i) norm.data_as<uint16_t>()[i] = 0x3F80;
+    ASSERT_TRUE(ckpt.Add("m.weight", std::move(codes)).ok());
+    ASSERT_TRUE(ckpt.Add(block ? "m.weight_scale_inv" : "m.weight_scale", std::move(scales)).ok());
+    ASSERT_TRUE(ckpt.Add("norm.weight", std::move(norm)).ok());
+    const QuantizationConfig cfg = Config(block ? kBlock : kChannel);
+    auto dense = DequantizeFp8Checkpoint(ckpt, cfg);
+    ASSERT_TRUE(dense.ok()) << dense.status();
+    EXPECT_EQ(dense->Names(), (std::vector<std::string>{"m.weight", "norm.weight"}));
+    const TensorView w = *dense->Get("m.weight");
+    ASSERT_EQ(w.dtype(), DType::kBF16);
+    for (int64_t n = 0; n < 160; ++n)
+      for (int64_t k = 0; k < 256; ++k) {
+        const uint8_t code = q[static_cast<size_t>(n * 256 + k)];
+        const int e = (code >> 3) & 0xF, m = code & 7;
+        float v = e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
+        if (code & 0x80) v = -v;
+        const float sc = block ? s[static_cast<size_t>((n / 128) * 2 + k / 128)] : s[static_cast<size_t>(n)];
+        ASSERT_EQ(w.data_as<uint16_t>()[n * 256 + k], F32ToBF16(v * sc)) << n << ", " << k;
+      }
+  }
+  // An FP8 weight without its scale is refused by name.
+  HfCheckpoint bare;
+  ASSERT_TRUE(bare.Add("x.weight", *Tensor::Empty(DType::kF8E4M3, Shape{2, 2})).ok());
+  auto refused = DequantizeFp8Checkpoint(bare, Config(kBlock));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("x.weight_scale_inv"), std::string::npos) << refused.status();
 }
 
 }  // namespace

@@ -8,8 +8,8 @@
 #      engine of TP 2; a broadcast and a sharded sync.
 # Every sync is verified bit for bit by `wsyncctl verify` (the independent reference: the checkpoint
 # quantized by tools/wsyncctl/reference/fp8_scalar.h, laid out from the specs), and every synced
-# engine must generate exactly what an engine started from the bf16 HF checkpoint generates (it
-# quantizes at load, engine_side/checkpoint.cc); the engines' FP8 forward itself is checked against
+# engine must generate exactly what an engine started from a checkpoint generates (DeepSeek: the
+# FP8 one, loaded as it is; Qwen3: the bf16 one, quantized at load, engine_side/checkpoint.cc); the engines' FP8 forward itself is checked against
 # the HF oracle in ref_engine_test (EngineVsHfTest fp8_*). Finally a model whose engine TP cut splits
 # an FP8 block is refused before any byte moves.
 set -euo pipefail
@@ -26,8 +26,15 @@ cat > "$w/channel.json" <<'JSON'
  "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
    "strategy": "channel", "symmetric": true, "dynamic": false}}}}
 JSON
-"$bin/wsync-model-gen" --arch deepseek-v3 --preset tiny --seed 20261129 --out "$w/ds" > /dev/null
-"$bin/wsync-shard" --hf "$w/ds" --out "$w/ds-src" --tp 2 --pp 1 --ep 2 --dp 2 > /dev/null
+# DeepSeek-V3 starts from an FP8 checkpoint, as it ships: wsync-quant writes one from a random bf16
+# model; wsync-shard dequantizes it into the trainer's bf16 source; the verifier's checkpoint is the
+# same dequantization (wsync-quant dequantize), the checkpoint engine loads the FP8 one as it is.
+"$bin/wsync-model-gen" --arch deepseek-v3 --preset tiny --seed 20261129 --out "$w/ds-bf16" > /dev/null
+"$bin/wsync-quant" fp8 --hf "$w/ds-bf16" --out "$w/ds-fp8" --block 64,64 > /dev/null
+"$bin/wsync-quant" dequantize --hf "$w/ds-fp8" --out "$w/ds" > /dev/null
+"$bin/wsync-shard" --hf "$w/ds-fp8" --out "$w/ds-src" --tp 2 --pp 1 --ep 2 --dp 2 --verify | grep -q "bit-exact" ||
+  { echo "FAIL: the source cut from the FP8 checkpoint is not its dequantization"; exit 1; }
+echo "ok: a DeepSeek-V3 FP8 checkpoint (wsync-quant fp8) is a trainer source (wsync-shard dequantizes it)"
 "$bin/wsync-model-gen" --arch qwen3 --preset tiny --seed 20261130 --out "$w/qw" > /dev/null
 "$bin/wsync-shard" --hf "$w/qw" --out "$w/qw-src" --tp 2 --pp 1 --dp 2 > /dev/null
 
@@ -37,20 +44,20 @@ ctl=("$WSYNC_BIN/wsyncctl" --coordinator "$WSYNC_COORDINATOR" --token-file "$WSY
 grep -qF "$WANT_QUANT (--quant-config, what the engines declare)" "$WSYNC_WORKDIR/logs/trainer.log" ||
   { echo "FAIL: the trainer agents did not sync in the engines' FP8 quantization"; exit 1; }
 echo "ok: the trainer agents sync in the engines' quantization: $WANT_QUANT"
-"$T" --every-engine-as "an engine started from the bf16 checkpoint" "$WSYNC_HF" "$W" --quant-config "$Q"
+"$T" --every-engine-as "an engine started from $CKPT_WHAT" "$CKPT" "$W" --quant-config "$Q"
 "${ctl[@]}" sync --wait --delivery "$THEN_DELIVERY" > /dev/null
 "${ctl[@]}" verify --against "$WSYNC_HF" | grep -c ": bit-exact" | grep -qx "$RANKS" ||
   { echo "FAIL: the $THEN_DELIVERY sync is not bit-exact on the $RANKS engine ranks"; exit 1; }
 echo "ok: a $THEN_DELIVERY sync, bit-exact on all $RANKS engine ranks (wsyncctl verify, the independent reference)"
-"$T" --every-engine-as "an engine started from the bf16 checkpoint" "$WSYNC_HF" "$W" --quant-config "$Q"
+"$T" --every-engine-as "an engine started from $CKPT_WHAT" "$CKPT" "$W" --quant-config "$Q"
 THEN
 T="$here/tests/integration/e2e_tokens.sh"
-WSYNC_BIN="$bin" W="$w" T="$T" Q="$w/block.json" THEN_DELIVERY=broadcast RANKS=3 \
+WSYNC_BIN="$bin" W="$w" T="$T" Q="$w/block.json" THEN_DELIVERY=broadcast RANKS=3 CKPT="$w/ds-fp8" CKPT_WHAT="the FP8 checkpoint" \
   WANT_QUANT="fp8 e4m3 block 64x64, 3 ignore rules" "$here/tools/wsync-local" --source "$w/ds-src" \
   --quant-config "$w/block.json" --hf "$w/ds" --verify --syncs 2 --rollout-engines 2 --engine-tp 2,1 --engine-ep 2,1 \
   --delivery sharded --bucket-mib 1 --workdir "$w/run-ds" --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"
 echo "ok: DeepSeek-V3 in block FP8, sharded and broadcast"
-WSYNC_BIN="$bin" W="$w" T="$T" Q="$w/channel.json" THEN_DELIVERY=sharded RANKS=2 \
+WSYNC_BIN="$bin" W="$w" T="$T" Q="$w/channel.json" THEN_DELIVERY=sharded RANKS=2 CKPT="$w/qw" CKPT_WHAT="the bf16 checkpoint" \
   WANT_QUANT="compressed-tensors float-quantized 8-bit channelwise symmetric, 1 ignore rule" "$here/tools/wsync-local" \
   --source "$w/qw-src" --quant-config "$w/channel.json" --hf "$w/qw" --verify --syncs 1 --rollout-engines 1 --engine-tp 2 \
   --delivery broadcast --bucket-mib 1 --workdir "$w/run-qw" --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"

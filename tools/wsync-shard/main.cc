@@ -7,6 +7,9 @@
 //   wsync-shard --hf HF_DIR --src SRC_DIR --verify        check an existing source directory
 //   wsync-shard --src SRC_DIR --to-hf HF_DIR                 the HF checkpoint a source directory holds
 //
+// An FP8 HF checkpoint (DeepSeek-V3's block form or compressed-tensors per channel, as its
+// config.json says) is dequantized first (model::DequantizeFp8Checkpoint, to the config's
+// torch_dtype): the source holds what a trainer trains, without the quantization_config.
 // world_size = tp*cp*pp*dp; etp defaults to tp (Megatron's default). --verify reads the rank files
 // back as the trainer agent does, simulates every stage's TP / EP / ETP gathers in-process,
 // converts to HF and compares every tensor bit for bit with HF_DIR.
@@ -21,8 +24,10 @@
 #include "absl/strings/str_format.h"
 #include "common/config.h"
 #include "model/hf_checkpoint.h"
+#include "model/quant_target.h"
 #include "tools/synth/reassemble.h"
 #include "tools/synth/sharder.h"
+#include "tools/wsync-quant/quant_tool.h"
 #include "trainer_agent/source/dir_source.h"
 
 namespace wsync::tools {
@@ -86,12 +91,23 @@ int Run(int argc, char** argv) {
   }
   auto hf = model::HfCheckpoint::Open(hf_dir);
   if (!hf.ok()) return fail(hf.status());
+  auto config_text = ReadTextFile(hf_dir + "/config.json");
+  if (!config_text.ok()) return fail(config_text.status());
+  auto model = ParseModelConfig(*config_text, hf_dir + "/config.json");
+  if (!model.ok()) return fail(model.status());
+  if (model->quantization && model->quantization->is_fp8()) {
+    auto dense = model::DequantizeFp8Checkpoint(*hf, *model->quantization, model->dtype);
+    if (!dense.ok()) return fail(dense.status());
+    auto text = WithoutQuantizationConfig(*config_text, hf_dir + "/config.json");
+    if (!text.ok()) return fail(text.status());
+    std::printf("dequantized the FP8 checkpoint %s (%s) to %s\n", hf_dir.c_str(),
+                model->quantization->Describe().c_str(), SafetensorsName(model->dtype).data());
+    *hf = std::move(*dense);
+    *config_text = std::move(*text);
+    model->quantization.reset();
+  }
 
   if (out_opt->count() > 0) {
-    auto config_text = ReadTextFile(hf_dir + "/config.json");
-    if (!config_text.ok()) return fail(config_text.status());
-    auto model = ParseModelConfig(*config_text, hf_dir + "/config.json");
-    if (!model.ok()) return fail(model.status());
     if (etp_opt->count() == 0) p.etp = p.tp;
     p.world_size = p.tp * p.cp * p.pp * p.dp;
     p.layers_per_stage = layers_per_stage;
