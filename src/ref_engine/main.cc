@@ -380,7 +380,7 @@ int main(int argc, char** argv) {
                  "HF checkpoint directory (config.json + *.safetensors) served as version 0; none: NO_WEIGHTS "
                  "until the first sync");
   app.add_option("--quant-config", f.quant_config,
-                 "compressed-tensors quantization_config (the object, or a config.json holding one), or 'none' "
+                 "quantization_config (INT4 or FP8; the object, or a config.json holding one), or 'none' "
                  "for bf16 (default: the model config's, else bf16)");
   app.add_option("--quant-variant", f.quant_variant, "INT4 scale rounding for bf16 weights quantized at load")
       ->check(CLI::IsMember({"qat", "slime"}));

@@ -138,3 +138,22 @@ def test_a_python_training_job_syncs_every_step_bit_exact(tmp_path):
     for v in (20, 21):
         assert f"version {v} verified bit-exact" in text, text[-4000:]
         assert text.count(f"version {v} synced") == 4, text[-4000:]
+
+
+def test_fp8_codes_are_a_dtype_wsync_speaks():
+    """FP8 E4M3 weights (docs/spec/FP8.md) travel as F8_E4M3: one byte per code, torch's
+    float8_e4m3fn, and their raw codes as numpy uint8 (numpy has no FP8). Debian's torch 1.13 has
+    no FP8: there the dtype is refused by name."""
+    from wsync.dtypes import ITEMSIZE, numpy_dtype, torch_dtype, torch_dtype_name
+
+    if not hasattr(torch, "float8_e4m3fn"):
+        with pytest.raises(TypeError, match="F8_E4M3 needs a torch with float8_e4m3fn"):
+            torch_dtype("F8_E4M3")
+        assert torch_dtype_name(torch.zeros(1, dtype=torch.bfloat16)) == "BF16"
+        return
+    w = torch.tensor([1.0, -448.0, 0.0, 2.0 ** -9], dtype=torch.float32).to(torch.float8_e4m3fn)
+    assert torch_dtype_name(w) == "F8_E4M3" and ITEMSIZE["F8_E4M3"] == 1
+    assert torch_dtype("F8_E4M3") == torch.float8_e4m3fn
+    codes = w.view(torch.uint8).numpy()
+    assert codes.dtype == numpy_dtype("F8_E4M3")
+    assert codes.tolist() == [0x38, 0xFE, 0x00, 0x01]

@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--bucket-mib", bucket_mib, "Bucket size in MiB")->check(CLI::Range(1, 1 << 16));
   app.add_option("--quant-config", quant_file,
-                 "The engines' quantization config (compressed-tensors or AWQ object, or a config.json holding "
+                 "The engines' quantization config (compressed-tensors, AWQ or FP8 object, or a config.json holding "
                  "one), checked against what the engines declare; default: the one the engines declare "
                  "(docs/engine-formats.md)");
   app.add_option("--expert-map", expert_map_file,
