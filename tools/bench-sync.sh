@@ -19,9 +19,9 @@
 #
 #   tools/bench-sync.sh [--engines 2] [--engine-tp 1] [--mode broadcast] [--syncs 1] [--bucket-mib 256]
 #                       [--keep K] [--pause-for-whole-sync] [--bucket-mac auto|on|off] [--workdir DIR]
-#                       [--format compressed-tensors|awq]
-# --format: the engines' INT4 format (docs/engine-formats.md): compressed-tensors Marlin (the
-# default) or AWQ-Marlin, with the same targets (the experts, the dense MLPs).
+#                       [--format compressed-tensors|awq|fp8]
+# --format: the engines' format (docs/engine-formats.md): compressed-tensors Marlin (the default),
+# AWQ-Marlin or block FP8 (128 x 128), with the same targets (the experts, the dense MLPs).
 # --bucket-mac: authenticated buckets (docs/bucket_format.md); auto (the default) is on here (the
 # deployment has a token); off measures the sync without the tags.
 set -euo pipefail
@@ -45,7 +45,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$mode" in broadcast|sharded|both) ;; *) echo "bench-sync: --mode broadcast|sharded|both" >&2; exit 2 ;; esac
-case "$format" in compressed-tensors|awq) ;; *) echo "bench-sync: --format compressed-tensors|awq" >&2; exit 2 ;; esac
+case "$format" in compressed-tensors|awq|fp8) ;; *) echo "bench-sync: --format compressed-tensors|awq|fp8" >&2; exit 2 ;; esac
 modes="$mode"
 [ "$mode" = both ] && modes="broadcast sharded"
 # A --workdir is kept (its model is reused by the next run); a directory of our own (~4 GB) is
@@ -55,7 +55,12 @@ if [ -z "$work" ]; then
   trap 'rc=$?; if [ "$rc" = 0 ]; then rm -rf "$work"; else echo "bench-sync: failed; its files are in $work" >&2; fi' EXIT
 fi
 mkdir -p "$work"
-if [ "$format" = awq ]; then  # the same INT4 targets as AWQ (docs/engine-formats.md)
+if [ "$format" = fp8 ]; then  # the same targets in block FP8 (docs/spec/FP8.md)
+  cat > "$work/quant.json" <<'Q'
+{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+ "modules_to_not_convert": ["re:.*self_attn.*"]}
+Q
+elif [ "$format" = awq ]; then  # the same INT4 targets as AWQ (docs/engine-formats.md)
   cat > "$work/quant.json" <<'Q'
 {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm",
  "modules_to_not_convert": ["self_attn"]}

@@ -191,9 +191,9 @@ absl::StatusOr<QuantizationConfig> ParseFp8Object(const Json& q, const Fields& f
     ASSIGN_OR_RETURN(std::vector<std::string> skip, f.Strings(key));
     for (std::string& text : skip) {
       if (text.empty()) return f.Error(key, "holds an empty entry (it would match every module)");
-      IgnoreRule r;
-      r.text = std::move(text);
-      c.ignore.push_back(std::move(r));
+      absl::StatusOr<IgnoreRule> r = IgnoreRule::Parse(std::move(text));  // names, prefixes, wsync's "re:"
+      if (!r.ok()) return f.Error(key, r.status().message());
+      c.ignore.push_back(std::move(*r));
     }
   }
   // What the engines build unquantized under Fp8Config whatever the config says (config.h).

@@ -55,8 +55,9 @@ absl::string_view ArchitectureName(Architecture a);
 //    "weight_block_size": [128, 128], "scale_fmt": "ue8m0" (optional),
 //    "modules_to_not_convert" | "ignored_layers": ["lm_head", ...]}
 // It becomes quant_method "fp8", format = fmt, type "float", num_bits 8, strategy "block",
-// block_n / block_k = weight_block_size; `ignore` = both lists (exact names or prefixes, as
-// SGLang's is_layer_skipped) plus what the engines never build FP8 (lm_head, embed_tokens, MoE
+// block_n / block_k = weight_block_size; `ignore` = both lists (exact names, as SGLang's
+// is_layer_skipped matches them, or prefixes; "re:" entries are regexes, a wsync extension) plus
+// what the engines never build FP8 (lm_head, embed_tokens, MoE
 // routers "mlp.gate"). No weight_block_size: per-tensor FP8, parsed and refused by CheckFp8Supported.
 // FP8 per channel is compressed-tensors with format "float-quantized", weights {"num_bits": 8,
 // "type": "float", "strategy": "channel"} (llm-compressor's FP8_DYNAMIC scheme).

@@ -128,6 +128,12 @@ TEST(ConfigTest, Fp8BlockQuantizationConfigs) {
   EXPECT_TRUE(qwen->IsIgnored("model.layers.1.self_attn.o_proj.weight"));
   EXPECT_FALSE(qwen->IsIgnored("model.layers.1.self_attn.q_proj.weight"));
   EXPECT_EQ(qwen->Describe(), "fp8 e4m3 block 128x64 scale_fmt ue8m0, 5 ignore rules");
+  auto re = ParseQuantizationConfig(
+      R"({"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["re:.*self_attn.*"]})",
+      "re.json");
+  ASSERT_TRUE(re.ok()) << re.status();
+  EXPECT_TRUE(re->IsIgnored("model.layers.3.self_attn.q_proj.weight"));
+  EXPECT_FALSE(re->IsIgnored("model.layers.3.mlp.down_proj.weight"));
   // Settings that decide the bytes make different configs; the block size and the scale format do.
   const std::string base =
       R"({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})";
@@ -150,6 +156,8 @@ TEST(ConfigTest, Fp8BlockQuantizationConfigs) {
       {"[128, 128]", R"(["128", 128])", absl::StatusCode::kInvalidArgument, "weight_block_size"},
       {R"("activation_scheme")", R"("modules_to_not_convert": [""], "activation_scheme")",
        absl::StatusCode::kInvalidArgument, "empty entry"},
+      {R"("activation_scheme")", R"("ignored_layers": ["re:(unclosed"], "activation_scheme")",
+       absl::StatusCode::kInvalidArgument, "(unclosed"},
       {R"(, "weight_block_size": [128, 128])", "", absl::StatusCode::kOk, "per-tensor FP8"},
       {R"("e4m3")", R"("e5m2")", absl::StatusCode::kOk, "fmt \"e5m2\""},
       {R"("fmt")", R"("scale_fmt": "e8m0x", "fmt")", absl::StatusCode::kOk, "scale_fmt \"e8m0x\""},
