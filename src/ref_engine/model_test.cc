@@ -510,6 +510,34 @@ TEST_F(EngineModelErrors, MixedMoeQuantizationRefused) {
   EXPECT_THAT(s.message(), HasSubstr("one FusedMoE has one quantization method"));
 }
 
+// FP8 weights are served in place and must be finite: a NaN code (0x7F) or an infinite block scale
+// fails Prepare naming the parameter (DataLoss); the clean set prepares.
+TEST(EngineModelFp8Errors, NanCodesAndInfiniteScalesAreRefusedByName) {
+  const ModelConfig c = MustParseConfig(Qwen3Moe(Fp8Block(32, 64)));
+  absl::StatusOr<testing::QuantizedHf> q = testing::QuantizeHf(c, testing::RandomHfModel(c, 5));
+  ASSERT_TRUE(q.ok()) << q.status();
+  auto prepare = [&](const std::function<void(TensorMap&)>& mutate) {
+    TensorMap p = *EngineParamsForRank(c, EngineRank{}, q->sent);
+    mutate(p);
+    absl::StatusOr<EngineModel> m = EngineModel::Create(c, EngineRank{}, p.Lookup(), {});
+    EXPECT_TRUE(m.ok()) << m.status();
+    return m->Prepare();
+  };
+  EXPECT_TRUE(prepare([](TensorMap&) {}).ok());
+  absl::Status s = prepare([](TensorMap& p) {
+    p.Mutable("model.layers.2.mlp.experts.w2_weight").data_as<uint8_t>()[12345] = 0xFF;  // -NaN
+  });
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(s.message(), HasSubstr("model.layers.2.mlp.experts.w2_weight"));
+  EXPECT_THAT(s.message(), HasSubstr("element 12345"));
+  s = prepare([](TensorMap& p) {
+    p.Mutable("model.layers.0.self_attn.o_proj.weight_scale_inv").data_as<float>()[1] =
+        std::numeric_limits<float>::infinity();
+  });
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(s.message(), HasSubstr("model.layers.0.self_attn.o_proj.weight"));
+}
+
 TEST(EngineModelInt4Errors, BadScalesAndKvBRefused) {
   const ModelConfig c = MustParseConfig(Deepseek(Quant(32, kIgnoreDeepseek)));
   absl::StatusOr<testing::QuantizedHf> q = testing::QuantizeHf(c, testing::RandomHfModel(c, 3));

@@ -1,12 +1,14 @@
 #include "ref_engine/weight_ops.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "kernels/format/awq_format.h"
+#include "kernels/format/fp8_format.h"
 #include "kernels/format/int4_format.h"
 #include "ref_engine/ops.h"
 
@@ -243,6 +245,42 @@ WSYNC_SIMD_CLONES void MatMulBf16(const float* x, int64_t n, const WeightRef& w,
   }
 }
 
+// The f32 value of every E4M3 code (FP8.md §1; NaN for 0x7F / 0xFF).
+const std::array<float, 256>& Fp8Values() {
+  static const std::array<float, 256> v = [] {
+    std::array<float, 256> a{};
+    for (int c = 0; c < 256; ++c) a[static_cast<size_t>(c)] = kernels::format::E4m3Value(static_cast<uint8_t>(c));
+    return a;
+  }();
+  return v;
+}
+
+// Row i (expert i / n, row i % n) of an FP8 weight as f32.
+void Fp8Row(const Fp8Ref& f, int64_t i, float* out) {
+  const std::array<float, 256>& value = Fp8Values();
+  const int64_t e = i / f.n, r = i % f.n, sr = f.scale_rows(), sc = f.scale_cols();
+  const uint8_t* codes = f.codes + i * f.k;
+  const float* scales = f.scales + (e * sr + (f.bn > 0 ? r / f.bn : r)) * sc;
+  if (f.bk <= 0) {
+    const float s = scales[0];
+    for (int64_t c = 0; c < f.k; ++c) out[c] = value[codes[c]] * s;
+    return;
+  }
+  for (int64_t c0 = 0, b = 0; c0 < f.k; c0 += f.bk, ++b) {
+    const float s = scales[b];
+    const int64_t c1 = std::min(f.k, c0 + f.bk);
+    for (int64_t c = c0; c < c1; ++c) out[c] = value[codes[c]] * s;
+  }
+}
+
+WSYNC_SIMD_CLONES void MatMulFp8(const float* x, int64_t n, const WeightRef& w, float* y) {
+  std::vector<float> row(static_cast<size_t>(w.cols));
+  for (int64_t i = 0; i < w.rows; ++i) {
+    Fp8Row(w.fp8, i, row.data());
+    for (int64_t t = 0; t < n; ++t) y[t * w.rows + i] = Dot(x + t * w.cols, row.data(), w.cols);
+  }
+}
+
 template <typename T>
 T Load(const std::byte* p, int64_t i) {
   T v;
@@ -279,6 +317,11 @@ WeightRef WeightRef::Expert(int64_t e, int64_t num_experts) const {
       if (marlin.zeros != nullptr) out.marlin.zeros = marlin.zeros + e * marlin.groups() * (marlin.n / 8);
       out.marlin.experts = 1;
       break;
+    case WeightForm::kFp8:
+      out.fp8.codes = fp8.codes + e * per * cols;
+      out.fp8.scales = fp8.scales + e * fp8.scale_rows() * fp8.scale_cols();
+      out.fp8.experts = 1;
+      break;
     case WeightForm::kNone: break;
   }
   return out;
@@ -289,16 +332,28 @@ void MatMul(const float* x, int64_t n, const WeightRef& w, float* y) {
     case WeightForm::kF32: MatMulF32(x, n, w, y); return;
     case WeightForm::kBF16: MatMulBf16(x, n, w, y); return;
     case WeightForm::kMarlin: MarlinMatMul(x, n, w.marlin, y); return;
+    case WeightForm::kFp8: MatMulFp8(x, n, w, y); return;
     case WeightForm::kNone: return;
   }
 }
 
 float RowDot(const WeightRef& w, int64_t i, const float* x) {
+  if (w.form == WeightForm::kFp8) {
+    std::vector<float> row(static_cast<size_t>(w.cols));
+    Fp8Row(w.fp8, i, row.data());
+    return Dot(row.data(), x, w.cols);
+  }
   if (w.form == WeightForm::kBF16) return DotBf16(x, static_cast<const uint16_t*>(w.data) + i * w.cols, w.cols);
   return Dot(w.f32() + i * w.cols, x, w.cols);
 }
 
 void RowAxpy(const WeightRef& w, int64_t i, float alpha, float* y) {
+  if (w.form == WeightForm::kFp8) {
+    std::vector<float> row(static_cast<size_t>(w.cols));
+    Fp8Row(w.fp8, i, row.data());
+    Axpy(alpha, row.data(), y, w.cols);
+    return;
+  }
   if (w.form == WeightForm::kBF16) {
     const uint16_t* row = static_cast<const uint16_t*>(w.data) + i * w.cols;
     for (int64_t j = 0; j < w.cols; ++j) y[j] += alpha * BF16ToF32(row[j]);
@@ -308,6 +363,10 @@ void RowAxpy(const WeightRef& w, int64_t i, float alpha, float* y) {
 }
 
 void RowToFloats(const WeightRef& w, int64_t i, float* out) {
+  if (w.form == WeightForm::kFp8) {
+    Fp8Row(w.fp8, i, out);
+    return;
+  }
   if (w.form == WeightForm::kBF16) {
     const uint16_t* row = static_cast<const uint16_t*>(w.data) + i * w.cols;
     for (int64_t j = 0; j < w.cols; ++j) out[j] = BF16ToF32(row[j]);
@@ -331,6 +390,7 @@ void MaterializeWeight(const WeightRef& w, float* out) {
   switch (w.form) {
     case WeightForm::kF32: std::memcpy(out, w.data, static_cast<size_t>(w.rows * w.cols) * sizeof(float)); return;
     case WeightForm::kBF16:
+    case WeightForm::kFp8:
       for (int64_t i = 0; i < w.rows; ++i) RowToFloats(w, i, out + i * w.cols);
       return;
     case WeightForm::kMarlin: {

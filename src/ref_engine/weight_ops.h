@@ -3,6 +3,7 @@
 // that memory can be read directly:
 //   kBF16    bf16 rows, converted to f32 inside the dot products (bf16 -> f32 is exact);
 //   kF32     f32 rows (f32 parameters, and f32 copies of f16 / misaligned / 1-D parameters);
+//   kFp8     FP8 E4M3 codes with F32 block or row scales (Fp8Ref), decoded row by row;
 //   kMarlin  INT4 in SGLang's Marlin layout (ENGINE_LAYOUT.md §4, FORMATS.md §4-§5): int32 words
 //            [E, K/16, 2N] holding 16 (K) x 64 (N) tiles, and bf16/f16 scales [E, K/G, N] permuted
 //            with scale_perm (64 columns) or scale_perm_single (32 columns); AWQ-Marlin adds zero
@@ -62,7 +63,19 @@ struct MarlinRef {
   int Zero(int64_t e, int64_t g, int64_t col) const;     // the zero point: 8, or AWQ's
 };
 
-enum class WeightForm : uint8_t { kNone, kF32, kBF16, kMarlin };
+// FP8 E4M3 weights [E, N, K] read in place (docs/spec/FP8.md §1, §4): codes [E, N, K] and F32
+// scales per bn x bk block ([E, ceil(N/bn), ceil(K/bk)]) or per row (bn = 0: [E, N, 1]). Element
+// (n, k) is float(code) * scale in f32 (exact for the code, one rounding for the product), the same
+// bits as the f32 copy of kFloat32Copy.
+struct Fp8Ref {
+  const uint8_t* codes = nullptr;
+  const float* scales = nullptr;  // 4-byte aligned
+  int64_t experts = 1, n = 0, k = 0, bn = 0, bk = 0;
+  int64_t scale_rows() const { return bn > 0 ? (n + bn - 1) / bn : n; }
+  int64_t scale_cols() const { return bk > 0 ? (k + bk - 1) / bk : 1; }
+};
+
+enum class WeightForm : uint8_t { kNone, kF32, kBF16, kMarlin, kFp8 };
 
 // One weight of the forward pass: a row-major [rows, cols] matrix (cols = the engine parameter's
 // last dimension; stacked experts [E, N, K] have rows = E * N), or a 1-D vector (rows = 1).
@@ -72,6 +85,7 @@ struct WeightRef {
   int64_t rows = 0, cols = 0;
   const void* data = nullptr;  // kF32: float[rows * cols]; kBF16: uint16_t[rows * cols]
   MarlinRef marlin;            // kMarlin (rows = experts * n, cols = k)
+  Fp8Ref fp8;                  // kFp8 (rows = experts * n, cols = k)
 
   bool empty() const { return form == WeightForm::kNone; }
   const float* f32() const { return static_cast<const float*>(data); }  // kF32 only
@@ -93,11 +107,11 @@ inline float DotBf16(const float* a, const uint16_t* b, int64_t n) {
 
 // y[t * w.rows + i] = Dot(x + t * w.cols, row i of w) for t < n, i < w.rows. Marlin: E == 1.
 void MatMul(const float* x, int64_t n, const WeightRef& w, float* y);
-// Dot(row i of w, x) (kF32 / kBF16).
+// Dot(row i of w, x) (kF32 / kBF16 / kFp8).
 float RowDot(const WeightRef& w, int64_t i, const float* x);
-// y += alpha * row i of w, as ops.h Axpy (kF32 / kBF16).
+// y += alpha * row i of w, as ops.h Axpy (kF32 / kBF16 / kFp8).
 void RowAxpy(const WeightRef& w, int64_t i, float alpha, float* y);
-// out[0 .. cols) = row i of w as f32 (kF32 / kBF16).
+// out[0 .. cols) = row i of w as f32 (kF32 / kBF16 / kFp8).
 void RowToFloats(const WeightRef& w, int64_t i, float* out);
 
 // The whole weight as f32, row-major [rows, cols] (any form; Marlin is dequantized exactly).

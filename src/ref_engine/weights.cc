@@ -57,13 +57,13 @@ absl::Status DecodeTrtllm(const TensorView& bytes, const TensorView& scales, con
 
 // An FP8 weight (docs/spec/FP8.md §1, §4): F8_E4M3 codes [(E,) N, K] and F32 scales, per block
 // (bn x bk: [(E,) ceil(N/bn), ceil(K/bk)]) or per row (bn = 0: [(E,) N, 1]).
-struct Fp8Ref {
+struct Fp8Decode {
   int64_t experts = 1, n = 0, k = 0, bn = 0, bk = 0;
 };
 
 // W[e][n][k] = float(code) * scale of its block or row, in float32 (what the engines' block-FP8
 // GEMMs multiply with once the activations are dequantized).
-absl::Status DecodeFp8(const TensorView& codes, const TensorView& scales, const Fp8Ref& r, float* out) {
+absl::Status DecodeFp8(const TensorView& codes, const TensorView& scales, const Fp8Decode& r, float* out) {
   const int64_t E = r.experts, N = r.n, K = r.k;
   const int64_t srows = r.bn > 0 ? (N + r.bn - 1) / r.bn : N, scols = r.bk > 0 ? (K + r.bk - 1) / r.bk : 1;
   const auto* q = reinterpret_cast<const uint8_t*>(codes.bytes().data());
@@ -95,7 +95,7 @@ struct Plan {
     bool trtllm = false;       // a TensorRT-LLM weight `v` with `scales`, decoded as `trt` says
     TrtllmRef trt;
     bool fp8 = false;  // an FP8 weight `v` with `scales`, decoded as `f8` says
-    Fp8Ref f8;
+    Fp8Decode f8;
   };
   // A copy into the model's reused buffers: f32 conversion of a float view, or the raw bytes of
   // misaligned Marlin words / scales.
@@ -107,7 +107,7 @@ struct Plan {
     Kind kind = Kind::kToF32;
     TensorView scales;  // kTrtllm / kFp8: decoded to float32 with these scales
     TrtllmRef trt;
-    Fp8Ref f8;
+    Fp8Decode f8;
   };
   std::vector<Check> checks;
   std::vector<Copy> copies;
@@ -438,7 +438,7 @@ struct RankWeights::Impl {
                                                          : "the engine keeps this linear in bf16"));
     const bool stacked = E > 1 || w.rank() == 3;
     RETURN_IF_ERROR(CheckShape(name, w, stacked ? Shape{E, N, K} : Shape{N, K}));
-    Fp8Ref r{E, N, K, q->is_fp8_block() ? q->block_n : 0, q->is_fp8_block() ? q->block_k : 0};
+    Fp8Decode r{E, N, K, q->is_fp8_block() ? q->block_n : 0, q->is_fp8_block() ? q->block_k : 0};
     const std::string sname = name + (q->is_fp8_block() ? "_scale_inv" : "_scale");
     ASSIGN_OR_RETURN(TensorView scale, Get(sname));
     RETURN_IF_ERROR(CheckDType(sname, scale, {DType::kF32}));
@@ -453,10 +453,6 @@ struct RankWeights::Impl {
       out->data = dst;
       return DecodeFp8(w, scale, r, dst);
     }
-    Plan::Copy c{name, w, out, Plan::Copy::Kind::kFp8};
-    c.scales = scale;
-    c.f8 = r;
-    plan.copies.push_back(std::move(c));
     Plan::Check check;
     check.name = name;
     check.v = w;
@@ -464,6 +460,17 @@ struct RankWeights::Impl {
     check.fp8 = true;
     check.f8 = r;
     plan.checks.push_back(std::move(check));
+    if (scale.IsAligned(4)) {  // served in place: codes and scales where the engine holds them
+      out->form = WeightForm::kFp8;
+      out->fp8 =
+          Fp8Ref{reinterpret_cast<const uint8_t*>(w.bytes().data()), scale.data_as<float>(), E, N, K, r.bn, r.bk};
+      plan.bytes_in_place += static_cast<int64_t>(w.nbytes() + scale.nbytes());
+      return absl::OkStatus();
+    }
+    Plan::Copy c{name, w, out, Plan::Copy::Kind::kFp8};
+    c.scales = scale;
+    c.f8 = r;
+    plan.copies.push_back(std::move(c));  // misaligned scales: a decoded f32 copy
     return absl::OkStatus();
   }
 
@@ -806,6 +813,24 @@ struct RankWeights::Impl {
   // weights are refused, never served.
   absl::Status RunCheck(const Plan::Check& c) const {
     if (c.fp8) {
+      // Certainly finite when no code is NaN and every scale s is finite with 448 |s| finite.
+      // A code is NaN iff its low 7 bits are all set: x = word & 0x7F.., then x + 0x01.. sets the high
+      // bit of exactly those bytes (no byte carries into the next).
+      const std::byte* codes = c.v.bytes().data();
+      const int64_t count = c.v.numel();
+      uint64_t nan_bits = 0;
+      int64_t i = 0;
+      for (; i + 8 <= count; i += 8) {
+        uint64_t word;
+        std::memcpy(&word, codes + i, 8);
+        nan_bits |= ((word & 0x7F7F7F7F7F7F7F7FULL) + 0x0101010101010101ULL) & 0x8080808080808080ULL;
+      }
+      for (; i < count; ++i) nan_bits |= (static_cast<uint8_t>(codes[i]) & 0x7F) == 0x7F ? 1 : 0;
+      const bool nan_code = nan_bits != 0;
+      bool scales_ok = true;
+      for (int64_t i = 0; i < c.scales.numel() && scales_ok; ++i)
+        scales_ok = std::isfinite(448.0f * std::fabs(FloatAt(DType::kF32, c.scales.bytes().data(), i)));
+      if (!nan_code && scales_ok) return absl::OkStatus();
       std::vector<float> dense(static_cast<size_t>(c.f8.experts * c.f8.n * c.f8.k));
       RETURN_IF_ERROR(DecodeFp8(c.v, c.scales, c.f8, dense.data()));
       for (size_t k = 0; k < dense.size(); ++k)
