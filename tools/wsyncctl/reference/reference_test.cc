@@ -1034,8 +1034,11 @@ TEST(Fp8Scalar, CodesByTheDefinition) {
   EXPECT_EQ(E4m3CodeOf(1.0625f), 0x38);                // between 1 and 1.125: to 1 (even)
   EXPECT_EQ(E4m3CodeOf(1.1875f), 0x3A);                // between 1.125 and 1.25: to 1.25 (even)
   EXPECT_EQ(E4m3CodeOf(-0.0f), 0x80);
-  for (int c = 0; c < 256; ++c)
-    if ((c & 0x7F) != 0x7F) EXPECT_EQ(E4m3CodeOf(E4m3ValueOf(static_cast<uint8_t>(c))), c) << c;
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7F) != 0x7F) {
+      EXPECT_EQ(E4m3CodeOf(E4m3ValueOf(static_cast<uint8_t>(c))), c) << c;
+    }
+  }
 }
 
 }  // namespace
