@@ -41,7 +41,7 @@ int Run(int argc, char** argv) {
   CLI::App app{"wsync-shard: HF checkpoint -> Megatron per-rank shard files (and their bit-exact check)"};
   std::string hf_dir, out_dir, src_dir;
   trainer_agent::SourceParallel p;
-  std::vector<int64_t> layers_per_stage;
+  std::vector<int64_t> layers_per_stage, layers_per_chunk;
   bool verify = false;
   std::string to_hf;
   app.add_option("--hf", hf_dir, "HF checkpoint directory (config.json + *.safetensors)");
@@ -56,6 +56,19 @@ int Run(int argc, char** argv) {
   app.add_option("--cp", p.cp, "context parallel size")->capture_default_str();
   app.add_option("--layers-per-stage", layers_per_stage, "decoder layers of each PP stage (default: even split)")
       ->delimiter(',');
+  app.add_option("--vpp", p.vpp, "virtual pipeline stages (model chunks) per PP stage")->capture_default_str();
+  app.add_option("--layers-per-chunk", layers_per_chunk,
+                 "decoder layers of each model chunk in layer order, pp*vpp entries (default: Megatron's split)")
+      ->delimiter(',');
+  int64_t first_stage_layers = 0, last_stage_layers = 0;
+  auto* first_opt = app.add_option("--decoder-first-pipeline-num-layers", first_stage_layers,
+                                   "Megatron's uneven first stage (num_layers_in_first_pipeline_stage)");
+  auto* last_opt = app.add_option("--decoder-last-pipeline-num-layers", last_stage_layers,
+                                  "Megatron's uneven last stage (num_layers_in_last_pipeline_stage)");
+  app.add_flag("--account-for-embedding-in-pipeline-split", p.account_for_embedding_in_pipeline_split,
+               "Megatron's option: the embedding takes a layer's place in the first virtual stage");
+  app.add_flag("--account-for-loss-in-pipeline-split", p.account_for_loss_in_pipeline_split,
+               "Megatron's option: the loss takes a layer's place in the last virtual stage");
   app.add_option("--make-vocab-size-divisible-by", p.make_vocab_size_divisible_by)->capture_default_str();
   app.add_option("--padded-vocab-size", p.padded_vocab_size, "override Megatron's padded vocab formula");
   app.add_flag("--verify", verify, "simulate the gathers and compare with the HF checkpoint bit for bit");
@@ -111,6 +124,9 @@ int Run(int argc, char** argv) {
     if (etp_opt->count() == 0) p.etp = p.tp;
     p.world_size = p.tp * p.cp * p.pp * p.dp;
     p.layers_per_stage = layers_per_stage;
+    p.layers_per_chunk = layers_per_chunk;
+    if (first_opt->count() > 0) p.num_layers_in_first_pipeline_stage = first_stage_layers;
+    if (last_opt->count() > 0) p.num_layers_in_last_pipeline_stage = last_stage_layers;
     auto stats = tools::WriteMegatronSource(*config_text, *model, *hf, p, out_dir);
     if (!stats.ok()) return fail(stats.status());
     std::printf("%s\n",

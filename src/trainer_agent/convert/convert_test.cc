@@ -55,6 +55,9 @@ struct LayoutCase {
   int tp, pp, ep, etp, dp;
   std::vector<int64_t> layers_per_stage;
   int cp = 1;
+  int vpp = 1;
+  std::vector<int64_t> layers_per_chunk = {};
+  bool account_for_embedding_and_loss = false;
 };
 
 // The supported layouts, the RANKS.md caution layout (ep_rank == dp_rank), an uneven PP split and CP.
@@ -66,6 +69,11 @@ const LayoutCase kLayouts[] = {
     {"tp2_etp2_ep2_dp2", 2, 1, 2, 2, 2, {}},
     {"pp2_uneven_1_3", 1, 2, 2, 1, 2, {1, 3}},
     {"tp2_cp2_ep2_etp1", 2, 1, 2, 1, 1, {}, 2},  // CP ranks hold copies; the expert grid folds CP into EP
+    // virtual pipeline: Megatron's even interleaving, an explicit split with an empty chunk (a
+    // custom --pipeline-model-parallel-layout), and the embedding and loss taking layers' places
+    {"tp2_pp2_vpp2_ep2", 2, 2, 2, 1, 1, {}, 1, 2},
+    {"pp2_vpp2_chunks_0_2_1_1", 1, 2, 2, 1, 2, {}, 1, 2, {0, 2, 1, 1}},
+    {"pp3_account_embedding_loss", 1, 3, 2, 1, 2, {}, 1, 1, {}, true},
 };
 
 bool IsMoe(Architecture a) { return a == Architecture::kQwen3Moe || a == Architecture::kDeepseekV3; }
@@ -87,9 +95,14 @@ absl::StatusOr<tools::SyntheticModel> MakeModel(const ModelCase& mc, uint64_t se
 }
 
 SourceParallel ParallelFor(const LayoutCase& lc, Architecture arch) {
-  if (IsMoe(arch)) return tools::testing::Parallel(lc.tp, lc.pp, lc.ep, lc.etp, lc.dp, lc.layers_per_stage, lc.cp);
   // Dense models have no EP: keep the TP / PP / DP / CP part of the layout.
-  return tools::testing::Parallel(lc.tp, lc.pp, 1, lc.tp, lc.dp, lc.layers_per_stage, lc.cp);
+  SourceParallel p = IsMoe(arch)
+                         ? tools::testing::Parallel(lc.tp, lc.pp, lc.ep, lc.etp, lc.dp, lc.layers_per_stage, lc.cp)
+                         : tools::testing::Parallel(lc.tp, lc.pp, 1, lc.tp, lc.dp, lc.layers_per_stage, lc.cp);
+  p.vpp = lc.vpp;
+  p.layers_per_chunk = lc.layers_per_chunk;
+  p.account_for_embedding_in_pipeline_split = p.account_for_loss_in_pipeline_split = lc.account_for_embedding_and_loss;
+  return p;
 }
 
 class RoundTripTest : public ::testing::TestWithParam<std::tuple<int, int>> {};

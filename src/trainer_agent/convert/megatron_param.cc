@@ -340,7 +340,8 @@ absl::Status CheckModelFitsLayout(const ModelConfig& m, const SourceParallel& pa
 
 absl::StatusOr<std::vector<MegatronParam>> PlanRank(const ModelConfig& model, const ParallelLayout& layout,
                                                     const SourceParallel& par, int global_rank) {
-  if (par.padded_vocab_size <= 0 || static_cast<int>(par.layers_per_stage.size()) != par.pp)
+  if (par.padded_vocab_size <= 0 || static_cast<int>(par.layers_per_stage.size()) != par.pp ||
+      par.layers_per_chunk.size() != static_cast<size_t>(par.pp) * par.vpp)
     return absl::InvalidArgumentError("PlanRank needs a resolved SourceParallel (see ResolveSourceParallel)");
   if (layout.tp() != par.tp || layout.pp() != par.pp || layout.ep() != par.ep || layout.etp() != par.etp ||
       layout.cp() != par.cp || layout.dp() != par.dp || layout.world_size() != par.world_size)
@@ -364,16 +365,26 @@ absl::StatusOr<std::vector<MegatronParam>> PlanRank(const ModelConfig& model, co
   c.expert_offset = expert.ep * c.local_experts;
   c.first_stage = dense.pp == 0;
 
+  // The rank's model chunks in order (virtual stages; one without VPP), each named as Megatron's
+  // model[vp].named_parameters() gives it, under "model{vp}." when there are several (§4.1).
   std::vector<MegatronParam> plan;
-  if (dense.pp == 0) AppendBlock(Block::kFirstStage, c, -1, -1, &plan);
-  const int64_t first = par.FirstLayer(dense.pp);
   const Block attention = model.mla ? Block::kMla : Block::kGqa;
-  for (int64_t l = 0; l < par.layers_per_stage[static_cast<size_t>(dense.pp)]; ++l) {
-    const int64_t g = first + l;
-    AppendBlock(attention, c, l, g, &plan);
-    AppendBlock(model.IsMoeLayer(g) ? Block::kMoeMlp : Block::kDenseMlp, c, l, g, &plan);
+  const int last_chunk = par.pp * par.vpp - 1;
+  for (int vp = 0; vp < par.vpp; ++vp) {
+    const int chunk = par.Chunk(dense.pp, vp);
+    const size_t begin = plan.size();
+    if (chunk == 0) AppendBlock(Block::kFirstStage, c, -1, -1, &plan);
+    const int64_t first = par.ChunkFirstLayer(chunk);
+    for (int64_t l = 0; l < par.layers_per_chunk[static_cast<size_t>(chunk)]; ++l) {
+      const int64_t g = first + l;
+      AppendBlock(attention, c, l, g, &plan);
+      AppendBlock(model.IsMoeLayer(g) ? Block::kMoeMlp : Block::kDenseMlp, c, l, g, &plan);
+    }
+    if (chunk == last_chunk) AppendBlock(Block::kLastStage, c, -1, -1, &plan);
+    if (par.vpp > 1)
+      for (size_t i = begin; i < plan.size(); ++i)
+        plan[i].local_name = absl::StrCat("model", vp, ".", plan[i].local_name);
   }
-  if (dense.pp == par.pp - 1) AppendBlock(Block::kLastStage, c, -1, -1, &plan);
   return plan;
 }
 
@@ -381,6 +392,7 @@ absl::StatusOr<std::vector<MegatronParam>> PlanFullModel(const ModelConfig& mode
   SourceParallel par;
   par.padded_vocab_size = model.vocab_size;  // unsharded: no padding
   par.layers_per_stage = {model.num_hidden_layers};
+  par.layers_per_chunk = par.layers_per_stage;
   ASSIGN_OR_RETURN(ParallelLayout layout, MakeLayout(model, par));
   return PlanRank(model, layout, par, 0);
 }

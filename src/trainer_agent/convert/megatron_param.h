@@ -18,8 +18,11 @@
 //                      mlp.experts.linear_fc1.weight{0..n-1}, mlp.experts.linear_fc2.weight{0..n-1},
 //                      mlp.shared_experts.linear_fc1.weight, mlp.shared_experts.linear_fc2.weight
 //   last stage:   decoder.final_layernorm.weight, output_layer.weight
-// Names carry no wrapper prefix; layer indices are local to the stage and expert indices local
-// to the EP rank (local_name), or global (global_name).
+// Names carry no wrapper prefix; layer indices are local to the model chunk and expert indices
+// local to the EP rank (local_name), or global (global_name). With virtual pipeline stages
+// (vpp > 1) a rank holds its chunks in order, each as above (the embedding in chunk 0 of the
+// first stage, the last-stage params in the last chunk of the last stage), local names prefixed
+// "model{vp}." (MEGATRON_TO_HF.md §4.1).
 //
 // Errors: kInvalidArgument / kUnimplemented naming the model field or the parameter and values.
 // Thread-safety: pure functions over values.

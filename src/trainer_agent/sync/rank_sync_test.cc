@@ -84,7 +84,8 @@ std::vector<RankResult> SyncEveryRank(const DirSource& src, LocalTrainerComms& c
 
 struct LayoutCase {
   std::string name;
-  int tp, ep, etp, dp;  // pp 1
+  int tp, ep, etp, dp;
+  int pp = 1, vpp = 1;  // pipeline stages, and model chunks per stage (Megatron's even split)
 };
 
 struct Case {
@@ -131,8 +132,9 @@ class RankSyncFixture : public ::testing::Test {
     auto m = tools::testing::SmallModel(mo, seed);
     ASSERT_TRUE(m.ok()) << m.status();
     ASSERT_TRUE(tools::WriteHfModel(*m, hf_dir()).ok());
-    auto stats = tools::WriteMegatronSource(m->config_json, m->config, m->weights,
-                                            tools::testing::Parallel(l.tp, 1, l.ep, l.etp, l.dp), src_dir());
+    SourceParallel p = tools::testing::Parallel(l.tp, l.pp, l.ep, l.etp, l.dp);
+    p.vpp = l.vpp;
+    auto stats = tools::WriteMegatronSource(m->config_json, m->config, m->weights, p, src_dir());
     ASSERT_TRUE(stats.ok()) << stats.status();
   }
   std::string hf_dir() const { return dir_ + "/hf"; }
@@ -292,6 +294,13 @@ std::vector<Case> AllCases() {
     f.fp8 = true;
     out.push_back(f);
   }
+  // Virtual pipeline: 2 stages of 2 model chunks each (every stage sends its chunks' layers under
+  // their global numbers), dense and MoE, bf16 and INT4.
+  const LayoutCase vpp = {"tp2_ep2_etp1_pp2_vpp2", 2, 2, 1, 1, 2, 2};
+  const LayoutCase dense_vpp = {"tp2_pp2_vpp2", 2, 1, 2, 1, 2, 2};
+  out.push_back({"qwen3_" + dense_vpp.name + "_bf16", Architecture::kQwen3, dense_vpp, 32, false});
+  out.push_back({"qwen3moe_" + vpp.name + "_int4", Architecture::kQwen3Moe, vpp, 32, true});
+  out.push_back({"deepseek_" + vpp.name + "_int4", Architecture::kDeepseekV3, vpp, 32, true});
   // Spread senders (sharded delivery): the same checks on the union of the senders' streams.
   const size_t n = out.size();
   for (size_t i = 0; i < n; ++i) {
