@@ -107,6 +107,7 @@ constexpr ArchName kArchs[] = {
     {Architecture::kQwen3, "qwen3", "Qwen3ForCausalLM"},
     {Architecture::kQwen3Moe, "qwen3_moe", "Qwen3MoeForCausalLM"},
     {Architecture::kDeepseekV3, "deepseek_v3", "DeepseekV3ForCausalLM"},
+    {Architecture::kGlm4Moe, "glm4_moe", "Glm4MoeForCausalLM"},
 };
 
 std::string SupportedArchs() {
@@ -417,6 +418,7 @@ bool ModelConfig::IsMoeLayer(int64_t layer) const {
     return (layer + 1) % moe->decoder_sparse_step == 0;
   }
   if (arch == Architecture::kDeepseekV3) return layer >= moe->first_k_dense_replace && layer % moe->moe_layer_freq == 0;
+  if (arch == Architecture::kGlm4Moe) return layer >= moe->first_k_dense_replace;  // Glm4MoeDecoderLayer
   return false;
 }
 
@@ -437,9 +439,39 @@ absl::StatusOr<MoeConfig> ParseQwen3MoeFields(const Fields& f, const ModelConfig
   return m;
 }
 
+// GLM-4.5's expert fields (transformers' Glm4MoeConfig defaults): DeepSeek-V3's routing, always
+// with the e_score_correction_bias (Glm4MoeTopkRouter), dense layers before first_k_dense_replace.
+absl::StatusOr<MoeConfig> ParseGlm4MoeFields(const Fields& f, const ModelConfig& c) {
+  MoeConfig m;
+  m.deepseek_routing = true;
+  ASSIGN_OR_RETURN(m.num_experts, f.Int("n_routed_experts", 128));
+  ASSIGN_OR_RETURN(m.num_experts_per_tok, f.Int("num_experts_per_tok", 8));
+  ASSIGN_OR_RETURN(m.moe_intermediate_size, f.Int("moe_intermediate_size", 1408));
+  ASSIGN_OR_RETURN(m.num_shared_experts, f.Int("n_shared_experts", 1, 0));
+  ASSIGN_OR_RETURN(m.norm_topk_prob, f.Bool("norm_topk_prob", true));
+  ASSIGN_OR_RETURN(m.first_k_dense_replace, f.Int("first_k_dense_replace", 1, 0));
+  ASSIGN_OR_RETURN(m.n_group, f.Int("n_group", 1));
+  ASSIGN_OR_RETURN(m.topk_group, f.Int("topk_group", 1));
+  ASSIGN_OR_RETURN(m.routed_scaling_factor, f.Number("routed_scaling_factor", 1.0));
+  m.scoring_func = "sigmoid";
+  m.topk_method = "noaux_tc";
+  if (m.first_k_dense_replace > c.num_hidden_layers)
+    return f.Error("first_k_dense_replace",
+                   absl::StrCat(m.first_k_dense_replace, " exceeds num_hidden_layers ", c.num_hidden_layers));
+  if (m.num_experts % m.n_group != 0)
+    return f.Error("n_group", absl::StrCat(m.n_group, " does not divide n_routed_experts ", m.num_experts));
+  if (m.topk_group > m.n_group)
+    return f.Error("topk_group", absl::StrCat(m.topk_group, " exceeds n_group ", m.n_group));
+  if (m.num_shared_experts > 1)
+    return f.Error("n_shared_experts", absl::StrCat(m.num_shared_experts, ": Glm4MoeMoE builds one shared MLP of ",
+                                                    "moe_intermediate_size * n_shared_experts; wsync takes 0 or 1"));
+  return m;
+}
+
 // DeepSeek-V3's expert and MLA fields: sets c.moe, c.mla, c.head_dim and c.num_nextn_predict_layers.
 absl::Status ParseDeepseekV3Fields(const Fields& f, ModelConfig& c) {
   MoeConfig m;
+  m.deepseek_routing = true;
   ASSIGN_OR_RETURN(m.num_experts, f.Int("n_routed_experts"));
   ASSIGN_OR_RETURN(m.num_experts_per_tok, f.Int("num_experts_per_tok"));
   ASSIGN_OR_RETURN(m.moe_intermediate_size, f.Int("moe_intermediate_size"));
@@ -524,11 +556,23 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::
 
   const bool is_qwen3 = c.arch == Architecture::kQwen3 || c.arch == Architecture::kQwen3Moe;
   const bool is_mla = c.arch == Architecture::kDeepseekV3;
+  const bool is_glm = c.arch == Architecture::kGlm4Moe;
   c.qk_norm = is_qwen3;
   if (c.arch == Architecture::kQwen2) {
     c.qkv_bias = true;  // Qwen2Attention builds q/k/v with bias=True unconditionally
   } else if (!is_mla) {
     ASSIGN_OR_RETURN(c.qkv_bias, f.Bool("attention_bias", false));
+    c.o_proj_bias = c.qkv_bias && !is_glm;  // Glm4MoeAttention: o_proj bias=False
+  }
+  if (is_glm) {
+    ASSIGN_OR_RETURN(c.qk_norm, f.Bool("use_qk_norm", false));
+    // transformers reads it at the top level or in rope_parameters (Glm4MoeConfig default 0.5)
+    c.partial_rotary_factor = 0.5;
+    if (j.contains("rope_parameters") && j.at("rope_parameters").is_object()) {
+      Fields rp(j.at("rope_parameters"), source, "rope_parameters.");
+      ASSIGN_OR_RETURN(c.partial_rotary_factor, rp.Number("partial_rotary_factor", c.partial_rotary_factor));
+    }
+    ASSIGN_OR_RETURN(c.partial_rotary_factor, f.Number("partial_rotary_factor", c.partial_rotary_factor));
   }
   // head_dim: explicit, or HF's default (Qwen3: 128; others: hidden_size / heads).
   if (f.Has("head_dim")) {
@@ -547,6 +591,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::
 
   if (c.arch == Architecture::kQwen3Moe) {
     ASSIGN_OR_RETURN(c.moe, ParseQwen3MoeFields(f, c));
+  } else if (is_glm) {
+    ASSIGN_OR_RETURN(c.moe, ParseGlm4MoeFields(f, c));
+    ASSIGN_OR_RETURN(c.num_nextn_predict_layers, f.Int("num_nextn_predict_layers", 0, 0));
   } else if (is_mla) {
     RETURN_IF_ERROR(ParseDeepseekV3Fields(f, c));
   }
@@ -555,6 +602,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::
                    absl::StrCat(c.moe->num_experts_per_tok, " exceeds the number of experts ", c.moe->num_experts));
   if (!is_mla && c.head_dim % 2 != 0)
     return f.Error("head_dim", absl::StrCat("must be even for rotary embeddings, got ", c.head_dim));
+  if (c.partial_rotary_factor <= 0 || c.partial_rotary_factor > 1 || c.RotaryDim() % 2 != 0 || c.RotaryDim() < 2)
+    return f.Error("partial_rotary_factor",
+                   absl::StrCat(c.partial_rotary_factor, " of head_dim ", c.head_dim, " gives ", c.RotaryDim(),
+                                " rotary dims; expected an even number >= 2"));
 
   if (f.Has("quantization_config")) {
     ASSIGN_OR_RETURN(c.quantization, ParseQuantizationObject(j.at("quantization_config"), source));

@@ -25,9 +25,9 @@
 
 namespace wsync {
 
-enum class Architecture { kLlama, kQwen2, kQwen3, kQwen3Moe, kDeepseekV3 };
+enum class Architecture { kLlama, kQwen2, kQwen3, kQwen3Moe, kDeepseekV3, kGlm4Moe };
 
-// "llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3" (HF model_type spelling).
+// "llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe" (HF model_type spelling).
 absl::string_view ArchitectureName(Architecture a);
 
 // compressed-tensors quantization_config (format pack-quantized), as written by llm-compressor
@@ -139,12 +139,15 @@ struct MoeConfig {
   int64_t num_experts = 0;          // routed experts (Qwen3-MoE num_experts, DeepSeek n_routed_experts)
   int64_t num_experts_per_tok = 0;  // top-k
   int64_t moe_intermediate_size = 0;
-  int64_t num_shared_experts = 0;  // DeepSeek n_shared_experts (0 for Qwen3-MoE)
+  int64_t num_shared_experts = 0;  // DeepSeek / GLM n_shared_experts (0 for Qwen3-MoE)
   bool norm_topk_prob = false;
   // Qwen3-MoE layer selection.
   int64_t decoder_sparse_step = 1;
   std::vector<int64_t> mlp_only_layers;
-  // DeepSeek-V3 layer selection and routing.
+  // DeepSeek-V3 / GLM-4.5 routing: scoring_func, topk_method (noaux_tc: the router's
+  // e_score_correction_bias), group-limited top-k, routed_scaling_factor. False: Qwen3-MoE's softmax top-k.
+  bool deepseek_routing = false;
+  // DeepSeek-V3 / GLM-4.5 layer selection and routing.
   int64_t first_k_dense_replace = 0;
   int64_t moe_layer_freq = 1;
   int64_t n_group = 1;
@@ -152,6 +155,9 @@ struct MoeConfig {
   double routed_scaling_factor = 1.0;
   std::string scoring_func = "softmax";
   std::string topk_method = "greedy";
+
+  // The router has an e_score_correction_bias (fp32; Megatron's router.expert_bias).
+  bool HasExpertBias() const { return deepseek_routing && topk_method == "noaux_tc"; }
 };
 
 struct MlaConfig {          // DeepSeek-V3 multi-head latent attention
@@ -177,8 +183,10 @@ struct ModelConfig {
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
   bool tie_word_embeddings = false;
-  bool qkv_bias = false;                 // Qwen2 always; Llama/Qwen3 when attention_bias
-  bool qk_norm = false;                  // Qwen3, Qwen3-MoE
+  bool qkv_bias = false;                 // Qwen2 always; Llama/Qwen3/GLM-4.5 when attention_bias
+  bool o_proj_bias = false;              // Llama/Qwen3 when attention_bias (not Qwen2, not GLM-4.5)
+  bool qk_norm = false;                  // Qwen3, Qwen3-MoE; GLM-4.5 when use_qk_norm
+  double partial_rotary_factor = 1.0;    // GLM-4.5: 0.5 (RoPE on the first half of each head)
   DType dtype = DType::kBF16;            // torch_dtype
   int64_t num_nextn_predict_layers = 0;  // DeepSeek MTP
   std::optional<MoeConfig> moe;
@@ -187,6 +195,8 @@ struct ModelConfig {
 
   // Whether decoder layer `layer` (global index) has a routed-expert MLP.
   bool IsMoeLayer(int64_t layer) const;
+  // GQA: the leading dims of a head that RoPE rotates (rotate_half style), int(head_dim * factor).
+  int64_t RotaryDim() const { return static_cast<int64_t>(static_cast<double>(head_dim) * partial_rotary_factor); }
 };
 
 // Parses config.json text. `source` names the file in errors.

@@ -233,6 +233,62 @@ TEST(ConfigTest, DeepseekV3) {
   EXPECT_EQ(no_qlora->mla->q_lora_rank, 0);
 }
 
+// GLM-4.5 (355B-A32B) as slime's glm4.5-355B-A32B.sh and Megatron-Bridge's provider give its shape:
+// q/k/v bias, QK norm, RoPE on half of each 128-wide head, 3 dense layers, 160 experts + 1 shared.
+constexpr const char* kGlm45 = R"({
+  "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": true,
+  "head_dim": 128, "hidden_size": 5120, "intermediate_size": 12288, "max_position_embeddings": 131072,
+  "moe_intermediate_size": 1536, "n_group": 1, "n_routed_experts": 160, "n_shared_experts": 1,
+  "norm_topk_prob": true, "num_attention_heads": 96, "num_experts_per_tok": 8, "num_hidden_layers": 92,
+  "num_key_value_heads": 8, "num_nextn_predict_layers": 1, "partial_rotary_factor": 0.5,
+  "first_k_dense_replace": 3, "rms_norm_eps": 1e-05, "rope_theta": 1000000, "routed_scaling_factor": 2.5,
+  "tie_word_embeddings": false, "topk_group": 1, "torch_dtype": "bfloat16", "use_qk_norm": true,
+  "vocab_size": 151552})";
+
+TEST(ConfigTest, Glm45) {
+  auto c = ParseModelConfig(kGlm45, "glm45/config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->arch, Architecture::kGlm4Moe);
+  EXPECT_TRUE(c->qkv_bias);
+  EXPECT_FALSE(c->o_proj_bias);  // Glm4MoeAttention: o_proj bias=False
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_EQ(c->head_dim, 128);
+  EXPECT_EQ(c->RotaryDim(), 64);
+  EXPECT_FALSE(c->mla.has_value());
+  ASSERT_TRUE(c->moe.has_value());
+  EXPECT_TRUE(c->moe->deepseek_routing);
+  EXPECT_TRUE(c->moe->HasExpertBias());
+  EXPECT_EQ(c->moe->num_experts, 160);
+  EXPECT_EQ(c->moe->num_shared_experts, 1);
+  EXPECT_DOUBLE_EQ(c->moe->routed_scaling_factor, 2.5);
+  EXPECT_EQ(c->num_nextn_predict_layers, 1);
+  EXPECT_FALSE(c->IsMoeLayer(2));
+  EXPECT_TRUE(c->IsMoeLayer(3));
+  EXPECT_TRUE(c->IsMoeLayer(91));
+  // GLM-4.5-Air: no QK norm; transformers' defaults fill what a config leaves out (0.5 rotary,
+  // routed_scaling_factor 1.0); a transformers-5 config may carry the factor in rope_parameters.
+  auto air = ParseModelConfig(Replace(Replace(kGlm45, R"("use_qk_norm": true)", R"("use_qk_norm": false)"),
+                                      R"("partial_rotary_factor": 0.5,)", ""),
+                              "air");
+  ASSERT_TRUE(air.ok()) << air.status();
+  EXPECT_FALSE(air->qk_norm);
+  EXPECT_EQ(air->RotaryDim(), 64);
+  auto rp = ParseModelConfig(Replace(kGlm45, R"("partial_rotary_factor": 0.5,)",
+                                     R"("rope_parameters": {"rope_theta": 1e6, "partial_rotary_factor": 0.25},)"),
+                             "rp");
+  ASSERT_TRUE(rp.ok()) << rp.status();
+  EXPECT_EQ(rp->RotaryDim(), 32);
+  auto error = [](const std::string& text) {
+    auto r = ParseModelConfig(text, "glm");
+    return r.ok() ? std::string("parsed") : std::string(r.status().message());
+  };
+  const std::string odd = error(Replace(kGlm45, R"("partial_rotary_factor": 0.5)", R"("partial_rotary_factor": 0.31)"));
+  EXPECT_NE(odd.find("field \"partial_rotary_factor\" 0.31 of head_dim 128 gives 39 rotary dims"), std::string::npos)
+      << odd;
+  const std::string two = error(Replace(kGlm45, R"("n_shared_experts": 1)", R"("n_shared_experts": 2)"));
+  EXPECT_NE(two.find("field \"n_shared_experts\" 2: Glm4MoeMoE builds one shared MLP"), std::string::npos) << two;
+}
+
 TEST(ConfigTest, DenseModelsAndDefaults) {
   auto llama = ParseModelConfig(kLlama8B, "llama");
   ASSERT_TRUE(llama.ok()) << llama.status();

@@ -146,7 +146,9 @@ class LayoutBuilder {
       return Refuse(absl::StrCat(Ctx(), ": o_proj K = ", nh * c_.mla->v_head_dim, " is not divisible by T ", T));
     if (!c_.mla && (nh * c_.head_dim) % T != 0)
       return Refuse(absl::StrCat(Ctx(), ": o_proj K = ", nh * c_.head_dim, " is not divisible by T ", T));
-    if ((c_.arch == Architecture::kQwen3Moe || c_.arch == Architecture::kDeepseekV3) && c_.tie_word_embeddings)
+    if ((c_.arch == Architecture::kQwen3Moe || c_.arch == Architecture::kDeepseekV3 ||
+         c_.arch == Architecture::kGlm4Moe) &&
+        c_.tie_word_embeddings)
       return Refuse(absl::StrCat(Ctx(), ": tie_word_embeddings is set, but SGLang's ", c_.architecture,
                                  " always builds its own lm_head, which a tied checkpoint never fills; refusing"));
 
@@ -803,9 +805,8 @@ class LayoutBuilder {
     LinearSpec o{pre + "o_proj.weight", ParamRole::kRow, i, 0, H, K / T, Int4(pre + "o_proj.weight")};
     RETURN_IF_ERROR(AddLinear(o, {Shard{pre + "o_proj", H, K, 0, H, r * (K / T), K / T, 0, 0, true, "o_proj"}}));
     // HF Llama / Qwen3 with attention_bias also give o_proj a bias; a RowParallelLinear bias is whole
-    // on every rank (Qwen2 has qkv bias only).
-    if (c_.qkv_bias && c_.arch != Architecture::kQwen2)
-      AddPlain(pre + "o_proj.bias", ParamRole::kRow, dt_, {H}, i, pre + "o_proj.bias");
+    // on every rank (Qwen2 and GLM-4.5 have qkv bias only).
+    if (c_.o_proj_bias) AddPlain(pre + "o_proj.bias", ParamRole::kRow, dt_, {H}, i, pre + "o_proj.bias");
     if (c_.qk_norm) {
       AddPlain(pre + "q_norm.weight", ParamRole::kReplicated, dt_, {hd}, i, pre + "q_norm.weight");
       AddPlain(pre + "k_norm.weight", ParamRole::kReplicated, dt_, {hd}, i, pre + "k_norm.weight");
@@ -885,7 +886,7 @@ class LayoutBuilder {
                                  "quantization_config.ignore must cover it (e.g. \"re:.*mlp\\.gate$\")"));
     RETURN_IF_ERROR(AddLinear(LinearSpec{pre + "gate.weight", ParamRole::kReplicated, i, 0, E, H, false},
                               {WholeShard(pre + "gate", E, H, 0, "router gate")}));
-    if (c_.arch == Architecture::kDeepseekV3 && m.topk_method == "noaux_tc")
+    if (m.HasExpertBias())
       AddPlain(pre + "gate.e_score_correction_bias", ParamRole::kReplicated, DType::kF32, {E}, i,
                pre + "gate.e_score_correction_bias");
 
@@ -944,8 +945,7 @@ class LayoutBuilder {
     // w2 scale permutation: size_k = (I'/G)·G = I' (channelwise: 8, which selects the same single perm).
     LinearSpec s2{pre + "experts.w2_weight", ParamRole::kExpertsW2, i, E_loc, H, Ip, q, Ip};
     RETURN_IF_ERROR(AddLinear(s2, w2));
-    if (c_.arch == Architecture::kDeepseekV3 && m.num_shared_experts > 0)
-      RETURN_IF_ERROR(AddDenseMlp(i, "mlp.shared_experts", m.num_shared_experts * I));
+    if (m.num_shared_experts > 0) RETURN_IF_ERROR(AddDenseMlp(i, "mlp.shared_experts", m.num_shared_experts * I));
     return absl::OkStatus();
   }
 

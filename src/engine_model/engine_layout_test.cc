@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "common/config.h"
 #include "common/default_model.h"
 #include "gmock/gmock.h"
@@ -310,6 +311,45 @@ TEST(EngineLayoutTest, WorkedExampleDeepseekV3) {
   // kv_b: head-major rows r*nl*kvd.
   const HfSource& kvb = l->sources()[static_cast<size_t>(l->FindSource(A + "kv_b_proj.weight"))];
   EXPECT_EQ(kvb.src_row0, 3 * 4096);
+}
+
+// GLM-4.5 (355B-A32B's shape, ENGINE_LAYOUT.md §2.7) at TP 8 x EP 8, rank 3: GQA with q/k/v bias
+// (no o_proj bias) and QK norm, then DeepSeek-V3's MoE (fp32 correction bias, one shared expert).
+const char kGlm45Full[] = R"({
+  "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": true,
+  "head_dim": 128, "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+  "n_group": 1, "n_routed_experts": 160, "n_shared_experts": 1, "norm_topk_prob": true,
+  "num_attention_heads": 96, "num_experts_per_tok": 8, "num_hidden_layers": 92, "num_key_value_heads": 8,
+  "num_nextn_predict_layers": 1, "partial_rotary_factor": 0.5, "first_k_dense_replace": 3,
+  "rms_norm_eps": 1e-05, "rope_theta": 1000000, "routed_scaling_factor": 2.5, "tie_word_embeddings": false,
+  "topk_group": 1, "torch_dtype": "bfloat16", "use_qk_norm": true, "vocab_size": 151552})";
+
+TEST(EngineLayoutTest, WorkedExampleGlm45) {
+  const ModelConfig c = Config(kGlm45Full);
+  auto l = EngineLayout::Create(c, nullptr, {8, 3, 8});
+  ASSERT_TRUE(l.ok()) << l.status();
+  const std::string A = "model.layers.5.self_attn.", M = "model.layers.5.mlp.";
+  // q 96 / 8 = 12 heads, k and v 8 / 8 = 1 head each, of 128
+  ExpectParam(*l, {A + "qkv_proj.weight", ParamRole::kQkv, kPl, kB, {1792, 5120}, {1792, 5120}});
+  ExpectParam(*l, {A + "qkv_proj.bias", ParamRole::kQkv, kPl, kB, {1792}, {1792}});
+  ExpectParam(*l, {A + "o_proj.weight", ParamRole::kRow, kPl, kB, {5120, 1536}, {5120, 1536}});
+  EXPECT_LT(l->FindParam(A + "o_proj.bias"), 0);
+  ExpectParam(*l, {A + "q_norm.weight", ParamRole::kReplicated, kPl, kB, {128}, {128}});
+  ExpectParam(*l, {A + "k_norm.weight", ParamRole::kReplicated, kPl, kB, {128}, {128}});
+  ExpectParam(*l, {"model.layers.2.mlp.gate_up_proj.weight", ParamRole::kGateUp, kPl, kB, {3072, 5120}, {3072, 5120}});
+  EXPECT_LT(l->FindParam("model.layers.2.mlp.gate.weight"), 0);  // dense layers 0-2: no router
+  ExpectParam(*l, {M + "gate.weight", ParamRole::kReplicated, kPl, kB, {160, 5120}, {160, 5120}});
+  ExpectParam(*l, {M + "gate.e_score_correction_bias", ParamRole::kReplicated, kPl, DType::kF32, {160}, {160}});
+  // EP 8: 20 local experts of the whole width (moe_tp 1)
+  ExpectParam(*l, {M + "experts.w13_weight", ParamRole::kExpertsW13, kPl, kB, {20, 3072, 5120}, {20, 3072, 5120}});
+  ExpectParam(*l, {M + "experts.w2_weight", ParamRole::kExpertsW2, kPl, kB, {20, 5120, 1536}, {20, 5120, 1536}});
+  ExpectParam(*l, {M + "shared_experts.gate_up_proj.weight", ParamRole::kGateUp, kPl, kB, {384, 5120}, {384, 5120}});
+  ExpectParam(*l, {M + "shared_experts.down_proj.weight", ParamRole::kRow, kPl, kB, {5120, 192}, {5120, 192}});
+  EXPECT_EQ(l->first_local_expert(), 60);
+  EXPECT_TRUE(l->IsIgnoredHfName("model.layers.92.eh_proj.weight"));  // the MTP layer: not the main model's
+  auto tied =
+      Config(absl::StrReplaceAll(kGlm45Full, {{R"("tie_word_embeddings": false)", R"("tie_word_embeddings": true)"}}));
+  EXPECT_THAT(EngineLayout::Create(tied, nullptr, {8, 3, 8}).status().message(), HasSubstr("tie_word_embeddings"));
 }
 
 TEST(EngineLayoutTest, MoeRankGeometryAndExpertSources) {

@@ -146,7 +146,7 @@ absl::StatusOr<std::string> PrunedConfigJson(absl::string_view config_json, cons
   RETURN_IF_ERROR(Annotate(CheckExpertMapFits(map, model), source));
   OrderedJson j = OrderedJson::parse(config_json.begin(), config_json.end(), nullptr, false);
   if (j.is_discarded() || !j.is_object()) return Bad(source, "not a JSON object");
-  j[model.arch == Architecture::kDeepseekV3 ? "n_routed_experts" : "num_experts"] = map.kept();
+  j[model.arch == Architecture::kQwen3Moe ? "num_experts" : "n_routed_experts"] = map.kept();
   if (j.contains("n_group")) j["n_group"] = 1;
   if (j.contains("topk_group")) j["topk_group"] = 1;
   if (j.contains("num_nextn_predict_layers")) j["num_nextn_predict_layers"] = 0;

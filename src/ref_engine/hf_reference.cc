@@ -126,7 +126,7 @@ struct HfReferenceModel::Impl {
           RETURN_IF_ERROR(Need(lookup, a + "q_proj.bias", {nh * hd}));
           RETURN_IF_ERROR(Need(lookup, a + "k_proj.bias", {nkv * hd}));
           RETURN_IF_ERROR(Need(lookup, a + "v_proj.bias", {nkv * hd}));
-          if (c.arch != Architecture::kQwen2) RETURN_IF_ERROR(Need(lookup, a + "o_proj.bias", {H}));
+          if (c.o_proj_bias) RETURN_IF_ERROR(Need(lookup, a + "o_proj.bias", {H}));
         }
         if (c.qk_norm) {
           RETURN_IF_ERROR(Need(lookup, a + "q_norm.weight", {hd}));
@@ -145,11 +145,10 @@ struct HfReferenceModel::Impl {
       }
       const MoeConfig& moe = *c.moe;
       RETURN_IF_ERROR(Need(lookup, m + "gate.weight", {moe.num_experts, H}));
-      if (c.arch == Architecture::kDeepseekV3 && moe.topk_method == "noaux_tc")
-        RETURN_IF_ERROR(Need(lookup, m + "gate.e_score_correction_bias", {moe.num_experts}));
+      if (moe.HasExpertBias()) RETURN_IF_ERROR(Need(lookup, m + "gate.e_score_correction_bias", {moe.num_experts}));
       for (int64_t e = 0; e < moe.num_experts; ++e)
         RETURN_IF_ERROR(mlp(absl::StrCat(m, "experts.", e, "."), moe.moe_intermediate_size));
-      if (c.arch == Architecture::kDeepseekV3 && moe.num_shared_experts > 0)
+      if (moe.num_shared_experts > 0)
         RETURN_IF_ERROR(mlp(m + "shared_experts.", moe.num_shared_experts * moe.moe_intermediate_size));
     }
     return absl::OkStatus();
@@ -169,7 +168,7 @@ struct HfReferenceModel::Impl {
     Vec scores = Apply(W(m + "gate.weight"), x.data());
     std::vector<char> all(static_cast<size_t>(E), 1);
     std::vector<int64_t> idx;
-    if (c.arch == Architecture::kQwen3Moe) {
+    if (!moe.deepseek_routing) {
       Softmax(scores.data(), E);
       idx = LargestK(scores, k, all);
     } else {
@@ -208,7 +207,7 @@ struct HfReferenceModel::Impl {
     for (int64_t e : idx) {
       float w = scores[static_cast<size_t>(e)];
       if (moe.norm_topk_prob) w = w / denom;
-      if (c.arch == Architecture::kDeepseekV3) w *= static_cast<float>(moe.routed_scaling_factor);
+      if (moe.deepseek_routing) w *= static_cast<float>(moe.routed_scaling_factor);
       out.emplace_back(e, w);
     }
     return out;
@@ -227,12 +226,12 @@ struct HfReferenceModel::Impl {
       for (int64_t h = 0; h < nh; ++h) {
         float* qh = q[static_cast<size_t>(s)].data() + h * hd;
         if (c.qk_norm) RmsNorm(qh, W(a + "q_norm.weight").v.data(), hd, c.rms_norm_eps, qh);
-        RopeRotateHalf(qh, hd, s, c.rope_theta);
+        RopeRotateHalf(qh, c.RotaryDim(), s, c.rope_theta);  // Glm4Moe: q[..., :rotary_dim] only
       }
       for (int64_t h = 0; h < nkv; ++h) {
         float* kh = k[static_cast<size_t>(s)].data() + h * hd;
         if (c.qk_norm) RmsNorm(kh, W(a + "k_norm.weight").v.data(), hd, c.rms_norm_eps, kh);
-        RopeRotateHalf(kh, hd, s, c.rope_theta);
+        RopeRotateHalf(kh, c.RotaryDim(), s, c.rope_theta);
       }
     }
     const int64_t rep = nh / nkv;  // repeat_kv
@@ -339,7 +338,7 @@ struct HfReferenceModel::Impl {
             const Vec ye = SwiGlu(absl::StrCat(m, "experts.", e, "."), x);
             for (int64_t d = 0; d < H; ++d) y[static_cast<size_t>(d)] += w * ye[static_cast<size_t>(d)];
           }
-          if (c.arch == Architecture::kDeepseekV3 && c.moe->num_shared_experts > 0) {
+          if (c.moe->num_shared_experts > 0) {
             const Vec sh = SwiGlu(m + "shared_experts.", x);
             for (int64_t d = 0; d < H; ++d) y[static_cast<size_t>(d)] += sh[static_cast<size_t>(d)];
           }
@@ -377,7 +376,7 @@ absl::StatusOr<HfReferenceModel> HfReferenceModel::Create(const ModelConfig& con
                                                    config.num_attention_heads, ", kv heads ",
                                                    config.num_key_value_heads, ", head_dim ", config.head_dim, ")"));
   }
-  if (config.moe && config.arch == Architecture::kDeepseekV3) {
+  if (config.moe && config.moe->deepseek_routing) {
     const MoeConfig& m = *config.moe;
     if (m.topk_method != "noaux_tc" && m.topk_method != "greedy" && m.topk_method != "group_limited_greedy")
       return absl::UnimplementedError(absl::StrCat("HfReferenceModel: topk_method ", m.topk_method));

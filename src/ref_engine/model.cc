@@ -68,7 +68,7 @@ struct EngineModel::Impl {
       for (int64_t head = 0; head < nq + nk; ++head) {
         float* x = row + head * hd;
         if (!L.q_norm.empty()) RmsNorm(x, (head < nq ? L.q_norm : L.k_norm).f32(), hd, config.rms_norm_eps, x);
-        RopeRotateHalf(x, hd, pos0 + t, config.rope_theta);
+        RopeRotateHalf(x, config.RotaryDim(), pos0 + t, config.rope_theta);  // GLM-4.5: the first half only
       }
       kc.insert(kc.end(), row + nq * hd, row + (nq + nk) * hd);
       vc.insert(vc.end(), row + (nq + nk) * hd, row + width);
@@ -163,7 +163,7 @@ struct EngineModel::Impl {
     const int64_t E = g.E_routed, k = m.num_experts_per_tok;
     std::vector<float> s(static_cast<size_t>(E));
     MatMul(x, 1, L.router, s.data());
-    const bool deepseek = config.arch == Architecture::kDeepseekV3;
+    const bool deepseek = m.deepseek_routing;  // DeepSeek-V3, GLM-4.5
     if (deepseek && m.scoring_func == "sigmoid") {
       for (float& v : s) v = Sigmoid(v);
     } else {
@@ -429,12 +429,13 @@ absl::StatusOr<EngineModel> EngineModel::Create(const ModelConfig& config, Engin
     g.F_loc = c.intermediate_size / g.T;
   }
   if (g.ep > 1 && !any_moe) return bad("ep_size ", g.ep, " > 1 needs an MoE model");
-  if ((c.arch == Architecture::kQwen3Moe || c.arch == Architecture::kDeepseekV3) && c.tie_word_embeddings)
+  if ((c.arch == Architecture::kQwen3Moe || c.arch == Architecture::kDeepseekV3 || c.arch == Architecture::kGlm4Moe) &&
+      c.tie_word_embeddings)
     return bad(
         ArchitectureName(c.arch),
         " with tie_word_embeddings: SGLang always builds its own lm_head and never fills it (ENGINE_LAYOUT.md §2.6)");
-  if (rank.fused_shared_experts && (c.arch != Architecture::kDeepseekV3 || !c.moe || c.moe->num_shared_experts != 1))
-    return bad("fused_shared_experts needs DeepSeek-V3 with n_shared_experts == 1");
+  if (rank.fused_shared_experts && (!c.moe || !c.moe->deepseek_routing || c.moe->num_shared_experts != 1))
+    return bad("fused_shared_experts needs DeepSeek-V3 or GLM-4.5 with n_shared_experts == 1");
   if (rank.fused_shared_experts && !c.moe->norm_topk_prob)
     return absl::UnimplementedError(
         absl::StrCat(where,
@@ -452,7 +453,7 @@ absl::StatusOr<EngineModel> EngineModel::Create(const ModelConfig& config, Engin
     g.I_loc = m.moe_intermediate_size / g.moe_tp;
     if (m.num_experts_per_tok <= 0 || m.num_experts_per_tok > m.num_experts)
       return bad("num_experts_per_tok ", m.num_experts_per_tok, " is not in [1, ", m.num_experts, "]");
-    if (c.arch == Architecture::kDeepseekV3) {
+    if (m.deepseek_routing) {
       if (m.scoring_func != "sigmoid" && m.scoring_func != "softmax")
         return absl::UnimplementedError(absl::StrCat(where, ": scoring_func ", m.scoring_func));
       if (m.topk_method != "noaux_tc" && m.topk_method != "greedy" && m.topk_method != "group_limited_greedy")

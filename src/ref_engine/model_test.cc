@@ -139,6 +139,19 @@ std::string Deepseek(const std::string& extra = "") {
     "tie_word_embeddings": false)" +
          extra + "}";
 }
+// GLM-4.5's shape (Glm4MoeForCausalLM): q/k/v bias without an o_proj bias, QK norm, RoPE on the
+// first half of each head (partial_rotary_factor 0.5), a dense first layer, DeepSeek-V3's sigmoid
+// routing with the correction bias and one shared expert; head_dim * heads != hidden as in GLM-4.5.
+std::string Glm45(const std::string& extra = "") {
+  return R"({"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 128,
+    "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+    "intermediate_size": 256, "moe_intermediate_size": 64, "n_routed_experts": 8, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "norm_topk_prob": true,
+    "routed_scaling_factor": 2.5, "attention_bias": true, "use_qk_norm": true, "partial_rotary_factor": 0.5,
+    "vocab_size": 1000, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+    "tie_word_embeddings": false)" +
+         extra + "}";
+}
 // DeepSeek-V2-style routing (softmax, group_limited_greedy, no renormalization) without q_lora.
 std::string DeepseekNoQLora(const std::string& extra = "") {
   return R"({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 128,
@@ -295,6 +308,11 @@ std::vector<Case> Cases() {
   add("deepseek_v3", Deepseek(), {{1, 1}, {2, 1}, {2, 2}, {4, 1}, {4, 4}});
   add("deepseek_v3_fused_shared", Deepseek(), {{1, 1}, {2, 1}}, false, true);
   add("deepseek_no_q_lora", DeepseekNoQLora(), {{1, 1}, {2, 2}, {4, 1}});
+  add("glm4_moe", Glm45(), {{1, 1}, {2, 1}, {2, 2}, {4, 4}});
+  add("glm4_moe_air", Glm45(R"(, "use_qk_norm": false, "partial_rotary_factor": 0.25)"), {{2, 2}});
+  add("glm4_moe_fused_shared", Glm45(), {{2, 1}}, false, true);
+  add("int4_glm4_moe", Glm45(Quant(32, kIgnoreDense)), {{1, 1}, {2, 2}}, true);
+  add("fp8_glm4_moe", Glm45(Fp8Block(32, 32)), {{2, 2}}, true);
   add("int4_llama_tied", Llama(Quant(32, kIgnoreDense)), {{1, 1}, {2, 1}, {4, 1}}, true);
   add("int4_qwen2_g64", Qwen2(Quant(64, kIgnoreDense)), {{2, 1}}, true);
   add("int4_qwen3_channelwise", Qwen3(Quant(-1, kIgnoreDense)), {{1, 1}, {2, 1}}, true);

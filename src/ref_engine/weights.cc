@@ -744,8 +744,7 @@ struct RankWeights::Impl {
         RETURN_IF_ERROR(Linear(a + "qkv_proj", nqkv, H, true, &L.qkv, plan));
         if (c.qkv_bias) RETURN_IF_ERROR(Float(a + "qkv_proj.bias", {nqkv}, &L.qkv_bias, plan));
         RETURN_IF_ERROR(Linear(a + "o_proj", H, g.nh_loc * g.hd, true, &L.o, plan));
-        if (c.qkv_bias && c.arch != Architecture::kQwen2)
-          RETURN_IF_ERROR(Float(a + "o_proj.bias", {H}, &L.o_bias, plan));
+        if (c.o_proj_bias) RETURN_IF_ERROR(Float(a + "o_proj.bias", {H}, &L.o_bias, plan));
         if (c.qk_norm) {
           RETURN_IF_ERROR(Float(a + "q_norm.weight", {g.hd}, &L.q_norm, plan));
           RETURN_IF_ERROR(Float(a + "k_norm.weight", {g.hd}, &L.k_norm, plan));
@@ -759,7 +758,7 @@ struct RankWeights::Impl {
         continue;
       }
       RETURN_IF_ERROR(Float(m + "gate.weight", {g.E_routed, H}, &L.router, plan));
-      if (c.arch == Architecture::kDeepseekV3 && c.moe->topk_method == "noaux_tc")
+      if (c.moe->HasExpertBias())
         RETURN_IF_ERROR(Float(m + "gate.e_score_correction_bias", {g.E_routed}, &L.score_bias, plan));
       RETURN_IF_ERROR(Experts(m + "experts", &L.w13, &L.w2, plan));
       if (g.S_loc > 0) {

@@ -88,14 +88,16 @@ absl::StatusOr<Architecture> ParseArchitectureFlag(absl::string_view name) {
   if (n == "qwen3") return Architecture::kQwen3;
   if (n == "qwen3-moe") return Architecture::kQwen3Moe;
   if (n == "deepseek-v3") return Architecture::kDeepseekV3;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown architecture \"", name, "\"; expected llama, qwen2, qwen3, qwen3-moe or deepseek-v3"));
+  if (n == "glm4-moe") return Architecture::kGlm4Moe;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown architecture \"", name, "\"; expected llama, qwen2, qwen3, qwen3-moe, deepseek-v3 or glm4-moe"));
 }
 
 absl::StatusOr<SyntheticModelOptions> PresetOptions(absl::string_view preset, Architecture arch) {
   SyntheticModelOptions o;
   o.arch = arch;
-  const bool moe = arch == Architecture::kQwen3Moe || arch == Architecture::kDeepseekV3;
+  const bool moe =
+      arch == Architecture::kQwen3Moe || arch == Architecture::kDeepseekV3 || arch == Architecture::kGlm4Moe;
   const bool mla = arch == Architecture::kDeepseekV3;
   if (preset == "tiny") {
     o.hidden = 256, o.layers = mla ? 3 : 2, o.heads = 4, o.kv_heads = 2, o.head_dim = 64, o.ffn = 512;
@@ -141,6 +143,7 @@ absl::StatusOr<std::string> SyntheticConfigJson(const SyntheticModelOptions& o) 
     case Architecture::kQwen3: cls = "Qwen3ForCausalLM"; break;
     case Architecture::kQwen3Moe: cls = "Qwen3MoeForCausalLM"; break;
     case Architecture::kDeepseekV3: cls = "DeepseekV3ForCausalLM"; break;
+    case Architecture::kGlm4Moe: cls = "Glm4MoeForCausalLM"; break;
   }
   j["architectures"] = {cls};
   j["model_type"] = std::string(ArchitectureName(o.arch));
@@ -183,6 +186,21 @@ absl::StatusOr<std::string> SyntheticConfigJson(const SyntheticModelOptions& o) 
     j["head_dim"] = o.head_dim;
     j["rope_theta"] = o.arch == Architecture::kLlama ? 500000.0 : 1000000.0;
     if (o.arch != Architecture::kQwen2) j["attention_bias"] = false;
+    if (o.arch == Architecture::kGlm4Moe) {  // GLM-4.5's shape: qkv bias, QK norm, half-head RoPE, one shared expert
+      j["attention_bias"] = true;
+      j["use_qk_norm"] = true;
+      j["partial_rotary_factor"] = 0.5;
+      j["n_routed_experts"] = o.experts;
+      j["num_experts_per_tok"] = o.topk;
+      j["moe_intermediate_size"] = o.moe_ffn;
+      j["n_shared_experts"] = o.shared_experts;
+      j["first_k_dense_replace"] = o.first_k_dense;
+      j["n_group"] = 1;
+      j["topk_group"] = 1;
+      j["routed_scaling_factor"] = 2.5;
+      j["norm_topk_prob"] = true;
+      j["num_nextn_predict_layers"] = 0;
+    }
     if (o.arch == Architecture::kQwen3Moe) {
       j["num_experts"] = o.experts;
       j["num_experts_per_tok"] = o.topk;

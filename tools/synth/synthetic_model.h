@@ -57,7 +57,8 @@ struct SyntheticModelOptions {
   std::optional<std::string> quantization_config_json;
 };
 
-// "llama", "qwen2", "qwen3", "qwen3-moe" (or "qwen3_moe"), "deepseek-v3" (or "deepseek_v3").
+// "llama", "qwen2", "qwen3", "qwen3-moe" (or "qwen3_moe"), "deepseek-v3" (or "deepseek_v3"),
+// "glm4-moe" (or "glm4_moe": GLM-4.5's shape).
 absl::StatusOr<Architecture> ParseArchitectureFlag(absl::string_view name);
 
 // The preset's sizes for `arch` ("tiny", "small", "bench2g", "bench8g").

@@ -32,7 +32,7 @@ int Run(int argc, char** argv) {
   uint64_t seed = 1;
   int threads = 0;
   app.add_option("--arch", arch_name,
-                 "llama, qwen2, qwen3, qwen3-moe or deepseek-v3");  // required unless --from-config
+                 "llama, qwen2, qwen3, qwen3-moe, deepseek-v3 or glm4-moe");  // required unless --from-config
   app.add_option("--out", out, "output directory (created)")->required();
   app.add_option("--preset", preset, "tiny, small, bench2g or bench8g")->capture_default_str();
   app.add_option("--seed", seed, "random seed")->capture_default_str();

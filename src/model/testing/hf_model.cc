@@ -51,7 +51,7 @@ void AddLayer(std::vector<HfTensorSpec>& v, const ModelConfig& c, int64_t i) {
       Add(v, L + "self_attn.v_proj.bias", {nkv * hd}, dt);
     }
     Add(v, L + "self_attn.o_proj.weight", {H, nh * hd}, dt);
-    if (c.qkv_bias && c.arch != Architecture::kQwen2) Add(v, L + "self_attn.o_proj.bias", {H}, dt);
+    if (c.o_proj_bias) Add(v, L + "self_attn.o_proj.bias", {H}, dt);
     if (c.qk_norm) {
       Add(v, L + "self_attn.q_norm.weight", {hd}, dt);
       Add(v, L + "self_attn.k_norm.weight", {hd}, dt);
@@ -64,11 +64,10 @@ void AddLayer(std::vector<HfTensorSpec>& v, const ModelConfig& c, int64_t i) {
   }
   const MoeConfig& m = *c.moe;
   Add(v, L + "mlp.gate.weight", {m.num_experts, H}, dt);
-  if (c.arch == Architecture::kDeepseekV3 && m.topk_method == "noaux_tc")
-    Add(v, L + "mlp.gate.e_score_correction_bias", {m.num_experts}, DType::kF32);
+  if (m.HasExpertBias()) Add(v, L + "mlp.gate.e_score_correction_bias", {m.num_experts}, DType::kF32);
   for (int64_t e = 0; e < m.num_experts; ++e)
     AddMlp(v, absl::StrCat(L, "mlp.experts.", e, "."), H, m.moe_intermediate_size, dt);
-  if (c.arch == Architecture::kDeepseekV3 && m.num_shared_experts > 0)
+  if (m.num_shared_experts > 0)
     AddMlp(v, L + "mlp.shared_experts.", H, m.num_shared_experts * m.moe_intermediate_size, dt);
 }
 

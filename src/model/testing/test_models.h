@@ -57,6 +57,16 @@ inline constexpr const char kDeepseekJson[] = R"({
   "topk_method": "noaux_tc", "scoring_func": "sigmoid", "vocab_size": 1000, "num_nextn_predict_layers": 1,
   "tie_word_embeddings": false, "torch_dtype": "bfloat16"})";
 
+// GLM-4.5's shape: q/k/v bias (no o_proj bias), QK norm, half-head RoPE, a dense first layer,
+// sigmoid routing with the correction bias, one shared expert; head_dim * heads != hidden.
+inline constexpr const char kGlm45Json[] = R"({
+  "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 256,
+  "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+  "intermediate_size": 512, "moe_intermediate_size": 128, "n_routed_experts": 8, "n_shared_experts": 1,
+  "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+  "routed_scaling_factor": 2.5, "attention_bias": true, "use_qk_norm": true, "partial_rotary_factor": 0.5,
+  "vocab_size": 1000, "num_nextn_predict_layers": 1, "tie_word_embeddings": false, "torch_dtype": "bfloat16"})";
+
 // DeepSeek-V3 without q_lora (q_proj, kv_a_proj_with_mqa replicated and INT4-loadable: 96 + 32 = 128 rows).
 inline constexpr const char kDeepseekNoQLoraJson[] = R"({
   "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 256,

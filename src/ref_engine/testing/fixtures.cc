@@ -98,7 +98,7 @@ std::vector<std::pair<std::string, Shape>> HfTensorShapes(const ModelConfig& c) 
         out.push_back({a + "q_proj.bias", {nh * hd}});
         out.push_back({a + "k_proj.bias", {nkv * hd}});
         out.push_back({a + "v_proj.bias", {nkv * hd}});
-        if (c.arch != Architecture::kQwen2) out.push_back({a + "o_proj.bias", {H}});
+        if (c.o_proj_bias) out.push_back({a + "o_proj.bias", {H}});
       }
       if (c.qk_norm) {
         out.push_back({a + "q_norm.weight", {hd}});
@@ -116,11 +116,9 @@ std::vector<std::pair<std::string, Shape>> HfTensorShapes(const ModelConfig& c) 
     }
     const MoeConfig& e = *c.moe;
     out.push_back({m + "gate.weight", {e.num_experts, H}});
-    if (c.arch == Architecture::kDeepseekV3 && e.topk_method == "noaux_tc")
-      out.push_back({m + "gate.e_score_correction_bias", {e.num_experts}});
+    if (e.HasExpertBias()) out.push_back({m + "gate.e_score_correction_bias", {e.num_experts}});
     for (int64_t x = 0; x < e.num_experts; ++x) mlp(absl::StrCat(m, "experts.", x, "."), e.moe_intermediate_size);
-    if (c.arch == Architecture::kDeepseekV3 && e.num_shared_experts > 0)
-      mlp(m + "shared_experts.", e.num_shared_experts * e.moe_intermediate_size);
+    if (e.num_shared_experts > 0) mlp(m + "shared_experts.", e.num_shared_experts * e.moe_intermediate_size);
   }
   return out;
 }

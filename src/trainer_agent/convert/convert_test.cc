@@ -48,6 +48,7 @@ const ModelCase kModels[] = {
     {"qwen3_moe_mlp_only_layer", Architecture::kQwen3Moe, false, true, true},
     {"deepseek_v3", Architecture::kDeepseekV3},
     {"deepseek_v3_no_q_lora", Architecture::kDeepseekV3, false, false},
+    {"glm4_moe", Architecture::kGlm4Moe},
 };
 
 struct LayoutCase {
@@ -76,7 +77,9 @@ const LayoutCase kLayouts[] = {
     {"pp3_account_embedding_loss", 1, 3, 2, 1, 2, {}, 1, 1, {}, true},
 };
 
-bool IsMoe(Architecture a) { return a == Architecture::kQwen3Moe || a == Architecture::kDeepseekV3; }
+bool IsMoe(Architecture a) {
+  return a == Architecture::kQwen3Moe || a == Architecture::kDeepseekV3 || a == Architecture::kGlm4Moe;
+}
 
 absl::StatusOr<tools::SyntheticModel> MakeModel(const ModelCase& mc, uint64_t seed) {
   tools::SyntheticModelOptions o = tools::testing::SmallOptions(mc.arch);

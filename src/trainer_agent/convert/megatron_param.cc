@@ -160,9 +160,7 @@ const Row kRows[] = {
 };
 // clang-format on
 
-bool HasExpertBias(const ModelConfig& m) {
-  return m.arch == Architecture::kDeepseekV3 && m.moe && m.moe->topk_method == "noaux_tc";
-}
+bool HasExpertBias(const ModelConfig& m) { return m.moe && m.moe->HasExpertBias(); }
 
 struct PlanContext {
   const ModelConfig* model;
@@ -290,21 +288,18 @@ absl::string_view ShardKindName(ShardKind kind) {
 }
 
 absl::Status CheckModelSupported(const ModelConfig& m) {
-  const bool gqa_with_bias_flag =
-      m.arch == Architecture::kLlama || m.arch == Architecture::kQwen3 || m.arch == Architecture::kQwen3Moe;
-  if (gqa_with_bias_flag && m.qkv_bias)
+  if (m.o_proj_bias)
     return absl::UnimplementedError(
         absl::StrCat(m.architecture,
                      ": attention_bias=true is not supported (HF then also has an o_proj bias, which "
                      "megatron-core's --add-qkv-bias does not produce)"));
-  if (m.arch == Architecture::kQwen3Moe && m.tie_word_embeddings)
-    return absl::UnimplementedError(
-        absl::StrCat(m.architecture,
-                     ": tie_word_embeddings=true is refused (SGLang's Qwen3MoeForCausalLM builds its own "
-                     "lm_head and never fills it from a tied checkpoint)"));
+  if ((m.arch == Architecture::kQwen3Moe || m.arch == Architecture::kGlm4Moe) && m.tie_word_embeddings)
+    return absl::UnimplementedError(absl::StrCat(m.architecture, ": tie_word_embeddings=true is refused (SGLang's ",
+                                                 m.architecture,
+                                                 " builds its own lm_head and never fills it from a tied checkpoint)"));
   if (m.arch == Architecture::kDeepseekV3 && (!m.mla || !m.moe))
     return absl::InvalidArgumentError(absl::StrCat(m.architecture, ": MLA and MoE settings are missing"));
-  if (m.arch == Architecture::kQwen3Moe && !m.moe)
+  if ((m.arch == Architecture::kQwen3Moe || m.arch == Architecture::kGlm4Moe) && !m.moe)
     return absl::InvalidArgumentError(absl::StrCat(m.architecture, ": MoE settings are missing"));
   return absl::OkStatus();
 }

@@ -301,6 +301,11 @@ std::vector<Case> AllCases() {
   out.push_back({"qwen3_" + dense_vpp.name + "_bf16", Architecture::kQwen3, dense_vpp, 32, false});
   out.push_back({"qwen3moe_" + vpp.name + "_int4", Architecture::kQwen3Moe, vpp, 32, true});
   out.push_back({"deepseek_" + vpp.name + "_int4", Architecture::kDeepseekV3, vpp, 32, true});
+  // GLM-4.5: GQA with q/k/v bias and QK norm, DeepSeek-V3's MoE (expert bias, a shared expert).
+  for (bool int4 : {false, true})
+    out.push_back(
+        {std::string("glm4_moe_") + etp2.name + (int4 ? "_int4" : "_bf16"), Architecture::kGlm4Moe, etp2, 32, int4});
+  out.push_back({"glm4_moe_" + vpp.name + "_int4", Architecture::kGlm4Moe, vpp, 32, true});
   // Spread senders (sharded delivery): the same checks on the union of the senders' streams.
   const size_t n = out.size();
   for (size_t i = 0; i < n; ++i) {

@@ -165,9 +165,9 @@ class Builder {
                 c_.qkv_bias,
                 ""}));
     RETURN_IF_ERROR(Linear({A + "o_proj", Role::kRow, {{A + "o_proj.weight", H}}, nh * hd, false, ""}));
-    // Decision 9: HF builds o_proj with bias=attention_bias (Llama, Qwen3, Qwen3-MoE; Qwen2 has
-    // qkv bias only); a RowParallelLinear bias is whole on every rank (§2.5).
-    if (c_.qkv_bias && c_.arch != Architecture::kQwen2) Norm(A + "o_proj.bias", H);
+    // Decision 9: HF builds o_proj with bias=attention_bias (Llama, Qwen3, Qwen3-MoE; Qwen2 and
+    // GLM-4.5 have qkv bias only); a RowParallelLinear bias is whole on every rank (§2.5).
+    if (c_.o_proj_bias) Norm(A + "o_proj.bias", H);
     if (c_.qk_norm) {
       Norm(A + "q_norm.weight", hd);
       Norm(A + "k_norm.weight", hd);
@@ -233,7 +233,7 @@ class Builder {
                             H,
                             false,
                             "the MoE router is built unquantized (§3.1)"}));
-    if (c_.arch == Architecture::kDeepseekV3 && m.topk_method == "noaux_tc") {
+    if (m.HasExpertBias()) {
       // §5, §8: a faithful layout holds the fp32 bias (decision 10); the checkpoint may hold it in bf16.
       const std::string b = M + "gate.e_score_correction_bias";
       Known(b, {E}, true);
@@ -295,7 +295,7 @@ class Builder {
           AddInt4(X + (q_->trtllm() ? "w3_w1" : "w13"), El, 2 * Ip, H, {H}, w13_size_k, std::move(w13), true));
       RETURN_IF_ERROR(AddInt4(X + "w2", El, H, Ip, {I}, Ip, std::move(w2), true));
     }
-    if (c_.arch == Architecture::kDeepseekV3 && m.num_shared_experts > 0)  // decision 1: fusion off
+    if (m.num_shared_experts > 0)  // decision 1: fusion off
       return DenseMlp(M + "shared_experts.", m.num_shared_experts * I);
     return absl::OkStatus();
   }

@@ -202,9 +202,9 @@ constexpr const char kFp8Channel[] = R"({"quant_method": "compressed-tensors", "
   "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": true, "dynamic": false}}}})";
 
 std::vector<Case> AgreementCases() {
-  using model::testing::kDeepseekJson, model::testing::kDeepseekNoQLoraJson, model::testing::kLlamaJson,
-      model::testing::kQwen2Json, model::testing::kQwen3Json, model::testing::kQwen3MoeH128Json,
-      model::testing::kQwen3MoeJson;
+  using model::testing::kDeepseekJson, model::testing::kDeepseekNoQLoraJson, model::testing::kGlm45Json,
+      model::testing::kLlamaJson, model::testing::kQwen2Json, model::testing::kQwen3Json,
+      model::testing::kQwen3MoeH128Json, model::testing::kQwen3MoeJson;
   const auto S = SymmetricVariant::kSlime;
   const auto F32 = AwqArith::kFp32;
   const auto Q = SymmetricVariant::kQat;
@@ -238,6 +238,8 @@ std::vector<Case> AgreementCases() {
       {"deepseek_ct_g128_max", kDeepseekJson, Quant::kCt, 128, kDeepseekMaxInt4, {{2, 1}, {4, 2}}, 142},
       {"deepseek_noqlora_ct_g32", kDeepseekNoQLoraJson, Quant::kCt, 32, kDeepseekNoQLoraInt4, {{1, 1}, {4, 4}}, 143},
       {"deepseek_noqlora_awq_g32", kDeepseekNoQLoraJson, Quant::kAwq, 32, {"kv_b_proj"}, {{2, 2}}, 144},
+      {"glm45_bf16", kGlm45Json, Quant::kNone, 0, {}, {{1, 1}, {2, 2}}, 145},
+      {"glm45_ct_g64_slime_ignore", kGlm45Json, Quant::kCt, 64, kSlimeIgnore, {{2, 2}, {4, 4}}, 146},
       // TensorRT-LLM W4A16 (TRTLLM_INT4.md): sm80 layout everywhere, sm90 dense layout for dense weights.
       {"llama_trtllm_sm80_g64", kLlamaJson, Quant::kCt, 64, kAllInt4, {{1, 1}, {2, 1}}, 151, Q, F16, "trtllm-sm80"},
       {"llama_trtllm_sm90_g32", kLlamaJson, Quant::kCt, 32, kAllInt4, {{1, 1}, {2, 1}}, 152, S, F16, "trtllm-sm90"},

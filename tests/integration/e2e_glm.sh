@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# GLM-4.5 (Glm4MoeForCausalLM) end to end: q/k/v bias without an o_proj bias, QK norm, RoPE on half
+# of each head, a dense first layer, DeepSeek-V3's MoE routing with the correction bias and a shared
+# expert (MEGATRON_TO_HF.md §5.6, ENGINE_LAYOUT.md §2.7).
+#   1. The reference engine's GLM-4.5 forward against transformers' own (Glm4MoeForCausalLM,
+#      tests/python/hf_oracle.py, no wsync code) on the bf16 checkpoint, both computing in float32:
+#      the same greedy tokens (in bf16 transformers' rounding alone changes them on this random
+#      model). Skipped, saying so, where build/venv-torch (transformers) is absent.
+#   2. An INT4 checkpoint (experts and dense MLPs in INT4) cut for TP 2 x EP 2 x PP 2 x VPP 2 (expert
+#      TP 1); trainer agents under mpirun, two engines (TP 2 x EP 2 and TP 1); two sharded syncs and a
+#      broadcast one, each bit-exact under `wsyncctl verify` (the independent reference), the synced
+#      engines generating as an engine started from the checkpoint.
+set -euo pipefail
+here="$(cd "$(dirname "$0")/../.." && pwd)"
+bin="${WSYNC_BIN:-$here/build/bin}"
+w="$(mktemp -d /tmp/wsync-e2e-glm.XXXXXX)"
+trap 'rc=$?; if [ "$rc" = 0 ]; then rm -rf "$w"; else echo "e2e_glm: FAILED; files in $w" >&2; fi' EXIT
+
+cat > "$w/quant.json" <<'JSON'
+{"quant_method": "compressed-tensors", "format": "pack-quantized",
+ "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+   "strategy": "group", "group_size": 64, "symmetric": true, "actorder": null}}},
+ "ignore": ["lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*mlp\\.gate$"]}
+JSON
+"$bin/wsync-model-gen" --arch glm4-moe --preset tiny --layers 4 --seed 20261203 --out "$w/bf16" > /dev/null
+"$bin/wsync-model-gen" --arch glm4-moe --preset tiny --layers 4 --seed 20261203 --out "$w/glm" \
+  --quant-config "$w/quant.json" > /dev/null
+"$bin/wsync-shard" --hf "$w/glm" --out "$w/src" --tp 2 --pp 2 --vpp 2 --ep 2 --etp 1 --dp 1 --verify |
+  grep -q "bit-exact" || { echo "FAIL: the TP 2 x PP 2 x VPP 2 x EP 2 cut is not the checkpoint"; exit 1; }
+echo "ok: GLM-4.5 cut for TP 2 x PP 2 x VPP 2 x EP 2 (wsync-shard --verify)"
+
+cat > "$w/then.sh" <<'THEN'
+set -euo pipefail
+ctl=("$WSYNC_BIN/wsyncctl" --coordinator "$WSYNC_COORDINATOR" --token-file "$WSYNC_TOKEN_FILE")
+py="$HERE/build/venv-torch/bin/python"
+if [ -x "$py" ] && "$py" -c "import transformers.models.glm4_moe" 2> /dev/null; then
+  mine=$("$T" --checkpoint "$W/bf16" "$W" --quant-config none)
+  theirs=$("$py" "$HERE/tests/python/hf_oracle.py" --hf "$W/bf16" --float32 --prompt 3,14,15,92 --max-new-tokens 8 |
+    python3 -c 'import json,sys; print([json.loads(l) for l in sys.stdin if l.startswith("{")][-1]["tokens"])')
+  echo "reference engine: $mine; transformers Glm4MoeForCausalLM: $theirs"
+  [ "$mine" = "$theirs" ] || { echo "FAIL: the reference engine's GLM-4.5 forward is not transformers'"; exit 1; }
+  echo "ok: the reference engine generates as transformers' Glm4MoeForCausalLM on the bf16 checkpoint"
+else
+  echo "skipped: no transformers with Glm4MoeForCausalLM (build/venv-torch): the reference engine is not compared with it"
+fi
+"$T" --every-engine-as "an engine started from the checkpoint" "$WSYNC_HF" "$W"
+"${ctl[@]}" sync --wait --delivery broadcast > /dev/null
+"${ctl[@]}" verify --against "$WSYNC_HF" | grep -c ": bit-exact" | grep -qx 3 ||
+  { echo "FAIL: the broadcast sync is not bit-exact on the 3 engine ranks"; exit 1; }
+echo "ok: a broadcast sync, bit-exact on all 3 engine ranks (wsyncctl verify, the independent reference)"
+"$T" --every-engine-as "an engine started from the checkpoint" "$WSYNC_HF" "$W"
+THEN
+WSYNC_BIN="$bin" W="$w" HERE="$here" T="$here/tests/integration/e2e_tokens.sh" "$here/tools/wsync-local" \
+  --source "$w/src" --hf "$w/glm" --verify --syncs 2 --rollout-engines 2 --engine-tp 2,1 --engine-ep 2,1 \
+  --delivery sharded --bucket-mib 1 --workdir "$w/run" --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"
+echo "e2e_glm: ok"
