@@ -5,7 +5,9 @@ once `setup()` has redirected them: torch.cuda.current_device -> "cpu", Tensor.c
 embeddings under PP), the CUDA RNG tracker's fork() a no-op (no dropout is used),
 moe_utils.te_general_gemm = None, and the allgather token dispatcher (the all-to-all one makes a
 CUDA stream). Llama, Qwen2, Qwen3 and Qwen3-MoE build; TP 2
-dense, EP 2 MoE and PP 2 train. TP 2 with MoE runs forward in eval() only: megatron's MoE layer
+dense, EP 2 MoE and PP 2 train; PP also with virtual pipeline stages (gpt_model(vpp=...): the
+list of model chunks) and uneven stages (num_layers_in_first/last_pipeline_stage,
+account_for_embedding/loss_in_pipeline_split). TP 2 with MoE runs forward in eval() only: megatron's MoE layer
 refuses to train with TP > 1 without sequence parallelism, which the local spec's torch norms do not
 support (TransformerEngine's do). DeepSeek-V3 (MLA) does not build with the local spec in 0.16.1
 (python/README.md, "How the Megatron -> HF conversion is proven").
@@ -19,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 
-def setup(tp=1, ep=1, pp=1, etp=None):
+def setup(tp=1, ep=1, pp=1, etp=None, vpp=None):
     """After torch.distributed.init_process_group("gloo", ...): the CPU redirections, then
-    megatron's parallel state (etp: the experts' TP, megatron's default: tp)."""
+    megatron's parallel state (etp: the experts' TP, megatron's default: tp; vpp: the virtual
+    pipeline stages per pipeline rank, None without)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import moe_utils
@@ -33,12 +36,16 @@ def setup(tp=1, ep=1, pp=1, etp=None):
     tp_random.get_cuda_rng_tracker().fork = lambda *args, **kw: contextlib.nullcontext()
     moe_utils.te_general_gemm = None
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                 pipeline_model_parallel_size=pp, expert_tensor_parallel_size=etp)
+                                 pipeline_model_parallel_size=pp, expert_tensor_parallel_size=etp,
+                                 virtual_pipeline_model_parallel_size=vpp)
 
 
-def transformer_config(cfg, tp=1, ep=1, pp=1, dtype=torch.bfloat16, etp=None):
+def transformer_config(cfg, tp=1, ep=1, pp=1, dtype=torch.bfloat16, etp=None, vpp=None, **pipeline_options):
     """megatron-core's TransformerConfig of HF config `cfg` (a dict: Llama, Qwen2, Qwen3, Qwen3-MoE,
-    DeepSeek-V3), with parameters in `dtype` (bf16: as Float16Module casts them under --bf16)."""
+    GLM-4.5, DeepSeek-V3), with parameters in `dtype` (bf16: as Float16Module casts them under --bf16), vpp
+    virtual pipeline stages (None: none) and pipeline_options: TransformerConfig's
+    num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage,
+    account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     arch = cfg["model_type"]
@@ -49,7 +56,7 @@ def transformer_config(cfg, tp=1, ep=1, pp=1, dtype=torch.bfloat16, etp=None):
         activation_func=F.silu, add_bias_linear=False, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         pipeline_dtype=dtype, sequence_parallel=False, attention_dropout=0.0, hidden_dropout=0.0,
-        expert_tensor_parallel_size=etp)
+        expert_tensor_parallel_size=etp, virtual_pipeline_model_parallel_size=vpp, **pipeline_options)
     if arch == "deepseek_v3":  # MLA; dense first layers, then MoE with a shared expert (sigmoid routing)
         dense = cfg.get("first_k_dense_replace", 0)
         return MLATransformerConfig(
@@ -71,38 +78,67 @@ def transformer_config(cfg, tp=1, ep=1, pp=1, dtype=torch.bfloat16, etp=None):
                    moe_ffn_hidden_size=cfg["moe_intermediate_size"], moe_grouped_gemm=False,
                    moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
                    expert_model_parallel_size=ep)
+    elif arch == "glm4_moe":  # GLM-4.5: DeepSeek-V3's MoE (dense first layers, sigmoid routing, a shared expert)
+        dense = cfg.get("first_k_dense_replace", 1)
+        moe = dict(num_moe_experts=cfg["n_routed_experts"], moe_router_topk=cfg["num_experts_per_tok"],
+                   moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+                   moe_layer_freq=[0] * dense + [1] * (cfg["num_hidden_layers"] - dense),
+                   moe_shared_expert_intermediate_size=cfg["moe_intermediate_size"] * cfg.get("n_shared_experts", 1),
+                   moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                   moe_router_topk_scaling_factor=cfg.get("routed_scaling_factor", 1.0),
+                   moe_router_num_groups=cfg.get("n_group", 1), moe_router_group_topk=cfg.get("topk_group", 1),
+                   moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+                   moe_router_load_balancing_type="none", expert_model_parallel_size=ep)
     elif arch not in ("llama", "qwen2", "qwen3"):
-        raise ValueError(f"model_type {arch!r}: megatron_cpu builds llama, qwen2, qwen3, qwen3_moe, deepseek_v3")
+        raise ValueError(f"model_type {arch!r}: megatron_cpu builds llama, qwen2, qwen3, qwen3_moe, glm4_moe, "
+                         "deepseek_v3")
+    qk_norm = arch in ("qwen3", "qwen3_moe") or (arch == "glm4_moe" and bool(cfg.get("use_qk_norm")))
     return TransformerConfig(
         **common, num_query_groups=cfg["num_key_value_heads"],
         kv_channels=cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
-        qk_layernorm=arch in ("qwen3", "qwen3_moe"), add_qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias")),
-        **moe)
+        qk_layernorm=qk_norm, add_qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias")), **moe)
+
+
+def rotary_percent(cfg):
+    """The share of each head RoPE rotates (GPTModel's rotary_percent): GLM-4.5's partial_rotary_factor
+    (transformers' default 0.5), 1 for the others."""
+    return float(cfg.get("partial_rotary_factor", 0.5)) if cfg["model_type"] == "glm4_moe" else 1.0
 
 
 def gpt_model(cfg, padded_vocab, tp=1, ep=1, pp=1, max_sequence_length=128, *, dtype=torch.bfloat16,
-              parallel_output=True, etp=None):
+              parallel_output=True, etp=None, vpp=None, **pipeline_options):
     """The GPTModel of HF config `cfg` (transformer_config) with megatron's local spec, its
     parameters in `dtype`, initialised by megatron-core (use_cpu_initialization: each weight drawn
     whole by its init_method from torch's RNG, then this rank's TP part taken). parallel_output=False:
-    forward() returns the logits of the whole (padded) vocabulary on every TP rank."""
+    forward() returns the logits of the whole (padded) vocabulary on every TP rank.
+
+    vpp (virtual pipeline stages; setup(vpp=) the same): the list of this rank's vpp model chunks,
+    chunk v built with vp_stage=v (megatron's get_model), in that order, each drawing its weights
+    from torch's RNG in turn. pipeline_options: TransformerConfig's uneven-split options
+    (transformer_config)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    tc = transformer_config(cfg, tp, ep, pp, dtype, etp)
-    model = GPTModel(config=tc, vocab_size=padded_vocab, max_sequence_length=max_sequence_length,
-                     position_embedding_type="rope", rotary_base=int(cfg["rope_theta"]),
-                     share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings")),
-                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                     parallel_output=parallel_output,
-                     transformer_layer_spec=get_gpt_decoder_block_spec(tc, use_transformer_engine=False,
-                                                                       normalization="RMSNorm"))
-    model.to(dtype)
-    for name, buf in model.named_buffers():  # megatron keeps the routers' expert_bias in fp32
-        if name.endswith("router.expert_bias"):
-            buf.data = buf.data.float()
-    return model
+    tc = transformer_config(cfg, tp, ep, pp, dtype, etp, vpp, **pipeline_options)
+    chunks = []
+    for vp_stage in range(vpp) if vpp is not None else [None]:
+        model = GPTModel(config=tc, vocab_size=padded_vocab, max_sequence_length=max_sequence_length,
+                         position_embedding_type="rope", rotary_base=int(cfg["rope_theta"]),
+                         rotary_percent=rotary_percent(cfg),
+                         share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings")),
+                         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                         parallel_output=parallel_output, vp_stage=vp_stage,
+                         transformer_layer_spec=get_gpt_decoder_block_spec(tc, use_transformer_engine=False,
+                                                                           normalization="RMSNorm",
+                                                                           vp_stage=vp_stage))
+        model.to(dtype)
+        for name, buf in model.named_buffers():  # megatron keeps the routers' expert_bias in fp32
+            if name.endswith("router.expert_bias"):
+                buf.data = buf.data.float()
+        chunks.append(model)
+    return chunks if vpp is not None else chunks[0]
 
 
 def load_source(model, source_dir, rank):

@@ -20,8 +20,19 @@ publish() copies every tensor into the shared segment under the update lock (one
 step, from host or CUDA memory: Megatron's DDP keeps parameters as views into its own buffers,
 so they are copied, not moved), then requests the sync.
 
-Errors: wsync.WsyncError naming the tensor or the setting (virtual pipeline stages, a tensor the
-agent's plan does not have, a dtype it does not take), raised before anything is registered.
+Virtual pipeline stages (interleaved schedule, ``--virtual-pipeline-model-parallel-size``): pass the
+rank's list of model chunks, as megatron's get_model returns it. Each chunk's tensors are named as a
+model's (its layers numbered from 0 within the chunk), then prefixed ``model{c}.`` for chunk c, as
+Megatron's checkpoints key the chunks: ``model1.decoder.layers.0.self_attention.linear_qkv.weight``,
+``model0.embedding.word_embeddings.weight``. parallel.json then carries ``vpp`` and
+``layers_per_chunk`` (each chunk's layer count in global layer order: chunk k is pipeline rank
+k % pp's chunk k // pp). A single model (or a list of one) keeps its plain names. Uneven stages
+(num_layers_in_first/last_pipeline_stage, account_for_embedding/loss_in_pipeline_split) are
+copied from the model's TransformerConfig into parallel.json when set.
+
+Errors: wsync.WsyncError naming the tensor or the setting (model chunks that do not hold contiguous
+layers in order, a tensor the agent's plan does not have, a dtype it does not take), raised before
+anything is registered.
 """
 
 from __future__ import annotations
@@ -74,60 +85,119 @@ def _te_norm_names(names: Sequence[str]) -> Dict[str, str]:
     return renamed
 
 
+def _chunks(model: Model) -> List[torch.nn.Module]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside a chunk's wrappers (DDP, Float16Module: ``.module``)."""
+    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
+        chunk = chunk.module
+    return chunk
+
+
+def _chunk_tensors(chunk: torch.nn.Module) -> List[Tuple[str, str, torch.Tensor]]:
+    """[(megatron name, wsync name, tensor)] of one model (chunk), names local to it."""
+    named = list(chunk.named_parameters())
+    named += [(n, b) for n, b in chunk.named_buffers() if n.endswith("mlp.router.expert_bias")]
+    te = _te_norm_names([wsync_name(n) for n, _ in named])
+    out = []
+    for name, t in named:
+        n = wsync_name(name)
+        out.append((name, te.get(n, n), t))
+    return out
+
+
 def local_tensors(model: Model) -> List[Tuple[str, torch.Tensor]]:
     """[(name, tensor)] of this rank's weights, in model order: parameters (shared ones once) and
     the MoE routers' expert_bias buffers, under wsync's names (the TE spec's: wsync_name, and the
-    norms of a model built with megatron's local spec renamed as _te_norm_names says)."""
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    if len(chunks) != 1:
-        raise WsyncError(12, f"{len(chunks)} model chunks: virtual pipeline stages are not supported")
+    norms of a model built with megatron's local spec renamed as _te_norm_names says). `model`: a
+    model, or the rank's list of virtual pipeline chunks, whose names are each prefixed
+    ``model{c}.`` (c: the chunk's index in the list) when there are more than one."""
+    chunks = _chunks(model)
     out: List[Tuple[str, torch.Tensor]] = []
     seen: Dict[str, str] = {}
-    named = list(chunks[0].named_parameters())
-    named += [(n, b) for n, b in chunks[0].named_buffers() if n.endswith("mlp.router.expert_bias")]
-    te = _te_norm_names([wsync_name(n) for n, _ in named])
-    for name, t in named:
-        n = wsync_name(name)
-        n = te.get(n, n)
-        if n in seen:
-            raise WsyncError(6, f"{name} and {seen[n]} are both {n}")
-        seen[n] = name
-        out.append((n, t))
+    for c, chunk in enumerate(chunks):
+        prefix = f"model{c}." if len(chunks) > 1 else ""
+        for name, n, t in _chunk_tensors(chunk):
+            name, n = prefix + name, prefix + n
+            if n in seen:
+                raise WsyncError(6, f"{name} and {seen[n]} are both {n}")
+            seen[n] = name
+            out.append((n, t))
     return out
+
+
+# TransformerConfig's options of an uneven pipeline split, copied into parallel.json when set.
+_SPLIT_OPTIONS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                  "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 
 
 def parallel_layout(model: Model, *, order: str = "tp-cp-ep-dp-pp") -> Dict[str, Any]:
     """The job's parallel.json (trainer_agent/convert/source_parallel.h) from megatron's parallel
-    state and the model: sizes, rank order, the padded vocabulary (the embedding's rows x TP) and
-    each pipeline stage's layer count. Collective: every rank of the world calls it."""
+    state and the model: sizes, rank order, the padded vocabulary (the embedding's rows x TP), each
+    pipeline stage's layer count and, for a list of virtual pipeline chunks, ``vpp`` and each
+    chunk's layer count in global layer order (``layers_per_chunk``), checked to hold contiguous
+    layers in order; the config's uneven-split options when set. Collective: every rank of the
+    world calls it."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
-    chunk = list(model)[0] if isinstance(model, (list, tuple)) else model
-    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
-        chunk = chunk.module
-    mine = {
-        "pp_rank": ps.get_pipeline_model_parallel_rank(),
-        "layers": len(chunk.decoder.layers) if getattr(chunk, "decoder", None) is not None else 0,
-        "vocab_rows": int(chunk.embedding.word_embeddings.weight.shape[0])
-        if getattr(chunk, "embedding", None) is not None else 0,
-    }
+    chunks = [_unwrap(c) for c in _chunks(model)]
+    vpp = len(chunks)
+    mine: Dict[str, Any] = {"pp_rank": ps.get_pipeline_model_parallel_rank(), "chunks": [], "vocab_rows": 0,
+                            "options": {}}
+    for chunk in chunks:
+        layers = chunk.decoder.layers if getattr(chunk, "decoder", None) is not None else []
+        mine["chunks"].append({"layers": len(layers),
+                               "first": int(layers[0].layer_number) - 1 if len(layers) else None})
+        if getattr(chunk, "embedding", None) is not None:
+            mine["vocab_rows"] = max(mine["vocab_rows"], int(chunk.embedding.word_embeddings.weight.shape[0]))
+        config = getattr(chunk, "config", None)
+        for key in _SPLIT_OPTIONS:
+            value = getattr(config, key, None)
+            if value is not None and value is not False:
+                mine["options"][key] = value
     everyone: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    layers = [0] * pp
-    vocab_rows = 0
     for r in everyone:
-        layers[r["pp_rank"]] = max(layers[r["pp_rank"]], r["layers"])
+        if len(r["chunks"]) != vpp:
+            raise WsyncError(9, f"this rank has {vpp} model chunks, pipeline rank {r['pp_rank']} has "
+                                f"{len(r['chunks'])}")
+    per_chunk = [0] * (pp * vpp)  # chunk (virtual stage v, pipeline rank p) at v * pp + p
+    first: List[Any] = [None] * (pp * vpp)
+    vocab_rows = 0
+    options: Dict[str, Any] = {}
+    for r in everyone:
+        for v, ch in enumerate(r["chunks"]):
+            k = v * pp + r["pp_rank"]
+            per_chunk[k] = max(per_chunk[k], ch["layers"])
+            if ch["first"] is not None:
+                first[k] = ch["first"]
         vocab_rows = max(vocab_rows, r["vocab_rows"])
+        options.update(r["options"])
     if vocab_rows == 0:
         raise WsyncError(9, "no rank holds embedding.word_embeddings.weight (the first pipeline stage must)")
-    return {
+    start = 0
+    for k, n in enumerate(per_chunk):
+        if n and first[k] != start:
+            where = (f"model chunk {k // pp} of pipeline rank {k % pp}" if vpp > 1 else f"pipeline stage {k}")
+            raise WsyncError(9, f"{where} starts at layer {first[k]}, not {start}: layers per "
+                                f"{'chunk' if vpp > 1 else 'stage'} {per_chunk}, not contiguous in order")
+        start += n
+    out = {
         "tp": tp, "pp": pp, "ep": ps.get_expert_model_parallel_world_size(),
         "etp": ps.get_expert_tensor_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
         "cp": ps.get_context_parallel_world_size(), "world_size": dist.get_world_size(), "order": order,
-        "padded_vocab_size": vocab_rows * tp, "layers_per_stage": layers,
+        "padded_vocab_size": vocab_rows * tp,
+        "layers_per_stage": [sum(per_chunk[v * pp + p] for v in range(vpp)) for p in range(pp)],
     }
+    if vpp > 1:
+        out["vpp"] = vpp
+        out["layers_per_chunk"] = per_chunk
+    out.update(options)
+    return out
 
 
 class MegatronPublisher:

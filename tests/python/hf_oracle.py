@@ -2,7 +2,7 @@
 itself, loading the checkpoint a sync should have delivered, and generating greedily as
 wsync.adapters.transformers.TransformersEngine does.
 
-    python hf_oracle.py --hf DIR [--int4 FILE] --prompt 1,2,3 [--prompt ...] --max-new-tokens 6
+    python hf_oracle.py --hf DIR [--int4 FILE] [--float32] --prompt 1,2,3 [--prompt ...] --max-new-tokens 6
 
 --int4 FILE: the engine serves INT4; FILE is the checkpoint's compressed-tensors INT4 form
 (`wsync-int4 quantize`, what the trainer agents send). Every `X.weight_packed` / `X.weight_scale`
@@ -61,9 +61,9 @@ def dequantize_awq(qweight, qzeros, scales):
     return w.to(torch.bfloat16).t().contiguous()
 
 
-def load_model(hf, int4):
+def load_model(hf, int4, dtype=torch.bfloat16):
     if not int4:
-        return transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16)
+        return transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=dtype)
     tensors = {}
     for f in sorted(pathlib.Path(hf).glob("*.safetensors")):
         tensors.update(load_file(str(f)))
@@ -84,7 +84,7 @@ def load_model(hf, int4):
     with tempfile.TemporaryDirectory() as d:
         (pathlib.Path(d) / "config.json").write_text(json.dumps(config))
         save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(d, "model.safetensors"))
-        return transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+        return transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype)
 
 
 def parse_args():
@@ -95,6 +95,8 @@ def parse_args():
     ap.add_argument("--int4", default="")
     ap.add_argument("--prompt", action="append", required=True)
     ap.add_argument("--max-new-tokens", type=int, required=True)
+    ap.add_argument("--float32", action="store_true",
+                    help="compute in float32 on the checkpoint's values, as the reference engine does")
     args = ap.parse_args()
     args.prompts = [[int(t) for t in p.split(",")] for p in args.prompt]
     args.prompt = args.prompts[0]
@@ -112,7 +114,7 @@ def greedy(model, prompt, max_new_tokens):
 
 def main():
     args = parse_args()
-    model = load_model(args.hf, args.int4).eval()
+    model = load_model(args.hf, args.int4, torch.float32 if args.float32 else torch.bfloat16).eval()
     params = {n: hashlib.sha256(p.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
               for n, p in model.named_parameters()}
     outputs = [greedy(model, p, args.max_new_tokens) for p in args.prompts]

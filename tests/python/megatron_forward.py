@@ -4,9 +4,15 @@ and why the tolerance holds).
 
     mpirun -np 2 python megatron_forward.py --configs DIR --cases llama:tp2,qwen3-moe:ep2,... --out DIR --port P
 
-DIR/MODEL/config.json: the HF config of each model (wsync-model-gen --preset tiny). A case
-MODEL:LAYOUT, LAYOUT one of tp1 (TP 1, DP = world), tp2 (with MoE: expert TP 2 too), ep2 (DP 2 for
-the dense part), tp2ep2 (TP 2, EP 2, expert TP 1), pp2. For every case, on every rank:
+DIR/MODEL/config.json: the HF config of each model (wsync-model-gen --preset tiny; 4 layers for the
+pp2acct, pp2uneven and pp2vpp2 cases' models). A case MODEL:LAYOUT, LAYOUT one of tp1 (TP 1, DP =
+world), tp2 (with MoE: expert TP 2 too), ep2 (DP 2 for the dense part), tp2ep2 (TP 2, EP 2, expert
+TP 1), pp2, and PP 2 split otherwise: pp2vpp2 (2 virtual stages per rank: 4 model chunks, each rank
+holding a list of 2), pp2acct (account_for_embedding_in_pipeline_split and
+account_for_loss_in_pipeline_split), pp2uneven (num_layers_in_first_pipeline_stage 1,
+num_layers_in_last_pipeline_stage 3), pp2vpp2acct (both; with 2 layers, chunks of 0, 1, 1 and 0
+layers: the first holds only the embedding, the last only the final norm and the output layer).
+For every case, on every rank:
 
 1. a GPTModel (megatron's local spec, float32 parameters, parallel_output=False) of the config,
    initialised by megatron-core itself under torch.manual_seed(--seed) (use_cpu_initialization: each
@@ -28,9 +34,10 @@ the dense part), tp2ep2 (TP 2, EP 2, expert TP 1), pp2. For every case, on every
    (megatron_logits.corruptions), each of which must fail.
 
 A model megatron-core fails to build (DeepSeek-V3: MLA with the local spec) is recorded as
-{case: {"build_error": ...}} on every rank and the job goes on. Rank 0 writes OUT/results.json
-({case: figures, the sha256 of the converted model.safetensors}) and prints one line per case; the pytest
-(test_megatron.py) asserts on them. Exit status 0 once every case ran (the assertions are the test's).
+{case: {"build_error": ...}} on every rank (a failure on any rank counts) and the job goes on. Rank 0
+writes OUT/results.json ({case: figures, the sha256 of the converted model.safetensors, the
+parallel.json}) and prints one line per case; the pytest (test_megatron.py) asserts on them. Exit
+status 0 once every case ran (the assertions are the test's).
 """
 
 import argparse
@@ -52,8 +59,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples" 
 import megatron_cpu  # noqa: E402 (the CPU harness the example RL loop uses too)
 import megatron_logits  # noqa: E402
 
+_ACCOUNT = dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
+# megatron_cpu.gpt_model's arguments; those of megatron_cpu.setup too (SETUP: the parallel state's)
 LAYOUTS = {"tp1": dict(tp=1, ep=1, pp=1), "tp2": dict(tp=2, ep=1, pp=1), "ep2": dict(tp=1, ep=2, pp=1),
-           "tp2ep2": dict(tp=2, ep=2, pp=1, etp=1), "pp2": dict(tp=1, ep=1, pp=2)}
+           "tp2ep2": dict(tp=2, ep=2, pp=1, etp=1), "pp2": dict(tp=1, ep=1, pp=2),
+           "pp2vpp2": dict(tp=1, ep=1, pp=2, vpp=2), "pp2acct": dict(tp=1, ep=1, pp=2, **_ACCOUNT),
+           "pp2uneven": dict(tp=1, ep=1, pp=2, num_layers_in_first_pipeline_stage=1,
+                             num_layers_in_last_pipeline_stage=3),
+           "pp2vpp2acct": dict(tp=1, ep=1, pp=2, vpp=2, **_ACCOUNT)}
+SETUP = ("tp", "ep", "pp", "etp", "vpp")
 
 
 def padded_vocab(vocab, tp, divisible_by=128):
@@ -69,13 +83,20 @@ def _generator(seed, what):
 
 def seeded_weights(model, seed):
     """After megatron's own init (see the module docstring, step 1): experts redrawn per global id,
-    constant-initialised parameters drawn around their constant, everything rounded to bf16."""
+    constant-initialised parameters drawn around their constant, everything rounded to bf16.
+    `model`: a GPTModel or the rank's list of virtual pipeline chunks, each seeded alike (every draw
+    keyed by global layer numbers and expert ids, not by the chunk that holds the layer)."""
+    for chunk in (model if isinstance(model, (list, tuple)) else [model]):
+        _seeded_chunk(chunk, seed)
+
+
+def _seeded_chunk(model, seed):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
 
     tc = model.config
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    global_layer = {}  # local layer prefix -> global layer index (pipeline stages number theirs from 0)
+    global_layer = {}  # local layer prefix -> global layer index (stages and chunks number theirs from 0)
     if getattr(model, "decoder", None) is not None:
         for i, layer in enumerate(model.decoder.layers):
             global_layer[f"decoder.layers.{i}."] = layer.layer_number - 1
@@ -98,6 +119,10 @@ def seeded_weights(model, seed):
                                                   params_dtype=w.dtype, rank=etp_rank, world_size=etp,
                                                   skip_set_tensor_parallel_attributes=True)
     with torch.no_grad():
+        for name, b in model.named_buffers():  # the routers' expert_bias (fp32, zeros): seeded values
+            if name.endswith("router.expert_bias"):
+                m = re.match(r"^(decoder\.layers\.\d+\.)(.*)$", name)
+                b.copy_(0.1 * torch.randn(b.shape[0], generator=_generator(seed, f"layer{global_layer[m.group(1)]}.{m.group(2)}")))
         for name, p in model.named_parameters():
             m = re.match(r"^(decoder\.layers\.\d+\.)(.*)$", name)
             global_name = f"layer{global_layer[m.group(1)]}.{m.group(2)}" if m else name
@@ -112,7 +137,8 @@ def seeded_weights(model, seed):
 
 
 def dump_source(model, cfg_text, out, rank):
-    """The rank's weights as a Megatron source directory (bf16; the routers' expert_bias in fp32)."""
+    """The rank's weights as a Megatron source directory (bf16; the routers' expert_bias in fp32).
+    A list of model chunks (virtual pipeline stages): one rank file, chunk c's names prefixed model{c}."""
     from safetensors.torch import save_file
     from wsync.megatron import local_tensors, parallel_layout
 
@@ -149,21 +175,26 @@ def main():
             continue
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
-        megatron_cpu.setup(**LAYOUTS[layout])
+        megatron_cpu.setup(**{k: v for k, v in LAYOUTS[layout].items() if k in SETUP})
         for name in models:
             t0 = time.time()
             case = f"{name}:{layout}"
             cfg_path = pathlib.Path(a.configs) / name / "config.json"
             cfg = json.loads(cfg_path.read_text())
             torch.manual_seed(a.seed)
+            error = None
             try:
                 model = megatron_cpu.gpt_model(cfg, padded_vocab(cfg["vocab_size"], LAYOUTS[layout]["tp"]),
                                                **LAYOUTS[layout], dtype=torch.float32, parallel_output=False)
             except Exception as e:  # noqa: BLE001 (recorded: DeepSeek-V3's MLA does not build on CPU)
-                results[case] = {"build_error": f"{type(e).__name__}: {e}"}
+                error = f"{type(e).__name__}: {e}"
+            # every rank learns of any rank's failure (some fail on one pipeline rank only)
+            errors = [None] * world
+            dist.all_gather_object(errors, error)
+            if any(errors):
+                results[case] = {"build_error": next(e for e in errors if e)}
                 if rank == 0:
                     print(f"{case}: megatron-core does not build it: {results[case]['build_error']}", flush=True)
-                dist.barrier()
                 continue
             seeded_weights(model, a.seed)
             src, hf = out / name / layout / "megatron", out / name / layout / "hf"
@@ -177,6 +208,7 @@ def main():
             if rank == 0:
                 r = megatron_logits.check(logits, hf, tokens)
                 r["hf_sha256"] = hashlib.sha256((hf / "model.safetensors").read_bytes()).hexdigest()
+                r["parallel"] = json.loads((src / "parallel.json").read_text())
                 r["corrupted"] = {}
                 for what, fn in megatron_logits.corruptions(cfg_path).items():
                     bad = megatron_logits.corrupt(hf, out / name / layout / f"hf-{what}", fn)

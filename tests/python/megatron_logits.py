@@ -28,7 +28,7 @@ import torch
 # float32's unit roundoff is 2**-24 = 6.0e-8. float32's error on these computations, measured as
 # transformers float32 against float64 (fp32_noise; 2-4 layers, hidden 256-512), is 3.4e-7..1.3e-6
 # of the logits' scale, so two float32 evaluations in different orders differ by at most ~2.6e-6;
-# 1e-5 is 4x above that, and the smallest conversion error tried (corruptions) is 3.6e-2, 3600x
+# 1e-5 is 4x above that, and the smallest conversion error tried (corruptions) is 1.8e-2, 1800x
 # above it (python/README.md, "How the Megatron -> HF conversion is proven", has the figures).
 TOLERANCE = 1e-5
 
@@ -43,38 +43,46 @@ def tokens_for(vocab, batch=2, seq=16, seed=7):
 
 def megatron_logits(model, tokens):
     """Collective over the world: the float32 logits [batch, seq, padded vocab] of `model` (a
-    GPTModel built with parallel_output=False, every rank of every stage holding `tokens`), on world
-    rank 0 (None elsewhere). Pipeline stages are run one after the other: a stage's hidden states go
-    to the next stage's rank (megatron's set_input_tensor), the logits from the last stage to rank 0."""
+    GPTModel built with parallel_output=False, or the rank's list of virtual pipeline chunks; every
+    rank of every stage holding `tokens`), on world rank 0 (None elsewhere). Pipeline stages are run
+    one after the other, in megatron's order: virtual stage 0 on pipeline ranks 0..pp-1, then
+    virtual stage 1, ...; a stage's hidden states go to the next stage's rank (megatron's
+    set_input_tensor; the last pipeline rank's to the first's for the next virtual stage), the
+    logits from the last stage to rank 0."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     b, s = tokens.shape
     pos = torch.arange(s).unsqueeze(0).expand(b, s)
     mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)  # True: masked (causal)
-    dtype = next(model.parameters()).dtype
+    dtype = next(p for c in chunks for p in c.parameters()).dtype
+    first_rank, last_rank = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     # eval(): no dropout, and megatron's MoE layer refuses TP > 1 without sequence parallelism only
     # in training mode (moe_layer.py), so TP 2 MoE runs here though it cannot train on CPU
-    training = model.training
-    model.eval()
+    training = [c.training for c in chunks]
+    for c in chunks:
+        c.eval()
     with torch.no_grad():
-        if not ps.is_pipeline_first_stage():
-            hidden = torch.empty(s, b, model.config.hidden_size, dtype=dtype)
-            dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
-            model.set_input_tensor(hidden)
-        out = model(tokens, pos, mask)
-        if not ps.is_pipeline_last_stage():
-            dist.send(out.contiguous(), ps.get_pipeline_model_parallel_next_rank())
-    model.train(training)
+        for v, chunk in enumerate(chunks):
+            if not (first_rank and v == 0):  # from the previous stage (virtual stage v - 1's last rank)
+                hidden = torch.empty(s, b, chunk.config.hidden_size, dtype=dtype)
+                dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
+                chunk.set_input_tensor(hidden)
+            out = chunk(tokens, pos, mask)
+            if not (last_rank and v == len(chunks) - 1):
+                dist.send(out.contiguous(), ps.get_pipeline_model_parallel_next_rank())
+    for c, t in zip(chunks, training):
+        c.train(t)
     rank = dist.get_rank()
     last = ps.get_pipeline_model_parallel_last_rank()  # of this rank's pipeline
-    if ps.is_pipeline_first_stage() and rank == 0:
+    if first_rank and rank == 0:
         if last == 0:
             return out.float()
-        logits = torch.empty(b, s, model.vocab_size, dtype=dtype)
+        logits = torch.empty(b, s, chunks[-1].vocab_size, dtype=dtype)
         dist.recv(logits, last)
         return logits.float()
-    if ps.is_pipeline_last_stage() and ps.get_pipeline_model_parallel_first_rank() == 0:
+    if last_rank and ps.get_pipeline_model_parallel_first_rank() == 0:
         dist.send(out.contiguous(), 0)
     return None
 
@@ -145,9 +153,9 @@ def corruptions(config):
     if groups > 1:
         out["q_heads_across_groups"] = q_heads_across_groups
     out["k_v_swapped"] = lambda t: _swap(t, p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight")
-    if cfg["model_type"] == "qwen2":
+    if cfg["model_type"] == "qwen2" or cfg.get("attention_bias"):
         out["k_v_bias_swapped"] = lambda t: _swap(t, p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias")
-    if cfg["model_type"] in ("qwen3", "qwen3_moe"):
+    if cfg["model_type"] in ("qwen3", "qwen3_moe") or cfg.get("use_qk_norm"):
         out["q_k_norm_swapped"] = lambda t: _swap(t, p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight")
     if cfg["model_type"] == "qwen3_moe":
         e = cfg["num_experts"]
@@ -156,6 +164,22 @@ def corruptions(config):
         out["experts_exchanged"] = lambda t: [_swap(t, f"{x}0.{w}.weight", f"{x}{e - 1}.{w}.weight")
                                               for w in ("gate_proj", "up_proj", "down_proj")]
     else:
+        if cfg["model_type"] == "glm4_moe":  # layer 0 is dense; the first MoE layer's experts and router
+            x = f"model.layers.{cfg.get('first_k_dense_replace', 1)}.mlp."
+            e = cfg["n_routed_experts"]
+            def experts_shifted(t):  # every expert under the next one's id: an EP offset off by one
+                for w in ("gate_proj", "up_proj", "down_proj"):
+                    ws = [t[f"{x}experts.{i}.{w}.weight"] for i in range(e)]
+                    for i in range(e):
+                        t[f"{x}experts.{i}.{w}.weight"] = ws[(i + 1) % e]
+            out["experts_shifted"] = experts_shifted
+            out["shared_gate_up_swapped"] = lambda t: _swap(t, x + "shared_experts.gate_proj.weight",
+                                                            x + "shared_experts.up_proj.weight")
+
+            def expert_bias_reversed(t):  # e_score_correction_bias in the wrong expert order
+                t[x + "gate.e_score_correction_bias"] = t[x + "gate.e_score_correction_bias"].flip(0).contiguous()
+            out["expert_bias_reversed"] = expert_bias_reversed
+
         def gate_up_halves(t):
             # the first half of gate's rows exchanged with up's: fc1's TP shards cat'ed without the
             # GLU reordering (MEGATRON_TO_HF.md §2.3)
@@ -169,9 +193,11 @@ def corruptions(config):
 
     def layers_exchanged(t):
         # the first and last layers exchanged whole: a pipeline stage's local layer numbers taken as
-        # global ones (MEGATRON_TO_HF.md §4)
+        # global ones (MEGATRON_TO_HF.md §4); where one is dense and the other MoE (GLM-4.5's first
+        # layers), the tensors both have (attention, norms)
         for name in [n for n in t if n.startswith(p)]:
-            _swap(t, name, name.replace(p, f"model.layers.{last}.", 1))
+            if name.replace(p, f"model.layers.{last}.", 1) in t:
+                _swap(t, name, name.replace(p, f"model.layers.{last}.", 1))
     out["layers_exchanged"] = layers_exchanged
 
     def vocab_shards_exchanged(t):

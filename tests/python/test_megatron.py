@@ -9,8 +9,11 @@
 - test_conversion_keeps_megatrons_logits / test_corrupted_conversion_fails /
   test_sharded_conversion_is_bit_exact (megatron_forward.py): GPTModels initialised by megatron-core
   itself, every architecture megatron-core builds on CPU (Llama, Qwen2, Qwen3 also with tied
-  embeddings, Qwen3-MoE) in TP 1, TP 2 (expert TP 2 for MoE) and PP 2, and Qwen3-MoE in EP 2 and
-  TP 2 x EP 2, converted by wsync-shard --to-hf:
+  embeddings, Qwen3-MoE) in TP 1, TP 2 (expert TP 2 for MoE) and PP 2, Qwen3-MoE in EP 2 and
+  TP 2 x EP 2, and Qwen3 and Qwen3-MoE in PP 2 split otherwise: virtual pipeline stages (2 per rank;
+  model chunks, their rank-file names prefixed model{c}.), account_for_embedding/loss_in_pipeline_split,
+  uneven first and last stages (1 and 3 layers), and virtual stages with both account_for options
+  (chunks of 0, 1, 1, 0 layers), converted by wsync-shard --to-hf:
   transformers' logits on the conversion equal megatron's, every corrupted copy of it fails that
   check, and the sharded layouts' conversions are the unsharded ones' bytes.
 
@@ -55,11 +58,49 @@ def test_names_follow_megatron_to_hf():
         "decoder.layers.0.pre_mlp_layernorm.weight": "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"}
 
 
-def test_model_chunks_are_refused_naming_them():
-    # Virtual pipeline stages hand over a list of model chunks: refused before anything is declared.
+def _module(*names):
+    """A module holding a 2x2 parameter under each dotted name (a model chunk's shape of names)."""
+    root = torch.nn.Module()
+    for name in names:
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        m.register_parameter(leaf, torch.nn.Parameter(torch.zeros(2, 2)))
+    return root
+
+
+def _chunk(layers, *extra):
+    """A local-spec chunk's names, its layers numbered from 0, wrapped as DDP does (module.)."""
+    layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight",
+             "mlp.experts.local_experts.0.linear_fc1.weight"]
+    return _module(*[f"module.decoder.layers.{i}.{n}" for i in range(layers) for n in layer],
+                   *[f"module.{n}" for n in extra])
+
+
+def test_model_chunks_are_prefixed_per_chunk():
+    # Virtual pipeline stages hand over a list of model chunks: each is named as a model is (its
+    # layers from 0, wrappers stripped, the local spec's norms fused and experts renamed per chunk),
+    # then prefixed model{c}. as Megatron's checkpoints key the chunks.
+    chunks = [_chunk(1, "embedding.word_embeddings.weight"), _chunk(0), _chunk(2, "output_layer.weight")]
+    layer = ["self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight",
+             "mlp.experts.linear_fc1.weight0"]
+    assert sorted(n for n, _ in local_tensors(chunks)) == sorted(
+        [f"model0.decoder.layers.0.{n}" for n in layer] + ["model0.embedding.word_embeddings.weight"]
+        + [f"model2.decoder.layers.{i}.{n}" for i in (0, 1) for n in layer] + ["model2.output_layer.weight"])
+    # a single model, in a list or not: its names unprefixed
+    plain = [f"decoder.layers.0.{n}" for n in layer] + ["embedding.word_embeddings.weight"]
+    assert sorted(n for n, _ in local_tensors(chunks[0])) == sorted(plain)
+    assert sorted(n for n, _ in local_tensors(chunks[:1])) == sorted(plain)
+    # two tensors under one name are refused, naming both
+    twice = _module("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight",
+                    "decoder.layers.0.mlp.experts.linear_fc1.weight3")
     with pytest.raises(WsyncError) as e:
-        local_tensors([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
-    assert e.value.code_name == "UNIMPLEMENTED" and "2 model chunks" in str(e.value)
+        local_tensors([_chunk(1), twice])
+    assert "model1.decoder.layers.0.mlp.experts.linear_fc1.weight3" in str(e.value) and \
+        "model1.decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight" in str(e.value)
 
 
 def _free_port():
@@ -121,9 +162,16 @@ def test_megatron_steps_sync_bit_exact_and_keep_logits(tmp_path, case, gen, shar
 # megatron-core 0.16.1 cannot build MLA with its local spec on CPU (python/README.md says why;
 # test_deepseek_v3_does_not_build_on_cpu keeps that true).
 FORWARD_MODELS = {"llama": ["--arch", "llama"], "qwen2": ["--arch", "qwen2"], "qwen3": ["--arch", "qwen3"],
-                  "qwen3-tied": ["--arch", "qwen3", "--tie"], "qwen3-moe": ["--arch", "qwen3-moe"]}
+                  "qwen3-tied": ["--arch", "qwen3", "--tie"], "qwen3-moe": ["--arch", "qwen3-moe"],
+                  "glm4-moe": ["--arch", "glm4-moe"]}
+# 4 layers, for the pipeline splits the tiny preset's 2 cannot make (only these layouts use them)
+FORWARD_MODELS_4L = {"qwen3-4l": ["--arch", "qwen3", "--layers", "4"],
+                     "qwen3-moe-4l": ["--arch", "qwen3-moe", "--layers", "4"]}
 FORWARD_CASES = ([f"{m}:{layout}" for layout in ("tp1", "tp2", "pp2") for m in FORWARD_MODELS]
-                 + ["qwen3-moe:ep2", "qwen3-moe:tp2ep2"])
+                 + ["qwen3-moe:ep2", "qwen3-moe:tp2ep2", "glm4-moe:ep2"]
+                 # virtual pipeline stages and uneven stages (megatron_forward.py's LAYOUTS)
+                 + [f"{m}:{layout}" for layout in ("pp2vpp2", "pp2acct", "pp2uneven") for m in FORWARD_MODELS_4L]
+                 + ["qwen3:pp2vpp2acct", "qwen3-moe:pp2vpp2acct"])
 UNBUILT_CASE = "deepseek-v3:tp1"
 
 
@@ -133,7 +181,7 @@ def forward_results(tmp_path_factory):
     if not MEGATRON_PYTHON:
         pytest.skip("no megatron-core environment ($WSYNC_MEGATRON_PYTHON)")
     d = tmp_path_factory.mktemp("forward")
-    for name, flags in {**FORWARD_MODELS, "deepseek-v3": ["--arch", "deepseek-v3"]}.items():
+    for name, flags in {**FORWARD_MODELS, **FORWARD_MODELS_4L, "deepseek-v3": ["--arch", "deepseek-v3"]}.items():
         # the configs (their random weights are not used)
         subprocess.run([BIN / "wsync-model-gen", *flags, "--preset", "tiny", "--out", d / "configs" / name],
                        check=True, capture_output=True)
@@ -191,3 +239,28 @@ def test_sharded_conversion_is_bit_exact(forward_results, case, same_as):
     # bit for bit, and TP 2 x EP 2 (ETP 1) is EP 2's: their conversions, proven above by the logits,
     # must then be the same bytes (the TP / expert-TP gathers exact, not only within the tolerance)
     assert forward_results[case]["hf_sha256"] == forward_results[same_as]["hf_sha256"]
+
+
+_ACCOUNT = {"account_for_embedding_in_pipeline_split": True, "account_for_loss_in_pipeline_split": True}
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("qwen3:pp2", {"layers_per_stage": [1, 1]}),
+    ("qwen3-4l:pp2vpp2", {"layers_per_stage": [2, 2], "vpp": 2, "layers_per_chunk": [1, 1, 1, 1]}),
+    # megatron counts the embedding and the loss as a layer each: (4 + 2) / 2 stages = 3, less one
+    # on each end
+    ("qwen3-4l:pp2acct", {"layers_per_stage": [2, 2], **_ACCOUNT}),
+    ("qwen3-4l:pp2uneven", {"layers_per_stage": [1, 3], "num_layers_in_first_pipeline_stage": 1,
+                            "num_layers_in_last_pipeline_stage": 3}),
+    # (2 + 2) / 2 stages / 2 virtual stages = 1 a chunk, less one in the first and in the last:
+    # chunks in global order (pipeline rank 0, 1 of virtual stage 0, then of 1) hold 0, 1, 1, 0 layers
+    ("qwen3:pp2vpp2acct", {"layers_per_stage": [1, 1], "vpp": 2, "layers_per_chunk": [0, 1, 1, 0], **_ACCOUNT}),
+])
+def test_parallel_json_gives_the_pipeline_split(forward_results, case, expected):
+    # wsync.megatron.parallel_layout on megatron's own models: every stage's and (virtual stages)
+    # every chunk's layer count, and the config's split options, which the agent checks against its
+    # own computation of megatron's split; nothing more for a plain PP model
+    parallel = forward_results[case]["parallel"]
+    sizes = {"tp": 1, "pp": 2, "ep": 1, "etp": 1, "dp": 1, "cp": 1, "world_size": 2, "order": "tp-cp-ep-dp-pp",
+             "padded_vocab_size": 1024}
+    assert parallel == {**sizes, **expected}
