@@ -9,8 +9,8 @@
 - test_conversion_keeps_megatrons_logits / test_corrupted_conversion_fails /
   test_sharded_conversion_is_bit_exact (megatron_forward.py): GPTModels initialised by megatron-core
   itself, every architecture megatron-core builds on CPU (Llama, Qwen2, Qwen3 also with tied
-  embeddings, Qwen3-MoE) in TP 1, TP 2 (expert TP 2 for MoE) and PP 2, Qwen3-MoE in EP 2 and
-  TP 2 x EP 2, and Qwen3 and Qwen3-MoE in PP 2 split otherwise: virtual pipeline stages (2 per rank;
+  embeddings, Qwen3-MoE, GLM-4.5) in TP 1, TP 2 (expert TP 2 for MoE) and PP 2, Qwen3-MoE and
+  GLM-4.5 in EP 2, Qwen3-MoE in TP 2 x EP 2, and Qwen3 and Qwen3-MoE in PP 2 split otherwise: virtual pipeline stages (2 per rank;
   model chunks, their rank-file names prefixed model{c}.), account_for_embedding/loss_in_pipeline_split,
   uneven first and last stages (1 and 3 layers), and virtual stages with both account_for options
   (chunks of 0, 1, 1, 0 layers), converted by wsync-shard --to-hf:
