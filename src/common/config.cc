@@ -439,29 +439,40 @@ absl::StatusOr<MoeConfig> ParseQwen3MoeFields(const Fields& f, const ModelConfig
   return m;
 }
 
-// GLM-4.5's expert fields (transformers' Glm4MoeConfig defaults): DeepSeek-V3's routing, always
-// with the e_score_correction_bias (Glm4MoeTopkRouter), dense layers before first_k_dense_replace.
-absl::StatusOr<MoeConfig> ParseGlm4MoeFields(const Fields& f, const ModelConfig& c) {
+// The expert fields DeepSeek-V3 and GLM-4.5 share (DeepseekV3Config, Glm4MoeConfig), with each
+// class's defaults (nullopt: required), and their checks against the layers of `c`.
+struct DeepseekMoeDefaults {
+  std::optional<int64_t> experts, topk, moe_ffn;
+  int64_t first_k_dense = 0;
+  double routed_scaling_factor = 1.0;
+};
+absl::StatusOr<MoeConfig> ParseDeepseekStyleMoe(const Fields& f, const ModelConfig& c, const DeepseekMoeDefaults& d) {
   MoeConfig m;
   m.deepseek_routing = true;
-  ASSIGN_OR_RETURN(m.num_experts, f.Int("n_routed_experts", 128));
-  ASSIGN_OR_RETURN(m.num_experts_per_tok, f.Int("num_experts_per_tok", 8));
-  ASSIGN_OR_RETURN(m.moe_intermediate_size, f.Int("moe_intermediate_size", 1408));
+  ASSIGN_OR_RETURN(m.num_experts, f.Int("n_routed_experts", d.experts));
+  ASSIGN_OR_RETURN(m.num_experts_per_tok, f.Int("num_experts_per_tok", d.topk));
+  ASSIGN_OR_RETURN(m.moe_intermediate_size, f.Int("moe_intermediate_size", d.moe_ffn));
   ASSIGN_OR_RETURN(m.num_shared_experts, f.Int("n_shared_experts", 1, 0));
   ASSIGN_OR_RETURN(m.norm_topk_prob, f.Bool("norm_topk_prob", true));
-  ASSIGN_OR_RETURN(m.first_k_dense_replace, f.Int("first_k_dense_replace", 1, 0));
+  ASSIGN_OR_RETURN(m.first_k_dense_replace, f.Int("first_k_dense_replace", d.first_k_dense, 0));
   ASSIGN_OR_RETURN(m.n_group, f.Int("n_group", 1));
   ASSIGN_OR_RETURN(m.topk_group, f.Int("topk_group", 1));
-  ASSIGN_OR_RETURN(m.routed_scaling_factor, f.Number("routed_scaling_factor", 1.0));
-  m.scoring_func = "sigmoid";
-  m.topk_method = "noaux_tc";
+  ASSIGN_OR_RETURN(m.routed_scaling_factor, f.Number("routed_scaling_factor", d.routed_scaling_factor));
   if (m.first_k_dense_replace > c.num_hidden_layers)
     return f.Error("first_k_dense_replace",
                    absl::StrCat(m.first_k_dense_replace, " exceeds num_hidden_layers ", c.num_hidden_layers));
   if (m.num_experts % m.n_group != 0)
     return f.Error("n_group", absl::StrCat(m.n_group, " does not divide n_routed_experts ", m.num_experts));
-  if (m.topk_group > m.n_group)
-    return f.Error("topk_group", absl::StrCat(m.topk_group, " exceeds n_group ", m.n_group));
+  if (m.topk_group > m.n_group) return f.Error("topk_group", absl::StrCat(m.topk_group, " exceeds n_group ", m.n_group));
+  return m;
+}
+
+// GLM-4.5's expert fields (transformers' Glm4MoeConfig defaults): DeepSeek-V3's routing, always
+// with the e_score_correction_bias (Glm4MoeTopkRouter), dense layers before first_k_dense_replace.
+absl::StatusOr<MoeConfig> ParseGlm4MoeFields(const Fields& f, const ModelConfig& c) {
+  ASSIGN_OR_RETURN(MoeConfig m, ParseDeepseekStyleMoe(f, c, {128, 8, 1408, 1, 1.0}));
+  m.scoring_func = "sigmoid";
+  m.topk_method = "noaux_tc";
   if (m.num_shared_experts > 1)
     return f.Error("n_shared_experts", absl::StrCat(m.num_shared_experts, ": Glm4MoeMoE builds one shared MLP of ",
                                                     "moe_intermediate_size * n_shared_experts; wsync takes 0 or 1"));
@@ -470,27 +481,10 @@ absl::StatusOr<MoeConfig> ParseGlm4MoeFields(const Fields& f, const ModelConfig&
 
 // DeepSeek-V3's expert and MLA fields: sets c.moe, c.mla, c.head_dim and c.num_nextn_predict_layers.
 absl::Status ParseDeepseekV3Fields(const Fields& f, ModelConfig& c) {
-  MoeConfig m;
-  m.deepseek_routing = true;
-  ASSIGN_OR_RETURN(m.num_experts, f.Int("n_routed_experts"));
-  ASSIGN_OR_RETURN(m.num_experts_per_tok, f.Int("num_experts_per_tok"));
-  ASSIGN_OR_RETURN(m.moe_intermediate_size, f.Int("moe_intermediate_size"));
-  ASSIGN_OR_RETURN(m.num_shared_experts, f.Int("n_shared_experts", 1, 0));
-  ASSIGN_OR_RETURN(m.norm_topk_prob, f.Bool("norm_topk_prob", true));
-  ASSIGN_OR_RETURN(m.first_k_dense_replace, f.Int("first_k_dense_replace", 0, 0));
+  ASSIGN_OR_RETURN(MoeConfig m, ParseDeepseekStyleMoe(f, c, {std::nullopt, std::nullopt, std::nullopt, 0, 2.5}));
   ASSIGN_OR_RETURN(m.moe_layer_freq, f.Int("moe_layer_freq", 1));
-  ASSIGN_OR_RETURN(m.n_group, f.Int("n_group", 1));
-  ASSIGN_OR_RETURN(m.topk_group, f.Int("topk_group", 1));
-  ASSIGN_OR_RETURN(m.routed_scaling_factor, f.Number("routed_scaling_factor", 2.5));
   ASSIGN_OR_RETURN(m.scoring_func, f.String("scoring_func", "sigmoid"));
   ASSIGN_OR_RETURN(m.topk_method, f.String("topk_method", "noaux_tc"));
-  if (m.first_k_dense_replace > c.num_hidden_layers)
-    return f.Error("first_k_dense_replace",
-                   absl::StrCat(m.first_k_dense_replace, " exceeds num_hidden_layers ", c.num_hidden_layers));
-  if (m.num_experts % m.n_group != 0)
-    return f.Error("n_group", absl::StrCat(m.n_group, " does not divide n_routed_experts ", m.num_experts));
-  if (m.topk_group > m.n_group)
-    return f.Error("topk_group", absl::StrCat(m.topk_group, " exceeds n_group ", m.n_group));
   if (m.scoring_func != "sigmoid" && m.scoring_func != "softmax")
     return f.Error("scoring_func", absl::StrCat("is \"", m.scoring_func, "\"; expected sigmoid or softmax"));
   c.moe = m;
