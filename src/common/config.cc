@@ -463,7 +463,8 @@ absl::StatusOr<MoeConfig> ParseDeepseekStyleMoe(const Fields& f, const ModelConf
                    absl::StrCat(m.first_k_dense_replace, " exceeds num_hidden_layers ", c.num_hidden_layers));
   if (m.num_experts % m.n_group != 0)
     return f.Error("n_group", absl::StrCat(m.n_group, " does not divide n_routed_experts ", m.num_experts));
-  if (m.topk_group > m.n_group) return f.Error("topk_group", absl::StrCat(m.topk_group, " exceeds n_group ", m.n_group));
+  if (m.topk_group > m.n_group)
+    return f.Error("topk_group", absl::StrCat(m.topk_group, " exceeds n_group ", m.n_group));
   return m;
 }
 
