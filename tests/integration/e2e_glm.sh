@@ -14,14 +14,10 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
 bin="${WSYNC_BIN:-$here/build/bin}"
 w="$(mktemp -d /tmp/wsync-e2e-glm.XXXXXX)"
+. "$here/tests/integration/e2e_lib.sh"
 trap 'rc=$?; if [ "$rc" = 0 ]; then rm -rf "$w"; else echo "e2e_glm: FAILED; files in $w" >&2; fi' EXIT
 
-cat > "$w/quant.json" <<'JSON'
-{"quant_method": "compressed-tensors", "format": "pack-quantized",
- "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
-   "strategy": "group", "group_size": 64, "symmetric": true, "actorder": null}}},
- "ignore": ["lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*mlp\\.gate$"]}
-JSON
+e2e_int4_quant "$w/quant.json"
 "$bin/wsync-model-gen" --arch glm4-moe --preset tiny --layers 4 --seed 20261203 --out "$w/bf16" > /dev/null
 "$bin/wsync-model-gen" --arch glm4-moe --preset tiny --layers 4 --seed 20261203 --out "$w/glm" \
   --quant-config "$w/quant.json" > /dev/null
@@ -29,9 +25,8 @@ JSON
   grep -q "bit-exact" || { echo "FAIL: the TP 2 x PP 2 x VPP 2 x EP 2 cut is not the checkpoint"; exit 1; }
 echo "ok: GLM-4.5 cut for TP 2 x PP 2 x VPP 2 x EP 2 (wsync-shard --verify)"
 
-cat > "$w/then.sh" <<'THEN'
+cat > "$w/first.sh" <<'FIRST'
 set -euo pipefail
-ctl=("$WSYNC_BIN/wsyncctl" --coordinator "$WSYNC_COORDINATOR" --token-file "$WSYNC_TOKEN_FILE")
 py="$HERE/build/venv-torch/bin/python"
 if [ -x "$py" ] && "$py" -c "import transformers.models.glm4_moe" 2> /dev/null; then
   mine=$("$T" --checkpoint "$W/bf16" "$W" --quant-config none)
@@ -43,14 +38,10 @@ if [ -x "$py" ] && "$py" -c "import transformers.models.glm4_moe" 2> /dev/null; 
 else
   echo "skipped: no transformers with Glm4MoeForCausalLM (build/venv-torch): the reference engine is not compared with it"
 fi
-"$T" --every-engine-as "an engine started from the checkpoint" "$WSYNC_HF" "$W"
-"${ctl[@]}" sync --wait --delivery broadcast > /dev/null
-"${ctl[@]}" verify --against "$WSYNC_HF" | grep -c ": bit-exact" | grep -qx 3 ||
-  { echo "FAIL: the broadcast sync is not bit-exact on the 3 engine ranks"; exit 1; }
-echo "ok: a broadcast sync, bit-exact on all 3 engine ranks (wsyncctl verify, the independent reference)"
-"$T" --every-engine-as "an engine started from the checkpoint" "$WSYNC_HF" "$W"
-THEN
-WSYNC_BIN="$bin" W="$w" HERE="$here" T="$here/tests/integration/e2e_tokens.sh" "$here/tools/wsync-local" \
+FIRST
+e2e_then "$w/then.sh"
+WSYNC_BIN="$bin" W="$w" HERE="$here" T="$here/tests/integration/e2e_tokens.sh" THEN_FIRST="$w/first.sh" \
+  THEN_DELIVERY=broadcast RANKS=3 "$here/tools/wsync-local" \
   --source "$w/src" --hf "$w/glm" --verify --syncs 2 --rollout-engines 2 --engine-tp 2,1 --engine-ep 2,1 \
   --delivery sharded --bucket-mib 1 --workdir "$w/run" --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"
 echo "e2e_glm: ok"

@@ -26,6 +26,14 @@
 #                         a sync with N agents, retried (up to 60 times, 0.5 s apart) while a restarted
 #                         member registers, then `verify --against $work/hf` bit-exact on N engine
 #                         ranks; prints the published version; fails naming WHAT otherwise
+# For the scripts that run `tools/wsync-local` (e2e_start not needed):
+#   e2e_int4_quant FILE   writes FILE: compressed-tensors INT4, group 64, attention, embeddings, lm_head
+#                         and routers left in bf16
+#   e2e_then FILE         writes FILE, a `wsync-local --then "bash FILE"` script that runs $THEN_FIRST (a
+#                         script, if set), checks every engine generates as one started from the
+#                         checkpoint ($THEN_AS names it), syncs with --delivery $THEN_DELIVERY, checks
+#                         `wsyncctl verify` bit-exact on $RANKS engine ranks, and the tokens again.
+#                         Its environment: WSYNC_BIN, T (tests/integration/e2e_tokens.sh), W (the work dir)
 e2e_fixed_port() {
   python3 - <<'PY'
 import random, socket
@@ -140,4 +148,28 @@ e2e_rank_pid() {
     tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$1" && { echo "$p"; return 0; }
   done
   return 1
+}
+
+e2e_int4_quant() {
+  cat > "$1" <<'JSON'
+{"quant_method": "compressed-tensors", "format": "pack-quantized",
+ "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+   "strategy": "group", "group_size": 64, "symmetric": true, "actorder": null}}},
+ "ignore": ["lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*mlp\\.gate$"]}
+JSON
+}
+
+e2e_then() {
+  cat > "$1" <<'THEN'
+set -euo pipefail
+ctl=("$WSYNC_BIN/wsyncctl" --coordinator "$WSYNC_COORDINATOR" --token-file "$WSYNC_TOKEN_FILE")
+as="${THEN_AS:-an engine started from the checkpoint}"
+[ -z "${THEN_FIRST:-}" ] || bash "$THEN_FIRST"
+"$T" --every-engine-as "$as" "$WSYNC_HF" "$W"
+"${ctl[@]}" sync --wait --delivery "$THEN_DELIVERY" > /dev/null
+"${ctl[@]}" verify --against "$WSYNC_HF" | grep -c ": bit-exact" | grep -qx "$RANKS" ||
+  { echo "FAIL: the $THEN_DELIVERY sync is not bit-exact on the $RANKS engine ranks"; exit 1; }
+echo "ok: a $THEN_DELIVERY sync, bit-exact on all $RANKS engine ranks (wsyncctl verify, the independent reference)"
+"$T" --every-engine-as "$as" "$WSYNC_HF" "$W"
+THEN
 }

@@ -10,14 +10,10 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
 bin="${WSYNC_BIN:-$here/build/bin}"
 w="$(mktemp -d /tmp/wsync-e2e-prune.XXXXXX)"
+. "$here/tests/integration/e2e_lib.sh"
 trap 'rc=$?; if [ "$rc" = 0 ]; then rm -rf "$w"; else echo "e2e_prune: FAILED; files in $w" >&2; fi' EXIT
 
-cat > "$w/quant.json" <<'JSON'
-{"quant_method": "compressed-tensors", "format": "pack-quantized",
- "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
-   "strategy": "group", "group_size": 64, "symmetric": true, "actorder": null}}},
- "ignore": ["lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*mlp\\.gate$"]}
-JSON
+e2e_int4_quant "$w/quant.json"
 "$bin/wsync-model-gen" --arch deepseek-v3 --preset tiny --layers 3 --seed 20261126 --out "$w/hf" \
   --quant-config "$w/quant.json" > /dev/null
 "$bin/wsync-shard" --hf "$w/hf" --out "$w/src" --tp 1 --pp 2 --ep 2 --dp 2 --layers-per-stage 2,1 > /dev/null
@@ -26,16 +22,10 @@ JSON
 echo '{"num_experts": 8, "layers": {"1": [6, 0, 3, 4], "2": [7, 2, 5, 1]}}' > "$w/map.json"
 "$bin/wsync-prune" --expert-map "$w/map.json" --hf "$w/hf" --out "$w/hf_pruned"
 
-cat > "$w/then.sh" <<'THEN'
-set -euo pipefail
-ctl=("$WSYNC_BIN/wsyncctl" --coordinator "$WSYNC_COORDINATOR" --token-file "$WSYNC_TOKEN_FILE")
-"${ctl[@]}" sync --wait --delivery broadcast > /dev/null
-"${ctl[@]}" verify --against "$WSYNC_HF" | grep -c ": bit-exact" | grep -qx 2 ||
-  { echo "FAIL: the broadcast sync of the pruned model is not bit-exact"; exit 1; }
-echo "ok: a broadcast sync of the pruned model, bit-exact on both engine ranks"
-"$T" --every-engine-as "an engine started from the pruned checkpoint" "$WSYNC_HF" "$W"
-THEN
-WSYNC_BIN="$bin" W="$w" T="$here/tests/integration/e2e_tokens.sh" "$here/tools/wsync-local" --source "$w/src" --expert-map "$w/map.json" --hf "$w/hf_pruned" \
+e2e_then "$w/then.sh"
+WSYNC_BIN="$bin" W="$w" T="$here/tests/integration/e2e_tokens.sh" THEN_DELIVERY=broadcast RANKS=2 \
+  THEN_AS="an engine started from the pruned checkpoint" "$here/tools/wsync-local" --source "$w/src" \
+  --expert-map "$w/map.json" --hf "$w/hf_pruned" \
   --verify --syncs 2 --engine-tp 2 --engine-ep 2 --delivery sharded --bucket-mib 1 --workdir "$w/run" \
   --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"
 echo "e2e_prune: ok"

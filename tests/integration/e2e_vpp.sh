@@ -13,14 +13,10 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
 bin="${WSYNC_BIN:-$here/build/bin}"
 w="$(mktemp -d /tmp/wsync-e2e-vpp.XXXXXX)"
+. "$here/tests/integration/e2e_lib.sh"
 trap 'rc=$?; if [ "$rc" = 0 ]; then rm -rf "$w"; else echo "e2e_vpp: FAILED; files in $w" >&2; fi' EXIT
 
-cat > "$w/quant.json" <<'JSON'
-{"quant_method": "compressed-tensors", "format": "pack-quantized",
- "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
-   "strategy": "group", "group_size": 64, "symmetric": true, "actorder": null}}},
- "ignore": ["lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*mlp\\.gate$"]}
-JSON
+e2e_int4_quant "$w/quant.json"
 "$bin/wsync-model-gen" --arch deepseek-v3 --preset tiny --layers 4 --seed 20261201 --out "$w/ds" \
   --quant-config "$w/quant.json" > /dev/null
 "$bin/wsync-shard" --hf "$w/ds" --out "$w/ds-src" --tp 2 --pp 2 --vpp 2 --ep 2 --etp 1 --dp 1 --verify |
@@ -36,16 +32,7 @@ tr -d ' \n' < "$w/qw-src/parallel.json" | grep -q '"layers_per_stage":\[1,3\]' |
   { echo "FAIL: --decoder-first-pipeline-num-layers 1 did not give stages [1, 3]"; cat "$w/qw-src/parallel.json"; exit 1; }
 echo "ok: Qwen3 cut for PP 2 with the first stage holding 1 layer (Megatron's split: [1, 3])"
 
-cat > "$w/then.sh" <<'THEN'
-set -euo pipefail
-ctl=("$WSYNC_BIN/wsyncctl" --coordinator "$WSYNC_COORDINATOR" --token-file "$WSYNC_TOKEN_FILE")
-"$T" --every-engine-as "an engine started from the checkpoint" "$WSYNC_HF" "$W"
-"${ctl[@]}" sync --wait --delivery "$THEN_DELIVERY" > /dev/null
-"${ctl[@]}" verify --against "$WSYNC_HF" | grep -c ": bit-exact" | grep -qx "$RANKS" ||
-  { echo "FAIL: the $THEN_DELIVERY sync is not bit-exact on the $RANKS engine ranks"; exit 1; }
-echo "ok: a $THEN_DELIVERY sync, bit-exact on all $RANKS engine ranks (wsyncctl verify, the independent reference)"
-"$T" --every-engine-as "an engine started from the checkpoint" "$WSYNC_HF" "$W"
-THEN
+e2e_then "$w/then.sh"
 T="$here/tests/integration/e2e_tokens.sh"
 WSYNC_BIN="$bin" W="$w" T="$T" THEN_DELIVERY=broadcast RANKS=3 "$here/tools/wsync-local" --source "$w/ds-src" \
   --hf "$w/ds" --verify --syncs 2 --rollout-engines 2 --engine-tp 2,1 --engine-ep 2,1 --delivery sharded \
