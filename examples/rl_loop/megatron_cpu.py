@@ -40,6 +40,12 @@ def setup(tp=1, ep=1, pp=1, etp=None, vpp=None):
                                  virtual_pipeline_model_parallel_size=vpp)
 
 
+def _linear_bias(cfg):
+    """--add-bias-linear: every linear biased, which HF Llama is with attention_bias and mlp_bias
+    (o_proj and the MLP take a bias only together in megatron-core; wsync refuses one without the other)."""
+    return cfg["model_type"] == "llama" and bool(cfg.get("attention_bias")) and bool(cfg.get("mlp_bias"))
+
+
 def transformer_config(cfg, tp=1, ep=1, pp=1, dtype=torch.bfloat16, etp=None, vpp=None, **pipeline_options):
     """megatron-core's TransformerConfig of HF config `cfg` (a dict: Llama, Qwen2, Qwen3, Qwen3-MoE,
     GLM-4.5, DeepSeek-V3), with parameters in `dtype` (bf16: as Float16Module casts them under --bf16), vpp
@@ -53,7 +59,7 @@ def transformer_config(cfg, tp=1, ep=1, pp=1, dtype=torch.bfloat16, etp=None, vp
         num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
         num_attention_heads=cfg["num_attention_heads"], ffn_hidden_size=cfg["intermediate_size"],
         normalization="RMSNorm", layernorm_epsilon=cfg["rms_norm_eps"], gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        activation_func=F.silu, add_bias_linear=_linear_bias(cfg), params_dtype=dtype, bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         pipeline_dtype=dtype, sequence_parallel=False, attention_dropout=0.0, hidden_dropout=0.0,
         expert_tensor_parallel_size=etp, virtual_pipeline_model_parallel_size=vpp, **pipeline_options)

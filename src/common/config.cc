@@ -559,6 +559,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::
     ASSIGN_OR_RETURN(c.qkv_bias, f.Bool("attention_bias", false));
     c.o_proj_bias = c.qkv_bias && !is_glm;  // Glm4MoeAttention: o_proj bias=False
   }
+  // LlamaMLP builds gate/up/down_proj with bias=config.mlp_bias; the others' MLPs have none.
+  if (c.arch == Architecture::kLlama) {
+    ASSIGN_OR_RETURN(c.mlp_bias, f.Bool("mlp_bias", false));
+  }
   if (is_glm) {
     ASSIGN_OR_RETURN(c.qk_norm, f.Bool("use_qk_norm", false));
     // transformers reads it at the top level or in rope_parameters (Glm4MoeConfig default 0.5)

@@ -185,6 +185,7 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   bool qkv_bias = false;                 // Qwen2 always; Llama/Qwen3/GLM-4.5 when attention_bias
   bool o_proj_bias = false;              // Llama/Qwen3 when attention_bias (not Qwen2, not GLM-4.5)
+  bool mlp_bias = false;                 // Llama when mlp_bias: gate/up/down_proj biases (dense MLP)
   bool qk_norm = false;                  // Qwen3, Qwen3-MoE; GLM-4.5 when use_qk_norm
   double partial_rotary_factor = 1.0;    // GLM-4.5: 0.5 (RoPE on the first half of each head)
   DType dtype = DType::kBF16;            // torch_dtype

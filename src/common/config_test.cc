@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 
 namespace wsync {
 namespace {
@@ -297,6 +298,16 @@ TEST(ConfigTest, DenseModelsAndDefaults) {
   EXPECT_FALSE(llama->qkv_bias);
   EXPECT_FALSE(llama->moe.has_value());
   EXPECT_DOUBLE_EQ(llama->rope_theta, 500000.0);
+  EXPECT_FALSE(llama->o_proj_bias || llama->mlp_bias);
+  // Llama's attention_bias biases q/k/v and o_proj; mlp_bias gate/up/down_proj (LlamaMLP).
+  auto biased = ParseModelConfig(
+      absl::StrReplaceAll(kLlama8B, {{"\"attention_bias\": false", "\"attention_bias\": true, \"mlp_bias\": true"}}),
+      "llama");
+  ASSERT_TRUE(biased.ok()) << biased.status();
+  EXPECT_TRUE(biased->qkv_bias && biased->o_proj_bias && biased->mlp_bias);
+  auto bad = ParseModelConfig(absl::StrReplaceAll(kLlama8B, {{"\"attention_bias\": false", "\"mlp_bias\": 1"}}), "l");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("mlp_bias"), std::string_view::npos) << bad.status();
   auto qwen2 = ParseModelConfig(kQwen25_05B, "qwen2");
   ASSERT_TRUE(qwen2.ok()) << qwen2.status();
   EXPECT_TRUE(qwen2->qkv_bias);
@@ -307,6 +318,7 @@ TEST(ConfigTest, DenseModelsAndDefaults) {
   ASSERT_TRUE(qwen3.ok()) << qwen3.status();
   EXPECT_EQ(qwen3->head_dim, 128);  // != hidden/heads = 64: Qwen3 sets it explicitly
   EXPECT_TRUE(qwen3->qk_norm);
+  EXPECT_FALSE(qwen3->mlp_bias);  // Qwen3MLP has no bias whatever the config says
   // model_type alone identifies the architecture.
   auto by_type = ParseModelConfig(R"({"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
       "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 1000})",

@@ -777,10 +777,17 @@ class LayoutBuilder {
     const std::string pre = absl::StrCat(Layer(i), module, ".");
     ASSIGN_OR_RETURN(const bool gu_q, Agree(pre + "gate_up_proj", {pre + "gate_proj.weight", pre + "up_proj.weight"}));
     LinearSpec gu{pre + "gate_up_proj.weight", ParamRole::kGateUp, i, 0, 2 * F / T, H, gu_q};
+    // Llama's mlp_bias (decision 9): gate_up_proj's bias is split as its rows, down_proj's is whole
+    // on every rank like o_proj's (only the dense MLP: no MoE architecture has one).
+    const bool bias = c_.mlp_bias && module == "mlp";
     RETURN_IF_ERROR(AddLinear(
-        gu, {ColShard(pre + "gate_proj", F, H, 0, "gate_proj"), ColShard(pre + "up_proj", F, H, F / T, "up_proj")}));
+        gu, {ColShard(pre + "gate_proj", F, H, 0, "gate_proj"), ColShard(pre + "up_proj", F, H, F / T, "up_proj")},
+        bias ? pre + "gate_up_proj.bias" : ""));
     LinearSpec dn{pre + "down_proj.weight", ParamRole::kRow, i, 0, H, F / T, Int4(pre + "down_proj.weight")};
-    return AddLinear(dn, {Shard{pre + "down_proj", H, F, 0, H, p_.tp_rank * (F / T), F / T, 0, 0, true, "down_proj"}});
+    RETURN_IF_ERROR(
+        AddLinear(dn, {Shard{pre + "down_proj", H, F, 0, H, p_.tp_rank * (F / T), F / T, 0, 0, true, "down_proj"}}));
+    if (bias) AddPlain(pre + "down_proj.bias", ParamRole::kRow, dt_, {H}, i, pre + "down_proj.bias");
+    return absl::OkStatus();
   }
 
   absl::Status AddGqaAttention(int64_t i) {

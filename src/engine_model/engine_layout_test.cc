@@ -404,6 +404,17 @@ TEST(EngineLayoutTest, QkvReplicationAndVocabPadding) {
     EXPECT_EQ(emb.src_row0, 256 * r);
     EXPECT_EQ(emb.rows, r == 3 ? 1000 - 768 : 256);
     ExpectParam(*l, {"model.layers.1.self_attn.o_proj.bias", ParamRole::kRow, kPl, kB, {256}, {256}});
+    // mlp_bias (F 512, 128 rows per rank): gate_up's bias takes gate's then up's rows of this rank,
+    // down_proj's bias is whole, like o_proj's
+    ExpectParam(*l, {"model.layers.1.mlp.gate_up_proj.bias", ParamRole::kGateUp, kPl, kB, {256}, {256}});
+    ExpectParam(*l, {"model.layers.1.mlp.down_proj.bias", ParamRole::kRow, kPl, kB, {256}, {256}});
+    const HfSource& gb = s[static_cast<size_t>(l->FindSource("model.layers.1.mlp.gate_proj.bias"))];
+    const HfSource& ub = s[static_cast<size_t>(l->FindSource("model.layers.1.mlp.up_proj.bias"))];
+    EXPECT_EQ(gb.src_row0, r * 128);
+    EXPECT_EQ(gb.dst_row0, 0);
+    EXPECT_EQ(ub.src_row0, r * 128);
+    EXPECT_EQ(ub.dst_row0, 128);
+    EXPECT_EQ(gb.rows, 128);
   }
   // Qwen2 tied: no lm_head param; a sent lm_head.weight is a known, skipped tensor.
   auto t = EngineLayout::Create(Config(model::testing::kQwen2Json), nullptr, {2, 0, 1});

@@ -187,6 +187,13 @@ std::map<std::string, D> Oracle(const ModelConfig& c, int T, int r, int EP, cons
     }
     if (!c.IsMoeLayer(i)) {
       mlp(L + "mlp.", c.intermediate_size);
+      if (c.mlp_bias) {  // Llama's mlp_bias: gate_up's bias split as its rows, down_proj's whole
+        const std::string M = L + "mlp.";
+        const int64_t F = c.intermediate_size;
+        o[M + "gate_up_proj.bias"] =
+            Cat({Rows(H(M + "gate_proj.bias"), r * F / T, F / T), Rows(H(M + "up_proj.bias"), r * F / T, F / T)});
+        o[M + "down_proj.bias"] = H(M + "down_proj.bias");
+      }
       continue;
     }
     const MoeConfig& mc = *c.moe;

@@ -141,6 +141,11 @@ struct HfReferenceModel::Impl {
       };
       if (!c.IsMoeLayer(i)) {
         RETURN_IF_ERROR(mlp(m, c.intermediate_size));
+        if (c.mlp_bias) {
+          RETURN_IF_ERROR(Need(lookup, m + "gate_proj.bias", {c.intermediate_size}));
+          RETURN_IF_ERROR(Need(lookup, m + "up_proj.bias", {c.intermediate_size}));
+          RETURN_IF_ERROR(Need(lookup, m + "down_proj.bias", {H}));
+        }
         continue;
       }
       const MoeConfig& moe = *c.moe;
@@ -155,10 +160,10 @@ struct HfReferenceModel::Impl {
   }
 
   Vec SwiGlu(const std::string& q, const Vec& x) const {
-    Vec g = Apply(W(q + "gate_proj.weight"), x.data());
-    const Vec u = Apply(W(q + "up_proj.weight"), x.data());
+    Vec g = Apply(W(q + "gate_proj.weight"), x.data(), Maybe(q + "gate_proj.bias"));
+    const Vec u = Apply(W(q + "up_proj.weight"), x.data(), Maybe(q + "up_proj.bias"));
     for (size_t i = 0; i < g.size(); ++i) g[i] = Silu(g[i]) * u[i];
-    return Apply(W(q + "down_proj.weight"), g.data());
+    return Apply(W(q + "down_proj.weight"), g.data(), Maybe(q + "down_proj.bias"));
   }
 
   // HF Qwen3MoeSparseMoeBlock / DeepseekV3MoE routing: (expert, weight) pairs.

@@ -144,12 +144,16 @@ struct EngineModel::Impl {
   }
 
   // SiLU-gated MLP of m tokens x [m, H]: gate_up rows [gate (F); up (F)], then down [H, F];
-  // y [m, H] = down(silu(gate) * up).
+  // y [m, H] = down(silu(gate) * up). gate_up_bias [2F] (Llama's mlp_bias) is added to every token's
+  // gate_up output; down_proj's bias is the caller's (a row-parallel bias, added once).
   static void GatedMlp(const float* x, int64_t m, const WeightRef& gate_up, const WeightRef& down, int64_t F,
-                       std::vector<float>& gu, std::vector<float>& act, float* y) {
+                       std::vector<float>& gu, std::vector<float>& act, float* y,
+                       const WeightRef* gate_up_bias = nullptr) {
     gu.resize(static_cast<size_t>(m * 2 * F));
     act.resize(static_cast<size_t>(m * F));
     MatMul(x, m, gate_up, gu.data());
+    if (gate_up_bias != nullptr && !gate_up_bias->empty())
+      for (int64_t t = 0; t < m; ++t) Axpy(1.0f, gate_up_bias->f32(), gu.data() + t * 2 * F, 2 * F);
     for (int64_t t = 0; t < m; ++t)
       for (int64_t i = 0; i < F; ++i)
         act[static_cast<size_t>(t * F + i)] =
@@ -219,8 +223,10 @@ struct EngineModel::Impl {
     };
     if (!L.moe) {
       y.resize(static_cast<size_t>(n * H));
-      GatedMlp(h, n, L.gate_up, L.down, g.F_loc, gu, act, y.data());
+      GatedMlp(h, n, L.gate_up, L.down, g.F_loc, gu, act, y.data(), &L.gate_up_bias);
       for (int64_t t = 0; t < n; ++t) add(t, 1.0f, y.data() + t * H);
+      if (!L.down_bias.empty() && g.r == 0)  // RowParallelLinear: TP rank 0 adds the bias before the all-reduce
+        for (int64_t t = 0; t < n; ++t) add(t, 1.0f, L.down_bias.f32());
       return;
     }
     // (local expert, weight) per token, in the order the token adds them.

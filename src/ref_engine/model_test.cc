@@ -302,6 +302,11 @@ std::vector<Case> Cases() {
   };
   add("llama_tied", Llama(), {{1, 1}, {2, 1}, {4, 1}});
   add("llama_attention_bias", Llama(R"(, "attention_bias": true, "tie_word_embeddings": false)"), {{2, 1}});
+  // megatron's --add-bias-linear: every linear biased (gate_up's bias split, down_proj's added once)
+  add("llama_linear_bias", Llama(R"(, "attention_bias": true, "mlp_bias": true, "tie_word_embeddings": false)"),
+      {{1, 1}, {4, 1}});
+  add("int4_llama_linear_bias", Llama(R"(, "attention_bias": true, "mlp_bias": true)" + Quant(32, kIgnoreDense)),
+      {{2, 1}}, true);
   add("qwen2", Qwen2(), {{1, 1}, {2, 1}, {4, 1}});
   add("qwen3", Qwen3(), {{1, 1}, {2, 1}, {4, 1}});
   add("qwen3_moe", Qwen3Moe(), {{1, 1}, {2, 1}, {2, 2}, {4, 1}, {4, 2}, {4, 4}});

@@ -755,6 +755,10 @@ struct RankWeights::Impl {
       if (!L.moe) {
         RETURN_IF_ERROR(Linear(m + "gate_up_proj", 2 * g.F_loc, H, true, &L.gate_up, plan));
         RETURN_IF_ERROR(Linear(m + "down_proj", H, g.F_loc, true, &L.down, plan));
+        if (c.mlp_bias) {
+          RETURN_IF_ERROR(Float(m + "gate_up_proj.bias", {2 * g.F_loc}, &L.gate_up_bias, plan));
+          RETURN_IF_ERROR(Float(m + "down_proj.bias", {H}, &L.down_bias, plan));
+        }
         continue;
       }
       RETURN_IF_ERROR(Float(m + "gate.weight", {g.E_routed, H}, &L.router, plan));
@@ -793,6 +797,8 @@ struct RankWeights::Impl {
       add(a + "kv_b_proj.weight", L.kv_b);
       add(m + "gate_up_proj.weight", L.gate_up);
       add(m + "down_proj.weight", L.down);
+      add(m + "gate_up_proj.bias", L.gate_up_bias);
+      add(m + "down_proj.bias", L.down_bias);
       add(m + "gate.weight", L.router);
       add(m + "gate.e_score_correction_bias", L.score_bias);
       add(m + "experts.w13_weight", L.w13);

@@ -115,6 +115,7 @@ struct LayerWeights {
   // MLP.
   bool moe = false;
   WeightRef gate_up, down;                // dense
+  WeightRef gate_up_bias, down_bias;      // dense, Llama mlp_bias: [2 F_loc], [H]
   WeightRef router, score_bias;           // MoE router [E, H], e_score_correction_bias [E]
   WeightRef w13, w2;                      // [E_loc * 2I', H], [E_loc * H, I']
   WeightRef shared_gate_up, shared_down;  // unfused shared experts

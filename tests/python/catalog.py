@@ -55,6 +55,10 @@ ROWS = {
     "llama_tied_bf16_tp2": dict(
         gen=["--arch", "llama", *TINY, "--tie"], tp=2, **BF16,
         catches="the Llama-3.2-1B/3B shape: tied head, no q/k norm"),
+    "llama_linear_bias_bf16_tp2": dict(
+        gen=["--arch", "llama", *TINY, "--linear-bias"], tp=2, **BF16,
+        catches="megatron's --add-bias-linear as HF Llama (attention_bias + mlp_bias): o_proj's and down_proj's "
+                "whole biases and gate_up's split one reloaded (vLLM's LlamaMLP(bias=mlp_bias))"),
     "qwen3_tied_int4_tp1": dict(
         gen=["--arch", "qwen3", *TINY, "--tie"], tp=1, **CT,
         catches="vLLM's CPU INT4 repack on reload next to a tied bf16 head"),

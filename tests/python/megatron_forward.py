@@ -132,7 +132,10 @@ def _seeded_chunk(model, seed):
                 g = _generator(seed, global_name)
                 base = float(p.flatten()[0])
                 values = base + (0.2 if base != 0 else 0.1) * torch.randn(full, generator=g)
-                p.copy_(values.chunk(tp)[tp_rank] if sharded else values)
+                if sharded:  # the rank's part as megatron's CPU init takes it (fc1's bias: stride 2, gate and up)
+                    stride = getattr(p, "partition_stride", 1)
+                    values = torch.cat(values.split(p.shape[0] // stride)[tp_rank::tp])
+                p.copy_(values)
             p.copy_(p.bfloat16())
 
 

@@ -155,6 +155,9 @@ def corruptions(config):
     out["k_v_swapped"] = lambda t: _swap(t, p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight")
     if cfg["model_type"] == "qwen2" or cfg.get("attention_bias"):
         out["k_v_bias_swapped"] = lambda t: _swap(t, p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias")
+    if cfg.get("mlp_bias"):  # fc1's bias halves in the wrong order; o_proj's bias taken for down_proj's
+        out["gate_up_bias_swapped"] = lambda t: _swap(t, p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias")
+        out["o_down_bias_swapped"] = lambda t: _swap(t, p + "self_attn.o_proj.bias", p + "mlp.down_proj.bias")
     if cfg["model_type"] in ("qwen3", "qwen3_moe") or cfg.get("use_qk_norm"):
         out["q_k_norm_swapped"] = lambda t: _swap(t, p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight")
     if cfg["model_type"] == "qwen3_moe":

@@ -228,6 +228,14 @@ def check_refusals(hf):
         assert e.code_name == "UNIMPLEMENTED" and "trtllm-sm80" in str(e), e
     finally:
         host.close()
+    # A Llama with MLP biases: SGLang's LlamaMLP has none (it would serve the model without them).
+    llama = dict(config, architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=True, mlp_bias=True)
+    host = EngineHost("sgl-mlp-bias", json.dumps(llama), agent="127.0.0.1:1")
+    try:
+        e = raises(lambda: SglangEngine(host, "http://127.0.0.1:1"))
+        assert e.code_name == "UNIMPLEMENTED" and "mlp_bias" in str(e), e
+    finally:
+        host.close()
 
 
 def check_int4(hf):

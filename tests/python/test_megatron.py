@@ -161,7 +161,8 @@ def test_megatron_steps_sync_bit_exact_and_keep_logits(tmp_path, case, gen, shar
 # The conversion proved by a forward pass (megatron_forward.py). DeepSeek-V3 is not among them:
 # megatron-core 0.16.1 cannot build MLA with its local spec on CPU (python/README.md says why;
 # test_deepseek_v3_does_not_build_on_cpu keeps that true).
-FORWARD_MODELS = {"llama": ["--arch", "llama"], "qwen2": ["--arch", "qwen2"], "qwen3": ["--arch", "qwen3"],
+FORWARD_MODELS = {"llama": ["--arch", "llama"], "llama-bias": ["--arch", "llama", "--linear-bias"],
+                  "qwen2": ["--arch", "qwen2"], "qwen3": ["--arch", "qwen3"],
                   "qwen3-tied": ["--arch", "qwen3", "--tie"], "qwen3-moe": ["--arch", "qwen3-moe"],
                   "glm4-moe": ["--arch", "glm4-moe"]}
 # 4 layers, for the pipeline splits the tiny preset's 2 cannot make (only these layouts use them)

@@ -159,47 +159,48 @@ absl::StatusOr<std::string> SyntheticConfigJson(const SyntheticModelOptions& o) 
   j["torch_dtype"] = "bfloat16";
   j["bos_token_id"] = 1;
   j["eos_token_id"] = 2;
-  if (o.arch == Architecture::kDeepseekV3) {
-    j["num_key_value_heads"] = o.heads;
-    j["rope_theta"] = 10000.0;
+  // DeepSeek-V3's MoE fields, which GLM-4.5 shares (nlohmann::json keeps keys sorted: order is free)
+  auto deepseek_style_moe = [&] {
     j["n_routed_experts"] = o.experts;
     j["num_experts_per_tok"] = o.topk;
     j["moe_intermediate_size"] = o.moe_ffn;
     j["n_shared_experts"] = o.shared_experts;
     j["first_k_dense_replace"] = o.first_k_dense;
-    j["moe_layer_freq"] = 1;
     j["n_group"] = 1;
     j["topk_group"] = 1;
     j["routed_scaling_factor"] = 2.5;
+    j["norm_topk_prob"] = true;
+    j["num_nextn_predict_layers"] = 0;
+  };
+  if (o.arch == Architecture::kDeepseekV3) {
+    j["num_key_value_heads"] = o.heads;
+    j["rope_theta"] = 10000.0;
+    deepseek_style_moe();
+    j["moe_layer_freq"] = 1;
     j["scoring_func"] = "sigmoid";
     j["topk_method"] = "noaux_tc";
-    j["norm_topk_prob"] = true;
     j["q_lora_rank"] = o.q_lora_rank > 0 ? Json(o.q_lora_rank) : Json(nullptr);
     j["kv_lora_rank"] = o.kv_lora_rank;
     j["qk_nope_head_dim"] = o.qk_nope_head_dim;
     j["qk_rope_head_dim"] = o.qk_rope_head_dim;
     j["v_head_dim"] = o.v_head_dim;
-    j["num_nextn_predict_layers"] = 0;
     j["attention_bias"] = false;
   } else {
     j["num_key_value_heads"] = o.kv_heads;
     j["head_dim"] = o.head_dim;
     j["rope_theta"] = o.arch == Architecture::kLlama ? 500000.0 : 1000000.0;
     if (o.arch != Architecture::kQwen2) j["attention_bias"] = false;
+    if (o.linear_bias) {
+      if (o.arch != Architecture::kLlama)
+        return absl::InvalidArgumentError("linear_bias (attention_bias + mlp_bias) is a Llama option");
+      j["attention_bias"] = true;
+      j["mlp_bias"] = true;
+    }
     if (o.arch == Architecture::kGlm4Moe) {  // GLM-4.5's shape: qkv bias, QK norm, half-head RoPE, one shared expert
       j["attention_bias"] = true;
       j["use_qk_norm"] = true;
       j["partial_rotary_factor"] = 0.5;
-      j["n_routed_experts"] = o.experts;
-      j["num_experts_per_tok"] = o.topk;
-      j["moe_intermediate_size"] = o.moe_ffn;
-      j["n_shared_experts"] = o.shared_experts;
-      j["first_k_dense_replace"] = o.first_k_dense;
-      j["n_group"] = 1;
-      j["topk_group"] = 1;
-      j["routed_scaling_factor"] = 2.5;
-      j["norm_topk_prob"] = true;
-      j["num_nextn_predict_layers"] = 0;
+      deepseek_style_moe();
     }
     if (o.arch == Architecture::kQwen3Moe) {
       j["num_experts"] = o.experts;

@@ -45,6 +45,8 @@ struct SyntheticModelOptions {
   int64_t topk = 2;
   int64_t vocab = 1000;
   bool tie = false;
+  // Llama with attention_bias and mlp_bias: every linear biased (megatron-core's --add-bias-linear).
+  bool linear_bias = false;
   // DeepSeek-V3 (MLA + shared experts + dense first layers).
   int64_t q_lora_rank = 128;  // 0: no q compression (q_lora_rank null)
   int64_t kv_lora_rank = 128;

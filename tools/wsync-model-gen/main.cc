@@ -3,7 +3,7 @@
 //
 //   wsync-model-gen --arch qwen3-moe --out DIR [--preset tiny|small|bench2g|bench8g] [--seed N]
 //       [--hidden N --layers N --heads N --kv-heads N --head-dim N --ffn N --moe-ffn N --experts N
-//        --topk N --vocab N --tie]
+//        --topk N --vocab N --tie --linear-bias (llama: attention_bias + mlp_bias)]
 //       [--q-lora N (0: none) --kv-lora N --qk-nope N --qk-rope N --v-head N --shared-experts N
 //        --first-k-dense N]                                  (deepseek-v3)
 //       [--quant-config FILE]   a compressed-tensors quantization_config (the object, or a
@@ -67,6 +67,8 @@ int Run(int argc, char** argv) {
   for (Size& s : sizes) s.opt = app.add_option(s.flag, s.value, s.help);
   bool tie = false;
   app.add_flag("--tie", tie, "tie_word_embeddings");
+  bool linear_bias = false;
+  app.add_flag("--linear-bias", linear_bias, "llama: attention_bias and mlp_bias (megatron's --add-bias-linear)");
   std::string from_config;
   app.add_option("--from-config", from_config,
                  "Random weights for this HF config.json instead of --arch/--preset/sizes; \"default\" = the "
@@ -110,6 +112,7 @@ int Run(int argc, char** argv) {
   for (const Size& s : sizes)
     if (s.opt->count() > 0) (*options).*(s.field) = s.value;
   if (tie) options->tie = true;
+  if (linear_bias) options->linear_bias = true;
   if (!quant_config.empty()) {
     auto text = ReadTextFile(quant_config);
     if (!text.ok()) return fail(text.status());

@@ -62,6 +62,10 @@ class SglangEngine:
         layout = json.loads(host.quant_json).get("engine_layout", "marlin") if host.quant_json else "marlin"
         if layout != "marlin":  # docs/engine-formats.md: SGLang holds Marlin and AWQ-Marlin
             raise WsyncError(12, f"SGLang holds Marlin weights; this engine declares engine_layout {layout!r}")
+        if host.config.get("model_type") == "llama" and host.config.get("mlp_bias"):
+            # sglang/srt/models/llama.py LlamaMLP: gate_up_proj and down_proj are built bias=False
+            raise WsyncError(12, "SGLang's LlamaMLP has no biases: a Llama with mlp_bias=true would be served "
+                                 "without them (vLLM serves it)")
         self.host, self.url, self.timeout = host, url.rstrip("/"), timeout
         self.api_key, self.bucket_bytes = api_key, int(bucket_bytes)
         self._paused = False

@@ -37,9 +37,10 @@ def _hf_source(name: str, cfg: Dict[str, Any]) -> Tuple[str, int, Optional[int]]
             if name.endswith(tail):
                 return name[: -len(tail)] + ".self_attn.fused_qkv_a_proj_with_mqa.weight", r0, rows
     for proj, half in (("gate_proj", 0), ("up_proj", 1)):
-        tail = f".{proj}.weight"
-        if name.endswith(tail) and ".experts." not in name:
-            return name[: -len(tail)] + ".gate_up_proj.weight", half, None  # half: resolved by the caller
+        for suffix in (".weight", ".bias"):  # the bias: Llama's mlp_bias
+            tail = f".{proj}{suffix}"
+            if name.endswith(tail) and ".experts." not in name:
+                return name[: -len(tail)] + f".gate_up_proj{suffix}", half, None  # half: resolved by the caller
     if name.endswith(".mlp.experts.gate_up_proj"):
         return name[: -len("gate_up_proj")] + "w13_weight", 0, None
     if name.endswith(".mlp.experts.down_proj"):
@@ -119,7 +120,7 @@ class TransformersEngine:
             if p.kind != "plain" or p.dtype not in ("BF16", "F32"):
                 raise WsyncError(3, f"{name}: the engine's {src} is {p.dtype} {p.kind}")
         full = lin.shape if lin is not None and lin.quantized else host.params[src].shape
-        if src.endswith(".gate_up_proj.weight"):  # row0 is the half: 0 gate, 1 up
+        if src.endswith((".gate_up_proj.weight", ".gate_up_proj.bias")):  # row0 is the half: 0 gate, 1 up
             half = int(full[0]) // 2
             rows, row0 = half, row0 * half
         take = full[0] if rows is None else rows

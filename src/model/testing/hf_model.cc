@@ -60,6 +60,11 @@ void AddLayer(std::vector<HfTensorSpec>& v, const ModelConfig& c, int64_t i) {
   Add(v, L + "post_attention_layernorm.weight", {H}, dt);
   if (!c.IsMoeLayer(i)) {
     AddMlp(v, L + "mlp.", H, c.intermediate_size, dt);
+    if (c.mlp_bias) {
+      Add(v, L + "mlp.gate_proj.bias", {c.intermediate_size}, dt);
+      Add(v, L + "mlp.up_proj.bias", {c.intermediate_size}, dt);
+      Add(v, L + "mlp.down_proj.bias", {H}, dt);
+    }
     return;
   }
   const MoeConfig& m = *c.moe;

@@ -11,12 +11,13 @@
 
 namespace wsync::model::testing {
 
-// Llama, untied, attention_bias (qkv and o_proj biases): nh 8, nkv 2 (replicated at T = 4).
+// Llama, untied, every linear biased (attention_bias: qkv and o_proj; mlp_bias: gate/up/down_proj, as
+// megatron's --add-bias-linear): nh 8, nkv 2 (replicated at T = 4).
 inline constexpr const char kLlamaJson[] = R"({
   "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
   "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
-  "intermediate_size": 512, "vocab_size": 1000, "attention_bias": true, "tie_word_embeddings": false,
-  "torch_dtype": "bfloat16"})";
+  "intermediate_size": 512, "vocab_size": 1000, "attention_bias": true, "mlp_bias": true,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16"})";
 
 // Qwen2, tied, qkv bias: nh 4, nkv 4 (T = 2 holds 2 kv heads per rank).
 inline constexpr const char kQwen2Json[] = R"({

@@ -112,6 +112,11 @@ std::vector<std::pair<std::string, Shape>> HfTensorShapes(const ModelConfig& c) 
     };
     if (!c.IsMoeLayer(i)) {
       mlp(m, c.intermediate_size);
+      if (c.mlp_bias) {
+        out.push_back({m + "gate_proj.bias", {c.intermediate_size}});
+        out.push_back({m + "up_proj.bias", {c.intermediate_size}});
+        out.push_back({m + "down_proj.bias", {H}});
+      }
       continue;
     }
     const MoeConfig& e = *c.moe;

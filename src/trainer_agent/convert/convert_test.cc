@@ -35,11 +35,13 @@ struct ModelCase {
   bool tie = false;
   bool q_lora = true;           // DeepSeek-V3
   bool mlp_only_layer = false;  // Qwen3-MoE with layer 1 dense (mlp_only_layers: [1])
+  bool linear_bias = false;     // Llama with attention_bias + mlp_bias (megatron's --add-bias-linear)
 };
 
 const ModelCase kModels[] = {
     {"llama", Architecture::kLlama},
     {"llama_tied", Architecture::kLlama, true},
+    {"llama_linear_bias", Architecture::kLlama, false, true, false, true},
     {"qwen2", Architecture::kQwen2},
     {"qwen2_tied", Architecture::kQwen2, true},
     {"qwen3", Architecture::kQwen3},
@@ -84,6 +86,7 @@ bool IsMoe(Architecture a) {
 absl::StatusOr<tools::SyntheticModel> MakeModel(const ModelCase& mc, uint64_t seed) {
   tools::SyntheticModelOptions o = tools::testing::SmallOptions(mc.arch);
   o.tie = mc.tie;
+  o.linear_bias = mc.linear_bias;
   if (!mc.q_lora) o.q_lora_rank = 0;
   if (!mc.mlp_only_layer) return tools::testing::SmallModel(o, seed);
   ASSIGN_OR_RETURN(std::string json, tools::SyntheticConfigJson(o));
@@ -516,12 +519,31 @@ TEST(Refusals, UnsupportedModelsAndLayoutsAreNamed) {
   EXPECT_EQ(CheckModelSupported(*cfg).code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(CheckModelSupported(*cfg).message(), HasSubstr("tie_word_embeddings"));
 
+  // HF's o_proj bias and MLP biases only together (megatron-core's --add-bias-linear gives both)
   auto llama_json = tools::SyntheticConfigJson(tools::testing::SmallOptions(Architecture::kLlama));
   ASSERT_TRUE(llama_json.ok());
   auto biased = ParseModelConfig(
       absl::StrReplaceAll(*llama_json, {{"\"attention_bias\": false", "\"attention_bias\": true"}}), "t");
   ASSERT_TRUE(biased.ok());
-  EXPECT_THAT(CheckModelSupported(*biased).message(), HasSubstr("attention_bias"));
+  EXPECT_EQ(CheckModelSupported(*biased).code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(CheckModelSupported(*biased).message(), HasSubstr("attention_bias=true without MLP biases"));
+  EXPECT_THAT(CheckModelSupported(*biased).message(), HasSubstr("set mlp_bias=true"));
+  auto mlp_biased =
+      ParseModelConfig(absl::StrReplaceAll(*llama_json, {{"\"attention_bias\": false", "\"mlp_bias\": true"}}), "t");
+  ASSERT_TRUE(mlp_biased.ok());
+  EXPECT_THAT(CheckModelSupported(*mlp_biased).message(), HasSubstr("mlp_bias=true without attention_bias"));
+  auto both = ParseModelConfig(
+      absl::StrReplaceAll(*llama_json, {{"\"attention_bias\": false", "\"attention_bias\": true, \"mlp_bias\": true"}}),
+      "t");
+  ASSERT_TRUE(both.ok());
+  EXPECT_TRUE(both->o_proj_bias && both->mlp_bias);
+  EXPECT_TRUE(CheckModelSupported(*both).ok()) << CheckModelSupported(*both);
+  auto qwen3_json = tools::SyntheticConfigJson(tools::testing::SmallOptions(Architecture::kQwen3));
+  ASSERT_TRUE(qwen3_json.ok());
+  auto qwen3_biased = ParseModelConfig(
+      absl::StrReplaceAll(*qwen3_json, {{"\"attention_bias\": false", "\"attention_bias\": true"}}), "t");
+  ASSERT_TRUE(qwen3_biased.ok());
+  EXPECT_THAT(CheckModelSupported(*qwen3_biased).message(), HasSubstr("which this HF model lacks"));
 
   auto llama = ParseModelConfig(*llama_json, "t");
   ASSERT_TRUE(llama.ok());

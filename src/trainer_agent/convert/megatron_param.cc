@@ -59,6 +59,7 @@ enum class When : uint8_t {
   kQLora,          // MLA with q_lora_rank
   kNoQLora,        // MLA without
   kExpertBias,     // DeepSeek-V3 noaux_tc (--moe-router-enable-expert-bias)
+  kLinearBias,     // --add-bias-linear: linear_proj and the dense MLP's fc1 / fc2 biases
   kSharedExperts,  // n_shared_experts > 0
   kOutputLayer,    // untied, or tied on a stage without the embedding (PP > 1)
 };
@@ -88,6 +89,8 @@ const Row kRows[] = {
   // --- GQA attention (Llama, Qwen2, Qwen3, Qwen3-MoE): TE spec, input norm fused into linear_qkv --
   {Block::kGqa, "self_attention.linear_proj.weight", ShardKind::kTpDim1, HfOp::kCopy,
    {"self_attn.o_proj.weight"}, [](const Dims& d) { return Shape{d.h, d.nh * d.hd}; }},
+  {Block::kGqa, "self_attention.linear_proj.bias", ShardKind::kReplicated, HfOp::kCopy,
+   {"self_attn.o_proj.bias"}, [](const Dims& d) { return Shape{d.h}; }, When::kLinearBias},
   {Block::kGqa, "self_attention.linear_qkv.layer_norm_weight", ShardKind::kReplicated, HfOp::kCopy,
    {"input_layernorm.weight"}, [](const Dims& d) { return Shape{d.h}; }},
   {Block::kGqa, "self_attention.linear_qkv.weight", ShardKind::kTpDim0, HfOp::kQkv,
@@ -128,8 +131,12 @@ const Row kRows[] = {
    {"post_attention_layernorm.weight"}, [](const Dims& d) { return Shape{d.h}; }},
   {Block::kDenseMlp, "mlp.linear_fc1.weight", ShardKind::kTpGluFc1, HfOp::kGlu,
    {"mlp.gate_proj.weight", "mlp.up_proj.weight"}, [](const Dims& d) { return Shape{2 * d.ffn, d.h}; }},
+  {Block::kDenseMlp, "mlp.linear_fc1.bias", ShardKind::kTpGluFc1, HfOp::kGlu,
+   {"mlp.gate_proj.bias", "mlp.up_proj.bias"}, [](const Dims& d) { return Shape{2 * d.ffn}; }, When::kLinearBias},
   {Block::kDenseMlp, "mlp.linear_fc2.weight", ShardKind::kTpDim1, HfOp::kCopy,
    {"mlp.down_proj.weight"}, [](const Dims& d) { return Shape{d.h, d.ffn}; }},
+  {Block::kDenseMlp, "mlp.linear_fc2.bias", ShardKind::kReplicated, HfOp::kCopy,
+   {"mlp.down_proj.bias"}, [](const Dims& d) { return Shape{d.h}; }, When::kLinearBias},
 
   // --- MoE MLP: real pre-MLP norm, router, grouped-GEMM experts, shared experts ------------------
   {Block::kMoeMlp, "pre_mlp_layernorm.weight", ShardKind::kReplicated, HfOp::kCopy,
@@ -175,6 +182,7 @@ bool RowApplies(const Row& r, const PlanContext& c) {
   switch (r.when) {
     case When::kAlways: return true;
     case When::kQkvBias: return m.qkv_bias;
+    case When::kLinearBias: return m.o_proj_bias;  // CheckModelSupported: o_proj_bias == mlp_bias
     case When::kQkNorm: return m.qk_norm;
     case When::kQLora: return m.mla && m.mla->q_lora_rank > 0;
     case When::kNoQLora: return m.mla && m.mla->q_lora_rank == 0;
@@ -288,11 +296,18 @@ absl::string_view ShardKindName(ShardKind kind) {
 }
 
 absl::Status CheckModelSupported(const ModelConfig& m) {
-  if (m.o_proj_bias)
+  // megatron-core biases linear_proj only under --add-bias-linear, which biases the MLP's linear_fc1
+  // and linear_fc2 too (and linear_qkv): HF's o_proj bias and MLP biases come together or not at all.
+  if (m.o_proj_bias && !m.mlp_bias)
+    return absl::UnimplementedError(absl::StrCat(
+        m.architecture, ": attention_bias=true without MLP biases is not supported (HF then has an o_proj bias; ",
+        "megatron-core biases linear_proj only under --add-bias-linear, which also biases the MLP",
+        m.arch == Architecture::kLlama ? ": set mlp_bias=true for such a model)" : ", which this HF model lacks)"));
+  if (m.mlp_bias && !m.o_proj_bias)
     return absl::UnimplementedError(
         absl::StrCat(m.architecture,
-                     ": attention_bias=true is not supported (HF then also has an o_proj bias, which "
-                     "megatron-core's --add-qkv-bias does not produce)"));
+                     ": mlp_bias=true without attention_bias is not supported (megatron-core's "
+                     "--add-bias-linear biases the MLP and linear_qkv / linear_proj together)"));
   if ((m.arch == Architecture::kQwen3Moe || m.arch == Architecture::kGlm4Moe) && m.tie_word_embeddings)
     return absl::UnimplementedError(absl::StrCat(m.architecture, ": tie_word_embeddings=true is refused (SGLang's ",
                                                  m.architecture,

@@ -9,11 +9,12 @@
 // fp32 router.expert_bias buffer placed right after router.weight):
 //   first stage:  embedding.word_embeddings.weight
 //   every layer:  [MLA: input_layernorm.weight]
-//                 self_attention.linear_proj.weight            (Attention.__init__ builds it first)
+//                 self_attention.linear_proj.{weight, bias}    (Attention.__init__ builds it first)
 //                 GQA: linear_qkv.{layer_norm_weight, weight, bias}, q_layernorm, k_layernorm
 //                 MLA: linear_q_down_proj, linear_q_up_proj.{layer_norm_weight, weight} | linear_q_proj,
 //                      linear_kv_down_proj, linear_kv_up_proj.{layer_norm_weight, weight}
-//                 dense MLP: mlp.linear_fc1.{layer_norm_weight, weight}, mlp.linear_fc2.weight
+//                 dense MLP: mlp.linear_fc1.{layer_norm_weight, weight, bias}, mlp.linear_fc2.{weight, bias}
+//                 (the biases: --add-bias-linear, Llama's attention_bias + mlp_bias)
 //                 MoE: pre_mlp_layernorm.weight, mlp.router.{weight, expert_bias},
 //                      mlp.experts.linear_fc1.weight{0..n-1}, mlp.experts.linear_fc2.weight{0..n-1},
 //                      mlp.shared_experts.linear_fc1.weight, mlp.shared_experts.linear_fc2.weight
@@ -94,8 +95,10 @@ struct MegatronParam {
 };
 
 // Refuses models wsync cannot convert, naming the field: MTP layers are ignored (not an
-// error); attention_bias on Llama/Qwen3 (HF adds an o_proj bias megatron's --add-qkv-bias does
-// not have) and a tied Qwen3-MoE (SGLang never fills its lm_head) are kUnimplemented.
+// error). kUnimplemented: an o_proj bias without MLP biases (Qwen3 with attention_bias, Llama with
+// attention_bias but not mlp_bias) or MLP biases without it: megatron-core's --add-bias-linear
+// gives linear_qkv, linear_proj, linear_fc1 and linear_fc2 a bias together (Llama with both is
+// converted); a tied Qwen3-MoE or GLM-4.5 (SGLang never fills its lm_head).
 absl::Status CheckModelSupported(const ModelConfig& model);
 
 // Checks that the model's sizes split over the layout: heads and query groups by TP, FFN widths

@@ -94,10 +94,11 @@ struct Case {
   LayoutCase layout;
   int64_t moe_ffn = 32;
   bool int4 = true;
-  bool prune = false;   // an expert map: item 0 pruned on both EP members, item 3 on one
-  bool spread = false;  // SyncOptions::spread_senders: the TP group and the EP mergers send
-  bool awq = false;     // INT4 as AWQ (group 32) rather than compressed-tensors
-  bool fp8 = false;     // block FP8 (16 x 32 blocks) rather than INT4; `int4` set too
+  bool prune = false;        // an expert map: item 0 pruned on both EP members, item 3 on one
+  bool spread = false;       // SyncOptions::spread_senders: the TP group and the EP mergers send
+  bool awq = false;          // INT4 as AWQ (group 32) rather than compressed-tensors
+  bool fp8 = false;          // block FP8 (16 x 32 blocks) rather than INT4; `int4` set too
+  bool linear_bias = false;  // Llama with every linear biased (megatron's --add-bias-linear)
 };
 
 // Keeps experts 6, 1, 3, 5, 2 of 8 (reversed on odd layers): with EP 2, local expert 0 (experts 0
@@ -197,6 +198,7 @@ TEST_P(RankSyncTest, SendsExactlyTheConvertedCheckpoint) {
   const Case& c = GetParam();
   tools::SyntheticModelOptions mo = tools::testing::SmallOptions(c.arch);
   mo.moe_ffn = c.moe_ffn;
+  mo.linear_bias = c.linear_bias;
   ASSERT_NO_FATAL_FAILURE(MakeFixture(mo, c.layout, 20261121));
   auto src = DirSource::Open(src_dir());
   ASSERT_TRUE(src.ok()) << src.status();
@@ -306,6 +308,14 @@ std::vector<Case> AllCases() {
     out.push_back(
         {std::string("glm4_moe_") + etp2.name + (int4 ? "_int4" : "_bf16"), Architecture::kGlm4Moe, etp2, 32, int4});
   out.push_back({"glm4_moe_" + vpp.name + "_int4", Architecture::kGlm4Moe, vpp, 32, true});
+  // Llama with every linear biased: q/k/v, o_proj and the GLU fc1 biases split over TP, o_proj's and
+  // down_proj's whole (megatron's --add-bias-linear), across 2 stages.
+  for (bool int4 : {false, true}) {
+    Case b{std::string("llama_linear_bias_") + dense_vpp.name + (int4 ? "_int4" : "_bf16"), Architecture::kLlama,
+           dense_vpp, 32, int4};
+    b.linear_bias = true;
+    out.push_back(b);
+  }
   // Spread senders (sharded delivery): the same checks on the union of the senders' streams.
   const size_t n = out.size();
   for (size_t i = 0; i < n; ++i) {

@@ -44,7 +44,7 @@ struct LinearArgs {
   Role role = Role::kReplicated;
   std::vector<Shard> shards;
   int64_t k = 0;            // HF in_features
-  bool bias = false;        // QKV bias (same row mapping as the weight)
+  bool bias = false;        // QKV / gate_up bias (same row mapping as the weight)
   std::string bf16_reason;  // non-empty: must stay bf16 (refused if the quantization config covers it)
   bool fp8_ok = false;      // an FP8 config may quantize it despite bf16_reason (an INT4-only limit)
 };
@@ -151,7 +151,7 @@ class Builder {
     RETURN_IF_ERROR(c_.mla ? MlaAttention(L) : GqaAttention(L));
     Norm(L + "post_attention_layernorm.weight", H);
     if (c_.IsMoeLayer(i)) return Moe(L);
-    return DenseMlp(L + "mlp.", c_.intermediate_size);
+    return DenseMlp(L + "mlp.", c_.intermediate_size, c_.mlp_bias);
   }
 
   absl::Status GqaAttention(const std::string& L) {
@@ -215,11 +215,14 @@ class Builder {
     return Linear({A + "o_proj", Role::kRow, {{A + "o_proj.weight", H}}, nh * a.v_head_dim, false, ""});
   }
 
-  absl::Status DenseMlp(const std::string& M, int64_t F) {
+  // bias: Llama's mlp_bias (decision 9): gate_up's bias takes its row mapping, down_proj's is whole (§2.5).
+  absl::Status DenseMlp(const std::string& M, int64_t F, bool bias = false) {
     const int64_t H = c_.hidden_size;
     RETURN_IF_ERROR(Linear(
-        {M + "gate_up_proj", Role::kGateUp, {{M + "gate_proj.weight", F}, {M + "up_proj.weight", F}}, H, false, ""}));
-    return Linear({M + "down_proj", Role::kRow, {{M + "down_proj.weight", H}}, F, false, ""});
+        {M + "gate_up_proj", Role::kGateUp, {{M + "gate_proj.weight", F}, {M + "up_proj.weight", F}}, H, bias, ""}));
+    RETURN_IF_ERROR(Linear({M + "down_proj", Role::kRow, {{M + "down_proj.weight", H}}, F, false, ""}));
+    if (bias) Norm(M + "down_proj.bias", H);
+    return absl::OkStatus();
   }
 
   absl::Status Moe(const std::string& L) {
