@@ -112,7 +112,7 @@ def rotary_percent(cfg):
 
 
 def gpt_model(cfg, padded_vocab, tp=1, ep=1, pp=1, max_sequence_length=128, *, dtype=torch.bfloat16,
-              parallel_output=True, etp=None, vpp=None, **pipeline_options):
+              parallel_output=True, etp=None, vpp=None, mtp=False, **pipeline_options):
     """The GPTModel of HF config `cfg` (transformer_config) with megatron's local spec, its
     parameters in `dtype`, initialised by megatron-core (use_cpu_initialization: each weight drawn
     whole by its init_method from torch's RNG, then this rank's TP part taken). parallel_output=False:
@@ -121,14 +121,23 @@ def gpt_model(cfg, padded_vocab, tp=1, ep=1, pp=1, max_sequence_length=128, *, d
     vpp (virtual pipeline stages; setup(vpp=) the same): the list of this rank's vpp model chunks,
     chunk v built with vp_stage=v (megatron's get_model), in that order, each drawing its weights
     from torch's RNG in turn. pipeline_options: TransformerConfig's uneven-split options
-    (transformer_config)."""
+    (transformer_config). mtp: with the HF config's MTP layers (num_nextn_predict_layers; megatron's
+    mtp_num_layers), which the last pipeline stage holds (mtp.layers.{k}.*)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 
+    if mtp:  # the HF config's MTP layers (num_nextn_predict_layers), megatron's --mtp-num-layers
+        pipeline_options = dict(pipeline_options, mtp_num_layers=int(cfg["num_nextn_predict_layers"]))
     tc = transformer_config(cfg, tp, ep, pp, dtype, etp, vpp, **pipeline_options)
     chunks = []
     for vp_stage in range(vpp) if vpp is not None else [None]:
+        # the decoder's spec first: it sets the local spec's norm to RMSNorm, which the MTP spec's
+        # norms (built without arguments) then take
+        decoder_spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm",
+                                                  vp_stage=vp_stage)
+        mtp_spec = (get_gpt_mtp_block_spec(tc, decoder_spec, use_transformer_engine=False, vp_stage=vp_stage)
+                    if mtp else None)
         model = GPTModel(config=tc, vocab_size=padded_vocab, max_sequence_length=max_sequence_length,
                          position_embedding_type="rope", rotary_base=int(cfg["rope_theta"]),
                          rotary_percent=rotary_percent(cfg),
@@ -136,9 +145,7 @@ def gpt_model(cfg, padded_vocab, tp=1, ep=1, pp=1, max_sequence_length=128, *, d
                          pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                          post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                          parallel_output=parallel_output, vp_stage=vp_stage,
-                         transformer_layer_spec=get_gpt_decoder_block_spec(tc, use_transformer_engine=False,
-                                                                           normalization="RMSNorm",
-                                                                           vp_stage=vp_stage))
+                         transformer_layer_spec=decoder_spec, mtp_block_spec=mtp_spec)
         model.to(dtype)
         for name, buf in model.named_buffers():  # megatron keeps the routers' expert_bias in fp32
             if name.endswith("router.expert_bias"):

@@ -28,7 +28,9 @@ Megatron's checkpoints key the chunks: ``model1.decoder.layers.0.self_attention.
 ``layers_per_chunk`` (each chunk's layer count in global layer order: chunk k is pipeline rank
 k % pp's chunk k // pp). A single model (or a list of one) keeps its plain names. Uneven stages
 (num_layers_in_first/last_pipeline_stage, account_for_embedding/loss_in_pipeline_split) are
-copied from the model's TransformerConfig into parallel.json when set.
+copied from the model's TransformerConfig into parallel.json when set, and so is its MTP layer count
+(``mtp_num_layers``: a GPTModel built with an MTP block, ``mtp.layers.{k}.*``, synced as the HF
+checkpoint's ``model.layers.{L+k}.*``; the HF config's num_nextn_predict_layers must match).
 
 Errors: wsync.WsyncError naming the tensor or the setting (model chunks that do not hold contiguous
 layers in order, a tensor the agent's plan does not have, a dtype it does not take), raised before
@@ -64,7 +66,8 @@ def wsync_name(name: str) -> str:
     return name
 
 
-_LAYER = re.compile(r"^(decoder\.layers\.\d+\.)(.*)$")
+# A transformer layer's prefix: a decoder layer's, or an MTP layer's (mtp.layers.{k}.transformer_layer.)
+_LAYER = re.compile(r"^(decoder\.layers\.\d+\.|mtp\.layers\.\d+\.transformer_layer\.)(.*)$")
 
 
 def _te_norm_names(names: Sequence[str]) -> Dict[str, str]:
@@ -128,9 +131,11 @@ def local_tensors(model: Model) -> List[Tuple[str, torch.Tensor]]:
     return out
 
 
-# TransformerConfig's options of an uneven pipeline split, copied into parallel.json when set.
+# TransformerConfig's options of an uneven pipeline split, and its MTP layer count, copied into
+# parallel.json when set.
 _SPLIT_OPTIONS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
-                  "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+                  "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                  "mtp_num_layers")
 
 
 def parallel_layout(model: Model, *, order: str = "tp-cp-ep-dp-pp") -> Dict[str, Any]:
@@ -138,7 +143,7 @@ def parallel_layout(model: Model, *, order: str = "tp-cp-ep-dp-pp") -> Dict[str,
     state and the model: sizes, rank order, the padded vocabulary (the embedding's rows x TP), each
     pipeline stage's layer count and, for a list of virtual pipeline chunks, ``vpp`` and each
     chunk's layer count in global layer order (``layers_per_chunk``), checked to hold contiguous
-    layers in order; the config's uneven-split options when set. Collective: every rank of the
+    layers in order; the config's uneven-split options and mtp_num_layers when set. Collective: every rank of the
     world calls it."""
     from megatron.core import parallel_state as ps
 

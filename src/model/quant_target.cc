@@ -13,6 +13,9 @@ namespace wsync::model {
 bool IsQuantTarget(absl::string_view hf_name, absl::Span<const int64_t> shape, const QuantizationConfig& config) {
   if (shape.size() != 2 || !absl::EndsWith(hf_name, ".weight")) return false;
   if (absl::EndsWith(hf_name, "embed_tokens.weight")) return false;
+  // An MTP layer's eh_proj: SGLang's NextN models build it as a plain nn.Linear, which loads only
+  // a bf16 weight (MEGATRON_TO_HF.md §5.7), whatever the ignore list says
+  if (absl::EndsWith(hf_name, ".eh_proj.weight")) return false;
   return !config.IsIgnored(hf_name);
 }
 

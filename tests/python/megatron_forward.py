@@ -12,7 +12,9 @@ holding a list of 2), pp2acct (account_for_embedding_in_pipeline_split and
 account_for_loss_in_pipeline_split), pp2uneven (num_layers_in_first_pipeline_stage 1,
 num_layers_in_last_pipeline_stage 3), pp2vpp2acct (both; with 2 layers, chunks of 0, 1, 1 and 0
 layers: the first holds only the embedding, the last only the final norm and the output layer).
-For every case, on every rank:
+A MODEL named *-mtp is built with its config's MTP layers (megatron's MTP block; PP 1 layouts),
+and its MTP layer's logits are checked too (megatron_logits.megatron_mtp_logits against
+hf_mtp_logits, and every mtp_corruptions copy). For every case, on every rank:
 
 1. a GPTModel (megatron's local spec, float32 parameters, parallel_output=False) of the config,
    initialised by megatron-core itself under torch.manual_seed(--seed) (use_cpu_initialization: each
@@ -121,8 +123,9 @@ def _seeded_chunk(model, seed):
     with torch.no_grad():
         for name, b in model.named_buffers():  # the routers' expert_bias (fp32, zeros): seeded values
             if name.endswith("router.expert_bias"):
-                m = re.match(r"^(decoder\.layers\.\d+\.)(.*)$", name)
-                b.copy_(0.1 * torch.randn(b.shape[0], generator=_generator(seed, f"layer{global_layer[m.group(1)]}.{m.group(2)}")))
+                m = re.match(r"^(decoder\.layers\.\d+\.)(.*)$", name)  # an MTP layer's: its own name
+                key = f"layer{global_layer[m.group(1)]}.{m.group(2)}" if m else name
+                b.copy_(0.1 * torch.randn(b.shape[0], generator=_generator(seed, key)))
         for name, p in model.named_parameters():
             m = re.match(r"^(decoder\.layers\.\d+\.)(.*)$", name)
             global_name = f"layer{global_layer[m.group(1)]}.{m.group(2)}" if m else name
@@ -188,7 +191,8 @@ def main():
             error = None
             try:
                 model = megatron_cpu.gpt_model(cfg, padded_vocab(cfg["vocab_size"], LAYOUTS[layout]["tp"]),
-                                               **LAYOUTS[layout], dtype=torch.float32, parallel_output=False)
+                                               **LAYOUTS[layout], dtype=torch.float32, parallel_output=False,
+                                               mtp=name.endswith("-mtp"))
             except Exception as e:  # noqa: BLE001 (recorded: DeepSeek-V3's MLA does not build on CPU)
                 error = f"{type(e).__name__}: {e}"
             # every rank learns of any rank's failure (some fail on one pipeline rank only)
@@ -207,7 +211,11 @@ def main():
                 subprocess.run([os.path.join(os.environ["WSYNC_BIN"], "wsync-shard"), "--src", str(src), "--to-hf",
                                 str(hf)], check=True, stdout=subprocess.DEVNULL)
             tokens = megatron_logits.tokens_for(cfg["vocab_size"])
-            logits = megatron_logits.megatron_logits(model, tokens)
+            mtp_logits = None
+            if name.endswith("-mtp"):  # PP 1 only: forward() is collective over TP alone
+                logits, mtp_logits = megatron_logits.megatron_mtp_logits(model, tokens)
+            else:
+                logits = megatron_logits.megatron_logits(model, tokens)
             if rank == 0:
                 r = megatron_logits.check(logits, hf, tokens)
                 r["hf_sha256"] = hashlib.sha256((hf / "model.safetensors").read_bytes()).hexdigest()
@@ -217,6 +225,12 @@ def main():
                     bad = megatron_logits.corrupt(hf, out / name / layout / f"hf-{what}", fn)
                     r["corrupted"][what] = megatron_logits.compare(logits,
                                                                    megatron_logits.hf_logits(bad, tokens))["rel"]
+                if mtp_logits is not None:  # the MTP layer as the engines' draft models run it
+                    r["mtp"] = megatron_logits.check_mtp(mtp_logits, hf, tokens)
+                    r["mtp"]["corrupted"] = {
+                        what: megatron_logits.compare(mtp_logits, megatron_logits.hf_mtp_logits(
+                            megatron_logits.corrupt(hf, out / name / layout / f"hf-mtp-{what}", fn), tokens))["rel"]
+                        for what, fn in megatron_logits.mtp_corruptions(cfg_path).items()}
                 r["seconds"] = round(time.time() - t0, 2)
                 results[case] = r
                 worst = min(r["corrupted"].values())
@@ -224,6 +238,12 @@ def main():
                       f"fp32 noise {r['fp32_noise']:.3g}, tolerance {r['tolerance']:g}) "
                       f"{'ok' if r['ok'] else 'FAILED'}; {len(r['corrupted'])} corrupted copies: rel >= {worst:.3g}; "
                       f"{r['seconds']} s", flush=True)
+                if "mtp" in r:
+                    m = r["mtp"]
+                    print(f"{case}: MTP layer: max|diff| {m['max_diff']:.3g} of logits up to {m['scale']:.3g} "
+                          f"(rel {m['rel']:.3g}, fp32 noise {m['fp32_noise']:.3g}) {'ok' if m['ok'] else 'FAILED'}; "
+                          f"{len(m['corrupted'])} corrupted copies: rel >= {min(m['corrupted'].values()):.3g}",
+                          flush=True)
             dist.barrier()
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))

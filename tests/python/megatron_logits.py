@@ -87,6 +87,122 @@ def megatron_logits(model, tokens):
     return None
 
 
+def megatron_mtp_logits(model, tokens):
+    """(main logits, first MTP layer's logits), float32 [batch, seq, padded vocab], of `model` (a
+    GPTModel with an MTP block, pipeline parallel size 1, built with parallel_output=False), every
+    rank holding `tokens`; collective over its TP group. Megatron computes MTP logits only inside
+    its training loss (GPTModel._postprocess: each MTP layer's output through output_layer, then the
+    main output; forward() without labels fails with MTP layers), so both are taken from
+    output_layer's calls while forward() computes the loss on `tokens` as labels. Position i's MTP logits predict token i + 2 from the main hidden state at i and the
+    embedding of token i + 1 (the last position sees token 0: megatron's roll_tensor)."""
+    b, s = tokens.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
+    calls = []
+    # cloned: megatron's cross entropy then works in place on the logits it is given
+    hook = model.output_layer.register_forward_hook(lambda mod, args, out: calls.append(out[0].detach().clone()))
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(tokens, pos, mask, labels=tokens)
+    finally:
+        hook.remove()
+        model.train(training)
+    assert len(calls) == 1 + model.config.mtp_num_layers, len(calls)
+    # [seq, batch, vocab] -> [batch, seq, vocab]
+    return calls[-1].transpose(0, 1).float(), calls[0].transpose(0, 1).float()
+
+
+def hf_mtp_logits(hf_dir, tokens, dtype=torch.float32):
+    """The logits [batch, seq, vocab] of the checkpoint's first MTP layer model.layers.{L}.* as the
+    engines' NextN draft models compute it (SGLang deepseek_nextn.py / glm4_moe_nextn.py, HF
+    DeepSeek-V3's MTP module): lm_head(shared_head.norm(layer_L(eh_proj(cat(enorm(embed(next
+    tokens)), hnorm(h)))))), h the main model's last hidden state (after model.norm) and the next
+    tokens those of position i + 1 (0 at the last position, as in Megatron's training). The main
+    model and layer L are transformers' own modules: the checkpoint loaded by from_pretrained once
+    as it is (transformers leaves the MTP layer out) and once with num_hidden_layers L + 1, which
+    loads layer L as a decoder layer (its enorm / hnorm / eh_proj / shared_head tensors, which no
+    transformers module holds, are applied here by hand). Attention in layer L is causal over the
+    sequence, with the main model's rotary embedding of the positions 0..seq-1."""
+    import transformers
+    from safetensors.torch import load_file
+
+    hf_dir = pathlib.Path(hf_dir)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    L = cfg["num_hidden_layers"]
+    weights = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    kw = dict(dtype=dtype, attn_implementation="eager", experts_implementation="eager")
+    with tempfile.TemporaryDirectory() as d:
+        models = []
+        for layers in (L, L + 1):
+            sub = pathlib.Path(d) / str(layers)
+            sub.mkdir()
+            (sub / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=layers)))
+            for f in hf_dir.glob("*.safetensors"):
+                (sub / f.name).symlink_to(f.resolve())
+            models.append(transformers.AutoModelForCausalLM.from_pretrained(str(sub), **kw).eval())
+    main, extended = models
+    p = f"model.layers.{L}."
+    norm_cls = type(main.model.norm)
+
+    def rms(x, name):
+        n = norm_cls(cfg["hidden_size"], eps=cfg["rms_norm_eps"]).to(dtype)
+        n.weight.data.copy_(weights[name].to(dtype))
+        return n(x)
+
+    b, s = tokens.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    with torch.no_grad():
+        h = main.model(tokens, attention_mask=torch.ones_like(tokens)).last_hidden_state
+        nxt = torch.roll(tokens, -1, dims=-1)
+        nxt[:, -1] = 0
+        e = main.model.embed_tokens(nxt)
+        x = torch.cat([rms(e, p + "enorm.weight"), rms(h, p + "hnorm.weight")], dim=-1)
+        x = torch.nn.functional.linear(x, weights[p + "eh_proj.weight"].to(dtype))
+        causal = torch.full((s, s), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None].expand(b, 1, s, s)
+        layer = extended.model.layers[L]
+        x = layer(x, attention_mask=causal, position_ids=pos,
+                  position_embeddings=extended.model.rotary_emb(x, pos))
+        x = x[0] if isinstance(x, tuple) else x
+        return main.lm_head(rms(x, p + "shared_head.norm.weight"))
+
+
+def check_mtp(meg, hf_dir, tokens):
+    """check() for the MTP layer's logits (hf_mtp_logits against megatron_mtp_logits)."""
+    hf32 = hf_mtp_logits(hf_dir, tokens)
+    out = compare(meg, hf32)
+    noise = compare(hf32, hf_mtp_logits(hf_dir, tokens, torch.float64))
+    out.update(fp32_noise=noise["rel"], tolerance=TOLERANCE, ok=out["rel"] <= TOLERANCE)
+    return out
+
+
+def mtp_corruptions(config):
+    """{name: f(tensors)}: conversion errors in the MTP layer model.layers.{L}.* (MEGATRON_TO_HF.md
+    §5.7), each of which hf_mtp_logits must see."""
+    cfg = json.loads(pathlib.Path(config).read_text())
+    p = f"model.layers.{cfg['num_hidden_layers']}."
+    h = cfg["hidden_size"]
+
+    def eh_proj_halves_swapped(t):  # the hidden state's columns taken for the embedding's
+        w = t[p + "eh_proj.weight"]
+        t[p + "eh_proj.weight"] = torch.cat([w[:, h:], w[:, :h]], dim=1).contiguous()
+
+    def eh_proj_tp_rows_swapped(t):  # eh_proj's two TP row blocks concatenated in the wrong order
+        w = t[p + "eh_proj.weight"]
+        t[p + "eh_proj.weight"] = torch.cat([w[h // 2:], w[:h // 2]]).contiguous()
+
+    def head_norm_is_final_norm(t):  # final_layernorm of the MTP layer taken from the decoder's
+        t[p + "shared_head.norm.weight"] = t["model.norm.weight"].clone()
+    return {"eh_proj_halves_swapped": eh_proj_halves_swapped, "eh_proj_tp_rows_swapped": eh_proj_tp_rows_swapped,
+            "enorm_hnorm_swapped": lambda t: _swap(t, p + "enorm.weight", p + "hnorm.weight"),
+            "mtp_head_norm_is_final_norm": head_norm_is_final_norm,
+            "mtp_k_v_swapped": lambda t: _swap(t, p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight")}
+
+
 def hf_logits(hf_dir, tokens, dtype=torch.float32):
     """transformers' logits [batch, seq, vocab] of the checkpoint in hf_dir, loaded by
     AutoModelForCausalLM.from_pretrained with `dtype` (eager attention; MoE experts in transformers'

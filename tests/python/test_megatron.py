@@ -16,6 +16,10 @@
   (chunks of 0, 1, 1, 0 layers), converted by wsync-shard --to-hf:
   transformers' logits on the conversion equal megatron's, every corrupted copy of it fails that
   check, and the sharded layouts' conversions are the unsharded ones' bytes.
+- test_mtp_layer_keeps_megatrons_logits: GLM-4.5 with its MTP layer (megatron's MTP block, TP 1 and
+  TP 2): the converted model.layers.{L}.* run as SGLang's NextN draft runs it (transformers' layer
+  L and lm_head around enorm / hnorm / eh_proj / shared_head.norm) gives megatron's MTP logits, and
+  every corrupted copy of that layer fails.
 
 Runs in the megatron-core environment `tools/setup.sh --torch` makes ($WSYNC_MEGATRON_PYTHON, set by
 ctest)."""
@@ -168,11 +172,14 @@ FORWARD_MODELS = {"llama": ["--arch", "llama"], "llama-bias": ["--arch", "llama"
 # 4 layers, for the pipeline splits the tiny preset's 2 cannot make (only these layouts use them)
 FORWARD_MODELS_4L = {"qwen3-4l": ["--arch", "qwen3", "--layers", "4"],
                      "qwen3-moe-4l": ["--arch", "qwen3-moe", "--layers", "4"]}
+# GLM-4.5 with its MTP layer (megatron's mtp_num_layers 1; PP 1: megatron_logits.megatron_mtp_logits)
+MTP_MODELS = {"glm4-moe-mtp": ["--arch", "glm4-moe", "--mtp", "1"]}
+MTP_CASES = [f"{m}:{layout}" for layout in ("tp1", "tp2") for m in MTP_MODELS]
 FORWARD_CASES = ([f"{m}:{layout}" for layout in ("tp1", "tp2", "pp2") for m in FORWARD_MODELS]
                  + ["qwen3-moe:ep2", "qwen3-moe:tp2ep2", "glm4-moe:ep2"]
                  # virtual pipeline stages and uneven stages (megatron_forward.py's LAYOUTS)
                  + [f"{m}:{layout}" for layout in ("pp2vpp2", "pp2acct", "pp2uneven") for m in FORWARD_MODELS_4L]
-                 + ["qwen3:pp2vpp2acct", "qwen3-moe:pp2vpp2acct"])
+                 + ["qwen3:pp2vpp2acct", "qwen3-moe:pp2vpp2acct"] + MTP_CASES)
 UNBUILT_CASE = "deepseek-v3:tp1"
 
 
@@ -182,7 +189,8 @@ def forward_results(tmp_path_factory):
     if not MEGATRON_PYTHON:
         pytest.skip("no megatron-core environment ($WSYNC_MEGATRON_PYTHON)")
     d = tmp_path_factory.mktemp("forward")
-    for name, flags in {**FORWARD_MODELS, **FORWARD_MODELS_4L, "deepseek-v3": ["--arch", "deepseek-v3"]}.items():
+    for name, flags in {**FORWARD_MODELS, **FORWARD_MODELS_4L, **MTP_MODELS,
+                        "deepseek-v3": ["--arch", "deepseek-v3"]}.items():
         # the configs (their random weights are not used)
         subprocess.run([BIN / "wsync-model-gen", *flags, "--preset", "tiny", "--out", d / "configs" / name],
                        check=True, capture_output=True)
@@ -232,7 +240,24 @@ def test_corrupted_conversion_fails(forward_results, case):
         assert rel > 100 * TOLERANCE, (name, rel)
 
 
-@pytest.mark.parametrize("case, same_as", [(f"{m}:tp2", f"{m}:tp1") for m in FORWARD_MODELS]
+@pytest.mark.parametrize("case", MTP_CASES)
+def test_mtp_layer_keeps_megatrons_logits(forward_results, case):
+    # the MTP layer (mtp.layers.0.*, synced as model.layers.{L}.*) run as the engines' NextN draft
+    # models run it (megatron_logits.hf_mtp_logits: transformers' decoder layer L and lm_head, the
+    # enorm / hnorm / eh_proj / shared_head.norm around it) computes megatron's own MTP logits;
+    # every corrupted copy of that layer (eh_proj's halves or TP row blocks exchanged, enorm and
+    # hnorm exchanged, the decoder's final norm for the MTP head's, K and V exchanged) fails
+    r = forward_results[case]
+    assert r["parallel"]["mtp_num_layers"] == 1, r["parallel"]
+    m = r["mtp"]
+    assert m["scale"] > 0.1 and m["fp32_noise"] < TOLERANCE, m
+    assert m["rel"] <= TOLERANCE and m["ok"], m
+    assert len(m["corrupted"]) == 5, m
+    for name, rel in m["corrupted"].items():
+        assert rel > 100 * TOLERANCE, (name, rel)
+
+
+@pytest.mark.parametrize("case, same_as", [(f"{m}:tp2", f"{m}:tp1") for m in {**FORWARD_MODELS, **MTP_MODELS}]
                          + [("qwen3-moe:tp2ep2", "qwen3-moe:ep2")])
 def test_sharded_conversion_is_bit_exact(forward_results, case, same_as):
     # megatron's CPU initialisation draws every weight whole and keeps the rank's TP part (the

@@ -62,7 +62,8 @@ absl::Status ReassembleModel(const ModelConfig& model, const ParallelLayout& lay
 absl::StatusOr<VerifyReport> VerifyAgainstHf(const ModelConfig& model, const ParallelLayout& layout,
                                              const SourceParallel& parallel, const RankTensorLookup& lookup,
                                              const model::HfCheckpoint& hf) {
-  ASSIGN_OR_RETURN(std::vector<model::HfTensorSpec> specs, trainer_agent::HfTensorSpecs(model));
+  ASSIGN_OR_RETURN(std::vector<model::HfTensorSpec> specs,
+                   trainer_agent::HfTensorSpecs(model, parallel.mtp_num_layers));
   std::map<std::string, const model::HfTensorSpec*> expected;
   for (const model::HfTensorSpec& s : specs) expected.emplace(s.name, &s);
   std::set<std::string> emitted;

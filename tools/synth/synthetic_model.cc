@@ -170,8 +170,12 @@ absl::StatusOr<std::string> SyntheticConfigJson(const SyntheticModelOptions& o) 
     j["topk_group"] = 1;
     j["routed_scaling_factor"] = 2.5;
     j["norm_topk_prob"] = true;
-    j["num_nextn_predict_layers"] = 0;
+    j["num_nextn_predict_layers"] = o.mtp_layers;
   };
+  if (o.mtp_layers < 0 || (o.mtp_layers > 0 && o.arch != Architecture::kDeepseekV3 && o.arch != Architecture::kGlm4Moe))
+    return absl::InvalidArgumentError(absl::StrCat("mtp_layers=", o.mtp_layers, ": MTP layers are a DeepSeek-V3 / ",
+                                                   "GLM-4.5 option (num_nextn_predict_layers), not ",
+                                                   ArchitectureName(o.arch)));
   if (o.arch == Architecture::kDeepseekV3) {
     j["num_key_value_heads"] = o.heads;
     j["rope_theta"] = 10000.0;
@@ -223,7 +227,8 @@ absl::StatusOr<std::string> SyntheticConfigJson(const SyntheticModelOptions& o) 
 }
 
 absl::StatusOr<model::HfCheckpoint> GenerateSyntheticWeights(const ModelConfig& model, uint64_t seed, int threads) {
-  ASSIGN_OR_RETURN(std::vector<model::HfTensorSpec> specs, trainer_agent::HfTensorSpecs(model));
+  ASSIGN_OR_RETURN(std::vector<model::HfTensorSpec> specs,
+                   trainer_agent::HfTensorSpecs(model, model.num_nextn_predict_layers));
   model::HfCheckpoint ckpt;
   std::vector<Job> jobs;
   std::vector<std::pair<size_t, int64_t>> work;  // (job, chunk)

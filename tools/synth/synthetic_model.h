@@ -47,6 +47,7 @@ struct SyntheticModelOptions {
   bool tie = false;
   // Llama with attention_bias and mlp_bias: every linear biased (megatron-core's --add-bias-linear).
   bool linear_bias = false;
+  int64_t mtp_layers = 0;  // DeepSeek-V3 / GLM-4.5: num_nextn_predict_layers (MTP layers, weights included)
   // DeepSeek-V3 (MLA + shared experts + dense first layers).
   int64_t q_lora_rank = 128;  // 0: no q compression (q_lora_rank null)
   int64_t kv_lora_rank = 128;
@@ -69,7 +70,8 @@ absl::StatusOr<SyntheticModelOptions> PresetOptions(absl::string_view preset, Ar
 // The HF config.json text of the options (validated by ParseModelConfig before it is returned).
 absl::StatusOr<std::string> SyntheticConfigJson(const SyntheticModelOptions& options);
 
-// Random weights for every HF tensor of `model`. threads: 0 = hardware concurrency.
+// Random weights for every HF tensor of `model`, its num_nextn_predict_layers MTP layers included.
+// threads: 0 = hardware concurrency.
 absl::StatusOr<model::HfCheckpoint> GenerateSyntheticWeights(const ModelConfig& model, uint64_t seed, int threads = 0);
 
 struct SyntheticModel {

@@ -63,6 +63,8 @@ int Run(int argc, char** argv) {
       {"--v-head", &tools::SyntheticModelOptions::v_head_dim, "DeepSeek v_head_dim"},
       {"--shared-experts", &tools::SyntheticModelOptions::shared_experts, "DeepSeek n_shared_experts"},
       {"--first-k-dense", &tools::SyntheticModelOptions::first_k_dense, "DeepSeek first_k_dense_replace"},
+      {"--mtp", &tools::SyntheticModelOptions::mtp_layers,
+       "DeepSeek-V3 / GLM-4.5 num_nextn_predict_layers: MTP layers model.layers.{L+k}.*, weights included"},
   };
   for (Size& s : sizes) s.opt = app.add_option(s.flag, s.value, s.help);
   bool tie = false;

@@ -4,11 +4,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <set>
 #include <string>
 #include <tuple>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "tools/synth/reassemble.h"
@@ -36,6 +38,7 @@ struct ModelCase {
   bool q_lora = true;           // DeepSeek-V3
   bool mlp_only_layer = false;  // Qwen3-MoE with layer 1 dense (mlp_only_layers: [1])
   bool linear_bias = false;     // Llama with attention_bias + mlp_bias (megatron's --add-bias-linear)
+  int64_t mtp = 0;              // MTP layers trained and synced (num_nextn_predict_layers = mtp_num_layers)
 };
 
 const ModelCase kModels[] = {
@@ -51,6 +54,8 @@ const ModelCase kModels[] = {
     {"deepseek_v3", Architecture::kDeepseekV3},
     {"deepseek_v3_no_q_lora", Architecture::kDeepseekV3, false, false},
     {"glm4_moe", Architecture::kGlm4Moe},
+    {"deepseek_v3_mtp", Architecture::kDeepseekV3, false, true, false, false, 1},
+    {"glm4_moe_mtp", Architecture::kGlm4Moe, false, true, false, false, 1},
 };
 
 struct LayoutCase {
@@ -87,6 +92,7 @@ absl::StatusOr<tools::SyntheticModel> MakeModel(const ModelCase& mc, uint64_t se
   tools::SyntheticModelOptions o = tools::testing::SmallOptions(mc.arch);
   o.tie = mc.tie;
   o.linear_bias = mc.linear_bias;
+  o.mtp_layers = mc.mtp;
   if (!mc.q_lora) o.q_lora_rank = 0;
   if (!mc.mlp_only_layer) return tools::testing::SmallModel(o, seed);
   ASSIGN_OR_RETURN(std::string json, tools::SyntheticConfigJson(o));
@@ -100,7 +106,8 @@ absl::StatusOr<tools::SyntheticModel> MakeModel(const ModelCase& mc, uint64_t se
   return m;
 }
 
-SourceParallel ParallelFor(const LayoutCase& lc, Architecture arch) {
+SourceParallel ParallelFor(const LayoutCase& lc, const ModelCase& mc) {
+  const Architecture arch = mc.arch;
   // Dense models have no EP: keep the TP / PP / DP / CP part of the layout.
   SourceParallel p = IsMoe(arch)
                          ? tools::testing::Parallel(lc.tp, lc.pp, lc.ep, lc.etp, lc.dp, lc.layers_per_stage, lc.cp)
@@ -108,6 +115,7 @@ SourceParallel ParallelFor(const LayoutCase& lc, Architecture arch) {
   p.vpp = lc.vpp;
   p.layers_per_chunk = lc.layers_per_chunk;
   p.account_for_embedding_in_pipeline_split = p.account_for_loss_in_pipeline_split = lc.account_for_embedding_and_loss;
+  p.mtp_num_layers = mc.mtp;
   return p;
 }
 
@@ -120,12 +128,12 @@ TEST_P(RoundTripTest, GatheredTensorsEqualTheHfCheckpointBitForBit) {
   SCOPED_TRACE(absl::StrCat(mc.name, " / ", lc.name, " / seed ", seed));
   auto model = MakeModel(mc, seed);
   ASSERT_TRUE(model.ok()) << model.status();
-  auto world = tools::testing::BuildWorld(*model, ParallelFor(lc, mc.arch));
+  auto world = tools::testing::BuildWorld(*model, ParallelFor(lc, mc));
   ASSERT_TRUE(world.ok()) << world.status();
 
   auto report = tools::VerifyAgainstHf(model->config, world->layout, world->parallel, world->Lookup(), model->weights);
   ASSERT_TRUE(report.ok()) << report.status();
-  auto specs = HfTensorSpecs(model->config);
+  auto specs = HfTensorSpecs(model->config, mc.mtp);
   ASSERT_TRUE(specs.ok());
   EXPECT_EQ(report->hf_tensors, static_cast<int64_t>(specs->size()));
   EXPECT_EQ(report->hf_bytes, model->weights.TotalBytes());
@@ -289,6 +297,78 @@ TEST(PlanRank, DeepseekOrderShapesAndDtypes) {
   EXPECT_EQ(fc1.local_shape, (Shape{32, 64}));
   const MegatronParam& emb = find("embedding.word_embeddings.weight");
   EXPECT_EQ(emb.local_shape, (Shape{512, 64}));  // ceil(1000 / 256) * 256 / 2
+}
+
+// MTP (MEGATRON_TO_HF.md §5.7): GPTModel registers embedding, decoder, mtp, output_layer, and each
+// MultiTokenPredictionLayer enorm, hnorm, eh_proj, transformer_layer, final_layernorm; with PP > 1
+// the MTP stage holds its own embedding copy, first, never sent.
+TEST(PlanRank, MtpLayerSitsBetweenTheFinalNormAndTheOutputLayer) {
+  tools::SyntheticModelOptions o = tools::testing::SmallOptions(Architecture::kDeepseekV3);
+  o.layers = 2, o.mtp_layers = 1;
+  auto json = tools::SyntheticConfigJson(o);
+  ASSERT_TRUE(json.ok()) << json.status();
+  auto cfg = ParseModelConfig(*json, "t");
+  ASSERT_TRUE(cfg.ok());
+  SourceParallel sp = tools::testing::Parallel(2, 2, 1, 2, 1);
+  sp.mtp_num_layers = 1;
+  auto par = ResolveSourceParallel(*cfg, sp);
+  ASSERT_TRUE(par.ok()) << par.status();
+  auto layout = MakeLayout(*cfg, *par);
+  ASSERT_TRUE(layout.ok());
+  auto first = PlanRank(*cfg, *layout, *par, 1);  // TP rank 1 of stage 0
+  ASSERT_TRUE(first.ok()) << first.status();
+  for (const auto& p : *first) EXPECT_FALSE(absl::StartsWith(p.local_name, "mtp.")) << p.local_name;
+  auto last = PlanRank(*cfg, *layout, *par, 3);  // TP rank 1 of stage 1
+  ASSERT_TRUE(last.ok()) << last.status();
+  const std::vector<std::string> names = LocalNames(*last);
+  ASSERT_EQ(names.front(), "embedding.word_embeddings.weight");
+  EXPECT_FALSE(last->front().sent);
+  EXPECT_EQ(last->front().local_shape, (Shape{512, 64}));
+  const auto at = [&](absl::string_view name) -> const MegatronParam& {
+    for (const auto& p : *last)
+      if (p.local_name == name) return p;
+    ADD_FAILURE() << "no " << name;
+    return last->front();
+  };
+  const auto index = [&](absl::string_view name) {
+    return std::find(names.begin(), names.end(), name) - names.begin();
+  };
+  const std::vector<std::string> order = {"decoder.final_layernorm.weight",
+                                          "mtp.layers.0.enorm.weight",
+                                          "mtp.layers.0.hnorm.weight",
+                                          "mtp.layers.0.eh_proj.weight",
+                                          "mtp.layers.0.transformer_layer.input_layernorm.weight",
+                                          "mtp.layers.0.transformer_layer.mlp.router.expert_bias",
+                                          "mtp.layers.0.transformer_layer.mlp.shared_experts.linear_fc2.weight",
+                                          "mtp.layers.0.final_layernorm.weight",
+                                          "output_layer.weight"};
+  for (size_t i = 0; i + 1 < order.size(); ++i) EXPECT_LT(index(order[i]), index(order[i + 1])) << order[i];
+  EXPECT_EQ(names.back(), "output_layer.weight");
+  const MegatronParam& eh = at("mtp.layers.0.eh_proj.weight");
+  EXPECT_EQ(eh.kind, ShardKind::kTpDim0);
+  EXPECT_EQ(eh.local_shape, (Shape{32, 128}));  // [H / TP, 2H]
+  EXPECT_THAT(eh.hf_names, ::testing::ElementsAre("model.layers.2.eh_proj.weight"));
+  EXPECT_EQ(eh.global_layer, 2);
+  EXPECT_THAT(at("mtp.layers.0.final_layernorm.weight").hf_names,
+              ::testing::ElementsAre("model.layers.2.shared_head.norm.weight"));
+  EXPECT_THAT(at("mtp.layers.0.enorm.weight").hf_names, ::testing::ElementsAre("model.layers.2.enorm.weight"));
+  const MegatronParam& kv = at("mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj.weight");
+  EXPECT_THAT(kv.hf_names, ::testing::ElementsAre("model.layers.2.self_attn.kv_b_proj.weight"));
+  const MegatronParam& ex = at("mtp.layers.0.transformer_layer.mlp.experts.linear_fc2.weight7");
+  EXPECT_TRUE(ex.is_expert);
+  EXPECT_THAT(ex.hf_names, ::testing::ElementsAre("model.layers.2.mlp.experts.7.down_proj.weight"));
+
+  // mtp_num_layers must be the HF config's num_nextn_predict_layers
+  sp.mtp_num_layers = 2;
+  auto two = ResolveSourceParallel(*cfg, sp);
+  EXPECT_EQ(two.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(two.status().message(), HasSubstr("mtp_num_layers=2 but the HF config (DeepseekV3ForCausalLM) has "
+                                                "num_nextn_predict_layers=1"));
+  auto parsed = ParseSourceParallel(R"({"mtp_num_layers": -1})", "p.json");
+  EXPECT_THAT(parsed.status().message(), HasSubstr("\"mtp_num_layers\" must be >= 0, got -1"));
+  auto round = ParseSourceParallel(SourceParallelToJson(*par), "p.json");
+  ASSERT_TRUE(round.ok()) << round.status();
+  EXPECT_EQ(round->mtp_num_layers, 1);
 }
 
 TEST(PlanRank, DeepseekWithoutQLoraUsesLinearQProj) {

@@ -10,6 +10,12 @@ namespace wsync::trainer_agent {
 
 absl::Status PruneExperts(const ModelConfig& model, const model::ExpertMap& map, std::vector<MegatronParam>& plan) {
   RETURN_IF_ERROR(model::CheckExpertMapFits(map, model));
+  for (const MegatronParam& p : plan)  // checked before anything changes
+    if (p.global_layer >= model.num_hidden_layers)
+      return absl::UnimplementedError(
+          absl::StrCat(p.global_name,
+                       ": expert pruning with MTP layers synced (mtp_num_layers) is not supported: "
+                       "the pruned checkpoint declares no MTP layer (num_nextn_predict_layers 0)"));
   for (MegatronParam& p : plan) {
     if (p.global_layer < 0) continue;
     auto kept = map.layers.find(p.global_layer);

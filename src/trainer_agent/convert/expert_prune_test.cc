@@ -121,5 +121,23 @@ TEST(ExpertPrune, RefusesAMapThatDoesNotFitTheModel) {
   for (size_t i = 0; i < plan->size(); ++i) EXPECT_EQ((*plan)[i].hf_names, before[i].hf_names);
 }
 
+// A pruned checkpoint declares no MTP layer (PrunedConfigJson), so a plan with one is refused whole.
+TEST(ExpertPrune, RefusesAPlanWithMtpLayers) {
+  tools::SyntheticModelOptions o = tools::testing::SmallOptions(Architecture::kDeepseekV3);
+  o.mtp_layers = 1;
+  auto m = tools::testing::SmallModel(o, kSeed);
+  ASSERT_TRUE(m.ok()) << m.status();
+  auto plan = PlanFullModel(m->config, 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const std::vector<MegatronParam> before = *plan;
+  absl::Status s = PruneExperts(m->config, ScrambledMap(m->config), *plan);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(s.message(), HasSubstr("mtp.layers.0.enorm.weight: expert pruning with MTP layers synced"));
+  for (size_t i = 0; i < plan->size(); ++i) {
+    EXPECT_EQ((*plan)[i].hf_names, before[i].hf_names);
+    EXPECT_FALSE((*plan)[i].pruned);
+  }
+}
+
 }  // namespace
 }  // namespace wsync::trainer_agent

@@ -208,8 +208,8 @@ absl::StatusOr<Tensor> HfToMegatronFull(const ModelConfig& model, const Megatron
   return full;
 }
 
-absl::StatusOr<std::vector<model::HfTensorSpec>> HfTensorSpecs(const ModelConfig& model) {
-  ASSIGN_OR_RETURN(std::vector<MegatronParam> plan, PlanFullModel(model));
+absl::StatusOr<std::vector<model::HfTensorSpec>> HfTensorSpecs(const ModelConfig& model, int64_t mtp_num_layers) {
+  ASSIGN_OR_RETURN(std::vector<MegatronParam> plan, PlanFullModel(model, mtp_num_layers));
   std::vector<model::HfTensorSpec> out;
   for (const MegatronParam& p : plan) {
     if (!p.sent) continue;

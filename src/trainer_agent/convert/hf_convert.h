@@ -62,7 +62,8 @@ absl::StatusOr<Tensor> HfToMegatronFull(const ModelConfig& model, const Megatron
 // bf16 / fp16 -> fp32, exact (kInvalidArgument for other dtypes).
 absl::StatusOr<Tensor> WidenToF32(const TensorView& v);
 
-// Every HF tensor of the model in plan order (PlanFullModel). MTP layers are not included.
-absl::StatusOr<std::vector<model::HfTensorSpec>> HfTensorSpecs(const ModelConfig& model);
+// Every HF tensor of the model in plan order (PlanFullModel), the first `mtp_num_layers` MTP layers
+// (model.layers.{L+k}.*, MEGATRON_TO_HF.md §5.7) included.
+absl::StatusOr<std::vector<model::HfTensorSpec>> HfTensorSpecs(const ModelConfig& model, int64_t mtp_num_layers = 0);
 
 }  // namespace wsync::trainer_agent

@@ -49,7 +49,8 @@ Dims DimsOf(const ModelConfig& m, int64_t vocab_padded) {
   return d;
 }
 
-enum class Block : uint8_t { kFirstStage, kGqa, kMla, kDenseMlp, kMoeMlp, kLastStage };
+// kMtp: an MTP layer's own parameters before its transformer layer, kMtpNorm after it (§5.7).
+enum class Block : uint8_t { kFirstStage, kGqa, kMla, kDenseMlp, kMoeMlp, kLastStage, kMtp, kMtpNorm, kOutput };
 
 // When a row exists (besides its block being used).
 enum class When : uint8_t {
@@ -67,7 +68,9 @@ enum class When : uint8_t {
 using ShapeFn = Shape (*)(const Dims&);
 
 // One Megatron parameter. Layer rows name parameters relative to "decoder.layers.{i}." and HF
-// tensors relative to "model.layers.{i}."; "{e}" in an HF name is the global expert id.
+// tensors relative to "model.layers.{i}." (in an MTP layer k: "mtp.layers.{k}.transformer_layer."
+// and "model.layers.{L+k}."; kMtp / kMtpNorm rows: "mtp.layers.{k}."); "{e}" in an HF name is the
+// global expert id.
 struct Row {
   Block block;
   const char* megatron;
@@ -159,10 +162,20 @@ const Row kRows[] = {
    {"mlp.shared_experts.down_proj.weight"}, [](const Dims& d) { return Shape{d.h, d.shared_ffn}; },
    When::kSharedExperts},
 
-  // --- last stage -------------------------------------------------------------------------------
+  // --- last stage: the final norm, the MTP layers (§5.7), the output layer -----------------------
   {Block::kLastStage, "decoder.final_layernorm.weight", ShardKind::kReplicated, HfOp::kCopy,
    {"model.norm.weight"}, [](const Dims& d) { return Shape{d.h}; }},
-  {Block::kLastStage, "output_layer.weight", ShardKind::kVocab, HfOp::kVocab,
+  {Block::kMtp, "enorm.weight", ShardKind::kReplicated, HfOp::kCopy,
+   {"enorm.weight"}, [](const Dims& d) { return Shape{d.h}; }},
+  {Block::kMtp, "hnorm.weight", ShardKind::kReplicated, HfOp::kCopy,
+   {"hnorm.weight"}, [](const Dims& d) { return Shape{d.h}; }},
+  // ColumnParallelLinear(2H -> H, no bias): its input columns are [embedding | hidden state] in
+  // Megatron and in SGLang's NextN models alike, so the gathered rows are copied as they are
+  {Block::kMtp, "eh_proj.weight", ShardKind::kTpDim0, HfOp::kCopy,
+   {"eh_proj.weight"}, [](const Dims& d) { return Shape{d.h, 2 * d.h}; }},
+  {Block::kMtpNorm, "final_layernorm.weight", ShardKind::kReplicated, HfOp::kCopy,
+   {"shared_head.norm.weight"}, [](const Dims& d) { return Shape{d.h}; }},
+  {Block::kOutput, "output_layer.weight", ShardKind::kVocab, HfOp::kVocab,
    {"lm_head.weight"}, [](const Dims& d) { return Shape{d.vocab_padded, d.h}; }, When::kOutputLayer},
 };
 // clang-format on
@@ -193,10 +206,19 @@ bool RowApplies(const Row& r, const PlanContext& c) {
   return false;
 }
 
-bool IsLayerBlock(Block b) { return b != Block::kFirstStage && b != Block::kLastStage; }
+// Where a block's rows go: the Megatron name prefixes (local and global layer numbers) and the HF
+// one, and the layer numbers (-1 outside layers; an MTP layer k: global L + k, local -1).
+struct Place {
+  std::string local, global, hf;
+  int64_t local_layer = -1, global_layer = -1;
+};
 
-void AppendRow(const Row& r, const PlanContext& c, int64_t local_layer, int64_t global_layer,
-               std::vector<MegatronParam>* out) {
+Place DecoderLayer(int64_t local_layer, int64_t global_layer) {
+  return {absl::StrCat("decoder.layers.", local_layer, "."), absl::StrCat("decoder.layers.", global_layer, "."),
+          absl::StrCat("model.layers.", global_layer, "."), local_layer, global_layer};
+}
+
+void AppendRow(const Row& r, const PlanContext& c, const Place& at, std::vector<MegatronParam>* out) {
   const ModelConfig& m = *c.model;
   const int64_t n = r.per_expert ? c.local_experts : 1;
   for (int64_t l = 0; l < n; ++l) {
@@ -244,24 +266,17 @@ void AppendRow(const Row& r, const PlanContext& c, int64_t local_layer, int64_t 
       suffix = absl::StrCat(r.megatron, l);
       global_suffix = absl::StrCat(r.megatron, p.global_expert);
     }
-    std::string hf_prefix;
-    if (IsLayerBlock(r.block)) {
-      p.local_layer = local_layer;
-      p.global_layer = global_layer;
-      p.local_name = absl::StrCat("decoder.layers.", local_layer, ".", suffix);
-      p.global_name = absl::StrCat("decoder.layers.", global_layer, ".", global_suffix);
-      hf_prefix = absl::StrCat("model.layers.", global_layer, ".");
-    } else {
-      p.local_name = suffix;
-      p.global_name = global_suffix;
-    }
+    p.local_layer = at.local_layer;
+    p.global_layer = at.global_layer;
+    p.local_name = absl::StrCat(at.local, suffix);
+    p.global_name = absl::StrCat(at.global, global_suffix);
     for (const char* hf : r.hf) {
       if (hf == nullptr) break;
-      std::string name = absl::StrCat(hf_prefix, hf);
+      std::string name = absl::StrCat(at.hf, hf);
       if (r.per_expert) name = absl::StrReplaceAll(name, {{"{e}", absl::StrCat(p.global_expert)}});
       p.hf_names.push_back(std::move(name));
     }
-    if (r.block == Block::kLastStage && r.op == HfOp::kVocab && m.tie_word_embeddings) {
+    if (r.block == Block::kOutput && m.tie_word_embeddings) {
       p.sent = false;  // the tied copy: built from, and equal to, the embedding
       p.hf_names = {"model.embed_tokens.weight"};
     }
@@ -269,10 +284,29 @@ void AppendRow(const Row& r, const PlanContext& c, int64_t local_layer, int64_t 
   }
 }
 
-void AppendBlock(Block b, const PlanContext& c, int64_t local_layer, int64_t global_layer,
-                 std::vector<MegatronParam>* out) {
+void AppendBlock(Block b, const PlanContext& c, const Place& at, std::vector<MegatronParam>* out) {
   for (const Row& r : kRows)
-    if (r.block == b && RowApplies(r, c)) AppendRow(r, c, local_layer, global_layer, out);
+    if (r.block == b && RowApplies(r, c)) AppendRow(r, c, at, out);
+}
+
+// A decoder layer's attention and MLP blocks (global layer g decides dense or MoE).
+void AppendLayer(const PlanContext& c, const Place& at, int64_t g, std::vector<MegatronParam>* out) {
+  const ModelConfig& m = *c.model;
+  AppendBlock(m.mla ? Block::kMla : Block::kGqa, c, at, out);
+  AppendBlock(m.IsMoeLayer(g) ? Block::kMoeMlp : Block::kDenseMlp, c, at, out);
+}
+
+// MTP layer k as MultiTokenPredictionLayer registers it (enorm, hnorm, eh_proj, transformer_layer,
+// final_layernorm). Its transformer layer is built from the last decoder layer's spec
+// (MultiTokenPredictionBlock: layer_specs[-1]), so it is dense or MoE as layer L-1 is.
+void AppendMtpLayer(const PlanContext& c, int64_t k, std::vector<MegatronParam>* out) {
+  const int64_t L = c.model->num_hidden_layers;
+  const std::string mtp = absl::StrCat("mtp.layers.", k, ".");
+  const std::string hf = absl::StrCat("model.layers.", L + k, ".");
+  AppendBlock(Block::kMtp, c, Place{mtp, mtp, hf, -1, L + k}, out);
+  const std::string layer = mtp + "transformer_layer.";
+  AppendLayer(c, Place{layer, layer, hf, -1, L + k}, L - 1, out);
+  AppendBlock(Block::kMtpNorm, c, Place{mtp, mtp, hf, -1, L + k}, out);
 }
 
 absl::Status NotDivisible(absl::string_view what, int64_t value, absl::string_view size_name, int64_t size) {
@@ -378,19 +412,26 @@ absl::StatusOr<std::vector<MegatronParam>> PlanRank(const ModelConfig& model, co
   // The rank's model chunks in order (virtual stages; one without VPP), each named as Megatron's
   // model[vp].named_parameters() gives it, under "model{vp}." when there are several (§4.1).
   std::vector<MegatronParam> plan;
-  const Block attention = model.mla ? Block::kMla : Block::kGqa;
   const int last_chunk = par.pp * par.vpp - 1;
   for (int vp = 0; vp < par.vpp; ++vp) {
     const int chunk = par.Chunk(dense.pp, vp);
     const size_t begin = plan.size();
-    if (chunk == 0) AppendBlock(Block::kFirstStage, c, -1, -1, &plan);
-    const int64_t first = par.ChunkFirstLayer(chunk);
-    for (int64_t l = 0; l < par.layers_per_chunk[static_cast<size_t>(chunk)]; ++l) {
-      const int64_t g = first + l;
-      AppendBlock(attention, c, l, g, &plan);
-      AppendBlock(model.IsMoeLayer(g) ? Block::kMoeMlp : Block::kDenseMlp, c, l, g, &plan);
+    if (chunk == 0) {
+      AppendBlock(Block::kFirstStage, c, Place{}, &plan);
+    } else if (chunk == last_chunk && par.mtp_num_layers > 0) {
+      // GPTModel builds an embedding on the MTP stage too (pre_process or mtp_process), kept equal
+      // to the first stage's: held, never sent (§5.7)
+      AppendBlock(Block::kFirstStage, c, Place{}, &plan);
+      plan.back().sent = false;
     }
-    if (chunk == last_chunk) AppendBlock(Block::kLastStage, c, -1, -1, &plan);
+    const int64_t first = par.ChunkFirstLayer(chunk);
+    for (int64_t l = 0; l < par.layers_per_chunk[static_cast<size_t>(chunk)]; ++l)
+      AppendLayer(c, DecoderLayer(l, first + l), first + l, &plan);
+    if (chunk == last_chunk) {
+      AppendBlock(Block::kLastStage, c, Place{}, &plan);
+      for (int64_t k = 0; k < par.mtp_num_layers; ++k) AppendMtpLayer(c, k, &plan);
+      AppendBlock(Block::kOutput, c, Place{}, &plan);
+    }
     if (par.vpp > 1)
       for (size_t i = begin; i < plan.size(); ++i)
         plan[i].local_name = absl::StrCat("model", vp, ".", plan[i].local_name);
@@ -398,8 +439,9 @@ absl::StatusOr<std::vector<MegatronParam>> PlanRank(const ModelConfig& model, co
   return plan;
 }
 
-absl::StatusOr<std::vector<MegatronParam>> PlanFullModel(const ModelConfig& model) {
+absl::StatusOr<std::vector<MegatronParam>> PlanFullModel(const ModelConfig& model, int64_t mtp_num_layers) {
   SourceParallel par;
+  par.mtp_num_layers = mtp_num_layers;
   par.padded_vocab_size = model.vocab_size;  // unsharded: no padding
   par.layers_per_stage = {model.num_hidden_layers};
   par.layers_per_chunk = par.layers_per_stage;

@@ -18,7 +18,13 @@
 //                 MoE: pre_mlp_layernorm.weight, mlp.router.{weight, expert_bias},
 //                      mlp.experts.linear_fc1.weight{0..n-1}, mlp.experts.linear_fc2.weight{0..n-1},
 //                      mlp.shared_experts.linear_fc1.weight, mlp.shared_experts.linear_fc2.weight
-//   last stage:   decoder.final_layernorm.weight, output_layer.weight
+//   last stage:   decoder.final_layernorm.weight,
+//                 per MTP layer k (parallel.json mtp_num_layers): mtp.layers.{k}.{enorm, hnorm,
+//                 eh_proj}.weight, mtp.layers.{k}.transformer_layer. + a layer's names as above (the
+//                 last decoder layer's kind), mtp.layers.{k}.final_layernorm.weight,
+//                 output_layer.weight
+//                 (with MTP and PP > 1 the last stage also holds embedding.word_embeddings.weight,
+//                 first: GPTModel's copy for the MTP layers, never sent)
 // Names carry no wrapper prefix; layer indices are local to the model chunk and expert indices
 // local to the EP rank (local_name), or global (global_name). With virtual pipeline stages
 // (vpp > 1) a rank holds its chunks in order, each as above (the embedding in chunk 0 of the
@@ -94,10 +100,10 @@ struct MegatronParam {
   std::vector<int64_t> kept_rows;
 };
 
-// Refuses models wsync cannot convert, naming the field: MTP layers are ignored (not an
-// error). kUnimplemented: an o_proj bias without MLP biases (Qwen3 with attention_bias, Llama with
-// attention_bias but not mlp_bias) or MLP biases without it: megatron-core's --add-bias-linear
-// gives linear_qkv, linear_proj, linear_fc1 and linear_fc2 a bias together (Llama with both is
+// Refuses models wsync cannot convert, naming the field (MTP layers are synced only when
+// parallel.json says the run trains them: mtp_num_layers). kUnimplemented: an o_proj bias without MLP biases (Qwen3
+// with attention_bias, Llama with attention_bias but not mlp_bias) or MLP biases without it: megatron-core's
+// --add-bias-linear gives linear_qkv, linear_proj, linear_fc1 and linear_fc2 a bias together (Llama with both is
 // converted); a tied Qwen3-MoE or GLM-4.5 (SGLang never fills its lm_head).
 absl::Status CheckModelSupported(const ModelConfig& model);
 
@@ -111,8 +117,9 @@ absl::Status CheckModelFitsLayout(const ModelConfig& model, const SourceParallel
 absl::StatusOr<std::vector<MegatronParam>> PlanRank(const ModelConfig& model, const ParallelLayout& layout,
                                                     const SourceParallel& parallel, int global_rank);
 
-// Every parameter of the whole model, unsharded (TP = PP = EP = 1): global names, full shapes.
-absl::StatusOr<std::vector<MegatronParam>> PlanFullModel(const ModelConfig& model);
+// Every parameter of the whole model, unsharded (TP = PP = EP = 1): global names, full shapes;
+// with its first `mtp_num_layers` MTP layers.
+absl::StatusOr<std::vector<MegatronParam>> PlanFullModel(const ModelConfig& model, int64_t mtp_num_layers = 0);
 
 // Matches a rank's tensors (name -> view, any order) against its plan and returns the views in
 // plan order. Every problem is kInvalidArgument naming `source` and the parameter: missing

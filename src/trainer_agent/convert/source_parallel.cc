@@ -177,7 +177,8 @@ absl::StatusOr<SourceParallel> ParseSourceParallel(absl::string_view json_text, 
                                            "num_layers_in_first_pipeline_stage",
                                            "num_layers_in_last_pipeline_stage",
                                            "account_for_embedding_in_pipeline_split",
-                                           "account_for_loss_in_pipeline_split"};
+                                           "account_for_loss_in_pipeline_split",
+                                           "mtp_num_layers"};
   for (const auto& [key, value] : j.items()) {
     bool known = false;
     for (const char* k : kKnown) known = known || key == k;
@@ -243,6 +244,9 @@ absl::StatusOr<SourceParallel> ParseSourceParallel(absl::string_view json_text, 
       return Bad(source, absl::StrCat("\"", key, "\" must be true or false, got ", j.at(key).dump()));
     *flag = j.at(key).get<bool>();
   }
+  if (has("mtp_num_layers")) {
+    ASSIGN_OR_RETURN(p.mtp_num_layers, IntField(j, "mtp_num_layers", source, 0));
+  }
   return p;
 }
 
@@ -252,6 +256,10 @@ absl::StatusOr<SourceParallel> ResolveSourceParallel(const ModelConfig& model, S
   if (p.padded_vocab_size == 0)
     p.padded_vocab_size = PaddedVocabSize(model.vocab_size, p.make_vocab_size_divisible_by, p.tp);
   const int64_t layers = model.num_hidden_layers;
+  if (p.mtp_num_layers != 0 && p.mtp_num_layers != model.num_nextn_predict_layers)
+    return Bad(source, absl::StrCat("mtp_num_layers=", p.mtp_num_layers, " but the HF config (", model.architecture,
+                                    ") has num_nextn_predict_layers=", model.num_nextn_predict_layers,
+                                    ": the engines load exactly the MTP layers the checkpoint declares"));
   const size_t chunks = static_cast<size_t>(p.pp) * p.vpp;
   if (p.vpp > 1 && p.pp < 2) return Bad(source, absl::StrCat("vpp=", p.vpp, " needs pipeline parallelism (pp > 1)"));
   if (!p.layers_per_stage.empty() && p.layers_per_stage.size() != static_cast<size_t>(p.pp))
@@ -331,6 +339,7 @@ std::string SourceParallelToJson(const SourceParallel& p) {
     j["num_layers_in_last_pipeline_stage"] = *p.num_layers_in_last_pipeline_stage;
   if (p.account_for_embedding_in_pipeline_split) j["account_for_embedding_in_pipeline_split"] = true;
   if (p.account_for_loss_in_pipeline_split) j["account_for_loss_in_pipeline_split"] = true;
+  if (p.mtp_num_layers > 0) j["mtp_num_layers"] = p.mtp_num_layers;
   return j.dump(2) + "\n";
 }
 

@@ -22,13 +22,15 @@
 // layers_per_stage) as given, for any contiguous split (e.g. Megatron's
 // --pipeline-model-parallel-layout without MTP); otherwise Megatron's own split from the four
 // options (defaults: even). When both are given they must agree. Unknown keys are refused, so that
-// a misspelt or newer setting never goes unnoticed.
+// a misspelt or newer setting never goes unnoticed. "mtp_num_layers": the MTP layers trained
+// beside the decoder (default 0), which do not count in the split.
 //
 // Errors: kInvalidArgument naming the file, the key and the values (malformed JSON, a size < 1,
 // world_size != tp*cp*pp*dp, vpp > 1 without pp > 1, a split Megatron refuses (with its reason), a
 // given split that is not the options' one, a layout the model cannot have: heads, query groups,
 // FFN widths, experts or the padded vocabulary not divisible by the parallel sizes, layer counts
-// not summing to the model's layers). kUnimplemented for models wsync cannot convert (see
+// not summing to the model's layers, mtp_num_layers other than the HF config's
+// num_nextn_predict_layers). kUnimplemented for models wsync cannot convert (see
 // CheckModelSupported in megatron_param.h).
 // Thread-safety: plain values and pure functions.
 #pragma once
@@ -67,6 +69,10 @@ struct SourceParallel {
   std::optional<int64_t> num_layers_in_last_pipeline_stage;
   bool account_for_embedding_in_pipeline_split = false;
   bool account_for_loss_in_pipeline_split = false;
+  // MTP layers the run trains (TransformerConfig.mtp_num_layers, --mtp-num-layers): 0 without. They
+  // sit after the decoder on the last model chunk and are synced as model.layers.{L+k}.* (§5.7);
+  // the HF config's num_nextn_predict_layers must equal it.
+  int64_t mtp_num_layers = 0;
 
   // ParallelSizes for ParallelLayout::Create (num_experts from the model).
   ParallelSizes Sizes(const ModelConfig& model) const;
