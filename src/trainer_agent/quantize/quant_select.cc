@@ -12,7 +12,7 @@
 namespace wsync::trainer_agent {
 namespace {
 
-// model.layers.{i}.* with i >= num_hidden_layers: an MTP (next-n) layer, not synced.
+// model.layers.{i}.* with i >= num_hidden_layers: an MTP (next-n) layer (not synced unless asked).
 bool IsMtpLayerTensor(absl::string_view name, int64_t num_layers) {
   if (!absl::ConsumePrefix(&name, "model.layers.")) return false;
   const size_t dot = name.find('.');
@@ -25,9 +25,10 @@ bool IsMtpLayerTensor(absl::string_view name, int64_t num_layers) {
 absl::StatusOr<std::vector<model::HfTensor>> ExpectedSentTensors(const ModelConfig& model,
                                                                  const model::HfCheckpoint& hf,
                                                                  const QuantizationConfig* quant,
-                                                                 const model::QuantizeOptions& options) {
+                                                                 const model::QuantizeOptions& options,
+                                                                 int64_t mtp_num_layers) {
   if (quant != nullptr) RETURN_IF_ERROR(quant->CheckSupported());
-  ASSIGN_OR_RETURN(std::vector<model::HfTensorSpec> specs, HfTensorSpecs(model));
+  ASSIGN_OR_RETURN(std::vector<model::HfTensorSpec> specs, HfTensorSpecs(model, mtp_num_layers));
   std::set<std::string> known;
   for (const auto& s : specs) known.insert(s.name);
   for (const std::string& name : hf.Names()) {
@@ -66,12 +67,12 @@ absl::StatusOr<std::vector<model::HfTensor>> ExpectedSentTensors(const ModelConf
 
 absl::StatusOr<ExpectedSync> ExpectedSentTensorsFromDir(const std::string& hf_dir,
                                                         const std::optional<QuantizationConfig>& quant,
-                                                        const model::QuantizeOptions& options) {
+                                                        const model::QuantizeOptions& options, int64_t mtp_num_layers) {
   ExpectedSync out;
   ASSIGN_OR_RETURN(out.model, LoadModelConfig(hf_dir));
   ASSIGN_OR_RETURN(out.hf, model::HfCheckpoint::Open(hf_dir));
   const QuantizationConfig* q = quant ? &*quant : (out.model.quantization ? &*out.model.quantization : nullptr);
-  ASSIGN_OR_RETURN(out.tensors, ExpectedSentTensors(out.model, out.hf, q, options));
+  ASSIGN_OR_RETURN(out.tensors, ExpectedSentTensors(out.model, out.hf, q, options, mtp_num_layers));
   return out;
 }
 

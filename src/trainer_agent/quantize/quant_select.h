@@ -28,13 +28,16 @@ namespace wsync::trainer_agent {
 
 // What a sync of `model` must deliver, from the model's own HF checkpoint `hf`: every HF tensor
 // of the model (HfTensorSpecs order), INT4 triplets for targets when `quant` is given, the rest
-// as is (router.expert_bias as fp32). Checkpoint tensors that a sync never sends are ignored
-// only when they are a tied lm_head.weight or belong to MTP layers (model.layers.{>= L});
-// any other unknown tensor is kInvalidArgument.
+// as is (router.expert_bias as fp32), the first `mtp_num_layers` MTP layers included (a run that
+// trains them: MEGATRON_TO_HF.md §5.7). Checkpoint tensors that a sync never sends are ignored
+// only when they are a tied lm_head.weight or belong to MTP layers (model.layers.{>= L}: the ones
+// not synced, a DeepSeek-V3 MTP layer's embed_tokens / shared_head.head); any other unknown tensor
+// is kInvalidArgument.
 absl::StatusOr<std::vector<model::HfTensor>> ExpectedSentTensors(const ModelConfig& model,
                                                                  const model::HfCheckpoint& hf,
                                                                  const QuantizationConfig* quant,
-                                                                 const model::QuantizeOptions& options = {});
+                                                                 const model::QuantizeOptions& options = {},
+                                                                 int64_t mtp_num_layers = 0);
 
 // The same from a model directory (config.json + *.safetensors, mmap'ed). `quant`: the engine's
 // quantization config; std::nullopt means the config.json's own quantization_config (none:
@@ -46,6 +49,7 @@ struct ExpectedSync {
 };
 absl::StatusOr<ExpectedSync> ExpectedSentTensorsFromDir(const std::string& hf_dir,
                                                         const std::optional<QuantizationConfig>& quant,
-                                                        const model::QuantizeOptions& options = {});
+                                                        const model::QuantizeOptions& options = {},
+                                                        int64_t mtp_num_layers = 0);
 
 }  // namespace wsync::trainer_agent

@@ -40,6 +40,9 @@ TEST(IsQuantTarget, DefaultModelQuantizesExactlyTheExperts) {
   EXPECT_TRUE(model::IsQuantTarget("lm_head.weight", std::vector<int64_t>{4000, 512}, none));
   EXPECT_TRUE(model::IsQuantTarget("model.layers.0.mlp.gate.weight", std::vector<int64_t>{8, 512}, none));
   EXPECT_FALSE(model::IsQuantTarget("model.embed_tokens.weight", std::vector<int64_t>{4000, 512}, none));
+  // an MTP layer's eh_proj: SGLang's NextN models hold it as a plain bf16 nn.Linear
+  EXPECT_FALSE(model::IsQuantTarget("model.layers.61.eh_proj.weight", std::vector<int64_t>{512, 1024}, none));
+  EXPECT_TRUE(model::IsQuantTarget("model.layers.61.self_attn.o_proj.weight", std::vector<int64_t>{512, 512}, none));
   EXPECT_FALSE(model::IsQuantTarget("model.norm.weight", std::vector<int64_t>{512}, none));
   EXPECT_FALSE(model::IsQuantTarget("model.layers.0.self_attn.q_proj.bias", std::vector<int64_t>{512, 1}, none));
   EXPECT_FALSE(model::IsQuantTarget("model.layers.0.mlp.gate.e_score_correction_bias", std::vector<int64_t>{8}, none));

@@ -99,6 +99,7 @@ struct Case {
   bool awq = false;          // INT4 as AWQ (group 32) rather than compressed-tensors
   bool fp8 = false;          // block FP8 (16 x 32 blocks) rather than INT4; `int4` set too
   bool linear_bias = false;  // Llama with every linear biased (megatron's --add-bias-linear)
+  int64_t mtp = 0;           // MTP layers trained and synced (mtp_num_layers, num_nextn_predict_layers)
 };
 
 // Keeps experts 6, 1, 3, 5, 2 of 8 (reversed on odd layers): with EP 2, local expert 0 (experts 0
@@ -135,6 +136,7 @@ class RankSyncFixture : public ::testing::Test {
     ASSERT_TRUE(tools::WriteHfModel(*m, hf_dir()).ok());
     SourceParallel p = tools::testing::Parallel(l.tp, l.pp, l.ep, l.etp, l.dp);
     p.vpp = l.vpp;
+    p.mtp_num_layers = mo.mtp_layers;
     auto stats = tools::WriteMegatronSource(m->config_json, m->config, m->weights, p, src_dir());
     ASSERT_TRUE(stats.ok()) << stats.status();
   }
@@ -168,11 +170,11 @@ class RankSyncFailureTest : public RankSyncFixture {};
 // Every rank succeeded, and the stage sources together sent exactly the HF checkpoint converted
 // (and quantized) directly, each tensor once, bit for bit.
 void ExpectSentExactly(const std::vector<RankResult>& results, const ParallelLayout& layout, const SyncOptions& o,
-                       const std::string& hf_dir, const std::optional<QuantizationConfig>& quant) {
+                       const std::string& hf_dir, const std::optional<QuantizationConfig>& quant, int64_t mtp = 0) {
   for (size_t r = 0; r < results.size(); ++r) {
     ASSERT_TRUE(results[r].report.ok()) << "rank " << r << ": " << results[r].report.status();
   }
-  auto expected = ExpectedSentTensorsFromDir(hf_dir, quant);
+  auto expected = ExpectedSentTensorsFromDir(hf_dir, quant, {}, mtp);
   ASSERT_TRUE(expected.ok()) << expected.status();
   std::map<std::string, int> count;
   for (size_t r = 0; r < results.size(); ++r) {
@@ -199,6 +201,7 @@ TEST_P(RankSyncTest, SendsExactlyTheConvertedCheckpoint) {
   tools::SyntheticModelOptions mo = tools::testing::SmallOptions(c.arch);
   mo.moe_ffn = c.moe_ffn;
   mo.linear_bias = c.linear_bias;
+  mo.mtp_layers = c.mtp;
   ASSERT_NO_FATAL_FAILURE(MakeFixture(mo, c.layout, 20261121));
   auto src = DirSource::Open(src_dir());
   ASSERT_TRUE(src.ok()) << src.status();
@@ -231,7 +234,18 @@ TEST_P(RankSyncTest, SendsExactlyTheConvertedCheckpoint) {
   }
   o.spread_senders = c.spread;
   const std::vector<RankResult> results = SyncEveryRank(*src, *comms, o);
-  ExpectSentExactly(results, src->layout(), o, want_dir, quant);
+  ExpectSentExactly(results, src->layout(), o, want_dir, quant, c.mtp);
+  if (c.mtp > 0) {  // the MTP layer came from the last stage's source, eh_proj in bf16 (SGLang's nn.Linear)
+    const int last = src->layout().pp() - 1;
+    bool eh_proj = false;
+    for (size_t r = 0; r < results.size(); ++r) {
+      if (!results[r].sink || src->layout().Dense(static_cast<int>(r)).pp != last) continue;
+      for (const auto& [name, t] : testing::DecodeStream(*results[r].sink, o.bucket_bytes, o.version, last))
+        if (name == absl::StrCat("model.layers.", src->model().num_hidden_layers, ".eh_proj.weight"))
+          eh_proj = t.dtype == DType::kBF16;
+    }
+    EXPECT_TRUE(eh_proj) << "model.layers.{L}.eh_proj.weight not sent in bf16 by the last stage";
+  }
   // Spread senders share the stage: every one of them sent tensors (TP peers their dense share,
   // EP members their own experts), and no EP gather ran.
   if (c.spread) {
@@ -316,6 +330,15 @@ std::vector<Case> AllCases() {
     b.linear_bias = true;
     out.push_back(b);
   }
+  // MTP layers (mtp.layers.0.* -> model.layers.{L}.*) on the last stage, beside its embedding copy:
+  // DeepSeek-V3 and GLM-4.5, bf16 and INT4 (the layer's weights quantized, eh_proj not), PP 2 x VPP 2.
+  for (Architecture arch : {Architecture::kDeepseekV3, Architecture::kGlm4Moe})
+    for (bool int4 : {false, true}) {
+      Case m{std::string(ArchitectureName(arch)) + "_mtp_" + vpp.name + (int4 ? "_int4" : "_bf16"), arch, vpp, 32,
+             int4};
+      m.mtp = 1;
+      out.push_back(m);
+    }
   // Spread senders (sharded delivery): the same checks on the union of the senders' streams.
   const size_t n = out.size();
   for (size_t i = 0; i < n; ++i) {
