@@ -1,5 +1,5 @@
 // RunRankSync under a real `mpirun` (ctest runs this with -np 4 and -np 8): for every architecture
-// (tied and untied where valid) and the layouts (tp2, ep2, etp1) np4, (tp1, ep4) np4, (tp4) np4 and
+// (tied and untied where valid; DeepSeek-V3 also with an MTP layer) and the layouts (tp2, ep2, etp1) np4, (tp1, ep4) np4, (tp4) np4 and
 // (tp2, ep2, etp2, pp2) np8 (dense models: ep 1), rank 0 generates a small model and shards it, every
 // rank syncs, each stage source captures its buckets, and the HF tensors they carry are compared
 // bit for bit with converting (and quantizing) the HF checkpoint directly (ExpectedSentTensors):
@@ -112,6 +112,7 @@ struct ModelCase {
   Architecture arch;
   bool tie;
   int64_t q_lora_rank = 32;
+  int64_t mtp = 0;  // MTP layers trained and synced (num_nextn_predict_layers = mtp_num_layers)
 };
 
 tools::SyntheticModelOptions TinyOptions(const ModelCase& c) {
@@ -120,7 +121,7 @@ tools::SyntheticModelOptions TinyOptions(const ModelCase& c) {
   o.hidden = 64, o.layers = 4, o.heads = 8, o.kv_heads = 4, o.head_dim = 16, o.ffn = 96;
   o.moe_ffn = 32, o.experts = 8, o.topk = 2, o.vocab = 1000, o.tie = c.tie;
   o.q_lora_rank = c.q_lora_rank, o.kv_lora_rank = 32, o.qk_nope_head_dim = 16, o.qk_rope_head_dim = 8;
-  o.v_head_dim = 16, o.shared_experts = 1, o.first_k_dense = 1;
+  o.v_head_dim = 16, o.shared_experts = 1, o.first_k_dense = 1, o.mtp_layers = c.mtp;
   return o;
 }
 
@@ -148,6 +149,7 @@ absl::StatusOr<Fixture> MakeFixture(const tools::SyntheticModelOptions& o, const
     p.tp = l.tp, p.pp = l.pp, p.ep = moe ? l.ep : 1, p.etp = moe ? l.etp : l.tp;
     p.world_size = l.np;
     p.dp = l.np / (l.tp * l.pp);
+    p.mtp_num_layers = o.mtp_layers;
     ASSIGN_OR_RETURN(p, ResolveSourceParallel(m.config, p));
     RETURN_IF_ERROR(tools::WriteMegatronSource(m.config_json, m.config, m.weights, p, dir + "/src").status());
     return dir;
@@ -179,7 +181,7 @@ SyncResult SyncOnce(const DirSource& src, const SyncOptions& o) {
 // The sync every rank just ran delivered exactly HF_DIR converted (and quantized) directly: each
 // source checks its tensors bit for bit, then all names meet on rank 0 (collective: every rank calls).
 void CheckSyncAgainstHf(const SyncResult& r, const DirSource& src, const SyncOptions& o, const std::string& hf_dir,
-                        const std::optional<QuantizationConfig>& quant) {
+                        const std::optional<QuantizationConfig>& quant, int64_t mtp = 0) {
   EXPECT_TRUE(r.report.ok()) << r.report.status();
   std::string names;
   const int me = world->rank();
@@ -189,13 +191,13 @@ void CheckSyncAgainstHf(const SyncResult& r, const DirSource& src, const SyncOpt
     std::map<std::string, Captured> got = DecodeStream(*r.sink, o.bucket_bytes, o.version, stage);
     EXPECT_EQ(r.report->tensors, got.size());
     EXPECT_EQ(r.report->buckets, r.sink->buckets.size());
-    auto expected = ExpectedSentTensorsFromDir(hf_dir, quant);
+    auto expected = ExpectedSentTensorsFromDir(hf_dir, quant, {}, mtp);
     EXPECT_TRUE(expected.ok()) << expected.status();
     if (expected.ok()) names = ExpectSentAsExpected(got, expected->tensors, stage);
   }
   const std::vector<std::string> per_rank = AllGatherStrings(names);
   if (me == 0 && r.report.ok()) {
-    auto expected = ExpectedSentTensorsFromDir(hf_dir, quant);
+    auto expected = ExpectedSentTensorsFromDir(hf_dir, quant, {}, mtp);
     ASSERT_TRUE(expected.ok()) << expected.status();
     std::map<std::string, int> count;
     for (const std::string& s : per_rank)
@@ -262,7 +264,7 @@ TEST_P(TrainerSyncTest, SendsExactlyTheConvertedCheckpoint) {
   o.collective = kTimeout;
   o.spread_senders = P.spread;
   SyncResult r = SyncOnce(*src, o);
-  CheckSyncAgainstHf(r, *src, o, fixture->hf_dir, quant);
+  CheckSyncAgainstHf(r, *src, o, fixture->hf_dir, quant, P.model.mtp);
   CheckWhoQuantized(r, src->layout(), P.int4 && IsMoe(P.model.arch));
   RemoveFixture(*fixture);
 }
@@ -285,6 +287,7 @@ std::vector<Param> AllParams() {
       {"deepseek", Architecture::kDeepseekV3, false},
       {"deepseek_tied", Architecture::kDeepseekV3, true},
       {"deepseek_no_qlora", Architecture::kDeepseekV3, false, 0},
+      {"deepseek_mtp", Architecture::kDeepseekV3, false, 32, 1},  // mtp.layers.0 on the last stage
   };
   std::vector<Param> out;
   for (const auto& l : layouts)
