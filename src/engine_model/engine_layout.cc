@@ -92,7 +92,7 @@ class LayoutBuilder {
     RETURN_IF_ERROR(CheckParallel());
     RETURN_IF_ERROR(CheckQuantization());
     RETURN_IF_ERROR(AddVocab("model.embed_tokens.weight"));
-    for (int64_t i = 0; i < c_.num_hidden_layers; ++i) RETURN_IF_ERROR(AddLayer(i));
+    for (int64_t i = 0; i < c_.num_hidden_layers; ++i) RETURN_IF_ERROR(AddLayer(i, c_.IsMoeLayer(i)));
     AddPlain("model.norm.weight", ParamRole::kReplicated, dt_, {c_.hidden_size}, -1, "model.norm.weight");
     if (!c_.tie_word_embeddings) {
       RETURN_IF_ERROR(AddVocab("lm_head.weight"));
@@ -100,6 +100,7 @@ class LayoutBuilder {
       // Tied: lm_head is embed_tokens; a sent lm_head.weight is dropped (§2.6).
       AddSkip("lm_head.weight", dt_, {c_.vocab_size, c_.hidden_size}, "tied lm_head");
     }
+    if (p_.mtp_draft) RETURN_IF_ERROR(AddDraft());
     for (const std::string& w : warnings_) {
       WSYNC_LOG(WARNING) << "engine layout (TP " << p_.tp_size << " rank " << p_.tp_rank << "): " << w;
       L_.warnings_.push_back(w);
@@ -956,15 +957,35 @@ class LayoutBuilder {
     return absl::OkStatus();
   }
 
-  absl::Status AddLayer(int64_t i) {
+  absl::Status AddLayer(int64_t i, bool moe) {
     const int64_t H = c_.hidden_size;
     const std::string pre = Layer(i);
     AddPlain(pre + "input_layernorm.weight", ParamRole::kReplicated, dt_, {H}, i, pre + "input_layernorm.weight");
     RETURN_IF_ERROR(c_.mla ? AddMlaAttention(i) : AddGqaAttention(i));
     AddPlain(pre + "post_attention_layernorm.weight", ParamRole::kReplicated, dt_, {H}, i,
              pre + "post_attention_layernorm.weight");
-    if (c_.IsMoeLayer(i)) return AddMoe(i);
+    if (moe) return AddMoe(i);
     return AddDenseMlp(i, "mlp", c_.intermediate_size);
+  }
+
+  // SGLang's NextN draft model (deepseek_nextn.py, glm4_moe_nextn.py; MEGATRON_TO_HF.md §5.7): the
+  // checkpoint's MTP layer L = num_hidden_layers as enorm, hnorm, eh_proj (a plain nn.Linear [H, 2H],
+  // whole on every rank and never quantized), a decoder layer that is always MoE, sharded and
+  // quantized as the target's layers, and shared_head.norm. Its embed_tokens and lm_head are the
+  // target's (skipped when sent). Named by the checkpoint's names (README.md decision 20).
+  absl::Status AddDraft() {
+    if (c_.num_nextn_predict_layers != 1 || !c_.moe)
+      return Refuse(absl::StrCat("mtp_draft: SGLang's NextN draft models load exactly one MoE MTP layer; ",
+                                 c_.architecture, " declares num_nextn_predict_layers=", c_.num_nextn_predict_layers,
+                                 c_.moe ? "" : " and has no MoE layers"));
+    const int64_t L = c_.num_hidden_layers, H = c_.hidden_size;
+    const std::string pre = Layer(L);
+    for (const char* norm : {"enorm.weight", "hnorm.weight"})
+      AddPlain(pre + norm, ParamRole::kReplicated, dt_, {H}, L, pre + norm);
+    AddPlain(pre + "eh_proj.weight", ParamRole::kReplicated, dt_, {H, 2 * H}, L, pre + "eh_proj.weight");
+    RETURN_IF_ERROR(AddLayer(L, /*moe=*/true));
+    AddPlain(pre + "shared_head.norm.weight", ParamRole::kReplicated, dt_, {H}, L, pre + "shared_head.norm.weight");
+    return absl::OkStatus();
   }
 
   const ModelConfig& c_;

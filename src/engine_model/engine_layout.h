@@ -27,7 +27,8 @@
 // Quantization is decided per engine layer from QuantizationConfig::IsIgnored on the HF shard
 // names; all shards of a fused layer must agree (§3.1). Decisions the spec leaves open are in
 // src/engine_model/README.md (shared-experts fusion is always off, Marlin is always used for
-// INT4, MTP layers are skipped, no weight_shape / g_idx placeholders are engine params).
+// INT4, MTP layers are skipped unless the engine serves a NextN draft (mtp_draft), no weight_shape
+// / g_idx placeholders are engine params).
 //
 // Errors: Create() returns kInvalidArgument naming the config values for every refusal of §6 (TP
 // divisibility, INT4 refusals, Marlin repack constraints) and kUnimplemented for quantization
@@ -54,6 +55,9 @@ struct EngineParallel {
   int tp_size = 1;  // T: the engine's tensor-parallel size
   int tp_rank = 0;  // r in [0, T)
   int ep_size = 1;  // EP: MoE expert parallelism inside the TP group; divides T
+  // The engine also serves the checkpoint's MTP layer as SGLang's NextN draft model (speculative
+  // decoding): its params are the checkpoint's model.layers.{L}.* (README.md decision 20).
+  bool mtp_draft = false;
 };
 
 // How a parameter is sharded over the engine ranks (§2).
@@ -220,7 +224,8 @@ class EngineLayout {
   int FindLinear(absl::string_view name) const;
   int FindSource(absl::string_view hf_name) const;
   // Whether `hf_name` belongs to a part of the checkpoint the engine does not load and that is
-  // accepted unchecked (DeepSeek MTP layers model.layers.{L..L+nextn-1}.*, README.md).
+  // accepted unchecked (MTP layers model.layers.{L..L+nextn-1}.* the engine holds no draft of, and
+  // a draft layer's tensors it does not hold: embed_tokens, shared_head.head; README.md).
   bool IsIgnoredHfName(absl::string_view hf_name) const;
 
   // Advisory checks that failed (§4, §6 "warned"); each is also logged once by Create().

@@ -313,6 +313,51 @@ TEST(EngineLayoutTest, WorkedExampleDeepseekV3) {
   EXPECT_EQ(kvb.src_row0, 3 * 4096);
 }
 
+// The NextN draft (mtp_draft, README.md decision 20) of DeepSeek-V3 at T=8 rank 3: the MTP layer 61
+// as SGLang's DeepseekV3ForCausalLMNextN holds it, beside the target's layers.
+TEST(EngineLayoutTest, MtpDraftDeepseekV3) {
+  const ModelConfig c = Config(kDeepseekV3Full);
+  EngineParallel p{8, 3, 1};
+  p.mtp_draft = true;
+  auto l = EngineLayout::Create(c, nullptr, p);
+  ASSERT_TRUE(l.ok()) << l.status();
+  auto plain = EngineLayout::Create(c, nullptr, {8, 3, 1});
+  ASSERT_TRUE(plain.ok());
+  const std::string D = "model.layers.61.", A = D + "self_attn.", M = D + "mlp.";
+  ExpectParam(*l, {D + "enorm.weight", ParamRole::kReplicated, kPl, kB, {7168}, {7168}});
+  ExpectParam(*l, {D + "hnorm.weight", ParamRole::kReplicated, kPl, kB, {7168}, {7168}});
+  ExpectParam(*l, {D + "eh_proj.weight", ParamRole::kReplicated, kPl, kB, {7168, 14336}, {7168, 14336}});
+  ExpectParam(*l, {D + "shared_head.norm.weight", ParamRole::kReplicated, kPl, kB, {7168}, {7168}});
+  // the decoder layer: sharded as the target's layers, and MoE
+  ExpectParam(*l, {A + "fused_qkv_a_proj_with_mqa.weight", ParamRole::kFusedQkvA, kPl, kB, {2112, 7168}, {2112, 7168}});
+  ExpectParam(*l, {A + "kv_b_proj.weight", ParamRole::kColumn, kPl, kB, {4096, 512}, {4096, 512}});
+  ExpectParam(*l, {M + "experts.w13_weight", ParamRole::kExpertsW13, kPl, kB, {256, 512, 7168}, {256, 512, 7168}});
+  ExpectParam(*l, {M + "shared_experts.down_proj.weight", ParamRole::kRow, kPl, kB, {7168, 256}, {7168, 256}});
+  const HfSource& eh = l->sources()[static_cast<size_t>(l->FindSource(D + "eh_proj.weight"))];
+  EXPECT_EQ(eh.action, HfSource::Action::kCopy);
+  EXPECT_EQ(eh.rows, 7168);
+  EXPECT_EQ(eh.cols, 14336);
+  // the draft's embed_tokens and lm_head are the target's: a checkpoint's copies are accepted unchecked
+  EXPECT_LT(l->FindSource(D + "embed_tokens.weight"), 0);
+  EXPECT_TRUE(l->IsIgnoredHfName(D + "embed_tokens.weight"));
+  EXPECT_TRUE(l->IsIgnoredHfName(D + "shared_head.head.weight"));
+  // exactly the draft's params are added, after the target's
+  ASSERT_GT(l->params().size(), plain->params().size());
+  for (size_t i = 0; i < l->params().size(); ++i) {
+    if (i < plain->params().size()) {
+      EXPECT_EQ(l->params()[i].name, plain->params()[i].name);
+    } else {
+      EXPECT_EQ(l->params()[i].layer, 61) << l->params()[i].name;
+    }
+  }
+  // a checkpoint without an MTP layer has no draft to serve
+  ModelConfig none = c;
+  none.num_nextn_predict_layers = 0;
+  auto refused = EngineLayout::Create(none, nullptr, p);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("num_nextn_predict_layers=0"));
+}
+
 // GLM-4.5 (355B-A32B's shape, ENGINE_LAYOUT.md §2.7) at TP 8 x EP 8, rank 3: GQA with q/k/v bias
 // (no o_proj bias) and QK norm, then DeepSeek-V3's MoE (fp32 correction bias, one shared expert).
 const char kGlm45Full[] = R"({

@@ -1,7 +1,7 @@
 // wsync-ref-engine: the CPU reference rollout engine, one process per engine TP rank.
 //
 //   wsync-ref-engine --model DIR_OR_CONFIG [--checkpoint DIR] [--quant-config FILE|none]
-//                    [--tp-size T --tp-rank R --tp-store HOST:PORT] [--ep-size EP]
+//                    [--tp-size T --tp-rank R --tp-store HOST:PORT] [--ep-size EP] [--mtp-draft]
 //                    [--engine-id ID] [--listen 127.0.0.1:0] [--address-file F] [--agent ADDR | --agent-file F]
 //                    [--token-file F] [--tls-cert F --tls-key F] [--tls-ca F]
 //
@@ -59,6 +59,7 @@ namespace {
 struct Flags {
   std::string model, checkpoint, quant_config, quant_variant = "qat";
   int tp_size = 1, tp_rank = 0, ep_size = 1;
+  bool mtp_draft = false;
   std::string engine_id = "ref-engine";
   std::string listen = "127.0.0.1:0", address_file, agent, agent_file;
   std::string tp_store, tp_host = "127.0.0.1";
@@ -186,6 +187,7 @@ absl::StatusOr<EngineMemory> AllocateEngineMemory(const Flags& f) {
   m.rank.tp_size = f.tp_size;
   m.rank.tp_rank = f.tp_rank;
   m.rank.ep_size = f.ep_size;
+  m.rank.mtp_draft = f.mtp_draft;
   ASSIGN_OR_RETURN(engine_model::EngineLayout layout, engine_model::EngineLayout::Create(m.config, qptr, m.rank));
   m.layout = std::make_unique<engine_model::EngineLayout>(std::move(layout));
   // The registered parameter memory: a shm segment, or (--param-memory cuda:N) one CUDA allocation
@@ -387,6 +389,9 @@ int main(int argc, char** argv) {
   app.add_option("--tp-size", f.tp_size, "engine tensor-parallel size")->check(CLI::Range(1, 1024));
   app.add_option("--tp-rank", f.tp_rank, "this process's TP rank")->check(CLI::Range(0, 1023));
   app.add_option("--ep-size", f.ep_size, "MoE expert parallelism inside the TP group")->check(CLI::Range(1, 1024));
+  app.add_flag("--mtp-draft", f.mtp_draft,
+               "also hold the checkpoint's MTP layer model.layers.{L}.* as SGLang's NextN draft model does "
+               "(speculative decoding); every sync must then deliver it");
   app.add_option("--engine-id", f.engine_id, "engine name, the same on every TP rank");
   app.add_option("--listen", f.listen, "RolloutEngine address (port 0 picks one)");
   app.add_option("--address-file", f.address_file, "write the bound HOST:PORT here");

@@ -1,12 +1,11 @@
 // RunRankSync under a real `mpirun` (ctest runs this with -np 4 and -np 8): for every architecture
-// (tied and untied where valid; DeepSeek-V3 also with an MTP layer) and the layouts (tp2, ep2, etp1) np4, (tp1, ep4) np4, (tp4) np4 and
-// (tp2, ep2, etp2, pp2) np8 (dense models: ep 1), rank 0 generates a small model and shards it, every
-// rank syncs, each stage source captures its buckets, and the HF tensors they carry are compared
-// bit for bit with converting (and quantizing) the HF checkpoint directly (ExpectedSentTensors):
-// every tensor exactly once across the stages, nothing else. Malformed sources (a missing, a
-// truncated and a mis-shaped rank file) fail every rank with the same error naming the rank and the
-// file; a NaN the quantizer refuses fails the source, naming the tensor, while the others finish.
-// Every rank runs the same cases in the same order, as collectives require; no ASSERT may skip a
+// (tied and untied where valid; DeepSeek-V3 also with an MTP layer) and the layouts (tp2, ep2, etp1) np4, (tp1, ep4)
+// np4, (tp4) np4 and (tp2, ep2, etp2, pp2) np8 (dense models: ep 1), rank 0 generates a small model and shards it,
+// every rank syncs, each stage source captures its buckets, and the HF tensors they carry are compared bit for bit with
+// converting (and quantizing) the HF checkpoint directly (ExpectedSentTensors): every tensor exactly once across the
+// stages, nothing else. Malformed sources (a missing, a truncated and a mis-shaped rank file) fail every rank with the
+// same error naming the rank and the file; a NaN the quantizer refuses fails the source, naming the tensor, while the
+// others finish. Every rank runs the same cases in the same order, as collectives require; no ASSERT may skip a
 // collective on one rank only.
 #include <unistd.h>
 

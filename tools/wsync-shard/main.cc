@@ -3,7 +3,7 @@
 //
 //   wsync-shard --hf HF_DIR --out SRC_DIR --tp N [--pp N --ep N --etp N --dp N --cp N]
 //               [--layers-per-stage a,b,...] [--make-vocab-size-divisible-by N]
-//               [--padded-vocab-size N] [--verify]
+//               [--padded-vocab-size N] [--mtp-num-layers N] [--verify]
 //   wsync-shard --hf HF_DIR --src SRC_DIR --verify        check an existing source directory
 //   wsync-shard --src SRC_DIR --to-hf HF_DIR                 the HF checkpoint a source directory holds
 //
@@ -69,6 +69,10 @@ int Run(int argc, char** argv) {
                "Megatron's option: the embedding takes a layer's place in the first virtual stage");
   app.add_flag("--account-for-loss-in-pipeline-split", p.account_for_loss_in_pipeline_split,
                "Megatron's option: the loss takes a layer's place in the last virtual stage");
+  app.add_option("--mtp-num-layers", p.mtp_num_layers,
+                 "Megatron's MTP layers (mtp.layers.{k}, synced as model.layers.{L+k}; the HF config's "
+                 "num_nextn_predict_layers, whose tensors the checkpoint must hold)")
+      ->capture_default_str();
   app.add_option("--make-vocab-size-divisible-by", p.make_vocab_size_divisible_by)->capture_default_str();
   app.add_option("--padded-vocab-size", p.padded_vocab_size, "override Megatron's padded vocab formula");
   app.add_flag("--verify", verify, "simulate the gathers and compare with the HF checkpoint bit for bit");

@@ -28,6 +28,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/functional/function_ref.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -438,14 +439,15 @@ class Ctl {
     // engine's own (engines may declare different layouts of one quantization), else the
     // checkpoint's. Computed once per distinct config.
     std::map<std::string, std::unique_ptr<trainer_agent::ExpectedSync>> expected_by_quant;
-    auto expected_for = [&](const std::optional<QuantizationConfig>& engine_quant,
-                            const std::string& key) -> absl::StatusOr<const trainer_agent::ExpectedSync*> {
+    // mtp: the MTP layers a sync delivers too (an engine holding the NextN draft needs them).
+    auto expected_for = [&](const std::optional<QuantizationConfig>& engine_quant, const std::string& key,
+                            int64_t mtp = 0) -> absl::StatusOr<const trainer_agent::ExpectedSync*> {
       const bool own = quant_file.empty() && engine_quant.has_value();
-      const std::string k = own ? key : std::string();
+      const std::string k = absl::StrCat(own ? key : std::string(), mtp > 0 ? absl::StrCat("\n--mtp ", mtp) : "");
       auto it = expected_by_quant.find(k);
       if (it != expected_by_quant.end()) return it->second.get();
       ASSIGN_OR_RETURN(trainer_agent::ExpectedSync e,
-                       trainer_agent::ExpectedSentTensorsFromDir(hf_dir, own ? engine_quant : quant));
+                       trainer_agent::ExpectedSentTensorsFromDir(hf_dir, own ? engine_quant : quant, {}, mtp));
       auto owned = std::make_unique<trainer_agent::ExpectedSync>(std::move(e));
       const trainer_agent::ExpectedSync* p = owned.get();
       expected_by_quant.emplace(k, std::move(owned));
@@ -471,15 +473,21 @@ class Ctl {
         }
         if (!model.ok()) s = model.status();
         absl::StatusOr<engine_model::EngineLayout> layout = absl::InternalError("unset");
+        // an engine holding an MTP layer's eh_proj serves the NextN draft (engine_model README
+        // decision 20): its layout has the draft, and the sync must have delivered the MTP layer
+        engine_model::EngineParallel parallel{static_cast<int>(r.tp_size()), static_cast<int>(r.tp_rank()),
+                                              static_cast<int>(r.ep_size())};
+        for (const auto& p : r.params())
+          parallel.mtp_draft = parallel.mtp_draft || (absl::StartsWith(p.name(), "model.layers.") &&
+                                                      absl::EndsWith(p.name(), ".eh_proj.weight"));
         if (s.ok()) {
-          layout = engine_model::EngineLayout::Create(
-              *model, engine_quant ? &*engine_quant : nullptr,
-              {static_cast<int>(r.tp_size()), static_cast<int>(r.tp_rank()), static_cast<int>(r.ep_size())});
+          layout = engine_model::EngineLayout::Create(*model, engine_quant ? &*engine_quant : nullptr, parallel);
           s = layout.status();
         }
         absl::StatusOr<const trainer_agent::ExpectedSync*> expected = absl::InternalError("unset");
         if (s.ok()) {
-          expected = expected_for(engine_quant, r.quantization_config_json());
+          expected = expected_for(engine_quant, r.quantization_config_json(),
+                                  parallel.mtp_draft ? model->num_nextn_predict_layers : 0);
           s = expected.status();
         }
         if (s.ok()) {
@@ -590,9 +598,14 @@ class Ctl {
           }
         }
         if (s.ok()) {
-          report = it->second->CheckRank(
-              {static_cast<int>(info.tp_size()), static_cast<int>(info.tp_rank()), static_cast<int>(info.ep_size())},
-              params);
+          tools::reference::EngineRank rank{static_cast<int>(info.tp_size()), static_cast<int>(info.tp_rank()),
+                                            static_cast<int>(info.ep_size())};
+          // an engine holding an MTP layer's eh_proj serves a NextN draft: the reference then
+          // expects the whole draft (and a draft the engine lacks in part shows as missing params)
+          for (const auto& p : params)
+            rank.mtp_draft = rank.mtp_draft ||
+                             (absl::StartsWith(p.name, "model.layers.") && absl::EndsWith(p.name, ".eh_proj.weight"));
+          report = it->second->CheckRank(rank, params);
           s = report.status();
         }
       }

@@ -8,6 +8,7 @@
 #include <span>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -96,7 +97,14 @@ uint64_t HashOf(const std::string& key) {
 
 std::string LayoutKey(const v1::RegisterEngineRequest& req) {
   return absl::StrCat(req.model_config_json(), "\n--\n", req.quantization_config_json(), "\n--\n", req.tp_size(), "/",
-                      req.tp_rank(), "/", std::max<uint32_t>(req.ep_size(), 1));
+                      req.tp_rank(), "/", std::max<uint32_t>(req.ep_size(), 1),
+                      ServesMtpDraft(req) ? "/mtp-draft" : "");
+}
+
+bool ServesMtpDraft(const v1::RegisterEngineRequest& req) {
+  for (const auto& p : req.params())
+    if (absl::StartsWith(p.name(), "model.layers.") && absl::EndsWith(p.name(), ".eh_proj.weight")) return true;
+  return false;
 }
 
 uint64_t LayoutKeyHash(const v1::RegisterEngineRequest& req) { return HashOf(LayoutKey(req)); }

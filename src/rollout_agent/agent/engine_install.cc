@@ -194,9 +194,10 @@ absl::StatusOr<RolloutAgent::Registered> RolloutAgent::InstallEngine(const v1::R
   const bool reuse = engine_ != nullptr && engine_->layout_key == key;
   std::unique_ptr<engine_model::EngineLayout> new_layout;
   if (!reuse) {
-    auto layout = engine_model::EngineLayout::Create(
-        config, quant ? &*quant : nullptr,
-        {static_cast<int>(req.tp_size()), static_cast<int>(req.tp_rank()), static_cast<int>(ep)});
+    engine_model::EngineParallel parallel{static_cast<int>(req.tp_size()), static_cast<int>(req.tp_rank()),
+                                          static_cast<int>(ep)};
+    parallel.mtp_draft = ServesMtpDraft(req);
+    auto layout = engine_model::EngineLayout::Create(config, quant ? &*quant : nullptr, parallel);
     if (!layout.ok()) return Annotate(layout.status(), who);
     new_layout = std::make_unique<engine_model::EngineLayout>(std::move(*layout));
   }
@@ -261,10 +262,13 @@ absl::StatusOr<RolloutAgent::Registered> RolloutAgent::InstallEngine(const v1::R
   if (options_.set_log_identity) SetLogIdentity("rollout", static_cast<int>(req.tp_rank()));
   WSYNC_LOG(INFO) << "registered engine \"" << req.engine_id() << "\" at " << req.engine_address() << ": "
                   << config.architecture << (quant ? " INT4" : " bf16") << ", tp " << req.tp_rank() << "/"
-                  << req.tp_size() << ", ep " << ep << ", version " << req.version() << ", " << req.params_size()
-                  << " params (" << param_bytes << " bytes in " << segments << " shm segment(s), " << device_params
-                  << " on a CUDA device); staging " << staging_bytes << " bytes in " << staging_where
-                  << (keep_staging ? " (kept)" : "")
+                  << req.tp_size() << ", ep " << ep
+                  << (layout.parallel().mtp_draft
+                          ? absl::StrCat(", with the NextN draft of MTP layer ", config.num_hidden_layers)
+                          : "")
+                  << ", version " << req.version() << ", " << req.params_size() << " params (" << param_bytes
+                  << " bytes in " << segments << " shm segment(s), " << device_params << " on a CUDA device); staging "
+                  << staging_bytes << " bytes in " << staging_where << (keep_staging ? " (kept)" : "")
                   << (catch_up ? absl::StrCat("; it holds version ", staged, ": catching the engine up to it") : "");
   Registered r;
   r.client = engine_->client;

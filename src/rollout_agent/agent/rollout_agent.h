@@ -117,8 +117,12 @@ struct AgentOptions {
 };
 
 // What makes two engine ranks' stagings byte-compatible: model config, quantization, TP size / rank,
-// EP size, as registered. FetchStagingRequest.layout_key is its XXH3-64.
+// EP size, a NextN draft or not, as registered. FetchStagingRequest.layout_key is its XXH3-64.
 std::string LayoutKey(const v1::RegisterEngineRequest& req);
+// Whether the registering engine also holds the checkpoint's MTP layer as SGLang's NextN draft
+// (EngineParallel::mtp_draft): one of its params is an MTP layer's model.layers.{L}.eh_proj.weight,
+// a name no target model has. The registration then checks the whole draft (CheckMatches).
+bool ServesMtpDraft(const v1::RegisterEngineRequest& req);
 uint64_t LayoutKeyHash(const v1::RegisterEngineRequest& req);
 
 class RolloutAgent {

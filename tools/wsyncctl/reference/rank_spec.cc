@@ -56,7 +56,7 @@ class Builder {
   absl::StatusOr<RankSpec> Build() {
     RETURN_IF_ERROR(Geometry());
     RETURN_IF_ERROR(Vocab("model.embed_tokens.weight", "model.embed_tokens.weight"));
-    for (int64_t i = 0; i < c_.num_hidden_layers; ++i) RETURN_IF_ERROR(Layer(i));
+    for (int64_t i = 0; i < c_.num_hidden_layers; ++i) RETURN_IF_ERROR(Layer(i, c_.IsMoeLayer(i)));
     Norm("model.norm.weight", c_.hidden_size);
     if (!c_.tie_word_embeddings) {
       // An INT4 lm_head is refused: SGLang's ParallelLMHead is not a LinearBase (§3.1).
@@ -68,6 +68,7 @@ class Builder {
       // §2.6: only model.embed_tokens exists; a checkpoint's lm_head.weight (a PP > 1 copy) is dropped.
       spec_.hf["lm_head.weight"] = HfInfo{{c_.vocab_size, c_.hidden_size}, c_.dtype, false, false};
     }
+    if (rank_.mtp_draft) RETURN_IF_ERROR(Draft());
     spec_.mtp_first = c_.num_hidden_layers;
     spec_.mtp_end = c_.num_hidden_layers + c_.num_nextn_predict_layers;
     return std::move(spec_);
@@ -144,14 +145,35 @@ class Builder {
     return absl::OkStatus();
   }
 
-  absl::Status Layer(int64_t i) {
+  absl::Status Layer(int64_t i, bool moe) {
     const std::string L = absl::StrCat("model.layers.", i, ".");
     const int64_t H = c_.hidden_size;
     Norm(L + "input_layernorm.weight", H);
     RETURN_IF_ERROR(c_.mla ? MlaAttention(L) : GqaAttention(L));
     Norm(L + "post_attention_layernorm.weight", H);
-    if (c_.IsMoeLayer(i)) return Moe(L);
+    if (moe) return Moe(L);
     return DenseMlp(L + "mlp.", c_.intermediate_size, c_.mlp_bias);
+  }
+
+  // The NextN draft (EngineRank::mtp_draft): SGLang's DeepseekV3ForCausalLMNextN /
+  // Glm4MoeForCausalLMNextN load model.layers.{L} only (one layer, asserted), its enorm, hnorm,
+  // eh_proj (an nn.Linear: whole, never quantized) and shared_head.norm as they are, and the rest
+  // as a decoder layer that is always sparse (_is_layer_sparse: is_nextn).
+  absl::Status Draft() {
+    if (c_.num_nextn_predict_layers != 1 || !c_.moe)
+      return Refuse(absl::StrCat("an MTP draft needs exactly one MTP layer of an MoE model; the config has ",
+                                 c_.num_nextn_predict_layers));
+    const int64_t H = c_.hidden_size, n = c_.num_hidden_layers;
+    const std::string L = absl::StrCat("model.layers.", n, ".");
+    Norm(L + "enorm.weight", H);
+    Norm(L + "hnorm.weight", H);
+    Known(L + "eh_proj.weight", {H, 2 * H});
+    PlainSpec eh{L + "eh_proj.weight", c_.dtype, {H, 2 * H}, 0, H, 2 * H, {}};
+    eh.blocks.push_back({L + "eh_proj.weight", 0, 0, 0, H, 2 * H, 0, 0});
+    AddPlain(std::move(eh));
+    RETURN_IF_ERROR(Layer(n, /*moe=*/true));
+    Norm(L + "shared_head.norm.weight", H);
+    return absl::OkStatus();
   }
 
   absl::Status GqaAttention(const std::string& L) {

@@ -65,6 +65,10 @@ struct EngineRank {
   int tp_size = 1;
   int tp_rank = 0;
   int ep_size = 1;
+  // It also holds the checkpoint's MTP layer as SGLang's NextN draft model (deepseek_nextn.py /
+  // glm4_moe_nextn.py; engine_model README decision 20): model.layers.{L}.enorm / hnorm / eh_proj
+  // (whole, bf16) / shared_head.norm and an MoE decoder layer L sharded as the others.
+  bool mtp_draft = false;
 };
 
 struct ReferenceOptions {
