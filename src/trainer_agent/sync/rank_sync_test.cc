@@ -339,6 +339,11 @@ std::vector<Case> AllCases() {
       m.mtp = 1;
       out.push_back(m);
     }
+  // Block FP8 with the MTP layer: its weights FP8 as the others', eh_proj bf16.
+  Case fp8_mtp{"deepseek_v3_mtp_" + etp2.name + "_fp8", Architecture::kDeepseekV3, etp2, 64, true};
+  fp8_mtp.fp8 = true;
+  fp8_mtp.mtp = 1;
+  out.push_back(fp8_mtp);
   // Spread senders (sharded delivery): the same checks on the union of the senders' streams.
   const size_t n = out.size();
   for (size_t i = 0; i < n; ++i) {
