@@ -14,6 +14,10 @@
 
 namespace wsync::engine_model {
 
+bool IsMtpDraftParam(absl::string_view name) {
+  return absl::StartsWith(name, "model.layers.") && absl::EndsWith(name, ".eh_proj.weight");
+}
+
 absl::string_view ParamRoleName(ParamRole role) {
   switch (role) {
     case ParamRole::kReplicated: return "replicated";

@@ -60,6 +60,11 @@ struct EngineParallel {
   bool mtp_draft = false;
 };
 
+// Whether an engine param named `name` shows that its engine serves the NextN draft: the MTP
+// layer's model.layers.{L}.eh_proj.weight, a name no target model has. The rollout agent and
+// wsyncctl verify read EngineParallel::mtp_draft off a registered engine's params with it.
+bool IsMtpDraftParam(absl::string_view name);
+
 // How a parameter is sharded over the engine ranks (§2).
 // One engine rank's place (ENGINE_LAYOUT.md §1): the rollout loader's geometry (tp_size, tp_rank,
 // ep_size; moe_tp = tp_size / ep_size, ep_rank = tp_rank / moe_tp, moe_tp_rank = tp_rank % moe_tp)

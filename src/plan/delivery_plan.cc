@@ -24,7 +24,9 @@ absl::StatusOr<Delivery> ParseDelivery(absl::string_view name) {
 absl::string_view DeliveryName(Delivery d) { return d == Delivery::kSharded ? "sharded" : "broadcast"; }
 
 Grouping GroupReceivers(std::span<const EngineParallel> agents) {
-  auto key = [](const EngineParallel& p) { return std::make_tuple(p.tp_size, std::max(p.ep_size, 1), p.tp_rank); };
+  auto key = [](const EngineParallel& p) {
+    return std::make_tuple(p.tp_size, std::max(p.ep_size, 1), p.tp_rank, p.mtp_draft);
+  };
   std::vector<int> order(agents.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return key(agents[a]) < key(agents[b]); });
@@ -56,7 +58,7 @@ absl::StatusOr<ShardPlan> ShardPlan::Create(const ModelConfig& config, const Qua
     auto layout = EngineLayout::Create(config, quantization, p);
     if (!layout.ok()) {
       return Annotate(layout.status(), absl::StrCat("the engine layout of TP rank ", p.tp_rank, " of ", p.tp_size,
-                                                    " (EP ", p.ep_size, ")"));
+                                                    " (EP ", p.ep_size, p.mtp_draft ? ", NextN draft" : "", ")"));
     }
     plan.layouts_.push_back(std::make_unique<EngineLayout>(std::move(*layout)));
   }

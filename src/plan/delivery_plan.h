@@ -3,9 +3,9 @@
 // delivery"), and the cost of a sync in each delivery mode for the planner (wsync-plan).
 //
 // A *receiver group* is the set of rollout agents whose engine ranks keep the same blocks: ranks
-// with the same (TP size, TP rank, EP size) of engines serving the trainer's model. Identical engine
-// replicas therefore share one group per rank, and the stage source sends each block once per group
-// (a Broadcast to the group; Gloo chains it, NCCL rings it), never once per replica.
+// with the same (TP size, TP rank, EP size, NextN draft or not) of engines serving the trainer's model. Identical
+// engine replicas therefore share one group per rank, and the stage source sends each block once per group (a Broadcast
+// to the group; Gloo chains it, NCCL rings it), never once per replica.
 //
 // ShardPlan::Create builds one EngineLayout (engine_model/engine_layout.h, the same code the
 // receiving agent loads with) per group; BlockFor answers, for a sent tensor, the block of its
@@ -50,7 +50,8 @@ struct Block {
 };
 
 // Receivers grouped by the blocks they keep: `group_of[a]` is agent a's group, `rank_in_group[a]`
-// its position there (agents in the order given), groups ordered by (TP size, EP size, TP rank).
+// its position there (agents in the order given), groups ordered by (TP size, EP size, TP rank,
+// draft).
 struct Grouping {
   std::vector<engine_model::EngineParallel> groups;
   std::vector<std::vector<int>> members;  // agent indices per group

@@ -8,6 +8,7 @@
 // Seeds are fixed and printed on failure.
 #include "plan/delivery_plan.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "comm/bucket/bucket_format.h"
@@ -54,12 +56,18 @@ constexpr Model kModels[] = {
     {"qwen3_moe", model::testing::kQwen3MoeJson, true, false},
     {"deepseek", model::testing::kDeepseekJson, true, true},
     {"deepseek_no_q_lora", model::testing::kDeepseekNoQLoraJson, true, true},
+    {"glm4_moe", model::testing::kGlm45Json, true, false},
 };
 
-// Engines of a fleet: {TP, EP} each; every engine contributes its TP ranks as receivers.
+// Engines of a fleet: {TP, EP, NextN draft} each; every engine contributes its TP ranks as
+// receivers. A fleet with a draft engine runs only on models with one MTP layer.
+struct FleetEngine {
+  int tp = 1, ep = 1;
+  bool draft = false;
+};
 struct Fleet {
   const char* name;
-  std::vector<std::pair<int, int>> engines;
+  std::vector<FleetEngine> engines;
   bool moe_only = false;
 };
 const std::vector<Fleet>& Fleets() {
@@ -70,6 +78,9 @@ const std::vector<Fleet>& Fleets() {
       {"TP2 EP2 x2", {{2, 2}, {2, 2}}, true},
       {"TP4 EP2 + TP2 EP1", {{4, 2}, {2, 1}}, true},
       {"TP4 EP4 + TP1", {{4, 4}, {1, 1}}, true},
+      // SGLang's NextN draft beside the target: the draft ranks form groups of their own, which
+      // alone are sent the MTP layer's blocks
+      {"TP2 EP2 draft + TP2 EP2 + TP1 draft", {{2, 2, true}, {2, 2}, {1, 1, true}}, true},
   };
   return f;
 }
@@ -105,10 +116,13 @@ TEST(ShardPlanTest, EveryRankGetsExactlyWhatItKeeps) {
       ASSERT_TRUE(m.ok()) << m.status();
       for (const Fleet& fleet : Fleets()) {
         if (fleet.moe_only && !mdl.moe) continue;
+        const bool draft =
+            std::any_of(fleet.engines.begin(), fleet.engines.end(), [](const FleetEngine& e) { return e.draft; });
+        if (draft && config->num_nextn_predict_layers != 1) continue;
         SCOPED_TRACE(absl::StrCat(mdl.name, int4 ? " INT4" : " bf16", ", fleet ", fleet.name, ", seed ", seed));
         std::vector<EngineParallel> agents;
-        for (auto [t, ep] : fleet.engines)
-          for (int r = 0; r < t; ++r) agents.push_back({t, r, ep});
+        for (const FleetEngine& e : fleet.engines)
+          for (int r = 0; r < e.tp; ++r) agents.push_back({e.tp, r, e.ep, e.draft});
         const Grouping grouping = GroupReceivers(agents);
         auto plan = ShardPlan::Create(*config, q, grouping.groups);
         ASSERT_TRUE(plan.ok()) << plan.status();
@@ -132,14 +146,15 @@ TEST(ShardPlanTest, EveryRankGetsExactlyWhatItKeeps) {
         ASSERT_TRUE(builder.Finish().ok());
         for (int g = 0; g < g_count; ++g) {
           const EngineParallel& p = grouping.groups[static_cast<size_t>(g)];
-          SCOPED_TRACE(absl::StrCat("group ", g, ": TP rank ", p.tp_rank, " of ", p.tp_size, ", EP ", p.ep_size));
+          SCOPED_TRACE(absl::StrCat("group ", g, ": TP rank ", p.tp_rank, " of ", p.tp_size, ", EP ", p.ep_size,
+                                    p.mtp_draft ? ", draft" : ""));
           const EngineLayout& layout = plan->layout(g);
           auto sharded_staging = Staging::Create(layout);
           auto full_staging = Staging::Create(layout);
           ASSERT_TRUE(sharded_staging.ok() && full_staging.ok());
           Loader full(full_staging->get()), part(sharded_staging->get());
           for (const std::string& name : m->order) ASSERT_TRUE(full.Load(name, m->sent.at(name).view()).ok()) << name;
-          ASSERT_TRUE(full.CheckComplete().ok());
+          ASSERT_TRUE(full.CheckComplete().ok()) << full.CheckComplete();
           // The group's stream: indices 0, 1, ..., one last bucket at its end.
           const auto& buckets = captures[static_cast<size_t>(g)]->buckets;
           ASSERT_FALSE(buckets.empty());
@@ -165,12 +180,19 @@ TEST(ShardPlanTest, EveryRankGetsExactlyWhatItKeeps) {
           if (p.tp_size > 1) {
             EXPECT_LT(payload, full_bytes);
           }
+          // A draft group receives the MTP layer; the others none of it.
+          const std::string mtp_layer = absl::StrCat("model.layers.", config->num_hidden_layers, ".");
+          bool got_mtp = false;
+          for (const auto& b : buckets)
+            for (const auto& e : b.manifest.entries())
+              got_mtp = got_mtp || absl::StartsWith(e.tensor().name(), mtp_layer);
+          EXPECT_EQ(got_mtp, p.mtp_draft);
         }
         ++cases;
       }
     }
   }
-  EXPECT_GE(cases, 40);
+  EXPECT_GE(cases, 44);
 }
 
 TEST(ShardPlanTest, GroupsFollowEngineRanks) {
@@ -182,6 +204,15 @@ TEST(ShardPlanTest, GroupsFollowEngineRanks) {
   EXPECT_EQ(g.members[2], std::vector<int>({0, 3}));
   EXPECT_EQ(g.group_of, std::vector<int>({2, 0, 1, 2, 1}));
   EXPECT_EQ(g.rank_in_group, std::vector<int>({0, 0, 0, 1, 1}));
+  // The same engine rank with and without the NextN draft keeps different blocks: two groups.
+  std::vector<EngineParallel> mixed = {{2, 0, 1}, {2, 0, 1}, {2, 0, 1}};
+  mixed[1].mtp_draft = true;
+  const Grouping d = GroupReceivers(mixed);
+  ASSERT_EQ(d.groups.size(), 2u);
+  EXPECT_FALSE(d.groups[0].mtp_draft);
+  EXPECT_TRUE(d.groups[1].mtp_draft);
+  EXPECT_EQ(d.members[0], std::vector<int>({0, 2}));
+  EXPECT_EQ(d.members[1], std::vector<int>({1}));
 }
 
 TEST(ShardPlanTest, RefusalsNameWhatIsWrong) {

@@ -478,8 +478,7 @@ class Ctl {
         engine_model::EngineParallel parallel{static_cast<int>(r.tp_size()), static_cast<int>(r.tp_rank()),
                                               static_cast<int>(r.ep_size())};
         for (const auto& p : r.params())
-          parallel.mtp_draft = parallel.mtp_draft || (absl::StartsWith(p.name(), "model.layers.") &&
-                                                      absl::EndsWith(p.name(), ".eh_proj.weight"));
+          parallel.mtp_draft = parallel.mtp_draft || engine_model::IsMtpDraftParam(p.name());
         if (s.ok()) {
           layout = engine_model::EngineLayout::Create(*model, engine_quant ? &*engine_quant : nullptr, parallel);
           s = layout.status();

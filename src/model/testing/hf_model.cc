@@ -21,7 +21,8 @@ void AddMlp(std::vector<HfTensorSpec>& v, const std::string& pre, int64_t H, int
   Add(v, pre + "down_proj.weight", {H, F}, dt);
 }
 
-void AddLayer(std::vector<HfTensorSpec>& v, const ModelConfig& c, int64_t i) {
+// Decoder layer i; `moe`: its MLP is MoE (an MTP layer's always is: SGLang's NextN models build it so).
+void AddLayer(std::vector<HfTensorSpec>& v, const ModelConfig& c, int64_t i, bool moe) {
   const DType dt = c.dtype;
   const int64_t H = c.hidden_size;
   const std::string L = absl::StrCat("model.layers.", i, ".");
@@ -58,7 +59,7 @@ void AddLayer(std::vector<HfTensorSpec>& v, const ModelConfig& c, int64_t i) {
     }
   }
   Add(v, L + "post_attention_layernorm.weight", {H}, dt);
-  if (!c.IsMoeLayer(i)) {
+  if (!moe) {
     AddMlp(v, L + "mlp.", H, c.intermediate_size, dt);
     if (c.mlp_bias) {
       Add(v, L + "mlp.gate_proj.bias", {c.intermediate_size}, dt);
@@ -103,18 +104,18 @@ float Dequant(const Tensor& packed, const Tensor& scale, int64_t n, int64_t k, i
 std::vector<HfTensorSpec> HfCheckpointSpecs(const ModelConfig& c, bool tied_lm_head, bool mtp) {
   std::vector<HfTensorSpec> v;
   Add(v, "model.embed_tokens.weight", {c.vocab_size, c.hidden_size}, c.dtype);
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) AddLayer(v, c, i);
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) AddLayer(v, c, i, c.IsMoeLayer(i));
   Add(v, "model.norm.weight", {c.hidden_size}, c.dtype);
   if (!c.tie_word_embeddings || tied_lm_head) Add(v, "lm_head.weight", {c.vocab_size, c.hidden_size}, c.dtype);
   if (mtp) {
     for (int64_t k = 0; k < c.num_nextn_predict_layers; ++k) {
       const int64_t i = c.num_hidden_layers + k;
       const std::string L = absl::StrCat("model.layers.", i, ".");
-      Add(v, L + "eh_proj.weight", {c.hidden_size, 2 * c.hidden_size}, c.dtype);
       Add(v, L + "enorm.weight", {c.hidden_size}, c.dtype);
       Add(v, L + "hnorm.weight", {c.hidden_size}, c.dtype);
+      Add(v, L + "eh_proj.weight", {c.hidden_size, 2 * c.hidden_size}, c.dtype);
+      AddLayer(v, c, i, c.moe.has_value());
       Add(v, L + "shared_head.norm.weight", {c.hidden_size}, c.dtype);
-      Add(v, L + "input_layernorm.weight", {c.hidden_size}, c.dtype);
     }
   }
   return v;
@@ -150,13 +151,10 @@ absl::StatusOr<HfModel> MakeHfModel(const ModelConfig& c, const QuantizationConf
         dense.data_as<float>()[i] = s.dtype == DType::kBF16 ? BF16ToF32(b) : F16ToF32(b);
       }
     }
-    const bool mtp_layer = [&] {
-      for (int64_t k = 0; k < c.num_nextn_predict_layers; ++k)
-        if (absl::StartsWith(s.name, absl::StrCat("model.layers.", c.num_hidden_layers + k, "."))) return true;
-      return false;
-    }();
-    const bool int4 =
-        q != nullptr && !mtp_layer && s.shape.size() == 2 && absl::EndsWith(s.name, ".weight") && !q->IsIgnored(s.name);
+    // An MTP layer is quantized as the others; its eh_proj stays bf16 (SGLang's NextN models hold
+    // it as a plain nn.Linear; MEGATRON_TO_HF.md §5.7).
+    const bool int4 = q != nullptr && s.shape.size() == 2 && absl::EndsWith(s.name, ".weight") &&
+                      !absl::EndsWith(s.name, ".eh_proj.weight") && !q->IsIgnored(s.name);
     if (!int4) {
       m.order.push_back(s.name);
       m.sent.emplace(s.name, std::move(raw));

@@ -24,7 +24,9 @@
 namespace wsync::model::testing {
 
 // The unquantized HF checkpoint tensors of `config` in checkpoint order. `tied_lm_head`: also list
-// lm_head.weight when embeddings are tied (what a PP>1 trainer sends). `mtp`: DeepSeek MTP layers.
+// lm_head.weight when embeddings are tied (what a PP>1 trainer sends). `mtp`: the MTP layers
+// (model.layers.{num_hidden_layers + k}: enorm, hnorm, eh_proj, a decoder layer, shared_head.norm), quantized as the
+// others but eh_proj.
 std::vector<HfTensorSpec> HfCheckpointSpecs(const ModelConfig& config, bool tied_lm_head, bool mtp);
 
 struct HfModelOptions {

@@ -102,9 +102,8 @@ std::string LayoutKey(const v1::RegisterEngineRequest& req) {
 }
 
 bool ServesMtpDraft(const v1::RegisterEngineRequest& req) {
-  for (const auto& p : req.params())
-    if (absl::StartsWith(p.name(), "model.layers.") && absl::EndsWith(p.name(), ".eh_proj.weight")) return true;
-  return false;
+  return std::any_of(req.params().begin(), req.params().end(),
+                     [](const v1::EngineParam& p) { return engine_model::IsMtpDraftParam(p.name()); });
 }
 
 uint64_t LayoutKeyHash(const v1::RegisterEngineRequest& req) { return HashOf(LayoutKey(req)); }

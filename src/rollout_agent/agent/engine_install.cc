@@ -143,6 +143,7 @@ v1::JoinRequest JoinFor(const v1::RegisterEngineRequest& req, const std::string&
   join.set_ep_size(static_cast<uint32_t>(ep));
   join.set_version(req.version());
   join.set_quantization_config_json(req.quantization_config_json());
+  join.set_mtp_draft(ServesMtpDraft(req));
   return join;
 }
 

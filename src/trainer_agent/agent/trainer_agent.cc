@@ -83,6 +83,7 @@ struct Command {
 // the Command.
 struct GroupDesc {
   int32_t tp_size = 1, tp_rank = 0, ep_size = 1, agents = 0;
+  int32_t mtp_draft = 0;  // 1: its engines serve the NextN draft too (EngineParallel::mtp_draft)
 };
 
 // Every rank adds 1 to its counter in the coordinator's store every kBeatPeriod, from a thread of its
@@ -386,7 +387,7 @@ class Agent {
         if (world_->rank() == 0) {
           for (size_t g = 0; g < groups.size(); ++g) {
             const auto& p = plan->receiver_groups[g];
-            groups[g] = {p.tp_size, p.tp_rank, p.ep_size, plan->group_agents[g]};
+            groups[g] = {p.tp_size, p.tp_rank, p.ep_size, plan->group_agents[g], p.mtp_draft ? 1 : 0};
           }
         }
         comm::MutableBytes gb{groups.data(), groups.size() * sizeof(GroupDesc)};
@@ -421,7 +422,7 @@ class Agent {
                                std::shared_ptr<const plan::ShardPlan>* plan_out,
                                std::unique_ptr<plan::ShardedSink>* out) {
     std::vector<engine_model::EngineParallel> parallel;
-    for (const GroupDesc& g : groups) parallel.push_back({g.tp_size, g.tp_rank, g.ep_size});
+    for (const GroupDesc& g : groups) parallel.push_back({g.tp_size, g.tp_rank, g.ep_size, g.mtp_draft != 0});
     const std::optional<QuantizationConfig>& q = sync_quant_;
     // The plan is computed once and kept while the receiver groups, the model and the quantization
     // stay the same (the membership decides the groups): building one engine layout per group
@@ -429,7 +430,8 @@ class Agent {
     std::string key =
         absl::StrCat(src.config_json(), "\n", QuantFingerprint(q ? &*q : nullptr, kernels::QuantVariant::kQat), "\n",
                      opts_.expert_map ? opts_.expert_map->Canonical() : "experts: all");
-    for (const GroupDesc& g : groups) absl::StrAppend(&key, "\n", g.tp_size, "/", g.tp_rank, "/", g.ep_size);
+    for (const GroupDesc& g : groups)
+      absl::StrAppend(&key, "\n", g.tp_size, "/", g.tp_rank, "/", g.ep_size, g.mtp_draft ? "/mtp-draft" : "");
     if (plan_ == nullptr || key != plan_key_) {
       // Expert pruning: the engines serve the pruned model, so their layouts are its layouts.
       std::optional<ModelConfig> pruned;

@@ -958,6 +958,47 @@ TEST_F(SyncCoordinatorTest, AMemberBehindThePublishedVersionIsToldWhichPeersHold
   EXPECT_EQ(Beat(reply.agent_id(), 1).catch_up().version(), 0u);  // caught up
 }
 
+// An engine that serves SGLang's NextN draft says so when it joins (JoinRequest.mtp_draft): a
+// sharded sync gives its ranks receiver groups of their own, marked with the draft, so the trainer
+// sends them the MTP layer's blocks; and it catches up only from a peer that holds a draft too.
+TEST_F(SyncCoordinatorTest, AnEngineWithTheNextNDraftGetsGroupsOfItsOwn) {
+  Make();
+  auto join = [&](const std::string& address, uint32_t rank, const std::string& engine, bool draft, uint64_t version) {
+    v1::JoinRequest req;
+    req.set_agent_address(address);
+    req.set_engine_id(engine);
+    req.set_tp_rank(rank);
+    req.set_tp_size(2);
+    req.set_mtp_draft(draft);
+    req.set_version(version);
+    v1::JoinReply reply;
+    EXPECT_TRUE(coordinator_->Join(req, &reply).ok());
+    return reply;
+  };
+  join("a:1", 0, "plain", false, 0);
+  join("a:2", 1, "plain", false, 0);
+  join("d:1", 0, "draft", true, 0);
+  join("d:2", 1, "draft", true, 0);
+  auto t = Trigger(0, false, 0, "sharded");
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_EQ(Finish(t->sync_id()).phase(), "done");
+  ASSERT_EQ(trainer_.plans().size(), 1u);
+  const SyncPlan plan = trainer_.plans()[0];
+  ASSERT_EQ(plan.receiver_groups.size(), 4u);
+  int drafts = 0;
+  for (const auto& g : plan.receiver_groups) drafts += g.mtp_draft ? 1 : 0;
+  EXPECT_EQ(drafts, 2);
+  EXPECT_EQ(plan.group_agents, std::vector<int>({1, 1, 1, 1}));
+
+  // A draft engine's rank 1 restarted with nothing: the plain engine's rank 1 holds version 1 but
+  // no draft, so it is no peer; another draft engine at version 1 is.
+  const v1::JoinReply back = join("d:9", 1, "draft", true, 0);
+  EXPECT_EQ(back.catch_up().version(), 1u);
+  EXPECT_TRUE(back.catch_up().peers().empty());
+  join("e:2", 1, "draft2", true, 1);
+  EXPECT_THAT(Beat(back.agent_id(), 0).catch_up().peers(), ::testing::ElementsAre("e:2"));
+}
+
 TEST_F(SyncCoordinatorTest, MembershipJoinRejoinLeaveAndTimeout) {
   Make({.member_timeout = absl::Milliseconds(600)});
   v1::JoinRequest bad;

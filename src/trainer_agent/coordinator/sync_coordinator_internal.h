@@ -25,6 +25,7 @@ struct SyncCoordinator::Member {
   std::string id, address, engine_id;
   std::string quant_json;  // the engine's quantization_config ("" = bf16)
   uint32_t tp_rank = 0, tp_size = 1, ep_size = 1;
+  bool mtp_draft = false;  // the engine serves the NextN draft too (JoinRequest.mtp_draft)
   uint64_t version = 0;
   absl::Time last_seen;
   std::shared_ptr<AgentClient> client;

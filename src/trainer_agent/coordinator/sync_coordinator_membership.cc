@@ -43,12 +43,13 @@ absl::Status SyncCoordinator::Join(const v1::JoinRequest& req, v1::JoinReply* re
   m.tp_rank = req.tp_rank();
   m.tp_size = req.tp_size();
   m.ep_size = std::max<uint32_t>(req.ep_size(), 1);
+  m.mtp_draft = req.mtp_draft();
   m.quant_json = req.quantization_config_json();
   m.version = req.version();
   m.last_seen = absl::Now();
   m.client = connect_(m.address);
   WSYNC_LOG(INFO) << "member " << m.id << " joined: " << m.address << " engine " << m.engine_id << " tp " << m.tp_rank
-                  << "/" << m.tp_size << " at version " << m.version;
+                  << "/" << m.tp_size << (m.mtp_draft ? " with the NextN draft" : "") << " at version " << m.version;
   reply->set_agent_id(absl::StrCat(m.id, "@", run_id_));
   reply->set_heartbeat_ms(absl::ToInt64Milliseconds(opts_.heartbeat));
   FleetEngine& e = fleet_[m.engine_id];
@@ -95,7 +96,7 @@ void SyncCoordinator::FillCatchUp(const Member& m, v1::CatchUpHint* hint) const 
   hint->set_version(target);
   for (const auto& [id, p] : members_) {
     if (p.engine_id != m.engine_id && p.tp_size == m.tp_size && p.tp_rank == m.tp_rank && p.ep_size == m.ep_size &&
-        p.version == target)
+        p.mtp_draft == m.mtp_draft && p.version == target)
       hint->add_peers(p.address);
   }
 }

@@ -297,8 +297,10 @@ SyncCoordinator::Attempt SyncCoordinator::PlanSync(uint64_t id) {
   // group's stream of every stage, as rank 1 + its place in the group.
   if (plan.delivery == plan::Delivery::kSharded) {
     std::vector<engine_model::EngineParallel> ranks;
-    for (const Member& m : a.members)
-      ranks.push_back({static_cast<int>(m.tp_size), static_cast<int>(m.tp_rank), static_cast<int>(m.ep_size)});
+    for (const Member& m : a.members) {
+      ranks.push_back(
+          {static_cast<int>(m.tp_size), static_cast<int>(m.tp_rank), static_cast<int>(m.ep_size), m.mtp_draft});
+    }
     a.grouping = plan::GroupReceivers(ranks);
     plan.receiver_groups = a.grouping.groups;
     for (const auto& g : a.grouping.members) plan.group_agents.push_back(static_cast<int>(g.size()));
