@@ -8,9 +8,8 @@
 # made of the same HF weights must generate exactly what both synced engines generate.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
-bin="${WSYNC_BIN:-$here/build/bin}"
-w="$(mktemp -d /tmp/wsync-e2e-awq.XXXXXX)"
-trap 'rc=$?; if [ "$rc" = 0 ]; then rm -rf "$w"; else echo "e2e_awq: FAILED; files in $w" >&2; fi' EXIT
+. "$here/tests/integration/e2e_lib.sh"
+e2e_workdir e2e_awq
 
 # transformers' AwqConfig spelling; lm_head, embeddings and the routers are never AWQ (config.h).
 cat > "$w/awq.json" <<'JSON'

@@ -14,9 +14,8 @@
 # an FP8 block is refused before any byte moves.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
-bin="${WSYNC_BIN:-$here/build/bin}"
-w="$(mktemp -d /tmp/wsync-e2e-fp8.XXXXXX)"
-trap 'rc=$?; if [ "$rc" = 0 ]; then rm -rf "$w"; else echo "e2e_fp8: FAILED; files in $w" >&2; fi' EXIT
+. "$here/tests/integration/e2e_lib.sh"
+e2e_workdir e2e_fp8
 
 cat > "$w/block.json" <<'JSON'
 {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 64]}

@@ -12,10 +12,8 @@
 #      engines generating as an engine started from the checkpoint.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
-bin="${WSYNC_BIN:-$here/build/bin}"
-w="$(mktemp -d /tmp/wsync-e2e-glm.XXXXXX)"
 . "$here/tests/integration/e2e_lib.sh"
-trap 'rc=$?; if [ "$rc" = 0 ]; then rm -rf "$w"; else echo "e2e_glm: FAILED; files in $w" >&2; fi' EXIT
+e2e_workdir e2e_glm
 
 e2e_int4_quant "$w/quant.json"
 "$bin/wsync-model-gen" --arch glm4-moe --preset tiny --layers 4 --seed 20261203 --out "$w/bf16" > /dev/null

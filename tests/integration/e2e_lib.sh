@@ -27,6 +27,8 @@
 #                         member registers, then `verify --against $work/hf` bit-exact on N engine
 #                         ranks; prints the published version; fails naming WHAT otherwise
 # For the scripts that run `tools/wsync-local` (e2e_start not needed):
+#   e2e_workdir NAME      sets bin (WSYNC_BIN or build/bin; $here set by the caller) and w (a fresh
+#                         /tmp dir), removed by an EXIT trap on success and kept, named, on failure
 #   e2e_int4_quant FILE   writes FILE: compressed-tensors INT4, group 64, attention, embeddings, lm_head
 #                         and routers left in bf16
 #   e2e_then FILE         writes FILE, a `wsync-local --then "bash FILE"` script that runs $THEN_FIRST (a
@@ -157,6 +159,13 @@ e2e_int4_quant() {
    "strategy": "group", "group_size": 64, "symmetric": true, "actorder": null}}},
  "ignore": ["lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*mlp\\.gate$"]}
 JSON
+}
+
+e2e_workdir() {
+  e2e_name="$1"
+  bin="${WSYNC_BIN:-$here/build/bin}"
+  w="$(mktemp -d "/tmp/wsync-$e2e_name.XXXXXX")"
+  trap 'rc=$?; if [ "$rc" = 0 ]; then rm -rf "$w"; else echo "$e2e_name: FAILED; files in $w" >&2; fi' EXIT
 }
 
 e2e_then() {

@@ -8,10 +8,8 @@
 # started from that checkpoint must generate exactly what the synced engine generates.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
-bin="${WSYNC_BIN:-$here/build/bin}"
-w="$(mktemp -d /tmp/wsync-e2e-prune.XXXXXX)"
 . "$here/tests/integration/e2e_lib.sh"
-trap 'rc=$?; if [ "$rc" = 0 ]; then rm -rf "$w"; else echo "e2e_prune: FAILED; files in $w" >&2; fi' EXIT
+e2e_workdir e2e_prune
 
 e2e_int4_quant "$w/quant.json"
 "$bin/wsync-model-gen" --arch deepseek-v3 --preset tiny --layers 3 --seed 20261126 --out "$w/hf" \

@@ -9,9 +9,8 @@
 # checkpoint (the same INT4 values in SGLang's layout) must generate exactly what both generate.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
-bin="${WSYNC_BIN:-$here/build/bin}"
-w="$(mktemp -d /tmp/wsync-e2e-trtllm.XXXXXX)"
-trap 'rc=$?; if [ "$rc" = 0 ]; then rm -rf "$w"; else echo "e2e_trtllm: FAILED; files in $w" >&2; fi' EXIT
+. "$here/tests/integration/e2e_lib.sh"
+e2e_workdir e2e_trtllm
 
 quant() {  # quant LAYOUT: the compressed-tensors config, with the engine layout the engine declares
   cat <<JSON

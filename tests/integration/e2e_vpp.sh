@@ -11,10 +11,8 @@
 # wsync-shard --verify checks each cut against the checkpoint first (its gathers simulated).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
-bin="${WSYNC_BIN:-$here/build/bin}"
-w="$(mktemp -d /tmp/wsync-e2e-vpp.XXXXXX)"
 . "$here/tests/integration/e2e_lib.sh"
-trap 'rc=$?; if [ "$rc" = 0 ]; then rm -rf "$w"; else echo "e2e_vpp: FAILED; files in $w" >&2; fi' EXIT
+e2e_workdir e2e_vpp
 
 e2e_int4_quant "$w/quant.json"
 "$bin/wsync-model-gen" --arch deepseek-v3 --preset tiny --layers 4 --seed 20261201 --out "$w/ds" \
