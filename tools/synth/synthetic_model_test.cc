@@ -149,5 +149,29 @@ TEST(HfCheckpoint, RefusesDuplicatesAcrossFilesAndMissingDirectories) {
   EXPECT_THAT(model::HfCheckpoint::Open(dir).status().message(), HasSubstr("tensor \"a.weight\" is in both"));
 }
 
+// MTP layers exist for DeepSeek-V3 and GLM-4.5 only: --mtp on another architecture, or a negative
+// count, is refused naming the option and the architecture, and makes no config.
+TEST(Synthetic, MtpLayersAreRefusedWhereTheArchitectureHasNone) {
+  for (Architecture a : {Architecture::kLlama, Architecture::kQwen3, Architecture::kQwen3Moe}) {
+    SyntheticModelOptions o = testing::SmallOptions(a);
+    o.mtp_layers = 1;
+    auto json = SyntheticConfigJson(o);
+    ASSERT_FALSE(json.ok()) << ArchitectureName(a);
+    EXPECT_EQ(json.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(json.status().message(), HasSubstr("mtp_layers=1"));
+    EXPECT_THAT(json.status().message(), HasSubstr(std::string(ArchitectureName(a))));
+  }
+  SyntheticModelOptions neg = testing::SmallOptions(Architecture::kDeepseekV3);
+  neg.mtp_layers = -1;
+  EXPECT_FALSE(SyntheticConfigJson(neg).ok());
+  for (Architecture a : {Architecture::kDeepseekV3, Architecture::kGlm4Moe}) {
+    SyntheticModelOptions o = testing::SmallOptions(a);
+    o.mtp_layers = 1;
+    auto json = SyntheticConfigJson(o);
+    ASSERT_TRUE(json.ok()) << json.status();
+    EXPECT_THAT(*json, HasSubstr("\"num_nextn_predict_layers\": 1"));
+  }
+}
+
 }  // namespace
 }  // namespace wsync::tools
