@@ -33,8 +33,9 @@ if(WSYNC_TSAN)
   add_compile_options($<$<COMPILE_LANGUAGE:C,CXX>:-fsanitize=thread> $<$<COMPILE_LANGUAGE:C,CXX>:-fno-omit-frame-pointer>)
   add_link_options(-fsanitize=thread)
 endif()
-# The tests labelled tsan, so that a TSan build compiles only what it runs.
+# The tests labelled tsan (sanitize), so that a TSan (ASan) build compiles only what it runs.
 add_custom_target(wsync_tsan_tests)
+add_custom_target(wsync_sanitize_tests)
 
 if(WSYNC_HAVE_FUZZ)
   # Coverage instrumentation for the code the fuzz targets reach (the libFuzzer runtime itself
@@ -58,5 +59,8 @@ function(wsync_add_test)
   set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES ${labels_file})
   if("tsan" IN_LIST T_LABELS)
     add_dependencies(wsync_tsan_tests ${T_NAME})
+  endif()
+  if("sanitize" IN_LIST T_LABELS)
+    add_dependencies(wsync_sanitize_tests ${T_NAME})
   endif()
 endfunction()
