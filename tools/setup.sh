@@ -28,7 +28,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 # What the build and the demo need; then what the tests add (sanitizer builds, the format check,
-# network namespaces, TLS certificates, the Python tests' environment).
+# network namespaces, TLS certificates, a Slurm cluster, the Python tests' environment).
 DEMO_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git python3
   libopenmpi-dev openmpi-bin
@@ -39,6 +39,7 @@ DEMO_PACKAGES=(
 TEST_PACKAGES=(
   clang libclang-rt-14-dev clang-format
   iproute2 openssl python3-venv python3-torch python3-numpy python3-pytest python3-mypy
+  slurm-wlm munge
 )
 
 mode=default
