@@ -101,7 +101,7 @@ uint64_t KeptBytes(const EngineLayout& layout) {
 }
 
 TEST(ShardPlanTest, EveryRankGetsExactlyWhatItKeeps) {
-  int cases = 0;
+  int cases = 0, draft_cases = 0;
   for (const Model& mdl : kModels) {
     auto config = ParseModelConfig(mdl.json, mdl.name);
     ASSERT_TRUE(config.ok()) << config.status();
@@ -119,6 +119,7 @@ TEST(ShardPlanTest, EveryRankGetsExactlyWhatItKeeps) {
         const bool draft =
             std::any_of(fleet.engines.begin(), fleet.engines.end(), [](const FleetEngine& e) { return e.draft; });
         if (draft && config->num_nextn_predict_layers != 1) continue;
+        draft_cases += draft ? 1 : 0;
         SCOPED_TRACE(absl::StrCat(mdl.name, int4 ? " INT4" : " bf16", ", fleet ", fleet.name, ", seed ", seed));
         std::vector<EngineParallel> agents;
         for (const FleetEngine& e : fleet.engines)
@@ -193,6 +194,7 @@ TEST(ShardPlanTest, EveryRankGetsExactlyWhatItKeeps) {
     }
   }
   EXPECT_GE(cases, 44);
+  EXPECT_EQ(draft_cases, 4);  // DeepSeek-V3 (q_lora) and GLM-4.5, bf16 and INT4
 }
 
 TEST(ShardPlanTest, GroupsFollowEngineRanks) {

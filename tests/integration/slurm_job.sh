@@ -7,22 +7,41 @@
 #      NodeAddr.
 #   2. `sbatch` deploy/slurm/wsync-rollout.sbatch (2 nodes x 1 task): a rollout agent and a reference
 #      engine per task, joining that coordinator.
-#   3. Syncs (broadcast, then sharded), each bit-exact on both engines under `wsyncctl verify`
-#      (the independent reference); `scancel` ends both jobs and every process of theirs.
-# Skips (77) where slurm-wlm or munge is not installed (tools/setup.sh installs them).
+#   3. Two syncs of two versions (a broadcast one, then a sharded one: two TP 1 engines make one
+#      receiver group), each bit-exact on both engines under `wsyncctl verify` (the independent
+#      reference) for the version it published; `scancel` ends both jobs and every process of theirs.
+# Skips (77) where slurm-wlm or munge is not installed (tools/setup.sh installs them) or not root
+# (the daemons run as root).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
 . "$here/tests/integration/e2e_lib.sh"
 for cmd in slurmctld slurmd sbatch munged; do
   command -v "$cmd" > /dev/null || { echo "slurm_job: SKIP: no $cmd (Debian's slurm-wlm and munge)"; exit 77; }
 done
+[ "$(id -u)" = 0 ] || { echo "slurm_job: SKIP: not root (the test's slurmctld and slurmd run as root)"; exit 77; }
 e2e_workdir slurm_job
-# Everything started here stops on exit: the jobs, then the daemons.
+# Everything started here stops on exit, on every path: this cluster's jobs (cancelled, then waited
+# for), any process left with this test's token, then the daemons (waited for before the rm).
+jobs_here=()
 stop_cluster() {
-  [ -n "${SLURM_CONF:-}" ] && scancel --quiet --user root 2> /dev/null || true
+  local f pids=()
+  if [ "${#jobs_here[@]}" -gt 0 ]; then
+    local ids
+    ids=$(IFS=,; echo "${jobs_here[*]}")
+    SLURM_CONF="$w/slurm.conf" scancel --quiet "${jobs_here[@]}" 2> /dev/null || true
+    for _ in $(seq 200); do
+      [ -z "$(SLURM_CONF="$w/slurm.conf" squeue -h -j "$ids" 2> /dev/null)" ] && break
+      sleep 0.2
+    done
+  fi
+  pkill -KILL -f -- "--token-file $w/token" 2> /dev/null || true
   for f in "$w"/slurmd-*.pid "$w"/slurmctld.pid "$w"/munge/pid; do
-    [ -s "$f" ] && kill "$(cat "$f")" 2> /dev/null || true
+    [ -s "$f" ] && pids+=("$(cat "$f")")
   done
+  [ "${#pids[@]}" -gt 0 ] || return 0
+  kill "${pids[@]}" 2> /dev/null || true
+  for _ in $(seq 50); do kill -0 "${pids[@]}" 2> /dev/null || return 0; sleep 0.2; done
+  kill -KILL "${pids[@]}" 2> /dev/null || true
 }
 trap 'rc=$?; stop_cluster; if [ "$rc" = 0 ]; then rm -rf "$w"; else echo "slurm_job: FAILED; files in $w" >&2; fi' EXIT
 fail() { echo "FAIL: $*" >&2; for f in "$w"/log/*.log "$w"/*.out; do [ -f "$f" ] && { echo "--- $f" >&2; tail -15 "$f" >&2; }; done; exit 1; }
@@ -84,11 +103,13 @@ port=$(e2e_fixed_port)
 export WSYNC_BIN="$bin" WSYNC_TOKEN_FILE="$w/token" WSYNC_COORDINATOR_PORT="$port" WSYNC_STATE_DIR="$w/state-wsync"
 trainer_job=$(sbatch --parsable --nodes=2 --ntasks-per-node=1 --chdir="$w" --output="$w/trainer.out" \
   "$here/deploy/slurm/wsync-trainer-agents.sbatch" "dir:$w/src" --backend gloo --bucket-mib 1)
+jobs_here+=("$trainer_job")
 ctl=("$bin/wsyncctl" --coordinator "127.0.0.1:$port" --token-file "$w/token")
 for _ in $(seq 300); do "${ctl[@]}" status > /dev/null 2>&1 && break; sleep 0.2; done
 "${ctl[@]}" status > /dev/null 2>&1 || fail "the trainer agents' job ($trainer_job) started no coordinator"
 rollout_job=$(sbatch --parsable --nodes=2 --ntasks-per-node=1 --chdir="$w" --output="$w/rollout.out" \
   "$here/deploy/slurm/wsync-rollout.sbatch" "127.0.0.1:$port" "$bin/wsync-ref-engine" --model "$w/hf/config.json")
+jobs_here+=("$rollout_job")
 [ "$(members "${ctl[@]}")" = 2 ] || for _ in $(seq 300); do
   [ "$(members "${ctl[@]}")" = 2 ] && break
   sleep 0.2
@@ -99,18 +120,27 @@ echo "ok: trainer agents (job $trainer_job) and rollout engines (job $rollout_jo
 grep -q "task 0 on n1" "$w/rollout.out" && grep -q "task 1 on n2" "$w/rollout.out" ||
   fail "the rollout tasks did not run one on each node"
 
+seed=20261129
 for delivery in broadcast sharded; do
+  if [ "$delivery" = sharded ]; then  # the next version: the trainer agents re-read the directory
+    seed=$((seed + 1))
+    rm -rf "$w/hf" "$w/src"
+    "$bin/wsync-model-gen" --from-config default --seed "$seed" --out "$w/hf" > /dev/null
+    "$bin/wsync-shard" --hf "$w/hf" --out "$w/src" --tp 2 > /dev/null
+  fi
   "${ctl[@]}" sync --wait --delivery "$delivery" > "$w/sync-$delivery.out" 2>&1 ||
     fail "a $delivery sync failed: $(tail -3 "$w/sync-$delivery.out")"
-  n=$("${ctl[@]}" verify --against "$w/hf" | grep -c ": bit-exact" || true)
-  [ "$n" = 2 ] || fail "the $delivery sync is bit-exact on $n of 2 engines"
-  echo "ok: a $delivery sync through the Slurm jobs, bit-exact on both engines (wsyncctl verify)"
+  v=$(sed -n 's/.*version \([0-9]*\) published.*/\1/p' "$w/sync-$delivery.out" | tail -n1)
+  [ -n "$v" ] || fail "the $delivery sync published no version: $(tail -3 "$w/sync-$delivery.out")"
+  n=$("${ctl[@]}" verify --against "$w/hf" | grep -c "version $v: bit-exact" || true)
+  [ "$n" = 2 ] || fail "version $v ($delivery, seed $seed) is bit-exact on $n of 2 engines"
+  echo "ok: version $v, a $delivery sync through the Slurm jobs, bit-exact on both engines (wsyncctl verify)"
 done
 
 scancel "$rollout_job" "$trainer_job"
 for _ in $(seq 300); do [ -z "$(squeue -h -j "$trainer_job,$rollout_job" 2> /dev/null)" ] && break; sleep 0.2; done
 [ -z "$(squeue -h -j "$trainer_job,$rollout_job")" ] || fail "scancel left the jobs running"
-for _ in $(seq 100); do pgrep -f "$w/src|--model $w/hf" > /dev/null || break; sleep 0.2; done
-! pgrep -af "$w/src|--model $w/hf" || fail "processes of the cancelled jobs are still running"
+for _ in $(seq 100); do pgrep -f -- "--token-file $w/token" > /dev/null || break; sleep 0.2; done
+! pgrep -af -- "--token-file $w/token" || fail "processes of the cancelled jobs are still running"
 echo "ok: scancel ended both jobs and their processes"
 echo "slurm_job: ok"
