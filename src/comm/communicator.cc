@@ -28,7 +28,8 @@ absl::StatusOr<Backend> ParseBackend(absl::string_view name) {
 bool MovesDeviceMemory(Backend b) { return b == Backend::kNccl || b == Backend::kCudaIpc; }
 
 absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int, int, std::string) {
-  return absl::UnimplementedError(absl::StrCat("Split is not supported by the ", Name(), " backend (MPI only)"));
+  return absl::UnimplementedError(
+      absl::StrCat("Split is not supported by the ", Name(), " backend (MPI and Gloo only)"));
 }
 
 absl::Status Await(absl::StatusOr<std::unique_ptr<Work>> work) {

@@ -5,7 +5,8 @@
 //                  Work at once, and runs in issue order on the communicator's worker (CPU) or
 //                  stream (NCCL). Collectives must be issued in the same order, with the same
 //                  sizes, on every member.
-//   Factories      CreateMpiWorld (the `mpirun` world, then Split for the TP/EP/PP/DP groups),
+//   Factories      CreateMpiWorld (the `mpirun` world, then Split for the TP/EP/PP/DP groups; a Gloo
+//                  world formed through a store splits the same way),
 //                  CreateGroup (Gloo or NCCL among separately launched processes that only share a
 //                  rendezvous Store, see store/store.h). Backends are compiled in where their
 //                  library exists; the `#if`s live only in factory.cc.
@@ -102,9 +103,10 @@ class Communicator {
 
   virtual absl::StatusOr<std::unique_ptr<Work>> Barrier(const CollectiveOptions& options = {}) = 0;
 
-  // MPI only: a sub-communicator of the members passing the same `color` (ranks ordered by `key`,
-  // then by rank), named `name`. Collective over this communicator; blocking. Others return
-  // kUnimplemented naming the backend.
+  // MPI and Gloo: a sub-communicator of the members passing the same `color` (ranks ordered by
+  // `key`, then by rank), named `name` (Gloo: formed through the store this group was formed
+  // through). Collective over this communicator; blocking. Others return kUnimplemented naming
+  // the backend.
   virtual absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key, std::string name);
 
   // Makes every in-flight and later operation fail with kAborted carrying `reason`. Any thread,

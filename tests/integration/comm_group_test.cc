@@ -272,6 +272,43 @@ TEST(CommFactoryTest, SingleMemberGroupWorksInProcess) {
   }
 }
 
+// Gloo's Split (the world of trainer agents started without mpirun): five members, colours by
+// parity, keys reversing the order; each subgroup holds exactly its colour, ordered by key, and
+// runs a collective. A subgroup without a name is refused on the member that asked.
+TEST(CommFactoryTest, GlooSplitsByColourOrderedByKey) {
+  comm::MemoryStore store;
+  auto formed = comm::testing::MakeLocalGroup(store, "split", 5);
+  ASSERT_TRUE(formed.ok()) << formed.status();
+  auto& world = *formed;
+  std::vector<std::vector<int>> members(5);
+  std::vector<absl::Status> status(5);
+  {
+    std::vector<std::jthread> threads;
+    for (int r = 0; r < 5; ++r)
+      threads.emplace_back([&, r] {
+        auto sub = world[r]->Split(r % 2, -r, absl::StrCat("parity", r % 2));
+        if (!sub.ok()) {
+          status[r] = sub.status();
+          return;
+        }
+        std::vector<int> got((*sub)->size());
+        comm::ConstBytes in{&r, sizeof(int)};
+        comm::MutableBytes out{got.data(), got.size() * sizeof(int)};
+        status[r] = comm::Await((*sub)->AllGather({&in, 1}, {&out, 1}));
+        members[r] = got;
+        EXPECT_EQ((*sub)->group(), absl::StrCat("split/parity", r % 2));
+      });
+  }
+  for (int r = 0; r < 5; ++r) {
+    ASSERT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
+    EXPECT_EQ(members[r], (r % 2 == 0 ? std::vector<int>{4, 2, 0} : std::vector<int>{3, 1})) << r;
+  }
+  auto solo = comm::CreateGroup(comm::Backend::kGloo, comm::testing::LocalMemberOptions(store, "one", 0, 1));
+  ASSERT_TRUE(solo.ok()) << solo.status();
+  auto unnamed = (*solo)->Split(0, 0, "");
+  EXPECT_TRUE(absl::IsInvalidArgument(unnamed.status())) << unnamed.status();
+}
+
 // A member that joined the rendezvous and then went away (an agent that aborted its sync): the one
 // still forming the group stops when its `cancelled` says so, while joining and after it (Gloo's
 // mesh, shm's mapping, NCCL's ncclCommInitRankConfig waiting for the member's bootstrap), not

@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <chrono>
 #include <csignal>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <functional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "comm/gloo/link_monitor.h"
@@ -195,6 +197,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> GlooCommunicator::Create(const Gro
 GlooCommunicator::GlooCommunicator(const GroupOptions& options, std::shared_ptr<gloo::Context> context,
                                    std::unique_ptr<LinkMonitor> monitor)
     : QueuedCommunicator(options.name, options.rank, options.size, options.default_timeout),
+      options_(options),
       context_(std::move(context)),
       monitor_(std::move(monitor)) {
   monitor_->Start([this](LinkMonitor::Link link, const std::string& what) {
@@ -208,6 +211,27 @@ GlooCommunicator::GlooCommunicator(const GroupOptions& options, std::shared_ptr<
 }
 
 GlooCommunicator::~GlooCommunicator() { Shutdown().IgnoreError(); }
+
+absl::StatusOr<std::unique_ptr<Communicator>> GlooCommunicator::Split(int color, int key, std::string name) {
+  const std::string where = absl::StrCat("splitting gloo group \"", group(), "\" into \"", name, "\" (color ", color,
+                                         ", key ", key, ") as rank ", rank());
+  if (name.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": the subgroup needs a name"));
+  const int32_t mine[2] = {color, key};
+  std::vector<int32_t> all(2 * static_cast<size_t>(size()));
+  ConstBytes in{mine, sizeof(mine)};
+  MutableBytes out{all.data(), all.size() * sizeof(int32_t)};
+  RETURN_IF_ERROR(Annotate(Await(AllGather({&in, 1}, {&out, 1}, CollectiveOptions{})), where));
+  std::vector<std::pair<int32_t, int>> members;  // (key, rank) of this color
+  for (int r = 0; r < size(); ++r)
+    if (all[2 * static_cast<size_t>(r)] == color) members.emplace_back(all[2 * static_cast<size_t>(r) + 1], r);
+  std::sort(members.begin(), members.end());
+  GroupOptions sub = options_;
+  sub.name = absl::StrCat(group(), "/", name);
+  sub.size = static_cast<int>(members.size());
+  sub.rank = static_cast<int>(std::find(members.begin(), members.end(), std::make_pair(key, rank())) - members.begin());
+  ASSIGN_OR_RETURN(auto comm, Create(sub));
+  return comm;
+}
 
 absl::Status GlooCommunicator::LinkStatus(bool need_prev, bool need_next) {
   absl::MutexLock lock(&inflight_mu_);

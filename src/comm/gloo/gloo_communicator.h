@@ -15,6 +15,9 @@
 // Liveness: Gloo does not wake a receive whose data was streaming in when its peer died, so a
 // LinkMonitor (link_monitor.h) watches the ring links on its own sockets and wakes the worker's
 // waits: a dead neighbour gives kUnavailable at once.
+// Split: the members' (color, key) are all-gathered over this group, then each color forms a new
+// Gloo group through the same store under "<this group's name>/<name>" (ranks ordered by key, then
+// rank), with this group's host and timeouts. The store must outlive every group split from it.
 // Abort: the worker's pending waits are released (abortWaitRecv/abortWaitSend) and the group's
 // connections are closed before the operation returns, so peers see kUnavailable at once and no
 // buffer is touched afterwards.
@@ -49,6 +52,7 @@ class GlooCommunicator final : public QueuedCommunicator {
   ~GlooCommunicator() override;
 
   absl::string_view Name() const override { return "gloo"; }
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key, std::string name) override;
 
  protected:
   absl::Status DoBroadcast(const OpContext& ctx, absl::Span<const MutableBytes> buffers, int root) override;
@@ -82,6 +86,7 @@ class GlooCommunicator final : public QueuedCommunicator {
   void CloseConnections();
   void WakeWaits();  // releases the worker's pending Gloo waits (never blocks)
 
+  const GroupOptions options_;  // how this group was formed: Split forms its subgroups the same way
   std::shared_ptr<gloo::Context> context_;
   std::unique_ptr<LinkMonitor> monitor_;
   // Held for the whole of CloseConnections, so that a second caller returns only once the

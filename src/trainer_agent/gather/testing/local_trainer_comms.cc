@@ -1,7 +1,8 @@
 #include "trainer_agent/gather/testing/local_trainer_comms.h"
 
-#include <set>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "comm/testing/local_group.h"
@@ -21,27 +22,24 @@ absl::StatusOr<LocalTrainerComms> MakeLocalTrainerComms(comm::Store& store, cons
   const int n = layout.world_size();
   LocalTrainerComms out;
   ASSIGN_OR_RETURN(out.world, comm::testing::MakeLocalGroup(store, absl::StrCat(name, "/world"), n, timeout));
+  // Every rank splits the world as the agent does (MakeTrainerComms: Gloo's Split), each on its thread.
   out.ranks.resize(static_cast<size_t>(n));
-  for (int r = 0; r < n; ++r) out.ranks[static_cast<size_t>(r)].world = out.world[static_cast<size_t>(r)].get();
-  struct Kind {
-    absl::string_view name;
-    std::vector<int> (ParallelLayout::*group)(int) const;
-    std::unique_ptr<comm::Communicator> TrainerComms::*member;
-  };
-  const Kind kinds[] = {{"tp", &ParallelLayout::TpGroup, &TrainerComms::tp},
-                        {"etp", &ParallelLayout::EtpGroup, &TrainerComms::etp},
-                        {"ep", &ParallelLayout::EpGroup, &TrainerComms::ep}};
-  for (const Kind& kind : kinds) {
-    std::set<std::vector<int>> groups;
-    for (int r = 0; r < n; ++r) groups.insert((layout.*kind.group)(r));
-    for (const std::vector<int>& members : groups) {
-      ASSIGN_OR_RETURN(std::vector<std::unique_ptr<comm::Communicator>> group,
-                       comm::testing::MakeLocalGroup(store, absl::StrCat(name, "/", kind.name, "@", members.front()),
-                                                     static_cast<int>(members.size()), timeout));
-      for (size_t i = 0; i < members.size(); ++i)
-        out.ranks[static_cast<size_t>(members[i])].*kind.member = std::move(group[i]);
-    }
+  std::vector<absl::Status> status(static_cast<size_t>(n));
+  {
+    std::vector<std::jthread> threads;
+    for (int r = 0; r < n; ++r)
+      threads.emplace_back([&, r] {
+        const auto i = static_cast<size_t>(r);
+        auto comms = MakeTrainerComms(*out.world[i], layout, {.timeout = timeout});
+        if (comms.ok()) {
+          out.ranks[i] = std::move(*comms);
+        } else {
+          status[i] = comms.status();
+          out.world[i]->Abort(comms.status().message());  // the others' Splits fail at once, not at their timeout
+        }
+      });
   }
+  for (const absl::Status& s : status) RETURN_IF_ERROR(s);
   return out;
 }
 

@@ -1,9 +1,9 @@
 // Test helper: every world rank's TrainerComms for a ParallelLayout inside one process, so that
-// RunRankSync can run on all ranks in threads without mpirun. The world and each TP / ETP / EP
-// group of the layout are local Gloo groups (comm/testing/local_group.h) over a store the caller
-// owns, named "<name>/world", "<name>/tp@<lowest rank>", "<name>/etp@...", "<name>/ep@...". As with
-// MakeTrainerComms (gather/trainer_comms.h), every rank gets all three communicators (a group of
-// one where the layout's group has one member), with comm rank == the rank's position in the
+// RunRankSync can run on all ranks in threads without mpirun. The world is a local Gloo group
+// (comm/testing/local_group.h) over a store the caller owns, named "<name>/world"; every rank then
+// splits it with MakeTrainerComms (gather/trainer_comms.h), as the agent does, into its TP / ETP /
+// EP groups ("<name>/world/tp@<lowest rank>", ...): all three communicators on every rank (a group
+// of one where the layout's group has one member), with comm rank == the rank's position in the
 // layout's (ascending) group == its coordinate on that axis.
 //
 // Ownership: LocalTrainerComms owns every communicator; TrainerComms::world points into `world`,
