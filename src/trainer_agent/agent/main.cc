@@ -7,6 +7,8 @@
 //       [--token-file F]
 //   mpirun -np 4 wsync-trainer-agent --source shm:job42 ...   (the training processes register
 //       their tensors through libwsync_trainer_client; see src/trainer_client/README.md)
+//   wsync-trainer-agent --world-size 4 --rank R --world-store HOST:PORT ...   (one process per rank,
+//       started by a launcher without mpirun: python/wsync/ray.py)
 #include <csignal>
 #include <cstdio>
 
@@ -87,6 +89,17 @@ int main(int argc, char** argv) {
                  "continues where it stopped; relative to rank 0's working directory; one coordinator per directory "
                  "(locked); \"none\": in memory only (docs/sync.md)")
       ->capture_default_str();
+  app.add_option("--world-size", o.world_size,
+                 "Ranks of a world started without mpirun (one agent per training process, e.g. by wsync.ray): "
+                 "they form it over Gloo through rank 0's store (--rank, --world-store); default: the mpirun world")
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--rank", o.world_rank, "This agent's rank in a --world-size world (the training process's rank)");
+  app.add_option("--world-store", o.world_store,
+                 "HOST:PORT of the store through which a --world-size world forms: rank 0 binds it, the others dial "
+                 "it");
+  double world_join_s = 120;
+  app.add_option("--world-join-timeout", world_join_s, "Seconds for every rank of a --world-size world to join")
+      ->check(CLI::PositiveNumber);
   bool host_stages = false;
   app.add_flag("--host-stages", host_stages,
                "shm: sources whose training processes hold CUDA tensors: copy them to the host and convert / "
@@ -97,6 +110,7 @@ int main(int argc, char** argv) {
 
   o.bucket_bytes = bucket_mib << 20;
   o.sync_timeout = absl::Seconds(sync_timeout_s);
+  o.world_join_timeout = absl::Seconds(world_join_s);
   if (!quant_file.empty()) {
     auto q = wsync::LoadQuantizationConfig(quant_file);
     if (!q.ok()) {

@@ -291,8 +291,8 @@ class Agent {
     // Every rank must agree before the first collective that needs the layout (the Splits).
     if (s.ok() && src->parallel().world_size != world_->size()) {
       s = absl::InvalidArgumentError(absl::StrCat(src->Describe(), ": parallel.json says world_size ",
-                                                  src->parallel().world_size, " but mpirun started ", world_->size(),
-                                                  " ranks"));
+                                                  src->parallel().world_size, " but the world has ", world_->size(),
+                                                  " ranks (mpirun -np, or --world-size)"));
     }
     RETURN_IF_ERROR(Vote(*world_, s));
     layout_ = std::make_unique<ParallelLayout>(src->layout());
@@ -730,10 +730,68 @@ class Agent {
 
 }  // namespace
 
+namespace {
+
+// The world of a launcher without mpirun (TrainerAgentOptions::world_size): a Gloo group through the
+// store rank 0 serves. Owns the store (and rank 0's server), which the world's Splits use too: it
+// must outlive every communicator made from it.
+struct StoreWorld {
+  std::unique_ptr<comm::MemoryStore> memory;  // rank 0
+  std::unique_ptr<comm::StoreServer> server;  // rank 0
+  std::unique_ptr<comm::Store> client;        // the other ranks
+  comm::Store* store = nullptr;
+};
+
+absl::StatusOr<std::unique_ptr<comm::Communicator>> FormStoreWorld(const TrainerAgentOptions& o, StoreWorld& w,
+                                                                   const std::atomic<bool>* stop) {
+  if (o.world_rank < 0 || o.world_rank >= o.world_size || o.world_store.empty())
+    return absl::InvalidArgumentError(
+        absl::StrCat("a world of ", o.world_size, " ranks without mpirun needs --rank (0 to ", o.world_size - 1,
+                     "; got ", o.world_rank, ") and --world-store HOST:PORT (rank 0 serves it)"));
+  RETURN_IF_ERROR(SplitHostPort(o.world_store).status());
+  if (o.world_rank == 0) {
+    w.memory = std::make_unique<comm::MemoryStore>();
+    auto server = comm::StoreServer::Start(w.memory.get(), o.world_store, o.security);
+    if (!server.ok())
+      return Annotate(server.status(), absl::StrCat("rank 0 serving the world's store on ", o.world_store));
+    w.server = std::move(*server);
+    w.store = w.memory.get();
+  } else {
+    w.client = comm::GrpcStoreClient::Connect(o.world_store, absl::Seconds(30), o.security);
+    w.store = w.client.get();
+  }
+  comm::GroupOptions g;
+  g.store = w.store;
+  g.name = "world";
+  g.rank = o.world_rank;
+  g.size = o.world_size;
+  g.host = o.data_host;
+  if (g.host.empty()) {
+    auto facing = LocalAddressFacing(o.world_store);
+    if (!facing.ok())
+      return Annotate(facing.status(), "choosing the address facing the world's store (give --data-host)");
+    g.host = *facing;
+  }
+  g.join_timeout = o.world_join_timeout;
+  g.default_timeout = o.sync_timeout;
+  g.cancelled = [stop] { return stop != nullptr && stop->load(); };
+  WSYNC_LOG(INFO) << "rank " << o.world_rank << " of " << o.world_size << ": forming the world through "
+                  << (o.world_rank == 0 ? "its store on " : "rank 0's store at ") << o.world_store;
+  return comm::CreateGroup(comm::Backend::kGloo, g);
+}
+
+}  // namespace
+
 absl::Status RunTrainerAgent(const TrainerAgentOptions& options, const std::atomic<bool>* stop) {
-  comm::MpiOptions mo;
-  mo.default_timeout = options.sync_timeout;
-  ASSIGN_OR_RETURN(auto world, comm::CreateMpiWorld(mo));
+  StoreWorld store_world;  // before the world: its Splits form their groups through the store
+  std::unique_ptr<comm::Communicator> world;
+  if (options.world_size > 0) {
+    ASSIGN_OR_RETURN(world, FormStoreWorld(options, store_world, stop));
+  } else {
+    comm::MpiOptions mo;
+    mo.default_timeout = options.sync_timeout;
+    ASSIGN_OR_RETURN(world, comm::CreateMpiWorld(mo));
+  }
   SetLogIdentity("trainer", world->rank());
   Agent agent(options, std::move(world));
   absl::Status s = agent.Init(stop);

@@ -58,9 +58,19 @@ struct TrainerAgentOptions {
   // shm: sources: run the device stages where the training process's tensors are CUDA memory
   // (sync/rank_sync.h); false (--host-stages): copy them to the host first.
   bool device_stages = true;
+  // The world without mpirun (launchers that start every rank on its own: wsync.ray, python/wsync/ray.py):
+  // world_size > 0 forms a Gloo world of world_size ranks, this one world_rank, through a store
+  // that rank 0 serves on world_store (HOST:PORT, bound by rank 0, dialled by the others), split
+  // into the TP / ETP / EP groups as MPI's would be. 0: the mpirun world (MPI).
+  int world_size = 0;
+  int world_rank = -1;
+  std::string world_store;
+  absl::Duration world_join_timeout = absl::Minutes(2);  // every rank must have joined by then
 };
 
-// Runs until Stop() (or SIGINT/SIGTERM through the caller). Returns the first fatal error.
+// Runs until Stop() (or SIGINT/SIGTERM through the caller). Returns the first fatal error:
+// kInvalidArgument for an incomplete store world (world_rank, world_store), kUnavailable when rank 0
+// cannot bind world_store, kDeadlineExceeded naming the ranks that did not join it in time.
 absl::Status RunTrainerAgent(const TrainerAgentOptions& options, const std::atomic<bool>* stop);
 
 }  // namespace wsync::trainer_agent
