@@ -210,10 +210,15 @@ install_torch_env() {
 if ((torch)) && ! "$tvenv/bin/python" -c 'import torch, megatron.core, wheel, transformers, vllm' 2>/dev/null; then
   install_torch_env
 fi
-# The deployment checks' tools, pinned, into the same environment (small: a few MB):
-# kubernetes-validate (the Kubernetes API schemas, offline) for tests/python/test_deploy.py.
+# The deployment checks' tools, pinned, into the same environment: kubernetes-validate (the
+# Kubernetes API schemas, offline; a few MB) for tests/python/test_deploy.py, and Ray (~285 MB,
+# ~50 s) for wsync.ray and ray.multinode (tests/integration/ray_multinode.sh).
 if ((torch)) && [ -x "$tvenv/bin/python" ] && ! "$tvenv/bin/python" -c 'import kubernetes_validate' 2>/dev/null; then
   "$tvenv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir kubernetes-validate==1.37.0
+fi
+if ((torch)) && [ -x "$tvenv/bin/python" ] &&
+  [ "$("$tvenv/bin/python" -c 'import ray; print(ray.__version__)' 2>/dev/null)" != 2.60.0 ]; then
+  "$tvenv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir ray==2.60.0
 fi
 # wsync itself into an existing torch 2 environment at every run (with --torch or not): ctest runs it.
 # python-venv.sh installs this build's package into build/venv and build/venv-torch (the build runs
