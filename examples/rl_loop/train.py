@@ -1,5 +1,6 @@
 """The training processes of the example RL loop: one per Megatron rank, under mpirun beside the
-wsync trainer agents (tools/wsync-local --trainer runs them; run.sh sets everything up).
+wsync trainer agents (tools/wsync-local --trainer runs them; run.sh sets everything up). Its
+Learner is also what ray_run.py runs in each trainer actor.
 
 A real megatron-core GPTModel (Qwen3 layout, TP from --tp, on CPU with gloo: megatron_cpu.py)
 learns by REINFORCE from the rollout engines' generations:
@@ -49,8 +50,68 @@ def rollouts(engines, ctl, prompts, max_new):
     return out
 
 
+class Learner:
+    """One training rank: a megatron-core GPTModel (TP from `tp`, CPU, gloo) learning by REINFORCE,
+    and its MegatronPublisher. main() below runs one per mpirun rank; ray_run.py one per Ray actor."""
+
+    def __init__(self, init, tp, rank, world, init_method, lr=3e-3):
+        warnings.filterwarnings("ignore", category=UserWarning, module="megatron")  # Apex, CUDA hints
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+        megatron_cpu.setup(tp)
+        self.rank, self.init = rank, pathlib.Path(init)
+        self.cfg = json.loads((self.init / "config.json").read_text())
+        self.model = megatron_cpu.gpt_model(self.cfg, megatron_cpu.padded_vocab(self.init), tp=tp)
+        megatron_cpu.load_source(self.model, self.init, rank)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
+        self.pub = None
+
+    def connect(self, shm_name):
+        """The MegatronPublisher (collective: every rank), once this rank's trainer agent runs with
+        --source shm:<shm_name>."""
+        from wsync.megatron import MegatronPublisher
+
+        self.pub = MegatronPublisher(self.model, (self.init / "config.json").read_text(), shm_name, timeout=120)
+
+    def publish(self, version, timeout=300):
+        """One wsync sync (collective: every rank); the version published and the seconds it took."""
+        t0 = time.time()
+        return self.pub.publish(version, timeout=timeout).version, time.time() - t0
+
+    def train(self, batch, prompt_len, max_new):
+        """One REINFORCE step on [(engine, prompt, completion, version)] (the same batch on every
+        rank); the mean reward and the loss."""
+        target = self.cfg["vocab_size"] // 8
+        P, K = prompt_len, max_new
+        rewards = torch.tensor([sum(t < target for t in c) / K for _, _, c, _ in batch], dtype=torch.float32)
+        adv = rewards - rewards.mean()
+        seq = torch.tensor([p + c for _, p, c, _ in batch], dtype=torch.long)
+        inp, labels = seq[:, :-1], seq[:, 1:]
+        n = inp.shape[1]
+        pos = torch.arange(n).unsqueeze(0).expand_as(inp)
+        mask = torch.ones(1, 1, n, n, dtype=torch.bool).triu(1)
+        nll = self.model(inp, pos, mask, labels=labels).float()  # [b, n]: -log p(labels), vocab-parallel
+        logp = -nll[:, P - 1:].sum(dim=1)  # the completion's tokens
+        loss = -(adv * logp).mean() / K
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return rewards.mean().item(), loss.item()
+
+    def close(self):
+        self.pub.close()
+        dist.destroy_process_group()
+
+
+def step_line(step, batch, reward, loss, version, took):
+    per = {}
+    for e, _, _, v in batch:
+        per[(e, v)] = per.get((e, v), 0) + 1
+    replies = ", ".join(f"engine-{e}: {c} on version {v}" for (e, v), c in sorted(per.items()))
+    return (f"step {step}: {replies}; mean reward {reward:.3f}; loss {loss:+.4f}; "
+            f"synced version {version} in {took:.2f} s")
+
+
 def main():
-    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")  # Apex, CUDA hints
     ap = argparse.ArgumentParser()
     ap.add_argument("--init", required=True, help="Megatron source directory (wsync-shard) of the initial weights")
     ap.add_argument("--tp", type=int, default=1)
@@ -63,15 +124,8 @@ def main():
     ap.add_argument("--port", type=int, required=True)
     a = ap.parse_args()
     rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank, world_size=world)
-    megatron_cpu.setup(a.tp)
-    from wsync.megatron import MegatronPublisher
-
-    init = pathlib.Path(a.init)
-    cfg = json.loads((init / "config.json").read_text())
-    model = megatron_cpu.gpt_model(cfg, megatron_cpu.padded_vocab(init), tp=a.tp)
-    megatron_cpu.load_source(model, init, rank)
-    pub = MegatronPublisher(model, (init / "config.json").read_text(), os.environ["WSYNC_SHM_NAME"], timeout=120)
+    learner = Learner(a.init, a.tp, rank, world, f"tcp://127.0.0.1:{a.port}", a.lr)
+    learner.connect(os.environ["WSYNC_SHM_NAME"])
     start = os.environ["WSYNC_START_FILE"]
     while not os.path.exists(start):
         time.sleep(0.1)
@@ -80,53 +134,28 @@ def main():
            pathlib.Path(os.environ["WSYNC_COORDINATOR_FILE"]).read_text().strip(),
            "--token-file", os.environ["WSYNC_TOKEN_FILE"]]
 
-    t0 = time.time()
-    version = pub.publish(1, timeout=300).version
+    version, took = learner.publish(1)
     if rank == 0:
-        print(f"version {version}: the initial weights on {len(engines)} engines ({time.time() - t0:.2f} s)", flush=True)
-    opt = torch.optim.Adam(model.parameters(), lr=a.lr)
+        print(f"version {version}: the initial weights on {len(engines)} engines ({took:.2f} s)", flush=True)
     rng = random.Random(a.seed)
-    target = cfg["vocab_size"] // 8
-    P, K = a.prompt_len, a.max_new_tokens
+    vocab = learner.cfg["vocab_size"]
     history = []
     for step in range(1, a.steps + 1):
         batch = [None]
         if rank == 0:
-            prompts = [[rng.randrange(cfg["vocab_size"]) for _ in range(P)] for _ in range(a.prompts)]
-            batch[0] = rollouts(engines, ctl, prompts, K)
+            prompts = [[rng.randrange(vocab) for _ in range(a.prompt_len)] for _ in range(a.prompts)]
+            batch[0] = rollouts(engines, ctl, prompts, a.max_new_tokens)
             stale = [(e, v) for e, _, _, v in batch[0] if v != version]
             assert not stale, f"replies from another version than {version}: {stale}"
         dist.broadcast_object_list(batch, src=0)
-        batch = batch[0]
-        rewards = torch.tensor([sum(t < target for t in c) / K for _, _, c, _ in batch], dtype=torch.float32)
-        adv = rewards - rewards.mean()
-        seq = torch.tensor([p + c for _, p, c, _ in batch], dtype=torch.long)
-        inp, labels = seq[:, :-1], seq[:, 1:]
-        n = inp.shape[1]
-        pos = torch.arange(n).unsqueeze(0).expand_as(inp)
-        mask = torch.ones(1, 1, n, n, dtype=torch.bool).triu(1)
-        nll = model(inp, pos, mask, labels=labels).float()  # [b, n]: -log p(labels), vocab-parallel
-        logp = -nll[:, P - 1:].sum(dim=1)  # the completion's tokens
-        loss = -(adv * logp).mean() / K
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t0 = time.time()
-        version = pub.publish(step + 1, timeout=300).version
-        took = time.time() - t0
+        reward, loss = learner.train(batch[0], a.prompt_len, a.max_new_tokens)
+        version, took = learner.publish(step + 1)
         if rank == 0:
-            per = {}
-            for e, _, _, v in batch:
-                per.setdefault((e, v), 0)
-                per[(e, v)] += 1
-            replies = ", ".join(f"engine-{e}: {c} on version {v}" for (e, v), c in sorted(per.items()))
-            history.append(rewards.mean().item())
-            print(f"step {step}: {replies}; mean reward {rewards.mean():.3f}; loss {loss.item():+.4f}; "
-                  f"synced version {version} in {took:.2f} s", flush=True)
+            history.append(reward)
+            print(step_line(step, batch[0], reward, loss, version, took), flush=True)
     if rank == 0:
         print("mean reward by step: " + " ".join(f"{r:.3f}" for r in history), flush=True)
-    pub.close()
-    dist.destroy_process_group()
+    learner.close()
 
 
 if __name__ == "__main__":
