@@ -169,10 +169,11 @@ said = sync.communicate(timeout=120)[0]
 print(f"ray_multinode: node 3 killed mid-sync; the sync said: {said.strip().splitlines()[-1]}", flush=True)
 r = run("verify", "--against", str(work / "hf2"), check=False)
 r1 = run("verify", "--against", str(work / "hf1"), check=False)
-e0 = [ln for ln in (r.stdout + r1.stdout).splitlines() if "engine-0" in ln and "bit-exact" in ln]
+alive = next(i for i, (address, _) in enumerate(served) if address.startswith("10.212.0.2:"))  # node 2's engine
+e0 = [ln for ln in (r.stdout + r1.stdout).splitlines() if f"engine-{alive} " in ln and "bit-exact" in ln]
 if len(e0) != 1:
-    fail(f"engine 0 is not bit-exact on exactly one whole version after the kill:\n{r.stdout}{r1.stdout}")
-print(f"ray_multinode: engine 0 serves one whole version: {e0[0].strip()}", flush=True)
+    fail(f"engine {alive} (node 2) is not bit-exact on exactly one whole version after the kill:\n{r.stdout}{r1.stdout}")
+print(f"ray_multinode: node 2's engine serves one whole version: {e0[0].strip()}", flush=True)
 subprocess.run(["bash", "-c", restart_cmd], check=True)
 t0 = time.time()
 while True:  # Ray notices the dead node, restarts the actors on the new one; their agent rejoins
