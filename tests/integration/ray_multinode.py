@@ -206,6 +206,13 @@ while run("sync", "--wait", "--min-agents", "2", check=False).returncode != 0:
 verify(work / "hf2")
 print("ray_multinode: trainer rank 1 killed: the trainer agents restarted as one job; the next sync is bit-exact",
       flush=True)
+# 4. The agents end with their group: the rollout agents by stop(); the trainer agents with this
+# driver's job (their host actors end with it, and each agent dies with its host): ray_multinode.sh
+# checks that none is left once this exits.
 rollout.stop()
-trainer.stop()
+left = subprocess.run(["pgrep", "-f", f"wsync-rollout-agent .*{work}/rollout"], capture_output=True, text=True).stdout
+if left.strip():
+    fail(f"rollout agents left after RolloutAgents.stop(): pids {left.split()}")
+pids = [str(i["pid"]) for i in ray.get([h.info.remote() for h in trainer.hosts])]
+print(f"ray_multinode: trainer agent pids {' '.join(pids)}", flush=True)
 print("ray_multinode: passed", flush=True)

@@ -13,7 +13,9 @@
 #      whole version; node 3 started again, Ray restarts its actors in their placement-group bundle,
 #      the rollout agent rejoins, and the next sync is bit-exact on both engines;
 #   4. a trainer agent killed with -9: the trainer agents restart as one job (rank 0 with its durable
-#      state), and the next sync is bit-exact.
+#      state), and the next sync is bit-exact;
+#   5. the agents end with their group: the rollout agents at RolloutAgents.stop(), the trainer
+#      agents with the driver's job (no stop(): Ray ends the host actors, each agent dies with its own).
 # Needs root, `ip netns`, tc and Ray (build/venv-torch, pinned in tools/setup.sh); otherwise exits 77
 # (ctest: skipped), naming why.
 set -euo pipefail
@@ -92,4 +94,10 @@ on "$n1" env WSYNC_BIN="$bin" RAY_ADDRESS=10.212.0.1:6379 RAY_AUTH_MODE=token RA
   "$work" "$bin" "$token" "$kill_node3" "$restart_node3" 2>&1 | tee "$work/logs/driver.log"
 [ "${PIPESTATUS[0]}" = 0 ] || fail "the driver failed"
 grep -q "ray_multinode: passed" "$work/logs/driver.log" || fail "the driver did not finish"
+agent_pids=$(sed -n 's/^ray_multinode: trainer agent pids //p' "$work/logs/driver.log")
+[ -n "$agent_pids" ] || fail "the driver did not name the trainer agents"
+alive() { local p; for p in $agent_pids; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
+for _ in $(seq 150); do alive || break; sleep 0.1; done
+! alive || fail "trainer agents (pids $agent_pids) outlived the driver's job"
+echo "ray_multinode: the trainer agents ended with the driver's job"
 echo "ray_multinode: passed in $((SECONDS - t0)) s"
