@@ -24,6 +24,7 @@ import tempfile
 import time
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 here = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(here))
@@ -114,9 +115,13 @@ def main():
     # The trainer: two Megatron ranks (TP 2), their torch.distributed group at rank 0's node, and
     # their MegatronPublishers connecting to the agents wsync.ray starts beside them.
     shm = f"wsync-rl-ray-{os.getpid()}"
-    port = ray.get(free_port.remote())  # for the trainers' own gloo group, on the driver's node
+    # The trainers on the driver's node (their gloo group's address is there; a real job places
+    # them with its placement group and finds rank 0's node the same way).
+    here_node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    port = ray.get(free_port.options(scheduling_strategy=here_node).remote())
     master = ray.util.get_node_ip_address()
-    learners = [TrainerActor.remote(str(work / "init"), 2, rank, 2, f"tcp://{master}:{port}") for rank in range(2)]
+    learners = [TrainerActor.options(scheduling_strategy=here_node).remote(
+        str(work / "init"), 2, rank, 2, f"tcp://{master}:{port}") for rank in range(2)]
     trainer = TrainerAgents(learners, source=f"shm:{shm}", token_file=str(token), log_dir=str(work / "agents"))
     coordinator = trainer.start(wait=False)  # the agents wait for their training process to register
     ray.get([l.connect.remote(shm) for l in learners], timeout=300)

@@ -14,7 +14,8 @@ agent is placed from the actor it serves, and every address is found through Ray
     rollout.stop(); trainer.stop()
 
 Placement: each agent runs in a host actor (``num_cpus=0``) on its actor's node: in the actor's
-placement-group bundle where the actor has one (the bundle on that node), else pinned to the node.
+placement-group bundle where the actor has one (the group's first bundle on that node), else
+pinned to the node (by its id: a restarted node is a new one, so there it does not come back).
 The host actor starts the agent binary (``bin_dir``, default ``$WSYNC_BIN``, else ``PATH``) as a
 child that dies with it, and keeps its log (``log_dir`` on that node).
 
@@ -46,7 +47,7 @@ import subprocess
 import threading
 import time
 import uuid
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import ray
 from ray._raylet import PlacementGroupID
@@ -85,8 +86,13 @@ def _placement(where: Dict[str, Optional[str]]) -> dict:
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(where["node_id"], soft=False)}
 
 
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: no dlopen in a forked child
+
+
 def _die_with_parent() -> None:  # in the agent, before exec: SIGKILL when its host actor goes
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the host died before prctl took effect
+        os._exit(1)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1, max_concurrency=8)
@@ -105,6 +111,7 @@ class _AgentHost:
         self.proc: Optional[subprocess.Popen] = None
         self.lock = threading.Lock()
         self.stopping = False
+        self.failures = 0  # agent exits in a row without an address (rollout agents: the respawn backoff)
         # Every spawn happens on one thread that lives as long as this actor: the agent's
         # PR_SET_PDEATHSIG follows the thread that started it.
         self.requests: "queue.Queue" = queue.Queue()
@@ -113,27 +120,42 @@ class _AgentHost:
             self.start()
 
     def _loop(self) -> None:
+        next_respawn = 0.0
         while True:
             try:
-                argv, done = self.requests.get(timeout=0.5)
+                argv, done, error = self.requests.get(timeout=0.5)
             except queue.Empty:
-                argv, done = None, None
+                argv, done, error = None, None, []
             with self.lock:
                 if done is not None:
                     if argv is not None:
                         self.argv = list(argv)
                     self.stopping = False
-                    self._spawn()
-                    done.set()
-                elif self.keep_running and not self.stopping and self.proc is not None and self.proc.poll() is not None:
-                    self._spawn()
+                    try:
+                        self._spawn()
+                        done.set()
+                    except Exception as e:  # noqa: BLE001 - handed to the caller of start()
+                        error.append(AgentStartError(self.ip, self.name, f"cannot start {self.argv[:1]}: {e}"))
+                        done.set()
+                elif (self.keep_running and not self.stopping and self.proc is not None and self.proc.poll() is not None
+                      and time.time() >= next_respawn):
+                    # Started again on its port; an agent that keeps failing, less and less often (up to 30 s).
+                    self.failures = 0 if (self.dir / "address").exists() else self.failures + 1
+                    next_respawn = time.time() + min(30.0, 0.5 * 2 ** min(self.failures, 6))
+                    try:
+                        self._spawn()
+                    except Exception as e:  # noqa: BLE001 - logged, tried again after the backoff
+                        with open(self.dir / "log", "a") as log:
+                            log.write(f"== cannot start the agent again: {e}\n")
 
     def _spawn(self) -> None:
         address = self.dir / "address"
         if address.exists():
-            self.port = int(address.read_text().strip().rsplit(":", 1)[1])
+            port = address.read_text().strip().rpartition(":")[2]
+            self.port = int(port) if port.isdigit() else self.port
             address.unlink()
-        argv = [a.format(ip=self.ip, port=self.port, dir=str(self.dir)) for a in self.argv]
+        argv = [a.replace("{ip}", self.ip).replace("{port}", str(self.port)).replace("{dir}", str(self.dir))
+                for a in self.argv]
         with open(self.dir / "log", "ab") as log:
             log.write(f"== {time.strftime('%H:%M:%S')} {' '.join(argv)}\n".encode())
             log.flush()
@@ -141,9 +163,12 @@ class _AgentHost:
                                          preexec_fn=_die_with_parent)
 
     def start(self, argv: Optional[List[str]] = None) -> None:
-        done = threading.Event()
-        self.requests.put((argv, done))
+        """Starts the agent (with `argv`, else the last one); AgentStartError if it cannot be."""
+        done, error = threading.Event(), []  # type: Tuple[threading.Event, List[BaseException]]
+        self.requests.put((argv, done, error))
         done.wait()
+        if error:
+            raise error[0]
 
     def free_ports(self, n: int) -> List[int]:
         socks = [socket.socket() for _ in range(n)]
@@ -163,7 +188,9 @@ class _AgentHost:
 
     def _tail(self, lines: int = 12) -> str:
         try:
-            return "\n".join((self.dir / "log").read_text(errors="replace").splitlines()[-lines:])
+            with open(self.dir / "log", "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+                return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
 
@@ -230,12 +257,15 @@ class _Group:
             host = _AgentHost.options(**opts)  # type: ignore[attr-defined]
             self.hosts.append(host.remote(name(i), argv(i), self.log_dir, keep_running))
 
-    def stop(self) -> None:
-        if self.hosts:
-            ray.get([h.stop.remote() for h in self.hosts])
-            for h in self.hosts:
-                ray.kill(h, no_restart=True)
-        self.hosts = []
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ends every agent (SIGTERM, then SIGKILL after 10 s) and its host actor."""
+        hosts, self.hosts = self.hosts, []
+        try:
+            if hosts:
+                ray.get([h.stop.remote() for h in hosts], timeout=timeout)
+        finally:
+            for h in hosts:
+                ray.kill(h, no_restart=True)  # the agents die with their host (PR_SET_PDEATHSIG)
 
 
 class TrainerAgents(_Group):
@@ -255,7 +285,8 @@ class TrainerAgents(_Group):
         self.args, self.token_file, self.state_dir = list(args), token_file, state_dir
         self.join_timeout, self.watch = join_timeout, watch
         self.coordinator: Optional[str] = None
-        self.restarts = 0
+        self.restarts = 0  # completed restarts of the trainer agents (the watcher's)
+        self.last_error: Optional[BaseException] = None  # the watcher's last failed restart
         self._incarnations: List[str] = []
         self._stop = threading.Event()
         self._watcher: Optional[threading.Thread] = None
@@ -271,12 +302,17 @@ class TrainerAgents(_Group):
         """Places and starts the agents; returns the coordinator's address once it listens. With
         `shm:` sources the agents wait for their training processes to register (Publisher) before
         the coordinator listens: start(wait=False) returns the address at once, then ready()."""
+        self._stop.clear()
         self._place(lambda r: f"trainer-{r}", lambda r: [], keep_running=False)
-        rank0 = self.nodes[0]["ip"]
-        store_port, coordinator_port = ray.get(self.hosts[0].free_ports.remote(2))
-        self.coordinator = f"{rank0}:{coordinator_port}"
-        self._store = f"{rank0}:{store_port}"
-        self._launch(timeout if wait else None)
+        try:
+            rank0 = self.nodes[0]["ip"]
+            store_port, coordinator_port = ray.get(self.hosts[0].free_ports.remote(2))
+            self.coordinator = f"{rank0}:{coordinator_port}"
+            self._store = f"{rank0}:{store_port}"
+            self._launch(timeout if wait else None)
+        except BaseException:
+            super().stop()  # nothing left running
+            raise
         if self.watch:
             self._watcher = threading.Thread(target=self._supervise, name="wsync-trainer-agents", daemon=True)
             self._watcher.start()
@@ -295,40 +331,56 @@ class TrainerAgents(_Group):
             self._check(timeout)
 
     def _check(self, timeout: float) -> None:
-        try:
-            ray.get(self.hosts[0].address.remote(timeout))
-        except AgentStartError:
-            raise
-        except ray.exceptions.RayTaskError as e:
-            raise e.as_instanceof_cause()
-        for r, info in enumerate(ray.get([h.info.remote() for h in self.hosts])):
-            if not info["running"]:
-                raise AgentStartError(info["ip"], f"trainer-{r}",
-                                      f"exited with {info['returncode']}; its log ends:\n{info['tail']}")
+        """Until rank 0's coordinator listens: AgentStartError naming the first rank that exited."""
+        deadline = time.time() + timeout
+        waiting = self.hosts[0].address.remote(timeout)
+        while True:
+            done, _ = ray.wait([waiting], timeout=0.5)
+            for r, info in enumerate(ray.get([h.info.remote() for h in self.hosts], timeout=30)):
+                if not info["running"]:
+                    raise AgentStartError(info["ip"], f"trainer-{r}",
+                                          f"exited with {info['returncode']}; its log ends:\n{info['tail']}")
+            if done:
+                try:
+                    ray.get(waiting)
+                except ray.exceptions.RayTaskError as e:
+                    raise e.as_instanceof_cause()
+                return
+            if time.time() > deadline + 5:
+                raise AgentStartError(self.nodes[0]["ip"], "trainer-0", f"the coordinator is not listening after "
+                                      f"{timeout:.0f} s")
 
     def _supervise(self) -> None:
+        backoff = 1.0
         while not self._stop.wait(1.0):
             try:
                 infos = ray.get([h.info.remote() for h in self.hosts], timeout=30)
-            except Exception:  # a host actor being restarted by Ray: ask again
+            except Exception:  # noqa: BLE001 - a host actor being restarted by Ray: ask again
                 continue
             gone = [r for r, i in enumerate(infos)
                     if not i["running"] or i["incarnation"] != self._incarnations[r]]
-            if gone and not self._stop.is_set():
+            if not gone or self._stop.is_set():
+                continue
+            print(f"wsync.ray: trainer agent(s) {gone} ended or were restarted by Ray: restarting the trainer "
+                  f"agents", flush=True)
+            try:
+                ray.get([h.stop.remote() for h in self.hosts], timeout=60)
+                if self._stop.is_set():
+                    return
+                self._launch(self.join_timeout)
                 self.restarts += 1
-                print(f"wsync.ray: trainer agent(s) {gone} ended or were restarted by Ray: restarting the trainer "
-                      f"agents (restart {self.restarts})", flush=True)
-                try:
-                    ray.get([h.stop.remote() for h in self.hosts])
-                    self._launch(self.join_timeout)
-                except Exception as e:  # noqa: BLE001 - the next round tries again
-                    print(f"wsync.ray: restarting the trainer agents failed: {e}", flush=True)
+                self.last_error, backoff = None, 1.0
+            except Exception as e:  # noqa: BLE001 - kept in last_error; tried again, less and less often
+                self.last_error = e
+                print(f"wsync.ray: restarting the trainer agents failed (again in {backoff:.0f} s): {e}", flush=True)
+                self._stop.wait(backoff)
+                backoff = min(60.0, backoff * 2)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
         if self._watcher is not None:
-            self._watcher.join()
-        super().stop()
+            self._watcher.join(timeout=self.join_timeout + timeout)
+        super().stop(timeout)
 
 
 def _rollout_host_name(group: str, index: int) -> str:
@@ -354,9 +406,12 @@ class RolloutAgents(_Group):
         self._place(lambda i: f"rollout-{self.group}-{i}", lambda i: argv, keep_running=True,
                     lifetime_name=lambda i: _rollout_host_name(self.group, i))
         try:
-            self.addresses = ray.get([h.address.remote(timeout) for h in self.hosts])
-        except ray.exceptions.RayTaskError as e:
-            raise e.as_instanceof_cause()
+            self.addresses = ray.get([h.address.remote(timeout) for h in self.hosts], timeout=timeout + 30)
+        except BaseException as e:
+            self.stop()  # nothing left running
+            if isinstance(e, ray.exceptions.RayTaskError):
+                raise e.as_instanceof_cause()
+            raise
         return self.addresses
 
 
@@ -367,7 +422,8 @@ def rollout_agent_address(group: str, index: int, timeout: float = 120.0) -> str
     while True:
         try:
             host = ray.get_actor(_rollout_host_name(group, index))
-            return ray.get(host.address.remote(max(1.0, deadline - time.time())))
+            left = max(1.0, deadline - time.time())
+            return ray.get(host.address.remote(left), timeout=left + 10)
         except ValueError:  # not created yet
             if time.time() > deadline:
                 raise

@@ -757,7 +757,9 @@ absl::StatusOr<std::unique_ptr<comm::Communicator>> FormStoreWorld(const Trainer
     w.server = std::move(*server);
     w.store = w.memory.get();
   } else {
-    w.client = comm::GrpcStoreClient::Connect(o.world_store, absl::Seconds(30), o.security);
+    // Rank 0 may start later than this rank: the first calls wait for it up to the join timeout.
+    w.client =
+        comm::GrpcStoreClient::Connect(o.world_store, std::max(absl::Seconds(30), o.world_join_timeout), o.security);
     w.store = w.client.get();
   }
   comm::GroupOptions g;
