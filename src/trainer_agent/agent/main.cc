@@ -95,8 +95,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--rank", o.world_rank, "This agent's rank in a --world-size world (the training process's rank)");
   app.add_option("--world-store", o.world_store,
-                 "HOST:PORT of the store through which a --world-size world forms: rank 0 binds it, the others dial "
-                 "it");
+                 "HOST:PORT of the store a --world-size world forms through: rank 0 binds it, the others dial it");
   double world_join_s = 120;
   app.add_option("--world-join-timeout", world_join_s, "Seconds for every rank of a --world-size world to join")
       ->check(CLI::PositiveNumber);
