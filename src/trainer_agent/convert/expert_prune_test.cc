@@ -20,7 +20,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr uint64_t kSeed = 20261126;
+constexpr uint64_t kPruneSeed = 20261126;
 
 // Every MoE layer keeps 5 of 8 experts in a scrambled order that differs per layer.
 model::ExpertMap ScrambledMap(const ModelConfig& c) {
@@ -38,7 +38,7 @@ model::ExpertMap ScrambledMap(const ModelConfig& c) {
 class ExpertPruneTest : public ::testing::TestWithParam<Architecture> {};
 
 TEST_P(ExpertPruneTest, ConvertedPlanIsTheOraclePrunedCheckpoint) {
-  auto m = tools::testing::SmallModel(tools::testing::SmallOptions(GetParam()), kSeed);
+  auto m = tools::testing::SmallModel(tools::testing::SmallOptions(GetParam()), kPruneSeed);
   ASSERT_TRUE(m.ok()) << m.status();
   const ModelConfig& c = m->config;
   const model::ExpertMap map = ScrambledMap(c);
@@ -82,7 +82,7 @@ INSTANTIATE_TEST_SUITE_P(Moe, ExpertPruneTest, ::testing::Values(Architecture::k
                          [](const auto& i) { return std::string(ArchitectureName(i.param)); });
 
 TEST(ExpertPrune, RankPlansMarkTheirOwnExperts) {
-  auto m = tools::testing::SmallModel(tools::testing::SmallOptions(Architecture::kQwen3Moe), kSeed);
+  auto m = tools::testing::SmallModel(tools::testing::SmallOptions(Architecture::kQwen3Moe), kPruneSeed);
   ASSERT_TRUE(m.ok()) << m.status();
   auto w = tools::testing::BuildWorld(*m, tools::testing::Parallel(2, 1, 4, 1, 4));
   ASSERT_TRUE(w.ok()) << w.status();
@@ -108,7 +108,7 @@ TEST(ExpertPrune, RankPlansMarkTheirOwnExperts) {
 }
 
 TEST(ExpertPrune, RefusesAMapThatDoesNotFitTheModel) {
-  auto m = tools::testing::SmallModel(tools::testing::SmallOptions(Architecture::kQwen3Moe), kSeed);
+  auto m = tools::testing::SmallModel(tools::testing::SmallOptions(Architecture::kQwen3Moe), kPruneSeed);
   ASSERT_TRUE(m.ok()) << m.status();
   model::ExpertMap map = ScrambledMap(m->config);
   map.layers.erase(map.layers.begin());
@@ -125,7 +125,7 @@ TEST(ExpertPrune, RefusesAMapThatDoesNotFitTheModel) {
 TEST(ExpertPrune, RefusesAPlanWithMtpLayers) {
   tools::SyntheticModelOptions o = tools::testing::SmallOptions(Architecture::kDeepseekV3);
   o.mtp_layers = 1;
-  auto m = tools::testing::SmallModel(o, kSeed);
+  auto m = tools::testing::SmallModel(o, kPruneSeed);
   ASSERT_TRUE(m.ok()) << m.status();
   auto plan = PlanFullModel(m->config, 1);
   ASSERT_TRUE(plan.ok()) << plan.status();
