@@ -1,5 +1,5 @@
-"""A fork server for test_fresh_load.py's Python processes (its engines, catalog_engine.py, and its
-oracles, vllm_check.py and hf_oracle.py): importing torch, transformers and vLLM is most of such a
+"""A fork server for the Python processes of test_fresh_load.py (its engines, catalog_engine.py, and its
+oracles, vllm_check.py and hf_oracle.py) and of test_vllm.py (vllm_check.py): importing torch, transformers and vLLM is most of such a
 process's run (~12 s of CPU for vLLM, against ~2.5 s for all the rest of a vLLM oracle), so the
 server imports them once and forks every process from there.
 

@@ -20,6 +20,7 @@ import pytest
 from safetensors_files import read_safetensors, write_safetensors  # noqa: F401 (fixtures, tests)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+HERE = pathlib.Path(__file__).resolve().parent
 BIN = pathlib.Path(os.environ.get("WSYNC_BIN", ROOT / "build" / "bin"))
 ABSENT_PYTHONS = [f"${v}={os.environ.pop(v)}" for v in ("WSYNC_MEGATRON_PYTHON", "WSYNC_VLLM_PYTHON")
                   if os.environ.get(v) and not os.path.exists(os.environ[v])]
@@ -98,3 +99,21 @@ def wait_for(predicate, timeout=30.0, what="the condition"):
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    """The environment under which `$WSYNC_VLLM_PYTHON catalog_zygote.py SCRIPT ARGS` runs SCRIPT in a
+    child of the fork server (torch, transformers and vLLM imported once), which this starts (and stops
+    at the end of the module)."""
+    root = tmp_path_factory.mktemp("zygote")
+    with open(root / "log", "w") as log:
+        server = subprocess.Popen([os.environ["WSYNC_VLLM_PYTHON"], HERE / "catalog_zygote.py", "serve",
+                                   root / "socket"], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while "ready" not in (root / "log").read_text().splitlines():
+        assert server.poll() is None and time.monotonic() < deadline, (root / "log").read_text()[-4000:]
+        time.sleep(0.1)
+    yield dict(os.environ, WSYNC_CATALOG_ZYGOTE=str(root / "socket"))
+    server.terminate()
+    server.wait(timeout=60)

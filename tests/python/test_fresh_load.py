@@ -27,7 +27,6 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -49,23 +48,6 @@ def _has_engines():
 
 pytestmark = pytest.mark.skipif(not _has_engines(),
                                 reason="no torch 2 environment with vLLM and transformers ($WSYNC_VLLM_PYTHON)")
-
-
-@pytest.fixture(scope="module")
-def zygote(tmp_path_factory):
-    """The environment under which `PY catalog_zygote.py SCRIPT ARGS` runs SCRIPT in a child of the
-    fork server, which this starts (and stops at the end of the module)."""
-    root = tmp_path_factory.mktemp("zygote")
-    with open(root / "log", "w") as log:
-        server = subprocess.Popen([PY, HERE / "catalog_zygote.py", "serve", root / "socket"], stdout=log,
-                                  stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while "ready" not in (root / "log").read_text().splitlines():
-        assert server.poll() is None and time.monotonic() < deadline, (root / "log").read_text()[-4000:]
-        time.sleep(0.1)
-    yield dict(os.environ, WSYNC_CATALOG_ZYGOTE=str(root / "socket"))
-    server.terminate()
-    server.wait(timeout=60)
 
 
 def _run(*args, **kw):

@@ -8,6 +8,9 @@ compressed-tensors and in AWQ (zero points; vLLM's AWQ loader, then its CPU WNA1
   oracle's tokens; the refusals (no host for an engine id, a vLLM of another shape, an update round
   that leaves a layer unloaded, a tied lm_head whose derived copy cannot be rebuilt). Again with
   vLLM's engine core in a process of its own, whose worker maps the host's segment.
+* Each of those runs (vllm_check.py) is a child of the fork server (catalog_zygote.py), which has
+  imported torch and vLLM once; it starts its own vLLM and imports wsync itself. Not the engine whose
+  vLLM core runs in a process of its own: that one is a process of its own too.
 * Whole deployments, two syncs each, over the model catalog: test_fresh_load.py (catalog.py).
 """
 
@@ -71,9 +74,13 @@ def _quant_file(tmp_path, fmt):
     return [f]
 
 
-def _vllm(*args):
-    out = subprocess.run([PY, HERE / "vllm_check.py", *args, "--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW)],
-                         capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(HERE)))
+def _vllm(zygote, *args):
+    """vllm_check.py ARGS, forked by the fork server (the environment conftest.zygote gives) or, with
+    zygote None, a process of its own: its JSON line."""
+    fork = [HERE / "catalog_zygote.py"] if zygote else []
+    out = subprocess.run([PY, *fork, HERE / "vllm_check.py", *args, "--prompt", PROMPT, "--max-new-tokens",
+                          str(MAX_NEW)], capture_output=True, text=True, timeout=600,
+                         env=dict(zygote or os.environ, PYTHONPATH=str(HERE)))
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])  # vLLM logs too
 
@@ -86,11 +93,11 @@ def test_the_plugin_is_an_entry_point_vllm_finds():
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4", "awq"])
-def test_vllm_takes_the_engine_memory_through_its_weight_update(tmp_path, fmt):
+def test_vllm_takes_the_engine_memory_through_its_weight_update(tmp_path, fmt, zygote):
     step, oracle = _step(tmp_path, 21, fmt)
     quant = _quant_file(tmp_path, fmt)
-    got = _vllm("engine", "--hf", step / "hf", *(["--quant-config", quant[0]] if quant else []))
-    want = _vllm("oracle", "--model", oracle)
+    got = _vllm(zygote, "engine", "--hf", step / "hf", *(["--quant-config", quant[0]] if quant else []))
+    want = _vllm(zygote, "oracle", "--model", oracle)
     assert got["tokens"] == want["tokens"], (got, want)
     assert got["dummy_tokens"] != want["tokens"]  # the weights did change
     assert "intermediate_size" in got["refusal"], got
@@ -98,10 +105,12 @@ def test_vllm_takes_the_engine_memory_through_its_weight_update(tmp_path, fmt):
     assert ("lm_head" in got["shared_refusal"]) == (fmt == "bf16"), got  # the tied model only
 
 
-def test_a_vllm_worker_in_its_own_process_maps_the_host_segment(tmp_path):
+def test_a_vllm_worker_in_its_own_process_maps_the_host_segment(tmp_path, zygote):
     """VLLM_ENABLE_V1_MULTIPROCESSING=1: vLLM's engine core runs in a process of its own, whose
     wsync backend maps the host's segment through the attach info (EngineView)."""
     step, oracle = _step(tmp_path, 23, "bf16")
-    got = _vllm("engine", "--hf", step / "hf", "--multiprocess")
-    want = _vllm("oracle", "--model", oracle)
+    # A process of its own: a forked child leaves without vLLM's teardown, which is what stops the
+    # engine core process (it would outlive the child, holding the test's pipes).
+    got = _vllm(None, "engine", "--hf", step / "hf", "--multiprocess")
+    want = _vllm(zygote, "oracle", "--model", oracle)
     assert got["tokens"] == want["tokens"], (got, want)
