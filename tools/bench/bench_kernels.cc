@@ -20,6 +20,7 @@
 
 #include "CLI/CLI.hpp"
 #include "comm/bucket/bucket_mac.h"
+#include "comm/bucket/delta.h"
 #include "common/checksum.h"
 #include "common/dtype.h"
 #include "common/tensor.h"
@@ -259,6 +260,50 @@ Row BenchBucketHash(const char* name, BucketHash kind, int64_t bytes, const Flag
   return Row{name, 1, bytes, t, tm, wrong};
 }
 
+// A delta sync's per-tensor work on one thread (comm/bucket/delta.h): delta-plan = PlanDelta +
+// WriteDelta of a bf16 tensor whose items changed with probability `fraction` (the sender's two
+// passes over base and new: 4x the size read), delta-apply = ApplyDelta of that payload onto a copy
+// of the base (the receiver). size = the tensor's bytes. #wrong: the applied base is not the new one.
+Row BenchDelta(const char* name, bool apply, double fraction, int64_t bytes, const Flags& f) {
+  const size_t n = static_cast<size_t>(bytes);
+  std::vector<uint8_t> base(n), next(n), payload, target(n), copy(n);
+  std::mt19937_64 rng(9);
+  for (auto& b : base) b = static_cast<uint8_t>(rng());
+  next = base;
+  std::bernoulli_distribution changed(fraction);
+  for (size_t i = 0; i + 2 <= n; i += 2)
+    if (changed(rng)) next[i] ^= 1;
+  auto plan = comm::PlanDelta(base, next, 2);
+  Die(plan.status());
+  payload.resize(plan->payload_bytes);
+  Die(comm::WriteDelta(*plan, base, next, payload));
+  auto run = [&] {
+    if (apply) {
+      Die(comm::ApplyDelta("bench", plan->encoding, 2, payload, target));
+    } else {
+      auto p = comm::PlanDelta(base, next, 2);
+      Die(p.status());
+      Die(comm::WriteDelta(*p, base, next, payload));
+    }
+  };
+  target = base;
+  for (int i = 0; i < f.warmup; ++i) run();
+  const double t = Seconds(run, f.iters);
+  const double tm = Seconds(
+      [&] {
+        ParallelMemcpy(reinterpret_cast<std::byte*>(copy.data()), reinterpret_cast<const std::byte*>(base.data()),
+                       bytes, 1);
+      },
+      f.iters);
+  int64_t wrong = 0;
+  if (f.check) {
+    target = base;
+    Die(comm::ApplyDelta("bench", plan->encoding, 2, payload, target));
+    wrong = target != next;
+  }
+  return Row{name, 1, bytes, t, tm, wrong};
+}
+
 // AWQ quantize: W bf16 [N, 4096], G = 128, fp16 (AutoAWQ) or fp32 arithmetic -> qweight [K, N/8].
 Row BenchAwqQuantize(const char* name, kernels::AwqArith arith, int64_t bytes, int threads, const Flags& f) {
   const int64_t k = 4096, n = std::max<int64_t>(128, bytes / (2 * k) / 128 * 128);
@@ -403,7 +448,8 @@ int Main(int argc, char** argv) {
       " awq-marlin: AWQ qweight [K, 512]; trtllm-sm80: codes [K/8, 4096]; fp8-block / fp8-channel: bf16 W[N, 4096]"
       " -> E4M3 (128 x 128 blocks / rows, slime); xxh3, sum64, bucket-mac: one bucket's "
       "checksum /"
-      " GMAC tag; size = input bytes; time = best of -n\n");
+      " GMAC tag; delta-plan / delta-apply: a bf16 tensor with 1%% of its items changed, encoded / applied;"
+      " size = input bytes; time = best of -n\n");
   std::printf("#%-15s %4s %12s %12s %9s %9s %7s %8s\n", "kernel", "thr", "size(B)", "time(us)", "GB/s", "memcpy",
               "ratio", "#wrong");
   std::vector<int> thread_counts = {1};
@@ -427,6 +473,8 @@ int Main(int argc, char** argv) {
       if (t == 1 && want("xxh3")) Print(BenchBucketHash("xxh3", BucketHash::kXxh3, bytes, f));
       if (t == 1 && want("sum64")) Print(BenchBucketHash("sum64", BucketHash::kSum64, bytes, f));
       if (t == 1 && want("bucket-mac")) Print(BenchBucketHash("bucket-mac", BucketHash::kMac, bytes, f));
+      if (t == 1 && want("delta-plan")) Print(BenchDelta("delta-plan-1%", false, 0.01, bytes, f));
+      if (t == 1 && want("delta-apply")) Print(BenchDelta("delta-apply-1%", true, 0.01, bytes, f));
     }
   });
   return 0;

@@ -1,0 +1,270 @@
+#include "comm/bucket/delta.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace wsync::comm {
+namespace {
+
+constexpr uint64_t kCountBytes = 8;
+constexpr uint64_t kBlock = 64;  // bytes compared at once first (ScanRuns)
+
+bool ItemSizeOk(uint32_t item_bytes) {
+  return item_bytes == 1 || item_bytes == 2 || item_bytes == 4 || item_bytes == 8;
+}
+
+// Bytes of one index (u32 up to 2^32 items, else u64).
+uint64_t IndexBytes(uint64_t items) { return items <= (uint64_t{1} << 32) ? 4 : 8; }
+
+template <typename T>
+T Load(const uint8_t* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+// Calls on_run(start, length) for each run of changed items in order, two runs merged when at most
+// merge_gap unchanged items lie between them; returns the number of changed items. Compares 64-byte
+// blocks as eight XORed words (most blocks of a delta did not change), then, in a block that did,
+// the item lanes of each changed word (little-endian: lane k of the word at byte w is item w/size+k).
+template <typename Item, typename OnRun>
+uint64_t ScanRuns(const uint8_t* a, const uint8_t* b, uint64_t items, uint64_t merge_gap, OnRun&& on_run) {
+  constexpr uint64_t kLanes = 8 / sizeof(Item);
+  constexpr uint64_t kLaneMask = sizeof(Item) == 8 ? ~uint64_t{0} : (uint64_t{1} << (8 * sizeof(Item))) - 1;
+  const uint64_t bytes = items * sizeof(Item);
+  uint64_t changed = 0, start = 0, end = 0;  // the open run: [start, end), end = its last changed item + 1
+  bool open = false;
+  auto item_changed = [&](uint64_t i) {
+    ++changed;
+    if (open && i - end <= merge_gap) {
+      end = i + 1;
+      return;
+    }
+    if (open) on_run(start, end - start);
+    open = true;
+    start = i;
+    end = i + 1;
+  };
+  auto word = [&](uint64_t off, uint64_t x) {
+    for (uint64_t k = 0; k < kLanes; ++k)
+      if ((x >> (8 * sizeof(Item) * k)) & kLaneMask) item_changed(off / sizeof(Item) + k);
+  };
+  uint64_t off = 0;
+  for (; off + kBlock <= bytes; off += kBlock) {
+    uint64_t x[kBlock / 8], any = 0;
+    for (uint64_t w = 0; w < kBlock / 8; ++w)
+      any |= x[w] = Load<uint64_t>(a + off + 8 * w) ^ Load<uint64_t>(b + off + 8 * w);
+    if (any == 0) continue;
+    for (uint64_t w = 0; w < kBlock / 8; ++w)
+      if (x[w] != 0) word(off + 8 * w, x[w]);
+  }
+  for (; off + 8 <= bytes; off += 8)
+    if (const uint64_t x = Load<uint64_t>(a + off) ^ Load<uint64_t>(b + off); x != 0) word(off, x);
+  for (; off < bytes; off += sizeof(Item))
+    if (Load<Item>(a + off) != Load<Item>(b + off)) item_changed(off / sizeof(Item));
+  if (open) on_run(start, end - start);
+  return changed;
+}
+
+template <typename OnRun>
+uint64_t Scan(uint32_t item_bytes, const uint8_t* a, const uint8_t* b, uint64_t items, uint64_t merge_gap,
+              OnRun&& on_run) {
+  switch (item_bytes) {
+    case 1: return ScanRuns<uint8_t>(a, b, items, merge_gap, on_run);
+    case 2: return ScanRuns<uint16_t>(a, b, items, merge_gap, on_run);
+    case 4: return ScanRuns<uint32_t>(a, b, items, merge_gap, on_run);
+    default: return ScanRuns<uint64_t>(a, b, items, merge_gap, on_run);
+  }
+}
+
+// Merging two runs costs the gap's items as values and saves one (start, length) pair.
+uint64_t MergeGap(uint64_t items, uint32_t item_bytes) { return 2 * IndexBytes(items) / item_bytes; }
+
+void PutIndex(uint8_t*& p, uint64_t v, uint64_t width) {
+  if (width == 4) {
+    const auto v32 = static_cast<uint32_t>(v);
+    std::memcpy(p, &v32, 4);
+  } else {
+    std::memcpy(p, &v, 8);
+  }
+  p += width;
+}
+
+uint64_t GetIndex(const uint8_t* p, uint64_t width) { return width == 4 ? Load<uint32_t>(p) : Load<uint64_t>(p); }
+
+absl::Status CheckTensor(uint64_t bytes, uint32_t item_bytes) {
+  if (!ItemSizeOk(item_bytes))
+    return absl::InvalidArgumentError(absl::StrCat("delta: item size ", item_bytes, " bytes, want 1, 2, 4 or 8"));
+  if (bytes % item_bytes != 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("delta: ", bytes, " bytes are not whole ", item_bytes, "-byte items"));
+  return absl::OkStatus();
+}
+
+// The u64 count at the head of an indices / runs payload, and the size the payload must then have
+// (per_entry index bytes per counted entry, plus values); kDataLoss when it cannot be that size.
+absl::StatusOr<uint64_t> ReadCount(absl::string_view what, std::span<const uint8_t> payload, uint64_t limit) {
+  if (payload.size() < kCountBytes)
+    return absl::DataLossError(absl::StrCat("delta of ", what, ": ", payload.size(), " bytes, under its count"));
+  const uint64_t count = Load<uint64_t>(payload.data());
+  if (count > limit)
+    return absl::DataLossError(absl::StrCat("delta of ", what, ": ", count, " entries for ", limit, " items"));
+  return count;
+}
+
+absl::Status ApplyIndices(absl::string_view what, uint32_t item, std::span<const uint8_t> payload,
+                          std::span<uint8_t> tensor) {
+  const uint64_t items = tensor.size() / item, width = IndexBytes(items);
+  auto count = ReadCount(what, payload, items);
+  if (!count.ok()) return count.status();
+  const uint64_t want = kCountBytes + *count * (width + item);
+  if (payload.size() != want)
+    return absl::DataLossError(
+        absl::StrCat("delta of ", what, ": ", payload.size(), " bytes for ", *count, " indices, want ", want));
+  const uint8_t* idx = payload.data() + kCountBytes;
+  for (uint64_t k = 0, prev = 0; k < *count; ++k) {
+    const uint64_t i = GetIndex(idx + k * width, width);
+    if (i >= items || (k > 0 && i <= prev))
+      return absl::DataLossError(
+          absl::StrCat("delta of ", what, ": index ", k, " is ", i, " (after ", prev, ", of ", items, " items)"));
+    prev = i;
+  }
+  const uint8_t* values = idx + *count * width;
+  for (uint64_t k = 0; k < *count; ++k)
+    std::memcpy(tensor.data() + GetIndex(idx + k * width, width) * item, values + k * item, item);
+  return absl::OkStatus();
+}
+
+absl::Status ApplyRuns(absl::string_view what, uint32_t item, std::span<const uint8_t> payload,
+                       std::span<uint8_t> tensor) {
+  const uint64_t items = tensor.size() / item, width = IndexBytes(items);
+  auto count = ReadCount(what, payload, items);
+  if (!count.ok()) return count.status();
+  if (payload.size() < kCountBytes + *count * 2 * width)
+    return absl::DataLossError(
+        absl::StrCat("delta of ", what, ": ", payload.size(), " bytes, under its ", *count, " runs"));
+  const uint8_t* pairs = payload.data() + kCountBytes;
+  uint64_t covered = 0;
+  for (uint64_t k = 0, prev_end = 0; k < *count; ++k) {
+    const uint64_t start = GetIndex(pairs + 2 * k * width, width),
+                   length = GetIndex(pairs + (2 * k + 1) * width, width);
+    if (length == 0 || start < prev_end || start >= items || length > items - start)
+      return absl::DataLossError(absl::StrCat("delta of ", what, ": run ", k, " is [", start, ", +", length,
+                                              ") (after item ", prev_end, ", of ", items, ")"));
+    prev_end = start + length;
+    covered += length;
+  }
+  const uint64_t want = kCountBytes + *count * 2 * width + covered * item;
+  if (payload.size() != want)
+    return absl::DataLossError(absl::StrCat("delta of ", what, ": ", payload.size(), " bytes for ", *count, " runs of ",
+                                            covered, " items, want ", want));
+  const uint8_t* values = pairs + *count * 2 * width;
+  for (uint64_t k = 0; k < *count; ++k) {
+    const uint64_t start = GetIndex(pairs + 2 * k * width, width),
+                   length = GetIndex(pairs + (2 * k + 1) * width, width);
+    std::memcpy(tensor.data() + start * item, values, length * item);
+    values += length * item;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::string_view DeltaEncodingName(DeltaEncoding e) {
+  switch (e) {
+    case DeltaEncoding::kDense: return "dense";
+    case DeltaEncoding::kIndices: return "indices";
+    case DeltaEncoding::kRuns: return "runs";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<DeltaPlan> PlanDelta(std::span<const uint8_t> base, std::span<const uint8_t> next, uint32_t item_bytes) {
+  if (base.size() != next.size())
+    return absl::InvalidArgumentError(absl::StrCat("delta: a base of ", base.size(), " bytes for ", next.size()));
+  if (absl::Status s = CheckTensor(next.size(), item_bytes); !s.ok()) return s;
+  DeltaPlan p;
+  p.item_bytes = item_bytes;
+  p.items = next.size() / item_bytes;
+  const uint64_t width = IndexBytes(p.items);
+  uint64_t covered = 0;
+  p.changed_items = Scan(item_bytes, base.data(), next.data(), p.items, MergeGap(p.items, item_bytes),
+                         [&](uint64_t, uint64_t length) {
+                           ++p.runs;
+                           covered += length;
+                         });
+  p.dense_bytes = next.size();
+  p.indices_bytes = kCountBytes + p.changed_items * (width + item_bytes);
+  p.runs_bytes = kCountBytes + p.runs * 2 * width + covered * item_bytes;
+  p.encoding = DeltaEncoding::kDense;
+  p.payload_bytes = p.dense_bytes;
+  if (p.runs_bytes < p.payload_bytes) {
+    p.encoding = DeltaEncoding::kRuns;
+    p.payload_bytes = p.runs_bytes;
+  }
+  if (p.indices_bytes < p.payload_bytes) {
+    p.encoding = DeltaEncoding::kIndices;
+    p.payload_bytes = p.indices_bytes;
+  }
+  return p;
+}
+
+absl::Status WriteDelta(const DeltaPlan& plan, std::span<const uint8_t> base, std::span<const uint8_t> next,
+                        std::span<uint8_t> out) {
+  if (base.size() != next.size() || next.size() != plan.items * plan.item_bytes || !ItemSizeOk(plan.item_bytes))
+    return absl::InvalidArgumentError("delta: the tensors are not those the plan was made from");
+  if (out.size() != plan.payload_bytes)
+    return absl::InvalidArgumentError(
+        absl::StrCat("delta: ", out.size(), " bytes for a payload of ", plan.payload_bytes));
+  const uint32_t item = plan.item_bytes;
+  if (plan.encoding == DeltaEncoding::kDense) {
+    if (!next.empty()) std::memcpy(out.data(), next.data(), next.size());
+    return absl::OkStatus();
+  }
+  const bool runs = plan.encoding == DeltaEncoding::kRuns;
+  const uint64_t width = IndexBytes(plan.items), count = runs ? plan.runs : plan.changed_items;
+  std::memcpy(out.data(), &count, kCountBytes);
+  uint8_t* idx = out.data() + kCountBytes;
+  uint8_t* values = idx + count * (runs ? 2 : 1) * width;
+  const uint8_t* end = out.data() + out.size();
+  uint64_t written = 0;   // entries
+  bool overflow = false;  // tensors other than the plan's: nothing more is written
+  const uint64_t changed =
+      Scan(item, base.data(), next.data(), plan.items, runs ? MergeGap(plan.items, item) : 0,
+           [&](uint64_t start, uint64_t length) {
+             written += runs ? 1 : length;
+             overflow = overflow || written > count || length * item > static_cast<uint64_t>(end - values);
+             if (overflow) return;
+             if (runs) {
+               PutIndex(idx, start, width);
+               PutIndex(idx, length, width);
+             } else {
+               for (uint64_t i = start; i < start + length; ++i) PutIndex(idx, i, width);
+             }
+             std::memcpy(values, next.data() + start * item, length * item);
+             values += length * item;
+           });
+  if (overflow || changed != plan.changed_items || written != count || values != end)
+    return absl::InvalidArgumentError("delta: the tensors are not those the plan was made from");
+  return absl::OkStatus();
+}
+
+absl::Status ApplyDelta(absl::string_view what, DeltaEncoding encoding, uint32_t item_bytes,
+                        std::span<const uint8_t> payload, std::span<uint8_t> tensor) {
+  if (absl::Status s = CheckTensor(tensor.size(), item_bytes); !s.ok()) return s;
+  switch (encoding) {
+    case DeltaEncoding::kDense:
+      if (payload.size() != tensor.size())
+        return absl::DataLossError(
+            absl::StrCat("delta of ", what, ": ", payload.size(), " dense bytes for a tensor of ", tensor.size()));
+      if (!tensor.empty()) std::memcpy(tensor.data(), payload.data(), payload.size());
+      return absl::OkStatus();
+    case DeltaEncoding::kIndices: return ApplyIndices(what, item_bytes, payload, tensor);
+    case DeltaEncoding::kRuns: return ApplyRuns(what, item_bytes, payload, tensor);
+  }
+  return absl::DataLossError(absl::StrCat("delta of ", what, ": unknown encoding ", static_cast<int>(encoding)));
+}
+
+}  // namespace wsync::comm

@@ -1,0 +1,62 @@
+// The sparse encoding of one tensor's change (this header is its spec): the items of its engine-form bytes
+// (bf16 elements, packed INT4 words, scales, FP8 codes: `item_bytes` each) that differ between the
+// base version a receiver holds and the new one, in whichever of three encodings is smallest:
+//   kDense    the new bytes, whole (items x item_bytes);
+//   kIndices  u64 count, count ascending item indices, then the count new items;
+//   kRuns     u64 count, count (start, length) pairs of ascending, disjoint item ranges, then the
+//             new items of every range in order. Runs of changed items closer than one pair's
+//             bytes are merged (the unchanged items between them travel as values).
+// Indices, starts and lengths are u32 when the tensor has at most 2^32 items, else u64; all
+// little-endian, packed, no padding. The payload names neither the tensor nor its base: the
+// bucket's manifest entry does (and the base's and the result's checksums with it).
+//
+// The sender plans (one pass over base and new: sizes of the three encodings, the smallest) and
+// writes (a second pass); the receiver applies a payload onto its copy of the base in place, after
+// checking the whole payload, so a malformed one changes nothing. Whether the base was the right one
+// and the result is the new version is for the checksums around this (an applied delta of the wrong
+// base is well-formed and wrong).
+// Thread-safety: pure functions over caller-owned memory.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace wsync::comm {
+
+enum class DeltaEncoding : uint8_t { kDense = 0, kIndices = 1, kRuns = 2 };
+absl::string_view DeltaEncodingName(DeltaEncoding e);
+
+// What PlanDelta found and chose.
+struct DeltaPlan {
+  DeltaEncoding encoding = DeltaEncoding::kDense;
+  uint32_t item_bytes = 0;
+  uint64_t items = 0;          // the tensor's items
+  uint64_t changed_items = 0;  // items whose bytes differ (0: the tensor did not change)
+  uint64_t runs = 0;           // runs of changed items after merging (kRuns' count)
+  uint64_t payload_bytes = 0;  // of the chosen encoding
+  uint64_t dense_bytes = 0, indices_bytes = 0, runs_bytes = 0;  // of each encoding
+};
+
+// Compares base and next (the same size, a multiple of item_bytes, which is 1, 2, 4 or 8) item by
+// item and picks the smallest encoding (ties: dense, then runs, then indices). kInvalidArgument for
+// sizes that differ or are not whole items, or another item size.
+absl::StatusOr<DeltaPlan> PlanDelta(std::span<const uint8_t> base, std::span<const uint8_t> next, uint32_t item_bytes);
+
+// Writes plan's payload for base -> next into out (exactly plan.payload_bytes). kInvalidArgument
+// when out's size or the tensors are not those the plan was made from.
+absl::Status WriteDelta(const DeltaPlan& plan, std::span<const uint8_t> base, std::span<const uint8_t> next,
+                        std::span<uint8_t> out);
+
+// Applies payload (encoded as `encoding`) onto `tensor`, the receiver's copy of the base, in place.
+// The whole payload is checked first: its size against its counts, every index / range ascending,
+// disjoint, non-empty and inside the tensor. A payload that fails is kDataLoss naming `what` and
+// what is wrong, and tensor is left untouched. kInvalidArgument for a tensor that is not whole
+// items or another item size.
+absl::Status ApplyDelta(absl::string_view what, DeltaEncoding encoding, uint32_t item_bytes,
+                        std::span<const uint8_t> payload, std::span<uint8_t> tensor);
+
+}  // namespace wsync::comm
