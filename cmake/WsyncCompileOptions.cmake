@@ -13,8 +13,8 @@ if(WSYNC_WERROR)
   target_compile_options(wsync_options INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-Werror>
                                                  $<$<COMPILE_LANGUAGE:CUDA>:-Werror=all-warnings>)
 endif()
-# A unity build (CMAKE_UNITY_BUILD, tools/setup.sh turns it on: a fresh build takes ~half the CPU time)
-# compiles each .cc as a file #included by its batch: GCC's -Wsubobject-linkage, meant for headers
+# A unity build (CMAKE_UNITY_BUILD; tools/setup.sh makes the sanitizer builds so) compiles each .cc
+# as a file #included by its batch: GCC's -Wsubobject-linkage, meant for headers
 # whose classes use a type of the anonymous namespace, then fires on every .cc that does so.
 if(CMAKE_UNITY_BUILD AND CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
   target_compile_options(wsync_options INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-Wno-subobject-linkage>)
