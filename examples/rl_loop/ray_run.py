@@ -13,6 +13,7 @@ this Python (tools/setup.sh --torch puts them in build/venv-torch).
 
 import argparse
 import ctypes
+import json
 import os
 import pathlib
 import random
@@ -39,6 +40,12 @@ class TrainerActor(train.Learner):
 
     def node(self):
         return ray.util.get_node_ip_address()
+
+
+def _members(ctl):
+    """The rollout agents that joined the coordinator (0 while it does not answer)."""
+    r = subprocess.run(ctl + ["--json", "status"], capture_output=True, text=True)
+    return json.loads(r.stdout)["members"] if r.returncode == 0 else 0
 
 
 @ray.remote(num_cpus=0)
@@ -139,6 +146,13 @@ def main():
         (v, took), _ = ray.get([l.publish.remote(version) for l in learners])
         return v, took
 
+    # Every rollout agent a member of the coordinator before the first sync (as wsync-local waits):
+    # an engine whose agent joins after it misses that version, and its first rollouts find no weights.
+    deadline = time.time() + 120
+    while (members := _members(ctl)) < len(engines):
+        if time.time() > deadline:
+            sys.exit(f"only {members} of {len(engines)} rollout agents joined the coordinator at {coordinator}")
+        time.sleep(0.1)
     version, took = publish(1)
     print(f"version {version}: the initial weights on {len(engines)} engines ({took:.2f} s)", flush=True)
     rng = random.Random(a.seed)
