@@ -13,6 +13,15 @@ from conftest import BIN, ROOT
 NEED = [os.environ.get("WSYNC_MEGATRON_PYTHON"), os.environ.get("WSYNC_VLLM_PYTHON")]
 
 
+def _check_steps(text, steps):
+    """Every step's line: both engines' 4 replies on the version published last, then the next synced."""
+    for step in range(1, steps + 1):
+        line = re.search(rf"step {step}: (.*)", text)
+        assert line, text[-5000:]
+        assert f"engine-0: 4 on version {step}, engine-1: 4 on version {step};" in line.group(1), line.group(0)
+        assert f"synced version {step + 1} in" in line.group(1), line.group(0)
+
+
 @pytest.mark.skipif(not all(NEED) or not all(os.path.exists(p) for p in NEED if p),
                     reason="needs $WSYNC_MEGATRON_PYTHON and $WSYNC_VLLM_PYTHON")
 def test_the_example_rl_loop_trains_and_syncs_every_step(tmp_path):
@@ -20,11 +29,7 @@ def test_the_example_rl_loop_trains_and_syncs_every_step(tmp_path):
                          env=dict(os.environ, WSYNC_BIN=str(BIN)), capture_output=True, text=True, timeout=600)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-5000:]
-    for step in (1, 2, 3):
-        line = re.search(rf"step {step}: (.*)", text)
-        assert line, text[-5000:]
-        assert f"engine-0: 4 on version {step}, engine-1: 4 on version {step};" in line.group(1), line.group(0)
-        assert f"synced version {step + 1} in" in line.group(1), line.group(0)
+    _check_steps(text, 3)
     assert "mean reward by step:" in text and "the training processes' syncs succeeded" in text, text[-3000:]
 
 
@@ -43,9 +48,5 @@ def test_the_example_rl_loop_runs_as_ray_actors(tmp_path):
                          capture_output=True, text=True, timeout=600)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-5000:]
-    for step in (1, 2, 3):
-        line = re.search(rf"step {step}: (.*)", text)
-        assert line, text[-5000:]
-        assert f"engine-0: 4 on version {step}, engine-1: 4 on version {step};" in line.group(1), line.group(0)
-        assert f"synced version {step + 1} in" in line.group(1), line.group(0)
+    _check_steps(text, 3)
     assert "ray_run: 3 steps, a sync after each" in text, text[-3000:]
