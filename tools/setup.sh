@@ -100,7 +100,7 @@ fi
 
 # The sanitizer builds are unity builds: each target's .cc files compiled in batches of 8, so each
 # header (gRPC, protobuf, abseil, gtest) is parsed once a batch (the ASan build of the sanitize tests:
-# 617 s against 705 s file by file, here). Not build/: a static library's unity object is linked
+# 561 s against 705 s file by file, here). Not build/: a static library's unity object is linked
 # whole where one of its files is used, so libwsync_engine_host.so would need NCCL, MPI and Gloo,
 # and in an engine's process CUDA's NCCL then shadows torch's (import torch failed: seen once).
 # WSYNC_UNITY=ON / OFF overrides.

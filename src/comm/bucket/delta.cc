@@ -15,8 +15,8 @@ bool ItemSizeOk(uint32_t item_bytes) {
   return item_bytes == 1 || item_bytes == 2 || item_bytes == 4 || item_bytes == 8;
 }
 
-// Bytes of one index (u32 up to 2^32 items, else u64).
-uint64_t IndexBytes(uint64_t items) { return items <= (uint64_t{1} << 32) ? 4 : 8; }
+// Bytes of one index, start or length: u32 below 2^32 items (a run may be 2^32 - 1 items long), else u64.
+uint64_t IndexBytes(uint64_t items) { return items < (uint64_t{1} << 32) ? 4 : 8; }
 
 template <typename T>
 T Load(const uint8_t* p) {

@@ -6,7 +6,7 @@
 //   kRuns     u64 count, count (start, length) pairs of ascending, disjoint item ranges, then the
 //             new items of every range in order. Runs of changed items closer than one pair's
 //             bytes are merged (the unchanged items between them travel as values).
-// Indices, starts and lengths are u32 when the tensor has at most 2^32 items, else u64; all
+// Indices, starts and lengths are u32 when the tensor has fewer than 2^32 items, else u64; all
 // little-endian, packed, no padding. The payload names neither the tensor nor its base: the
 // bucket's manifest entry does (and the base's and the result's checksums with it).
 //

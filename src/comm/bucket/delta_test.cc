@@ -31,7 +31,7 @@ struct Reference {
 };
 
 Reference Encode(const Bytes& base, const Bytes& next, uint32_t item) {
-  const uint64_t items = next.size() / item, width = items <= (uint64_t{1} << 32) ? 4 : 8;
+  const uint64_t items = next.size() / item, width = items < (uint64_t{1} << 32) ? 4 : 8;
   std::vector<uint64_t> changed;
   for (uint64_t i = 0; i < items; ++i)
     if (std::memcmp(&base[i * item], &next[i * item], item) != 0) changed.push_back(i);
