@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The fault matrix of the rollout side, through the real processes: 4 trainer agents under mpirun
-# (--sync-timeout 10), two reference engines (TP 1) with their rollout agents. For each fault, one
+# (--sync-timeout 5), two reference engines (TP 1) with their rollout agents. For each fault, one
 # process of engine 1 is (re)started with a failpoint (common/failpoint.h) that kills it (-9) or
 # stops it (SIGSTOP: a hung process) at one phase of the next sync:
 #   rollout agent: begin (BeginSync), transfer (first bucket arrived), prepare (PrepareSync),
@@ -17,7 +17,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
 e2e_start e2e_faults
 e2e_cleanup_extra() { for p in "${pids[@]}"; do kill -CONT "$p" 2>/dev/null || true; done; }
-timeout_s=10
+timeout_s=5
 e2e_trainer 5 -- --sync-timeout "$timeout_s"
 registrations() { grep -c 'registered engine "engine-1"' "$work/logs/agent-1.log" 2>/dev/null || true; }
 ready() {  # ready N: agent 1 has registered engine 1 more than N times, and is a member at its address

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A hung member fails the sync within its timeout, not a multiple of it: 4 trainer agents under
-# mpirun (--sync-timeout 10), two reference engines (TP 1) with their rollout agents. Sync 1 is
+# mpirun (--sync-timeout 5), two reference engines (TP 1) with their rollout agents. Sync 1 is
 # verified. Then, for each phase a sync can hang in, one member is stopped (SIGSTOP) and a sync
 # triggered: the rollout agent of engine 1 (before BeginSync), and that engine itself (before
 # its commit: the agent pauses it). Each sync must end within timeout + 10 s, naming the member,
@@ -13,7 +13,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
 e2e_start e2e_hang
 e2e_cleanup_extra() { for p in "${pids[@]}"; do kill -CONT "$p" 2>/dev/null || true; done; }
-timeout_s=10
+timeout_s=5
 e2e_trainer 91 -- --sync-timeout "$timeout_s"
 declare -a agent_pid engine_pid
 for e in 0 1; do

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The trainer side of the fault matrix, through the real processes: 4 trainer agents under mpirun
-# (the coordinator in rank 0 on a fixed port, --state-dir, --sync-timeout 10), two reference
+# (the coordinator in rank 0 on a fixed port, --state-dir, --sync-timeout 6), two reference
 # engines (TP 1) with their rollout agents. Each case breaks one trainer process at one phase of a
 # sync (failpoints, common/failpoint.h, or signals):
 #   coordinator killed (-9) once an agent has begun (BeginSync answered), during the transfer and
@@ -27,7 +27,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
 e2e_start e2e_trainer_faults
 e2e_cleanup_extra() { for p in "${pids[@]}"; do kill -CONT "$p" 2>/dev/null || true; done; }
-timeout_s=10
+timeout_s=6
 "$bin/wsync-model-gen" --from-config default --seed 73 --out "$work/hf" > /dev/null
 "$bin/wsync-shard" --hf "$work/hf" --out "$work/megatron" --tp 2 --ep 2 --dp 2 > /dev/null
 port=$(e2e_fixed_port)  # the coordinator's, the same at every start of the job
