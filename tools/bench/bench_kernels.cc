@@ -20,7 +20,6 @@
 
 #include "CLI/CLI.hpp"
 #include "comm/bucket/bucket_mac.h"
-#include "comm/bucket/delta.h"
 #include "common/checksum.h"
 #include "common/dtype.h"
 #include "common/tensor.h"
@@ -28,6 +27,7 @@
 #include "kernels/awq.h"
 #include "kernels/checksum.h"
 #include "kernels/cpu/int4_cpu.h"
+#include "kernels/delta.h"
 #include "kernels/format/awq_format.h"
 #include "kernels/format/fp8_format.h"
 #include "kernels/format/int4_format.h"
@@ -260,7 +260,7 @@ Row BenchBucketHash(const char* name, BucketHash kind, int64_t bytes, const Flag
   return Row{name, 1, bytes, t, tm, wrong};
 }
 
-// A delta sync's per-tensor work on one thread (comm/bucket/delta.h): delta-plan = PlanDelta +
+// A delta sync's per-tensor work on one thread (kernels/delta.h): delta-plan = PlanDelta +
 // WriteDelta of a bf16 tensor whose items changed with probability `fraction` (the sender's two
 // passes over base and new: 4x the size read), delta-apply = ApplyDelta of that payload onto a copy
 // of the base (the receiver). size = the tensor's bytes. #wrong: the applied base is not the new one.
@@ -273,17 +273,17 @@ Row BenchDelta(const char* name, bool apply, double fraction, int64_t bytes, con
   std::bernoulli_distribution changed(fraction);
   for (size_t i = 0; i + 2 <= n; i += 2)
     if (changed(rng)) next[i] ^= 1;
-  auto plan = comm::PlanDelta(base, next, 2);
+  auto plan = kernels::PlanDelta(base, next, 2);
   Die(plan.status());
   payload.resize(plan->payload_bytes);
-  Die(comm::WriteDelta(*plan, base, next, payload));
+  Die(kernels::WriteDelta(*plan, base, next, payload));
   auto run = [&] {
     if (apply) {
-      Die(comm::ApplyDelta("bench", plan->encoding, 2, payload, target));
+      Die(kernels::ApplyDelta("bench", plan->encoding, 2, payload, target));
     } else {
-      auto p = comm::PlanDelta(base, next, 2);
+      auto p = kernels::PlanDelta(base, next, 2);
       Die(p.status());
-      Die(comm::WriteDelta(*p, base, next, payload));
+      Die(kernels::WriteDelta(*p, base, next, payload));
     }
   };
   target = base;
@@ -298,7 +298,7 @@ Row BenchDelta(const char* name, bool apply, double fraction, int64_t bytes, con
   int64_t wrong = 0;
   if (f.check) {
     target = base;
-    Die(comm::ApplyDelta("bench", plan->encoding, 2, payload, target));
+    Die(kernels::ApplyDelta("bench", plan->encoding, 2, payload, target));
     wrong = target != next;
   }
   return Row{name, 1, bytes, t, tm, wrong};

@@ -3,7 +3,7 @@
 // appending, the smallest chosen. Seeded random tensors at changed fractions from none to all, every
 // item size, odd lengths; the edges (no change, every item, the first and last, alternating items
 // merged into one run); every malformed payload refused with the tensor untouched.
-#include "comm/bucket/delta.h"
+#include "kernels/delta.h"
 
 #include <gtest/gtest.h>
 
@@ -11,7 +11,7 @@
 #include <random>
 #include <vector>
 
-namespace wsync::comm {
+namespace wsync::kernels {
 namespace {
 
 using Bytes = std::vector<uint8_t>;
@@ -185,6 +185,65 @@ TEST(Delta, BadTensorsAreRefused) {
   EXPECT_EQ(WriteDelta(*plan, base, next, small).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// The block [row0, +rows) x [col0, +cols) of a [.., cols] matrix of items, cut item by item.
+Bytes Cut(const Bytes& t, uint32_t item, uint64_t tensor_cols, const DeltaBlock& b) {
+  Bytes out;
+  for (uint64_t r = b.row0; r < b.row0 + b.rows; ++r)
+    for (uint64_t c = b.col0; c < b.col0 + b.cols; ++c)
+      out.insert(out.end(), &t[(r * tensor_cols + c) * item], &t[(r * tensor_cols + c + 1) * item]);
+  return out;
+}
+
+// A receiver holding one block (an engine rank's slice) applies the whole tensor's payload, every
+// encoding, to its block of the base and gets the block of the new version: row and column slices,
+// the whole tensor, a single item, an empty block; dense rows and scattered items.
+TEST(Delta, ABlockOfTheTensorGetsTheBlockOfTheNewVersion) {
+  const uint64_t seed = 20261201;
+  std::mt19937_64 rng(seed);
+  for (uint32_t item : {1u, 2u, 4u}) {
+    for (auto [rows, cols] : {std::pair<uint64_t, uint64_t>{1, 37}, {37, 1}, {16, 24}, {33, 65}}) {
+      const Bytes base = Random(rng, rows * cols * item);
+      for (double p : {0.01, 0.3, 1.0}) {
+        const Bytes next = Change(rng, base, item, p);
+        const Reference ref = Encode(base, next, item);
+        std::vector<DeltaBlock> blocks = {
+            {rows, cols, 0, rows, 0, cols}, {rows, cols, 0, 0, 0, cols}, {rows, cols, rows - 1, 1, cols - 1, 1}};
+        for (int k = 0; k < 6; ++k) {
+          const uint64_t r0 = rng() % rows, c0 = rng() % cols;
+          blocks.push_back({rows, cols, r0, 1 + rng() % (rows - r0), c0, 1 + rng() % (cols - c0)});
+        }
+        for (const DeltaBlock& b : blocks) {
+          const std::string what = "seed " + std::to_string(seed) + " item " + std::to_string(item) + " [" +
+                                   std::to_string(rows) + ", " + std::to_string(cols) + "] p " + std::to_string(p) +
+                                   " block [" + std::to_string(b.row0) + ", +" + std::to_string(b.rows) + ") x [" +
+                                   std::to_string(b.col0) + ", +" + std::to_string(b.cols) + ")";
+          for (auto [enc, payload] :
+               {std::pair{DeltaEncoding::kDense, &ref.dense}, std::pair{DeltaEncoding::kIndices, &ref.indices},
+                std::pair{DeltaEncoding::kRuns, &ref.runs}}) {
+            Bytes got = Cut(base, item, cols, b);
+            absl::Status s = ApplyDeltaToBlock(what, enc, item, *payload, b, got);
+            ASSERT_TRUE(s.ok()) << what << " " << DeltaEncodingName(enc) << ": " << s;
+            ASSERT_EQ(got, Cut(next, item, cols, b)) << what << " " << DeltaEncodingName(enc);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Delta, ABlockOutsideTheTensorOrOfAnotherSizeIsRefused) {
+  Bytes payload(8, 0);  // indices: a count of zero
+  Bytes block(2 * 4);   // 2 x 2 bf16
+  for (const DeltaBlock& b : {DeltaBlock{4, 4, 3, 2, 0, 2}, DeltaBlock{4, 4, 0, 2, 3, 2}, DeltaBlock{4, 0, 0, 2, 0, 2},
+                              DeltaBlock{~uint64_t{0}, 2, 0, 2, 0, 2}}) {
+    absl::Status s = ApplyDeltaToBlock("t", DeltaEncoding::kIndices, 2, payload, b, block);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  }
+  EXPECT_EQ(ApplyDeltaToBlock("t", DeltaEncoding::kIndices, 2, payload, {4, 4, 0, 2, 0, 3}, block).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(ApplyDeltaToBlock("t", DeltaEncoding::kIndices, 2, payload, {4, 4, 2, 2, 2, 2}, block).ok());
+}
+
 // Each damage to a well-formed payload is refused (kDataLoss) and leaves the tensor as it was.
 TEST(Delta, MalformedPayloadsAreRefusedAndChangeNothing) {
   std::mt19937_64 rng(13);
@@ -229,6 +288,12 @@ TEST(Delta, MalformedPayloadsAreRefusedAndChangeNothing) {
     EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << what << ": " << s;
     EXPECT_NE(s.message().find("model.layers.0.mlp.down_proj.weight"), std::string::npos) << what << ": " << s;
     EXPECT_EQ(tensor, base) << what << ": the tensor changed";
+    // The same payload into the block a receiver keeps (rows 8..15 of the tensor as [16, 32]).
+    const DeltaBlock b{16, 32, 8, 8, 0, 32};
+    Bytes block = Cut(base, 2, 32, b);
+    s = ApplyDeltaToBlock("down_proj", enc, 2, payload, b, block);
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << what << " (block): " << s;
+    EXPECT_EQ(block, Cut(base, 2, 32, b)) << what << ": the block changed";
   }
   // A damaged value is well-formed: it applies, and the result is not the new version (what the
   // checksum of the result, around the delta, is there to catch).
@@ -240,4 +305,4 @@ TEST(Delta, MalformedPayloadsAreRefusedAndChangeNothing) {
 }
 
 }  // namespace
-}  // namespace wsync::comm
+}  // namespace wsync::kernels

@@ -1,11 +1,11 @@
-#include "comm/bucket/delta.h"
+#include "kernels/delta.h"
 
 #include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 
-namespace wsync::comm {
+namespace wsync::kernels {
 namespace {
 
 constexpr uint64_t kCountBytes = 8;
@@ -94,6 +94,41 @@ void PutIndex(uint8_t*& p, uint64_t v, uint64_t width) {
 
 uint64_t GetIndex(const uint8_t* p, uint64_t width) { return width == 4 ? Load<uint32_t>(p) : Load<uint64_t>(p); }
 
+// Where the applied items go: the whole tensor (a block of every row and column), or the block of
+// it a receiver keeps, dense row-major at `data`.
+struct Target {
+  uint8_t* data = nullptr;
+  uint32_t item = 0;
+  uint64_t items = 0;  // of the whole tensor
+  DeltaBlock block;
+
+  static Target Whole(std::span<uint8_t> tensor, uint32_t item) {
+    const uint64_t items = tensor.size() / item;
+    return {tensor.data(), item, items, {1, items, 0, 1, 0, items}};
+  }
+  // Items [start, start + n) of the whole tensor, from values (n items), where they fall in the block.
+  void Put(uint64_t start, uint64_t n, const uint8_t* values) const {
+    const DeltaBlock& b = block;
+    if (b.rows == b.tensor_rows && b.cols == b.tensor_cols) {  // all of it: one copy
+      std::memcpy(data + start * item, values, n * item);
+      return;
+    }
+    while (n > 0) {
+      const uint64_t r = start / b.tensor_cols, c = start % b.tensor_cols;
+      const uint64_t in_row = std::min(n, b.tensor_cols - c);
+      if (r >= b.row0 && r - b.row0 < b.rows) {
+        const uint64_t lo = std::max(c, b.col0), hi = std::min(c + in_row, b.col0 + b.cols);
+        if (lo < hi)
+          std::memcpy(data + ((r - b.row0) * b.cols + (lo - b.col0)) * item, values + (lo - c) * item,
+                      (hi - lo) * item);
+      }
+      start += in_row;
+      values += in_row * item;
+      n -= in_row;
+    }
+  }
+};
+
 absl::Status CheckTensor(uint64_t bytes, uint32_t item_bytes) {
   if (!ItemSizeOk(item_bytes))
     return absl::InvalidArgumentError(absl::StrCat("delta: item size ", item_bytes, " bytes, want 1, 2, 4 or 8"));
@@ -114,9 +149,9 @@ absl::StatusOr<uint64_t> ReadCount(absl::string_view what, std::span<const uint8
   return count;
 }
 
-absl::Status ApplyIndices(absl::string_view what, uint32_t item, std::span<const uint8_t> payload,
-                          std::span<uint8_t> tensor) {
-  const uint64_t items = tensor.size() / item, width = IndexBytes(items);
+absl::Status ApplyIndices(absl::string_view what, std::span<const uint8_t> payload, const Target& t) {
+  const uint32_t item = t.item;
+  const uint64_t items = t.items, width = IndexBytes(items);
   auto count = ReadCount(what, payload, items);
   if (!count.ok()) return count.status();
   const uint64_t want = kCountBytes + *count * (width + item);
@@ -132,14 +167,13 @@ absl::Status ApplyIndices(absl::string_view what, uint32_t item, std::span<const
     prev = i;
   }
   const uint8_t* values = idx + *count * width;
-  for (uint64_t k = 0; k < *count; ++k)
-    std::memcpy(tensor.data() + GetIndex(idx + k * width, width) * item, values + k * item, item);
+  for (uint64_t k = 0; k < *count; ++k) t.Put(GetIndex(idx + k * width, width), 1, values + k * item);
   return absl::OkStatus();
 }
 
-absl::Status ApplyRuns(absl::string_view what, uint32_t item, std::span<const uint8_t> payload,
-                       std::span<uint8_t> tensor) {
-  const uint64_t items = tensor.size() / item, width = IndexBytes(items);
+absl::Status ApplyRuns(absl::string_view what, std::span<const uint8_t> payload, const Target& t) {
+  const uint32_t item = t.item;
+  const uint64_t items = t.items, width = IndexBytes(items);
   auto count = ReadCount(what, payload, items);
   if (!count.ok()) return count.status();
   if (payload.size() < kCountBytes + *count * 2 * width)
@@ -164,7 +198,7 @@ absl::Status ApplyRuns(absl::string_view what, uint32_t item, std::span<const ui
   for (uint64_t k = 0; k < *count; ++k) {
     const uint64_t start = GetIndex(pairs + 2 * k * width, width),
                    length = GetIndex(pairs + (2 * k + 1) * width, width);
-    std::memcpy(tensor.data() + start * item, values, length * item);
+    t.Put(start, length, values);
     values += length * item;
   }
   return absl::OkStatus();
@@ -251,20 +285,44 @@ absl::Status WriteDelta(const DeltaPlan& plan, std::span<const uint8_t> base, st
   return absl::OkStatus();
 }
 
-absl::Status ApplyDelta(absl::string_view what, DeltaEncoding encoding, uint32_t item_bytes,
-                        std::span<const uint8_t> payload, std::span<uint8_t> tensor) {
-  if (absl::Status s = CheckTensor(tensor.size(), item_bytes); !s.ok()) return s;
+namespace {
+
+absl::Status Apply(absl::string_view what, DeltaEncoding encoding, std::span<const uint8_t> payload, const Target& t) {
   switch (encoding) {
     case DeltaEncoding::kDense:
-      if (payload.size() != tensor.size())
+      if (payload.size() != t.items * t.item)
         return absl::DataLossError(
-            absl::StrCat("delta of ", what, ": ", payload.size(), " dense bytes for a tensor of ", tensor.size()));
-      if (!tensor.empty()) std::memcpy(tensor.data(), payload.data(), payload.size());
+            absl::StrCat("delta of ", what, ": ", payload.size(), " dense bytes for a tensor of ", t.items * t.item));
+      if (t.items > 0) t.Put(0, t.items, payload.data());
       return absl::OkStatus();
-    case DeltaEncoding::kIndices: return ApplyIndices(what, item_bytes, payload, tensor);
-    case DeltaEncoding::kRuns: return ApplyRuns(what, item_bytes, payload, tensor);
+    case DeltaEncoding::kIndices: return ApplyIndices(what, payload, t);
+    case DeltaEncoding::kRuns: return ApplyRuns(what, payload, t);
   }
   return absl::DataLossError(absl::StrCat("delta of ", what, ": unknown encoding ", static_cast<int>(encoding)));
 }
 
-}  // namespace wsync::comm
+}  // namespace
+
+absl::Status ApplyDelta(absl::string_view what, DeltaEncoding encoding, uint32_t item_bytes,
+                        std::span<const uint8_t> payload, std::span<uint8_t> tensor) {
+  if (absl::Status s = CheckTensor(tensor.size(), item_bytes); !s.ok()) return s;
+  return Apply(what, encoding, payload, Target::Whole(tensor, item_bytes));
+}
+
+absl::Status ApplyDeltaToBlock(absl::string_view what, DeltaEncoding encoding, uint32_t item_bytes,
+                               std::span<const uint8_t> payload, const DeltaBlock& block, std::span<uint8_t> bytes) {
+  if (absl::Status s = CheckTensor(bytes.size(), item_bytes); !s.ok()) return s;
+  const DeltaBlock& b = block;
+  const uint64_t limit = ~uint64_t{0} / item_bytes;
+  if (b.tensor_cols == 0 || b.tensor_rows > limit / b.tensor_cols || b.row0 > b.tensor_rows ||
+      b.rows > b.tensor_rows - b.row0 || b.col0 > b.tensor_cols || b.cols > b.tensor_cols - b.col0)
+    return absl::InvalidArgumentError(absl::StrCat("delta of ", what, ": block rows [", b.row0, ", +", b.rows,
+                                                   ") x columns [", b.col0, ", +", b.cols, ") of a [", b.tensor_rows,
+                                                   ", ", b.tensor_cols, "] tensor"));
+  if (bytes.size() != b.rows * b.cols * item_bytes)
+    return absl::InvalidArgumentError(absl::StrCat("delta of ", what, ": ", bytes.size(), " bytes for a block of ",
+                                                   b.rows, " x ", b.cols, " items of ", item_bytes));
+  return Apply(what, encoding, payload, {bytes.data(), item_bytes, b.tensor_rows * b.tensor_cols, b});
+}
+
+}  // namespace wsync::kernels

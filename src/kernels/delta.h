@@ -11,8 +11,9 @@
 // bucket's manifest entry does (and the base's and the result's checksums with it).
 //
 // The sender plans (one pass over base and new: sizes of the three encodings, the smallest) and
-// writes (a second pass); the receiver applies a payload onto its copy of the base in place, after
-// checking the whole payload, so a malformed one changes nothing. Whether the base was the right one
+// writes (a second pass); the receiver applies a payload onto its copy of the base (all of it, or
+// the block its engine rank keeps) in place, after checking the whole payload, so a malformed one
+// changes nothing. Whether the base was the right one
 // and the result is the new version is for the checksums around this (an applied delta of the wrong
 // base is well-formed and wrong).
 // Thread-safety: pure functions over caller-owned memory.
@@ -25,7 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
-namespace wsync::comm {
+namespace wsync::kernels {
 
 enum class DeltaEncoding : uint8_t { kDense = 0, kIndices = 1, kRuns = 2 };
 absl::string_view DeltaEncodingName(DeltaEncoding e);
@@ -59,4 +60,18 @@ absl::Status WriteDelta(const DeltaPlan& plan, std::span<const uint8_t> base, st
 absl::Status ApplyDelta(absl::string_view what, DeltaEncoding encoding, uint32_t item_bytes,
                         std::span<const uint8_t> payload, std::span<uint8_t> tensor);
 
-}  // namespace wsync::comm
+// The block a receiver keeps of a tensor viewed as a [tensor_rows, tensor_cols] matrix of items
+// (common/tensor.h MatrixOf, in items): rows [row0, row0 + rows) x columns [col0, col0 + cols).
+struct DeltaBlock {
+  uint64_t tensor_rows = 0, tensor_cols = 0;
+  uint64_t row0 = 0, rows = 0, col0 = 0, cols = 0;
+};
+
+// ApplyDelta for a receiver that holds only `block` of the tensor, dense row-major in `bytes`
+// (rows x cols items): the payload is the whole tensor's and is checked whole as ApplyDelta checks
+// it; only the items inside the block are written (an engine rank's slice under broadcast
+// delivery). kInvalidArgument for a block outside the tensor or `bytes` of another size.
+absl::Status ApplyDeltaToBlock(absl::string_view what, DeltaEncoding encoding, uint32_t item_bytes,
+                               std::span<const uint8_t> payload, const DeltaBlock& block, std::span<uint8_t> bytes);
+
+}  // namespace wsync::kernels
