@@ -6,9 +6,11 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status.h"
 #include "engine_model/block_copy.h"
+#include "kernels/checksum.h"
 
 namespace wsync::engine_model {
 namespace {
@@ -17,21 +19,19 @@ using State = Staging::PieceState;
 
 }  // namespace
 
-absl::StatusOr<int> Loader::CheckAndClaim(absl::string_view hf_name, DType dtype, std::span<const int64_t> shape,
-                                          const TensorView& data, const BlockRef* block) {
+absl::StatusOr<int> Loader::FindSent(absl::string_view hf_name, DType dtype, std::span<const int64_t> shape,
+                                     bool whole) const {
   const EngineLayout& layout = staging_->layout();
   const int idx = layout.FindSource(hf_name);
-  // Only for errors: no string is built for a tensor that loads.
   auto what = [&] { return absl::StrCat(SafetensorsName(dtype), ShapeToString(shape)); };
   if (idx < 0) {
-    if (layout.IsIgnoredHfName(hf_name) && block == nullptr) return -1;
+    if (layout.IsIgnoredHfName(hf_name) && whole) return -1;
     return absl::InvalidArgumentError(absl::StrCat("unknown tensor ", hf_name, " (", what(), "): not part of the ",
                                                    ArchitectureName(layout.config().arch),
                                                    layout.quantized() ? " INT4" : " bf16", " engine layout",
-                                                   block != nullptr ? " (a block of it was sent to this rank)" : ""));
+                                                   whole ? "" : " (a block of it was sent to this rank)"));
   }
   const HfSource& s = layout.sources()[static_cast<size_t>(idx)];
-  const bool shape_tensor = s.action == HfSource::Action::kCheckShape;
   // weight_shape (the only I64 tensors): int64 as compressed-tensors writes it, or int32 as slime sends it.
   const bool any_int = s.dtype == DType::kI64;
   const bool dtype_ok = dtype == s.dtype || (any_int && dtype == DType::kI32);
@@ -39,6 +39,18 @@ absl::StatusOr<int> Loader::CheckAndClaim(absl::string_view hf_name, DType dtype
     return absl::InvalidArgumentError(absl::StrCat(hf_name, ": got ", what(), ", want ", SafetensorsName(s.dtype),
                                                    ShapeToString(s.shape), any_int ? " (or I32)" : ""));
   }
+  return idx;
+}
+
+absl::StatusOr<int> Loader::CheckAndClaim(absl::string_view hf_name, DType dtype, std::span<const int64_t> shape,
+                                          const TensorView& data, const BlockRef* block) {
+  const EngineLayout& layout = staging_->layout();
+  ASSIGN_OR_RETURN(const int idx, FindSent(hf_name, dtype, shape, block == nullptr));
+  if (idx < 0) return -1;
+  // Only for errors: no string is built for a tensor that loads.
+  auto what = [&] { return absl::StrCat(SafetensorsName(dtype), ShapeToString(shape)); };
+  const HfSource& s = layout.sources()[static_cast<size_t>(idx)];
+  const bool shape_tensor = s.action == HfSource::Action::kCheckShape;
   ASSIGN_OR_RETURN(const int64_t want_bytes, block == nullptr
                                                  ? NumBytes(dtype, shape)
                                                  : NumBytes(dtype, std::array<int64_t, 2>{block->rows, block->cols}));
@@ -127,6 +139,64 @@ absl::Status Loader::LoadBlock(absl::string_view hf_name, DType dtype, std::span
   ASSIGN_OR_RETURN(const int idx, CheckAndClaim(hf_name, dtype, shape, data, &block));
   if (idx < 0) return absl::OkStatus();
   return CopyPiece(idx, data.bytes().data(), block.cols, 0, 0);
+}
+
+absl::Status Loader::LoadDelta(absl::string_view hf_name, DType dtype, std::span<const int64_t> shape,
+                               const DeltaRef& delta, std::span<const uint8_t> payload) {
+  if (shape.size() > 2)
+    return absl::InvalidArgumentError(absl::StrCat(hf_name, ": a delta of a ", shape.size(), "-dim tensor"));
+  ASSIGN_OR_RETURN(const int idx, FindSent(hf_name, dtype, shape, true));
+  if (idx < 0) return absl::OkStatus();
+  const HfSource& s = staging_->layout().sources()[static_cast<size_t>(idx)];
+  if (s.action == HfSource::Action::kCheckShape)
+    return absl::InvalidArgumentError(absl::StrCat(hf_name, ": a weight_shape is sent whole, not as a delta"));
+  if (s.action == HfSource::Action::kSkip) return absl::OkStatus();
+  if (!staging_->space().host())
+    return absl::UnimplementedError(
+        absl::StrCat(hf_name, ": a delta into a staging in ", staging_->space().Name(), " (host stagings only)"));
+  // Claim the piece: it must hold the base (restored), and it is loaded once in a sync.
+  std::atomic<uint8_t>& st = staging_->state_[static_cast<size_t>(idx)];
+  uint8_t cur = static_cast<uint8_t>(State::kRestored);
+  if (!st.compare_exchange_strong(cur, static_cast<uint8_t>(State::kLoaded), std::memory_order_acq_rel)) {
+    if (cur == static_cast<uint8_t>(State::kLoaded))
+      return absl::AlreadyExistsError(absl::StrCat(hf_name, " was already loaded in this sync (", s.what, ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(hf_name, ": a delta, and the staging holds no base for it (", s.what, " not restored)"));
+  }
+  auto unclaim = [&](absl::Status e) {
+    st.store(static_cast<uint8_t>(State::kRestored), std::memory_order_release);
+    return e;
+  };
+  // The kept block as it was sent (dense [rows, cols]), read back out of the staging.
+  const EngineParam& p = staging_->layout().params()[static_cast<size_t>(s.param)];
+  const MatrixDims d = MatrixOf(p.loaded_shape);
+  const size_t item = ItemSize(p.dtype);
+  const std::byte* param =
+      staging_->param(s.param).bytes().data() + s.expert * d.rows * d.cols * static_cast<int64_t>(item);
+  std::vector<std::byte> block(static_cast<size_t>(s.rows * s.cols) * item);
+  if (s.transpose) {
+    internal::CopyBlock(param, d.cols, s.dst_row0, s.dst_col0, s.cols, s.rows, block.data(), s.cols, 0, 0, item, true);
+  } else {
+    internal::CopyBlock(param, d.cols, s.dst_row0, s.dst_col0, s.rows, s.cols, block.data(), s.cols, 0, 0, item, false);
+  }
+  if (const uint64_t got = kernels::Sum64Host(block); got != delta.base_sum)
+    return unclaim(absl::DataLossError(absl::StrFormat(
+        "%s: the staging does not hold the delta's base (Sum64 of the kept block %016x, the base's %016x)", hf_name,
+        got, delta.base_sum)));
+  const MatrixDims whole = MatrixOf(s.shape);
+  const kernels::DeltaBlock kept{static_cast<uint64_t>(whole.rows), static_cast<uint64_t>(whole.cols),
+                                 static_cast<uint64_t>(s.src_row0), static_cast<uint64_t>(s.rows),
+                                 static_cast<uint64_t>(s.src_col0), static_cast<uint64_t>(s.cols)};
+  const std::span<uint8_t> view(reinterpret_cast<uint8_t*>(block.data()), block.size());
+  if (absl::Status a =
+          kernels::ApplyDeltaToBlock(hf_name, delta.encoding, static_cast<uint32_t>(item), payload, kept, view);
+      !a.ok())
+    return unclaim(a);
+  if (const uint64_t got = kernels::Sum64Host(block); got != delta.sum)
+    return unclaim(absl::DataLossError(absl::StrFormat(
+        "%s: the delta applied to its base is not the new version (Sum64 of the kept block %016x, want %016x)", hf_name,
+        got, delta.sum)));
+  return CopyPiece(idx, block.data(), s.cols, 0, 0);
 }
 
 }  // namespace wsync::engine_model

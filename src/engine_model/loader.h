@@ -46,6 +46,7 @@
 #include "common/tensor.h"
 #include "engine_model/engine_layout.h"
 #include "engine_model/staging.h"
+#include "kernels/delta.h"
 
 namespace wsync::engine_model {
 
@@ -68,10 +69,33 @@ class Loader {
   absl::Status LoadBlock(absl::string_view hf_name, DType dtype, std::span<const int64_t> shape, const BlockRef& block,
                          const TensorView& data);
 
+  // Delta delivery (kernels/delta.h): `payload` is the change of the sent tensor `hf_name` (dtype,
+  // shape: the whole tensor's, at most 2 dims) from the version this staging holds, in
+  // `delta.encoding` over its elements (items of the dtype's size); only the elements inside the
+  // block this rank keeps are applied. `base_sum` and `sum` are the Sum64 (kernels/format/sum64.h)
+  // of that block's dense row-major bytes, as sent, in the base version and in the new one: the
+  // block is read back out of the staging, checked against base_sum, the delta applied to it, the
+  // result checked against sum, and only then loaded (as LoadBlock would).
+  // Errors, the piece left as it was: kFailedPrecondition when the piece holds no base (not
+  // restored: Staging::MarkAllRestored); kDataLoss when the staging's block is not the base, the
+  // payload is malformed or the result is not the new version; kAlreadyExists as Load;
+  // kInvalidArgument for a wrong name, dtype or shape, or an INT4 weight_shape (sent whole, never as
+  // a delta); kUnimplemented for a device staging. A tensor this rank keeps none of is checked and skipped.
+  struct DeltaRef {
+    kernels::DeltaEncoding encoding = kernels::DeltaEncoding::kDense;
+    uint64_t base_sum = 0, sum = 0;
+  };
+  absl::Status LoadDelta(absl::string_view hf_name, DType dtype, std::span<const int64_t> shape, const DeltaRef& delta,
+                         std::span<const uint8_t> payload);
+
   absl::Status CheckComplete() const { return staging_->CheckComplete(); }
   Staging& staging() const { return *staging_; }
 
  private:
+  // The sent tensor's source index after checking its name, dtype and shape; -1 for a tensor the
+  // layout ignores (only when `whole`: a block or delta of it is refused).
+  absl::StatusOr<int> FindSent(absl::string_view hf_name, DType dtype, std::span<const int64_t> shape,
+                               bool whole) const;
   // The checks and the claim both loads share: the source index to copy, -1 when nothing is to be
   // copied (skipped, ignored, a weight_shape).
   absl::StatusOr<int> CheckAndClaim(absl::string_view hf_name, DType dtype, std::span<const int64_t> shape,

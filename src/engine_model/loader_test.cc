@@ -3,6 +3,7 @@
 #include "engine_model/loader.h"
 
 #include <cstring>
+#include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -11,6 +12,8 @@
 #include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/checksum.h"
+#include "kernels/delta.h"
 #include "model/testing/hf_model.h"
 #include "model/testing/test_models.h"
 
@@ -295,6 +298,170 @@ TEST(LoaderTest, ConcurrentLoadsEqualSequentialLoads) {
   for (auto& th : threads) th.join();
   EXPECT_EQ(ok.load(), 1);
   EXPECT_EQ(dup.load(), kThreads - 1);
+}
+
+// The dense bytes of the block [row0, +rows) x [col0, +cols) of a sent tensor's matrix view, cut
+// from the sent bytes (not read back from any staging).
+std::vector<uint8_t> KeptBytes(const TensorView& t, const KeptBlock& k) {
+  const MatrixDims d = MatrixOf(t.shape());
+  const size_t item = ItemSize(t.dtype());
+  std::vector<uint8_t> out;
+  const auto* p = reinterpret_cast<const uint8_t*>(t.bytes().data());
+  for (int64_t r = k.row0; r < k.row0 + k.rows; ++r)
+    out.insert(out.end(), p + (r * d.cols + k.col0) * static_cast<int64_t>(item),
+               p + (r * d.cols + k.col0 + k.cols) * static_cast<int64_t>(item));
+  return out;
+}
+
+uint64_t Sum(const std::vector<uint8_t>& b) { return kernels::Sum64Host(std::as_bytes(std::span(b))); }
+
+// One sent tensor's delta from `base` to `next` as the sender makes it for this rank.
+struct SentDelta {
+  Loader::DeltaRef ref;
+  std::vector<uint8_t> payload;
+};
+SentDelta MakeDelta(const EngineLayout& layout, const std::string& name, const Tensor& base, const Tensor& next) {
+  const auto as_u8 = [](const Tensor& t) {
+    return std::span(reinterpret_cast<const uint8_t*>(t.view().bytes().data()), t.nbytes());
+  };
+  SentDelta d;
+  auto plan = kernels::PlanDelta(as_u8(base), as_u8(next), static_cast<uint32_t>(ItemSize(next.dtype())));
+  EXPECT_TRUE(plan.ok()) << name << ": " << plan.status();
+  d.payload.resize(plan->payload_bytes);
+  EXPECT_TRUE(kernels::WriteDelta(*plan, as_u8(base), as_u8(next), d.payload).ok()) << name;
+  d.ref.encoding = plan->encoding;
+  const int idx = layout.FindSource(name);
+  const KeptBlock k = idx >= 0 ? KeptBlockOf(layout.sources()[static_cast<size_t>(idx)]) : KeptBlock{};
+  d.ref.base_sum = Sum(KeptBytes(base.view(), k));
+  d.ref.sum = Sum(KeptBytes(next.view(), k));
+  return d;
+}
+
+// The next version of a model: each element (packed INT4 word, scale) of every weight and scale
+// changed with probability p (one random byte flipped), weight_shape tensors as they were.
+HfModel NextVersion(const HfModel& m, double p, uint32_t seed) {
+  HfModel n;
+  n.order = m.order;
+  std::mt19937_64 rng(seed);
+  std::bernoulli_distribution flip(p);
+  for (const auto& [name, base] : m.sent) {
+    auto copy = Tensor::CopyOf(base.view());
+    EXPECT_TRUE(copy.ok()) << copy.status();
+    Tensor& t = n.sent.emplace(name, std::move(*copy)).first->second;
+    if (name.ends_with("weight_shape")) continue;
+    const size_t item = ItemSize(t.dtype());
+    auto* b = t.data_as<uint8_t>();
+    for (size_t i = 0; i < t.nbytes() / item; ++i)
+      if (flip(rng)) b[i * item + rng() % item] ^= static_cast<uint8_t>(1 + rng() % 255);
+  }
+  return n;
+}
+
+// A delta sync into a staging that holds the base (every changed tensor sent as its delta, the
+// others not at all) leaves it as a full load of the new version does: an INT4 MoE engine (its
+// experts transposed into the GPTQ orientation) and a bf16 one with replicated KV heads, at
+// several engine ranks, sparse and dense changes.
+TEST(LoaderTest, ADeltaOntoItsBaseEqualsAFullLoadOfTheNewVersion) {
+  constexpr uint32_t kSeed = 606;
+  SCOPED_TRACE(absl::StrCat("seed ", kSeed));
+  const ModelConfig moe = Config(model::testing::kQwen3MoeJson);
+  const ModelConfig llama = Config(model::testing::kLlamaJson);
+  const QuantizationConfig q = Quant(32, {"lm_head", "re:.*mlp\\.gate$", "re:.*embed_tokens.*"});
+  struct Case {
+    const ModelConfig* config;
+    const QuantizationConfig* quant;
+    EngineParallel parallel;
+  };
+  for (const Case& c : {Case{&moe, &q, {2, 1, 1}}, Case{&moe, &q, {2, 0, 2}}, Case{&llama, nullptr, {4, 3, 1}}}) {
+    auto m = model::testing::MakeHfModel(*c.config, c.quant, kSeed);
+    ASSERT_TRUE(m.ok()) << m.status();
+    auto layout = EngineLayout::Create(*c.config, c.quant, c.parallel);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    for (double p : {0.01, 0.5}) {
+      SCOPED_TRACE(absl::StrCat("tp rank ", c.parallel.tp_rank, " of ", c.parallel.tp_size, ", ep ", c.parallel.ep_size,
+                                ", p ", p));
+      const HfModel next = NextVersion(*m, p, kSeed + 1);
+      auto full = Staging::Create(*layout);
+      auto delta = Staging::Create(*layout);
+      ASSERT_TRUE(full.ok() && delta.ok());
+      Loader lf(full->get()), ld(delta->get());
+      ASSERT_TRUE(LoadAll(lf, next).ok());
+      ASSERT_TRUE(LoadAll(ld, *m).ok());
+      (*delta)->ResetCoverage();  // the next sync: its pieces hold the base
+      (*delta)->MarkAllRestored();
+      int sent = 0;
+      for (const std::string& name : m->order) {
+        const Tensor& b = m->sent.at(name);
+        const Tensor& n = next.sent.at(name);
+        if (std::memcmp(b.view().bytes().data(), n.view().bytes().data(), b.nbytes()) == 0) continue;
+        const SentDelta d = MakeDelta(*layout, name, b, n);
+        const absl::Status st = ld.LoadDelta(name, n.dtype(), n.shape(), d.ref, d.payload);
+        ASSERT_TRUE(st.ok()) << name << ": " << st;
+        ++sent;
+      }
+      EXPECT_GT(sent, 10);
+      EXPECT_TRUE(ld.CheckComplete().ok());
+      EXPECT_EQ(StagingChecksum(**delta), StagingChecksum(**full));
+    }
+  }
+}
+
+// A delta that is not for what the staging holds, or that does not give the new version, is refused
+// and the staging keeps its base: a wrong base, a damaged value, no base at all, a weight_shape, a
+// second delta of one tensor.
+TEST(LoaderTest, ADeltaNotOnItsBaseOrNotGivingTheNewVersionChangesNothing) {
+  constexpr uint32_t kSeed = 707;
+  SCOPED_TRACE(absl::StrCat("seed ", kSeed));
+  const ModelConfig c = Config(model::testing::kQwen3MoeJson);
+  const QuantizationConfig q = Quant(32, {"lm_head", "re:.*mlp\\.gate$", "re:.*embed_tokens.*"});
+  auto m = model::testing::MakeHfModel(c, &q, kSeed);
+  ASSERT_TRUE(m.ok());
+  auto layout = EngineLayout::Create(c, &q, {2, 1, 1});
+  ASSERT_TRUE(layout.ok());
+  auto staging = Staging::Create(*layout);
+  ASSERT_TRUE(staging.ok());
+  Loader loader(staging->get());
+  ASSERT_TRUE(LoadAll(loader, *m).ok());
+  (*staging)->ResetCoverage();
+  (*staging)->MarkAllRestored();
+  const uint64_t before = StagingChecksum(**staging);
+  const HfModel next = NextVersion(*m, 0.05, kSeed + 1);
+  const HfModel other = NextVersion(*m, 0.05, kSeed + 2);
+  const std::string name = "model.layers.0.mlp.experts.3.up_proj.weight_packed";
+  const Tensor& n = next.sent.at(name);
+  const SentDelta good = MakeDelta(*layout, name, m->sent.at(name), n);
+  // Built on another base: the staging's block is not it.
+  const SentDelta wrong_base = MakeDelta(*layout, name, other.sent.at(name), n);
+  absl::Status st = loader.LoadDelta(name, n.dtype(), n.shape(), wrong_base.ref, wrong_base.payload);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_THAT(st.message(), HasSubstr("does not hold the delta's base"));
+  // A damaged value: well-formed, and the result is not the new version.
+  SentDelta damaged = good;
+  damaged.payload.back() ^= 0x10;
+  st = loader.LoadDelta(name, n.dtype(), n.shape(), damaged.ref, damaged.payload);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_THAT(st.message(), HasSubstr("is not the new version"));
+  // A malformed payload.
+  st = loader.LoadDelta(name, n.dtype(), n.shape(), good.ref, std::span(good.payload).first(good.payload.size() - 1));
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  // A weight_shape, and a tensor of another shape.
+  const std::string shape_name = "model.layers.0.mlp.experts.3.up_proj.weight_shape";
+  const Tensor& ws = m->sent.at(shape_name);
+  EXPECT_EQ(loader.LoadDelta(shape_name, ws.dtype(), ws.shape(), good.ref, good.payload).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(loader.LoadDelta(name, n.dtype(), ws.shape(), good.ref, good.payload).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(StagingChecksum(**staging), before) << "a refused delta changed the staging";
+  // The piece still holds its base: the right delta applies, once.
+  ASSERT_TRUE(loader.LoadDelta(name, n.dtype(), n.shape(), good.ref, good.payload).ok());
+  EXPECT_NE(StagingChecksum(**staging), before);
+  EXPECT_EQ(loader.LoadDelta(name, n.dtype(), n.shape(), good.ref, good.payload).code(),
+            absl::StatusCode::kAlreadyExists);
+  // A new sync whose pieces are not restored: no base.
+  (*staging)->ResetCoverage();
+  st = loader.LoadDelta(name, n.dtype(), n.shape(), good.ref, good.payload);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_THAT(st.message(), HasSubstr("holds no base"));
 }
 
 }  // namespace
