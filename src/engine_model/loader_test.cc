@@ -3,7 +3,6 @@
 #include "engine_model/loader.h"
 
 #include <cstring>
-#include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -337,26 +336,6 @@ SentDelta MakeDelta(const EngineLayout& layout, const std::string& name, const T
   return d;
 }
 
-// The next version of a model: each element (packed INT4 word, scale) of every weight and scale
-// changed with probability p (one random byte flipped), weight_shape tensors as they were.
-HfModel NextVersion(const HfModel& m, double p, uint32_t seed) {
-  HfModel n;
-  n.order = m.order;
-  std::mt19937_64 rng(seed);
-  std::bernoulli_distribution flip(p);
-  for (const auto& [name, base] : m.sent) {
-    auto copy = Tensor::CopyOf(base.view());
-    EXPECT_TRUE(copy.ok()) << copy.status();
-    Tensor& t = n.sent.emplace(name, std::move(*copy)).first->second;
-    if (name.ends_with("weight_shape")) continue;
-    const size_t item = ItemSize(t.dtype());
-    auto* b = t.data_as<uint8_t>();
-    for (size_t i = 0; i < t.nbytes() / item; ++i)
-      if (flip(rng)) b[i * item + rng() % item] ^= static_cast<uint8_t>(1 + rng() % 255);
-  }
-  return n;
-}
-
 // A delta sync into a staging that holds the base (every changed tensor sent as its delta, the
 // others not at all) leaves it as a full load of the new version does: an INT4 MoE engine (its
 // experts transposed into the GPTQ orientation) and a bf16 one with replicated KV heads, at
@@ -380,7 +359,7 @@ TEST(LoaderTest, ADeltaOntoItsBaseEqualsAFullLoadOfTheNewVersion) {
     for (double p : {0.01, 0.5}) {
       SCOPED_TRACE(absl::StrCat("tp rank ", c.parallel.tp_rank, " of ", c.parallel.tp_size, ", ep ", c.parallel.ep_size,
                                 ", p ", p));
-      const HfModel next = NextVersion(*m, p, kSeed + 1);
+      const HfModel next = model::testing::ChangeElements(*m, p, kSeed + 1);
       auto full = Staging::Create(*layout);
       auto delta = Staging::Create(*layout);
       ASSERT_TRUE(full.ok() && delta.ok());
@@ -425,8 +404,8 @@ TEST(LoaderTest, ADeltaNotOnItsBaseOrNotGivingTheNewVersionChangesNothing) {
   (*staging)->ResetCoverage();
   (*staging)->MarkAllRestored();
   const uint64_t before = StagingChecksum(**staging);
-  const HfModel next = NextVersion(*m, 0.05, kSeed + 1);
-  const HfModel other = NextVersion(*m, 0.05, kSeed + 2);
+  const HfModel next = model::testing::ChangeElements(*m, 0.05, kSeed + 1);
+  const HfModel other = model::testing::ChangeElements(*m, 0.05, kSeed + 2);
   const std::string name = "model.layers.0.mlp.experts.3.up_proj.weight_packed";
   const Tensor& n = next.sent.at(name);
   const SentDelta good = MakeDelta(*layout, name, m->sent.at(name), n);

@@ -90,6 +90,17 @@ absl::Status ValidateManifest(const v1::BucketManifest& m, uint64_t data_bytes) 
     }
     const uint64_t whole = numel * ItemSize(*dtype);
     if (e.has_block()) RETURN_IF_ERROR(CheckBlock(m, e, *dtype));
+    if (e.has_delta()) {
+      // A delta's payload is never larger than the tensor (PlanDelta sends it dense then), and it
+      // needs a base to apply onto.
+      if (e.has_block() || e.split_offset() != 0 || m.base_version() == 0 || e.delta().encoding() > 2)
+        return absl::InvalidArgumentError(absl::StrCat(DescribeBucket(m), ": ", name, ": a delta entry with ",
+                                                       e.has_block()           ? "a block"
+                                                       : e.split_offset() != 0 ? "a split offset"
+                                                       : m.base_version() == 0
+                                                           ? "no base version"
+                                                           : absl::StrCat("encoding ", e.delta().encoding())));
+    }
     if (e.total_nbytes() != whole || e.split_offset() + e.nbytes() > whole) {
       return absl::InvalidArgumentError(
           absl::StrCat(DescribeBucket(m), ": ", name, ": ", e.nbytes(), " bytes at split offset ", e.split_offset(),

@@ -512,6 +512,25 @@ TEST(BucketStreamTest, ManifestValidation) {
   bad = m;
   bad.mutable_entries(0)->mutable_tensor()->set_name("");
   EXPECT_TRUE(absl::IsInvalidArgument(ValidateManifest(bad, 150)));
+  // Delta entries: a payload smaller than the tensor on a named base; never without a base, with a
+  // block, split, or in an unknown encoding.
+  v1::BucketManifest d = m;
+  d.set_base_version(4);
+  d.mutable_entries(0)->set_nbytes(40);
+  d.mutable_entries(0)->mutable_delta()->set_encoding(1);
+  EXPECT_TRUE(ValidateManifest(d, 150).ok());
+  bad = d;
+  bad.set_base_version(0);
+  EXPECT_TRUE(absl::IsInvalidArgument(ValidateManifest(bad, 150)));
+  bad = d;
+  bad.mutable_entries(0)->mutable_delta()->set_encoding(3);
+  EXPECT_TRUE(absl::IsInvalidArgument(ValidateManifest(bad, 150)));
+  bad = d;
+  bad.mutable_entries(0)->set_split_offset(8);
+  EXPECT_TRUE(absl::IsInvalidArgument(ValidateManifest(bad, 150)));
+  bad = d;
+  bad.mutable_entries(0)->set_nbytes(101);  // more than the tensor
+  EXPECT_TRUE(absl::IsInvalidArgument(ValidateManifest(bad, 150)));
 }
 
 TEST(BucketStreamTest, AReceiverWhoseSenderAbortsGetsAnError) {

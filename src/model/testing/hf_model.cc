@@ -1,5 +1,6 @@
 #include "model/testing/hf_model.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -212,6 +213,24 @@ absl::StatusOr<HfModel> MakeHfModel(const ModelConfig& c, const QuantizationConf
     m.int4.insert(s.name);
   }
   return m;
+}
+
+HfModel ChangeElements(const HfModel& m, double p, uint32_t seed) {
+  HfModel n;
+  n.order = m.order;
+  std::mt19937_64 rng(seed);
+  std::bernoulli_distribution flip(p);
+  for (const auto& [name, base] : m.sent) {
+    auto copy = Tensor::CopyOf(base.view());
+    if (!copy.ok()) std::abort();  // host memory for a test model
+    Tensor& t = n.sent.emplace(name, std::move(*copy)).first->second;
+    if (absl::EndsWith(name, "weight_shape")) continue;
+    const size_t item = ItemSize(t.dtype());
+    auto* b = t.data_as<uint8_t>();
+    for (size_t i = 0; i < t.nbytes() / item; ++i)
+      if (flip(rng)) b[i * item + rng() % item] ^= static_cast<uint8_t>(1 + rng() % 255);
+  }
+  return n;
 }
 
 }  // namespace wsync::model::testing

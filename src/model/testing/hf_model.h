@@ -48,4 +48,9 @@ struct HfModel {
 absl::StatusOr<HfModel> MakeHfModel(const ModelConfig& config, const QuantizationConfig* quantization, uint32_t seed,
                                     const HfModelOptions& options = {});
 
+// The next version of a sent model, as a delta sync sees it: each element of every sent tensor
+// (bf16 value, packed INT4 word, scale) changed with probability p (one random byte of it flipped,
+// std::mt19937_64(seed)); weight_shape tensors as they were. Only `order` and `sent` are filled.
+HfModel ChangeElements(const HfModel& m, double p, uint32_t seed);
+
 }  // namespace wsync::model::testing

@@ -72,6 +72,10 @@ absl::Status Recorder::WriteBucket(const v1::BucketManifest& m, const std::byte*
       return absl::UnimplementedError(absl::StrCat("recording ", e.tensor().name(),
                                                    ": blocks of a sharded sync are not recorded (whole tensors only)"));
     }
+    if (e.has_delta()) {
+      return absl::UnimplementedError(absl::StrCat(
+          "recording ", e.tensor().name(), ": the deltas of a delta sync are not recorded (whole tensors only)"));
+    }
     if (e.nbytes() != e.total_nbytes()) {
       return absl::UnimplementedError(
           absl::StrCat("recording ", e.tensor().name(), ": split tensors are not recorded"));

@@ -15,8 +15,9 @@
 // "wsync_sync"}.
 //
 // Errors: file-system failures via ErrnoToStatus / std::filesystem codes naming the path;
-// kUnimplemented for a split or block entry (a tensor spread over several buckets, or the block of
-// a sharded sync, is not recorded; the coordinator records broadcast syncs only).
+// kUnimplemented for a split, block or delta entry (a tensor spread over several buckets, the block
+// of a sharded sync or the delta of a delta sync is not recorded; the coordinator records full
+// broadcast syncs only).
 // Thread-safety: WriteBucket may be called concurrently (different buckets); Finish / Discard
 // must not run concurrently with WriteBucket.
 #pragma once

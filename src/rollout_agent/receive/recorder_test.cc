@@ -174,8 +174,8 @@ TEST_F(RecorderTest, RefusesSplitEntries) {
   EXPECT_THAT(s.message(), HasSubstr("t.0"));
 }
 
-// A block of a sharded sync is not a tensor: refused, nothing written.
-TEST_F(RecorderTest, RefusesBlockEntries) {
+// A block of a sharded sync and a delta are not tensors: refused, nothing written.
+TEST_F(RecorderTest, RefusesBlockAndDeltaEntries) {
   auto r = Recorder::Start(dir_, 10, "block");
   ASSERT_TRUE(r.ok());
   v1::BucketManifest m = buckets_[0].manifest;
@@ -185,6 +185,13 @@ TEST_F(RecorderTest, RefusesBlockEntries) {
   absl::Status s = (*r)->WriteBucket(m, buckets_[0].data.data());
   EXPECT_TRUE(absl::IsUnimplemented(s)) << s;
   EXPECT_THAT(s.message(), HasSubstr("blocks of a sharded sync are not recorded"));
+  // A delta entry, even one whose payload is the tensor's size (dense), is not the tensor's bytes.
+  m = buckets_[0].manifest;
+  m.set_base_version(1);
+  m.mutable_entries(0)->mutable_delta()->set_encoding(0);
+  s = (*r)->WriteBucket(m, buckets_[0].data.data());
+  EXPECT_TRUE(absl::IsUnimplemented(s)) << s;
+  EXPECT_THAT(s.message(), HasSubstr("deltas of a delta sync are not recorded"));
   (*r)->Discard();
   EXPECT_TRUE(Files(dir_).empty());
 }

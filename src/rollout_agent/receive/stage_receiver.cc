@@ -75,9 +75,30 @@ std::string BucketWhere(const v1::BucketManifest& m) {
   return absl::StrCat("stage ", m.pp_stage(), " bucket ", m.index());
 }
 
+// A delta entry (EntryDelta): applied onto the staging's block of the base, checked by the sums of
+// this rank's layout.
+absl::Status LoadDeltaEntry(const v1::BucketEntry& e, DType dtype, const Shape& shape, const Buffer& data,
+                            engine_model::Loader& loader) {
+  const engine_model::EngineParallel& me = loader.staging().layout().parallel();
+  const v1::DeltaSum* sum = nullptr;
+  for (const v1::DeltaSum& s : e.delta().sums())
+    if (static_cast<int>(s.tp_size()) == me.tp_size && static_cast<int>(s.tp_rank()) == me.tp_rank &&
+        static_cast<int>(s.ep_size()) == me.ep_size && s.mtp_draft() == me.mtp_draft)
+      sum = &s;
+  if (sum == nullptr)
+    return absl::FailedPreconditionError(absl::StrCat(
+        e.tensor().name(), ": the delta carries no checksums for engine rank ", me.tp_rank, " of TP ", me.tp_size,
+        ", EP ", me.ep_size, me.mtp_draft ? " (NextN draft)" : "", ": the sender did not know this rank's layout"));
+  const engine_model::Loader::DeltaRef ref{static_cast<kernels::DeltaEncoding>(e.delta().encoding()), sum->base_sum64(),
+                                           sum->sum64()};
+  const auto* p = reinterpret_cast<const uint8_t*>(data.data()) + e.offset();
+  return loader.LoadDelta(e.tensor().name(), dtype, shape, ref, {p, static_cast<size_t>(e.nbytes())});
+}
+
 absl::Status LoadEntry(const v1::BucketEntry& e, const Buffer& data, engine_model::Loader& loader) {
   ASSIGN_OR_RETURN(const DType dtype, comm::FromProto(e.tensor().dtype()));
   Shape shape(e.tensor().shape().begin(), e.tensor().shape().end());
+  if (e.has_delta()) return LoadDeltaEntry(e, dtype, shape, data, loader);
   if (e.has_block()) {  // sharded delivery: the block this rank keeps (ValidateManifest sized it)
     const auto& b = e.block();
     const engine_model::Loader::BlockRef block{b.row0(), b.rows(), b.col0(), b.cols()};
@@ -101,7 +122,7 @@ absl::Status LoadBucket(const v1::BucketManifest& m, const Buffer& data, engine_
     return absl::InvalidArgumentError(absl::StrCat(BucketWhere(m), ": the bucket is in ", MemorySpace::Of(data).Name(),
                                                    ", the staging in ", staging.space().Name()));
   for (const v1::BucketEntry& e : m.entries()) {
-    if (!e.has_block() && e.nbytes() != e.total_nbytes()) {
+    if (!e.has_block() && !e.has_delta() && e.nbytes() != e.total_nbytes()) {
       return absl::UnimplementedError(absl::StrCat(BucketWhere(m), ": ", e.tensor().name(), " is split (bytes [",
                                                    e.split_offset(), ", ", e.split_offset() + e.nbytes(), ") of ",
                                                    e.total_nbytes(), "); this agent loads whole tensors only"));

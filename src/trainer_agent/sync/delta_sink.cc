@@ -1,0 +1,143 @@
+#include "trainer_agent/sync/delta_sink.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "comm/bucket/bucket_format.h"
+#include "common/status.h"
+#include "kernels/checksum.h"
+#include "kernels/delta.h"
+
+namespace wsync::trainer_agent {
+namespace {
+
+using engine_model::EngineLayout;
+using engine_model::HfSource;
+
+// Sum64 of the dense bytes of `k` in the row-major [.., cols] matrix at `t` (item bytes each),
+// through `scratch`.
+uint64_t BlockSum(const uint8_t* t, int64_t cols, size_t item, const engine_model::KeptBlock& k,
+                  std::vector<uint8_t>& scratch) {
+  if (k.empty()) return kernels::Sum64Host({});
+  const size_t row = static_cast<size_t>(k.cols) * item;
+  scratch.resize(static_cast<size_t>(k.rows) * row);
+  for (int64_t r = 0; r < k.rows; ++r)
+    std::memcpy(scratch.data() + static_cast<size_t>(r) * row,
+                t + (static_cast<size_t>(k.row0 + r) * static_cast<size_t>(cols) + static_cast<size_t>(k.col0)) * item,
+                row);
+  return kernels::Sum64Host(std::as_bytes(std::span(scratch)));
+}
+
+}  // namespace
+
+DeltaSink::DeltaSink(comm::BucketSink& inner, DeltaBase& base, std::vector<const EngineLayout*> receivers,
+                     uint64_t base_version, uint64_t version)
+    : inner_(inner),
+      base_(base),
+      receivers_(std::move(receivers)),
+      base_version_(base_version),
+      version_(version),
+      delta_(base_version != 0 && base.version() == base_version) {
+  base_.version_ = 0;  // being rewritten: a failed sync leaves no named base
+}
+
+absl::Status DeltaSink::Rewrite(v1::BucketEntry& e, const uint8_t* bytes, uint8_t* out, uint64_t& cursor) {
+  const std::string& name = e.tensor().name();
+  const uint64_t n = e.nbytes();
+  ASSIGN_OR_RETURN(const DType dtype, comm::FromProto(e.tensor().dtype()));
+  const auto item = static_cast<uint32_t>(ItemSize(dtype));
+  const Shape shape(e.tensor().shape().begin(), e.tensor().shape().end());
+  auto it = base_.tensors_.find(name);
+  bool as_delta = delta_ && it != base_.tensors_.end() && it->second.size() == n && shape.size() <= 2 &&
+                  (item == 1 || item == 2 || item == 4 || item == 8) && !e.has_block() && e.split_offset() == 0;
+  for (const EngineLayout* l : receivers_) {  // an INT4 weight_shape is always sent whole
+    const int idx = l->FindSource(name);
+    if (idx >= 0 && l->sources()[static_cast<size_t>(idx)].action == HfSource::Action::kCheckShape) as_delta = false;
+  }
+  cursor = comm::AlignEntry(cursor);
+  ++stats_.entries;
+  stats_.tensor_bytes += n;
+  if (as_delta) {
+    const std::span<const uint8_t> base(it->second), next(bytes, n);
+    ASSIGN_OR_RETURN(const kernels::DeltaPlan plan, kernels::PlanDelta(base, next, item));
+    RETURN_IF_ERROR(kernels::WriteDelta(plan, base, next, {out + cursor, plan.payload_bytes}));
+    v1::EntryDelta* d = e.mutable_delta();
+    d->set_encoding(static_cast<uint32_t>(plan.encoding));
+    d->set_changed_items(plan.changed_items);
+    const int64_t cols = MatrixOf(shape).cols;
+    for (const EngineLayout* l : receivers_) {
+      const int idx = l->FindSource(name);
+      const engine_model::KeptBlock k =
+          idx >= 0 ? engine_model::KeptBlockOf(l->sources()[static_cast<size_t>(idx)]) : engine_model::KeptBlock{};
+      v1::DeltaSum* s = d->add_sums();
+      s->set_tp_size(static_cast<uint32_t>(l->parallel().tp_size));
+      s->set_tp_rank(static_cast<uint32_t>(l->parallel().tp_rank));
+      s->set_ep_size(static_cast<uint32_t>(l->parallel().ep_size));
+      s->set_mtp_draft(l->parallel().mtp_draft);
+      s->set_base_sum64(BlockSum(base.data(), cols, item, k, scratch_));
+      s->set_sum64(plan.changed_items == 0 ? s->base_sum64() : BlockSum(bytes, cols, item, k, scratch_));
+    }
+    e.set_offset(cursor);
+    e.set_nbytes(plan.payload_bytes);
+    cursor += plan.payload_bytes;
+    ++stats_.delta_entries;
+    stats_.items += plan.items;
+    stats_.changed_items += plan.changed_items;
+  } else {
+    if (n > 0) std::memmove(out + cursor, bytes, n);
+    e.set_offset(cursor);
+    cursor += n;
+  }
+  stats_.sent_bytes += e.nbytes();
+  // The new base of this tensor.
+  std::vector<uint8_t>& kept = base_.tensors_[name];
+  base_.bytes_ = base_.bytes_ - kept.size() + n;
+  kept.assign(bytes, bytes + n);
+  return absl::OkStatus();
+}
+
+absl::Status DeltaSink::Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) {
+  if (data.device() >= 0)
+    return absl::FailedPreconditionError("delta delivery builds its buckets in host memory (a device bucket came)");
+  // Every entry's output is at most its input (a delta is never larger than the tensor) at an offset
+  // no later than its own, so the output fits in nbytes.
+  Buffer out = inner_.Recycle(std::max<uint64_t>(nbytes, 1));
+  if (out.size() < nbytes || out.device() >= 0) {
+    ASSIGN_OR_RETURN(out, Buffer::Allocate(std::max<uint64_t>(nbytes, 1)));
+  }
+  auto* dst = reinterpret_cast<uint8_t*>(out.data());
+  const auto* src = reinterpret_cast<const uint8_t*>(data.data());
+  uint64_t cursor = 0;
+  bool any_delta = false;
+  for (v1::BucketEntry& e : *manifest.mutable_entries()) {
+    const uint64_t at = cursor;
+    RETURN_IF_ERROR(Rewrite(e, src + e.offset(), dst, cursor));
+    std::memset(dst + at, 0, e.offset() - at);  // the alignment gap, as the builder zeroes it
+    any_delta = any_delta || e.has_delta();
+  }
+  if (any_delta) manifest.set_base_version(base_version_);
+  manifest.set_nbytes(cursor);
+  free_.push_back(std::move(data));
+  return inner_.Send(std::move(manifest), std::move(out), cursor);
+}
+
+Buffer DeltaSink::Recycle(uint64_t min_bytes) {
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    if (it->size() >= min_bytes) {
+      Buffer b = std::move(*it);
+      free_.erase(it);
+      return b;
+    }
+  }
+  return Buffer();
+}
+
+absl::Status DeltaSink::Finish() {
+  RETURN_IF_ERROR(inner_.Finish());
+  base_.version_ = version_;
+  return absl::OkStatus();
+}
+
+}  // namespace wsync::trainer_agent

@@ -1,0 +1,220 @@
+// Delta delivery across both sides, in one process: a stage source's BucketBuilder through a
+// DeltaSink (trainer_agent/sync/delta_sink.h) into captured buckets, loaded by LoadBucket
+// (rollout_agent/receive/stage_receiver.h) into the stagings of both engine ranks of a TP 2 INT4
+// MoE engine. The expected staging is a fresh full load of the new version into a staging of its
+// own (Loader::Load), never the delta path's output.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "comm/testing/capture_sink.h"
+#include "common/checksum.h"
+#include "common/config.h"
+#include "engine_model/engine_layout.h"
+#include "engine_model/loader.h"
+#include "engine_model/staging.h"
+#include "gmock/gmock.h"
+#include "model/testing/hf_model.h"
+#include "model/testing/test_models.h"
+#include "rollout_agent/receive/stage_receiver.h"
+#include "trainer_agent/sync/delta_sink.h"
+
+namespace wsync {
+namespace {
+
+using engine_model::EngineLayout;
+using engine_model::Loader;
+using engine_model::Staging;
+using model::testing::HfModel;
+using ::testing::HasSubstr;
+
+uint64_t Digest(const Staging& s) {
+  Xxh3Stream h;
+  for (size_t i = 0; i < s.layout().params().size(); ++i) h.Update(s.param(static_cast<int>(i)).bytes());
+  return h.Digest();
+}
+
+// One engine rank: its layout, the staging the agent keeps across syncs, its loader.
+struct Rank {
+  std::unique_ptr<Staging> staging;
+  std::unique_ptr<Loader> loader;
+};
+
+class DeltaSyncTest : public ::testing::Test {
+ protected:
+  using Buckets = std::vector<comm::testing::CaptureSink::Bucket>;
+
+  void SetUp() override {
+    auto c = ParseModelConfig(model::testing::kQwen3MoeJson, "test");
+    ASSERT_TRUE(c.ok()) << c.status();
+    config_ = *c;
+    auto q = ParseQuantizationConfig(
+        model::testing::QuantJson(32, {"lm_head", "re:.*mlp\\.gate$", "re:.*embed_tokens.*"}), "quant");
+    ASSERT_TRUE(q.ok()) << q.status();
+    quant_ = *q;
+    for (int r = 0; r < 2; ++r) {
+      auto l = EngineLayout::Create(config_, &quant_, {2, r, 1});
+      ASSERT_TRUE(l.ok()) << l.status();
+      layouts_.push_back(std::make_unique<EngineLayout>(std::move(*l)));
+      auto s = Staging::Create(*layouts_.back());
+      ASSERT_TRUE(s.ok()) << s.status();
+      ranks_.push_back({std::move(*s), nullptr});
+      ranks_.back().loader = std::make_unique<Loader>(ranks_.back().staging.get());
+    }
+  }
+
+  std::vector<const EngineLayout*> Receivers() const { return {layouts_[0].get(), layouts_[1].get()}; }
+
+  // The stage's buckets of `m` at `version`, through a DeltaSink on `base_version`.
+  Buckets Send(const HfModel& m, uint64_t version, uint64_t base_version, trainer_agent::DeltaStats* stats = nullptr) {
+    comm::testing::CaptureSink capture;
+    trainer_agent::DeltaSink sink(capture, base_, Receivers(), base_version, version);
+    comm::BucketBuilder builder(sink, {.bucket_bytes = 64 << 10, .version = version, .pp_stage = 0});
+    for (const std::string& name : m.order) EXPECT_TRUE(builder.Add(name, m.sent.at(name).view()).ok()) << name;
+    EXPECT_TRUE(builder.Finish().ok());
+    EXPECT_EQ(capture.finishes, 1);
+    if (stats != nullptr) *stats = sink.stats();
+    return capture.buckets;
+  }
+
+  // Loads the captured buckets into every rank; the first error.
+  absl::Status Receive(const Buckets& buckets, bool delta) {
+    for (Rank& r : ranks_) {
+      r.staging->ResetCoverage();
+      if (delta) r.staging->MarkAllRestored();
+      for (const auto& b : buckets) {
+        EXPECT_TRUE(comm::ValidateManifest(b.manifest, b.data.size()).ok());
+        auto buf = Buffer::Allocate(std::max<size_t>(b.data.size(), 1));
+        if (!buf.ok()) return buf.status();
+        std::memcpy(buf->data(), b.data.data(), b.data.size());
+        if (absl::Status s = rollout_agent::LoadBucket(b.manifest, *buf, *r.loader, 2); !s.ok()) return s;
+      }
+      if (absl::Status s = r.loader->CheckComplete(); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+
+  // Each rank's staging equals a fresh full load of `m`.
+  void ExpectHolds(const HfModel& m, const std::string& what) {
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      auto fresh = Staging::Create(*layouts_[r]);
+      ASSERT_TRUE(fresh.ok());
+      Loader l(fresh->get());
+      for (const std::string& name : m.order) ASSERT_TRUE(l.Load(name, m.sent.at(name).view()).ok()) << name;
+      EXPECT_EQ(Digest(*ranks_[r].staging), Digest(**fresh)) << what << ": engine rank " << r;
+    }
+  }
+
+  ModelConfig config_;
+  QuantizationConfig quant_;
+  std::vector<std::unique_ptr<EngineLayout>> layouts_;
+  std::vector<Rank> ranks_;
+  trainer_agent::DeltaBase base_;
+};
+
+TEST_F(DeltaSyncTest, DeltasOfConsecutiveVersionsLeaveEveryRankAsAFullLoadDoes) {
+  constexpr uint32_t kSeed = 808;
+  SCOPED_TRACE(absl::StrCat("seed ", kSeed));
+  auto v1 = model::testing::MakeHfModel(config_, &quant_, kSeed);
+  ASSERT_TRUE(v1.ok()) << v1.status();
+  // Version 1, full (no base yet): every entry whole; the base is recorded.
+  const Buckets full = Send(*v1, 1, 0);
+  for (const auto& b : full) {
+    EXPECT_EQ(b.manifest.base_version(), 0u);
+    for (const auto& e : b.manifest.entries()) EXPECT_FALSE(e.has_delta()) << e.tensor().name();
+  }
+  ASSERT_TRUE(Receive(full, false).ok());
+  ExpectHolds(*v1, "version 1");
+  EXPECT_EQ(base_.version(), 1u);
+  uint64_t full_bytes = 0;
+  for (const auto& b : full) full_bytes += b.data.size();
+  // Versions 2 and 3: 1 % and 30 % of the elements changed, each a delta on the one before.
+  HfModel prev = model::testing::ChangeElements(*v1, 0, kSeed);
+  for (auto [version, p] : {std::pair<uint64_t, double>{2, 0.01}, {3, 0.3}}) {
+    const HfModel next = model::testing::ChangeElements(prev, p, kSeed + static_cast<uint32_t>(version));
+    trainer_agent::DeltaStats stats;
+    const Buckets delta = Send(next, version, version - 1, &stats);
+    uint64_t sent = 0;
+    for (const auto& b : delta) {
+      sent += b.data.size();
+      for (const auto& e : b.manifest.entries()) {
+        const bool shape = e.tensor().name().ends_with("weight_shape");
+        EXPECT_EQ(e.has_delta(), !shape) << e.tensor().name();
+        if (e.has_delta()) {
+          EXPECT_EQ(e.delta().sums_size(), 2);
+        }
+      }
+    }
+    EXPECT_GT(stats.delta_entries, 0u);
+    EXPECT_LT(stats.sent_bytes, stats.tensor_bytes);
+    const double fraction = static_cast<double>(stats.changed_items) / static_cast<double>(stats.items);
+    EXPECT_NEAR(fraction, p, p / 4) << "version " << version;
+    if (p < 0.1) {
+      EXPECT_LT(sent * 10, full_bytes) << "version " << version << ": " << sent << " of " << full_bytes;
+    }
+    ASSERT_TRUE(Receive(delta, true).ok()) << "version " << version;
+    ExpectHolds(next, absl::StrCat("version ", version));
+    EXPECT_EQ(base_.version(), version);
+    prev = model::testing::ChangeElements(next, 0, kSeed);
+  }
+}
+
+// A delta for a base the receivers do not hold (a sender that restarted, a damaged payload, a
+// receiver whose staging is not the base) never becomes the new version.
+TEST_F(DeltaSyncTest, WithoutTheRightBaseNothingIsTakenForTheNewVersion) {
+  constexpr uint32_t kSeed = 909;
+  SCOPED_TRACE(absl::StrCat("seed ", kSeed));
+  auto v1 = model::testing::MakeHfModel(config_, &quant_, kSeed);
+  ASSERT_TRUE(v1.ok());
+  ASSERT_TRUE(Receive(Send(*v1, 1, 0), false).ok());
+  const HfModel v2 = model::testing::ChangeElements(*v1, 0.02, kSeed + 2);
+  // A sender whose base is not the one asked for sends every entry whole, and it loads.
+  trainer_agent::DeltaBase held = std::move(base_);
+  base_ = trainer_agent::DeltaBase();
+  const Buckets whole = Send(v2, 2, 1);
+  for (const auto& b : whole)
+    for (const auto& e : b.manifest.entries()) EXPECT_FALSE(e.has_delta());
+  // A damaged value inside a payload: the checksum of the result refuses it.
+  base_ = std::move(held);
+  const Buckets delta = Send(v2, 2, 1);
+  Buckets damaged = delta;
+  bool hit = false;
+  for (auto& b : damaged) {
+    for (const auto& e : b.manifest.entries()) {
+      if (!hit && e.has_delta() && e.delta().changed_items() > 0 && e.delta().encoding() == 1) {
+        b.data[e.offset() + e.nbytes() - 1] ^= std::byte{0x40};  // the last new value
+        hit = true;
+      }
+    }
+  }
+  ASSERT_TRUE(hit);
+  absl::Status s = Receive(damaged, true);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(s.message(), HasSubstr("is not the new version"));
+  // A receiver whose staging is not the base (here: it holds version 2 already).
+  ASSERT_TRUE(Receive(whole, true).ok());
+  ExpectHolds(v2, "the whole entries of version 2");
+  s = Receive(delta, true);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(s.message(), HasSubstr("does not hold the delta's base"));
+  // A receiver layout the sender did not know (engine TP 1) is told so.
+  auto solo = EngineLayout::Create(config_, &quant_, {1, 0, 1});
+  ASSERT_TRUE(solo.ok());
+  auto staging = Staging::Create(*solo);
+  ASSERT_TRUE(staging.ok());
+  Loader loader(staging->get());
+  (*staging)->MarkAllRestored();
+  const auto& b = delta.front();
+  auto buf = Buffer::Allocate(std::max<size_t>(b.data.size(), 1));
+  ASSERT_TRUE(buf.ok());
+  std::memcpy(buf->data(), b.data.data(), b.data.size());
+  s = rollout_agent::LoadBucket(b.manifest, *buf, loader, 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("no checksums for engine rank 0 of TP 1"));
+}
+
+}  // namespace
+}  // namespace wsync
