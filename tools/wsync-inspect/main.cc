@@ -2,6 +2,8 @@
 //
 //   wsync-inspect model.safetensors [--checksum] [--json]   tensors: name, dtype, shape, bytes, offset
 //   wsync-inspect config.json | MODEL_DIR [--json]          the parsed and validated HF config
+//   wsync-inspect NEW_DIR --delta-from BASE_DIR [--json]    what a delta sync would send from one
+//                                                           version to the next (delta_stats.h)
 //
 // Every file is validated exactly as the agents validate it, so this is also the way to ask
 // "why does wsync refuse this file?": the error names the file, the tensor and the values.
@@ -18,6 +20,7 @@
 #include "common/config.h"
 #include "common/safetensors.h"
 #include "common/units.h"
+#include "tools/wsync-inspect/delta_stats.h"
 
 namespace wsync {
 namespace {
@@ -127,10 +130,21 @@ int main(int argc, char** argv) {
   CLI::App app{"wsync-inspect: validate and describe safetensors files and HF model configs"};
   std::vector<std::string> paths;
   bool checksum = false, json = false;
+  std::string delta_from;
   app.add_option("paths", paths, "*.safetensors files, config.json files or model directories")->required();
+  app.add_option("--delta-from", delta_from,
+                 "A directory of the previous version's tensors (a recording, an HF checkpoint): per class of "
+                 "tensor, what changed in the one directory given and the bytes of a delta sync");
   app.add_flag("--checksum", checksum, "Print the XXH3-64 of every tensor's bytes");
   app.add_flag("--json", json, "Machine-readable output");
   CLI11_PARSE(app, argc, argv);
+  if (!delta_from.empty()) {
+    if (paths.size() != 1) {
+      std::fprintf(stderr, "wsync-inspect: --delta-from compares one directory with it (got %zu)\n", paths.size());
+      return 2;
+    }
+    return wsync::tools::PrintDeltaStats(delta_from, paths[0], json);
+  }
   int rc = 0;
   for (const auto& p : paths) {
     const bool st = absl::EndsWith(p, ".safetensors");
