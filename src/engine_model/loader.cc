@@ -171,6 +171,9 @@ absl::Status Loader::LoadDelta(absl::string_view hf_name, DType dtype, std::span
   const EngineParam& p = staging_->layout().params()[static_cast<size_t>(s.param)];
   const MatrixDims d = MatrixOf(p.loaded_shape);
   const size_t item = ItemSize(p.dtype);
+  if (ItemSize(dtype) != item)
+    return unclaim(absl::InvalidArgumentError(absl::StrCat(hf_name, ": a delta of ", SafetensorsName(dtype),
+                                                           " elements into a param of ", SafetensorsName(p.dtype))));
   const std::byte* param =
       staging_->param(s.param).bytes().data() + s.expert * d.rows * d.cols * static_cast<int64_t>(item);
   std::vector<std::byte> block(static_cast<size_t>(s.rows * s.cols) * item);

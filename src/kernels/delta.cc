@@ -140,19 +140,22 @@ absl::Status CheckTensor(uint64_t bytes, uint32_t item_bytes) {
 
 // The u64 count at the head of an indices / runs payload, and the size the payload must then have
 // (per_entry index bytes per counted entry, plus values); kDataLoss when it cannot be that size.
-absl::StatusOr<uint64_t> ReadCount(absl::string_view what, std::span<const uint8_t> payload, uint64_t limit) {
+absl::StatusOr<uint64_t> ReadCount(absl::string_view what, std::span<const uint8_t> payload, uint64_t limit,
+                                   uint64_t per_entry) {
   if (payload.size() < kCountBytes)
     return absl::DataLossError(absl::StrCat("delta of ", what, ": ", payload.size(), " bytes, under its count"));
   const uint64_t count = Load<uint64_t>(payload.data());
-  if (count > limit)
-    return absl::DataLossError(absl::StrCat("delta of ", what, ": ", count, " entries for ", limit, " items"));
+  // Bounded by the items and by the bytes it needs (so no size computed from it can wrap).
+  if (count > limit || count > (payload.size() - kCountBytes) / per_entry)
+    return absl::DataLossError(
+        absl::StrCat("delta of ", what, ": ", count, " entries for ", limit, " items in ", payload.size(), " bytes"));
   return count;
 }
 
 absl::Status ApplyIndices(absl::string_view what, std::span<const uint8_t> payload, const Target& t) {
   const uint32_t item = t.item;
   const uint64_t items = t.items, width = IndexBytes(items);
-  auto count = ReadCount(what, payload, items);
+  auto count = ReadCount(what, payload, items, width + item);
   if (!count.ok()) return count.status();
   const uint64_t want = kCountBytes + *count * (width + item);
   if (payload.size() != want)
@@ -174,7 +177,7 @@ absl::Status ApplyIndices(absl::string_view what, std::span<const uint8_t> paylo
 absl::Status ApplyRuns(absl::string_view what, std::span<const uint8_t> payload, const Target& t) {
   const uint32_t item = t.item;
   const uint64_t items = t.items, width = IndexBytes(items);
-  auto count = ReadCount(what, payload, items);
+  auto count = ReadCount(what, payload, items, 2 * width);
   if (!count.ok()) return count.status();
   if (payload.size() < kCountBytes + *count * 2 * width)
     return absl::DataLossError(

@@ -39,6 +39,8 @@ absl::Status ShardedSink::CutGroup(int g, const v1::BucketManifest& full, const 
   std::vector<Piece> pieces;
   uint64_t end = 0;
   for (const v1::BucketEntry& e : full.entries()) {
+    if (e.has_delta())  // its bytes are a payload, not the tensor: no block can be cut from them
+      return absl::UnimplementedError(absl::StrCat(e.tensor().name(), ": sharded delivery of a delta entry"));
     ASSIGN_OR_RETURN(const DType dtype, comm::FromProto(e.tensor().dtype()));
     const std::span<const int64_t> shape(e.tensor().shape().data(), static_cast<size_t>(e.tensor().shape_size()));
     ASSIGN_OR_RETURN(const std::optional<Block> b, plan_->BlockFor(g, e.tensor().name(), dtype, shape));

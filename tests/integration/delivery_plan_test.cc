@@ -244,11 +244,14 @@ TEST(ShardPlanTest, RefusalsNameWhatIsWrong) {
   EXPECT_EQ((*b)->cols, 256);
   EXPECT_FALSE((*b)->whole);
 
+  auto two_captures = [] {  // one capturing sink per receiver group
+    std::vector<std::unique_ptr<comm::BucketSink>> sinks;
+    sinks.push_back(std::make_unique<CaptureSink>());
+    sinks.push_back(std::make_unique<CaptureSink>());
+    return sinks;
+  };
   // A stage source that hands the sink a tensor the plan refuses fails its Send.
-  std::vector<std::unique_ptr<comm::BucketSink>> sinks;
-  sinks.push_back(std::make_unique<CaptureSink>());
-  sinks.push_back(std::make_unique<CaptureSink>());
-  ShardedSink sink(&*plan, std::move(sinks));
+  ShardedSink sink(&*plan, two_captures());
   comm::BucketBuilder builder(sink, {.bucket_bytes = 1 << 20});
   std::vector<std::byte> bytes(256 * 255 * 2);
   const TensorView v(DType::kBF16, Shape{256, 255}, bytes);
@@ -256,9 +259,7 @@ TEST(ShardPlanTest, RefusalsNameWhatIsWrong) {
   EXPECT_THAT(builder.Finish().message(), HasSubstr("the engine expects"));
 
   // Device buckets are refused before a byte is read: they are staged to the host first.
-  std::vector<std::unique_ptr<comm::BucketSink>> more;
-  more.push_back(std::make_unique<CaptureSink>());
-  more.push_back(std::make_unique<CaptureSink>());
+  std::vector<std::unique_ptr<comm::BucketSink>> more = two_captures();
   auto* first = static_cast<CaptureSink*>(more[0].get());
   ShardedSink device_sink(&*plan, std::move(more));
   Buffer on_device = Buffer::Adopt(
@@ -269,6 +270,25 @@ TEST(ShardPlanTest, RefusalsNameWhatIsWrong) {
   EXPECT_EQ(refused_device.code(), absl::StatusCode::kFailedPrecondition) << refused_device;
   EXPECT_THAT(refused_device.message(), HasSubstr("SpaceStagingSink"));
   EXPECT_TRUE(first->buckets.empty());
+
+  // A delta entry's bytes are a payload, not the tensor: no block is cut from it.
+  ShardedSink delta_sink(&*plan, two_captures());
+  auto host = Buffer::Allocate(64);
+  ASSERT_TRUE(host.ok());
+  v1::BucketManifest d;
+  d.set_nbytes(64);
+  d.set_base_version(1);
+  v1::BucketEntry* e = d.add_entries();
+  e->mutable_tensor()->set_name("model.layers.0.self_attn.o_proj.weight");
+  e->mutable_tensor()->set_dtype(v1::DTYPE_BF16);
+  e->mutable_tensor()->add_shape(256);
+  e->mutable_tensor()->add_shape(512);
+  e->set_nbytes(8);
+  e->set_total_nbytes(256 * 512 * 2);
+  e->mutable_delta()->set_encoding(1);
+  absl::Status refused_delta = delta_sink.Send(d, std::move(*host), 64);
+  EXPECT_EQ(refused_delta.code(), absl::StatusCode::kUnimplemented) << refused_delta;
+  EXPECT_THAT(refused_delta.message(), HasSubstr("sharded delivery of a delta entry"));
 }
 
 TEST(LoadBlockTest, RefusesEveryBlockButTheRanksOwn) {

@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -214,6 +215,80 @@ TEST_F(DeltaSyncTest, WithoutTheRightBaseNothingIsTakenForTheNewVersion) {
   s = rollout_agent::LoadBucket(b.manifest, *buf, loader, 1);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_THAT(s.message(), HasSubstr("no checksums for engine rank 0 of TP 1"));
+}
+
+// What the sender cannot make a delta of goes whole: no receiver layout, a tensor a receiver's
+// layout gives another shape; and a sync whose bucket failed to go names no base.
+TEST_F(DeltaSyncTest, TheSenderSendsWholeWhatItCannotDeltaAndNamesNoBaseAfterAFailure) {
+  constexpr uint32_t kSeed = 1010;
+  SCOPED_TRACE(absl::StrCat("seed ", kSeed));
+  auto v1 = model::testing::MakeHfModel(config_, &quant_, kSeed);
+  ASSERT_TRUE(v1.ok());
+  const HfModel v2 = model::testing::ChangeElements(*v1, 0.02, kSeed + 2);
+  // The data plane under the DeltaSink; it fails the first bucket when `fail_first` is set, and
+  // takes the others (a caller that goes on to Finish after a failed bucket is then not stopped by it).
+  struct FailFirstSink final : comm::testing::CaptureSink {
+    bool fail_first = false;
+    absl::Status Send(v1::BucketManifest m, Buffer data, uint64_t nbytes) override {
+      if (std::exchange(fail_first, false)) return absl::UnavailableError("link down");
+      return CaptureSink::Send(std::move(m), std::move(data), nbytes);
+    }
+  };
+  auto send = [&](const HfModel& m, uint64_t version, uint64_t base_version, std::vector<const EngineLayout*> to,
+                  bool fail_first = false) {
+    FailFirstSink capture;
+    capture.fail_first = fail_first;
+    trainer_agent::DeltaSink sink(capture, base_, std::move(to), base_version, version);
+    comm::BucketBuilder builder(sink, {.bucket_bytes = 64 << 10, .version = version, .pp_stage = 0});
+    absl::Status s;
+    for (const std::string& name : m.order) s.Update(builder.Add(name, m.sent.at(name).view()));
+    s.Update(builder.Finish());  // even after a failure
+    return std::pair{s, capture.buckets};
+  };
+  ASSERT_TRUE(send(*v1, 1, 0, Receivers()).first.ok());
+  // No receiver layout: nothing to check a delta by, so everything whole (and the base kept).
+  auto [ok, none] = send(v2, 2, 1, {});
+  ASSERT_TRUE(ok.ok()) << ok;
+  for (const auto& b : none)
+    for (const auto& e : b.manifest.entries()) EXPECT_FALSE(e.has_delta()) << e.tensor().name();
+  EXPECT_EQ(base_.version(), 2u);
+  // A receiver whose layout is of another config (a vocabulary of 1024, not 1000: embed_tokens and
+  // lm_head of another shape): what it describes otherwise goes whole, the rest as deltas.
+  std::string other_json = model::testing::kQwen3MoeJson;
+  const size_t at = other_json.find("\"vocab_size\": 1000");
+  ASSERT_NE(at, std::string::npos);
+  other_json.replace(at, 18, "\"vocab_size\": 1024");
+  auto other_config = ParseModelConfig(other_json, "other");
+  ASSERT_TRUE(other_config.ok()) << other_config.status();
+  auto other = EngineLayout::Create(*other_config, &quant_, {2, 0, 1});
+  ASSERT_TRUE(other.ok()) << other.status();
+  const HfModel v3 = model::testing::ChangeElements(v2, 0.02, kSeed + 3);
+  auto [ok3, mixed] = send(v3, 3, 2, {&*other});
+  ASSERT_TRUE(ok3.ok()) << ok3;
+  int whole = 0, deltas = 0;
+  for (const auto& b : mixed) {
+    for (const auto& e : b.manifest.entries()) {
+      const int idx = other->FindSource(e.tensor().name());
+      const Shape shape(e.tensor().shape().begin(), e.tensor().shape().end());
+      if (idx >= 0 && other->sources()[static_cast<size_t>(idx)].shape != shape) {
+        EXPECT_FALSE(e.has_delta()) << e.tensor().name();
+        ++whole;
+      }
+      deltas += e.has_delta();
+    }
+  }
+  EXPECT_GT(whole, 0);
+  EXPECT_GT(deltas, 0);
+  // The data plane fails the first bucket: the sync fails, and the base is named no version even
+  // though the later buckets and Finish went through (the next sync, asked for a delta on 3, sends whole).
+  auto [failed, lost] = send(v3, 4, 3, Receivers(), true);
+  EXPECT_EQ(failed.code(), absl::StatusCode::kUnavailable) << failed;
+  EXPECT_EQ(base_.version(), 0u);
+  auto [ok5, after] = send(v3, 5, 3, Receivers());
+  ASSERT_TRUE(ok5.ok()) << ok5;
+  for (const auto& b : after)
+    for (const auto& e : b.manifest.entries()) EXPECT_FALSE(e.has_delta()) << e.tensor().name();
+  EXPECT_EQ(base_.version(), 5u);
 }
 
 }  // namespace

@@ -111,7 +111,7 @@ int PrintDeltaStats(const std::string& base_dir, const std::string& next_dir, bo
                 static_cast<unsigned long long>(s.changed_items), pct(s.changed_items, s.items),
                 static_cast<unsigned long long>(s.full_bytes), static_cast<unsigned long long>(s.delta_bytes),
                 pct(s.delta_bytes, s.full_bytes));
-    if (s.codes > 0)
+    if (cls == "int4 words")
       std::printf("%-12s %8s %14llu %14llu %8.3f%%\n", "  int4 codes", "", static_cast<unsigned long long>(s.codes),
                   static_cast<unsigned long long>(s.changed_codes), pct(s.changed_codes, s.codes));
   }

@@ -89,6 +89,8 @@ absl::Status LoadDeltaEntry(const v1::BucketEntry& e, DType dtype, const Shape& 
     return absl::FailedPreconditionError(absl::StrCat(
         e.tensor().name(), ": the delta carries no checksums for engine rank ", me.tp_rank, " of TP ", me.tp_size,
         ", EP ", me.ep_size, me.mtp_draft ? " (NextN draft)" : "", ": the sender did not know this rank's layout"));
+  if (e.delta().encoding() > 2)
+    return absl::DataLossError(absl::StrCat(e.tensor().name(), ": a delta in unknown encoding ", e.delta().encoding()));
   const engine_model::Loader::DeltaRef ref{static_cast<kernels::DeltaEncoding>(e.delta().encoding()), sum->base_sum64(),
                                            sum->sum64()};
   const auto* p = reinterpret_cast<const uint8_t*>(data.data()) + e.offset();

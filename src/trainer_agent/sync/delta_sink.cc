@@ -50,11 +50,16 @@ absl::Status DeltaSink::Rewrite(v1::BucketEntry& e, const uint8_t* bytes, uint8_
   const auto item = static_cast<uint32_t>(ItemSize(dtype));
   const Shape shape(e.tensor().shape().begin(), e.tensor().shape().end());
   auto it = base_.tensors_.find(name);
-  bool as_delta = delta_ && it != base_.tensors_.end() && it->second.size() == n && shape.size() <= 2 &&
-                  (item == 1 || item == 2 || item == 4 || item == 8) && !e.has_block() && e.split_offset() == 0;
-  for (const EngineLayout* l : receivers_) {  // an INT4 weight_shape is always sent whole
+  bool as_delta = delta_ && !receivers_.empty() && it != base_.tensors_.end() && it->second.size() == n &&
+                  n == e.total_nbytes() && shape.size() <= 2 && (item == 1 || item == 2 || item == 4 || item == 8) &&
+                  !e.has_block() && e.split_offset() == 0;
+  // Whole: an INT4 weight_shape, and a tensor some receiver's layout describes otherwise (its block
+  // would not be this tensor's; the receiver refuses the tensor itself).
+  for (const EngineLayout* l : receivers_) {
     const int idx = l->FindSource(name);
-    if (idx >= 0 && l->sources()[static_cast<size_t>(idx)].action == HfSource::Action::kCheckShape) as_delta = false;
+    if (idx < 0) continue;
+    const HfSource& src = l->sources()[static_cast<size_t>(idx)];
+    if (src.action == HfSource::Action::kCheckShape || src.dtype != dtype || src.shape != shape) as_delta = false;
   }
   cursor = comm::AlignEntry(cursor);
   ++stats_.entries;
@@ -99,6 +104,12 @@ absl::Status DeltaSink::Rewrite(v1::BucketEntry& e, const uint8_t* bytes, uint8_
 }
 
 absl::Status DeltaSink::Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) {
+  if (!failed_.ok()) return failed_;
+  failed_ = SendDelta(std::move(manifest), std::move(data), nbytes);
+  return failed_;
+}
+
+absl::Status DeltaSink::SendDelta(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) {
   if (data.device() >= 0)
     return absl::FailedPreconditionError("delta delivery builds its buckets in host memory (a device bucket came)");
   // Every entry's output is at most its input (a delta is never larger than the tensor) at an offset
@@ -135,7 +146,9 @@ Buffer DeltaSink::Recycle(uint64_t min_bytes) {
 }
 
 absl::Status DeltaSink::Finish() {
-  RETURN_IF_ERROR(inner_.Finish());
+  const absl::Status inner = inner_.Finish();
+  RETURN_IF_ERROR(failed_);  // a bucket was not sent: the base stays unnamed
+  RETURN_IF_ERROR(inner);
   base_.version_ = version_;
   return absl::OkStatus();
 }

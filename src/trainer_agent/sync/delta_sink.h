@@ -10,14 +10,16 @@
 // anything back from them, and no tensor is quantized twice.
 //
 // Per entry: when the base holds the version the receivers hold (`base_version`) and the tensor
-// (same bytes size, an element of 1, 2, 4 or 8 bytes, at most 2 dims), the entry carries its delta
+// (same bytes size, an element of 1, 2, 4 or 8 bytes, at most 2 dims, the dtype and shape every
+// receiver layout gives it; at least one receiver layout), the entry carries its delta
 // (PlanDelta's smallest encoding; an unchanged tensor costs an 8-byte zero count), with, for every
 // receiver layout, the Sum64 of the block that engine rank keeps in the base and in the new version
 // (the receiver's checks, engine_model::Loader::LoadDelta); otherwise its full bytes (the receivers
 // load them as in a full sync). The manifest names base_version when any entry is a delta.
 //
-// The base's version becomes the sent version only when Finish succeeds; a sync that fails midway
-// leaves it at 0 (unknown: the next sync sends everything in full), never half updated and named.
+// The base's version becomes the sent version only when Finish succeeds and every Send did; a sync
+// that fails midway leaves it at 0 (unknown: the next sync sends everything in full), never half
+// updated and named. After a failed Send, every Send and Finish returns that error.
 //
 // Errors: the inner sink's (as is); kResourceExhausted when a buffer cannot be allocated; the
 // kernels' kInvalidArgument for an entry whose bytes disagree with its manifest (a builder bug).
@@ -70,6 +72,7 @@ class DeltaSink final : public comm::BucketSink {
   const DeltaStats& stats() const { return stats_; }
 
  private:
+  absl::Status SendDelta(v1::BucketManifest manifest, Buffer data, uint64_t nbytes);
   // Writes entry `e`'s bytes (as a delta when it can) at out_[cursor], updating e; records the base.
   absl::Status Rewrite(v1::BucketEntry& e, const uint8_t* bytes, uint8_t* out, uint64_t& cursor);
 
@@ -80,6 +83,7 @@ class DeltaSink final : public comm::BucketSink {
   const bool delta_;          // the base holds what the receivers hold
   std::vector<Buffer> free_;  // input buffers done with, for the builder
   std::vector<uint8_t> scratch_;
+  absl::Status failed_;  // the first Send error: every later Send and Finish returns it
   DeltaStats stats_;
 };
 
