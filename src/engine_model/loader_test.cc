@@ -36,6 +36,9 @@ QuantizationConfig Quant(int g, const std::vector<std::string>& ignore) {
   return *q;
 }
 
+// The Qwen3-MoE tests' INT4 config: G 32, routers, embeddings and lm_head in bf16.
+QuantizationConfig MoeQuant() { return Quant(32, {"lm_head", "re:.*mlp\\.gate$", "re:.*embed_tokens.*"}); }
+
 uint64_t StagingChecksum(const Staging& s) {
   Xxh3Stream h;
   for (size_t i = 0; i < s.layout().params().size(); ++i) h.Update(s.param(static_cast<int>(i)).bytes());
@@ -260,7 +263,7 @@ TEST(LoaderTest, ConcurrentLoadsEqualSequentialLoads) {
   constexpr uint32_t kSeed = 505;
   SCOPED_TRACE(absl::StrCat("seed ", kSeed));
   const ModelConfig c = Config(model::testing::kQwen3MoeJson);
-  const QuantizationConfig q = Quant(32, {"lm_head", "re:.*mlp\\.gate$", "re:.*embed_tokens.*"});
+  const QuantizationConfig q = MoeQuant();
   auto m = model::testing::MakeHfModel(c, &q, kSeed);
   ASSERT_TRUE(m.ok());
   auto layout = EngineLayout::Create(c, &q, {2, 1, 1});
@@ -345,7 +348,7 @@ TEST(LoaderTest, ADeltaOntoItsBaseEqualsAFullLoadOfTheNewVersion) {
   SCOPED_TRACE(absl::StrCat("seed ", kSeed));
   const ModelConfig moe = Config(model::testing::kQwen3MoeJson);
   const ModelConfig llama = Config(model::testing::kLlamaJson);
-  const QuantizationConfig q = Quant(32, {"lm_head", "re:.*mlp\\.gate$", "re:.*embed_tokens.*"});
+  const QuantizationConfig q = MoeQuant();
   struct Case {
     const ModelConfig* config;
     const QuantizationConfig* quant;
@@ -392,7 +395,7 @@ TEST(LoaderTest, ADeltaNotOnItsBaseOrNotGivingTheNewVersionChangesNothing) {
   constexpr uint32_t kSeed = 707;
   SCOPED_TRACE(absl::StrCat("seed ", kSeed));
   const ModelConfig c = Config(model::testing::kQwen3MoeJson);
-  const QuantizationConfig q = Quant(32, {"lm_head", "re:.*mlp\\.gate$", "re:.*embed_tokens.*"});
+  const QuantizationConfig q = MoeQuant();
   auto m = model::testing::MakeHfModel(c, &q, kSeed);
   ASSERT_TRUE(m.ok());
   auto layout = EngineLayout::Create(c, &q, {2, 1, 1});
