@@ -18,9 +18,9 @@ namespace wsync {
 namespace {
 
 constexpr absl::string_view kKnown[] = {
-    "bucket.corrupt",      "rollout.begin",     "rollout.transfer",     "rollout.prepare",    "rollout.commit",
-    "engine.pause",        "engine.continue",   "coordinator.transfer", "coordinator.commit", "coordinator.committed",
-    "coordinator.prepare", "coordinator.begin", "shm.device_ring_open"};
+    "bucket.corrupt",        "delta.corrupt",       "rollout.begin",     "rollout.transfer",     "rollout.prepare",
+    "rollout.commit",        "engine.pause",        "engine.continue",   "coordinator.transfer", "coordinator.commit",
+    "coordinator.committed", "coordinator.prepare", "coordinator.begin", "shm.device_ring_open"};
 
 enum class Action { kReturn, kStop, kKill };
 

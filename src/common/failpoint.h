@@ -11,6 +11,9 @@
 // The points (grep FailpointHit):
 //   bucket.corrupt     comm/bucket/stream.cc: the sender flips one bit of a bucket's data after
 //                      hashing it, as a damaged link would; the receiver must refuse it
+//   delta.corrupt      trainer_agent/sync/delta_sink.cc: the sender flips one bit of a delta entry's
+//                      payload after summing its result, as a delta from the wrong base would be;
+//                      the receiver must refuse it
 //   rollout.begin      the rollout agent's BeginSync, before it starts receiving
 //   rollout.transfer   the rollout agent, when the first bucket of a sync has arrived
 //   rollout.prepare    the rollout agent's PrepareSync, before it waits for its streams

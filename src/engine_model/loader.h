@@ -88,7 +88,7 @@ class Loader {
   absl::Status LoadDelta(absl::string_view hf_name, DType dtype, std::span<const int64_t> shape, const DeltaRef& delta,
                          std::span<const uint8_t> payload);
 
-  absl::Status CheckComplete() const { return staging_->CheckComplete(); }
+  absl::Status CheckComplete(bool loaded_only = false) const { return staging_->CheckComplete(loaded_only); }
   Staging& staging() const { return *staging_; }
 
  private:

@@ -101,13 +101,14 @@ std::vector<std::string> Staging::MissingPieces() const {
   return out;
 }
 
-absl::Status Staging::CheckComplete() const {
+absl::Status Staging::CheckComplete(bool loaded_only) const {
   constexpr size_t kShown = 32;
   const auto& sources = layout_->sources();
   std::vector<std::string> shown;
   int64_t missing = 0;
   for (size_t i = 0; i < sources.size(); ++i) {
-    if (!Required(sources[i]) || state_[i].load(std::memory_order_acquire) != 0) continue;
+    const uint8_t st = state_[i].load(std::memory_order_acquire);
+    if (!Required(sources[i]) || st == static_cast<uint8_t>(State::kLoaded) || (st != 0 && !loaded_only)) continue;
     if (shown.size() < kShown) shown.push_back(PieceName(*layout_, sources[i]));
     ++missing;
   }

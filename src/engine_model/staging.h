@@ -66,8 +66,10 @@ class Staging {
   void MarkAllRestored();
   PieceState state(int source) const;
 
-  // OK when every piece this rank needs (copies and INT4 weight_shape checks) is restored or loaded.
-  absl::Status CheckComplete() const;
+  // OK when every piece this rank needs (copies and INT4 weight_shape checks) is restored or loaded;
+  // `loaded_only`: loaded in this sync (a delta sync, which begins with every piece restored: a
+  // tensor that did not arrive is missing, not taken as unchanged).
+  absl::Status CheckComplete(bool loaded_only = false) const;
   // "<param>: <piece> missing (<hf tensor>)" for every missing piece, in layout order.
   std::vector<std::string> MissingPieces() const;
   int64_t num_required() const { return num_required_; }

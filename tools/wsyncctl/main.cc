@@ -282,11 +282,14 @@ class Ctl {
       json phases = json::array();
       for (const auto& p : r.phases())
         phases.push_back({{"phase", p.phase()}, {"seconds", p.seconds()}, {"bytes", p.bytes()}});
-      std::printf(
-          "%s\n",
-          json({{"version", r.version()}, {"sync_id", r.sync_id()}, {"delivery", r.delivery()}, {"phases", phases}})
-              .dump(2)
-              .c_str());
+      json out{{"version", r.version()}, {"sync_id", r.sync_id()}, {"delivery", r.delivery()}, {"phases", phases}};
+      if (r.tensor_bytes() > 0)
+        out["delta"] = {{"base", r.delta_base()},
+                        {"tensor_bytes", r.tensor_bytes()},
+                        {"sent_bytes", r.sent_bytes()},
+                        {"items", r.delta_items()},
+                        {"changed_items", r.changed_items()}};
+      std::printf("%s\n", out.dump(2).c_str());
       return 0;
     }
     std::printf("version %llu (sync %llu, %s delivery)\n%-18s %10s %12s %10s\n",
@@ -297,12 +300,25 @@ class Ctl {
                   p.bytes() ? FormatBytes(p.bytes()).c_str() : "-",
                   p.bytes() && p.seconds() > 0 ? absl::StrFormat("%.2f", p.bytes() / p.seconds() / 1e9).c_str() : "-");
     }
+    if (r.tensor_bytes() > 0) {  // the trainer kept a delta base: what it sent against a full sync
+      const double sent = 100.0 * static_cast<double>(r.sent_bytes()) / static_cast<double>(r.tensor_bytes());
+      std::string line = absl::StrFormat(
+          "%s: %s sent of %s (%.2f %%)",
+          r.delta_base() ? absl::StrCat("deltas from version ", r.delta_base()) : "in full (delta base kept)",
+          FormatBytes(r.sent_bytes()), FormatBytes(r.tensor_bytes()), sent);
+      if (r.delta_items() > 0)
+        absl::StrAppendFormat(&line, "; %d of %d elements changed (%.3f %%)", r.changed_items(), r.delta_items(),
+                              100.0 * static_cast<double>(r.changed_items()) / static_cast<double>(r.delta_items()));
+      std::printf("%s\n", line.c_str());
+    }
     return 0;
   }
 
-  int Sync(bool wait, bool wait_if_busy, uint32_t min_agents, uint64_t version, const std::string& delivery) {
+  int Sync(bool wait, bool wait_if_busy, uint32_t min_agents, uint64_t version, const std::string& delivery,
+           const std::string& delta) {
     v1::TriggerSyncRequest req;
     req.set_delivery(delivery);
+    req.set_delta(delta);
     req.set_wait_if_busy(wait_if_busy);
     req.set_min_agents(min_agents);
     req.set_version(version);
@@ -716,7 +732,7 @@ int Main(int argc, char** argv) {
   bool wait = false, wait_if_busy = false;
   uint32_t min_agents = 1;
   uint64_t sync_version = 0;
-  std::string delivery;
+  std::string delivery, delta;
   auto* sync = app.add_subcommand("sync", "Trigger a sync");
   sync->add_flag("--wait", wait, "Follow it to the end with a progress bar; exit 1 if it fails");
   sync->add_flag("--wait-if-busy", wait_if_busy, "Queue behind a running sync instead of failing (exit 5)");
@@ -725,6 +741,11 @@ int Main(int argc, char** argv) {
                    "broadcast (every agent receives every byte) or sharded (every agent only its engine rank's "
                    "blocks); default: the trainer agents' --delivery")
       ->check(CLI::IsMember({"broadcast", "sharded"}));
+  sync->add_option("--delta", delta,
+                   "off (every byte), auto (only what changed since the version the engines hold, when the trainer "
+                   "and every engine hold it) or on (the same; engines not on it copy the new version from a peer "
+                   "after); default: the trainer agents' --delta")
+      ->check(CLI::IsMember({"off", "auto", "on"}));
   sync->add_option("--version", sync_version,
                    "Publish this version (e.g. the training step; must be newer than every published or pending "
                    "one; a request for a pending or published version joins that sync). Default: the next number");
@@ -772,7 +793,7 @@ int Main(int argc, char** argv) {
   if (app.got_subcommand("remove-engine")) return ctl.RemoveEngine(remove_id);
   if (app.got_subcommand("versions")) return ctl.Versions();
   if (app.got_subcommand("timings")) return ctl.Timings(version);
-  if (app.got_subcommand("sync")) return ctl.Sync(wait, wait_if_busy, min_agents, sync_version, delivery);
+  if (app.got_subcommand("sync")) return ctl.Sync(wait, wait_if_busy, min_agents, sync_version, delivery, delta);
   if (app.got_subcommand("verify"))
     return independent ? ctl.VerifyIndependent(against, quant_file) : ctl.Verify(against, quant_file);
   if (app.got_subcommand("generate")) return ctl.Generate(engine, prompt, max_new);

@@ -9,10 +9,12 @@
 
 namespace wsync::rollout_agent {
 
-Membership::Membership(std::string coordinator, const RpcSecurity& sec, absl::Duration heartbeat)
+Membership::Membership(std::string coordinator, const RpcSecurity& sec, absl::Duration heartbeat,
+                       std::function<uint64_t()> staged)
     : coordinator_(std::move(coordinator)),
       sec_(sec),
       heartbeat_(std::max(heartbeat, absl::Milliseconds(10))),
+      staged_(std::move(staged)),
       stub_(v1::Coordinator::NewStub(MakeChannel(coordinator_, sec_))) {
   thread_ = std::thread([this] { Run(); });
 }
@@ -105,6 +107,7 @@ absl::StatusOr<v1::CatchUpHint> Membership::RefreshHint(absl::Duration timeout) 
     req.set_agent_id(agent_id_);
     req.set_version(join_.version());
   }
+  if (staged_) req.set_staged_version(staged_());
   grpc::ClientContext ctx;
   PrepareContext(&ctx, sec_, timeout);
   v1::HeartbeatReply reply;
@@ -136,7 +139,9 @@ void Membership::Run() {
       id = agent_id_;
     }
     if (need_join) {
-      if (DoJoin(join, seq, &period)) {
+      v1::JoinRequest sent = join;
+      if (staged_) sent.set_staged_version(staged_());
+      if (DoJoin(sent, seq, &period)) {
         absl::MutexLock lock(&mu_);
         // A later Update() asks again; this Join used the then current request.
         if (join_.SerializeAsString() == join.SerializeAsString()) need_join_ = false;
@@ -154,6 +159,7 @@ void Membership::Run() {
     v1::HeartbeatRequest req;
     req.set_agent_id(id);
     req.set_version(join.version());
+    if (staged_) req.set_staged_version(staged_());
     v1::HeartbeatReply reply;
     const grpc::Status s = stub_->Heartbeat(&ctx, req, &reply);
     if (!s.ok()) {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -23,7 +24,11 @@ namespace wsync::rollout_agent {
 
 class Membership {
  public:
-  Membership(std::string coordinator, const RpcSecurity& sec, absl::Duration heartbeat);
+  // `staged` (optional) says, at every Join and Heartbeat, the version the agent's staging holds
+  // that a delta sync can be applied to (JoinRequest.staged_version); it is called without the
+  // membership's lock held.
+  Membership(std::string coordinator, const RpcSecurity& sec, absl::Duration heartbeat,
+             std::function<uint64_t()> staged = nullptr);
   ~Membership();  // Leave (bounded by one heartbeat period) and stop
 
   // What to join with (agent_address, engine_id, tp_rank, tp_size, version); starts joining.
@@ -52,6 +57,7 @@ class Membership {
   const std::string coordinator_;
   const RpcSecurity sec_;
   const absl::Duration heartbeat_;
+  const std::function<uint64_t()> staged_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
 
   mutable absl::Mutex mu_;

@@ -160,7 +160,8 @@ RolloutAgent::RolloutAgent(AgentOptions options)
   }
   service_ = std::make_unique<Service>(this, options_.security);
   if (!options_.coordinator.empty()) {
-    membership_ = std::make_shared<Membership>(options_.coordinator, options_.security, options_.heartbeat);
+    membership_ = std::make_shared<Membership>(options_.coordinator, options_.security, options_.heartbeat,
+                                               [this] { return DeltaBaseVersion(); });
   }
   watchdog_ = std::thread([this] { Watchdog(); });
 }

@@ -4,7 +4,8 @@
 //                   EngineLayout, mapped EngineWeights checked against it (CheckMatches), one
 //                   Staging allocated for all syncs. Replaces a previous engine (refused while a
 //                   sync is active). Then Join + heartbeats at the coordinator, if one is configured.
-//   BeginSync       reset staging coverage, start one receive thread per SyncGroup
+//   BeginSync       reset staging coverage (a delta sync: check the staging holds its base, which
+//                   every tensor then updates), start one receive thread per SyncGroup
 //                   (receive/stage_receiver.h) and return at once; the engine keeps serving (with
 //                   --pause-for-whole-sync it is paused here instead of at the commit).
 //                   FAILED_PRECONDITION without an engine, during another sync, or for a version
@@ -65,6 +66,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "comm/communicator.h"
 #include "common/buffer_pool.h"
 #include "common/cuda_ipc.h"
 #include "common/memory_space.h"
@@ -192,8 +194,15 @@ class RolloutAgent {
   absl::Status StageEngine(Engine& engine, bool keep, MemorySpace space, const std::string& who)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_);
   static std::string SyncRun(const v1::BeginSyncRequest& req);
+  // The version a delta sync can be applied to: the staging's (complete and verified) when it is
+  // in host memory, else 0 (JoinRequest.staged_version). Takes mu_.
+  uint64_t DeltaBaseVersion() const;
   absl::Status CheckBegin(const v1::BeginSyncRequest& req, bool* duplicate, v1::BeginSyncReply* reply)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // StartSync's checks of the request alone (backend, groups, bucket key): its backend, or the error
+  // (`who` names the call).
+  absl::StatusOr<comm::Backend> CheckSyncRequest(const v1::BeginSyncRequest& req, const std::string& who) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_);
   absl::Status StartSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_);
   void RunStage(Sync* sync, size_t index);

@@ -62,6 +62,12 @@ absl::Status RolloutAgent::CheckBegin(const v1::BeginSyncRequest& req, bool* dup
   return absl::OkStatus();
 }
 
+uint64_t RolloutAgent::DeltaBaseVersion() const {
+  absl::MutexLock lock(&mu_);
+  const bool host = engine_ != nullptr && engine_->staging != nullptr && engine_->staging->space().host();
+  return host ? staged_version_ : 0;
+}
+
 absl::Status RolloutAgent::BeginSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply, absl::Time deadline) {
   FailpointHit("rollout.begin");  // system tests (common/failpoint.h)
   bool duplicate = false;
@@ -114,8 +120,8 @@ absl::Status RolloutAgent::BeginSync(const v1::BeginSyncRequest& req, v1::BeginS
   return StartSync(req, reply, deadline);
 }
 
-absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply, absl::Time deadline) {
-  const std::string who = absl::StrCat("BeginSync ", req.sync_id(), " (version ", req.version(), ")");
+absl::StatusOr<comm::Backend> RolloutAgent::CheckSyncRequest(const v1::BeginSyncRequest& req,
+                                                             const std::string& who) const {
   auto backend = comm::ParseBackend(req.backend());
   if (!backend.ok()) return Annotate(backend.status(), who);
   if (*backend == comm::Backend::kMpi)
@@ -165,10 +171,30 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
                                                      " (rank 0 is the stage source)"));
     }
   }
+  return *backend;
+}
+
+absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginSyncReply* reply, absl::Time deadline) {
+  const std::string who = absl::StrCat("BeginSync ", req.sync_id(), " (version ", req.version(), ")");
+  auto backend = CheckSyncRequest(req, who);
+  if (!backend.ok()) return backend.status();
 
   Sync* s = nullptr;
   {
     absl::MutexLock staging(&staging_mu_);  // a peer's copy of the staging in progress ends first
+    if (req.delta_base() != 0) {
+      // A delta sync updates the version the staging holds: it must be that base, whole.
+      absl::MutexLock lock(&mu_);
+      const bool host = engine_->staging->space().host();
+      if (!host || staged_version_ != req.delta_base()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(who, ": a delta from version ", req.delta_base(), ", and this agent's staging holds ",
+                         !host                  ? "its weights in GPU memory (deltas apply to a host staging only)"
+                         : staged_version_ == 0 ? "no complete version"
+                                                : absl::StrCat("version ", staged_version_),
+                         ": nothing was changed; a full sync (--delta off) brings it forward"));
+      }
+    }
     auto sync = std::make_unique<Sync>();
     sync->req = req;
     sync->id = req.sync_id();
@@ -200,8 +226,16 @@ absl::Status RolloutAgent::StartSync(const v1::BeginSyncRequest& req, v1::BeginS
     paused_note = *paused;
   }
 
-  e.staging->ResetCoverage();
-  if (req.record() && !options_.record_dir.empty()) {
+  // A delta sync: every piece holds the base, and every tensor of the sync must still arrive
+  // (PrepareSync checks each was loaded: an unchanged one comes as an empty delta).
+  if (req.delta_base() != 0) {
+    e.staging->MarkAllRestored();
+  } else {
+    e.staging->ResetCoverage();
+  }
+  if (req.record() && req.delta_base() != 0) {
+    WSYNC_LOG(DEBUG) << who << ": a delta sync is not recorded (a recording holds whole tensors)";
+  } else if (req.record() && !options_.record_dir.empty()) {
     // An older coordinator sends no key: the store address and sync id then name the sync.
     std::string key = req.sync_key();
     if (key.empty()) key = absl::StrReplaceAll(absl::StrCat(req.store_address(), "-", req.sync_id()), {{"/", "_"}});
@@ -311,6 +345,7 @@ void RolloutAgent::RunStage(Sync* s, size_t index) {
     o.host_pool = &pinned_pool_;
   }
   o.bucket_mac_key = s->req.bucket_mac_key();
+  o.delta_base = s->req.delta_base();
   auto r = ReceiveStage(o);
   bool cancel_others = false;
   {

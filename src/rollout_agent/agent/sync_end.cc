@@ -79,7 +79,7 @@ absl::Status RolloutAgent::PrepareSync(const v1::PrepareSyncRequest& req, absl::
     st = s->first_error;
   }
   if (st.ok()) {
-    st = engine_->staging->CheckComplete();
+    st = engine_->staging->CheckComplete(/*loaded_only=*/s->req.delta_base() != 0);
     if (!st.ok()) {
       st = Annotate(st, absl::StrCat("the stream ended without every tensor this engine rank needs"));
       absl::MutexLock lock(&mu_);

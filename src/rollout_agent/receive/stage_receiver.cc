@@ -173,6 +173,13 @@ absl::Status CheckManifest(const v1::BucketManifest& m, const StageOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat(BucketWhere(m), ": arrived in the group of stage ", o.pp_stage, " (", o.group, ")"));
   }
+  // Deltas apply to the base the agent checked at BeginSync, and to no other version.
+  if (m.base_version() != 0 && m.base_version() != o.delta_base) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(BucketWhere(m), ": deltas from version ", m.base_version(), ", and ",
+                     o.delta_base == 0 ? "this is a full sync (the staging holds no base for them)"
+                                       : absl::StrCat("the staging holds version ", o.delta_base)));
+  }
   return absl::OkStatus();
 }
 

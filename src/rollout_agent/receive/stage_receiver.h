@@ -107,6 +107,9 @@ struct StageOptions {
   FormationLatch* formed = nullptr;
   // The sync's bucket key (comm/bucket/bucket_mac.h): every bucket's tag is verified; empty: none.
   std::string bucket_mac_key;
+  // A delta sync: the version the staging holds, that deltas apply to (a manifest naming another
+  // base is refused, kFailedPrecondition); 0: a full sync (a manifest of deltas is refused).
+  uint64_t delta_base = 0;
 };
 
 struct StageStats {

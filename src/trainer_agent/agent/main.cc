@@ -21,6 +21,34 @@
 namespace {
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop.store(true); }
+
+// How syncs reach the rollout agents: --backend, --cuda-device, --delivery, --delta.
+void AddDataPlaneOptions(CLI::App& app, wsync::trainer_agent::TrainerAgentOptions& o) {
+  app.add_option("--backend", o.backend,
+                 "Trainer -> rollout data plane: gloo (TCP), shm (colocated: every rollout agent on the trainer's "
+                 "host, one shared-memory segment, no network), nccl (GPU) or cuda-ipc (colocated on GPUs: the "
+                 "ring in one CUDA allocation shared by IPC, buckets device to device)")
+      ->check(CLI::IsMember({"gloo", "shm", "nccl", "cuda-ipc"}));
+  app.add_option(
+      "--cuda-device", o.cuda_device,
+      "The GPU this rank's device data plane (nccl, cuda-ipc) sends from (default: the GPU of the training process's "
+      "tensors when the device stages read them in place, else the local rank, from "
+      "OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID or LOCAL_RANK, modulo the GPUs visible)");
+  app.add_option("--delivery", o.delivery,
+                 "How syncs that do not choose (wsyncctl sync --delivery) reach the agents: broadcast (every agent "
+                 "receives every byte of its stage) or sharded (every agent receives only the blocks its engine "
+                 "rank keeps, one stream per group of like ranks; docs/sync.md)")
+      ->check(CLI::IsMember({"broadcast", "sharded"}))
+      ->capture_default_str();
+  app.add_option("--delta", o.delta,
+                 "Syncs that do not choose (wsyncctl sync --delta): off (every byte), auto (only the change since the "
+                 "version the engines hold, when the trainer and every engine hold it, else every byte) or on (the "
+                 "same; engines not on that version sit the sync out and copy it from a peer after). Broadcast "
+                 "delivery, host buckets (docs/sync.md \"Delta sync\")")
+      ->check(CLI::IsMember({"off", "auto", "on"}))
+      ->capture_default_str();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -44,22 +72,7 @@ int main(int argc, char** argv) {
                  "Address this rank's data-plane (Gloo) endpoints listen on (default: the local address facing the "
                  "coordinator)");
   app.add_option("--metrics-host", o.metrics_host, "Address of the Prometheus endpoint")->capture_default_str();
-  app.add_option("--backend", o.backend,
-                 "Trainer -> rollout data plane: gloo (TCP), shm (colocated: every rollout agent on the trainer's "
-                 "host, one shared-memory segment, no network), nccl (GPU) or cuda-ipc (colocated on GPUs: the "
-                 "ring in one CUDA allocation shared by IPC, buckets device to device)")
-      ->check(CLI::IsMember({"gloo", "shm", "nccl", "cuda-ipc"}));
-  app.add_option(
-      "--cuda-device", o.cuda_device,
-      "The GPU this rank's device data plane (nccl, cuda-ipc) sends from (default: the GPU of the training process's "
-      "tensors when the device stages read them in place, else the local rank, from "
-      "OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID or LOCAL_RANK, modulo the GPUs visible)");
-  app.add_option("--delivery", o.delivery,
-                 "How syncs that do not choose (wsyncctl sync --delivery) reach the agents: broadcast (every agent "
-                 "receives every byte of its stage) or sharded (every agent receives only the blocks its engine "
-                 "rank keeps, one stream per group of like ranks; docs/sync.md)")
-      ->check(CLI::IsMember({"broadcast", "sharded"}))
-      ->capture_default_str();
+  AddDataPlaneOptions(app, o);
   app.add_option("--bucket-mib", bucket_mib, "Bucket size in MiB")->check(CLI::Range(1, 1 << 16));
   app.add_option("--quant-config", quant_file,
                  "The engines' quantization config (compressed-tensors, AWQ or FP8 object, or a config.json holding "

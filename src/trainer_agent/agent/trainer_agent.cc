@@ -33,6 +33,7 @@
 #include "trainer_agent/quantize/int4_quantizer.h"
 #include "trainer_agent/source/dir_source.h"
 #include "trainer_agent/source/shm_source.h"
+#include "trainer_agent/sync/delta_sink.h"
 #include "trainer_agent/sync/rank_sync.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 
@@ -77,6 +78,10 @@ struct Command {
   uint32_t bucket_mac = 0;  // 1: buckets are authenticated with bucket_mac_key (comm/bucket/bucket_mac.h)
   char bucket_mac_key[comm::kBucketMacKeyBytes] = {};
   uint32_t quant_json_bytes = 0;  // SyncPlan::engine_quant_json, in a Broadcast after the groups
+  // Delta delivery (SyncPlan::keep_delta_base, delta_base): 1: the stage sources keep a base and
+  // send deltas from delta_base (0: in full); the receiver groups follow as in a sharded sync.
+  uint32_t delta = 0;
+  uint64_t delta_base = 0;
 };
 
 // One receiver group of a sharded sync (SyncPlan::receiver_groups, group_agents), broadcast after
@@ -99,6 +104,9 @@ struct RankResult {
   char message[464] = {};
   double seconds[7] = {};  // open, gather, convert, quantize, bucket, send_wait, total
   uint64_t bytes = 0, buckets = 0, tensors = 0;
+  // A stage source of a delta sync (DeltaSink): the version its base holds now (0: none), and
+  // what it sent (DeltaStats).
+  uint64_t delta_held = 0, tensor_bytes = 0, sent_bytes = 0, delta_items = 0, changed_items = 0;
 };
 static_assert(sizeof(RankResult) % 8 == 0, "a POD gathered byte-wise");
 
@@ -315,6 +323,7 @@ class Agent {
       co.security = opts_.security;
       co.backend = opts_.backend;
       ASSIGN_OR_RETURN(co.delivery, plan::ParseDelivery(opts_.delivery));
+      ASSIGN_OR_RETURN(co.delta, ParseDeltaMode(opts_.delta));
       co.sync_timeout = opts_.sync_timeout;
       co.metrics = &MetricsRegistry::Global();
       co.state_dir = opts_.state_dir;
@@ -375,6 +384,8 @@ class Agent {
             std::memcpy(cmd.bucket_mac_key, plan->bucket_mac_key.data(), sizeof(cmd.bucket_mac_key));
           }
           cmd.quant_json_bytes = static_cast<uint32_t>(plan->engine_quant_json.size());
+          cmd.delta = plan->keep_delta_base ? 1 : 0;
+          cmd.delta_base = plan->delta_base;
         } else {
           cmd.type = kStop;
         }
@@ -421,34 +432,7 @@ class Agent {
                                int stage, int sender, MakeSink& make_sink,
                                std::shared_ptr<const plan::ShardPlan>* plan_out,
                                std::unique_ptr<plan::ShardedSink>* out) {
-    std::vector<engine_model::EngineParallel> parallel;
-    for (const GroupDesc& g : groups) parallel.push_back({g.tp_size, g.tp_rank, g.ep_size, g.mtp_draft != 0});
-    const std::optional<QuantizationConfig>& q = sync_quant_;
-    // The plan is computed once and kept while the receiver groups, the model and the quantization
-    // stay the same (the membership decides the groups): building one engine layout per group
-    // costs about a second for a 1T model.
-    std::string key =
-        absl::StrCat(src.config_json(), "\n", QuantFingerprint(q ? &*q : nullptr, kernels::QuantVariant::kQat), "\n",
-                     opts_.expert_map ? opts_.expert_map->Canonical() : "experts: all");
-    for (const GroupDesc& g : groups)
-      absl::StrAppend(&key, "\n", g.tp_size, "/", g.tp_rank, "/", g.ep_size, g.mtp_draft ? "/mtp-draft" : "");
-    if (plan_ == nullptr || key != plan_key_) {
-      // Expert pruning: the engines serve the pruned model, so their layouts are its layouts.
-      std::optional<ModelConfig> pruned;
-      if (opts_.expert_map) {
-        auto json = model::PrunedConfigJson(src.config_json(), *opts_.expert_map, "the pruned model");
-        auto parsed = json.ok() ? ParseModelConfig(*json, "the pruned model") : json.status();
-        if (!parsed.ok()) return Annotate(parsed.status(), "sharded delivery");
-        pruned = std::move(*parsed);
-      }
-      const absl::Time t0 = absl::Now();
-      auto p = plan::ShardPlan::Create(pruned ? *pruned : src.model(), q ? &*q : nullptr, parallel);
-      if (!p.ok()) return Annotate(p.status(), "sharded delivery");
-      plan_ = std::make_shared<const plan::ShardPlan>(std::move(*p));
-      plan_key_ = std::move(key);
-      WSYNC_LOG(INFO) << "sharded delivery: planned " << groups.size() << " receiver groups in "
-                      << absl::FormatDuration(absl::Now() - t0) << " (kept until the groups or the model change)";
-    }
+    RETURN_IF_ERROR(Annotate(PlanReceivers(groups, src), "sharded delivery"));
     *plan_out = plan_;
     std::vector<std::unique_ptr<comm::BucketSink>> sinks;
     std::vector<comm::BroadcastSink*> raw;
@@ -466,12 +450,51 @@ class Agent {
     return absl::OkStatus();
   }
 
+  // plan_: the engine layouts of the receiver groups (of the model it sends, with its quantization),
+  // for sharded and delta delivery.
+  absl::Status PlanReceivers(const std::vector<GroupDesc>& groups, const WeightSource& src) {
+    std::vector<engine_model::EngineParallel> parallel;
+    for (const GroupDesc& g : groups) parallel.push_back({g.tp_size, g.tp_rank, g.ep_size, g.mtp_draft != 0});
+    const std::optional<QuantizationConfig>& q = sync_quant_;
+    // The plan is computed once and kept while the receiver groups, the model and the quantization
+    // stay the same (the membership decides the groups): building one engine layout per group
+    // costs about a second for a 1T model.
+    std::string key =
+        absl::StrCat(src.config_json(), "\n", QuantFingerprint(q ? &*q : nullptr, kernels::QuantVariant::kQat), "\n",
+                     opts_.expert_map ? opts_.expert_map->Canonical() : "experts: all");
+    for (const GroupDesc& g : groups)
+      absl::StrAppend(&key, "\n", g.tp_size, "/", g.tp_rank, "/", g.ep_size, g.mtp_draft ? "/mtp-draft" : "");
+    if (plan_ == nullptr || key != plan_key_) {
+      // Expert pruning: the engines serve the pruned model, so their layouts are its layouts.
+      std::optional<ModelConfig> pruned;
+      if (opts_.expert_map) {
+        auto json = model::PrunedConfigJson(src.config_json(), *opts_.expert_map, "the pruned model");
+        auto parsed = json.ok() ? ParseModelConfig(*json, "the pruned model") : json.status();
+        if (!parsed.ok()) return parsed.status();
+        pruned = std::move(*parsed);
+      }
+      const absl::Time t0 = absl::Now();
+      auto p = plan::ShardPlan::Create(pruned ? *pruned : src.model(), q ? &*q : nullptr, parallel);
+      if (!p.ok()) return p.status();
+      plan_ = std::make_shared<const plan::ShardPlan>(std::move(*p));
+      plan_key_ = std::move(key);
+      WSYNC_LOG(INFO) << "planned " << groups.size() << " receiver groups in " << absl::FormatDuration(absl::Now() - t0)
+                      << " (kept until the groups or the model change)";
+    }
+    return absl::OkStatus();
+  }
+
   // This rank's data-plane side of a sync: a stage's broadcast sink, or its sharded sink and plan.
   struct StageSinks {
     std::unique_ptr<comm::BroadcastSink> broadcast;     // broadcast delivery
     std::shared_ptr<const plan::ShardPlan> shard_plan;  // sharded delivery: the plan and its sink
-    std::unique_ptr<plan::ShardedSink> sharded;
-    comm::BucketSink* out() const { return sharded ? static_cast<comm::BucketSink*>(sharded.get()) : broadcast.get(); }
+    std::unique_ptr<plan::ShardedSink> sharded;         // (delta delivery: the receivers' layouts)
+    std::unique_ptr<DeltaSink> delta;                   // delta delivery: in front of `broadcast`
+    comm::BucketSink* out() const {
+      if (sharded) return sharded.get();
+      if (delta) return delta.get();
+      return broadcast.get();
+    }
   };
 
   // One sync on this rank: 1. the source and the stage groups, voted on; 2. the sync itself;
@@ -508,6 +531,7 @@ class Agent {
     } else {
       SetMessage(mine, s);
     }
+    sinks.delta.reset();
     sinks.broadcast.reset();
     sinks.sharded.reset();
 
@@ -598,6 +622,27 @@ class Agent {
     auto made = make_sink(SyncGroupName(cmd.sync_id, stage), static_cast<int>(cmd.num_agents) + 1);
     if (!made.ok()) return Annotate(made.status(), absl::StrCat("stage ", stage, " data-plane group"));
     sinks->broadcast = std::move(*made);
+    return MakeDeltaSink(cmd, groups, src, sinks);
+  }
+
+  // Delta delivery (DeltaSink) in front of a host broadcast sink: deltas from cmd.delta_base (the
+  // base this rank keeps across syncs, delta_base_), summed for each receiver group's layout. A
+  // sync without it drops the base (its memory back; the next delta sync starts in full).
+  absl::Status MakeDeltaSink(const Command& cmd, const std::vector<GroupDesc>& groups, const WeightSource& src,
+                             StageSinks* sinks) {
+    if (!cmd.delta || !sinks->broadcast->space().host()) {
+      if (cmd.delta)
+        WSYNC_LOG(WARNING) << "sync " << cmd.sync_id << ": deltas are sent from host buckets only; this one is "
+                           << sinks->broadcast->space().Name() << ": sent in full";
+      delta_base_ = DeltaBase();
+      return absl::OkStatus();
+    }
+    RETURN_IF_ERROR(Annotate(PlanReceivers(groups, src), "delta delivery"));
+    sinks->shard_plan = plan_;
+    std::vector<const engine_model::EngineLayout*> receivers;
+    for (int g = 0; g < plan_->num_groups(); ++g) receivers.push_back(&plan_->layout(g));
+    sinks->delta =
+        std::make_unique<DeltaSink>(*sinks->broadcast, delta_base_, std::move(receivers), cmd.delta_base, cmd.version);
     return absl::OkStatus();
   }
 
@@ -622,6 +667,18 @@ class Agent {
       // What left this rank: every group's share (the builder's bytes are the full buckets).
       report->bytes = 0;
       for (uint64_t b : sinks.sharded->group_bytes()) report->bytes += b;
+    }
+    if (report.ok() && sinks.delta) {
+      const DeltaStats& d = sinks.delta->stats();
+      mine.delta_held = delta_base_.version();
+      mine.tensor_bytes = d.tensor_bytes;
+      mine.sent_bytes = d.sent_bytes;
+      mine.delta_items = d.items;
+      mine.changed_items = d.changed_items;
+      WSYNC_LOG(INFO) << "sync " << cmd.sync_id << ": " << d.delta_entries << " of " << d.entries
+                      << " tensors as deltas from version " << cmd.delta_base << ", " << FormatBytes(d.sent_bytes)
+                      << " of " << FormatBytes(d.tensor_bytes) << " sent (" << d.changed_items << " of " << d.items
+                      << " elements changed); the base holds " << FormatBytes(delta_base_.bytes());
     }
     if (!report.ok()) {
       SetMessage(mine, report.status());
@@ -660,10 +717,17 @@ class Agent {
       }
       report.phases.push_back(p);
     }
+    report.delta_held = cmd.delta ? cmd.version : 0;
     for (const auto& r : all) {
       report.bytes += r.bytes;
       report.buckets += r.buckets;
       report.tensors += r.tensors;
+      if (!r.source) continue;
+      if (r.delta_held != cmd.version) report.delta_held = 0;  // every stage source must hold it
+      report.tensor_bytes += r.tensor_bytes;
+      report.sent_bytes += r.sent_bytes;
+      report.delta_items += r.delta_items;
+      report.changed_items += r.changed_items;
     }
     report.phases.back().bytes = report.bytes;
     WSYNC_LOG(INFO) << "sync " << cmd.sync_id << " done on this rank: " << FormatBytes(mine.bytes) << " (" << mine.bytes
@@ -719,6 +783,7 @@ class Agent {
   // Sharded delivery: the plan of the last sharded sync, and what it was made for.
   std::shared_ptr<const plan::ShardPlan> plan_;
   std::string plan_key_;
+  DeltaBase delta_base_;  // delta delivery on a stage source: what it last sent (sync/delta_sink.h)
   std::optional<QuantizationConfig> sync_quant_;  // the running sync's (SyncQuantization)
   // Bucket buffers (stage sources only): two on the wire + the one being built. Kept across syncs,
   // except over nccl: device buffers, none freed while the sync's groups run (a cudaFree waits for

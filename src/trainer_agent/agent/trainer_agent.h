@@ -45,6 +45,9 @@ struct TrainerAgentOptions {
   // Syncs that do not choose: every agent receives every byte (broadcast) or only its engine
   // rank's blocks (sharded; plan/delivery_plan.h).
   std::string delivery = "broadcast";
+  // Syncs that do not choose: "off" (every byte), "auto" or "on" (only what changed since the
+  // version the engines hold; coordinator/sync_coordinator.h DeltaMode).
+  std::string delta = "off";
   uint64_t bucket_bytes = uint64_t{512} << 20;
   std::optional<QuantizationConfig> quant;     // the engines' quantization config (else the model's own)
   std::optional<model::ExpertMap> expert_map;  // expert pruning (checked against the model at every sync)

@@ -82,6 +82,7 @@ class Coordinator::Impl {
         trainer_(trainer),
         domain_({.backend = o.backend,
                  .delivery = o.delivery,
+                 .delta = o.delta,
                  .heartbeat = o.heartbeat,
                  .member_timeout = o.member_timeout,
                  .sync_timeout = o.sync_timeout,

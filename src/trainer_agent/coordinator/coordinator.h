@@ -28,6 +28,7 @@ struct CoordinatorOptions {
   RpcSecurity security;
   std::string backend = "gloo";
   plan::Delivery delivery = plan::Delivery::kBroadcast;  // of syncs that do not choose (--delivery)
+  DeltaMode delta = DeltaMode::kOff;                     // of syncs that do not choose (--delta)
   absl::Duration heartbeat = absl::Seconds(2);           // agents heartbeat this often
   absl::Duration member_timeout = absl::Seconds(10);     // dropped after this much silence
   absl::Duration sync_timeout = absl::Minutes(10);       // bound on one whole sync

@@ -118,6 +118,7 @@ class FakeTrainer final : public TrainerSide {
         +[](bool* hold) { return !*hold; }, &hold_));
     if (!fail_.ok()) return fail_;
     TrainerReport r;
+    r.delta_held = plan.keep_delta_base ? plan.version : 0;  // as the stage sources' DeltaSinks
     r.bytes = 1000;
     r.phases.push_back({"gather", 0.25, 1000});
     return r;
@@ -206,11 +207,12 @@ class SyncCoordinatorTest : public ::testing::Test {
     EXPECT_TRUE(coordinator_->Join(req, &reply).ok());
     return reply.agent_id();
   }
-  // A heartbeat of member `id` reporting `version`; the reply.
-  v1::HeartbeatReply Beat(const std::string& id, uint64_t version) {
+  // A heartbeat of member `id` reporting `version` (and `staged`, the version its staging holds); the reply.
+  v1::HeartbeatReply Beat(const std::string& id, uint64_t version, uint64_t staged = 0) {
     v1::HeartbeatRequest req;
     req.set_agent_id(id);
     req.set_version(version);
+    req.set_staged_version(staged);
     v1::HeartbeatReply reply;
     EXPECT_TRUE(coordinator_->Heartbeat(req, &reply).ok());
     return reply;
@@ -220,10 +222,11 @@ class SyncCoordinatorTest : public ::testing::Test {
     return agents_[address];
   }
   absl::StatusOr<v1::TriggerSyncReply> Trigger(uint64_t version = 0, bool wait = false, uint32_t min_agents = 0,
-                                               const std::string& delivery = "") {
+                                               const std::string& delivery = "", const std::string& delta = "") {
     v1::TriggerSyncRequest req;
     req.set_version(version);
     req.set_delivery(delivery);
+    req.set_delta(delta);
     req.set_wait_if_busy(wait);
     req.set_min_agents(min_agents);
     v1::TriggerSyncReply reply;
@@ -919,6 +922,70 @@ TEST_F(SyncCoordinatorTest, AnUnknownDeliveryIsRefused) {
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_EQ(ok->sync_id(), 1u);
   EXPECT_EQ(Finish(ok->sync_id()).phase(), "done");
+}
+
+// Delta delivery (--delta auto): the first sync goes in full and the trainer keeps a base; the next
+// as deltas from it, to agents whose stagings hold it (the commit says so), without a recording;
+// an engine off the base sends the sync in full (auto) or sits it out (on); a failed transfer, or
+// a sync with deltas off, leaves the trainer's base unknown: the next goes in full.
+TEST_F(SyncCoordinatorTest, DeltasGoOnlyToStagingsThatHoldTheTrainersBase) {
+  SyncCoordinatorOptions o;
+  o.delta = DeltaMode::kAuto;
+  Make(o);
+  const std::string a1 = Join("a:1", 0, 1, "e1"), a2 = Join("a:2", 0, 1, "e2");
+  auto sync = [&](const std::string& delta = "") {
+    auto t = Trigger(0, false, 0, "", delta);
+    EXPECT_TRUE(t.ok()) << t.status();
+    return t.ok() ? Finish(t->sync_id()) : v1::SyncEvent();
+  };
+  auto begin_base = [&](const std::string& address) { return Agent(address)->last_begin().delta_base(); };
+  EXPECT_EQ(sync().phase(), "done");
+  ASSERT_EQ(trainer_.plans().size(), 1u);
+  EXPECT_TRUE(trainer_.plans()[0].keep_delta_base);
+  EXPECT_EQ(trainer_.plans()[0].delta_base, 0u) << "no base yet: in full";
+  EXPECT_TRUE(Agent("a:1")->last_begin().record());
+  EXPECT_EQ(sync().phase(), "done");
+  EXPECT_EQ(trainer_.plans()[1].delta_base, 1u);
+  EXPECT_EQ(trainer_.plans()[1].receiver_groups.size(), 1u) << "one layout among the receivers: one checksum each";
+  EXPECT_EQ(begin_base("a:1"), 1u);
+  EXPECT_EQ(begin_base("a:2"), 1u);
+  EXPECT_FALSE(Agent("a:1")->last_begin().record()) << "a recording holds whole tensors";
+  v1::TimingsReply timings;
+  ASSERT_TRUE(coordinator_->Timings({}, &timings).ok());
+  EXPECT_EQ(timings.delta_base(), 1u);
+
+  Beat(a2, 2, /*staged=*/0);  // its agent restarted: the engine serves version 2, no staging holds it
+  EXPECT_EQ(sync().phase(), "done");
+  EXPECT_EQ(trainer_.plans()[2].delta_base, 0u) << "auto: an engine off the base: everything in full";
+  EXPECT_EQ(begin_base("a:2"), 0u);
+
+  Beat(a2, 3, /*staged=*/0);
+  v1::SyncEvent on = sync("on");
+  EXPECT_EQ(on.phase(), "partial");
+  EXPECT_THAT(on.error(), HasSubstr("e2 (not on version 3, the delta's base) sat it out"));
+  EXPECT_EQ(trainer_.plans()[3].delta_base, 3u);
+  EXPECT_EQ(trainer_.plans()[3].num_agents, 1);
+  EXPECT_EQ(begin_base("a:1"), 3u);
+  EXPECT_EQ(Agent("a:2")->calls().back(), "Commit 3") << "e2 was not in sync 4";
+
+  Beat(a2, 4, /*staged=*/4);  // caught up from a peer
+  trainer_.Fail(absl::UnavailableError("a trainer rank is gone"));
+  EXPECT_EQ(sync().phase(), "failed");
+  trainer_.Fail(absl::OkStatus());
+  Beat(a1, 4, 4);
+  Beat(a2, 4, 4);
+  EXPECT_EQ(sync().phase(), "done");
+  EXPECT_EQ(trainer_.plans()[5].delta_base, 0u) << "after a failed transfer the trainer's base is unknown";
+  EXPECT_EQ(sync("off").phase(), "done");
+  EXPECT_FALSE(trainer_.plans()[6].keep_delta_base);
+  EXPECT_EQ(sync().phase(), "done");
+  EXPECT_EQ(trainer_.plans()[7].delta_base, 0u) << "a sync with deltas off drops the trainer's base";
+
+  auto sharded = Trigger(0, false, 0, "sharded", "on");
+  EXPECT_EQ(sharded.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(sharded.status().message(), HasSubstr("broadcast delivery only"));
+  auto unknown = Trigger(0, false, 0, "", "maybe");
+  EXPECT_THAT(unknown.status().message(), HasSubstr("delta \"maybe\": off, auto or on"));
 }
 
 // A rollout agent restarted on a new port joins for the engine rank its dead predecessor served:

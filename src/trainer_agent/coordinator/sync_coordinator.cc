@@ -41,8 +41,24 @@ Histogram* HistogramOf(MetricsRegistry* m, absl::string_view name, absl::string_
 
 }  // namespace coordinator_internal
 
+absl::StatusOr<DeltaMode> ParseDeltaMode(absl::string_view name) {
+  if (name == "off") return DeltaMode::kOff;
+  if (name == "auto") return DeltaMode::kAuto;
+  if (name == "on") return DeltaMode::kOn;
+  return absl::InvalidArgumentError(absl::StrCat("delta \"", name, "\": off, auto or on"));
+}
+
+absl::string_view DeltaModeName(DeltaMode mode) {
+  switch (mode) {
+    case DeltaMode::kAuto: return "auto";
+    case DeltaMode::kOn: return "on";
+    default: return "off";
+  }
+}
+
 namespace {
 
+using coordinator_internal::CopyDeltaFigures;
 using coordinator_internal::kKeptTimings;
 
 std::string NewRunId() {
@@ -202,6 +218,7 @@ absl::Status SyncCoordinator::Timings(const v1::TimingsRequest& req, v1::Timings
   reply->set_version(found->version);
   reply->set_sync_id(found->id);
   reply->set_delivery(std::string(plan::DeliveryName(found->delivery)));
+  CopyDeltaFigures(found->delta_figures, reply);
   for (const auto& p : found->phases) {
     auto* out = reply->add_phases();
     out->set_phase(p.phase);

@@ -46,6 +46,14 @@
 
 namespace wsync::trainer_agent {
 
+// Delta delivery (TriggerSyncRequest.delta, --delta; docs/sync.md "Delta sync"): off (every byte),
+// auto (deltas when the trainer and every member hold the base, else every byte), on (deltas when
+// any member holds the base; the engines that do not sit the sync out and copy it from a peer).
+enum class DeltaMode { kOff, kAuto, kOn };
+// "off" | "auto" | "on"; kInvalidArgument naming the three otherwise.
+absl::StatusOr<DeltaMode> ParseDeltaMode(absl::string_view name);
+absl::string_view DeltaModeName(DeltaMode mode);
+
 // What one sync asks of the trainer side.
 struct SyncPlan {
   uint64_t sync_id = 0;
@@ -70,6 +78,12 @@ struct SyncPlan {
   // (their engine layouts may differ; otherwise the sync is refused before it starts); "" when
   // they serve bf16. The trainer quantizes as it says unless it has a --quant-config of its own.
   std::string engine_quant_json;
+  // Delta delivery (broadcast only; docs/sync.md "Delta sync"): the stage sources keep a copy of
+  // what they send as the next sync's base, and send each tensor as its change from delta_base
+  // (0: in full). receiver_groups then lists the members' engine-rank layouts (a checksum of each
+  // one's block goes with every delta).
+  bool keep_delta_base = false;
+  uint64_t delta_base = 0;
 };
 
 struct PhaseTime {
@@ -84,6 +98,10 @@ struct TrainerReport {
   uint64_t bytes = 0;
   uint64_t buckets = 0;
   uint64_t tensors = 0;
+  // Delta delivery: the version every stage source's base holds after the sync (the sync's when it
+  // kept one, else 0), and what the stage sources sent (trainer_agent/sync/delta_sink.h DeltaStats).
+  uint64_t delta_held = 0;
+  uint64_t tensor_bytes = 0, sent_bytes = 0, delta_items = 0, changed_items = 0;
 };
 
 // The trainer ranks as the coordinator sees them (rank 0's command channel).
@@ -111,6 +129,7 @@ class TrainerSide {
 struct SyncCoordinatorOptions {
   std::string backend = "gloo";
   plan::Delivery delivery = plan::Delivery::kBroadcast;  // the default of syncs that do not choose
+  DeltaMode delta = DeltaMode::kOff;                     // the same
   absl::Duration heartbeat = absl::Seconds(2);           // agents heartbeat this often
   absl::Duration member_timeout = absl::Seconds(10);     // dropped after this much silence
   absl::Duration sync_timeout = absl::Minutes(10);       // bound on one whole sync
@@ -224,6 +243,9 @@ class SyncCoordinator {
   // engine can take it, the engines' quantizations differ or no bucket key could be made.
   Attempt PlanSync(uint64_t id);
   void TakeMembers(Attempt& a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Delta delivery: whether the trainer keeps a base, and the base the sync's deltas apply to; with
+  // DeltaMode::kOn, the engines not on it leave a.members for a.sat_out.
+  void PlanDelta(Attempt& a, DeltaMode mode) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs `fn` as phase `phase` of the sync: sets the phase, times it (Attempt::phases, metrics).
   absl::Status Timed(Attempt& a, const std::string& phase, absl::FunctionRef<absl::Status()> fn);
   // Waits for trainer ranks still draining a sync given up on (a fresh deadline after).
@@ -276,6 +298,9 @@ class SyncCoordinator {
     bool removed = false;
   };
   std::map<std::string, FleetEngine> fleet_ ABSL_GUARDED_BY(mu_);  // engine id -> what its agents said
+  // The version the trainer's stage sources keep as their delta base (TrainerReport::delta_held of
+  // the last transfer; 0: none, or unknown after a failed one).
+  uint64_t trainer_base_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_sync_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_version_ ABSL_GUARDED_BY(mu_) = 1;
   // The fleet's version: the newest version a sync committed on at least one engine rank.

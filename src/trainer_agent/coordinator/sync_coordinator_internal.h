@@ -27,6 +27,7 @@ struct SyncCoordinator::Member {
   uint32_t tp_rank = 0, tp_size = 1, ep_size = 1;
   bool mtp_draft = false;  // the engine serves the NextN draft too (JoinRequest.mtp_draft)
   uint64_t version = 0;
+  uint64_t staged_version = 0;  // what a delta can apply to (JoinRequest.staged_version)
   absl::Time last_seen;
   std::shared_ptr<AgentClient> client;
 };
@@ -35,6 +36,9 @@ struct SyncCoordinator::Member {
 struct SyncCoordinator::SyncRecord {
   uint64_t id = 0, version = 0;
   plan::Delivery delivery = plan::Delivery::kBroadcast;
+  DeltaMode delta = DeltaMode::kOff;
+  // What the sync sent as deltas (TimingsReply's delta_base .. changed_items; base 0: in full).
+  v1::TimingsReply delta_figures;
   std::string phase = "queued";
   std::string error;
   absl::Time start;
@@ -46,6 +50,15 @@ struct SyncCoordinator::SyncRecord {
 };
 
 namespace coordinator_internal {
+
+// TimingsReply's delta fields (delta_base .. changed_items) from `from` into `to`.
+inline void CopyDeltaFigures(const v1::TimingsReply& from, v1::TimingsReply* to) {
+  to->set_delta_base(from.delta_base());
+  to->set_tensor_bytes(from.tensor_bytes());
+  to->set_sent_bytes(from.sent_bytes());
+  to->set_delta_items(from.delta_items());
+  to->set_changed_items(from.changed_items());
+}
 
 // The history a coordinator keeps, in memory and in its state file: the newest attempts
 // (`wsyncctl versions`) and the newest finished syncs' records (timings, members).

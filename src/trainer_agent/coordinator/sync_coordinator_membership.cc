@@ -46,6 +46,7 @@ absl::Status SyncCoordinator::Join(const v1::JoinRequest& req, v1::JoinReply* re
   m.mtp_draft = req.mtp_draft();
   m.quant_json = req.quantization_config_json();
   m.version = req.version();
+  m.staged_version = req.staged_version();
   m.last_seen = absl::Now();
   m.client = connect_(m.address);
   WSYNC_LOG(INFO) << "member " << m.id << " joined: " << m.address << " engine " << m.engine_id << " tp " << m.tp_rank
@@ -82,6 +83,7 @@ absl::Status SyncCoordinator::Heartbeat(const v1::HeartbeatRequest& req, v1::Hea
   if (it != members_.end()) {
     it->second.last_seen = absl::Now();
     it->second.version = req.version();
+    it->second.staged_version = req.staged_version();
     FillCatchUp(it->second, reply->mutable_catch_up());
     RefreshVersions();
   }

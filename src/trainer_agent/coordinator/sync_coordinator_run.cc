@@ -78,6 +78,13 @@ absl::Status SyncCoordinator::TriggerSync(const v1::TriggerSyncRequest& req, v1:
   if (!req.delivery().empty()) {
     ASSIGN_OR_RETURN(delivery, plan::ParseDelivery(req.delivery()));
   }
+  DeltaMode delta = opts_.delta;
+  if (!req.delta().empty()) {
+    ASSIGN_OR_RETURN(delta, ParseDeltaMode(req.delta()));
+  }
+  if (delta != DeltaMode::kOff && delivery == plan::Delivery::kSharded && !req.delta().empty())
+    return absl::InvalidArgumentError(
+        absl::StrCat("delta ", DeltaModeName(delta), " with sharded delivery: deltas go with broadcast delivery only"));
   if (const uint64_t v = req.version(); v != 0) {
     // Join a sync of the same version (queued, running, or done): one sync for all ranks.
     for (auto& [sid, rec] : syncs_) {
@@ -106,6 +113,7 @@ absl::Status SyncCoordinator::TriggerSync(const v1::TriggerSyncRequest& req, v1:
   SyncRecord rec;
   rec.id = id;
   rec.delivery = delivery;
+  rec.delta = delivery == plan::Delivery::kSharded ? DeltaMode::kOff : delta;
   if (req.version() != 0) {
     rec.version = req.version();
     next_version_ = std::max(next_version_, rec.version + 1);
@@ -262,6 +270,7 @@ void SyncCoordinator::TakeMembers(Attempt& a) {
       a.status = q.status();
     }
   }
+  PlanDelta(a, rec.delta);
   for (auto& m : a.members) {
     v1::MemberState ms;
     ms.set_agent_id(m.id);
@@ -270,6 +279,36 @@ void SyncCoordinator::TakeMembers(Attempt& a) {
     rec.members.push_back(ms);
   }
   rec.expected_bytes = last_bytes_;
+}
+
+void SyncCoordinator::PlanDelta(Attempt& a, DeltaMode mode) {
+  a.plan.keep_delta_base = mode != DeltaMode::kOff && a.status.ok();
+  const uint64_t base = trainer_base_;
+  if (!a.plan.keep_delta_base || base == 0) return;
+  // An engine takes the delta only when each of its ranks' stagings holds the base.
+  std::set<std::string> off_base;
+  for (const Member& m : a.members)
+    if (m.staged_version != base) off_base.insert(m.engine_id);
+  if (off_base.empty()) {
+    a.plan.delta_base = base;
+    return;
+  }
+  std::set<std::string> engines;
+  for (const Member& m : a.members) engines.insert(m.engine_id);
+  if (mode == DeltaMode::kAuto || off_base.size() == engines.size()) {
+    WSYNC_LOG(INFO) << "sync " << a.id << " is sent in full: " << off_base.size() << " of " << engines.size()
+                    << " engines do not hold version " << base << " (" << absl::StrJoin(off_base, ", ") << ")";
+    return;
+  }
+  // kOn: the engines off the base sit out and copy the new version from a peer after the sync.
+  std::vector<Member> taking;
+  for (Member& m : a.members) {
+    if (!off_base.contains(m.engine_id)) taking.push_back(std::move(m));
+  }
+  a.members = std::move(taking);
+  for (const std::string& e : off_base)
+    a.sat_out.push_back(absl::StrCat(e, " (not on version ", base, ", the delta's base)"));
+  a.plan.delta_base = base;
 }
 
 SyncCoordinator::Attempt SyncCoordinator::PlanSync(uint64_t id) {
@@ -295,7 +334,7 @@ SyncCoordinator::Attempt SyncCoordinator::PlanSync(uint64_t id) {
   for (int p = 0; p < trainer_->num_stages(); ++p) plan.group_names.push_back(SyncGroupName(id, p));
   // Sharded delivery: agents grouped by the blocks their engine ranks keep; each agent joins its
   // group's stream of every stage, as rank 1 + its place in the group.
-  if (plan.delivery == plan::Delivery::kSharded) {
+  if (plan.delivery == plan::Delivery::kSharded || plan.keep_delta_base) {
     std::vector<engine_model::EngineParallel> ranks;
     for (const Member& m : a.members) {
       ranks.push_back(
@@ -310,6 +349,7 @@ SyncCoordinator::Attempt SyncCoordinator::PlanSync(uint64_t id) {
   a.reported.assign(a.members.size(), 0);
   WSYNC_LOG(INFO) << "sync " << id << " -> version " << plan.version << " with " << a.members.size() << " agents, "
                   << plan::DeliveryName(plan.delivery) << " delivery"
+                  << (plan.delta_base != 0 ? absl::StrCat(", deltas from version ", plan.delta_base) : "")
                   << (plan.delivery == plan::Delivery::kSharded
                           ? absl::StrCat(" to ", a.grouping.groups.size(), " receiver groups")
                           : "");
@@ -362,8 +402,9 @@ v1::BeginSyncRequest SyncCoordinator::BeginRequest(const Attempt& a, size_t i) c
     }
   }
   r.set_timeout_ms(absl::ToInt64Milliseconds(opts_.sync_timeout));
-  // A recording holds whole tensors: sharded syncs (blocks) are not recorded.
-  r.set_record(!sharded);
+  // A recording holds whole tensors: sharded syncs (blocks) and delta syncs are not recorded.
+  r.set_record(!sharded && plan.delta_base == 0);
+  r.set_delta_base(plan.delta_base);
   r.set_sync_key(absl::StrCat(run_id_, "-", a.id));
   r.set_bucket_mac_key(plan.bucket_mac_key);
   return r;
@@ -381,6 +422,8 @@ absl::Status SyncCoordinator::BeginPhase(Attempt& a) {
 absl::Status SyncCoordinator::TransferPhase(Attempt& a) {
   FailpointHit("coordinator.transfer");
   auto r = trainer_->RunSync(a.plan);
+  absl::MutexLock lock(&mu_);
+  trainer_base_ = r.ok() ? r->delta_held : 0;  // after a failure: unknown, the next sync in full
   if (!r.ok()) return r.status();
   a.report = *r;
   return absl::OkStatus();
@@ -495,12 +538,15 @@ std::vector<PhaseTime> SyncCoordinator::SyncTimings(const Attempt& a, double tot
 // An agent whose CommitSync answered this version serves it from now on: record it at once rather
 // than at its next heartbeat, so that a member joining meanwhile (a restarted engine) is told which
 // peers can give it the version.
+// Its staging holds the version too (the base of the next delta sync); a member that took the sync
+// and did not commit may hold anything there until its next heartbeat says.
 void SyncCoordinator::NoteCommittedMembers(const Attempt& a) {
   for (size_t i = 0; i < a.members.size() && i < a.committed.size(); ++i) {
-    if (a.committed[i].version() != a.plan.version && a.reported[i] != a.plan.version) continue;
     auto it = members_.find(a.members[i].id);
-    if (it != members_.end() && it->second.address == a.members[i].address)
-      it->second.version = std::max(it->second.version, a.plan.version);
+    if (it == members_.end() || it->second.address != a.members[i].address) continue;
+    const bool committed = a.committed[i].version() == a.plan.version || a.reported[i] == a.plan.version;
+    it->second.staged_version = committed ? a.plan.version : 0;
+    if (committed) it->second.version = std::max(it->second.version, a.plan.version);
   }
 }
 
@@ -530,6 +576,11 @@ void SyncCoordinator::FinishSync(Attempt& a) {
   rec.phases = std::move(all);
   rec.finished = true;
   rec.bytes = a.report.bytes;
+  rec.delta_figures.set_delta_base(a.plan.delta_base);
+  rec.delta_figures.set_tensor_bytes(a.report.tensor_bytes);
+  rec.delta_figures.set_sent_bytes(a.report.sent_bytes);
+  rec.delta_figures.set_delta_items(a.report.delta_items);
+  rec.delta_figures.set_changed_items(a.report.changed_items);
   const std::vector<std::string> behind = BehindAfter(a);
   std::string outcome = "failed";
   if (a.status.ok()) outcome = behind.empty() ? "done" : "partial";

@@ -21,6 +21,7 @@
 
 namespace wsync::trainer_agent {
 
+using coordinator_internal::CopyDeltaFigures;
 using coordinator_internal::kKeptTimings;
 using coordinator_internal::kKeptVersions;
 
@@ -135,6 +136,7 @@ absl::Status SyncCoordinator::LoadState() {
     rec.version = t.version();
     rec.finished = true;
     rec.phase = "done";
+    CopyDeltaFigures(t, &rec.delta_figures);
     if (!t.delivery().empty()) {
       auto d = plan::ParseDelivery(t.delivery());
       if (d.ok()) rec.delivery = *d;
@@ -206,6 +208,7 @@ absl::Status SyncCoordinator::SaveState() {
     t->set_version(done[i]->version);
     t->set_sync_id(done[i]->id);
     t->set_delivery(std::string(plan::DeliveryName(done[i]->delivery)));
+    CopyDeltaFigures(done[i]->delta_figures, t);
     for (const PhaseTime& p : done[i]->phases) {
       v1::PhaseTiming* pt = t->add_phases();
       pt->set_phase(p.phase);

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "comm/bucket/bucket_format.h"
+#include "common/failpoint.h"
 #include "common/status.h"
 #include "kernels/checksum.h"
 #include "kernels/delta.h"
@@ -68,6 +69,8 @@ absl::Status DeltaSink::Rewrite(v1::BucketEntry& e, const uint8_t* bytes, uint8_
     const std::span<const uint8_t> base(it->second), next(bytes, n);
     ASSIGN_OR_RETURN(const kernels::DeltaPlan plan, kernels::PlanDelta(base, next, item));
     RETURN_IF_ERROR(kernels::WriteDelta(plan, base, next, {out + cursor, plan.payload_bytes}));
+    // System tests: a delta that does not turn the base into the sums' version (a sender's bug).
+    if (plan.payload_bytes > 0 && FailpointHit("delta.corrupt")) out[cursor + plan.payload_bytes - 1] ^= 1;
     v1::EntryDelta* d = e.mutable_delta();
     d->set_encoding(static_cast<uint32_t>(plan.encoding));
     d->set_changed_items(plan.changed_items);
