@@ -8,13 +8,14 @@ model's on the way) or, with --megatron-init SEED, from megatron-core's own seed
 (megatron_forward.seeded_weights: no weight from wsync; --init then only gives the config), and
 creates a wsync.megatron.MegatronPublisher. Then, for steps 0..--steps: step 0 publishes the initial
 weights, every later step first takes a real optimizer step (forward and backward on random tokens,
-SGD; with --pp > 1, a deterministic in-place scaling of every weight, megatron's pipeline schedule
+SGD, or Adam at an RL learning rate with --adam LR; with --pp > 1, a deterministic in-place scaling of every weight, megatron's pipeline schedule
 being out of this script's scope). After each sync every rank dumps its weights as a source
 directory (--out/step{k}/megatron), rank 0 converts it to HF with `wsync-shard --to-hf` (the trainer
 agents' own gather and conversion) and checks two things:
 
 - the engines hold exactly that conversion (`wsyncctl verify`, bit for bit: the sync's transport,
-  quantization and repack), which alone would prove nothing about the conversion itself;
+  quantization and repack; and `verify --independent`, the reference decoder; the sync's delta figures
+  are printed, `wsyncctl timings`), which alone would prove nothing about the conversion itself;
 - that conversion is the Megatron model: transformers' logits on it (AutoModelForCausalLM, float32)
   equal megatron-core's own float32 forward of the step's weights (a float32 copy of the model,
   every rank taking part) within megatron_logits.TOLERANCE of the logits' scale.
@@ -52,6 +53,8 @@ def main():
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--megatron-init", type=int, default=None, metavar="SEED",
                     help="megatron-core's own seeded initialisation instead of --init's rank files")
+    ap.add_argument("--adam", type=float, default=None, metavar="LR",
+                    help="Adam at this learning rate instead of SGD at 0.05 (e.g. 3e-6, an RL rate)")
     a = ap.parse_args()
     rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank, world_size=world)
@@ -81,7 +84,8 @@ def main():
     while start and not os.path.exists(start):
         time.sleep(0.1)
 
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = (torch.optim.Adam(model.parameters(), lr=a.adam) if a.adam is not None
+           else torch.optim.SGD(model.parameters(), lr=0.05))
     gen = torch.Generator().manual_seed(1234)  # the same tokens on every rank
     seq = 32
     ctl = [os.path.join(os.environ["WSYNC_BIN"], "wsyncctl"), "--coordinator",
@@ -126,8 +130,13 @@ def main():
             subprocess.run([os.path.join(os.environ["WSYNC_BIN"], "wsync-shard"), "--src", str(src), "--to-hf",
                             str(hf)], check=True, stdout=subprocess.DEVNULL)
             subprocess.run(ctl + ["verify", "--against", str(hf)], check=True)
+            subprocess.run(ctl + ["verify", "--against", str(hf), "--independent"], check=True)
             print(f"   version {version}: every engine bit-exact with the HF conversion of the step {step} rank files",
                   flush=True)
+            timings = subprocess.run(ctl + ["timings", str(version)], check=True, capture_output=True, text=True)
+            for line in timings.stdout.splitlines():
+                if line.startswith(("deltas from", "in full")):
+                    print(f"   version {version}: {line}", flush=True)
         weights = dict(local_tensors(model))
         with torch.no_grad():
             for n, t32 in local_tensors(twin):

@@ -1,8 +1,9 @@
 """wsync.megatron with real megatron-core on CPU, and the Megatron -> HF conversion proved against it.
 
 - test_megatron_steps_sync_bit_exact_and_keep_logits (megatron_train.py): a GPTModel trained for a
-  few steps under mpirun, TP 2 dense (megatron's own init) and EP 2 MoE (INT4 experts), a sync after
-  every step; after each, every engine bit-exact with the HF conversion (wsync-shard --to-hf, the
+  few steps under mpirun, TP 2 dense (megatron's own init) and EP 2 MoE (INT4 experts; Adam at an RL
+  learning rate, every step after the first synced as deltas), a sync after every step; after each,
+  every engine bit-exact (wsyncctl verify and the independent reference) with the HF conversion (wsync-shard --to-hf, the
   trainer agents' gather and conversion) of that step's rank files, and that conversion computing
   the Megatron model's logits (megatron_logits.py); and PP 2, whose steps change the weights in place
   (no pipeline schedule).
@@ -128,8 +129,10 @@ def _free_port():
 @pytest.mark.parametrize("case, gen, shard, train", [
     # weights from megatron's own seeded init (the HF checkpoint and its shards give the config only)
     ("dense_tp2", ["--arch", "qwen3", "--preset", "tiny"], ["--tp", "2"], ["--tp", "2", "--megatron-init", "5"]),
-    # weights from wsync-shard's rank files of a random HF checkpoint (FromHf, names checked on load)
-    ("moe_ep2_int4", ["--from-config", "default"], ["--tp", "1", "--ep", "2", "--dp", "2"], ["--ep", "2"]),
+    # weights from wsync-shard's rank files of a random HF checkpoint (FromHf, names checked on load);
+    # Adam at an RL learning rate, every step after the first synced as deltas (--delta auto)
+    ("moe_ep2_int4", ["--from-config", "default"], ["--tp", "1", "--ep", "2", "--dp", "2"],
+     ["--ep", "2", "--adam", "3e-6"]),
     ("dense_pp2", ["--arch", "qwen3", "--preset", "tiny"], ["--pp", "2"], ["--pp", "2"]),
 ])
 def test_megatron_steps_sync_bit_exact_and_keep_logits(tmp_path, case, gen, shard, train):
@@ -141,8 +144,9 @@ def test_megatron_steps_sync_bit_exact_and_keep_logits(tmp_path, case, gen, shar
     script = pathlib.Path(__file__).with_name("megatron_train.py")
     cmd = (f"{MEGATRON_PYTHON} {script} --hf-config {tmp_path}/hf/config.json --init {tmp_path}/init "
            f"--out {tmp_path}/steps {' '.join(train)} --steps 2 --first-version 30 --port {port}")
+    delta = ["--delta", "auto"] if "--adam" in train else []
     out = subprocess.run([ROOT / "tools" / "wsync-local", "--source", tmp_path / "init", "--rollout-engines", "1",
-                          "--engine-tp", "2", "--workdir", tmp_path / "run", "--trainer", cmd],
+                          "--engine-tp", "2", "--workdir", tmp_path / "run", *delta, "--trainer", cmd],
                          env=dict(os.environ, WSYNC_BIN=str(BIN)), capture_output=True, text=True, timeout=600)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-5000:]
@@ -155,6 +159,12 @@ def test_megatron_steps_sync_bit_exact_and_keep_logits(tmp_path, case, gen, shar
         m = re.search(rf"version {v}: the conversion computes the Megatron model's logits: .*\(rel ([0-9.e+-]+), "
                       rf".*\): ok", text)
         assert m and float(m.group(1)) <= TOLERANCE, text[-5000:]
+    if delta:  # the first version in full, the next ones as deltas from the one before, a few % of the bytes
+        assert "version 30: in full (delta base kept)" in text, text[-5000:]
+        for v in (31, 32):
+            m = re.search(rf"version {v}: deltas from version {v - 1}: .* \(([0-9.]+) %\)", text)
+            assert m and float(m.group(1)) < 50, text[-5000:]
+        print("\n".join(line for line in text.splitlines() if "deltas from" in line))
     if "--pp" in train:  # pipeline stages: the weights are changed in place (megatron_train.py)
         assert text.count("weights scaled") == 2, text[-5000:]
         return
