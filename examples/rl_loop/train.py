@@ -102,6 +102,18 @@ class Learner:
         dist.destroy_process_group()
 
 
+def sent(ctl, version):
+    """What the sync of `version` sent, from `wsyncctl timings` ("" unless the trainer agents keep a
+    delta base: wsync-local --delta auto|on)."""
+    r = subprocess.run(ctl + ["--json", "timings", str(version)], capture_output=True, text=True)
+    d = json.loads(r.stdout).get("delta") if r.returncode == 0 else None
+    if not d:
+        return ""
+    how = f"deltas from version {d['base']}" if d["base"] else "in full"
+    return (f" ({how}: {d['sent_bytes'] / 2**20:.2f} of {d['tensor_bytes'] / 2**20:.2f} MiB, "
+            f"{100 * d['sent_bytes'] / d['tensor_bytes']:.2f} %)")
+
+
 def step_line(step, batch, reward, loss, version, took):
     per = {}
     for e, _, _, v in batch:
@@ -152,7 +164,7 @@ def main():
         version, took = learner.publish(step + 1)
         if rank == 0:
             history.append(reward)
-            print(step_line(step, batch[0], reward, loss, version, took), flush=True)
+            print(step_line(step, batch[0], reward, loss, version, took) + sent(ctl, version), flush=True)
     if rank == 0:
         print("mean reward by step: " + " ".join(f"{r:.3f}" for r in history), flush=True)
     learner.close()

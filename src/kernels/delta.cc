@@ -218,6 +218,10 @@ absl::string_view DeltaEncodingName(DeltaEncoding e) {
   return "unknown";
 }
 
+uint64_t ScatteredDeltaBytes(uint64_t items, uint32_t item_bytes, uint64_t changed) {
+  return std::min(items * item_bytes, kCountBytes + std::min(changed, items) * (IndexBytes(items) + item_bytes));
+}
+
 absl::StatusOr<DeltaPlan> PlanDelta(std::span<const uint8_t> base, std::span<const uint8_t> next, uint32_t item_bytes) {
   if (base.size() != next.size())
     return absl::InvalidArgumentError(absl::StrCat("delta: a base of ", base.size(), " bytes for ", next.size()));

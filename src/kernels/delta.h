@@ -47,6 +47,11 @@ struct DeltaPlan {
 // sizes that differ or are not whole items, or another item size.
 absl::StatusOr<DeltaPlan> PlanDelta(std::span<const uint8_t> base, std::span<const uint8_t> next, uint32_t item_bytes);
 
+// The payload PlanDelta would choose at most for `changed` of `items` items changed far apart (a
+// uniformly random change, no two neighbours): the index list, or the dense bytes when smaller.
+// What wsync-plan --changed-fraction projects per tensor.
+uint64_t ScatteredDeltaBytes(uint64_t items, uint32_t item_bytes, uint64_t changed);
+
 // Writes plan's payload for base -> next into out (exactly plan.payload_bytes). kInvalidArgument
 // when out's size or the tensors are not those the plan was made from.
 absl::Status WriteDelta(const DeltaPlan& plan, std::span<const uint8_t> base, std::span<const uint8_t> next,

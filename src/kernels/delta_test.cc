@@ -138,6 +138,25 @@ TEST(Delta, TheEncodingFollowsTheDensity) {
   EXPECT_EQ(plan->payload_bytes, 8u + 8u + 2000u);
 }
 
+// ScatteredDeltaBytes (the planner's estimate) is the reference's index list or dense payload,
+// whichever is smaller, and never less than what PlanDelta chooses.
+TEST(Delta, TheScatteredEstimateIsTheIndexListOrDenseBytes) {
+  std::mt19937_64 rng(11);
+  for (uint32_t item : {1u, 2u, 4u, 8u}) {
+    const Bytes base = Random(rng, 4096 * item + item);
+    for (double p : {0.0, 0.001, 0.01, 0.1, 0.5, 1.0}) {
+      const Bytes next = Change(rng, base, item, p);
+      const Reference r = Encode(base, next, item);
+      const uint64_t est = ScatteredDeltaBytes(next.size() / item, item, r.changed);
+      EXPECT_EQ(est, std::min(r.dense.size(), r.indices.size())) << "item " << item << ", p " << p;
+      auto plan = PlanDelta(base, next, item);
+      ASSERT_TRUE(plan.ok());
+      EXPECT_LE(plan->payload_bytes, est) << "item " << item << ", p " << p;
+    }
+  }
+  EXPECT_EQ(ScatteredDeltaBytes(100, 2, 1000), 200u) << "more changed than there are items: dense";
+}
+
 TEST(Delta, Edges) {
   std::mt19937_64 rng(11);
   const Bytes base = Random(rng, 4 * 257);

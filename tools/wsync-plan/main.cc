@@ -5,7 +5,7 @@
 //              --trainer-gpus W --trainer-tp T --trainer-pp P --trainer-ep E [--trainer-etp TP]
 //              --engines N --engine-tp T --engine-ep E
 //              [--nic-gbps 400] [--nvlink-gbps N] [--bucket-mib 512] [--rates h200|h200-device|local|FILE]
-//              [--cores C] [--json]
+//              [--cores C] [--changed-fraction F] [--json]
 //
 // The bytes come from the plan itself: the sent tensors (every HF tensor an engine of TP 1 loads,
 // INT4 triplets and FP8 pairs included), the stage of each (layers split evenly over the pipeline stages), the
@@ -22,12 +22,17 @@
 // and out are full duplex) and its own work, the pipeline adds one bucket per chain hop, and the
 // commit follows the transfer. With --cores C every process shares C cores (a single host): the
 // projection is then at least all the CPU work divided by C.
+// --changed-fraction F adds a delta sync (broadcast delivery, docs/sync.md "Delta sync"): F of every
+// sent tensor's items changed far apart, each tensor sent as kernels::ScatteredDeltaBytes of it (the
+// index list, or dense when smaller); the trainer still gathers and quantizes everything, the
+// receivers apply the deltas to what they keep (at the load rate) and repack it all (the commit).
 //
 // The physical limit is the largest number of bytes any one GPU must receive or send (an engine
 // rank's own share; a trainer GPU's share of the unique bytes) over its NIC rate. Exit codes: 0,
 // 1 refused (the message says why), 2 bad command line.
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <optional>
@@ -43,6 +48,7 @@
 #include "common/status.h"
 #include "common/tensor.h"
 #include "engine_model/engine_layout.h"
+#include "kernels/delta.h"
 #include "nlohmann/json.hpp"
 #include "plan/delivery_plan.h"
 #include "presets.h"
@@ -162,7 +168,15 @@ struct Setup {
   uint64_t bucket = 512ull << 20;
   int cores = 0;
   Rates rates;
+  double changed = -1;  // --changed-fraction (< 0: none)
 };
+
+// The bytes a delta sync sends for `t` (Setup::changed of its items changed far apart).
+uint64_t DeltaBytes(const Sent& t, double changed) {
+  const auto item = static_cast<uint32_t>(ItemSize(t.dtype));
+  const uint64_t items = t.bytes / item;
+  return kernels::ScatteredDeltaBytes(items, item, static_cast<uint64_t>(std::ceil(changed * items)));
+}
 
 absl::StatusOr<std::vector<Sent>> SentTensors(const Setup& s) {
   ASSIGN_OR_RETURN(EngineLayout whole, EngineLayout::Create(s.config, s.quant, {1, 0, 1}));
@@ -193,20 +207,23 @@ absl::StatusOr<std::vector<Sent>> SentTensors(const Setup& s) {
 }
 
 // `shard`: the plan over the engine's TP ranks (one receiver group per rank; replicas share it).
+// `delta`: broadcast delivery of a delta sync (Setup::changed).
 absl::StatusOr<Projection> Project(const Setup& s, const std::vector<Sent>& sent, const plan::ShardPlan& shard,
-                                   bool sharded) {
+                                   bool sharded, bool delta = false) {
   Projection p;
-  p.mode = sharded ? "sharded" : "broadcast";
+  p.mode = sharded ? "sharded" : delta ? "delta" : "broadcast";
   const auto& L = s.trainer;
   const int ep = L.ep();
   const int64_t per_ep = ep > 0 && L.num_experts() > 0 ? L.num_experts() / ep : 1;
   auto trainer = [](int r) { return absl::StrFormat("trainer %05d", r); };
   const size_t groups = static_cast<size_t>(shard.num_groups());
   std::vector<uint64_t> group_in(groups, 0), keep(groups, 0);
-  uint64_t total = 0;
+  uint64_t total = 0, wire = 0;  // all the bytes sent; those on the wire (a delta's)
   std::vector<std::vector<uint64_t>> dense_load(static_cast<size_t>(L.pp()), std::vector<uint64_t>(L.tp(), 0));
   for (const Sent& t : sent) {
     total += t.bytes;
+    const uint64_t out = delta ? DeltaBytes(t, s.changed) : t.bytes;
+    wire += out;
     const int source = L.StageSourceRank(t.stage);
     // Who builds (and quantizes) it.
     int sender = source;
@@ -236,7 +253,7 @@ absl::StatusOr<Projection> Project(const Setup& s, const std::vector<Sent>& sent
     b.built += t.bytes;
     if (t.expert < 0 && L.tp() > 1) b.nvlink += t.bytes * static_cast<uint64_t>(L.tp() - 1) / L.tp();
     if (!sharded) {
-      b.out += t.bytes;
+      b.out += out;
       if (t.expert >= 0 && ep > 1) {  // the EP all-gather brings every expert to the source's EP group
         for (int m : L.EpGroup(source)) {
           p.gpus[trainer(m)].in += t.bytes;
@@ -256,7 +273,7 @@ absl::StatusOr<Projection> Project(const Setup& s, const std::vector<Sent>& sent
   for (int e = 0; e < replicas; ++e) {
     for (int r = 0; r < s.engine.tp_size; ++r) {
       Load& l = p.gpus[absl::StrFormat("engine %04d rank %02d", e, r)];
-      l.in = sharded ? group_in[static_cast<size_t>(r)] : total;
+      l.in = sharded ? group_in[static_cast<size_t>(r)] : wire;
       const bool last = sharded ? e == replicas - 1 : (e == replicas - 1 && r == s.engine.tp_size - 1);
       l.out = last ? 0 : l.in;
       l.kept = keep[static_cast<size_t>(r)];  // broadcast receives more than that
@@ -265,13 +282,14 @@ absl::StatusOr<Projection> Project(const Setup& s, const std::vector<Sent>& sent
   // Times.
   const Rates& R = s.rates;
   auto t = [](uint64_t bytes, double gbps) { return gbps > 0 ? static_cast<double>(bytes) / (gbps * kGB) : 0.0; };
-  uint64_t limit_bytes = (total + static_cast<uint64_t>(L.world_size()) - 1) / static_cast<uint64_t>(L.world_size());
+  uint64_t limit_bytes = (wire + static_cast<uint64_t>(L.world_size()) - 1) / static_cast<uint64_t>(L.world_size());
   double cpu = 0;
   for (auto& [name, l] : p.gpus) {
     const double link = t(std::max(l.in, l.out), s.nic);
     const bool engine = absl::StartsWith(name, "engine");
+    // A delta is applied to the kept block (read back, checked, written): load work on all of it.
     const double work =
-        engine ? t(l.in, R.load)
+        engine ? t(delta ? l.kept : l.in, R.load)
                : t(l.quantized, R.quantize) + t(l.built, R.stage) + t(l.cut, R.cut) + t(l.nvlink, R.nvlink);
     if (std::max(link, work) > std::max(p.link, p.work) || p.busiest.empty()) {
       p.busiest = absl::StrFormat("%s (in %.2f GB, out %.2f GB; %s)", name, l.in / kGB, l.out / kGB,
@@ -280,10 +298,10 @@ absl::StatusOr<Projection> Project(const Setup& s, const std::vector<Sent>& sent
     p.link = std::max(p.link, link);
     p.work = std::max(p.work, work);
     p.commit = std::max(p.commit, engine ? t(l.kept, R.commit) : 0.0);
-    if (engine) limit_bytes = std::max(limit_bytes, l.kept);
+    if (engine) limit_bytes = std::max(limit_bytes, delta ? l.in : l.kept);
     // Single host: every byte moved costs both ends, every byte built and quantized costs a core.
     cpu += t(l.out, R.hop) + t(l.built, R.build) + t(l.quantized, R.quantize) + t(l.cut, R.cut) +
-           (engine ? t(l.in, R.load) + t(l.kept, R.commit) : 0.0);
+           (engine ? t(delta ? l.kept : l.in, R.load) + t(l.kept, R.commit) : 0.0);
   }
   // The first bucket crosses every hop of the longest chain before the last receiver has it.
   uint64_t biggest_out = 0;
@@ -307,6 +325,7 @@ int Main(int argc, char** argv) {
   int engine_tp = 2;
   double nic_gbps = 400, nvlink_gbps = 0;
   int bucket_mib = 512, cores = 0;
+  double changed = -1;
   bool as_json = false;
   app.add_option("--config", config_arg, "HF config.json, or a preset: kimi-k2, default (the demo model)")
       ->capture_default_str();
@@ -330,6 +349,10 @@ int Main(int argc, char** argv) {
   app.add_option("--rates", rates_arg, "Per-phase rates: h200, h200-device, local, or a JSON file of GB/s")
       ->capture_default_str();
   app.add_option("--cores", cores, "Everything on one host of this many cores (CPU-bound model); 0: a cluster");
+  app.add_option("--changed-fraction", changed,
+                 "Also project a delta sync (broadcast) where this fraction of every tensor's items changed since "
+                 "the version the engines hold (docs/sync.md \"Delta sync\")")
+      ->check(CLI::Range(0.0, 1.0));
   app.add_flag("--json", as_json, "JSON output");
   CLI11_PARSE(app, argc, argv);
 
@@ -379,7 +402,8 @@ int Main(int argc, char** argv) {
           nic_gbps / 8,
           static_cast<uint64_t>(bucket_mib) << 20,
           cores,
-          *rates};
+          *rates,
+          changed};
   auto sent = SentTensors(s);
   if (!sent.ok()) return fail(sent.status());
   std::vector<EngineParallel> groups;
@@ -392,6 +416,11 @@ int Main(int argc, char** argv) {
     if (!p.ok()) return fail(p.status());
     out.push_back(std::move(*p));
   }
+  if (changed >= 0) {
+    auto p = Project(s, *sent, *shard, false, true);
+    if (!p.ok()) return fail(p.status());
+    out.push_back(std::move(*p));
+  }
   uint64_t total = 0, experts = 0;
   for (const Sent& t : *sent) {
     total += t.bytes;
@@ -399,6 +428,7 @@ int Main(int argc, char** argv) {
   }
   if (as_json) {
     json j = {{"model", config_arg}, {"sent_bytes", total}, {"expert_bytes", experts}, {"rates", rates->source}};
+    if (changed >= 0) j["changed_fraction"] = changed;
     for (const Projection& p : out) {
       json gpus = json::object();
       for (const auto& [name, l] : p.gpus)
@@ -415,10 +445,13 @@ int Main(int argc, char** argv) {
   std::printf("# trainer: %s; engines: %d x TP %d / EP %d; NIC %.0f Gb/s per GPU; rates: %s%s\n",
               layout->DebugString().c_str(), engines, engine_tp, etp_engine, nic_gbps, rates->source.c_str(),
               cores > 0 ? absl::StrFormat("; one host of %d cores", cores).c_str() : "");
-  std::printf("%-34s %14s %14s\n", "", "broadcast", "sharded");
   auto row = [&](const char* what, auto fn) {
-    std::printf("%-34s %14s %14s\n", what, fn(out[0]).c_str(), fn(out[1]).c_str());
+    std::printf("%-34s", what);
+    for (const Projection& p : out) std::printf(" %14s", fn(p).c_str());
+    std::printf("\n");
   };
+  row("",
+      [&](const Projection& p) { return p.mode == "delta" ? absl::StrFormat("delta %g%%", 100 * changed) : p.mode; });
   auto max_of = [](const Projection& p, const char* prefix, uint64_t Load::*f) {
     uint64_t m = 0;
     for (const auto& [name, l] : p.gpus)
