@@ -186,6 +186,14 @@ absl::Status Loader::LoadDelta(absl::string_view hf_name, DType dtype, std::span
     return unclaim(absl::DataLossError(absl::StrFormat(
         "%s: the staging does not hold the delta's base (Sum64 of the kept block %016x, the base's %016x)", hf_name,
         got, delta.base_sum)));
+  // An unchanged tensor (a delta of no item: a zero count): the staging holds the new version already.
+  if (delta.encoding != kernels::DeltaEncoding::kDense && payload.size() == sizeof(uint64_t) &&
+      std::all_of(payload.begin(), payload.end(), [](uint8_t b) { return b == 0; })) {
+    if (delta.sum == delta.base_sum) return absl::OkStatus();
+    return unclaim(absl::DataLossError(
+        absl::StrFormat("%s: an empty delta, and the new version's Sum64 %016x is not the base's %016x", hf_name,
+                        delta.sum, delta.base_sum)));
+  }
   const MatrixDims whole = MatrixOf(s.shape);
   const kernels::DeltaBlock kept{static_cast<uint64_t>(whole.rows), static_cast<uint64_t>(whole.cols),
                                  static_cast<uint64_t>(s.src_row0), static_cast<uint64_t>(s.rows),

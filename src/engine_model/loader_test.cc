@@ -5,6 +5,7 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/checksum.h"
 #include "common/config.h"
@@ -339,8 +340,9 @@ SentDelta MakeDelta(const EngineLayout& layout, const std::string& name, const T
   return d;
 }
 
-// A delta sync into a staging that holds the base (every changed tensor sent as its delta, the
-// others not at all) leaves it as a full load of the new version does: an INT4 MoE engine (its
+// A delta sync into a staging that holds the base (every tensor sent as its delta, an unchanged one
+// as an empty delta) leaves it as a full load of the new version does, every piece loaded; a piece
+// whose delta did not come counts as missing in a delta sync: an INT4 MoE engine (its
 // experts transposed into the GPTQ orientation) and a bf16 one with replicated KV heads, at
 // several engine ranks, sparse and dense changes.
 TEST(LoaderTest, ADeltaOntoItsBaseEqualsAFullLoadOfTheNewVersion) {
@@ -371,18 +373,25 @@ TEST(LoaderTest, ADeltaOntoItsBaseEqualsAFullLoadOfTheNewVersion) {
       ASSERT_TRUE(LoadAll(ld, *m).ok());
       (*delta)->ResetCoverage();  // the next sync: its pieces hold the base
       (*delta)->MarkAllRestored();
-      int sent = 0;
+      int changed = 0;
       for (const std::string& name : m->order) {
         const Tensor& b = m->sent.at(name);
         const Tensor& n = next.sent.at(name);
-        if (std::memcmp(b.view().bytes().data(), n.view().bytes().data(), b.nbytes()) == 0) continue;
+        if (absl::EndsWith(name, ".weight_shape")) {  // sent whole
+          ASSERT_TRUE(ld.Load(name, n.view()).ok()) << name;
+          continue;
+        }
+        changed += std::memcmp(b.view().bytes().data(), n.view().bytes().data(), b.nbytes()) != 0;
         const SentDelta d = MakeDelta(*layout, name, b, n);
         const absl::Status st = ld.LoadDelta(name, n.dtype(), n.shape(), d.ref, d.payload);
         ASSERT_TRUE(st.ok()) << name << ": " << st;
-        ++sent;
+        if (name == m->order.front()) {
+          EXPECT_TRUE(ld.CheckComplete().ok());
+          EXPECT_FALSE(ld.CheckComplete(/*loaded_only=*/true).ok()) << "only one delta came yet";
+        }
       }
-      EXPECT_GT(sent, 10);
-      EXPECT_TRUE(ld.CheckComplete().ok());
+      EXPECT_GT(changed, 10);
+      EXPECT_TRUE(ld.CheckComplete(/*loaded_only=*/true).ok()) << ld.CheckComplete(true);
       EXPECT_EQ(StagingChecksum(**delta), StagingChecksum(**full));
     }
   }
@@ -433,6 +442,13 @@ TEST(LoaderTest, ADeltaNotOnItsBaseOrNotGivingTheNewVersionChangesNothing) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(loader.LoadDelta(name, n.dtype(), ws.shape(), good.ref, good.payload).code(),
             absl::StatusCode::kInvalidArgument);
+  // An empty delta (no item changed) whose new version's sum is not the base's.
+  SentDelta empty = MakeDelta(*layout, name, m->sent.at(name), m->sent.at(name));
+  ASSERT_EQ(empty.payload.size(), 8u);
+  empty.ref.sum ^= 1;
+  st = loader.LoadDelta(name, n.dtype(), n.shape(), empty.ref, empty.payload);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_THAT(st.message(), HasSubstr("an empty delta"));
   EXPECT_EQ(StagingChecksum(**staging), before) << "a refused delta changed the staging";
   // The piece still holds its base: the right delta applies, once.
   ASSERT_TRUE(loader.LoadDelta(name, n.dtype(), n.shape(), good.ref, good.payload).ok());

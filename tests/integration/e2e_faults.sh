@@ -11,14 +11,16 @@
 # After each: the sync failed within timeout + 10 s with an error naming engine-1; engine 0 kept
 # answering, on one version (every reply names its version); a stopped process is continued; the
 # faulty process is restarted clean (on a new port) and found again, and the next sync publishes a
-# version bit-exact on both engines. Trainer-rank and coordinator faults: e2e.trainer_faults,
-# e2e.restart, e2e.hang.
+# version bit-exact on both engines. Deltas on (--delta auto): every sync whose engines hold the
+# trainer's base goes as deltas, the others in full (docs/sync.md "Delta sync"); the same checks hold.
+# Trainer-rank and coordinator faults: e2e.trainer_faults, e2e.restart, e2e.hang (full syncs, unless
+# WSYNC_E2E_DELTA=auto|on).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
 e2e_start e2e_faults
 e2e_cleanup_extra() { for p in "${pids[@]}"; do kill -CONT "$p" 2>/dev/null || true; done; }
 timeout_s=5
-e2e_trainer 5 -- --sync-timeout "$timeout_s"
+e2e_trainer 5 -- --sync-timeout "$timeout_s" --delta auto
 registrations() { grep -c 'registered engine "engine-1"' "$work/logs/agent-1.log" 2>/dev/null || true; }
 ready() {  # ready N: agent 1 has registered engine 1 more than N times, and is a member at its address
   local addr

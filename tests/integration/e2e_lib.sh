@@ -8,8 +8,9 @@
 #   e2e_trainer SEED [MPIRUN FLAGS] -- [AGENT FLAGS]
 #                         the default model of SEED as $work/hf, sharded TP2 x EP2 x DP2 into
 #                         $work/megatron, 4 trainer agents under mpirun on it (logs/trainer.log; extra
-#                         mpirun flags before --, agent flags after), waits for the coordinator; sets
-#                         coord (its address) and ctl (wsyncctl with the token)
+#                         mpirun flags before --, agent flags after; --delta $WSYNC_E2E_DELTA when
+#                         set), waits for the coordinator; sets coord (its address) and ctl (wsyncctl
+#                         with the token)
 #   e2e_fixed_port        a free port below the ephemeral range (ip_local_port_range), for a server
 #                         restarted on the same port: no bind(0) or outgoing connection of another
 #                         process (mpirun's own TCP ports) can take it between starts
@@ -101,7 +102,8 @@ e2e_trainer() {
   "$bin/wsync-model-gen" --from-config default --seed "$seed" --out "$work/hf" > /dev/null
   "$bin/wsync-shard" --hf "$work/hf" --out "$work/megatron" --tp 2 --ep 2 --dp 2 > /dev/null
   mpirun --allow-run-as-root --oversubscribe -np 4 "${mpi[@]}" "$bin/wsync-trainer-agent" --source "dir:$work/megatron" \
-    --coordinator 127.0.0.1:0 --address-file "$work/coordinator" --token-file "$token" --state-dir "$work/state" "${agent[@]}" \
+    --coordinator 127.0.0.1:0 --address-file "$work/coordinator" --token-file "$token" --state-dir "$work/state" \
+    ${WSYNC_E2E_DELTA:+--delta "$WSYNC_E2E_DELTA"} "${agent[@]}" \
     > "$work/logs/trainer.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 300); do [ -s "$work/coordinator" ] && break; sleep 0.1; done

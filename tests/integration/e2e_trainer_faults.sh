@@ -37,7 +37,8 @@ ctl=("$bin/wsyncctl" --coordinator "$coord" --token-file "$token")
 start_trainer() {  # start_trainer N [FAILPOINTS]: the trainer job (log N)
   WSYNC_FAILPOINTS="${2:-}" mpirun --allow-run-as-root --oversubscribe -np 4 -x WSYNC_FAILPOINTS \
     "$bin/wsync-trainer-agent" --source "dir:$work/megatron" --coordinator "$coord" --state-dir "$work/state" \
-    --sync-timeout "$timeout_s" --token-file "$token" > "$work/logs/trainer-$1.log" 2>&1 &
+    --sync-timeout "$timeout_s" --delta "${WSYNC_E2E_DELTA:-off}" --token-file "$token" \
+    > "$work/logs/trainer-$1.log" 2>&1 &
   trainer_pid=$!
   pids+=($trainer_pid)
 }

@@ -130,8 +130,13 @@ absl::Status LoadBucket(const v1::BucketManifest& m, const Buffer& data, engine_
                                                    e.total_nbytes(), "); this agent loads whole tensors only"));
     }
   }
+  // The work is the bytes written: a delta entry's whole tensor (its block is read back, checked,
+  // patched and loaded), however small its payload.
+  uint64_t written = m.nbytes();
+  for (const v1::BucketEntry& e : m.entries())
+    if (e.has_delta()) written += e.total_nbytes();
   threads = std::clamp(threads, 1, std::max(n, 1));
-  if (m.nbytes() < (uint64_t{1} << 20)) threads = 1;  // not worth a thread
+  if (written < (uint64_t{1} << 20)) threads = 1;  // not worth a thread
   std::atomic<int> next{0};
   std::atomic<bool> failed{false};
   absl::Mutex mu;

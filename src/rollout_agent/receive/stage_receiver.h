@@ -127,8 +127,9 @@ struct StageStats {
 };
 
 // Loads every entry of one received bucket (manifest validated by comm::ValidateManifest) into
-// staging, up to `threads` entries at once (one for buckets under 1 MiB); the first error, naming
-// the stage and bucket. What ReceiveStage does per bucket; public for tests of other senders.
+// staging, up to `threads` entries at once (one for buckets under 1 MiB of work: a delta entry counts its whole
+// tensor); the first error, naming the stage and bucket. What ReceiveStage does per bucket; public for tests of other
+// senders.
 absl::Status LoadBucket(const v1::BucketManifest& m, const Buffer& data, engine_model::Loader& loader, int threads);
 
 // See the file comment. Returns the stage's first error; on error the group is aborted.

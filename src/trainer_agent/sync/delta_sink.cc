@@ -17,12 +17,16 @@ namespace {
 using engine_model::EngineLayout;
 using engine_model::HfSource;
 
-// Sum64 of the dense bytes of `k` in the row-major [.., cols] matrix at `t` (item bytes each),
-// through `scratch`.
+// Sum64 of the dense bytes of `k` in the row-major [.., cols] matrix at `t` (item bytes each): in
+// place when its rows are whole (contiguous), else through `scratch`.
 uint64_t BlockSum(const uint8_t* t, int64_t cols, size_t item, const engine_model::KeptBlock& k,
                   std::vector<uint8_t>& scratch) {
   if (k.empty()) return kernels::Sum64Host({});
   const size_t row = static_cast<size_t>(k.cols) * item;
+  if (k.col0 == 0 && k.cols == cols) {
+    const auto* first = reinterpret_cast<const std::byte*>(t) + static_cast<size_t>(k.row0) * row;
+    return kernels::Sum64Host({first, static_cast<size_t>(k.rows) * row});
+  }
   scratch.resize(static_cast<size_t>(k.rows) * row);
   for (int64_t r = 0; r < k.rows; ++r)
     std::memcpy(scratch.data() + static_cast<size_t>(r) * row,
@@ -42,6 +46,14 @@ DeltaSink::DeltaSink(comm::BucketSink& inner, DeltaBase& base, std::vector<const
       version_(version),
       delta_(base_version != 0 && base.version() == base_version) {
   base_.version_ = 0;  // being rewritten: a failed sync leaves no named base
+  // The base's block sums hold for these receivers' layouts only.
+  std::string key;
+  for (const EngineLayout* l : receivers_) {
+    const engine_model::EngineParallel& p = l->parallel();
+    absl::StrAppend(&key, p.tp_size, "/", p.tp_rank, "/", p.ep_size, "/", p.mtp_draft, "/", l->sources().size(), ";");
+  }
+  if (key != base_.sums_key_) base_.sums_.clear();
+  base_.sums_key_ = std::move(key);
 }
 
 absl::Status DeltaSink::Rewrite(v1::BucketEntry& e, const uint8_t* bytes, uint8_t* out, uint64_t& cursor) {
@@ -75,7 +87,12 @@ absl::Status DeltaSink::Rewrite(v1::BucketEntry& e, const uint8_t* bytes, uint8_
     d->set_encoding(static_cast<uint32_t>(plan.encoding));
     d->set_changed_items(plan.changed_items);
     const int64_t cols = MatrixOf(shape).cols;
-    for (const EngineLayout* l : receivers_) {
+    // The base's sums are the new ones of the sync that sent it (kept per tensor), else computed.
+    std::vector<uint64_t>& sums = base_.sums_[name];
+    const bool cached = sums.size() == receivers_.size();
+    sums.resize(receivers_.size());
+    for (size_t i = 0; i < receivers_.size(); ++i) {
+      const EngineLayout* l = receivers_[i];
       const int idx = l->FindSource(name);
       const engine_model::KeptBlock k =
           idx >= 0 ? engine_model::KeptBlockOf(l->sources()[static_cast<size_t>(idx)]) : engine_model::KeptBlock{};
@@ -84,8 +101,9 @@ absl::Status DeltaSink::Rewrite(v1::BucketEntry& e, const uint8_t* bytes, uint8_
       s->set_tp_rank(static_cast<uint32_t>(l->parallel().tp_rank));
       s->set_ep_size(static_cast<uint32_t>(l->parallel().ep_size));
       s->set_mtp_draft(l->parallel().mtp_draft);
-      s->set_base_sum64(BlockSum(base.data(), cols, item, k, scratch_));
+      s->set_base_sum64(cached ? sums[i] : BlockSum(base.data(), cols, item, k, scratch_));
       s->set_sum64(plan.changed_items == 0 ? s->base_sum64() : BlockSum(bytes, cols, item, k, scratch_));
+      sums[i] = s->sum64();
     }
     e.set_offset(cursor);
     e.set_nbytes(plan.payload_bytes);
@@ -99,6 +117,8 @@ absl::Status DeltaSink::Rewrite(v1::BucketEntry& e, const uint8_t* bytes, uint8_
     cursor += n;
   }
   stats_.sent_bytes += e.nbytes();
+  if (e.has_delta() && e.delta().changed_items() == 0) return absl::OkStatus();  // the base holds it
+  if (!e.has_delta()) base_.sums_.erase(name);  // sent whole: its block sums are not known
   // The new base of this tensor.
   std::vector<uint8_t>& kept = base_.tensors_[name];
   base_.bytes_ = base_.bytes_ - kept.size() + n;

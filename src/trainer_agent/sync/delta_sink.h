@@ -45,6 +45,10 @@ class DeltaBase {
  private:
   friend class DeltaSink;
   std::map<std::string, std::vector<uint8_t>, std::less<>> tensors_;
+  // Per tensor, the Sum64 of the block each receiver layout keeps of it (in receiver order), for
+  // the layouts named by sums_key_: the next delta's base sums, not computed again.
+  std::map<std::string, std::vector<uint64_t>, std::less<>> sums_;
+  std::string sums_key_;
   uint64_t version_ = 0;
   uint64_t bytes_ = 0;
 };
