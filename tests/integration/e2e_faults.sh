@@ -94,10 +94,15 @@ fault() {  # fault KIND PHASE ACTION: kind agent|engine, the failpoint point, ki
   fi
   ready "$n"
   v=$(e2e_sync_verified "after $kind $point@$action" 2)
-  echo "     restarted: version $v bit-exact on both engines"
+  echo "     restarted: version $v bit-exact on both engines ($(how "$v"))"
 }
+how() { "${ctl[@]}" timings "$1" | grep -oE "^(deltas from version [0-9]+|in full)" || echo "?"; }
 for action in kill stop; do
   for point in rollout.begin rollout.transfer rollout.prepare rollout.commit; do fault agent "$point" "$action"; done
   for point in engine.pause engine.continue; do fault engine "$point" "$action"; done
 done
+# With every engine on the trainer's base again, a sync goes as deltas.
+v=$(e2e_sync_verified "the last sync" 2)
+grep -q "^deltas from version" <<<"$(how "$v")" || fail "the last sync (version $v) went $(how "$v"), not as deltas"
+echo "e2e_faults: version $v $(how "$v"), bit-exact on both engines"
 echo "e2e_faults: ok"

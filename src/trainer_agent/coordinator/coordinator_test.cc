@@ -119,6 +119,12 @@ class FakeTrainer final : public TrainerSide {
     if (!fail_.ok()) return fail_;
     TrainerReport r;
     r.delta_held = plan.keep_delta_base ? plan.version : 0;  // as the stage sources' DeltaSinks
+    if (plan.keep_delta_base) {
+      r.tensor_bytes = 1000;
+      r.sent_bytes = plan.delta_base ? 40 : 1000;
+      r.delta_items = plan.delta_base ? 500 : 0;
+      r.changed_items = plan.delta_base ? 5 : 0;
+    }
     r.bytes = 1000;
     r.phases.push_back({"gather", 0.25, 1000});
     return r;
@@ -931,6 +937,8 @@ TEST_F(SyncCoordinatorTest, AnUnknownDeliveryIsRefused) {
 TEST_F(SyncCoordinatorTest, DeltasGoOnlyToStagingsThatHoldTheTrainersBase) {
   SyncCoordinatorOptions o;
   o.delta = DeltaMode::kAuto;
+  MetricsRegistry metrics;
+  o.metrics = &metrics;
   Make(o);
   const std::string a1 = Join("a:1", 0, 1, "e1"), a2 = Join("a:2", 0, 1, "e2");
   auto sync = [&](const std::string& delta = "") {
@@ -953,6 +961,11 @@ TEST_F(SyncCoordinatorTest, DeltasGoOnlyToStagingsThatHoldTheTrainersBase) {
   v1::TimingsReply timings;
   ASSERT_TRUE(coordinator_->Timings({}, &timings).ok());
   EXPECT_EQ(timings.delta_base(), 1u);
+  EXPECT_EQ(timings.sent_bytes(), 40u);
+  EXPECT_EQ(timings.tensor_bytes(), 1000u);
+  EXPECT_EQ(timings.changed_items(), 5u);
+  EXPECT_THAT(metrics.RenderPrometheus(), HasSubstr("wsync_sync_sent_fraction 0.04"));
+  EXPECT_THAT(metrics.RenderPrometheus(), HasSubstr("wsync_sync_changed_fraction 0.01"));
 
   Beat(a2, 2, /*staged=*/0);  // its agent restarted: the engine serves version 2, no staging holds it
   EXPECT_EQ(sync().phase(), "done");

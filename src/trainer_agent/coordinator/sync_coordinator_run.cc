@@ -22,6 +22,7 @@
 namespace wsync::trainer_agent {
 
 using coordinator_internal::CounterOf;
+using coordinator_internal::GaugeOf;
 using coordinator_internal::HistogramOf;
 
 namespace {
@@ -581,6 +582,14 @@ void SyncCoordinator::FinishSync(Attempt& a) {
   rec.delta_figures.set_sent_bytes(a.report.sent_bytes);
   rec.delta_figures.set_delta_items(a.report.delta_items);
   rec.delta_figures.set_changed_items(a.report.changed_items);
+  if (a.report.tensor_bytes > 0) {  // the trainer kept a delta base: what this sync sent of a full one
+    GaugeOf(opts_.metrics, "wsync_sync_sent_fraction",
+            "The last sync's bytes sent over a full sync's (delta delivery; 1 when it went in full)")
+        ->Set(static_cast<double>(a.report.sent_bytes) / static_cast<double>(a.report.tensor_bytes));
+    GaugeOf(opts_.metrics, "wsync_sync_changed_fraction",
+            "The last delta sync's changed elements over the elements of its delta entries")
+        ->Set(a.report.delta_items ? static_cast<double>(a.report.changed_items) / a.report.delta_items : 0.0);
+  }
   const std::vector<std::string> behind = BehindAfter(a);
   std::string outcome = "failed";
   if (a.status.ok()) outcome = behind.empty() ? "done" : "partial";
