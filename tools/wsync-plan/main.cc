@@ -218,10 +218,9 @@ absl::StatusOr<Projection> Project(const Setup& s, const std::vector<Sent>& sent
   auto trainer = [](int r) { return absl::StrFormat("trainer %05d", r); };
   const size_t groups = static_cast<size_t>(shard.num_groups());
   std::vector<uint64_t> group_in(groups, 0), keep(groups, 0);
-  uint64_t total = 0, wire = 0;  // all the bytes sent; those on the wire (a delta's)
+  uint64_t wire = 0;  // the bytes on the wire (a delta's: DeltaBytes)
   std::vector<std::vector<uint64_t>> dense_load(static_cast<size_t>(L.pp()), std::vector<uint64_t>(L.tp(), 0));
   for (const Sent& t : sent) {
-    total += t.bytes;
     const uint64_t out = delta ? DeltaBytes(t, s.changed) : t.bytes;
     wire += out;
     const int source = L.StageSourceRank(t.stage);
