@@ -151,6 +151,7 @@ v1::JoinRequest JoinFor(const v1::RegisterEngineRequest& req, const std::string&
 
 absl::Status RolloutAgent::StageEngine(Engine& engine, bool keep, MemorySpace space, const std::string& who) {
   if (keep) {
+    absl::MutexLock lock(&mu_);  // DeltaBaseVersion reads engine_->staging under mu_
     engine.staging = std::move(engine_->staging);
   } else {
     // Drop the previous engine's staging before allocating the new one (peak memory: one staging).

@@ -236,6 +236,7 @@ absl::Status RolloutAgent::CommitSync(const v1::CommitSyncRequest& req, v1::Comm
                   << absl::FormatDuration(continued) << "; the engine was paused for " << absl::FormatDuration(downtime)
                   << ")";
   reply->set_version(version);
+  reply->set_staged_version(DeltaBaseVersion());
   reply->set_repack_seconds(Seconds(repack));
   reply->set_continue_seconds(Seconds(continued));
   reply->set_downtime_seconds(Seconds(downtime));

@@ -148,9 +148,16 @@ class CommandChannel final : public TrainerSide {
                          : "the trainer ranks did not finish the transfer within the sync's timeout (they finish it "
                            "in the background; the next sync waits for them)"));
     }
-    auto r = std::move(*result_);
+    // The error or the report, each taken out on its own (moving the whole StatusOr out of the
+    // optional trips GCC 12's -Wmaybe-uninitialized at -O2).
+    if (!result_->ok()) {
+      absl::Status error = result_->status();
+      result_.reset();
+      return error;
+    }
+    TrainerReport report = std::move(**result_);
     result_.reset();
-    return r;
+    return report;
   }
 
   uint64_t draining_sync() override {
@@ -617,8 +624,10 @@ class Agent {
   absl::Status MakeStageSinks(const Command& cmd, const std::vector<GroupDesc>& groups, const WeightSource& src,
                               int stage, int sender, absl::Duration join_timeout, StageSinks* sinks) {
     auto make_sink = [&](const std::string& name, int size) { return MakeGroupSink(cmd, name, size, join_timeout); };
-    if (cmd.sharded)
+    if (cmd.sharded) {
+      delta_base_ = DeltaBase();  // no delta from a sharded sync: its memory back
       return MakeShardedSink(cmd, groups, src, stage, sender, make_sink, &sinks->shard_plan, &sinks->sharded);
+    }
     auto made = make_sink(SyncGroupName(cmd.sync_id, stage), static_cast<int>(cmd.num_agents) + 1);
     if (!made.ok()) return Annotate(made.status(), absl::StrCat("stage ", stage, " data-plane group"));
     sinks->broadcast = std::move(*made);

@@ -93,6 +93,7 @@ class FakeAgentClient final : public AgentClient {
     if (s.ok()) {
       agent_->Committed();
       reply->set_version(agent_->version());
+      reply->set_staged_version(agent_->version());  // a host staging: the committed version
     }
     return s;
   }
@@ -999,6 +1000,30 @@ TEST_F(SyncCoordinatorTest, DeltasGoOnlyToStagingsThatHoldTheTrainersBase) {
   EXPECT_THAT(sharded.status().message(), HasSubstr("broadcast delivery only"));
   auto unknown = Trigger(0, false, 0, "", "maybe");
   EXPECT_THAT(unknown.status().message(), HasSubstr("delta \"maybe\": off, auto or on"));
+}
+
+// --delta on sits an engine off the base out only when each of its ranks has a peer laid out as it
+// is to copy the new version from; a TP 2 engine beside a TP 1 one has none: the sync goes in full.
+TEST_F(SyncCoordinatorTest, AnEngineWithoutAPeerOfItsLayoutIsSentTheSyncInFull) {
+  SyncCoordinatorOptions o;
+  o.delta = DeltaMode::kOn;
+  Make(o);
+  Join("a:1", 0, 1, "e1");
+  const std::string t0 = Join("a:2", 0, 2, "e2");
+  Join("a:3", 1, 2, "e2");
+  auto sync = [&] {
+    auto t = Trigger();
+    EXPECT_TRUE(t.ok()) << t.status();
+    return t.ok() ? Finish(t->sync_id()).phase() : "";
+  };
+  EXPECT_EQ(sync(), "done");
+  EXPECT_EQ(sync(), "done");
+  ASSERT_EQ(trainer_.plans().size(), 2u);
+  EXPECT_EQ(trainer_.plans()[1].delta_base, 1u) << "every staging holds version 1, as the commits said";
+  Beat(t0, 2, /*staged=*/0);  // e2's rank 0 lost its staging
+  EXPECT_EQ(sync(), "done") << "e2 has no peer laid out as TP 2: it takes the sync, in full";
+  EXPECT_EQ(trainer_.plans()[2].delta_base, 0u);
+  EXPECT_EQ(trainer_.plans()[2].num_agents, 3);
 }
 
 // A rollout agent restarted on a new port joins for the engine rank its dead predecessor served:

@@ -4,6 +4,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -296,9 +297,19 @@ void SyncCoordinator::PlanDelta(Attempt& a, DeltaMode mode) {
   }
   std::set<std::string> engines;
   for (const Member& m : a.members) engines.insert(m.engine_id);
-  if (mode == DeltaMode::kAuto || off_base.size() == engines.size()) {
+  // kOn: an engine off the base sits out only if every rank of it can copy the new version from a
+  // rank laid out as it is (catch-up), of an engine that takes the sync.
+  auto layout = [](const Member& m) { return std::make_tuple(m.tp_size, m.tp_rank, m.ep_size, m.mtp_draft); };
+  std::set<std::tuple<uint32_t, uint32_t, uint32_t, bool>> peers;
+  for (const Member& m : a.members)
+    if (!off_base.contains(m.engine_id)) peers.insert(layout(m));
+  bool copyable = true;
+  for (const Member& m : a.members)
+    copyable = copyable && (!off_base.contains(m.engine_id) || peers.contains(layout(m)));
+  if (mode == DeltaMode::kAuto || !copyable) {
     WSYNC_LOG(INFO) << "sync " << a.id << " is sent in full: " << off_base.size() << " of " << engines.size()
-                    << " engines do not hold version " << base << " (" << absl::StrJoin(off_base, ", ") << ")";
+                    << " engines do not hold version " << base << " (" << absl::StrJoin(off_base, ", ") << ")"
+                    << (mode == DeltaMode::kOn ? ", and not every rank of them has a peer to copy from" : "");
     return;
   }
   // kOn: the engines off the base sit out and copy the new version from a peer after the sync.
@@ -539,14 +550,15 @@ std::vector<PhaseTime> SyncCoordinator::SyncTimings(const Attempt& a, double tot
 // An agent whose CommitSync answered this version serves it from now on: record it at once rather
 // than at its next heartbeat, so that a member joining meanwhile (a restarted engine) is told which
 // peers can give it the version.
-// Its staging holds the version too (the base of the next delta sync); a member that took the sync
-// and did not commit may hold anything there until its next heartbeat says.
+// Its staging's version too, as its commit said (CommitSyncReply.staged_version: the base of the next
+// delta sync; 0 for a staging no delta can apply to); a member that took the sync and did not
+// commit may hold anything there until its next heartbeat says.
 void SyncCoordinator::NoteCommittedMembers(const Attempt& a) {
   for (size_t i = 0; i < a.members.size() && i < a.committed.size(); ++i) {
     auto it = members_.find(a.members[i].id);
     if (it == members_.end() || it->second.address != a.members[i].address) continue;
     const bool committed = a.committed[i].version() == a.plan.version || a.reported[i] == a.plan.version;
-    it->second.staged_version = committed ? a.plan.version : 0;
+    it->second.staged_version = committed ? a.committed[i].staged_version() : 0;
     if (committed) it->second.version = std::max(it->second.version, a.plan.version);
   }
 }
