@@ -439,7 +439,7 @@ class Agent {
                                int stage, int sender, MakeSink& make_sink,
                                std::shared_ptr<const plan::ShardPlan>* plan_out,
                                std::unique_ptr<plan::ShardedSink>* out) {
-    RETURN_IF_ERROR(Annotate(PlanReceivers(groups, src), "sharded delivery"));
+    RETURN_IF_ERROR(Annotate(PlanReceivers(groups, src, "sharded delivery"), "sharded delivery"));
     *plan_out = plan_;
     std::vector<std::unique_ptr<comm::BucketSink>> sinks;
     std::vector<comm::BroadcastSink*> raw;
@@ -459,7 +459,8 @@ class Agent {
 
   // plan_: the engine layouts of the receiver groups (of the model it sends, with its quantization),
   // for sharded and delta delivery.
-  absl::Status PlanReceivers(const std::vector<GroupDesc>& groups, const WeightSource& src) {
+  // `what` names the delivery in the log line.
+  absl::Status PlanReceivers(const std::vector<GroupDesc>& groups, const WeightSource& src, const char* what) {
     std::vector<engine_model::EngineParallel> parallel;
     for (const GroupDesc& g : groups) parallel.push_back({g.tp_size, g.tp_rank, g.ep_size, g.mtp_draft != 0});
     const std::optional<QuantizationConfig>& q = sync_quant_;
@@ -485,8 +486,8 @@ class Agent {
       if (!p.ok()) return p.status();
       plan_ = std::make_shared<const plan::ShardPlan>(std::move(*p));
       plan_key_ = std::move(key);
-      WSYNC_LOG(INFO) << "planned " << groups.size() << " receiver groups in " << absl::FormatDuration(absl::Now() - t0)
-                      << " (kept until the groups or the model change)";
+      WSYNC_LOG(INFO) << what << ": planned " << groups.size() << " receiver groups in "
+                      << absl::FormatDuration(absl::Now() - t0) << " (kept until the groups or the model change)";
     }
     return absl::OkStatus();
   }
@@ -646,7 +647,7 @@ class Agent {
       delta_base_ = DeltaBase();
       return absl::OkStatus();
     }
-    RETURN_IF_ERROR(Annotate(PlanReceivers(groups, src), "delta delivery"));
+    RETURN_IF_ERROR(Annotate(PlanReceivers(groups, src, "delta delivery"), "delta delivery"));
     sinks->shard_plan = plan_;
     std::vector<const engine_model::EngineLayout*> receivers;
     for (int g = 0; g < plan_->num_groups(); ++g) receivers.push_back(&plan_->layout(g));
