@@ -7,6 +7,7 @@
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <random>
 #include <thread>
 #include <vector>
@@ -54,8 +55,13 @@ class RolloutAgent::Service final : public v1::RolloutAgent::Service {
   grpc::Status UpdateWeights(grpc::ServerContext* ctx, const v1::UpdateWeightsRequest* req,
                              v1::UpdateWeightsReply* reply) override {
     WSYNC_AUTHORIZE(ctx, sec_);
+    // The agent's own DEADLINE_EXCEEDED says what it waited for; it answers a tenth of the call's
+    // time early (at most 250 ms), so that on a loaded host it still reaches the caller in time.
+    absl::Time answer_by = Deadline(ctx);
+    if (answer_by != absl::InfiniteFuture())
+      answer_by -= std::min(absl::Milliseconds(250), std::max(absl::ZeroDuration(), answer_by - absl::Now()) / 10);
     return ToGrpcStatus(agent_->UpdateWeights(
-        *req, Deadline(ctx), [ctx] { return ctx->IsCancelled(); }, reply));
+        *req, answer_by, [ctx] { return ctx->IsCancelled(); }, reply));
   }
   grpc::Status BeginSync(grpc::ServerContext* ctx, const v1::BeginSyncRequest* req,
                          v1::BeginSyncReply* reply) override {
