@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/string_view.h"
@@ -30,6 +31,10 @@ struct SyncCoordinator::Member {
   uint64_t staged_version = 0;  // what a delta can apply to (JoinRequest.staged_version)
   absl::Time last_seen;
   std::shared_ptr<AgentClient> client;
+
+  // What makes two members' engine ranks hold the same bytes (the peers of a catch-up): TP size
+  // and rank, EP size, NextN draft.
+  std::tuple<uint32_t, uint32_t, uint32_t, bool> rank_layout() const { return {tp_size, tp_rank, ep_size, mtp_draft}; }
 };
 
 // One sync from its trigger to its end (and, finished, its timings: the newest kKeptTimings).

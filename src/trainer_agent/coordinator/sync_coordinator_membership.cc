@@ -97,8 +97,7 @@ void SyncCoordinator::FillCatchUp(const Member& m, v1::CatchUpHint* hint) const 
   if (m.version >= target || target == 0) return;
   hint->set_version(target);
   for (const auto& [id, p] : members_) {
-    if (p.engine_id != m.engine_id && p.tp_size == m.tp_size && p.tp_rank == m.tp_rank && p.ep_size == m.ep_size &&
-        p.mtp_draft == m.mtp_draft && p.version == target)
+    if (p.engine_id != m.engine_id && p.rank_layout() == m.rank_layout() && p.version == target)
       hint->add_peers(p.address);
   }
 }

@@ -299,13 +299,12 @@ void SyncCoordinator::PlanDelta(Attempt& a, DeltaMode mode) {
   for (const Member& m : a.members) engines.insert(m.engine_id);
   // kOn: an engine off the base sits out only if every rank of it can copy the new version from a
   // rank laid out as it is (catch-up), of an engine that takes the sync.
-  auto layout = [](const Member& m) { return std::make_tuple(m.tp_size, m.tp_rank, m.ep_size, m.mtp_draft); };
   std::set<std::tuple<uint32_t, uint32_t, uint32_t, bool>> peers;
   for (const Member& m : a.members)
-    if (!off_base.contains(m.engine_id)) peers.insert(layout(m));
+    if (!off_base.contains(m.engine_id)) peers.insert(m.rank_layout());
   bool copyable = true;
   for (const Member& m : a.members)
-    copyable = copyable && (!off_base.contains(m.engine_id) || peers.contains(layout(m)));
+    copyable = copyable && (!off_base.contains(m.engine_id) || peers.contains(m.rank_layout()));
   if (mode == DeltaMode::kAuto || !copyable) {
     WSYNC_LOG(INFO) << "sync " << a.id << " is sent in full: " << off_base.size() << " of " << engines.size()
                     << " engines do not hold version " << base << " (" << absl::StrJoin(off_base, ", ") << ")"
