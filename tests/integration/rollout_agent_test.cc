@@ -541,6 +541,21 @@ TEST_F(RolloutAgentTest, AWholeInt4SyncLandsInTheEngineBitExact) {
   SyncAll(8, 3, v3);
   ExpectEngineHolds(engine, v3);
   EXPECT_EQ(engine.version(), 3u);
+
+  // A delta sync from a version the staging does not hold is refused before anything starts (the
+  // agent stays idle, the engine on version 3); one from the version it holds begins.
+  auto wrong = BeginRequest(9, 4, 1, 1);
+  wrong.set_delta_base(2);
+  grpc::Status refused = Begin(agent, wrong);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(refused.error_message(), HasSubstr("a delta from version 2, and this agent's staging holds version 3"));
+  EXPECT_EQ(Status(agent).state(), "idle");
+  auto right = BeginRequest(10, 4, 1, 1);
+  right.set_delta_base(3);
+  ASSERT_TRUE(Begin(agent, right).ok());
+  ASSERT_TRUE(AbortRpc(agent, 10).ok());
+  ExpectEngineHolds(engine, v3);
+  EXPECT_EQ(engine.version(), 3u);
 }
 
 // --- failures -----------------------------------------------------------------------------------------
@@ -922,6 +937,12 @@ TEST_F(RolloutAgentTest, OneSyncAtATime) {
   EXPECT_EQ(Begin(agent, mpi).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   auto bad_rank = BeginRequest(1, 2, 2, 1);
   EXPECT_EQ(Begin(agent, bad_rank).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // A delta onto a staging that holds no version yet (a new engine): refused, a full sync brings it.
+  auto delta = BeginRequest(1, 2, 1, 1);
+  delta.set_delta_base(1);
+  s = Begin(agent, delta);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("staging holds no complete version: nothing was changed"));
   EXPECT_TRUE(engine.calls().empty()) << "refused requests must not pause the engine";
 
   ASSERT_TRUE(Begin(agent, BeginRequest(5, 2, 1, 1)).ok());
