@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -55,6 +56,25 @@ struct QuantizeOptions : KernelOptions {
 // scales have W's dtype and hold dtype(scale_f32), round to nearest even.
 absl::Status QuantizeInt4(const TensorView& w, MutableTensorView packed, MutableTensorView scales,
                           const QuantizeOptions& options);
+
+// Reuse of an earlier QuantizeInt4 of the same tensor (delta sync: most groups' inputs do not
+// change between two training steps). Every group (G consecutive elements of a row) gets the
+// XXH3-64 of its input bits in `next_digests`; a group whose digest equals its entry in `digests`
+// is not quantized: its packed words and its scale are copied from `packed` / `scales`, that
+// earlier call's outputs. The result is the plain call's bytes unless a changed group's new input
+// shares its old one's 64-bit digest (a chance of 2^-64 per changed group). A reused group is not
+// checked for Inf / NaN again (its input is the one that passed). CPU and compressed-tensors only.
+struct QuantizeReuse {
+  std::span<const uint64_t> digests;  // the earlier call's next_digests; empty: every group is quantized
+  TensorView packed, scales;          // the earlier call's outputs (read only where digests is set)
+  std::span<uint64_t> next_digests;   // out: [(E,) N, K/G], one per group
+  int64_t reused_groups = 0;          // out: the groups copied
+};
+// QuantizeInt4 with `reuse`; kInvalidArgument as QuantizeInt4, and for a CUDA device or the GPTQ
+// format, next_digests not of one entry per group, digests neither empty nor of that size, earlier
+// outputs of other dtypes or shapes than the outputs', or overlapping them.
+absl::Status QuantizeInt4(const TensorView& w, MutableTensorView packed, MutableTensorView scales,
+                          const QuantizeOptions& options, QuantizeReuse& reuse);
 
 // Shapes QuantizeInt4 expects for its outputs (same checks on w and the group size).
 struct QuantizedShapes {

@@ -31,6 +31,14 @@ struct QuantizeArgs {
   int threads = 1;                   // CPU only
   int64_t min_bytes_per_thread = 0;  // CPU: fewer threads for small inputs (0 = use `threads` as is)
   void* stream = nullptr;            // CUDA only (cudaStream_t)
+  // Reuse (CPU, compressed-tensors only; QuantizeReuse in int4.h): with next_digests, each group's
+  // XXH3-64 of its input is written there, [E, N, K/G]; with digests too, a group whose digest is
+  // unchanged copies its words and scale from prev_packed / prev_scales (the outputs' layout).
+  uint64_t* next_digests = nullptr;
+  const uint64_t* digests = nullptr;
+  const uint32_t* prev_packed = nullptr;
+  const uint16_t* prev_scales = nullptr;
+  int64_t* reused_groups = nullptr;  // out: the groups copied (set when next_digests is)
 };
 
 struct RepackArgs {

@@ -178,7 +178,11 @@ struct QuantCase {
   PackFormat format;
 };
 
+int64_t CountReferenceMismatches(const std::vector<uint16_t>& w, int64_t e, int64_t n, int64_t k, const QuantCase& c,
+                                 const Tensor& packed, const Tensor& scales, bool report = true);
+
 // Quantizes with the kernel and checks every word and scale against the reference.
+
 void CheckQuantize(const std::vector<uint16_t>& w, int64_t e, int64_t n, int64_t k, const QuantCase& c,
                    int threads = 2) {
   SCOPED_TRACE(testing::Message() << "E=" << e << " N=" << n << " K=" << k << " dtype=" << SafetensorsName(c.dtype)
@@ -196,11 +200,17 @@ void CheckQuantize(const std::vector<uint16_t>& w, int64_t e, int64_t n, int64_t
   opt.format = c.format;
   opt.num_threads = threads;
   ASSERT_TRUE(QuantizeInt4(wv, packed.mutable_view(), scales.mutable_view(), opt).ok());
+  EXPECT_EQ(CountReferenceMismatches(w, e, n, k, c, packed, scales), 0);
+}
 
+// The words and scales of `packed` / `scales` that differ from the scalar reference's (with
+// `report`, the first 5 are test failures).
+int64_t CountReferenceMismatches(const std::vector<uint16_t>& w, int64_t e, int64_t n, int64_t k, const QuantCase& c,
+                                 const Tensor& packed, const Tensor& scales, bool report) {
   const int64_t g = c.group == -1 ? k : c.group, ng = k / g, kw = k / 8;
   const RefQuant ref = RefQuantize(w, c.dtype, e * n, k, g, c.variant);
-  const auto* pw = packed.data_as<uint32_t>();
-  const auto* ps = scales.data_as<uint16_t>();
+  const auto* pw = packed.view().data_as<uint32_t>();
+  const auto* ps = scales.view().data_as<uint16_t>();
   int64_t bad = 0;
   for (int64_t ex = 0; ex < e; ++ex) {
     for (int64_t r = 0; r < n; ++r) {
@@ -208,20 +218,20 @@ void CheckQuantize(const std::vector<uint16_t>& w, int64_t e, int64_t n, int64_t
       for (int64_t j = 0; j < kw; ++j) {
         const uint32_t want = PackEight(&ref.q[row * k + 8 * j]);
         const uint32_t got = c.format == PackFormat::kGptq ? pw[(ex * kw + j) * n + r] : pw[row * kw + j];
-        if (got != want && bad++ < 5)
+        if (got != want && bad++ < 5 && report)
           ADD_FAILURE() << "word e=" << ex << " n=" << r << " j=" << j << std::hex << " got 0x" << got << " want 0x"
                         << want;
       }
       for (int64_t gi = 0; gi < ng; ++gi) {
         const uint16_t want = FromF32(ref.scale[row * ng + gi], c.dtype);
         const uint16_t got = c.format == PackFormat::kGptq ? ps[(ex * ng + gi) * n + r] : ps[row * ng + gi];
-        if (got != want && bad++ < 5)
+        if (got != want && bad++ < 5 && report)
           ADD_FAILURE() << "scale e=" << ex << " n=" << r << " g=" << gi << std::hex << " got 0x" << got << " want 0x"
                         << want;
       }
     }
   }
-  EXPECT_EQ(bad, 0);
+  return bad;
 }
 
 std::vector<QuantCase> AllQuantCases() {
@@ -334,6 +344,121 @@ TEST(Int4QuantizeTest, LargeShape) {
   const auto w = RandomWeights(n * k, DType::kBF16, 31337);
   CheckQuantize(w, 1, n, k, {DType::kBF16, QuantVariant::kQat, 128, PackFormat::kCompressedTensors}, 0);
   CheckQuantize(w, 1, n, k, {DType::kBF16, QuantVariant::kSlime, 32, PackFormat::kGptq}, 0);
+}
+
+// ---- quantization with reuse (delta sync) ---------------------------------------------------------
+
+// The groups of `a` and `b` ([rows, k] bits) whose bits are all equal, counted by comparing them.
+int64_t EqualGroups(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, int64_t g) {
+  int64_t same = 0;
+  for (size_t at = 0; at < a.size(); at += static_cast<size_t>(g))
+    same += std::equal(a.begin() + static_cast<ptrdiff_t>(at), a.begin() + static_cast<ptrdiff_t>(at) + g,
+                       b.begin() + static_cast<ptrdiff_t>(at));
+  return same;
+}
+
+// `w` with the lowest bit of about `fraction` of its elements flipped (seeded), and group 1 of
+// row 0 zeroed (an all-zero group: the scale floor).
+std::vector<uint16_t> Perturbed(std::vector<uint16_t> w, double fraction, uint32_t seed, int64_t g) {
+  std::mt19937 rng(seed);
+  std::bernoulli_distribution flip(fraction);
+  for (auto& x : w)
+    if (flip(rng)) x ^= 1u;
+  std::fill(w.begin() + g, w.begin() + 2 * g, uint16_t{0});
+  return w;
+}
+
+TEST(Int4QuantizeReuseTest, ReusedGroupsGiveTheReferencesBytes) {
+  uint32_t seed = 4000;
+  for (const QuantCase& c : AllQuantCases()) {
+    if (c.format != PackFormat::kCompressedTensors) continue;
+    for (int64_t e : {1, 3}) {
+      const int64_t n = 24, k = 256, g = c.group == -1 ? k : c.group;
+      SCOPED_TRACE(testing::Message() << "E=" << e << " G=" << c.group << " dtype=" << SafetensorsName(c.dtype)
+                                      << " variant=" << static_cast<int>(c.variant) << " seed=" << seed);
+      const Shape shape = e > 1 ? Shape{e, n, k} : Shape{n, k};
+      const auto w0 = RandomWeights(e * n * k, c.dtype, ++seed);
+      const auto w1 = Perturbed(w0, 0.004, ++seed, g);
+      auto shapes = QuantizedShapesFor(View(c.dtype, shape, w0), c.group, c.format);
+      ASSERT_TRUE(shapes.ok()) << shapes.status();
+      const auto groups = static_cast<size_t>(e * n * (k / g));
+      QuantizeOptions opt;
+      opt.group_size = c.group;
+      opt.variant = c.variant;
+      opt.num_threads = 2;
+      // The first call has nothing to reuse; the second reuses the first's unchanged groups.
+      Tensor p0 = MustEmpty(DType::kI32, shapes->packed), s0 = MustEmpty(c.dtype, shapes->scales);
+      std::vector<uint64_t> d0(groups), d1(groups);
+      QuantizeReuse first{{}, {}, {}, std::span(d0)};
+      ASSERT_TRUE(QuantizeInt4(View(c.dtype, shape, w0), p0.mutable_view(), s0.mutable_view(), opt, first).ok());
+      EXPECT_EQ(first.reused_groups, 0);
+      EXPECT_EQ(CountReferenceMismatches(w0, e, n, k, c, p0, s0), 0);
+      Tensor p1 = MustEmpty(DType::kI32, shapes->packed), s1 = MustEmpty(c.dtype, shapes->scales);
+      QuantizeReuse second{d0, p0.view(), s0.view(), std::span(d1)};
+      ASSERT_TRUE(QuantizeInt4(View(c.dtype, shape, w1), p1.mutable_view(), s1.mutable_view(), opt, second).ok());
+      const int64_t same = EqualGroups(w0, w1, g);
+      EXPECT_EQ(second.reused_groups, same);
+      if (g < k) {
+        EXPECT_GT(same, 0);
+      }
+      EXPECT_EQ(CountReferenceMismatches(w1, e, n, k, c, p1, s1), 0);
+      // The digests are a function of the group's bits: a call on w1 from nothing gives the same.
+      std::vector<uint64_t> fresh(groups);
+      QuantizeReuse again{{}, {}, {}, std::span(fresh)};
+      ASSERT_TRUE(QuantizeInt4(View(c.dtype, shape, w1), p1.mutable_view(), s1.mutable_view(), opt, again).ok());
+      EXPECT_EQ(fresh, d1);
+    }
+  }
+}
+
+// The premise: unchanged groups are copied from the earlier outputs, not computed. Earlier outputs
+// that are not that input's quantization (here: flipped bits) give wrong bytes in those groups only.
+TEST(Int4QuantizeReuseTest, EarlierOutputsThatAreNotTheInputsShowInTheReusedGroups) {
+  const QuantCase c{DType::kBF16, QuantVariant::kQat, 64, PackFormat::kCompressedTensors};
+  const int64_t n = 16, k = 512;
+  const Shape shape{n, k};
+  const auto w0 = RandomWeights(n * k, c.dtype, 4100);
+  const auto w1 = Perturbed(w0, 0.01, 4101, 64);
+  auto shapes = QuantizedShapesFor(View(c.dtype, shape, w0), c.group, c.format);
+  ASSERT_TRUE(shapes.ok());
+  QuantizeOptions opt;
+  opt.group_size = c.group;
+  Tensor p0 = MustEmpty(DType::kI32, shapes->packed), s0 = MustEmpty(c.dtype, shapes->scales);
+  std::vector<uint64_t> d0(static_cast<size_t>(n * k / 64)), d1(d0.size());
+  QuantizeReuse first{{}, {}, {}, std::span(d0)};
+  ASSERT_TRUE(QuantizeInt4(View(c.dtype, shape, w0), p0.mutable_view(), s0.mutable_view(), opt, first).ok());
+  for (size_t i = 0; i < p0.view().nbytes() / 4; ++i) p0.mutable_view().data_as<uint32_t>()[i] ^= 0x10u;
+  Tensor p1 = MustEmpty(DType::kI32, shapes->packed), s1 = MustEmpty(c.dtype, shapes->scales);
+  QuantizeReuse second{d0, p0.view(), s0.view(), std::span(d1)};
+  ASSERT_TRUE(QuantizeInt4(View(c.dtype, shape, w1), p1.mutable_view(), s1.mutable_view(), opt, second).ok());
+  const int64_t same = EqualGroups(w0, w1, 64);
+  ASSERT_GT(same, 0);
+  EXPECT_EQ(second.reused_groups, same);
+  EXPECT_EQ(CountReferenceMismatches(w1, 1, n, k, c, p1, s1, /*report=*/false), same * (64 / 8));
+}
+
+TEST(Int4QuantizeReuseTest, BadArgumentsAreRefused) {
+  const auto w = RandomWeights(8 * 128, DType::kBF16, 4200);
+  const TensorView wv = View(DType::kBF16, {8, 128}, w);
+  Tensor p = MustEmpty(DType::kI32, {8, 16}), s = MustEmpty(DType::kBF16, {8, 1});
+  Tensor p_other = MustEmpty(DType::kI32, {8, 8});
+  std::vector<uint64_t> d(8), wrong(7);
+  QuantizeOptions opt;  // G 128
+  auto refused = [&](QuantizeReuse r, QuantizeOptions o, const char* what) {
+    const absl::Status st = QuantizeInt4(wv, p.mutable_view(), s.mutable_view(), o, r);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(st.message(), HasSubstr(what));
+  };
+  refused({{}, {}, {}, std::span(wrong)}, opt, "next_digests holds 7 entries, want one per group (8)");
+  refused({wrong, p.view(), s.view(), std::span(d)}, opt, "digests holds 7 entries, want 8");
+  refused({d, p_other.view(), s.view(), std::span(d)}, opt, "want the outputs' dtypes and shapes");
+  refused({d, p.view(), s.view(), std::span(d).subspan(0, 8)}, opt, "must not overlap");
+  QuantizeOptions gptq = opt;
+  gptq.format = PackFormat::kGptq;
+  Tensor pg = MustEmpty(DType::kI32, {16, 8});
+  QuantizeReuse r{{}, {}, {}, std::span(d)};
+  const absl::Status st = QuantizeInt4(wv, pg.mutable_view(), s.mutable_view(), gptq, r);
+  EXPECT_THAT(st.message(), HasSubstr("compressed-tensors format only"));
 }
 
 // Groups built so that 7 * W / amax is an exact half-integer: round half to even decides.

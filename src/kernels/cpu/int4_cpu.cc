@@ -8,7 +8,9 @@
 // lanes are OR-ed into bytes on u64 lanes and narrowed, so each vector stores its packed words
 // directly. Rows are processed in blocks of 16 so that the GPTQ orientation ([K/8, N], words of
 // 16 consecutive rows side by side) is written 64 bytes at a time: no separate transpose pass.
-// Outputs that the kernel does not read back are written with streaming stores.
+// Outputs that the kernel does not read back are written with streaming stores. With reuse
+// (compressed-tensors), each group's input is hashed first (XXH3-64) and an unchanged group's
+// words and scale are copied from the earlier outputs instead of computed.
 //
 // Repack: per k-tile, the two GPTQ rows A (2kt), B (2kt+1) (gathered through perm if given) are
 // read tile by tile; for each 64-column tile the byte planes Lo = NibblePlaneLo(A, B),
@@ -38,9 +40,11 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <thread>
 #include <vector>
 
+#include "common/checksum.h"
 #include "common/dtype.h"
 #include "kernels/cpu/abs_max-inl.h"
 #include "kernels/cpu/marlin_tile-inl.h"
@@ -145,9 +149,21 @@ void WriteTransposed(const uint32_t* HWY_RESTRICT staged, int64_t stride, int64_
 // the same L1 sets (a row stride that is a multiple of 4 KiB would).
 int64_t StagingStride(int64_t k) { return k / 8 + 16; }
 
-// Units are (expert, 16-row block); scratch holds kRowBlock * StagingStride(K) words.
+// With reuse (a.next_digests): records group `gi`'s digest of its input `x`, and when the earlier
+// one is the same, copies the group's earlier words to `words` and scale, returning true.
+bool ReuseGroup(const internal::QuantizeArgs& a, int64_t gi, const uint16_t* x, int64_t words_at, uint32_t* words) {
+  const uint64_t d = Xxh3_64(std::as_bytes(std::span(x, static_cast<size_t>(a.group))));
+  a.next_digests[gi] = d;
+  if (a.digests == nullptr || a.digests[gi] != d) return false;
+  a.scales[gi] = a.prev_scales[gi];
+  std::memcpy(words, a.prev_packed + words_at, static_cast<size_t>(a.group / 8) * sizeof(uint32_t));
+  return true;
+}
+
+// Units are (expert, 16-row block); scratch holds kRowBlock * StagingStride(K) words. Adds the
+// groups it reused to *reused.
 // Returns the smallest (row * ng + g) of a group holding Inf/NaN, or -1.
-int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t end, uint8_t* scratch) {
+int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t end, uint8_t* scratch, int64_t* reused) {
   const uint32_t nonfinite = fmt::NonFiniteAbsBits16(a.is_bf16);
   int64_t bad = -1;
   const int64_t blocks = (a.n + kRowBlock - 1) / kRowBlock;
@@ -168,6 +184,11 @@ int64_t QuantizeUnits(const internal::QuantizeArgs& a, int64_t begin, int64_t en
         // Software prefetch ~2 KiB ahead (the next row near the end of this one): the amax pass is
         // the first touch of W and otherwise stalls on it.
         for (int64_t off = 0; off < a.group; off += 32) hwy::Prefetch(x + g * a.group + 1024 + off);
+        if (a.next_digests != nullptr &&
+            ReuseGroup(a, row * ng + g, x + g * a.group, row * kw + g * (a.group / 8), words + g * (a.group / 8))) {
+          ++*reused;  // compressed-tensors only (int4.cc): the group's index is its scale's
+          continue;
+        }
         const uint32_t bits = AbsMaxBits(x + g * a.group, a.group);
         if (bits >= nonfinite && bad < 0) bad = row * ng + g;
         const float amax = a.is_bf16 ? BF16ToF32(static_cast<uint16_t>(bits)) : F16ToF32(static_cast<uint16_t>(bits));
@@ -321,14 +342,18 @@ const char* SimdTargetName() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
 absl::Status Quantize(const internal::QuantizeArgs& args) {
   const int64_t blocks = (args.n + 15) / 16;
   std::atomic<int64_t> bad{INT64_MAX};
+  std::atomic<int64_t> reused{0};
   ParallelForBytes(args.experts * blocks, args.threads, 16 * args.k * 2, args.min_bytes_per_thread,
                    [&](int64_t b, int64_t e) {
                      // 16 staged word rows of StagingStride(K) = K/8 + 16 words
                      std::vector<uint8_t> scratch(16 * static_cast<size_t>(args.k / 8 + 16) * sizeof(uint32_t));
-                     const int64_t mine = HWY_DYNAMIC_DISPATCH(QuantizeUnits)(args, b, e, scratch.data());
+                     int64_t mine_reused = 0;
+                     const int64_t mine = HWY_DYNAMIC_DISPATCH(QuantizeUnits)(args, b, e, scratch.data(), &mine_reused);
+                     reused.fetch_add(mine_reused, std::memory_order_relaxed);
                      if (mine < 0) return;
                      AtomicMin(bad, mine);
                    });
+  if (args.reused_groups != nullptr) *args.reused_groups = reused.load();
   if (bad.load() != INT64_MAX) return internal::NonFiniteError(args, bad.load());
   return absl::OkStatus();
 }
