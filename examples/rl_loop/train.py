@@ -14,8 +14,9 @@ learns by REINFORCE from the rollout engines' generations:
             (megatron's own vocab-parallel cross entropy), backward, Adam step
         every rank: MegatronPublisher.publish(step + 1): one wsync sync to every engine
 
-Prints one line per step: the replies per engine and version, the mean reward, the loss and the
-time the sync took.
+Prints one line per step: the replies per engine and version, the mean reward, the loss, the time
+the sync took, the share of rank 0's bf16 elements the step changed, and with a delta base what
+the sync sent and how many INT4 groups it did not quantize again.
 """
 
 import argparse
@@ -93,8 +94,13 @@ class Learner:
         logp = -nll[:, P - 1:].sum(dim=1)  # the completion's tokens
         loss = -(adv * logp).mean() / K
         loss.backward()
+        before = [p.detach().to(torch.bfloat16) for p in self.model.parameters()]
         self.opt.step()
         self.opt.zero_grad()
+        # What a sync sees of the step: the bf16 elements of this rank's parameters that changed.
+        after = [p.detach().to(torch.bfloat16) for p in self.model.parameters()]
+        self.changed = sum(int((b != a).sum()) for b, a in zip(before, after))
+        self.elements = sum(b.numel() for b in before)
         return rewards.mean().item(), loss.item()
 
     def close(self):
@@ -110,8 +116,10 @@ def sent(ctl, version):
     if not d:
         return ""
     how = f"deltas from version {d['base']}" if d["base"] else "in full"
+    groups = d.get("quant_groups", 0)
+    reused = f"; INT4 groups reused {d.get('reused_groups', 0)} of {groups}" if groups else ""
     return (f" ({how}: {d['sent_bytes'] / 2**20:.2f} of {d['tensor_bytes'] / 2**20:.2f} MiB, "
-            f"{100 * d['sent_bytes'] / d['tensor_bytes']:.2f} %)")
+            f"{100 * d['sent_bytes'] / d['tensor_bytes']:.2f} %{reused})")
 
 
 def step_line(step, batch, reward, loss, version, took):
@@ -164,7 +172,8 @@ def main():
         version, took = learner.publish(step + 1)
         if rank == 0:
             history.append(reward)
-            print(step_line(step, batch[0], reward, loss, version, took) + sent(ctl, version), flush=True)
+            changed = f"; bf16 elements changed {100 * learner.changed / learner.elements:.3f} % (rank 0)"
+            print(step_line(step, batch[0], reward, loss, version, took) + changed + sent(ctl, version), flush=True)
     if rank == 0:
         print("mean reward by step: " + " ".join(f"{r:.3f}" for r in history), flush=True)
     learner.close()

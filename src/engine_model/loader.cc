@@ -154,6 +154,26 @@ absl::Status Loader::LoadDelta(absl::string_view hf_name, DType dtype, std::span
   if (!staging_->space().host())
     return absl::UnimplementedError(
         absl::StrCat(hf_name, ": a delta into a staging in ", staging_->space().Name(), " (host stagings only)"));
+  // The delta's elements: the whole tensor, or (sharded delivery) a block holding this rank's.
+  const MatrixDims whole = MatrixOf(s.shape);
+  kernels::DeltaBlock kept{static_cast<uint64_t>(whole.rows), static_cast<uint64_t>(whole.cols),
+                           static_cast<uint64_t>(s.src_row0), static_cast<uint64_t>(s.rows),
+                           static_cast<uint64_t>(s.src_col0), static_cast<uint64_t>(s.cols)};
+  if (delta.block) {
+    const BlockRef& b = *delta.block;
+    if (s.src_row0 < b.row0 || s.src_row0 + s.rows > b.row0 + b.rows || s.src_col0 < b.col0 ||
+        s.src_col0 + s.cols > b.col0 + b.cols)
+      return absl::InvalidArgumentError(
+          absl::StrCat(hf_name, ": a delta of rows [", b.row0, ", ", b.row0 + b.rows, ") x columns [", b.col0, ", ",
+                       b.col0 + b.cols, "), and this rank keeps rows [", s.src_row0, ", ", s.src_row0 + s.rows,
+                       ") x columns [", s.src_col0, ", ", s.src_col0 + s.cols, ") (", s.what, ")"));
+    kept = {static_cast<uint64_t>(b.rows),
+            static_cast<uint64_t>(b.cols),
+            static_cast<uint64_t>(s.src_row0 - b.row0),
+            static_cast<uint64_t>(s.rows),
+            static_cast<uint64_t>(s.src_col0 - b.col0),
+            static_cast<uint64_t>(s.cols)};
+  }
   // Claim the piece: it must hold the base (restored), and it is loaded once in a sync.
   std::atomic<uint8_t>& st = staging_->state_[static_cast<size_t>(idx)];
   uint8_t cur = static_cast<uint8_t>(State::kRestored);
@@ -194,10 +214,6 @@ absl::Status Loader::LoadDelta(absl::string_view hf_name, DType dtype, std::span
         absl::StrFormat("%s: an empty delta, and the new version's Sum64 %016x is not the base's %016x", hf_name,
                         delta.sum, delta.base_sum)));
   }
-  const MatrixDims whole = MatrixOf(s.shape);
-  const kernels::DeltaBlock kept{static_cast<uint64_t>(whole.rows), static_cast<uint64_t>(whole.cols),
-                                 static_cast<uint64_t>(s.src_row0), static_cast<uint64_t>(s.rows),
-                                 static_cast<uint64_t>(s.src_col0), static_cast<uint64_t>(s.cols)};
   const std::span<uint8_t> view(reinterpret_cast<uint8_t*>(block.data()), block.size());
   if (absl::Status a =
           kernels::ApplyDeltaToBlock(hf_name, delta.encoding, static_cast<uint32_t>(item), payload, kept, view);

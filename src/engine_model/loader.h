@@ -34,6 +34,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -81,9 +82,12 @@ class Loader {
   // payload is malformed or the result is not the new version; kAlreadyExists as Load;
   // kInvalidArgument for a wrong name, dtype or shape, or an INT4 weight_shape (sent whole, never as
   // a delta); kUnimplemented for a device staging. A tensor this rank keeps none of is checked and skipped.
+  // With `block` (sharded delivery), the delta's elements are those of that block of the tensor
+  // (dense [rows, cols]), which must hold all this rank keeps (else kInvalidArgument, nothing claimed).
   struct DeltaRef {
     kernels::DeltaEncoding encoding = kernels::DeltaEncoding::kDense;
     uint64_t base_sum = 0, sum = 0;
+    std::optional<BlockRef> block;
   };
   absl::Status LoadDelta(absl::string_view hf_name, DType dtype, std::span<const int64_t> shape, const DeltaRef& delta,
                          std::span<const uint8_t> payload);

@@ -397,6 +397,57 @@ TEST(LoaderTest, ADeltaOntoItsBaseEqualsAFullLoadOfTheNewVersion) {
   }
 }
 
+// Sharded delivery: a rank's group is sent the block it keeps, and a delta of that block (its
+// elements only). Onto the base it gives what a full load of the new version gives; a block that
+// does not hold what this rank keeps is refused, nothing claimed.
+TEST(LoaderTest, ADeltaOfTheKeptBlockEqualsAFullLoadOfTheNewVersion) {
+  constexpr uint32_t kSeed = 616;
+  SCOPED_TRACE(absl::StrCat("seed ", kSeed));
+  const ModelConfig moe = Config(model::testing::kQwen3MoeJson);
+  const QuantizationConfig q = MoeQuant();
+  auto m = model::testing::MakeHfModel(moe, &q, kSeed);
+  ASSERT_TRUE(m.ok()) << m.status();
+  auto layout = EngineLayout::Create(moe, &q, {2, 1, 1});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  const HfModel next = model::testing::ChangeElements(*m, 0.02, kSeed + 1);
+  auto full = Staging::Create(*layout);
+  auto delta = Staging::Create(*layout);
+  ASSERT_TRUE(full.ok() && delta.ok());
+  Loader lf(full->get()), ld(delta->get());
+  ASSERT_TRUE(LoadAll(lf, next).ok());
+  ASSERT_TRUE(LoadAll(ld, *m).ok());
+  (*delta)->ResetCoverage();
+  (*delta)->MarkAllRestored();
+  int blocks = 0;
+  for (const std::string& name : m->order) {
+    const Tensor& n = next.sent.at(name);
+    const int idx = layout->FindSource(name);
+    const KeptBlock k = idx >= 0 ? KeptBlockOf(layout->sources()[static_cast<size_t>(idx)]) : KeptBlock{};
+    if (absl::EndsWith(name, ".weight_shape") || k.empty()) {  // whole, or nothing for this rank
+      ASSERT_TRUE(ld.Load(name, n.view()).ok()) << name;
+      continue;
+    }
+    const std::vector<uint8_t> b = KeptBytes(m->sent.at(name).view(), k), x = KeptBytes(n.view(), k);
+    auto plan = kernels::PlanDelta(b, x, static_cast<uint32_t>(ItemSize(n.dtype())));
+    ASSERT_TRUE(plan.ok()) << name << ": " << plan.status();
+    std::vector<uint8_t> payload(plan->payload_bytes);
+    ASSERT_TRUE(kernels::WriteDelta(*plan, b, x, payload).ok());
+    Loader::DeltaRef ref{plan->encoding, Sum(b), Sum(x), Loader::BlockRef{k.row0, k.rows, k.col0, k.cols}};
+    if (blocks++ == 0) {  // a block one row short of what the rank keeps: refused, the piece unclaimed
+      Loader::DeltaRef short_ref = ref;
+      short_ref.block->rows -= 1;
+      const absl::Status st = ld.LoadDelta(name, n.dtype(), n.shape(), short_ref, payload);
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+      EXPECT_THAT(st.message(), HasSubstr("and this rank keeps rows"));
+    }
+    const absl::Status st = ld.LoadDelta(name, n.dtype(), n.shape(), ref, payload);
+    ASSERT_TRUE(st.ok()) << name << ": " << st;
+  }
+  EXPECT_GT(blocks, 10);
+  EXPECT_TRUE(ld.CheckComplete(/*loaded_only=*/true).ok()) << ld.CheckComplete(true);
+  EXPECT_EQ(StagingChecksum(**delta), StagingChecksum(**full));
+}
+
 // A delta that is not for what the staging holds, or that does not give the new version, is refused
 // and the staging keeps its base: a wrong base, a damaged value, no base at all, a weight_shape, a
 // second delta of one tensor.

@@ -136,7 +136,11 @@ absl::Status ShardedSink::Send(v1::BucketManifest manifest, Buffer data, uint64_
     Cut& c = cuts[static_cast<size_t>(g)];
     if (!c.send) continue;
     group_bytes_[static_cast<size_t>(g)] += c.nbytes;
-    RETURN_IF_ERROR(groups_[static_cast<size_t>(g)]->Send(std::move(c.manifest), std::move(c.data), c.nbytes));
+    const absl::Status sent = groups_[static_cast<size_t>(g)]->Send(std::move(c.manifest), std::move(c.data), c.nbytes);
+    if (!sent.ok()) {  // the sync fails: the other groups' receivers must not wait for their buckets
+      for (comm::BroadcastSink* b : broadcast_) b->Abort(sent);
+      return sent;
+    }
   }
   const absl::Status failed = status();
   if (!failed.ok()) {

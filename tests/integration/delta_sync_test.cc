@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <random>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,13 +16,17 @@
 #include "comm/testing/capture_sink.h"
 #include "common/checksum.h"
 #include "common/config.h"
+#include "common/status.h"
 #include "engine_model/engine_layout.h"
 #include "engine_model/loader.h"
 #include "engine_model/staging.h"
 #include "gmock/gmock.h"
 #include "model/testing/hf_model.h"
 #include "model/testing/test_models.h"
+#include "plan/delivery_plan.h"
+#include "plan/sharded_sink.h"
 #include "rollout_agent/receive/stage_receiver.h"
+#include "trainer_agent/quantize/int4_quantizer.h"
 #include "trainer_agent/sync/delta_sink.h"
 
 namespace wsync {
@@ -163,6 +169,81 @@ TEST_F(DeltaSyncTest, DeltasOfConsecutiveVersionsLeaveEveryRankAsAFullLoadDoes) 
   }
 }
 
+// Sharded delivery: each receiver group's stream (the blocks its rank keeps) through a DeltaSink of
+// its own, with a base per group; each rank loads only its group's buckets.
+TEST_F(DeltaSyncTest, ShardedDeltasLeaveEveryRankAsAFullLoadDoes) {
+  constexpr uint32_t kSeed = 909;
+  SCOPED_TRACE(absl::StrCat("seed ", kSeed));
+  auto v1 = model::testing::MakeHfModel(config_, &quant_, kSeed);
+  ASSERT_TRUE(v1.ok()) << v1.status();
+  const engine_model::EngineParallel groups[2] = {layouts_[0]->parallel(), layouts_[1]->parallel()};
+  auto plan = plan::ShardPlan::Create(config_, &quant_, groups);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  trainer_agent::DeltaBase bases[2];
+  // One sync: every group's buckets, and what all the groups' DeltaSinks sent.
+  auto send = [&](const HfModel& m, uint64_t version, uint64_t base_version, trainer_agent::DeltaStats* total) {
+    std::vector<comm::testing::CaptureSink*> captures;
+    std::vector<trainer_agent::DeltaSink*> deltas;
+    std::vector<std::unique_ptr<comm::BucketSink>> sinks;
+    for (int g = 0; g < 2; ++g) {
+      auto capture = std::make_unique<comm::testing::CaptureSink>();
+      captures.push_back(capture.get());
+      auto d = std::make_unique<trainer_agent::DeltaSink>(std::move(capture), bases[g], std::vector{&plan->layout(g)},
+                                                          base_version, version);
+      deltas.push_back(d.get());
+      sinks.push_back(std::move(d));
+    }
+    plan::ShardedSink sink(&*plan, std::move(sinks));
+    comm::BucketBuilder builder(sink, {.bucket_bytes = 64 << 10, .version = version, .pp_stage = 0});
+    for (const std::string& name : m.order) EXPECT_TRUE(builder.Add(name, m.sent.at(name).view()).ok()) << name;
+    EXPECT_TRUE(builder.Finish().ok());
+    std::vector<Buckets> out;
+    *total = {};
+    for (int g = 0; g < 2; ++g) {
+      out.push_back(captures[static_cast<size_t>(g)]->buckets);
+      const trainer_agent::DeltaStats& s = deltas[static_cast<size_t>(g)]->stats();
+      total->delta_entries += s.delta_entries;
+      total->sent_bytes += s.sent_bytes;
+      total->tensor_bytes += s.tensor_bytes;
+    }
+    return out;
+  };
+  // Rank r loads group r's buckets.
+  auto receive = [&](const std::vector<Buckets>& by_group, bool delta) {
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      ranks_[r].staging->ResetCoverage();
+      if (delta) ranks_[r].staging->MarkAllRestored();
+      for (const auto& b : by_group[r]) {
+        EXPECT_TRUE(comm::ValidateManifest(b.manifest, b.data.size()).ok());
+        auto buf = Buffer::Allocate(std::max<size_t>(b.data.size(), 1));
+        if (!buf.ok()) return buf.status();
+        std::memcpy(buf->data(), b.data.data(), b.data.size());
+        RETURN_IF_ERROR(rollout_agent::LoadBucket(b.manifest, *buf, *ranks_[r].loader, 2));
+      }
+      RETURN_IF_ERROR(ranks_[r].loader->CheckComplete(/*loaded_only=*/delta));
+    }
+    return absl::OkStatus();
+  };
+  trainer_agent::DeltaStats st;
+  ASSERT_TRUE(receive(send(*v1, 1, 0, &st), false).ok());
+  ExpectHolds(*v1, "version 1 (sharded, full)");
+  EXPECT_EQ(st.delta_entries, 0u);
+  const uint64_t full_bytes = st.tensor_bytes;
+  const HfModel v2 = model::testing::ChangeElements(*v1, 0.01, kSeed + 2);
+  const std::vector<Buckets> delta = send(v2, 2, 1, &st);
+  int block_deltas = 0;
+  for (const Buckets& group : delta)
+    for (const auto& b : group)
+      for (const auto& e : b.manifest.entries()) block_deltas += e.has_block() && e.has_delta();
+  EXPECT_GT(block_deltas, 0) << "the cut blocks go as deltas";
+  EXPECT_LT(st.sent_bytes * 10, full_bytes) << st.sent_bytes << " of " << full_bytes;
+  const absl::Status loaded = receive(delta, true);
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  ExpectHolds(v2, "version 2 (sharded deltas)");
+  EXPECT_EQ(bases[0].version(), 2u);
+  EXPECT_EQ(bases[1].version(), 2u);
+}
+
 // A delta for a base the receivers do not hold (a sender that restarted, a damaged payload, a
 // receiver whose staging is not the base) never becomes the new version.
 TEST_F(DeltaSyncTest, WithoutTheRightBaseNothingIsTakenForTheNewVersion) {
@@ -289,6 +370,116 @@ TEST_F(DeltaSyncTest, TheSenderSendsWholeWhatItCannotDeltaAndNamesNoBaseAfterAFa
   for (const auto& b : after)
     for (const auto& e : b.manifest.entries()) EXPECT_FALSE(e.has_delta()) << e.tensor().name();
   EXPECT_EQ(base_.version(), 5u);
+}
+
+// `m` (bf16) with the lowest mantissa bit of about a fraction `p` of its elements flipped (a
+// training step's change: an ulp, never Inf or NaN), std::mt19937(seed).
+HfModel Nudged(const HfModel& m, double p, uint32_t seed) {
+  HfModel n = model::testing::ChangeElements(m, 0, seed);
+  std::mt19937 rng(seed);
+  std::bernoulli_distribution flip(p);
+  for (auto& [name, t] : n.sent) {
+    if (t.dtype() != DType::kBF16) continue;
+    auto* x = t.data_as<uint16_t>();
+    for (size_t i = 0; i < t.nbytes() / 2; ++i)
+      if (flip(rng)) x[i] ^= 1u;
+  }
+  return n;
+}
+
+// The stage source's quantizer with the delta base: a sync quantizes only the INT4 groups whose
+// bf16 inputs changed since the base's sync and copies the others from the base. Expected: the
+// groups counted unchanged by comparing the inputs' bits, and stagings equal to a full load of a
+// plain quantization (no base) of the same version.
+TEST_F(DeltaSyncTest, TheSenderQuantizesOnlyTheGroupsWhoseInputsChanged) {
+  constexpr uint32_t kSeed = 1212;
+  SCOPED_TRACE(absl::StrCat("seed ", kSeed));
+  auto q = model::testing::MakeHfModel(config_, &quant_, kSeed);
+  auto bf16 = model::testing::MakeHfModel(config_, nullptr, kSeed);
+  ASSERT_TRUE(q.ok() && bf16.ok());
+  const std::set<std::string>& int4 = q->int4;
+  ASSERT_FALSE(int4.empty());
+  // One sync of the bf16 model `m`: the INT4 targets through the quantizer (with the base when
+  // `reuse`), the rest as they are; into `sink` (a DeltaSink or a plain capture).
+  auto send = [&](comm::BucketSink& sink, const HfModel& m, uint64_t version, bool reuse, bool finish = true) {
+    trainer_agent::Int4Quantizer quantizer(trainer_agent::Int4Options{.quant = &quant_, .num_threads = 2});
+    if (reuse) quantizer.set_quantized_base(&base_);
+    comm::BucketBuilder builder(sink, {.bucket_bytes = 64 << 10, .version = version, .pp_stage = 0});
+    for (const std::string& name : m.order) {
+      const TensorView w = m.sent.at(name).view();
+      EXPECT_TRUE((int4.contains(name) ? quantizer.QuantizeInto(builder, name, w) : builder.Add(name, w)).ok()) << name;
+    }
+    if (finish) {
+      EXPECT_TRUE(builder.Finish().ok());
+    }
+    return quantizer.stats();
+  };
+  // The INT4 groups (of 32) of `a` whose bf16 bits equal `b`'s, and all of them.
+  auto same_groups = [&](const HfModel& a, const HfModel& b) {
+    std::pair<uint64_t, uint64_t> n{0, 0};
+    for (const std::string& name : int4) {
+      const auto x = a.sent.at(name).view().bytes(), y = b.sent.at(name).view().bytes();
+      for (size_t at = 0; at < x.size(); at += 64, ++n.second)
+        n.first += std::memcmp(x.data() + at, y.data() + at, 64) == 0;
+    }
+    return n;
+  };
+  // Each rank's staging after `delta` equals a full load of `m` quantized without a base.
+  auto expect_plain = [&](const HfModel& m, uint64_t version, const std::string& what) {
+    comm::testing::CaptureSink plain;
+    send(plain, m, version, false);
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      auto fresh = Staging::Create(*layouts_[r]);
+      ASSERT_TRUE(fresh.ok());
+      Loader l(fresh->get());
+      for (const auto& b : plain.buckets) {
+        auto buf = Buffer::Allocate(std::max<size_t>(b.data.size(), 1));
+        ASSERT_TRUE(buf.ok());
+        std::memcpy(buf->data(), b.data.data(), b.data.size());
+        ASSERT_TRUE(rollout_agent::LoadBucket(b.manifest, *buf, l, 2).ok());
+      }
+      EXPECT_EQ(Digest(*ranks_[r].staging), Digest(**fresh)) << what << ": engine rank " << r;
+    }
+  };
+  comm::testing::CaptureSink c1;
+  {
+    trainer_agent::DeltaSink sink(c1, base_, Receivers(), 0, 1);
+    const trainer_agent::Int4Stats st = send(sink, *bf16, 1, true);
+    EXPECT_EQ(st.reused_groups, 0u);
+    EXPECT_EQ(st.groups, same_groups(*bf16, *bf16).second);
+  }
+  ASSERT_TRUE(Receive(c1.buckets, false).ok());
+  expect_plain(*bf16, 1, "version 1");
+  // Version 2: 0.2 % of the bf16 elements changed.
+  const HfModel v2 = Nudged(*bf16, 0.002, kSeed + 2);
+  const auto [same, groups] = same_groups(*bf16, v2);
+  ASSERT_GT(same, groups / 4);
+  ASSERT_LT(same, groups);
+  comm::testing::CaptureSink c2;
+  {
+    trainer_agent::DeltaSink sink(c2, base_, Receivers(), 1, 2);
+    const trainer_agent::Int4Stats st = send(sink, v2, 2, true);
+    EXPECT_EQ(st.reused_groups, same);
+    EXPECT_EQ(st.groups, groups);
+  }
+  ASSERT_TRUE(Receive(c2.buckets, true).ok());
+  expect_plain(v2, 2, "version 2");
+  // A sync that does not finish (its DeltaSink never sees Finish) keeps no digests: the next one
+  // quantizes every group again, and still gives version 4's bytes.
+  const HfModel v3 = Nudged(v2, 0.002, kSeed + 3);
+  {
+    comm::testing::CaptureSink lost;
+    trainer_agent::DeltaSink sink(lost, base_, Receivers(), 2, 3);
+    send(sink, v3, 3, true, /*finish=*/false);
+  }
+  const HfModel v4 = Nudged(v3, 0.002, kSeed + 4);
+  comm::testing::CaptureSink c4;
+  {
+    trainer_agent::DeltaSink sink(c4, base_, Receivers(), 0, 4);
+    EXPECT_EQ(send(sink, v4, 4, true).reused_groups, 0u);
+  }
+  ASSERT_TRUE(Receive(c4.buckets, false).ok());
+  expect_plain(v4, 4, "version 4 after a lost sync");
 }
 
 }  // namespace

@@ -13,6 +13,8 @@
 #   4. Engine 0's agent restarts: its engine keeps serving from its memory, but no staging holds a
 #      base. --delta auto then sends every byte to both; --delta on sends engine 1 the delta while
 #      engine 0 sits the sync out and copies the new version from engine 1's agent.
+#   5. Sharded delivery: in full first (its senders' bases are per receiver group); a corrupted
+#      delta refused; in full again, then deltas.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
 e2e_start e2e_delta
@@ -38,7 +40,7 @@ synced() {  # wsyncctl sync --wait ARGS, with the heartbeats' staged versions in
   sed -n 's/.*version \([0-9]*\) published.*/\1/p' <<<"$out" | tail -n1
 }
 delta_line() { "${ctl[@]}" timings "$1" | grep -E "^(deltas from|in full)" || true; }
-percent() { sed -n 's/.*(\([0-9.]*\) %);.*/\1/p' <<<"$1"; }
+percent() { sed -n 's/^[^(]*(\([0-9.]*\) %);.*/\1/p' <<<"$1"; }  # the first: of the bytes
 
 for e in 0 1; do e2e_start_agent $e; e2e_start_engine $e; done
 for _ in $(seq 600); do [ "$(members "${ctl[@]}")" -ge 2 ] && break; sleep 0.1; done
@@ -117,4 +119,38 @@ for _ in $(seq 100); do
 done
 verified "$work/hf" "$v6"
 echo "e2e_delta: --delta on: engine 1 took version $v6 $line; engine 0 (no base) sat it out and $copied; both bit-exact"
+
+# 5. Sharded delivery: its senders keep a base per receiver group, so its first sync goes in full.
+#    The trainer ranks that send only under sharded delivery (1 and 2) corrupt their first delta
+#    (the failpoint is armed on every rank): refused by both agents, the engines keep version v7.
+#    Then in full again (the trainer's bases are unknown after a failure), then deltas of the blocks
+#    cut for each group.
+perturb 6
+v7=$(synced --delivery sharded)
+verified "$work/hf" "$v7"
+line=$(delta_line "$v7")
+grep -q "^in full" <<<"$line" || fail "the first sharded sync: '$line' (want it in full: no sharded base yet)"
+rm -rf "$work/hf.7" && cp -r "$work/hf" "$work/hf.7"
+perturb 7
+sleep 1
+declare -A seen
+for e in 0 1; do seen[$e]=$(wc -l < "$work/logs/agent-$e.log"); done
+out=$("${ctl[@]}" sync --wait --delivery sharded 2>&1) && fail "a sharded sync with a corrupted delta succeeded: $out"
+for e in 0 1; do
+  tail -n +"$((seen[$e] + 1))" "$work/logs/agent-$e.log" | grep -q "DATA_LOSS.*not the new version" ||
+    fail "agent $e did not refuse the corrupted sharded delta: $out"
+done
+verified "$work/hf.7" "$v7"
+v9=$(synced --delivery sharded)
+verified "$work/hf" "$v9"
+grep -q "^in full" <<<"$(delta_line "$v9")" || fail "the sharded sync after a refused delta: $(delta_line "$v9")"
+perturb 9
+v10=$(synced --delivery sharded)
+verified "$work/hf" "$v10"
+line=$(delta_line "$v10")
+grep -q "^deltas from version $v9: " <<<"$line" || fail "sharded version $v10: '$line' (want deltas from version $v9)"
+pct=$(percent "$line")
+awk -v p="$pct" 'BEGIN { exit !(p < 25) }' || fail "the sharded delta sent $pct % of the full bytes: $line"
+"${ctl[@]}" timings "$v10" | grep -q "sharded delivery" || fail "version $v10 was not sharded: $("${ctl[@]}" timings "$v10")"
+echo "e2e_delta: sharded: version $v7 in full; a corrupted sharded delta refused (both engines kept $v7); version $v9 in full, version $v10 $line; bit-exact on both engines"
 echo "e2e_delta: ok"

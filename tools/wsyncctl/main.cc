@@ -288,7 +288,9 @@ class Ctl {
                         {"tensor_bytes", r.tensor_bytes()},
                         {"sent_bytes", r.sent_bytes()},
                         {"items", r.delta_items()},
-                        {"changed_items", r.changed_items()}};
+                        {"changed_items", r.changed_items()},
+                        {"quant_groups", r.quant_groups()},
+                        {"reused_groups", r.reused_groups()}};
       std::printf("%s\n", out.dump(2).c_str());
       return 0;
     }
@@ -309,6 +311,9 @@ class Ctl {
       if (r.delta_items() > 0)
         absl::StrAppendFormat(&line, "; %d of %d elements changed (%.3f %%)", r.changed_items(), r.delta_items(),
                               100.0 * static_cast<double>(r.changed_items()) / static_cast<double>(r.delta_items()));
+      if (r.quant_groups() > 0)
+        absl::StrAppendFormat(&line, "; %d of %d INT4 groups not quantized again (inputs unchanged)", r.reused_groups(),
+                              r.quant_groups());
       std::printf("%s\n", line.c_str());
     }
     return 0;

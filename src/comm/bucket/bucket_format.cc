@@ -58,9 +58,10 @@ absl::Status CheckBlock(const v1::BucketManifest& m, const v1::BucketEntry& e, D
         absl::StrCat(where, ": block rows [", b.row0(), ", ", b.row0() + b.rows(), ") x columns [", b.col0(), ", ",
                      b.col0() + b.cols(), ") does not lie inside its ", dims.rows, " x ", dims.cols, " matrix"));
   }
-  // rows * cols <= the tensor's numel, which ValidateManifest bounded by 2^62.
+  // rows * cols <= the tensor's numel, which ValidateManifest bounded by 2^62. A delta of the block
+  // is at most its bytes.
   const uint64_t want = static_cast<uint64_t>(b.rows()) * static_cast<uint64_t>(b.cols()) * ItemSize(dtype);
-  if (e.nbytes() != want || e.split_offset() != 0) {
+  if ((e.has_delta() ? e.nbytes() > want : e.nbytes() != want) || e.split_offset() != 0) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": a ", b.rows(), " x ", b.cols(), " block holds ", want,
                                                    " bytes, the entry says ", e.nbytes(), " at split offset ",
                                                    e.split_offset()));
@@ -93,10 +94,9 @@ absl::Status ValidateManifest(const v1::BucketManifest& m, uint64_t data_bytes) 
     if (e.has_delta()) {
       // A delta's payload is never larger than the tensor (PlanDelta sends it dense then), and it
       // needs a base to apply onto.
-      if (e.has_block() || e.split_offset() != 0 || m.base_version() == 0 || e.delta().encoding() > 2)
+      if (e.split_offset() != 0 || m.base_version() == 0 || e.delta().encoding() > 2)
         return absl::InvalidArgumentError(absl::StrCat(DescribeBucket(m), ": ", name, ": a delta entry with ",
-                                                       e.has_block()           ? "a block"
-                                                       : e.split_offset() != 0 ? "a split offset"
+                                                       e.split_offset() != 0 ? "a split offset"
                                                        : m.base_version() == 0
                                                            ? "no base version"
                                                            : absl::StrCat("encoding ", e.delta().encoding())));

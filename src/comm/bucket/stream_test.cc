@@ -512,8 +512,8 @@ TEST(BucketStreamTest, ManifestValidation) {
   bad = m;
   bad.mutable_entries(0)->mutable_tensor()->set_name("");
   EXPECT_TRUE(absl::IsInvalidArgument(ValidateManifest(bad, 150)));
-  // Delta entries: a payload smaller than the tensor on a named base; never without a base, with a
-  // block, split, or in an unknown encoding.
+  // Delta entries: a payload smaller than the tensor (or its block: sharded delivery) on a named
+  // base; never without a base, split, or in an unknown encoding.
   v1::BucketManifest d = m;
   d.set_base_version(4);
   d.mutable_entries(0)->set_nbytes(40);
@@ -531,6 +531,14 @@ TEST(BucketStreamTest, ManifestValidation) {
   bad = d;
   bad.mutable_entries(0)->set_nbytes(101);  // more than the tensor
   EXPECT_TRUE(absl::IsInvalidArgument(ValidateManifest(bad, 150)));
+  v1::BucketManifest block = d;  // rows [10, 30) of the [50] tensor (a 50 x 1 matrix): 40 bytes
+  v1::TensorBlock* b = block.mutable_entries(0)->mutable_block();
+  b->set_row0(10);
+  b->set_rows(20);
+  b->set_cols(1);
+  EXPECT_TRUE(ValidateManifest(block, 150).ok()) << ValidateManifest(block, 150);
+  block.mutable_entries(0)->set_nbytes(41);  // more than the block
+  EXPECT_TRUE(absl::IsInvalidArgument(ValidateManifest(block, 150)));
 }
 
 TEST(BucketStreamTest, AReceiverWhoseSenderAbortsGetsAnError) {

@@ -75,8 +75,8 @@ std::string BucketWhere(const v1::BucketManifest& m) {
   return absl::StrCat("stage ", m.pp_stage(), " bucket ", m.index());
 }
 
-// A delta entry (EntryDelta): applied onto the staging's block of the base, checked by the sums of
-// this rank's layout.
+// A delta entry (EntryDelta) of the whole tensor or of a block (sharded): applied onto the
+// staging's block of the base, checked by the sums of this rank's layout.
 absl::Status LoadDeltaEntry(const v1::BucketEntry& e, DType dtype, const Shape& shape, const Buffer& data,
                             engine_model::Loader& loader) {
   const engine_model::EngineParallel& me = loader.staging().layout().parallel();
@@ -91,8 +91,10 @@ absl::Status LoadDeltaEntry(const v1::BucketEntry& e, DType dtype, const Shape& 
         ", EP ", me.ep_size, me.mtp_draft ? " (NextN draft)" : "", ": the sender did not know this rank's layout"));
   if (e.delta().encoding() > 2)
     return absl::DataLossError(absl::StrCat(e.tensor().name(), ": a delta in unknown encoding ", e.delta().encoding()));
-  const engine_model::Loader::DeltaRef ref{static_cast<kernels::DeltaEncoding>(e.delta().encoding()), sum->base_sum64(),
-                                           sum->sum64()};
+  engine_model::Loader::DeltaRef ref{static_cast<kernels::DeltaEncoding>(e.delta().encoding()), sum->base_sum64(),
+                                     sum->sum64()};
+  if (e.has_block())  // sharded delivery: a delta of the block cut for this rank's group
+    ref.block = engine_model::Loader::BlockRef{e.block().row0(), e.block().rows(), e.block().col0(), e.block().cols()};
   const auto* p = reinterpret_cast<const uint8_t*>(data.data()) + e.offset();
   return loader.LoadDelta(e.tensor().name(), dtype, shape, ref, {p, static_cast<size_t>(e.nbytes())});
 }

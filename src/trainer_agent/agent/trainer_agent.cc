@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <optional>
 #include <thread>
 
@@ -107,6 +108,7 @@ struct RankResult {
   // A stage source of a delta sync (DeltaSink): the version its base holds now (0: none), and
   // what it sent (DeltaStats).
   uint64_t delta_held = 0, tensor_bytes = 0, sent_bytes = 0, delta_items = 0, changed_items = 0;
+  uint64_t quant_groups = 0, reused_groups = 0;  // INT4 groups quantized or reused, and reused (SyncReport)
 };
 static_assert(sizeof(RankResult) % 8 == 0, "a POD gathered byte-wise");
 
@@ -430,31 +432,71 @@ class Agent {
   }
 
  private:
+  // This rank's data-plane side of a sync: a stage's broadcast sink, or its sharded sink and plan.
+  struct StageSinks {
+    std::unique_ptr<comm::BroadcastSink> broadcast;     // broadcast delivery
+    std::shared_ptr<const plan::ShardPlan> shard_plan;  // sharded delivery: the plan and its sink
+    std::unique_ptr<plan::ShardedSink> sharded;         // (delta delivery: the receivers' layouts)
+    std::unique_ptr<DeltaSink> delta;                   // delta delivery: in front of `broadcast`
+    std::vector<DeltaSink*> group_deltas;               // sharded delta delivery: owned by `sharded`
+    comm::BucketSink* out() const {
+      if (sharded) return sharded.get();
+      if (delta) return delta.get();
+      return broadcast.get();
+    }
+  };
+
   // Sharded delivery on a sender of the stage (index `sender` of StageSenders): the plan over the
   // receiver groups (the engine layouts of the model it sends, with its quantization) and one
   // data-plane group per receiver group, named ShardGroupName, of 1 + its agents.
   // `make_sink(name, size)` forms one group.
   template <typename MakeSink>
   absl::Status MakeShardedSink(const Command& cmd, const std::vector<GroupDesc>& groups, const WeightSource& src,
-                               int stage, int sender, MakeSink& make_sink,
-                               std::shared_ptr<const plan::ShardPlan>* plan_out,
-                               std::unique_ptr<plan::ShardedSink>* out) {
+                               int stage, int sender, MakeSink& make_sink, StageSinks* out) {
     RETURN_IF_ERROR(Annotate(PlanReceivers(groups, src, "sharded delivery"), "sharded delivery"));
-    *plan_out = plan_;
+    out->shard_plan = plan_;
     std::vector<std::unique_ptr<comm::BucketSink>> sinks;
     std::vector<comm::BroadcastSink*> raw;
+    // Delta delivery: each group's stream through a DeltaSink of its own, over the blocks cut for
+    // that group, with a base per receiver layout (what this rank last sent that group).
+    std::map<std::string, DeltaBase> bases;
+    for (size_t g = 0; g < groups.size() && cmd.delta; ++g) {
+      const std::string key = GroupKey(groups[g]);
+      auto kept = shard_bases_.extract(key);
+      bases[key] = kept.empty() ? DeltaBase() : std::move(kept.mapped());
+    }
+    shard_bases_ = std::move(bases);  // the bases of layouts no longer sent to: their memory back
     for (size_t g = 0; g < groups.size(); ++g) {
       auto made = make_sink(ShardGroupName(cmd.sync_id, stage, sender, static_cast<int>(g)), groups[g].agents + 1);
       if (!made.ok()) {
+        out->group_deltas.clear();  // owned by `sinks`, gone with it
         return Annotate(made.status(),
                         absl::StrCat("stage ", stage, " data-plane group of receiver group ", g, " (engine TP rank ",
                                      groups[g].tp_rank, " of ", groups[g].tp_size, ")"));
       }
       raw.push_back(made->get());
-      sinks.push_back(std::move(*made));
+      if (cmd.delta && (*made)->space().host()) {
+        auto d =
+            std::make_unique<DeltaSink>(std::move(*made), shard_bases_[GroupKey(groups[g])],
+                                        std::vector{&plan_->layout(static_cast<int>(g))}, cmd.delta_base, cmd.version);
+        out->group_deltas.push_back(d.get());
+        sinks.push_back(std::move(d));
+      } else {
+        sinks.push_back(std::move(*made));
+      }
     }
-    *out = std::make_unique<plan::ShardedSink>(plan_out->get(), std::move(sinks), std::move(raw));
+    if (cmd.delta && out->group_deltas.empty() && !groups.empty()) {
+      WSYNC_LOG(WARNING) << "sync " << cmd.sync_id << ": deltas are sent from host buckets only; this one's are in "
+                         << raw[0]->space().Name() << ": sent in full";
+      shard_bases_.clear();
+    }
+    out->sharded = std::make_unique<plan::ShardedSink>(out->shard_plan.get(), std::move(sinks), std::move(raw));
     return absl::OkStatus();
+  }
+
+  // A receiver group's engine-rank layout, naming its delta base (sharded delivery).
+  static std::string GroupKey(const GroupDesc& g) {
+    return absl::StrCat(g.tp_size, "/", g.tp_rank, "/", g.ep_size, g.mtp_draft ? "/mtp-draft" : "");
   }
 
   // plan_: the engine layouts of the receiver groups (of the model it sends, with its quantization),
@@ -492,19 +534,6 @@ class Agent {
     return absl::OkStatus();
   }
 
-  // This rank's data-plane side of a sync: a stage's broadcast sink, or its sharded sink and plan.
-  struct StageSinks {
-    std::unique_ptr<comm::BroadcastSink> broadcast;     // broadcast delivery
-    std::shared_ptr<const plan::ShardPlan> shard_plan;  // sharded delivery: the plan and its sink
-    std::unique_ptr<plan::ShardedSink> sharded;         // (delta delivery: the receivers' layouts)
-    std::unique_ptr<DeltaSink> delta;                   // delta delivery: in front of `broadcast`
-    comm::BucketSink* out() const {
-      if (sharded) return sharded.get();
-      if (delta) return delta.get();
-      return broadcast.get();
-    }
-  };
-
   // One sync on this rank: 1. the source and the stage groups, voted on; 2. the sync itself;
   // 3. every rank's result to every rank (rank 0 reports them to the coordinator).
   absl::StatusOr<TrainerReport> RunSync(const Command& cmd, const std::vector<GroupDesc>& groups,
@@ -541,6 +570,7 @@ class Agent {
     }
     sinks.delta.reset();
     sinks.broadcast.reset();
+    sinks.group_deltas.clear();
     sinks.sharded.reset();
 
     // 3. Results to every rank.
@@ -626,9 +656,11 @@ class Agent {
                               int stage, int sender, absl::Duration join_timeout, StageSinks* sinks) {
     auto make_sink = [&](const std::string& name, int size) { return MakeGroupSink(cmd, name, size, join_timeout); };
     if (cmd.sharded) {
-      delta_base_ = DeltaBase();  // no delta from a sharded sync: its memory back
-      return MakeShardedSink(cmd, groups, src, stage, sender, make_sink, &sinks->shard_plan, &sinks->sharded);
+      delta_base_ = DeltaBase();  // the broadcast base: its memory back
+      if (!cmd.delta) shard_bases_.clear();
+      return MakeShardedSink(cmd, groups, src, stage, sender, make_sink, sinks);
     }
+    shard_bases_.clear();
     auto made = make_sink(SyncGroupName(cmd.sync_id, stage), static_cast<int>(cmd.num_agents) + 1);
     if (!made.ok()) return Annotate(made.status(), absl::StrCat("stage ", stage, " data-plane group"));
     sinks->broadcast = std::move(*made);
@@ -656,6 +688,44 @@ class Agent {
     return absl::OkStatus();
   }
 
+  // What this rank's DeltaSinks sent (broadcast: one; sharded: one per receiver group) into `mine`,
+  // and logged; the version every one of its bases holds now (0 if any holds none).
+  void NoteDeltas(const Command& cmd, const StageSinks& sinks, SyncReport& report, RankResult& mine) const {
+    std::vector<const DeltaSink*> all(sinks.group_deltas.begin(), sinks.group_deltas.end());
+    if (sinks.delta) all.push_back(sinks.delta.get());
+    if (all.empty()) return;
+    DeltaStats d;
+    for (const DeltaSink* s : all) {
+      const DeltaStats& one = s->stats();
+      d.entries += one.entries;
+      d.delta_entries += one.delta_entries;
+      d.tensor_bytes += one.tensor_bytes;
+      d.sent_bytes += one.sent_bytes;
+      d.items += one.items;
+      d.changed_items += one.changed_items;
+    }
+    uint64_t held = cmd.version, base_bytes = delta_base_.bytes();
+    for (const auto& [key, base] : shard_bases_) base_bytes += base.bytes();
+    if (sinks.delta && delta_base_.version() != cmd.version) held = 0;
+    for (const auto& [key, base] : shard_bases_)
+      if (!sinks.group_deltas.empty() && base.version() != cmd.version) held = 0;
+    if (sinks.sharded)  // what left this rank: the groups' cut bytes, less what their deltas saved
+      report.bytes -= std::min(report.bytes, d.tensor_bytes - d.sent_bytes);
+    mine.delta_held = held;
+    mine.tensor_bytes = d.tensor_bytes;
+    mine.sent_bytes = d.sent_bytes;
+    mine.delta_items = d.items;
+    mine.changed_items = d.changed_items;
+    mine.quant_groups = report.quant_groups;
+    mine.reused_groups = report.reused_groups;
+    WSYNC_LOG(INFO) << "sync " << cmd.sync_id << ": " << d.delta_entries << " of " << d.entries
+                    << (sinks.sharded ? " blocks" : " tensors") << " as deltas from version " << cmd.delta_base << ", "
+                    << FormatBytes(d.sent_bytes) << " of " << FormatBytes(d.tensor_bytes) << " sent ("
+                    << d.changed_items << " of " << d.items << " elements changed); " << report.reused_groups << " of "
+                    << report.quant_groups << " INT4 groups reused, not quantized (inputs unchanged); the bases hold "
+                    << FormatBytes(base_bytes);
+  }
+
   // RunRankSync into this rank's sinks; its times and counts (or its error) into `mine`.
   void SendStage(const Command& cmd, const WeightSource& src, const StageSinks& sinks, RankResult& mine) {
     const absl::Duration timeout = absl::Milliseconds(cmd.timeout_ms);
@@ -670,6 +740,7 @@ class Agent {
     so.collective = comm::CollectiveOptions{timeout + absl::Minutes(1)};
     so.workspace = &workspace_;
     so.spread_senders = cmd.sharded != 0;
+    so.quantized_base = sinks.delta ? &delta_base_ : nullptr;
     auto report = RunRankSync(src, comms_, sinks.out(), so);
     if (report.ok() && sinks.broadcast && !sinks.broadcast->status().ok()) report = sinks.broadcast->status();
     if (report.ok() && sinks.sharded && !sinks.sharded->status().ok()) report = sinks.sharded->status();
@@ -678,18 +749,7 @@ class Agent {
       report->bytes = 0;
       for (uint64_t b : sinks.sharded->group_bytes()) report->bytes += b;
     }
-    if (report.ok() && sinks.delta) {
-      const DeltaStats& d = sinks.delta->stats();
-      mine.delta_held = delta_base_.version();
-      mine.tensor_bytes = d.tensor_bytes;
-      mine.sent_bytes = d.sent_bytes;
-      mine.delta_items = d.items;
-      mine.changed_items = d.changed_items;
-      WSYNC_LOG(INFO) << "sync " << cmd.sync_id << ": " << d.delta_entries << " of " << d.entries
-                      << " tensors as deltas from version " << cmd.delta_base << ", " << FormatBytes(d.sent_bytes)
-                      << " of " << FormatBytes(d.tensor_bytes) << " sent (" << d.changed_items << " of " << d.items
-                      << " elements changed); the base holds " << FormatBytes(delta_base_.bytes());
-    }
+    if (report.ok()) NoteDeltas(cmd, sinks, *report, mine);
     if (!report.ok()) {
       SetMessage(mine, report.status());
       return;
@@ -738,6 +798,8 @@ class Agent {
       report.sent_bytes += r.sent_bytes;
       report.delta_items += r.delta_items;
       report.changed_items += r.changed_items;
+      report.quant_groups += r.quant_groups;
+      report.reused_groups += r.reused_groups;
     }
     report.phases.back().bytes = report.bytes;
     WSYNC_LOG(INFO) << "sync " << cmd.sync_id << " done on this rank: " << FormatBytes(mine.bytes) << " (" << mine.bytes
@@ -794,6 +856,8 @@ class Agent {
   std::shared_ptr<const plan::ShardPlan> plan_;
   std::string plan_key_;
   DeltaBase delta_base_;  // delta delivery on a stage source: what it last sent (sync/delta_sink.h)
+  // Sharded delta delivery on a sender: what it last sent each receiver layout (GroupKey).
+  std::map<std::string, DeltaBase> shard_bases_;
   std::optional<QuantizationConfig> sync_quant_;  // the running sync's (SyncQuantization)
   // Bucket buffers (stage sources only): two on the wire + the one being built. Kept across syncs,
   // except over nccl: device buffers, none freed while the sync's groups run (a cudaFree waits for

@@ -125,6 +125,8 @@ class FakeTrainer final : public TrainerSide {
       r.sent_bytes = plan.delta_base ? 40 : 1000;
       r.delta_items = plan.delta_base ? 500 : 0;
       r.changed_items = plan.delta_base ? 5 : 0;
+      r.quant_groups = 64;
+      r.reused_groups = plan.delta_base ? 48 : 0;
     }
     r.bytes = 1000;
     r.phases.push_back({"gather", 0.25, 1000});
@@ -995,9 +997,23 @@ TEST_F(SyncCoordinatorTest, DeltasGoOnlyToStagingsThatHoldTheTrainersBase) {
   EXPECT_EQ(sync().phase(), "done");
   EXPECT_EQ(trainer_.plans()[7].delta_base, 0u) << "a sync with deltas off drops the trainer's base";
 
-  auto sharded = Trigger(0, false, 0, "sharded", "on");
-  EXPECT_EQ(sharded.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(sharded.status().message(), HasSubstr("broadcast delivery only"));
+  // Sharded delivery takes deltas too, from bases of its own (one per receiver group): the first
+  // sharded sync after a broadcast one goes in full.
+  auto sharded = [&] {
+    auto t = Trigger(0, false, 0, "sharded", "on");
+    EXPECT_TRUE(t.ok()) << t.status();
+    return t.ok() ? Finish(t->sync_id()) : v1::SyncEvent();
+  };
+  EXPECT_EQ(sharded().phase(), "done");
+  EXPECT_EQ(trainer_.plans()[8].delivery, plan::Delivery::kSharded);
+  EXPECT_EQ(trainer_.plans()[8].delta_base, 0u) << "the trainer's base (version 8) is a broadcast one";
+  EXPECT_EQ(sharded().phase(), "done");
+  EXPECT_EQ(trainer_.plans()[9].delta_base, 9u);
+  ASSERT_TRUE(coordinator_->Timings({}, &timings).ok());
+  EXPECT_EQ(timings.delivery(), "sharded");
+  EXPECT_EQ(timings.delta_base(), 9u);
+  EXPECT_EQ(timings.reused_groups(), 48u);
+  EXPECT_EQ(timings.quant_groups(), 64u);
   auto unknown = Trigger(0, false, 0, "", "maybe");
   EXPECT_THAT(unknown.status().message(), HasSubstr("delta \"maybe\": off, auto or on"));
 }

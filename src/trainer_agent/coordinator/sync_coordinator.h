@@ -78,9 +78,9 @@ struct SyncPlan {
   // (their engine layouts may differ; otherwise the sync is refused before it starts); "" when
   // they serve bf16. The trainer quantizes as it says unless it has a --quant-config of its own.
   std::string engine_quant_json;
-  // Delta delivery (broadcast only; docs/sync.md "Delta sync"): the stage sources keep a copy of
-  // what they send as the next sync's base, and send each tensor as its change from delta_base
-  // (0: in full). receiver_groups then lists the members' engine-rank layouts (a checksum of each
+  // Delta delivery (docs/sync.md "Delta sync"): the senders keep a copy of what they send (sharded:
+  // per receiver group) as the next sync's base, and send each tensor or block as its change from
+  // delta_base (0: in full). receiver_groups then lists the members' engine-rank layouts (a checksum of each
   // one's block goes with every delta).
   bool keep_delta_base = false;
   uint64_t delta_base = 0;
@@ -102,6 +102,7 @@ struct TrainerReport {
   // kept one, else 0), and what the stage sources sent (trainer_agent/sync/delta_sink.h DeltaStats).
   uint64_t delta_held = 0;
   uint64_t tensor_bytes = 0, sent_bytes = 0, delta_items = 0, changed_items = 0;
+  uint64_t quant_groups = 0, reused_groups = 0;  // the stage sources' INT4 groups, and those reused
 };
 
 // The trainer ranks as the coordinator sees them (rank 0's command channel).
@@ -298,9 +299,11 @@ class SyncCoordinator {
     bool removed = false;
   };
   std::map<std::string, FleetEngine> fleet_ ABSL_GUARDED_BY(mu_);  // engine id -> what its agents said
-  // The version the trainer's stage sources keep as their delta base (TrainerReport::delta_held of
-  // the last transfer; 0: none, or unknown after a failed one).
+  // The version the trainer's senders keep as their delta bases (TrainerReport::delta_held of the
+  // last transfer; 0: none, or unknown after a failed one), and that transfer's delivery (broadcast
+  // and sharded senders keep different bases: a base of the other delivery is none).
   uint64_t trainer_base_ ABSL_GUARDED_BY(mu_) = 0;
+  plan::Delivery trainer_base_delivery_ ABSL_GUARDED_BY(mu_) = plan::Delivery::kBroadcast;
   uint64_t next_sync_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_version_ ABSL_GUARDED_BY(mu_) = 1;
   // The fleet's version: the newest version a sync committed on at least one engine rank.

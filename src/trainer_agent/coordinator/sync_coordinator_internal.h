@@ -56,13 +56,15 @@ struct SyncCoordinator::SyncRecord {
 
 namespace coordinator_internal {
 
-// TimingsReply's delta fields (delta_base .. changed_items) from `from` into `to`.
+// TimingsReply's delta fields (delta_base .. reused_groups) from `from` into `to`.
 inline void CopyDeltaFigures(const v1::TimingsReply& from, v1::TimingsReply* to) {
   to->set_delta_base(from.delta_base());
   to->set_tensor_bytes(from.tensor_bytes());
   to->set_sent_bytes(from.sent_bytes());
   to->set_delta_items(from.delta_items());
   to->set_changed_items(from.changed_items());
+  to->set_quant_groups(from.quant_groups());
+  to->set_reused_groups(from.reused_groups());
 }
 
 // The history a coordinator keeps, in memory and in its state file: the newest attempts

@@ -84,9 +84,6 @@ absl::Status SyncCoordinator::TriggerSync(const v1::TriggerSyncRequest& req, v1:
   if (!req.delta().empty()) {
     ASSIGN_OR_RETURN(delta, ParseDeltaMode(req.delta()));
   }
-  if (delta != DeltaMode::kOff && delivery == plan::Delivery::kSharded && !req.delta().empty())
-    return absl::InvalidArgumentError(
-        absl::StrCat("delta ", DeltaModeName(delta), " with sharded delivery: deltas go with broadcast delivery only"));
   if (const uint64_t v = req.version(); v != 0) {
     // Join a sync of the same version (queued, running, or done): one sync for all ranks.
     for (auto& [sid, rec] : syncs_) {
@@ -115,7 +112,7 @@ absl::Status SyncCoordinator::TriggerSync(const v1::TriggerSyncRequest& req, v1:
   SyncRecord rec;
   rec.id = id;
   rec.delivery = delivery;
-  rec.delta = delivery == plan::Delivery::kSharded ? DeltaMode::kOff : delta;
+  rec.delta = delta;
   if (req.version() != 0) {
     rec.version = req.version();
     next_version_ = std::max(next_version_, rec.version + 1);
@@ -285,7 +282,7 @@ void SyncCoordinator::TakeMembers(Attempt& a) {
 
 void SyncCoordinator::PlanDelta(Attempt& a, DeltaMode mode) {
   a.plan.keep_delta_base = mode != DeltaMode::kOff && a.status.ok();
-  const uint64_t base = trainer_base_;
+  const uint64_t base = trainer_base_delivery_ == a.plan.delivery ? trainer_base_ : 0;
   if (!a.plan.keep_delta_base || base == 0) return;
   // An engine takes the delta only when each of its ranks' stagings holds the base.
   std::set<std::string> off_base;
@@ -435,6 +432,7 @@ absl::Status SyncCoordinator::TransferPhase(Attempt& a) {
   auto r = trainer_->RunSync(a.plan);
   absl::MutexLock lock(&mu_);
   trainer_base_ = r.ok() ? r->delta_held : 0;  // after a failure: unknown, the next sync in full
+  trainer_base_delivery_ = a.plan.delivery;
   if (!r.ok()) return r.status();
   a.report = *r;
   return absl::OkStatus();
@@ -593,6 +591,8 @@ void SyncCoordinator::FinishSync(Attempt& a) {
   rec.delta_figures.set_sent_bytes(a.report.sent_bytes);
   rec.delta_figures.set_delta_items(a.report.delta_items);
   rec.delta_figures.set_changed_items(a.report.changed_items);
+  rec.delta_figures.set_quant_groups(a.report.quant_groups);
+  rec.delta_figures.set_reused_groups(a.report.reused_groups);
   if (a.report.tensor_bytes > 0) {  // the trainer kept a delta base: what this sync sent of a full one
     GaugeOf(opts_.metrics, "wsync_sync_sent_fraction",
             "The last sync's bytes sent over a full sync's (delta delivery; 1 when it went in full)")

@@ -506,10 +506,32 @@ absl::Status Int4Quantizer::QuantizeInto(comm::BucketBuilder& builder, const std
   ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, ReserveTriplet(builder, space_, name, w.dtype(), shapes->packed,
                                                                       shapes->scales, w.dim(0), w.dim(1)));
   const absl::Time t0 = absl::Now();
-  absl::Status s = kernels::QuantizeInt4(w, dst[0], dst[1], kernel_);
+  absl::Status s = base_ != nullptr ? QuantizeReusing(name, w, dst) : kernels::QuantizeInt4(w, dst[0], dst[1], kernel_);
   stats_.quantize += absl::Now() - t0;
   if (!s.ok()) return Annotate(s, absl::StrCat("quantizing \"", name, "\""));
   stats_.quantized_bytes += w.nbytes();
+  return absl::OkStatus();
+}
+
+absl::Status Int4Quantizer::QuantizeReusing(const std::string& name, const TensorView& w,
+                                            absl::Span<const MutableTensorView> dst) {
+  absl::string_view prefix = name;
+  absl::ConsumeSuffix(&prefix, ".weight");  // ReserveTriplet refused any other name
+  const std::string names[2] = {absl::StrCat(prefix, ".weight_packed"), absl::StrCat(prefix, ".weight_scale")};
+  const std::string key = absl::StrCat(QuantFingerprint(&quant_, kernel_.variant), " ", SafetensorsName(w.dtype()));
+  const auto groups = static_cast<size_t>(dst[1].nbytes() / 2);
+  kernels::QuantizeReuse reuse;
+  reuse.next_digests = base_->NextDigests(name, groups, key);
+  const std::optional<QuantizedBase::Earlier> earlier = base_->FindQuantized(name, names[0], names[1], key);
+  if (earlier && earlier->digests.size() == groups && earlier->packed.size() == dst[0].nbytes() &&
+      earlier->scales.size() == dst[1].nbytes()) {
+    reuse.digests = earlier->digests;
+    reuse.packed = TensorView(dst[0].dtype(), dst[0].shape(), std::as_bytes(earlier->packed));
+    reuse.scales = TensorView(dst[1].dtype(), dst[1].shape(), std::as_bytes(earlier->scales));
+  }
+  RETURN_IF_ERROR(kernels::QuantizeInt4(w, dst[0], dst[1], kernel_, reuse));
+  stats_.groups += groups;
+  stats_.reused_groups += static_cast<uint64_t>(reuse.reused_groups);
   return absl::OkStatus();
 }
 

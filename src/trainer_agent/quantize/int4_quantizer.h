@@ -110,6 +110,26 @@ struct Int4ExpertPlan {
   std::vector<std::vector<AwqPart>> awq_shards;
 };
 
+// What a stage source quantized in its last sync, for QuantizeInto to reuse the groups whose inputs
+// did not change since (kernels::QuantizeReuse: compressed-tensors INT4, host memory). The delta
+// base (sync/delta_sink.h) implements it: it holds those outputs as they were sent, and keeps a
+// sync's digests only once every bucket of that sync went (a failed sync leaves none, so outputs
+// and digests always come from the same sync). Used by the builder's thread only.
+class QuantizedBase {
+ public:
+  struct Earlier {
+    std::span<const uint64_t> digests;        // one per group
+    std::span<const uint8_t> packed, scales;  // the outputs as sent
+  };
+  virtual ~QuantizedBase() = default;
+  // HF tensor `name`'s digests and outputs (`packed_name`, `scale_name`) from the last sync, when
+  // that sync quantized it under `key` (the quantization and input dtype); else nullopt.
+  virtual std::optional<Earlier> FindQuantized(const std::string& name, const std::string& packed_name,
+                                               const std::string& scale_name, const std::string& key) const = 0;
+  // Where this sync's `groups` digests of `name` (quantized under `key`) go.
+  virtual std::span<uint64_t> NextDigests(const std::string& name, size_t groups, const std::string& key) = 0;
+};
+
 // Bytes and time an Int4Quantizer spent, accumulated over its calls.
 struct Int4Stats {
   absl::Duration quantize;       // inside kernels::QuantizeInt4
@@ -117,6 +137,8 @@ struct Int4Stats {
   uint64_t quantized_bytes = 0;  // bf16 / fp16 bytes through the kernels
   uint64_t copied_bytes = 0;     // INT4 bytes EmitExpert copied into buckets
   uint64_t hf_bytes = 0;         // HF tensors EmitExpert sent, counted before quantization
+  // QuantizeInto with a QuantizedBase: the groups quantized or reused, and those reused.
+  uint64_t groups = 0, reused_groups = 0;
 };
 
 struct Int4Options {
@@ -195,11 +217,18 @@ class Int4Quantizer {
   // (kernels::QuantizeAwq with Int4Options::awq_arith).
   absl::Status QuantizeInto(comm::BucketBuilder& builder, const std::string& name, const TensorView& w);
 
+  // With a base (not owned; nullptr: none), QuantizeInto of compressed-tensors INT4 in host memory
+  // copies each group whose input is unchanged since the base's sync instead of quantizing it
+  // (the bytes are the same: kernels::QuantizeReuse). Other formats and device memory: no reuse.
+  void set_quantized_base(QuantizedBase* base) { base_ = space_.host() ? base : nullptr; }
+
   const Int4Stats& stats() const { return stats_; }
 
  private:
   absl::Status QuantizeAwqInto(comm::BucketBuilder& builder, const std::string& name, const TensorView& w);
   absl::Status QuantizeFp8Into(comm::BucketBuilder& builder, const std::string& name, const TensorView& w);
+  // QuantizeInto's kernel call with base_: `dst` the reserved packed and scales.
+  absl::Status QuantizeReusing(const std::string& name, const TensorView& w, absl::Span<const MutableTensorView> dst);
   absl::StatusOr<std::optional<Int4ExpertPlan>> PlanAwqExpert(const MegatronParam& p, HfRowMap map, int etp) const;
   // Rows [row, row + part.n) of `w` quantized into AWQ triple `part` of `block`.
   absl::Status QuantizeAwqPart(const MegatronParam& p, const TensorView& w, int64_t row, const AwqPart& part,
@@ -212,6 +241,7 @@ class Int4Quantizer {
   const kernels::QuantizeOptions kernel_;
   const kernels::AwqQuantizeOptions awq_;
   const model::QuantizeOptions fp8_;
+  QuantizedBase* base_ = nullptr;
   Int4Stats stats_;
 };
 

@@ -37,6 +37,22 @@ uint64_t BlockSum(const uint8_t* t, int64_t cols, size_t item, const engine_mode
 
 }  // namespace
 
+std::optional<QuantizedBase::Earlier> DeltaBase::FindQuantized(const std::string& name, const std::string& packed_name,
+                                                               const std::string& scale_name,
+                                                               const std::string& key) const {
+  const auto d = earlier_.find(name);
+  const auto p = tensors_.find(packed_name), s = tensors_.find(scale_name);
+  if (d == earlier_.end() || d->second.key != key || p == tensors_.end() || s == tensors_.end()) return std::nullopt;
+  return Earlier{d->second.groups, p->second, s->second};
+}
+
+std::span<uint64_t> DeltaBase::NextDigests(const std::string& name, size_t groups, const std::string& key) {
+  Digests& d = next_[name];
+  d.key = key;
+  d.groups.assign(groups, 0);
+  return d.groups;
+}
+
 DeltaSink::DeltaSink(comm::BucketSink& inner, DeltaBase& base, std::vector<const EngineLayout*> receivers,
                      uint64_t base_version, uint64_t version)
     : inner_(inner),
@@ -46,6 +62,11 @@ DeltaSink::DeltaSink(comm::BucketSink& inner, DeltaBase& base, std::vector<const
       version_(version),
       delta_(base_version != 0 && base.version() == base_version) {
   base_.version_ = 0;  // being rewritten: a failed sync leaves no named base
+  // The last sync's digests are this one's to reuse; none are kept until this one finishes.
+  base_.earlier_ = std::move(base_.digests_);
+  base_.digests_.clear();
+  base_.next_.clear();
+  base_.digest_bytes_ = 0;
   // The base's block sums hold for these receivers' layouts only.
   std::string key;
   for (const EngineLayout* l : receivers_) {
@@ -56,23 +77,44 @@ DeltaSink::DeltaSink(comm::BucketSink& inner, DeltaBase& base, std::vector<const
   base_.sums_key_ = std::move(key);
 }
 
+DeltaSink::DeltaSink(std::unique_ptr<comm::BucketSink> inner, DeltaBase& base,
+                     std::vector<const EngineLayout*> receivers, uint64_t base_version, uint64_t version)
+    : DeltaSink(*inner, base, std::move(receivers), base_version, version) {
+  owned_ = std::move(inner);
+}
+
 absl::Status DeltaSink::Rewrite(v1::BucketEntry& e, const uint8_t* bytes, uint8_t* out, uint64_t& cursor) {
   const std::string& name = e.tensor().name();
   const uint64_t n = e.nbytes();
   ASSIGN_OR_RETURN(const DType dtype, comm::FromProto(e.tensor().dtype()));
   const auto item = static_cast<uint32_t>(ItemSize(dtype));
   const Shape shape(e.tensor().shape().begin(), e.tensor().shape().end());
+  // The entry's elements: the whole tensor, or the block of it a sharded group is sent.
+  const MatrixDims whole = MatrixOf(shape);
+  const engine_model::KeptBlock region =
+      e.has_block() ? engine_model::KeptBlock{e.block().row0(), e.block().rows(), e.block().col0(), e.block().cols()}
+                    : engine_model::KeptBlock{0, whole.rows, 0, whole.cols};
   auto it = base_.tensors_.find(name);
   bool as_delta = delta_ && !receivers_.empty() && it != base_.tensors_.end() && it->second.size() == n &&
-                  n == e.total_nbytes() && shape.size() <= 2 && (item == 1 || item == 2 || item == 4 || item == 8) &&
-                  !e.has_block() && e.split_offset() == 0;
-  // Whole: an INT4 weight_shape, and a tensor some receiver's layout describes otherwise (its block
-  // would not be this tensor's; the receiver refuses the tensor itself).
-  for (const EngineLayout* l : receivers_) {
-    const int idx = l->FindSource(name);
+                  n == static_cast<uint64_t>(region.rows * region.cols) * item && shape.size() <= 2 &&
+                  (item == 1 || item == 2 || item == 4 || item == 8) && e.split_offset() == 0;
+  // Whole: an INT4 weight_shape, a tensor some receiver's layout describes otherwise (its block
+  // would not be this tensor's; the receiver refuses the tensor itself), and a block that does not
+  // hold all a receiver keeps. `blocks[i]`: receiver i's block within the entry's elements.
+  std::vector<engine_model::KeptBlock> blocks(receivers_.size());
+  for (size_t i = 0; i < receivers_.size(); ++i) {
+    const int idx = receivers_[i]->FindSource(name);
     if (idx < 0) continue;
-    const HfSource& src = l->sources()[static_cast<size_t>(idx)];
+    const HfSource& src = receivers_[i]->sources()[static_cast<size_t>(idx)];
     if (src.action == HfSource::Action::kCheckShape || src.dtype != dtype || src.shape != shape) as_delta = false;
+    engine_model::KeptBlock k = engine_model::KeptBlockOf(src);
+    if (k.empty()) continue;
+    if (k.row0 < region.row0 || k.row0 + k.rows > region.row0 + region.rows || k.col0 < region.col0 ||
+        k.col0 + k.cols > region.col0 + region.cols)
+      as_delta = false;
+    k.row0 -= region.row0;
+    k.col0 -= region.col0;
+    blocks[i] = k;
   }
   cursor = comm::AlignEntry(cursor);
   ++stats_.entries;
@@ -86,16 +128,14 @@ absl::Status DeltaSink::Rewrite(v1::BucketEntry& e, const uint8_t* bytes, uint8_
     v1::EntryDelta* d = e.mutable_delta();
     d->set_encoding(static_cast<uint32_t>(plan.encoding));
     d->set_changed_items(plan.changed_items);
-    const int64_t cols = MatrixOf(shape).cols;
+    const int64_t cols = region.cols;
     // The base's sums are the new ones of the sync that sent it (kept per tensor), else computed.
     std::vector<uint64_t>& sums = base_.sums_[name];
     const bool cached = sums.size() == receivers_.size();
     sums.resize(receivers_.size());
     for (size_t i = 0; i < receivers_.size(); ++i) {
       const EngineLayout* l = receivers_[i];
-      const int idx = l->FindSource(name);
-      const engine_model::KeptBlock k =
-          idx >= 0 ? engine_model::KeptBlockOf(l->sources()[static_cast<size_t>(idx)]) : engine_model::KeptBlock{};
+      const engine_model::KeptBlock& k = blocks[i];
       v1::DeltaSum* s = d->add_sums();
       s->set_tp_size(static_cast<uint32_t>(l->parallel().tp_size));
       s->set_tp_rank(static_cast<uint32_t>(l->parallel().tp_rank));
@@ -173,6 +213,10 @@ absl::Status DeltaSink::Finish() {
   RETURN_IF_ERROR(failed_);  // a bucket was not sent: the base stays unnamed
   RETURN_IF_ERROR(inner);
   base_.version_ = version_;
+  base_.digests_ = std::move(base_.next_);
+  base_.next_.clear();
+  base_.earlier_.clear();
+  for (const auto& [name, d] : base_.digests_) base_.digest_bytes_ += d.groups.size() * sizeof(uint64_t);
   return absl::OkStatus();
 }
 

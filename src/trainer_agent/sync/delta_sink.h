@@ -1,6 +1,8 @@
 // Delta delivery, the sender's side: a BucketSink between a stage source's BucketBuilder and the
 // data plane's sink that replaces each entry of each bucket by the tensor's change since the base
 // version (kernels/delta.h, proto EntryDelta), and keeps what it sent as the next sync's base.
+// Sharded delivery puts one in front of each receiver group's stream (after plan::ShardedSink's
+// cut), with a base of its own: its entries are blocks, and a delta is the block's change.
 //
 // The base (DeltaBase): a host copy of every tensor this sender sent in its last sync, in engine
 // form (converted, quantized: exactly the entry bytes), tagged with that sync's version. Memory:
@@ -11,7 +13,8 @@
 //
 // Per entry: when the base holds the version the receivers hold (`base_version`) and the tensor
 // (same bytes size, an element of 1, 2, 4 or 8 bytes, at most 2 dims, the dtype and shape every
-// receiver layout gives it; at least one receiver layout), the entry carries its delta
+// receiver layout gives it, a block holding all each receiver keeps; at least one receiver
+// layout), the entry carries its delta
 // (PlanDelta's smallest encoding; an unchanged tensor costs an 8-byte zero count), with, for every
 // receiver layout, the Sum64 of the block that engine rank keeps in the base and in the new version
 // (the receiver's checks, engine_model::Loader::LoadDelta); otherwise its full bytes (the receivers
@@ -29,21 +32,42 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "comm/bucket/builder.h"
 #include "engine_model/engine_layout.h"
+#include "trainer_agent/quantize/int4_quantizer.h"
 
 namespace wsync::trainer_agent {
 
-class DeltaBase {
+// The base is also the stage source's QuantizedBase (quantize/int4_quantizer.h): with every INT4
+// tensor's outputs it keeps one XXH3-64 per quantization group of the bf16 inputs they came from
+// (8 bytes per group: 1/16 of the inputs' bytes at G 64), so that the next sync quantizes only the
+// groups whose inputs changed. A sync's digests are kept only when its DeltaSink finishes, which
+// is when the base holds that sync's outputs.
+class DeltaBase final : public QuantizedBase {
  public:
   uint64_t version() const { return version_; }
-  uint64_t bytes() const { return bytes_; }  // host memory held
+  uint64_t bytes() const { return bytes_ + digest_bytes_; }  // host memory held
+
+  std::optional<Earlier> FindQuantized(const std::string& name, const std::string& packed_name,
+                                       const std::string& scale_name, const std::string& key) const override;
+  std::span<uint64_t> NextDigests(const std::string& name, size_t groups, const std::string& key) override;
 
  private:
   friend class DeltaSink;
+  struct Digests {
+    std::string key;
+    std::vector<uint64_t> groups;
+  };
+  // The last finished sync's digests (kept), and this sync's: `earlier_` is what this sync reuses
+  // (the kept ones, moved out when its DeltaSink starts), `next_` what it computes.
+  std::map<std::string, Digests, std::less<>> digests_, earlier_, next_;
+  uint64_t digest_bytes_ = 0;
   std::map<std::string, std::vector<uint8_t>, std::less<>> tensors_;
   // Per tensor, the Sum64 of the block each receiver layout keeps of it (in receiver order), for
   // the layouts named by sums_key_: the next delta's base sums, not computed again.
@@ -68,10 +92,14 @@ class DeltaSink final : public comm::BucketSink {
   // entry full, the base still recorded).
   DeltaSink(comm::BucketSink& inner, DeltaBase& base, std::vector<const engine_model::EngineLayout*> receivers,
             uint64_t base_version, uint64_t version);
+  // The same, owning `inner` (sharded delivery: one DeltaSink per receiver group's stream).
+  DeltaSink(std::unique_ptr<comm::BucketSink> inner, DeltaBase& base,
+            std::vector<const engine_model::EngineLayout*> receivers, uint64_t base_version, uint64_t version);
 
   absl::Status Send(v1::BucketManifest manifest, Buffer data, uint64_t nbytes) override;
   Buffer Recycle(uint64_t min_bytes) override;
   absl::Status Finish() override;
+  MemorySpace space() const override { return inner_.space(); }
 
   const DeltaStats& stats() const { return stats_; }
 
@@ -80,6 +108,7 @@ class DeltaSink final : public comm::BucketSink {
   // Writes entry `e`'s bytes (as a delta when it can) at out_[cursor], updating e; records the base.
   absl::Status Rewrite(v1::BucketEntry& e, const uint8_t* bytes, uint8_t* out, uint64_t& cursor);
 
+  std::unique_ptr<comm::BucketSink> owned_;  // inner_, when owned
   comm::BucketSink& inner_;
   DeltaBase& base_;
   const std::vector<const engine_model::EngineLayout*> receivers_;

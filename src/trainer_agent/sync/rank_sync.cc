@@ -428,8 +428,10 @@ absl::Status RankSync::OpenShard() {
     space_ = MemorySpace::Cuda(shard_.cuda_device);
     report_.cuda_device = shard_.cuda_device;
   }
-  if (o_.quant != nullptr)
+  if (o_.quant != nullptr) {
     int4_.emplace(Int4Options{o_.quant, o_.quant_variant, o_.quant_threads, space_, o_.awq_arith});
+    int4_->set_quantized_base(o_.quantized_base);
+  }
   return absl::OkStatus();
 }
 
@@ -965,6 +967,8 @@ absl::StatusOr<SyncReport> RankSync::Run() {
   report_.quantized_bytes = int4.quantized_bytes;
   report_.copied_bytes += int4.copied_bytes;
   report_.hf_bytes += int4.hf_bytes;
+  report_.quant_groups = int4.groups;
+  report_.reused_groups = int4.reused_groups;
   if (builder_) {
     const comm::BucketBuilderStats& st = builder_->stats();
     report_.bucket = st.copy + int4.copy;

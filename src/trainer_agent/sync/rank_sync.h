@@ -47,6 +47,7 @@
 #include "kernels/int4.h"
 #include "model/expert_map.h"
 #include "trainer_agent/gather/trainer_comms.h"
+#include "trainer_agent/quantize/int4_quantizer.h"
 #include "trainer_agent/source/weight_source.h"
 
 namespace wsync::trainer_agent {
@@ -94,6 +95,9 @@ struct SyncOptions {
   // Every rank of StageSenders(layout, stage, true) needs a sink; their streams together hold
   // every tensor of the stage once. The same on every rank (the opening agreement).
   bool spread_senders = false;
+  // The stage source's delta base (delta delivery; nullptr: none): its INT4 quantization reuses the
+  // groups whose inputs did not change (Int4Quantizer::set_quantized_base). Not owned.
+  QuantizedBase* quantized_base = nullptr;
 };
 
 // Where a rank's tensors are: the CUDA device (-1: host memory) of which host (a hash of its name),
@@ -142,6 +146,8 @@ struct SyncReport {
   uint64_t gather_calls = 0;     // all-gather calls issued by this rank
   int cuda_device = -1;          // >= 0: the device stages ran on this CUDA device
   absl::Duration staging;        // copying buckets between the builder's memory and the sink's (SpaceStagingSink)
+  // With SyncOptions::quantized_base: the INT4 groups the source quantized or reused, and those reused.
+  uint64_t quant_groups = 0, reused_groups = 0;
 };
 
 absl::StatusOr<SyncReport> RunRankSync(const WeightSource& src, TrainerComms& comms, comm::BucketSink* sink,
