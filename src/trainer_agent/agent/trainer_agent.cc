@@ -716,14 +716,12 @@ class Agent {
     mine.sent_bytes = d.sent_bytes;
     mine.delta_items = d.items;
     mine.changed_items = d.changed_items;
-    mine.quant_groups = report.quant_groups;
-    mine.reused_groups = report.reused_groups;
     WSYNC_LOG(INFO) << "sync " << cmd.sync_id << ": " << d.delta_entries << " of " << d.entries
                     << (sinks.sharded ? " blocks" : " tensors") << " as deltas from version " << cmd.delta_base << ", "
                     << FormatBytes(d.sent_bytes) << " of " << FormatBytes(d.tensor_bytes) << " sent ("
                     << d.changed_items << " of " << d.items << " elements changed); " << report.reused_groups << " of "
                     << report.quant_groups << " INT4 groups reused, not quantized (inputs unchanged); the bases hold "
-                    << FormatBytes(base_bytes);
+                    << FormatBytes(base_bytes) << ", the quantization memo " << FormatBytes(quant_memo_.bytes());
   }
 
   // RunRankSync into this rank's sinks; its times and counts (or its error) into `mine`.
@@ -741,6 +739,8 @@ class Agent {
     so.workspace = &workspace_;
     so.spread_senders = cmd.sharded != 0;
     so.quantized_base = sinks.delta ? &delta_base_ : nullptr;
+    if (!cmd.delta) quant_memo_.Clear();  // only delta syncs keep it: its memory back
+    so.quant_memo = cmd.delta ? &quant_memo_ : nullptr;
     auto report = RunRankSync(src, comms_, sinks.out(), so);
     if (report.ok() && sinks.broadcast && !sinks.broadcast->status().ok()) report = sinks.broadcast->status();
     if (report.ok() && sinks.sharded && !sinks.sharded->status().ok()) report = sinks.sharded->status();
@@ -749,7 +749,11 @@ class Agent {
       report->bytes = 0;
       for (uint64_t b : sinks.sharded->group_bytes()) report->bytes += b;
     }
-    if (report.ok()) NoteDeltas(cmd, sinks, *report, mine);
+    if (report.ok()) {
+      mine.quant_groups = report->quant_groups;
+      mine.reused_groups = report->reused_groups;
+      NoteDeltas(cmd, sinks, *report, mine);
+    }
     if (!report.ok()) {
       SetMessage(mine, report.status());
       return;
@@ -792,14 +796,14 @@ class Agent {
       report.bytes += r.bytes;
       report.buckets += r.buckets;
       report.tensors += r.tensors;
+      report.quant_groups += r.quant_groups;  // the stage sources' and the experts' holders'
+      report.reused_groups += r.reused_groups;
       if (!r.source) continue;
       if (r.delta_held != cmd.version) report.delta_held = 0;  // every stage source must hold it
       report.tensor_bytes += r.tensor_bytes;
       report.sent_bytes += r.sent_bytes;
       report.delta_items += r.delta_items;
       report.changed_items += r.changed_items;
-      report.quant_groups += r.quant_groups;
-      report.reused_groups += r.reused_groups;
     }
     report.phases.back().bytes = report.bytes;
     WSYNC_LOG(INFO) << "sync " << cmd.sync_id << " done on this rank: " << FormatBytes(mine.bytes) << " (" << mine.bytes
@@ -858,6 +862,7 @@ class Agent {
   DeltaBase delta_base_;  // delta delivery on a stage source: what it last sent (sync/delta_sink.h)
   // Sharded delta delivery on a sender: what it last sent each receiver layout (GroupKey).
   std::map<std::string, DeltaBase> shard_bases_;
+  QuantMemo quant_memo_;  // delta syncs: the INT4 expert blocks this rank quantized as their holder
   std::optional<QuantizationConfig> sync_quant_;  // the running sync's (SyncQuantization)
   // Bucket buffers (stage sources only): two on the wire + the one being built. Kept across syncs,
   // except over nccl: device buffers, none freed while the sync's groups run (a cudaFree waits for

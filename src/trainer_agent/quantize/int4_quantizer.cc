@@ -426,13 +426,42 @@ absl::Status Int4Quantizer::QuantizeRows(const MegatronParam& p, const TensorVie
   const uint64_t packed_row = packed.size() / static_cast<uint64_t>(n);
   const uint64_t scale_row = scales.size() / static_cast<uint64_t>(n);
   const int64_t scale_cols = static_cast<int64_t>(scale_row / ItemSize(w.dtype()));
+  // With the memo: this block's outputs and digests from its last quantization, and this one's.
+  QuantMemo::Block* memo = nullptr;
+  std::vector<uint64_t> next;
+  std::string key;
+  bool have = false;
+  if (memo_ != nullptr && w.dim(0) > 0) {
+    key = absl::StrCat(QuantFingerprint(&quant_, kernel_.variant), " ", SafetensorsName(w.dtype()));
+    memo = &memo_->blocks_[absl::StrCat(p.global_name, " ", packed.size())];  // the full tensor or a shard
+    next.assign(static_cast<size_t>(n * scale_cols), 0);
+    have = memo->key == key && memo->digests.size() == next.size() && memo->packed.size() == packed.size() &&
+           memo->scales.size() == scales.size();
+  }
   for (const RowSegment& seg : rows) {
     const uint64_t first = static_cast<uint64_t>(seg.row), count = static_cast<uint64_t>(seg.rows);
     const TensorView ws(w.dtype(), Shape{seg.rows, k}, w.bytes().subspan(first * w_row, count * w_row));
     MutableTensorView ps(DType::kI32, Shape{seg.rows, k / 8}, packed.subspan(first * packed_row, count * packed_row));
     MutableTensorView ss(w.dtype(), Shape{seg.rows, scale_cols}, scales.subspan(first * scale_row, count * scale_row));
     const absl::Time t0 = absl::Now();
-    absl::Status s = kernels::QuantizeInt4(ws, ps, ss, kernel_);
+    absl::Status s;
+    if (memo != nullptr) {
+      const size_t g0 = first * static_cast<size_t>(scale_cols), groups = count * static_cast<size_t>(scale_cols);
+      kernels::QuantizeReuse reuse;
+      reuse.next_digests = std::span(next).subspan(g0, groups);
+      if (have) {
+        reuse.digests = std::span(memo->digests).subspan(g0, groups);
+        reuse.packed = TensorView(DType::kI32, ps.shape(),
+                                  std::span(memo->packed).subspan(first * packed_row, count * packed_row));
+        reuse.scales =
+            TensorView(w.dtype(), ss.shape(), std::span(memo->scales).subspan(first * scale_row, count * scale_row));
+      }
+      s = kernels::QuantizeInt4(ws, ps, ss, kernel_, reuse);
+      stats_.groups += groups;
+      stats_.reused_groups += static_cast<uint64_t>(reuse.reused_groups);
+    } else {
+      s = kernels::QuantizeInt4(ws, ps, ss, kernel_);
+    }
     stats_.quantize += absl::Now() - t0;
     const std::string& name = p.hf_names[static_cast<size_t>(seg.hf_index)];
     if (!s.ok())
@@ -441,7 +470,19 @@ absl::Status Int4Quantizer::QuantizeRows(const MegatronParam& p, const TensorVie
                                    " as the kernel's rows 0..", seg.rows - 1, "; ", where, ")"));
     stats_.quantized_bytes += ws.nbytes();
   }
+  if (memo != nullptr) {  // every segment succeeded: the block's outputs and digests, together
+    memo->key = std::move(key);
+    memo->digests = std::move(next);
+    memo->packed.assign(packed.begin(), packed.end());
+    memo->scales.assign(scales.begin(), scales.end());
+  }
   return absl::OkStatus();
+}
+
+uint64_t QuantMemo::bytes() const {
+  uint64_t n = 0;
+  for (const auto& [name, b] : blocks_) n += b.digests.size() * sizeof(uint64_t) + b.packed.size() + b.scales.size();
+  return n;
 }
 
 absl::Status Int4Quantizer::EmitExpert(comm::BucketBuilder& builder, const MegatronParam& p, const Int4ExpertPlan& plan,

@@ -41,6 +41,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <span>
 #include <string>
@@ -130,6 +131,29 @@ class QuantizedBase {
   virtual std::span<uint64_t> NextDigests(const std::string& name, size_t groups, const std::string& key) = 0;
 };
 
+// A holder's memory of the INT4 blocks it quantized itself (QuantizeExpert: experts quantized by
+// their holders), kept across syncs by the trainer agent while deltas are on: per block (an expert
+// parameter's full tensor or ETP shard) the packed words and scales it last wrote and one XXH3-64
+// per group of their inputs, so that the next QuantizeRows of that block copies the groups whose
+// inputs did not change (kernels::QuantizeReuse). A block's outputs and digests are replaced
+// together after a call that succeeded: they always come from the same quantization, whatever
+// became of the sync. Memory: the holder's INT4 blocks (about 0.27 of their bf16 bytes at G 128)
+// and 8 bytes per group. Used by one Int4Quantizer at a time.
+class QuantMemo {
+ public:
+  uint64_t bytes() const;
+  void Clear() { blocks_.clear(); }
+
+ private:
+  friend class Int4Quantizer;
+  struct Block {
+    std::string key;  // the quantization and input dtype
+    std::vector<uint64_t> digests;
+    std::vector<std::byte> packed, scales;
+  };
+  std::map<std::string, Block, std::less<>> blocks_;
+};
+
 // Bytes and time an Int4Quantizer spent, accumulated over its calls.
 struct Int4Stats {
   absl::Duration quantize;       // inside kernels::QuantizeInt4
@@ -137,7 +161,8 @@ struct Int4Stats {
   uint64_t quantized_bytes = 0;  // bf16 / fp16 bytes through the kernels
   uint64_t copied_bytes = 0;     // INT4 bytes EmitExpert copied into buckets
   uint64_t hf_bytes = 0;         // HF tensors EmitExpert sent, counted before quantization
-  // QuantizeInto with a QuantizedBase: the groups quantized or reused, and those reused.
+  // QuantizeInto with a QuantizedBase, QuantizeRows with a QuantMemo: the groups quantized or
+  // reused, and those reused.
   uint64_t groups = 0, reused_groups = 0;
 };
 
@@ -221,6 +246,9 @@ class Int4Quantizer {
   // copies each group whose input is unchanged since the base's sync instead of quantizing it
   // (the bytes are the same: kernels::QuantizeReuse). Other formats and device memory: no reuse.
   void set_quantized_base(QuantizedBase* base) { base_ = space_.host() ? base : nullptr; }
+  // With a memo (not owned; nullptr: none), QuantizeRows (compressed-tensors, host memory) copies
+  // each group of a block whose input is unchanged since the memo's last quantization of that block.
+  void set_quant_memo(QuantMemo* memo) { memo_ = space_.host() ? memo : nullptr; }
 
   const Int4Stats& stats() const { return stats_; }
 
@@ -242,6 +270,7 @@ class Int4Quantizer {
   const kernels::AwqQuantizeOptions awq_;
   const model::QuantizeOptions fp8_;
   QuantizedBase* base_ = nullptr;
+  QuantMemo* memo_ = nullptr;
   Int4Stats stats_;
 };
 

@@ -257,6 +257,54 @@ TEST(Int4QuantizeRowsTest, AnySplitOfRowsEqualsQuantizingTheWholeTensor) {
   }
 }
 
+// With a QuantMemo (a holder in delta syncs), a block's next quantization copies the groups whose
+// inputs did not change: the bytes are a plain quantization's, the reused groups exactly those whose
+// bits are equal (counted by comparing them); a failed call leaves the memo as it was; another
+// variant reuses nothing.
+TEST(Int4QuantizeRowsTest, WithAMemoOnlyTheGroupsWhoseInputsChangedAreQuantized) {
+  const QuantizationConfig quant = Int4Config(32);
+  QuantMemo memo;
+  Int4Quantizer q({.quant = &quant, .num_threads = 2});
+  q.set_quant_memo(&memo);
+  const MegatronParam p = OneTensorParam("model.layers.0.mlp.down_proj.weight", {48, 128});
+  const std::vector<RowSegment> split = {{0, 0, 0, 5}, {0, 5, 5, 1}, {0, 6, 6, 23}, {0, 29, 29, 19}};
+  std::vector<std::byte> packed(48 * 16 * 4), scales(48 * 4 * 2);
+  // Quantizes `w` into packed / scales with `qz`; the groups it reused (the stats' growth).
+  auto quantize = [&](Int4Quantizer& qz, const Tensor& w) {
+    const uint64_t before = qz.stats().reused_groups;
+    const absl::Status s = qz.QuantizeRows(p, w.view(), split, packed, scales, "a test");
+    EXPECT_TRUE(s.ok()) << s;
+    return qz.stats().reused_groups - before;
+  };
+  Tensor w0 = RandomWeight(48, 128, 41);
+  EXPECT_EQ(quantize(q, w0), 0u);
+  EXPECT_EQ(q.stats().groups, 48u * 4u);
+  auto w1 = Tensor::CopyOf(w0.view());
+  ASSERT_TRUE(w1.ok());
+  auto* bits = reinterpret_cast<uint16_t*>(w1->mutable_view().data());
+  for (int i : {3, 200, 201, 1000, 4000, 6100}) bits[i] ^= 1u;  // the lowest mantissa bit: 5 groups
+  uint64_t same = 0;
+  const auto* b0 = reinterpret_cast<const uint16_t*>(w0.view().data());
+  for (int g = 0; g < 48 * 4; ++g) same += std::equal(b0 + 32 * g, b0 + 32 * (g + 1), bits + 32 * g);
+  ASSERT_EQ(same, 48u * 4u - 5u);
+  EXPECT_EQ(quantize(q, *w1), same);
+  const Whole whole = QuantizeWhole(w1->view(), q.KernelOptions());
+  EXPECT_TRUE(SameBytes(packed, whole.packed));
+  EXPECT_TRUE(SameBytes(scales, whole.scales));
+  // A NaN: refused, and the memo still holds w1's quantization.
+  auto bad = Tensor::CopyOf(w1->view());
+  ASSERT_TRUE(bad.ok());
+  reinterpret_cast<uint16_t*>(bad->mutable_view().data())[77] = 0x7fc0;
+  EXPECT_FALSE(q.QuantizeRows(p, bad->view(), split, packed, scales, "a test").ok());
+  EXPECT_EQ(quantize(q, *w1), 48u * 4u);
+  EXPECT_TRUE(SameBytes(packed, whole.packed));
+  EXPECT_GT(memo.bytes(), packed.size() + scales.size());
+  // Another variant: other bytes, nothing of the memo reused.
+  Int4Quantizer slime({.quant = &quant, .variant = kernels::QuantVariant::kSlime, .num_threads = 2});
+  slime.set_quant_memo(&memo);
+  EXPECT_EQ(quantize(slime, *w1), 0u);
+}
+
 TEST(Int4QuantizeRowsTest, EtpShardsQuantizedAndMergedEqualTheFullTensorQuantized) {
   // fc1 (rows) with moe_ffn 32, fc2 (column blocks of whole groups) with moe_ffn 64.
   for (auto [moe_ffn, kind] :

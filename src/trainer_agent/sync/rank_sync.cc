@@ -431,6 +431,7 @@ absl::Status RankSync::OpenShard() {
   if (o_.quant != nullptr) {
     int4_.emplace(Int4Options{o_.quant, o_.quant_variant, o_.quant_threads, space_, o_.awq_arith});
     int4_->set_quantized_base(o_.quantized_base);
+    int4_->set_quant_memo(o_.quant_memo);
   }
   return absl::OkStatus();
 }

@@ -98,6 +98,9 @@ struct SyncOptions {
   // The stage source's delta base (delta delivery; nullptr: none): its INT4 quantization reuses the
   // groups whose inputs did not change (Int4Quantizer::set_quantized_base). Not owned.
   QuantizedBase* quantized_base = nullptr;
+  // This rank's memory of the INT4 expert blocks it quantizes as their holder (delta syncs; nullptr:
+  // none): the groups whose inputs did not change are copied (Int4Quantizer::set_quant_memo). Not owned.
+  QuantMemo* quant_memo = nullptr;
 };
 
 // Where a rank's tensors are: the CUDA device (-1: host memory) of which host (a hash of its name),
@@ -146,7 +149,8 @@ struct SyncReport {
   uint64_t gather_calls = 0;     // all-gather calls issued by this rank
   int cuda_device = -1;          // >= 0: the device stages ran on this CUDA device
   absl::Duration staging;        // copying buckets between the builder's memory and the sink's (SpaceStagingSink)
-  // With SyncOptions::quantized_base: the INT4 groups the source quantized or reused, and those reused.
+  // With SyncOptions::quantized_base or quant_memo: the INT4 groups this rank quantized or reused,
+  // and those reused.
   uint64_t quant_groups = 0, reused_groups = 0;
 };
 
