@@ -94,7 +94,7 @@ class Learner:
         logp = -nll[:, P - 1:].sum(dim=1)  # the completion's tokens
         loss = -(adv * logp).mean() / K
         loss.backward()
-        before = [p.detach().to(torch.bfloat16) for p in self.model.parameters()]
+        before = [p.detach().to(torch.bfloat16, copy=True) for p in self.model.parameters()]
         self.opt.step()
         self.opt.zero_grad()
         # What a sync sees of the step: the bf16 elements of this rank's parameters that changed.
