@@ -44,12 +44,15 @@
 #include <thread>
 #include <vector>
 
-#include "common/checksum.h"
 #include "common/dtype.h"
 #include "kernels/cpu/abs_max-inl.h"
 #include "kernels/cpu/marlin_tile-inl.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/format/int4_format.h"
+
+// The groups' digests: XXH3-64 inlined (a call per 256-byte group costs as much as the hash).
+#define XXH_INLINE_ALL
+#include <xxhash.h>  // NOLINT(build/include_order)
 
 HWY_BEFORE_NAMESPACE();
 namespace wsync::kernels::cpu {
@@ -152,7 +155,7 @@ int64_t StagingStride(int64_t k) { return k / 8 + 16; }
 // With reuse (a.next_digests): records group `gi`'s digest of its input `x`, and when the earlier
 // one is the same, copies the group's earlier words to `words` and scale, returning true.
 bool ReuseGroup(const internal::QuantizeArgs& a, int64_t gi, const uint16_t* x, int64_t words_at, uint32_t* words) {
-  const uint64_t d = Xxh3_64(std::as_bytes(std::span(x, static_cast<size_t>(a.group))));
+  const uint64_t d = XXH3_64bits(x, static_cast<size_t>(a.group) * sizeof(uint16_t));
   a.next_digests[gi] = d;
   if (a.digests == nullptr || a.digests[gi] != d) return false;
   a.scales[gi] = a.prev_scales[gi];
