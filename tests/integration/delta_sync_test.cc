@@ -170,10 +170,28 @@ TEST_F(DeltaSyncTest, DeltasOfConsecutiveVersionsLeaveEveryRankAsAFullLoadDoes) 
 }
 
 // Sharded delivery: each receiver group's stream (the blocks its rank keeps) through a DeltaSink of
-// its own, with a base per group; each rank loads only its group's buckets.
-TEST_F(DeltaSyncTest, ShardedDeltasLeaveEveryRankAsAFullLoadDoes) {
+// its own, with a base per group; each rank loads only its group's buckets. The INT4 engines of the
+// fixture (compressed-tensors), then the same ranks serving AWQ (qweight / qzeros / scales, packed
+// along N: the blocks cut for a TP rank are column blocks of them).
+class ShardedDeltaSyncTest : public DeltaSyncTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(ShardedDeltaSyncTest, ShardedDeltasLeaveEveryRankAsAFullLoadDoes) {
   constexpr uint32_t kSeed = 909;
-  SCOPED_TRACE(absl::StrCat("seed ", kSeed));
+  SCOPED_TRACE(absl::StrCat("seed ", kSeed, GetParam() ? ", AWQ" : ", compressed-tensors"));
+  if (GetParam()) {  // the fixture's two engine ranks again, serving AWQ
+    auto q = ParseQuantizationConfig(model::testing::AwqQuantJson(32, {}), "awq");
+    ASSERT_TRUE(q.ok()) << q.status();
+    quant_ = *q;
+    for (int r = 0; r < 2; ++r) {
+      auto l = EngineLayout::Create(config_, &quant_, {2, r, 1});
+      ASSERT_TRUE(l.ok()) << l.status();
+      layouts_[static_cast<size_t>(r)] = std::make_unique<EngineLayout>(std::move(*l));
+      auto s = Staging::Create(*layouts_[static_cast<size_t>(r)]);
+      ASSERT_TRUE(s.ok()) << s.status();
+      ranks_[static_cast<size_t>(r)] = {std::move(*s), nullptr};
+      ranks_[static_cast<size_t>(r)].loader = std::make_unique<Loader>(ranks_[static_cast<size_t>(r)].staging.get());
+    }
+  }
   auto v1 = model::testing::MakeHfModel(config_, &quant_, kSeed);
   ASSERT_TRUE(v1.ok()) << v1.status();
   const engine_model::EngineParallel groups[2] = {layouts_[0]->parallel(), layouts_[1]->parallel()};
@@ -242,7 +260,22 @@ TEST_F(DeltaSyncTest, ShardedDeltasLeaveEveryRankAsAFullLoadDoes) {
   ExpectHolds(v2, "version 2 (sharded deltas)");
   EXPECT_EQ(bases[0].version(), 2u);
   EXPECT_EQ(bases[1].version(), 2u);
+  // Broadcast deltas of version 3 to the same stagings (the fixture's DeltaSink and base).
+  const Buckets whole = Send(v2, 2, 0);
+  ASSERT_TRUE(Receive(whole, false).ok());
+  const HfModel v3 = model::testing::ChangeElements(v2, 0.01, kSeed + 3);
+  trainer_agent::DeltaStats bst;
+  const Buckets bdelta = Send(v3, 3, 2, &bst);
+  EXPECT_GT(bst.delta_entries, 0u);
+  EXPECT_LT(bst.sent_bytes * 10, bst.tensor_bytes);
+  const absl::Status bloaded = Receive(bdelta, true);
+  ASSERT_TRUE(bloaded.ok()) << bloaded;
+  ExpectHolds(v3, "version 3 (broadcast deltas)");
 }
+
+INSTANTIATE_TEST_SUITE_P(Formats, ShardedDeltaSyncTest, ::testing::Bool(), [](const ::testing::TestParamInfo<bool>& i) {
+  return i.param ? "awq" : "compressed_tensors";
+});
 
 // A delta for a base the receivers do not hold (a sender that restarted, a damaged payload, a
 // receiver whose staging is not the base) never becomes the new version.
