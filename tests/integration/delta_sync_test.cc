@@ -171,20 +171,29 @@ TEST_F(DeltaSyncTest, DeltasOfConsecutiveVersionsLeaveEveryRankAsAFullLoadDoes) 
 
 // Sharded delivery: each receiver group's stream (the blocks its rank keeps) through a DeltaSink of
 // its own, with a base per group; each rank loads only its group's buckets. The INT4 engines of the
-// fixture (compressed-tensors), then the same ranks serving AWQ (qweight / qzeros / scales, packed
-// along N: the blocks cut for a TP rank are column blocks of them).
-class ShardedDeltaSyncTest : public DeltaSyncTest, public ::testing::WithParamInterface<bool> {};
+// fixture (compressed-tensors, Marlin), then the same ranks serving AWQ (qweight / qzeros / scales,
+// packed along N: the blocks cut for a TP rank are column blocks of them) and TensorRT-LLM's layout
+// (int8 [K, N/2], preprocessed on the rollout side: sm80 interleaves columns, sm90's dense weights
+// do not).
+class ShardedDeltaSyncTest : public DeltaSyncTest, public ::testing::WithParamInterface<std::string> {};
 
 TEST_P(ShardedDeltaSyncTest, ShardedDeltasLeaveEveryRankAsAFullLoadDoes) {
   constexpr uint32_t kSeed = 909;
-  SCOPED_TRACE(absl::StrCat("seed ", kSeed, GetParam() ? ", AWQ" : ", compressed-tensors"));
-  if (GetParam()) {  // the fixture's two engine ranks again, serving AWQ
-    auto q = ParseQuantizationConfig(model::testing::AwqQuantJson(32, {}), "awq");
+  SCOPED_TRACE(absl::StrCat("seed ", kSeed, ", ", GetParam()));
+  if (GetParam() != "compressed_tensors") {  // the fixture's two engine ranks again, in another format
+    std::string json = model::testing::AwqQuantJson(32, {});
+    if (GetParam() != "awq") {
+      json = model::testing::QuantJson(32, {"lm_head", "re:.*mlp\\.gate$", "re:.*embed_tokens.*"});
+      json.insert(1, absl::StrCat(R"("engine_layout": ")", GetParam() == "trtllm_sm80" ? "trtllm-sm80" : "trtllm-sm90",
+                                  R"(", )"));
+    }
+    auto q = ParseQuantizationConfig(json, GetParam());
     ASSERT_TRUE(q.ok()) << q.status();
     quant_ = *q;
     for (int r = 0; r < 2; ++r) {
       auto l = EngineLayout::Create(config_, &quant_, {2, r, 1});
       ASSERT_TRUE(l.ok()) << l.status();
+      ASSERT_EQ(l->int4_format() == engine_model::Int4Format::kTrtllm, GetParam().starts_with("trtllm"));
       layouts_[static_cast<size_t>(r)] = std::make_unique<EngineLayout>(std::move(*l));
       auto s = Staging::Create(*layouts_[static_cast<size_t>(r)]);
       ASSERT_TRUE(s.ok()) << s.status();
@@ -273,9 +282,9 @@ TEST_P(ShardedDeltaSyncTest, ShardedDeltasLeaveEveryRankAsAFullLoadDoes) {
   ExpectHolds(v3, "version 3 (broadcast deltas)");
 }
 
-INSTANTIATE_TEST_SUITE_P(Formats, ShardedDeltaSyncTest, ::testing::Bool(), [](const ::testing::TestParamInfo<bool>& i) {
-  return i.param ? "awq" : "compressed_tensors";
-});
+INSTANTIATE_TEST_SUITE_P(Formats, ShardedDeltaSyncTest,
+                         ::testing::Values("compressed_tensors", "awq", "trtllm_sm80", "trtllm_sm90"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 // A delta for a base the receivers do not hold (a sender that restarted, a damaged payload, a
 // receiver whose staging is not the base) never becomes the new version.

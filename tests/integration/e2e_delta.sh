@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Delta sync (docs/sync.md "Delta sync"): two engines of TP 1 serving the default model (INT4
 # experts), each with its rollout agent, 4 trainer agents under mpirun with --delta auto. Between
-# syncs the checkpoint changes as an RL step changes it (perturb_hf.py: 1 % of the bf16 elements by
+# syncs the checkpoint changes as an RL step changes it (train_step.sh: 1 % of the bf16 elements by
 # one ulp) and is sharded again; every sync is checked bit-exact against that checkpoint by
 # `wsyncctl verify` and by the independent reference (`verify --independent`).
 #   1. The first sync is sent in full (no base yet).
@@ -19,11 +19,8 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/e2e_lib.sh"
 e2e_start e2e_delta
 WSYNC_FAILPOINTS=delta.corrupt:1 e2e_trainer 91 -x WSYNC_FAILPOINTS -- --delta auto
-perturb() {  # one "training step": $work/hf changed, the trainer's rank files made from it again
-  python3 "$here/tests/integration/perturb_hf.py" "$work/hf" 0.01 "$1" > /dev/null
-  rm -rf "$work/megatron.new"
-  "$bin/wsync-shard" --hf "$work/hf" --out "$work/megatron.new" --tp 2 --ep 2 --dp 2 > /dev/null
-  cp "$work/megatron.new"/* "$work/megatron/"  # the trainer agents re-read the directory at every sync
+perturb() {  # one "training step" (train_step.sh): $work/hf changed, the trainer's rank files cut from it again
+  WSYNC_BIN="$bin" "$here/tests/integration/train_step.sh" "$work/hf" "$work/megatron" "$1" --tp 2 --ep 2 --dp 2
 }
 verified() {  # every engine rank bit-exact with $1 at version $2: the sync's checksums, the independent reference
   local n

@@ -5,7 +5,10 @@
 #      rows: DeepSeek-V3's own 128 x 128 would be refused at TP 2, as the engines refuse it), cut for
 #      TP 2 x EP 2 x DP 2; two engines, TP 2 x EP 2 and TP 1; two sharded syncs and a broadcast one.
 #   2. Qwen3 (dense), FP8 per channel (compressed-tensors FP8_DYNAMIC), cut for TP 2 x DP 2; one
-#      engine of TP 2; a broadcast and a sharded sync.
+#      engine of TP 2; two broadcast syncs and a sharded one.
+# Both run with --delta auto: before each run's second sync the checkpoint changes as an RL step
+# changes it (train_step.sh; DeepSeek's FP8 checkpoint is written again from the new weights), and
+# that sync must go as deltas; the one in the other delivery after it goes in full.
 # Every sync is verified bit for bit by `wsyncctl verify` (the independent reference: the checkpoint
 # quantized by tools/wsyncctl/reference/fp8_scalar.h, laid out from the specs), and every synced
 # engine must generate exactly what an engine started from a checkpoint generates (DeepSeek: the
@@ -43,22 +46,31 @@ ctl=("$WSYNC_BIN/wsyncctl" --coordinator "$WSYNC_COORDINATOR" --token-file "$WSY
 grep -qF "$WANT_QUANT (--quant-config, what the engines declare)" "$WSYNC_WORKDIR/logs/trainer.log" ||
   { echo "FAIL: the trainer agents did not sync in the engines' FP8 quantization"; exit 1; }
 echo "ok: the trainer agents sync in the engines' quantization: $WANT_QUANT"
+delta=$("${ctl[@]}" timings | grep "^deltas from version ") ||
+  { echo "FAIL: the second sync was not sent as deltas: $("${ctl[@]}" timings)"; exit 1; }
+echo "ok: the second sync (FP8 engines) as $delta"
 "$T" --every-engine-as "an engine started from $CKPT_WHAT" "$CKPT" "$W" --quant-config "$Q"
 "${ctl[@]}" sync --wait --delivery "$THEN_DELIVERY" > /dev/null
 "${ctl[@]}" verify --against "$WSYNC_HF" | grep -c ": bit-exact" | grep -qx "$RANKS" ||
   { echo "FAIL: the $THEN_DELIVERY sync is not bit-exact on the $RANKS engine ranks"; exit 1; }
-echo "ok: a $THEN_DELIVERY sync, bit-exact on all $RANKS engine ranks (wsyncctl verify, the independent reference)"
+"${ctl[@]}" timings | grep -q "^in full" ||
+  { echo "FAIL: the first $THEN_DELIVERY sync was not sent in full: $("${ctl[@]}" timings)"; exit 1; }
+echo "ok: a $THEN_DELIVERY sync (in full: the first of its delivery), bit-exact on all $RANKS engine ranks (wsyncctl verify, the independent reference)"
 "$T" --every-engine-as "an engine started from $CKPT_WHAT" "$CKPT" "$W" --quant-config "$Q"
 THEN
 T="$here/tests/integration/e2e_tokens.sh"
+step="$here/tests/integration/train_step.sh"
 WSYNC_BIN="$bin" W="$w" T="$T" Q="$w/block.json" THEN_DELIVERY=broadcast RANKS=3 CKPT="$w/ds-fp8" CKPT_WHAT="the FP8 checkpoint" \
   WANT_QUANT="fp8 e4m3 block 64x64, 3 ignore rules" "$here/tools/wsync-local" --source "$w/ds-src" \
-  --quant-config "$w/block.json" --hf "$w/ds" --verify --syncs 2 --rollout-engines 2 --engine-tp 2,1 --engine-ep 2,1 \
+  --quant-config "$w/block.json" --hf "$w/ds" --verify --syncs 2 --delta auto --between-syncs \
+  "QUANT_OUT=$w/ds-fp8 QUANT_ARGS='--block 64,64' WSYNC_BIN=$bin $step $w/ds $w/ds-src 2 --tp 2 --pp 1 --ep 2 --dp 2" \
+  --rollout-engines 2 --engine-tp 2,1 --engine-ep 2,1 \
   --delivery sharded --bucket-mib 1 --workdir "$w/run-ds" --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"
 echo "ok: DeepSeek-V3 in block FP8, sharded and broadcast"
 WSYNC_BIN="$bin" W="$w" T="$T" Q="$w/channel.json" THEN_DELIVERY=sharded RANKS=2 CKPT="$w/qw" CKPT_WHAT="the bf16 checkpoint" \
   WANT_QUANT="compressed-tensors float-quantized 8-bit channelwise symmetric, 1 ignore rule" "$here/tools/wsync-local" \
-  --source "$w/qw-src" --quant-config "$w/channel.json" --hf "$w/qw" --verify --syncs 1 --rollout-engines 1 --engine-tp 2 \
+  --source "$w/qw-src" --quant-config "$w/channel.json" --hf "$w/qw" --verify --syncs 2 --delta auto \
+  --between-syncs "WSYNC_BIN=$bin $step $w/qw $w/qw-src 2 --tp 2 --pp 1 --dp 2" --rollout-engines 1 --engine-tp 2 \
   --delivery broadcast --bucket-mib 1 --workdir "$w/run-qw" --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"
 echo "ok: Qwen3 in FP8 per channel, broadcast and sharded"
 # 128 x 128 blocks at engine TP 2 (EP 1): the experts' I' = 128 / 2 = 64 rows split a block.
