@@ -73,9 +73,11 @@ absl::StatusOr<Shape> Fp8BlockScaleShape(const Shape& w, int64_t block_n, int64_
   return internal::WithExperts(w, {(n + block_n - 1) / block_n, (k + block_k - 1) / block_k});
 }
 
-absl::Status QuantizeFp8Block(const TensorView& w, MutableTensorView q, MutableTensorView scale_inv,
-                              const Fp8BlockOptions& options) {
-  constexpr absl::string_view fn = "QuantizeFp8Block";
+namespace {
+
+// The checked argument blocks of QuantizeFp8Block / QuantizeFp8Channel.
+absl::StatusOr<internal::Fp8QuantizeArgs> BlockArgs(absl::string_view fn, const TensorView& w, MutableTensorView q,
+                                                    MutableTensorView scale_inv, const Fp8BlockOptions& options) {
   RETURN_IF_ERROR(CheckWeight(fn, w));
   ASSIGN_OR_RETURN(const Shape scale_shape, Fp8BlockScaleShape(w.shape(), options.block_n, options.block_k));
   RETURN_IF_ERROR(CheckBytes(fn, "W", w.dtype(), w.shape(), w.nbytes(), w.data(), 2));
@@ -88,12 +90,11 @@ absl::Status QuantizeFp8Block(const TensorView& w, MutableTensorView q, MutableT
   a.bn = options.block_n;
   a.bk = options.block_k;
   a.block_variant = ToFormat(options.variant);
-  return internal::RunFp8Quantize(options.device, a);
+  return a;
 }
 
-absl::Status QuantizeFp8Channel(const TensorView& w, MutableTensorView q, MutableTensorView scale,
-                                const Fp8ChannelOptions& options) {
-  constexpr absl::string_view fn = "QuantizeFp8Channel";
+absl::StatusOr<internal::Fp8QuantizeArgs> ChannelArgs(absl::string_view fn, const TensorView& w, MutableTensorView q,
+                                                      MutableTensorView scale, const Fp8ChannelOptions& options) {
   RETURN_IF_ERROR(CheckWeight(fn, w));
   RETURN_IF_ERROR(CheckBytes(fn, "W", w.dtype(), w.shape(), w.nbytes(), w.data(), 2));
   RETURN_IF_ERROR(CheckOutput(fn, "q", q, DType::kF8E4M3, w.shape(), 1));
@@ -106,7 +107,51 @@ absl::Status QuantizeFp8Channel(const TensorView& w, MutableTensorView q, Mutabl
   internal::Fp8QuantizeArgs a = QuantizeArgsFor(w, q, scale.data(), options);
   a.block = false;
   a.channel_variant = ct ? format::Fp8ChannelVariant::kCompressedTensors : format::Fp8ChannelVariant::kSlime;
-  return internal::RunFp8Quantize(options.device, a);
+  return a;
+}
+
+// Runs `a` (W, q and scale already checked): plainly, or with `reuse` (one unit per scale).
+absl::Status Run(absl::string_view fn, absl::StatusOr<internal::Fp8QuantizeArgs> a, const TensorView& w,
+                 const MutableTensorView& q, const MutableTensorView& scale, Device device, QuantizeReuse* reuse) {
+  if (!a.ok()) return a.status();
+  if (reuse == nullptr) return internal::RunFp8Quantize(device, *a);
+  if (device != Device::kCpu) return Invalid(fn, "reuse is for the CPU kernel only");
+  RETURN_IF_ERROR(internal::CheckReuse(
+      fn, w, q, scale, *reuse, static_cast<size_t>(scale.nbytes() / ItemSize(scale.dtype())), "scale (block or row)"));
+  if (!reuse->digests.empty()) {
+    a->digests = reuse->digests.data();
+    a->prev_q = reuse->packed.data_as<uint8_t>();
+    a->prev_scales = reuse->scales.data();
+  }
+  a->next_digests = reuse->next_digests.data();
+  a->reused = &reuse->reused_groups;
+  reuse->reused_groups = 0;
+  return internal::RunFp8Quantize(device, *a);
+}
+
+constexpr absl::string_view kBlock = "QuantizeFp8Block", kBlockReuse = "QuantizeFp8Block (reuse)";
+constexpr absl::string_view kChannel = "QuantizeFp8Channel", kChannelReuse = "QuantizeFp8Channel (reuse)";
+
+}  // namespace
+
+absl::Status QuantizeFp8Block(const TensorView& w, MutableTensorView q, MutableTensorView scale_inv,
+                              const Fp8BlockOptions& options) {
+  return Run(kBlock, BlockArgs(kBlock, w, q, scale_inv, options), w, q, scale_inv, options.device, nullptr);
+}
+
+absl::Status QuantizeFp8Block(const TensorView& w, MutableTensorView q, MutableTensorView scale_inv,
+                              const Fp8BlockOptions& options, QuantizeReuse& reuse) {
+  return Run(kBlockReuse, BlockArgs(kBlockReuse, w, q, scale_inv, options), w, q, scale_inv, options.device, &reuse);
+}
+
+absl::Status QuantizeFp8Channel(const TensorView& w, MutableTensorView q, MutableTensorView scale,
+                                const Fp8ChannelOptions& options) {
+  return Run(kChannel, ChannelArgs(kChannel, w, q, scale, options), w, q, scale, options.device, nullptr);
+}
+
+absl::Status QuantizeFp8Channel(const TensorView& w, MutableTensorView q, MutableTensorView scale,
+                                const Fp8ChannelOptions& options, QuantizeReuse& reuse) {
+  return Run(kChannelReuse, ChannelArgs(kChannelReuse, w, q, scale, options), w, q, scale, options.device, &reuse);
 }
 
 namespace {

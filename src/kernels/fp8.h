@@ -51,6 +51,19 @@ absl::Status QuantizeFp8Block(const TensorView& w, MutableTensorView q, MutableT
 absl::Status QuantizeFp8Channel(const TensorView& w, MutableTensorView q, MutableTensorView scale,
                                 const Fp8ChannelOptions& options);
 
+// With `reuse` (QuantizeReuse, int4.h; delta sync): one XXH3-64 per unit of W's bits, a unit being
+// a block (its rows' segments hashed in order, each seeded with the digest so far) or a row, in
+// scale order; a unit whose digest equals its entry in reuse.digests copies its codes and its scale
+// from reuse.packed (the earlier q) and reuse.scales instead of being quantized. The plain call's
+// bytes unless a changed unit keeps its 64-bit digest (2^-64 per changed unit); a reused unit is
+// not checked for Inf / NaN again. CPU only. kInvalidArgument as the plain call, and for a CUDA
+// device, next_digests not of one entry per scale, digests neither empty nor of that size, earlier
+// outputs of other dtypes or shapes than the outputs', or overlapping them.
+absl::Status QuantizeFp8Block(const TensorView& w, MutableTensorView q, MutableTensorView scale_inv,
+                              const Fp8BlockOptions& options, QuantizeReuse& reuse);
+absl::Status QuantizeFp8Channel(const TensorView& w, MutableTensorView q, MutableTensorView scale,
+                                const Fp8ChannelOptions& options, QuantizeReuse& reuse);
+
 // out = float(q) * scale of its block (scale_inv F32) or row (scale [(E,) N, 1], F32 / BF16 / F16),
 // as F32, or as BF16 (RNE of the F32 product). NaN codes give NaN.
 absl::Status DequantizeFp8Block(const TensorView& q, const TensorView& scale_inv, int64_t block_n, int64_t block_k,

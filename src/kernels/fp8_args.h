@@ -29,6 +29,14 @@ struct Fp8QuantizeArgs {
   int threads = 1;
   int64_t min_bytes_per_thread = 0;
   void* stream = nullptr;
+  // Reuse (CPU; QuantizeReuse in int4.h): with next_digests, each unit's (block's or row's)
+  // XXH3-64 of its input is written there, in scale order; with digests too, a unit whose digest is
+  // unchanged copies its codes and scale from prev_q / prev_scales (the outputs' layout).
+  uint64_t* next_digests = nullptr;
+  const uint64_t* digests = nullptr;
+  const uint8_t* prev_q = nullptr;
+  const void* prev_scales = nullptr;
+  int64_t* reused = nullptr;  // out: the units copied (set when next_digests is)
 };
 
 // Dequantize codes [E, N, K] with block (f32 [E, ceil(N/bn), ceil(K/bk)]) or channel ([E, N, 1],

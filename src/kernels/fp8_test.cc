@@ -9,9 +9,11 @@
 // variant, bf16 and fp16, dense and stacked; refusals (NaN / Inf named, bad shapes and dtypes).
 #include "kernels/fp8.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -358,6 +360,201 @@ TEST(Fp8Refusals, BadShapesDtypesAndBlocks) {
                        sv({1, 1}), {})));  // q overlaps W
   EXPECT_TRUE(QuantizeFp8Block(wv, qv({8, 8}), sv({1, 1}), {}).ok());
   EXPECT_EQ(*Fp8BlockScaleShape({3, 129, 7168}, 128, 128), (Shape{3, 2, 56}));
+}
+
+// ---- reuse of an earlier call (delta sync) ----------------------------------------------------------
+
+// The unit (block, in scale order, or row) of every element of [e, n, k].
+std::vector<int64_t> UnitOf(int64_t e, int64_t n, int64_t k, bool block, int64_t bn, int64_t bk) {
+  std::vector<int64_t> u(static_cast<size_t>(e * n * k));
+  const int64_t nb = (n + bn - 1) / bn, kb = (k + bk - 1) / bk;
+  for (int64_t x = 0; x < e; ++x)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < k; ++j)
+        u[static_cast<size_t>((x * n + i) * k + j)] = block ? (x * nb + i / bn) * kb + j / bk : x * n + i;
+  return u;
+}
+
+// Units whose elements all have equal bits in a and b (1) or not (0).
+std::vector<int> EqualUnits(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b,
+                            const std::vector<int64_t>& unit, int64_t units) {
+  std::vector<int> eq(static_cast<size_t>(units), 1);
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) eq[static_cast<size_t>(unit[i])] = 0;
+  return eq;
+}
+
+// One reuse call: (block or channel) of w into a fresh Result, with digests `next` and, when
+// `earlier` is set, its outputs and digests `prev`.
+absl::StatusOr<Result> RunReusing(const std::vector<uint16_t>& w, DType dt, int64_t e, int64_t n, int64_t k,
+                                  const Fp8BlockOptions* bo, const Fp8ChannelOptions* co, const Result* earlier,
+                                  std::span<const uint64_t> prev, std::span<uint64_t> next, int64_t* reused) {
+  const Shape s = Sh(e, n, k);
+  Shape ss = e > 1 ? Shape{e, n, 1} : Shape{n, 1};
+  if (bo != nullptr) {
+    ASSIGN_OR_RETURN(ss, Fp8BlockScaleShape(s, bo->block_n, bo->block_k));
+  }
+  const bool s16 = co != nullptr && co->variant == Fp8ChannelVariant::kCompressedTensors;
+  const DType sdt = s16 ? dt : DType::kF32;
+  const size_t units = next.size();
+  Result r;
+  r.q.assign(w.size(), 0xAA);
+  if (s16)
+    r.s16.assign(units, 0xFFFF);
+  else
+    r.s32.assign(units, -1.0f);
+  auto scale_bytes = [&](Result& x) {
+    return s16 ? std::as_writable_bytes(std::span(x.s16)) : std::as_writable_bytes(std::span(x.s32));
+  };
+  QuantizeReuse reuse;
+  reuse.next_digests = next;
+  if (earlier != nullptr) {
+    reuse.digests = prev;
+    reuse.packed = TensorView(DType::kF8E4M3, s, std::as_bytes(std::span(earlier->q)));
+    reuse.scales =
+        TensorView(sdt, ss, s16 ? std::as_bytes(std::span(earlier->s16)) : std::as_bytes(std::span(earlier->s32)));
+  }
+  const MutableTensorView q(DType::kF8E4M3, s, std::as_writable_bytes(std::span(r.q)));
+  const MutableTensorView scale(sdt, ss, scale_bytes(r));
+  RETURN_IF_ERROR(bo != nullptr ? QuantizeFp8Block(In16(w, dt, s), q, scale, *bo, reuse)
+                                : QuantizeFp8Channel(In16(w, dt, s), q, scale, *co, reuse));
+  *reused = reuse.reused_groups;
+  return r;
+}
+
+// w with the lowest bit of `count` elements flipped (seeded): one ulp, as an RL step moves weights.
+std::vector<uint16_t> Flipped(std::vector<uint16_t> w, int64_t count, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<size_t> at(0, w.size() - 1);
+  for (int64_t i = 0; i < count; ++i) w[at(rng)] ^= 1;
+  return w;
+}
+
+// Every block variant and both channel variants, on the odd-shaped and stacked cases: a call that
+// reuses an earlier one's unchanged blocks or rows gives the reference's bytes of the new weights,
+// and reuses exactly the units whose bits did not change (counted here from the bits).
+TEST(Fp8Reuse, ReusedBlocksAndRowsGiveTheReferencesBytes) {
+  struct Mode {
+    bool block;
+    Fp8BlockVariant bv;
+    Fp8ChannelVariant cv;
+  };
+  const Mode modes[] = {{true, Fp8BlockVariant::kSlime, {}},
+                        {true, Fp8BlockVariant::kVllm, {}},
+                        {true, Fp8BlockVariant::kUe8m0, {}},
+                        {false, {}, Fp8ChannelVariant::kSlime},
+                        {false, {}, Fp8ChannelVariant::kCompressedTensors}};
+  for (const Case& c : kCases) {
+    for (const Mode& m : modes) {
+      const uint64_t seed = c.seed + 500;
+      SCOPED_TRACE(::testing::Message() << SafetensorsName(c.dt) << " " << c.e << "x" << c.n << "x" << c.k << " seed "
+                                        << seed << (m.block ? " block " : " channel ")
+                                        << static_cast<int>(m.block ? static_cast<int>(m.bv) : static_cast<int>(m.cv)));
+      Fp8BlockOptions bo;
+      bo.block_n = 64;
+      bo.block_k = 64;
+      bo.variant = m.bv;
+      bo.num_threads = 2;
+      Fp8ChannelOptions co;
+      co.variant = m.cv;
+      co.num_threads = 2;
+      const std::vector<int64_t> unit = UnitOf(c.e, c.n, c.k, m.block, 64, 64);
+      const int64_t units = *std::max_element(unit.begin(), unit.end()) + 1;
+      const std::vector<uint16_t> w0 = Weights(seed, c.dt, c.e, c.n, c.k, 1.0f);
+      const std::vector<uint16_t> w1 = Flipped(w0, std::max<int64_t>(1, units / 2), seed + 1);
+      auto ref = [&](const std::vector<uint16_t>& w) {
+        return m.block ? RefBlock(w, c.dt, c.e, c.n, c.k, 64, 64, m.bv) : RefChannel(w, c.dt, c.e * c.n, c.k, m.cv);
+      };
+      const Fp8BlockOptions* b = m.block ? &bo : nullptr;
+      const Fp8ChannelOptions* ch = m.block ? nullptr : &co;
+      std::vector<uint64_t> d0(static_cast<size_t>(units)), d1(d0.size()), fresh(d0.size());
+      int64_t reused = -1;
+      auto first = RunReusing(w0, c.dt, c.e, c.n, c.k, b, ch, nullptr, {}, std::span(d0), &reused);
+      ASSERT_TRUE(first.ok()) << first.status();
+      EXPECT_EQ(reused, 0);
+      const Result want0 = ref(w0);
+      EXPECT_EQ(first->q, want0.q);
+      EXPECT_EQ(Bits(first->s32), Bits(want0.s32));
+      EXPECT_EQ(first->s16, want0.s16);
+      auto second = RunReusing(w1, c.dt, c.e, c.n, c.k, b, ch, &*first, d0, std::span(d1), &reused);
+      ASSERT_TRUE(second.ok()) << second.status();
+      const std::vector<int> eq = EqualUnits(w0, w1, unit, units);
+      EXPECT_EQ(reused, std::count(eq.begin(), eq.end(), 1));
+      if (units > 2) {
+        EXPECT_GT(reused, 0);
+        EXPECT_LT(reused, units);
+      }
+      const Result want1 = ref(w1);
+      EXPECT_EQ(second->q, want1.q);
+      EXPECT_EQ(Bits(second->s32), Bits(want1.s32));
+      EXPECT_EQ(second->s16, want1.s16);
+      // The digests are a function of the unit's bits: a call on w1 from nothing gives the same.
+      ASSERT_TRUE(RunReusing(w1, c.dt, c.e, c.n, c.k, b, ch, nullptr, {}, std::span(fresh), &reused).ok());
+      EXPECT_EQ(fresh, d1);
+    }
+  }
+}
+
+// The premise: unchanged units are copied from the earlier outputs, not computed. Earlier codes
+// that are not that input's quantization (here: flipped bits) show up in exactly those units.
+TEST(Fp8Reuse, EarlierOutputsThatAreNotTheInputsShowInTheReusedUnits) {
+  const int64_t e = 2, n = 130, k = 200;
+  for (bool block : {true, false}) {
+    SCOPED_TRACE(block ? "block" : "channel");
+    Fp8BlockOptions bo;
+    bo.block_n = 64;
+    bo.block_k = 64;
+    const Fp8ChannelOptions co;
+    const std::vector<int64_t> unit = UnitOf(e, n, k, block, 64, 64);
+    const int64_t units = *std::max_element(unit.begin(), unit.end()) + 1;
+    const std::vector<uint16_t> w0 = Weights(610, DType::kBF16, e, n, k, 1.0f);
+    const std::vector<uint16_t> w1 = Flipped(w0, units / 2, 611);
+    std::vector<uint64_t> d0(static_cast<size_t>(units)), d1(d0.size());
+    int64_t reused = 0;
+    const Fp8BlockOptions* b = block ? &bo : nullptr;
+    const Fp8ChannelOptions* ch = block ? nullptr : &co;
+    auto first = RunReusing(w0, DType::kBF16, e, n, k, b, ch, nullptr, {}, std::span(d0), &reused);
+    ASSERT_TRUE(first.ok()) << first.status();
+    for (uint8_t& x : first->q) x ^= 0x01;
+    auto second = RunReusing(w1, DType::kBF16, e, n, k, b, ch, &*first, d0, std::span(d1), &reused);
+    ASSERT_TRUE(second.ok()) << second.status();
+    const Result want = block ? RefBlock(w1, DType::kBF16, e, n, k, 64, 64, Fp8BlockVariant::kSlime)
+                              : RefChannel(w1, DType::kBF16, e * n, k, Fp8ChannelVariant::kSlime);
+    std::vector<int> wrong(static_cast<size_t>(units), 0);
+    for (size_t i = 0; i < want.q.size(); ++i)
+      if (second->q[i] != want.q[i]) wrong[static_cast<size_t>(unit[i])] = 1;
+    const std::vector<int> eq = EqualUnits(w0, w1, unit, units);
+    ASSERT_GT(reused, 0);
+    EXPECT_EQ(wrong, eq);
+  }
+}
+
+TEST(Fp8Reuse, BadArgumentsAreRefused) {
+  const std::vector<uint16_t> w = Weights(620, DType::kBF16, 1, 8, 128, 1.0f);
+  std::vector<uint8_t> q(8 * 128);
+  std::vector<float> s(8), other(4);
+  std::vector<uint64_t> d(8), wrong(7);
+  const TensorView wv = In16(w, DType::kBF16, {8, 128});
+  const MutableTensorView qv(DType::kF8E4M3, {8, 128}, std::as_writable_bytes(std::span(q)));
+  const MutableTensorView sv(DType::kF32, {8, 1}, std::as_writable_bytes(std::span(s)));
+  const Fp8ChannelOptions co;
+  auto refused = [&](QuantizeReuse r, const Fp8ChannelOptions& o, const char* what) {
+    const absl::Status st = QuantizeFp8Channel(wv, qv, sv, o, r);
+    EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+    EXPECT_TRUE(absl::StrContains(st.message(), what)) << st;
+  };
+  const TensorView earlier_q(DType::kF8E4M3, {8, 128}, std::as_bytes(std::span(q)));
+  const TensorView earlier_s(DType::kF32, {8, 1}, std::as_bytes(std::span(s)));
+  refused({{}, {}, {}, std::span(wrong)}, co, "next_digests holds 7 entries, want one per scale (block or row) (8)");
+  refused({wrong, earlier_q, earlier_s, std::span(d)}, co, "digests holds 7 entries, want 8");
+  refused({d, earlier_q, TensorView(DType::kF32, {4, 1}, std::as_bytes(std::span(other))), std::span(d)}, co,
+          "want the outputs' dtypes and shapes");
+  refused({d, earlier_q, earlier_s, std::span(d)}, co, "must not overlap");
+  Fp8ChannelOptions cuda = co;
+  cuda.device = Device::kCuda;
+  refused({{}, {}, {}, std::span(d)}, cuda, "CPU kernel only");
+  QuantizeReuse ok{{}, {}, {}, std::span(d)};
+  EXPECT_TRUE(QuantizeFp8Channel(wv, qv, sv, co, ok).ok());
 }
 
 // ---- the golden file (torch) -------------------------------------------------------------------------

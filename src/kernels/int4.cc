@@ -112,30 +112,9 @@ absl::Status QuantizeInt4(const TensorView& w, MutableTensorView packed, Mutable
   if (options.device != Device::kCpu || options.format != PackFormat::kCompressedTensors)
     return Invalid(fn, "reuse is for the CPU kernel and the compressed-tensors format only");
   ASSIGN_OR_RETURN(QuantizeArgs a, QuantizeArgsFor(w, packed, scales, options));
-  const auto groups = static_cast<size_t>(scales.nbytes() / 2);
-  if (reuse.next_digests.size() != groups)
-    return Invalid(fn, absl::StrCat("next_digests holds ", reuse.next_digests.size(), " entries, want one per group (",
-                                    groups, ")"));
-  if (internal::AnyOverlap({{reuse.next_digests.data(), reuse.next_digests.size_bytes()},
-                            {packed.data(), packed.nbytes()},
-                            {scales.data(), scales.nbytes()},
-                            {w.data(), w.nbytes()}}))
-    return Invalid(fn, "next_digests must not overlap W or the outputs");
+  RETURN_IF_ERROR(
+      internal::CheckReuse(fn, w, packed, scales, reuse, static_cast<size_t>(scales.nbytes() / 2), "group"));
   if (!reuse.digests.empty()) {
-    if (reuse.digests.size() != groups)
-      return Invalid(fn, absl::StrCat("digests holds ", reuse.digests.size(), " entries, want ", groups));
-    if (reuse.packed.dtype() != DType::kI32 || reuse.packed.shape() != packed.shape() ||
-        reuse.scales.dtype() != w.dtype() || reuse.scales.shape() != scales.shape())
-      return Invalid(fn, absl::StrCat("the earlier outputs are ", reuse.packed.DebugString(), " and ",
-                                      reuse.scales.DebugString(), ", want the outputs' dtypes and shapes"));
-    if (internal::AnyOverlap({{packed.data(), packed.nbytes()},
-                              {scales.data(), scales.nbytes()},
-                              {reuse.packed.data(), reuse.packed.nbytes()},
-                              {reuse.scales.data(), reuse.scales.nbytes()},
-                              {reuse.next_digests.data(), reuse.next_digests.size_bytes()},
-                              {reuse.digests.data(), reuse.digests.size_bytes()},
-                              {w.data(), w.nbytes()}}))
-      return Invalid(fn, "the earlier outputs and digests must not overlap W, the outputs, next_digests or each other");
     a.digests = reuse.digests.data();
     a.prev_packed = reuse.packed.data_as<uint32_t>();
     a.prev_scales = reuse.scales.data_as<uint16_t>();

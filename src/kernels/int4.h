@@ -64,11 +64,12 @@ absl::Status QuantizeInt4(const TensorView& w, MutableTensorView packed, Mutable
 // earlier call's outputs. The result is the plain call's bytes unless a changed group's new input
 // shares its old one's 64-bit digest (a chance of 2^-64 per changed group). A reused group is not
 // checked for Inf / NaN again (its input is the one that passed). CPU and compressed-tensors only.
+// The FP8 quantizers take the same struct (fp8.h), a unit being a block or a row.
 struct QuantizeReuse {
   std::span<const uint64_t> digests;  // the earlier call's next_digests; empty: every group is quantized
-  TensorView packed, scales;          // the earlier call's outputs (read only where digests is set)
-  std::span<uint64_t> next_digests;   // out: [(E,) N, K/G], one per group
-  int64_t reused_groups = 0;          // out: the groups copied
+  TensorView packed, scales;          // the earlier call's outputs (FP8: the codes; read only where digests is set)
+  std::span<uint64_t> next_digests;   // out: [(E,) N, K/G], one per group (FP8: per scale)
+  int64_t reused_groups = 0;          // out: the groups (FP8: blocks or rows) copied
 };
 // QuantizeInt4 with `reuse`; kInvalidArgument as QuantizeInt4, and for a CUDA device or the GPTQ
 // format, next_digests not of one entry per group, digests neither empty nor of that size, earlier

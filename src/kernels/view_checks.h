@@ -103,6 +103,39 @@ inline bool AnyOverlap(std::initializer_list<std::pair<const void*, size_t>> ran
   return false;
 }
 
+// The checks of a quantizer's `reuse` (QuantizeReuse, int4.h) for W and its outputs `codes` and
+// `scales`, of `units` digests (one per `unit`: group, block or row): next_digests of one each, not
+// overlapping W or the outputs; digests empty or of that size; the earlier outputs of the
+// outputs' dtypes and shapes, overlapping nothing.
+inline absl::Status CheckReuse(absl::string_view fn, const TensorView& w, const MutableTensorView& codes,
+                               const MutableTensorView& scales, const QuantizeReuse& reuse, size_t units,
+                               absl::string_view unit) {
+  if (reuse.next_digests.size() != units)
+    return Invalid(fn, absl::StrCat("next_digests holds ", reuse.next_digests.size(), " entries, want one per ", unit,
+                                    " (", units, ")"));
+  if (AnyOverlap({{reuse.next_digests.data(), reuse.next_digests.size_bytes()},
+                  {codes.data(), codes.nbytes()},
+                  {scales.data(), scales.nbytes()},
+                  {w.data(), w.nbytes()}}))
+    return Invalid(fn, "next_digests must not overlap W or the outputs");
+  if (reuse.digests.empty()) return absl::OkStatus();
+  if (reuse.digests.size() != units)
+    return Invalid(fn, absl::StrCat("digests holds ", reuse.digests.size(), " entries, want ", units));
+  if (reuse.packed.dtype() != codes.dtype() || reuse.packed.shape() != codes.shape() ||
+      reuse.scales.dtype() != scales.dtype() || reuse.scales.shape() != scales.shape())
+    return Invalid(fn, absl::StrCat("the earlier outputs are ", reuse.packed.DebugString(), " and ",
+                                    reuse.scales.DebugString(), ", want the outputs' dtypes and shapes"));
+  if (AnyOverlap({{codes.data(), codes.nbytes()},
+                  {scales.data(), scales.nbytes()},
+                  {reuse.packed.data(), reuse.packed.nbytes()},
+                  {reuse.scales.data(), reuse.scales.nbytes()},
+                  {reuse.next_digests.data(), reuse.next_digests.size_bytes()},
+                  {reuse.digests.data(), reuse.digests.size_bytes()},
+                  {w.data(), w.nbytes()}}))
+    return Invalid(fn, "the earlier outputs and digests must not overlap W, the outputs, next_digests or each other");
+  return absl::OkStatus();
+}
+
 // Fills the weight dimensions of a quantizer's argument block from W [(E,) N, K] (already checked).
 template <typename Args>
 void SetWeightDims(Args& a, const TensorView& w, int group_size) {

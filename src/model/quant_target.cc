@@ -91,7 +91,8 @@ absl::StatusOr<Fp8Shapes> Fp8ShapesFor(const TensorView& w, const QuantizationCo
 }
 
 absl::Status QuantizeFp8(const TensorView& w, MutableTensorView q, MutableTensorView scale,
-                         const QuantizationConfig& config, const QuantizeOptions& options) {
+                         const QuantizationConfig& config, const QuantizeOptions& options,
+                         kernels::QuantizeReuse* reuse) {
   if (config.is_fp8_block()) {
     kernels::Fp8BlockOptions o;
     o.block_n = config.block_n;
@@ -99,13 +100,15 @@ absl::Status QuantizeFp8(const TensorView& w, MutableTensorView q, MutableTensor
     o.variant = Fp8BlockVariantFor(config, options);
     o.num_threads = options.num_threads;
     o.device = options.device;
-    return kernels::QuantizeFp8Block(w, q, scale, o);
+    return reuse != nullptr ? kernels::QuantizeFp8Block(w, q, scale, o, *reuse)
+                            : kernels::QuantizeFp8Block(w, q, scale, o);
   }
   kernels::Fp8ChannelOptions o;
   o.variant = options.fp8_channel;
   o.num_threads = options.num_threads;
   o.device = options.device;
-  return kernels::QuantizeFp8Channel(w, q, scale, o);
+  return reuse != nullptr ? kernels::QuantizeFp8Channel(w, q, scale, o, *reuse)
+                          : kernels::QuantizeFp8Channel(w, q, scale, o);
 }
 
 kernels::Fp8BlockVariant Fp8BlockVariantFor(const QuantizationConfig& config, const QuantizeOptions& options) {

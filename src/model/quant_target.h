@@ -76,9 +76,11 @@ absl::StatusOr<Fp8Shapes> Fp8ShapesFor(const TensorView& w, const QuantizationCo
 // The block variant a sync uses under `config` and `options` (the options' when set).
 kernels::Fp8BlockVariant Fp8BlockVariantFor(const QuantizationConfig& config, const QuantizeOptions& options);
 // W -> q (F8_E4M3) and scale (Fp8ShapesFor) with the config's block size and the variant of the
-// options, on options.device; the kernels' errors.
+// options, on options.device; the kernels' errors. With `reuse` (CPU), the kernels' reuse of an
+// earlier call's outputs (kernels/fp8.h).
 absl::Status QuantizeFp8(const TensorView& w, MutableTensorView q, MutableTensorView scale,
-                         const QuantizationConfig& config, const QuantizeOptions& options);
+                         const QuantizationConfig& config, const QuantizeOptions& options,
+                         kernels::QuantizeReuse* reuse = nullptr);
 
 // An FP8 checkpoint (DeepSeek-V3's block form or compressed-tensors per channel, `q`) as the
 // checkpoint a trainer holds: every F8_E4M3 `X.weight` replaced by float(code) x its block's or

@@ -5,6 +5,7 @@
 // own (Loader::Load), never the delta path's output.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <set>
@@ -21,6 +22,7 @@
 #include "engine_model/loader.h"
 #include "engine_model/staging.h"
 #include "gmock/gmock.h"
+#include "model/quant_target.h"
 #include "model/testing/hf_model.h"
 #include "model/testing/test_models.h"
 #include "plan/delivery_plan.h"
@@ -58,10 +60,16 @@ class DeltaSyncTest : public ::testing::Test {
     auto c = ParseModelConfig(model::testing::kQwen3MoeJson, "test");
     ASSERT_TRUE(c.ok()) << c.status();
     config_ = *c;
-    auto q = ParseQuantizationConfig(
-        model::testing::QuantJson(32, {"lm_head", "re:.*mlp\\.gate$", "re:.*embed_tokens.*"}), "quant");
+    Serve(model::testing::QuantJson(32, {"lm_head", "re:.*mlp\\.gate$", "re:.*embed_tokens.*"}));
+  }
+
+  // The fixture's two engine ranks (TP 2) serving quantization_config `json`, with empty stagings.
+  void Serve(const std::string& json) {
+    auto q = ParseQuantizationConfig(json, "quant");
     ASSERT_TRUE(q.ok()) << q.status();
     quant_ = *q;
+    layouts_.clear();
+    ranks_.clear();
     for (int r = 0; r < 2; ++r) {
       auto l = EngineLayout::Create(config_, &quant_, {2, r, 1});
       ASSERT_TRUE(l.ok()) << l.status();
@@ -180,26 +188,13 @@ class ShardedDeltaSyncTest : public DeltaSyncTest, public ::testing::WithParamIn
 TEST_P(ShardedDeltaSyncTest, ShardedDeltasLeaveEveryRankAsAFullLoadDoes) {
   constexpr uint32_t kSeed = 909;
   SCOPED_TRACE(absl::StrCat("seed ", kSeed, ", ", GetParam()));
-  if (GetParam() != "compressed_tensors") {  // the fixture's two engine ranks again, in another format
-    std::string json = model::testing::AwqQuantJson(32, {});
-    if (GetParam() != "awq") {
-      json = model::testing::QuantJson(32, {"lm_head", "re:.*mlp\\.gate$", "re:.*embed_tokens.*"});
-      json.insert(1, absl::StrCat(R"("engine_layout": ")", GetParam() == "trtllm_sm80" ? "trtllm-sm80" : "trtllm-sm90",
-                                  R"(", )"));
-    }
-    auto q = ParseQuantizationConfig(json, GetParam());
-    ASSERT_TRUE(q.ok()) << q.status();
-    quant_ = *q;
-    for (int r = 0; r < 2; ++r) {
-      auto l = EngineLayout::Create(config_, &quant_, {2, r, 1});
-      ASSERT_TRUE(l.ok()) << l.status();
-      ASSERT_EQ(l->int4_format() == engine_model::Int4Format::kTrtllm, GetParam().starts_with("trtllm"));
-      layouts_[static_cast<size_t>(r)] = std::make_unique<EngineLayout>(std::move(*l));
-      auto s = Staging::Create(*layouts_[static_cast<size_t>(r)]);
-      ASSERT_TRUE(s.ok()) << s.status();
-      ranks_[static_cast<size_t>(r)] = {std::move(*s), nullptr};
-      ranks_[static_cast<size_t>(r)].loader = std::make_unique<Loader>(ranks_[static_cast<size_t>(r)].staging.get());
-    }
+  if (GetParam() == "awq") Serve(model::testing::AwqQuantJson(32, {}));
+  if (GetParam().starts_with("trtllm")) {
+    std::string json = model::testing::QuantJson(32, {"lm_head", "re:.*mlp\\.gate$", "re:.*embed_tokens.*"});
+    json.insert(1, absl::StrCat(R"("engine_layout": ")", GetParam() == "trtllm_sm80" ? "trtllm-sm80" : "trtllm-sm90",
+                                R"(", )"));
+    Serve(json);
+    ASSERT_EQ(layouts_[0]->int4_format(), engine_model::Int4Format::kTrtllm);
   }
   auto v1 = model::testing::MakeHfModel(config_, &quant_, kSeed);
   ASSERT_TRUE(v1.ok()) << v1.status();
@@ -429,19 +424,39 @@ HfModel Nudged(const HfModel& m, double p, uint32_t seed) {
   return n;
 }
 
-// The stage source's quantizer with the delta base: a sync quantizes only the INT4 groups whose
-// bf16 inputs changed since the base's sync and copies the others from the base. Expected: the
-// groups counted unchanged by comparing the inputs' bits, and stagings equal to a full load of a
-// plain quantization (no base) of the same version.
-TEST_F(DeltaSyncTest, TheSenderQuantizesOnlyTheGroupsWhoseInputsChanged) {
+// The stage source's quantizer with the delta base: a sync quantizes only the groups whose bf16
+// inputs changed since the base's sync and copies the others from the base: INT4 groups of 32
+// (compressed-tensors), FP8 blocks of 32 x 32 (DeepSeek-V3's form) and FP8 rows (compressed-tensors
+// per channel). Expected: the groups counted unchanged by comparing the inputs' bits, and stagings
+// equal to a full load of a plain quantization (no base) of the same version.
+class QuantReuseTest : public DeltaSyncTest, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(QuantReuseTest, TheSenderQuantizesOnlyTheGroupsWhoseInputsChanged) {
   constexpr uint32_t kSeed = 1212;
-  SCOPED_TRACE(absl::StrCat("seed ", kSeed));
-  auto q = model::testing::MakeHfModel(config_, &quant_, kSeed);
+  SCOPED_TRACE(absl::StrCat("seed ", kSeed, ", ", GetParam()));
+  int64_t unit_rows = 1, unit_cols = 32;  // one group: rows x columns of an HF tensor (0: all columns)
+  if (GetParam() == "fp8_block") {
+    Serve(R"({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [32, 32]})");
+    unit_rows = 32;
+  } else if (GetParam() == "fp8_channel") {
+    Serve(R"({"quant_method": "compressed-tensors", "format": "float-quantized",
+              "ignore": ["lm_head", "re:.*mlp\\.gate$"],
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
+              "strategy": "channel", "symmetric": true, "dynamic": false}}}})");
+    unit_cols = 0;
+  }
   auto bf16 = model::testing::MakeHfModel(config_, nullptr, kSeed);
-  ASSERT_TRUE(q.ok() && bf16.ok());
-  const std::set<std::string>& int4 = q->int4;
-  ASSERT_FALSE(int4.empty());
-  // One sync of the bf16 model `m`: the INT4 targets through the quantizer (with the base when
+  ASSERT_TRUE(bf16.ok());
+  std::set<std::string> targets;  // the HF tensors the quantizer takes
+  for (const auto& [name, t] : bf16->sent)
+    if (model::IsQuantTarget(name, t.shape(), quant_)) targets.insert(name);
+  ASSERT_FALSE(targets.empty());
+  if (GetParam() == "int4") {
+    auto q = model::testing::MakeHfModel(config_, &quant_, kSeed);
+    ASSERT_TRUE(q.ok());
+    ASSERT_EQ(targets, q->int4);
+  }
+  // One sync of the bf16 model `m`: the targets through the quantizer (with the base when
   // `reuse`), the rest as they are; into `sink` (a DeltaSink or a plain capture).
   auto send = [&](comm::BucketSink& sink, const HfModel& m, uint64_t version, bool reuse, bool finish = true) {
     trainer_agent::Int4Quantizer quantizer(trainer_agent::Int4Options{.quant = &quant_, .num_threads = 2});
@@ -449,20 +464,30 @@ TEST_F(DeltaSyncTest, TheSenderQuantizesOnlyTheGroupsWhoseInputsChanged) {
     comm::BucketBuilder builder(sink, {.bucket_bytes = 64 << 10, .version = version, .pp_stage = 0});
     for (const std::string& name : m.order) {
       const TensorView w = m.sent.at(name).view();
-      EXPECT_TRUE((int4.contains(name) ? quantizer.QuantizeInto(builder, name, w) : builder.Add(name, w)).ok()) << name;
+      EXPECT_TRUE((targets.contains(name) ? quantizer.QuantizeInto(builder, name, w) : builder.Add(name, w)).ok())
+          << name;
     }
     if (finish) {
       EXPECT_TRUE(builder.Finish().ok());
     }
     return quantizer.stats();
   };
-  // The INT4 groups (of 32) of `a` whose bf16 bits equal `b`'s, and all of them.
+  // The groups of the targets of `a` whose bf16 bits equal `b`'s, and all of them.
   auto same_groups = [&](const HfModel& a, const HfModel& b) {
     std::pair<uint64_t, uint64_t> n{0, 0};
-    for (const std::string& name : int4) {
-      const auto x = a.sent.at(name).view().bytes(), y = b.sent.at(name).view().bytes();
-      for (size_t at = 0; at < x.size(); at += 64, ++n.second)
-        n.first += std::memcmp(x.data() + at, y.data() + at, 64) == 0;
+    for (const std::string& name : targets) {
+      const TensorView x = a.sent.at(name).view(), y = b.sent.at(name).view();
+      const int64_t rows = x.dim(0), cols = x.dim(1), uc = unit_cols == 0 ? cols : unit_cols;
+      const auto* xa = x.data_as<uint16_t>();
+      const auto* ya = y.data_as<uint16_t>();
+      for (int64_t r0 = 0; r0 < rows; r0 += unit_rows)
+        for (int64_t c0 = 0; c0 < cols; c0 += uc, ++n.second) {
+          bool same = true;
+          for (int64_t r = r0; r < std::min(rows, r0 + unit_rows); ++r)
+            same = same && std::memcmp(xa + r * cols + c0, ya + r * cols + c0,
+                                       static_cast<size_t>(std::min(uc, cols - c0)) * 2) == 0;
+          n.first += same;
+        }
     }
     return n;
   };
@@ -492,8 +517,8 @@ TEST_F(DeltaSyncTest, TheSenderQuantizesOnlyTheGroupsWhoseInputsChanged) {
   }
   ASSERT_TRUE(Receive(c1.buckets, false).ok());
   expect_plain(*bf16, 1, "version 1");
-  // Version 2: 0.2 % of the bf16 elements changed.
-  const HfModel v2 = Nudged(*bf16, 0.002, kSeed + 2);
+  // Version 2: a few of the bf16 elements changed (0.2 %; per row or block, rarer).
+  const HfModel v2 = Nudged(*bf16, GetParam() == "int4" ? 0.002 : 0.0002, kSeed + 2);
   const auto [same, groups] = same_groups(*bf16, v2);
   ASSERT_GT(same, groups / 4);
   ASSERT_LT(same, groups);
@@ -508,13 +533,13 @@ TEST_F(DeltaSyncTest, TheSenderQuantizesOnlyTheGroupsWhoseInputsChanged) {
   expect_plain(v2, 2, "version 2");
   // A sync that does not finish (its DeltaSink never sees Finish) keeps no digests: the next one
   // quantizes every group again, and still gives version 4's bytes.
-  const HfModel v3 = Nudged(v2, 0.002, kSeed + 3);
+  const HfModel v3 = Nudged(v2, 0.0002, kSeed + 3);
   {
     comm::testing::CaptureSink lost;
     trainer_agent::DeltaSink sink(lost, base_, Receivers(), 2, 3);
     send(sink, v3, 3, true, /*finish=*/false);
   }
-  const HfModel v4 = Nudged(v3, 0.002, kSeed + 4);
+  const HfModel v4 = Nudged(v3, 0.0002, kSeed + 4);
   comm::testing::CaptureSink c4;
   {
     trainer_agent::DeltaSink sink(c4, base_, Receivers(), 0, 4);
@@ -523,6 +548,9 @@ TEST_F(DeltaSyncTest, TheSenderQuantizesOnlyTheGroupsWhoseInputsChanged) {
   ASSERT_TRUE(Receive(c4.buckets, false).ok());
   expect_plain(v4, 4, "version 4 after a lost sync");
 }
+
+INSTANTIATE_TEST_SUITE_P(Formats, QuantReuseTest, ::testing::Values("int4", "fp8_block", "fp8_channel"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 }  // namespace
 }  // namespace wsync

@@ -73,7 +73,7 @@ v4=$(synced)
 verified "$work/hf" "$v4"
 line=$(delta_line "$v4")
 grep -q "^deltas from version $v3: " <<<"$line" || fail "version $v4: '$line' (want deltas from version $v3)"
-grep -q "; [1-9][0-9]* of [0-9]* INT4 groups not quantized again" <<<"$line" ||
+grep -q "; [1-9][0-9]* of [0-9]* quantization groups not quantized again" <<<"$line" ||
   fail "version $v4: no INT4 group was reused ($line)"
 pct=$(percent "$line")
 awk -v p="$pct" 'BEGIN { exit !(p < 25) }' || fail "the delta sent $pct % of the full bytes: $line"

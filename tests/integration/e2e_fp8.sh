@@ -8,7 +8,8 @@
 #      engine of TP 2; two broadcast syncs and a sharded one.
 # Both run with --delta auto: before each run's second sync the checkpoint changes as an RL step
 # changes it (train_step.sh; DeepSeek's FP8 checkpoint is written again from the new weights), and
-# that sync must go as deltas; the one in the other delivery after it goes in full.
+# that sync must go as deltas (Qwen3's, broadcast, quantizing only the FP8 rows whose inputs
+# changed); the one in the other delivery after it goes in full.
 # Every sync is verified bit for bit by `wsyncctl verify` (the independent reference: the checkpoint
 # quantized by tools/wsyncctl/reference/fp8_scalar.h, laid out from the specs), and every synced
 # engine must generate exactly what an engine started from a checkpoint generates (DeepSeek: the
@@ -48,6 +49,10 @@ grep -qF "$WANT_QUANT (--quant-config, what the engines declare)" "$WSYNC_WORKDI
 echo "ok: the trainer agents sync in the engines' quantization: $WANT_QUANT"
 delta=$("${ctl[@]}" timings | grep "^deltas from version ") ||
   { echo "FAIL: the second sync was not sent as deltas: $("${ctl[@]}" timings)"; exit 1; }
+if [ -n "${WANT_REUSE:-}" ]; then  # broadcast: the stage sources quantize only the rows whose inputs changed
+  grep -q "; [1-9][0-9]* of [0-9]* quantization groups not quantized again" <<<"$delta" ||
+    { echo "FAIL: no FP8 row was reused: $delta"; exit 1; }
+fi
 echo "ok: the second sync (FP8 engines) as $delta"
 "$T" --every-engine-as "an engine started from $CKPT_WHAT" "$CKPT" "$W" --quant-config "$Q"
 "${ctl[@]}" sync --wait --delivery "$THEN_DELIVERY" > /dev/null
@@ -67,7 +72,7 @@ WSYNC_BIN="$bin" W="$w" T="$T" Q="$w/block.json" THEN_DELIVERY=broadcast RANKS=3
   --rollout-engines 2 --engine-tp 2,1 --engine-ep 2,1 \
   --delivery sharded --bucket-mib 1 --workdir "$w/run-ds" --prompt 3,14,15,92 --max-new-tokens 8 --then "bash $w/then.sh"
 echo "ok: DeepSeek-V3 in block FP8, sharded and broadcast"
-WSYNC_BIN="$bin" W="$w" T="$T" Q="$w/channel.json" THEN_DELIVERY=sharded RANKS=2 CKPT="$w/qw" CKPT_WHAT="the bf16 checkpoint" \
+WSYNC_BIN="$bin" W="$w" T="$T" Q="$w/channel.json" WANT_REUSE=1 THEN_DELIVERY=sharded RANKS=2 CKPT="$w/qw" CKPT_WHAT="the bf16 checkpoint" \
   WANT_QUANT="compressed-tensors float-quantized 8-bit channelwise symmetric, 1 ignore rule" "$here/tools/wsync-local" \
   --source "$w/qw-src" --quant-config "$w/channel.json" --hf "$w/qw" --verify --syncs 2 --delta auto \
   --between-syncs "WSYNC_BIN=$bin $step $w/qw $w/qw-src 2 --tp 2 --pp 1 --dp 2" --rollout-engines 1 --engine-tp 2 \

@@ -312,8 +312,8 @@ class Ctl {
         absl::StrAppendFormat(&line, "; %d of %d elements changed (%.3f %%)", r.changed_items(), r.delta_items(),
                               100.0 * static_cast<double>(r.changed_items()) / static_cast<double>(r.delta_items()));
       if (r.quant_groups() > 0)
-        absl::StrAppendFormat(&line, "; %d of %d INT4 groups not quantized again (inputs unchanged)", r.reused_groups(),
-                              r.quant_groups());
+        absl::StrAppendFormat(&line, "; %d of %d quantization groups not quantized again (inputs unchanged)",
+                              r.reused_groups(), r.quant_groups());
       std::printf("%s\n", line.c_str());
     }
     return 0;

@@ -10,6 +10,10 @@
 // the compressed-tensors variant rounds through the 16-bit type twice and runs the scalar helpers.
 // Dequantize (checks only): a 256-entry table of code values, times the scale, per element.
 //
+// With reuse (a.next_digests), each block's or row's input is hashed first (XXH3-64; a block's row
+// segments in order, each seeded with the digest so far) and an unchanged one's codes and scale
+// are copied from the earlier outputs instead of computed.
+//
 // Threads: std::thread partitioning of units (block rows, or rows); no allocation in the loops;
 // the smallest non-finite unit is collected across threads (AtomicMin).
 
@@ -35,6 +39,10 @@
 #include "kernels/cpu/parallel.h"
 #include "kernels/format/fp8_format.h"
 #include "kernels/format/int4_format.h"
+
+// The units' digests: XXH3-64 inlined (a call per 256-byte segment costs as much as the hash).
+#define XXH_INLINE_ALL
+#include <xxhash.h>  // NOLINT(build/include_order)
 
 HWY_BEFORE_NAMESPACE();
 namespace wsync::kernels::cpu {
@@ -106,7 +114,35 @@ struct BlockScratch {
   std::vector<uint16_t> acc;   // [kb][lanes] running maxima of the 16-bit magnitude patterns
   std::vector<uint32_t> tail;  // [kb] the same for a column block's last, partial vector
   std::vector<float> mul;      // [kb] the blocks' multipliers
+  std::vector<uint64_t> hash;  // [kb] with reuse: the blocks' digests so far
+  std::vector<uint8_t> kept;   // [kb] with reuse: 1 for a block copied from the earlier outputs
+  int64_t reused = 0;          // the units this thread copied
 };
+
+// With reuse (a.next_digests): the digests of block row (e, bi)'s kb blocks into a.next_digests,
+// and which of them equal the earlier call's (sc.kept; their scales copied). The blocks kept.
+int64_t HashBlockRow(const internal::Fp8QuantizeArgs& a, int64_t e, int64_t bi, int64_t r0, int64_t r1, int64_t kb,
+                     BlockScratch& sc) {
+  sc.hash.assign(static_cast<size_t>(kb), 0);
+  sc.kept.assign(static_cast<size_t>(kb), 0);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* row = a.w + (e * a.n + r) * a.k;
+    for (int64_t bj = 0; bj < kb; ++bj) {
+      const int64_t c0 = bj * a.bk, w = std::min(a.k, c0 + a.bk) - c0;
+      sc.hash[bj] = XXH3_64bits_withSeed(row + c0, static_cast<size_t>(w) * sizeof(uint16_t), sc.hash[bj]);
+    }
+  }
+  const int64_t nb = (a.n + a.bn - 1) / a.bn, first = (e * nb + bi) * kb;
+  int64_t kept = 0;
+  for (int64_t bj = 0; bj < kb; ++bj) {
+    a.next_digests[first + bj] = sc.hash[bj];
+    if (a.digests == nullptr || a.digests[first + bj] != sc.hash[bj]) continue;
+    sc.kept[bj] = 1;
+    static_cast<float*>(a.scales)[first + bj] = static_cast<const float*>(a.prev_scales)[first + bj];
+    ++kept;
+  }
+  return kept;
+}
 
 // One block row (expert e, block row bi) of the block-wise quantizer, row by row (sequential
 // reads): pass 1 keeps one vector of maxima per column block, pass 2 quantizes each row's segments
@@ -119,10 +155,13 @@ int64_t QuantizeBlockRow(const internal::Fp8QuantizeArgs& a, int64_t e, int64_t 
   sc.acc.assign(static_cast<size_t>(kb * lanes), 0);
   sc.tail.assign(static_cast<size_t>(kb), 0);
   sc.mul.resize(static_cast<size_t>(kb));
+  const bool reuse = a.next_digests != nullptr;
+  if (reuse) sc.reused += HashBlockRow(a, e, bi, r0, r1, kb, sc);
   const auto mask = hn::Set(d, static_cast<uint16_t>(0x7FFF));
   for (int64_t r = r0; r < r1; ++r) {
     const uint16_t* row = a.w + (e * a.n + r) * a.k;
     for (int64_t bj = 0; bj < kb; ++bj) {
+      if (reuse && sc.kept[bj]) continue;
       const int64_t c0 = bj * a.bk, w = std::min(a.k, c0 + a.bk) - c0;
       auto m = hn::LoadU(d, sc.acc.data() + bj * lanes);
       int64_t i = 0;
@@ -133,6 +172,7 @@ int64_t QuantizeBlockRow(const internal::Fp8QuantizeArgs& a, int64_t e, int64_t 
   }
   auto* scales = static_cast<float*>(a.scales) + (e * nb + bi) * kb;
   for (int64_t bj = 0; bj < kb; ++bj) {
+    if (reuse && sc.kept[bj]) continue;
     uint32_t m = sc.tail[bj];
     for (int64_t l = 0; l < lanes; ++l) m = std::max<uint32_t>(m, sc.acc[bj * lanes + l]);
     if (m >= fmt::NonFiniteAbsBits16(a.is_bf16)) return (e * nb + bi) * kb + bj;
@@ -143,16 +183,33 @@ int64_t QuantizeBlockRow(const internal::Fp8QuantizeArgs& a, int64_t e, int64_t 
     const int64_t off = (e * a.n + r) * a.k;
     for (int64_t bj = 0; bj < kb; ++bj) {
       const int64_t c0 = bj * a.bk, w = std::min(a.k, c0 + a.bk) - c0;
-      QuantizeRun(a.w + off + c0, w, a.is_bf16, sc.mul[bj], /*divide=*/false, a.q + off + c0);
+      if (reuse && sc.kept[bj])
+        std::memcpy(a.q + off + c0, a.prev_q + off + c0, static_cast<size_t>(w));
+      else
+        QuantizeRun(a.w + off + c0, w, a.is_bf16, sc.mul[bj], /*divide=*/false, a.q + off + c0);
     }
   }
   return -1;
 }
 
 // One row (expert e, row r) of the per-channel quantizer; the row's index if non-finite, or -1.
-int64_t QuantizeChannelRow(const internal::Fp8QuantizeArgs& a, int64_t row) {
+// With reuse, a row whose digest is unchanged is copied (and counted in *reused).
+int64_t QuantizeChannelRow(const internal::Fp8QuantizeArgs& a, int64_t row, int64_t* reused) {
   const uint16_t* x = a.w + row * a.k;
   uint8_t* q = a.q + row * a.k;
+  if (a.next_digests != nullptr) {
+    const uint64_t digest = XXH3_64bits(x, static_cast<size_t>(a.k) * sizeof(uint16_t));
+    a.next_digests[row] = digest;
+    if (a.digests != nullptr && a.digests[row] == digest) {
+      std::memcpy(q, a.prev_q + row * a.k, static_cast<size_t>(a.k));
+      if (a.channel_variant == fmt::Fp8ChannelVariant::kSlime)
+        static_cast<float*>(a.scales)[row] = static_cast<const float*>(a.prev_scales)[row];
+      else
+        static_cast<uint16_t*>(a.scales)[row] = static_cast<const uint16_t*>(a.prev_scales)[row];
+      ++*reused;
+      return -1;
+    }
+  }
   const uint32_t m = AbsMaxBits(x, a.k);
   if (m >= fmt::NonFiniteAbsBits16(a.is_bf16)) return row;
   const float amax = BitsToFloat(m, a.is_bf16);
@@ -176,16 +233,20 @@ absl::Status QuantizeFp8Impl(const internal::Fp8QuantizeArgs& a) {
   const int64_t units = a.block ? a.experts * nb : a.experts * a.n;
   const int64_t unit_bytes = (a.block ? a.bn : 1) * a.k * 2;
   std::atomic<int64_t> first_bad{std::numeric_limits<int64_t>::max()};
+  std::atomic<int64_t> reused{0};
   ParallelForBytes(units, a.threads, unit_bytes, a.min_bytes_per_thread, [&](int64_t begin, int64_t end) {
     BlockScratch scratch;
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t bad = a.block ? QuantizeBlockRow(a, u / nb, u % nb, scratch) : QuantizeChannelRow(a, u);
+      const int64_t bad =
+          a.block ? QuantizeBlockRow(a, u / nb, u % nb, scratch) : QuantizeChannelRow(a, u, &scratch.reused);
       if (bad >= 0) {
         AtomicMin(first_bad, bad);
-        return;
+        break;
       }
     }
+    reused.fetch_add(scratch.reused, std::memory_order_relaxed);
   });
+  if (a.reused != nullptr) *a.reused = reused.load();
   if (first_bad.load() != std::numeric_limits<int64_t>::max()) return internal::Fp8NonFiniteError(a, first_bad.load());
   return absl::OkStatus();
 }

@@ -108,7 +108,7 @@ struct RankResult {
   // A stage source of a delta sync (DeltaSink): the version its base holds now (0: none), and
   // what it sent (DeltaStats).
   uint64_t delta_held = 0, tensor_bytes = 0, sent_bytes = 0, delta_items = 0, changed_items = 0;
-  uint64_t quant_groups = 0, reused_groups = 0;  // INT4 groups quantized or reused, and reused (SyncReport)
+  uint64_t quant_groups = 0, reused_groups = 0;  // quantization groups done or reused, and reused (SyncReport)
 };
 static_assert(sizeof(RankResult) % 8 == 0, "a POD gathered byte-wise");
 
@@ -720,7 +720,9 @@ class Agent {
                     << (sinks.sharded ? " blocks" : " tensors") << " as deltas from version " << cmd.delta_base << ", "
                     << FormatBytes(d.sent_bytes) << " of " << FormatBytes(d.tensor_bytes) << " sent ("
                     << d.changed_items << " of " << d.items << " elements changed); " << report.reused_groups << " of "
-                    << report.quant_groups << " INT4 groups reused, not quantized (inputs unchanged); the bases hold "
+                    << report.quant_groups
+                    << " quantization groups (INT4 groups, FP8 blocks or rows) reused, not quantized (inputs "
+                       "unchanged); the bases hold "
                     << FormatBytes(base_bytes) << ", the quantization memo " << FormatBytes(quant_memo_.bytes());
   }
 

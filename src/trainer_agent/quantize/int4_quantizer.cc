@@ -554,6 +554,21 @@ absl::Status Int4Quantizer::QuantizeInto(comm::BucketBuilder& builder, const std
   return absl::OkStatus();
 }
 
+kernels::QuantizeReuse Int4Quantizer::ReuseFromBase(const std::string& name, const std::string (&names)[2],
+                                                    absl::Span<const MutableTensorView> dst, const std::string& key,
+                                                    size_t units) {
+  kernels::QuantizeReuse reuse;
+  reuse.next_digests = base_->NextDigests(name, units, key);
+  const std::optional<QuantizedBase::Earlier> earlier = base_->FindQuantized(name, names[0], names[1], key);
+  if (earlier && earlier->digests.size() == units && earlier->packed.size() == dst[0].nbytes() &&
+      earlier->scales.size() == dst[1].nbytes()) {
+    reuse.digests = earlier->digests;
+    reuse.packed = TensorView(dst[0].dtype(), dst[0].shape(), std::as_bytes(earlier->packed));
+    reuse.scales = TensorView(dst[1].dtype(), dst[1].shape(), std::as_bytes(earlier->scales));
+  }
+  return reuse;
+}
+
 absl::Status Int4Quantizer::QuantizeReusing(const std::string& name, const TensorView& w,
                                             absl::Span<const MutableTensorView> dst) {
   absl::string_view prefix = name;
@@ -561,15 +576,7 @@ absl::Status Int4Quantizer::QuantizeReusing(const std::string& name, const Tenso
   const std::string names[2] = {absl::StrCat(prefix, ".weight_packed"), absl::StrCat(prefix, ".weight_scale")};
   const std::string key = absl::StrCat(QuantFingerprint(&quant_, kernel_.variant), " ", SafetensorsName(w.dtype()));
   const auto groups = static_cast<size_t>(dst[1].nbytes() / 2);
-  kernels::QuantizeReuse reuse;
-  reuse.next_digests = base_->NextDigests(name, groups, key);
-  const std::optional<QuantizedBase::Earlier> earlier = base_->FindQuantized(name, names[0], names[1], key);
-  if (earlier && earlier->digests.size() == groups && earlier->packed.size() == dst[0].nbytes() &&
-      earlier->scales.size() == dst[1].nbytes()) {
-    reuse.digests = earlier->digests;
-    reuse.packed = TensorView(dst[0].dtype(), dst[0].shape(), std::as_bytes(earlier->packed));
-    reuse.scales = TensorView(dst[1].dtype(), dst[1].shape(), std::as_bytes(earlier->scales));
-  }
+  kernels::QuantizeReuse reuse = ReuseFromBase(name, names, dst, key, groups);
   RETURN_IF_ERROR(kernels::QuantizeInt4(w, dst[0], dst[1], kernel_, reuse));
   stats_.groups += groups;
   stats_.reused_groups += static_cast<uint64_t>(reuse.reused_groups);
@@ -591,7 +598,22 @@ absl::Status Int4Quantizer::QuantizeFp8Into(comm::BucketBuilder& builder, const 
   };
   ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, builder.Reserve(pending));
   const absl::Time t0 = absl::Now();
-  absl::Status s = model::QuantizeFp8(w, dst[0], dst[1], quant_, fp8_);
+  absl::Status s;
+  if (base_ == nullptr) {
+    s = model::QuantizeFp8(w, dst[0], dst[1], quant_, fp8_);
+  } else {  // one unit per scale: a block or a row
+    const std::string outputs[2] = {names[0], names[1]};
+    const std::string key = absl::StrCat(QuantFingerprint(&quant_, kernel_.variant), " fp8 ",
+                                         static_cast<int>(model::Fp8BlockVariantFor(quant_, fp8_)), "/",
+                                         static_cast<int>(fp8_.fp8_channel), " ", SafetensorsName(w.dtype()));
+    const auto units = static_cast<size_t>(dst[1].nbytes() / ItemSize(dst[1].dtype()));
+    kernels::QuantizeReuse reuse = ReuseFromBase(name, outputs, dst, key, units);
+    s = model::QuantizeFp8(w, dst[0], dst[1], quant_, fp8_, &reuse);
+    if (s.ok()) {
+      stats_.groups += units;
+      stats_.reused_groups += static_cast<uint64_t>(reuse.reused_groups);
+    }
+  }
   stats_.quantize += absl::Now() - t0;
   if (!s.ok()) return Annotate(s, where);
   stats_.quantized_bytes += w.nbytes();
