@@ -95,9 +95,12 @@ absl::StatusOr<AwqShapes> AwqShapesFor(const TensorView& w, int group_size) {
   return AwqShapes{WithExperts(s, {k, n / 8}), WithExperts(s, {k / g, n / 8}), WithExperts(s, {k / g, n})};
 }
 
-absl::Status QuantizeAwq(const TensorView& w, MutableTensorView qweight, MutableTensorView qzeros,
-                         MutableTensorView scales, const AwqQuantizeOptions& options) {
-  constexpr absl::string_view fn = "QuantizeAwq";
+namespace {
+
+// The checked argument block of QuantizeAwq.
+absl::StatusOr<AwqQuantizeArgs> QuantizeAwqArgs(absl::string_view fn, const TensorView& w, MutableTensorView qweight,
+                                                MutableTensorView qzeros, MutableTensorView scales,
+                                                const AwqQuantizeOptions& options) {
   ASSIGN_OR_RETURN(const AwqShapes shapes, AwqShapesFor(w, options.group_size));
   const bool cuda = options.device == Device::kCuda;
   RETURN_IF_ERROR(CheckBytes(fn, "W", w.dtype(), w.shape(), w.nbytes(), w.data(), cuda ? 16 : 2));
@@ -117,6 +120,42 @@ absl::Status QuantizeAwq(const TensorView& w, MutableTensorView qweight, Mutable
   a.qzeros = qzeros.data_as<uint32_t>();
   a.scales = scales.data_as<uint16_t>();
   SetCommon(a, options);
+  return a;
+}
+
+}  // namespace
+
+absl::Status QuantizeAwq(const TensorView& w, MutableTensorView qweight, MutableTensorView qzeros,
+                         MutableTensorView scales, const AwqQuantizeOptions& options) {
+  ASSIGN_OR_RETURN(const AwqQuantizeArgs a, QuantizeAwqArgs("QuantizeAwq", w, qweight, qzeros, scales, options));
+  return internal::RunQuantizeAwq(options.device, a);
+}
+
+absl::Status QuantizeAwq(const TensorView& w, MutableTensorView qweight, MutableTensorView qzeros,
+                         MutableTensorView scales, const AwqQuantizeOptions& options, QuantizeReuse& reuse) {
+  constexpr absl::string_view fn = "QuantizeAwq (reuse)";
+  ASSIGN_OR_RETURN(AwqQuantizeArgs a, QuantizeAwqArgs(fn, w, qweight, qzeros, scales, options));
+  if (options.device != Device::kCpu) return Invalid(fn, "reuse is for the CPU kernel only");
+  const auto units = static_cast<size_t>(qzeros.nbytes() / 4);
+  RETURN_IF_ERROR(internal::CheckReuse(fn, w, qweight, scales, reuse, units, "qzeros word"));
+  if (!reuse.digests.empty()) {
+    if (reuse.zeros.dtype() != DType::kI32 || reuse.zeros.shape() != qzeros.shape())
+      return Invalid(fn, absl::StrCat("the earlier qzeros are ", reuse.zeros.DebugString(), ", want I32",
+                                      ShapeToString(qzeros.shape())));
+    if (internal::AnyOverlap({{reuse.zeros.data(), reuse.zeros.nbytes()},
+                              {qweight.data(), qweight.nbytes()},
+                              {qzeros.data(), qzeros.nbytes()},
+                              {scales.data(), scales.nbytes()},
+                              {reuse.next_digests.data(), reuse.next_digests.size_bytes()}}))
+      return Invalid(fn, "the earlier qzeros must not overlap the outputs or next_digests");
+    a.digests = reuse.digests.data();
+    a.prev_qweight = reuse.packed.data_as<uint32_t>();
+    a.prev_qzeros = reuse.zeros.data_as<uint32_t>();
+    a.prev_scales = reuse.scales.data_as<uint16_t>();
+  }
+  a.next_digests = reuse.next_digests.data();
+  a.reused = &reuse.reused_groups;
+  reuse.reused_groups = 0;
   return internal::RunQuantizeAwq(options.device, a);
 }
 

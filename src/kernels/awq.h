@@ -47,6 +47,17 @@ absl::StatusOr<AwqShapes> AwqShapesFor(const TensorView& w, int group_size);
 // from the unrounded scale of the arithmetic (§1).
 absl::Status QuantizeAwq(const TensorView& w, MutableTensorView qweight, MutableTensorView qzeros,
                          MutableTensorView scales, const AwqQuantizeOptions& options);
+// With `reuse` (QuantizeReuse, int4.h; delta sync): a unit is one qzeros word, the group g of
+// rows 8j..8j+7 (G codes in word column j of qweight, one zero word, 8 scales); its digest chains
+// XXH3-64 over the 8 rows' G inputs (each seeded with the digest so far), in qzeros order. A unit
+// whose digest equals its entry in reuse.digests copies its words and scales from reuse.packed
+// (the earlier qweight), reuse.zeros and reuse.scales. The plain call's bytes unless a changed
+// unit keeps its 64-bit digest (2^-64 per changed unit); a reused unit is not checked again. CPU
+// only. kInvalidArgument as the plain call, and for a CUDA device, next_digests not of one entry
+// per qzeros word, digests neither empty nor of that size, earlier outputs of other dtypes or
+// shapes than the outputs', or overlapping them.
+absl::Status QuantizeAwq(const TensorView& w, MutableTensorView qweight, MutableTensorView qzeros,
+                         MutableTensorView scales, const AwqQuantizeOptions& options, QuantizeReuse& reuse);
 
 // AWQ-packed I32 [(E,) R, N/8] (qweight, or qzeros with R = K/G) <-> GPTQ orientation I32
 // [(E,) R/8, N] (8 R-consecutive codes per word; for qweight the layout GptqToMarlin takes).

@@ -9,18 +9,22 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "common/dtype.h"
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "hwy/targets.h"
 #include "kernels/format/awq_format.h"
 #include "kernels/int4.h"
+#include "kernels/testing/flipped.h"
 #include "kernels/testing/golden.h"
 
 namespace wsync::kernels {
@@ -170,14 +174,20 @@ struct AwqOut {
   std::vector<uint16_t> scales;
 };
 
-// e = 0 means a dense [N, K] weight; else [E, N, K].
-absl::StatusOr<AwqOut> RunQuantize(const std::vector<uint16_t>& w, DType dt, int64_t e, int64_t n, int64_t k, int g,
-                                   AwqArith arith, int threads = 2) {
-  const int64_t ee = std::max<int64_t>(e, 1), gg = g == kChannelwise ? k : g;
+// Outputs for ee experts of [n, k] at group size gg, filled with a pattern no quantization writes.
+AwqOut Unwritten(int64_t ee, int64_t n, int64_t k, int64_t gg) {
   AwqOut o;
   o.qweight.assign(static_cast<size_t>(ee * k * n / 8), 0xDEADBEEFu);
   o.qzeros.assign(static_cast<size_t>(ee * (k / gg) * n / 8), 0xDEADBEEFu);
   o.scales.assign(static_cast<size_t>(ee * (k / gg) * n), 0xFFFF);
+  return o;
+}
+
+// e = 0 means a dense [N, K] weight; else [E, N, K].
+absl::StatusOr<AwqOut> RunQuantize(const std::vector<uint16_t>& w, DType dt, int64_t e, int64_t n, int64_t k, int g,
+                                   AwqArith arith, int threads = 2) {
+  const int64_t ee = std::max<int64_t>(e, 1), gg = g == kChannelwise ? k : g;
+  AwqOut o = Unwritten(ee, n, k, gg);
   AwqQuantizeOptions opt;
   opt.group_size = g;
   opt.arith = arith;
@@ -270,6 +280,147 @@ TEST(AwqQuantizeTest, RandomDenseAndStackedEveryGroupSizeBothArithmetics) {
       }
     }
   }
+}
+
+// ---- reuse of an earlier call (delta sync) ----------------------------------------------------------
+
+// One reuse call of QuantizeAwq into a fresh AwqOut (digests into `next`; with `earlier`, its
+// outputs and digests `prev`); e = 0: dense.
+absl::StatusOr<AwqOut> RunReusing(const std::vector<uint16_t>& w, DType dt, int64_t e, int64_t n, int64_t k, int g,
+                                  const AwqOut* earlier, std::span<const uint64_t> prev, std::span<uint64_t> next,
+                                  int64_t* reused) {
+  const int64_t ee = std::max<int64_t>(e, 1), gg = g == kChannelwise ? k : g;
+  AwqOut o = Unwritten(ee, n, k, gg);
+  AwqQuantizeOptions opt;
+  opt.group_size = g;
+  opt.num_threads = 2;
+  QuantizeReuse reuse;
+  reuse.next_digests = next;
+  if (earlier != nullptr) {
+    reuse.digests = prev;
+    reuse.packed = In(earlier->qweight, DType::kI32, Sh(e, {k, n / 8}));
+    reuse.zeros = In(earlier->qzeros, DType::kI32, Sh(e, {k / gg, n / 8}));
+    reuse.scales = In(earlier->scales, dt, Sh(e, {k / gg, n}));
+  }
+  RETURN_IF_ERROR(QuantizeAwq(View(w, dt, Sh(e, {n, k})), Out(o.qweight, DType::kI32, Sh(e, {k, n / 8})),
+                              Out(o.qzeros, DType::kI32, Sh(e, {k / gg, n / 8})), Out(o.scales, dt, Sh(e, {k / gg, n})),
+                              opt, reuse));
+  *reused = reuse.reused_groups;
+  return o;
+}
+
+// Units (8 rows' group g, in qzeros order) whose inputs have equal bits in a and b (1) or not (0).
+std::vector<int> EqualAwqUnits(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, int64_t ee, int64_t n,
+                               int64_t k, int64_t g) {
+  const int64_t ng = k / g, nw = n / 8;
+  std::vector<int> eq(static_cast<size_t>(ee * ng * nw), 1);
+  for (int64_t x = 0; x < ee; ++x)
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t c = 0; c < k; ++c) {
+        const size_t i = static_cast<size_t>((x * n + r) * k + c);
+        if (a[i] != b[i]) eq[static_cast<size_t>((x * ng + c / g) * nw + r / 8)] = 0;
+      }
+  return eq;
+}
+
+// A call that reuses an earlier one's unchanged units gives the reference's bytes of the new
+// weights and reuses exactly the units whose bits did not change (counted here from the bits);
+// every group size, both dtypes, dense (N over one block of rows) and stacked.
+TEST(AwqReuseTest, ReusedUnitsGiveTheReferencesBytes) {
+  uint32_t seed = 700;
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    for (int g : {32, 128, kChannelwise}) {
+      for (int64_t e : {0, 3}) {
+        const int64_t n = e == 0 ? 136 : 24, k = 256, ee = std::max<int64_t>(e, 1), gg = g == kChannelwise ? k : g;
+        seed += 2;
+        SCOPED_TRACE(::testing::Message() << SafetensorsName(dt) << " G " << g << " E " << e << " seed " << seed);
+        const auto w0 = RandomWeights(static_cast<size_t>(ee * n * k), dt, seed);
+        const int64_t units = ee * (k / gg) * (n / 8);
+        const auto w1 = testing::Flipped(w0, units / 2, seed + 1);
+        std::vector<uint64_t> d0(static_cast<size_t>(units)), d1(d0.size()), fresh(d0.size());
+        int64_t reused = -1;
+        auto first = RunReusing(w0, dt, e, n, k, g, nullptr, {}, std::span(d0), &reused);
+        ASSERT_TRUE(first.ok()) << first.status();
+        EXPECT_EQ(reused, 0);
+        auto second = RunReusing(w1, dt, e, n, k, g, &*first, d0, std::span(d1), &reused);
+        ASSERT_TRUE(second.ok()) << second.status();
+        const std::vector<int> eq = EqualAwqUnits(w0, w1, ee, n, k, gg);
+        EXPECT_EQ(reused, std::count(eq.begin(), eq.end(), 1));
+        EXPECT_GT(reused, 0);
+        EXPECT_LT(reused, units);
+        const RefAwq ref = RefQuantize(w1, dt, ee, n, k, gg, /*fp16=*/true);
+        EXPECT_EQ(second->scales, ref.s16);
+        EXPECT_EQ(second->qweight, RefPackAwq(ref.u, ee, n, k));
+        EXPECT_EQ(second->qzeros, RefPackAwq(ref.z, ee, n, k / gg));
+        ASSERT_TRUE(RunReusing(w1, dt, e, n, k, g, nullptr, {}, std::span(fresh), &reused).ok());
+        EXPECT_EQ(fresh, d1);
+      }
+    }
+  }
+}
+
+// The premise: unchanged units are copied from the earlier outputs, not computed. Earlier outputs
+// that are not that input's quantization (flipped bits in every word and scale) show up in exactly
+// those units.
+TEST(AwqReuseTest, EarlierOutputsThatAreNotTheInputsShowInTheReusedUnits) {
+  const int64_t n = 136, k = 256, g = 64, ng = k / g, nw = n / 8;
+  const auto w0 = RandomWeights(static_cast<size_t>(n * k), DType::kBF16, 720);
+  const auto w1 = testing::Flipped(w0, ng * nw / 2, 721);
+  std::vector<uint64_t> d0(static_cast<size_t>(ng * nw)), d1(d0.size());
+  int64_t reused = 0;
+  auto first = RunReusing(w0, DType::kBF16, 0, n, k, g, nullptr, {}, std::span(d0), &reused);
+  ASSERT_TRUE(first.ok()) << first.status();
+  for (uint32_t& x : first->qweight) x ^= 0x1u;
+  for (uint32_t& x : first->qzeros) x ^= 0x1u;
+  for (uint16_t& x : first->scales) x ^= 0x1u;
+  auto second = RunReusing(w1, DType::kBF16, 0, n, k, g, &*first, d0, std::span(d1), &reused);
+  ASSERT_TRUE(second.ok()) << second.status();
+  const RefAwq ref = RefQuantize(w1, DType::kBF16, 1, n, k, g, /*fp16=*/true);
+  const std::vector<uint32_t> qw = RefPackAwq(ref.u, 1, n, k), qz = RefPackAwq(ref.z, 1, n, ng);
+  std::vector<int> wrong(static_cast<size_t>(ng * nw), 0);
+  for (int64_t kk = 0; kk < k; ++kk)
+    for (int64_t c = 0; c < nw; ++c)
+      if (second->qweight[static_cast<size_t>(kk * nw + c)] != qw[static_cast<size_t>(kk * nw + c)])
+        wrong[static_cast<size_t>((kk / g) * nw + c)] = 1;
+  for (int64_t u = 0; u < ng * nw; ++u) {
+    const bool zero_wrong = second->qzeros[static_cast<size_t>(u)] != qz[static_cast<size_t>(u)];
+    const bool scale_wrong = second->scales[static_cast<size_t>((u / nw) * n + (u % nw) * 8)] !=
+                             ref.s16[static_cast<size_t>((u / nw) * n + (u % nw) * 8)];
+    EXPECT_EQ(zero_wrong, wrong[static_cast<size_t>(u)] == 1) << "unit " << u;
+    EXPECT_EQ(scale_wrong, wrong[static_cast<size_t>(u)] == 1) << "unit " << u;
+  }
+  ASSERT_GT(reused, 0);
+  EXPECT_EQ(wrong, EqualAwqUnits(w0, w1, 1, n, k, g));
+}
+
+TEST(AwqReuseTest, BadArgumentsAreRefused) {
+  const int64_t n = 16, k = 128;
+  const auto w = RandomWeights(static_cast<size_t>(n * k), DType::kBF16, 730);
+  std::vector<uint32_t> qw(static_cast<size_t>(k * n / 8)), qz(n / 8), other(1);
+  std::vector<uint16_t> sc(n);
+  std::vector<uint64_t> d(2), earlier(2), wrong(3);
+  AwqQuantizeOptions opt;  // G 128: 2 units
+  auto refused = [&](QuantizeReuse r, const AwqQuantizeOptions& o, const char* what) {
+    const absl::Status st = QuantizeAwq(View(w, DType::kBF16, {n, k}), Out(qw, DType::kI32, {k, n / 8}),
+                                        Out(qz, DType::kI32, {1, n / 8}), Out(sc, DType::kBF16, {1, n}), o, r);
+    EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+    EXPECT_TRUE(absl::StrContains(st.message(), what)) << st;
+  };
+  std::vector<uint32_t> eqw(qw.size()), eqz(qz.size());
+  std::vector<uint16_t> esc(sc.size());
+  const TensorView pw = In(eqw, DType::kI32, {k, n / 8}), pz = In(eqz, DType::kI32, {1, n / 8}),
+                   ps = In(esc, DType::kBF16, {1, n});
+  refused({{}, {}, {}, std::span(wrong)}, opt, "next_digests holds 3 entries, want one per qzeros word (2)");
+  refused({wrong, pw, ps, std::span(d), 0, pz}, opt, "digests holds 3 entries, want 2");
+  refused({earlier, pw, ps, std::span(d), 0, In(other, DType::kI32, {1, 1})}, opt, "the earlier qzeros are");
+  refused({d, In(qw, DType::kI32, {k, n / 8}), ps, std::span(wrong).first(2), 0, pz}, opt, "must not overlap");
+  AwqQuantizeOptions cuda = opt;
+  cuda.device = Device::kCuda;
+  refused({{}, {}, {}, std::span(d)}, cuda, "CPU kernel only");
+  QuantizeReuse ok{earlier, pw, ps, std::span(d), 0, pz};
+  EXPECT_TRUE(QuantizeAwq(View(w, DType::kBF16, {n, k}), Out(qw, DType::kI32, {k, n / 8}),
+                          Out(qz, DType::kI32, {1, n / 8}), Out(sc, DType::kBF16, {1, n}), opt, ok)
+                  .ok());
 }
 
 TEST(AwqQuantizeTest, EdgeGroups) {
@@ -388,11 +539,12 @@ TEST(AwqQuantizeTest, NonFiniteAndBadShapesAreRefusedWithTheValues) {
   o.qweight.resize(64), o.qzeros.resize(64), o.scales.resize(256);
   AwqQuantizeOptions opt;
   opt.group_size = 32;
+  const Shape one{1};
   auto call = [&](DType dt, Shape s) {
     std::vector<uint16_t> x(4096);
     const absl::Status r =
         QuantizeAwq(TensorView(dt, s, std::as_bytes(std::span(x)).first(static_cast<size_t>(*NumBytes(dt, s)))),
-                    Out(o.qweight, DType::kI32, {1}), Out(o.qzeros, DType::kI32, {1}), Out(o.scales, dt, {1}), opt);
+                    Out(o.qweight, DType::kI32, one), Out(o.qzeros, DType::kI32, one), Out(o.scales, dt, one), opt);
     return r;
   };
   EXPECT_THAT(call(DType::kF16, {12, 64}).message(), HasSubstr("N = 12 is not a multiple of 8 (N % 8 = 4)"));

@@ -22,6 +22,7 @@
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "gtest/gtest.h"
+#include "kernels/testing/flipped.h"
 #include "kernels/testing/golden.h"
 
 namespace wsync::kernels {
@@ -422,14 +423,6 @@ absl::StatusOr<Result> RunReusing(const std::vector<uint16_t>& w, DType dt, int6
   return r;
 }
 
-// w with the lowest bit of `count` elements flipped (seeded): one ulp, as an RL step moves weights.
-std::vector<uint16_t> Flipped(std::vector<uint16_t> w, int64_t count, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<size_t> at(0, w.size() - 1);
-  for (int64_t i = 0; i < count; ++i) w[at(rng)] ^= 1;
-  return w;
-}
-
 // Every block variant and both channel variants, on the odd-shaped and stacked cases: a call that
 // reuses an earlier one's unchanged blocks or rows gives the reference's bytes of the new weights,
 // and reuses exactly the units whose bits did not change (counted here from the bits).
@@ -461,7 +454,7 @@ TEST(Fp8Reuse, ReusedBlocksAndRowsGiveTheReferencesBytes) {
       const std::vector<int64_t> unit = UnitOf(c.e, c.n, c.k, m.block, 64, 64);
       const int64_t units = *std::max_element(unit.begin(), unit.end()) + 1;
       const std::vector<uint16_t> w0 = Weights(seed, c.dt, c.e, c.n, c.k, 1.0f);
-      const std::vector<uint16_t> w1 = Flipped(w0, std::max<int64_t>(1, units / 2), seed + 1);
+      const std::vector<uint16_t> w1 = testing::Flipped(w0, std::max<int64_t>(1, units / 2), seed + 1);
       auto ref = [&](const std::vector<uint16_t>& w) {
         return m.block ? RefBlock(w, c.dt, c.e, c.n, c.k, 64, 64, m.bv) : RefChannel(w, c.dt, c.e * c.n, c.k, m.cv);
       };
@@ -508,7 +501,7 @@ TEST(Fp8Reuse, EarlierOutputsThatAreNotTheInputsShowInTheReusedUnits) {
     const std::vector<int64_t> unit = UnitOf(e, n, k, block, 64, 64);
     const int64_t units = *std::max_element(unit.begin(), unit.end()) + 1;
     const std::vector<uint16_t> w0 = Weights(610, DType::kBF16, e, n, k, 1.0f);
-    const std::vector<uint16_t> w1 = Flipped(w0, units / 2, 611);
+    const std::vector<uint16_t> w1 = testing::Flipped(w0, units / 2, 611);
     std::vector<uint64_t> d0(static_cast<size_t>(units)), d1(d0.size());
     int64_t reused = 0;
     const Fp8BlockOptions* b = block ? &bo : nullptr;

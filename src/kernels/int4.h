@@ -64,12 +64,14 @@ absl::Status QuantizeInt4(const TensorView& w, MutableTensorView packed, Mutable
 // earlier call's outputs. The result is the plain call's bytes unless a changed group's new input
 // shares its old one's 64-bit digest (a chance of 2^-64 per changed group). A reused group is not
 // checked for Inf / NaN again (its input is the one that passed). CPU and compressed-tensors only.
-// The FP8 quantizers take the same struct (fp8.h), a unit being a block or a row.
+// The FP8 quantizers take the same struct (fp8.h), a unit being a block or a row, and AWQ's
+// (awq.h), a unit being 8 rows' group (one qzeros word).
 struct QuantizeReuse {
   std::span<const uint64_t> digests;  // the earlier call's next_digests; empty: every group is quantized
   TensorView packed, scales;          // the earlier call's outputs (FP8: the codes; read only where digests is set)
-  std::span<uint64_t> next_digests;   // out: [(E,) N, K/G], one per group (FP8: per scale)
-  int64_t reused_groups = 0;          // out: the groups (FP8: blocks or rows) copied
+  std::span<uint64_t> next_digests;   // out: [(E,) N, K/G], one per group (FP8: per scale; AWQ: per qzeros word)
+  int64_t reused_groups = 0;          // out: the groups (FP8: blocks or rows; AWQ: 8 rows' groups) copied
+  TensorView zeros;                   // AWQ: the earlier call's qzeros
 };
 // QuantizeInt4 with `reuse`; kInvalidArgument as QuantizeInt4, and for a CUDA device or the GPTQ
 // format, next_digests not of one entry per group, digests neither empty nor of that size, earlier

@@ -105,6 +105,15 @@ struct AwqQuantizeArgs {
   int threads = 1;
   int64_t min_bytes_per_thread = 0;
   void* stream = nullptr;
+  // Reuse (CPU; QuantizeReuse in int4.h): with next_digests, each unit's (8 rows' group, one
+  // qzeros word) XXH3-64 of its input is written there, [E, K/G, N/8]; with digests too, a unit
+  // whose digest is unchanged copies its words, zero word and scales from the prev_* arrays.
+  uint64_t* next_digests = nullptr;
+  const uint64_t* digests = nullptr;
+  const uint32_t* prev_qweight = nullptr;
+  const uint32_t* prev_qzeros = nullptr;
+  const uint16_t* prev_scales = nullptr;
+  int64_t* reused = nullptr;  // out: the units copied (set when next_digests is)
 };
 
 // Why a group was refused; the kernels report min(index * 2 + reason) over all groups.

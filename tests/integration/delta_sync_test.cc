@@ -426,9 +426,9 @@ HfModel Nudged(const HfModel& m, double p, uint32_t seed) {
 
 // The stage source's quantizer with the delta base: a sync quantizes only the groups whose bf16
 // inputs changed since the base's sync and copies the others from the base: INT4 groups of 32
-// (compressed-tensors), FP8 blocks of 32 x 32 (DeepSeek-V3's form) and FP8 rows (compressed-tensors
-// per channel). Expected: the groups counted unchanged by comparing the inputs' bits, and stagings
-// equal to a full load of a plain quantization (no base) of the same version.
+// (compressed-tensors), AWQ's 8 rows' groups of 32 (one qzeros word), FP8 blocks of 32 x 32
+// (DeepSeek-V3's form) and FP8 rows (compressed-tensors per channel). Expected: the groups counted unchanged by
+// comparing the inputs' bits, and stagings equal to a full load of a plain quantization (no base) of the same version.
 class QuantReuseTest : public DeltaSyncTest, public ::testing::WithParamInterface<std::string> {};
 
 TEST_P(QuantReuseTest, TheSenderQuantizesOnlyTheGroupsWhoseInputsChanged) {
@@ -438,6 +438,9 @@ TEST_P(QuantReuseTest, TheSenderQuantizesOnlyTheGroupsWhoseInputsChanged) {
   if (GetParam() == "fp8_block") {
     Serve(R"({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [32, 32]})");
     unit_rows = 32;
+  } else if (GetParam() == "awq") {  // a unit is one qzeros word: 8 rows' group
+    Serve(model::testing::AwqQuantJson(32, {}));
+    unit_rows = 8;
   } else if (GetParam() == "fp8_channel") {
     Serve(R"({"quant_method": "compressed-tensors", "format": "float-quantized",
               "ignore": ["lm_head", "re:.*mlp\\.gate$"],
@@ -518,7 +521,7 @@ TEST_P(QuantReuseTest, TheSenderQuantizesOnlyTheGroupsWhoseInputsChanged) {
   ASSERT_TRUE(Receive(c1.buckets, false).ok());
   expect_plain(*bf16, 1, "version 1");
   // Version 2: a few of the bf16 elements changed (0.2 %; per row or block, rarer).
-  const HfModel v2 = Nudged(*bf16, GetParam() == "int4" ? 0.002 : 0.0002, kSeed + 2);
+  const HfModel v2 = Nudged(*bf16, GetParam() == "int4" || GetParam() == "awq" ? 0.002 : 0.0002, kSeed + 2);
   const auto [same, groups] = same_groups(*bf16, v2);
   ASSERT_GT(same, groups / 4);
   ASSERT_LT(same, groups);
@@ -549,7 +552,7 @@ TEST_P(QuantReuseTest, TheSenderQuantizesOnlyTheGroupsWhoseInputsChanged) {
   expect_plain(v4, 4, "version 4 after a lost sync");
 }
 
-INSTANTIATE_TEST_SUITE_P(Formats, QuantReuseTest, ::testing::Values("int4", "fp8_block", "fp8_channel"),
+INSTANTIATE_TEST_SUITE_P(Formats, QuantReuseTest, ::testing::Values("int4", "awq", "fp8_block", "fp8_channel"),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 }  // namespace

@@ -12,6 +12,10 @@
 // float whose ulp is x's fp16 quantum (format::F16QuantumMagic), the same formula the scalar
 // helper and the CUDA code use.
 //
+// With reuse (a.next_digests), each unit of 8 rows' group (one qzeros word) is hashed first
+// (XXH3-64 chained over the 8 rows); an unchanged unit skips the range and codes, and its words,
+// zero word and scales are copied from the earlier outputs after the group is packed.
+//
 // W is read a group column at a time (128 rows 2K bytes apart), which the hardware prefetchers
 // do not follow: each row's next group is prefetched while the current one is coded.
 //
@@ -44,6 +48,10 @@
 #include "kernels/format/awq_format.h"
 #include "kernels/format/int4_format.h"
 #include "kernels/format/trtllm_format.h"
+
+// The units' digests: XXH3-64 inlined (a call per 256-byte segment costs as much as the hash).
+#define XXH_INLINE_ALL
+#include <xxhash.h>  // NOLINT(build/include_order)
 
 HWY_BEFORE_NAMESPACE();
 namespace wsync::kernels::cpu {
@@ -190,9 +198,48 @@ void PackGroup(const uint8_t* HWY_RESTRICT codes, int64_t nwords, int64_t g, uin
   }
 }
 
-// Units are (expert, block of kAwqRowBlock rows); scratch holds kAwqRowBlock * G code bytes.
+// With reuse: the digests of group g of the `rows` rows from n0 (expert e), one per 8 rows, into
+// a.next_digests, and which equal the earlier call's (kept[jw]). The units kept.
+int64_t HashAwqGroup(const internal::AwqQuantizeArgs& a, int64_t e, int64_t n0, int64_t rows, int64_t g,
+                     uint8_t* kept) {
+  const int64_t ng = a.k / a.group, nw = a.n / 8;
+  int64_t count = 0;
+  for (int64_t jw = 0; jw < rows / 8; ++jw) {
+    uint64_t h = 0;
+    for (int64_t r = 8 * jw; r < 8 * jw + 8; ++r)
+      h = XXH3_64bits_withSeed(a.w + (e * a.n + n0 + r) * a.k + g * a.group,
+                               static_cast<size_t>(a.group) * sizeof(uint16_t), h);
+    const int64_t u = (e * ng + g) * nw + n0 / 8 + jw;
+    a.next_digests[u] = h;
+    kept[jw] = a.digests != nullptr && a.digests[u] == h;
+    count += kept[jw];
+  }
+  return count;
+}
+
+// Group g's outputs of the kept units (kept[jw]) of the `rows` rows from n0 copied from the earlier
+// call's: G words of qweight's word column, the zero word, 8 scales each.
+void CopyKeptAwqUnits(const internal::AwqQuantizeArgs& a, int64_t e, int64_t n0, int64_t rows, int64_t g,
+                      const uint8_t* kept) {
+  const int64_t ng = a.k / a.group, nw = a.n / 8;
+  for (int64_t jw = 0; jw < rows / 8; ++jw) {
+    if (!kept[jw]) continue;
+    const int64_t col = n0 / 8 + jw;
+    for (int64_t k = 0; k < a.group; ++k) {
+      const int64_t at = (e * a.k + g * a.group + k) * nw + col;
+      a.qweight[at] = a.prev_qweight[at];
+    }
+    a.qzeros[(e * ng + g) * nw + col] = a.prev_qzeros[(e * ng + g) * nw + col];
+    const int64_t s0 = (e * ng + g) * a.n + n0 + 8 * jw;
+    std::memcpy(a.scales + s0, a.prev_scales + s0, 8 * sizeof(uint16_t));
+  }
+}
+
+// Units are (expert, block of kAwqRowBlock rows); scratch holds kAwqRowBlock * G code bytes. Adds
+// the reused units (with reuse) to *reused.
 // Returns the smallest refusal code (see internal::AwqRefusedError), or -1.
-int64_t QuantizeAwqUnits(const internal::AwqQuantizeArgs& a, int64_t begin, int64_t end, uint8_t* scratch) {
+int64_t QuantizeAwqUnits(const internal::AwqQuantizeArgs& a, int64_t begin, int64_t end, uint8_t* scratch,
+                         int64_t* reused) {
   const uint32_t nonfinite = fmt::NonFiniteAbsBits16(a.is_bf16);
   const bool f16 = a.arith == fmt::AwqArith::kFp16;
   const int64_t blocks = (a.n + kAwqRowBlock - 1) / kAwqRowBlock;
@@ -205,15 +252,22 @@ int64_t QuantizeAwqUnits(const internal::AwqQuantizeArgs& a, int64_t begin, int6
   uint8_t zeros[kAwqRowBlock];
   float mxs[kAwqRowBlock], mns[kAwqRowBlock], scales[kAwqRowBlock], zps[kAwqRowBlock];
   HWY_ALIGN uint32_t words_tmp[kAwqRowBlock / 8 * 256];  // PackGroup's [jw][k] (groups up to 256 wide)
+  uint8_t kept[kAwqRowBlock / 8] = {};                   // with reuse: the units copied, by word column
+  const bool reuse = a.next_digests != nullptr;
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t e = unit / blocks;
     const int64_t n0 = (unit % blocks) * kAwqRowBlock;
     const int64_t rows = std::min(a.n - n0, kAwqRowBlock);
     for (int64_t g = 0; g < ng; ++g) {
+      if (reuse) *reused += HashAwqGroup(a, e, n0, rows, g, kept);
       // Each row's range (the first touch of W), then the group parameters of all the block's rows
       // (lanewise where the target has vectors: the same IEEE operations as format::AwqGroupParams,
-      // so the same bits), then each row's codes.
+      // so the same bits), then each row's codes. A kept unit's rows take a zero range, no codes.
       for (int64_t r = 0; r < rows; ++r) {
+        if (reuse && kept[r / 8]) {
+          mxs[r] = mns[r] = 0.0f;
+          continue;
+        }
         const uint16_t* x = a.w + (e * a.n + n0 + r) * a.k + g * a.group;
         // The block reads W a group column at a time (kAwqRowBlock rows 2K bytes apart), a pattern
         // the hardware prefetchers do not follow: fetch this row's next group meanwhile (2x here).
@@ -279,6 +333,7 @@ int64_t QuantizeAwqUnits(const internal::AwqQuantizeArgs& a, int64_t begin, int6
         zps[r] = p.zero;
       }
       for (r = 0; r < rows; ++r) {
+        if (reuse && kept[r / 8]) continue;
         const int64_t row = e * a.n + n0 + r;
         const uint16_t* x = a.w + row * a.k + g * a.group;
         a.scales[(e * ng + g) * a.n + n0 + r] = a.is_bf16 ? F32ToBF16(scales[r]) : F32ToF16(scales[r]);
@@ -293,6 +348,7 @@ int64_t QuantizeAwqUnits(const internal::AwqQuantizeArgs& a, int64_t begin, int6
         for (int i = 0; i < 8; ++i) w |= static_cast<uint32_t>(zeros[8 * jw + fmt::AwqOrder(i)]) << (4 * i);
         zout[jw] = w;
       }
+      if (reuse) CopyKeptAwqUnits(a, e, n0, rows, g, kept);
     }
   }
   return bad;
@@ -463,13 +519,18 @@ namespace fmt = ::wsync::kernels::format;
 absl::Status QuantizeAwq(const internal::AwqQuantizeArgs& args) {
   const int64_t blocks = (args.n + kAwqRowBlock - 1) / kAwqRowBlock;
   std::atomic<int64_t> bad{INT64_MAX};
+  std::atomic<int64_t> reused{0};
   ParallelForBytes(args.experts * blocks, args.threads, kAwqRowBlock * args.k * 2, args.min_bytes_per_thread,
                    [&](int64_t b, int64_t e) {
                      std::vector<uint8_t> scratch(static_cast<size_t>(kAwqRowBlock * args.group));
-                     const int64_t mine = HWY_DYNAMIC_DISPATCH(QuantizeAwqUnits)(args, b, e, scratch.data());
+                     int64_t mine_reused = 0;
+                     const int64_t mine =
+                         HWY_DYNAMIC_DISPATCH(QuantizeAwqUnits)(args, b, e, scratch.data(), &mine_reused);
+                     reused.fetch_add(mine_reused, std::memory_order_relaxed);
                      if (mine < 0) return;
                      AtomicMin(bad, mine);
                    });
+  if (args.reused != nullptr) *args.reused = reused.load();
   if (bad.load() != INT64_MAX) return internal::AwqRefusedError(args, bad.load());
   return absl::OkStatus();
 }

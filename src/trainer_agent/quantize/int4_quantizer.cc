@@ -554,18 +554,20 @@ absl::Status Int4Quantizer::QuantizeInto(comm::BucketBuilder& builder, const std
   return absl::OkStatus();
 }
 
-kernels::QuantizeReuse Int4Quantizer::ReuseFromBase(const std::string& name, const std::string (&names)[2],
+kernels::QuantizeReuse Int4Quantizer::ReuseFromBase(const std::string& name, absl::Span<const std::string> names,
                                                     absl::Span<const MutableTensorView> dst, const std::string& key,
                                                     size_t units) {
   kernels::QuantizeReuse reuse;
   reuse.next_digests = base_->NextDigests(name, units, key);
-  const std::optional<QuantizedBase::Earlier> earlier = base_->FindQuantized(name, names[0], names[1], key);
-  if (earlier && earlier->digests.size() == units && earlier->packed.size() == dst[0].nbytes() &&
-      earlier->scales.size() == dst[1].nbytes()) {
-    reuse.digests = earlier->digests;
-    reuse.packed = TensorView(dst[0].dtype(), dst[0].shape(), std::as_bytes(earlier->packed));
-    reuse.scales = TensorView(dst[1].dtype(), dst[1].shape(), std::as_bytes(earlier->scales));
-  }
+  const std::optional<QuantizedBase::Earlier> earlier = base_->FindQuantized(name, names, key);
+  if (!earlier || earlier->digests.size() != units || earlier->outputs.size() != dst.size()) return reuse;
+  for (size_t i = 0; i < dst.size(); ++i)
+    if (earlier->outputs[i].size() != dst[i].nbytes()) return reuse;
+  auto view = [&](size_t i) { return TensorView(dst[i].dtype(), dst[i].shape(), std::as_bytes(earlier->outputs[i])); };
+  reuse.digests = earlier->digests;
+  reuse.packed = view(0);
+  reuse.scales = view(1);
+  if (dst.size() > 2) reuse.zeros = view(2);
   return reuse;
 }
 
@@ -576,7 +578,7 @@ absl::Status Int4Quantizer::QuantizeReusing(const std::string& name, const Tenso
   const std::string names[2] = {absl::StrCat(prefix, ".weight_packed"), absl::StrCat(prefix, ".weight_scale")};
   const std::string key = absl::StrCat(QuantFingerprint(&quant_, kernel_.variant), " ", SafetensorsName(w.dtype()));
   const auto groups = static_cast<size_t>(dst[1].nbytes() / 2);
-  kernels::QuantizeReuse reuse = ReuseFromBase(name, names, dst, key, groups);
+  kernels::QuantizeReuse reuse = ReuseFromBase(name, names, dst.subspan(0, 2), key, groups);
   RETURN_IF_ERROR(kernels::QuantizeInt4(w, dst[0], dst[1], kernel_, reuse));
   stats_.groups += groups;
   stats_.reused_groups += static_cast<uint64_t>(reuse.reused_groups);
@@ -602,12 +604,11 @@ absl::Status Int4Quantizer::QuantizeFp8Into(comm::BucketBuilder& builder, const 
   if (base_ == nullptr) {
     s = model::QuantizeFp8(w, dst[0], dst[1], quant_, fp8_);
   } else {  // one unit per scale: a block or a row
-    const std::string outputs[2] = {names[0], names[1]};
     const std::string key = absl::StrCat(QuantFingerprint(&quant_, kernel_.variant), " fp8 ",
                                          static_cast<int>(model::Fp8BlockVariantFor(quant_, fp8_)), "/",
                                          static_cast<int>(fp8_.fp8_channel), " ", SafetensorsName(w.dtype()));
     const auto units = static_cast<size_t>(dst[1].nbytes() / ItemSize(dst[1].dtype()));
-    kernels::QuantizeReuse reuse = ReuseFromBase(name, outputs, dst, key, units);
+    kernels::QuantizeReuse reuse = ReuseFromBase(name, absl::MakeConstSpan(names).subspan(0, 2), dst, key, units);
     s = model::QuantizeFp8(w, dst[0], dst[1], quant_, fp8_, &reuse);
     if (s.ok()) {
       stats_.groups += units;
@@ -636,7 +637,22 @@ absl::Status Int4Quantizer::QuantizeAwqInto(comm::BucketBuilder& builder, const 
   };
   ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, builder.Reserve(pending));
   const absl::Time t0 = absl::Now();
-  absl::Status s = kernels::QuantizeAwq(w, dst[0], dst[1], dst[2], awq_);
+  absl::Status s;
+  if (base_ == nullptr) {
+    s = kernels::QuantizeAwq(w, dst[0], dst[1], dst[2], awq_);
+  } else {  // one unit per qzeros word: 8 rows' group
+    const std::string key =
+        absl::StrCat(QuantFingerprint(&quant_, kernel_.variant, awq_.arith), " ", SafetensorsName(w.dtype()));
+    const auto units = static_cast<size_t>(dst[1].nbytes() / 4);
+    const std::string outputs[3] = {names[0], names[2], names[1]};  // the codes, the scales, the zeros
+    const MutableTensorView views[3] = {dst[0], dst[2], dst[1]};
+    kernels::QuantizeReuse reuse = ReuseFromBase(name, outputs, views, key, units);
+    s = kernels::QuantizeAwq(w, dst[0], dst[1], dst[2], awq_, reuse);
+    if (s.ok()) {
+      stats_.groups += units;
+      stats_.reused_groups += static_cast<uint64_t>(reuse.reused_groups);
+    }
+  }
   stats_.quantize += absl::Now() - t0;
   if (!s.ok()) return Annotate(s, where);
   stats_.quantized_bytes += w.nbytes();

@@ -112,21 +112,21 @@ struct Int4ExpertPlan {
 };
 
 // What a stage source quantized in its last sync, for QuantizeInto to reuse the groups whose inputs
-// did not change since (kernels::QuantizeReuse: compressed-tensors INT4 and FP8, host memory). The delta
+// did not change since (kernels::QuantizeReuse: INT4, AWQ and FP8, host memory). The delta
 // base (sync/delta_sink.h) implements it: it holds those outputs as they were sent, and keeps a
 // sync's digests only once every bucket of that sync went (a failed sync leaves none, so outputs
 // and digests always come from the same sync). Used by the builder's thread only.
 class QuantizedBase {
  public:
   struct Earlier {
-    std::span<const uint64_t> digests;        // one per group
-    std::span<const uint8_t> packed, scales;  // the outputs as sent
+    std::span<const uint64_t> digests;              // one per group
+    std::vector<std::span<const uint8_t>> outputs;  // the outputs as sent, in the order asked for
   };
   virtual ~QuantizedBase() = default;
-  // HF tensor `name`'s digests and outputs (`packed_name`, `scale_name`) from the last sync, when
-  // that sync quantized it under `key` (the quantization and input dtype); else nullopt.
-  virtual std::optional<Earlier> FindQuantized(const std::string& name, const std::string& packed_name,
-                                               const std::string& scale_name, const std::string& key) const = 0;
+  // HF tensor `name`'s digests and outputs (named `outputs`) from the last sync, when that sync
+  // quantized it under `key` (the quantization and input dtype) and sent them all; else nullopt.
+  virtual std::optional<Earlier> FindQuantized(const std::string& name, absl::Span<const std::string> outputs,
+                                               const std::string& key) const = 0;
   // Where this sync's `groups` digests of `name` (quantized under `key`) go.
   virtual std::span<uint64_t> NextDigests(const std::string& name, size_t groups, const std::string& key) = 0;
 };
@@ -242,10 +242,9 @@ class Int4Quantizer {
   // (kernels::QuantizeAwq with Int4Options::awq_arith).
   absl::Status QuantizeInto(comm::BucketBuilder& builder, const std::string& name, const TensorView& w);
 
-  // With a base (not owned; nullptr: none), QuantizeInto of compressed-tensors INT4 or FP8 in host
-  // memory copies each group (FP8: block or row) whose input is unchanged since the base's sync
-  // instead of quantizing it (the bytes are the same: kernels::QuantizeReuse). AWQ and device
-  // memory: no reuse.
+  // With a base (not owned; nullptr: none), QuantizeInto in host memory copies each group (FP8:
+  // block or row; AWQ: 8 rows' group) whose input is unchanged since the base's sync instead of
+  // quantizing it (the bytes are the same: kernels::QuantizeReuse). Device memory: no reuse.
   void set_quantized_base(QuantizedBase* base) { base_ = space_.host() ? base : nullptr; }
   // With a memo (not owned; nullptr: none), QuantizeRows (compressed-tensors, host memory) copies
   // each group of a block whose input is unchanged since the memo's last quantization of that block.
@@ -258,10 +257,10 @@ class Int4Quantizer {
   absl::Status QuantizeFp8Into(comm::BucketBuilder& builder, const std::string& name, const TensorView& w);
   // QuantizeInto's kernel call with base_: `dst` the reserved packed and scales.
   absl::Status QuantizeReusing(const std::string& name, const TensorView& w, absl::Span<const MutableTensorView> dst);
-  // The kernels' reuse of HF tensor `name` (input dtype `dtype`, quantized under `key`) from base_:
-  // this sync's digests (one per unit: group, block or row) and, when base_ holds its last sync's
-  // digests and outputs `names` of `dst`'s sizes, those.
-  kernels::QuantizeReuse ReuseFromBase(const std::string& name, const std::string (&names)[2],
+  // The kernels' reuse of HF tensor `name` (quantized under `key`) from base_: this sync's digests
+  // (one per unit: group, block or row) and, when base_ holds its last sync's digests and outputs
+  // `names` of `dst`'s sizes, those. `names` / `dst`: the codes, the scales, and for AWQ the zeros.
+  kernels::QuantizeReuse ReuseFromBase(const std::string& name, absl::Span<const std::string> names,
                                        absl::Span<const MutableTensorView> dst, const std::string& key, size_t units);
   absl::StatusOr<std::optional<Int4ExpertPlan>> PlanAwqExpert(const MegatronParam& p, HfRowMap map, int etp) const;
   // Rows [row, row + part.n) of `w` quantized into AWQ triple `part` of `block`.

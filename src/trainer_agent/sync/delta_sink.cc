@@ -37,13 +37,18 @@ uint64_t BlockSum(const uint8_t* t, int64_t cols, size_t item, const engine_mode
 
 }  // namespace
 
-std::optional<QuantizedBase::Earlier> DeltaBase::FindQuantized(const std::string& name, const std::string& packed_name,
-                                                               const std::string& scale_name,
+std::optional<QuantizedBase::Earlier> DeltaBase::FindQuantized(const std::string& name,
+                                                               absl::Span<const std::string> outputs,
                                                                const std::string& key) const {
   const auto d = earlier_.find(name);
-  const auto p = tensors_.find(packed_name), s = tensors_.find(scale_name);
-  if (d == earlier_.end() || d->second.key != key || p == tensors_.end() || s == tensors_.end()) return std::nullopt;
-  return Earlier{d->second.groups, p->second, s->second};
+  if (d == earlier_.end() || d->second.key != key) return std::nullopt;
+  Earlier e{d->second.groups, {}};
+  for (const std::string& output : outputs) {
+    const auto t = tensors_.find(output);
+    if (t == tensors_.end()) return std::nullopt;
+    e.outputs.push_back(t->second);
+  }
+  return e;
 }
 
 std::span<uint64_t> DeltaBase::NextDigests(const std::string& name, size_t groups, const std::string& key) {

@@ -54,8 +54,8 @@ class DeltaBase final : public QuantizedBase {
   uint64_t version() const { return version_; }
   uint64_t bytes() const { return bytes_ + digest_bytes_; }  // host memory held
 
-  std::optional<Earlier> FindQuantized(const std::string& name, const std::string& packed_name,
-                                       const std::string& scale_name, const std::string& key) const override;
+  std::optional<Earlier> FindQuantized(const std::string& name, absl::Span<const std::string> outputs,
+                                       const std::string& key) const override;
   std::span<uint64_t> NextDigests(const std::string& name, size_t groups, const std::string& key) override;
 
  private:
