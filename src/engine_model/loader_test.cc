@@ -318,26 +318,50 @@ std::vector<uint8_t> KeptBytes(const TensorView& t, const KeptBlock& k) {
 
 uint64_t Sum(const std::vector<uint8_t>& b) { return kernels::Sum64Host(std::as_bytes(std::span(b))); }
 
-// One sent tensor's delta from `base` to `next` as the sender makes it for this rank.
+// One sent tensor's delta from `base` to `next` as the sender makes it for this rank: of the whole
+// tensor (broadcast), or with `block` of the block this rank keeps (sharded delivery).
 struct SentDelta {
   Loader::DeltaRef ref;
   std::vector<uint8_t> payload;
 };
-SentDelta MakeDelta(const EngineLayout& layout, const std::string& name, const Tensor& base, const Tensor& next) {
-  const auto as_u8 = [](const Tensor& t) {
-    return std::span(reinterpret_cast<const uint8_t*>(t.view().bytes().data()), t.nbytes());
-  };
-  SentDelta d;
-  auto plan = kernels::PlanDelta(as_u8(base), as_u8(next), static_cast<uint32_t>(ItemSize(next.dtype())));
-  EXPECT_TRUE(plan.ok()) << name << ": " << plan.status();
-  d.payload.resize(plan->payload_bytes);
-  EXPECT_TRUE(kernels::WriteDelta(*plan, as_u8(base), as_u8(next), d.payload).ok()) << name;
-  d.ref.encoding = plan->encoding;
+SentDelta MakeDelta(const EngineLayout& layout, const std::string& name, const Tensor& base, const Tensor& next,
+                    bool block = false) {
   const int idx = layout.FindSource(name);
   const KeptBlock k = idx >= 0 ? KeptBlockOf(layout.sources()[static_cast<size_t>(idx)]) : KeptBlock{};
-  d.ref.base_sum = Sum(KeptBytes(base.view(), k));
-  d.ref.sum = Sum(KeptBytes(next.view(), k));
+  const std::vector<uint8_t> b = KeptBytes(base.view(), k), x = KeptBytes(next.view(), k);
+  const auto whole = [](const Tensor& t) {
+    return std::span(reinterpret_cast<const uint8_t*>(t.view().bytes().data()), t.nbytes());
+  };
+  const std::span<const uint8_t> from = block ? std::span<const uint8_t>(b) : whole(base);
+  const std::span<const uint8_t> to = block ? std::span<const uint8_t>(x) : whole(next);
+  SentDelta d;
+  auto plan = kernels::PlanDelta(from, to, static_cast<uint32_t>(ItemSize(next.dtype())));
+  EXPECT_TRUE(plan.ok()) << name << ": " << plan.status();
+  d.payload.resize(plan->payload_bytes);
+  EXPECT_TRUE(kernels::WriteDelta(*plan, from, to, d.payload).ok()) << name;
+  d.ref.encoding = plan->encoding;
+  d.ref.base_sum = Sum(b);
+  d.ref.sum = Sum(x);
+  if (block) d.ref.block = Loader::BlockRef{k.row0, k.rows, k.col0, k.cols};
   return d;
+}
+
+// Two stagings of `layout`: one loaded with `next` in full, and one that holds `base` as a staging
+// does when the next sync begins (every piece restored, none claimed yet).
+struct Stagings {
+  std::unique_ptr<Staging> full, delta;
+};
+Stagings FullAndBase(const EngineLayout& layout, const HfModel& base, const HfModel& next) {
+  auto full = Staging::Create(layout);
+  auto delta = Staging::Create(layout);
+  EXPECT_TRUE(full.ok() && delta.ok());
+  if (!full.ok() || !delta.ok()) return {};
+  Loader lf(full->get()), ld(delta->get());
+  EXPECT_TRUE(LoadAll(lf, next).ok());
+  EXPECT_TRUE(LoadAll(ld, base).ok());
+  (*delta)->ResetCoverage();
+  (*delta)->MarkAllRestored();
+  return {std::move(*full), std::move(*delta)};
 }
 
 // A delta sync into a staging that holds the base (every tensor sent as its delta, an unchanged one
@@ -365,14 +389,9 @@ TEST(LoaderTest, ADeltaOntoItsBaseEqualsAFullLoadOfTheNewVersion) {
       SCOPED_TRACE(absl::StrCat("tp rank ", c.parallel.tp_rank, " of ", c.parallel.tp_size, ", ep ", c.parallel.ep_size,
                                 ", p ", p));
       const HfModel next = model::testing::ChangeElements(*m, p, kSeed + 1);
-      auto full = Staging::Create(*layout);
-      auto delta = Staging::Create(*layout);
-      ASSERT_TRUE(full.ok() && delta.ok());
-      Loader lf(full->get()), ld(delta->get());
-      ASSERT_TRUE(LoadAll(lf, next).ok());
-      ASSERT_TRUE(LoadAll(ld, *m).ok());
-      (*delta)->ResetCoverage();  // the next sync: its pieces hold the base
-      (*delta)->MarkAllRestored();
+      const Stagings st = FullAndBase(*layout, *m, next);
+      ASSERT_TRUE(st.full && st.delta);
+      Loader ld(st.delta.get());
       int changed = 0;
       for (const std::string& name : m->order) {
         const Tensor& b = m->sent.at(name);
@@ -392,7 +411,7 @@ TEST(LoaderTest, ADeltaOntoItsBaseEqualsAFullLoadOfTheNewVersion) {
       }
       EXPECT_GT(changed, 10);
       EXPECT_TRUE(ld.CheckComplete(/*loaded_only=*/true).ok()) << ld.CheckComplete(true);
-      EXPECT_EQ(StagingChecksum(**delta), StagingChecksum(**full));
+      EXPECT_EQ(StagingChecksum(*st.delta), StagingChecksum(*st.full));
     }
   }
 }
@@ -410,42 +429,32 @@ TEST(LoaderTest, ADeltaOfTheKeptBlockEqualsAFullLoadOfTheNewVersion) {
   auto layout = EngineLayout::Create(moe, &q, {2, 1, 1});
   ASSERT_TRUE(layout.ok()) << layout.status();
   const HfModel next = model::testing::ChangeElements(*m, 0.02, kSeed + 1);
-  auto full = Staging::Create(*layout);
-  auto delta = Staging::Create(*layout);
-  ASSERT_TRUE(full.ok() && delta.ok());
-  Loader lf(full->get()), ld(delta->get());
-  ASSERT_TRUE(LoadAll(lf, next).ok());
-  ASSERT_TRUE(LoadAll(ld, *m).ok());
-  (*delta)->ResetCoverage();
-  (*delta)->MarkAllRestored();
+  const Stagings sg = FullAndBase(*layout, *m, next);
+  ASSERT_TRUE(sg.full && sg.delta);
+  Loader ld(sg.delta.get());
   int blocks = 0;
   for (const std::string& name : m->order) {
     const Tensor& n = next.sent.at(name);
     const int idx = layout->FindSource(name);
-    const KeptBlock k = idx >= 0 ? KeptBlockOf(layout->sources()[static_cast<size_t>(idx)]) : KeptBlock{};
-    if (absl::EndsWith(name, ".weight_shape") || k.empty()) {  // whole, or nothing for this rank
+    if (absl::EndsWith(name, ".weight_shape") || idx < 0 ||
+        KeptBlockOf(layout->sources()[static_cast<size_t>(idx)]).empty()) {  // whole, or nothing kept
       ASSERT_TRUE(ld.Load(name, n.view()).ok()) << name;
       continue;
     }
-    const std::vector<uint8_t> b = KeptBytes(m->sent.at(name).view(), k), x = KeptBytes(n.view(), k);
-    auto plan = kernels::PlanDelta(b, x, static_cast<uint32_t>(ItemSize(n.dtype())));
-    ASSERT_TRUE(plan.ok()) << name << ": " << plan.status();
-    std::vector<uint8_t> payload(plan->payload_bytes);
-    ASSERT_TRUE(kernels::WriteDelta(*plan, b, x, payload).ok());
-    Loader::DeltaRef ref{plan->encoding, Sum(b), Sum(x), Loader::BlockRef{k.row0, k.rows, k.col0, k.cols}};
+    const SentDelta d = MakeDelta(*layout, name, m->sent.at(name), n, /*block=*/true);
     if (blocks++ == 0) {  // a block one row short of what the rank keeps: refused, the piece unclaimed
-      Loader::DeltaRef short_ref = ref;
+      Loader::DeltaRef short_ref = d.ref;
       short_ref.block->rows -= 1;
-      const absl::Status st = ld.LoadDelta(name, n.dtype(), n.shape(), short_ref, payload);
+      const absl::Status st = ld.LoadDelta(name, n.dtype(), n.shape(), short_ref, d.payload);
       EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
       EXPECT_THAT(st.message(), HasSubstr("and this rank keeps rows"));
     }
-    const absl::Status st = ld.LoadDelta(name, n.dtype(), n.shape(), ref, payload);
+    const absl::Status st = ld.LoadDelta(name, n.dtype(), n.shape(), d.ref, d.payload);
     ASSERT_TRUE(st.ok()) << name << ": " << st;
   }
   EXPECT_GT(blocks, 10);
   EXPECT_TRUE(ld.CheckComplete(/*loaded_only=*/true).ok()) << ld.CheckComplete(true);
-  EXPECT_EQ(StagingChecksum(**delta), StagingChecksum(**full));
+  EXPECT_EQ(StagingChecksum(*sg.delta), StagingChecksum(*sg.full));
 }
 
 // A delta that is not for what the staging holds, or that does not give the new version, is refused
