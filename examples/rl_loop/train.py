@@ -16,7 +16,8 @@ learns by REINFORCE from the rollout engines' generations:
 
 Prints one line per step: the replies per engine and version, the mean reward, the loss, the time
 the sync took, the share of rank 0's bf16 elements the step changed, and with a delta base what
-the sync sent and how many INT4 groups it did not quantize again.
+the sync sent and how many quantization groups (INT4 groups, FP8 blocks or rows, AWQ units) it did
+not quantize again.
 """
 
 import argparse
@@ -117,7 +118,7 @@ def sent(ctl, version):
         return ""
     how = f"deltas from version {d['base']}" if d["base"] else "in full"
     groups = d.get("quant_groups", 0)
-    reused = f"; INT4 groups reused {d.get('reused_groups', 0)} of {groups}" if groups else ""
+    reused = f"; quantization groups reused {d.get('reused_groups', 0)} of {groups}" if groups else ""
     return (f" ({how}: {d['sent_bytes'] / 2**20:.2f} of {d['tensor_bytes'] / 2**20:.2f} MiB, "
             f"{100 * d['sent_bytes'] / d['tensor_bytes']:.2f} %{reused})")
 
