@@ -137,17 +137,11 @@ absl::Status QuantizeAwq(const TensorView& w, MutableTensorView qweight, Mutable
   ASSIGN_OR_RETURN(AwqQuantizeArgs a, QuantizeAwqArgs(fn, w, qweight, qzeros, scales, options));
   if (options.device != Device::kCpu) return Invalid(fn, "reuse is for the CPU kernel only");
   const auto units = static_cast<size_t>(qzeros.nbytes() / 4);
-  RETURN_IF_ERROR(internal::CheckReuse(fn, w, qweight, scales, reuse, units, "qzeros word"));
+  if (!reuse.digests.empty() && (reuse.zeros.dtype() != DType::kI32 || reuse.zeros.shape() != qzeros.shape()))
+    return Invalid(fn, absl::StrCat("the earlier qzeros are ", reuse.zeros.DebugString(), ", want I32",
+                                    ShapeToString(qzeros.shape())));
+  RETURN_IF_ERROR(internal::CheckReuse(fn, w, qweight, scales, reuse, units, "qzeros word", &qzeros));
   if (!reuse.digests.empty()) {
-    if (reuse.zeros.dtype() != DType::kI32 || reuse.zeros.shape() != qzeros.shape())
-      return Invalid(fn, absl::StrCat("the earlier qzeros are ", reuse.zeros.DebugString(), ", want I32",
-                                      ShapeToString(qzeros.shape())));
-    if (internal::AnyOverlap({{reuse.zeros.data(), reuse.zeros.nbytes()},
-                              {qweight.data(), qweight.nbytes()},
-                              {qzeros.data(), qzeros.nbytes()},
-                              {scales.data(), scales.nbytes()},
-                              {reuse.next_digests.data(), reuse.next_digests.size_bytes()}}))
-      return Invalid(fn, "the earlier qzeros must not overlap the outputs or next_digests");
     a.digests = reuse.digests.data();
     a.prev_qweight = reuse.packed.data_as<uint32_t>();
     a.prev_qzeros = reuse.zeros.data_as<uint32_t>();

@@ -417,6 +417,14 @@ TEST(AwqReuseTest, BadArgumentsAreRefused) {
   AwqQuantizeOptions cuda = opt;
   cuda.device = Device::kCuda;
   refused({{}, {}, {}, std::span(d)}, cuda, "CPU kernel only");
+  // next_digests over the qzeros output: refused (threads would write both).
+  std::vector<uint64_t> shared(2);
+  QuantizeReuse over{{}, {}, {}, std::span(shared)};
+  const absl::Status st =
+      QuantizeAwq(View(w, DType::kBF16, {n, k}), Out(qw, DType::kI32, {k, n / 8}),
+                  MutableTensorView(DType::kI32, {1, n / 8}, std::as_writable_bytes(std::span(shared)).first(8)),
+                  Out(sc, DType::kBF16, {1, n}), opt, over);
+  EXPECT_TRUE(absl::StrContains(st.message(), "next_digests must not overlap")) << st;
   QuantizeReuse ok{earlier, pw, ps, std::span(d), 0, pz};
   EXPECT_TRUE(QuantizeAwq(View(w, DType::kBF16, {n, k}), Out(qw, DType::kI32, {k, n / 8}),
                           Out(qz, DType::kI32, {1, n / 8}), Out(sc, DType::kBF16, {1, n}), opt, ok)

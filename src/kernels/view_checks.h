@@ -104,18 +104,22 @@ inline bool AnyOverlap(std::initializer_list<std::pair<const void*, size_t>> ran
 }
 
 // The checks of a quantizer's `reuse` (QuantizeReuse, int4.h) for W and its outputs `codes` and
-// `scales`, of `units` digests (one per `unit`: group, block or row): next_digests of one each, not
+// `scales` (and AWQ's `zeros`), of `units` digests (one per `unit`: group, block or row): next_digests of one each, not
 // overlapping W or the outputs; digests empty or of that size; the earlier outputs of the
 // outputs' dtypes and shapes, overlapping nothing.
 inline absl::Status CheckReuse(absl::string_view fn, const TensorView& w, const MutableTensorView& codes,
                                const MutableTensorView& scales, const QuantizeReuse& reuse, size_t units,
-                               absl::string_view unit) {
+                               absl::string_view unit, const MutableTensorView* zeros = nullptr) {
+  const std::pair<const void*, size_t> z = zeros != nullptr
+                                               ? std::pair<const void*, size_t>{zeros->data(), zeros->nbytes()}
+                                               : std::pair<const void*, size_t>{nullptr, 0};
   if (reuse.next_digests.size() != units)
     return Invalid(fn, absl::StrCat("next_digests holds ", reuse.next_digests.size(), " entries, want one per ", unit,
                                     " (", units, ")"));
   if (AnyOverlap({{reuse.next_digests.data(), reuse.next_digests.size_bytes()},
                   {codes.data(), codes.nbytes()},
                   {scales.data(), scales.nbytes()},
+                  z,
                   {w.data(), w.nbytes()}}))
     return Invalid(fn, "next_digests must not overlap W or the outputs");
   if (reuse.digests.empty()) return absl::OkStatus();
@@ -127,6 +131,8 @@ inline absl::Status CheckReuse(absl::string_view fn, const TensorView& w, const 
                                     reuse.scales.DebugString(), ", want the outputs' dtypes and shapes"));
   if (AnyOverlap({{codes.data(), codes.nbytes()},
                   {scales.data(), scales.nbytes()},
+                  z,
+                  {reuse.zeros.data(), reuse.zeros.nbytes()},
                   {reuse.packed.data(), reuse.packed.nbytes()},
                   {reuse.scales.data(), reuse.scales.nbytes()},
                   {reuse.next_digests.data(), reuse.next_digests.size_bytes()},

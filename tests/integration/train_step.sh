@@ -18,5 +18,5 @@ rm -rf "$src.new"
 if [ -n "${QUANT_OUT:-}" ]; then
   rm -rf "$QUANT_OUT"
   # shellcheck disable=SC2086  # QUANT_ARGS is a list of flags
-  "$bin/wsync-quant" fp8 --hf "$hf" --out "$QUANT_OUT" $QUANT_ARGS > /dev/null
+  "$bin/wsync-quant" fp8 --hf "$hf" --out "$QUANT_OUT" ${QUANT_ARGS:-} > /dev/null
 fi

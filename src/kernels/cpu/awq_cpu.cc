@@ -249,7 +249,7 @@ int64_t QuantizeAwqUnits(const internal::AwqQuantizeArgs& a, int64_t begin, int6
     const int64_t code = (row * ng + g) * 2 + static_cast<int>(why);
     if (bad < 0 || code < bad) bad = code;
   };
-  uint8_t zeros[kAwqRowBlock];
+  uint8_t zeros[kAwqRowBlock] = {};
   float mxs[kAwqRowBlock], mns[kAwqRowBlock], scales[kAwqRowBlock], zps[kAwqRowBlock];
   HWY_ALIGN uint32_t words_tmp[kAwqRowBlock / 8 * 256];  // PackGroup's [jw][k] (groups up to 256 wide)
   uint8_t kept[kAwqRowBlock / 8] = {};                   // with reuse: the units copied, by word column

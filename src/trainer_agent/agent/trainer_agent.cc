@@ -716,14 +716,14 @@ class Agent {
     mine.sent_bytes = d.sent_bytes;
     mine.delta_items = d.items;
     mine.changed_items = d.changed_items;
-    WSYNC_LOG(INFO) << "sync " << cmd.sync_id << ": " << d.delta_entries << " of " << d.entries
-                    << (sinks.sharded ? " blocks" : " tensors") << " as deltas from version " << cmd.delta_base << ", "
-                    << FormatBytes(d.sent_bytes) << " of " << FormatBytes(d.tensor_bytes) << " sent ("
-                    << d.changed_items << " of " << d.items << " elements changed); " << report.reused_groups << " of "
-                    << report.quant_groups
-                    << " quantization groups (INT4 groups, FP8 blocks or rows) reused, not quantized (inputs "
-                       "unchanged); the bases hold "
-                    << FormatBytes(base_bytes) << ", the quantization memo " << FormatBytes(quant_memo_.bytes());
+    WSYNC_LOG(INFO)
+        << "sync " << cmd.sync_id << ": " << d.delta_entries << " of " << d.entries
+        << (sinks.sharded ? " blocks" : " tensors") << " as deltas from version " << cmd.delta_base << ", "
+        << FormatBytes(d.sent_bytes) << " of " << FormatBytes(d.tensor_bytes) << " sent (" << d.changed_items << " of "
+        << d.items << " elements changed); " << report.reused_groups << " of " << report.quant_groups
+        << " quantization groups (INT4 groups, FP8 blocks or rows, AWQ units) reused, not quantized (inputs "
+           "unchanged); the bases hold "
+        << FormatBytes(base_bytes) << ", the quantization memo " << FormatBytes(quant_memo_.bytes());
   }
 
   // RunRankSync into this rank's sinks; its times and counts (or its error) into `mine`.

@@ -102,7 +102,7 @@ struct TrainerReport {
   // kept one, else 0), and what the stage sources sent (trainer_agent/sync/delta_sink.h DeltaStats).
   uint64_t delta_held = 0;
   uint64_t tensor_bytes = 0, sent_bytes = 0, delta_items = 0, changed_items = 0;
-  // Every rank's quantization groups (INT4 groups, FP8 blocks or rows; stage sources and experts'
+  // Every rank's quantization groups (INT4 groups, FP8 blocks or rows, AWQ units; stage sources and experts'
   // holders) quantized or reused, and those reused.
   uint64_t quant_groups = 0, reused_groups = 0;
 };

@@ -44,10 +44,11 @@
 
 namespace wsync::trainer_agent {
 
-// The base is also the stage source's QuantizedBase (quantize/int4_quantizer.h): with every INT4
-// tensor's outputs it keeps one XXH3-64 per quantization group of the bf16 inputs they came from
-// (8 bytes per group: 1/16 of the inputs' bytes at G 64), so that the next sync quantizes only the
-// groups whose inputs changed. A sync's digests are kept only when its DeltaSink finishes, which
+// The base is also the stage source's QuantizedBase (quantize/int4_quantizer.h): with every
+// quantized tensor's outputs (INT4, AWQ, FP8) it keeps one XXH3-64 per quantization group (FP8:
+// block or row; AWQ: 8 rows' group) of the bf16 inputs they came from (8 bytes per group: 1/16 of
+// the inputs' bytes at INT4 G 64), so that the next sync quantizes only the groups whose inputs
+// changed. A sync's digests are kept only when its DeltaSink finishes, which
 // is when the base holds that sync's outputs.
 class DeltaBase final : public QuantizedBase {
  public:
