@@ -460,10 +460,12 @@ TEST_P(QuantReuseTest, TheSenderQuantizesOnlyTheGroupsWhoseInputsChanged) {
     ASSERT_EQ(targets, q->int4);
   }
   // One sync of the bf16 model `m`: the targets through the quantizer (with the base when
-  // `reuse`), the rest as they are; into `sink` (a DeltaSink or a plain capture).
-  auto send = [&](comm::BucketSink& sink, const HfModel& m, uint64_t version, bool reuse, bool finish = true) {
+  // `reuse`, with `memo` when given), the rest as they are; into `sink` (a DeltaSink or a capture).
+  auto send = [&](comm::BucketSink& sink, const HfModel& m, uint64_t version, bool reuse, bool finish = true,
+                  trainer_agent::QuantMemo* memo = nullptr) {
     trainer_agent::Int4Quantizer quantizer(trainer_agent::Int4Options{.quant = &quant_, .num_threads = 2});
     if (reuse) quantizer.set_quantized_base(&base_);
+    quantizer.set_quant_memo(memo);
     comm::BucketBuilder builder(sink, {.bucket_bytes = 64 << 10, .version = version, .pp_stage = 0});
     for (const std::string& name : m.order) {
       const TensorView w = m.sent.at(name).view();
@@ -550,6 +552,25 @@ TEST_P(QuantReuseTest, TheSenderQuantizesOnlyTheGroupsWhoseInputsChanged) {
   }
   ASSERT_TRUE(Receive(c4.buckets, false).ok());
   expect_plain(v4, 4, "version 4 after a lost sync");
+
+  // Without a base (a sharded sync's stage source), a memo: the same groups reused, the bytes of a
+  // plain quantization. With a base again, the memo's copies of the base's tensors go.
+  trainer_agent::QuantMemo memo;
+  comm::testing::CaptureSink m1, m2, p2;
+  EXPECT_EQ(send(m1, *bf16, 1, false, true, &memo).reused_groups, 0u);
+  const trainer_agent::Int4Stats st = send(m2, v2, 2, false, true, &memo);
+  EXPECT_EQ(st.reused_groups, same);
+  EXPECT_EQ(st.groups, groups);
+  send(p2, v2, 2, false);
+  ASSERT_EQ(m2.buckets.size(), p2.buckets.size());
+  for (size_t b = 0; b < m2.buckets.size(); ++b) EXPECT_EQ(m2.buckets[b].data, p2.buckets[b].data) << "bucket " << b;
+  EXPECT_GT(memo.bytes(), groups * 8);
+  comm::testing::CaptureSink c5;
+  {
+    trainer_agent::DeltaSink sink(c5, base_, Receivers(), 4, 5);
+    send(sink, v2, 5, true, true, &memo);
+  }
+  EXPECT_EQ(memo.bytes(), 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, QuantReuseTest, ::testing::Values("int4", "awq", "fp8_block", "fp8_channel"),

@@ -864,7 +864,7 @@ class Agent {
   DeltaBase delta_base_;  // delta delivery on a stage source: what it last sent (sync/delta_sink.h)
   // Sharded delta delivery on a sender: what it last sent each receiver layout (GroupKey).
   std::map<std::string, DeltaBase> shard_bases_;
-  QuantMemo quant_memo_;  // delta syncs: the INT4 expert blocks this rank quantized as their holder
+  QuantMemo quant_memo_;  // delta syncs: the INT4 / AWQ expert blocks this rank quantized as their holder
   std::optional<QuantizationConfig> sync_quant_;  // the running sync's (SyncQuantization)
   // Bucket buffers (stage sources only): two on the wire + the one being built. Kept across syncs,
   // except over nccl: device buffers, none freed while the sync's groups run (a cudaFree waits for

@@ -100,6 +100,23 @@ absl::Status PlaceAwqPart(const AwqPart& src, std::span<const std::byte> from, c
       dst_cols, from.data() + src.scales_at, src_cols, src.scales[0], src_cols, space);
 }
 
+// A reuse writing this call's digests to `next` and, when `digests` is not empty, reading them and
+// the earlier outputs `earlier` (the codes, the scales, the zeros: one per view of `dst`, whose
+// dtypes and shapes they have).
+kernels::QuantizeReuse MakeReuse(std::span<uint64_t> next, std::span<const uint64_t> digests,
+                                 absl::Span<const std::span<const std::byte>> earlier,
+                                 absl::Span<const MutableTensorView> dst) {
+  kernels::QuantizeReuse reuse;
+  reuse.next_digests = next;
+  if (digests.empty()) return reuse;
+  auto view = [&](size_t i) { return TensorView(dst[i].dtype(), dst[i].shape(), earlier[i]); };
+  reuse.digests = digests;
+  reuse.packed = view(0);
+  reuse.scales = view(1);
+  if (dst.size() > 2) reuse.zeros = view(2);
+  return reuse;
+}
+
 // The first column of ETP rank `rank`'s shard of `p` in the full tensor: 0 for row blocks.
 absl::StatusOr<int64_t> ShardColumn0(const MegatronParam& p, int rank) {
   if (p.local_shape.back() == p.full_shape.back()) return 0;
@@ -402,10 +419,21 @@ absl::Status Int4Quantizer::QuantizeAwqPart(const MegatronParam& p, const Tensor
   auto view = [&](DType dtype, const Shape& shape, uint64_t at) {
     return MutableTensorView(dtype, shape, block.subspan(at, static_cast<uint64_t>(*NumBytes(dtype, shape))));
   };
+  const MutableTensorView qweight = view(DType::kI32, part.qweight, part.qweight_at);
+  const MutableTensorView qzeros = view(DType::kI32, part.qzeros, part.qzeros_at);
+  const MutableTensorView scales = view(w.dtype(), part.scales, part.scales_at);
   const absl::Time t0 = absl::Now();
-  absl::Status s = kernels::QuantizeAwq(ws, view(DType::kI32, part.qweight, part.qweight_at),
-                                        view(DType::kI32, part.qzeros, part.qzeros_at),
-                                        view(w.dtype(), part.scales, part.scales_at), awq_);
+  absl::Status s;
+  if (memo_ == nullptr) {
+    s = kernels::QuantizeAwq(ws, qweight, qzeros, scales, awq_);
+  } else {  // one memo block per triple; one unit per qzeros word (8 rows' group)
+    const MutableTensorView dst[3] = {qweight, scales, qzeros};  // the codes, the scales, the zeros
+    s = ReuseFromMemo(absl::StrCat(p.global_name, " AWQ ", part.hf_index, ": rows ", part.n0, "+", part.n,
+                                   " x columns ", part.k0, "+", part.k),
+                      dst, ReuseKey(w.dtype()), qzeros.nbytes() / 4, [&](kernels::QuantizeReuse& reuse) {
+                        return kernels::QuantizeAwq(ws, qweight, qzeros, scales, awq_, reuse);
+                      });
+  }
   stats_.quantize += absl::Now() - t0;
   if (!s.ok()) {
     const std::string columns =
@@ -427,16 +455,15 @@ absl::Status Int4Quantizer::QuantizeRows(const MegatronParam& p, const TensorVie
   const uint64_t scale_row = scales.size() / static_cast<uint64_t>(n);
   const int64_t scale_cols = static_cast<int64_t>(scale_row / ItemSize(w.dtype()));
   // With the memo: this block's outputs and digests from its last quantization, and this one's.
-  QuantMemo::Block* memo = nullptr;
+  const QuantMemo::Block* earlier = nullptr;
+  std::string id, key;
   std::vector<uint64_t> next;
-  std::string key;
-  bool have = false;
-  if (memo_ != nullptr && w.dim(0) > 0) {
-    key = absl::StrCat(QuantFingerprint(&quant_, kernel_.variant), " ", SafetensorsName(w.dtype()));
-    memo = &memo_->blocks_[absl::StrCat(p.global_name, " ", packed.size())];  // the full tensor or a shard
+  const std::span<std::byte> outputs[2] = {packed, scales};
+  if (memo_ != nullptr && n > 0) {
+    key = ReuseKey(w.dtype());
+    id = absl::StrCat(p.global_name, " ", packed.size());  // the full tensor or a shard
     next.assign(static_cast<size_t>(n * scale_cols), 0);
-    have = memo->key == key && memo->digests.size() == next.size() && memo->packed.size() == packed.size() &&
-           memo->scales.size() == scales.size();
+    earlier = FindInMemo(id, key, next.size(), outputs);
   }
   for (const RowSegment& seg : rows) {
     const uint64_t first = static_cast<uint64_t>(seg.row), count = static_cast<uint64_t>(seg.rows);
@@ -445,20 +472,19 @@ absl::Status Int4Quantizer::QuantizeRows(const MegatronParam& p, const TensorVie
     MutableTensorView ss(w.dtype(), Shape{seg.rows, scale_cols}, scales.subspan(first * scale_row, count * scale_row));
     const absl::Time t0 = absl::Now();
     absl::Status s;
-    if (memo != nullptr) {
+    if (!id.empty()) {  // this segment's groups of the block
       const size_t g0 = first * static_cast<size_t>(scale_cols), groups = count * static_cast<size_t>(scale_cols);
-      kernels::QuantizeReuse reuse;
-      reuse.next_digests = std::span(next).subspan(g0, groups);
-      if (have) {
-        reuse.digests = std::span(memo->digests).subspan(g0, groups);
-        reuse.packed = TensorView(DType::kI32, ps.shape(),
-                                  std::span(memo->packed).subspan(first * packed_row, count * packed_row));
-        reuse.scales =
-            TensorView(w.dtype(), ss.shape(), std::span(memo->scales).subspan(first * scale_row, count * scale_row));
+      std::span<const uint64_t> digests;
+      std::vector<std::span<const std::byte>> from;
+      if (earlier != nullptr) {
+        digests = std::span(earlier->digests).subspan(g0, groups);
+        from = {std::span<const std::byte>(earlier->outputs[0]).subspan(first * packed_row, count * packed_row),
+                std::span<const std::byte>(earlier->outputs[1]).subspan(first * scale_row, count * scale_row)};
       }
+      const MutableTensorView dst[2] = {ps, ss};
+      kernels::QuantizeReuse reuse = MakeReuse(std::span(next).subspan(g0, groups), digests, from, dst);
       s = kernels::QuantizeInt4(ws, ps, ss, kernel_, reuse);
-      stats_.groups += groups;
-      stats_.reused_groups += static_cast<uint64_t>(reuse.reused_groups);
+      if (s.ok()) CountReuse(groups, reuse);
     } else {
       s = kernels::QuantizeInt4(ws, ps, ss, kernel_);
     }
@@ -470,18 +496,83 @@ absl::Status Int4Quantizer::QuantizeRows(const MegatronParam& p, const TensorVie
                                    " as the kernel's rows 0..", seg.rows - 1, "; ", where, ")"));
     stats_.quantized_bytes += ws.nbytes();
   }
-  if (memo != nullptr) {  // every segment succeeded: the block's outputs and digests, together
-    memo->key = std::move(key);
-    memo->digests = std::move(next);
-    memo->packed.assign(packed.begin(), packed.end());
-    memo->scales.assign(scales.begin(), scales.end());
-  }
+  if (!id.empty()) KeepInMemo(id, key, std::move(next), outputs);  // every segment succeeded
   return absl::OkStatus();
+}
+
+const QuantMemo::Block* Int4Quantizer::FindInMemo(const std::string& id, const std::string& key, size_t units,
+                                                  absl::Span<const std::span<std::byte>> dst) const {
+  const auto it = memo_->blocks_.find(id);
+  if (it == memo_->blocks_.end() || it->second.key != key || it->second.digests.size() != units ||
+      it->second.outputs.size() != dst.size())
+    return nullptr;
+  for (size_t i = 0; i < dst.size(); ++i)
+    if (it->second.outputs[i].size() != dst[i].size()) return nullptr;
+  return &it->second;
+}
+
+void Int4Quantizer::KeepInMemo(const std::string& id, std::string key, std::vector<uint64_t> digests,
+                               absl::Span<const std::span<std::byte>> outputs) {
+  QuantMemo::Block& b = memo_->blocks_[id];
+  b.key = std::move(key);
+  b.digests = std::move(digests);
+  b.outputs.resize(outputs.size());
+  for (size_t i = 0; i < outputs.size(); ++i) b.outputs[i].assign(outputs[i].begin(), outputs[i].end());
+}
+
+void Int4Quantizer::CountReuse(size_t units, const kernels::QuantizeReuse& reuse) {
+  stats_.groups += units;
+  stats_.reused_groups += static_cast<uint64_t>(reuse.reused_groups);
+}
+
+absl::Status Int4Quantizer::ReuseFromMemo(const std::string& id, absl::Span<const MutableTensorView> dst,
+                                          const std::string& key, size_t units,
+                                          absl::FunctionRef<absl::Status(kernels::QuantizeReuse&)> kernel) {
+  std::vector<uint64_t> next(units);
+  std::vector<std::span<std::byte>> outputs;
+  for (const MutableTensorView& d : dst) outputs.push_back(d.bytes());
+  const QuantMemo::Block* earlier = FindInMemo(id, key, units, outputs);
+  std::vector<std::span<const std::byte>> from;
+  std::span<const uint64_t> digests;
+  if (earlier != nullptr) {
+    from.assign(earlier->outputs.begin(), earlier->outputs.end());
+    digests = earlier->digests;
+  }
+  kernels::QuantizeReuse reuse = MakeReuse(next, digests, from, dst);
+  RETURN_IF_ERROR(kernel(reuse));
+  CountReuse(units, reuse);
+  KeepInMemo(id, key, std::move(next), outputs);
+  return absl::OkStatus();
+}
+
+absl::Status Int4Quantizer::Reusing(const std::string& name, absl::Span<const std::string> names,
+                                    absl::Span<const MutableTensorView> dst, DType input, size_t units,
+                                    absl::FunctionRef<absl::Status(kernels::QuantizeReuse&)> kernel) {
+  const std::string key = ReuseKey(input);
+  const std::string id = absl::StrCat("HF ", name);
+  if (base_ == nullptr) return ReuseFromMemo(id, dst, key, units, kernel);
+  if (memo_ != nullptr) memo_->blocks_.erase(id);  // the base holds its outputs: the memo's copy goes
+  kernels::QuantizeReuse reuse = ReuseFromBase(name, names, dst, key, units);
+  RETURN_IF_ERROR(kernel(reuse));
+  CountReuse(units, reuse);
+  return absl::OkStatus();
+}
+
+std::string Int4Quantizer::ReuseKey(DType input) const {
+  std::string key = QuantFingerprint(&quant_, kernel_.variant, awq_.arith);
+  if (quant_.is_fp8())
+    absl::StrAppend(&key, " fp8 ", static_cast<int>(model::Fp8BlockVariantFor(quant_, fp8_)), "/",
+                    static_cast<int>(fp8_.fp8_channel));
+  absl::StrAppend(&key, " ", SafetensorsName(input));
+  return key;
 }
 
 uint64_t QuantMemo::bytes() const {
   uint64_t n = 0;
-  for (const auto& [name, b] : blocks_) n += b.digests.size() * sizeof(uint64_t) + b.packed.size() + b.scales.size();
+  for (const auto& [name, b] : blocks_) {
+    n += b.digests.size() * sizeof(uint64_t);
+    for (const std::vector<std::byte>& o : b.outputs) n += o.size();
+  }
   return n;
 }
 
@@ -547,7 +638,17 @@ absl::Status Int4Quantizer::QuantizeInto(comm::BucketBuilder& builder, const std
   ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, ReserveTriplet(builder, space_, name, w.dtype(), shapes->packed,
                                                                       shapes->scales, w.dim(0), w.dim(1)));
   const absl::Time t0 = absl::Now();
-  absl::Status s = base_ != nullptr ? QuantizeReusing(name, w, dst) : kernels::QuantizeInt4(w, dst[0], dst[1], kernel_);
+  absl::Status s;
+  if (base_ == nullptr && memo_ == nullptr) {
+    s = kernels::QuantizeInt4(w, dst[0], dst[1], kernel_);
+  } else {  // one unit per group
+    absl::string_view prefix = name;
+    absl::ConsumeSuffix(&prefix, ".weight");  // ReserveTriplet refused any other name
+    const std::string names[2] = {absl::StrCat(prefix, ".weight_packed"), absl::StrCat(prefix, ".weight_scale")};
+    s = Reusing(
+        name, names, absl::MakeConstSpan(dst).subspan(0, 2), w.dtype(), dst[1].nbytes() / ItemSize(dst[1].dtype()),
+        [&](kernels::QuantizeReuse& reuse) { return kernels::QuantizeInt4(w, dst[0], dst[1], kernel_, reuse); });
+  }
   stats_.quantize += absl::Now() - t0;
   if (!s.ok()) return Annotate(s, absl::StrCat("quantizing \"", name, "\""));
   stats_.quantized_bytes += w.nbytes();
@@ -557,32 +658,16 @@ absl::Status Int4Quantizer::QuantizeInto(comm::BucketBuilder& builder, const std
 kernels::QuantizeReuse Int4Quantizer::ReuseFromBase(const std::string& name, absl::Span<const std::string> names,
                                                     absl::Span<const MutableTensorView> dst, const std::string& key,
                                                     size_t units) {
-  kernels::QuantizeReuse reuse;
-  reuse.next_digests = base_->NextDigests(name, units, key);
+  const std::span<uint64_t> next = base_->NextDigests(name, units, key);
   const std::optional<QuantizedBase::Earlier> earlier = base_->FindQuantized(name, names, key);
-  if (!earlier || earlier->digests.size() != units || earlier->outputs.size() != dst.size()) return reuse;
-  for (size_t i = 0; i < dst.size(); ++i)
-    if (earlier->outputs[i].size() != dst[i].nbytes()) return reuse;
-  auto view = [&](size_t i) { return TensorView(dst[i].dtype(), dst[i].shape(), std::as_bytes(earlier->outputs[i])); };
-  reuse.digests = earlier->digests;
-  reuse.packed = view(0);
-  reuse.scales = view(1);
-  if (dst.size() > 2) reuse.zeros = view(2);
-  return reuse;
-}
-
-absl::Status Int4Quantizer::QuantizeReusing(const std::string& name, const TensorView& w,
-                                            absl::Span<const MutableTensorView> dst) {
-  absl::string_view prefix = name;
-  absl::ConsumeSuffix(&prefix, ".weight");  // ReserveTriplet refused any other name
-  const std::string names[2] = {absl::StrCat(prefix, ".weight_packed"), absl::StrCat(prefix, ".weight_scale")};
-  const std::string key = absl::StrCat(QuantFingerprint(&quant_, kernel_.variant), " ", SafetensorsName(w.dtype()));
-  const auto groups = static_cast<size_t>(dst[1].nbytes() / 2);
-  kernels::QuantizeReuse reuse = ReuseFromBase(name, names, dst.subspan(0, 2), key, groups);
-  RETURN_IF_ERROR(kernels::QuantizeInt4(w, dst[0], dst[1], kernel_, reuse));
-  stats_.groups += groups;
-  stats_.reused_groups += static_cast<uint64_t>(reuse.reused_groups);
-  return absl::OkStatus();
+  if (!earlier || earlier->digests.size() != units || earlier->outputs.size() != dst.size())
+    return MakeReuse(next, {}, {}, dst);
+  std::vector<std::span<const std::byte>> outputs;
+  for (size_t i = 0; i < dst.size(); ++i) {
+    if (earlier->outputs[i].size() != dst[i].nbytes()) return MakeReuse(next, {}, {}, dst);
+    outputs.push_back(std::as_bytes(earlier->outputs[i]));
+  }
+  return MakeReuse(next, earlier->digests, outputs, dst);
 }
 
 absl::Status Int4Quantizer::QuantizeFp8Into(comm::BucketBuilder& builder, const std::string& name,
@@ -601,19 +686,12 @@ absl::Status Int4Quantizer::QuantizeFp8Into(comm::BucketBuilder& builder, const 
   ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, builder.Reserve(pending));
   const absl::Time t0 = absl::Now();
   absl::Status s;
-  if (base_ == nullptr) {
+  if (base_ == nullptr && memo_ == nullptr) {
     s = model::QuantizeFp8(w, dst[0], dst[1], quant_, fp8_);
   } else {  // one unit per scale: a block or a row
-    const std::string key = absl::StrCat(QuantFingerprint(&quant_, kernel_.variant), " fp8 ",
-                                         static_cast<int>(model::Fp8BlockVariantFor(quant_, fp8_)), "/",
-                                         static_cast<int>(fp8_.fp8_channel), " ", SafetensorsName(w.dtype()));
-    const auto units = static_cast<size_t>(dst[1].nbytes() / ItemSize(dst[1].dtype()));
-    kernels::QuantizeReuse reuse = ReuseFromBase(name, absl::MakeConstSpan(names).subspan(0, 2), dst, key, units);
-    s = model::QuantizeFp8(w, dst[0], dst[1], quant_, fp8_, &reuse);
-    if (s.ok()) {
-      stats_.groups += units;
-      stats_.reused_groups += static_cast<uint64_t>(reuse.reused_groups);
-    }
+    s = Reusing(
+        name, absl::MakeConstSpan(names).subspan(0, 2), dst, w.dtype(), dst[1].nbytes() / ItemSize(dst[1].dtype()),
+        [&](kernels::QuantizeReuse& reuse) { return model::QuantizeFp8(w, dst[0], dst[1], quant_, fp8_, &reuse); });
   }
   stats_.quantize += absl::Now() - t0;
   if (!s.ok()) return Annotate(s, where);
@@ -638,20 +716,14 @@ absl::Status Int4Quantizer::QuantizeAwqInto(comm::BucketBuilder& builder, const 
   ASSIGN_OR_RETURN(std::vector<MutableTensorView> dst, builder.Reserve(pending));
   const absl::Time t0 = absl::Now();
   absl::Status s;
-  if (base_ == nullptr) {
+  if (base_ == nullptr && memo_ == nullptr) {
     s = kernels::QuantizeAwq(w, dst[0], dst[1], dst[2], awq_);
-  } else {  // one unit per qzeros word: 8 rows' group
-    const std::string key =
-        absl::StrCat(QuantFingerprint(&quant_, kernel_.variant, awq_.arith), " ", SafetensorsName(w.dtype()));
-    const auto units = static_cast<size_t>(dst[1].nbytes() / 4);
+  } else {                                                          // one unit per qzeros word: 8 rows' group
     const std::string outputs[3] = {names[0], names[2], names[1]};  // the codes, the scales, the zeros
     const MutableTensorView views[3] = {dst[0], dst[2], dst[1]};
-    kernels::QuantizeReuse reuse = ReuseFromBase(name, outputs, views, key, units);
-    s = kernels::QuantizeAwq(w, dst[0], dst[1], dst[2], awq_, reuse);
-    if (s.ok()) {
-      stats_.groups += units;
-      stats_.reused_groups += static_cast<uint64_t>(reuse.reused_groups);
-    }
+    s = Reusing(name, outputs, views, w.dtype(), dst[1].nbytes() / 4, [&](kernels::QuantizeReuse& reuse) {
+      return kernels::QuantizeAwq(w, dst[0], dst[1], dst[2], awq_, reuse);
+    });
   }
   stats_.quantize += absl::Now() - t0;
   if (!s.ok()) return Annotate(s, where);

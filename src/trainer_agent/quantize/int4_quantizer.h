@@ -47,6 +47,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -131,14 +132,16 @@ class QuantizedBase {
   virtual std::span<uint64_t> NextDigests(const std::string& name, size_t groups, const std::string& key) = 0;
 };
 
-// A holder's memory of the INT4 blocks it quantized itself (QuantizeExpert: experts quantized by
-// their holders), kept across syncs by the trainer agent while deltas are on: per block (an expert
-// parameter's full tensor or ETP shard) the packed words and scales it last wrote and one XXH3-64
-// per group of their inputs, so that the next QuantizeRows of that block copies the groups whose
-// inputs did not change (kernels::QuantizeReuse). A block's outputs and digests are replaced
-// together after a call that succeeded: they always come from the same quantization, whatever
-// became of the sync. Memory: the holder's INT4 blocks (about 0.27 of their bf16 bytes at G 128)
-// and 8 bytes per group. Used by one Int4Quantizer at a time.
+// A rank's memory of the blocks it quantized where no delta base holds them, kept across syncs by
+// the trainer agent while deltas are on: experts quantized by their holders (QuantizeExpert), and a
+// sharded sync's HF tensors quantized by the stage source (QuantizeInto without a base). Per block
+// (an expert parameter's full tensor or ETP shard; each AWQ triple of one; an HF tensor) the
+// outputs last written (the codes, the scales, AWQ's zeros) and one XXH3-64 per quantization group
+// of their inputs (FP8: block or row; AWQ: 8 rows' group), so that the next quantization of that
+// block copies the groups whose inputs did not change (kernels::QuantizeReuse). A block's outputs
+// and digests are replaced together after a call that succeeded: they always come from the same
+// quantization, whatever became of the sync. Memory: those outputs (INT4: about 0.27 of their bf16
+// bytes at G 128; FP8: 0.5) and 8 bytes per group. Used by one Int4Quantizer at a time.
 class QuantMemo {
  public:
   uint64_t bytes() const;
@@ -149,7 +152,7 @@ class QuantMemo {
   struct Block {
     std::string key;  // the quantization and input dtype
     std::vector<uint64_t> digests;
-    std::vector<std::byte> packed, scales;
+    std::vector<std::vector<std::byte>> outputs;  // the codes, the scales (AWQ: and the zeros)
   };
   std::map<std::string, Block, std::less<>> blocks_;
 };
@@ -246,8 +249,10 @@ class Int4Quantizer {
   // block or row; AWQ: 8 rows' group) whose input is unchanged since the base's sync instead of
   // quantizing it (the bytes are the same: kernels::QuantizeReuse). Device memory: no reuse.
   void set_quantized_base(QuantizedBase* base) { base_ = space_.host() ? base : nullptr; }
-  // With a memo (not owned; nullptr: none), QuantizeRows (compressed-tensors, host memory) copies
-  // each group of a block whose input is unchanged since the memo's last quantization of that block.
+  // With a memo (not owned; nullptr: none), QuantizeExpert in host memory (QuantizeRows; AWQ too)
+  // copies each group of a block whose input is unchanged since the memo's last quantization of
+  // that block; so does QuantizeInto without a base (sharded delivery, whose bases hold cut blocks,
+  // not whole outputs), each HF tensor a block. With a base, QuantizeInto drops a tensor's block.
   void set_quant_memo(QuantMemo* memo) { memo_ = space_.host() ? memo : nullptr; }
 
   const Int4Stats& stats() const { return stats_; }
@@ -255,13 +260,31 @@ class Int4Quantizer {
  private:
   absl::Status QuantizeAwqInto(comm::BucketBuilder& builder, const std::string& name, const TensorView& w);
   absl::Status QuantizeFp8Into(comm::BucketBuilder& builder, const std::string& name, const TensorView& w);
-  // QuantizeInto's kernel call with base_: `dst` the reserved packed and scales.
-  absl::Status QuantizeReusing(const std::string& name, const TensorView& w, absl::Span<const MutableTensorView> dst);
+  // What a reuse's digests are valid under: the quantization, its variants and the input dtype.
+  std::string ReuseKey(DType input) const;
   // The kernels' reuse of HF tensor `name` (quantized under `key`) from base_: this sync's digests
   // (one per unit: group, block or row) and, when base_ holds its last sync's digests and outputs
   // `names` of `dst`'s sizes, those. `names` / `dst`: the codes, the scales, and for AWQ the zeros.
   kernels::QuantizeReuse ReuseFromBase(const std::string& name, absl::Span<const std::string> names,
                                        absl::Span<const MutableTensorView> dst, const std::string& key, size_t units);
+  // memo_'s block `id` when it was quantized under `key` into outputs of `dst`'s sizes with `units`
+  // digests; else nullptr.
+  const QuantMemo::Block* FindInMemo(const std::string& id, const std::string& key, size_t units,
+                                     absl::Span<const std::span<std::byte>> dst) const;
+  // memo_'s block `id` replaced by `outputs` and their digests, quantized under `key`.
+  void KeepInMemo(const std::string& id, std::string key, std::vector<uint64_t> digests,
+                  absl::Span<const std::span<std::byte>> outputs);
+  // A kernel call with reuse that succeeded: its units and those reused into the stats.
+  void CountReuse(size_t units, const kernels::QuantizeReuse& reuse);
+  // `kernel` into `dst` (the codes, the scales, for AWQ the zeros; `units` digests under `key`)
+  // reusing memo_'s block `id`, which it then replaces when the kernel succeeded.
+  absl::Status ReuseFromMemo(const std::string& id, absl::Span<const MutableTensorView> dst, const std::string& key,
+                             size_t units, absl::FunctionRef<absl::Status(kernels::QuantizeReuse&)> kernel);
+  // QuantizeInto's kernel call with reuse for HF tensor `name` (its outputs `names` in `dst`):
+  // from base_ (ReuseFromBase) when there is one, else from memo_ (ReuseFromMemo).
+  absl::Status Reusing(const std::string& name, absl::Span<const std::string> names,
+                       absl::Span<const MutableTensorView> dst, DType input, size_t units,
+                       absl::FunctionRef<absl::Status(kernels::QuantizeReuse&)> kernel);
   absl::StatusOr<std::optional<Int4ExpertPlan>> PlanAwqExpert(const MegatronParam& p, HfRowMap map, int etp) const;
   // Rows [row, row + part.n) of `w` quantized into AWQ triple `part` of `block`.
   absl::Status QuantizeAwqPart(const MegatronParam& p, const TensorView& w, int64_t row, const AwqPart& part,

@@ -665,6 +665,86 @@ TEST(Int4AwqExpertTest, ANanOrAWrongBlockIsRefusedNamingIt) {
   EXPECT_EQ(q.stats().quantized_bytes, quantized) << "the kernel ran on a wrong block";
 }
 
+// With a QuantMemo, a holder's AWQ triples copy the units (8 rows' group: one qzeros word) whose
+// inputs did not change since the memo's last quantization of that triple: an ETP shard of fc1
+// (two triples) and fc2 quantized in row pieces (each its own triple, placed). The bytes are a plain
+// quantization's, the reused units exactly those whose bits are equal (counted from the bits); a
+// refused NaN leaves the memo as it was; another arithmetic reuses nothing.
+TEST(Int4AwqExpertTest, WithAMemoOnlyTheUnitsWhoseInputsChangedAreQuantized) {
+  struct Case {
+    int etp;
+    ShardKind kind;
+    bool shard;
+    std::vector<RowSegment> pieces;  // replaces the plan's full_rows when not empty
+  };
+  const Case cases[] = {{2, ShardKind::kExpertGluFc1, true, {}},
+                        {1, ShardKind::kExpertDim1, false, {{0, 0, 0, 8}, {0, 8, 8, 40}, {0, 48, 48, 16}}}};
+  constexpr int kGroup = 32;
+  const QuantizationConfig quant = AwqConfig(kGroup);
+  for (const Case& c : cases) {
+    SCOPED_TRACE(ShardKindName(c.kind));
+    auto f = MakeFixture(c.etp, /*moe_ffn=*/32);
+    ASSERT_TRUE(f.ok()) << f.status();
+    QuantMemo memo;
+    Int4Quantizer q({.quant = &quant, .num_threads = 2}), plain({.quant = &quant, .num_threads = 2});
+    q.set_quant_memo(&memo);
+    const int rank = EtpRank(*f, c.etp - 1);
+    const tools::RankTensor& t = ExpertOf(*f, rank, c.kind, 1);
+    std::optional<Int4ExpertPlan> plan = Plan(*f, q, rank, t.param);
+    ASSERT_TRUE(plan.has_value() && plan->awq);
+    if (!c.pieces.empty()) plan->full_rows = c.pieces;
+    const std::vector<RowSegment>& segs = c.shard ? plan->local_rows : plan->full_rows;
+    std::vector<std::byte> block(c.shard ? plan->local_block : plan->block_bytes), want(block.size());
+    // Quantizes `w` into `block`; the units it reused (the stats' growth).
+    auto quantize = [&](const Tensor& w) {
+      const uint64_t before = q.stats().reused_groups;
+      const absl::Status s = q.QuantizeExpert(t.param, w.view(), *plan, c.shard, block, "a test");
+      EXPECT_TRUE(s.ok()) << s;
+      return q.stats().reused_groups - before;
+    };
+    auto w0 = Tensor::CopyOf(t.view);
+    ASSERT_TRUE(w0.ok());
+    const int64_t k = t.view.dim(1);
+    uint64_t units = 0;
+    for (const RowSegment& seg : segs) units += static_cast<uint64_t>(seg.rows / 8 * (k / kGroup));
+    EXPECT_EQ(quantize(*w0), 0u);
+    EXPECT_EQ(q.stats().groups, units);
+    auto w1 = Tensor::CopyOf(w0->view());
+    ASSERT_TRUE(w1.ok());
+    auto* bits = reinterpret_cast<uint16_t*>(w1->mutable_view().data());
+    for (int64_t i : {int64_t{3}, k * 9 + 40, k * 9 + 41, k * 20 + 5}) bits[i] ^= 1u;  // the lowest mantissa bit
+    // The units whose 8 x G input bits are equal, counted from the bits.
+    const auto* b0 = reinterpret_cast<const uint16_t*>(w0->view().data());
+    uint64_t same = 0;
+    for (const RowSegment& seg : segs)
+      for (int64_t r = seg.row; r < seg.row + seg.rows; r += 8)
+        for (int64_t g = 0; g < k; g += kGroup) {
+          bool equal = true;
+          for (int64_t i = r; i < r + 8; ++i)
+            equal = equal && std::equal(b0 + i * k + g, b0 + i * k + g + kGroup, bits + i * k + g);
+          same += equal;
+        }
+    ASSERT_LT(same, units);
+    EXPECT_EQ(quantize(*w1), same);
+    ASSERT_TRUE(plain.QuantizeExpert(t.param, w1->view(), *plan, c.shard, want, "plain").ok());
+    EXPECT_TRUE(SameBytes(block, want));
+    // A NaN: refused, and the memo still holds w1's quantization (each triple's, the refused one too).
+    auto bad = Tensor::CopyOf(w1->view());
+    ASSERT_TRUE(bad.ok());
+    reinterpret_cast<uint16_t*>(bad->mutable_view().data())[w1->view().dim(0) * k - 1] = 0x7fc0;  // the last row
+    EXPECT_FALSE(q.QuantizeExpert(t.param, bad->view(), *plan, c.shard, block, "a test").ok());
+    EXPECT_EQ(quantize(*w1), units);
+    EXPECT_TRUE(SameBytes(block, want));
+    EXPECT_GE(memo.bytes(), units * 8);
+    // The other arithmetic: nothing of the memo reused.
+    Int4Quantizer fp32({.quant = &quant, .num_threads = 2, .awq_arith = kernels::AwqArith::kFp32});
+    fp32.set_quant_memo(&memo);
+    ASSERT_TRUE(fp32.QuantizeExpert(t.param, w1->view(), *plan, c.shard, block, "fp32").ok());
+    EXPECT_EQ(fp32.stats().reused_groups, 0u);
+    EXPECT_EQ(fp32.stats().groups, units);
+  }
+}
+
 // The trainer quantizes as the engines declare; its own --quant-config must be theirs.
 TEST(SyncQuantizationTest, FollowsTheEnginesAndRefusesATrainerConfigTheyDoNotServe) {
   const std::string g64 = R"({"quant_method": "compressed-tensors", "format": "pack-quantized",
