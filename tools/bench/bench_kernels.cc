@@ -103,7 +103,10 @@ Buffer RandomBf16Weights(int64_t count, uint32_t seed) {
 }
 
 // Quantize: W bf16 [N, 4096], G = 128, qat; `format` selects the output orientation.
-Row BenchQuantize(const char* name, kernels::PackFormat format, int64_t bytes, int threads, const Flags& f) {
+// `digest`: with a QuantizeReuse that has nothing to reuse (a delta sync's first, or one where every
+// group changed): the cost of the digests on top of the quantization.
+Row BenchQuantize(const char* name, kernels::PackFormat format, int64_t bytes, int threads, const Flags& f,
+                  bool digest = false) {
   const int64_t k = 4096, n = std::max<int64_t>(64, bytes / (2 * k) / 64 * 64);
   bytes = n * k * 2;
   Buffer w = RandomBf16Weights(n * k, 1);
@@ -118,7 +121,11 @@ Row BenchQuantize(const char* name, kernels::PackFormat format, int64_t bytes, i
   kernels::QuantizeOptions opt;
   opt.num_threads = threads;
   opt.format = format;
-  auto run = [&] { Die(kernels::QuantizeInt4(wv, pv, sv, opt)); };
+  std::vector<uint64_t> digests(digest ? static_cast<size_t>(n * k / 128) : 0);
+  auto run = [&] {
+    kernels::QuantizeReuse reuse{.next_digests = digests};
+    Die(digest ? kernels::QuantizeInt4(wv, pv, sv, opt, reuse) : kernels::QuantizeInt4(wv, pv, sv, opt));
+  };
   for (int i = 0; i < f.warmup; ++i) run();
   const double t = Seconds(run, f.iters);
   for (int i = 0; i < f.warmup; ++i) ParallelMemcpy(copy.data(), w.data(), bytes, threads);
@@ -394,7 +401,7 @@ Row BenchLayout(const char* name, bool trtllm, int64_t bytes, int threads, const
 
 // FP8: W bf16 [N, 4096] -> E4M3 codes, block-wise (128 x 128, slime) or per channel (slime). #wrong:
 // codes of the first 64 rows differing from a scalar recomputation through the format helpers.
-Row BenchFp8(const char* name, bool block, int64_t bytes, int threads, const Flags& f) {
+Row BenchFp8(const char* name, bool block, int64_t bytes, int threads, const Flags& f, bool digest = false) {
   const int64_t k = 4096, n = std::max<int64_t>(128, bytes / (2 * k) / 128 * 128);
   bytes = n * k * 2;
   Buffer w = RandomBf16Weights(n * k, 3);
@@ -409,8 +416,14 @@ Row BenchFp8(const char* name, bool block, int64_t bytes, int threads, const Fla
   bo.num_threads = threads;
   kernels::Fp8ChannelOptions co;
   co.num_threads = threads;
+  std::vector<uint64_t> digests(digest ? static_cast<size_t>(sv.nbytes() / 4) : 0);  // as BenchQuantize's
   auto run = [&] {
-    Die(block ? kernels::QuantizeFp8Block(wv, qv, sv, bo) : kernels::QuantizeFp8Channel(wv, qv, sv, co));
+    kernels::QuantizeReuse reuse{.next_digests = digests};
+    if (digest)
+      Die(block ? kernels::QuantizeFp8Block(wv, qv, sv, bo, reuse)
+                : kernels::QuantizeFp8Channel(wv, qv, sv, co, reuse));
+    else
+      Die(block ? kernels::QuantizeFp8Block(wv, qv, sv, bo) : kernels::QuantizeFp8Channel(wv, qv, sv, co));
   };
   for (int i = 0; i < f.warmup; ++i) run();
   const double t = Seconds(run, f.iters);
@@ -446,7 +459,8 @@ int Main(int argc, char** argv) {
   std::printf(
       "# quantize: bf16 W[N, 4096] G=128 qat; repack: int32 GPTQ [K/8, 4096]; awq-quant: bf16 W[N, 4096] G=128;"
       " awq-marlin: AWQ qweight [K, 512]; trtllm-sm80: codes [K/8, 4096]; fp8-block / fp8-channel: bf16 W[N, 4096]"
-      " -> E4M3 (128 x 128 blocks / rows, slime); xxh3, sum64, bucket-mac: one bucket's "
+      " -> E4M3 (128 x 128 blocks / rows, slime); -dig: with a digest per group, block or row (delta sync,"
+      " nothing to reuse); xxh3, sum64, bucket-mac: one bucket's "
       "checksum /"
       " GMAC tag; delta-plan / delta-apply: a bf16 tensor with 1%% of its items changed, encoded / applied;"
       " size = input bytes; time = best of -n\n");
@@ -458,6 +472,8 @@ int Main(int argc, char** argv) {
     for (int t : thread_counts) {
       if (want("quantize-ct"))
         Print(BenchQuantize("quantize-ct", kernels::PackFormat::kCompressedTensors, bytes, t, f));
+      if (want("quantize-ct-digest"))
+        Print(BenchQuantize("quantize-ct-dig", kernels::PackFormat::kCompressedTensors, bytes, t, f, true));
       if (want("quantize-gptq")) Print(BenchQuantize("quantize-gptq", kernels::PackFormat::kGptq, bytes, t, f));
       if (want("repack")) Print(BenchRepack("repack", false, false, bytes, t, f));
       if (want("repack-perm")) Print(BenchRepack("repack-perm", false, true, bytes, t, f));
@@ -469,7 +485,9 @@ int Main(int argc, char** argv) {
       if (want("awq-marlin")) Print(BenchLayout("awq-marlin", false, bytes, t, f));
       if (want("trtllm-sm80")) Print(BenchLayout("trtllm-sm80", true, bytes, t, f));
       if (want("fp8-block")) Print(BenchFp8("fp8-block", true, bytes, t, f));
+      if (want("fp8-block-digest")) Print(BenchFp8("fp8-block-dig", true, bytes, t, f, true));
       if (want("fp8-channel")) Print(BenchFp8("fp8-channel", false, bytes, t, f));
+      if (want("fp8-channel-digest")) Print(BenchFp8("fp8-channel-dig", false, bytes, t, f, true));
       if (t == 1 && want("xxh3")) Print(BenchBucketHash("xxh3", BucketHash::kXxh3, bytes, f));
       if (t == 1 && want("sum64")) Print(BenchBucketHash("sum64", BucketHash::kSum64, bytes, f));
       if (t == 1 && want("bucket-mac")) Print(BenchBucketHash("bucket-mac", BucketHash::kMac, bytes, f));

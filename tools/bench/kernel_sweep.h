@@ -34,9 +34,12 @@ inline void AddSweepFlags(CLI::App& app, SweepFlags& f, const char* check_help) 
   app.add_option("-n,--iters", f.iters, "timed iterations");
   app.add_option("-w,--warmup_iters", f.warmup, "warmup iterations");
   app.add_option("-c,--check", f.check, check_help);
-  app.add_option("-k,--kernel", f.kernels,
-                 "kernels to run: quantize-ct quantize-gptq repack repack-perm restore restore-perm scale-perm "
-                 "awq-quantize-fp16 awq-quantize-fp32 awq-marlin trtllm-sm80");
+  app.add_option(
+      "-k,--kernel", f.kernels,
+      "kernels to run: quantize-ct quantize-gptq repack repack-perm restore restore-perm scale-perm "
+      "awq-quantize-fp16 awq-quantize-fp32 awq-marlin trtllm-sm80 fp8-block fp8-channel xxh3 sum64 bucket-mac "
+      "delta-plan delta-apply; with digests (delta sync): quantize-ct-digest fp8-block-digest "
+      "fp8-channel-digest");
 }
 
 inline int64_t ParseSize(const std::string& s) {

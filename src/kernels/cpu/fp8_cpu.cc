@@ -119,19 +119,11 @@ struct BlockScratch {
   int64_t reused = 0;          // the units this thread copied
 };
 
-// With reuse (a.next_digests): the digests of block row (e, bi)'s kb blocks into a.next_digests,
-// and which of them equal the earlier call's (sc.kept; their scales copied). The blocks kept.
-int64_t HashBlockRow(const internal::Fp8QuantizeArgs& a, int64_t e, int64_t bi, int64_t r0, int64_t r1, int64_t kb,
-                     BlockScratch& sc) {
-  sc.hash.assign(static_cast<size_t>(kb), 0);
+// With reuse (a.next_digests): block row (e, bi)'s kb digests (sc.hash, hashed in pass 1) into
+// a.next_digests, and which of them equal the earlier call's (sc.kept; their scales copied). The
+// blocks kept.
+int64_t KeepUnchangedBlocks(const internal::Fp8QuantizeArgs& a, int64_t e, int64_t bi, int64_t kb, BlockScratch& sc) {
   sc.kept.assign(static_cast<size_t>(kb), 0);
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint16_t* row = a.w + (e * a.n + r) * a.k;
-    for (int64_t bj = 0; bj < kb; ++bj) {
-      const int64_t c0 = bj * a.bk, w = std::min(a.k, c0 + a.bk) - c0;
-      sc.hash[bj] = XXH3_64bits_withSeed(row + c0, static_cast<size_t>(w) * sizeof(uint16_t), sc.hash[bj]);
-    }
-  }
   const int64_t nb = (a.n + a.bn - 1) / a.bn, first = (e * nb + bi) * kb;
   int64_t kept = 0;
   for (int64_t bj = 0; bj < kb; ++bj) {
@@ -145,8 +137,10 @@ int64_t HashBlockRow(const internal::Fp8QuantizeArgs& a, int64_t e, int64_t bi, 
 }
 
 // One block row (expert e, block row bi) of the block-wise quantizer, row by row (sequential
-// reads): pass 1 keeps one vector of maxima per column block, pass 2 quantizes each row's segments
-// with their block's multiplier. The first non-finite block index, or -1.
+// reads): pass 1 keeps one vector of maxima per column block (with reuse, it also chains each
+// row's segment into its block's digest, seeded with the digest so far), pass 2 quantizes each
+// row's segments with their block's multiplier, or copies a kept block's. The first non-finite
+// block index, or -1.
 int64_t QuantizeBlockRow(const internal::Fp8QuantizeArgs& a, int64_t e, int64_t bi, BlockScratch& sc) {
   const hn::ScalableTag<uint16_t> d;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
@@ -156,13 +150,13 @@ int64_t QuantizeBlockRow(const internal::Fp8QuantizeArgs& a, int64_t e, int64_t 
   sc.tail.assign(static_cast<size_t>(kb), 0);
   sc.mul.resize(static_cast<size_t>(kb));
   const bool reuse = a.next_digests != nullptr;
-  if (reuse) sc.reused += HashBlockRow(a, e, bi, r0, r1, kb, sc);
+  if (reuse) sc.hash.assign(static_cast<size_t>(kb), 0);
   const auto mask = hn::Set(d, static_cast<uint16_t>(0x7FFF));
   for (int64_t r = r0; r < r1; ++r) {
     const uint16_t* row = a.w + (e * a.n + r) * a.k;
     for (int64_t bj = 0; bj < kb; ++bj) {
-      if (reuse && sc.kept[bj]) continue;
       const int64_t c0 = bj * a.bk, w = std::min(a.k, c0 + a.bk) - c0;
+      if (reuse) sc.hash[bj] = XXH3_64bits_withSeed(row + c0, static_cast<size_t>(w) * sizeof(uint16_t), sc.hash[bj]);
       auto m = hn::LoadU(d, sc.acc.data() + bj * lanes);
       int64_t i = 0;
       for (; i + lanes <= w; i += lanes) m = hn::Max(m, hn::And(hn::LoadU(d, row + c0 + i), mask));
@@ -170,6 +164,7 @@ int64_t QuantizeBlockRow(const internal::Fp8QuantizeArgs& a, int64_t e, int64_t 
       for (; i < w; ++i) sc.tail[bj] = std::max(sc.tail[bj], fmt::AbsBits16(row[c0 + i]));
     }
   }
+  if (reuse) sc.reused += KeepUnchangedBlocks(a, e, bi, kb, sc);
   auto* scales = static_cast<float*>(a.scales) + (e * nb + bi) * kb;
   for (int64_t bj = 0; bj < kb; ++bj) {
     if (reuse && sc.kept[bj]) continue;
