@@ -571,6 +571,28 @@ TEST_P(QuantReuseTest, TheSenderQuantizesOnlyTheGroupsWhoseInputsChanged) {
     send(sink, v2, 5, true, true, &memo);
   }
   EXPECT_EQ(memo.bytes(), 0u);
+
+  // With the base and the memo (a broadcast delta sync in the trainer agent), a tensor whose
+  // comparison reused under a tenth of its units pauses its digests for 2 syncs (QuantMemo); the
+  // base then keeps none of its digests, so a probe records before the next compares.
+  const auto other = model::testing::MakeHfModel(config_, nullptr, kSeed + 9);
+  ASSERT_TRUE(other.ok());
+  ASSERT_EQ(same_groups(v2, *other).first, 0u);
+  uint64_t version = 5;
+  auto next_sync = [&](const HfModel& m) {
+    comm::testing::CaptureSink c;
+    trainer_agent::DeltaSink sink(c, base_, Receivers(), version, version + 1);
+    ++version;
+    const trainer_agent::Int4Stats s = send(sink, m, version, true, true, &memo);
+    EXPECT_EQ(s.groups, groups) << "version " << version;
+    return std::pair{s.reused_groups, s.undigested_groups};
+  };
+  using R = std::pair<uint64_t, uint64_t>;
+  EXPECT_EQ(next_sync(*other), (R{0, 0}));  // nothing reused: a pause
+  EXPECT_EQ(next_sync(*other), (R{0, groups}));
+  EXPECT_EQ(next_sync(*other), (R{0, groups}));
+  EXPECT_EQ(next_sync(*other), (R{0, 0}));       // the probe records
+  EXPECT_EQ(next_sync(*other), (R{groups, 0}));  // and compares
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, QuantReuseTest, ::testing::Values("int4", "awq", "fp8_block", "fp8_channel"),

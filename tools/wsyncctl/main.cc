@@ -290,7 +290,8 @@ class Ctl {
                         {"items", r.delta_items()},
                         {"changed_items", r.changed_items()},
                         {"quant_groups", r.quant_groups()},
-                        {"reused_groups", r.reused_groups()}};
+                        {"reused_groups", r.reused_groups()},
+                        {"undigested_groups", r.undigested_groups()}};
       std::printf("%s\n", out.dump(2).c_str());
       return 0;
     }
@@ -314,6 +315,8 @@ class Ctl {
       if (r.quant_groups() > 0)
         absl::StrAppendFormat(&line, "; %d of %d quantization groups not quantized again (inputs unchanged)",
                               r.reused_groups(), r.quant_groups());
+      if (r.undigested_groups() > 0)
+        absl::StrAppendFormat(&line, ", %d quantized without digests (where they did not pay)", r.undigested_groups());
       std::printf("%s\n", line.c_str());
     }
     return 0;

@@ -108,7 +108,8 @@ struct RankResult {
   // A stage source of a delta sync (DeltaSink): the version its base holds now (0: none), and
   // what it sent (DeltaStats).
   uint64_t delta_held = 0, tensor_bytes = 0, sent_bytes = 0, delta_items = 0, changed_items = 0;
-  uint64_t quant_groups = 0, reused_groups = 0;  // quantization groups done or reused, and reused (SyncReport)
+  // Quantization groups done or reused, reused, and done without digests (SyncReport).
+  uint64_t quant_groups = 0, reused_groups = 0, undigested_groups = 0;
 };
 static_assert(sizeof(RankResult) % 8 == 0, "a POD gathered byte-wise");
 
@@ -722,7 +723,9 @@ class Agent {
         << FormatBytes(d.sent_bytes) << " of " << FormatBytes(d.tensor_bytes) << " sent (" << d.changed_items << " of "
         << d.items << " elements changed); " << report.reused_groups << " of " << report.quant_groups
         << " quantization groups (INT4 groups, FP8 blocks or rows, AWQ units) reused, not quantized (inputs "
-           "unchanged); the bases hold "
+           "unchanged), "
+        << report.undigested_groups
+        << " quantized without digests (paused where under a tenth was reused); the bases hold "
         << FormatBytes(base_bytes) << ", the quantization memo " << FormatBytes(quant_memo_.bytes());
   }
 
@@ -754,6 +757,7 @@ class Agent {
     if (report.ok()) {
       mine.quant_groups = report->quant_groups;
       mine.reused_groups = report->reused_groups;
+      mine.undigested_groups = report->undigested_groups;
       NoteDeltas(cmd, sinks, *report, mine);
     }
     if (!report.ok()) {
@@ -800,6 +804,7 @@ class Agent {
       report.tensors += r.tensors;
       report.quant_groups += r.quant_groups;  // the stage sources' and the experts' holders'
       report.reused_groups += r.reused_groups;
+      report.undigested_groups += r.undigested_groups;
       if (!r.source) continue;
       if (r.delta_held != cmd.version) report.delta_held = 0;  // every stage source must hold it
       report.tensor_bytes += r.tensor_bytes;

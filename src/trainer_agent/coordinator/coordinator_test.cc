@@ -127,6 +127,7 @@ class FakeTrainer final : public TrainerSide {
       r.changed_items = plan.delta_base ? 5 : 0;
       r.quant_groups = 64;
       r.reused_groups = plan.delta_base ? 48 : 0;
+      r.undigested_groups = plan.delta_base ? 8 : 0;
     }
     r.bytes = 1000;
     r.phases.push_back({"gather", 0.25, 1000});
@@ -1014,6 +1015,7 @@ TEST_F(SyncCoordinatorTest, DeltasGoOnlyToStagingsThatHoldTheTrainersBase) {
   EXPECT_EQ(timings.delta_base(), 9u);
   EXPECT_EQ(timings.reused_groups(), 48u);
   EXPECT_EQ(timings.quant_groups(), 64u);
+  EXPECT_EQ(timings.undigested_groups(), 8u);
   auto unknown = Trigger(0, false, 0, "", "maybe");
   EXPECT_THAT(unknown.status().message(), HasSubstr("delta \"maybe\": off, auto or on"));
 }

@@ -103,8 +103,8 @@ struct TrainerReport {
   uint64_t delta_held = 0;
   uint64_t tensor_bytes = 0, sent_bytes = 0, delta_items = 0, changed_items = 0;
   // Every rank's quantization groups (INT4 groups, FP8 blocks or rows, AWQ units; stage sources and experts'
-  // holders) quantized or reused, and those reused.
-  uint64_t quant_groups = 0, reused_groups = 0;
+  // holders) quantized or reused, those reused, and those quantized without digests (reuse paused).
+  uint64_t quant_groups = 0, reused_groups = 0, undigested_groups = 0;
 };
 
 // The trainer ranks as the coordinator sees them (rank 0's command channel).

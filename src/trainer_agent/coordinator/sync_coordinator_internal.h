@@ -56,7 +56,7 @@ struct SyncCoordinator::SyncRecord {
 
 namespace coordinator_internal {
 
-// TimingsReply's delta fields (delta_base .. reused_groups) from `from` into `to`.
+// TimingsReply's delta fields (delta_base .. undigested_groups) from `from` into `to`.
 inline void CopyDeltaFigures(const v1::TimingsReply& from, v1::TimingsReply* to) {
   to->set_delta_base(from.delta_base());
   to->set_tensor_bytes(from.tensor_bytes());
@@ -65,6 +65,7 @@ inline void CopyDeltaFigures(const v1::TimingsReply& from, v1::TimingsReply* to)
   to->set_changed_items(from.changed_items());
   to->set_quant_groups(from.quant_groups());
   to->set_reused_groups(from.reused_groups());
+  to->set_undigested_groups(from.undigested_groups());
 }
 
 // The history a coordinator keeps, in memory and in its state file: the newest attempts

@@ -593,6 +593,7 @@ void SyncCoordinator::FinishSync(Attempt& a) {
   rec.delta_figures.set_changed_items(a.report.changed_items);
   rec.delta_figures.set_quant_groups(a.report.quant_groups);
   rec.delta_figures.set_reused_groups(a.report.reused_groups);
+  rec.delta_figures.set_undigested_groups(a.report.undigested_groups);
   if (a.report.tensor_bytes > 0) {  // the trainer kept a delta base: what this sync sent of a full one
     GaugeOf(opts_.metrics, "wsync_sync_sent_fraction",
             "The last sync's bytes sent over a full sync's (delta delivery; 1 when it went in full)")

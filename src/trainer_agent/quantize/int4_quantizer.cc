@@ -430,8 +430,9 @@ absl::Status Int4Quantizer::QuantizeAwqPart(const MegatronParam& p, const Tensor
     const MutableTensorView dst[3] = {qweight, scales, qzeros};  // the codes, the scales, the zeros
     s = ReuseFromMemo(absl::StrCat(p.global_name, " AWQ ", part.hf_index, ": rows ", part.n0, "+", part.n,
                                    " x columns ", part.k0, "+", part.k),
-                      dst, ReuseKey(w.dtype()), qzeros.nbytes() / 4, [&](kernels::QuantizeReuse& reuse) {
-                        return kernels::QuantizeAwq(ws, qweight, qzeros, scales, awq_, reuse);
+                      dst, ReuseKey(w.dtype()), qzeros.nbytes() / 4, [&](kernels::QuantizeReuse* reuse) {
+                        return reuse != nullptr ? kernels::QuantizeAwq(ws, qweight, qzeros, scales, awq_, *reuse)
+                                                : kernels::QuantizeAwq(ws, qweight, qzeros, scales, awq_);
                       });
   }
   stats_.quantize += absl::Now() - t0;
@@ -460,11 +461,17 @@ absl::Status Int4Quantizer::QuantizeRows(const MegatronParam& p, const TensorVie
   std::vector<uint64_t> next;
   const std::span<std::byte> outputs[2] = {packed, scales};
   if (memo_ != nullptr && n > 0) {
-    key = ReuseKey(w.dtype());
     id = absl::StrCat(p.global_name, " ", packed.size());  // the full tensor or a shard
-    next.assign(static_cast<size_t>(n * scale_cols), 0);
-    earlier = FindInMemo(id, key, next.size(), outputs);
+    if (Digesting(id, static_cast<size_t>(n * scale_cols))) {
+      key = ReuseKey(w.dtype());
+      next.assign(static_cast<size_t>(n * scale_cols), 0);
+      earlier = FindInMemo(id, key, next.size(), outputs);
+    } else {
+      memo_->blocks_.erase(id);
+      id.clear();
+    }
   }
+  int64_t reused = 0;
   for (const RowSegment& seg : rows) {
     const uint64_t first = static_cast<uint64_t>(seg.row), count = static_cast<uint64_t>(seg.rows);
     const TensorView ws(w.dtype(), Shape{seg.rows, k}, w.bytes().subspan(first * w_row, count * w_row));
@@ -485,6 +492,7 @@ absl::Status Int4Quantizer::QuantizeRows(const MegatronParam& p, const TensorVie
       kernels::QuantizeReuse reuse = MakeReuse(std::span(next).subspan(g0, groups), digests, from, dst);
       s = kernels::QuantizeInt4(ws, ps, ss, kernel_, reuse);
       if (s.ok()) CountReuse(groups, reuse);
+      reused += reuse.reused_groups;
     } else {
       s = kernels::QuantizeInt4(ws, ps, ss, kernel_);
     }
@@ -496,7 +504,10 @@ absl::Status Int4Quantizer::QuantizeRows(const MegatronParam& p, const TensorVie
                                    " as the kernel's rows 0..", seg.rows - 1, "; ", where, ")"));
     stats_.quantized_bytes += ws.nbytes();
   }
-  if (!id.empty()) KeepInMemo(id, key, std::move(next), outputs);  // every segment succeeded
+  if (!id.empty()) {  // every segment succeeded
+    if (earlier != nullptr) Judge(id, next.size(), reused);
+    KeepInMemo(id, key, std::move(next), outputs);
+  }
   return absl::OkStatus();
 }
 
@@ -526,8 +537,11 @@ void Int4Quantizer::CountReuse(size_t units, const kernels::QuantizeReuse& reuse
 }
 
 absl::Status Int4Quantizer::ReuseFromMemo(const std::string& id, absl::Span<const MutableTensorView> dst,
-                                          const std::string& key, size_t units,
-                                          absl::FunctionRef<absl::Status(kernels::QuantizeReuse&)> kernel) {
+                                          const std::string& key, size_t units, Kernel kernel) {
+  if (!Digesting(id, units)) {
+    memo_->blocks_.erase(id);
+    return kernel(nullptr);
+  }
   std::vector<uint64_t> next(units);
   std::vector<std::span<std::byte>> outputs;
   for (const MutableTensorView& d : dst) outputs.push_back(d.bytes());
@@ -539,23 +553,48 @@ absl::Status Int4Quantizer::ReuseFromMemo(const std::string& id, absl::Span<cons
     digests = earlier->digests;
   }
   kernels::QuantizeReuse reuse = MakeReuse(next, digests, from, dst);
-  RETURN_IF_ERROR(kernel(reuse));
+  RETURN_IF_ERROR(kernel(&reuse));
   CountReuse(units, reuse);
+  if (earlier != nullptr) Judge(id, units, reuse.reused_groups);
   KeepInMemo(id, key, std::move(next), outputs);
   return absl::OkStatus();
 }
 
 absl::Status Int4Quantizer::Reusing(const std::string& name, absl::Span<const std::string> names,
-                                    absl::Span<const MutableTensorView> dst, DType input, size_t units,
-                                    absl::FunctionRef<absl::Status(kernels::QuantizeReuse&)> kernel) {
+                                    absl::Span<const MutableTensorView> dst, DType input, size_t units, Kernel kernel) {
   const std::string key = ReuseKey(input);
   const std::string id = absl::StrCat("HF ", name);
   if (base_ == nullptr) return ReuseFromMemo(id, dst, key, units, kernel);
   if (memo_ != nullptr) memo_->blocks_.erase(id);  // the base holds its outputs: the memo's copy goes
+  const std::string in_base = absl::StrCat("base ", name);
+  if (!Digesting(in_base, units)) return kernel(nullptr);  // the base keeps no digests of it: a probe records
   kernels::QuantizeReuse reuse = ReuseFromBase(name, names, dst, key, units);
-  RETURN_IF_ERROR(kernel(reuse));
+  RETURN_IF_ERROR(kernel(&reuse));
   CountReuse(units, reuse);
+  if (!reuse.digests.empty()) Judge(in_base, units, reuse.reused_groups);
   return absl::OkStatus();
+}
+
+bool Int4Quantizer::Digesting(const std::string& id, size_t units) {
+  if (memo_ == nullptr) return true;
+  const auto it = memo_->pauses_.find(id);
+  if (it == memo_->pauses_.end() || it->second.left == 0) return true;
+  --it->second.left;
+  stats_.groups += units;
+  stats_.undigested_groups += units;
+  return false;
+}
+
+void Int4Quantizer::Judge(const std::string& id, size_t units, int64_t reused) {
+  if (memo_ == nullptr) return;
+  constexpr int kFirstPause = 2, kLongestPause = 16;
+  if (static_cast<uint64_t>(reused) * 10 >= units) {
+    memo_->pauses_.erase(id);  // digests pay here: no pause, and the next poor one starts short
+    return;
+  }
+  QuantMemo::Pause& p = memo_->pauses_[id];
+  p.left = p.next == 0 ? kFirstPause : p.next;
+  p.next = std::min(2 * p.left, kLongestPause);
 }
 
 std::string Int4Quantizer::ReuseKey(DType input) const {
@@ -645,9 +684,11 @@ absl::Status Int4Quantizer::QuantizeInto(comm::BucketBuilder& builder, const std
     absl::string_view prefix = name;
     absl::ConsumeSuffix(&prefix, ".weight");  // ReserveTriplet refused any other name
     const std::string names[2] = {absl::StrCat(prefix, ".weight_packed"), absl::StrCat(prefix, ".weight_scale")};
-    s = Reusing(
-        name, names, absl::MakeConstSpan(dst).subspan(0, 2), w.dtype(), dst[1].nbytes() / ItemSize(dst[1].dtype()),
-        [&](kernels::QuantizeReuse& reuse) { return kernels::QuantizeInt4(w, dst[0], dst[1], kernel_, reuse); });
+    s = Reusing(name, names, absl::MakeConstSpan(dst).subspan(0, 2), w.dtype(),
+                dst[1].nbytes() / ItemSize(dst[1].dtype()), [&](kernels::QuantizeReuse* reuse) {
+                  return reuse != nullptr ? kernels::QuantizeInt4(w, dst[0], dst[1], kernel_, *reuse)
+                                          : kernels::QuantizeInt4(w, dst[0], dst[1], kernel_);
+                });
   }
   stats_.quantize += absl::Now() - t0;
   if (!s.ok()) return Annotate(s, absl::StrCat("quantizing \"", name, "\""));
@@ -691,7 +732,7 @@ absl::Status Int4Quantizer::QuantizeFp8Into(comm::BucketBuilder& builder, const 
   } else {  // one unit per scale: a block or a row
     s = Reusing(
         name, absl::MakeConstSpan(names).subspan(0, 2), dst, w.dtype(), dst[1].nbytes() / ItemSize(dst[1].dtype()),
-        [&](kernels::QuantizeReuse& reuse) { return model::QuantizeFp8(w, dst[0], dst[1], quant_, fp8_, &reuse); });
+        [&](kernels::QuantizeReuse* reuse) { return model::QuantizeFp8(w, dst[0], dst[1], quant_, fp8_, reuse); });
   }
   stats_.quantize += absl::Now() - t0;
   if (!s.ok()) return Annotate(s, where);
@@ -721,8 +762,9 @@ absl::Status Int4Quantizer::QuantizeAwqInto(comm::BucketBuilder& builder, const 
   } else {                                                          // one unit per qzeros word: 8 rows' group
     const std::string outputs[3] = {names[0], names[2], names[1]};  // the codes, the scales, the zeros
     const MutableTensorView views[3] = {dst[0], dst[2], dst[1]};
-    s = Reusing(name, outputs, views, w.dtype(), dst[1].nbytes() / 4, [&](kernels::QuantizeReuse& reuse) {
-      return kernels::QuantizeAwq(w, dst[0], dst[1], dst[2], awq_, reuse);
+    s = Reusing(name, outputs, views, w.dtype(), dst[1].nbytes() / 4, [&](kernels::QuantizeReuse* reuse) {
+      return reuse != nullptr ? kernels::QuantizeAwq(w, dst[0], dst[1], dst[2], awq_, *reuse)
+                              : kernels::QuantizeAwq(w, dst[0], dst[1], dst[2], awq_);
     });
   }
   stats_.quantize += absl::Now() - t0;

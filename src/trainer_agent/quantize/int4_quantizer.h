@@ -141,11 +141,22 @@ class QuantizedBase {
 // block copies the groups whose inputs did not change (kernels::QuantizeReuse). A block's outputs
 // and digests are replaced together after a call that succeeded: they always come from the same
 // quantization, whatever became of the sync. Memory: those outputs (INT4: about 0.27 of their bf16
-// bytes at G 128; FP8: 0.5) and 8 bytes per group. Used by one Int4Quantizer at a time.
+// bytes at G 128; FP8: 0.5) and 8 bytes per group.
+//
+// It also keeps when digests pay, per block of earlier outputs (its own blocks; the delta base's HF
+// tensors, named "base <name>"). Digests cost 0.2-0.5 of a quantization per unit (wsync-bench-kernels'
+// -digest rows), and at RL learning rates a large unit almost never has all its inputs unchanged (an
+// FP8 128 x 128 block, an AWQ unit of 8 x G). So a block whose comparison reused under a tenth of its
+// units is quantized without digests for its next 2 quantizations, then probed again (one records
+// digests, the next compares); each poor probe doubles the pause, up to 16; a good one resets it.
+// Used by one Int4Quantizer at a time.
 class QuantMemo {
  public:
   uint64_t bytes() const;
-  void Clear() { blocks_.clear(); }
+  void Clear() {
+    blocks_.clear();
+    pauses_.clear();
+  }
 
  private:
   friend class Int4Quantizer;
@@ -155,6 +166,11 @@ class QuantMemo {
     std::vector<std::vector<std::byte>> outputs;  // the codes, the scales (AWQ: and the zeros)
   };
   std::map<std::string, Block, std::less<>> blocks_;
+  struct Pause {
+    int left = 0;  // quantizations still to do without digests
+    int next = 0;  // the pause after the next poor comparison (0: the first)
+  };
+  std::map<std::string, Pause, std::less<>> pauses_;
 };
 
 // Bytes and time an Int4Quantizer spent, accumulated over its calls.
@@ -165,8 +181,8 @@ struct Int4Stats {
   uint64_t copied_bytes = 0;     // INT4 bytes EmitExpert copied into buckets
   uint64_t hf_bytes = 0;         // HF tensors EmitExpert sent, counted before quantization
   // QuantizeInto with a QuantizedBase, QuantizeRows with a QuantMemo: the groups quantized or
-  // reused, and those reused.
-  uint64_t groups = 0, reused_groups = 0;
+  // reused, those reused, and those quantized without digests (QuantMemo: reuse paused).
+  uint64_t groups = 0, reused_groups = 0, undigested_groups = 0;
 };
 
 struct Int4Options {
@@ -276,15 +292,23 @@ class Int4Quantizer {
                   absl::Span<const std::span<std::byte>> outputs);
   // A kernel call with reuse that succeeded: its units and those reused into the stats.
   void CountReuse(size_t units, const kernels::QuantizeReuse& reuse);
+  // A kernel call: with a reuse (digests), or without (nullptr: a plain quantization).
+  using Kernel = absl::FunctionRef<absl::Status(kernels::QuantizeReuse*)>;
   // `kernel` into `dst` (the codes, the scales, for AWQ the zeros; `units` digests under `key`)
-  // reusing memo_'s block `id`, which it then replaces when the kernel succeeded.
+  // reusing memo_'s block `id`, which it then replaces when the kernel succeeded; while the block's
+  // digests are paused, a plain quantization (and the block goes).
   absl::Status ReuseFromMemo(const std::string& id, absl::Span<const MutableTensorView> dst, const std::string& key,
-                             size_t units, absl::FunctionRef<absl::Status(kernels::QuantizeReuse&)> kernel);
+                             size_t units, Kernel kernel);
   // QuantizeInto's kernel call with reuse for HF tensor `name` (its outputs `names` in `dst`):
   // from base_ (ReuseFromBase) when there is one, else from memo_ (ReuseFromMemo).
   absl::Status Reusing(const std::string& name, absl::Span<const std::string> names,
-                       absl::Span<const MutableTensorView> dst, DType input, size_t units,
-                       absl::FunctionRef<absl::Status(kernels::QuantizeReuse&)> kernel);
+                       absl::Span<const MutableTensorView> dst, DType input, size_t units, Kernel kernel);
+  // Whether block `id`'s quantization computes digests now (QuantMemo's pauses; always without a
+  // memo). False counts one quantization of the pause, and its units as undigested.
+  bool Digesting(const std::string& id, size_t units);
+  // A quantization of block `id` that compared its digests with earlier ones: `reused` of `units`
+  // were copied. Under a tenth: a pause.
+  void Judge(const std::string& id, size_t units, int64_t reused);
   absl::StatusOr<std::optional<Int4ExpertPlan>> PlanAwqExpert(const MegatronParam& p, HfRowMap map, int etp) const;
   // Rows [row, row + part.n) of `w` quantized into AWQ triple `part` of `block`.
   absl::Status QuantizeAwqPart(const MegatronParam& p, const TensorView& w, int64_t row, const AwqPart& part,

@@ -305,6 +305,49 @@ TEST(Int4QuantizeRowsTest, WithAMemoOnlyTheGroupsWhoseInputsChangedAreQuantized)
   EXPECT_EQ(quantize(slime, *w1), 0u);
 }
 
+// Where a comparison reused under a tenth of a block's groups, its next 2 quantizations compute no
+// digests (the memo drops the block), then a probe records and the next compares; a poor probe
+// doubles the pause, a good one ends it. Every quantization gives a plain quantization's bytes.
+TEST(Int4QuantizeRowsTest, DigestsPauseWhereTheyDidNotPay) {
+  const QuantizationConfig quant = Int4Config(32);
+  QuantMemo memo;
+  Int4Quantizer q({.quant = &quant, .num_threads = 2}), plain({.quant = &quant, .num_threads = 2});
+  q.set_quant_memo(&memo);
+  const MegatronParam p = OneTensorParam("model.layers.0.mlp.down_proj.weight", {48, 128});
+  const std::vector<RowSegment> rows = {{0, 0, 0, 48}};
+  constexpr uint64_t kGroups = 48 * 4;
+  std::vector<std::byte> packed(48 * 16 * 4), scales(48 * 4 * 2), want_packed(packed.size()),
+      want_scales(scales.size());
+  // One quantization of `w`: {groups reused, groups without digests}.
+  auto quantize = [&](const Tensor& w) {
+    const Int4Stats before = q.stats();
+    EXPECT_TRUE(q.QuantizeRows(p, w.view(), rows, packed, scales, "a test").ok());
+    EXPECT_TRUE(plain.QuantizeRows(p, w.view(), rows, want_packed, want_scales, "plain").ok());
+    EXPECT_TRUE(SameBytes(packed, want_packed) && SameBytes(scales, want_scales));
+    EXPECT_EQ(q.stats().groups - before.groups, kGroups);
+    return std::pair{q.stats().reused_groups - before.reused_groups,
+                     q.stats().undigested_groups - before.undigested_groups};
+  };
+  using R = std::pair<uint64_t, uint64_t>;
+  int seed = 100;
+  auto fresh = [&] { return RandomWeight(48, 128, ++seed); };  // every group changed
+  EXPECT_EQ(quantize(fresh()), (R{0, 0}));                     // records
+  EXPECT_EQ(quantize(fresh()), (R{0, 0}));                     // compares: nothing reused, a pause of 2
+  EXPECT_EQ(quantize(fresh()), (R{0, kGroups}));
+  EXPECT_EQ(memo.bytes(), 0u) << "a paused block is kept";
+  const Tensor same = fresh();
+  EXPECT_EQ(quantize(same), (R{0, kGroups}));
+  EXPECT_EQ(quantize(same), (R{0, 0}));     // the probe records
+  EXPECT_EQ(quantize(fresh()), (R{0, 0}));  // and compares: poor again, a pause of 4
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(quantize(same), (R{0, kGroups})) << i;
+  EXPECT_EQ(quantize(same), (R{0, 0}));        // the probe records
+  EXPECT_EQ(quantize(same), (R{kGroups, 0}));  // and compares: all reused, no pause
+  EXPECT_EQ(quantize(fresh()), (R{0, 0}));     // poor: the pause starts at 2 again
+  EXPECT_EQ(quantize(same), (R{0, kGroups}));
+  EXPECT_EQ(quantize(same), (R{0, kGroups}));
+  EXPECT_EQ(quantize(same), (R{0, 0}));
+}
+
 TEST(Int4QuantizeRowsTest, EtpShardsQuantizedAndMergedEqualTheFullTensorQuantized) {
   // fc1 (rows) with moe_ffn 32, fc2 (column blocks of whole groups) with moe_ffn 64.
   for (auto [moe_ffn, kind] :
@@ -712,7 +755,9 @@ TEST(Int4AwqExpertTest, WithAMemoOnlyTheUnitsWhoseInputsChangedAreQuantized) {
     auto w1 = Tensor::CopyOf(w0->view());
     ASSERT_TRUE(w1.ok());
     auto* bits = reinterpret_cast<uint16_t*>(w1->mutable_view().data());
-    for (int64_t i : {int64_t{3}, k * 9 + 40, k * 9 + 41, k * 20 + 5}) bits[i] ^= 1u;  // the lowest mantissa bit
+    // The lowest mantissa bit, in rows 9 and 20: each triple keeps over a tenth of its units (its
+    // digests keep paying: QuantMemo).
+    for (int64_t i : {k * 9 + 40, k * 9 + 41, k * 20 + 5}) bits[i] ^= 1u;
     // The units whose 8 x G input bits are equal, counted from the bits.
     const auto* b0 = reinterpret_cast<const uint16_t*>(w0->view().data());
     uint64_t same = 0;

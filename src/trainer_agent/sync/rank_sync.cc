@@ -970,6 +970,7 @@ absl::StatusOr<SyncReport> RankSync::Run() {
   report_.hf_bytes += int4.hf_bytes;
   report_.quant_groups = int4.groups;
   report_.reused_groups = int4.reused_groups;
+  report_.undigested_groups = int4.undigested_groups;
   if (builder_) {
     const comm::BucketBuilderStats& st = builder_->stats();
     report_.bucket = st.copy + int4.copy;

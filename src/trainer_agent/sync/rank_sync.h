@@ -150,8 +150,9 @@ struct SyncReport {
   int cuda_device = -1;          // >= 0: the device stages ran on this CUDA device
   absl::Duration staging;        // copying buckets between the builder's memory and the sink's (SpaceStagingSink)
   // With SyncOptions::quantized_base or quant_memo: the quantization groups (INT4 groups, FP8 blocks
-  // or rows, AWQ units) this rank quantized or reused, and those reused.
-  uint64_t quant_groups = 0, reused_groups = 0;
+  // or rows, AWQ units) this rank quantized or reused, those reused, and those quantized without
+  // digests (reuse paused where it did not pay: QuantMemo).
+  uint64_t quant_groups = 0, reused_groups = 0, undigested_groups = 0;
 };
 
 absl::StatusOr<SyncReport> RunRankSync(const WeightSource& src, TrainerComms& comms, comm::BucketSink* sink,
