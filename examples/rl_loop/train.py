@@ -118,7 +118,11 @@ def sent(ctl, version):
         return ""
     how = f"deltas from version {d['base']}" if d["base"] else "in full"
     groups = d.get("quant_groups", 0)
-    reused = f"; quantization groups reused {d.get('reused_groups', 0)} of {groups}" if groups else ""
+    reused = ""
+    if groups:
+        quantize = sum(p["seconds"] for p in json.loads(r.stdout)["phases"] if p["phase"] == "quantize")
+        reused = (f"; quantization groups reused {d.get('reused_groups', 0)} of {groups}, "
+                  f"{d.get('undigested_groups', 0)} without digests; quantize {1000 * quantize:.1f} ms")
     return (f" ({how}: {d['sent_bytes'] / 2**20:.2f} of {d['tensor_bytes'] / 2**20:.2f} MiB, "
             f"{100 * d['sent_bytes'] / d['tensor_bytes']:.2f} %{reused})")
 

@@ -82,6 +82,11 @@ int main(int argc, char** argv) {
                  "Expert pruning: a JSON map {\"num_experts\": E, \"layers\": {\"<layer>\": [kept ids]}}; only kept "
                  "experts are sent, under their compact ids, and the routers are sliced (docs/expert-pruning.md)");
   app.add_option("--quant-threads", o.quant_threads, "Threads for INT4 quantization (0: all cores)");
+  app.add_option("--reuse-pause-below", o.reuse_pause_below,
+                 "Delta syncs: quantize a block without digests for a while when its last comparison reused under "
+                 "this share of its quantization groups (0: never; docs/sync.md)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
   app.add_option("--sync-timeout", sync_timeout_s, "Bound on one sync, seconds")->check(CLI::PositiveNumber);
   app.add_option("--token-file", sec.token_file, "Bearer token for every RPC (else $WSYNC_TOKEN)");
   app.add_option("--tls-cert", sec.tls_cert_file, "TLS certificate of the coordinator");

@@ -745,6 +745,7 @@ class Agent {
     so.spread_senders = cmd.sharded != 0;
     so.quantized_base = sinks.delta ? &delta_base_ : nullptr;
     if (!cmd.delta) quant_memo_.Clear();  // only delta syncs keep it: its memory back
+    quant_memo_.set_pause_below(opts_.reuse_pause_below);
     so.quant_memo = cmd.delta ? &quant_memo_ : nullptr;
     auto report = RunRankSync(src, comms_, sinks.out(), so);
     if (report.ok() && sinks.broadcast && !sinks.broadcast->status().ok()) report = sinks.broadcast->status();

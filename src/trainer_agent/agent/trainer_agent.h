@@ -52,6 +52,9 @@ struct TrainerAgentOptions {
   std::optional<QuantizationConfig> quant;     // the engines' quantization config (else the model's own)
   std::optional<model::ExpertMap> expert_map;  // expert pruning (checked against the model at every sync)
   int quant_threads = 0;
+  // Delta syncs: a quantized block whose last comparison reused under this share of its groups is
+  // quantized without digests for a while (QuantMemo::set_pause_below; 0: never).
+  double reuse_pause_below = 0.1;
   absl::Duration sync_timeout = absl::Minutes(10);
   RpcSecurity security;
   bool bucket_mac = false;   // rank 0: authenticate every bucket (--bucket-mac; comm/bucket/bucket_mac.h)

@@ -588,7 +588,7 @@ bool Int4Quantizer::Digesting(const std::string& id, size_t units) {
 void Int4Quantizer::Judge(const std::string& id, size_t units, int64_t reused) {
   if (memo_ == nullptr) return;
   constexpr int kFirstPause = 2, kLongestPause = 16;
-  if (static_cast<uint64_t>(reused) * 10 >= units) {
+  if (static_cast<double>(reused) >= memo_->pause_below_ * static_cast<double>(units)) {
     memo_->pauses_.erase(id);  // digests pay here: no pause, and the next poor one starts short
     return;
   }

@@ -147,8 +147,9 @@ class QuantizedBase {
 // tensors, named "base <name>"). Digests cost 0.2-0.5 of a quantization per unit (wsync-bench-kernels'
 // -digest rows), and at RL learning rates a large unit almost never has all its inputs unchanged (an
 // FP8 128 x 128 block, an AWQ unit of 8 x G). So a block whose comparison reused under a tenth of its
-// units is quantized without digests for its next 2 quantizations, then probed again (one records
-// digests, the next compares); each poor probe doubles the pause, up to 16; a good one resets it.
+// units (set_pause_below) is quantized without digests for its next 2 quantizations, then probed
+// again (one records digests, the next compares); each poor probe doubles the pause, up to 16; a
+// good one resets it.
 // Used by one Int4Quantizer at a time.
 class QuantMemo {
  public:
@@ -157,6 +158,10 @@ class QuantMemo {
     blocks_.clear();
     pauses_.clear();
   }
+  // The share of a block's units a comparison must reuse for its digests to go on (0: never pause;
+  // 1: pause unless every unit was reused). Where digests pay depends on the host: on this 2-core
+  // VM they cost 0.2-0.5 of a quantization (docs/sync.md), less where the kernel is memory-bound.
+  void set_pause_below(double share) { pause_below_ = share; }
 
  private:
   friend class Int4Quantizer;
@@ -171,6 +176,7 @@ class QuantMemo {
     int next = 0;  // the pause after the next poor comparison (0: the first)
   };
   std::map<std::string, Pause, std::less<>> pauses_;
+  double pause_below_ = 0.1;
 };
 
 // Bytes and time an Int4Quantizer spent, accumulated over its calls.
@@ -307,7 +313,7 @@ class Int4Quantizer {
   // memo). False counts one quantization of the pause, and its units as undigested.
   bool Digesting(const std::string& id, size_t units);
   // A quantization of block `id` that compared its digests with earlier ones: `reused` of `units`
-  // were copied. Under a tenth: a pause.
+  // were copied. Under QuantMemo's pause_below of them: a pause.
   void Judge(const std::string& id, size_t units, int64_t reused);
   absl::StatusOr<std::optional<Int4ExpertPlan>> PlanAwqExpert(const MegatronParam& p, HfRowMap map, int etp) const;
   // Rows [row, row + part.n) of `w` quantized into AWQ triple `part` of `block`.

@@ -346,6 +346,18 @@ TEST(Int4QuantizeRowsTest, DigestsPauseWhereTheyDidNotPay) {
   EXPECT_EQ(quantize(same), (R{0, kGroups}));
   EXPECT_EQ(quantize(same), (R{0, kGroups}));
   EXPECT_EQ(quantize(same), (R{0, 0}));
+  // Pauses off (set_pause_below(0)): digests every time, whatever was reused.
+  memo.set_pause_below(0);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(quantize(fresh()), (R{0, 0})) << i;
+  Tensor quarter = fresh();
+  EXPECT_EQ(quantize(quarter), (R{0, 0}));
+  // At a half: a comparison that reused a quarter pauses.
+  memo.set_pause_below(0.5);
+  auto* bits = reinterpret_cast<uint16_t*>(quarter.mutable_view().data());
+  for (int64_t g = 0; g < 48 * 4; ++g)
+    if (g % 4 != 0) bits[g * 32] ^= 1u;  // every group but each row's first
+  EXPECT_EQ(quantize(quarter), (R{kGroups / 4, 0}));
+  EXPECT_EQ(quantize(quarter), (R{0, kGroups}));
 }
 
 TEST(Int4QuantizeRowsTest, EtpShardsQuantizedAndMergedEqualTheFullTensorQuantized) {
