@@ -144,7 +144,7 @@ class QuantizedBase {
 // bytes at G 128; FP8: 0.5) and 8 bytes per group.
 //
 // It also keeps when digests pay, per block of earlier outputs (its own blocks; the delta base's HF
-// tensors, named "base <name>"). Digests cost 0.2-0.5 of a quantization per unit (wsync-bench-kernels'
+// tensors, named "base <name>"). Digests cost 0.05-0.5 of a quantization per unit (wsync-bench-kernels'
 // -digest rows), and at RL learning rates a large unit almost never has all its inputs unchanged (an
 // FP8 128 x 128 block, an AWQ unit of 8 x G). So a block whose comparison reused under a tenth of its
 // units (set_pause_below) is quantized without digests for its next 2 quantizations, then probed
@@ -160,7 +160,7 @@ class QuantMemo {
   }
   // The share of a block's units a comparison must reuse for its digests to go on (0: never pause;
   // 1: pause unless every unit was reused). Where digests pay depends on the host: on this 2-core
-  // VM they cost 0.2-0.5 of a quantization (docs/sync.md), less where the kernel is memory-bound.
+  // VM they cost 0.05-0.5 of a quantization (docs/sync.md).
   void set_pause_below(double share) { pause_below_ = share; }
 
  private:
