@@ -571,10 +571,13 @@ TEST_P(QuantReuseTest, TheSenderQuantizesOnlyTheGroupsWhoseInputsChanged) {
     send(sink, v2, 5, true, true, &memo);
   }
   EXPECT_EQ(memo.bytes(), 0u);
+  ASSERT_TRUE(Receive(c5.buckets, true).ok());
+  expect_plain(v2, 5, "version 5");
 
   // With the base and the memo (a broadcast delta sync in the trainer agent), a tensor whose
   // comparison reused under a tenth of its units pauses its digests for 2 syncs (QuantMemo); the
-  // base then keeps none of its digests, so a probe records before the next compares.
+  // base then keeps none of its digests, so a probe records before the next compares. Every
+  // rank then holds what a plain quantization gives (the last sync copies every group).
   const auto other = model::testing::MakeHfModel(config_, nullptr, kSeed + 9);
   ASSERT_TRUE(other.ok());
   ASSERT_EQ(same_groups(v2, *other).first, 0u);
@@ -585,6 +588,8 @@ TEST_P(QuantReuseTest, TheSenderQuantizesOnlyTheGroupsWhoseInputsChanged) {
     ++version;
     const trainer_agent::Int4Stats s = send(sink, m, version, true, true, &memo);
     EXPECT_EQ(s.groups, groups) << "version " << version;
+    EXPECT_TRUE(Receive(c.buckets, true).ok()) << "version " << version;
+    expect_plain(m, version, absl::StrCat("version ", version));
     return std::pair{s.reused_groups, s.undigested_groups};
   };
   using R = std::pair<uint64_t, uint64_t>;

@@ -725,7 +725,7 @@ class Agent {
         << " quantization groups (INT4 groups, FP8 blocks or rows, AWQ units) reused, not quantized (inputs "
            "unchanged), "
         << report.undigested_groups
-        << " quantized without digests (paused where under a tenth was reused); the bases hold "
+        << " quantized without digests (paused where reuse did not pay: --reuse-pause-below); the bases hold "
         << FormatBytes(base_bytes) << ", the quantization memo " << FormatBytes(quant_memo_.bytes());
   }
 
@@ -870,7 +870,7 @@ class Agent {
   DeltaBase delta_base_;  // delta delivery on a stage source: what it last sent (sync/delta_sink.h)
   // Sharded delta delivery on a sender: what it last sent each receiver layout (GroupKey).
   std::map<std::string, DeltaBase> shard_bases_;
-  QuantMemo quant_memo_;  // delta syncs: the INT4 / AWQ expert blocks this rank quantized as their holder
+  QuantMemo quant_memo_;  // delta syncs: what this rank quantized where no delta base holds it (QuantMemo)
   std::optional<QuantizationConfig> sync_quant_;  // the running sync's (SyncQuantization)
   // Bucket buffers (stage sources only): two on the wire + the one being built. Kept across syncs,
   // except over nccl: device buffers, none freed while the sync's groups run (a cudaFree waits for

@@ -459,16 +459,18 @@ absl::Status Int4Quantizer::QuantizeRows(const MegatronParam& p, const TensorVie
   const QuantMemo::Block* earlier = nullptr;
   std::string id, key;
   std::vector<uint64_t> next;
+  bool undigested = false;  // the memo's digests of this block are paused
   const std::span<std::byte> outputs[2] = {packed, scales};
   if (memo_ != nullptr && n > 0) {
     id = absl::StrCat(p.global_name, " ", packed.size());  // the full tensor or a shard
-    if (Digesting(id, static_cast<size_t>(n * scale_cols))) {
+    if (Digesting(id)) {
       key = ReuseKey(w.dtype());
       next.assign(static_cast<size_t>(n * scale_cols), 0);
       earlier = FindInMemo(id, key, next.size(), outputs);
     } else {
       memo_->blocks_.erase(id);
       id.clear();
+      undigested = true;
     }
   }
   int64_t reused = 0;
@@ -495,6 +497,7 @@ absl::Status Int4Quantizer::QuantizeRows(const MegatronParam& p, const TensorVie
       reused += reuse.reused_groups;
     } else {
       s = kernels::QuantizeInt4(ws, ps, ss, kernel_);
+      if (s.ok() && undigested) CountUndigested(count * static_cast<size_t>(scale_cols));
     }
     stats_.quantize += absl::Now() - t0;
     const std::string& name = p.hf_names[static_cast<size_t>(seg.hf_index)];
@@ -538,9 +541,11 @@ void Int4Quantizer::CountReuse(size_t units, const kernels::QuantizeReuse& reuse
 
 absl::Status Int4Quantizer::ReuseFromMemo(const std::string& id, absl::Span<const MutableTensorView> dst,
                                           const std::string& key, size_t units, Kernel kernel) {
-  if (!Digesting(id, units)) {
+  if (!Digesting(id)) {
     memo_->blocks_.erase(id);
-    return kernel(nullptr);
+    RETURN_IF_ERROR(kernel(nullptr));
+    CountUndigested(units);
+    return absl::OkStatus();
   }
   std::vector<uint64_t> next(units);
   std::vector<std::span<std::byte>> outputs;
@@ -567,7 +572,11 @@ absl::Status Int4Quantizer::Reusing(const std::string& name, absl::Span<const st
   if (base_ == nullptr) return ReuseFromMemo(id, dst, key, units, kernel);
   if (memo_ != nullptr) memo_->blocks_.erase(id);  // the base holds its outputs: the memo's copy goes
   const std::string in_base = absl::StrCat("base ", name);
-  if (!Digesting(in_base, units)) return kernel(nullptr);  // the base keeps no digests of it: a probe records
+  if (!Digesting(in_base)) {  // the base keeps no digests of it: a probe records
+    RETURN_IF_ERROR(kernel(nullptr));
+    CountUndigested(units);
+    return absl::OkStatus();
+  }
   kernels::QuantizeReuse reuse = ReuseFromBase(name, names, dst, key, units);
   RETURN_IF_ERROR(kernel(&reuse));
   CountReuse(units, reuse);
@@ -575,14 +584,17 @@ absl::Status Int4Quantizer::Reusing(const std::string& name, absl::Span<const st
   return absl::OkStatus();
 }
 
-bool Int4Quantizer::Digesting(const std::string& id, size_t units) {
+bool Int4Quantizer::Digesting(const std::string& id) {
   if (memo_ == nullptr) return true;
   const auto it = memo_->pauses_.find(id);
   if (it == memo_->pauses_.end() || it->second.left == 0) return true;
   --it->second.left;
+  return false;
+}
+
+void Int4Quantizer::CountUndigested(size_t units) {
   stats_.groups += units;
   stats_.undigested_groups += units;
-  return false;
 }
 
 void Int4Quantizer::Judge(const std::string& id, size_t units, int64_t reused) {

@@ -133,8 +133,9 @@ class QuantizedBase {
 };
 
 // A rank's memory of the blocks it quantized where no delta base holds them, kept across syncs by
-// the trainer agent while deltas are on: experts quantized by their holders (QuantizeExpert), and a
-// sharded sync's HF tensors quantized by the stage source (QuantizeInto without a base). Per block
+// the trainer agent while deltas are on: experts quantized by their holders (QuantizeExpert), and
+// the HF tensors the stage source quantizes without a base (QuantizeInto: sharded delivery, whose
+// bases hold cut blocks, or buckets in device memory, which take no deltas). Per block
 // (an expert parameter's full tensor or ETP shard; each AWQ triple of one; an HF tensor) the
 // outputs last written (the codes, the scales, AWQ's zeros) and one XXH3-64 per quantization group
 // of their inputs (FP8: block or row; AWQ: 8 rows' group), so that the next quantization of that
@@ -144,8 +145,8 @@ class QuantizedBase {
 // bytes at G 128; FP8: 0.5) and 8 bytes per group.
 //
 // It also keeps when digests pay, per block of earlier outputs (its own blocks; the delta base's HF
-// tensors, named "base <name>"). Digests cost 0.05-0.5 of a quantization per unit (wsync-bench-kernels'
-// -digest rows), and at RL learning rates a large unit almost never has all its inputs unchanged (an
+// tensors, named "base <name>"). Digests cost 0.05-0.4 of a quantization per unit (wsync-bench-kernels'
+// -dig rows), and at RL learning rates a large unit almost never has all its inputs unchanged (an
 // FP8 128 x 128 block, an AWQ unit of 8 x G). So a block whose comparison reused under a tenth of its
 // units (set_pause_below) is quantized without digests for its next 2 quantizations, then probed
 // again (one records digests, the next compares); each poor probe doubles the pause, up to 16; a
@@ -160,7 +161,7 @@ class QuantMemo {
   }
   // The share of a block's units a comparison must reuse for its digests to go on (0: never pause;
   // 1: pause unless every unit was reused). Where digests pay depends on the host: on this 2-core
-  // VM they cost 0.05-0.5 of a quantization (docs/sync.md).
+  // VM they cost 0.05-0.4 of a quantization (docs/sync.md).
   void set_pause_below(double share) { pause_below_ = share; }
 
  private:
@@ -186,8 +187,9 @@ struct Int4Stats {
   uint64_t quantized_bytes = 0;  // bf16 / fp16 bytes through the kernels
   uint64_t copied_bytes = 0;     // INT4 bytes EmitExpert copied into buckets
   uint64_t hf_bytes = 0;         // HF tensors EmitExpert sent, counted before quantization
-  // QuantizeInto with a QuantizedBase, QuantizeRows with a QuantMemo: the groups quantized or
-  // reused, those reused, and those quantized without digests (QuantMemo: reuse paused).
+  // Calls with a QuantizedBase or a QuantMemo (QuantizeInto, QuantizeRows, AWQ experts' triples),
+  // once they succeeded: the groups quantized or reused, those reused, and those quantized without
+  // digests (QuantMemo: reuse paused).
   uint64_t groups = 0, reused_groups = 0, undigested_groups = 0;
 };
 
@@ -310,8 +312,10 @@ class Int4Quantizer {
   absl::Status Reusing(const std::string& name, absl::Span<const std::string> names,
                        absl::Span<const MutableTensorView> dst, DType input, size_t units, Kernel kernel);
   // Whether block `id`'s quantization computes digests now (QuantMemo's pauses; always without a
-  // memo). False counts one quantization of the pause, and its units as undigested.
-  bool Digesting(const std::string& id, size_t units);
+  // memo). False spends one quantization of the pause.
+  bool Digesting(const std::string& id);
+  // A quantization without digests that succeeded: its units into the stats.
+  void CountUndigested(size_t units);
   // A quantization of block `id` that compared its digests with earlier ones: `reused` of `units`
   // were copied. Under QuantMemo's pause_below of them: a pause.
   void Judge(const std::string& id, size_t units, int64_t reused);
