@@ -582,12 +582,13 @@ TEST_P(QuantReuseTest, TheSenderQuantizesOnlyTheGroupsWhoseInputsChanged) {
   ASSERT_TRUE(other.ok());
   ASSERT_EQ(same_groups(v2, *other).first, 0u);
   uint64_t version = 5;
+  const uint64_t all_groups = groups;  // a lambda cannot capture a structured binding (clang 14)
   auto next_sync = [&](const HfModel& m) {
     comm::testing::CaptureSink c;
     trainer_agent::DeltaSink sink(c, base_, Receivers(), version, version + 1);
     ++version;
     const trainer_agent::Int4Stats s = send(sink, m, version, true, true, &memo);
-    EXPECT_EQ(s.groups, groups) << "version " << version;
+    EXPECT_EQ(s.groups, all_groups) << "version " << version;
     EXPECT_TRUE(Receive(c.buckets, true).ok()) << "version " << version;
     expect_plain(m, version, absl::StrCat("version ", version));
     return std::pair{s.reused_groups, s.undigested_groups};
