@@ -117,6 +117,7 @@ absl::Status Loader::CopyPiece(int idx, const std::byte* src, int64_t src_ld, in
   const MatrixDims d = MatrixOf(p.loaded_shape);
   const size_t item = ItemSize(p.dtype);
   std::byte* base = dst.bytes().data() + s.expert * d.rows * d.cols * static_cast<int64_t>(item);
+  staging_->sum_known_[static_cast<size_t>(idx)] = false;  // its bytes are not those of the known sum
   const absl::Status st = internal::CopyBlockIn(staging_->space(), src, src_ld, r0, c0, s.rows, s.cols, base, d.cols,
                                                 s.dst_row0, s.dst_col0, item, s.transpose);
   if (st.ok()) return st;
@@ -187,22 +188,34 @@ absl::Status Loader::LoadDelta(absl::string_view hf_name, DType dtype, std::span
     st.store(static_cast<uint8_t>(State::kRestored), std::memory_order_release);
     return e;
   };
-  // The kept block as it was sent (dense [rows, cols]), read back out of the staging.
+  // Where the kept block (dense [rows, cols] as sent) lives in the staging: in place, or transposed.
   const EngineParam& p = staging_->layout().params()[static_cast<size_t>(s.param)];
   const MatrixDims d = MatrixOf(p.loaded_shape);
   const size_t item = ItemSize(p.dtype);
   if (ItemSize(dtype) != item)
     return unclaim(absl::InvalidArgumentError(absl::StrCat(hf_name, ": a delta of ", SafetensorsName(dtype),
                                                            " elements into a param of ", SafetensorsName(p.dtype))));
-  const std::byte* param =
-      staging_->param(s.param).bytes().data() + s.expert * d.rows * d.cols * static_cast<int64_t>(item);
-  std::vector<std::byte> block(static_cast<size_t>(s.rows * s.cols) * item);
-  if (s.transpose) {
-    internal::CopyBlock(param, d.cols, s.dst_row0, s.dst_col0, s.cols, s.rows, block.data(), s.cols, 0, 0, item, true);
-  } else {
-    internal::CopyBlock(param, d.cols, s.dst_row0, s.dst_col0, s.rows, s.cols, block.data(), s.cols, 0, 0, item, false);
+  std::byte* param = staging_->param(s.param).bytes().data() + s.expert * d.rows * d.cols * static_cast<int64_t>(item);
+  auto* first = reinterpret_cast<uint8_t*>(param) + (s.dst_row0 * d.cols + s.dst_col0) * static_cast<int64_t>(item);
+  const auto ld = static_cast<uint64_t>(d.cols);
+  const kernels::StridedItems at =
+      s.transpose ? kernels::StridedItems{first, 1, ld} : kernels::StridedItems{first, ld, 1};
+  // The base check: the Sum64 the staging knows for the block (it checked the bytes it wrote last),
+  // else the block read back and summed (once: the sum is known from then on).
+  const size_t i = static_cast<size_t>(idx);
+  if (!staging_->sum_known_[i]) {
+    std::vector<std::byte> block(static_cast<size_t>(s.rows * s.cols) * item);
+    if (s.transpose) {
+      internal::CopyBlock(param, d.cols, s.dst_row0, s.dst_col0, s.cols, s.rows, block.data(), s.cols, 0, 0, item,
+                          true);
+    } else {
+      internal::CopyBlock(param, d.cols, s.dst_row0, s.dst_col0, s.rows, s.cols, block.data(), s.cols, 0, 0, item,
+                          false);
+    }
+    staging_->sums_[i] = kernels::Sum64Host(block);
+    staging_->sum_known_[i] = true;
   }
-  if (const uint64_t got = kernels::Sum64Host(block); got != delta.base_sum)
+  if (const uint64_t got = staging_->sums_[i]; got != delta.base_sum)
     return unclaim(absl::DataLossError(absl::StrFormat(
         "%s: the staging does not hold the delta's base (Sum64 of the kept block %016x, the base's %016x)", hf_name,
         got, delta.base_sum)));
@@ -214,16 +227,14 @@ absl::Status Loader::LoadDelta(absl::string_view hf_name, DType dtype, std::span
         absl::StrFormat("%s: an empty delta, and the new version's Sum64 %016x is not the base's %016x", hf_name,
                         delta.sum, delta.base_sum)));
   }
-  const std::span<uint8_t> view(reinterpret_cast<uint8_t*>(block.data()), block.size());
-  if (absl::Status a =
-          kernels::ApplyDeltaToBlock(hf_name, delta.encoding, static_cast<uint32_t>(item), payload, kept, view);
+  // Applied in place, written only once the result's Sum64 (from the base's and the changed words)
+  // is the new version's.
+  if (absl::Status a = kernels::ApplyDeltaChecked(hf_name, delta.encoding, static_cast<uint32_t>(item), payload, kept,
+                                                  at, delta.base_sum, delta.sum);
       !a.ok())
     return unclaim(a);
-  if (const uint64_t got = kernels::Sum64Host(block); got != delta.sum)
-    return unclaim(absl::DataLossError(absl::StrFormat(
-        "%s: the delta applied to its base is not the new version (Sum64 of the kept block %016x, want %016x)", hf_name,
-        got, delta.sum)));
-  return CopyPiece(idx, block.data(), s.cols, 0, 0);
+  staging_->sums_[i] = delta.sum;
+  return absl::OkStatus();
 }
 
 }  // namespace wsync::engine_model

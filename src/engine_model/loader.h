@@ -74,9 +74,12 @@ class Loader {
   // shape: the whole tensor's, at most 2 dims) from the version this staging holds, in
   // `delta.encoding` over its elements (items of the dtype's size); only the elements inside the
   // block this rank keeps are applied. `base_sum` and `sum` are the Sum64 (kernels/format/sum64.h)
-  // of that block's dense row-major bytes, as sent, in the base version and in the new one: the
-  // block is read back out of the staging, checked against base_sum, the delta applied to it, the
-  // result checked against sum, and only then loaded (as LoadBlock would).
+  // of that block's dense row-major bytes, as sent, in the base version and in the new one. The
+  // staging's block must be the base: its known sum (Staging::known_sum, recorded by the last delta
+  // load of the piece) or, when none is known, the block read back and summed, must be base_sum.
+  // The delta is then applied in place by kernels::ApplyDeltaChecked: the result's Sum64, updated
+  // from base_sum over the words the delta changes, must be `sum` before anything is written, and
+  // becomes the piece's known sum. A sparse delta costs its payload, not a pass over the block.
   // Errors, the piece left as it was: kFailedPrecondition when the piece holds no base (not
   // restored: Staging::MarkAllRestored); kDataLoss when the staging's block is not the base, the
   // payload is malformed or the result is not the new version; kAlreadyExists as Load;

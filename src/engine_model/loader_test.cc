@@ -457,6 +457,85 @@ TEST(LoaderTest, ADeltaOfTheKeptBlockEqualsAFullLoadOfTheNewVersion) {
   EXPECT_EQ(StagingChecksum(*sg.delta), StagingChecksum(*sg.full));
 }
 
+// Delta after delta, as consecutive delta syncs load them: the first checks each piece's base by
+// reading its block back, later ones by the sum the staging recorded (Staging::known_sum), and each
+// version equals a full load of it. A piece loaded whole in between (its bytes no longer those of
+// the recorded sum) is read back again: without that, its next delta would be refused as not on
+// its base. After ForgetSums, a staging byte changed behind the loader's back is caught.
+TEST(LoaderTest, DeltasInARowCheckTheirBaseByTheRecordedSumAndEqualFullLoads) {
+  constexpr uint32_t kSeed = 626;
+  SCOPED_TRACE(absl::StrCat("seed ", kSeed));
+  const ModelConfig moe = Config(model::testing::kQwen3MoeJson);
+  const ModelConfig llama = Config(model::testing::kLlamaJson);
+  const QuantizationConfig q = MoeQuant();
+  for (auto [config, quant, parallel] :
+       {std::tuple{&moe, &q, EngineParallel{2, 1, 1}},
+        std::tuple{&llama, static_cast<const QuantizationConfig*>(nullptr), EngineParallel{4, 3, 1}}}) {
+    auto v0 = model::testing::MakeHfModel(*config, quant, kSeed);
+    ASSERT_TRUE(v0.ok()) << v0.status();
+    auto layout = EngineLayout::Create(*config, quant, parallel);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    std::vector<HfModel> versions;
+    versions.push_back(std::move(*v0));
+    for (uint32_t k = 1; k <= 3; ++k)
+      versions.push_back(model::testing::ChangeElements(versions.back(), 0.01, kSeed + k));
+    auto staging = Staging::Create(*layout);
+    ASSERT_TRUE(staging.ok());
+    Loader ld(staging->get());
+    ASSERT_TRUE(LoadAll(ld, versions[0]).ok());
+    // The piece loaded whole in version 2's sync: an expert's packed weight (kept transposed) or a projection.
+    const std::string whole = config == &moe ? "model.layers.0.mlp.experts.1.down_proj.weight_packed"
+                                             : "model.layers.0.self_attn.o_proj.weight";
+    const int whole_idx = layout->FindSource(whole);
+    ASSERT_GE(whole_idx, 0);
+    for (size_t v = 1; v < versions.size(); ++v) {
+      SCOPED_TRACE(absl::StrCat(ArchitectureName(config->arch), " version ", v));
+      (*staging)->MarkAllRestored();  // a delta sync begins (sums kept)
+      for (const std::string& name : versions[v].order) {
+        const Tensor& b = versions[v - 1].sent.at(name);
+        const Tensor& n = versions[v].sent.at(name);
+        const int idx = layout->FindSource(name);
+        if (absl::EndsWith(name, ".weight_shape") || (v == 2 && name == whole)) {
+          ASSERT_TRUE(ld.Load(name, n.view()).ok()) << name;
+          if (idx >= 0) EXPECT_FALSE((*staging)->known_sum(idx).has_value()) << name << ": loaded whole";
+          continue;
+        }
+        const SentDelta d = MakeDelta(*layout, name, b, n);
+        const absl::Status st = ld.LoadDelta(name, n.dtype(), n.shape(), d.ref, d.payload);
+        ASSERT_TRUE(st.ok()) << name << ": " << st;
+        if (idx < 0 || KeptBlockOf(layout->sources()[static_cast<size_t>(idx)]).empty()) continue;
+        ASSERT_EQ((*staging)->known_sum(idx), std::optional<uint64_t>(d.ref.sum)) << name;
+      }
+      EXPECT_TRUE(ld.CheckComplete(/*loaded_only=*/true).ok()) << ld.CheckComplete(true);
+      auto full = Staging::Create(*layout);
+      ASSERT_TRUE(full.ok());
+      Loader lf(full->get());
+      ASSERT_TRUE(LoadAll(lf, versions[v]).ok());
+      ASSERT_EQ(StagingChecksum(**staging), StagingChecksum(**full));
+    }
+    // A byte of a piece changed behind the loader's back, then the sums forgotten: the next delta
+    // of that piece reads its block back and is refused.
+    (*staging)->MarkAllRestored();
+    const HfModel v4 = model::testing::ChangeElements(versions.back(), 0.01, kSeed + 9);
+    const HfSource& src = layout->sources()[static_cast<size_t>(whole_idx)];
+    const EngineParam& param = layout->params()[static_cast<size_t>(src.param)];
+    const MatrixDims pd = MatrixOf(param.loaded_shape);
+    const int64_t item = static_cast<int64_t>(ItemSize(param.dtype));
+    (*staging)
+        ->param(src.param)
+        .bytes()[(src.expert * pd.rows * pd.cols + src.dst_row0 * pd.cols + src.dst_col0) * item] ^= std::byte{1};
+    (*staging)->ForgetSums();
+    const SentDelta d = MakeDelta(*layout, whole, versions.back().sent.at(whole), v4.sent.at(whole));
+    const Tensor& n = v4.sent.at(whole);
+    const absl::Status st = ld.LoadDelta(whole, n.dtype(), n.shape(), d.ref, d.payload);
+    EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+    EXPECT_THAT(st.message(), HasSubstr("does not hold the delta's base"));
+    (*staging)->ResetCoverage();
+    for (size_t i = 0; i < layout->sources().size(); ++i)
+      EXPECT_FALSE((*staging)->known_sum(static_cast<int>(i)).has_value()) << "ResetCoverage keeps a sum";
+  }
+}
+
 // A delta that is not for what the staging holds, or that does not give the new version, is refused
 // and the staging keeps its base: a wrong base, a damaged value, no base at all, a weight_shape, a
 // second delta of one tensor.

@@ -405,6 +405,7 @@ absl::Status Restore(const EngineWeights& engine, Staging& staging, const Repack
   const EngineLayout& layout = staging.layout();
   RETURN_IF_ERROR(Validate(staging, engine, "restore"));
   RETURN_IF_ERROR(SettleStaging(staging, "restore"));
+  staging.ForgetSums();  // its bytes are rewritten from the engine's
   ASSIGN_OR_RETURN(Buffer scratch, AllocateScratch(staging.space().host() ? ScratchBytes(layout) : 0, "restore"));
   DeviceBuffers device;
   RETURN_IF_ERROR(device.Allocate(layout, engine, "restore"));

@@ -53,6 +53,8 @@ absl::StatusOr<std::unique_ptr<Staging>> Staging::Create(const EngineLayout& lay
   RETURN_IF_ERROR(Annotate(space.Synchronize(), absl::StrCat("zeroing the staging in ", space.Name())));
   const size_t n = layout.sources().size();
   s->state_ = std::make_unique<std::atomic<uint8_t>[]>(n);
+  s->sums_ = std::make_unique<uint64_t[]>(n);
+  s->sum_known_ = std::make_unique<bool[]>(n);  // value-initialized: none known
   for (size_t i = 0; i < n; ++i) {
     s->state_[i].store(0, std::memory_order_relaxed);
     if (Required(layout.sources()[i])) ++s->num_required_;
@@ -73,7 +75,16 @@ absl::StatusOr<MutableTensorView> Staging::Find(absl::string_view name) const {
 
 void Staging::ResetCoverage() {
   for (size_t i = 0; i < layout_->sources().size(); ++i) state_[i].store(0, std::memory_order_relaxed);
+  ForgetSums();
 }
+
+std::optional<uint64_t> Staging::known_sum(int source) const {
+  const auto i = static_cast<size_t>(source);
+  if (!sum_known_[i]) return std::nullopt;
+  return sums_[i];
+}
+
+void Staging::ForgetSums() { std::fill_n(sum_known_.get(), layout_->sources().size(), false); }
 
 void Staging::MarkAllRestored() {
   for (size_t i = 0; i < layout_->sources().size(); ++i)

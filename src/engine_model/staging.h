@@ -19,13 +19,14 @@
 // piece (the message lists the first 32; MissingPieces() returns all).
 //
 // Thread-safety: the piece states are atomic (Loader claims pieces concurrently); ResetCoverage,
-// MarkAllRestored and Restore() / Commit() must not run concurrently with loads. Ownership: the
+// MarkAllRestored, ForgetSums and Restore() / Commit() must not run concurrently with loads. Ownership: the
 // Staging owns its buffers and pins; the EngineLayout must outlive it.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -60,11 +61,19 @@ class Staging {
   // By SGLang name; kNotFound naming it.
   absl::StatusOr<MutableTensorView> Find(absl::string_view name) const;
 
-  // Start of a sync: every piece missing again (buffer contents are kept).
+  // Start of a sync: every piece missing again (buffer contents are kept, their known sums dropped).
   void ResetCoverage();
   // Every required piece restored (repack.h's Restore() calls this after filling all buffers).
   void MarkAllRestored();
   PieceState state(int source) const;
+
+  // The Sum64 (kernels/format/sum64.h) of piece `source`'s kept block, dense as sent, when this
+  // staging knows it: a delta load that checked the block records it (Loader::LoadDelta), and every
+  // other write drops it (Loader's other loads, ResetCoverage, ForgetSums, which Restore and the
+  // copy from a peer call). A delta's base is then checked against it without reading the block.
+  // Whoever writes param() bytes by other means must call ForgetSums.
+  std::optional<uint64_t> known_sum(int source) const;
+  void ForgetSums();
 
   // OK when every piece this rank needs (copies and INT4 weight_shape checks) is restored or loaded;
   // `loaded_only`: loaded in this sync (a delta sync, which begins with every piece restored: a
@@ -90,7 +99,11 @@ class Staging {
   const EngineLayout* layout_;
   MemorySpace space_;
   std::vector<Buffer> buffers_;
-  std::unique_ptr<std::atomic<uint8_t>[]> state_;       // per layout source
+  std::unique_ptr<std::atomic<uint8_t>[]> state_;  // per layout source
+  // Per layout source: known_sum's value, and whether it is known. A piece's entries are written
+  // by the one load that claimed it, so loads of different pieces never share one.
+  std::unique_ptr<uint64_t[]> sums_;
+  std::unique_ptr<bool[]> sum_known_;
   std::vector<std::unique_ptr<PinnedHostRange>> pins_;  // declared after buffers_: unpinned first
   int64_t num_required_ = 0;
 };

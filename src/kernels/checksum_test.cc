@@ -14,6 +14,7 @@
 
 #include "common/memory_space.h"
 #include "kernels/dispatch.h"
+#include "kernels/format/sum64.h"
 
 namespace wsync::kernels {
 namespace {
@@ -70,6 +71,30 @@ TEST(Sum64Test, EqualsTheByteByByteDefinitionOnRandomInputs) {
       if (n > 0) std::memcpy(shifted.data() + off, b.data(), n);
       EXPECT_EQ(Sum64Host({shifted.data() + off, n}), Reference(b)) << "n " << n << " offset " << off;
     }
+  }
+}
+
+// Sum64Unmix undoes the mixer (the multipliers' inverses in sum64.h are the point), and
+// Sum64Unfinal gives back the sum of the terms the definition adds: what an update from a block's
+// checksum (delta.h ApplyDeltaChecked) starts from.
+TEST(Sum64Test, UnmixUndoesTheMixerAndUnfinalRecoversTheSumOfTerms) {
+  const uint64_t seed = 20261201;
+  std::mt19937_64 rng(seed);
+  std::vector<uint64_t> xs = {0, 1, ~uint64_t{0}, uint64_t{1} << 63, 0x9E3779B97F4A7C15ull};
+  for (int i = 0; i < 10000; ++i) xs.push_back(rng());
+  for (uint64_t x : xs) {
+    ASSERT_EQ(format::Sum64Unmix(Mix(x)), x) << std::hex << x << " seed " << std::dec << seed;
+    ASSERT_EQ(Mix(format::Sum64Unmix(x)), x) << std::hex << x;
+  }
+  for (size_t n : {0, 1, 8, 13, 64, 1000}) {
+    const std::vector<std::byte> b = Random(n, rng);
+    uint64_t s = 0;  // the definition's sum of terms, one byte at a time
+    for (size_t i = 0; i * 8 < n; ++i) {
+      uint64_t w = 0;
+      for (size_t k = 0; k < 8 && 8 * i + k < n; ++k) w |= uint64_t(b[8 * i + k]) << (8 * k);
+      s += Mix(w ^ (i * 0x9E3779B97F4A7C15ull));
+    }
+    EXPECT_EQ(format::Sum64Unfinal(Host(b), n), s) << "n " << n;
   }
 }
 

@@ -2,8 +2,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/format/sum64.h"
 
 namespace wsync::kernels {
 namespace {
@@ -94,6 +98,28 @@ void PutIndex(uint8_t*& p, uint64_t v, uint64_t width) {
 
 uint64_t GetIndex(const uint8_t* p, uint64_t width) { return width == 4 ? Load<uint32_t>(p) : Load<uint64_t>(p); }
 
+// Calls seg(j, n, values) for the items of [start, start + n) of the whole tensor (values: n items)
+// that fall inside `b`, in order: j is the first one's index in the block's dense row-major items.
+// Each call stays within one block row, but for a block of the whole tensor: then it is one call.
+template <typename Seg>
+void ForBlockItems(const DeltaBlock& b, uint32_t item, uint64_t start, uint64_t n, const uint8_t* values, Seg&& seg) {
+  if (b.rows == b.tensor_rows && b.cols == b.tensor_cols) {  // all of it: one piece
+    seg(start, n, values);
+    return;
+  }
+  while (n > 0) {
+    const uint64_t r = start / b.tensor_cols, c = start % b.tensor_cols;
+    const uint64_t in_row = std::min(n, b.tensor_cols - c);
+    if (r >= b.row0 && r - b.row0 < b.rows) {
+      const uint64_t lo = std::max(c, b.col0), hi = std::min(c + in_row, b.col0 + b.cols);
+      if (lo < hi) seg((r - b.row0) * b.cols + (lo - b.col0), hi - lo, values + (lo - c) * item);
+    }
+    start += in_row;
+    values += in_row * item;
+    n -= in_row;
+  }
+}
+
 // Where the applied items go: the whole tensor (a block of every row and column), or the block of
 // it a receiver keeps, dense row-major at `data`.
 struct Target {
@@ -108,24 +134,8 @@ struct Target {
   }
   // Items [start, start + n) of the whole tensor, from values (n items), where they fall in the block.
   void Put(uint64_t start, uint64_t n, const uint8_t* values) const {
-    const DeltaBlock& b = block;
-    if (b.rows == b.tensor_rows && b.cols == b.tensor_cols) {  // all of it: one copy
-      std::memcpy(data + start * item, values, n * item);
-      return;
-    }
-    while (n > 0) {
-      const uint64_t r = start / b.tensor_cols, c = start % b.tensor_cols;
-      const uint64_t in_row = std::min(n, b.tensor_cols - c);
-      if (r >= b.row0 && r - b.row0 < b.rows) {
-        const uint64_t lo = std::max(c, b.col0), hi = std::min(c + in_row, b.col0 + b.cols);
-        if (lo < hi)
-          std::memcpy(data + ((r - b.row0) * b.cols + (lo - b.col0)) * item, values + (lo - c) * item,
-                      (hi - lo) * item);
-      }
-      start += in_row;
-      values += in_row * item;
-      n -= in_row;
-    }
+    ForBlockItems(block, item, start, n, values,
+                  [&](uint64_t j, uint64_t m, const uint8_t* v) { std::memcpy(data + j * item, v, m * item); });
   }
 };
 
@@ -152,9 +162,12 @@ absl::StatusOr<uint64_t> ReadCount(absl::string_view what, std::span<const uint8
   return count;
 }
 
-absl::Status ApplyIndices(absl::string_view what, std::span<const uint8_t> payload, const Target& t) {
-  const uint32_t item = t.item;
-  const uint64_t items = t.items, width = IndexBytes(items);
+// The runs of an indices / runs payload over a tensor of `items` items, checked whole first (a
+// payload that fails is kDataLoss and fn is never called): fn(start, n, values) per run, in order.
+template <typename Fn>
+absl::Status DecodeIndices(absl::string_view what, std::span<const uint8_t> payload, uint64_t items, uint32_t item,
+                           Fn&& fn) {
+  const uint64_t width = IndexBytes(items);
   auto count = ReadCount(what, payload, items, width + item);
   if (!count.ok()) return count.status();
   const uint64_t want = kCountBytes + *count * (width + item);
@@ -170,13 +183,14 @@ absl::Status ApplyIndices(absl::string_view what, std::span<const uint8_t> paylo
     prev = i;
   }
   const uint8_t* values = idx + *count * width;
-  for (uint64_t k = 0; k < *count; ++k) t.Put(GetIndex(idx + k * width, width), 1, values + k * item);
+  for (uint64_t k = 0; k < *count; ++k) fn(GetIndex(idx + k * width, width), 1, values + k * item);
   return absl::OkStatus();
 }
 
-absl::Status ApplyRuns(absl::string_view what, std::span<const uint8_t> payload, const Target& t) {
-  const uint32_t item = t.item;
-  const uint64_t items = t.items, width = IndexBytes(items);
+template <typename Fn>
+absl::Status DecodeRuns(absl::string_view what, std::span<const uint8_t> payload, uint64_t items, uint32_t item,
+                        Fn&& fn) {
+  const uint64_t width = IndexBytes(items);
   auto count = ReadCount(what, payload, items, 2 * width);
   if (!count.ok()) return count.status();
   if (payload.size() < kCountBytes + *count * 2 * width)
@@ -201,7 +215,7 @@ absl::Status ApplyRuns(absl::string_view what, std::span<const uint8_t> payload,
   for (uint64_t k = 0; k < *count; ++k) {
     const uint64_t start = GetIndex(pairs + 2 * k * width, width),
                    length = GetIndex(pairs + (2 * k + 1) * width, width);
-    t.Put(start, length, values);
+    fn(start, length, values);
     values += length * item;
   }
   return absl::OkStatus();
@@ -294,18 +308,141 @@ absl::Status WriteDelta(const DeltaPlan& plan, std::span<const uint8_t> base, st
 
 namespace {
 
-absl::Status Apply(absl::string_view what, DeltaEncoding encoding, std::span<const uint8_t> payload, const Target& t) {
+absl::Status CheckBlock(absl::string_view what, const DeltaBlock& b, uint32_t item_bytes) {
+  const uint64_t limit = ~uint64_t{0} / item_bytes;
+  if (b.tensor_cols == 0 || b.tensor_rows > limit / b.tensor_cols || b.row0 > b.tensor_rows ||
+      b.rows > b.tensor_rows - b.row0 || b.col0 > b.tensor_cols || b.cols > b.tensor_cols - b.col0)
+    return absl::InvalidArgumentError(absl::StrCat("delta of ", what, ": block rows [", b.row0, ", +", b.rows,
+                                                   ") x columns [", b.col0, ", +", b.cols, ") of a [", b.tensor_rows,
+                                                   ", ", b.tensor_cols, "] tensor"));
+  return absl::OkStatus();
+}
+
+// The words of a block (its dense row-major bytes as sent, 8 at a time, Sum64's words) where they
+// live in memory: gathered from and scattered to `at`, one item at a time unless the block is
+// stored as sent (then 8 bytes at once). Bytes past the block's end read as zero, and are not written.
+template <typename Item>
+struct BlockWords {
+  const DeltaBlock& b;
+  StridedItems at;
+  uint64_t nbytes;
+
+  bool contiguous() const { return at.col_stride == 1 && at.row_stride == b.cols; }
+  uint8_t* ItemAt(uint64_t k) const {
+    const uint64_t r = k / b.cols, c = k % b.cols;
+    return at.data + (r * at.row_stride + c * at.col_stride) * sizeof(Item);
+  }
+  uint64_t Read(uint64_t w) const {
+    uint64_t x = 0;
+    if (contiguous()) {
+      if (8 * w + 8 <= nbytes) {
+        std::memcpy(&x, at.data + 8 * w, 8);
+      } else {
+        std::memcpy(&x, at.data + 8 * w, nbytes - 8 * w);
+      }
+      return x;
+    }
+    auto* out = reinterpret_cast<uint8_t*>(&x);
+    const uint64_t first = 8 * w / sizeof(Item), last = std::min(8 * w + 8, nbytes) / sizeof(Item);
+    for (uint64_t k = first; k < last; ++k) std::memcpy(out + (k - first) * sizeof(Item), ItemAt(k), sizeof(Item));
+    return x;
+  }
+  void Write(uint64_t w, uint64_t x) const {
+    if (contiguous()) {
+      if (8 * w + 8 <= nbytes) {
+        std::memcpy(at.data + 8 * w, &x, 8);
+      } else {
+        std::memcpy(at.data + 8 * w, &x, nbytes - 8 * w);
+      }
+      return;
+    }
+    const auto* in = reinterpret_cast<const uint8_t*>(&x);
+    const uint64_t first = 8 * w / sizeof(Item), last = std::min(8 * w + 8, nbytes) / sizeof(Item);
+    for (uint64_t k = first; k < last; ++k) std::memcpy(ItemAt(k), in + (k - first) * sizeof(Item), sizeof(Item));
+  }
+};
+
+// The Sum64 of a block after a delta, fed the changed items in ascending dense order (Item, one
+// per call of Segment's loop: an item is never split between words). It keeps the one word they
+// are in and, when they move past it, adds that word's term to the sum. In place (sparse
+// payloads): the word is read when first touched, its old term subtracted from the base's sum,
+// the new word written back at once (one visit of each changed word) and the old one logged, so
+// that Undo puts every word back. Fresh (a dense payload, which replaces every word): nothing is
+// read or written, the sum starts from zero, and the caller writes once the sum is right.
+template <typename Item>
+class WordSum {
+ public:
+  // `most`: at most how many words the payload can change (the undo log is reserved for them).
+  WordSum(const DeltaBlock& b, StridedItems at, bool fresh, uint64_t most)
+      : words_{b, at, b.rows * b.cols * sizeof(Item)}, fresh_(fresh) {
+    if (!fresh) undo_.reserve(std::min<uint64_t>(most, (words_.nbytes + 7) / 8));
+  }
+
+  void Segment(uint64_t j, uint64_t n, const uint8_t* values) {
+    for (uint64_t k = j; k < j + n; ++k, values += sizeof(Item)) {
+      const uint64_t byte = k * sizeof(Item), w = byte / 8;
+      if (!open_ || w != word_) Open(w);
+      std::memcpy(reinterpret_cast<uint8_t*>(&next_) + (byte - 8 * w), values, sizeof(Item));
+    }
+  }
+  // The result's Sum64, given the block's before (ignored when fresh).
+  uint64_t Finish(uint64_t base_sum) {
+    Close();
+    const uint64_t s = fresh_ ? 0 : format::Sum64Unfinal(base_sum, words_.nbytes);
+    return format::Sum64Final(s + delta_, words_.nbytes);
+  }
+  // Puts back every word written (in place), newest first.
+  void Undo() {
+    for (auto it = undo_.rbegin(); it != undo_.rend(); ++it) words_.Write(it->first, it->second);
+    undo_.clear();
+  }
+
+ private:
+  void Open(uint64_t w) {
+    Close();
+    open_ = true;
+    word_ = w;
+    old_ = fresh_ ? 0 : words_.Read(w);
+    next_ = old_;
+  }
+  void Close() {
+    if (!open_) return;
+    open_ = false;
+    delta_ += format::Sum64Term(next_, word_);
+    if (fresh_) return;
+    delta_ -= format::Sum64Term(old_, word_);
+    if (next_ == old_) return;
+    undo_.emplace_back(word_, old_);
+    words_.Write(word_, next_);
+  }
+
+  const BlockWords<Item> words_;
+  const bool fresh_;
+  bool open_ = false;
+  uint64_t word_ = 0, delta_ = 0, old_ = 0, next_ = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> undo_;  // (word, its old value)
+};
+
+// Decodes any encoding (kDense: one run of every item) for a tensor of `items` items.
+template <typename Fn>
+absl::Status Decode(absl::string_view what, DeltaEncoding encoding, std::span<const uint8_t> payload, uint64_t items,
+                    uint32_t item, Fn&& fn) {
   switch (encoding) {
     case DeltaEncoding::kDense:
-      if (payload.size() != t.items * t.item)
+      if (payload.size() != items * item)
         return absl::DataLossError(
-            absl::StrCat("delta of ", what, ": ", payload.size(), " dense bytes for a tensor of ", t.items * t.item));
-      if (t.items > 0) t.Put(0, t.items, payload.data());
+            absl::StrCat("delta of ", what, ": ", payload.size(), " dense bytes for a tensor of ", items * item));
+      if (items > 0) fn(uint64_t{0}, items, payload.data());
       return absl::OkStatus();
-    case DeltaEncoding::kIndices: return ApplyIndices(what, payload, t);
-    case DeltaEncoding::kRuns: return ApplyRuns(what, payload, t);
+    case DeltaEncoding::kIndices: return DecodeIndices(what, payload, items, item, fn);
+    case DeltaEncoding::kRuns: return DecodeRuns(what, payload, items, item, fn);
   }
   return absl::DataLossError(absl::StrCat("delta of ", what, ": unknown encoding ", static_cast<int>(encoding)));
+}
+
+absl::Status Apply(absl::string_view what, DeltaEncoding encoding, std::span<const uint8_t> payload, const Target& t) {
+  return Decode(what, encoding, payload, t.items, t.item,
+                [&](uint64_t start, uint64_t n, const uint8_t* values) { t.Put(start, n, values); });
 }
 
 }  // namespace
@@ -319,17 +456,63 @@ absl::Status ApplyDelta(absl::string_view what, DeltaEncoding encoding, uint32_t
 absl::Status ApplyDeltaToBlock(absl::string_view what, DeltaEncoding encoding, uint32_t item_bytes,
                                std::span<const uint8_t> payload, const DeltaBlock& block, std::span<uint8_t> bytes) {
   if (absl::Status s = CheckTensor(bytes.size(), item_bytes); !s.ok()) return s;
+  if (absl::Status s = CheckBlock(what, block, item_bytes); !s.ok()) return s;
   const DeltaBlock& b = block;
-  const uint64_t limit = ~uint64_t{0} / item_bytes;
-  if (b.tensor_cols == 0 || b.tensor_rows > limit / b.tensor_cols || b.row0 > b.tensor_rows ||
-      b.rows > b.tensor_rows - b.row0 || b.col0 > b.tensor_cols || b.cols > b.tensor_cols - b.col0)
-    return absl::InvalidArgumentError(absl::StrCat("delta of ", what, ": block rows [", b.row0, ", +", b.rows,
-                                                   ") x columns [", b.col0, ", +", b.cols, ") of a [", b.tensor_rows,
-                                                   ", ", b.tensor_cols, "] tensor"));
   if (bytes.size() != b.rows * b.cols * item_bytes)
     return absl::InvalidArgumentError(absl::StrCat("delta of ", what, ": ", bytes.size(), " bytes for a block of ",
                                                    b.rows, " x ", b.cols, " items of ", item_bytes));
   return Apply(what, encoding, payload, {bytes.data(), item_bytes, b.tensor_rows * b.tensor_cols, b});
+}
+
+namespace {
+
+template <typename Item>
+absl::Status ApplyChecked(absl::string_view what, DeltaEncoding encoding, std::span<const uint8_t> payload,
+                          const DeltaBlock& b, StridedItems at, uint64_t base_sum, uint64_t sum) {
+  const uint64_t items = b.tensor_rows * b.tensor_cols;
+  const bool fresh = encoding == DeltaEncoding::kDense;
+  // Sparse: applied and summed in one visit of each changed word (Decode checks the whole payload
+  // before the first run), undone when the sum is wrong. Dense: summed from the payload alone.
+  WordSum<Item> words(b, at, fresh, payload.size() / sizeof(Item));  // a changed word brings an item at least
+  auto summed = [&](uint64_t start, uint64_t n, const uint8_t* values) {
+    ForBlockItems(b, sizeof(Item), start, n, values,
+                  [&](uint64_t j, uint64_t m, const uint8_t* v) { words.Segment(j, m, v); });
+  };
+  if (absl::Status s = Decode(what, encoding, payload, items, sizeof(Item), summed); !s.ok()) return s;
+  if (const uint64_t got = words.Finish(base_sum); got != sum) {
+    words.Undo();
+    return absl::DataLossError(absl::StrFormat(
+        "delta of %s: applied to its base it is not the new version (Sum64 of the kept block %016x, want %016x)", what,
+        got, sum));
+  }
+  if (!fresh) return absl::OkStatus();
+  // Dense: every item of the block, row by row, where it lives.
+  const uint8_t* rows = payload.data() + (b.row0 * b.tensor_cols + b.col0) * sizeof(Item);
+  for (uint64_t r = 0; r < b.rows; ++r, rows += b.tensor_cols * sizeof(Item)) {
+    uint8_t* dst = at.data + r * at.row_stride * sizeof(Item);
+    if (at.col_stride == 1) {
+      std::memcpy(dst, rows, b.cols * sizeof(Item));
+      continue;
+    }
+    for (uint64_t c = 0; c < b.cols; ++c)
+      std::memcpy(dst + c * at.col_stride * sizeof(Item), rows + c * sizeof(Item), sizeof(Item));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ApplyDeltaChecked(absl::string_view what, DeltaEncoding encoding, uint32_t item_bytes,
+                               std::span<const uint8_t> payload, const DeltaBlock& block, StridedItems at,
+                               uint64_t base_sum, uint64_t sum) {
+  if (absl::Status s = CheckTensor(0, item_bytes); !s.ok()) return s;
+  if (absl::Status s = CheckBlock(what, block, item_bytes); !s.ok()) return s;
+  switch (item_bytes) {
+    case 1: return ApplyChecked<uint8_t>(what, encoding, payload, block, at, base_sum, sum);
+    case 2: return ApplyChecked<uint16_t>(what, encoding, payload, block, at, base_sum, sum);
+    case 4: return ApplyChecked<uint32_t>(what, encoding, payload, block, at, base_sum, sum);
+    default: return ApplyChecked<uint64_t>(what, encoding, payload, block, at, base_sum, sum);
+  }
 }
 
 }  // namespace wsync::kernels

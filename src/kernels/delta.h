@@ -79,4 +79,25 @@ struct DeltaBlock {
 absl::Status ApplyDeltaToBlock(absl::string_view what, DeltaEncoding encoding, uint32_t item_bytes,
                                std::span<const uint8_t> payload, const DeltaBlock& block, std::span<uint8_t> bytes);
 
+// Where a receiver's block lives in its memory: item (r, c) of the block (dense row-major as sent)
+// at data + (r * row_stride + c * col_stride) * item_bytes, strides in items. A block kept as sent,
+// in a matrix of `ld` columns: {at, ld, 1}; kept transposed: {at, 1, ld}.
+struct StridedItems {
+  uint8_t* data = nullptr;
+  uint64_t row_stride = 0, col_stride = 1;
+};
+
+// ApplyDeltaToBlock onto a block held in place at `at`, checked before anything is written:
+// `base_sum` is the Sum64 (format/sum64.h) of the block's dense bytes as they are now (the caller
+// knows it: it checked or wrote them), `sum` the new version's. The result's Sum64 is computed
+// from base_sum and the words the payload changes (each read once, in place), so a sparse delta
+// costs its payload, not a pass over the block; a dense one is summed from its own bytes. Only
+// when it is `sum` are the items written (exactly the bytes that were summed).
+// Errors, nothing written: kDataLoss for a malformed payload (as ApplyDelta) or a result whose
+// Sum64 is not `sum`; kInvalidArgument for a block outside the tensor or another item size.
+// Thread-safety: `at`'s items must not change while it runs.
+absl::Status ApplyDeltaChecked(absl::string_view what, DeltaEncoding encoding, uint32_t item_bytes,
+                               std::span<const uint8_t> payload, const DeltaBlock& block, StridedItems at,
+                               uint64_t base_sum, uint64_t sum);
+
 }  // namespace wsync::kernels

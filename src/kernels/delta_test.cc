@@ -250,6 +250,131 @@ TEST(Delta, ABlockOfTheTensorGetsTheBlockOfTheNewVersion) {
   }
 }
 
+// Sum64 of bytes, written here from format/sum64.h's definition (not through Sum64Host or the
+// update ApplyDeltaChecked makes), one byte at a time.
+uint64_t DefinedSum64(const Bytes& b) {
+  auto mix = [](uint64_t x) {
+    x ^= x >> 30;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 27;
+    x *= 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+  };
+  uint64_t s = 0;
+  for (size_t i = 0; i * 8 < b.size(); ++i) {
+    uint64_t w = 0;
+    for (size_t k = 0; k < 8 && 8 * i + k < b.size(); ++k) w |= uint64_t{b[8 * i + k]} << (8 * k);
+    s += mix(w ^ (i * 0x9E3779B97F4A7C15ull));
+  }
+  return mix(s ^ (b.size() * 0xC2B2AE3D27D4EB4Full));
+}
+
+// Where a test keeps a block: inside a larger [mem_rows, mem_cols] matrix of filler bytes, at
+// (r0, c0), as sent or transposed.
+struct Placement {
+  const char* name;
+  bool transposed;
+  uint64_t pad_rows, pad_cols, r0, c0;
+};
+// Writes `dense` (a [rows, cols] block, item bytes each) into mem where placement p keeps it;
+// returns the StridedItems that describe it.
+StridedItems Place(Bytes& mem, uint64_t mem_cols, const Placement& p, const Bytes& dense, uint64_t rows, uint64_t cols,
+                   uint32_t item) {
+  uint8_t* at = mem.data() + (p.r0 * mem_cols + p.c0) * item;
+  for (uint64_t r = 0; r < rows; ++r)
+    for (uint64_t c = 0; c < cols; ++c) {
+      const uint64_t mr = p.transposed ? c : r, mc = p.transposed ? r : c;
+      std::memcpy(at + (mr * mem_cols + mc) * item, &dense[(r * cols + c) * item], item);
+    }
+  return p.transposed ? StridedItems{at, 1, mem_cols} : StridedItems{at, mem_cols, 1};
+}
+
+// ApplyDeltaChecked writes the new version's block where the receiver keeps it (as sent, inside a
+// wider matrix, transposed), every encoding, and nothing else; a wrong new checksum, a wrong base
+// checksum (the delta's words are not the base's), a base the memory does not hold where the
+// delta reads, and every malformed payload are refused with nothing written. The checksums come
+// from DefinedSum64 over the cut blocks, the expected memory from the placement above.
+TEST(Delta, CheckedInPlaceWritesTheNewVersionOnlyWhenItsSumIsRight) {
+  const uint64_t seed = 20261202;
+  std::mt19937_64 rng(seed);
+  const Placement placements[] = {
+      {"as sent", false, 0, 0, 0, 0}, {"in a wider matrix", false, 3, 5, 2, 3}, {"transposed", true, 2, 3, 1, 2}};
+  for (uint32_t item : {1u, 2u, 4u, 8u}) {
+    for (auto [rows, cols] : {std::pair<uint64_t, uint64_t>{1, 37}, {37, 1}, {16, 24}, {33, 65}}) {
+      const Bytes base = Random(rng, rows * cols * item);
+      for (double p : {0.0, 0.002, 0.05, 0.3, 1.0}) {
+        const Bytes next = Change(rng, base, item, p);
+        const Reference ref = Encode(base, next, item);
+        std::vector<DeltaBlock> blocks = {{rows, cols, 0, rows, 0, cols}, {rows, cols, rows - 1, 1, cols - 1, 1}};
+        for (int k = 0; k < 3; ++k) {
+          const uint64_t r0 = rng() % rows, c0 = rng() % cols;
+          blocks.push_back({rows, cols, r0, 1 + rng() % (rows - r0), c0, 1 + rng() % (cols - c0)});
+        }
+        for (const DeltaBlock& b : blocks) {
+          const Bytes was = Cut(base, item, cols, b), want = Cut(next, item, cols, b);
+          for (const Placement& pl : placements) {
+            const uint64_t mem_rows = (pl.transposed ? b.cols : b.rows) + pl.pad_rows,
+                           mem_cols = (pl.transposed ? b.rows : b.cols) + pl.pad_cols;
+            Bytes mem = Random(rng, mem_rows * mem_cols * item);
+            const StridedItems at = Place(mem, mem_cols, pl, was, b.rows, b.cols, item);
+            const Bytes before = mem;
+            Bytes expected = mem;
+            Place(expected, mem_cols, pl, want, b.rows, b.cols, item);
+            const std::string what = "seed " + std::to_string(seed) + " item " + std::to_string(item) + " [" +
+                                     std::to_string(rows) + ", " + std::to_string(cols) + "] p " + std::to_string(p) +
+                                     " block [" + std::to_string(b.row0) + ", +" + std::to_string(b.rows) + ") x [" +
+                                     std::to_string(b.col0) + ", +" + std::to_string(b.cols) + ") " + pl.name;
+            for (auto [enc, payload] :
+                 {std::pair{DeltaEncoding::kDense, &ref.dense}, std::pair{DeltaEncoding::kIndices, &ref.indices},
+                  std::pair{DeltaEncoding::kRuns, &ref.runs}}) {
+              const std::string w = what + " " + std::string(DeltaEncodingName(enc));
+              // The wrong new sum: refused, nothing written.
+              mem = before;
+              absl::Status s =
+                  ApplyDeltaChecked(w, enc, item, *payload, b, at, DefinedSum64(was), DefinedSum64(want) ^ 1);
+              ASSERT_EQ(s.code(), absl::StatusCode::kDataLoss) << w << ": " << s;
+              ASSERT_EQ(mem, before) << w << ": written though refused";
+              // A sparse delta onto a base whose checksum is another's: its words do not add up.
+              if (enc != DeltaEncoding::kDense) {
+                s = ApplyDeltaChecked(w, enc, item, *payload, b, at, DefinedSum64(was) + 1, DefinedSum64(want));
+                ASSERT_EQ(s.code(), absl::StatusCode::kDataLoss) << w << ": " << s;
+                ASSERT_EQ(mem, before) << w << ": written though refused";
+              }
+              s = ApplyDeltaChecked(w, enc, item, *payload, b, at, DefinedSum64(was), DefinedSum64(want));
+              ASSERT_TRUE(s.ok()) << w << ": " << s;
+              ASSERT_EQ(mem, expected) << w;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Where the memory is not the base in a word the delta changes, the result's sum is not the new
+// one: refused, nothing written. (A word the delta does not touch is not read: the caller's
+// base_sum vouches for it, engine_model::Staging's known sums.)
+TEST(Delta, CheckedInPlaceRefusesAMemoryThatIsNotTheBaseWhereTheDeltaReads) {
+  std::mt19937_64 rng(17);
+  const Bytes base = Random(rng, 2 * 512);
+  Bytes next = base;
+  for (size_t i : {3, 100, 101, 102, 400}) next[2 * i] ^= 1;
+  const Reference r = Encode(base, next, 2);
+  const DeltaBlock whole{1, 512, 0, 1, 0, 512};
+  for (auto [enc, payload] :
+       {std::pair{DeltaEncoding::kIndices, &r.indices}, std::pair{DeltaEncoding::kRuns, &r.runs}}) {
+    for (size_t other : {2, 3, 101, 103}) {  // items sharing a word with a changed one, or changed
+      Bytes mem = base;
+      mem[2 * other + 1] ^= 0x10;
+      const Bytes held = mem;
+      absl::Status s =
+          ApplyDeltaChecked("t", enc, 2, *payload, whole, {mem.data(), 512, 1}, DefinedSum64(base), DefinedSum64(next));
+      EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << DeltaEncodingName(enc) << " item " << other << ": " << s;
+      EXPECT_EQ(mem, held);
+    }
+  }
+}
+
 TEST(Delta, ABlockOutsideTheTensorOrOfAnotherSizeIsRefused) {
   Bytes payload(8, 0);  // indices: a count of zero
   Bytes block(2 * 4);   // 2 x 2 bf16
@@ -313,6 +438,12 @@ TEST(Delta, MalformedPayloadsAreRefusedAndChangeNothing) {
     s = ApplyDeltaToBlock("down_proj", enc, 2, payload, b, block);
     EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << what << " (block): " << s;
     EXPECT_EQ(block, Cut(base, 2, 32, b)) << what << ": the block changed";
+    // And in place, checked (a dense payload one byte short is malformed too).
+    Bytes mem = base;
+    s = ApplyDeltaChecked("down_proj", enc, 2, payload, {1, 512, 0, 1, 0, 512}, {mem.data(), 512, 1},
+                          DefinedSum64(base), DefinedSum64(next));
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << what << " (checked): " << s;
+    EXPECT_EQ(mem, base) << what << ": the memory changed";
   }
   // A damaged value is well-formed: it applies, and the result is not the new version (what the
   // checksum of the result, around the delta, is there to catch).

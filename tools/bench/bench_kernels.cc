@@ -267,11 +267,17 @@ Row BenchBucketHash(const char* name, BucketHash kind, int64_t bytes, const Flag
   return Row{name, 1, bytes, t, tm, wrong};
 }
 
-// A delta sync's per-tensor work on one thread (kernels/delta.h): delta-plan = PlanDelta +
-// WriteDelta of a bf16 tensor whose items changed with probability `fraction` (the sender's two
-// passes over base and new: 4x the size read), delta-apply = ApplyDelta of that payload onto a copy
-// of the base (the receiver). size = the tensor's bytes. #wrong: the applied base is not the new one.
-Row BenchDelta(const char* name, bool apply, double fraction, int64_t bytes, const Flags& f) {
+// A delta sync's per-tensor work on one thread (kernels/delta.h), for a bf16 tensor whose items
+// changed with probability `fraction`:
+//   kPlan     PlanDelta + WriteDelta (the sender's two passes over base and new: 4x the size read);
+//   kApply    ApplyDelta of that payload onto a copy of the base (the receiver, unchecked);
+//   kResum    kApply plus the Sum64 of the whole result (a receiver checking it by reading it all);
+//   kChecked  ApplyDeltaChecked: the result's Sum64 from the base's over the changed words, then
+//             the writes (the receiver, as engine_model::Loader::LoadDelta runs it), alternately
+//             base -> new and new -> base so every run has work.
+// size = the tensor's bytes. #wrong: the applied base is not the new one.
+enum class DeltaWork { kPlan, kApply, kResum, kChecked };
+Row BenchDelta(const char* name, DeltaWork work, double fraction, int64_t bytes, const Flags& f) {
   const size_t n = static_cast<size_t>(bytes);
   std::vector<uint8_t> base(n), next(n), payload, target(n), copy(n);
   std::mt19937_64 rng(9);
@@ -284,13 +290,36 @@ Row BenchDelta(const char* name, bool apply, double fraction, int64_t bytes, con
   Die(plan.status());
   payload.resize(plan->payload_bytes);
   Die(kernels::WriteDelta(*plan, base, next, payload));
+  // The reverse payload (new -> base) for kChecked's alternate runs, and the sums of both versions.
+  auto back_plan = kernels::PlanDelta(next, base, 2);
+  Die(back_plan.status());
+  std::vector<uint8_t> back(back_plan->payload_bytes);
+  Die(kernels::WriteDelta(*back_plan, next, base, back));
+  const uint64_t base_sum = kernels::Sum64Host(std::as_bytes(std::span(base)));
+  const uint64_t next_sum = kernels::Sum64Host(std::as_bytes(std::span(next)));
+  const kernels::DeltaBlock whole{1, n / 2, 0, 1, 0, n / 2};
+  bool forward = true;
   auto run = [&] {
-    if (apply) {
-      Die(kernels::ApplyDelta("bench", plan->encoding, 2, payload, target));
-    } else {
-      auto p = kernels::PlanDelta(base, next, 2);
-      Die(p.status());
-      Die(kernels::WriteDelta(*p, base, next, payload));
+    switch (work) {
+      case DeltaWork::kPlan: {
+        auto p = kernels::PlanDelta(base, next, 2);
+        Die(p.status());
+        Die(kernels::WriteDelta(*p, base, next, payload));
+        break;
+      }
+      case DeltaWork::kApply: Die(kernels::ApplyDelta("bench", plan->encoding, 2, payload, target)); break;
+      case DeltaWork::kResum:
+        Die(kernels::ApplyDelta("bench", plan->encoding, 2, payload, target));
+        if (kernels::Sum64Host(std::as_bytes(std::span(target))) != next_sum)
+          Die(absl::DataLossError("delta-resum: the result is not the new version"));
+        break;
+      case DeltaWork::kChecked:
+        Die(forward ? kernels::ApplyDeltaChecked("bench", plan->encoding, 2, payload, whole, {target.data(), n / 2, 1},
+                                                 base_sum, next_sum)
+                    : kernels::ApplyDeltaChecked("bench", back_plan->encoding, 2, back, whole,
+                                                 {target.data(), n / 2, 1}, next_sum, base_sum));
+        forward = !forward;
+        break;
     }
   };
   target = base;
@@ -305,8 +334,13 @@ Row BenchDelta(const char* name, bool apply, double fraction, int64_t bytes, con
   int64_t wrong = 0;
   if (f.check) {
     target = base;
-    Die(kernels::ApplyDelta("bench", plan->encoding, 2, payload, target));
-    wrong = target != next;
+    if (work == DeltaWork::kChecked) {
+      Die(kernels::ApplyDeltaChecked("bench", plan->encoding, 2, payload, whole, {target.data(), n / 2, 1}, base_sum,
+                                     next_sum));
+    } else {
+      Die(kernels::ApplyDelta("bench", plan->encoding, 2, payload, target));
+    }
+    wrong += target != next;
   }
   return Row{name, 1, bytes, t, tm, wrong};
 }
@@ -462,7 +496,8 @@ int Main(int argc, char** argv) {
       " -> E4M3 (128 x 128 blocks / rows, slime); -dig: with a digest per group, block or row (delta sync,"
       " nothing to reuse); xxh3, sum64, bucket-mac: one bucket's "
       "checksum /"
-      " GMAC tag; delta-plan / delta-apply: a bf16 tensor with 1%% of its items changed, encoded / applied;"
+      " GMAC tag; delta-plan / delta-apply: a bf16 tensor with 1%% of its items changed, encoded / applied"
+      " (-resum: then summed whole; -checked: in place, its sum updated over the changed words);"
       " size = input bytes; time = best of -n\n");
   std::printf("#%-15s %4s %12s %12s %9s %9s %7s %8s\n", "kernel", "thr", "size(B)", "time(us)", "GB/s", "memcpy",
               "ratio", "#wrong");
@@ -491,8 +526,11 @@ int Main(int argc, char** argv) {
       if (t == 1 && want("xxh3")) Print(BenchBucketHash("xxh3", BucketHash::kXxh3, bytes, f));
       if (t == 1 && want("sum64")) Print(BenchBucketHash("sum64", BucketHash::kSum64, bytes, f));
       if (t == 1 && want("bucket-mac")) Print(BenchBucketHash("bucket-mac", BucketHash::kMac, bytes, f));
-      if (t == 1 && want("delta-plan")) Print(BenchDelta("delta-plan-1%", false, 0.01, bytes, f));
-      if (t == 1 && want("delta-apply")) Print(BenchDelta("delta-apply-1%", true, 0.01, bytes, f));
+      if (t == 1 && want("delta-plan")) Print(BenchDelta("delta-plan-1%", DeltaWork::kPlan, 0.01, bytes, f));
+      if (t == 1 && want("delta-apply")) Print(BenchDelta("delta-apply-1%", DeltaWork::kApply, 0.01, bytes, f));
+      if (t == 1 && want("delta-apply-resum")) Print(BenchDelta("delta-resum-1%", DeltaWork::kResum, 0.01, bytes, f));
+      if (t == 1 && want("delta-apply-checked"))
+        Print(BenchDelta("delta-checked-1%", DeltaWork::kChecked, 0.01, bytes, f));
     }
   });
   return 0;

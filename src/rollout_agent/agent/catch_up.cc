@@ -197,6 +197,7 @@ absl::Status RolloutAgent::FetchFrom(const std::string& peer, uint64_t version, 
       agent->fetch_ctx_ = nullptr;
     }
   } unregister{this};
+  st.ForgetSums();  // the peer's bytes replace those the recorded sums were of
   std::unique_ptr<grpc::ClientReader<v1::StagingChunk>> reader = stub->FetchStaging(&ctx, req);
   // Each param's chunks are hashed as they arrive and copied into the staging's space (a device
   // staging: uploaded, then waited for once at the end).
