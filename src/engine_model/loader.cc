@@ -227,8 +227,8 @@ absl::Status Loader::LoadDelta(absl::string_view hf_name, DType dtype, std::span
         absl::StrFormat("%s: an empty delta, and the new version's Sum64 %016x is not the base's %016x", hf_name,
                         delta.sum, delta.base_sum)));
   }
-  // Applied in place, written only once the result's Sum64 (from the base's and the changed words)
-  // is the new version's.
+  // Applied in place; kept only when the result's Sum64 (the base's, updated over the changed
+  // words) is the new version's, else put back.
   if (absl::Status a = kernels::ApplyDeltaChecked(hf_name, delta.encoding, static_cast<uint32_t>(item), payload, kept,
                                                   at, delta.base_sum, delta.sum);
       !a.ok())

@@ -78,8 +78,9 @@ class Loader {
   // staging's block must be the base: its known sum (Staging::known_sum, recorded by the last delta
   // load of the piece) or, when none is known, the block read back and summed, must be base_sum.
   // The delta is then applied in place by kernels::ApplyDeltaChecked: the result's Sum64, updated
-  // from base_sum over the words the delta changes, must be `sum` before anything is written, and
-  // becomes the piece's known sum. A sparse delta costs its payload, not a pass over the block.
+  // from base_sum over the words the delta changes, must be `sum` (else the words are put back),
+  // and becomes the piece's known sum. A sparse delta costs its changed words, not passes over the
+  // block. The staging's bytes are trusted between the check that wrote them and the next delta.
   // Errors, the piece left as it was: kFailedPrecondition when the piece holds no base (not
   // restored: Staging::MarkAllRestored); kDataLoss when the staging's block is not the base, the
   // payload is malformed or the result is not the new version; kAlreadyExists as Load;

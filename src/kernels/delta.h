@@ -87,15 +87,18 @@ struct StridedItems {
   uint64_t row_stride = 0, col_stride = 1;
 };
 
-// ApplyDeltaToBlock onto a block held in place at `at`, checked before anything is written:
-// `base_sum` is the Sum64 (format/sum64.h) of the block's dense bytes as they are now (the caller
-// knows it: it checked or wrote them), `sum` the new version's. The result's Sum64 is computed
-// from base_sum and the words the payload changes (each read once, in place), so a sparse delta
-// costs its payload, not a pass over the block; a dense one is summed from its own bytes. Only
-// when it is `sum` are the items written (exactly the bytes that were summed).
-// Errors, nothing written: kDataLoss for a malformed payload (as ApplyDelta) or a result whose
-// Sum64 is not `sum`; kInvalidArgument for a block outside the tensor or another item size.
-// Thread-safety: `at`'s items must not change while it runs.
+// ApplyDeltaToBlock onto a block held in place at `at`, kept only if the result is the new
+// version: `base_sum` is the Sum64 (format/sum64.h) of the block's dense bytes as they are now
+// (the caller knows it: it checked or wrote them), `sum` the new version's. A sparse payload
+// (indices, runs) is applied word by word, each changed word visited once: read, its term in
+// base_sum replaced by the new word's, written, and logged; when the updated sum is not `sum`,
+// every logged word is put back before it returns. So it costs the changed words, not a pass over
+// the block, and it trusts base_sum for the words it does not touch. A dense payload is summed
+// from its own bytes, and written only when that sum is `sum`.
+// Errors, the block as it was: kDataLoss for a malformed payload (as ApplyDelta, checked whole
+// before any word is touched) or a result whose Sum64 is not `sum`; kInvalidArgument for a block
+// outside the tensor or another item size.
+// Thread-safety: nothing else may read or write `at`'s block while it runs.
 absl::Status ApplyDeltaChecked(absl::string_view what, DeltaEncoding encoding, uint32_t item_bytes,
                                std::span<const uint8_t> payload, const DeltaBlock& block, StridedItems at,
                                uint64_t base_sum, uint64_t sum);

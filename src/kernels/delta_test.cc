@@ -292,7 +292,7 @@ StridedItems Place(Bytes& mem, uint64_t mem_cols, const Placement& p, const Byte
 // ApplyDeltaChecked writes the new version's block where the receiver keeps it (as sent, inside a
 // wider matrix, transposed), every encoding, and nothing else; a wrong new checksum, a wrong base
 // checksum (the delta's words are not the base's), a base the memory does not hold where the
-// delta reads, and every malformed payload are refused with nothing written. The checksums come
+// delta reads, and every malformed payload are refused, the memory left as it was. The checksums come
 // from DefinedSum64 over the cut blocks, the expected memory from the placement above.
 TEST(Delta, CheckedInPlaceWritesTheNewVersionOnlyWhenItsSumIsRight) {
   const uint64_t seed = 20261202;
@@ -328,17 +328,17 @@ TEST(Delta, CheckedInPlaceWritesTheNewVersionOnlyWhenItsSumIsRight) {
                  {std::pair{DeltaEncoding::kDense, &ref.dense}, std::pair{DeltaEncoding::kIndices, &ref.indices},
                   std::pair{DeltaEncoding::kRuns, &ref.runs}}) {
               const std::string w = what + " " + std::string(DeltaEncodingName(enc));
-              // The wrong new sum: refused, nothing written.
+              // The wrong new sum: refused, the memory as it was.
               mem = before;
               absl::Status s =
                   ApplyDeltaChecked(w, enc, item, *payload, b, at, DefinedSum64(was), DefinedSum64(want) ^ 1);
               ASSERT_EQ(s.code(), absl::StatusCode::kDataLoss) << w << ": " << s;
-              ASSERT_EQ(mem, before) << w << ": written though refused";
+              ASSERT_EQ(mem, before) << w << ": changed though refused";
               // A sparse delta onto a base whose checksum is another's: its words do not add up.
               if (enc != DeltaEncoding::kDense) {
                 s = ApplyDeltaChecked(w, enc, item, *payload, b, at, DefinedSum64(was) + 1, DefinedSum64(want));
                 ASSERT_EQ(s.code(), absl::StatusCode::kDataLoss) << w << ": " << s;
-                ASSERT_EQ(mem, before) << w << ": written though refused";
+                ASSERT_EQ(mem, before) << w << ": changed though refused";
               }
               s = ApplyDeltaChecked(w, enc, item, *payload, b, at, DefinedSum64(was), DefinedSum64(want));
               ASSERT_TRUE(s.ok()) << w << ": " << s;
@@ -352,7 +352,7 @@ TEST(Delta, CheckedInPlaceWritesTheNewVersionOnlyWhenItsSumIsRight) {
 }
 
 // Where the memory is not the base in a word the delta changes, the result's sum is not the new
-// one: refused, nothing written. (A word the delta does not touch is not read: the caller's
+// one: refused, the memory as it was. (A word the delta does not touch is not read: the caller's
 // base_sum vouches for it, engine_model::Staging's known sums.)
 TEST(Delta, CheckedInPlaceRefusesAMemoryThatIsNotTheBaseWhereTheDeltaReads) {
   std::mt19937_64 rng(17);

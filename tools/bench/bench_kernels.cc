@@ -497,7 +497,7 @@ int Main(int argc, char** argv) {
       " nothing to reuse); xxh3, sum64, bucket-mac: one bucket's "
       "checksum /"
       " GMAC tag; delta-plan / delta-apply: a bf16 tensor with 1%% of its items changed, encoded / applied"
-      " (-resum: then summed whole; -checked: in place, its sum updated over the changed words);"
+      " (-resum: then summed whole; -checked: in place, its sum updated over the changed words; also at 0.1%%);"
       " size = input bytes; time = best of -n\n");
   std::printf("#%-15s %4s %12s %12s %9s %9s %7s %8s\n", "kernel", "thr", "size(B)", "time(us)", "GB/s", "memcpy",
               "ratio", "#wrong");
@@ -528,9 +528,14 @@ int Main(int argc, char** argv) {
       if (t == 1 && want("bucket-mac")) Print(BenchBucketHash("bucket-mac", BucketHash::kMac, bytes, f));
       if (t == 1 && want("delta-plan")) Print(BenchDelta("delta-plan-1%", DeltaWork::kPlan, 0.01, bytes, f));
       if (t == 1 && want("delta-apply")) Print(BenchDelta("delta-apply-1%", DeltaWork::kApply, 0.01, bytes, f));
-      if (t == 1 && want("delta-apply-resum")) Print(BenchDelta("delta-resum-1%", DeltaWork::kResum, 0.01, bytes, f));
-      if (t == 1 && want("delta-apply-checked"))
+      if (t == 1 && want("delta-apply-resum")) {
+        Print(BenchDelta("delta-resum-1%", DeltaWork::kResum, 0.01, bytes, f));
+        Print(BenchDelta("delta-resum-0.1%", DeltaWork::kResum, 0.001, bytes, f));
+      }
+      if (t == 1 && want("delta-apply-checked")) {
         Print(BenchDelta("delta-checked-1%", DeltaWork::kChecked, 0.01, bytes, f));
+        Print(BenchDelta("delta-checked-0.1%", DeltaWork::kChecked, 0.001, bytes, f));
+      }
     }
   });
   return 0;
