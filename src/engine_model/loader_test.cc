@@ -497,7 +497,9 @@ TEST(LoaderTest, DeltasInARowCheckTheirBaseByTheRecordedSumAndEqualFullLoads) {
         const int idx = layout->FindSource(name);
         if (absl::EndsWith(name, ".weight_shape") || (v == 2 && name == whole)) {
           ASSERT_TRUE(ld.Load(name, n.view()).ok()) << name;
-          if (idx >= 0) EXPECT_FALSE((*staging)->known_sum(idx).has_value()) << name << ": loaded whole";
+          if (idx >= 0) {
+            EXPECT_FALSE((*staging)->known_sum(idx).has_value()) << name << ": loaded whole";
+          }
           continue;
         }
         const SentDelta d = MakeDelta(*layout, name, b, n);
