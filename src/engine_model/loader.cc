@@ -200,10 +200,13 @@ absl::Status Loader::LoadDelta(absl::string_view hf_name, DType dtype, std::span
   const auto ld = static_cast<uint64_t>(d.cols);
   const kernels::StridedItems at =
       s.transpose ? kernels::StridedItems{first, 1, ld} : kernels::StridedItems{first, ld, 1};
-  // The base check: the Sum64 the staging knows for the block (it checked the bytes it wrote last),
-  // else the block read back and summed (once: the sum is known from then on).
+  // The base check: the Sum64 the staging recorded for the block when it last checked it, but
+  // for every recheck_every()-th use of it and when none is known: then the block is read back and
+  // summed (the uses start staggered over the pieces, so that the re-reads spread over the syncs).
   const size_t i = static_cast<size_t>(idx);
-  if (!staging_->sum_known_[i]) {
+  const int every = staging_->recheck_every_;
+  const bool known = staging_->sum_known_[i];
+  if (!known || ++staging_->sum_uses_[i] >= every) {
     std::vector<std::byte> block(static_cast<size_t>(s.rows * s.cols) * item);
     if (s.transpose) {
       internal::CopyBlock(param, d.cols, s.dst_row0, s.dst_col0, s.cols, s.rows, block.data(), s.cols, 0, 0, item,
@@ -214,6 +217,7 @@ absl::Status Loader::LoadDelta(absl::string_view hf_name, DType dtype, std::span
     }
     staging_->sums_[i] = kernels::Sum64Host(block);
     staging_->sum_known_[i] = true;
+    staging_->sum_uses_[i] = known ? 0 : static_cast<int>(i % static_cast<size_t>(every));
   }
   if (const uint64_t got = staging_->sums_[i]; got != delta.base_sum)
     return unclaim(absl::DataLossError(absl::StrFormat(

@@ -27,7 +27,7 @@
 //
 // Thread-safety: Load may be called concurrently from several threads (different tensors, even
 // of the same param: pieces never overlap and each piece is claimed atomically). ResetCoverage,
-// Restore() and Commit() (repack.h) must not run concurrently with Load. The Staging must
+// MarkAllRestored, ForgetSums, Restore() and Commit() (repack.h) must not run concurrently with Load. The Staging must
 // outlive its Loader; the EngineLayout must outlive both.
 #pragma once
 
@@ -75,12 +75,13 @@ class Loader {
   // `delta.encoding` over its elements (items of the dtype's size); only the elements inside the
   // block this rank keeps are applied. `base_sum` and `sum` are the Sum64 (kernels/format/sum64.h)
   // of that block's dense row-major bytes, as sent, in the base version and in the new one. The
-  // staging's block must be the base: its known sum (Staging::known_sum, recorded by the last delta
-  // load of the piece) or, when none is known, the block read back and summed, must be base_sum.
-  // The delta is then applied in place by kernels::ApplyDeltaChecked: the result's Sum64, updated
-  // from base_sum over the words the delta changes, must be `sum` (else the words are put back),
-  // and becomes the piece's known sum. A sparse delta costs its changed words, not passes over the
-  // block. The staging's bytes are trusted between the check that wrote them and the next delta.
+  // staging's block must be the base: the sum the staging recorded when it last checked the block
+  // (Staging::known_sum) or, when none is known and at every Staging::recheck_every()-th delta of
+  // the piece, the block read back and summed, must be base_sum. The delta is then applied in
+  // place by kernels::ApplyDeltaChecked, and kept only if the result's Sum64 (updated over the
+  // changed words; a dense payload's summed whole) is `sum`; it becomes the piece's known sum. A
+  // sparse delta costs its changed words, not passes over the block; the staging's other bytes are
+  // trusted for at most recheck_every() deltas.
   // Errors, the piece left as it was: kFailedPrecondition when the piece holds no base (not
   // restored: Staging::MarkAllRestored); kDataLoss when the staging's block is not the base, the
   // payload is malformed or the result is not the new version; kAlreadyExists as Load;

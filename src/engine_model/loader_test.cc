@@ -538,6 +538,56 @@ TEST(LoaderTest, DeltasInARowCheckTheirBaseByTheRecordedSumAndEqualFullLoads) {
   }
 }
 
+// A byte of the staging damaged where no delta writes (here: deltas of no change at all) is trusted
+// by the recorded sum for at most recheck_every() deltas of its piece: with 1, the next delta reads
+// the block back and is refused; with 3, one of the next 3 is; with 16, the next is taken.
+TEST(LoaderTest, ABaseDamagedWhereNoDeltaWritesIsFoundWithinTheRecheckPeriod) {
+  constexpr uint32_t kSeed = 636;
+  SCOPED_TRACE(absl::StrCat("seed ", kSeed));
+  const ModelConfig c = Config(model::testing::kQwen3MoeJson);
+  const QuantizationConfig q = MoeQuant();
+  auto m = model::testing::MakeHfModel(c, &q, kSeed);
+  ASSERT_TRUE(m.ok());
+  auto layout = EngineLayout::Create(c, &q, {2, 1, 1});
+  ASSERT_TRUE(layout.ok());
+  const std::string name = "model.layers.0.mlp.experts.3.up_proj.weight_packed";
+  const int idx = layout->FindSource(name);
+  ASSERT_GE(idx, 0);
+  const Tensor& t = m->sent.at(name);
+  const SentDelta same = MakeDelta(*layout, name, t, t);  // no item changed: an empty delta
+  for (int every : {1, 3, 16}) {
+    SCOPED_TRACE(absl::StrCat("recheck every ", every));
+    auto staging = Staging::Create(*layout);
+    ASSERT_TRUE(staging.ok());
+    (*staging)->set_recheck_every(every);
+    Loader ld(staging->get());
+    ASSERT_TRUE(LoadAll(ld, *m).ok());
+    (*staging)->MarkAllRestored();
+    ASSERT_TRUE(ld.LoadDelta(name, t.dtype(), t.shape(), same.ref, same.payload).ok());  // records the sum
+    ASSERT_TRUE((*staging)->known_sum(idx).has_value());
+    const HfSource& src = layout->sources()[static_cast<size_t>(idx)];
+    const EngineParam& param = layout->params()[static_cast<size_t>(src.param)];
+    const MatrixDims pd = MatrixOf(param.loaded_shape);
+    (*staging)->param(src.param).bytes()[(src.expert * pd.rows * pd.cols + src.dst_row0 * pd.cols + src.dst_col0) *
+                                         static_cast<int64_t>(ItemSize(param.dtype))] ^= std::byte{0x40};
+    int refused_at = 0;
+    for (int sync = 1; sync <= every && refused_at == 0; ++sync) {
+      (*staging)->MarkAllRestored();
+      const absl::Status st = ld.LoadDelta(name, t.dtype(), t.shape(), same.ref, same.payload);
+      if (st.ok()) continue;
+      EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+      EXPECT_THAT(st.message(), HasSubstr("does not hold the delta's base"));
+      refused_at = sync;
+    }
+    if (every == 16) {
+      EXPECT_NE(refused_at, 1) << "the recorded sum was not used";
+    } else {
+      EXPECT_GE(refused_at, 1) << "the damage outlived the recheck period";
+    }
+    if (every == 1) EXPECT_EQ(refused_at, 1);
+  }
+}
+
 // A delta that is not for what the staging holds, or that does not give the new version, is refused
 // and the staging keeps its base: a wrong base, a damaged value, no base at all, a weight_shape, a
 // second delta of one tensor.

@@ -55,6 +55,7 @@ absl::StatusOr<std::unique_ptr<Staging>> Staging::Create(const EngineLayout& lay
   s->state_ = std::make_unique<std::atomic<uint8_t>[]>(n);
   s->sums_ = std::make_unique<uint64_t[]>(n);
   s->sum_known_ = std::make_unique<bool[]>(n);  // value-initialized: none known
+  s->sum_uses_ = std::make_unique<int[]>(n);
   for (size_t i = 0; i < n; ++i) {
     s->state_[i].store(0, std::memory_order_relaxed);
     if (Required(layout.sources()[i])) ++s->num_required_;

@@ -70,10 +70,14 @@ class Staging {
   // The Sum64 (kernels/format/sum64.h) of piece `source`'s kept block, dense as sent, when this
   // staging knows it: a delta load that checked the block records it (Loader::LoadDelta), and every
   // other write drops it (Loader's other loads, ResetCoverage, ForgetSums, which Restore and the
-  // copy from a peer call). A delta's base is then checked against it without reading the block.
-  // Whoever writes param() bytes by other means must call ForgetSums.
+  // copy from a peer call). A delta's base is then checked against it without reading the block,
+  // except at every recheck_every()-th delta of the piece (staggered over the pieces; default 16,
+  // 1: at every delta), when the block is read back and summed whole: bytes no delta writes are
+  // trusted for at most that many syncs. Whoever writes param() bytes by other means must call ForgetSums.
   std::optional<uint64_t> known_sum(int source) const;
   void ForgetSums();
+  int recheck_every() const { return recheck_every_; }
+  void set_recheck_every(int n) { recheck_every_ = n < 1 ? 1 : n; }
 
   // OK when every piece this rank needs (copies and INT4 weight_shape checks) is restored or loaded;
   // `loaded_only`: loaded in this sync (a delta sync, which begins with every piece restored: a
@@ -104,6 +108,8 @@ class Staging {
   // by the one load that claimed it, so loads of different pieces never share one.
   std::unique_ptr<uint64_t[]> sums_;
   std::unique_ptr<bool[]> sum_known_;
+  std::unique_ptr<int[]> sum_uses_;  // deltas checked against the sum since it was last read back
+  int recheck_every_ = 16;
   std::vector<std::unique_ptr<PinnedHostRange>> pins_;  // declared after buffers_: unpinned first
   int64_t num_required_ = 0;
 };

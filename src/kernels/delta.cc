@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/checksum.h"
 #include "kernels/format/sum64.h"
 
 namespace wsync::kernels {
@@ -473,13 +474,23 @@ absl::Status ApplyChecked(absl::string_view what, DeltaEncoding encoding, std::s
   const bool fresh = encoding == DeltaEncoding::kDense;
   // Sparse: applied and summed in one visit of each changed word (Decode checks the whole payload
   // before the first run), undone when the sum is wrong. Dense: summed from the payload alone.
-  WordSum<Item> words(b, at, fresh, payload.size() / sizeof(Item));  // a changed word brings an item at least
+  // The undo log's room is reserved, so that no word is written before it is sure to be logged: a
+  // changed word brings one item at least, and in an index list a (u32 or wider) index with it.
+  const uint64_t most = payload.size() / (sizeof(Item) + (encoding == DeltaEncoding::kIndices ? 4 : 0));
+  WordSum<Item> words(b, at, fresh, most);
   auto summed = [&](uint64_t start, uint64_t n, const uint8_t* values) {
     ForBlockItems(b, sizeof(Item), start, n, values,
                   [&](uint64_t j, uint64_t m, const uint8_t* v) { words.Segment(j, m, v); });
   };
-  if (absl::Status s = Decode(what, encoding, payload, items, sizeof(Item), summed); !s.ok()) return s;
-  if (const uint64_t got = words.Finish(base_sum); got != sum) {
+  // A dense payload's block of whole rows is one range of it, summed as any bytes are.
+  const uint64_t first = (b.row0 * b.tensor_cols + b.col0) * sizeof(Item), nbytes = b.rows * b.cols * sizeof(Item);
+  const bool one_range = fresh && b.cols == b.tensor_cols;
+  auto nothing = [](uint64_t, uint64_t, const uint8_t*) {};
+  const absl::Status decoded = one_range ? Decode(what, encoding, payload, items, sizeof(Item), nothing)
+                                         : Decode(what, encoding, payload, items, sizeof(Item), summed);
+  if (!decoded.ok()) return decoded;
+  const uint64_t got = one_range ? Sum64Host(std::as_bytes(payload.subspan(first, nbytes))) : words.Finish(base_sum);
+  if (got != sum) {
     words.Undo();
     return absl::DataLossError(absl::StrFormat(
         "delta of %s: applied to its base it is not the new version (Sum64 of the kept block %016x, want %016x)", what,
@@ -487,15 +498,15 @@ absl::Status ApplyChecked(absl::string_view what, DeltaEncoding encoding, std::s
   }
   if (!fresh) return absl::OkStatus();
   // Dense: every item of the block, row by row, where it lives.
-  const uint8_t* rows = payload.data() + (b.row0 * b.tensor_cols + b.col0) * sizeof(Item);
-  for (uint64_t r = 0; r < b.rows; ++r, rows += b.tensor_cols * sizeof(Item)) {
+  for (uint64_t r = 0; r < b.rows; ++r) {
+    const uint8_t* row = payload.data() + first + r * b.tensor_cols * sizeof(Item);
     uint8_t* dst = at.data + r * at.row_stride * sizeof(Item);
     if (at.col_stride == 1) {
-      std::memcpy(dst, rows, b.cols * sizeof(Item));
+      std::memcpy(dst, row, b.cols * sizeof(Item));
       continue;
     }
     for (uint64_t c = 0; c < b.cols; ++c)
-      std::memcpy(dst + c * at.col_stride * sizeof(Item), rows + c * sizeof(Item), sizeof(Item));
+      std::memcpy(dst + c * at.col_stride * sizeof(Item), row + c * sizeof(Item), sizeof(Item));
   }
   return absl::OkStatus();
 }

@@ -13,9 +13,9 @@
 // The sender plans (one pass over base and new: sizes of the three encodings, the smallest) and
 // writes (a second pass); the receiver applies a payload onto its copy of the base (all of it, or
 // the block its engine rank keeps) in place, after checking the whole payload, so a malformed one
-// changes nothing. Whether the base was the right one
-// and the result is the new version is for the checksums around this (an applied delta of the wrong
-// base is well-formed and wrong).
+// changes nothing. Whether the base was the right one and the result is the new version is for
+// the checksums around this (an applied delta of the wrong base is well-formed and wrong):
+// ApplyDeltaChecked below checks the result's against the one the manifest carries.
 // Thread-safety: pure functions over caller-owned memory.
 #pragma once
 
@@ -97,7 +97,8 @@ struct StridedItems {
 // from its own bytes, and written only when that sum is `sum`.
 // Errors, the block as it was: kDataLoss for a malformed payload (as ApplyDelta, checked whole
 // before any word is touched) or a result whose Sum64 is not `sum`; kInvalidArgument for a block
-// outside the tensor or another item size.
+// outside the tensor or an item size other than 1, 2, 4 or 8. That `at` holds the block's items
+// (rows x cols of them at its strides) is the caller's to ensure: no memory size is passed.
 // Thread-safety: nothing else may read or write `at`'s block while it runs.
 absl::Status ApplyDeltaChecked(absl::string_view what, DeltaEncoding encoding, uint32_t item_bytes,
                                std::span<const uint8_t> payload, const DeltaBlock& block, StridedItems at,

@@ -528,11 +528,11 @@ int Main(int argc, char** argv) {
       if (t == 1 && want("bucket-mac")) Print(BenchBucketHash("bucket-mac", BucketHash::kMac, bytes, f));
       if (t == 1 && want("delta-plan")) Print(BenchDelta("delta-plan-1%", DeltaWork::kPlan, 0.01, bytes, f));
       if (t == 1 && want("delta-apply")) Print(BenchDelta("delta-apply-1%", DeltaWork::kApply, 0.01, bytes, f));
-      if (t == 1 && want("delta-apply-resum")) {
+      if (t == 1 && want("delta-resum")) {
         Print(BenchDelta("delta-resum-1%", DeltaWork::kResum, 0.01, bytes, f));
         Print(BenchDelta("delta-resum-0.1%", DeltaWork::kResum, 0.001, bytes, f));
       }
-      if (t == 1 && want("delta-apply-checked")) {
+      if (t == 1 && want("delta-checked")) {
         Print(BenchDelta("delta-checked-1%", DeltaWork::kChecked, 0.01, bytes, f));
         Print(BenchDelta("delta-checked-0.1%", DeltaWork::kChecked, 0.001, bytes, f));
       }

@@ -38,7 +38,7 @@ inline void AddSweepFlags(CLI::App& app, SweepFlags& f, const char* check_help) 
       "-k,--kernel", f.kernels,
       "kernels to run: quantize-ct quantize-gptq repack repack-perm restore restore-perm scale-perm "
       "awq-quantize-fp16 awq-quantize-fp32 awq-marlin trtllm-sm80 fp8-block fp8-channel xxh3 sum64 bucket-mac "
-      "delta-plan delta-apply delta-apply-resum delta-apply-checked; with digests (delta sync): quantize-ct-digest "
+      "delta-plan delta-apply delta-resum delta-checked; with digests (delta sync): quantize-ct-digest "
       "fp8-block-digest "
       "fp8-channel-digest");
 }

@@ -132,8 +132,8 @@ absl::Status LoadBucket(const v1::BucketManifest& m, const Buffer& data, engine_
                                                    e.total_nbytes(), "); this agent loads whole tensors only"));
     }
   }
-  // The work is the bytes written: a delta entry's whole tensor (its block is read back, checked,
-  // patched and loaded), however small its payload.
+  // The work is the bytes written, and a delta entry's whole tensor however small its payload (its
+  // block may be read back and summed: the first delta after a full sync, and every recheck).
   uint64_t written = m.nbytes();
   for (const v1::BucketEntry& e : m.entries())
     if (e.has_delta()) written += e.total_nbytes();
