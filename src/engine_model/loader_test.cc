@@ -584,7 +584,9 @@ TEST(LoaderTest, ABaseDamagedWhereNoDeltaWritesIsFoundWithinTheRecheckPeriod) {
     } else {
       EXPECT_GE(refused_at, 1) << "the damage outlived the recheck period";
     }
-    if (every == 1) EXPECT_EQ(refused_at, 1);
+    if (every == 1) {
+      EXPECT_EQ(refused_at, 1);
+    }
   }
 }
 
