@@ -27,7 +27,8 @@
 //
 // Thread-safety: Load may be called concurrently from several threads (different tensors, even
 // of the same param: pieces never overlap and each piece is claimed atomically). ResetCoverage,
-// MarkAllRestored, ForgetSums, Restore() and Commit() (repack.h) must not run concurrently with Load. The Staging must
+// MarkAllRestored, ForgetSums, set_recheck_every, Restore() and Commit() (repack.h) must not run
+// concurrently with Load. The Staging must
 // outlive its Loader; the EngineLayout must outlive both.
 #pragma once
 

@@ -73,7 +73,8 @@ class Staging {
   // copy from a peer call). A delta's base is then checked against it without reading the block,
   // except at every recheck_every()-th delta of the piece (staggered over the pieces; default 16,
   // 1: at every delta), when the block is read back and summed whole: bytes no delta writes are
-  // trusted for at most that many syncs. Whoever writes param() bytes by other means must call ForgetSums.
+  // trusted for at most that many deltas of their piece. Whoever writes param() bytes by other means must call
+  // ForgetSums.
   std::optional<uint64_t> known_sum(int source) const;
   void ForgetSums();
   int recheck_every() const { return recheck_every_; }
@@ -108,7 +109,7 @@ class Staging {
   // by the one load that claimed it, so loads of different pieces never share one.
   std::unique_ptr<uint64_t[]> sums_;
   std::unique_ptr<bool[]> sum_known_;
-  std::unique_ptr<int[]> sum_uses_;  // deltas checked against the sum since it was last read back
+  std::unique_ptr<int[]> sum_uses_;  // deltas checked against the sum (from source % every at the first read)
   int recheck_every_ = 16;
   std::vector<std::unique_ptr<PinnedHostRange>> pins_;  // declared after buffers_: unpinned first
   int64_t num_required_ = 0;

@@ -474,8 +474,8 @@ absl::Status ApplyChecked(absl::string_view what, DeltaEncoding encoding, std::s
   const bool fresh = encoding == DeltaEncoding::kDense;
   // Sparse: applied and summed in one visit of each changed word (Decode checks the whole payload
   // before the first run), undone when the sum is wrong. Dense: summed from the payload alone.
-  // The undo log's room is reserved, so that no word is written before it is sure to be logged: a
-  // changed word brings one item at least, and in an index list a (u32 or wider) index with it.
+  // The undo log's room is reserved up front, so that no allocation can fail once words are
+  // written: a changed word brings one item at least, and in an index list a (u32 or wider) index.
   const uint64_t most = payload.size() / (sizeof(Item) + (encoding == DeltaEncoding::kIndices ? 4 : 0));
   WordSum<Item> words(b, at, fresh, most);
   auto summed = [&](uint64_t start, uint64_t n, const uint8_t* values) {
